@@ -1,0 +1,1 @@
+"""Command-line entry points. Imports stay lazy: `sandboxd run` must start fast."""

@@ -1,0 +1,84 @@
+"""The one exception tree of sandboxd.
+
+Everything that can go wrong is one of these. OS errors are translated into
+them once, at the kernel edge (``sandboxd.kernel._libc.check`` and friends);
+the layers above only ever see this tree, and the CLI (and later the gRPC
+service) maps it to exit codes / status codes in one place each.
+
+This module is pure: no OS calls, so the policy layer can use it too.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+from typing import Any
+
+
+class SandboxdError(Exception):
+    """Base of every sandboxd error."""
+
+
+class InvalidPolicy(SandboxdError, ValueError):
+    """The caller asked for something that cannot be (bad path, unknown name, bad size)."""
+
+
+class SetupError(SandboxdError):
+    """The sandbox could not be built. Never followed by running the command anyway.
+
+    ``step`` names the setup step (``unshare``, ``mount /proc``, ``exec`` ...),
+    ``errno`` the kernel's answer, ``path`` the file involved if any, and
+    ``hint`` what the user can do about it.
+    """
+
+    def __init__(self, step: str, errno: int = 0, path: str | None = None,
+                 hint: str | None = None, detail: str | None = None) -> None:
+        self.step = step
+        self.errno = errno
+        self.path = path
+        self.hint = hint
+        self.detail = detail
+        super().__init__(self.message())
+
+    def message(self) -> str:
+        parts = [f"sandbox setup failed at step '{self.step}'"]
+        if self.path:
+            parts.append(f"on {self.path}")
+        if self.errno:
+            name = _errno.errorcode.get(self.errno, str(self.errno))
+            parts.append(f"({name}: {_strerror(self.errno)})")
+        if self.detail:
+            parts.append(f"- {self.detail}")
+        text = " ".join(parts)
+        if self.hint:
+            text += f"; {self.hint}"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "errno": self.errno, "path": self.path,
+                "hint": self.hint, "detail": self.detail, "kind": type(self).__name__}
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> "SetupError":
+        cls = _SETUP_KINDS.get(str(data.get("kind")), SetupError)
+        return cls(step=str(data.get("step", "?")), errno=int(data.get("errno") or 0),
+                   path=data.get("path"), hint=data.get("hint"), detail=data.get("detail"))
+
+
+class NamespacesUnavailable(SetupError):
+    """The kernel, a container runtime or an LSM refused to create namespaces."""
+
+
+class ExecFailed(SetupError):
+    """Everything was set up but the program itself could not be executed."""
+
+
+class LimitsUnavailable(SetupError):
+    """A resource limit was asked for but no cgroup controller can enforce it."""
+
+
+_SETUP_KINDS = {c.__name__: c for c in (SetupError, NamespacesUnavailable, ExecFailed, LimitsUnavailable)}
+
+
+def _strerror(code: int) -> str:
+    import os  # os.strerror is a pure table lookup, no system call
+    return os.strerror(code)

@@ -1,0 +1,166 @@
+"""The seccomp filter: a second wall for dangerous system calls, even for root.
+
+Rules are plain data here. They are compiled to BPF with libseccomp
+(pyseccomp) once and cached by content hash, because importing the binding
+costs more than a whole sandbox launch; the child loads the cached program
+with one seccomp(2) call, the last step before exec.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import os
+import platform
+from dataclasses import dataclass
+
+from sandboxd import __version__
+from sandboxd.kernel._libc import checked, raw_syscall
+
+TIOCSTI = 0x5412
+TIOCLINUX = 0x541C
+AF_UNIX = 1
+AF_PACKET = 17
+AF_VSOCK = 40
+SOCK_DGRAM = 2
+SOCK_TYPE_MASK = 0xF
+NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000,
+                   0x00000080)  # NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
+
+# Denied outright (EPERM): changing the mount tree or namespaces, loading code
+# into the kernel, kernel keyrings, BPF, perf, handle-based opens that bypass
+# the mount tree, userfaultfd (race amplifier for kernel exploits), io_uring
+# (runs system calls this filter never sees), and clock/reboot/swap/accounting.
+DENIED_SYSCALLS: tuple[str, ...] = (
+    "mount", "umount2", "pivot_root", "chroot", "unshare", "setns",
+    "fsopen", "fsconfig", "fsmount", "fspick", "move_mount", "open_tree", "mount_setattr",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
+    "bpf", "keyctl", "add_key", "request_key", "perf_event_open",
+    "open_by_handle_at", "name_to_handle_at", "userfaultfd",
+    "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "syslog", "acct", "swapon", "swapoff", "reboot", "iopl", "ioperm", "lookup_dcookie",
+    "quotactl", "quotactl_fd", "nfsservctl", "uselib", "vhangup",
+    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
+)
+
+
+@dataclass(frozen=True)
+class FilterSpec:
+    """Which filter a launch gets. ``confined`` is every policy but DangerFullAccess."""
+
+    confined: bool
+    network_access: bool
+
+    def rules(self) -> list[tuple[str, str, int, tuple[tuple[int, int, int, int], ...]]]:
+        """(action, syscall, errno, ((arg, op, mask/value, value), ...)) rows, in a stable order."""
+        rows: list[tuple[str, str, int, tuple[tuple[int, int, int, int], ...]]] = []
+        masked_eq = 7
+        # TIOCSTI/TIOCLINUX push input into a terminal. The kernel compares only
+        # the low 32 bits of the request, so the rule does too (CVE-2019-10063).
+        for request in (TIOCSTI, TIOCLINUX):
+            rows.append(("errno", "ioctl", errno.EPERM, ((1, masked_eq, 0xFFFFFFFF, request),)))
+        if not self.confined:
+            return rows
+        rows.extend(("errno", name, errno.EPERM, ()) for name in DENIED_SYSCALLS)
+        # clone3 passes flags in memory seccomp cannot read: ENOSYS makes libc fall back to clone.
+        rows.append(("errno", "clone3", errno.ENOSYS, ()))
+        for flag in NAMESPACE_FLAGS:
+            rows.append(("errno", "clone", errno.EPERM, ((0, masked_eq, flag, flag),)))
+        for family in (AF_PACKET, AF_VSOCK):
+            rows.append(("errno", "socket", errno.EAFNOSUPPORT, ((0, 4, family, 0),)))
+        if not self.network_access:
+            # An unbound AF_UNIX datagram socket can sendto() any host socket path
+            # (syslog, journald); without network the sandbox gets no such socket.
+            # socketpair() stays allowed: it reaches nothing outside.
+            rows.append(("errno", "socket", errno.EACCES,
+                         ((0, 4, AF_UNIX, 0), (1, masked_eq, SOCK_TYPE_MASK, SOCK_DGRAM))))
+        return rows
+
+    def cache_key(self) -> str:
+        text = repr((__version__, platform.machine(), self.rules()))
+        return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+CACHE_DIR = "/var/cache/sandboxd/seccomp"
+_memory_cache: dict[str, bytes] = {}
+
+
+def program_for(spec: FilterSpec) -> bytes:
+    """The BPF program for ``spec``: from memory, from the root-owned cache, or compiled now."""
+    key = spec.cache_key()
+    program = _memory_cache.get(key)
+    if program is None:
+        program = _read_cache(key)
+        if program is None:
+            program = compile_bpf(spec)
+            _write_cache(key, program)
+        _memory_cache[key] = program
+    return program
+
+
+def compile_bpf(spec: FilterSpec) -> bytes:
+    import tempfile
+
+    import pyseccomp  # slow to import: only on a cache miss
+
+    action_of = {"errno": pyseccomp.ERRNO}
+    filt = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
+    # A system call from another ABI (int 0x80, x32) would bypass every rule
+    # below, keyed on native numbers: kill the process instead.
+    filt.set_attr(pyseccomp.Attr.ACT_BADARCH, pyseccomp.KILL_PROCESS)
+    for action, name, code, args in spec.rules():
+        try:
+            pyseccomp.resolve_syscall(pyseccomp.system_arch(), name)
+        except Exception:  # noqa: BLE001 - a syscall this architecture does not have needs no rule
+            continue
+        filt.add_rule(action_of[action](code), name, *[pyseccomp.Arg(a, op, x, y) for a, op, x, y in args])
+    with tempfile.TemporaryFile() as out:
+        filt.export_bpf(out)
+        out.seek(0)
+        return out.read()
+
+
+def _read_cache(key: str) -> bytes | None:
+    path = os.path.join(CACHE_DIR, key + ".bpf")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        # Only trust a file nobody but root could have written.
+        if st.st_uid != 0 or st.st_mode & 0o022 or st.st_size % 8 or st.st_size == 0:
+            return None
+        return os.read(fd, st.st_size)
+    finally:
+        os.close(fd)
+
+
+def _write_cache(key: str, program: bytes) -> None:
+    if os.geteuid() != 0:
+        return
+    try:
+        os.makedirs(CACHE_DIR, mode=0o755, exist_ok=True)
+        tmp = os.path.join(CACHE_DIR, f".{key}.{os.getpid()}")
+        with open(tmp, "wb") as out:
+            out.write(program)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, os.path.join(CACHE_DIR, key + ".bpf"))
+    except OSError:
+        pass  # a cache we cannot write only costs speed
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+
+SECCOMP_SET_MODE_FILTER = 1
+SECCOMP_FILTER_FLAG_NEW_LISTENER = 1 << 3
+
+
+def load(program: bytes, *, new_listener: bool = False) -> int:
+    """Install the filter on the calling thread (no_new_privs must be set); return the listener fd or 0."""
+    prog = _SockFprog(len(program) // 8, program)
+    flags = SECCOMP_FILTER_FLAG_NEW_LISTENER if new_listener else 0
+    return checked(raw_syscall("seccomp", SECCOMP_SET_MODE_FILTER, flags, ctypes.byref(prog)), "seccomp load")

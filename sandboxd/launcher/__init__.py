@@ -1,0 +1,1 @@
+"""The launcher: the single ordered setup sequence a sandboxed child runs before exec."""

@@ -1,0 +1,51 @@
+"""LaunchPlan: a LaunchSpec with every host fact resolved, ready for the child.
+
+Built in the parent (the spawner) before fork, so bad input is reported
+before any process or namespace exists.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from sandboxd.kernel import paths, seccomp
+from sandboxd.policy import DangerFullAccess, LaunchSpec, Limits, WorkspaceWrite
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    cwd: str
+    workspace: str
+    confined: bool                      # every policy but DangerFullAccess
+    network: bool
+    writable_roots: tuple[str, ...]     # real paths, workspace first when writable
+    protected_subpaths: tuple[str, ...]
+    uid: int
+    gid: int
+    limits: Limits
+    seccomp_program: bytes
+
+
+def prepare(spec: LaunchSpec) -> LaunchPlan:
+    policy = spec.policy
+    confined = not isinstance(policy, DangerFullAccess)
+    writable = isinstance(policy, WorkspaceWrite)
+    resolved = paths.resolve(spec.workspace, spec.cwd,
+                             policy.writable_roots if writable else (),
+                             workspace_writable=writable)
+    if spec.user is not None:
+        uid, gid = spec.user
+    else:
+        st = os.stat(resolved.workspace)
+        uid, gid = st.st_uid, st.st_gid
+    network = bool(policy.network_access)
+    return LaunchPlan(
+        argv=spec.argv, env=dict(spec.env), cwd=resolved.cwd, workspace=resolved.workspace,
+        confined=confined, network=network, writable_roots=resolved.writable_roots,
+        protected_subpaths=policy.protected_subpaths if writable else (),
+        uid=uid, gid=gid, limits=spec.limits,
+        seccomp_program=seccomp.program_for(seccomp.FilterSpec(confined=confined, network_access=network)),
+    )

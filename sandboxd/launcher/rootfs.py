@@ -1,0 +1,162 @@
+"""The sandbox's root filesystem, built in a fresh mount namespace, in this order.
+
+1. Make every mount private, so nothing we do propagates to the host (and
+   nothing the host mounts later leaks in).
+2. Put a small private tmpfs on /tmp as a staging area, and bind the host's
+   whole tree (recursively, every submount) at /tmp/root.
+3. Make that copy read-only, nosuid and nodev in one recursive step: a device
+   node on a read-only mount can still be written, so nodev matters.
+4. Cover /proc with a fresh procfs for the new PID namespace, and mask the
+   kernel's secrets and knobs in it.
+5. Cover /sys with a fresh read-only sysfs (the copy showed the host's
+   network devices and cgroup release_agent files).
+6. Cover /dev with a minimal tmpfs: the six harmless nodes bound from the
+   host, a private devpts, a private /dev/shm; then make /dev read-only.
+7. Cover /tmp with a private, size-capped tmpfs.
+8. Bind the workspace and writable roots read-write from descriptors pinned
+   between steps 1 and 2 (roots under /tmp are still reachable that way), parents
+   before children; then pin and re-protect the protected subpaths.
+9. pivot_root into the copy and drop the old root entirely.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+from sandboxd.errors import SetupError
+from sandboxd.kernel import mounts
+from sandboxd.kernel.mounts import (
+    MOUNT_ATTR_NODEV,
+    MOUNT_ATTR_NOSUID,
+    MOUNT_ATTR_RDONLY,
+    MS_BIND,
+    MS_NODEV,
+    MS_NOEXEC,
+    MS_NOSUID,
+    MS_RDONLY,
+    MS_REMOUNT,
+)
+from sandboxd.kernel.paths import pin
+from sandboxd.launcher.plan import LaunchPlan
+
+STAGE = "/tmp"
+NEW_ROOT = STAGE + "/root"
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+# Kernel interfaces a process that is uid 0 without capabilities could still
+# read or write through plain file permissions.
+PROC_READONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs", "driver")
+PROC_MASKED = ("kcore", "keys", "timer_list", "sched_debug", "kallsyms", "kmsg", "kpagecount", "kpageflags",
+               "kpagecgroup", "config.gz")
+SYS_MASKED = ("firmware", "kernel/security", "kernel/debug")
+READONLY_ATTRS = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV
+
+
+def build(plan: LaunchPlan) -> None:
+    mounts.make_private("/")                                                        # 1
+    # Pinned in this mount namespace (a descriptor of the host's namespace cannot
+    # be a bind source here) and before /tmp is covered by the staging tmpfs.
+    pinned = {root: pin(root, step="pin writable root") for root in plan.writable_roots}
+    mounts.tmpfs(STAGE, size=1 << 20, mode=0o700, step="mount staging tmpfs")        # 2
+    os.mkdir(NEW_ROOT, 0o755)
+    mounts.bind("/", NEW_ROOT, step="bind host root")
+    mounts.set_attrs_recursive(NEW_ROOT, READONLY_ATTRS, step="make host root read-only")  # 3
+    _mount_proc(NEW_ROOT + "/proc")                                                  # 4
+    _mount_sys(NEW_ROOT + "/sys")                                                    # 5
+    _mount_dev(NEW_ROOT + "/dev", plan.limits.tmp_size_bytes)                        # 6
+    mounts.tmpfs(NEW_ROOT + "/tmp", size=plan.limits.tmp_size_bytes, mode=0o1777,    # 7
+                 step="mount private /tmp")
+    for root in plan.writable_roots:                                                 # 8
+        _bind_writable(root, pinned[root])
+    for root in plan.writable_roots:
+        for sub in plan.protected_subpaths:
+            _protect(root, sub)
+    for fd in pinned.values():
+        os.close(fd)
+    mounts.pivot_root_here(NEW_ROOT)                                                 # 9
+
+
+def _mount_proc(target: str) -> None:
+    mounts.mount("proc", target, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, step="mount /proc")
+    for name in PROC_READONLY:
+        path = f"{target}/{name}"
+        if os.path.isdir(path) or os.path.isfile(path):
+            mounts.bind(path, path, recursive=True, step=f"protect /proc/{name}")
+            mounts.set_attrs_recursive(path, READONLY_ATTRS, step=f"protect /proc/{name}")
+    for name in PROC_MASKED:
+        path = f"{target}/{name}"
+        if os.path.lexists(path):
+            mounts.bind("/dev/null", path, recursive=False, step=f"mask /proc/{name}")
+
+
+def _mount_sys(target: str) -> None:
+    try:
+        mounts.mount("sysfs", target, "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, step="mount /sys")
+    except SetupError as exc:
+        # In the host's network namespace the kernel hands out the host's own sysfs
+        # superblock, already mounted read-write: EBUSY. The read-only copy from
+        # step 3 then stays; only the masks below are added.
+        if exc.errno != errno.EBUSY:
+            raise
+    for name in SYS_MASKED:
+        path = f"{target}/{name}"
+        if os.path.isdir(path):
+            mounts.tmpfs(path, size=4096, mode=0o555, flags=MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                         step=f"mask /sys/{name}")
+
+
+def _mount_dev(target: str, shm_size: int) -> None:
+    mounts.tmpfs(target, size=1 << 16, mode=0o755, flags=MS_NOSUID | MS_NOEXEC, step="mount /dev")
+    for name in DEVICES:
+        node = f"{target}/{name}"
+        os.close(os.open(node, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o666))
+        mounts.bind(f"/dev/{name}", node, recursive=False, step=f"bind /dev/{name}")
+    os.mkdir(f"{target}/pts", 0o755)
+    mounts.mount("devpts", f"{target}/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+                 "newinstance,ptmxmode=0666,mode=0620", step="mount /dev/pts")
+    os.symlink("pts/ptmx", f"{target}/ptmx")
+    os.mkdir(f"{target}/shm", 0o1777)
+    mounts.tmpfs(f"{target}/shm", size=shm_size, mode=0o1777, step="mount /dev/shm")
+    for name, dest in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                       ("stderr", "/proc/self/fd/2")):
+        os.symlink(dest, f"{target}/{name}")
+    mounts.mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC,
+                 step="make /dev read-only")
+
+
+def _bind_writable(root: str, fd: int) -> None:
+    target = NEW_ROOT + root
+    if not os.path.lexists(target):
+        # Only possible under a directory the sandbox replaced (e.g. /tmp): make the mount point.
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            os.makedirs(target, 0o755, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
+            os.close(os.open(target, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
+    mounts.bind(f"/proc/self/fd/{fd}", target, step="bind writable root")
+    mounts.set_attrs_recursive(target, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, MOUNT_ATTR_RDONLY,
+                               step="bind writable root")
+
+
+def _protect(root: str, sub: str) -> None:
+    """Keep ``root/sub`` read-only, and pin each of its ancestors under ``root``.
+
+    Pinning (binding a directory onto itself) matters: Linux lets a process
+    rename a directory that merely *contains* a mount point, so without it a
+    command could move ``.git`` aside and build a new one with writable hooks.
+    A mount point itself cannot be renamed or removed (EBUSY).
+    """
+    parts = sub.split("/")
+    current = NEW_ROOT + root
+    for index, part in enumerate(parts):
+        current = f"{current}/{part}"
+        if not os.path.lexists(current):
+            return
+        if os.path.islink(current):
+            raise SetupError("protect subpath", errno.ELOOP, f"{root}/{'/'.join(parts[:index + 1])}",
+                             hint="a protected path is a symlink, which could point anywhere: replace it by "
+                                  "a real file or directory, or remove it from protected_subpaths")
+        last = index == len(parts) - 1
+        mounts.bind(current, current, recursive=True, step="protect subpath")
+        if last:
+            mounts.set_attrs_recursive(current, READONLY_ATTRS, step="protect subpath")

@@ -1,0 +1,191 @@
+"""The ordered setup sequence of a sandboxed launch. Each function runs in a
+freshly forked child, never returns, and reports any failure on the report
+channel before exiting 125 - the command never runs with less isolation than
+asked.
+
+Confined policies (all but DangerFullAccess) use three processes:
+
+  spawner ── anchor ──(new pid ns)── init (PID 1) ── command
+              │                       │                 │
+              │ cgroup, unshare       │ mounts, pivot,   │ setsid, rlimits, drop
+              │ (everything but pid   │ drop privileges, │ privileges, seccomp
+              │ applies to itself)    │ reap, report     │ (last), exec
+              │                       │ exit status      │
+
+The anchor exists because unshare(CLONE_NEWPID) only moves the caller's
+*children*; init must be a child to be PID 1 and to mount a /proc that shows
+the new namespace. When init exits the kernel kills everything left in the
+namespace, so nothing outlives the sandbox, not even a double-forked daemon.
+
+DangerFullAccess uses one process: the anchor becomes the command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from typing import NoReturn
+
+from sandboxd.errors import SetupError
+from sandboxd.kernel import caps, namespaces, netns, process, rlimits, seccomp
+from sandboxd.kernel._libc import from_oserror
+from sandboxd.launcher import report, rootfs
+from sandboxd.launcher.plan import LaunchPlan
+
+# Python ignores SIGPIPE and SIGXFSZ for itself; an exec'd program must get the defaults back.
+RESTORED_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                     signal.SIGUSR2, signal.SIGWINCH, signal.SIGCONT)
+
+
+def run_anchor(plan: LaunchPlan, *, parent: int, report_fd: int, status_fd: int,
+               cgroup_dirs: list[str]) -> NoReturn:
+    """First child of the spawner. Never returns."""
+    try:
+        process.die_with_parent(parent)                   # the sandbox dies with whoever launched it
+        _join_cgroups(cgroup_dirs)                        # before anything forks: limits cover the whole tree
+        if not plan.confined:
+            os.close(status_fd)
+            _exec_unconfined(plan, report_fd)
+        flags = namespaces.ISOLATED | (0 if plan.network else namespaces.CLONE_NEWNET)
+        namespaces.unshare(flags)                         # mount, ipc, uts, cgroup (+net) now; pid for the child
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes a report
+        report.fail(report_fd, exc, "anchor")
+    init_pid = os.fork()
+    if init_pid == 0:
+        _run_init(plan, report_fd=report_fd, status_fd=status_fd)
+    _forward_signals_to(init_pid)
+    os.close(report_fd)
+    os.close(status_fd)
+    _, status = os.waitpid(init_pid, 0)
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+
+
+# Seen from inside a new PID namespace, a parent outside it has pid 0.
+OUTSIDE_PARENT = 0
+
+
+def _run_init(plan: LaunchPlan, *, report_fd: int, status_fd: int) -> NoReturn:
+    """PID 1 of the new PID namespace: builds the filesystem, starts the command, reaps, reports."""
+    try:
+        # Until init has its own handlers, the anchor's forwarding handlers must not run here.
+        for signum in FORWARDED_SIGNALS:
+            signal.signal(signum, signal.SIG_DFL)
+        process.die_with_parent(OUTSIDE_PARENT)
+        if not plan.network:
+            netns.bring_up_loopback()                     # a new net namespace has only lo, and it is down
+        namespaces.set_hostname("sandbox")
+        rootfs.build(plan)                                # mounts, then pivot_root (see rootfs.py)
+        os.chdir(plan.cwd)
+    except BaseException as exc:  # noqa: BLE001
+        report.fail(report_fd, exc, "init")
+    command_pid = os.fork()
+    if command_pid == 0:
+        _run_command(plan, init=1, report_fd=report_fd)
+    try:
+        # Init keeps no privilege either: same uid as the command, no capabilities,
+        # and not dumpable, so the command cannot read init's memory or environment.
+        caps.drop_privileges(plan.uid, plan.gid)
+        process.die_with_parent(OUTSIDE_PARENT)           # credential changes clear the death signal
+        process.set_dumpable(False)
+        process.set_name("sandboxd-init")
+        process.close_all_except({status_fd})
+    except BaseException as exc:  # noqa: BLE001
+        os.kill(command_pid, signal.SIGKILL)
+        report.fail(report_fd, exc, "init drop privileges")
+    _forward_signals_to(command_pid)
+    _reap_until(command_pid, status_fd)
+
+
+def _reap_until(command_pid: int, status_fd: int) -> NoReturn:
+    """Reap every child (orphans re-parent to PID 1) until the command exits; then report and exit.
+
+    Exiting takes the namespace down: the kernel SIGKILLs whatever is left.
+    """
+    while True:
+        try:
+            pid, status, usage = os.wait4(-1, 0)
+        except ChildProcessError:
+            os._exit(0)
+        if pid != command_pid:
+            continue
+        message = {"status": status, "utime": usage.ru_utime, "stime": usage.ru_stime,
+                   "maxrss_kib": usage.ru_maxrss}
+        try:
+            os.write(status_fd, (json.dumps(message) + "\n").encode())
+        except OSError:
+            pass
+        os._exit(0)
+
+
+def _run_command(plan: LaunchPlan, *, init: int, report_fd: int) -> NoReturn:
+    try:
+        for signum in FORWARDED_SIGNALS:
+            signal.signal(signum, signal.SIG_DFL)
+        process.die_with_parent(init)
+        process.new_session()                             # no controlling terminal: no TIOCSTI into the caller
+        rlimits.apply(cpu_seconds=plan.limits.cpu_seconds, open_files=plan.limits.open_files)
+        caps.drop_privileges(plan.uid, plan.gid)          # no caps, no_new_privs, unprivileged uid
+        process.die_with_parent(init)
+        process.cloexec_from(3)                           # only 0, 1, 2 survive exec
+        seccomp.load(plan.seccomp_program)                # last: nothing after this but exec
+    except BaseException as exc:  # noqa: BLE001
+        report.fail(report_fd, exc, "command setup")
+    _exec(plan, report_fd)
+
+
+def _exec_unconfined(plan: LaunchPlan, report_fd: int) -> NoReturn:
+    """DangerFullAccess: the host as it is, but a killable tree and no TIOCSTI."""
+    try:
+        process.new_session()
+        rlimits.apply(cpu_seconds=plan.limits.cpu_seconds, open_files=plan.limits.open_files)
+        os.chdir(plan.cwd)
+        process.cloexec_from(3)
+        # Loaded while still privileged, so it needs no no_new_privs (full access
+        # means setuid binaries keep working); it survives the uid switch below.
+        seccomp.load(plan.seccomp_program)
+        if (plan.uid, plan.gid) != (os.getuid(), os.getgid()):
+            os.setgroups([])
+            os.setresgid(plan.gid, plan.gid, plan.gid)
+            os.setresuid(plan.uid, plan.uid, plan.uid)
+    except BaseException as exc:  # noqa: BLE001
+        report.fail(report_fd, exc, "unconfined setup")
+    _exec(plan, report_fd)
+
+
+def _exec(plan: LaunchPlan, report_fd: int) -> NoReturn:
+    try:
+        for signum in RESTORED_SIGNALS:
+            signal.signal(signum, signal.SIG_DFL)
+        os.execvpe(plan.argv[0], list(plan.argv), plan.env)
+    except OSError as exc:
+        error = from_oserror(exc, "exec", plan.argv[0])
+        report.fail(report_fd, _as_exec_failure(error), "exec")
+    report.fail(report_fd, SetupError("exec", 0, plan.argv[0]), "exec")
+
+
+def _as_exec_failure(error: SetupError) -> SetupError:
+    from sandboxd.errors import ExecFailed
+    return ExecFailed(error.step, error.errno, error.path, hint=error.hint)
+
+
+def _join_cgroups(dirs: list[str]) -> None:
+    try:
+        for path in dirs:
+            with open(os.path.join(path, "cgroup.procs"), "w") as f:
+                f.write("0")
+    except OSError as exc:
+        raise from_oserror(exc, "cgroup join") from None
+
+
+def _forward_signals_to(target: int) -> None:
+    """Pass the usual job-control and termination signals down one level (like tini)."""
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            os.kill(target, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in FORWARDED_SIGNALS:
+        signal.signal(signum, forward)

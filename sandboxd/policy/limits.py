@@ -1,0 +1,49 @@
+"""Resource limits of one launch (pure data and parsing)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from sandboxd.errors import InvalidPolicy
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([kKmMgGtT]?)(i?[bB])?\s*$")
+_FACTORS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+DEFAULT_TMP_SIZE = 512 << 20
+
+
+def parse_size(text: str | int, what: str = "size") -> int:
+    """Parse ``1048576``, ``512K``, ``64M``, ``2G`` (binary multiples) into bytes."""
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SIZE.match(str(text))
+        if not match:
+            raise InvalidPolicy(f"bad {what} {text!r}: give plain bytes or a number with K, M or G (e.g. 512M)")
+        value = int(match.group(1)) * _FACTORS[match.group(2).lower()]
+    if value <= 0:
+        raise InvalidPolicy(f"bad {what} {text!r}: must be greater than zero")
+    return value
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one launch may consume. ``None`` means no limit of that kind."""
+
+    timeout_seconds: float | None = None
+    memory_bytes: int | None = None
+    pids: int | None = None
+    cpu_seconds: int | None = None
+    open_files: int | None = None
+    tmp_size_bytes: int = DEFAULT_TMP_SIZE
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_seconds", "memory_bytes", "pids", "cpu_seconds", "open_files", "tmp_size_bytes"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise InvalidPolicy(f"limit {name} must be greater than zero, got {value!r}")
+        if self.memory_bytes is not None and self.memory_bytes < (4 << 20):
+            raise InvalidPolicy("memory limit below 4M cannot even start a shell: give at least 4M")
+        if self.open_files is not None and self.open_files < 16:
+            raise InvalidPolicy("open-files limit below 16 breaks most programs: give at least 16")

@@ -1,0 +1,143 @@
+"""SandboxPolicy: what is structurally possible for a session.
+
+``ReadOnly`` | ``WorkspaceWrite(network_access, writable_roots)`` | ``DangerFullAccess``.
+The default is ``WorkspaceWrite(network_access=False, writable_roots=[])``.
+
+Pure: validation here only looks at the strings. Whether a root exists and
+where its symlinks lead is answered at the kernel edge
+(``sandboxd.kernel.paths``), which raises the same ``InvalidPolicy``.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+from typing import Union
+
+from sandboxd.errors import InvalidPolicy
+
+# Paths inside every writable root that stay read-only: git runs hooks and
+# reads config (core.fsmonitor, core.hooksPath, aliases) on the host later, so
+# a sandboxed command that could write them could run code outside the sandbox.
+# The rest of .git stays writable so `git add` and `git commit` work.
+DEFAULT_PROTECTED_SUBPATHS: tuple[str, ...] = (".git/hooks", ".git/config")
+
+# Where writable roots may never point: these are replaced inside the sandbox
+# by fresh kernel filesystems, so a bind there would either be hidden or hand
+# the sandbox a piece of the host's /proc, /sys or /dev.
+_FORBIDDEN_ROOT_PREFIXES = ("/proc", "/sys", "/dev")
+
+
+@dataclass(frozen=True)
+class ReadOnly:
+    """Read anything the host lets the sandbox uid read; write nothing but a private /tmp; no network."""
+
+    name = "read-only"
+
+    @property
+    def network_access(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class WorkspaceWrite:
+    """Write the workspace and the listed roots; everything else read-only."""
+
+    network_access: bool = False
+    writable_roots: tuple[str, ...] = ()
+    protected_subpaths: tuple[str, ...] = DEFAULT_PROTECTED_SUBPATHS
+
+    name = "workspace-write"
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers but keep the policy hashable and immutable.
+        object.__setattr__(self, "writable_roots", tuple(self.writable_roots))
+        object.__setattr__(self, "protected_subpaths", tuple(self.protected_subpaths))
+
+
+@dataclass(frozen=True)
+class DangerFullAccess:
+    """No filesystem or network restriction; still a killable process tree and no TIOCSTI."""
+
+    name = "danger-full-access"
+
+    @property
+    def network_access(self) -> bool:
+        return True
+
+
+SandboxPolicy = Union[ReadOnly, WorkspaceWrite, DangerFullAccess]
+
+_NAMES = {
+    "read-only": "read-only", "read_only": "read-only", "readonly": "read-only",
+    "workspace-write": "workspace-write", "workspace_write": "workspace-write", "auto": "workspace-write",
+    "danger-full-access": "danger-full-access", "danger_full_access": "danger-full-access",
+    "full": "danger-full-access",
+}
+
+
+def default_policy() -> SandboxPolicy:
+    return WorkspaceWrite()
+
+
+def policy_from_name(name: str, *, network_access: bool = False,
+                     writable_roots: tuple[str, ...] | list[str] = (),
+                     protected_subpaths: tuple[str, ...] | list[str] | None = None) -> SandboxPolicy:
+    """Build a policy from its wire/CLI name (``read-only``, ``workspace-write``, ``danger-full-access``)."""
+    canonical = _NAMES.get(name.strip().lower())
+    if canonical is None:
+        raise InvalidPolicy(
+            f"unknown sandbox policy {name!r}: use one of read-only, workspace-write, danger-full-access")
+    if canonical == "read-only":
+        if network_access:
+            raise InvalidPolicy("read-only has no network access: use workspace-write with network_access")
+        if writable_roots:
+            raise InvalidPolicy("read-only has no writable roots: use workspace-write to list writable roots")
+        return ReadOnly()
+    if canonical == "danger-full-access":
+        return DangerFullAccess()
+    policy = WorkspaceWrite(
+        network_access=network_access, writable_roots=tuple(writable_roots),
+        protected_subpaths=DEFAULT_PROTECTED_SUBPATHS if protected_subpaths is None else tuple(protected_subpaths))
+    validate_policy(policy)
+    return policy
+
+
+def validate_policy(policy: SandboxPolicy) -> None:
+    """Check the policy's own strings; raise InvalidPolicy saying what to fix."""
+    if not isinstance(policy, (ReadOnly, WorkspaceWrite, DangerFullAccess)):
+        raise InvalidPolicy(f"not a sandbox policy: {policy!r}")
+    if not isinstance(policy, WorkspaceWrite):
+        return
+    for root in policy.writable_roots:
+        validate_writable_root(root)
+    for sub in policy.protected_subpaths:
+        if not sub or sub.startswith("/") or ".." in sub.split("/"):
+            raise InvalidPolicy(
+                f"protected subpath {sub!r} must be a relative path inside a writable root, without '..'")
+
+
+def validate_writable_root(root: str) -> None:
+    if not isinstance(root, str) or not root:
+        raise InvalidPolicy("a writable root must be a non-empty path")
+    if "\0" in root:
+        raise InvalidPolicy(f"writable root {root!r} contains a NUL byte")
+    if not root.startswith("/"):
+        raise InvalidPolicy(f"writable root {root!r} is relative: give an absolute path")
+    normal = posixpath.normpath(root)
+    if normal in ("/", "//"):
+        raise InvalidPolicy("a writable root of / would make the whole host writable: "
+                            "use danger-full-access if that is really meant")
+    for prefix in _FORBIDDEN_ROOT_PREFIXES:
+        if normal == prefix or normal.startswith(prefix + "/"):
+            raise InvalidPolicy(f"writable root {root!r} is under {prefix}, which the sandbox replaces "
+                                "with its own; pick a directory elsewhere")
+
+
+def is_within(path: str, root: str) -> bool:
+    """True when normalised absolute ``path`` is ``root`` or lies under it (string logic only)."""
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+__all__ = ["DEFAULT_PROTECTED_SUBPATHS", "DangerFullAccess", "ReadOnly", "SandboxPolicy", "WorkspaceWrite",
+           "default_policy", "is_within", "policy_from_name", "validate_policy", "validate_writable_root"]

@@ -1,0 +1,44 @@
+"""LaunchSpec: everything one sandboxed command launch needs, as plain data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sandboxd.errors import InvalidPolicy
+from sandboxd.policy.limits import Limits
+from sandboxd.policy.sandbox import SandboxPolicy, default_policy, validate_policy
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One command to run in a sandbox.
+
+    ``workspace`` is the directory that is writable under WorkspaceWrite; ``cwd``
+    (default: the workspace) is where the command starts. ``user`` is
+    ``(uid, gid)``; ``None`` means the owner of the workspace.
+    """
+
+    argv: tuple[str, ...]
+    workspace: str
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    policy: SandboxPolicy = field(default_factory=default_policy)
+    limits: Limits = field(default_factory=Limits)
+    user: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "argv", tuple(self.argv))
+        if not self.argv or not self.argv[0]:
+            raise InvalidPolicy("no program given: put the command after '--'")
+        if any("\0" in a for a in self.argv):
+            raise InvalidPolicy("command arguments may not contain NUL bytes")
+        if not self.workspace.startswith("/"):
+            raise InvalidPolicy(f"workspace {self.workspace!r} must be an absolute path")
+        if self.cwd is not None and not self.cwd.startswith("/"):
+            raise InvalidPolicy(f"cwd {self.cwd!r} must be an absolute path")
+        for key, value in self.env.items():
+            if not key or "=" in key or "\0" in key or "\0" in value:
+                raise InvalidPolicy(f"bad environment variable {key!r}: names need no '=' and no NUL bytes")
+        if self.user is not None and (self.user[0] < 0 or self.user[1] < 0):
+            raise InvalidPolicy(f"bad user {self.user!r}: uid and gid must be >= 0")
+        validate_policy(self.policy)

@@ -1,0 +1,1 @@
+"""The supervisor: forks sandboxes (through the spawner), enforces timeouts, collects exit and usage."""

@@ -1,0 +1,208 @@
+"""The spawner: the only code that forks a sandbox.
+
+It must run in a single-threaded process (a forked child of a threaded
+process may deadlock on a lock another thread held, and unshare of user
+namespaces refuses threaded callers). ``sandboxd run`` is such a process and
+calls it directly; the daemon runs it inside the fork server
+(``sandboxd.supervisor.forkserver``). Either way the same ``launch`` runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import select
+import signal
+import time
+from dataclasses import dataclass
+
+from sandboxd.errors import SetupError
+from sandboxd.kernel.cgroups import CgroupSet
+from sandboxd.launcher import report, sequence
+from sandboxd.launcher.plan import LaunchPlan, prepare
+from sandboxd.policy import LaunchSpec
+
+_counter = itertools.count(1)
+
+
+@dataclass
+class ExitInfo:
+    """How a sandboxed command ended."""
+
+    exit_code: int | None        # the command's own exit code, when it exited
+    signal: int | None           # the signal that killed it, when one did
+    timed_out: bool
+    wall_seconds: float
+    cpu_seconds: float | None
+    peak_memory_bytes: int | None
+    oom_killed: bool
+
+    @property
+    def shell_status(self) -> int:
+        """The conventional status: own code, 128+N for signal N, 124 on timeout."""
+        if self.timed_out:
+            return 124
+        if self.signal is not None:
+            return 128 + self.signal
+        return self.exit_code if self.exit_code is not None else 125
+
+    def to_dict(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+class SandboxProcess:
+    """A launched sandbox as its parent sees it."""
+
+    def __init__(self, plan: LaunchPlan, pid: int, report_fd: int, status_fd: int,
+                 cgroup: CgroupSet | None) -> None:
+        self.plan = plan
+        self.pid = pid
+        self.started = time.monotonic()
+        self._report_fd = report_fd
+        self._status_fd = status_fd
+        self._cgroup = cgroup
+        self._pidfd = os.pidfd_open(pid)
+        self._exit_status: int | None = None
+        self._timed_out = False
+
+    def wait_started(self) -> None:
+        """Block until the command was exec'd; raise SetupError (cleaning up) if setup failed."""
+        error = report.read_error(self._report_fd)
+        os.close(self._report_fd)
+        self._report_fd = -1
+        if error is not None:
+            self._reap(block=True)
+            self._cleanup()
+            raise error
+
+    def send_signal(self, signum: int) -> None:
+        """Deliver ``signum`` to the command (through the anchor and init, which forward it)."""
+        try:
+            os.kill(self.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        """Kill the whole tree: the anchor (whose death takes init and the PID namespace down) and the cgroup."""
+        self.send_signal(signal.SIGKILL)
+        if self._cgroup is not None:
+            self._cgroup.kill()
+
+    def wait(self, timeout: float | None = None) -> ExitInfo:
+        """Wait for the command, killing the tree at ``timeout`` seconds after start."""
+        deadline = None if timeout is None else self.started + timeout
+        while self._exit_status is None:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                ready, _, _ = select.select([self._pidfd], [], [], remaining)
+            except InterruptedError:
+                continue
+            if ready:
+                self._reap(block=True)
+            elif deadline is not None and time.monotonic() >= deadline:
+                self._timed_out = True
+                self.kill()
+        return self._finish()
+
+    def _reap(self, *, block: bool) -> None:
+        if self._exit_status is not None:
+            return
+        pid, status = os.waitpid(self.pid, 0 if block else os.WNOHANG)
+        if pid == self.pid:
+            self._exit_status = status
+
+    def _finish(self) -> ExitInfo:
+        assert self._exit_status is not None
+        status, usage = self._exit_status, {}
+        if self.plan.confined:
+            usage = self._read_status()
+            if "status" in usage:
+                status = int(usage["status"])          # the command's own, as init saw it
+            elif not self._timed_out and os.WIFEXITED(status):
+                # init died without a word: only possible when killed from outside
+                status = signal.SIGKILL
+        info = ExitInfo(
+            exit_code=os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+            signal=os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+            timed_out=self._timed_out,
+            wall_seconds=time.monotonic() - self.started,
+            cpu_seconds=(usage["utime"] + usage["stime"]) if "utime" in usage else None,
+            peak_memory_bytes=self._cgroup.peak_memory() if self._cgroup else (
+                usage["maxrss_kib"] * 1024 if "maxrss_kib" in usage else None),
+            oom_killed=self._cgroup.oom_killed() if self._cgroup else False,
+        )
+        self._cleanup()
+        return info
+
+    def _read_status(self) -> dict[str, float]:
+        try:
+            data = os.read(self._status_fd, 4096)
+        except OSError:
+            return {}
+        try:
+            return json.loads(data.decode()) if data else {}
+        except ValueError:
+            return {}
+
+    def _cleanup(self) -> None:
+        for fd in (self._report_fd, self._status_fd, self._pidfd):
+            if fd >= 0:
+                os.close(fd)
+        self._report_fd = self._status_fd = self._pidfd = -1
+        if self._cgroup is not None:
+            if self.plan.confined or self._timed_out:
+                self._cgroup.kill()
+            else:
+                # DangerFullAccess: background jobs may outlive the command, as on the host.
+                self._cgroup.release()
+            self._cgroup.remove()
+            self._cgroup = None
+
+
+class Spawner:
+    """Forks sandboxes. Create it, and call ``launch``, only in a single-threaded process."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+
+    def launch(self, spec: LaunchSpec, stdio: tuple[int, int, int] = (0, 1, 2)) -> SandboxProcess:
+        plan = prepare(spec)
+        cgroup = self._cgroup_for(plan)
+        report_r, report_w = os.pipe2(os.O_CLOEXEC)
+        status_r, status_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            for fd in (report_r, report_w, status_r, status_w):
+                os.close(fd)
+            if cgroup:
+                cgroup.remove()
+            raise SetupError("fork", exc.errno or 0, hint="the system is out of processes or memory") from None
+        if pid == 0:
+            try:
+                os.close(report_r)
+                os.close(status_r)
+                for target, source in enumerate(stdio):
+                    if source != target:
+                        os.dup2(source, target)
+            except BaseException as exc:  # noqa: BLE001
+                report.fail(report_w, exc, "stdio")
+            sequence.run_anchor(plan, parent=self.pid, report_fd=report_w, status_fd=status_w,
+                                cgroup_dirs=list(cgroup.dirs) if cgroup else [])
+        os.close(report_w)
+        os.close(status_w)
+        return SandboxProcess(plan, pid, report_r, status_r, cgroup)
+
+    def _cgroup_for(self, plan: LaunchPlan) -> CgroupSet | None:
+        """A cgroup with the asked limits; without limits one is still made when possible,
+        because it lets a timeout kill processes that left the command's session."""
+        name = f"run-{self.pid}-{next(_counter)}-{os.urandom(3).hex()}"
+        limits = plan.limits
+        if limits.memory_bytes or limits.pids:
+            return CgroupSet.create(name, memory_bytes=limits.memory_bytes, pids=limits.pids)
+        try:
+            group = CgroupSet.create(name, memory_bytes=None, pids=None)
+        except SetupError:
+            return None  # no writable cgroup hierarchy: the PID namespace still bounds the tree
+        return group if group.dirs else None
