@@ -8,10 +8,12 @@ or file capability can hand anything back.
 
 from __future__ import annotations
 
+import errno
 import os
 
 import prctl as _prctl  # python-prctl: capset(2) via libcap, securebits, no_new_privs
 
+from sandboxd.errors import SetupError
 from sandboxd.kernel._libc import from_oserror, prctl
 
 PR_CAPBSET_DROP = 24
@@ -48,3 +50,14 @@ def drop_privileges(uid: int, gid: int) -> None:
         _prctl.set_no_new_privs(1)
     except OSError as exc:
         raise from_oserror(exc, "drop privileges") from None
+
+
+def verify_dropped() -> None:
+    """Refuse to go on if any capability or a missing no_new_privs survived (cheap: one read)."""
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    for key in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        if int(fields.get(key, "0").strip(), 16):
+            raise SetupError("verify privileges", errno.EPERM, detail=f"{key} is not empty")
+    if fields.get("NoNewPrivs", "0").strip() != "1":
+        raise SetupError("verify privileges", errno.EPERM, detail="no_new_privs is not set")

@@ -22,6 +22,7 @@ class LaunchPlan:
     confined: bool                      # every policy but DangerFullAccess
     network: bool
     writable_roots: tuple[str, ...]     # real paths, workspace first when writable
+    readonly_roots: tuple[str, ...]     # the workspace under read-only: bound so it is seen even under /tmp
     protected_subpaths: tuple[str, ...]
     uid: int
     gid: int
@@ -45,6 +46,7 @@ def prepare(spec: LaunchSpec) -> LaunchPlan:
     return LaunchPlan(
         argv=spec.argv, env=dict(spec.env), cwd=resolved.cwd, workspace=resolved.workspace,
         confined=confined, network=network, writable_roots=resolved.writable_roots,
+        readonly_roots=() if writable or not confined else (resolved.workspace,),
         protected_subpaths=policy.protected_subpaths if writable else (),
         uid=uid, gid=gid, limits=spec.limits,
         seccomp_program=seccomp.program_for(seccomp.FilterSpec(confined=confined, network_access=network)),

@@ -13,7 +13,8 @@
 6. Cover /dev with a minimal tmpfs: the six harmless nodes bound from the
    host, a private devpts, a private /dev/shm; then make /dev read-only.
 7. Cover /tmp with a private, size-capped tmpfs.
-8. Bind the workspace and writable roots read-write from descriptors pinned
+8. Bind the workspace and writable roots read-write (under read-only, the
+   workspace read-only, so it is seen even when it lives under /tmp) from descriptors pinned
    between steps 1 and 2 (roots under /tmp are still reachable that way), parents
    before children; then pin and re-protect the protected subpaths.
 9. pivot_root into the copy and drop the old root entirely.
@@ -56,7 +57,8 @@ def build(plan: LaunchPlan) -> None:
     mounts.make_private("/")                                                        # 1
     # Pinned in this mount namespace (a descriptor of the host's namespace cannot
     # be a bind source here) and before /tmp is covered by the staging tmpfs.
-    pinned = {root: pin(root, step="pin writable root") for root in plan.writable_roots}
+    pinned = {root: pin(root, step="pin workspace or writable root")
+              for root in plan.readonly_roots + plan.writable_roots}
     mounts.tmpfs(STAGE, size=1 << 20, mode=0o700, step="mount staging tmpfs")        # 2
     os.mkdir(NEW_ROOT, 0o755)
     mounts.bind("/", NEW_ROOT, step="bind host root")
@@ -66,8 +68,10 @@ def build(plan: LaunchPlan) -> None:
     _mount_dev(NEW_ROOT + "/dev", plan.limits.tmp_size_bytes)                        # 6
     mounts.tmpfs(NEW_ROOT + "/tmp", size=plan.limits.tmp_size_bytes, mode=0o1777,    # 7
                  step="mount private /tmp")
-    for root in plan.writable_roots:                                                 # 8
-        _bind_writable(root, pinned[root])
+    for root in plan.readonly_roots:                                                 # 8
+        _bind_root(root, pinned[root], writable=False)
+    for root in plan.writable_roots:
+        _bind_root(root, pinned[root], writable=True)
     for root in plan.writable_roots:
         for sub in plan.protected_subpaths:
             _protect(root, sub)
@@ -124,7 +128,7 @@ def _mount_dev(target: str, shm_size: int) -> None:
                  step="make /dev read-only")
 
 
-def _bind_writable(root: str, fd: int) -> None:
+def _bind_root(root: str, fd: int, *, writable: bool) -> None:
     target = NEW_ROOT + root
     if not os.path.lexists(target):
         # Only possible under a directory the sandbox replaced (e.g. /tmp): make the mount point.
@@ -133,9 +137,12 @@ def _bind_writable(root: str, fd: int) -> None:
         else:
             os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
             os.close(os.open(target, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
-    mounts.bind(f"/proc/self/fd/{fd}", target, step="bind writable root")
-    mounts.set_attrs_recursive(target, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, MOUNT_ATTR_RDONLY,
-                               step="bind writable root")
+    mounts.bind(f"/proc/self/fd/{fd}", target, step="bind root")
+    if writable:
+        mounts.set_attrs_recursive(target, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, MOUNT_ATTR_RDONLY,
+                                   step="bind writable root")
+    else:
+        mounts.set_attrs_recursive(target, READONLY_ATTRS, step="bind read-only workspace")
 
 
 def _protect(root: str, sub: str) -> None:

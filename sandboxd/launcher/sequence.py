@@ -78,22 +78,19 @@ def _run_init(plan: LaunchPlan, *, report_fd: int, status_fd: int) -> NoReturn:
         namespaces.set_hostname("sandbox")
         rootfs.build(plan)                                # mounts, then pivot_root (see rootfs.py)
         os.chdir(plan.cwd)
+        # Init keeps no privilege either, and drops it before the command is forked
+        # so the command starts without any: same uid, no capabilities, NNP. Not
+        # dumpable, so the command cannot read init's memory or environment.
+        caps.drop_privileges(plan.uid, plan.gid)
+        process.die_with_parent(OUTSIDE_PARENT)           # credential changes clear the death signal
+        process.set_dumpable(False)
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "init")
     command_pid = os.fork()
     if command_pid == 0:
         _run_command(plan, init=1, report_fd=report_fd)
-    try:
-        # Init keeps no privilege either: same uid as the command, no capabilities,
-        # and not dumpable, so the command cannot read init's memory or environment.
-        caps.drop_privileges(plan.uid, plan.gid)
-        process.die_with_parent(OUTSIDE_PARENT)           # credential changes clear the death signal
-        process.set_dumpable(False)
-        process.set_name("sandboxd-init")
-        process.close_all_except({status_fd})
-    except BaseException as exc:  # noqa: BLE001
-        os.kill(command_pid, signal.SIGKILL)
-        report.fail(report_fd, exc, "init drop privileges")
+    process.set_name("sandboxd-init")
+    process.close_all_except({status_fd})                 # the report pipe closes with the command's exec
     _forward_signals_to(command_pid)
     _reap_until(command_pid, status_fd)
 
@@ -126,8 +123,7 @@ def _run_command(plan: LaunchPlan, *, init: int, report_fd: int) -> NoReturn:
         process.die_with_parent(init)
         process.new_session()                             # no controlling terminal: no TIOCSTI into the caller
         rlimits.apply(cpu_seconds=plan.limits.cpu_seconds, open_files=plan.limits.open_files)
-        caps.drop_privileges(plan.uid, plan.gid)          # no caps, no_new_privs, unprivileged uid
-        process.die_with_parent(init)
+        caps.verify_dropped()                             # inherited from init: no caps, no_new_privs
         process.cloexec_from(3)                           # only 0, 1, 2 survive exec
         seccomp.load(plan.seccomp_program)                # last: nothing after this but exec
     except BaseException as exc:  # noqa: BLE001

@@ -42,3 +42,35 @@ class LaunchSpec:
         if self.user is not None and (self.user[0] < 0 or self.user[1] < 0):
             raise InvalidPolicy(f"bad user {self.user!r}: uid and gid must be >= 0")
         validate_policy(self.policy)
+
+
+def spec_to_dict(spec: LaunchSpec) -> dict[str, object]:
+    """Plain JSON-able form (the fork server's wire format)."""
+    policy = spec.policy
+    return {
+        "argv": list(spec.argv), "workspace": spec.workspace, "env": dict(spec.env), "cwd": spec.cwd,
+        "policy": {"name": policy.name, "network_access": bool(policy.network_access),
+                   "writable_roots": list(getattr(policy, "writable_roots", ())),
+                   "protected_subpaths": list(getattr(policy, "protected_subpaths", ()))},
+        "limits": dict(spec.limits.__dict__),
+        "user": list(spec.user) if spec.user else None,
+    }
+
+
+def spec_from_dict(data: dict[str, object]) -> LaunchSpec:
+    from sandboxd.policy.sandbox import policy_from_name
+
+    try:
+        p = dict(data["policy"])  # type: ignore[arg-type]
+        policy = policy_from_name(str(p["name"]), network_access=bool(p.get("network_access")),
+                                  writable_roots=list(p.get("writable_roots") or ()),
+                                  protected_subpaths=list(p.get("protected_subpaths") or ()))
+        user = data.get("user")
+        return LaunchSpec(argv=tuple(data["argv"]), workspace=str(data["workspace"]),  # type: ignore[arg-type]
+                          env=dict(data.get("env") or {}), cwd=data.get("cwd"),  # type: ignore[arg-type]
+                          policy=policy, limits=Limits(**dict(data.get("limits") or {})),  # type: ignore[arg-type]
+                          user=(int(user[0]), int(user[1])) if user else None)  # type: ignore[index]
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, InvalidPolicy):
+            raise
+        raise InvalidPolicy(f"malformed launch request: {exc}") from None
