@@ -70,12 +70,20 @@ class FilterSpec:
         for family in (AF_PACKET, AF_VSOCK):
             rows.append(("errno", "socket", errno.EAFNOSUPPORT, ((0, 4, family, 0),)))
         if not self.network_access:
-            # An unbound AF_UNIX datagram socket can sendto() any host socket path
-            # (syslog, journald); without network the sandbox gets no such socket.
-            # socketpair() stays allowed: it reaches nothing outside.
-            rows.append(("errno", "socket", errno.EACCES,
-                         ((0, 4, AF_UNIX, 0), (1, masked_eq, SOCK_TYPE_MASK, SOCK_DGRAM))))
+            # An AF_UNIX datagram socket, even one from socketpair(), can sendto()
+            # any host socket path (syslog, journald, systemd notify) without a
+            # connect: without network the sandbox gets none. Stream and seqpacket
+            # sockets reach a path only through connect(), which init brokers
+            # (see sandboxd.launcher.connect_broker).
+            for call in ("socket", "socketpair"):
+                rows.append(("errno", call, errno.EACCES,
+                             ((0, 4, AF_UNIX, 0), (1, masked_eq, SOCK_TYPE_MASK, SOCK_DGRAM))))
+            rows.append(("notify", "connect", 0, ()))
         return rows
+
+    @property
+    def brokers_connect(self) -> bool:
+        return self.confined and not self.network_access
 
     def cache_key(self) -> str:
         text = repr((__version__, platform.machine(), self.rules()))
@@ -104,7 +112,7 @@ def compile_bpf(spec: FilterSpec) -> bytes:
 
     import pyseccomp  # slow to import: only on a cache miss
 
-    action_of = {"errno": pyseccomp.ERRNO}
+    action_of = {"errno": pyseccomp.ERRNO, "notify": lambda _code: pyseccomp.NOTIFY}
     filt = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
     # A system call from another ABI (int 0x80, x32) would bypass every rule
     # below, keyed on native numbers: kill the process instead.

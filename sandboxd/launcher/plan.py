@@ -28,6 +28,7 @@ class LaunchPlan:
     gid: int
     limits: Limits
     seccomp_program: bytes
+    brokers_connect: bool               # the filter hands connect() to init (see connect_broker)
 
 
 def prepare(spec: LaunchSpec) -> LaunchPlan:
@@ -43,11 +44,12 @@ def prepare(spec: LaunchSpec) -> LaunchPlan:
         st = os.stat(resolved.workspace)
         uid, gid = st.st_uid, st.st_gid
     network = bool(policy.network_access)
+    filter_spec = seccomp.FilterSpec(confined=confined, network_access=network)
     return LaunchPlan(
         argv=spec.argv, env=dict(spec.env), cwd=resolved.cwd, workspace=resolved.workspace,
         confined=confined, network=network, writable_roots=resolved.writable_roots,
         readonly_roots=() if writable or not confined else (resolved.workspace,),
         protected_subpaths=policy.protected_subpaths if writable else (),
         uid=uid, gid=gid, limits=spec.limits,
-        seccomp_program=seccomp.program_for(seccomp.FilterSpec(confined=confined, network_access=network)),
+        seccomp_program=seccomp.program_for(filter_spec), brokers_connect=filter_spec.brokers_connect,
     )

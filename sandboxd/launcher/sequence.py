@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
+import socket
 from typing import NoReturn
 
 from sandboxd.errors import SetupError
 from sandboxd.kernel import caps, namespaces, netns, process, rlimits, seccomp
 from sandboxd.kernel._libc import from_oserror
 from sandboxd.launcher import report, rootfs
+from sandboxd.launcher.connect_broker import ConnectBroker
 from sandboxd.launcher.plan import LaunchPlan
 
 # Python ignores SIGPIPE and SIGXFSZ for itself; an exec'd program must get the defaults back.
@@ -86,25 +89,69 @@ def _run_init(plan: LaunchPlan, *, report_fd: int, status_fd: int) -> NoReturn:
         process.set_dumpable(False)
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "init")
+    broker_end, command_end = (socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+                               if plan.brokers_connect else (None, None))
     command_pid = os.fork()
     if command_pid == 0:
-        _run_command(plan, init=1, report_fd=report_fd)
+        _run_command(plan, init=1, report_fd=report_fd, broker=command_end)
     process.set_name("sandboxd-init")
-    process.close_all_except({status_fd})                 # the report pipe closes with the command's exec
+    listener = _receive_listener(broker_end, command_end)
+    keep = {status_fd} | ({listener} if listener is not None else set())
+    process.close_all_except(keep)                        # the report pipe closes with the command's exec
     _forward_signals_to(command_pid)
-    _reap_until(command_pid, status_fd)
+    _supervise(command_pid, status_fd, listener)
 
 
-def _reap_until(command_pid: int, status_fd: int) -> NoReturn:
-    """Reap every child (orphans re-parent to PID 1) until the command exits; then report and exit.
+def _receive_listener(broker_end: socket.socket | None, command_end: socket.socket | None) -> int | None:
+    """The seccomp listener the command sends before exec (None if it failed before that)."""
+    if broker_end is None or command_end is None:
+        return None
+    command_end.close()
+    try:
+        _, fds, _, _ = socket.recv_fds(broker_end, 1, 1)
+    except OSError:
+        fds = []
+    broker_end.close()
+    return fds[0] if fds else None
 
-    Exiting takes the namespace down: the kernel SIGKILLs whatever is left.
-    """
+
+def _supervise(command_pid: int, status_fd: int, listener: int | None) -> NoReturn:
+    """Reap every child (orphans re-parent to PID 1) and broker connect() calls until the
+    command exits; then report its status and exit, which takes the namespace down: the
+    kernel SIGKILLs whatever is left."""
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda _s, _f: None)    # a handler, so SIGCHLD wakes poll()
+    poller = select.poll()
+    poller.register(wake_r, select.POLLIN)
+    broker = None
+    if listener is not None:
+        broker = ConnectBroker(listener)
+        poller.register(listener, select.POLLIN)
+    while True:
+        _reap(command_pid, status_fd)
+        for fd, events in poller.poll():
+            if fd == wake_r:
+                _drain(wake_r)
+            elif broker is not None:
+                if events & select.POLLIN:
+                    try:
+                        broker.handle_one()
+                    except OSError:
+                        pass  # the caller died mid-call; its sandbox is unaffected
+                if events & (select.POLLHUP | select.POLLERR):
+                    poller.unregister(fd)                 # every filtered process is gone
+                    broker = None
+
+
+def _reap(command_pid: int, status_fd: int) -> None:
     while True:
         try:
-            pid, status, usage = os.wait4(-1, 0)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             os._exit(0)
+        if pid == 0:
+            return
         if pid != command_pid:
             continue
         message = {"status": status, "utime": usage.ru_utime, "stime": usage.ru_stime,
@@ -116,7 +163,15 @@ def _reap_until(command_pid: int, status_fd: int) -> NoReturn:
         os._exit(0)
 
 
-def _run_command(plan: LaunchPlan, *, init: int, report_fd: int) -> NoReturn:
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 512):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _run_command(plan: LaunchPlan, *, init: int, report_fd: int, broker: socket.socket | None) -> NoReturn:
     try:
         for signum in FORWARDED_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)
@@ -125,7 +180,12 @@ def _run_command(plan: LaunchPlan, *, init: int, report_fd: int) -> NoReturn:
         rlimits.apply(cpu_seconds=plan.limits.cpu_seconds, open_files=plan.limits.open_files)
         caps.verify_dropped()                             # inherited from init: no caps, no_new_privs
         process.cloexec_from(3)                           # only 0, 1, 2 survive exec
-        seccomp.load(plan.seccomp_program)                # last: nothing after this but exec
+        listener = seccomp.load(plan.seccomp_program,     # last: nothing after this but exec
+                                new_listener=plan.brokers_connect)
+        if broker is not None:
+            socket.send_fds(broker, [b"L"], [listener])  # init answers this filter's notifications
+            os.close(listener)
+            broker.close()
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "command setup")
     _exec(plan, report_fd)

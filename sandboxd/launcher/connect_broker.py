@@ -1,0 +1,103 @@
+"""The connect broker: init performs every connect() of a sandbox without network.
+
+Why: a network namespace cuts off TCP and abstract Unix sockets, but not
+*pathname* Unix sockets: any host socket file the sandbox can see and write
+(a Docker socket, a database socket, the D-Bus system bus, whatever its mode)
+could be connected to. Landlock can restrict that only from ABI 8
+(LANDLOCK_ACCESS_FS_RESOLVE_UNIX); this machine has ABI 7. So the command's
+seccomp filter turns connect() into a user notification, and init, which
+shares the sandbox's mount namespace, root and uid, performs the call:
+
+- AF_UNIX pathname: resolved as the caller would (its cwd, our shared root);
+  allowed only when the socket file is bound by a socket of the sandbox's own
+  network namespace (NETLINK_SOCK_DIAG), i.e. created inside the sandbox.
+  Anything else: EACCES. The connect goes through /proc/self/fd/N of the
+  inode that was checked, so a rename in between changes nothing.
+- Any other family (loopback TCP, abstract Unix): performed as asked; the
+  network namespace already confines them.
+
+Init never lets the kernel continue a call it inspected: another thread of
+the caller could rewrite the address in between (the documented seccomp
+user-notification race). It connects a duplicate of the caller's socket
+(pidfd_getfd) with its own copy of the address.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import struct
+
+from sandboxd.kernel import seccomp_notify, unix_diag
+from sandboxd.kernel._libc import raw_syscall
+
+AF_UNIX = 1
+MAX_SOCKADDR = 128
+
+
+class ConnectBroker:
+    def __init__(self, listener: int) -> None:
+        self.listener = listener
+
+    def handle_one(self) -> None:
+        notification = seccomp_notify.receive(self.listener)
+        if notification is None:
+            return
+        result = self._perform(notification)
+        if result is not None:
+            seccomp_notify.respond(self.listener, notification.id, result)
+
+    def _perform(self, n: seccomp_notify.Notification) -> int | None:
+        fd, address_ptr, length = n.args[0] & 0xFFFFFFFF, n.args[1], n.args[2] & 0xFFFFFFFF
+        if length < 2 or length > MAX_SOCKADDR:
+            return -errno.EINVAL
+        pidfd = raw_syscall("pidfd_open", n.pid, 0)
+        if pidfd < 0:
+            return None  # the caller is gone
+        try:
+            try:
+                address = seccomp_notify.read_memory(n.pid, address_ptr, length)
+            except OSError:
+                return -errno.EFAULT
+            # The caller still waits, so the pidfd opened above is really it.
+            if not seccomp_notify.still_valid(self.listener, n.id):
+                return None
+            sock = raw_syscall("pidfd_getfd", pidfd, fd, 0)
+            if sock < 0:
+                return sock
+        finally:
+            os.close(pidfd)
+        try:
+            if struct.unpack_from("=H", address)[0] == AF_UNIX:
+                return self._connect_unix(n.pid, sock, address)
+            return seccomp_notify.connect_raw(sock, address)
+        finally:
+            os.close(sock)
+
+    def _connect_unix(self, pid: int, sock: int, address: bytes) -> int:
+        path = address[2:].split(b"\0", 1)[0] if address[2:3] != b"\0" else b""
+        if not path:
+            # Abstract or unnamed: scoped to the sandbox's own network namespace.
+            return seccomp_notify.connect_raw(sock, address)
+        try:
+            if path.startswith(b"/"):
+                target = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            else:
+                cwd = os.open(f"/proc/{pid}/cwd", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    target = os.open(path, os.O_PATH | os.O_CLOEXEC, dir_fd=cwd)
+                finally:
+                    os.close(cwd)
+        except OSError as exc:
+            return -(exc.errno or errno.ENOENT)
+        try:
+            st = os.fstat(target)
+            if not stat.S_ISSOCK(st.st_mode):
+                return -errno.ECONNREFUSED
+            if unix_diag.file_identity(st) not in unix_diag.bound_socket_files():
+                return -errno.EACCES  # a host socket: not reachable without network
+            pinned = struct.pack("=H", AF_UNIX) + b"/proc/self/fd/%d\0" % target
+            return seccomp_notify.connect_raw(sock, pinned)
+        finally:
+            os.close(target)
