@@ -39,6 +39,14 @@ def set_name(name: str) -> None:
           step="prctl(PR_SET_NAME)")
 
 
+def set_title(title: str) -> None:
+    """Name this process in ps and overwrite its command line in place (python-prctl's
+    set_proctitle), so /proc/PID/cmdline of a sandbox helper shows nothing of its launcher."""
+    import prctl as _prctl
+    set_name(title)
+    _prctl.set_proctitle(title)
+
+
 def cloexec_from(first: int = 3) -> None:
     """Mark every descriptor >= ``first`` close-on-exec, so exec leaves only 0-2 open.
 

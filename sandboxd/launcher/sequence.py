@@ -94,7 +94,7 @@ def _run_init(plan: LaunchPlan, *, report_fd: int, status_fd: int) -> NoReturn:
     command_pid = os.fork()
     if command_pid == 0:
         _run_command(plan, init=1, report_fd=report_fd, broker=command_end)
-    process.set_name("sandboxd-init")
+    process.set_title("sandboxd-init")
     listener = _receive_listener(broker_end, command_end)
     keep = {status_fd} | ({listener} if listener is not None else set())
     process.close_all_except(keep)                        # the report pipe closes with the command's exec

@@ -218,13 +218,13 @@ class Spawner:
         """A cgroup with the asked limits, or none when there are no limits and the PID
         namespace already bounds the tree. Joining a cgroup costs an RCU grace period
         in the kernel (0.5 to 25 ms here), the largest single cost of a launch.
-        DangerFullAccess has no PID namespace, so it gets a cgroup whenever possible:
-        a timeout must also kill what left the command's session."""
+        DangerFullAccess has no PID namespace, so with a timeout it gets a cgroup whenever
+        possible: the timeout must also kill what left the command's session."""
         name = f"run-{self.pid}-{next(_counter)}-{os.urandom(3).hex()}"
         limits = plan.limits
         if limits.memory_bytes or limits.pids:
             return CgroupSet.create(name, memory_bytes=limits.memory_bytes, pids=limits.pids)
-        if plan.confined:
+        if plan.confined or limits.timeout_seconds is None:
             return None
         try:
             group = CgroupSet.create(name, memory_bytes=None, pids=None)
