@@ -48,7 +48,8 @@ def _real_existing(path: str, what: str, *, want_dir: bool) -> str:
     try:
         st = os.stat(real)
     except FileNotFoundError:
-        raise InvalidPolicy(f"{what} {path!r} does not exist: create it first or remove it from the policy") from None
+        fix = "create it first" + (" or remove it from the policy" if what == "writable root" else "")
+        raise InvalidPolicy(f"{what} {path!r} does not exist: {fix}") from None
     except OSError as exc:
         raise InvalidPolicy(f"{what} {path!r} cannot be used: {os.strerror(exc.errno or errno.EIO)}") from None
     if want_dir and not stat.S_ISDIR(st.st_mode):

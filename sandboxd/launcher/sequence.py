@@ -5,17 +5,20 @@ asked.
 
 Confined policies (all but DangerFullAccess) use three processes:
 
-  spawner ── anchor ──(new pid ns)── init (PID 1) ── command
-              │                       │                 │
-              │ cgroup, unshare       │ mounts, pivot,   │ setsid, rlimits, drop
-              │ (everything but pid   │ drop privileges, │ privileges, seccomp
-              │ applies to itself)    │ reap, report     │ (last), exec
-              │                       │ exit status      │
+  spawner ── anchor ──(new pid ns)── init (PID 1) ───────── command
+              │                       │                       │
+              cgroup join,            loopback up, mounts,    setsid, rlimits,
+              unshare (mnt ipc uts    pivot_root, drop        landlock, seccomp
+              cgroup [net]; pid for   privileges, then fork;  (last), exec
+              its child), fork init   reap, broker connect(),
+                                      report the exit status
 
 The anchor exists because unshare(CLONE_NEWPID) only moves the caller's
 *children*; init must be a child to be PID 1 and to mount a /proc that shows
 the new namespace. When init exits the kernel kills everything left in the
 namespace, so nothing outlives the sandbox, not even a double-forked daemon.
+Init drops its privileges before forking the command, so the command never
+holds a capability, and init holds none while the command runs.
 
 DangerFullAccess uses one process: the anchor becomes the command.
 """
@@ -30,7 +33,7 @@ import socket
 from typing import NoReturn
 
 from sandboxd.errors import SetupError
-from sandboxd.kernel import caps, namespaces, netns, process, rlimits, seccomp
+from sandboxd.kernel import caps, landlock, namespaces, netns, process, rlimits, seccomp
 from sandboxd.kernel._libc import from_oserror
 from sandboxd.launcher import report, rootfs
 from sandboxd.launcher.connect_broker import ConnectBroker
@@ -179,6 +182,8 @@ def _run_command(plan: LaunchPlan, *, init: int, report_fd: int, broker: socket.
         process.new_session()                             # no controlling terminal: no TIOCSTI into the caller
         rlimits.apply(cpu_seconds=plan.limits.cpu_seconds, open_files=plan.limits.open_files)
         caps.verify_dropped()                             # inherited from init: no caps, no_new_privs
+        landlock.restrict_writes(                         # second wall for writes, by path
+            list(plan.writable_roots) + ["/tmp", "/dev/shm"], ["/dev", "/proc"])
         process.cloexec_from(3)                           # only 0, 1, 2 survive exec
         listener = seccomp.load(plan.seccomp_program,     # last: nothing after this but exec
                                 new_listener=plan.brokers_connect)

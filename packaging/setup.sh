@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Set up sandboxd on a fresh Debian or Ubuntu machine, as root, and run it.
+#
+#   packaging/setup.sh run [-- PROGRAM ARGS...]   install, then run PROGRAM in the default sandbox
+#   packaging/setup.sh test [PYTEST ARGS...]      install (with test tools), then run the test suite
+#
+# Installs only what is missing: the Debian packages below, then a virtualenv in
+# .venv with sandboxd and its Python dependencies. Safe to run again.
+set -euo pipefail
+
+repo=$(cd "$(dirname "$0")/.." && pwd)
+mode=${1:-}
+shift || true
+
+# python3-dev, gcc, libcap-dev: python-prctl builds a C extension against libcap.
+# libseccomp2: the seccomp filter compiler (pyseccomp loads it with ctypes).
+# iproute2, procps, git: used by the tests (ip link, pgrep, git add/commit in a sandbox).
+# bubblewrap: the baseline the benchmark compares against.
+packages=(python3 python3-venv python3-dev gcc libcap-dev libseccomp2 iproute2 procps git bubblewrap ca-certificates)
+
+die() { echo "setup.sh: $*" >&2; exit 1; }
+
+[ "$(id -u)" = 0 ] || die "run as root: sandboxd needs CAP_SYS_ADMIN to build namespaces and mounts"
+case "$mode" in run|test) ;; *) die "usage: packaging/setup.sh run [-- PROGRAM ARGS...] | test [PYTEST ARGS...]";; esac
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup.sh: installing ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+python=${PYTHON:-python3}
+"$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || die "sandboxd needs Python 3.11 or newer; $("$python" --version 2>&1) found (set PYTHON=/path/to/python3.11)"
+
+venv="$repo/.venv"
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -m venv "$venv"
+fi
+stamp="$venv/.sandboxd-installed"
+extras=""; [ "$mode" = test ] && extras="[test]"
+want="$(sha256sum "$repo/pyproject.toml" | cut -d' ' -f1)$extras"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$venv/bin/python" -c 'import sandboxd' 2>/dev/null; then
+  "$venv/bin/pip" install -q --disable-pip-version-check -e "$repo$extras" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+  "$venv/bin/python" -c 'import sandboxd, prctl, pyseccomp, psutil, grpc' || die "the Python install failed (see above)"
+  echo "$want" > "$stamp"
+fi
+
+cd "$repo"
+case "$mode" in
+  run)
+    [ "${1:-}" = "--" ] && shift
+    [ $# -gt 0 ] || set -- /bin/sh -c 'echo "hello from $(hostname): uid $(id -u), $(ls /proc | grep -c "^[0-9]") processes visible"'
+    exec "$venv/bin/sandboxd" run -- "$@"
+    ;;
+  test)
+    exec "$venv/bin/python" -m pytest "$@"
+    ;;
+esac
