@@ -11,7 +11,6 @@ This module is pure: no OS calls, so the policy layer can use it too.
 from __future__ import annotations
 
 import errno as _errno
-from typing import Any
 
 
 class SandboxdError(Exception):
@@ -53,15 +52,18 @@ class SetupError(SandboxdError):
             text += f"; {self.hint}"
         return text
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {"step": self.step, "errno": self.errno, "path": self.path,
                 "hint": self.hint, "detail": self.detail, "kind": type(self).__name__}
 
     @staticmethod
-    def from_dict(data: dict[str, Any]) -> "SetupError":
+    def from_dict(data: dict[str, object]) -> "SetupError":
         cls = _SETUP_KINDS.get(str(data.get("kind")), SetupError)
-        return cls(step=str(data.get("step", "?")), errno=int(data.get("errno") or 0),
-                   path=data.get("path"), hint=data.get("hint"), detail=data.get("detail"))
+        def text(key: str) -> str | None:
+            value = data.get(key)
+            return None if value is None else str(value)
+        return cls(step=str(data.get("step", "?")), errno=int(data.get("errno") or 0),  # type: ignore[call-overload]
+                   path=text("path"), hint=text("hint"), detail=text("detail"))
 
 
 class NamespacesUnavailable(SetupError):

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import os
-import signal
+import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
 import sys
 
 from sandboxd.errors import InvalidPolicy, SandboxdError
@@ -37,46 +36,92 @@ SIZE takes plain bytes or a K/M/G suffix (binary multiples): 512M, 2G.
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.print_usage(sys.stderr)
-        sys.stderr.write(f"sandboxd run: {message}\n")
-        sys.exit(EXIT_SETUP_FAILED)
+# (flag, metavar, kind, help). Parsed by hand rather than with argparse, which
+# imports `re` and `gettext`: on the CI machine that alone costs more than the
+# sandbox launch it would parse the arguments for.
+OPTIONS: tuple[tuple[str, str | None, str, str], ...] = (
+    ("--sandbox", "POLICY", "value", "read-only | workspace-write | danger-full-access (default: workspace-write)"),
+    ("--workspace", "DIR", "value", "the workspace (default: the current directory)"),
+    ("--cwd", "DIR", "value", "where the command starts (default: the workspace)"),
+    ("--writable-root", "DIR", "append", "another writable directory (repeatable; workspace-write only)"),
+    ("--protect", "SUBPATH", "append", "keep SUBPATH of every writable root read-only, in addition to "
+                                       f"{', '.join(DEFAULT_PROTECTED_SUBPATHS)} (repeatable)"),
+    ("--no-default-protect", None, "flag", f"do not protect {', '.join(DEFAULT_PROTECTED_SUBPATHS)} by default"),
+    ("--network", None, "flag", "give the command the host's network (workspace-write only)"),
+    ("--no-network", None, "flag", "no network: a private namespace with only loopback (default)"),
+    ("--timeout", "SECONDS", "value", "kill the whole tree after SECONDS"),
+    ("--memory", "SIZE", "value", "memory limit of the whole tree (cgroup)"),
+    ("--pids", "N", "value", "process/thread limit of the whole tree (cgroup)"),
+    ("--cpu-seconds", "N", "value", "CPU time limit per process (rlimit)"),
+    ("--open-files", "N", "value", "open files limit per process (rlimit)"),
+    ("--tmp-size", "SIZE", "value", f"size of the private /tmp and /dev/shm (default {DEFAULT_TMP_SIZE >> 20}M)"),
+    ("--user", "UID[:GID]", "value", "run as this user (numbers or names; default: the owner of the workspace)"),
+    ("--env", "K=V", "append", "set a variable (repeatable)"),
+    ("--clear-env", None, "flag", "start from an empty environment"),
+    ("--help", None, "flag", "show this help and exit"),
+)
+_BY_FLAG = {flag: (metavar, kind) for flag, metavar, kind, _ in OPTIONS}
+USAGE = "usage: sandboxd run [options] -- PROGRAM [ARGS...]"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="sandboxd run", description=DESCRIPTION, epilog=EPILOG,
-                formatter_class=argparse.RawDescriptionHelpFormatter,
-                usage="sandboxd run [options] -- PROGRAM [ARGS...]")
-    p.add_argument("--sandbox", default="workspace-write", metavar="POLICY",
-                   help="read-only | workspace-write | danger-full-access (default: workspace-write)")
-    p.add_argument("--workspace", metavar="DIR", help="the workspace (default: the current directory)")
-    p.add_argument("--cwd", metavar="DIR", help="where the command starts (default: the workspace)")
-    p.add_argument("--writable-root", action="append", default=[], metavar="DIR",
-                   help="another writable directory (repeatable; workspace-write only)")
-    p.add_argument("--protect", action="append", default=[], metavar="SUBPATH",
-                   help="keep SUBPATH of every writable root read-only, in addition to "
-                        f"{', '.join(DEFAULT_PROTECTED_SUBPATHS)} (repeatable)")
-    p.add_argument("--no-default-protect", action="store_true",
-                   help=f"do not protect {', '.join(DEFAULT_PROTECTED_SUBPATHS)} by default")
-    net = p.add_mutually_exclusive_group()
-    net.add_argument("--network", dest="network", action="store_true", default=False,
-                     help="give the command the host's network (workspace-write only)")
-    net.add_argument("--no-network", dest="network", action="store_false",
-                     help="no network: a private namespace with only loopback (default)")
-    p.add_argument("--timeout", type=float, metavar="SECONDS", help="kill the whole tree after SECONDS")
-    p.add_argument("--memory", metavar="SIZE", help="memory limit of the whole tree (cgroup)")
-    p.add_argument("--pids", type=int, metavar="N", help="process/thread limit of the whole tree (cgroup)")
-    p.add_argument("--cpu-seconds", type=int, metavar="N", help="CPU time limit per process (rlimit)")
-    p.add_argument("--open-files", type=int, metavar="N", help="open files limit per process (rlimit)")
-    p.add_argument("--tmp-size", metavar="SIZE", help=f"size of the private /tmp and /dev/shm "
-                                                      f"(default {DEFAULT_TMP_SIZE >> 20}M)")
-    p.add_argument("--user", metavar="UID[:GID]",
-                   help="run as this user (numbers or names; default: the owner of the workspace)")
-    p.add_argument("--env", action="append", default=[], metavar="K=V", help="set a variable (repeatable)")
-    p.add_argument("--clear-env", action="store_true", help="start from an empty environment")
-    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- PROGRAM [ARGS...]")
-    return p
+class UsageError(Exception):
+    pass
+
+
+def help_text() -> str:
+    lines = [USAGE, "", DESCRIPTION.rstrip(), "", "options:"]
+    for flag, metavar, kind, text in OPTIONS:
+        left = f"  {flag}" + (f" {metavar}" if metavar else "") + ("..." if kind == "append" else "")
+        lines.append(f"{left:<28}{text}" if len(left) < 28 else f"{left}\n{'':<28}{text}")
+    return "\n".join(lines) + "\n\n" + EPILOG
+
+
+def parse_args(argv: list[str]) -> dict[str, object]:
+    """Options as a dict keyed like the flags (``writable_root``...), plus ``command``."""
+    options: dict[str, object] = {flag[2:].replace("-", "_"): [] if kind == "append" else None
+                                  for flag, _, kind, _ in OPTIONS}
+    options["command"] = []
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        index += 1
+        if arg == "--" or not arg.startswith("-") or arg == "-":
+            options["command"] = argv[index:] if arg == "--" else argv[index - 1:]
+            break
+        flag, has_value, inline = arg.partition("=")
+        flag = "--help" if flag == "-h" else flag
+        if flag not in _BY_FLAG:
+            raise UsageError(f"unknown option {flag!r} (see sandboxd run --help)")
+        metavar, kind = _BY_FLAG[flag]
+        key = flag[2:].replace("-", "_")
+        if kind == "flag":
+            if has_value:
+                raise UsageError(f"{flag} takes no value")
+            options[key] = True
+            continue
+        if has_value:
+            value = inline
+        elif index < len(argv):
+            value, index = argv[index], index + 1
+        else:
+            raise UsageError(f"{flag} needs a value: {flag} {metavar}")
+        if kind == "append":
+            options[key].append(value)  # type: ignore[union-attr]
+        else:
+            options[key] = value
+    if options["network"] and options["no_network"]:
+        raise UsageError("--network and --no-network exclude each other")
+    return options
+
+
+def _number(options: dict[str, object], key: str, kind: type) -> "int | float | None":
+    value = options[key]
+    if value is None:
+        return None
+    try:
+        return kind(value)  # type: ignore[no-any-return]
+    except ValueError:
+        raise UsageError(f"--{key.replace('_', '-')} {value!r} is not a {'whole ' if kind is int else ''}number") from None
 
 
 def parse_user(text: str) -> tuple[int, int]:
@@ -100,41 +145,51 @@ def parse_user(text: str) -> tuple[int, int]:
         raise InvalidPolicy(f"unknown user or group in --user {text!r}") from None
 
 
-def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
+def spec_from_args(args: dict[str, object]) -> LaunchSpec:
+    command = list(args["command"])  # type: ignore[call-overload]
     if not command:
         raise InvalidPolicy("no program given: sandboxd run [options] -- PROGRAM [ARGS...]")
-    protected = () if args.no_default_protect else DEFAULT_PROTECTED_SUBPATHS
-    protected = tuple(dict.fromkeys(protected + tuple(args.protect)))
-    policy = policy_from_name(args.sandbox, network_access=args.network, writable_roots=args.writable_root,
+    protected = () if args["no_default_protect"] else DEFAULT_PROTECTED_SUBPATHS
+    protected = tuple(dict.fromkeys(protected + tuple(args["protect"])))  # type: ignore[arg-type]
+    network = bool(args["network"])
+    policy = policy_from_name(str(args["sandbox"] or "workspace-write"), network_access=network,
+                              writable_roots=list(args["writable_root"]),  # type: ignore[call-overload]
                               protected_subpaths=protected)
-    if args.network and policy.name != "workspace-write":
-        if policy.name == "read-only":
-            raise InvalidPolicy("--network needs --sandbox workspace-write (read-only has no network)")
-    env = {} if args.clear_env else dict(os.environ)
-    for item in args.env:
+    env = {} if args["clear_env"] else dict(os.environ)
+    for item in args["env"]:  # type: ignore[attr-defined]
         key, sep, value = item.partition("=")
         if not sep:
             raise InvalidPolicy(f"--env {item!r} must look like NAME=VALUE")
         env[key] = value
+    memory, tmp_size = args["memory"], args["tmp_size"]
     limits = Limits(
-        timeout_seconds=args.timeout,
-        memory_bytes=parse_size(args.memory, "--memory") if args.memory else None,
-        pids=args.pids, cpu_seconds=args.cpu_seconds, open_files=args.open_files,
-        tmp_size_bytes=parse_size(args.tmp_size, "--tmp-size") if args.tmp_size else DEFAULT_TMP_SIZE,
+        timeout_seconds=_number(args, "timeout", float),
+        memory_bytes=parse_size(str(memory), "--memory") if memory else None,
+        pids=_number(args, "pids", int), cpu_seconds=_number(args, "cpu_seconds", int),
+        open_files=_number(args, "open_files", int),
+        tmp_size_bytes=parse_size(str(tmp_size), "--tmp-size") if tmp_size else DEFAULT_TMP_SIZE,
     )
-    workspace = os.path.abspath(args.workspace or os.getcwd())
+    workspace = os.path.abspath(str(args["workspace"] or os.getcwd()))
+    cwd, user = args["cwd"], args["user"]
     return LaunchSpec(argv=tuple(command), workspace=workspace, env=env,
-                      cwd=os.path.abspath(args.cwd) if args.cwd else None, policy=policy, limits=limits,
-                      user=parse_user(args.user) if args.user else None)
+                      cwd=os.path.abspath(str(cwd)) if cwd else None, policy=policy, limits=limits,
+                      user=parse_user(str(user)) if user else None)
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = parse_args(argv)
+        if args["help"]:
+            sys.stdout.write(help_text())
+            return 0
         spec = spec_from_args(args)
+    except UsageError as exc:
+        sys.stderr.write(f"{USAGE}\nsandboxd run: {exc}\n")
+        return EXIT_SETUP_FAILED
+    except SandboxdError as exc:
+        sys.stderr.write(f"sandboxd run: {exc}\n")
+        return EXIT_SETUP_FAILED
+    try:
         from sandboxd.supervisor.spawner import Spawner
         sandbox = Spawner().launch(spec)
         _forward_signals(sandbox)

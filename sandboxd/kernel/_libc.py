@@ -6,14 +6,13 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import platform
 
 from sandboxd.errors import NamespacesUnavailable, SetupError
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
 
-_MACHINE = platform.machine()
+_MACHINE = os.uname().machine
 # System calls without a glibc wrapper. 434 and up are the same on every
 # architecture; older ones differ.
 _SYSCALLS = {

@@ -8,13 +8,12 @@ or file capability can hand anything back.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 
-import prctl as _prctl  # python-prctl: capset(2) via libcap, securebits, no_new_privs
-
 from sandboxd.errors import SetupError
-from sandboxd.kernel._libc import from_oserror, prctl
+from sandboxd.kernel._libc import checked, from_oserror, libc, prctl
 
 PR_CAPBSET_READ = 23
 PR_CAPBSET_DROP = 24
@@ -23,6 +22,8 @@ CAP_SYS_ADMIN = 21
 PR_CAP_AMBIENT = 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
 PR_SET_SECUREBITS = 28
+PR_SET_NO_NEW_PRIVS = 38
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
 # NOROOT: uid 0 gets no capabilities from exec; NO_CAP_AMBIENT_RAISE: none can
 # be raised back; each locked so the sandboxed program cannot undo them.
 SECUREBITS = (1 << 0) | (1 << 1) | (1 << 5) | (1 << 6) | (1 << 7)  # NOROOT(+LOCKED), KEEP_CAPS_LOCKED, NO_CAP_AMBIENT_RAISE(+LOCKED)
@@ -47,12 +48,29 @@ def drop_privileges(uid: int, gid: int) -> None:
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
         # For uid 0 the kernel keeps the capability sets across setresuid: clear them.
-        _prctl.cap_effective.limit()
-        _prctl.cap_permitted.limit()
-        _prctl.cap_inheritable.limit()
-        _prctl.set_no_new_privs(1)
+        clear_capability_sets()
+        prctl(PR_SET_NO_NEW_PRIVS, 1, step="set no_new_privs")
     except OSError as exc:
         raise from_oserror(exc, "drop privileges") from None
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def clear_capability_sets() -> None:
+    """capset(2) with all-zero effective, permitted and inheritable sets (both 32-bit halves).
+
+    One system call through ctypes; python-prctl's libcap wrappers would cost
+    an import of several milliseconds on every launch for the same result.
+    """
+    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    checked(libc.capset(ctypes.byref(header), data), "capset")
 
 
 def verify_dropped() -> None:

@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
+import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
 import time
-from dataclasses import dataclass, field
 
+from sandboxd._record import Record
 from sandboxd.errors import LimitsUnavailable
 from sandboxd.kernel._libc import from_oserror
 
 BASE_NAME = "sandboxd"
 
 
-@dataclass(frozen=True)
-class Hierarchies:
+class Hierarchies(Record):
     unified: str | None               # cgroup2 mount point
     unified_own: str                  # our own v2 cgroup path ("/..." relative to the mount)
     unified_controllers: frozenset[str]
@@ -75,15 +74,15 @@ def hierarchies() -> Hierarchies:
     return _hierarchies
 
 
-@dataclass
 class CgroupSet:
     """The cgroups of one sandbox, across hierarchies."""
 
-    name: str
-    dirs: list[str] = field(default_factory=list)
-    unified_dir: str | None = None
-    memory_dir: str | None = None
-    memory_v2: bool = False
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.dirs: list[str] = []
+        self.unified_dir: str | None = None
+        self.memory_dir: str | None = None
+        self.memory_v2 = False
 
     @classmethod
     def create(cls, name: str, *, memory_bytes: int | None, pids: int | None) -> "CgroupSet":

@@ -8,8 +8,8 @@ network sessions.)
 
 from __future__ import annotations
 
+import _socket  # the C module: socket.py's enums cost more to import than a launch
 import fcntl
-import socket
 import struct
 
 from sandboxd.kernel._libc import from_oserror
@@ -21,9 +21,12 @@ IFF_UP = 0x1
 
 def bring_up_loopback() -> None:
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        sock = _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM | _socket.SOCK_CLOEXEC, 0)
+        try:
             request = struct.pack("16sH14x", b"lo", 0)
             flags = struct.unpack("16sH14x", fcntl.ioctl(sock.fileno(), SIOCGIFFLAGS, request))[1]
             fcntl.ioctl(sock.fileno(), SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+        finally:
+            sock.close()
     except OSError as exc:
         raise from_oserror(exc, "bring up loopback", "lo") from None

@@ -11,14 +11,13 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from dataclasses import dataclass
 
+from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy, SetupError
 from sandboxd.policy.sandbox import is_within, validate_writable_root
 
 
-@dataclass(frozen=True)
-class ResolvedPaths:
+class ResolvedPaths(Record):
     workspace: str
     cwd: str
     writable_roots: tuple[str, ...]  # real paths, parents before children, without duplicates

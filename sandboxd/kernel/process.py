@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import signal
+import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
 
 from sandboxd.kernel._libc import checked, prctl, raw_syscall
 

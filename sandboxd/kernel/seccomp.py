@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import os
-import platform
-from dataclasses import dataclass
+import zlib
 
 from sandboxd import __version__
+from sandboxd._record import Record
 from sandboxd.kernel._libc import checked, raw_syscall
 
 TIOCSTI = 0x5412
@@ -45,8 +44,7 @@ DENIED_SYSCALLS: tuple[str, ...] = (
 )
 
 
-@dataclass(frozen=True)
-class FilterSpec:
+class FilterSpec(Record):
     """Which filter a launch gets. ``confined`` is every policy but DangerFullAccess."""
 
     confined: bool
@@ -86,8 +84,11 @@ class FilterSpec:
         return self.confined and not self.network_access
 
     def cache_key(self) -> str:
-        text = repr((__version__, platform.machine(), self.rules()))
-        return hashlib.sha256(text.encode()).hexdigest()[:24]
+        # Names the cached program; its integrity comes from the cache being root-only,
+        # so a checksum is enough (hashlib would cost an OpenSSL load on every run).
+        rules = repr(self.rules()).encode()
+        kind = ("confined" if self.confined else "open") + ("-net" if self.network_access else "")
+        return f"{__version__}-{os.uname().machine}-{kind}-{zlib.crc32(rules):08x}-{len(rules)}"
 
 
 CACHE_DIR = "/var/cache/sandboxd/seccomp"

@@ -15,8 +15,8 @@ import ctypes
 import errno
 import fcntl
 import os
-from dataclasses import dataclass
 
+from sandboxd._record import Record
 from sandboxd.kernel._libc import libc, raw_syscall
 
 SECCOMP_IOCTL_NOTIF_RECV = 0xC0502100
@@ -43,8 +43,7 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-@dataclass(frozen=True)
-class Notification:
+class Notification(Record):
     id: int
     pid: int
     syscall: int

@@ -10,8 +10,8 @@ hundred sandbox launches.
 
 from __future__ import annotations
 
+import _socket  # the C module: socket.py's enums cost more to import than a launch
 import os
-import socket
 import struct
 
 NETLINK_SOCK_DIAG = 4
@@ -32,8 +32,9 @@ _MESSAGE = struct.Struct("=BBBBIII")
 def bound_socket_files() -> set[tuple[int, int, int]]:
     """(major, minor, inode) of every socket file bound by a socket of this network namespace."""
     found: set[tuple[int, int, int]] = set()
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG) as nl:
-        body = _REQUEST.pack(socket.AF_UNIX, 0, 0, ALL_STATES, 0, UDIAG_SHOW_VFS, 0xFFFFFFFF, 0xFFFFFFFF)
+    nl = _socket.socket(_socket.AF_NETLINK, _socket.SOCK_DGRAM | _socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG)
+    try:
+        body = _REQUEST.pack(_socket.AF_UNIX, 0, 0, ALL_STATES, 0, UDIAG_SHOW_VFS, 0xFFFFFFFF, 0xFFFFFFFF)
         nl.send(_HEADER.pack(_HEADER.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
                 + body)
         while True:
@@ -47,6 +48,8 @@ def bound_socket_files() -> set[tuple[int, int, int]]:
                     raise OSError(-struct.unpack_from("=i", data, offset + _HEADER.size)[0], "sock_diag")
                 _parse_attributes(data, offset + _HEADER.size + _MESSAGE.size, offset + length, found)
                 offset += (length + 3) & ~3
+    finally:
+        nl.close()
 
 
 def _parse_attributes(data: bytes, start: int, end: int, found: set[tuple[int, int, int]]) -> None:

@@ -7,14 +7,13 @@ before any process or namespace exists.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
+from sandboxd._record import Record
 from sandboxd.kernel import paths, seccomp
 from sandboxd.policy import DangerFullAccess, LaunchSpec, Limits, WorkspaceWrite
 
 
-@dataclass(frozen=True)
-class LaunchPlan:
+class LaunchPlan(Record):
     argv: tuple[str, ...]
     env: dict[str, str]
     cwd: str

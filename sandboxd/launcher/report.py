@@ -1,23 +1,43 @@
-"""The report channel: how a child tells its parent that setup failed, and why.
+"""The report channel: how a child tells its parent that setup failed, and why;
+and how init tells the parent how the command ended.
 
-A close-on-exec pipe. The child writes one JSON line describing a
-``SetupError`` and exits 125; a successful exec closes the pipe with nothing
-written, so EOF alone means "the command is running".
+Both are close-on-exec pipes carrying one line of ``key<US>value`` pairs
+separated by ``<RS>`` (ASCII unit/record separators). Not JSON: the ``json``
+module imports ``re``, and this is on the path of every ``sandboxd run``.
+
+- Setup: a failing child writes one line describing a ``SetupError`` and
+  exits 125; a successful exec closes the pipe with nothing written, so EOF
+  alone means "the command is running".
+- Status: init writes the command's wait status and resource usage.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from typing import NoReturn
 
 from sandboxd.errors import SetupError
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import NoReturn
+
 SETUP_FAILED_EXIT = 125
+_UNIT, _RECORD = "\x1f", "\x1e"
 
 
-def fail(fd: int, error: BaseException, step: str = "setup") -> NoReturn:
+def encode(fields: dict[str, object]) -> bytes:
+    def clean(value: object) -> str:
+        return str(value).replace(_UNIT, " ").replace(_RECORD, " ").replace("\n", " ")
+    return (_RECORD.join(f"{k}{_UNIT}{clean(v)}" for k, v in fields.items() if v is not None) + "\n").encode()
+
+
+def decode(data: bytes) -> dict[str, str]:
+    line = data.decode(errors="replace").split("\n", 1)[0]
+    return dict(item.split(_UNIT, 1) for item in line.split(_RECORD) if _UNIT in item)
+
+
+def fail(fd: int, error: BaseException, step: str = "setup") -> "NoReturn":
     """Report ``error`` on ``fd`` and end this child process without running anything else."""
     if not isinstance(error, SetupError):
         if isinstance(error, OSError):
@@ -25,7 +45,7 @@ def fail(fd: int, error: BaseException, step: str = "setup") -> NoReturn:
         else:
             error = SetupError(step, 0, detail=f"{type(error).__name__}: {error}")
     try:
-        os.write(fd, (json.dumps({"error": error.to_dict()}) + "\n").encode())
+        os.write(fd, encode(error.to_dict()))
     except OSError:
         try:
             sys.stderr.write(f"sandboxd: {error}\n")
@@ -34,8 +54,7 @@ def fail(fd: int, error: BaseException, step: str = "setup") -> NoReturn:
     os._exit(SETUP_FAILED_EXIT)
 
 
-def read_error(fd: int) -> SetupError | None:
-    """Read until EOF; return the reported error, or None when the command was executed."""
+def read_all(fd: int) -> bytes:
     chunks = []
     while True:
         try:
@@ -43,13 +62,32 @@ def read_error(fd: int) -> SetupError | None:
         except InterruptedError:
             continue
         if not data:
-            break
+            return b"".join(chunks)
         chunks.append(data)
-    text = b"".join(chunks).decode(errors="replace").strip()
-    if not text:
+
+
+def read_error(fd: int) -> SetupError | None:
+    """Read until EOF; return the reported error, or None when the command was executed."""
+    data = read_all(fd)
+    if not data.strip():
         return None
+    fields = decode(data)
+    if "step" not in fields:
+        return SetupError("report", 0, detail=f"unreadable setup report: {data[:200]!r}")
+    return SetupError.from_dict(fields)  # type: ignore[arg-type]
+
+
+def write_status(fd: int, status: int, utime: float, stime: float, maxrss_kib: int) -> None:
     try:
-        message = json.loads(text.splitlines()[0])
-        return SetupError.from_dict(message["error"])
-    except (ValueError, KeyError, TypeError):
-        return SetupError("report", 0, detail=f"unreadable setup report: {text[:200]!r}")
+        os.write(fd, encode({"status": status, "utime": utime, "stime": stime, "maxrss_kib": maxrss_kib}))
+    except OSError:
+        pass
+
+
+def read_status(fd: int) -> dict[str, float]:
+    """What init wrote about the command, or {} if init died without a word."""
+    try:
+        fields = decode(read_all(fd))
+        return {key: float(value) for key, value in fields.items()}
+    except (OSError, ValueError):
+        return {}

@@ -25,19 +25,34 @@ DangerFullAccess uses one process: the anchor becomes the command.
 
 from __future__ import annotations
 
-import json
+import _socket  # the C module: socket.py's enums cost more to import than a launch
+import errno
 import os
 import select
-import signal
-import socket
-from typing import NoReturn
+import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
 
-from sandboxd.errors import SetupError
+from sandboxd.errors import ExecFailed
 from sandboxd.kernel import caps, landlock, namespaces, netns, process, rlimits, seccomp
 from sandboxd.kernel._libc import from_oserror
 from sandboxd.launcher import report, rootfs
 from sandboxd.launcher.connect_broker import ConnectBroker
 from sandboxd.launcher.plan import LaunchPlan
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Callable, NoReturn
+
+
+def in_child(report_fd: int, step: str, body: "Callable[[], object]") -> "NoReturn":
+    """Run the body of a freshly forked child. Whatever happens in it, this process
+    never returns into its parent's code: any exception becomes a report, and the
+    child ends here."""
+    try:
+        body()
+    except BaseException as exc:  # noqa: BLE001
+        report.fail(report_fd, exc, step)
+    finally:
+        os._exit(report.SETUP_FAILED_EXIT)
 
 # Python ignores SIGPIPE and SIGXFSZ for itself; an exec'd program must get the defaults back.
 RESTORED_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
@@ -60,7 +75,7 @@ def run_anchor(plan: LaunchPlan, *, parent: int, report_fd: int, status_fd: int,
         report.fail(report_fd, exc, "anchor")
     init_pid = os.fork()
     if init_pid == 0:
-        _run_init(plan, report_fd=report_fd, status_fd=status_fd)
+        in_child(report_fd, "init", lambda: _run_init(plan, report_fd=report_fd, status_fd=status_fd))
     _forward_signals_to(init_pid)
     os.close(report_fd)
     os.close(status_fd)
@@ -92,11 +107,11 @@ def _run_init(plan: LaunchPlan, *, report_fd: int, status_fd: int) -> NoReturn:
         process.set_dumpable(False)
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "init")
-    broker_end, command_end = (socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    broker_end, command_end = (_socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
                                if plan.brokers_connect else (None, None))
     command_pid = os.fork()
     if command_pid == 0:
-        _run_command(plan, init=1, report_fd=report_fd, broker=command_end)
+        in_child(report_fd, "command", lambda: _run_command(plan, init=1, report_fd=report_fd, broker=command_end))
     process.set_title("sandboxd-init")
     listener = _receive_listener(broker_end, command_end)
     keep = {status_fd} | ({listener} if listener is not None else set())
@@ -105,17 +120,21 @@ def _run_init(plan: LaunchPlan, *, report_fd: int, status_fd: int) -> NoReturn:
     _supervise(command_pid, status_fd, listener)
 
 
-def _receive_listener(broker_end: socket.socket | None, command_end: socket.socket | None) -> int | None:
+def _receive_listener(broker_end: "_socket.socket | None", command_end: "_socket.socket | None") -> int | None:
     """The seccomp listener the command sends before exec (None if it failed before that)."""
     if broker_end is None or command_end is None:
         return None
     command_end.close()
+    listener = None
     try:
-        _, fds, _, _ = socket.recv_fds(broker_end, 1, 1)
+        _, ancillary, _, _ = broker_end.recvmsg(1, _socket.CMSG_SPACE(4))
+        for level, kind, data in ancillary:
+            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS and len(data) >= 4:
+                listener = int.from_bytes(data[:4], "little")
     except OSError:
-        fds = []
+        pass
     broker_end.close()
-    return fds[0] if fds else None
+    return listener
 
 
 def _supervise(command_pid: int, status_fd: int, listener: int | None) -> NoReturn:
@@ -157,12 +176,7 @@ def _reap(command_pid: int, status_fd: int) -> None:
             return
         if pid != command_pid:
             continue
-        message = {"status": status, "utime": usage.ru_utime, "stime": usage.ru_stime,
-                   "maxrss_kib": usage.ru_maxrss}
-        try:
-            os.write(status_fd, (json.dumps(message) + "\n").encode())
-        except OSError:
-            pass
+        report.write_status(status_fd, status, usage.ru_utime, usage.ru_stime, usage.ru_maxrss)
         os._exit(0)
 
 
@@ -174,7 +188,7 @@ def _drain(fd: int) -> None:
         pass
 
 
-def _run_command(plan: LaunchPlan, *, init: int, report_fd: int, broker: socket.socket | None) -> NoReturn:
+def _run_command(plan: LaunchPlan, *, init: int, report_fd: int, broker: "_socket.socket | None") -> NoReturn:
     try:
         for signum in FORWARDED_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)
@@ -188,7 +202,8 @@ def _run_command(plan: LaunchPlan, *, init: int, report_fd: int, broker: socket.
         listener = seccomp.load(plan.seccomp_program,     # last: nothing after this but exec
                                 new_listener=plan.brokers_connect)
         if broker is not None:
-            socket.send_fds(broker, [b"L"], [listener])  # init answers this filter's notifications
+            broker.sendmsg([b"L"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS,  # init answers this
+                                     listener.to_bytes(4, "little"))])         # filter's notifications
             os.close(listener)
             broker.close()
     except BaseException as exc:  # noqa: BLE001
@@ -216,19 +231,34 @@ def _exec_unconfined(plan: LaunchPlan, report_fd: int) -> NoReturn:
 
 
 def _exec(plan: LaunchPlan, report_fd: int) -> NoReturn:
+    """execve the program, searching the sandbox environment's PATH like execvp(3).
+
+    Not os.execvpe: it imports `warnings` lazily, and after the privilege drop
+    the interpreter's own files may be unreadable (a Python under /root).
+    """
     try:
         for signum in RESTORED_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)
-        os.execvpe(plan.argv[0], list(plan.argv), plan.env)
-    except OSError as exc:
-        error = from_oserror(exc, "exec", plan.argv[0])
-        report.fail(report_fd, _as_exec_failure(error), "exec")
-    report.fail(report_fd, SetupError("exec", 0, plan.argv[0]), "exec")
-
-
-def _as_exec_failure(error: SetupError) -> SetupError:
-    from sandboxd.errors import ExecFailed
-    return ExecFailed(error.step, error.errno, error.path, hint=error.hint)
+        program, argv = plan.argv[0], list(plan.argv)
+        if "/" in program:
+            candidates = [program]
+        else:
+            search = plan.env.get("PATH") or "/usr/local/bin:/usr/bin:/bin"
+            candidates = [os.path.join(d or ".", program) for d in search.split(":")]
+        first_error: OSError | None = None
+        for candidate in candidates:
+            try:
+                os.execve(candidate, argv, plan.env)
+            except OSError as exc:
+                # Like execvp: remember a real refusal (EACCES...), keep looking past ENOENT/ENOTDIR.
+                if first_error is None or (first_error.errno in (errno.ENOENT, errno.ENOTDIR)
+                                           and exc.errno not in (errno.ENOENT, errno.ENOTDIR)):
+                    first_error = exc
+        assert first_error is not None
+        error = from_oserror(first_error, "exec", program)
+        report.fail(report_fd, ExecFailed(error.step, error.errno, program, hint=error.hint), "exec")
+    except BaseException as exc:  # noqa: BLE001
+        report.fail(report_fd, exc, "exec")
 
 
 def _join_cgroups(dirs: list[str]) -> None:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-
+from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
 
-_SIZE = re.compile(r"^\s*(\d+)\s*([kKmMgGtT]?)(i?[bB])?\s*$")
 _FACTORS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 DEFAULT_TMP_SIZE = 512 << 20
@@ -18,17 +15,21 @@ def parse_size(text: str | int, what: str = "size") -> int:
     if isinstance(text, int):
         value = text
     else:
-        match = _SIZE.match(str(text))
-        if not match:
+        # "<digits>[K|M|G|T][B|iB]", case-insensitive; parsed by hand to keep `re` off the launch path.
+        body = str(text).replace(" ", "").lower()
+        binary_suffix = body.endswith("ib")
+        body = body[:-2] if binary_suffix else body[:-1] if body.endswith("b") else body
+        unit = body[-1:] if body[-1:] in ("k", "m", "g", "t") else ""
+        digits = body[:-1] if unit else body
+        if not digits.isascii() or not digits.isdigit() or (binary_suffix and not unit):
             raise InvalidPolicy(f"bad {what} {text!r}: give plain bytes or a number with K, M or G (e.g. 512M)")
-        value = int(match.group(1)) * _FACTORS[match.group(2).lower()]
+        value = int(digits) * _FACTORS[unit]
     if value <= 0:
         raise InvalidPolicy(f"bad {what} {text!r}: must be greater than zero")
     return value
 
 
-@dataclass(frozen=True)
-class Limits:
+class Limits(Record):
     """What one launch may consume. ``None`` means no limit of that kind."""
 
     timeout_seconds: float | None = None

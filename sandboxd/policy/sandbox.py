@@ -11,9 +11,8 @@ where its symlinks lead is answered at the kernel edge
 from __future__ import annotations
 
 import posixpath
-from dataclasses import dataclass
-from typing import Union
 
+from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
 
 # Paths inside every writable root that stay read-only: git runs hooks and
@@ -28,22 +27,26 @@ DEFAULT_PROTECTED_SUBPATHS: tuple[str, ...] = (".git/hooks", ".git/config")
 _FORBIDDEN_ROOT_PREFIXES = ("/proc", "/sys", "/dev")
 
 
-@dataclass(frozen=True)
-class ReadOnly:
+class SandboxPolicy(Record):
+    """One of ReadOnly, WorkspaceWrite, DangerFullAccess."""
+
+    name = ""
+    network_access: bool = False
+
+
+class ReadOnly(SandboxPolicy):
     """Read anything the host lets the sandbox uid read; write nothing but a private /tmp; no network."""
 
     name = "read-only"
 
-    @property
-    def network_access(self) -> bool:
-        return False
+    def __post_init__(self) -> None:
+        if self.network_access:
+            raise InvalidPolicy("read-only has no network access: use workspace-write with network_access")
 
 
-@dataclass(frozen=True)
-class WorkspaceWrite:
+class WorkspaceWrite(SandboxPolicy):
     """Write the workspace and the listed roots; everything else read-only."""
 
-    network_access: bool = False
     writable_roots: tuple[str, ...] = ()
     protected_subpaths: tuple[str, ...] = DEFAULT_PROTECTED_SUBPATHS
 
@@ -55,18 +58,17 @@ class WorkspaceWrite:
         object.__setattr__(self, "protected_subpaths", tuple(self.protected_subpaths))
 
 
-@dataclass(frozen=True)
-class DangerFullAccess:
+class DangerFullAccess(SandboxPolicy):
     """No filesystem or network restriction; still a killable process tree and no TIOCSTI."""
 
     name = "danger-full-access"
+    network_access: bool = True
 
-    @property
-    def network_access(self) -> bool:
-        return True
+    def __post_init__(self) -> None:
+        if not self.network_access:
+            raise InvalidPolicy("danger-full-access always has the host network: use workspace-write "
+                                "without network_access to cut it")
 
-
-SandboxPolicy = Union[ReadOnly, WorkspaceWrite, DangerFullAccess]
 
 _NAMES = {
     "read-only": "read-only", "read_only": "read-only", "readonly": "read-only",

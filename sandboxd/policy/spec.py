@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+from sandboxd._record import Factory, Record
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy.limits import Limits
 from sandboxd.policy.sandbox import SandboxPolicy, default_policy, validate_policy
 
 
-@dataclass(frozen=True)
-class LaunchSpec:
+class LaunchSpec(Record):
     """One command to run in a sandbox.
 
     ``workspace`` is the directory that is writable under WorkspaceWrite; ``cwd``
@@ -20,10 +18,10 @@ class LaunchSpec:
 
     argv: tuple[str, ...]
     workspace: str
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = Factory(dict)
     cwd: str | None = None
-    policy: SandboxPolicy = field(default_factory=default_policy)
-    limits: Limits = field(default_factory=Limits)
+    policy: SandboxPolicy = Factory(default_policy)
+    limits: Limits = Factory(Limits)
     user: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
@@ -52,7 +50,7 @@ def spec_to_dict(spec: LaunchSpec) -> dict[str, object]:
         "policy": {"name": policy.name, "network_access": bool(policy.network_access),
                    "writable_roots": list(getattr(policy, "writable_roots", ())),
                    "protected_subpaths": list(getattr(policy, "protected_subpaths", ()))},
-        "limits": dict(spec.limits.__dict__),
+        "limits": spec.limits.as_dict(),
         "user": list(spec.user) if spec.user else None,
     }
 

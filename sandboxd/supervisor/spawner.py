@@ -10,13 +10,12 @@ calls it directly; the daemon runs it inside the fork server
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import select
-import signal
+import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
 import time
-from dataclasses import dataclass
 
+from sandboxd._record import Record
 from sandboxd.errors import SetupError
 from sandboxd.kernel.cgroups import CgroupSet
 from sandboxd.launcher import report, sequence
@@ -26,8 +25,7 @@ from sandboxd.policy import LaunchSpec
 _counter = itertools.count(1)
 
 
-@dataclass
-class ExitInfo:
+class ExitInfo(Record):
     """How a sandboxed command ended."""
 
     exit_code: int | None        # the command's own exit code, when it exited
@@ -48,7 +46,7 @@ class ExitInfo:
         return self.exit_code if self.exit_code is not None else 125
 
     def to_dict(self) -> dict[str, object]:
-        return dict(self.__dict__)
+        return self.as_dict()
 
 
 class SandboxProcess:
@@ -136,7 +134,7 @@ class SandboxProcess:
         assert self._exit_status is not None
         status, usage = self._exit_status, {}
         if self.plan.confined:
-            usage = self._read_status()
+            usage = report.read_status(self._status_fd)
             if "status" in usage:
                 status = int(usage["status"])          # the command's own, as init saw it
             elif not self._timed_out and os.WIFEXITED(status):
@@ -149,21 +147,11 @@ class SandboxProcess:
             wall_seconds=time.monotonic() - self.started,
             cpu_seconds=(usage["utime"] + usage["stime"]) if "utime" in usage else None,
             peak_memory_bytes=self._cgroup.peak_memory() if self._cgroup else (
-                usage["maxrss_kib"] * 1024 if "maxrss_kib" in usage else None),
+                int(usage["maxrss_kib"]) * 1024 if "maxrss_kib" in usage else None),
             oom_killed=self._cgroup.oom_killed() if self._cgroup else False,
         )
         self._cleanup()
         return info
-
-    def _read_status(self) -> dict[str, float]:
-        try:
-            data = os.read(self._status_fd, 4096)
-        except OSError:
-            return {}
-        try:
-            return json.loads(data.decode()) if data else {}
-        except ValueError:
-            return {}
 
     def _cleanup(self) -> None:
         for fd in (self._report_fd, self._status_fd, self._pidfd):
@@ -200,19 +188,21 @@ class Spawner:
                 cgroup.remove()
             raise SetupError("fork", exc.errno or 0, hint="the system is out of processes or memory") from None
         if pid == 0:
-            try:
-                os.close(report_r)
-                os.close(status_r)
-                for target, source in enumerate(stdio):
-                    if source != target:
-                        os.dup2(source, target)
-            except BaseException as exc:  # noqa: BLE001
-                report.fail(report_w, exc, "stdio")
-            sequence.run_anchor(plan, parent=self.pid, report_fd=report_w, status_fd=status_w,
-                                cgroup_dirs=list(cgroup.dirs) if cgroup else [])
+            sequence.in_child(report_w, "anchor", lambda: self._child(plan, stdio, cgroup, report_r, report_w,
+                                                                       status_r, status_w))
         os.close(report_w)
         os.close(status_w)
         return SandboxProcess(plan, pid, report_r, status_r, cgroup)
+
+    def _child(self, plan: LaunchPlan, stdio: tuple[int, int, int], cgroup: CgroupSet | None,
+               report_r: int, report_w: int, status_r: int, status_w: int) -> None:
+        os.close(report_r)
+        os.close(status_r)
+        for target, source in enumerate(stdio):
+            if source != target:
+                os.dup2(source, target)
+        sequence.run_anchor(plan, parent=self.pid, report_fd=report_w, status_fd=status_w,
+                            cgroup_dirs=list(cgroup.dirs) if cgroup else [])
 
     def _cgroup_for(self, plan: LaunchPlan) -> CgroupSet | None:
         """A cgroup with the asked limits, or none when there are no limits and the PID

@@ -1,0 +1,96 @@
+"""Small immutable record classes, without importing ``dataclasses``.
+
+``dataclasses`` imports ``inspect``, which imports ``ast``, ``dis``, ``enum``,
+``tokenize`` and ``re``: about 28 ms on the CI machine, more than a whole
+sandbox launch, on the path every ``sandboxd run`` takes (the issue asks the
+one-shot path to import only what it needs). The policy and plan types need
+little of it: keyword or positional construction with defaults, a
+``__post_init__`` hook, ``repr``, type-aware equality and hashing, frozen
+attributes and ``replace``. That is all this provides.
+"""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Callable
+
+
+class Factory:
+    """A default made fresh for each instance (like ``field(default_factory=...)``)."""
+
+    __slots__ = ("make",)
+
+    def __init__(self, make: "Callable[[], Any]") -> None:
+        self.make = make
+
+
+class Record:
+    """Base class: annotated class attributes become fields, in order; a value is their default."""
+
+    _fields: tuple[str, ...] = ()
+    _defaults: dict[str, object] = {}
+    _frozen: bool = True
+
+    def __init_subclass__(cls, frozen: bool = True, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        fields = list(cls._fields)
+        defaults = dict(cls._defaults)
+        for name in cls.__dict__.get("__annotations__", {}):
+            if name.startswith("_"):
+                continue
+            if name not in fields:
+                fields.append(name)
+            if name in cls.__dict__:
+                defaults[name] = cls.__dict__[name]
+                delattr(cls, name)
+        cls._fields, cls._defaults, cls._frozen = tuple(fields), defaults, frozen
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        if len(args) > len(self._fields):
+            raise TypeError(f"{type(self).__name__} takes at most {len(self._fields)} positional arguments")
+        values = dict(zip(self._fields, args))
+        for name, value in kwargs.items():
+            if name not in self._fields:
+                raise TypeError(f"{type(self).__name__} has no field {name!r}")
+            if name in values:
+                raise TypeError(f"{type(self).__name__} got {name!r} twice")
+            values[name] = value
+        for name in self._fields:
+            if name not in values:
+                if name not in self._defaults:
+                    raise TypeError(f"{type(self).__name__} needs {name!r}")
+                default = self._defaults[name]
+                values[name] = default.make() if isinstance(default, Factory) else default
+            object.__setattr__(self, name, values[name])
+        post_init = getattr(self, "__post_init__", None)
+        if post_init is not None:
+            post_init()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if self._frozen:
+            raise AttributeError(f"{type(self).__name__} is immutable: use .replace({name}=...)")
+        object.__setattr__(self, name, value)
+
+    def _values(self) -> tuple[object, ...]:
+        return tuple(getattr(self, name) for name in self._fields)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._values() == other._values()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._values()))
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._fields)
+        return f"{type(self).__name__}({inner})"
+
+    def replace(self, **changes: object) -> "Record":
+        values = {name: getattr(self, name) for name in self._fields}
+        values.update(changes)
+        return type(self)(**values)
+
+    def as_dict(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in self._fields}

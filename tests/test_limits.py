@@ -1,0 +1,151 @@
+"""Resource limits: timeout, memory, pids, CPU time, open files (each with a control under the limit)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ALL_POLICIES, CONFINED, EXIT_TIMEOUT, describe, py, run_sbx
+
+# Allocates and touches argv[1] MiB; prints ALIVE if it survived.
+ALLOCATE = r"""
+import sys
+try:
+    block = b'x' * (int(sys.argv[1]) << 20)
+except MemoryError:
+    print('MemoryError', flush=True)
+    sys.exit(3)
+print('ALIVE', len(block) >> 20, flush=True)
+"""
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_memory_limit_kills_or_refuses_large_allocation(policy: str, workspace: Path) -> None:
+    """Allocating 256M under --memory 64M gets the process OOM-killed (137) or a MemoryError, never success."""
+    result = run_sbx(py(ALLOCATE, "256"), workspace=workspace, policy=policy, options=("--memory", "64M"))
+    assert "ALIVE" not in result.stdout, describe(result)
+    assert result.returncode == 137 or (result.returncode == 3 and "MemoryError" in result.stdout), describe(result)
+
+
+@pytest.mark.parametrize("policy", ["workspace-write", "danger-full-access"])
+def test_memory_limit_allows_allocation_below_it(policy: str, workspace: Path) -> None:
+    """Control: 16M under --memory 64M works."""
+    result = run_sbx(py(ALLOCATE, "16"), workspace=workspace, policy=policy, options=("--memory", "64M"))
+    assert result.returncode == 0 and "ALIVE 16" in result.stdout, describe(result)
+
+
+def test_memory_limit_covers_the_whole_tree(workspace: Path) -> None:
+    """Two processes of 40M each do not both fit in --memory 64M: the limit is on the tree, not per process."""
+    script = r"""
+import os, sys, time
+if os.fork() == 0:
+    block = b'x' * (40 << 20)
+    time.sleep(2)
+    os._exit(0)
+time.sleep(0.3)
+block = b'y' * (40 << 20)
+_, status = os.wait()
+print('child', 'killed' if os.WIFSIGNALED(status) else 'ok', flush=True)
+print('parent ALIVE', flush=True)
+"""
+    result = run_sbx(py(script), workspace=workspace, options=("--memory", "64M"))
+    both_survived = result.returncode == 0 and "child ok" in result.stdout and "parent ALIVE" in result.stdout
+    assert not both_survived, describe(result)
+
+
+PIDS = r"""
+import os, signal, sys, time
+children = []
+try:
+    for _ in range(int(sys.argv[1])):
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(30)
+            os._exit(0)
+        children.append(pid)
+except OSError as e:
+    print('FORK-FAILED', e.errno, len(children))
+else:
+    print('FORKED', len(children))
+for pid in children:                     # leave nothing behind (danger-full-access keeps background jobs)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+"""
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_pids_limit_makes_fork_fail_with_eagain(policy: str, workspace: Path) -> None:
+    """With --pids 10 the 10th+ process cannot be created: fork fails with EAGAIN (11) before 10 children."""
+    result = run_sbx(py(PIDS, "40"), workspace=workspace, policy=policy, options=("--pids", "10"), timeout=60)
+    words = result.stdout.split()
+    assert words[:2] == ["FORK-FAILED", "11"], describe(result)
+    assert int(words[2]) < 10
+
+
+def test_pids_without_limit_allow_many(workspace: Path) -> None:
+    """Control: without --pids the same program makes 40 children."""
+    result = run_sbx(py(PIDS, "40"), workspace=workspace)
+    assert result.stdout.split() == ["FORKED", "40"], describe(result)
+
+
+@pytest.mark.parametrize("policy", ["read-only", "workspace-write", "danger-full-access"])
+def test_cpu_seconds_limit(policy: str, workspace: Path) -> None:
+    """A busy loop under --cpu-seconds 1 is stopped by SIGXCPU (152) or SIGKILL (137) within a few seconds."""
+    started = time.monotonic()
+    result = run_sbx(py("while True: pass"), workspace=workspace, policy=policy, options=("--cpu-seconds", "1"),
+                     timeout=30)
+    elapsed = time.monotonic() - started
+    assert result.returncode in (152, 137), describe(result)
+    assert elapsed < 10
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_open_files_limit(policy: str, workspace: Path) -> None:
+    """--open-files 32 sets RLIMIT_NOFILE to 32; opening more descriptors fails with EMFILE."""
+    script = r"""
+import errno, os, resource
+print('limit', *resource.getrlimit(resource.RLIMIT_NOFILE))
+fds = []
+try:
+    for _ in range(100):
+        fds.append(os.open('/dev/null', os.O_RDONLY))
+    print('opened all')
+except OSError as e:
+    print('stopped', errno.errorcode[e.errno], len(fds))
+"""
+    result = run_sbx(py(script), workspace=workspace, policy=policy, options=("--open-files", "32"))
+    assert result.returncode == 0, describe(result)
+    lines = result.stdout.splitlines()
+    assert lines[0] == "limit 32 32", describe(result)
+    assert lines[1].startswith("stopped EMFILE") and int(lines[1].split()[2]) < 32, describe(result)
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_timeout_exits_124_promptly(policy: str, workspace: Path) -> None:
+    """--timeout 1 on `sleep 30` ends after about a second with exit 124 and a stderr note."""
+    started = time.monotonic()
+    result = run_sbx(["sh", "-c", "sleep 30; echo FINISHED"], workspace=workspace, policy=policy,
+                     options=("--timeout", "1"), timeout=40)
+    elapsed = time.monotonic() - started
+    assert result.returncode == EXIT_TIMEOUT, describe(result)
+    assert "FINISHED" not in result.stdout
+    assert 0.9 <= elapsed < 6, elapsed
+    assert "timed out" in result.stderr
+
+
+@pytest.mark.parametrize("policy", CONFINED)
+def test_timeout_not_hit_keeps_exit_status(policy: str, workspace: Path) -> None:
+    """A command that finishes before its timeout keeps its own exit status."""
+    result = run_sbx(["sh", "-c", "exit 7"], workspace=workspace, policy=policy, options=("--timeout", "20"))
+    assert result.returncode == 7, describe(result)
+
+
+def test_timeout_ignores_sigterm_handlers(workspace: Path) -> None:
+    """A command that traps and ignores SIGTERM is still stopped at the timeout."""
+    started = time.monotonic()
+    result = run_sbx(["sh", "-c", "trap '' TERM INT HUP; sleep 30"], workspace=workspace,
+                     options=("--timeout", "1"), timeout=40)
+    assert result.returncode == EXIT_TIMEOUT, describe(result)
+    assert time.monotonic() - started < 6

@@ -1,0 +1,262 @@
+"""Pure unit tests of the policy model (``sandboxd.policy``): no OS calls, no sandbox."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from sandboxd.errors import InvalidPolicy
+from sandboxd.policy import (
+    DEFAULT_PROTECTED_SUBPATHS,
+    DangerFullAccess,
+    LaunchSpec,
+    Limits,
+    ReadOnly,
+    WorkspaceWrite,
+    default_policy,
+    parse_size,
+    policy_from_name,
+    validate_policy,
+)
+from sandboxd.policy.spec import spec_from_dict, spec_to_dict
+
+# --------------------------------------------------------------------------- policy names
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("read-only", ReadOnly), ("read_only", ReadOnly), ("readonly", ReadOnly), ("READ-ONLY", ReadOnly),
+    (" read-only ", ReadOnly),
+    ("workspace-write", WorkspaceWrite), ("workspace_write", WorkspaceWrite), ("auto", WorkspaceWrite),
+    ("danger-full-access", DangerFullAccess), ("danger_full_access", DangerFullAccess), ("full", DangerFullAccess),
+])
+def test_policy_from_name_accepts_aliases(name: str, kind: type) -> None:
+    """Every documented spelling maps to its policy class."""
+    assert isinstance(policy_from_name(name), kind)
+
+
+@pytest.mark.parametrize("name", ["", "bogus", "read", "write", "danger", "workspace", "none"])
+def test_policy_from_name_rejects_unknown(name: str) -> None:
+    """Unknown names raise InvalidPolicy listing the valid names."""
+    with pytest.raises(InvalidPolicy, match="read-only, workspace-write, danger-full-access"):
+        policy_from_name(name)
+
+
+def test_invalid_policy_is_a_value_error() -> None:
+    """InvalidPolicy is catchable as ValueError (callers validating input rely on that)."""
+    assert issubclass(InvalidPolicy, ValueError)
+
+
+def test_default_policy_is_workspace_write_without_network() -> None:
+    """The default is WorkspaceWrite, no network, no extra roots, default protections."""
+    policy = default_policy()
+    assert policy == WorkspaceWrite()
+    assert policy.network_access is False
+    assert policy.writable_roots == ()
+    assert policy.protected_subpaths == DEFAULT_PROTECTED_SUBPATHS == (".git/hooks", ".git/config")
+
+
+def test_policy_names_and_network_flags() -> None:
+    """Each policy reports its wire name and whether it has network."""
+    assert ReadOnly().name == "read-only" and ReadOnly().network_access is False
+    assert DangerFullAccess().name == "danger-full-access" and DangerFullAccess().network_access is True
+    assert WorkspaceWrite(network_access=True).name == "workspace-write"
+    assert WorkspaceWrite(network_access=True).network_access is True
+
+
+def test_read_only_refuses_network_and_roots() -> None:
+    """read-only cannot be combined with network access or writable roots."""
+    with pytest.raises(InvalidPolicy, match="network"):
+        policy_from_name("read-only", network_access=True)
+    with pytest.raises(InvalidPolicy, match="writable roots"):
+        policy_from_name("read-only", writable_roots=["/var/tmp"])
+
+
+def test_workspace_write_from_name_carries_options() -> None:
+    """Network, roots and protected subpaths given by name end up in the policy."""
+    policy = policy_from_name("workspace-write", network_access=True, writable_roots=["/var/tmp/a"],
+                              protected_subpaths=["secrets"])
+    assert policy == WorkspaceWrite(network_access=True, writable_roots=("/var/tmp/a",),
+                                    protected_subpaths=("secrets",))
+    assert policy_from_name("workspace-write").protected_subpaths == DEFAULT_PROTECTED_SUBPATHS
+    assert policy_from_name("workspace-write", protected_subpaths=[]).protected_subpaths == ()
+
+
+def test_workspace_write_is_immutable_and_hashable() -> None:
+    """Lists given by callers become tuples; the policy is frozen and hashable."""
+    policy = WorkspaceWrite(writable_roots=["/a"], protected_subpaths=["x"])  # type: ignore[arg-type]
+    assert policy.writable_roots == ("/a",) and policy.protected_subpaths == ("x",)
+    hash(policy)
+    with pytest.raises(AttributeError):
+        policy.network_access = True  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("root, message", [
+    ("relative/dir", "relative"),
+    ("", "non-empty"),
+    ("/", "whole host"),
+    ("//", "whole host"),
+    ("/./", "whole host"),
+    ("/var/..", "whole host"),
+    ("/proc", "/proc"),
+    ("/proc/self/root", "/proc"),
+    ("/sys", "/sys"),
+    ("/sys/fs/cgroup", "/sys"),
+    ("/dev", "/dev"),
+    ("/dev/shm", "/dev"),
+    ("/tmp/../proc/1", "/proc"),
+    ("/var/tmp/a\0b", "NUL"),
+])
+def test_validate_rejects_bad_writable_roots(root: str, message: str) -> None:
+    """Relative roots, '/', kernel filesystems and NUL bytes are refused with a clear reason."""
+    with pytest.raises(InvalidPolicy, match=re.escape(message)):
+        validate_policy(WorkspaceWrite(writable_roots=(root,)))
+
+
+@pytest.mark.parametrize("root", ["/var/tmp/x", "/tmp/build", "/procfoo", "/system", "/device", "/home/u/proj"])
+def test_validate_accepts_ordinary_roots(root: str) -> None:
+    """Roots that merely share a prefix with /proc, /sys, /dev are fine."""
+    validate_policy(WorkspaceWrite(writable_roots=(root,)))
+
+
+@pytest.mark.parametrize("sub", ["", "/abs/path", "../escape", "a/../../b", ".."])
+def test_validate_rejects_bad_protected_subpaths(sub: str) -> None:
+    """Protected subpaths must be relative, non-empty and free of '..'."""
+    with pytest.raises(InvalidPolicy, match="protected subpath"):
+        validate_policy(WorkspaceWrite(protected_subpaths=(sub,)))
+
+
+def test_validate_rejects_non_policies() -> None:
+    """Anything but the three policy classes is refused."""
+    with pytest.raises(InvalidPolicy, match="not a sandbox policy"):
+        validate_policy("workspace-write")  # type: ignore[arg-type]
+
+
+def test_policy_from_name_validates_roots() -> None:
+    """policy_from_name runs the same validation as validate_policy."""
+    with pytest.raises(InvalidPolicy, match="relative"):
+        policy_from_name("workspace-write", writable_roots=["rel"])
+    with pytest.raises(InvalidPolicy, match="/proc"):
+        policy_from_name("workspace-write", writable_roots=["/proc"])
+
+
+# --------------------------------------------------------------------------- sizes and limits
+
+
+@pytest.mark.parametrize("text, value", [
+    ("100", 100), ("1", 1), ("512K", 512 << 10), ("512k", 512 << 10), ("64M", 64 << 20), ("64m", 64 << 20),
+    ("2G", 2 << 30), ("1T", 1 << 40), ("64MB", 64 << 20), ("64MiB", 64 << 20), (" 8M ", 8 << 20),
+    (4096, 4096),
+])
+def test_parse_size_accepts(text: str | int, value: int) -> None:
+    """Plain bytes and K/M/G/T suffixes (binary multiples) parse to bytes."""
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "abc", "12X", "1.5G", "-5", "M", "0", "0M", 0, -1, "5 G B", "1e6"])
+def test_parse_size_rejects(text: str | int) -> None:
+    """Garbage, fractions, negatives and zero are refused with InvalidPolicy."""
+    with pytest.raises(InvalidPolicy):
+        parse_size(text)
+
+
+def test_parse_size_error_names_the_option() -> None:
+    """The error message names what was being parsed."""
+    with pytest.raises(InvalidPolicy, match="--memory"):
+        parse_size("lots", "--memory")
+
+
+def test_limits_defaults() -> None:
+    """No limits by default except the 512M /tmp."""
+    limits = Limits()
+    assert (limits.timeout_seconds, limits.memory_bytes, limits.pids, limits.cpu_seconds, limits.open_files) == (
+        None, None, None, None, None)
+    assert limits.tmp_size_bytes == 512 << 20
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"timeout_seconds": 0}, {"timeout_seconds": -1.5}, {"memory_bytes": 0}, {"memory_bytes": 1 << 20},
+    {"pids": 0}, {"pids": -3}, {"cpu_seconds": 0}, {"open_files": 0}, {"open_files": 15},
+    {"tmp_size_bytes": 0}, {"tmp_size_bytes": -1},
+])
+def test_limits_reject_bad_values(kwargs: dict[str, float]) -> None:
+    """Zero/negative limits, memory below 4M and open files below 16 are refused."""
+    with pytest.raises(InvalidPolicy):
+        Limits(**kwargs)  # type: ignore[arg-type]
+
+
+def test_limits_accept_minimums() -> None:
+    """The smallest sensible limits are accepted."""
+    limits = Limits(timeout_seconds=0.1, memory_bytes=4 << 20, pids=1, cpu_seconds=1, open_files=16,
+                    tmp_size_bytes=1)
+    assert limits.memory_bytes == 4 << 20 and limits.open_files == 16
+
+
+# --------------------------------------------------------------------------- LaunchSpec
+
+
+def test_launch_spec_defaults() -> None:
+    """A minimal spec gets the default policy and limits and turns argv into a tuple."""
+    spec = LaunchSpec(argv=["true"], workspace="/var/tmp")  # type: ignore[arg-type]
+    assert spec.argv == ("true",)
+    assert spec.policy == WorkspaceWrite() and spec.limits == Limits()
+    assert spec.cwd is None and spec.user is None and spec.env == {}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"argv": ()}, "no program"),
+    ({"argv": ("",)}, "no program"),
+    ({"argv": ("echo", "a\0b")}, "NUL"),
+    ({"workspace": "relative"}, "absolute"),
+    ({"cwd": "relative"}, "absolute"),
+    ({"env": {"": "x"}}, "environment"),
+    ({"env": {"A=B": "x"}}, "environment"),
+    ({"env": {"A": "x\0y"}}, "environment"),
+    ({"user": (-1, 0)}, "user"),
+    ({"user": (0, -1)}, "user"),
+    ({"policy": WorkspaceWrite(writable_roots=("/",))}, "whole host"),
+])
+def test_launch_spec_rejects_bad_input(kwargs: dict[str, object], message: str) -> None:
+    """Bad argv, paths, env names, users and policies raise InvalidPolicy."""
+    base: dict[str, object] = {"argv": ("true",), "workspace": "/var/tmp"}
+    base.update(kwargs)
+    with pytest.raises(InvalidPolicy, match=message):
+        LaunchSpec(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("spec", [
+    LaunchSpec(argv=("sh", "-c", "echo hi"), workspace="/var/tmp/ws"),
+    LaunchSpec(argv=("true",), workspace="/w", env={"A": "1", "B": ""}, cwd="/w/sub", policy=ReadOnly(),
+               limits=Limits(timeout_seconds=2.5, memory_bytes=64 << 20, pids=32, cpu_seconds=3,
+                             open_files=64, tmp_size_bytes=8 << 20), user=(65534, 65534)),
+    LaunchSpec(argv=("make",), workspace="/w", policy=WorkspaceWrite(
+        network_access=True, writable_roots=("/var/tmp/a", "/var/tmp/b"), protected_subpaths=(".git/hooks", "x"))),
+    LaunchSpec(argv=("id",), workspace="/w", policy=WorkspaceWrite(protected_subpaths=())),
+    LaunchSpec(argv=("id",), workspace="/w", policy=DangerFullAccess(), user=(0, 0)),
+], ids=["minimal", "read-only-full", "workspace-write-roots", "no-protection", "danger-root"])
+def test_spec_round_trip(spec: LaunchSpec) -> None:
+    """spec_from_dict(spec_to_dict(s)) == s, and the dict survives JSON (the fork server wire format)."""
+    data = spec_to_dict(spec)
+    assert spec_from_dict(data) == spec
+    assert spec_from_dict(json.loads(json.dumps(data))) == spec
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda d: d.pop("argv"),
+    lambda d: d.pop("policy"),
+    lambda d: d.__setitem__("policy", {"name": "bogus"}),
+    lambda d: d.__setitem__("limits", {"pids": 0}),
+    lambda d: d.__setitem__("limits", {"nonsense": 1}),
+    lambda d: d.__setitem__("user", ["x", 0]),
+    lambda d: d.__setitem__("policy", {"name": "workspace-write", "writable_roots": ["rel"]}),
+], ids=["no-argv", "no-policy", "bad-policy-name", "bad-limit", "unknown-limit", "bad-user", "bad-root"])
+def test_spec_from_dict_rejects_malformed(mutate: object) -> None:
+    """Malformed wire data raises InvalidPolicy, never KeyError/TypeError."""
+    data = spec_to_dict(LaunchSpec(argv=("true",), workspace="/w"))
+    mutate(data)  # type: ignore[operator]
+    with pytest.raises(InvalidPolicy):
+        spec_from_dict(data)
