@@ -40,11 +40,23 @@ def set_name(name: str) -> None:
 
 
 def set_title(title: str) -> None:
-    """Name this process in ps and overwrite its command line in place (python-prctl's
-    set_proctitle), so /proc/PID/cmdline of a sandbox helper shows nothing of its launcher."""
-    import prctl as _prctl
+    """Name this process and overwrite its command line in place, so a sandbox helper's
+    /proc/PID/cmdline shows nothing of the command line it was forked from.
+
+    Writes over the argv area (found in /proc/self/stat) through /proc/self/mem,
+    as setproctitle(3) and python-prctl do; python-prctl is not imported for it
+    because its import costs more than this on the launch path.
+    """
     set_name(title)
-    _prctl.set_proctitle(title)
+    with open("/proc/self/stat", "rb") as stat_file:
+        fields = stat_file.read().rsplit(b")", 1)[1].split()
+    start, end = int(fields[45]), int(fields[46])      # arg_start, arg_end (fields 48, 49)
+    if end <= start:
+        return
+    data = title.encode()[: end - start - 1]
+    with open("/proc/self/mem", "r+b", buffering=0) as mem:
+        mem.seek(start)
+        mem.write(data.ljust(end - start, b"\0"))
 
 
 def cloexec_from(first: int = 3) -> None:

@@ -102,6 +102,7 @@ def _run_init(plan: LaunchPlan, *, report_fd: int, status_fd: int) -> NoReturn:
         # Init keeps no privilege either, and drops it before the command is forked
         # so the command starts without any: same uid, no capabilities, NNP. Not
         # dumpable, so the command cannot read init's memory or environment.
+        process.set_title("sandboxd-init")                # while its memory is still writable to it
         caps.drop_privileges(plan.uid, plan.gid)
         process.die_with_parent(OUTSIDE_PARENT)           # credential changes clear the death signal
         process.set_dumpable(False)
@@ -112,7 +113,6 @@ def _run_init(plan: LaunchPlan, *, report_fd: int, status_fd: int) -> NoReturn:
     command_pid = os.fork()
     if command_pid == 0:
         in_child(report_fd, "command", lambda: _run_command(plan, init=1, report_fd=report_fd, broker=command_end))
-    process.set_title("sandboxd-init")
     listener = _receive_listener(broker_end, command_end)
     keep = {status_fd} | ({listener} if listener is not None else set())
     process.close_all_except(keep)                        # the report pipe closes with the command's exec

@@ -19,6 +19,7 @@ import array
 import json
 import os
 import select
+import signal
 import socket
 import threading
 from typing import Any
@@ -134,8 +135,9 @@ class ForkServer:
         if pid == 0:
             parent_end.close()
             try:
-                from sandboxd.kernel.process import set_name
-                set_name("sandboxd-fork")
+                import prctl  # python-prctl: off the one-shot launch path, so its import cost is fine here
+                prctl.set_name("sandboxd-fork")
+                prctl.set_pdeathsig(signal.SIGKILL)  # the fork server never outlives the daemon
                 serve(child_end)
             finally:
                 os._exit(0)
