@@ -3,24 +3,24 @@ freshly forked child, never returns, and reports any failure on the report
 channel before exiting 125 - the command never runs with less isolation than
 asked.
 
-Confined policies (all but DangerFullAccess) use three processes:
+Confined policies (all but DangerFullAccess) use two processes:
 
-  spawner ── anchor ──(new pid ns)── init (PID 1) ───────── command
-              │                       │                       │
-              cgroup join,            loopback up, mounts,    setsid, rlimits,
-              unshare (mnt ipc uts    pivot_root, drop        landlock, seccomp
-              cgroup [net]; pid for   privileges, then fork;  (last), exec
-              its child), fork init   reap, broker connect(),
-                                      report the exit status
+  spawner ──(unshare CLONE_NEWPID, fork, setns back)── init (PID 1) ──── command
+                                    cgroup join, unshare (mnt ipc     setsid, rlimits,
+                                    uts cgroup [net]), loopback up,   landlock, seccomp
+                                    mounts, pivot_root, drop          (last), exec
+                                    privileges, fork; then reap,
+                                    broker connect(), report status
 
-The anchor exists because unshare(CLONE_NEWPID) only moves the caller's
-*children*; init must be a child to be PID 1 and to mount a /proc that shows
+unshare(CLONE_NEWPID) only places the caller's *next children* in the new
+namespace, so the spawner unshares it right before forking and setns()es back
+to its own right after: the child is PID 1 and can mount a /proc that shows
 the new namespace. When init exits the kernel kills everything left in the
 namespace, so nothing outlives the sandbox, not even a double-forked daemon.
 Init drops its privileges before forking the command, so the command never
 holds a capability, and init holds none while the command runs.
 
-DangerFullAccess uses one process: the anchor becomes the command.
+DangerFullAccess uses one process: the spawner's child becomes the command.
 """
 
 from __future__ import annotations
@@ -60,27 +60,19 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUI
                      signal.SIGUSR2, signal.SIGWINCH, signal.SIGCONT)
 
 
-def run_anchor(plan: LaunchPlan, *, parent: int, report_fd: int, status_fd: int,
-               cgroup_dirs: list[str]) -> NoReturn:
-    """First child of the spawner. Never returns."""
+def run_sandbox(plan: LaunchPlan, *, report_fd: int, status_fd: int, cgroup_dirs: list[str]) -> NoReturn:
+    """The spawner's child. For a confined policy it is PID 1 of a new PID namespace
+    (the spawner unshared CLONE_NEWPID just for this fork) and becomes init;
+    for DangerFullAccess it becomes the command. Never returns."""
     try:
-        process.die_with_parent(parent)                   # the sandbox dies with whoever launched it
+        process.die_with_parent(OUTSIDE_PARENT if plan.confined else os.getppid())
         _join_cgroups(cgroup_dirs)                        # before anything forks: limits cover the whole tree
         if not plan.confined:
             os.close(status_fd)
             _exec_unconfined(plan, report_fd)
-        flags = namespaces.ISOLATED | (0 if plan.network else namespaces.CLONE_NEWNET)
-        namespaces.unshare(flags)                         # mount, ipc, uts, cgroup (+net) now; pid for the child
+        _run_init(plan, report_fd=report_fd, status_fd=status_fd)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes a report
-        report.fail(report_fd, exc, "anchor")
-    init_pid = os.fork()
-    if init_pid == 0:
-        in_child(report_fd, "init", lambda: _run_init(plan, report_fd=report_fd, status_fd=status_fd))
-    _forward_signals_to(init_pid)
-    os.close(report_fd)
-    os.close(status_fd)
-    _, status = os.waitpid(init_pid, 0)
-    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+        report.fail(report_fd, exc, "sandbox")
 
 
 # Seen from inside a new PID namespace, a parent outside it has pid 0.
@@ -90,10 +82,8 @@ OUTSIDE_PARENT = 0
 def _run_init(plan: LaunchPlan, *, report_fd: int, status_fd: int) -> NoReturn:
     """PID 1 of the new PID namespace: builds the filesystem, starts the command, reaps, reports."""
     try:
-        # Until init has its own handlers, the anchor's forwarding handlers must not run here.
-        for signum in FORWARDED_SIGNALS:
-            signal.signal(signum, signal.SIG_DFL)
-        process.die_with_parent(OUTSIDE_PARENT)
+        flags = namespaces.ISOLATED_NOW | (0 if plan.network else namespaces.CLONE_NEWNET)
+        namespaces.unshare(flags)                         # mount, ipc, uts, cgroup (+ net): applies to us now
         if not plan.network:
             netns.bring_up_loopback()                     # a new net namespace has only lo, and it is down
         namespaces.set_hostname("sandbox")

@@ -18,6 +18,7 @@ import time
 from sandboxd._record import Record
 from sandboxd.errors import SetupError
 from sandboxd.kernel.cgroups import CgroupSet
+from sandboxd.kernel import namespaces
 from sandboxd.launcher import report, sequence
 from sandboxd.launcher.plan import LaunchPlan, prepare
 from sandboxd.policy import LaunchSpec
@@ -75,14 +76,14 @@ class SandboxProcess:
             raise error
 
     def send_signal(self, signum: int) -> None:
-        """Deliver ``signum`` to the command (through the anchor and init, which forward it)."""
+        """Deliver ``signum`` to the command (through init, which forwards it)."""
         try:
             os.kill(self.pid, signum)
         except ProcessLookupError:
             pass
 
     def kill(self) -> None:
-        """Kill the whole tree: the anchor (whose death takes init and the PID namespace down) and the cgroup."""
+        """Kill the whole tree: init (whose death takes the PID namespace down) and the cgroup."""
         self.send_signal(signal.SIGKILL)
         if self._cgroup is not None:
             self._cgroup.kill()
@@ -173,6 +174,7 @@ class Spawner:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
+        self._new_pid_namespace = namespaces.PidNamespaceForNextChild()
 
     def launch(self, spec: LaunchSpec, stdio: tuple[int, int, int] = (0, 1, 2)) -> SandboxProcess:
         plan = prepare(spec)
@@ -180,15 +182,23 @@ class Spawner:
         report_r, report_w = os.pipe2(os.O_CLOEXEC)
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         try:
+            if plan.confined:
+                self._new_pid_namespace.enter()           # the child will be PID 1 of a new PID namespace
             pid = os.fork()
-        except OSError as exc:
+        except (OSError, SetupError) as exc:
+            if plan.confined and not isinstance(exc, SetupError):
+                self._new_pid_namespace.leave()
             for fd in (report_r, report_w, status_r, status_w):
                 os.close(fd)
             if cgroup:
                 cgroup.remove()
+            if isinstance(exc, SetupError):
+                raise
             raise SetupError("fork", exc.errno or 0, hint="the system is out of processes or memory") from None
+        if pid != 0 and plan.confined:
+            self._new_pid_namespace.leave()
         if pid == 0:
-            sequence.in_child(report_w, "anchor", lambda: self._child(plan, stdio, cgroup, report_r, report_w,
+            sequence.in_child(report_w, "sandbox", lambda: self._child(plan, stdio, cgroup, report_r, report_w,
                                                                        status_r, status_w))
         os.close(report_w)
         os.close(status_w)
@@ -201,8 +211,8 @@ class Spawner:
         for target, source in enumerate(stdio):
             if source != target:
                 os.dup2(source, target)
-        sequence.run_anchor(plan, parent=self.pid, report_fd=report_w, status_fd=status_w,
-                            cgroup_dirs=list(cgroup.dirs) if cgroup else [])
+        sequence.run_sandbox(plan, report_fd=report_w, status_fd=status_w,
+                             cgroup_dirs=list(cgroup.dirs) if cgroup else [])
 
     def _cgroup_for(self, plan: LaunchPlan) -> CgroupSet | None:
         """A cgroup with the asked limits, or none when there are no limits and the PID
