@@ -15,13 +15,12 @@ def parse_size(text: str | int, what: str = "size") -> int:
     if isinstance(text, int):
         value = text
     else:
-        # "<digits>[K|M|G|T][B|iB]", case-insensitive; parsed by hand to keep `re` off the launch path.
-        body = str(text).replace(" ", "").lower()
-        binary_suffix = body.endswith("ib")
-        body = body[:-2] if binary_suffix else body[:-1] if body.endswith("b") else body
-        unit = body[-1:] if body[-1:] in ("k", "m", "g", "t") else ""
-        digits = body[:-1] if unit else body
-        if not digits.isascii() or not digits.isdigit() or (binary_suffix and not unit):
+        # "<digits> [K|M|G|T][B|iB]", case-insensitive; parsed by hand to keep `re` off the launch path.
+        body = str(text).strip().lower()
+        digits = body[: len(body) - len(body.lstrip("0123456789"))]
+        unit = body[len(digits):].strip()
+        unit = unit[:-2] if unit.endswith("ib") and len(unit) == 3 else unit[:-1] if unit.endswith("b") else unit
+        if not digits or unit not in _FACTORS:
             raise InvalidPolicy(f"bad {what} {text!r}: give plain bytes or a number with K, M or G (e.g. 512M)")
         value = int(digits) * _FACTORS[unit]
     if value <= 0:

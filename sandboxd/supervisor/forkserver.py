@@ -134,6 +134,10 @@ class ForkServer:
         pid = os.fork()
         if pid == 0:
             parent_end.close()
+            # Only our own end of our own socket: a descriptor inherited from the client
+            # (another fork server's client end, a gRPC listener...) would keep it open.
+            from sandboxd.kernel.process import close_all_except
+            close_all_except({0, 1, 2, child_end.fileno()})
             try:
                 import prctl  # python-prctl: off the one-shot launch path, so its import cost is fine here
                 prctl.set_name("sandboxd-fork")
