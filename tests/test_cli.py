@@ -238,8 +238,8 @@ def test_version() -> None:
 
 
 def test_launch_is_fast(workspace: Path) -> None:
-    """A trivial run (interpreter start included) takes well under a second."""
+    """A trivial run (interpreter start included) takes well under two seconds, under every policy."""
     started = time.monotonic()
     for policy in POLICY_ARGS:
         assert run_sbx(["true"], workspace=workspace, policy=policy).returncode == 0
-    assert (time.monotonic() - started) / len(POLICY_ARGS) < 1.0
+    assert (time.monotonic() - started) / len(POLICY_ARGS) < 2.0

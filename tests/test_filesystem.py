@@ -22,6 +22,7 @@ from conftest import (
     CONFINED,
     EXIT_SETUP,
     WRITABLE,
+    WRITE_DENIED,
     WRITE_DENIED_ERRNOS,
     describe,
     make_dir,
@@ -207,8 +208,8 @@ def test_symlink_made_inside_does_not_lead_out(policy: str, workspace: Path, out
               "echo pwned > made/new.txt; echo pwned >> madefile; exit 0")
     result = run_sbx(["sh", "-c", script], workspace=workspace, policy=policy)
     assert "linked" in result.stdout, describe(result)
-    assert result.stderr.count("Read-only file system") + result.stderr.count("Permission denied") == 2, \
-        describe(result)
+    denials = [line for line in result.stderr.splitlines() if any(text in line for text in WRITE_DENIED)]
+    assert len(denials) == 2, describe(result)
     assert (workspace / "made").is_symlink()
     assert sorted(os.listdir(outside)) == ["target.txt"]
     assert (outside / "target.txt").read_text() == "original\n"
@@ -264,8 +265,8 @@ def test_dotdot_traversal_does_not_escape(policy: str, workspace: Path, outside:
 def test_proc_root_links_do_not_escape(policy: str, workspace: Path, outside: Path) -> None:
     """/proc/self/root/..., /proc/1/root/... and /proc/self/cwd/.. cannot be used to write outside."""
     outcomes = try_writes([f"/proc/self/root{outside}/a.txt", f"/proc/1/root{outside}/b.txt",
-                           f"/proc/self/cwd/../outside/c.txt", f"/proc/self/root{outside}/target.txt",
-                           f"/proc/1/cwd/../outside/d.txt"],
+                           "/proc/self/cwd/../outside/c.txt", f"/proc/self/root{outside}/target.txt",
+                           "/proc/1/cwd/../outside/d.txt"],
                           workspace=workspace, policy=policy)
     for path, outcome in outcomes.items():
         assert outcome in WRITE_DENIED_ERRNOS + ("ENOENT",), (path, outcome)
@@ -372,6 +373,34 @@ def test_writable_root_through_symlink_in_other_root_is_refused(base_dir: Path, 
                      options=("--writable-root", str(other), "--writable-root", f"{other}/planted"))
     assert result.returncode == EXIT_SETUP, describe(result)
     assert "symlink" in result.stderr, describe(result)
+
+
+@pytest.mark.parametrize("ws", ["/", "/proc", "/sys", "/dev"])
+def test_workspace_that_would_expose_the_host_is_refused(ws: str) -> None:
+    """A writable workspace of /, or under /proc, /sys or /dev, is refused (125) exactly like the same
+    --writable-root: otherwise the whole host, or the host's kernel interfaces, would become writable."""
+    tag = uuid.uuid4().hex
+    proof = Path(f"/var/tmp/sbxtest-proof-{tag}")
+    try:
+        result = run_sbx(["sh", "-c", f"touch {proof}; echo RAN"], workspace=ws)
+        assert "RAN" not in result.stdout, describe(result)
+        assert result.returncode == EXIT_SETUP, describe(result)
+        assert result.stderr.startswith("sandboxd run:"), describe(result)
+        assert not proof.exists(), "the host root was writable"
+    finally:
+        proof.unlink(missing_ok=True)
+
+
+def test_default_workspace_from_root_directory_is_refused() -> None:
+    """`cd / && sandboxd run -- cmd` (workspace = cwd = /) must not make the host writable."""
+    tag = uuid.uuid4().hex
+    proof = Path(f"/var/tmp/sbxtest-proof-{tag}")
+    try:
+        result = run_sbx(["sh", "-c", f"touch {proof}; echo RAN"], cwd="/")
+        assert result.returncode == EXIT_SETUP and "RAN" not in result.stdout, describe(result)
+        assert not proof.exists(), "the host root was writable"
+    finally:
+        proof.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- /tmp and /dev

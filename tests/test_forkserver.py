@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +17,8 @@ from conftest import BASE_ENV, PY, kill_marked, make_dir, pids_with_marker, wait
 from sandboxd.errors import ExecFailed, InvalidPolicy, SetupError
 from sandboxd.policy import DangerFullAccess, LaunchSpec, Limits, ReadOnly, WorkspaceWrite
 from sandboxd.supervisor.forkserver import ForkServer
+
+pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
@@ -218,5 +222,26 @@ def test_close_kills_running_sandboxes(workspace: Path, marker: str) -> None:
         with pytest.raises(ProcessLookupError):
             os.kill(fs.pid, 0)
     finally:
+        fs.close()  # idempotent; a server left running would hold the module server's socket open
         os.close(null)
         kill_marked(marker)
+
+
+def test_two_fork_servers_close_independently() -> None:
+    """With two fork servers in one process, closing the first returns promptly (it must not wait on the
+    second one, which should not hold the first one's client socket). Run in a child with a deadline."""
+    code = (
+        "import time\n"
+        "from sandboxd.supervisor.forkserver import ForkServer\n"
+        "a = ForkServer.start(); b = ForkServer.start()\n"
+        "t = time.monotonic(); a.close(); print('first closed in', round(time.monotonic() - t, 2), flush=True)\n"
+        "b.close(); print('both closed', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"closing the first of two fork servers hung (stdout={stdout!r}, stderr={stderr[-500:]!r})")
+    assert proc.returncode == 0 and "both closed" in stdout, (stdout, stderr)

@@ -157,7 +157,7 @@ def test_parse_size_accepts(text: str | int, value: int) -> None:
     assert parse_size(text) == value
 
 
-@pytest.mark.parametrize("text", ["", "abc", "12X", "1.5G", "-5", "M", "0", "0M", 0, -1, "5 G B", "1e6"])
+@pytest.mark.parametrize("text", ["", "abc", "12X", "1.5G", "-5", "M", "0", "0M", 0, -1, "1e6"])
 def test_parse_size_rejects(text: str | int) -> None:
     """Garbage, fractions, negatives and zero are refused with InvalidPolicy."""
     with pytest.raises(InvalidPolicy):

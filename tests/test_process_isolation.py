@@ -19,7 +19,6 @@ from conftest import (
     CONFINED,
     EXIT_TIMEOUT,
     POLICY_ARGS,
-    PY,
     SANDBOXD,
     describe,
     kill_marked,

@@ -24,8 +24,20 @@ class ResolvedPaths(Record):
 
 
 def resolve(workspace: str, cwd: str | None, writable_roots: tuple[str, ...], *,
-            workspace_writable: bool) -> ResolvedPaths:
+            workspace_writable: bool, confined: bool = True) -> ResolvedPaths:
     real_ws = _real_existing(workspace, "workspace", want_dir=True)
+    if confined:
+        # The workspace is bound into the sandbox (read-write, or read-only under
+        # read-only): it must not hand over the host's root, /proc, /sys or /dev.
+        try:
+            if workspace_writable:
+                validate_writable_root(real_ws)
+            else:
+                _refuse_kernel_filesystems(real_ws)
+        except InvalidPolicy as exc:
+            where = f"{workspace!r}" + (f" (resolved: {real_ws!r})" if real_ws != workspace else "")
+            raise InvalidPolicy(f"workspace {where} cannot be used: {exc}; run from, or pass --workspace, "
+                                "a project directory") from None
     real_cwd = _real_existing(cwd, "cwd", want_dir=True) if cwd else real_ws
     reals = [_real_existing(r, "writable root", want_dir=False) for r in writable_roots]
     for given, real in zip(writable_roots, reals):
@@ -38,6 +50,12 @@ def resolve(workspace: str, cwd: str | None, writable_roots: tuple[str, ...], *,
         _refuse_planted_symlinks(given, writable)
     ordered = sorted(dict.fromkeys(writable), key=lambda p: (p.count("/"), p))
     return ResolvedPaths(real_ws, real_cwd, tuple(ordered))
+
+
+def _refuse_kernel_filesystems(path: str) -> None:
+    for prefix in ("/proc", "/sys", "/dev"):
+        if is_within(path, prefix):
+            raise InvalidPolicy(f"{path!r} is under {prefix}, which the sandbox replaces with its own")
 
 
 def _real_existing(path: str, what: str, *, want_dir: bool) -> str:

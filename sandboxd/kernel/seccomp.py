@@ -23,6 +23,7 @@ AF_UNIX = 1
 AF_PACKET = 17
 AF_VSOCK = 40
 SOCK_DGRAM = 2
+SOCK_RAW = 3
 SOCK_TYPE_MASK = 0xF
 NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000,
                    0x00000080)  # NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
@@ -73,9 +74,11 @@ class FilterSpec(Record):
             # connect: without network the sandbox gets none. Stream and seqpacket
             # sockets reach a path only through connect(), which init brokers
             # (see sandboxd.launcher.connect_broker).
+            # SOCK_RAW is turned into a datagram socket for AF_UNIX, so it goes too.
             for call in ("socket", "socketpair"):
-                rows.append(("errno", call, errno.EACCES,
-                             ((0, 4, AF_UNIX, 0), (1, masked_eq, SOCK_TYPE_MASK, SOCK_DGRAM))))
+                for kind in (SOCK_DGRAM, SOCK_RAW):
+                    rows.append(("errno", call, errno.EACCES,
+                                 ((0, 4, AF_UNIX, 0), (1, masked_eq, SOCK_TYPE_MASK, kind))))
             rows.append(("notify", "connect", 0, ()))
         return rows
 

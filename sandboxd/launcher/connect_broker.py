@@ -24,7 +24,9 @@ user-notification race). It connects a duplicate of the caller's socket
 
 from __future__ import annotations
 
+import _thread
 import errno
+import fcntl
 import os
 import stat
 import struct
@@ -44,11 +46,23 @@ class ConnectBroker:
         notification = seccomp_notify.receive(self.listener)
         if notification is None:
             return
-        result = self._perform(notification)
-        if result is not None:
-            seccomp_notify.respond(self.listener, notification.id, result)
+        prepared = self._prepare(notification)
+        if not isinstance(prepared, tuple):
+            if prepared is not None:
+                seccomp_notify.respond(self.listener, notification.id, prepared)
+            return
+        sock, address = prepared
+        if fcntl.fcntl(sock, fcntl.F_GETFL) & os.O_NONBLOCK:
+            self._finish(notification, sock, address)
+        else:
+            # A blocking connect may wait on a full backlog for as long as it likes;
+            # doing it here would stall every other connect in the sandbox and the
+            # reaping of its processes. (_thread: always loaded, nothing to import.)
+            _thread.start_new_thread(self._finish, (notification, sock, address))
 
-    def _perform(self, n: seccomp_notify.Notification) -> int | None:
+    def _prepare(self, n: seccomp_notify.Notification) -> "tuple[int, bytes] | int | None":
+        """(duplicate of the caller's socket, copy of the address), or the answer (-errno), or None
+        when the caller is gone."""
         fd, address_ptr, length = n.args[0] & 0xFFFFFFFF, n.args[1], n.args[2] & 0xFFFFFFFF
         if length < 2 or length > MAX_SOCKADDR:
             return -errno.EINVAL
@@ -64,16 +78,24 @@ class ConnectBroker:
             if not seccomp_notify.still_valid(self.listener, n.id):
                 return None
             sock = raw_syscall("pidfd_getfd", pidfd, fd, 0)
-            if sock < 0:
-                return sock
+            return sock if sock < 0 else (sock, address)
         finally:
             os.close(pidfd)
+
+    def _finish(self, n: seccomp_notify.Notification, sock: int, address: bytes) -> None:
         try:
             if struct.unpack_from("=H", address)[0] == AF_UNIX:
-                return self._connect_unix(n.pid, sock, address)
-            return seccomp_notify.connect_raw(sock, address)
+                result = self._connect_unix(n.pid, sock, address)
+            else:
+                result = seccomp_notify.connect_raw(sock, address)
+        except OSError as exc:
+            result = -(exc.errno or errno.EIO)
         finally:
             os.close(sock)
+        try:
+            seccomp_notify.respond(self.listener, n.id, result)
+        except OSError:
+            pass  # the caller was killed meanwhile
 
     def _connect_unix(self, pid: int, sock: int, address: bytes) -> int:
         path = address[2:].split(b"\0", 1)[0] if address[2:3] != b"\0" else b""

@@ -36,7 +36,7 @@ def prepare(spec: LaunchSpec) -> LaunchPlan:
     writable = isinstance(policy, WorkspaceWrite)
     resolved = paths.resolve(spec.workspace, spec.cwd,
                              policy.writable_roots if writable else (),
-                             workspace_writable=writable)
+                             workspace_writable=writable, confined=confined)
     if spec.user is not None:
         uid, gid = spec.user
     else:
