@@ -84,31 +84,20 @@ def test_cwd_outside_workspace_is_read_only(workspace: Path, outside: Path) -> N
     assert result.returncode != 0 and not (outside / "here.txt").exists()
 
 
-def test_sigterm_to_sandboxd_reaches_the_command(workspace: Path) -> None:
-    """SIGTERM sent to the sandboxd process is forwarded to the command, which then exits 143."""
-    proc = subprocess.Popen([SANDBOXD, "run", "--workspace", str(workspace), "--", *py(
-        "import time; print('ready', flush=True); time.sleep(30)")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=BASE_ENV)
-    try:
-        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == 143
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def test_sigterm_handler_in_command_runs(workspace: Path) -> None:
-    """A forwarded signal is delivered as-is: a command that handles SIGTERM exits on its own terms."""
-    script = ("import signal, sys, time\n"
-              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(9))\n"
-              "print('ready', flush=True)\ntime.sleep(30)")
+@pytest.mark.parametrize("handler, expected", [
+    ("", 143),                                                                # default action: killed by SIGTERM
+    ("signal.signal(signal.SIGTERM, lambda *a: sys.exit(9))\n", 9),          # its own handler runs
+])
+def test_sigterm_to_sandboxd_reaches_the_command(workspace: Path, handler: str, expected: int) -> None:
+    """SIGTERM sent to the sandboxd process is forwarded to the command as-is: without a handler it
+    dies of it (143); with one, it exits on its own terms."""
+    script = "import signal, sys, time\n" + handler + "print('ready', flush=True)\ntime.sleep(30)"
     proc = subprocess.Popen([SANDBOXD, "run", "--workspace", str(workspace), "--", *py(script)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=BASE_ENV)
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == 9
+        assert proc.wait(timeout=10) == expected
     finally:
         proc.kill()
         proc.wait()
