@@ -224,11 +224,3 @@ def test_version() -> None:
     from sandboxd import __version__
     result = sbx_cli("version")
     assert result.returncode == 0 and result.stdout == f"sandboxd {__version__}\n", describe(result)
-
-
-def test_launch_is_fast(workspace: Path) -> None:
-    """A trivial run (interpreter start included) takes well under two seconds, under every policy."""
-    started = time.monotonic()
-    for policy in POLICY_ARGS:
-        assert run_sbx(["true"], workspace=workspace, policy=policy).returncode == 0
-    assert (time.monotonic() - started) / len(POLICY_ARGS) < 2.0

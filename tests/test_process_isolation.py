@@ -163,7 +163,7 @@ def test_double_forked_daemon_dies_on_timeout(policy: str, workspace: Path, mark
         elapsed = time.monotonic() - started
         assert result.returncode == EXIT_TIMEOUT, describe(result)
         assert "DAEMON-RUNNING" in result.stdout, describe(result)
-        assert elapsed < 10
+        assert elapsed >= 1.5  # killed at the deadline, not before
         assert wait_until_gone(marker + "-daemon") == [], "the daemon outlived the timeout"
         assert pids_with_marker(marker) == []
     finally:

