@@ -46,12 +46,21 @@ class PidNamespaceForNextChild:
         import os
         self._own = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
 
-    def enter(self) -> None:
-        unshare(CLONE_NEWPID)
+    def enter(self, existing: int | None = None) -> None:
+        """A new PID namespace for the next child, or the one of pidfd ``existing`` (a session's)."""
+        if existing is None:
+            unshare(CLONE_NEWPID)
+        else:
+            setns(existing, CLONE_NEWPID)
 
     def leave(self) -> None:
         """Call in the parent only (in the child the old namespace is an ancestor: EINVAL)."""
         checked(libc.setns(ctypes.c_int(self._own), ctypes.c_int(CLONE_NEWPID)), "setns(pid) back")
+
+
+def setns(fd: int, flags: int) -> None:
+    """Join the namespaces of ``fd``: a namespace file, or a pidfd with several CLONE_NEW* flags (5.8+)."""
+    checked(libc.setns(ctypes.c_int(fd), ctypes.c_int(flags)), f"setns({describe(flags)})")
 
 
 def set_hostname(name: str) -> None:

@@ -88,6 +88,52 @@ def close_all_except(keep: set[int]) -> None:
         os.closerange(low, 65536)
 
 
+def descendants() -> list[int]:
+    """Every living (or zombie) descendant of the caller, from the parent links in /proc/*/stat.
+
+    (/proc/PID/task/TID/children would be cheaper, but needs CONFIG_PROC_CHILDREN,
+    which not every kernel has; this project's CI kernel does not.)
+    """
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(name))
+    found: list[int] = []
+    pending = [os.getpid()]
+    while pending:
+        kids = children.get(pending.pop(), [])
+        found.extend(kids)
+        pending.extend(kids)
+    return found
+
+
+def kill_descendants(*, reap: bool = False) -> None:
+    """SIGKILL the caller's whole subtree. With ``reap``, also collect the dead, repeating until
+    no child is left (a child subreaper inherits every orphan of its tree, so nothing escapes)."""
+    for _ in range(1000):
+        victims = descendants()
+        if not victims:
+            return
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if not reap:
+            return
+        try:
+            while os.waitpid(-1, 0)[0] > 0:
+                pass
+        except ChildProcessError:
+            pass
+
+
 def new_session() -> None:
     """setsid(): no controlling terminal, so TIOCSTI cannot push keystrokes into the caller's shell."""
     try:

@@ -28,14 +28,13 @@ from __future__ import annotations
 import _socket  # the C module: socket.py's enums cost more to import than a launch
 import errno
 import os
-import select
 import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
 
 from sandboxd.errors import ExecFailed
 from sandboxd.kernel import caps, landlock, namespaces, netns, process, rlimits, seccomp
 from sandboxd.kernel._libc import from_oserror
 from sandboxd.launcher import report, rootfs
-from sandboxd.launcher.connect_broker import ConnectBroker
+from sandboxd.launcher.init_loop import InitLoop, receive_fd, send_fd
 from sandboxd.launcher.plan import LaunchPlan
 
 TYPE_CHECKING = False
@@ -77,125 +76,153 @@ def run_sandbox(plan: LaunchPlan, *, report_fd: int, status_fd: int, cgroup_dirs
 
 # Seen from inside a new PID namespace, a parent outside it has pid 0.
 OUTSIDE_PARENT = 0
+CALL_INIT = -1  # the command's parent is a call's init, whose pid is only known after the fork
+
+
+def _build_sandbox(plan: LaunchPlan, title: str) -> None:
+    """Everything init does before any command exists; shared by one-shot and session inits."""
+    flags = namespaces.ISOLATED_NOW | (0 if plan.network else namespaces.CLONE_NEWNET)
+    namespaces.unshare(flags)                             # mount, ipc, uts, cgroup (+ net): applies to us now
+    if not plan.network:
+        netns.bring_up_loopback()                         # a new net namespace has only lo, and it is down
+    namespaces.set_hostname("sandbox")
+    rootfs.build(plan)                                    # mounts, then pivot_root (see rootfs.py)
+    os.chdir(plan.cwd)
+    # Init keeps no privilege either, and drops it before any command is forked
+    # so a command starts without any: same uid, no capabilities, NNP. Not
+    # dumpable, so a command cannot read init's memory or environment.
+    process.set_title(title)                              # while its memory is still writable to it
+    caps.drop_privileges(plan.uid, plan.gid)
+    process.die_with_parent(OUTSIDE_PARENT)               # credential changes clear the death signal
+    process.set_dumpable(False)
 
 
 def _run_init(plan: LaunchPlan, *, report_fd: int, status_fd: int) -> NoReturn:
-    """PID 1 of the new PID namespace: builds the filesystem, starts the command, reaps, reports."""
+    """PID 1 of a one-shot sandbox: builds it, starts the command, reaps, reports, exits."""
     try:
-        flags = namespaces.ISOLATED_NOW | (0 if plan.network else namespaces.CLONE_NEWNET)
-        namespaces.unshare(flags)                         # mount, ipc, uts, cgroup (+ net): applies to us now
-        if not plan.network:
-            netns.bring_up_loopback()                     # a new net namespace has only lo, and it is down
-        namespaces.set_hostname("sandbox")
-        rootfs.build(plan)                                # mounts, then pivot_root (see rootfs.py)
-        os.chdir(plan.cwd)
-        # Init keeps no privilege either, and drops it before the command is forked
-        # so the command starts without any: same uid, no capabilities, NNP. Not
-        # dumpable, so the command cannot read init's memory or environment.
-        process.set_title("sandboxd-init")                # while its memory is still writable to it
-        caps.drop_privileges(plan.uid, plan.gid)
-        process.die_with_parent(OUTSIDE_PARENT)           # credential changes clear the death signal
-        process.set_dumpable(False)
+        _build_sandbox(plan, "sandboxd-init")
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "init")
     broker_end, command_end = (_socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
                                if plan.brokers_connect else (None, None))
     command_pid = os.fork()
     if command_pid == 0:
-        in_child(report_fd, "command", lambda: _run_command(plan, init=1, report_fd=report_fd, broker=command_end))
-    listener = _receive_listener(broker_end, command_end)
-    keep = {status_fd} | ({listener} if listener is not None else set())
-    process.close_all_except(keep)                        # the report pipe closes with the command's exec
-    _forward_signals_to(command_pid)
-    _supervise(command_pid, status_fd, listener)
-
-
-def _receive_listener(broker_end: "_socket.socket | None", command_end: "_socket.socket | None") -> int | None:
-    """The seccomp listener the command sends before exec (None if it failed before that)."""
-    if broker_end is None or command_end is None:
-        return None
-    command_end.close()
+        in_child(report_fd, "command", lambda: _run_command(plan, report_fd=report_fd, listener_sink=command_end))
     listener = None
-    try:
-        _, ancillary, _, _ = broker_end.recvmsg(1, _socket.CMSG_SPACE(4))
-        for level, kind, data in ancillary:
-            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS and len(data) >= 4:
-                listener = int.from_bytes(data[:4], "little")
-    except OSError:
-        pass
-    broker_end.close()
-    return listener
+    if broker_end is not None and command_end is not None:
+        command_end.close()
+        listener = receive_fd(broker_end)                 # sent by the command just before exec
+        broker_end.close()
+    process.close_all_except({status_fd} | ({listener} if listener is not None else set()))
+    _forward_signals_to(command_pid)                      # the report pipe closed with the command's exec
 
-
-def _supervise(command_pid: int, status_fd: int, listener: int | None) -> NoReturn:
-    """Reap every child (orphans re-parent to PID 1) and broker connect() calls until the
-    command exits; then report its status and exit, which takes the namespace down: the
-    kernel SIGKILLs whatever is left."""
-    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda _s, _f: None)    # a handler, so SIGCHLD wakes poll()
-    poller = select.poll()
-    poller.register(wake_r, select.POLLIN)
-    broker = None
-    if listener is not None:
-        broker = ConnectBroker(listener)
-        poller.register(listener, select.POLLIN)
-    while True:
-        _reap(command_pid, status_fd)
-        for fd, events in poller.poll():
-            if fd == wake_r:
-                _drain(wake_r)
-            elif broker is not None:
-                if events & select.POLLIN:
-                    try:
-                        broker.handle_one()
-                    except OSError:
-                        pass  # the caller died mid-call; its sandbox is unaffected
-                if events & (select.POLLHUP | select.POLLERR):
-                    poller.unregister(fd)                 # every filtered process is gone
-                    broker = None
-
-
-def _reap(command_pid: int, status_fd: int) -> None:
-    while True:
-        try:
-            pid, status, usage = os.wait4(-1, os.WNOHANG)
-        except ChildProcessError:
+    def on_exit(pid: int, status: int, usage: object) -> None:
+        # When the command ends, init reports and exits, which takes the namespace
+        # down: the kernel SIGKILLs whatever is left.
+        if pid == command_pid:
+            report.write_status(status_fd, status, usage.ru_utime, usage.ru_stime,  # type: ignore[attr-defined]
+                                usage.ru_maxrss)  # type: ignore[attr-defined]
             os._exit(0)
-        if pid == 0:
-            return
+
+    loop = InitLoop(on_exit)
+    if listener is not None:
+        loop.add_listener(listener)
+    loop.run()
+
+
+def run_session_init(plan: LaunchPlan, *, report_fd: int, intake: "_socket.socket",
+                     cgroup_dirs: list[str]) -> NoReturn:
+    """PID 1 of a session's persistent sandbox. Builds it once, then only reaps orphans and
+    brokers connect() for the session's commands (each call sends its filter's listener on
+    ``intake``) until the session is closed: the fork server SIGKILLs it, and the namespaces,
+    mounts and every process in them go with it."""
+    try:
+        process.die_with_parent(OUTSIDE_PARENT)
+        _join_cgroups(cgroup_dirs)
+        _build_sandbox(plan, "sandboxd-session")
+        process.close_all_except({intake.fileno()})       # closing the report pipe says "ready"
+    except BaseException as exc:  # noqa: BLE001
+        report.fail(report_fd, exc, "session init")
+    loop = InitLoop(lambda _pid, _status, _usage: None)
+    loop.add_intake(intake)
+    loop.run()
+
+
+# Namespaces a call joins besides the PID namespace (which the spawner's fork
+# put it in): everything the session's init unshared.
+CALL_NAMESPACES = (namespaces.CLONE_NEWNS | namespaces.CLONE_NEWNET | namespaces.CLONE_NEWIPC
+                   | namespaces.CLONE_NEWUTS | namespaces.CLONE_NEWCGROUP)
+KILL_TREE_SIGNAL = signal.SIGRTMIN + 2
+
+
+def run_call(plan: LaunchPlan, *, session_pidfd: int, intake_fd: int | None, report_fd: int, status_fd: int,
+             cgroup_dirs: list[str]) -> NoReturn:
+    """The call's init: a process in the session's PID namespace (the spawner forked it there)
+    that joins the session's other namespaces and runs one command.
+
+    It is the child subreaper of the call, so every orphan of the command's tree
+    re-parents to it rather than to the session's init (a subreaper only catches
+    orphans of its own PID namespace, hence its place inside). When the command
+    ends, or on KILL_TREE_SIGNAL (cancel, timeout), it kills what is left of the
+    call's tree, reports the command's status and exits. Like the session's init
+    it drops every privilege before the command is forked.
+    """
+    try:
+        process.die_with_parent(OUTSIDE_PARENT)
+        _join_cgroups(cgroup_dirs)
+        # A pidfd of the session's init, inherited from the spawner (its pid number
+        # means nothing in here): the session's root comes with its mount namespace.
+        namespaces.setns(session_pidfd, CALL_NAMESPACES)
+        os.chdir(plan.cwd)
+        process.set_child_subreaper()
+        process.set_title("sandboxd-call")
+        caps.drop_privileges(plan.uid, plan.gid)
+        process.die_with_parent(OUTSIDE_PARENT)
+        process.set_dumpable(False)
+    except BaseException as exc:  # noqa: BLE001
+        report.fail(report_fd, exc, "join session")
+    sink = _socket.socket(fileno=intake_fd) if intake_fd is not None else None  # type: ignore[call-arg]
+    command_pid = os.fork()
+    if command_pid == 0:
+        in_child(report_fd, "command", lambda: _run_command(plan, report_fd=report_fd, listener_sink=sink,
+                                                            parent=CALL_INIT))
+    if sink is not None:
+        sink.detach()                                     # its descriptor is closed just below
+    process.close_all_except({status_fd})
+    _forward_signals_to(command_pid)
+    signal.signal(KILL_TREE_SIGNAL, lambda _s, _f: process.kill_descendants())
+
+    def on_exit(pid: int, status: int, usage: object) -> None:
         if pid != command_pid:
-            continue
-        report.write_status(status_fd, status, usage.ru_utime, usage.ru_stime, usage.ru_maxrss)
+            return
+        process.kill_descendants(reap=True)               # nothing the command started outlives the call
+        report.write_status(status_fd, status, usage.ru_utime, usage.ru_stime,  # type: ignore[attr-defined]
+                            usage.ru_maxrss)  # type: ignore[attr-defined]
         os._exit(0)
 
-
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 512):
-            pass
-    except BlockingIOError:
-        pass
+    InitLoop(on_exit).run()
 
 
-def _run_command(plan: LaunchPlan, *, init: int, report_fd: int, broker: "_socket.socket | None") -> NoReturn:
+def _run_command(plan: LaunchPlan, *, report_fd: int, listener_sink: "_socket.socket | None",
+                 parent: int = 1) -> NoReturn:
+    """The command: ``parent`` is its expected parent pid (1: a one-shot init; CALL_INIT: a call's)."""
+    parent = os.getppid() if parent == CALL_INIT else parent
     try:
         for signum in FORWARDED_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)
-        process.die_with_parent(init)
+        process.die_with_parent(parent)
         process.new_session()                             # no controlling terminal: no TIOCSTI into the caller
         rlimits.apply(cpu_seconds=plan.limits.cpu_seconds, open_files=plan.limits.open_files)
-        caps.verify_dropped()                             # inherited from init: no caps, no_new_privs
+        caps.verify_dropped()                             # no caps, no_new_privs
         landlock.restrict_writes(                         # second wall for writes, by path
             list(plan.writable_roots) + ["/tmp", "/dev/shm"], ["/dev", "/proc"])
         process.cloexec_from(3)                           # only 0, 1, 2 survive exec
         listener = seccomp.load(plan.seccomp_program,     # last: nothing after this but exec
                                 new_listener=plan.brokers_connect)
-        if broker is not None:
-            broker.sendmsg([b"L"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS,  # init answers this
-                                     listener.to_bytes(4, "little"))])         # filter's notifications
+        if listener_sink is not None and plan.brokers_connect:
+            send_fd(listener_sink, listener)              # init answers this filter's notifications
             os.close(listener)
-            broker.close()
+            listener_sink.close()
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "command setup")
     _exec(plan, report_fd)

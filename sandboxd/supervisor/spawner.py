@@ -9,19 +9,24 @@ calls it directly; the daemon runs it inside the fork server
 
 from __future__ import annotations
 
+import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
+import _socket  # likewise for socket.py
 import itertools
 import os
 import select
-import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
 import time
 
 from sandboxd._record import Record
 from sandboxd.errors import SetupError
-from sandboxd.kernel.cgroups import CgroupSet
 from sandboxd.kernel import namespaces
+from sandboxd.kernel.cgroups import CgroupSet
 from sandboxd.launcher import report, sequence
 from sandboxd.launcher.plan import LaunchPlan, prepare
 from sandboxd.policy import LaunchSpec
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Callable
 
 _counter = itertools.count(1)
 
@@ -50,12 +55,18 @@ class ExitInfo(Record):
         return self.as_dict()
 
 
+CALL_KILL_GRACE = 5.0
+
+
 class SandboxProcess:
     """A launched sandbox as its parent sees it."""
 
     def __init__(self, plan: LaunchPlan, pid: int, report_fd: int, status_fd: int,
-                 cgroup: CgroupSet | None) -> None:
+                 cgroup: "CgroupSet | None", *, kill_signal: int = signal.SIGKILL) -> None:
         self.plan = plan
+        # SIGKILL for a sandbox's init (the PID namespace goes with it); for a session
+        # call, the signal that makes its supervisor kill the call's tree and report.
+        self._kill_signal = kill_signal
         self.pid = pid
         self.started = time.monotonic()
         self._report_fd = report_fd
@@ -83,8 +94,13 @@ class SandboxProcess:
             pass
 
     def kill(self) -> None:
-        """Kill the whole tree: init (whose death takes the PID namespace down) and the cgroup."""
-        self.send_signal(signal.SIGKILL)
+        """Kill the whole tree: init (whose death takes the PID namespace down) and the cgroup;
+        or, for a session call, everything the call started (its supervisor does it)."""
+        self.send_signal(self._kill_signal)
+        if self._kill_signal != signal.SIGKILL:
+            ready, _, _ = select.select([self._pidfd], [], [], CALL_KILL_GRACE)
+            if not ready:
+                self.send_signal(signal.SIGKILL)      # the supervisor is stuck: take it down at least
         if self._cgroup is not None:
             self._cgroup.kill()
 
@@ -177,42 +193,100 @@ class Spawner:
         self._new_pid_namespace = namespaces.PidNamespaceForNextChild()
 
     def launch(self, spec: LaunchSpec, stdio: tuple[int, int, int] = (0, 1, 2)) -> SandboxProcess:
+        """A one-shot sandbox running ``spec.argv`` (what `sandboxd run` does)."""
         plan = prepare(spec)
         cgroup = self._cgroup_for(plan)
+        dirs = list(cgroup.dirs) if cgroup else []
+        return self._fork(plan, stdio, cgroup, pid_namespace=plan.confined, body=lambda report_w, status_w: (
+            sequence.run_sandbox(plan, report_fd=report_w, status_fd=status_w, cgroup_dirs=dirs)))
+
+    def _fork(self, plan: LaunchPlan, stdio: tuple[int, int, int], cgroup: "CgroupSet | None", *,
+              pid_namespace: "bool | int", body: "Callable[[int, int], object]",
+              kill_signal: int = signal.SIGKILL) -> SandboxProcess:
         report_r, report_w = os.pipe2(os.O_CLOEXEC)
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         try:
-            if plan.confined:
-                self._new_pid_namespace.enter()           # the child will be PID 1 of a new PID namespace
-            pid = os.fork()
-        except (OSError, SetupError) as exc:
-            if plan.confined and not isinstance(exc, SetupError):
-                self._new_pid_namespace.leave()
+            pid = self._fork_child(pid_namespace)
+        except SetupError:
             for fd in (report_r, report_w, status_r, status_w):
                 os.close(fd)
             if cgroup:
                 cgroup.remove()
-            if isinstance(exc, SetupError):
-                raise
-            raise SetupError("fork", exc.errno or 0, hint="the system is out of processes or memory") from None
-        if pid != 0 and plan.confined:
-            self._new_pid_namespace.leave()
+            raise
         if pid == 0:
-            sequence.in_child(report_w, "sandbox", lambda: self._child(plan, stdio, cgroup, report_r, report_w,
-                                                                       status_r, status_w))
+            def child() -> None:
+                os.close(report_r)
+                os.close(status_r)
+                for target, source in enumerate(stdio):
+                    if source != target:
+                        os.dup2(source, target)
+                body(report_w, status_w)
+            sequence.in_child(report_w, "sandbox", child)
         os.close(report_w)
         os.close(status_w)
-        return SandboxProcess(plan, pid, report_r, status_r, cgroup)
+        return SandboxProcess(plan, pid, report_r, status_r, cgroup, kill_signal=kill_signal)
 
-    def _child(self, plan: LaunchPlan, stdio: tuple[int, int, int], cgroup: CgroupSet | None,
-               report_r: int, report_w: int, status_r: int, status_w: int) -> None:
+    def _fork_child(self, pid_namespace: "bool | int") -> int:
+        """fork(); with ``pid_namespace`` True the child is PID 1 of a new PID namespace; given
+        a pidfd, the child joins that process's PID namespace."""
+        if pid_namespace is not False:
+            self._new_pid_namespace.enter(None if pid_namespace is True else pid_namespace)
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            raise SetupError("fork", exc.errno or 0, hint="the system is out of processes or memory") from None
+        finally:
+            if pid_namespace is not False and os.getpid() == self.pid:
+                self._new_pid_namespace.leave()
+        return pid
+
+    def open_session(self, spec: LaunchSpec) -> SessionSandbox:
+        """Build a session's sandbox once (``spec.argv`` is not run). DangerFullAccess has none:
+        its calls are plain unconfined launches."""
+        plan = prepare(spec)
+        cgroup = None
+        if plan.limits.memory_bytes or plan.limits.pids:
+            cgroup = self._cgroup_for(plan)
+        if not plan.confined:
+            return SessionSandbox(plan, None, None, cgroup)
+        report_r, report_w = os.pipe2(os.O_CLOEXEC)
+        ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+        try:
+            pid = self._fork_child(pid_namespace=True)
+        except SetupError:
+            for closable in (report_r, report_w):
+                os.close(closable)
+            ours.close()
+            theirs.close()
+            if cgroup:
+                cgroup.remove()
+            raise
+        if pid == 0:
+            sequence.in_child(report_w, "session", lambda: sequence.run_session_init(
+                plan, report_fd=report_w, intake=theirs, cgroup_dirs=list(cgroup.dirs) if cgroup else []))
+        os.close(report_w)
+        theirs.close()
+        error = report.read_error(report_r)
         os.close(report_r)
-        os.close(status_r)
-        for target, source in enumerate(stdio):
-            if source != target:
-                os.dup2(source, target)
-        sequence.run_sandbox(plan, report_fd=report_w, status_fd=status_w,
-                             cgroup_dirs=list(cgroup.dirs) if cgroup else [])
+        session = SessionSandbox(plan, pid, ours, cgroup)
+        if error is not None:
+            session.close()
+            raise error
+        return session
+
+    def launch_call(self, session: SessionSandbox, argv: tuple[str, ...], env: dict[str, str], cwd: str,
+                    stdio: tuple[int, int, int] = (0, 1, 2)) -> SandboxProcess:
+        """Run one command in a session's sandbox: about a fork and an exec, no new sandbox."""
+        plan = session.plan.replace(argv=tuple(argv), env=dict(env), cwd=cwd)
+        cgroup_dirs = list(session.cgroup.dirs) if session.cgroup else []
+        if not plan.confined or session.init_pid is None:
+            return self._fork(plan, stdio, None, pid_namespace=False, body=lambda report_w, status_w: (
+                sequence.run_sandbox(plan, report_fd=report_w, status_fd=status_w, cgroup_dirs=cgroup_dirs)))
+        pidfd, intake = session.pidfd, session.intake
+        return self._fork(plan, stdio, None, pid_namespace=pidfd, body=lambda report_w, status_w: (
+            sequence.run_call(plan, session_pidfd=pidfd, intake_fd=intake.fileno() if intake else None,
+                              report_fd=report_w, status_fd=status_w, cgroup_dirs=cgroup_dirs)),
+            kill_signal=sequence.KILL_TREE_SIGNAL)
 
     def _cgroup_for(self, plan: LaunchPlan) -> CgroupSet | None:
         """A cgroup with the asked limits, or none when there are no limits and the PID
@@ -231,3 +305,36 @@ class Spawner:
         except SetupError:
             return None  # no writable cgroup hierarchy: the PID namespace still bounds the tree
         return group if group.dirs else None
+
+
+class SessionSandbox:
+    """A session's persistent sandbox, as the fork server holds it: the session's init
+    (PID 1 of its namespaces) and the socket its calls send seccomp listeners on."""
+
+    def __init__(self, plan: LaunchPlan, init_pid: int | None, intake: "_socket.socket | None",
+                 cgroup: "CgroupSet | None") -> None:
+        self.plan = plan
+        self.init_pid = init_pid
+        self.pidfd = os.pidfd_open(init_pid) if init_pid is not None else -1
+        self.intake = intake
+        self.cgroup = cgroup
+
+    def close(self) -> None:
+        """Kill everything in the session and release its namespaces, mounts and cgroups."""
+        if self.init_pid is not None:
+            try:
+                os.kill(self.init_pid, signal.SIGKILL)
+                os.waitpid(self.init_pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+            self.init_pid = None
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+        if self.intake is not None:
+            self.intake.close()
+            self.intake = None
+        if self.cgroup is not None:
+            self.cgroup.kill()
+            self.cgroup.remove()
+            self.cgroup = None

@@ -1,0 +1,222 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ApprovalPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    APPROVAL_POLICY_UNSPECIFIED: _ClassVar[ApprovalPolicy]
+    NEVER: _ClassVar[ApprovalPolicy]
+    ON_REQUEST: _ClassVar[ApprovalPolicy]
+    ALWAYS: _ClassVar[ApprovalPolicy]
+APPROVAL_POLICY_UNSPECIFIED: ApprovalPolicy
+NEVER: ApprovalPolicy
+ON_REQUEST: ApprovalPolicy
+ALWAYS: ApprovalPolicy
+
+class SandboxPolicy(_message.Message):
+    __slots__ = ("mode", "network_access", "writable_roots", "protected_subpaths", "no_default_protected_subpaths")
+    class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        MODE_UNSPECIFIED: _ClassVar[SandboxPolicy.Mode]
+        READ_ONLY: _ClassVar[SandboxPolicy.Mode]
+        WORKSPACE_WRITE: _ClassVar[SandboxPolicy.Mode]
+        DANGER_FULL_ACCESS: _ClassVar[SandboxPolicy.Mode]
+    MODE_UNSPECIFIED: SandboxPolicy.Mode
+    READ_ONLY: SandboxPolicy.Mode
+    WORKSPACE_WRITE: SandboxPolicy.Mode
+    DANGER_FULL_ACCESS: SandboxPolicy.Mode
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_ACCESS_FIELD_NUMBER: _ClassVar[int]
+    WRITABLE_ROOTS_FIELD_NUMBER: _ClassVar[int]
+    PROTECTED_SUBPATHS_FIELD_NUMBER: _ClassVar[int]
+    NO_DEFAULT_PROTECTED_SUBPATHS_FIELD_NUMBER: _ClassVar[int]
+    mode: SandboxPolicy.Mode
+    network_access: bool
+    writable_roots: _containers.RepeatedScalarFieldContainer[str]
+    protected_subpaths: _containers.RepeatedScalarFieldContainer[str]
+    no_default_protected_subpaths: bool
+    def __init__(self, mode: _Optional[_Union[SandboxPolicy.Mode, str]] = ..., network_access: _Optional[bool] = ..., writable_roots: _Optional[_Iterable[str]] = ..., protected_subpaths: _Optional[_Iterable[str]] = ..., no_default_protected_subpaths: _Optional[bool] = ...) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("timeout_seconds", "memory_bytes", "pids", "cpu_seconds", "open_files", "tmp_size_bytes")
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FILES_FIELD_NUMBER: _ClassVar[int]
+    TMP_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    timeout_seconds: float
+    memory_bytes: int
+    pids: int
+    cpu_seconds: int
+    open_files: int
+    tmp_size_bytes: int
+    def __init__(self, timeout_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., pids: _Optional[int] = ..., cpu_seconds: _Optional[int] = ..., open_files: _Optional[int] = ..., tmp_size_bytes: _Optional[int] = ...) -> None: ...
+
+class Session(_message.Message):
+    __slots__ = ("id", "workspace", "sandbox_policy", "approval_policy", "limits", "labels", "owner_uid", "owner_gid", "created_at", "running_calls", "sandbox_generation")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    WORKSPACE_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_POLICY_FIELD_NUMBER: _ClassVar[int]
+    APPROVAL_POLICY_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_UID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_GID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_CALLS_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    workspace: str
+    sandbox_policy: SandboxPolicy
+    approval_policy: ApprovalPolicy
+    limits: Limits
+    labels: _containers.ScalarMap[str, str]
+    owner_uid: int
+    owner_gid: int
+    created_at: float
+    running_calls: int
+    sandbox_generation: int
+    def __init__(self, id: _Optional[str] = ..., workspace: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., owner_uid: _Optional[int] = ..., owner_gid: _Optional[int] = ..., created_at: _Optional[float] = ..., running_calls: _Optional[int] = ..., sandbox_generation: _Optional[int] = ...) -> None: ...
+
+class CreateSessionRequest(_message.Message):
+    __slots__ = ("workspace", "sandbox_policy", "approval_policy", "limits", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    WORKSPACE_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_POLICY_FIELD_NUMBER: _ClassVar[int]
+    APPROVAL_POLICY_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    workspace: str
+    sandbox_policy: SandboxPolicy
+    approval_policy: ApprovalPolicy
+    limits: Limits
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, workspace: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class GetSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[Session]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[Session, _Mapping]]] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UpdateSessionPolicyRequest(_message.Message):
+    __slots__ = ("session_id", "sandbox_policy", "approval_policy")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_POLICY_FIELD_NUMBER: _ClassVar[int]
+    APPROVAL_POLICY_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    sandbox_policy: SandboxPolicy
+    approval_policy: ApprovalPolicy
+    def __init__(self, session_id: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ...) -> None: ...
+
+class ExecStart(_message.Message):
+    __slots__ = ("session_id", "argv", "shell", "cwd", "env", "timeout_seconds", "stdin", "close_stdin", "output_limit_bytes")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ARGV_FIELD_NUMBER: _ClassVar[int]
+    SHELL_FIELD_NUMBER: _ClassVar[int]
+    CWD_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_STDIN_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    argv: _containers.RepeatedScalarFieldContainer[str]
+    shell: str
+    cwd: str
+    env: _containers.ScalarMap[str, str]
+    timeout_seconds: float
+    stdin: bytes
+    close_stdin: bool
+    output_limit_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., timeout_seconds: _Optional[float] = ..., stdin: _Optional[bytes] = ..., close_stdin: _Optional[bool] = ..., output_limit_bytes: _Optional[int] = ...) -> None: ...
+
+class ExecRequest(_message.Message):
+    __slots__ = ("start", "stdin", "close_stdin", "signal")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_STDIN_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    start: ExecStart
+    stdin: bytes
+    close_stdin: bool
+    signal: int
+    def __init__(self, start: _Optional[_Union[ExecStart, _Mapping]] = ..., stdin: _Optional[bytes] = ..., close_stdin: _Optional[bool] = ..., signal: _Optional[int] = ...) -> None: ...
+
+class ExecResult(_message.Message):
+    __slots__ = ("exit_code", "signal", "timed_out", "wall_seconds", "cpu_seconds", "peak_memory_bytes", "output_truncated", "shell_status")
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
+    WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    SHELL_STATUS_FIELD_NUMBER: _ClassVar[int]
+    exit_code: int
+    signal: int
+    timed_out: bool
+    wall_seconds: float
+    cpu_seconds: float
+    peak_memory_bytes: int
+    output_truncated: bool
+    shell_status: int
+    def __init__(self, exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., timed_out: _Optional[bool] = ..., wall_seconds: _Optional[float] = ..., cpu_seconds: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., output_truncated: _Optional[bool] = ..., shell_status: _Optional[int] = ...) -> None: ...
+
+class ExecResponse(_message.Message):
+    __slots__ = ("started_pid", "stdout", "stderr", "result")
+    STARTED_PID_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    started_pid: int
+    stdout: bytes
+    stderr: bytes
+    result: ExecResult
+    def __init__(self, started_pid: _Optional[int] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., result: _Optional[_Union[ExecResult, _Mapping]] = ...) -> None: ...
