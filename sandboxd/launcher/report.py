@@ -66,15 +66,26 @@ def read_all(fd: int) -> bytes:
         chunks.append(data)
 
 
+def read_outcome(fd: int) -> tuple[SetupError | None, int | None]:
+    """Read until EOF: (the reported error or None when the command was executed,
+    the command's pid inside its sandbox if a call's init announced it)."""
+    pid = None
+    for line in read_all(fd).splitlines():
+        if not line.strip():
+            continue
+        fields = decode(line)
+        if "step" in fields:
+            return SetupError.from_dict(fields), pid  # type: ignore[arg-type]
+        if "pid" in fields:
+            pid = int(fields["pid"])
+        else:
+            return SetupError("report", 0, detail=f"unreadable setup report: {line[:200]!r}"), pid
+    return None, pid
+
+
 def read_error(fd: int) -> SetupError | None:
     """Read until EOF; return the reported error, or None when the command was executed."""
-    data = read_all(fd)
-    if not data.strip():
-        return None
-    fields = decode(data)
-    if "step" not in fields:
-        return SetupError("report", 0, detail=f"unreadable setup report: {data[:200]!r}")
-    return SetupError.from_dict(fields)  # type: ignore[arg-type]
+    return read_outcome(fd)[0]
 
 
 def write_status(fd: int, status: int, utime: float, stime: float, maxrss_kib: int) -> None:

@@ -188,6 +188,10 @@ def run_call(plan: LaunchPlan, *, session_pidfd: int, intake_fd: int | None, rep
                                                             parent=CALL_INIT))
     if sink is not None:
         sink.detach()                                     # its descriptor is closed just below
+    try:
+        os.write(report_fd, report.encode({"pid": command_pid}))  # its pid as seen inside the session
+    except OSError:
+        pass
     process.close_all_except({status_fd})
     _forward_signals_to(command_pid)
     signal.signal(KILL_TREE_SIGNAL, lambda _s, _f: process.kill_descendants())

@@ -53,6 +53,7 @@ from sandboxd._record import Record
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 __all__ = ["PeerCredentials", "FrontDoor", "caller"]
@@ -60,10 +61,12 @@ __all__ = ["PeerCredentials", "FrontDoor", "caller"]
 log = logging.getLogger(__name__)
 
 # struct ucred { pid_t pid; uid_t uid; gid_t gid; }: the kernel's answer to SO_PEERCRED.
-_UCRED = struct.Struct("3i")
+_UCRED = struct.Struct("iII")
 
 # sizeof(sockaddr_un.sun_path) is 108, including the terminating NUL.
 _SUN_PATH_MAX = 107
+# Room the temporary name the public socket is bound under takes: ".<pid>.new".
+_PUBLIC_TEMP_ROOM = len(".4194304.new")
 # Room a relay file name may take at the end of the relay directory: "/<n>.sock", n up to 2**64.
 _RELAY_NAME_ROOM = len("/18446744073709551615.sock")
 
@@ -109,7 +112,7 @@ class FrontDoor:
         self._public_path = os.path.abspath(public_path)
         self._backend_path = os.path.abspath(backend_path)
         self._relay_dir = os.path.abspath(relay_dir)
-        for what, path, room in (("public socket", self._public_path, 0),
+        for what, path, room in (("public socket", self._public_path, _PUBLIC_TEMP_ROOM),
                                  ("backend socket", self._backend_path, 0),
                                  ("relay directory", self._relay_dir, _RELAY_NAME_ROOM)):
             if len(os.fsencode(path)) + room > _SUN_PATH_MAX:
@@ -195,8 +198,10 @@ class FrontDoor:
                 _unlink_quietly(relay.path)
         with self._lock:
             self._identities.clear()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        if self._accept_thread is None or not self._accept_thread.is_alive():
+            # (Were it still polling, a closed and reused fd number could wake it wrongly.)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
     def __enter__(self) -> "FrontDoor":
         return self
@@ -297,7 +302,7 @@ class _Relay:
         self._aborted = False
         self._threads = 0  # pump threads started and not yet done; the last one cleans up
 
-    def spawn(self, target: "Any", direction: str) -> bool:
+    def spawn(self, target: "Callable[[], None]", direction: str) -> bool:
         with self._lock:
             self._threads += 1
         try:
@@ -315,11 +320,12 @@ class _Relay:
             if not self._connect():
                 self.abort()
                 return
-            assert self.backend is not None
-            if not self.spawn(lambda: self._pump_and_finish(self.backend, self.client), "down"):  # type: ignore[arg-type]
+            backend = self.backend
+            assert backend is not None
+            if not self.spawn(lambda: self._pump_and_finish(backend, self.client), "down"):
                 self.abort()
                 return
-            self._pump(self.client, self.backend)
+            self._pump(self.client, backend)
         except Exception:  # noqa: BLE001
             log.exception("front door: relay %d failed", self.number)
             self.abort()
@@ -433,8 +439,9 @@ class _Relay:
             self.client.close()
             if self.backend is not None:
                 self.backend.close()
-        self.door._forget(self)
+        # File first: once a relay is no longer counted, nothing of it is left.
         _unlink_quietly(self.path)
+        self.door._forget(self)
         self.finished.set()
 
 

@@ -2,15 +2,24 @@
 
 The daemon starts it before any gRPC thread exists (a forked child of a
 threaded process can deadlock, and fork cost grows with the parent's
-memory), then sends it launch requests over a SOCK_SEQPACKET socket pair:
+memory), then sends it requests over a SOCK_SEQPACKET socket pair, one JSON
+object per message:
 
-  request  {"op": "launch", "id": N, "spec": {...}} + SCM_RIGHTS [stdin, stdout, stderr]
-           {"op": "signal", "id": N, "signum": S}
-  replies  {"id": N, "event": "started", "pid": P}
-           {"id": N, "event": "error", "error": {step, errno, path, hint, ...}}
-           {"id": N, "event": "exited", "info": {exit_code, signal, timed_out, ...}}
+  {"op": "launch", "id": N, "spec": {...}}  + SCM_RIGHTS [stdin, stdout, stderr]   one-shot sandbox
+  {"op": "session_open", "id": N, "session": S, "spec": {...}}                     build a session's sandbox
+  {"op": "session_close", "id": N, "session": S}                                   kill all of it
+  {"op": "call", "id": N, "session": S, "argv": [...], "env": {...}, "cwd": C,
+   "timeout": T}  + SCM_RIGHTS [stdin, stdout, stderr]                              one command in a session
+  {"op": "signal", "id": N, "signum": S}    {"op": "cancel", "id": N}               to a running launch or call
 
-Each launch is the same ``Spawner.launch`` that ``sandboxd run`` calls.
+and answers, tagged with the request's id:
+
+  {"event": "started", "pid": P, "inner_pid": Q}  {"event": "session_ready", "init_pid": P}
+  {"event": "error", "error": {step, errno, path, hint, ...}}  {"event": "session_closed"}
+  {"event": "exited", "info": {exit_code, signal, timed_out, ...}}
+
+Launches and calls take the same ``Spawner`` paths that ``sandboxd run`` uses.
+Sandboxes, sessions and calls die with the fork server, and it dies with its client.
 """
 
 from __future__ import annotations
@@ -22,11 +31,12 @@ import select
 import signal
 import socket
 import threading
+import time
 from typing import Any
 
 from sandboxd.errors import InvalidPolicy, SandboxdError, SetupError
 from sandboxd.policy.spec import LaunchSpec, spec_from_dict, spec_to_dict
-from sandboxd.supervisor.spawner import ExitInfo, SandboxProcess, Spawner
+from sandboxd.supervisor.spawner import ExitInfo, SandboxProcess, SessionSandbox, Spawner
 
 MAX_MESSAGE = 1 << 20
 
@@ -50,142 +60,285 @@ def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
     return json.loads(data), list(fds)
 
 
-def serve(sock: socket.socket) -> None:
-    """The fork server loop. Returns when the client end closes."""
-    spawner = Spawner()
-    running: dict[int, tuple[SandboxProcess, float | None]] = {}
-    while True:
-        waitables: list[Any] = [sock] + [proc for proc, _ in running.values()]
-        deadlines = [d for d in (proc.deadline(t) for proc, t in running.values()) if d is not None]
-        timeout = max(0.0, min(deadlines) - _now()) if deadlines else None
-        ready, _, _ = select.select(waitables, [], [], timeout)
-        for call_id, (proc, limit) in list(running.items()):
+class _Server:
+    """The server side: runs in the fork server process, single-threaded."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.spawner = Spawner()
+        self.running: dict[int, tuple[SandboxProcess, float | None]] = {}
+        self.sessions: dict[str, SessionSandbox] = {}
+
+    def serve(self) -> None:
+        while True:
+            deadlines = [d for d in (proc.deadline(t) for proc, t in self.running.values()) if d is not None]
+            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+            waitables: list[Any] = [self.sock] + [proc for proc, _ in self.running.values()]
+            ready, _, _ = select.select(waitables, [], [], timeout)
+            self._collect_exits()
+            if self.sock in ready and not self._handle_next():
+                self._shutdown()
+                return
+
+    def _collect_exits(self) -> None:
+        for call_id, (proc, limit) in list(self.running.items()):
             info = proc.poll(limit)
             if info is not None:
-                del running[call_id]
-                _send(sock, {"id": call_id, "event": "exited", "info": info.to_dict()})
-        if sock not in ready:
-            continue
+                del self.running[call_id]
+                _send(self.sock, {"id": call_id, "event": "exited", "info": info.to_dict()})
+
+    def _handle_next(self) -> bool:
         try:
-            message, fds = _recv(sock)
+            message, fds = _recv(self.sock)
         except (OSError, ValueError):
             message, fds = None, []
         if message is None:
-            for proc, _ in running.values():
-                proc.kill()
-                proc.wait()
-            return
-        _handle(sock, spawner, running, message, fds)
+            return False
+        call_id = int(message.get("id", 0))
+        try:
+            self._dispatch(call_id, message, fds)
+        except SandboxdError as exc:
+            error = exc.to_dict() if isinstance(exc, SetupError) else {"kind": type(exc).__name__, "detail": str(exc)}
+            _send(self.sock, {"id": call_id, "event": "error", "error": error})
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return True
 
-
-def _handle(sock: socket.socket, spawner: Spawner, running: dict[int, tuple[SandboxProcess, float | None]],
-            message: dict[str, Any], fds: list[int]) -> None:
-    call_id = int(message.get("id", 0))
-    try:
-        if message.get("op") == "launch":
+    def _dispatch(self, call_id: int, message: dict[str, Any], fds: list[int]) -> None:
+        op = message.get("op")
+        if op in ("launch", "call"):
             if len(fds) != 3:
                 raise InvalidPolicy("a launch needs exactly three descriptors: stdin, stdout, stderr")
-            spec = spec_from_dict(message["spec"])
-            proc = spawner.launch(spec, stdio=(fds[0], fds[1], fds[2]))
-            try:
-                proc.wait_started()
-            finally:
-                for fd in fds:
-                    os.close(fd)
-                fds = []
-            running[call_id] = (proc, spec.limits.timeout_seconds)
-            _send(sock, {"id": call_id, "event": "started", "pid": proc.pid})
-        elif message.get("op") == "signal":
-            entry = running.get(call_id)
+            stdio = (fds[0], fds[1], fds[2])
+            if op == "launch":
+                spec = spec_from_dict(message["spec"])
+                proc, limit = self.spawner.launch(spec, stdio=stdio), spec.limits.timeout_seconds
+            else:
+                session = self._session(message)
+                proc = self.spawner.launch_call(session, tuple(message["argv"]), dict(message.get("env") or {}),
+                                                str(message["cwd"]), stdio=stdio)
+                limit = float(message["timeout"]) if message.get("timeout") else None
+            proc.wait_started()
+            self.running[call_id] = (proc, limit)
+            _send(self.sock, {"id": call_id, "event": "started", "pid": proc.pid, "inner_pid": proc.inner_pid})
+        elif op == "session_open":
+            name = str(message["session"])
+            if name in self.sessions:
+                raise InvalidPolicy(f"session {name!r} is already open in the fork server")
+            session = self.spawner.open_session(spec_from_dict(message["spec"]))
+            self.sessions[name] = session
+            _send(self.sock, {"id": call_id, "event": "session_ready", "init_pid": session.init_pid})
+        elif op == "session_close":
+            session = self.sessions.pop(str(message["session"]), None)
+            if session is not None:
+                self._close_session(session)
+            _send(self.sock, {"id": call_id, "event": "session_closed"})
+        elif op in ("signal", "cancel"):
+            entry = self.running.get(call_id)
             if entry:
-                entry[0].send_signal(int(message["signum"]))
+                if op == "cancel":
+                    entry[0].kill()
+                else:
+                    entry[0].send_signal(int(message["signum"]))
         else:
-            raise InvalidPolicy(f"unknown fork server operation {message.get('op')!r}")
-    except SandboxdError as exc:
-        error = exc.to_dict() if isinstance(exc, SetupError) else {"kind": type(exc).__name__, "detail": str(exc)}
-        _send(sock, {"id": call_id, "event": "error", "error": error})
-    finally:
-        for fd in fds:
-            os.close(fd)
+            raise InvalidPolicy(f"unknown fork server operation {op!r}")
+
+    def _close_session(self, session: SessionSandbox) -> None:
+        """Kill the session and wait until it is gone, reaping its calls meanwhile (init's exit
+        waits for them; see SessionSandbox.kill). Bounded: a stuck kernel cannot hang us."""
+        session.kill()
+        deadline = time.monotonic() + 30
+        while not session.reap() and time.monotonic() < deadline:
+            select.select([session.pidfd] + [proc for proc, _ in self.running.values()], [], [], 0.05)
+            self._collect_exits()
+        session.close()
+        self._collect_exits()
+
+    def _session(self, message: dict[str, Any]) -> SessionSandbox:
+        session = self.sessions.get(str(message.get("session")))
+        if session is None:
+            raise InvalidPolicy(f"no open session {message.get('session')!r} in the fork server")
+        return session
+
+    def _shutdown(self) -> None:
+        for session in list(self.sessions.values()):
+            self._close_session(session)
+        self.sessions.clear()
+        for proc, _ in self.running.values():
+            proc.kill()
+            proc.wait()
 
 
-def _now() -> float:
-    import time
-    return time.monotonic()
+def serve(sock: socket.socket) -> None:
+    """The fork server loop. Returns when the client end closes, after killing everything."""
+    _Server(sock).serve()
 
 
 class ForkServer:
-    """Client handle of a running fork server. Thread-safe; one request at a time per handle."""
+    """Client handle of a running fork server. Thread-safe: any number of threads may launch
+    and wait at once; one reader thread dispatches the server's answers."""
 
     def __init__(self, sock: socket.socket, pid: int) -> None:
         self._sock = sock
         self.pid = pid
-        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._cond = threading.Condition()
         self._events: dict[int, list[dict[str, Any]]] = {}
         self._next_id = 1
+        self._closed = False
+        self._reader: threading.Thread | None = None
+        self._process: "Any" = None
 
     @classmethod
     def start(cls) -> "ForkServer":
-        """Fork the server now. Call before any thread is started in this process."""
-        if threading.active_count() > 1:
-            raise SetupError("fork server start", 0,
-                             hint="the fork server must be started before any thread exists in the process")
-        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        pid = os.fork()
-        if pid == 0:
-            parent_end.close()
-            # Only our own end of our own socket: a descriptor inherited from the client
-            # (another fork server's client end, a gRPC listener...) would keep it open.
-            from sandboxd.kernel.process import close_all_except
-            close_all_except({0, 1, 2, child_end.fileno()})
-            try:
-                import prctl  # python-prctl: off the one-shot launch path, so its import cost is fine here
-                prctl.set_name("sandboxd-fork")
-                prctl.set_pdeathsig(signal.SIGKILL)  # the fork server never outlives the daemon
-                serve(child_end)
-            finally:
-                os._exit(0)
-        child_end.close()
-        return cls(parent_end, pid)
+        """Start the server as a fresh interpreter (``python -m sandboxd.supervisor.forkserver``).
+
+        Not a fork of the caller: the daemon has gRPC threads, and a forked copy of a
+        threaded process may deadlock; and a fresh process is as small as it gets,
+        which keeps every later fork cheap. subprocess spawns it without forking Python.
+        """
+        import subprocess
+        import sys
+
+        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "PYTHONPATH": package_root}
+        try:
+            child = subprocess.Popen([sys.executable, "-m", "sandboxd.supervisor.forkserver", str(child_end.fileno())],
+                                     pass_fds=(child_end.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                                     close_fds=True)
+        finally:
+            child_end.close()
+        server = cls(parent_end, child.pid)
+        server._process = child
+        return server
+
+    # -- requests ------------------------------------------------------------------------------
 
     def launch(self, spec: LaunchSpec, stdio: tuple[int, int, int] = (0, 1, 2)) -> int:
-        """Start a sandbox; return its call id once the command is running, or raise SetupError."""
-        with self._lock:
-            call_id = self._next_id
-            self._next_id += 1
-            _send(self._sock, {"op": "launch", "id": call_id, "spec": spec_to_dict(spec)}, list(stdio))
-        event = self._wait_event(call_id, ("started", "error"))
-        if event["event"] == "error":
-            error = event["error"]
-            if error.get("kind") == "InvalidPolicy":
-                raise InvalidPolicy(error.get("detail", "invalid launch"))
-            raise SetupError.from_dict(error)
+        """Start a one-shot sandbox; return its id once the command is running, or raise SetupError."""
+        call_id = self._request({"op": "launch", "spec": spec_to_dict(spec)}, list(stdio))
+        self._expect(call_id, "started")
         return call_id
 
+    def open_session(self, session: str, spec: LaunchSpec) -> int:
+        """Build a session's sandbox (``spec.argv`` is not run); return its init's pid."""
+        event = self._expect(self._request({"op": "session_open", "session": session,
+                                            "spec": spec_to_dict(spec)}), "session_ready")
+        return int(event.get("init_pid") or 0)
+
+    def close_session(self, session: str) -> None:
+        self._expect(self._request({"op": "session_close", "session": session}), "session_closed")
+
+    def call(self, session: str, argv: list[str], env: dict[str, str], cwd: str, timeout: float | None,
+             stdio: tuple[int, int, int]) -> tuple[int, int | None]:
+        """Run one command in a session; return (call id, the command's pid inside the session)."""
+        call_id = self._request({"op": "call", "session": session, "argv": list(argv), "env": dict(env),
+                                 "cwd": cwd, "timeout": timeout}, list(stdio))
+        event = self._expect(call_id, "started")
+        return call_id, event.get("inner_pid")
+
     def signal(self, call_id: int, signum: int) -> None:
-        with self._lock:
-            _send(self._sock, {"op": "signal", "id": call_id, "signum": signum})
+        self._send({"op": "signal", "id": call_id, "signum": signum})
+
+    def cancel(self, call_id: int) -> None:
+        """Kill everything the launch or call started; its ``wait`` then reports how it ended."""
+        self._send({"op": "cancel", "id": call_id})
 
     def wait(self, call_id: int) -> ExitInfo:
         event = self._wait_event(call_id, ("exited",))
         return ExitInfo(**event["info"])
 
-    def _wait_event(self, call_id: int, kinds: tuple[str, ...]) -> dict[str, Any]:
-        while True:
-            with self._lock:
-                for index, event in enumerate(self._events.get(call_id, [])):
-                    if event["event"] in kinds:
-                        return self._events[call_id].pop(index)
-                message, fds = _recv(self._sock)
-                for fd in fds:
-                    os.close(fd)
-                if message is None:
-                    raise SetupError("fork server", 0, detail="the fork server exited")
-                self._events.setdefault(int(message["id"]), []).append(message)
-
     def close(self) -> None:
+        """Stop the server: it kills every sandbox and session it holds, then exits."""
+        with self._send_lock:
+            if not self._closed:
+                self._sock.shutdown(socket.SHUT_WR)
+        if self._reader is not None:
+            self._reader.join(timeout=30)
         self._sock.close()
-        try:
-            os.waitpid(self.pid, 0)
-        except ChildProcessError:
-            pass
+        if self._process is not None:
+            self._process.wait()
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _request(self, message: dict[str, Any], fds: list[int] | None = None) -> int:
+        with self._send_lock:
+            call_id = self._next_id
+            self._next_id += 1
+            message["id"] = call_id
+            self._send_locked(message, fds)
+        return call_id
+
+    def _send(self, message: dict[str, Any]) -> None:
+        with self._send_lock:
+            self._send_locked(message, None)
+
+    def _send_locked(self, message: dict[str, Any], fds: list[int] | None) -> None:
+        if self._closed:
+            raise SetupError("fork server", 0, detail="the fork server has exited")
+        self._ensure_reader()
+        _send(self._sock, message, fds)
+
+    def _ensure_reader(self) -> None:
+        if self._reader is None:
+            self._reader = threading.Thread(target=self._read_loop, name="sandboxd-fork-reader", daemon=True)
+            self._reader.start()
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                message, fds = _recv(self._sock)
+            except (OSError, ValueError):
+                message, fds = None, []
+            for fd in fds:
+                os.close(fd)
+            with self._cond:
+                if message is None:
+                    self._closed = True
+                    self._cond.notify_all()
+                    return
+                self._events.setdefault(int(message["id"]), []).append(message)
+                self._cond.notify_all()
+
+    def _expect(self, call_id: int, kind: str) -> dict[str, Any]:
+        event = self._wait_event(call_id, (kind, "error"))
+        if event["event"] == "error":
+            error = event["error"]
+            if error.get("kind") == "InvalidPolicy":
+                raise InvalidPolicy(error.get("detail", "invalid request"))
+            raise SetupError.from_dict(error)
+        return event
+
+    def _wait_event(self, call_id: int, kinds: tuple[str, ...]) -> dict[str, Any]:
+        with self._cond:
+            while True:
+                queue = self._events.get(call_id, [])
+                for index, event in enumerate(queue):
+                    if event["event"] in kinds:
+                        queue.pop(index)
+                        if not queue:
+                            self._events.pop(call_id, None)
+                        return event
+                if self._closed:
+                    raise SetupError("fork server", 0, detail="the fork server exited")
+                self._cond.wait()
+
+
+def _main(fd: int) -> None:
+    """Entry point of the fork server process."""
+    import prctl  # python-prctl: off the one-shot launch path, so its import cost is fine here
+
+    expected_parent = os.getppid()
+    prctl.set_name("sandboxd-fork")
+    prctl.set_pdeathsig(signal.SIGKILL)      # the fork server never outlives the daemon
+    if os.getppid() != expected_parent:      # the daemon died before that took effect
+        os._exit(0)
+    serve(socket.socket(fileno=fd))
+
+
+if __name__ == "__main__":
+    import sys
+
+    _main(int(sys.argv[1]))

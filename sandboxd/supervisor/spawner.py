@@ -75,10 +75,11 @@ class SandboxProcess:
         self._pidfd = os.pidfd_open(pid)
         self._exit_status: int | None = None
         self._timed_out = False
+        self.inner_pid: int | None = None     # the command's pid inside its sandbox, when known
 
     def wait_started(self) -> None:
         """Block until the command was exec'd; raise SetupError (cleaning up) if setup failed."""
-        error = report.read_error(self._report_fd)
+        error, self.inner_pid = report.read_outcome(self._report_fd)
         os.close(self._report_fd)
         self._report_fd = -1
         if error is not None:
@@ -319,13 +320,39 @@ class SessionSandbox:
         self.intake = intake
         self.cgroup = cgroup
 
-    def close(self) -> None:
-        """Kill everything in the session and release its namespaces, mounts and cgroups."""
+    def kill(self) -> None:
+        """SIGKILL the session's init: the kernel kills everything in its PID namespace.
+
+        Its exit completes only once every process of the namespace has been reaped,
+        including the calls' inits, which are the spawner's children: so the spawner
+        must go on reaping those (``SandboxProcess.poll``) until ``reap`` succeeds."""
         if self.init_pid is not None:
             try:
                 os.kill(self.init_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def reap(self) -> bool:
+        """True once the session's init is gone (never blocks)."""
+        if self.init_pid is None:
+            return True
+        try:
+            pid, _ = os.waitpid(self.init_pid, os.WNOHANG)
+        except ChildProcessError:
+            pid = self.init_pid
+        if pid == 0:
+            return False
+        self.init_pid = None
+        return True
+
+    def close(self) -> None:
+        """Kill everything in the session and release its namespaces, mounts and cgroups
+        (for a session without running calls; see ``kill`` otherwise)."""
+        self.kill()
+        if self.init_pid is not None:
+            try:
                 os.waitpid(self.init_pid, 0)
-            except (ProcessLookupError, ChildProcessError):
+            except ChildProcessError:
                 pass
             self.init_pid = None
         if self.pidfd >= 0:

@@ -1,0 +1,464 @@
+"""The front door tells the gRPC server who is calling, from the kernel (SO_PEERCRED).
+
+Real sockets, a real grpcio server behind a real FrontDoor, real clients
+(including one running as another uid). The relay must also carry bulk data
+intact, apply backpressure instead of buffering, survive running out of file
+descriptors, and leave nothing behind (files, descriptors, threads).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import resource
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from sandboxd.service.peercred import FrontDoor, PeerCredentials, caller
+
+MiB = 1 << 20
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+class Paths:
+    """public socket in a 0755 directory (reachable by other uids); backend and relays in a 0700 one."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.private = base / "private"
+        self.private.mkdir(mode=0o700)
+        self.public = str(base / "sandboxd.sock")
+        self.backend = str(self.private / "grpc.sock")
+        self.relay = str(self.private / "relay")
+
+
+@pytest.fixture
+def paths() -> Iterator[Paths]:
+    base = Path(tempfile.mkdtemp(prefix="sbxpc-", dir="/tmp"))
+    os.chmod(base, 0o755)
+    try:
+        yield Paths(base)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+class Servicer(health_pb2_grpc.HealthServicer):
+    """Health.Check records what the front door says about the caller; refuses unknown callers."""
+
+    def __init__(self) -> None:
+        self.door: FrontDoor | None = None
+        self.seen: list[tuple[str, PeerCredentials | None]] = []
+
+    def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext
+              ) -> health_pb2.HealthCheckResponse:
+        assert self.door is not None
+        peer = context.peer()
+        self.seen.append((peer, self.door.identity(peer)))
+        try:
+            caller(self.door, context)
+        except PermissionError as exc:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+BLOCK = os.urandom(MiB)
+
+
+def chunk(index: int) -> bytes:
+    """Message ``index`` of a bulk stream: its number, then random bytes (order and content both checkable)."""
+    return index.to_bytes(8, "big") + BLOCK[8:]
+
+
+def stream(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+    for index in range(int.from_bytes(request, "big")):
+        yield chunk(index)
+
+
+def upload(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+    digest = hashlib.sha256()
+    for request in requests:
+        digest.update(request)
+    return digest.digest()
+
+
+@pytest.fixture
+def backend(paths: Paths) -> Iterator[Servicer]:
+    """A grpcio server on the private socket: Health plus raw-bytes bulk methods."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    servicer = Servicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Bulk", {
+        # No (de)serializers: requests and responses are raw bytes.
+        "Stream": grpc.unary_stream_rpc_method_handler(stream),
+        "Upload": grpc.stream_unary_rpc_method_handler(upload),
+    }),))
+    server.add_insecure_port("unix:" + paths.backend)
+    server.start()
+    try:
+        yield servicer
+    finally:
+        server.stop(None).wait()
+
+
+@pytest.fixture
+def door(paths: Paths, backend: Servicer) -> Iterator[FrontDoor]:
+    front = FrontDoor(paths.public, paths.backend, relay_dir=paths.relay)
+    backend.door = front
+    front.start()
+    try:
+        yield front
+    finally:
+        front.close()
+
+
+def check(target: str) -> int:
+    with grpc.insecure_channel(target) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+
+
+def wait_for(condition: Callable[[], bool], within: float = 5.0) -> bool:
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def our_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("sandboxd-")]
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+# --------------------------------------------------------------------------- identity
+
+
+def test_identifies_the_calling_process(door: FrontDoor, backend: Servicer, paths: Paths) -> None:
+    assert check("unix:" + paths.public) == health_pb2.HealthCheckResponse.SERVING
+    [(peer, who)] = backend.seen
+    assert peer.startswith("unix:" + paths.relay + "/"), peer
+    assert who == PeerCredentials(uid=os.getuid(), gid=os.getgid(), pid=os.getpid())
+    assert stat_mode(paths.public) == 0o666
+
+
+def test_a_connection_around_the_door_is_refused(door: FrontDoor, backend: Servicer, paths: Paths) -> None:
+    # Straight to the backend socket: the server sees "unix:", which names nobody.
+    with pytest.raises(grpc.RpcError) as raised:
+        check("unix:" + paths.backend)
+    assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    [(peer, who)] = backend.seen
+    assert who is None and door.identity(peer) is None
+
+
+# The child starts as root (it must, to become another uid), imports grpc
+# (the interpreter's own library may be unreadable to that uid), drops to
+# uid/gid, and only then connects and calls. It never says who it is: the
+# kernel does.
+AS_OTHER_USER = r"""
+import os, sys
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+public, uid, gid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+os.setgroups([])
+os.setgid(gid)
+os.setuid(uid)
+with grpc.insecure_channel("unix:" + public) as channel:
+    status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+print(os.getpid(), os.getuid(), os.getgid(), status)
+"""
+
+
+@pytest.mark.parametrize("uid,gid", [(65534, 65534), (54321, 54322)], ids=["nobody", "unnamed-uid"])
+def test_identifies_another_uid_from_the_kernel(door: FrontDoor, backend: Servicer, paths: Paths,
+                                                uid: int, gid: int) -> None:
+    child = subprocess.run([sys.executable, "-c", AS_OTHER_USER, paths.public, str(uid), str(gid)],
+                           capture_output=True, text=True, timeout=30, cwd="/")
+    assert child.returncode == 0, child.stderr
+    pid, child_uid, child_gid, status = map(int, child.stdout.split())
+    assert (child_uid, child_gid, status) == (uid, gid, health_pb2.HealthCheckResponse.SERVING)
+    [(_, who)] = backend.seen
+    assert who == PeerCredentials(uid=uid, gid=gid, pid=pid)
+
+
+# --------------------------------------------------------------------------- bulk data
+
+
+def test_bulk_data_streams_intact(door: FrontDoor, paths: Paths, capsys: pytest.CaptureFixture[str]) -> None:
+    count = 256  # x 1 MiB
+    rates = {}
+    for name, target in (("front door", paths.public), ("direct", paths.backend)):
+        with grpc.insecure_channel("unix:" + target) as channel:
+            call = channel.unary_stream("/test.Bulk/Stream")
+            started = time.perf_counter()
+            received = 0
+            for index, message in enumerate(call(count.to_bytes(8, "big"), timeout=60)):
+                # Whole-message compare (memcmp) rather than hashing: cheap enough not to dominate the timing.
+                assert message == chunk(index), f"message {index} differs"
+                received += 1
+            elapsed = time.perf_counter() - started
+            assert received == count
+            rates[name] = count * MiB / elapsed / 1e6
+    # Upstream too: client -> server through the relay.
+    parts = [os.urandom(MiB) for _ in range(32)]
+    with grpc.insecure_channel("unix:" + paths.public) as channel:
+        digest = channel.stream_unary("/test.Bulk/Upload")(iter(parts), timeout=60)
+    assert digest == hashlib.sha256(b"".join(parts)).digest()
+    with capsys.disabled():
+        print(f"\n[peercred] 256 MiB gRPC server stream: {rates['front door']:.0f} MB/s through the front door, "
+              f"{rates['direct']:.0f} MB/s direct")
+
+
+# A plain backend (no gRPC) to look at the relay itself. The first byte a
+# connection sends picks what it does: F floods (counting what it got rid of),
+# E echoes.
+class RawBackend:
+    def __init__(self, path: str) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(64)
+        self.flooded = 0
+        self.flood_stalled = threading.Event()
+        self.flood_done = threading.Event()
+        self.stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            kind = conn.recv(1)
+            if kind == b"E":
+                while data := conn.recv(65536):
+                    conn.sendall(data)
+            elif kind == b"F":
+                self._flood(conn)
+
+    def _flood(self, conn: socket.socket) -> None:
+        conn.setblocking(False)
+        block = b"f" * 65536
+        while not self.stop.is_set():
+            try:
+                self.flooded += conn.send(block)
+                continue
+            except BlockingIOError:
+                pass
+            # Nothing could be written for a while: the reader's side is full.
+            if not select.select([], [conn], [], 0.3)[1]:
+                self.flood_stalled.set()
+                select.select([], [conn], [], 0.05)
+        conn.setblocking(True)
+        conn.shutdown(socket.SHUT_WR)
+        self.flood_done.set()
+        while conn.recv(65536):
+            pass
+
+    def close(self) -> None:
+        self.stop.set()
+        self.listener.close()
+
+
+@pytest.fixture
+def raw_door(paths: Paths) -> Iterator[tuple[FrontDoor, RawBackend]]:
+    raw = RawBackend(paths.backend)
+    front = FrontDoor(paths.public, paths.backend, relay_dir=paths.relay)
+    front.start()
+    try:
+        yield front, raw
+    finally:
+        front.close()
+        raw.close()
+
+
+def echo_once(path: str, payload: bytes) -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(path)
+        sock.sendall(b"E" + payload)
+        sock.shutdown(socket.SHUT_WR)  # the half-close must reach the backend...
+        received = b""
+        while data := sock.recv(65536):  # ...and its close come back
+            received += data
+        return received
+
+
+def test_a_slow_reader_stalls_the_writer_without_stalling_others(
+        raw_door: tuple[FrontDoor, RawBackend], paths: Paths) -> None:
+    door, raw = raw_door
+    slow = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    slow.connect(paths.public)
+    slow.sendall(b"F")  # ...and then never read
+    assert raw.flood_stalled.wait(10), "the backend never felt backpressure"
+    in_flight = raw.flooded
+    # Two socket buffers and one pipe, not the whole stream.
+    assert in_flight < 8 * MiB, f"{in_flight} bytes buffered for a reader that does not read"
+    # Other connections still flow while that one is stuck.
+    assert echo_once(paths.public, b"hello" * 1000) == b"hello" * 1000
+    # Once the reader reads, everything the backend sent arrives, then EOF.
+    raw.stop.set()
+    assert raw.flood_done.wait(10)
+    slow.settimeout(10)
+    got = 0
+    while data := slow.recv(MiB):
+        got += len(data)
+    slow.close()
+    assert got == raw.flooded
+    assert wait_for(lambda: door.connections == 0)
+
+
+def test_accepting_survives_running_out_of_descriptors(raw_door: tuple[FrontDoor, RawBackend], paths: Paths,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="sandboxd.service.peercred")
+    door, _ = raw_door
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # made while descriptors remain
+    client.settimeout(10)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.dup(0)
+    os.close(lowest_free)
+    # Every descriptor below the limit is taken: accept() now fails with EMFILE.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+    try:
+        client.connect(paths.public)  # lands in the backlog
+        time.sleep(0.3)
+        assert door.connections == 0
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert "cannot accept (Too many open files)" in caplog.text
+    assert "sandboxd-frontdoor-accept" in our_threads()
+    with client:
+        client.sendall(b"Eback")
+        assert client.recv(100) == b"back"
+    assert echo_once(paths.public, b"later") == b"later"
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+def test_no_backend_means_unavailable_not_a_hang(paths: Paths) -> None:
+    with FrontDoor(paths.public, paths.backend, relay_dir=paths.relay) as door:
+        door.start()
+        with pytest.raises(grpc.RpcError) as raised:
+            check("unix:" + paths.public)
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert wait_for(lambda: door.connections == 0)
+        assert os.listdir(paths.relay) == []
+
+
+def test_close_removes_everything_and_leaks_nothing(paths: Paths, backend: Servicer) -> None:
+    # Warm up what gRPC creates once per process (pollers, wakeup fds), then measure.
+    with FrontDoor(paths.public, paths.backend, relay_dir=paths.relay) as warm:
+        backend.door = warm
+        warm.start()
+        assert check("unix:" + paths.public) == health_pb2.HealthCheckResponse.SERVING
+    assert wait_for(lambda: not our_threads())
+    fds_before = fd_count()
+
+    door = FrontDoor(paths.public, paths.backend, relay_dir=paths.relay)
+    backend.door = door
+    door.start()
+    # A few hundred connections: raw ones that say nothing or garbage, gRPC ones that call.
+    for _round in range(3):
+        socks = []
+        for i in range(80):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(paths.public)
+            if i % 2:
+                sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            socks.append(sock)
+        for sock in socks:
+            sock.close()
+        for _ in range(10):
+            assert check("unix:" + paths.public) == health_pb2.HealthCheckResponse.SERVING
+    assert wait_for(lambda: door.connections == 0), f"{door.connections} relays still alive"
+    assert wait_for(lambda: our_threads() == ["sandboxd-frontdoor-accept"]), our_threads()
+    assert os.listdir(paths.relay) == []
+
+    # Connections still open at close() are cut, and their files removed.
+    channel = grpc.insecure_channel("unix:" + paths.public)
+    health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    hanging = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    hanging.connect(paths.public)
+    hanging.settimeout(10)
+    assert wait_for(lambda: door.connections == 2 and len(os.listdir(paths.relay)) == 2)
+    door.close()
+    assert not os.path.lexists(paths.public)
+    assert os.listdir(paths.relay) == []
+    assert door.connections == 0 and door.identity(backend.seen[-1][0]) is None
+    assert our_threads() == []
+    while hanging.recv(65536):  # gRPC's greeting (SETTINGS), then EOF rather than a hang
+        pass
+    hanging.close()
+    channel.close()
+    door.close()  # idempotent
+    assert wait_for(lambda: fd_count() <= fds_before), f"{fd_count()} fds now, {fds_before} before"
+
+
+def stat_mode(path: str) -> int:
+    return os.stat(path).st_mode & 0o7777
+
+
+def test_a_stale_socket_is_replaced(paths: Paths, backend: Servicer) -> None:
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(paths.public)  # a daemon that died without cleaning up
+    dead.close()
+    os.makedirs(paths.relay, mode=0o700)
+    Path(paths.relay, "7.sock").touch()  # and its relay files
+    with FrontDoor(paths.public, paths.backend, relay_dir=paths.relay, mode=0o660) as door:
+        backend.door = door
+        door.start()
+        assert os.listdir(paths.relay) == []
+        assert stat_mode(paths.public) == 0o660
+        assert check("unix:" + paths.public) == health_pb2.HealthCheckResponse.SERVING
+    assert not os.path.lexists(paths.public)
+
+
+def test_refuses_to_replace_what_is_not_a_stale_socket(paths: Paths) -> None:
+    Path(paths.public).write_text("precious\n")
+    with pytest.raises(FileExistsError, match="not a socket"):
+        FrontDoor(paths.public, paths.backend, relay_dir=paths.relay)
+    assert Path(paths.public).read_text() == "precious\n"
+    os.unlink(paths.public)
+    # A live socket: another daemon is using it.
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(paths.public)
+    live.listen(1)
+    with live, pytest.raises(OSError) as raised:
+        FrontDoor(paths.public, paths.backend, relay_dir=paths.relay)
+    assert raised.value.errno == errno.EADDRINUSE and "another process" in str(raised.value)
+    assert os.path.exists(paths.public)
+
+
+def test_refuses_directories_others_can_enter(paths: Paths) -> None:
+    open_dir = paths.base / "open"
+    open_dir.mkdir(mode=0o755)
+    os.chmod(open_dir, 0o755)
+    with pytest.raises(PermissionError, match="relay directory"):
+        FrontDoor(paths.public, paths.backend, relay_dir=str(open_dir))
+    with pytest.raises(PermissionError, match="backend socket directory"):
+        FrontDoor(paths.public, str(open_dir / "grpc.sock"), relay_dir=paths.relay)
+    assert not os.path.lexists(paths.public)
