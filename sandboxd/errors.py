@@ -21,6 +21,18 @@ class InvalidPolicy(SandboxdError, ValueError):
     """The caller asked for something that cannot be (bad path, unknown name, bad size)."""
 
 
+class NotFound(SandboxdError):
+    """No such object visible to the caller (a session id, a call id)."""
+
+
+class Forbidden(SandboxdError):
+    """The caller may not do this (someone else's session, a path out of its own reach)."""
+
+
+class Exhausted(SandboxdError):
+    """A configured limit on the daemon itself was reached (sessions, calls)."""
+
+
 class SetupError(SandboxdError):
     """The sandbox could not be built. Never followed by running the command anyway.
 

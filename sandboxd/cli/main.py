@@ -8,6 +8,7 @@ USAGE = """usage: sandboxd COMMAND [ARGS...]
 
 commands:
   run      run one command in a sandbox, no daemon (see: sandboxd run --help)
+  serve    run the daemon: sessions with persistent sandboxes over gRPC (see: sandboxd serve --help)
   version  print the version
 """
 
@@ -21,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "run":
         from sandboxd.cli.run import main as run_main
         return run_main(rest)
+    if command == "serve":
+        from sandboxd.cli.serve import main as serve_main
+        return serve_main(rest)
     if command in ("version", "--version"):
         from sandboxd import __version__
         print(f"sandboxd {__version__}")

@@ -1,0 +1,61 @@
+"""Between the wire (sandboxd.v1 messages) and the policy model. Pure: no OS calls."""
+
+from __future__ import annotations
+
+from sandboxd.errors import InvalidPolicy
+from sandboxd.policy import DEFAULT_PROTECTED_SUBPATHS, Limits, SandboxPolicy, policy_from_name
+from sandboxd.policy.limits import DEFAULT_TMP_SIZE
+from sandboxd.v1 import sandboxd_pb2 as pb
+
+_MODE_NAMES = {pb.SandboxPolicy.READ_ONLY: "read-only", pb.SandboxPolicy.WORKSPACE_WRITE: "workspace-write",
+               pb.SandboxPolicy.MODE_UNSPECIFIED: "workspace-write",
+               pb.SandboxPolicy.DANGER_FULL_ACCESS: "danger-full-access"}
+_MODES = {"read-only": pb.SandboxPolicy.READ_ONLY, "workspace-write": pb.SandboxPolicy.WORKSPACE_WRITE,
+          "danger-full-access": pb.SandboxPolicy.DANGER_FULL_ACCESS}
+APPROVAL_NAMES = {pb.NEVER: "never", pb.ON_REQUEST: "on-request", pb.ALWAYS: "always",
+                  pb.APPROVAL_POLICY_UNSPECIFIED: "on-request"}
+_APPROVALS = {"never": pb.NEVER, "on-request": pb.ON_REQUEST, "always": pb.ALWAYS}
+
+
+def policy_from_proto(message: pb.SandboxPolicy) -> SandboxPolicy:
+    name = _MODE_NAMES.get(message.mode)
+    if name is None:
+        raise InvalidPolicy(f"unknown sandbox policy mode {message.mode}: use READ_ONLY, WORKSPACE_WRITE "
+                            "or DANGER_FULL_ACCESS")
+    protected = tuple(message.protected_subpaths)
+    if not message.no_default_protected_subpaths:
+        protected = tuple(dict.fromkeys(DEFAULT_PROTECTED_SUBPATHS + protected))
+    return policy_from_name(name, network_access=message.network_access,
+                            writable_roots=list(message.writable_roots), protected_subpaths=protected)
+
+
+def policy_to_proto(policy: SandboxPolicy) -> pb.SandboxPolicy:
+    return pb.SandboxPolicy(mode=_MODES[policy.name], network_access=bool(policy.network_access),
+                            writable_roots=list(getattr(policy, "writable_roots", ())),
+                            protected_subpaths=list(getattr(policy, "protected_subpaths", ())),
+                            no_default_protected_subpaths=True)
+
+
+def approval_from_proto(value: int) -> str:
+    if value not in APPROVAL_NAMES:
+        raise InvalidPolicy(f"unknown approval policy {value}: use NEVER, ON_REQUEST or ALWAYS")
+    return APPROVAL_NAMES[value]
+
+
+def approval_to_proto(name: str) -> int:
+    return _APPROVALS[name]
+
+
+def limits_from_proto(message: pb.Limits) -> Limits:
+    def positive(value: float) -> float | None:
+        return value if value > 0 else None
+    return Limits(timeout_seconds=positive(message.timeout_seconds),
+                  memory_bytes=int(message.memory_bytes) or None, pids=int(message.pids) or None,
+                  cpu_seconds=int(message.cpu_seconds) or None, open_files=int(message.open_files) or None,
+                  tmp_size_bytes=int(message.tmp_size_bytes) or DEFAULT_TMP_SIZE)
+
+
+def limits_to_proto(limits: Limits) -> pb.Limits:
+    return pb.Limits(timeout_seconds=limits.timeout_seconds or 0, memory_bytes=limits.memory_bytes or 0,
+                     pids=limits.pids or 0, cpu_seconds=limits.cpu_seconds or 0, open_files=limits.open_files or 0,
+                     tmp_size_bytes=limits.tmp_size_bytes)

@@ -1,0 +1,148 @@
+"""Exec: one command in a session, with stdin in and output streamed out.
+
+Output is read from pipes in fixed-size chunks and yielded one message at a
+time: when the client reads slowly, gRPC's flow control blocks the yield,
+we stop reading, the pipe fills and the command blocks in write(). Memory is
+bounded by the pipe and one chunk, never by the amount of output. Past the
+per-call cap, output is still drained (so the command is not stuck) but
+dropped, and the result says `output_truncated`.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import threading
+from typing import Any, Iterator
+
+import grpc
+
+from sandboxd.errors import InvalidPolicy
+from sandboxd.service.sessions import Session, SessionRegistry, cwd_inside
+from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.v1 import sandboxd_pb2 as pb
+
+CHUNK = 64 * 1024
+DEFAULT_OUTPUT_LIMIT = 64 << 20
+DEFAULT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}
+
+
+def command_of(start: pb.ExecStart) -> list[str]:
+    if start.argv and start.shell:
+        raise InvalidPolicy("give either argv or shell, not both")
+    if start.shell:
+        return ["/bin/sh", "-c", start.shell]
+    if not start.argv or not start.argv[0]:
+        raise InvalidPolicy("nothing to run: give argv (a program and its arguments) or shell (a /bin/sh string)")
+    return list(start.argv)
+
+
+def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb.ExecStart,
+        requests: Iterator[pb.ExecRequest], context: grpc.ServicerContext) -> Iterator[pb.ExecResponse]:
+    argv = command_of(start)
+    cwd = cwd_inside(session.workspace, start.cwd)
+    env = dict(start.env) if start.env else dict(DEFAULT_ENV)
+    timeout = start.timeout_seconds or session.limits.timeout_seconds
+    limit = start.output_limit_bytes or DEFAULT_OUTPUT_LIMIT
+    stdin_r, stdin_w = os.pipe2(os.O_CLOEXEC)
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    generation = registry.begin_call(session)
+    call_id: int | None = None
+    try:
+        try:
+            call_id, inner_pid = fork.call(session.sandbox_name(generation), argv, env, cwd, timeout,
+                                           (stdin_r, out_w, err_w))
+        finally:
+            for fd in (stdin_r, out_w, err_w):
+                os.close(fd)
+        cancel = _on_cancel(fork, call_id)
+        context.add_callback(cancel)
+        yield pb.ExecResponse(started_pid=inner_pid or 0)
+        feeder = threading.Thread(target=_feed, args=(fork, call_id, stdin_w, start, requests),
+                                  name=f"sandboxd-stdin-{call_id}", daemon=True)
+        stdin_w = -1                                      # the feeder owns it now
+        feeder.start()
+        truncated = False
+        for stream, chunk in _drain(out_r, err_r):
+            if limit <= 0:
+                truncated = True
+                continue
+            if len(chunk) > limit:
+                chunk, truncated = chunk[:limit], True
+            limit -= len(chunk)
+            yield pb.ExecResponse(stdout=chunk) if stream == 1 else pb.ExecResponse(stderr=chunk)
+        info = fork.wait(call_id)
+        call_id = None
+        yield pb.ExecResponse(result=pb.ExecResult(
+            exit_code=info.exit_code or 0, signal=info.signal or 0, timed_out=info.timed_out,
+            wall_seconds=info.wall_seconds, cpu_seconds=info.cpu_seconds or 0.0,
+            peak_memory_bytes=info.peak_memory_bytes or 0, output_truncated=truncated,
+            shell_status=info.shell_status))
+    finally:
+        if call_id is not None:                           # the client went away mid-call: kill the tree
+            fork.cancel(call_id)
+            fork.wait(call_id)
+        for fd in (stdin_w, out_r, err_r):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        registry.end_call(session, generation)
+
+
+def _on_cancel(fork: ForkServer, call_id: int) -> Any:
+    def cancel() -> None:
+        fork.cancel(call_id)
+    return cancel
+
+
+def _drain(out_r: int, err_r: int) -> Iterator[tuple[int, bytes]]:
+    """(1 or 2, chunk) as output arrives on either pipe, until both are closed."""
+    streams = {out_r: 1, err_r: 2}
+    while streams:
+        ready, _, _ = select.select(list(streams), [], [])
+        for fd in ready:
+            data = os.read(fd, CHUNK)
+            if not data:
+                del streams[fd]
+                continue
+            yield streams[fd], data
+
+
+def _feed(fork: ForkServer, call_id: int, stdin_w: int, start: pb.ExecStart,
+          requests: Iterator[pb.ExecRequest]) -> None:
+    """Write stdin and deliver signals as the client sends them; close stdin when asked or at the end."""
+    try:
+        if start.stdin:
+            _write_all(stdin_w, start.stdin)
+        if start.close_stdin:
+            os.close(stdin_w)
+            stdin_w = -1
+        for request in requests:
+            kind = request.WhichOneof("kind")
+            if kind == "stdin" and stdin_w >= 0:
+                _write_all(stdin_w, request.stdin)
+            elif kind == "close_stdin" and stdin_w >= 0:
+                os.close(stdin_w)
+                stdin_w = -1
+            elif kind == "signal":
+                if not 0 < request.signal < signal.NSIG:
+                    continue
+                fork.signal(call_id, request.signal)
+    except (OSError, grpc.RpcError, ValueError):
+        pass  # the command closed its stdin, or the client went away: the main flow sees it
+    finally:
+        if stdin_w >= 0:
+            try:
+                os.close(stdin_w)
+            except OSError:
+                pass
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]

@@ -1,0 +1,107 @@
+"""`sandboxd serve`: the daemon. Fork server first, then the gRPC server behind the front door.
+
+Listeners: the public Unix socket (default /run/sandboxd/sandboxd.sock, mode
+0666 - every local user may talk to it; what each may do is decided per call
+from SO_PEERCRED) relayed by the front door to a gRPC server on a socket in a
+0700 directory. SIGTERM/SIGINT stop it gracefully: no new connections, every
+session killed, sockets removed. If the daemon is SIGKILLed, the fork server
+(parent-death signal) and with it every sandbox die too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent import futures
+
+DEFAULT_SOCKET = "/run/sandboxd/sandboxd.sock"
+
+
+class JsonLogFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = {"ts": round(record.created, 3), "level": record.levelname.lower(), "msg": record.getMessage(),
+                "logger": record.name}
+        line.update(getattr(record, "fields", {}))
+        return json.dumps(line)
+
+
+def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, workers: int = 64,
+          ready: "threading.Event | None" = None) -> int:
+    from sandboxd.supervisor.forkserver import ForkServer
+    fork = ForkServer.start()                             # before gRPC's threads, and as a fresh process
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    from sandboxd.service.peercred import FrontDoor
+    from sandboxd.service.servicer import SandboxServicer
+    from sandboxd.service.sessions import SessionRegistry
+    from sandboxd.v1 import sandboxd_pb2, sandboxd_pb2_grpc
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLogFormatter())
+    log = logging.getLogger("sandboxd")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+    base = os.path.dirname(os.path.abspath(socket_path))
+    private = os.path.join(base, ".sandboxd-private")
+    os.makedirs(base, mode=0o755, exist_ok=True)
+    os.makedirs(private, mode=0o700, exist_ok=True)
+    os.chmod(private, 0o700)
+    backend = os.path.join(private, f"grpc-{os.getpid()}.sock")
+    if os.path.exists(backend):
+        os.unlink(backend)
+
+    registry = SessionRegistry(fork, admin_gid=admin_gid)
+    door = FrontDoor(socket_path, backend, relay_dir=os.path.join(private, "relay"))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandboxd-rpc"))
+    sandboxd_pb2_grpc.add_SandboxServicer_to_server(SandboxServicer(registry, fork, door), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (sandboxd_pb2.DESCRIPTOR.services_by_name["Sandbox"].full_name, reflection.SERVICE_NAME,
+         health.SERVICE_NAME), server)
+    server.add_insecure_port(f"unix:{backend}")
+    server.start()
+    door.start()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("sandboxd.v1.Sandbox", health_pb2.HealthCheckResponse.SERVING)
+
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda _s, _f: stop.set())
+    log.info("serving", extra={"fields": {"socket": socket_path, "pid": os.getpid()}})
+    if ready is not None:
+        ready.set()
+    while not stop.wait(1.0):
+        pass
+    started = time.monotonic()
+    log.info("stopping", extra={"fields": {"sessions": len(registry.list(_ROOT))}})
+    health_servicer.enter_graceful_shutdown()
+    door.close()
+    registry.close_all()
+    server.stop(grace=2).wait()
+    fork.close()
+    for path in (backend,):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    log.info("stopped", extra={"fields": {"seconds": round(time.monotonic() - started, 3)}})
+    return 0
+
+
+class _Root:
+    uid = 0
+    gid = 0
+    pid = 0
+
+
+_ROOT = _Root()

@@ -1,0 +1,83 @@
+"""The gRPC servicer: each RPC checks who is calling, does its work through the session
+registry and the fork server, and turns any error into a status (sandboxd.service.status)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import grpc
+
+from sandboxd.errors import InvalidPolicy
+from sandboxd.service import convert, exec_call
+from sandboxd.service.peercred import FrontDoor, PeerCredentials, caller
+from sandboxd.service.sessions import Session, SessionRegistry
+from sandboxd.service.status import abort
+from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.v1 import sandboxd_pb2 as pb
+from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
+
+
+def session_to_proto(session: Session) -> pb.Session:
+    return pb.Session(
+        id=session.id, workspace=session.workspace, sandbox_policy=convert.policy_to_proto(session.policy),
+        approval_policy=convert.approval_to_proto(session.approval),
+        limits=convert.limits_to_proto(session.limits), labels=session.labels, owner_uid=session.owner.uid,
+        owner_gid=session.owner.gid, created_at=session.created_at, running_calls=session.running_calls,
+        sandbox_generation=session.generation)
+
+
+class SandboxServicer(pb_grpc.SandboxServicer):
+    def __init__(self, registry: SessionRegistry, fork: ForkServer, door: FrontDoor) -> None:
+        self._registry = registry
+        self._fork = fork
+        self._door = door
+
+    def _unary(self, context: grpc.ServicerContext, work: Callable[[PeerCredentials], Any]) -> Any:
+        try:
+            return work(caller(self._door, context))
+        except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
+            abort(context, error)
+
+    def CreateSession(self, request: pb.CreateSessionRequest, context: grpc.ServicerContext) -> pb.Session:
+        def work(who: PeerCredentials) -> pb.Session:
+            policy = convert.policy_from_proto(request.sandbox_policy)
+            session = self._registry.create(
+                who, request.workspace, policy, convert.approval_from_proto(request.approval_policy),
+                convert.limits_from_proto(request.limits), dict(request.labels))
+            return session_to_proto(session)
+        return self._unary(context, work)
+
+    def GetSession(self, request: pb.GetSessionRequest, context: grpc.ServicerContext) -> pb.Session:
+        return self._unary(context, lambda who: session_to_proto(self._registry.get(who, request.session_id)))
+
+    def ListSessions(self, request: pb.ListSessionsRequest, context: grpc.ServicerContext) -> pb.ListSessionsResponse:
+        return self._unary(context, lambda who: pb.ListSessionsResponse(
+            sessions=[session_to_proto(s) for s in self._registry.list(who)]))
+
+    def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext) -> pb.CloseSessionResponse:
+        def work(who: PeerCredentials) -> pb.CloseSessionResponse:
+            self._registry.close(who, request.session_id)
+            return pb.CloseSessionResponse()
+        return self._unary(context, work)
+
+    def UpdateSessionPolicy(self, request: pb.UpdateSessionPolicyRequest,
+                            context: grpc.ServicerContext) -> pb.Session:
+        def work(who: PeerCredentials) -> pb.Session:
+            policy = (convert.policy_from_proto(request.sandbox_policy)
+                      if request.HasField("sandbox_policy") else None)
+            approval = (convert.approval_from_proto(request.approval_policy)
+                        if request.approval_policy != pb.APPROVAL_POLICY_UNSPECIFIED else None)
+            return session_to_proto(self._registry.update_policy(who, request.session_id, policy, approval))
+        return self._unary(context, work)
+
+    def Exec(self, request_iterator: Iterator[pb.ExecRequest],
+             context: grpc.ServicerContext) -> Iterator[pb.ExecResponse]:
+        try:
+            who = caller(self._door, context)
+            first = next(request_iterator, None)
+            if first is None or first.WhichOneof("kind") != "start":
+                raise InvalidPolicy("the first Exec message must be `start` (session, argv or shell, ...)")
+            session = self._registry.get(who, first.start.session_id)
+            yield from exec_call.run(self._registry, self._fork, session, first.start, request_iterator, context)
+        except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
+            abort(context, error)

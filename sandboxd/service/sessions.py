@@ -1,0 +1,228 @@
+"""Sessions of the daemon: who owns which, what each may do, and its sandbox in the fork server.
+
+A session's sandbox is built once in the fork server and every call joins it.
+Changing the sandbox axis builds a new one (a new *generation*) for later
+calls; the old one is closed when its last running call ends.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+import threading
+import time
+
+from sandboxd.errors import Exhausted, Forbidden, InvalidPolicy, NotFound
+from sandboxd.policy import LaunchSpec, Limits, SandboxPolicy
+from sandboxd.policy.sandbox import WorkspaceWrite, is_within
+from sandboxd.service.peercred import PeerCredentials
+from sandboxd.supervisor.forkserver import ForkServer
+
+SESSION_PLACEHOLDER_ARGV = ("sandboxd-session",)  # a session's spec runs no command itself
+
+
+class Session:
+    """One session. Mutable fields change only under the registry's lock."""
+
+    def __init__(self, session_id: str, owner: PeerCredentials, workspace: str, policy: SandboxPolicy,
+                 approval: str, limits: Limits, labels: dict[str, str]) -> None:
+        self.id = session_id
+        self.owner = owner
+        self.workspace = workspace
+        self.policy = policy
+        self.approval = approval
+        self.limits = limits
+        self.labels = labels
+        self.created_at = time.time()
+        self.generation = 1
+        self.running: dict[int, int] = {}     # generation -> running calls
+        self.closed = False
+
+    def sandbox_name(self, generation: int | None = None) -> str:
+        """The session's name in the fork server, one per sandbox generation."""
+        return f"{self.id}#{generation or self.generation}"
+
+    @property
+    def running_calls(self) -> int:
+        return sum(self.running.values())
+
+
+class SessionRegistry:
+    def __init__(self, forkserver: ForkServer, *, admin_gid: int | None = None, max_sessions: int = 10000) -> None:
+        self._fork = forkserver
+        self._admin_gid = admin_gid
+        self._max = max_sessions
+        self._lock = threading.Lock()
+        self._sessions: dict[str, Session] = {}
+
+    # -- access --------------------------------------------------------------------------------
+
+    def is_admin(self, caller: PeerCredentials) -> bool:
+        return caller.uid == 0 or (self._admin_gid is not None and self._admin_gid in caller_groups(caller))
+
+    def get(self, caller: PeerCredentials, session_id: str) -> Session:
+        """The session, if the caller may see it. Someone else's is NOT_FOUND, not PERMISSION_DENIED:
+        a caller learns nothing about sessions it may not use."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None or session.closed or not (self.is_admin(caller) or session.owner.uid == caller.uid):
+            raise NotFound(f"no session {session_id!r}")
+        return session
+
+    def list(self, caller: PeerCredentials) -> list[Session]:
+        with self._lock:
+            sessions = list(self._sessions.values())
+        return [s for s in sessions if not s.closed and (self.is_admin(caller) or s.owner.uid == caller.uid)]
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def create(self, caller: PeerCredentials, workspace: str, policy: SandboxPolicy, approval: str,
+               limits: Limits, labels: dict[str, str]) -> Session:
+        if not workspace.startswith("/"):
+            raise InvalidPolicy(f"workspace {workspace!r} must be an absolute path")
+        self._check_reach(caller, workspace, policy)
+        with self._lock:
+            if len(self._sessions) >= self._max:
+                raise Exhausted(f"the daemon holds its maximum of {self._max} sessions: close some first")
+            session_id = secrets.token_hex(8)
+            session = Session(session_id, caller, os.path.realpath(workspace), policy, approval, limits, labels)
+            self._sessions[session_id] = session
+        try:
+            self._fork.open_session(session.sandbox_name(), self._spec(session, policy))
+        except BaseException:
+            with self._lock:
+                self._sessions.pop(session_id, None)
+            raise
+        return session
+
+    def update_policy(self, caller: PeerCredentials, session_id: str, policy: SandboxPolicy | None,
+                      approval: str | None) -> Session:
+        session = self.get(caller, session_id)
+        if approval is not None:
+            session.approval = approval
+        if policy is not None and policy != session.policy:
+            self._check_reach(caller, session.workspace, policy)
+            generation = session.generation + 1
+            self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy))
+            with self._lock:
+                old = session.generation
+                session.policy, session.generation = policy, generation
+                idle = session.running.get(old, 0) == 0
+            if idle:                                  # calls still running keep the old sandbox
+                self._fork.close_session(session.sandbox_name(old))
+        return session
+
+    def close(self, caller: PeerCredentials, session_id: str) -> None:
+        session = self.get(caller, session_id)
+        with self._lock:
+            session.closed = True
+            self._sessions.pop(session_id, None)
+            generations = set(session.running) | {session.generation}
+        for generation in generations:
+            self._fork.close_session(session.sandbox_name(generation))
+
+    def close_all(self) -> None:
+        with self._lock:
+            sessions = list(self._sessions.values())
+            self._sessions.clear()
+        for session in sessions:
+            session.closed = True
+            for generation in set(session.running) | {session.generation}:
+                try:
+                    self._fork.close_session(session.sandbox_name(generation))
+                except Exception:  # noqa: BLE001 - shutting down: the fork server may be gone already
+                    pass
+
+    # -- calls ---------------------------------------------------------------------------------
+
+    def begin_call(self, session: Session) -> int:
+        with self._lock:
+            if session.closed:
+                raise NotFound(f"session {session.id!r} was closed")
+            generation = session.generation
+            session.running[generation] = session.running.get(generation, 0) + 1
+        return generation
+
+    def end_call(self, session: Session, generation: int) -> None:
+        with self._lock:
+            left = session.running.get(generation, 1) - 1
+            if left > 0:
+                session.running[generation] = left
+                return
+            session.running.pop(generation, None)
+            retired = generation != session.generation and not session.closed
+        if retired:                                   # the last call on a replaced sandbox ended
+            self._fork.close_session(session.sandbox_name(generation))
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _spec(self, session: Session, policy: SandboxPolicy) -> LaunchSpec:
+        return LaunchSpec(argv=SESSION_PLACEHOLDER_ARGV, workspace=session.workspace, policy=policy,
+                          limits=session.limits, user=(session.owner.uid, session.owner.gid))
+
+    def _check_reach(self, caller: PeerCredentials, workspace: str, policy: SandboxPolicy) -> None:
+        """A caller can never use the root daemon to write where it could not write itself."""
+        if caller.uid == 0:
+            return
+        groups = caller_groups(caller)
+        paths = [workspace] + list(policy.writable_roots if isinstance(policy, WorkspaceWrite) else ())
+        for path in paths:
+            if not may_write(os.path.realpath(path), caller.uid, groups):
+                raise Forbidden(f"{path!r} is not writable by uid {caller.uid}: a session may only use "
+                                "directories its caller could write itself")
+        if policy.name == "danger-full-access":
+            raise Forbidden("only root may create danger-full-access sessions (they run on the host as is)")
+
+
+def caller_groups(caller: PeerCredentials) -> set[int]:
+    """The caller's gid and supplementary groups (from its /proc entry, if it still exists)."""
+    groups = {caller.gid}
+    try:
+        with open(f"/proc/{caller.pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    groups.update(int(g) for g in line.split()[1:])
+    except OSError:
+        pass
+    return groups
+
+
+def may_write(path: str, uid: int, groups: set[int]) -> bool:
+    """Would ``uid`` (with ``groups``) be allowed by file permissions to write ``path``,
+    and to reach it? A plain permission-bit check: no ACLs."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    if not _allows(st, uid, groups, stat.S_IWUSR, stat.S_IWGRP, stat.S_IWOTH):
+        return False
+    parent = os.path.dirname(path)
+    while True:
+        try:
+            pst = os.stat(parent)
+        except OSError:
+            return False
+        if not _allows(pst, uid, groups, stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH):
+            return False
+        if parent == "/":
+            return True
+        parent = os.path.dirname(parent)
+
+
+def _allows(st: os.stat_result, uid: int, groups: set[int], user_bit: int, group_bit: int, other_bit: int) -> bool:
+    if st.st_uid == uid:
+        return bool(st.st_mode & user_bit)
+    if st.st_gid in groups:
+        return bool(st.st_mode & group_bit)
+    return bool(st.st_mode & other_bit)
+
+
+def cwd_inside(workspace: str, cwd: str) -> str:
+    """Validate a call's cwd: absolute and inside the workspace (by path, as the sandbox sees it)."""
+    if not cwd:
+        return workspace
+    normal = os.path.normpath(cwd)
+    if not cwd.startswith("/") or not is_within(normal, workspace):
+        raise InvalidPolicy(f"cwd {cwd!r} must be an absolute path inside the workspace {workspace!r}")
+    return normal

@@ -1,0 +1,45 @@
+"""The one place where sandboxd's exception tree becomes gRPC status codes."""
+
+from __future__ import annotations
+
+import grpc
+
+from sandboxd.errors import (
+    ExecFailed,
+    Exhausted,
+    Forbidden,
+    InvalidPolicy,
+    LimitsUnavailable,
+    NamespacesUnavailable,
+    NotFound,
+    SandboxdError,
+    SetupError,
+)
+
+_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (InvalidPolicy, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (Forbidden, grpc.StatusCode.PERMISSION_DENIED),
+    (PermissionError, grpc.StatusCode.PERMISSION_DENIED),   # a caller that did not come through the front door
+    (Exhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ExecFailed, grpc.StatusCode.FAILED_PRECONDITION),
+    (LimitsUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
+    (NamespacesUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
+    (SetupError, grpc.StatusCode.FAILED_PRECONDITION),
+    (SandboxdError, grpc.StatusCode.INTERNAL),
+)
+
+
+def code_for(error: BaseException) -> grpc.StatusCode:
+    for kind, code in _CODES:
+        if isinstance(error, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def abort(context: grpc.ServicerContext, error: BaseException) -> None:
+    """End the call with the status for ``error`` and its message (never a traceback)."""
+    code = code_for(error)
+    message = str(error) if code != grpc.StatusCode.INTERNAL or isinstance(error, SandboxdError) \
+        else f"internal error: {type(error).__name__}"
+    context.abort(code, message)
