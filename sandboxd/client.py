@@ -1,0 +1,123 @@
+"""A Python client of the sandboxd daemon (what `sandboxctl` uses).
+
+    from sandboxd.client import SandboxClient
+    with SandboxClient() as client:                       # /run/sandboxd/sandboxd.sock
+        session = client.create_session("/home/me/project")
+        outcome = client.exec(session.id, shell="pytest -q")
+        print(outcome.result.shell_status, outcome.stdout.decode())
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+from typing import Callable, Iterator
+
+import grpc
+
+from sandboxd.v1 import sandboxd_pb2 as pb
+from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
+
+DEFAULT_SOCKET = "/run/sandboxd/sandboxd.sock"
+_MODES = {"read-only": pb.SandboxPolicy.READ_ONLY, "workspace-write": pb.SandboxPolicy.WORKSPACE_WRITE,
+          "danger-full-access": pb.SandboxPolicy.DANGER_FULL_ACCESS}
+_APPROVALS = {"never": pb.NEVER, "on-request": pb.ON_REQUEST, "always": pb.ALWAYS}
+
+
+def sandbox_policy(name: str = "workspace-write", *, network: bool = False,
+                   writable_roots: tuple[str, ...] | list[str] = ()) -> pb.SandboxPolicy:
+    if name not in _MODES:
+        raise ValueError(f"unknown sandbox policy {name!r}: use one of {', '.join(_MODES)}")
+    return pb.SandboxPolicy(mode=_MODES[name], network_access=network, writable_roots=list(writable_roots))
+
+
+def approval_policy(name: str) -> int:
+    if name not in _APPROVALS:
+        raise ValueError(f"unknown approval policy {name!r}: use one of {', '.join(_APPROVALS)}")
+    return _APPROVALS[name]
+
+
+class ExecOutcome:
+    def __init__(self, started_pid: int, stdout: bytes, stderr: bytes, result: pb.ExecResult) -> None:
+        self.started_pid = started_pid
+        self.stdout = stdout
+        self.stderr = stderr
+        self.result = result
+
+
+class SandboxClient:
+    def __init__(self, socket_path: str = DEFAULT_SOCKET) -> None:
+        self._channel = grpc.insecure_channel(f"unix:{socket_path}")
+        self.stub = pb_grpc.SandboxStub(self._channel)
+
+    def __enter__(self) -> "SandboxClient":
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def create_session(self, workspace: str, *, policy: pb.SandboxPolicy | None = None,
+                       approval: str = "on-request", limits: pb.Limits | None = None,
+                       labels: dict[str, str] | None = None) -> pb.Session:
+        return self.stub.CreateSession(pb.CreateSessionRequest(
+            workspace=workspace, sandbox_policy=policy or sandbox_policy(), approval_policy=approval_policy(approval),
+            limits=limits or pb.Limits(), labels=labels or {}))
+
+    def get_session(self, session_id: str) -> pb.Session:
+        return self.stub.GetSession(pb.GetSessionRequest(session_id=session_id))
+
+    def list_sessions(self) -> list[pb.Session]:
+        return list(self.stub.ListSessions(pb.ListSessionsRequest()).sessions)
+
+    def close_session(self, session_id: str) -> None:
+        self.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id))
+
+    def update_policy(self, session_id: str, *, policy: pb.SandboxPolicy | None = None,
+                      approval: str | None = None) -> pb.Session:
+        request = pb.UpdateSessionPolicyRequest(session_id=session_id)
+        if policy is not None:
+            request.sandbox_policy.CopyFrom(policy)
+        if approval is not None:
+            request.approval_policy = approval_policy(approval)
+        return self.stub.UpdateSessionPolicy(request)
+
+    def exec(self, session_id: str, argv: list[str] | None = None, *, shell: str = "", cwd: str = "",
+             env: dict[str, str] | None = None, timeout: float = 0, stdin: bytes = b"",
+             on_output: Callable[[int, bytes], None] | None = None) -> ExecOutcome:
+        """Run a command and wait for it. ``on_output(1 or 2, chunk)`` sees output as it comes;
+        without it, output is collected into the outcome."""
+        start = pb.ExecStart(session_id=session_id, argv=argv or [], shell=shell, cwd=cwd, env=env or {},
+                             timeout_seconds=timeout, stdin=stdin, close_stdin=True)
+        pid, chunks, result = 0, {1: [], 2: []}, pb.ExecResult()  # type: ignore[var-annotated]
+        for response in self.stub.Exec(_requests(start, queue.Queue())):
+            kind = response.WhichOneof("kind")
+            if kind == "started_pid":
+                pid = response.started_pid
+            elif kind in ("stdout", "stderr"):
+                stream = 1 if kind == "stdout" else 2
+                data = getattr(response, kind)
+                if on_output is not None:
+                    on_output(stream, data)
+                else:
+                    chunks[stream].append(data)
+            elif kind == "result":
+                result = response.result
+        return ExecOutcome(pid, b"".join(chunks[1]), b"".join(chunks[2]), result)
+
+
+def _requests(start: pb.ExecStart, later: "queue.Queue[pb.ExecRequest | None]") -> Iterator[pb.ExecRequest]:
+    yield pb.ExecRequest(start=start)
+    while True:
+        item = later.get()
+        if item is None:
+            return
+        yield item
+
+
+def write_through(stream: int, data: bytes) -> None:
+    target = sys.stdout.buffer if stream == 1 else sys.stderr.buffer
+    target.write(data)
+    target.flush()
