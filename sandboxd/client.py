@@ -9,9 +9,8 @@
 
 from __future__ import annotations
 
-import queue
 import sys
-from typing import Callable, Iterator
+from typing import Callable
 
 import grpc
 
@@ -92,7 +91,9 @@ class SandboxClient:
         start = pb.ExecStart(session_id=session_id, argv=argv or [], shell=shell, cwd=cwd, env=env or {},
                              timeout_seconds=timeout, stdin=stdin, close_stdin=True)
         pid, chunks, result = 0, {1: [], 2: []}, pb.ExecResult()  # type: ignore[var-annotated]
-        for response in self.stub.Exec(_requests(start, queue.Queue())):
+        # Everything is in `start` (stdin included, then closed), so the request stream
+        # ends right after it: an open-ended request iterator would pin a client thread.
+        for response in self.stub.Exec(iter([pb.ExecRequest(start=start)])):
             kind = response.WhichOneof("kind")
             if kind == "started_pid":
                 pid = response.started_pid
@@ -106,15 +107,6 @@ class SandboxClient:
             elif kind == "result":
                 result = response.result
         return ExecOutcome(pid, b"".join(chunks[1]), b"".join(chunks[2]), result)
-
-
-def _requests(start: pb.ExecStart, later: "queue.Queue[pb.ExecRequest | None]") -> Iterator[pb.ExecRequest]:
-    yield pb.ExecRequest(start=start)
-    while True:
-        item = later.get()
-        if item is None:
-            return
-        yield item
 
 
 def write_through(stream: int, data: bytes) -> None:
