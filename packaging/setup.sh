@@ -17,6 +17,11 @@ shift || true
 # iproute2, procps, git: used by the tests (ip link, pgrep, git add/commit in a sandbox).
 # bubblewrap: the baseline the benchmark compares against.
 packages=(python3 python3-venv python3-dev gcc libcap-dev libseccomp2 iproute2 procps git bubblewrap ca-certificates)
+# nodejs, npm: the test that drives the daemon from Node's @grpc/grpc-js (tests/test_node_client.py).
+# Checked by command, not package: a NodeSource nodejs ships npm itself and conflicts with Debian's.
+if [ "$mode" = test ] && ! { command -v node && command -v npm; } >/dev/null 2>&1; then
+  packages+=(nodejs npm)
+fi
 
 die() { echo "setup.sh: $*" >&2; exit 1; }
 
