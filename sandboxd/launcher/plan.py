@@ -28,6 +28,7 @@ class LaunchPlan(Record):
     limits: Limits
     seccomp_program: bytes
     brokers_connect: bool               # the filter hands connect() to init (see connect_broker)
+    tool: dict[str, object] | None = None  # a file tool to run in the sandbox instead of exec'ing argv
 
 
 def prepare(spec: LaunchSpec) -> LaunchPlan:

@@ -33,7 +33,7 @@ import _signal as signal  # the C module: signal.py builds IntEnums, which costs
 from sandboxd.errors import ExecFailed
 from sandboxd.kernel import caps, landlock, namespaces, netns, process, rlimits, seccomp
 from sandboxd.kernel._libc import from_oserror
-from sandboxd.launcher import report, rootfs
+from sandboxd.launcher import file_tools, report, rootfs
 from sandboxd.launcher.init_loop import InitLoop, receive_fd, send_fd
 from sandboxd.launcher.plan import LaunchPlan
 
@@ -229,6 +229,9 @@ def _run_command(plan: LaunchPlan, *, report_fd: int, listener_sink: "_socket.so
             listener_sink.close()
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "command setup")
+    if plan.tool is not None:
+        os.close(report_fd)                               # "running": there is nothing to exec
+        file_tools.run(plan.tool)
     _exec(plan, report_fd)
 
 

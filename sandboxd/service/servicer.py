@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator
 import grpc
 
 from sandboxd.errors import InvalidPolicy
-from sandboxd.service import convert, exec_call
+from sandboxd.service import convert, exec_call, file_calls
 from sandboxd.service.peercred import FrontDoor, PeerCredentials, caller
 from sandboxd.service.sessions import Session, SessionRegistry
 from sandboxd.service.status import abort
@@ -68,6 +68,36 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             approval = (convert.approval_from_proto(request.approval_policy)
                         if request.approval_policy != pb.APPROVAL_POLICY_UNSPECIFIED else None)
             return session_to_proto(self._registry.update_policy(who, request.session_id, policy, approval))
+        return self._unary(context, work)
+
+    def ReadFile(self, request: pb.ReadFileRequest, context: grpc.ServicerContext) -> pb.ReadFileResponse:
+        def work(who: PeerCredentials) -> pb.ReadFileResponse:
+            session = self._registry.get(who, request.session_id)
+            limit = int(request.max_bytes) or file_calls.DEFAULT_READ_LIMIT
+            code, data = file_calls.run_tool(self._registry, self._fork, session, {
+                "op": "read", "path": file_calls.resolve(session, request.path), "max_bytes": limit}, limit=limit)
+            return pb.ReadFileResponse(data=data, truncated=code == 3)
+        return self._unary(context, work)
+
+    def WriteFile(self, request: pb.WriteFileRequest, context: grpc.ServicerContext) -> pb.WriteFileResponse:
+        def work(who: PeerCredentials) -> pb.WriteFileResponse:
+            session = self._registry.get(who, request.session_id)
+            path = file_calls.resolve(session, request.path)
+            file_calls.check_write(session, path)
+            if request.mode > 0o7777:
+                raise InvalidPolicy(f"mode {request.mode:o} is not a permission mode (at most 7777 octal)")
+            _, out = file_calls.run_tool(self._registry, self._fork, session, {
+                "op": "write", "path": path, "mode": request.mode, "create_parents": request.create_parents},
+                data=request.data)
+            return pb.WriteFileResponse(bytes_written=int(out or b"0"))
+        return self._unary(context, work)
+
+    def ListDir(self, request: pb.ListDirRequest, context: grpc.ServicerContext) -> pb.ListDirResponse:
+        def work(who: PeerCredentials) -> pb.ListDirResponse:
+            session = self._registry.get(who, request.session_id)
+            _, out = file_calls.run_tool(self._registry, self._fork, session, {
+                "op": "list", "path": file_calls.resolve(session, request.path)})
+            return pb.ListDirResponse(entries=file_calls.parse_listing(out))
         return self._unary(context, work)
 
     def Exec(self, request_iterator: Iterator[pb.ExecRequest],

@@ -117,7 +117,7 @@ class _Server:
             else:
                 session = self._session(message)
                 proc = self.spawner.launch_call(session, tuple(message["argv"]), dict(message.get("env") or {}),
-                                                str(message["cwd"]), stdio=stdio)
+                                                str(message["cwd"]), stdio=stdio, tool=message.get("tool"))
                 limit = float(message["timeout"]) if message.get("timeout") else None
             proc.wait_started()
             self.running[call_id] = (proc, limit)
@@ -232,10 +232,10 @@ class ForkServer:
         self._expect(self._request({"op": "session_close", "session": session}), "session_closed")
 
     def call(self, session: str, argv: list[str], env: dict[str, str], cwd: str, timeout: float | None,
-             stdio: tuple[int, int, int]) -> tuple[int, int | None]:
-        """Run one command in a session; return (call id, the command's pid inside the session)."""
+             stdio: tuple[int, int, int], tool: dict[str, object] | None = None) -> tuple[int, int | None]:
+        """Run one command (or a file tool) in a session; return (call id, its pid inside the session)."""
         call_id = self._request({"op": "call", "session": session, "argv": list(argv), "env": dict(env),
-                                 "cwd": cwd, "timeout": timeout}, list(stdio))
+                                 "cwd": cwd, "timeout": timeout, "tool": tool}, list(stdio))
         event = self._expect(call_id, "started")
         return call_id, event.get("inner_pid")
 

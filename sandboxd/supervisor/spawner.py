@@ -276,9 +276,10 @@ class Spawner:
         return session
 
     def launch_call(self, session: SessionSandbox, argv: tuple[str, ...], env: dict[str, str], cwd: str,
-                    stdio: tuple[int, int, int] = (0, 1, 2)) -> SandboxProcess:
-        """Run one command in a session's sandbox: about a fork and an exec, no new sandbox."""
-        plan = session.plan.replace(argv=tuple(argv), env=dict(env), cwd=cwd)
+                    stdio: tuple[int, int, int] = (0, 1, 2), tool: dict[str, object] | None = None) -> SandboxProcess:
+        """Run one command in a session's sandbox: about a fork and an exec, no new sandbox.
+        With ``tool``, the confined child runs that file tool instead of exec'ing (file_tools)."""
+        plan = session.plan.replace(argv=tuple(argv), env=dict(env), cwd=cwd, tool=tool)
         cgroup_dirs = list(session.cgroup.dirs) if session.cgroup else []
         if not plan.confined or session.init_pid is None:
             return self._fork(plan, stdio, None, pid_namespace=False, body=lambda report_w, status_w: (

@@ -64,6 +64,21 @@ class SandboxStub:
                 request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExecRequest.SerializeToString,
                 response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExecResponse.FromString,
                 _registered_method=True)
+        self.ReadFile = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/ReadFile',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ReadFileRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ReadFileResponse.FromString,
+                _registered_method=True)
+        self.WriteFile = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/WriteFile',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.WriteFileRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.WriteFileResponse.FromString,
+                _registered_method=True)
+        self.ListDir = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/ListDir',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListDirRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListDirResponse.FromString,
+                _registered_method=True)
 
 
 class SandboxServicer:
@@ -110,6 +125,28 @@ class SandboxServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadFile(self, request, context):
+        """File tools. They run inside the session's sandbox with its credentials, so the kernel
+        enforces the policy; the daemon also refuses up front, with a reason, what the policy forbids.
+        Paths are absolute, or relative to the workspace.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WriteFile(self, request, context):
+        """Atomic: a temporary file in the same directory, then rename. Never half-written.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListDir(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SandboxServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +179,21 @@ def add_SandboxServicer_to_server(servicer, server):
                     servicer.Exec,
                     request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExecRequest.FromString,
                     response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExecResponse.SerializeToString,
+            ),
+            'ReadFile': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadFile,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ReadFileRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ReadFileResponse.SerializeToString,
+            ),
+            'WriteFile': grpc.unary_unary_rpc_method_handler(
+                    servicer.WriteFile,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.WriteFileRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.WriteFileResponse.SerializeToString,
+            ),
+            'ListDir': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDir,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListDirRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListDirResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -306,6 +358,87 @@ class Sandbox:
             '/sandboxd.v1.Sandbox/Exec',
             sandboxd_dot_v1_dot_sandboxd__pb2.ExecRequest.SerializeToString,
             sandboxd_dot_v1_dot_sandboxd__pb2.ExecResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/ReadFile',
+            sandboxd_dot_v1_dot_sandboxd__pb2.ReadFileRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.ReadFileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/WriteFile',
+            sandboxd_dot_v1_dot_sandboxd__pb2.WriteFileRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.WriteFileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListDir(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/ListDir',
+            sandboxd_dot_v1_dot_sandboxd__pb2.ListDirRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.ListDirResponse.FromString,
             options,
             channel_credentials,
             insecure,

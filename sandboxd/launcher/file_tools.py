@@ -1,0 +1,126 @@
+"""File tools, run *inside* a session's sandbox by a forked child that is already fully
+confined (its uid, no capabilities, Landlock, seccomp): the kernel decides what it may
+touch, exactly as for a command. Nothing is exec'd and nothing is imported here at run
+time (after the privilege drop the interpreter's own files may be unreadable).
+
+Protocol with the daemon, over the call's pipes: the request's data comes on stdin
+(WriteFile), the result goes to stdout (ListDir: one "type size mode mtime hex(name)"
+line per entry, tab-separated); a failure writes "ERRNO<TAB>message" to stderr and
+exits 1. Exit 3 means ReadFile stopped at max_bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import NoReturn
+
+EXIT_FAILED = 1
+EXIT_TRUNCATED = 3
+
+
+def run(tool: dict[str, object]) -> "NoReturn":
+    try:
+        op = tool.get("op")
+        path = str(tool["path"])
+        if op == "read":
+            code = _read(path, int(tool.get("max_bytes") or 0))
+        elif op == "write":
+            _write(path, int(tool.get("mode") or 0), bool(tool.get("create_parents")))
+            code = 0
+        elif op == "list":
+            _list(path)
+            code = 0
+        else:
+            raise OSError(errno.EINVAL, f"unknown file tool {op!r}")
+    except OSError as exc:
+        _fail(exc.errno or errno.EIO, exc.strerror or str(exc))
+    except Exception as exc:  # noqa: BLE001 - reported, never a traceback
+        _fail(errno.EIO, f"{type(exc).__name__}: {exc}")
+    os._exit(code)
+
+
+def _fail(code: int, message: str) -> "NoReturn":
+    try:
+        os.write(2, f"{code}\t{message}".encode(errors="replace"))
+    finally:
+        os._exit(EXIT_FAILED)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read(path: str, max_bytes: int) -> int:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EISDIR, "is a directory: use ListDir")
+        left = max_bytes
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                return 0
+            _write_all(1, chunk)
+            left -= len(chunk)
+        return EXIT_TRUNCATED if os.read(fd, 1) else 0
+    finally:
+        os.close(fd)
+
+
+def _write(path: str, mode: int, create_parents: bool) -> None:
+    """Atomic: a temporary file beside the target, fsync'd, then renamed over it."""
+    directory, name = os.path.split(path)
+    if create_parents:
+        os.makedirs(directory, exist_ok=True)
+    try:
+        keep = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        keep = 0o644
+    temporary = os.path.join(directory, f".{name}.sandboxd-{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode or keep)
+    try:
+        written = 0
+        while True:
+            chunk = os.read(0, 1 << 20)
+            if not chunk:
+                break
+            _write_all(fd, chunk)
+            written += len(chunk)
+        os.fchmod(fd, mode or keep)
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.rename(temporary, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+    _write_all(1, str(written).encode())
+
+
+def _list(path: str) -> None:
+    lines = []
+    with os.scandir(path) as entries:
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            kind = ("symlink" if stat.S_ISLNK(st.st_mode) else "dir" if stat.S_ISDIR(st.st_mode)
+                    else "file" if stat.S_ISREG(st.st_mode) else "other")
+            # Tab-separated, the name hex-encoded (any byte may be in a name): no `json`
+            # import on the launch path that shares this module.
+            lines.append(f"{kind}\t{st.st_size}\t{stat.S_IMODE(st.st_mode)}\t{st.st_mtime}\t"
+                         f"{os.fsencode(entry.name).hex()}")
+    _write_all(1, ("\n".join(sorted(lines)) + "\n").encode() if lines else b"")

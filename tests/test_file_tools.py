@@ -1,0 +1,139 @@
+"""ReadFile, WriteFile, ListDir through a real daemon: they run inside the session's sandbox, the
+policy refuses up front with a reason, and the kernel refuses what slips past the policy's check."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from sandboxd.client import SandboxClient, sandbox_policy
+from sandboxd.v1 import sandboxd_pb2 as pb
+
+REPO = Path(__file__).resolve().parents[1]
+SANDBOXD = str(REPO / ".venv" / "bin" / "sandboxd")
+
+
+@pytest.fixture(scope="module")
+def base() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="sandboxd-files-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def client(base: Path) -> Iterator[SandboxClient]:
+    socket_path = base / "sandboxd.sock"
+    daemon = subprocess.Popen([SANDBOXD, "serve", "--socket", str(socket_path)], stderr=subprocess.PIPE, text=True)
+    assert daemon.stderr is not None and '"serving"' in daemon.stderr.readline()
+    with SandboxClient(str(socket_path)) as c:
+        yield c
+    daemon.send_signal(signal.SIGTERM)
+    assert daemon.wait(timeout=30) == 0
+
+
+@pytest.fixture
+def workspace(base: Path, request: pytest.FixtureRequest) -> Path:
+    path = base / request.node.name.replace("[", "_").replace("]", "")
+    path.mkdir()
+    return path
+
+
+def refused(call: object, code: grpc.StatusCode) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        call()  # type: ignore[operator]
+    assert info.value.code() == code, info.value.details()
+    return str(info.value.details())
+
+
+def test_write_then_read_round_trip(client: SandboxClient, workspace: Path) -> None:
+    """A write creates parents on request, lands atomically (no temporary file left), and reads back."""
+    session = client.create_session(str(workspace))
+    reply = client.stub.WriteFile(pb.WriteFileRequest(session_id=session.id, path="deep/er/f.txt",
+                                                      data=b"payload\n", create_parents=True, mode=0o600))
+    assert reply.bytes_written == 8
+    assert (workspace / "deep/er/f.txt").read_bytes() == b"payload\n"
+    assert stat.S_IMODE((workspace / "deep/er/f.txt").stat().st_mode) == 0o600
+    assert sorted(p.name for p in (workspace / "deep/er").iterdir()) == ["f.txt"]
+    assert client.stub.ReadFile(pb.ReadFileRequest(session_id=session.id, path="deep/er/f.txt")).data == b"payload\n"
+
+
+def test_overwrite_keeps_the_mode_and_read_reports_truncation(client: SandboxClient, workspace: Path) -> None:
+    (workspace / "x.sh").write_bytes(b"old")
+    os.chmod(workspace / "x.sh", 0o755)
+    session = client.create_session(str(workspace))
+    client.stub.WriteFile(pb.WriteFileRequest(session_id=session.id, path="x.sh", data=b"0123456789"))
+    assert stat.S_IMODE((workspace / "x.sh").stat().st_mode) == 0o755
+    reply = client.stub.ReadFile(pb.ReadFileRequest(session_id=session.id, path="x.sh", max_bytes=4))
+    assert reply.data == b"0123" and reply.truncated
+
+
+def test_list_dir(client: SandboxClient, workspace: Path) -> None:
+    (workspace / "a.txt").write_bytes(b"12345")
+    (workspace / "sub").mkdir()
+    (workspace / "ln").symlink_to("a.txt")
+    session = client.create_session(str(workspace))
+    entries = {e.name: e for e in client.stub.ListDir(pb.ListDirRequest(session_id=session.id)).entries}
+    assert set(entries) == {"a.txt", "sub", "ln"}
+    assert entries["a.txt"].type == "file" and entries["a.txt"].size == 5
+    assert entries["sub"].type == "dir" and entries["ln"].type == "symlink"
+
+
+def test_policy_refuses_writes_outside_with_a_reason(client: SandboxClient, workspace: Path, base: Path) -> None:
+    outside = base / "outside-target"
+    outside.mkdir(exist_ok=True)
+    session = client.create_session(str(workspace))
+    message = refused(lambda: client.stub.WriteFile(pb.WriteFileRequest(
+        session_id=session.id, path=str(outside / "x"), data=b"x")), grpc.StatusCode.PERMISSION_DENIED)
+    assert "outside the workspace" in message
+    assert not (outside / "x").exists()
+    (workspace / ".git" / "hooks").mkdir(parents=True)
+    message = refused(lambda: client.stub.WriteFile(pb.WriteFileRequest(
+        session_id=session.id, path=".git/hooks/pre-commit", data=b"x")), grpc.StatusCode.PERMISSION_DENIED)
+    assert ".git/hooks" in message
+
+
+def test_read_only_session_refuses_writes(client: SandboxClient, workspace: Path) -> None:
+    session = client.create_session(str(workspace), policy=sandbox_policy("read-only"))
+    message = refused(lambda: client.stub.WriteFile(pb.WriteFileRequest(
+        session_id=session.id, path="f", data=b"x")), grpc.StatusCode.PERMISSION_DENIED)
+    assert "read-only" in message
+    assert not (workspace / "f").exists()
+
+
+def test_kernel_refuses_what_the_policy_check_lets_through(client: SandboxClient, workspace: Path,
+                                                            base: Path) -> None:
+    """A symlink planted in the workspace points outside: the path looks inside, so the policy check
+    passes, but the write happens in the sandbox, where the host is read-only."""
+    outside = base / "outside-link-target"
+    outside.mkdir(exist_ok=True)
+    os.chmod(outside, 0o777)
+    (workspace / "escape").symlink_to(outside)
+    session = client.create_session(str(workspace))
+    message = refused(lambda: client.stub.WriteFile(pb.WriteFileRequest(
+        session_id=session.id, path="escape/x", data=b"x")), grpc.StatusCode.PERMISSION_DENIED)
+    assert "refused by the kernel" in message
+    assert list(outside.iterdir()) == []
+
+
+def test_missing_file_is_not_found(client: SandboxClient, workspace: Path) -> None:
+    session = client.create_session(str(workspace))
+    refused(lambda: client.stub.ReadFile(pb.ReadFileRequest(session_id=session.id, path="nope")),
+            grpc.StatusCode.NOT_FOUND)
+
+
+def test_session_tmp_is_the_sandbox_one(client: SandboxClient, workspace: Path) -> None:
+    """/tmp in a file tool is the session's private /tmp: a file written there is seen by Exec, not the host."""
+    session = client.create_session(str(workspace))
+    name = f"/tmp/sandboxd-file-tool-{os.getpid()}"
+    client.stub.WriteFile(pb.WriteFileRequest(session_id=session.id, path=name, data=b"private"))
+    assert not os.path.exists(name)
+    assert client.exec(session.id, ["cat", name]).stdout == b"private"
