@@ -4,40 +4,15 @@ policy refuses up front with a reason, and the kernel refuses what slips past th
 from __future__ import annotations
 
 import os
-import shutil
-import signal
 import stat
-import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
+from daemon_fixtures import base, client  # noqa: F401 - pytest fixtures
 from sandboxd.client import SandboxClient, sandbox_policy
 from sandboxd.v1 import sandboxd_pb2 as pb
-
-REPO = Path(__file__).resolve().parents[1]
-SANDBOXD = str(REPO / ".venv" / "bin" / "sandboxd")
-
-
-@pytest.fixture(scope="module")
-def base() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="sandboxd-files-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def client(base: Path) -> Iterator[SandboxClient]:
-    socket_path = base / "sandboxd.sock"
-    daemon = subprocess.Popen([SANDBOXD, "serve", "--socket", str(socket_path)], stderr=subprocess.PIPE, text=True)
-    assert daemon.stderr is not None and '"serving"' in daemon.stderr.readline()
-    with SandboxClient(str(socket_path)) as c:
-        yield c
-    daemon.send_signal(signal.SIGTERM)
-    assert daemon.wait(timeout=30) == 0
 
 
 @pytest.fixture

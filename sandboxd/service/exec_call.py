@@ -21,6 +21,7 @@ import grpc
 from sandboxd.errors import InvalidPolicy
 from sandboxd.service.sessions import Session, SessionRegistry, cwd_inside
 from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.spawner import ExitInfo
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 CHUNK = 64 * 1024
@@ -75,11 +76,7 @@ def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb
             yield pb.ExecResponse(stdout=chunk) if stream == 1 else pb.ExecResponse(stderr=chunk)
         info = fork.wait(call_id)
         call_id = None
-        yield pb.ExecResponse(result=pb.ExecResult(
-            exit_code=info.exit_code or 0, signal=info.signal or 0, timed_out=info.timed_out,
-            wall_seconds=info.wall_seconds, cpu_seconds=info.cpu_seconds or 0.0,
-            peak_memory_bytes=info.peak_memory_bytes or 0, output_truncated=truncated,
-            shell_status=info.shell_status))
+        yield pb.ExecResponse(result=result_to_proto(info, truncated=truncated))
     finally:
         if call_id is not None:                           # the client went away mid-call: kill the tree
             fork.cancel(call_id)
@@ -91,6 +88,13 @@ def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb
                 except OSError:
                     pass
         registry.end_call(session, generation)
+
+
+def result_to_proto(info: ExitInfo, *, truncated: bool) -> pb.ExecResult:
+    return pb.ExecResult(exit_code=info.exit_code or 0, signal=info.signal or 0, timed_out=info.timed_out,
+                         wall_seconds=info.wall_seconds, cpu_seconds=info.cpu_seconds or 0.0,
+                         peak_memory_bytes=info.peak_memory_bytes or 0, output_truncated=truncated,
+                         shell_status=info.shell_status)
 
 
 def _on_cancel(fork: ForkServer, call_id: int) -> Any:

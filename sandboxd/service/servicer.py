@@ -9,6 +9,7 @@ import grpc
 
 from sandboxd.errors import InvalidPolicy
 from sandboxd.service import convert, exec_call, file_calls
+from sandboxd.service.background import BackgroundJob, BackgroundJobs
 from sandboxd.service.peercred import FrontDoor, PeerCredentials, caller
 from sandboxd.service.sessions import Session, SessionRegistry
 from sandboxd.service.status import abort
@@ -26,11 +27,20 @@ def session_to_proto(session: Session) -> pb.Session:
         sandbox_generation=session.generation)
 
 
+def job_to_proto(job: BackgroundJob) -> pb.BackgroundProcess:
+    message = pb.BackgroundProcess(id=job.id, session_id=job.session.id, name=job.name, argv=job.argv, pid=job.pid,
+                                   running=job.result is None, output_bytes=job.total, started_at=job.started_at)
+    if job.result is not None:
+        message.result.CopyFrom(exec_call.result_to_proto(job.result, truncated=False))
+    return message
+
+
 class SandboxServicer(pb_grpc.SandboxServicer):
     def __init__(self, registry: SessionRegistry, fork: ForkServer, door: FrontDoor) -> None:
         self._registry = registry
         self._fork = fork
         self._door = door
+        self._jobs = BackgroundJobs(registry, fork)
 
     def _unary(self, context: grpc.ServicerContext, work: Callable[[PeerCredentials], Any]) -> Any:
         try:
@@ -57,6 +67,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
     def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext) -> pb.CloseSessionResponse:
         def work(who: PeerCredentials) -> pb.CloseSessionResponse:
             self._registry.close(who, request.session_id)
+            self._jobs.forget(request.session_id)
             return pb.CloseSessionResponse()
         return self._unary(context, work)
 
@@ -99,6 +110,36 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                 "op": "list", "path": file_calls.resolve(session, request.path)})
             return pb.ListDirResponse(entries=file_calls.parse_listing(out))
         return self._unary(context, work)
+
+    def StartBackground(self, request: pb.StartBackgroundRequest, context: grpc.ServicerContext) -> pb.BackgroundProcess:
+        def work(who: PeerCredentials) -> pb.BackgroundProcess:
+            session = self._registry.get(who, request.session_id)
+            argv = exec_call.command_of(pb.ExecStart(argv=request.argv, shell=request.shell))
+            return job_to_proto(self._jobs.start(session, argv, request.cwd, dict(request.env), request.name))
+        return self._unary(context, work)
+
+    def ListBackground(self, request: pb.ListBackgroundRequest,
+                       context: grpc.ServicerContext) -> pb.ListBackgroundResponse:
+        def work(who: PeerCredentials) -> pb.ListBackgroundResponse:
+            session = self._registry.get(who, request.session_id)
+            return pb.ListBackgroundResponse(processes=[job_to_proto(j) for j in self._jobs.list(session)])
+        return self._unary(context, work)
+
+    def StopBackground(self, request: pb.StopBackgroundRequest, context: grpc.ServicerContext) -> pb.BackgroundProcess:
+        def work(who: PeerCredentials) -> pb.BackgroundProcess:
+            session = self._registry.get(who, request.session_id)
+            return job_to_proto(self._jobs.stop(session, request.id))
+        return self._unary(context, work)
+
+    def ReadBackgroundOutput(self, request: pb.ReadBackgroundOutputRequest,
+                             context: grpc.ServicerContext) -> Iterator[pb.BackgroundOutput]:
+        try:
+            who = caller(self._door, context)
+            job = self._jobs.get(self._registry.get(who, request.session_id), request.id)
+            for offset, data, dropped in job.read(request.offset, request.follow, context.is_active):
+                yield pb.BackgroundOutput(offset=offset, data=data, dropped=dropped)
+        except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
+            abort(context, error)
 
     def Exec(self, request_iterator: Iterator[pb.ExecRequest],
              context: grpc.ServicerContext) -> Iterator[pb.ExecResponse]:

@@ -286,3 +286,90 @@ class ListDirResponse(_message.Message):
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[DirEntry]
     def __init__(self, entries: _Optional[_Iterable[_Union[DirEntry, _Mapping]]] = ...) -> None: ...
+
+class StartBackgroundRequest(_message.Message):
+    __slots__ = ("session_id", "argv", "shell", "cwd", "env", "name")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ARGV_FIELD_NUMBER: _ClassVar[int]
+    SHELL_FIELD_NUMBER: _ClassVar[int]
+    CWD_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    argv: _containers.RepeatedScalarFieldContainer[str]
+    shell: str
+    cwd: str
+    env: _containers.ScalarMap[str, str]
+    name: str
+    def __init__(self, session_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., name: _Optional[str] = ...) -> None: ...
+
+class BackgroundProcess(_message.Message):
+    __slots__ = ("id", "session_id", "name", "argv", "pid", "running", "result", "output_bytes", "started_at")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGV_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    session_id: str
+    name: str
+    argv: _containers.RepeatedScalarFieldContainer[str]
+    pid: int
+    running: bool
+    result: ExecResult
+    output_bytes: int
+    started_at: float
+    def __init__(self, id: _Optional[str] = ..., session_id: _Optional[str] = ..., name: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ..., running: _Optional[bool] = ..., result: _Optional[_Union[ExecResult, _Mapping]] = ..., output_bytes: _Optional[int] = ..., started_at: _Optional[float] = ...) -> None: ...
+
+class ListBackgroundRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ListBackgroundResponse(_message.Message):
+    __slots__ = ("processes",)
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    processes: _containers.RepeatedCompositeFieldContainer[BackgroundProcess]
+    def __init__(self, processes: _Optional[_Iterable[_Union[BackgroundProcess, _Mapping]]] = ...) -> None: ...
+
+class ReadBackgroundOutputRequest(_message.Message):
+    __slots__ = ("session_id", "id", "offset", "follow")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    id: str
+    offset: int
+    follow: bool
+    def __init__(self, session_id: _Optional[str] = ..., id: _Optional[str] = ..., offset: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+
+class BackgroundOutput(_message.Message):
+    __slots__ = ("offset", "data", "dropped")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    dropped: int
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., dropped: _Optional[int] = ...) -> None: ...
+
+class StopBackgroundRequest(_message.Message):
+    __slots__ = ("session_id", "id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    id: str
+    def __init__(self, session_id: _Optional[str] = ..., id: _Optional[str] = ...) -> None: ...

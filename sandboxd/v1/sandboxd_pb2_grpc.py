@@ -79,6 +79,26 @@ class SandboxStub:
                 request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListDirRequest.SerializeToString,
                 response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListDirResponse.FromString,
                 _registered_method=True)
+        self.StartBackground = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/StartBackground',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.StartBackgroundRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.BackgroundProcess.FromString,
+                _registered_method=True)
+        self.ListBackground = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/ListBackground',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListBackgroundRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListBackgroundResponse.FromString,
+                _registered_method=True)
+        self.ReadBackgroundOutput = channel.unary_stream(
+                '/sandboxd.v1.Sandbox/ReadBackgroundOutput',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ReadBackgroundOutputRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.BackgroundOutput.FromString,
+                _registered_method=True)
+        self.StopBackground = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/StopBackground',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.StopBackgroundRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.BackgroundProcess.FromString,
+                _registered_method=True)
 
 
 class SandboxServicer:
@@ -147,6 +167,33 @@ class SandboxServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartBackground(self, request, context):
+        """Background processes (the monitor.start / monitor.list / monitor.stop tools): long-running
+        commands in a session (a dev server, a watcher). Their stdout and stderr go to one buffer
+        that keeps the last 4 MiB; read it from an offset, or follow it. They die with the session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListBackground(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadBackgroundOutput(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopBackground(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SandboxServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -194,6 +241,26 @@ def add_SandboxServicer_to_server(servicer, server):
                     servicer.ListDir,
                     request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListDirRequest.FromString,
                     response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListDirResponse.SerializeToString,
+            ),
+            'StartBackground': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartBackground,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.StartBackgroundRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.BackgroundProcess.SerializeToString,
+            ),
+            'ListBackground': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListBackground,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListBackgroundRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListBackgroundResponse.SerializeToString,
+            ),
+            'ReadBackgroundOutput': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadBackgroundOutput,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ReadBackgroundOutputRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.BackgroundOutput.SerializeToString,
+            ),
+            'StopBackground': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopBackground,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.StopBackgroundRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.BackgroundProcess.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -439,6 +506,114 @@ class Sandbox:
             '/sandboxd.v1.Sandbox/ListDir',
             sandboxd_dot_v1_dot_sandboxd__pb2.ListDirRequest.SerializeToString,
             sandboxd_dot_v1_dot_sandboxd__pb2.ListDirResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartBackground(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/StartBackground',
+            sandboxd_dot_v1_dot_sandboxd__pb2.StartBackgroundRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.BackgroundProcess.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListBackground(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/ListBackground',
+            sandboxd_dot_v1_dot_sandboxd__pb2.ListBackgroundRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.ListBackgroundResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadBackgroundOutput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/ReadBackgroundOutput',
+            sandboxd_dot_v1_dot_sandboxd__pb2.ReadBackgroundOutputRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.BackgroundOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopBackground(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/StopBackground',
+            sandboxd_dot_v1_dot_sandboxd__pb2.StopBackgroundRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.BackgroundProcess.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,154 @@
+"""Background processes of a session: started, listed, read or followed, stopped.
+
+Each is a call in the session (so the same sandbox, the same kill-the-tree
+guarantee) whose stdout and stderr share one pipe. A reader thread keeps the
+last BUFFER_BYTES of output and wakes followers; memory per process is bounded
+whatever the process prints.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+from typing import Callable, Iterator
+
+from sandboxd.errors import NotFound
+from sandboxd.service.exec_call import DEFAULT_ENV
+from sandboxd.service.sessions import Session, SessionRegistry, cwd_inside
+from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.spawner import ExitInfo
+
+BUFFER_BYTES = 4 << 20
+CHUNK = 64 * 1024
+
+
+class BackgroundJob:
+    def __init__(self, session: Session, name: str, argv: list[str]) -> None:
+        self.id = secrets.token_hex(6)
+        self.session = session
+        self.name = name
+        self.argv = argv
+        self.pid = 0
+        self.started_at = time.time()
+        self.result: ExitInfo | None = None
+        self._cond = threading.Condition()
+        self._buffer = bytearray()
+        self._base = 0                     # offset of _buffer[0] in the total output
+        self.call_id: int | None = None
+
+    @property
+    def total(self) -> int:
+        return self._base + len(self._buffer)
+
+    def append(self, data: bytes) -> None:
+        with self._cond:
+            self._buffer += data
+            extra = len(self._buffer) - BUFFER_BYTES
+            if extra > 0:
+                del self._buffer[:extra]
+                self._base += extra
+            self._cond.notify_all()
+
+    def finish(self, result: ExitInfo) -> None:
+        with self._cond:
+            self.result = result
+            self._cond.notify_all()
+
+    def read(self, offset: int, follow: bool, active: "Callable[[], bool]") -> Iterator[tuple[int, bytes, int]]:
+        """(offset, data, dropped) from ``offset``; with ``follow``, until the job ends or ``active()`` is false."""
+        while True:
+            with self._cond:
+                dropped = max(0, self._base - offset)
+                offset = max(offset, self._base)
+                data = bytes(self._buffer[offset - self._base:])
+                ended = self.result is not None
+                if not data and follow and not ended:
+                    self._cond.wait(timeout=1.0)
+                    if not active():
+                        return
+                    continue
+            for start in range(0, len(data), CHUNK):
+                yield offset + start, data[start:start + CHUNK], dropped if start == 0 else 0
+            offset += len(data)
+            if not follow or ended:
+                if ended:
+                    with self._cond:      # anything appended after the snapshot above
+                        rest = bytes(self._buffer[offset - self._base:]) if offset >= self._base else b""
+                    if rest:
+                        yield offset, rest, 0
+                return
+
+
+class BackgroundJobs:
+    """All background jobs of the daemon, by session."""
+
+    def __init__(self, registry: SessionRegistry, fork: ForkServer) -> None:
+        self._registry = registry
+        self._fork = fork
+        self._lock = threading.Lock()
+        self._jobs: dict[str, dict[str, BackgroundJob]] = {}
+
+    def start(self, session: Session, argv: list[str], cwd: str, env: dict[str, str], name: str) -> BackgroundJob:
+        job = BackgroundJob(session, name or " ".join(argv)[:80], argv)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        null = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+        generation = self._registry.begin_call(session)
+        try:
+            try:
+                job.call_id, pid = self._fork.call(session.sandbox_name(generation), argv, env or dict(DEFAULT_ENV),
+                                                   cwd_inside(session.workspace, cwd), None, (null, out_w, out_w))
+            finally:
+                os.close(out_w)
+                os.close(null)
+        except BaseException:
+            os.close(out_r)
+            self._registry.end_call(session, generation)
+            raise
+        job.pid = pid or 0
+        with self._lock:
+            self._jobs.setdefault(session.id, {})[job.id] = job
+        threading.Thread(target=self._pump, args=(job, out_r, generation), name=f"sandboxd-bg-{job.id}",
+                         daemon=True).start()
+        return job
+
+    def _pump(self, job: BackgroundJob, out_r: int, generation: int) -> None:
+        try:
+            while True:
+                data = os.read(out_r, CHUNK)
+                if not data:
+                    break
+                job.append(data)
+        finally:
+            os.close(out_r)
+            assert job.call_id is not None
+            try:
+                job.finish(self._fork.wait(job.call_id))
+            except Exception:  # noqa: BLE001 - the fork server went away: the job is over all the same
+                job.finish(ExitInfo(exit_code=None, signal=9, timed_out=False, wall_seconds=0.0, cpu_seconds=None,
+                                    peak_memory_bytes=None, oom_killed=False))
+            self._registry.end_call(job.session, generation)
+
+    def get(self, session: Session, job_id: str) -> BackgroundJob:
+        with self._lock:
+            job = self._jobs.get(session.id, {}).get(job_id)
+        if job is None:
+            raise NotFound(f"no background process {job_id!r} in session {session.id!r}")
+        return job
+
+    def list(self, session: Session) -> list[BackgroundJob]:
+        with self._lock:
+            return sorted(self._jobs.get(session.id, {}).values(), key=lambda j: j.started_at)
+
+    def stop(self, session: Session, job_id: str, timeout: float = 10.0) -> BackgroundJob:
+        job = self.get(session, job_id)
+        if job.result is None and job.call_id is not None:
+            self._fork.cancel(job.call_id)
+            with job._cond:                                    # noqa: SLF001 - same module family
+                job._cond.wait_for(lambda: job.result is not None, timeout=timeout)
+        return job
+
+    def forget(self, session_id: str) -> None:
+        with self._lock:
+            self._jobs.pop(session_id, None)
