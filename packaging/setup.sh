@@ -16,7 +16,9 @@ shift || true
 # libseccomp2: the seccomp filter compiler (pyseccomp loads it with ctypes).
 # iproute2, procps, git: used by the tests (ip link, pgrep, git add/commit in a sandbox).
 # bubblewrap: the baseline the benchmark compares against.
-packages=(python3 python3-venv python3-dev gcc libcap-dev libseccomp2 iproute2 procps git bubblewrap ca-certificates)
+# ripgrep: the daemon's Search uses it when installed (a built-in search otherwise).
+packages=(python3 python3-venv python3-dev gcc libcap-dev libseccomp2 iproute2 procps git bubblewrap ca-certificates
+          ripgrep)
 # nodejs, npm: the test that drives the daemon from Node's @grpc/grpc-js (tests/test_node_client.py).
 # Checked by command, not package: a NodeSource nodejs ships npm itself and conflicts with Debian's.
 if [ "$mode" = test ] && ! { command -v node && command -v npm; } >/dev/null 2>&1; then

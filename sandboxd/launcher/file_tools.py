@@ -35,6 +35,9 @@ def run(tool: dict[str, object]) -> "NoReturn":
         elif op == "list":
             _list(path)
             code = 0
+        elif op == "search":
+            _search(path, str(tool["pattern"]), bool(tool.get("case_insensitive")), int(tool.get("max_results") or 1000))
+            code = 0
         else:
             raise OSError(errno.EINVAL, f"unknown file tool {op!r}")
     except OSError as exc:
@@ -124,3 +127,36 @@ def _list(path: str) -> None:
             lines.append(f"{kind}\t{st.st_size}\t{stat.S_IMODE(st.st_mode)}\t{st.st_mtime}\t"
                          f"{os.fsencode(entry.name).hex()}")
     _write_all(1, ("\n".join(sorted(lines)) + "\n").encode() if lines else b"")
+
+
+def _search(root: str, pattern: str, case_insensitive: bool, max_results: int) -> None:
+    """The built-in search (no ripgrep): "hex(path) TAB line TAB hex(text)" per match."""
+    import re  # already loaded in the fork server (json needs it), so nothing is read from disk here
+
+    try:
+        regex = re.compile(pattern.encode(), re.IGNORECASE if case_insensitive else 0)
+    except re.error as exc:
+        raise OSError(errno.EINVAL, f"bad regular expression: {exc}") from None
+    found = 0
+    out = []
+    single = [(os.path.dirname(root), [], [os.path.basename(root)])]
+    for directory, dirs, files in os.walk(root) if os.path.isdir(root) else single:
+        dirs[:] = sorted(d for d in dirs if d != ".git")
+        for name in sorted(files):
+            path = os.path.join(directory, name)
+            try:
+                with open(path, "rb") as f:
+                    for number, line in enumerate(f, 1):
+                        if b"\0" in line:
+                            break                         # binary file: skip it, like ripgrep
+                        if regex.search(line):
+                            text = line.rstrip(b"\n").hex()
+                            out.append(f"{os.fsencode(path).hex()}\t{number}\t{text}")
+                            found += 1
+                            if found >= max_results:
+                                _write_all(1, ("\n".join(out) + "\n").encode())
+                                return
+            except OSError:
+                continue
+    if out:
+        _write_all(1, ("\n".join(out) + "\n").encode())

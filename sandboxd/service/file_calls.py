@@ -12,6 +12,7 @@ from sandboxd.errors import Forbidden, InvalidPolicy, NotFound, SandboxdError
 from sandboxd.policy.sandbox import DangerFullAccess, ReadOnly, WorkspaceWrite, is_within
 from sandboxd.service.sessions import Session, SessionRegistry
 from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.spawner import ExitInfo
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 DEFAULT_READ_LIMIT = 16 << 20
@@ -51,6 +52,16 @@ def check_write(session: Session, path: str) -> None:
 def run_tool(registry: SessionRegistry, fork: ForkServer, session: Session, tool: dict[str, object],
              data: bytes = b"", limit: int = DEFAULT_READ_LIMIT) -> tuple[int, bytes]:
     """Run a file tool in the session; return (exit code, stdout); raise the mapped error on failure."""
+    info, out, err = run_in_session(registry, fork, session, TOOL_ARGV, tool=tool, data=data, limit=limit)
+    if info.exit_code in (0, 3):
+        return info.exit_code, out
+    raise _error_from(err, info.timed_out)
+
+
+def run_in_session(registry: SessionRegistry, fork: ForkServer, session: Session, argv: list[str], *,
+                   tool: dict[str, object] | None = None, data: bytes = b"", limit: int = DEFAULT_READ_LIMIT,
+                   env: dict[str, str] | None = None) -> "tuple[ExitInfo, bytes, bytes]":
+    """A short command (or file tool) in the session with ``data`` on stdin; (how it ended, stdout, stderr)."""
     stdin_r, stdin_w = os.pipe2(os.O_CLOEXEC)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -58,7 +69,7 @@ def run_tool(registry: SessionRegistry, fork: ForkServer, session: Session, tool
     call_id = None
     try:
         try:
-            call_id, _ = fork.call(session.sandbox_name(generation), TOOL_ARGV, {}, session.workspace,
+            call_id, _ = fork.call(session.sandbox_name(generation), argv, env or {}, session.workspace,
                                    TOOL_TIMEOUT, (stdin_r, out_w, err_w), tool=tool)
         finally:
             for fd in (stdin_r, out_w, err_w):
@@ -77,9 +88,7 @@ def run_tool(registry: SessionRegistry, fork: ForkServer, session: Session, tool
             if fd >= 0:
                 os.close(fd)
         registry.end_call(session, generation)
-    if info.exit_code in (0, 3):
-        return info.exit_code, out
-    raise _error_from(err, info.timed_out)
+    return info, out, err
 
 
 def _feed(fd: int, data: bytes) -> None:

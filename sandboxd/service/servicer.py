@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator
 import grpc
 
 from sandboxd.errors import InvalidPolicy
-from sandboxd.service import convert, exec_call, file_calls
+from sandboxd.service import convert, exec_call, file_calls, patch_search
 from sandboxd.service.background import BackgroundJob, BackgroundJobs
 from sandboxd.service.peercred import FrontDoor, PeerCredentials, caller
 from sandboxd.service.sessions import Session, SessionRegistry
@@ -109,6 +109,20 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             _, out = file_calls.run_tool(self._registry, self._fork, session, {
                 "op": "list", "path": file_calls.resolve(session, request.path)})
             return pb.ListDirResponse(entries=file_calls.parse_listing(out))
+        return self._unary(context, work)
+
+    def ApplyPatch(self, request: pb.ApplyPatchRequest, context: grpc.ServicerContext) -> pb.ApplyPatchResponse:
+        def work(who: PeerCredentials) -> pb.ApplyPatchResponse:
+            session = self._registry.get(who, request.session_id)
+            return pb.ApplyPatchResponse(files=patch_search.apply_patch(
+                self._registry, self._fork, session, request.patch, request.strip))
+        return self._unary(context, work)
+
+    def Search(self, request: pb.SearchRequest, context: grpc.ServicerContext) -> pb.SearchResponse:
+        def work(who: PeerCredentials) -> pb.SearchResponse:
+            session = self._registry.get(who, request.session_id)
+            return patch_search.search(self._registry, self._fork, session, request.pattern, request.path,
+                                       request.max_results, request.case_insensitive, request.engine)
         return self._unary(context, work)
 
     def StartBackground(self, request: pb.StartBackgroundRequest, context: grpc.ServicerContext) -> pb.BackgroundProcess:

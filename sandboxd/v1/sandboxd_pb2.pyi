@@ -373,3 +373,63 @@ class StopBackgroundRequest(_message.Message):
     session_id: str
     id: str
     def __init__(self, session_id: _Optional[str] = ..., id: _Optional[str] = ...) -> None: ...
+
+class ApplyPatchRequest(_message.Message):
+    __slots__ = ("session_id", "patch", "strip")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PATCH_FIELD_NUMBER: _ClassVar[int]
+    STRIP_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    patch: str
+    strip: int
+    def __init__(self, session_id: _Optional[str] = ..., patch: _Optional[str] = ..., strip: _Optional[int] = ...) -> None: ...
+
+class PatchedFile(_message.Message):
+    __slots__ = ("path", "action")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    action: str
+    def __init__(self, path: _Optional[str] = ..., action: _Optional[str] = ...) -> None: ...
+
+class ApplyPatchResponse(_message.Message):
+    __slots__ = ("files",)
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.RepeatedCompositeFieldContainer[PatchedFile]
+    def __init__(self, files: _Optional[_Iterable[_Union[PatchedFile, _Mapping]]] = ...) -> None: ...
+
+class SearchRequest(_message.Message):
+    __slots__ = ("session_id", "pattern", "path", "max_results", "case_insensitive", "engine")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PATTERN_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    CASE_INSENSITIVE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    pattern: str
+    path: str
+    max_results: int
+    case_insensitive: bool
+    engine: str
+    def __init__(self, session_id: _Optional[str] = ..., pattern: _Optional[str] = ..., path: _Optional[str] = ..., max_results: _Optional[int] = ..., case_insensitive: _Optional[bool] = ..., engine: _Optional[str] = ...) -> None: ...
+
+class SearchMatch(_message.Message):
+    __slots__ = ("path", "line", "text")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    line: int
+    text: str
+    def __init__(self, path: _Optional[str] = ..., line: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
+
+class SearchResponse(_message.Message):
+    __slots__ = ("matches", "truncated", "engine")
+    MATCHES_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    matches: _containers.RepeatedCompositeFieldContainer[SearchMatch]
+    truncated: bool
+    engine: str
+    def __init__(self, matches: _Optional[_Iterable[_Union[SearchMatch, _Mapping]]] = ..., truncated: _Optional[bool] = ..., engine: _Optional[str] = ...) -> None: ...

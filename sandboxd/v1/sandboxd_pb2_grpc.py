@@ -79,6 +79,16 @@ class SandboxStub:
                 request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListDirRequest.SerializeToString,
                 response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListDirResponse.FromString,
                 _registered_method=True)
+        self.ApplyPatch = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/ApplyPatch',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ApplyPatchRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ApplyPatchResponse.FromString,
+                _registered_method=True)
+        self.Search = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/Search',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.SearchRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.SearchResponse.FromString,
+                _registered_method=True)
         self.StartBackground = channel.unary_unary(
                 '/sandboxd.v1.Sandbox/StartBackground',
                 request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.StartBackgroundRequest.SerializeToString,
@@ -167,6 +177,22 @@ class SandboxServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ApplyPatch(self, request, context):
+        """A unified diff over one or more files, all-or-nothing: every hunk of every file must apply,
+        or nothing is written.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Search(self, request, context):
+        """A regular expression over the workspace (or a path in it): ripgrep when installed, a
+        built-in search otherwise.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def StartBackground(self, request, context):
         """Background processes (the monitor.start / monitor.list / monitor.stop tools): long-running
         commands in a session (a dev server, a watcher). Their stdout and stderr go to one buffer
@@ -241,6 +267,16 @@ def add_SandboxServicer_to_server(servicer, server):
                     servicer.ListDir,
                     request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListDirRequest.FromString,
                     response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListDirResponse.SerializeToString,
+            ),
+            'ApplyPatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplyPatch,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ApplyPatchRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ApplyPatchResponse.SerializeToString,
+            ),
+            'Search': grpc.unary_unary_rpc_method_handler(
+                    servicer.Search,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.SearchRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.SearchResponse.SerializeToString,
             ),
             'StartBackground': grpc.unary_unary_rpc_method_handler(
                     servicer.StartBackground,
@@ -506,6 +542,60 @@ class Sandbox:
             '/sandboxd.v1.Sandbox/ListDir',
             sandboxd_dot_v1_dot_sandboxd__pb2.ListDirRequest.SerializeToString,
             sandboxd_dot_v1_dot_sandboxd__pb2.ListDirResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApplyPatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/ApplyPatch',
+            sandboxd_dot_v1_dot_sandboxd__pb2.ApplyPatchRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.ApplyPatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Search(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/Search',
+            sandboxd_dot_v1_dot_sandboxd__pb2.SearchRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.SearchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,116 @@
+"""ApplyPatch and Search, run inside the session's sandbox.
+
+ApplyPatch is `git apply`: a well-kept tool that checks every hunk of every file
+before it writes anything (all-or-nothing), refuses paths that leave the
+working tree, and works outside a repository too. It runs as the session's
+user in the session's sandbox, so the kernel confines what it writes; the
+policy refuses up front, with a reason, any target it forbids.
+
+Search is ripgrep when the sandbox can see it, otherwise the built-in search
+in sandboxd.launcher.file_tools (Python's `re` over the tree).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from sandboxd.errors import InvalidPolicy
+from sandboxd.service.file_calls import check_write, resolve, run_in_session, run_tool
+from sandboxd.service.sessions import Session, SessionRegistry
+from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.v1 import sandboxd_pb2 as pb
+
+PATCH_LIMIT = 32 << 20
+DEFAULT_MAX_RESULTS = 1000
+GIT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
+           "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null"}
+
+
+def patched_files(patch: str, strip: int) -> tuple[list[pb.PatchedFile], int]:
+    """What the patch touches, from its ---/+++ headers; and the -p level (auto: a/ b/ prefixes)."""
+    headers = []
+    lines = patch.splitlines()
+    for index, line in enumerate(lines[:-1]):
+        if line.startswith("--- ") and lines[index + 1].startswith("+++ "):
+            headers.append((line[4:].split("\t")[0].strip(), lines[index + 1][4:].split("\t")[0].strip()))
+    if not headers:
+        raise InvalidPolicy("no file in the patch: give a unified diff (---/+++ headers and @@ hunks)")
+    if strip == 0:
+        named = [p for pair in headers for p in pair if p != "/dev/null"]
+        strip = 1 if named and all(p.startswith(("a/", "b/")) for p in named) else 0
+    files = []
+    for old, new in headers:
+        action = "created" if old == "/dev/null" else "deleted" if new == "/dev/null" else "modified"
+        path = new if new != "/dev/null" else old
+        parts = path.split("/")
+        if len(parts) <= strip:
+            raise InvalidPolicy(f"cannot strip {strip} components from {path!r}")
+        files.append(pb.PatchedFile(path="/".join(parts[strip:]), action=action))
+    return files, strip
+
+
+def apply_patch(registry: SessionRegistry, fork: ForkServer, session: Session, patch: str,
+                strip: int) -> list[pb.PatchedFile]:
+    if len(patch) > PATCH_LIMIT:
+        raise InvalidPolicy(f"the patch is larger than {PATCH_LIMIT >> 20} MiB")
+    files, strip = patched_files(patch, strip)
+    for patched in files:
+        check_write(session, resolve(session, patched.path))
+    info, _out, err = run_in_session(
+        registry, fork, session, ["git", "apply", "--whitespace=nowarn", f"-p{strip}", "-"],
+        data=patch.encode(), env=GIT_ENV)
+    if info.exit_code != 0:
+        message = err.decode(errors="replace").strip() or f"git apply failed ({info.shell_status})"
+        raise InvalidPolicy(f"the patch does not apply; nothing was changed: {message}")
+    return files
+
+
+def search(registry: SessionRegistry, fork: ForkServer, session: Session, pattern: str, path: str,
+           max_results: int, case_insensitive: bool, engine: str = "") -> pb.SearchResponse:
+    if not pattern:
+        raise InvalidPolicy("an empty pattern matches everything: give a regular expression")
+    if engine not in ("", "ripgrep", "builtin"):
+        raise InvalidPolicy(f"unknown search engine {engine!r}: leave it empty, or use ripgrep or builtin")
+    if engine == "ripgrep" and not shutil.which("rg"):
+        raise InvalidPolicy("ripgrep is not installed (apt-get install ripgrep), use the builtin engine")
+    limit = max_results or DEFAULT_MAX_RESULTS
+    target = resolve(session, path)
+    if engine != "builtin" and shutil.which("rg"):        # the sandbox sees the host's /usr/bin
+        argv = ["rg", "--json", "--no-config", "--max-columns", "4096"] + (["-i"] if case_insensitive else [])
+        info, out, err = run_in_session(registry, fork, session, argv + ["-e", pattern, "--", target],
+                                        env={"PATH": "/usr/local/bin:/usr/bin:/bin"})
+        if info.exit_code not in (0, 1):                  # 1: no match
+            raise InvalidPolicy(f"search failed: {err.decode(errors='replace').strip()[:500]}")
+        matches = _ripgrep_matches(out)
+        engine = "ripgrep"
+    else:
+        _, out = run_tool(registry, fork, session, {"op": "search", "path": target, "pattern": pattern,
+                                                    "case_insensitive": case_insensitive,
+                                                    "max_results": limit + 1})
+        matches = _builtin_matches(out)
+        engine = "builtin"
+    return pb.SearchResponse(matches=matches[:limit], truncated=len(matches) > limit, engine=engine)
+
+
+def _ripgrep_matches(out: bytes) -> list[pb.SearchMatch]:
+    matches = []
+    for line in out.splitlines():
+        event = json.loads(line)
+        if event.get("type") != "match":
+            continue
+        data = event["data"]
+        text = data["lines"].get("text", "")
+        matches.append(pb.SearchMatch(path=data["path"].get("text", ""), line=data["line_number"],
+                                      text=text.rstrip("\n")))
+    return matches
+
+
+def _builtin_matches(out: bytes) -> list[pb.SearchMatch]:
+    matches = []
+    for line in out.decode().splitlines():
+        path, number, text = line.split("\t")
+        matches.append(pb.SearchMatch(path=os.fsdecode(bytes.fromhex(path)), line=int(number),
+                                      text=bytes.fromhex(text).decode(errors="replace")))
+    return matches
