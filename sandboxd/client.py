@@ -84,13 +84,14 @@ class SandboxClient:
         return self.stub.UpdateSessionPolicy(request)
 
     def exec(self, session_id: str, argv: list[str] | None = None, *, shell: str = "", cwd: str = "",
-             env: dict[str, str] | None = None, timeout: float = 0, stdin: bytes = b"",
+             env: dict[str, str] | None = None, timeout: float = 0, stdin: bytes = b"", output_limit: int = 0,
              on_output: Callable[[int, bytes], None] | None = None) -> ExecOutcome:
         """Run a command and wait for it. ``on_output(1 or 2, chunk)`` sees output as it comes;
-        without it, output is collected into the outcome."""
+        without it, output is collected into the outcome. ``output_limit``: the call's output cap
+        in bytes (0: the server's default)."""
         start = pb.ExecStart(session_id=session_id, argv=argv or [], shell=shell, cwd=cwd, env=env or {},
-                             timeout_seconds=timeout, stdin=stdin, close_stdin=True)
-        pid, chunks, result = 0, {1: [], 2: []}, pb.ExecResult()  # type: ignore[var-annotated]
+                             timeout_seconds=timeout, stdin=stdin, close_stdin=True, output_limit_bytes=output_limit)
+        pid, chunks, result = 0, {1: [], 2: []}, None  # type: ignore[var-annotated]
         # Everything is in `start` (stdin included, then closed), so the request stream
         # ends right after it: an open-ended request iterator would pin a client thread.
         for response in self.stub.Exec(iter([pb.ExecRequest(start=start)])):
@@ -106,6 +107,8 @@ class SandboxClient:
                     chunks[stream].append(data)
             elif kind == "result":
                 result = response.result
+        if result is None:
+            raise RuntimeError("the daemon ended the Exec stream without a result")
         return ExecOutcome(pid, b"".join(chunks[1]), b"".join(chunks[2]), result)
 
 

@@ -39,21 +39,55 @@ warm launch (workspace-write) <= 2x bwrap, and ``sandboxd run -- true``
 (workspace-write) < 5x bwrap. A launch that fails is counted, its first error
 is printed, and it is left out of the statistics. Everything it starts is
 waited for; the fork server is closed and the workspace removed on exit.
+
+Then, unless ``--no-daemon``, the daemon section: ``sandboxd serve --socket SOCK``
+(SOCK in a fresh directory under /var/tmp) is started as a subprocess, logging
+to a file there, and used once it answers the ``grpc.health.v1`` Check with
+SERVING. It is measured over the Unix socket with ``sandboxd.client``:
+
+* ``daemon Exec true (warm)``: ``SandboxClient.exec(session, ["true"])`` in a
+  session that already ran a few commands; interleaved round-robin (shuffled per
+  round) with fresh ``bwrap one-shot`` samples and a CreateSession + CloseSession
+  cycle, ``--daemon-runs`` rounds after the warm-up. The ratio warm Exec / bwrap
+  is taken to the bwrap median of this phase (target < 1x). It is a phase of its
+  own, after the main table, because the gRPC client starts threads in this
+  process and the ``spawner`` variants fork it.
+* ``daemon CreateSession`` / ``daemon CloseSession``: the round trip of each.
+* ``--clients`` (8) threads, each with its own ``SandboxClient`` and session,
+  running ``true`` in a loop for ``--concurrency-seconds`` (5): total execs/s.
+* stdout throughput of ``head -c 1073741824 /dev/zero`` in a session, bytes
+  counted as they arrive, ``--throughput-runs`` (2) times (target >= 200 MiB/s).
+  Raw ``Exec`` stub with ``output_limit_bytes`` 2 GiB: ``SandboxClient.exec``
+  cannot raise the server's 64 MiB default cap, which would truncate the output.
+* VmRSS (and PSS, from smaps_rollup) of ``sandboxd serve`` and of its fork server
+  child (``python -m sandboxd.supervisor.forkserver``), separately and summed:
+  idle right after start, idle after the load above, with ``--sessions`` (100)
+  sessions open, and after closing them. The session sandboxes (descendants of
+  the fork server) are reported beside, not in the sum.
+
+The daemon is stopped with SIGTERM (SIGKILL after 20 s); every session the
+script opened is closed first; a watchdog SIGKILLs the daemon if a phase hangs.
+Failed calls are counted and their first error printed; warnings and errors the
+daemon logged are printed; daemon descendants still alive after the stop, and
+the daemon's exit status, are checked and reported.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import json
 import os
 import platform
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,17 +131,33 @@ class Variant:
         return self.max_samples is None or len(self.samples_ms) < self.max_samples
 
     def measure(self, record: bool) -> None:
+        self.call(self.run, record)
+
+    def call(self, fn: Callable[[], Any], record: bool) -> Any:
+        """Time ``fn()``; return its value, or None (counted, first error kept) if it raised."""
         start = time.perf_counter_ns()
         try:
-            self.run()
+            value = fn()
         except Exception as exc:  # noqa: BLE001 - a failed launch is reported, not fatal
             self.failures += 1
             if self.first_error is None:
-                self.first_error = f"{type(exc).__name__}: {exc}"
-            return
+                self.first_error = error_text(exc)
+            return None
         elapsed_ms = (time.perf_counter_ns() - start) / 1e6
         if record:
             self.samples_ms.append(elapsed_ms)
+        return value
+
+
+def error_text(exc: BaseException) -> str:
+    """``Type: message``; for a gRPC error its status code and details, not the whole debug string."""
+    code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+    if callable(code) and callable(details):
+        try:
+            return f"{type(exc).__name__}: {code()}: {details()}"
+        except Exception:  # noqa: BLE001 - not a call-shaped error after all
+            pass
+    return f"{type(exc).__name__}: {exc}"
 
 
 # --------------------------------------------------------------------------- processes
@@ -339,6 +389,713 @@ def target_lines(rows: list[dict[str, Any]]) -> dict[str, float | None]:
     return {"forkserver_workspace_write_x_bwrap": fork, "cli_workspace_write_x_bwrap": cli}
 
 
+# --------------------------------------------------------------------------- daemon: processes
+
+ONE_GIB = 1 << 30
+DAEMON_STOP_TIMEOUT_S = 20.0
+DAEMON_READY_TIMEOUT_S = 60.0
+FORK_SERVER_MARK = b"sandboxd.supervisor.forkserver"
+
+
+def compile_sources() -> dict[str, Any]:
+    """Byte-compile the package once, so that no interpreter this script starts compiles it again.
+
+    PYTHONDONTWRITEBYTECODE may be set (then nothing would ever be cached), and the
+    sources may have changed since the last run.
+    """
+    started = time.monotonic()
+    done = subprocess.run([str(venv_bin() / "python"), "-m", "compileall", "-q", str(ROOT / "sandboxd")],
+                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          close_fds=True, timeout=300, check=False)
+    return {"exit_code": done.returncode, "seconds": time.monotonic() - started,
+            "output": done.stdout.decode(errors="replace").strip()[-2000:]}
+
+
+def proc_stat(pid: int) -> tuple[int, str, int] | None:
+    """(ppid, state, start time in clock ticks) of a process, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), fields[0], int(fields[19])
+
+
+def proc_cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read()
+    except OSError:
+        return b""
+
+
+def descendants(root: int) -> dict[int, int]:
+    """{pid: start time} of every live descendant of ``root`` (one pass over /proc)."""
+    parents: dict[int, int] = {}
+    starts: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = proc_stat(int(entry))
+            if stat is not None and stat[1] != "Z":
+                parents[int(entry)], starts[int(entry)] = stat[0], stat[2]
+    found: dict[int, int] = {}
+    frontier = [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, ppid in parents.items():
+            if ppid == parent and pid not in found:
+                found[pid] = starts[pid]
+                frontier.append(pid)
+    return found
+
+
+def still_alive(processes: dict[int, int]) -> list[int]:
+    """Those of {pid: start time} that still exist (same start time: not a reused pid) and are not zombies."""
+    alive = []
+    for pid, start in processes.items():
+        stat = proc_stat(pid)
+        if stat is not None and stat[2] == start and stat[1] != "Z":
+            alive.append(pid)
+    return sorted(alive)
+
+
+def memory_kib(pid: int) -> dict[str, int | None]:
+    """VmRSS and Threads from /proc/PID/status, Pss from /proc/PID/smaps_rollup (kB; None if unreadable)."""
+    out: dict[str, int | None] = {"rss_kib": None, "pss_kib": None, "threads": None}
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("VmRSS:"):
+                    out["rss_kib"] = int(line.split()[1])
+                elif line.startswith("Threads:"):
+                    out["threads"] = int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("Pss:"):
+                    out["pss_kib"] = int(line.split()[1])
+                    break
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def _set_parent_death_signal() -> None:
+    """In the daemon, before exec: SIGTERM if this script dies without stopping it (PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
+
+
+class DaemonProcess:
+    """``sandboxd serve`` on ``<base>/sandboxd.sock``, stdout and stderr to ``<base>/daemon.log``."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.socket = os.path.join(base, "sandboxd.sock")
+        self.log_path = os.path.join(base, "daemon.log")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.exit_code: int | None = None
+        self.stop_seconds: float | None = None
+        self.killed = False
+        self.watchdog_fired: list[str] = []
+        self.seen: dict[int, int] = {}              # every descendant ever observed: {pid: start time}
+
+    def start(self) -> float:
+        """Start it and wait for SERVING; return the seconds that took. Raises if it does not get there."""
+        import grpc                                 # only now: the gRPC client starts threads in this process
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        started = time.monotonic()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([str(venv_bin() / "sandboxd"), "serve", "--socket", self.socket],
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True,
+                                         preexec_fn=_set_parent_death_signal)
+        deadline = started + DAEMON_READY_TIMEOUT_S
+        last_error = "the socket never appeared"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sandboxd serve exited with {self.proc.returncode} before serving; "
+                                   f"log: {self.log_tail()}")
+            if os.path.exists(self.socket):
+                channel = grpc.insecure_channel(f"unix:{self.socket}")
+                try:
+                    reply = health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(service=""), timeout=2)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return time.monotonic() - started
+                    last_error = f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+                except grpc.RpcError as exc:
+                    last_error = error_text(exc)
+                finally:
+                    channel.close()
+            time.sleep(0.02)
+        raise RuntimeError(f"sandboxd serve not SERVING within {DAEMON_READY_TIMEOUT_S:.0f} s ({last_error}); "
+                           f"log: {self.log_tail()}")
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def observe(self) -> dict[int, int]:
+        """The daemon's live descendants now (and remember them, for the check after the stop)."""
+        if not self.running():
+            return {}
+        found = descendants(self.pid)
+        self.seen.update(found)
+        return found
+
+    def fork_server_pid(self) -> int | None:
+        for pid in self.observe():
+            stat = proc_stat(pid)
+            if stat is not None and stat[0] == self.pid and FORK_SERVER_MARK in proc_cmdline(pid):
+                return pid
+        return None
+
+    def memory(self) -> dict[str, Any]:
+        """Memory of the daemon, of its fork server, their sum, and (beside) the session sandboxes."""
+        if not self.running():
+            return {"error": "the daemon is not running"}
+        everything = self.observe()
+        fork = self.fork_server_pid()
+        serve_mem, fork_mem = memory_kib(self.pid), memory_kib(fork) if fork else {}
+        sandboxes = descendants(fork) if fork else {}
+        box_rss = [memory_kib(pid)["rss_kib"] for pid in sandboxes]
+        box_pss = [memory_kib(pid)["pss_kib"] for pid in sandboxes]
+        def total(*values: int | None) -> int | None:
+            return None if any(v is None for v in values) else sum(v for v in values if v is not None)
+        return {
+            "serve_pid": self.pid, "fork_server_pid": fork,
+            "serve": serve_mem, "fork_server": fork_mem,
+            "sum_rss_kib": total(serve_mem.get("rss_kib"), fork_mem.get("rss_kib")),
+            "sum_pss_kib": total(serve_mem.get("pss_kib"), fork_mem.get("pss_kib")),
+            "sandbox_processes": len(sandboxes),
+            "sandbox_rss_kib": sum(v for v in box_rss if v is not None),
+            "sandbox_pss_kib": sum(v for v in box_pss if v is not None),
+            "other_descendants": len(everything) - len(sandboxes) - (1 if fork else 0),
+        }
+
+    def kill(self, why: str) -> None:
+        """The watchdog's way out of a hung phase: SIGKILL (the fork server and sandboxes die with it)."""
+        self.watchdog_fired.append(why)
+        if self.running():
+            self.killed = True
+            self.proc.kill()                        # type: ignore[union-attr]
+
+    def stop(self) -> None:
+        """SIGTERM and wait; SIGKILL if it has not exited after DAEMON_STOP_TIMEOUT_S."""
+        if self.proc is None:
+            return
+        self.observe()
+        started = time.monotonic()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(DAEMON_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.killed = True
+                self.proc.kill()
+                self.proc.wait()
+        self.stop_seconds = time.monotonic() - started
+        self.exit_code = self.proc.returncode
+
+    def log_text(self) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as handle:
+                return handle.read()
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 5) -> str:
+        return " | ".join(self.log_text().strip().splitlines()[-lines:]) or "(empty)"
+
+    def log_problems(self) -> list[str]:
+        """Log lines at level warning or worse, and lines that are not JSON (tracebacks, stray prints)."""
+        problems = []
+        for line in self.log_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                level = json.loads(line).get("level", "")
+            except (ValueError, AttributeError):
+                problems.append(line)
+                continue
+            if level not in ("info", "debug"):
+                problems.append(line)
+        return problems
+
+
+class Watchdog:
+    """SIGKILLs the daemon if a phase has not finished after ``seconds``: a hung call then fails instead."""
+
+    def __init__(self, daemon: DaemonProcess, phase: str, seconds: float) -> None:
+        self._timer = threading.Timer(seconds, daemon.kill, args=(f"{phase} (after {seconds:.0f} s)",))
+        self._timer.daemon = True
+
+    def __enter__(self) -> "Watchdog":
+        self._timer.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._timer.cancel()
+        self._timer.join()
+
+
+# --------------------------------------------------------------------------- daemon: measurements
+
+class Sessions:
+    """Sessions this script opened and has not closed yet (closed at the end whatever happens)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.open: set[str] = set()
+
+    def add(self, session_id: str) -> None:
+        with self._lock:
+            self.open.add(session_id)
+
+    def discard(self, session_id: str) -> None:
+        with self._lock:
+            self.open.discard(session_id)
+
+    def close_all(self, socket_path: str) -> tuple[int, str | None]:
+        """Close what is left (same uid, so any client may); (how many could not be closed, the first error)."""
+        with self._lock:
+            left = sorted(self.open)
+        if not left:
+            return 0, None
+        from sandboxd.client import SandboxClient
+
+        failed, first = 0, None
+        with SandboxClient(socket_path) as client:
+            for session_id in left:
+                try:
+                    client.close_session(session_id)
+                    self.discard(session_id)
+                except Exception as exc:  # noqa: BLE001 - reported
+                    failed += 1
+                    first = first or error_text(exc)
+        return failed, first
+
+
+def exec_true(client: Any, session_id: str) -> None:
+    """``true`` in the session through ``SandboxClient.exec``; raise unless a result with status 0 came back."""
+    outcome = client.exec(session_id, ["true"])
+    result = outcome.result
+    if result.wall_seconds <= 0 or result.shell_status != 0:   # no result message at all: all fields zero
+        raise RuntimeError(f"Exec true: started_pid={outcome.started_pid} shell_status={result.shell_status} "
+                           f"wall_seconds={result.wall_seconds} stderr={outcome.stderr[-200:]!r}")
+
+
+def create_session(client: Any, sessions: Sessions, workspace: str) -> str:
+    session = client.create_session(workspace)
+    sessions.add(session.id)
+    return session.id
+
+
+def close_session(client: Any, sessions: Sessions, session_id: str) -> None:
+    client.close_session(session_id)
+    sessions.discard(session_id)
+
+
+def interleaved_daemon_rounds(daemon: DaemonProcess, client: Any, sessions: Sessions, workspace: str,
+                              devnull: int, runs: int, warmup: int) -> dict[str, Variant]:
+    """Warm Exec, CreateSession + CloseSession and bwrap one-shot, round-robin in a shuffled order per round."""
+    out = {name: Variant(name, lambda: None) for name in
+           ("bwrap one-shot (daemon phase)", "daemon Exec true (warm)", "daemon CreateSession",
+            "daemon CloseSession")}
+    bwrap, warm, create, close = out.values()
+    session_id = create.call(lambda: create_session(client, sessions, workspace), record=False)
+    if session_id is None:
+        return out
+    for _ in range(5):                                           # warm: the session has run commands
+        warm.call(lambda: exec_true(client, session_id), record=False)
+
+    def cycle(record: bool) -> None:
+        new_id = create.call(lambda: create_session(client, sessions, workspace), record)
+        if new_id is not None:
+            close.call(lambda: close_session(client, sessions, new_id), record)
+
+    actions: list[Callable[[bool], None]] = [
+        lambda record: bwrap.call(lambda: spawn_and_wait(BWRAP_ARGV, devnull), record),
+        lambda record: warm.call(lambda: exec_true(client, session_id), record),
+        cycle,
+    ]
+    rng = random.Random(SHUFFLE_SEED + 1)
+    with Watchdog(daemon, "interleaved Exec/CreateSession rounds", 120 + 2.0 * (runs + warmup)):
+        for round_no in range(warmup + runs):
+            rng.shuffle(actions)
+            for action in actions:
+                action(round_no >= warmup)
+    close.call(lambda: close_session(client, sessions, session_id), record=False)
+    return out
+
+
+def concurrent_execs(daemon: DaemonProcess, socket_path: str, sessions: Sessions, workspace: str,
+                     clients: int, seconds: float) -> dict[str, Any]:
+    """``clients`` threads, each with its own SandboxClient and session, running ``true`` for ``seconds``."""
+    from sandboxd.client import SandboxClient
+
+    start_at: list[float] = []
+    barrier = threading.Barrier(clients + 1, action=lambda: start_at.append(time.perf_counter()))
+    results: list[dict[str, Any]] = [{"ok": 0, "failures": 0, "first_error": None, "setup_error": None,
+                                      "latencies_ms": [], "end": None} for _ in range(clients)]
+
+    def worker(slot: dict[str, Any]) -> None:
+        client = session_id = None
+        try:
+            client = SandboxClient(socket_path)
+            session_id = create_session(client, sessions, workspace)
+            exec_true(client, session_id)                        # warm
+        except Exception as exc:  # noqa: BLE001 - reported
+            slot["setup_error"] = error_text(exc)
+        try:
+            barrier.wait(timeout=120)
+            if slot["setup_error"] is None:
+                deadline = start_at[0] + seconds
+                while time.perf_counter() < deadline:
+                    begun = time.perf_counter()
+                    try:
+                        exec_true(client, session_id)
+                    except Exception as exc:  # noqa: BLE001 - counted
+                        slot["failures"] += 1
+                        slot["first_error"] = slot["first_error"] or error_text(exc)
+                        if not daemon.running():             # no point spinning on a dead daemon
+                            break
+                        continue
+                    slot["end"] = time.perf_counter()
+                    slot["ok"] += 1
+                    slot["latencies_ms"].append((slot["end"] - begun) * 1e3)
+        except threading.BrokenBarrierError:
+            slot["setup_error"] = slot["setup_error"] or "the start barrier broke"
+        finally:
+            if client is not None and session_id is not None:
+                try:
+                    close_session(client, sessions, session_id)
+                except Exception as exc:  # noqa: BLE001 - Sessions.close_all retries it at the end
+                    slot["first_error"] = slot["first_error"] or f"CloseSession: {error_text(exc)}"
+            if client is not None:
+                client.close()
+
+    threads = [threading.Thread(target=worker, args=(slot,), name=f"bench-client-{i}", daemon=True)
+               for i, slot in enumerate(results)]
+    connections: int | None = None
+    with Watchdog(daemon, "concurrent execs", seconds + 180):
+        for thread in threads:
+            thread.start()
+        try:
+            barrier.wait(timeout=120)
+            time.sleep(min(1.0, seconds / 2))
+            relay_dir = os.path.join(os.path.dirname(socket_path), ".sandboxd-private", "relay")
+            try:                                                 # one relay socket per live connection
+                connections = sum(1 for name in os.listdir(relay_dir) if name.endswith(".sock"))
+            except OSError:
+                connections = None
+        except threading.BrokenBarrierError:
+            pass
+        for thread in threads:
+            thread.join(seconds + 170)
+    hung = sum(1 for thread in threads if thread.is_alive())
+    ends = [slot["end"] for slot in results if slot["end"] is not None]
+    wall = (max(ends) - start_at[0]) if ends and start_at else None
+    total = sum(slot["ok"] for slot in results)
+    latencies = [ms for slot in results for ms in slot["latencies_ms"]]
+    return {
+        "clients": clients, "seconds_target": seconds, "wall_s": wall, "execs": total,
+        "execs_per_s": (total / wall) if wall else None,
+        "per_client_execs": [slot["ok"] for slot in results],
+        "latency": summarize(latencies),
+        "failures": sum(slot["failures"] for slot in results),
+        "setup_failures": sum(1 for slot in results if slot["setup_error"]),
+        "hung_threads": hung,
+        "first_error": next((slot["first_error"] for slot in results if slot["first_error"]), None),
+        "first_setup_error": next((slot["setup_error"] for slot in results if slot["setup_error"]), None),
+        "front_door_connections": connections,
+    }
+
+
+def stdout_throughput(daemon: DaemonProcess, client: Any, sessions: Sessions, workspace: str,
+                      runs: int) -> dict[str, Any]:
+    """``head -c 1 GiB /dev/zero`` in a session, counting stdout bytes as they arrive; MiB/s per run."""
+    from sandboxd.v1 import sandboxd_pb2 as pb
+
+    report: dict[str, Any] = {"runs": [], "failures": 0, "first_error": None}
+    if runs <= 0:
+        return report
+    try:
+        session_id = create_session(client, sessions, workspace)
+    except Exception as exc:  # noqa: BLE001 - reported
+        report["failures"], report["first_error"] = runs, f"CreateSession: {error_text(exc)}"
+        return report
+    start = pb.ExecStart(session_id=session_id, argv=["head", "-c", str(ONE_GIB), "/dev/zero"],
+                         close_stdin=True, output_limit_bytes=2 * ONE_GIB)
+    for _ in range(runs):
+        counted = {1: 0, 2: 0}
+
+        def on_output(stream: int, chunk: bytes) -> None:
+            counted[stream] += len(chunk)
+
+        result = None
+        begun = time.perf_counter()
+        try:
+            with Watchdog(daemon, "1 GiB stdout", 300):
+                for response in client.stub.Exec(iter([pb.ExecRequest(start=start)]), timeout=280):
+                    kind = response.WhichOneof("kind")
+                    if kind == "stdout":
+                        on_output(1, response.stdout)
+                    elif kind == "stderr":
+                        on_output(2, response.stderr)
+                    elif kind == "result":
+                        result = response.result
+            seconds = time.perf_counter() - begun
+            if result is None or result.shell_status != 0 or result.output_truncated or counted[1] != ONE_GIB:
+                raise RuntimeError(f"got {counted[1]} stdout bytes (want {ONE_GIB}), {counted[2]} stderr bytes, "
+                                   f"result {'missing' if result is None else f'shell_status={result.shell_status} truncated={result.output_truncated}'}")
+        except Exception as exc:  # noqa: BLE001 - counted
+            report["failures"] += 1
+            report["first_error"] = report["first_error"] or error_text(exc)
+            continue
+        report["runs"].append({"seconds": seconds, "mib_per_s": counted[1] / (1 << 20) / seconds,
+                               "command_wall_s": result.wall_seconds, "command_cpu_s": result.cpu_seconds})
+    try:
+        close_session(client, sessions, session_id)
+    except Exception as exc:  # noqa: BLE001 - Sessions.close_all retries it
+        report["failures"] += 1
+        report["first_error"] = report["first_error"] or f"CloseSession: {error_text(exc)}"
+    rates = [run["mib_per_s"] for run in report["runs"]]
+    report["median_mib_per_s"] = statistics.median(rates) if rates else None
+    return report
+
+
+def many_sessions(daemon: DaemonProcess, client: Any, sessions: Sessions, workspace: str,
+                  count: int) -> dict[str, Any]:
+    """Open ``count`` sessions, take the daemon's memory, close them, take it again."""
+    create, close = Variant("CreateSession (filling)", lambda: None), Variant("CloseSession (emptying)", lambda: None)
+    opened: list[str] = []
+    with Watchdog(daemon, f"{count} sessions", 120 + 2.0 * count):
+        for _ in range(count):
+            session_id = create.call(lambda: create_session(client, sessions, workspace), record=True)
+            if session_id is not None:
+                opened.append(session_id)
+        full = daemon.memory()
+        for session_id in opened:
+            close.call(lambda s=session_id: close_session(client, sessions, s), record=True)
+    time.sleep(0.2)                                              # let the last session inits be reaped
+    return {"count": count, "opened": len(opened), "memory_full": full, "memory_after": daemon.memory(),
+            "create": {**(summarize(create.samples_ms) or {}), "failures": create.failures,
+                       "first_error": create.first_error},
+            "close": {**(summarize(close.samples_ms) or {}), "failures": close.failures,
+                      "first_error": close.first_error}}
+
+
+def run_daemon_section(args: argparse.Namespace, main_bwrap_median: float | None) -> dict[str, Any]:
+    """Start the daemon, measure everything, stop it, clean up; print the section; return the JSON part."""
+    base = tempfile.mkdtemp(prefix="sandboxd-bench-daemon-", dir="/var/tmp")
+    os.chmod(base, 0o755)
+    workspace = os.path.join(base, "ws")
+    os.mkdir(workspace)
+    daemon = DaemonProcess(base)
+    sessions = Sessions()
+    devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    report: dict[str, Any] = {"socket": daemon.socket, "errors": []}
+    client = None
+    started = time.monotonic()
+    os.chdir(workspace)
+    try:
+        try:
+            report["ready_s"] = daemon.start()
+        except Exception as exc:  # noqa: BLE001 - reported, the section is skipped
+            report["errors"].append(f"start: {error_text(exc)}")
+        if daemon.running() and not report["errors"]:
+            from sandboxd.client import SandboxClient
+
+            time.sleep(0.2)
+            report["memory_idle_fresh"] = daemon.memory()
+            client = SandboxClient(daemon.socket)
+            rounds = interleaved_daemon_rounds(daemon, client, sessions, workspace, devnull,
+                                               args.daemon_runs, args.warmup)
+            report["rounds"] = {"runs": args.daemon_runs, "warmup": args.warmup, "seed": SHUFFLE_SEED + 1,
+                                "variants": build_daemon_rows(list(rounds.values()))}
+            report["concurrency"] = concurrent_execs(daemon, daemon.socket, sessions, workspace,
+                                                     args.clients, args.concurrency_seconds)
+            report["throughput"] = stdout_throughput(daemon, client, sessions, workspace, args.throughput_runs)
+            time.sleep(0.2)
+            report["memory_idle_after_load"] = daemon.memory()
+            report["sessions"] = many_sessions(daemon, client, sessions, workspace, args.sessions)
+    except Exception as exc:  # noqa: BLE001 - an unexpected error still gets reported and cleaned up
+        report["errors"].append(f"unexpected: {error_text(exc)}")
+    finally:
+        unclosed, unclosed_error = 0, None
+        try:
+            if daemon.running():
+                unclosed, unclosed_error = sessions.close_all(daemon.socket)
+            # else: it was killed, or never started, and its sessions went with it
+            if client is not None:
+                client.close()
+        except Exception as exc:  # noqa: BLE001 - still stop the daemon and clean up
+            unclosed, unclosed_error = len(sessions.open), error_text(exc)
+        finally:
+            daemon.stop()
+            os.close(devnull)
+            os.chdir("/")
+            report["log_problems"] = daemon.log_problems()
+            report["log_tail"] = daemon.log_tail(8)
+            socket_left = os.path.exists(daemon.socket)
+            shutil.rmtree(base, ignore_errors=True)
+    report.update({
+        "pid": daemon.proc.pid if daemon.proc else None, "exit_code": daemon.exit_code,
+        "stop_s": daemon.stop_seconds, "killed": daemon.killed, "watchdog_fired": daemon.watchdog_fired,
+        "sessions_left_unclosed": unclosed, "unclosed_error": unclosed_error,
+        "survivors": still_alive(daemon.seen), "socket_left_behind": socket_left,
+        "elapsed_s": time.monotonic() - started, "main_bwrap_median_ms": main_bwrap_median,
+    })
+    report["targets"] = print_daemon_section(report)
+    report["failures"] = daemon_failures(report)
+    return report
+
+
+# --------------------------------------------------------------------------- daemon: reporting
+
+def build_daemon_rows(variants: list[Variant]) -> list[dict[str, Any]]:
+    bwrap = (summarize(variants[0].samples_ms) or {}).get("median_ms")
+    rows = []
+    for v in variants:
+        s = summarize(v.samples_ms) or {}
+        rows.append({"name": v.name, **s, "median_ms": s.get("median_ms"), "p95_ms": s.get("p95_ms"),
+                     "n": len(v.samples_ms), "x_bwrap": ratio(s.get("median_ms"), bwrap),
+                     "failures": v.failures, "first_error": v.first_error})
+    return rows
+
+
+def daemon_failures(report: dict[str, Any]) -> int:
+    """Every failed call or check of the daemon section, in one number."""
+    total = len(report["errors"]) + len(report["watchdog_fired"]) + report["sessions_left_unclosed"]
+    total += sum(row["failures"] for row in report.get("rounds", {}).get("variants", []))
+    conc = report.get("concurrency") or {}
+    total += conc.get("failures", 0) + conc.get("setup_failures", 0) + conc.get("hung_threads", 0)
+    total += (report.get("throughput") or {}).get("failures", 0)
+    many = report.get("sessions") or {}
+    total += (many.get("create") or {}).get("failures", 0) + (many.get("close") or {}).get("failures", 0)
+    total += len(report["survivors"]) + (1 if report["socket_left_behind"] else 0)
+    total += 0 if report["exit_code"] in (0, None) else 1
+    return total
+
+
+def _mib(kib: int | None) -> str:
+    return "n/a" if kib is None else f"{kib / 1024:.1f}"
+
+
+def print_daemon_section(report: dict[str, Any]) -> dict[str, float | None]:
+    print()
+    print(f"daemon: sandboxd serve (pid {report['pid']}) on {report['socket']}; "
+          f"SERVING after {fmt((report.get('ready_s') or 0) * 1e3 if 'ready_s' in report else None, '.0f')} ms")
+    for error in report["errors"]:
+        print(f"DAEMON FAILURE {error}")
+    rows = (report.get("rounds") or {}).get("variants", [])
+    targets: dict[str, float | None] = {"warm_exec_x_bwrap": None, "stdout_1gib_mib_per_s": None}
+    if rows:
+        rounds = report["rounds"]
+        print(f"rounds: {rounds['runs']} measured after {rounds['warmup']} warm-up, warm Exec / CreateSession+"
+              f"CloseSession / bwrap interleaved in a shuffled order (seed {rounds['seed']})")
+        header = f"{'name':<32} | {'median ms':>9} | {'p95 ms':>8} | {'x bwrap':>7} | {'n':>4} | fail"
+        print(header)
+        print("-" * len(header))
+        for row in rows:
+            print(f"{row['name']:<32} | {fmt(row['median_ms'], '9.2f')} | {fmt(row['p95_ms'], '8.2f')} | "
+                  f"{fmt(row['x_bwrap'], '7.2f')} | {row['n']:>4} | {row['failures']}")
+        warm = rows[1]["x_bwrap"]
+        targets["warm_exec_x_bwrap"] = warm
+        print(f"warm Exec of true vs bwrap one-shot: {fmt(warm, '.2f')}x (target < 1x)"
+              f"{'' if warm is None else ('  OK' if warm < 1 else '  MISSED')}")
+        print(f"  bwrap one-shot median: {fmt(rows[0]['median_ms'], '.2f')} ms in this phase, "
+              f"{fmt(report['main_bwrap_median_ms'], '.2f')} ms in the main table")
+        for row in rows:
+            if row["failures"]:
+                print(f"FAILURES {row['name']}: {row['failures']}, first: {row['first_error']}")
+    conc = report.get("concurrency")
+    if conc:
+        lat = conc["latency"] or {}
+        print(f"{conc['clients']} concurrent clients (a thread, a SandboxClient and a session each), `true` in a loop "
+              f"for {conc['seconds_target']:.0f} s: {conc['execs']} execs in {fmt(conc['wall_s'], '.2f')} s = "
+              f"{fmt(conc['execs_per_s'], '.1f')} execs/s; per exec median {fmt(lat.get('median_ms'), '.1f')} ms, "
+              f"p95 {fmt(lat.get('p95_ms'), '.1f')} ms; per client {conc['per_client_execs']}; "
+              f"front-door connections {fmt(conc['front_door_connections'], 'd')}")
+        if conc["failures"] or conc["setup_failures"] or conc["hung_threads"]:
+            print(f"FAILURES concurrent execs: {conc['failures']} execs, {conc['setup_failures']} client setups, "
+                  f"{conc['hung_threads']} hung threads; first: {conc['first_error'] or conc['first_setup_error']}")
+    tput = report.get("throughput")
+    if tput:
+        runs = ", ".join(f"{run['mib_per_s']:.0f} MiB/s ({run['seconds']:.2f} s; command cpu "
+                         f"{run['command_cpu_s']:.2f} s)" for run in tput["runs"])
+        print(f"stdout of `head -c {ONE_GIB} /dev/zero` in a session, bytes counted as they arrive: {runs or 'no run'}")
+        median = tput.get("median_mib_per_s")
+        targets["stdout_1gib_mib_per_s"] = median
+        print(f"1 GiB stdout: {fmt(median, '.0f')} MiB/s (target >= 200 MiB/s)"
+              f"{'' if median is None else ('  OK' if median >= 200 else '  MISSED')}"
+              f"{'' if len(tput['runs']) < 2 else '  (median of %d runs)' % len(tput['runs'])}")
+        if tput["failures"]:
+            print(f"FAILURES 1 GiB stdout: {tput['failures']}, first: {tput['first_error']}")
+    many = report.get("sessions") or {}
+    states = [("idle, fresh", report.get("memory_idle_fresh")),
+              ("idle, after the load above", report.get("memory_idle_after_load")),
+              (f"{many.get('opened', 0)} open sessions" + ("" if many.get("opened") == many.get("count")
+                                                            else f" (of {many.get('count')})"),
+               many.get("memory_full")),
+              ("after closing them", many.get("memory_after"))]
+    if any(mem for _, mem in states):
+        print("daemon memory, MiB (VmRSS; PSS in brackets):")
+        header = (f"{'state':<28} | {'sandboxd serve':>16} | {'fork server':>16} | {'sum':>16} | "
+                  f"{'threads':>7} | sandbox processes (not in the sum)")
+        print(header)
+        print("-" * len(header))
+        for label, mem in states:
+            if not mem:
+                continue
+            if "error" in mem:
+                print(f"{label:<28} | {mem['error']}")
+                continue
+            serve, fork = mem["serve"], mem["fork_server"]
+            print(f"{label:<28} | {_mib(serve.get('rss_kib')):>7} [{_mib(serve.get('pss_kib')):>6}] | "
+                  f"{_mib(fork.get('rss_kib')):>7} [{_mib(fork.get('pss_kib')):>6}] | "
+                  f"{_mib(mem['sum_rss_kib']):>7} [{_mib(mem['sum_pss_kib']):>6}] | "
+                  f"{fmt(serve.get('threads'), 'd'):>7} | {mem['sandbox_processes']}: RSS {_mib(mem['sandbox_rss_kib'])}, "
+                  f"PSS {_mib(mem['sandbox_pss_kib'])}")
+    if many:
+        create, close = many["create"], many["close"]
+        print(f"while filling to {many['count']} sessions: CreateSession median {fmt(create.get('median_ms'), '.2f')} ms, "
+              f"p95 {fmt(create.get('p95_ms'), '.2f')} ms; CloseSession median {fmt(close.get('median_ms'), '.2f')} ms, "
+              f"p95 {fmt(close.get('p95_ms'), '.2f')} ms")
+        for name, part in (("CreateSession (filling)", create), ("CloseSession (emptying)", close)):
+            if part["failures"]:
+                print(f"FAILURES {name}: {part['failures']}, first: {part['first_error']}")
+    if report["pid"] is None:
+        print(f"daemon never started; daemon section {report['elapsed_s']:.1f} s")
+    else:
+        stop = "killed (SIGKILL)" if report["killed"] else f"exit status {report['exit_code']}"
+        print(f"daemon stopped with SIGTERM in {fmt(report['stop_s'], '.2f')} s: {stop}; "
+              f"daemon section {report['elapsed_s']:.1f} s")
+    for why in report["watchdog_fired"]:
+        print(f"DAEMON FAILURE watchdog killed the daemon: {why}")
+    if report["exit_code"] != 0 and not report["errors"]:
+        print(f"DAEMON FAILURE exit status {report['exit_code']}; log tail: {report['log_tail']}")
+    if report["sessions_left_unclosed"]:
+        print(f"DAEMON FAILURE {report['sessions_left_unclosed']} sessions could not be closed: "
+              f"{report['unclosed_error']}")
+    if report["survivors"]:
+        print(f"DAEMON FAILURE daemon descendants alive after the stop: {report['survivors']}")
+    if report["socket_left_behind"]:
+        print("DAEMON FAILURE the daemon left its socket behind")
+    if report["log_problems"]:
+        print(f"daemon log: {len(report['log_problems'])} lines at warning or worse (or not JSON); first ones:")
+        for line in report["log_problems"][:5]:
+            print(f"  {line[:300]}")
+    return targets
+
+
 # --------------------------------------------------------------------------- main
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -347,7 +1104,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=WARMUP_ROUNDS, help=f"warm-up rounds (default {WARMUP_ROUNDS})")
     p.add_argument("--python-runs", type=int, default=30, help="samples of `python -c pass` (default 30)")
     p.add_argument("--json", metavar="FILE", help="also write all numbers as JSON to FILE")
-    return p.parse_args(argv)
+    p.add_argument("--no-daemon", action="store_true", help="skip the daemon section")
+    p.add_argument("--daemon-runs", type=int, default=None,
+                   help="measured rounds of warm Exec / CreateSession+CloseSession / bwrap (default: --runs)")
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
+    p.add_argument("--concurrency-seconds", type=float, default=5.0,
+                   help="how long the concurrent clients run (default 5)")
+    p.add_argument("--throughput-runs", type=int, default=2, help="runs of the 1 GiB stdout command (default 2)")
+    p.add_argument("--sessions", type=int, default=100, help="sessions open for the memory figure (default 100)")
+    args = p.parse_args(argv)
+    if args.daemon_runs is None:
+        args.daemon_runs = args.runs
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -355,6 +1123,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists(BWRAP):
         sys.stderr.write(f"benchmark: {BWRAP} is missing\n")
         return 2
+    compiled = compile_sources()                   # before anything starts an interpreter that imports sandboxd
     machine = machine_info()
     ws = tempfile.mkdtemp(prefix="sandboxd-bench-", dir="/var/tmp")
     os.chdir(ws)                                   # every spawned command starts in the workspace
@@ -368,6 +1137,8 @@ def main(argv: list[str] | None = None) -> int:
               f"python={machine['python']}  loadavg={' '.join(f'{x:.2f}' for x in machine['loadavg_start'])}")
         print(f"rounds: {args.runs} measured after {args.warmup} warm-up, shuffled order (seed {SHUFFLE_SEED}); "
               f"workspace {ws}")
+        if compiled["exit_code"] != 0:
+            print(f"WARNING: compileall exited with {compiled['exit_code']}: {compiled['output']}")
         sys.stdout.flush()
         rng = random.Random(SHUFFLE_SEED)
         run_rounds(variants + [python_pass], 0, args.warmup, rng)
@@ -399,16 +1170,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"WARNING: children still present after cleanup: {leftovers}")
     if imports["exit_code"] != 0:
         print(f"WARNING: the importtime run exited with {imports['exit_code']}")
-    print(f"elapsed {elapsed:.1f} s; loadavg at end "
+    sys.stdout.flush()
+
+    daemon: dict[str, Any] | None = None
+    if not args.no_daemon:
+        bwrap_row = next(row for row in rows if row["name"] == "bwrap one-shot")
+        daemon = run_daemon_section(args, bwrap_row["median_ms"])
+        leftovers_end = leftover_children()
+        if leftovers_end:
+            print(f"WARNING: children still present after the daemon section: {leftovers_end}")
+        daemon["leftover_children"] = leftovers_end
+        print(f"daemon section: {daemon['failures']} failures in all")
+    machine["loadavg_end"] = list(os.getloadavg())
+    total = time.monotonic() - started
+    daemon_part = "" if daemon is None else f" + {daemon['elapsed_s']:.1f} s daemon"
+    print(f"elapsed {elapsed:.1f} s main table{daemon_part} = {total:.1f} s; loadavg at end "
           f"{' '.join(f'{x:.2f}' for x in machine['loadavg_end'])}")
 
     if args.json:
         report = {"machine": machine, "runs": args.runs, "warmup": args.warmup, "seed": SHUFFLE_SEED,
-                  "elapsed_s": elapsed, "leftover_children": leftovers, "variants": rows, "targets": targets,
-                  "import_cost": imports, "python_pass_median_ms": pass_median}
+                  "elapsed_s": elapsed, "total_elapsed_s": total, "leftover_children": leftovers,
+                  "variants": rows, "targets": targets, "import_cost": imports,
+                  "python_pass_median_ms": pass_median, "compileall": compiled, "daemon": daemon}
+        if daemon is not None:
+            report["targets"].update(daemon["targets"])
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(report, handle, indent=2)
-    return 1 if any(row["failures"] for row in rows) else 0
+    failed = any(row["failures"] for row in rows) or (daemon is not None and daemon["failures"] > 0)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

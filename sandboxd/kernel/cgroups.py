@@ -213,6 +213,32 @@ class CgroupSet:
         self.dirs.clear()
 
 
+def sweep_stale(prefix: str = "run-") -> int:
+    """Remove the empty groups a killed daemon or `sandboxd run` left behind: ``<prefix><pid>-*``
+    under our base groups whose creator is dead. Returns how many were removed."""
+    h = hierarchies()
+    bases = []
+    if h.unified:
+        bases.append(os.path.join(h.unified, h.unified_own.lstrip("/"), BASE_NAME))
+    bases += [os.path.join(point, own.lstrip("/"), BASE_NAME) for point, own in h.v1.values()]
+    removed = 0
+    for base in bases:
+        try:
+            names = os.listdir(base)
+        except OSError:
+            continue
+        for name in names:
+            owner = name[len(prefix):].split("-", 1)[0]
+            if not name.startswith(prefix) or not owner.isdigit() or os.path.exists(f"/proc/{owner}"):
+                continue
+            try:
+                os.rmdir(os.path.join(base, name))        # EBUSY while anything still runs in it
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
 def _v2_base(h: Hierarchies, controllers: set[str]) -> str:
     """Our v2 base group, with ``controllers`` enabled for the groups below it."""
     assert h.unified

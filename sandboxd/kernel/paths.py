@@ -34,6 +34,11 @@ def resolve(workspace: str, cwd: str | None, writable_roots: tuple[str, ...], *,
                 validate_writable_root(real_ws)
             else:
                 _refuse_kernel_filesystems(real_ws)
+                if real_ws == "/":
+                    # Bound over the new root it would cover the sandbox's own /proc, /sys,
+                    # /dev and /tmp with the host's.
+                    raise InvalidPolicy("a workspace of / would cover the sandbox's own /proc, /sys, /dev "
+                                        "and /tmp with the host's")
         except InvalidPolicy as exc:
             where = f"{workspace!r}" + (f" (resolved: {real_ws!r})" if real_ws != workspace else "")
             raise InvalidPolicy(f"workspace {where} cannot be used: {exc}; run from, or pass --workspace, "

@@ -191,23 +191,19 @@ def caller_groups(caller: PeerCredentials) -> set[int]:
 def may_write(path: str, uid: int, groups: set[int]) -> bool:
     """Would ``uid`` (with ``groups``) be allowed by file permissions to write ``path``,
     and to reach it? A plain permission-bit check: no ACLs."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    if not _allows(st, uid, groups, stat.S_IWUSR, stat.S_IWGRP, stat.S_IWOTH):
-        return False
-    parent = os.path.dirname(path)
-    while True:
+    # The path itself needs the write bit; every directory above it the search bit.
+    checks = [(path, (stat.S_IWUSR, stat.S_IWGRP, stat.S_IWOTH))]
+    current = path
+    while current != "/":
+        current = os.path.dirname(current)
+        checks.append((current, (stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH)))
+    for where, bits in checks:
         try:
-            pst = os.stat(parent)
+            if not _allows(os.stat(where), uid, groups, *bits):
+                return False
         except OSError:
             return False
-        if not _allows(pst, uid, groups, stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH):
-            return False
-        if parent == "/":
-            return True
-        parent = os.path.dirname(parent)
+    return True
 
 
 def _allows(st: os.stat_result, uid: int, groups: set[int], user_bit: int, group_bit: int, other_bit: int) -> bool:

@@ -64,6 +64,8 @@ class _Server:
     """The server side: runs in the fork server process, single-threaded."""
 
     def __init__(self, sock: socket.socket) -> None:
+        from sandboxd.kernel.cgroups import sweep_stale
+        sweep_stale()                                     # what a SIGKILLed predecessor left behind
         self.sock = sock
         self.spawner = Spawner()
         self.running: dict[int, tuple[SandboxProcess, float | None]] = {}
