@@ -355,13 +355,15 @@ def fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
-    header = f"{'name':<32} | {'median ms':>9} | {'p95 ms':>8} | {'x bwrap':>7} | {'x bare':>7} | {'n':>4} | fail"
+def print_table(rows: list[dict[str, Any]], *, with_bare: bool = True) -> None:
+    bare_head = f" | {'x bare':>7}" if with_bare else ""
+    header = f"{'name':<32} | {'median ms':>9} | {'p95 ms':>8} | {'x bwrap':>7}{bare_head} | {'n':>4} | fail"
     print(header)
     print("-" * len(header))
     for row in rows:
+        bare = f" | {fmt(row['x_bare'], '7.2f')}" if with_bare else ""
         print(f"{row['name']:<32} | {fmt(row['median_ms'], '9.2f')} | {fmt(row['p95_ms'], '8.2f')} | "
-              f"{fmt(row['x_bwrap'], '7.2f')} | {fmt(row['x_bare'], '7.2f')} | {row['n']:>4} | {row['failures']}")
+              f"{fmt(row['x_bwrap'], '7.2f')}{bare} | {row['n']:>4} | {row['failures']}")
 
 
 def build_rows(variants: list[Variant]) -> list[dict[str, Any]]:
@@ -1001,12 +1003,7 @@ def print_daemon_section(report: dict[str, Any]) -> dict[str, float | None]:
         rounds = report["rounds"]
         print(f"rounds: {rounds['runs']} measured after {rounds['warmup']} warm-up, warm Exec / CreateSession+"
               f"CloseSession / bwrap interleaved in a shuffled order (seed {rounds['seed']})")
-        header = f"{'name':<32} | {'median ms':>9} | {'p95 ms':>8} | {'x bwrap':>7} | {'n':>4} | fail"
-        print(header)
-        print("-" * len(header))
-        for row in rows:
-            print(f"{row['name']:<32} | {fmt(row['median_ms'], '9.2f')} | {fmt(row['p95_ms'], '8.2f')} | "
-                  f"{fmt(row['x_bwrap'], '7.2f')} | {row['n']:>4} | {row['failures']}")
+        print_table(rows, with_bare=False)
         warm = rows[1]["x_bwrap"]
         targets["warm_exec_x_bwrap"] = warm
         print(f"warm Exec of true vs bwrap one-shot: {fmt(warm, '.2f')}x (target < 1x)"

@@ -19,6 +19,7 @@ left behind. Nothing is mocked.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -183,6 +184,19 @@ class Daemon:
 
 
 # --------------------------------------------------------------------------- sessions and calls
+
+
+@contextlib.contextmanager
+def running_daemon(prefix: str = "sbxd-") -> Iterator[Daemon]:
+    """A started daemon in a fresh base directory; stopped and cleaned up afterwards."""
+    base = make_base_dir(prefix)
+    d = Daemon(base)
+    try:
+        d.start()
+        yield d
+    finally:
+        d.close()
+        remove_tree(base)
 
 
 def workspace_write(**kwargs: Any) -> pb.SandboxPolicy:

@@ -39,6 +39,7 @@ from daemon_helpers import (
     proc_info,
     read_only,
     remove_tree,
+    running_daemon,
     rpc_error,
     run_client_as,
     run_exec,
@@ -68,14 +69,8 @@ DENIED = ("EROFS", "EACCES", "EPERM")
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[Daemon]:
-    base = make_base_dir()
-    d = Daemon(base)
-    try:
-        d.start()
+    with running_daemon() as d:
         yield d
-    finally:
-        d.close()
-        remove_tree(base)
 
 
 @pytest.fixture(scope="module")
@@ -836,14 +831,8 @@ def test_no_leaks_over_many_sessions(daemon: Daemon, stub: pb_grpc.SandboxStub, 
 @pytest.fixture
 def own_daemon() -> Iterator[Daemon]:
     """A daemon of its own, for tests that stop or kill it."""
-    base = make_base_dir("sbxd-own-")
-    d = Daemon(base)
-    try:
-        d.start()
+    with running_daemon("sbxd-own-") as d:
         yield d
-    finally:
-        d.close()
-        remove_tree(base)
 
 
 def busy_daemon(d: Daemon, marker: str) -> tuple[ExecCall, dict]:
