@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up sandboxd on a fresh Debian or Ubuntu machine, as root, and run it.
 #
+#   packaging/setup.sh serve [SERVE ARGS...]      install, then run the daemon (sandboxd serve, defaults:
+#                                                 /run/sandboxd/sandboxd.sock) in the foreground
 #   packaging/setup.sh run [-- PROGRAM ARGS...]   install, then run PROGRAM in the default sandbox
 #   packaging/setup.sh test [PYTEST ARGS...]      install (with test tools), then run the test suite
 #
@@ -28,7 +30,7 @@ fi
 die() { echo "setup.sh: $*" >&2; exit 1; }
 
 [ "$(id -u)" = 0 ] || die "run as root: sandboxd needs CAP_SYS_ADMIN to build namespaces and mounts"
-case "$mode" in run|test) ;; *) die "usage: packaging/setup.sh run [-- PROGRAM ARGS...] | test [PYTEST ARGS...]";; esac
+case "$mode" in serve|run|test) ;; *) die "usage: packaging/setup.sh serve [ARGS...] | run [-- PROGRAM ARGS...] | test [PYTEST ARGS...]";; esac
 
 missing=()
 for p in "${packages[@]}"; do
@@ -65,6 +67,9 @@ fi
 
 cd "$repo"
 case "$mode" in
+  serve)
+    exec "$venv/bin/sandboxd" serve "$@"
+    ;;
   run)
     [ "${1:-}" = "--" ] && shift
     [ $# -gt 0 ] || set -- /bin/sh -c 'echo "hello from $(hostname): uid $(id -u), $(ls /proc | grep -c "^[0-9]") processes visible"'
