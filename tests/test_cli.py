@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ from conftest import (
     ALL_POLICIES,
     BASE_ENV,
     EXIT_SETUP,
-    POLICY_ARGS,
     SANDBOXD,
     describe,
     make_dir,

@@ -34,7 +34,6 @@ from daemon_helpers import (
     exec_start,
     fd_count,
     kill_procs,
-    make_base_dir,
     mount_count,
     proc_info,
     read_only,

@@ -22,7 +22,6 @@ import pytest
 from conftest import (
     ALL_POLICIES,
     NO_NETWORK,
-    WITH_NETWORK,
     accepted_connections,
     describe,
     py,

@@ -45,7 +45,7 @@ def resolve(workspace: str, cwd: str | None, writable_roots: tuple[str, ...], *,
                                 "a project directory") from None
     real_cwd = _real_existing(cwd, "cwd", want_dir=True) if cwd else real_ws
     reals = [_real_existing(r, "writable root", want_dir=False) for r in writable_roots]
-    for given, real in zip(writable_roots, reals):
+    for given, real in zip(writable_roots, reals, strict=True):
         try:
             validate_writable_root(real)
         except InvalidPolicy as exc:
