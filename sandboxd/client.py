@@ -83,6 +83,36 @@ class SandboxClient:
             request.approval_policy = approval_policy(approval)
         return self.stub.UpdateSessionPolicy(request)
 
+    def read_file(self, session_id: str, path: str, max_bytes: int = 0) -> pb.ReadFileResponse:
+        return self.stub.ReadFile(pb.ReadFileRequest(session_id=session_id, path=path, max_bytes=max_bytes))
+
+    def write_file(self, session_id: str, path: str, data: bytes, *, mode: int = 0,
+                   create_parents: bool = False) -> int:
+        return self.stub.WriteFile(pb.WriteFileRequest(session_id=session_id, path=path, data=data, mode=mode,
+                                                       create_parents=create_parents)).bytes_written
+
+    def list_dir(self, session_id: str, path: str = "") -> list[pb.DirEntry]:
+        return list(self.stub.ListDir(pb.ListDirRequest(session_id=session_id, path=path)).entries)
+
+    def apply_patch(self, session_id: str, patch: str, strip: int = 0) -> list[pb.PatchedFile]:
+        return list(self.stub.ApplyPatch(pb.ApplyPatchRequest(session_id=session_id, patch=patch, strip=strip)).files)
+
+    def search(self, session_id: str, pattern: str, path: str = "", *, max_results: int = 0,
+               case_insensitive: bool = False) -> pb.SearchResponse:
+        return self.stub.Search(pb.SearchRequest(session_id=session_id, pattern=pattern, path=path,
+                                                 max_results=max_results, case_insensitive=case_insensitive))
+
+    def start_background(self, session_id: str, argv: list[str] | None = None, *, shell: str = "",
+                         cwd: str = "", name: str = "") -> pb.BackgroundProcess:
+        return self.stub.StartBackground(pb.StartBackgroundRequest(session_id=session_id, argv=argv or [],
+                                                                   shell=shell, cwd=cwd, name=name))
+
+    def list_background(self, session_id: str) -> list[pb.BackgroundProcess]:
+        return list(self.stub.ListBackground(pb.ListBackgroundRequest(session_id=session_id)).processes)
+
+    def stop_background(self, session_id: str, job_id: str) -> pb.BackgroundProcess:
+        return self.stub.StopBackground(pb.StopBackgroundRequest(session_id=session_id, id=job_id))
+
     def exec(self, session_id: str, argv: list[str] | None = None, *, shell: str = "", cwd: str = "",
              env: dict[str, str] | None = None, timeout: float = 0, stdin: bytes = b"", output_limit: int = 0,
              on_output: Callable[[int, bytes], None] | None = None) -> ExecOutcome:

@@ -1,0 +1,60 @@
+"""`sandboxctl` against a real daemon: every subcommand, as a user would type it."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from daemon_fixtures import REPO, base, client  # noqa: F401 - pytest fixtures
+from sandboxd.client import SandboxClient
+
+SANDBOXCTL = str(REPO / ".venv" / "bin" / "sandboxctl")
+
+
+def ctl(base: Path, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([SANDBOXCTL, "--socket", str(base / "sandboxd.sock"), *args], input=stdin,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def session_id(client: SandboxClient, base: Path, request: pytest.FixtureRequest) -> str:
+    workspace = base / f"ctl-{request.node.name}"
+    workspace.mkdir()
+    created = ctl(base, "session", "create", str(workspace))
+    assert created.returncode == 0, created.stderr
+    return created.stdout.strip()
+
+
+def test_session_and_exec(base: Path, session_id: str) -> None:
+    assert session_id in ctl(base, "session", "list").stdout
+    run = ctl(base, "exec", session_id, "--", "sh", "-c", "echo out; echo err >&2; exit 7")
+    assert (run.returncode, run.stdout, run.stderr) == (7, "out\n", "err\n")
+    assert "generation=2" in ctl(base, "session", "policy", session_id, "--sandbox", "read-only").stdout
+    assert ctl(base, "exec", session_id, "--", "touch", "x").returncode != 0
+    assert ctl(base, "session", "close", session_id).returncode == 0
+    gone = ctl(base, "exec", session_id, "--", "true")
+    assert gone.returncode == 1 and "NOT_FOUND" in gone.stderr
+
+
+def test_write_read_ls_patch(base: Path, session_id: str) -> None:
+    assert ctl(base, "write", session_id, "dir/f.txt", "--parents", stdin="one\ntwo\n").stdout.strip() == "8"
+    assert ctl(base, "read", session_id, "dir/f.txt").stdout == "one\ntwo\n"
+    assert "f.txt" in ctl(base, "ls", session_id, "dir").stdout
+    diff = "--- a/dir/f.txt\n+++ b/dir/f.txt\n@@ -1,2 +1,2 @@\n one\n-two\n+TWO\n"
+    patched = ctl(base, "patch", session_id, stdin=diff)
+    assert patched.returncode == 0 and patched.stdout == "modified\tdir/f.txt\n", patched.stderr
+    assert ctl(base, "read", session_id, "dir/f.txt").stdout == "one\nTWO\n"
+    refused = ctl(base, "write", session_id, "/etc/sandboxctl-test", stdin="x")
+    assert refused.returncode == 1 and "PERMISSION_DENIED" in refused.stderr
+
+
+def test_background_start_ps_logs_stop(base: Path, session_id: str) -> None:
+    job = ctl(base, "start", session_id, "--name", "ticker", "--", "sh", "-c", "echo started; sleep 300").stdout.strip()
+    assert job
+    listed = ctl(base, "ps", session_id).stdout
+    assert job in listed and "running" in listed and "ticker" in listed
+    stopped = ctl(base, "stop", session_id, job)
+    assert stopped.returncode == 0 and "stopped (137)" in stopped.stdout
+    assert ctl(base, "logs", session_id, job).stdout == "started\n"
