@@ -18,7 +18,30 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--socket", default=DEFAULT_SOCKET, help=f"the Unix socket to listen on (default {DEFAULT_SOCKET})")
     parser.add_argument("--admin-group", metavar="GROUP", help="members may see and use every session")
     parser.add_argument("--workers", type=int, default=64, help="concurrent RPCs (default 64)")
+    tls = parser.add_argument_group("optional TCP listener (TLS with client certificates only)")
+    tls.add_argument("--tcp", metavar="HOST:PORT", help="also listen here, with TLS")
+    tls.add_argument("--tls-cert", metavar="FILE", help="the server's certificate chain (PEM)")
+    tls.add_argument("--tls-key", metavar="FILE", help="the server's private key (PEM)")
+    tls.add_argument("--tls-client-ca", metavar="FILE", help="CA that client certificates must be signed by")
+    tls.add_argument("--tcp-user", metavar="USER[:GROUP]", default="nobody",
+                     help="the local user TLS callers act as (default: nobody)")
     args = parser.parse_args(argv)
+    listener = None
+    tls_options = (args.tls_cert, args.tls_key, args.tls_client_ca)
+    if args.tcp or any(tls_options):
+        if not (args.tcp and all(tls_options)):
+            sys.stderr.write("sandboxd serve: a TCP listener needs all of --tcp, --tls-cert, --tls-key and "
+                             "--tls-client-ca (there is no plain-text or unauthenticated TCP)\n")
+            return 2
+        from sandboxd.cli.run import parse_user
+        from sandboxd.errors import InvalidPolicy
+        from sandboxd.service.server import TlsListener
+        try:
+            uid, gid = parse_user(args.tcp_user)
+            listener = TlsListener(args.tcp, args.tls_cert, args.tls_key, args.tls_client_ca, uid, gid)
+        except (InvalidPolicy, OSError) as exc:
+            sys.stderr.write(f"sandboxd serve: {exc}\n")
+            return 2
     admin_gid = None
     if args.admin_group:
         try:
@@ -27,4 +50,4 @@ def main(argv: list[str]) -> int:
             sys.stderr.write(f"sandboxd serve: unknown group {args.admin_group!r}\n")
             return 2
     from sandboxd.service.server import serve
-    return serve(args.socket, admin_gid=admin_gid, workers=args.workers)
+    return serve(args.socket, admin_gid=admin_gid, workers=args.workers, tls=listener)

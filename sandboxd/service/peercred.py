@@ -88,11 +88,13 @@ _ACCEPT_RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOM
 
 
 class PeerCredentials(Record):
-    """A caller as the kernel saw it when it connected (SO_PEERCRED)."""
+    """A caller as the kernel saw it when it connected (SO_PEERCRED); or, for a TLS caller,
+    the local uid/gid it acts as, and ``principal`` naming its client certificate."""
 
     uid: int
     gid: int
     pid: int
+    principal: str = ""
 
 
 class FrontDoor:

@@ -30,8 +30,22 @@ class JsonLogFormatter(logging.Formatter):
         return json.dumps(line)
 
 
+class TlsListener:
+    """The optional TCP listener: TLS, and a client certificate signed by ``client_ca`` required.
+    Its callers act as the local user ``uid:gid`` (sessions are told apart by certificate)."""
+
+    def __init__(self, address: str, cert: str, key: str, client_ca: str, uid: int, gid: int) -> None:
+        self.address, self.uid, self.gid = address, uid, gid
+        with open(cert, "rb") as f:
+            self.cert = f.read()
+        with open(key, "rb") as f:
+            self.key = f.read()
+        with open(client_ca, "rb") as f:
+            self.client_ca = f.read()
+
+
 def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, workers: int = 64,
-          ready: "threading.Event | None" = None) -> int:
+          ready: "threading.Event | None" = None, tls: "TlsListener | None" = None) -> int:
     from sandboxd.supervisor.forkserver import ForkServer
     fork = ForkServer.start()                             # before gRPC's threads, and as a fresh process
 
@@ -39,8 +53,8 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
-    from sandboxd.service.peercred import FrontDoor
-    from sandboxd.service.servicer import SandboxServicer
+    from sandboxd.service.peercred import FrontDoor, PeerCredentials
+    from sandboxd.service.servicer import Callers, SandboxServicer
     from sandboxd.service.sessions import SessionRegistry
     from sandboxd.v1 import sandboxd_pb2, sandboxd_pb2_grpc
 
@@ -62,13 +76,19 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
     registry = SessionRegistry(fork, admin_gid=admin_gid)
     door = FrontDoor(socket_path, backend, relay_dir=os.path.join(private, "relay"))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandboxd-rpc"))
-    sandboxd_pb2_grpc.add_SandboxServicer_to_server(SandboxServicer(registry, fork, door), server)
+    callers = Callers(door, (tls.uid, tls.gid) if tls else None)
+    sandboxd_pb2_grpc.add_SandboxServicer_to_server(SandboxServicer(registry, fork, callers), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (sandboxd_pb2.DESCRIPTOR.services_by_name["Sandbox"].full_name, reflection.SERVICE_NAME,
          health.SERVICE_NAME), server)
     server.add_insecure_port(f"unix:{backend}")
+    if tls is not None:
+        credentials = grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.client_ca,
+                                                  require_client_auth=True)
+        if not server.add_secure_port(tls.address, credentials):
+            raise OSError(f"cannot listen on {tls.address}")
     server.start()
     door.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -77,13 +97,14 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda _s, _f: stop.set())
-    log.info("serving", extra={"fields": {"socket": socket_path, "pid": os.getpid()}})
+    log.info("serving", extra={"fields": {"socket": socket_path, "pid": os.getpid(),
+                                          "tls": tls.address if tls else None}})
     if ready is not None:
         ready.set()
     while not stop.wait(1.0):
         pass
     started = time.monotonic()
-    log.info("stopping", extra={"fields": {"sessions": len(registry.list(_ROOT))}})
+    log.info("stopping", extra={"fields": {"sessions": len(registry.list(PeerCredentials(0, 0, 0)))}})
     health_servicer.enter_graceful_shutdown()
     door.close()
     registry.close_all()
@@ -97,11 +118,3 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
     log.info("stopped", extra={"fields": {"seconds": round(time.monotonic() - started, 3)}})
     return 0
 
-
-class _Root:
-    uid = 0
-    gid = 0
-    pid = 0
-
-
-_ROOT = _Root()

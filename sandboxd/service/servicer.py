@@ -35,16 +35,35 @@ def job_to_proto(job: BackgroundJob) -> pb.BackgroundProcess:
     return message
 
 
+class Callers:
+    """Who is calling: from the front door (Unix socket, SO_PEERCRED) or, on the optional TLS
+    listener, from the verified client certificate, acting as the configured local user."""
+
+    def __init__(self, door: FrontDoor, tls_user: tuple[int, int] | None = None) -> None:
+        self._door = door
+        self._tls_user = tls_user
+
+    def __call__(self, context: grpc.ServicerContext) -> PeerCredentials:
+        peer = context.peer()
+        if peer.startswith("unix:") or self._tls_user is None:
+            return caller(self._door, context)
+        names = context.auth_context().get("x509_common_name") or []
+        if not names:
+            raise PermissionError(f"TLS caller {peer!r} presented no client certificate common name")
+        uid, gid = self._tls_user
+        return PeerCredentials(uid, gid, 0, "tls:" + names[0].decode(errors="replace"))
+
+
 class SandboxServicer(pb_grpc.SandboxServicer):
-    def __init__(self, registry: SessionRegistry, fork: ForkServer, door: FrontDoor) -> None:
+    def __init__(self, registry: SessionRegistry, fork: ForkServer, callers: "Callers | FrontDoor") -> None:
         self._registry = registry
         self._fork = fork
-        self._door = door
+        self._callers = callers if isinstance(callers, Callers) else Callers(callers)
         self._jobs = BackgroundJobs(registry, fork)
 
     def _unary(self, context: grpc.ServicerContext, work: Callable[[PeerCredentials], Any]) -> Any:
         try:
-            return work(caller(self._door, context))
+            return work(self._callers(context))
         except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
             abort(context, error)
 
@@ -148,7 +167,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
     def ReadBackgroundOutput(self, request: pb.ReadBackgroundOutputRequest,
                              context: grpc.ServicerContext) -> Iterator[pb.BackgroundOutput]:
         try:
-            who = caller(self._door, context)
+            who = self._callers(context)
             job = self._jobs.get(self._registry.get(who, request.session_id), request.id)
             for offset, data, dropped in job.read(request.offset, request.follow, context.is_active):
                 yield pb.BackgroundOutput(offset=offset, data=data, dropped=dropped)
@@ -158,7 +177,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
     def Exec(self, request_iterator: Iterator[pb.ExecRequest],
              context: grpc.ServicerContext) -> Iterator[pb.ExecResponse]:
         try:
-            who = caller(self._door, context)
+            who = self._callers(context)
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "start":
                 raise InvalidPolicy("the first Exec message must be `start` (session, argv or shell, ...)")

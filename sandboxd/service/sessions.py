@@ -59,6 +59,8 @@ class SessionRegistry:
     # -- access --------------------------------------------------------------------------------
 
     def is_admin(self, caller: PeerCredentials) -> bool:
+        if caller.principal:                              # a TLS caller is never an administrator
+            return False
         return caller.uid == 0 or (self._admin_gid is not None and self._admin_gid in caller_groups(caller))
 
     def get(self, caller: PeerCredentials, session_id: str) -> Session:
@@ -66,14 +68,20 @@ class SessionRegistry:
         a caller learns nothing about sessions it may not use."""
         with self._lock:
             session = self._sessions.get(session_id)
-        if session is None or session.closed or not (self.is_admin(caller) or session.owner.uid == caller.uid):
+        if session is None or session.closed or not self._may_use(caller, session):
             raise NotFound(f"no session {session_id!r}")
         return session
 
     def list(self, caller: PeerCredentials) -> list[Session]:
         with self._lock:
             sessions = list(self._sessions.values())
-        return [s for s in sessions if not s.closed and (self.is_admin(caller) or s.owner.uid == caller.uid)]
+        return [s for s in sessions if not s.closed and self._may_use(caller, s)]
+
+    def _may_use(self, caller: PeerCredentials, session: Session) -> bool:
+        """Its owner (same uid and, for TLS callers, same certificate), root, or the admin group."""
+        if caller.principal:
+            return session.owner.principal == caller.principal
+        return self.is_admin(caller) or (session.owner.uid == caller.uid and not session.owner.principal)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

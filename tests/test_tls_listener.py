@@ -1,0 +1,111 @@
+"""The optional TCP listener: TLS with client certificates only. Certificates are made here with
+openssl; traffic stays on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from sandboxd.client import sandbox_policy
+from sandboxd.v1 import sandboxd_pb2 as pb
+from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+SANDBOXD = str(REPO / ".venv" / "bin" / "sandboxd")
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_pki(d: Path) -> None:
+    """A CA, a server certificate for 127.0.0.1, client certificates for alice and bob, and a stranger's."""
+    for ca in ("ca", "other-ca"):
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{ca}.key", "-out", f"{ca}.pem",
+                "-days", "2", "-subj", f"/CN={ca}", cwd=d)
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    for name, ca, ext in (("server", "ca", ["-extfile", "san.ext"]), ("alice", "ca", []), ("bob", "ca", []),
+                          ("mallory", "other-ca", [])):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                "-subj", f"/CN={name}", cwd=d)
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+                "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", *ext, cwd=d)
+
+
+@pytest.fixture(scope="module")
+def tls_daemon() -> Iterator[tuple[Path, str]]:
+    base = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="sandboxd-tls-"))
+    os.chmod(base, 0o755)
+    make_pki(base)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    daemon = subprocess.Popen([SANDBOXD, "serve", "--socket", str(base / "sandboxd.sock"), "--tcp", address,
+                               "--tls-cert", str(base / "server.pem"), "--tls-key", str(base / "server.key"),
+                               "--tls-client-ca", str(base / "ca.pem"), "--tcp-user", "65534:65534"],
+                              stderr=subprocess.PIPE, text=True)
+    assert daemon.stderr is not None and '"serving"' in daemon.stderr.readline()
+    yield base, address
+    daemon.send_signal(signal.SIGTERM)
+    assert daemon.wait(timeout=30) == 0
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def stub_for(base: Path, address: str, who: str | None) -> pb_grpc.SandboxStub:
+    key = (base / f"{who}.key").read_bytes() if who else None
+    cert = (base / f"{who}.pem").read_bytes() if who else None
+    credentials = grpc.ssl_channel_credentials(root_certificates=(base / "ca.pem").read_bytes(),
+                                               private_key=key, certificate_chain=cert)
+    return pb_grpc.SandboxStub(grpc.secure_channel(address, credentials))
+
+
+def test_certificate_holders_get_their_own_sessions_as_the_tcp_user(tls_daemon: tuple[Path, str]) -> None:
+    base, address = tls_daemon
+    workspace = base / "alice-ws"
+    workspace.mkdir()
+    os.chmod(workspace, 0o777)
+    alice, bob = stub_for(base, address, "alice"), stub_for(base, address, "bob")
+    session = alice.CreateSession(pb.CreateSessionRequest(workspace=str(workspace)))
+    assert session.owner_uid == 65534
+    run = list(alice.Exec(iter([pb.ExecRequest(start=pb.ExecStart(session_id=session.id, argv=["id", "-u"]))])))
+    assert b"".join(r.stdout for r in run) == b"65534\n"
+    assert [s.id for s in alice.ListSessions(pb.ListSessionsRequest()).sessions] == [session.id]
+    assert list(bob.ListSessions(pb.ListSessionsRequest()).sessions) == []          # same uid, other certificate
+    with pytest.raises(grpc.RpcError) as info:
+        bob.GetSession(pb.GetSessionRequest(session_id=session.id))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_tcp_user_reach_and_danger_are_enforced(tls_daemon: tuple[Path, str]) -> None:
+    base, address = tls_daemon
+    root_owned = base / "root-only"
+    root_owned.mkdir()
+    alice = stub_for(base, address, "alice")
+    for policy in (sandbox_policy(), sandbox_policy("danger-full-access")):
+        with pytest.raises(grpc.RpcError) as info:
+            alice.CreateSession(pb.CreateSessionRequest(workspace=str(root_owned), sandbox_policy=policy))
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+@pytest.mark.parametrize("who", [None, "mallory"])
+def test_no_certificate_or_a_foreign_one_is_refused(tls_daemon: tuple[Path, str], who: str | None) -> None:
+    base, address = tls_daemon
+    with pytest.raises(grpc.RpcError) as info:
+        stub_for(base, address, who).ListSessions(pb.ListSessionsRequest(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_tcp_without_tls_is_refused_at_start() -> None:
+    result = subprocess.run([SANDBOXD, "serve", "--socket", "/nonexistent/x.sock", "--tcp", "127.0.0.1:1"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "needs all of --tcp" in result.stderr
