@@ -94,15 +94,21 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("sandboxd.v1.Sandbox", health_pb2.HealthCheckResponse.SERVING)
 
-    stop = threading.Event()
+    # The handler only sets a flag: anything that takes a lock (Event.set, logging) can
+    # deadlock when the signal lands while the main thread holds that same lock.
+    stopping: list[int] = []
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda _s, _f: stop.set())
+        signal.signal(signum, lambda received, _frame: stopping.append(received))
     log.info("serving", extra={"fields": {"socket": socket_path, "pid": os.getpid(),
                                           "tls": tls.address if tls else None}})
     if ready is not None:
         ready.set()
-    while not stop.wait(1.0):
-        pass
+    while not stopping:
+        time.sleep(0.2)                                   # interrupted by the signal; the flag ends the loop
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        # Stopping already: more of these must not cut the cleanup short (nor, at interpreter
+        # exit, turn exit status 0 into death by signal). A stuck stop still yields to SIGKILL.
+        signal.signal(signum, signal.SIG_IGN)
     started = time.monotonic()
     log.info("stopping", extra={"fields": {"sessions": len(registry.list(PeerCredentials(0, 0, 0)))}})
     health_servicer.enter_graceful_shutdown()
