@@ -10,27 +10,20 @@ dropped, and the result says `output_truncated`.
 
 from __future__ import annotations
 
-import fcntl
 import os
-import select
 import signal
 import threading
-from typing import Any, Iterator
+from typing import Iterator
 
 import grpc
 
 from sandboxd.errors import InvalidPolicy
+from sandboxd.service.calls import SessionCall, write_all
 from sandboxd.service.sessions import Session, SessionRegistry, cwd_inside
 from sandboxd.supervisor.forkserver import ForkServer
 from sandboxd.supervisor.spawner import ExitInfo
 from sandboxd.v1 import sandboxd_pb2 as pb
 
-# One gRPC message per CHUNK: larger chunks mean fewer messages for Python to frame
-# on both ends, which is what bounds throughput; the pipes are grown to match
-# (F_SETPIPE_SZ), so a fast writer fills a chunk between two reads.
-CHUNK = 1 << 20
-PIPE_SIZE = 1 << 20
-F_SETPIPE_SZ = 1031
 DEFAULT_OUTPUT_LIMIT = 64 << 20
 DEFAULT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}
 
@@ -52,32 +45,14 @@ def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb
     env = dict(start.env) if start.env else dict(DEFAULT_ENV)
     timeout = start.timeout_seconds or session.limits.timeout_seconds
     limit = start.output_limit_bytes or DEFAULT_OUTPUT_LIMIT
-    stdin_r, stdin_w = os.pipe2(os.O_CLOEXEC)
-    out_r, out_w = os.pipe2(os.O_CLOEXEC)
-    err_r, err_w = os.pipe2(os.O_CLOEXEC)
-    for fd in (out_r, err_r):
-        try:
-            fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_SIZE)
-        except OSError:
-            pass  # above /proc/sys/fs/pipe-max-size for an unprivileged daemon: the default still works
-    generation = registry.begin_call(session)
-    call_id: int | None = None
-    try:
-        try:
-            call_id, inner_pid = fork.call(session.sandbox_name(generation), argv, env, cwd, timeout,
-                                           (stdin_r, out_w, err_w))
-        finally:
-            for fd in (stdin_r, out_w, err_w):
-                os.close(fd)
-        cancel = _on_cancel(fork, call_id)
-        context.add_callback(cancel)
-        yield pb.ExecResponse(started_pid=inner_pid or 0)
-        feeder = threading.Thread(target=_feed, args=(fork, call_id, stdin_w, start, requests),
-                                  name=f"sandboxd-stdin-{call_id}", daemon=True)
-        stdin_w = -1                                      # the feeder owns it now
-        feeder.start()
+    with SessionCall(registry, fork, session, argv, env=env, cwd=cwd, timeout=timeout) as call:
+        context.add_callback(call.cancel)
+        yield pb.ExecResponse(started_pid=call.inner_pid or 0)
+        assert call.call_id is not None
+        threading.Thread(target=_feed, args=(fork, call.call_id, call.take_stdin(), start, requests),
+                         name=f"sandboxd-stdin-{call.call_id}", daemon=True).start()
         truncated = False
-        for stream, chunk in _drain(out_r, err_r):
+        for stream, chunk in call.output():
             if limit <= 0:
                 truncated = True
                 continue
@@ -85,20 +60,7 @@ def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb
                 chunk, truncated = chunk[:limit], True
             limit -= len(chunk)
             yield pb.ExecResponse(stdout=chunk) if stream == 1 else pb.ExecResponse(stderr=chunk)
-        info = fork.wait(call_id)
-        call_id = None
-        yield pb.ExecResponse(result=result_to_proto(info, truncated=truncated))
-    finally:
-        if call_id is not None:                           # the client went away mid-call: kill the tree
-            fork.cancel(call_id)
-            fork.wait(call_id)
-        for fd in (stdin_w, out_r, err_r):
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        registry.end_call(session, generation)
+        yield pb.ExecResponse(result=result_to_proto(call.wait(), truncated=truncated))
 
 
 def result_to_proto(info: ExitInfo, *, truncated: bool) -> pb.ExecResult:
@@ -108,38 +70,19 @@ def result_to_proto(info: ExitInfo, *, truncated: bool) -> pb.ExecResult:
                          shell_status=info.shell_status)
 
 
-def _on_cancel(fork: ForkServer, call_id: int) -> Any:
-    def cancel() -> None:
-        fork.cancel(call_id)
-    return cancel
-
-
-def _drain(out_r: int, err_r: int) -> Iterator[tuple[int, bytes]]:
-    """(1 or 2, chunk) as output arrives on either pipe, until both are closed."""
-    streams = {out_r: 1, err_r: 2}
-    while streams:
-        ready, _, _ = select.select(list(streams), [], [])
-        for fd in ready:
-            data = os.read(fd, CHUNK)
-            if not data:
-                del streams[fd]
-                continue
-            yield streams[fd], data
-
-
 def _feed(fork: ForkServer, call_id: int, stdin_w: int, start: pb.ExecStart,
           requests: Iterator[pb.ExecRequest]) -> None:
     """Write stdin and deliver signals as the client sends them; close stdin when asked or at the end."""
     try:
         if start.stdin:
-            _write_all(stdin_w, start.stdin)
+            write_all(stdin_w, start.stdin)
         if start.close_stdin:
             os.close(stdin_w)
             stdin_w = -1
         for request in requests:
             kind = request.WhichOneof("kind")
             if kind == "stdin" and stdin_w >= 0:
-                _write_all(stdin_w, request.stdin)
+                write_all(stdin_w, request.stdin)
             elif kind == "close_stdin" and stdin_w >= 0:
                 os.close(stdin_w)
                 stdin_w = -1
@@ -156,8 +99,3 @@ def _feed(fork: ForkServer, call_id: int, stdin_w: int, start: pb.ExecStart,
             except OSError:
                 pass
 
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]

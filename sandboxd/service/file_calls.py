@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import errno
 import os
-import select
 import threading
+from typing import Iterator
 
 from sandboxd.errors import Forbidden, InvalidPolicy, NotFound, SandboxdError
 from sandboxd.policy.sandbox import DangerFullAccess, ReadOnly, WorkspaceWrite, is_within
+from sandboxd.service.calls import SessionCall, write_all
 from sandboxd.service.sessions import Session, SessionRegistry
 from sandboxd.supervisor.forkserver import ForkServer
 from sandboxd.supervisor.spawner import ExitInfo
@@ -62,60 +63,31 @@ def run_in_session(registry: SessionRegistry, fork: ForkServer, session: Session
                    tool: dict[str, object] | None = None, data: bytes = b"", limit: int = DEFAULT_READ_LIMIT,
                    env: dict[str, str] | None = None) -> "tuple[ExitInfo, bytes, bytes]":
     """A short command (or file tool) in the session with ``data`` on stdin; (how it ended, stdout, stderr)."""
-    stdin_r, stdin_w = os.pipe2(os.O_CLOEXEC)
-    out_r, out_w = os.pipe2(os.O_CLOEXEC)
-    err_r, err_w = os.pipe2(os.O_CLOEXEC)
-    generation = registry.begin_call(session)
-    call_id = None
-    try:
-        try:
-            call_id, _ = fork.call(session.sandbox_name(generation), argv, env or {}, session.workspace,
-                                   TOOL_TIMEOUT, (stdin_r, out_w, err_w), tool=tool)
-        finally:
-            for fd in (stdin_r, out_w, err_w):
-                os.close(fd)
-        feeder = threading.Thread(target=_feed, args=(stdin_w, data), daemon=True)
-        stdin_w = -1
-        feeder.start()
-        out, err = _collect(out_r, err_r, limit)
-        info = fork.wait(call_id)
-        call_id = None
-    finally:
-        if call_id is not None:
-            fork.cancel(call_id)
-            fork.wait(call_id)
-        for fd in (stdin_w, out_r, err_r):
-            if fd >= 0:
-                os.close(fd)
-        registry.end_call(session, generation)
-    return info, out, err
+    with SessionCall(registry, fork, session, argv, env=env or {}, cwd=session.workspace, timeout=TOOL_TIMEOUT,
+                     tool=tool) as call:
+        threading.Thread(target=_feed, args=(call.take_stdin(), data), daemon=True).start()
+        out, err = _collect(call.output(), limit)
+        return call.wait(), out, err
 
 
 def _feed(fd: int, data: bytes) -> None:
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        write_all(fd, data)
     except OSError:
-        pass
+        pass  # the tool stopped reading: it reports why
     finally:
         os.close(fd)
 
 
-def _collect(out_r: int, err_r: int, limit: int) -> tuple[bytes, bytes]:
-    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
-    sizes = {out_r: 0, err_r: 0}
-    open_fds = [out_r, err_r]
-    while open_fds:
-        ready, _, _ = select.select(open_fds, [], [])
-        for fd in ready:
-            data = os.read(fd, 1 << 20)
-            if not data:
-                open_fds.remove(fd)
-            elif sizes[fd] < (limit if fd == out_r else 65536):
-                chunks[fd].append(data)
-                sizes[fd] += len(data)
-    return b"".join(chunks[out_r])[:limit], b"".join(chunks[err_r])
+def _collect(output: Iterator[tuple[int, bytes]], limit: int) -> tuple[bytes, bytes]:
+    """stdout up to ``limit`` and stderr up to 64 KiB; the rest is drained and dropped."""
+    chunks: dict[int, list[bytes]] = {1: [], 2: []}
+    sizes = {1: 0, 2: 0}
+    for stream, data in output:
+        if sizes[stream] < (limit if stream == 1 else 65536):
+            chunks[stream].append(data)
+            sizes[stream] += len(data)
+    return b"".join(chunks[1])[:limit], b"".join(chunks[2])
 
 
 def _error_from(err: bytes, timed_out: bool) -> SandboxdError:
