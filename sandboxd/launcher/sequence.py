@@ -59,12 +59,15 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUI
                      signal.SIGUSR2, signal.SIGWINCH, signal.SIGCONT)
 
 
-def run_sandbox(plan: LaunchPlan, *, report_fd: int, status_fd: int, cgroup_dirs: list[str]) -> NoReturn:
+def run_sandbox(plan: LaunchPlan, *, report_fd: int, status_fd: int, cgroup_dirs: list[str],
+                spawner: int) -> NoReturn:
     """The spawner's child. For a confined policy it is PID 1 of a new PID namespace
     (the spawner unshared CLONE_NEWPID just for this fork) and becomes init;
     for DangerFullAccess it becomes the command. Never returns."""
     try:
-        process.die_with_parent(OUTSIDE_PARENT if plan.confined else os.getppid())
+        # ``spawner``: the parent's pid, taken before the fork, so the race check sees a parent
+        # that died before the death signal was set (getppid() here would already be its heir).
+        process.die_with_parent(OUTSIDE_PARENT if plan.confined else spawner)
         _join_cgroups(cgroup_dirs)                        # before anything forks: limits cover the whole tree
         if not plan.confined:
             os.close(status_fd)

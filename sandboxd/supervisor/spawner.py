@@ -199,7 +199,8 @@ class Spawner:
         cgroup = self._cgroup_for(plan)
         dirs = list(cgroup.dirs) if cgroup else []
         return self._fork(plan, stdio, cgroup, pid_namespace=plan.confined, body=lambda report_w, status_w: (
-            sequence.run_sandbox(plan, report_fd=report_w, status_fd=status_w, cgroup_dirs=dirs)))
+            sequence.run_sandbox(plan, report_fd=report_w, status_fd=status_w, cgroup_dirs=dirs,
+                                 spawner=self.pid)))
 
     def _fork(self, plan: LaunchPlan, stdio: tuple[int, int, int], cgroup: "CgroupSet | None", *,
               pid_namespace: "bool | int", body: "Callable[[int, int], object]",
@@ -283,7 +284,8 @@ class Spawner:
         cgroup_dirs = list(session.cgroup.dirs) if session.cgroup else []
         if not plan.confined or session.init_pid is None:
             return self._fork(plan, stdio, None, pid_namespace=False, body=lambda report_w, status_w: (
-                sequence.run_sandbox(plan, report_fd=report_w, status_fd=status_w, cgroup_dirs=cgroup_dirs)))
+                sequence.run_sandbox(plan, report_fd=report_w, status_fd=status_w, cgroup_dirs=cgroup_dirs,
+                                     spawner=self.pid)))
         pidfd, intake = session.pidfd, session.intake
         return self._fork(plan, stdio, None, pid_namespace=pidfd, body=lambda report_w, status_w: (
             sequence.run_call(plan, session_pidfd=pidfd, intake_fd=intake.fileno() if intake else None,
