@@ -131,14 +131,6 @@ class CgroupSet:
         self.dirs.append(path)
         return path
 
-    def join(self, pid: int = 0) -> None:
-        """Move ``pid`` (0: the caller) into every group of the set."""
-        try:
-            for path in self.dirs:
-                _write(path, "cgroup.procs", pid)
-        except OSError as exc:
-            raise from_oserror(exc, "cgroup join") from None
-
     def pids(self) -> set[int]:
         found: set[int] = set()
         for path in self.dirs:
@@ -211,6 +203,16 @@ class CgroupSet:
                         break
                     time.sleep(0.005)  # the last process is still being torn down
         self.dirs.clear()
+
+
+def join(dirs: list[str], pid: int = 0) -> None:
+    """Move ``pid`` (0: the caller) into each group of ``dirs`` (a CgroupSet's ``dirs``, which a
+    forked child has without the set)."""
+    try:
+        for path in dirs:
+            _write(path, "cgroup.procs", pid)
+    except OSError as exc:
+        raise from_oserror(exc, "cgroup join") from None
 
 
 def sweep_stale(prefix: str = "run-") -> int:

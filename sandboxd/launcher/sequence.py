@@ -31,7 +31,7 @@ import os
 import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
 
 from sandboxd.errors import ExecFailed
-from sandboxd.kernel import caps, landlock, namespaces, netns, process, rlimits, seccomp
+from sandboxd.kernel import caps, cgroups, landlock, namespaces, netns, process, rlimits, seccomp
 from sandboxd.kernel._libc import from_oserror
 from sandboxd.launcher import file_tools, report, rootfs
 from sandboxd.launcher.init_loop import InitLoop, receive_fd, send_fd
@@ -68,7 +68,7 @@ def run_sandbox(plan: LaunchPlan, *, report_fd: int, status_fd: int, cgroup_dirs
         # ``spawner``: the parent's pid, taken before the fork, so the race check sees a parent
         # that died before the death signal was set (getppid() here would already be its heir).
         process.die_with_parent(OUTSIDE_PARENT if plan.confined else spawner)
-        _join_cgroups(cgroup_dirs)                        # before anything forks: limits cover the whole tree
+        cgroups.join(cgroup_dirs)                        # before anything forks: limits cover the whole tree
         if not plan.confined:
             os.close(status_fd)
             _exec_unconfined(plan, report_fd)
@@ -141,7 +141,7 @@ def run_session_init(plan: LaunchPlan, *, report_fd: int, intake: "_socket.socke
     mounts and every process in them go with it."""
     try:
         process.die_with_parent(OUTSIDE_PARENT)
-        _join_cgroups(cgroup_dirs)
+        cgroups.join(cgroup_dirs)
         _build_sandbox(plan, "sandboxd-session")
         process.close_all_except({intake.fileno()})       # closing the report pipe says "ready"
     except BaseException as exc:  # noqa: BLE001
@@ -172,7 +172,7 @@ def run_call(plan: LaunchPlan, *, session_pidfd: int, intake_fd: int | None, rep
     """
     try:
         process.die_with_parent(OUTSIDE_PARENT)
-        _join_cgroups(cgroup_dirs)
+        cgroups.join(cgroup_dirs)
         # A pidfd of the session's init, inherited from the spawner (its pid number
         # means nothing in here): the session's root comes with its mount namespace.
         namespaces.setns(session_pidfd, CALL_NAMESPACES)
@@ -286,15 +286,6 @@ def _exec(plan: LaunchPlan, report_fd: int) -> NoReturn:
         report.fail(report_fd, ExecFailed(error.step, error.errno, program, hint=error.hint), "exec")
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "exec")
-
-
-def _join_cgroups(dirs: list[str]) -> None:
-    try:
-        for path in dirs:
-            with open(os.path.join(path, "cgroup.procs"), "w") as f:
-                f.write("0")
-    except OSError as exc:
-        raise from_oserror(exc, "cgroup join") from None
 
 
 def _forward_signals_to(target: int) -> None:
