@@ -116,6 +116,8 @@ def descendants() -> list[int]:
 def kill_descendants(*, reap: bool = False) -> None:
     """SIGKILL the caller's whole subtree. With ``reap``, also collect the dead, repeating until
     no child is left (a child subreaper inherits every orphan of its tree, so nothing escapes)."""
+    if not _has_children():
+        return  # every descendant descends from a child: none, so no /proc walk
     for _ in range(1000):
         victims = descendants()
         if not victims:
@@ -132,6 +134,15 @@ def kill_descendants(*, reap: bool = False) -> None:
                 pass
         except ChildProcessError:
             pass
+
+
+def _has_children() -> bool:
+    """Whether the caller has any child, living or zombie (WNOWAIT: nothing is reaped)."""
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return True
 
 
 def new_session() -> None:

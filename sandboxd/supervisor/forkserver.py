@@ -36,7 +36,7 @@ from typing import Any
 
 from sandboxd.errors import InvalidPolicy, SandboxdError, SetupError
 from sandboxd.policy.spec import LaunchSpec, spec_from_dict, spec_to_dict
-from sandboxd.supervisor.spawner import ExitInfo, SandboxProcess, SessionSandbox, Spawner
+from sandboxd.supervisor.spawner import ExitInfo, SandboxProcess, SessionSandbox, Spawner, SpareCall
 
 MAX_MESSAGE = 1 << 20
 
@@ -70,6 +70,10 @@ class _Server:
         self.spawner = Spawner()
         self.running: dict[int, tuple[SandboxProcess, float | None]] = {}
         self.sessions: dict[str, SessionSandbox] = {}
+        # Each session that has run a command keeps its next call forked and waiting
+        # (Spawner.fork_spare): a call then costs a message and an exec.
+        self.spares: dict[str, SpareCall] = {}
+        self._wanted_spares: set[str] = set()
 
     def serve(self) -> None:
         while True:
@@ -81,6 +85,17 @@ class _Server:
             if self.sock in ready and not self._handle_next():
                 self._shutdown()
                 return
+            self._fork_wanted_spares()
+
+    def _fork_wanted_spares(self) -> None:
+        """Outside any request, so a spare inherits none of its descriptors."""
+        for name in self._wanted_spares:
+            session = self.sessions.get(name)
+            if session is not None and name not in self.spares:
+                spare = self.spawner.fork_spare(session)
+                if spare is not None:
+                    self.spares[name] = spare
+        self._wanted_spares.clear()
 
     def _collect_exits(self) -> None:
         for call_id, (proc, limit) in list(self.running.items()):
@@ -117,9 +132,13 @@ class _Server:
                 spec = spec_from_dict(message["spec"])
                 proc, limit = self.spawner.launch(spec, stdio=stdio), spec.limits.timeout_seconds
             else:
-                session = self._session(message)
-                proc = self.spawner.launch_call(session, tuple(message["argv"]), dict(message.get("env") or {}),
-                                                str(message["cwd"]), stdio=stdio, tool=message.get("tool"))
+                session, name = self._session(message), str(message["session"])
+                argv, env = [str(a) for a in message["argv"]], {str(k): str(v) for k, v in (message.get("env") or {}).items()}
+                if any("\0" in item for item in (*argv, *env, *env.values(), str(message["cwd"]))):
+                    raise InvalidPolicy("argv, env and cwd cannot contain NUL characters")
+                proc = self.spawner.launch_call(session, tuple(argv), env, str(message["cwd"]), stdio=stdio,
+                                                tool=message.get("tool"), spare=self.spares.pop(name, None))
+                self._wanted_spares.add(name)
                 limit = float(message["timeout"]) if message.get("timeout") else None
             proc.wait_started()
             self.running[call_id] = (proc, limit)
@@ -132,9 +151,10 @@ class _Server:
             self.sessions[name] = session
             _send(self.sock, {"id": call_id, "event": "session_ready", "init_pid": session.init_pid})
         elif op == "session_close":
-            session = self.sessions.pop(str(message["session"]), None)
+            name = str(message["session"])
+            session = self.sessions.pop(name, None)
             if session is not None:
-                self._close_session(session)
+                self._close_session(name, session)
             _send(self.sock, {"id": call_id, "event": "session_closed"})
         elif op in ("signal", "cancel"):
             entry = self.running.get(call_id)
@@ -146,9 +166,12 @@ class _Server:
         else:
             raise InvalidPolicy(f"unknown fork server operation {op!r}")
 
-    def _close_session(self, session: SessionSandbox) -> None:
+    def _close_session(self, name: str, session: SessionSandbox) -> None:
         """Kill the session and wait until it is gone, reaping its calls meanwhile (init's exit
         waits for them; see SessionSandbox.kill). Bounded: a stuck kernel cannot hang us."""
+        spare = self.spares.pop(name, None)
+        if spare is not None:
+            spare.discard()
         session.kill()
         deadline = time.monotonic() + 30
         while not session.reap() and time.monotonic() < deadline:
@@ -164,8 +187,8 @@ class _Server:
         return session
 
     def _shutdown(self) -> None:
-        for session in list(self.sessions.values()):
-            self._close_session(session)
+        for name, session in list(self.sessions.items()):
+            self._close_session(name, session)
         self.sessions.clear()
         for proc, _ in self.running.values():
             proc.kill()

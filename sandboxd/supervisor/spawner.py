@@ -77,6 +77,10 @@ class SandboxProcess:
         self._timed_out = False
         self.inner_pid: int | None = None     # the command's pid inside its sandbox, when known
 
+    def restart_clock(self) -> None:
+        """Timeouts and wall time count from now (a spare call is forked before its command is known)."""
+        self.started = time.monotonic()
+
     def wait_started(self) -> None:
         """Block until the command was exec'd; raise SetupError (cleaning up) if setup failed."""
         error, self.inner_pid = report.read_outcome(self._report_fd)
@@ -277,10 +281,20 @@ class Spawner:
         return session
 
     def launch_call(self, session: SessionSandbox, argv: tuple[str, ...], env: dict[str, str], cwd: str,
-                    stdio: tuple[int, int, int] = (0, 1, 2), tool: dict[str, object] | None = None) -> SandboxProcess:
+                    stdio: tuple[int, int, int] = (0, 1, 2), tool: dict[str, object] | None = None,
+                    spare: "SpareCall | None" = None) -> SandboxProcess:
         """Run one command in a session's sandbox: about a fork and an exec, no new sandbox.
-        With ``tool``, the confined child runs that file tool instead of exec'ing (file_tools)."""
+        With ``tool``, the confined child runs that file tool instead of exec'ing (file_tools).
+        With a ``spare`` (see ``fork_spare``) it is only a message and an exec; a spare that
+        cannot take the call (it died, the request is too large) is discarded and the call
+        takes the ordinary path."""
         plan = session.plan.replace(argv=tuple(argv), env=dict(env), cwd=cwd, tool=tool)
+        if spare is not None:
+            if tool is None:
+                proc = spare.hand_over(plan, stdio)
+                if proc is not None:
+                    return proc
+            spare.discard()
         cgroup_dirs = list(session.cgroup.dirs) if session.cgroup else []
         if not plan.confined or session.init_pid is None:
             return self._fork(plan, stdio, None, pid_namespace=False, body=lambda report_w, status_w: (
@@ -291,6 +305,28 @@ class Spawner:
             sequence.run_call(plan, session_pidfd=pidfd, intake_fd=intake.fileno() if intake else None,
                               report_fd=report_w, status_fd=status_w, cgroup_dirs=cgroup_dirs)),
             kill_signal=sequence.KILL_TREE_SIGNAL)
+
+    def fork_spare(self, session: SessionSandbox) -> "SpareCall | None":
+        """Fork a session's next call ahead of need: joined, unprivileged, Landlock and seccomp
+        in place, its command process waiting for argv, env, cwd and stdio (sequence.run_call).
+        None for a session without a sandbox of its own (DangerFullAccess)."""
+        if not session.plan.confined or session.init_pid is None:
+            return None
+        plan, pidfd, intake = session.plan, session.pidfd, session.intake
+        cgroup_dirs = list(session.cgroup.dirs) if session.cgroup else []
+        ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+        try:
+            proc = self._fork(plan, (0, 1, 2), None, pid_namespace=pidfd, body=lambda report_w, status_w: (
+                sequence.run_call(plan, session_pidfd=pidfd, intake_fd=intake.fileno() if intake else None,
+                                  report_fd=report_w, status_fd=status_w, cgroup_dirs=cgroup_dirs,
+                                  request_fd=theirs.fileno())),
+                kill_signal=sequence.KILL_TREE_SIGNAL)
+        except SetupError:
+            ours.close()
+            return None
+        finally:
+            theirs.close()
+        return SpareCall(proc, ours)
 
     def _cgroup_for(self, plan: LaunchPlan) -> CgroupSet | None:
         """A cgroup with the asked limits, or none when there are no limits and the PID
@@ -309,6 +345,46 @@ class Spawner:
         except SetupError:
             return None  # no writable cgroup hierarchy: the PID namespace still bounds the tree
         return group if group.dirs else None
+
+
+class SpareCall:
+    """A session's next call, forked ahead of need and waiting for its command (Spawner.fork_spare)."""
+
+    def __init__(self, proc: SandboxProcess, channel: "_socket.socket") -> None:
+        self.proc = proc
+        self._channel: "_socket.socket | None" = channel
+
+    def hand_over(self, plan: LaunchPlan, stdio: tuple[int, int, int]) -> SandboxProcess | None:
+        """Send the command; the process (not yet waited for) or None if the spare cannot take it."""
+        request = sequence.encode_request(plan.argv, plan.env, plan.cwd)
+        if self._channel is None or len(request) > sequence.REQUEST_LIMIT:
+            return None
+        fds = b"".join(fd.to_bytes(4, "little") for fd in stdio)
+        try:
+            self._channel.sendmsg([request], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, fds)])
+        except OSError:
+            return None                                   # it died (its session was killed?)
+        self._channel.close()
+        self._channel = None
+        self.proc.plan = plan
+        self.proc.restart_clock()
+        return self.proc
+
+    def discard(self) -> None:
+        """End the spare unused and reap it: EOF tells its command to exit; the kill covers a
+        spare still in setup."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        if self.proc.fileno() >= 0:
+            self.proc.kill()
+            try:
+                self.proc.wait()
+            except ChildProcessError:
+                pass
+
+    def fileno(self) -> int:
+        return self.proc.fileno()
 
 
 class SessionSandbox:
