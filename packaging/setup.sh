@@ -15,11 +15,12 @@ mode=${1:-}
 shift || true
 
 # python3-dev, gcc, libcap-dev: python-prctl builds a C extension against libcap.
+# gcc, libc6-dev: the native call helper (sandboxd/launcher/sandboxd_call.c) is compiled here.
 # libseccomp2: the seccomp filter compiler (pyseccomp loads it with ctypes).
 # iproute2, procps, git: used by the tests (ip link, pgrep, git add/commit in a sandbox).
 # bubblewrap: the baseline the benchmark compares against.
 # ripgrep: the daemon's Search uses it when installed (a built-in search otherwise).
-packages=(python3 python3-venv python3-dev gcc libcap-dev libseccomp2 iproute2 procps git bubblewrap ca-certificates
+packages=(python3 python3-venv python3-dev gcc libc6-dev libcap-dev libseccomp2 iproute2 procps git bubblewrap ca-certificates
           ripgrep)
 # nodejs, npm: the test that drives the daemon from Node's @grpc/grpc-js (tests/test_node_client.py).
 # Checked by command, not package: a NodeSource nodejs ships npm itself and conflicts with Debian's.
@@ -64,6 +65,13 @@ fi
 # import, which never writes it when PYTHONDONTWRITEBYTECODE is set, and then every
 # `sandboxd run` recompiles all its modules (tens of milliseconds).
 "$venv/bin/python" -m compileall -q "$repo/sandboxd" >/dev/null
+
+# The daemon's session calls run through this small static helper when it is built
+# (sandboxd/launcher/native_call.py says why); rebuilt when its source changes.
+helper="$repo/sandboxd/launcher/sandboxd-call"
+if [ ! -x "$helper" ] || [ "$repo/sandboxd/launcher/sandboxd_call.c" -nt "$helper" ]; then
+  "$venv/bin/python" -m sandboxd.launcher.native_call build >/dev/null || die "building the call helper failed (see above)"
+fi
 
 cd "$repo"
 case "$mode" in

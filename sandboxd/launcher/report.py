@@ -75,12 +75,26 @@ def read_outcome(fd: int) -> tuple[SetupError | None, int | None]:
             continue
         fields = decode(line)
         if "step" in fields:
+            if "native" in fields:                        # sandboxd-call: errno only, hints are added here
+                return _native_error(fields), pid
             return SetupError.from_dict(fields), pid  # type: ignore[arg-type]
         if "pid" in fields:
             pid = int(fields["pid"])
         else:
             return SetupError("report", 0, detail=f"unreadable setup report: {line[:200]!r}"), pid
     return None, pid
+
+
+def _native_error(fields: dict[str, str]) -> SetupError:
+    """The error the native call helper (sandboxd_call.c) reported, with the hint the Python
+    path would have given for the same step and errno."""
+    from sandboxd.errors import ExecFailed
+    from sandboxd.kernel._libc import setup_error
+
+    error = setup_error(fields["step"], int(fields.get("errno") or 0), fields.get("path"))
+    if fields["step"] == "exec":
+        return ExecFailed(error.step, error.errno, error.path, hint=error.hint)
+    return error
 
 
 def read_error(fd: int) -> SetupError | None:

@@ -30,7 +30,7 @@ import errno
 import os
 import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
 
-from sandboxd.errors import ExecFailed, SetupError
+from sandboxd.errors import ExecFailed
 from sandboxd.kernel import caps, cgroups, landlock, namespaces, netns, process, rlimits, seccomp
 from sandboxd.kernel._libc import from_oserror
 from sandboxd.launcher import file_tools, report, rootfs
@@ -159,7 +159,7 @@ KILL_TREE_SIGNAL = signal.SIGRTMIN + 2
 
 
 def run_call(plan: LaunchPlan, *, session_pidfd: int, intake_fd: int | None, report_fd: int, status_fd: int,
-             cgroup_dirs: list[str], request_fd: int | None = None) -> NoReturn:
+             cgroup_dirs: list[str]) -> NoReturn:
     """The call's init: a process in the session's PID namespace (the spawner forked it there)
     that joins the session's other namespaces and runs one command.
 
@@ -169,11 +169,6 @@ def run_call(plan: LaunchPlan, *, session_pidfd: int, intake_fd: int | None, rep
     ends, or on KILL_TREE_SIGNAL (cancel, timeout), it kills what is left of the
     call's tree, reports the command's status and exits. Like the session's init
     it drops every privilege before the command is forked.
-
-    With ``request_fd`` this is a *spare* call, forked ahead of need: the command
-    process does all of its setup (Landlock, seccomp and the rest) and then waits
-    on ``request_fd`` for what to run (see ``_await_request``), so a call that
-    finds a spare costs a message and an exec instead of two forks and the setup.
     """
     try:
         process.die_with_parent(OUTSIDE_PARENT)
@@ -193,7 +188,7 @@ def run_call(plan: LaunchPlan, *, session_pidfd: int, intake_fd: int | None, rep
     command_pid = os.fork()
     if command_pid == 0:
         in_child(report_fd, "command", lambda: _run_command(plan, report_fd=report_fd, listener_sink=sink,
-                                                            parent=CALL_INIT, request_fd=request_fd))
+                                                            parent=CALL_INIT))
     if sink is not None:
         sink.detach()                                     # its descriptor is closed just below
     try:
@@ -216,14 +211,9 @@ def run_call(plan: LaunchPlan, *, session_pidfd: int, intake_fd: int | None, rep
 
 
 def _run_command(plan: LaunchPlan, *, report_fd: int, listener_sink: "_socket.socket | None",
-                 parent: int = 1, request_fd: int | None = None) -> NoReturn:
+                 parent: int = 1) -> NoReturn:
     """The command: ``parent`` is its expected parent pid (1: a one-shot init; CALL_INIT: a call's)."""
     parent = os.getppid() if parent == CALL_INIT else parent
-    if request_fd is not None:
-        # A spare waits, maybe for minutes: it must not hold the fork server's descriptors
-        # (another call's output pipe would never see EOF) while it does.
-        keep = {0, 1, 2, report_fd, request_fd} | ({listener_sink.fileno()} if listener_sink is not None else set())
-        process.close_all_except(keep)
     try:
         for signum in FORWARDED_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)
@@ -242,51 +232,10 @@ def _run_command(plan: LaunchPlan, *, report_fd: int, listener_sink: "_socket.so
             listener_sink.close()
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "command setup")
-    if request_fd is not None:
-        plan = _await_request(plan, request_fd, report_fd)
     if plan.tool is not None:
         os.close(report_fd)                               # "running": there is nothing to exec
         file_tools.run(plan.tool)
     _exec(plan, report_fd)
-
-
-def encode_request(argv: "list[str] | tuple[str, ...]", env: dict[str, str], cwd: str) -> bytes:
-    """What a spare call is sent: cwd, argc, argv, then KEY=VALUE pairs, NUL-separated
-    (exec's own arguments cannot hold a NUL, so the split is unambiguous)."""
-    fields = [cwd, str(len(argv)), *argv, *(f"{key}={value}" for key, value in env.items())]
-    return b"\0".join(os.fsencode(field) for field in fields)
-
-
-def _await_request(plan: LaunchPlan, request_fd: int, report_fd: int) -> LaunchPlan:
-    """Wait for a spare's call: its argv, env and cwd, with stdin, stdout and stderr as
-    SCM_RIGHTS. End quietly when the fork server closes the socket without one."""
-    try:
-        channel = _socket.socket(fileno=request_fd)  # type: ignore[call-arg]
-        data, ancillary, _, _ = channel.recvmsg(REQUEST_LIMIT, _socket.CMSG_SPACE(3 * 4))
-        if not data:
-            os._exit(0)
-        fds = [int.from_bytes(payload[i:i + 4], "little") for level, kind, payload in ancillary
-               if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS
-               for i in range(0, len(payload) - 3, 4)]
-        channel.close()
-        if len(fds) != 3:
-            raise SetupError("call request", errno.EINVAL, detail=f"expected 3 descriptors, got {len(fds)}")
-        for target, source in enumerate(fds):
-            os.dup2(source, target)                       # dup2 clears close-on-exec on 0-2
-        for source in fds:
-            if source > 2:
-                os.close(source)
-        fields = [os.fsdecode(part) for part in data.split(b"\0")]
-        cwd, argc = fields[0], int(fields[1])
-        argv, pairs = fields[2:2 + argc], fields[2 + argc:]
-        os.chdir(cwd)
-        return plan.replace(argv=tuple(argv), env=dict(pair.split("=", 1) for pair in pairs), cwd=cwd)  # type: ignore[return-value]
-    except BaseException as exc:  # noqa: BLE001
-        report.fail(report_fd, exc, "call request")
-
-
-# A request larger than this takes the ordinary (forking) path instead of a spare.
-REQUEST_LIMIT = 128 << 10
 
 
 def _exec_unconfined(plan: LaunchPlan, report_fd: int) -> NoReturn:

@@ -36,7 +36,7 @@ from typing import Any
 
 from sandboxd.errors import InvalidPolicy, SandboxdError, SetupError
 from sandboxd.policy.spec import LaunchSpec, spec_from_dict, spec_to_dict
-from sandboxd.supervisor.spawner import ExitInfo, SandboxProcess, SessionSandbox, Spawner, SpareCall
+from sandboxd.supervisor.spawner import ExitInfo, SandboxProcess, SessionSandbox, Spawner
 
 MAX_MESSAGE = 1 << 20
 
@@ -63,17 +63,14 @@ def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
 class _Server:
     """The server side: runs in the fork server process, single-threaded."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, native_calls: bool = True) -> None:
         from sandboxd.kernel.cgroups import sweep_stale
+        from sandboxd.launcher.native_call import helper_path
         sweep_stale()                                     # what a SIGKILLed predecessor left behind
         self.sock = sock
-        self.spawner = Spawner()
+        self.spawner = Spawner(native_helper=helper_path() if native_calls else None)
         self.running: dict[int, tuple[SandboxProcess, float | None]] = {}
         self.sessions: dict[str, SessionSandbox] = {}
-        # Each session that has run a command keeps its next call forked and waiting
-        # (Spawner.fork_spare): a call then costs a message and an exec.
-        self.spares: dict[str, SpareCall] = {}
-        self._wanted_spares: set[str] = set()
 
     def serve(self) -> None:
         while True:
@@ -85,17 +82,6 @@ class _Server:
             if self.sock in ready and not self._handle_next():
                 self._shutdown()
                 return
-            self._fork_wanted_spares()
-
-    def _fork_wanted_spares(self) -> None:
-        """Outside any request, so a spare inherits none of its descriptors."""
-        for name in self._wanted_spares:
-            session = self.sessions.get(name)
-            if session is not None and name not in self.spares:
-                spare = self.spawner.fork_spare(session)
-                if spare is not None:
-                    self.spares[name] = spare
-        self._wanted_spares.clear()
 
     def _collect_exits(self) -> None:
         for call_id, (proc, limit) in list(self.running.items()):
@@ -132,13 +118,12 @@ class _Server:
                 spec = spec_from_dict(message["spec"])
                 proc, limit = self.spawner.launch(spec, stdio=stdio), spec.limits.timeout_seconds
             else:
-                session, name = self._session(message), str(message["session"])
+                session = self._session(message)
                 argv, env = [str(a) for a in message["argv"]], {str(k): str(v) for k, v in (message.get("env") or {}).items()}
                 if any("\0" in item for item in (*argv, *env, *env.values(), str(message["cwd"]))):
                     raise InvalidPolicy("argv, env and cwd cannot contain NUL characters")
                 proc = self.spawner.launch_call(session, tuple(argv), env, str(message["cwd"]), stdio=stdio,
-                                                tool=message.get("tool"), spare=self.spares.pop(name, None))
-                self._wanted_spares.add(name)
+                                                tool=message.get("tool"))
                 limit = float(message["timeout"]) if message.get("timeout") else None
             proc.wait_started()
             self.running[call_id] = (proc, limit)
@@ -151,10 +136,9 @@ class _Server:
             self.sessions[name] = session
             _send(self.sock, {"id": call_id, "event": "session_ready", "init_pid": session.init_pid})
         elif op == "session_close":
-            name = str(message["session"])
-            session = self.sessions.pop(name, None)
+            session = self.sessions.pop(str(message["session"]), None)
             if session is not None:
-                self._close_session(name, session)
+                self._close_session(session)
             _send(self.sock, {"id": call_id, "event": "session_closed"})
         elif op in ("signal", "cancel"):
             entry = self.running.get(call_id)
@@ -166,12 +150,9 @@ class _Server:
         else:
             raise InvalidPolicy(f"unknown fork server operation {op!r}")
 
-    def _close_session(self, name: str, session: SessionSandbox) -> None:
+    def _close_session(self, session: SessionSandbox) -> None:
         """Kill the session and wait until it is gone, reaping its calls meanwhile (init's exit
         waits for them; see SessionSandbox.kill). Bounded: a stuck kernel cannot hang us."""
-        spare = self.spares.pop(name, None)
-        if spare is not None:
-            spare.discard()
         session.kill()
         deadline = time.monotonic() + 30
         while not session.reap() and time.monotonic() < deadline:
@@ -187,17 +168,18 @@ class _Server:
         return session
 
     def _shutdown(self) -> None:
-        for name, session in list(self.sessions.items()):
-            self._close_session(name, session)
+        for session in list(self.sessions.values()):
+            self._close_session(session)
         self.sessions.clear()
         for proc, _ in self.running.values():
             proc.kill()
             proc.wait()
 
 
-def serve(sock: socket.socket) -> None:
-    """The fork server loop. Returns when the client end closes, after killing everything."""
-    _Server(sock).serve()
+def serve(sock: socket.socket, native_calls: bool = True) -> None:
+    """The fork server loop. Returns when the client end closes, after killing everything.
+    ``native_calls``: run session calls with sandboxd-call when it is built (native_call.py)."""
+    _Server(sock, native_calls).serve()
 
 
 class ForkServer:
@@ -214,9 +196,14 @@ class ForkServer:
         self._closed = False
         self._reader: threading.Thread | None = None
         self._process: "Any" = None
+        self._native_calls = False
+
+    @property
+    def native_calls(self) -> bool:
+        return self._native_calls
 
     @classmethod
-    def start(cls) -> "ForkServer":
+    def start(cls, native_calls: bool = True) -> "ForkServer":
         """Start the server as a fresh interpreter (``python -m sandboxd.supervisor.forkserver``).
 
         Not a fork of the caller: the daemon has gRPC threads, and a forked copy of a
@@ -230,13 +217,17 @@ class ForkServer:
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "PYTHONPATH": package_root}
         try:
-            child = subprocess.Popen([sys.executable, "-m", "sandboxd.supervisor.forkserver", str(child_end.fileno())],
+            flags = [] if native_calls else ["--python-calls"]
+            child = subprocess.Popen([sys.executable, "-m", "sandboxd.supervisor.forkserver", str(child_end.fileno()),
+                                      *flags],
                                      pass_fds=(child_end.fileno(),), env=env, stdin=subprocess.DEVNULL,
                                      close_fds=True)
         finally:
             child_end.close()
         server = cls(parent_end, child.pid)
         server._process = child
+        from sandboxd.launcher.native_call import helper_path
+        server._native_calls = native_calls and helper_path() is not None
         return server
 
     # -- requests ------------------------------------------------------------------------------
@@ -351,7 +342,7 @@ class ForkServer:
                 self._cond.wait()
 
 
-def _main(fd: int) -> None:
+def _main(fd: int, native_calls: bool = True) -> None:
     """Entry point of the fork server process."""
     import prctl  # python-prctl: off the one-shot launch path, so its import cost is fine here
 
@@ -360,10 +351,10 @@ def _main(fd: int) -> None:
     prctl.set_pdeathsig(signal.SIGKILL)      # the fork server never outlives the daemon
     if os.getppid() != expected_parent:      # the daemon died before that took effect
         os._exit(0)
-    serve(socket.socket(fileno=fd))
+    serve(socket.socket(fileno=fd), native_calls)
 
 
 if __name__ == "__main__":
     import sys
 
-    _main(int(sys.argv[1]))
+    _main(int(sys.argv[1]), native_calls="--python-calls" not in sys.argv[2:])

@@ -56,6 +56,10 @@ class ExitInfo(Record):
 
 
 CALL_KILL_GRACE = 5.0
+# Ignored in the fork server (Python ignores SIGPIPE and SIGXFSZ) or handled by it: a
+# spawned helper gets the defaults back, since exec keeps ignored signals ignored.
+SPAWN_DEFAULT_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
+                         signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD)
 
 
 class SandboxProcess:
@@ -76,10 +80,6 @@ class SandboxProcess:
         self._exit_status: int | None = None
         self._timed_out = False
         self.inner_pid: int | None = None     # the command's pid inside its sandbox, when known
-
-    def restart_clock(self) -> None:
-        """Timeouts and wall time count from now (a spare call is forked before its command is known)."""
-        self.started = time.monotonic()
 
     def wait_started(self) -> None:
         """Block until the command was exec'd; raise SetupError (cleaning up) if setup failed."""
@@ -193,9 +193,11 @@ class SandboxProcess:
 class Spawner:
     """Forks sandboxes. Create it, and call ``launch``, only in a single-threaded process."""
 
-    def __init__(self) -> None:
+    def __init__(self, native_helper: str | None = None) -> None:
+        """``native_helper``: the built sandboxd-call, which then runs session calls (native_call.py)."""
         self.pid = os.getpid()
         self._new_pid_namespace = namespaces.PidNamespaceForNextChild()
+        self.native_helper = native_helper
 
     def launch(self, spec: LaunchSpec, stdio: tuple[int, int, int] = (0, 1, 2)) -> SandboxProcess:
         """A one-shot sandbox running ``spec.argv`` (what `sandboxd run` does)."""
@@ -281,20 +283,13 @@ class Spawner:
         return session
 
     def launch_call(self, session: SessionSandbox, argv: tuple[str, ...], env: dict[str, str], cwd: str,
-                    stdio: tuple[int, int, int] = (0, 1, 2), tool: dict[str, object] | None = None,
-                    spare: "SpareCall | None" = None) -> SandboxProcess:
+                    stdio: tuple[int, int, int] = (0, 1, 2), tool: dict[str, object] | None = None) -> SandboxProcess:
         """Run one command in a session's sandbox: about a fork and an exec, no new sandbox.
         With ``tool``, the confined child runs that file tool instead of exec'ing (file_tools).
-        With a ``spare`` (see ``fork_spare``) it is only a message and an exec; a spare that
-        cannot take the call (it died, the request is too large) is discarded and the call
-        takes the ordinary path."""
+        Commands go to the native helper when the spawner has one (native_call.py)."""
         plan = session.plan.replace(argv=tuple(argv), env=dict(env), cwd=cwd, tool=tool)
-        if spare is not None:
-            if tool is None:
-                proc = spare.hand_over(plan, stdio)
-                if proc is not None:
-                    return proc
-            spare.discard()
+        if self.native_helper is not None and tool is None and plan.confined and session.init_pid is not None:
+            return self._spawn_native(self.native_helper, session, plan, stdio)
         cgroup_dirs = list(session.cgroup.dirs) if session.cgroup else []
         if not plan.confined or session.init_pid is None:
             return self._fork(plan, stdio, None, pid_namespace=False, body=lambda report_w, status_w: (
@@ -306,27 +301,50 @@ class Spawner:
                               report_fd=report_w, status_fd=status_w, cgroup_dirs=cgroup_dirs)),
             kill_signal=sequence.KILL_TREE_SIGNAL)
 
-    def fork_spare(self, session: SessionSandbox) -> "SpareCall | None":
-        """Fork a session's next call ahead of need: joined, unprivileged, Landlock and seccomp
-        in place, its command process waiting for argv, env, cwd and stdio (sequence.run_call).
-        None for a session without a sandbox of its own (DangerFullAccess)."""
-        if not session.plan.confined or session.init_pid is None:
-            return None
-        plan, pidfd, intake = session.plan, session.pidfd, session.intake
-        cgroup_dirs = list(session.cgroup.dirs) if session.cgroup else []
-        ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+    def _spawn_native(self, helper: str, session: SessionSandbox, plan: LaunchPlan,
+                      stdio: tuple[int, int, int]) -> SandboxProcess:
+        """A session call run by sandboxd-call: posix_spawn (a vfork) of the helper in the
+        session's PID namespace, with the descriptors laid out as it expects."""
+        import fcntl
+
+        from sandboxd.launcher import native_call
+
+        report_r, report_w = os.pipe2(os.O_CLOEXEC)
+        status_r, status_w = os.pipe2(os.O_CLOEXEC)
+        program_r, program_w = os.pipe2(os.O_CLOEXEC)
+        closing = [report_w, status_w, program_r, program_w]
         try:
-            proc = self._fork(plan, (0, 1, 2), None, pid_namespace=pidfd, body=lambda report_w, status_w: (
-                sequence.run_call(plan, session_pidfd=pidfd, intake_fd=intake.fileno() if intake else None,
-                                  report_fd=report_w, status_fd=status_w, cgroup_dirs=cgroup_dirs,
-                                  request_fd=theirs.fileno())),
-                kill_signal=sequence.KILL_TREE_SIGNAL)
-        except SetupError:
-            ours.close()
-            return None
+            os.write(program_w, plan.seccomp_program)    # a few KiB: the pipe holds it
+            environment = native_call.environment_file(plan.env)
+            closing.append(environment)
+            sources = [*stdio, report_w, status_w, session.pidfd,
+                       session.intake.fileno() if session.intake else None, program_r, environment]
+            actions = []
+            for target, source in enumerate(sources):
+                if source is None:
+                    continue
+                # Duplicated out of the way first, so no dup2 overwrites a source still to be moved.
+                high = fcntl.fcntl(source, fcntl.F_DUPFD_CLOEXEC, 64)
+                closing.append(high)
+                actions.append((os.POSIX_SPAWN_DUP2, high, target))
+            argv = native_call.command_line(helper, plan, namespaces=sequence.CALL_NAMESPACES,
+                                            cgroup_dirs=list(session.cgroup.dirs) if session.cgroup else [])
+            self._new_pid_namespace.enter(session.pidfd)
+            try:
+                pid = os.posix_spawn(helper, argv, {}, file_actions=actions, setsigmask=(),
+                                     setsigdef=SPAWN_DEFAULT_SIGNALS)
+            except OSError as exc:
+                raise SetupError("spawn call helper", exc.errno or 0, helper) from None
+            finally:
+                self._new_pid_namespace.leave()
+        except BaseException:
+            os.close(report_r)
+            os.close(status_r)
+            raise
         finally:
-            theirs.close()
-        return SpareCall(proc, ours)
+            for fd in closing:
+                os.close(fd)
+        return SandboxProcess(plan, pid, report_r, status_r, None, kill_signal=sequence.KILL_TREE_SIGNAL)
 
     def _cgroup_for(self, plan: LaunchPlan) -> CgroupSet | None:
         """A cgroup with the asked limits, or none when there are no limits and the PID
@@ -345,46 +363,6 @@ class Spawner:
         except SetupError:
             return None  # no writable cgroup hierarchy: the PID namespace still bounds the tree
         return group if group.dirs else None
-
-
-class SpareCall:
-    """A session's next call, forked ahead of need and waiting for its command (Spawner.fork_spare)."""
-
-    def __init__(self, proc: SandboxProcess, channel: "_socket.socket") -> None:
-        self.proc = proc
-        self._channel: "_socket.socket | None" = channel
-
-    def hand_over(self, plan: LaunchPlan, stdio: tuple[int, int, int]) -> SandboxProcess | None:
-        """Send the command; the process (not yet waited for) or None if the spare cannot take it."""
-        request = sequence.encode_request(plan.argv, plan.env, plan.cwd)
-        if self._channel is None or len(request) > sequence.REQUEST_LIMIT:
-            return None
-        fds = b"".join(fd.to_bytes(4, "little") for fd in stdio)
-        try:
-            self._channel.sendmsg([request], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, fds)])
-        except OSError:
-            return None                                   # it died (its session was killed?)
-        self._channel.close()
-        self._channel = None
-        self.proc.plan = plan
-        self.proc.restart_clock()
-        return self.proc
-
-    def discard(self) -> None:
-        """End the spare unused and reap it: EOF tells its command to exit; the kill covers a
-        spare still in setup."""
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
-        if self.proc.fileno() >= 0:
-            self.proc.kill()
-            try:
-                self.proc.wait()
-            except ChildProcessError:
-                pass
-
-    def fileno(self) -> int:
-        return self.proc.fileno()
 
 
 class SessionSandbox:

@@ -1,0 +1,205 @@
+"""Session calls on both paths: the native helper (sandboxd-call, the default) and the
+Python reference (sequence.run_call). Every check runs on each, so the two cannot drift:
+each call gets its own argv, env, cwd and stdio; timeouts and errors behave the same;
+the same kernel walls hold; nothing is held or left behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import BASE_ENV
+from sandboxd.errors import ExecFailed, SetupError
+from sandboxd.launcher.native_call import helper_path
+from sandboxd.policy import LaunchSpec, Limits, WorkspaceWrite
+from sandboxd.supervisor.forkserver import ForkServer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_the_native_helper_is_built() -> None:
+    """Without it every daemon call silently takes the slower Python path."""
+    assert helper_path() is not None, "sandboxd-call is not built: run packaging/setup.sh (or " \
+        "python -m sandboxd.launcher.native_call build)"
+
+
+@pytest.fixture(scope="module", params=["native", "python"])
+def server(request: pytest.FixtureRequest) -> Iterator[ForkServer]:
+    fs = ForkServer.start(native_calls=request.param == "native")
+    assert fs.native_calls == (request.param == "native")
+    try:
+        yield fs
+    finally:
+        fs.close()
+
+
+@pytest.fixture
+def session(server: ForkServer, workspace: Path) -> Iterator[str]:
+    name = f"call-{os.urandom(4).hex()}"
+    server.open_session(name, LaunchSpec(argv=("true",), workspace=str(workspace), env=dict(BASE_ENV),
+                                         policy=WorkspaceWrite()))
+    try:
+        yield name
+    finally:
+        server.close_session(name)
+
+
+def run(server: ForkServer, session: str, argv: list[str], cwd: str, *, env: dict[str, str] | None = None,
+        timeout: float | None = None) -> tuple[str, object]:
+    """One call; (its combined output, read to EOF, and its ExitInfo)."""
+    read_end, write_end = os.pipe()
+    null = os.open("/dev/null", os.O_RDONLY)
+    try:
+        call_id, _ = server.call(session, argv, env or dict(BASE_ENV), cwd, timeout, (null, write_end, write_end))
+        os.close(write_end)
+        write_end = -1
+        chunks = []
+        while data := os.read(read_end, 65536):          # EOF only once no process holds the write end
+            chunks.append(data)
+        return b"".join(chunks).decode(), server.wait(call_id)
+    finally:
+        for fd in (read_end, write_end, null):
+            if fd >= 0:
+                os.close(fd)
+
+
+def fork_server_children(server: ForkServer) -> list[psutil.Process]:
+    return psutil.Process(server.pid).children(recursive=True)
+
+
+def supervisors(server: ForkServer) -> list[psutil.Process]:
+    return [p for p in psutil.Process(server.pid).children() if p.name() == "sandboxd-call"]
+
+
+def test_each_call_gets_its_own_argv_env_and_cwd(server: ForkServer, session: str, workspace: Path) -> None:
+    (workspace / "sub").mkdir()
+    seen = []
+    for index in range(4):
+        cwd = str(workspace / "sub") if index % 2 else str(workspace)
+        output, info = run(server, session, ["/bin/sh", "-c", 'echo "$0 $PWD $CALL_INDEX"', f"call{index}"], cwd,
+                           env={**BASE_ENV, "CALL_INDEX": str(index)})
+        assert info.exit_code == 0, output  # type: ignore[attr-defined]
+        seen.append(output.strip())
+    assert seen == [f"call{i} {workspace / 'sub' if i % 2 else workspace} {i}" for i in range(4)]
+
+
+def test_a_call_holds_only_its_own_descriptors(server: ForkServer, session: str, workspace: Path) -> None:
+    """The command has exactly stdin, stdout and stderr; its supervisor only its status pipe
+    (and, in Python, a signal wake-up pipe): no other call's pipe, no session pidfd."""
+    read_end, write_end = os.pipe()
+    null = os.open("/dev/null", os.O_RDONLY)
+    try:
+        call_id, _ = server.call(session, ["sleep", "5"], dict(BASE_ENV), str(workspace), None,
+                                 (null, write_end, write_end))
+        deadline = time.monotonic() + 10
+        while not (found := [(s, s.children()) for s in supervisors(server) if s.children()]):
+            assert time.monotonic() < deadline, "the call's supervisor never showed up"
+            time.sleep(0.02)
+        supervisor, (command,) = found[0]
+        assert sorted(os.listdir(f"/proc/{command.pid}/fd"), key=int) == ["0", "1", "2"]
+        assert len(os.listdir(f"/proc/{supervisor.pid}/fd")) <= (1 if server.native_calls else 3)
+        server.cancel(call_id)
+        assert server.wait(call_id).signal is not None
+    finally:
+        for fd in (read_end, write_end, null):
+            os.close(fd)
+
+
+def test_timeout(server: ForkServer, session: str, workspace: Path) -> None:
+    output, info = run(server, session, ["sleep", "0.3"], str(workspace), timeout=1.0)
+    assert not info.timed_out and info.exit_code == 0, (output, info)  # type: ignore[attr-defined]
+    assert info.wall_seconds < 1.0, info  # type: ignore[attr-defined]
+    _, info = run(server, session, ["sleep", "30"], str(workspace), timeout=0.5)
+    assert info.timed_out, info  # type: ignore[attr-defined]
+
+
+def test_the_kernel_walls_hold(server: ForkServer, session: str, workspace: Path, outside: Path) -> None:
+    # Landlock and the read-only mount: a write outside the writable roots fails.
+    output, info = run(server, session, ["/bin/sh", "-c", f"echo x > {outside}/target.txt"], str(workspace))
+    assert info.exit_code != 0 and (outside / "target.txt").read_text() == "original\n", output  # type: ignore[attr-defined]
+    # seccomp: no new namespaces.
+    output, info = run(server, session, ["unshare", "--mount", "true"], str(workspace))
+    assert info.exit_code != 0 and "Operation not permitted" in output, output  # type: ignore[attr-defined]
+    # No capabilities, no_new_privs.
+    output, _ = run(server, session, ["grep", "-E", "^(CapEff|CapPrm|NoNewPrivs)", "/proc/self/status"],
+                    str(workspace))
+    assert "CapEff:\t0000000000000000" in output and "NoNewPrivs:\t1" in output, output
+    # Landlock's signal scope: the command cannot kill its call's supervisor.
+    output, info = run(server, session, ["/bin/sh", "-c", "kill -9 $PPID; echo status=$?"], str(workspace))
+    assert "status=1" in output and info.signal is None, (output, info)  # type: ignore[attr-defined]
+
+
+def test_errors_keep_their_step(server: ForkServer, session: str, workspace: Path) -> None:
+    with pytest.raises(ExecFailed) as missing:
+        run(server, session, ["no-such-program-here"], str(workspace))
+    assert missing.value.errno == errno.ENOENT and missing.value.hint and "not found" in missing.value.hint
+    with pytest.raises(SetupError) as bad_cwd:
+        run(server, session, ["true"], str(workspace / "does-not-exist"))
+    assert bad_cwd.value.errno == errno.ENOENT, bad_cwd.value
+    output, info = run(server, session, ["echo", "still fine"], str(workspace))
+    assert output == "still fine\n" and info.exit_code == 0  # type: ignore[attr-defined]
+
+
+def test_closing_the_session_leaves_nothing(server: ForkServer, workspace: Path) -> None:
+    name = f"call-close-{os.urandom(4).hex()}"
+    server.open_session(name, LaunchSpec(argv=("true",), workspace=str(workspace), env=dict(BASE_ENV),
+                                         policy=WorkspaceWrite()))
+    read_end, write_end = os.pipe()
+    try:
+        call_id, _ = server.call(name, ["/bin/sh", "-c", "sleep 60 & sleep 60"], dict(BASE_ENV), str(workspace),
+                                 None, (write_end, write_end, write_end))
+        assert fork_server_children(server)
+        server.close_session(name)
+        assert server.wait(call_id).signal is not None
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    # Every other test closed its session too: nothing may be left, not even a zombie.
+    assert fork_server_children(server) == []
+
+
+def test_limits_reach_the_command(server: ForkServer, workspace: Path) -> None:
+    name = f"call-limits-{os.urandom(4).hex()}"
+    server.open_session(name, LaunchSpec(argv=("true",), workspace=str(workspace), env=dict(BASE_ENV),
+                                         policy=WorkspaceWrite(), limits=Limits(cpu_seconds=7, open_files=77)))
+    try:
+        output, info = run(server, name, ["/bin/sh", "-c", "ulimit -t; ulimit -n; ulimit -c"], str(workspace))
+        assert output.split() == ["7", "77", "0"], output
+    finally:
+        server.close_session(name)
+
+
+def test_the_environment_stays_private(server: ForkServer, session: str, workspace: Path) -> None:
+    """The command's environment reaches it, but neither the supervisor's own environment
+    (it starts as root: no LD_PRELOAD) nor any world-readable command line."""
+    secret = f"secret-{os.urandom(6).hex()}"
+    read_end, write_end = os.pipe()
+    null = os.open("/dev/null", os.O_RDONLY)
+    try:
+        call_id, _ = server.call(session, ["/bin/sh", "-c", 'echo "$API_TOKEN $LD_PRELOAD"; exec sleep 5'],
+                                 {**BASE_ENV, "API_TOKEN": secret, "LD_PRELOAD": "/nonexistent.so"},
+                                 str(workspace), None, (null, write_end, write_end))
+        os.close(write_end)
+        write_end = -1
+        deadline, seen = time.monotonic() + 10, ""
+        while f"{secret} /nonexistent.so" not in seen:       # the command's own loader may complain first
+            assert time.monotonic() < deadline, seen
+            seen += os.read(read_end, 4096).decode()
+        for process in supervisors(server):
+            assert secret not in " ".join(process.cmdline())
+            assert "API_TOKEN" not in process.environ() and "LD_PRELOAD" not in process.environ()
+            for child in process.children():
+                assert secret not in " ".join(child.cmdline())
+        server.cancel(call_id)
+        server.wait(call_id)
+    finally:
+        for fd in (read_end, write_end, null):
+            if fd >= 0:
+                os.close(fd)
