@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import BASE_ENV
+from conftest import BASE_ENV, PY
 from sandboxd.errors import ExecFailed, SetupError
 from sandboxd.launcher.native_call import helper_path
 from sandboxd.policy import LaunchSpec, Limits, WorkspaceWrite
@@ -203,3 +203,37 @@ def test_the_environment_stays_private(server: ForkServer, session: str, workspa
         for fd in (read_end, write_end, null):
             if fd >= 0:
                 os.close(fd)
+
+
+UNIX_CONNECT = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+try:
+    s.connect(sys.argv[1])
+    print("connected")
+except OSError as e:
+    print("refused", e.errno)
+"""
+
+
+def test_host_unix_sockets_stay_unreachable(server: ForkServer, session: str, workspace: Path,
+                                            base_dir: Path) -> None:
+    """Without network, connect() is brokered by the session's init (the call's seccomp listener
+    went to it): a host socket is refused, one bound inside the session is reachable."""
+    import socket
+
+    host_path = base_dir / "host.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(host_path))
+    listener.listen(4)
+    os.chmod(host_path, 0o777)
+    try:
+        output, _ = run(server, session, [PY, "-c", UNIX_CONNECT, str(host_path)], str(workspace))
+        assert output.split() == ["refused", str(errno.EACCES)], output
+        inside = workspace / "inside.sock"
+        script = (f"{PY} -c 'import socket,time; s=socket.socket(socket.AF_UNIX); s.bind(\"{inside}\"); "
+                  f"s.listen(1); time.sleep(3)' & sleep 0.5; {PY} -c '{UNIX_CONNECT}' {inside}")
+        output, _ = run(server, session, ["/bin/sh", "-c", script], str(workspace))
+        assert output.split() == ["connected"], output
+    finally:
+        listener.close()
