@@ -29,6 +29,25 @@ class Forbidden(SandboxdError):
     """The caller may not do this (someone else's session, a path out of its own reach)."""
 
 
+class PermissionDenied(Forbidden):
+    """A tool call the policy engine refused, or the user denied: it was never invoked.
+    ``by`` says who: "sandbox" (structural), "user", "timeout" (nobody answered in time),
+    "cancelled" (the caller went away while waiting)."""
+
+    def __init__(self, call_id: str, tool: str, reason: str | None, by: str, detail: str = "") -> None:
+        self.call_id, self.tool, self.reason, self.by, self.detail = call_id, tool, reason, by, detail
+        words = {"sandbox": "denied by the sandbox", "user": "denied by user",
+                 "timeout": "denied: nobody approved it in time", "cancelled": "denied: the caller went away"}
+        text = f"{tool}: {words.get(by, 'denied')}"
+        if reason:
+            text += f" ({reason})"
+        super().__init__(f"{text}: {detail}" if detail else text)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"call_id": self.call_id, "tool": self.tool, "reason": self.reason, "by": self.by,
+                "detail": self.detail, "message": str(self)}
+
+
 class Exhausted(SandboxdError):
     """A configured limit on the daemon itself was reached (sessions, calls)."""
 

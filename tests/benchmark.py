@@ -510,7 +510,7 @@ class DaemonProcess:
 
         started = time.monotonic()
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([str(venv_bin() / "sandboxd"), "serve", "--socket", self.socket],
+            self.proc = subprocess.Popen([str(venv_bin() / "sandboxd"), "serve", "--socket", self.socket, "--state-dir", os.path.join(os.path.dirname(self.socket), "state")],
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True,
                                          preexec_fn=_set_parent_death_signal)
         deadline = started + DAEMON_READY_TIMEOUT_S
@@ -694,7 +694,7 @@ def exec_true(client: Any, session_id: str) -> None:
 
 
 def create_session(client: Any, sessions: Sessions, workspace: str) -> str:
-    session = client.create_session(workspace)
+    session = client.create_session(workspace, approval="never")
     sessions.add(session.id)
     return session.id
 

@@ -27,7 +27,7 @@ def base() -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def client(base: Path) -> Iterator[SandboxClient]:
     socket_path = base / "sandboxd.sock"
-    daemon = subprocess.Popen([SANDBOXD, "serve", "--socket", str(socket_path)], stderr=subprocess.PIPE, text=True)
+    daemon = subprocess.Popen([SANDBOXD, "serve", "--socket", str(socket_path), "--state-dir", str(socket_path.parent / "state")], stderr=subprocess.PIPE, text=True)
     assert daemon.stderr is not None and '"serving"' in daemon.stderr.readline()
     with SandboxClient(str(socket_path)) as c:
         yield c

@@ -77,7 +77,10 @@ class Daemon:
 
     def start(self, within: float = 60.0) -> "Daemon":
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([SANDBOXD, "serve", "--socket", self.socket, *self.args],
+            state = [] if "--state-dir" in self.args else ["--state-dir", str(self.base / "state")]
+            # A call held for approval by mistake fails in seconds instead of hanging a test.
+            state += [] if "--approval-timeout" in self.args else ["--approval-timeout", "20"]
+            self.proc = subprocess.Popen([SANDBOXD, "serve", "--socket", self.socket, *state, *self.args],
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=BASE_ENV)
         deadline = time.monotonic() + within
         while True:
@@ -209,6 +212,9 @@ def read_only(**kwargs: Any) -> pb.SandboxPolicy:
 
 def create_session(stub: pb_grpc.SandboxStub, workspace: str | os.PathLike[str],
                    policy: pb.SandboxPolicy | None = None, **kwargs: Any) -> pb.Session:
+    """A session; its approval policy is NEVER unless given (the tests of approvals give one),
+    so that calls of the other tests are not held for a person."""
+    kwargs.setdefault("approval_policy", pb.NEVER)
     request = pb.CreateSessionRequest(workspace=str(workspace), **kwargs)
     if policy is not None:
         request.sandbox_policy.CopyFrom(policy)

@@ -19,7 +19,7 @@ from sandboxd.v1 import sandboxd_pb2 as pb
 def session(client: SandboxClient, base: Path, request: pytest.FixtureRequest) -> pb.Session:
     workspace = base / f"bg-{request.node.name}"
     workspace.mkdir()
-    return client.create_session(str(workspace))
+    return client.create_session(str(workspace), approval="never")
 
 
 def host_pids(marker: str) -> list[str]:
@@ -66,7 +66,7 @@ def test_a_dev_server_serves_other_calls_until_stopped(client: SandboxClient, se
 def test_closing_the_session_kills_background_processes(client: SandboxClient, base: Path) -> None:
     workspace = base / "bg-close"
     workspace.mkdir()
-    session = client.create_session(str(workspace))
+    session = client.create_session(str(workspace), approval="never")
     marker = f"{uuid.uuid4().int % 10**9}"
     client.stub.StartBackground(pb.StartBackgroundRequest(session_id=session.id, argv=["sleep", "300", marker]))
     assert host_pids(f"sleep 300 {marker}")

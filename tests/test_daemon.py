@@ -677,12 +677,13 @@ def test_update_sandbox_policy(stub: pb_grpc.SandboxStub, session: pb.Session, w
 
 def test_update_approval_only_keeps_the_sandbox(stub: pb_grpc.SandboxStub, session: pb.Session) -> None:
     assert sh(stub, session.id, "echo kept > /tmp/kept").result.exit_code == 0
-    updated = update(stub, session.id, approval=pb.ALWAYS)
-    assert updated.approval_policy == pb.ALWAYS and updated.sandbox_generation == 1
+    updated = update(stub, session.id, approval=pb.ON_REQUEST)
+    assert updated.approval_policy == pb.ON_REQUEST and updated.sandbox_generation == 1
     assert updated.sandbox_policy.mode == pb.SandboxPolicy.WORKSPACE_WRITE
+    # `cat` only reads, so on-request lets it run without asking.
     assert run_exec(stub, session.id, ["cat", "/tmp/kept"]).stdout == b"kept\n"    # same sandbox, same /tmp
     again = update(stub, session.id, workspace_write())                           # the same policy: no rebuild
-    assert again.sandbox_generation == 1 and again.approval_policy == pb.ALWAYS
+    assert again.sandbox_generation == 1 and again.approval_policy == pb.ON_REQUEST
 
 
 def test_update_with_a_bad_policy_changes_nothing(stub: pb_grpc.SandboxStub, session: pb.Session,
@@ -733,7 +734,7 @@ res["writable_root_of_root"] = code(lambda: stub.CreateSession(pb.CreateSessionR
 res["list_after_refusals"] = ids()
 mine = []
 for ws in (ARGS["open_dir"], ARGS["own_dir"]):
-    s = stub.CreateSession(pb.CreateSessionRequest(workspace=ws))
+    s = stub.CreateSession(pb.CreateSessionRequest(workspace=ws, approval_policy=pb.NEVER))
     out, ec = run(s.id, ["sh", "-c", "id -u; id -g; touch made-by-me && echo ok"])
     mine.append({"id": s.id, "owner_uid": s.owner_uid, "owner_gid": s.owner_gid, "out": out, "exit": ec})
 res["mine"] = mine
@@ -768,7 +769,7 @@ def test_peer_credentials_isolate_users(daemon: Daemon, stub: pb_grpc.SandboxStu
     assert os.stat(own_dir / "made-by-me").st_uid == NOBODY
 
     # Root's session is untouched, and root (an admin) sees and may use everyone's.
-    assert stub.GetSession(pb.GetSessionRequest(session_id=root_session.id)).approval_policy == pb.ON_REQUEST
+    assert stub.GetSession(pb.GetSessionRequest(session_id=root_session.id)).approval_policy == pb.NEVER
     listed = {s.id: s for s in stub.ListSessions(pb.ListSessionsRequest()).sessions}
     for mine in res["mine"]:
         assert listed[mine["id"]].owner_uid == NOBODY
@@ -878,11 +879,17 @@ def test_sigkill_takes_every_sandbox_down(own_daemon: Daemon, sleep_marker: str)
         call.close()
         kill_procs(tree)
     # A new daemon can take over the same socket path (the old one left its socket file behind).
+    # The killed daemon's sessions are resumed from the event store: listed, their sandboxes
+    # rebuilt by their next call.
     again = Daemon(own_daemon.base)
     try:
         again.start()
+        resumed = again.stub.ListSessions(pb.ListSessionsRequest()).sessions
+        assert resumed and not any(x.sandbox_ready for x in resumed), resumed
         s = create_session(again.stub, own_daemon.base / "ws")
         assert run_exec(again.stub, s.id, ["echo", "back"]).stdout == b"back\n"
-        assert [x.id for x in again.stub.ListSessions(pb.ListSessionsRequest()).sessions] == [s.id]
+        assert run_exec(again.stub, resumed[0].id, ["echo", "resumed"]).stdout == b"resumed\n"
+        listed = {x.id: x for x in again.stub.ListSessions(pb.ListSessionsRequest()).sessions}
+        assert set(listed) == {s.id} | {x.id for x in resumed} and listed[resumed[0].id].sandbox_ready
     finally:
         again.close()

@@ -21,7 +21,7 @@ SANDBOXD = str(REPO / ".venv" / "bin" / "sandboxd")
 def test_a_burst_of_stop_signals_stops_the_daemon(signum: int) -> None:
     base = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="sandboxd-signals-"))
     socket_path = base / "sandboxd.sock"
-    daemon = subprocess.Popen([SANDBOXD, "serve", "--socket", str(socket_path)], stderr=subprocess.PIPE, text=True)
+    daemon = subprocess.Popen([SANDBOXD, "serve", "--socket", str(socket_path), "--state-dir", str(socket_path.parent / "state")], stderr=subprocess.PIPE, text=True)
     try:
         assert daemon.stderr is not None and '"serving"' in daemon.stderr.readline()
         for _ in range(50):                               # many, fast: some land at the worst moment

@@ -31,7 +31,7 @@ def test_node_client_runs_a_command_in_a_session() -> None:
     workspace = base / "ws"
     workspace.mkdir()
     socket_path = base / "sandboxd.sock"
-    daemon = subprocess.Popen([SANDBOXD, "serve", "--socket", str(socket_path)], stderr=subprocess.PIPE, text=True)
+    daemon = subprocess.Popen([SANDBOXD, "serve", "--socket", str(socket_path), "--state-dir", str(socket_path.parent / "state")], stderr=subprocess.PIPE, text=True)
     try:
         assert daemon.stderr is not None and '"serving"' in daemon.stderr.readline()
         result = subprocess.run(["node", str(CLIENT / "client.mjs"), str(socket_path), str(workspace)],

@@ -22,7 +22,7 @@ def ctl(base: Path, *args: str, stdin: str = "") -> subprocess.CompletedProcess[
 def session_id(client: SandboxClient, base: Path, request: pytest.FixtureRequest) -> str:
     workspace = base / f"ctl-{request.node.name}"
     workspace.mkdir()
-    created = ctl(base, "session", "create", str(workspace))
+    created = ctl(base, "session", "create", str(workspace), "--approval", "never")
     assert created.returncode == 0, created.stderr
     return created.stdout.strip()
 

@@ -15,7 +15,10 @@ const client = new sandboxd.v1.Sandbox(`unix:${socket}`, grpc.credentials.create
 const call = (method, request) => new Promise((resolve, reject) =>
   client[method](request, (error, reply) => (error ? reject(error) : resolve(reply))));
 
-const session = await call("CreateSession", { workspace, sandbox_policy: { mode: "WORKSPACE_WRITE" } });
+// approval_policy NEVER: this script has nobody to ask. With the default (ON_REQUEST) an unknown
+// command is held until ResolveApproval answers it (watch WatchEvents for PermissionRequested).
+const session = await call("CreateSession", { workspace, sandbox_policy: { mode: "WORKSPACE_WRITE" },
+                                              approval_policy: "NEVER" });
 const stream = client.Exec();
 const out = { session_id: session.id, stdout: "", stderr: "", started_pid: 0, result: null };
 stream.on("data", (message) => {

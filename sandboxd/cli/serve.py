@@ -6,7 +6,7 @@ import argparse
 import grp
 import sys
 
-from sandboxd.service.server import DEFAULT_SOCKET
+from sandboxd.service.server import DEFAULT_SOCKET, DEFAULT_STATE_DIR
 
 
 def main(argv: list[str]) -> int:
@@ -18,6 +18,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--socket", default=DEFAULT_SOCKET, help=f"the Unix socket to listen on (default {DEFAULT_SOCKET})")
     parser.add_argument("--admin-group", metavar="GROUP", help="members may see and use every session")
     parser.add_argument("--workers", type=int, default=64, help="concurrent RPCs (default 64)")
+    parser.add_argument("--state-dir", default=DEFAULT_STATE_DIR,
+                        help=f"the event store (audit log) and session metadata (default {DEFAULT_STATE_DIR})")
+    parser.add_argument("--approval-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="a call nobody approves within this is denied (default 300)")
     tls = parser.add_argument_group("optional TCP listener (TLS with client certificates only)")
     tls.add_argument("--tcp", metavar="HOST:PORT", help="also listen here, with TLS")
     tls.add_argument("--tls-cert", metavar="FILE", help="the server's certificate chain (PEM)")
@@ -50,4 +54,8 @@ def main(argv: list[str]) -> int:
             sys.stderr.write(f"sandboxd serve: unknown group {args.admin_group!r}\n")
             return 2
     from sandboxd.service.server import serve
-    return serve(args.socket, admin_gid=admin_gid, workers=args.workers, tls=listener)
+    if args.approval_timeout <= 0:
+        sys.stderr.write("sandboxd serve: --approval-timeout must be a positive number of seconds\n")
+        return 2
+    return serve(args.socket, admin_gid=admin_gid, workers=args.workers, tls=listener, state_dir=args.state_dir,
+                 approval_timeout=args.approval_timeout)

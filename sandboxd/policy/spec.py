@@ -42,27 +42,34 @@ class LaunchSpec(Record):
         validate_policy(self.policy)
 
 
+def policy_to_dict(policy: SandboxPolicy) -> dict[str, object]:
+    """Plain JSON-able form of a sandbox policy (the fork server's wire, the event store)."""
+    return {"name": policy.name, "network_access": bool(policy.network_access),
+            "writable_roots": list(getattr(policy, "writable_roots", ())),
+            "protected_subpaths": list(getattr(policy, "protected_subpaths", ()))}
+
+
+def policy_from_dict(data: dict[str, object]) -> SandboxPolicy:
+    from sandboxd.policy.sandbox import policy_from_name
+
+    return policy_from_name(str(data["name"]), network_access=bool(data.get("network_access")),
+                            writable_roots=list(data.get("writable_roots") or ()),  # type: ignore[call-overload]
+                            protected_subpaths=list(data.get("protected_subpaths") or ()))  # type: ignore[call-overload]
+
+
 def spec_to_dict(spec: LaunchSpec) -> dict[str, object]:
     """Plain JSON-able form (the fork server's wire format)."""
-    policy = spec.policy
     return {
         "argv": list(spec.argv), "workspace": spec.workspace, "env": dict(spec.env), "cwd": spec.cwd,
-        "policy": {"name": policy.name, "network_access": bool(policy.network_access),
-                   "writable_roots": list(getattr(policy, "writable_roots", ())),
-                   "protected_subpaths": list(getattr(policy, "protected_subpaths", ()))},
+        "policy": policy_to_dict(spec.policy),
         "limits": spec.limits.as_dict(),
         "user": list(spec.user) if spec.user else None,
     }
 
 
 def spec_from_dict(data: dict[str, object]) -> LaunchSpec:
-    from sandboxd.policy.sandbox import policy_from_name
-
     try:
-        p = dict(data["policy"])  # type: ignore[arg-type]
-        policy = policy_from_name(str(p["name"]), network_access=bool(p.get("network_access")),
-                                  writable_roots=list(p.get("writable_roots") or ()),
-                                  protected_subpaths=list(p.get("protected_subpaths") or ()))
+        policy = policy_from_dict(dict(data["policy"]))  # type: ignore[call-overload]
         user = data.get("user")
         return LaunchSpec(argv=tuple(data["argv"]), workspace=str(data["workspace"]),  # type: ignore[arg-type]
                           env=dict(data.get("env") or {}), cwd=data.get("cwd"),  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy import DEFAULT_PROTECTED_SUBPATHS, Limits, SandboxPolicy, policy_from_name
+from sandboxd.policy.decision import PermissionMode, ToolRules, axes_for
 from sandboxd.policy.limits import DEFAULT_TMP_SIZE
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -59,3 +60,15 @@ def limits_to_proto(limits: Limits) -> pb.Limits:
     return pb.Limits(timeout_seconds=limits.timeout_seconds or 0, memory_bytes=limits.memory_bytes or 0,
                      pids=limits.pids or 0, cpu_seconds=limits.cpu_seconds or 0, open_files=limits.open_files or 0,
                      tmp_size_bytes=limits.tmp_size_bytes)
+
+
+def axes_from_create_request(request: pb.CreateSessionRequest) -> tuple[SandboxPolicy, str, ToolRules]:
+    """The two axes (and a permission mode's tool rules) a CreateSession asks for. Single-axis
+    clients send permission_mode, or the older allow_shell / allow_file_write, which win when
+    both styles are sent (a missing one of the two counts as false)."""
+    legacy = request.HasField("allow_shell") or request.HasField("allow_file_write")
+    if legacy or request.permission_mode:
+        mode = (PermissionMode.from_legacy(request.allow_shell, request.allow_file_write) if legacy
+                else PermissionMode.parse(request.permission_mode))
+        return axes_for(mode, network_access=request.sandbox_policy.network_access)
+    return policy_from_proto(request.sandbox_policy), approval_from_proto(request.approval_policy), ToolRules()

@@ -70,6 +70,13 @@ def result_to_proto(info: ExitInfo, *, truncated: bool) -> pb.ExecResult:
                          shell_status=info.shell_status)
 
 
+def result_summary(result: pb.ExecResult) -> dict[str, object]:
+    """What the audit log keeps of an ended command."""
+    return {"exit_code": result.exit_code, "signal": result.signal, "timed_out": result.timed_out,
+            "shell_status": result.shell_status, "wall_seconds": round(result.wall_seconds, 6),
+            "output_truncated": result.output_truncated}
+
+
 def _feed(fork: ForkServer, call_id: int, stdin_w: int, start: pb.ExecStart,
           requests: Iterator[pb.ExecRequest]) -> None:
     """Write stdin and deliver signals as the client sends them; close stdin when asked or at the end."""

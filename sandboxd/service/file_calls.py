@@ -1,5 +1,6 @@
-"""ReadFile, WriteFile, ListDir: the policy answers first, with a reason; then the tool runs
-inside the session's sandbox (sandboxd.launcher.file_tools), where the kernel answers too."""
+"""ReadFile, WriteFile, ListDir: the policy engine answers first, with a reason (see
+``write_effect`` and sandboxd.service.approvals); then the tool runs inside the session's
+sandbox (sandboxd.launcher.file_tools), where the kernel answers too."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import threading
 from typing import Iterator
 
 from sandboxd.errors import Forbidden, InvalidPolicy, NotFound, SandboxdError
-from sandboxd.policy.sandbox import DangerFullAccess, ReadOnly, WorkspaceWrite, is_within
+from sandboxd.policy.sandbox import DangerFullAccess, is_within
+from sandboxd.policy.tools import Effect
 from sandboxd.service.calls import SessionCall, write_all
 from sandboxd.service.sessions import Session, SessionRegistry
 from sandboxd.supervisor.forkserver import ForkServer
@@ -29,25 +31,24 @@ def resolve(session: Session, path: str) -> str:
     return os.path.normpath(path if path.startswith("/") else os.path.join(session.workspace, path))
 
 
-def check_write(session: Session, path: str) -> None:
-    """The policy's answer before anything runs: refused writes say why."""
+def write_effect(session: Session, paths: list[str]) -> tuple[str, str]:
+    """The effect of writing ``paths`` (resolved, absolute) in this session, and for a destructive
+    one the reason: a write outside the writable roots, or under a protected subpath, counts as
+    destructive (the policy engine then refuses it unless the sandbox is danger-full-access)."""
     policy = session.policy
-    if isinstance(policy, DangerFullAccess):
-        return
-    if isinstance(policy, ReadOnly):
-        raise Forbidden(f"write to {path!r} refused by the sandbox policy read-only: nothing is writable "
-                        "(switch the session to workspace-write to write the workspace)")
-    assert isinstance(policy, WorkspaceWrite)
-    roots = [session.workspace] + [os.path.realpath(r) for r in policy.writable_roots]
-    inside = [root for root in roots if is_within(path, root)]
-    if not inside and not (is_within(path, "/tmp") or is_within(path, "/dev/shm")):
-        raise Forbidden(f"write to {path!r} refused by the sandbox policy workspace-write: it is outside the "
-                        f"workspace and the writable roots ({', '.join(roots)})")
-    for root in inside:
-        for sub in policy.protected_subpaths:
-            if is_within(path, os.path.join(root, sub)):
-                raise Forbidden(f"write to {path!r} refused by the sandbox policy: {sub} stays read-only "
-                                "inside writable roots")
+    roots = [session.workspace] + [os.path.realpath(r) for r in getattr(policy, "writable_roots", ())]
+    scratch = [] if isinstance(policy, DangerFullAccess) else ["/tmp", "/dev/shm"]  # private to a confined sandbox
+    protected = getattr(policy, "protected_subpaths", ())
+    for path in paths:
+        inside = [root for root in roots if is_within(path, root)]
+        if not inside and not any(is_within(path, area) for area in scratch):
+            return Effect.DESTRUCTIVE, (f"write to {path!r} is outside the workspace and the writable roots "
+                                        f"({', '.join(roots)})")
+        for root in inside:
+            for sub in protected:
+                if is_within(path, os.path.join(root, sub)):
+                    return Effect.DESTRUCTIVE, f"write to {path!r}: {sub} stays read-only inside writable roots"
+    return Effect.WORKSPACE_WRITE, ""
 
 
 def run_tool(registry: SessionRegistry, fork: ForkServer, session: Session, tool: dict[str, object],

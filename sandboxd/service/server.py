@@ -44,8 +44,12 @@ class TlsListener:
             self.client_ca = f.read()
 
 
+DEFAULT_STATE_DIR = "/var/lib/sandboxd"
+
+
 def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, workers: int = 64,
-          ready: "threading.Event | None" = None, tls: "TlsListener | None" = None) -> int:
+          ready: "threading.Event | None" = None, tls: "TlsListener | None" = None,
+          state_dir: str = DEFAULT_STATE_DIR, approval_timeout: float = 300.0) -> int:
     from sandboxd.supervisor.forkserver import ForkServer
     fork = ForkServer.start()                             # before gRPC's threads, and as a fresh process
 
@@ -53,6 +57,8 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
+    from sandboxd.audit.store import EventStore
+    from sandboxd.service.approvals import ApprovalGate
     from sandboxd.service.peercred import FrontDoor, PeerCredentials
     from sandboxd.service.servicer import Callers, SandboxServicer
     from sandboxd.service.sessions import SessionRegistry
@@ -73,11 +79,15 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
     if os.path.exists(backend):
         os.unlink(backend)
 
-    registry = SessionRegistry(fork, admin_gid=admin_gid)
+    # The audit log and session metadata: opened (and migrated) before anything is served.
+    store = EventStore(os.path.join(state_dir, "events.db"))
+    registry = SessionRegistry(fork, store, admin_gid=admin_gid)
+    resumed = registry.restore()
+    gate = ApprovalGate(store, timeout=approval_timeout)
     door = FrontDoor(socket_path, backend, relay_dir=os.path.join(private, "relay"))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandboxd-rpc"))
     callers = Callers(door, (tls.uid, tls.gid) if tls else None)
-    sandboxd_pb2_grpc.add_SandboxServicer_to_server(SandboxServicer(registry, fork, callers), server)
+    sandboxd_pb2_grpc.add_SandboxServicer_to_server(SandboxServicer(registry, fork, callers, gate), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -100,7 +110,8 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda received, _frame: stopping.append(received))
     log.info("serving", extra={"fields": {"socket": socket_path, "pid": os.getpid(),
-                                          "tls": tls.address if tls else None}})
+                                          "tls": tls.address if tls else None, "event_store": store.path,
+                                          "sessions_resumed": resumed}})
     if ready is not None:
         ready.set()
     while not stopping:
@@ -116,6 +127,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
     registry.close_all()
     server.stop(grace=2).wait()
     fork.close()
+    store.close()
     for path in (backend,):
         try:
             os.unlink(path)

@@ -8,23 +8,26 @@ from typing import Any, Callable, Iterator
 import grpc
 
 from sandboxd.errors import InvalidPolicy
-from sandboxd.service import convert, exec_call, file_calls, patch_search
+from sandboxd.service import convert, exec_call, file_calls, patch_search, tool_calls
+from sandboxd.service.approvals import ApprovalGate, ToolCall
+from sandboxd.service.audit_calls import AuditService
 from sandboxd.service.background import BackgroundJob, BackgroundJobs
 from sandboxd.service.peercred import FrontDoor, PeerCredentials, caller
-from sandboxd.service.sessions import Session, SessionRegistry
+from sandboxd.service.sessions import Session, SessionRegistry, cwd_inside
 from sandboxd.service.status import abort
 from sandboxd.supervisor.forkserver import ForkServer
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 
 
-def session_to_proto(session: Session) -> pb.Session:
+def session_to_proto(session: Session, closed_at: float = 0.0) -> pb.Session:
     return pb.Session(
         id=session.id, workspace=session.workspace, sandbox_policy=convert.policy_to_proto(session.policy),
         approval_policy=convert.approval_to_proto(session.approval),
         limits=convert.limits_to_proto(session.limits), labels=session.labels, owner_uid=session.owner.uid,
         owner_gid=session.owner.gid, created_at=session.created_at, running_calls=session.running_calls,
-        sandbox_generation=session.generation)
+        sandbox_generation=session.generation, permission_mode=session.rules.mode, closed_at=closed_at or 0.0,
+        sandbox_ready=session.sandbox_ready and not closed_at)
 
 
 def job_to_proto(job: BackgroundJob) -> pb.BackgroundProcess:
@@ -55,11 +58,14 @@ class Callers:
 
 
 class SandboxServicer(pb_grpc.SandboxServicer):
-    def __init__(self, registry: SessionRegistry, fork: ForkServer, callers: "Callers | FrontDoor") -> None:
+    def __init__(self, registry: SessionRegistry, fork: ForkServer, callers: "Callers | FrontDoor",
+                 gate: ApprovalGate) -> None:
         self._registry = registry
         self._fork = fork
         self._callers = callers if isinstance(callers, Callers) else Callers(callers)
         self._jobs = BackgroundJobs(registry, fork)
+        self._gate = gate
+        self._audit = AuditService(registry, gate)
 
     def _unary(self, context: grpc.ServicerContext, work: Callable[[PeerCredentials], Any]) -> Any:
         try:
@@ -67,12 +73,17 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
             abort(context, error)
 
+    def _tool(self, context: grpc.ServicerContext, session: Session, call: ToolCall, body: Callable[[], Any]) -> Any:
+        """Run a built-in tool call through the policy engine: decided, recorded, maybe held for
+        approval (PermissionDenied if refused), then run; its end is recorded too."""
+        with self._gate.authorize(session, call, still_wanted=context.is_active):
+            return body()
+
     def CreateSession(self, request: pb.CreateSessionRequest, context: grpc.ServicerContext) -> pb.Session:
         def work(who: PeerCredentials) -> pb.Session:
-            policy = convert.policy_from_proto(request.sandbox_policy)
-            session = self._registry.create(
-                who, request.workspace, policy, convert.approval_from_proto(request.approval_policy),
-                convert.limits_from_proto(request.limits), dict(request.labels))
+            policy, approval, rules = convert.axes_from_create_request(request)
+            session = self._registry.create(who, request.workspace, policy, approval,
+                                            convert.limits_from_proto(request.limits), dict(request.labels), rules)
             return session_to_proto(session)
         return self._unary(context, work)
 
@@ -80,13 +91,19 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         return self._unary(context, lambda who: session_to_proto(self._registry.get(who, request.session_id)))
 
     def ListSessions(self, request: pb.ListSessionsRequest, context: grpc.ServicerContext) -> pb.ListSessionsResponse:
-        return self._unary(context, lambda who: pb.ListSessionsResponse(
-            sessions=[session_to_proto(s) for s in self._registry.list(who)]))
+        def work(who: PeerCredentials) -> pb.ListSessionsResponse:
+            sessions = [session_to_proto(s) for s in self._registry.list(who)]
+            if request.include_closed:
+                sessions += [session_to_proto(s, closed_at) for s, closed_at in self._registry.list_closed(who)]
+            return pb.ListSessionsResponse(sessions=sessions)
+        return self._unary(context, work)
 
     def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext) -> pb.CloseSessionResponse:
         def work(who: PeerCredentials) -> pb.CloseSessionResponse:
             self._registry.close(who, request.session_id)
             self._jobs.forget(request.session_id)
+            self._gate.forget_session(request.session_id)
+            self._audit.forget_session(request.session_id)
             return pb.CloseSessionResponse()
         return self._unary(context, work)
 
@@ -104,8 +121,10 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         def work(who: PeerCredentials) -> pb.ReadFileResponse:
             session = self._registry.get(who, request.session_id)
             limit = int(request.max_bytes) or file_calls.DEFAULT_READ_LIMIT
-            code, data = file_calls.run_tool(self._registry, self._fork, session, {
-                "op": "read", "path": file_calls.resolve(session, request.path), "max_bytes": limit}, limit=limit)
+            path = file_calls.resolve(session, request.path)
+            code, data = self._tool(context, session, tool_calls.read(session, "fs.read", path), lambda: (
+                file_calls.run_tool(self._registry, self._fork, session, {
+                    "op": "read", "path": path, "max_bytes": limit}, limit=limit)))
             return pb.ReadFileResponse(data=data, truncated=code == 3)
         return self._unary(context, work)
 
@@ -113,55 +132,68 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         def work(who: PeerCredentials) -> pb.WriteFileResponse:
             session = self._registry.get(who, request.session_id)
             path = file_calls.resolve(session, request.path)
-            file_calls.check_write(session, path)
             if request.mode > 0o7777:
                 raise InvalidPolicy(f"mode {request.mode:o} is not a permission mode (at most 7777 octal)")
-            _, out = file_calls.run_tool(self._registry, self._fork, session, {
-                "op": "write", "path": path, "mode": request.mode, "create_parents": request.create_parents},
-                data=request.data)
+            call = tool_calls.write(session, "fs.write", [path], bytes=len(request.data))
+            _, out = self._tool(context, session, call, lambda: file_calls.run_tool(
+                self._registry, self._fork, session, {
+                    "op": "write", "path": path, "mode": request.mode, "create_parents": request.create_parents},
+                data=request.data))
             return pb.WriteFileResponse(bytes_written=int(out or b"0"))
         return self._unary(context, work)
 
     def ListDir(self, request: pb.ListDirRequest, context: grpc.ServicerContext) -> pb.ListDirResponse:
         def work(who: PeerCredentials) -> pb.ListDirResponse:
             session = self._registry.get(who, request.session_id)
-            _, out = file_calls.run_tool(self._registry, self._fork, session, {
-                "op": "list", "path": file_calls.resolve(session, request.path)})
+            path = file_calls.resolve(session, request.path)
+            _, out = self._tool(context, session, tool_calls.read(session, "fs.list", path), lambda: (
+                file_calls.run_tool(self._registry, self._fork, session, {"op": "list", "path": path})))
             return pb.ListDirResponse(entries=file_calls.parse_listing(out))
         return self._unary(context, work)
 
     def ApplyPatch(self, request: pb.ApplyPatchRequest, context: grpc.ServicerContext) -> pb.ApplyPatchResponse:
         def work(who: PeerCredentials) -> pb.ApplyPatchResponse:
             session = self._registry.get(who, request.session_id)
-            return pb.ApplyPatchResponse(files=patch_search.apply_patch(
-                self._registry, self._fork, session, request.patch, request.strip))
+            targets = [file_calls.resolve(session, f.path)
+                       for f in patch_search.patched_files(request.patch, request.strip)[0]]
+            return pb.ApplyPatchResponse(files=self._tool(
+                context, session, tool_calls.write(session, "patch.apply", targets),
+                lambda: patch_search.apply_patch(self._registry, self._fork, session, request.patch, request.strip)))
         return self._unary(context, work)
 
     def Search(self, request: pb.SearchRequest, context: grpc.ServicerContext) -> pb.SearchResponse:
         def work(who: PeerCredentials) -> pb.SearchResponse:
             session = self._registry.get(who, request.session_id)
-            return patch_search.search(self._registry, self._fork, session, request.pattern, request.path,
-                                       request.max_results, request.case_insensitive, request.engine)
+            call = tool_calls.read(session, "search", file_calls.resolve(session, request.path),
+                                   pattern=request.pattern)
+            return self._tool(context, session, call, lambda: patch_search.search(
+                self._registry, self._fork, session, request.pattern, request.path, request.max_results,
+                request.case_insensitive, request.engine))
         return self._unary(context, work)
 
     def StartBackground(self, request: pb.StartBackgroundRequest, context: grpc.ServicerContext) -> pb.BackgroundProcess:
         def work(who: PeerCredentials) -> pb.BackgroundProcess:
             session = self._registry.get(who, request.session_id)
             argv = exec_call.command_of(pb.ExecStart(argv=request.argv, shell=request.shell))
-            return job_to_proto(self._jobs.start(session, argv, request.cwd, dict(request.env), request.name))
+            call = tool_calls.command(session, "monitor.start", argv, cwd_inside(session.workspace, request.cwd))
+            return job_to_proto(self._tool(context, session, call, lambda: self._jobs.start(
+                session, argv, request.cwd, dict(request.env), request.name)))
         return self._unary(context, work)
 
     def ListBackground(self, request: pb.ListBackgroundRequest,
                        context: grpc.ServicerContext) -> pb.ListBackgroundResponse:
         def work(who: PeerCredentials) -> pb.ListBackgroundResponse:
             session = self._registry.get(who, request.session_id)
-            return pb.ListBackgroundResponse(processes=[job_to_proto(j) for j in self._jobs.list(session)])
+            jobs = self._tool(context, session, tool_calls.read(session, "monitor.list", ""),
+                              lambda: self._jobs.list(session))
+            return pb.ListBackgroundResponse(processes=[job_to_proto(j) for j in jobs])
         return self._unary(context, work)
 
     def StopBackground(self, request: pb.StopBackgroundRequest, context: grpc.ServicerContext) -> pb.BackgroundProcess:
         def work(who: PeerCredentials) -> pb.BackgroundProcess:
             session = self._registry.get(who, request.session_id)
-            return job_to_proto(self._jobs.stop(session, request.id))
+            call = tool_calls.read(session, "monitor.stop", "", id=request.id)
+            return job_to_proto(self._tool(context, session, call, lambda: self._jobs.stop(session, request.id)))
         return self._unary(context, work)
 
     def ReadBackgroundOutput(self, request: pb.ReadBackgroundOutputRequest,
@@ -181,7 +213,54 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "start":
                 raise InvalidPolicy("the first Exec message must be `start` (session, argv or shell, ...)")
-            session = self._registry.get(who, first.start.session_id)
-            yield from exec_call.run(self._registry, self._fork, session, first.start, request_iterator, context)
+            start = first.start
+            session = self._registry.get(who, start.session_id)
+            call = tool_calls.command(session, "shell.exec", exec_call.command_of(start),
+                                      cwd_inside(session.workspace, start.cwd), context_id=start.execution_context_id)
+            with self._gate.authorize(session, call, still_wanted=context.is_active) as granted:
+                for response in exec_call.run(self._registry, self._fork, session, start, request_iterator, context):
+                    if response.HasField("result"):
+                        granted.completed(exec_call.result_summary(response.result))
+                    yield response
         except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
             abort(context, error)
+
+    # ---- policy, approvals and the audit log ----
+
+    def ResolveApproval(self, request: pb.ResolveApprovalRequest,
+                        context: grpc.ServicerContext) -> pb.ResolveApprovalResponse:
+        return self._unary(context, lambda who: self._audit.resolve(who, request))
+
+    def ListPendingApprovals(self, request: pb.ListPendingApprovalsRequest,
+                             context: grpc.ServicerContext) -> pb.ListPendingApprovalsResponse:
+        return self._unary(context, lambda who: self._audit.pending(who, request.session_id))
+
+    def Authorize(self, request: pb.AuthorizeRequest, context: grpc.ServicerContext) -> pb.AuthorizeResponse:
+        return self._unary(context, lambda who: self._audit.authorize(who, request, context.is_active))
+
+    def ReportToolResult(self, request: pb.ReportToolResultRequest,
+                         context: grpc.ServicerContext) -> pb.ReportToolResultResponse:
+        return self._unary(context, lambda who: self._audit.report(who, request))
+
+    def ListTools(self, request: pb.ListToolsRequest, context: grpc.ServicerContext) -> pb.ListToolsResponse:
+        return self._unary(context, lambda who: self._audit.tools(who, request.session_id))
+
+    def QueryEvents(self, request: pb.QueryEventsRequest, context: grpc.ServicerContext) -> pb.QueryEventsResponse:
+        return self._unary(context, lambda who: self._audit.query(who, request))
+
+    def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.Event]:
+        try:
+            yield from self._audit.watch(self._callers(context), request, context.is_active)
+        except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
+            abort(context, error)
+
+    def AddStandingRule(self, request: pb.StandingRule, context: grpc.ServicerContext) -> pb.StandingRule:
+        return self._unary(context, lambda who: self._audit.add_rule(who, request))
+
+    def ListStandingRules(self, request: pb.ListStandingRulesRequest,
+                          context: grpc.ServicerContext) -> pb.ListStandingRulesResponse:
+        return self._unary(context, lambda who: self._audit.rules(who, request.workspace))
+
+    def RemoveStandingRule(self, request: pb.StandingRule,
+                           context: grpc.ServicerContext) -> pb.RemoveStandingRuleResponse:
+        return self._unary(context, lambda who: self._audit.remove_rule(who, request))

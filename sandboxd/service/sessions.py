@@ -13,9 +13,12 @@ import stat
 import threading
 import time
 
+from sandboxd.audit.store import EventStore, EventType, SessionRow
 from sandboxd.errors import Exhausted, Forbidden, InvalidPolicy, NotFound
 from sandboxd.policy import LaunchSpec, Limits, SandboxPolicy
+from sandboxd.policy.decision import ToolRules
 from sandboxd.policy.sandbox import WorkspaceWrite, is_within
+from sandboxd.policy.spec import policy_from_dict, policy_to_dict
 from sandboxd.service.peercred import PeerCredentials
 from sandboxd.supervisor.forkserver import ForkServer
 
@@ -26,18 +29,33 @@ class Session:
     """One session. Mutable fields change only under the registry's lock."""
 
     def __init__(self, session_id: str, owner: PeerCredentials, workspace: str, policy: SandboxPolicy,
-                 approval: str, limits: Limits, labels: dict[str, str]) -> None:
+                 approval: str, limits: Limits, labels: dict[str, str], rules: ToolRules | None = None,
+                 created_at: float | None = None) -> None:
         self.id = session_id
         self.owner = owner
         self.workspace = workspace
         self.policy = policy
         self.approval = approval
+        self.rules = rules or ToolRules()
         self.limits = limits
         self.labels = labels
-        self.created_at = time.time()
+        self.created_at = created_at or time.time()
         self.generation = 1
         self.running: dict[int, int] = {}     # generation -> running calls
         self.closed = False
+        # False for a session resumed after a daemon restart: its sandbox is rebuilt by its next call.
+        self.sandbox_ready = True
+        self.build_lock = threading.Lock()
+
+    def to_row(self, closed_at: float | None = None) -> SessionRow:
+        return SessionRow(self.id, self.owner.uid, self.owner.gid, self.owner.principal, self.workspace,
+                          policy_to_dict(self.policy), self.approval, rules_to_dict(self.rules),
+                          self.limits.as_dict(), dict(self.labels), self.created_at, closed_at)
+
+    def axes(self) -> dict[str, object]:
+        """Both policy axes, as events record them."""
+        return {"sandbox_policy": policy_to_dict(self.policy), "approval_policy": self.approval,
+                "permission_mode": self.rules.mode or None}
 
     def sandbox_name(self, generation: int | None = None) -> str:
         """The session's name in the fork server, one per sandbox generation."""
@@ -48,9 +66,21 @@ class Session:
         return sum(self.running.values())
 
 
+def rules_to_dict(rules: ToolRules) -> dict[str, object]:
+    return {"hidden": sorted(rules.hidden), "always_ask": sorted(rules.always_ask), "mode": rules.mode}
+
+
+def rules_from_dict(data: dict[str, object]) -> ToolRules:
+    return ToolRules(hidden=frozenset(data.get("hidden") or ()),  # type: ignore[call-overload]
+                     always_ask=frozenset(data.get("always_ask") or ()),  # type: ignore[call-overload]
+                     mode=str(data.get("mode") or ""))
+
+
 class SessionRegistry:
-    def __init__(self, forkserver: ForkServer, *, admin_gid: int | None = None, max_sessions: int = 10000) -> None:
+    def __init__(self, forkserver: ForkServer, store: EventStore, *, admin_gid: int | None = None,
+                 max_sessions: int = 10000) -> None:
         self._fork = forkserver
+        self.store = store
         self._admin_gid = admin_gid
         self._max = max_sessions
         self._lock = threading.Lock()
@@ -77,16 +107,58 @@ class SessionRegistry:
             sessions = list(self._sessions.values())
         return [s for s in sessions if not s.closed and self._may_use(caller, s)]
 
+    def list_closed(self, caller: PeerCredentials) -> list[tuple[Session, float]]:
+        """Closed sessions the caller owns, from the store, with when each was closed."""
+        closed = []
+        for row in self.store.sessions(include_closed=True):
+            if row.closed_at is not None and self._owns(caller, row.owner_uid, row.owner_principal):
+                closed.append((self._from_row(row), row.closed_at))
+        return closed
+
+    def _from_row(self, row: SessionRow) -> Session:
+        owner = PeerCredentials(row.owner_uid, row.owner_gid, 0, row.owner_principal)
+        session = Session(row.id, owner, row.workspace, policy_from_dict(row.sandbox_policy), row.approval_policy,
+                          Limits(**row.limits), dict(row.labels), rules_from_dict(row.tool_rules),
+                          created_at=row.created_at)
+        session.sandbox_ready = False
+        return session
+
     def _may_use(self, caller: PeerCredentials, session: Session) -> bool:
+        return self._owns(caller, session.owner.uid, session.owner.principal)
+
+    def _owns(self, caller: PeerCredentials, owner_uid: int, owner_principal: str) -> bool:
         """Its owner (same uid and, for TLS callers, same certificate), root, or the admin group."""
         if caller.principal:
-            return session.owner.principal == caller.principal
-        return self.is_admin(caller) or (session.owner.uid == caller.uid and not session.owner.principal)
+            return owner_principal == caller.principal
+        return self.is_admin(caller) or (owner_uid == caller.uid and not owner_principal)
+
+    def visible_ids(self, caller: PeerCredentials, session_id: str = "") -> list[str] | None:
+        """The sessions, open or closed, whose audit log the caller may read (None: all of them,
+        for an administrator); with ``session_id``, that one or NOT_FOUND."""
+        if session_id:
+            try:
+                row = self.store.session(session_id)
+            except NotFound:
+                raise NotFound(f"no session {session_id!r}") from None
+            if not self._owns(caller, row.owner_uid, row.owner_principal):
+                raise NotFound(f"no session {session_id!r}")
+            return [session_id]
+        if self.is_admin(caller):
+            return None
+        return [row.id for row in self.store.sessions(include_closed=True)
+                if self._owns(caller, row.owner_uid, row.owner_principal)]
+
+    def check_workspace(self, caller: PeerCredentials, workspace: str) -> str:
+        """A workspace the caller could write itself (for standing rules); its real path."""
+        if not workspace.startswith("/"):
+            raise InvalidPolicy(f"workspace {workspace!r} must be an absolute path")
+        self._check_reach(caller, workspace, WorkspaceWrite())
+        return os.path.realpath(workspace)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def create(self, caller: PeerCredentials, workspace: str, policy: SandboxPolicy, approval: str,
-               limits: Limits, labels: dict[str, str]) -> Session:
+               limits: Limits, labels: dict[str, str], rules: ToolRules | None = None) -> Session:
         if not workspace.startswith("/"):
             raise InvalidPolicy(f"workspace {workspace!r} must be an absolute path")
         self._check_reach(caller, workspace, policy)
@@ -94,7 +166,8 @@ class SessionRegistry:
             if len(self._sessions) >= self._max:
                 raise Exhausted(f"the daemon holds its maximum of {self._max} sessions: close some first")
             session_id = secrets.token_hex(8)
-            session = Session(session_id, caller, os.path.realpath(workspace), policy, approval, limits, labels)
+            session = Session(session_id, caller, os.path.realpath(workspace), policy, approval, limits, labels,
+                              rules)
             self._sessions[session_id] = session
         try:
             self._fork.open_session(session.sandbox_name(), self._spec(session, policy))
@@ -102,15 +175,33 @@ class SessionRegistry:
             with self._lock:
                 self._sessions.pop(session_id, None)
             raise
+        # Recorded before the caller hears of the session.
+        self.store.save_session(session.to_row())
+        self.store.append(session.id, EventType.SESSION_CREATED, data={
+            **session.axes(), "workspace": session.workspace, "owner_uid": caller.uid, "owner_gid": caller.gid,
+            "limits": session.limits.as_dict(), "labels": dict(labels)})
         return session
+
+    def restore(self) -> int:
+        """Sessions a previous daemon left open (it stopped or crashed): listed again, their logs
+        readable, and each resumed by its next call, which rebuilds its sandbox. Returns how many."""
+        rows = self.store.sessions()
+        with self._lock:
+            for row in rows:
+                self._sessions[row.id] = self._from_row(row)
+        return len(rows)
 
     def update_policy(self, caller: PeerCredentials, session_id: str, policy: SandboxPolicy | None,
                       approval: str | None) -> Session:
         session = self.get(caller, session_id)
-        if approval is not None:
-            session.approval = approval
+        before = session.axes()
         if policy is not None and policy != session.policy:
             self._check_reach(caller, session.workspace, policy)
+        if approval is not None:
+            session.approval = approval
+        if policy is not None and policy != session.policy and not session.sandbox_ready:
+            session.policy = policy                   # resumed, not rebuilt yet: the next call builds this one
+        elif policy is not None and policy != session.policy:
             generation = session.generation + 1
             self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy))
             with self._lock:
@@ -119,6 +210,12 @@ class SessionRegistry:
                 idle = session.running.get(old, 0) == 0
             if idle:                                  # calls still running keep the old sandbox
                 self._fork.close_session(session.sandbox_name(old))
+        after = session.axes()
+        if after != before:
+            # Recorded before the caller hears the change took effect.
+            self.store.save_session(session.to_row())
+            self.store.append(session.id, EventType.POLICY_CHANGED, data={"before": before, "after": after,
+                                                                           "by_uid": caller.uid})
         return session
 
     def close(self, caller: PeerCredentials, session_id: str) -> None:
@@ -128,15 +225,22 @@ class SessionRegistry:
             self._sessions.pop(session_id, None)
             generations = set(session.running) | {session.generation}
         for generation in generations:
-            self._fork.close_session(session.sandbox_name(generation))
+            if session.sandbox_ready or generation != session.generation:
+                self._fork.close_session(session.sandbox_name(generation))
+        self.store.save_session(session.to_row(closed_at=time.time()))
+        self.store.append(session.id, EventType.SESSION_CLOSED, data={"by_uid": caller.uid})
 
     def close_all(self) -> None:
+        """The daemon stops: every sandbox goes, but the sessions stay open in the store, to be
+        resumed by the next daemon."""
         with self._lock:
             sessions = list(self._sessions.values())
             self._sessions.clear()
         for session in sessions:
             session.closed = True
             for generation in set(session.running) | {session.generation}:
+                if not session.sandbox_ready and generation == session.generation:
+                    continue
                 try:
                     self._fork.close_session(session.sandbox_name(generation))
                 except Exception:  # noqa: BLE001 - shutting down: the fork server may be gone already
@@ -145,6 +249,8 @@ class SessionRegistry:
     # -- calls ---------------------------------------------------------------------------------
 
     def begin_call(self, session: Session) -> int:
+        if not session.sandbox_ready:
+            self._rebuild(session)
         with self._lock:
             if session.closed:
                 raise NotFound(f"session {session.id!r} was closed")
@@ -162,6 +268,14 @@ class SessionRegistry:
             retired = generation != session.generation and not session.closed
         if retired:                                   # the last call on a replaced sandbox ended
             self._fork.close_session(session.sandbox_name(generation))
+
+    def _rebuild(self, session: Session) -> None:
+        """A resumed session's first call builds its sandbox again (once, whoever comes first)."""
+        with session.build_lock:
+            if session.sandbox_ready or session.closed:
+                return
+            self._fork.open_session(session.sandbox_name(), self._spec(session, session.policy))
+            session.sandbox_ready = True
 
     # -- helpers -------------------------------------------------------------------------------
 

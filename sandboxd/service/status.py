@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import grpc
 
 from sandboxd.errors import (
@@ -12,6 +14,7 @@ from sandboxd.errors import (
     LimitsUnavailable,
     NamespacesUnavailable,
     NotFound,
+    PermissionDenied,
     SandboxdError,
     SetupError,
 )
@@ -37,8 +40,14 @@ def code_for(error: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+DENIAL_METADATA = "sandboxd-permission-denied"
+
+
 def abort(context: grpc.ServicerContext, error: BaseException) -> None:
-    """End the call with the status for ``error`` and its message (never a traceback)."""
+    """End the call with the status for ``error`` and its message (never a traceback). A policy
+    denial also carries its structured form (JSON) in the trailing metadata."""
+    if isinstance(error, PermissionDenied):
+        context.set_trailing_metadata(((DENIAL_METADATA, json.dumps(error.to_dict())),))
     code = code_for(error)
     message = str(error) if code != grpc.StatusCode.INTERNAL or isinstance(error, SandboxdError) \
         else f"internal error: {type(error).__name__}"

@@ -13,10 +13,25 @@ class ApprovalPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NEVER: _ClassVar[ApprovalPolicy]
     ON_REQUEST: _ClassVar[ApprovalPolicy]
     ALWAYS: _ClassVar[ApprovalPolicy]
+
+class PolicyEffect(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POLICY_EFFECT_UNSPECIFIED: _ClassVar[PolicyEffect]
+    EFFECT_READ_ONLY: _ClassVar[PolicyEffect]
+    EFFECT_WORKSPACE_WRITE: _ClassVar[PolicyEffect]
+    EFFECT_NETWORK: _ClassVar[PolicyEffect]
+    EFFECT_DESTRUCTIVE: _ClassVar[PolicyEffect]
+    EFFECT_UNKNOWN_COMMAND: _ClassVar[PolicyEffect]
 APPROVAL_POLICY_UNSPECIFIED: ApprovalPolicy
 NEVER: ApprovalPolicy
 ON_REQUEST: ApprovalPolicy
 ALWAYS: ApprovalPolicy
+POLICY_EFFECT_UNSPECIFIED: PolicyEffect
+EFFECT_READ_ONLY: PolicyEffect
+EFFECT_WORKSPACE_WRITE: PolicyEffect
+EFFECT_NETWORK: PolicyEffect
+EFFECT_DESTRUCTIVE: PolicyEffect
+EFFECT_UNKNOWN_COMMAND: PolicyEffect
 
 class SandboxPolicy(_message.Message):
     __slots__ = ("mode", "network_access", "writable_roots", "protected_subpaths", "no_default_protected_subpaths")
@@ -59,7 +74,7 @@ class Limits(_message.Message):
     def __init__(self, timeout_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., pids: _Optional[int] = ..., cpu_seconds: _Optional[int] = ..., open_files: _Optional[int] = ..., tmp_size_bytes: _Optional[int] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("id", "workspace", "sandbox_policy", "approval_policy", "limits", "labels", "owner_uid", "owner_gid", "created_at", "running_calls", "sandbox_generation")
+    __slots__ = ("id", "workspace", "sandbox_policy", "approval_policy", "limits", "labels", "owner_uid", "owner_gid", "created_at", "running_calls", "sandbox_generation", "permission_mode", "closed_at", "sandbox_ready")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +93,9 @@ class Session(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     RUNNING_CALLS_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PERMISSION_MODE_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_AT_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_READY_FIELD_NUMBER: _ClassVar[int]
     id: str
     workspace: str
     sandbox_policy: SandboxPolicy
@@ -89,10 +107,13 @@ class Session(_message.Message):
     created_at: float
     running_calls: int
     sandbox_generation: int
-    def __init__(self, id: _Optional[str] = ..., workspace: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., owner_uid: _Optional[int] = ..., owner_gid: _Optional[int] = ..., created_at: _Optional[float] = ..., running_calls: _Optional[int] = ..., sandbox_generation: _Optional[int] = ...) -> None: ...
+    permission_mode: str
+    closed_at: float
+    sandbox_ready: bool
+    def __init__(self, id: _Optional[str] = ..., workspace: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., owner_uid: _Optional[int] = ..., owner_gid: _Optional[int] = ..., created_at: _Optional[float] = ..., running_calls: _Optional[int] = ..., sandbox_generation: _Optional[int] = ..., permission_mode: _Optional[str] = ..., closed_at: _Optional[float] = ..., sandbox_ready: _Optional[bool] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("workspace", "sandbox_policy", "approval_policy", "limits", "labels")
+    __slots__ = ("workspace", "sandbox_policy", "approval_policy", "limits", "labels", "permission_mode", "allow_shell", "allow_file_write")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -105,12 +126,18 @@ class CreateSessionRequest(_message.Message):
     APPROVAL_POLICY_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    PERMISSION_MODE_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_SHELL_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_FILE_WRITE_FIELD_NUMBER: _ClassVar[int]
     workspace: str
     sandbox_policy: SandboxPolicy
     approval_policy: ApprovalPolicy
     limits: Limits
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, workspace: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    permission_mode: str
+    allow_shell: bool
+    allow_file_write: bool
+    def __init__(self, workspace: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., permission_mode: _Optional[str] = ..., allow_shell: _Optional[bool] = ..., allow_file_write: _Optional[bool] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -119,8 +146,10 @@ class GetSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("include_closed",)
+    INCLUDE_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    include_closed: bool
+    def __init__(self, include_closed: _Optional[bool] = ...) -> None: ...
 
 class ListSessionsResponse(_message.Message):
     __slots__ = ("sessions",)
@@ -149,7 +178,7 @@ class UpdateSessionPolicyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ...) -> None: ...
 
 class ExecStart(_message.Message):
-    __slots__ = ("session_id", "argv", "shell", "cwd", "env", "timeout_seconds", "stdin", "close_stdin", "output_limit_bytes")
+    __slots__ = ("session_id", "argv", "shell", "cwd", "env", "timeout_seconds", "stdin", "close_stdin", "output_limit_bytes", "execution_context_id")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +195,7 @@ class ExecStart(_message.Message):
     STDIN_FIELD_NUMBER: _ClassVar[int]
     CLOSE_STDIN_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     argv: _containers.RepeatedScalarFieldContainer[str]
     shell: str
@@ -175,7 +205,8 @@ class ExecStart(_message.Message):
     stdin: bytes
     close_stdin: bool
     output_limit_bytes: int
-    def __init__(self, session_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., timeout_seconds: _Optional[float] = ..., stdin: _Optional[bytes] = ..., close_stdin: _Optional[bool] = ..., output_limit_bytes: _Optional[int] = ...) -> None: ...
+    execution_context_id: str
+    def __init__(self, session_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., timeout_seconds: _Optional[float] = ..., stdin: _Optional[bytes] = ..., close_stdin: _Optional[bool] = ..., output_limit_bytes: _Optional[int] = ..., execution_context_id: _Optional[str] = ...) -> None: ...
 
 class ExecRequest(_message.Message):
     __slots__ = ("start", "stdin", "close_stdin", "signal")
@@ -433,3 +464,229 @@ class SearchResponse(_message.Message):
     truncated: bool
     engine: str
     def __init__(self, matches: _Optional[_Iterable[_Union[SearchMatch, _Mapping]]] = ..., truncated: _Optional[bool] = ..., engine: _Optional[str] = ...) -> None: ...
+
+class ResolveApprovalRequest(_message.Message):
+    __slots__ = ("session_id", "call_id", "decision")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    call_id: str
+    decision: str
+    def __init__(self, session_id: _Optional[str] = ..., call_id: _Optional[str] = ..., decision: _Optional[str] = ...) -> None: ...
+
+class ResolveApprovalResponse(_message.Message):
+    __slots__ = ("decision",)
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    decision: str
+    def __init__(self, decision: _Optional[str] = ...) -> None: ...
+
+class PendingApproval(_message.Message):
+    __slots__ = ("call_id", "tool", "summary", "reason", "risk", "arguments_json", "execution_context_id")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RISK_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    tool: str
+    summary: str
+    reason: str
+    risk: str
+    arguments_json: str
+    execution_context_id: str
+    def __init__(self, call_id: _Optional[str] = ..., tool: _Optional[str] = ..., summary: _Optional[str] = ..., reason: _Optional[str] = ..., risk: _Optional[str] = ..., arguments_json: _Optional[str] = ..., execution_context_id: _Optional[str] = ...) -> None: ...
+
+class ListPendingApprovalsRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ListPendingApprovalsResponse(_message.Message):
+    __slots__ = ("approvals",)
+    APPROVALS_FIELD_NUMBER: _ClassVar[int]
+    approvals: _containers.RepeatedCompositeFieldContainer[PendingApproval]
+    def __init__(self, approvals: _Optional[_Iterable[_Union[PendingApproval, _Mapping]]] = ...) -> None: ...
+
+class AuthorizeRequest(_message.Message):
+    __slots__ = ("session_id", "tool", "effect", "command", "mcp_server", "server_trusted", "arguments_json", "execution_context_id", "risk")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FIELD_NUMBER: _ClassVar[int]
+    EFFECT_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    MCP_SERVER_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TRUSTED_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
+    RISK_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tool: str
+    effect: PolicyEffect
+    command: str
+    mcp_server: str
+    server_trusted: bool
+    arguments_json: str
+    execution_context_id: str
+    risk: str
+    def __init__(self, session_id: _Optional[str] = ..., tool: _Optional[str] = ..., effect: _Optional[_Union[PolicyEffect, str]] = ..., command: _Optional[str] = ..., mcp_server: _Optional[str] = ..., server_trusted: _Optional[bool] = ..., arguments_json: _Optional[str] = ..., execution_context_id: _Optional[str] = ..., risk: _Optional[str] = ...) -> None: ...
+
+class PermissionDenied(_message.Message):
+    __slots__ = ("call_id", "tool", "reason", "by", "detail", "message")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    tool: str
+    reason: str
+    by: str
+    detail: str
+    message: str
+    def __init__(self, call_id: _Optional[str] = ..., tool: _Optional[str] = ..., reason: _Optional[str] = ..., by: _Optional[str] = ..., detail: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class AuthorizeResponse(_message.Message):
+    __slots__ = ("allowed", "call_id", "granted_by", "reason", "denied")
+    ALLOWED_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_BY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DENIED_FIELD_NUMBER: _ClassVar[int]
+    allowed: bool
+    call_id: str
+    granted_by: str
+    reason: str
+    denied: PermissionDenied
+    def __init__(self, allowed: _Optional[bool] = ..., call_id: _Optional[str] = ..., granted_by: _Optional[str] = ..., reason: _Optional[str] = ..., denied: _Optional[_Union[PermissionDenied, _Mapping]] = ...) -> None: ...
+
+class ReportToolResultRequest(_message.Message):
+    __slots__ = ("session_id", "call_id", "ok", "error", "result_json")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESULT_JSON_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    call_id: str
+    ok: bool
+    error: str
+    result_json: str
+    def __init__(self, session_id: _Optional[str] = ..., call_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., result_json: _Optional[str] = ...) -> None: ...
+
+class ReportToolResultResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ToolInfo(_message.Message):
+    __slots__ = ("name", "description", "risk", "effect", "category")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    RISK_FIELD_NUMBER: _ClassVar[int]
+    EFFECT_FIELD_NUMBER: _ClassVar[int]
+    CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    risk: str
+    effect: str
+    category: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., risk: _Optional[str] = ..., effect: _Optional[str] = ..., category: _Optional[str] = ...) -> None: ...
+
+class ListToolsRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ListToolsResponse(_message.Message):
+    __slots__ = ("tools",)
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    tools: _containers.RepeatedCompositeFieldContainer[ToolInfo]
+    def __init__(self, tools: _Optional[_Iterable[_Union[ToolInfo, _Mapping]]] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("id", "session_id", "sequence", "type", "time", "call_id", "tool", "data_json")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FIELD_NUMBER: _ClassVar[int]
+    DATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    session_id: str
+    sequence: int
+    type: str
+    time: float
+    call_id: str
+    tool: str
+    data_json: str
+    def __init__(self, id: _Optional[int] = ..., session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., type: _Optional[str] = ..., time: _Optional[float] = ..., call_id: _Optional[str] = ..., tool: _Optional[str] = ..., data_json: _Optional[str] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("session_id", "from_sequence", "types")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    TYPES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    from_sequence: int
+    types: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., from_sequence: _Optional[int] = ..., types: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class QueryEventsRequest(_message.Message):
+    __slots__ = ("session_id", "types", "tool", "since", "until", "page_size", "page_token")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TYPES_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    types: _containers.RepeatedScalarFieldContainer[str]
+    tool: str
+    since: float
+    until: float
+    page_size: int
+    page_token: str
+    def __init__(self, session_id: _Optional[str] = ..., types: _Optional[_Iterable[str]] = ..., tool: _Optional[str] = ..., since: _Optional[float] = ..., until: _Optional[float] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class QueryEventsResponse(_message.Message):
+    __slots__ = ("events", "next_page_token")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    next_page_token: str
+    def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class StandingRule(_message.Message):
+    __slots__ = ("workspace", "tool", "created_at")
+    WORKSPACE_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    workspace: str
+    tool: str
+    created_at: float
+    def __init__(self, workspace: _Optional[str] = ..., tool: _Optional[str] = ..., created_at: _Optional[float] = ...) -> None: ...
+
+class ListStandingRulesRequest(_message.Message):
+    __slots__ = ("workspace",)
+    WORKSPACE_FIELD_NUMBER: _ClassVar[int]
+    workspace: str
+    def __init__(self, workspace: _Optional[str] = ...) -> None: ...
+
+class ListStandingRulesResponse(_message.Message):
+    __slots__ = ("rules",)
+    RULES_FIELD_NUMBER: _ClassVar[int]
+    rules: _containers.RepeatedCompositeFieldContainer[StandingRule]
+    def __init__(self, rules: _Optional[_Iterable[_Union[StandingRule, _Mapping]]] = ...) -> None: ...
+
+class RemoveStandingRuleResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: bool
+    def __init__(self, removed: _Optional[bool] = ...) -> None: ...

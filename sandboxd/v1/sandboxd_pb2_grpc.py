@@ -109,6 +109,56 @@ class SandboxStub:
                 request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.StopBackgroundRequest.SerializeToString,
                 response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.BackgroundProcess.FromString,
                 _registered_method=True)
+        self.ResolveApproval = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/ResolveApproval',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ResolveApprovalRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ResolveApprovalResponse.FromString,
+                _registered_method=True)
+        self.ListPendingApprovals = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/ListPendingApprovals',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListPendingApprovalsRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListPendingApprovalsResponse.FromString,
+                _registered_method=True)
+        self.Authorize = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/Authorize',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.AuthorizeRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.AuthorizeResponse.FromString,
+                _registered_method=True)
+        self.ReportToolResult = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/ReportToolResult',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ReportToolResultRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ReportToolResultResponse.FromString,
+                _registered_method=True)
+        self.ListTools = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/ListTools',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListToolsRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListToolsResponse.FromString,
+                _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/sandboxd.v1.Sandbox/WatchEvents',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.Event.FromString,
+                _registered_method=True)
+        self.QueryEvents = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/QueryEvents',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.QueryEventsRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.QueryEventsResponse.FromString,
+                _registered_method=True)
+        self.AddStandingRule = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/AddStandingRule',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.StandingRule.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.StandingRule.FromString,
+                _registered_method=True)
+        self.ListStandingRules = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/ListStandingRules',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListStandingRulesRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListStandingRulesResponse.FromString,
+                _registered_method=True)
+        self.RemoveStandingRule = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/RemoveStandingRule',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.StandingRule.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.RemoveStandingRuleResponse.FromString,
+                _registered_method=True)
 
 
 class SandboxServicer:
@@ -220,6 +270,77 @@ class SandboxServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResolveApproval(self, request, context):
+        """---- policy, approvals and the audit log ----
+        Answer a call held for approval: allow_once (allow, ok, approve), allow_session (session,
+        always: later calls of the same tool in this session run without asking), deny (reject,
+        cancel). Anything else is INVALID_ARGUMENT; a call not waiting is NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPendingApprovals(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Authorize(self, request, context):
+        """A tool that runs outside sandboxd (an MCP server, browser automation, desktop control) asks
+        here, through the same decision and approval flow; held while a person decides. Answered
+        with the decision (a denial is an answer here, not an error). Report how it ended with
+        ReportToolResult.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportToolResult(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTools(self, request, context):
+        """The built-in tools a model may be shown in this session (a permission mode hides some).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchEvents(self, request, context):
+        """Past events, then live ones, with no gap and no duplicate across the switch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def QueryEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AddStandingRule(self, request, context):
+        """Workspace-scoped standing rules: "always allow TOOL in this workspace".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListStandingRules(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveStandingRule(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SandboxServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -297,6 +418,56 @@ def add_SandboxServicer_to_server(servicer, server):
                     servicer.StopBackground,
                     request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.StopBackgroundRequest.FromString,
                     response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.BackgroundProcess.SerializeToString,
+            ),
+            'ResolveApproval': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolveApproval,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ResolveApprovalRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ResolveApprovalResponse.SerializeToString,
+            ),
+            'ListPendingApprovals': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPendingApprovals,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListPendingApprovalsRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListPendingApprovalsResponse.SerializeToString,
+            ),
+            'Authorize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Authorize,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.AuthorizeRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.AuthorizeResponse.SerializeToString,
+            ),
+            'ReportToolResult': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportToolResult,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ReportToolResultRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ReportToolResultResponse.SerializeToString,
+            ),
+            'ListTools': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTools,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListToolsRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListToolsResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.WatchEventsRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.Event.SerializeToString,
+            ),
+            'QueryEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.QueryEvents,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.QueryEventsRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.QueryEventsResponse.SerializeToString,
+            ),
+            'AddStandingRule': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddStandingRule,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.StandingRule.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.StandingRule.SerializeToString,
+            ),
+            'ListStandingRules': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListStandingRules,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListStandingRulesRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListStandingRulesResponse.SerializeToString,
+            ),
+            'RemoveStandingRule': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveStandingRule,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.StandingRule.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.RemoveStandingRuleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -704,6 +875,276 @@ class Sandbox:
             '/sandboxd.v1.Sandbox/StopBackground',
             sandboxd_dot_v1_dot_sandboxd__pb2.StopBackgroundRequest.SerializeToString,
             sandboxd_dot_v1_dot_sandboxd__pb2.BackgroundProcess.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolveApproval(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/ResolveApproval',
+            sandboxd_dot_v1_dot_sandboxd__pb2.ResolveApprovalRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.ResolveApprovalResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPendingApprovals(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/ListPendingApprovals',
+            sandboxd_dot_v1_dot_sandboxd__pb2.ListPendingApprovalsRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.ListPendingApprovalsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Authorize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/Authorize',
+            sandboxd_dot_v1_dot_sandboxd__pb2.AuthorizeRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.AuthorizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportToolResult(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/ReportToolResult',
+            sandboxd_dot_v1_dot_sandboxd__pb2.ReportToolResultRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.ReportToolResultResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTools(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/ListTools',
+            sandboxd_dot_v1_dot_sandboxd__pb2.ListToolsRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.ListToolsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/WatchEvents',
+            sandboxd_dot_v1_dot_sandboxd__pb2.WatchEventsRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.Event.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def QueryEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/QueryEvents',
+            sandboxd_dot_v1_dot_sandboxd__pb2.QueryEventsRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.QueryEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddStandingRule(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/AddStandingRule',
+            sandboxd_dot_v1_dot_sandboxd__pb2.StandingRule.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.StandingRule.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListStandingRules(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/ListStandingRules',
+            sandboxd_dot_v1_dot_sandboxd__pb2.ListStandingRulesRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.ListStandingRulesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveStandingRule(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/RemoveStandingRule',
+            sandboxd_dot_v1_dot_sandboxd__pb2.StandingRule.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.RemoveStandingRuleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,1 @@
+"""The audit log and what outlives the daemon: the event store (SQLite)."""

@@ -1,0 +1,342 @@
+"""The event store: the authoritative, append-only audit log, and what outlives a daemon.
+
+SQLite in WAL mode (the standard library's ``sqlite3``; one file, no server),
+with versioned migrations. It holds:
+
+- ``events``: every decision and every step of every tool call, with a global id
+  (the order of the whole log) and a per-session sequence number. Rows are only
+  ever inserted.
+- ``sessions``: each session's metadata (owner, workspace, both policy axes,
+  limits, labels, open or closed), so that after a restart sessions can be
+  listed, their logs read, and live ones resumed.
+- ``memory``: small workspace-scoped records under a namespace of keys; standing
+  permission rules live in the ``permission`` namespace.
+
+Durability: every append is committed before it returns, and the daemon appends
+an event before it takes the action the event records, so a crash leaves a log
+that says exactly how far each call got. ``synchronous=NORMAL`` in WAL mode
+survives a crash of the daemon (the kill -9 case); a power loss may drop the last
+transactions (``durable=True`` makes every commit wait for the disk).
+
+Watching: ``watch`` registers a subscriber *before* reading the past, under the
+same lock appends take, so the switch from past to live events has no gap and no
+duplicate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+from sandboxd._record import Record
+from sandboxd.errors import InvalidPolicy, NotFound
+
+
+class EventType:
+    SESSION_CREATED = "SessionCreated"
+    POLICY_CHANGED = "PolicyChanged"
+    PERMISSION_REQUESTED = "PermissionRequested"
+    PERMISSION_GRANTED = "PermissionGranted"
+    PERMISSION_DENIED = "PermissionDenied"
+    TOOL_STARTED = "ToolInvocationStarted"
+    TOOL_COMPLETED = "ToolInvocationCompleted"
+    TOOL_FAILED = "ToolInvocationFailed"
+    SESSION_CLOSED = "SessionClosed"
+
+    ALL = (SESSION_CREATED, POLICY_CHANGED, PERMISSION_REQUESTED, PERMISSION_GRANTED, PERMISSION_DENIED,
+           TOOL_STARTED, TOOL_COMPLETED, TOOL_FAILED, SESSION_CLOSED)
+
+
+class Event(Record):
+    id: int
+    session_id: str
+    sequence: int
+    type: str
+    time: float
+    call_id: str
+    tool: str
+    data: dict  # type: ignore[type-arg]
+
+
+class SessionRow(Record):
+    id: str
+    owner_uid: int
+    owner_gid: int
+    owner_principal: str
+    workspace: str
+    sandbox_policy: dict  # type: ignore[type-arg]
+    approval_policy: str
+    tool_rules: dict  # type: ignore[type-arg]
+    limits: dict  # type: ignore[type-arg]
+    labels: dict  # type: ignore[type-arg]
+    created_at: float
+    closed_at: float | None
+
+
+MIGRATIONS: tuple[str, ...] = (
+    # 1: the first schema.
+    """
+    CREATE TABLE sessions (
+        id TEXT PRIMARY KEY, owner_uid INTEGER NOT NULL, owner_gid INTEGER NOT NULL,
+        owner_principal TEXT NOT NULL DEFAULT '', workspace TEXT NOT NULL, sandbox_policy TEXT NOT NULL,
+        approval_policy TEXT NOT NULL, tool_rules TEXT NOT NULL DEFAULT '{}', limits TEXT NOT NULL,
+        labels TEXT NOT NULL, created_at REAL NOT NULL, closed_at REAL);
+    CREATE TABLE events (
+        id INTEGER PRIMARY KEY AUTOINCREMENT, session_id TEXT NOT NULL, seq INTEGER NOT NULL,
+        type TEXT NOT NULL, time REAL NOT NULL, call_id TEXT NOT NULL DEFAULT '',
+        tool TEXT NOT NULL DEFAULT '', data TEXT NOT NULL, UNIQUE (session_id, seq));
+    CREATE INDEX events_by_type ON events (type, id);
+    CREATE INDEX events_by_tool ON events (tool, id);
+    CREATE INDEX events_by_time ON events (time);
+    CREATE TABLE memory (
+        namespace TEXT NOT NULL, workspace TEXT NOT NULL, key TEXT NOT NULL, value TEXT NOT NULL,
+        created_at REAL NOT NULL, PRIMARY KEY (namespace, workspace, key));
+    """,
+)
+
+PERMISSION_NAMESPACE = "permission"
+MAX_PAGE = 1000
+WATCH_BACKLOG = 10000
+
+
+class Subscription:
+    """A live feed of appended events that match ``wants``; ``overflowed`` once the reader fell
+    more than WATCH_BACKLOG events behind (it must resume from its last sequence)."""
+
+    def __init__(self, wants: Callable[[Event], bool]) -> None:
+        self.wants = wants
+        self.queue: deque[Event] = deque()
+        self.cond = threading.Condition()
+        self.overflowed = False
+        self.closed = False
+        self.high_water = 0
+
+    def push(self, event: Event) -> None:
+        with self.cond:
+            if len(self.queue) >= WATCH_BACKLOG:
+                self.overflowed = True
+            else:
+                self.queue.append(event)
+            self.cond.notify_all()
+
+    def next(self, timeout: float) -> Event | None:
+        with self.cond:
+            if not self.queue and not self.closed:
+                self.cond.wait(timeout)
+            return self.queue.popleft() if self.queue else None
+
+
+class EventStore:
+    def __init__(self, path: str, *, durable: bool = False) -> None:
+        """Open (creating and migrating as needed) the store at ``path``; ":memory:" for tests."""
+        if path != ":memory:":
+            os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", mode=0o700, exist_ok=True)
+        self.path = path
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._lock = threading.RLock()
+        self._next_seq: dict[str, int] = {}
+        self._subscribers: list[Subscription] = []
+        self._migrate()
+        if path != ":memory:":
+            os.chmod(path, 0o600)                      # the audit log is the daemon's alone
+
+    # -- schema ----------------------------------------------------------------------------------
+
+    def _migrate(self) -> None:
+        with self._lock:
+            self._db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+            row = self._db.execute("SELECT MAX(version) FROM schema_version").fetchone()
+            current = row[0] or 0
+            if current > len(MIGRATIONS):
+                raise InvalidPolicy(f"the event store {self.path} has schema version {current}, newer than this "
+                                    f"sandboxd knows ({len(MIGRATIONS)}): upgrade sandboxd or use another path")
+            for version in range(current + 1, len(MIGRATIONS) + 1):
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    for statement in MIGRATIONS[version - 1].split(";"):
+                        if statement.strip():
+                            self._db.execute(statement)
+                    self._db.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+
+    @property
+    def schema_version(self) -> int:
+        return int(self._db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0)
+
+    def close(self) -> None:
+        with self._lock:
+            for subscriber in self._subscribers:
+                with subscriber.cond:
+                    subscriber.closed = True
+                    subscriber.cond.notify_all()
+            self._db.close()
+
+    # -- events ----------------------------------------------------------------------------------
+
+    def append(self, session_id: str, kind: str, *, call_id: str = "", tool: str = "",
+               data: dict[str, Any] | None = None) -> Event:
+        """Append one event; committed when this returns."""
+        return self.append_many(session_id, [(kind, call_id, tool, data or {})])[0]
+
+    def append_many(self, session_id: str, rows: list[tuple[str, str, str, dict[str, Any]]]) -> list[Event]:
+        """Append several events of one session in one transaction (kind, call_id, tool, data)."""
+        for kind, *_ in rows:
+            if kind not in EventType.ALL:
+                raise InvalidPolicy(f"unknown event type {kind!r}")
+        now = time.time()
+        with self._lock:
+            seq = self._next_seq.get(session_id)
+            if seq is None:
+                seq = int(self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE session_id = ?",
+                                           (session_id,)).fetchone()[0])
+            events = []
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for offset, (kind, call_id, tool, data) in enumerate(rows):
+                    text = json.dumps(data, separators=(",", ":"), default=str)
+                    cursor = self._db.execute(
+                        "INSERT INTO events (session_id, seq, type, time, call_id, tool, data) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?)", (session_id, seq + offset, kind, now, call_id, tool, text))
+                    events.append(Event(int(cursor.lastrowid or 0), session_id, seq + offset, kind, now, call_id,
+                                        tool, data))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._next_seq[session_id] = seq + len(rows)
+            for subscriber in self._subscribers:
+                for event in events:
+                    if subscriber.wants(event):
+                        subscriber.push(event)
+        return events
+
+    def query(self, *, session_ids: list[str] | None = None, types: list[str] | None = None, tool: str = "",
+              since: float | None = None, until: float | None = None, after_id: int = 0,
+              limit: int = 100) -> list[Event]:
+        """Events in log order, filtered; ``after_id`` pages (pass the last id seen).
+        ``session_ids`` None: every session; an empty list: none."""
+        if session_ids is not None and not session_ids:
+            return []
+        clauses, args = ["id > ?"], [after_id]
+        if session_ids is not None:
+            clauses.append(f"session_id IN ({','.join('?' * len(session_ids))})")
+            args += session_ids
+        if types:
+            unknown = set(types) - set(EventType.ALL)
+            if unknown:
+                raise InvalidPolicy(f"unknown event type(s) {sorted(unknown)}: use {', '.join(EventType.ALL)}")
+            clauses.append(f"type IN ({','.join('?' * len(types))})")
+            args += types
+        if tool:
+            clauses.append("tool = ?")
+            args.append(tool)
+        if since is not None:
+            clauses.append("time >= ?")
+            args.append(since)
+        if until is not None:
+            clauses.append("time < ?")
+            args.append(until)
+        limit = max(1, min(limit, MAX_PAGE))
+        sql = f"SELECT id, session_id, seq, type, time, call_id, tool, data FROM events WHERE {' AND '.join(clauses)} " \
+              f"ORDER BY id LIMIT {limit}"
+        with self._lock:
+            rows = self._db.execute(sql, args).fetchall()
+        return [Event(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7])) for r in rows]
+
+    def session_events(self, session_id: str, from_sequence: int = 0, limit: int = MAX_PAGE) -> list[Event]:
+        """One session's events with sequence > ``from_sequence``, in order (uses the unique index)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id, session_id, seq, type, time, call_id, tool, data FROM events "
+                "WHERE session_id = ? AND seq > ? ORDER BY seq LIMIT ?", (session_id, from_sequence, limit)).fetchall()
+        return [Event(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7])) for r in rows]
+
+    def subscribe(self, wants: Callable[[Event], bool]) -> Subscription:
+        """Start a live feed of the events ``wants`` accepts. Its ``high_water`` is the last event
+        id committed before it began: read the past up to there (``query``), then the feed,
+        and nothing is missed or seen twice (both are taken under the append lock)."""
+        subscription = Subscription(wants)
+        with self._lock:
+            self._subscribers.append(subscription)
+            subscription.high_water = int(self._db.execute("SELECT COALESCE(MAX(id), 0) FROM events").fetchone()[0])
+        return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        with self._lock:
+            if subscription in self._subscribers:
+                self._subscribers.remove(subscription)
+
+    def count(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM events").fetchone()[0])
+
+    # -- sessions --------------------------------------------------------------------------------
+
+    def save_session(self, row: SessionRow) -> None:
+        """Insert or update a session's metadata (committed when this returns)."""
+        values = (row.id, row.owner_uid, row.owner_gid, row.owner_principal, row.workspace,
+                  json.dumps(row.sandbox_policy), row.approval_policy, json.dumps(row.tool_rules),
+                  json.dumps(row.limits), json.dumps(row.labels), row.created_at, row.closed_at)
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO sessions (id, owner_uid, owner_gid, owner_principal, workspace, sandbox_policy, "
+                "approval_policy, tool_rules, limits, labels, created_at, closed_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+                "sandbox_policy = excluded.sandbox_policy, approval_policy = excluded.approval_policy, "
+                "tool_rules = excluded.tool_rules, closed_at = excluded.closed_at", values)
+
+    def sessions(self, *, include_closed: bool = False) -> list[SessionRow]:
+        sql = "SELECT id, owner_uid, owner_gid, owner_principal, workspace, sandbox_policy, approval_policy, " \
+              "tool_rules, limits, labels, created_at, closed_at FROM sessions"
+        if not include_closed:
+            sql += " WHERE closed_at IS NULL"
+        with self._lock:
+            rows = self._db.execute(sql + " ORDER BY created_at").fetchall()
+        return [SessionRow(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), r[6], json.loads(r[7]), json.loads(r[8]),
+                           json.loads(r[9]), r[10], r[11]) for r in rows]
+
+    def session(self, session_id: str) -> SessionRow:
+        for row in self.sessions(include_closed=True):
+            if row.id == session_id:
+                return row
+        raise NotFound(f"no session {session_id!r} in the event store")
+
+    # -- workspace memory (standing rules) -------------------------------------------------------
+
+    def remember(self, namespace: str, workspace: str, key: str, value: dict[str, Any]) -> None:
+        with self._lock:
+            self._db.execute("INSERT INTO memory (namespace, workspace, key, value, created_at) VALUES (?, ?, ?, ?, ?) "
+                             "ON CONFLICT (namespace, workspace, key) DO UPDATE SET value = excluded.value",
+                             (namespace, workspace, key, json.dumps(value), time.time()))
+
+    def forget(self, namespace: str, workspace: str, key: str) -> bool:
+        with self._lock:
+            cursor = self._db.execute("DELETE FROM memory WHERE namespace = ? AND workspace = ? AND key = ?",
+                                      (namespace, workspace, key))
+        return cursor.rowcount > 0
+
+    def recall(self, namespace: str, workspace: str | None = None) -> list[tuple[str, str, dict[str, Any], float]]:
+        """(workspace, key, value, created_at) rows of a namespace, for one workspace or all."""
+        sql, args = "SELECT workspace, key, value, created_at FROM memory WHERE namespace = ?", [namespace]
+        if workspace is not None:
+            sql += " AND workspace = ?"
+            args.append(workspace)
+        with self._lock:
+            rows = self._db.execute(sql + " ORDER BY workspace, key", args).fetchall()
+        return [(r[0], r[1], json.loads(r[2]), r[3]) for r in rows]
+
+    def has_memory(self, namespace: str, workspace: str, key: str) -> bool:
+        with self._lock:
+            return self._db.execute("SELECT 1 FROM memory WHERE namespace = ? AND workspace = ? AND key = ?",
+                                    (namespace, workspace, key)).fetchone() is not None

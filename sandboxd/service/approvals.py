@@ -1,0 +1,215 @@
+"""The approval gate: every tool call passes here, built-in or external, and every decision
+becomes an event before anything is done about it.
+
+Flow for one call (see sandboxd.policy.decision for the decision itself):
+
+  decide ─ DeniedBySandbox ──────────────────────────────► PermissionDenied (by sandbox)
+         ─ NeedsApproval ─ remembered (session or rule) ──► PermissionGranted (by session/rule)
+                         ─ otherwise ─ PermissionRequested, hold the call until
+                                       ResolveApproval / the timeout / the caller leaves
+                                       ─ allow_once / allow_session ► PermissionGranted (by user)
+                                       ─ deny / timeout / gone ─────► PermissionDenied
+         ─ Allowed ───────────────────────────────────────► PermissionGranted (by policy)
+  granted ─ ToolInvocationStarted (in the same transaction) ─ run ─ ToolInvocationCompleted | Failed
+
+A denied call is never invoked. A granted call is not revoked later: changing the
+policy affects the next decision, not one already made.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from typing import Any, Callable
+
+from sandboxd._record import Record
+from sandboxd.audit.store import PERMISSION_NAMESPACE, EventStore, EventType
+from sandboxd.errors import InvalidPolicy, NotFound, PermissionDenied
+from sandboxd.policy.decision import Verdict, decide
+from sandboxd.policy.tools import Risk
+from sandboxd.service.sessions import Session
+
+ALLOW_ONCE, ALLOW_SESSION, DENY = "allow_once", "allow_session", "deny"
+DECISION_ALIASES = {
+    "allow_once": ALLOW_ONCE, "allow": ALLOW_ONCE, "ok": ALLOW_ONCE, "approve": ALLOW_ONCE,
+    "allow_session": ALLOW_SESSION, "session": ALLOW_SESSION, "always": ALLOW_SESSION,
+    "deny": DENY, "reject": DENY, "cancel": DENY,
+}
+DEFAULT_APPROVAL_TIMEOUT = 300.0
+
+
+def parse_decision(text: str) -> str:
+    decision = DECISION_ALIASES.get(text.strip().lower())
+    if decision is None:
+        raise InvalidPolicy(f"unknown approval decision {text!r}: use allow_once (allow, ok, approve), "
+                            "allow_session (session, always) or deny (reject, cancel)")
+    return decision
+
+
+class ToolCall(Record):
+    """One call, as the gate sees it."""
+
+    tool: str
+    effect: str | None                    # None: the tool declared none (an unknown command)
+    category: str
+    arguments: dict                       # type: ignore[type-arg]
+    summary: str
+    risk: str = Risk.HIGH
+    execution_context_id: str = ""
+    mcp_server: str = ""
+    untrusted_mcp: bool = False
+    note: str = ""                        # why the effect is what it is (a destructive write's path)
+
+
+class Granted:
+    """A call that may run. Exactly one end event is appended, whichever of ``completed`` or
+    ``failed`` comes first (a second is ignored)."""
+
+    def __init__(self, store: EventStore, session_id: str, call_id: str, tool: str, granted_by: str = "policy",
+                 reason: str | None = None) -> None:
+        self._store, self.session_id, self.call_id, self.tool = store, session_id, call_id, tool
+        self.granted_by, self.reason = granted_by, reason
+        self._ended = False
+        self._lock = threading.Lock()
+
+    def completed(self, result: dict[str, Any] | None = None) -> None:
+        self._end(EventType.TOOL_COMPLETED, result or {})
+
+    def failed(self, error: BaseException | str) -> None:
+        text = str(error) if not isinstance(error, str) else error
+        self._end(EventType.TOOL_FAILED, {"error": text, "kind": type(error).__name__ if not isinstance(error, str)
+                                          else "reported"})
+
+    def _end(self, kind: str, data: dict[str, Any]) -> None:
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+        self._store.append(self.session_id, kind, call_id=self.call_id, tool=self.tool, data=data)
+
+    def __enter__(self) -> "Granted":
+        return self
+
+    def __exit__(self, kind: object, error: BaseException | None, _tb: object) -> None:
+        if error is not None:
+            self.failed(error)
+        else:
+            self.completed()
+
+
+class _Pending:
+    def __init__(self, session_id: str, call_id: str, call: ToolCall, reason: str | None) -> None:
+        self.session_id, self.call_id, self.call, self.reason = session_id, call_id, call, reason
+        self.answered = threading.Event()
+        self.answer: str | None = None
+
+
+class ApprovalGate:
+    def __init__(self, store: EventStore, *, timeout: float = DEFAULT_APPROVAL_TIMEOUT) -> None:
+        self._store = store
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, str], _Pending] = {}
+        self._session_allowed: set[tuple[str, str]] = set()
+
+    # -- the decision ----------------------------------------------------------------------------
+
+    def authorize(self, session: Session, call: ToolCall, *, call_id: str = "",
+                  still_wanted: Callable[[], bool] = lambda: True) -> Granted:
+        """Decide, record, and (if needed) wait for a person. Returns a Granted the caller must
+        end; raises PermissionDenied (after recording it) otherwise."""
+        call_id = call_id or "call_" + secrets.token_hex(6)
+        decision = decide(call.effect, call.tool, session.policy, session.approval, category=call.category,
+                          untrusted_mcp=call.untrusted_mcp, rules=session.rules)
+        base: dict[str, Any] = {"effect": call.effect or "unknown-command", "risk": call.risk,
+                                "summary": call.summary, "execution_context_id": call.execution_context_id}
+        if call.note:
+            base["note"] = call.note
+        if call.mcp_server:
+            base["mcp_server"] = call.mcp_server
+        if decision.verdict == Verdict.DENIED_BY_SANDBOX:
+            detail = f"{decision.detail}; {call.note}" if call.note else decision.detail
+            self._deny(session, call_id, call, decision.reason, "sandbox", detail, base)
+        granted_by = "policy"
+        if decision.verdict == Verdict.NEEDS_APPROVAL:
+            granted_by = self._remembered(session, call.tool) or self._ask(session, call_id, call, decision.reason,
+                                                                            base, still_wanted)
+        self._store.append_many(session.id, [
+            (EventType.PERMISSION_GRANTED, call_id, call.tool, {**base, "by": granted_by, "reason": decision.reason}),
+            (EventType.TOOL_STARTED, call_id, call.tool, {"arguments": call.arguments}),
+        ])
+        return Granted(self._store, session.id, call_id, call.tool, granted_by, decision.reason)
+
+    def _remembered(self, session: Session, tool: str) -> str | None:
+        with self._lock:
+            if (session.id, tool) in self._session_allowed:
+                return "session"
+        if self._store.has_memory(PERMISSION_NAMESPACE, session.workspace, rule_key(tool)):
+            return "workspace_rule"
+        return None
+
+    def _ask(self, session: Session, call_id: str, call: ToolCall, reason: str | None, base: dict[str, Any],
+             still_wanted: Callable[[], bool]) -> str:
+        pending = _Pending(session.id, call_id, call, reason)
+        with self._lock:
+            self._pending[(session.id, call_id)] = pending
+        try:
+            self._store.append(session.id, EventType.PERMISSION_REQUESTED, call_id=call_id, tool=call.tool,
+                               data={**base, "reason": reason, "arguments": call.arguments})
+            deadline = time.monotonic() + self.timeout
+            while not pending.answered.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    self._deny(session, call_id, call, reason, "timeout",
+                               f"no answer within {self.timeout:g} s", base)
+                if not still_wanted():
+                    self._deny(session, call_id, call, reason, "cancelled", "the caller went away", base)
+        finally:
+            with self._lock:
+                self._pending.pop((session.id, call_id), None)
+        if pending.answer == DENY:
+            self._deny(session, call_id, call, reason, "user", "", base)
+        if pending.answer == ALLOW_SESSION:
+            with self._lock:
+                self._session_allowed.add((session.id, call.tool))
+        return "user"
+
+    def _deny(self, session: Session, call_id: str, call: ToolCall, reason: str | None, by: str, detail: str,
+              base: dict[str, Any]) -> None:
+        error = PermissionDenied(call_id, call.tool, reason, by, detail)
+        self._store.append(session.id, EventType.PERMISSION_DENIED, call_id=call_id, tool=call.tool,
+                           data={**base, "reason": reason, "by": by, "detail": detail, "message": str(error)})
+        raise error
+
+    # -- answers ---------------------------------------------------------------------------------
+
+    def resolve(self, session_id: str, call_id: str, decision_text: str) -> str:
+        """Answer a held call; returns the canonical decision."""
+        decision = parse_decision(decision_text)
+        with self._lock:
+            pending = self._pending.get((session_id, call_id))
+            if pending is None or pending.answered.is_set():
+                raise NotFound(f"no call {call_id!r} waiting for approval in session {session_id!r}")
+            pending.answer = decision
+            pending.answered.set()
+        return decision
+
+    def pending(self, session_id: str) -> list[tuple[str, ToolCall, str | None]]:
+        """(call id, call, reason) of each call held for approval in the session."""
+        with self._lock:
+            return [(p.call_id, p.call, p.reason) for (sid, _), p in self._pending.items() if sid == session_id]
+
+    def forget_session(self, session_id: str) -> None:
+        """The session closed: its remembered approvals go, and held calls are denied."""
+        with self._lock:
+            self._session_allowed = {entry for entry in self._session_allowed if entry[0] != session_id}
+            held = [p for (sid, _), p in self._pending.items() if sid == session_id]
+        for pending in held:
+            pending.answer = DENY
+            pending.answered.set()
+
+
+def rule_key(tool: str) -> str:
+    """The key of a standing "always allow TOOL in this workspace" rule (permission namespace)."""
+    return f"allow:{tool}"
+

@@ -1,0 +1,214 @@
+"""The RPCs of the policy engine and the audit log: approvals, external tools (Authorize,
+ReportToolResult), the tool list, events (watch and query) and standing rules."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Callable, Iterator
+
+from sandboxd.audit.store import PERMISSION_NAMESPACE, Event, EventStore, EventType
+from sandboxd.errors import InvalidPolicy, NotFound, PermissionDenied
+from sandboxd.policy.tools import BUILTIN_TOOLS, Category, Effect, Risk, summary_of
+from sandboxd.service.approvals import ApprovalGate, Granted, ToolCall, rule_key
+from sandboxd.service.peercred import PeerCredentials
+from sandboxd.service.sessions import SessionRegistry
+from sandboxd.v1 import sandboxd_pb2 as pb
+
+EFFECTS = {pb.POLICY_EFFECT_UNSPECIFIED: None, pb.EFFECT_READ_ONLY: Effect.READ_ONLY,
+           pb.EFFECT_WORKSPACE_WRITE: Effect.WORKSPACE_WRITE, pb.EFFECT_NETWORK: Effect.NETWORK,
+           pb.EFFECT_DESTRUCTIVE: Effect.DESTRUCTIVE, pb.EFFECT_UNKNOWN_COMMAND: Effect.UNKNOWN_COMMAND}
+WATCH_POLL_SECONDS = 0.5
+
+
+def denied_to_proto(error: PermissionDenied) -> pb.PermissionDenied:
+    return pb.PermissionDenied(call_id=error.call_id, tool=error.tool, reason=error.reason or "", by=error.by,
+                               detail=error.detail, message=str(error))
+
+
+def event_to_proto(event: Event) -> pb.Event:
+    return pb.Event(id=event.id, session_id=event.session_id, sequence=event.sequence, type=event.type,
+                    time=event.time, call_id=event.call_id, tool=event.tool,
+                    data_json=json.dumps(event.data, separators=(",", ":"), default=str))
+
+
+class AuditService:
+    def __init__(self, registry: SessionRegistry, gate: ApprovalGate) -> None:
+        self._registry = registry
+        self._store: EventStore = registry.store
+        self._gate = gate
+        self._external: dict[tuple[str, str], Granted] = {}
+        self._lock = threading.Lock()
+
+    # -- approvals -------------------------------------------------------------------------------
+
+    def resolve(self, who: PeerCredentials, request: pb.ResolveApprovalRequest) -> pb.ResolveApprovalResponse:
+        session = self._registry.get(who, request.session_id)
+        return pb.ResolveApprovalResponse(decision=self._gate.resolve(session.id, request.call_id, request.decision))
+
+    def pending(self, who: PeerCredentials, session_id: str) -> pb.ListPendingApprovalsResponse:
+        session = self._registry.get(who, session_id)
+        return pb.ListPendingApprovalsResponse(approvals=[
+            pb.PendingApproval(call_id=call_id, tool=call.tool, summary=call.summary, reason=reason or "",
+                               risk=call.risk, arguments_json=json.dumps(call.arguments, default=str),
+                               execution_context_id=call.execution_context_id)
+            for call_id, call, reason in self._gate.pending(session.id)])
+
+    # -- external tools --------------------------------------------------------------------------
+
+    def authorize(self, who: PeerCredentials, request: pb.AuthorizeRequest,
+                  still_wanted: Callable[[], bool]) -> pb.AuthorizeResponse:
+        session = self._registry.get(who, request.session_id)
+        if not request.tool:
+            raise InvalidPolicy("name the tool to authorize (for example browser.action)")
+        if request.tool in BUILTIN_TOOLS:
+            raise InvalidPolicy(f"{request.tool} is a built-in tool: call its RPC, which is authorized itself")
+        if request.effect not in EFFECTS:
+            raise InvalidPolicy(f"unknown effect {request.effect}")
+        if request.risk and request.risk not in (Risk.LOW, Risk.MEDIUM, Risk.HIGH):
+            raise InvalidPolicy(f"unknown risk {request.risk!r}: use low, medium or high")
+        try:
+            arguments = json.loads(request.arguments_json) if request.arguments_json else {}
+        except ValueError as exc:
+            raise InvalidPolicy(f"arguments_json is not JSON: {exc}") from None
+        summary = summary_of(request.tool, [request.command]) if request.command else request.tool
+        call = ToolCall(tool=request.tool, effect=EFFECTS[request.effect], category=Category.EXTERNAL,
+                        arguments={"arguments": arguments, "command": request.command} if request.command
+                        else {"arguments": arguments},
+                        summary=summary, risk=request.risk or Risk.HIGH,
+                        execution_context_id=request.execution_context_id, mcp_server=request.mcp_server,
+                        untrusted_mcp=bool(request.mcp_server) and not request.server_trusted)
+        try:
+            granted = self._gate.authorize(session, call, still_wanted=still_wanted)
+        except PermissionDenied as denied:
+            return pb.AuthorizeResponse(allowed=False, call_id=denied.call_id, reason=denied.reason or "",
+                                        denied=denied_to_proto(denied))
+        with self._lock:
+            self._external[(session.id, granted.call_id)] = granted
+        return pb.AuthorizeResponse(allowed=True, call_id=granted.call_id, granted_by=granted.granted_by,
+                                    reason=granted.reason or "")
+
+    def report(self, who: PeerCredentials, request: pb.ReportToolResultRequest) -> pb.ReportToolResultResponse:
+        session = self._registry.get(who, request.session_id)
+        with self._lock:
+            granted = self._external.pop((session.id, request.call_id), None)
+        if granted is None:
+            raise NotFound(f"no authorized call {request.call_id!r} without a result in session {session.id!r}")
+        try:
+            details = json.loads(request.result_json) if request.result_json else {}
+        except ValueError as exc:
+            with self._lock:
+                self._external[(session.id, request.call_id)] = granted
+            raise InvalidPolicy(f"result_json is not JSON: {exc}") from None
+        if request.ok:
+            granted.completed({"result": details})
+        else:
+            granted.failed(request.error or "the tool reported a failure")
+        return pb.ReportToolResultResponse()
+
+    def forget_session(self, session_id: str) -> None:
+        with self._lock:
+            for key in [k for k in self._external if k[0] == session_id]:
+                self._external.pop(key).failed("the session was closed before a result was reported")
+
+    # -- tools -----------------------------------------------------------------------------------
+
+    def tools(self, who: PeerCredentials, session_id: str) -> pb.ListToolsResponse:
+        session = self._registry.get(who, session_id)
+        return pb.ListToolsResponse(tools=[
+            pb.ToolInfo(name=spec.name, description=spec.description, risk=spec.risk, effect=spec.effect or "",
+                        category=spec.category)
+            for spec in BUILTIN_TOOLS.values() if spec.category not in session.rules.hidden])
+
+    # -- events ----------------------------------------------------------------------------------
+
+    def query(self, who: PeerCredentials, request: pb.QueryEventsRequest) -> pb.QueryEventsResponse:
+        visible = self._registry.visible_ids(who, request.session_id)
+        try:
+            after = int(request.page_token) if request.page_token else 0
+        except ValueError:
+            raise InvalidPolicy(f"bad page_token {request.page_token!r}: pass next_page_token as given") from None
+        size = request.page_size or 100
+        events = self._store.query(session_ids=visible, types=list(request.types) or None, tool=request.tool,
+                                   since=request.since or None, until=request.until or None, after_id=after,
+                                   limit=size)
+        token = str(events[-1].id) if len(events) == min(max(size, 1), 1000) else ""
+        return pb.QueryEventsResponse(events=[event_to_proto(e) for e in events], next_page_token=token)
+
+    def watch(self, who: PeerCredentials, request: pb.WatchEventsRequest,
+              active: Callable[[], bool]) -> Iterator[pb.Event]:
+        """Past events after ``from_sequence``, then live ones until the caller leaves."""
+        visible = self._registry.visible_ids(who, request.session_id)
+        types = set(request.types)
+        unknown = types - set(EventType.ALL)
+        if unknown:
+            raise InvalidPolicy(f"unknown event type(s) {sorted(unknown)}")
+        single = request.session_id or None
+
+        def wants(event: Event) -> bool:
+            if types and event.type not in types:
+                return False
+            if single is not None:
+                return event.session_id == single and event.sequence > request.from_sequence
+            if visible is not None and event.session_id not in visible and not self._owned_now(who, event):
+                return False
+            return event.id > request.from_sequence
+
+        subscription = self._store.subscribe(wants)
+        try:
+            after = 0 if single else int(request.from_sequence)
+            while True:                                   # the past, up to the subscription's start
+                page = self._store.query(session_ids=[single] if single else visible, types=list(types) or None,
+                                         after_id=after, limit=1000)
+                page = [e for e in page if e.id <= subscription.high_water]
+                for event in page:
+                    if wants(event):
+                        yield event_to_proto(event)
+                if len(page) < 1000:
+                    break
+                after = page[-1].id
+            while active():                               # then live
+                if subscription.overflowed:
+                    raise InvalidPolicy("the watcher fell too far behind: watch again from the last sequence seen")
+                event = subscription.next(WATCH_POLL_SECONDS)
+                if event is not None:
+                    yield event_to_proto(event)
+        finally:
+            self._store.unsubscribe(subscription)
+
+    def _owned_now(self, who: PeerCredentials, event: Event) -> bool:
+        """A session created after the watch began may be the caller's too."""
+        try:
+            return self._registry.visible_ids(who, event.session_id) is not None
+        except NotFound:
+            return False
+
+    # -- standing rules --------------------------------------------------------------------------
+
+    def add_rule(self, who: PeerCredentials, rule: pb.StandingRule) -> pb.StandingRule:
+        workspace = self._registry.check_workspace(who, rule.workspace)
+        if not rule.tool:
+            raise InvalidPolicy("name the tool the rule allows (for example fs.read)")
+        self._store.remember(PERMISSION_NAMESPACE, workspace, rule_key(rule.tool), {"tool": rule.tool,
+                                                                                    "by_uid": who.uid})
+        return next(r for r in self.rules(who, workspace).rules if r.tool == rule.tool)
+
+    def rules(self, who: PeerCredentials, workspace: str) -> pb.ListStandingRulesResponse:
+        if workspace:
+            workspace = self._registry.check_workspace(who, workspace)
+        rows = self._store.recall(PERMISSION_NAMESPACE, workspace or None)
+        rules = []
+        for where, _key, value, created in rows:
+            if not workspace:
+                try:
+                    self._registry.check_workspace(who, where)
+                except Exception:  # noqa: BLE001 - a workspace out of the caller's reach is not listed
+                    continue
+            rules.append(pb.StandingRule(workspace=where, tool=str(value.get("tool", "")), created_at=created))
+        return pb.ListStandingRulesResponse(rules=rules)
+
+    def remove_rule(self, who: PeerCredentials, rule: pb.StandingRule) -> pb.RemoveStandingRuleResponse:
+        workspace = self._registry.check_workspace(who, rule.workspace)
+        return pb.RemoveStandingRuleResponse(removed=self._store.forget(PERMISSION_NAMESPACE, workspace,
+                                                                        rule_key(rule.tool)))
+

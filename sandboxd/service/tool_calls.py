@@ -1,0 +1,38 @@
+"""Each built-in RPC as the policy engine sees it: which tool it is, its effect, its arguments
+and the one-line summary an approval card shows. One function per kind of call."""
+
+from __future__ import annotations
+
+from sandboxd.policy.tools import BUILTIN_TOOLS, classify_command, summary_of
+from sandboxd.service.approvals import ToolCall
+from sandboxd.service.file_calls import write_effect
+from sandboxd.service.sessions import Session
+
+
+def _call(name: str, effect: str | None, arguments: dict[str, object], summary: str, *, note: str = "",
+          context_id: str = "") -> ToolCall:
+    spec = BUILTIN_TOOLS[name]
+    return ToolCall(tool=name, effect=effect, category=spec.category, arguments=arguments, summary=summary,
+                    risk=spec.risk, execution_context_id=context_id, note=note)
+
+
+def writable_roots(session: Session) -> list[str]:
+    return [session.workspace, *getattr(session.policy, "writable_roots", ())]
+
+
+def command(session: Session, tool: str, argv: list[str], cwd: str, *, context_id: str = "") -> ToolCall:
+    """shell.exec or monitor.start: the effect comes from the command."""
+    effect = classify_command(argv, cwd=cwd, writable_roots=writable_roots(session))
+    return _call(tool, effect, {"argv": argv, "cwd": cwd}, summary_of(tool, argv), context_id=context_id)
+
+
+def read(session: Session, tool: str, path: str, **extra: object) -> ToolCall:
+    """fs.read, fs.list, search, monitor.list, monitor.stop: read-only (their fixed effect)."""
+    return _call(tool, BUILTIN_TOOLS[tool].effect, {"path": path, **extra}, summary_of(tool, path=path))
+
+
+def write(session: Session, tool: str, paths: list[str], **extra: object) -> ToolCall:
+    """fs.write, patch.apply: workspace-write, or destructive outside the writable roots."""
+    effect, note = write_effect(session, paths)
+    return _call(tool, effect, {"paths": paths, **extra}, summary_of(tool, path=", ".join(paths)), note=note)
+
