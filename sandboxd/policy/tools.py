@@ -129,10 +129,11 @@ def write_effect(paths: "list[str]", writable_roots: "list[str]") -> str:
     return Effect.WORKSPACE_WRITE if inside else Effect.DESTRUCTIVE
 
 
-def summary_of(tool: str, argv: "list[str] | tuple[str, ...]" = (), path: str = "") -> str:
+def summary_of(tool: str, argv: "list[str] | tuple[str, ...]" = (), path: str = "", command: str = "") -> str:
     """The one line an approval card shows: ``Execute: pytest -q``, ``Write: src/a.py``."""
-    if argv:
-        command = argv[2] if len(argv) == 3 and argv[1] == "-c" and argv[0].endswith("sh") else shlex.join(argv)
+    if argv or command:
+        if not command:
+            command = argv[2] if len(argv) == 3 and argv[1] == "-c" and argv[0].endswith("sh") else shlex.join(argv)
         line = f"Execute: {command}"
     elif path:
         verb = {"fs.write": "Write", "fs.read": "Read", "fs.list": "List", "patch.apply": "Patch",

@@ -71,7 +71,7 @@ class AuditService:
             arguments = json.loads(request.arguments_json) if request.arguments_json else {}
         except ValueError as exc:
             raise InvalidPolicy(f"arguments_json is not JSON: {exc}") from None
-        summary = summary_of(request.tool, [request.command]) if request.command else request.tool
+        summary = summary_of(request.tool, command=request.command)
         call = ToolCall(tool=request.tool, effect=EFFECTS[request.effect], category=Category.EXTERNAL,
                         arguments={"arguments": arguments, "command": request.command} if request.command
                         else {"arguments": arguments},
