@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -58,3 +60,44 @@ def test_background_start_ps_logs_stop(base: Path, session_id: str) -> None:
     stopped = ctl(base, "stop", session_id, job)
     assert stopped.returncode == 0 and "stopped (137)" in stopped.stdout
     assert ctl(base, "logs", session_id, job).stdout == "started\n"
+
+
+def test_approvals_and_events_from_the_shell(base: Path, client: SandboxClient) -> None:
+    workspace = base / "ctl-approvals"
+    workspace.mkdir()
+    session_id = ctl(base, "session", "create", str(workspace), "--approval", "on-request").stdout.strip()
+    held = subprocess.Popen([SANDBOXCTL, "--socket", str(base / "sandboxd.sock"), "exec", session_id, "--",
+                             "sh", "-c", "echo approved-run; true"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 30
+    while not (listed := ctl(base, "pending", session_id).stdout.split()):
+        assert time.monotonic() < deadline, "the call was never held"
+        time.sleep(0.05)
+    call_id = listed[0]
+    assert "Execute: echo approved-run; true" in ctl(base, "pending", session_id).stdout
+    assert ctl(base, "approve", session_id, call_id, "--session-wide").stdout.split() == [call_id, "allow_session"]
+    out, err = held.communicate(timeout=60)
+    assert (held.returncode, out) == (0, "approved-run\n")
+    assert f"sandboxctl approve {session_id} {call_id}" in err
+    lines = [json.loads(line) for line in ctl(base, "events", "--session", session_id, "--json").stdout.splitlines()]
+    assert [e["type"] for e in lines] == ["SessionCreated", "PermissionRequested", "PermissionGranted",
+                                         "ToolInvocationStarted", "ToolInvocationCompleted"]
+    assert lines[2]["data"]["by"] == "user" and lines[1]["call_id"] == call_id
+    human = ctl(base, "events", "--session", session_id, "--type", "PermissionRequested").stdout
+    assert "PermissionRequested" in human and "reason=unknown_command" in human and len(human.splitlines()) == 1
+    # deny: the command never runs, sandboxctl says why.
+    ctl(base, "session", "policy", session_id, "--approval", "always")
+    denied = subprocess.Popen([SANDBOXCTL, "--socket", str(base / "sandboxd.sock"), "read", session_id, "x"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not (listed := ctl(base, "pending", session_id).stdout.split()):
+        assert time.monotonic() < deadline + 30, "the read was never held"
+        time.sleep(0.05)
+    ctl(base, "deny", session_id, listed[0])
+    _, err = denied.communicate(timeout=60)
+    assert denied.returncode == 1 and "PERMISSION_DENIED" in err and "denied by user" in err
+    # Standing rules.
+    assert ctl(base, "rules", "add", str(workspace), "fs.read").returncode == 0
+    assert ctl(base, "rules", "list", str(workspace)).stdout.split() == [str(workspace), "fs.read"]
+    assert ctl(base, "rules", "remove", str(workspace), "fs.read").returncode == 0
+    assert ctl(base, "rules", "remove", str(workspace), "fs.read").returncode == 2
+    ctl(base, "session", "close", session_id)

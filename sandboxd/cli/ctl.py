@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import grpc
 
@@ -12,7 +13,7 @@ from sandboxd.client import DEFAULT_SOCKET, SandboxClient, sandbox_policy, write
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 
-def _session_line(session: object) -> dict[str, object]:
+def _message_dict(session: object) -> dict[str, object]:
     from google.protobuf.json_format import MessageToDict
     return MessageToDict(session, preserving_proto_field_name=True)  # type: ignore[arg-type]
 
@@ -68,6 +69,25 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("session_id")
     logs.add_argument("job_id")
     logs.add_argument("--follow", "-f", action="store_true")
+    events = commands.add_parser("events", help="the audit log: past events, then live ones with --follow")
+    events.add_argument("--session", default="", help="one session (default: every session you may see)")
+    events.add_argument("--follow", "-f", action="store_true", help="keep printing new events as they happen")
+    events.add_argument("--type", action="append", default=[], help="only this event type (repeatable)")
+    events.add_argument("--tool", default="", help="only this tool's events")
+    events.add_argument("--json", action="store_true", help="one JSON object per line")
+    pending = commands.add_parser("pending", help="calls of a session waiting for approval")
+    pending.add_argument("session_id")
+    for verb, text in (("approve", "allow a held call (once, or for the session)"), ("deny", "deny a held call")):
+        answer = commands.add_parser(verb, help=text)
+        answer.add_argument("session_id")
+        answer.add_argument("call_id")
+        if verb == "approve":
+            answer.add_argument("--session-wide", action="store_true",
+                                help="also allow later calls of the same tool in this session")
+    rules = commands.add_parser("rules", help="workspace-scoped standing rules: always allow TOOL here")
+    rules.add_argument("rule_action", choices=["list", "add", "remove"])
+    rules.add_argument("workspace", nargs="?", default="")
+    rules.add_argument("tool", nargs="?", default="")
     execute = commands.add_parser("exec", help="run a command in a session; exits with its status")
     execute.add_argument("session_id")
     execute.add_argument("--cwd", default="")
@@ -97,12 +117,112 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _event_line(event: pb.Event) -> str:
+    data = json.loads(event.data_json or "{}")
+    when = time.strftime("%H:%M:%S", time.localtime(event.time))
+    detail = data.get("summary") or data.get("message") or data.get("error") or ""
+    extra = " ".join(f"{key}={data[key]}" for key in ("reason", "by") if data.get(key))
+    return (f"{when} {event.session_id}#{event.sequence:<4} {event.type:<24} {event.tool:<14} "
+            f"{event.call_id:<18} {extra} {detail}").rstrip()
+
+
+def _print_events(client: SandboxClient, args: argparse.Namespace) -> int:
+    def show(event: pb.Event) -> None:
+        if args.json:
+            line = _message_dict(event)
+            line["data"] = json.loads(line.pop("data_json", "{}") or "{}")
+            print(json.dumps(line), flush=True)
+        else:
+            print(_event_line(event), flush=True)
+    if args.follow:
+        for event in client.stub.WatchEvents(pb.WatchEventsRequest(session_id=args.session, types=args.type)):
+            if not args.tool or event.tool == args.tool:
+                show(event)
+        return 0
+    token = ""
+    while True:
+        page = client.stub.QueryEvents(pb.QueryEventsRequest(session_id=args.session, types=args.type,
+                                                             tool=args.tool, page_size=1000, page_token=token))
+        for event in page.events:
+            show(event)
+        token = page.next_page_token
+        if not token:
+            return 0
+
+
+class _ApprovalNotices:
+    """While a command runs, say on stderr when one of the session's calls is held for approval
+    (the Exec stream itself stays silent until the call is answered)."""
+
+    def __init__(self, client: SandboxClient, session_id: str) -> None:
+        import threading
+
+        self._client, self._session_id = client, session_id
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> "_ApprovalNotices":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        told: set[str] = set()
+        while not self._done.wait(0.5):
+            try:
+                held = self._client.stub.ListPendingApprovals(
+                    pb.ListPendingApprovalsRequest(session_id=self._session_id)).approvals
+            except grpc.RpcError:
+                return
+            for call in held:
+                if call.call_id not in told:
+                    told.add(call.call_id)
+                    sys.stderr.write(f"sandboxctl: waiting for approval ({call.reason}): {call.summary}\n"
+                                     f"  sandboxctl approve {self._session_id} {call.call_id} [--session-wide]"
+                                     f"  |  sandboxctl deny {self._session_id} {call.call_id}\n")
+                    sys.stderr.flush()
+
+
+def _run_policy_command(client: SandboxClient, args: argparse.Namespace) -> int:
+    """events, pending, approve, deny, rules."""
+    if args.command == "events":
+        return _print_events(client, args)
+    if args.command == "pending":
+        for held in client.stub.ListPendingApprovals(pb.ListPendingApprovalsRequest(session_id=args.session_id)).approvals:
+            print(f"{held.call_id}  {held.tool:<14} risk={held.risk:<6} reason={held.reason:<20} {held.summary}")
+        return 0
+    if args.command in ("approve", "deny"):
+        decision = "deny" if args.command == "deny" else ("allow_session" if args.session_wide else "allow_once")
+        answer = client.stub.ResolveApproval(pb.ResolveApprovalRequest(session_id=args.session_id,
+                                                                       call_id=args.call_id, decision=decision))
+        print(f"{args.call_id} {answer.decision}")
+        return 0
+    if args.rule_action == "list":
+        for rule in client.stub.ListStandingRules(pb.ListStandingRulesRequest(workspace=args.workspace)).rules:
+            print(f"{rule.workspace}\t{rule.tool}")
+        return 0
+    if not args.workspace or not args.tool:
+        raise ValueError(f"sandboxctl rules {args.rule_action} WORKSPACE TOOL")
+    rule = pb.StandingRule(workspace=args.workspace, tool=args.tool)
+    if args.rule_action == "add":
+        client.stub.AddStandingRule(rule)
+    elif not client.stub.RemoveStandingRule(rule).removed:
+        raise ValueError(f"no rule for {args.tool} in {args.workspace}")
+    return 0
+
+
 def _run(client: SandboxClient, args: argparse.Namespace) -> int:
+    if args.command in ("events", "pending", "approve", "deny", "rules"):
+        return _run_policy_command(client, args)
     if args.command == "exec":
         command = args.argv
         if not command:
             raise ValueError("no command: sandboxctl exec SESSION -- PROGRAM [ARGS...]")
-        outcome = client.exec(args.session_id, command, cwd=args.cwd, timeout=args.timeout, on_output=write_through)
+        with _ApprovalNotices(client, args.session_id):
+            outcome = client.exec(args.session_id, command, cwd=args.cwd, timeout=args.timeout,
+                                  on_output=write_through)
         return outcome.result.shell_status
     if args.command == "write":
         written = client.write_file(args.session_id, args.path, sys.stdin.buffer.read(), mode=args.mode,
@@ -149,7 +269,7 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
     elif args.action == "list":
         for session in client.list_sessions():
             if args.json:
-                print(json.dumps(_session_line(session)))
+                print(json.dumps(_message_dict(session)))
             else:
                 print(f"{session.id}  uid={session.owner_uid}  {session.workspace}  "
                       f"policy={session.sandbox_policy.mode}  calls={session.running_calls}")
