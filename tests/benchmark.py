@@ -1109,6 +1109,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="how long the concurrent clients run (default 5)")
     p.add_argument("--throughput-runs", type=int, default=2, help="runs of the 1 GiB stdout command (default 2)")
     p.add_argument("--sessions", type=int, default=100, help="sessions open for the memory figure (default 100)")
+    p.add_argument("--no-store", action="store_true", help="skip the event store section")
+    p.add_argument("--store-sessions", type=int, default=1000,
+                   help="sessions in the large event store (default 1000; x --store-events = 1,000,000 events)")
+    p.add_argument("--store-events", type=int, default=1000, help="events per session there (default 1000)")
     args = p.parse_args(argv)
     if args.daemon_runs is None:
         args.daemon_runs = args.runs
@@ -1178,6 +1182,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"WARNING: children still present after the daemon section: {leftovers_end}")
         daemon["leftover_children"] = leftovers_end
         print(f"daemon section: {daemon['failures']} failures in all")
+    store: dict[str, Any] | None = None
+    if not args.no_store:
+        from bench_store import run_store_section
+
+        print()
+        warm_rows = (daemon or {}).get("rounds", {}).get("variants", []) if daemon else []
+        store = run_store_section(exec_median_ms=warm_rows[1]["median_ms"] if len(warm_rows) > 1 else None,
+                                  runs=min(args.runs, 100), sessions=args.store_sessions,
+                                  per_session=args.store_events, sandboxd=str(venv_bin() / "sandboxd"))
     machine["loadavg_end"] = list(os.getloadavg())
     total = time.monotonic() - started
     daemon_part = "" if daemon is None else f" + {daemon['elapsed_s']:.1f} s daemon"
@@ -1188,9 +1201,12 @@ def main(argv: list[str] | None = None) -> int:
         report = {"machine": machine, "runs": args.runs, "warmup": args.warmup, "seed": SHUFFLE_SEED,
                   "elapsed_s": elapsed, "total_elapsed_s": total, "leftover_children": leftovers,
                   "variants": rows, "targets": targets, "import_cost": imports,
-                  "python_pass_median_ms": pass_median, "compileall": compiled, "daemon": daemon}
+                  "python_pass_median_ms": pass_median, "compileall": compiled, "daemon": daemon,
+                  "event_store": store}
         if daemon is not None:
             report["targets"].update(daemon["targets"])
+        if store is not None:
+            report["targets"].update(store["targets"])
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(report, handle, indent=2)
     failed = any(row["failures"] for row in rows) or (daemon is not None and daemon["failures"] > 0)

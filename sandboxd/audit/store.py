@@ -296,21 +296,21 @@ class EventStore:
                 "sandbox_policy = excluded.sandbox_policy, approval_policy = excluded.approval_policy, "
                 "tool_rules = excluded.tool_rules, closed_at = excluded.closed_at", values)
 
+    _SESSION_COLUMNS = ("SELECT id, owner_uid, owner_gid, owner_principal, workspace, sandbox_policy, "
+                        "approval_policy, tool_rules, limits, labels, created_at, closed_at FROM sessions")
+
     def sessions(self, *, include_closed: bool = False) -> list[SessionRow]:
-        sql = "SELECT id, owner_uid, owner_gid, owner_principal, workspace, sandbox_policy, approval_policy, " \
-              "tool_rules, limits, labels, created_at, closed_at FROM sessions"
-        if not include_closed:
-            sql += " WHERE closed_at IS NULL"
+        sql = self._SESSION_COLUMNS + ("" if include_closed else " WHERE closed_at IS NULL")
         with self._lock:
             rows = self._db.execute(sql + " ORDER BY created_at").fetchall()
-        return [SessionRow(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), r[6], json.loads(r[7]), json.loads(r[8]),
-                           json.loads(r[9]), r[10], r[11]) for r in rows]
+        return [_session_row(r) for r in rows]
 
     def session(self, session_id: str) -> SessionRow:
-        for row in self.sessions(include_closed=True):
-            if row.id == session_id:
-                return row
-        raise NotFound(f"no session {session_id!r} in the event store")
+        with self._lock:
+            row = self._db.execute(self._SESSION_COLUMNS + " WHERE id = ?", (session_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"no session {session_id!r} in the event store")
+        return _session_row(row)
 
     # -- workspace memory (standing rules) -------------------------------------------------------
 
@@ -340,3 +340,8 @@ class EventStore:
         with self._lock:
             return self._db.execute("SELECT 1 FROM memory WHERE namespace = ? AND workspace = ? AND key = ?",
                                     (namespace, workspace, key)).fetchone() is not None
+
+
+def _session_row(r: tuple[Any, ...]) -> SessionRow:
+    return SessionRow(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), r[6], json.loads(r[7]), json.loads(r[8]),
+                      json.loads(r[9]), r[10], r[11])
