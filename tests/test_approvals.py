@@ -26,37 +26,17 @@ from daemon_helpers import (
     create_session,
     exec_start,
     read_only,
-    remove_tree,
     rpc_error,
     run_exec,
     running_daemon,
     workspace_write,
 )
+from daemon_fixtures import daemon, stub, ws  # noqa: F401 - pytest fixtures
 from sandboxd.service.approvals import DECISION_ALIASES
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    with running_daemon("sbxd-approve-") as d:
-        yield d
-
-
-@pytest.fixture(scope="module")
-def stub(daemon: Daemon) -> pb_grpc.SandboxStub:
-    return daemon.stub
-
-
-@pytest.fixture
-def ws(daemon: Daemon) -> Iterator[Path]:
-    path = make_dir(daemon.base / f"ws-{uuid.uuid4().hex[:8]}")
-    try:
-        yield path
-    finally:
-        remove_tree(path)
 
 
 @pytest.fixture

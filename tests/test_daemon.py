@@ -46,6 +46,7 @@ from daemon_helpers import (
     survivors,
     workspace_write,
 )
+from daemon_fixtures import daemon, stub, ws  # noqa: F401 - pytest fixtures
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 
@@ -64,27 +65,6 @@ DENIED = ("EROFS", "EACCES", "EPERM")
 
 
 # --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    with running_daemon() as d:
-        yield d
-
-
-@pytest.fixture(scope="module")
-def stub(daemon: Daemon) -> pb_grpc.SandboxStub:
-    return daemon.stub
-
-
-@pytest.fixture
-def ws(daemon: Daemon) -> Iterator[Path]:
-    """A fresh root-owned 0755 workspace next to the daemon's socket."""
-    path = make_dir(daemon.base / f"ws-{uuid.uuid4().hex[:8]}")
-    try:
-        yield path
-    finally:
-        remove_tree(path)
 
 
 @pytest.fixture
