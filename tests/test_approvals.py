@@ -111,9 +111,13 @@ class Background:
 
 def test_a_held_call_runs_once_allowed(stub: pb_grpc.SandboxStub, ws: Path, opened: Callable[..., pb.Session]) -> None:
     session = opened(ws, workspace_write(), approval_policy=pb.ON_REQUEST)
-    call = Background(lambda: run_exec(stub, session.id, shell="echo approved > made; echo ran"))
+    call = Background(lambda: run_exec(stub, session.id, shell="echo approved > made; echo ran",
+                                       execution_context_id="turn-7/sub-2"))
     pending = wait_pending(stub, session.id)
     assert (pending.tool, pending.reason, pending.risk) == ("shell.exec", "unknown_command", "high")
+    assert pending.execution_context_id == "turn-7/sub-2"
+    requested = events(stub, session.id, types=["PermissionRequested"])[-1]
+    assert json.loads(requested.data_json)["execution_context_id"] == "turn-7/sub-2"
     assert pending.summary == "Execute: echo approved > made; echo ran"
     assert not (ws / "made").exists()                     # held: nothing ran yet
     assert resolve(stub, session.id, pending.call_id, "approve") == "allow_once"
@@ -208,6 +212,26 @@ def test_an_unknown_decision_is_invalid_and_leaves_the_call_held(
     assert missing.code() == grpc.StatusCode.NOT_FOUND
     resolve(stub, session.id, pending.call_id, "allow_once")
     assert call.result() is not None
+
+
+def test_an_approved_call_is_not_revoked_by_a_later_policy_change(
+        stub: pb_grpc.SandboxStub, ws: Path, opened: Callable[..., pb.Session]) -> None:
+    session = opened(ws, workspace_write(), approval_policy=pb.ON_REQUEST)
+    running = ExecCall(stub, exec_start(session.id, shell="read go; echo finished > late; echo ok"))
+    resolve(stub, session.id, wait_pending(stub, session.id).call_id, "allow")
+    running.wait_started()
+    # Both axes tightened while it runs: read-only, and ask for everything.
+    stub.UpdateSessionPolicy(pb.UpdateSessionPolicyRequest(session_id=session.id, sandbox_policy=read_only(),
+                                                           approval_policy=pb.ALWAYS))
+    running.send_stdin(b"go\n")
+    outcome = running.finish()
+    assert outcome.result is not None and outcome.result.exit_code == 0, outcome.describe()
+    assert (ws / "late").read_text() == "finished\n"      # it kept the sandbox it was approved in
+    log = kinds(stub, session.id)
+    assert log[-2:] == ["PolicyChanged", "ToolInvocationCompleted"], log
+    # The next call meets the new policy.
+    error = rpc_error(lambda: stub.WriteFile(pb.WriteFileRequest(session_id=session.id, path="y", data=b"y")))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED and denial_of(error)["by"] == "sandbox"
 
 
 # ---- the sandbox is structural ------------------------------------------------------------------
