@@ -1,0 +1,127 @@
+"""The event store on its own (sandboxd.audit.store): migrations, append-only events with
+per-session sequences, queries, live subscriptions, session rows and workspace memory."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+
+from sandboxd.audit.store import PERMISSION_NAMESPACE, EventStore, EventType, SessionRow
+from sandboxd.errors import InvalidPolicy, NotFound
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> EventStore:
+    s = EventStore(str(tmp_path / "state" / "events.db"))
+    yield s
+    s.close()
+
+
+def test_a_new_store_is_migrated_private_and_in_wal_mode(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "events.db"
+    store = EventStore(str(path))
+    assert store.schema_version == 1
+    store.close()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert db.execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == 1
+    db.close()
+    EventStore(str(path)).close()                          # opening again migrates nothing twice
+    db = sqlite3.connect(path)
+    assert db.execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == 1
+    db.close()
+
+
+def test_a_store_from_a_newer_sandboxd_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    path = tmp_path / "events.db"
+    EventStore(str(path)).close()
+    db = sqlite3.connect(path)
+    db.execute("INSERT INTO schema_version (version) VALUES (99)")
+    db.commit()
+    db.close()
+    with pytest.raises(InvalidPolicy, match="schema version 99.*upgrade sandboxd"):
+        EventStore(str(path))
+
+
+def test_sequences_are_per_session_and_survive_a_reopen(tmp_path: Path) -> None:
+    path = str(tmp_path / "events.db")
+    store = EventStore(path)
+    a1 = store.append("a", EventType.SESSION_CREATED)
+    b1 = store.append("b", EventType.SESSION_CREATED)
+    a2, a3 = store.append_many("a", [(EventType.PERMISSION_GRANTED, "c1", "fs.read", {"by": "policy"}),
+                                     (EventType.TOOL_STARTED, "c1", "fs.read", {})])
+    assert [(e.session_id, e.sequence) for e in (a1, b1, a2, a3)] == [("a", 1), ("b", 1), ("a", 2), ("a", 3)]
+    assert a1.id < b1.id < a2.id < a3.id
+    store.close()
+    reopened = EventStore(path)
+    assert reopened.append("a", EventType.TOOL_COMPLETED, call_id="c1").sequence == 4
+    assert [e.type for e in reopened.session_events("a")] == [
+        "SessionCreated", "PermissionGranted", "ToolInvocationStarted", "ToolInvocationCompleted"]
+    reopened.close()
+
+
+def test_unknown_event_types_are_refused(store: EventStore) -> None:
+    with pytest.raises(InvalidPolicy, match="unknown event type"):
+        store.append("a", "SomethingElse")
+    with pytest.raises(InvalidPolicy, match="unknown event type"):
+        store.query(types=["SomethingElse"])
+    assert store.count() == 0
+
+
+def test_queries_filter_and_page(store: EventStore) -> None:
+    for n in range(10):
+        store.append("a" if n % 2 else "b", EventType.TOOL_STARTED, tool="fs.read" if n < 5 else "search")
+    assert len(store.query(session_ids=["a"])) == 5
+    assert len(store.query(tool="search")) == 5
+    assert len(store.query(session_ids=["a"], tool="search")) == 3
+    assert store.query(session_ids=[]) == []
+    page1 = store.query(limit=4)
+    page2 = store.query(limit=4, after_id=page1[-1].id)
+    assert [e.id for e in page1 + page2] == [e.id for e in store.query(limit=8)]
+    everything = store.query()
+    cut = everything[3].time
+    later, earlier = store.query(since=cut), store.query(until=cut)
+    assert all(e.time >= cut for e in later) and all(e.time < cut for e in earlier)
+    assert sorted(e.id for e in later + earlier) == [e.id for e in everything] and everything[3] in later
+
+
+def test_subscribers_see_every_event_after_their_start_once(store: EventStore) -> None:
+    store.append("a", EventType.SESSION_CREATED)
+    subscription = store.subscribe(lambda e: e.session_id == "a")
+    writers = [threading.Thread(target=lambda: [store.append("a", EventType.TOOL_STARTED) for _ in range(50)])
+               for _ in range(4)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    live = []
+    while (event := subscription.next(0.1)) is not None:
+        live.append(event)
+    past = [e for e in store.query(session_ids=["a"], limit=1000) if e.id <= subscription.high_water]
+    combined = [e.sequence for e in past + live]
+    assert combined == list(range(1, 202))                 # no gap, no duplicate, in order
+    store.unsubscribe(subscription)
+
+
+def test_session_rows_and_workspace_memory(store: EventStore) -> None:
+    row = SessionRow("s1", 1000, 1000, "", "/ws", {"name": "read-only"}, "never", {"mode": "read_only"},
+                     {"timeout_seconds": None}, {"k": "v"}, 1.0, None)
+    store.save_session(row)
+    assert store.session("s1") == row and store.sessions() == [row]
+    store.save_session(row.replace(closed_at=2.0))
+    assert store.sessions() == [] and store.sessions(include_closed=True)[0].closed_at == 2.0
+    with pytest.raises(NotFound):
+        store.session("nope")
+    store.remember(PERMISSION_NAMESPACE, "/ws", "allow:fs.read", {"tool": "fs.read"})
+    store.remember("other", "/ws", "allow:fs.read", {"tool": "fs.read"})
+    assert store.has_memory(PERMISSION_NAMESPACE, "/ws", "allow:fs.read")
+    assert [r[1] for r in store.recall(PERMISSION_NAMESPACE)] == ["allow:fs.read"]
+    assert store.forget(PERMISSION_NAMESPACE, "/ws", "allow:fs.read")
+    assert not store.has_memory(PERMISSION_NAMESPACE, "/ws", "allow:fs.read")
+    assert store.has_memory("other", "/ws", "allow:fs.read")    # namespaces are separate
