@@ -184,7 +184,7 @@ def serve(sock: socket.socket, native_calls: bool = True) -> None:
 
 class ForkServer:
     """Client handle of a running fork server. Thread-safe: any number of threads may launch
-    and wait at once; one reader thread dispatches the server's answers."""
+    and wait at once; whichever of them waits reads the server's answers for all."""
 
     def __init__(self, sock: socket.socket, pid: int) -> None:
         self._sock = sock
@@ -194,7 +194,7 @@ class ForkServer:
         self._events: dict[int, list[dict[str, Any]]] = {}
         self._next_id = 1
         self._closed = False
-        self._reader: threading.Thread | None = None
+        self._reading = False                     # a waiting thread is reading the socket
         self._process: "Any" = None
         self._native_calls = False
 
@@ -271,8 +271,10 @@ class ForkServer:
         with self._send_lock:
             if not self._closed:
                 self._sock.shutdown(socket.SHUT_WR)
-        if self._reader is not None:
-            self._reader.join(timeout=30)
+        try:
+            self._wait_event(-1, ())                      # reads (and drops) what is left, until EOF
+        except SetupError:
+            pass
         self._sock.close()
         if self._process is not None:
             self._process.wait()
@@ -294,29 +296,7 @@ class ForkServer:
     def _send_locked(self, message: dict[str, Any], fds: list[int] | None) -> None:
         if self._closed:
             raise SetupError("fork server", 0, detail="the fork server has exited")
-        self._ensure_reader()
         _send(self._sock, message, fds)
-
-    def _ensure_reader(self) -> None:
-        if self._reader is None:
-            self._reader = threading.Thread(target=self._read_loop, name="sandboxd-fork-reader", daemon=True)
-            self._reader.start()
-
-    def _read_loop(self) -> None:
-        while True:
-            try:
-                message, fds = _recv(self._sock)
-            except (OSError, ValueError):
-                message, fds = None, []
-            for fd in fds:
-                os.close(fd)
-            with self._cond:
-                if message is None:
-                    self._closed = True
-                    self._cond.notify_all()
-                    return
-                self._events.setdefault(int(message["id"]), []).append(message)
-                self._cond.notify_all()
 
     def _expect(self, call_id: int, kind: str) -> dict[str, Any]:
         event = self._wait_event(call_id, (kind, "error"))
@@ -328,6 +308,9 @@ class ForkServer:
         return event
 
     def _wait_event(self, call_id: int, kinds: tuple[str, ...]) -> dict[str, Any]:
+        """The next event of ``kinds`` for ``call_id``. Whoever waits reads (leader/follower):
+        one waiting thread at a time reads the socket and hands others their events, so an
+        answer wakes its own caller directly, with no reader thread in between."""
         with self._cond:
             while True:
                 queue = self._events.get(call_id, [])
@@ -339,7 +322,25 @@ class ForkServer:
                         return event
                 if self._closed:
                     raise SetupError("fork server", 0, detail="the fork server exited")
-                self._cond.wait()
+                if self._reading:
+                    self._cond.wait()
+                    continue
+                self._reading = True
+                self._cond.release()
+                try:
+                    message, fds = _recv(self._sock)
+                except (OSError, ValueError):
+                    message, fds = None, []
+                finally:
+                    self._cond.acquire()
+                    self._reading = False
+                for fd in fds:
+                    os.close(fd)
+                if message is None:
+                    self._closed = True
+                else:
+                    self._events.setdefault(int(message["id"]), []).append(message)
+                self._cond.notify_all()           # another waiter's event, or the next reader's turn
 
 
 def _main(fd: int, native_calls: bool = True) -> None:
