@@ -47,7 +47,11 @@ OPTIONS: tuple[tuple[str, str | None, str, str], ...] = (
     ("--protect", "SUBPATH", "append", "keep SUBPATH of every writable root read-only, in addition to "
                                        f"{', '.join(DEFAULT_PROTECTED_SUBPATHS)} (repeatable)"),
     ("--no-default-protect", None, "flag", f"do not protect {', '.join(DEFAULT_PROTECTED_SUBPATHS)} by default"),
-    ("--network", None, "flag", "give the command the host's network (workspace-write only)"),
+    ("--network", "[=isolated|host]", "optional", "network access (workspace-write only): isolated (the default) is a "
+                                                  "namespace of its own behind NAT that reaches the internet but not "
+                                                  "the host, its loopback, link-local or private ranges; "
+                                                  "--network=host is the host's network as it is"),
+    ("--dns", "IP", "append", "a resolver for the isolated network (repeatable; default: the host's)"),
     ("--no-network", None, "flag", "no network: a private namespace with only loopback (default)"),
     ("--timeout", "SECONDS", "value", "kill the whole tree after SECONDS"),
     ("--memory", "SIZE", "value", "memory limit of the whole tree (cgroup)"),
@@ -99,6 +103,9 @@ def parse_args(argv: list[str]) -> dict[str, object]:
                 raise UsageError(f"{flag} takes no value")
             options[key] = True
             continue
+        if kind == "optional":                     # --network or --network=VALUE, never a separate word
+            options[key] = inline if has_value else True
+            continue
         if has_value:
             value = inline
         elif index < len(argv):
@@ -111,6 +118,10 @@ def parse_args(argv: list[str]) -> dict[str, object]:
             options[key] = value
     if options["network"] and options["no_network"]:
         raise UsageError("--network and --no-network exclude each other")
+    if options["network"] not in (None, True, "isolated", "host"):
+        raise UsageError(f"--network={options['network']}: use --network (isolated) or --network=host")
+    if options["dns"] and options["network"] not in (True, "isolated"):
+        raise UsageError("--dns only applies to the isolated network: add --network")
     return options
 
 
@@ -152,9 +163,10 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
     protected = () if args["no_default_protect"] else DEFAULT_PROTECTED_SUBPATHS
     protected = tuple(dict.fromkeys(protected + tuple(args["protect"])))  # type: ignore[arg-type]
     network = bool(args["network"])
+    mode = "host" if args["network"] == "host" else "isolated"
     policy = policy_from_name(str(args["sandbox"] or "workspace-write"), network_access=network,
                               writable_roots=list(args["writable_root"]),  # type: ignore[call-overload]
-                              protected_subpaths=protected)
+                              protected_subpaths=protected, network_mode=mode)
     env = {} if args["clear_env"] else dict(os.environ)
     for item in args["env"]:  # type: ignore[attr-defined]
         key, sep, value = item.partition("=")
@@ -173,7 +185,7 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
     cwd, user = args["cwd"], args["user"]
     return LaunchSpec(argv=tuple(command), workspace=workspace, env=env,
                       cwd=os.path.abspath(str(cwd)) if cwd else None, policy=policy, limits=limits,
-                      user=parse_user(str(user)) if user else None)
+                      user=parse_user(str(user)) if user else None, dns=tuple(args["dns"]))  # type: ignore[arg-type]
 
 
 def main(argv: list[str]) -> int:

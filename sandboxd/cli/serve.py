@@ -6,6 +6,7 @@ import argparse
 import grp
 import sys
 
+from sandboxd.errors import SandboxdError
 from sandboxd.service.server import DEFAULT_SOCKET, DEFAULT_STATE_DIR
 
 
@@ -20,6 +21,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workers", type=int, default=64, help="concurrent RPCs (default 64)")
     parser.add_argument("--state-dir", default=DEFAULT_STATE_DIR,
                         help=f"the event store (audit log) and session metadata (default {DEFAULT_STATE_DIR})")
+    parser.add_argument("--dns", action="append", default=[], metavar="IP",
+                        help="a resolver for isolated-network sessions (repeatable; default: the host's)")
     parser.add_argument("--approval-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="a call nobody approves within this is denied (default 300)")
     tls = parser.add_argument_group("optional TCP listener (TLS with client certificates only)")
@@ -57,5 +60,11 @@ def main(argv: list[str]) -> int:
     if args.approval_timeout <= 0:
         sys.stderr.write("sandboxd serve: --approval-timeout must be a positive number of seconds\n")
         return 2
+    try:
+        from sandboxd.policy import LaunchSpec
+        LaunchSpec(argv=("true",), workspace="/", dns=tuple(args.dns))   # validates the addresses
+    except SandboxdError as exc:
+        sys.stderr.write(f"sandboxd serve: {exc}\n")
+        return 2
     return serve(args.socket, admin_gid=admin_gid, workers=args.workers, tls=listener, state_dir=args.state_dir,
-                 approval_timeout=args.approval_timeout)
+                 approval_timeout=args.approval_timeout, dns=tuple(args.dns))

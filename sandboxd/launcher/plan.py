@@ -20,6 +20,7 @@ class LaunchPlan(Record):
     workspace: str
     confined: bool                      # every policy but DangerFullAccess
     network: bool
+    network_isolated: bool              # a namespace of its own behind NAT (kernel.netns.IsolatedNetwork)
     writable_roots: tuple[str, ...]     # real paths, workspace first when writable
     readonly_roots: tuple[str, ...]     # the workspace under read-only: bound so it is seen even under /tmp
     protected_subpaths: tuple[str, ...]
@@ -29,6 +30,11 @@ class LaunchPlan(Record):
     seccomp_program: bytes
     brokers_connect: bool               # the filter hands connect() to init (see connect_broker)
     tool: dict[str, object] | None = None  # a file tool to run in the sandbox instead of exec'ing argv
+    dns: tuple[str, ...] = ()
+    # Set by the spawner just before fork, for an isolated network: the namespace to join, and the
+    # sandbox's resolv.conf.
+    netns_fd: int = -1
+    resolv_conf: str | None = None
 
 
 def prepare(spec: LaunchSpec) -> LaunchPlan:
@@ -44,10 +50,12 @@ def prepare(spec: LaunchSpec) -> LaunchPlan:
         st = os.stat(resolved.workspace)
         uid, gid = st.st_uid, st.st_gid
     network = bool(policy.network_access)
+    isolated = network and confined and getattr(policy, "network_mode", "host") == "isolated"
     filter_spec = seccomp.FilterSpec(confined=confined, network_access=network)
     return LaunchPlan(
         argv=spec.argv, env=dict(spec.env), cwd=resolved.cwd, workspace=resolved.workspace,
-        confined=confined, network=network, writable_roots=resolved.writable_roots,
+        confined=confined, network=network, network_isolated=isolated, dns=tuple(spec.dns),
+        writable_roots=resolved.writable_roots,
         readonly_roots=() if writable or not confined else (resolved.workspace,),
         protected_subpaths=policy.protected_subpaths if writable else (),
         uid=uid, gid=gid, limits=spec.limits,

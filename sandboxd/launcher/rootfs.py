@@ -17,6 +17,7 @@
    workspace read-only, so it is seen even when it lives under /tmp) from descriptors pinned
    between steps 1 and 2 (roots under /tmp are still reachable that way), parents
    before children; then pin and re-protect the protected subpaths.
+   8b. With an isolated network, bind its resolv.conf over /etc/resolv.conf.
 9. pivot_root into the copy and drop the old root entirely.
 """
 
@@ -77,6 +78,8 @@ def build(plan: LaunchPlan) -> None:
             _protect(root, sub)
     for fd in pinned.values():
         os.close(fd)
+    if plan.resolv_conf is not None:                                                 # 8b
+        _bind_resolv_conf(plan.resolv_conf)
     mounts.pivot_root_here(NEW_ROOT)                                                 # 9
 
 
@@ -91,6 +94,27 @@ def _mount_proc(target: str) -> None:
         path = f"{target}/{name}"
         if os.path.lexists(path):
             mounts.bind("/dev/null", path, recursive=False, step=f"mask /proc/{name}")
+
+
+def _bind_resolv_conf(text: str) -> None:
+    """An isolated network's resolvers: a file on the staging tmpfs, bound read-only over the
+    copy's /etc/resolv.conf (following a symlink such as systemd's inside the copy, not the
+    host). The bind keeps the staging file alive after pivot_root detaches the rest."""
+    target = NEW_ROOT + "/etc/resolv.conf"
+    for _ in range(8):
+        if not os.path.islink(target):
+            break
+        link = os.readlink(target)
+        target = NEW_ROOT + link if link.startswith("/") else os.path.join(os.path.dirname(target), link)
+    if not os.path.isfile(target):
+        return                                            # the host has none: DNS stays unconfigured
+    source = STAGE + "/resolv.conf"
+    with open(source, "w") as f:
+        f.write(text)
+    os.chmod(source, 0o644)
+    mounts.bind(source, target, step="bind resolv.conf")
+    mounts.mount("none", target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV,
+                 step="make resolv.conf read-only")
 
 
 def _mount_sys(target: str) -> None:

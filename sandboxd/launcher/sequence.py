@@ -86,6 +86,9 @@ def _build_sandbox(plan: LaunchPlan, title: str) -> None:
     """Everything init does before any command exists; shared by one-shot and session inits."""
     flags = namespaces.ISOLATED_NOW | (0 if plan.network else namespaces.CLONE_NEWNET)
     namespaces.unshare(flags)                             # mount, ipc, uts, cgroup (+ net): applies to us now
+    if plan.netns_fd >= 0:
+        # An isolated network: a namespace the spawner built (veth, address, route) before the fork.
+        namespaces.setns(plan.netns_fd, namespaces.CLONE_NEWNET)
     if not plan.network:
         netns.bring_up_loopback()                         # a new net namespace has only lo, and it is down
     namespaces.set_hostname("sandbox")

@@ -44,11 +44,17 @@ class ReadOnly(SandboxPolicy):
             raise InvalidPolicy("read-only has no network access: use workspace-write with network_access")
 
 
+NETWORK_MODES = ("isolated", "host")
+
+
 class WorkspaceWrite(SandboxPolicy):
-    """Write the workspace and the listed roots; everything else read-only."""
+    """Write the workspace and the listed roots; everything else read-only. With network access,
+    ``network_mode`` "isolated" (the default) gives the sandbox a network namespace of its own
+    behind NAT and the host's egress filter; "host" gives it the host's network as it is."""
 
     writable_roots: tuple[str, ...] = ()
     protected_subpaths: tuple[str, ...] = DEFAULT_PROTECTED_SUBPATHS
+    network_mode: str = "isolated"
 
     name = "workspace-write"
 
@@ -56,6 +62,8 @@ class WorkspaceWrite(SandboxPolicy):
         # Accept lists from callers but keep the policy hashable and immutable.
         object.__setattr__(self, "writable_roots", tuple(self.writable_roots))
         object.__setattr__(self, "protected_subpaths", tuple(self.protected_subpaths))
+        if self.network_mode not in NETWORK_MODES:
+            raise InvalidPolicy(f"unknown network mode {self.network_mode!r}: use isolated (the default) or host")
 
 
 class DangerFullAccess(SandboxPolicy):
@@ -84,7 +92,8 @@ def default_policy() -> SandboxPolicy:
 
 def policy_from_name(name: str, *, network_access: bool = False,
                      writable_roots: tuple[str, ...] | list[str] = (),
-                     protected_subpaths: tuple[str, ...] | list[str] | None = None) -> SandboxPolicy:
+                     protected_subpaths: tuple[str, ...] | list[str] | None = None,
+                     network_mode: str = "isolated") -> SandboxPolicy:
     """Build a policy from its wire/CLI name (``read-only``, ``workspace-write``, ``danger-full-access``)."""
     canonical = _NAMES.get(name.strip().lower())
     if canonical is None:
@@ -100,7 +109,8 @@ def policy_from_name(name: str, *, network_access: bool = False,
         return DangerFullAccess()
     policy = WorkspaceWrite(
         network_access=network_access, writable_roots=tuple(writable_roots),
-        protected_subpaths=DEFAULT_PROTECTED_SUBPATHS if protected_subpaths is None else tuple(protected_subpaths))
+        protected_subpaths=DEFAULT_PROTECTED_SUBPATHS if protected_subpaths is None else tuple(protected_subpaths),
+        network_mode=network_mode or "isolated")
     validate_policy(policy)
     return policy
 

@@ -23,6 +23,7 @@ class LaunchSpec(Record):
     policy: SandboxPolicy = Factory(default_policy)
     limits: Limits = Factory(Limits)
     user: tuple[int, int] | None = None
+    dns: tuple[str, ...] = ()           # resolvers for an isolated network (default: the host's)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "argv", tuple(self.argv))
@@ -37,6 +38,10 @@ class LaunchSpec(Record):
         for key, value in self.env.items():
             if not key or "=" in key or "\0" in key or "\0" in value:
                 raise InvalidPolicy(f"bad environment variable {key!r}: names need no '=' and no NUL bytes")
+        for server in self.dns:
+            parts = server.split(".")
+            if len(parts) != 4 or not all(p.isdigit() and int(p) < 256 for p in parts):
+                raise InvalidPolicy(f"DNS server {server!r} must be an IPv4 address such as 192.0.2.53")
         if self.user is not None and (self.user[0] < 0 or self.user[1] < 0):
             raise InvalidPolicy(f"bad user {self.user!r}: uid and gid must be >= 0")
         validate_policy(self.policy)
@@ -46,7 +51,8 @@ def policy_to_dict(policy: SandboxPolicy) -> dict[str, object]:
     """Plain JSON-able form of a sandbox policy (the fork server's wire, the event store)."""
     return {"name": policy.name, "network_access": bool(policy.network_access),
             "writable_roots": list(getattr(policy, "writable_roots", ())),
-            "protected_subpaths": list(getattr(policy, "protected_subpaths", ()))}
+            "protected_subpaths": list(getattr(policy, "protected_subpaths", ())),
+            "network_mode": getattr(policy, "network_mode", "host")}
 
 
 def policy_from_dict(data: dict[str, object]) -> SandboxPolicy:
@@ -54,7 +60,8 @@ def policy_from_dict(data: dict[str, object]) -> SandboxPolicy:
 
     return policy_from_name(str(data["name"]), network_access=bool(data.get("network_access")),
                             writable_roots=list(data.get("writable_roots") or ()),  # type: ignore[call-overload]
-                            protected_subpaths=list(data.get("protected_subpaths") or ()))  # type: ignore[call-overload]
+                            protected_subpaths=list(data.get("protected_subpaths") or ()),  # type: ignore[call-overload]
+                            network_mode=str(data.get("network_mode") or "isolated"))
 
 
 def spec_to_dict(spec: LaunchSpec) -> dict[str, object]:
@@ -64,6 +71,7 @@ def spec_to_dict(spec: LaunchSpec) -> dict[str, object]:
         "policy": policy_to_dict(spec.policy),
         "limits": spec.limits.as_dict(),
         "user": list(spec.user) if spec.user else None,
+        "dns": list(spec.dns),
     }
 
 
@@ -74,7 +82,8 @@ def spec_from_dict(data: dict[str, object]) -> LaunchSpec:
         return LaunchSpec(argv=tuple(data["argv"]), workspace=str(data["workspace"]),  # type: ignore[arg-type]
                           env=dict(data.get("env") or {}), cwd=data.get("cwd"),  # type: ignore[arg-type]
                           policy=policy, limits=Limits(**dict(data.get("limits") or {})),  # type: ignore[arg-type]
-                          user=(int(user[0]), int(user[1])) if user else None)  # type: ignore[index]
+                          user=(int(user[0]), int(user[1])) if user else None,  # type: ignore[index]
+                          dns=tuple(str(ip) for ip in data.get("dns") or ()))  # type: ignore[attr-defined]
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, InvalidPolicy):
             raise

@@ -27,13 +27,15 @@ def policy_from_proto(message: pb.SandboxPolicy) -> SandboxPolicy:
     if not message.no_default_protected_subpaths:
         protected = tuple(dict.fromkeys(DEFAULT_PROTECTED_SUBPATHS + protected))
     return policy_from_name(name, network_access=message.network_access,
-                            writable_roots=list(message.writable_roots), protected_subpaths=protected)
+                            writable_roots=list(message.writable_roots), protected_subpaths=protected,
+                            network_mode=message.network_mode or "isolated")
 
 
 def policy_to_proto(policy: SandboxPolicy) -> pb.SandboxPolicy:
     return pb.SandboxPolicy(mode=_MODES[policy.name], network_access=bool(policy.network_access),
                             writable_roots=list(getattr(policy, "writable_roots", ())),
                             protected_subpaths=list(getattr(policy, "protected_subpaths", ())),
+                            network_mode=getattr(policy, "network_mode", "") if policy.network_access else "",
                             no_default_protected_subpaths=True)
 
 

@@ -49,7 +49,7 @@ DEFAULT_STATE_DIR = "/var/lib/sandboxd"
 
 def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, workers: int = 64,
           ready: "threading.Event | None" = None, tls: "TlsListener | None" = None,
-          state_dir: str = DEFAULT_STATE_DIR, approval_timeout: float = 300.0) -> int:
+          state_dir: str = DEFAULT_STATE_DIR, approval_timeout: float = 300.0, dns: tuple[str, ...] = ()) -> int:
     from sandboxd.supervisor.forkserver import ForkServer
     fork = ForkServer.start()                             # before gRPC's threads, and as a fresh process
 
@@ -81,7 +81,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
 
     # The audit log and session metadata: opened (and migrated) before anything is served.
     store = EventStore(os.path.join(state_dir, "events.db"))
-    registry = SessionRegistry(fork, store, admin_gid=admin_gid)
+    registry = SessionRegistry(fork, store, admin_gid=admin_gid, dns=dns)
     resumed = registry.restore()
     gate = ApprovalGate(store, timeout=approval_timeout)
     door = FrontDoor(socket_path, backend, relay_dir=os.path.join(private, "relay"))

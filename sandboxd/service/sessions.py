@@ -78,9 +78,10 @@ def rules_from_dict(data: dict[str, object]) -> ToolRules:
 
 class SessionRegistry:
     def __init__(self, forkserver: ForkServer, store: EventStore, *, admin_gid: int | None = None,
-                 max_sessions: int = 10000) -> None:
+                 max_sessions: int = 10000, dns: tuple[str, ...] = ()) -> None:
         self._fork = forkserver
         self.store = store
+        self._dns = dns                                   # resolvers for isolated networks (default: the host's)
         self._admin_gid = admin_gid
         self._max = max_sessions
         self._lock = threading.Lock()
@@ -281,7 +282,7 @@ class SessionRegistry:
 
     def _spec(self, session: Session, policy: SandboxPolicy) -> LaunchSpec:
         return LaunchSpec(argv=SESSION_PLACEHOLDER_ARGV, workspace=session.workspace, policy=policy,
-                          limits=session.limits, user=(session.owner.uid, session.owner.gid))
+                          limits=session.limits, user=(session.owner.uid, session.owner.gid), dns=self._dns)
 
     def _check_reach(self, caller: PeerCredentials, workspace: str, policy: SandboxPolicy) -> None:
         """A caller can never use the root daemon to write where it could not write itself."""

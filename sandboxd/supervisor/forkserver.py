@@ -64,9 +64,12 @@ class _Server:
     """The server side: runs in the fork server process, single-threaded."""
 
     def __init__(self, sock: socket.socket, native_calls: bool = True) -> None:
+        from sandboxd.kernel import netns
         from sandboxd.kernel.cgroups import sweep_stale
         from sandboxd.launcher.native_call import helper_path
         sweep_stale()                                     # what a SIGKILLed predecessor left behind
+        if any(name.startswith(netns.LINK_PREFIX) for name in os.listdir("/sys/class/net")):
+            netns.sweep_stale()                           # its isolated networks' links too
         self.sock = sock
         self.spawner = Spawner(native_helper=helper_path() if native_calls else None)
         self.running: dict[int, tuple[SandboxProcess, float | None]] = {}

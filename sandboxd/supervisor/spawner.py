@@ -28,6 +28,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Callable
 
+    from sandboxd.kernel.netns import IsolatedNetwork
+
 _counter = itertools.count(1)
 
 
@@ -66,8 +68,10 @@ class SandboxProcess:
     """A launched sandbox as its parent sees it."""
 
     def __init__(self, plan: LaunchPlan, pid: int, report_fd: int, status_fd: int,
-                 cgroup: "CgroupSet | None", *, kill_signal: int = signal.SIGKILL) -> None:
+                 cgroup: "CgroupSet | None", *, kill_signal: int = signal.SIGKILL,
+                 network: "IsolatedNetwork | None" = None) -> None:
         self.plan = plan
+        self._network = network
         # SIGKILL for a sandbox's init (the PID namespace goes with it); for a session
         # call, the signal that makes its supervisor kill the call's tree and report.
         self._kill_signal = kill_signal
@@ -188,6 +192,9 @@ class SandboxProcess:
                 self._cgroup.release()
             self._cgroup.remove()
             self._cgroup = None
+        if self._network is not None:                 # after init is gone: nothing uses the link
+            self._network.close()
+            self._network = None
 
 
 class Spawner:
@@ -202,15 +209,23 @@ class Spawner:
     def launch(self, spec: LaunchSpec, stdio: tuple[int, int, int] = (0, 1, 2)) -> SandboxProcess:
         """A one-shot sandbox running ``spec.argv`` (what `sandboxd run` does)."""
         plan = prepare(spec)
-        cgroup = self._cgroup_for(plan)
+        network, plan = _isolated_network(plan)
+        try:
+            cgroup = self._cgroup_for(plan)
+        except BaseException:
+            _close_network(network, plan)
+            raise
         dirs = list(cgroup.dirs) if cgroup else []
-        return self._fork(plan, stdio, cgroup, pid_namespace=plan.confined, body=lambda report_w, status_w: (
-            sequence.run_sandbox(plan, report_fd=report_w, status_fd=status_w, cgroup_dirs=dirs,
-                                 spawner=self.pid)))
+        proc = self._fork(plan, stdio, cgroup, pid_namespace=plan.confined, network=network,
+                          body=lambda report_w, status_w: (
+                              sequence.run_sandbox(plan, report_fd=report_w, status_fd=status_w, cgroup_dirs=dirs,
+                                                   spawner=self.pid)))
+        _close_child_ends(plan)                           # a failed fork closed them already
+        return proc
 
     def _fork(self, plan: LaunchPlan, stdio: tuple[int, int, int], cgroup: "CgroupSet | None", *,
               pid_namespace: "bool | int", body: "Callable[[int, int], object]",
-              kill_signal: int = signal.SIGKILL) -> SandboxProcess:
+              kill_signal: int = signal.SIGKILL, network: "IsolatedNetwork | None" = None) -> SandboxProcess:
         report_r, report_w = os.pipe2(os.O_CLOEXEC)
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         try:
@@ -220,6 +235,7 @@ class Spawner:
                 os.close(fd)
             if cgroup:
                 cgroup.remove()
+            _close_network(network, plan)
             raise
         if pid == 0:
             def child() -> None:
@@ -232,7 +248,7 @@ class Spawner:
             sequence.in_child(report_w, "sandbox", child)
         os.close(report_w)
         os.close(status_w)
-        return SandboxProcess(plan, pid, report_r, status_r, cgroup, kill_signal=kill_signal)
+        return SandboxProcess(plan, pid, report_r, status_r, cgroup, kill_signal=kill_signal, network=network)
 
     def _fork_child(self, pid_namespace: "bool | int") -> int:
         """fork(); with ``pid_namespace`` True the child is PID 1 of a new PID namespace; given
@@ -257,6 +273,12 @@ class Spawner:
             cgroup = self._cgroup_for(plan)
         if not plan.confined:
             return SessionSandbox(plan, None, None, cgroup)
+        try:
+            network, plan = _isolated_network(plan)
+        except BaseException:
+            if cgroup:
+                cgroup.remove()
+            raise
         report_r, report_w = os.pipe2(os.O_CLOEXEC)
         ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
         try:
@@ -268,15 +290,18 @@ class Spawner:
             theirs.close()
             if cgroup:
                 cgroup.remove()
+            _close_network(network, plan)
             raise
         if pid == 0:
             sequence.in_child(report_w, "session", lambda: sequence.run_session_init(
                 plan, report_fd=report_w, intake=theirs, cgroup_dirs=list(cgroup.dirs) if cgroup else []))
         os.close(report_w)
         theirs.close()
+        _close_child_ends(plan)
         error = report.read_error(report_r)
         os.close(report_r)
-        session = SessionSandbox(plan, pid, ours, cgroup)
+        session = SessionSandbox(plan.replace(netns_fd=-1), pid, ours, cgroup,  # type: ignore[arg-type]
+                                 network)
         if error is not None:
             session.close()
             raise error
@@ -370,8 +395,9 @@ class SessionSandbox:
     (PID 1 of its namespaces) and the socket its calls send seccomp listeners on."""
 
     def __init__(self, plan: LaunchPlan, init_pid: int | None, intake: "_socket.socket | None",
-                 cgroup: "CgroupSet | None") -> None:
+                 cgroup: "CgroupSet | None", network: "IsolatedNetwork | None" = None) -> None:
         self.plan = plan
+        self.network = network
         self.init_pid = init_pid
         self.pidfd = os.pidfd_open(init_pid) if init_pid is not None else -1
         self.intake = intake
@@ -422,3 +448,33 @@ class SessionSandbox:
             self.cgroup.kill()
             self.cgroup.remove()
             self.cgroup = None
+        if self.network is not None:
+            self.network.close()
+            self.network = None
+
+
+def _isolated_network(plan: LaunchPlan) -> "tuple[IsolatedNetwork | None, LaunchPlan]":
+    """For an isolated network, build it now (before any fork) and hand the child its namespace
+    (a descriptor, closed in the parent by ``_close_child_ends`` after the fork) and resolv.conf."""
+    if not plan.network_isolated:
+        return None, plan
+    from sandboxd.kernel.netns import create_isolated
+
+    network = create_isolated(resolvers=list(plan.dns) if plan.dns else None)
+    try:
+        netns_fd = os.dup(network.netns_fd)
+    except BaseException:
+        network.close()
+        raise
+    return network, plan.replace(netns_fd=netns_fd, resolv_conf=network.resolv_conf())  # type: ignore[return-value]
+
+
+def _close_child_ends(plan: LaunchPlan) -> None:
+    if plan.netns_fd >= 0:
+        os.close(plan.netns_fd)
+
+
+def _close_network(network: "IsolatedNetwork | None", plan: LaunchPlan) -> None:
+    _close_child_ends(plan)
+    if network is not None:
+        network.close()

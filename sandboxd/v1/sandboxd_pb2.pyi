@@ -34,7 +34,7 @@ EFFECT_DESTRUCTIVE: PolicyEffect
 EFFECT_UNKNOWN_COMMAND: PolicyEffect
 
 class SandboxPolicy(_message.Message):
-    __slots__ = ("mode", "network_access", "writable_roots", "protected_subpaths", "no_default_protected_subpaths")
+    __slots__ = ("mode", "network_access", "writable_roots", "protected_subpaths", "no_default_protected_subpaths", "network_mode")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         MODE_UNSPECIFIED: _ClassVar[SandboxPolicy.Mode]
@@ -50,12 +50,14 @@ class SandboxPolicy(_message.Message):
     WRITABLE_ROOTS_FIELD_NUMBER: _ClassVar[int]
     PROTECTED_SUBPATHS_FIELD_NUMBER: _ClassVar[int]
     NO_DEFAULT_PROTECTED_SUBPATHS_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_MODE_FIELD_NUMBER: _ClassVar[int]
     mode: SandboxPolicy.Mode
     network_access: bool
     writable_roots: _containers.RepeatedScalarFieldContainer[str]
     protected_subpaths: _containers.RepeatedScalarFieldContainer[str]
     no_default_protected_subpaths: bool
-    def __init__(self, mode: _Optional[_Union[SandboxPolicy.Mode, str]] = ..., network_access: _Optional[bool] = ..., writable_roots: _Optional[_Iterable[str]] = ..., protected_subpaths: _Optional[_Iterable[str]] = ..., no_default_protected_subpaths: _Optional[bool] = ...) -> None: ...
+    network_mode: str
+    def __init__(self, mode: _Optional[_Union[SandboxPolicy.Mode, str]] = ..., network_access: _Optional[bool] = ..., writable_roots: _Optional[_Iterable[str]] = ..., protected_subpaths: _Optional[_Iterable[str]] = ..., no_default_protected_subpaths: _Optional[bool] = ..., network_mode: _Optional[str] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("timeout_seconds", "memory_bytes", "pids", "cpu_seconds", "open_files", "tmp_size_bytes")

@@ -1,0 +1,94 @@
+"""nftables: NAT and the egress filter of isolated networks, in one table of the host.
+
+One table, ``inet sandboxd``, serves every isolated sandbox on the machine (the
+daemon's sessions and one-shot runs alike): its rules match the sandbox veth
+interfaces by name (``sbx*``), so nothing is added or removed per sandbox and a
+sandbox gone leaves no rule behind. It is created once, when missing, and never
+flushed while sandboxes may depend on it. What it enforces, for traffic from a
+sandbox:
+
+- to the host itself (any of its addresses, its loopback services, the daemon's
+  listeners): nothing but replies to connections the host opened;
+- to another sandbox: nothing;
+- to link-local (169.254.0.0/16, the cloud metadata service), loopback, and the
+  private and reserved ranges (10/8, 172.16/12, 192.168/16, 100.64/10, ...):
+  nothing, except DNS (port 53) to the configured resolvers;
+- IPv6: nothing (sandboxes get IPv4 only);
+- anything else: allowed, masqueraded out of the host's route to it.
+
+Into a sandbox, only replies to connections it opened are forwarded. The ``nft``
+command (Debian package nftables) does the work; its ruleset text is here.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+from sandboxd.errors import SetupError
+
+TABLE = "sandboxd"
+INTERFACE_PATTERN = "sbx*"
+BLOCKED_RANGES = ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
+                  "192.0.0.0/24", "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/4", "240.0.0.0/4")
+
+
+def ruleset(pool: str) -> str:
+    sbx = f'"{INTERFACE_PATTERN}"'
+    return f"""
+table inet {TABLE} {{
+  set resolvers {{ type ipv4_addr; }}
+  chain to_host {{
+    type filter hook input priority -10; policy accept;
+    iifname {sbx} ct state established,related accept
+    iifname {sbx} drop
+  }}
+  chain through_host {{
+    type filter hook forward priority -10; policy accept;
+    iifname {sbx} oifname {sbx} drop
+    oifname {sbx} ct state established,related accept
+    oifname {sbx} drop
+    iifname {sbx} meta nfproto ipv6 drop
+    iifname {sbx} ip daddr @resolvers meta l4proto {{ udp, tcp }} th dport 53 accept
+    iifname {sbx} ip daddr {{ {", ".join(BLOCKED_RANGES)} }} drop
+    iifname {sbx} accept
+  }}
+  chain out_of_host {{
+    type nat hook postrouting priority 100; policy accept;
+    ip saddr {pool} oifname != {sbx} masquerade
+  }}
+}}
+"""
+
+
+def _nft(script: str, step: str) -> subprocess.CompletedProcess[str]:
+    try:
+        result = subprocess.run(["nft", "-f", "-"], input=script, capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        raise SetupError(step, 2, "nft", hint="isolated networks need nftables: apt-get install nftables "
+                         "(or use --network=host, or no network)") from None
+    if result.returncode != 0:
+        raise SetupError(step, 0, detail=result.stderr.strip()[:500],
+                         hint="the kernel needs nf_tables with NAT (CONFIG_NF_TABLES, CONFIG_NFT_NAT)")
+    return result
+
+
+def table_exists() -> bool:
+    try:
+        return subprocess.run(["nft", "list", "table", "inet", TABLE], capture_output=True, timeout=30).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+def ensure_table(pool: str, resolvers: "list[str] | tuple[str, ...]") -> None:
+    """Create the table if it is missing (callers hold the network lock), and make sure
+    ``resolvers`` are in its resolver set (adding an element that is there is a no-op)."""
+    if not table_exists():
+        _nft(ruleset(pool), "create nftables table")
+    if resolvers:
+        _nft(f"add element inet {TABLE} resolvers {{ {', '.join(resolvers)} }}\n", "allow resolvers")
+
+
+def delete_table() -> None:
+    """Remove the table (tests, and `sandboxd doctor`-style cleanup when no sandbox is left)."""
+    if table_exists():
+        _nft(f"delete table inet {TABLE}\n", "delete nftables table")

@@ -1,0 +1,288 @@
+"""Isolated networks, against a small world built here from network namespaces and veths:
+
+- a "gateway" namespace stands in for the internet: an HTTP server on 198.51.100.10, a DNS
+  server on 198.51.100.53 (internet.test, private.test), and a fake cloud metadata service on
+  169.254.169.254; the host routes 198.51.100.0/24 and the metadata address to it;
+- a "private" namespace is a service on a private range (10.77.0.10);
+- the host itself listens on 127.0.0.1 and on all its addresses.
+
+Nothing is sent anywhere but loopback and these namespaces. Every probe runs a real program
+(/usr/bin/python3) inside a real sandbox, and each blocked destination has a control that
+reaches it: from the host, or with --network=host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import PY, SANDBOXD
+from sandboxd.kernel import netns as kernel_netns
+from sandboxd.policy import LaunchSpec, WorkspaceWrite
+from sandboxd.supervisor.forkserver import ForkServer
+
+pytestmark = pytest.mark.timeout(300)
+
+INTERNET, DNS, METADATA, PRIVATE = "198.51.100.10", "198.51.100.53", "169.254.169.254", "10.77.0.10"
+
+SERVERS = textwrap.dedent('''
+    import http.server, socket, socketserver, struct, sys, threading
+    class Hello(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers(); self.wfile.write(b"hello from " + self.server.name)
+        def log_message(self, *a): pass
+    def http_on(address, port, name):
+        server = socketserver.ThreadingTCPServer((address, port), Hello)
+        server.name = name.encode()
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    def dns_on(address, names):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); sock.bind((address, 53))
+        while True:
+            query, peer = sock.recvfrom(512)
+            labels, i = [], 12
+            while query[i]:
+                labels.append(query[i + 1:i + 1 + query[i]].decode()); i += 1 + query[i]
+            name, question = ".".join(labels), query[12:i + 5]
+            ip = names.get(name)
+            flags, answers = (0x8180, 1) if ip else (0x8183, 0)
+            reply = query[:2] + struct.pack(">HHHHH", flags, 1, answers, 0, 0) + question
+            if ip:
+                reply += b"\\xc0\\x0c" + struct.pack(">HHIH", 1, 1, 60, 4) + socket.inet_aton(ip)
+            sock.sendto(reply, peer)
+    role = sys.argv[1]
+    if role == "gateway":
+        http_on("198.51.100.10", 8080, "internet")
+        http_on("169.254.169.254", 80, "metadata")
+        print("ready", flush=True)
+        dns_on("198.51.100.53", {"internet.test": "198.51.100.10", "private.test": "10.77.0.10"})
+    else:
+        http_on("10.77.0.10", 8080, "private")
+        print("ready", flush=True)
+        threading.Event().wait()
+''')
+
+PROBE = textwrap.dedent('''
+    import json, socket, sys
+    def gateway():
+        for line in open("/proc/net/route").read().splitlines()[1:]:
+            fields = line.split()
+            if fields[1] == "00000000":
+                return socket.inet_ntoa(bytes.fromhex(fields[2])[::-1])
+    result = {}
+    for target in sys.argv[1:]:
+        host, port = target.rsplit(":", 1)
+        try:
+            address = gateway() if host == "GATEWAY" else socket.gethostbyname(host)
+            with socket.create_connection((address, int(port)), timeout=1.5) as s:
+                s.sendall(b"GET / HTTP/1.0\\r\\n\\r\\n")
+                reply = b""
+                try:
+                    while chunk := s.recv(4096):
+                        reply += chunk
+                except OSError:
+                    pass                  # connected, but it says nothing (the host's bare listeners)
+                result[target] = "open: " + reply.split(b"\\r\\n\\r\\n", 1)[-1].decode()
+        except OSError as e:
+            result[target] = type(e).__name__
+    print(json.dumps(result))
+''')
+
+
+def sh(*commands: str) -> None:
+    for command in commands:
+        subprocess.run(command, shell=True, check=True, capture_output=True, text=True, timeout=30)
+
+
+class World:
+    def __init__(self) -> None:
+        tag = os.urandom(2).hex()
+        self.gw, self.pv = f"tgw{tag}", f"tpv{tag}"
+        self.processes: list[subprocess.Popen[str]] = []
+        self.host_listeners: list[socket.socket] = []
+
+    def build(self) -> "World":
+        gw, pv = self.gw, self.pv
+        sh(f"ip netns add {gw}", f"ip netns add {pv}",
+           f"ip link add {gw}h type veth peer name {gw}i", f"ip link set {gw}i netns {gw}",
+           f"ip addr add 203.0.113.1/30 dev {gw}h", f"ip link set {gw}h up",
+           f"ip -n {gw} addr add 203.0.113.2/30 dev {gw}i", f"ip -n {gw} link set {gw}i up",
+           f"ip -n {gw} link set lo up", f"ip -n {gw} addr add {INTERNET}/32 dev lo",
+           f"ip -n {gw} addr add {DNS}/32 dev lo", f"ip -n {gw} addr add {METADATA}/32 dev lo",
+           f"ip -n {gw} route add default via 203.0.113.1",
+           f"ip route add 198.51.100.0/24 via 203.0.113.2", f"ip route add {METADATA}/32 via 203.0.113.2",
+           # The world's uplink forwards, as a real uplink would be set up by its admin.
+           f"echo 1 > /proc/sys/net/ipv4/conf/{gw}h/forwarding",
+           f"ip link add {pv}h type veth peer name {pv}i", f"ip link set {pv}i netns {pv}",
+           f"ip addr add 10.77.0.1/24 dev {pv}h", f"ip link set {pv}h up",
+           f"ip -n {pv} addr add {PRIVATE}/24 dev {pv}i", f"ip -n {pv} link set {pv}i up",
+           f"ip -n {pv} link set lo up", f"ip -n {pv} route add default via 10.77.0.1",
+           f"echo 1 > /proc/sys/net/ipv4/conf/{pv}h/forwarding")
+        for ns, role in ((gw, "gateway"), (pv, "private")):
+            proc = subprocess.Popen(["ip", "netns", "exec", ns, PY, "-c", SERVERS, role], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+            self.processes.append(proc)
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        for address in ("127.0.0.1", "0.0.0.0"):
+            listener = socket.socket()
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((address, 0))
+            listener.listen(16)
+            self.host_listeners.append(listener)
+        return self
+
+    @property
+    def loopback_port(self) -> int:
+        return self.host_listeners[0].getsockname()[1]
+
+    @property
+    def any_port(self) -> int:
+        return self.host_listeners[1].getsockname()[1]
+
+    def teardown(self) -> None:
+        for proc in self.processes:
+            proc.kill()
+            proc.wait()
+        for listener in self.host_listeners:
+            listener.close()
+        for command in (f"ip route del 198.51.100.0/24", f"ip route del {METADATA}/32", f"ip link del {self.gw}h",
+                        f"ip link del {self.pv}h", f"ip netns del {self.gw}", f"ip netns del {self.pv}"):
+            subprocess.run(command, shell=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[World]:
+    w = World()
+    try:
+        yield w.build()
+    finally:
+        w.teardown()
+
+
+def targets(world: World) -> list[str]:
+    return ["internet.test:8080", f"{INTERNET}:8080", f"{METADATA}:80", f"{PRIVATE}:8080", "private.test:8080",
+            f"127.0.0.1:{world.loopback_port}", f"GATEWAY:{world.any_port}", f"192.0.2.2:{world.any_port}"]
+
+
+def probe_in_sandbox(world: World, workspace: Path, *network: str) -> dict[str, str]:
+    result = subprocess.run([SANDBOXD, "run", "--workspace", str(workspace), *network, "--", PY, "-c", PROBE,
+                             *targets(world)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def probe_on_host(world: World) -> dict[str, str]:
+    result = subprocess.run([PY, "-c", PROBE, *[t for t in targets(world) if "test" not in t and "GATEWAY" not in t]],
+                            capture_output=True, text=True, timeout=120)
+    return json.loads(result.stdout)
+
+
+def sandbox_links() -> list[str]:
+    return [name for name in os.listdir("/sys/class/net") if name.startswith(kernel_netns.LINK_PREFIX)]
+
+
+def test_the_world_is_reachable_from_the_host(world: World) -> None:
+    """The control: every destination the sandbox must not reach is there, from the host."""
+    seen = probe_on_host(world)
+    assert seen[f"{INTERNET}:8080"] == "open: hello from internet"
+    assert seen[f"{METADATA}:80"] == "open: hello from metadata"
+    assert seen[f"{PRIVATE}:8080"] == "open: hello from private"
+    assert seen[f"127.0.0.1:{world.loopback_port}"].startswith("open")
+
+
+def test_without_network_nothing_is_reachable(world: World, workspace: Path) -> None:
+    seen = probe_in_sandbox(world, workspace)
+    assert not [t for t, outcome in seen.items() if outcome.startswith("open")], seen
+
+
+def test_isolated_network_reaches_the_internet_but_not_the_host(world: World, workspace: Path) -> None:
+    seen = probe_in_sandbox(world, workspace, "--network", "--dns", DNS)
+    assert seen["internet.test:8080"] == "open: hello from internet", seen      # DNS through the resolver
+    assert seen[f"{INTERNET}:8080"] == "open: hello from internet", seen
+    for blocked in (f"{METADATA}:80", f"{PRIVATE}:8080", "private.test:8080",
+                    f"GATEWAY:{world.any_port}", f"192.0.2.2:{world.any_port}"):
+        assert seen[blocked] in ("TimeoutError", "ConnectionRefusedError", "OSError"), (blocked, seen)
+    # 127.0.0.1 inside is the sandbox's own loopback: the host's listener is not there.
+    assert seen[f"127.0.0.1:{world.loopback_port}"] == "ConnectionRefusedError", seen
+    assert sandbox_links() == []                                                 # the run left nothing
+
+
+def test_host_network_mode_is_the_host_as_it_is(world: World, workspace: Path) -> None:
+    seen = probe_in_sandbox(world, workspace, "--network=host")
+    assert seen[f"{PRIVATE}:8080"] == "open: hello from private", seen
+    assert seen[f"127.0.0.1:{world.loopback_port}"].startswith("open"), seen
+
+
+def test_a_session_with_network_gets_its_own_namespace(world: World, workspace: Path) -> None:
+    fs = ForkServer.start()
+    try:
+        before = set(sandbox_links())
+        fs.open_session("net", LaunchSpec(argv=("true",), workspace=str(workspace), dns=(DNS,),
+                                          policy=WorkspaceWrite(network_access=True)))
+        assert len(set(sandbox_links()) - before) == 1
+        read_end, write_end = os.pipe()
+        null = os.open("/dev/null", os.O_RDONLY)
+        call_id, _ = fs.call("net", [PY, "-c", PROBE, *targets(world)], {"PATH": "/usr/bin:/bin"}, str(workspace),
+                             60, (null, write_end, write_end))
+        os.close(write_end)
+        output = b""
+        while chunk := os.read(read_end, 65536):
+            output += chunk
+        os.close(read_end)
+        os.close(null)
+        assert fs.wait(call_id).exit_code == 0, output
+        seen = json.loads(output.decode().strip().splitlines()[-1])
+        assert seen["internet.test:8080"] == "open: hello from internet"
+        assert seen[f"{PRIVATE}:8080"] != "open: hello from private" and seen[f"{METADATA}:80"] == "TimeoutError"
+        fs.close_session("net")
+        assert set(sandbox_links()) == before
+    finally:
+        fs.close()
+
+
+def test_five_hundred_sessions_leave_nothing_behind(workspace: Path) -> None:
+    fs = ForkServer.start()
+    try:
+        links_before = sandbox_links()
+        started = time.monotonic()
+        addresses = set()
+        for n in range(500):
+            fs.open_session(f"s{n}", LaunchSpec(argv=("true",), workspace=str(workspace),
+                                                policy=WorkspaceWrite(network_access=True)))
+            (link,) = set(sandbox_links()) - set(links_before)
+            addresses.add(subprocess.run(["ip", "-br", "-4", "addr", "show", link], capture_output=True,
+                                         text=True).stdout.split()[2])
+            fs.close_session(f"s{n}")
+        elapsed = time.monotonic() - started
+        assert sandbox_links() == links_before
+        assert addresses == {"10.233.0.1/30"}, addresses          # the pool hands the same block back
+        print(f"500 sessions with isolated network created and closed in {elapsed:.1f} s")
+    finally:
+        fs.close()
+    namespaces = subprocess.run(["lsns", "-t", "net", "-n", "-o", "NS"], capture_output=True, text=True).stdout
+    assert len(namespaces.split()) < 20, namespaces             # no namespace kept alive
+
+
+def test_stale_links_of_a_dead_process_are_swept() -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    name = f"{kernel_netns.LINK_PREFIX}{dead.pid:x}x1"
+    sh(f"ip link add {name} type veth peer name {name}p")
+    assert name in sandbox_links()
+    assert kernel_netns.sweep_stale() >= 1
+    assert name not in sandbox_links()
+
+
+def test_bad_network_options_are_refused(workspace: Path) -> None:
+    for args, message in ((["--network=sideways"], "use --network (isolated) or --network=host"),
+                          (["--dns", "1.2.3.4"], "--dns only applies to the isolated network"),
+                          (["--network", "--dns", "not-an-ip"], "must be an IPv4 address")):
+        result = subprocess.run([SANDBOXD, "run", *args, "--", "true"], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 125 and message in result.stderr, (args, result.stderr)
