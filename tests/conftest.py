@@ -45,7 +45,9 @@ BASE_ENV: dict[str, str] = {"PATH": STD_PATH, "HOME": "/root", "LANG": "C.UTF-8"
 POLICY_ARGS: dict[str, list[str]] = {
     "read-only": ["--sandbox", "read-only"],
     "workspace-write": ["--sandbox", "workspace-write"],
-    "workspace-write+network": ["--sandbox", "workspace-write", "--network"],
+    # The host's network, asked for explicitly (the isolated default has tests of its own:
+    # test_isolated_network.py builds a small world of namespaces for them).
+    "workspace-write+network": ["--sandbox", "workspace-write", "--network=host"],
     "danger-full-access": ["--sandbox", "danger-full-access"],
 }
 CONFINED: list[str] = ["read-only", "workspace-write", "workspace-write+network"]

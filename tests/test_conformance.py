@@ -1,8 +1,9 @@
-"""The public conformance probes (../shared/conformance): 20 escape attempts x 4 policies must all hold."""
+"""The public conformance probes (../shared/conformance): 20 escape attempts x 4 policies."""
 
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -11,17 +12,41 @@ from conftest import BASE_ENV, REPO, SANDBOXD
 CONFORMANCE = (REPO / ".." / "shared" / "conformance").resolve()
 
 
-@pytest.mark.timeout(300)
-def test_public_conformance_probes_all_hold() -> None:
-    """`../shared/conformance/run SANDBOXD` exits 0 and reports every probe held."""
+# The one expected difference: with --network a sandbox now gets an isolated network of its
+# own (issue 5), so the host's loopback listener of NET-01 is out of reach, which the probe
+# expects only of "network enabled means the host netns" (its notes: ANY for slirp/pasta-style
+# networking). --network=host keeps the old meaning; the second run checks it holds all 80.
+ISOLATED_NETWORK_DEVIATION = "FAIL NET-01  workspace_write_net  want ESCAPE-OK got BLOCKED"
+
+
+def run_probes(command: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     runner = CONFORMANCE / "run"
     if not runner.exists():
         pytest.skip(f"conformance probes not present: {CONFORMANCE} does not exist (expected at ../shared/conformance)")
-    result = subprocess.run([str(runner), SANDBOXD], capture_output=True, text=True, timeout=280,
+    result = subprocess.run([str(runner), command], capture_output=True, text=True, timeout=280,
                             env={**BASE_ENV, "HOME": "/root"})
     failed = [line for line in result.stdout.splitlines() if line and not line.startswith(("ok", "held"))]
+    return result, failed
+
+
+@pytest.mark.timeout(300)
+def test_public_conformance_probes_hold_with_the_isolated_network() -> None:
+    """Every probe holds, except NET-01 under workspace-write with network, which the isolated
+    network turns from ESCAPE-OK (the host's loopback) into BLOCKED, as issue 5 asks."""
+    result, failed = run_probes(SANDBOXD)
+    assert len(failed) == 1 and failed[0].startswith(ISOLATED_NETWORK_DEVIATION), "\n".join(failed) + result.stderr
+    assert "held 79/80" in result.stdout, result.stdout[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_public_conformance_probes_all_hold_with_the_host_network(tmp_path: Path) -> None:
+    """`../shared/conformance/run` through a wrapper that asks for --network=host: all 80 hold."""
+    wrapper = tmp_path / "sandboxd-host-network"
+    wrapper.write_text("#!/bin/sh\n"
+                       "for arg do shift; [ \"$arg\" = --network ] && arg=--network=host; set -- \"$@\" \"$arg\"; done\n"
+                       f'exec {SANDBOXD} "$@"\n')
+    wrapper.chmod(0o755)
+    result, failed = run_probes(str(wrapper))
     assert result.returncode == 0, "\n".join(failed) + "\n" + result.stdout[-2000:] + result.stderr[-2000:]
     summary = [line for line in result.stdout.splitlines() if line.startswith("held ")]
-    assert summary, result.stdout[-2000:]
-    held, total = summary[-1].split()[1].split("/")
-    assert held == total, summary[-1]
+    assert summary and summary[-1].split()[1] == "80/80", result.stdout[-2000:]

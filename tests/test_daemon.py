@@ -424,11 +424,18 @@ def test_network_access_is_the_hosts_only_when_asked(stub: pb_grpc.SandboxStub, 
                                                      sessions: list[str]) -> None:
     host_ns = os.readlink("/proc/self/ns/net")
     without = create_session(stub, ws, workspace_write())
-    with_net = create_session(stub, ws, workspace_write(network_access=True))
-    sessions.extend([without.id, with_net.id])
-    assert with_net.sandbox_policy.network_access
-    assert run_exec(stub, without.id, ["readlink", "/proc/self/ns/net"]).stdout.decode().strip() != host_ns
-    assert run_exec(stub, with_net.id, ["readlink", "/proc/self/ns/net"]).stdout.decode().strip() == host_ns
+    isolated = create_session(stub, ws, workspace_write(network_access=True))
+    host = create_session(stub, ws, workspace_write(network_access=True, network_mode="host"))
+    sessions.extend([without.id, isolated.id, host.id])
+    assert isolated.sandbox_policy.network_access and isolated.sandbox_policy.network_mode == "isolated"
+    assert host.sandbox_policy.network_mode == "host"
+    netns_of = {s.id: run_exec(stub, s.id, ["readlink", "/proc/self/ns/net"]).stdout.decode().strip()
+                for s in (without, isolated, host)}
+    assert netns_of[without.id] != host_ns and netns_of[isolated.id] != host_ns and netns_of[host.id] == host_ns
+    # The isolated one has a way out (eth0 with a default route); the other has only loopback.
+    routes = run_exec(stub, isolated.id, ["cat", "/proc/net/route"]).stdout.decode()
+    assert "eth0\t00000000" in routes
+    assert run_exec(stub, without.id, ["cat", "/proc/net/route"]).stdout.decode().count("\n") <= 1
 
 
 def test_writable_roots_and_protected_subpaths(stub: pb_grpc.SandboxStub, ws: Path, outside: Path,
