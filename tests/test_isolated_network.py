@@ -31,7 +31,8 @@ from sandboxd.supervisor.forkserver import ForkServer
 
 pytestmark = pytest.mark.timeout(300)
 
-INTERNET, DNS, METADATA, PRIVATE = "198.51.100.10", "198.51.100.53", "169.254.169.254", "10.77.0.10"
+INTERNET, OTHER, DNS, METADATA, PRIVATE = ("198.51.100.10", "198.51.100.11", "198.51.100.53", "169.254.169.254",
+                                           "10.77.0.10")
 
 SERVERS = textwrap.dedent('''
     import http.server, socket, socketserver, struct, sys, threading
@@ -60,6 +61,7 @@ SERVERS = textwrap.dedent('''
     role = sys.argv[1]
     if role == "gateway":
         http_on("198.51.100.10", 8080, "internet")
+        http_on("198.51.100.11", 8080, "other")
         http_on("169.254.169.254", 80, "metadata")
         print("ready", flush=True)
         dns_on("198.51.100.53", {"internet.test": "198.51.100.10", "private.test": "10.77.0.10"})
@@ -116,6 +118,7 @@ class World:
            f"ip -n {gw} addr add 203.0.113.2/30 dev {gw}i", f"ip -n {gw} link set {gw}i up",
            f"ip -n {gw} link set lo up", f"ip -n {gw} addr add {INTERNET}/32 dev lo",
            f"ip -n {gw} addr add {DNS}/32 dev lo", f"ip -n {gw} addr add {METADATA}/32 dev lo",
+           f"ip -n {gw} addr add {OTHER}/32 dev lo",
            f"ip -n {gw} route add default via 203.0.113.1",
            f"ip route add 198.51.100.0/24 via 203.0.113.2", f"ip route add {METADATA}/32 via 203.0.113.2",
            # The world's uplink forwards, as a real uplink would be set up by its admin.
@@ -167,7 +170,8 @@ def world() -> Iterator[World]:
 
 
 def targets(world: World) -> list[str]:
-    return ["internet.test:8080", f"{INTERNET}:8080", f"{METADATA}:80", f"{PRIVATE}:8080", "private.test:8080",
+    return ["internet.test:8080", f"{INTERNET}:8080", f"{OTHER}:8080", f"{METADATA}:80", f"{PRIVATE}:8080",
+            "private.test:8080",
             f"127.0.0.1:{world.loopback_port}", f"GATEWAY:{world.any_port}", f"192.0.2.2:{world.any_port}"]
 
 
@@ -283,6 +287,77 @@ def test_stale_links_of_a_dead_process_are_swept() -> None:
 def test_bad_network_options_are_refused(workspace: Path) -> None:
     for args, message in ((["--network=sideways"], "use --network (isolated) or --network=host"),
                           (["--dns", "1.2.3.4"], "--dns only applies to the isolated network"),
-                          (["--network", "--dns", "not-an-ip"], "must be an IPv4 address")):
+                          (["--network", "--dns", "not-an-ip"], "must be an IPv4 address"),
+                          (["--allow-host", "1.2.3.4"], "--allow-host only applies to the isolated network"),
+                          (["--network", "--allow-host", "1.2.3/8"], "give an IPv4 address or CIDR"),
+                          (["--network", "--allow-host", "1.2.3.4:99999"], "bad port range"),
+                          (["--allow-unix-socket", "relative.sock"], "must be an absolute path"),
+                          (["--sandbox", "read-only", "--allow-unix-socket", "/x.sock"], "options of workspace-write")):
         result = subprocess.run([SANDBOXD, "run", *args, "--", "true"], capture_output=True, text=True, timeout=60)
         assert result.returncode == 125 and message in result.stderr, (args, result.stderr)
+
+
+BLOCKED = ("TimeoutError", "ConnectionRefusedError", "OSError", "PermissionError")
+
+
+def test_an_allowlist_admits_exactly_what_it_lists(world: World, workspace: Path) -> None:
+    everything = probe_in_sandbox(world, workspace, "--network", "--dns", DNS)
+    assert everything[f"{OTHER}:8080"] == "open: hello from other"              # the control
+    only = probe_in_sandbox(world, workspace, "--network", "--dns", DNS, "--allow-host", f"{INTERNET}:8080")
+    assert only["internet.test:8080"] == "open: hello from internet", only      # DNS still resolves
+    assert only[f"{OTHER}:8080"] in BLOCKED, only
+    by_range = probe_in_sandbox(world, workspace, "--network", "--dns", DNS, "--allow-host", "198.51.100.0/24:80-90")
+    assert by_range[f"{INTERNET}:8080"] in BLOCKED and by_range[f"{OTHER}:8080"] in BLOCKED, by_range
+    by_cidr = probe_in_sandbox(world, workspace, "--network", "--dns", DNS, "--allow-host", "198.51.100.0/30",
+                               "--allow-host", f"{OTHER}:8000-8100")
+    assert by_cidr[f"{INTERNET}:8080"] in BLOCKED, by_cidr                     # .10 is outside the /30
+    assert by_cidr[f"{OTHER}:8080"] == "open: hello from other", by_cidr
+    # The host's filter still rules under an allowlist: a private range stays out of reach.
+    private = probe_in_sandbox(world, workspace, "--network", "--allow-host", f"{PRIVATE}:8080")
+    assert private[f"{PRIVATE}:8080"] in BLOCKED, private
+
+
+UNIX_PROBE = textwrap.dedent('''
+    import socket, sys
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(sys.argv[1]); print("connected", s.recv(64).decode())
+    except OSError as e:
+        print("refused", e.errno)
+''')
+
+
+def test_host_unix_sockets_only_by_name(workspace: Path, base_dir: Path) -> None:
+    path = base_dir / "agent.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen(8)
+    os.chmod(path, 0o777)
+    stop = False
+
+    def answer() -> None:
+        while not stop:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.sendall(b"agent")
+            conn.close()
+    import threading
+    threading.Thread(target=answer, daemon=True).start()
+
+    def connect(*options: str) -> str:
+        result = subprocess.run([SANDBOXD, "run", "--workspace", str(workspace), *options, "--", PY, "-c", UNIX_PROBE,
+                                 str(path)], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip()
+    try:
+        assert connect("--network=host") == "connected agent"                # the control
+        assert connect("--network") == "refused 13"                          # isolated: EACCES, like no network
+        assert connect() == "refused 13"
+        assert connect("--network", "--allow-unix-socket", str(path)) == "connected agent"
+        assert connect("--allow-unix-socket", str(path)) == "connected agent"
+        assert connect("--allow-unix-socket", str(base_dir / "other.sock")) == "refused 13"
+    finally:
+        stop = True
+        server.close()

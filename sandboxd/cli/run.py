@@ -52,6 +52,10 @@ OPTIONS: tuple[tuple[str, str | None, str, str], ...] = (
                                                   "the host, its loopback, link-local or private ranges; "
                                                   "--network=host is the host's network as it is"),
     ("--dns", "IP", "append", "a resolver for the isolated network (repeatable; default: the host's)"),
+    ("--allow-host", "CIDR[:PORTS]", "append", "with the isolated network, allow only these destinations "
+                                               "(repeatable; PORTS like 443 or 8000-8100,9000)"),
+    ("--allow-unix-socket", "PATH", "append", "a host Unix socket the command may connect to (repeatable; "
+                                              "every other host socket stays unreachable)"),
     ("--no-network", None, "flag", "no network: a private namespace with only loopback (default)"),
     ("--timeout", "SECONDS", "value", "kill the whole tree after SECONDS"),
     ("--memory", "SIZE", "value", "memory limit of the whole tree (cgroup)"),
@@ -120,8 +124,9 @@ def parse_args(argv: list[str]) -> dict[str, object]:
         raise UsageError("--network and --no-network exclude each other")
     if options["network"] not in (None, True, "isolated", "host"):
         raise UsageError(f"--network={options['network']}: use --network (isolated) or --network=host")
-    if options["dns"] and options["network"] not in (True, "isolated"):
-        raise UsageError("--dns only applies to the isolated network: add --network")
+    for flag in ("dns", "allow_host"):
+        if options[flag] and options["network"] not in (True, "isolated"):
+            raise UsageError(f"--{flag.replace('_', '-')} only applies to the isolated network: add --network")
     return options
 
 
@@ -166,7 +171,9 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
     mode = "host" if args["network"] == "host" else "isolated"
     policy = policy_from_name(str(args["sandbox"] or "workspace-write"), network_access=network,
                               writable_roots=list(args["writable_root"]),  # type: ignore[call-overload]
-                              protected_subpaths=protected, network_mode=mode)
+                              protected_subpaths=protected, network_mode=mode,
+                              allowed_unix_sockets=list(args["allow_unix_socket"]),  # type: ignore[call-overload]
+                              allowed_hosts=list(args["allow_host"]))  # type: ignore[call-overload]
     env = {} if args["clear_env"] else dict(os.environ)
     for item in args["env"]:  # type: ignore[attr-defined]
         key, sep, value = item.partition("=")

@@ -83,10 +83,12 @@ class IsolatedNetwork:
             self.host_link = ""
 
 
-def create_isolated(*, pool: str = DEFAULT_POOL, resolvers: "list[str] | None" = None) -> IsolatedNetwork:
+def create_isolated(*, pool: str = DEFAULT_POOL, resolvers: "list[str] | None" = None,
+                    allowed_hosts: "tuple[str, ...]" = ()) -> IsolatedNetwork:
     """A new network namespace (not entered: the caller's stays as it was) with loopback and
     ``eth0`` up, an address from ``pool``, a default route out through the host, the host's
-    nftables table in place and IPv4 forwarding on for the link and the host's uplink."""
+    nftables table in place and IPv4 forwarding on for the link and the host's uplink. With
+    ``allowed_hosts`` ("CIDR[:PORTS]"), an egress allowlist inside the namespace too."""
     import fcntl
     import ipaddress
     import os
@@ -116,6 +118,10 @@ def create_isolated(*, pool: str = DEFAULT_POOL, resolvers: "list[str] | None" =
             try:
                 netns_fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
                 inside = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, 0)
+                if allowed_hosts:                         # nft runs here, so it loads into the new namespace
+                    from sandboxd.policy.sandbox import parse_allowed_host
+                    nftables.load_here(nftables.egress_ruleset(resolvers, [parse_allowed_host(h) for h in allowed_hosts]),
+                                       "load egress allowlist")
             finally:
                 namespaces.setns(own, namespaces.CLONE_NEWNET)
         finally:

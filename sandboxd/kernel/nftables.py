@@ -92,3 +92,34 @@ def delete_table() -> None:
     """Remove the table (tests, and `sandboxd doctor`-style cleanup when no sandbox is left)."""
     if table_exists():
         _nft(f"delete table inet {TABLE}\n", "delete nftables table")
+
+
+def egress_ruleset(resolvers: "list[str] | tuple[str, ...]",
+                   allowed: "list[tuple[str, tuple[tuple[int, int], ...]]]") -> str:
+    """The allowlist of one isolated network, loaded inside its namespace (the sandbox holds no
+    capability to change it): loopback, replies, DNS to the resolvers, the allowed destinations;
+    everything else is rejected at once (a program fails fast instead of timing out)."""
+    lines = ['oifname "lo" accept', "ct state established,related accept"]
+    if resolvers:
+        lines.append(f"ip daddr {{ {', '.join(resolvers)} }} meta l4proto {{ udp, tcp }} th dport 53 accept")
+    for cidr, ports in allowed:
+        if ports:
+            spec = ", ".join(str(low) if low == high else f"{low}-{high}" for low, high in ports)
+            lines.append(f"ip daddr {cidr} meta l4proto {{ tcp, udp }} th dport {{ {spec} }} accept")
+        else:
+            lines.append(f"ip daddr {cidr} accept")
+    lines.append("reject with icmpx type admin-prohibited")
+    body = "\n    ".join(lines)
+    return f"""
+table inet {TABLE}_egress {{
+  chain out {{
+    type filter hook output priority 0; policy drop;
+    {body}
+  }}
+}}
+"""
+
+
+def load_here(script: str, step: str) -> None:
+    """Load a ruleset into the network namespace the caller is in now."""
+    _nft(script, step)

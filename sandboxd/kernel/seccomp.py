@@ -50,6 +50,9 @@ class FilterSpec(Record):
 
     confined: bool
     network_access: bool
+    # A network of its own (not the host's): TCP and abstract sockets are confined by the
+    # namespace, pathname Unix sockets are not, so connect() is brokered as without network.
+    isolated_network: bool = False
 
     def rules(self) -> list[tuple[str, str, int, tuple[tuple[int, int, int, int], ...]]]:
         """(action, syscall, errno, ((arg, op, mask/value, value), ...)) rows, in a stable order."""
@@ -68,7 +71,7 @@ class FilterSpec(Record):
             rows.append(("errno", "clone", errno.EPERM, ((0, masked_eq, flag, flag),)))
         for family in (AF_PACKET, AF_VSOCK):
             rows.append(("errno", "socket", errno.EAFNOSUPPORT, ((0, 4, family, 0),)))
-        if not self.network_access:
+        if self.brokers_connect:
             # An AF_UNIX datagram socket, even one from socketpair(), can sendto()
             # any host socket path (syslog, journald, systemd notify) without a
             # connect: without network the sandbox gets none. Stream and seqpacket
@@ -84,13 +87,14 @@ class FilterSpec(Record):
 
     @property
     def brokers_connect(self) -> bool:
-        return self.confined and not self.network_access
+        return self.confined and (not self.network_access or self.isolated_network)
 
     def cache_key(self) -> str:
         # Names the cached program; its integrity comes from the cache being root-only,
         # so a checksum is enough (hashlib would cost an OpenSSL load on every run).
         rules = repr(self.rules()).encode()
-        kind = ("confined" if self.confined else "open") + ("-net" if self.network_access else "")
+        kind = (("confined" if self.confined else "open") + ("-net" if self.network_access else "")
+                + ("-isolated" if self.isolated_network else ""))
         return f"{__version__}-{os.uname().machine}-{kind}-{zlib.crc32(rules):08x}-{len(rules)}"
 
 

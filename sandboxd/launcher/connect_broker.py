@@ -1,4 +1,5 @@
-"""The connect broker: init performs every connect() of a sandbox without network.
+"""The connect broker: init performs every connect() of a sandbox without network, or with
+an isolated network of its own (only --network=host skips it).
 
 Why: a network namespace cuts off TCP and abstract Unix sockets, but not
 *pathname* Unix sockets: any host socket file the sandbox can see and write
@@ -10,8 +11,8 @@ shares the sandbox's mount namespace, root and uid, performs the call:
 
 - AF_UNIX pathname: resolved as the caller would (its cwd, our shared root);
   allowed only when the socket file is bound by a socket of the sandbox's own
-  network namespace (NETLINK_SOCK_DIAG), i.e. created inside the sandbox.
-  Anything else: EACCES. The connect goes through /proc/self/fd/N of the
+  network namespace (NETLINK_SOCK_DIAG), i.e. created inside the sandbox, or
+  is one the policy names (allowed_unix_sockets). Anything else: EACCES. The connect goes through /proc/self/fd/N of the
   inode that was checked, so a rename in between changes nothing.
 - Any other family (loopback TCP, abstract Unix): performed as asked; the
   network namespace already confines them.
@@ -39,8 +40,11 @@ MAX_SOCKADDR = 128
 
 
 class ConnectBroker:
-    def __init__(self, listener: int) -> None:
+    def __init__(self, listener: int, allowed: "frozenset[tuple[int, int, int]]" = frozenset()) -> None:
+        """``allowed``: identities (unix_diag.file_identity) of host socket files the policy lets
+        the sandbox connect to besides its own (--allow-unix-socket)."""
         self.listener = listener
+        self.allowed = allowed
 
     def handle_one(self) -> None:
         notification = seccomp_notify.receive(self.listener)
@@ -117,8 +121,9 @@ class ConnectBroker:
             st = os.fstat(target)
             if not stat.S_ISSOCK(st.st_mode):
                 return -errno.ECONNREFUSED
-            if unix_diag.file_identity(st) not in unix_diag.bound_socket_files():
-                return -errno.EACCES  # a host socket: not reachable without network
+            identity = unix_diag.file_identity(st)
+            if identity not in self.allowed and identity not in unix_diag.bound_socket_files():
+                return -errno.EACCES  # a host socket the policy does not name
             pinned = struct.pack("=H", AF_UNIX) + b"/proc/self/fd/%d\0" % target
             return seccomp_notify.connect_raw(sock, pinned)
         finally:

@@ -31,6 +31,8 @@ class LaunchPlan(Record):
     brokers_connect: bool               # the filter hands connect() to init (see connect_broker)
     tool: dict[str, object] | None = None  # a file tool to run in the sandbox instead of exec'ing argv
     dns: tuple[str, ...] = ()
+    allowed_unix_sockets: tuple[str, ...] = ()     # host socket files connect() may reach (connect_broker)
+    allowed_hosts: tuple[str, ...] = ()            # the isolated network's egress allowlist
     # Set by the spawner just before fork, for an isolated network: the namespace to join, and the
     # sandbox's resolv.conf.
     netns_fd: int = -1
@@ -51,10 +53,12 @@ def prepare(spec: LaunchSpec) -> LaunchPlan:
         uid, gid = st.st_uid, st.st_gid
     network = bool(policy.network_access)
     isolated = network and confined and getattr(policy, "network_mode", "host") == "isolated"
-    filter_spec = seccomp.FilterSpec(confined=confined, network_access=network)
+    filter_spec = seccomp.FilterSpec(confined=confined, network_access=network, isolated_network=isolated)
     return LaunchPlan(
         argv=spec.argv, env=dict(spec.env), cwd=resolved.cwd, workspace=resolved.workspace,
         confined=confined, network=network, network_isolated=isolated, dns=tuple(spec.dns),
+        allowed_unix_sockets=tuple(getattr(policy, "allowed_unix_sockets", ())),
+        allowed_hosts=tuple(getattr(policy, "allowed_hosts", ())),
         writable_roots=resolved.writable_roots,
         readonly_roots=() if writable or not confined else (resolved.workspace,),
         protected_subpaths=policy.protected_subpaths if writable else (),

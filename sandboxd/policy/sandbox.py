@@ -55,6 +55,12 @@ class WorkspaceWrite(SandboxPolicy):
     writable_roots: tuple[str, ...] = ()
     protected_subpaths: tuple[str, ...] = DEFAULT_PROTECTED_SUBPATHS
     network_mode: str = "isolated"
+    # Host pathname Unix sockets the sandbox may connect to (an ssh-agent, a database socket);
+    # every other host socket stays unreachable (without network, or with an isolated one).
+    allowed_unix_sockets: tuple[str, ...] = ()
+    # With an isolated network: the only destinations allowed, "CIDR" or "CIDR:PORTS" (PORTS
+    # like 443 or 8000-8100, comma-separated). Empty: every destination the host filter allows.
+    allowed_hosts: tuple[str, ...] = ()
 
     name = "workspace-write"
 
@@ -62,8 +68,18 @@ class WorkspaceWrite(SandboxPolicy):
         # Accept lists from callers but keep the policy hashable and immutable.
         object.__setattr__(self, "writable_roots", tuple(self.writable_roots))
         object.__setattr__(self, "protected_subpaths", tuple(self.protected_subpaths))
+        object.__setattr__(self, "allowed_unix_sockets", tuple(self.allowed_unix_sockets))
+        object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
         if self.network_mode not in NETWORK_MODES:
             raise InvalidPolicy(f"unknown network mode {self.network_mode!r}: use isolated (the default) or host")
+        for path in self.allowed_unix_sockets:
+            if not path.startswith("/"):
+                raise InvalidPolicy(f"allowed Unix socket {path!r} must be an absolute path")
+        if self.allowed_hosts and not (self.network_access and self.network_mode == "isolated"):
+            raise InvalidPolicy("allowed hosts apply to the isolated network: turn network access on "
+                                "(and keep network_mode isolated)")
+        for entry in self.allowed_hosts:
+            parse_allowed_host(entry)
 
 
 class DangerFullAccess(SandboxPolicy):
@@ -90,10 +106,29 @@ def default_policy() -> SandboxPolicy:
     return WorkspaceWrite()
 
 
+def parse_allowed_host(entry: str) -> tuple[str, tuple[tuple[int, int], ...]]:
+    """"CIDR" or "CIDR:PORTS" into (CIDR, ((low, high), ...)); no ports means every port."""
+    address, _, ports = entry.partition(":")
+    parts = address.split("/")
+    octets = parts[0].split(".")
+    if (len(parts) > 2 or len(octets) != 4 or not all(o.isdigit() and int(o) < 256 for o in octets)
+            or (len(parts) == 2 and not (parts[1].isdigit() and int(parts[1]) <= 32))):
+        raise InvalidPolicy(f"allowed host {entry!r}: give an IPv4 address or CIDR, optionally with ports, "
+                            "like 203.0.113.7, 198.51.100.0/24:443 or 192.0.2.1:8000-8100,9000")
+    ranges = []
+    for item in filter(None, ports.split(",")):
+        low, _, high = item.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()) or not 0 < int(low) <= int(high or low) < 65536:
+            raise InvalidPolicy(f"allowed host {entry!r}: bad port range {item!r} (use 443 or 8000-8100)")
+        ranges.append((int(low), int(high or low)))
+    return address if "/" in address else address + "/32", tuple(ranges)
+
+
 def policy_from_name(name: str, *, network_access: bool = False,
                      writable_roots: tuple[str, ...] | list[str] = (),
                      protected_subpaths: tuple[str, ...] | list[str] | None = None,
-                     network_mode: str = "isolated") -> SandboxPolicy:
+                     network_mode: str = "isolated", allowed_unix_sockets: tuple[str, ...] | list[str] = (),
+                     allowed_hosts: tuple[str, ...] | list[str] = ()) -> SandboxPolicy:
     """Build a policy from its wire/CLI name (``read-only``, ``workspace-write``, ``danger-full-access``)."""
     canonical = _NAMES.get(name.strip().lower())
     if canonical is None:
@@ -104,13 +139,17 @@ def policy_from_name(name: str, *, network_access: bool = False,
             raise InvalidPolicy("read-only has no network access: use workspace-write with network_access")
         if writable_roots:
             raise InvalidPolicy("read-only has no writable roots: use workspace-write to list writable roots")
+    if canonical != "workspace-write" and (allowed_unix_sockets or allowed_hosts):
+        raise InvalidPolicy("allowed Unix sockets and hosts are options of workspace-write")
+    if canonical == "read-only":
         return ReadOnly()
     if canonical == "danger-full-access":
         return DangerFullAccess()
     policy = WorkspaceWrite(
         network_access=network_access, writable_roots=tuple(writable_roots),
         protected_subpaths=DEFAULT_PROTECTED_SUBPATHS if protected_subpaths is None else tuple(protected_subpaths),
-        network_mode=network_mode or "isolated")
+        network_mode=network_mode or "isolated", allowed_unix_sockets=tuple(allowed_unix_sockets),
+        allowed_hosts=tuple(allowed_hosts))
     validate_policy(policy)
     return policy
 

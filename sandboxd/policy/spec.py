@@ -52,7 +52,9 @@ def policy_to_dict(policy: SandboxPolicy) -> dict[str, object]:
     return {"name": policy.name, "network_access": bool(policy.network_access),
             "writable_roots": list(getattr(policy, "writable_roots", ())),
             "protected_subpaths": list(getattr(policy, "protected_subpaths", ())),
-            "network_mode": getattr(policy, "network_mode", "host")}
+            "network_mode": getattr(policy, "network_mode", "host"),
+            "allowed_unix_sockets": list(getattr(policy, "allowed_unix_sockets", ())),
+            "allowed_hosts": list(getattr(policy, "allowed_hosts", ()))}
 
 
 def policy_from_dict(data: dict[str, object]) -> SandboxPolicy:
@@ -61,7 +63,9 @@ def policy_from_dict(data: dict[str, object]) -> SandboxPolicy:
     return policy_from_name(str(data["name"]), network_access=bool(data.get("network_access")),
                             writable_roots=list(data.get("writable_roots") or ()),  # type: ignore[call-overload]
                             protected_subpaths=list(data.get("protected_subpaths") or ()),  # type: ignore[call-overload]
-                            network_mode=str(data.get("network_mode") or "isolated"))
+                            network_mode=str(data.get("network_mode") or "isolated"),
+                            allowed_unix_sockets=list(data.get("allowed_unix_sockets") or ()),  # type: ignore[call-overload]
+                            allowed_hosts=list(data.get("allowed_hosts") or ()))  # type: ignore[call-overload]
 
 
 def spec_to_dict(spec: LaunchSpec) -> dict[str, object]:

@@ -28,7 +28,9 @@ def policy_from_proto(message: pb.SandboxPolicy) -> SandboxPolicy:
         protected = tuple(dict.fromkeys(DEFAULT_PROTECTED_SUBPATHS + protected))
     return policy_from_name(name, network_access=message.network_access,
                             writable_roots=list(message.writable_roots), protected_subpaths=protected,
-                            network_mode=message.network_mode or "isolated")
+                            network_mode=message.network_mode or "isolated",
+                            allowed_unix_sockets=list(message.allowed_unix_sockets),
+                            allowed_hosts=list(message.allowed_hosts))
 
 
 def policy_to_proto(policy: SandboxPolicy) -> pb.SandboxPolicy:
@@ -36,6 +38,8 @@ def policy_to_proto(policy: SandboxPolicy) -> pb.SandboxPolicy:
                             writable_roots=list(getattr(policy, "writable_roots", ())),
                             protected_subpaths=list(getattr(policy, "protected_subpaths", ())),
                             network_mode=getattr(policy, "network_mode", "") if policy.network_access else "",
+                            allowed_unix_sockets=list(getattr(policy, "allowed_unix_sockets", ())),
+                            allowed_hosts=list(getattr(policy, "allowed_hosts", ())),
                             no_default_protected_subpaths=True)
 
 

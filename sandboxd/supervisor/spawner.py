@@ -460,7 +460,7 @@ def _isolated_network(plan: LaunchPlan) -> "tuple[IsolatedNetwork | None, Launch
         return None, plan
     from sandboxd.kernel.netns import create_isolated
 
-    network = create_isolated(resolvers=list(plan.dns) if plan.dns else None)
+    network = create_isolated(resolvers=list(plan.dns) if plan.dns else None, allowed_hosts=plan.allowed_hosts)
     try:
         netns_fd = os.dup(network.netns_fd)
     except BaseException:
