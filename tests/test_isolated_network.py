@@ -292,7 +292,10 @@ def test_bad_network_options_are_refused(workspace: Path) -> None:
                           (["--network", "--allow-host", "1.2.3/8"], "give an IPv4 address or CIDR"),
                           (["--network", "--allow-host", "1.2.3.4:99999"], "bad port range"),
                           (["--allow-unix-socket", "relative.sock"], "must be an absolute path"),
-                          (["--sandbox", "read-only", "--allow-unix-socket", "/x.sock"], "options of workspace-write")):
+                          (["--sandbox", "read-only", "--allow-unix-socket", "/x.sock"], "options of workspace-write"),
+                          (["--network=host", "--publish", "8000"], "published ports need a network of the sandbox's own"),
+                          (["--publish", "eighty"], "give [HOSTPORT:]PORT"),
+                          (["--publish", "70000:80"], "ports go from 1 to 65535")):
         result = subprocess.run([SANDBOXD, "run", *args, "--", "true"], capture_output=True, text=True, timeout=60)
         assert result.returncode == 125 and message in result.stderr, (args, result.stderr)
 
@@ -361,3 +364,72 @@ def test_host_unix_sockets_only_by_name(workspace: Path, base_dir: Path) -> None
     finally:
         stop = True
         server.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(port: int, within: float = 20.0) -> str:
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+                s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+                reply = b""
+                while chunk := s.recv(65536):
+                    reply += chunk
+                if reply:
+                    return reply.split(b"\r\n", 1)[0].decode()
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            return "unreachable"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("network", [["--network"], []], ids=["isolated", "no-network"])
+def test_a_published_port_reaches_a_server_on_the_sandbox_loopback(workspace: Path, network: list[str]) -> None:
+    port = free_port()
+    (workspace / "index.html").write_text("published")
+    server = subprocess.Popen([SANDBOXD, "run", "--workspace", str(workspace), *network, "--publish", f"{port}:8000",
+                               "--", PY, "-m", "http.server", "8000", "--bind", "127.0.0.1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert http_get(port) == "HTTP/1.0 200 OK"
+        unpublished = subprocess.run([PY, "-c", PROBE, "127.0.0.1:8000"], capture_output=True, text=True)
+        assert not json.loads(unpublished.stdout)["127.0.0.1:8000"].startswith("open")   # only what is published
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert http_get(port, within=1) == "unreachable"
+
+
+def test_publishing_a_taken_port_fails_before_anything_runs(workspace: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        result = subprocess.run([SANDBOXD, "run", "--workspace", str(workspace), "--network", "--publish",
+                                 f"{taken.getsockname()[1]}:80", "--", "sleep", "30"], capture_output=True, text=True,
+                                timeout=60)
+    assert result.returncode == 125 and "the host port is taken" in result.stderr, result.stderr
+
+
+def test_a_session_publishes_its_ports(workspace: Path) -> None:
+    from daemon_helpers import create_session, running_daemon
+    from sandboxd.v1 import sandboxd_pb2 as pb
+
+    port = free_port()
+    (workspace / "index.html").write_text("session")
+    with running_daemon("sbxd-publish-") as d:
+        session = create_session(d.stub, workspace, pb.SandboxPolicy(
+            mode=pb.SandboxPolicy.WORKSPACE_WRITE, network_access=True, published_ports=[f"{port}:8000"]))
+        assert list(session.sandbox_policy.published_ports) == [f"{port}:8000"]
+        d.stub.StartBackground(pb.StartBackgroundRequest(session_id=session.id, argv=[
+            PY, "-m", "http.server", "8000", "--bind", "127.0.0.1"], cwd=str(workspace)))
+        assert http_get(port) == "HTTP/1.0 200 OK"
+        d.stub.CloseSession(pb.CloseSessionRequest(session_id=session.id))
+        assert http_get(port, within=1) == "unreachable"
+        assert sandbox_links() == []

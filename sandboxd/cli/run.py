@@ -54,6 +54,8 @@ OPTIONS: tuple[tuple[str, str | None, str, str], ...] = (
     ("--dns", "IP", "append", "a resolver for the isolated network (repeatable; default: the host's)"),
     ("--allow-host", "CIDR[:PORTS]", "append", "with the isolated network, allow only these destinations "
                                                "(repeatable; PORTS like 443 or 8000-8100,9000)"),
+    ("--publish", "[HOSTPORT:]PORT", "append", "make the sandbox's server on PORT reachable on the host's "
+                                               "127.0.0.1:HOSTPORT (repeatable; not with --network=host)"),
     ("--allow-unix-socket", "PATH", "append", "a host Unix socket the command may connect to (repeatable; "
                                               "every other host socket stays unreachable)"),
     ("--no-network", None, "flag", "no network: a private namespace with only loopback (default)"),
@@ -173,7 +175,8 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
                               writable_roots=list(args["writable_root"]),  # type: ignore[call-overload]
                               protected_subpaths=protected, network_mode=mode,
                               allowed_unix_sockets=list(args["allow_unix_socket"]),  # type: ignore[call-overload]
-                              allowed_hosts=list(args["allow_host"]))  # type: ignore[call-overload]
+                              allowed_hosts=list(args["allow_host"]),  # type: ignore[call-overload]
+                              published_ports=list(args["publish"]))  # type: ignore[call-overload]
     env = {} if args["clear_env"] else dict(os.environ)
     for item in args["env"]:  # type: ignore[attr-defined]
         key, sep, value = item.partition("=")
@@ -216,10 +219,32 @@ def main(argv: list[str]) -> int:
     except SandboxdError as exc:
         sys.stderr.write(f"sandboxd run: {exc}\n")
         return EXIT_SETUP_FAILED
+    published = []
+    if getattr(spec.policy, "published_ports", ()):
+        try:
+            published = _publish(sandbox.pid, spec.policy.published_ports)  # type: ignore[attr-defined]
+        except SandboxdError as exc:
+            sandbox.kill()
+            sandbox.wait()
+            sys.stderr.write(f"sandboxd run: {exc}\n")
+            return EXIT_SETUP_FAILED
     info = sandbox.wait(spec.limits.timeout_seconds)
+    for port in published:
+        port.close()
     if info.timed_out:
         sys.stderr.write(f"sandboxd run: timed out after {spec.limits.timeout_seconds:g}s; killed the whole tree\n")
     return info.shell_status
+
+
+def _publish(init_pid: int, entries: "tuple[str, ...]") -> list:  # type: ignore[type-arg]
+    """Listen for the published ports (threads: after the one fork, the parent forks no more)."""
+    from sandboxd.supervisor.publish import publish_all
+
+    netns = os.open(f"/proc/{init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return publish_all(netns, entries)
+    finally:
+        os.close(netns)
 
 
 def _forward_signals(sandbox: "object") -> None:

@@ -61,6 +61,8 @@ class WorkspaceWrite(SandboxPolicy):
     # With an isolated network: the only destinations allowed, "CIDR" or "CIDR:PORTS" (PORTS
     # like 443 or 8000-8100, comma-separated). Empty: every destination the host filter allows.
     allowed_hosts: tuple[str, ...] = ()
+    # Servers of the sandbox reachable on the host's 127.0.0.1: "[HOSTPORT:]PORT" (supervisor.publish).
+    published_ports: tuple[str, ...] = ()
 
     name = "workspace-write"
 
@@ -70,6 +72,12 @@ class WorkspaceWrite(SandboxPolicy):
         object.__setattr__(self, "protected_subpaths", tuple(self.protected_subpaths))
         object.__setattr__(self, "allowed_unix_sockets", tuple(self.allowed_unix_sockets))
         object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
+        object.__setattr__(self, "published_ports", tuple(self.published_ports))
+        if self.published_ports and self.network_access and self.network_mode == "host":
+            raise InvalidPolicy("published ports need a network of the sandbox's own: with the host's network "
+                                "its servers are on the host already")
+        for entry in self.published_ports:
+            parse_publish(entry)
         if self.network_mode not in NETWORK_MODES:
             raise InvalidPolicy(f"unknown network mode {self.network_mode!r}: use isolated (the default) or host")
         for path in self.allowed_unix_sockets:
@@ -106,6 +114,19 @@ def default_policy() -> SandboxPolicy:
     return WorkspaceWrite()
 
 
+def parse_publish(entry: str) -> tuple[int, int]:
+    """"[HOSTPORT:]PORT" into (host port, sandbox port)."""
+    host, _, port = entry.rpartition(":")
+    try:
+        sandbox_port = int(port)
+        host_port = int(host) if host else sandbox_port
+    except ValueError:
+        raise InvalidPolicy(f"publish {entry!r}: give [HOSTPORT:]PORT, like 8000 or 18000:8000") from None
+    if not (0 < sandbox_port < 65536 and 0 < host_port < 65536):
+        raise InvalidPolicy(f"publish {entry!r}: ports go from 1 to 65535")
+    return host_port, sandbox_port
+
+
 def parse_allowed_host(entry: str) -> tuple[str, tuple[tuple[int, int], ...]]:
     """"CIDR" or "CIDR:PORTS" into (CIDR, ((low, high), ...)); no ports means every port."""
     address, _, ports = entry.partition(":")
@@ -128,7 +149,8 @@ def policy_from_name(name: str, *, network_access: bool = False,
                      writable_roots: tuple[str, ...] | list[str] = (),
                      protected_subpaths: tuple[str, ...] | list[str] | None = None,
                      network_mode: str = "isolated", allowed_unix_sockets: tuple[str, ...] | list[str] = (),
-                     allowed_hosts: tuple[str, ...] | list[str] = ()) -> SandboxPolicy:
+                     allowed_hosts: tuple[str, ...] | list[str] = (),
+                     published_ports: tuple[str, ...] | list[str] = ()) -> SandboxPolicy:
     """Build a policy from its wire/CLI name (``read-only``, ``workspace-write``, ``danger-full-access``)."""
     canonical = _NAMES.get(name.strip().lower())
     if canonical is None:
@@ -139,8 +161,8 @@ def policy_from_name(name: str, *, network_access: bool = False,
             raise InvalidPolicy("read-only has no network access: use workspace-write with network_access")
         if writable_roots:
             raise InvalidPolicy("read-only has no writable roots: use workspace-write to list writable roots")
-    if canonical != "workspace-write" and (allowed_unix_sockets or allowed_hosts):
-        raise InvalidPolicy("allowed Unix sockets and hosts are options of workspace-write")
+    if canonical != "workspace-write" and (allowed_unix_sockets or allowed_hosts or published_ports):
+        raise InvalidPolicy("allowed Unix sockets, allowed hosts and published ports are options of workspace-write")
     if canonical == "read-only":
         return ReadOnly()
     if canonical == "danger-full-access":
@@ -149,7 +171,7 @@ def policy_from_name(name: str, *, network_access: bool = False,
         network_access=network_access, writable_roots=tuple(writable_roots),
         protected_subpaths=DEFAULT_PROTECTED_SUBPATHS if protected_subpaths is None else tuple(protected_subpaths),
         network_mode=network_mode or "isolated", allowed_unix_sockets=tuple(allowed_unix_sockets),
-        allowed_hosts=tuple(allowed_hosts))
+        allowed_hosts=tuple(allowed_hosts), published_ports=tuple(published_ports))
     validate_policy(policy)
     return policy
 

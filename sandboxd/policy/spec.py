@@ -54,7 +54,8 @@ def policy_to_dict(policy: SandboxPolicy) -> dict[str, object]:
             "protected_subpaths": list(getattr(policy, "protected_subpaths", ())),
             "network_mode": getattr(policy, "network_mode", "host"),
             "allowed_unix_sockets": list(getattr(policy, "allowed_unix_sockets", ())),
-            "allowed_hosts": list(getattr(policy, "allowed_hosts", ()))}
+            "allowed_hosts": list(getattr(policy, "allowed_hosts", ())),
+            "published_ports": list(getattr(policy, "published_ports", ()))}
 
 
 def policy_from_dict(data: dict[str, object]) -> SandboxPolicy:
@@ -65,7 +66,8 @@ def policy_from_dict(data: dict[str, object]) -> SandboxPolicy:
                             protected_subpaths=list(data.get("protected_subpaths") or ()),  # type: ignore[call-overload]
                             network_mode=str(data.get("network_mode") or "isolated"),
                             allowed_unix_sockets=list(data.get("allowed_unix_sockets") or ()),  # type: ignore[call-overload]
-                            allowed_hosts=list(data.get("allowed_hosts") or ()))  # type: ignore[call-overload]
+                            allowed_hosts=list(data.get("allowed_hosts") or ()),  # type: ignore[call-overload]
+                            published_ports=list(data.get("published_ports") or ()))  # type: ignore[call-overload]
 
 
 def spec_to_dict(spec: LaunchSpec) -> dict[str, object]:

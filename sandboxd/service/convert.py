@@ -30,7 +30,7 @@ def policy_from_proto(message: pb.SandboxPolicy) -> SandboxPolicy:
                             writable_roots=list(message.writable_roots), protected_subpaths=protected,
                             network_mode=message.network_mode or "isolated",
                             allowed_unix_sockets=list(message.allowed_unix_sockets),
-                            allowed_hosts=list(message.allowed_hosts))
+                            allowed_hosts=list(message.allowed_hosts), published_ports=list(message.published_ports))
 
 
 def policy_to_proto(policy: SandboxPolicy) -> pb.SandboxPolicy:
@@ -40,6 +40,7 @@ def policy_to_proto(policy: SandboxPolicy) -> pb.SandboxPolicy:
                             network_mode=getattr(policy, "network_mode", "") if policy.network_access else "",
                             allowed_unix_sockets=list(getattr(policy, "allowed_unix_sockets", ())),
                             allowed_hosts=list(getattr(policy, "allowed_hosts", ())),
+                            published_ports=list(getattr(policy, "published_ports", ())),
                             no_default_protected_subpaths=True)
 
 

@@ -46,6 +46,7 @@ class Session:
         # False for a session resumed after a daemon restart: its sandbox is rebuilt by its next call.
         self.sandbox_ready = True
         self.build_lock = threading.Lock()
+        self.published: dict[int, list] = {}  # type: ignore[type-arg]  # generation -> PublishedPort
 
     def to_row(self, closed_at: float | None = None) -> SessionRow:
         return SessionRow(self.id, self.owner.uid, self.owner.gid, self.owner.principal, self.workspace,
@@ -171,7 +172,7 @@ class SessionRegistry:
                               rules)
             self._sessions[session_id] = session
         try:
-            self._fork.open_session(session.sandbox_name(), self._spec(session, policy))
+            self._open_sandbox(session, session.generation, policy)
         except BaseException:
             with self._lock:
                 self._sessions.pop(session_id, None)
@@ -204,13 +205,13 @@ class SessionRegistry:
             session.policy = policy                   # resumed, not rebuilt yet: the next call builds this one
         elif policy is not None and policy != session.policy:
             generation = session.generation + 1
-            self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy))
+            self._open_sandbox(session, generation, policy)
             with self._lock:
                 old = session.generation
                 session.policy, session.generation = policy, generation
                 idle = session.running.get(old, 0) == 0
             if idle:                                  # calls still running keep the old sandbox
-                self._fork.close_session(session.sandbox_name(old))
+                self._close_sandbox(session, old)
         after = session.axes()
         if after != before:
             # Recorded before the caller hears the change took effect.
@@ -227,7 +228,7 @@ class SessionRegistry:
             generations = set(session.running) | {session.generation}
         for generation in generations:
             if session.sandbox_ready or generation != session.generation:
-                self._fork.close_session(session.sandbox_name(generation))
+                self._close_sandbox(session, generation)
         self.store.save_session(session.to_row(closed_at=time.time()))
         self.store.append(session.id, EventType.SESSION_CLOSED, data={"by_uid": caller.uid})
 
@@ -243,7 +244,7 @@ class SessionRegistry:
                 if not session.sandbox_ready and generation == session.generation:
                     continue
                 try:
-                    self._fork.close_session(session.sandbox_name(generation))
+                    self._close_sandbox(session, generation)
                 except Exception:  # noqa: BLE001 - shutting down: the fork server may be gone already
                     pass
 
@@ -268,14 +269,37 @@ class SessionRegistry:
             session.running.pop(generation, None)
             retired = generation != session.generation and not session.closed
         if retired:                                   # the last call on a replaced sandbox ended
+            self._close_sandbox(session, generation)
+
+    def _open_sandbox(self, session: Session, generation: int, policy: SandboxPolicy) -> None:
+        """Build one generation of the session's sandbox in the fork server, and publish its ports."""
+        init_pid = self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy))
+        entries = getattr(policy, "published_ports", ())
+        if not entries:
+            return
+        from sandboxd.supervisor.publish import publish_all
+
+        try:
+            netns = os.open(f"/proc/{init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                session.published[generation] = publish_all(netns, entries)
+            finally:
+                os.close(netns)
+        except BaseException:
             self._fork.close_session(session.sandbox_name(generation))
+            raise
+
+    def _close_sandbox(self, session: Session, generation: int) -> None:
+        for port in session.published.pop(generation, []):
+            port.close()
+        self._fork.close_session(session.sandbox_name(generation))
 
     def _rebuild(self, session: Session) -> None:
         """A resumed session's first call builds its sandbox again (once, whoever comes first)."""
         with session.build_lock:
             if session.sandbox_ready or session.closed:
                 return
-            self._fork.open_session(session.sandbox_name(), self._spec(session, session.policy))
+            self._open_sandbox(session, session.generation, session.policy)
             session.sandbox_ready = True
 
     # -- helpers -------------------------------------------------------------------------------

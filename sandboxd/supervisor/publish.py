@@ -1,0 +1,113 @@
+"""Published ports: a sandbox's server reachable on the host's loopback, explicitly, per port.
+
+``--publish [HOSTPORT:]PORT`` listens on 127.0.0.1:HOSTPORT on the host and, for each
+connection, opens one to 127.0.0.1:PORT *inside* the sandbox's network namespace (the
+connecting thread enters it with setns just long enough to create the socket, which stays
+bound to it). So a dev server that listens on the sandbox's loopback only, as most do by
+default, is reachable, and nothing else of the sandbox is. Bytes are copied by two threads
+per connection; this is for development servers, not bulk traffic.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+from sandboxd.errors import SetupError
+from sandboxd.kernel import namespaces
+from sandboxd.policy.sandbox import parse_publish
+
+CHUNK = 64 * 1024
+
+
+class PublishedPort:
+    def __init__(self, netns_fd: int, host_port: int, sandbox_port: int, bind: str = "127.0.0.1") -> None:
+        self.host_port, self.sandbox_port = host_port, sandbox_port
+        self._netns = os.dup(netns_fd)
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._listener.bind((bind, host_port))
+        except OSError as exc:
+            self._listener.close()
+            os.close(self._netns)
+            raise SetupError("publish", exc.errno or 0, f"{bind}:{host_port}",
+                             hint="the host port is taken: publish on another one (HOSTPORT:PORT)") from None
+        self._listener.listen(64)
+        self._closed = False
+        threading.Thread(target=self._accept, name=f"sandboxd-publish-{host_port}", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._connect, args=(client,), daemon=True).start()
+
+    def _connect(self, client: socket.socket) -> None:
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            namespaces.setns(self._netns, namespaces.CLONE_NEWNET)     # this thread only
+            try:
+                inner = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            finally:
+                namespaces.setns(own, namespaces.CLONE_NEWNET)
+        except Exception:  # noqa: BLE001 - the sandbox is gone: refuse this connection
+            client.close()
+            return
+        finally:
+            os.close(own)
+        try:
+            inner.connect(("127.0.0.1", self.sandbox_port))
+        except OSError:
+            client.close()
+            inner.close()
+            return
+        back = threading.Thread(target=_copy, args=(inner, client), daemon=True)
+        back.start()
+        _copy(client, inner)
+        back.join()
+        client.close()
+        inner.close()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+            os.close(self._netns)
+
+
+def _copy(source: socket.socket, target: socket.socket) -> None:
+    try:
+        while data := source.recv(CHUNK):
+            target.sendall(data)
+    except OSError:
+        pass
+    finally:
+        try:
+            target.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        try:
+            source.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
+
+
+def publish_all(netns_fd: int, entries: "tuple[str, ...] | list[str]") -> list[PublishedPort]:
+    """One PublishedPort per entry; on a failure, the ones already open are closed."""
+    published: list[PublishedPort] = []
+    try:
+        for entry in entries:
+            published.append(PublishedPort(netns_fd, *parse_publish(entry)))
+    except BaseException:
+        for port in published:
+            port.close()
+        raise
+    return published
