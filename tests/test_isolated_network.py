@@ -64,7 +64,8 @@ SERVERS = textwrap.dedent('''
         http_on("198.51.100.11", 8080, "other")
         http_on("169.254.169.254", 80, "metadata")
         print("ready", flush=True)
-        dns_on("198.51.100.53", {"internet.test": "198.51.100.10", "private.test": "10.77.0.10"})
+        dns_on("198.51.100.53", {"internet.test": "198.51.100.10", "private.test": "10.77.0.10",
+                                 "other.test": "198.51.100.11", "api.internet.test": "198.51.100.10"})
     else:
         http_on("10.77.0.10", 8080, "private")
         print("ready", flush=True)
@@ -295,7 +296,9 @@ def test_bad_network_options_are_refused(workspace: Path) -> None:
                           (["--sandbox", "read-only", "--allow-unix-socket", "/x.sock"], "options of workspace-write"),
                           (["--network=host", "--publish", "8000"], "published ports need a network of the sandbox's own"),
                           (["--publish", "eighty"], "give [HOSTPORT:]PORT"),
-                          (["--publish", "70000:80"], "ports go from 1 to 65535")):
+                          (["--publish", "70000:80"], "ports go from 1 to 65535"),
+                          (["--allow-domain", "pypi.org"], "--allow-domain only applies to the isolated network"),
+                          (["--network", "--allow-domain", "py*pi.org"], "give a name like pypi.org")):
         result = subprocess.run([SANDBOXD, "run", *args, "--", "true"], capture_output=True, text=True, timeout=60)
         assert result.returncode == 125 and message in result.stderr, (args, result.stderr)
 
@@ -433,3 +436,99 @@ def test_a_session_publishes_its_ports(workspace: Path) -> None:
         d.stub.CloseSession(pb.CloseSessionRequest(session_id=session.id))
         assert http_get(port, within=1) == "unreachable"
         assert sandbox_links() == []
+
+
+PROXY_PROBE = textwrap.dedent('''
+    import json, os, socket, struct, sys, urllib.request
+    proxy = os.environ["HTTP_PROXY"].rsplit("/", 1)[-1].split(":")
+    proxy = (proxy[0], int(proxy[1]))
+    result = {}
+    def http(url):
+        try:
+            return "open: " + urllib.request.urlopen(url, timeout=10).read().decode()
+        except urllib.error.HTTPError as e:
+            return f"http {e.code}"
+        except OSError as e:
+            return type(e).__name__
+    result["http internet"] = http("http://internet.test:8080/")
+    result["http subdomain"] = http("http://api.internet.test:8080/")
+    result["http other"] = http("http://other.test:8080/")
+    result["http private"] = http("http://private.test:8080/")
+    def connect_tunnel(name):
+        with socket.create_connection(proxy, timeout=10) as s:
+            s.sendall(f"CONNECT {name}:8080 HTTP/1.1\\r\\nHost: {name}\\r\\n\\r\\n".encode())
+            status = s.recv(4096).split(b"\\r\\n", 1)[0].decode()
+            if " 200 " not in status:
+                return status
+            s.sendall(b"GET / HTTP/1.0\\r\\n\\r\\n")
+            reply = b""
+            while chunk := s.recv(4096):
+                reply += chunk
+            return "open: " + reply.split(b"\\r\\n\\r\\n", 1)[-1].decode()
+    result["connect internet"] = connect_tunnel("internet.test")
+    result["connect other"] = connect_tunnel("other.test")
+    def socks(name):
+        with socket.create_connection(proxy, timeout=10) as s:
+            s.sendall(b"\\x05\\x01\\x00"); s.recv(2)
+            s.sendall(b"\\x05\\x01\\x00\\x03" + bytes([len(name)]) + name.encode() + struct.pack(">H", 8080))
+            reply = s.recv(10)
+            if reply[1] != 0:
+                return f"socks refused {reply[1]}"
+            s.sendall(b"GET / HTTP/1.0\\r\\n\\r\\n")
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
+            return "open: " + data.split(b"\\r\\n\\r\\n", 1)[-1].decode()
+    result["socks internet"] = socks("internet.test")
+    result["socks other"] = socks("other.test")
+    for direct in ("198.51.100.10", "198.51.100.11"):
+        try:
+            socket.create_connection((direct, 8080), timeout=3).close()
+            result["direct " + direct] = "open"
+        except OSError as e:
+            result["direct " + direct] = type(e).__name__
+    print(json.dumps(result))
+''')
+
+
+def test_allowed_domains_go_through_the_proxy_and_nothing_else(world: World, workspace: Path) -> None:
+    result = subprocess.run([SANDBOXD, "run", "--workspace", str(workspace), "--network", "--dns", DNS,
+                             "--allow-domain", "internet.test", "--allow-domain", "*.internet.test",
+                             "--allow-domain", "private.test", "--", PY, "-c", PROXY_PROBE],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["http internet"] == "open: hello from internet", seen
+    assert seen["http subdomain"] == "open: hello from internet", seen
+    assert seen["connect internet"] == "open: hello from internet", seen
+    assert seen["socks internet"] == "open: hello from internet", seen
+    for refused in ("http other", "connect other"):
+        assert "403" in seen[refused], seen
+    assert seen["socks other"] == "socks refused 2", seen
+    assert seen["http private"] == "http 403", seen                 # allowed by name, but a private address
+    # A program that ignores the proxy variables gets nothing, not even the allowed host.
+    assert seen["direct 198.51.100.10"] in BLOCKED and seen["direct 198.51.100.11"] in BLOCKED, seen
+    assert "blocked a connection to other.test:8080: not in the allowed domains" in result.stderr
+    assert "private.test:8080: it resolves to 10.77.0.10, a blocked range" in result.stderr
+
+
+def test_a_session_reports_refused_domains_as_events(world: World, workspace: Path) -> None:
+    from daemon_helpers import Daemon, create_session, make_base_dir, remove_tree, run_exec
+    from sandboxd.v1 import sandboxd_pb2 as pb
+
+    base = make_base_dir("sbxd-domains-")
+    d = Daemon(base, args=["--dns", DNS])
+    try:
+        d.start()
+        session = create_session(d.stub, workspace, pb.SandboxPolicy(
+            mode=pb.SandboxPolicy.WORKSPACE_WRITE, network_access=True, allowed_domains=["internet.test"]))
+        outcome = run_exec(d.stub, session.id, [PY, "-c", PROXY_PROBE])
+        seen = json.loads(outcome.stdout.decode().strip().splitlines()[-1])
+        assert seen["http internet"] == "open: hello from internet" and "403" in seen["http other"], seen
+        denials = [json.loads(e.data_json) for e in d.stub.QueryEvents(pb.QueryEventsRequest(
+            session_id=session.id, types=["PermissionDenied"])).events]
+        assert {x["destination"] for x in denials} >= {"other.test:8080"}, denials
+        assert all(x["reason"] == "network_request" for x in denials), denials
+    finally:
+        d.close()
+        remove_tree(base)

@@ -56,6 +56,9 @@ OPTIONS: tuple[tuple[str, str | None, str, str], ...] = (
                                                "(repeatable; PORTS like 443 or 8000-8100,9000)"),
     ("--publish", "[HOSTPORT:]PORT", "append", "make the sandbox's server on PORT reachable on the host's "
                                                "127.0.0.1:HOSTPORT (repeatable; not with --network=host)"),
+    ("--allow-domain", "NAME", "append", "with the isolated network, reach only these names (repeatable; "
+                                         "*.example.org for subdomains), through a filtering proxy that is "
+                                         "then the only way out"),
     ("--allow-unix-socket", "PATH", "append", "a host Unix socket the command may connect to (repeatable; "
                                               "every other host socket stays unreachable)"),
     ("--no-network", None, "flag", "no network: a private namespace with only loopback (default)"),
@@ -126,7 +129,7 @@ def parse_args(argv: list[str]) -> dict[str, object]:
         raise UsageError("--network and --no-network exclude each other")
     if options["network"] not in (None, True, "isolated", "host"):
         raise UsageError(f"--network={options['network']}: use --network (isolated) or --network=host")
-    for flag in ("dns", "allow_host"):
+    for flag in ("dns", "allow_host", "allow_domain"):
         if options[flag] and options["network"] not in (True, "isolated"):
             raise UsageError(f"--{flag.replace('_', '-')} only applies to the isolated network: add --network")
     return options
@@ -176,7 +179,8 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
                               protected_subpaths=protected, network_mode=mode,
                               allowed_unix_sockets=list(args["allow_unix_socket"]),  # type: ignore[call-overload]
                               allowed_hosts=list(args["allow_host"]),  # type: ignore[call-overload]
-                              published_ports=list(args["publish"]))  # type: ignore[call-overload]
+                              published_ports=list(args["publish"]),  # type: ignore[call-overload]
+                              allowed_domains=list(args["allow_domain"]))  # type: ignore[call-overload]
     env = {} if args["clear_env"] else dict(os.environ)
     for item in args["env"]:  # type: ignore[attr-defined]
         key, sep, value = item.partition("=")
@@ -220,9 +224,12 @@ def main(argv: list[str]) -> int:
         sys.stderr.write(f"sandboxd run: {exc}\n")
         return EXIT_SETUP_FAILED
     published = []
+    network = getattr(sandbox, "network", None)
+    if network is not None and network.proxy_listener is not None:
+        published.append(_serve_proxy(network, spec.policy.allowed_domains))  # type: ignore[attr-defined]
     if getattr(spec.policy, "published_ports", ()):
         try:
-            published = _publish(sandbox.pid, spec.policy.published_ports)  # type: ignore[attr-defined]
+            published += _publish(sandbox.pid, spec.policy.published_ports)  # type: ignore[attr-defined]
         except SandboxdError as exc:
             sandbox.kill()
             sandbox.wait()
@@ -234,6 +241,18 @@ def main(argv: list[str]) -> int:
     if info.timed_out:
         sys.stderr.write(f"sandboxd run: timed out after {spec.limits.timeout_seconds:g}s; killed the whole tree\n")
     return info.shell_status
+
+
+def _serve_proxy(network: "object", domains: "tuple[str, ...]") -> "object":
+    """The egress proxy of --allow-domain (threads: after the one fork, the parent forks no more)."""
+    from sandboxd.supervisor.egress_proxy import EgressProxy
+
+    def denied(destination: str, why: str) -> None:
+        sys.stderr.write(f"sandboxd run: blocked a connection to {destination}: {why}\n")
+        sys.stderr.flush()
+    listener, network.proxy_listener = network.proxy_listener, None  # type: ignore[attr-defined]
+    return EgressProxy(listener, domains, client_address=network.sandbox_address,  # type: ignore[attr-defined]
+                       resolvers=network.resolvers, on_denied=denied).start()  # type: ignore[attr-defined]
 
 
 def _publish(init_pid: int, entries: "tuple[str, ...]") -> list:  # type: ignore[type-arg]

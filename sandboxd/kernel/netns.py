@@ -64,6 +64,7 @@ class IsolatedNetwork:
         self.host_address = host_address
         self.sandbox_address = sandbox_address
         self.resolvers = resolvers
+        self.proxy_listener: "Any" = None           # the egress proxy's socket, with allowed domains
 
     def resolv_conf(self) -> str:
         """The sandbox's /etc/resolv.conf."""
@@ -78,17 +79,21 @@ class IsolatedNetwork:
             import os
             os.close(self.netns_fd)
             self.netns_fd = -1
+        if self.proxy_listener is not None:
+            self.proxy_listener.close()
+            self.proxy_listener = None
         if self.host_link:
             _delete_link(self.host_link)
             self.host_link = ""
 
 
 def create_isolated(*, pool: str = DEFAULT_POOL, resolvers: "list[str] | None" = None,
-                    allowed_hosts: "tuple[str, ...]" = ()) -> IsolatedNetwork:
+                    allowed_hosts: "tuple[str, ...]" = (), via_proxy: bool = False) -> IsolatedNetwork:
     """A new network namespace (not entered: the caller's stays as it was) with loopback and
     ``eth0`` up, an address from ``pool``, a default route out through the host, the host's
     nftables table in place and IPv4 forwarding on for the link and the host's uplink. With
-    ``allowed_hosts`` ("CIDR[:PORTS]"), an egress allowlist inside the namespace too."""
+    ``allowed_hosts`` ("CIDR[:PORTS]") or ``via_proxy`` (allowed domains: the egress proxy on the
+    host side), an egress allowlist inside the namespace too."""
     import fcntl
     import ipaddress
     import os
@@ -118,9 +123,10 @@ def create_isolated(*, pool: str = DEFAULT_POOL, resolvers: "list[str] | None" =
             try:
                 netns_fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
                 inside = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, 0)
-                if allowed_hosts:                         # nft runs here, so it loads into the new namespace
+                if allowed_hosts or via_proxy:            # nft runs here, so it loads into the new namespace
                     from sandboxd.policy.sandbox import parse_allowed_host
-                    nftables.load_here(nftables.egress_ruleset(resolvers, [parse_allowed_host(h) for h in allowed_hosts]),
+                    nftables.load_here(nftables.egress_ruleset(resolvers, [parse_allowed_host(h) for h in allowed_hosts],
+                                                               host_address if via_proxy else None),
                                        "load egress allowlist")
             finally:
                 namespaces.setns(own, namespaces.CLONE_NEWNET)

@@ -28,6 +28,7 @@ from sandboxd.errors import SetupError
 
 TABLE = "sandboxd"
 INTERFACE_PATTERN = "sbx*"
+PROXY_PORT = 3128                   # the egress proxy on the host side of each link (supervisor.egress_proxy)
 BLOCKED_RANGES = ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
                   "192.0.0.0/24", "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/4", "240.0.0.0/4")
 
@@ -40,6 +41,7 @@ table inet {TABLE} {{
   chain to_host {{
     type filter hook input priority -10; policy accept;
     iifname {sbx} ct state established,related accept
+    iifname {sbx} tcp dport {PROXY_PORT} accept
     iifname {sbx} drop
   }}
   chain through_host {{
@@ -72,18 +74,26 @@ def _nft(script: str, step: str) -> subprocess.CompletedProcess[str]:
     return result
 
 
-def table_exists() -> bool:
+def _listing() -> str | None:
     try:
-        return subprocess.run(["nft", "list", "table", "inet", TABLE], capture_output=True, timeout=30).returncode == 0
+        result = subprocess.run(["nft", "list", "table", "inet", TABLE], capture_output=True, text=True, timeout=30)
     except FileNotFoundError:
-        return False
+        return None
+    return result.stdout if result.returncode == 0 else None
+
+
+def table_exists() -> bool:
+    return _listing() is not None
 
 
 def ensure_table(pool: str, resolvers: "list[str] | tuple[str, ...]") -> None:
-    """Create the table if it is missing (callers hold the network lock), and make sure
-    ``resolvers`` are in its resolver set (adding an element that is there is a no-op)."""
-    if not table_exists():
-        _nft(ruleset(pool), "create nftables table")
+    """Create the table if it is missing or from an older sandboxd (callers hold the network
+    lock; the replacement is one nft transaction, so no packet sees the table half-made), and
+    make sure ``resolvers`` are in its resolver set."""
+    current = _listing()
+    if current is None or f"tcp dport {PROXY_PORT} accept" not in current:
+        replace = f"add table inet {TABLE}\ndelete table inet {TABLE}\n" if current is not None else ""
+        _nft(replace + ruleset(pool), "create nftables table")
     if resolvers:
         _nft(f"add element inet {TABLE} resolvers {{ {', '.join(resolvers)} }}\n", "allow resolvers")
 
@@ -95,13 +105,15 @@ def delete_table() -> None:
 
 
 def egress_ruleset(resolvers: "list[str] | tuple[str, ...]",
-                   allowed: "list[tuple[str, tuple[tuple[int, int], ...]]]") -> str:
+                   allowed: "list[tuple[str, tuple[tuple[int, int], ...]]]", proxy: str | None = None) -> str:
     """The allowlist of one isolated network, loaded inside its namespace (the sandbox holds no
     capability to change it): loopback, replies, DNS to the resolvers, the allowed destinations;
     everything else is rejected at once (a program fails fast instead of timing out)."""
     lines = ['oifname "lo" accept', "ct state established,related accept"]
     if resolvers:
         lines.append(f"ip daddr {{ {', '.join(resolvers)} }} meta l4proto {{ udp, tcp }} th dport 53 accept")
+    if proxy:                                            # the egress proxy: the way out for allowed domains
+        lines.append(f"ip daddr {proxy} tcp dport {PROXY_PORT} accept")
     for cidr, ports in allowed:
         if ports:
             spec = ", ".join(str(low) if low == high else f"{low}-{high}" for low, high in ports)

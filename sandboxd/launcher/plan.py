@@ -33,6 +33,7 @@ class LaunchPlan(Record):
     dns: tuple[str, ...] = ()
     allowed_unix_sockets: tuple[str, ...] = ()     # host socket files connect() may reach (connect_broker)
     allowed_hosts: tuple[str, ...] = ()            # the isolated network's egress allowlist
+    allowed_domains: tuple[str, ...] = ()          # ... and its names, through the egress proxy
     # Set by the spawner just before fork, for an isolated network: the namespace to join, and the
     # sandbox's resolv.conf.
     netns_fd: int = -1
@@ -59,6 +60,7 @@ def prepare(spec: LaunchSpec) -> LaunchPlan:
         confined=confined, network=network, network_isolated=isolated, dns=tuple(spec.dns),
         allowed_unix_sockets=tuple(getattr(policy, "allowed_unix_sockets", ())),
         allowed_hosts=tuple(getattr(policy, "allowed_hosts", ())),
+        allowed_domains=tuple(getattr(policy, "allowed_domains", ())),
         writable_roots=resolved.writable_roots,
         readonly_roots=() if writable or not confined else (resolved.workspace,),
         protected_subpaths=policy.protected_subpaths if writable else (),

@@ -63,6 +63,9 @@ class WorkspaceWrite(SandboxPolicy):
     allowed_hosts: tuple[str, ...] = ()
     # Servers of the sandbox reachable on the host's 127.0.0.1: "[HOSTPORT:]PORT" (supervisor.publish).
     published_ports: tuple[str, ...] = ()
+    # With an isolated network: names reachable through the filtering proxy ("pypi.org",
+    # "*.pythonhosted.org"), which is then the only way out (supervisor.egress_proxy).
+    allowed_domains: tuple[str, ...] = ()
 
     name = "workspace-write"
 
@@ -73,6 +76,16 @@ class WorkspaceWrite(SandboxPolicy):
         object.__setattr__(self, "allowed_unix_sockets", tuple(self.allowed_unix_sockets))
         object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
         object.__setattr__(self, "published_ports", tuple(self.published_ports))
+        object.__setattr__(self, "allowed_domains", tuple(d.strip().lower() for d in self.allowed_domains))
+        if self.allowed_domains and not (self.network_access and self.network_mode == "isolated"):
+            raise InvalidPolicy("allowed domains apply to the isolated network: turn network access on "
+                                "(and keep network_mode isolated)")
+        for domain in self.allowed_domains:
+            bare = domain[2:] if domain.startswith("*.") else domain
+            if not bare or "*" in bare or not all(part and all(c.isalnum() or c == "-" for c in part)
+                                                   for part in bare.split(".")):
+                raise InvalidPolicy(f"allowed domain {domain!r}: give a name like pypi.org, or *.pypi.org for "
+                                    "its subdomains")
         if self.published_ports and self.network_access and self.network_mode == "host":
             raise InvalidPolicy("published ports need a network of the sandbox's own: with the host's network "
                                 "its servers are on the host already")
@@ -150,7 +163,8 @@ def policy_from_name(name: str, *, network_access: bool = False,
                      protected_subpaths: tuple[str, ...] | list[str] | None = None,
                      network_mode: str = "isolated", allowed_unix_sockets: tuple[str, ...] | list[str] = (),
                      allowed_hosts: tuple[str, ...] | list[str] = (),
-                     published_ports: tuple[str, ...] | list[str] = ()) -> SandboxPolicy:
+                     published_ports: tuple[str, ...] | list[str] = (),
+                     allowed_domains: tuple[str, ...] | list[str] = ()) -> SandboxPolicy:
     """Build a policy from its wire/CLI name (``read-only``, ``workspace-write``, ``danger-full-access``)."""
     canonical = _NAMES.get(name.strip().lower())
     if canonical is None:
@@ -161,7 +175,8 @@ def policy_from_name(name: str, *, network_access: bool = False,
             raise InvalidPolicy("read-only has no network access: use workspace-write with network_access")
         if writable_roots:
             raise InvalidPolicy("read-only has no writable roots: use workspace-write to list writable roots")
-    if canonical != "workspace-write" and (allowed_unix_sockets or allowed_hosts or published_ports):
+    if canonical != "workspace-write" and (allowed_unix_sockets or allowed_hosts or published_ports
+                                           or allowed_domains):
         raise InvalidPolicy("allowed Unix sockets, allowed hosts and published ports are options of workspace-write")
     if canonical == "read-only":
         return ReadOnly()
@@ -171,7 +186,8 @@ def policy_from_name(name: str, *, network_access: bool = False,
         network_access=network_access, writable_roots=tuple(writable_roots),
         protected_subpaths=DEFAULT_PROTECTED_SUBPATHS if protected_subpaths is None else tuple(protected_subpaths),
         network_mode=network_mode or "isolated", allowed_unix_sockets=tuple(allowed_unix_sockets),
-        allowed_hosts=tuple(allowed_hosts), published_ports=tuple(published_ports))
+        allowed_hosts=tuple(allowed_hosts), published_ports=tuple(published_ports),
+        allowed_domains=tuple(allowed_domains))
     validate_policy(policy)
     return policy
 

@@ -55,7 +55,8 @@ def policy_to_dict(policy: SandboxPolicy) -> dict[str, object]:
             "network_mode": getattr(policy, "network_mode", "host"),
             "allowed_unix_sockets": list(getattr(policy, "allowed_unix_sockets", ())),
             "allowed_hosts": list(getattr(policy, "allowed_hosts", ())),
-            "published_ports": list(getattr(policy, "published_ports", ()))}
+            "published_ports": list(getattr(policy, "published_ports", ())),
+            "allowed_domains": list(getattr(policy, "allowed_domains", ()))}
 
 
 def policy_from_dict(data: dict[str, object]) -> SandboxPolicy:
@@ -67,7 +68,8 @@ def policy_from_dict(data: dict[str, object]) -> SandboxPolicy:
                             network_mode=str(data.get("network_mode") or "isolated"),
                             allowed_unix_sockets=list(data.get("allowed_unix_sockets") or ()),  # type: ignore[call-overload]
                             allowed_hosts=list(data.get("allowed_hosts") or ()),  # type: ignore[call-overload]
-                            published_ports=list(data.get("published_ports") or ()))  # type: ignore[call-overload]
+                            published_ports=list(data.get("published_ports") or ()),  # type: ignore[call-overload]
+                            allowed_domains=list(data.get("allowed_domains") or ()))  # type: ignore[call-overload]
 
 
 def spec_to_dict(spec: LaunchSpec) -> dict[str, object]:

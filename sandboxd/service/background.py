@@ -97,7 +97,8 @@ class BackgroundJobs:
         generation = self._registry.begin_call(session)
         try:
             try:
-                job.call_id, pid = self._fork.call(session.sandbox_name(generation), argv, env or dict(DEFAULT_ENV),
+                job.call_id, pid = self._fork.call(session.sandbox_name(generation), argv,
+                                                   {**(env or DEFAULT_ENV), **session.extra_env},
                                                    cwd_inside(session.workspace, cwd), None, (null, out_w, out_w))
             finally:
                 os.close(out_w)

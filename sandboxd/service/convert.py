@@ -30,7 +30,8 @@ def policy_from_proto(message: pb.SandboxPolicy) -> SandboxPolicy:
                             writable_roots=list(message.writable_roots), protected_subpaths=protected,
                             network_mode=message.network_mode or "isolated",
                             allowed_unix_sockets=list(message.allowed_unix_sockets),
-                            allowed_hosts=list(message.allowed_hosts), published_ports=list(message.published_ports))
+                            allowed_hosts=list(message.allowed_hosts), published_ports=list(message.published_ports),
+                            allowed_domains=list(message.allowed_domains))
 
 
 def policy_to_proto(policy: SandboxPolicy) -> pb.SandboxPolicy:
@@ -41,6 +42,7 @@ def policy_to_proto(policy: SandboxPolicy) -> pb.SandboxPolicy:
                             allowed_unix_sockets=list(getattr(policy, "allowed_unix_sockets", ())),
                             allowed_hosts=list(getattr(policy, "allowed_hosts", ())),
                             published_ports=list(getattr(policy, "published_ports", ())),
+                            allowed_domains=list(getattr(policy, "allowed_domains", ())),
                             no_default_protected_subpaths=True)
 
 

@@ -42,7 +42,7 @@ def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb
         requests: Iterator[pb.ExecRequest], context: grpc.ServicerContext) -> Iterator[pb.ExecResponse]:
     argv = command_of(start)
     cwd = cwd_inside(session.workspace, start.cwd)
-    env = dict(start.env) if start.env else dict(DEFAULT_ENV)
+    env = {**(dict(start.env) if start.env else DEFAULT_ENV), **session.extra_env}
     timeout = start.timeout_seconds or session.limits.timeout_seconds
     limit = start.output_limit_bytes or DEFAULT_OUTPUT_LIMIT
     with SessionCall(registry, fork, session, argv, env=env, cwd=cwd, timeout=timeout) as call:

@@ -46,7 +46,8 @@ class Session:
         # False for a session resumed after a daemon restart: its sandbox is rebuilt by its next call.
         self.sandbox_ready = True
         self.build_lock = threading.Lock()
-        self.published: dict[int, list] = {}  # type: ignore[type-arg]  # generation -> PublishedPort
+        self.services: dict[int, list] = {}  # type: ignore[type-arg]  # generation -> PublishedPort, EgressProxy
+        self.extra_env: dict[str, str] = {}   # added to every call's environment (the proxy variables)
 
     def to_row(self, closed_at: float | None = None) -> SessionRow:
         return SessionRow(self.id, self.owner.uid, self.owner.gid, self.owner.principal, self.workspace,
@@ -273,25 +274,39 @@ class SessionRegistry:
 
     def _open_sandbox(self, session: Session, generation: int, policy: SandboxPolicy) -> None:
         """Build one generation of the session's sandbox in the fork server, and publish its ports."""
-        init_pid = self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy))
-        entries = getattr(policy, "published_ports", ())
-        if not entries:
-            return
-        from sandboxd.supervisor.publish import publish_all
-
+        info = self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy))
+        entries, domains = getattr(policy, "published_ports", ()), getattr(policy, "allowed_domains", ())
         try:
-            netns = os.open(f"/proc/{init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                session.published[generation] = publish_all(netns, entries)
-            finally:
-                os.close(netns)
+            services: list = []  # type: ignore[type-arg]
+            session.services[generation] = services
+            if entries:
+                from sandboxd.supervisor.publish import publish_all
+
+                netns = os.open(f"/proc/{info.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    services.extend(publish_all(netns, entries))
+                finally:
+                    os.close(netns)
+            if domains and info.host_address and info.sandbox_address:
+                from sandboxd.supervisor.egress_proxy import EgressProxy, proxy_environment
+
+                def denied(destination: str, why: str) -> None:
+                    self.store.append(session.id, EventType.PERMISSION_DENIED, tool="network", data={
+                        "reason": "network_request", "by": "sandbox", "destination": destination, "detail": why,
+                        "message": f"network: denied by the sandbox (network_request): {destination}: {why}"})
+                services.append(EgressProxy(EgressProxy.listen(info.host_address), domains,
+                                            client_address=info.sandbox_address, resolvers=info.resolvers,
+                                            on_denied=denied).start())
+                session.extra_env = proxy_environment(info.host_address)
         except BaseException:
-            self._fork.close_session(session.sandbox_name(generation))
+            self._close_sandbox(session, generation)
             raise
 
     def _close_sandbox(self, session: Session, generation: int) -> None:
-        for port in session.published.pop(generation, []):
-            port.close()
+        """Stop what the daemon serves for one generation (published ports, the egress proxy),
+        then have the fork server close the sandbox itself."""
+        for service in session.services.pop(generation, []):
+            service.close()
         self._fork.close_session(session.sandbox_name(generation))
 
     def _rebuild(self, session: Session) -> None:

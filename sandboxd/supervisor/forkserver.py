@@ -34,6 +34,7 @@ import threading
 import time
 from typing import Any
 
+from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy, SandboxdError, SetupError
 from sandboxd.policy.spec import LaunchSpec, spec_from_dict, spec_to_dict
 from sandboxd.supervisor.spawner import ExitInfo, SandboxProcess, SessionSandbox, Spawner
@@ -137,7 +138,17 @@ class _Server:
                 raise InvalidPolicy(f"session {name!r} is already open in the fork server")
             session = self.spawner.open_session(spec_from_dict(message["spec"]))
             self.sessions[name] = session
-            _send(self.sock, {"id": call_id, "event": "session_ready", "init_pid": session.init_pid})
+            ready: dict[str, Any] = {"id": call_id, "event": "session_ready", "init_pid": session.init_pid}
+            network = session.network
+            if network is not None:
+                # The daemon serves the egress proxy (this process has no threads): it binds the
+                # same address next, before the session can run anything.
+                if network.proxy_listener is not None:
+                    network.proxy_listener.close()
+                    network.proxy_listener = None
+                ready.update(host_address=network.host_address, sandbox_address=network.sandbox_address,
+                             resolvers=network.resolvers)
+            _send(self.sock, ready)
         elif op == "session_close":
             session = self.sessions.pop(str(message["session"]), None)
             if session is not None:
@@ -183,6 +194,13 @@ def serve(sock: socket.socket, native_calls: bool = True) -> None:
     """The fork server loop. Returns when the client end closes, after killing everything.
     ``native_calls``: run session calls with sandboxd-call when it is built (native_call.py)."""
     _Server(sock, native_calls).serve()
+
+
+class SessionInfo(Record):
+    init_pid: int
+    host_address: str | None            # the host side of an isolated network's link
+    sandbox_address: str | None
+    resolvers: tuple[str, ...]
 
 
 class ForkServer:
@@ -241,11 +259,13 @@ class ForkServer:
         self._expect(call_id, "started")
         return call_id
 
-    def open_session(self, session: str, spec: LaunchSpec) -> int:
-        """Build a session's sandbox (``spec.argv`` is not run); return its init's pid."""
+    def open_session(self, session: str, spec: LaunchSpec) -> "SessionInfo":
+        """Build a session's sandbox (``spec.argv`` is not run): its init's pid and, with an isolated
+        network, its addresses."""
         event = self._expect(self._request({"op": "session_open", "session": session,
                                             "spec": spec_to_dict(spec)}), "session_ready")
-        return int(event.get("init_pid") or 0)
+        return SessionInfo(int(event.get("init_pid") or 0), event.get("host_address"), event.get("sandbox_address"),
+                           tuple(event.get("resolvers") or ()))
 
     def close_session(self, session: str) -> None:
         self._expect(self._request({"op": "session_close", "session": session}), "session_closed")

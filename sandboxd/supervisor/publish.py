@@ -5,7 +5,7 @@ connection, opens one to 127.0.0.1:PORT *inside* the sandbox's network namespace
 connecting thread enters it with setns just long enough to create the socket, which stays
 bound to it). So a dev server that listens on the sandbox's loopback only, as most do by
 default, is reachable, and nothing else of the sandbox is. Bytes are copied by two threads
-per connection; this is for development servers, not bulk traffic.
+per connection (tcp_relay); this is for development servers, not bulk traffic.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ import threading
 from sandboxd.errors import SetupError
 from sandboxd.kernel import namespaces
 from sandboxd.policy.sandbox import parse_publish
-
-CHUNK = 64 * 1024
+from sandboxd.supervisor.tcp_relay import relay
 
 
 class PublishedPort:
@@ -65,12 +64,7 @@ class PublishedPort:
             client.close()
             inner.close()
             return
-        back = threading.Thread(target=_copy, args=(inner, client), daemon=True)
-        back.start()
-        _copy(client, inner)
-        back.join()
-        client.close()
-        inner.close()
+        relay(client, inner)
 
     def close(self) -> None:
         if not self._closed:
@@ -81,23 +75,6 @@ class PublishedPort:
                 pass
             self._listener.close()
             os.close(self._netns)
-
-
-def _copy(source: socket.socket, target: socket.socket) -> None:
-    try:
-        while data := source.recv(CHUNK):
-            target.sendall(data)
-    except OSError:
-        pass
-    finally:
-        try:
-            target.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-        try:
-            source.shutdown(socket.SHUT_RD)
-        except OSError:
-            pass
 
 
 def publish_all(netns_fd: int, entries: "tuple[str, ...] | list[str]") -> list[PublishedPort]:

@@ -71,7 +71,7 @@ class SandboxProcess:
                  cgroup: "CgroupSet | None", *, kill_signal: int = signal.SIGKILL,
                  network: "IsolatedNetwork | None" = None) -> None:
         self.plan = plan
-        self._network = network
+        self.network = network                        # an isolated network: for the egress proxy
         # SIGKILL for a sandbox's init (the PID namespace goes with it); for a session
         # call, the signal that makes its supervisor kill the call's tree and report.
         self._kill_signal = kill_signal
@@ -192,9 +192,9 @@ class SandboxProcess:
                 self._cgroup.release()
             self._cgroup.remove()
             self._cgroup = None
-        if self._network is not None:                 # after init is gone: nothing uses the link
-            self._network.close()
-            self._network = None
+        if self.network is not None:                  # after init is gone: nothing uses the link
+            self.network.close()
+            self.network = None
 
 
 class Spawner:
@@ -460,13 +460,22 @@ def _isolated_network(plan: LaunchPlan) -> "tuple[IsolatedNetwork | None, Launch
         return None, plan
     from sandboxd.kernel.netns import create_isolated
 
-    network = create_isolated(resolvers=list(plan.dns) if plan.dns else None, allowed_hosts=plan.allowed_hosts)
+    network = create_isolated(resolvers=list(plan.dns) if plan.dns else None, allowed_hosts=plan.allowed_hosts,
+                              via_proxy=bool(plan.allowed_domains))
     try:
         netns_fd = os.dup(network.netns_fd)
+        env = dict(plan.env)
+        if plan.allowed_domains:
+            from sandboxd.supervisor.egress_proxy import EgressProxy, proxy_environment
+
+            # Bound before the command can exist, so its first request finds the proxy there;
+            # whoever runs it (sandboxd run, the daemon) starts serving it.
+            network.proxy_listener = EgressProxy.listen(network.host_address)
+            env.update(proxy_environment(network.host_address))
     except BaseException:
         network.close()
         raise
-    return network, plan.replace(netns_fd=netns_fd, resolv_conf=network.resolv_conf())  # type: ignore[return-value]
+    return network, plan.replace(netns_fd=netns_fd, resolv_conf=network.resolv_conf(), env=env)  # type: ignore[return-value]
 
 
 def _close_child_ends(plan: LaunchPlan) -> None:

@@ -34,7 +34,7 @@ EFFECT_DESTRUCTIVE: PolicyEffect
 EFFECT_UNKNOWN_COMMAND: PolicyEffect
 
 class SandboxPolicy(_message.Message):
-    __slots__ = ("mode", "network_access", "writable_roots", "protected_subpaths", "no_default_protected_subpaths", "network_mode", "allowed_unix_sockets", "allowed_hosts", "published_ports")
+    __slots__ = ("mode", "network_access", "writable_roots", "protected_subpaths", "no_default_protected_subpaths", "network_mode", "allowed_unix_sockets", "allowed_hosts", "published_ports", "allowed_domains")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         MODE_UNSPECIFIED: _ClassVar[SandboxPolicy.Mode]
@@ -54,6 +54,7 @@ class SandboxPolicy(_message.Message):
     ALLOWED_UNIX_SOCKETS_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_HOSTS_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_PORTS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_DOMAINS_FIELD_NUMBER: _ClassVar[int]
     mode: SandboxPolicy.Mode
     network_access: bool
     writable_roots: _containers.RepeatedScalarFieldContainer[str]
@@ -63,7 +64,8 @@ class SandboxPolicy(_message.Message):
     allowed_unix_sockets: _containers.RepeatedScalarFieldContainer[str]
     allowed_hosts: _containers.RepeatedScalarFieldContainer[str]
     published_ports: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, mode: _Optional[_Union[SandboxPolicy.Mode, str]] = ..., network_access: _Optional[bool] = ..., writable_roots: _Optional[_Iterable[str]] = ..., protected_subpaths: _Optional[_Iterable[str]] = ..., no_default_protected_subpaths: _Optional[bool] = ..., network_mode: _Optional[str] = ..., allowed_unix_sockets: _Optional[_Iterable[str]] = ..., allowed_hosts: _Optional[_Iterable[str]] = ..., published_ports: _Optional[_Iterable[str]] = ...) -> None: ...
+    allowed_domains: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, mode: _Optional[_Union[SandboxPolicy.Mode, str]] = ..., network_access: _Optional[bool] = ..., writable_roots: _Optional[_Iterable[str]] = ..., protected_subpaths: _Optional[_Iterable[str]] = ..., no_default_protected_subpaths: _Optional[bool] = ..., network_mode: _Optional[str] = ..., allowed_unix_sockets: _Optional[_Iterable[str]] = ..., allowed_hosts: _Optional[_Iterable[str]] = ..., published_ports: _Optional[_Iterable[str]] = ..., allowed_domains: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("timeout_seconds", "memory_bytes", "pids", "cpu_seconds", "open_files", "tmp_size_bytes")
