@@ -1110,6 +1110,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--throughput-runs", type=int, default=2, help="runs of the 1 GiB stdout command (default 2)")
     p.add_argument("--sessions", type=int, default=100, help="sessions open for the memory figure (default 100)")
     p.add_argument("--no-store", action="store_true", help="skip the event store section")
+    p.add_argument("--no-network", action="store_true", help="skip the network section")
+    p.add_argument("--network-runs", type=int, default=30, help="sessions opened per network mode (default 30)")
+    p.add_argument("--requests", type=int, default=300, help="HTTP requests per network mode (default 300)")
     p.add_argument("--store-sessions", type=int, default=1000,
                    help="sessions in the large event store (default 1000; x --store-events = 1,000,000 events)")
     p.add_argument("--store-events", type=int, default=1000, help="events per session there (default 1000)")
@@ -1191,6 +1194,13 @@ def main(argv: list[str] | None = None) -> int:
         store = run_store_section(exec_median_ms=warm_rows[1]["median_ms"] if len(warm_rows) > 1 else None,
                                   runs=min(args.runs, 100), sessions=args.store_sessions,
                                   per_session=args.store_events, sandboxd=str(venv_bin() / "sandboxd"))
+    network: dict[str, Any] | None = None
+    if not args.no_network:
+        from bench_network import run_network_section
+
+        print()
+        network = run_network_section(runs=args.network_runs, requests=args.requests,
+                                      sandboxd=str(venv_bin() / "sandboxd"))
     machine["loadavg_end"] = list(os.getloadavg())
     total = time.monotonic() - started
     daemon_part = "" if daemon is None else f" + {daemon['elapsed_s']:.1f} s daemon"
@@ -1202,7 +1212,7 @@ def main(argv: list[str] | None = None) -> int:
                   "elapsed_s": elapsed, "total_elapsed_s": total, "leftover_children": leftovers,
                   "variants": rows, "targets": targets, "import_cost": imports,
                   "python_pass_median_ms": pass_median, "compileall": compiled, "daemon": daemon,
-                  "event_store": store}
+                  "event_store": store, "network": network}
         if daemon is not None:
             report["targets"].update(daemon["targets"])
         if store is not None:
