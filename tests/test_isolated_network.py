@@ -532,3 +532,32 @@ def test_a_session_reports_refused_domains_as_events(world: World, workspace: Pa
     finally:
         d.close()
         remove_tree(base)
+
+
+def test_only_sandboxes_with_allowed_domains_reach_the_proxy_port(world: World, workspace: Path) -> None:
+    """A host service on the proxy port (a squid on 0.0.0.0:3128, say) is as out of reach as any
+    other for a sandbox that has no domain allowlist."""
+    from sandboxd.supervisor.egress_proxy import PROXY_PORT
+
+    squid = socket.socket()
+    squid.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    squid.bind(("0.0.0.0", PROXY_PORT))
+    squid.listen(8)
+    try:
+        seen = probe_in_sandbox(world, workspace, "--network", "--dns", DNS)
+        assert seen["internet.test:8080"].startswith("open")                  # the sandbox works
+        plain = subprocess.run([SANDBOXD, "run", "--workspace", str(workspace), "--network", "--", PY, "-c", PROBE,
+                                f"GATEWAY:{PROXY_PORT}"], capture_output=True, text=True, timeout=60)
+        assert json.loads(plain.stdout)[f"GATEWAY:{PROXY_PORT}"] in BLOCKED, plain.stdout
+    finally:
+        squid.close()
+
+
+def test_stale_proxy_access_is_swept() -> None:
+    from sandboxd.kernel import nftables
+
+    nftables.ensure_table(kernel_netns.DEFAULT_POOL, [])
+    nftables.allow_proxy("10.233.255.254", True)                   # no link has 10.233.255.253
+    assert "10.233.255.254" in nftables.proxied_addresses()
+    kernel_netns.sweep_stale()
+    assert "10.233.255.254" not in nftables.proxied_addresses()

@@ -65,6 +65,7 @@ class IsolatedNetwork:
         self.sandbox_address = sandbox_address
         self.resolvers = resolvers
         self.proxy_listener: "Any" = None           # the egress proxy's socket, with allowed domains
+        self.proxied = False                        # its address is in the table's proxy set
 
     def resolv_conf(self) -> str:
         """The sandbox's /etc/resolv.conf."""
@@ -82,6 +83,10 @@ class IsolatedNetwork:
         if self.proxy_listener is not None:
             self.proxy_listener.close()
             self.proxy_listener = None
+        if self.proxied:
+            from sandboxd.kernel import nftables
+            nftables.allow_proxy(self.sandbox_address, False)
+            self.proxied = False
         if self.host_link:
             _delete_link(self.host_link)
             self.host_link = ""
@@ -133,7 +138,11 @@ def create_isolated(*, pool: str = DEFAULT_POOL, resolvers: "list[str] | None" =
         finally:
             os.close(own)
         _configure(host_link, netns_fd, inside, host_address, sandbox_address, block.prefixlen)
+        if via_proxy:
+            nftables.allow_proxy(sandbox_address, True)
     except BaseException as exc:
+        if via_proxy and host_link:
+            nftables.allow_proxy(sandbox_address, False)
         if host_link:
             _delete_link(host_link, missing_ok=True)
         if netns_fd >= 0:
@@ -143,7 +152,9 @@ def create_isolated(*, pool: str = DEFAULT_POOL, resolvers: "list[str] | None" =
         raise
     finally:
         os.close(lock)
-    return IsolatedNetwork(netns_fd, host_link, host_address, sandbox_address, resolvers)
+    network = IsolatedNetwork(netns_fd, host_link, host_address, sandbox_address, resolvers)
+    network.proxied = via_proxy
+    return network
 
 
 def _configure(host_link: str, netns_fd: int, inside: "Any", host_address: str, sandbox_address: str,
@@ -205,15 +216,20 @@ def _delete_link(name: str, *, missing_ok: bool = True) -> None:
 
 
 def sweep_stale() -> int:
-    """Delete sandbox links whose creating process is dead (a killed daemon or `sandboxd run`).
-    Returns how many."""
+    """Delete sandbox links whose creating process is dead (a killed daemon or `sandboxd run`),
+    and the proxy access of sandboxes that are gone. Returns how many links. Cheap when there
+    is nothing to do: pyroute2 is imported only when some sandbox link or proxy entry exists."""
     import os
 
+    from sandboxd.kernel import nftables
+
+    names = [name for name in os.listdir("/sys/class/net") if name.startswith(LINK_PREFIX)]
+    proxied = nftables.proxied_addresses()
+    if not names and not proxied:
+        return 0
     from pyroute2 import IPRoute
 
     removed = 0
-    with IPRoute() as host:
-        names = [link.get_attr("IFLA_IFNAME") for link in host.get_links()]
     for name in names:
         if not name or not name.startswith(LINK_PREFIX) or "x" not in name[len(LINK_PREFIX):]:
             continue
@@ -225,6 +241,14 @@ def sweep_stale() -> int:
         if not os.path.exists(f"/proc/{pid}"):
             _delete_link(name)
             removed += 1
+    # Proxy access of sandboxes whose link is gone (their creator was killed before closing them).
+    if proxied:
+        with IPRoute() as host:
+            live = {address.get_attr("IFA_ADDRESS") for address in host.get_addr(family=2)}
+        for address in proxied:
+            host_side = address.rsplit(".", 1)[0] + "." + str(int(address.rsplit(".", 1)[1]) - 1)
+            if host_side not in live:
+                nftables.allow_proxy(address, False)
     return removed
 
 

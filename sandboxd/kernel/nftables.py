@@ -38,10 +38,11 @@ def ruleset(pool: str) -> str:
     return f"""
 table inet {TABLE} {{
   set resolvers {{ type ipv4_addr; }}
+  set proxied {{ type ipv4_addr; }}
   chain to_host {{
     type filter hook input priority -10; policy accept;
     iifname {sbx} ct state established,related accept
-    iifname {sbx} tcp dport {PROXY_PORT} accept
+    iifname {sbx} ip saddr @proxied ip daddr {pool} tcp dport {PROXY_PORT} accept
     iifname {sbx} drop
   }}
   chain through_host {{
@@ -91,11 +92,34 @@ def ensure_table(pool: str, resolvers: "list[str] | tuple[str, ...]") -> None:
     lock; the replacement is one nft transaction, so no packet sees the table half-made), and
     make sure ``resolvers`` are in its resolver set."""
     current = _listing()
-    if current is None or f"tcp dport {PROXY_PORT} accept" not in current:
+    if current is None or "@proxied" not in current:
         replace = f"add table inet {TABLE}\ndelete table inet {TABLE}\n" if current is not None else ""
         _nft(replace + ruleset(pool), "create nftables table")
     if resolvers:
         _nft(f"add element inet {TABLE} resolvers {{ {', '.join(resolvers)} }}\n", "allow resolvers")
+
+
+def allow_proxy(sandbox_address: str, allowed: bool) -> None:
+    """Let one sandbox (with allowed domains) reach the egress proxy port on its link, or stop.
+    Only sandboxes in this set may: for the others a host service on that port is as out of
+    reach as any other."""
+    verb = "add" if allowed else "delete"
+    try:
+        _nft(f"{verb} element inet {TABLE} proxied {{ {sandbox_address} }}\n", "egress proxy access")
+    except SetupError:
+        if allowed:
+            raise                                          # deleting what is gone already is fine
+
+
+def proxied_addresses() -> "list[str]":
+    """The sandboxes allowed to reach the proxy port ([] without the table, or without nft)."""
+    try:
+        listing = subprocess.run(["nft", "list", "set", "inet", TABLE, "proxied"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except FileNotFoundError:
+        return []
+    inside = listing.split("elements = {", 1)[1].split("}", 1)[0] if "elements = {" in listing else ""
+    return [item.strip() for item in inside.split(",") if item.strip()]
 
 
 def delete_table() -> None:

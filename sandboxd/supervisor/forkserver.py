@@ -69,8 +69,7 @@ class _Server:
         from sandboxd.kernel.cgroups import sweep_stale
         from sandboxd.launcher.native_call import helper_path
         sweep_stale()                                     # what a SIGKILLed predecessor left behind
-        if any(name.startswith(netns.LINK_PREFIX) for name in os.listdir("/sys/class/net")):
-            netns.sweep_stale()                           # its isolated networks' links too
+        netns.sweep_stale()                               # its isolated networks' links and proxy access too
         self.sock = sock
         self.spawner = Spawner(native_helper=helper_path() if native_calls else None)
         self.running: dict[int, tuple[SandboxProcess, float | None]] = {}
