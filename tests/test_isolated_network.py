@@ -121,7 +121,7 @@ class World:
            f"ip -n {gw} addr add {DNS}/32 dev lo", f"ip -n {gw} addr add {METADATA}/32 dev lo",
            f"ip -n {gw} addr add {OTHER}/32 dev lo",
            f"ip -n {gw} route add default via 203.0.113.1",
-           f"ip route add 198.51.100.0/24 via 203.0.113.2", f"ip route add {METADATA}/32 via 203.0.113.2",
+           "ip route add 198.51.100.0/24 via 203.0.113.2", f"ip route add {METADATA}/32 via 203.0.113.2",
            # The world's uplink forwards, as a real uplink would be set up by its admin.
            f"echo 1 > /proc/sys/net/ipv4/conf/{gw}h/forwarding",
            f"ip link add {pv}h type veth peer name {pv}i", f"ip link set {pv}i netns {pv}",
@@ -156,7 +156,7 @@ class World:
             proc.wait()
         for listener in self.host_listeners:
             listener.close()
-        for command in (f"ip route del 198.51.100.0/24", f"ip route del {METADATA}/32", f"ip link del {self.gw}h",
+        for command in ("ip route del 198.51.100.0/24", f"ip route del {METADATA}/32", f"ip link del {self.gw}h",
                         f"ip link del {self.pv}h", f"ip netns del {self.gw}", f"ip netns del {self.pv}"):
             subprocess.run(command, shell=True, capture_output=True, timeout=30)
 

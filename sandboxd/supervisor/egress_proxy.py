@@ -20,12 +20,11 @@ import ipaddress
 import os
 import socket
 import struct
-import threading
 from typing import Callable
 
 from sandboxd.errors import SetupError
 from sandboxd.kernel.nftables import BLOCKED_RANGES
-from sandboxd.supervisor.tcp_relay import relay
+from sandboxd.supervisor.tcp_relay import TcpService, relay
 
 PROXY_PORT = 3128
 _BLOCKED = [ipaddress.ip_network(r) for r in BLOCKED_RANGES]
@@ -88,10 +87,11 @@ class EgressProxy:
                  resolvers: "list[str] | tuple[str, ...]" = (),
                  on_denied: "Callable[[str, str], None]" = lambda destination, why: None) -> None:
         """``listener``: bound and listening (see ``listen``); only ``client_address`` (the
-        sandbox) is served. ``on_denied(destination, why)`` is told of every refusal."""
+        sandbox) is served, once ``start`` is called. ``on_denied(destination, why)`` is told of
+        every refusal."""
         self._listener, self._allowed, self._client = listener, allowed, client_address
         self._resolvers, self._on_denied = list(resolvers), on_denied
-        self._closed = False
+        self._service: TcpService | None = None
 
     @staticmethod
     def listen(host_address: str) -> socket.socket:
@@ -106,28 +106,22 @@ class EgressProxy:
         return sock
 
     def start(self) -> "EgressProxy":
-        threading.Thread(target=self._accept, name="sandboxd-egress-proxy", daemon=True).start()
+        proxy = self
+
+        class Service(TcpService):
+            def handle(self, client: socket.socket, address: str) -> None:
+                if address != proxy._client:
+                    client.close()                        # another sandbox's traffic: not ours to serve
+                else:
+                    proxy._serve(client)
+        self._service = Service(self._listener, "sandboxd-egress-proxy")
         return self
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            try:
-                self._listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        if self._service is not None:
+            self._service.close()
+        else:
             self._listener.close()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, (address, _port) = self._listener.accept()
-            except OSError:
-                return
-            if address != self._client:
-                client.close()                            # another sandbox's traffic: not ours to serve
-                continue
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
     def _serve(self, client: socket.socket) -> None:
         client.settimeout(30)

@@ -12,40 +12,29 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 
 from sandboxd.errors import SetupError
 from sandboxd.kernel import namespaces
 from sandboxd.policy.sandbox import parse_publish
-from sandboxd.supervisor.tcp_relay import relay
+from sandboxd.supervisor.tcp_relay import TcpService, relay
 
 
-class PublishedPort:
+class PublishedPort(TcpService):
     def __init__(self, netns_fd: int, host_port: int, sandbox_port: int, bind: str = "127.0.0.1") -> None:
         self.host_port, self.sandbox_port = host_port, sandbox_port
-        self._netns = os.dup(netns_fd)
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            self._listener.bind((bind, host_port))
+            listener.bind((bind, host_port))
         except OSError as exc:
-            self._listener.close()
-            os.close(self._netns)
+            listener.close()
             raise SetupError("publish", exc.errno or 0, f"{bind}:{host_port}",
                              hint="the host port is taken: publish on another one (HOSTPORT:PORT)") from None
-        self._listener.listen(64)
-        self._closed = False
-        threading.Thread(target=self._accept, name=f"sandboxd-publish-{host_port}", daemon=True).start()
+        listener.listen(64)
+        self._netns = os.dup(netns_fd)
+        super().__init__(listener, f"sandboxd-publish-{host_port}")
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._connect, args=(client,), daemon=True).start()
-
-    def _connect(self, client: socket.socket) -> None:
+    def handle(self, client: socket.socket, address: str) -> None:
         own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
             namespaces.setns(self._netns, namespaces.CLONE_NEWNET)     # this thread only
@@ -68,12 +57,7 @@ class PublishedPort:
 
     def close(self) -> None:
         if not self._closed:
-            self._closed = True
-            try:
-                self._listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._listener.close()
+            super().close()
             os.close(self._netns)
 
 

@@ -1,4 +1,5 @@
-"""Copying bytes both ways between two connected TCP sockets (published ports, the egress proxy)."""
+"""TCP plumbing of published ports and the egress proxy: a listening service with one accept
+thread and a thread per connection, and copying bytes both ways between two sockets."""
 
 from __future__ import annotations
 
@@ -32,3 +33,33 @@ def _copy(source: socket.socket, target: socket.socket) -> None:
                 sock.shutdown(how)
             except OSError:
                 pass
+
+
+class TcpService:
+    """Serves a bound, listening socket: ``handle(client, address)`` runs in a thread of its own
+    for each connection, until ``close``."""
+
+    def __init__(self, listener: socket.socket, name: str) -> None:
+        self._listener = listener
+        self._closed = False
+        threading.Thread(target=self._accept, name=name, daemon=True).start()
+
+    def handle(self, client: socket.socket, address: str) -> None:
+        raise NotImplementedError
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, (address, _port) = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.handle, args=(client, address), daemon=True).start()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
