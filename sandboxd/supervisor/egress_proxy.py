@@ -22,9 +22,8 @@ import socket
 import struct
 from typing import Callable
 
-from sandboxd.errors import SetupError
 from sandboxd.kernel.nftables import BLOCKED_RANGES
-from sandboxd.supervisor.tcp_relay import TcpService, relay
+from sandboxd.supervisor.tcp_relay import TcpService, listen_tcp, relay
 
 PROXY_PORT = 3128
 _BLOCKED = [ipaddress.ip_network(r) for r in BLOCKED_RANGES]
@@ -95,15 +94,8 @@ class EgressProxy:
 
     @staticmethod
     def listen(host_address: str) -> socket.socket:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host_address, PROXY_PORT))
-        except OSError as exc:
-            sock.close()
-            raise SetupError("egress proxy", exc.errno or 0, f"{host_address}:{PROXY_PORT}") from None
-        sock.listen(128)
-        return sock
+        return listen_tcp(host_address, PROXY_PORT, step="egress proxy",
+                          hint=f"something else holds port {PROXY_PORT} on every address of the host")
 
     def start(self) -> "EgressProxy":
         proxy = self

@@ -13,24 +13,16 @@ from __future__ import annotations
 import os
 import socket
 
-from sandboxd.errors import SetupError
 from sandboxd.kernel import namespaces
 from sandboxd.policy.sandbox import parse_publish
-from sandboxd.supervisor.tcp_relay import TcpService, relay
+from sandboxd.supervisor.tcp_relay import TcpService, listen_tcp, relay
 
 
 class PublishedPort(TcpService):
     def __init__(self, netns_fd: int, host_port: int, sandbox_port: int, bind: str = "127.0.0.1") -> None:
         self.host_port, self.sandbox_port = host_port, sandbox_port
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            listener.bind((bind, host_port))
-        except OSError as exc:
-            listener.close()
-            raise SetupError("publish", exc.errno or 0, f"{bind}:{host_port}",
-                             hint="the host port is taken: publish on another one (HOSTPORT:PORT)") from None
-        listener.listen(64)
+        listener = listen_tcp(bind, host_port, step="publish",
+                              hint="the host port is taken: publish on another one (HOSTPORT:PORT)")
         self._netns = os.dup(netns_fd)
         super().__init__(listener, f"sandboxd-publish-{host_port}")
 

@@ -6,7 +6,22 @@ from __future__ import annotations
 import socket
 import threading
 
+from sandboxd.errors import SetupError
+
 CHUNK = 64 * 1024
+
+
+def listen_tcp(address: str, port: int, *, step: str, hint: str | None = None) -> socket.socket:
+    """A listening TCP socket on address:port, or a SetupError naming the step (and what to do)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((address, port))
+    except OSError as exc:
+        sock.close()
+        raise SetupError(step, exc.errno or 0, f"{address}:{port}", hint=hint) from None
+    sock.listen(128)
+    return sock
 
 
 def relay(a: socket.socket, b: socket.socket) -> None:
