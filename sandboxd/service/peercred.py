@@ -108,7 +108,10 @@ class FrontDoor:
     (connections wait in the backlog).
     """
 
-    def __init__(self, public_path: str, backend_path: str, *, mode: int = 0o666, relay_dir: str) -> None:
+    def __init__(self, public_path: str, backend_path: str, *, mode: int = 0o666, relay_dir: str,
+                 listener: "socket.socket | None" = None) -> None:
+        """``listener``: an already listening public socket (systemd socket activation); it is
+        used as it is, and left in place at close (it belongs to the service manager)."""
         # Absolute paths: the peer string is the relay path exactly as bound, and
         # the daemon may chdir later.
         self._public_path = os.path.abspath(public_path)
@@ -128,7 +131,10 @@ class FrontDoor:
         _ensure_private_dir(self._relay_dir, create=True, what="relay directory")
         _ensure_private_dir(os.path.dirname(self._backend_path), create=False, what="backend socket directory")
 
-        self._listener, self._public_id = _listen(self._public_path, mode)
+        if listener is not None:
+            self._listener, self._public_id = listener, None
+        else:
+            self._listener, self._public_id = _listen(self._public_path, mode)
         # Only after we own the public socket (so no live daemon uses relay_dir):
         # clear relay files a dead daemon left behind.
         _clear_relay_dir(self._relay_dir)
@@ -188,7 +194,8 @@ class FrontDoor:
         if self._accept_thread is not None and self._accept_thread is not threading.current_thread():
             self._accept_thread.join(timeout)
         self._listener.close()
-        _unlink_if_same(self._public_path, self._public_id)
+        if self._public_id is not None:
+            _unlink_if_same(self._public_path, self._public_id)
         # Relays admitted before _closing was set; none can be added after.
         for relay in relays:
             relay.abort()

@@ -70,6 +70,10 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
     log.addHandler(handler)
     log.setLevel(logging.INFO)
 
+    from sandboxd.service import systemd
+    activated = systemd.activated_socket()
+    if activated is not None:
+        socket_path = activated.getsockname() or socket_path   # systemd's ListenStream= wins
     base = os.path.dirname(os.path.abspath(socket_path))
     private = os.path.join(base, ".sandboxd-private")
     os.makedirs(base, mode=0o755, exist_ok=True)
@@ -84,7 +88,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
     registry = SessionRegistry(fork, store, admin_gid=admin_gid, dns=dns)
     resumed = registry.restore()
     gate = ApprovalGate(store, timeout=approval_timeout)
-    door = FrontDoor(socket_path, backend, relay_dir=os.path.join(private, "relay"))
+    door = FrontDoor(socket_path, backend, relay_dir=os.path.join(private, "relay"), listener=activated)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandboxd-rpc"))
     callers = Callers(door, (tls.uid, tls.gid) if tls else None)
     sandboxd_pb2_grpc.add_SandboxServicer_to_server(SandboxServicer(registry, fork, callers, gate), server)
@@ -114,6 +118,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
                                           "sessions_resumed": resumed}})
     if ready is not None:
         ready.set()
+    systemd.notify(f"READY=1\nSTATUS=serving on {socket_path}\nMAINPID={os.getpid()}")
     while not stopping:
         time.sleep(0.2)                                   # interrupted by the signal; the flag ends the loop
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -121,6 +126,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
         # exit, turn exit status 0 into death by signal). A stuck stop still yields to SIGKILL.
         signal.signal(signum, signal.SIG_IGN)
     started = time.monotonic()
+    systemd.notify("STOPPING=1")
     log.info("stopping", extra={"fields": {"sessions": len(registry.list(PeerCredentials(0, 0, 0)))}})
     health_servicer.enter_graceful_shutdown()
     door.close()
