@@ -9,6 +9,8 @@ USAGE = """usage: sandboxd COMMAND [ARGS...]
 commands:
   run      run one command in a sandbox, no daemon (see: sandboxd run --help)
   serve    run the daemon: sessions with persistent sandboxes over gRPC (see: sandboxd serve --help)
+  config   check FILE: validate a configuration file; defaults: print one with every key
+  doctor   check this machine for everything enforcement needs, and say how to fix what is missing
   version  print the version
 """
 
@@ -25,11 +27,36 @@ def main(argv: list[str] | None = None) -> int:
     if command == "serve":
         from sandboxd.cli.serve import main as serve_main
         return serve_main(rest)
+    if command == "config":
+        return _config(rest)
+    if command == "doctor":
+        from sandboxd.cli.doctor import main as doctor_main
+        return doctor_main(rest)
     if command in ("version", "--version"):
         from sandboxd import __version__
         print(f"sandboxd {__version__}")
         return 0
     sys.stderr.write(f"sandboxd: unknown command {command!r}\n{USAGE}")
+    return 2
+
+
+def _config(args: list[str]) -> int:
+    from sandboxd import config
+
+    if args == ["defaults"]:
+        sys.stdout.write(config.defaults_file())
+        return 0
+    if len(args) == 2 and args[0] == "check":
+        try:
+            loaded = config.load(args[1])
+        except config.ConfigError as exc:
+            sys.stderr.write(f"sandboxd config: {exc}\n")
+            return 2
+        print(f"{args[1]}: ok")
+        for key in config.KEYS:
+            print(f"  {key.dotted} = {loaded[key.dotted]!r}")
+        return 0
+    sys.stderr.write("usage: sandboxd config check FILE | sandboxd config defaults\n")
     return 2
 
 

@@ -1,4 +1,8 @@
-"""`sandboxd serve`: the daemon, in the foreground, logging JSON lines to stderr."""
+"""`sandboxd serve`: the daemon, in the foreground, logging to stderr (JSON lines by default).
+
+Settings come from the configuration file (sandboxd.config: --config, $SANDBOXD_CONFIG, or
+/etc/sandboxd/sandboxd.toml), and a command-line flag wins over the file.
+"""
 
 from __future__ import annotations
 
@@ -7,36 +11,66 @@ import grp
 import sys
 
 from sandboxd.errors import SandboxdError
-from sandboxd.service.server import DEFAULT_SOCKET, DEFAULT_STATE_DIR
+
+# flag destination -> configuration key
+FLAG_KEYS = {"socket": "listen.socket", "admin_group": "listen.admin_group", "workers": "listen.workers",
+             "state_dir": "state.dir", "dns": "network.dns", "approval_timeout": "approvals.timeout_seconds",
+             "tcp": "tls.address", "tls_cert": "tls.cert", "tls_key": "tls.key", "tls_client_ca": "tls.client_ca",
+             "tcp_user": "tls.user", "log_format": "log.format"}
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="sandboxd serve", description=(
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sandboxd serve", description=(
         "Run the sandboxd daemon: one persistent kernel sandbox per session, driven over gRPC "
         "(service sandboxd.v1.Sandbox, plus grpc.health.v1 and server reflection) on a Unix socket. "
         "Every local user may connect; each sees and uses only the sessions it created "
-        "(the kernel tells the daemon who is calling), except root and the --admin-group."))
-    parser.add_argument("--socket", default=DEFAULT_SOCKET, help=f"the Unix socket to listen on (default {DEFAULT_SOCKET})")
-    parser.add_argument("--admin-group", metavar="GROUP", help="members may see and use every session")
-    parser.add_argument("--workers", type=int, default=64, help="concurrent RPCs (default 64)")
-    parser.add_argument("--state-dir", default=DEFAULT_STATE_DIR,
-                        help=f"the event store (audit log) and session metadata (default {DEFAULT_STATE_DIR})")
-    parser.add_argument("--dns", action="append", default=[], metavar="IP",
-                        help="a resolver for isolated-network sessions (repeatable; default: the host's)")
-    parser.add_argument("--approval-timeout", type=float, default=300.0, metavar="SECONDS",
-                        help="a call nobody approves within this is denied (default 300)")
-    tls = parser.add_argument_group("optional TCP listener (TLS with client certificates only)")
-    tls.add_argument("--tcp", metavar="HOST:PORT", help="also listen here, with TLS")
-    tls.add_argument("--tls-cert", metavar="FILE", help="the server's certificate chain (PEM)")
-    tls.add_argument("--tls-key", metavar="FILE", help="the server's private key (PEM)")
-    tls.add_argument("--tls-client-ca", metavar="FILE", help="CA that client certificates must be signed by")
-    tls.add_argument("--tcp-user", metavar="USER[:GROUP]", default="nobody",
-                     help="the local user TLS callers act as (default: nobody)")
-    args = parser.parse_args(argv)
+        "(the kernel tells the daemon who is calling), except root and the admin group. "
+        "Defaults come from the configuration file (see `sandboxd config defaults`); flags win over it."))
+    p.add_argument("--config", metavar="FILE", help="the configuration file (default: $SANDBOXD_CONFIG, else "
+                   "/etc/sandboxd/sandboxd.toml if it exists)")
+    p.add_argument("--socket", help="the Unix socket to listen on [listen.socket]")
+    p.add_argument("--admin-group", metavar="GROUP", help="members may see and use every session [listen.admin_group]")
+    p.add_argument("--workers", type=int, help="concurrent RPCs [listen.workers]")
+    p.add_argument("--state-dir", help="the event store (audit log) and session metadata [state.dir]")
+    p.add_argument("--dns", action="append", metavar="IP",
+                   help="a resolver for isolated-network sessions (repeatable) [network.dns]")
+    p.add_argument("--approval-timeout", type=float, metavar="SECONDS",
+                   help="a call nobody approves within this is denied [approvals.timeout_seconds]")
+    p.add_argument("--log-format", choices=["json", "text"], help="[log.format]")
+    tls = p.add_argument_group("optional TCP listener (TLS with client certificates only)")
+    tls.add_argument("--tcp", metavar="HOST:PORT", help="also listen here, with TLS [tls.address]")
+    tls.add_argument("--tls-cert", metavar="FILE", help="the server's certificate chain (PEM) [tls.cert]")
+    tls.add_argument("--tls-key", metavar="FILE", help="the server's private key (PEM) [tls.key]")
+    tls.add_argument("--tls-client-ca", metavar="FILE", help="CA that client certificates must be signed by [tls.client_ca]")
+    tls.add_argument("--tcp-user", metavar="USER[:GROUP]", help="the local user TLS callers act as [tls.user]")
+    return p
+
+
+def settings(argv: list[str]) -> dict[str, object]:
+    """The configuration file's values, overridden by the flags given; ConfigError on a bad file."""
+    from sandboxd import config
+
+    args = parser().parse_args(argv)
+    loaded = config.load(args.config or config.default_path())
+    values = {flag: loaded[key] for flag, key in FLAG_KEYS.items()}
+    for flag in FLAG_KEYS:
+        given = getattr(args, flag)
+        if given is not None:
+            values[flag] = given
+    values["config_path"] = loaded.path
+    return values
+
+
+def main(argv: list[str]) -> int:
+    try:
+        values = settings(argv)
+    except SandboxdError as exc:
+        sys.stderr.write(f"sandboxd serve: {exc}\n")
+        return 2
     listener = None
-    tls_options = (args.tls_cert, args.tls_key, args.tls_client_ca)
-    if args.tcp or any(tls_options):
-        if not (args.tcp and all(tls_options)):
+    tls_options = (values["tls_cert"], values["tls_key"], values["tls_client_ca"])
+    if values["tcp"] or any(tls_options):
+        if not (values["tcp"] and all(tls_options)):
             sys.stderr.write("sandboxd serve: a TCP listener needs all of --tcp, --tls-cert, --tls-key and "
                              "--tls-client-ca (there is no plain-text or unauthenticated TCP)\n")
             return 2
@@ -44,27 +78,32 @@ def main(argv: list[str]) -> int:
         from sandboxd.errors import InvalidPolicy
         from sandboxd.service.server import TlsListener
         try:
-            uid, gid = parse_user(args.tcp_user)
-            listener = TlsListener(args.tcp, args.tls_cert, args.tls_key, args.tls_client_ca, uid, gid)
+            uid, gid = parse_user(str(values["tcp_user"]))
+            listener = TlsListener(str(values["tcp"]), str(values["tls_cert"]), str(values["tls_key"]),
+                                   str(values["tls_client_ca"]), uid, gid)
         except (InvalidPolicy, OSError) as exc:
             sys.stderr.write(f"sandboxd serve: {exc}\n")
             return 2
     admin_gid = None
-    if args.admin_group:
+    group = str(values["admin_group"] or "")
+    if group:
         try:
-            admin_gid = int(args.admin_group) if args.admin_group.isdigit() else grp.getgrnam(args.admin_group).gr_gid
+            admin_gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
         except KeyError:
-            sys.stderr.write(f"sandboxd serve: unknown group {args.admin_group!r}\n")
+            sys.stderr.write(f"sandboxd serve: unknown group {group!r}\n")
             return 2
-    from sandboxd.service.server import serve
-    if args.approval_timeout <= 0:
+    if float(values["approval_timeout"]) <= 0:  # type: ignore[arg-type]
         sys.stderr.write("sandboxd serve: --approval-timeout must be a positive number of seconds\n")
         return 2
+    dns = tuple(values["dns"])  # type: ignore[call-overload]
     try:
         from sandboxd.policy import LaunchSpec
-        LaunchSpec(argv=("true",), workspace="/", dns=tuple(args.dns))   # validates the addresses
+        LaunchSpec(argv=("true",), workspace="/", dns=dns)   # validates the addresses
     except SandboxdError as exc:
         sys.stderr.write(f"sandboxd serve: {exc}\n")
         return 2
-    return serve(args.socket, admin_gid=admin_gid, workers=args.workers, tls=listener, state_dir=args.state_dir,
-                 approval_timeout=args.approval_timeout, dns=tuple(args.dns))
+    from sandboxd.service.server import serve
+    return serve(str(values["socket"]), admin_gid=admin_gid, workers=int(values["workers"]),  # type: ignore[call-overload]
+                 tls=listener, state_dir=str(values["state_dir"]),
+                 approval_timeout=float(values["approval_timeout"]), dns=dns,  # type: ignore[arg-type]
+                 log_format=str(values["log_format"]), config_path=values["config_path"])  # type: ignore[arg-type]

@@ -30,6 +30,12 @@ class JsonLogFormatter(logging.Formatter):
         return json.dumps(line)
 
 
+class TextLogFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        fields = " ".join(f"{key}={value}" for key, value in getattr(record, "fields", {}).items())
+        return f"sandboxd {record.levelname.lower()}: {record.getMessage()}" + (f" ({fields})" if fields else "")
+
+
 class TlsListener:
     """The optional TCP listener: TLS, and a client certificate signed by ``client_ca`` required.
     Its callers act as the local user ``uid:gid`` (sessions are told apart by certificate)."""
@@ -49,7 +55,8 @@ DEFAULT_STATE_DIR = "/var/lib/sandboxd"
 
 def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, workers: int = 64,
           ready: "threading.Event | None" = None, tls: "TlsListener | None" = None,
-          state_dir: str = DEFAULT_STATE_DIR, approval_timeout: float = 300.0, dns: tuple[str, ...] = ()) -> int:
+          state_dir: str = DEFAULT_STATE_DIR, approval_timeout: float = 300.0, dns: tuple[str, ...] = (),
+          log_format: str = "json", config_path: str | None = None) -> int:
     from sandboxd.supervisor.forkserver import ForkServer
     fork = ForkServer.start()                             # before gRPC's threads, and as a fresh process
 
@@ -65,7 +72,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
     from sandboxd.v1 import sandboxd_pb2, sandboxd_pb2_grpc
 
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonLogFormatter())
+    handler.setFormatter(JsonLogFormatter() if log_format == "json" else TextLogFormatter())
     log = logging.getLogger("sandboxd")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
@@ -115,6 +122,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
         signal.signal(signum, lambda received, _frame: stopping.append(received))
     log.info("serving", extra={"fields": {"socket": socket_path, "pid": os.getpid(),
                                           "tls": tls.address if tls else None, "event_store": store.path,
+                                          "config": config_path,
                                           "sessions_resumed": resumed}})
     if ready is not None:
         ready.set()

@@ -1,0 +1,150 @@
+"""`sandboxd doctor`: check this machine for everything enforcement needs, in plain words.
+
+Each check prints one line: ``ok``, ``warn`` (works, with less) or ``FAIL`` (a policy could not
+be enforced), and for anything not ok, what to do. Exit status 1 when something FAILs. The
+sandbox check launches a real sandbox; nothing else changes the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+
+def _line(status: str, what: str, detail: str, fix: str = "") -> tuple[str, str]:
+    text = f"{status:<5} {what}: {detail}"
+    if fix:
+        text += f"\n      fix: {fix}"
+    return status, text
+
+
+def check_root() -> tuple[str, str]:
+    if os.geteuid() == 0:
+        return _line("ok", "privileges", "running as root (namespaces, mounts, cgroups and networks need it)")
+    return _line("FAIL", "privileges", f"running as uid {os.geteuid()}",
+                 "run sandboxd as root (the systemd unit does), or in a container with CAP_SYS_ADMIN")
+
+
+def check_sandbox() -> tuple[str, str]:
+    """A real sandbox: namespaces, mounts, pivot_root, seccomp, Landlock, exec."""
+    from sandboxd.errors import SandboxdError
+    from sandboxd.policy import LaunchSpec, WorkspaceWrite
+    from sandboxd.supervisor.spawner import Spawner
+
+    workspace = tempfile.mkdtemp(prefix="sandboxd-doctor-", dir="/var/tmp")
+    try:
+        null = os.open(os.devnull, os.O_RDWR)
+        try:
+            proc = Spawner().launch(LaunchSpec(argv=("true",), workspace=workspace, policy=WorkspaceWrite(),
+                                               env={"PATH": "/usr/bin:/bin"}), stdio=(null, null, null))
+            proc.wait_started()
+            info = proc.wait(30)
+        finally:
+            os.close(null)
+    except SandboxdError as exc:
+        return _line("FAIL", "sandbox", f"a workspace-write sandbox could not start: {exc}",
+                     getattr(exc, "hint", None) or "see the error above")
+    finally:
+        os.rmdir(workspace)
+    if info.exit_code != 0:
+        return _line("FAIL", "sandbox", f"`true` in a sandbox ended with {info.shell_status}")
+    return _line("ok", "sandbox", "namespaces (mount, pid, ipc, uts, cgroup, net), read-only root, pivot_root, "
+                 "seccomp and exec all work")
+
+
+def check_seccomp() -> tuple[str, str]:
+    try:
+        with open("/proc/sys/kernel/seccomp/actions_avail") as f:
+            actions = f.read().split()
+    except OSError:
+        return _line("FAIL", "seccomp", "the kernel has no seccomp filter support", "a kernel with CONFIG_SECCOMP_FILTER")
+    if "user_notif" not in actions:
+        return _line("FAIL", "seccomp", "no user notification: host Unix sockets could not be guarded",
+                     "Linux 5.0 or newer")
+    return _line("ok", "seccomp", f"filters with {', '.join(actions)}")
+
+
+def check_landlock() -> tuple[str, str]:
+    from sandboxd.kernel import landlock
+
+    abi = landlock.abi_version()
+    if abi == 0:
+        return _line("warn", "landlock", "not available: the read-only mounts are the only wall for writes",
+                     "Linux 5.13+ with landlock in the lsm= boot parameter")
+    if abi < 6:
+        return _line("warn", "landlock", f"ABI {abi}: writes are restricted, but signals to the host are not scoped",
+                     "Linux 6.12 or newer for ABI 6")
+    return _line("ok", "landlock", f"ABI {abi} (writes by path, signal scope)")
+
+
+def check_cgroups() -> tuple[str, str]:
+    from sandboxd.kernel import cgroups
+
+    h = cgroups.detect()
+    where = {c: "v2" for c in ("memory", "pids") if c in h.unified_controllers}
+    where.update({c: "v1" for c in ("memory", "pids") if c not in where and c in h.v1})
+    missing = [c for c in ("memory", "pids") if c not in where]
+    detail = ", ".join(f"{c} on cgroup {v}" for c, v in sorted(where.items())) or "no controller"
+    if missing:
+        return _line("warn", "cgroups", f"{detail}; no {' or '.join(missing)} controller: --memory/--pids limits "
+                     "are refused", "enable the controller (cgroup v2: Delegate=yes in the unit, or "
+                     "echo +memory +pids > cgroup.subtree_control above the daemon)")
+    return _line("ok", "cgroups", detail)
+
+
+def check_nftables() -> tuple[str, str]:
+    if shutil.which("nft") is None:
+        return _line("FAIL", "nftables", "the nft command is missing: isolated networks cannot be built",
+                     "apt-get install nftables (or use --network=host, or no network)")
+    # Checked by the kernel and rolled back (nft -c): nothing is left behind.
+    probe = ("table inet sandboxd_doctor {\n  chain c {\n    type nat hook postrouting priority 100; policy accept;\n"
+             "    masquerade\n  }\n}\n")
+    result = subprocess.run(["nft", "-c", "-f", "-"], input=probe, capture_output=True, text=True, timeout=30)
+    if result.returncode != 0:
+        return _line("FAIL", "nftables", f"the kernel refuses a NAT table: {result.stderr.strip()[:200]}",
+                     "a kernel with nf_tables and NAT (CONFIG_NF_TABLES, CONFIG_NFT_NAT, CONFIG_NFT_MASQ)")
+    return _line("ok", "nftables", "nft present, NAT tables accepted")
+
+
+def check_address_pool() -> tuple[str, str]:
+    import ipaddress
+
+    from sandboxd.kernel.netns import DEFAULT_POOL, LINK_PREFIX
+
+    used = len([n for n in os.listdir("/sys/class/net") if n.startswith(LINK_PREFIX)])
+    total = 2 ** (30 - ipaddress.ip_network(DEFAULT_POOL).prefixlen)
+    return _line("ok" if used < total else "FAIL", "address pool",
+                 f"{DEFAULT_POOL}: {total - used} of {total} isolated networks free")
+
+
+def check_call_helper() -> tuple[str, str]:
+    from sandboxd.launcher.native_call import helper_path
+
+    if helper_path() is None:
+        return _line("warn", "call helper", "sandboxd-call is not built: daemon calls take the slower Python path",
+                     "python -m sandboxd.launcher.native_call build (packaging/setup.sh does it)")
+    return _line("ok", "call helper", "sandboxd-call is built (the daemon's fast call path)")
+
+
+CHECKS = (check_root, check_sandbox, check_seccomp, check_landlock, check_cgroups, check_nftables,
+          check_address_pool, check_call_helper)
+
+
+def main(argv: list[str]) -> int:
+    if argv:
+        sys.stderr.write("usage: sandboxd doctor\n")
+        return 2
+    failed = False
+    for check in CHECKS:
+        try:
+            status, text = check()
+        except Exception as exc:  # noqa: BLE001 - a check that breaks is itself a finding
+            status, text = _line("FAIL", check.__name__.removeprefix("check_"), f"{type(exc).__name__}: {exc}")
+        failed |= status == "FAIL"
+        print(text, flush=True)
+    print("\nsandboxd doctor: " + ("something enforcement needs is missing (see FAIL above)" if failed
+                                   else "everything enforcement needs is here"))
+    return 1 if failed else 0

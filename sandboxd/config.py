@@ -1,0 +1,162 @@
+"""The daemon's configuration file: one TOML file, every key documented with its default.
+
+Where it is read from: ``sandboxd serve --config FILE``, else ``$SANDBOXD_CONFIG``, else
+``/etc/sandboxd/sandboxd.toml`` when it exists (built-in defaults otherwise). Command-line flags
+win over the file. An unknown key, a bad value or a file that is not TOML stops the daemon at
+start-up with the file, the key and what is wrong; ``sandboxd config check FILE`` says the same
+without starting anything, and ``sandboxd config defaults`` prints a file with every key.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from typing import Any, Callable
+
+from sandboxd._record import Record
+from sandboxd.errors import InvalidPolicy
+
+DEFAULT_PATH = "/etc/sandboxd/sandboxd.toml"
+
+
+class ConfigError(InvalidPolicy):
+    def __init__(self, path: str, key: str, problem: str) -> None:
+        self.path, self.key, self.problem = path, key, problem
+        super().__init__(f"{path}: {key}: {problem}" if key else f"{path}: {problem}")
+
+
+class Key(Record):
+    section: str
+    name: str
+    default: object
+    doc: str
+    check: "Callable[[object], str | None]"        # a problem, or None when the value is good
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.section}.{self.name}"
+
+
+def _text(value: object) -> str | None:
+    return None if isinstance(value, str) else "must be a string"
+
+
+def _absolute(value: object) -> str | None:
+    return _text(value) or (None if str(value).startswith("/") else "must be an absolute path")
+
+
+def _optional_absolute(value: object) -> str | None:
+    return None if value == "" else _absolute(value)
+
+
+def _whole(low: int, high: int) -> "Callable[[object], str | None]":
+    def check(value: object) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            return f"must be a whole number from {low} to {high}, not {value!r}"
+        return None
+    return check
+
+
+def _positive_seconds(value: object) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        return f"must be a positive number of seconds, not {value!r}"
+    return None
+
+
+def _ipv4_list(value: object) -> str | None:
+    if not isinstance(value, list):
+        return "must be a list of IPv4 addresses, like [\"192.0.2.53\"]"
+    for item in value:
+        parts = str(item).split(".")
+        if not isinstance(item, str) or len(parts) != 4 or not all(p.isdigit() and int(p) < 256 for p in parts):
+            return f"{item!r} is not an IPv4 address"
+    return None
+
+
+def _one_of(*choices: str) -> "Callable[[object], str | None]":
+    def check(value: object) -> str | None:
+        return None if value in choices else f"must be one of {', '.join(choices)}, not {value!r}"
+    return check
+
+
+KEYS: tuple[Key, ...] = (
+    Key("listen", "socket", "/run/sandboxd/sandboxd.sock", "the Unix socket clients connect to (under socket "
+        "activation, the socket systemd hands over wins)", _absolute),
+    Key("listen", "admin_group", "", "members of this group (name or gid) see and use every session; empty: "
+        "only root", _text),
+    Key("listen", "workers", 64, "RPCs served at once", _whole(1, 1024)),
+    Key("tls", "address", "", "HOST:PORT of an optional TCP listener; it always needs TLS and client "
+        "certificates (all four tls keys)", _text),
+    Key("tls", "cert", "", "the server's certificate chain (PEM)", _optional_absolute),
+    Key("tls", "key", "", "the server's private key (PEM)", _optional_absolute),
+    Key("tls", "client_ca", "", "the CA client certificates must be signed by", _optional_absolute),
+    Key("tls", "user", "nobody", "the local USER[:GROUP] TCP callers act as", _text),
+    Key("state", "dir", "/var/lib/sandboxd", "the event store (audit log) and session metadata", _absolute),
+    Key("approvals", "timeout_seconds", 300, "a call nobody approves within this is denied", _positive_seconds),
+    Key("network", "dns", [], "resolvers for isolated networks; empty: the host's", _ipv4_list),
+    Key("log", "format", "json", "json: one JSON object per line on stderr; text: plain lines", _one_of("json", "text")),
+)
+_BY_NAME = {key.dotted: key for key in KEYS}
+
+
+class Config(Record):
+    values: dict  # type: ignore[type-arg]
+    path: str | None
+
+    def __getitem__(self, dotted: str) -> Any:
+        return self.values[dotted]
+
+
+def default_path() -> str | None:
+    """The file a daemon without --config reads, if any."""
+    explicit = os.environ.get("SANDBOXD_CONFIG")
+    if explicit:
+        return explicit
+    return DEFAULT_PATH if os.path.exists(DEFAULT_PATH) else None
+
+
+def load(path: str | None) -> Config:
+    """The built-in defaults, overlaid with ``path`` (None: defaults only). ConfigError on any problem."""
+    values = {key.dotted: key.default for key in KEYS}
+    if path is None:
+        return Config(values, None)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(path, "", f"cannot read it ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(path, "", f"not valid TOML: {exc}") from None
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(path, section, "must be a [section] table; known sections: "
+                              + ", ".join(sorted({k.section for k in KEYS})))
+        for name, value in table.items():
+            key = _BY_NAME.get(f"{section}.{name}")
+            if key is None:
+                known = [k.name for k in KEYS if k.section == section]
+                hint = f"known keys of [{section}]: {', '.join(known)}" if known else \
+                    f"known sections: {', '.join(sorted({k.section for k in KEYS}))}"
+                raise ConfigError(path, f"{section}.{name}", f"unknown key ({hint})")
+            problem = key.check(value)
+            if problem:
+                raise ConfigError(path, key.dotted, problem)
+            values[key.dotted] = value
+    tls = [values[f"tls.{name}"] for name in ("address", "cert", "key", "client_ca")]
+    if any(tls) and not all(tls):
+        raise ConfigError(path, "tls", "a TCP listener needs all of address, cert, key and client_ca")
+    return Config(values, path)
+
+
+def defaults_file() -> str:
+    """A configuration file with every key at its default, each with its documentation."""
+    lines = ["# sandboxd configuration (TOML). Every key is shown with its default.", ""]
+    section = ""
+    for key in KEYS:
+        if key.section != section:
+            section = key.section
+            lines += ([""] if len(lines) > 2 else []) + [f"[{section}]"]
+        value = key.default
+        rendered = "[]" if value == [] else (f'"{value}"' if isinstance(value, str) else str(value))
+        lines += [f"# {key.doc}", f"{key.name} = {rendered}"]
+    return "\n".join(lines) + "\n"

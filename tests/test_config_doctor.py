@@ -1,0 +1,113 @@
+"""The configuration file (sandboxd.config, `sandboxd config`, `sandboxd serve --config`) and
+`sandboxd doctor`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import BASE_ENV, REPO, SANDBOXD
+from sandboxd import config
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def sandboxd(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([SANDBOXD, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**BASE_ENV, **(env or {})})
+
+
+def test_the_defaults_file_is_the_defaults(tmp_path: Path) -> None:
+    text = sandboxd("config", "defaults").stdout
+    (tmp_path / "defaults.toml").write_text(text)
+    assert config.load(str(tmp_path / "defaults.toml")).values == config.load(None).values
+    for key in config.KEYS:
+        assert f"# {key.doc}" in text
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[listen]\nsockett = \"/x\"\n", "listen.sockett: unknown key (known keys of [listen]: socket, admin_group, workers)"),
+    ("[lisen]\nsocket = \"/x\"\n", "lisen.socket: unknown key (known sections:"),
+    ("[listen]\nworkers = \"many\"\n", "listen.workers: must be a whole number from 1 to 1024, not 'many'"),
+    ("[listen]\nsocket = \"relative.sock\"\n", "listen.socket: must be an absolute path"),
+    ("[approvals]\ntimeout_seconds = 0\n", "approvals.timeout_seconds: must be a positive number of seconds"),
+    ("[network]\ndns = [\"8.8.8\"]\n", "network.dns: '8.8.8' is not an IPv4 address"),
+    ("[log]\nformat = \"xml\"\n", "log.format: must be one of json, text"),
+    ("[tls]\naddress = \"127.0.0.1:9\"\n", "tls: a TCP listener needs all of address, cert, key and client_ca"),
+    ("listen = 3\n", "listen: must be a [section] table"),
+    ("[listen\n", "not valid TOML"),
+])
+def test_bad_files_are_refused_with_the_key_and_the_problem(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "sandboxd.toml"
+    path.write_text(content)
+    result = sandboxd("config", "check", str(path))
+    assert result.returncode == 2 and f"{path}: " in result.stderr and message in result.stderr, result.stderr
+    serve = sandboxd("serve", "--config", str(path))
+    assert serve.returncode == 2 and message in serve.stderr, serve.stderr       # the daemon stops at start-up
+
+
+def test_a_good_file_checks_out(tmp_path: Path) -> None:
+    path = tmp_path / "sandboxd.toml"
+    path.write_text("[listen]\nworkers = 8\n[network]\ndns = [\"192.0.2.53\"]\n")
+    result = sandboxd("config", "check", str(path))
+    assert result.returncode == 0 and "listen.workers = 8" in result.stdout and "192.0.2.53" in result.stdout
+
+
+def test_serve_reads_the_file_and_flags_win(tmp_path: Path) -> None:
+    from daemon_helpers import make_base_dir, remove_tree
+
+    base = make_base_dir("sbxd-cfg-")
+    path = base / "sandboxd.toml"
+    path.write_text(f'[listen]\nsocket = "{base}/from-config.sock"\n[state]\ndir = "{base}/state"\n'
+                    '[log]\nformat = "text"\n')
+    try:
+        for args, env, expected in ((["--config", str(path)], {}, base / "from-config.sock"),
+                                    ([], {"SANDBOXD_CONFIG": str(path)}, base / "from-config.sock"),
+                                    (["--config", str(path), "--socket", str(base / "flag.sock")], {},
+                                     base / "flag.sock")):
+            daemon = subprocess.Popen([SANDBOXD, "serve", *args], env={**BASE_ENV, **env},
+                                      stderr=subprocess.PIPE, text=True)
+            try:
+                line = daemon.stderr.readline() if daemon.stderr else ""
+                assert line.startswith("sandboxd info: serving") and f"socket={expected}" in line, line
+                assert f"config={path}" in line and expected.exists()
+                assert (base / "state" / "events.db").exists()
+            finally:
+                daemon.terminate()
+                assert daemon.wait(timeout=60) == 0
+            time.sleep(0.1)
+    finally:
+        remove_tree(base)
+
+
+def test_the_readme_documents_every_key() -> None:
+    readme = (REPO / "README.md").read_text()
+    missing = [key.dotted for key in config.KEYS if f"`{key.dotted}`" not in readme]
+    assert not missing, f"keys missing from the README's configuration table: {missing}"
+
+
+def test_doctor_on_this_machine() -> None:
+    result = sandboxd("doctor", timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [line for line in result.stdout.splitlines() if line and not line.startswith(" ")]
+    names = {line.split(":")[0].split(None, 1)[1] for line in lines[:-1]}
+    assert names >= {"privileges", "sandbox", "seccomp", "landlock", "cgroups", "nftables", "address pool",
+                     "call helper"}, lines
+    assert all(line.startswith(("ok", "warn")) for line in lines[:-1]), result.stdout
+
+
+def test_doctor_says_what_is_missing_and_how_to_fix_it() -> None:
+    result = sandboxd("doctor", env={"PATH": "/usr/bin:/bin"}, timeout=120)   # no /usr/sbin: no nft
+    assert result.returncode == 1, result.stdout
+    assert "FAIL  nftables: the nft command is missing" in result.stdout
+    assert "fix: apt-get install nftables" in result.stdout
+
+
+def test_the_packaged_default_config_is_valid() -> None:
+    packaged = REPO / "packaging" / "sandboxd.toml"
+    assert config.load(str(packaged)).values == config.load(None).values
+    assert os.path.getsize(packaged) > 0
