@@ -94,6 +94,8 @@ KEYS: tuple[Key, ...] = (
     Key("state", "dir", "/var/lib/sandboxd", "the event store (audit log) and session metadata", _absolute),
     Key("approvals", "timeout_seconds", 300, "a call nobody approves within this is denied", _positive_seconds),
     Key("network", "dns", [], "resolvers for isolated networks; empty: the host's", _ipv4_list),
+    Key("metrics", "listen", "", "HOST:PORT of the Prometheus metrics listener (HTTP, /metrics); empty: none",
+        _text),
     Key("log", "format", "json", "json: one JSON object per line on stderr; text: plain lines", _one_of("json", "text")),
 )
 _BY_NAME = {key.dotted: key for key in KEYS}

@@ -111,3 +111,40 @@ def test_the_packaged_default_config_is_valid() -> None:
     packaged = REPO / "packaging" / "sandboxd.toml"
     assert config.load(str(packaged)).values == config.load(None).values
     assert os.path.getsize(packaged) > 0
+
+
+def test_metrics_report_real_counts() -> None:
+    import urllib.request
+
+    from daemon_helpers import Daemon, create_session, make_base_dir, remove_tree, rpc_error, run_exec
+    from sandboxd.v1 import sandboxd_pb2 as pb
+
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = make_base_dir("sbxd-metrics-")
+    d = Daemon(base, args=["--metrics", f"127.0.0.1:{port}"])
+    try:
+        d.start()
+        workspace = base / "ws"
+        workspace.mkdir()
+        session = create_session(d.stub, workspace, pb.SandboxPolicy(mode=pb.SandboxPolicy.READ_ONLY))
+        for _ in range(3):
+            assert run_exec(d.stub, session.id, ["echo", "twelve bytes"]).stdout == b"twelve bytes\n"
+        rpc_error(lambda: d.stub.WriteFile(pb.WriteFileRequest(session_id=session.id, path="x", data=b"x")))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line and not line.startswith("#")}
+        assert values['sandboxd_tool_calls_total{outcome="completed",tool="shell.exec"}'] == 3
+        assert values['sandboxd_tool_calls_total{outcome="denied_by_sandbox",tool="fs.write"}'] == 1
+        assert values['sandboxd_decisions_total{reason="sandbox_rejected",verdict="denied_by_sandbox"}'] == 1
+        assert values['sandboxd_decisions_total{reason="",verdict="allowed"}'] == 3
+        assert values["sandboxd_exec_duration_seconds_count"] == 3 and values["sandboxd_exec_queue_seconds_count"] == 3
+        assert values["sandboxd_output_bytes_total"] == 3 * len(b"twelve bytes\n")
+        assert values["sandboxd_sessions"] == 1 and values["sandboxd_running_calls"] == 0
+        assert values["sandboxd_event_store_events"] >= 1 + 3 * 3 + 1       # created, 3 x (granted, started, done), denied
+        lines = [line for line in d.log_lines() if line.get("msg") in ("decision", "tool call ended")]
+        assert lines and all(line.get("session_id") == session.id and line.get("call_id") for line in lines), lines
+    finally:
+        d.close()
+        remove_tree(base)

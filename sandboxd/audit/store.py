@@ -277,6 +277,11 @@ class EventStore:
             if subscription in self._subscribers:
                 self._subscribers.remove(subscription)
 
+    def last_id(self) -> int:
+        """The id of the newest event (the number of events: ids start at 1 and are never reused)."""
+        with self._lock:
+            return int(self._db.execute("SELECT COALESCE(MAX(id), 0) FROM events").fetchone()[0])
+
     def count(self) -> int:
         with self._lock:
             return int(self._db.execute("SELECT COUNT(*) FROM events").fetchone()[0])

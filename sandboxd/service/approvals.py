@@ -18,10 +18,11 @@ policy affects the next decision, not one already made.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from sandboxd._record import Record
 from sandboxd.audit.store import PERMISSION_NAMESPACE, EventStore, EventType
@@ -30,6 +31,10 @@ from sandboxd.policy.decision import Verdict, decide
 from sandboxd.policy.tools import Risk
 from sandboxd.service.sessions import Session
 
+if TYPE_CHECKING:
+    from sandboxd.service.metrics import Metrics
+
+log = logging.getLogger("sandboxd")
 ALLOW_ONCE, ALLOW_SESSION, DENY = "allow_once", "allow_session", "deny"
 DECISION_ALIASES = {
     "allow_once": ALLOW_ONCE, "allow": ALLOW_ONCE, "ok": ALLOW_ONCE, "approve": ALLOW_ONCE,
@@ -67,9 +72,10 @@ class Granted:
     ``failed`` comes first (a second is ignored)."""
 
     def __init__(self, store: EventStore, session_id: str, call_id: str, tool: str, granted_by: str = "policy",
-                 reason: str | None = None) -> None:
+                 reason: str | None = None, metrics: "Metrics | None" = None) -> None:
         self._store, self.session_id, self.call_id, self.tool = store, session_id, call_id, tool
         self.granted_by, self.reason = granted_by, reason
+        self._metrics = metrics
         self._ended = False
         self._lock = threading.Lock()
 
@@ -87,6 +93,11 @@ class Granted:
                 return
             self._ended = True
         self._store.append(self.session_id, kind, call_id=self.call_id, tool=self.tool, data=data)
+        outcome = "completed" if kind == EventType.TOOL_COMPLETED else "failed"
+        if self._metrics is not None:
+            self._metrics.calls.labels(self.tool, outcome).inc()
+        log.info("tool call ended", extra={"fields": {"session_id": self.session_id, "call_id": self.call_id,
+                                                       "tool": self.tool, "outcome": outcome}})
 
     def __enter__(self) -> "Granted":
         return self
@@ -106,9 +117,11 @@ class _Pending:
 
 
 class ApprovalGate:
-    def __init__(self, store: EventStore, *, timeout: float = DEFAULT_APPROVAL_TIMEOUT) -> None:
+    def __init__(self, store: EventStore, *, timeout: float = DEFAULT_APPROVAL_TIMEOUT,
+                 metrics: "Metrics | None" = None) -> None:
         self._store = store
         self.timeout = timeout
+        self._metrics = metrics
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, str], _Pending] = {}
         self._session_allowed: set[tuple[str, str]] = set()
@@ -122,6 +135,10 @@ class ApprovalGate:
         call_id = call_id or "call_" + secrets.token_hex(6)
         decision = decide(call.effect, call.tool, session.policy, session.approval, category=call.category,
                           untrusted_mcp=call.untrusted_mcp, rules=session.rules)
+        if self._metrics is not None:
+            self._metrics.decisions.labels(decision.verdict, decision.reason or "").inc()
+        log.info("decision", extra={"fields": {"session_id": session.id, "call_id": call_id, "tool": call.tool,
+                                               "verdict": decision.verdict, "reason": decision.reason}})
         base: dict[str, Any] = {"effect": call.effect or "unknown-command", "risk": call.risk,
                                 "summary": call.summary, "execution_context_id": call.execution_context_id}
         if call.note:
@@ -139,7 +156,7 @@ class ApprovalGate:
             (EventType.PERMISSION_GRANTED, call_id, call.tool, {**base, "by": granted_by, "reason": decision.reason}),
             (EventType.TOOL_STARTED, call_id, call.tool, {"arguments": call.arguments}),
         ])
-        return Granted(self._store, session.id, call_id, call.tool, granted_by, decision.reason)
+        return Granted(self._store, session.id, call_id, call.tool, granted_by, decision.reason, self._metrics)
 
     def _remembered(self, session: Session, tool: str) -> str | None:
         with self._lock:
@@ -177,6 +194,10 @@ class ApprovalGate:
     def _deny(self, session: Session, call_id: str, call: ToolCall, reason: str | None, by: str, detail: str,
               base: dict[str, Any]) -> None:
         error = PermissionDenied(call_id, call.tool, reason, by, detail)
+        if self._metrics is not None:
+            self._metrics.calls.labels(call.tool, f"denied_by_{by}").inc()
+        log.info("tool call denied", extra={"fields": {"session_id": session.id, "call_id": call_id,
+                                                        "tool": call.tool, "by": by, "reason": reason}})
         self._store.append(session.id, EventType.PERMISSION_DENIED, call_id=call_id, tool=call.tool,
                            data={**base, "reason": reason, "by": by, "detail": detail, "message": str(error)})
         raise error

@@ -56,7 +56,7 @@ DEFAULT_STATE_DIR = "/var/lib/sandboxd"
 def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, workers: int = 64,
           ready: "threading.Event | None" = None, tls: "TlsListener | None" = None,
           state_dir: str = DEFAULT_STATE_DIR, approval_timeout: float = 300.0, dns: tuple[str, ...] = (),
-          log_format: str = "json", config_path: str | None = None) -> int:
+          log_format: str = "json", config_path: str | None = None, metrics_listen: str = "") -> int:
     from sandboxd.supervisor.forkserver import ForkServer
     fork = ForkServer.start()                             # before gRPC's threads, and as a fresh process
 
@@ -94,11 +94,17 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
     store = EventStore(os.path.join(state_dir, "events.db"))
     registry = SessionRegistry(fork, store, admin_gid=admin_gid, dns=dns)
     resumed = registry.restore()
-    gate = ApprovalGate(store, timeout=approval_timeout)
+    from sandboxd.service.metrics import Metrics
+    metrics = Metrics()
+    registry.metrics = metrics
+    metrics.watch(sessions=lambda: len(registry.list(PeerCredentials(0, 0, 0))),
+                  running=lambda: sum(s.running_calls for s in registry.list(PeerCredentials(0, 0, 0))),
+                  events=store.last_id)
+    gate = ApprovalGate(store, timeout=approval_timeout, metrics=metrics)
     door = FrontDoor(socket_path, backend, relay_dir=os.path.join(private, "relay"), listener=activated)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandboxd-rpc"))
     callers = Callers(door, (tls.uid, tls.gid) if tls else None)
-    sandboxd_pb2_grpc.add_SandboxServicer_to_server(SandboxServicer(registry, fork, callers, gate), server)
+    sandboxd_pb2_grpc.add_SandboxServicer_to_server(SandboxServicer(registry, fork, callers, gate, metrics), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -112,6 +118,8 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
             raise OSError(f"cannot listen on {tls.address}")
     server.start()
     door.start()
+    if metrics_listen:
+        metrics.serve(metrics_listen)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("sandboxd.v1.Sandbox", health_pb2.HealthCheckResponse.SERVING)
 
@@ -122,7 +130,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
         signal.signal(signum, lambda received, _frame: stopping.append(received))
     log.info("serving", extra={"fields": {"socket": socket_path, "pid": os.getpid(),
                                           "tls": tls.address if tls else None, "event_store": store.path,
-                                          "config": config_path,
+                                          "config": config_path, "metrics": metrics_listen or None,
                                           "sessions_resumed": resumed}})
     if ready is not None:
         ready.set()

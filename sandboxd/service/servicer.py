@@ -3,7 +3,8 @@ registry and the fork server, and turns any error into a status (sandboxd.servic
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import grpc
 
@@ -18,6 +19,10 @@ from sandboxd.service.status import abort
 from sandboxd.supervisor.forkserver import ForkServer
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
+
+
+if TYPE_CHECKING:
+    from sandboxd.service.metrics import Metrics
 
 
 def session_to_proto(session: Session, closed_at: float = 0.0) -> pb.Session:
@@ -59,7 +64,8 @@ class Callers:
 
 class SandboxServicer(pb_grpc.SandboxServicer):
     def __init__(self, registry: SessionRegistry, fork: ForkServer, callers: "Callers | FrontDoor",
-                 gate: ApprovalGate) -> None:
+                 gate: ApprovalGate, metrics: "Metrics | None" = None) -> None:
+        self._metrics = metrics
         self._registry = registry
         self._fork = fork
         self._callers = callers if isinstance(callers, Callers) else Callers(callers)
@@ -208,6 +214,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
 
     def Exec(self, request_iterator: Iterator[pb.ExecRequest],
              context: grpc.ServicerContext) -> Iterator[pb.ExecResponse]:
+        received = time.monotonic()
         try:
             who = self._callers(context)
             first = next(request_iterator, None)
@@ -219,8 +226,15 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                                       cwd_inside(session.workspace, start.cwd), context_id=start.execution_context_id)
             with self._gate.authorize(session, call, still_wanted=context.is_active) as granted:
                 for response in exec_call.run(self._registry, self._fork, session, start, request_iterator, context):
-                    if response.HasField("result"):
+                    kind = response.WhichOneof("kind")
+                    if kind == "started_pid" and self._metrics is not None:
+                        self._metrics.queue_seconds.observe(time.monotonic() - received)
+                    elif kind in ("stdout", "stderr") and self._metrics is not None:
+                        self._metrics.output_bytes.inc(len(getattr(response, kind)))
+                    elif kind == "result":
                         granted.completed(exec_call.result_summary(response.result))
+                        if self._metrics is not None:
+                            self._metrics.exec_seconds.observe(time.monotonic() - received)
                     yield response
         except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
             abort(context, error)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from typing import Any
 import stat
 import threading
 import time
@@ -84,6 +85,7 @@ class SessionRegistry:
         self._fork = forkserver
         self.store = store
         self._dns = dns                                   # resolvers for isolated networks (default: the host's)
+        self.metrics: "Any" = None                        # service.metrics.Metrics, when the daemon has it
         self._admin_gid = admin_gid
         self._max = max_sessions
         self._lock = threading.Lock()
@@ -291,6 +293,8 @@ class SessionRegistry:
                 from sandboxd.supervisor.egress_proxy import EgressProxy, proxy_environment
 
                 def denied(destination: str, why: str) -> None:
+                    if self.metrics is not None:
+                        self.metrics.network_denials.inc()
                     self.store.append(session.id, EventType.PERMISSION_DENIED, tool="network", data={
                         "reason": "network_request", "by": "sandbox", "destination": destination, "detail": why,
                         "message": f"network: denied by the sandbox (network_request): {destination}: {why}"})

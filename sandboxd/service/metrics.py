@@ -1,0 +1,49 @@
+"""Prometheus metrics of the daemon (prometheus-client), served on an opt-in HTTP listener
+(``--metrics HOST:PORT``, ``metrics.listen`` in the configuration file).
+
+What is counted where: decisions and call outcomes in the approval gate, Exec latency, queue
+time and streamed bytes in the Exec handler, refusals of the egress proxy in the session
+registry; live sessions, running calls and the event store's size are read when scraped.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 15, 60, 300)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.calls = Counter("sandboxd_tool_calls", "Tool calls by tool and outcome (completed, failed, "
+                             "denied_by_sandbox, denied_by_user, denied_by_timeout, denied_by_cancelled)",
+                             ["tool", "outcome"], registry=r)
+        self.decisions = Counter("sandboxd_decisions", "Policy decisions by verdict and reason",
+                                 ["verdict", "reason"], registry=r)
+        self.exec_seconds = Histogram("sandboxd_exec_duration_seconds", "Exec, from the request to the result",
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_seconds = Histogram("sandboxd_exec_queue_seconds", "Exec, from the request to the command "
+                                       "running (decision, any approval wait, spawn)", buckets=LATENCY_BUCKETS,
+                                       registry=r)
+        self.output_bytes = Counter("sandboxd_output_bytes", "Bytes of stdout and stderr streamed to clients",
+                                    registry=r)
+        self.network_denials = Counter("sandboxd_network_denials", "Connections the egress proxy refused",
+                                       registry=r)
+        self._sessions = Gauge("sandboxd_sessions", "Open sessions", registry=r)
+        self._running = Gauge("sandboxd_running_calls", "Calls running now (commands and file tools)", registry=r)
+        self._events = Gauge("sandboxd_event_store_events", "Events in the event store", registry=r)
+
+    def watch(self, *, sessions: Callable[[], float], running: Callable[[], float], events: Callable[[], float]) -> None:
+        """Gauges read when scraped."""
+        self._sessions.set_function(sessions)
+        self._running.set_function(running)
+        self._events.set_function(events)
+
+    def serve(self, address: str) -> None:
+        """Start the HTTP listener (a thread of prometheus-client) on HOST:PORT."""
+        host, _, port = address.rpartition(":")
+        start_http_server(int(port), addr=host or "127.0.0.1", registry=self.registry)
