@@ -49,6 +49,11 @@ class SandboxClient:
         self._channel = grpc.insecure_channel(f"unix:{socket_path}")
         self.stub = pb_grpc.SandboxStub(self._channel)
 
+    @property
+    def channel(self) -> grpc.Channel:
+        """The channel, for the standard services (health, reflection)."""
+        return self._channel
+
     def __enter__(self) -> "SandboxClient":
         return self
 

@@ -102,3 +102,12 @@ def test_approvals_and_events_from_the_shell(base: Path, client: SandboxClient) 
     assert ctl(base, "rules", "remove", str(workspace), "fs.read").returncode == 0
     assert ctl(base, "rules", "remove", str(workspace), "fs.read").returncode == 2
     ctl(base, "session", "close", session_id)
+
+
+def test_status(base: Path, client: SandboxClient) -> None:
+    result = ctl(base, "status")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for expected in ("health: SERVING", "version: sandboxd ", "landlock: ABI ", "seccomp: user_notif",
+                     "cgroup.memory: ", "nftables: present", "call_helper: built", "sessions: "):
+        assert expected in out, out

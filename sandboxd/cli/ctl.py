@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("session_id")
     logs.add_argument("job_id")
     logs.add_argument("--follow", "-f", action="store_true")
+    commands.add_parser("status", help="the daemon: health, version, kernel features, counts")
     events = commands.add_parser("events", help="the audit log: past events, then live ones with --follow")
     events.add_argument("--session", default="", help="one session (default: every session you may see)")
     events.add_argument("--follow", "-f", action="store_true", help="keep printing new events as they happen")
@@ -213,7 +214,24 @@ def _run_policy_command(client: SandboxClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def _status(client: SandboxClient) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    status = client.stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+    print(f"health: {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}")
+    print(f"version: sandboxd {status.version} (pid {status.pid}, up "
+          f"{int(time.time() - status.started_at)} s)")
+    for name in sorted(status.features):
+        print(f"{name}: {status.features[name]}")
+    print(f"sessions: {status.sessions}  running calls: {status.running_calls}  "
+          f"pending approvals: {status.pending_approvals}  events: {status.events}")
+    return 0
+
+
 def _run(client: SandboxClient, args: argparse.Namespace) -> int:
+    if args.command == "status":
+        return _status(client)
     if args.command in ("events", "pending", "approve", "deny", "rules"):
         return _run_policy_command(client, args)
     if args.command == "exec":

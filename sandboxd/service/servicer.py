@@ -275,6 +275,10 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                           context: grpc.ServicerContext) -> pb.ListStandingRulesResponse:
         return self._unary(context, lambda who: self._audit.rules(who, request.workspace))
 
+    def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.DaemonStatus:
+        from sandboxd.service import daemon_status
+        return self._unary(context, lambda who: daemon_status.status(self._registry, self._gate, who))
+
     def RemoveStandingRule(self, request: pb.StandingRule,
                            context: grpc.ServicerContext) -> pb.RemoveStandingRuleResponse:
         return self._unary(context, lambda who: self._audit.remove_rule(who, request))

@@ -700,3 +700,34 @@ class RemoveStandingRuleResponse(_message.Message):
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     removed: bool
     def __init__(self, removed: _Optional[bool] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DaemonStatus(_message.Message):
+    __slots__ = ("version", "pid", "started_at", "features", "sessions", "running_calls", "pending_approvals", "events")
+    class FeaturesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_CALLS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_APPROVALS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    pid: int
+    started_at: float
+    features: _containers.ScalarMap[str, str]
+    sessions: int
+    running_calls: int
+    pending_approvals: int
+    events: int
+    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., started_at: _Optional[float] = ..., features: _Optional[_Mapping[str, str]] = ..., sessions: _Optional[int] = ..., running_calls: _Optional[int] = ..., pending_approvals: _Optional[int] = ..., events: _Optional[int] = ...) -> None: ...

@@ -159,6 +159,11 @@ class SandboxStub:
                 request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.StandingRule.SerializeToString,
                 response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.RemoveStandingRuleResponse.FromString,
                 _registered_method=True)
+        self.GetStatus = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/GetStatus',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.DaemonStatus.FromString,
+                _registered_method=True)
 
 
 class SandboxServicer:
@@ -341,6 +346,13 @@ class SandboxServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStatus(self, request, context):
+        """The daemon itself: version, the kernel features it found, counts (sandboxctl status).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SandboxServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -468,6 +480,11 @@ def add_SandboxServicer_to_server(servicer, server):
                     servicer.RemoveStandingRule,
                     request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.StandingRule.FromString,
                     response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.RemoveStandingRuleResponse.SerializeToString,
+            ),
+            'GetStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStatus,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.GetStatusRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.DaemonStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1145,6 +1162,33 @@ class Sandbox:
             '/sandboxd.v1.Sandbox/RemoveStandingRule',
             sandboxd_dot_v1_dot_sandboxd__pb2.StandingRule.SerializeToString,
             sandboxd_dot_v1_dot_sandboxd__pb2.RemoveStandingRuleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/GetStatus',
+            sandboxd_dot_v1_dot_sandboxd__pb2.GetStatusRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.DaemonStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,44 @@
+"""GetStatus: what the daemon is and what it found on this machine (sandboxctl status)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+from sandboxd import __version__
+from sandboxd.service.approvals import ApprovalGate
+from sandboxd.service.peercred import PeerCredentials
+from sandboxd.service.sessions import SessionRegistry
+from sandboxd.v1 import sandboxd_pb2 as pb
+
+STARTED_AT = time.time()
+
+
+def kernel_features() -> dict[str, str]:
+    """Detected once per call; each a short value people can read."""
+    from sandboxd.kernel import cgroups, landlock
+    from sandboxd.launcher.native_call import helper_path
+
+    try:
+        with open("/proc/sys/kernel/seccomp/actions_avail") as f:
+            seccomp = "user_notif" if "user_notif" in f.read().split() else "filters only"
+    except OSError:
+        seccomp = "missing"
+    h = cgroups.detect()
+    features = {"namespaces": "mount, pid, ipc, uts, cgroup, net", "seccomp": seccomp,
+                "landlock": f"ABI {landlock.abi_version()}" if landlock.abi_version() else "missing",
+                "nftables": "present" if shutil.which("nft") else "missing (no isolated networks)",
+                "call_helper": "built" if helper_path() else "missing (Python call path)"}
+    for controller in ("memory", "pids"):
+        features[f"cgroup.{controller}"] = ("v2" if controller in h.unified_controllers
+                                            else "v1" if controller in h.v1 else "missing")
+    return features
+
+
+def status(registry: SessionRegistry, gate: ApprovalGate, who: PeerCredentials) -> pb.DaemonStatus:
+    sessions = registry.list(who)
+    return pb.DaemonStatus(version=__version__, pid=os.getpid(), started_at=STARTED_AT, features=kernel_features(),
+                           sessions=len(sessions), running_calls=sum(s.running_calls for s in sessions),
+                           pending_approvals=sum(len(gate.pending(s.id)) for s in sessions),
+                           events=registry.store.last_id())
