@@ -5,6 +5,7 @@
 #                                                 /run/sandboxd/sandboxd.sock) in the foreground
 #   packaging/setup.sh run [-- PROGRAM ARGS...]   install, then run PROGRAM in the default sandbox
 #   packaging/setup.sh test [PYTEST ARGS...]      install (with test tools), then run the test suite
+#   packaging/setup.sh install                    install only (the container image's build step)
 #
 # Installs only what is missing: the Debian packages below, then a virtualenv in
 # .venv with sandboxd and its Python dependencies. Safe to run again.
@@ -32,7 +33,7 @@ fi
 die() { echo "setup.sh: $*" >&2; exit 1; }
 
 [ "$(id -u)" = 0 ] || die "run as root: sandboxd needs CAP_SYS_ADMIN to build namespaces and mounts"
-case "$mode" in serve|run|test) ;; *) die "usage: packaging/setup.sh serve [ARGS...] | run [-- PROGRAM ARGS...] | test [PYTEST ARGS...]";; esac
+case "$mode" in serve|run|test|install) ;; *) die "usage: packaging/setup.sh serve [ARGS...] | run [-- PROGRAM ARGS...] | test [PYTEST ARGS...] | install";; esac
 
 missing=()
 for p in "${packages[@]}"; do
@@ -86,5 +87,8 @@ case "$mode" in
     ;;
   test)
     exec "$venv/bin/python" -m pytest "$@"
+    ;;
+  install)
+    echo "setup.sh: installed; the daemon: $venv/bin/sandboxd serve" >&2
     ;;
 esac

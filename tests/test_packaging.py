@@ -1,0 +1,122 @@
+"""Packaging that cannot run here (a container image, Kubernetes manifests, a GitHub action) is
+checked statically; the CI-runner recipe runs for real."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import BASE_ENV, PY, REPO, SANDBOXD
+
+pytestmark = pytest.mark.timeout(120)
+PACKAGING = REPO / "packaging"
+
+
+def test_the_image_runs_what_the_readme_runs() -> None:
+    recipe = (PACKAGING / "container" / "Containerfile").read_text()
+    lines = [line for line in recipe.splitlines() if line and not line.startswith("#")]
+    assert lines[0].startswith("FROM debian:")
+    assert "RUN /opt/sandboxd/packaging/setup.sh install" in recipe           # the README's own set-up
+    entry = json.loads(next(line for line in lines if line.startswith("ENTRYPOINT")).split(None, 1)[1])
+    assert entry == ["/opt/sandboxd/.venv/bin/sandboxd", "serve"]
+    setup = (PACKAGING / "setup.sh").read_text()
+    assert 'exec "$venv/bin/sandboxd" serve "$@"' in setup                     # what `setup.sh serve` runs
+    assert 'venv="$repo/.venv"' in setup and "--privileged" in recipe
+
+
+def test_setup_install_mode_installs_and_runs_nothing() -> None:
+    result = subprocess.run([str(PACKAGING / "setup.sh"), "install"], capture_output=True, text=True, timeout=600,
+                            env={**BASE_ENV})
+    assert result.returncode == 0, result.stderr
+    assert "installed; the daemon:" in result.stderr
+
+
+def load_yaml(path: Path) -> list[dict]:  # type: ignore[type-arg]
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def test_the_daemonset() -> None:
+    (ds,) = load_yaml(PACKAGING / "kubernetes" / "daemonset.yaml")
+    assert (ds["apiVersion"], ds["kind"]) == ("apps/v1", "DaemonSet")
+    pod = ds["spec"]["template"]
+    assert ds["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    (container,) = pod["spec"]["containers"]
+    assert container["securityContext"]["privileged"] is True and container["resources"]["requests"]
+    assert "--metrics" in container["args"]
+    port = container["args"][container["args"].index("--metrics") + 1].rsplit(":", 1)[1]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == port
+    probe = container["livenessProbe"]["exec"]["command"]
+    assert probe[0].endswith("sandboxctl") and probe[-1] == "status"
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert mounts["socket"] == "/run/sandboxd" and volumes["socket"]["hostPath"]["path"] == "/run/sandboxd"
+    # The arguments are ones the daemon accepts.
+    from sandboxd.cli.serve import parser
+    parser().parse_args(container["args"])
+
+
+def test_the_agent_sandbox_template() -> None:
+    (template,) = load_yaml(PACKAGING / "kubernetes" / "agent-sandbox-template.yaml")
+    assert (template["apiVersion"], template["kind"]) == ("extensions.agents.x-k8s.io/v1alpha1", "SandboxTemplate")
+    containers = {c["name"]: c for c in template["spec"]["podTemplate"]["spec"]["containers"]}
+    sidecar, agent = containers["sandboxd"], containers["agent"]
+    socket_dir = {m["mountPath"] for m in sidecar["volumeMounts"]} & {m["mountPath"] for m in agent["volumeMounts"]}
+    assert "/run/sandboxd" in socket_dir and "/workspace" in socket_dir       # the agent reaches the socket
+    assert {"name": "SANDBOXD_SOCKET", "value": "/run/sandboxd/sandboxd.sock"} in agent["env"]
+    from sandboxd.cli.serve import parser
+    parser().parse_args(sidecar["args"])
+
+
+def test_the_github_action_runs_the_recipe() -> None:
+    (action,) = load_yaml(PACKAGING / "github-action" / "action.yml")
+    assert action["runs"]["using"] == "composite" and set(action["inputs"]) == {"run", "build-dir", "allow-domains"}
+    scripts = " ".join(step["run"] for step in action["runs"]["steps"])
+    assert "setup.sh\" install" in scripts and "ci/sandboxed-step" in scripts
+
+
+@pytest.fixture
+def checkout(base_dir: Path) -> Path:
+    path = base_dir / "checkout"
+    (path / "src").mkdir(parents=True)
+    (path / "src" / "main.txt").write_text("source\n")
+    return path
+
+
+def step(checkout: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(PACKAGING / "ci" / "sandboxed-step"), *args], cwd=checkout, capture_output=True,
+                          text=True, timeout=120, env={**BASE_ENV, "SANDBOXD": SANDBOXD})
+
+
+def test_a_ci_step_writes_only_its_build_directory(checkout: Path) -> None:
+    result = step(checkout, "--", "/bin/sh", "-c",
+                  "cp src/main.txt build/out.txt && echo built; echo x > src/main.txt; echo src=$?; "
+                  "echo x > /tmp/scratch && echo tmp-ok")
+    assert result.returncode == 0, result.stderr
+    assert "built" in result.stdout and "tmp-ok" in result.stdout
+    assert "src=" in result.stdout and "src=0" not in result.stdout                  # the write to src/ failed
+    assert (checkout / "build" / "out.txt").read_text() == "source\n"
+    assert (checkout / "src" / "main.txt").read_text() == "source\n"               # the checkout stayed as it was
+
+
+def test_a_ci_step_has_no_network_unless_registries_are_named(checkout: Path) -> None:
+    probe = ("import os, socket\n"
+             "try:\n    socket.create_connection(('198.51.100.1', 80), timeout=2); print('connected')\n"
+             "except OSError as e:\n    print(type(e).__name__)\n"
+             "print('proxy=' + os.environ.get('HTTPS_PROXY', ''))")
+    offline = step(checkout, "--", PY, "-c", probe)
+    assert offline.returncode == 0 and "connected" not in offline.stdout and "proxy=\n" in offline.stdout + "\n"
+    registry = step(checkout, "--allow-domain", "pypi.org", "--", PY, "-c", probe)
+    assert registry.returncode == 0, registry.stderr
+    assert "connected" not in registry.stdout and "proxy=http://10.233." in registry.stdout  # only the proxy is a way out
+
+
+def test_a_bad_recipe_call_says_what_to_fix(checkout: Path) -> None:
+    result = step(checkout, "--sideways")
+    assert result.returncode == 125 and "unknown option --sideways" in result.stderr
+    assert os.path.isdir(checkout)
