@@ -1,4 +1,4 @@
-"""The Debian package: built from this tree, installed on this machine, the installed daemon
+"""The Debian package: built from this tree, installed on this machine (apt-get install ./deb, as the README says), the installed daemon
 started (as the unit would, minus systemd: this machine's PID 1 is not systemd) and asked for
 its health, then the package removed again, leaving nothing behind."""
 
@@ -34,7 +34,9 @@ def test_the_package_builds_installs_starts_and_goes(tmp_path: Path) -> None:
     base = make_base_dir("sbxd-deb-")
     daemon = None
     try:
-        install = subprocess.run(["dpkg", "-i", str(deb)], capture_output=True, text=True, timeout=600, env=BASE_ENV)
+        # As the README says (apt resolves the dependencies; here they are installed already).
+        install = subprocess.run(["apt-get", "install", "-y", str(deb)], capture_output=True,
+                                 text=True, timeout=600, env={**BASE_ENV, "DEBIAN_FRONTEND": "noninteractive"})
         assert install.returncode == 0, install.stdout + install.stderr
         assert os.path.realpath("/usr/bin/sandboxd") == "/opt/sandboxd/venv/bin/sandboxd"
         assert subprocess.run(["/usr/bin/sandboxd", "version"], capture_output=True, text=True).stdout.startswith(
