@@ -73,6 +73,40 @@ def _ipv4_list(value: object) -> str | None:
     return None
 
 
+def _boolean(value: object) -> str | None:
+    return None if isinstance(value, bool) else f"must be true or false, not {value!r}"
+
+
+def _seconds_or_zero(value: object) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        return f"must be a number of seconds (0: none), not {value!r}"
+    return None
+
+
+def _size_or_empty(value: object) -> str | None:
+    from sandboxd.policy import parse_size
+
+    if value == "":
+        return None
+    try:
+        parse_size(str(value), "size")
+    except InvalidPolicy:
+        return f"must be a size like 512M or 2G (empty: none), not {value!r}"
+    return None
+
+
+def _cidr(value: object) -> str | None:
+    import ipaddress
+
+    try:
+        network = ipaddress.ip_network(str(value))
+    except ValueError:
+        return f"must be an IPv4 network like 10.233.0.0/16, not {value!r}"
+    if network.version != 4 or network.prefixlen > 29:
+        return "must be an IPv4 network of /29 or larger (each sandbox takes a /30)"
+    return None
+
+
 def _one_of(*choices: str) -> "Callable[[object], str | None]":
     def check(value: object) -> str | None:
         return None if value in choices else f"must be one of {', '.join(choices)}, not {value!r}"
@@ -94,6 +128,15 @@ KEYS: tuple[Key, ...] = (
     Key("state", "dir", "/var/lib/sandboxd", "the event store (audit log) and session metadata", _absolute),
     Key("approvals", "timeout_seconds", 300, "a call nobody approves within this is denied", _positive_seconds),
     Key("network", "dns", [], "resolvers for isolated networks; empty: the host's", _ipv4_list),
+    Key("network", "pool", "10.233.0.0/16", "addresses of isolated networks, a /30 per sandbox", _cidr),
+    Key("defaults", "sandbox_policy", "workspace-write", "the sandbox of a session that does not ask for one",
+        _one_of("read-only", "workspace-write")),
+    Key("defaults", "network_access", False, "network access of such a session (isolated)", _boolean),
+    Key("defaults", "approval_policy", "on-request", "the approval policy of a session that does not ask for one",
+        _one_of("never", "on-request", "always")),
+    Key("defaults", "timeout_seconds", 0, "per-call timeout of sessions that set none; 0: none", _seconds_or_zero),
+    Key("defaults", "memory", "", "memory limit of sessions that set none (512M, 2G); empty: none", _size_or_empty),
+    Key("defaults", "pids", 0, "process limit of sessions that set none; 0: none", _whole(0, 1 << 22)),
     Key("metrics", "listen", "", "HOST:PORT of the Prometheus metrics listener (HTTP, /metrics); empty: none",
         _text),
     Key("log", "format", "json", "json: one JSON object per line on stderr; text: plain lines", _one_of("json", "text")),
@@ -159,6 +202,7 @@ def defaults_file() -> str:
             section = key.section
             lines += ([""] if len(lines) > 2 else []) + [f"[{section}]"]
         value = key.default
-        rendered = "[]" if value == [] else (f'"{value}"' if isinstance(value, str) else str(value))
+        rendered = ("[]" if value == [] else f'"{value}"' if isinstance(value, str)
+                    else str(value).lower() if isinstance(value, bool) else str(value))
         lines += [f"# {key.doc}", f"{key.name} = {rendered}"]
     return "\n".join(lines) + "\n"

@@ -148,3 +148,34 @@ def test_metrics_report_real_counts() -> None:
     finally:
         d.close()
         remove_tree(base)
+
+
+def test_session_defaults_come_from_the_file() -> None:
+    from daemon_helpers import Daemon, make_base_dir, remove_tree
+    from sandboxd.v1 import sandboxd_pb2 as pb
+
+    base = make_base_dir("sbxd-defaults-")
+    path = base / "sandboxd.toml"
+    path.write_text('[defaults]\nsandbox_policy = "read-only"\napproval_policy = "never"\ntimeout_seconds = 7\n'
+                    'pids = 64\n[network]\npool = "10.234.0.0/24"\n')
+    d = Daemon(base, args=["--config", str(path)])
+    try:
+        d.start()
+        workspace = base / "ws"
+        workspace.mkdir()
+        bare = d.stub.CreateSession(pb.CreateSessionRequest(workspace=str(workspace)))
+        assert bare.sandbox_policy.mode == pb.SandboxPolicy.READ_ONLY and bare.approval_policy == pb.NEVER
+        assert bare.limits.timeout_seconds == 7 and bare.limits.pids == 64
+        asked = d.stub.CreateSession(pb.CreateSessionRequest(
+            workspace=str(workspace), approval_policy=pb.ALWAYS, limits=pb.Limits(timeout_seconds=3),
+            sandbox_policy=pb.SandboxPolicy(mode=pb.SandboxPolicy.WORKSPACE_WRITE, network_access=True)))
+        assert asked.sandbox_policy.mode == pb.SandboxPolicy.WORKSPACE_WRITE and asked.approval_policy == pb.ALWAYS
+        assert asked.limits.timeout_seconds == 3
+        # The isolated network takes its address from the configured pool.
+        from daemon_helpers import run_exec
+        d.stub.UpdateSessionPolicy(pb.UpdateSessionPolicyRequest(session_id=asked.id, approval_policy=pb.NEVER))
+        routes = run_exec(d.stub, asked.id, ["cat", "/proc/net/fib_trie"]).stdout.decode()
+        assert "10.234.0.2" in routes, routes[:500]
+    finally:
+        d.close()
+        remove_tree(base)

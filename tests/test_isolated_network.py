@@ -556,7 +556,7 @@ def test_only_sandboxes_with_allowed_domains_reach_the_proxy_port(world: World, 
 def test_stale_proxy_access_is_swept() -> None:
     from sandboxd.kernel import nftables
 
-    nftables.ensure_table(kernel_netns.DEFAULT_POOL, [])
+    nftables.ensure_table([])
     nftables.allow_proxy("10.233.255.254", True)                   # no link has 10.233.255.253
     assert "10.233.255.254" in nftables.proxied_addresses()
     kernel_netns.sweep_stale()

@@ -59,6 +59,7 @@ def settings(argv: list[str]) -> dict[str, object]:
         if given is not None:
             values[flag] = given
     values["config_path"] = loaded.path
+    values["config"] = loaded
     return values
 
 
@@ -103,9 +104,20 @@ def main(argv: list[str]) -> int:
     except SandboxdError as exc:
         sys.stderr.write(f"sandboxd serve: {exc}\n")
         return 2
+    from sandboxd.policy import parse_size
+    from sandboxd.service.convert import SessionDefaults
     from sandboxd.service.server import serve
+
+    loaded = values["config"]
+    defaults = SessionDefaults(
+        sandbox=loaded["defaults.sandbox_policy"], network_access=loaded["defaults.network_access"],  # type: ignore[index]
+        approval=loaded["defaults.approval_policy"],  # type: ignore[index]
+        timeout_seconds=float(loaded["defaults.timeout_seconds"]) or None,  # type: ignore[index]
+        memory_bytes=parse_size(loaded["defaults.memory"], "defaults.memory") if loaded["defaults.memory"] else None,  # type: ignore[index]
+        pids=int(loaded["defaults.pids"]) or None)  # type: ignore[index]
     return serve(str(values["socket"]), admin_gid=admin_gid, workers=int(values["workers"]),  # type: ignore[call-overload]
                  tls=listener, state_dir=str(values["state_dir"]),
                  approval_timeout=float(values["approval_timeout"]), dns=dns,  # type: ignore[arg-type]
                  log_format=str(values["log_format"]), config_path=values["config_path"],  # type: ignore[arg-type]
-                 metrics_listen=str(values["metrics"] or ""))
+                 metrics_listen=str(values["metrics"] or ""), session_defaults=defaults,
+                 network_pool=loaded["network.pool"])  # type: ignore[index]

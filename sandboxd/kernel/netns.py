@@ -115,7 +115,7 @@ def create_isolated(*, pool: str = DEFAULT_POOL, resolvers: "list[str] | None" =
     host_link = ""
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)                 # pool allocation and table creation, machine-wide
-        nftables.ensure_table(str(network), resolvers)
+        nftables.ensure_table(resolvers)
         block = _free_block(network)
         host_address, sandbox_address = str(block[1]), str(block[2])
         _counter += 1

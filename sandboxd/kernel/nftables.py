@@ -33,16 +33,24 @@ BLOCKED_RANGES = ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "16
                   "192.0.0.0/24", "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/4", "240.0.0.0/4")
 
 
-def ruleset(pool: str) -> str:
+# Bumped whenever the ruleset changes: a table without this comment is replaced.
+RULESET_VERSION = "sandboxd ruleset 3"
+
+
+def ruleset() -> str:
+    """The one table. It depends on no address pool: sandboxes are known by their links' names
+    (and the proxy's clients by the ``proxied`` set), so daemons and one-shot runs with different
+    pools share it."""
     sbx = f'"{INTERFACE_PATTERN}"'
     return f"""
 table inet {TABLE} {{
+  comment "{RULESET_VERSION}"
   set resolvers {{ type ipv4_addr; }}
   set proxied {{ type ipv4_addr; }}
   chain to_host {{
     type filter hook input priority -10; policy accept;
     iifname {sbx} ct state established,related accept
-    iifname {sbx} ip saddr @proxied ip daddr {pool} tcp dport {PROXY_PORT} accept
+    iifname {sbx} ip saddr @proxied tcp dport {PROXY_PORT} accept
     iifname {sbx} drop
   }}
   chain through_host {{
@@ -57,7 +65,7 @@ table inet {TABLE} {{
   }}
   chain out_of_host {{
     type nat hook postrouting priority 100; policy accept;
-    ip saddr {pool} oifname != {sbx} masquerade
+    iifname {sbx} oifname != {sbx} masquerade
   }}
 }}
 """
@@ -87,14 +95,14 @@ def table_exists() -> bool:
     return _listing() is not None
 
 
-def ensure_table(pool: str, resolvers: "list[str] | tuple[str, ...]") -> None:
+def ensure_table(resolvers: "list[str] | tuple[str, ...]") -> None:
     """Create the table if it is missing or from an older sandboxd (callers hold the network
     lock; the replacement is one nft transaction, so no packet sees the table half-made), and
     make sure ``resolvers`` are in its resolver set."""
     current = _listing()
-    if current is None or "@proxied" not in current:
+    if current is None or RULESET_VERSION not in current:
         replace = f"add table inet {TABLE}\ndelete table inet {TABLE}\n" if current is not None else ""
-        _nft(replace + ruleset(pool), "create nftables table")
+        _nft(replace + ruleset(), "create nftables table")
     if resolvers:
         _nft(f"add element inet {TABLE} resolvers {{ {', '.join(resolvers)} }}\n", "allow resolvers")
 

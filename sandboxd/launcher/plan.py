@@ -31,6 +31,7 @@ class LaunchPlan(Record):
     brokers_connect: bool               # the filter hands connect() to init (see connect_broker)
     tool: dict[str, object] | None = None  # a file tool to run in the sandbox instead of exec'ing argv
     dns: tuple[str, ...] = ()
+    network_pool: str = ""
     allowed_unix_sockets: tuple[str, ...] = ()     # host socket files connect() may reach (connect_broker)
     allowed_hosts: tuple[str, ...] = ()            # the isolated network's egress allowlist
     allowed_domains: tuple[str, ...] = ()          # ... and its names, through the egress proxy
@@ -58,6 +59,7 @@ def prepare(spec: LaunchSpec) -> LaunchPlan:
     return LaunchPlan(
         argv=spec.argv, env=dict(spec.env), cwd=resolved.cwd, workspace=resolved.workspace,
         confined=confined, network=network, network_isolated=isolated, dns=tuple(spec.dns),
+        network_pool=spec.network_pool,
         allowed_unix_sockets=tuple(getattr(policy, "allowed_unix_sockets", ())),
         allowed_hosts=tuple(getattr(policy, "allowed_hosts", ())),
         allowed_domains=tuple(getattr(policy, "allowed_domains", ())),

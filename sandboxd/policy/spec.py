@@ -24,6 +24,7 @@ class LaunchSpec(Record):
     limits: Limits = Factory(Limits)
     user: tuple[int, int] | None = None
     dns: tuple[str, ...] = ()           # resolvers for an isolated network (default: the host's)
+    network_pool: str = ""              # its addresses (default: kernel.netns.DEFAULT_POOL)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "argv", tuple(self.argv))
@@ -79,7 +80,7 @@ def spec_to_dict(spec: LaunchSpec) -> dict[str, object]:
         "policy": policy_to_dict(spec.policy),
         "limits": spec.limits.as_dict(),
         "user": list(spec.user) if spec.user else None,
-        "dns": list(spec.dns),
+        "dns": list(spec.dns), "network_pool": spec.network_pool,
     }
 
 
@@ -91,7 +92,8 @@ def spec_from_dict(data: dict[str, object]) -> LaunchSpec:
                           env=dict(data.get("env") or {}), cwd=data.get("cwd"),  # type: ignore[arg-type]
                           policy=policy, limits=Limits(**dict(data.get("limits") or {})),  # type: ignore[arg-type]
                           user=(int(user[0]), int(user[1])) if user else None,  # type: ignore[index]
-                          dns=tuple(str(ip) for ip in data.get("dns") or ()))  # type: ignore[attr-defined]
+                          dns=tuple(str(ip) for ip in data.get("dns") or ()),  # type: ignore[attr-defined]
+                          network_pool=str(data.get("network_pool") or ""))
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, InvalidPolicy):
             raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy import DEFAULT_PROTECTED_SUBPATHS, Limits, SandboxPolicy, policy_from_name
 from sandboxd.policy.decision import PermissionMode, ToolRules, axes_for
@@ -18,15 +19,30 @@ APPROVAL_NAMES = {pb.NEVER: "never", pb.ON_REQUEST: "on-request", pb.ALWAYS: "al
 _APPROVALS = {"never": pb.NEVER, "on-request": pb.ON_REQUEST, "always": pb.ALWAYS}
 
 
-def policy_from_proto(message: pb.SandboxPolicy) -> SandboxPolicy:
+class SessionDefaults(Record):
+    """What a CreateSession that leaves something unset gets (the daemon's `defaults` settings)."""
+
+    sandbox: str = "workspace-write"
+    network_access: bool = False
+    approval: str = "on-request"
+    timeout_seconds: float | None = None
+    memory_bytes: int | None = None
+    pids: int | None = None
+
+
+def policy_from_proto(message: pb.SandboxPolicy, defaults: SessionDefaults | None = None) -> SandboxPolicy:
     name = _MODE_NAMES.get(message.mode)
+    network = message.network_access
+    if message.mode == pb.SandboxPolicy.MODE_UNSPECIFIED and defaults is not None:
+        name = defaults.sandbox
+        network = network or (defaults.network_access and name == "workspace-write")
     if name is None:
         raise InvalidPolicy(f"unknown sandbox policy mode {message.mode}: use READ_ONLY, WORKSPACE_WRITE "
                             "or DANGER_FULL_ACCESS")
     protected = tuple(message.protected_subpaths)
     if not message.no_default_protected_subpaths:
         protected = tuple(dict.fromkeys(DEFAULT_PROTECTED_SUBPATHS + protected))
-    return policy_from_name(name, network_access=message.network_access,
+    return policy_from_name(name, network_access=network,
                             writable_roots=list(message.writable_roots), protected_subpaths=protected,
                             network_mode=message.network_mode or "isolated",
                             allowed_unix_sockets=list(message.allowed_unix_sockets),
@@ -56,11 +72,13 @@ def approval_to_proto(name: str) -> int:
     return _APPROVALS[name]
 
 
-def limits_from_proto(message: pb.Limits) -> Limits:
+def limits_from_proto(message: pb.Limits, defaults: SessionDefaults | None = None) -> Limits:
     def positive(value: float) -> float | None:
         return value if value > 0 else None
-    return Limits(timeout_seconds=positive(message.timeout_seconds),
-                  memory_bytes=int(message.memory_bytes) or None, pids=int(message.pids) or None,
+    defaults = defaults or SessionDefaults()
+    return Limits(timeout_seconds=positive(message.timeout_seconds) or defaults.timeout_seconds,
+                  memory_bytes=int(message.memory_bytes) or defaults.memory_bytes,
+                  pids=int(message.pids) or defaults.pids,
                   cpu_seconds=int(message.cpu_seconds) or None, open_files=int(message.open_files) or None,
                   tmp_size_bytes=int(message.tmp_size_bytes) or DEFAULT_TMP_SIZE)
 
@@ -71,7 +89,8 @@ def limits_to_proto(limits: Limits) -> pb.Limits:
                      tmp_size_bytes=limits.tmp_size_bytes)
 
 
-def axes_from_create_request(request: pb.CreateSessionRequest) -> tuple[SandboxPolicy, str, ToolRules]:
+def axes_from_create_request(request: pb.CreateSessionRequest,
+                             defaults: SessionDefaults | None = None) -> tuple[SandboxPolicy, str, ToolRules]:
     """The two axes (and a permission mode's tool rules) a CreateSession asks for. Single-axis
     clients send permission_mode, or the older allow_shell / allow_file_write, which win when
     both styles are sent (a missing one of the two counts as false)."""
@@ -80,4 +99,6 @@ def axes_from_create_request(request: pb.CreateSessionRequest) -> tuple[SandboxP
         mode = (PermissionMode.from_legacy(request.allow_shell, request.allow_file_write) if legacy
                 else PermissionMode.parse(request.permission_mode))
         return axes_for(mode, network_access=request.sandbox_policy.network_access)
-    return policy_from_proto(request.sandbox_policy), approval_from_proto(request.approval_policy), ToolRules()
+    approval = (defaults.approval if defaults is not None and request.approval_policy == pb.APPROVAL_POLICY_UNSPECIFIED
+                else approval_from_proto(request.approval_policy))
+    return policy_from_proto(request.sandbox_policy, defaults), approval, ToolRules()

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from concurrent import futures
+from typing import Any
 
 DEFAULT_SOCKET = "/run/sandboxd/sandboxd.sock"
 
@@ -53,12 +54,42 @@ class TlsListener:
 DEFAULT_STATE_DIR = "/var/lib/sandboxd"
 
 
+def _self_test(fork: "Any") -> str | None:
+    """Launch `true` in a read-only sandbox through the fork server: the whole set-up sequence
+    (namespaces, mounts, pivot_root, privileges, Landlock, seccomp). The problem, or None."""
+    import tempfile
+
+    from sandboxd.errors import SandboxdError
+    from sandboxd.policy import LaunchSpec, ReadOnly
+
+    workspace = tempfile.mkdtemp(prefix="sandboxd-selftest-", dir="/var/tmp")
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        call = fork.launch(LaunchSpec(argv=("true",), workspace=workspace, policy=ReadOnly(),
+                                      env={"PATH": "/usr/bin:/bin"}), (null, null, null))
+        info = fork.wait(call)
+        return None if info.exit_code == 0 else f"`true` in a sandbox ended with status {info.shell_status}"
+    except SandboxdError as exc:
+        return str(exc)
+    finally:
+        os.close(null)
+        os.rmdir(workspace)
+
+
 def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, workers: int = 64,
           ready: "threading.Event | None" = None, tls: "TlsListener | None" = None,
           state_dir: str = DEFAULT_STATE_DIR, approval_timeout: float = 300.0, dns: tuple[str, ...] = (),
-          log_format: str = "json", config_path: str | None = None, metrics_listen: str = "") -> int:
+          log_format: str = "json", config_path: str | None = None, metrics_listen: str = "",
+          session_defaults: "object | None" = None, network_pool: str = "") -> int:
     from sandboxd.supervisor.forkserver import ForkServer
     fork = ForkServer.start()                             # before gRPC's threads, and as a fresh process
+    problem = _self_test(fork)
+    if problem is not None:
+        # Refuse to start rather than serve sessions the kernel cannot enforce.
+        sys.stderr.write(f"sandboxd serve: this machine cannot build a sandbox: {problem}\n"
+                         "  (sandboxd doctor says what is missing and how to fix it)\n")
+        fork.close()
+        return 1
 
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -92,7 +123,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
 
     # The audit log and session metadata: opened (and migrated) before anything is served.
     store = EventStore(os.path.join(state_dir, "events.db"))
-    registry = SessionRegistry(fork, store, admin_gid=admin_gid, dns=dns)
+    registry = SessionRegistry(fork, store, admin_gid=admin_gid, dns=dns, network_pool=network_pool)
     resumed = registry.restore()
     from sandboxd.service.metrics import Metrics
     metrics = Metrics()
@@ -104,7 +135,8 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
     door = FrontDoor(socket_path, backend, relay_dir=os.path.join(private, "relay"), listener=activated)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandboxd-rpc"))
     callers = Callers(door, (tls.uid, tls.gid) if tls else None)
-    sandboxd_pb2_grpc.add_SandboxServicer_to_server(SandboxServicer(registry, fork, callers, gate, metrics), server)
+    sandboxd_pb2_grpc.add_SandboxServicer_to_server(
+        SandboxServicer(registry, fork, callers, gate, metrics, session_defaults), server)  # type: ignore[arg-type]
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

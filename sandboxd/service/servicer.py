@@ -64,8 +64,10 @@ class Callers:
 
 class SandboxServicer(pb_grpc.SandboxServicer):
     def __init__(self, registry: SessionRegistry, fork: ForkServer, callers: "Callers | FrontDoor",
-                 gate: ApprovalGate, metrics: "Metrics | None" = None) -> None:
+                 gate: ApprovalGate, metrics: "Metrics | None" = None,
+                 defaults: "convert.SessionDefaults | None" = None) -> None:
         self._metrics = metrics
+        self._defaults = defaults or convert.SessionDefaults()
         self._registry = registry
         self._fork = fork
         self._callers = callers if isinstance(callers, Callers) else Callers(callers)
@@ -87,9 +89,10 @@ class SandboxServicer(pb_grpc.SandboxServicer):
 
     def CreateSession(self, request: pb.CreateSessionRequest, context: grpc.ServicerContext) -> pb.Session:
         def work(who: PeerCredentials) -> pb.Session:
-            policy, approval, rules = convert.axes_from_create_request(request)
+            policy, approval, rules = convert.axes_from_create_request(request, self._defaults)
             session = self._registry.create(who, request.workspace, policy, approval,
-                                            convert.limits_from_proto(request.limits), dict(request.labels), rules)
+                                            convert.limits_from_proto(request.limits, self._defaults),
+                                            dict(request.labels), rules)
             return session_to_proto(session)
         return self._unary(context, work)
 

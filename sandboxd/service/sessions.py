@@ -81,10 +81,11 @@ def rules_from_dict(data: dict[str, object]) -> ToolRules:
 
 class SessionRegistry:
     def __init__(self, forkserver: ForkServer, store: EventStore, *, admin_gid: int | None = None,
-                 max_sessions: int = 10000, dns: tuple[str, ...] = ()) -> None:
+                 max_sessions: int = 10000, dns: tuple[str, ...] = (), network_pool: str = "") -> None:
         self._fork = forkserver
         self.store = store
         self._dns = dns                                   # resolvers for isolated networks (default: the host's)
+        self._network_pool = network_pool                 # addresses of isolated networks (default: netns's)
         self.metrics: "Any" = None                        # service.metrics.Metrics, when the daemon has it
         self._admin_gid = admin_gid
         self._max = max_sessions
@@ -325,7 +326,8 @@ class SessionRegistry:
 
     def _spec(self, session: Session, policy: SandboxPolicy) -> LaunchSpec:
         return LaunchSpec(argv=SESSION_PLACEHOLDER_ARGV, workspace=session.workspace, policy=policy,
-                          limits=session.limits, user=(session.owner.uid, session.owner.gid), dns=self._dns)
+                          limits=session.limits, user=(session.owner.uid, session.owner.gid), dns=self._dns,
+                          network_pool=self._network_pool)
 
     def _check_reach(self, caller: PeerCredentials, workspace: str, policy: SandboxPolicy) -> None:
         """A caller can never use the root daemon to write where it could not write itself."""

@@ -460,8 +460,10 @@ def _isolated_network(plan: LaunchPlan) -> "tuple[IsolatedNetwork | None, Launch
         return None, plan
     from sandboxd.kernel.netns import create_isolated
 
-    network = create_isolated(resolvers=list(plan.dns) if plan.dns else None, allowed_hosts=plan.allowed_hosts,
-                              via_proxy=bool(plan.allowed_domains))
+    from sandboxd.kernel.netns import DEFAULT_POOL
+
+    network = create_isolated(pool=plan.network_pool or DEFAULT_POOL, resolvers=list(plan.dns) if plan.dns else None,
+                              allowed_hosts=plan.allowed_hosts, via_proxy=bool(plan.allowed_domains))
     try:
         netns_fd = os.dup(network.netns_fd)
         env = dict(plan.env)
