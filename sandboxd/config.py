@@ -73,6 +73,13 @@ def _ipv4_list(value: object) -> str | None:
     return None
 
 
+def _octal_mode(value: object) -> str | None:
+    text = str(value)
+    if not isinstance(value, str) or not text or any(c not in "01234567" for c in text) or int(text, 8) > 0o777:
+        return f"must be an octal permission string like \"0660\", not {value!r}"
+    return None
+
+
 def _boolean(value: object) -> str | None:
     return None if isinstance(value, bool) else f"must be true or false, not {value!r}"
 
@@ -116,6 +123,8 @@ def _one_of(*choices: str) -> "Callable[[object], str | None]":
 KEYS: tuple[Key, ...] = (
     Key("listen", "socket", "/run/sandboxd/sandboxd.sock", "the Unix socket clients connect to (under socket "
         "activation, the socket systemd hands over wins)", _absolute),
+    Key("listen", "socket_mode", "0666", "the socket's permissions (octal); 0666 lets every local user connect "
+        "(each sees only its own sessions)", _octal_mode),
     Key("listen", "admin_group", "", "members of this group (name or gid) see and use every session; empty: "
         "only root", _text),
     Key("listen", "workers", 64, "RPCs served at once", _whole(1, 1024)),

@@ -30,7 +30,9 @@ def test_the_defaults_file_is_the_defaults(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("content, message", [
-    ("[listen]\nsockett = \"/x\"\n", "listen.sockett: unknown key (known keys of [listen]: socket, admin_group, workers)"),
+    ("[listen]\nsockett = \"/x\"\n",
+     "listen.sockett: unknown key (known keys of [listen]: socket, socket_mode, admin_group, workers)"),
+    ("[listen]\nsocket_mode = \"0999\"\n", "listen.socket_mode: must be an octal permission string"),
     ("[lisen]\nsocket = \"/x\"\n", "lisen.socket: unknown key (known sections:"),
     ("[listen]\nworkers = \"many\"\n", "listen.workers: must be a whole number from 1 to 1024, not 'many'"),
     ("[listen]\nsocket = \"relative.sock\"\n", "listen.socket: must be an absolute path"),
@@ -62,8 +64,8 @@ def test_serve_reads_the_file_and_flags_win(tmp_path: Path) -> None:
 
     base = make_base_dir("sbxd-cfg-")
     path = base / "sandboxd.toml"
-    path.write_text(f'[listen]\nsocket = "{base}/from-config.sock"\n[state]\ndir = "{base}/state"\n'
-                    '[log]\nformat = "text"\n')
+    path.write_text(f'[listen]\nsocket = "{base}/from-config.sock"\nsocket_mode = "0660"\n'
+                    f'[state]\ndir = "{base}/state"\n[log]\nformat = "text"\n')
     try:
         for args, env, expected in ((["--config", str(path)], {}, base / "from-config.sock"),
                                     ([], {"SANDBOXD_CONFIG": str(path)}, base / "from-config.sock"),
@@ -76,6 +78,7 @@ def test_serve_reads_the_file_and_flags_win(tmp_path: Path) -> None:
                 assert line.startswith("sandboxd info: serving") and f"socket={expected}" in line, line
                 assert f"config={path}" in line and expected.exists()
                 assert (base / "state" / "events.db").exists()
+                assert os.stat(expected).st_mode & 0o777 == 0o660
             finally:
                 daemon.terminate()
                 assert daemon.wait(timeout=60) == 0

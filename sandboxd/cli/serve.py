@@ -115,7 +115,8 @@ def main(argv: list[str]) -> int:
         timeout_seconds=float(loaded["defaults.timeout_seconds"]) or None,  # type: ignore[index]
         memory_bytes=parse_size(loaded["defaults.memory"], "defaults.memory") if loaded["defaults.memory"] else None,  # type: ignore[index]
         pids=int(loaded["defaults.pids"]) or None)  # type: ignore[index]
-    return serve(str(values["socket"]), admin_gid=admin_gid, workers=int(values["workers"]),  # type: ignore[call-overload]
+    return serve(str(values["socket"]), socket_mode=int(loaded["listen.socket_mode"], 8),  # type: ignore[index]
+                 admin_gid=admin_gid, workers=int(values["workers"]),  # type: ignore[call-overload]
                  tls=listener, state_dir=str(values["state_dir"]),
                  approval_timeout=float(values["approval_timeout"]), dns=dns,  # type: ignore[arg-type]
                  log_format=str(values["log_format"]), config_path=values["config_path"],  # type: ignore[arg-type]

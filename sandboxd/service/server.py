@@ -76,7 +76,8 @@ def _self_test(fork: "Any") -> str | None:
         os.rmdir(workspace)
 
 
-def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, workers: int = 64,
+def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_gid: int | None = None,
+          workers: int = 64,
           ready: "threading.Event | None" = None, tls: "TlsListener | None" = None,
           state_dir: str = DEFAULT_STATE_DIR, approval_timeout: float = 300.0, dns: tuple[str, ...] = (),
           log_format: str = "json", config_path: str | None = None, metrics_listen: str = "",
@@ -132,7 +133,8 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, admin_gid: int | None = None, wo
                   running=lambda: sum(s.running_calls for s in registry.list(PeerCredentials(0, 0, 0))),
                   events=store.last_id)
     gate = ApprovalGate(store, timeout=approval_timeout, metrics=metrics)
-    door = FrontDoor(socket_path, backend, relay_dir=os.path.join(private, "relay"), listener=activated)
+    door = FrontDoor(socket_path, backend, mode=socket_mode, relay_dir=os.path.join(private, "relay"),
+                     listener=activated)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandboxd-rpc"))
     callers = Callers(door, (tls.uid, tls.gid) if tls else None)
     sandboxd_pb2_grpc.add_SandboxServicer_to_server(
