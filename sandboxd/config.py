@@ -148,6 +148,9 @@ KEYS: tuple[Key, ...] = (
     Key("defaults", "pids", 0, "process limit of sessions that set none; 0: none", _whole(0, 1 << 22)),
     Key("metrics", "listen", "", "HOST:PORT of the Prometheus metrics listener (HTTP, /metrics); empty: none",
         _text),
+    Key("log", "level", "info", "info: the daemon's life and its problems; debug: also every decision and call "
+        "end, each line with its session_id and call_id (the event store records them all anyway)",
+        _one_of("debug", "info", "warning")),
     Key("log", "format", "json", "json: one JSON object per line on stderr; text: plain lines", _one_of("json", "text")),
 )
 _BY_NAME = {key.dotted: key for key in KEYS}

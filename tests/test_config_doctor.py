@@ -126,7 +126,7 @@ def test_metrics_report_real_counts() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     base = make_base_dir("sbxd-metrics-")
-    d = Daemon(base, args=["--metrics", f"127.0.0.1:{port}"])
+    d = Daemon(base, args=["--metrics", f"127.0.0.1:{port}", "--log-level", "debug"])
     try:
         d.start()
         workspace = base / "ws"

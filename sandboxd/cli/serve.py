@@ -16,7 +16,8 @@ from sandboxd.errors import SandboxdError
 FLAG_KEYS = {"socket": "listen.socket", "admin_group": "listen.admin_group", "workers": "listen.workers",
              "state_dir": "state.dir", "dns": "network.dns", "approval_timeout": "approvals.timeout_seconds",
              "tcp": "tls.address", "tls_cert": "tls.cert", "tls_key": "tls.key", "tls_client_ca": "tls.client_ca",
-             "tcp_user": "tls.user", "log_format": "log.format", "metrics": "metrics.listen"}
+             "tcp_user": "tls.user", "log_format": "log.format", "log_level": "log.level",
+             "metrics": "metrics.listen"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -37,6 +38,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--approval-timeout", type=float, metavar="SECONDS",
                    help="a call nobody approves within this is denied [approvals.timeout_seconds]")
     p.add_argument("--log-format", choices=["json", "text"], help="[log.format]")
+    p.add_argument("--log-level", choices=["debug", "info", "warning"], help="[log.level]")
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics here [metrics.listen]")
     tls = p.add_argument_group("optional TCP listener (TLS with client certificates only)")
     tls.add_argument("--tcp", metavar="HOST:PORT", help="also listen here, with TLS [tls.address]")
@@ -119,6 +121,7 @@ def main(argv: list[str]) -> int:
                  admin_gid=admin_gid, workers=int(values["workers"]),  # type: ignore[call-overload]
                  tls=listener, state_dir=str(values["state_dir"]),
                  approval_timeout=float(values["approval_timeout"]), dns=dns,  # type: ignore[arg-type]
-                 log_format=str(values["log_format"]), config_path=values["config_path"],  # type: ignore[arg-type]
+                 log_format=str(values["log_format"]), log_level=str(values["log_level"]),
+                 config_path=values["config_path"],  # type: ignore[arg-type]
                  metrics_listen=str(values["metrics"] or ""), session_defaults=defaults,
                  network_pool=loaded["network.pool"])  # type: ignore[index]

@@ -96,7 +96,7 @@ class Granted:
         outcome = "completed" if kind == EventType.TOOL_COMPLETED else "failed"
         if self._metrics is not None:
             self._metrics.calls.labels(self.tool, outcome).inc()
-        log.info("tool call ended", extra={"fields": {"session_id": self.session_id, "call_id": self.call_id,
+        log.debug("tool call ended", extra={"fields": {"session_id": self.session_id, "call_id": self.call_id,
                                                        "tool": self.tool, "outcome": outcome}})
 
     def __enter__(self) -> "Granted":
@@ -137,8 +137,9 @@ class ApprovalGate:
                           untrusted_mcp=call.untrusted_mcp, rules=session.rules)
         if self._metrics is not None:
             self._metrics.decisions.labels(decision.verdict, decision.reason or "").inc()
-        log.info("decision", extra={"fields": {"session_id": session.id, "call_id": call_id, "tool": call.tool,
-                                               "verdict": decision.verdict, "reason": decision.reason}})
+        if log.isEnabledFor(logging.DEBUG):             # per call: only when asked (log.level = "debug")
+            log.debug("decision", extra={"fields": {"session_id": session.id, "call_id": call_id, "tool": call.tool,
+                                                    "verdict": decision.verdict, "reason": decision.reason}})
         base: dict[str, Any] = {"effect": call.effect or "unknown-command", "risk": call.risk,
                                 "summary": call.summary, "execution_context_id": call.execution_context_id}
         if call.note:
@@ -196,7 +197,7 @@ class ApprovalGate:
         error = PermissionDenied(call_id, call.tool, reason, by, detail)
         if self._metrics is not None:
             self._metrics.calls.labels(call.tool, f"denied_by_{by}").inc()
-        log.info("tool call denied", extra={"fields": {"session_id": session.id, "call_id": call_id,
+        log.debug("tool call denied", extra={"fields": {"session_id": session.id, "call_id": call_id,
                                                         "tool": call.tool, "by": by, "reason": reason}})
         self._store.append(session.id, EventType.PERMISSION_DENIED, call_id=call_id, tool=call.tool,
                            data={**base, "reason": reason, "by": by, "detail": detail, "message": str(error)})

@@ -80,7 +80,8 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
           workers: int = 64,
           ready: "threading.Event | None" = None, tls: "TlsListener | None" = None,
           state_dir: str = DEFAULT_STATE_DIR, approval_timeout: float = 300.0, dns: tuple[str, ...] = (),
-          log_format: str = "json", config_path: str | None = None, metrics_listen: str = "",
+          log_format: str = "json", log_level: str = "info", config_path: str | None = None,
+          metrics_listen: str = "",
           session_defaults: "object | None" = None, network_pool: str = "") -> int:
     from sandboxd.supervisor.forkserver import ForkServer
     fork = ForkServer.start()                             # before gRPC's threads, and as a fresh process
@@ -107,7 +108,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     handler.setFormatter(JsonLogFormatter() if log_format == "json" else TextLogFormatter())
     log = logging.getLogger("sandboxd")
     log.addHandler(handler)
-    log.setLevel(logging.INFO)
+    log.setLevel({"debug": logging.DEBUG, "warning": logging.WARNING}.get(log_level, logging.INFO))
 
     from sandboxd.service import systemd
     activated = systemd.activated_socket()
