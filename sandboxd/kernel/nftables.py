@@ -91,10 +91,6 @@ def _listing() -> str | None:
     return result.stdout if result.returncode == 0 else None
 
 
-def table_exists() -> bool:
-    return _listing() is not None
-
-
 def ensure_table(resolvers: "list[str] | tuple[str, ...]") -> None:
     """Create the table if it is missing or from an older sandboxd (callers hold the network
     lock; the replacement is one nft transaction, so no packet sees the table half-made), and
@@ -128,12 +124,6 @@ def proxied_addresses() -> "list[str]":
         return []
     inside = listing.split("elements = {", 1)[1].split("}", 1)[0] if "elements = {" in listing else ""
     return [item.strip() for item in inside.split(",") if item.strip()]
-
-
-def delete_table() -> None:
-    """Remove the table (tests, and `sandboxd doctor`-style cleanup when no sandbox is left)."""
-    if table_exists():
-        _nft(f"delete table inet {TABLE}\n", "delete nftables table")
 
 
 def egress_ruleset(resolvers: "list[str] | tuple[str, ...]",

@@ -19,7 +19,7 @@ import grpc
 
 from sandboxd.errors import InvalidPolicy
 from sandboxd.service.calls import SessionCall, write_all
-from sandboxd.service.sessions import Session, SessionRegistry, cwd_inside
+from sandboxd.service.sessions import Session, SessionRegistry
 from sandboxd.supervisor.forkserver import ForkServer
 from sandboxd.supervisor.spawner import ExitInfo
 from sandboxd.v1 import sandboxd_pb2 as pb
@@ -38,10 +38,9 @@ def command_of(start: pb.ExecStart) -> list[str]:
     return list(start.argv)
 
 
-def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb.ExecStart,
-        requests: Iterator[pb.ExecRequest], context: grpc.ServicerContext) -> Iterator[pb.ExecResponse]:
-    argv = command_of(start)
-    cwd = cwd_inside(session.workspace, start.cwd)
+def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb.ExecStart, argv: list[str],
+        cwd: str, requests: Iterator[pb.ExecRequest], context: grpc.ServicerContext) -> Iterator[pb.ExecResponse]:
+    """``argv`` and ``cwd``: from ``command_of(start)`` and ``cwd_inside``, as the caller checked them."""
     env = {**(dict(start.env) if start.env else DEFAULT_ENV), **session.extra_env}
     timeout = start.timeout_seconds or session.limits.timeout_seconds
     limit = start.output_limit_bytes or DEFAULT_OUTPUT_LIMIT

@@ -225,10 +225,11 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                 raise InvalidPolicy("the first Exec message must be `start` (session, argv or shell, ...)")
             start = first.start
             session = self._registry.get(who, start.session_id)
-            call = tool_calls.command(session, "shell.exec", exec_call.command_of(start),
-                                      cwd_inside(session.workspace, start.cwd), context_id=start.execution_context_id)
+            argv, cwd = exec_call.command_of(start), cwd_inside(session.workspace, start.cwd)
+            call = tool_calls.command(session, "shell.exec", argv, cwd, context_id=start.execution_context_id)
             with self._gate.authorize(session, call, still_wanted=context.is_active) as granted:
-                for response in exec_call.run(self._registry, self._fork, session, start, request_iterator, context):
+                for response in exec_call.run(self._registry, self._fork, session, start, argv, cwd, request_iterator,
+                                              context):
                     kind = response.WhichOneof("kind")
                     if kind == "started_pid" and self._metrics is not None:
                         self._metrics.queue_seconds.observe(time.monotonic() - received)
