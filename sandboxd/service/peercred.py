@@ -95,6 +95,12 @@ class PeerCredentials(Record):
     gid: int
     pid: int
     principal: str = ""
+    # Supplementary groups, from SO_PEERGROUPS at connect time (the caller's /proc entry may be
+    # gone or reused by then); for a TLS caller, those of the local user it acts as.
+    groups: tuple[int, ...] = ()
+    # Non-empty when the caller must be refused whatever it asks (for example: its process runs
+    # inside one of this daemon's own sandboxes); the reason, said to the caller.
+    refusal: str = ""
 
 
 class FrontDoor:
