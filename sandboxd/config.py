@@ -13,6 +13,7 @@ import os
 import tomllib
 from typing import Any, Callable
 
+from sandboxd import defaults
 from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
 
@@ -121,7 +122,7 @@ def _one_of(*choices: str) -> "Callable[[object], str | None]":
 
 
 KEYS: tuple[Key, ...] = (
-    Key("listen", "socket", "/run/sandboxd/sandboxd.sock", "the Unix socket clients connect to (under socket "
+    Key("listen", "socket", defaults.SOCKET, "the Unix socket clients connect to (under socket "
         "activation, the socket systemd hands over wins)", _absolute),
     Key("listen", "socket_mode", "0666", "the socket's permissions (octal); 0666 lets every local user connect "
         "(each sees only its own sessions)", _octal_mode),
@@ -134,7 +135,7 @@ KEYS: tuple[Key, ...] = (
     Key("tls", "key", "", "the server's private key (PEM)", _optional_absolute),
     Key("tls", "client_ca", "", "the CA client certificates must be signed by", _optional_absolute),
     Key("tls", "user", "nobody", "the local USER[:GROUP] TCP callers act as", _text),
-    Key("state", "dir", "/var/lib/sandboxd", "the event store (audit log) and session metadata", _absolute),
+    Key("state", "dir", defaults.STATE_DIR, "the event store (audit log) and session metadata", _absolute),
     Key("approvals", "timeout_seconds", 300, "a call nobody approves within this is denied", _positive_seconds),
     Key("network", "dns", [], "resolvers for isolated networks; empty: the host's", _ipv4_list),
     Key("network", "pool", "10.233.0.0/16", "addresses of isolated networks, a /30 per sandbox", _cidr),

@@ -65,8 +65,10 @@ class Daemon:
 
     def __init__(self, base: Path, *, args: Iterable[str] = ()) -> None:
         self.base = base
-        self.socket = str(base / "sandboxd.sock")
-        self.private = base / ".sandboxd-private"
+        # The socket's directory is the daemon's own (hidden in every sandbox): workspaces live beside it.
+        (base / "run").mkdir(mode=0o755, exist_ok=True)
+        self.socket = str(base / "run" / "sandboxd.sock")
+        self.private = base / "run" / ".sandboxd-private"
         self.log_path = base / f"daemon-{uuid.uuid4().hex[:8]}.log"   # one per daemon, also on restarts
         self.args = list(args)
         self.proc: subprocess.Popen[bytes] | None = None

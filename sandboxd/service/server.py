@@ -20,7 +20,9 @@ import time
 from concurrent import futures
 from typing import Any
 
-DEFAULT_SOCKET = "/run/sandboxd/sandboxd.sock"
+from sandboxd import defaults
+
+DEFAULT_SOCKET = defaults.SOCKET
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -51,7 +53,24 @@ class TlsListener:
             self.client_ca = f.read()
 
 
-DEFAULT_STATE_DIR = "/var/lib/sandboxd"
+DEFAULT_STATE_DIR = defaults.STATE_DIR
+# Directories a socket may sit in that are not sandboxd's own: hiding one of them would hide far
+# more than sandboxd (resolv.conf's stub, other services' sockets), so only sandboxd's own
+# entries in it are hidden then.
+SHARED_DIRECTORIES = frozenset({"/", "/run", "/var/run", "/tmp", "/var/tmp", "/dev/shm", "/var", "/var/lib", "/home",
+                                "/root", "/srv", "/opt", "/etc", "/usr", "/mnt", "/media"})
+
+
+def own_places(socket_path: str, private: str, backend: str, state_dir: str, tls_address: str,
+               metrics_listen: str) -> "Any":
+    """What of this daemon every sandbox must not see or reach (sessions.OwnPlaces)."""
+    from sandboxd.service.sessions import OwnPlaces
+
+    socket_dir = os.path.dirname(os.path.abspath(socket_path))
+    hidden = ([socket_path, private] if socket_dir in SHARED_DIRECTORIES else [socket_dir]) + [state_dir]
+    listeners = tuple(address for address in (tls_address, metrics_listen) if address)
+    return OwnPlaces(hidden=tuple(os.path.abspath(p) for p in hidden),
+                     sockets=(os.path.abspath(socket_path), backend), listeners=listeners)
 
 
 def _self_test(fork: "Any") -> str | None:
@@ -125,7 +144,8 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
 
     # The audit log and session metadata: opened (and migrated) before anything is served.
     store = EventStore(os.path.join(state_dir, "events.db"))
-    registry = SessionRegistry(fork, store, admin_gid=admin_gid, dns=dns, network_pool=network_pool)
+    own = own_places(socket_path, private, backend, state_dir, tls.address if tls else "", metrics_listen)
+    registry = SessionRegistry(fork, store, admin_gid=admin_gid, dns=dns, network_pool=network_pool, own=own)
     resumed = registry.restore()
     from sandboxd.service.metrics import Metrics
     metrics = Metrics()
