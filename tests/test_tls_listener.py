@@ -50,7 +50,8 @@ def tls_daemon() -> Iterator[tuple[Path, str]]:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     address = f"127.0.0.1:{port}"
-    daemon = subprocess.Popen([SANDBOXD, "serve", "--socket", str(base / "sandboxd.sock"), "--state-dir", str(base / "state"), "--tcp", address,
+    (base / "run").mkdir()
+    daemon = subprocess.Popen([SANDBOXD, "serve", "--socket", str(base / "run" / "sandboxd.sock"), "--state-dir", str(base / "state"), "--tcp", address,
                                "--tls-cert", str(base / "server.pem"), "--tls-key", str(base / "server.key"),
                                "--tls-client-ca", str(base / "ca.pem"), "--tcp-user", "65534:65534"],
                               stderr=subprocess.PIPE, text=True)

@@ -41,10 +41,13 @@ class TextLogFormatter(logging.Formatter):
 
 class TlsListener:
     """The optional TCP listener: TLS, and a client certificate signed by ``client_ca`` required.
-    Its callers act as the local user ``uid:gid`` (sessions are told apart by certificate)."""
+    Its callers are named by ``identity`` (service.callers: the common name, or a URI or DNS
+    subject alternative name) and act as the local user ``users`` maps them to, else ``uid:gid``."""
 
-    def __init__(self, address: str, cert: str, key: str, client_ca: str, uid: int, gid: int) -> None:
+    def __init__(self, address: str, cert: str, key: str, client_ca: str, uid: int, gid: int,
+                 identity: str = "common-name", users: "dict[str, tuple[int, int]] | None" = None) -> None:
         self.address, self.uid, self.gid = address, uid, gid
+        self.identity, self.users = identity, dict(users or {})
         with open(cert, "rb") as f:
             self.cert = f.read()
         with open(key, "rb") as f:
@@ -119,7 +122,9 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     from sandboxd.audit.store import EventStore
     from sandboxd.service.approvals import ApprovalGate
     from sandboxd.service.peercred import FrontDoor, PeerCredentials
-    from sandboxd.service.servicer import Callers, SandboxServicer
+    from sandboxd.service.callers import Callers, TlsIdentity
+    from sandboxd.service.sandboxed_peers import SandboxedPeers
+    from sandboxd.service.servicer import SandboxServicer
     from sandboxd.service.sessions import SessionRegistry
     from sandboxd.v1 import sandboxd_pb2, sandboxd_pb2_grpc
 
@@ -157,7 +162,12 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     door = FrontDoor(socket_path, backend, mode=socket_mode, relay_dir=os.path.join(private, "relay"),
                      listener=activated)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandboxd-rpc"))
-    callers = Callers(door, (tls.uid, tls.gid) if tls else None)
+    sandboxed = SandboxedPeers(registry.sandbox_namespaces)
+    tls_identity = None
+    if tls is not None:
+        tls_identity = TlsIdentity(identity=tls.identity, default_user=(tls.uid, tls.gid), users=tls.users,
+                                   port=int(tls.address.rpartition(":")[2]))
+    callers = Callers(door, tls_identity, sandboxed)
     sandboxd_pb2_grpc.add_SandboxServicer_to_server(
         SandboxServicer(registry, fork, callers, gate, metrics, session_defaults), server)  # type: ignore[arg-type]
     health_servicer = health.HealthServicer()
@@ -174,7 +184,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     server.start()
     door.start()
     if metrics_listen:
-        metrics.serve(metrics_listen)
+        metrics.serve(metrics_listen, refuse=sandboxed.reason_for_tcp)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("sandboxd.v1.Sandbox", health_pb2.HealthCheckResponse.SERVING)
 

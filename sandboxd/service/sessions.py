@@ -187,6 +187,7 @@ class SessionRegistry:
         if not workspace.startswith("/"):
             raise InvalidPolicy(f"workspace {workspace!r} must be an absolute path")
         self._check_policy(caller, policy)
+        self._check_not_shared(caller, workspace, policy)
         with self._lock:
             if len(self._sessions) >= self._max:
                 raise Exhausted(f"the daemon holds its maximum of {self._max} sessions: close some first")
@@ -222,6 +223,7 @@ class SessionRegistry:
         before = session.axes()
         if policy is not None and policy != session.policy:
             self._check_policy(caller, policy)
+            self._check_not_shared(caller, session.workspace, policy, session.id)
         if approval is not None:
             session.approval = approval
         if policy is not None and policy != session.policy and not session.sandbox_ready:
@@ -363,11 +365,35 @@ class SessionRegistry:
                           hidden_paths=self.own.hidden, denied_sockets=self.own.sockets,
                           denied_listeners=self.own.listeners)
 
+    def _check_not_shared(self, caller: PeerCredentials, workspace: str, policy: SandboxPolicy,
+                          session_id: str = "") -> None:
+        """TLS principals that act as the same local user share its file rights; so one may not
+        use a workspace or writable root that overlaps one of another principal's open sessions
+        (it could read and overwrite that principal's files through it)."""
+        if not caller.principal:
+            return
+        mine = _paths_of(workspace, policy)
+        with self._lock:
+            others = [s for s in self._sessions.values() if not s.closed and s.id != session_id
+                      and s.owner.principal and s.owner.principal != caller.principal and s.owner.uid == caller.uid]
+        for other in others:
+            for path in mine:
+                for theirs in _paths_of(other.workspace, other.policy):
+                    if is_within(path, theirs) or is_within(theirs, path):
+                        raise Forbidden(f"{path!r} overlaps {theirs!r}, which a session of another TLS principal "
+                                        f"uses: principals acting as the same local user (uid {caller.uid}) share "
+                                        "its file rights, so their workspaces are kept apart (map each principal "
+                                        "to its own user with tls.users)")
+
     def _check_policy(self, caller: PeerCredentials, policy: SandboxPolicy) -> None:
         """What only root may ask for. Whether the caller may use the paths is the kernel's to say,
         under the caller's own credentials, when the sandbox is built (``_spec``)."""
         if caller.uid != 0 and policy.name == "danger-full-access":
             raise Forbidden("only root may create danger-full-access sessions (they run on the host as is)")
+
+
+def _paths_of(workspace: str, policy: SandboxPolicy) -> list[str]:
+    return [os.path.realpath(p) for p in (workspace, *getattr(policy, "writable_roots", ()))]
 
 
 def caller_groups(caller: PeerCredentials) -> set[int]:
