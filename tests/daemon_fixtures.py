@@ -17,12 +17,17 @@ from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 REPO = Path(__file__).resolve().parents[1]
 
 
+def module_daemon(factory: DaemonFactory) -> Daemon:
+    """The module's one daemon, started on first use (so ``daemon`` and ``client`` share it, and a
+    module may import either alone)."""
+    if not factory.daemons:
+        return factory()
+    return factory.daemons[0]
+
+
 @pytest.fixture(scope="module")
 def daemon(sandboxd_daemon_module: DaemonFactory) -> Daemon:
-    """The module's daemon (started on first use)."""
-    if not sandboxd_daemon_module.daemons:
-        return sandboxd_daemon_module()
-    return sandboxd_daemon_module.daemons[0]
+    return module_daemon(sandboxd_daemon_module)
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +37,8 @@ def base(sandboxd_daemon_module: DaemonFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def client(daemon: Daemon) -> Iterator[SandboxClient]:
-    with SandboxClient(daemon.socket) as c:
+def client(sandboxd_daemon_module: DaemonFactory) -> Iterator[SandboxClient]:
+    with SandboxClient(module_daemon(sandboxd_daemon_module).socket) as c:
         yield c
 
 
@@ -43,8 +48,9 @@ def stub(daemon: Daemon) -> pb_grpc.SandboxStub:
 
 
 @pytest.fixture
-def ws(sandboxd_daemon_module: DaemonFactory, daemon: Daemon) -> Iterator[Path]:
+def ws(sandboxd_daemon_module: DaemonFactory) -> Iterator[Path]:
     """A fresh root-owned 0755 workspace ``<base>/ws-*`` (beside the socket's directory, not in it)."""
+    module_daemon(sandboxd_daemon_module)
     path = sandboxd_daemon_module.workspace()
     try:
         yield path
