@@ -107,6 +107,9 @@ class Daemon:
         self.stopped_by_close: int | None = None     # the exit status when close() had to stop it
         self._channels: list[grpc.Channel] = []
         self._stub: pb_grpc.SandboxStub | None = None
+        owner = _FACTORIES.get(base)
+        if owner is not None:           # a restart in a fixture's base (Daemon(d.base)) is checked too
+            owner.daemons.append(self)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -327,6 +330,10 @@ class TlsListener:
         return args + (["--tcp-user", self.tcp_user] if self.tcp_user else [])
 
 
+# The open factories by base directory: a Daemon made on one's base joins its list.
+_FACTORIES: dict[Path, "DaemonFactory"] = {}
+
+
 class DaemonFactory:
     """Starts the daemons of one test (or one module) in one base directory (``self.base``);
     :meth:`close` stops them, removes the directory, and fails if a daemon left session processes,
@@ -334,8 +341,9 @@ class DaemonFactory:
 
     def __init__(self, prefix: str = "sbxd-") -> None:
         self.base = make_base_dir(prefix)
-        self.daemons: list[Daemon] = []
+        self.daemons: list[Daemon] = []          # every Daemon made on this base, in order
         self._configs = 0
+        _FACTORIES[self.base] = self
 
     def prepare(self, *, args: Iterable[str] = (), config: str | None = None, tls: TlsListener | None = None,
                 env: Mapping[str, str] | None = None, executable: str = SANDBOXD, wrapper: Sequence[str] = (),
@@ -351,10 +359,8 @@ class DaemonFactory:
             extra = ["--config", str(path), *extra]
         if tls is not None:
             extra += tls.args()
-        daemon = Daemon(self.base, args=extra, executable=executable, wrapper=wrapper, env=env,
-                        pass_fds=pass_fds, socket=socket, default_flags=default_flags)
-        self.daemons.append(daemon)
-        return daemon
+        return Daemon(self.base, args=extra, executable=executable, wrapper=wrapper, env=env,
+                      pass_fds=pass_fds, socket=socket, default_flags=default_flags)
 
     def __call__(self, *, within: float = 60.0, **options: Any) -> Daemon:
         """A started daemon (options as for :meth:`prepare`)."""
@@ -372,6 +378,7 @@ class DaemonFactory:
         return path
 
     def close(self) -> None:
+        _FACTORIES.pop(self.base, None)
         problems: list[str] = []
         for daemon in self.daemons:
             if daemon.proc is None:
