@@ -60,15 +60,16 @@ def set_title(title: str) -> None:
         mem.write(data.ljust(end - start, b"\0"))
 
 
-def cloexec_from(first: int = 3, *, use_close_range: bool = True) -> None:
+def cloexec_from(first: int = 3, *, use_close_range: bool = True) -> bool:
     """Mark every descriptor >= ``first`` close-on-exec, so exec leaves only 0-2 open.
 
     close_range(2) with CLOSE_RANGE_CLOEXEC does it in one call (5.11); older
     kernels (and ``use_close_range=False``, for tests) get a walk over /proc/self/fd,
     and a descriptor that cannot be marked fails the launch (sandboxd_call.c does the same).
+    Returns whether the walk was taken.
     """
     if use_close_range and raw_syscall("close_range", first, 0xFFFFFFFF, CLOSE_RANGE_CLOEXEC) == 0:
-        return
+        return False
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         if fd >= first:
@@ -77,6 +78,7 @@ def cloexec_from(first: int = 3, *, use_close_range: bool = True) -> None:
             except OSError as exc:
                 if exc.errno != errno.EBADF:              # the listing's own descriptor, closed by now
                     raise
+    return True
 
 
 def close_all_except(keep: set[int]) -> None:

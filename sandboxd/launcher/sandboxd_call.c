@@ -140,9 +140,9 @@ static void trace(const char *step) {
 /* Every descriptor from first up, closed (cloexec 0) or marked close-on-exec (cloexec 1):
  * close_range(2) when the kernel has it (5.9; CLOSE_RANGE_CLOEXEC 5.11), else a walk over
  * /proc/self/fd (as process.cloexec_from); a descriptor the walk cannot handle fails the call
- * rather than leak into the command. */
-static void close_from(int first, int cloexec, int use_close_range) {
-    if (use_close_range && syscall(NR_close_range, first, ~0U, cloexec ? CLOSE_RANGE_CLOEXEC : 0) == 0) return;
+ * rather than leak into the command. Returns whether the walk was taken. */
+static int close_from(int first, int cloexec, int use_close_range) {
+    if (use_close_range && syscall(NR_close_range, first, ~0U, cloexec ? CLOSE_RANGE_CLOEXEC : 0) == 0) return 0;
     static int found[65536];
     int n = 0;
     DIR *dir = opendir("/proc/self/fd");
@@ -165,6 +165,7 @@ static void close_from(int first, int cloexec, int use_close_range) {
         check(flags, "close-on-exec", NULL);
         check(fcntl(found[i], F_SETFD, flags | FD_CLOEXEC), "close-on-exec", NULL);
     }
+    return 1;
 }
 
 /* ---- the call's supervisor ------------------------------------------------------------------ */
@@ -400,7 +401,8 @@ static _Noreturn void run_command(const struct options *o, pid_t supervisor,
         trace(step);
     }
     trace("close-on-exec");
-    close_from(3, 1, !o->no_close_range);          /* only 0, 1, 2 survive exec */
+    if (close_from(3, 1, !o->no_close_range))      /* only 0, 1, 2 survive exec */
+        trace("close-on-exec by /proc/self/fd");
     trace("seccomp");
     load_seccomp(o, program, length);              /* last: nothing after this but exec */
     trace("exec");

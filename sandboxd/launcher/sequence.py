@@ -260,7 +260,8 @@ def _run_command(plan: LaunchPlan, *, report_fd: int, listener_sink: "_socket.so
             forced_abi=debug.landlock_abi if debug else 0)
         trace(f"landlock abi {abi}")
         trace("close-on-exec")
-        process.cloexec_from(3, use_close_range=not (debug and debug.no_close_range))  # only 0, 1, 2 survive exec
+        if process.cloexec_from(3, use_close_range=not (debug and debug.no_close_range)):  # only 0, 1, 2 survive exec
+            trace("close-on-exec by /proc/self/fd")
         trace("seccomp")
         listener = seccomp.load(plan.seccomp_program,     # last: nothing after this but exec
                                 new_listener=plan.brokers_connect)
