@@ -535,7 +535,7 @@ int main(int argc, char **argv) {
 
     /* Blocked before the fork (the command unblocks them): no signal is lost or acted on early. */
     static const int forwarded[] = SBX_FORWARDED_SIGNALS;
-    int kill_tree = SBX_KILL_TREE_SIGNAL;          /* SIGRTMIN + 2 as Python's C library counts it */
+    int kill_tree = SBX_KILL_TREE_SIGNAL;          /* sequence.KILL_TREE_SIGNAL, as Python counts it */
     if (kill_tree < SIGRTMIN || kill_tree > SIGRTMAX) fail("signals", EINVAL, NULL);
     sigset_t handled;
     sigemptyset(&handled);
