@@ -181,7 +181,7 @@ static void join_cgroups(const struct options *o) {
         snprintf(path, sizeof path, "%s/cgroup.procs", o->cgroups[i]);
         int fd = open(path, O_WRONLY | O_CLOEXEC);
         if (fd < 0 || write(fd, "0", 1) != 1) fail("cgroup join", errno, path);
-        close(fd);
+        check(close(fd), "cgroup join", path);
     }
 }
 
@@ -214,7 +214,7 @@ static int find_descendants(pid_t *victims, int room) {
     static pid_t pids[65536], parents[65536];
     int n = 0, found = 0;
     DIR *proc = opendir("/proc");
-    if (!proc) return 0;
+    if (!proc) fail("kill the call's tree", errno, "/proc");   /* as process.descendants: never skip it */
     struct dirent *entry;
     while ((entry = readdir(proc)) && n < 65536) {
         char *end, path[64], buffer[512];
@@ -222,9 +222,9 @@ static int find_descendants(pid_t *victims, int room) {
         if (*end || pid <= 0) continue;
         snprintf(path, sizeof path, "/proc/%ld/stat", pid);
         int fd = open(path, O_RDONLY | O_CLOEXEC);
-        if (fd < 0) continue;
+        if (fd < 0) continue;                      /* the process has ended meanwhile */
         ssize_t size = read(fd, buffer, sizeof buffer - 1);
-        close(fd);
+        close(fd);                                 /* read-only /proc file: nothing to lose */
         if (size <= 0) continue;
         buffer[size] = '\0';
         char *close_paren = strrchr(buffer, ')');
@@ -232,7 +232,7 @@ static int find_descendants(pid_t *victims, int room) {
         if (!close_paren || sscanf(close_paren + 1, " %*c %d", &parent) != 1) continue;
         pids[n] = (pid_t)pid; parents[n] = parent; n++;
     }
-    closedir(proc);
+    check(closedir(proc), "kill the call's tree", "/proc");
     if (room <= 0) return 0;
     victims[found++] = getpid();                   /* the search starts at us; dropped below */
     for (int head = 0; head < found; head++)
