@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import pwd
 import shutil
 import sqlite3
 import stat
@@ -35,9 +34,12 @@ import pytest
 from conftest import BASE_ENV, PY, run_sbx
 from daemon_helpers import (
     Daemon,
+    PlainUser,
     close_quietly,
     create_session,
+    daemon_factory,
     make_base_dir,
+    plain_users,
     read_only,
     remove_tree,
     rpc_error,
@@ -154,26 +156,11 @@ def parse_probe(out: str) -> dict[str, object]:
 # --------------------------------------------------------------------------- users and workspaces
 
 
-class User:
-    def __init__(self, name: str) -> None:
-        entry = pwd.getpwnam(name)
-        self.name, self.uid, self.gid = name, entry.pw_uid, entry.pw_gid
-
-
 @pytest.fixture(scope="module")
-def users() -> Iterator[tuple[User, User]]:
-    """Two plain users (sbxt-<random>a, b), removed afterwards."""
-    suffix = uuid.uuid4().hex[:8]
-    names = [f"sbxt-{suffix}a", f"sbxt-{suffix}b"]
-    made = []
-    try:
-        for name in names:
-            subprocess.run(["useradd", "-M", "-N", "-s", "/usr/sbin/nologin", name], check=True)
-            made.append(name)
-        yield User(names[0]), User(names[1])
-    finally:
-        for name in made:
-            subprocess.run(["userdel", name], check=False)
+def users() -> Iterator[list[PlainUser]]:
+    """Two plain users (sbxt-<random>), removed afterwards."""
+    with plain_users(2) as made:
+        yield made
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +184,7 @@ def owned_dir(base: Path, uid: int, gid: int, mode: int = 0o755) -> Path:
 
 
 @pytest.mark.parametrize("owner", ["root", "user"])
-def test_sandboxd_run_refuses_setid_files_and_capabilities(owner: str, users: tuple[User, User],
+def test_sandboxd_run_refuses_setid_files_and_capabilities(owner: str, users: list[PlainUser],
                                                            base: Path) -> None:
     uid, gid = (0, 0) if owner == "root" else (users[0].uid, users[0].gid)
     ws = owned_dir(base, uid, gid)
@@ -215,7 +202,7 @@ def test_sandboxd_run_read_only_refuses_setid_in_its_tmp(base: Path) -> None:
 
 
 @pytest.mark.parametrize("owner", ["root", "user"])
-def test_danger_full_access_is_unchanged(owner: str, users: tuple[User, User], base: Path) -> None:
+def test_danger_full_access_is_unchanged(owner: str, users: list[PlainUser], base: Path) -> None:
     """The control: without the confined filter the same probe makes a set-uid file."""
     uid, gid = (0, 0) if owner == "root" else (users[0].uid, users[0].gid)
     ws = owned_dir(base, uid, gid)
@@ -259,7 +246,7 @@ def call(server: ForkServer, session: str, argv: list[str], cwd: str) -> tuple[s
 
 
 @pytest.mark.parametrize("owner", ["root", "user"])
-def test_session_calls_refuse_setid_on_both_paths(server: ForkServer, owner: str, users: tuple[User, User],
+def test_session_calls_refuse_setid_on_both_paths(server: ForkServer, owner: str, users: list[PlainUser],
                                                   base: Path) -> None:
     uid, gid = (0, 0) if owner == "root" else (users[0].uid, users[0].gid)
     ws = owned_dir(base, uid, gid)
@@ -295,8 +282,12 @@ OLD_RULE_UID = 4242
 def daemon() -> Iterator[Daemon]:
     """A daemon whose state directory an older sandboxd left 0755, with a 0644 schema-1 store
     holding one standing rule (by_uid OLD_RULE_UID)."""
-    base = make_base_dir("sbxt-setid-d-")
-    state = base / "state"
+    with daemon_factory("sbxt-setid-d-") as factory:
+        prepare_old_store(factory.base / "state")
+        yield factory()
+
+
+def prepare_old_store(state: Path) -> None:
     state.mkdir(mode=0o755)
     os.chmod(state, 0o755)
     db = sqlite3.connect(state / "events.db", isolation_level=None)
@@ -310,13 +301,6 @@ def daemon() -> Iterator[Daemon]:
                 json.dumps({"tool": "fs.read", "by_uid": OLD_RULE_UID}), 1.0))
     db.close()
     os.chmod(state / "events.db", 0o644)
-    d = Daemon(base)
-    try:
-        d.start()
-        yield d
-    finally:
-        d.close()
-        remove_tree(base)
 
 
 @pytest.fixture
@@ -370,7 +354,7 @@ print(json.dumps({"out": out, "exit": exit_code}))
 '''
 
 
-def test_daemon_exec_as_a_plain_user_refuses_setid(daemon: Daemon, users: tuple[User, User]) -> None:
+def test_daemon_exec_as_a_plain_user_refuses_setid(daemon: Daemon, users: list[PlainUser]) -> None:
     user = users[0]
     ws = owned_dir(daemon.base, user.uid, user.gid)
     res = run_client_as(user.uid, user.gid, daemon.socket, USER_PROBE_CLIENT,
@@ -380,7 +364,7 @@ def test_daemon_exec_as_a_plain_user_refuses_setid(daemon: Daemon, users: tuple[
     assert_no_setid_on_host(ws)
 
 
-def test_a_root_callers_session_runs_as_the_workspace_owner(daemon: Daemon, users: tuple[User, User],
+def test_a_root_callers_session_runs_as_the_workspace_owner(daemon: Daemon, users: list[PlainUser],
                                                             sessions: list[str]) -> None:
     stub, user = daemon.stub, users[0]
     theirs = owned_dir(daemon.base, user.uid, user.gid)
@@ -457,7 +441,7 @@ print(json.dumps(res))
 '''
 
 
-def test_standing_rules_belong_to_their_maker(daemon: Daemon, users: tuple[User, User]) -> None:
+def test_standing_rules_belong_to_their_maker(daemon: Daemon, users: list[PlainUser]) -> None:
     a, b = users
     stub = daemon.stub
     shared = owned_dir(daemon.base, 0, 0, mode=0o777)        # both may write it
