@@ -505,3 +505,14 @@ def test_a_new_store_is_private_from_its_first_write(tmp_path: Path) -> None:
     finally:
         os.umask(previous)
     assert modes == {"events.db": 0o600, "events.db-wal": 0o600, "events.db-shm": 0o600}, modes
+
+
+def test_a_state_directory_of_another_user_is_refused(users: list[PlainUser]) -> None:
+    """Its owner could swap the audit log under the daemon: the daemon refuses to start and says why."""
+    with daemon_factory("sbxt-setid-s-") as factory:
+        state = factory.base / "state"
+        state.mkdir(mode=0o700)
+        os.chown(state, users[0].uid, users[0].gid)
+        failure = factory.start_failure()
+        assert failure.returncode != 0 and "chown it or use another --state-dir" in failure.log, failure.log
+        assert not (state / "events.db").exists()
