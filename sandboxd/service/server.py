@@ -119,7 +119,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
-    from sandboxd.audit.store import EventStore
+    from sandboxd.audit.store import open_in_state_dir
     from sandboxd.service.approvals import ApprovalGate
     from sandboxd.service.peercred import FrontDoor, PeerCredentials
     from sandboxd.service.callers import Callers, TlsIdentity
@@ -148,7 +148,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
         os.unlink(backend)
 
     # The audit log and session metadata: opened (and migrated) before anything is served.
-    store = EventStore(os.path.join(state_dir, "events.db"))
+    store = open_in_state_dir(state_dir)
     own = own_places(socket_path, private, backend, state_dir, tls.address if tls else "", metrics_listen)
     registry = SessionRegistry(fork, store, admin_gid=admin_gid, dns=dns, network_pool=network_pool, own=own)
     resumed = registry.restore()
