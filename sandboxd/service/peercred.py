@@ -446,12 +446,14 @@ class FrontDoor:
         limit = self._root_limit if uid == 0 else self._per_uid_limit
         count = self._per_uid.get(uid, 0)
         if count >= limit:
-            conn.close()
             now = time.monotonic()
             if now - self._refused_logged.get(uid, -_LOG_EVERY) >= _LOG_EVERY:
+                if len(self._refused_logged) >= 1024:  # (uids whose minute is over are forgotten)
+                    self._refused_logged = {u: t for u, t in self._refused_logged.items() if now - t < _LOG_EVERY}
                 self._refused_logged[uid] = now
                 log.warning("front door: uid %d has %d connections open, its limit (quotas.connections_per_uid): "
                             "closing its new ones", uid, count)
+            conn.close()
             return
         groups = _peer_groups(conn)
         credentials = PeerCredentials(uid=uid, gid=gid, pid=pid, groups=groups)
