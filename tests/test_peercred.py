@@ -356,6 +356,35 @@ def test_accepting_survives_running_out_of_descriptors(raw_door: tuple[FrontDoor
     assert echo_once(paths.public, b"later") == b"later"
 
 
+def test_the_door_leaves_a_reserve_of_descriptors(raw_door: tuple[FrontDoor, RawBackend], paths: Paths,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="sandboxd.service.peercred")
+    door, _ = raw_door
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    clients = []
+    limit = fd_count() + 64 + 40     # the door's reserve (64), and room for a few connections
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        for _ in range(10):
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            client.settimeout(10)
+            client.connect(paths.public)   # accepted, or left in the backlog
+            client.sendall(b"Eping")
+            clients.append(client)
+        time.sleep(0.5)
+        # Some were served, the rest wait: the door stopped before the process ran out.
+        assert 0 < door.connections < 10, door.connections
+        assert limit - fd_count() >= 32, (limit, fd_count())
+        assert "file descriptors left" in caplog.text
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    # Room again: the waiting ones are accepted and served, in the state they were left in.
+    for client in clients:
+        assert client.recv(4) == b"ping"
+        client.close()
+    assert wait_for(lambda: door.connections == 0)
+
+
 # --------------------------------------------------------------------------- lifecycle
 
 
