@@ -385,6 +385,62 @@ def test_the_door_leaves_a_reserve_of_descriptors(raw_door: tuple[FrontDoor, Raw
     assert wait_for(lambda: door.connections == 0)
 
 
+def test_a_backend_that_does_not_accept_does_not_stall_the_door(paths: Paths) -> None:
+    # A backend whose backlog is full: connect() to it says EAGAIN (a Unix socket never says
+    # EINPROGRESS), and the door must retry later rather than wait in connect().
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(paths.backend)
+    listener.listen(0)
+    squatters = []
+    while True:
+        squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        try:
+            squatter.connect(paths.backend)
+        except BlockingIOError:
+            squatter.close()
+            break
+        squatters.append(squatter)
+    door = FrontDoor(paths.public, paths.backend, relay_dir=paths.relay, connections_per_uid=3, root_connections=3)
+    door.start()
+    clients = []
+    try:
+        for payload in (b"one", b"two", b"six"):
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            client.settimeout(10)
+            client.connect(paths.public)
+            client.sendall(b"E" + payload)
+            clients.append(client)
+        # The door kept accepting while all three wait for the backend: a fourth is over quota, closed.
+        assert wait_for(lambda: door.connections_by_uid() == {0: 3})
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as fourth:
+            fourth.settimeout(10)
+            fourth.connect(paths.public)
+            assert fourth.recv(1) == b""
+        # The backend starts accepting (and echoing): the three get through.
+        for squatter in squatters:
+            squatter.close()
+        served = threading.Event()
+
+        def serve() -> None:
+            echoed = 0
+            while echoed < len(clients):
+                conn, _ = listener.accept()
+                with conn:
+                    if conn.recv(1) == b"E":  # (the squatters' connections, still queued, say nothing)
+                        conn.sendall(conn.recv(3))
+                        echoed += 1
+            served.set()
+
+        threading.Thread(target=serve, daemon=True).start()
+        assert sorted(client.recv(3) for client in clients) == [b"one", b"six", b"two"]
+        assert served.wait(10)
+    finally:
+        for client in clients:
+            client.close()
+        door.close()
+        listener.close()
+
+
 # --------------------------------------------------------------------------- lifecycle
 
 
@@ -597,7 +653,6 @@ def test_a_check_that_fails_refuses(paths: Paths, backend: Servicer, caplog: pyt
         backend.door = door
         door.start()
         with pytest.raises(grpc.RpcError) as raised:
-            check_once = check  # noqa: F841 - the name the log line shows
             with private_channel("unix:" + paths.public) as channel:
                 health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
