@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from daemon_helpers import fd_count, make_base_dir, remove_tree, run_client_as, running_daemon
+from daemon_helpers import Daemon, fd_count, make_base_dir, remove_tree, run_client_as, running_daemon
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -142,3 +142,20 @@ def test_one_users_flood_of_idle_connections_leaves_everyone_else_served(two_use
             flood.kill()
             flood.wait()
         remove_tree(workspace)
+
+
+def test_the_quota_comes_from_the_configuration_file(two_users: list[tuple[int, int]]) -> None:
+    (flooder, flooder_gid), _ = two_users
+    base = make_base_dir()
+    config = base / "sandboxd.toml"
+    config.write_text("[quotas]\nconnections_per_uid = 5\n")
+    daemon = Daemon(base, args=["--config", str(config)])
+    try:
+        daemon.start()
+        flood = subprocess.run([sys.executable, "-c", FLOOD_CLIENT, daemon.socket, str(flooder), str(flooder_gid),
+                                "20"], input="\n", capture_output=True, text=True, timeout=120, cwd="/")
+        assert flood.stdout.split() == ["15", "5"], flood.stderr
+        assert "has 5 connections open" in daemon.log_path.read_text()
+    finally:
+        daemon.close()
+        remove_tree(base)

@@ -228,7 +228,7 @@ class FrontDoor:
         self._refused_logged: dict[int, float] = {}
         self._starved_logged = -_LOG_EVERY
         self._fds_others = 0             # descriptors not counted per relay, at the last calibration
-        self._fds_calibrated = -1.0
+        self._fds_calibrated = float("-inf")
         self._pidfd_supported = True
         # close() writes here to wake the loop.
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -246,7 +246,7 @@ class FrontDoor:
 
     @property
     def connections(self) -> int:
-        """Relayed connections currently alive (being set up, or relaying)."""
+        """Relayed connections currently alive (being set up, or relaying; refused callers included)."""
         return len(self._relays)
 
     def connections_by_uid(self) -> dict[int, int]:
