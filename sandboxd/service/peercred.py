@@ -298,12 +298,12 @@ class FrontDoor:
     # ------------------------------------------------------------------ the loop
 
     def _loop(self) -> None:
-        self._resume_accepting()
         listener = self._listener.fileno()
         wake = self._wake_r
         watched = self._watched
         poll = self._epoll.poll
         try:
+            self._resume_accepting()
             while not self._closing:
                 timeout = -1.0
                 if self._timers:
