@@ -732,3 +732,62 @@ def test_connections_over_a_uids_quota_are_closed_at_once(paths: Paths, caplog: 
             holder.wait()
         door.close()
         raw.close()
+
+
+# Connects to the public socket, hands the connection to its parent (SCM_RIGHTS), and exits.
+CONNECT_AND_EXIT = r"""
+import socket, sys
+public, channel = sys.argv[1], socket.socket(fileno=int(sys.argv[2]))
+conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+conn.connect(public)
+socket.send_fds(channel, [b"x"], [conn.fileno()])
+"""
+
+
+class PeerOf:
+    """What a handler's context says: just the peer string (caller() needs nothing else)."""
+
+    def __init__(self, peer: str) -> None:
+        self._peer = peer
+
+    def peer(self) -> str:
+        return self._peer
+
+
+def test_a_connection_whose_process_is_gone_is_refused(paths: Paths) -> None:
+    raw = RawBackend(paths.backend)
+    asked: list[int] = []
+
+    def check(who: PeerCredentials, pidfd: int) -> str:
+        asked.append(who.pid)
+        return ""
+
+    door = FrontDoor(paths.public, paths.backend, relay_dir=paths.relay, peer_check=check)
+    ours, theirs = socket.socketpair()
+    try:
+        # Not started yet: the connection waits in the backlog while its process exits.
+        child = subprocess.run([sys.executable, "-c", CONNECT_AND_EXIT, paths.public, str(theirs.fileno())],
+                               pass_fds=[theirs.fileno()], capture_output=True, text=True, timeout=30)
+        assert child.returncode == 0, child.stderr
+        _, [fd], _, _ = socket.recv_fds(ours, 1, 1)
+        inherited = socket.socket(fileno=fd)
+        door.start()
+        # Control: a live process connecting after it is checked and served.
+        live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        live.connect(paths.public)
+        assert wait_for(lambda: door.connections == 2)
+        gone = door.identity(f"unix:{paths.relay}/0.sock")
+        served = door.identity(f"unix:{paths.relay}/1.sock")
+        assert gone is not None and "exited before the daemon could check it" in gone.refusal
+        assert served is not None and served.refusal == "" and served.pid == os.getpid()
+        assert asked[-1] == os.getpid() and len(asked) <= 2   # (the gone one: asked or not, by kernel)
+        with pytest.raises(PermissionError, match="exited before"):
+            caller(door, PeerOf(f"unix:{paths.relay}/0.sock"))
+        assert caller(door, PeerOf(f"unix:{paths.relay}/1.sock")) == served
+        inherited.close()
+        live.close()
+    finally:
+        ours.close()
+        theirs.close()
+        door.close()
+        raw.close()

@@ -55,6 +55,7 @@ import logging
 import os
 import resource
 import select
+import signal
 import socket
 import stat
 import struct
@@ -100,6 +101,9 @@ _IN, _OUT = select.EPOLLIN, select.EPOLLOUT
 _SO_PEERGROUPS = 59
 _SO_PEERPIDFD = 77       # Linux 6.5+
 _NGROUPS_MAX = 65536
+# The refusal of a connection whose process exited before the door could check it.
+_PEER_GONE = ("the process that opened this connection exited before the daemon could check it; "
+              "connect from the process that makes the calls")
 
 # Descriptors one live connection costs the daemon: the accepted socket, the socket to
 # the backend, two pipes (two ends each), and the gRPC server's end of the backend socket.
@@ -172,8 +176,9 @@ class FrontDoor:
         it; a refused connection stays open, and every call on it fails with PermissionError
         (PERMISSION_DENIED) saying the reason. The pidfd is open only during the call: a check
         that reads ``/proc/<pid>`` confirms with it (``signal.pidfd_send_signal(pidfd, 0)``)
-        that the pid still named the same process. It runs on the front door's only thread,
-        so it must be quick and never block; if it raises, the caller is refused."""
+        that the pid still named the same process; the door itself confirms it after the check,
+        and refuses a connection whose process is gone already. It runs on the front door's only
+        thread, so it must be quick and never block; if it raises, the caller is refused."""
         if connections_per_uid < 1:
             raise ValueError(f"connections_per_uid must be at least 1, not {connections_per_uid}")
         # Absolute paths: the peer string is the relay path exactly as bound, and
@@ -469,7 +474,12 @@ class FrontDoor:
         relay.connect()
 
     def _check(self, conn: socket.socket, credentials: PeerCredentials) -> str:
-        """Ask peer_check about this caller, with a pidfd pinning its process when the kernel can."""
+        """Ask peer_check about this caller, with a pidfd pinning its process when the kernel can.
+
+        With a pidfd, a verdict is only kept if the process was alive from before the check
+        until after it: then the pid the check looked at (/proc/<pid>) was that process, not a
+        later one given the same number. A connection whose process is gone already is refused:
+        whoever holds it now (a child it forked, a process it passed the socket to) is unknown."""
         assert self._peer_check is not None
         pidfd = -1
         if self._pidfd_supported:
@@ -478,16 +488,22 @@ class FrontDoor:
             except OSError as exc:
                 if exc.errno == errno.ENOPROTOOPT:
                     self._pidfd_supported = False  # before Linux 6.5: the pid alone
-                # ESRCH and friends: the process that connected is gone; the pid alone.
+                elif exc.errno in (errno.ESRCH, errno.EINVAL):
+                    return _PEER_GONE  # (EINVAL: kernels before 6.16, for a reaped process)
+                # Anything else: the pid alone.
         try:
-            reason = self._peer_check(credentials, pidfd)
+            reason = str(self._peer_check(credentials, pidfd) or "")
+            if pidfd >= 0 and not reason:
+                signal.pidfd_send_signal(pidfd, 0)
+        except ProcessLookupError:
+            reason = _PEER_GONE
         except Exception:  # noqa: BLE001 - a check that cannot decide refuses
             log.exception("front door: peer check failed for pid %d uid %d", credentials.pid, credentials.uid)
             reason = "the daemon could not check who is calling; refusing"
         finally:
             if pidfd >= 0:
                 os.close(pidfd)
-        return str(reason or "")
+        return reason
 
     # ------------------------------------------------------------------ called by relays
 
