@@ -171,10 +171,11 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
                   running=lambda: sum(s.running_calls for s in registry.list(PeerCredentials(0, 0, 0))),
                   events=store.last_id)
     gate = ApprovalGate(store, timeout=approval_timeout, metrics=metrics)
-    door = FrontDoor(socket_path, backend, mode=socket_mode, relay_dir=os.path.join(private, "relay"),
-                     listener=activated, connections_per_uid=connections_per_uid, peer_check=None)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandboxd-rpc"))
     sandboxed = SandboxedPeers(registry.sandbox_namespaces)
+    door = FrontDoor(socket_path, backend, mode=socket_mode, relay_dir=os.path.join(private, "relay"),
+                     listener=activated, connections_per_uid=connections_per_uid,
+                     peer_check=lambda who, _pidfd: sandboxed.reason_for_pid(who.pid))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandboxd-rpc"))
     tls_identity = None
     if tls is not None:
         tls_identity = TlsIdentity(identity=tls.identity, default_user=(tls.uid, tls.gid), users=tls.users,
