@@ -136,6 +136,8 @@ KEYS: tuple[Key, ...] = (
     Key("listen", "admin_group", "", "members of this group (name or gid) see and use every session; empty: "
         "only root", _text),
     Key("listen", "workers", 64, "RPCs served at once", _whole(1, 1024)),
+    Key("quotas", "connections_per_uid", 64, "connections one local user may hold open at once (more are closed "
+        "as soon as they are accepted); root may hold four times as many", _whole(1, 65536)),
     Key("tls", "address", "", "HOST:PORT of an optional TCP listener; it always needs TLS and client "
         "certificates (all four tls keys)", _text),
     Key("tls", "cert", "", "the server's certificate chain (PEM)", _optional_absolute),

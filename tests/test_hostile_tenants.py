@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
-import ssl
 import struct
 import subprocess
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,32 +23,18 @@ import grpc
 import pytest
 
 from conftest import BASE_ENV, PY
-from daemon_helpers import (PYTHON, Daemon, create_session, make_base_dir, remove_tree, rpc_error, run_client_as,
-                            run_exec, workspace_write)
+from daemon_helpers import (PYTHON, Daemon, DaemonFactory, PlainUser, create_session, daemon_factory, plain_users,
+                            rpc_error, run_client_as, run_exec, workspace_write)
 from test_tls_listener import make_pki
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 
 
-class User:
-    def __init__(self, name: str) -> None:
-        self.name = name
-        import pwd
-        entry = pwd.getpwnam(name)
-        self.uid, self.gid = entry.pw_uid, entry.pw_gid
-
-
 @pytest.fixture(scope="module")
-def users() -> Iterator[tuple[User, User]]:
+def users() -> Iterator[list[PlainUser]]:
     """Two plain users (attacker, victim), made here and removed afterwards."""
-    names = [f"sbxh-{uuid.uuid4().hex[:6]}" for _ in range(2)]
-    for name in names:
-        subprocess.run(["useradd", "-M", "-N", "-s", "/usr/sbin/nologin", name], check=True)
-    try:
-        yield User(names[0]), User(names[1])
-    finally:
-        for name in names:
-            subprocess.run(["userdel", name], check=False)
+    with plain_users(2) as made:
+        yield made
 
 
 def free_port() -> int:
@@ -61,25 +44,22 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def world(users: tuple[User, User]) -> Iterator[dict[str, Any]]:
-    base = make_base_dir("sbxh-")
+def world(users: list[PlainUser], sandboxd_daemon_module: DaemonFactory) -> dict[str, Any]:
+    """One daemon with a TLS listener (127.0.0.1) and a metrics listener (every address)."""
+    base = sandboxd_daemon_module.base
     pki = base / "pki"
     pki.mkdir()
     make_pki(pki)
     tls_port, metrics_port = free_port(), free_port()
-    daemon = Daemon(base, args=["--tcp", f"127.0.0.1:{tls_port}", "--tls-cert", str(pki / "server.pem"),
-                                "--tls-key", str(pki / "server.key"), "--tls-client-ca", str(pki / "ca.pem"),
-                                "--tcp-user", "65534:65534", "--metrics", f"0.0.0.0:{metrics_port}"])
-    daemon.start()
-    try:
-        yield {"daemon": daemon, "base": base, "pki": pki, "tls_port": tls_port, "metrics_port": metrics_port,
-               "users": users}
-    finally:
-        daemon.close()
-        remove_tree(base)
+    daemon = sandboxd_daemon_module(args=[
+        "--tcp", f"127.0.0.1:{tls_port}", "--tls-cert", str(pki / "server.pem"), "--tls-key",
+        str(pki / "server.key"), "--tls-client-ca", str(pki / "ca.pem"), "--tcp-user", "65534:65534",
+        "--metrics", f"0.0.0.0:{metrics_port}"])
+    return {"daemon": daemon, "base": base, "pki": pki, "tls_port": tls_port, "metrics_port": metrics_port,
+            "users": users}
 
 
-def workspace_of(world: dict[str, Any], owner: User | None, mode: int = 0o755) -> Path:
+def workspace_of(world: dict[str, Any], owner: PlainUser | None, mode: int = 0o755) -> Path:
     path = world["base"] / f"ws-{uuid.uuid4().hex[:8]}"
     path.mkdir(mode=mode)
     os.chmod(path, mode)
@@ -439,21 +419,14 @@ def test_a_certificate_without_a_common_name_is_refused(world: dict[str, Any]) -
 def uri_daemon(world: dict[str, Any]) -> Iterator[tuple[Daemon, int]]:
     """A second daemon naming TLS callers by their URI SAN, with one principal mapped to a local user."""
     victim = world["users"][1]
-    base = make_base_dir("sbxh-uri-")
     pki = world["pki"]
     port = free_port()
-    config = base / "sandboxd.toml"
-    config.write_text('[tls]\nidentity = "uri"\n'
-                      f'users = {{ "spiffe://example.org/mapped" = "{victim.name}" }}\n')
-    daemon = Daemon(base, args=["--config", str(config), "--tcp", f"127.0.0.1:{port}", "--tls-cert",
-                                str(pki / "server.pem"), "--tls-key", str(pki / "server.key"), "--tls-client-ca",
-                                str(pki / "ca.pem"), "--tcp-user", "65534:65534"])
-    daemon.start()
-    try:
+    with daemon_factory("sbxh-uri-") as factory:
+        daemon = factory(config=f'[tls]\nidentity = "uri"\nusers = {{ "spiffe://example.org/mapped" = "{victim.name}" }}\n',
+                         args=["--tcp", f"127.0.0.1:{port}", "--tls-cert", str(pki / "server.pem"), "--tls-key",
+                               str(pki / "server.key"), "--tls-client-ca", str(pki / "ca.pem"),
+                               "--tcp-user", "65534:65534"])
         yield daemon, port
-    finally:
-        daemon.close()
-        remove_tree(base)
 
 
 def test_uri_identities_are_distinct_principals_and_map_to_users(world: dict[str, Any],
