@@ -146,6 +146,10 @@ KEYS: tuple[Key, ...] = (
     Key("defaults", "timeout_seconds", 0, "per-call timeout of sessions that set none; 0: none", _seconds_or_zero),
     Key("defaults", "memory", "", "memory limit of sessions that set none (512M, 2G); empty: none", _size_or_empty),
     Key("defaults", "pids", 0, "process limit of sessions that set none; 0: none", _whole(0, 1 << 22)),
+    Key("quotas", "proxy_connections_per_session", 256, "connections a session's sandbox may hold open at once "
+        "through its egress proxy (allowed domains); more are refused at once", _whole(1, 65536)),
+    Key("quotas", "published_connections_per_session", 256, "connections open at once to a session's published "
+        "ports, from anyone; more are refused at once", _whole(1, 65536)),
     Key("metrics", "listen", "", "HOST:PORT of the Prometheus metrics listener (HTTP, /metrics); empty: none",
         _text),
     Key("log", "level", "info", "info: the daemon's life and its problems; debug: also every decision and call "

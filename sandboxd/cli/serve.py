@@ -124,4 +124,6 @@ def main(argv: list[str]) -> int:
                  log_format=str(values["log_format"]), log_level=str(values["log_level"]),
                  config_path=values["config_path"],  # type: ignore[arg-type]
                  metrics_listen=str(values["metrics"] or ""), session_defaults=defaults,
-                 network_pool=loaded["network.pool"])  # type: ignore[index]
+                 network_pool=loaded["network.pool"],  # type: ignore[index]
+                 proxy_connections=int(loaded["quotas.proxy_connections_per_session"]),  # type: ignore[index]
+                 published_connections=int(loaded["quotas.published_connections_per_session"]))  # type: ignore[index]

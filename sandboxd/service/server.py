@@ -82,7 +82,8 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
           state_dir: str = DEFAULT_STATE_DIR, approval_timeout: float = 300.0, dns: tuple[str, ...] = (),
           log_format: str = "json", log_level: str = "info", config_path: str | None = None,
           metrics_listen: str = "",
-          session_defaults: "object | None" = None, network_pool: str = "") -> int:
+          session_defaults: "object | None" = None, network_pool: str = "",
+          proxy_connections: int = 256, published_connections: int = 256) -> int:
     from sandboxd.supervisor.forkserver import ForkServer
     fork = ForkServer.start()                             # before gRPC's threads, and as a fresh process
     problem = _self_test(fork)
@@ -125,7 +126,8 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
 
     # The audit log and session metadata: opened (and migrated) before anything is served.
     store = EventStore(os.path.join(state_dir, "events.db"))
-    registry = SessionRegistry(fork, store, admin_gid=admin_gid, dns=dns, network_pool=network_pool)
+    registry = SessionRegistry(fork, store, admin_gid=admin_gid, dns=dns, network_pool=network_pool,
+                               proxy_connections=proxy_connections, published_connections=published_connections)
     resumed = registry.restore()
     from sandboxd.service.metrics import Metrics
     metrics = Metrics()
