@@ -252,3 +252,59 @@ def _free(port: int) -> bool:
             return True
         except OSError:
             return False
+
+
+def test_a_relay_copies_both_ways_with_bounded_buffers() -> None:
+    """32 MiB each way through one Relay while one reader stalls: what the loop buffers stays
+    within its bound (backpressure reaches the writer), every byte arrives in order, and each
+    side's end (shutdown) reaches the other."""
+    import hashlib
+    import socket
+    import threading
+
+    from sandboxd.supervisor import tcp_relay
+
+    loop = tcp_relay.RelayLoop("test-relay")
+    left, a = socket.socketpair()
+    b, right = socket.socketpair()
+    for sock in (a, b):
+        sock.setblocking(False)
+    closed = threading.Event()
+    relay = loop.call(lambda: tcp_relay.Relay(loop, a, b, on_close=closed.set))
+    payload = os.urandom(1 << 20) * 32
+    digests: dict[str, str] = {}
+
+    def send_then_end(sock: socket.socket) -> None:
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+
+    def drain(sock: socket.socket, key: str) -> None:
+        digest, size = hashlib.sha256(), 0
+        while chunk := sock.recv(1 << 16):
+            digest.update(chunk)
+            size += len(chunk)
+        digests[key] = f"{digest.hexdigest()}:{size}"
+
+    writers = [threading.Thread(target=send_then_end, args=(s,)) for s in (left, right)]
+    for w in writers:
+        w.start()
+    # Nobody reads yet: the writers block on a full pipe, and the loop holds no more than its bound.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and loop.call(lambda: len(relay._a.out) + len(relay._b.out)) < tcp_relay.BUFFER_LIMIT:
+        time.sleep(0.05)
+    held = loop.call(lambda: (len(relay._a.out), len(relay._b.out)))
+    assert max(held) <= tcp_relay.BUFFER_LIMIT + tcp_relay.CHUNK, held
+    assert all(w.is_alive() for w in writers)                      # backpressure reached the writers
+    readers = [threading.Thread(target=drain, args=(s, k)) for s, k in ((left, "left"), (right, "right"))]
+    for r in readers:
+        r.start()
+    for t in writers + readers:
+        t.join(timeout=120)
+    expected = f"{hashlib.sha256(payload).hexdigest()}:{len(payload)}"
+    assert digests == {"left": expected, "right": expected}
+    assert closed.wait(30)                                         # both directions ended: both closed
+    assert a.fileno() == -1 and b.fileno() == -1
+    left.close()
+    right.close()
+    loop.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-relay")]

@@ -92,6 +92,7 @@ class RelayLoop:
         self._selector.register(self._wake_read, READ, None)
         self._posted: deque[Callable[[], None]] = deque()
         self._timed: set[Any] = set()                  # objects with .deadline and .expire()
+        self._stopping = False
         self._pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix=f"{name}-work")
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -129,6 +130,18 @@ class RelayLoop:
             raise value
         return value  # type: ignore[no-any-return]
 
+    def close(self) -> None:
+        """Stop the loop thread and the workers (the process's shared loop lives as long as it
+        does: this is for loops of their own). What is still registered is not closed."""
+        def stop() -> None:
+            self._stopping = True
+        self.post(stop)
+        self._thread.join()
+        self._pool.shutdown(wait=True)
+        self._selector.close()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+
     def offload(self, work: Callable[[], T], then: "Callable[[Future[T]], None] | None" = None) -> None:
         """Run blocking ``work`` on a worker thread, then ``then(future)`` on the loop thread."""
         future = self._pool.submit(work)
@@ -161,7 +174,7 @@ class RelayLoop:
 
     def _run(self) -> None:
         next_sweep = time.monotonic() + SWEEP_SECONDS
-        while True:
+        while not self._stopping:
             for key, mask in self._selector.select(SWEEP_SECONDS):
                 if key.data is None:
                     try:
