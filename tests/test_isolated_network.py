@@ -606,6 +606,15 @@ HOST_REACH_PROBE = textwrap.dedent('''
         else:
             result[key] = reply.split(b"\\r\\n", 1)[0].decode()
         s.close()
+    # The proxy's way out is its socket mark: the sandbox cannot set it (CAP_NET_ADMIN).
+    marked = socket.socket()
+    try:
+        marked.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, int(sys.argv[2]))
+        marked.settimeout(3)
+        marked.connect(("198.51.100.10", 8080))
+        result["mark"] = "connected"
+    except OSError as e:
+        result["mark"] = type(e).__name__
     print(json.dumps(result))
 ''')
 
@@ -614,6 +623,8 @@ def test_the_proxy_cannot_reach_the_host_through_an_allowed_name(world: World, w
     """host.test is allowed and resolves to an address of the host: the proxy connects from the
     sandbox's namespace, so the host's kernel filter refuses it as it refuses the sandbox, through
     plain HTTP, CONNECT and SOCKS5 alike, and the host-only service sees no connection."""
+    from sandboxd.kernel.nftables import PROXY_MARK
+
     service = socket.socket()
     service.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     service.bind(("0.0.0.0", 0))
@@ -625,7 +636,8 @@ def test_the_proxy_cannot_reach_the_host_through_an_allowed_name(world: World, w
         service.accept()[0].close()
         result = subprocess.run([SANDBOXD, "run", "--workspace", str(workspace), "--network", "--dns", DNS,
                                  "--allow-domain", "host.test", "--allow-domain", "uplink.test",
-                                 "--allow-domain", "internet.test", "--", PY, "-c", HOST_REACH_PROBE, str(port)],
+                                 "--allow-domain", "internet.test", "--", PY, "-c", HOST_REACH_PROBE, str(port),
+                                 str(PROXY_MARK)],
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         seen = json.loads(result.stdout.strip().splitlines()[-1])
@@ -636,6 +648,7 @@ def test_the_proxy_cannot_reach_the_host_through_an_allowed_name(world: World, w
         assert seen["socks host"] == "socks reply 5", seen
         assert seen["http uplink"] == "HTTP/1.1 403 Forbidden", seen                # refused early, with a reason
         assert f"uplink.test:{port}: it resolves to {UPLINK}, a blocked range" in result.stderr
+        assert seen["mark"] == "PermissionError", seen
         service.setblocking(False)
         with pytest.raises(BlockingIOError):
             service.accept()                                                        # nothing came through
