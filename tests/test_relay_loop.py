@@ -290,9 +290,9 @@ def test_a_relay_copies_both_ways_with_bounded_buffers() -> None:
         w.start()
     # Nobody reads yet: the writers block on a full pipe, and the loop holds no more than its bound.
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and loop.call(lambda: len(relay._a.out) + len(relay._b.out)) < tcp_relay.BUFFER_LIMIT:
+    while time.monotonic() < deadline and sum(loop.call(lambda: relay.buffered)) < tcp_relay.BUFFER_LIMIT:
         time.sleep(0.05)
-    held = loop.call(lambda: (len(relay._a.out), len(relay._b.out)))
+    held = loop.call(lambda: relay.buffered)
     assert max(held) <= tcp_relay.BUFFER_LIMIT + tcp_relay.CHUNK, held
     assert all(w.is_alive() for w in writers)                      # backpressure reached the writers
     readers = [threading.Thread(target=drain, args=(s, k)) for s, k in ((left, "left"), (right, "right"))]

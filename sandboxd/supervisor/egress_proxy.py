@@ -241,12 +241,12 @@ class _Request:
         self.connecting: Connecting | None = None
         self.relay: Relay | None = None
         self.deadline = time.monotonic() + REQUEST_SECONDS
-        proxy._loop.add_timed(self)
+        proxy.loop.add_timed(self)
         self._watch(True)
 
     def _watch(self, on: bool) -> None:
         if on != self.watched:
-            self.proxy._loop.watch(self.client, READ if self.watched else 0, READ if on else 0, self)
+            self.proxy.loop.watch(self.client, READ if self.watched else 0, READ if on else 0, self)
             self.watched = on
 
     def on_ready(self, _mask: int) -> None:
@@ -331,7 +331,7 @@ class _Request:
         if not 0 < port < 65536 or not name:
             raise ValueError("bad destination")
         self._watch(False)                              # nothing more is read until it is connected
-        self.proxy._loop.discard_timed(self)
+        self.proxy.loop.discard_timed(self)
         self.complete = True
         self.proxy.open_upstream(name, port, self)
 
@@ -345,7 +345,7 @@ class _Request:
         proxy, upstream = self.proxy, self.upstream
         self.closed = True                              # the relay owns both sockets from here
         proxy.untrack(self)
-        relay = Relay(proxy._loop, self.client, upstream, to_a=self.success, to_b=self.to_upstream,
+        relay = Relay(proxy.loop, self.client, upstream, to_a=self.success, to_b=self.to_upstream,
                       on_close=self._relay_closed)
         self.relay = relay
         if not relay.closed:
@@ -369,7 +369,7 @@ class _Request:
             return
         self.closed = True
         proxy = self.proxy
-        proxy._loop.discard_timed(self)
+        proxy.loop.discard_timed(self)
         self._watch(False)
         if self.connecting is not None:
             self.connecting.close()

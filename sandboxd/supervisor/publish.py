@@ -101,7 +101,7 @@ class _Pending:
         if error is not None:
             self._release()
             return
-        relay = Relay(port._loop, self.client, self.inner, on_close=self._release)
+        relay = Relay(port.loop, self.client, self.inner, on_close=self._release)
         self.relay = relay
         if not relay.closed:
             port.track(relay)

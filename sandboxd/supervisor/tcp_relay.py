@@ -325,6 +325,11 @@ class Relay:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def buffered(self) -> tuple[int, int]:
+        """Bytes waiting to be written to a, and to b (loop thread only)."""
+        return len(self._a.out), len(self._b.out)
+
     def _peer(self, end: _End) -> _End:
         return self._b if end is self._a else self._a
 
@@ -411,6 +416,10 @@ class TcpService:
         self._watched = False
         self._connections: set[Any] = set()
         listener.setblocking(False)
+
+    @property
+    def loop(self) -> RelayLoop:
+        return self._loop
 
     def start(self) -> "TcpService":
         self._loop.call(self._watch_listener)
