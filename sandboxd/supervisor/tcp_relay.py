@@ -7,7 +7,7 @@ sockets, so a flood of connections costs file descriptors (capped per session, s
 fixed pool of worker threads (``WORKERS``) and comes back to the loop.
 
 Bytes are copied with bounded buffers and backpressure: a side is not read while its peer's
-outgoing buffer holds ``BUFFER_LIMIT`` bytes, so a slow reader slows its writer down instead of
+outgoing buffer holds ``BUFFER_LIMIT`` (32 KiB) bytes, so a slow reader slows its writer down instead of
 growing the daemon's memory. A relayed connection with no traffic either way for ``IDLE_SECONDS``
 (10 minutes) is closed; connecting a socket gives up after ``CONNECT_SECONDS``.
 """
@@ -27,8 +27,11 @@ from typing import Any, Callable, TypeVar
 
 from sandboxd.errors import SetupError
 
-CHUNK = 64 * 1024
-BUFFER_LIMIT = 256 * 1024          # bytes waiting for one side before its peer is no longer read
+CHUNK = 32 * 1024
+# Bytes waiting for one side before its peer is no longer read. The kernel's socket buffers do the
+# real buffering; this one only has to carry a read over to the next write. So a connection holds
+# at most 2 x (BUFFER_LIMIT + CHUNK) = 128 KiB of the daemon's memory, 32 MiB per capped session.
+BUFFER_LIMIT = 32 * 1024
 IDLE_SECONDS = 600.0               # a relayed connection quiet this long either way is closed
 CONNECT_SECONDS = 10.0             # connecting a socket (the proxy's upstream, a published port's inner one)
 ACCEPT_BATCH = 64                  # connections accepted per wakeup of a listener (fairness between listeners)
