@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import subprocess
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from conftest import PY
-from daemon_helpers import Daemon, create_session, make_base_dir, remove_tree, run_client_as, run_exec
+from daemon_helpers import Daemon, PlainUser, create_session, make_base_dir, remove_tree, run_client_as, run_exec
 from sandboxd.v1 import sandboxd_pb2 as pb
 from test_isolated_network import DNS, World, free_port, http_get
 
@@ -98,16 +97,6 @@ def world() -> Iterator[World]:
         w.teardown()
 
 
-@pytest.fixture()
-def plain_user() -> Iterator[pwd.struct_passwd]:
-    name = f"sbxt-{os.urandom(3).hex()}"
-    subprocess.run(["useradd", "-M", "-N", "-s", "/usr/sbin/nologin", name], check=True, capture_output=True)
-    try:
-        yield pwd.getpwnam(name)
-    finally:
-        subprocess.run(["userdel", name], capture_output=True)
-
-
 def threads_of(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
@@ -128,13 +117,15 @@ def policy(**kwargs: object) -> pb.SandboxPolicy:
     return pb.SandboxPolicy(mode=pb.SandboxPolicy.WORKSPACE_WRITE, network_access=True, **kwargs)  # type: ignore[arg-type]
 
 
-def test_floods_cost_no_threads_are_capped_and_leave_nothing(world: World, plain_user: pwd.struct_passwd) -> None:
+def test_floods_cost_no_threads_are_capped_and_leave_nothing(world: World,
+                                                             plain_users: Callable[[int], list[PlainUser]]) -> None:
+    (user,) = plain_users(1)
     base = make_base_dir("sbxd-floods-")
     spaces = {}
     for name in ("a", "b", "c", "user"):
         spaces[name] = base / name
         spaces[name].mkdir()
-    os.chown(spaces["user"], plain_user.pw_uid, plain_user.pw_gid)
+    os.chown(spaces["user"], user.uid, user.gid)
     flood_port, control_port = free_port(), free_port()
     d = Daemon(base, args=["--dns", DNS])
     user_flood: subprocess.Popen[bytes] | None = None
@@ -162,7 +153,7 @@ def test_floods_cost_no_threads_are_capped_and_leave_nothing(world: World, plain
             str(spaces["a"] / "release")]))
         user_flood = subprocess.Popen(
             [PY, "-c", FLOOD, f"127.0.0.1:{flood_port}", "1500", str(1500 - CAP), str(spaces["user"] / "result"),
-             str(spaces["user"] / "release")], user=plain_user.pw_uid, group=plain_user.pw_gid, extra_groups=[],
+             str(spaces["user"] / "release")], user=user.uid, group=user.gid, extra_groups=[],
             cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         in_sandbox = wait_for_file(spaces["a"] / "result")
         from_user = wait_for_file(spaces["user"] / "result")
@@ -211,7 +202,8 @@ print(json.dumps({"low": low, "high": high, "moved": moved}))
 '''
 
 
-def test_only_root_publishes_privileged_host_ports(plain_user: pwd.struct_passwd) -> None:
+def test_only_root_publishes_privileged_host_ports(plain_users: Callable[[int], list[PlainUser]]) -> None:
+    (user,) = plain_users(1)
     from sandboxd.supervisor.publish import unprivileged_port_start
 
     start = unprivileged_port_start()
@@ -220,12 +212,12 @@ def test_only_root_publishes_privileged_host_ports(plain_user: pwd.struct_passwd
     base = make_base_dir("sbxd-ports-")
     workspace = base / "ws"
     workspace.mkdir()
-    os.chown(workspace, plain_user.pw_uid, plain_user.pw_gid)
+    os.chown(workspace, user.uid, user.gid)
     d = Daemon(base)
     try:
         d.start()
         port = free_port()
-        seen = run_client_as(plain_user.pw_uid, plain_user.pw_gid, d.socket, PUBLISH_AS_USER,
+        seen = run_client_as(user.uid, user.gid, d.socket, PUBLISH_AS_USER,
                              {"workspace": str(workspace), "port": port})
         code, message = seen["low"]
         assert code == "PERMISSION_DENIED", seen
