@@ -268,12 +268,14 @@ def test_five_hundred_sessions_leave_nothing_behind(workspace: Path) -> None:
         for n in range(500):
             fs.open_session(f"s{n}", LaunchSpec(argv=("true",), workspace=str(workspace),
                                                 policy=WorkspaceWrite(network_access=True)))
-            (link,) = set(sandbox_links()) - set(links_before)
+            # Only this fork server's links (sbx<its pid>x...): other sandboxes may come and go meanwhile.
+            (link,) = {name for name in set(sandbox_links()) - set(links_before)
+                       if name.startswith(f"{kernel_netns.LINK_PREFIX}{fs.pid:x}x")}
             addresses.add(subprocess.run(["ip", "-br", "-4", "addr", "show", link], capture_output=True,
                                          text=True).stdout.split()[2])
             fs.close_session(f"s{n}")
         elapsed = time.monotonic() - started
-        assert sandbox_links() == links_before
+        assert not [name for name in sandbox_links() if name.startswith(f"{kernel_netns.LINK_PREFIX}{fs.pid:x}x")]
         assert addresses == {"10.233.0.1/30"}, addresses          # the pool hands the same block back
         print(f"500 sessions with isolated network created and closed in {elapsed:.1f} s")
     finally:
@@ -370,7 +372,12 @@ def test_host_unix_sockets_only_by_name(workspace: Path, base_dir: Path) -> None
         assert connect() == "refused 13"
         assert connect("--network", "--allow-unix-socket", str(path)) == "connected agent"
         assert connect("--allow-unix-socket", str(path)) == "connected agent"
-        assert connect("--allow-unix-socket", str(base_dir / "other.sock")) == "refused 13"
+        other = socket.socket(socket.AF_UNIX)              # allowing another socket (it must exist) grants
+        other.bind(str(base_dir / "other.sock"))           # nothing on this one
+        try:
+            assert connect("--allow-unix-socket", str(base_dir / "other.sock")) == "refused 13"
+        finally:
+            other.close()
     finally:
         stop = True
         server.close()
