@@ -138,6 +138,10 @@ KEYS: tuple[Key, ...] = (
     Key("listen", "workers", 64, "RPCs served at once", _whole(1, 1024)),
     Key("quotas", "connections_per_uid", 64, "connections one local user may hold open at once (more are closed "
         "as soon as they are accepted); root may hold four times as many", _whole(1, 65536)),
+    Key("quotas", "proxy_connections_per_session", 256, "connections a session's sandbox may hold open at once "
+        "through its egress proxy (allowed domains); more are refused at once", _whole(1, 65536)),
+    Key("quotas", "published_connections_per_session", 256, "connections open at once to a session's published "
+        "ports, from anyone; more are refused at once", _whole(1, 65536)),
     Key("tls", "address", "", "HOST:PORT of an optional TCP listener; it always needs TLS and client "
         "certificates (all four tls keys)", _text),
     Key("tls", "cert", "", "the server's certificate chain (PEM)", _optional_absolute),

@@ -4,7 +4,10 @@
   server on 198.51.100.53 (internet.test, private.test), and a fake cloud metadata service on
   169.254.169.254; the host routes 198.51.100.0/24 and the metadata address to it;
 - a "private" namespace is a service on a private range (10.77.0.10);
-- the host itself listens on 127.0.0.1 and on all its addresses.
+- the host itself listens on 127.0.0.1 and on all its addresses, and has one more address of its
+  own, HOST_ONLY (198.51.100.200, on the host's side of the world's link), which the world's DNS gives for
+  host.test: a name that resolves to the host (uplink.test resolves to the host's side of the
+  world's link, 203.0.113.1).
 
 Nothing is sent anywhere but loopback and these namespaces. Every probe runs a real program
 (/usr/bin/python3) inside a real sandbox, and each blocked destination has a control that
@@ -33,6 +36,7 @@ pytestmark = pytest.mark.timeout(300)
 
 INTERNET, OTHER, DNS, METADATA, PRIVATE = ("198.51.100.10", "198.51.100.11", "198.51.100.53", "169.254.169.254",
                                            "10.77.0.10")
+HOST_ONLY, UPLINK = "198.51.100.200", "203.0.113.1"          # addresses of the host itself
 
 SERVERS = textwrap.dedent('''
     import http.server, socket, socketserver, struct, sys, threading
@@ -65,7 +69,8 @@ SERVERS = textwrap.dedent('''
         http_on("169.254.169.254", 80, "metadata")
         print("ready", flush=True)
         dns_on("198.51.100.53", {"internet.test": "198.51.100.10", "private.test": "10.77.0.10",
-                                 "other.test": "198.51.100.11", "api.internet.test": "198.51.100.10"})
+                                 "other.test": "198.51.100.11", "api.internet.test": "198.51.100.10",
+                                 "host.test": "198.51.100.200", "uplink.test": "203.0.113.1"})
     else:
         http_on("10.77.0.10", 8080, "private")
         print("ready", flush=True)
@@ -128,7 +133,9 @@ class World:
            f"ip addr add 10.77.0.1/24 dev {pv}h", f"ip link set {pv}h up",
            f"ip -n {pv} addr add {PRIVATE}/24 dev {pv}i", f"ip -n {pv} link set {pv}i up",
            f"ip -n {pv} link set lo up", f"ip -n {pv} route add default via 10.77.0.1",
-           f"echo 1 > /proc/sys/net/ipv4/conf/{pv}h/forwarding")
+           f"echo 1 > /proc/sys/net/ipv4/conf/{pv}h/forwarding",
+           # One more address of the host's own (its local route wins over the world's /24).
+           f"ip addr add {HOST_ONLY}/32 dev {gw}h")
         for ns, role in ((gw, "gateway"), (pv, "private")):
             proc = subprocess.Popen(["ip", "netns", "exec", ns, PY, "-c", SERVERS, role], stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True)
@@ -261,12 +268,14 @@ def test_five_hundred_sessions_leave_nothing_behind(workspace: Path) -> None:
         for n in range(500):
             fs.open_session(f"s{n}", LaunchSpec(argv=("true",), workspace=str(workspace),
                                                 policy=WorkspaceWrite(network_access=True)))
-            (link,) = set(sandbox_links()) - set(links_before)
+            # Only this fork server's links (sbx<its pid>x...): other sandboxes may come and go meanwhile.
+            (link,) = {name for name in set(sandbox_links()) - set(links_before)
+                       if name.startswith(f"{kernel_netns.LINK_PREFIX}{fs.pid:x}x")}
             addresses.add(subprocess.run(["ip", "-br", "-4", "addr", "show", link], capture_output=True,
                                          text=True).stdout.split()[2])
             fs.close_session(f"s{n}")
         elapsed = time.monotonic() - started
-        assert sandbox_links() == links_before
+        assert not [name for name in sandbox_links() if name.startswith(f"{kernel_netns.LINK_PREFIX}{fs.pid:x}x")]
         assert addresses == {"10.233.0.1/30"}, addresses          # the pool hands the same block back
         print(f"500 sessions with isolated network created and closed in {elapsed:.1f} s")
     finally:
@@ -363,7 +372,12 @@ def test_host_unix_sockets_only_by_name(workspace: Path, base_dir: Path) -> None
         assert connect() == "refused 13"
         assert connect("--network", "--allow-unix-socket", str(path)) == "connected agent"
         assert connect("--allow-unix-socket", str(path)) == "connected agent"
-        assert connect("--allow-unix-socket", str(base_dir / "other.sock")) == "refused 13"
+        other = socket.socket(socket.AF_UNIX)              # allowing another socket (it must exist) grants
+        other.bind(str(base_dir / "other.sock"))           # nothing on this one
+        try:
+            assert connect("--allow-unix-socket", str(base_dir / "other.sock")) == "refused 13"
+        finally:
+            other.close()
     finally:
         stop = True
         server.close()
@@ -561,3 +575,97 @@ def test_stale_proxy_access_is_swept() -> None:
     assert "10.233.255.254" in nftables.proxied_addresses()
     kernel_netns.sweep_stale()
     assert "10.233.255.254" not in nftables.proxied_addresses()
+
+
+HOST_REACH_PROBE = textwrap.dedent('''
+    # Every request is sent first, then every reply read: they wait on the proxy side by side.
+    # (One thread: a connect from a second thread of an allowed-domains sandbox gets ENOSYS.)
+    import json, os, socket, struct, sys
+    proxy = os.environ["HTTP_PROXY"].rsplit("/", 1)[-1].split(":")
+    proxy = (proxy[0], int(proxy[1]))
+    port = int(sys.argv[1])
+    def socks(name, p):
+        return b"\\x05\\x01\\x00" + b"\\x05\\x01\\x00\\x03" + bytes([len(name)]) + name.encode() + struct.pack(">H", p)
+    requests = {"http host": f"GET http://host.test:{port}/ HTTP/1.0\\r\\n\\r\\n".encode(),
+                "connect host": f"CONNECT host.test:{port} HTTP/1.1\\r\\n\\r\\n".encode(),
+                "socks host": socks("host.test", port),
+                "http uplink": f"GET http://uplink.test:{port}/ HTTP/1.0\\r\\n\\r\\n".encode(),
+                "http internet": b"GET http://internet.test:8080/ HTTP/1.0\\r\\n\\r\\n",
+                "socks internet": socks("internet.test", 8080)}
+    sockets = {}
+    for key, request in requests.items():
+        sockets[key] = socket.create_connection(proxy, timeout=30)
+        sockets[key].sendall(request)
+    result = {}
+    for key, s in sockets.items():
+        reply = b""
+        try:
+            while chunk := s.recv(4096):
+                reply += chunk
+                if key.startswith("socks") and len(reply) >= 12:
+                    break
+        except OSError as e:
+            reply = type(e).__name__.encode()
+        if key.startswith("socks"):
+            result[key] = f"socks reply {reply[3]}" if len(reply) >= 12 else reply.decode()
+        elif key == "http internet":
+            result[key] = reply.split(b"\\r\\n\\r\\n", 1)[-1].decode()
+        else:
+            result[key] = reply.split(b"\\r\\n", 1)[0].decode()
+        s.close()
+    # The proxy's way out is its socket mark: the sandbox cannot set it (CAP_NET_ADMIN).
+    marked = socket.socket()
+    try:
+        marked.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, int(sys.argv[2]))
+        marked.settimeout(3)
+        marked.connect(("198.51.100.10", 8080))
+        result["mark"] = "connected"
+    except OSError as e:
+        result["mark"] = type(e).__name__
+    print(json.dumps(result))
+''')
+
+
+def test_the_proxy_cannot_reach_the_host_through_an_allowed_name(world: World, workspace: Path) -> None:
+    """host.test is allowed and resolves to an address of the host: the proxy connects from the
+    sandbox's namespace, so the host's kernel filter refuses it as it refuses the sandbox, through
+    plain HTTP, CONNECT and SOCKS5 alike, and the host-only service sees no connection."""
+    from sandboxd.kernel.nftables import PROXY_MARK
+
+    service = socket.socket()
+    service.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    service.bind(("0.0.0.0", 0))
+    service.listen(16)
+    port = service.getsockname()[1]
+    try:
+        with socket.create_connection((HOST_ONLY, port), timeout=5):   # the control: it is there, for the host
+            pass
+        service.accept()[0].close()
+        result = subprocess.run([SANDBOXD, "run", "--workspace", str(workspace), "--network", "--dns", DNS,
+                                 "--allow-domain", "host.test", "--allow-domain", "uplink.test",
+                                 "--allow-domain", "internet.test", "--", PY, "-c", HOST_REACH_PROBE, str(port),
+                                 str(PROXY_MARK)],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        seen = json.loads(result.stdout.strip().splitlines()[-1])
+        assert seen["http internet"] == "hello from internet", seen                 # the control, in the sandbox
+        assert seen["socks internet"] == "socks reply 0", seen
+        assert seen["http host"] == "HTTP/1.1 502 Bad Gateway", seen                # the kernel said no
+        assert seen["connect host"] == "HTTP/1.1 502 Bad Gateway", seen
+        assert seen["socks host"] == "socks reply 5", seen
+        assert seen["http uplink"] == "HTTP/1.1 403 Forbidden", seen                # refused early, with a reason
+        assert f"uplink.test:{port}: it resolves to {UPLINK}, a blocked range" in result.stderr
+        assert seen["mark"] == "PermissionError", seen
+        service.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            service.accept()                                                        # nothing came through
+    finally:
+        service.close()
+
+
+def test_a_proxy_upstream_is_marked_and_only_the_proxy_ruleset_lets_the_mark_out() -> None:
+    from sandboxd.kernel import nftables
+
+    via_proxy = nftables.egress_ruleset(["192.0.2.53"], [], proxy="10.233.0.1")
+    assert f"meta mark {nftables.PROXY_MARK:#x}" in via_proxy
+    assert "meta mark" not in nftables.egress_ruleset(["192.0.2.53"], [("198.51.100.7", ())])

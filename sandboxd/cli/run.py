@@ -247,7 +247,8 @@ def main(argv: list[str]) -> int:
 
 
 def _serve_proxy(network: "object", domains: "tuple[str, ...]") -> "object":
-    """The egress proxy of --allow-domain (threads: after the one fork, the parent forks no more)."""
+    """The egress proxy of --allow-domain, on this process's relay loop (a thread: after the one
+    fork, the parent forks no more); it connects from inside the sandbox's network namespace."""
     from sandboxd.supervisor.egress_proxy import EgressProxy
 
     def denied(destination: str, why: str) -> None:
@@ -255,11 +256,13 @@ def _serve_proxy(network: "object", domains: "tuple[str, ...]") -> "object":
         sys.stderr.flush()
     listener, network.proxy_listener = network.proxy_listener, None  # type: ignore[attr-defined]
     return EgressProxy(listener, domains, client_address=network.sandbox_address,  # type: ignore[attr-defined]
-                       resolvers=network.resolvers, on_denied=denied).start()  # type: ignore[attr-defined]
+                       netns_fd=network.netns_fd, resolvers=network.resolvers,  # type: ignore[attr-defined]
+                       on_denied=denied).start()
 
 
 def _publish(init_pid: int, entries: "tuple[str, ...]") -> list:  # type: ignore[type-arg]
-    """Listen for the published ports (threads: after the one fork, the parent forks no more)."""
+    """Listen for the published ports, on this process's relay loop (a thread: after the one fork,
+    the parent forks no more)."""
     from sandboxd.supervisor.publish import publish_all
 
     netns = os.open(f"/proc/{init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)

@@ -128,4 +128,6 @@ def main(argv: list[str]) -> int:
                  config_path=values["config_path"],  # type: ignore[arg-type]
                  metrics_listen=str(values["metrics"] or ""), session_defaults=defaults,
                  network_pool=loaded["network.pool"],  # type: ignore[index]
+                 proxy_connections=int(loaded["quotas.proxy_connections_per_session"]),  # type: ignore[index]
+                 published_connections=int(loaded["quotas.published_connections_per_session"]),  # type: ignore[index]
                  connections_per_uid=int(loaded["quotas.connections_per_uid"]))  # type: ignore[index]

@@ -29,6 +29,10 @@ from sandboxd.errors import SetupError
 TABLE = "sandboxd"
 INTERFACE_PATTERN = "sbx*"
 PROXY_PORT = 3128                   # the egress proxy on the host side of each link (supervisor.egress_proxy)
+# The SO_MARK of the egress proxy's upstream sockets, made inside the sandbox's namespace: the
+# sandbox's own egress table lets them out. Setting a mark needs CAP_NET_ADMIN, which no sandboxed
+# process holds, so only the root proxy can use this way out (and the host's filter still applies).
+PROXY_MARK = 0x5BD0_0001
 BLOCKED_RANGES = ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
                   "192.0.0.0/24", "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/4", "240.0.0.0/4")
 
@@ -129,13 +133,15 @@ def proxied_addresses() -> "list[str]":
 def egress_ruleset(resolvers: "list[str] | tuple[str, ...]",
                    allowed: "list[tuple[str, tuple[tuple[int, int], ...]]]", proxy: str | None = None) -> str:
     """The allowlist of one isolated network, loaded inside its namespace (the sandbox holds no
-    capability to change it): loopback, replies, DNS to the resolvers, the allowed destinations;
-    everything else is rejected at once (a program fails fast instead of timing out)."""
+    capability to change it): loopback, replies, DNS to the resolvers, the allowed destinations,
+    and with ``proxy`` the proxy port and the proxy's own upstream sockets (``PROXY_MARK``);
+    everything else is rejected at once (a program fails fast instead of timing out).""" 
     lines = ['oifname "lo" accept', "ct state established,related accept"]
     if resolvers:
         lines.append(f"ip daddr {{ {', '.join(resolvers)} }} meta l4proto {{ udp, tcp }} th dport 53 accept")
     if proxy:                                            # the egress proxy: the way out for allowed domains
         lines.append(f"ip daddr {proxy} tcp dport {PROXY_PORT} accept")
+        lines.append(f"meta mark {PROXY_MARK:#x} meta l4proto tcp accept")  # the proxy's own upstream connections
     for cidr, ports in allowed:
         if ports:
             spec = ", ".join(str(low) if low == high else f"{low}-{high}" for low, high in ports)

@@ -115,7 +115,8 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
           state_dir: str = DEFAULT_STATE_DIR, approval_timeout: float = 300.0, dns: tuple[str, ...] = (),
           log_format: str = "json", log_level: str = "info", config_path: str | None = None,
           metrics_listen: str = "",
-          session_defaults: "object | None" = None, network_pool: str = "", connections_per_uid: int = 64) -> int:
+          session_defaults: "object | None" = None, network_pool: str = "", connections_per_uid: int = 64,
+          proxy_connections: int = 256, published_connections: int = 256) -> int:
     from sandboxd.supervisor.forkserver import ForkServer
     fork = ForkServer.start()                             # before gRPC's threads, and as a fresh process
     _raise_fd_limit()                                     # after: sandboxes keep the limit they had
@@ -162,7 +163,8 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     # The audit log and session metadata: opened (and migrated) before anything is served.
     store = open_in_state_dir(state_dir)
     own = own_places(socket_path, private, backend, state_dir, tls.address if tls else "", metrics_listen)
-    registry = SessionRegistry(fork, store, admin_gid=admin_gid, dns=dns, network_pool=network_pool, own=own)
+    registry = SessionRegistry(fork, store, admin_gid=admin_gid, dns=dns, network_pool=network_pool, own=own,
+                               proxy_connections=proxy_connections, published_connections=published_connections)
     resumed = registry.restore()
     from sandboxd.service.metrics import Metrics
     metrics = Metrics()

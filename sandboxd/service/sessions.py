@@ -22,6 +22,7 @@ from sandboxd.policy.sandbox import is_within
 from sandboxd.policy.spec import policy_from_dict, policy_to_dict
 from sandboxd.service.peercred import PeerCredentials
 from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.publish import check_host_ports
 
 SESSION_PLACEHOLDER_ARGV = ("sandboxd-session",)  # a session's spec runs no command itself
 
@@ -91,7 +92,8 @@ class OwnPlaces(Record):
 class SessionRegistry:
     def __init__(self, forkserver: ForkServer, store: EventStore, *, admin_gid: int | None = None,
                  max_sessions: int = 10000, dns: tuple[str, ...] = (), network_pool: str = "",
-                 own: OwnPlaces | None = None) -> None:
+                 own: OwnPlaces | None = None, proxy_connections: int = 256,
+                 published_connections: int = 256) -> None:
         self._fork = forkserver
         self.store = store
         self.own = own or OwnPlaces()
@@ -100,6 +102,8 @@ class SessionRegistry:
         self._sandbox_namespaces: dict[str, int] = {}
         self._dns = dns                                   # resolvers for isolated networks (default: the host's)
         self._network_pool = network_pool                 # addresses of isolated networks (default: netns's)
+        # Connections at once per sandbox through its egress proxy, and to its published ports.
+        self._proxy_connections, self._published_connections = proxy_connections, published_connections
         self.metrics: "Any" = None                        # service.metrics.Metrics, when the daemon has it
         self._admin_gid = admin_gid
         self._max = max_sessions
@@ -188,6 +192,7 @@ class SessionRegistry:
             raise InvalidPolicy(f"workspace {workspace!r} must be an absolute path")
         self._check_policy(caller, policy)
         self._check_not_shared(caller, workspace, policy)
+        check_host_ports(caller.uid, getattr(policy, "published_ports", ()))
         with self._lock:
             if len(self._sessions) >= self._max:
                 raise Exhausted(f"the daemon holds its maximum of {self._max} sessions: close some first")
@@ -224,6 +229,7 @@ class SessionRegistry:
         if policy is not None and policy != session.policy:
             self._check_policy(caller, policy)
             self._check_not_shared(caller, session.workspace, policy, session.id)
+            check_host_ports(caller.uid, getattr(policy, "published_ports", ()))
         if approval is not None:
             session.approval = approval
         if policy is not None and policy != session.policy and not session.sandbox_ready:
@@ -317,7 +323,7 @@ class SessionRegistry:
 
                 netns = os.open(f"/proc/{info.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
                 try:
-                    services.extend(publish_all(netns, entries))
+                    services.extend(publish_all(netns, entries, connections=self._published_connections))
                 finally:
                     os.close(netns)
             if domains and info.host_address and info.sandbox_address:
@@ -329,9 +335,14 @@ class SessionRegistry:
                     self.store.append(session.id, EventType.PERMISSION_DENIED, tool="network", data={
                         "reason": "network_request", "by": "sandbox", "destination": destination, "detail": why,
                         "message": f"network: denied by the sandbox (network_request): {destination}: {why}"})
-                services.append(EgressProxy(EgressProxy.listen(info.host_address), domains,
-                                            client_address=info.sandbox_address, resolvers=info.resolvers,
-                                            on_denied=denied).start())
+                netns = os.open(f"/proc/{info.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+                try:                                      # its upstream connections are made in there
+                    services.append(EgressProxy(EgressProxy.listen(info.host_address), domains,
+                                                client_address=info.sandbox_address, netns_fd=netns,
+                                                resolvers=info.resolvers, on_denied=denied,
+                                                connections=self._proxy_connections).start())
+                finally:
+                    os.close(netns)
                 session.extra_env = proxy_environment(info.host_address)
         except BaseException:
             self._close_sandbox(session, generation)

@@ -8,10 +8,23 @@ proxy listens on the host side of the sandbox's link, port 3128, and for each re
 - takes the destination *name* (CONNECT host:port, an absolute http:// URI, or a SOCKS5 domain
   address; a bare IP address is refused: there is no name to check),
 - checks it against the allowlist (``pypi.org`` exactly, ``*.pypi.org`` any subdomain),
-- resolves it itself (the configured resolvers, else the host's), refuses any address the
-  host filter would (loopback, link-local and the metadata service, private ranges), and
-  connects; or refuses, and reports the refusal (``on_denied``: an event in the daemon, a line on
-  stderr for ``sandboxd run``).
+- resolves it itself (the configured resolvers, else the host's) and refuses at once, with a
+  reason, an address in a range no sandbox may reach (``REFUSED_RANGES``),
+- connects from INSIDE the sandbox's network namespace, with a socket carrying ``PROXY_MARK``
+  (the one thing besides DNS and the proxy that the sandbox's own egress table lets out, and that
+  the sandbox cannot set: SO_MARK needs CAP_NET_ADMIN). So the host's kernel filter judges the
+  proxy's connection exactly as the sandbox's own: the host's addresses, its loopback, private and
+  reserved ranges and the metadata service stay out of reach whatever a name resolves to, and the
+  early range check is only there to say why.
+- or refuses, and reports the refusal (``on_denied``: an event in the daemon, a line on stderr
+  for ``sandboxd run``).
+
+Every proxy of a process is served by the process's one relay loop (tcp_relay): no thread per
+connection. A proxy serves at most ``cap.limit`` connections at once (the daemon's
+``quotas.proxy_connections_per_session``); more are refused at once (a 503, or a SOCKS failure,
+when the client has already spoken) and counted in ``cap.refused``. A client has
+``REQUEST_SECONDS`` to send its request; a relayed connection idle for tcp_relay.IDLE_SECONDS is
+closed.
 """
 
 from __future__ import annotations
@@ -20,13 +33,32 @@ import ipaddress
 import os
 import socket
 import struct
+import time
+from concurrent.futures import Future
 from typing import Callable
 
-from sandboxd.kernel.nftables import BLOCKED_RANGES
-from sandboxd.supervisor.tcp_relay import TcpService, listen_tcp, relay
+from sandboxd.kernel.nftables import BLOCKED_RANGES, PROXY_MARK
+from sandboxd.supervisor.tcp_relay import (READ, ConnectionCap, Connecting, Relay, RelayLoop, TcpService, listen_tcp,
+                                           refuse, socket_in_namespace)
 
 PROXY_PORT = 3128
-_BLOCKED = [ipaddress.ip_network(r) for r in BLOCKED_RANGES]
+DEFAULT_CONNECTIONS = 256
+REQUEST_SECONDS = 30.0             # from accepting a connection to a complete request
+MAX_REQUEST_HEAD = 65536
+# The host filter's ranges, and the documentation and reserved ones no real destination is in:
+# the early refusal (with a reason) of what the kernel would refuse anyway, or should never see.
+# 198.51.100.0/24 (TEST-NET-2) is left out on purpose: the test suite's stand-in internet lives there.
+REFUSED_RANGES = BLOCKED_RANGES + ("192.0.2.0/24", "203.0.113.0/24", "192.88.99.0/24", "255.255.255.255/32")
+_REFUSED = [ipaddress.ip_network(r) for r in REFUSED_RANGES]
+
+HTTP_FORBIDDEN = b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+HTTP_BAD_REQUEST = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+HTTP_BAD_GATEWAY = b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+HTTP_BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+SOCKS_NOT_ALLOWED = b"\x05\x02\x00\x01" + b"\0" * 6     # connection not allowed by ruleset
+SOCKS_FAILED = b"\x05\x01\x00\x01" + b"\0" * 6          # general failure
+SOCKS_REFUSED = b"\x05\x05\x00\x01" + b"\0" * 6         # connection refused
+SOCKS_OK = b"\x05\x00\x00\x01" + b"\0" * 6
 
 
 def domain_allowed(name: str, patterns: "tuple[str, ...] | list[str]") -> bool:
@@ -41,6 +73,12 @@ def domain_allowed(name: str, patterns: "tuple[str, ...] | list[str]") -> bool:
     return False
 
 
+def refused_range(address: str) -> bool:
+    """Is ``address`` in a range the proxy refuses before trying (REFUSED_RANGES)?"""
+    ip = ipaddress.ip_address(address)
+    return any(ip in network for network in _REFUSED)
+
+
 def proxy_environment(host_address: str) -> dict[str, str]:
     url = f"http://{host_address}:{PROXY_PORT}"
     env = {"NO_PROXY": "localhost,127.0.0.1", "ALL_PROXY": f"socks5h://{host_address}:{PROXY_PORT}"}
@@ -50,10 +88,11 @@ def proxy_environment(host_address: str) -> dict[str, str]:
 
 
 def resolve(name: str, resolvers: "list[str] | tuple[str, ...]") -> str:
-    """An IPv4 address of ``name``: a one-question A query to the resolvers, else the host's."""
+    """An IPv4 address of ``name``: a one-question A query to the resolvers, else the host's.
+    Blocking: the proxy calls it on a worker thread, never on the loop."""
     if not resolvers:
         return socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
-    query = struct.pack(">HHHHHH", os.getpid() & 0xFFFF, 0x0100, 1, 0, 0, 0)
+    query = struct.pack(">HHHHHH", int.from_bytes(os.urandom(2), "big"), 0x0100, 1, 0, 0, 0)
     query += b"".join(bytes([len(label)]) + label.encode("idna") for label in name.rstrip(".").split(".")) + b"\0"
     query += struct.pack(">HH", 1, 1)
     for server in resolvers:
@@ -64,33 +103,50 @@ def resolve(name: str, resolvers: "list[str] | tuple[str, ...]") -> str:
                 reply = sock.recv(1500)
             except OSError:
                 continue
-        count = struct.unpack(">H", reply[6:8])[0]
-        offset = len(query)
-        for _ in range(count):
-            while True:                                   # the answer's name: labels, maybe ending in a pointer
-                size = reply[offset]
-                if size == 0 or size & 0xC0 == 0xC0:
-                    offset += 1 if size == 0 else 2
-                    break
-                offset += 1 + size
-            kind, _klass, _ttl, length = struct.unpack(">HHIH", reply[offset:offset + 10])
-            offset += 10
-            if kind == 1 and length == 4:
-                return socket.inet_ntoa(reply[offset:offset + 4])
-            offset += length
+        try:
+            address = _first_a_record(query, reply)
+        except (IndexError, struct.error):
+            continue
+        if address is not None:
+            return address
     raise OSError(f"cannot resolve {name}")
 
 
-class EgressProxy:
+def _first_a_record(query: bytes, reply: bytes) -> str | None:
+    if reply[:2] != query[:2]:
+        return None                                     # not the answer to our question
+    count = struct.unpack(">H", reply[6:8])[0]
+    offset = len(query)
+    for _ in range(count):
+        while True:                                     # the answer's name: labels, maybe ending in a pointer
+            size = reply[offset]
+            if size == 0 or size & 0xC0 == 0xC0:
+                offset += 1 if size == 0 else 2
+                break
+            offset += 1 + size
+        kind, _klass, _ttl, length = struct.unpack(">HHIH", reply[offset:offset + 10])
+        offset += 10
+        if kind == 1 and length == 4:
+            return socket.inet_ntoa(reply[offset:offset + 4])
+        offset += length
+    return None
+
+
+class EgressProxy(TcpService):
     def __init__(self, listener: socket.socket, allowed: "tuple[str, ...]", *, client_address: str,
-                 resolvers: "list[str] | tuple[str, ...]" = (),
-                 on_denied: "Callable[[str, str], None]" = lambda destination, why: None) -> None:
+                 netns_fd: int, resolvers: "list[str] | tuple[str, ...]" = (),
+                 on_denied: "Callable[[str, str], None]" = lambda destination, why: None,
+                 connections: int = DEFAULT_CONNECTIONS, loop: RelayLoop | None = None) -> None:
         """``listener``: bound and listening (see ``listen``); only ``client_address`` (the
-        sandbox) is served, once ``start`` is called. ``on_denied(destination, why)`` is told of
-        every refusal."""
-        self._listener, self._allowed, self._client = listener, allowed, client_address
+        sandbox) is served, once ``start`` is called; upstream connections are made in the
+        network namespace ``netns_fd`` (the sandbox's; the proxy keeps its own copy).
+        ``on_denied(destination, why)`` is told of every refusal (on a worker thread)."""
+        super().__init__(listener, "sandboxd-egress-proxy", loop)
+        self._allowed, self._client = allowed, client_address
         self._resolvers, self._on_denied = list(resolvers), on_denied
-        self._service: TcpService | None = None
+        self._netns = os.dup(netns_fd)
+        self.cap = ConnectionCap(connections)
+        self._cap_reported = False
 
     @staticmethod
     def listen(host_address: str) -> socket.socket:
@@ -98,106 +154,228 @@ class EgressProxy:
                           hint=f"something else holds port {PROXY_PORT} on every address of the host")
 
     def start(self) -> "EgressProxy":
-        proxy = self
-
-        class Service(TcpService):
-            def handle(self, client: socket.socket, address: str) -> None:
-                if address != proxy._client:
-                    client.close()                        # another sandbox's traffic: not ours to serve
-                else:
-                    proxy._serve(client)
-        self._service = Service(self._listener, "sandboxd-egress-proxy")
+        super().start()
         return self
 
-    def close(self) -> None:
-        if self._service is not None:
-            self._service.close()
-        else:
-            self._listener.close()
+    def _close_in_loop(self) -> None:
+        if not self._closed:
+            super()._close_in_loop()
+            os.close(self._netns)
 
-    def _serve(self, client: socket.socket) -> None:
-        client.settimeout(30)
+    def denied(self, destination: str, why: str) -> None:
+        """Report a refusal off the loop (the daemon's report writes to the event store)."""
+        self._loop.offload(lambda: self._on_denied(destination, why))
+
+    def accepted(self, client: socket.socket, address: str) -> None:
+        if address != self._client:
+            refuse(client)                              # another sandbox's traffic: not ours to serve
+            return
+        if not self.cap.take():
+            self._refuse_over_cap(client)
+            return
+        self._cap_reported = False
+        request = _Request(self, client)
+        self.track(request)
+
+    def _refuse_over_cap(self, client: socket.socket) -> None:
         try:
             first = client.recv(1, socket.MSG_PEEK)
-            if first == b"\x05":
-                self._socks5(client)
-            elif first:
-                self._http(client)
-        except (OSError, ValueError, IndexError, struct.error):
-            pass
-        finally:
-            client.close()
+        except OSError:
+            first = b""
+        refuse(client, b"\x05\xff" if first == b"\x05" else HTTP_BUSY if first else b"")
+        if not self._cap_reported:                      # once per episode, not once per connection
+            self._cap_reported = True
+            self.denied("(any)", f"the sandbox holds {self.cap.limit} proxy connections, its maximum: "
+                                 "further ones are refused until some close")
 
-    def _open(self, name: str, port: int) -> socket.socket | None:
+    def open_upstream(self, name: str, port: int, request: "_Request") -> None:
+        """Check ``name``, resolve it off the loop, connect from the sandbox's namespace; then
+        ``request.upstream_ready(sock)`` or ``request.fail(reply)``, on the loop."""
         destination = f"{name}:{port}"
         if not domain_allowed(name, self._allowed):
-            self._on_denied(destination, "not in the allowed domains")
-            return None
-        try:
-            address = resolve(name, self._resolvers)
-        except OSError:
-            self._on_denied(destination, "the name does not resolve")
-            return None
-        if any(ipaddress.ip_address(address) in network for network in _BLOCKED):
-            self._on_denied(destination, f"it resolves to {address}, a blocked range")
-            return None
-        try:
-            return socket.create_connection((address, port), timeout=15)
-        except OSError:
-            return None
+            self.denied(destination, "not in the allowed domains")
+            request.fail(request.forbidden)
+            return
+        resolvers = tuple(self._resolvers)
 
-    def _http(self, client: socket.socket) -> None:
-        head = b""
-        while b"\r\n\r\n" not in head and len(head) < 65536:
-            chunk = client.recv(4096)
-            if not chunk:
+        def work() -> str:
+            return resolve(name, resolvers)
+
+        def then(future: "Future[str]") -> None:
+            if request.closed:
                 return
-            head += chunk
-        request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
-        method, target, version = request_line.split(" ", 2)
+            try:
+                address = future.result()
+            except (OSError, UnicodeError):
+                self.denied(destination, "the name does not resolve")
+                request.fail(request.forbidden)
+                return
+            if refused_range(address):
+                self.denied(destination, f"it resolves to {address}, a blocked range")
+                request.fail(request.forbidden)
+                return
+            try:
+                upstream = socket_in_namespace(self._netns, mark=PROXY_MARK)
+            except OSError:
+                request.fail(request.unreachable)      # the sandbox's namespace is gone
+                return
+            request.upstream = upstream
+            request.connecting = Connecting(self._loop, upstream, (address, port), request.connected)
+        self._loop.offload(work, then)
+
+
+class _Request:
+    """One client connection of the proxy until its upstream is connected: reads the request
+    (HTTP or SOCKS5) without blocking, then hands both sockets to a Relay."""
+
+    def __init__(self, proxy: EgressProxy, client: socket.socket) -> None:
+        self.proxy, self.client = proxy, client
+        self.data = bytearray()
+        self.closed = False
+        self.watched = False
+        self.socks_greeted = False
+        self.complete = False                           # the request is read: upstream is being opened
+        self.forbidden, self.unreachable, self.success = HTTP_FORBIDDEN, HTTP_BAD_GATEWAY, b""
+        self.to_upstream = b""
+        self.upstream: socket.socket | None = None
+        self.connecting: Connecting | None = None
+        self.relay: Relay | None = None
+        self.deadline = time.monotonic() + REQUEST_SECONDS
+        proxy.loop.add_timed(self)
+        self._watch(True)
+
+    def _watch(self, on: bool) -> None:
+        if on != self.watched:
+            self.proxy.loop.watch(self.client, READ if self.watched else 0, READ if on else 0, self)
+            self.watched = on
+
+    def on_ready(self, _mask: int) -> None:
+        try:
+            chunk = self.client.recv(8192)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.close()
+            return
+        if not chunk:
+            self.close()
+            return
+        self.data += chunk
+        try:
+            if self.data[0] == 5:
+                self._socks5()
+            else:
+                self._http()
+        except (ValueError, IndexError, UnicodeError, struct.error):
+            self.fail(SOCKS_FAILED if self.socks_greeted or self.data[:1] == b"\x05" else HTTP_BAD_REQUEST)
+
+    def expire(self) -> None:
+        if not self.complete:                           # still no complete request: give up on it
+            self.close()
+
+    def _http(self) -> None:
+        end = self.data.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self.data) > MAX_REQUEST_HEAD:
+                self.fail(HTTP_BAD_REQUEST)
+            return
+        head, rest = bytes(self.data[:end + 4]), bytes(self.data[end + 4:])
+        request_line, _, headers = head.partition(b"\r\n")
+        method, target, version = request_line.decode("latin-1").split(" ", 2)
         if method.upper() == "CONNECT":
             name, _, port = target.rpartition(":")
-            upstream = self._open(name.strip("[]"), int(port))
-            if upstream is None:
-                client.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
-                return
-            client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            rest = head.split(b"\r\n\r\n", 1)[1]
-            if rest:
-                upstream.sendall(rest)
-        else:
-            if not target.startswith("http://"):
-                client.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
-                return
-            authority, _, path = target[len("http://"):].partition("/")
-            name, _, port = authority.partition(":")
-            upstream = self._open(name, int(port or 80))
-            if upstream is None:
-                client.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
-                return
-            upstream.sendall(f"{method} /{path} {version}\r\n".encode("latin-1") + head.split(b"\r\n", 1)[1])
-        relay(client, upstream)
+            self.success = b"HTTP/1.1 200 Connection established\r\n\r\n"
+            self.to_upstream = rest
+            self._start(name.strip("[]"), int(port))
+            return
+        if not target.startswith("http://"):
+            self.fail(HTTP_BAD_REQUEST)
+            return
+        authority, _, path = target[len("http://"):].partition("/")
+        name, _, port = authority.partition(":")
+        self.to_upstream = f"{method} /{path} {version}\r\n".encode("latin-1") + headers + rest
+        self._start(name, int(port or 80))
 
-    def _socks5(self, client: socket.socket) -> None:
-        _version, count = client.recv(2)
-        client.recv(count)                                # offered methods: we take "no authentication"
-        client.sendall(b"\x05\x00")
-        _v, command, _r, kind = client.recv(4)
+    def _socks5(self) -> None:
+        data = self.data
+        if not self.socks_greeted:
+            if len(data) < 2 or len(data) < 2 + data[1]:
+                return
+            del data[:2 + data[1]]                      # offered methods: we take "no authentication"
+            self.socks_greeted = True
+            self.forbidden, self.unreachable = SOCKS_NOT_ALLOWED, SOCKS_REFUSED
+            self.client.send(b"\x05\x00")
+        if len(data) < 5:
+            return
+        command, kind = data[1], data[3]
         if kind == 3:
-            name = client.recv(client.recv(1)[0]).decode("idna")
+            size = 4 + 1 + data[4] + 2
+        elif kind in (1, 4):
+            size = 4 + (4 if kind == 1 else 16) + 2
         else:
-            client.recv(4 if kind == 1 else 16)
-            name = ""
-        port = struct.unpack(">H", client.recv(2))[0]
+            raise ValueError("bad SOCKS5 address type")
+        if len(data) < size:
+            return
+        port = struct.unpack(">H", bytes(data[size - 2:size]))[0]
+        name = bytes(data[5:size - 2]).decode("idna") if kind == 3 else ""
+        self.to_upstream = bytes(data[size:])
+        self.success = SOCKS_OK
+        if not name:
+            self.proxy.denied(f"(an address):{port}", "SOCKS5 without a name: use socks5h")
         if command != 1 or not name:
-            if not name:
-                self._on_denied(f"(an address):{port}", "SOCKS5 without a name: use socks5h")
-            client.sendall(b"\x05\x02\x00\x01" + b"\0" * 6)   # connection not allowed by ruleset
+            self.fail(SOCKS_NOT_ALLOWED)
             return
-        upstream = self._open(name, port)
-        if upstream is None:
-            client.sendall(b"\x05\x02\x00\x01" + b"\0" * 6)
+        self._start(name, port)
+
+    def _start(self, name: str, port: int) -> None:
+        if not 0 < port < 65536 or not name:
+            raise ValueError("bad destination")
+        self._watch(False)                              # nothing more is read until it is connected
+        self.proxy.loop.discard_timed(self)
+        self.complete = True
+        self.proxy.open_upstream(name, port, self)
+
+    def connected(self, error: OSError | None) -> None:
+        if self.closed:
             return
-        client.sendall(b"\x05\x00\x00\x01" + b"\0" * 6)
-        relay(client, upstream)
+        if error is not None:
+            self.fail(self.unreachable)
+            return
+        assert self.upstream is not None
+        proxy, upstream = self.proxy, self.upstream
+        self.closed = True                              # the relay owns both sockets from here
+        proxy.untrack(self)
+        relay = Relay(proxy.loop, self.client, upstream, to_a=self.success, to_b=self.to_upstream,
+                      on_close=self._relay_closed)
+        self.relay = relay
+        if not relay.closed:
+            proxy.track(relay)
+
+    def _relay_closed(self) -> None:
+        if self.relay is not None:
+            self.proxy.untrack(self.relay)
+        self.proxy.cap.release()
+
+    def fail(self, reply: bytes) -> None:
+        if not self.closed:
+            try:
+                self.client.send(reply)
+            except OSError:
+                pass
+        self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        proxy = self.proxy
+        proxy.loop.discard_timed(self)
+        self._watch(False)
+        if self.connecting is not None:
+            self.connecting.close()
+        if self.upstream is not None:
+            self.upstream.close()
+        self.client.close()
+        proxy.untrack(self)
+        proxy.cap.release()
 

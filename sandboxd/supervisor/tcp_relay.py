@@ -1,14 +1,47 @@
-"""TCP plumbing of published ports and the egress proxy: a listening service with one accept
-thread and a thread per connection, and copying bytes both ways between two sockets."""
+"""TCP plumbing of published ports and the egress proxy: one event loop per process.
+
+Every listener and every connection of the egress proxies and published ports of a process (the
+daemon, or one ``sandboxd run``) is served by ONE thread running an epoll loop over non-blocking
+sockets, so a flood of connections costs file descriptors (capped per session, see
+``ConnectionCap``) and never threads. Blocking work (the proxy's DNS resolution) goes to a small,
+fixed pool of worker threads (``WORKERS``) and comes back to the loop.
+
+Bytes are copied with bounded buffers and backpressure: a side is not read while its peer's
+outgoing buffer holds ``BUFFER_LIMIT`` (32 KiB) bytes, so a slow reader slows its writer down instead of
+growing the daemon's memory. A relayed connection with no traffic either way for ``IDLE_SECONDS``
+(10 minutes) is closed; connecting a socket gives up after ``CONNECT_SECONDS``.
+"""
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
+import selectors
 import socket
 import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
 
 from sandboxd.errors import SetupError
 
-CHUNK = 64 * 1024
+CHUNK = 32 * 1024
+# Bytes waiting for one side before its peer is no longer read. The kernel's socket buffers do the
+# real buffering; this one only has to carry a read over to the next write. So a connection holds
+# at most 2 x (BUFFER_LIMIT + CHUNK) = 128 KiB of the daemon's memory, 32 MiB per capped session.
+BUFFER_LIMIT = 32 * 1024
+IDLE_SECONDS = 600.0               # a relayed connection quiet this long either way is closed
+CONNECT_SECONDS = 10.0             # connecting a socket (the proxy's upstream, a published port's inner one)
+ACCEPT_BATCH = 64                  # connections accepted per wakeup of a listener (fairness between listeners)
+ACCEPT_BACKOFF_SECONDS = 1.0       # out of fds: a listener rests this long instead of spinning
+SWEEP_SECONDS = 1.0                # how often deadlines are checked
+WORKERS = 4                        # threads for blocking work (DNS), shared by all proxies of the process
+
+READ, WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
+T = TypeVar("T")
+log = logging.getLogger("sandboxd")
 
 
 def listen_tcp(address: str, port: int, *, step: str, hint: str | None = None) -> socket.socket:
@@ -20,61 +53,440 @@ def listen_tcp(address: str, port: int, *, step: str, hint: str | None = None) -
     except OSError as exc:
         sock.close()
         raise SetupError(step, exc.errno or 0, f"{address}:{port}", hint=hint) from None
-    sock.listen(128)
+    sock.listen(1024)
     return sock
 
 
-def relay(a: socket.socket, b: socket.socket) -> None:
-    """Copy a->b in this thread and b->a in another until both directions end; close both."""
-    a.settimeout(None)
-    b.settimeout(None)
-    back = threading.Thread(target=_copy, args=(b, a), daemon=True)
-    back.start()
-    _copy(a, b)
-    back.join()
-    a.close()
-    b.close()
+class ConnectionCap:
+    """At most ``limit`` connections at once (one session's proxy, or its published ports); the
+    ones turned away are counted in ``refused``. Used on the loop thread only."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.active, self.refused = limit, 0, 0
+
+    def take(self) -> bool:
+        if self.active >= self.limit:
+            self.refused += 1
+            return False
+        self.active += 1
+        return True
+
+    def release(self) -> None:
+        self.active -= 1
 
 
-def _copy(source: socket.socket, target: socket.socket) -> None:
-    try:
-        while data := source.recv(CHUNK):
-            target.sendall(data)
-    except OSError:
-        pass
-    finally:
-        for sock, how in ((target, socket.SHUT_WR), (source, socket.SHUT_RD)):
+class _Timer:
+    """Something the loop calls once ``deadline`` (time.monotonic) has passed."""
+
+    def __init__(self, deadline: float, fire: Callable[[], None]) -> None:
+        self.deadline, self._fire = deadline, fire
+
+    def expire(self) -> None:
+        self._fire()
+
+
+class RelayLoop:
+    """The event loop: one thread, one epoll set, a wakeup pipe for work posted by other threads.
+    Everything registered with it is touched on the loop thread only."""
+
+    def __init__(self, name: str = "sandboxd-relay") -> None:
+        self._selector = selectors.DefaultSelector()
+        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._selector.register(self._wake_read, READ, None)
+        self._posted: deque[Callable[[], None]] = deque()
+        self._timed: set[Any] = set()                  # objects with .deadline and .expire()
+        self._stopping = False
+        self._pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix=f"{name}-work")
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- for any thread ------------------------------------------------------------------------
+
+    def in_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop thread, soon."""
+        self._posted.append(fn)
+        try:
+            os.write(self._wake_write, b"\0")
+        except BlockingIOError:
+            pass                                        # the pipe is full: the loop is awake anyway
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the loop thread and return its result (at once on the loop thread)."""
+        if self.in_loop():
+            return fn()
+        done = threading.Event()
+        box: list[Any] = []
+
+        def run() -> None:
             try:
-                sock.shutdown(how)
+                box.append((True, fn()))
+            except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+                box.append((False, exc))
+            done.set()
+        self.post(run)
+        done.wait()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Stop the loop thread and the workers (the process's shared loop lives as long as it
+        does: this is for loops of their own). What is still registered is not closed."""
+        def stop() -> None:
+            self._stopping = True
+        self.post(stop)
+        self._thread.join()
+        self._pool.shutdown(wait=True)
+        self._selector.close()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+
+    def offload(self, work: Callable[[], T], then: "Callable[[Future[T]], None] | None" = None) -> None:
+        """Run blocking ``work`` on a worker thread, then ``then(future)`` on the loop thread."""
+        future = self._pool.submit(work)
+        if then is not None:
+            future.add_done_callback(lambda f: self.post(lambda: then(f)))
+
+    # -- for the loop thread -------------------------------------------------------------------
+
+    def watch(self, sock: socket.socket, old: int, new: int, handler: Any) -> None:
+        """Change what ``sock`` is watched for, from ``old`` to ``new`` events (0: not watched);
+        ``handler.on_ready(mask)`` is called when they come."""
+        if old == new:
+            return
+        if not old:
+            self._selector.register(sock, new, handler)
+        elif not new:
+            self._selector.unregister(sock)
+        else:
+            self._selector.modify(sock, new, handler)
+
+    def add_timed(self, item: Any) -> None:
+        self._timed.add(item)
+
+    def discard_timed(self, item: Any) -> None:
+        self._timed.discard(item)
+
+    def later(self, seconds: float, fn: Callable[[], None]) -> None:
+        timer = _Timer(time.monotonic() + seconds, fn)
+        self._timed.add(timer)
+
+    def _run(self) -> None:
+        next_sweep = time.monotonic() + SWEEP_SECONDS
+        while not self._stopping:
+            for key, mask in self._selector.select(SWEEP_SECONDS):
+                if key.data is None:
+                    try:
+                        while os.read(self._wake_read, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                    continue
+                self._guard(key.data.on_ready, mask, key.data)
+            while self._posted:
+                self._guard(self._posted.popleft())
+            now = time.monotonic()
+            if now >= next_sweep:
+                next_sweep = now + SWEEP_SECONDS
+                for item in [item for item in self._timed if item.deadline <= now]:
+                    self._timed.discard(item)
+                    self._guard(item.expire)
+
+    @staticmethod
+    def _guard(fn: Callable[..., None], *args: Any) -> None:
+        """A bug in one connection's handling must not stop the loop that serves all of them."""
+        try:
+            fn(*args[:1])
+        except Exception:  # noqa: BLE001
+            log.exception("relay loop: a connection handler failed")
+            owner = args[1] if len(args) > 1 else None
+            if owner is not None and hasattr(owner, "close"):
+                try:
+                    owner.close()
+                except Exception:  # noqa: BLE001
+                    pass
+
+
+_shared: RelayLoop | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_loop() -> RelayLoop:
+    """The process's one loop, started on first use."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = RelayLoop()
+        return _shared
+
+
+def socket_in_namespace(netns_fd: int, mark: int | None = None) -> socket.socket:
+    """A non-blocking TCP socket of the network namespace ``netns_fd``: this thread enters it just
+    long enough to create the socket, which stays bound to it. ``mark``: its SO_MARK."""
+    from sandboxd.kernel import namespaces
+
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        namespaces.setns(netns_fd, namespaces.CLONE_NEWNET)          # this thread only
+        try:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        finally:
+            namespaces.setns(own, namespaces.CLONE_NEWNET)
+    finally:
+        os.close(own)
+    if mark is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
+    return sock
+
+
+class Connecting:
+    """A non-blocking connect of ``sock`` to ``address`` watched by the loop; ``done(error)``
+    (None: connected) is called once, on the loop thread."""
+
+    def __init__(self, loop: RelayLoop, sock: socket.socket, address: tuple[str, int],
+                 done: Callable[[OSError | None], None]) -> None:
+        self._loop, self._sock, self._done = loop, sock, done
+        self._finished = self._watched = False
+        self.deadline = time.monotonic() + CONNECT_SECONDS
+        code = sock.connect_ex(address)
+        if code in (0, errno.EISCONN):
+            self._finish(None)
+        elif code in (errno.EINPROGRESS, errno.EAGAIN, errno.EALREADY):
+            loop.watch(sock, 0, WRITE, self)
+            self._watched = True
+            loop.add_timed(self)
+        else:
+            self._finish(OSError(code, os.strerror(code)))
+
+    def on_ready(self, _mask: int) -> None:
+        code = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        self._finish(None if code == 0 else OSError(code, os.strerror(code)))
+
+    def expire(self) -> None:
+        self._finish(TimeoutError(errno.ETIMEDOUT, "connection timed out"))
+
+    def close(self) -> None:
+        """Given up (the service closes): the caller closes the socket."""
+        self._stop()
+
+    def _stop(self) -> bool:
+        if self._finished:
+            return False
+        self._finished = True
+        self._loop.discard_timed(self)
+        if self._watched:
+            self._loop.watch(self._sock, WRITE, 0, self)
+            self._watched = False
+        return True
+
+    def _finish(self, error: OSError | None) -> None:
+        if self._stop():
+            self._done(error)
+
+
+class _End:
+    """One side of a relay: its socket, the bytes waiting to be written to it, how it ends."""
+
+    __slots__ = ("relay", "sock", "out", "eof", "shut", "events")
+
+    def __init__(self, relay: "Relay", sock: socket.socket, pending: bytes) -> None:
+        self.relay, self.sock = relay, sock
+        self.out = bytearray(pending)
+        self.eof = False                                # it sent its last byte (read returned b"")
+        self.shut = False                               # we sent it our last byte (shutdown SHUT_WR)
+        self.events = 0                                 # what the loop watches it for now
+
+    def on_ready(self, mask: int) -> None:
+        self.relay.ready(self, mask)
+
+    def close(self) -> None:
+        self.relay.close()
+
+
+class Relay:
+    """Copies bytes both ways between two connected non-blocking sockets until both directions
+    have ended (or either fails, or it idles out), then closes both and calls ``on_close``.
+    ``to_a``/``to_b``: bytes to send first (what the proxy already read)."""
+
+    def __init__(self, loop: RelayLoop, a: socket.socket, b: socket.socket, *, to_a: bytes = b"", to_b: bytes = b"",
+                 on_close: Callable[[], None] = lambda: None) -> None:
+        self._loop, self._on_close = loop, on_close
+        self._a, self._b = _End(self, a, to_a), _End(self, b, to_b)
+        self._closed = False
+        self.deadline = time.monotonic() + IDLE_SECONDS
+        loop.add_timed(self)
+        for end in (self._a, self._b):
+            if end.out:
+                self._flush(end)
+        self._update()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def buffered(self) -> tuple[int, int]:
+        """Bytes waiting to be written to a, and to b (loop thread only)."""
+        return len(self._a.out), len(self._b.out)
+
+    def _peer(self, end: _End) -> _End:
+        return self._b if end is self._a else self._a
+
+    def ready(self, end: _End, mask: int) -> None:
+        self.deadline = time.monotonic() + IDLE_SECONDS
+        if mask & WRITE:
+            self._flush(end)
+        if mask & READ and not self._closed:
+            self._pull(end)
+        self._update()
+
+    def _pull(self, end: _End) -> None:
+        peer = self._peer(end)
+        try:
+            data = end.sock.recv(CHUNK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.close()
+            return
+        if data:
+            peer.out += data
+        else:
+            end.eof = True
+        self._flush(peer)                               # most of the time the bytes go at once
+
+    def _flush(self, end: _End) -> None:
+        if end.out:
+            try:
+                sent = end.sock.send(end.out)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self.close()
+                return
+            del end.out[:sent]
+        if not end.out and self._peer(end).eof and not end.shut:
+            end.shut = True                             # its peer is done and everything was passed on
+            try:
+                end.sock.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
+
+    def _update(self) -> None:
+        if self._closed:
+            return
+        if self._a.shut and self._b.shut:
+            self.close()
+            return
+        for end in (self._a, self._b):
+            peer = self._peer(end)
+            wanted = (READ if not end.eof and len(peer.out) < BUFFER_LIMIT else 0) | (WRITE if end.out else 0)
+            self._loop.watch(end.sock, end.events, wanted, end)
+            end.events = wanted
+
+    def expire(self) -> None:
+        if time.monotonic() < self.deadline:            # traffic since: look again later
+            self._loop.add_timed(self)
+        else:
+            self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.discard_timed(self)
+        for end in (self._a, self._b):
+            self._loop.watch(end.sock, end.events, 0, end)
+            end.events = 0
+            end.sock.close()
+        self._on_close()
 
 
 class TcpService:
-    """Serves a bound, listening socket: ``handle(client, address)`` runs in a thread of its own
-    for each connection, until ``close``."""
+    """A bound, listening socket served by the loop: ``accepted(client, address)`` runs on the
+    loop thread for each connection (non-blocking). Connections registered with ``track`` are
+    closed with the service."""
 
-    def __init__(self, listener: socket.socket, name: str) -> None:
+    def __init__(self, listener: socket.socket, name: str, loop: RelayLoop | None = None) -> None:
+        self.name = name
         self._listener = listener
+        self._loop = loop or shared_loop()
         self._closed = False
-        threading.Thread(target=self._accept, name=name, daemon=True).start()
+        self._watched = False
+        self._connections: set[Any] = set()
+        listener.setblocking(False)
 
-    def handle(self, client: socket.socket, address: str) -> None:
+    @property
+    def loop(self) -> RelayLoop:
+        return self._loop
+
+    def start(self) -> "TcpService":
+        self._loop.call(self._watch_listener)
+        return self
+
+    def _watch_listener(self) -> None:
+        if not self._closed and not self._watched:
+            self._loop.watch(self._listener, 0, READ, self)
+            self._watched = True
+
+    def accepted(self, client: socket.socket, address: str) -> None:
         raise NotImplementedError
 
-    def _accept(self) -> None:
-        while not self._closed:
+    def on_ready(self, _mask: int) -> None:
+        for _ in range(ACCEPT_BATCH):
             try:
                 client, (address, _port) = self._listener.accept()
-            except OSError:
+            except (BlockingIOError, InterruptedError):
                 return
-            threading.Thread(target=self.handle, args=(client, address), daemon=True).start()
+            except OSError:                             # out of descriptors, say: rest rather than spin
+                self._loop.watch(self._listener, READ, 0, self)
+                self._watched = False
+                self._loop.later(ACCEPT_BACKOFF_SECONDS, self._watch_listener)
+                return
+            client.setblocking(False)
+            try:
+                self.accepted(client, address)
+            except Exception:  # noqa: BLE001 - one bad connection must not stop the listener
+                log.exception("%s: a connection failed", self.name)
+                client.close()
+
+    def track(self, connection: Any) -> None:
+        self._connections.add(connection)
+
+    def untrack(self, connection: Any) -> None:
+        self._connections.discard(connection)
+
+    @property
+    def connections(self) -> int:
+        return len(self._connections)
 
     def close(self) -> None:
+        """Stop listening and close every connection of this service (returns when done)."""
         if not self._closed:
-            self._closed = True
-            try:
-                self._listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._listener.close()
+            self._loop.call(self._close_in_loop)
+
+    def _close_in_loop(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._watched:
+            self._loop.watch(self._listener, READ, 0, self)
+            self._watched = False
+        self._listener.close()
+        for connection in list(self._connections):
+            connection.close()
+        self._connections.clear()
+
+
+def refuse(client: socket.socket, reply: bytes = b"") -> None:
+    """Close ``client`` at once, after ``reply`` if its socket buffer takes it now."""
+    if reply:
+        try:
+            client.send(reply)
+        except OSError:
+            pass
+    client.close()
