@@ -14,6 +14,7 @@ import pytest
 
 from conftest import (
     ALL_POLICIES,
+    CONFINED,
     NO_NETWORK,
     WITH_NETWORK,
     accepted_connections,
@@ -158,3 +159,50 @@ except OSError as e:
     else:
         assert result.stdout.startswith("FAILED"), describe(result)
         assert arrived == 0
+
+
+THREADED_CONNECTS = r"""
+import json, socket, sys, threading
+srv = socket.socket()
+srv.bind(("127.0.0.1", 0))
+srv.listen(4)
+port = srv.getsockname()[1]
+results = {}
+def attempt(name, family, address):
+    s = socket.socket(family)
+    s.settimeout(10)
+    try:
+        s.connect(address)
+        results[name] = "connected"
+    except OSError as exc:
+        results[name] = exc.strerror
+threads = [threading.Thread(target=attempt, args=("own listener", socket.AF_INET, ("127.0.0.1", port))),
+           threading.Thread(target=attempt, args=("host socket", socket.AF_UNIX, sys.argv[1]))]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(30)
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.parametrize("policy", CONFINED)
+def test_connect_from_a_second_thread_is_answered(policy: str, workspace: Path, base_dir: Path) -> None:
+    """init brokers every connect() of a confined sandbox, and the caller may be any thread of a
+    process (its tid is not a pidfd-able process): a worker thread's connect is answered, allowed
+    or refused, never left hanging."""
+    host_socket = base_dir / f"host-{uuid.uuid4().hex[:6]}.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(host_socket))
+    os.chmod(host_socket, 0o666)
+    server.listen(4)
+    try:
+        result = run_sbx(py(THREADED_CONNECTS, str(host_socket)), workspace=workspace, policy=policy, timeout=120)
+    finally:
+        server.close()
+    assert result.returncode == 0, describe(result)
+    verdicts = json.loads(result.stdout)
+    assert verdicts["own listener"] == "connected", verdicts
+    # A host socket: refused without network, reachable with the host's (the broker answered both).
+    expected = "connected" if policy == "workspace-write+network" else "Permission denied"
+    assert verdicts["host socket"] == expected, verdicts

@@ -81,7 +81,10 @@ class ConnectBroker:
         fd, address_ptr, length = n.args[0] & 0xFFFFFFFF, n.args[1], n.args[2] & 0xFFFFFFFF
         if length < 2 or length > MAX_SOCKADDR:
             return -errno.EINVAL
-        pidfd = raw_syscall("pidfd_open", n.pid, 0)
+        # n.pid is the calling *thread*; pidfd_open wants its thread group (the process: its
+        # descriptor table is what pidfd_getfd reads). A connect() from any thread but the main
+        # one would otherwise never be answered, and hang.
+        pidfd = raw_syscall("pidfd_open", _thread_group(n.pid), 0)
         if pidfd < 0:
             return None  # the caller is gone
         try:
@@ -146,6 +149,18 @@ class ConnectBroker:
             return seccomp_notify.connect_raw(sock, pinned)
         finally:
             os.close(target)
+
+
+def _thread_group(tid: int) -> int:
+    """The process (thread group id) a thread belongs to; ``tid`` itself if it cannot be read."""
+    try:
+        with open(f"/proc/{tid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return tid
 
 
 def _is_sandboxd_listener(address: bytes, listeners: "tuple[tuple[str, int], ...]") -> bool:
