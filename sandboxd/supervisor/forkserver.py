@@ -72,7 +72,9 @@ def poll_timeout_ms(deadline: float | None, now: float) -> int:
     remaining = deadline - now
     if not remaining < MAX_POLL_MS / 1000:            # also NaN
         return MAX_POLL_MS
-    return max(0, math.ceil(remaining * 1000))
+    if remaining <= 0:                                # also -inf
+        return 0
+    return math.ceil(remaining * 1000)
 
 
 def _send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
