@@ -339,3 +339,56 @@ def test_a_thousand_sessions_push_fds_past_1024_and_exec_still_works(base: Path)
         for session_id in ids:
             close_quietly(stub, session_id)
         daemon.close()
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("where", ["v1 memory", "v2"])
+def test_sweep_kills_and_removes_groups_of_dead_owners_only(where: str) -> None:
+    """A group named after a dead creator is emptied (its process killed) and removed; one named
+    after a live creator is left alone, process and all (the control)."""
+    from sandboxd.kernel import cgroups
+
+    h = cgroups.hierarchies()
+    if where == "v2":
+        if not h.unified:
+            pytest.skip("no cgroup2 hierarchy mounted")
+        base = os.path.join(h.unified, h.unified_own.lstrip("/"), cgroups.BASE_NAME)
+    else:
+        if "memory" not in h.v1:
+            pytest.skip("no cgroup v1 memory hierarchy mounted")
+        point, own = h.v1["memory"]
+        base = os.path.join(point, own.lstrip("/"), cgroups.BASE_NAME)
+    os.makedirs(base, exist_ok=True)
+    suffix = uuid.uuid4().hex[:8]
+    stale = os.path.join(base, f"run-{_dead_pid()}-1-{suffix}")
+    live = os.path.join(base, f"run-{os.getpid()}-1-{suffix}")
+    sleepers = []
+    try:
+        for path in (stale, live):
+            os.mkdir(path)
+            sleeper = subprocess.Popen(["sleep", "300"])
+            sleepers.append(sleeper)
+            with open(os.path.join(path, "cgroup.procs"), "w") as f:
+                f.write(str(sleeper.pid))
+        assert cgroups.sweep_stale() >= 1
+        assert sleepers[0].wait(10) == -signal.SIGKILL
+        assert not os.path.exists(stale)
+        assert sleepers[1].poll() is None and os.path.isdir(live)
+    finally:
+        for sleeper in sleepers:
+            sleeper.kill()
+            sleeper.wait()
+        for path in (stale, live):
+            for _ in range(100):
+                try:
+                    os.rmdir(path)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.02)
