@@ -392,3 +392,35 @@ def test_sweep_kills_and_removes_groups_of_dead_owners_only(where: str) -> None:
                     break
                 except OSError:
                     time.sleep(0.02)
+
+
+def test_a_fork_server_that_keeps_dying_ends_the_daemon_non_zero(base: Path) -> None:
+    """Restarting in place is for a one-off death: past MAX_FORK_RESTARTS deaths in a minute the
+    daemon exits with status 1 (systemd's Restart=on-failure takes over), never SERVING while
+    every call fails. Until then, each death is followed by a working fork server."""
+    from sandboxd.service.server import MAX_FORK_RESTARTS
+
+    daemon = Daemon(base).start()
+    try:
+        workspace = base / "ws"
+        workspace.mkdir()
+        session = create_session(daemon.stub, workspace, workspace_write())
+        for death in range(MAX_FORK_RESTARTS + 1):
+            fork = daemon.fork_server_pid()
+            assert fork is not None, daemon.log()
+            held = descendants(daemon.pid)
+            os.kill(fork, signal.SIGKILL)
+            if death == MAX_FORK_RESTARTS:
+                break
+            deadline = time.monotonic() + 60
+            while daemon.fork_server_pid() in (None, fork) or health(daemon) != health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() < deadline, daemon.log()
+                time.sleep(0.05)
+            outcome = run_exec(daemon.stub, session.id, ["echo", str(death)])
+            assert outcome.stdout == f"{death}\n".encode(), outcome.describe()
+        assert daemon.proc is not None and daemon.proc.wait(60) == 1, daemon.log()
+        assert "cannot restart the fork server" in daemon.log()
+        assert survivors(held) == {}
+        assert not (base / ".sandboxd-private" / f"grpc-{daemon.pid}.sock").exists()
+    finally:
+        daemon.close()
