@@ -179,6 +179,7 @@ def test_fork_server_sigkill_is_noticed_and_restarted_in_place(base: Path, marke
     watches: list[HealthWatch] = []
     try:
         mounts_before = mount_count()
+        fds_before = daemon_fds(daemon)
         scene = Scene(daemon, base, marker)
         watches = [HealthWatch(daemon, service) for service in HEALTH_SERVICES]
         assert all(w.wait_for([health_pb2.HealthCheckResponse.SERVING]) for w in watches)
@@ -211,12 +212,44 @@ def test_fork_server_sigkill_is_noticed_and_restarted_in_place(base: Path, marke
         assert mount_count() == mounts_before
 
         assert_resumes(daemon, scene)
+        # Sockets and other descriptors: the dead server's socket pair end, the sandboxes' pipes
+        # and services are all closed once the sessions are.
+        for w in watches:
+            w.close()
+        watches = []
+        scene.close()
+        assert wait_for_fds(daemon, fds_before) == fds_before
     finally:
         for w in watches:
             w.close()
         if scene is not None:
             scene.close()
         daemon.close()
+
+
+def daemon_fds(daemon: Daemon) -> dict[str, int]:
+    """The daemon's descriptors by kind (socket, pipe, anon_inode:[pidfd] ...)."""
+    kinds: dict[str, int] = {}
+    for fd in os.listdir(f"/proc/{daemon.pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{daemon.pid}/fd/{fd}")
+        except OSError:
+            continue
+        kind = target.split(":", 1)[0] if ":" in target and not target.startswith("/") else "file"
+        kind = target if kind == "anon_inode" else kind
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
+def wait_for_fds(daemon: Daemon, wanted: dict[str, int], within: float = 15.0) -> dict[str, int]:
+    """The daemon's descriptors once they are back to ``wanted`` (connections wind down in the
+    background), or as they are after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        now = daemon_fds(daemon)
+        if now == wanted or time.monotonic() > deadline:
+            return now
+        time.sleep(0.1)
 
 
 def test_daemon_sigkill_leaves_nothing_after_the_next_start(base: Path, marker: str) -> None:
