@@ -20,7 +20,9 @@ import time
 from concurrent import futures
 from typing import Any
 
-DEFAULT_SOCKET = "/run/sandboxd/sandboxd.sock"
+from sandboxd import defaults
+
+DEFAULT_SOCKET = defaults.SOCKET
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -39,10 +41,13 @@ class TextLogFormatter(logging.Formatter):
 
 class TlsListener:
     """The optional TCP listener: TLS, and a client certificate signed by ``client_ca`` required.
-    Its callers act as the local user ``uid:gid`` (sessions are told apart by certificate)."""
+    Its callers are named by ``identity`` (service.callers: the common name, or a URI or DNS
+    subject alternative name) and act as the local user ``users`` maps them to, else ``uid:gid``."""
 
-    def __init__(self, address: str, cert: str, key: str, client_ca: str, uid: int, gid: int) -> None:
+    def __init__(self, address: str, cert: str, key: str, client_ca: str, uid: int, gid: int,
+                 identity: str = "common-name", users: "dict[str, tuple[int, int]] | None" = None) -> None:
         self.address, self.uid, self.gid = address, uid, gid
+        self.identity, self.users = identity, dict(users or {})
         with open(cert, "rb") as f:
             self.cert = f.read()
         with open(key, "rb") as f:
@@ -51,7 +56,24 @@ class TlsListener:
             self.client_ca = f.read()
 
 
-DEFAULT_STATE_DIR = "/var/lib/sandboxd"
+DEFAULT_STATE_DIR = defaults.STATE_DIR
+# Directories a socket may sit in that are not sandboxd's own: hiding one of them would hide far
+# more than sandboxd (resolv.conf's stub, other services' sockets), so only sandboxd's own
+# entries in it are hidden then.
+SHARED_DIRECTORIES = frozenset({"/", "/run", "/var/run", "/tmp", "/var/tmp", "/dev/shm", "/var", "/var/lib", "/home",
+                                "/root", "/srv", "/opt", "/etc", "/usr", "/mnt", "/media"})
+
+
+def own_places(socket_path: str, private: str, backend: str, state_dir: str, tls_address: str,
+               metrics_listen: str) -> "Any":
+    """What of this daemon every sandbox must not see or reach (sessions.OwnPlaces)."""
+    from sandboxd.service.sessions import OwnPlaces
+
+    socket_dir = os.path.dirname(os.path.abspath(socket_path))
+    hidden = ([socket_path, private] if socket_dir in SHARED_DIRECTORIES else [socket_dir]) + [state_dir]
+    listeners = tuple(address for address in (tls_address, metrics_listen) if address)
+    return OwnPlaces(hidden=tuple(os.path.abspath(p) for p in hidden),
+                     sockets=(os.path.abspath(socket_path), backend), listeners=listeners)
 
 
 def _self_test(fork: "Any") -> str | None:
@@ -182,9 +204,12 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
           state_dir: str = DEFAULT_STATE_DIR, approval_timeout: float = 300.0, dns: tuple[str, ...] = (),
           log_format: str = "json", log_level: str = "info", config_path: str | None = None,
           metrics_listen: str = "",
-          session_defaults: "object | None" = None, network_pool: str = "") -> int:
+          session_defaults: "object | None" = None, network_pool: str = "", connections_per_uid: int = 64) -> int:
     from sandboxd.supervisor.forkserver import ForkServer
-    raise_nofile_limit()                                  # first: the fork server inherits it
+    # First: the fork server inherits it (it holds descriptors for every session; at 1024 it failed
+    # past ~500 sessions). Sandboxes inherit it from the fork server in turn, unless the session
+    # sets open_files.
+    raise_nofile_limit()
     fork = ForkServer.start()                             # before gRPC's threads, and as a fresh process
     problem = _self_test(fork)
     if problem is not None:
@@ -198,10 +223,12 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
-    from sandboxd.audit.store import EventStore
+    from sandboxd.audit.store import open_in_state_dir
     from sandboxd.service.approvals import ApprovalGate
     from sandboxd.service.peercred import FrontDoor, PeerCredentials
-    from sandboxd.service.servicer import Callers, SandboxServicer
+    from sandboxd.service.callers import Callers, TlsIdentity
+    from sandboxd.service.sandboxed_peers import SandboxedPeers
+    from sandboxd.service.servicer import SandboxServicer
     from sandboxd.service.sessions import SessionRegistry
     from sandboxd.v1 import sandboxd_pb2, sandboxd_pb2_grpc
 
@@ -224,8 +251,9 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     stale_sockets = sweep_private_dir(private)           # ours included, from a reused pid
 
     # The audit log and session metadata: opened (and migrated) before anything is served.
-    store = EventStore(os.path.join(state_dir, "events.db"))
-    registry = SessionRegistry(fork, store, admin_gid=admin_gid, dns=dns, network_pool=network_pool)
+    store = open_in_state_dir(state_dir)
+    own = own_places(socket_path, private, backend, state_dir, tls.address if tls else "", metrics_listen)
+    registry = SessionRegistry(fork, store, admin_gid=admin_gid, dns=dns, network_pool=network_pool, own=own)
     resumed = registry.restore()
     from sandboxd.service.metrics import Metrics
     metrics = Metrics()
@@ -234,10 +262,16 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
                   running=lambda: sum(s.running_calls for s in registry.list(PeerCredentials(0, 0, 0))),
                   events=store.last_id)
     gate = ApprovalGate(store, timeout=approval_timeout, metrics=metrics)
+    sandboxed = SandboxedPeers(registry.sandbox_namespaces)
     door = FrontDoor(socket_path, backend, mode=socket_mode, relay_dir=os.path.join(private, "relay"),
-                     listener=activated)
+                     listener=activated, connections_per_uid=connections_per_uid,
+                     peer_check=lambda who, _pidfd: sandboxed.reason_for_pid(who.pid))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandboxd-rpc"))
-    callers = Callers(door, (tls.uid, tls.gid) if tls else None)
+    tls_identity = None
+    if tls is not None:
+        tls_identity = TlsIdentity(identity=tls.identity, default_user=(tls.uid, tls.gid), users=tls.users,
+                                   port=int(tls.address.rpartition(":")[2]))
+    callers = Callers(door, tls_identity, sandboxed)
     sandboxd_pb2_grpc.add_SandboxServicer_to_server(
         SandboxServicer(registry, fork, callers, gate, metrics, session_defaults), server)  # type: ignore[arg-type]
     health_servicer = health.HealthServicer()
@@ -254,7 +288,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     server.start()
     door.start()
     if metrics_listen:
-        metrics.serve(metrics_listen)
+        metrics.serve(metrics_listen, refuse=sandboxed.reason_for_tcp)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("sandboxd.v1.Sandbox", health_pb2.HealthCheckResponse.SERVING)
 
