@@ -179,6 +179,7 @@ def test_fork_server_sigkill_is_noticed_and_restarted_in_place(base: Path, marke
     watches: list[HealthWatch] = []
     try:
         mounts_before = mount_count()
+        daemon.stub.ListSessions(pb.ListSessionsRequest(), timeout=60)   # its connection counts in the baseline
         fds_before = daemon_fds(daemon)
         scene = Scene(daemon, base, marker)
         watches = [HealthWatch(daemon, service) for service in HEALTH_SERVICES]
@@ -260,7 +261,7 @@ def test_daemon_sigkill_leaves_nothing_after_the_next_start(base: Path, marker: 
         mounts_before = mount_count()
         scene = Scene(daemon, base, marker)
         dead_pid = daemon.pid
-        private_socket = base / ".sandboxd-private" / f"grpc-{dead_pid}.sock"
+        private_socket = daemon.private / f"grpc-{dead_pid}.sock"
         assert private_socket.exists()
 
         daemon.kill()                                          # SIGKILL
@@ -276,7 +277,7 @@ def test_daemon_sigkill_leaves_nothing_after_the_next_start(base: Path, marker: 
         assert scene.cgroups() == set(), scene.cgroups()
         assert scene.veths() == []
         assert not private_socket.exists()
-        assert (base / ".sandboxd-private" / f"grpc-{restarted.pid}.sock").exists()
+        assert (restarted.private / f"grpc-{restarted.pid}.sock").exists()
         serving = [line for line in restarted.log_lines() if line.get("msg") == "serving"]
         assert serving and serving[-1]["sessions_resumed"] == 3 and serving[-1]["stale_sockets_removed"] == 1
 
@@ -454,6 +455,6 @@ def test_a_fork_server_that_keeps_dying_ends_the_daemon_non_zero(base: Path) -> 
         assert daemon.proc is not None and daemon.proc.wait(60) == 1, daemon.log()
         assert "cannot restart the fork server" in daemon.log()
         assert survivors(held) == {}
-        assert not (base / ".sandboxd-private" / f"grpc-{daemon.pid}.sock").exists()
+        assert not (daemon.private / f"grpc-{daemon.pid}.sock").exists()
     finally:
         daemon.close()
