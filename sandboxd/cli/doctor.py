@@ -142,7 +142,8 @@ def check_fd_limit() -> tuple[str, str]:
     from sandboxd.service.server import nofile_target
 
     soft, hard, target = nofile_target()
-    detail = f"soft {soft}, hard {hard}: the daemon raises its soft limit to {target} (about {target // 4} sessions)"
+    detail = (f"soft {soft}, hard {hard}: the daemon raises its soft limit to {target} (each open session "
+              "holds 2 in the fork server, each client connection 7 in the daemon)")
     if target < LOW_FD_LIMIT:
         return _line("warn", "open files", detail,
                      f"raise the hard limit to at least {LOW_FD_LIMIT} (the systemd unit sets LimitNOFILE=1048576; "
