@@ -11,7 +11,6 @@ must still work, and their audit logs have no gap.
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import signal
@@ -27,9 +26,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import kill_marked, pids_with_marker, wait_until_gone
-from daemon_helpers import (Daemon, ExecCall, ProcInfo, close_quietly, create_session, descendants, exec_start,
-                            kill_procs, make_base_dir, mount_count, proc_info, remove_tree, rpc_error, run_exec,
-                            sandbox_cgroups, survivors, workspace_write)
+from daemon_helpers import (Daemon, ExecCall, close_quietly, create_session, descendants, exec_start, kill_procs,
+                            make_base_dir, mount_count, remove_tree, rpc_error, run_exec, sandbox_cgroups, survivors,
+                            workspace_write)
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)

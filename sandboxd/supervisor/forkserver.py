@@ -32,8 +32,8 @@ import math
 import os
 import select
 import signal
-import sys
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -47,11 +47,10 @@ from sandboxd.supervisor.spawner import ExitInfo, SandboxProcess, SessionSandbox
 MAX_MESSAGE = 1 << 20
 # Errors that cross from the fork server as their kind and message (a SetupError has more fields).
 _PLAIN_ERRORS: dict[str, type[SandboxdError]] = {cls.__name__: cls for cls in (InvalidPolicy, Forbidden)}
-# Time limits above MAX_TIMEOUT_SECONDS (a year) are refused before they get here (policy Limits,
-# SessionCall) and again at this edge (check_timeout); the loop itself copes with any deadline.
-
 # The longest one poll() waits: far enough to cost nothing, near enough that no deadline can
-# overflow poll's millisecond int (the loop recomputes after every wake).
+# overflow poll's millisecond int (the loop recomputes after every wake). Time limits above
+# MAX_TIMEOUT_SECONDS (a year) are refused before they get here (policy Limits, SessionCall) and
+# again at this edge (check_timeout); the loop itself copes with any deadline.
 MAX_POLL_MS = 60_000
 
 
