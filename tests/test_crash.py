@@ -262,6 +262,9 @@ def test_daemon_sigkill_leaves_nothing_after_the_next_start(base: Path, marker: 
         dead_pid = daemon.pid
         private_socket = daemon.private / f"grpc-{dead_pid}.sock"
         assert private_socket.exists()
+        relays = daemon.private / "relay"
+        dead_relays = {(entry.name, entry.stat().st_ino) for entry in relays.iterdir()}
+        assert dead_relays, "the test's own connection should have a relay file"
 
         daemon.kill()                                          # SIGKILL
 
@@ -276,6 +279,7 @@ def test_daemon_sigkill_leaves_nothing_after_the_next_start(base: Path, marker: 
         assert scene.cgroups() == set(), scene.cgroups()
         assert scene.veths() == []
         assert not private_socket.exists()
+        assert not dead_relays & {(entry.name, entry.stat().st_ino) for entry in relays.iterdir()}
         assert (restarted.private / f"grpc-{restarted.pid}.sock").exists()
         serving = [line for line in restarted.log_lines() if line.get("msg") == "serving"]
         assert serving and serving[-1]["sessions_resumed"] == 3 and serving[-1]["stale_sockets_removed"] == 1
