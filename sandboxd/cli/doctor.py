@@ -129,8 +129,60 @@ def check_call_helper() -> tuple[str, str]:
     return _line("ok", "call helper", "sandboxd-call is built (the daemon's fast call path)")
 
 
+# Each open session holds a few descriptors in the daemon and the fork server (pidfds, sockets,
+# pipes of running calls): below this, a busy daemon runs out long before its session limit.
+LOW_FD_LIMIT = 65536
+LOW_PID_MAX = 32768
+LOW_THREADS_MAX = 16384
+LOW_NPROC = 4096
+
+
+def check_fd_limit() -> tuple[str, str]:
+    """RLIMIT_NOFILE as this process has it, and what `sandboxd serve` started the same way would use."""
+    from sandboxd.service.server import nofile_target
+
+    soft, hard, target = nofile_target()
+    detail = (f"soft {soft}, hard {hard}: the daemon raises its soft limit to {target} (each open session "
+              "holds 2 in the fork server, each client connection 7 in the daemon)")
+    if target < LOW_FD_LIMIT:
+        return _line("warn", "open files", detail,
+                     f"raise the hard limit to at least {LOW_FD_LIMIT} (the systemd unit sets LimitNOFILE=1048576; "
+                     "elsewhere: ulimit -Hn, or /etc/security/limits.conf)")
+    return _line("ok", "open files", detail)
+
+
+def _read_proc_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def check_thread_limit() -> tuple[str, str]:
+    """Every sandbox is processes, and the daemon's calls are threads: the kernel's and the
+    per-user caps on both."""
+    import resource
+
+    threads_max = _read_proc_int("/proc/sys/kernel/threads-max")
+    pid_max = _read_proc_int("/proc/sys/kernel/pid_max")
+    nproc, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    nproc_text = "unlimited" if nproc == resource.RLIM_INFINITY else str(nproc)
+    detail = f"threads-max {threads_max}, pid_max {pid_max}, RLIMIT_NPROC {nproc_text} (sandboxes inherit it, per user)"
+    low = []
+    if threads_max is not None and threads_max < LOW_THREADS_MAX:
+        low.append(f"sysctl kernel.threads-max={LOW_THREADS_MAX * 4}")
+    if pid_max is not None and pid_max < LOW_PID_MAX:
+        low.append(f"sysctl kernel.pid_max={LOW_PID_MAX * 4}")
+    if nproc != resource.RLIM_INFINITY and nproc < LOW_NPROC:
+        low.append(f"LimitNPROC={LOW_NPROC * 4} in the unit (or ulimit -u)")
+    if low:
+        return _line("warn", "threads", detail, "; ".join(low))
+    return _line("ok", "threads", detail)
+
+
 CHECKS = (check_root, check_sandbox, check_seccomp, check_landlock, check_cgroups, check_nftables,
-          check_address_pool, check_call_helper)
+          check_address_pool, check_call_helper, check_fd_limit, check_thread_limit)
 
 
 def main(argv: list[str]) -> int:

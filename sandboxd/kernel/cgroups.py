@@ -216,15 +216,12 @@ def join(dirs: list[str], pid: int = 0) -> None:
 
 
 def sweep_stale(prefix: str = "run-") -> int:
-    """Remove the empty groups a killed daemon or `sandboxd run` left behind: ``<prefix><pid>-*``
-    under our base groups whose creator is dead. Returns how many were removed."""
-    h = hierarchies()
-    bases = []
-    if h.unified:
-        bases.append(os.path.join(h.unified, h.unified_own.lstrip("/"), BASE_NAME))
-    bases += [os.path.join(point, own.lstrip("/"), BASE_NAME) for point, own in h.v1.values()]
+    """Remove the groups a killed daemon or `sandboxd run` left behind: ``<prefix><pid>-*`` under
+    our base groups whose creator is dead. What still runs in one (a process that escaped its
+    parent-death signal) is killed first: its sandbox's owner is gone, nobody can collect it.
+    Returns how many groups were removed."""
     removed = 0
-    for base in bases:
+    for base in _sweep_bases(hierarchies()):
         try:
             names = os.listdir(base)
         except OSError:
@@ -233,12 +230,29 @@ def sweep_stale(prefix: str = "run-") -> int:
             owner = name[len(prefix):].split("-", 1)[0]
             if not name.startswith(prefix) or not owner.isdigit() or os.path.exists(f"/proc/{owner}"):
                 continue
-            try:
-                os.rmdir(os.path.join(base, name))        # EBUSY while anything still runs in it
-                removed += 1
-            except OSError:
-                pass
+            group = os.path.join(base, name)
+            stale = CgroupSet(name)
+            # Parents first (remove() goes in reverse): a sandbox may have made groups inside its own.
+            stale.dirs = [group] + [os.path.join(path, sub) for path, subs, _ in os.walk(group) for sub in subs]
+            stale.unified_dir = group if os.path.exists(os.path.join(group, "cgroup.kill")) else None
+            stale.kill()
+            stale.remove()
+            removed += not os.path.exists(group)
     return removed
+
+
+def _sweep_bases(h: Hierarchies) -> list[str]:
+    """Every base group sandboxes of this host's daemons may sit in: ours in each hierarchy, and,
+    for a process that ``_v2_base`` moved into the ``supervisor`` leaf (cgroup v2 forbids
+    processes beside the groups it hands controllers to), the base beside that leaf."""
+    bases = []
+    if h.unified:
+        own = h.unified_own.rstrip("/")
+        bases.append(os.path.join(h.unified, own.lstrip("/"), BASE_NAME))
+        if os.path.basename(own) == "supervisor":
+            bases.append(os.path.join(h.unified, os.path.dirname(own).lstrip("/"), BASE_NAME))
+    bases += [os.path.join(point, own.lstrip("/"), BASE_NAME) for point, own in h.v1.values()]
+    return list(dict.fromkeys(bases))
 
 
 def _v2_base(h: Hierarchies, controllers: set[str]) -> str:

@@ -8,6 +8,8 @@ from sandboxd.errors import InvalidPolicy
 _FACTORS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 DEFAULT_TMP_SIZE = 512 << 20
+# The longest time limit (a year; also the fork server's, which checks again at its edge).
+MAX_TIMEOUT_SECONDS = 365 * 24 * 3600.0
 
 
 def parse_size(text: str | int, what: str = "size") -> int:
@@ -43,6 +45,9 @@ class Limits(Record):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise InvalidPolicy(f"limit {name} must be greater than zero, got {value!r}")
+        if self.timeout_seconds is not None and not self.timeout_seconds <= MAX_TIMEOUT_SECONDS:   # also NaN
+            raise InvalidPolicy(f"limit timeout_seconds must be at most {MAX_TIMEOUT_SECONDS:.0f} seconds (a year), "
+                                f"got {self.timeout_seconds!r}: give a shorter limit, or none")
         if self.memory_bytes is not None and self.memory_bytes < (4 << 20):
             raise InvalidPolicy("memory limit below 4M cannot even start a shell: give at least 4M")
         if self.open_files is not None and self.open_files < 16:

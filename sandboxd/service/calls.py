@@ -14,7 +14,7 @@ import select
 from typing import Iterator
 
 from sandboxd.service.sessions import Session, SessionRegistry
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.forkserver import ForkServer, check_timeout
 from sandboxd.supervisor.spawner import ExitInfo
 
 # One gRPC message per CHUNK: larger chunks mean fewer messages for Python to frame
@@ -30,6 +30,8 @@ class SessionCall:
                  env: dict[str, str], cwd: str, timeout: float | None,
                  tool: dict[str, object] | None = None) -> None:
         self._registry, self._fork, self._session = registry, fork, session
+        # Refused here, before any pipe exists, with what to fix (the fork server checks again).
+        timeout = check_timeout(timeout)
         self._request = (argv, env, cwd, timeout, tool)
         self.call_id: int | None = None
         self.inner_pid: int | None = None
@@ -66,11 +68,16 @@ class SessionCall:
     def output(self) -> Iterator[tuple[int, bytes]]:
         """(1 or 2, chunk) as output arrives on stdout or stderr, until both are closed."""
         streams = {self.out_r: 1, self.err_r: 2}
+        poller = select.poll()                            # not select(): these fds may be past 1024
+        for fd in streams:
+            poller.register(fd, select.POLLIN)
         while streams:
-            ready, _, _ = select.select(list(streams), [], [])
-            for fd in ready:
+            for fd, _ in poller.poll():
+                if fd not in streams:
+                    continue
                 data = os.read(fd, CHUNK)
-                if not data:
+                if not data:                              # EOF (POLLHUP comes with it, or alone)
+                    poller.unregister(fd)
                     del streams[fd]
                     continue
                 yield streams[fd], data

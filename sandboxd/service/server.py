@@ -98,15 +98,104 @@ def _self_test(fork: "Any") -> str | None:
         os.rmdir(workspace)
 
 
-def _raise_fd_limit() -> None:
-    """Soft RLIMIT_NOFILE up to the hard limit (at most 65536): each client connection costs the
-    daemon 7 descriptors, and the usual soft 1024 would cap everyone together at ~130."""
+def nofile_target() -> tuple[int, int, int]:
+    """RLIMIT_NOFILE as (soft, hard, what ``serve`` raises the soft limit to: the hard limit).
+    Every session holds descriptors in the daemon and the fork server, so 1024 caps a daemon
+    at about 500 sessions; the hard limit is what the service manager allows (LimitNOFILE=)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    target = hard
+    if hard == resource.RLIM_INFINITY:                # Linux caps descriptors at fs.nr_open anyway
+        try:
+            with open("/proc/sys/fs/nr_open") as f:
+                target = int(f.read())
+        except (OSError, ValueError):
+            target = 1 << 20
+    return soft, hard, max(soft, target) if soft != resource.RLIM_INFINITY else soft
+
+
+def raise_nofile_limit() -> int:
+    """Raise our soft RLIMIT_NOFILE to the hard limit (before the fork server starts: it
+    inherits it); returns the soft limit in force."""
+    import resource
+
+    soft, hard, target = nofile_target()
+    if target != soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (OSError, ValueError):
+            return soft
+    return target
+
+
+def sweep_private_dir(private: str) -> list[str]:
+    """Remove the gRPC sockets (``grpc-<pid>.sock``) that daemons SIGKILLed earlier left in
+    ``private``: those whose pid is dead. Returns the names removed."""
+    removed = []
+    try:
+        names = os.listdir(private)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len("grpc-"):-len(".sock")] if name.startswith("grpc-") and name.endswith(".sock") else ""
+        if not pid.isdigit() or (int(pid) != os.getpid() and os.path.exists(f"/proc/{pid}")):
+            continue
+        try:
+            os.unlink(os.path.join(private, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+# A fork server that keeps dying is not fixed by restarting it: past this many deaths in
+# RESTART_WINDOW seconds the daemon exits non-zero and leaves it to the service manager.
+MAX_FORK_RESTARTS = 5
+RESTART_WINDOW = 60.0
+
+
+class ForkWatch:
+    """The daemon's watch on its fork server, by pidfd: ``died`` wakes the moment it exits."""
+
+    def __init__(self, fork: "Any") -> None:
+        self._fork = fork
+        self._restarts: list[float] = []
+        self._pidfd = -1
+        self.rearm()
+
+    def rearm(self) -> None:
+        """Watch the fork server now running (after a start or restart)."""
+        import select
+
+        self.close()
+        self._pidfd = os.pidfd_open(self._fork.pid)
+        self._poller = select.poll()
+        self._poller.register(self._pidfd, select.POLLIN)
+
+    def died(self, timeout: float) -> str | None:
+        """Wait up to ``timeout`` seconds; how the fork server ended if it did, else None."""
+        if not self._poller.poll(int(timeout * 1000)):
+            return None
+        try:                                              # WNOWAIT: the client's Popen reaps it
+            result = os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            return "ended"
+        if result is None:
+            return "ended"
+        if result.si_code == os.CLD_EXITED:
+            return f"exited with status {result.si_status}"
+        return f"killed by signal {result.si_status}"
+
+    def may_restart(self) -> bool:
+        now = time.monotonic()
+        self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW] + [now]
+        return len(self._restarts) <= MAX_FORK_RESTARTS
+
+    def close(self) -> None:
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
 
 
 def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_gid: int | None = None,
@@ -118,8 +207,11 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
           session_defaults: "object | None" = None, network_pool: str = "", connections_per_uid: int = 64,
           proxy_connections: int = 256, published_connections: int = 256) -> int:
     from sandboxd.supervisor.forkserver import ForkServer
+    # First: the fork server inherits it (it holds descriptors for every session; at 1024 it failed
+    # past ~500 sessions). Sandboxes inherit it from the fork server in turn, unless the session
+    # sets open_files.
+    raise_nofile_limit()
     fork = ForkServer.start()                             # before gRPC's threads, and as a fresh process
-    _raise_fd_limit()                                     # after: sandboxes keep the limit they had
     problem = _self_test(fork)
     if problem is not None:
         # Refuse to start rather than serve sessions the kernel cannot enforce.
@@ -157,8 +249,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     os.makedirs(private, mode=0o700, exist_ok=True)
     os.chmod(private, 0o700)
     backend = os.path.join(private, f"grpc-{os.getpid()}.sock")
-    if os.path.exists(backend):
-        os.unlink(backend)
+    stale_sockets = sweep_private_dir(private)           # ours included, from a reused pid
 
     # The audit log and session metadata: opened (and migrated) before anything is served.
     store = open_in_state_dir(state_dir)
@@ -211,12 +302,45 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     log.info("serving", extra={"fields": {"socket": socket_path, "pid": os.getpid(),
                                           "tls": tls.address if tls else None, "event_store": store.path,
                                           "config": config_path, "metrics": metrics_listen or None,
-                                          "sessions_resumed": resumed}})
+                                          "sessions_resumed": resumed, "stale_sockets_removed": len(stale_sockets),
+                                          "fork_server_pid": fork.pid}})
     if ready is not None:
         ready.set()
     systemd.notify(f"READY=1\nSTATUS=serving on {socket_path}\nMAINPID={os.getpid()}")
+    # The main thread's loop: a stop signal (the flag, looked at every 0.2 s) or the fork
+    # server's death (its pidfd wakes the poll at once). A dead fork server took every sandbox
+    # with it; it is restarted in place and sessions resume on their next call, as after a
+    # daemon restart. Meanwhile health says NOT_SERVING, and calls fail with FAILED_PRECONDITION
+    # ("the fork server exited"), never hang.
+    status = 0
+    watch = ForkWatch(fork)
     while not stopping:
-        time.sleep(0.2)                                   # interrupted by the signal; the flag ends the loop
+        how = watch.died(0.2)
+        if how is None:
+            continue
+        for service in ("", "sandboxd.v1.Sandbox"):
+            health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.error("fork server died: every sandbox died with it; restarting it",
+                  extra={"fields": {"fork_server_pid": fork.pid, "how": how}})
+        registry.sandboxes_lost()
+        problem = None if watch.may_restart() else \
+            f"it died more than {MAX_FORK_RESTARTS} times in {RESTART_WINDOW:.0f} s"
+        if problem is None:
+            try:
+                fork.restart()
+                watch.rearm()
+                problem = _self_test(fork)
+            except Exception as exc:  # noqa: BLE001 - any failure here ends the daemon, non-zero
+                problem = f"{type(exc).__name__}: {exc}"
+        if problem is not None:
+            log.error("cannot restart the fork server: exiting non-zero (the service manager restarts "
+                      "the daemon)", extra={"fields": {"problem": problem}})
+            status = 1
+            break
+        log.info("fork server restarted", extra={"fields": {"fork_server_pid": fork.pid}})
+        for service in ("", "sandboxd.v1.Sandbox"):
+            health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    watch.close()
     for signum in (signal.SIGTERM, signal.SIGINT):
         # Stopping already: more of these must not cut the cleanup short (nor, at interpreter
         # exit, turn exit status 0 into death by signal). A stuck stop still yields to SIGKILL.
@@ -236,5 +360,5 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
         except FileNotFoundError:
             pass
     log.info("stopped", extra={"fields": {"seconds": round(time.monotonic() - started, 3)}})
-    return 0
+    return status
 

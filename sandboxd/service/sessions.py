@@ -279,6 +279,22 @@ class SessionRegistry:
                 except Exception:  # noqa: BLE001 - shutting down: the fork server may be gone already
                     pass
 
+    def sandboxes_lost(self) -> None:
+        """The fork server died, and every sandbox with it: stop what the daemon served for them
+        (published ports, egress proxies), and let each open session's next call rebuild its
+        sandbox, as after a daemon restart (``restore``)."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for session in sessions:
+            with session.build_lock:
+                session.sandbox_ready = False
+                for generation in list(session.services):
+                    for service in session.services.pop(generation, []):
+                        try:
+                            service.close()
+                        except Exception:  # noqa: BLE001 - its sandbox is gone: close the rest regardless
+                            pass
+
     # -- calls ---------------------------------------------------------------------------------
 
     def begin_call(self, session: Session) -> int:

@@ -28,22 +28,56 @@ from __future__ import annotations
 
 import array
 import json
+import math
 import os
 import select
 import signal
 import socket
+import sys
 import threading
 import time
 from typing import Any
 
 from sandboxd._record import Record
 from sandboxd.errors import Forbidden, InvalidPolicy, SandboxdError, SetupError
+from sandboxd.policy.limits import MAX_TIMEOUT_SECONDS
 from sandboxd.policy.spec import LaunchSpec, spec_from_dict, spec_to_dict
 from sandboxd.supervisor.spawner import ExitInfo, SandboxProcess, SessionSandbox, Spawner
 
 MAX_MESSAGE = 1 << 20
 # Errors that cross from the fork server as their kind and message (a SetupError has more fields).
 _PLAIN_ERRORS: dict[str, type[SandboxdError]] = {cls.__name__: cls for cls in (InvalidPolicy, Forbidden)}
+# The longest one poll() waits: far enough to cost nothing, near enough that no deadline can
+# overflow poll's millisecond int (the loop recomputes after every wake). Time limits above
+# MAX_TIMEOUT_SECONDS (a year) are refused before they get here (policy Limits, SessionCall) and
+# again at this edge (check_timeout); the loop itself copes with any deadline.
+MAX_POLL_MS = 60_000
+
+
+def check_timeout(timeout: object, what: str = "timeout_seconds") -> float | None:
+    """A call's time limit as a float (None: no limit), or InvalidPolicy for what no clock can hold."""
+    if timeout is None or timeout == 0:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise InvalidPolicy(f"{what} must be a number of seconds, got {timeout!r}")
+    value = float(timeout)
+    if math.isnan(value) or value < 0 or value > MAX_TIMEOUT_SECONDS:
+        raise InvalidPolicy(f"{what} must be between 0 and {MAX_TIMEOUT_SECONDS:.0f} seconds (a year), "
+                            f"got {timeout!r}: give a shorter limit, or none")
+    return value
+
+
+def poll_timeout_ms(deadline: float | None, now: float) -> int:
+    """poll()'s timeout for the nearest ``deadline``: never negative, never beyond MAX_POLL_MS,
+    whatever the deadline (inf, NaN, 1e300): the loop must never raise on a value."""
+    if deadline is None:
+        return MAX_POLL_MS
+    remaining = deadline - now
+    if not remaining < MAX_POLL_MS / 1000:            # also NaN
+        return MAX_POLL_MS
+    if remaining <= 0:                                # also -inf
+        return 0
+    return math.ceil(remaining * 1000)
 
 
 def _send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
@@ -62,7 +96,13 @@ def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
             fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
     if not data:
         return None, list(fds)
-    return json.loads(data), list(fds)
+    try:
+        message = json.loads(data)
+    except ValueError:                                    # also a message cut at MAX_MESSAGE
+        message = None
+    if not isinstance(message, dict):
+        return {"op": None, "malformed": True}, list(fds)   # answered as an error, never taken as EOF
+    return message, list(fds)
 
 
 class _Server:
@@ -78,24 +118,47 @@ class _Server:
         self.spawner = Spawner(native_helper=helper_path() if native_calls else None)
         self.running: dict[int, tuple[SandboxProcess, float | None]] = {}
         self.sessions: dict[str, SessionSandbox] = {}
+        # poll, not select: descriptors past 1024 (a thousand sessions) are ordinary here.
+        self._poller = select.poll()
+        self._sock_fd = sock.fileno()
+        self._poller.register(self._sock_fd, select.POLLIN)
+        self._watched: dict[int, int] = {}                # call id -> its pidfd in the poller
 
     def serve(self) -> None:
         while True:
             deadlines = [d for d in (proc.deadline(t) for proc, t in self.running.values()) if d is not None]
-            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
-            waitables: list[Any] = [self.sock] + [proc for proc, _ in self.running.values()]
-            ready, _, _ = select.select(waitables, [], [], timeout)
+            try:
+                events = self._poller.poll(poll_timeout_ms(min(deadlines) if deadlines else None, time.monotonic()))
+            except InterruptedError:
+                continue
             self._collect_exits()
-            if self.sock in ready and not self._handle_next():
+            if any(fd == self._sock_fd for fd, _ in events) and not self._handle_next():
                 self._shutdown()
                 return
 
     def _collect_exits(self) -> None:
         for call_id, (proc, limit) in list(self.running.items()):
-            info = proc.poll(limit)
+            try:
+                info = proc.poll(limit)
+            except Exception as exc:  # noqa: BLE001 - one broken call must not end everyone's
+                _log(f"collecting call {call_id} failed: {type(exc).__name__}: {exc}")
+                try:
+                    proc.kill()
+                except Exception:  # noqa: BLE001 - best effort: it is reported as killed either way
+                    pass
+                info = ExitInfo(exit_code=None, signal=signal.SIGKILL, timed_out=False, wall_seconds=0.0,
+                                cpu_seconds=None, peak_memory_bytes=None, oom_killed=False)
             if info is not None:
                 del self.running[call_id]
-                _send(self.sock, {"id": call_id, "event": "exited", "info": info.to_dict()})
+                # By number: poll() above closed the pidfd, and nothing polls in between.
+                self._poller.unregister(self._watched.pop(call_id))
+                self._answer({"id": call_id, "event": "exited", "info": info.to_dict()})
+
+    def _answer(self, message: dict[str, Any]) -> None:
+        try:
+            _send(self.sock, message)
+        except OSError as exc:                            # the daemon is gone: EOF ends the loop
+            _log(f"cannot answer the daemon: {exc}")
 
     def _handle_next(self) -> bool:
         try:
@@ -103,43 +166,69 @@ class _Server:
         except (OSError, ValueError):
             message, fds = None, []
         if message is None:
+            for fd in fds:
+                os.close(fd)
             return False
-        call_id = int(message.get("id", 0))
+        call_id = 0
         try:
+            if message.get("malformed"):
+                raise InvalidPolicy("a fork server request must be one JSON object below 1 MiB")
+            call_id = message.get("id", 0)
+            if isinstance(call_id, bool) or not isinstance(call_id, int):
+                call_id = 0
+                raise InvalidPolicy("a fork server request needs an integer id")
             self._dispatch(call_id, message, fds)
         except SandboxdError as exc:
             error = exc.to_dict() if isinstance(exc, SetupError) else {"kind": type(exc).__name__, "detail": str(exc)}
-            _send(self.sock, {"id": call_id, "event": "error", "error": error})
+            self._answer({"id": call_id, "event": "error", "error": error})
+        except Exception as exc:  # noqa: BLE001 - the dispatch edge: every failure is an answer
+            _log(f"request {call_id} failed: {type(exc).__name__}: {exc}")
+            self._answer({"id": call_id, "event": "error", "error": {
+                "kind": "SetupError", "step": "fork server",
+                "detail": f"the fork server could not handle the request ({type(exc).__name__}: {exc})"}})
         finally:
             for fd in fds:
                 os.close(fd)
         return True
 
     def _dispatch(self, call_id: int, message: dict[str, Any], fds: list[int]) -> None:
+        """One request, checked field by field: the daemon is trusted, but a bug there must
+        come back as an error answer, never end every sandbox of every user."""
         op = message.get("op")
         if op in ("launch", "call"):
+            if call_id <= 0 or call_id in self.running:
+                raise InvalidPolicy(f"request id {call_id!r} is not a fresh positive id")
             if len(fds) != 3:
                 raise InvalidPolicy("a launch needs exactly three descriptors: stdin, stdout, stderr")
             stdio = (fds[0], fds[1], fds[2])
             if op == "launch":
-                spec = spec_from_dict(message["spec"])
-                proc, limit = self.spawner.launch(spec, stdio=stdio), spec.limits.timeout_seconds
+                spec = spec_from_dict(_field(message, "spec", dict))
+                limit = check_timeout(spec.limits.timeout_seconds, "limit timeout_seconds")
+                proc = self.spawner.launch(spec, stdio=stdio)
             else:
                 session = self._session(message)
-                argv, env = [str(a) for a in message["argv"]], {str(k): str(v) for k, v in (message.get("env") or {}).items()}
-                if any("\0" in item for item in (*argv, *env, *env.values(), str(message["cwd"]))):
+                argv = _field(message, "argv", list)
+                env = _field(message, "env", dict, optional=True) or {}
+                cwd = _field(message, "cwd", str)
+                tool = _field(message, "tool", dict, optional=True)
+                if not all(isinstance(item, str) for item in (*argv, *env, *env.values())):
+                    raise InvalidPolicy("argv and env must hold strings only")
+                if any("\0" in item for item in (*argv, *env, *env.values(), cwd)):
                     raise InvalidPolicy("argv, env and cwd cannot contain NUL characters")
-                proc = self.spawner.launch_call(session, tuple(argv), env, str(message["cwd"]), stdio=stdio,
-                                                tool=message.get("tool"))
-                limit = float(message["timeout"]) if message.get("timeout") else None
+                limit = check_timeout(message.get("timeout"))
+                proc = self.spawner.launch_call(session, tuple(argv), dict(env), cwd, stdio=stdio, tool=tool)
             proc.wait_started()
             self.running[call_id] = (proc, limit)
-            _send(self.sock, {"id": call_id, "event": "started", "pid": proc.pid, "inner_pid": proc.inner_pid})
+            self._watched[call_id] = proc.fileno()
+            self._poller.register(proc.fileno(), select.POLLIN)
+            self._answer({"id": call_id, "event": "started", "pid": proc.pid, "inner_pid": proc.inner_pid})
         elif op == "session_open":
-            name = str(message["session"])
+            name = _field(message, "session", str)
             if name in self.sessions:
                 raise InvalidPolicy(f"session {name!r} is already open in the fork server")
-            session = self.spawner.open_session(spec_from_dict(message["spec"]))
+            spec = spec_from_dict(_field(message, "spec", dict))
+            check_timeout(spec.limits.timeout_seconds, "limit timeout_seconds")
+            session = self.spawner.open_session(spec)
             self.sessions[name] = session
             ready: dict[str, Any] = {"id": call_id, "event": "session_ready", "init_pid": session.init_pid,
                                      "workspace": session.plan.workspace}
@@ -152,22 +241,26 @@ class _Server:
                     network.proxy_listener = None
                 ready.update(host_address=network.host_address, sandbox_address=network.sandbox_address,
                              resolvers=network.resolvers)
-            _send(self.sock, ready)
+            self._answer(ready)
         elif op == "session_close":
-            session = self.sessions.pop(str(message["session"]), None)
+            session = self.sessions.pop(_field(message, "session", str), None)
             if session is not None:
                 self._close_session(session)
-            _send(self.sock, {"id": call_id, "event": "session_closed"})
+            self._answer({"id": call_id, "event": "session_closed"})
         elif op == "check_paths":
-            _send(self.sock, {"id": call_id, "event": "paths_checked",
-                              "paths": check_paths(message.get("caller"), [str(p) for p in message["paths"]])})
+            paths = _field(message, "paths", list)
+            self._answer({"id": call_id, "event": "paths_checked",
+                          "paths": check_paths(message.get("caller"), [str(p) for p in paths])})
         elif op in ("signal", "cancel"):
             entry = self.running.get(call_id)
+            signum = _field(message, "signum", int) if op == "signal" else signal.SIGKILL
+            if not 0 < signum < signal.NSIG:
+                raise InvalidPolicy(f"signal {signum} is not a signal number")
             if entry:
                 if op == "cancel":
                     entry[0].kill()
                 else:
-                    entry[0].send_signal(int(message["signum"]))
+                    entry[0].send_signal(signum)
         else:
             raise InvalidPolicy(f"unknown fork server operation {op!r}")
 
@@ -177,13 +270,16 @@ class _Server:
         session.kill()
         deadline = time.monotonic() + 30
         while not session.reap() and time.monotonic() < deadline:
-            select.select([session.pidfd] + [proc for proc, _ in self.running.values()], [], [], 0.05)
+            waiter = select.poll()
+            for fd in (session.pidfd, *self._watched.values()):
+                waiter.register(fd, select.POLLIN)
+            waiter.poll(50)
             self._collect_exits()
         session.close()
         self._collect_exits()
 
     def _session(self, message: dict[str, Any]) -> SessionSandbox:
-        session = self.sessions.get(str(message.get("session")))
+        session = self.sessions.get(_field(message, "session", str))
         if session is None:
             raise InvalidPolicy(f"no open session {message.get('session')!r} in the fork server")
         return session
@@ -195,6 +291,25 @@ class _Server:
         for proc, _ in self.running.values():
             proc.kill()
             proc.wait()
+
+
+def _field(message: dict[str, Any], key: str, kind: type, optional: bool = False) -> Any:
+    """``message[key]`` if it is a ``kind`` (None allowed when ``optional``), else InvalidPolicy."""
+    value = message.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise InvalidPolicy(f"fork server request field {key!r} must be a {kind.__name__}, got {value!r}")
+    return value
+
+
+def _log(text: str) -> None:
+    """The fork server has no logger of its own: its stderr is the daemon's."""
+    try:
+        sys.stderr.write(f"sandboxd-fork: {text}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 def check_paths(caller: Any, paths: list[str]) -> list[str]:
@@ -240,6 +355,8 @@ class ForkServer:
         self._reading = False                     # a waiting thread is reading the socket
         self._process: "Any" = None
         self._native_calls = False
+        self._wanted_native_calls = True
+        self._first_id = 1                        # ids below it went to a server that has died since
 
     @property
     def native_calls(self) -> bool:
@@ -269,6 +386,7 @@ class ForkServer:
             child_end.close()
         server = cls(parent_end, child.pid)
         server._process = child
+        server._wanted_native_calls = native_calls
         from sandboxd.launcher.native_call import helper_path
         server._native_calls = native_calls and helper_path() is not None
         return server
@@ -321,7 +439,10 @@ class ForkServer:
         """Stop the server: it kills every sandbox and session it holds, then exits."""
         with self._send_lock:
             if not self._closed:
-                self._sock.shutdown(socket.SHUT_WR)
+                try:
+                    self._sock.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass                                  # it died already: reading finds EOF
         try:
             self._wait_event(-1, ())                      # reads (and drops) what is left, until EOF
         except SetupError:
@@ -329,6 +450,34 @@ class ForkServer:
         self._sock.close()
         if self._process is not None:
             self._process.wait()
+
+    def restart(self) -> None:
+        """Replace a dead server with a fresh one, in place (every holder of this client keeps it).
+
+        Requests still waiting on the old server fail at once ("the fork server exited"), then
+        later requests go to the new one. The old server's sandboxes died with it; the new one
+        sweeps what they left (cgroups, links) as it starts. A fresh interpreter again, spawned
+        by subprocess (fork+exec in C, no Python code runs in the child), so the threaded
+        daemon may call this."""
+        fresh = ForkServer.start(self._wanted_native_calls)
+        with self._send_lock:
+            old_sock, old_process = self._sock, self._process
+            try:
+                old_sock.shutdown(socket.SHUT_RDWR)       # a reader blocked on it sees EOF now
+            except OSError:
+                pass
+            with self._cond:
+                while self._reading:
+                    self._cond.wait()
+                self._sock, self.pid, self._process = fresh._sock, fresh.pid, fresh._process
+                self._native_calls = fresh._native_calls
+                self._first_id = self._next_id
+                self._events.clear()
+                self._closed = False
+                self._cond.notify_all()
+        old_sock.close()
+        if old_process is not None:
+            old_process.wait()                            # it is dead already: only the zombie
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -347,7 +496,10 @@ class ForkServer:
     def _send_locked(self, message: dict[str, Any], fds: list[int] | None) -> None:
         if self._closed:
             raise SetupError("fork server", 0, detail="the fork server has exited")
-        _send(self._sock, message, fds)
+        try:
+            _send(self._sock, message, fds)
+        except OSError as exc:                            # EPIPE, ECONNRESET: it died under us
+            raise SetupError("fork server", 0, detail=f"the fork server has exited ({exc.strerror})") from None
 
     def _expect(self, call_id: int, kind: str) -> dict[str, Any]:
         event = self._wait_event(call_id, (kind, "error"))
@@ -372,7 +524,7 @@ class ForkServer:
                         if not queue:
                             self._events.pop(call_id, None)
                         return event
-                if self._closed:
+                if self._closed or 0 < call_id < self._first_id:
                     raise SetupError("fork server", 0, detail="the fork server exited")
                 if self._reading:
                     self._cond.wait()
@@ -390,8 +542,8 @@ class ForkServer:
                     os.close(fd)
                 if message is None:
                     self._closed = True
-                else:
-                    self._events.setdefault(int(message["id"]), []).append(message)
+                elif isinstance(message.get("id"), int):
+                    self._events.setdefault(message["id"], []).append(message)
                 self._cond.notify_all()           # another waiter's event, or the next reader's turn
 
 

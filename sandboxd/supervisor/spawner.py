@@ -64,6 +64,19 @@ SPAWN_DEFAULT_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.S
                          signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD)
 
 
+# poll() takes an int of milliseconds: longer waits are cut into turns of this many seconds.
+_MAX_WAIT_TURN = 3600.0
+
+
+def _readable(fd: int, timeout: float | None) -> bool:
+    """Wait until ``fd`` (a pidfd: its process ended) is readable, at most ``timeout`` seconds
+    (None: no limit). poll, not select: select cannot take descriptors past 1024."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    turn = _MAX_WAIT_TURN if timeout is None or not timeout < _MAX_WAIT_TURN else max(0.0, timeout)
+    return bool(poller.poll(int(turn * 1000 + 0.999)))
+
+
 class SandboxProcess:
     """A launched sandbox as its parent sees it."""
 
@@ -107,8 +120,7 @@ class SandboxProcess:
         or, for a session call, everything the call started (its supervisor does it)."""
         self.send_signal(self._kill_signal)
         if self._kill_signal != signal.SIGKILL:
-            ready, _, _ = select.select([self._pidfd], [], [], CALL_KILL_GRACE)
-            if not ready:
+            if not _readable(self._pidfd, CALL_KILL_GRACE):
                 self.send_signal(signal.SIGKILL)      # the supervisor is stuck: take it down at least
         if self._cgroup is not None:
             self._cgroup.kill()
@@ -138,11 +150,7 @@ class SandboxProcess:
         deadline = self.deadline(timeout)
         while self._exit_status is None:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                ready, _, _ = select.select([self._pidfd], [], [], remaining)
-            except InterruptedError:
-                continue
-            if ready:
+            if _readable(self._pidfd, remaining):
                 self._reap(block=True)
             elif deadline is not None and time.monotonic() >= deadline:
                 self._timed_out = True

@@ -1,0 +1,193 @@
+"""The fork server's edge: no request kills it, no deadline crashes its loop, its death fails
+every waiter at once, and nothing waits with select() (descriptors past 1024 work)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import BASE_ENV
+from sandboxd.errors import InvalidPolicy, SetupError
+from sandboxd.policy import LaunchSpec, Limits, WorkspaceWrite
+from sandboxd.service.calls import SessionCall
+from sandboxd.supervisor.forkserver import MAX_POLL_MS, ForkServer, check_timeout, poll_timeout_ms
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[1]
+SANDBOXD = str(REPO / ".venv" / "bin" / "sandboxd")
+
+
+@pytest.fixture
+def server() -> Iterator[ForkServer]:
+    fs = ForkServer.start()
+    try:
+        yield fs
+    finally:
+        fs.close()
+
+
+def null_stdio() -> tuple[int, int, int]:
+    fd = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    return fd, fd, fd
+
+
+def launch_true(server: ForkServer, workspace: Path) -> int:
+    stdio = null_stdio()
+    try:
+        call = server.launch(LaunchSpec(argv=("true",), workspace=str(workspace), env=dict(BASE_ENV)), stdio)
+    finally:
+        os.close(stdio[0])
+    return server.wait(call).exit_code  # type: ignore[return-value]
+
+
+def test_poll_timeout_never_raises_on_any_deadline() -> None:
+    now = 1000.0
+    for deadline in (now + 1e12, float("inf"), float("nan"), 1e300, now + MAX_POLL_MS):
+        assert poll_timeout_ms(deadline, now) == MAX_POLL_MS, deadline
+    assert poll_timeout_ms(None, now) == MAX_POLL_MS
+    assert poll_timeout_ms(now - 5, now) == 0 and poll_timeout_ms(float("-inf"), now) == 0
+    assert poll_timeout_ms(now + 0.0001, now) == 1 and poll_timeout_ms(now + 2.5, now) == 2500
+
+
+def test_check_timeout_refuses_what_no_clock_holds() -> None:
+    for bad in (1e12, float("inf"), float("nan"), -1, "10", True):
+        with pytest.raises(InvalidPolicy, match="timeout_seconds"):
+            check_timeout(bad)
+    assert check_timeout(None) is None and check_timeout(0) is None
+    assert check_timeout(365 * 24 * 3600) == 365 * 24 * 3600.0 and check_timeout(1) == 1.0
+    with pytest.raises(InvalidPolicy, match="at most"):
+        Limits(timeout_seconds=1e12)
+
+
+def test_malformed_requests_get_error_answers_and_the_server_lives(server: ForkServer, workspace: Path) -> None:
+    pid = server.pid
+    stdio = null_stdio()
+    try:
+        bad_requests: list[tuple[dict[str, object], list[int]]] = [
+            ({"op": "launch", "spec": "not a spec"}, list(stdio)),
+            ({"op": "launch", "spec": {"argv": 5}}, list(stdio)),
+            ({"op": "launch"}, []),
+            ({"op": "call", "session": 7, "argv": ["true"], "cwd": "/"}, list(stdio)),
+            ({"op": "call", "session": "nope", "argv": ["true"], "cwd": "/"}, list(stdio)),
+            ({"op": "session_open", "session": ["x"], "spec": {}}, []),
+            ({"op": "session_open", "session": "s", "spec": {"argv": []}}, []),
+            ({"op": "session_close", "session": None}, []),
+            ({"op": "explode"}, []),
+        ]
+        for message, fds in bad_requests:
+            call_id = server._request(dict(message), fds or None)
+            with pytest.raises((InvalidPolicy, SetupError)):
+                server._expect(call_id, "started")
+            assert server.pid == pid
+        # Fields the client would never send: a time limit of 1e12 s, a signal beyond NSIG.
+        spec = LaunchSpec(argv=("true",), workspace=str(workspace), env=dict(BASE_ENV))
+        from sandboxd.policy.spec import spec_to_dict
+        huge = spec_to_dict(spec)
+        huge["limits"]["timeout_seconds"] = 1e12
+        with pytest.raises(InvalidPolicy, match="timeout_seconds"):
+            server._expect(server._request({"op": "launch", "spec": huge}, list(stdio)), "started")
+        server._send({"op": "signal", "id": 99999, "signum": 10 ** 9})
+        assert "not a signal" in server._wait_event(99999, ("error",))["error"]["detail"]
+        # Not JSON, and not an object: answered with id 0.
+        server._sock.send(b"\xff not json")
+        server._sock.send(json.dumps([1, 2]).encode())
+        server._sock.send(json.dumps({"op": "launch", "id": "seven"}).encode())
+        for _ in range(3):
+            assert server._wait_event(0, ("error",))["event"] == "error"
+    finally:
+        os.close(stdio[0])
+    assert os.path.exists(f"/proc/{pid}") and server.pid == pid
+    assert launch_true(server, workspace) == 0          # the control: it still launches
+
+
+def test_deadlines_still_kill_on_time(server: ForkServer, workspace: Path) -> None:
+    """The control for the clamped poll: a short time limit still ends a long command."""
+    stdio = null_stdio()
+    try:
+        call = server.launch(LaunchSpec(argv=("sleep", "30"), workspace=str(workspace), env=dict(BASE_ENV),
+                                        limits=Limits(timeout_seconds=0.5)), stdio)
+    finally:
+        os.close(stdio[0])
+    info = server.wait(call)
+    assert info.timed_out and info.shell_status == 124
+
+
+def test_a_dead_fork_server_fails_every_waiter_and_restarts_in_place(server: ForkServer, workspace: Path) -> None:
+    session = "s#1"
+    server.open_session(session, LaunchSpec(argv=("sandboxd-session",), workspace=str(workspace),
+                                            policy=WorkspaceWrite(), env=dict(BASE_ENV)))
+    stdio = null_stdio()
+    try:
+        calls = [server.call(session, ["sleep", "300"], dict(BASE_ENV), str(workspace), None, stdio)[0]
+                 for _ in range(3)]
+    finally:
+        os.close(stdio[0])
+    errors: list[BaseException] = []
+
+    def wait(call_id: int) -> None:
+        try:
+            server.wait(call_id)
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    waiters = [threading.Thread(target=wait, args=(call,)) for call in calls]
+    for thread in waiters:
+        thread.start()
+    old = server.pid
+    os.kill(old, signal.SIGKILL)
+    for thread in waiters:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in waiters), "a waiter hung on a dead fork server"
+    assert len(errors) == 3 and all(isinstance(e, SetupError) and "fork server" in str(e) for e in errors), errors
+    with pytest.raises(SetupError, match="fork server"):
+        server.call(session, ["true"], dict(BASE_ENV), str(workspace), None, null_stdio())
+
+    server.restart()
+    assert server.pid != old and os.path.exists(f"/proc/{server.pid}")
+    with pytest.raises(SetupError, match="fork server"):
+        server.wait(calls[0])                             # asked of the dead one: fails at once
+    assert launch_true(server, workspace) == 0
+
+
+def test_session_call_output_reads_descriptors_past_1024() -> None:
+    """The Exec output pump with pipes numbered above 1024 (select() raised ValueError there)."""
+    filler = [os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) for _ in range(1100)]
+    try:
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        assert min(out_r, err_r) > 1024
+        call = SessionCall.__new__(SessionCall)
+        call.out_r, call.err_r = out_r, err_r
+        os.write(out_w, b"out")
+        os.write(err_w, b"err")
+        os.close(out_w)
+        os.close(err_w)
+        got = sorted(call.output())
+        assert got == [(1, b"out"), (2, b"err")]
+        os.close(out_r)
+        os.close(err_r)
+    finally:
+        for fd in filler:
+            os.close(fd)
+
+
+def test_sandboxd_run_waits_on_a_pidfd_past_1024(workspace: Path) -> None:
+    """`sandboxd run` waits on its sandbox's pidfd (SandboxProcess.wait): numbered past 1024 here."""
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        done = subprocess.run([SANDBOXD, "run", "--workspace", str(workspace), "--timeout", "20", "--",
+                               "sh", "-c", "echo ran"], pass_fds=filler, capture_output=True, text=True,
+                              env=BASE_ENV, timeout=60)
+    finally:
+        for fd in filler:
+            os.close(fd)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "ran\n"
