@@ -146,6 +146,15 @@ KEYS: tuple[Key, ...] = (
     Key("defaults", "timeout_seconds", 0, "per-call timeout of sessions that set none; 0: none", _seconds_or_zero),
     Key("defaults", "memory", "", "memory limit of sessions that set none (512M, 2G); empty: none", _size_or_empty),
     Key("defaults", "pids", 0, "process limit of sessions that set none; 0: none", _whole(0, 1 << 22)),
+    Key("quotas", "sessions_per_uid", 64, "open sessions one local user (a TLS caller: one certificate) may hold; "
+        "root is exempt", _whole(1, 100000)),
+    Key("quotas", "calls_per_uid", 16, "calls one user may have running at once: Exec, file tools, search, patches "
+        "and Authorize, including those held for approval; root is exempt", _whole(1, 1024)),
+    Key("quotas", "streams_per_uid", 8, "open WatchEvents and following ReadBackgroundOutput streams per user; "
+        "root is exempt", _whole(1, 1024)),
+    Key("quotas", "reserved_workers", 0, "workers that running calls and streams (everyone's, root's too) may never "
+        "take: they stay free for short calls (CreateSession, CloseSession, ResolveApproval ...); must be below "
+        "listen.workers; 0: a quarter of listen.workers (at least 1)", _whole(0, 1023)),
     Key("metrics", "listen", "", "HOST:PORT of the Prometheus metrics listener (HTTP, /metrics); empty: none",
         _text),
     Key("log", "level", "info", "info: the daemon's life and its problems; debug: also every decision and call "
@@ -199,6 +208,9 @@ def load(path: str | None) -> Config:
             if problem:
                 raise ConfigError(path, key.dotted, problem)
             values[key.dotted] = value
+    if 0 < values["quotas.reserved_workers"] >= values["listen.workers"]:
+        raise ConfigError(path, "quotas.reserved_workers", f"must be below listen.workers "
+                          f"({values['listen.workers']}): the rest serve running calls and streams")
     tls = [values[f"tls.{name}"] for name in ("address", "cert", "key", "client_ca")]
     if any(tls) and not all(tls):
         raise ConfigError(path, "tls", "a TCP listener needs all of address, cert, key and client_ca")

@@ -82,7 +82,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
           state_dir: str = DEFAULT_STATE_DIR, approval_timeout: float = 300.0, dns: tuple[str, ...] = (),
           log_format: str = "json", log_level: str = "info", config_path: str | None = None,
           metrics_listen: str = "",
-          session_defaults: "object | None" = None, network_pool: str = "") -> int:
+          session_defaults: "object | None" = None, network_pool: str = "", quotas: "Any" = None) -> int:
     from sandboxd.supervisor.forkserver import ForkServer
     fork = ForkServer.start()                             # before gRPC's threads, and as a fresh process
     problem = _self_test(fork)
@@ -125,7 +125,10 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
 
     # The audit log and session metadata: opened (and migrated) before anything is served.
     store = EventStore(os.path.join(state_dir, "events.db"))
-    registry = SessionRegistry(fork, store, admin_gid=admin_gid, dns=dns, network_pool=network_pool)
+    from sandboxd.service.quotas import QuotaLimits, Quotas
+    counters = Quotas(quotas or QuotaLimits(workers=workers))
+    registry = SessionRegistry(fork, store, admin_gid=admin_gid, dns=dns, network_pool=network_pool,
+                               quotas=counters)
     resumed = registry.restore()
     from sandboxd.service.metrics import Metrics
     metrics = Metrics()
@@ -139,7 +142,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandboxd-rpc"))
     callers = Callers(door, (tls.uid, tls.gid) if tls else None)
     sandboxd_pb2_grpc.add_SandboxServicer_to_server(
-        SandboxServicer(registry, fork, callers, gate, metrics, session_defaults), server)  # type: ignore[arg-type]
+        SandboxServicer(registry, fork, callers, gate, metrics, session_defaults, counters), server)  # type: ignore[arg-type]
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
