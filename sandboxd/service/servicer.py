@@ -93,6 +93,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
 
     def CreateSession(self, request: pb.CreateSessionRequest, context: grpc.ServicerContext) -> pb.Session:
         def work(who: PeerCredentials) -> pb.Session:
+            convert.check_path(request.workspace, "workspace")
             policy, approval, rules = convert.axes_from_create_request(request, self._defaults)
             session = self._registry.create(who, request.workspace, policy, approval,
                                             convert.limits_from_proto(request.limits, self._defaults),
@@ -133,7 +134,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
     def ReadFile(self, request: pb.ReadFileRequest, context: grpc.ServicerContext) -> pb.ReadFileResponse:
         def work(who: PeerCredentials) -> pb.ReadFileResponse:
             session = self._registry.get(who, request.session_id)
-            limit = int(request.max_bytes) or file_calls.DEFAULT_READ_LIMIT
+            limit = file_calls.read_limit(request.max_bytes)
             path = file_calls.resolve(session, request.path)
             code, data = self._tool(context, who, session, tool_calls.read(session, "fs.read", path), lambda: (
                 file_calls.run_tool(self._registry, self._fork, session, {
@@ -187,8 +188,12 @@ class SandboxServicer(pb_grpc.SandboxServicer):
     def StartBackground(self, request: pb.StartBackgroundRequest, context: grpc.ServicerContext) -> pb.BackgroundProcess:
         def work(who: PeerCredentials) -> pb.BackgroundProcess:
             session = self._registry.get(who, request.session_id)
-            argv = exec_call.command_of(pb.ExecStart(argv=request.argv, shell=request.shell))
-            call = tool_calls.command(session, "monitor.start", argv, cwd_inside(session.workspace, request.cwd))
+            start = pb.ExecStart(argv=request.argv, shell=request.shell, env=request.env)
+            argv = exec_call.command_of(start)
+            exec_call.check_start(start, argv)
+            convert.check_text(request.name, "name")
+            call = tool_calls.command(session, "monitor.start", argv,
+                                      cwd_inside(session.workspace, convert.check_path(request.cwd, "cwd")))
             return job_to_proto(self._tool(context, who, session, call, lambda: self._jobs.start(
                 session, argv, request.cwd, dict(request.env), request.name)))
         return self._unary(context, work)
@@ -237,7 +242,8 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                 raise InvalidPolicy("the first Exec message must be `start` (session, argv or shell, ...)")
             start = first.start
             session = self._registry.get(who, start.session_id)
-            argv, cwd = exec_call.command_of(start), cwd_inside(session.workspace, start.cwd)
+            argv, cwd = exec_call.command_of(start), cwd_inside(session.workspace, convert.check_path(start.cwd, "cwd"))
+            exec_call.check_start(start, argv)
             call = tool_calls.command(session, "shell.exec", argv, cwd, context_id=start.execution_context_id)
             with self._gate.authorize(session, call, still_wanted=context.is_active) as granted:
                 for response in exec_call.run(self._registry, self._fork, session, start, argv, cwd, request_iterator,
