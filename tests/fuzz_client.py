@@ -27,8 +27,10 @@ from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 ARGS: dict[str, Any] = json.loads(sys.argv[1])
 BAD_CODES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 CALL_TIMEOUT = 5.0                       # a held approval or a long command ends by cancellation
+STREAM_TIMEOUT = 1.0
 STREAM_MESSAGES = 4                      # a stream is read this far, then cancelled
 
+ALWAYS_SET = ("session_id", "start", "workspace")
 _INT_RANGES = {
     d.FieldDescriptor.TYPE_INT32: (-(1 << 31), (1 << 31) - 1), d.FieldDescriptor.TYPE_SINT32: (-(1 << 31), (1 << 31) - 1),
     d.FieldDescriptor.TYPE_SFIXED32: (-(1 << 31), (1 << 31) - 1),
@@ -66,16 +68,20 @@ def texts(name: str) -> st.SearchStrategy[str]:
         real = ["hello", "(a|aa)*b", "(x+x+)+y"]
     elif name == "patch":
         real = ["--- a/f.txt\n+++ b/f.txt\n@@ -1 +1 @@\n-hello\n+world\n", "--- /dev/null\n+++ b/n\n"]
+    elif name == "argv":
+        real = ["true", "echo", "cat", "/bin/sh", "-c", "ls"]
+    elif name == "shell":
+        real = ["echo hi", "cat /etc/hostname; exit 3", "kill -9 $$"]
     elif name in ("tool",):
         real = ["browser.action", "shell.exec", "fs.read"]
     elif name in ("engine",):
         real = ["builtin", "ripgrep"]
     elif name in ("permission_mode",):
         real = ["default", "plan", "acceptEdits", "bypassPermissions"]
-    options = [st.text(max_size=40), st.sampled_from(odd), huge]
+    options = [st.text(max_size=40), st.text(max_size=40), st.sampled_from(odd), st.sampled_from(odd), huge]
     if real:                                   # mostly real: past NOT_FOUND, into the RPC's own checks
-        options = [st.sampled_from(real)] * 4 + options
-    return st.one_of(*options)
+        options = [st.sampled_from(real)] * 12 + options
+    return st.sampled_from(options).flatmap(lambda chosen: chosen)
 
 
 def blobs() -> st.SearchStrategy[bytes]:
@@ -124,7 +130,9 @@ def messages(descriptor: d.Descriptor, depth: int = 0) -> st.SearchStrategy[Any]
                                           if field.type == d.FieldDescriptor.TYPE_STRING else st.just([]))
         else:
             parts[field.name] = scalar(field)
-    return st.fixed_dictionaries({}, optional=parts).map(lambda values: _build(cls, descriptor, values))
+    # The fields that get a request past its first check are always set; the rest at random.
+    required = {name: parts.pop(name) for name in ALWAYS_SET if name in parts}
+    return st.fixed_dictionaries(required, optional=parts).map(lambda values: _build(cls, descriptor, values))
 
 
 def _repeated(field: d.FieldDescriptor) -> bool:
@@ -165,6 +173,8 @@ def call(stub_method: Callable[..., Any], method: d.MethodDescriptor, request: A
     try:
         if method.client_streaming:
             response = stub_method(iter([request]), timeout=CALL_TIMEOUT)
+        elif method.server_streaming:             # WatchEvents waits for live events: do not wait long
+            response = stub_method(request, timeout=STREAM_TIMEOUT)
         else:
             response = stub_method(request, timeout=CALL_TIMEOUT)
         if method.server_streaming:
@@ -186,11 +196,41 @@ def fuzz_one(method: d.MethodDescriptor, stub_method: Any, tally: dict[str, Any]
         code, details = call(stub_method, method, request)
         tally["calls"] += 1
         tally["codes"][code.name] = tally["codes"].get(code.name, 0) + 1
+        per_method = tally["by_method"].setdefault(method.name, {})
+        per_method[code.name] = per_method.get(code.name, 0) + 1
         if code in BAD_CODES:
             shown = text_format.MessageToString(request, as_utf8=True)
             tally["failures"].append({"method": method.name, "code": code.name, "details": details[:500],
                                       "request": shown[:1500]})
     return fuzz
+
+
+def live_sessions(stub: pb_grpc.SandboxStub, ids: list[str]) -> list[str]:
+    """Two open sessions of ours (approval NEVER: a call held for a person would only wait out
+    CALL_TIMEOUT; held calls are the quota test's subject), opened again if closed."""
+    alive = []
+    for session_id in ids:
+        try:
+            stub.GetSession(pb.GetSessionRequest(session_id=session_id), timeout=30)
+            alive.append(session_id)
+        except grpc.RpcError:
+            pass
+    modes = [pb.SandboxPolicy.WORKSPACE_WRITE, pb.SandboxPolicy.READ_ONLY][len(alive):]
+    for mode in modes:
+        try:
+            alive.append(stub.CreateSession(pb.CreateSessionRequest(
+                workspace=ARGS["workspace"], approval_policy=pb.NEVER, sandbox_policy=pb.SandboxPolicy(mode=mode)),
+                timeout=60).id)
+        except grpc.RpcError as error:       # at the session quota: make room, fuzzed sessions are not needed
+            if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            for other in stub.ListSessions(pb.ListSessionsRequest(), timeout=30).sessions:
+                if other.id not in alive:
+                    stub.CloseSession(pb.CloseSessionRequest(session_id=other.id), timeout=30)
+            alive.append(stub.CreateSession(pb.CreateSessionRequest(
+                workspace=ARGS["workspace"], approval_policy=pb.NEVER, sandbox_policy=pb.SandboxPolicy(mode=mode)),
+                timeout=60).id)
+    return alive
 
 
 def main() -> None:
@@ -201,19 +241,14 @@ def main() -> None:
     os.setgroups([])
     os.setgid(ARGS["gid"])
     os.setuid(ARGS["uid"])
-    workspace = ARGS["workspace"]
-    # Approval NEVER: a call held for a person would only wait out CALL_TIMEOUT (held calls are
-    # the quota test's subject); random CreateSession requests still ask for ALWAYS at times.
-    sessions = [stub.CreateSession(pb.CreateSessionRequest(
-        workspace=workspace, approval_policy=pb.NEVER, sandbox_policy=pb.SandboxPolicy(mode=mode)), timeout=60).id
-        for mode in (pb.SandboxPolicy.WORKSPACE_WRITE, pb.SandboxPolicy.READ_ONLY)]
-    ARGS["session_ids"] = sessions
+    ARGS["session_ids"] = []
     service = pb.DESCRIPTOR.services_by_name["Sandbox"]
     only = set(ARGS.get("only") or ())
-    tally: dict[str, Any] = {"calls": 0, "codes": {}, "failures": [], "seconds": {}}
+    tally: dict[str, Any] = {"calls": 0, "codes": {}, "failures": [], "seconds": {}, "by_method": {}}
     for method in service.methods:
         if only and method.name not in only:
             continue
+        ARGS["session_ids"] = live_sessions(stub, ARGS["session_ids"])   # CloseSession may have closed them
         started = time.monotonic()
         fuzz_one(method, getattr(stub, method.name), tally)()
         tally["seconds"][method.name] = round(time.monotonic() - started, 2)
