@@ -1118,6 +1118,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--store-sessions", type=int, default=1000,
                    help="sessions in the large event store (default 1000; x --store-events = 1,000,000 events)")
     p.add_argument("--store-events", type=int, default=1000, help="events per session there (default 1000)")
+    p.add_argument("--fuzz", type=int, metavar="EXAMPLES", default=0,
+                   help="instead of timing: the RPC fuzz test (tests/test_fuzz_rpcs.py) with EXAMPLES requests per "
+                        "RPC and batch, 5 batches (CI runs 20 x 2)")
     args = p.parse_args(argv)
     if args.daemon_runs is None:
         args.daemon_runs = args.runs
@@ -1126,6 +1129,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.fuzz:
+        env = {**os.environ, "SANDBOXD_FUZZ_EXAMPLES": str(args.fuzz), "SANDBOXD_FUZZ_BATCHES": "5"}
+        return subprocess.call([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                                str(Path(__file__).with_name("test_fuzz_rpcs.py"))], env=env)
     if not os.path.exists(BWRAP):
         sys.stderr.write(f"benchmark: {BWRAP} is missing\n")
         return 2

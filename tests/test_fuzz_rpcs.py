@@ -30,13 +30,15 @@ CLIENT = Path(__file__).with_name("fuzz_client.py")
 def fuzz_batch(socket: str, uid: int, gid: int, workspace: str, examples: int) -> dict[str, object]:
     args = json.dumps({"uid": uid, "gid": gid, "socket": socket, "workspace": workspace, "examples": examples})
     # As root with -c: the client imports everything, then drops to the plain user itself.
-    proc = subprocess.run([PYTHON, "-c", CLIENT.read_text(), args], capture_output=True, text=True, timeout=900,
+    proc = subprocess.run([PYTHON, "-c", CLIENT.read_text(), args], capture_output=True, text=True,
+                          timeout=max(900, examples * 60),
                           env={**BASE_ENV, "PYTHONPATH": str(CLIENT.parent)}, cwd="/")
     assert proc.returncode == 0 and proc.stdout.strip(), (
         f"fuzz client failed: exit={proc.returncode}\nstdout={proc.stdout[-3000:]}\nstderr={proc.stderr[-5000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.timeout(max(300, EXAMPLES * BATCHES * 15))
 def test_random_requests_to_every_rpc_never_break_the_daemon() -> None:
     with running_daemon("sbxfuzz-") as daemon, plain_user() as (uid, gid):
         fork_pid = daemon.fork_server_pid()
