@@ -56,7 +56,7 @@ def floats(width: int) -> st.SearchStrategy[float]:
 
 def texts(name: str) -> st.SearchStrategy[str]:
     """Random text, the odd and the huge, and for some fields real values (session ids, paths)."""
-    odd = ["", "\0", "a\0b", "/", ".", "..", "../../etc/passwd", "/dev/zero", "/proc/self/mem", "x" * 5000,
+    odd = ["", "\0", "a\0b", "/tmp/\0x", "/", "[" * 100000, "{\"a\":" * 50000, ".", "..", "../../etc/passwd", "/dev/zero", "/proc/self/mem", "x" * 5000,
            "/" + "a/" * 3000, "\N{SNOWMAN}" * 10, "é" * 300, "9" * 30, "-1", "NaN", "(a+)+$", "[", "*"]
     huge = st.integers(0, 3 << 20).map(lambda n: "h" * n)
     real: list[str] = []

@@ -83,6 +83,8 @@ class AuditService:
             raise InvalidPolicy(f"unknown risk {request.risk!r}: use low, medium or high")
         try:
             arguments = json.loads(request.arguments_json) if request.arguments_json else {}
+        except RecursionError:
+            raise InvalidPolicy("arguments_json is nested too deeply: flatten it") from None
         except ValueError as exc:
             raise InvalidPolicy(f"arguments_json is not JSON: {exc}") from None
         summary = summary_of(request.tool, command=request.command)
@@ -110,10 +112,10 @@ class AuditService:
             raise NotFound(f"no authorized call {request.call_id!r} without a result in session {session.id!r}")
         try:
             details = json.loads(request.result_json) if request.result_json else {}
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             with self._lock:
                 self._external[(session.id, request.call_id)] = granted
-            raise InvalidPolicy(f"result_json is not JSON: {exc}") from None
+            raise InvalidPolicy(f"result_json is not JSON (or nested too deeply): {exc}") from None
         if request.ok:
             granted.completed({"result": details})
         else:

@@ -294,11 +294,15 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             abort(context, error)
 
     def AddStandingRule(self, request: pb.StandingRule, context: grpc.ServicerContext) -> pb.StandingRule:
-        return self._unary(context, lambda who: self._audit.add_rule(who, request))
+        def work(who: PeerCredentials) -> pb.StandingRule:
+            convert.check_path(request.workspace, "workspace")
+            return self._audit.add_rule(who, request)
+        return self._unary(context, work)
 
     def ListStandingRules(self, request: pb.ListStandingRulesRequest,
                           context: grpc.ServicerContext) -> pb.ListStandingRulesResponse:
-        return self._unary(context, lambda who: self._audit.rules(who, request.workspace))
+        return self._unary(context, lambda who: self._audit.rules(
+            who, convert.check_path(request.workspace, "workspace")))
 
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.DaemonStatus:
         from sandboxd.service import daemon_status
@@ -306,4 +310,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
 
     def RemoveStandingRule(self, request: pb.StandingRule,
                            context: grpc.ServicerContext) -> pb.RemoveStandingRuleResponse:
-        return self._unary(context, lambda who: self._audit.remove_rule(who, request))
+        def work(who: PeerCredentials) -> pb.RemoveStandingRuleResponse:
+            convert.check_path(request.workspace, "workspace")
+            return self._audit.remove_rule(who, request)
+        return self._unary(context, work)
