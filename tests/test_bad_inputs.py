@@ -145,3 +145,18 @@ def test_a_backtracking_pattern_ends_in_deadline_exceeded(stub: pb_grpc.SandboxS
     too_many = rpc_error(lambda: stub.Search(pb.SearchRequest(session_id=session.id, pattern="a",
                                                               max_results=(1 << 32) - 1), timeout=60))
     assert too_many.code() == INVALID and "max_results" in too_many.details()
+
+
+def test_standing_rules_and_json_arguments_are_checked(stub: pb_grpc.SandboxStub, ws: Path,
+                                                       session: pb.Session) -> None:
+    rule = rpc_error(lambda: stub.AddStandingRule(pb.StandingRule(workspace=f"{ws}/\0", tool="browser.action"),
+                                                  timeout=60))
+    assert rule.code() == INVALID and "workspace may not contain NUL" in rule.details()
+    listed = rpc_error(lambda: stub.ListStandingRules(pb.ListStandingRulesRequest(workspace="/\0"), timeout=60))
+    assert listed.code() == INVALID
+    nested = rpc_error(lambda: stub.Authorize(pb.AuthorizeRequest(session_id=session.id, tool="browser.action",
+                                                                  arguments_json="[" * 100_000), timeout=60))
+    assert nested.code() == INVALID and "nested too deeply" in nested.details(), nested.details()
+    ok = stub.Authorize(pb.AuthorizeRequest(session_id=session.id, tool="browser.action", arguments_json="[[1]]"),
+                        timeout=60)                                           # control: NEVER asks nobody
+    assert ok.call_id
