@@ -14,10 +14,11 @@ from typing import Callable
 
 import grpc
 
+from sandboxd import defaults
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 
-DEFAULT_SOCKET = "/run/sandboxd/sandboxd.sock"
+DEFAULT_SOCKET = defaults.SOCKET
 _MODES = {"read-only": pb.SandboxPolicy.READ_ONLY, "workspace-write": pb.SandboxPolicy.WORKSPACE_WRITE,
           "danger-full-access": pb.SandboxPolicy.DANGER_FULL_ACCESS}
 _APPROVALS = {"never": pb.NEVER, "on-request": pb.ON_REQUEST, "always": pb.ALWAYS}

@@ -13,6 +13,7 @@ import os
 import tomllib
 from typing import Any, Callable
 
+from sandboxd import defaults
 from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
 
@@ -73,6 +74,13 @@ def _ipv4_list(value: object) -> str | None:
     return None
 
 
+def _string_table(value: object) -> str | None:
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
+                                               for k, v in value.items()):
+        return "must be a table of strings, like { \"agent-a\" = \"alice\" }"
+    return None
+
+
 def _octal_mode(value: object) -> str | None:
     text = str(value)
     if not isinstance(value, str) or not text or any(c not in "01234567" for c in text) or int(text, 8) > 0o777:
@@ -121,7 +129,7 @@ def _one_of(*choices: str) -> "Callable[[object], str | None]":
 
 
 KEYS: tuple[Key, ...] = (
-    Key("listen", "socket", "/run/sandboxd/sandboxd.sock", "the Unix socket clients connect to (under socket "
+    Key("listen", "socket", defaults.SOCKET, "the Unix socket clients connect to (under socket "
         "activation, the socket systemd hands over wins)", _absolute),
     Key("listen", "socket_mode", "0666", "the socket's permissions (octal); 0666 lets every local user connect "
         "(each sees only its own sessions)", _octal_mode),
@@ -133,8 +141,14 @@ KEYS: tuple[Key, ...] = (
     Key("tls", "cert", "", "the server's certificate chain (PEM)", _optional_absolute),
     Key("tls", "key", "", "the server's private key (PEM)", _optional_absolute),
     Key("tls", "client_ca", "", "the CA client certificates must be signed by", _optional_absolute),
-    Key("tls", "user", "nobody", "the local USER[:GROUP] TCP callers act as", _text),
-    Key("state", "dir", "/var/lib/sandboxd", "the event store (audit log) and session metadata", _absolute),
+    Key("tls", "user", "nobody", "the local USER[:GROUP] TCP callers act as, unless tls.users maps them: all "
+        "callers acting as one local user share its file rights", _text),
+    Key("tls", "identity", "common-name", "what names a TLS caller (its principal): the certificate's "
+        "common-name, or its one uri (SPIFFE IDs) or dns subject alternative name; a certificate without it is "
+        "refused", _one_of("common-name", "uri", "dns")),
+    Key("tls", "users", {}, "principal -> local USER[:GROUP] it acts as, e.g. { \"agent-a\" = \"alice\" }; "
+        "others act as tls.user", _string_table),
+    Key("state", "dir", defaults.STATE_DIR, "the event store (audit log) and session metadata", _absolute),
     Key("approvals", "timeout_seconds", 300, "a call nobody approves within this is denied", _positive_seconds),
     Key("network", "dns", [], "resolvers for isolated networks; empty: the host's", _ipv4_list),
     Key("network", "pool", "10.233.0.0/16", "addresses of isolated networks, a /30 per sandbox", _cidr),
@@ -226,7 +240,7 @@ def defaults_file() -> str:
             section = key.section
             lines += ([""] if len(lines) > 2 else []) + [f"[{section}]"]
         value = key.default
-        rendered = ("[]" if value == [] else f'"{value}"' if isinstance(value, str)
+        rendered = ("[]" if value == [] else "{}" if value == {} else f'"{value}"' if isinstance(value, str)
                     else str(value).lower() if isinstance(value, bool) else str(value))
         lines += [f"# {key.doc}", f"{key.name} = {rendered}"]
     return "\n".join(lines) + "\n"

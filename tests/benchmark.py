@@ -5,6 +5,7 @@ Run it from the repository root with the project's venv::
     .venv/bin/python tests/benchmark.py                 # 200 rounds (about 2-3 minutes)
     .venv/bin/python tests/benchmark.py --runs 60       # quicker, noisier
     .venv/bin/python tests/benchmark.py --json out.json # also write every number as JSON
+    .venv/bin/python tests/benchmark.py --soak 600      # only the soak: 20 clients for 10 minutes (bench_soak.py)
 
 It needs root (the sandboxes unshare namespaces and mount) and bwrap at
 /usr/bin/bwrap. It is not a pytest test: the file name does not match
@@ -492,11 +493,13 @@ def _set_parent_death_signal() -> None:
 
 
 class DaemonProcess:
-    """``sandboxd serve`` on ``<base>/sandboxd.sock``, stdout and stderr to ``<base>/daemon.log``."""
+    """``sandboxd serve`` on ``<base>/run/sandboxd.sock`` (a directory of its own: the daemon hides it in
+    every sandbox, so no workspace may be in it), state in ``<base>/state``, stdout and stderr to
+    ``<base>/daemon.log``."""
 
     def __init__(self, base: str) -> None:
         self.base = base
-        self.socket = os.path.join(base, "sandboxd.sock")
+        self.socket = os.path.join(base, "run", "sandboxd.sock")
         self.log_path = os.path.join(base, "daemon.log")
         self.proc: subprocess.Popen[bytes] | None = None
         self.exit_code: int | None = None
@@ -512,7 +515,7 @@ class DaemonProcess:
 
         started = time.monotonic()
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([str(venv_bin() / "sandboxd"), "serve", "--socket", self.socket, "--state-dir", os.path.join(os.path.dirname(self.socket), "state")],
+            self.proc = subprocess.Popen([str(venv_bin() / "sandboxd"), "serve", "--socket", self.socket, "--state-dir", os.path.join(self.base, "state")],
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True,
                                          preexec_fn=_set_parent_death_signal)
         deadline = started + DAEMON_READY_TIMEOUT_S
@@ -1118,6 +1121,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--store-sessions", type=int, default=1000,
                    help="sessions in the large event store (default 1000; x --store-events = 1,000,000 events)")
     p.add_argument("--store-events", type=int, default=1000, help="events per session there (default 1000)")
+    p.add_argument("--soak", type=float, metavar="SECONDS", nargs="?", const=600.0, default=None,
+                   help="run only the soak benchmark (tests/bench_soak.py) for SECONDS (default 600 when given "
+                        "without a value)")
+    p.add_argument("--soak-clients", type=int, default=20, help="soak: concurrent clients (default 20)")
+    p.add_argument("--soak-interval", type=float, default=5.0, help="soak: seconds between samples (default 5)")
     p.add_argument("--fuzz", type=int, metavar="EXAMPLES", default=0,
                    help="instead of timing: the RPC fuzz test (tests/test_fuzz_rpcs.py) with EXAMPLES requests per "
                         "RPC and batch, 5 batches (CI runs 20 x 2)")
@@ -1129,6 +1137,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.soak is not None:
+        return soak_main(args)
     if args.fuzz:
         env = {**os.environ, "SANDBOXD_FUZZ_EXAMPLES": str(args.fuzz), "SANDBOXD_FUZZ_BATCHES": "5"}
         return subprocess.call([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
@@ -1230,6 +1240,23 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(report, handle, indent=2)
     failed = any(row["failures"] for row in rows) or (daemon is not None and daemon["failures"] > 0)
     return 1 if failed else 0
+
+
+def soak_main(args: argparse.Namespace) -> int:
+    """``--soak``: the soak benchmark alone (bench_soak.py); 1 if any call failed or the daemon left something."""
+    from bench_soak import run_soak
+
+    machine = machine_info()
+    print(f"sandboxd soak benchmark  {machine['date']}")
+    print(f"machine: nproc={machine['nproc']}  cpu={machine['cpu_model']}  kernel={machine['kernel']}  "
+          f"loadavg={' '.join(f'{x:.2f}' for x in machine['loadavg_start'])}")
+    report = run_soak(args.soak, clients=args.soak_clients, interval=args.soak_interval)
+    machine["loadavg_end"] = list(os.getloadavg())
+    print(f"loadavg at end {' '.join(f'{x:.2f}' for x in machine['loadavg_end'])}; soak: {report['failures']} failures")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump({"machine": machine, "soak": report}, handle, indent=2)
+    return 1 if report["failures"] else 0
 
 
 if __name__ == "__main__":

@@ -26,10 +26,14 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:                                   # imported lazily: daemon_helpers imports this module
+    from daemon_helpers import DaemonFactory, PlainUser
 
 REPO = Path(__file__).resolve().parents[1]
 _VENV_SANDBOXD = REPO / ".venv" / "bin" / "sandboxd"
@@ -232,3 +236,46 @@ def git_workspace(workspace: Path) -> Path:
     (workspace / ".git" / "hooks").mkdir(exist_ok=True)
     (workspace / "file.txt").write_text("hello\n")
     return workspace
+
+
+# --------------------------------------------------------------------------- daemons and users
+
+
+@pytest.fixture
+def sandboxd_daemon() -> Iterator[DaemonFactory]:
+    """The one way a test starts ``sandboxd serve``: ``sandboxd_daemon(**options)`` returns a started
+    daemon_helpers.Daemon, ``sandboxd_daemon.start_failure(**options)`` the exit status and log of one
+    that must refuse to start, ``sandboxd_daemon.prepare(**options)`` one not started yet.
+
+    Per test: a base directory under /var/tmp (``sandboxd_daemon.base``) with the socket in
+    ``<base>/run/``, the state in ``<base>/state``, workspaces from ``sandboxd_daemon.workspace()``.
+    Options (daemon_helpers.DaemonFactory.prepare): ``args``, ``config`` (file text), ``tls``
+    (daemon_helpers.TlsListener), ``env``, ``executable``, ``wrapper``, ``pass_fds``, ``socket``,
+    ``default_flags``. Afterwards every daemon is stopped, the directory removed, and the test fails
+    if a daemon left session processes, sandbox cgroups or private sockets behind."""
+    from daemon_helpers import daemon_factory
+
+    with daemon_factory() as factory:
+        yield factory
+
+
+@pytest.fixture(scope="module")
+def sandboxd_daemon_module() -> Iterator[DaemonFactory]:
+    """``sandboxd_daemon`` for a whole module (a daemon start costs about a second): behind the
+    module-scoped ``daemon``/``stub``/``client`` fixtures of daemon_fixtures.py."""
+    from daemon_helpers import daemon_factory
+
+    with daemon_factory("sbxd-mod-") as factory:
+        yield factory
+
+
+@pytest.fixture
+def plain_users() -> Iterator[Callable[[int], list[PlainUser]]]:
+    """``plain_users(n)``: n fresh unprivileged users, each a (name, uid, gid), removed (userdel)
+    afterwards; daemon_helpers.run_client_as runs a client as one of them."""
+    import contextlib
+
+    from daemon_helpers import plain_users as make_users
+
+    with contextlib.ExitStack() as stack:
+        yield lambda count=1: stack.enter_context(make_users(count))

@@ -6,7 +6,11 @@ inspected from outside (/proc, mountinfo, cgroupfs) to check what the daemon
 left behind. Nothing is mocked.
 
 * :class:`Daemon` starts ``sandboxd serve``, waits for its "serving" log line
-  and a passing health check, hands out stubs, and stops it.
+  and a passing health check, hands out stubs, and stops it;
+  :class:`DaemonFactory` (behind the ``sandboxd_daemon`` fixtures of conftest.py)
+  starts them in a base directory of their own and checks, once they are
+  stopped, that they left no processes, cgroups or private sockets behind.
+* :func:`plain_users` makes unprivileged users for the duration of a test.
 * :func:`run_exec` runs one command and collects every response;
   :class:`ExecCall` drives an interactive call (stdin chunks, signals, cancel)
   through a queue-backed request iterator.
@@ -22,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import queue
 import shutil
 import signal
@@ -31,10 +36,10 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -60,38 +65,106 @@ def make_base_dir(prefix: str = "sbxd-") -> Path:
     return path
 
 
-class Daemon:
-    """One ``sandboxd serve`` process on ``<base>/sandboxd.sock``, logging to ``<base>/daemon-*.log``."""
+def socket_in(base: Path) -> Path:
+    """Where a test daemon's socket lives under ``base``: ``<base>/run/sandboxd.sock``. The socket's
+    directory is the daemon's own (it keeps its private sockets there, hides it inside every sandbox
+    and refuses workspaces in it), so nothing else of a test goes in it."""
+    return base / "run" / "sandboxd.sock"
 
-    def __init__(self, base: Path, *, args: Iterable[str] = ()) -> None:
+
+class Daemon:
+    """One ``sandboxd serve`` process. Layout under ``base``: the socket in ``<base>/run/`` (see
+    :func:`socket_in`), the state in ``<base>/state``, the log (stdout and stderr) in
+    ``<base>/daemon-*.log``; workspaces belong in ``<base>/ws-*``.
+
+    ``args`` are extra ``serve`` arguments; ``--socket``, ``--state-dir`` and ``--approval-timeout``
+    are added unless ``args`` has them or ``default_flags`` is false (a config file gives them).
+    ``socket`` is where the daemon will listen when ``args`` or a config file put it elsewhere;
+    ``wrapper`` is an argv that execs the rest (systemd socket activation emulation);
+    ``executable`` is the ``sandboxd`` to run (the installed /usr/bin/sandboxd for the package test);
+    ``env`` is added to the small BASE_ENV.
+    """
+
+    def __init__(self, base: Path, *, args: Iterable[str] = (), executable: str = SANDBOXD,
+                 wrapper: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 pass_fds: Sequence[int] = (), socket: str | os.PathLike[str] | None = None,
+                 default_flags: bool = True) -> None:
         self.base = base
-        self.socket = str(base / "sandboxd.sock")
-        self.private = base / ".sandboxd-private"
+        self.socket = str(socket if socket is not None else socket_in(base))
+        self.private = Path(self.socket).parent / ".sandboxd-private"
         self.log_path = base / f"daemon-{uuid.uuid4().hex[:8]}.log"   # one per daemon, also on restarts
         self.args = list(args)
+        self.executable = executable
+        self.wrapper = list(wrapper)
+        self.env = dict(env or {})
+        self.pass_fds = tuple(pass_fds)
+        self.default_flags = default_flags
         self.proc: subprocess.Popen[bytes] | None = None
+        # What the daemon ran (for the leak check after it is gone): its process tree as last
+        # seen, and the pids that name its sandbox cgroups (run-<pid>-...: the daemon, its fork server).
+        self.family: dict[int, ProcInfo] = {}
+        self.spawner_pids: set[int] = set()
+        self.stopped_by_close: int | None = None     # the exit status when close() had to stop it
         self._channels: list[grpc.Channel] = []
         self._stub: pb_grpc.SandboxStub | None = None
+        owner = _FACTORIES.get(base)
+        if owner is not None:           # a restart in a fixture's base (Daemon(d.base)) is checked too
+            owner.daemons.append(self)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def start(self, within: float = 60.0) -> "Daemon":
-        with open(self.log_path, "ab") as log:
-            state = [] if "--state-dir" in self.args else ["--state-dir", str(self.base / "state")]
+    def command(self) -> list[str]:
+        flags: list[str] = []
+        if self.default_flags:
+            if "--socket" not in self.args:
+                flags += ["--socket", self.socket]
+            if "--state-dir" not in self.args:
+                flags += ["--state-dir", str(self.base / "state")]
             # A call held for approval by mistake fails in seconds instead of hanging a test.
-            state += [] if "--approval-timeout" in self.args else ["--approval-timeout", "20"]
-            self.proc = subprocess.Popen([SANDBOXD, "serve", "--socket", self.socket, *state, *self.args],
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=BASE_ENV)
+            if "--approval-timeout" not in self.args:
+                flags += ["--approval-timeout", "20"]
+        return [*self.wrapper, self.executable, "serve", *flags, *self.args]
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                         env={**BASE_ENV, **self.env}, pass_fds=self.pass_fds)
+        return self.proc
+
+    def start(self, within: float = 60.0) -> "Daemon":
+        proc = self._spawn()
         deadline = time.monotonic() + within
         while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sandboxd serve exited with {self.proc.returncode} before serving:\n{self.log()}")
+            if proc.poll() is not None:
+                raise RuntimeError(f"sandboxd serve exited with {proc.returncode} before serving:\n{self.log()}")
             if self.serving_logged() and os.path.exists(self.socket) and self._healthy():
+                self.remember_family()
                 return self
             if time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"sandboxd serve did not become ready within {within}s:\n{self.log()}")
             time.sleep(0.05)
+
+    def start_failure(self, within: float = 60.0) -> "StartFailure":
+        """Start a daemon that must refuse to start: its exit status and log. Raises if it serves."""
+        proc = self._spawn()
+        try:
+            status = proc.wait(within)
+        except subprocess.TimeoutExpired:
+            serving = self.serving_logged()
+            self.kill()
+            raise AssertionError(f"sandboxd serve still ran after {within}s (serving={serving}); "
+                                 f"it should have refused to start:\n{self.log()}") from None
+        return StartFailure(status, self.log())
+
+    def remember_family(self) -> None:
+        """Note the daemon's live process tree, for the leak check once it is gone."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        tree = descendants(self.pid)
+        self.family.update(tree)
+        self.spawner_pids.add(self.pid)
+        self.spawner_pids.update(pid for pid, info in tree.items() if info.comm == FORK_NAME)
 
     @property
     def pid(self) -> int:
@@ -114,6 +187,9 @@ class Daemon:
         return lines
 
     def serving_logged(self) -> bool:
+        """Whether the "serving" line is out, in the JSON log format or the text one."""
+        if any(line.startswith("sandboxd info: serving") for line in self.log().splitlines()):
+            return True
         return any(line.get("msg") == "serving" for line in self.log_lines())
 
     def _healthy(self) -> bool:
@@ -130,6 +206,7 @@ class Daemon:
         """Send ``signum`` and wait for the exit; the exit status (negative: killed by a signal)."""
         assert self.proc is not None
         if self.proc.poll() is None:
+            self.remember_family()
             self.proc.send_signal(signum)
         try:
             return self.proc.wait(within)
@@ -139,18 +216,62 @@ class Daemon:
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self.remember_family()
             self.proc.kill()
             self.proc.wait()
 
     def close(self) -> None:
-        """Clean-up: stop the daemon if it still runs (TERM, then KILL) and remove its directory."""
+        """Clean-up: stop the daemon if it still runs (TERM, then KILL)."""
         self.close_channels()
         if self.proc is not None and self.proc.poll() is None:
+            self.remember_family()
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(30)
+                self.stopped_by_close = self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.kill()
+                self.stopped_by_close = self.proc.returncode
+
+    def leftovers(self, within: float = 10.0) -> list[str]:
+        """What the stopped daemon left behind: processes of its tree, its sandbox cgroups, and
+        (after a clean exit) its private sockets. Empty when nothing."""
+        assert self.proc is not None and self.proc.poll() is not None, "leftovers() is for a stopped daemon"
+        found = []
+        if self.stopped_by_close not in (None, 0):
+            found.append(f"daemon {self.pid} exited with {self.stopped_by_close} on SIGTERM:\n{self.log()}")
+        left = survivors(self.family, within)
+        if left:
+            found.append(f"processes of daemon {self.pid} still alive: {left}")
+        deadline = time.monotonic() + within
+        while True:
+            cgroups = self.own_cgroups()
+            if not cgroups or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if cgroups:
+            found.append(f"sandbox cgroups of daemon {self.pid} left behind: {sorted(cgroups)}")
+        if self.proc.returncode == 0:
+            sockets = self.private_sockets()
+            if sockets:
+                found.append(f"private sockets of daemon {self.pid} left behind: {sockets}")
+        return found
+
+    def own_cgroups(self) -> set[str]:
+        """The sandbox cgroups this daemon made (named ``run-<its pid or its fork server's>-...``):
+        other daemons on the machine have their own."""
+        prefixes = tuple(f"run-{pid}-" for pid in self.spawner_pids)
+        return {path for path in sandbox_cgroups() if os.path.basename(path).startswith(prefixes)} if prefixes else set()
+
+    def private_sockets(self) -> list[str]:
+        """This daemon's backend socket and the relay sockets in its private directory."""
+        found = []
+        backend = self.private / f"grpc-{self.pid}.sock"
+        if backend.exists():
+            found.append(str(backend))
+        relay = self.private / "relay"
+        if relay.is_dir():
+            found += [str(relay / name) for name in os.listdir(relay)]
+        return found
 
     # -- clients --------------------------------------------------------------------------------
 
@@ -186,20 +307,150 @@ class Daemon:
         return {pid: info for pid, info in descendants(self.pid).items() if info.cmdline == CALL_TITLE}
 
 
+@dataclass(frozen=True)
+class StartFailure:
+    """A daemon that refused to start: its exit status and its log (stdout and stderr)."""
+    returncode: int
+    log: str
+
+
+@dataclass(frozen=True)
+class TlsListener:
+    """The TCP listener's flags: address, server certificate and key, the CA of client certificates,
+    and the uid:gid its callers act as."""
+    address: str
+    cert: Path
+    key: Path
+    client_ca: Path
+    tcp_user: str | None = None
+
+    def args(self) -> list[str]:
+        args = ["--tcp", self.address, "--tls-cert", str(self.cert), "--tls-key", str(self.key),
+                "--tls-client-ca", str(self.client_ca)]
+        return args + (["--tcp-user", self.tcp_user] if self.tcp_user else [])
+
+
+# The open factories by base directory: a Daemon made on one's base joins its list.
+_FACTORIES: dict[Path, "DaemonFactory"] = {}
+
+
+class DaemonFactory:
+    """Starts the daemons of one test (or one module) in one base directory (``self.base``);
+    :meth:`close` stops them, removes the directory, and fails if a daemon left session processes,
+    sandbox cgroups or private sockets behind. Behind the ``sandboxd_daemon`` fixtures."""
+
+    def __init__(self, prefix: str = "sbxd-") -> None:
+        self.base = make_base_dir(prefix)
+        self.daemons: list[Daemon] = []          # every Daemon made on this base, in order
+        self._configs = 0
+        _FACTORIES[self.base] = self
+
+    def prepare(self, *, args: Iterable[str] = (), config: str | None = None, tls: TlsListener | None = None,
+                env: Mapping[str, str] | None = None, executable: str = SANDBOXD, wrapper: Sequence[str] = (),
+                pass_fds: Sequence[int] = (), socket: str | os.PathLike[str] | None = None,
+                default_flags: bool = True) -> Daemon:
+        """A daemon in this base, not started yet (see :class:`Daemon` for the options); ``config`` is
+        the text of a config file written to ``<base>/sandboxd-<n>.toml`` and passed with --config."""
+        extra = list(args)
+        if config is not None:
+            self._configs += 1
+            path = self.base / f"sandboxd-{self._configs}.toml"
+            path.write_text(config)
+            extra = ["--config", str(path), *extra]
+        if tls is not None:
+            extra += tls.args()
+        return Daemon(self.base, args=extra, executable=executable, wrapper=wrapper, env=env,
+                      pass_fds=pass_fds, socket=socket, default_flags=default_flags)
+
+    def __call__(self, *, within: float = 60.0, **options: Any) -> Daemon:
+        """A started daemon (options as for :meth:`prepare`)."""
+        return self.prepare(**options).start(within)
+
+    def start_failure(self, *, within: float = 60.0, **options: Any) -> StartFailure:
+        """Start a daemon that must refuse to start (options as for :meth:`prepare`): its exit status and log."""
+        return self.prepare(**options).start_failure(within)
+
+    def workspace(self, mode: int = 0o755) -> Path:
+        """A fresh root-owned workspace ``<base>/ws-<random>`` (never in the socket's directory)."""
+        path = self.base / f"ws-{uuid.uuid4().hex[:8]}"
+        path.mkdir(mode=mode)
+        os.chmod(path, mode)
+        return path
+
+    def close(self) -> None:
+        _FACTORIES.pop(self.base, None)
+        problems: list[str] = []
+        for daemon in self.daemons:
+            if daemon.proc is None:
+                continue
+            daemon.close()
+            found = daemon.leftovers()
+            if found:
+                problems += found
+                kill_procs(daemon.family)
+                for path in daemon.own_cgroups():
+                    with contextlib.suppress(OSError):
+                        os.rmdir(path)
+        remove_tree(self.base)
+        if problems:
+            raise AssertionError("the daemon left things behind:\n" + "\n".join(problems))
+
+
+@contextlib.contextmanager
+def daemon_factory(prefix: str = "sbxd-") -> Iterator[DaemonFactory]:
+    """A :class:`DaemonFactory`, closed (and checked) afterwards."""
+    factory = DaemonFactory(prefix)
+    try:
+        yield factory
+    finally:
+        factory.close()
+
+
 # --------------------------------------------------------------------------- sessions and calls
 
 
 @contextlib.contextmanager
 def running_daemon(prefix: str = "sbxd-") -> Iterator[Daemon]:
-    """A started daemon in a fresh base directory; stopped and cleaned up afterwards."""
-    base = make_base_dir(prefix)
-    d = Daemon(base)
+    """A started daemon in a fresh base directory; stopped, checked for leftovers and removed afterwards."""
+    with daemon_factory(prefix) as factory:
+        yield factory()
+
+
+# --------------------------------------------------------------------------- test users
+
+
+class PlainUser(NamedTuple):
+    name: str
+    uid: int
+    gid: int
+
+
+@contextlib.contextmanager
+def plain_users(count: int = 1) -> Iterator[list[PlainUser]]:
+    """``count`` fresh unprivileged users (``sbxt-<random>``, no home, no group of their own, no
+    login shell), removed afterwards (after their processes, which a test must have ended)."""
+    made: list[PlainUser] = []
     try:
-        d.start()
-        yield d
+        for _ in range(count):
+            name = f"sbxt-{uuid.uuid4().hex[:10]}"
+            subprocess.run(["useradd", "-M", "-N", "-s", "/usr/sbin/nologin", name], check=True,
+                           capture_output=True, timeout=60)
+            entry = pwd.getpwnam(name)
+            made.append(PlainUser(name, entry.pw_uid, entry.pw_gid))
+        yield list(made)
     finally:
-        d.close()
-        remove_tree(base)
+        failed = []
+        for user in made:
+            deadline = time.monotonic() + 10
+            while True:
+                result = subprocess.run(["userdel", user.name], capture_output=True, text=True, timeout=60)
+                if result.returncode == 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)          # userdel refuses while a process of the user still exits
+            if result.returncode != 0:
+                failed.append(f"{user.name}: {result.stderr.strip()}")
+        if failed:
+            raise AssertionError(f"could not remove test users: {failed}")
 
 
 def workspace_write(**kwargs: Any) -> pb.SandboxPolicy:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import BASE_ENV, REPO, SANDBOXD
+from daemon_helpers import DaemonFactory
 from sandboxd import config
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,13 +44,14 @@ def test_the_defaults_file_is_the_defaults(tmp_path: Path) -> None:
     ("listen = 3\n", "listen: must be a [section] table"),
     ("[listen\n", "not valid TOML"),
 ])
-def test_bad_files_are_refused_with_the_key_and_the_problem(tmp_path: Path, content: str, message: str) -> None:
+def test_bad_files_are_refused_with_the_key_and_the_problem(sandboxd_daemon: DaemonFactory, tmp_path: Path,
+                                                           content: str, message: str) -> None:
     path = tmp_path / "sandboxd.toml"
     path.write_text(content)
     result = sandboxd("config", "check", str(path))
     assert result.returncode == 2 and f"{path}: " in result.stderr and message in result.stderr, result.stderr
-    serve = sandboxd("serve", "--config", str(path))
-    assert serve.returncode == 2 and message in serve.stderr, serve.stderr       # the daemon stops at start-up
+    serve = sandboxd_daemon.start_failure(args=["--config", str(path)], default_flags=False)
+    assert serve.returncode == 2 and message in serve.log, serve.log        # the daemon stops at start-up
 
 
 def test_a_good_file_checks_out(tmp_path: Path) -> None:
@@ -59,32 +61,24 @@ def test_a_good_file_checks_out(tmp_path: Path) -> None:
     assert result.returncode == 0 and "listen.workers = 8" in result.stdout and "192.0.2.53" in result.stdout
 
 
-def test_serve_reads_the_file_and_flags_win(tmp_path: Path) -> None:
-    from daemon_helpers import make_base_dir, remove_tree
-
-    base = make_base_dir("sbxd-cfg-")
+def test_serve_reads_the_file_and_flags_win(sandboxd_daemon: DaemonFactory) -> None:
+    base = sandboxd_daemon.base
+    run = base / "run"
     path = base / "sandboxd.toml"
-    path.write_text(f'[listen]\nsocket = "{base}/from-config.sock"\nsocket_mode = "0660"\n'
+    path.write_text(f'[listen]\nsocket = "{run}/from-config.sock"\nsocket_mode = "0660"\n'
                     f'[state]\ndir = "{base}/state"\n[log]\nformat = "text"\n')
-    try:
-        for args, env, expected in ((["--config", str(path)], {}, base / "from-config.sock"),
-                                    ([], {"SANDBOXD_CONFIG": str(path)}, base / "from-config.sock"),
-                                    (["--config", str(path), "--socket", str(base / "flag.sock")], {},
-                                     base / "flag.sock")):
-            daemon = subprocess.Popen([SANDBOXD, "serve", *args], env={**BASE_ENV, **env},
-                                      stderr=subprocess.PIPE, text=True)
-            try:
-                line = daemon.stderr.readline() if daemon.stderr else ""
-                assert line.startswith("sandboxd info: serving") and f"socket={expected}" in line, line
-                assert f"config={path}" in line and expected.exists()
-                assert (base / "state" / "events.db").exists()
-                assert os.stat(expected).st_mode & 0o777 == 0o660
-            finally:
-                daemon.terminate()
-                assert daemon.wait(timeout=60) == 0
-            time.sleep(0.1)
-    finally:
-        remove_tree(base)
+    for args, env, expected in ((["--config", str(path)], {}, run / "from-config.sock"),
+                                ([], {"SANDBOXD_CONFIG": str(path)}, run / "from-config.sock"),
+                                (["--config", str(path), "--socket", str(run / "flag.sock")], {},
+                                 run / "flag.sock")):
+        daemon = sandboxd_daemon(args=args, env=env, socket=expected, default_flags=False)
+        line = daemon.log().splitlines()[0]
+        assert line.startswith("sandboxd info: serving") and f"socket={expected}" in line, line
+        assert f"config={path}" in line and expected.exists()
+        assert (base / "state" / "events.db").exists()
+        assert os.stat(expected).st_mode & 0o777 == 0o660
+        assert daemon.stop() == 0
+        time.sleep(0.1)
 
 
 def test_the_readme_documents_every_key() -> None:
@@ -116,69 +110,52 @@ def test_the_packaged_default_config_is_valid() -> None:
     assert os.path.getsize(packaged) > 0
 
 
-def test_metrics_report_real_counts() -> None:
+def test_metrics_report_real_counts(sandboxd_daemon: DaemonFactory) -> None:
     import urllib.request
 
-    from daemon_helpers import Daemon, create_session, make_base_dir, remove_tree, rpc_error, run_exec
+    from daemon_helpers import create_session, rpc_error, run_exec
     from sandboxd.v1 import sandboxd_pb2 as pb
 
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    base = make_base_dir("sbxd-metrics-")
-    d = Daemon(base, args=["--metrics", f"127.0.0.1:{port}", "--log-level", "debug"])
-    try:
-        d.start()
-        workspace = base / "ws"
-        workspace.mkdir()
-        session = create_session(d.stub, workspace, pb.SandboxPolicy(mode=pb.SandboxPolicy.READ_ONLY))
-        for _ in range(3):
-            assert run_exec(d.stub, session.id, ["echo", "twelve bytes"]).stdout == b"twelve bytes\n"
-        rpc_error(lambda: d.stub.WriteFile(pb.WriteFileRequest(session_id=session.id, path="x", data=b"x")))
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                  if line and not line.startswith("#")}
-        assert values['sandboxd_tool_calls_total{outcome="completed",tool="shell.exec"}'] == 3
-        assert values['sandboxd_tool_calls_total{outcome="denied_by_sandbox",tool="fs.write"}'] == 1
-        assert values['sandboxd_decisions_total{reason="sandbox_rejected",verdict="denied_by_sandbox"}'] == 1
-        assert values['sandboxd_decisions_total{reason="",verdict="allowed"}'] == 3
-        assert values["sandboxd_exec_duration_seconds_count"] == 3 and values["sandboxd_exec_queue_seconds_count"] == 3
-        assert values["sandboxd_output_bytes_total"] == 3 * len(b"twelve bytes\n")
-        assert values["sandboxd_sessions"] == 1 and values["sandboxd_running_calls"] == 0
-        assert values["sandboxd_event_store_events"] >= 1 + 3 * 3 + 1       # created, 3 x (granted, started, done), denied
-        lines = [line for line in d.log_lines() if line.get("msg") in ("decision", "tool call ended")]
-        assert lines and all(line.get("session_id") == session.id and line.get("call_id") for line in lines), lines
-    finally:
-        d.close()
-        remove_tree(base)
+    d = sandboxd_daemon(args=["--metrics", f"127.0.0.1:{port}", "--log-level", "debug"])
+    workspace = sandboxd_daemon.workspace()
+    session = create_session(d.stub, workspace, pb.SandboxPolicy(mode=pb.SandboxPolicy.READ_ONLY))
+    for _ in range(3):
+        assert run_exec(d.stub, session.id, ["echo", "twelve bytes"]).stdout == b"twelve bytes\n"
+    rpc_error(lambda: d.stub.WriteFile(pb.WriteFileRequest(session_id=session.id, path="x", data=b"x")))
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values['sandboxd_tool_calls_total{outcome="completed",tool="shell.exec"}'] == 3
+    assert values['sandboxd_tool_calls_total{outcome="denied_by_sandbox",tool="fs.write"}'] == 1
+    assert values['sandboxd_decisions_total{reason="sandbox_rejected",verdict="denied_by_sandbox"}'] == 1
+    assert values['sandboxd_decisions_total{reason="",verdict="allowed"}'] == 3
+    assert values["sandboxd_exec_duration_seconds_count"] == 3 and values["sandboxd_exec_queue_seconds_count"] == 3
+    assert values["sandboxd_output_bytes_total"] == 3 * len(b"twelve bytes\n")
+    assert values["sandboxd_sessions"] == 1 and values["sandboxd_running_calls"] == 0
+    assert values["sandboxd_event_store_events"] >= 1 + 3 * 3 + 1       # created, 3 x (granted, started, done), denied
+    lines = [line for line in d.log_lines() if line.get("msg") in ("decision", "tool call ended")]
+    assert lines and all(line.get("session_id") == session.id and line.get("call_id") for line in lines), lines
 
 
-def test_session_defaults_come_from_the_file() -> None:
-    from daemon_helpers import Daemon, make_base_dir, remove_tree
+def test_session_defaults_come_from_the_file(sandboxd_daemon: DaemonFactory) -> None:
     from sandboxd.v1 import sandboxd_pb2 as pb
 
-    base = make_base_dir("sbxd-defaults-")
-    path = base / "sandboxd.toml"
-    path.write_text('[defaults]\nsandbox_policy = "read-only"\napproval_policy = "never"\ntimeout_seconds = 7\n'
-                    'pids = 64\n[network]\npool = "10.234.0.0/24"\n')
-    d = Daemon(base, args=["--config", str(path)])
-    try:
-        d.start()
-        workspace = base / "ws"
-        workspace.mkdir()
-        bare = d.stub.CreateSession(pb.CreateSessionRequest(workspace=str(workspace)))
-        assert bare.sandbox_policy.mode == pb.SandboxPolicy.READ_ONLY and bare.approval_policy == pb.NEVER
-        assert bare.limits.timeout_seconds == 7 and bare.limits.pids == 64
-        asked = d.stub.CreateSession(pb.CreateSessionRequest(
-            workspace=str(workspace), approval_policy=pb.ALWAYS, limits=pb.Limits(timeout_seconds=3),
-            sandbox_policy=pb.SandboxPolicy(mode=pb.SandboxPolicy.WORKSPACE_WRITE, network_access=True)))
-        assert asked.sandbox_policy.mode == pb.SandboxPolicy.WORKSPACE_WRITE and asked.approval_policy == pb.ALWAYS
-        assert asked.limits.timeout_seconds == 3
-        # The isolated network takes its address from the configured pool.
-        from daemon_helpers import run_exec
-        d.stub.UpdateSessionPolicy(pb.UpdateSessionPolicyRequest(session_id=asked.id, approval_policy=pb.NEVER))
-        routes = run_exec(d.stub, asked.id, ["cat", "/proc/net/fib_trie"]).stdout.decode()
-        assert "10.234.0.2" in routes, routes[:500]
-    finally:
-        d.close()
-        remove_tree(base)
+    d = sandboxd_daemon(config='[defaults]\nsandbox_policy = "read-only"\napproval_policy = "never"\n'
+                               'timeout_seconds = 7\npids = 64\n[network]\npool = "10.234.0.0/24"\n')
+    workspace = sandboxd_daemon.workspace()
+    bare = d.stub.CreateSession(pb.CreateSessionRequest(workspace=str(workspace)))
+    assert bare.sandbox_policy.mode == pb.SandboxPolicy.READ_ONLY and bare.approval_policy == pb.NEVER
+    assert bare.limits.timeout_seconds == 7 and bare.limits.pids == 64
+    asked = d.stub.CreateSession(pb.CreateSessionRequest(
+        workspace=str(workspace), approval_policy=pb.ALWAYS, limits=pb.Limits(timeout_seconds=3),
+        sandbox_policy=pb.SandboxPolicy(mode=pb.SandboxPolicy.WORKSPACE_WRITE, network_access=True)))
+    assert asked.sandbox_policy.mode == pb.SandboxPolicy.WORKSPACE_WRITE and asked.approval_policy == pb.ALWAYS
+    assert asked.limits.timeout_seconds == 3
+    # The isolated network takes its address from the configured pool.
+    from daemon_helpers import run_exec
+    d.stub.UpdateSessionPolicy(pb.UpdateSessionPolicyRequest(session_id=asked.id, approval_policy=pb.NEVER))
+    routes = run_exec(d.stub, asked.id, ["cat", "/proc/net/fib_trie"]).stdout.decode()
+    assert "10.234.0.2" in routes, routes[:500]

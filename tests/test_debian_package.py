@@ -13,14 +13,13 @@ from pathlib import Path
 import pytest
 
 from conftest import BASE_ENV, REPO
+from daemon_helpers import DaemonFactory
 
 pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="not a Debian system: dpkg-deb is missing")
-def test_the_package_builds_installs_starts_and_goes(tmp_path: Path) -> None:
-    from daemon_helpers import make_base_dir, remove_tree
-
+def test_the_package_builds_installs_starts_and_goes(sandboxd_daemon: DaemonFactory, tmp_path: Path) -> None:
     already = subprocess.run(["dpkg-query", "-W", "-f=${Status}", "sandboxd"], capture_output=True, text=True)
     assert "installed" not in already.stdout, "a sandboxd package is installed already: remove it first"
     built = subprocess.run([str(REPO / "packaging" / "debian" / "build.sh"), str(tmp_path)], capture_output=True,
@@ -31,7 +30,6 @@ def test_the_package_builds_installs_starts_and_goes(tmp_path: Path) -> None:
     for path in ("./lib/systemd/system/sandboxd.service", "./lib/systemd/system/sandboxd.socket",
                  "./etc/sandboxd/sandboxd.toml", "./opt/sandboxd/wheels/sandboxd-"):
         assert path in contents, path
-    base = make_base_dir("sbxd-deb-")
     daemon = None
     try:
         # As the README says (apt resolves the dependencies; here they are installed already).
@@ -49,26 +47,21 @@ def test_the_package_builds_installs_starts_and_goes(tmp_path: Path) -> None:
                                  "from sandboxd.launcher.native_call import helper_path; print(helper_path())"],
                                 capture_output=True, text=True, cwd="/").stdout.strip()
         assert helper.startswith("/opt/sandboxd/venv/") and helper.endswith("sandboxd-call")
-        socket_path = base / "sandboxd.sock"
-        daemon = subprocess.Popen(["/usr/bin/sandboxd", "serve", "--socket", str(socket_path), "--state-dir",
-                                   str(base / "state")], stderr=subprocess.PIPE, text=True, env=BASE_ENV)
-        assert daemon.stderr is not None and '"serving"' in daemon.stderr.readline()
-        status = subprocess.run(["/usr/bin/sandboxctl", "--socket", str(socket_path), "status"], capture_output=True,
+        daemon = sandboxd_daemon(executable="/usr/bin/sandboxd")
+        socket_path = daemon.socket
+        status = subprocess.run(["/usr/bin/sandboxctl", "--socket", socket_path, "status"], capture_output=True,
                                 text=True, timeout=60)
         assert status.returncode == 0 and "health: SERVING" in status.stdout, status.stdout + status.stderr
-        workspace = base / "ws"
-        workspace.mkdir()
-        session = subprocess.run(["/usr/bin/sandboxctl", "--socket", str(socket_path), "session", "create",
+        workspace = sandboxd_daemon.workspace()
+        session = subprocess.run(["/usr/bin/sandboxctl", "--socket", socket_path, "session", "create",
                                   str(workspace), "--approval", "never"], capture_output=True, text=True)
-        ran = subprocess.run(["/usr/bin/sandboxctl", "--socket", str(socket_path), "exec", session.stdout.strip(),
+        ran = subprocess.run(["/usr/bin/sandboxctl", "--socket", socket_path, "exec", session.stdout.strip(),
                               "--", "echo", "from the package"], capture_output=True, text=True, timeout=60)
         assert ran.stdout == "from the package\n", ran.stderr
     finally:
         if daemon is not None:
-            daemon.terminate()
-            daemon.wait(timeout=60)
+            daemon.close()                                 # before the purge takes its executable away
         subprocess.run(["dpkg", "--purge", "sandboxd"], capture_output=True, timeout=300)
-        remove_tree(base)
     assert not os.path.exists("/usr/bin/sandboxd") and not os.path.exists("/opt/sandboxd/venv")
     assert not os.path.exists("/etc/sandboxd/sandboxd.toml")
 

@@ -16,7 +16,7 @@ SANDBOXCTL = str(REPO / ".venv" / "bin" / "sandboxctl")
 
 
 def ctl(base: Path, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
-    return subprocess.run([SANDBOXCTL, "--socket", str(base / "sandboxd.sock"), *args], input=stdin,
+    return subprocess.run([SANDBOXCTL, "--socket", str(base / "run" / "sandboxd.sock"), *args], input=stdin,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -66,7 +66,7 @@ def test_approvals_and_events_from_the_shell(base: Path, client: SandboxClient) 
     workspace = base / "ctl-approvals"
     workspace.mkdir()
     session_id = ctl(base, "session", "create", str(workspace), "--approval", "on-request").stdout.strip()
-    held = subprocess.Popen([SANDBOXCTL, "--socket", str(base / "sandboxd.sock"), "exec", session_id, "--",
+    held = subprocess.Popen([SANDBOXCTL, "--socket", str(base / "run" / "sandboxd.sock"), "exec", session_id, "--",
                              "sh", "-c", "echo approved-run; true"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     deadline = time.monotonic() + 30
@@ -88,7 +88,7 @@ def test_approvals_and_events_from_the_shell(base: Path, client: SandboxClient) 
     assert "PermissionRequested" in human and "reason=unknown_command" in human and len(human.splitlines()) == 1
     # deny: the command never runs, sandboxctl says why.
     ctl(base, "session", "policy", session_id, "--approval", "always")
-    denied = subprocess.Popen([SANDBOXCTL, "--socket", str(base / "sandboxd.sock"), "read", session_id, "x"],
+    denied = subprocess.Popen([SANDBOXCTL, "--socket", str(base / "run" / "sandboxd.sock"), "read", session_id, "x"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     while not (listed := ctl(base, "pending", session_id).stdout.split()):
         assert time.monotonic() < deadline + 30, "the read was never held"

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SANDBOXD
+from daemon_helpers import DaemonFactory, socket_in
 from sandboxd.client import SandboxClient
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,52 +35,47 @@ def test_the_units_verify(tmp_path: Path) -> None:
     assert "Type=notify" in service and "Delegate=yes" in service and "KillSignal=SIGTERM" in service
 
 
-def test_socket_activation_and_readiness() -> None:
-    from daemon_helpers import make_base_dir, remove_tree
-
-    tmp_path = make_base_dir("sbxd-sd-")                  # short: Unix socket paths are at most 107 bytes
-    public = tmp_path / "run" / "sandboxd.sock"
+def test_socket_activation_and_readiness(sandboxd_daemon: DaemonFactory) -> None:
+    base = sandboxd_daemon.base                            # short: Unix socket paths are at most 107 bytes
+    public = socket_in(base)
     public.parent.mkdir()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(public))
     os.chmod(public, 0o666)
     listener.listen(16)
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(tmp_path / "notify"))
+    notify.bind(str(base / "notify"))
     notify.settimeout(60)
     fd = listener.fileno()
     # What systemd does: the socket as descriptor 3, LISTEN_PID naming the daemon itself (the
     # wrapper execs it, so the pid stays), LISTEN_FDS=1.
     wrapper = ("import os, sys; os.dup2(int(sys.argv[1]), 3); os.environ['LISTEN_PID'] = str(os.getpid()); "
                "os.environ['LISTEN_FDS'] = '1'; os.execv(sys.argv[2], sys.argv[2:])")
-    daemon = subprocess.Popen([sys.executable, "-c", wrapper, str(fd), SANDBOXD, "serve", "--state-dir",
-                               str(tmp_path / "state"), "--socket", "/nonexistent/ignored.sock"], pass_fds=(fd,),
-                              env={**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify")},
-                              stderr=subprocess.PIPE, text=True)
-    listener.close()                                       # the daemon holds it now, as from systemd
+    daemon = sandboxd_daemon.prepare(wrapper=[sys.executable, "-c", wrapper, str(fd)], pass_fds=(fd,),
+                                     args=["--socket", "/nonexistent/ignored.sock"], socket=public,
+                                     env={"NOTIFY_SOCKET": str(base / "notify")})
+    try:
+        daemon.start()
+    finally:
+        listener.close()                                   # the daemon holds it now, as from systemd
     try:
         try:
             ready = notify.recv(4096).decode()
         except TimeoutError:
-            daemon.kill()
-            raise AssertionError(daemon.communicate()[1][-3000:]) from None
+            raise AssertionError(daemon.log()) from None
         assert "READY=1" in ready and str(public) in ready, ready
         with SandboxClient(str(public)) as client:         # a call through the activated socket
-            workspace = tmp_path / "ws"
-            workspace.mkdir()
+            workspace = sandboxd_daemon.workspace()
             session = client.create_session(str(workspace), approval="never")
             assert client.exec(session.id, ["echo", "activated"]).stdout == b"activated\n"
             client.close_session(session.id)
-        daemon.send_signal(signal.SIGTERM)
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGTERM)
         assert "STOPPING=1" in notify.recv(4096).decode()
-        assert daemon.wait(timeout=60) == 0, daemon.stderr.read() if daemon.stderr else ""
+        assert daemon.proc.wait(timeout=60) == 0, daemon.log()
         assert public.exists()                             # systemd's socket stays where systemd put it
     finally:
-        if daemon.poll() is None:
-            daemon.kill()
-            daemon.wait()
         notify.close()
-        remove_tree(tmp_path)
 
 
 def test_without_a_service_manager_nothing_is_sent(tmp_path: Path) -> None:

@@ -4,23 +4,17 @@ openssl; traffic stays on 127.0.0.1."""
 from __future__ import annotations
 
 import os
-import shutil
-import signal
 import socket
 import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
+from daemon_helpers import DaemonFactory, TlsListener
 from sandboxd.client import sandbox_policy
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
-
-REPO = Path(__file__).resolve().parents[1]
-SANDBOXD = str(REPO / ".venv" / "bin" / "sandboxd")
 
 
 def openssl(*args: str, cwd: Path) -> None:
@@ -42,23 +36,16 @@ def make_pki(d: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def tls_daemon() -> Iterator[tuple[Path, str]]:
-    base = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="sandboxd-tls-"))
-    os.chmod(base, 0o755)
+def tls_daemon(sandboxd_daemon_module: DaemonFactory) -> tuple[Path, str]:
+    base = sandboxd_daemon_module.base
     make_pki(base)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     address = f"127.0.0.1:{port}"
-    daemon = subprocess.Popen([SANDBOXD, "serve", "--socket", str(base / "sandboxd.sock"), "--state-dir", str(base / "state"), "--tcp", address,
-                               "--tls-cert", str(base / "server.pem"), "--tls-key", str(base / "server.key"),
-                               "--tls-client-ca", str(base / "ca.pem"), "--tcp-user", "65534:65534"],
-                              stderr=subprocess.PIPE, text=True)
-    assert daemon.stderr is not None and '"serving"' in daemon.stderr.readline()
-    yield base, address
-    daemon.send_signal(signal.SIGTERM)
-    assert daemon.wait(timeout=30) == 0
-    shutil.rmtree(base, ignore_errors=True)
+    sandboxd_daemon_module(tls=TlsListener(address, base / "server.pem", base / "server.key", base / "ca.pem",
+                                           tcp_user="65534:65534"))
+    return base, address
 
 
 def stub_for(base: Path, address: str, who: str | None) -> pb_grpc.SandboxStub:
@@ -105,7 +92,7 @@ def test_no_certificate_or_a_foreign_one_is_refused(tls_daemon: tuple[Path, str]
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def test_tcp_without_tls_is_refused_at_start() -> None:
-    result = subprocess.run([SANDBOXD, "serve", "--socket", "/nonexistent/x.sock", "--tcp", "127.0.0.1:1"],
-                            capture_output=True, text=True, timeout=30)
-    assert result.returncode == 2 and "needs all of --tcp" in result.stderr
+def test_tcp_without_tls_is_refused_at_start(sandboxd_daemon: DaemonFactory) -> None:
+    result = sandboxd_daemon.start_failure(args=["--socket", "/nonexistent/x.sock", "--tcp", "127.0.0.1:1"],
+                                           within=30)
+    assert result.returncode == 2 and "needs all of --tcp" in result.log

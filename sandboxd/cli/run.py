@@ -6,6 +6,7 @@ import os
 import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
 import sys
 
+from sandboxd import defaults
 from sandboxd.errors import InvalidPolicy, SandboxdError
 from sandboxd.policy import DEFAULT_PROTECTED_SUBPATHS, LaunchSpec, Limits, parse_size, policy_from_name
 from sandboxd.policy.limits import DEFAULT_TMP_SIZE
@@ -199,7 +200,9 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
     cwd, user = args["cwd"], args["user"]
     return LaunchSpec(argv=tuple(command), workspace=workspace, env=env,
                       cwd=os.path.abspath(str(cwd)) if cwd else None, policy=policy, limits=limits,
-                      user=parse_user(str(user)) if user else None, dns=tuple(args["dns"]))  # type: ignore[arg-type]
+                      user=parse_user(str(user)) if user else None, dns=tuple(args["dns"]),  # type: ignore[arg-type]
+                      # A daemon on this machine keeps its sockets and audit log here: out of reach.
+                      hidden_paths=(defaults.SOCKET_DIR, defaults.STATE_DIR), denied_sockets=(defaults.SOCKET,))
 
 
 def main(argv: list[str]) -> int:

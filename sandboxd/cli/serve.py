@@ -83,8 +83,11 @@ def main(argv: list[str]) -> int:
         from sandboxd.service.server import TlsListener
         try:
             uid, gid = parse_user(str(values["tcp_user"]))
+            config = values["config"]
+            users = {name: parse_user(str(user)) for name, user in config["tls.users"].items()}  # type: ignore[index]
             listener = TlsListener(str(values["tcp"]), str(values["tls_cert"]), str(values["tls_key"]),
-                                   str(values["tls_client_ca"]), uid, gid)
+                                   str(values["tls_client_ca"]), uid, gid,
+                                   identity=str(config["tls.identity"]), users=users)  # type: ignore[index]
         except (InvalidPolicy, OSError) as exc:
             sys.stderr.write(f"sandboxd serve: {exc}\n")
             return 2

@@ -19,8 +19,8 @@ _SYSCALLS = {
     "x86_64": {"pivot_root": 155, "seccomp": 317},
     "aarch64": {"pivot_root": 41, "seccomp": 277},
 }
-_COMMON = {"pidfd_open": 434, "close_range": 436, "openat2": 437, "pidfd_getfd": 438,
-           "mount_setattr": 442, "landlock_create_ruleset": 444, "landlock_add_rule": 445,
+_COMMON = {"open_tree": 428, "move_mount": 429, "pidfd_open": 434, "close_range": 436, "openat2": 437,
+           "pidfd_getfd": 438, "faccessat2": 439, "mount_setattr": 442, "landlock_create_ruleset": 444, "landlock_add_rule": 445,
            "landlock_restrict_self": 446}
 
 

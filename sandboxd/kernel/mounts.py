@@ -54,6 +54,27 @@ def bind(source: str, target: str, *, recursive: bool = True, step: str | None =
     mount(source, target, None, MS_BIND | (MS_REC if recursive else 0), step=step or "bind", )
 
 
+OPEN_TREE_CLONE = 1
+OPEN_TREE_CLOEXEC = os.O_CLOEXEC
+AT_EMPTY_PATH = 0x1000
+MOVE_MOUNT_F_EMPTY_PATH = 0x4
+
+
+def clone_tree(fd: int, *, step: str, path: str | None = None) -> int:
+    """A detached copy of the mount tree at ``fd`` (open_tree(OPEN_TREE_CLONE), Linux 5.2): a
+    descriptor that a child in a new mount namespace can attach with ``attach_tree``. A path
+    opened in the host's namespace cannot be a bind source there; a detached tree can, and it is
+    exactly the object that was opened and checked, whatever happens to the name later."""
+    flags = OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_EMPTY_PATH | AT_RECURSIVE
+    return checked(raw_syscall("open_tree", ctypes.c_int(fd), b"", ctypes.c_uint(flags)), step, path)
+
+
+def attach_tree(tree: int, target: str, *, step: str) -> None:
+    """Mount a tree from ``clone_tree`` at ``target`` (move_mount, Linux 5.2)."""
+    checked(raw_syscall("move_mount", ctypes.c_int(tree), b"", ctypes.c_int(-100), fsencode(target),
+                        ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH)), step, target)
+
+
 def set_attrs_recursive(target: str, attr_set: int, attr_clr: int = 0, *, step: str) -> None:
     """Change per-mount flags on ``target`` and every mount below it, in one call.
 

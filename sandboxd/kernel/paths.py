@@ -1,8 +1,9 @@
-"""Host paths a policy names: existence, symlink resolution, and pinning.
+"""Host paths a policy names: existence, symlink resolution, and the descriptors that get bound.
 
-A writable root given through a symlink is resolved first and the real
-directory is what gets bound. A symlink that sits *inside* a writable area is
-refused, because a sandboxed command could have planted it there to turn a
+Each path is opened once, as the caller (kernel.access), and everything after that comes from
+the descriptor: the real path, the caller's rights, the mount. A writable root given through a
+symlink is resolved and the real directory is what gets bound. A symlink that sits *inside* a
+writable area is refused, because a sandboxed command could have planted it there to turn a
 later run's writable root into a host directory of its choosing.
 """
 
@@ -14,6 +15,7 @@ import stat
 
 from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy, SetupError
+from sandboxd.kernel import access
 from sandboxd.policy.sandbox import is_within, validate_writable_root
 
 
@@ -21,11 +23,55 @@ class ResolvedPaths(Record):
     workspace: str
     cwd: str
     writable_roots: tuple[str, ...]  # real paths, parents before children, without duplicates
+    # O_PATH descriptors of the workspace and the writable roots, by real path, opened (and
+    # checked) as the caller: what gets bound into the sandbox. The caller of ``resolve`` owns them.
+    descriptors: dict[str, int]
+    # The allowed Unix sockets the caller may connect to, as (major, minor, inode).
+    socket_ids: frozenset[tuple[int, int, int]] = frozenset()
+
+    def close(self) -> None:
+        for fd in self.descriptors.values():
+            os.close(fd)
+        self.descriptors.clear()
 
 
 def resolve(workspace: str, cwd: str | None, writable_roots: tuple[str, ...], *,
-            workspace_writable: bool, confined: bool = True) -> ResolvedPaths:
-    real_ws = _real_existing(workspace, "workspace", want_dir=True)
+            workspace_writable: bool, confined: bool = True,
+            caller: "tuple[int, int, tuple[int, ...]] | None" = None,
+            allowed_sockets: tuple[str, ...] = ()) -> ResolvedPaths:
+    """Open the workspace, the writable roots and the allowed sockets once, as ``caller`` (the
+    kernel checks its rights: write on the workspace and roots, write on a socket, which is what
+    connect() needs), and resolve everything from those descriptors."""
+    for what, path in [("workspace", workspace), *[("writable root", r) for r in writable_roots],
+                       *[("allowed Unix socket", p) for p in allowed_sockets]]:
+        if not path.startswith("/"):
+            raise InvalidPolicy(f"{what} {path!r} is relative: give an absolute path")
+    requests = ([access.PathRequest(workspace, "workspace", access.WRITE)]
+                + [access.PathRequest(r, "writable root", access.WRITE) for r in writable_roots]
+                + [access.PathRequest(p, "allowed Unix socket", access.WRITE) for p in allowed_sockets])
+    who = access.Caller(caller[0], caller[1], caller[2]) if caller else None
+    fds = access.open_as(who, requests)
+    try:
+        resolved = _from_descriptors(fds, workspace, cwd, writable_roots, allowed_sockets,
+                                     workspace_writable=workspace_writable, confined=confined)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    kept = set(resolved.descriptors.values())
+    for fd in fds:
+        if fd not in kept:
+            os.close(fd)
+    return resolved
+
+
+def _from_descriptors(fds: list[int], workspace: str, cwd: str | None, writable_roots: tuple[str, ...],
+                      allowed_sockets: tuple[str, ...], *, workspace_writable: bool, confined: bool) -> ResolvedPaths:
+    roots = 1 + len(writable_roots)
+    socket_ids = frozenset(_socket_identity(fd, path) for fd, path in zip(fds[roots:], allowed_sockets))
+    real_ws = access.real_path(fds[0])
+    if not stat.S_ISDIR(os.fstat(fds[0]).st_mode):
+        raise InvalidPolicy(f"workspace {workspace!r} is not a directory")
     if confined:
         # The workspace is bound into the sandbox (read-write, or read-only under
         # read-only): it must not hand over the host's root, /proc, /sys or /dev.
@@ -44,7 +90,7 @@ def resolve(workspace: str, cwd: str | None, writable_roots: tuple[str, ...], *,
             raise InvalidPolicy(f"workspace {where} cannot be used: {exc}; run from, or pass --workspace, "
                                 "a project directory") from None
     real_cwd = _real_existing(cwd, "cwd", want_dir=True) if cwd else real_ws
-    reals = [_real_existing(r, "writable root", want_dir=False) for r in writable_roots]
+    reals = [access.real_path(fd) for fd in fds[1:roots]]
     for given, real in zip(writable_roots, reals, strict=True):
         try:
             validate_writable_root(real)
@@ -53,8 +99,18 @@ def resolve(workspace: str, cwd: str | None, writable_roots: tuple[str, ...], *,
     writable = ([real_ws] if workspace_writable else []) + reals
     for given in ([workspace] if workspace_writable else []) + list(writable_roots):
         _refuse_planted_symlinks(given, writable)
+    descriptors: dict[str, int] = {}
+    for real, fd in zip([real_ws, *reals], fds[:roots]):
+        descriptors.setdefault(real, fd)
     ordered = sorted(dict.fromkeys(writable), key=lambda p: (p.count("/"), p))
-    return ResolvedPaths(real_ws, real_cwd, tuple(ordered))
+    return ResolvedPaths(real_ws, real_cwd, tuple(ordered), descriptors, socket_ids)
+
+
+def _socket_identity(fd: int, given: str) -> tuple[int, int, int]:
+    st = os.fstat(fd)
+    if not stat.S_ISSOCK(st.st_mode):
+        raise InvalidPolicy(f"allowed Unix socket {given!r} is not a socket")
+    return (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
 
 
 def _refuse_kernel_filesystems(path: str) -> None:
@@ -97,22 +153,3 @@ def _refuse_planted_symlinks(given: str, writable: list[str]) -> None:
             current = os.path.realpath(candidate)
         else:
             current = candidate
-
-
-def pin(path: str, *, step: str) -> int:
-    """Open ``path`` as an O_PATH descriptor and check nothing swapped a symlink in since it was resolved.
-
-    Mounting from ``/proc/self/fd/N`` afterwards binds exactly that inode,
-    whatever happens to the name, and works even after /tmp is hidden.
-    """
-    try:
-        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-    except OSError as exc:
-        raise SetupError(step, exc.errno or errno.EIO, path,
-                         hint="the path changed or vanished since the launch was planned") from None
-    actual = os.readlink(f"/proc/self/fd/{fd}")
-    if actual != path:
-        os.close(fd)
-        raise SetupError(step, errno.ELOOP, path,
-                         detail=f"it now leads to {actual!r}: a symlink was swapped in during setup")
-    return fd

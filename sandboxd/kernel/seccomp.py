@@ -25,6 +25,7 @@ AF_VSOCK = 40
 SOCK_DGRAM = 2
 SOCK_RAW = 3
 SOCK_TYPE_MASK = 0xF
+MSG_FASTOPEN = 0x20000000
 NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000,
                    0x00000080)  # NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
 
@@ -71,7 +72,7 @@ class FilterSpec(Record):
             rows.append(("errno", "clone", errno.EPERM, ((0, masked_eq, flag, flag),)))
         for family in (AF_PACKET, AF_VSOCK):
             rows.append(("errno", "socket", errno.EAFNOSUPPORT, ((0, 4, family, 0),)))
-        if self.brokers_connect:
+        if self.brokers_connect and not self.host_network:
             # An AF_UNIX datagram socket, even one from socketpair(), can sendto()
             # any host socket path (syslog, journald, systemd notify) without a
             # connect: without network the sandbox gets none. Stream and seqpacket
@@ -82,12 +83,23 @@ class FilterSpec(Record):
                 for kind in (SOCK_DGRAM, SOCK_RAW):
                     rows.append(("errno", call, errno.EACCES,
                                  ((0, 4, AF_UNIX, 0), (1, masked_eq, SOCK_TYPE_MASK, kind))))
+        if self.brokers_connect:
             rows.append(("notify", "connect", 0, ()))
+            # TCP Fast Open connects from sendto/sendmsg without a connect() the broker would see:
+            # with the host's network that could reach sandboxd's own listeners.
+            for call, flags_arg in (("sendto", 3), ("sendmsg", 2), ("sendmmsg", 3)):
+                rows.append(("errno", call, errno.EPERM, ((flags_arg, masked_eq, MSG_FASTOPEN, MSG_FASTOPEN),)))
         return rows
 
     @property
+    def host_network(self) -> bool:
+        return self.network_access and not self.isolated_network
+
+    @property
     def brokers_connect(self) -> bool:
-        return self.confined and (not self.network_access or self.isolated_network)
+        # Every confined sandbox, the host's network included: init refuses sandboxd's own sockets
+        # and listeners in every mode (launcher.connect_broker).
+        return self.confined
 
     def cache_key(self) -> str:
         # Names the cached program; its integrity comes from the cache being root-only,

@@ -1,5 +1,4 @@
-"""The connect broker: init performs every connect() of a sandbox without network, or with
-an isolated network of its own (only --network=host skips it).
+"""The connect broker: init performs every connect() of every confined sandbox.
 
 Why: a network namespace cuts off TCP and abstract Unix sockets, but not
 *pathname* Unix sockets: any host socket file the sandbox can see and write
@@ -9,13 +8,19 @@ could be connected to. Landlock can restrict that only from ABI 8
 seccomp filter turns connect() into a user notification, and init, which
 shares the sandbox's mount namespace, root and uid, performs the call:
 
+- sandboxd's own sockets (its public socket, its private backend, by inode) and, with the
+  host's network, its TCP listeners (TLS, metrics): EACCES in every mode, whatever else the
+  policy allows. The daemon also hides their directory inside every sandbox (rootfs step 8c)
+  and refuses a connection whose peer runs in a sandbox; this is the wall between the two.
 - AF_UNIX pathname: resolved as the caller would (its cwd, our shared root);
-  allowed only when the socket file is bound by a socket of the sandbox's own
-  network namespace (NETLINK_SOCK_DIAG), i.e. created inside the sandbox, or
-  is one the policy names (allowed_unix_sockets). Anything else: EACCES. The connect goes through /proc/self/fd/N of the
-  inode that was checked, so a rename in between changes nothing.
-- Any other family (loopback TCP, abstract Unix): performed as asked; the
-  network namespace already confines them.
+  without network or with an isolated one, allowed only when the socket file is bound by a
+  socket of the sandbox's own network namespace (NETLINK_SOCK_DIAG), i.e. created inside the
+  sandbox, or is one the policy names (allowed_unix_sockets) and the caller may connect to.
+  Anything else: EACCES. With the host's network (--network=host) every host socket but
+  sandboxd's own is reachable, as the host's network is. The connect goes through
+  /proc/self/fd/N of the inode that was checked, so a rename in between changes nothing.
+- Any other family (TCP, abstract Unix): performed as asked; the network namespace confines
+  them (with the host's network, only sandboxd's listeners are refused).
 
 Init never lets the kernel continue a call it inspected: another thread of
 the caller could rewrite the address in between (the documented seccomp
@@ -25,6 +30,7 @@ user-notification race). It connects a duplicate of the caller's socket
 
 from __future__ import annotations
 
+import _socket
 import _thread
 import errno
 import fcntl
@@ -35,16 +41,21 @@ import struct
 from sandboxd.kernel import seccomp_notify, unix_diag
 from sandboxd.kernel._libc import raw_syscall
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from sandboxd.launcher.plan import BrokerRules
+
 AF_UNIX = 1
+AF_INET = 2
+AF_INET6 = 10
 MAX_SOCKADDR = 128
 
 
 class ConnectBroker:
-    def __init__(self, listener: int, allowed: "frozenset[tuple[int, int, int]]" = frozenset()) -> None:
-        """``allowed``: identities (unix_diag.file_identity) of host socket files the policy lets
-        the sandbox connect to besides its own (--allow-unix-socket)."""
+    def __init__(self, listener: int, rules: "BrokerRules") -> None:
+        """``rules``: what the policy allows and what is sandboxd's own (launcher.plan.BrokerRules)."""
         self.listener = listener
-        self.allowed = allowed
+        self.rules = rules
 
     def handle_one(self) -> None:
         notification = seccomp_notify.receive(self.listener)
@@ -88,8 +99,12 @@ class ConnectBroker:
 
     def _finish(self, n: seccomp_notify.Notification, sock: int, address: bytes) -> None:
         try:
-            if struct.unpack_from("=H", address)[0] == AF_UNIX:
+            family = struct.unpack_from("=H", address)[0]
+            if family == AF_UNIX:
                 result = self._connect_unix(n.pid, sock, address)
+            elif family in (AF_INET, AF_INET6) and self.rules.host_network and _is_sandboxd_listener(
+                    address, self.rules.denied_listeners):
+                result = -errno.EACCES                        # sandboxd's own TLS or metrics listener
             else:
                 result = seccomp_notify.connect_raw(sock, address)
         except OSError as exc:
@@ -122,9 +137,49 @@ class ConnectBroker:
             if not stat.S_ISSOCK(st.st_mode):
                 return -errno.ECONNREFUSED
             identity = unix_diag.file_identity(st)
-            if identity not in self.allowed and identity not in unix_diag.bound_socket_files():
+            if identity in self.rules.denied:
+                return -errno.EACCES  # sandboxd's own socket, reached through a link or a leftover name
+            if (not self.rules.host_network and identity not in self.rules.allowed
+                    and identity not in unix_diag.bound_socket_files()):
                 return -errno.EACCES  # a host socket the policy does not name
             pinned = struct.pack("=H", AF_UNIX) + b"/proc/self/fd/%d\0" % target
             return seccomp_notify.connect_raw(sock, pinned)
         finally:
             os.close(target)
+
+
+def _is_sandboxd_listener(address: bytes, listeners: "tuple[tuple[str, int], ...]") -> bool:
+    """Whether an AF_INET/AF_INET6 sockaddr names one of sandboxd's listeners: the same port, and
+    the listener's own address or, for a listener on every address, any address of this host."""
+    if not listeners:
+        return False
+    family = struct.unpack_from("=H", address)[0]
+    port = struct.unpack_from("!H", address, 2)[0]
+    if family == AF_INET and len(address) >= 8:
+        host = _socket.inet_ntop(_socket.AF_INET, address[4:8])
+    elif family == AF_INET6 and len(address) >= 24:
+        host = _socket.inet_ntop(_socket.AF_INET6, address[8:24])
+        if host.startswith("::ffff:"):
+            host = host[len("::ffff:"):]                  # an IPv4-mapped address
+    else:
+        return False
+    for listen_host, listen_port in listeners:
+        if port != listen_port:
+            continue
+        if host == listen_host or (listen_host in ("0.0.0.0", "::", "") and _is_local(host)):
+            return True
+    return False
+
+
+def _is_local(host: str) -> bool:
+    """Whether ``host`` is an address of this host (init shares the host's network namespace
+    here): binding to it succeeds only if it is, which also covers every loopback address."""
+    family = _socket.AF_INET6 if ":" in host else _socket.AF_INET
+    probe = _socket.socket(family, _socket.SOCK_DGRAM)
+    try:
+        probe.bind((host, 0))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()

@@ -11,14 +11,14 @@ import _signal as signal  # the C module: signal.py builds IntEnums, which costs
 import _socket  # likewise for socket.py
 import os
 import select
-import stat
 
-from sandboxd.kernel import unix_diag
 from sandboxd.launcher.connect_broker import ConnectBroker
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Callable, NoReturn
+
+    from sandboxd.launcher.plan import BrokerRules
 
 
 def receive_fd(sock: "_socket.socket") -> int | None:
@@ -38,11 +38,11 @@ def send_fd(sock: "_socket.socket", fd: int) -> None:
 
 
 class InitLoop:
-    def __init__(self, on_exit: "Callable[[int, int, object], None]", allowed_sockets: "tuple[str, ...]" = ()) -> None:
+    def __init__(self, on_exit: "Callable[[int, int, object], None]", rules: "BrokerRules | None" = None) -> None:
         """``on_exit(pid, wait_status, rusage)`` runs for every reaped child; it may end the process.
-        ``allowed_sockets``: host socket paths the brokers let through (looked up once, here)."""
+        ``rules``: what the connect brokers let through (fixed in the plan, before the fork)."""
         self._on_exit = on_exit
-        self._allowed = _identities(allowed_sockets)
+        self._rules = rules
         self._wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda _s, _f: None)  # a handler, so SIGCHLD wakes poll()
@@ -53,7 +53,8 @@ class InitLoop:
 
     def add_listener(self, listener: int) -> None:
         """Answer the connect() notifications of a seccomp filter (see connect_broker)."""
-        self._brokers[listener] = ConnectBroker(listener, self._allowed)
+        assert self._rules is not None, "a loop that brokers connect() needs the plan's rules"
+        self._brokers[listener] = ConnectBroker(listener, self._rules)
         self._poller.register(listener, select.POLLIN)
 
     def add_intake(self, sock: "_socket.socket") -> None:
@@ -94,20 +95,6 @@ class InitLoop:
             if pid == 0:
                 return
             self._on_exit(pid, status, usage)
-
-
-def _identities(paths: "tuple[str, ...]") -> "frozenset[tuple[int, int, int]]":
-    """The socket files behind ``paths`` as they are now (a path that is not a socket, or
-    missing, allows nothing: the policy named a socket, not whatever may appear there later)."""
-    found = set()
-    for path in paths:
-        try:
-            st = os.stat(path)
-        except OSError:
-            continue
-        if stat.S_ISSOCK(st.st_mode):
-            found.add(unix_diag.file_identity(st))
-    return frozenset(found)
 
 
 def _drain(fd: int) -> None:

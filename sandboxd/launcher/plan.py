@@ -8,9 +8,25 @@ from __future__ import annotations
 
 import os
 
-from sandboxd._record import Record
-from sandboxd.kernel import paths, seccomp
+from sandboxd._record import Factory, Record
+from sandboxd.errors import InvalidPolicy
+from sandboxd.kernel import mounts, paths, seccomp
+from sandboxd.kernel.unix_diag import file_identity
 from sandboxd.policy import DangerFullAccess, LaunchSpec, Limits, WorkspaceWrite
+from sandboxd.policy.sandbox import is_within
+
+
+class BrokerRules(Record):
+    """What init's connect broker decides (launcher.connect_broker), fixed before the fork."""
+
+    # Host socket files the policy names and the caller may connect to, as (major, minor, inode).
+    allowed: frozenset[tuple[int, int, int]] = frozenset()
+    # sandboxd's own sockets: refused in every mode, whatever else is allowed.
+    denied: frozenset[tuple[int, int, int]] = frozenset()
+    # sandboxd's own TCP listeners, (host, port): refused with the host's network.
+    denied_listeners: tuple[tuple[str, int], ...] = ()
+    # The host's network as it is: every host socket but sandboxd's own is reachable.
+    host_network: bool = False
 
 
 class LaunchPlan(Record):
@@ -33,21 +49,49 @@ class LaunchPlan(Record):
     dns: tuple[str, ...] = ()
     network_pool: str = ""
     allowed_unix_sockets: tuple[str, ...] = ()     # host socket files connect() may reach (connect_broker)
+    # What the connect broker lets through or refuses, decided here (see launcher.connect_broker).
+    broker: BrokerRules = Factory(lambda: BrokerRules())
     allowed_hosts: tuple[str, ...] = ()            # the isolated network's egress allowlist
     allowed_domains: tuple[str, ...] = ()          # ... and its names, through the egress proxy
     # Set by the spawner just before fork, for an isolated network: the namespace to join, and the
     # sandbox's resolv.conf.
     netns_fd: int = -1
     resolv_conf: str | None = None
+    # Detached mount trees (mounts.clone_tree) of the workspace and writable roots, by real path,
+    # made from the descriptors the caller's rights were checked on; closed in the parent after
+    # the fork, and empty in a session's stored plan.
+    root_trees: dict[str, int] = Factory(dict)
+    # sandboxd's own directories and files, covered inside the sandbox (rootfs step 8c).
+    hidden_paths: tuple[str, ...] = ()
+
+    def close_trees(self) -> None:
+        for fd in self.root_trees.values():
+            os.close(fd)
+        self.root_trees.clear()
 
 
 def prepare(spec: LaunchSpec) -> LaunchPlan:
+    """Resolve ``spec``: its paths opened and checked as its caller, the mount trees of its roots
+    cloned (the returned plan owns them: ``close_trees`` once the child has them)."""
     policy = spec.policy
     confined = not isinstance(policy, DangerFullAccess)
     writable = isinstance(policy, WorkspaceWrite)
     resolved = paths.resolve(spec.workspace, spec.cwd,
                              policy.writable_roots if writable else (),
-                             workspace_writable=writable, confined=confined)
+                             workspace_writable=writable, confined=confined, caller=spec.caller,
+                             allowed_sockets=tuple(getattr(policy, "allowed_unix_sockets", ())) if confined else ())
+    trees: dict[str, int] = {}
+    try:
+        hidden = _hidden_paths(spec.hidden_paths, resolved.workspace, resolved.writable_roots) if confined else ()
+        if confined:
+            for real, fd in resolved.descriptors.items():
+                trees[real] = mounts.clone_tree(fd, step="clone workspace or writable root", path=real)
+    except BaseException:
+        for tree in trees.values():
+            os.close(tree)
+        raise
+    finally:
+        resolved.close()
     if spec.user is not None:
         uid, gid = spec.user
     else:
@@ -56,6 +100,9 @@ def prepare(spec: LaunchSpec) -> LaunchPlan:
     network = bool(policy.network_access)
     isolated = network and confined and getattr(policy, "network_mode", "host") == "isolated"
     filter_spec = seccomp.FilterSpec(confined=confined, network_access=network, isolated_network=isolated)
+    broker = BrokerRules(allowed=resolved.socket_ids, denied=_socket_ids(spec.denied_sockets),
+                         denied_listeners=tuple(_listener(entry) for entry in spec.denied_listeners),
+                         host_network=network and not isolated)
     return LaunchPlan(
         argv=spec.argv, env=dict(spec.env), cwd=resolved.cwd, workspace=resolved.workspace,
         confined=confined, network=network, network_isolated=isolated, dns=tuple(spec.dns),
@@ -68,4 +115,37 @@ def prepare(spec: LaunchSpec) -> LaunchPlan:
         protected_subpaths=policy.protected_subpaths if writable else (),
         uid=uid, gid=gid, limits=spec.limits,
         seccomp_program=seccomp.program_for(filter_spec), brokers_connect=filter_spec.brokers_connect,
+        broker=broker, root_trees=trees, hidden_paths=hidden,
     )
+
+
+def _hidden_paths(hidden: tuple[str, ...], workspace: str, writable_roots: tuple[str, ...]) -> tuple[str, ...]:
+    """The existing ones of sandboxd's own paths, to cover inside the sandbox. A workspace or
+    root inside one of them is refused: covering it would hide the workspace, and leaving it
+    would show sandboxd's sockets or audit log to the sandbox."""
+    present = []
+    for path in hidden:
+        real = os.path.realpath(path)
+        if not os.path.lexists(real):
+            continue
+        for root in (workspace, *writable_roots):
+            if is_within(root, real):
+                raise InvalidPolicy(f"{root!r} is inside {real!r}, which is sandboxd's own and hidden from every "
+                                    "sandbox: choose a workspace and writable roots elsewhere")
+        present.append(real)
+    return tuple(dict.fromkeys(present))
+
+
+def _socket_ids(paths: tuple[str, ...]) -> frozenset[tuple[int, int, int]]:
+    found = set()
+    for path in paths:
+        try:
+            found.add(file_identity(os.stat(path)))
+        except OSError:
+            continue                                      # not there (yet): nothing to refuse
+    return frozenset(found)
+
+
+def _listener(entry: str) -> tuple[str, int]:
+    host, _, port = entry.rpartition(":")
+    return host.strip("[]") or "0.0.0.0", int(port)

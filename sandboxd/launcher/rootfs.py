@@ -13,11 +13,16 @@
 6. Cover /dev with a minimal tmpfs: the six harmless nodes bound from the
    host, a private devpts, a private /dev/shm; then make /dev read-only.
 7. Cover /tmp with a private, size-capped tmpfs.
-8. Bind the workspace and writable roots read-write (under read-only, the
-   workspace read-only, so it is seen even when it lives under /tmp) from descriptors pinned
-   between steps 1 and 2 (roots under /tmp are still reachable that way), parents
-   before children; then pin and re-protect the protected subpaths.
+8. Attach the workspace and writable roots read-write (under read-only, the
+   workspace read-only, so it is seen even when it lives under /tmp), parents before
+   children, from the detached mount trees the parent cloned from the very descriptors
+   the caller's rights were checked on (launcher.plan, kernel.access): a name swapped
+   since then changes nothing, and roots under /tmp are reachable that way too; then pin
+   and re-protect the protected subpaths.
    8b. With an isolated network, bind its resolv.conf over /etc/resolv.conf.
+   8c. Cover sandboxd's own places (its sockets' directory, its state directory): an empty
+   read-only tmpfs over a directory, /dev/null over a file. After 8, so a workspace that
+   contains them (a root caller's /var) does not show them either.
 9. pivot_root into the copy and drop the old root entirely.
 """
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 
 from sandboxd.errors import SetupError
 from sandboxd.kernel import mounts
@@ -39,7 +45,6 @@ from sandboxd.kernel.mounts import (
     MS_RDONLY,
     MS_REMOUNT,
 )
-from sandboxd.kernel.paths import pin
 from sandboxd.launcher.plan import LaunchPlan
 
 STAGE = "/tmp"
@@ -56,10 +61,6 @@ READONLY_ATTRS = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV
 
 def build(plan: LaunchPlan) -> None:
     mounts.make_private("/")                                                        # 1
-    # Pinned in this mount namespace (a descriptor of the host's namespace cannot
-    # be a bind source here) and before /tmp is covered by the staging tmpfs.
-    pinned = {root: pin(root, step="pin workspace or writable root")
-              for root in plan.readonly_roots + plan.writable_roots}
     mounts.tmpfs(STAGE, size=1 << 20, mode=0o700, step="mount staging tmpfs")        # 2
     os.mkdir(NEW_ROOT, 0o755)
     mounts.bind("/", NEW_ROOT, step="bind host root")
@@ -70,16 +71,17 @@ def build(plan: LaunchPlan) -> None:
     mounts.tmpfs(NEW_ROOT + "/tmp", size=plan.limits.tmp_size_bytes, mode=0o1777,    # 7
                  step="mount private /tmp")
     for root in plan.readonly_roots:                                                 # 8
-        _bind_root(root, pinned[root], writable=False)
+        _attach_root(root, plan.root_trees[root], writable=False)
     for root in plan.writable_roots:
-        _bind_root(root, pinned[root], writable=True)
+        _attach_root(root, plan.root_trees[root], writable=True)
     for root in plan.writable_roots:
         for sub in plan.protected_subpaths:
             _protect(root, sub)
-    for fd in pinned.values():
-        os.close(fd)
+    plan.close_trees()
     if plan.resolv_conf is not None:                                                 # 8b
         _bind_resolv_conf(plan.resolv_conf)
+    for path in plan.hidden_paths:                                                   # 8c
+        _hide(path)
     mounts.pivot_root_here(NEW_ROOT)                                                 # 9
 
 
@@ -152,21 +154,34 @@ def _mount_dev(target: str, shm_size: int) -> None:
                  step="make /dev read-only")
 
 
-def _bind_root(root: str, fd: int, *, writable: bool) -> None:
+def _attach_root(root: str, tree: int, *, writable: bool) -> None:
     target = NEW_ROOT + root
     if not os.path.lexists(target):
         # Only possible under a directory the sandbox replaced (e.g. /tmp): make the mount point.
-        if os.path.isdir(f"/proc/self/fd/{fd}"):
+        if stat.S_ISDIR(os.fstat(tree).st_mode):
             os.makedirs(target, 0o755, exist_ok=True)
         else:
             os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
             os.close(os.open(target, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
-    mounts.bind(f"/proc/self/fd/{fd}", target, step="bind root")
+    mounts.attach_tree(tree, target, step="bind root")
     if writable:
         mounts.set_attrs_recursive(target, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, MOUNT_ATTR_RDONLY,
                                    step="bind writable root")
     else:
         mounts.set_attrs_recursive(target, READONLY_ATTRS, step="bind read-only workspace")
+
+
+def _hide(path: str) -> None:
+    """Cover one of sandboxd's own paths (step 8c): it may hold the daemon's sockets or its audit
+    log, which no sandbox may reach, whatever its uid or network."""
+    target = NEW_ROOT + path
+    if not os.path.lexists(target):
+        return                                            # under a replaced directory (/tmp): not there
+    if os.path.isdir(target) and not os.path.islink(target):
+        mounts.tmpfs(target, size=4096, mode=0o555, flags=MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                     step="hide sandboxd's own directory")
+    else:
+        mounts.bind("/dev/null", target, recursive=False, step="hide sandboxd's own socket")
 
 
 def _protect(root: str, sub: str) -> None:

@@ -130,7 +130,7 @@ def _run_init(plan: LaunchPlan, *, report_fd: int, status_fd: int) -> NoReturn:
                                 usage.ru_maxrss)  # type: ignore[attr-defined]
             os._exit(0)
 
-    loop = InitLoop(on_exit, plan.allowed_unix_sockets)
+    loop = InitLoop(on_exit, plan.broker)
     if listener is not None:
         loop.add_listener(listener)
     loop.run()
@@ -149,7 +149,7 @@ def run_session_init(plan: LaunchPlan, *, report_fd: int, intake: "_socket.socke
         process.close_all_except({intake.fileno()})       # closing the report pipe says "ready"
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "session init")
-    loop = InitLoop(lambda _pid, _status, _usage: None, plan.allowed_unix_sockets)
+    loop = InitLoop(lambda _pid, _status, _usage: None, plan.broker)
     loop.add_intake(intake)
     loop.run()
 

@@ -72,6 +72,15 @@ class LaunchSpec(Record):
     user: tuple[int, int] | None = None
     dns: tuple[str, ...] = ()           # resolvers for an isolated network (default: the host's)
     network_pool: str = ""              # its addresses (default: kernel.netns.DEFAULT_POOL)
+    # Whose rights the workspace, the writable roots and the allowed Unix sockets are checked
+    # with, by the kernel, under those credentials: (uid, gid, supplementary groups). None: the
+    # launching process's own (root running `sandboxd run`, or the daemon for a root caller).
+    caller: tuple[int, int, tuple[int, ...]] | None = None
+    # sandboxd's own places, invisible inside the sandbox (its sockets' directory, its state),
+    # and its own sockets and listeners, which connect() is refused for (connect_broker).
+    hidden_paths: tuple[str, ...] = ()
+    denied_sockets: tuple[str, ...] = ()
+    denied_listeners: tuple[str, ...] = ()   # "HOST:PORT" of the daemon's TCP listeners
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "argv", tuple(self.argv))
@@ -88,6 +97,9 @@ class LaunchSpec(Record):
                 raise InvalidPolicy(f"DNS server {server!r} must be an IPv4 address such as 192.0.2.53")
         if self.user is not None and (self.user[0] < 0 or self.user[1] < 0):
             raise InvalidPolicy(f"bad user {self.user!r}: uid and gid must be >= 0")
+        for path in (*self.hidden_paths, *self.denied_sockets):
+            if not path.startswith("/") or "\0" in path:
+                raise InvalidPolicy(f"sandboxd's own path {path!r} must be absolute")
         validate_policy(self.policy)
 
 
@@ -124,19 +136,42 @@ def spec_to_dict(spec: LaunchSpec) -> dict[str, object]:
         "limits": spec.limits.as_dict(),
         "user": list(spec.user) if spec.user else None,
         "dns": list(spec.dns), "network_pool": spec.network_pool,
+        "caller": [spec.caller[0], spec.caller[1], list(spec.caller[2])] if spec.caller else None,
+        "hidden_paths": list(spec.hidden_paths), "denied_sockets": list(spec.denied_sockets),
+        "denied_listeners": list(spec.denied_listeners),
     }
+
+
+def _strings(data: dict[str, object], key: str) -> tuple[str, ...]:
+    value = data.get(key) or ()
+    if not isinstance(value, (list, tuple)):
+        raise InvalidPolicy(f"malformed launch request: {key} must be a list")
+    return tuple(str(item) for item in value)
+
+
+def _caller(value: object) -> tuple[int, int, tuple[int, ...]] | None:
+    if not value:
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) != 3 or not isinstance(value[2], (list, tuple)):
+        raise InvalidPolicy("malformed launch request: caller must be [uid, gid, [groups]]")
+    return int(value[0]), int(value[1]), tuple(int(g) for g in value[2])
 
 
 def spec_from_dict(data: dict[str, object]) -> LaunchSpec:
     try:
         policy = policy_from_dict(dict(data["policy"]))  # type: ignore[call-overload]
         user = data.get("user")
-        return LaunchSpec(argv=tuple(data["argv"]), workspace=str(data["workspace"]),  # type: ignore[arg-type]
-                          env=dict(data.get("env") or {}), cwd=data.get("cwd"),  # type: ignore[arg-type]
-                          policy=policy, limits=Limits(**dict(data.get("limits") or {})),  # type: ignore[arg-type]
-                          user=(int(user[0]), int(user[1])) if user else None,  # type: ignore[index]
-                          dns=tuple(str(ip) for ip in data.get("dns") or ()),  # type: ignore[attr-defined]
-                          network_pool=str(data.get("network_pool") or ""))
+        limits = data.get("limits") or {}
+        cwd = data.get("cwd")
+        return LaunchSpec(argv=_strings(data, "argv"), workspace=str(data["workspace"]),
+                          env={str(k): str(v) for k, v in dict(data.get("env") or {}).items()},  # type: ignore[call-overload]
+                          cwd=None if cwd is None else str(cwd),
+                          policy=policy, limits=Limits(**dict(limits)),  # type: ignore[call-overload]
+                          user=(int(user[0]), int(user[1])) if isinstance(user, (list, tuple)) else None,
+                          dns=_strings(data, "dns"), network_pool=str(data.get("network_pool") or ""),
+                          caller=_caller(data.get("caller")), hidden_paths=_strings(data, "hidden_paths"),
+                          denied_sockets=_strings(data, "denied_sockets"),
+                          denied_listeners=_strings(data, "denied_listeners"))
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, InvalidPolicy):
             raise

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import MetricsHandler
+
+# A client that sends nothing for this long is dropped: the listener serves one connection at a
+# time (no thread per connection), so a slow one must not hold it.
+CLIENT_TIMEOUT = 5.0
 
 LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 15, 60, 300)
 
@@ -43,7 +48,31 @@ class Metrics:
         self._running.set_function(running)
         self._events.set_function(events)
 
-    def serve(self, address: str) -> None:
-        """Start the HTTP listener (a thread of prometheus-client) on HOST:PORT."""
+    def serve(self, address: str, refuse: "Callable[[str, int, int], str] | None" = None) -> None:
+        """Start the HTTP listener on HOST:PORT: one thread, one connection at a time (a scrape is
+        a few KiB). ``refuse(peer_host, peer_port, our_port)``: a reason to answer 403 instead
+        (a client inside a sandbox: service.sandboxed_peers)."""
+        import threading
+        from http.server import HTTPServer
+
         host, _, port = address.rpartition(":")
-        start_http_server(int(port), addr=host or "127.0.0.1", registry=self.registry)
+        registry = self.registry
+
+        class Handler(MetricsHandler):
+            timeout = CLIENT_TIMEOUT
+
+            def do_GET(self) -> None:
+                reason = refuse(self.client_address[0], self.client_address[1], server.server_port) if refuse else ""
+                if reason:
+                    body = (reason + "\n").encode()
+                    self.send_response(403)
+                    self.send_header("Content-Type", "text/plain; charset=utf-8")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                super().do_GET()
+
+        Handler.registry = registry
+        server = HTTPServer((host.strip("[]") or "127.0.0.1", int(port)), Handler)
+        threading.Thread(target=server.serve_forever, name="sandboxd-metrics", daemon=True).start()

@@ -20,7 +20,9 @@ import time
 from concurrent import futures
 from typing import Any
 
-DEFAULT_SOCKET = "/run/sandboxd/sandboxd.sock"
+from sandboxd import defaults
+
+DEFAULT_SOCKET = defaults.SOCKET
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -39,10 +41,13 @@ class TextLogFormatter(logging.Formatter):
 
 class TlsListener:
     """The optional TCP listener: TLS, and a client certificate signed by ``client_ca`` required.
-    Its callers act as the local user ``uid:gid`` (sessions are told apart by certificate)."""
+    Its callers are named by ``identity`` (service.callers: the common name, or a URI or DNS
+    subject alternative name) and act as the local user ``users`` maps them to, else ``uid:gid``."""
 
-    def __init__(self, address: str, cert: str, key: str, client_ca: str, uid: int, gid: int) -> None:
+    def __init__(self, address: str, cert: str, key: str, client_ca: str, uid: int, gid: int,
+                 identity: str = "common-name", users: "dict[str, tuple[int, int]] | None" = None) -> None:
         self.address, self.uid, self.gid = address, uid, gid
+        self.identity, self.users = identity, dict(users or {})
         with open(cert, "rb") as f:
             self.cert = f.read()
         with open(key, "rb") as f:
@@ -51,7 +56,24 @@ class TlsListener:
             self.client_ca = f.read()
 
 
-DEFAULT_STATE_DIR = "/var/lib/sandboxd"
+DEFAULT_STATE_DIR = defaults.STATE_DIR
+# Directories a socket may sit in that are not sandboxd's own: hiding one of them would hide far
+# more than sandboxd (resolv.conf's stub, other services' sockets), so only sandboxd's own
+# entries in it are hidden then.
+SHARED_DIRECTORIES = frozenset({"/", "/run", "/var/run", "/tmp", "/var/tmp", "/dev/shm", "/var", "/var/lib", "/home",
+                                "/root", "/srv", "/opt", "/etc", "/usr", "/mnt", "/media"})
+
+
+def own_places(socket_path: str, private: str, backend: str, state_dir: str, tls_address: str,
+               metrics_listen: str) -> "Any":
+    """What of this daemon every sandbox must not see or reach (sessions.OwnPlaces)."""
+    from sandboxd.service.sessions import OwnPlaces
+
+    socket_dir = os.path.dirname(os.path.abspath(socket_path))
+    hidden = ([socket_path, private] if socket_dir in SHARED_DIRECTORIES else [socket_dir]) + [state_dir]
+    listeners = tuple(address for address in (tls_address, metrics_listen) if address)
+    return OwnPlaces(hidden=tuple(os.path.abspath(p) for p in hidden),
+                     sockets=(os.path.abspath(socket_path), backend), listeners=listeners)
 
 
 def _self_test(fork: "Any") -> str | None:
@@ -100,7 +122,9 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     from sandboxd.audit.store import EventStore
     from sandboxd.service.approvals import ApprovalGate
     from sandboxd.service.peercred import FrontDoor, PeerCredentials
-    from sandboxd.service.servicer import Callers, SandboxServicer
+    from sandboxd.service.callers import Callers, TlsIdentity
+    from sandboxd.service.sandboxed_peers import SandboxedPeers
+    from sandboxd.service.servicer import SandboxServicer
     from sandboxd.service.sessions import SessionRegistry
     from sandboxd.v1 import sandboxd_pb2, sandboxd_pb2_grpc
 
@@ -125,9 +149,10 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
 
     # The audit log and session metadata: opened (and migrated) before anything is served.
     store = EventStore(os.path.join(state_dir, "events.db"))
+    own = own_places(socket_path, private, backend, state_dir, tls.address if tls else "", metrics_listen)
     from sandboxd.service.quotas import QuotaLimits, Quotas
     counters = Quotas(quotas or QuotaLimits(workers=workers))
-    registry = SessionRegistry(fork, store, admin_gid=admin_gid, dns=dns, network_pool=network_pool,
+    registry = SessionRegistry(fork, store, admin_gid=admin_gid, dns=dns, network_pool=network_pool, own=own,
                                quotas=counters)
     resumed = registry.restore()
     from sandboxd.service.metrics import Metrics
@@ -140,7 +165,12 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     door = FrontDoor(socket_path, backend, mode=socket_mode, relay_dir=os.path.join(private, "relay"),
                      listener=activated)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandboxd-rpc"))
-    callers = Callers(door, (tls.uid, tls.gid) if tls else None)
+    sandboxed = SandboxedPeers(registry.sandbox_namespaces)
+    tls_identity = None
+    if tls is not None:
+        tls_identity = TlsIdentity(identity=tls.identity, default_user=(tls.uid, tls.gid), users=tls.users,
+                                   port=int(tls.address.rpartition(":")[2]))
+    callers = Callers(door, tls_identity, sandboxed)
     sandboxd_pb2_grpc.add_SandboxServicer_to_server(
         SandboxServicer(registry, fork, callers, gate, metrics, session_defaults, counters), server)  # type: ignore[arg-type]
     health_servicer = health.HealthServicer()
@@ -157,7 +187,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     server.start()
     door.start()
     if metrics_listen:
-        metrics.serve(metrics_listen)
+        metrics.serve(metrics_listen, refuse=sandboxed.reason_for_tcp)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("sandboxd.v1.Sandbox", health_pb2.HealthCheckResponse.SERVING)
 

@@ -13,7 +13,8 @@ from sandboxd.service import convert, exec_call, file_calls, patch_search, tool_
 from sandboxd.service.approvals import ApprovalGate, ToolCall
 from sandboxd.service.audit_calls import AuditService
 from sandboxd.service.background import BackgroundJob, BackgroundJobs
-from sandboxd.service.peercred import FrontDoor, PeerCredentials, caller
+from sandboxd.service.callers import Callers
+from sandboxd.service.peercred import FrontDoor, PeerCredentials
 from sandboxd.service.quotas import CALLS, STREAMS, Quotas
 from sandboxd.service.sessions import Session, SessionRegistry, cwd_inside
 from sandboxd.service.status import abort
@@ -42,25 +43,6 @@ def job_to_proto(job: BackgroundJob) -> pb.BackgroundProcess:
     if job.result is not None:
         message.result.CopyFrom(exec_call.result_to_proto(job.result, truncated=False))
     return message
-
-
-class Callers:
-    """Who is calling: from the front door (Unix socket, SO_PEERCRED) or, on the optional TLS
-    listener, from the verified client certificate, acting as the configured local user."""
-
-    def __init__(self, door: FrontDoor, tls_user: tuple[int, int] | None = None) -> None:
-        self._door = door
-        self._tls_user = tls_user
-
-    def __call__(self, context: grpc.ServicerContext) -> PeerCredentials:
-        peer = context.peer()
-        if peer.startswith("unix:") or self._tls_user is None:
-            return caller(self._door, context)
-        names = context.auth_context().get("x509_common_name") or []
-        if not names:
-            raise PermissionError(f"TLS caller {peer!r} presented no client certificate common name")
-        uid, gid = self._tls_user
-        return PeerCredentials(uid, gid, 0, "tls:" + names[0].decode(errors="replace"))
 
 
 class SandboxServicer(pb_grpc.SandboxServicer):

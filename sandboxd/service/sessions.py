@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import os
 import secrets
-from typing import Any
-import stat
 import threading
 import time
+from typing import Any
 
+from sandboxd._record import Record
 from sandboxd.audit.store import EventStore, EventType, SessionRow
 from sandboxd.errors import Exhausted, Forbidden, InvalidPolicy, NotFound
 from sandboxd.policy import LaunchSpec, Limits, SandboxPolicy
 from sandboxd.policy.decision import ToolRules
-from sandboxd.policy.sandbox import WorkspaceWrite, is_within
+from sandboxd.policy.sandbox import is_within
 from sandboxd.policy.spec import policy_from_dict, policy_to_dict
 from sandboxd.service.peercred import PeerCredentials
 from sandboxd.service.quotas import Quotas, owner_key
@@ -80,12 +80,25 @@ def rules_from_dict(data: dict[str, object]) -> ToolRules:
                      mode=str(data.get("mode") or ""))
 
 
+class OwnPlaces(Record):
+    """What of the daemon no sandbox may see or reach: the directories hidden inside every
+    sandbox, the Unix sockets and the TCP listeners ("HOST:PORT") connect() is refused for."""
+
+    hidden: tuple[str, ...] = ()
+    sockets: tuple[str, ...] = ()
+    listeners: tuple[str, ...] = ()
+
+
 class SessionRegistry:
     def __init__(self, forkserver: ForkServer, store: EventStore, *, admin_gid: int | None = None,
                  max_sessions: int = 10000, dns: tuple[str, ...] = (), network_pool: str = "",
-                 quotas: Quotas | None = None) -> None:
+                 own: OwnPlaces | None = None, quotas: Quotas | None = None) -> None:
         self._fork = forkserver
         self.store = store
+        self.own = own or OwnPlaces()
+        # PID namespaces (inode numbers) of this daemon's live sandboxes: a connection from a
+        # process inside one of them is refused (sandboxed_peers).
+        self._sandbox_namespaces: dict[str, int] = {}
         self._dns = dns                                   # resolvers for isolated networks (default: the host's)
         self._network_pool = network_pool                 # addresses of isolated networks (default: netns's)
         self.metrics: "Any" = None                        # service.metrics.Metrics, when the daemon has it
@@ -101,6 +114,11 @@ class SessionRegistry:
         if caller.principal:                              # a TLS caller is never an administrator
             return False
         return caller.uid == 0 or (self._admin_gid is not None and self._admin_gid in caller_groups(caller))
+
+    def sandbox_namespaces(self) -> set[int]:
+        """The PID namespaces of this daemon's live sandboxes."""
+        with self._lock:
+            return set(self._sandbox_namespaces.values())
 
     def get(self, caller: PeerCredentials, session_id: str) -> Session:
         """The session, if the caller may see it. Someone else's is NOT_FOUND, not PERMISSION_DENIED:
@@ -158,11 +176,11 @@ class SessionRegistry:
                 if self._owns(caller, row.owner_uid, row.owner_principal)]
 
     def check_workspace(self, caller: PeerCredentials, workspace: str) -> str:
-        """A workspace the caller could write itself (for standing rules); its real path."""
-        if not workspace.startswith("/"):
+        """A workspace the caller could write itself (for standing rules); its real path, as the
+        caller's own lookup resolved it (asked of the kernel under the caller's credentials)."""
+        if not workspace.startswith("/") or "\0" in workspace:
             raise InvalidPolicy(f"workspace {workspace!r} must be an absolute path")
-        self._check_reach(caller, workspace, WorkspaceWrite())
-        return os.path.realpath(workspace)
+        return self._fork.check_paths(rights_of(caller), [workspace])[0]
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -170,7 +188,8 @@ class SessionRegistry:
                limits: Limits, labels: dict[str, str], rules: ToolRules | None = None) -> Session:
         if not workspace.startswith("/"):
             raise InvalidPolicy(f"workspace {workspace!r} must be an absolute path")
-        self._check_reach(caller, workspace, policy)
+        self._check_policy(caller, policy)
+        self._check_not_shared(caller, workspace, policy)
         with self._lock:
             if len(self._sessions) >= self._max:
                 raise Exhausted(f"the daemon holds its maximum of {self._max} sessions: close some first")
@@ -207,7 +226,8 @@ class SessionRegistry:
         session = self.get(caller, session_id)
         before = session.axes()
         if policy is not None and policy != session.policy:
-            self._check_reach(caller, session.workspace, policy)
+            self._check_policy(caller, policy)
+            self._check_not_shared(caller, session.workspace, policy, session.id)
         if approval is not None:
             session.approval = approval
         if policy is not None and policy != session.policy and not session.sandbox_ready:
@@ -283,6 +303,15 @@ class SessionRegistry:
     def _open_sandbox(self, session: Session, generation: int, policy: SandboxPolicy) -> None:
         """Build one generation of the session's sandbox in the fork server, and publish its ports."""
         info = self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy))
+        if info.workspace:
+            session.workspace = info.workspace            # as the caller's own lookup resolved it
+        if info.init_pid:
+            try:
+                namespace = os.stat(f"/proc/{info.init_pid}/ns/pid").st_ino
+            except OSError:
+                namespace = 0                             # gone already: its first call says so
+            with self._lock:
+                self._sandbox_namespaces[session.sandbox_name(generation)] = namespace
         entries, domains = getattr(policy, "published_ports", ()), getattr(policy, "allowed_domains", ())
         try:
             services: list = []  # type: ignore[type-arg]
@@ -318,6 +347,8 @@ class SessionRegistry:
         for service in session.services.pop(generation, []):
             service.close()
         self._fork.close_session(session.sandbox_name(generation))
+        with self._lock:
+            self._sandbox_namespaces.pop(session.sandbox_name(generation), None)
 
     def _rebuild(self, session: Session) -> None:
         """A resumed session's first call builds its sandbox again (once, whoever comes first)."""
@@ -330,61 +361,68 @@ class SessionRegistry:
     # -- helpers -------------------------------------------------------------------------------
 
     def _spec(self, session: Session, policy: SandboxPolicy) -> LaunchSpec:
+        # The workspace, the writable roots and the allowed sockets are opened and checked by the
+        # kernel as the session's owner (kernel.access) when its sandbox is built, every time.
         return LaunchSpec(argv=SESSION_PLACEHOLDER_ARGV, workspace=session.workspace, policy=policy,
                           limits=session.limits, user=(session.owner.uid, session.owner.gid), dns=self._dns,
-                          network_pool=self._network_pool)
+                          network_pool=self._network_pool, caller=rights_of(session.owner),
+                          hidden_paths=self.own.hidden, denied_sockets=self.own.sockets,
+                          denied_listeners=self.own.listeners)
 
-    def _check_reach(self, caller: PeerCredentials, workspace: str, policy: SandboxPolicy) -> None:
-        """A caller can never use the root daemon to write where it could not write itself."""
-        if caller.uid == 0:
+    def _check_not_shared(self, caller: PeerCredentials, workspace: str, policy: SandboxPolicy,
+                          session_id: str = "") -> None:
+        """TLS principals that act as the same local user share its file rights; so one may not
+        use a workspace or writable root that overlaps one of another principal's open sessions
+        (it could read and overwrite that principal's files through it)."""
+        if not caller.principal:
             return
-        groups = caller_groups(caller)
-        paths = [workspace] + list(policy.writable_roots if isinstance(policy, WorkspaceWrite) else ())
-        for path in paths:
-            if not may_write(os.path.realpath(path), caller.uid, groups):
-                raise Forbidden(f"{path!r} is not writable by uid {caller.uid}: a session may only use "
-                                "directories its caller could write itself")
-        if policy.name == "danger-full-access":
+        mine = _paths_of(workspace, policy)
+        with self._lock:
+            others = [s for s in self._sessions.values() if not s.closed and s.id != session_id
+                      and s.owner.principal and s.owner.principal != caller.principal and s.owner.uid == caller.uid]
+        for other in others:
+            for path in mine:
+                for theirs in _paths_of(other.workspace, other.policy):
+                    if is_within(path, theirs) or is_within(theirs, path):
+                        raise Forbidden(f"{path!r} overlaps {theirs!r}, which a session of another TLS principal "
+                                        f"uses: principals acting as the same local user (uid {caller.uid}) share "
+                                        "its file rights, so their workspaces are kept apart (map each principal "
+                                        "to its own user with tls.users)")
+
+    def _check_policy(self, caller: PeerCredentials, policy: SandboxPolicy) -> None:
+        """What only root may ask for. Whether the caller may use the paths is the kernel's to say,
+        under the caller's own credentials, when the sandbox is built (``_spec``)."""
+        if caller.uid != 0 and policy.name == "danger-full-access":
             raise Forbidden("only root may create danger-full-access sessions (they run on the host as is)")
 
 
+def _paths_of(workspace: str, policy: SandboxPolicy) -> list[str]:
+    return [os.path.realpath(p) for p in (workspace, *getattr(policy, "writable_roots", ()))]
+
+
 def caller_groups(caller: PeerCredentials) -> set[int]:
-    """The caller's gid and supplementary groups (from its /proc entry, if it still exists)."""
-    groups = {caller.gid}
+    """The caller's gid and supplementary groups: from SO_PEERGROUPS at connect time (the front
+    door), for a TLS caller those of its local user, for a session restored after a restart
+    those its owner has now."""
+    if caller.groups or caller.pid:
+        return {caller.gid, *caller.groups}
+    return {caller.gid, *_groups_of_uid(caller.uid, caller.gid)}
+
+
+def rights_of(caller: PeerCredentials) -> tuple[int, int, tuple[int, ...]] | None:
+    """The credentials a caller's paths are checked with (None for root: it may use any)."""
+    if caller.uid == 0 and not caller.principal:
+        return None
+    return caller.uid, caller.gid, tuple(sorted(caller_groups(caller)))
+
+
+def _groups_of_uid(uid: int, gid: int) -> list[int]:
+    import pwd
+
     try:
-        with open(f"/proc/{caller.pid}/status") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    groups.update(int(g) for g in line.split()[1:])
-    except OSError:
-        pass
-    return groups
-
-
-def may_write(path: str, uid: int, groups: set[int]) -> bool:
-    """Would ``uid`` (with ``groups``) be allowed by file permissions to write ``path``,
-    and to reach it? A plain permission-bit check: no ACLs."""
-    # The path itself needs the write bit; every directory above it the search bit.
-    checks = [(path, (stat.S_IWUSR, stat.S_IWGRP, stat.S_IWOTH))]
-    current = path
-    while current != "/":
-        current = os.path.dirname(current)
-        checks.append((current, (stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH)))
-    for where, bits in checks:
-        try:
-            if not _allows(os.stat(where), uid, groups, *bits):
-                return False
-        except OSError:
-            return False
-    return True
-
-
-def _allows(st: os.stat_result, uid: int, groups: set[int], user_bit: int, group_bit: int, other_bit: int) -> bool:
-    if st.st_uid == uid:
-        return bool(st.st_mode & user_bit)
-    if st.st_gid in groups:
-        return bool(st.st_mode & group_bit)
-    return bool(st.st_mode & other_bit)
+        return os.getgrouplist(pwd.getpwuid(uid).pw_name, gid)
+    except (KeyError, OSError):
+        return [gid]
 
 
 def cwd_inside(workspace: str, cwd: str) -> str:

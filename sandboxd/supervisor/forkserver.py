@@ -11,10 +11,12 @@ object per message:
   {"op": "call", "id": N, "session": S, "argv": [...], "env": {...}, "cwd": C,
    "timeout": T}  + SCM_RIGHTS [stdin, stdout, stderr]                              one command in a session
   {"op": "signal", "id": N, "signum": S}    {"op": "cancel", "id": N}               to a running launch or call
+  {"op": "check_paths", "id": N, "caller": [uid, gid, [groups]], "paths": [...]}   may the caller write them?
 
 and answers, tagged with the request's id:
 
-  {"event": "started", "pid": P, "inner_pid": Q}  {"event": "session_ready", "init_pid": P}
+  {"event": "started", "pid": P, "inner_pid": Q}  {"event": "session_ready", "init_pid": P, "workspace": W}
+  {"event": "paths_checked", "paths": [real paths]}
   {"event": "error", "error": {step, errno, path, hint, ...}}  {"event": "session_closed"}
   {"event": "exited", "info": {exit_code, signal, timed_out, ...}}
 
@@ -35,11 +37,13 @@ import time
 from typing import Any
 
 from sandboxd._record import Record
-from sandboxd.errors import InvalidPolicy, SandboxdError, SetupError
+from sandboxd.errors import Forbidden, InvalidPolicy, SandboxdError, SetupError
 from sandboxd.policy.spec import LaunchSpec, spec_from_dict, spec_to_dict
 from sandboxd.supervisor.spawner import ExitInfo, SandboxProcess, SessionSandbox, Spawner
 
 MAX_MESSAGE = 1 << 20
+# Errors that cross from the fork server as their kind and message (a SetupError has more fields).
+_PLAIN_ERRORS: dict[str, type[SandboxdError]] = {cls.__name__: cls for cls in (InvalidPolicy, Forbidden)}
 
 
 def _send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
@@ -137,7 +141,8 @@ class _Server:
                 raise InvalidPolicy(f"session {name!r} is already open in the fork server")
             session = self.spawner.open_session(spec_from_dict(message["spec"]))
             self.sessions[name] = session
-            ready: dict[str, Any] = {"id": call_id, "event": "session_ready", "init_pid": session.init_pid}
+            ready: dict[str, Any] = {"id": call_id, "event": "session_ready", "init_pid": session.init_pid,
+                                     "workspace": session.plan.workspace}
             network = session.network
             if network is not None:
                 # The daemon serves the egress proxy (this process has no threads): it binds the
@@ -153,6 +158,9 @@ class _Server:
             if session is not None:
                 self._close_session(session)
             _send(self.sock, {"id": call_id, "event": "session_closed"})
+        elif op == "check_paths":
+            _send(self.sock, {"id": call_id, "event": "paths_checked",
+                              "paths": check_paths(message.get("caller"), [str(p) for p in message["paths"]])})
         elif op in ("signal", "cancel"):
             entry = self.running.get(call_id)
             if entry:
@@ -189,6 +197,20 @@ class _Server:
             proc.wait()
 
 
+def check_paths(caller: Any, paths: list[str]) -> list[str]:
+    """The real paths of ``paths`` as ``caller`` [uid, gid, [groups]] resolves them, if it may
+    write each (asked of the kernel under its credentials: kernel.access)."""
+    from sandboxd.kernel import access
+
+    who = access.Caller(int(caller[0]), int(caller[1]), tuple(int(g) for g in caller[2])) if caller else None
+    fds = access.open_as(who, [access.PathRequest(path, "workspace", access.WRITE) for path in paths])
+    try:
+        return [access.real_path(fd) for fd in fds]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def serve(sock: socket.socket, native_calls: bool = True) -> None:
     """The fork server loop. Returns when the client end closes, after killing everything.
     ``native_calls``: run session calls with sandboxd-call when it is built (native_call.py)."""
@@ -197,6 +219,7 @@ def serve(sock: socket.socket, native_calls: bool = True) -> None:
 
 class SessionInfo(Record):
     init_pid: int
+    workspace: str                      # the workspace's real path, as the owner's lookup resolved it
     host_address: str | None            # the host side of an isolated network's link
     sandbox_address: str | None
     resolvers: tuple[str, ...]
@@ -263,8 +286,14 @@ class ForkServer:
         network, its addresses."""
         event = self._expect(self._request({"op": "session_open", "session": session,
                                             "spec": spec_to_dict(spec)}), "session_ready")
-        return SessionInfo(int(event.get("init_pid") or 0), event.get("host_address"), event.get("sandbox_address"),
-                           tuple(event.get("resolvers") or ()))
+        return SessionInfo(int(event.get("init_pid") or 0), str(event.get("workspace") or ""),
+                           event.get("host_address"), event.get("sandbox_address"), tuple(event.get("resolvers") or ()))
+
+    def check_paths(self, caller: "tuple[int, int, tuple[int, ...]] | None", paths: list[str]) -> list[str]:
+        """The real paths of ``paths`` if ``caller`` may write each (Forbidden or InvalidPolicy if not)."""
+        event = self._expect(self._request({"op": "check_paths", "caller": list(caller[:2]) + [list(caller[2])]
+                                            if caller else None, "paths": list(paths)}), "paths_checked")
+        return [str(p) for p in event["paths"]]
 
     def close_session(self, session: str) -> None:
         self._expect(self._request({"op": "session_close", "session": session}), "session_closed")
@@ -324,8 +353,9 @@ class ForkServer:
         event = self._wait_event(call_id, (kind, "error"))
         if event["event"] == "error":
             error = event["error"]
-            if error.get("kind") == "InvalidPolicy":
-                raise InvalidPolicy(error.get("detail", "invalid request"))
+            kind = _PLAIN_ERRORS.get(str(error.get("kind")))
+            if kind is not None:
+                raise kind(error.get("detail", "invalid request"))
             raise SetupError.from_dict(error)
         return event
 

@@ -209,7 +209,11 @@ class Spawner:
     def launch(self, spec: LaunchSpec, stdio: tuple[int, int, int] = (0, 1, 2)) -> SandboxProcess:
         """A one-shot sandbox running ``spec.argv`` (what `sandboxd run` does)."""
         plan = prepare(spec)
-        network, plan = _isolated_network(plan)
+        try:
+            network, plan = _isolated_network(plan)
+        except BaseException:
+            plan.close_trees()
+            raise
         try:
             cgroup = self._cgroup_for(plan)
         except BaseException:
@@ -269,13 +273,14 @@ class Spawner:
         its calls are plain unconfined launches."""
         plan = prepare(spec)
         cgroup = None
-        if plan.limits.memory_bytes or plan.limits.pids:
-            cgroup = self._cgroup_for(plan)
-        if not plan.confined:
-            return SessionSandbox(plan, None, None, cgroup)
         try:
+            if plan.limits.memory_bytes or plan.limits.pids:
+                cgroup = self._cgroup_for(plan)
+            if not plan.confined:
+                return SessionSandbox(plan, None, None, cgroup)
             network, plan = _isolated_network(plan)
         except BaseException:
+            plan.close_trees()
             if cgroup:
                 cgroup.remove()
             raise
@@ -300,7 +305,7 @@ class Spawner:
         _close_child_ends(plan)
         error = report.read_error(report_r)
         os.close(report_r)
-        session = SessionSandbox(plan.replace(netns_fd=-1), pid, ours, cgroup,  # type: ignore[arg-type]
+        session = SessionSandbox(plan.replace(netns_fd=-1, root_trees={}), pid, ours, cgroup,  # type: ignore[arg-type]
                                  network)
         if error is not None:
             session.close()
@@ -481,8 +486,11 @@ def _isolated_network(plan: LaunchPlan) -> "tuple[IsolatedNetwork | None, Launch
 
 
 def _close_child_ends(plan: LaunchPlan) -> None:
+    """What the parent opened for the child only: the isolated network's namespace, the roots'
+    mount trees. After the fork (the child has its copies), or when the launch is given up."""
     if plan.netns_fd >= 0:
         os.close(plan.netns_fd)
+    plan.close_trees()
 
 
 def _close_network(network: "IsolatedNetwork | None", plan: LaunchPlan) -> None:

@@ -1,0 +1,111 @@
+"""Which process is on the other end of a connection, and which PID namespace it runs in (/proc).
+
+The daemon refuses callers that run inside a sandbox (service.sandboxed_peers). For a Unix
+connection the kernel names the peer's pid (SO_PEERCRED); for a TCP connection only its address
+is known, so the socket is looked up in /proc/net/tcp{,6} (its inode) and then among the open
+descriptors of the processes that live in a PID namespace other than ours (the only ones that
+can be sandboxed).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+
+def pid_namespace(pid: int) -> int | None:
+    """The inode number of ``pid``'s PID namespace, or None when the process is gone."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _pids() -> "Iterator[int]":
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            yield int(entry)
+
+
+def namespace_init(namespace: int) -> int | None:
+    """The host pid of the process that is PID 1 of ``namespace``, if it still runs."""
+    for pid in _pids():
+        if pid_namespace(pid) != namespace:
+            continue
+        try:
+            with open(f"/proc/{pid}/status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"NSpid:"):
+                        if line.split()[-1] == b"1":
+                            return pid
+                        break
+        except OSError:
+            continue
+    return None
+
+
+def command_line(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def pids_holding(inodes: "set[int] | frozenset[int]") -> set[int]:
+    """Host pids holding a socket of ``inodes``, among processes outside our own PID namespace
+    (an empty set when the sockets are gone, or their owners share our namespace)."""
+    if not inodes:
+        return set()
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+    ours = pid_namespace(os.getpid())
+    found = set()
+    for pid in _pids():
+        if pid_namespace(pid) in (ours, None):
+            continue
+        try:
+            names = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for name in names:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{name}") in wanted:
+                    found.add(pid)
+                    break
+            except OSError:
+                continue
+    return found
+
+
+def tcp_client_inodes(peer_host: str, peer_port: int, server_port: int) -> frozenset[int]:
+    """Inodes of sockets whose local address is the peer's and remote port is ours (the client
+    ends of such connections), from the host's /proc/net/tcp and tcp6."""
+    inodes = set()
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split()
+                    local, remote, inode = fields[1], fields[2], int(fields[9])
+                    if int(local.rsplit(":", 1)[1], 16) != peer_port or int(remote.rsplit(":", 1)[1], 16) != server_port:
+                        continue
+                    if _same_host(local.rsplit(":", 1)[0], family, peer_host):
+                        inodes.add(inode)
+        except OSError:
+            continue
+    return frozenset(inodes)
+
+
+def _same_host(hex_address: str, family: int, host: str) -> bool:
+    """Whether /proc/net/tcp's hex address (host byte order, 32-bit words) is ``host``."""
+    raw = bytes.fromhex(hex_address)
+    packed = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    text = socket.inet_ntop(family, packed)
+    if text.startswith("::ffff:"):
+        text = text[len("::ffff:"):]
+    return text == host.strip("[]")

@@ -1,0 +1,92 @@
+"""Who is calling: the one place that turns a gRPC call into the caller's credentials.
+
+- On the Unix socket, the front door saw the caller's SO_PEERCRED and SO_PEERGROUPS when it
+  connected (service.peercred).
+- On the optional TLS listener, the verified client certificate names the caller (its
+  *principal*): by its common name, or by one configured subject alternative name (a URI, as
+  SPIFFE IDs are, or a DNS name). A certificate without a usable identity is refused, never
+  mapped to a shared principal. The principal acts as the local user ``tls.users`` maps it to,
+  else as ``tls.user`` (default nobody): principals mapped to the same local user share its file
+  rights, so the daemon refuses one a workspace another principal's open session uses.
+- Either way, a caller whose process runs inside a sandbox is refused (service.sandboxed_peers).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from sandboxd._record import Factory, Record
+from sandboxd.service.peercred import FrontDoor, PeerCredentials, caller
+from sandboxd.service.sandboxed_peers import SandboxedPeers, parse_peer
+
+IDENTITIES = ("common-name", "uri", "dns")
+# The auth_context key gRPC fills for each identity, and the principal's prefix. A common name
+# keeps the plain "tls:" prefix that sessions of earlier versions were stored with.
+_AUTH_KEYS = {"common-name": ("x509_common_name", "tls:"), "uri": ("peer_uri", "tls-uri:"),
+              "dns": ("peer_dns", "tls-dns:")}
+
+
+class TlsIdentity(Record):
+    """How TLS callers are named and which local user each acts as."""
+
+    identity: str = "common-name"                              # one of IDENTITIES
+    default_user: tuple[int, int] = (65534, 65534)             # tls.user
+    users: dict[str, tuple[int, int]] = Factory(dict)          # tls.users: identity -> (uid, gid)
+    port: int = 0                                              # the listener's port
+
+    def principal(self, auth: dict[str, list[bytes]]) -> str:
+        """The caller's principal from its verified certificate; PermissionError when it has none."""
+        key, prefix = _AUTH_KEYS[self.identity]
+        values = [v.decode(errors="replace") for v in auth.get(key, []) if v]
+        if len(values) != 1:
+            found = "none" if not values else f"{len(values)} ({', '.join(values)})"
+            raise PermissionError(
+                f"the client certificate has no usable identity: sandboxd names TLS callers by their "
+                f"{self.identity} (tls.identity) and this certificate has {found}; issue it with exactly one, "
+                "or set tls.identity to the field your certificates carry (common-name, uri, dns)")
+        return prefix + values[0]
+
+    def user_of(self, principal: str) -> tuple[int, int]:
+        name = principal.split(":", 1)[1]
+        return self.users.get(name, self.default_user)
+
+
+class Callers:
+    """Callable: the credentials of the caller of a gRPC call, or PermissionError saying why not."""
+
+    def __init__(self, door: FrontDoor, tls: "TlsIdentity | tuple[int, int] | None" = None,
+                 sandboxed: SandboxedPeers | None = None) -> None:
+        self._door = door
+        self._tls = TlsIdentity(default_user=tls) if isinstance(tls, tuple) else tls
+        self._sandboxed = sandboxed
+        self._groups: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def __call__(self, context: Any) -> PeerCredentials:
+        peer = context.peer()
+        if peer.startswith("unix:") or self._tls is None:
+            who = caller(self._door, context)
+            if who.refusal:
+                raise PermissionError(who.refusal)
+            return who
+        if self._sandboxed is not None:
+            address = parse_peer(peer)
+            if address is not None:
+                reason = self._sandboxed.reason_for_tcp(address[0], address[1], self._tls.port)
+                if reason:
+                    raise PermissionError(reason)
+        principal = self._tls.principal(context.auth_context())
+        uid, gid = self._tls.user_of(principal)
+        return PeerCredentials(uid, gid, 0, principal, self._groups_of(uid, gid))
+
+    def _groups_of(self, uid: int, gid: int) -> tuple[int, ...]:
+        groups = self._groups.get((uid, gid))
+        if groups is None:
+            import pwd
+
+            try:
+                groups = tuple(os.getgrouplist(pwd.getpwuid(uid).pw_name, gid))
+            except (KeyError, OSError):
+                groups = (gid,)
+            self._groups[(uid, gid)] = groups
+        return groups
