@@ -9,6 +9,7 @@ without starting anything, and ``sandboxd config defaults`` prints a file with e
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from typing import Any, Callable
@@ -59,7 +60,8 @@ def _whole(low: int, high: int) -> "Callable[[object], str | None]":
 
 
 def _positive_seconds(value: object) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+    # TOML has nan and inf: refused with the rest (the comparison alone lets nan through).
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         return f"must be a positive number of seconds, not {value!r}"
     return None
 
@@ -93,8 +95,11 @@ def _boolean(value: object) -> str | None:
 
 
 def _seconds_or_zero(value: object) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        return f"must be a number of seconds (0: none), not {value!r}"
+    from sandboxd.policy.limits import MAX_TIMEOUT_SECONDS
+
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+            or value > MAX_TIMEOUT_SECONDS):
+        return f"must be a number of seconds from 0 (none) to {MAX_TIMEOUT_SECONDS} (7 days), not {value!r}"
     return None
 
 
@@ -103,11 +108,13 @@ def _size_or_empty(value: object) -> str | None:
 
     if value == "":
         return None
+    from sandboxd.policy.limits import MAX_BYTES
+
     try:
-        parse_size(str(value), "size")
+        size = parse_size(str(value), "size")
     except InvalidPolicy:
         return f"must be a size like 512M or 2G (empty: none), not {value!r}"
-    return None
+    return None if size <= MAX_BYTES else f"must be at most 2^53 bytes (8192T), not {value!r}"
 
 
 def _cidr(value: object) -> str | None:

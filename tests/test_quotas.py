@@ -202,3 +202,18 @@ def test_the_reserve_must_leave_workers_for_calls(tmp_path: Path) -> None:
     assert QuotaLimits(workers=64).reserved_workers == 16 and QuotaLimits(workers=64).long_lived_total == 48
     path.write_text(QUOTA_CONFIG)
     assert config.load(str(path))["quotas.calls_per_uid"] == CALLS
+
+
+@pytest.mark.parametrize("line, problem", [
+    ("[approvals]\ntimeout_seconds = nan\n", "approvals.timeout_seconds: must be a positive number"),
+    ("[defaults]\ntimeout_seconds = inf\n", "defaults.timeout_seconds: must be a number of seconds from 0"),
+    ("[defaults]\nmemory = \"99999T\"\n", "defaults.memory: must be at most 2^53 bytes"),
+    ("[quotas]\ncalls_per_uid = 0\n", "quotas.calls_per_uid: must be a whole number from 1"),
+])
+def test_config_values_out_of_range_stop_the_daemon(tmp_path: Path, line: str, problem: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(line)
+    with pytest.raises(config.ConfigError, match=problem.replace("^", "\\^")):
+        config.load(str(path))
+    path.write_text("[defaults]\ntimeout_seconds = 604800\nmemory = \"8192T\"\n" if "defaults" in line else "")
+    config.load(str(path))                                                    # control: the maxima load
