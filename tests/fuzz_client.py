@@ -210,8 +210,9 @@ def live_sessions(stub: pb_grpc.SandboxStub, ids: list[str]) -> list[str]:
     CALL_TIMEOUT; held calls are the quota test's subject), opened again if closed."""
     alive = []
     for session_id in ids:
-        try:
-            stub.GetSession(pb.GetSessionRequest(session_id=session_id), timeout=30)
+        try:                                 # UpdateSessionPolicy may have made it ask a person (ALWAYS)
+            stub.UpdateSessionPolicy(pb.UpdateSessionPolicyRequest(session_id=session_id, approval_policy=pb.NEVER),
+                                     timeout=30)
             alive.append(session_id)
         except grpc.RpcError:
             pass
