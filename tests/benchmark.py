@@ -1128,7 +1128,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--soak-interval", type=float, default=5.0, help="soak: seconds between samples (default 5)")
     p.add_argument("--fuzz", type=int, metavar="EXAMPLES", default=0,
                    help="instead of timing: the RPC fuzz test (tests/test_fuzz_rpcs.py) with EXAMPLES requests per "
-                        "RPC and batch, 5 batches (CI runs 20 x 2)")
+                        "RPC and batch, 5 batches (CI runs 40 x 2)")
     args = p.parse_args(argv)
     if args.daemon_runs is None:
         args.daemon_runs = args.runs

@@ -4,7 +4,7 @@ infinities, strings with NULs and megabytes long, repeated and nested fields, un
 values, real session ids mixed in). Nothing may end in INTERNAL or UNKNOWN, the daemon and its
 fork server keep their pids, and a normal Exec still works after each batch.
 
-SANDBOXD_FUZZ_EXAMPLES (examples per RPC and batch, default 20) and SANDBOXD_FUZZ_BATCHES
+SANDBOXD_FUZZ_EXAMPLES (examples per RPC and batch, default 40) and SANDBOXD_FUZZ_BATCHES
 (default 2) make a longer run; tests/benchmark.py --fuzz sets them for one.
 """
 
@@ -22,7 +22,7 @@ from daemon_helpers import PYTHON, close_quietly, create_session, read_only, run
 from plain_users import plain_user
 from sandboxd.v1 import sandboxd_pb2 as pb
 
-EXAMPLES = int(os.environ.get("SANDBOXD_FUZZ_EXAMPLES", "20"))
+EXAMPLES = int(os.environ.get("SANDBOXD_FUZZ_EXAMPLES", "40"))
 BATCHES = int(os.environ.get("SANDBOXD_FUZZ_BATCHES", "2"))
 CLIENT = Path(__file__).with_name("fuzz_client.py")
 
