@@ -40,7 +40,8 @@ def fuzz_batch(socket: str, uid: int, gid: int, workspace: str, examples: int) -
 
 @pytest.mark.timeout(max(300, EXAMPLES * BATCHES * 15))
 def test_random_requests_to_every_rpc_never_break_the_daemon() -> None:
-    with running_daemon("sbxfuzz-") as daemon, plain_user() as (uid, gid):
+    # The user outlives the daemon: stopping it ends the user's sandboxes, then userdel works.
+    with plain_user() as (uid, gid), running_daemon("sbxfuzz-") as daemon:
         fork_pid = daemon.fork_server_pid()
         assert fork_pid is not None
         workspace = daemon.base / "ws"

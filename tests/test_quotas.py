@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from conftest import BASE_ENV
-from daemon_helpers import _CLIENT_PRELUDE, PYTHON, Daemon, make_base_dir, remove_tree, run_client_as
+from daemon_helpers import _CLIENT_PRELUDE, PYTHON, Daemon, close_quietly, make_base_dir, remove_tree, run_client_as
 from plain_users import plain_user
 from sandboxd import config
 from sandboxd.errors import InvalidPolicy
@@ -189,6 +189,13 @@ def test_one_user_past_its_quotas_cannot_stop_another(daemon: Daemon) -> None:
             if attacker.poll() is None:
                 attacker.kill()
                 attacker.wait()
+            close_sessions_of(daemon, {attacker_uid, victim_uid})     # before userdel: their sandboxes go
+
+
+def close_sessions_of(daemon: Daemon, uids: set[int]) -> None:
+    for session in daemon.stub.ListSessions(pb.ListSessionsRequest(), timeout=60).sessions:
+        if session.owner_uid in uids:
+            close_quietly(daemon.stub, session.id)
 
 
 def test_the_reserve_must_leave_workers_for_calls(tmp_path: Path) -> None:
