@@ -69,9 +69,11 @@ fi
 "$venv/bin/python" -m compileall -q "$repo/sandboxd" >/dev/null
 
 # The daemon's session calls run through this small static helper when it is built
-# (sandboxd/launcher/native_call.py says why); rebuilt when its source changes.
+# (sandboxd/launcher/native_call.py says why); rebuilt when its source changes, or the
+# Python constants its generated header holds (-V prints the digest it was built with).
 helper="$repo/sandboxd/launcher/sandboxd-call"
-if [ ! -x "$helper" ] || [ "$repo/sandboxd/launcher/sandboxd_call.c" -nt "$helper" ]; then
+if [ ! -x "$helper" ] || [ "$repo/sandboxd/launcher/sandboxd_call.c" -nt "$helper" ] \
+   || [ "$("$helper" -V 2>/dev/null)" != "$("$venv/bin/python" -m sandboxd.launcher.native_call digest)" ]; then
   "$venv/bin/python" -m sandboxd.launcher.native_call build >/dev/null || die "building the call helper failed (see above)"
 fi
 

@@ -143,6 +143,17 @@ KEYS: tuple[Key, ...] = (
     Key("listen", "admin_group", "", "members of this group (name or gid) see and use every session; empty: "
         "only root", _text),
     Key("listen", "workers", 64, "RPCs served at once", _whole(1, 1024)),
+    Key("quotas", "connections_per_uid", 64, "connections one local user may hold open at once (more are closed "
+        "as soon as they are accepted); root may hold four times as many", _whole(1, 65536)),
+    Key("quotas", "sessions_per_uid", 64, "open sessions one local user (a TLS caller: one certificate) may hold; "
+        "root is exempt", _whole(1, 100000)),
+    Key("quotas", "calls_per_uid", 16, "calls one user may have running at once: Exec, file tools, search, patches "
+        "and Authorize, including those held for approval; root is exempt", _whole(1, 1024)),
+    Key("quotas", "streams_per_uid", 8, "open WatchEvents and following ReadBackgroundOutput streams per user; "
+        "root is exempt", _whole(1, 1024)),
+    Key("quotas", "reserved_workers", 0, "workers that running calls and streams (everyone's, root's too) may never "
+        "take: they stay free for short calls (CreateSession, CloseSession, ResolveApproval ...); must be below "
+        "listen.workers; 0: a quarter of listen.workers (at least 1)", _whole(0, 1023)),
     Key("tls", "address", "", "HOST:PORT of an optional TCP listener; it always needs TLS and client "
         "certificates (all four tls keys)", _text),
     Key("tls", "cert", "", "the server's certificate chain (PEM)", _optional_absolute),
@@ -167,15 +178,6 @@ KEYS: tuple[Key, ...] = (
     Key("defaults", "timeout_seconds", 0, "per-call timeout of sessions that set none; 0: none", _seconds_or_zero),
     Key("defaults", "memory", "", "memory limit of sessions that set none (512M, 2G); empty: none", _size_or_empty),
     Key("defaults", "pids", 0, "process limit of sessions that set none; 0: none", _whole(0, 1 << 22)),
-    Key("quotas", "sessions_per_uid", 64, "open sessions one local user (a TLS caller: one certificate) may hold; "
-        "root is exempt", _whole(1, 100000)),
-    Key("quotas", "calls_per_uid", 16, "calls one user may have running at once: Exec, file tools, search, patches "
-        "and Authorize, including those held for approval; root is exempt", _whole(1, 1024)),
-    Key("quotas", "streams_per_uid", 8, "open WatchEvents and following ReadBackgroundOutput streams per user; "
-        "root is exempt", _whole(1, 1024)),
-    Key("quotas", "reserved_workers", 0, "workers that running calls and streams (everyone's, root's too) may never "
-        "take: they stay free for short calls (CreateSession, CloseSession, ResolveApproval ...); must be below "
-        "listen.workers; 0: a quarter of listen.workers (at least 1)", _whole(0, 1023)),
     Key("metrics", "listen", "", "HOST:PORT of the Prometheus metrics listener (HTTP, /metrics); empty: none",
         _text),
     Key("log", "level", "info", "info: the daemon's life and its problems; debug: also every decision and call "

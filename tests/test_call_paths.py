@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +18,13 @@ import pytest
 
 from conftest import BASE_ENV, PY
 from sandboxd.errors import ExecFailed, SetupError
+from sandboxd.kernel import landlock
+from sandboxd.launcher import native_call
 from sandboxd.launcher.native_call import helper_path
+from sandboxd.launcher.plan import DebugHooks
 from sandboxd.policy import LaunchSpec, Limits, WorkspaceWrite
 from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.spawner import Spawner
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -237,3 +242,186 @@ def test_host_unix_sockets_stay_unreachable(server: ForkServer, session: str, wo
         assert output.split() == ["connected"], output
     finally:
         listener.close()
+
+
+# -- one behaviour for both paths: the setup trace, the close_range fallback, every Landlock ABI --
+#
+# These drive a Spawner in this process (no fork server), so that a test can set the plan's
+# DebugHooks, which no request can reach.
+
+# The setup steps of a session call, in order (sequence.run_call and sandboxd_call.c main).
+SUPERVISOR_STEPS = ["die with parent", "join cgroups", "join namespaces", "chdir", "child subreaper", "set title",
+                    "drop privileges", "die with parent", "not dumpable", "fork"]
+
+
+def command_steps(abi: int, *, listener: bool, walked: bool = False) -> list[str]:
+    """The command's steps (sequence._run_command and sandboxd_call.c run_command)."""
+    return ["default signals", "die with parent", "new session", "rlimits", "verify dropped", "landlock",
+            f"landlock abi {abi}", "close-on-exec", *(["close-on-exec by /proc/self/fd"] if walked else []),
+            "seccomp", *(["send listener"] if listener else []), "exec"]
+
+
+class LocalSession:
+    """A session's sandbox opened by a Spawner in this process, on one call path."""
+
+    def __init__(self, native: bool, workspace: Path, trace_dir: Path) -> None:
+        self.native = native
+        self.workspace = workspace
+        self.trace_dir = trace_dir
+        self.spawner = Spawner(native_helper=helper_path() if native else None)
+        self.session = self.spawner.open_session(LaunchSpec(argv=("true",), workspace=str(workspace),
+                                                            env=dict(BASE_ENV), policy=WorkspaceWrite()))
+
+    def call(self, argv: list[str], **hooks: object) -> tuple[str, object, list[str]]:
+        """One call with DebugHooks(**hooks) and a trace: (its output, its ExitInfo, the trace's steps)."""
+        trace = self.trace_dir / f"trace-{os.urandom(4).hex()}"
+        trace.write_text("")
+        self.session.plan = self.session.plan.replace(debug=DebugHooks(trace_path=str(trace), **hooks))
+        read_end, write_end = os.pipe()
+        null = os.open("/dev/null", os.O_RDONLY)
+        try:
+            proc = self.spawner.launch_call(self.session, tuple(argv), dict(BASE_ENV), str(self.workspace),
+                                            (null, write_end, write_end))
+            os.close(write_end)
+            write_end = -1
+            try:
+                proc.wait_started()
+            except BaseException:
+                proc.wait()
+                raise
+            chunks = []
+            while data := os.read(read_end, 65536):
+                chunks.append(data)
+            info = proc.wait()
+        finally:
+            for fd in (read_end, write_end, null):
+                if fd >= 0:
+                    os.close(fd)
+        return b"".join(chunks).decode(), info, trace.read_text().splitlines()
+
+    def close(self) -> None:
+        self.session.close()
+
+
+@pytest.fixture
+def local_sessions(workspace: Path, base_dir: Path) -> Iterator[dict[str, LocalSession]]:
+    """Both paths, each on its own session of the same workspace."""
+    opened: dict[str, LocalSession] = {}
+    try:
+        for name in ("native", "python"):
+            opened[name] = LocalSession(name == "native", workspace, base_dir)
+        yield opened
+    finally:
+        for local in opened.values():
+            local.close()
+
+
+def test_both_paths_take_the_same_setup_steps(local_sessions: dict[str, LocalSession]) -> None:
+    """The trace of a call's setup steps is the same list on both paths, and the reference one
+    (a step added to one path only, or moved, fails here)."""
+    traces = {}
+    for name, local in local_sessions.items():
+        output, info, steps = local.call(["echo", "traced"])
+        assert output == "traced\n" and info.exit_code == 0, (name, output, info)  # type: ignore[attr-defined]
+        traces[name] = steps
+    listener = local_sessions["native"].session.plan.brokers_connect
+    expected = SUPERVISOR_STEPS + command_steps(landlock.abi_version(), listener=listener)
+    assert traces["native"] == traces["python"] == expected, traces
+
+
+def test_the_trace_is_off_unless_asked(local_sessions: dict[str, LocalSession]) -> None:
+    """Production plans carry no DebugHooks: the helper gets none of the test flags."""
+    plan = local_sessions["native"].session.plan
+    assert plan.debug is None
+    argv = native_call.command_line("sandboxd-call", plan, namespaces=0, cgroup_dirs=[])
+    assert not {"-T", "-A", "-X"} & set(argv[:argv.index("--")]), argv
+
+
+OPEN_DESCRIPTORS = """
+import os
+def is_open(fd):
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+print(sorted(fd for fd in range(3, 1024) if is_open(fd)))
+"""
+
+
+def test_the_close_range_fallback_leaks_nothing(local_sessions: dict[str, LocalSession]) -> None:
+    """As on a kernel without CLOSE_RANGE_CLOEXEC (before 5.11): the /proc/self/fd walk marks the
+    report and status pipes, the session pidfd and the rest close-on-exec, on both paths. The
+    helper's own descriptors 3..8 are not close-on-exec (posix_spawn's dup2 clears it), so a
+    skipped walk would show them here."""
+    for name, local in local_sessions.items():
+        output, info, steps = local.call([PY, "-c", OPEN_DESCRIPTORS], no_close_range=True)
+        assert output.split() == ["[]"] and info.exit_code == 0, (name, output, info)  # type: ignore[attr-defined]
+        assert "close-on-exec by /proc/self/fd" in steps, (name, steps)    # the walk really ran
+        # Control: without the flag close_range does it, and the walk is not taken.
+        output, info, steps = local.call([PY, "-c", OPEN_DESCRIPTORS])
+        assert output.split() == ["[]"] and "close-on-exec by /proc/self/fd" not in steps, (name, output, steps)
+
+
+LANDLOCK_PROBE = """
+import errno, os, sys
+outside = sys.argv[1]
+def attempt(action):
+    try:
+        action()
+        return "ok"
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+def write_outside():
+    with open(os.path.join(outside, "target.txt"), "w") as f:
+        f.write("overwritten")
+def write_inside():
+    with open("inside.txt", "w") as f:
+        f.write("x")
+def move_across():
+    os.makedirs("from", exist_ok=True)
+    os.makedirs("to", exist_ok=True)
+    open("from/moved", "w").close()
+    os.rename("from/moved", "to/moved")
+print("outside", attempt(write_outside))
+print("inside", attempt(write_inside))
+print("truncate", attempt(lambda: os.truncate("inside.txt", 0)))
+print("refer", attempt(move_across))
+print("signal", attempt(lambda: os.kill(os.getppid(), 0)))
+"""
+
+
+@pytest.mark.parametrize("abi", range(1, landlock.HIGHEST_KNOWN_ABI + 1))
+def test_landlock_at_every_abi(local_sessions: dict[str, LocalSession], outside: Path, abi: int) -> None:
+    """Forced down to each ABI (as an older kernel would be), both paths hand the kernel only
+    the rights that ABI knows, the kernel accepts them, and the walls hold as far as that ABI
+    reaches: writes outside stay refused everywhere, cross-directory renames work from ABI 2
+    (REFER; ABI 1 refuses every reparenting with EXDEV), and the command cannot signal its
+    call's supervisor from ABI 6 (the signal scope; before it, only the uid separates them)."""
+    kernel = landlock.abi_version()
+    if kernel < abi:
+        pytest.skip(f"this kernel's Landlock ABI is {kernel}, below {abi}")
+    results = {}
+    for name, local in local_sessions.items():
+        for leftover in ("from", "to"):
+            shutil.rmtree(local.workspace / leftover, ignore_errors=True)
+        output, info, steps = local.call([PY, "-c", LANDLOCK_PROBE, str(outside)], landlock_abi=abi)
+        assert info.exit_code == 0, (name, output, info)  # type: ignore[attr-defined]
+        assert f"landlock abi {abi}" in steps, (name, steps)
+        results[name] = dict(line.split() for line in output.splitlines())
+        assert (outside / "target.txt").read_text() == "original\n"
+    expected = {"outside": "EROFS", "inside": "ok", "truncate": "ok", "refer": "ok" if abi >= 2 else "EXDEV",
+                "signal": "EPERM" if abi >= 6 else "ok"}
+    assert results["native"] == results["python"] == expected, results
+
+
+def test_landlock_rights_follow_the_abi() -> None:
+    """The pure part: each ABI's handled set holds exactly the rights introduced up to it."""
+    assert landlock.write_accesses(1) & (landlock.REFER | landlock.TRUNCATE) == 0
+    assert landlock.write_accesses(2) & landlock.REFER and not landlock.write_accesses(2) & landlock.TRUNCATE
+    assert landlock.write_accesses(3) & landlock.TRUNCATE
+    for abi in range(1, landlock.HIGHEST_KNOWN_ABI + 1):
+        assert landlock.write_accesses(abi) & ~landlock.known_rights(abi) == 0
+        assert landlock.known_scopes(abi) == (0 if abi < 6 else
+                                              landlock.SCOPE_SIGNAL | landlock.SCOPE_ABSTRACT_UNIX_SOCKET)
+    assert landlock.known_rights(4) & landlock.IOCTL_DEV == 0 and landlock.known_rights(5) & landlock.IOCTL_DEV

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxd.audit.store import PERMISSION_NAMESPACE, EventStore, EventType, SessionRow
+from sandboxd.audit.store import MIGRATIONS, PERMISSION_NAMESPACE, EventStore, EventType, SessionRow
 from sandboxd.errors import InvalidPolicy, NotFound
 
 
@@ -25,16 +25,16 @@ def store(tmp_path: Path) -> EventStore:
 def test_a_new_store_is_migrated_private_and_in_wal_mode(tmp_path: Path) -> None:
     path = tmp_path / "state" / "events.db"
     store = EventStore(str(path))
-    assert store.schema_version == 1
+    assert store.schema_version == len(MIGRATIONS)
     store.close()
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     db = sqlite3.connect(path)
     assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    assert db.execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == 1
+    assert db.execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == len(MIGRATIONS)
     db.close()
     EventStore(str(path)).close()                          # opening again migrates nothing twice
     db = sqlite3.connect(path)
-    assert db.execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == 1
+    assert db.execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == len(MIGRATIONS)
     db.close()
 
 
@@ -118,10 +118,14 @@ def test_session_rows_and_workspace_memory(store: EventStore) -> None:
     assert store.sessions() == [] and store.sessions(include_closed=True)[0].closed_at == 2.0
     with pytest.raises(NotFound):
         store.session("nope")
-    store.remember(PERMISSION_NAMESPACE, "/ws", "allow:fs.read", {"tool": "fs.read"})
-    store.remember("other", "/ws", "allow:fs.read", {"tool": "fs.read"})
-    assert store.has_memory(PERMISSION_NAMESPACE, "/ws", "allow:fs.read")
-    assert [r[1] for r in store.recall(PERMISSION_NAMESPACE)] == ["allow:fs.read"]
-    assert store.forget(PERMISSION_NAMESPACE, "/ws", "allow:fs.read")
-    assert not store.has_memory(PERMISSION_NAMESPACE, "/ws", "allow:fs.read")
-    assert store.has_memory("other", "/ws", "allow:fs.read")    # namespaces are separate
+    store.remember(PERMISSION_NAMESPACE, "/ws", "allow:fs.read", {"tool": "fs.read"}, owner_uid=1000)
+    store.remember("other", "/ws", "allow:fs.read", {"tool": "fs.read"}, owner_uid=1000)
+    assert store.has_memory(PERMISSION_NAMESPACE, "/ws", "allow:fs.read", owner_uid=1000)
+    assert not store.has_memory(PERMISSION_NAMESPACE, "/ws", "allow:fs.read", owner_uid=1001)   # owners apart
+    assert not store.has_memory(PERMISSION_NAMESPACE, "/ws", "allow:fs.read", owner_uid=1000, owner_principal="cn")
+    assert [r.key for r in store.recall(PERMISSION_NAMESPACE)] == ["allow:fs.read"]
+    assert store.recall(PERMISSION_NAMESPACE, owner_uid=1001) == []
+    assert not store.forget(PERMISSION_NAMESPACE, "/ws", "allow:fs.read", owner_uid=1001)
+    assert store.forget(PERMISSION_NAMESPACE, "/ws", "allow:fs.read", owner_uid=1000)
+    assert not store.has_memory(PERMISSION_NAMESPACE, "/ws", "allow:fs.read", owner_uid=1000)
+    assert store.has_memory("other", "/ws", "allow:fs.read", owner_uid=1000)    # namespaces are separate

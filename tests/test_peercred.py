@@ -348,12 +348,97 @@ def test_accepting_survives_running_out_of_descriptors(raw_door: tuple[FrontDoor
         assert door.connections == 0
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    assert "cannot accept (Too many open files)" in caplog.text
-    assert "sandboxd-frontdoor-accept" in our_threads()
+    assert "file descriptors left" in caplog.text or "cannot accept (Too many open files)" in caplog.text
+    assert "sandboxd-frontdoor" in our_threads()
     with client:
         client.sendall(b"Eback")
         assert client.recv(100) == b"back"
     assert echo_once(paths.public, b"later") == b"later"
+
+
+def test_the_door_leaves_a_reserve_of_descriptors(raw_door: tuple[FrontDoor, RawBackend], paths: Paths,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="sandboxd.service.peercred")
+    door, _ = raw_door
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    clients = []
+    limit = fd_count() + 64 + 40     # the door's reserve (64), and room for a few connections
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        for _ in range(10):
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            client.settimeout(10)
+            client.connect(paths.public)   # accepted, or left in the backlog
+            client.sendall(b"Eping")
+            clients.append(client)
+        time.sleep(0.5)
+        # Some were served, the rest wait: the door stopped before the process ran out.
+        assert 0 < door.connections < 10, door.connections
+        assert limit - fd_count() >= 32, (limit, fd_count())
+        assert "file descriptors left" in caplog.text
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    # Room again: the waiting ones are accepted and served, in the state they were left in.
+    for client in clients:
+        assert client.recv(4) == b"ping"
+        client.close()
+    assert wait_for(lambda: door.connections == 0)
+
+
+def test_a_backend_that_does_not_accept_does_not_stall_the_door(paths: Paths) -> None:
+    # A backend whose backlog is full: connect() to it says EAGAIN (a Unix socket never says
+    # EINPROGRESS), and the door must retry later rather than wait in connect().
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(paths.backend)
+    listener.listen(0)
+    squatters = []
+    while True:
+        squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        try:
+            squatter.connect(paths.backend)
+        except BlockingIOError:
+            squatter.close()
+            break
+        squatters.append(squatter)
+    door = FrontDoor(paths.public, paths.backend, relay_dir=paths.relay, connections_per_uid=3, root_connections=3)
+    door.start()
+    clients = []
+    try:
+        for payload in (b"one", b"two", b"six"):
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            client.settimeout(10)
+            client.connect(paths.public)
+            client.sendall(b"E" + payload)
+            clients.append(client)
+        # The door kept accepting while all three wait for the backend: a fourth is over quota, closed.
+        assert wait_for(lambda: door.connections_by_uid() == {0: 3})
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as fourth:
+            fourth.settimeout(10)
+            fourth.connect(paths.public)
+            assert fourth.recv(1) == b""
+        # The backend starts accepting (and echoing): the three get through.
+        for squatter in squatters:
+            squatter.close()
+        served = threading.Event()
+
+        def serve() -> None:
+            echoed = 0
+            while echoed < len(clients):
+                conn, _ = listener.accept()
+                with conn:
+                    if conn.recv(1) == b"E":  # (the squatters' connections, still queued, say nothing)
+                        conn.sendall(conn.recv(3))
+                        echoed += 1
+            served.set()
+
+        threading.Thread(target=serve, daemon=True).start()
+        assert sorted(client.recv(3) for client in clients) == [b"one", b"six", b"two"]
+        assert served.wait(10)
+    finally:
+        for client in clients:
+            client.close()
+        door.close()
+        listener.close()
 
 
 # --------------------------------------------------------------------------- lifecycle
@@ -395,7 +480,7 @@ def test_close_removes_everything_and_leaks_nothing(paths: Paths, backend: Servi
         for _ in range(10):
             assert check("unix:" + paths.public) == health_pb2.HealthCheckResponse.SERVING
     assert wait_for(lambda: door.connections == 0), f"{door.connections} relays still alive"
-    assert wait_for(lambda: our_threads() == ["sandboxd-frontdoor-accept"]), our_threads()
+    assert wait_for(lambda: our_threads() == ["sandboxd-frontdoor"]), our_threads()
     assert os.listdir(paths.relay) == []
 
     # Connections still open at close() are cut, and their files removed.
@@ -462,3 +547,247 @@ def test_refuses_directories_others_can_enter(paths: Paths) -> None:
     with pytest.raises(PermissionError, match="backend socket directory"):
         FrontDoor(paths.public, str(open_dir / "grpc.sock"), relay_dir=paths.relay)
     assert not os.path.lexists(paths.public)
+
+
+# --------------------------------------------------------------------------- groups, refusals, quotas
+
+
+@pytest.fixture
+def user_in_group() -> Iterator[tuple[str, int, int, int]]:
+    """A real local user (useradd) with a real supplementary group (groupadd): name, uid, gid, group."""
+    import grp
+    import pwd
+    suffix = os.urandom(4).hex()
+    user, group = f"sbxt-{suffix}", f"sbxt-g{suffix}"
+    subprocess.run(["groupadd", group], check=True)
+    try:
+        subprocess.run(["useradd", "-M", "-N", "-s", "/usr/sbin/nologin", "-G", group, user], check=True)
+        try:
+            entry = pwd.getpwnam(user)
+            yield user, entry.pw_uid, entry.pw_gid, grp.getgrnam(group).gr_gid
+        finally:
+            subprocess.run(["userdel", user], check=True)
+    finally:
+        subprocess.run(["groupdel", group], check=True)
+
+
+# As AS_OTHER_USER, but the groups are the user's own from /etc/group (initgroups), as a login has them.
+AS_USER_WITH_GROUPS = r"""
+import os, sys
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+public, name, uid, gid = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+os.initgroups(name, gid)
+os.setgid(gid)
+os.setuid(uid)
+with grpc.insecure_channel("unix:" + public) as channel:
+    status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+print(os.getpid(), status, *os.getgroups())
+"""
+
+
+def test_supplementary_groups_come_from_the_kernel(door: FrontDoor, backend: Servicer, paths: Paths,
+                                                   user_in_group: tuple[str, int, int, int]) -> None:
+    name, uid, gid, group = user_in_group
+    child = subprocess.run([sys.executable, "-c", AS_USER_WITH_GROUPS, paths.public, name, str(uid), str(gid)],
+                           capture_output=True, text=True, timeout=30, cwd="/")
+    assert child.returncode == 0, child.stderr
+    pid, status, *groups = map(int, child.stdout.split())
+    assert status == health_pb2.HealthCheckResponse.SERVING and group in groups
+    [(_, who)] = backend.seen
+    assert who is not None and (who.uid, who.gid, who.pid) == (uid, gid, pid)
+    assert group in who.groups and sorted(who.groups) == sorted(set(groups))
+    # Control: a caller without supplementary groups is seen without any.
+    child = subprocess.run([sys.executable, "-c", AS_OTHER_USER, paths.public, "65534", "65534"],
+                           capture_output=True, text=True, timeout=30, cwd="/")
+    assert child.returncode == 0, child.stderr
+    assert backend.seen[-1][1] is not None and backend.seen[-1][1].groups == ()
+
+
+def private_channel(target: str) -> grpc.Channel:
+    """A channel with a connection of its own (grpcio otherwise shares one per target)."""
+    return grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def test_a_refused_caller_is_denied_on_every_call(paths: Paths, backend: Servicer) -> None:
+    refuse = ["you run inside a sandbox of this daemon (test)"]
+    asked: list[tuple[PeerCredentials, int, str]] = []
+
+    def check(who: PeerCredentials, pidfd: int) -> str:
+        # What the pidfd says about the process it pins (Linux 6.5+: always there).
+        with open(f"/proc/self/fdinfo/{pidfd}") as f:
+            pinned = next(line.split()[1] for line in f if line.startswith("Pid:"))
+        asked.append((who, int(pinned), refuse[0]))
+        return refuse[0]
+
+    with FrontDoor(paths.public, paths.backend, relay_dir=paths.relay, peer_check=check) as door:
+        backend.door = door
+        door.start()
+        refused = private_channel("unix:" + paths.public)
+        stub = health_pb2_grpc.HealthStub(refused)
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as raised:
+                stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert raised.value.details() == refuse[0]
+        # Decided once, at accept: a new connection is asked again, the old one stays refused.
+        refuse[0] = ""
+        with private_channel("unix:" + paths.public) as accepted:
+            assert health_pb2_grpc.HealthStub(accepted).Check(health_pb2.HealthCheckRequest(), timeout=10).status \
+                == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        refused.close()
+    assert [(who.uid, who.pid, pinned, reason) for who, pinned, reason in asked] == [
+        (os.getuid(), os.getpid(), os.getpid(), "you run inside a sandbox of this daemon (test)"),
+        (os.getuid(), os.getpid(), os.getpid(), "")]
+    assert asked[0][0].groups == tuple(sorted(set(os.getgroups()))) or set(asked[0][0].groups) == set(os.getgroups())
+
+
+def test_a_check_that_fails_refuses(paths: Paths, backend: Servicer, caplog: pytest.LogCaptureFixture) -> None:
+    def check(who: PeerCredentials, pidfd: int) -> str:
+        raise RuntimeError("cannot tell")
+
+    with FrontDoor(paths.public, paths.backend, relay_dir=paths.relay, peer_check=check) as door:
+        backend.door = door
+        door.start()
+        with pytest.raises(grpc.RpcError) as raised:
+            with private_channel("unix:" + paths.public) as channel:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "could not check who is calling" in raised.value.details()
+    assert "peer check failed" in caplog.text
+
+
+# Connects `count` times to the public socket as uid/gid, says how many connections the door
+# closed at once (EOF without a byte) and whether one more echoes, then waits for a line on stdin.
+HOLD_CONNECTIONS = r"""
+import os, select, socket, sys
+public, uid, gid, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+os.setgroups([])
+os.setgid(gid)
+os.setuid(uid)
+socks = []
+for _ in range(count):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(public)
+    socks.append(s)
+closed = 0
+for s in socks:
+    s.settimeout(10)
+    try:
+        s.sendall(b"Ex")      # the raw backend echoes what follows E
+        closed += s.recv(1) == b""
+    except (BrokenPipeError, ConnectionResetError):
+        closed += 1
+print(closed, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_connections_over_a_uids_quota_are_closed_at_once(paths: Paths, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="sandboxd.service.peercred")
+    raw = RawBackend(paths.backend)
+    door = FrontDoor(paths.public, paths.backend, relay_dir=paths.relay, connections_per_uid=3, root_connections=5)
+    door.start()
+    holders = []
+    try:
+        holder = subprocess.Popen([sys.executable, "-c", HOLD_CONNECTIONS, paths.public, "65534", "65534", "6"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
+        holders.append(holder)
+        assert holder.stdout is not None
+        assert holder.stdout.readline().split() == ["3"]        # 6 tried, 3 served, 3 closed
+        assert door.connections_by_uid() == {65534: 3}
+        # Everyone else is still served: root (its own, larger bound) up to 5...
+        mine = []
+        for _ in range(5):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(10)
+            sock.connect(paths.public)
+            sock.sendall(b"Eok")
+            assert sock.recv(2) == b"ok"
+            mine.append(sock)
+        assert door.connections_by_uid() == {65534: 3, 0: 5}
+        # ...and its sixth is closed.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sixth:
+            sixth.settimeout(10)
+            sixth.connect(paths.public)
+            assert sixth.recv(1) == b""
+        for sock in mine:
+            sock.close()
+        # One warning per uid, however many connections it had closed.
+        assert caplog.text.count("uid 65534 has 3 connections open") == 1, caplog.text
+        assert caplog.text.count("uid 0 has 5 connections open") == 1, caplog.text
+        holder.communicate("\n", timeout=30)
+        assert wait_for(lambda: door.connections_by_uid() == {}), door.connections_by_uid()
+        # The quota is of connections open at once: gone, the uid may connect again.
+        again = subprocess.run([sys.executable, "-c", HOLD_CONNECTIONS, paths.public, "65534", "65534", "3"],
+                               input="\n", capture_output=True, text=True, timeout=30, cwd="/")
+        assert again.stdout.split() == ["0"], again.stderr
+        assert wait_for(lambda: door.connections == 0)
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+        door.close()
+        raw.close()
+
+
+# Connects to the public socket, hands the connection to its parent (SCM_RIGHTS), and exits.
+CONNECT_AND_EXIT = r"""
+import socket, sys
+public, channel = sys.argv[1], socket.socket(fileno=int(sys.argv[2]))
+conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+conn.connect(public)
+socket.send_fds(channel, [b"x"], [conn.fileno()])
+"""
+
+
+class PeerOf:
+    """What a handler's context says: just the peer string (caller() needs nothing else)."""
+
+    def __init__(self, peer: str) -> None:
+        self._peer = peer
+
+    def peer(self) -> str:
+        return self._peer
+
+
+def test_a_connection_whose_process_is_gone_is_refused(paths: Paths) -> None:
+    raw = RawBackend(paths.backend)
+    asked: list[int] = []
+
+    def check(who: PeerCredentials, pidfd: int) -> str:
+        asked.append(who.pid)
+        return ""
+
+    door = FrontDoor(paths.public, paths.backend, relay_dir=paths.relay, peer_check=check)
+    ours, theirs = socket.socketpair()
+    try:
+        # Not started yet: the connection waits in the backlog while its process exits.
+        child = subprocess.run([sys.executable, "-c", CONNECT_AND_EXIT, paths.public, str(theirs.fileno())],
+                               pass_fds=[theirs.fileno()], capture_output=True, text=True, timeout=30)
+        assert child.returncode == 0, child.stderr
+        _, [fd], _, _ = socket.recv_fds(ours, 1, 1)
+        inherited = socket.socket(fileno=fd)
+        door.start()
+        # Control: a live process connecting after it is checked and served.
+        live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        live.connect(paths.public)
+        assert wait_for(lambda: door.connections == 2)
+        gone = door.identity(f"unix:{paths.relay}/0.sock")
+        served = door.identity(f"unix:{paths.relay}/1.sock")
+        assert gone is not None and "exited before the daemon could check it" in gone.refusal
+        assert served is not None and served.refusal == "" and served.pid == os.getpid()
+        assert asked[-1] == os.getpid() and len(asked) <= 2   # (the gone one: asked or not, by kernel)
+        with pytest.raises(PermissionError, match="exited before"):
+            caller(door, PeerOf(f"unix:{paths.relay}/0.sock"))
+        assert caller(door, PeerOf(f"unix:{paths.relay}/1.sock")) == served
+        inherited.close()
+        live.close()
+    finally:
+        ours.close()
+        theirs.close()
+        door.close()
+        raw.close()

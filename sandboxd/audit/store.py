@@ -9,8 +9,9 @@ with versioned migrations. It holds:
 - ``sessions``: each session's metadata (owner, workspace, both policy axes,
   limits, labels, open or closed), so that after a restart sessions can be
   listed, their logs read, and live ones resumed.
-- ``memory``: small workspace-scoped records under a namespace of keys; standing
-  permission rules live in the ``permission`` namespace.
+- ``memory``: small workspace-scoped records under a namespace of keys, each owned
+  by the uid (and TLS principal) that made it; standing permission rules live in the
+  ``permission`` namespace.
 
 Durability: every append is committed before it returns, and the daemon appends
 an event before it takes the action the event records, so a crash leaves a log
@@ -63,6 +64,17 @@ class Event(Record):
     data: dict  # type: ignore[type-arg]
 
 
+class MemoryRow(Record):
+    """One remembered record (a standing rule in the permission namespace) and who made it."""
+
+    workspace: str
+    key: str
+    value: dict  # type: ignore[type-arg]
+    created_at: float
+    owner_uid: int
+    owner_principal: str
+
+
 class SessionRow(Record):
     id: str
     owner_uid: int
@@ -96,6 +108,19 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE TABLE memory (
         namespace TEXT NOT NULL, workspace TEXT NOT NULL, key TEXT NOT NULL, value TEXT NOT NULL,
         created_at REAL NOT NULL, PRIMARY KEY (namespace, workspace, key));
+    """,
+    # 2: memory belongs to whoever made it (a standing rule applies only to its maker's sessions).
+    # Existing rows keep the by_uid they recorded; a row without one is owned by nobody (-1).
+    """
+    CREATE TABLE memory_owned (
+        namespace TEXT NOT NULL, workspace TEXT NOT NULL, owner_uid INTEGER NOT NULL,
+        owner_principal TEXT NOT NULL DEFAULT '', key TEXT NOT NULL, value TEXT NOT NULL,
+        created_at REAL NOT NULL, PRIMARY KEY (namespace, workspace, owner_uid, owner_principal, key));
+    INSERT INTO memory_owned (namespace, workspace, owner_uid, owner_principal, key, value, created_at)
+        SELECT namespace, workspace, COALESCE(CAST(json_extract(value, '$.by_uid') AS INTEGER), -1), '', key,
+               value, created_at FROM memory;
+    DROP TABLE memory;
+    ALTER TABLE memory_owned RENAME TO memory;
     """,
 )
 
@@ -136,17 +161,25 @@ class EventStore:
         """Open (creating and migrating as needed) the store at ``path``; ":memory:" for tests."""
         if path != ":memory:":
             os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", mode=0o700, exist_ok=True)
+            _make_private(path)                        # one an older sandboxd left readable
         self.path = path
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
-        self._db.execute("PRAGMA foreign_keys=ON")
         self._lock = threading.RLock()
         self._next_seq: dict[str, int] = {}
         self._subscribers: list[Subscription] = []
-        self._migrate()
+        # The audit log (argv, paths, answers) is the daemon's alone, from its first byte: sqlite
+        # creates the database, its WAL and its SHM with 0644 less the umask (and the WAL and
+        # SHM later with the database's mode), so the umask is tight while they are made.
+        previous = os.umask(0o077)
+        try:
+            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._migrate()
+        finally:
+            os.umask(previous)
         if path != ":memory:":
-            os.chmod(path, 0o600)                      # the audit log is the daemon's alone
+            _make_private(path)
 
     # -- schema ----------------------------------------------------------------------------------
 
@@ -318,33 +351,72 @@ class EventStore:
         return _session_row(row)
 
     # -- workspace memory (standing rules) -------------------------------------------------------
+    # Every row has an owner: the uid and (for a TLS caller) the certificate that made it. Each
+    # owner has its own rows; nobody's row answers for another's sessions.
 
-    def remember(self, namespace: str, workspace: str, key: str, value: dict[str, Any]) -> None:
+    def remember(self, namespace: str, workspace: str, key: str, value: dict[str, Any], *, owner_uid: int,
+                 owner_principal: str = "") -> None:
         with self._lock:
-            self._db.execute("INSERT INTO memory (namespace, workspace, key, value, created_at) VALUES (?, ?, ?, ?, ?) "
-                             "ON CONFLICT (namespace, workspace, key) DO UPDATE SET value = excluded.value",
-                             (namespace, workspace, key, json.dumps(value), time.time()))
+            self._db.execute("INSERT INTO memory (namespace, workspace, owner_uid, owner_principal, key, value, "
+                             "created_at) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT "
+                             "(namespace, workspace, owner_uid, owner_principal, key) DO UPDATE SET value = "
+                             "excluded.value",
+                             (namespace, workspace, owner_uid, owner_principal, key, json.dumps(value), time.time()))
 
-    def forget(self, namespace: str, workspace: str, key: str) -> bool:
+    def forget(self, namespace: str, workspace: str, key: str, *, owner_uid: int, owner_principal: str = "") -> bool:
+        """Remove one owner's row; whether there was one."""
         with self._lock:
-            cursor = self._db.execute("DELETE FROM memory WHERE namespace = ? AND workspace = ? AND key = ?",
-                                      (namespace, workspace, key))
+            cursor = self._db.execute("DELETE FROM memory WHERE namespace = ? AND workspace = ? AND key = ? "
+                                      "AND owner_uid = ? AND owner_principal = ?",
+                                      (namespace, workspace, key, owner_uid, owner_principal))
         return cursor.rowcount > 0
 
-    def recall(self, namespace: str, workspace: str | None = None) -> list[tuple[str, str, dict[str, Any], float]]:
-        """(workspace, key, value, created_at) rows of a namespace, for one workspace or all."""
-        sql, args = "SELECT workspace, key, value, created_at FROM memory WHERE namespace = ?", [namespace]
+    def recall(self, namespace: str, workspace: str | None = None, *, owner_uid: int | None = None,
+               owner_principal: str = "") -> list[MemoryRow]:
+        """Rows of a namespace, for one workspace or all; of one owner (``owner_uid`` and
+        ``owner_principal``) or, with ``owner_uid`` None, of every owner."""
+        sql = "SELECT workspace, key, value, created_at, owner_uid, owner_principal FROM memory WHERE namespace = ?"
+        args: list[Any] = [namespace]
         if workspace is not None:
             sql += " AND workspace = ?"
             args.append(workspace)
+        if owner_uid is not None:
+            sql += " AND owner_uid = ? AND owner_principal = ?"
+            args += [owner_uid, owner_principal]
         with self._lock:
-            rows = self._db.execute(sql + " ORDER BY workspace, key", args).fetchall()
-        return [(r[0], r[1], json.loads(r[2]), r[3]) for r in rows]
+            rows = self._db.execute(sql + " ORDER BY workspace, key, owner_uid, owner_principal", args).fetchall()
+        return [MemoryRow(r[0], r[1], json.loads(r[2]), r[3], r[4], r[5]) for r in rows]
 
-    def has_memory(self, namespace: str, workspace: str, key: str) -> bool:
+    def has_memory(self, namespace: str, workspace: str, key: str, *, owner_uid: int,
+                   owner_principal: str = "") -> bool:
         with self._lock:
-            return self._db.execute("SELECT 1 FROM memory WHERE namespace = ? AND workspace = ? AND key = ?",
-                                    (namespace, workspace, key)).fetchone() is not None
+            return self._db.execute("SELECT 1 FROM memory WHERE namespace = ? AND workspace = ? AND key = ? "
+                                    "AND owner_uid = ? AND owner_principal = ?",
+                                    (namespace, workspace, key, owner_uid, owner_principal)).fetchone() is not None
+
+
+STORE_SUFFIXES = ("", "-wal", "-shm")                # the database and the files sqlite keeps beside it
+
+
+def open_in_state_dir(state_dir: str, *, durable: bool = False) -> EventStore:
+    """The daemon's store, ``events.db`` in ``state_dir``, which is forced to 0700 first (it
+    may be an older sandboxd's, or made by hand with the default umask)."""
+    os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    st = os.stat(state_dir)
+    if st.st_uid != os.geteuid():
+        raise InvalidPolicy(f"the state directory {state_dir} belongs to uid {st.st_uid}, not to the daemon's "
+                            f"uid {os.geteuid()}: chown it or use another --state-dir")
+    os.chmod(state_dir, 0o700)
+    return EventStore(os.path.join(state_dir, "events.db"), durable=durable)
+
+
+def _make_private(path: str) -> None:
+    """The database, its WAL and its SHM: 0600, whichever exist."""
+    for suffix in STORE_SUFFIXES:
+        try:
+            os.chmod(path + suffix, 0o600)
+        except FileNotFoundError:
+            pass
 
 
 def _session_row(r: tuple[Any, ...]) -> SessionRow:

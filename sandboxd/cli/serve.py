@@ -137,4 +137,5 @@ def main(argv: list[str]) -> int:
                  log_format=str(values["log_format"]), log_level=str(values["log_level"]),
                  config_path=values["config_path"],  # type: ignore[arg-type]
                  metrics_listen=str(values["metrics"] or ""), session_defaults=defaults,
-                 network_pool=loaded["network.pool"], quotas=quotas)  # type: ignore[index]
+                 network_pool=loaded["network.pool"], quotas=quotas,  # type: ignore[index]
+                 connections_per_uid=int(loaded["quotas.connections_per_uid"]))  # type: ignore[index]

@@ -23,10 +23,18 @@ PR_CAP_AMBIENT = 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
 PR_SET_SECUREBITS = 28
 PR_SET_NO_NEW_PRIVS = 38
-_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+CAPABILITY_VERSION_3 = 0x20080522
 # NOROOT: uid 0 gets no capabilities from exec; NO_CAP_AMBIENT_RAISE: none can
 # be raised back; each locked so the sandboxed program cannot undo them.
-SECUREBITS = (1 << 0) | (1 << 1) | (1 << 5) | (1 << 6) | (1 << 7)  # NOROOT(+LOCKED), KEEP_CAPS_LOCKED, NO_CAP_AMBIENT_RAISE(+LOCKED)
+SECBIT_NOROOT = 1 << 0
+SECBIT_NOROOT_LOCKED = 1 << 1
+SECBIT_KEEP_CAPS_LOCKED = 1 << 5
+SECBIT_NO_CAP_AMBIENT_RAISE = 1 << 6
+SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED = 1 << 7
+SECUREBITS = (SECBIT_NOROOT | SECBIT_NOROOT_LOCKED | SECBIT_KEEP_CAPS_LOCKED | SECBIT_NO_CAP_AMBIENT_RAISE
+              | SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED)
+# Used when /proc/sys/kernel/cap_last_cap cannot be read (the native helper too).
+FALLBACK_LAST_CAP = 40
 
 
 def last_cap() -> int:
@@ -34,7 +42,7 @@ def last_cap() -> int:
         with open("/proc/sys/kernel/cap_last_cap") as f:
             return int(f.read())
     except OSError:
-        return 40
+        return FALLBACK_LAST_CAP
 
 
 def drop_privileges(uid: int, gid: int) -> None:
@@ -68,7 +76,7 @@ def clear_capability_sets() -> None:
     One system call through ctypes; python-prctl's libcap wrappers would cost
     an import of several milliseconds on every launch for the same result.
     """
-    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    header = _CapHeader(CAPABILITY_VERSION_3, 0)
     data = (_CapData * 2)()
     checked(libc.capset(ctypes.byref(header), data), "capset")
 

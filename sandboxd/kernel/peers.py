@@ -48,6 +48,15 @@ def namespace_init(namespace: int) -> int | None:
     return None
 
 
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot): with the pid, names one process for good."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def command_line(pid: int) -> bytes:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
 
@@ -59,22 +60,25 @@ def set_title(title: str) -> None:
         mem.write(data.ljust(end - start, b"\0"))
 
 
-def cloexec_from(first: int = 3) -> None:
+def cloexec_from(first: int = 3, *, use_close_range: bool = True) -> bool:
     """Mark every descriptor >= ``first`` close-on-exec, so exec leaves only 0-2 open.
 
     close_range(2) with CLOSE_RANGE_CLOEXEC does it in one call (5.11); older
-    kernels get a walk over /proc/self/fd.
+    kernels (and ``use_close_range=False``, for tests) get a walk over /proc/self/fd,
+    and a descriptor that cannot be marked fails the launch (sandboxd_call.c does the same).
+    Returns whether the walk was taken.
     """
-    result = raw_syscall("close_range", first, 0xFFFFFFFF, CLOSE_RANGE_CLOEXEC)
-    if result == 0:
-        return
+    if use_close_range and raw_syscall("close_range", first, 0xFFFFFFFF, CLOSE_RANGE_CLOEXEC) == 0:
+        return False
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         if fd >= first:
             try:
                 os.set_inheritable(fd, False)
-            except OSError:
-                pass
+            except OSError as exc:
+                if exc.errno != errno.EBADF:              # the listing's own descriptor, closed by now
+                    raise
+    return True
 
 
 def close_all_except(keep: set[int]) -> None:

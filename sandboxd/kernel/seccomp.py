@@ -45,6 +45,23 @@ DENIED_SYSCALLS: tuple[str, ...] = (
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
 )
 
+S_ISUID = 0o4000
+S_ISGID = 0o2000
+O_CREAT = 0o100
+O_TMPFILE_BIT = 0o20000000          # __O_TMPFILE: an unnamed file, linkable later, created with the mode given
+# Calls that set a file's mode, by (syscall, index of the mode argument, index of the flags argument
+# that must carry one of CREATING_FLAGS for the mode to be used, or -1 when it always is).
+MODE_SETTING_CALLS: tuple[tuple[str, int, int], ...] = (
+    ("chmod", 1, -1), ("fchmod", 1, -1), ("fchmodat", 2, -1), ("fchmodat2", 2, -1),
+    ("creat", 1, -1), ("mkdir", 1, -1), ("mkdirat", 2, -1), ("mknod", 1, -1), ("mknodat", 2, -1),
+    ("open", 2, 1), ("openat", 3, 2),
+)
+CREATING_FLAGS = (O_CREAT, O_TMPFILE_BIT)
+# Numbers of calls newer than the system libseccomp may know by name; from 424 on every
+# architecture shares one table, so one number serves all.
+NEWER_SYSCALLS = {"fchmodat2": 452}
+UNKNOWN_SYSCALL = -1                # what libseccomp resolves a name it does not know to (__NR_SCMP_ERROR)
+
 
 class FilterSpec(Record):
     """Which filter a launch gets. ``confined`` is every policy but DangerFullAccess."""
@@ -72,6 +89,21 @@ class FilterSpec(Record):
             rows.append(("errno", "clone", errno.EPERM, ((0, masked_eq, flag, flag),)))
         for family in (AF_PACKET, AF_VSOCK):
             rows.append(("errno", "socket", errno.EAFNOSUPPORT, ((0, 4, family, 0),)))
+        # No set-uid or set-gid file, for any uid: root in a root-owned workspace would otherwise
+        # leave a root shell any host user can run (capabilities do not stop an owner's chmod), and
+        # a plain user one that runs as itself for everybody. A mode with either bit is refused on
+        # every call that sets or creates a mode. openat2 passes its mode in memory seccomp cannot
+        # read: ENOSYS makes libc fall back to openat. File capabilities need CAP_SETFCAP, which
+        # no command has.
+        for name, mode_arg, flags_arg in MODE_SETTING_CALLS:
+            for bit in (S_ISUID, S_ISGID):
+                if flags_arg < 0:
+                    rows.append(("errno", name, errno.EPERM, ((mode_arg, masked_eq, bit, bit),)))
+                    continue
+                for flag in CREATING_FLAGS:
+                    rows.append(("errno", name, errno.EPERM,
+                                 ((flags_arg, masked_eq, flag, flag), (mode_arg, masked_eq, bit, bit))))
+        rows.append(("errno", "openat2", errno.ENOSYS, ()))
         if self.brokers_connect and not self.host_network:
             # An AF_UNIX datagram socket, even one from socketpair(), can sendto()
             # any host socket path (syslog, journald, systemd notify) without a
@@ -138,11 +170,12 @@ def compile_bpf(spec: FilterSpec) -> bytes:
     # below, keyed on native numbers: kill the process instead.
     filt.set_attr(pyseccomp.Attr.ACT_BADARCH, pyseccomp.KILL_PROCESS)
     for action, name, code, args in spec.rules():
-        try:
-            pyseccomp.resolve_syscall(pyseccomp.system_arch(), name)
-        except Exception:  # noqa: BLE001 - a syscall this architecture does not have needs no rule
-            continue
-        filt.add_rule(action_of[action](code), name, *[pyseccomp.Arg(a, op, x, y) for a, op, x, y in args])
+        syscall: str | int = name
+        if pyseccomp.resolve_syscall(pyseccomp.system_arch(), name) == UNKNOWN_SYSCALL:
+            syscall = NEWER_SYSCALLS.get(name, UNKNOWN_SYSCALL)   # too new for this libseccomp's names
+            if syscall == UNKNOWN_SYSCALL:
+                continue                                # a syscall this architecture does not have needs no rule
+        filt.add_rule(action_of[action](code), syscall, *[pyseccomp.Arg(a, op, x, y) for a, op, x, y in args])
     with tempfile.TemporaryFile() as out:
         filt.export_bpf(out)
         out.seek(0)

@@ -29,6 +29,15 @@ class BrokerRules(Record):
     host_network: bool = False
 
 
+class DebugHooks(Record):
+    """Test-only knobs for a session call, the same on both call paths (the native helper gets
+    them as flags). Never set in production: no request field reaches them."""
+
+    trace_path: str = ""       # a host file each setup step's name is appended to, in order
+    landlock_abi: int = 0      # use this Landlock ABI's rights when lower than the kernel's
+    no_close_range: bool = False  # take the /proc/self/fd walk, as on a kernel before 5.11
+
+
 class LaunchPlan(Record):
     argv: tuple[str, ...]
     env: dict[str, str]
@@ -63,6 +72,7 @@ class LaunchPlan(Record):
     root_trees: dict[str, int] = Factory(dict)
     # sandboxd's own directories and files, covered inside the sandbox (rootfs step 8c).
     hidden_paths: tuple[str, ...] = ()
+    debug: DebugHooks | None = None                # tests only (DebugHooks)
 
     def close_trees(self) -> None:
         for fd in self.root_trees.values():

@@ -21,7 +21,14 @@
  *
  * Usage (built by sandboxd.launcher.native_call.command_line):
  *   sandboxd-call -u UID -g GID -c CWD -n NSFLAGS [-C CPU] [-F NOFILE] [-L] [-G CGROUPDIR]...
- *                 [-W WRITABLE]... [-R FILE_WRITES_ONLY]... -- ARGV...
+ *                 [-W WRITABLE]... [-T TRACE_FILE] [-A LANDLOCK_ABI] [-X] -- ARGV...
+ *   sandboxd-call -V      prints the digest of the constants it was built with
+ * -T, -A and -X are for tests only (plan.DebugHooks): append each setup step's name to a
+ * file, use a lower Landlock ABI's rights, take the /proc/self/fd walk instead of close_range.
+ *
+ * Every constant shared with the Python path (descriptor layout, exit code, securebits,
+ * Landlock rights and the ABI that introduced each, signals, path lists) comes from
+ * sandboxd_call.h, which native_call.py generates from the Python modules at build time.
  *
  * Records on the report and status pipes use the Python side's format
  * (launcher/report.py): key<US>value pairs joined by <RS>, one line.
@@ -50,40 +57,29 @@
 #include <grp.h>
 #include <unistd.h>
 
-enum { REPORT_FD = 3, STATUS_FD = 4, SESSION_PIDFD = 5, INTAKE_FD = 6, BPF_FD = 7, ENV_FD = 8 };
-enum { SETUP_FAILED_EXIT = 125, MAX_PATHS = 256, MAX_BPF = 1 << 16, MAX_ENV = 1 << 24 };
+#include "sandboxd_call.h"
 
-/* Syscalls glibc may not wrap; numbers 434 and up are the same on every architecture. */
+#ifndef SBX_CONSTANTS_DIGEST
+#error "sandboxd_call.h is generated: build with python -m sandboxd.launcher.native_call build"
+#endif
+
+enum { REPORT_FD = SBX_REPORT_FD, STATUS_FD = SBX_STATUS_FD, SESSION_PIDFD = SBX_SESSION_PIDFD,
+       INTAKE_FD = SBX_INTAKE_FD, BPF_FD = SBX_BPF_FD, ENV_FD = SBX_ENV_FD };
+enum { SETUP_FAILED_EXIT = SBX_SETUP_FAILED_EXIT, MAX_PATHS = 256, MAX_BPF = 1 << 16, MAX_ENV = 1 << 24 };
+
+/* Syscalls glibc may not wrap; numbers 434 and up are the same on every architecture
+ * (kernel ABI, like the flags below: not sandboxd's own constants). */
 #define NR_close_range 436
 #define NR_landlock_create_ruleset 444
 #define NR_landlock_add_rule 445
 #define NR_landlock_restrict_self 446
 #define CLOSE_RANGE_CLOEXEC (1U << 2)
-
-/* Landlock, as kernel/landlock.py: write-type accesses only, plus the signal scope. */
-#define LL_WRITE_FILE (1ULL << 1)
-#define LL_REMOVE_DIR (1ULL << 4)
-#define LL_REMOVE_FILE (1ULL << 5)
-#define LL_MAKE_CHAR (1ULL << 6)
-#define LL_MAKE_DIR (1ULL << 7)
-#define LL_MAKE_REG (1ULL << 8)
-#define LL_MAKE_SOCK (1ULL << 9)
-#define LL_MAKE_FIFO (1ULL << 10)
-#define LL_MAKE_BLOCK (1ULL << 11)
-#define LL_MAKE_SYM (1ULL << 12)
-#define LL_REFER (1ULL << 13)
-#define LL_TRUNCATE (1ULL << 14)
-#define LL_SCOPE_SIGNAL (1ULL << 1)
 #define LL_CREATE_VERSION 1U
 #define LL_RULE_PATH_BENEATH 1
 
 struct ll_ruleset_attr { uint64_t handled_access_fs, handled_access_net, scoped; };
 struct ll_path_beneath { uint64_t allowed_access; int32_t parent_fd; } __attribute__((packed));
 
-/* Capabilities, as kernel/caps.py. */
-#define CAP_VERSION_3 0x20080522
-#define CAP_SYS_ADMIN_BIT 21
-#define SECUREBITS ((1 << 0) | (1 << 1) | (1 << 5) | (1 << 6) | (1 << 7))
 struct cap_header { uint32_t version; int pid; };
 struct cap_data { uint32_t effective, permitted, inheritable; };
 
@@ -92,9 +88,11 @@ struct options {
     long cpu_seconds; long open_files; int listener;
     const char *cgroups[MAX_PATHS]; int n_cgroups;
     const char *writable[MAX_PATHS]; int n_writable;
-    const char *file_writes_only[MAX_PATHS]; int n_file_writes_only;
+    long landlock_abi; int no_close_range;        /* tests only: -A, -X */
     char **env; char **argv;
 };
+
+static int trace_fd = -1;                          /* -T: tests only */
 
 /* ---- reporting ------------------------------------------------------------------------------ */
 
@@ -131,6 +129,45 @@ static void check(long result, const char *step, const char *path) {
     if (result < 0) fail(step, errno, path);
 }
 
+/* A setup step's name on the trace file (-T), as sequence.py's trace: one test compares them. */
+static void trace(const char *step) {
+    if (trace_fd < 0) return;
+    char line[128];
+    int length = snprintf(line, sizeof line, "%s\n", step);
+    if (write(trace_fd, line, (size_t)length) != length) fail("trace", errno, NULL);
+}
+
+/* Every descriptor from first up, closed (cloexec 0) or marked close-on-exec (cloexec 1):
+ * close_range(2) when the kernel has it (5.9; CLOSE_RANGE_CLOEXEC 5.11), else a walk over
+ * /proc/self/fd (as process.cloexec_from); a descriptor the walk cannot handle fails the call
+ * rather than leak into the command. Returns whether the walk was taken. */
+static int close_from(int first, int cloexec, int use_close_range) {
+    if (use_close_range && syscall(NR_close_range, first, ~0U, cloexec ? CLOSE_RANGE_CLOEXEC : 0) == 0) return 0;
+    static int found[65536];
+    int n = 0;
+    DIR *dir = opendir("/proc/self/fd");
+    if (!dir) fail("close-on-exec", errno, "/proc/self/fd");
+    int own = dirfd(dir);
+    struct dirent *entry;
+    errno = 0;
+    while ((entry = readdir(dir))) {
+        char *end;
+        long fd = strtol(entry->d_name, &end, 10);
+        if (*end || end == entry->d_name || fd < first || fd == own) continue;
+        if (n == (int)(sizeof found / sizeof *found)) fail("close-on-exec", EMFILE, "/proc/self/fd");
+        found[n++] = (int)fd;
+    }
+    if (errno) fail("close-on-exec", errno, "/proc/self/fd");
+    check(closedir(dir), "close-on-exec", "/proc/self/fd");
+    for (int i = 0; i < n; i++) {
+        if (!cloexec) { check(close(found[i]), "close descriptors", NULL); continue; }
+        int flags = fcntl(found[i], F_GETFD);
+        check(flags, "close-on-exec", NULL);
+        check(fcntl(found[i], F_SETFD, flags | FD_CLOEXEC), "close-on-exec", NULL);
+    }
+    return 1;
+}
+
 /* ---- the call's supervisor ------------------------------------------------------------------ */
 
 static void die_with_parent(pid_t expected_parent) {
@@ -144,23 +181,23 @@ static void join_cgroups(const struct options *o) {
         snprintf(path, sizeof path, "%s/cgroup.procs", o->cgroups[i]);
         int fd = open(path, O_WRONLY | O_CLOEXEC);
         if (fd < 0 || write(fd, "0", 1) != 1) fail("cgroup join", errno, path);
-        close(fd);
+        check(close(fd), "cgroup join", path);
     }
 }
 
 static void drop_privileges(const struct options *o) {
-    int last_cap = 40;
+    int last_cap = SBX_FALLBACK_LAST_CAP;
     FILE *f = fopen("/proc/sys/kernel/cap_last_cap", "re");
-    if (f) { if (fscanf(f, "%d", &last_cap) != 1) last_cap = 40; fclose(f); }
+    if (f) { if (fscanf(f, "%d", &last_cap) != 1) last_cap = SBX_FALLBACK_LAST_CAP; fclose(f); }
     for (int cap = 0; cap <= last_cap; cap++)
         check(prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), "drop capability bounding set", NULL);
     check(prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient capabilities", NULL);
-    check(prctl(PR_SET_SECUREBITS, SECUREBITS, 0, 0, 0), "set securebits", NULL);
+    check(prctl(PR_SET_SECUREBITS, SBX_SECUREBITS, 0, 0, 0), "set securebits", NULL);
     check(setgroups(0, NULL), "drop privileges", NULL);
     check(setresgid(o->gid, o->gid, o->gid), "drop privileges", NULL);
     check(setresuid(o->uid, o->uid, o->uid), "drop privileges", NULL);
     /* For uid 0 the kernel keeps the capability sets across setresuid: clear them. */
-    struct cap_header header = {CAP_VERSION_3, 0};
+    struct cap_header header = {SBX_CAPABILITY_VERSION_3, 0};
     struct cap_data data[2] = {{0, 0, 0}, {0, 0, 0}};
     check(syscall(SYS_capset, &header, data), "capset", NULL);
     check(prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "set no_new_privs", NULL);
@@ -177,7 +214,7 @@ static int find_descendants(pid_t *victims, int room) {
     static pid_t pids[65536], parents[65536];
     int n = 0, found = 0;
     DIR *proc = opendir("/proc");
-    if (!proc) return 0;
+    if (!proc) fail("kill the call's tree", errno, "/proc");   /* as process.descendants: never skip it */
     struct dirent *entry;
     while ((entry = readdir(proc)) && n < 65536) {
         char *end, path[64], buffer[512];
@@ -185,9 +222,9 @@ static int find_descendants(pid_t *victims, int room) {
         if (*end || pid <= 0) continue;
         snprintf(path, sizeof path, "/proc/%ld/stat", pid);
         int fd = open(path, O_RDONLY | O_CLOEXEC);
-        if (fd < 0) continue;
+        if (fd < 0) continue;                      /* the process has ended meanwhile */
         ssize_t size = read(fd, buffer, sizeof buffer - 1);
-        close(fd);
+        close(fd);                                 /* read-only /proc file: nothing to lose */
         if (size <= 0) continue;
         buffer[size] = '\0';
         char *close_paren = strrchr(buffer, ')');
@@ -195,7 +232,7 @@ static int find_descendants(pid_t *victims, int room) {
         if (!close_paren || sscanf(close_paren + 1, " %*c %d", &parent) != 1) continue;
         pids[n] = (pid_t)pid; parents[n] = parent; n++;
     }
-    closedir(proc);
+    check(closedir(proc), "kill the call's tree", "/proc");
     if (room <= 0) return 0;
     victims[found++] = getpid();                   /* the search starts at us; dropped below */
     for (int head = 0; head < found; head++)
@@ -211,7 +248,7 @@ static void kill_descendants(int reap) {
     for (int round = 0; round < 1000; round++) {
         int n = find_descendants(victims, 65536);
         if (n == 0) return;
-        for (int i = 0; i < n; i++) kill(victims[i], SIGKILL);
+        for (int i = 0; i < n; i++) kill(victims[i], SIGKILL);   /* ESRCH: it ended meanwhile */
         if (!reap) return;
         while (waitpid(-1, NULL, 0) > 0 || errno == EINTR) {}
     }
@@ -238,7 +275,7 @@ static void apply_rlimits(const struct options *o) {
 
 static void verify_dropped(void) {
     if (prctl(PR_GET_NO_NEW_PRIVS, 0, 0, 0, 0) != 1) fail("verify privileges", EPERM, NULL);
-    if (prctl(PR_CAPBSET_READ, CAP_SYS_ADMIN_BIT, 0, 0, 0) != 0) fail("verify privileges", EPERM, NULL);
+    if (prctl(PR_CAPBSET_READ, SBX_CAP_SYS_ADMIN, 0, 0, 0) != 0) fail("verify privileges", EPERM, NULL);
 }
 
 static void add_rules(int ruleset, const char *const *paths, int count, uint64_t access) {
@@ -251,27 +288,45 @@ static void add_rules(int ruleset, const char *const *paths, int count, uint64_t
         struct stat st;
         check(fstat(fd, &st), "landlock rule", paths[i]);
         /* On a file only file rights may be granted (EINVAL otherwise). */
-        struct ll_path_beneath rule = {S_ISDIR(st.st_mode) ? access : access & (LL_WRITE_FILE | LL_TRUNCATE), fd};
+        struct ll_path_beneath rule = {S_ISDIR(st.st_mode) ? access : access & SBX_LL_WANTED_FILE_WRITES, fd};
         check(syscall(NR_landlock_add_rule, ruleset, LL_RULE_PATH_BENEATH, &rule, 0), "landlock rule", paths[i]);
-        close(fd);
+        check(close(fd), "landlock rule", paths[i]);
     }
 }
 
-static void restrict_writes(const struct options *o) {
+/* The rights (or scopes) of a {bit, first ABI} table that ABI knows, as landlock.known_rights. */
+static uint64_t known_at(const uint64_t (*table)[2], size_t size, long abi) {
+    uint64_t known = 0;
+    for (size_t i = 0; i < size; i++) if (abi >= (long)table[i][1]) known |= table[i][0];
+    return known;
+}
+
+/* As landlock.restrict_writes: ENOSYS or EOPNOTSUPP from the version query means no Landlock
+ * (the read-only mounts stay the wall); any other failure, and every failure after it, is fatal.
+ * Returns the ABI used. */
+static long restrict_writes(const struct options *o) {
+    static const uint64_t right_abi[][2] = SBX_LL_RIGHT_ABI, scope_abi[][2] = SBX_LL_SCOPE_ABI;
+    static const char *const extra_writable[] = SBX_LL_EXTRA_WRITABLE, *const file_writes_only[] = SBX_LL_FILE_WRITES_ONLY;
     long abi = syscall(NR_landlock_create_ruleset, NULL, 0, LL_CREATE_VERSION);
-    if (abi <= 0) return;                          /* no Landlock: the read-only mounts stay the wall */
-    uint64_t handled = LL_WRITE_FILE | LL_REMOVE_DIR | LL_REMOVE_FILE | LL_MAKE_CHAR | LL_MAKE_DIR | LL_MAKE_REG
-                       | LL_MAKE_SOCK | LL_MAKE_FIFO | LL_MAKE_BLOCK | LL_MAKE_SYM;
-    if (abi >= 2) handled |= LL_REFER;
-    if (abi >= 3) handled |= LL_TRUNCATE;
-    struct ll_ruleset_attr attr = {handled, 0, abi >= 6 ? LL_SCOPE_SIGNAL : 0};
-    size_t size = abi >= 6 ? sizeof attr : abi >= 4 ? 16 : 8;
+    if (abi < 0) {
+        if (errno == ENOSYS || errno == EOPNOTSUPP) return 0;
+        fail("landlock version", errno, NULL);
+    }
+    if (o->landlock_abi > 0 && o->landlock_abi < abi) abi = o->landlock_abi;
+    if (abi == 0) return 0;
+    uint64_t handled = SBX_LL_WANTED_WRITES & known_at(right_abi, sizeof right_abi / sizeof *right_abi, abi);
+    uint64_t scoped = SBX_LL_WANTED_SCOPES & known_at(scope_abi, sizeof scope_abi / sizeof *scope_abi, abi);
+    struct ll_ruleset_attr attr = {handled, 0, scoped};
+    size_t size = abi >= SBX_LL_SCOPE_ATTR_ABI ? sizeof attr : abi >= SBX_LL_NET_ABI ? 16 : 8;
     int ruleset = (int)syscall(NR_landlock_create_ruleset, &attr, size, 0);
     check(ruleset, "landlock ruleset", NULL);
     add_rules(ruleset, o->writable, o->n_writable, handled);
-    add_rules(ruleset, o->file_writes_only, o->n_file_writes_only, LL_WRITE_FILE | (abi >= 3 ? LL_TRUNCATE : 0));
+    add_rules(ruleset, extra_writable, sizeof extra_writable / sizeof *extra_writable, handled);
+    add_rules(ruleset, file_writes_only, sizeof file_writes_only / sizeof *file_writes_only,
+              SBX_LL_WANTED_FILE_WRITES & handled);
     check(syscall(NR_landlock_restrict_self, ruleset, 0), "landlock restrict", NULL);
-    close(ruleset);
+    check(close(ruleset), "landlock restrict", NULL);
+    return abi;
 }
 
 static void load_seccomp(const struct options *o, struct sock_filter *program, size_t length) {
@@ -291,9 +346,10 @@ static void load_seccomp(const struct options *o, struct sock_filter *program, s
     cmsg->cmsg_len = CMSG_LEN(sizeof(int));
     int fd = (int)listener;
     memcpy(CMSG_DATA(cmsg), &fd, sizeof fd);
+    trace("send listener");
     check(sendmsg(INTAKE_FD, &message, MSG_NOSIGNAL), "seccomp listener", NULL);
-    close(fd);
-    close(INTAKE_FD);
+    check(close(fd), "seccomp listener", NULL);
+    check(close(INTAKE_FD), "seccomp listener", NULL);
 }
 
 /* execve the program, searching the environment's PATH like execvp(3): remember a real
@@ -327,25 +383,50 @@ static _Noreturn void run_command(const struct options *o, pid_t supervisor,
                                   struct sock_filter *program, size_t length) {
     sigset_t none;
     sigemptyset(&none);
-    sigprocmask(SIG_SETMASK, &none, NULL);
+    trace("default signals");
+    check(sigprocmask(SIG_SETMASK, &none, NULL), "default signals", NULL);
+    trace("die with parent");
     die_with_parent(supervisor);
+    trace("new session");
     check(setsid(), "setsid", NULL);               /* no controlling terminal: no TIOCSTI into the caller */
+    trace("rlimits");
     apply_rlimits(o);
+    trace("verify dropped");
     verify_dropped();                              /* no caps, no_new_privs */
-    restrict_writes(o);                            /* second wall for writes, by path */
-    syscall(NR_close_range, 3, ~0U, CLOSE_RANGE_CLOEXEC);  /* only 0, 1, 2 survive exec */
+    trace("landlock");
+    long abi = restrict_writes(o);                 /* second wall for writes, by path */
+    if (trace_fd >= 0) {                           /* no formatting unless traced */
+        char step[48];
+        snprintf(step, sizeof step, "landlock abi %ld", abi);
+        trace(step);
+    }
+    trace("close-on-exec");
+    if (close_from(3, 1, !o->no_close_range))      /* only 0, 1, 2 survive exec */
+        trace("close-on-exec by /proc/self/fd");
+    trace("seccomp");
     load_seccomp(o, program, length);              /* last: nothing after this but exec */
+    trace("exec");
     exec_command(o->argv, o->env);
 }
 
 /* ---- main ----------------------------------------------------------------------------------- */
+
+/* Opened before the session's namespaces are joined: the path is the host's. Moved above the
+ * fixed descriptor layout, close-on-exec: the command never holds it. */
+static void open_trace(const char *path) {
+    int fd = open(path, O_WRONLY | O_APPEND | O_CLOEXEC);
+    if (fd < 0) fail("trace", errno, path);
+    trace_fd = fcntl(fd, F_DUPFD_CLOEXEC, SBX_TRACE_FD_MIN);
+    if (trace_fd < 0) fail("trace", errno, path);
+    check(close(fd), "trace", path);
+}
 
 static void parse(int argc, char **argv, struct options *o) {
     int option;
     memset(o, 0, sizeof *o);
     o->cpu_seconds = o->open_files = -1;
     o->uid = (uid_t)-1;
-    while ((option = getopt(argc, argv, "+u:g:c:n:C:F:LG:W:R:")) != -1) {
+    while ((option = getopt(argc, argv, "+u:g:c:n:C:F:LG:W:T:A:X")) != -1) {
         switch (option) {
         case 'u': o->uid = (uid_t)strtoul(optarg, NULL, 10); break;
         case 'g': o->gid = (gid_t)strtoul(optarg, NULL, 10); break;
@@ -356,7 +437,9 @@ static void parse(int argc, char **argv, struct options *o) {
         case 'L': o->listener = 1; break;
         case 'G': if (o->n_cgroups < MAX_PATHS) o->cgroups[o->n_cgroups++] = optarg; break;
         case 'W': if (o->n_writable < MAX_PATHS) o->writable[o->n_writable++] = optarg; break;
-        case 'R': if (o->n_file_writes_only < MAX_PATHS) o->file_writes_only[o->n_file_writes_only++] = optarg; break;
+        case 'T': open_trace(optarg); break;
+        case 'A': o->landlock_abi = strtol(optarg, NULL, 10); break;
+        case 'X': o->no_close_range = 1; break;
         default: fail("call helper arguments", EINVAL, NULL);
         }
     }
@@ -377,7 +460,6 @@ static void set_title(int argc, char **argv, struct options *o) {
     o->cwd = copy(o->cwd);
     for (int i = 0; i < o->n_cgroups; i++) o->cgroups[i] = copy(o->cgroups[i]);
     for (int i = 0; i < o->n_writable; i++) o->writable[i] = copy(o->writable[i]);
-    for (int i = 0; i < o->n_file_writes_only; i++) o->file_writes_only[i] = copy(o->file_writes_only[i]);
     int count = 0;
     while (o->argv[count]) count++;
     char **command = calloc((size_t)count + 1, sizeof *command);
@@ -404,7 +486,7 @@ static char **read_environment(void) {
         got += (size_t)n;
     }
     data[got] = '\0';
-    close(ENV_FD);
+    check(close(ENV_FD), "environment", NULL);
     for (size_t i = 0; i < got; i++) count += data[i] == '\0';
     char **env = calloc(count + 1, sizeof *env);
     if (!env) fail("environment", ENOMEM, NULL);
@@ -416,39 +498,54 @@ static char **read_environment(void) {
 int main(int argc, char **argv) {
     struct options o;
     static struct sock_filter program[MAX_BPF / sizeof(struct sock_filter)];
+    if (argc == 2 && strcmp(argv[1], "-V") == 0) {
+        puts(SBX_CONSTANTS_DIGEST);
+        return 0;
+    }
     parse(argc, argv, &o);
     set_title(argc, argv, &o);
     o.env = read_environment();
 
     /* The fork server is outside our PID namespace, so it appears as parent 0. */
+    trace("die with parent");
     die_with_parent(0);
+    trace("join cgroups");
     join_cgroups(&o);                              /* before anything forks: limits cover the whole tree */
     size_t got = 0;
     for (ssize_t n; (n = read(BPF_FD, (char *)program + got, sizeof program - got)) != 0; got += n > 0 ? (size_t)n : 0)
         if (n < 0 && errno != EINTR) fail("seccomp program", errno, NULL);
     if (got == 0 || got % sizeof(struct sock_filter)) fail("seccomp program", EINVAL, NULL);
-    close(BPF_FD);
+    check(close(BPF_FD), "seccomp program", NULL);
     /* The session's root comes with its mount namespace; the pidfd is the session's init. */
+    trace("join namespaces");
     check(setns(SESSION_PIDFD, o.nsflags), "setns", NULL);
-    close(SESSION_PIDFD);
+    check(close(SESSION_PIDFD), "setns", NULL);
+    trace("chdir");
     check(chdir(o.cwd), "chdir", o.cwd);
+    trace("child subreaper");
     check(prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)", NULL);
-    prctl(PR_SET_NAME, "sandboxd-call", 0, 0, 0);
+    trace("set title");
+    check(prctl(PR_SET_NAME, "sandboxd-call", 0, 0, 0), "prctl(PR_SET_NAME)", NULL);
+    trace("drop privileges");
     drop_privileges(&o);                           /* the supervisor keeps no privilege either */
+    trace("die with parent");
     die_with_parent(0);                            /* credential changes clear the death signal */
+    trace("not dumpable");
     check(prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)", NULL);
 
     /* Blocked before the fork (the command unblocks them): no signal is lost or acted on early. */
-    static const int forwarded[] = {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGWINCH, SIGCONT};
-    int kill_tree = SIGRTMIN + 2;
+    static const int forwarded[] = SBX_FORWARDED_SIGNALS;
+    int kill_tree = SBX_KILL_TREE_SIGNAL;          /* sequence.KILL_TREE_SIGNAL, as Python counts it */
+    if (kill_tree < SIGRTMIN || kill_tree > SIGRTMAX) fail("signals", EINVAL, NULL);
     sigset_t handled;
     sigemptyset(&handled);
     for (size_t i = 0; i < sizeof forwarded / sizeof *forwarded; i++) sigaddset(&handled, forwarded[i]);
     sigaddset(&handled, SIGCHLD);
     sigaddset(&handled, kill_tree);
-    sigprocmask(SIG_BLOCK, &handled, NULL);
+    check(sigprocmask(SIG_BLOCK, &handled, NULL), "signals", NULL);
 
     pid_t supervisor = getpid();
+    trace("fork");
     pid_t command = fork();
     if (command < 0) fail("fork", errno, NULL);
     if (command == 0) run_command(&o, supervisor, program, got / sizeof(struct sock_filter));
@@ -456,9 +553,10 @@ int main(int argc, char **argv) {
     char line[64];
     snprintf(line, sizeof line, "pid\x1f%d\n", (int)command);   /* its pid as seen inside the session */
     write_all(REPORT_FD, line, strlen(line));
-    /* Only the status pipe stays: the command's exec closes the report, and its end closes stdio. */
-    for (int fd = 0; fd < STATUS_FD; fd++) close(fd);
-    syscall(NR_close_range, STATUS_FD + 1, ~0U, 0);
+    /* Only the status pipe stays: the command's exec closes the report, and its end closes stdio.
+     * (A failure here kills the call: the command dies with its supervisor.) */
+    for (int fd = 0; fd < STATUS_FD; fd++) check(close(fd), "close descriptors", NULL);
+    close_from(STATUS_FD + 1, 0, !o.no_close_range);
 
     for (;;) {
         siginfo_t info;
@@ -467,7 +565,7 @@ int main(int argc, char **argv) {
         if (signum == kill_tree) {
             kill_descendants(0);
         } else if (signum != SIGCHLD) {
-            kill(command, signum);
+            kill(command, signum);                 /* ESRCH: it has ended, SIGCHLD follows */
         } else {
             int status;
             struct rusage usage;

@@ -161,6 +161,19 @@ CALL_NAMESPACES = (namespaces.CLONE_NEWNS | namespaces.CLONE_NEWNET | namespaces
 KILL_TREE_SIGNAL = signal.SIGRTMIN + 2
 
 
+def _no_trace(_step: str) -> None:
+    pass
+
+
+def _tracer(plan: LaunchPlan) -> "Callable[[str], object]":
+    """What records each setup step: nothing unless a test set plan.debug.trace_path (opened
+    here, before any namespace is joined: the path is the host's)."""
+    if plan.debug is None or not plan.debug.trace_path:
+        return _no_trace
+    fd = os.open(plan.debug.trace_path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+    return lambda step: os.write(fd, step.encode() + b"\n")
+
+
 def run_call(plan: LaunchPlan, *, session_pidfd: int, intake_fd: int | None, report_fd: int, status_fd: int,
              cgroup_dirs: list[str]) -> NoReturn:
     """The call's init: a process in the session's PID namespace (the spawner forked it there)
@@ -174,24 +187,35 @@ def run_call(plan: LaunchPlan, *, session_pidfd: int, intake_fd: int | None, rep
     it drops every privilege before the command is forked.
     """
     try:
+        trace = _tracer(plan)
+        trace("die with parent")
         process.die_with_parent(OUTSIDE_PARENT)
+        trace("join cgroups")
         cgroups.join(cgroup_dirs)
         # A pidfd of the session's init, inherited from the spawner (its pid number
         # means nothing in here): the session's root comes with its mount namespace.
+        trace("join namespaces")
         namespaces.setns(session_pidfd, CALL_NAMESPACES)
+        trace("chdir")
         os.chdir(plan.cwd)
+        trace("child subreaper")
         process.set_child_subreaper()
+        trace("set title")
         process.set_title("sandboxd-call")
+        trace("drop privileges")
         caps.drop_privileges(plan.uid, plan.gid)
+        trace("die with parent")
         process.die_with_parent(OUTSIDE_PARENT)
+        trace("not dumpable")
         process.set_dumpable(False)
+        trace("fork")
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "join session")
     sink = _socket.socket(fileno=intake_fd) if intake_fd is not None else None  # type: ignore[call-arg]
     command_pid = os.fork()
     if command_pid == 0:
         in_child(report_fd, "command", lambda: _run_command(plan, report_fd=report_fd, listener_sink=sink,
-                                                            parent=CALL_INIT))
+                                                            parent=CALL_INIT, trace=trace))
     if sink is not None:
         sink.detach()                                     # its descriptor is closed just below
     try:
@@ -214,22 +238,35 @@ def run_call(plan: LaunchPlan, *, session_pidfd: int, intake_fd: int | None, rep
 
 
 def _run_command(plan: LaunchPlan, *, report_fd: int, listener_sink: "_socket.socket | None",
-                 parent: int = 1) -> NoReturn:
+                 parent: int = 1, trace: "Callable[[str], object]" = _no_trace) -> NoReturn:
     """The command: ``parent`` is its expected parent pid (1: a one-shot init; CALL_INIT: a call's)."""
     parent = os.getppid() if parent == CALL_INIT else parent
+    debug = plan.debug
     try:
+        trace("default signals")
         for signum in FORWARDED_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)
+        trace("die with parent")
         process.die_with_parent(parent)
+        trace("new session")
         process.new_session()                             # no controlling terminal: no TIOCSTI into the caller
+        trace("rlimits")
         rlimits.apply(cpu_seconds=plan.limits.cpu_seconds, open_files=plan.limits.open_files)
+        trace("verify dropped")
         caps.verify_dropped()                             # no caps, no_new_privs
-        landlock.restrict_writes(                         # second wall for writes, by path
-            list(plan.writable_roots) + ["/tmp", "/dev/shm"], ["/dev", "/proc"])
-        process.cloexec_from(3)                           # only 0, 1, 2 survive exec
+        trace("landlock")
+        abi = landlock.restrict_writes(                   # second wall for writes, by path
+            [*plan.writable_roots, *landlock.EXTRA_WRITABLE], list(landlock.FILE_WRITES_ONLY),
+            forced_abi=debug.landlock_abi if debug else 0)
+        trace(f"landlock abi {abi}")
+        trace("close-on-exec")
+        if process.cloexec_from(3, use_close_range=not (debug and debug.no_close_range)):  # only 0, 1, 2 survive exec
+            trace("close-on-exec by /proc/self/fd")
+        trace("seccomp")
         listener = seccomp.load(plan.seccomp_program,     # last: nothing after this but exec
                                 new_listener=plan.brokers_connect)
         if listener_sink is not None and plan.brokers_connect:
+            trace("send listener")
             send_fd(listener_sink, listener)              # init answers this filter's notifications
             os.close(listener)
             listener_sink.close()
@@ -238,6 +275,7 @@ def _run_command(plan: LaunchPlan, *, report_fd: int, listener_sink: "_socket.so
     if plan.tool is not None:
         os.close(report_fd)                               # "running": there is nothing to exec
         file_tools.run(plan.tool)
+    trace("exec")
     _exec(plan, report_fd)
 
 

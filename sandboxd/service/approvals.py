@@ -163,7 +163,10 @@ class ApprovalGate:
         with self._lock:
             if (session.id, tool) in self._session_allowed:
                 return "session"
-        if self._store.has_memory(PERMISSION_NAMESPACE, session.workspace, rule_key(tool)):
+        # Only the session owner's own standing rules count: a rule another user added on a
+        # shared directory must not answer for this owner.
+        if self._store.has_memory(PERMISSION_NAMESPACE, session.workspace, rule_key(tool),
+                                  owner_uid=session.owner.uid, owner_principal=session.owner.principal):
             return "workspace_rule"
         return None
 
@@ -232,6 +235,7 @@ class ApprovalGate:
 
 
 def rule_key(tool: str) -> str:
-    """The key of a standing "always allow TOOL in this workspace" rule (permission namespace)."""
+    """The key of a standing "always allow TOOL in this workspace" rule (permission namespace);
+    each owner has its own, which applies only to that owner's sessions."""
     return f"allow:{tool}"
 

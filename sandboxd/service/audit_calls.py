@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 from typing import Callable, Iterator
 
-from sandboxd.audit.store import PERMISSION_NAMESPACE, Event, EventStore, EventType
-from sandboxd.errors import InvalidPolicy, NotFound, PermissionDenied
+from sandboxd.audit.store import PERMISSION_NAMESPACE, Event, EventStore, EventType, MemoryRow
+from sandboxd.errors import Forbidden, InvalidPolicy, NotFound, PermissionDenied
 from sandboxd.policy.tools import BUILTIN_TOOLS, Category, Effect, Risk, summary_of
 from sandboxd.service.approvals import ApprovalGate, Granted, ToolCall, rule_key
 from sandboxd.service.peercred import PeerCredentials
@@ -204,31 +205,54 @@ class AuditService:
             return False
 
     # -- standing rules --------------------------------------------------------------------------
+    # A rule is its maker's: (uid, TLS principal). It applies only to that owner's sessions (see
+    # ApprovalGate._remembered). Adding needs a workspace the caller could write; listing and
+    # removing one's own rules need only the path. Root and the admin group list every owner's
+    # rules and remove any by naming owner_uid; they cannot make a rule apply to someone else.
 
     def add_rule(self, who: PeerCredentials, rule: pb.StandingRule) -> pb.StandingRule:
         workspace = self._registry.check_workspace(who, rule.workspace)
         if not rule.tool:
             raise InvalidPolicy("name the tool the rule allows (for example fs.read)")
+        if rule.HasField("owner_uid") and (rule.owner_uid, rule.owner_principal) != (who.uid, who.principal):
+            raise InvalidPolicy("a standing rule is always its caller's own: leave owner_uid and owner_principal "
+                                "unset (a rule for another user is that user's to add)")
         self._store.remember(PERMISSION_NAMESPACE, workspace, rule_key(rule.tool), {"tool": rule.tool,
-                                                                                    "by_uid": who.uid})
-        return next(r for r in self.rules(who, workspace).rules if r.tool == rule.tool)
+                                                                                    "by_uid": who.uid},
+                             owner_uid=who.uid, owner_principal=who.principal)
+        row = self._store.recall(PERMISSION_NAMESPACE, workspace, owner_uid=who.uid, owner_principal=who.principal)
+        return next(_rule_to_proto(r) for r in row if r.key == rule_key(rule.tool))
 
     def rules(self, who: PeerCredentials, workspace: str) -> pb.ListStandingRulesResponse:
-        if workspace:
-            workspace = self._registry.check_workspace(who, workspace)
-        rows = self._store.recall(PERMISSION_NAMESPACE, workspace or None)
-        rules = []
-        for where, _key, value, created in rows:
-            if not workspace:
-                try:
-                    self._registry.check_workspace(who, where)
-                except Exception:  # noqa: BLE001 - a workspace out of the caller's reach is not listed
-                    continue
-            rules.append(pb.StandingRule(workspace=where, tool=str(value.get("tool", "")), created_at=created))
-        return pb.ListStandingRulesResponse(rules=rules)
+        """The caller's own rules; every owner's for an administrator."""
+        where = _rule_path(workspace) if workspace else None
+        if self._registry.is_admin(who):
+            rows = self._store.recall(PERMISSION_NAMESPACE, where)
+        else:
+            rows = self._store.recall(PERMISSION_NAMESPACE, where, owner_uid=who.uid, owner_principal=who.principal)
+        return pb.ListStandingRulesResponse(rules=[_rule_to_proto(r) for r in rows])
 
     def remove_rule(self, who: PeerCredentials, rule: pb.StandingRule) -> pb.RemoveStandingRuleResponse:
-        workspace = self._registry.check_workspace(who, rule.workspace)
-        return pb.RemoveStandingRuleResponse(removed=self._store.forget(PERMISSION_NAMESPACE, workspace,
-                                                                        rule_key(rule.tool)))
+        workspace = _rule_path(rule.workspace)
+        owner_uid, owner_principal = who.uid, who.principal
+        if rule.HasField("owner_uid") and (rule.owner_uid, rule.owner_principal) != (who.uid, who.principal):
+            if not self._registry.is_admin(who):
+                raise Forbidden("only root and the admin group may remove another user's standing rule: "
+                                        "leave owner_uid unset to remove your own")
+            owner_uid, owner_principal = rule.owner_uid, rule.owner_principal
+        return pb.RemoveStandingRuleResponse(removed=self._store.forget(
+            PERMISSION_NAMESPACE, workspace, rule_key(rule.tool), owner_uid=owner_uid,
+            owner_principal=owner_principal))
 
+
+def _rule_path(workspace: str) -> str:
+    """A workspace as rules store it (its real path)."""
+    if not workspace.startswith("/"):
+        raise InvalidPolicy(f"workspace {workspace!r} must be an absolute path")
+    return os.path.realpath(workspace)
+
+
+def _rule_to_proto(row: MemoryRow) -> pb.StandingRule:
+    return pb.StandingRule(workspace=row.workspace, tool=str(row.value.get("tool", "")), created_at=row.created_at,
+                           owner_uid=row.owner_uid if row.owner_uid >= 0 else None,
+                           owner_principal=row.owner_principal)

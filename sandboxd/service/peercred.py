@@ -14,6 +14,16 @@ private directory, remembers ``"unix:<that path>" -> credentials``, and relays
 bytes both ways. A handler then turns ``context.peer()`` back into the
 caller's credentials with :func:`caller`.
 
+One thread runs the whole door on epoll: accepting, the (non-blocking) connect
+to the backend, and both directions of every relay, each spliced through a pipe
+(zero copy) with backpressure: a side is not read while its pipe still holds
+bytes the other side has not taken. An idle connection costs descriptors, never
+a thread; each uid may hold at most ``connections_per_uid`` of them (more are
+accepted and closed at once), and nothing is accepted while the daemon is short
+of descriptors. At accept the door also reads the caller's supplementary groups
+(SO_PEERGROUPS) and may refuse it (``peer_check``): every call on a refused
+connection then fails with PermissionError saying why.
+
 Why this cannot be forged: a peer string only maps to credentials if it names
 one of our relay paths exactly, and only this process can bind there (the
 relay directory is 0700 and ours). A process that reaches the backend socket
@@ -39,10 +49,13 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import heapq
 import itertools
 import logging
 import os
+import resource
 import select
+import signal
 import socket
 import stat
 import struct
@@ -81,10 +94,38 @@ _PLAIN_PATH_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVW
 # writer (backpressure) instead of making us buffer.
 _CHUNK = 256 * 1024
 
+_SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
+_IN, _OUT = select.EPOLLIN, select.EPOLLOUT
+
+# Not in Python's socket module: from <asm-generic/socket.h>.
+_SO_PEERGROUPS = 59
+_SO_PEERPIDFD = 77       # Linux 6.5+
+_NGROUPS_MAX = 65536
+# The refusal of a connection whose process exited before the door could check it.
+_PEER_GONE = ("the process that opened this connection exited before the daemon could check it; "
+              "connect from the process that makes the calls")
+
+# Descriptors one live connection costs the daemon: the accepted socket, the socket to
+# the backend, two pipes (two ends each), and the gRPC server's end of the backend socket.
+_FDS_PER_CONNECTION = 7
+# How often the daemon's descriptors are really counted (/proc/self/fd); in between,
+# the front door's own are added by arithmetic. Near the limit: more often.
+_CALIBRATE_EVERY = 1.0
+_CALIBRATE_NEAR_LIMIT = 0.05
+
+# Connections accepted per wake-up before the relays get their turn.
+_ACCEPT_BURST = 64
 # A pending connection left in the backlog keeps the listener readable, so
-# after EMFILE and friends the accept loop pauses instead of spinning.
+# out of descriptors the door stops watching it for this long instead of spinning.
 _ACCEPT_BACKOFF = 0.1
 _ACCEPT_RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+# The same warning about the same thing (a uid over quota, no descriptors) at most this often.
+_LOG_EVERY = 60.0
+
+# The gRPC server's backlog full: the connect is retried, sooner first, for at most this long.
+_CONNECT_RETRY_FIRST = 0.005
+_CONNECT_RETRY_MAX = 0.1
+_CONNECT_PATIENCE = 30.0
 
 
 class PeerCredentials(Record):
@@ -112,12 +153,34 @@ class FrontDoor:
     ``relay_dir`` holds one socket file per live connection; it is created if
     missing and must be private too. Nothing is accepted before :meth:`start`
     (connections wait in the backlog).
+
+    One thread does everything (accepting, connecting to the backend, relaying both ways
+    of every connection), on epoll with non-blocking sockets, so an idle connection costs
+    descriptors but no thread. Bounds: at most ``connections_per_uid`` live connections per
+    uid (``root_connections`` for uid 0; default four times as many), and no accept at all
+    while fewer than ``fd_reserve`` descriptors are left under RLIMIT_NOFILE, so the rest
+    of the daemon keeps working. A connection over its uid's quota is accepted and closed
+    at once.
     """
 
     def __init__(self, public_path: str, backend_path: str, *, mode: int = 0o666, relay_dir: str,
-                 listener: "socket.socket | None" = None) -> None:
+                 listener: "socket.socket | None" = None, connections_per_uid: int = 64,
+                 root_connections: int | None = None, fd_reserve: int = 64,
+                 peer_check: "Callable[[PeerCredentials, int], str] | None" = None) -> None:
         """``listener``: an already listening public socket (systemd socket activation); it is
-        used as it is, and left in place at close (it belongs to the service manager)."""
+        used as it is, and left in place at close (it belongs to the service manager).
+
+        ``peer_check``: the refusal hook, called once per accepted connection with who connected
+        and a pidfd of the connecting process (SO_PEERPIDFD; -1 before Linux 6.5, or when that
+        process is gone already). It returns the reason to refuse that caller, or "" to serve
+        it; a refused connection stays open, and every call on it fails with PermissionError
+        (PERMISSION_DENIED) saying the reason. The pidfd is open only during the call: a check
+        that reads ``/proc/<pid>`` confirms with it (``signal.pidfd_send_signal(pidfd, 0)``)
+        that the pid still named the same process; the door itself confirms it after the check,
+        and refuses a connection whose process is gone already. It runs on the front door's only
+        thread, so it must be quick and never block; if it raises, the caller is refused."""
+        if connections_per_uid < 1:
+            raise ValueError(f"connections_per_uid must be at least 1, not {connections_per_uid}")
         # Absolute paths: the peer string is the relay path exactly as bound, and
         # the daemon may chdir later.
         self._public_path = os.path.abspath(public_path)
@@ -137,23 +200,44 @@ class FrontDoor:
         _ensure_private_dir(self._relay_dir, create=True, what="relay directory")
         _ensure_private_dir(os.path.dirname(self._backend_path), create=False, what="backend socket directory")
 
+        self._per_uid_limit = connections_per_uid
+        self._root_limit = root_connections if root_connections is not None else 4 * connections_per_uid
+        self._fd_reserve = fd_reserve
+        self._peer_check = peer_check
+
         if listener is not None:
             self._listener, self._public_id = listener, None
         else:
             self._listener, self._public_id = _listen(self._public_path, mode)
+        self._listener.setblocking(False)
         # Only after we own the public socket (so no live daemon uses relay_dir):
         # clear relay files a dead daemon left behind.
         _clear_relay_dir(self._relay_dir)
 
+        # Guards what other threads read (_per_uid for counts) and _closing/_thread.
         self._lock = threading.Lock()
         self._closing = False
+        self._thread: threading.Thread | None = None
+        # Everything below belongs to the loop thread (or to close() once it has ended).
         self._relays: dict[int, _Relay] = {}
         self._identities: dict[str, PeerCredentials] = {}
+        self._per_uid: dict[int, int] = {}
         self._numbers = itertools.count()
-        self._accept_thread: threading.Thread | None = None
-        # close() writes here to wake the accept loop: closing a socket another
-        # thread is blocked on does not wake it.
+        self._epoll = select.epoll()
+        # fd -> (relay, True for its client socket / False for its backend socket).
+        self._watched: dict[int, tuple[_Relay, bool]] = {}
+        self._timers: list[tuple[float, int, "Callable[[], None]"]] = []
+        self._timer_numbers = itertools.count()
+        self._accepting = False          # the listener is in the epoll set
+        self._accept_paused = False      # out of descriptors: a timer resumes accepting
+        self._refused_logged: dict[int, float] = {}
+        self._starved_logged = -_LOG_EVERY
+        self._fds_others = 0             # descriptors not counted per relay, at the last calibration
+        self._fds_calibrated = float("-inf")
+        self._pidfd_supported = True
+        # close() writes here to wake the loop.
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._epoll.register(self._wake_r, select.EPOLLIN)
 
     # ------------------------------------------------------------------ public API
 
@@ -167,19 +251,23 @@ class FrontDoor:
 
     @property
     def connections(self) -> int:
-        """Relayed connections currently alive (being set up, or relaying)."""
+        """Relayed connections currently alive (being set up, or relaying; refused callers included)."""
         return len(self._relays)
 
+    def connections_by_uid(self) -> dict[int, int]:
+        """Live connections per caller uid (refused callers included): for ``sandboxctl status``."""
+        with self._lock:
+            return dict(self._per_uid)
+
     def start(self) -> None:
-        """Start accepting connections (in a daemon thread)."""
+        """Start accepting connections (in a daemon thread, the front door's only one)."""
         with self._lock:
             if self._closing:
                 raise RuntimeError("front door is closed")
-            if self._accept_thread is not None:
+            if self._thread is not None:
                 raise RuntimeError("front door already started")
-            self._accept_thread = threading.Thread(target=self._accept_loop, name="sandboxd-frontdoor-accept",
-                                                   daemon=True)
-        self._accept_thread.start()
+            self._thread = threading.Thread(target=self._loop, name="sandboxd-frontdoor", daemon=True)
+        self._thread.start()
 
     def identity(self, peer: str) -> PeerCredentials | None:
         """The credentials behind ``peer`` (a gRPC ``context.peer()``), or None if it is not a live relay."""
@@ -192,31 +280,19 @@ class FrontDoor:
             if self._closing:
                 return
             self._closing = True
-            relays = list(self._relays.values())
+            thread = self._thread
         try:
             os.write(self._wake_w, b"x")
         except OSError:
             pass
-        if self._accept_thread is not None and self._accept_thread is not threading.current_thread():
-            self._accept_thread.join(timeout)
-        self._listener.close()
-        if self._public_id is not None:
-            _unlink_if_same(self._public_path, self._public_id)
-        # Relays admitted before _closing was set; none can be added after.
-        for relay in relays:
-            relay.abort()
-        deadline = time.monotonic() + timeout
-        for relay in relays:
-            if not relay.finished.wait(max(0.0, deadline - time.monotonic())):
-                # Typically stuck in connect() to a backend that never accepts.
-                log.warning("front door: relay %d did not finish within %.1fs", relay.number, timeout)
-                _unlink_quietly(relay.path)
-        with self._lock:
-            self._identities.clear()
-        if self._accept_thread is None or not self._accept_thread.is_alive():
-            # (Were it still polling, a closed and reused fd number could wake it wrongly.)
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                # Only a peer_check that blocks can do this; the loop tears down when it returns.
+                log.warning("front door: the loop did not stop within %.1fs", timeout)
+                return
+        if thread is None:
+            self._teardown()
 
     def __enter__(self) -> "FrontDoor":
         return self
@@ -224,42 +300,146 @@ class FrontDoor:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        listener = self._listener.fileno()
+        wake = self._wake_r
+        watched = self._watched
+        poll = self._epoll.poll
+        try:
+            self._resume_accepting()
+            while not self._closing:
+                timeout = -1.0
+                if self._timers:
+                    timeout = max(0.0, self._timers[0][0] - time.monotonic())
+                try:
+                    events = poll(timeout)
+                except InterruptedError:
+                    continue
+                for fd, mask in events:
+                    entry = watched.get(fd)
+                    if entry is not None:
+                        relay, is_client = entry
+                        if relay.state is not _CLOSED:
+                            try:
+                                relay.on_event(is_client, mask)
+                            except Exception:  # noqa: BLE001 - one bad relay must not end the loop
+                                log.exception("front door: relay %d failed", relay.number)
+                                relay.abort()
+                    elif fd == listener:
+                        self._accept_some()
+                    elif fd == wake:
+                        break
+                if self._timers:
+                    self._run_timers()
+        except Exception:  # noqa: BLE001
+            log.exception("front door: the loop failed; no more connections are served")
+        finally:
+            self._teardown()
+
+    def _run_timers(self) -> None:
+        now = time.monotonic()
+        while self._timers and self._timers[0][0] <= now:
+            _, _, action = heapq.heappop(self._timers)
+            try:
+                action()
+            except Exception:  # noqa: BLE001
+                log.exception("front door: a timer failed")
+
+    def _after(self, delay: float, action: "Callable[[], None]") -> None:
+        heapq.heappush(self._timers, (time.monotonic() + delay, next(self._timer_numbers), action))
+
+    def _teardown(self) -> None:
+        """Cut every relay, close the listener and the loop's descriptors. The loop has ended."""
+        for relay in list(self._relays.values()):
+            relay.abort()
+        self._timers.clear()
+        self._identities.clear()
+        self._listener.close()
+        if self._public_id is not None:
+            _unlink_if_same(self._public_path, self._public_id)
+        self._epoll.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
     # ------------------------------------------------------------------ accepting
 
-    def _accept_loop(self) -> None:
-        poller = select.poll()
-        poller.register(self._listener.fileno(), select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
-        waker = select.poll()
-        waker.register(self._wake_r, select.POLLIN)
-        self._listener.setblocking(False)
-        starved = False
-        while not self._closing:
+    def _resume_accepting(self) -> None:
+        self._accept_paused = False
+        if not self._accepting and not self._closing:
+            self._epoll.register(self._listener.fileno(), select.EPOLLIN)
+            self._accepting = True
+
+    def _pause_accepting(self, delay: float) -> None:
+        """Leave pending connections in the backlog for ``delay`` (a readable listener would spin the loop)."""
+        if self._accepting:
+            self._epoll.unregister(self._listener.fileno())
+            self._accepting = False
+        if not self._accept_paused:
+            self._accept_paused = True
+            self._after(delay, self._resume_accepting)
+
+    def _accept_some(self) -> None:
+        # A burst is taken in one go, but not forever: relays need their turn.
+        for _ in range(_ACCEPT_BURST):
+            if not self._room_for_one():
+                now = time.monotonic()
+                if now - self._starved_logged >= _LOG_EVERY:
+                    self._starved_logged = now
+                    log.warning("front door: fewer than %d file descriptors left (limit %d): not accepting "
+                                "new connections for now", self._fd_reserve + _FDS_PER_CONNECTION, _fd_limit())
+                self._pause_accepting(_ACCEPT_BACKOFF)
+                return
             try:
-                poller.poll()
-                if self._closing:
-                    break
                 conn, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
-                continue  # another wake-up, or the client gave up before we got to it
+                return
             except OSError as exc:
                 if exc.errno in _ACCEPT_RESOURCE_ERRORS:
-                    if not starved:
+                    now = time.monotonic()
+                    if now - self._starved_logged >= _LOG_EVERY:
+                        self._starved_logged = now
                         log.warning("front door: cannot accept (%s); retrying", os.strerror(exc.errno or 0))
-                    starved = True
-                    waker.poll(int(_ACCEPT_BACKOFF * 1000))
-                elif self._closing:
-                    break
-                else:
-                    # ECONNABORTED, EPROTO...: that one connection is lost, not the door.
-                    log.debug("front door: accept failed: %s", exc)
+                    self._pause_accepting(_ACCEPT_BACKOFF)
+                    return
+                # ECONNABORTED, EPROTO...: that one connection is lost, not the door.
+                log.debug("front door: accept failed: %s", exc)
                 continue
-            starved = False
             try:
                 self._admit(conn)
             except Exception:  # noqa: BLE001 - one bad connection must not end the loop
                 log.exception("front door: dropping a connection")
                 conn.close()
+
+    def _room_for_one(self) -> bool:
+        """Whether one more connection leaves at least ``fd_reserve`` descriptors for the rest of the daemon.
+
+        Counting /proc/self/fd costs ~1.5 us per descriptor, too much for every accept: the
+        count is taken at most once a second, and the descriptors relays open since are
+        added by arithmetic. Near the limit it is counted again (at most every 50 ms).
+        """
+        limit = _fd_limit()
+        now = time.monotonic()
+        if now - self._fds_calibrated > _CALIBRATE_EVERY:
+            self._calibrate(now)
+        need = self._fd_reserve + _FDS_PER_CONNECTION
+        free = limit - self._fds_others - _FDS_PER_CONNECTION * len(self._relays)
+        if free >= need:
+            return True
+        if now - self._fds_calibrated > _CALIBRATE_NEAR_LIMIT:
+            self._calibrate(now)
+            free = limit - self._fds_others - _FDS_PER_CONNECTION * len(self._relays)
+        return free >= need
+
+    def _calibrate(self, now: float) -> None:
+        try:
+            # (listdir's own descriptor is counted too: one of slack.)
+            total = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            total = 0  # no /proc: only our own relays are counted
+        self._fds_others = total - _FDS_PER_CONNECTION * len(self._relays)
+        self._fds_calibrated = now
 
     def _admit(self, conn: socket.socket) -> None:
         try:
@@ -268,38 +448,117 @@ class FrontDoor:
             conn.close()  # gone already
             return
         pid, uid, gid = _UCRED.unpack(raw)
-        # splice() needs blocking sockets, whatever socket.setdefaulttimeout() says.
-        conn.setblocking(True)
-        number = next(self._numbers)
-        relay = _Relay(self, number, conn, PeerCredentials(uid=uid, gid=gid, pid=pid))
+        limit = self._root_limit if uid == 0 else self._per_uid_limit
+        count = self._per_uid.get(uid, 0)
+        if count >= limit:
+            now = time.monotonic()
+            if now - self._refused_logged.get(uid, -_LOG_EVERY) >= _LOG_EVERY:
+                if len(self._refused_logged) >= 1024:  # (uids whose minute is over are forgotten)
+                    self._refused_logged = {u: t for u, t in self._refused_logged.items() if now - t < _LOG_EVERY}
+                self._refused_logged[uid] = now
+                log.warning("front door: uid %d has %d connections open, its limit (quotas.connections_per_uid): "
+                            "closing its new ones", uid, count)
+            conn.close()
+            return
+        groups = _peer_groups(conn)
+        credentials = PeerCredentials(uid=uid, gid=gid, pid=pid, groups=groups)
+        if self._peer_check is not None:
+            refusal = self._check(conn, credentials)
+            if refusal:
+                credentials = PeerCredentials(uid=uid, gid=gid, pid=pid, groups=groups, refusal=refusal)
+        conn.setblocking(False)
+        relay = _Relay(self, next(self._numbers), conn, credentials)
         with self._lock:
-            if self._closing:
-                conn.close()
-                return
-            self._relays[number] = relay
-        # The backend connect() can block (its backlog full), so it happens in
-        # the relay's own thread, never here.
-        if not relay.spawn(relay.run, "up"):
-            relay.abort()
-            relay.finish()
+            self._per_uid[uid] = count + 1
+        self._relays[relay.number] = relay
+        relay.connect()
+
+    def _check(self, conn: socket.socket, credentials: PeerCredentials) -> str:
+        """Ask peer_check about this caller, with a pidfd pinning its process when the kernel can.
+
+        With a pidfd, a verdict is only kept if the process was alive from before the check
+        until after it: then the pid the check looked at (/proc/<pid>) was that process, not a
+        later one given the same number. A connection whose process is gone already is refused:
+        whoever holds it now (a child it forked, a process it passed the socket to) is unknown."""
+        assert self._peer_check is not None
+        pidfd = -1
+        if self._pidfd_supported:
+            try:
+                pidfd = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
+            except OSError as exc:
+                if exc.errno == errno.ENOPROTOOPT:
+                    self._pidfd_supported = False  # before Linux 6.5: the pid alone
+                elif exc.errno in (errno.ESRCH, errno.EINVAL):
+                    return _PEER_GONE  # (EINVAL: kernels before 6.16, for a reaped process)
+                # Anything else: the pid alone.
+        try:
+            reason = str(self._peer_check(credentials, pidfd) or "")
+            if pidfd >= 0 and not reason:
+                signal.pidfd_send_signal(pidfd, 0)
+        except ProcessLookupError:
+            reason = _PEER_GONE
+        except Exception:  # noqa: BLE001 - a check that cannot decide refuses
+            log.exception("front door: peer check failed for pid %d uid %d", credentials.pid, credentials.uid)
+            reason = "the daemon could not check who is calling; refusing"
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+        return reason
 
     # ------------------------------------------------------------------ called by relays
 
-    def _remember(self, relay: "_Relay") -> bool:
-        with self._lock:
-            if self._closing:
-                return False
-            self._identities[relay.peer] = relay.credentials
-            return True
+    def _watch(self, fd: int, relay: "_Relay", is_client: bool, old: int, new: int) -> None:
+        """Move ``fd`` from epoll interest ``old`` to ``new`` (0: not in the set at all, so a
+        hang-up it cannot act on yet does not spin the loop)."""
+        if new == old:
+            return
+        if not old:
+            self._epoll.register(fd, new)
+            self._watched[fd] = (relay, is_client)
+        elif not new:
+            self._epoll.unregister(fd)
+            del self._watched[fd]
+        else:
+            self._epoll.modify(fd, new)
+
+    def _remember(self, relay: "_Relay") -> None:
+        self._identities[relay.peer] = relay.credentials
 
     def _forget(self, relay: "_Relay") -> None:
+        self._identities.pop(relay.peer, None)
+        if self._relays.pop(relay.number, None) is None:
+            return
+        uid = relay.credentials.uid
         with self._lock:
-            self._identities.pop(relay.peer, None)
-            self._relays.pop(relay.number, None)
+            left = self._per_uid[uid] - 1
+            if left:
+                self._per_uid[uid] = left
+            else:
+                del self._per_uid[uid]
+        if self._accept_paused and not self._closing and self._room_for_one():
+            self._resume_accepting()
+
+
+_CONNECTING, _RELAYING, _CLOSED = "connecting", "relaying", "closed"
+
+
+class _Direction:
+    """One way of a relay: bytes from ``src`` go through a pipe to ``dst``."""
+
+    __slots__ = ("src", "dst", "dst_sock", "r", "w", "pending", "eof", "done")
+
+    def __init__(self, src: socket.socket, dst: socket.socket, r: int, w: int) -> None:
+        self.src, self.dst, self.dst_sock, self.r, self.w = src.fileno(), dst.fileno(), dst, r, w
+        self.pending = 0      # bytes in the pipe not yet written to dst
+        self.eof = False      # src said EOF
+        self.done = False     # ... and everything before it reached dst, which got a half-close
 
 
 class _Relay:
-    """One accepted connection and its connection to the backend; one thread per direction."""
+    """One accepted connection and its connection to the backend, driven by the door's loop."""
+
+    __slots__ = ("door", "number", "client", "backend", "credentials", "path", "peer", "state", "up", "down",
+                 "_client_mask", "_backend_mask", "_pipes", "_connect_delay", "_connect_deadline")
 
     def __init__(self, door: FrontDoor, number: int, client: socket.socket, credentials: PeerCredentials) -> None:
         self.door = door
@@ -309,159 +568,183 @@ class _Relay:
         self.credentials = credentials
         self.path = os.path.join(door._relay_dir, f"{number}.sock")
         self.peer = "unix:" + self.path
-        self.finished = threading.Event()
-        # Guards the sockets: a shutdown() from another thread must never race
-        # their close() (the fd number could already belong to something else).
-        self._lock = threading.Lock()
-        self._closed = False
-        self._aborted = False
-        self._threads = 0  # pump threads started and not yet done; the last one cleans up
+        self.state = _CONNECTING
+        self.up: _Direction | None = None
+        self.down: _Direction | None = None
+        self._client_mask = 0
+        self._backend_mask = 0
+        self._pipes: list[int] = []
+        self._connect_delay = _CONNECT_RETRY_FIRST
+        self._connect_deadline = time.monotonic() + _CONNECT_PATIENCE
 
-    def spawn(self, target: "Callable[[], None]", direction: str) -> bool:
-        with self._lock:
-            self._threads += 1
-        try:
-            threading.Thread(target=target, name=f"sandboxd-relay-{self.number}-{direction}", daemon=True).start()
-            return True
-        except RuntimeError as exc:  # can't start new thread
-            log.warning("front door: relay %d: %s", self.number, exc)
-            with self._lock:
-                self._threads -= 1
-            return False
+    # -- connecting
 
-    def run(self) -> None:
-        """Thread 'up': connect to the backend, start 'down', then pump client -> backend."""
-        try:
-            if not self._connect():
-                self.abort()
-                return
-            backend = self.backend
-            assert backend is not None
-            if not self.spawn(lambda: self._pump_and_finish(backend, self.client), "down"):
-                self.abort()
-                return
-            self._pump(self.client, backend)
-        except Exception:  # noqa: BLE001
-            log.exception("front door: relay %d failed", self.number)
-            self.abort()
-        finally:
-            self.thread_done()
-
-    def _connect(self) -> bool:
-        backend = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        backend.setblocking(True)
-        with self._lock:
-            if self._aborted:
-                backend.close()
-                return False
-            self.backend = backend
+    def connect(self) -> None:
+        backend = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        self.backend = backend
         try:
             # Binding is what makes the gRPC server's context.peer() name this relay.
             backend.bind(self.path)
         except OSError as exc:
             log.warning("front door: relay %d: cannot bind %s: %s", self.number, self.path, exc)
-            return False
+            self.abort()
+            return
         # Known before the first byte reaches the server, so no call can ever
         # arrive ahead of its identity.
-        if not self.door._remember(self):
-            return False
+        self.door._remember(self)
+        self._try_connect()
+
+    def _try_connect(self) -> None:
+        if self.state is not _CONNECTING:
+            return
+        assert self.backend is not None
         try:
-            backend.connect(self.door._backend_path)
+            # A Unix socket connects at once or not at all: EAGAIN means the server's
+            # backlog is full, and nothing signals when it has room, so: retry later.
+            self.backend.connect(self.door._backend_path)
+        except (BlockingIOError, InterruptedError):
+            if time.monotonic() + self._connect_delay > self._connect_deadline:
+                log.warning("front door: relay %d: the gRPC server accepted nothing for %.0fs",
+                            self.number, _CONNECT_PATIENCE)
+                self.abort()
+                return
+            self.door._after(self._connect_delay, self._try_connect)
+            self._connect_delay = min(2 * self._connect_delay, _CONNECT_RETRY_MAX)
+            return
         except OSError as exc:
             log.warning("front door: relay %d: cannot connect to %s: %s", self.number, self.door._backend_path, exc)
-            return False
-        return not self._aborted
-
-    def _pump_and_finish(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            self._pump(src, dst)
-        except Exception:  # noqa: BLE001
-            log.exception("front door: relay %d failed", self.number)
             self.abort()
-        finally:
-            self.thread_done()
+            return
+        self._start_relaying()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        """Move bytes src -> dst until EOF, through a pipe (zero copy); pass EOF on as a half-close."""
-        r, w = os.pipe2(os.O_CLOEXEC)
-        try:
+    def _start_relaying(self) -> None:
+        assert self.backend is not None
+        up_r, up_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._pipes += (up_r, up_w)
+        down_r, down_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._pipes += (down_r, down_w)
+        for w in (up_w, down_w):
             try:
                 # A bigger pipe than the default 64 KiB: fewer system calls per MiB.
                 fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, _CHUNK)
             except OSError:
                 pass  # over the pipe-user-pages limit: the default size still works
-            s, d = src.fileno(), dst.fileno()
-            try:
-                while True:
-                    # Blocks until src has data; moves at most a pipe-full. The pipe
-                    # is always drained before the next read, so this never blocks
-                    # on the pipe, and at most one pipe-full is ever in flight.
-                    n = os.splice(s, w, _CHUNK, flags=os.SPLICE_F_MOVE)
-                    if n == 0:
-                        break
-                    while n:
-                        # Blocks while dst is full: that is the backpressure.
-                        n -= os.splice(r, d, n, flags=os.SPLICE_F_MOVE)
-            except OSError as exc:
-                # A reset, a broken pipe, or abort() shutting us down: nothing
-                # more can flow either way.
-                if exc.errno not in (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.EBADF):
-                    log.debug("front door: relay %d: %s", self.number, exc)
-                self.abort()
-                return
-            # Clean EOF: tell the other side we are done writing but keep the
-            # other direction open, so gRPC sees an orderly end.
-            self._shutdown(dst, socket.SHUT_WR)
-        finally:
-            os.close(r)
-            os.close(w)
+        self.up = _Direction(self.client, self.backend, up_r, up_w)
+        self.down = _Direction(self.backend, self.client, down_r, down_w)
+        self.state = _RELAYING
+        self._update()
 
-    def _shutdown(self, sock: socket.socket, how: int) -> None:
-        with self._lock:
-            if self._closed:
-                return
+    # -- relaying
+
+    def on_event(self, is_client: bool, mask: int) -> None:
+        """``mask`` is not needed: each direction tries what its state allows, and EAGAIN says not yet."""
+        up, down = self.up, self.down
+        assert up is not None and down is not None
+        # The side that fired is read from (if its pipe is empty) and written to (if the
+        # other direction's pipe holds bytes); nothing is tried that the event does not hint at.
+        if is_client:
+            ok = self._move(up, True) and (not down.pending or self._move(down, False))
+        else:
+            ok = self._move(down, True) and (not up.pending or self._move(up, False))
+        if ok:
+            self._update()
+
+    def _move(self, d: _Direction, read: bool) -> bool:
+        """Read into the pipe if it is empty, write out what it holds. False when the relay was aborted."""
+        try:
+            if read and not d.pending and not d.eof:
+                n = os.splice(d.src, d.w, _CHUNK, flags=_SPLICE_FLAGS)
+                if n == 0:
+                    d.eof = True
+                d.pending = n
+            if d.pending:
+                # Straight on: most of the time dst has room, which saves a trip through epoll.
+                d.pending -= os.splice(d.r, d.dst, d.pending, flags=_SPLICE_FLAGS)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as exc:
+            # A reset or a broken pipe: nothing more can flow either way.
+            if exc.errno not in (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN):
+                log.debug("front door: relay %d: %s", self.number, exc)
+            self.abort()
+            return False
+        if d.eof and not d.pending and not d.done:
+            # Clean EOF: tell the other side we are done writing but keep the other
+            # direction open, so gRPC sees an orderly end.
+            d.done = True
             try:
-                sock.shutdown(how)
+                d.dst_sock.shutdown(socket.SHUT_WR)
             except OSError:
-                pass  # not connected (yet, or any more)
+                pass  # not connected any more: the other direction finds out
+        return True
+
+    def _update(self) -> None:
+        up, down = self.up, self.down
+        assert up is not None and down is not None and self.backend is not None
+        if up.done and down.done:
+            self.finish()
+            return
+        # Backpressure: a side is read only while its pipe is empty, and written only while it is not.
+        client = (_IN if not up.eof and not up.pending else 0) | (_OUT if down.pending else 0)
+        backend = (_IN if not down.eof and not down.pending else 0) | (_OUT if up.pending else 0)
+        if client != self._client_mask:
+            self.door._watch(up.src, self, True, self._client_mask, client)
+            self._client_mask = client
+        if backend != self._backend_mask:
+            self.door._watch(down.src, self, False, self._backend_mask, backend)
+            self._backend_mask = backend
+
+    # -- ending
 
     def abort(self) -> None:
-        """Stop both directions now: wakes pump threads blocked in either socket."""
-        with self._lock:
-            self._aborted = True
-            if self._closed:
-                return
-            for sock in (self.client, self.backend):
-                if sock is not None:
-                    try:
-                        sock.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-
-    def thread_done(self) -> None:
-        with self._lock:
-            self._threads -= 1
-            last = self._threads == 0
-        if last:
-            self.finish()
+        """Cut both directions now (whatever is in flight is lost) and clean up."""
+        self.finish()
 
     def finish(self) -> None:
-        """Close both sockets, forget the identity, remove the relay file. Only once no pump runs."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self.client.close()
-            if self.backend is not None:
-                self.backend.close()
+        """Close both sockets and the pipes, forget the identity, remove the relay file. Once."""
+        if self.state is _CLOSED:
+            return
+        self.state = _CLOSED
+        door = self.door
+        if self._client_mask:
+            door._watch(self.client.fileno(), self, True, self._client_mask, 0)
+        if self._backend_mask and self.backend is not None:
+            door._watch(self.backend.fileno(), self, False, self._backend_mask, 0)
+        self._client_mask = self._backend_mask = 0
+        self.client.close()
+        if self.backend is not None:
+            self.backend.close()
+        for fd in self._pipes:
+            os.close(fd)
+        self._pipes = []
         # File first: once a relay is no longer counted, nothing of it is left.
         _unlink_quietly(self.path)
-        self.door._forget(self)
-        self.finished.set()
+        door._forget(self)
+
+
+def _fd_limit() -> int:
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft if soft != resource.RLIM_INFINITY else 1 << 30
+
+
+def _peer_groups(conn: socket.socket) -> tuple[int, ...]:
+    """The connecting process's supplementary groups (SO_PEERGROUPS), as of connect()."""
+    size = 64 * 4
+    for _ in range(2):
+        try:
+            raw = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, size)
+        except OSError as exc:
+            if exc.errno == errno.ERANGE:
+                size = _NGROUPS_MAX * 4  # more than 64 groups: ask for room for all
+                continue
+            return ()
+        return struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
+    return ()
 
 
 def caller(front_door: FrontDoor, context: "Any") -> PeerCredentials:
-    """The credentials of the process behind a gRPC call; PermissionError if it did not come through the door.
+    """The credentials of the process behind a gRPC call; PermissionError if it did not come through the door,
+    or if the door refused it (its ``peer_check`` gave a reason: the error says it).
 
     Call it at the start of a handler: the mapping goes away with the connection.
     """
@@ -469,6 +752,8 @@ def caller(front_door: FrontDoor, context: "Any") -> PeerCredentials:
     who = front_door.identity(peer)
     if who is None:
         raise PermissionError(f"unknown caller {peer!r}: not connected through the front door")
+    if who.refusal:
+        raise PermissionError(who.refusal)
     return who
 
 

@@ -30,6 +30,8 @@ class SandboxedPeers:
         # Checked against the inodes again on every call, so a port reused by another
         # connection is judged anew.
         self._tcp_verdicts: dict[tuple[str, int, int], tuple[frozenset[int], str]] = {}
+        # Foreign PID namespaces already judged: namespace -> (its PID 1, that process's start time, verdict).
+        self._namespace_verdicts: dict[int, tuple[int, int | None, str]] = {}
         self._own = peers.pid_namespace(os.getpid())
 
     def reason_for_pid(self, pid: int) -> str:
@@ -40,10 +42,25 @@ class SandboxedPeers:
             return ""
         if namespace in self._sandbox_namespaces():
             return REASON
+        return self._foreign_namespace(namespace)
+
+    def _foreign_namespace(self, namespace: int) -> str:
+        """Another PID namespace (a container, or a sandbox not of this daemon): sandboxed when its
+        PID 1 is a sandboxd init. Finding that PID 1 walks /proc, so the verdict is kept per
+        namespace, for as long as the same PID 1 (pid and start time) still runs: a namespace's
+        PID 1 never changes, and repeated connections from one cost a stat and a read."""
+        known = self._namespace_verdicts.get(namespace)
+        if known is not None and peers.start_time(known[0]) == known[1]:
+            return known[2]
         init = peers.namespace_init(namespace)
+        reason = ""
         if init is not None and peers.command_line(init).rstrip(b"\0").startswith(INIT_TITLES):
-            return REASON
-        return ""
+            reason = REASON
+        if init is not None:
+            if len(self._namespace_verdicts) > 4096:
+                self._namespace_verdicts.clear()
+            self._namespace_verdicts[namespace] = (init, peers.start_time(init), reason)
+        return reason
 
     def reason_for_tcp(self, peer_host: str, peer_port: int, server_port: int) -> str:
         """The refusal for the TCP client at ``peer_host:peer_port`` of our ``server_port``."""

@@ -98,15 +98,28 @@ def _self_test(fork: "Any") -> str | None:
         os.rmdir(workspace)
 
 
+def _raise_fd_limit() -> None:
+    """Soft RLIMIT_NOFILE up to the hard limit (at most 65536): each client connection costs the
+    daemon 7 descriptors, and the usual soft 1024 would cap everyone together at ~130."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
 def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_gid: int | None = None,
           workers: int = 64,
           ready: "threading.Event | None" = None, tls: "TlsListener | None" = None,
           state_dir: str = DEFAULT_STATE_DIR, approval_timeout: float = 300.0, dns: tuple[str, ...] = (),
           log_format: str = "json", log_level: str = "info", config_path: str | None = None,
           metrics_listen: str = "",
-          session_defaults: "object | None" = None, network_pool: str = "", quotas: "Any" = None) -> int:
+          session_defaults: "object | None" = None, network_pool: str = "", connections_per_uid: int = 64,
+          quotas: "Any" = None) -> int:
     from sandboxd.supervisor.forkserver import ForkServer
     fork = ForkServer.start()                             # before gRPC's threads, and as a fresh process
+    _raise_fd_limit()                                     # after: sandboxes keep the limit they had
     problem = _self_test(fork)
     if problem is not None:
         # Refuse to start rather than serve sessions the kernel cannot enforce.
@@ -119,7 +132,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
-    from sandboxd.audit.store import EventStore
+    from sandboxd.audit.store import open_in_state_dir
     from sandboxd.service.approvals import ApprovalGate
     from sandboxd.service.peercred import FrontDoor, PeerCredentials
     from sandboxd.service.callers import Callers, TlsIdentity
@@ -148,7 +161,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
         os.unlink(backend)
 
     # The audit log and session metadata: opened (and migrated) before anything is served.
-    store = EventStore(os.path.join(state_dir, "events.db"))
+    store = open_in_state_dir(state_dir)
     own = own_places(socket_path, private, backend, state_dir, tls.address if tls else "", metrics_listen)
     from sandboxd.service.quotas import QuotaLimits, Quotas
     counters = Quotas(quotas or QuotaLimits(workers=workers))
@@ -162,10 +175,11 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
                   running=lambda: sum(s.running_calls for s in registry.list(PeerCredentials(0, 0, 0))),
                   events=store.last_id)
     gate = ApprovalGate(store, timeout=approval_timeout, metrics=metrics)
-    door = FrontDoor(socket_path, backend, mode=socket_mode, relay_dir=os.path.join(private, "relay"),
-                     listener=activated)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandboxd-rpc"))
     sandboxed = SandboxedPeers(registry.sandbox_namespaces)
+    door = FrontDoor(socket_path, backend, mode=socket_mode, relay_dir=os.path.join(private, "relay"),
+                     listener=activated, connections_per_uid=connections_per_uid,
+                     peer_check=lambda who, _pidfd: sandboxed.reason_for_pid(who.pid))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandboxd-rpc"))
     tls_identity = None
     if tls is not None:
         tls_identity = TlsIdentity(identity=tls.identity, default_user=(tls.uid, tls.gid), users=tls.users,

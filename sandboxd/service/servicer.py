@@ -130,6 +130,9 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             path = file_calls.resolve(session, request.path)
             if request.mode > 0o7777:
                 raise InvalidPolicy(f"mode {request.mode:o} is not a permission mode (at most 7777 octal)")
+            if request.mode & 0o6000:                      # S_ISUID | S_ISGID
+                raise InvalidPolicy(f"mode {request.mode:o} has the set-uid or set-gid bit: a file written "
+                                    f"through the daemon may not have them (use {request.mode & 0o1777:o})")
             call = tool_calls.write(session, "fs.write", [path], bytes=len(request.data))
             _, out = self._tool(context, who, session, call, lambda: file_calls.run_tool(
                 self._registry, self._fork, session, {

@@ -364,7 +364,7 @@ class SessionRegistry:
         # The workspace, the writable roots and the allowed sockets are opened and checked by the
         # kernel as the session's owner (kernel.access) when its sandbox is built, every time.
         return LaunchSpec(argv=SESSION_PLACEHOLDER_ARGV, workspace=session.workspace, policy=policy,
-                          limits=session.limits, user=(session.owner.uid, session.owner.gid), dns=self._dns,
+                          limits=session.limits, user=command_user(session.owner, policy), dns=self._dns,
                           network_pool=self._network_pool, caller=rights_of(session.owner),
                           hidden_paths=self.own.hidden, denied_sockets=self.own.sockets,
                           denied_listeners=self.own.listeners)
@@ -398,6 +398,16 @@ class SessionRegistry:
 
 def _paths_of(workspace: str, policy: SandboxPolicy) -> list[str]:
     return [os.path.realpath(p) for p in (workspace, *getattr(policy, "writable_roots", ()))]
+
+
+def command_user(owner: PeerCredentials, policy: SandboxPolicy) -> tuple[int, int] | None:
+    """Who a session's commands run as: a non-root caller's as itself; a root caller's (in a
+    confined policy) as the workspace's owner (None, as ``sandboxd run`` does), so that root
+    acting on a user's checkout runs that user's commands as that user, and uid 0 remains only
+    for a root-owned workspace. danger-full-access runs as its (root) caller, as before."""
+    if owner.uid == 0 and policy.name != "danger-full-access":
+        return None
+    return (owner.uid, owner.gid)
 
 
 def caller_groups(caller: PeerCredentials) -> set[int]:

@@ -674,14 +674,18 @@ class QueryEventsResponse(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class StandingRule(_message.Message):
-    __slots__ = ("workspace", "tool", "created_at")
+    __slots__ = ("workspace", "tool", "created_at", "owner_uid", "owner_principal")
     WORKSPACE_FIELD_NUMBER: _ClassVar[int]
     TOOL_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    OWNER_UID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
     workspace: str
     tool: str
     created_at: float
-    def __init__(self, workspace: _Optional[str] = ..., tool: _Optional[str] = ..., created_at: _Optional[float] = ...) -> None: ...
+    owner_uid: int
+    owner_principal: str
+    def __init__(self, workspace: _Optional[str] = ..., tool: _Optional[str] = ..., created_at: _Optional[float] = ..., owner_uid: _Optional[int] = ..., owner_principal: _Optional[str] = ...) -> None: ...
 
 class ListStandingRulesRequest(_message.Message):
     __slots__ = ("workspace",)
