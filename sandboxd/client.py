@@ -45,9 +45,16 @@ class ExecOutcome:
         self.result = result
 
 
+# The daemon answers a ReadFile with up to 64 MiB when asked (its maximum); gRPC clients accept
+# 4 MiB by default. Ours take the daemon's maximum plus room for the message around it.
+MAX_READ_BYTES = 64 << 20
+MAX_RECEIVE_BYTES = MAX_READ_BYTES + (1 << 20)
+CHANNEL_OPTIONS = (("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),)
+
+
 class SandboxClient:
     def __init__(self, socket_path: str = DEFAULT_SOCKET) -> None:
-        self._channel = grpc.insecure_channel(f"unix:{socket_path}")
+        self._channel = grpc.insecure_channel(f"unix:{socket_path}", options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.SandboxStub(self._channel)
 
     @property

@@ -9,6 +9,7 @@ without starting anything, and ``sandboxd config defaults`` prints a file with e
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from typing import Any, Callable
@@ -59,7 +60,8 @@ def _whole(low: int, high: int) -> "Callable[[object], str | None]":
 
 
 def _positive_seconds(value: object) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+    # TOML has nan and inf: refused with the rest (the comparison alone lets nan through).
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         return f"must be a positive number of seconds, not {value!r}"
     return None
 
@@ -93,8 +95,11 @@ def _boolean(value: object) -> str | None:
 
 
 def _seconds_or_zero(value: object) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        return f"must be a number of seconds (0: none), not {value!r}"
+    from sandboxd.policy.limits import MAX_TIMEOUT_SECONDS
+
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+            or value > MAX_TIMEOUT_SECONDS):
+        return f"must be a number of seconds from 0 (none) to {MAX_TIMEOUT_SECONDS} (7 days), not {value!r}"
     return None
 
 
@@ -103,11 +108,13 @@ def _size_or_empty(value: object) -> str | None:
 
     if value == "":
         return None
+    from sandboxd.policy.limits import MAX_BYTES
+
     try:
-        parse_size(str(value), "size")
+        size = parse_size(str(value), "size")
     except InvalidPolicy:
         return f"must be a size like 512M or 2G (empty: none), not {value!r}"
-    return None
+    return None if size <= MAX_BYTES else f"must be at most 2^53 bytes (8192T), not {value!r}"
 
 
 def _cidr(value: object) -> str | None:
@@ -142,6 +149,15 @@ KEYS: tuple[Key, ...] = (
         "through its egress proxy (allowed domains); more are refused at once", _whole(1, 65536)),
     Key("quotas", "published_connections_per_session", 256, "connections open at once to a session's published "
         "ports, from anyone; more are refused at once", _whole(1, 65536)),
+    Key("quotas", "sessions_per_uid", 64, "open sessions one local user (a TLS caller: one certificate) may hold; "
+        "root is exempt", _whole(1, 100000)),
+    Key("quotas", "calls_per_uid", 16, "calls one user may have running at once: Exec, file tools, search, patches "
+        "and Authorize, including those held for approval; root is exempt", _whole(1, 1024)),
+    Key("quotas", "streams_per_uid", 8, "open WatchEvents and following ReadBackgroundOutput streams per user; "
+        "root is exempt", _whole(1, 1024)),
+    Key("quotas", "reserved_workers", 0, "workers that running calls and streams (everyone's, root's too) may never "
+        "take: they stay free for short calls (CreateSession, CloseSession, ResolveApproval ...); must be below "
+        "listen.workers; 0: a quarter of listen.workers (at least 1)", _whole(0, 1023)),
     Key("tls", "address", "", "HOST:PORT of an optional TCP listener; it always needs TLS and client "
         "certificates (all four tls keys)", _text),
     Key("tls", "cert", "", "the server's certificate chain (PEM)", _optional_absolute),
@@ -219,6 +235,9 @@ def load(path: str | None) -> Config:
             if problem:
                 raise ConfigError(path, key.dotted, problem)
             values[key.dotted] = value
+    if 0 < values["quotas.reserved_workers"] >= values["listen.workers"]:
+        raise ConfigError(path, "quotas.reserved_workers", f"must be below listen.workers "
+                          f"({values['listen.workers']}): the rest serve running calls and streams")
     tls = [values[f"tls.{name}"] for name in ("address", "cert", "key", "client_ca")]
     if any(tls) and not all(tls):
         raise ConfigError(path, "tls", "a TCP listener needs all of address, cert, key and client_ca")

@@ -52,6 +52,10 @@ class Exhausted(SandboxdError):
     """A configured limit on the daemon itself was reached (sessions, calls)."""
 
 
+class DeadlineExceeded(SandboxdError):
+    """A call ran out of its time budget (a file tool, the built-in search) and was stopped."""
+
+
 class SetupError(SandboxdError):
     """The sandbox could not be built. Never followed by running the command anyway.
 

@@ -1126,6 +1126,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "without a value)")
     p.add_argument("--soak-clients", type=int, default=20, help="soak: concurrent clients (default 20)")
     p.add_argument("--soak-interval", type=float, default=5.0, help="soak: seconds between samples (default 5)")
+    p.add_argument("--fuzz", type=int, metavar="EXAMPLES", default=0,
+                   help="instead of timing: the RPC fuzz test (tests/test_fuzz_rpcs.py) with EXAMPLES requests per "
+                        "RPC and batch, 5 batches (CI runs 40 x 2)")
     args = p.parse_args(argv)
     if args.daemon_runs is None:
         args.daemon_runs = args.runs
@@ -1136,6 +1139,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.soak is not None:
         return soak_main(args)
+    if args.fuzz:
+        env = {**os.environ, "SANDBOXD_FUZZ_EXAMPLES": str(args.fuzz), "SANDBOXD_FUZZ_BATCHES": "5"}
+        return subprocess.call([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                                str(Path(__file__).with_name("test_fuzz_rpcs.py"))], env=env)
     if not os.path.exists(BWRAP):
         sys.stderr.write(f"benchmark: {BWRAP} is missing\n")
         return 2

@@ -9,7 +9,7 @@ import time
 
 import grpc
 
-from sandboxd.client import DEFAULT_SOCKET, SandboxClient, sandbox_policy, write_through
+from sandboxd.client import DEFAULT_SOCKET, MAX_READ_BYTES, SandboxClient, sandbox_policy, write_through
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 
@@ -226,6 +226,13 @@ def _status(client: SandboxClient) -> int:
         print(f"{name}: {status.features[name]}")
     print(f"sessions: {status.sessions}  running calls: {status.running_calls}  "
           f"pending approvals: {status.pending_approvals}  events: {status.events}")
+    if status.quota_limits:
+        limits, usage = status.quota_limits, status.quota_usage
+        print(f"quotas (yours/limit): sessions {usage['sessions']}/{limits['sessions_per_uid']}  "
+              f"running calls {usage['calls']}/{limits['calls_per_uid']}  "
+              f"streams {usage['streams']}/{limits['streams_per_uid']}")
+        print(f"workers: {limits['workers']} ({limits['reserved_workers']} kept for short calls; "
+              f"long-lived calls and streams now {usage['long_lived']}/{limits['long_lived_total']})")
     return 0
 
 
@@ -248,7 +255,7 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
         print(written)
         return 0
     if args.command == "read":
-        sys.stdout.buffer.write(client.read_file(args.session_id, args.path).data)
+        sys.stdout.buffer.write(client.read_file(args.session_id, args.path, MAX_READ_BYTES).data)
         return 0
     if args.command == "ls":
         for entry in client.list_dir(args.session_id, args.path):

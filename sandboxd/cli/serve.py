@@ -111,9 +111,19 @@ def main(argv: list[str]) -> int:
         return 2
     from sandboxd.policy import parse_size
     from sandboxd.service.convert import SessionDefaults
+    from sandboxd.service.quotas import QuotaLimits
     from sandboxd.service.server import serve
 
     loaded = values["config"]
+    try:
+        quotas = QuotaLimits(sessions_per_uid=loaded["quotas.sessions_per_uid"],  # type: ignore[index]
+                             calls_per_uid=loaded["quotas.calls_per_uid"],  # type: ignore[index]
+                             streams_per_uid=loaded["quotas.streams_per_uid"],  # type: ignore[index]
+                             reserved_workers=loaded["quotas.reserved_workers"],  # type: ignore[index]
+                             workers=int(values["workers"]))  # type: ignore[call-overload]
+    except SandboxdError as exc:
+        sys.stderr.write(f"sandboxd serve: {exc}\n")
+        return 2
     defaults = SessionDefaults(
         sandbox=loaded["defaults.sandbox_policy"], network_access=loaded["defaults.network_access"],  # type: ignore[index]
         approval=loaded["defaults.approval_policy"],  # type: ignore[index]
@@ -127,7 +137,7 @@ def main(argv: list[str]) -> int:
                  log_format=str(values["log_format"]), log_level=str(values["log_level"]),
                  config_path=values["config_path"],  # type: ignore[arg-type]
                  metrics_listen=str(values["metrics"] or ""), session_defaults=defaults,
-                 network_pool=loaded["network.pool"],  # type: ignore[index]
+                 network_pool=loaded["network.pool"], quotas=quotas,  # type: ignore[index]
                  proxy_connections=int(loaded["quotas.proxy_connections_per_session"]),  # type: ignore[index]
                  published_connections=int(loaded["quotas.published_connections_per_session"]),  # type: ignore[index]
                  connections_per_uid=int(loaded["quotas.connections_per_uid"]))  # type: ignore[index]

@@ -60,11 +60,25 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
+def _open_regular(path: str) -> int:
+    """Open ``path`` for reading only if it is a regular file. O_NONBLOCK: opening a FIFO must not
+    wait for a writer; fstat then refuses it (and devices, sockets) before any read, which could
+    block for ever or never end (/dev/zero)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISREG(mode):
+        return fd
+    os.close(fd)
+    if stat.S_ISDIR(mode):
+        raise OSError(errno.EISDIR, "is a directory: use ListDir")
+    kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+            else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+    raise OSError(errno.EINVAL, f"{path} is {kind}: only regular files are read")
+
+
 def _read(path: str, max_bytes: int) -> int:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
+    fd = _open_regular(path)
     try:
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            raise OSError(errno.EISDIR, "is a directory: use ListDir")
         left = max_bytes
         while left > 0:
             chunk = os.read(fd, min(left, 1 << 20))
@@ -145,7 +159,11 @@ def _search(root: str, pattern: str, case_insensitive: bool, max_results: int) -
         for name in sorted(files):
             path = os.path.join(directory, name)
             try:
-                with open(path, "rb") as f:
+                fd = _open_regular(path)                  # never a FIFO or a device: they would block or never end
+            except OSError:
+                continue
+            try:
+                with open(fd, "rb") as f:
                     for number, line in enumerate(f, 1):
                         if b"\0" in line:
                             break                         # binary file: skip it, like ripgrep

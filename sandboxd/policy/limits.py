@@ -2,14 +2,34 @@
 
 from __future__ import annotations
 
+import math
+
 from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
 
 _FACTORS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 DEFAULT_TMP_SIZE = 512 << 20
-# The longest time limit (a year; also the fork server's, which checks again at its edge).
-MAX_TIMEOUT_SECONDS = 365 * 24 * 3600.0
+
+# The ranges of every limit: what the kernel takes, and what makes sense for a sandboxed call.
+MAX_TIMEOUT_SECONDS = 7 * 24 * 3600      # a week: longer is a service, not a call
+MAX_BYTES = 1 << 53                      # 8 PiB: far above any machine, exact as a float
+MAX_PIDS = 1 << 22                       # the kernel's largest pid_max
+MAX_OPEN_FILES = 1 << 20                 # the kernel's default fs.nr_open
+_MAXIMA = {"timeout_seconds": (MAX_TIMEOUT_SECONDS, "604800 seconds (7 days)"),
+           "memory_bytes": (MAX_BYTES, "2^53 bytes"), "pids": (MAX_PIDS, "4194304 (the kernel's pid_max)"),
+           "cpu_seconds": (MAX_TIMEOUT_SECONDS, "604800 seconds (7 days)"),
+           "open_files": (MAX_OPEN_FILES, "1048576 (the kernel's nr_open)"),
+           "tmp_size_bytes": (MAX_BYTES, "2^53 bytes")}
+
+
+def check_timeout(value: float, what: str = "timeout_seconds") -> float:
+    """A timeout in seconds: a finite number above 0, at most a week. InvalidPolicy otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InvalidPolicy(f"{what} must be a number of seconds above 0 (0 or unset: none), got {value!r}")
+    if value > MAX_TIMEOUT_SECONDS:
+        raise InvalidPolicy(f"{what} {value!r} is above the maximum of {MAX_TIMEOUT_SECONDS} seconds (7 days)")
+    return float(value)
 
 
 def parse_size(text: str | int, what: str = "size") -> int:
@@ -41,13 +61,16 @@ class Limits(Record):
     tmp_size_bytes: int = DEFAULT_TMP_SIZE
 
     def __post_init__(self) -> None:
-        for name in ("timeout_seconds", "memory_bytes", "pids", "cpu_seconds", "open_files", "tmp_size_bytes"):
+        for name, (maximum, said) in _MAXIMA.items():
             value = getattr(self, name)
-            if value is not None and value <= 0:
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise InvalidPolicy(f"limit {name} must be a finite number, got {value!r}")
+            if value <= 0:
                 raise InvalidPolicy(f"limit {name} must be greater than zero, got {value!r}")
-        if self.timeout_seconds is not None and not self.timeout_seconds <= MAX_TIMEOUT_SECONDS:   # also NaN
-            raise InvalidPolicy(f"limit timeout_seconds must be at most {MAX_TIMEOUT_SECONDS:.0f} seconds (a year), "
-                                f"got {self.timeout_seconds!r}: give a shorter limit, or none")
+            if value > maximum:
+                raise InvalidPolicy(f"limit {name} {value!r} is above its maximum of {said}")
         if self.memory_bytes is not None and self.memory_bytes < (4 << 20):
             raise InvalidPolicy("memory limit below 4M cannot even start a shell: give at least 4M")
         if self.open_files is not None and self.open_files < 16:

@@ -8,6 +8,53 @@ from sandboxd.policy.limits import Limits
 from sandboxd.policy.sandbox import SandboxPolicy, default_policy, validate_policy
 
 
+MAX_ARG_STRLEN = 128 << 10          # the kernel's limit on one argument or environment string, with its NUL
+_POINTER = 8
+
+
+_ARG_MAX: list[int] = []
+
+
+def arg_max() -> int:
+    """The kernel's ARG_MAX for this process (a quarter of the stack limit, at least 128 KiB);
+    read once: the hot path only compares."""
+    if not _ARG_MAX:
+        import os
+
+        try:
+            value = os.sysconf("SC_ARG_MAX")
+        except (ValueError, OSError):
+            value = -1
+        _ARG_MAX.append(value if value > 0 else 128 << 10)
+    return _ARG_MAX[0]
+
+
+def check_command(argv: "tuple[str, ...] | list[str]", env: "dict[str, str]") -> None:
+    """What execve would refuse (E2BIG, or a NUL cutting a string short), refused here with what
+    to fix: no NUL byte, each string below MAX_ARG_STRLEN, all of them within ARG_MAX."""
+    total = 0
+    for arg in argv:
+        if "\0" in arg:
+            raise InvalidPolicy("command arguments may not contain NUL bytes")
+        size = len(arg.encode(errors="surrogateescape")) + 1
+        if size > MAX_ARG_STRLEN:
+            raise InvalidPolicy(f"a command argument is {size - 1} bytes long: the kernel takes at most "
+                                f"{MAX_ARG_STRLEN - 1} per argument (pass large data on stdin or in a file)")
+        total += size + _POINTER
+    for key, value in env.items():
+        if not key or "=" in key or "\0" in key or "\0" in value:
+            raise InvalidPolicy(f"bad environment variable {key[:100]!r}: names need no '=' and no NUL bytes, "
+                                "values no NUL bytes")
+        size = len(key.encode(errors="surrogateescape")) + len(value.encode(errors="surrogateescape")) + 2
+        if size > MAX_ARG_STRLEN:
+            raise InvalidPolicy(f"environment variable {key[:100]!r} is {size - 2} bytes long: the kernel takes at "
+                                f"most {MAX_ARG_STRLEN - 2} per variable (pass large data in a file)")
+        total += size + _POINTER
+    if total > arg_max():
+        raise InvalidPolicy(f"the command and its environment take {total} bytes: above the kernel's ARG_MAX "
+                            f"({arg_max()} bytes); pass large data on stdin or in a file")
+
+
 class LaunchSpec(Record):
     """One command to run in a sandbox.
 
@@ -39,15 +86,11 @@ class LaunchSpec(Record):
         object.__setattr__(self, "argv", tuple(self.argv))
         if not self.argv or not self.argv[0]:
             raise InvalidPolicy("no program given: put the command after '--'")
-        if any("\0" in a for a in self.argv):
-            raise InvalidPolicy("command arguments may not contain NUL bytes")
-        if not self.workspace.startswith("/"):
-            raise InvalidPolicy(f"workspace {self.workspace!r} must be an absolute path")
+        check_command(self.argv, self.env)
+        if not self.workspace.startswith("/") or "\0" in self.workspace:
+            raise InvalidPolicy(f"workspace {self.workspace[:200]!r} must be an absolute path without NUL bytes")
         if self.cwd is not None and not self.cwd.startswith("/"):
             raise InvalidPolicy(f"cwd {self.cwd!r} must be an absolute path")
-        for key, value in self.env.items():
-            if not key or "=" in key or "\0" in key or "\0" in value:
-                raise InvalidPolicy(f"bad environment variable {key!r}: names need no '=' and no NUL bytes")
         for server in self.dns:
             parts = server.split(".")
             if len(parts) != 4 or not all(p.isdigit() and int(p) < 256 for p in parts):

@@ -4,6 +4,7 @@ ReportToolResult), the tool list, events (watch and query) and standing rules.""
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from typing import Callable, Iterator
@@ -31,6 +32,19 @@ def event_to_proto(event: Event) -> pb.Event:
     return pb.Event(id=event.id, session_id=event.session_id, sequence=event.sequence, type=event.type,
                     time=event.time, call_id=event.call_id, tool=event.tool,
                     data_json=json.dumps(event.data, separators=(",", ":"), default=str))
+
+
+MAX_EVENT_ID = (1 << 63) - 1             # SQLite's integers
+MAX_PAGE_SIZE = 1000
+
+
+def _page_token(token: str) -> int:
+    """The event id a page token names (a previous response's next_page_token)."""
+    if not token:
+        return 0
+    if len(token) > 19 or not token.isdigit() or not token.isascii() or int(token) > MAX_EVENT_ID:
+        raise InvalidPolicy(f"bad page_token {token[:40]!r}: pass next_page_token as given")
+    return int(token)
 
 
 class AuditService:
@@ -70,6 +84,8 @@ class AuditService:
             raise InvalidPolicy(f"unknown risk {request.risk!r}: use low, medium or high")
         try:
             arguments = json.loads(request.arguments_json) if request.arguments_json else {}
+        except RecursionError:
+            raise InvalidPolicy("arguments_json is nested too deeply: flatten it") from None
         except ValueError as exc:
             raise InvalidPolicy(f"arguments_json is not JSON: {exc}") from None
         summary = summary_of(request.tool, command=request.command)
@@ -97,10 +113,10 @@ class AuditService:
             raise NotFound(f"no authorized call {request.call_id!r} without a result in session {session.id!r}")
         try:
             details = json.loads(request.result_json) if request.result_json else {}
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             with self._lock:
                 self._external[(session.id, request.call_id)] = granted
-            raise InvalidPolicy(f"result_json is not JSON: {exc}") from None
+            raise InvalidPolicy(f"result_json is not JSON (or nested too deeply): {exc}") from None
         if request.ok:
             granted.completed({"result": details})
         else:
@@ -125,10 +141,12 @@ class AuditService:
 
     def query(self, who: PeerCredentials, request: pb.QueryEventsRequest) -> pb.QueryEventsResponse:
         visible = self._registry.visible_ids(who, request.session_id)
-        try:
-            after = int(request.page_token) if request.page_token else 0
-        except ValueError:
-            raise InvalidPolicy(f"bad page_token {request.page_token!r}: pass next_page_token as given") from None
+        after = _page_token(request.page_token)
+        for name in ("since", "until"):
+            if not math.isfinite(getattr(request, name)) or getattr(request, name) < 0:
+                raise InvalidPolicy(f"{name} must be a finite time in seconds since the epoch (0: no bound)")
+        if request.page_size > MAX_PAGE_SIZE:
+            raise InvalidPolicy(f"page_size {request.page_size} is above the maximum of {MAX_PAGE_SIZE}")
         size = request.page_size or 100
         events = self._store.query(session_ids=visible, types=list(request.types) or None, tool=request.tool,
                                    since=request.since or None, until=request.until or None, after_id=after,
@@ -139,6 +157,8 @@ class AuditService:
     def watch(self, who: PeerCredentials, request: pb.WatchEventsRequest,
               active: Callable[[], bool]) -> Iterator[pb.Event]:
         """Past events after ``from_sequence``, then live ones until the caller leaves."""
+        if request.from_sequence > MAX_EVENT_ID:
+            raise InvalidPolicy(f"from_sequence {request.from_sequence} is past any event (at most 2^63-1)")
         visible = self._registry.visible_ids(who, request.session_id)
         types = set(request.types)
         unknown = types - set(EventType.ALL)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import os
+
 from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy import DEFAULT_PROTECTED_SUBPATHS, Limits, SandboxPolicy, policy_from_name
 from sandboxd.policy.decision import PermissionMode, ToolRules, axes_for
-from sandboxd.policy.limits import DEFAULT_TMP_SIZE
+from sandboxd.policy.limits import DEFAULT_TMP_SIZE, check_timeout
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 _MODE_NAMES = {pb.SandboxPolicy.READ_ONLY: "read-only", pb.SandboxPolicy.WORKSPACE_WRITE: "workspace-write",
@@ -17,6 +20,39 @@ _MODES = {"read-only": pb.SandboxPolicy.READ_ONLY, "workspace-write": pb.Sandbox
 APPROVAL_NAMES = {pb.NEVER: "never", pb.ON_REQUEST: "on-request", pb.ALWAYS: "always",
                   pb.APPROVAL_POLICY_UNSPECIFIED: "on-request"}
 _APPROVALS = {"never": pb.NEVER, "on-request": pb.ON_REQUEST, "always": pb.ALWAYS}
+
+
+PATH_MAX = 4096                     # the kernel's, with its NUL
+NAME_MAX = 255
+NAME_LIMIT = 1024                   # host and domain names, socket names in policies
+
+
+def check_path(path: str, what: str = "path") -> str:
+    """A path the kernel can take: no NUL byte, shorter than PATH_MAX, no name above NAME_MAX."""
+    if "\0" in path:
+        raise InvalidPolicy(f"{what} may not contain NUL bytes")
+    encoded = os.fsencode(path)
+    if len(encoded) >= PATH_MAX:
+        raise InvalidPolicy(f"{what} is {len(encoded)} bytes long: the kernel takes paths below {PATH_MAX} bytes")
+    if any(len(name) > NAME_MAX for name in encoded.split(b"/")):
+        raise InvalidPolicy(f"{what} has a name longer than {NAME_MAX} bytes, which no Linux file system takes")
+    return path
+
+
+def check_text(text: str, what: str, limit: int = NAME_LIMIT) -> str:
+    """A short string for the kernel or a resolver: no NUL byte, at most ``limit`` characters."""
+    if "\0" in text:
+        raise InvalidPolicy(f"{what} may not contain NUL bytes")
+    if len(text) > limit:
+        raise InvalidPolicy(f"{what} is {len(text)} characters long: give at most {limit}")
+    return text
+
+
+def check_finite(value: float, what: str) -> float:
+    """A time or other float field: NaN and infinities refused, negatives too."""
+    if not math.isfinite(value) or value < 0:
+        raise InvalidPolicy(f"{what} must be a finite number, 0 or more; got {value!r}")
+    return value
 
 
 class SessionDefaults(Record):
@@ -39,6 +75,16 @@ def policy_from_proto(message: pb.SandboxPolicy, defaults: SessionDefaults | Non
     if name is None:
         raise InvalidPolicy(f"unknown sandbox policy mode {message.mode}: use READ_ONLY, WORKSPACE_WRITE "
                             "or DANGER_FULL_ACCESS")
+    for root in message.writable_roots:
+        check_path(root, "a writable root")
+    for sub in message.protected_subpaths:
+        check_path(sub, "a protected subpath")
+    for socket_path in message.allowed_unix_sockets:
+        check_path(socket_path, "an allowed Unix socket")
+    for field in ("allowed_hosts", "published_ports", "allowed_domains"):
+        for entry in getattr(message, field):
+            check_text(entry, f"an entry of {field}")
+    check_text(message.network_mode, "network_mode")
     protected = tuple(message.protected_subpaths)
     if not message.no_default_protected_subpaths:
         protected = tuple(dict.fromkeys(DEFAULT_PROTECTED_SUBPATHS + protected))
@@ -73,10 +119,9 @@ def approval_to_proto(name: str) -> int:
 
 
 def limits_from_proto(message: pb.Limits, defaults: SessionDefaults | None = None) -> Limits:
-    def positive(value: float) -> float | None:
-        return value if value > 0 else None
     defaults = defaults or SessionDefaults()
-    return Limits(timeout_seconds=positive(message.timeout_seconds) or defaults.timeout_seconds,
+    timeout = check_timeout(message.timeout_seconds, "limits.timeout_seconds") if message.timeout_seconds else None
+    return Limits(timeout_seconds=timeout or defaults.timeout_seconds,
                   memory_bytes=int(message.memory_bytes) or defaults.memory_bytes,
                   pids=int(message.pids) or defaults.pids,
                   cpu_seconds=int(message.cpu_seconds) or None, open_files=int(message.open_files) or None,

@@ -9,6 +9,7 @@ import time
 from sandboxd import __version__
 from sandboxd.service.approvals import ApprovalGate
 from sandboxd.service.peercred import PeerCredentials
+from sandboxd.service.quotas import CALLS, STREAMS, owner_key
 from sandboxd.service.sessions import SessionRegistry
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -38,7 +39,19 @@ def kernel_features() -> dict[str, str]:
 
 def status(registry: SessionRegistry, gate: ApprovalGate, who: PeerCredentials) -> pb.DaemonStatus:
     sessions = registry.list(who)
+    quotas = registry.quotas
+    limits = quotas.limits
+    owner = owner_key(who)
+    usage = quotas.usage(who)
     return pb.DaemonStatus(version=__version__, pid=os.getpid(), started_at=STARTED_AT, features=kernel_features(),
                            sessions=len(sessions), running_calls=sum(s.running_calls for s in sessions),
                            pending_approvals=sum(len(gate.pending(s.id)) for s in sessions),
-                           events=registry.store.last_id())
+                           events=registry.store.last_id(),
+                           quota_limits={"sessions_per_uid": limits.sessions_per_uid,
+                                         "calls_per_uid": limits.calls_per_uid,
+                                         "streams_per_uid": limits.streams_per_uid,
+                                         "reserved_workers": limits.reserved_workers, "workers": limits.workers,
+                                         "long_lived_total": limits.long_lived_total},
+                           quota_usage={"sessions": sum(1 for s in sessions if owner_key(s.owner) == owner),
+                                        "calls": usage[CALLS], "streams": usage[STREAMS],
+                                        "long_lived": usage["long_lived_total"]})

@@ -18,6 +18,8 @@ from typing import Iterator
 import grpc
 
 from sandboxd.errors import InvalidPolicy
+from sandboxd.policy.limits import check_timeout
+from sandboxd.policy.spec import check_command
 from sandboxd.service.calls import SessionCall, write_all
 from sandboxd.service.sessions import Session, SessionRegistry
 from sandboxd.supervisor.forkserver import ForkServer
@@ -36,6 +38,13 @@ def command_of(start: pb.ExecStart) -> list[str]:
     if not start.argv or not start.argv[0]:
         raise InvalidPolicy("nothing to run: give argv (a program and its arguments) or shell (a /bin/sh string)")
     return list(start.argv)
+
+
+def check_start(start: pb.ExecStart, argv: list[str]) -> None:
+    """What the kernel or the clock would refuse, refused before anything runs, saying what to fix."""
+    check_command(argv, dict(start.env) if start.env else DEFAULT_ENV)
+    if start.timeout_seconds:
+        check_timeout(start.timeout_seconds)
 
 
 def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb.ExecStart, argv: list[str],

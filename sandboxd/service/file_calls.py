@@ -9,26 +9,36 @@ import os
 import threading
 from typing import Iterator
 
-from sandboxd.errors import Forbidden, InvalidPolicy, NotFound, SandboxdError
+from sandboxd.errors import DeadlineExceeded, Forbidden, InvalidPolicy, NotFound, SandboxdError
 from sandboxd.policy.sandbox import DangerFullAccess, is_within
 from sandboxd.policy.tools import Effect
 from sandboxd.service.calls import SessionCall, write_all
+from sandboxd.service.convert import check_path
 from sandboxd.service.sessions import Session, SessionRegistry
 from sandboxd.supervisor.forkserver import ForkServer
 from sandboxd.supervisor.spawner import ExitInfo
 from sandboxd.v1 import sandboxd_pb2 as pb
 
-DEFAULT_READ_LIMIT = 16 << 20
+# A default ReadFile answer fits a default gRPC client (it accepts 4 MiB messages; the rest is
+# room for the message around the data). A larger max_bytes is honoured up to the daemon's
+# maximum, whatever the request says: the daemon buffers one answer per call.
+DEFAULT_READ_LIMIT = (4 << 20) - (64 << 10)
+MAX_READ_LIMIT = 64 << 20
 TOOL_TIMEOUT = 60.0
 TOOL_ARGV = ["sandboxd-file-tool"]  # shown as the call's argv; nothing is exec'd
+
+
+def read_limit(max_bytes: int) -> int:
+    """ReadFile's byte limit: the default for 0, else what was asked, capped at the daemon's maximum."""
+    return min(int(max_bytes), MAX_READ_LIMIT) or DEFAULT_READ_LIMIT
 
 
 def resolve(session: Session, path: str) -> str:
     if not path:
         return session.workspace
-    if "\0" in path:
-        raise InvalidPolicy("a path may not contain NUL bytes")
-    return os.path.normpath(path if path.startswith("/") else os.path.join(session.workspace, path))
+    check_path(path)
+    resolved = os.path.normpath(path if path.startswith("/") else os.path.join(session.workspace, path))
+    return check_path(resolved, "the path (joined to the workspace)")
 
 
 def write_effect(session: Session, paths: list[str]) -> tuple[str, str]:
@@ -52,19 +62,24 @@ def write_effect(session: Session, paths: list[str]) -> tuple[str, str]:
 
 
 def run_tool(registry: SessionRegistry, fork: ForkServer, session: Session, tool: dict[str, object],
-             data: bytes = b"", limit: int = DEFAULT_READ_LIMIT) -> tuple[int, bytes]:
+             data: bytes = b"", limit: int = DEFAULT_READ_LIMIT, timeout: float = TOOL_TIMEOUT) -> tuple[int, bytes]:
     """Run a file tool in the session; return (exit code, stdout); raise the mapped error on failure."""
-    info, out, err = run_in_session(registry, fork, session, TOOL_ARGV, tool=tool, data=data, limit=limit)
+    info, out, err = run_in_session(registry, fork, session, TOOL_ARGV, tool=tool, data=data, limit=limit,
+                                    timeout=timeout)
+    if info.timed_out:
+        raise DeadlineExceeded(f"the file tool ({tool.get('op')}) ran past its {timeout:g} s budget and was "
+                               "stopped" + (": simplify the pattern (nested repeats like (a+)+ backtrack) or use "
+                                            "ripgrep" if tool.get("op") == "search" else ""))
     if info.exit_code in (0, 3):
         return info.exit_code, out
-    raise _error_from(err, info.timed_out)
+    raise _error_from(err)
 
 
 def run_in_session(registry: SessionRegistry, fork: ForkServer, session: Session, argv: list[str], *,
                    tool: dict[str, object] | None = None, data: bytes = b"", limit: int = DEFAULT_READ_LIMIT,
-                   env: dict[str, str] | None = None) -> "tuple[ExitInfo, bytes, bytes]":
+                   env: dict[str, str] | None = None, timeout: float = TOOL_TIMEOUT) -> "tuple[ExitInfo, bytes, bytes]":
     """A short command (or file tool) in the session with ``data`` on stdin; (how it ended, stdout, stderr)."""
-    with SessionCall(registry, fork, session, argv, env=env or {}, cwd=session.workspace, timeout=TOOL_TIMEOUT,
+    with SessionCall(registry, fork, session, argv, env=env or {}, cwd=session.workspace, timeout=timeout,
                      tool=tool) as call:
         threading.Thread(target=_feed, args=(call.take_stdin(), data), daemon=True).start()
         out, err = _collect(call.output(), limit)
@@ -91,9 +106,7 @@ def _collect(output: Iterator[tuple[int, bytes]], limit: int) -> tuple[bytes, by
     return b"".join(chunks[1])[:limit], b"".join(chunks[2])
 
 
-def _error_from(err: bytes, timed_out: bool) -> SandboxdError:
-    if timed_out:
-        return SandboxdError("the file tool timed out")
+def _error_from(err: bytes) -> SandboxdError:
     code_text, _, message = err.decode(errors="replace").partition("\t")
     code = int(code_text) if code_text.isdigit() else errno.EIO
     text = f"{message or os.strerror(code)} ({errno.errorcode.get(code, code)})"

@@ -16,14 +16,23 @@ import json
 import os
 import shutil
 
-from sandboxd.errors import InvalidPolicy
-from sandboxd.service.file_calls import resolve, run_in_session, run_tool
+from sandboxd.errors import DeadlineExceeded, InvalidPolicy
+from sandboxd.service.file_calls import DEFAULT_READ_LIMIT, TOOL_TIMEOUT, resolve, run_in_session, run_tool
 from sandboxd.service.sessions import Session, SessionRegistry
 from sandboxd.supervisor.forkserver import ForkServer
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 PATCH_LIMIT = 32 << 20
 DEFAULT_MAX_RESULTS = 1000
+MAX_RESULTS = 100_000
+# The answer fits a default gRPC client (4 MiB); matches past it are dropped (truncated).
+RESPONSE_LIMIT = DEFAULT_READ_LIMIT
+# ripgrep's JSON is several times the answer: collected up to this, the rest dropped.
+RIPGREP_OUTPUT_LIMIT = 4 * RESPONSE_LIMIT
+# Python's re backtracks: a pattern like (a+)+$ can take for ever. Linear-time engines are not
+# importable in the sandbox (nothing is imported after the fork), so the built-in search gets
+# a short time budget instead; past it the call is DEADLINE_EXCEEDED, saying why.
+BUILTIN_SEARCH_TIMEOUT = 10.0
 GIT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
            "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null"}
 
@@ -73,29 +82,49 @@ def search(registry: SessionRegistry, fork: ForkServer, session: Session, patter
         raise InvalidPolicy(f"unknown search engine {engine!r}: leave it empty, or use ripgrep or builtin")
     if engine == "ripgrep" and not shutil.which("rg"):
         raise InvalidPolicy("ripgrep is not installed (apt-get install ripgrep), use the builtin engine")
+    if len(pattern) > 65536:
+        raise InvalidPolicy(f"the pattern is {len(pattern)} characters long: give at most 65536")
+    if "\0" in pattern:
+        raise InvalidPolicy("the pattern may not contain NUL bytes (ripgrep takes it as an argument)")
+    if max_results > MAX_RESULTS:
+        raise InvalidPolicy(f"max_results {max_results} is above the daemon's maximum of {MAX_RESULTS}")
     limit = max_results or DEFAULT_MAX_RESULTS
     target = resolve(session, path)
     if engine != "builtin" and shutil.which("rg"):        # the sandbox sees the host's /usr/bin
         argv = ["rg", "--json", "--no-config", "--max-columns", "4096"] + (["-i"] if case_insensitive else [])
         info, out, err = run_in_session(registry, fork, session, argv + ["-e", pattern, "--", target],
-                                        env={"PATH": "/usr/local/bin:/usr/bin:/bin"})
-        if info.exit_code not in (0, 1):                  # 1: no match
+                                        env={"PATH": "/usr/local/bin:/usr/bin:/bin"}, limit=RIPGREP_OUTPUT_LIMIT)
+        if info.timed_out:
+            raise DeadlineExceeded(f"the search ran past its {TOOL_TIMEOUT:g} s budget and was stopped: "
+                                   "search a smaller path")
+        if info.exit_code not in (0, 1) and not (info.signal and len(out) >= RIPGREP_OUTPUT_LIMIT):
+            # 1: no match; killed by SIGPIPE: we stopped reading past the output limit
             raise InvalidPolicy(f"search failed: {err.decode(errors='replace').strip()[:500]}")
         matches = _ripgrep_matches(out)
         engine = "ripgrep"
     else:
         _, out = run_tool(registry, fork, session, {"op": "search", "path": target, "pattern": pattern,
                                                     "case_insensitive": case_insensitive,
-                                                    "max_results": limit + 1})
+                                                    "max_results": limit + 1},
+                          limit=RIPGREP_OUTPUT_LIMIT, timeout=BUILTIN_SEARCH_TIMEOUT)
         matches = _builtin_matches(out)
         engine = "builtin"
-    return pb.SearchResponse(matches=matches[:limit], truncated=len(matches) > limit, engine=engine)
+    kept, size = [], 0
+    for match in matches[:limit]:
+        size += match.ByteSize() + 8
+        if size > RESPONSE_LIMIT:
+            break
+        kept.append(match)
+    return pb.SearchResponse(matches=kept, truncated=len(matches) > len(kept), engine=engine)
 
 
 def _ripgrep_matches(out: bytes) -> list[pb.SearchMatch]:
     matches = []
     for line in out.splitlines():
-        event = json.loads(line)
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue                                      # the last line, cut at the output limit
         if event.get("type") != "match":
             continue
         data = event["data"]
@@ -108,7 +137,12 @@ def _ripgrep_matches(out: bytes) -> list[pb.SearchMatch]:
 def _builtin_matches(out: bytes) -> list[pb.SearchMatch]:
     matches = []
     for line in out.decode().splitlines():
-        path, number, text = line.split("\t")
+        fields = line.split("\t")
+        if len(fields) != 3 or not fields[1].isdigit():
+            continue                                      # the last line, cut at the output limit
+        path, number, text = fields
+        if len(path) % 2 or len(text) % 2:
+            continue
         matches.append(pb.SearchMatch(path=os.fsdecode(bytes.fromhex(path)), line=int(number),
                                       text=bytes.fromhex(text).decode(errors="replace")))
     return matches

@@ -205,7 +205,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
           log_format: str = "json", log_level: str = "info", config_path: str | None = None,
           metrics_listen: str = "",
           session_defaults: "object | None" = None, network_pool: str = "", connections_per_uid: int = 64,
-          proxy_connections: int = 256, published_connections: int = 256) -> int:
+          proxy_connections: int = 256, published_connections: int = 256, quotas: "Any" = None) -> int:
     from sandboxd.supervisor.forkserver import ForkServer
     # First: the fork server inherits it (it holds descriptors for every session; at 1024 it failed
     # past ~500 sessions). Sandboxes inherit it from the fork server in turn, unless the session
@@ -254,8 +254,11 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     # The audit log and session metadata: opened (and migrated) before anything is served.
     store = open_in_state_dir(state_dir)
     own = own_places(socket_path, private, backend, state_dir, tls.address if tls else "", metrics_listen)
+    from sandboxd.service.quotas import QuotaLimits, Quotas
+    counters = Quotas(quotas or QuotaLimits(workers=workers))
     registry = SessionRegistry(fork, store, admin_gid=admin_gid, dns=dns, network_pool=network_pool, own=own,
-                               proxy_connections=proxy_connections, published_connections=published_connections)
+                               proxy_connections=proxy_connections, published_connections=published_connections,
+                               quotas=counters)
     resumed = registry.restore()
     from sandboxd.service.metrics import Metrics
     metrics = Metrics()
@@ -275,7 +278,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
                                    port=int(tls.address.rpartition(":")[2]))
     callers = Callers(door, tls_identity, sandboxed)
     sandboxd_pb2_grpc.add_SandboxServicer_to_server(
-        SandboxServicer(registry, fork, callers, gate, metrics, session_defaults), server)  # type: ignore[arg-type]
+        SandboxServicer(registry, fork, callers, gate, metrics, session_defaults, counters), server)  # type: ignore[arg-type]
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -15,6 +15,7 @@ from sandboxd.service.audit_calls import AuditService
 from sandboxd.service.background import BackgroundJob, BackgroundJobs
 from sandboxd.service.callers import Callers
 from sandboxd.service.peercred import FrontDoor, PeerCredentials
+from sandboxd.service.quotas import CALLS, STREAMS, Quotas
 from sandboxd.service.sessions import Session, SessionRegistry, cwd_inside
 from sandboxd.service.status import abort
 from sandboxd.supervisor.forkserver import ForkServer
@@ -47,7 +48,8 @@ def job_to_proto(job: BackgroundJob) -> pb.BackgroundProcess:
 class SandboxServicer(pb_grpc.SandboxServicer):
     def __init__(self, registry: SessionRegistry, fork: ForkServer, callers: "Callers | FrontDoor",
                  gate: ApprovalGate, metrics: "Metrics | None" = None,
-                 defaults: "convert.SessionDefaults | None" = None) -> None:
+                 defaults: "convert.SessionDefaults | None" = None, quotas: Quotas | None = None) -> None:
+        self._quotas = quotas or registry.quotas
         self._metrics = metrics
         self._defaults = defaults or convert.SessionDefaults()
         self._registry = registry
@@ -63,14 +65,17 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
             abort(context, error)
 
-    def _tool(self, context: grpc.ServicerContext, session: Session, call: ToolCall, body: Callable[[], Any]) -> Any:
+    def _tool(self, context: grpc.ServicerContext, who: PeerCredentials, session: Session, call: ToolCall,
+              body: Callable[[], Any]) -> Any:
         """Run a built-in tool call through the policy engine: decided, recorded, maybe held for
-        approval (PermissionDenied if refused), then run; its end is recorded too."""
-        with self._gate.authorize(session, call, still_wanted=context.is_active):
+        approval (PermissionDenied if refused), then run; its end is recorded too. It holds a
+        worker meanwhile, so it counts as one of the caller's running calls."""
+        with self._quotas.hold(who, CALLS), self._gate.authorize(session, call, still_wanted=context.is_active):
             return body()
 
     def CreateSession(self, request: pb.CreateSessionRequest, context: grpc.ServicerContext) -> pb.Session:
         def work(who: PeerCredentials) -> pb.Session:
+            convert.check_path(request.workspace, "workspace")
             policy, approval, rules = convert.axes_from_create_request(request, self._defaults)
             session = self._registry.create(who, request.workspace, policy, approval,
                                             convert.limits_from_proto(request.limits, self._defaults),
@@ -111,9 +116,9 @@ class SandboxServicer(pb_grpc.SandboxServicer):
     def ReadFile(self, request: pb.ReadFileRequest, context: grpc.ServicerContext) -> pb.ReadFileResponse:
         def work(who: PeerCredentials) -> pb.ReadFileResponse:
             session = self._registry.get(who, request.session_id)
-            limit = int(request.max_bytes) or file_calls.DEFAULT_READ_LIMIT
+            limit = file_calls.read_limit(request.max_bytes)
             path = file_calls.resolve(session, request.path)
-            code, data = self._tool(context, session, tool_calls.read(session, "fs.read", path), lambda: (
+            code, data = self._tool(context, who, session, tool_calls.read(session, "fs.read", path), lambda: (
                 file_calls.run_tool(self._registry, self._fork, session, {
                     "op": "read", "path": path, "max_bytes": limit}, limit=limit)))
             return pb.ReadFileResponse(data=data, truncated=code == 3)
@@ -129,7 +134,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                 raise InvalidPolicy(f"mode {request.mode:o} has the set-uid or set-gid bit: a file written "
                                     f"through the daemon may not have them (use {request.mode & 0o1777:o})")
             call = tool_calls.write(session, "fs.write", [path], bytes=len(request.data))
-            _, out = self._tool(context, session, call, lambda: file_calls.run_tool(
+            _, out = self._tool(context, who, session, call, lambda: file_calls.run_tool(
                 self._registry, self._fork, session, {
                     "op": "write", "path": path, "mode": request.mode, "create_parents": request.create_parents},
                 data=request.data))
@@ -140,7 +145,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         def work(who: PeerCredentials) -> pb.ListDirResponse:
             session = self._registry.get(who, request.session_id)
             path = file_calls.resolve(session, request.path)
-            _, out = self._tool(context, session, tool_calls.read(session, "fs.list", path), lambda: (
+            _, out = self._tool(context, who, session, tool_calls.read(session, "fs.list", path), lambda: (
                 file_calls.run_tool(self._registry, self._fork, session, {"op": "list", "path": path})))
             return pb.ListDirResponse(entries=file_calls.parse_listing(out))
         return self._unary(context, work)
@@ -151,7 +156,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             targets = [file_calls.resolve(session, f.path)
                        for f in patch_search.patched_files(request.patch, request.strip)[0]]
             return pb.ApplyPatchResponse(files=self._tool(
-                context, session, tool_calls.write(session, "patch.apply", targets),
+                context, who, session, tool_calls.write(session, "patch.apply", targets),
                 lambda: patch_search.apply_patch(self._registry, self._fork, session, request.patch, request.strip)))
         return self._unary(context, work)
 
@@ -160,7 +165,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             session = self._registry.get(who, request.session_id)
             call = tool_calls.read(session, "search", file_calls.resolve(session, request.path),
                                    pattern=request.pattern)
-            return self._tool(context, session, call, lambda: patch_search.search(
+            return self._tool(context, who, session, call, lambda: patch_search.search(
                 self._registry, self._fork, session, request.pattern, request.path, request.max_results,
                 request.case_insensitive, request.engine))
         return self._unary(context, work)
@@ -168,9 +173,13 @@ class SandboxServicer(pb_grpc.SandboxServicer):
     def StartBackground(self, request: pb.StartBackgroundRequest, context: grpc.ServicerContext) -> pb.BackgroundProcess:
         def work(who: PeerCredentials) -> pb.BackgroundProcess:
             session = self._registry.get(who, request.session_id)
-            argv = exec_call.command_of(pb.ExecStart(argv=request.argv, shell=request.shell))
-            call = tool_calls.command(session, "monitor.start", argv, cwd_inside(session.workspace, request.cwd))
-            return job_to_proto(self._tool(context, session, call, lambda: self._jobs.start(
+            start = pb.ExecStart(argv=request.argv, shell=request.shell, env=request.env)
+            argv = exec_call.command_of(start)
+            exec_call.check_start(start, argv)
+            convert.check_text(request.name, "name")
+            call = tool_calls.command(session, "monitor.start", argv,
+                                      cwd_inside(session.workspace, convert.check_path(request.cwd, "cwd")))
+            return job_to_proto(self._tool(context, who, session, call, lambda: self._jobs.start(
                 session, argv, request.cwd, dict(request.env), request.name)))
         return self._unary(context, work)
 
@@ -178,7 +187,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                        context: grpc.ServicerContext) -> pb.ListBackgroundResponse:
         def work(who: PeerCredentials) -> pb.ListBackgroundResponse:
             session = self._registry.get(who, request.session_id)
-            jobs = self._tool(context, session, tool_calls.read(session, "monitor.list", ""),
+            jobs = self._tool(context, who, session, tool_calls.read(session, "monitor.list", ""),
                               lambda: self._jobs.list(session))
             return pb.ListBackgroundResponse(processes=[job_to_proto(j) for j in jobs])
         return self._unary(context, work)
@@ -187,7 +196,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         def work(who: PeerCredentials) -> pb.BackgroundProcess:
             session = self._registry.get(who, request.session_id)
             call = tool_calls.read(session, "monitor.stop", "", id=request.id)
-            return job_to_proto(self._tool(context, session, call, lambda: self._jobs.stop(session, request.id)))
+            return job_to_proto(self._tool(context, who, session, call, lambda: self._jobs.stop(session, request.id)))
         return self._unary(context, work)
 
     def ReadBackgroundOutput(self, request: pb.ReadBackgroundOutputRequest,
@@ -195,8 +204,9 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         try:
             who = self._callers(context)
             job = self._jobs.get(self._registry.get(who, request.session_id), request.id)
-            for offset, data, dropped in job.read(request.offset, request.follow, context.is_active):
-                yield pb.BackgroundOutput(offset=offset, data=data, dropped=dropped)
+            with self._quotas.hold(who, STREAMS if request.follow else CALLS):
+                for offset, data, dropped in job.read(request.offset, request.follow, context.is_active):
+                    yield pb.BackgroundOutput(offset=offset, data=data, dropped=dropped)
         except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
             abort(context, error)
 
@@ -205,12 +215,20 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         received = time.monotonic()
         try:
             who = self._callers(context)
+            yield from self._exec(who, request_iterator, context, received)
+        except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
+            abort(context, error)
+
+    def _exec(self, who: PeerCredentials, request_iterator: Iterator[pb.ExecRequest],
+              context: grpc.ServicerContext, received: float) -> Iterator[pb.ExecResponse]:
+        with self._quotas.hold(who, CALLS):
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "start":
                 raise InvalidPolicy("the first Exec message must be `start` (session, argv or shell, ...)")
             start = first.start
             session = self._registry.get(who, start.session_id)
-            argv, cwd = exec_call.command_of(start), cwd_inside(session.workspace, start.cwd)
+            argv, cwd = exec_call.command_of(start), cwd_inside(session.workspace, convert.check_path(start.cwd, "cwd"))
+            exec_call.check_start(start, argv)
             call = tool_calls.command(session, "shell.exec", argv, cwd, context_id=start.execution_context_id)
             with self._gate.authorize(session, call, still_wanted=context.is_active) as granted:
                 for response in exec_call.run(self._registry, self._fork, session, start, argv, cwd, request_iterator,
@@ -225,8 +243,6 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                         if self._metrics is not None:
                             self._metrics.exec_seconds.observe(time.monotonic() - received)
                     yield response
-        except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
-            abort(context, error)
 
     # ---- policy, approvals and the audit log ----
 
@@ -239,7 +255,10 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         return self._unary(context, lambda who: self._audit.pending(who, request.session_id))
 
     def Authorize(self, request: pb.AuthorizeRequest, context: grpc.ServicerContext) -> pb.AuthorizeResponse:
-        return self._unary(context, lambda who: self._audit.authorize(who, request, context.is_active))
+        def work(who: PeerCredentials) -> pb.AuthorizeResponse:
+            with self._quotas.hold(who, CALLS):           # may be held for approval, holding a worker
+                return self._audit.authorize(who, request, context.is_active)
+        return self._unary(context, work)
 
     def ReportToolResult(self, request: pb.ReportToolResultRequest,
                          context: grpc.ServicerContext) -> pb.ReportToolResultResponse:
@@ -253,16 +272,22 @@ class SandboxServicer(pb_grpc.SandboxServicer):
 
     def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.Event]:
         try:
-            yield from self._audit.watch(self._callers(context), request, context.is_active)
+            who = self._callers(context)
+            with self._quotas.hold(who, STREAMS):
+                yield from self._audit.watch(who, request, context.is_active)
         except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
             abort(context, error)
 
     def AddStandingRule(self, request: pb.StandingRule, context: grpc.ServicerContext) -> pb.StandingRule:
-        return self._unary(context, lambda who: self._audit.add_rule(who, request))
+        def work(who: PeerCredentials) -> pb.StandingRule:
+            convert.check_path(request.workspace, "workspace")
+            return self._audit.add_rule(who, request)
+        return self._unary(context, work)
 
     def ListStandingRules(self, request: pb.ListStandingRulesRequest,
                           context: grpc.ServicerContext) -> pb.ListStandingRulesResponse:
-        return self._unary(context, lambda who: self._audit.rules(who, request.workspace))
+        return self._unary(context, lambda who: self._audit.rules(
+            who, convert.check_path(request.workspace, "workspace")))
 
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.DaemonStatus:
         from sandboxd.service import daemon_status
@@ -270,4 +295,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
 
     def RemoveStandingRule(self, request: pb.StandingRule,
                            context: grpc.ServicerContext) -> pb.RemoveStandingRuleResponse:
-        return self._unary(context, lambda who: self._audit.remove_rule(who, request))
+        def work(who: PeerCredentials) -> pb.RemoveStandingRuleResponse:
+            convert.check_path(request.workspace, "workspace")
+            return self._audit.remove_rule(who, request)
+        return self._unary(context, work)

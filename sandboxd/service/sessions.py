@@ -21,6 +21,7 @@ from sandboxd.policy.decision import ToolRules
 from sandboxd.policy.sandbox import is_within
 from sandboxd.policy.spec import policy_from_dict, policy_to_dict
 from sandboxd.service.peercred import PeerCredentials
+from sandboxd.service.quotas import Quotas, owner_key
 from sandboxd.supervisor.forkserver import ForkServer
 from sandboxd.supervisor.publish import check_host_ports
 
@@ -93,7 +94,7 @@ class SessionRegistry:
     def __init__(self, forkserver: ForkServer, store: EventStore, *, admin_gid: int | None = None,
                  max_sessions: int = 10000, dns: tuple[str, ...] = (), network_pool: str = "",
                  own: OwnPlaces | None = None, proxy_connections: int = 256,
-                 published_connections: int = 256) -> None:
+                 published_connections: int = 256, quotas: Quotas | None = None) -> None:
         self._fork = forkserver
         self.store = store
         self.own = own or OwnPlaces()
@@ -107,6 +108,7 @@ class SessionRegistry:
         self.metrics: "Any" = None                        # service.metrics.Metrics, when the daemon has it
         self._admin_gid = admin_gid
         self._max = max_sessions
+        self.quotas = quotas or Quotas()
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
 
@@ -196,6 +198,8 @@ class SessionRegistry:
         with self._lock:
             if len(self._sessions) >= self._max:
                 raise Exhausted(f"the daemon holds its maximum of {self._max} sessions: close some first")
+            owner = owner_key(caller)
+            self.quotas.check_sessions(caller, sum(1 for s in self._sessions.values() if owner_key(s.owner) == owner))
             session_id = secrets.token_hex(8)
             session = Session(session_id, caller, os.path.realpath(workspace), policy, approval, limits, labels,
                               rules)

@@ -7,6 +7,7 @@ import json
 import grpc
 
 from sandboxd.errors import (
+    DeadlineExceeded,
     ExecFailed,
     Exhausted,
     Forbidden,
@@ -25,6 +26,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (Forbidden, grpc.StatusCode.PERMISSION_DENIED),
     (PermissionError, grpc.StatusCode.PERMISSION_DENIED),   # a caller that did not come through the front door
     (Exhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (ExecFailed, grpc.StatusCode.FAILED_PRECONDITION),
     (LimitsUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
     (NamespacesUnavailable, grpc.StatusCode.FAILED_PRECONDITION),

@@ -40,7 +40,8 @@ from typing import Any
 
 from sandboxd._record import Record
 from sandboxd.errors import Forbidden, InvalidPolicy, SandboxdError, SetupError
-from sandboxd.policy.limits import MAX_TIMEOUT_SECONDS
+from sandboxd.policy.limits import MAX_TIMEOUT_SECONDS  # noqa: F401 - re-exported for the edge's callers
+from sandboxd.policy.limits import check_timeout as limits_check_timeout
 from sandboxd.policy.spec import LaunchSpec, spec_from_dict, spec_to_dict
 from sandboxd.supervisor.spawner import ExitInfo, SandboxProcess, SessionSandbox, Spawner
 
@@ -49,22 +50,19 @@ MAX_MESSAGE = 1 << 20
 _PLAIN_ERRORS: dict[str, type[SandboxdError]] = {cls.__name__: cls for cls in (InvalidPolicy, Forbidden)}
 # The longest one poll() waits: far enough to cost nothing, near enough that no deadline can
 # overflow poll's millisecond int (the loop recomputes after every wake). Time limits above
-# MAX_TIMEOUT_SECONDS (a year) are refused before they get here (policy Limits, SessionCall) and
+# MAX_TIMEOUT_SECONDS (a week) are refused before they get here (policy Limits, SessionCall) and
 # again at this edge (check_timeout); the loop itself copes with any deadline.
 MAX_POLL_MS = 60_000
 
 
 def check_timeout(timeout: object, what: str = "timeout_seconds") -> float | None:
-    """A call's time limit as a float (None: no limit), or InvalidPolicy for what no clock can hold."""
-    if timeout is None or timeout == 0:
+    """A call's time limit as a float (None or 0: no limit), or InvalidPolicy for what no clock can
+    hold; the same range as the policy's (policy.limits.check_timeout), checked again at this edge."""
+    if timeout is None or (timeout == 0 and not isinstance(timeout, bool)):
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise InvalidPolicy(f"{what} must be a number of seconds, got {timeout!r}")
-    value = float(timeout)
-    if math.isnan(value) or value < 0 or value > MAX_TIMEOUT_SECONDS:
-        raise InvalidPolicy(f"{what} must be between 0 and {MAX_TIMEOUT_SECONDS:.0f} seconds (a year), "
-                            f"got {timeout!r}: give a shorter limit, or none")
-    return value
+    return limits_check_timeout(timeout, what)
 
 
 def poll_timeout_ms(deadline: float | None, now: float) -> int:

@@ -710,7 +710,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DaemonStatus(_message.Message):
-    __slots__ = ("version", "pid", "started_at", "features", "sessions", "running_calls", "pending_approvals", "events")
+    __slots__ = ("version", "pid", "started_at", "features", "sessions", "running_calls", "pending_approvals", "events", "quota_limits", "quota_usage")
     class FeaturesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -718,6 +718,20 @@ class DaemonStatus(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class QuotaLimitsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class QuotaUsageEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -726,6 +740,8 @@ class DaemonStatus(_message.Message):
     RUNNING_CALLS_FIELD_NUMBER: _ClassVar[int]
     PENDING_APPROVALS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_LIMITS_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_USAGE_FIELD_NUMBER: _ClassVar[int]
     version: str
     pid: int
     started_at: float
@@ -734,4 +750,6 @@ class DaemonStatus(_message.Message):
     running_calls: int
     pending_approvals: int
     events: int
-    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., started_at: _Optional[float] = ..., features: _Optional[_Mapping[str, str]] = ..., sessions: _Optional[int] = ..., running_calls: _Optional[int] = ..., pending_approvals: _Optional[int] = ..., events: _Optional[int] = ...) -> None: ...
+    quota_limits: _containers.ScalarMap[str, int]
+    quota_usage: _containers.ScalarMap[str, int]
+    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., started_at: _Optional[float] = ..., features: _Optional[_Mapping[str, str]] = ..., sessions: _Optional[int] = ..., running_calls: _Optional[int] = ..., pending_approvals: _Optional[int] = ..., events: _Optional[int] = ..., quota_limits: _Optional[_Mapping[str, int]] = ..., quota_usage: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -1,0 +1,162 @@
+"""Each bad input of issue 11, through a real daemon: a clear INVALID_ARGUMENT (or
+RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED) saying what to fix, never INTERNAL; and bounded answers
+(ReadFile of /dev/zero or a FIFO, a huge max_bytes, a backtracking pattern). Each has a control
+showing the legitimate use still works."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import grpc
+import pytest
+
+from daemon_fixtures import daemon, stub, ws  # noqa: F401 - pytest fixtures
+from daemon_helpers import Daemon, close_quietly, create_session, rpc_error, run_exec, workspace_write
+from sandboxd.client import SandboxClient
+from sandboxd.errors import InvalidPolicy
+from sandboxd.policy import LaunchSpec, Limits
+from sandboxd.service.file_calls import DEFAULT_READ_LIMIT, MAX_READ_LIMIT
+from sandboxd.v1 import sandboxd_pb2 as pb
+from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.fixture
+def session(stub: pb_grpc.SandboxStub, ws: Path):  # type: ignore[no-untyped-def]
+    s = create_session(stub, ws, workspace_write())
+    yield s
+    close_quietly(stub, s.id)
+
+
+def exec_error(stub: pb_grpc.SandboxStub, start: pb.ExecStart) -> grpc.RpcError:
+    return rpc_error(lambda: stub.Exec(iter([pb.ExecRequest(start=start)]), timeout=120))
+
+
+@pytest.mark.parametrize("timeout", [-1.0, math.nan, math.inf, 604801.0])
+def test_exec_timeouts_out_of_range_are_refused(stub: pb_grpc.SandboxStub, session: pb.Session,
+                                                timeout: float) -> None:
+    error = exec_error(stub, pb.ExecStart(session_id=session.id, argv=["true"], timeout_seconds=timeout))
+    assert error.code() == INVALID and "timeout_seconds" in error.details(), error.details()
+    ok = run_exec(stub, session.id, ["true"], timeout_seconds=604800.0)           # control: a week is allowed
+    assert ok.result is not None and ok.result.exit_code == 0 and not ok.result.timed_out
+
+
+def test_argv_and_env_beyond_the_kernels_limits_are_refused(stub: pb_grpc.SandboxStub, session: pb.Session) -> None:
+    many = exec_error(stub, pb.ExecStart(session_id=session.id, argv=["true"] + ["x"] * 1_000_000))
+    assert many.code() == INVALID and "ARG_MAX" in many.details(), many.details()
+    long_arg = exec_error(stub, pb.ExecStart(session_id=session.id, argv=["echo", "y" * (128 << 10)]))
+    assert long_arg.code() == INVALID and "per argument" in long_arg.details(), long_arg.details()
+    big_env = exec_error(stub, pb.ExecStart(session_id=session.id, argv=["true"], env={"BIG": "z" * (3 << 20)}))
+    assert big_env.code() == INVALID and "per variable" in big_env.details(), big_env.details()
+    nul_env = exec_error(stub, pb.ExecStart(session_id=session.id, argv=["true"], env={"A": "a\0b"}))
+    assert nul_env.code() == INVALID and "NUL" in nul_env.details()
+    # Control: just below the per-string limit runs.
+    ok = run_exec(stub, session.id, ["sh", "-c", 'printf %s "$1" | wc -c', "sh", "y" * ((128 << 10) - 1)])
+    assert ok.result is not None and ok.result.exit_code == 0 and ok.stdout.strip() == str((128 << 10) - 1).encode()
+
+
+def test_nul_and_overlong_paths_are_refused(stub: pb_grpc.SandboxStub, ws: Path, session: pb.Session) -> None:
+    error = rpc_error(lambda: stub.CreateSession(pb.CreateSessionRequest(workspace=f"{ws}\0x"), timeout=60))
+    assert error.code() == INVALID and "workspace may not contain NUL" in error.details(), error.details()
+    root = rpc_error(lambda: stub.CreateSession(pb.CreateSessionRequest(
+        workspace=str(ws), sandbox_policy=workspace_write(writable_roots=["/tmp\0"])), timeout=60))
+    assert root.code() == INVALID and "writable root" in root.details()
+    long_path = rpc_error(lambda: stub.ReadFile(pb.ReadFileRequest(session_id=session.id, path="a/" * 3000),
+                                                timeout=60))
+    assert long_path.code() == INVALID and "PATH_MAX" not in long_path.details() and "4096" in long_path.details()
+    cwd = exec_error(stub, pb.ExecStart(session_id=session.id, argv=["true"], cwd=f"{ws}/\0"))
+    assert cwd.code() == INVALID and "cwd may not contain NUL" in cwd.details()
+
+
+@pytest.mark.parametrize("limits, word", [
+    (pb.Limits(memory_bytes=(1 << 64) - 1), "memory_bytes"), (pb.Limits(tmp_size_bytes=(1 << 64) - 1), "tmp_size"),
+    (pb.Limits(pids=(1 << 32) - 1), "pids"), (pb.Limits(timeout_seconds=math.nan), "timeout_seconds"),
+    (pb.Limits(open_files=(1 << 32) - 1), "open_files"), (pb.Limits(cpu_seconds=(1 << 32) - 1), "cpu_seconds")])
+def test_limits_beyond_the_kernels_range_are_refused(stub: pb_grpc.SandboxStub, ws: Path, limits: pb.Limits,
+                                                     word: str) -> None:
+    error = rpc_error(lambda: create_session(stub, ws, workspace_write(), limits=limits))
+    assert error.code() == INVALID and word in error.details() and "root" not in error.details(), error.details()
+
+
+def test_the_policy_model_refuses_the_same_for_sandboxd_run() -> None:
+    with pytest.raises(InvalidPolicy, match="above its maximum"):
+        Limits(memory_bytes=1 << 64)
+    with pytest.raises(InvalidPolicy, match="finite"):
+        Limits(timeout_seconds=math.nan)
+    with pytest.raises(InvalidPolicy, match="ARG_MAX"):
+        LaunchSpec(argv=("true",) + ("x",) * 1_000_000, workspace="/tmp")
+    assert Limits(memory_bytes=1 << 53, pids=1 << 22).pids == 1 << 22           # control: the maxima themselves
+
+
+def test_page_tokens_and_sequences_are_checked(stub: pb_grpc.SandboxStub, session: pb.Session) -> None:
+    for token in ("9" * 5000, "-5", str(1 << 63), "12abc"):
+        error = rpc_error(lambda: stub.QueryEvents(pb.QueryEventsRequest(page_token=token), timeout=60))
+        assert error.code() == INVALID and "page_token" in error.details()
+    nan = rpc_error(lambda: stub.QueryEvents(pb.QueryEventsRequest(since=math.nan), timeout=60))
+    assert nan.code() == INVALID and "since" in nan.details()
+    watch = rpc_error(lambda: stub.WatchEvents(pb.WatchEventsRequest(from_sequence=(1 << 64) - 1), timeout=60))
+    assert watch.code() == INVALID and "from_sequence" in watch.details()
+    run_exec(stub, session.id, ["true"])                                          # control: real tokens work
+    page = stub.QueryEvents(pb.QueryEventsRequest(session_id=session.id, page_size=1), timeout=60)
+    assert len(page.events) == 1 and page.next_page_token
+    assert stub.QueryEvents(pb.QueryEventsRequest(session_id=session.id, page_token=page.next_page_token),
+                            timeout=60).events
+
+
+def test_only_regular_files_are_read_and_at_once(stub: pb_grpc.SandboxStub, ws: Path, session: pb.Session) -> None:
+    os.mkfifo(ws / "fifo")
+    fifo = rpc_error(lambda: stub.ReadFile(pb.ReadFileRequest(session_id=session.id, path="fifo"), timeout=30))
+    assert fifo.code() == INVALID and "FIFO" in fifo.details(), fifo.details()
+    zero = rpc_error(lambda: stub.ReadFile(pb.ReadFileRequest(session_id=session.id, path="/dev/zero",
+                                                               max_bytes=1 << 62), timeout=30))
+    assert zero.code() == INVALID and "character device" in zero.details(), zero.details()
+    (ws / "f.txt").write_bytes(b"hello")
+    assert stub.ReadFile(pb.ReadFileRequest(session_id=session.id, path="f.txt"), timeout=30).data == b"hello"
+
+
+def test_read_file_answers_are_bounded_and_fit_clients(daemon: Daemon, stub: pb_grpc.SandboxStub, ws: Path,
+                                                        session: pb.Session) -> None:
+    (ws / "big").write_bytes(b"b" * (MAX_READ_LIMIT + 100))
+    # A default gRPC client (4 MiB receive limit) gets the default answer.
+    default = stub.ReadFile(pb.ReadFileRequest(session_id=session.id, path="big"), timeout=60)
+    assert len(default.data) == DEFAULT_READ_LIMIT and default.truncated
+    # A client asking for more than the daemon's maximum gets the maximum, truncated.
+    with SandboxClient(daemon.socket) as client:
+        huge = client.stub.ReadFile(pb.ReadFileRequest(session_id=session.id, path="big", max_bytes=1 << 62),
+                                    timeout=60)
+        assert len(huge.data) == MAX_READ_LIMIT and huge.truncated
+        # The project's own client reads a 5 MiB file whole.
+        (ws / "five").write_bytes(b"5" * (5 << 20))
+        five = client.read_file(session.id, "five", max_bytes=5 << 20)
+        assert len(five.data) == 5 << 20 and not five.truncated
+
+
+def test_a_backtracking_pattern_ends_in_deadline_exceeded(stub: pb_grpc.SandboxStub, ws: Path,
+                                                          session: pb.Session) -> None:
+    (ws / "text").write_text("a" * 40 + "!\n")
+    error = rpc_error(lambda: stub.Search(pb.SearchRequest(session_id=session.id, pattern="(a+)+$", engine="builtin"),
+                                          timeout=120))
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "budget" in error.details(), error.details()
+    found = stub.Search(pb.SearchRequest(session_id=session.id, pattern="a+!", engine="builtin"), timeout=60)
+    assert [m.path.rsplit("/", 1)[-1] for m in found.matches] == ["text"]
+    too_many = rpc_error(lambda: stub.Search(pb.SearchRequest(session_id=session.id, pattern="a",
+                                                              max_results=(1 << 32) - 1), timeout=60))
+    assert too_many.code() == INVALID and "max_results" in too_many.details()
+
+
+def test_standing_rules_and_json_arguments_are_checked(stub: pb_grpc.SandboxStub, ws: Path,
+                                                       session: pb.Session) -> None:
+    rule = rpc_error(lambda: stub.AddStandingRule(pb.StandingRule(workspace=f"{ws}/\0", tool="browser.action"),
+                                                  timeout=60))
+    assert rule.code() == INVALID and "workspace may not contain NUL" in rule.details()
+    listed = rpc_error(lambda: stub.ListStandingRules(pb.ListStandingRulesRequest(workspace="/\0"), timeout=60))
+    assert listed.code() == INVALID
+    nested = rpc_error(lambda: stub.Authorize(pb.AuthorizeRequest(session_id=session.id, tool="browser.action",
+                                                                  arguments_json="[" * 100_000), timeout=60))
+    assert nested.code() == INVALID and "nested too deeply" in nested.details(), nested.details()
+    ok = stub.Authorize(pb.AuthorizeRequest(session_id=session.id, tool="browser.action", arguments_json="[[1]]"),
+                        timeout=60)                                           # control: NEVER asks nobody
+    assert ok.call_id
