@@ -123,11 +123,14 @@ def test_protected_file_cannot_be_hardlinked_and_written(victim: str, git_worksp
     assert (git_workspace / victim).read_bytes() == before
 
 
-def test_rest_of_dot_git_stays_writable(git_workspace: Path) -> None:
-    """Only the protected subpaths are read-only: .git/info, .git/objects and refs take writes."""
-    result = run_sbx(["sh", "-c", "echo '*.o' >> .git/info/exclude && mkdir -p .git/refs/x && echo OK"],
-                     workspace=git_workspace)
-    assert result.returncode == 0 and result.stdout == "OK\n", describe(result)
+def test_git_data_stays_writable_and_control_files_do_not(git_workspace: Path) -> None:
+    """What git writes (objects, refs, logs, index, HEAD, lock files) takes writes; the other control
+    files of .git (info/, description) are read-only like hooks/ and config."""
+    script = ("mkdir -p .git/refs/x .git/objects/zz .git/logs/x && echo x > .git/index.lock && "
+              "echo x > .git/FETCH_HEAD && echo OK; "
+              "echo '*.o' >> .git/info/exclude && echo INFO; echo x >> .git/description && echo DESC; exit 0")
+    result = run_sbx(["sh", "-c", script], workspace=git_workspace)
+    assert result.stdout.split() == ["OK"], describe(result)
 
 
 def test_protection_applies_in_every_writable_root(base_dir: Path, workspace: Path) -> None:

@@ -9,7 +9,12 @@ import sys
 from sandboxd import defaults
 from sandboxd.errors import InvalidPolicy, SandboxdError
 from sandboxd.policy import DEFAULT_PROTECTED_SUBPATHS, LaunchSpec, Limits, parse_size, policy_from_name
+from sandboxd.policy.git_config import GIT_GUARD_SUBPATH
 from sandboxd.policy.limits import DEFAULT_TMP_SIZE
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from sandboxd.supervisor.git_guard import GitGuard
 
 EXIT_TIMEOUT = 124
 EXIT_SETUP_FAILED = 125
@@ -218,6 +223,7 @@ def main(argv: list[str]) -> int:
     except SandboxdError as exc:
         sys.stderr.write(f"sandboxd run: {exc}\n")
         return EXIT_SETUP_FAILED
+    guard = _git_guard(spec)
     try:
         from sandboxd.supervisor.spawner import Spawner
         sandbox = Spawner().launch(spec)
@@ -241,9 +247,22 @@ def main(argv: list[str]) -> int:
     info = sandbox.wait(spec.limits.timeout_seconds)
     for port in published:
         port.close()
+    if guard is not None:
+        for item in guard.inspect():
+            sys.stderr.write(f"sandboxd run: {item.describe()}\n")
     if info.timed_out:
         sys.stderr.write(f"sandboxd run: timed out after {spec.limits.timeout_seconds:g}s; killed the whole tree\n")
     return info.shell_status
+
+
+def _git_guard(spec: LaunchSpec) -> "GitGuard | None":
+    """The git guard of the writable roots while .git/config is protected (the default): it takes
+    them as they are now, and after the command removes the git configuration it planted."""
+    roots = getattr(spec.policy, "writable_roots", None)
+    if roots is None or GIT_GUARD_SUBPATH not in spec.policy.protected_subpaths:  # type: ignore[attr-defined]
+        return None
+    from sandboxd.supervisor.git_guard import GitGuard
+    return GitGuard([os.path.realpath(spec.workspace), *(os.path.realpath(r) for r in roots)])
 
 
 def _serve_proxy(network: "object", domains: "tuple[str, ...]") -> "object":

@@ -13,8 +13,6 @@ other file and no other repository; everything else is dropped.
 
 from __future__ import annotations
 
-import re
-
 # The protected subpath that turns the git guard on (it is a default; --no-default-protect drops it).
 GIT_GUARD_SUBPATH = ".git/config"
 
@@ -61,8 +59,13 @@ SAFE_KEYS: frozenset[str] = frozenset({
     "init.defaultbranch", "gc.auto", "gc.autopacklimit", "pull.rebase", "pull.ff", "merge.ff", "fetch.prune",
     "index.version", "pack.threads",
 })
-# A remote URL like "ext::sh -c ..." or "fd::3" runs a program through a transport helper.
-_TRANSPORT_URL = re.compile(r"^[A-Za-z0-9+.-]+::")
+_TRANSPORT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+.-")
+
+
+def _transport_url(url: str) -> bool:
+    """A remote URL like "ext::sh -c ..." or "fd::3" runs a program through a transport helper."""
+    scheme, sep, _ = url.partition("::")
+    return bool(sep) and bool(scheme) and set(scheme) <= _TRANSPORT_CHARS
 _URL_KEYS = ("remote.*.url", "remote.*.pushurl", "submodule.*.url")
 
 
@@ -96,7 +99,7 @@ class ConfigSyntaxError(ValueError):
 def is_safe(entry: ConfigEntry) -> bool:
     if entry.pattern not in SAFE_KEYS:
         return False
-    if entry.pattern in _URL_KEYS and entry.value is not None and _TRANSPORT_URL.match(entry.value):
+    if entry.pattern in _URL_KEYS and entry.value is not None and _transport_url(entry.value):
         return False
     return True
 

@@ -33,17 +33,21 @@ and renamed over the old name.
 from __future__ import annotations
 
 import errno
-import logging
 import os
-import secrets
 import stat
-import threading
-from typing import Iterable
+import _thread  # the C module: threading imports functools and collections, too much for `sandboxd run`
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Iterable
 
 from sandboxd._record import Record
 from sandboxd.policy.git_config import GIT_DIR_NESTED, GIT_DIR_REDIRECTS, filter_config, parse, ConfigSyntaxError
 
-log = logging.getLogger("sandboxd")
+
+
+def _log_error(message: str, *args: object) -> None:
+    import logging                      # only on this rare path: `sandboxd run` does not import logging
+    logging.getLogger("sandboxd").error(message, *args)
 
 MAX_DIRS = 200_000            # directories tracked per root; beyond, new ones are not watched (logged once)
 MAX_CONFIG_BYTES = 1 << 20    # a bigger config a sandbox wrote is replaced by an empty one
@@ -105,7 +109,7 @@ class GitGuard:
     calls' inspections run one at a time."""
 
     def __init__(self, roots: Iterable[str] = ()) -> None:
-        self._lock = threading.Lock()
+        self._lock = _thread.allocate_lock()
         self._roots: dict[str, _Root] = {}
         self.set_roots(roots)
 
@@ -217,8 +221,8 @@ class _Pass:
             if old is None and len(dirs) >= MAX_DIRS:
                 if not self.root.full:
                     self.root.full = True
-                    log.warning("git guard: more than %d directories under %s: deeper new ones are not "
-                                "inspected", MAX_DIRS, self.root.path)
+                    _log_error("git guard: more than %d directories under %s: deeper new ones are not "
+                               "inspected", MAX_DIRS, self.root.path)
                 continue
             subdirs = self._scan(rel, old)
             if subdirs is None:
@@ -465,19 +469,19 @@ class _Pass:
         except IsADirectoryError:
             return
         except OSError as exc:
-            log.error("git guard: could not remove %s/%s: %s", self._full(rel), name, exc)
+            _log_error("git guard: could not remove %s/%s: %s", self._full(rel), name, exc)
             return
         self._record(rel, what, key)
 
     def _replace(self, dir_fd: int, name: str, data: bytes, old: os.stat_result) -> bool:
         """Put ``data`` under ``name`` as a new file with the old one's owner and mode (never written
         in place: the old inode may be hard-linked anywhere)."""
-        tmp = f".{name}.sandboxd-{secrets.token_hex(6)}"
+        tmp = f".{name}.sandboxd-{os.urandom(6).hex()}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                          dir_fd=dir_fd)
         except OSError as exc:
-            log.error("git guard: could not rewrite %s: %s", name, exc)
+            _log_error("git guard: could not rewrite %s: %s", name, exc)
             return False
         try:
             try:
@@ -492,7 +496,7 @@ class _Pass:
             os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             return True
         except OSError as exc:
-            log.error("git guard: could not rewrite %s: %s", name, exc)
+            _log_error("git guard: could not rewrite %s: %s", name, exc)
             try:
                 os.unlink(tmp, dir_fd=dir_fd)
             except OSError:
