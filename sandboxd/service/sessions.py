@@ -269,6 +269,8 @@ class SessionRegistry:
             if session.sandbox_ready or generation != session.generation:
                 self._close_sandbox(session, generation)
         self.inspect_git(session)                     # the last look: every process of the session is gone
+        if session.git_guard is not None:
+            session.git_guard.close()
         self.store.save_session(session.to_row(closed_at=time.time()))
         self.store.append(session.id, EventType.SESSION_CLOSED, data={"by_uid": caller.uid})
 
@@ -287,6 +289,9 @@ class SessionRegistry:
                     self._close_sandbox(session, generation)
                 except Exception:  # noqa: BLE001 - shutting down: the fork server may be gone already
                     pass
+            self.inspect_git(session)
+            if session.git_guard is not None:
+                session.git_guard.close()
 
     def sandboxes_lost(self) -> None:
         """The fork server died, and every sandbox with it: stop what the daemon served for them

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from typing import Iterable
 
 from sandboxd._record import Record
+from sandboxd.kernel.inotify import Inotify
 from sandboxd.policy.git_config import GIT_DIR_NESTED, GIT_DIR_REDIRECTS, filter_config, parse, ConfigSyntaxError
 
 
@@ -102,16 +103,30 @@ class _Root:
         self.dirs: dict[str, _Dir] = {}
         self.gits: dict[str, _Git] = {}
         self.full = False
+        self.wds: dict[int, str] = {}        # inotify watch -> the directory it watches
+        self.watching = True                 # False: a watch could not be added; every look walks it all
 
 
 class GitGuard:
     """The guard of one session's (or one `sandboxd run`'s) writable roots. Thread-safe: concurrent
     calls' inspections run one at a time."""
 
-    def __init__(self, roots: Iterable[str] = ()) -> None:
+    def __init__(self, roots: Iterable[str] = (), *, watch: bool = True) -> None:
         self._lock = _thread.allocate_lock()
         self._roots: dict[str, _Root] = {}
+        self.inotify: Inotify | None = None
+        if watch:
+            try:
+                self.inotify = Inotify()
+            except OSError as exc:       # out of instances (fs.inotify.max_user_instances): walk instead
+                _log_error("git guard: no inotify (%s): every inspection walks the whole tree", exc)
         self.set_roots(roots)
+
+    def close(self) -> None:
+        with self._lock:
+            if self.inotify is not None:
+                self.inotify.close()
+                self.inotify = None
 
     def set_roots(self, roots: Iterable[str]) -> None:
         """Watch these roots from now on; a root new to the guard gets its baseline now."""
@@ -129,8 +144,15 @@ class GitGuard:
         """Neutralise what changed since the last inspection; what was removed, in order."""
         with self._lock:
             found: list[Neutralization] = []
+            fired: set[int] | None = None              # None: look at every directory
+            if self.inotify is not None:
+                fired, overflow = self.inotify.drain()
+                if overflow:
+                    fired = None
             for root in self._roots.values():
-                _Pass(self, root, found, baseline=False).run()
+                seeds = None if fired is None or not root.watching else {
+                    root.wds[wd] for wd in fired if wd in root.wds}
+                _Pass(self, root, found, baseline=False).run(seeds)
             return found
 
     def _baseline(self, path: str) -> _Root | None:
@@ -160,9 +182,11 @@ class _Pass:
         self.guard, self.root, self.found, self.baseline = guard, root, found, baseline
         self.root_fd = -1
 
-    def run(self) -> None:
+    def run(self, seeds: set[str] | None = None) -> None:
+        """Look at the ``seeds`` directories (those inotify saw change) and what is new under them;
+        None: at every directory (the first look, or when inotify lost events or is unavailable)."""
         try:
-            self._walk_dirs()
+            self._walk_dirs(seeds)
             for rel in list(self.root.gits):
                 self._check_git(rel)
         finally:
@@ -205,9 +229,10 @@ class _Pass:
 
     # -- ordinary directories ----------------------------------------------------------------------
 
-    def _walk_dirs(self) -> None:
+    def _walk_dirs(self, seeds: set[str] | None) -> None:
         dirs = self.root.dirs
-        stack = [""]
+        everything = seeds is None
+        stack = [""] if seeds is None else sorted(seeds)
         while stack:
             rel = stack.pop()
             st = self._lstat(rel)
@@ -216,7 +241,8 @@ class _Pass:
                 continue
             old = dirs.get(rel)
             if old is not None and old.key == _key(st):
-                stack.extend(f"{rel}/{s}" if rel else s for s in old.subdirs)
+                if everything:
+                    stack.extend(_join(rel, s) for s in old.subdirs)
                 continue
             if old is None and len(dirs) >= MAX_DIRS:
                 if not self.root.full:
@@ -224,11 +250,13 @@ class _Pass:
                     _log_error("git guard: more than %d directories under %s: deeper new ones are not "
                                "inspected", MAX_DIRS, self.root.path)
                 continue
-            subdirs = self._scan(rel, old)
-            if subdirs is None:
+            visit = self._scan(rel, old)
+            if visit is None:
                 self._forget(rel)
                 continue
-            stack.extend(f"{rel}/{s}" if rel else s for s in subdirs)
+            subdirs, changed = visit
+            # With inotify, a known subdirectory has its own watch: only new or replaced ones are visited.
+            stack.extend(_join(rel, s) for s in (subdirs if everything else changed))
 
     def _forget(self, rel: str) -> None:
         old = self.root.dirs.pop(rel, None)
@@ -237,14 +265,17 @@ class _Pass:
         for sub in old.subdirs:
             self._forget(f"{rel}/{sub}" if rel else sub)
 
-    def _scan(self, rel: str, old: _Dir | None) -> tuple[str, ...] | None:
+    def _scan(self, rel: str, old: _Dir | None) -> tuple[tuple[str, ...], list[str]] | None:
+        """List one directory: (its subdirectories, those new or replaced since the last look)."""
         try:
             fd = self._open_dir(rel)
         except OSError:
             return None
         try:
+            self._watch(rel, fd)          # first: a change from now on is an event, seen next time
             key = _key(os.fstat(fd))      # before listing: a later change moves ctime, seen next time
             subdirs: list[str] = []
+            changed: list[str] = []
             names: set[str] = set()
             git_key: Key | None = None
             with os.scandir(fd) as entries:
@@ -262,17 +293,32 @@ class _Pass:
                             self._track_git(_join(rel, ".git"))
                     elif stat.S_ISDIR(est.st_mode) and est.st_dev == self.root.dev:
                         subdirs.append(entry.name)
+                        known = self.root.dirs.get(_join(rel, entry.name))
+                        if known is None or known.key[0] != est.st_ino:
+                            changed.append(entry.name)
             if "HEAD" in names and ("objects" in names or "commondir" in names or "config" in names):
                 # a git directory under another name (a bare repository, or the target of a .git file)
                 self._track_git(rel)
                 subdirs = [s for s in subdirs if s not in GIT_DATA_DIRS]
+                changed = [s for s in changed if s not in GIT_DATA_DIRS]
         finally:
             os.close(fd)
         if old is not None:
             for gone in set(old.subdirs) - set(subdirs):
                 self._forget(_join(rel, gone))
         self.root.dirs[rel] = _Dir(key, tuple(subdirs), git_key)
-        return tuple(subdirs)
+        return tuple(subdirs), changed
+
+    def _watch(self, rel: str, fd: int) -> None:
+        inotify = self.guard.inotify
+        if inotify is None or not self.root.watching:
+            return
+        try:
+            self.root.wds[inotify.watch_fd(fd)] = rel
+        except OSError as exc:            # out of watches (fs.inotify.max_user_watches): walk instead
+            self.root.watching = False
+            _log_error("git guard: cannot watch %s (%s): every inspection walks the whole tree",
+                       self._full(rel), exc)
 
     def _git_entry(self, rel: str, dir_fd: int, est: os.stat_result) -> None:
         """A ``.git`` that is new or was replaced since the last look."""
@@ -334,11 +380,14 @@ class _Pass:
             except OSError:
                 del self.root.gits[rel]
                 return
+            before = len(self.found)
             try:
                 self._inspect_git(rel, fd, git, keys)
             finally:
                 os.close(fd)
-            git.keys = self._git_keys(rel, git)
+            # What was seen before looking: a change made while we looked shows as a difference next
+            # time. After a change of our own, look again next time (and find it clean).
+            git.keys = keys if len(self.found) == before else {}
         for nested in git.nested:
             if nested not in self.root.gits:
                 self.root.gits[nested] = _Git()
@@ -354,9 +403,12 @@ class _Pass:
                     self._unlink(fd, name, rel, name, name)
                     names.discard(name)
         git.names = frozenset(names)
-        if "config" in names:
+        # A commit moves the git directory's ctime, not config's or hooks/': those are read again
+        # only when they changed.
+        if "config" in names and keys.get("config") != git.keys.get("config"):
             self._inspect_config(rel, fd, git)
-        if "hooks" in names:
+        hook_keys = {k: v for k, v in keys.items() if k == "hooks" or k.startswith("hooks/")}
+        if "hooks" in names and hook_keys != {k: v for k, v in git.keys.items() if k in hook_keys}:
             self._inspect_hooks(rel, fd, git)
         nested: list[str] = []
         for name in GIT_DIR_NESTED:
