@@ -281,20 +281,21 @@ class _Pass:
             with os.scandir(fd) as entries:
                 for entry in entries:
                     names.add(entry.name)
-                    try:
-                        est = entry.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
                     if entry.name == ".git":
+                        try:
+                            est = entry.stat(follow_symlinks=False)
+                        except OSError:
+                            continue
                         git_key = _key(est)
                         if old is None or old.git_key != git_key:
                             self._git_entry(rel, fd, est)
                         elif stat.S_ISDIR(est.st_mode):
                             self._track_git(_join(rel, ".git"))
-                    elif stat.S_ISDIR(est.st_mode) and est.st_dev == self.root.dev:
+                    elif entry.is_dir(follow_symlinks=False):     # d_type: no stat per entry
+                        # (another filesystem mounted there is refused when it is opened: _open_dir)
                         subdirs.append(entry.name)
                         known = self.root.dirs.get(_join(rel, entry.name))
-                        if known is None or known.key[0] != est.st_ino:
+                        if known is None or known.key[0] != entry.inode():
                             changed.append(entry.name)
             if "HEAD" in names and ("objects" in names or "commondir" in names or "config" in names):
                 # a git directory under another name (a bare repository, or the target of a .git file)
