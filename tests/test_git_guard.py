@@ -376,3 +376,42 @@ def test_daemon_background_job_end_and_session_close_inspect(daemon: "object", s
         assert job.id
     finally:
         close(daemon, sid)
+
+
+# --------------------------------------------------------------------------- the config filter
+
+
+TRICKY_CONFIGS = [
+    '[core]\n\trepositoryformatversion = 0\n\tfsmonitor = "touch /x"\n[remote "origin"]\n\turl = /x/y\n',
+    '[core] fsmonitor = a\\\n b ; c\n[Core]bare\n[branch.main]\nremote=origin # hi\n[alias]\n x = "!sh -c \\"a\\""\n',
+    '[include]\npath=../evil\n[remote "a\\"b"]\nurl = ext::sh -c x\n[CORE]\n\tHooksPath = /tmp\n',
+    '[core]\n\tsshCommand = touch /x\n[filter "f"]\n\tclean = touch /x\n[diff "d"]\n\ttextconv = touch /x\n'
+    '[user]\n\tname = "me ; not a comment"\n[includeIf "gitdir:/"]\n\tpath = /x\n',
+]
+
+
+@pytest.mark.parametrize("text", TRICKY_CONFIGS)
+def test_config_filter_reads_like_git_and_leaves_only_safe_keys(text: str, tmp_path: Path) -> None:
+    """The filter parses as real git does, and what it writes git reads back as only safe keys."""
+    from sandboxd.policy.git_config import SAFE_KEYS, filter_config, parse
+    path = tmp_path / "config"
+    path.write_text(text)
+
+    def git_list() -> list[tuple[str, str | None]]:
+        out = subprocess.run(["git", "config", "-f", str(path), "--null", "--list"], capture_output=True,
+                             text=True, check=True).stdout
+        items = []
+        for item in out.split("\0")[:-1]:
+            key, sep, value = item.partition("\n")
+            items.append((key, value if sep else None))
+        return items
+
+    assert [e.ident() for e in parse(text)] == git_list()
+    new, dropped = filter_config(text)
+    assert new is not None and dropped
+    path.write_text(new)
+    for key, value in git_list():
+        section, _, name = key.partition(".")
+        middle, _, last = name.rpartition(".")
+        assert f"{section}.{'*.' if middle else ''}{last}" in SAFE_KEYS, key
+        assert not (value or "").startswith("ext::")
