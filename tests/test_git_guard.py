@@ -415,3 +415,31 @@ def test_config_filter_reads_like_git_and_leaves_only_safe_keys(text: str, tmp_p
         middle, _, last = name.rpartition(".")
         assert f"{section}.{'*.' if middle else ''}{last}" in SAFE_KEYS, key
         assert not (value or "").startswith("ext::")
+
+
+def test_gitfile_rewritten_in_place_is_checked_again(setup: Setup) -> None:
+    """A .git file that pointed inside the workspace, rewritten in place (same inode: no directory
+    event, no ctime change on its directory) to point outside: the guard notices and removes it."""
+    s = setup
+    script = (f"git init -q real && mkdir wt && printf 'gitdir: ../real/.git\\n' > wt/.git && "
+              f"stat -c %i wt/.git && sleep 0.01 && printf 'gitdir: {s.outside}\\n' 1<> wt/.git && stat -c %i wt/.git")
+    result = run_sbx(["sh", "-c", script], workspace=s.ws, env=SANDBOX_ENV)
+    assert result.returncode == 0, describe(result)
+    first, second = result.stdout.split()
+    assert first == second                                   # really the same inode
+    assert f"removed gitfile '{s.outside}'" in result.stderr, describe(result)
+    assert not os.path.lexists(s.ws / "wt" / ".git")
+
+
+def test_daemon_gitfile_rewritten_in_place_by_a_later_call(daemon: "object", setup: Setup) -> None:
+    """Call 1 makes wt/.git point at a repository inside the workspace (kept); call 2 rewrites that
+    file in place (same inode) to point outside: the inspection after call 2 removes it."""
+    s = setup
+    res = as_user(daemon, s, ["git init -q real && mkdir wt && printf 'gitdir: ../real/.git\\n' > wt/.git",
+                              f"printf 'gitdir: {s.outside}\\n' 1<> wt/.git"])
+    try:
+        assert [r[0] for r in res["exec"]] == [0, 0], res
+        assert not os.path.lexists(s.ws / "wt" / ".git")
+        assert [(e["what"], e["key"]) for e in neutralized(daemon, res["sid"])] == [("gitfile", str(s.outside))]
+    finally:
+        close(daemon, res["sid"])

@@ -104,6 +104,9 @@ class _Root:
         self.gits: dict[str, _Git] = {}
         self.full = False
         self.wds: dict[int, str] = {}        # inotify watch -> the directory it watches
+        # Directories holding a .git *file*: it can be rewritten in place (no event on its
+        # directory, no ctime change there), so each is looked at every time.
+        self.gitfiles: dict[str, Key] = {}
         self.watching = True                 # False: a watch could not be added; every look walks it all
 
 
@@ -114,6 +117,7 @@ class GitGuard:
     def __init__(self, roots: Iterable[str] = (), *, watch: bool = True) -> None:
         self._lock = _thread.allocate_lock()
         self._roots: dict[str, _Root] = {}
+        self._recheck = False
         self.inotify: Inotify | None = None
         if watch:
             try:
@@ -149,10 +153,14 @@ class GitGuard:
                 fired, overflow = self.inotify.drain()
                 if overflow:
                     fired = None
+            self._recheck = False
             for root in self._roots.values():
                 seeds = None if fired is None or not root.watching else {
                     root.wds[wd] for wd in fired if wd in root.wds}
                 _Pass(self, root, found, baseline=False).run(seeds)
+            if self._recheck:                 # a .git file in one root named a git dir in another
+                for root in self._roots.values():
+                    _Pass(self, root, found, baseline=False).check_gits()
             return found
 
     def _baseline(self, path: str) -> _Root | None:
@@ -187,11 +195,22 @@ class _Pass:
         None: at every directory (the first look, or when inotify lost events or is unavailable)."""
         try:
             self._walk_dirs(seeds)
+            self._check_gitfiles()
+            self.check_gits()
+        finally:
+            if self.root_fd >= 0:
+                os.close(self.root_fd)
+                self.root_fd = -1
+
+    def check_gits(self) -> None:
+        """Every known git directory: a few lstats each, a closer look at those that changed."""
+        try:
             for rel in list(self.root.gits):
                 self._check_git(rel)
         finally:
             if self.root_fd >= 0:
                 os.close(self.root_fd)
+                self.root_fd = -1
 
     # -- paths -------------------------------------------------------------------------------------
 
@@ -322,18 +341,19 @@ class _Pass:
                        self._full(rel), exc)
 
     def _git_entry(self, rel: str, dir_fd: int, est: os.stat_result) -> None:
-        """A ``.git`` that is new or was replaced since the last look."""
+        """A ``.git`` that is new or was replaced (or, for a file, rewritten) since the last look."""
         where = _join(rel, ".git")
+        self.root.gitfiles.pop(rel, None)
         if stat.S_ISDIR(est.st_mode):
             self._track_git(where)
             return
-        if self.baseline:
-            return
         if stat.S_ISLNK(est.st_mode):
-            self._unlink(dir_fd, ".git", rel, "symlink", ".git")
+            if not self.baseline:
+                self._unlink(dir_fd, ".git", rel, "symlink", ".git")
             return
         if not stat.S_ISREG(est.st_mode):
             return
+        self.root.gitfiles[rel] = _key(est)
         text = _read_small(dir_fd, ".git", 4096)
         if text is None or not text.startswith("gitdir:"):
             return                                           # git refuses such a .git file itself
@@ -341,13 +361,34 @@ class _Pass:
         target = os.path.normpath(os.path.join(self._full(rel), target))
         inside = self.guard._inside(target)                 # noqa: SLF001 - the guard's own helper
         if inside is None:
-            self._unlink(dir_fd, ".git", rel, "gitfile", target)
+            if not self.baseline:
+                self.root.gitfiles.pop(rel, None)
+                self._unlink(dir_fd, ".git", rel, "gitfile", target)
             return
         root, target_rel = inside
         if root is self.root:
             self._track_git(target_rel)
-        else:
-            root.gits.setdefault(target_rel, _Git())          # checked when that root's pass runs
+        elif target_rel not in root.gits:
+            root.gits[target_rel] = _Git()                   # checked by that root's pass
+            self.guard._recheck = True                       # noqa: SLF001 - ... which may have run already
+
+    def _check_gitfiles(self) -> None:
+        for rel, key in list(self.root.gitfiles.items()):
+            st = self._lstat(_join(rel, ".git"))
+            if st is None or not stat.S_ISREG(st.st_mode):
+                self.root.gitfiles.pop(rel, None)            # replaced: its directory's event covers it
+                continue
+            if _key(st) == key:
+                continue
+            try:
+                fd = self._open_dir(rel)
+            except OSError:
+                self.root.gitfiles.pop(rel, None)
+                continue
+            try:
+                self._git_entry(rel, fd, st)
+            finally:
+                os.close(fd)
 
     def _track_git(self, rel: str) -> None:
         if rel not in self.root.gits:
