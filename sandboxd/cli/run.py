@@ -257,12 +257,19 @@ def main(argv: list[str]) -> int:
 
 def _git_guard(spec: LaunchSpec) -> "GitGuard | None":
     """The git guard of the writable roots while .git/config is protected (the default): it takes
-    them as they are now, and after the command removes the git configuration it planted."""
-    roots = getattr(spec.policy, "writable_roots", None)
-    if roots is None or GIT_GUARD_SUBPATH not in spec.policy.protected_subpaths:  # type: ignore[attr-defined]
+    them as they are now, and after the command removes the git configuration it planted. None
+    when the roots are refused: the launch reports why."""
+    policy = spec.policy
+    if not hasattr(policy, "writable_roots") or GIT_GUARD_SUBPATH not in policy.protected_subpaths:  # type: ignore[attr-defined]
         return None
+    from sandboxd.kernel import paths
     from sandboxd.supervisor.git_guard import GitGuard
-    return GitGuard([os.path.realpath(spec.workspace), *(os.path.realpath(r) for r in roots)])
+    try:
+        resolved = paths.resolve(spec.workspace, spec.cwd, policy.writable_roots,  # type: ignore[attr-defined]
+                                 workspace_writable=True, confined=True)
+    except SandboxdError:
+        return None
+    return GitGuard(resolved.writable_roots)
 
 
 def _serve_proxy(network: "object", domains: "tuple[str, ...]") -> "object":

@@ -38,7 +38,7 @@ import stat
 import _thread  # the C module: threading imports functools and collections, too much for `sandboxd run`
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Iterable
+    from typing import Iterable, Iterator
 
 from sandboxd._record import Record
 from sandboxd.kernel.inotify import Inotify
@@ -298,7 +298,7 @@ class _Pass:
             names: set[str] = set()
             git_key: Key | None = None
             with os.scandir(fd) as entries:
-                for entry in entries:
+                for entry in _entries(entries):
                     names.add(entry.name)
                     if entry.name == ".git":
                         try:
@@ -596,6 +596,14 @@ class _Pass:
             except OSError:
                 pass
             return False
+
+
+def _entries(entries: "Iterator[os.DirEntry[str]]") -> "Iterator[os.DirEntry[str]]":
+    """A directory's entries, ending early (not failing) when it cannot be read further."""
+    try:
+        yield from entries
+    except OSError:
+        return
 
 
 def _join(rel: str, name: str) -> str:
