@@ -443,3 +443,22 @@ def test_daemon_gitfile_rewritten_in_place_by_a_later_call(daemon: "object", set
         assert [(e["what"], e["key"]) for e in neutralized(daemon, res["sid"])] == [("gitfile", str(s.outside))]
     finally:
         close(daemon, res["sid"])
+
+
+def test_daemon_git_commands_work_and_nothing_is_removed(daemon: "object", setup: Setup) -> None:
+    """Control through the daemon: ordinary git work in the session (and a repository it makes,
+    with a remote and an identity) leaves nothing for the guard; the host user sees the commits."""
+    s = setup
+    script = ("set -e; echo one >> file.txt; git add file.txt; git commit -qm one; git checkout -qb topic; "
+              "echo two >> file.txt; git stash -q; git stash pop -q; git commit -qam two; git branch keep; "
+              "git gc -q 2>/dev/null; git init -q fresh; git -C fresh remote add origin /x/y.git; "
+              "git -C fresh config user.name me")
+    res = as_user(daemon, s, [script])
+    try:
+        assert res["exec"][0][0] == 0, res
+        assert neutralized(daemon, res["sid"]) == []
+        assert s.git("log", "--format=%s").stdout.split() == ["two", "one", "base"]
+        assert s.git("status", "--short").returncode == 0
+        assert s.git("config", "remote.origin.url", cwd=s.ws / "fresh").stdout == "/x/y.git\n"
+    finally:
+        close(daemon, res["sid"])
