@@ -14,6 +14,8 @@ from sandboxd.policy.limits import DEFAULT_TMP_SIZE
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from sandboxd.supervisor.git_guard import GitGuard
 
 EXIT_TIMEOUT = 124
@@ -259,14 +261,14 @@ def _git_guard(spec: LaunchSpec) -> "GitGuard | None":
     """The git guard of the writable roots while .git/config is protected (the default): it takes
     them as they are now, and after the command removes the git configuration it planted. None
     when the roots are refused: the launch reports why."""
-    policy = spec.policy
-    if not hasattr(policy, "writable_roots") or GIT_GUARD_SUBPATH not in policy.protected_subpaths:  # type: ignore[attr-defined]
+    policy: "Any" = spec.policy                     # a WorkspaceWrite when it has writable roots
+    if not hasattr(policy, "writable_roots") or GIT_GUARD_SUBPATH not in policy.protected_subpaths:
         return None
     from sandboxd.kernel import paths
     from sandboxd.supervisor.git_guard import GitGuard
     try:
-        resolved = paths.resolve(spec.workspace, spec.cwd, policy.writable_roots,  # type: ignore[attr-defined]
-                                 workspace_writable=True, confined=True)
+        resolved = paths.resolve(spec.workspace, spec.cwd, policy.writable_roots, workspace_writable=True,
+                                 confined=True)
     except SandboxdError:
         return None
     return GitGuard(resolved.writable_roots)

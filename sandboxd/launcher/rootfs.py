@@ -234,15 +234,7 @@ def _protect_git_dir(root: str, gitdir: str, done: dict[str, bool], depth: int =
     if os.path.islink(gitdir) or not os.path.isdir(gitdir):
         return
     _pin_down_to(NEW_ROOT + root, gitdir, done)
-    owner = os.lstat(gitdir)
-    for name in GIT_DIR_CREATE_EMPTY:
-        path = f"{gitdir}/{name}"
-        if not os.path.lexists(path):
-            try:
-                os.mkdir(path, 0o755)
-                os.lchown(path, owner.st_uid, owner.st_gid)
-            except OSError:
-                pass                                 # a read-only or full filesystem: the guard still looks
+    _make_empty_dirs(NEW_ROOT + root, gitdir)
     for entry in list(os.scandir(gitdir)):
         if git_dir_entry_writable(entry.name) or entry.is_symlink():
             continue                                 # a symlinked hooks/ or config is refused by _protect
@@ -256,6 +248,37 @@ def _protect_git_dir(root: str, gitdir: str, done: dict[str, bool], depth: int =
                 mounts.bind(entry.path, entry.path, recursive=True, step="protect git directory")
             mounts.set_attrs_recursive(entry.path, READONLY_ATTRS, step="protect git directory")
             done[entry.path] = True
+
+
+def _make_empty_dirs(top: str, gitdir: str) -> None:
+    """Make the missing GIT_DIR_CREATE_EMPTY directories, owned like the git directory. We are root
+    and a sandbox of another session on the same workspace may be swapping names right now: the
+    git directory is reached from ``top`` one component at a time without following symlinks."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(top, flags)
+    except OSError:
+        return
+    try:
+        for part in os.path.relpath(gitdir, top).split("/"):
+            nxt = os.open(part, flags, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        owner = os.fstat(fd)
+        for name in GIT_DIR_CREATE_EMPTY:
+            try:
+                os.mkdir(name, 0o755, dir_fd=fd)
+            except OSError:
+                continue                             # there already, or a read-only or full filesystem
+            made = os.open(name, flags, dir_fd=fd)
+            try:
+                os.fchown(made, owner.st_uid, owner.st_gid)
+            finally:
+                os.close(made)
+    except OSError:
+        pass                                         # swapped or gone: the git guard still looks after calls
+    finally:
+        os.close(fd)
 
 
 def _nested_git_dirs(path: str, depth: int) -> list[str]:
