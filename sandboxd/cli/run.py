@@ -271,6 +271,7 @@ def _git_guard(spec: LaunchSpec) -> "GitGuard | None":
                                  confined=True)
     except SandboxdError:
         return None
+    resolved.close()                                 # only the real paths are needed here
     return GitGuard(resolved.writable_roots)
 
 
