@@ -25,11 +25,13 @@ import secrets
 import subprocess
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable
 
 import pytest
 
 from conftest import BASE_ENV, describe, make_dir, run_sbx
+from daemon_helpers import Daemon
+from daemon_fixtures import daemon  # noqa: F401 - pytest fixture: the module's daemon, with its leak check
 
 IDENTITY = {"GIT_AUTHOR_NAME": "sandbox", "GIT_AUTHOR_EMAIL": "s@example.invalid",
             "GIT_COMMITTER_NAME": "sandbox", "GIT_COMMITTER_EMAIL": "s@example.invalid"}
@@ -52,15 +54,10 @@ class Setup:
 
 
 @pytest.fixture
-def host_user() -> Iterator[tuple[str, int, int]]:
-    name = f"sbxt-{secrets.token_hex(4)}"
-    subprocess.run(["useradd", "-M", "-N", "-s", "/usr/sbin/nologin", name], check=True)
-    try:
-        out = subprocess.run(["id", "-u", name], capture_output=True, text=True, check=True).stdout
-        gid = int(subprocess.run(["id", "-g", name], capture_output=True, text=True, check=True).stdout)
-        yield name, int(out), gid
-    finally:
-        subprocess.run(["userdel", name], check=False)
+def host_user(plain_users: "Callable[[int], list[Any]]") -> tuple[str, int, int]:
+    """A fresh plain user (conftest's plain_users: removed afterwards) who owns the workspace."""
+    user = plain_users(1)[0]
+    return user.name, user.uid, user.gid
 
 
 def make_setup(base_dir: Path, host_user: tuple[str, int, int], *, template: bool = True) -> Setup:
@@ -269,33 +266,26 @@ print(json.dumps(res))
 '''
 
 
-@pytest.fixture(scope="module")
-def daemon() -> Iterator["object"]:
-    from daemon_helpers import running_daemon
-    with running_daemon("sbxgg-") as d:
-        yield d
-
-
-def neutralized(daemon: "object", session_id: str) -> list[dict[str, str]]:
+def neutralized(daemon: Daemon, session_id: str) -> list[dict[str, str]]:
     from sandboxd.v1 import sandboxd_pb2 as pb
-    events = daemon.stub.QueryEvents(pb.QueryEventsRequest(  # type: ignore[attr-defined]
+    events = daemon.stub.QueryEvents(pb.QueryEventsRequest(
         session_id=session_id, types=["GitConfigNeutralized"], page_size=1000), timeout=60).events
     return [json.loads(e.data_json) for e in events]
 
 
-def close(daemon: "object", session_id: str) -> None:
+def close(daemon: Daemon, session_id: str) -> None:
     from daemon_helpers import close_quietly
-    close_quietly(daemon.stub, session_id)  # type: ignore[attr-defined]
+    close_quietly(daemon.stub, session_id)
 
 
-def as_user(daemon: "object", s: Setup, scripts: list[str], writes: list[tuple[str, str]] = ()) -> dict:
+def as_user(daemon: Daemon, s: Setup, scripts: list[str], writes: list[tuple[str, str]] = ()) -> dict:
     from daemon_helpers import run_client_as
-    return run_client_as(s.uid, s.gid, daemon.socket, CLIENT_ATTACK,  # type: ignore[attr-defined]
+    return run_client_as(s.uid, s.gid, daemon.socket, CLIENT_ATTACK,
                          {"ws": str(s.ws), "scripts": scripts, "writes": list(writes), "env": SANDBOX_ENV})
 
 
 @pytest.mark.parametrize("kind", ["a", "b", "d"])
-def test_daemon_exec_attacks_are_neutralized(kind: str, daemon: "object", setup: Setup) -> None:
+def test_daemon_exec_attacks_are_neutralized(kind: str, daemon: Daemon, setup: Setup) -> None:
     s = setup
     res = as_user(daemon, s, [attack_script(kind, s.markers)])
     try:
@@ -311,7 +301,7 @@ def test_daemon_exec_attacks_are_neutralized(kind: str, daemon: "object", setup:
         close(daemon, res["sid"])
 
 
-def test_daemon_mount_keeps_hooks_out_of_a_repository_without_hooks(daemon: "object", bare_setup: Setup) -> None:
+def test_daemon_mount_keeps_hooks_out_of_a_repository_without_hooks(daemon: Daemon, bare_setup: Setup) -> None:
     """(c) through the daemon: the hooks directory made at sandbox build is read-only."""
     s = bare_setup
     res = as_user(daemon, s, [attack_script("c", s.markers)])
@@ -324,7 +314,7 @@ def test_daemon_mount_keeps_hooks_out_of_a_repository_without_hooks(daemon: "obj
         close(daemon, res["sid"])
 
 
-def test_daemon_write_file_attack_is_neutralized(daemon: "object", setup: Setup) -> None:
+def test_daemon_write_file_attack_is_neutralized(daemon: Daemon, setup: Setup) -> None:
     """(a) with WriteFile alone: .git/commondir and a config for it."""
     s = setup
     writes = [(str(s.ws / "evil" / "config"), fsmonitor_config(s.markers / "a")),
@@ -345,12 +335,12 @@ def test_daemon_write_file_attack_is_neutralized(daemon: "object", setup: Setup)
         close(daemon, res["sid"])
 
 
-def test_daemon_background_job_end_and_session_close_inspect(daemon: "object", setup: Setup) -> None:
+def test_daemon_background_job_end_and_session_close_inspect(daemon: Daemon, setup: Setup) -> None:
     """A background job that ends is inspected before it is reported ended; one still running when
     the session closes is inspected by the close, after its processes are gone."""
     from sandboxd.v1 import sandboxd_pb2 as pb
     s = setup
-    stub = daemon.stub  # type: ignore[attr-defined]
+    stub = daemon.stub
     res = as_user(daemon, s, [])
     sid = res["sid"]
     try:
@@ -431,7 +421,7 @@ def test_gitfile_rewritten_in_place_is_checked_again(setup: Setup) -> None:
     assert not os.path.lexists(s.ws / "wt" / ".git")
 
 
-def test_daemon_gitfile_rewritten_in_place_by_a_later_call(daemon: "object", setup: Setup) -> None:
+def test_daemon_gitfile_rewritten_in_place_by_a_later_call(daemon: Daemon, setup: Setup) -> None:
     """Call 1 makes wt/.git point at a repository inside the workspace (kept); call 2 rewrites that
     file in place (same inode) to point outside: the inspection after call 2 removes it."""
     s = setup
@@ -445,7 +435,7 @@ def test_daemon_gitfile_rewritten_in_place_by_a_later_call(daemon: "object", set
         close(daemon, res["sid"])
 
 
-def test_daemon_git_commands_work_and_nothing_is_removed(daemon: "object", setup: Setup) -> None:
+def test_daemon_git_commands_work_and_nothing_is_removed(daemon: Daemon, setup: Setup) -> None:
     """Control through the daemon: ordinary git work in the session (and a repository it makes,
     with a remote and an identity) leaves nothing for the guard; the host user sees the commits."""
     s = setup
