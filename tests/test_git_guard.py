@@ -278,10 +278,11 @@ def close(daemon: Daemon, session_id: str) -> None:
     close_quietly(daemon.stub, session_id)
 
 
-def as_user(daemon: Daemon, s: Setup, scripts: list[str], writes: list[tuple[str, str]] = ()) -> dict:
+def as_user(daemon: Daemon, s: Setup, scripts: list[str], writes: list[tuple[str, str]] | None = None
+            ) -> dict[str, Any]:
     from daemon_helpers import run_client_as
     return run_client_as(s.uid, s.gid, daemon.socket, CLIENT_ATTACK,
-                         {"ws": str(s.ws), "scripts": scripts, "writes": list(writes), "env": SANDBOX_ENV})
+                         {"ws": str(s.ws), "scripts": scripts, "writes": writes or [], "env": SANDBOX_ENV})
 
 
 @pytest.mark.parametrize("kind", ["a", "b", "d"])
