@@ -87,7 +87,7 @@ class _Dir:
 
 
 class _Git:
-    __slots__ = ("keys", "names", "config_trusted", "hooks_trusted", "nested")
+    __slots__ = ("keys", "names", "config_trusted", "hooks_trusted", "nested", "redirects")
 
     def __init__(self) -> None:
         self.keys: dict[str, Key | None] = {}                 # "", config, hooks, modules, worktrees, hooks/X
@@ -95,6 +95,7 @@ class _Git:
         self.config_trusted: frozenset[tuple[str, str | None]] = frozenset()
         self.hooks_trusted: dict[str, Key] = {}
         self.nested: tuple[str, ...] = ()
+        self.redirects: dict[str, Key | None] = {}            # commondir, config.worktree kept, as seen
 
 
 class _Root:
@@ -439,12 +440,13 @@ class _Pass:
     def _inspect_git(self, rel: str, fd: int, git: _Git, keys: dict[str, Key | None]) -> None:
         names = set(os.listdir(fd))
         for name in GIT_DIR_REDIRECTS:
-            changed = name not in git.names or git.keys.get(name) != keys.get(name)
+            changed = name not in git.names or git.redirects.get(name) != keys.get(name)
             if name in names and not self.baseline and changed:
                 if not (name == "commondir" and self._worktree_commondir(rel, fd)):
                     self._unlink(fd, name, rel, name, name)
                     names.discard(name)
         git.names = frozenset(names)
+        git.redirects = {name: keys.get(name) for name in GIT_DIR_REDIRECTS if name in names}
         # A commit moves the git directory's ctime, not config's or hooks/': those are read again
         # only when they changed.
         if "config" in names and keys.get("config") != git.keys.get("config"):
