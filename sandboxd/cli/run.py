@@ -25,8 +25,10 @@ DESCRIPTION = """Run PROGRAM in a kernel-enforced sandbox and exit with its stat
 
 policies:
   workspace-write     (default) the workspace and --writable-root dirs are writable,
-                      everything else read-only; .git/hooks and .git/config stay
-                      read-only; no network unless --network
+                      everything else read-only; git control files (hooks,
+                      config) stay read-only, and git hooks and config the
+                      command plants are removed after it; no network unless
+                      --network
   read-only           nothing writable but a private /tmp; no network
   danger-full-access  no filesystem or network restriction; still a killable tree,
                       and no TIOCSTI into your terminal
