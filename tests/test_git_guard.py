@@ -453,3 +453,28 @@ def test_daemon_git_commands_work_and_nothing_is_removed(daemon: Daemon, setup: 
         assert s.git("config", "remote.origin.url", cwd=s.ws / "fresh").stdout == "/x/y.git\n"
     finally:
         close(daemon, res["sid"])
+
+
+@pytest.mark.parametrize("watch", [True, False], ids=["inotify", "ctime-walk"])
+def test_guard_finds_plants_with_and_without_inotify(watch: bool, setup: Setup) -> None:
+    """The guard's two ways of finding what changed (inotify; the ctime walk it falls back to when the
+    kernel's inotify limits are reached) find the same plants, deep in the tree too. The sandbox
+    runs with --no-default-protect so that only this guard looks."""
+    from sandboxd.supervisor.git_guard import GitGuard
+    s = setup
+    guard = GitGuard([str(s.ws)], watch=watch)
+    try:
+        assert (guard.inspect(), guard.inotify is not None) == ([], watch)
+        script = (f"mkdir -p a/b/c && cd a/b/c && {attack_script('d', s.markers)} && cd /; cd {s.ws} && "
+                  "printf '../evil\\n' > .git/commondir")
+        result = run_sbx(["sh", "-c", script], workspace=s.ws, env=SANDBOX_ENV, options=("--no-default-protect",))
+        assert result.returncode == 0, describe(result)
+        found = sorted((n.what, n.key) for n in guard.inspect())
+        assert found == [("commondir", "commondir"), ("config-key", "core.fsmonitor"), ("hook", "post-checkout")]
+        assert guard.inspect() == []
+        host_uses(s)
+        s.git("checkout", "-q", "-b", "y", cwd=s.ws / "a" / "b" / "c" / "inner")
+        s.git("status", cwd=s.ws / "a" / "b" / "c" / "inner")
+        assert s.fired() == []
+    finally:
+        guard.close()
