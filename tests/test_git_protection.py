@@ -123,11 +123,14 @@ def test_protected_file_cannot_be_hardlinked_and_written(victim: str, git_worksp
     assert (git_workspace / victim).read_bytes() == before
 
 
-def test_rest_of_dot_git_stays_writable(git_workspace: Path) -> None:
-    """Only the protected subpaths are read-only: .git/info, .git/objects and refs take writes."""
-    result = run_sbx(["sh", "-c", "echo '*.o' >> .git/info/exclude && mkdir -p .git/refs/x && echo OK"],
-                     workspace=git_workspace)
-    assert result.returncode == 0 and result.stdout == "OK\n", describe(result)
+def test_git_data_stays_writable_and_control_files_do_not(git_workspace: Path) -> None:
+    """What git writes (objects, refs, logs, index, HEAD, lock files) takes writes; the other control
+    files of .git (info/, description) are read-only like hooks/ and config."""
+    script = ("mkdir -p .git/refs/x .git/objects/zz .git/logs/x && echo x > .git/index.lock && "
+              "echo x > .git/FETCH_HEAD && echo OK; "
+              "echo '*.o' >> .git/info/exclude && echo INFO; echo x >> .git/description && echo DESC; exit 0")
+    result = run_sbx(["sh", "-c", script], workspace=git_workspace)
+    assert result.stdout.split() == ["OK"], describe(result)
 
 
 def test_protection_applies_in_every_writable_root(base_dir: Path, workspace: Path) -> None:
@@ -200,3 +203,39 @@ def test_read_only_policy_cannot_commit(git_workspace: Path) -> None:
     assert result.returncode != 0, describe(result)
     assert "file.txt" in result.stdout
     assert host_git(git_workspace, "status", "--short").startswith("??")
+
+
+def test_every_existing_git_directory_is_protected(git_workspace: Path) -> None:
+    """Nested repositories and submodules' git directories (.git/modules/NAME) that exist when the
+    sandbox is built get the same read-only control files as the root's .git; their data stays
+    writable (a commit in the nested repository works)."""
+    nested = git_workspace / "vendor" / "lib"
+    subprocess.run(["git", "init", "-q", str(nested)], check=True, env=GIT_ENV)
+    module = git_workspace / ".git" / "modules" / "dep"
+    subprocess.run(["git", "init", "-q", "--bare", str(module)], check=True, env=GIT_ENV)
+    (nested / "x.txt").write_text("x\n")
+    before = {path: tree_digest(path) for path in (nested / ".git" / "hooks", module / "hooks")}
+    script = ("for d in vendor/lib/.git .git/modules/dep; do "
+              "echo x >> $d/config && echo CONFIG; echo x > $d/hooks/post-checkout && echo HOOK; "
+              "echo x > $d/info/attributes && echo INFO; mv $d $d.moved && echo MOVED; done; "
+              "cd vendor/lib && git add x.txt && git commit -qm nested && echo COMMIT")
+    env = {**GIT_ENV, "GIT_AUTHOR_NAME": "a", "GIT_AUTHOR_EMAIL": "a@b", "GIT_COMMITTER_NAME": "a",
+           "GIT_COMMITTER_EMAIL": "a@b"}
+    result = run_sbx(["sh", "-c", script], workspace=git_workspace, env=env)
+    assert result.stdout.split() == ["COMMIT"], describe(result)
+    assert {path: tree_digest(path) for path in before} == before
+    assert "nested" in host_git(nested, "log", "--format=%s")
+
+
+def test_missing_hooks_and_info_are_made_and_read_only(workspace: Path) -> None:
+    """A repository made without a template has no hooks/ nor info/: both are made (empty, owned
+    like .git) at sandbox build and are read-only inside, so no hook can appear in them."""
+    subprocess.run(["git", "init", "-q", "--template=", str(workspace)], check=True, env=GIT_ENV)
+    os.chown(workspace / ".git", 65534, 65534)
+    assert not (workspace / ".git" / "hooks").exists()
+    result = run_sbx(["sh", "-c", "echo x > .git/hooks/post-checkout && echo HOOK; "
+                                  "echo x > .git/info/exclude && echo INFO; exit 0"], workspace=workspace)
+    assert "HOOK" not in result.stdout and "INFO" not in result.stdout, describe(result)
+    for name in ("hooks", "info"):
+        st = (workspace / ".git" / name).stat()
+        assert os.listdir(workspace / ".git" / name) == [] and (st.st_uid, st.st_gid) == (65534, 65534)

@@ -48,9 +48,11 @@ class EventType:
     TOOL_COMPLETED = "ToolInvocationCompleted"
     TOOL_FAILED = "ToolInvocationFailed"
     SESSION_CLOSED = "SessionClosed"
+    # The git guard removed a hook, a config key or a redirect a call planted (supervisor/git_guard.py).
+    GIT_CONFIG_NEUTRALIZED = "GitConfigNeutralized"
 
     ALL = (SESSION_CREATED, POLICY_CHANGED, PERMISSION_REQUESTED, PERMISSION_GRANTED, PERMISSION_DENIED,
-           TOOL_STARTED, TOOL_COMPLETED, TOOL_FAILED, SESSION_CLOSED)
+           TOOL_STARTED, TOOL_COMPLETED, TOOL_FAILED, SESSION_CLOSED, GIT_CONFIG_NEUTRALIZED)
 
 
 class Event(Record):

@@ -9,7 +9,14 @@ import sys
 from sandboxd import defaults
 from sandboxd.errors import InvalidPolicy, SandboxdError
 from sandboxd.policy import DEFAULT_PROTECTED_SUBPATHS, LaunchSpec, Limits, parse_size, policy_from_name
+from sandboxd.policy.git_config import GIT_GUARD_SUBPATH
 from sandboxd.policy.limits import DEFAULT_TMP_SIZE
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    from sandboxd.supervisor.git_guard import GitGuard
 
 EXIT_TIMEOUT = 124
 EXIT_SETUP_FAILED = 125
@@ -18,8 +25,10 @@ DESCRIPTION = """Run PROGRAM in a kernel-enforced sandbox and exit with its stat
 
 policies:
   workspace-write     (default) the workspace and --writable-root dirs are writable,
-                      everything else read-only; .git/hooks and .git/config stay
-                      read-only; no network unless --network
+                      everything else read-only; git control files (hooks,
+                      config) stay read-only, and git hooks and config the
+                      command plants are removed after it; no network unless
+                      --network
   read-only           nothing writable but a private /tmp; no network
   danger-full-access  no filesystem or network restriction; still a killable tree,
                       and no TIOCSTI into your terminal
@@ -218,6 +227,7 @@ def main(argv: list[str]) -> int:
     except SandboxdError as exc:
         sys.stderr.write(f"sandboxd run: {exc}\n")
         return EXIT_SETUP_FAILED
+    guard = _git_guard(spec)
     try:
         from sandboxd.supervisor.spawner import Spawner
         sandbox = Spawner().launch(spec)
@@ -241,9 +251,30 @@ def main(argv: list[str]) -> int:
     info = sandbox.wait(spec.limits.timeout_seconds)
     for port in published:
         port.close()
+    if guard is not None:
+        for item in guard.inspect():
+            sys.stderr.write(f"sandboxd run: {item.describe()}\n")
     if info.timed_out:
         sys.stderr.write(f"sandboxd run: timed out after {spec.limits.timeout_seconds:g}s; killed the whole tree\n")
     return info.shell_status
+
+
+def _git_guard(spec: LaunchSpec) -> "GitGuard | None":
+    """The git guard of the writable roots while .git/config is protected (the default): it takes
+    them as they are now, and after the command removes the git configuration it planted. None
+    when the roots are refused: the launch reports why."""
+    policy: "Any" = spec.policy                     # a WorkspaceWrite when it has writable roots
+    if not hasattr(policy, "writable_roots") or GIT_GUARD_SUBPATH not in policy.protected_subpaths:
+        return None
+    from sandboxd.kernel import paths
+    from sandboxd.supervisor.git_guard import GitGuard
+    try:
+        resolved = paths.resolve(spec.workspace, spec.cwd, policy.writable_roots, workspace_writable=True,
+                                 confined=True)
+    except SandboxdError:
+        return None
+    resolved.close()                                 # only the real paths are needed here
+    return GitGuard(resolved.writable_roots)
 
 
 def _serve_proxy(network: "object", domains: "tuple[str, ...]") -> "object":

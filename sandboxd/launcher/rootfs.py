@@ -46,6 +46,8 @@ from sandboxd.kernel.mounts import (
     MS_REMOUNT,
 )
 from sandboxd.launcher.plan import LaunchPlan
+from sandboxd.policy.git_config import (GIT_DIR_CREATE_EMPTY, GIT_DIR_NESTED, GIT_GUARD_SUBPATH,
+                                        git_dir_entry_writable)
 
 STAGE = "/tmp"
 NEW_ROOT = STAGE + "/root"
@@ -57,6 +59,11 @@ PROC_MASKED = ("kcore", "keys", "timer_list", "sched_debug", "kallsyms", "kmsg",
                "kpagecgroup", "config.gz")
 SYS_MASKED = ("firmware", "kernel/security", "kernel/debug")
 READONLY_ATTRS = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV
+# The walk that finds the git directories of a writable root at build: bounded, so that a huge
+# tree costs a bounded time (repositories beyond are left to the post-call git guard).
+GIT_WALK_MAX_DIRS = 20_000
+GIT_WALK_MAX_DEPTH = 16
+GIT_NESTED_MAX_DEPTH = 6
 
 
 def build(plan: LaunchPlan) -> None:
@@ -75,8 +82,7 @@ def build(plan: LaunchPlan) -> None:
     for root in plan.writable_roots:
         _attach_root(root, plan.root_trees[root], writable=True)
     for root in plan.writable_roots:
-        for sub in plan.protected_subpaths:
-            _protect(root, sub)
+        _protect_root(root, plan.protected_subpaths)
     plan.close_trees()
     if plan.resolv_conf is not None:                                                 # 8b
         _bind_resolv_conf(plan.resolv_conf)
@@ -184,7 +190,126 @@ def _hide(path: str) -> None:
         mounts.bind("/dev/null", target, recursive=False, step="hide sandboxd's own socket")
 
 
-def _protect(root: str, sub: str) -> None:
+def _protect_root(root: str, subs: tuple[str, ...]) -> None:
+    """The protected subpaths of one writable root and, while .git/config is one of them (the
+    default), the control files of every git directory under it (see _protect_git_dir)."""
+    done: dict[str, bool] = {}                      # path -> already read-only (else only pinned)
+    if GIT_GUARD_SUBPATH in subs:
+        for gitdir in _find_git_dirs(NEW_ROOT + root):
+            _protect_git_dir(root, gitdir, done)
+    for sub in subs:
+        _protect(root, sub, done)
+
+
+def _find_git_dirs(top: str) -> list[str]:
+    """The ``.git`` directories under ``top`` (not symlinks; not inside another git directory),
+    parents first, from a walk bounded in directories and depth."""
+    found: list[str] = []
+    stack = [(top, 0)]
+    seen = 0
+    while stack and seen < GIT_WALK_MAX_DIRS:
+        path, depth = stack.pop()
+        seen += 1
+        try:
+            entries = list(os.scandir(path))
+        except OSError:
+            continue
+        for entry in entries:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            if entry.name == ".git":
+                found.append(entry.path)
+            elif depth < GIT_WALK_MAX_DEPTH:
+                stack.append((entry.path, depth + 1))
+    return sorted(found)
+
+
+def _protect_git_dir(root: str, gitdir: str, done: dict[str, bool], depth: int = 0) -> None:
+    """Everything in an existing git directory read-only but what git add, commit, checkout, branch,
+    stash, fetch and gc write (sandboxd.policy.git_config.GIT_DIR_WRITABLE): config, hooks/, info/,
+    description, commondir, config.worktree, anything unknown. hooks/ and info/ are made (empty, as
+    `git init` does) when missing, so that no hook can appear in them. .git itself and its ancestors
+    are pinned (a mount point cannot be renamed away); modules/* and worktrees/* are git directories
+    themselves. The git guard (supervisor/git_guard.py) covers what appears later."""
+    if os.path.islink(gitdir) or not os.path.isdir(gitdir):
+        return
+    _pin_down_to(NEW_ROOT + root, gitdir, done)
+    _make_empty_dirs(NEW_ROOT + root, gitdir)
+    for entry in list(os.scandir(gitdir)):
+        if git_dir_entry_writable(entry.name) or entry.is_symlink():
+            continue                                 # a symlinked hooks/ or config is refused by _protect
+        if entry.name in GIT_DIR_NESTED and entry.is_dir(follow_symlinks=False):
+            _pin(entry.path, done)
+            for nested in _nested_git_dirs(entry.path, depth):
+                _protect_git_dir(root, nested, done, depth + 1)
+            continue
+        if entry.path not in done or not done[entry.path]:
+            if entry.path not in done:
+                mounts.bind(entry.path, entry.path, recursive=True, step="protect git directory")
+            mounts.set_attrs_recursive(entry.path, READONLY_ATTRS, step="protect git directory")
+            done[entry.path] = True
+
+
+def _make_empty_dirs(top: str, gitdir: str) -> None:
+    """Make the missing GIT_DIR_CREATE_EMPTY directories, owned like the git directory. We are root
+    and a sandbox of another session on the same workspace may be swapping names right now: the
+    git directory is reached from ``top`` one component at a time without following symlinks."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(top, flags)
+    except OSError:
+        return
+    try:
+        for part in os.path.relpath(gitdir, top).split("/"):
+            nxt = os.open(part, flags, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        owner = os.fstat(fd)
+        for name in GIT_DIR_CREATE_EMPTY:
+            try:
+                os.mkdir(name, 0o755, dir_fd=fd)
+            except OSError:
+                continue                             # there already, or a read-only or full filesystem
+            made = os.open(name, flags, dir_fd=fd)
+            try:
+                os.fchown(made, owner.st_uid, owner.st_gid)
+            finally:
+                os.close(made)
+    except OSError:
+        pass                                         # swapped or gone: the git guard still looks after calls
+    finally:
+        os.close(fd)
+
+
+def _nested_git_dirs(path: str, depth: int) -> list[str]:
+    """Git directories in modules/ or worktrees/: each holds a HEAD (submodule names may nest)."""
+    found = []
+    for entry in os.scandir(path):
+        if not entry.is_dir(follow_symlinks=False):
+            continue
+        if os.path.lexists(f"{entry.path}/HEAD"):
+            found.append(entry.path)
+        elif depth < GIT_NESTED_MAX_DEPTH:
+            found += _nested_git_dirs(entry.path, depth + 1)
+    return found
+
+
+def _pin_down_to(top: str, path: str, done: dict[str, bool]) -> None:
+    """Pin every directory from below ``top`` down to ``path``, parents first."""
+    rel = os.path.relpath(path, top)
+    current = top
+    for part in rel.split("/"):
+        current = f"{current}/{part}"
+        _pin(current, done)
+
+
+def _pin(path: str, done: dict[str, bool]) -> None:
+    if path not in done:
+        mounts.bind(path, path, recursive=True, step="protect subpath")
+        done[path] = False
+
+
+def _protect(root: str, sub: str, done: dict[str, bool] | None = None) -> None:
     """Keep ``root/sub`` read-only, and pin each of its ancestors under ``root``.
 
     Pinning (binding a directory onto itself) matters: Linux lets a process
@@ -192,6 +317,7 @@ def _protect(root: str, sub: str) -> None:
     command could move ``.git`` aside and build a new one with writable hooks.
     A mount point itself cannot be renamed or removed (EBUSY).
     """
+    done = {} if done is None else done
     parts = sub.split("/")
     current = NEW_ROOT + root
     for index, part in enumerate(parts):
@@ -203,6 +329,9 @@ def _protect(root: str, sub: str) -> None:
                              hint="a protected path is a symlink, which could point anywhere: replace it by "
                                   "a real file or directory, or remove it from protected_subpaths")
         last = index == len(parts) - 1
-        mounts.bind(current, current, recursive=True, step="protect subpath")
-        if last:
+        if current not in done:
+            mounts.bind(current, current, recursive=True, step="protect subpath")
+            done[current] = False
+        if last and not done[current]:
             mounts.set_attrs_recursive(current, READONLY_ATTRS, step="protect subpath")
+            done[current] = True

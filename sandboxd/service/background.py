@@ -125,10 +125,12 @@ class BackgroundJobs:
             os.close(out_r)
             assert job.call_id is not None
             try:
-                job.finish(self._fork.wait(job.call_id))
+                result = self._fork.wait(job.call_id)
             except Exception:  # noqa: BLE001 - the fork server went away: the job is over all the same
-                job.finish(ExitInfo(exit_code=None, signal=9, timed_out=False, wall_seconds=0.0, cpu_seconds=None,
-                                    peak_memory_bytes=None, oom_killed=False))
+                result = ExitInfo(exit_code=None, signal=9, timed_out=False, wall_seconds=0.0, cpu_seconds=None,
+                                  peak_memory_bytes=None, oom_killed=False)
+            self._registry.inspect_git(job.session)           # before a follower hears the job ended
+            job.finish(result)
             self._registry.end_call(job.session, generation)
 
     def get(self, session: Session, job_id: str) -> BackgroundJob:

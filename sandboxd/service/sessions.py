@@ -7,6 +7,7 @@ calls; the old one is closed when its last running call ends.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import threading
@@ -18,12 +19,16 @@ from sandboxd.audit.store import EventStore, EventType, SessionRow
 from sandboxd.errors import Exhausted, Forbidden, InvalidPolicy, NotFound
 from sandboxd.policy import LaunchSpec, Limits, SandboxPolicy
 from sandboxd.policy.decision import ToolRules
-from sandboxd.policy.sandbox import is_within
+from sandboxd.policy.git_config import GIT_GUARD_SUBPATH
+from sandboxd.policy.sandbox import WorkspaceWrite, is_within
 from sandboxd.policy.spec import policy_from_dict, policy_to_dict
 from sandboxd.service.peercred import PeerCredentials
 from sandboxd.service.quotas import Quotas, owner_key
 from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.git_guard import GitGuard
 from sandboxd.supervisor.publish import check_host_ports
+
+log = logging.getLogger("sandboxd")
 
 SESSION_PLACEHOLDER_ARGV = ("sandboxd-session",)  # a session's spec runs no command itself
 
@@ -51,6 +56,7 @@ class Session:
         self.build_lock = threading.Lock()
         self.services: dict[int, list] = {}  # type: ignore[type-arg]  # generation -> PublishedPort, EgressProxy
         self.extra_env: dict[str, str] = {}   # added to every call's environment (the proxy variables)
+        self.git_guard: GitGuard | None = None  # inspects the writable roots after each call (git_guard.py)
 
     def to_row(self, closed_at: float | None = None) -> SessionRow:
         return SessionRow(self.id, self.owner.uid, self.owner.gid, self.owner.principal, self.workspace,
@@ -210,6 +216,7 @@ class SessionRegistry:
             with self._lock:
                 self._sessions.pop(session_id, None)
             raise
+        self._guard_git(session, policy)
         # Recorded before the caller hears of the session.
         self.store.save_session(session.to_row())
         self.store.append(session.id, EventType.SESSION_CREATED, data={
@@ -247,6 +254,7 @@ class SessionRegistry:
                 idle = session.running.get(old, 0) == 0
             if idle:                                  # calls still running keep the old sandbox
                 self._close_sandbox(session, old)
+            self._guard_git(session, policy)
         after = session.axes()
         if after != before:
             # Recorded before the caller hears the change took effect.
@@ -264,6 +272,9 @@ class SessionRegistry:
         for generation in generations:
             if session.sandbox_ready or generation != session.generation:
                 self._close_sandbox(session, generation)
+        self.inspect_git(session)                     # the last look: every process of the session is gone
+        if session.git_guard is not None:
+            session.git_guard.close()
         self.store.save_session(session.to_row(closed_at=time.time()))
         self.store.append(session.id, EventType.SESSION_CLOSED, data={"by_uid": caller.uid})
 
@@ -282,6 +293,9 @@ class SessionRegistry:
                     self._close_sandbox(session, generation)
                 except Exception:  # noqa: BLE001 - shutting down: the fork server may be gone already
                     pass
+            self.inspect_git(session)
+            if session.git_guard is not None:
+                session.git_guard.close()
 
     def sandboxes_lost(self) -> None:
         """The fork server died, and every sandbox with it: stop what the daemon served for them
@@ -383,7 +397,39 @@ class SessionRegistry:
             if session.sandbox_ready or session.closed:
                 return
             self._open_sandbox(session, session.generation, session.policy)
+            self._guard_git(session, session.policy)
             session.sandbox_ready = True
+
+    # -- the git guard -------------------------------------------------------------------------
+
+    def _guard_git(self, session: Session, policy: SandboxPolicy) -> None:
+        """Watch the policy's writable roots while .git/config is protected (the default); a root
+        new to the guard is taken as it is now (what the user had is theirs)."""
+        roots: list[str] = []
+        if isinstance(policy, WorkspaceWrite) and GIT_GUARD_SUBPATH in policy.protected_subpaths:
+            roots = [session.workspace, *(os.path.realpath(r) for r in policy.writable_roots)]
+        if session.git_guard is None:
+            if roots:
+                session.git_guard = GitGuard(roots)
+        else:
+            session.git_guard.set_roots(roots)
+
+    def inspect_git(self, session: Session) -> None:
+        """After a call: neutralise the git configuration it planted, one event and one log line each.
+        Never fails the call: an error here is logged (and is a bug)."""
+        guard = session.git_guard
+        if guard is None:
+            return
+        try:
+            found = guard.inspect()
+            if found:
+                self.store.append_many(session.id, [
+                    (EventType.GIT_CONFIG_NEUTRALIZED, "", "", {"repo": n.repo, "what": n.what, "key": n.key})
+                    for n in found])
+            for item in found:
+                log.warning("session %s: %s", session.id, item.describe())
+        except Exception:  # noqa: BLE001 - logged; the call's own result stands
+            log.exception("session %s: the git guard failed", session.id)
 
     # -- helpers -------------------------------------------------------------------------------
 
