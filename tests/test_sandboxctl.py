@@ -111,3 +111,5 @@ def test_status(base: Path, client: SandboxClient) -> None:
     for expected in ("health: SERVING", "version: sandboxd ", "landlock: ABI ", "seccomp: user_notif",
                      "cgroup.memory: ", "nftables: present", "call_helper: built", "sessions: "):
         assert expected in out, out
+    # The caller's quotas, the front door's connections among them (this call's own connection counts).
+    assert "quotas (yours/limit): sessions " in out and "connections 1/256" in out, out

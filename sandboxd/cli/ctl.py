@@ -230,7 +230,9 @@ def _status(client: SandboxClient) -> int:
         limits, usage = status.quota_limits, status.quota_usage
         print(f"quotas (yours/limit): sessions {usage['sessions']}/{limits['sessions_per_uid']}  "
               f"running calls {usage['calls']}/{limits['calls_per_uid']}  "
-              f"streams {usage['streams']}/{limits['streams_per_uid']}")
+              f"streams {usage['streams']}/{limits['streams_per_uid']}"
+              + (f"  connections {usage['connections']}/{limits['connections_per_uid']}"
+                 if "connections_per_uid" in limits else ""))
         print(f"workers: {limits['workers']} ({limits['reserved_workers']} kept for short calls; "
               f"long-lived calls and streams now {usage['long_lived']}/{limits['long_lived_total']})")
     return 0

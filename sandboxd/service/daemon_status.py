@@ -43,6 +43,13 @@ def status(registry: SessionRegistry, gate: ApprovalGate, who: PeerCredentials) 
     limits = quotas.limits
     owner = owner_key(who)
     usage = quotas.usage(who)
+    door = registry.front_door
+    connections: dict[str, int] = {}
+    if door is not None and not who.principal:            # TLS callers do not come through the door
+        connections = {"connections": door.connections_by_uid().get(who.uid, 0)}
+        limits_extra = {"connections_per_uid": door.connection_limit(who.uid)}
+    else:
+        limits_extra = {}
     return pb.DaemonStatus(version=__version__, pid=os.getpid(), started_at=STARTED_AT, features=kernel_features(),
                            sessions=len(sessions), running_calls=sum(s.running_calls for s in sessions),
                            pending_approvals=sum(len(gate.pending(s.id)) for s in sessions),
@@ -51,7 +58,7 @@ def status(registry: SessionRegistry, gate: ApprovalGate, who: PeerCredentials) 
                                          "calls_per_uid": limits.calls_per_uid,
                                          "streams_per_uid": limits.streams_per_uid,
                                          "reserved_workers": limits.reserved_workers, "workers": limits.workers,
-                                         "long_lived_total": limits.long_lived_total},
+                                         "long_lived_total": limits.long_lived_total, **limits_extra},
                            quota_usage={"sessions": sum(1 for s in sessions if owner_key(s.owner) == owner),
                                         "calls": usage[CALLS], "streams": usage[STREAMS],
-                                        "long_lived": usage["long_lived_total"]})
+                                        "long_lived": usage["long_lived_total"], **connections})

@@ -254,6 +254,10 @@ class FrontDoor:
         """Relayed connections currently alive (being set up, or relaying; refused callers included)."""
         return len(self._relays)
 
+    def connection_limit(self, uid: int) -> int:
+        """How many connections ``uid`` may hold at once (quotas.connections_per_uid; root's own bound)."""
+        return self._root_limit if uid == 0 else self._per_uid_limit
+
     def connections_by_uid(self) -> dict[int, int]:
         """Live connections per caller uid (refused callers included): for ``sandboxctl status``."""
         with self._lock:

@@ -271,6 +271,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     door = FrontDoor(socket_path, backend, mode=socket_mode, relay_dir=os.path.join(private, "relay"),
                      listener=activated, connections_per_uid=connections_per_uid,
                      peer_check=lambda who, _pidfd: sandboxed.reason_for_pid(who.pid))
+    registry.front_door = door
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandboxd-rpc"))
     tls_identity = None
     if tls is not None:

@@ -104,6 +104,7 @@ class SessionRegistry:
         self._fork = forkserver
         self.store = store
         self.own = own or OwnPlaces()
+        self.front_door: "Any" = None                     # service.peercred.FrontDoor, for status counts
         # PID namespaces (inode numbers) of this daemon's live sandboxes: a connection from a
         # process inside one of them is refused (sandboxed_peers).
         self._sandbox_namespaces: dict[str, int] = {}
