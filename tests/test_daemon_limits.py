@@ -95,3 +95,22 @@ def test_closing_the_session_removes_its_groups_and_link(stub: pb_grpc.SandboxSt
         stub.CloseSession(pb.CloseSessionRequest(session_id=s.id), timeout=60)
     assert sandbox_cgroups() <= cgroups_before
     assert sandbox_links() <= links_before
+
+
+def test_the_daemon_refuses_to_start_where_limits_cannot_be_applied(tmp_path: Path) -> None:
+    """The start-up self-test builds a limited sandbox: with every cgroup hierarchy read-only the daemon
+    stops at start-up with the fix, instead of failing a user's first limited call. (Control: every
+    other daemon of these tests starts.)"""
+    import subprocess
+
+    from conftest import BASE_ENV, SANDBOXD
+
+    script = ("awk '$9 ~ /^cgroup/ {print $5}' /proc/self/mountinfo | while read m; do "
+              "mount -o remount,bind,ro \"$m\" || exit 9; done; exec \"$0\" serve --socket \"$1\" --state-dir \"$2\"")
+    env = dict(BASE_ENV, PATH="/usr/sbin:/usr/bin:/sbin:/bin")
+    result = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, SANDBOXD,
+                             str(tmp_path / "sock"), str(tmp_path / "state")],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "cannot build a sandbox" in result.stderr and "cgroup" in result.stderr, result.stderr
+    assert not (tmp_path / "sock").exists()

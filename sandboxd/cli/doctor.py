@@ -19,6 +19,15 @@ if TYPE_CHECKING:
     from typing import Any
 
 
+def _failure(exc: Exception) -> tuple[str, str]:
+    """What failed, and the fix, apart (a SetupError's message ends with its hint)."""
+    hint = getattr(exc, "hint", None)
+    text = str(exc)
+    if hint and text.endswith("; " + hint):
+        text = text[:-len(hint) - 2]
+    return text, hint or "see the error above"
+
+
 def _line(status: str, what: str, detail: str, fix: str = "") -> tuple[str, str]:
     text = f"{status:<5} {what}: {detail}"
     if fix:
@@ -177,8 +186,8 @@ def check_limits() -> tuple[str, str]:
             oom = s.session.cgroup is not None and s.session.cgroup.oom_killed()
             forks, forked = s.call(python, "-c", _FORK)
     except SandboxdError as exc:
-        return _line("FAIL", "limits", f"a session with --memory 64M --pids 16 could not be built: {exc}",
-                     getattr(exc, "hint", None) or "see the error above")
+        text, fix = _failure(exc)
+        return _line("FAIL", "limits", f"a session with --memory 64M --pids 16 could not be built: {text}", fix)
     if control.exit_code != 0:
         return _line("FAIL", "limits", f"`true` in a limited session ended with {control.shell_status}")
     if "ALIVE" in out or memory.exit_code == 0:
@@ -188,7 +197,7 @@ def check_limits() -> tuple[str, str]:
         return _line("FAIL", "limits", f"64 forks under a pids limit of 16: {forked.strip() or forks.shell_status}",
                      "the pids controller does not enforce pids.max here: check the kernel's cgroup setup")
     return _line("ok", "limits", "a session with --memory 64M --pids 16 holds: 128 MiB is killed"
-                 f"{' (OOM reported)' if oom else ''}, the 16th process cannot fork")
+                 f"{' (OOM reported)' if oom else ''}, fork fails at 16 processes")
 
 
 def check_isolated_network() -> tuple[str, str]:
@@ -199,8 +208,8 @@ def check_isolated_network() -> tuple[str, str]:
             info, out = s.call("ls", "/sys/class/net")
             link = s.session.network is not None
     except SandboxdError as exc:
-        return _line("FAIL", "isolated network", f"a session with an isolated network could not be built: {exc}",
-                     getattr(exc, "hint", None) or "use --network=host, or no network")
+        text, fix = _failure(exc)
+        return _line("FAIL", "isolated network", f"a session with an isolated network could not be built: {text}", fix)
     inside = set(out.split())
     if info.exit_code != 0 or not link or "lo" not in inside or inside & _host_links():
         return _line("FAIL", "isolated network", f"the session sees {sorted(inside)} (exit {info.shell_status})")
@@ -248,8 +257,8 @@ def check_call_helper() -> tuple[str, str]:
         with _Session(helper=helper) as s:
             info, out = s.call("sh", "-c", "echo called")
     except SandboxdError as exc:
-        return _line("FAIL", "call helper", f"a session for a call could not be built: {exc}",
-                     getattr(exc, "hint", None) or "see the error above")
+        text, fix = _failure(exc)
+        return _line("FAIL", "call helper", f"a session for a call could not be built: {text}", fix)
     if info.exit_code != 0 or out != "called\n":
         return _line("FAIL", "call helper", f"a session call through {helper} ended with {info.shell_status}",
                      "rebuild it: python -m sandboxd.launcher.native_call build")
