@@ -184,3 +184,18 @@ def test_root_outside_systemd_creates_what_it_needs_and_removes_it() -> None:
                             env=BASE_ENV, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, describe(result)
     assert not (root / "sandboxd").exists()
+
+
+def test_a_unit_whose_parent_hands_down_no_memory_controller_is_refused_with_the_fix(slice_: Path) -> None:
+    """Delegated, but the slice above enables nothing for it: the limit is refused before anything runs,
+    naming the group and the fix (sandboxd never writes above its own group to enable it)."""
+    bare = slice_ / "bare.slice"
+    bare.mkdir()                                  # its subtree_control stays empty
+    group = unit(bare, delegated=True)
+    result = in_group(group, *sbx("--memory", "64M", "--", "true"))
+    assert result.returncode == 125, describe(result)
+    assert "cannot hand down the memory controller" in result.stderr and "Delegate=yes" in result.stderr, \
+        describe(result)
+    assert read(bare / "cgroup.subtree_control") == ""                   # nothing written above the unit
+    control = in_group(group, *sbx("--", "true"))
+    assert control.returncode == 0, describe(control)
