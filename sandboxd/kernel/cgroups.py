@@ -1,4 +1,4 @@
-"""cgroups: memory and process-count limits, peak memory, CPU time, and killing a whole tree.
+"""cgroups: memory and process-count limits, peak memory, OOM kills, and killing a whole tree.
 
 Both layouts exist in the wild: cgroup v2 only (modern distributions, Kubernetes nodes), and v1
 controllers beside an almost empty v2 (this project's CI machine). Each controller is taken from
@@ -64,7 +64,7 @@ def detect() -> Hierarchies:
             if fstype == "cgroup2" and unified is None:
                 unified = point
             elif fstype == "cgroup":
-                for controller in ("memory", "pids", "freezer", "cpuacct"):
+                for controller in ("memory", "pids", "freezer"):
                     if controller in options:
                         v1[controller] = (point, own.get(controller, "/"))
     unified_own = own.get("", "/")
@@ -220,21 +220,6 @@ class CgroupSet:
             return None
         name = "memory.peak" if self.memory_v2 else "memory.max_usage_in_bytes"
         return _read_int(self.memory_dir, name)
-
-    def cpu_seconds(self) -> float | None:
-        """CPU time of everything that ran in the set (v2 cpu.stat exists with or without the cpu
-        controller; v1 needs cpuacct, which this set does not join)."""
-        if not self.unified_dir:
-            return None
-        try:
-            with open(os.path.join(self.unified_dir, "cpu.stat")) as f:
-                for line in f:
-                    key, _, value = line.partition(" ")
-                    if key == "usage_usec":
-                        return int(value) / 1e6
-        except (OSError, ValueError):
-            pass
-        return None
 
     def oom_killed(self) -> bool:
         if not self.memory_dir:
