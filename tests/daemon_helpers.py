@@ -75,7 +75,8 @@ class Daemon:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def start(self, within: float = 60.0) -> "Daemon":
+    def start(self, within: float = float(os.environ.get("SANDBOXD_TEST_DAEMON_START", 60))) -> "Daemon":
+        # SANDBOXD_TEST_DAEMON_START: packaging/vm/run-matrix raises it in an emulated (TCG) VM.
         with open(self.log_path, "ab") as log:
             state = [] if "--state-dir" in self.args else ["--state-dir", str(self.base / "state")]
             # A call held for approval by mistake fails in seconds instead of hanging a test.
