@@ -160,7 +160,8 @@ def test_private_cgroup_namespace_uses_its_root(slice_: Path) -> None:
     """A container: its own cgroup namespace and cgroup2 mount, its processes in the namespace root."""
     container = slice_ / "container"
     container.mkdir()
-    script = ('mount -t cgroup2 cgroup2 /sys/fs/cgroup && grep "^0::" /proc/self/cgroup && '
+    # the host's cgroup2 mount is replaced by one of the new namespace (mounting over it is EBUSY)
+    script = (f'umount {MOUNT} && mount -t cgroup2 cgroup2 {MOUNT} && grep "^0::" /proc/self/cgroup && '
               'exec "$@"')
     over = in_group(container, "unshare", "--mount", "--cgroup", "sh", "-c", script, "sh",
                     *sbx("--memory", "64M", "--pids", "32", "--", *py(ALLOCATE, "256")))

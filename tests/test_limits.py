@@ -180,7 +180,8 @@ def test_usage_numbers_are_right_under_limits(workspace: Path) -> None:
         os.close(null)
     assert info.exit_code == 0, info
     assert (48 << 20) <= info.peak_memory_bytes <= (128 << 20), info
-    assert 0.25 <= info.cpu_seconds < 5, info
+    # at least what it burned; at most what the CPUs could give it (seconds, not another unit)
+    assert 0.25 <= info.cpu_seconds <= info.wall_seconds * (os.cpu_count() or 1), info
     assert not info.oom_killed
 
 
