@@ -149,3 +149,55 @@ def test_timeout_ignores_sigterm_handlers(workspace: Path) -> None:
                      options=("--timeout", "1"), timeout=40)
     assert result.returncode == EXIT_TIMEOUT, describe(result)
     assert time.monotonic() - started >= 1
+
+
+def test_oom_kill_is_reported(workspace: Path) -> None:
+    """The kernel's OOM kill under --memory is said on stderr (cgroup memory.events / memory.oom_control)."""
+    result = run_sbx(py(ALLOCATE, "256"), workspace=workspace, options=("--memory", "64M"))
+    assert result.returncode == 137, describe(result)
+    assert "memory limit" in result.stderr, describe(result)
+    control = run_sbx(py(ALLOCATE, "16"), workspace=workspace, options=("--memory", "64M"))
+    assert control.returncode == 0 and "memory limit" not in control.stderr, describe(control)
+
+
+def test_usage_numbers_are_right_under_limits(workspace: Path) -> None:
+    """ExitInfo (what ExecResult carries): 48 MiB touched and 0.3 s of CPU under a memory and a pids limit."""
+    import os
+
+    from sandboxd.policy import LaunchSpec, Limits, WorkspaceWrite
+    from sandboxd.supervisor.spawner import Spawner
+
+    code = ("import time\nb = bytearray(48 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\n"
+            "t = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n")
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        proc = Spawner().launch(LaunchSpec(argv=("/usr/bin/python3", "-c", code), workspace=str(workspace),
+                                           policy=WorkspaceWrite(), limits=Limits(memory_bytes=128 << 20, pids=32),
+                                           env={"PATH": "/usr/bin:/bin"}), stdio=(null, null, null))
+        proc.wait_started()
+        info = proc.wait(60)
+    finally:
+        os.close(null)
+    assert info.exit_code == 0, info
+    assert (48 << 20) <= info.peak_memory_bytes <= (128 << 20), info
+    # at least what it burned; at most what the CPUs could give it (seconds, not another unit)
+    assert 0.25 <= info.cpu_seconds <= info.wall_seconds * (os.cpu_count() or 1), info
+    assert not info.oom_killed
+
+
+def test_doctor_fails_when_a_limit_cannot_be_applied() -> None:
+    """With every cgroup hierarchy read-only (a container without a writable cgroupfs), the doctor's limited
+    session fails, it says so with the fix, and never claims everything is here."""
+    from conftest import BASE_ENV, SANDBOXD
+    import subprocess
+
+    script = ("awk '$9 ~ /^cgroup/ {print $5}' /proc/self/mountinfo | while read m; do "
+              "mount -o remount,bind,ro \"$m\" || exit 9; done; exec \"$0\" doctor")
+    env = dict(BASE_ENV, PATH="/usr/sbin:/usr/bin:/sbin:/bin")
+    result = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, SANDBOXD],
+                            capture_output=True, text=True, timeout=180, env=env)
+    assert result.returncode == 1, describe(result)
+    assert "FAIL  limits: a session with --memory 64M --pids 16 could not be built" in result.stdout, describe(result)
+    assert "fix:" in result.stdout.split("FAIL  limits")[1].split("\n")[1], describe(result)
+    assert "everything enforcement needs is here" not in result.stdout
+    assert "ok    sandbox:" in result.stdout                    # control: what needs no cgroup still works

@@ -2,7 +2,8 @@
 
 Each check prints one line: ``ok``, ``warn`` (works, with less) or ``FAIL`` (a policy could not
 be enforced), and for anything not ok, what to do. Exit status 1 when something FAILs. The
-sandbox check launches a real sandbox; nothing else changes the machine.
+sandbox, limits, isolated network and call helper checks build real sandboxes (a session with a
+memory and a pids limit proves both hold) and remove them; nothing else changes the machine.
 """
 
 from __future__ import annotations
@@ -12,6 +13,19 @@ import shutil
 import subprocess
 import sys
 import tempfile
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+
+def _failure(exc: Exception) -> tuple[str, str]:
+    """What failed, and the fix, apart (a SetupError's message ends with its hint)."""
+    hint = getattr(exc, "hint", None)
+    text = str(exc)
+    if hint and text.endswith("; " + hint):
+        text = text[:-len(hint) - 2]
+    return text, hint or "see the error above"
 
 
 def _line(status: str, what: str, detail: str, fix: str = "") -> tuple[str, str]:
@@ -83,16 +97,127 @@ def check_landlock() -> tuple[str, str]:
 def check_cgroups() -> tuple[str, str]:
     from sandboxd.kernel import cgroups
 
-    h = cgroups.detect()
-    where = {c: "v2" for c in ("memory", "pids") if c in h.unified_controllers}
-    where.update({c: "v1" for c in ("memory", "pids") if c not in where and c in h.v1})
-    missing = [c for c in ("memory", "pids") if c not in where]
-    detail = ", ".join(f"{c} on cgroup {v}" for c, v in sorted(where.items())) or "no controller"
+    h = cgroups.hierarchies()
+    where = {c: cgroups.where(c) for c in ("memory", "pids")}
+    found = {c: v for c, v in where.items() if v}
+    detail = ", ".join(f"{c} on cgroup {v}" for c, v in sorted(found.items())) or "no controller"
+    if h.unified and "v2" in found.values():
+        detail += f" (below {h.unified_own})"
+    missing = [c for c, v in where.items() if not v]
     if missing:
-        return _line("warn", "cgroups", f"{detail}; no {' or '.join(missing)} controller: --memory/--pids limits "
-                     "are refused", "enable the controller (cgroup v2: Delegate=yes in the unit, or "
-                     "echo +memory +pids > cgroup.subtree_control above the daemon)")
+        return _line("FAIL", "cgroups", f"{detail}; no {' or '.join(missing)} controller for this process's cgroup "
+                     f"{h.unified_own}: --memory/--pids limits are refused", cgroups.DELEGATE_HINT)
     return _line("ok", "cgroups", detail)
+
+
+# Run in the limited session below: 128 MiB touched under a 64 MiB limit, then 64 children under 16 pids.
+_LIMIT_MEMORY, _LIMIT_PIDS = 64 << 20, 16
+_ALLOCATE = ("b = bytearray(128 << 20)\n"
+             "for i in range(0, len(b), 4096): b[i] = 1\n"
+             "print('ALIVE')\n")
+_FORK = ("import os, time\n"
+         "n = 0\n"
+         "try:\n"
+         "    for _ in range(64):\n"
+         "        if os.fork() == 0:\n"
+         "            time.sleep(3); os._exit(0)\n"
+         "        n += 1\n"
+         "    print('FORKED', n)\n"
+         "except OSError as e:\n"
+         "    print('FORK-FAILED', e.errno, n)\n")
+
+
+class _Session:
+    """A real session sandbox (what the daemon builds), closed on exit; ``call`` runs one command in it
+    through the call helper when ``helper`` is set, and returns (ExitInfo, stdout)."""
+
+    def __init__(self, *, limits: bool = False, network: bool = False, helper: str | None = None) -> None:
+        self.limits, self.network, self.helper = limits, network, helper
+
+    def __enter__(self) -> "_Session":
+        from sandboxd.policy import LaunchSpec, Limits, WorkspaceWrite
+        from sandboxd.supervisor.spawner import Spawner
+
+        self.workspace = tempfile.mkdtemp(prefix="sandboxd-doctor-", dir="/var/tmp")
+        self.spawner = Spawner(native_helper=self.helper)
+        limits = Limits(memory_bytes=_LIMIT_MEMORY, pids=_LIMIT_PIDS) if self.limits else Limits()
+        try:
+            self.session = self.spawner.open_session(LaunchSpec(
+                argv=("true",), workspace=self.workspace, policy=WorkspaceWrite(network_access=self.network),
+                limits=limits, env={"PATH": "/usr/bin:/bin"}))
+        except BaseException:
+            os.rmdir(self.workspace)
+            raise
+        return self
+
+    def call(self, *argv: str) -> "tuple[Any, str]":
+        null = os.open(os.devnull, os.O_RDWR)
+        out_r, out_w = os.pipe()
+        try:
+            proc = self.spawner.launch_call(self.session, tuple(argv), {"PATH": "/usr/bin:/bin"}, self.workspace,
+                                            stdio=(null, out_w, null))
+            os.close(out_w)
+            out_w = -1
+            proc.wait_started()
+            info = proc.wait(60)
+            with os.fdopen(out_r, closefd=False) as f:
+                return info, f.read()
+        finally:
+            for fd in (null, out_r, out_w):
+                if fd >= 0:
+                    os.close(fd)
+
+    def __exit__(self, *_exc: object) -> None:
+        self.session.close()
+        os.rmdir(self.workspace)
+
+
+def check_limits() -> tuple[str, str]:
+    """A session with a memory and a pids limit, and the proof that both hold (through the call helper
+    when it is built, as the daemon's calls go)."""
+    from sandboxd.errors import SandboxdError
+    from sandboxd.launcher.native_call import helper_path
+
+    python = sys.executable
+    try:
+        with _Session(limits=True, helper=helper_path()) as s:
+            control, _ = s.call("true")
+            memory, out = s.call(python, "-c", _ALLOCATE)
+            oom = s.session.cgroup is not None and s.session.cgroup.oom_killed()
+            forks, forked = s.call(python, "-c", _FORK)
+    except SandboxdError as exc:
+        text, fix = _failure(exc)
+        return _line("FAIL", "limits", f"a session with --memory 64M --pids 16 could not be built: {text}", fix)
+    if control.exit_code != 0:
+        return _line("FAIL", "limits", f"`true` in a limited session ended with {control.shell_status}")
+    if "ALIVE" in out or memory.exit_code == 0:
+        return _line("FAIL", "limits", "128 MiB were allocated under a 64 MiB memory limit",
+                     "the memory controller does not enforce memory.max here: check the kernel's cgroup setup")
+    if forked.split()[:2] != ["FORK-FAILED", "11"]:
+        return _line("FAIL", "limits", f"64 forks under a pids limit of 16: {forked.strip() or forks.shell_status}",
+                     "the pids controller does not enforce pids.max here: check the kernel's cgroup setup")
+    return _line("ok", "limits", "a session with --memory 64M --pids 16 holds: 128 MiB is killed"
+                 f"{' (OOM reported)' if oom else ''}, fork fails at 16 processes")
+
+
+def check_isolated_network() -> tuple[str, str]:
+    from sandboxd.errors import SandboxdError
+
+    try:
+        with _Session(network=True) as s:
+            info, out = s.call("ls", "/sys/class/net")
+            link = s.session.network is not None
+    except SandboxdError as exc:
+        text, fix = _failure(exc)
+        return _line("FAIL", "isolated network", f"a session with an isolated network could not be built: {text}", fix)
+    inside = set(out.split())
+    if info.exit_code != 0 or not link or "lo" not in inside or inside & _host_links():
+        return _line("FAIL", "isolated network", f"the session sees {sorted(inside)} (exit {info.shell_status})")
+    return _line("ok", "isolated network", "a session gets a network namespace of its own behind NAT")
+
+
+def _host_links() -> set[str]:
+    return set(os.listdir("/sys/class/net")) - {"lo", "eth0"}
 
 
 def check_nftables() -> tuple[str, str]:
@@ -121,12 +246,23 @@ def check_address_pool() -> tuple[str, str]:
 
 
 def check_call_helper() -> tuple[str, str]:
+    from sandboxd.errors import SandboxdError
     from sandboxd.launcher.native_call import helper_path
 
-    if helper_path() is None:
+    helper = helper_path()
+    if helper is None:
         return _line("warn", "call helper", "sandboxd-call is not built: daemon calls take the slower Python path",
                      "python -m sandboxd.launcher.native_call build (packaging/setup.sh does it)")
-    return _line("ok", "call helper", "sandboxd-call is built (the daemon's fast call path)")
+    try:
+        with _Session(helper=helper) as s:
+            info, out = s.call("sh", "-c", "echo called")
+    except SandboxdError as exc:
+        text, fix = _failure(exc)
+        return _line("FAIL", "call helper", f"a session for a call could not be built: {text}", fix)
+    if info.exit_code != 0 or out != "called\n":
+        return _line("FAIL", "call helper", f"a session call through {helper} ended with {info.shell_status}",
+                     "rebuild it: python -m sandboxd.launcher.native_call build")
+    return _line("ok", "call helper", "a session call ran through sandboxd-call (the daemon's fast call path)")
 
 
 # Each open session holds a few descriptors in the daemon and the fork server (pidfds, sockets,
@@ -181,8 +317,8 @@ def check_thread_limit() -> tuple[str, str]:
     return _line("ok", "threads", detail)
 
 
-CHECKS = (check_root, check_sandbox, check_seccomp, check_landlock, check_cgroups, check_nftables,
-          check_address_pool, check_call_helper, check_fd_limit, check_thread_limit)
+CHECKS = (check_root, check_sandbox, check_seccomp, check_landlock, check_cgroups, check_limits, check_nftables,
+          check_address_pool, check_isolated_network, check_call_helper, check_fd_limit, check_thread_limit)
 
 
 def main(argv: list[str]) -> int:

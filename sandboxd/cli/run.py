@@ -256,6 +256,9 @@ def main(argv: list[str]) -> int:
             sys.stderr.write(f"sandboxd run: {item.describe()}\n")
     if info.timed_out:
         sys.stderr.write(f"sandboxd run: timed out after {spec.limits.timeout_seconds:g}s; killed the whole tree\n")
+    if info.oom_killed:
+        sys.stderr.write(f"sandboxd run: the memory limit ({spec.limits.memory_bytes} bytes) was reached; "
+                         "the kernel killed a process of the sandbox (OOM)\n")
     return info.shell_status
 
 

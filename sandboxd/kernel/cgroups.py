@@ -1,10 +1,24 @@
-"""cgroups: memory and process-count limits, peak memory, and killing a whole tree.
+"""cgroups: memory and process-count limits, peak memory, OOM kills, and killing a whole tree.
 
-Both layouts exist in the wild: cgroup v2 only (modern distributions), and v1
-controllers beside an almost empty v2 (this project's CI machine). Each
-controller is taken from v2 when the unified hierarchy offers it, else from
-its v1 hierarchy. A v2 group is also made with no controller at all when v2 is
-mounted, for ``cgroup.kill``, which kills a tree in one write.
+Both layouts exist in the wild: cgroup v2 only (modern distributions, Kubernetes nodes), and v1
+controllers beside an almost empty v2 (this project's CI machine). Each controller is taken from
+v2 when our own v2 group can hand it down, else from its v1 hierarchy. A v2 group is also made
+with no controller at all when v2 is mounted, for ``cgroup.kill``, which kills a tree in one write.
+
+cgroup v2 the way systemd and container runtimes expect (Documentation/admin-guide/cgroup-v2.rst,
+"Delegation" and "No Internal Process Constraint"):
+
+- Sandboxes go below our own group (``/proc/self/cgroup``): ``<own>/sandboxd/<sandbox>``. Under
+  systemd with ``Delegate=yes`` that group is the unit's and ours to manage; in a container with a
+  private cgroup namespace it is the namespace's root; as root outside systemd it is the real root.
+- ``+memory +pids +cpu`` (those our group has) are enabled in ``<own>/cgroup.subtree_control`` and
+  ``<own>/sandboxd/cgroup.subtree_control``. A group that hands controllers down may hold no
+  processes, so when ``<own>`` holds some (the daemon itself) they move to the leaf
+  ``<own>/sandboxd-supervisor`` first - only when ``<own>`` is delegated to us (systemd marks it
+  with the ``trusted.delegate`` xattr) or is the root of our cgroup namespace. Nothing outside
+  ``<own>`` is ever written.
+- What this process created (the ``sandboxd`` base groups) is removed at exit when empty, so a
+  `sandboxd run` as root leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -18,13 +32,22 @@ from sandboxd._record import Record
 from sandboxd.errors import LimitsUnavailable
 from sandboxd.kernel._libc import from_oserror
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 BASE_NAME = "sandboxd"
+LEAF_NAME = "sandboxd-supervisor"   # where our own processes go when our group hands controllers down
+RELEASED_NAME = "released"          # v2: survivors of a danger-full-access command (base is not a leaf)
+V2_CONTROLLERS = ("cpu", "memory", "pids")
+DELEGATE_HINT = ("run the daemon from its systemd unit (Delegate=yes), or wrap the command: "
+                 "systemd-run --scope -p Delegate=yes sandboxd run ...")
 
 
 class Hierarchies(Record):
     unified: str | None               # cgroup2 mount point
-    unified_own: str                  # our own v2 cgroup path ("/..." relative to the mount)
-    unified_controllers: frozenset[str]
+    unified_own: str                  # our v2 group ("/..." relative to the mount), without our leaf
+    unified_controllers: frozenset[str]  # what our v2 group can hand down (its cgroup.controllers)
     v1: dict[str, tuple[str, str]]    # controller -> (mount point, our own path in it)
 
 
@@ -44,14 +67,17 @@ def detect() -> Hierarchies:
                 for controller in ("memory", "pids", "freezer"):
                     if controller in options:
                         v1[controller] = (point, own.get(controller, "/"))
+    unified_own = own.get("", "/")
+    if os.path.basename(unified_own) == LEAF_NAME:          # we moved ourselves there: sandboxes go beside it
+        unified_own = os.path.dirname(unified_own)
     controllers: frozenset[str] = frozenset()
     if unified:
         try:
-            with open(os.path.join(unified, "cgroup.controllers")) as f:
+            with open(os.path.join(unified, unified_own.lstrip("/"), "cgroup.controllers")) as f:
                 controllers = frozenset(f.read().split())
         except OSError:
             pass
-    return Hierarchies(unified, own.get("", "/"), controllers, v1)
+    return Hierarchies(unified, unified_own, controllers, v1)
 
 
 def _own_paths() -> dict[str, str]:
@@ -74,6 +100,14 @@ def hierarchies() -> Hierarchies:
     return _hierarchies
 
 
+def where(controller: str) -> str | None:
+    """``"v2"``, ``"v1"`` or None: where a limit on ``controller`` would be enforced."""
+    h = hierarchies()
+    if controller in h.unified_controllers:
+        return "v2"
+    return "v1" if controller in h.v1 else None
+
+
 class CgroupSet:
     """The cgroups of one sandbox, across hierarchies."""
 
@@ -92,18 +126,12 @@ class CgroupSet:
             wanted = {c for c, v in (("memory", memory_bytes), ("pids", pids)) if v is not None}
             v2_controllers = {c for c in wanted if c in h.unified_controllers}
             if h.unified:
-                base = _v2_base(h, v2_controllers)
-                group.unified_dir = group._mkdir(os.path.join(base, name))
+                group.unified_dir = group._mkdir_below(lambda: _v2_base(h, bool(v2_controllers)), name)
             for controller in sorted(wanted - v2_controllers):
                 if controller not in h.v1:
-                    raise LimitsUnavailable(
-                        f"cgroup {controller}", errno.ENOENT,
-                        hint=f"no cgroup v1 or v2 hierarchy offers the {controller} controller: enable it "
-                             f"(cgroup v2: add +{controller} to cgroup.subtree_control) or drop the limit")
+                    raise LimitsUnavailable(f"cgroup {controller}", errno.ENOENT, hint=_missing_hint(h, controller))
                 point, own = h.v1[controller]
-                base = os.path.join(point, own.lstrip("/"), BASE_NAME)
-                os.makedirs(base, exist_ok=True)
-                path = group._mkdir(os.path.join(base, name))
+                path = group._mkdir_below(lambda: _v1_base(point, own), name)
                 if controller == "memory":
                     group.memory_dir = path
                     _write(path, "memory.limit_in_bytes", memory_bytes)
@@ -125,6 +153,18 @@ class CgroupSet:
             group.remove()
             raise
         return group
+
+    def _mkdir_below(self, base: "Callable[[], str]", name: str) -> str:
+        """mkdir ``name`` in the base group ``base()`` prepares; once more if the base vanished
+        meanwhile (an idle `sandboxd run` beside us removes an empty base at its exit)."""
+        for attempt in (0, 1):
+            try:
+                return self._mkdir(os.path.join(base(), name))
+            except FileNotFoundError:
+                _prepared.clear()
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
 
     def _mkdir(self, path: str) -> str:
         os.mkdir(path, 0o755)
@@ -161,9 +201,14 @@ class CgroupSet:
             time.sleep(0.002)
 
     def release(self) -> None:
-        """Move survivors out to the parent groups (danger-full-access keeps background jobs)."""
+        """Move survivors out (danger-full-access keeps background jobs): to the parent group in
+        v1, to ``<base>/released`` in v2, where the base hands controllers down and so may hold
+        no process itself."""
         for path in self.dirs:
             parent = os.path.dirname(path)
+            if path == self.unified_dir:
+                parent = os.path.join(parent, RELEASED_NAME)
+                os.makedirs(parent, exist_ok=True)
             for pid in self.pids():
                 try:
                     _write(parent, "cgroup.procs", pid)
@@ -243,40 +288,122 @@ def sweep_stale(prefix: str = "run-") -> int:
 
 def _sweep_bases(h: Hierarchies) -> list[str]:
     """Every base group sandboxes of this host's daemons may sit in: ours in each hierarchy, and,
-    for a process that ``_v2_base`` moved into the ``supervisor`` leaf (cgroup v2 forbids
+    for a process that ``_v2_base`` moved into the ``LEAF_NAME`` leaf (cgroup v2 forbids
     processes beside the groups it hands controllers to), the base beside that leaf."""
     bases = []
     if h.unified:
         own = h.unified_own.rstrip("/")
         bases.append(os.path.join(h.unified, own.lstrip("/"), BASE_NAME))
-        if os.path.basename(own) == "supervisor":
+        if os.path.basename(own) == LEAF_NAME:
             bases.append(os.path.join(h.unified, os.path.dirname(own).lstrip("/"), BASE_NAME))
     bases += [os.path.join(point, own.lstrip("/"), BASE_NAME) for point, own in h.v1.values()]
     return list(dict.fromkeys(bases))
 
 
-def _v2_base(h: Hierarchies, controllers: set[str]) -> str:
-    """Our v2 base group, with ``controllers`` enabled for the groups below it."""
+_prepared: set[str] = set()      # base groups whose controllers this process has enabled
+_created: list[str] = []         # base groups this process made: removed at exit when empty
+
+
+def _v2_base(h: Hierarchies, controllers: bool) -> str:
+    """Our v2 base group ``<own>/sandboxd``; with ``controllers``, +cpu +memory +pids (those our
+    group has) enabled down the path so the groups below it can be limited."""
     assert h.unified
     own = os.path.join(h.unified, h.unified_own.lstrip("/"))
     base = os.path.join(own, BASE_NAME)
-    os.makedirs(base, exist_ok=True)
+    if base in _prepared:
+        return base
     if controllers:
-        wanted = " ".join("+" + c for c in sorted(controllers))
+        enable = [c for c in V2_CONTROLLERS if c in h.unified_controllers]
+        _enable_controllers(own, h.unified_own == "/", enable)
+        _make_base(base)
+        _enable_controllers(base, False, enable)
+        _prepared.add(base)
+    else:
+        _make_base(base)
+    return base
+
+
+def _v1_base(point: str, own: str) -> str:
+    base = os.path.join(point, own.lstrip("/"), BASE_NAME)
+    _make_base(base)
+    return base
+
+
+def _make_base(base: str) -> None:
+    try:
+        os.mkdir(base, 0o755)
+    except FileExistsError:
+        return
+    if not _created:
+        import atexit
+        atexit.register(remove_created_bases)
+    _created.append(base)
+
+
+def remove_created_bases() -> None:
+    """rmdir the base groups this process made, when empty (at exit: `sandboxd run` leaves nothing)."""
+    for base in reversed(_created):
+        for leftover in (os.path.join(base, RELEASED_NAME), base):
+            try:
+                os.rmdir(leftover)
+            except OSError:
+                pass                                   # still in use: the next owner's sweep takes it
+    _created.clear()
+    _prepared.clear()
+
+
+def _enable_controllers(group: str, namespace_root: bool, controllers: list[str]) -> None:
+    """Write ``+c`` for each controller not yet in ``group``'s subtree_control. When the group
+    holds processes (EBUSY: the no-internal-process rule), move them to ``<group>/sandboxd-supervisor``
+    first, if the group is ours to rearrange."""
+    with open(os.path.join(group, "cgroup.subtree_control")) as f:
+        missing = [c for c in controllers if c not in f.read().split()]
+    if not missing:
+        return
+    wanted = " ".join("+" + c for c in missing)
+    for _ in range(20):
         try:
-            if own.rstrip("/") != h.unified.rstrip("/"):
-                _write(own, "cgroup.subtree_control", wanted)
+            _write(group, "cgroup.subtree_control", wanted)
+            return
         except OSError as exc:
             if exc.errno != errno.EBUSY:
                 raise
-            # cgroup v2 forbids processes in a group that hands controllers down:
-            # move ourselves into a leaf beside the sandboxes (what Delegate=yes expects).
-            leaf = os.path.join(own, "supervisor")
-            os.makedirs(leaf, exist_ok=True)
-            _write(leaf, "cgroup.procs", 0)
-            _write(own, "cgroup.subtree_control", wanted)
-        _write(base, "cgroup.subtree_control", wanted)
-    return base
+        if not (namespace_root or _delegated(group)):
+            raise LimitsUnavailable(
+                "cgroup setup", errno.EBUSY, path=group,
+                hint="this cgroup holds processes and is not delegated to sandboxd, so its controllers cannot be "
+                     "handed down to sandboxes: " + DELEGATE_HINT)
+        leaf = os.path.join(group, LEAF_NAME)
+        os.makedirs(leaf, exist_ok=True)
+        with open(os.path.join(group, "cgroup.procs")) as f:
+            pids = f.read().split()
+        for pid in pids:                               # a process forked meanwhile: the next round
+            try:
+                _write(leaf, "cgroup.procs", pid)
+            except OSError:
+                pass                                   # gone, or a kernel thread
+    raise LimitsUnavailable("cgroup setup", errno.EBUSY, path=group,
+                            hint="processes keep appearing in this cgroup; " + DELEGATE_HINT)
+
+
+def _delegated(group: str) -> bool:
+    """systemd marks a group it delegated (Delegate=yes, v251+) with trusted.delegate (system
+    units) or user.delegate (user units)."""
+    for name in ("trusted.delegate", "user.delegate"):
+        try:
+            if os.getxattr(group, name) == b"1":
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def _missing_hint(h: Hierarchies, controller: str) -> str:
+    if h.unified and not h.v1:
+        return (f"the cgroup {h.unified_own} cannot hand down the {controller} controller (its parent has not "
+                f"enabled it for it): {DELEGATE_HINT}, or drop the limit")
+    return (f"no cgroup v1 or v2 hierarchy offers the {controller} controller: enable it (cgroup v2: "
+            f"Delegate=yes, or +{controller} in the cgroup.subtree_control above sandboxd) or drop the limit")
 
 
 def _write(directory: str, name: str, value: object) -> None:

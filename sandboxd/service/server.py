@@ -77,17 +77,20 @@ def own_places(socket_path: str, private: str, backend: str, state_dir: str, tls
 
 
 def _self_test(fork: "Any") -> str | None:
-    """Launch `true` in a read-only sandbox through the fork server: the whole set-up sequence
-    (namespaces, mounts, pivot_root, privileges, Landlock, seccomp). The problem, or None."""
+    """Launch `true` in a read-only sandbox with a memory and a pids limit through the fork server:
+    the whole set-up sequence (cgroups, namespaces, mounts, pivot_root, privileges, Landlock,
+    seccomp). A machine where limits cannot be applied fails here, at start-up, with the fix,
+    not at a user's first limited call. The problem, or None."""
     import tempfile
 
     from sandboxd.errors import SandboxdError
-    from sandboxd.policy import LaunchSpec, ReadOnly
+    from sandboxd.policy import LaunchSpec, Limits, ReadOnly
 
     workspace = tempfile.mkdtemp(prefix="sandboxd-selftest-", dir="/var/tmp")
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     try:
         call = fork.launch(LaunchSpec(argv=("true",), workspace=workspace, policy=ReadOnly(),
+                                      limits=Limits(memory_bytes=64 << 20, pids=16),
                                       env={"PATH": "/usr/bin:/bin"}), (null, null, null))
         info = fork.wait(call)
         return None if info.exit_code == 0 else f"`true` in a sandbox ended with status {info.shell_status}"
