@@ -15,7 +15,7 @@ import os
 import subprocess
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,7 +23,7 @@ import pytest
 from conftest import PY
 from daemon_helpers import Daemon, PlainUser, create_session, make_base_dir, remove_tree, run_client_as, run_exec
 from sandboxd.v1 import sandboxd_pb2 as pb
-from test_isolated_network import DNS, World, free_port, http_get
+from test_isolated_network import DNS, World, free_port, http_get, world  # noqa: F401 - the same world fixture
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -86,15 +86,6 @@ PROXY_GET = textwrap.dedent('''
     import urllib.request
     print(urllib.request.urlopen("http://internet.test:8080/", timeout=30).read().decode())
 ''')
-
-
-@pytest.fixture(scope="module")
-def world() -> Iterator[World]:
-    w = World()
-    try:
-        yield w.build()
-    finally:
-        w.teardown()
 
 
 def threads_of(pid: int) -> int:

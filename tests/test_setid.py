@@ -23,7 +23,6 @@ import platform
 import shutil
 import sqlite3
 import stat
-import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -218,14 +217,7 @@ def test_danger_full_access_is_unchanged(owner: str, users: list[PlainUser], bas
 # --------------------------------------------------------------------------- session calls, both paths
 
 
-@pytest.fixture(scope="module", params=["native", "python"])
-def server(request: pytest.FixtureRequest) -> Iterator[ForkServer]:
-    fs = ForkServer.start(native_calls=request.param == "native")
-    assert fs.native_calls == (request.param == "native")
-    try:
-        yield fs
-    finally:
-        fs.close()
+from test_call_paths import server  # noqa: E402, F401 - a fork server per call path (native, python)
 
 
 def call(server: ForkServer, session: str, argv: list[str], cwd: str) -> tuple[str, object]:
