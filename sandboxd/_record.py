@@ -13,10 +13,13 @@ from __future__ import annotations
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any, Callable
+    # Only the type checker reads these: ``typing`` stays off the ``sandboxd run`` path.
+    from typing import Any, Callable, Self, TypeVar, dataclass_transform
+
+    T = TypeVar("T")
 
 
-class Factory:
+class _Factory:
     """A default made fresh for each instance (like ``field(default_factory=...)``)."""
 
     __slots__ = ("make",)
@@ -25,6 +28,22 @@ class Factory:
         self.make = make
 
 
+if TYPE_CHECKING:
+    def Factory(make: Callable[[], T]) -> T:
+        """To the type checker a ``Factory(make)`` default is a value of ``make``'s type."""
+        ...
+else:
+    Factory = _Factory
+
+    def dataclass_transform(**_: object) -> object:
+        """A no-op at run time: the decorator only tells type checkers how Records are built."""
+        return lambda cls: cls
+
+
+# Type checkers build each subclass's ``__init__``, fields, equality and immutability from
+# its annotations, as they do for a frozen dataclass (``frozen=False`` in the class line
+# makes a mutable one); Record itself implements the same at run time.
+@dataclass_transform(frozen_default=True)
 class Record:
     """Base class: annotated class attributes become fields, in order; a value is their default."""
 
@@ -61,7 +80,7 @@ class Record:
                 if name not in self._defaults:
                     raise TypeError(f"{type(self).__name__} needs {name!r}")
                 default = self._defaults[name]
-                values[name] = default.make() if isinstance(default, Factory) else default
+                values[name] = default.make() if isinstance(default, _Factory) else default
             object.__setattr__(self, name, values[name])
         post_init = getattr(self, "__post_init__", None)
         if post_init is not None:
@@ -78,7 +97,8 @@ class Record:
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
             return NotImplemented
-        return self._values() == other._values()  # type: ignore[attr-defined]
+        assert isinstance(other, Record)  # the type check above; this narrows for the type checker
+        return self._values() == other._values()
 
     def __hash__(self) -> int:
         return hash((type(self), self._values()))
@@ -87,7 +107,7 @@ class Record:
         inner = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._fields)
         return f"{type(self).__name__}({inner})"
 
-    def replace(self, **changes: object) -> "Record":
+    def replace(self, **changes: object) -> "Self":
         values = {name: getattr(self, name) for name in self._fields}
         values.update(changes)
         return type(self)(**values)
