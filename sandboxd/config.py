@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 import tomllib
-from typing import Any, Callable
+from typing import Callable
 
 from sandboxd import defaults
 from sandboxd._record import Record
@@ -193,11 +193,51 @@ _BY_NAME = {key.dotted: key for key in KEYS}
 
 
 class Config(Record):
-    values: dict  # type: ignore[type-arg]
+    """The values of every key (dotted name -> value, each passed its key's check), and the file read.
+
+    Read them through the typed accessors: a key read as the wrong type is a bug here, not a bad file."""
+    values: dict[str, object]
     path: str | None
 
-    def __getitem__(self, dotted: str) -> Any:
+    def __getitem__(self, dotted: str) -> object:
         return self.values[dotted]
+
+    def text(self, dotted: str) -> str:
+        value = self.values[dotted]
+        if not isinstance(value, str):
+            raise TypeError(f"configuration key {dotted} is {value!r}, not a string")
+        return value
+
+    def whole(self, dotted: str) -> int:
+        value = self.values[dotted]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"configuration key {dotted} is {value!r}, not a whole number")
+        return value
+
+    def number(self, dotted: str) -> float:
+        value = self.values[dotted]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"configuration key {dotted} is {value!r}, not a number")
+        return float(value)
+
+    def flag(self, dotted: str) -> bool:
+        value = self.values[dotted]
+        if not isinstance(value, bool):
+            raise TypeError(f"configuration key {dotted} is {value!r}, not true or false")
+        return value
+
+    def texts(self, dotted: str) -> tuple[str, ...]:
+        value = self.values[dotted]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(item, str) for item in value):
+            raise TypeError(f"configuration key {dotted} is {value!r}, not a list of strings")
+        return tuple(value)
+
+    def table(self, dotted: str) -> dict[str, str]:
+        value = self.values[dotted]
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                  for k, v in value.items()):
+            raise TypeError(f"configuration key {dotted} is {value!r}, not a table of strings")
+        return dict(value)
 
 
 def default_path() -> str | None:
@@ -210,7 +250,7 @@ def default_path() -> str | None:
 
 def load(path: str | None) -> Config:
     """The built-in defaults, overlaid with ``path`` (None: defaults only). ConfigError on any problem."""
-    values = {key.dotted: key.default for key in KEYS}
+    values: dict[str, object] = {key.dotted: key.default for key in KEYS}
     if path is None:
         return Config(values, None)
     try:

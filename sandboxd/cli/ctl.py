@@ -12,10 +12,14 @@ import grpc
 from sandboxd.client import DEFAULT_SOCKET, MAX_READ_BYTES, SandboxClient, sandbox_policy, write_through
 from sandboxd.v1 import sandboxd_pb2 as pb
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from google.protobuf.message import Message
 
-def _message_dict(session: object) -> dict[str, object]:
+
+def _message_dict(session: Message) -> dict[str, object]:
     from google.protobuf.json_format import MessageToDict
-    return MessageToDict(session, preserving_proto_field_name=True)  # type: ignore[arg-type]
+    return MessageToDict(session, preserving_proto_field_name=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         with SandboxClient(args.socket) as client:
             return _run(client, args)
     except grpc.RpcError as error:
-        sys.stderr.write(f"sandboxctl: {error.code().name}: {error.details()}\n")  # type: ignore[attr-defined]
+        sys.stderr.write(f"sandboxctl: {error.code().name}: {error.details()}\n")
         return 1
     except ValueError as error:
         sys.stderr.write(f"sandboxctl: {error}\n")
@@ -131,7 +135,7 @@ def _print_events(client: SandboxClient, args: argparse.Namespace) -> int:
     def show(event: pb.Event) -> None:
         if args.json:
             line = _message_dict(event)
-            line["data"] = json.loads(line.pop("data_json", "{}") or "{}")
+            line["data"] = json.loads(str(line.pop("data_json", "") or "{}"))
             print(json.dumps(line), flush=True)
         else:
             print(_event_line(event), flush=True)
@@ -217,7 +221,9 @@ def _run_policy_command(client: SandboxClient, args: argparse.Namespace) -> int:
 def _status(client: SandboxClient) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    health = health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    # types-grpcio-health-checking declares HealthStub without its methods (grpc adds them in __init__).
+    stub = health_pb2_grpc.HealthStub(client.channel)
+    health = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)  # type: ignore[attr-defined]
     status = client.stub.GetStatus(pb.GetStatusRequest(), timeout=10)
     print(f"health: {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}")
     print(f"version: sandboxd {status.version} (pid {status.pid}, up "

@@ -11,12 +11,19 @@ from sandboxd.errors import InvalidPolicy, SandboxdError
 from sandboxd.policy import DEFAULT_PROTECTED_SUBPATHS, LaunchSpec, Limits, parse_size, policy_from_name
 from sandboxd.policy.git_config import GIT_GUARD_SUBPATH
 from sandboxd.policy.limits import DEFAULT_TMP_SIZE
+from sandboxd.policy.sandbox import WorkspaceWrite
 
 TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Any
+if TYPE_CHECKING:   # typing stays off the `sandboxd run` path: these are for the type checker only
+    from typing import Callable, TypeVar
 
+    from sandboxd.kernel.netns import IsolatedNetwork
+    from sandboxd.supervisor.egress_proxy import EgressProxy
     from sandboxd.supervisor.git_guard import GitGuard
+    from sandboxd.supervisor.publish import PublishedPort
+    from sandboxd.supervisor.spawner import SandboxProcess
+
+    N = TypeVar("N", int, float)
 
 EXIT_TIMEOUT = 124
 EXIT_SETUP_FAILED = 125
@@ -132,7 +139,7 @@ def parse_args(argv: list[str]) -> dict[str, object]:
         else:
             raise UsageError(f"{flag} needs a value: {flag} {metavar}")
         if kind == "append":
-            options[key].append(value)  # type: ignore[union-attr]
+            _strings(options, key).append(value)
         else:
             options[key] = value
     if options["network"] and options["no_network"]:
@@ -145,12 +152,19 @@ def parse_args(argv: list[str]) -> dict[str, object]:
     return options
 
 
-def _number(options: dict[str, object], key: str, kind: type) -> "int | float | None":
+def _strings(options: dict[str, object], key: str) -> list[str]:
+    """The values of an option given once per value (parse_args starts each as a list)."""
+    values = options[key]
+    assert isinstance(values, list), key
+    return values
+
+
+def _number(options: dict[str, object], key: str, kind: "Callable[[str], N]") -> "N | None":
     value = options[key]
     if value is None:
         return None
     try:
-        return kind(value)  # type: ignore[no-any-return]
+        return kind(str(value))
     except ValueError:
         raise UsageError(f"--{key.replace('_', '-')} {value!r} is not a {'whole ' if kind is int else ''}number") from None
 
@@ -177,22 +191,22 @@ def parse_user(text: str) -> tuple[int, int]:
 
 
 def spec_from_args(args: dict[str, object]) -> LaunchSpec:
-    command = list(args["command"])  # type: ignore[call-overload]
+    command = _strings(args, "command")
     if not command:
         raise InvalidPolicy("no program given: sandboxd run [options] -- PROGRAM [ARGS...]")
     protected = () if args["no_default_protect"] else DEFAULT_PROTECTED_SUBPATHS
-    protected = tuple(dict.fromkeys(protected + tuple(args["protect"])))  # type: ignore[arg-type]
+    protected = tuple(dict.fromkeys(protected + tuple(_strings(args, "protect"))))
     network = bool(args["network"])
     mode = "host" if args["network"] == "host" else "isolated"
     policy = policy_from_name(str(args["sandbox"] or "workspace-write"), network_access=network,
-                              writable_roots=list(args["writable_root"]),  # type: ignore[call-overload]
+                              writable_roots=list(_strings(args, "writable_root")),
                               protected_subpaths=protected, network_mode=mode,
-                              allowed_unix_sockets=list(args["allow_unix_socket"]),  # type: ignore[call-overload]
-                              allowed_hosts=list(args["allow_host"]),  # type: ignore[call-overload]
-                              published_ports=list(args["publish"]),  # type: ignore[call-overload]
-                              allowed_domains=list(args["allow_domain"]))  # type: ignore[call-overload]
+                              allowed_unix_sockets=list(_strings(args, "allow_unix_socket")),
+                              allowed_hosts=list(_strings(args, "allow_host")),
+                              published_ports=list(_strings(args, "publish")),
+                              allowed_domains=list(_strings(args, "allow_domain")))
     env = {} if args["clear_env"] else dict(os.environ)
-    for item in args["env"]:  # type: ignore[attr-defined]
+    for item in _strings(args, "env"):
         key, sep, value = item.partition("=")
         if not sep:
             raise InvalidPolicy(f"--env {item!r} must look like NAME=VALUE")
@@ -209,7 +223,7 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
     cwd, user = args["cwd"], args["user"]
     return LaunchSpec(argv=tuple(command), workspace=workspace, env=env,
                       cwd=os.path.abspath(str(cwd)) if cwd else None, policy=policy, limits=limits,
-                      user=parse_user(str(user)) if user else None, dns=tuple(args["dns"]),  # type: ignore[arg-type]
+                      user=parse_user(str(user)) if user else None, dns=tuple(_strings(args, "dns")),
                       # A daemon on this machine keeps its sockets and audit log here: out of reach.
                       hidden_paths=(defaults.SOCKET_DIR, defaults.STATE_DIR), denied_sockets=(defaults.SOCKET,))
 
@@ -236,13 +250,13 @@ def main(argv: list[str]) -> int:
     except SandboxdError as exc:
         sys.stderr.write(f"sandboxd run: {exc}\n")
         return EXIT_SETUP_FAILED
-    published = []
-    network = getattr(sandbox, "network", None)
-    if network is not None and network.proxy_listener is not None:
-        published.append(_serve_proxy(network, spec.policy.allowed_domains))  # type: ignore[attr-defined]
-    if getattr(spec.policy, "published_ports", ()):
+    published: "list[EgressProxy | PublishedPort]" = []
+    network, policy = sandbox.network, spec.policy
+    if network is not None and network.proxy_listener is not None and isinstance(policy, WorkspaceWrite):
+        published.append(_serve_proxy(network, policy.allowed_domains))
+    if isinstance(policy, WorkspaceWrite) and policy.published_ports:
         try:
-            published += _publish(sandbox.pid, spec.policy.published_ports)  # type: ignore[attr-defined]
+            published += _publish(sandbox.pid, policy.published_ports)
         except SandboxdError as exc:
             sandbox.kill()
             sandbox.wait()
@@ -266,8 +280,8 @@ def _git_guard(spec: LaunchSpec) -> "GitGuard | None":
     """The git guard of the writable roots while .git/config is protected (the default): it takes
     them as they are now, and after the command removes the git configuration it planted. None
     when the roots are refused: the launch reports why."""
-    policy: "Any" = spec.policy                     # a WorkspaceWrite when it has writable roots
-    if not hasattr(policy, "writable_roots") or GIT_GUARD_SUBPATH not in policy.protected_subpaths:
+    policy = spec.policy
+    if not isinstance(policy, WorkspaceWrite) or GIT_GUARD_SUBPATH not in policy.protected_subpaths:
         return None
     from sandboxd.kernel import paths
     from sandboxd.supervisor.git_guard import GitGuard
@@ -280,7 +294,7 @@ def _git_guard(spec: LaunchSpec) -> "GitGuard | None":
     return GitGuard(resolved.writable_roots)
 
 
-def _serve_proxy(network: "object", domains: "tuple[str, ...]") -> "object":
+def _serve_proxy(network: "IsolatedNetwork", domains: "tuple[str, ...]") -> "EgressProxy":
     """The egress proxy of --allow-domain, on this process's relay loop (a thread: after the one
     fork, the parent forks no more); it connects from inside the sandbox's network namespace."""
     from sandboxd.supervisor.egress_proxy import EgressProxy
@@ -288,13 +302,13 @@ def _serve_proxy(network: "object", domains: "tuple[str, ...]") -> "object":
     def denied(destination: str, why: str) -> None:
         sys.stderr.write(f"sandboxd run: blocked a connection to {destination}: {why}\n")
         sys.stderr.flush()
-    listener, network.proxy_listener = network.proxy_listener, None  # type: ignore[attr-defined]
-    return EgressProxy(listener, domains, client_address=network.sandbox_address,  # type: ignore[attr-defined]
-                       netns_fd=network.netns_fd, resolvers=network.resolvers,  # type: ignore[attr-defined]
+    listener, network.proxy_listener = network.proxy_listener, None
+    return EgressProxy(listener, domains, client_address=network.sandbox_address,
+                       netns_fd=network.netns_fd, resolvers=network.resolvers,
                        on_denied=denied).start()
 
 
-def _publish(init_pid: int, entries: "tuple[str, ...]") -> list:  # type: ignore[type-arg]
+def _publish(init_pid: int, entries: "tuple[str, ...]") -> "list[PublishedPort]":
     """Listen for the published ports, on this process's relay loop (a thread: after the one fork,
     the parent forks no more)."""
     from sandboxd.supervisor.publish import publish_all
@@ -306,9 +320,9 @@ def _publish(init_pid: int, entries: "tuple[str, ...]") -> list:  # type: ignore
         os.close(netns)
 
 
-def _forward_signals(sandbox: "object") -> None:
+def _forward_signals(sandbox: "SandboxProcess") -> None:
     def forward(signum: int, _frame: object) -> None:
-        sandbox.send_signal(signum)  # type: ignore[attr-defined]
+        sandbox.send_signal(signum)
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(signum, forward)

@@ -12,6 +12,10 @@ import sys
 
 from sandboxd.errors import SandboxdError
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from sandboxd.config import Config
+
 # flag destination -> configuration key
 FLAG_KEYS = {"socket": "listen.socket", "admin_group": "listen.admin_group", "workers": "listen.workers",
              "state_dir": "state.dir", "dns": "network.dns", "approval_timeout": "approvals.timeout_seconds",
@@ -49,32 +53,31 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def settings(argv: list[str]) -> dict[str, object]:
+def settings(argv: list[str]) -> "Config":
     """The configuration file's values, overridden by the flags given; ConfigError on a bad file."""
     from sandboxd import config
 
     args = parser().parse_args(argv)
     loaded = config.load(args.config or config.default_path())
-    values = {flag: loaded[key] for flag, key in FLAG_KEYS.items()}
-    for flag in FLAG_KEYS:
+    values = dict(loaded.values)
+    for flag, key in FLAG_KEYS.items():
         given = getattr(args, flag)
         if given is not None:
-            values[flag] = given
-    values["config_path"] = loaded.path
-    values["config"] = loaded
-    return values
+            values[key] = given
+    return loaded.replace(values=values)
 
 
 def main(argv: list[str]) -> int:
     try:
-        values = settings(argv)
+        loaded = settings(argv)
     except SandboxdError as exc:
         sys.stderr.write(f"sandboxd serve: {exc}\n")
         return 2
     listener = None
-    tls_options = (values["tls_cert"], values["tls_key"], values["tls_client_ca"])
-    if values["tcp"] or any(tls_options):
-        if not (values["tcp"] and all(tls_options)):
+    tcp = loaded.text("tls.address")
+    tls_options = (loaded.text("tls.cert"), loaded.text("tls.key"), loaded.text("tls.client_ca"))
+    if tcp or any(tls_options):
+        if not (tcp and all(tls_options)):
             sys.stderr.write("sandboxd serve: a TCP listener needs all of --tcp, --tls-cert, --tls-key and "
                              "--tls-client-ca (there is no plain-text or unauthenticated TCP)\n")
             return 2
@@ -82,27 +85,25 @@ def main(argv: list[str]) -> int:
         from sandboxd.errors import InvalidPolicy
         from sandboxd.service.server import TlsListener
         try:
-            uid, gid = parse_user(str(values["tcp_user"]))
-            config = values["config"]
-            users = {name: parse_user(str(user)) for name, user in config["tls.users"].items()}  # type: ignore[index]
-            listener = TlsListener(str(values["tcp"]), str(values["tls_cert"]), str(values["tls_key"]),
-                                   str(values["tls_client_ca"]), uid, gid,
-                                   identity=str(config["tls.identity"]), users=users)  # type: ignore[index]
+            uid, gid = parse_user(loaded.text("tls.user"))
+            users = {name: parse_user(user) for name, user in loaded.table("tls.users").items()}
+            listener = TlsListener(tcp, *tls_options, uid, gid, identity=loaded.text("tls.identity"), users=users)
         except (InvalidPolicy, OSError) as exc:
             sys.stderr.write(f"sandboxd serve: {exc}\n")
             return 2
     admin_gid = None
-    group = str(values["admin_group"] or "")
+    group = loaded.text("listen.admin_group")
     if group:
         try:
             admin_gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
         except KeyError:
             sys.stderr.write(f"sandboxd serve: unknown group {group!r}\n")
             return 2
-    if float(values["approval_timeout"]) <= 0:  # type: ignore[arg-type]
+    approval_timeout = loaded.number("approvals.timeout_seconds")
+    if approval_timeout <= 0:
         sys.stderr.write("sandboxd serve: --approval-timeout must be a positive number of seconds\n")
         return 2
-    dns = tuple(values["dns"])  # type: ignore[call-overload]
+    dns = loaded.texts("network.dns")
     try:
         from sandboxd.policy import LaunchSpec
         LaunchSpec(argv=("true",), workspace="/", dns=dns)   # validates the addresses
@@ -114,30 +115,30 @@ def main(argv: list[str]) -> int:
     from sandboxd.service.quotas import QuotaLimits
     from sandboxd.service.server import serve
 
-    loaded = values["config"]
     try:
-        quotas = QuotaLimits(sessions_per_uid=loaded["quotas.sessions_per_uid"],  # type: ignore[index]
-                             calls_per_uid=loaded["quotas.calls_per_uid"],  # type: ignore[index]
-                             streams_per_uid=loaded["quotas.streams_per_uid"],  # type: ignore[index]
-                             reserved_workers=loaded["quotas.reserved_workers"],  # type: ignore[index]
-                             workers=int(values["workers"]))  # type: ignore[call-overload]
+        quotas = QuotaLimits(sessions_per_uid=loaded.whole("quotas.sessions_per_uid"),
+                             calls_per_uid=loaded.whole("quotas.calls_per_uid"),
+                             streams_per_uid=loaded.whole("quotas.streams_per_uid"),
+                             reserved_workers=loaded.whole("quotas.reserved_workers"),
+                             workers=loaded.whole("listen.workers"))
     except SandboxdError as exc:
         sys.stderr.write(f"sandboxd serve: {exc}\n")
         return 2
+    memory = loaded.text("defaults.memory")
     defaults = SessionDefaults(
-        sandbox=loaded["defaults.sandbox_policy"], network_access=loaded["defaults.network_access"],  # type: ignore[index]
-        approval=loaded["defaults.approval_policy"],  # type: ignore[index]
-        timeout_seconds=float(loaded["defaults.timeout_seconds"]) or None,  # type: ignore[index]
-        memory_bytes=parse_size(loaded["defaults.memory"], "defaults.memory") if loaded["defaults.memory"] else None,  # type: ignore[index]
-        pids=int(loaded["defaults.pids"]) or None)  # type: ignore[index]
-    return serve(str(values["socket"]), socket_mode=int(loaded["listen.socket_mode"], 8),  # type: ignore[index]
-                 admin_gid=admin_gid, workers=int(values["workers"]),  # type: ignore[call-overload]
-                 tls=listener, state_dir=str(values["state_dir"]),
-                 approval_timeout=float(values["approval_timeout"]), dns=dns,  # type: ignore[arg-type]
-                 log_format=str(values["log_format"]), log_level=str(values["log_level"]),
-                 config_path=values["config_path"],  # type: ignore[arg-type]
-                 metrics_listen=str(values["metrics"] or ""), session_defaults=defaults,
-                 network_pool=loaded["network.pool"], quotas=quotas,  # type: ignore[index]
-                 proxy_connections=int(loaded["quotas.proxy_connections_per_session"]),  # type: ignore[index]
-                 published_connections=int(loaded["quotas.published_connections_per_session"]),  # type: ignore[index]
-                 connections_per_uid=int(loaded["quotas.connections_per_uid"]))  # type: ignore[index]
+        sandbox=loaded.text("defaults.sandbox_policy"), network_access=loaded.flag("defaults.network_access"),
+        approval=loaded.text("defaults.approval_policy"),
+        timeout_seconds=loaded.number("defaults.timeout_seconds") or None,
+        memory_bytes=parse_size(memory, "defaults.memory") if memory else None,
+        pids=loaded.whole("defaults.pids") or None)
+    return serve(loaded.text("listen.socket"), socket_mode=int(loaded.text("listen.socket_mode"), 8),
+                 admin_gid=admin_gid, workers=loaded.whole("listen.workers"),
+                 tls=listener, state_dir=loaded.text("state.dir"),
+                 approval_timeout=approval_timeout, dns=dns,
+                 log_format=loaded.text("log.format"), log_level=loaded.text("log.level"),
+                 config_path=loaded.path,
+                 metrics_listen=loaded.text("metrics.listen"), session_defaults=defaults,
+                 network_pool=loaded.text("network.pool"), quotas=quotas,
+                 proxy_connections=loaded.whole("quotas.proxy_connections_per_session"),
+                 published_connections=loaded.whole("quotas.published_connections_per_session"),
+                 connections_per_uid=loaded.whole("quotas.connections_per_uid"))
