@@ -68,7 +68,7 @@ class Record:
     def __init__(self, *args: object, **kwargs: object) -> None:
         if len(args) > len(self._fields):
             raise TypeError(f"{type(self).__name__} takes at most {len(self._fields)} positional arguments")
-        values = dict(zip(self._fields, args))
+        values = dict(zip(self._fields, args, strict=False))   # fields not given come after
         for name, value in kwargs.items():
             if name not in self._fields:
                 raise TypeError(f"{type(self).__name__} has no field {name!r}")

@@ -31,7 +31,7 @@ def sandbox_policy(name: str = "workspace-write", *, network: bool = False,
     return pb.SandboxPolicy(mode=_MODES[name], network_access=network, writable_roots=list(writable_roots))
 
 
-def approval_policy(name: str) -> int:
+def approval_policy(name: str) -> pb.ApprovalPolicy:
     if name not in _APPROVALS:
         raise ValueError(f"unknown approval policy {name!r}: use one of {', '.join(_APPROVALS)}")
     return _APPROVALS[name]

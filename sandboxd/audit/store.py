@@ -263,6 +263,7 @@ class EventStore:
         ``session_ids`` None: every session; an empty list: none."""
         if session_ids is not None and not session_ids:
             return []
+        args: list[object]
         clauses, args = ["id > ?"], [after_id]
         if session_ids is not None:
             clauses.append(f"session_id IN ({','.join('?' * len(session_ids))})")

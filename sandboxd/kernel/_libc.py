@@ -36,7 +36,7 @@ def syscall_number(name: str) -> int:
 def raw_syscall(name: str, *args: object) -> int:
     """Run a system call; return its result or -errno (never raises)."""
     ctypes.set_errno(0)
-    result = libc.syscall(ctypes.c_long(syscall_number(name)), *args)
+    result: int = libc.syscall(ctypes.c_long(syscall_number(name)), *args)
     if result < 0:
         return -ctypes.get_errno()
     return result

@@ -140,11 +140,13 @@ class CgroupSet:
                 else:
                     _write(path, "pids.max", pids)
             if "memory" in v2_controllers:
+                assert group.unified_dir is not None          # made above: v2 controllers mean h.unified
                 group.memory_dir, group.memory_v2 = group.unified_dir, True
                 _write(group.unified_dir, "memory.max", memory_bytes)
                 if os.path.exists(os.path.join(group.unified_dir, "memory.swap.max")):
                     _write(group.unified_dir, "memory.swap.max", 0)
             if "pids" in v2_controllers:
+                assert group.unified_dir is not None
                 _write(group.unified_dir, "pids.max", pids)
         except OSError as exc:
             group.remove()

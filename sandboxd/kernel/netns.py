@@ -152,9 +152,9 @@ def create_isolated(*, pool: str = DEFAULT_POOL, resolvers: "list[str] | None" =
         raise
     finally:
         os.close(lock)
-    network = IsolatedNetwork(netns_fd, host_link, host_address, sandbox_address, resolvers)
-    network.proxied = via_proxy
-    return network
+    isolated = IsolatedNetwork(netns_fd, host_link, host_address, sandbox_address, resolvers)
+    isolated.proxied = via_proxy
+    return isolated
 
 
 def _configure(host_link: str, netns_fd: int, inside: "Any", host_address: str, sandbox_address: str,

@@ -14,7 +14,7 @@ import os
 import stat
 
 from sandboxd._record import Record
-from sandboxd.errors import InvalidPolicy, SetupError
+from sandboxd.errors import InvalidPolicy
 from sandboxd.kernel import access
 from sandboxd.policy.sandbox import is_within, validate_writable_root
 
@@ -68,7 +68,7 @@ def resolve(workspace: str, cwd: str | None, writable_roots: tuple[str, ...], *,
 def _from_descriptors(fds: list[int], workspace: str, cwd: str | None, writable_roots: tuple[str, ...],
                       allowed_sockets: tuple[str, ...], *, workspace_writable: bool, confined: bool) -> ResolvedPaths:
     roots = 1 + len(writable_roots)
-    socket_ids = frozenset(_socket_identity(fd, path) for fd, path in zip(fds[roots:], allowed_sockets))
+    socket_ids = frozenset(_socket_identity(fd, path) for fd, path in zip(fds[roots:], allowed_sockets, strict=True))
     real_ws = access.real_path(fds[0])
     if not stat.S_ISDIR(os.fstat(fds[0]).st_mode):
         raise InvalidPolicy(f"workspace {workspace!r} is not a directory")
@@ -100,7 +100,7 @@ def _from_descriptors(fds: list[int], workspace: str, cwd: str | None, writable_
     for given in ([workspace] if workspace_writable else []) + list(writable_roots):
         _refuse_planted_symlinks(given, writable)
     descriptors: dict[str, int] = {}
-    for real, fd in zip([real_ws, *reals], fds[:roots]):
+    for real, fd in zip([real_ws, *reals], fds[:roots], strict=True):
         descriptors.setdefault(real, fd)
     ordered = sorted(dict.fromkeys(writable), key=lambda p: (p.count("/"), p))
     return ResolvedPaths(real_ws, real_cwd, tuple(ordered), descriptors, socket_ids)

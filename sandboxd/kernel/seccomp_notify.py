@@ -54,7 +54,7 @@ def receive(listener: int) -> Notification | None:
     """Take the next pending notification; None when the caller vanished meanwhile."""
     notif = _Notif()
     try:
-        fcntl.ioctl(listener, SECCOMP_IOCTL_NOTIF_RECV, notif)  # type: ignore[call-overload]
+        fcntl.ioctl(listener, SECCOMP_IOCTL_NOTIF_RECV, notif)
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.EINTR):
             return None
@@ -66,7 +66,7 @@ def still_valid(listener: int, notification_id: int) -> bool:
     """True while the caller still waits (so its pid and memory were not recycled)."""
     value = ctypes.c_uint64(notification_id)
     try:
-        fcntl.ioctl(listener, SECCOMP_IOCTL_NOTIF_ID_VALID, value)  # type: ignore[call-overload]
+        fcntl.ioctl(listener, SECCOMP_IOCTL_NOTIF_ID_VALID, value)
     except OSError:
         return False
     return True
@@ -76,7 +76,7 @@ def respond(listener: int, notification_id: int, result: int) -> None:
     """Answer: ``result`` >= 0 is the return value, < 0 is -errno."""
     resp = _NotifResp(notification_id, result if result >= 0 else 0, result if result < 0 else 0, 0)
     try:
-        fcntl.ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, resp)  # type: ignore[call-overload]
+        fcntl.ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, resp)
     except OSError as exc:
         if exc.errno != errno.ENOENT:  # the caller was killed while we worked: nothing to answer
             raise

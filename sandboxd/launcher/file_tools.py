@@ -17,13 +17,13 @@ import stat
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import NoReturn
+    from typing import Any, NoReturn
 
 EXIT_FAILED = 1
 EXIT_TRUNCATED = 3
 
 
-def run(tool: dict[str, object]) -> "NoReturn":
+def run(tool: "dict[str, Any]") -> "NoReturn":   # the request, as JSON decoded it
     try:
         op = tool.get("op")
         path = str(tool["path"])
@@ -153,7 +153,7 @@ def _search(root: str, pattern: str, case_insensitive: bool, max_results: int) -
         raise OSError(errno.EINVAL, f"bad regular expression: {exc}") from None
     found = 0
     out = []
-    single = [(os.path.dirname(root), [], [os.path.basename(root)])]
+    single: list[tuple[str, list[str], list[str]]] = [(os.path.dirname(root), [], [os.path.basename(root)])]
     for directory, dirs, files in os.walk(root) if os.path.isdir(root) else single:
         dirs[:] = sorted(d for d in dirs if d != ".git")
         for name in sorted(files):

@@ -87,7 +87,7 @@ def prepare(spec: LaunchSpec) -> LaunchPlan:
     confined = not isinstance(policy, DangerFullAccess)
     writable = isinstance(policy, WorkspaceWrite)
     resolved = paths.resolve(spec.workspace, spec.cwd,
-                             policy.writable_roots if writable else (),
+                             policy.writable_roots if isinstance(policy, WorkspaceWrite) else (),
                              workspace_writable=writable, confined=confined, caller=spec.caller,
                              allowed_sockets=tuple(getattr(policy, "allowed_unix_sockets", ())) if confined else ())
     trees: dict[str, int] = {}
@@ -122,7 +122,7 @@ def prepare(spec: LaunchSpec) -> LaunchPlan:
         allowed_domains=tuple(getattr(policy, "allowed_domains", ())),
         writable_roots=resolved.writable_roots,
         readonly_roots=() if writable or not confined else (resolved.workspace,),
-        protected_subpaths=policy.protected_subpaths if writable else (),
+        protected_subpaths=policy.protected_subpaths if isinstance(policy, WorkspaceWrite) else (),
         uid=uid, gid=gid, limits=spec.limits,
         seccomp_program=seccomp.program_for(filter_spec), brokers_connect=filter_spec.brokers_connect,
         broker=broker, root_trees=trees, hidden_paths=hidden,

@@ -55,7 +55,7 @@ def fail(fd: int, error: BaseException, step: str = "setup") -> "NoReturn":
 
 
 def read_all(fd: int) -> bytes:
-    chunks = []
+    chunks: list[bytes] = []
     while True:
         try:
             data = os.read(fd, 65536)

@@ -211,7 +211,7 @@ def run_call(plan: LaunchPlan, *, session_pidfd: int, intake_fd: int | None, rep
         trace("fork")
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "join session")
-    sink = _socket.socket(fileno=intake_fd) if intake_fd is not None else None  # type: ignore[call-arg]
+    sink = _socket.socket(fileno=intake_fd) if intake_fd is not None else None
     command_pid = os.fork()
     if command_pid == 0:
         in_child(report_fd, "command", lambda: _run_command(plan, report_fd=report_fd, listener_sink=sink,

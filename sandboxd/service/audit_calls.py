@@ -191,9 +191,9 @@ class AuditService:
             while active():                               # then live
                 if subscription.overflowed:
                     raise InvalidPolicy("the watcher fell too far behind: watch again from the last sequence seen")
-                event = subscription.next(WATCH_POLL_SECONDS)
-                if event is not None:
-                    yield event_to_proto(event)
+                live = subscription.next(WATCH_POLL_SECONDS)
+                if live is not None:
+                    yield event_to_proto(live)
         finally:
             self._store.unsubscribe(subscription)
 

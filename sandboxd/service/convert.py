@@ -108,13 +108,13 @@ def policy_to_proto(policy: SandboxPolicy) -> pb.SandboxPolicy:
                             no_default_protected_subpaths=True)
 
 
-def approval_from_proto(value: int) -> str:
+def approval_from_proto(value: pb.ApprovalPolicy) -> str:
     if value not in APPROVAL_NAMES:
         raise InvalidPolicy(f"unknown approval policy {value}: use NEVER, ON_REQUEST or ALWAYS")
     return APPROVAL_NAMES[value]
 
 
-def approval_to_proto(name: str) -> int:
+def approval_to_proto(name: str) -> pb.ApprovalPolicy:
     return _APPROVALS[name]
 
 

@@ -4,7 +4,7 @@ registry and the fork server, and turns any error into a status (sandboxd.servic
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 import grpc
 
@@ -25,6 +25,8 @@ from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from sandboxd.service.metrics import Metrics
+
+R = TypeVar("R")   # what a unary call's work returns
 
 
 def session_to_proto(session: Session, closed_at: float = 0.0) -> pb.Session:
@@ -59,14 +61,14 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         self._gate = gate
         self._audit = AuditService(registry, gate)
 
-    def _unary(self, context: grpc.ServicerContext, work: Callable[[PeerCredentials], Any]) -> Any:
+    def _unary(self, context: grpc.ServicerContext, work: Callable[[PeerCredentials], R]) -> R:
         try:
             return work(self._callers(context))
         except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
             abort(context, error)
 
     def _tool(self, context: grpc.ServicerContext, who: PeerCredentials, session: Session, call: ToolCall,
-              body: Callable[[], Any]) -> Any:
+              body: Callable[[], R]) -> R:
         """Run a built-in tool call through the policy engine: decided, recorded, maybe held for
         approval (PermissionDenied if refused), then run; its end is recorded too. It holds a
         worker meanwhile, so it counts as one of the caller's running calls."""

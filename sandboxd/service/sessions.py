@@ -7,6 +7,7 @@ calls; the old one is closed when its last running call ends.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import secrets
@@ -145,7 +146,7 @@ class SessionRegistry:
             sessions = list(self._sessions.values())
         return [s for s in sessions if not s.closed and self._may_use(caller, s)]
 
-    def list_closed(self, caller: PeerCredentials) -> list[tuple[Session, float]]:
+    def list_closed(self, caller: PeerCredentials) -> builtins.list[tuple[Session, float]]:  # list: the method above
         """Closed sessions the caller owns, from the store, with when each was closed."""
         closed = []
         for row in self.store.sessions(include_closed=True):
@@ -170,7 +171,7 @@ class SessionRegistry:
             return owner_principal == caller.principal
         return self.is_admin(caller) or (owner_uid == caller.uid and not owner_principal)
 
-    def visible_ids(self, caller: PeerCredentials, session_id: str = "") -> list[str] | None:
+    def visible_ids(self, caller: PeerCredentials, session_id: str = "") -> builtins.list[str] | None:
         """The sessions, open or closed, whose audit log the caller may read (None: all of them,
         for an administrator); with ``session_id``, that one or NOT_FOUND."""
         if session_id:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from typing import NoReturn
+
 import grpc
 
 from sandboxd.errors import (
@@ -45,7 +47,7 @@ def code_for(error: BaseException) -> grpc.StatusCode:
 DENIAL_METADATA = "sandboxd-permission-denied"
 
 
-def abort(context: grpc.ServicerContext, error: BaseException) -> None:
+def abort(context: grpc.ServicerContext, error: BaseException) -> NoReturn:
     """End the call with the status for ``error`` and its message (never a traceback). A policy
     denial also carries its structured form (JSON) in the trailing metadata."""
     if isinstance(error, PermissionDenied):

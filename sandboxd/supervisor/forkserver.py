@@ -503,9 +503,9 @@ class ForkServer:
         event = self._wait_event(call_id, (kind, "error"))
         if event["event"] == "error":
             error = event["error"]
-            kind = _PLAIN_ERRORS.get(str(error.get("kind")))
-            if kind is not None:
-                raise kind(error.get("detail", "invalid request"))
+            plain = _PLAIN_ERRORS.get(str(error.get("kind")))
+            if plain is not None:
+                raise plain(error.get("detail", "invalid request"))
             raise SetupError.from_dict(error)
         return event
 

@@ -313,7 +313,7 @@ class Spawner:
         _close_child_ends(plan)
         error = report.read_error(report_r)
         os.close(report_r)
-        session = SessionSandbox(plan.replace(netns_fd=-1, root_trees={}), pid, ours, cgroup,  # type: ignore[arg-type]
+        session = SessionSandbox(plan.replace(netns_fd=-1, root_trees={}), pid, ours, cgroup,
                                  network)
         if error is not None:
             session.close()
@@ -490,7 +490,7 @@ def _isolated_network(plan: LaunchPlan) -> "tuple[IsolatedNetwork | None, Launch
     except BaseException:
         network.close()
         raise
-    return network, plan.replace(netns_fd=netns_fd, resolv_conf=network.resolv_conf(), env=env)  # type: ignore[return-value]
+    return network, plan.replace(netns_fd=netns_fd, resolv_conf=network.resolv_conf(), env=env)
 
 
 def _close_child_ends(plan: LaunchPlan) -> None:
