@@ -134,7 +134,8 @@ class SandboxClient:
         in bytes (0: the server's default)."""
         start = pb.ExecStart(session_id=session_id, argv=argv or [], shell=shell, cwd=cwd, env=env or {},
                              timeout_seconds=timeout, stdin=stdin, close_stdin=True, output_limit_bytes=output_limit)
-        pid, chunks, result = 0, {1: [], 2: []}, None  # type: ignore[var-annotated]
+        chunks: dict[int, list[bytes]] = {1: [], 2: []}
+        pid, result = 0, None
         # Everything is in `start` (stdin included, then closed), so the request stream
         # ends right after it: an open-ended request iterator would pin a client thread.
         for response in self.stub.Exec(iter([pb.ExecRequest(start=start)])):

@@ -65,8 +65,8 @@ class ToolRules(Record):
     hidden from the model (and refused if called anyway), and categories asked about on
     every call. Empty for sessions created with the two axes."""
 
-    hidden: frozenset = Factory(frozenset)            # type: ignore[type-arg]
-    always_ask: frozenset = Factory(frozenset)        # type: ignore[type-arg]
+    hidden: frozenset[str] = Factory(frozenset)
+    always_ask: frozenset[str] = Factory(frozenset)
     mode: str = ""                                    # the permission mode it came from, for messages
 
 

@@ -18,9 +18,12 @@ import sys
 import threading
 import time
 from concurrent import futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sandboxd import defaults
+
+if TYPE_CHECKING:
+    from sandboxd.service.convert import SessionDefaults
 
 DEFAULT_SOCKET = defaults.SOCKET
 
@@ -207,7 +210,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
           state_dir: str = DEFAULT_STATE_DIR, approval_timeout: float = 300.0, dns: tuple[str, ...] = (),
           log_format: str = "json", log_level: str = "info", config_path: str | None = None,
           metrics_listen: str = "",
-          session_defaults: "object | None" = None, network_pool: str = "", connections_per_uid: int = 64,
+          session_defaults: "SessionDefaults | None" = None, network_pool: str = "", connections_per_uid: int = 64,
           proxy_connections: int = 256, published_connections: int = 256, quotas: "Any" = None) -> int:
     from sandboxd.supervisor.forkserver import ForkServer
     # First: the fork server inherits it (it holds descriptors for every session; at 1024 it failed
@@ -282,7 +285,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
                                    port=int(tls.address.rpartition(":")[2]))
     callers = Callers(door, tls_identity, sandboxed)
     sandboxd_pb2_grpc.add_SandboxServicer_to_server(
-        SandboxServicer(registry, fork, callers, gate, metrics, session_defaults, counters), server)  # type: ignore[arg-type]
+        SandboxServicer(registry, fork, callers, gate, metrics, session_defaults, counters), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

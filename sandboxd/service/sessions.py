@@ -13,7 +13,7 @@ import os
 import secrets
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sandboxd._record import Record
 from sandboxd.audit.store import EventStore, EventType, SessionRow
@@ -30,6 +30,10 @@ from sandboxd.supervisor.git_guard import GitGuard
 from sandboxd.supervisor.publish import check_host_ports
 
 log = logging.getLogger("sandboxd")
+
+if TYPE_CHECKING:
+    from sandboxd.supervisor.egress_proxy import EgressProxy
+    from sandboxd.supervisor.publish import PublishedPort
 
 SESSION_PLACEHOLDER_ARGV = ("sandboxd-session",)  # a session's spec runs no command itself
 
@@ -55,7 +59,7 @@ class Session:
         # False for a session resumed after a daemon restart: its sandbox is rebuilt by its next call.
         self.sandbox_ready = True
         self.build_lock = threading.Lock()
-        self.services: dict[int, list] = {}  # type: ignore[type-arg]  # generation -> PublishedPort, EgressProxy
+        self.services: dict[int, list[PublishedPort | EgressProxy]] = {}   # by sandbox generation
         self.extra_env: dict[str, str] = {}   # added to every call's environment (the proxy variables)
         self.git_guard: GitGuard | None = None  # inspects the writable roots after each call (git_guard.py)
 
@@ -82,9 +86,13 @@ def rules_to_dict(rules: ToolRules) -> dict[str, object]:
     return {"hidden": sorted(rules.hidden), "always_ask": sorted(rules.always_ask), "mode": rules.mode}
 
 
+def _names(data: dict[str, object], key: str) -> list[str]:
+    value = data.get(key) or ()
+    return [str(name) for name in value] if isinstance(value, (list, tuple)) else []
+
+
 def rules_from_dict(data: dict[str, object]) -> ToolRules:
-    return ToolRules(hidden=frozenset(data.get("hidden") or ()),  # type: ignore[call-overload]
-                     always_ask=frozenset(data.get("always_ask") or ()),  # type: ignore[call-overload]
+    return ToolRules(hidden=frozenset(_names(data, "hidden")), always_ask=frozenset(_names(data, "always_ask")),
                      mode=str(data.get("mode") or ""))
 
 
@@ -352,7 +360,7 @@ class SessionRegistry:
                 self._sandbox_namespaces[session.sandbox_name(generation)] = namespace
         entries, domains = getattr(policy, "published_ports", ()), getattr(policy, "allowed_domains", ())
         try:
-            services: list = []  # type: ignore[type-arg]
+            services: list[PublishedPort | EgressProxy] = []
             session.services[generation] = services
             if entries:
                 from sandboxd.supervisor.publish import publish_all
