@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import errno as _errno
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
 
 class SandboxdError(Exception):
     """Base of every sandboxd error."""
@@ -92,12 +96,13 @@ class SetupError(SandboxdError):
                 "hint": self.hint, "detail": self.detail, "kind": type(self).__name__}
 
     @staticmethod
-    def from_dict(data: dict[str, object]) -> "SetupError":
+    def from_dict(data: "Mapping[str, object]") -> "SetupError":
         cls = _SETUP_KINDS.get(str(data.get("kind")), SetupError)
         def text(key: str) -> str | None:
             value = data.get(key)
             return None if value is None else str(value)
-        return cls(step=str(data.get("step", "?")), errno=int(data.get("errno") or 0),  # type: ignore[call-overload]
+        number = data.get("errno") or 0
+        return cls(step=str(data.get("step", "?")), errno=int(number) if isinstance(number, (int, str)) else 0,
                    path=text("path"), hint=text("hint"), detail=text("detail"))
 
 

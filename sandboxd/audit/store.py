@@ -63,7 +63,7 @@ class Event(Record):
     time: float
     call_id: str
     tool: str
-    data: dict  # type: ignore[type-arg]
+    data: dict[str, Any]   # JSON
 
 
 class MemoryRow(Record):
@@ -71,7 +71,7 @@ class MemoryRow(Record):
 
     workspace: str
     key: str
-    value: dict  # type: ignore[type-arg]
+    value: dict[str, Any]
     created_at: float
     owner_uid: int
     owner_principal: str
@@ -83,11 +83,11 @@ class SessionRow(Record):
     owner_gid: int
     owner_principal: str
     workspace: str
-    sandbox_policy: dict  # type: ignore[type-arg]
+    sandbox_policy: dict[str, Any]
     approval_policy: str
-    tool_rules: dict  # type: ignore[type-arg]
-    limits: dict  # type: ignore[type-arg]
-    labels: dict  # type: ignore[type-arg]
+    tool_rules: dict[str, Any]
+    limits: dict[str, Any]
+    labels: dict[str, str]
     created_at: float
     closed_at: float | None
 

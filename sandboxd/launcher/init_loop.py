@@ -16,6 +16,7 @@ from sandboxd.launcher.connect_broker import ConnectBroker
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from resource import struct_rusage
     from typing import Callable, NoReturn
 
     from sandboxd.launcher.plan import BrokerRules
@@ -38,7 +39,7 @@ def send_fd(sock: "_socket.socket", fd: int) -> None:
 
 
 class InitLoop:
-    def __init__(self, on_exit: "Callable[[int, int, object], None]", rules: "BrokerRules | None" = None) -> None:
+    def __init__(self, on_exit: "Callable[[int, int, struct_rusage], None]", rules: "BrokerRules | None" = None) -> None:
         """``on_exit(pid, wait_status, rusage)`` runs for every reaped child; it may end the process.
         ``rules``: what the connect brokers let through (fixed in the plan, before the fork)."""
         self._on_exit = on_exit

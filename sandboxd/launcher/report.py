@@ -77,7 +77,7 @@ def read_outcome(fd: int) -> tuple[SetupError | None, int | None]:
         if "step" in fields:
             if "native" in fields:                        # sandboxd-call: errno only, hints are added here
                 return _native_error(fields), pid
-            return SetupError.from_dict(fields), pid  # type: ignore[arg-type]
+            return SetupError.from_dict(fields), pid
         if "pid" in fields:
             pid = int(fields["pid"])
         else:

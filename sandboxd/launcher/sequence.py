@@ -39,6 +39,7 @@ from sandboxd.launcher.plan import LaunchPlan
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from resource import struct_rusage
     from typing import Callable, NoReturn
 
 
@@ -122,12 +123,11 @@ def _run_init(plan: LaunchPlan, *, report_fd: int, status_fd: int) -> NoReturn:
     process.close_all_except({status_fd} | ({listener} if listener is not None else set()))
     _forward_signals_to(command_pid)                      # the report pipe closed with the command's exec
 
-    def on_exit(pid: int, status: int, usage: object) -> None:
+    def on_exit(pid: int, status: int, usage: struct_rusage) -> None:
         # When the command ends, init reports and exits, which takes the namespace
         # down: the kernel SIGKILLs whatever is left.
         if pid == command_pid:
-            report.write_status(status_fd, status, usage.ru_utime, usage.ru_stime,  # type: ignore[attr-defined]
-                                usage.ru_maxrss)  # type: ignore[attr-defined]
+            report.write_status(status_fd, status, usage.ru_utime, usage.ru_stime, usage.ru_maxrss)
             os._exit(0)
 
     loop = InitLoop(on_exit, plan.broker)
@@ -226,12 +226,11 @@ def run_call(plan: LaunchPlan, *, session_pidfd: int, intake_fd: int | None, rep
     _forward_signals_to(command_pid)
     signal.signal(KILL_TREE_SIGNAL, lambda _s, _f: process.kill_descendants())
 
-    def on_exit(pid: int, status: int, usage: object) -> None:
+    def on_exit(pid: int, status: int, usage: struct_rusage) -> None:
         if pid != command_pid:
             return
         process.kill_descendants(reap=True)               # nothing the command started outlives the call
-        report.write_status(status_fd, status, usage.ru_utime, usage.ru_stime,  # type: ignore[attr-defined]
-                            usage.ru_maxrss)  # type: ignore[attr-defined]
+        report.write_status(status_fd, status, usage.ru_utime, usage.ru_stime, usage.ru_maxrss)
         os._exit(0)
 
     InitLoop(on_exit).run()

@@ -7,6 +7,10 @@ from sandboxd.errors import InvalidPolicy
 from sandboxd.policy.limits import Limits
 from sandboxd.policy.sandbox import SandboxPolicy, default_policy, validate_policy
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 
 MAX_ARG_STRLEN = 128 << 10          # the kernel's limit on one argument or environment string, with its NUL
 _POINTER = 8
@@ -119,13 +123,13 @@ def policy_from_dict(data: dict[str, object]) -> SandboxPolicy:
     from sandboxd.policy.sandbox import policy_from_name
 
     return policy_from_name(str(data["name"]), network_access=bool(data.get("network_access")),
-                            writable_roots=list(data.get("writable_roots") or ()),  # type: ignore[call-overload]
-                            protected_subpaths=list(data.get("protected_subpaths") or ()),  # type: ignore[call-overload]
+                            writable_roots=list(_strings(data, "writable_roots")),
+                            protected_subpaths=list(_strings(data, "protected_subpaths")),
                             network_mode=str(data.get("network_mode") or "isolated"),
-                            allowed_unix_sockets=list(data.get("allowed_unix_sockets") or ()),  # type: ignore[call-overload]
-                            allowed_hosts=list(data.get("allowed_hosts") or ()),  # type: ignore[call-overload]
-                            published_ports=list(data.get("published_ports") or ()),  # type: ignore[call-overload]
-                            allowed_domains=list(data.get("allowed_domains") or ()))  # type: ignore[call-overload]
+                            allowed_unix_sockets=list(_strings(data, "allowed_unix_sockets")),
+                            allowed_hosts=list(_strings(data, "allowed_hosts")),
+                            published_ports=list(_strings(data, "published_ports")),
+                            allowed_domains=list(_strings(data, "allowed_domains")))
 
 
 def spec_to_dict(spec: LaunchSpec) -> dict[str, object]:
@@ -149,6 +153,14 @@ def _strings(data: dict[str, object], key: str) -> tuple[str, ...]:
     return tuple(str(item) for item in value)
 
 
+def _table(data: dict[str, object], key: str) -> "dict[str, Any]":
+    """A JSON object (absent or null: empty); what is built from it checks its values."""
+    value = data.get(key) or {}
+    if not isinstance(value, dict):
+        raise InvalidPolicy(f"malformed launch request: {key} must be an object")
+    return dict(value)
+
+
 def _caller(value: object) -> tuple[int, int, tuple[int, ...]] | None:
     if not value:
         return None
@@ -159,14 +171,13 @@ def _caller(value: object) -> tuple[int, int, tuple[int, ...]] | None:
 
 def spec_from_dict(data: dict[str, object]) -> LaunchSpec:
     try:
-        policy = policy_from_dict(dict(data["policy"]))  # type: ignore[call-overload]
+        policy = policy_from_dict(_table(data, "policy"))
         user = data.get("user")
-        limits = data.get("limits") or {}
         cwd = data.get("cwd")
         return LaunchSpec(argv=_strings(data, "argv"), workspace=str(data["workspace"]),
-                          env={str(k): str(v) for k, v in dict(data.get("env") or {}).items()},  # type: ignore[call-overload]
+                          env={str(k): str(v) for k, v in _table(data, "env").items()},
                           cwd=None if cwd is None else str(cwd),
-                          policy=policy, limits=Limits(**dict(limits)),  # type: ignore[call-overload]
+                          policy=policy, limits=Limits(**_table(data, "limits")),
                           user=(int(user[0]), int(user[1])) if isinstance(user, (list, tuple)) else None,
                           dns=_strings(data, "dns"), network_pool=str(data.get("network_pool") or ""),
                           caller=_caller(data.get("caller")), hidden_paths=_strings(data, "hidden_paths"),

@@ -58,7 +58,7 @@ class ToolCall(Record):
     tool: str
     effect: str | None                    # None: the tool declared none (an unknown command)
     category: str
-    arguments: dict                       # type: ignore[type-arg]
+    arguments: dict[str, Any]             # JSON
     summary: str
     risk: str = Risk.HIGH
     execution_context_id: str = ""
