@@ -135,7 +135,7 @@ def egress_ruleset(resolvers: "list[str] | tuple[str, ...]",
     """The allowlist of one isolated network, loaded inside its namespace (the sandbox holds no
     capability to change it): loopback, replies, DNS to the resolvers, the allowed destinations,
     and with ``proxy`` the proxy port and the proxy's own upstream sockets (``PROXY_MARK``);
-    everything else is rejected at once (a program fails fast instead of timing out).""" 
+    everything else is rejected at once (a program fails fast instead of timing out)."""
     lines = ['oifname "lo" accept', "ct state established,related accept"]
     if resolvers:
         lines.append(f"ip daddr {{ {', '.join(resolvers)} }} meta l4proto {{ udp, tcp }} th dport 53 accept")

@@ -138,7 +138,7 @@ def raise_nofile_limit() -> int:
 def sweep_private_dir(private: str) -> list[str]:
     """Remove the gRPC sockets (``grpc-<pid>.sock``) that daemons SIGKILLed earlier left in
     ``private``: those whose pid is dead. Returns the names removed."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(private)
     except OSError:

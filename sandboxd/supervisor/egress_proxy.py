@@ -91,7 +91,7 @@ def resolve(name: str, resolvers: "list[str] | tuple[str, ...]") -> str:
     """An IPv4 address of ``name``: a one-question A query to the resolvers, else the host's.
     Blocking: the proxy calls it on a worker thread, never on the loop."""
     if not resolvers:
-        return socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+        return str(socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
     query = struct.pack(">HHHHHH", int.from_bytes(os.urandom(2), "big"), 0x0100, 1, 0, 0, 0)
     query += b"".join(bytes([len(label)]) + label.encode("idna") for label in name.rstrip(".").split(".")) + b"\0"
     query += struct.pack(">HH", 1, 1)

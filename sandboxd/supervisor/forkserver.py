@@ -241,9 +241,9 @@ class _Server:
                              resolvers=network.resolvers)
             self._answer(ready)
         elif op == "session_close":
-            session = self.sessions.pop(_field(message, "session", str), None)
-            if session is not None:
-                self._close_session(session)
+            closing = self.sessions.pop(_field(message, "session", str), None)
+            if closing is not None:
+                self._close_session(closing)
             self._answer({"id": call_id, "event": "session_closed"})
         elif op == "check_paths":
             paths = _field(message, "paths", list)

@@ -118,20 +118,20 @@ class RelayLoop:
         if self.in_loop():
             return fn()
         done = threading.Event()
-        box: list[Any] = []
+        results: list[T] = []
+        failures: list[BaseException] = []
 
         def run() -> None:
             try:
-                box.append((True, fn()))
+                results.append(fn())
             except BaseException as exc:  # noqa: BLE001 - handed back to the caller
-                box.append((False, exc))
+                failures.append(exc)
             done.set()
         self.post(run)
         done.wait()
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value  # type: ignore[no-any-return]
+        if failures:
+            raise failures[0]
+        return results[0]
 
     def close(self) -> None:
         """Stop the loop thread and the workers (the process's shared loop lives as long as it
