@@ -81,3 +81,17 @@ def test_records_refuse_bad_constructions(tmp_path: Path, cache: Path) -> None:
     assert flagged == {4, 5, 6, 7, 8}, f"mypy output:\n{done.stdout}{done.stderr}"
     assert 'Unexpected keyword argument "workspce"' in done.stdout, done.stdout
     assert 'Missing positional argument "workspace"' in done.stdout, done.stdout
+
+
+def test_the_types_cost_the_run_path_no_imports() -> None:
+    """The typing imports sit under TYPE_CHECKING: `sandboxd run`'s modules load without ``typing`` (or
+    ``dataclasses`` and what it pulls in), which would cost more than a launch."""
+    probe = ("import sys, sandboxd.cli.run, sandboxd.supervisor.spawner, sandboxd.launcher.sequence\n"
+             "print(sorted(m for m in ('typing', 'dataclasses', 'inspect', 're', 'enum') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"the run path imported {done.stdout.strip()}"
+    # The control: the same probe sees typing once something imports it.
+    control = subprocess.run([sys.executable, "-c", "import typing\n" + probe], cwd=REPO, capture_output=True,
+                             text=True, timeout=60)
+    assert "'typing'" in control.stdout, control.stdout + control.stderr
