@@ -275,9 +275,11 @@ def load(path: str | None) -> Config:
             if problem:
                 raise ConfigError(path, key.dotted, problem)
             values[key.dotted] = value
-    if 0 < values["quotas.reserved_workers"] >= values["listen.workers"]:
+    checked = Config(values, path)
+    reserved, workers = checked.whole("quotas.reserved_workers"), checked.whole("listen.workers")
+    if 0 < reserved >= workers:
         raise ConfigError(path, "quotas.reserved_workers", f"must be below listen.workers "
-                          f"({values['listen.workers']}): the rest serve running calls and streams")
+                          f"({workers}): the rest serve running calls and streams")
     tls = [values[f"tls.{name}"] for name in ("address", "cert", "key", "client_ca")]
     if any(tls) and not all(tls):
         raise ConfigError(path, "tls", "a TCP listener needs all of address, cert, key and client_ca")

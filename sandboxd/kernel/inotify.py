@@ -47,7 +47,7 @@ class Inotify:
 
     def watch_fd(self, dir_fd: int, mask: int = ENTRIES_CHANGED) -> int:
         """Watch the directory open as ``dir_fd`` (the same inode twice gives the same watch)."""
-        wd = libc.inotify_add_watch(self.fd, f"/proc/self/fd/{dir_fd}".encode(), mask | IN_ONLYDIR)
+        wd: int = libc.inotify_add_watch(self.fd, f"/proc/self/fd/{dir_fd}".encode(), mask | IN_ONLYDIR)
         if wd < 0:
             code = ctypes.get_errno()
             raise OSError(code, os.strerror(code), "inotify_add_watch")

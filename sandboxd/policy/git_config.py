@@ -154,8 +154,8 @@ def _parse_header(text: str, i: int) -> tuple[str, str | None, int]:
         raise ConfigSyntaxError("empty section name")
     if i < n and text[i] == "]":
         if "." in name:                                   # legacy [section.subsection]
-            section, _, sub = name.partition(".")
-            return section, sub.lower(), i + 1
+            section, _, legacy = name.partition(".")
+            return section, legacy.lower(), i + 1
         return name, None, i + 1
     if i < n and text[i] in " \t" and "." not in name:
         while i < n and text[i] in " \t":

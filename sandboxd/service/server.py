@@ -24,6 +24,7 @@ from sandboxd import defaults
 
 if TYPE_CHECKING:
     from sandboxd.service.convert import SessionDefaults
+    from sandboxd.service.quotas import QuotaLimits
 
 DEFAULT_SOCKET = defaults.SOCKET
 
@@ -211,7 +212,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
           log_format: str = "json", log_level: str = "info", config_path: str | None = None,
           metrics_listen: str = "",
           session_defaults: "SessionDefaults | None" = None, network_pool: str = "", connections_per_uid: int = 64,
-          proxy_connections: int = 256, published_connections: int = 256, quotas: "Any" = None) -> int:
+          proxy_connections: int = 256, published_connections: int = 256, quotas: "QuotaLimits | None" = None) -> int:
     from sandboxd.supervisor.forkserver import ForkServer
     # First: the fork server inherits it (it holds descriptors for every session; at 1024 it failed
     # past ~500 sessions). Sandboxes inherit it from the fork server in turn, unless the session

@@ -36,13 +36,14 @@ import errno
 import os
 import stat
 import _thread  # the C module: threading imports functools and collections, too much for `sandboxd run`
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Iterable, Iterator
 
 from sandboxd._record import Record
 from sandboxd.kernel.inotify import Inotify
 from sandboxd.policy.git_config import GIT_DIR_NESTED, GIT_DIR_REDIRECTS, filter_config, parse, ConfigSyntaxError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Iterable, Iterator
 
 
 
@@ -72,7 +73,7 @@ class Neutralization(Record):
         return f"git guard: removed {self.what} {self.key!r} in {self.repo}"
 
 
-Key = tuple  # (st_ino, st_ctime_ns, st_size, st_mode) of an lstat
+Key = tuple[int, int, int, int]  # (st_ino, st_ctime_ns, st_size, st_mode) of an lstat
 
 
 def _key(st: os.stat_result) -> Key:
@@ -486,6 +487,7 @@ class _Pass:
             except ConfigSyntaxError:
                 git.config_trusted = frozenset()
             return
+        new: str | None
         if text is None:
             new, dropped = "", ["<oversized config>"]
         else:
