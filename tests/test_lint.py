@@ -95,3 +95,21 @@ def test_the_types_cost_the_run_path_no_imports() -> None:
     control = subprocess.run([sys.executable, "-c", "import typing\n" + probe], cwd=REPO, capture_output=True,
                              text=True, timeout=60)
     assert "'typing'" in control.stdout, control.stdout + control.stderr
+
+
+def test_typed_settings_read_each_default_with_its_type() -> None:
+    """sandboxd serve reads the configuration through Config's typed accessors: each default is of
+    the type its accessor promises, and the wrong accessor is refused rather than guessed."""
+    from sandboxd import config
+
+    loaded = config.load(None)
+    accessors = {str: loaded.text, bool: loaded.flag, int: loaded.whole, float: loaded.number,
+                 list: loaded.texts, dict: loaded.table}
+    for key in config.KEYS:
+        value = accessors[type(key.default)](key.dotted)
+        assert value == (tuple(key.default) if isinstance(key.default, list) else key.default), key.dotted
+    assert loaded.whole("listen.workers") == 64 and loaded.text("listen.socket_mode") == "0666"
+    for read, key in ((loaded.whole, "listen.socket"), (loaded.text, "listen.workers"),
+                      (loaded.whole, "defaults.network_access"), (loaded.flag, "listen.workers")):
+        with pytest.raises(TypeError, match=key):
+            read(key)
