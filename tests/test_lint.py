@@ -109,7 +109,7 @@ def test_typed_settings_read_each_default_with_its_type() -> None:
         value = accessors[type(key.default)](key.dotted)
         assert value == (tuple(key.default) if isinstance(key.default, list) else key.default), key.dotted
     assert loaded.whole("listen.workers") == 64 and loaded.text("listen.socket_mode") == "0666"
-    for read, key in ((loaded.whole, "listen.socket"), (loaded.text, "listen.workers"),
-                      (loaded.whole, "defaults.network_access"), (loaded.flag, "listen.workers")):
-        with pytest.raises(TypeError, match=key):
-            read(key)
+    for read, dotted in ((loaded.whole, "listen.socket"), (loaded.text, "listen.workers"),
+                         (loaded.whole, "defaults.network_access"), (loaded.flag, "listen.workers")):
+        with pytest.raises(TypeError, match=dotted):
+            read(dotted)
