@@ -131,7 +131,7 @@ class CgroupSet:
                 if controller not in h.v1:
                     raise LimitsUnavailable(f"cgroup {controller}", errno.ENOENT, hint=_missing_hint(h, controller))
                 point, own = h.v1[controller]
-                path = group._mkdir_below(lambda: _v1_base(point, own), name)
+                path = group._mkdir_below(lambda: _v1_base(point, own), name)  # noqa: B023 - called right here
                 if controller == "memory":
                     group.memory_dir = path
                     _write(path, "memory.limit_in_bytes", memory_bytes)
