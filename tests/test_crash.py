@@ -461,3 +461,23 @@ def test_a_fork_server_that_keeps_dying_ends_the_daemon_non_zero(base: Path) -> 
         assert not (daemon.private / f"grpc-{daemon.pid}.sock").exists()
     finally:
         daemon.close()
+
+
+def test_a_self_test_workspace_of_a_killed_daemon_is_removed_at_the_next_start(base: Path) -> None:
+    """A daemon SIGKILLed during its start-up self-test leaves its empty workspace in /var/tmp (the
+    ``finally`` never runs): the next start removes those of dead daemons, and only those."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()                                          # a pid that no longer runs
+    leftover = Path(f"/var/tmp/sandboxd-selftest-{dead.pid}-{uuid.uuid4().hex[:6]}")
+    alive = Path(f"/var/tmp/sandboxd-selftest-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    for path in (leftover, alive):
+        path.mkdir()
+    try:
+        daemon = Daemon(base).start()
+        daemon.close()
+        assert not leftover.exists()
+        assert alive.exists()                            # its daemon (here: this test) still runs
+    finally:
+        for path in (leftover, alive):
+            if path.exists():
+                path.rmdir()

@@ -80,6 +80,22 @@ def own_places(socket_path: str, private: str, backend: str, state_dir: str, tls
                      sockets=(os.path.abspath(socket_path), backend), listeners=listeners)
 
 
+SELF_TEST_DIR = "/var/tmp"
+SELF_TEST_PREFIX = "sandboxd-selftest-"
+
+
+def _sweep_self_test_workspaces() -> None:
+    """The empty workspaces of self-tests whose daemon was killed mid-test (SIGKILL skips the
+    ``finally``): named after that daemon's pid, removed once it is dead."""
+    for name in os.listdir(SELF_TEST_DIR):
+        owner = name[len(SELF_TEST_PREFIX):].split("-", 1)[0]
+        if name.startswith(SELF_TEST_PREFIX) and owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+            try:
+                os.rmdir(os.path.join(SELF_TEST_DIR, name))   # only an empty directory; never follows a link
+            except OSError:
+                pass
+
+
 def _self_test(fork: "Any") -> str | None:
     """Launch `true` in a read-only sandbox with a memory and a pids limit through the fork server:
     the whole set-up sequence (cgroups, namespaces, mounts, pivot_root, privileges, Landlock,
@@ -90,7 +106,8 @@ def _self_test(fork: "Any") -> str | None:
     from sandboxd.errors import SandboxdError
     from sandboxd.policy import LaunchSpec, Limits, ReadOnly
 
-    workspace = tempfile.mkdtemp(prefix="sandboxd-selftest-", dir="/var/tmp")
+    _sweep_self_test_workspaces()
+    workspace = tempfile.mkdtemp(prefix=f"{SELF_TEST_PREFIX}{os.getpid()}-", dir=SELF_TEST_DIR)
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     try:
         call = fork.launch(LaunchSpec(argv=("true",), workspace=workspace, policy=ReadOnly(),
