@@ -217,24 +217,8 @@ def test_danger_full_access_is_unchanged(owner: str, users: list[PlainUser], bas
 # --------------------------------------------------------------------------- session calls, both paths
 
 
+from test_call_paths import run as call  # noqa: E402 - one call in a session, its output and ExitInfo
 from test_call_paths import server  # noqa: E402, F401 - a fork server per call path (native, python)
-
-
-def call(server: ForkServer, session: str, argv: list[str], cwd: str) -> tuple[str, object]:
-    read_end, write_end = os.pipe()
-    null = os.open("/dev/null", os.O_RDONLY)
-    try:
-        call_id, _ = server.call(session, argv, dict(BASE_ENV), cwd, None, (null, write_end, write_end))
-        os.close(write_end)
-        write_end = -1
-        chunks = []
-        while data := os.read(read_end, 65536):
-            chunks.append(data)
-        return b"".join(chunks).decode(), server.wait(call_id)
-    finally:
-        for fd in (read_end, write_end, null):
-            if fd >= 0:
-                os.close(fd)
 
 
 @pytest.mark.parametrize("owner", ["root", "user"])
