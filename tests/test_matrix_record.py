@@ -1,0 +1,51 @@
+"""The README's "Kernels and cgroups" table is the VM matrix runner's recorded output, not prose:
+packaging/vm/run-matrix --record keeps each kernel's last row in packaging/vm/matrix-results.json
+and writes the README's table from it. These tests keep the two from drifting apart."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import types
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _runner() -> types.ModuleType:
+    path = os.path.join(REPO, "packaging", "vm", "run-matrix")
+    loader = importlib.machinery.SourceFileLoader("run_matrix", path)
+    spec = importlib.util.spec_from_loader("run_matrix", loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def test_readme_table_is_the_recorded_matrix() -> None:
+    runner = _runner()
+    rows = runner.load_record()
+    assert rows, "packaging/vm/matrix-results.json has no recorded leg"
+    with open(runner.README) as f:
+        readme = f.read()
+    assert runner.readme_with(readme, runner.render_record(rows)) == readme, (
+        "README.md's matrix table differs from packaging/vm/matrix-results.json: "
+        "run packaging/vm/run-matrix --record, or fix the file by hand and rewrite the table")
+
+
+def test_recorded_rows_name_what_they_ran() -> None:
+    for version, row in _runner().load_record().items():
+        assert row["kernel"] == version
+        for key in ("cgroup", "landlock", "doctor", "conformance", "tests", "minutes", "vm", "result", "date"):
+            assert row.get(key), f"{version}: no {key}"
+
+
+def test_rows_sort_by_kernel_version_and_cells_cannot_break_the_table() -> None:
+    runner = _runner()
+    row = {"cgroup": "v2 | only", "landlock": "2"}
+    table = runner.render_record({"6.12.117": dict(row, kernel="6.12.117"), "6.1.0-57": dict(row, kernel="6.1.0-57")})
+    lines = table.splitlines()
+    assert lines[2].startswith("| 6.1.0-57 |") and lines[3].startswith("| 6.12.117 |")
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+    readme = f"intro\n{runner.README_BEGIN}\nold\n{runner.README_END}\nrest\n"
+    assert runner.readme_with(readme, table) == f"intro\n{runner.README_BEGIN}\n{table}\n{runner.README_END}\nrest\n"
