@@ -65,13 +65,16 @@ def test_a_limited_networked_session_enforces_and_reports(stub: pb_grpc.SandboxS
     out = run_exec(stub, limited.id, [PY, "-c", WORK, "48", "0.3"])
     assert out.stdout == b"ALIVE\n" and out.result.exit_code == 0, out.describe()
     assert (48 << 20) <= out.result.peak_memory_bytes <= MEMORY, out.result
+    assert not out.result.oom_killed, out.result
     # at least what it burned; at most what the CPUs could give it (seconds, not another unit)
     assert 0.25 <= out.result.cpu_seconds <= out.result.wall_seconds * (os.cpu_count() or 1), out.result
 
     # memory: above the limit the allocation is killed, and the session lives on
     out = run_exec(stub, limited.id, [PY, "-c", WORK, "512", "0"])
     assert b"ALIVE" not in out.stdout and out.result.shell_status != 0, out.describe()
-    assert run_exec(stub, limited.id, ["true"]).result.exit_code == 0
+    assert out.result.oom_killed, out.describe()                  # and the caller is told why
+    after = run_exec(stub, limited.id, ["true"]).result
+    assert after.exit_code == 0 and not after.oom_killed, after  # the next call is not blamed
 
     # pids: the tree cannot grow past the limit (EAGAIN), counting the session's own processes
     out = run_exec(stub, limited.id, [PY, "-c", FORKS])

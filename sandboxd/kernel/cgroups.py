@@ -224,18 +224,23 @@ class CgroupSet:
         return _read_int(self.memory_dir, name)
 
     def oom_killed(self) -> bool:
+        return self.oom_kills() > 0
+
+    def oom_kills(self) -> int:
+        """How many processes the kernel's OOM killer killed in this group so far (``oom_kill`` of
+        memory.events on v2, memory.oom_control on v1; 0 without a memory group)."""
         if not self.memory_dir:
-            return False
+            return 0
         name = "memory.events" if self.memory_v2 else "memory.oom_control"
         try:
             with open(os.path.join(self.memory_dir, name)) as f:
                 for line in f:
                     key, _, value = line.partition(" ")
-                    if key == "oom_kill" and int(value) > 0:
-                        return True
-        except OSError:
+                    if key == "oom_kill":
+                        return int(value)
+        except (OSError, ValueError):
             pass
-        return False
+        return 0
 
     def remove(self) -> None:
         for path in reversed(self.dirs):

@@ -75,14 +75,14 @@ def result_to_proto(info: ExitInfo, *, truncated: bool) -> pb.ExecResult:
     return pb.ExecResult(exit_code=info.exit_code or 0, signal=info.signal or 0, timed_out=info.timed_out,
                          wall_seconds=info.wall_seconds, cpu_seconds=info.cpu_seconds or 0.0,
                          peak_memory_bytes=info.peak_memory_bytes or 0, output_truncated=truncated,
-                         shell_status=info.shell_status)
+                         shell_status=info.shell_status, oom_killed=info.oom_killed)
 
 
 def result_summary(result: pb.ExecResult) -> dict[str, object]:
     """What the audit log keeps of an ended command."""
     return {"exit_code": result.exit_code, "signal": result.signal, "timed_out": result.timed_out,
             "shell_status": result.shell_status, "wall_seconds": round(result.wall_seconds, 6),
-            "output_truncated": result.output_truncated}
+            "output_truncated": result.output_truncated, "oom_killed": result.oom_killed}
 
 
 def _feed(fork: ForkServer, call_id: int, stdin_w: int, start: pb.ExecStart,

@@ -97,6 +97,15 @@ class SandboxProcess:
         self._exit_status: int | None = None
         self._timed_out = False
         self.inner_pid: int | None = None     # the command's pid inside its sandbox, when known
+        # A session call has no group of its own: it counts the session group's OOM kills.
+        self._oom_group: "CgroupSet | None" = None
+        self._oom_kills_before = 0
+
+    def count_oom_kills_in(self, group: "CgroupSet | None", before: int) -> None:
+        """Report ``oom_killed`` when ``group`` (a session's) counted more OOM kills at the end than
+        ``before`` (read before this call started). With calls running side by side in one session,
+        a kill is reported to every call that was running when it happened."""
+        self._oom_group, self._oom_kills_before = group, before
 
     def wait_started(self) -> None:
         """Block until the command was exec'd; raise SetupError (cleaning up) if setup failed."""
@@ -182,7 +191,8 @@ class SandboxProcess:
             cpu_seconds=(usage["utime"] + usage["stime"]) if "utime" in usage else None,
             peak_memory_bytes=self._cgroup.peak_memory() if self._cgroup else (
                 int(usage["maxrss_kib"]) * 1024 if "maxrss_kib" in usage else None),
-            oom_killed=self._cgroup.oom_killed() if self._cgroup else False,
+            oom_killed=(self._cgroup.oom_killed() if self._cgroup else
+                        self._oom_group.oom_kills() > self._oom_kills_before if self._oom_group else False),
         )
         self._cleanup()
         return info
@@ -325,6 +335,13 @@ class Spawner:
         """Run one command in a session's sandbox: about a fork and an exec, no new sandbox.
         With ``tool``, the confined child runs that file tool instead of exec'ing (file_tools).
         Commands go to the native helper when the spawner has one (native_call.py)."""
+        oom_kills_before = session.cgroup.oom_kills() if session.cgroup else 0
+        proc = self._launch_call(session, argv, env, cwd, stdio, tool)
+        proc.count_oom_kills_in(session.cgroup, oom_kills_before)
+        return proc
+
+    def _launch_call(self, session: SessionSandbox, argv: tuple[str, ...], env: dict[str, str], cwd: str,
+                     stdio: tuple[int, int, int], tool: dict[str, object] | None) -> SandboxProcess:
         plan = session.plan.replace(argv=tuple(argv), env=dict(env), cwd=cwd, tool=tool)
         if self.native_helper is not None and tool is None and plan.confined and session.init_pid is not None:
             return self._spawn_native(self.native_helper, session, plan, stdio)

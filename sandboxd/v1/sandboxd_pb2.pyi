@@ -231,7 +231,7 @@ class ExecRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[ExecStart, _Mapping]] = ..., stdin: _Optional[bytes] = ..., close_stdin: _Optional[bool] = ..., signal: _Optional[int] = ...) -> None: ...
 
 class ExecResult(_message.Message):
-    __slots__ = ("exit_code", "signal", "timed_out", "wall_seconds", "cpu_seconds", "peak_memory_bytes", "output_truncated", "shell_status")
+    __slots__ = ("exit_code", "signal", "timed_out", "wall_seconds", "cpu_seconds", "peak_memory_bytes", "output_truncated", "shell_status", "oom_killed")
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
     TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +240,7 @@ class ExecResult(_message.Message):
     PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     SHELL_STATUS_FIELD_NUMBER: _ClassVar[int]
+    OOM_KILLED_FIELD_NUMBER: _ClassVar[int]
     exit_code: int
     signal: int
     timed_out: bool
@@ -248,7 +249,8 @@ class ExecResult(_message.Message):
     peak_memory_bytes: int
     output_truncated: bool
     shell_status: int
-    def __init__(self, exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., timed_out: _Optional[bool] = ..., wall_seconds: _Optional[float] = ..., cpu_seconds: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., output_truncated: _Optional[bool] = ..., shell_status: _Optional[int] = ...) -> None: ...
+    oom_killed: bool
+    def __init__(self, exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., timed_out: _Optional[bool] = ..., wall_seconds: _Optional[float] = ..., cpu_seconds: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., output_truncated: _Optional[bool] = ..., shell_status: _Optional[int] = ..., oom_killed: _Optional[bool] = ...) -> None: ...
 
 class ExecResponse(_message.Message):
     __slots__ = ("started_pid", "stdout", "stderr", "result")
