@@ -42,6 +42,12 @@ SANDBOXD: str = str(_VENV_SANDBOXD) if _VENV_SANDBOXD.exists() else (shutil.whic
 # The system interpreter: the same inside and outside, independent of pyenv shims.
 PY = "/usr/bin/python3"
 
+# How much slower than real hardware this machine runs: packaging/vm/guest-run sets 10 in an emulated
+# (TCG) VM, where a Python start inside a sandbox takes a second or more. Tests whose command must
+# get somewhere before a deadline they set (a --timeout, a call's timeout) scale that deadline by it;
+# nothing is asserted about speed.
+SLOW = float(os.environ.get("SANDBOXD_TEST_SLOW", "1"))
+
 STD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # A small, fully known environment for the sandboxd CLI (and so for the command).
 BASE_ENV: dict[str, str] = {"PATH": STD_PATH, "HOME": "/root", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}

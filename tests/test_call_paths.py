@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import BASE_ENV, PY
+from conftest import BASE_ENV, PY, SLOW
 from sandboxd.errors import ExecFailed, SetupError
 from sandboxd.kernel import landlock
 from sandboxd.launcher import native_call
@@ -118,9 +119,9 @@ def test_a_call_holds_only_its_own_descriptors(server: ForkServer, session: str,
 
 
 def test_timeout(server: ForkServer, session: str, workspace: Path) -> None:
-    output, info = run(server, session, ["sleep", "0.3"], str(workspace), timeout=1.0)
+    output, info = run(server, session, ["sleep", "0.3"], str(workspace), timeout=1.0 * SLOW)
     assert not info.timed_out and info.exit_code == 0, (output, info)  # type: ignore[attr-defined]
-    assert info.wall_seconds < 1.0, info  # type: ignore[attr-defined]
+    assert info.wall_seconds < 1.0 * SLOW, info  # type: ignore[attr-defined]
     _, info = run(server, session, ["sleep", "30"], str(workspace), timeout=0.5)
     assert info.timed_out, info  # type: ignore[attr-defined]
 
@@ -136,9 +137,16 @@ def test_the_kernel_walls_hold(server: ForkServer, session: str, workspace: Path
     output, _ = run(server, session, ["grep", "-E", "^(CapEff|CapPrm|NoNewPrivs)", "/proc/self/status"],
                     str(workspace))
     assert "CapEff:\t0000000000000000" in output and "NoNewPrivs:\t1" in output, output
-    # Landlock's signal scope: the command cannot kill its call's supervisor.
+    # Landlock's signal scope: the command cannot kill its call's supervisor. Below ABI 6 (Linux 6.1)
+    # nothing scopes signals inside the session's PID namespace (README, "Kernels and cgroups"): the
+    # command can end its own call that way, which is reported as killed, and the session goes on.
     output, info = run(server, session, ["/bin/sh", "-c", "kill -9 $PPID; echo status=$?"], str(workspace))
-    assert "status=1" in output and info.signal is None, (output, info)  # type: ignore[attr-defined]
+    if landlock.abi_version() >= landlock.SCOPE_ABI[landlock.SCOPE_SIGNAL]:
+        assert "status=1" in output and info.signal is None, (output, info)  # type: ignore[attr-defined]
+    else:
+        assert info.signal == signal.SIGKILL, (output, info)  # type: ignore[attr-defined]
+        output, info = run(server, session, ["/bin/sh", "-c", "echo next"], str(workspace))
+        assert output == "next\n" and info.exit_code == 0, (output, info)  # type: ignore[attr-defined]
 
 
 def test_errors_keep_their_step(server: ForkServer, session: str, workspace: Path) -> None:
@@ -236,8 +244,10 @@ def test_host_unix_sockets_stay_unreachable(server: ForkServer, session: str, wo
         output, _ = run(server, session, [PY, "-c", UNIX_CONNECT, str(host_path)], str(workspace))
         assert output.split() == ["refused", str(errno.EACCES)], output
         inside = workspace / "inside.sock"
-        script = (f"{PY} -c 'import socket,time; s=socket.socket(socket.AF_UNIX); s.bind(\"{inside}\"); "
-                  f"s.listen(1); time.sleep(3)' & sleep 0.5; {PY} -c '{UNIX_CONNECT}' {inside}")
+        # The listener serves one connection; the client starts once the socket file exists.
+        script = (f"{PY} -c 'import socket; s=socket.socket(socket.AF_UNIX); s.bind(\"{inside}\"); "
+                  f"s.listen(1); s.accept()' & while [ ! -S {inside} ]; do sleep 0.05; done; "
+                  f"{PY} -c '{UNIX_CONNECT}' {inside}; wait")
         output, _ = run(server, session, ["/bin/sh", "-c", script], str(workspace))
         assert output.split() == ["connected"], output
     finally:

@@ -18,6 +18,7 @@ from conftest import (
     BASE_ENV,
     CONFINED,
     EXIT_TIMEOUT,
+    SLOW,
     POLICY_ARGS,
     SANDBOXD,
     describe,
@@ -158,12 +159,13 @@ def test_double_forked_daemon_dies_on_timeout(policy: str, workspace: Path, mark
     """On timeout the whole tree is killed (exit 124), including a setsid'd daemon, under every policy."""
     try:
         started = time.monotonic()
+        timeout = 1.5 * SLOW                     # time for the daemon to start and say so first
         result = run_sbx(py(DAEMON, marker, "sleep"), workspace=workspace, policy=policy,
-                         options=("--timeout", "1.5"))
+                         options=("--timeout", str(timeout)))
         elapsed = time.monotonic() - started
         assert result.returncode == EXIT_TIMEOUT, describe(result)
         assert "DAEMON-RUNNING" in result.stdout, describe(result)
-        assert elapsed >= 1.5  # killed at the deadline, not before
+        assert elapsed >= timeout  # killed at the deadline, not before
         assert wait_until_gone(marker + "-daemon") == [], "the daemon outlived the timeout"
         assert pids_with_marker(marker) == []
     finally:
