@@ -107,6 +107,11 @@ class SandboxProcess:
         a kill is reported to every call that was running when it happened."""
         self._oom_group, self._oom_kills_before = group, before
 
+    def _oom_killed(self) -> bool:
+        if self._cgroup is not None:
+            return self._cgroup.oom_killed()
+        return self._oom_group is not None and self._oom_group.oom_kills() > self._oom_kills_before
+
     def wait_started(self) -> None:
         """Block until the command was exec'd; raise SetupError (cleaning up) if setup failed."""
         error, self.inner_pid = report.read_outcome(self._report_fd)
@@ -191,8 +196,7 @@ class SandboxProcess:
             cpu_seconds=(usage["utime"] + usage["stime"]) if "utime" in usage else None,
             peak_memory_bytes=self._cgroup.peak_memory() if self._cgroup else (
                 int(usage["maxrss_kib"]) * 1024 if "maxrss_kib" in usage else None),
-            oom_killed=(self._cgroup.oom_killed() if self._cgroup else
-                        self._oom_group.oom_kills() > self._oom_kills_before if self._oom_group else False),
+            oom_killed=self._oom_killed(),
         )
         self._cleanup()
         return info
