@@ -180,8 +180,17 @@ KEYS: tuple[Key, ...] = (
     Key("defaults", "approval_policy", "on-request", "the approval policy of a session that does not ask for one",
         _one_of("never", "on-request", "always")),
     Key("defaults", "timeout_seconds", 0, "per-call timeout of sessions that set none; 0: none", _seconds_or_zero),
-    Key("defaults", "memory", "", "memory limit of sessions that set none (512M, 2G); empty: none", _size_or_empty),
-    Key("defaults", "pids", 0, "process limit of sessions that set none; 0: none", _whole(0, 1 << 22)),
+    Key("defaults", "memory", "", "memory limit of sessions that set none (512M, 2G); empty: min(8G, half of "
+        "RAM)", _size_or_empty),
+    Key("defaults", "pids", 0, "process (task) limit of sessions that set none; 0: 1024", _whole(0, 1 << 22)),
+    Key("limits", "max_memory", "", "the most memory a session may ask for (more is refused); empty: "
+        "limits.total_memory", _size_or_empty),
+    Key("limits", "max_pids", 0, "the most processes (tasks) a session may ask for; 0: limits.total_pids",
+        _whole(0, 1 << 22)),
+    Key("limits", "total_memory", "", "memory of all sandboxes together (the cap of their parent cgroup); "
+        "empty: three quarters of RAM", _size_or_empty),
+    Key("limits", "total_pids", 0, "tasks of all sandboxes together (the cap of their parent cgroup); 0: half "
+        "of the smaller of kernel.pid_max and kernel.threads-max", _whole(0, 1 << 22)),
     Key("metrics", "listen", "", "HOST:PORT of the Prometheus metrics listener (HTTP, /metrics); empty: none",
         _text),
     Key("log", "level", "info", "info: the daemon's life and its problems; debug: also every decision and call "
@@ -280,10 +289,58 @@ def load(path: str | None) -> Config:
     if 0 < reserved >= workers:
         raise ConfigError(path, "quotas.reserved_workers", f"must be below listen.workers "
                           f"({workers}): the rest serve running calls and streams")
+    resource_limits(checked)                     # the limits must nest: defaults <= max <= total
     tls = [values[f"tls.{name}"] for name in ("address", "cert", "key", "client_ca")]
     if any(tls) and not all(tls):
         raise ConfigError(path, "tls", "a TCP listener needs all of address, cert, key and client_ca")
     return Config(values, path)
+
+
+class ResourceLimits(Record):
+    """The daemon's limits with the host-derived defaults filled in (bytes and task counts)."""
+    memory: int              # a session's when it sets none
+    pids: int
+    max_memory: int          # the most a session may ask for
+    max_pids: int
+    total_memory: int        # all sandboxes together: their parent cgroup's caps
+    total_pids: int
+
+
+def resource_limits(config: Config) -> ResourceLimits:
+    """The ``defaults``/``limits`` keys resolved against this host (kernel.host_limits); ConfigError
+    when they do not nest (a default above its maximum, a maximum above the total)."""
+    from sandboxd.kernel import host_limits
+    from sandboxd.policy import parse_size
+
+    def size(dotted: str) -> int | None:
+        text = config.text(dotted)
+        return parse_size(text, dotted) if text else None
+
+    ceiling = host_limits.default_ceiling()
+    total_memory = size("limits.total_memory") or ceiling.memory_bytes or 0
+    total_pids = config.whole("limits.total_pids") or ceiling.pids or 0
+    max_memory = size("limits.max_memory") or total_memory
+    max_pids = config.whole("limits.max_pids") or total_pids
+    # The built-in defaults shrink to fit a smaller maximum; a default set in the file must fit as it is.
+    resolved = ResourceLimits(
+        memory=size("defaults.memory") or min(host_limits.default_memory(), max_memory),
+        pids=config.whole("defaults.pids") or min(host_limits.DEFAULT_PIDS, max_pids),
+        max_memory=max_memory, max_pids=max_pids, total_memory=total_memory, total_pids=total_pids)
+    path = config.path or "(built-in defaults)"
+    for low, high in (("defaults.memory", "limits.max_memory"), ("limits.max_memory", "limits.total_memory"),
+                      ("defaults.pids", "limits.max_pids"), ("limits.max_pids", "limits.total_pids")):
+        below, above = _resolved_value(resolved, low), _resolved_value(resolved, high)
+        if below > above:
+            raise ConfigError(path, low, f"{below} is above {high} ({above}): a session's limit must fit under "
+                              f"{'its maximum' if high.startswith('limits.max') else 'the total of all sandboxes'}; "
+                              f"lower {low} or raise {high}")
+    return resolved
+
+
+def _resolved_value(resolved: ResourceLimits, dotted: str) -> int:
+    return {"defaults.memory": resolved.memory, "defaults.pids": resolved.pids,
+            "limits.max_memory": resolved.max_memory, "limits.max_pids": resolved.max_pids,
+            "limits.total_memory": resolved.total_memory, "limits.total_pids": resolved.total_pids}[dotted]
 
 
 def defaults_file() -> str:

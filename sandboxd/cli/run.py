@@ -80,8 +80,8 @@ OPTIONS: tuple[tuple[str, str | None, str, str], ...] = (
                                               "every other host socket stays unreachable)"),
     ("--no-network", None, "flag", "no network: a private namespace with only loopback (default)"),
     ("--timeout", "SECONDS", "value", "kill the whole tree after SECONDS"),
-    ("--memory", "SIZE", "value", "memory limit of the whole tree (cgroup)"),
-    ("--pids", "N", "value", "process/thread limit of the whole tree (cgroup)"),
+    ("--memory", "SIZE", "value", "memory limit of the whole tree (cgroup; default: min(8G, half of RAM))"),
+    ("--pids", "N", "value", "process/thread limit of the whole tree (cgroup; default: 1024)"),
     ("--cpu-seconds", "N", "value", "CPU time limit per process (rlimit)"),
     ("--open-files", "N", "value", "open files limit per process (rlimit)"),
     ("--tmp-size", "SIZE", "value", f"size of the private /tmp and /dev/shm (default {DEFAULT_TMP_SIZE >> 20}M)"),
@@ -212,12 +212,16 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
             raise InvalidPolicy(f"--env {item!r} must look like NAME=VALUE")
         env[key] = value
     memory, tmp_size = args["memory"], args["tmp_size"]
+    # Like every session of the daemon: default limits, under the host-wide caps of the parent group.
+    from sandboxd.kernel import host_limits
+    ceiling, pids = host_limits.default_ceiling(), _number(args, "pids", int)
     limits = Limits(
         timeout_seconds=_number(args, "timeout", float),
-        memory_bytes=parse_size(str(memory), "--memory") if memory else None,
-        pids=_number(args, "pids", int), cpu_seconds=_number(args, "cpu_seconds", int),
+        memory_bytes=parse_size(str(memory), "--memory") if memory else host_limits.default_memory(),
+        pids=host_limits.DEFAULT_PIDS if pids is None else pids, cpu_seconds=_number(args, "cpu_seconds", int),
         open_files=_number(args, "open_files", int),
         tmp_size_bytes=parse_size(str(tmp_size), "--tmp-size") if tmp_size else DEFAULT_TMP_SIZE,
+        total_pids=ceiling.pids, total_memory_bytes=ceiling.memory_bytes,
     )
     workspace = os.path.abspath(str(args["workspace"] or os.getcwd()))
     cwd, user = args["cwd"], args["user"]

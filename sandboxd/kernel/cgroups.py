@@ -19,6 +19,12 @@ cgroup v2 the way systemd and container runtimes expect (Documentation/admin-gui
   ``<own>`` is ever written.
 - What this process created (the ``sandboxd`` base groups) is removed at exit when empty, so a
   `sandboxd run` as root leaves nothing behind.
+
+The base group is also the ceiling: a launch may carry the caps of all sandboxes together
+(``Ceiling``: pids.max, and memory.max or v1's memory.limit_in_bytes), written on the base group of
+each hierarchy that enforces the controller when this process first prepares it. Both controllers
+are hierarchical (v1 memory too since Linux 5.11 made use_hierarchy always 1), so the sandboxes below
+cannot together exceed it, whatever their own limits say.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from sandboxd.kernel._libc import from_oserror
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+    from sandboxd.kernel.host_limits import Ceiling
 
 BASE_NAME = "sandboxd"
 LEAF_NAME = "sandboxd-supervisor"   # where our own processes go when our group hands controllers down
@@ -119,19 +127,23 @@ class CgroupSet:
         self.memory_v2 = False
 
     @classmethod
-    def create(cls, name: str, *, memory_bytes: int | None, pids: int | None) -> "CgroupSet":
+    def create(cls, name: str, *, memory_bytes: int | None, pids: int | None,
+               ceiling: "Ceiling | None" = None) -> "CgroupSet":
+        """The groups of sandbox ``name`` with these limits, below the base groups, whose caps
+        ``ceiling`` sets (None: they are left as they are)."""
         h = hierarchies()
         group = cls(name)
         try:
             wanted = {c for c, v in (("memory", memory_bytes), ("pids", pids)) if v is not None}
             v2_controllers = {c for c in wanted if c in h.unified_controllers}
             if h.unified:
-                group.unified_dir = group._mkdir_below(lambda: _v2_base(h, bool(v2_controllers)), name)
+                group.unified_dir = group._mkdir_below(lambda: _v2_base(h, bool(v2_controllers), ceiling), name)
             for controller in sorted(wanted - v2_controllers):
                 if controller not in h.v1:
                     raise LimitsUnavailable(f"cgroup {controller}", errno.ENOENT, hint=_missing_hint(h, controller))
                 point, own = h.v1[controller]
-                path = group._mkdir_below(lambda: _v1_base(point, own), name)  # noqa: B023 - called right here
+                path = group._mkdir_below(lambda: _v1_base(point, own, controller, ceiling),  # noqa: B023 - called
+                                          name)                                              # right here
                 if controller == "memory":
                     group.memory_dir = path
                     _write(path, "memory.limit_in_bytes", memory_bytes)
@@ -164,6 +176,7 @@ class CgroupSet:
                 return self._mkdir(os.path.join(base(), name))
             except FileNotFoundError:
                 _prepared.clear()
+                _capped.clear()
                 if attempt:
                     raise
         raise AssertionError("unreachable")
@@ -309,31 +322,75 @@ def _sweep_bases(h: Hierarchies) -> list[str]:
 
 _prepared: set[str] = set()      # base groups whose controllers this process has enabled
 _created: list[str] = []         # base groups this process made: removed at exit when empty
+_capped: dict[str, int] = {}     # base group file (pids.max ...) -> the cap this process wrote there
 
 
-def _v2_base(h: Hierarchies, controllers: bool) -> str:
+def _v2_base(h: Hierarchies, controllers: bool, ceiling: "Ceiling | None" = None) -> str:
     """Our v2 base group ``<own>/sandboxd``; with ``controllers``, +cpu +memory +pids (those our
-    group has) enabled down the path so the groups below it can be limited."""
+    group has) enabled down the path so the groups below it can be limited, and ``ceiling``'s caps
+    written on it for those of them that v2 enforces."""
     assert h.unified
     own = os.path.join(h.unified, h.unified_own.lstrip("/"))
     base = os.path.join(own, BASE_NAME)
-    if base in _prepared:
-        return base
-    if controllers:
+    if base not in _prepared:
+        if not controllers:
+            _make_base(base)
+            return base
         enable = [c for c in V2_CONTROLLERS if c in h.unified_controllers]
         _enable_controllers(own, h.unified_own == "/", enable)
         _make_base(base)
         _enable_controllers(base, False, enable)
         _prepared.add(base)
-    else:
-        _make_base(base)
+    if ceiling is not None:
+        if "memory" in h.unified_controllers:
+            _cap(base, "memory.max", ceiling.memory_bytes)
+        if "pids" in h.unified_controllers:
+            _cap(base, "pids.max", ceiling.pids)
     return base
 
 
-def _v1_base(point: str, own: str) -> str:
+def _v1_base(point: str, own: str, controller: str, ceiling: "Ceiling | None" = None) -> str:
+    """Our base group in the v1 hierarchy of ``controller``, with ``ceiling``'s cap for it."""
     base = os.path.join(point, own.lstrip("/"), BASE_NAME)
     _make_base(base)
+    if ceiling is not None:
+        if controller == "memory":
+            _cap(base, "memory.limit_in_bytes", ceiling.memory_bytes)
+        elif controller == "pids":
+            _cap(base, "pids.max", ceiling.pids)
     return base
+
+
+def _cap(base: str, name: str, value: int | None) -> None:
+    """Write the ceiling ``value`` to ``base``/``name``, once per value in this process (a launch
+    costs one dict lookup). The last process to prepare a base group sets its caps: a daemon and a
+    `sandboxd run` normally each have their own (a systemd unit's, a login session's)."""
+    if value is None or _capped.get(os.path.join(base, name)) == value:
+        return
+    _write(base, name, value)
+    _capped[os.path.join(base, name)] = value
+
+
+def ceiling_in_force() -> dict[str, tuple[str, str]]:
+    """What caps the base groups carry now: controller -> (the file, its value), for memory and pids
+    where a base group of this process's cgroup exists (for `sandboxd doctor`)."""
+    h = hierarchies()
+    found: dict[str, tuple[str, str]] = {}
+    for controller, v2_name, v1_name in (("memory", "memory.max", "memory.limit_in_bytes"),
+                                         ("pids", "pids.max", "pids.max")):
+        if controller in h.unified_controllers and h.unified:
+            path = os.path.join(h.unified, h.unified_own.lstrip("/"), BASE_NAME, v2_name)
+        elif controller in h.v1:
+            point, own = h.v1[controller]
+            path = os.path.join(point, own.lstrip("/"), BASE_NAME, v1_name)
+        else:
+            continue
+        try:
+            with open(path) as f:
+                found[controller] = (path, f.read().strip())
+        except OSError:
+            pass
+    return found
 
 
 def _make_base(base: str) -> None:
@@ -357,6 +414,7 @@ def remove_created_bases() -> None:
                 pass                                   # still in use: the next owner's sweep takes it
     _created.clear()
     _prepared.clear()
+    _capped.clear()
 
 
 def _enable_controllers(group: str, namespace_root: bool, controllers: list[str]) -> None:

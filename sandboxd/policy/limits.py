@@ -20,7 +20,8 @@ _MAXIMA = {"timeout_seconds": (MAX_TIMEOUT_SECONDS, "604800 seconds (7 days)"),
            "memory_bytes": (MAX_BYTES, "2^53 bytes"), "pids": (MAX_PIDS, "4194304 (the kernel's pid_max)"),
            "cpu_seconds": (MAX_TIMEOUT_SECONDS, "604800 seconds (7 days)"),
            "open_files": (MAX_OPEN_FILES, "1048576 (the kernel's nr_open)"),
-           "tmp_size_bytes": (MAX_BYTES, "2^53 bytes")}
+           "tmp_size_bytes": (MAX_BYTES, "2^53 bytes"),
+           "total_pids": (MAX_PIDS, "4194304 (the kernel's pid_max)"), "total_memory_bytes": (MAX_BYTES, "2^53 bytes")}
 
 
 def check_timeout(value: float, what: str = "timeout_seconds") -> float:
@@ -59,6 +60,10 @@ class Limits(Record):
     cpu_seconds: int | None = None
     open_files: int | None = None
     tmp_size_bytes: int = DEFAULT_TMP_SIZE
+    # Not this launch's own: the caps of the parent cgroup all sandboxes of this daemon (or of this
+    # `sandboxd run`'s cgroup) live under, written there when the launch prepares that group.
+    total_pids: int | None = None
+    total_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name, (maximum, said) in _MAXIMA.items():

@@ -64,6 +64,11 @@ class SessionDefaults(Record):
     timeout_seconds: float | None = None
     memory_bytes: int | None = None
     pids: int | None = None
+    # The most a session may ask for (None: no maximum), and the caps of all sandboxes together.
+    max_memory_bytes: int | None = None
+    max_pids: int | None = None
+    total_memory_bytes: int | None = None
+    total_pids: int | None = None
 
 
 def policy_from_proto(message: pb.SandboxPolicy, defaults: SessionDefaults | None = None) -> SandboxPolicy:
@@ -121,11 +126,17 @@ def approval_to_proto(name: str) -> pb.ApprovalPolicy:
 def limits_from_proto(message: pb.Limits, defaults: SessionDefaults | None = None) -> Limits:
     defaults = defaults or SessionDefaults()
     timeout = check_timeout(message.timeout_seconds, "limits.timeout_seconds") if message.timeout_seconds else None
+    for name, asked, most, key in (("memory_bytes", message.memory_bytes, defaults.max_memory_bytes, "max_memory"),
+                                   ("pids", message.pids, defaults.max_pids, "max_pids")):
+        if most is not None and asked > most:
+            raise InvalidPolicy(f"limits.{name} {asked} is above this daemon's maximum of {most} (its "
+                                f"limits.{key} setting): ask for at most {most}, or leave it unset for the default")
     return Limits(timeout_seconds=timeout or defaults.timeout_seconds,
                   memory_bytes=int(message.memory_bytes) or defaults.memory_bytes,
                   pids=int(message.pids) or defaults.pids,
                   cpu_seconds=int(message.cpu_seconds) or None, open_files=int(message.open_files) or None,
-                  tmp_size_bytes=int(message.tmp_size_bytes) or DEFAULT_TMP_SIZE)
+                  tmp_size_bytes=int(message.tmp_size_bytes) or DEFAULT_TMP_SIZE,
+                  total_pids=defaults.total_pids, total_memory_bytes=defaults.total_memory_bytes)
 
 
 def limits_to_proto(limits: Limits) -> pb.Limits:

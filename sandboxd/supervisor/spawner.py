@@ -20,6 +20,7 @@ from sandboxd._record import Record
 from sandboxd.errors import SetupError
 from sandboxd.kernel import namespaces
 from sandboxd.kernel.cgroups import CgroupSet
+from sandboxd.kernel.host_limits import Ceiling
 from sandboxd.launcher import report, sequence
 from sandboxd.launcher.plan import LaunchPlan, prepare
 from sandboxd.policy import LaunchSpec
@@ -414,7 +415,10 @@ class Spawner:
         name = f"run-{self.pid}-{next(_counter)}-{os.urandom(3).hex()}"
         limits = plan.limits
         if limits.memory_bytes or limits.pids:
-            return CgroupSet.create(name, memory_bytes=limits.memory_bytes, pids=limits.pids)
+            ceiling = None
+            if limits.total_pids or limits.total_memory_bytes:
+                ceiling = Ceiling(pids=limits.total_pids, memory_bytes=limits.total_memory_bytes)
+            return CgroupSet.create(name, memory_bytes=limits.memory_bytes, pids=limits.pids, ceiling=ceiling)
         if plan.confined or limits.timeout_seconds is None:
             return None
         try:

@@ -1,0 +1,56 @@
+"""The built-in resource limits, derived from what this host has: a sandbox's default pids and memory
+limits, and the caps of the parent cgroup every sandbox lives under (the ceiling).
+
+Why these numbers (the README's threat model says the same):
+
+- pids 1024 per sandbox: a compiler driver, ``npm install``, ``make -j`` or pytest with workers stays
+  in the low hundreds of tasks (threads count); a fork bomb reaches 1024 in well under a second and
+  then gets EAGAIN.
+- memory min(8 GiB, half of RAM) per sandbox: a large link or a test suite fits, while one sandbox
+  can never take most of the machine.
+- the ceiling: half of the host's task space (the smaller of kernel.pid_max and kernel.threads-max,
+  as pids.max counts threads) and three quarters of RAM for all sandboxes together, so the host and
+  its other users always keep the rest, however many sessions there are.
+"""
+
+from __future__ import annotations
+
+from sandboxd._record import Record
+
+DEFAULT_PIDS = 1024
+DEFAULT_MEMORY_CAP = 8 << 30
+
+
+class Ceiling(Record):
+    """The caps of the parent cgroup of all sandboxes (None: that cap is not set)."""
+
+    pids: int | None = None
+    memory_bytes: int | None = None
+
+
+def memory_total() -> int:
+    """MemTotal of /proc/meminfo, in bytes."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemTotal line")
+
+
+def task_space() -> int:
+    """How many tasks the host can have at once: the smaller of kernel.pid_max and kernel.threads-max."""
+    values = []
+    for name in ("pid_max", "threads-max"):
+        with open(f"/proc/sys/kernel/{name}") as f:
+            values.append(int(f.read()))
+    return min(values)
+
+
+def default_memory() -> int:
+    """A sandbox's memory limit when nothing sets one: min(8 GiB, half of RAM)."""
+    return min(DEFAULT_MEMORY_CAP, memory_total() // 2)
+
+
+def default_ceiling() -> Ceiling:
+    """The parent group's caps when nothing sets them: half the host's task space, three quarters of RAM."""
+    return Ceiling(pids=task_space() // 2, memory_bytes=memory_total() * 3 // 4)
