@@ -7,14 +7,19 @@ goes through, whichever cgroup layout the machine has.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
+from cgroup_helpers import HOLDING_FORKS, ParentGroup, forked, own_parent, wait_for
 from conftest import PY
 from daemon_fixtures import daemon, stub, ws  # noqa: F401 - pytest fixtures
-from daemon_helpers import close_quietly, create_session, run_exec, sandbox_cgroups, workspace_write
+from daemon_helpers import (Daemon, DaemonFactory, ExecOutcome, PlainUser, close_quietly, create_session, rpc_error, run_client_as,
+                            run_exec, sandbox_cgroups, workspace_write)
+from sandboxd.kernel import host_limits
 from sandboxd.kernel.netns import LINK_PREFIX
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
@@ -118,3 +123,205 @@ def test_the_daemon_refuses_to_start_where_limits_cannot_be_applied(tmp_path: Pa
     assert result.returncode == 1, result.stdout + result.stderr
     assert "cannot build a sandbox" in result.stderr and "cgroup" in result.stderr, result.stderr
     assert not (tmp_path / "sock").exists()
+
+
+def user_workspace(factory: DaemonFactory, owner: PlainUser) -> Path:
+    path = factory.workspace()
+    os.chown(path, owner.uid, owner.gid)
+    return path
+
+
+# As a plain user: a session with no limits, a fork bomb (HOLDING_FORKS) in it, then one more call.
+ATTACKER = """
+s = stub.CreateSession(pb.CreateSessionRequest(workspace=ARGS["ws"], approval_policy=pb.NEVER), timeout=120)
+bomb, _ = run(s.id, [ARGS["py"], "-c", ARGS["bomb"], "1500", ARGS["count"], ARGS["release"]])
+after, status = run(s.id, ["echo", "alive"])
+stub.CloseSession(pb.CloseSessionRequest(session_id=s.id), timeout=60)
+print(json.dumps({"bomb": bomb, "after": after, "status": status}))
+"""
+
+# As another plain user meanwhile: a session, 100 processes of its own (held until they are all made), a call.
+VICTIM = """
+s = stub.CreateSession(pb.CreateSessionRequest(workspace=ARGS["ws"], approval_policy=pb.NEVER), timeout=120)
+forks, _ = run(s.id, [ARGS["py"], "-c", ARGS["bomb"], "100", ARGS["count"], ARGS["count"]])
+echo, status = run(s.id, ["echo", "served"])
+stub.CloseSession(pb.CloseSessionRequest(session_id=s.id), timeout=60)
+print(json.dumps({"forks": forks, "echo": echo, "status": status}))
+"""
+
+
+def limits_of_group_holding(daemon: Daemon, at_least: int) -> dict[str, str]:
+    """The limit files (pids.max, memory.max or memory.limit_in_bytes) of the sandbox group of ``daemon``
+    that holds at least ``at_least`` tasks now, across hierarchies."""
+    groups = daemon.own_cgroups()
+    busy = [g for g in groups if os.path.exists(f"{g}/pids.current")
+            and int(Path(g, "pids.current").read_text()) >= at_least]
+    assert len(busy) == 1, (busy, groups)
+    found = {}
+    for group in groups:
+        if os.path.basename(group) == os.path.basename(busy[0]):
+            for name in ("pids.max", "memory.max", "memory.limit_in_bytes"):
+                if os.path.exists(f"{group}/{name}"):
+                    found[name] = Path(group, name).read_text().strip()
+    return found
+
+
+def test_a_fork_bomb_stops_at_the_default_pids_limit_while_another_user_is_served(
+        daemon: Daemon, sandboxd_daemon_module: DaemonFactory,  # noqa: F811 - the fixture
+        plain_users: Callable[[int], list[PlainUser]]) -> None:
+    """A plain user's session that set no limit gets the defaults (pids 1024, memory min(8G, half of RAM)):
+    its fork bomb gets EAGAIN at 1024 tasks, and while it holds them another plain user's session is
+    created, forks 100 processes of its own and answers; the attacker's session answers afterwards too."""
+    attacker, victim = plain_users(2)
+    ws_a, ws_v = user_workspace(sandboxd_daemon_module, attacker), user_workspace(sandboxd_daemon_module, victim)
+    count, release = ws_a / "count", ws_a / "release"
+    outcome: dict[str, object] = {}
+
+    def attack() -> None:
+        try:
+            outcome["attacker"] = run_client_as(attacker.uid, attacker.gid, daemon.socket, ATTACKER, {
+                "ws": str(ws_a), "py": PY, "bomb": HOLDING_FORKS, "count": str(count), "release": str(release)})
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            outcome["attacker"] = exc
+
+    thread = threading.Thread(target=attack)
+    thread.start()
+    try:
+        wait_for(count)                                   # the bomb hit its wall and holds its processes
+        limits = limits_of_group_holding(daemon, 1000)
+        assert limits["pids.max"] == str(host_limits.DEFAULT_PIDS), limits
+        assert limits.get("memory.max", limits.get("memory.limit_in_bytes")) == str(host_limits.default_memory())
+        served = run_client_as(victim.uid, victim.gid, daemon.socket, VICTIM, {
+            "ws": str(ws_v), "py": PY, "bomb": HOLDING_FORKS, "count": str(ws_v / "count")})
+    finally:
+        release.touch()
+        thread.join(180)
+    assert served["echo"] == "served\n" and served["status"] == 0, served
+    assert forked(served["forks"]) == (100, 0), served    # the victim's own processes were all made
+    result = outcome["attacker"]
+    assert isinstance(result, dict), result
+    made, errno = forked(result["bomb"])
+    assert errno == 11 and 1000 <= made < host_limits.DEFAULT_PIDS, result     # EAGAIN at the default
+    assert result["after"] == "alive\n" and result["status"] == 0, result       # and the session lives on
+
+
+LOW_CEILING = """
+[defaults]
+memory = "96M"
+pids = 40
+[limits]
+max_pids = 100
+total_pids = 128
+total_memory = "256M"
+"""
+ALLOCATE = ("import sys, time\n"
+            "b = bytearray(int(sys.argv[1]) << 20)\n"
+            "for i in range(0, len(b), 4096): b[i] = 1\n"
+            "print('ALIVE', flush=True)\n"
+            "while len(sys.argv) > 2 and not __import__('os').path.exists(sys.argv[2]): time.sleep(0.05)\n")
+
+
+def test_configured_defaults_maxima_and_the_parent_caps_hold(
+        sandboxd_daemon: DaemonFactory, plain_users: Callable[[int], list[PlainUser]]) -> None:
+    """A daemon in a parent group of its own, configured low: the sandboxes' parent group carries
+    limits.total_* (read back), a session that sets nothing gets defaults.* and is OOM-killed above its
+    memory default; a session may ask for more up to limits.max_pids but not past it; and two sessions
+    within their own limits together cannot pass the parent's caps (pids, memory), while each alone can."""
+    (user,) = plain_users(1)
+    with own_parent() as parent:
+        daemon = sandboxd_daemon(config=LOW_CEILING, wrapper=parent.wrapper)
+        try:
+            check_low_ceiling(sandboxd_daemon, daemon, parent, user)
+        finally:
+            daemon.close()                        # before its parent group goes
+
+
+def check_low_ceiling(factory: DaemonFactory, daemon: Daemon, parent: ParentGroup, user: PlainUser) -> None:
+    stub = daemon.stub
+
+    def session(**limits: int) -> tuple[pb.Session, Path]:
+        ws = user_workspace(factory, user)
+        return create_session(stub, ws, workspace_write(), limits=pb.Limits(**limits)), ws
+
+    plain, ws = session()
+    assert parent.cap("pids") == "128" and parent.cap("memory") == str(256 << 20)
+    assert parent.sandbox_limits("pids") == ["40"] and parent.sandbox_limits("memory") == [str(96 << 20)]
+    hog = run_exec(stub, plain.id, [PY, "-c", ALLOCATE, "160"])
+    assert hog.result.oom_killed and b"ALIVE" not in hog.stdout, hog.describe()
+    fits = run_exec(stub, plain.id, [PY, "-c", ALLOCATE, "16"])             # control: under the default
+    assert fits.stdout == b"ALIVE\n" and not fits.result.oom_killed, fits.describe()
+    close_quietly(stub, plain.id)
+
+    # more than the default: up to the configured maximum, not past it
+    error = rpc_error(lambda: session(pids=101))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "limits.max_pids" in error.details(), error
+    first, ws_first = session(pids=100, memory_bytes=200 << 20)
+    second, _ = session(pids=100, memory_bytes=200 << 20)
+    assert sorted(parent.sandbox_limits("pids")) == ["100", "100"]
+
+    # pids: the first holds what its own limit allows; the second then gets only what is left of 128
+    release = ws_first / "release"
+    outcome: dict[str, object] = {}
+    held = threading.Thread(target=lambda: outcome.update(first=run_exec(
+        stub, first.id, [PY, "-c", HOLDING_FORKS, "1500", str(ws_first / "count"), str(release)])))
+    held.start()
+    try:
+        wait_for(ws_first / "count")
+        squeezed = run_exec(stub, second.id, [PY, "-c", HOLDING_FORKS, "1500", "/tmp/n", "/tmp/n"])
+    finally:
+        release.touch()
+        held.join(120)
+    first_made, _ = forked(outcome["first"].stdout)   # type: ignore[attr-defined]
+    second_made, errno = forked(squeezed.stdout)
+    assert 90 <= first_made < 100, outcome["first"]
+    assert errno == 11 and first_made + second_made < 128 and second_made < 40, squeezed.describe()
+    alone = run_exec(stub, second.id, [PY, "-c", HOLDING_FORKS, "1500", "/tmp/n", "/tmp/n"])
+    assert 90 <= forked(alone.stdout)[0] < 100, alone.describe()          # control: alone, its own limit
+
+    # memory: 150M each fits its own 200M, but not both under the parent's 256M
+    release.unlink()
+    held = threading.Thread(target=lambda: outcome.update(first=run_exec(
+        stub, first.id, [PY, "-c", ALLOCATE, "150", str(release)])))
+    held.start()
+    try:
+        deadline_ok = wait_until_rss(parent, 140 << 20)
+        second_alloc = run_exec(stub, second.id, [PY, "-c", ALLOCATE, "150"])
+    finally:
+        release.touch()
+        held.join(120)
+    first_alloc = outcome["first"]
+    assert deadline_ok and isinstance(first_alloc, ExecOutcome), first_alloc
+    # the parent's OOM killer took one of them (it picks the larger: either may be it)
+    assert first_alloc.result.shell_status != 0 or second_alloc.result.shell_status != 0, \
+        (first_alloc.describe(), second_alloc.describe())
+    alone = run_exec(stub, second.id, [PY, "-c", ALLOCATE, "150"])
+    assert alone.stdout == b"ALIVE\n" and not alone.result.oom_killed, alone.describe()   # control
+    for s in (first, second):
+        close_quietly(stub, s.id)
+
+
+def wait_until_rss(parent, at_least: int, within: float = 60.0) -> bool:  # type: ignore[no-untyped-def]
+    """Until the sandboxes below ``parent`` use at least ``at_least`` bytes together."""
+    import time
+
+    base, version = parent.bases["memory"]
+    usage = base / ("memory.current" if version == "v2" else "memory.usage_in_bytes")
+    deadline = time.monotonic() + within
+    while int(usage.read_text()) < at_least:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.parametrize(("config", "key", "above"), [
+    ("[defaults]\npids = 200\n[limits]\ntotal_pids = 128\n", "defaults.pids", "limits.max_pids"),
+    ("[limits]\nmax_pids = 200\ntotal_pids = 128\n", "limits.max_pids", "limits.total_pids"),
+    ("[limits]\nmax_memory = \"1G\"\ntotal_memory = \"512M\"\n", "limits.max_memory", "limits.total_memory"),
+])
+def test_a_per_session_limit_past_the_parent_caps_is_refused_at_start(
+        sandboxd_daemon: DaemonFactory, config: str, key: str, above: str) -> None:
+    """A default or a maximum above what all sandboxes together may use stops the daemon at start-up,
+    naming both keys. (Control: the daemon of the test above starts with them nested.)"""
+    failure = sandboxd_daemon.start_failure(config=config)
+    assert failure.returncode == 2 and key in failure.log and above in failure.log, failure

@@ -201,3 +201,47 @@ def test_doctor_fails_when_a_limit_cannot_be_applied() -> None:
     assert "fix:" in result.stdout.split("FAIL  limits")[1].split("\n")[1], describe(result)
     assert "everything enforcement needs is here" not in result.stdout
     assert "ok    sandbox:" in result.stdout                    # control: what needs no cgroup still works
+
+
+def test_a_run_gets_the_default_limits_under_the_host_wide_caps(workspace: Path, plain_users) -> None:  # type: ignore[no-untyped-def]
+    """`sandboxd run` with no limit given: a fork bomb of a plain user stops at the default 1024 tasks
+    (EAGAIN), its groups carry the default limits, and the parent group of all sandboxes the host-wide
+    caps. Control: --pids above the default lets the same command fork past 1024. Run in a parent group
+    of its own (cgroup_helpers.own_parent), so the caps it writes are its own, not every sandboxd's."""
+    import os
+    import subprocess
+
+    from cgroup_helpers import HOLDING_FORKS, forked, own_parent, wait_for
+    from conftest import BASE_ENV, SANDBOXD
+    from sandboxd.kernel import host_limits
+
+    (user,) = plain_users(1)
+    os.chown(workspace, user.uid, user.gid)
+    ceiling = host_limits.default_ceiling()
+
+    def bomb(parent, tag: str, *options: str) -> "tuple[subprocess.Popen[str], Path, Path]":  # type: ignore[no-untyped-def]
+        count, release = workspace / f"count-{tag}", workspace / f"release-{tag}"
+        argv = [*parent.wrapper, SANDBOXD, "run", "--workspace", str(workspace), "--user", f"{user.uid}:{user.gid}",
+                *options, "--", *py(HOLDING_FORKS, "1500", str(count), str(release))]
+        return (subprocess.Popen(argv, env=BASE_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+                count, release)
+
+    with own_parent() as parent:
+        proc, count, release = bomb(parent, "default")
+        try:
+            wait_for(count)
+            assert parent.cap("pids") == str(ceiling.pids)
+            assert parent.cap("memory") == str(ceiling.memory_bytes)
+            assert parent.sandbox_limits("pids") == ["1024"]
+            assert parent.sandbox_limits("memory") == [str(host_limits.default_memory())]
+        finally:
+            release.touch()
+            out, err = proc.communicate(timeout=120)
+        made, errno = forked(out)
+        assert errno == 11 and 1000 <= made < 1024, (out, err)          # EAGAIN at the default wall
+
+        proc, count, release = bomb(parent, "raised", "--pids", "1100")   # control: a flag raises it
+        release.touch()
+        out, err = proc.communicate(timeout=120)
+        made, errno = forked(out)
+        assert errno == 11 and 1024 < made < 1100, (out, err)

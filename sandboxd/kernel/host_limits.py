@@ -48,9 +48,14 @@ def task_space() -> int:
 
 def default_memory() -> int:
     """A sandbox's memory limit when nothing sets one: min(8 GiB, half of RAM)."""
-    return min(DEFAULT_MEMORY_CAP, memory_total() // 2)
+    return min(DEFAULT_MEMORY_CAP, _whole_mib(memory_total() // 2))
 
 
 def default_ceiling() -> Ceiling:
     """The parent group's caps when nothing sets them: half the host's task space, three quarters of RAM."""
-    return Ceiling(pids=task_space() // 2, memory_bytes=memory_total() * 3 // 4)
+    return Ceiling(pids=task_space() // 2, memory_bytes=_whole_mib(memory_total() * 3 // 4))
+
+
+def _whole_mib(size: int) -> int:
+    """Rounded down to whole MiB: cgroup v1 rounds a limit down to pages, so it reads back as written."""
+    return size >> 20 << 20
