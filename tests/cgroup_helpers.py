@@ -77,8 +77,10 @@ class ParentGroup:
 
     @property
     def wrapper(self) -> list[str]:
-        """An argv prefix that moves itself into the groups, then execs the rest."""
-        script = 'IFS=:; for g in $0; do echo $$ > "$g/cgroup.procs" || exit 9; done; unset IFS; exec "$@"'
+        """An argv prefix that moves itself into the groups, then execs the rest; on v2, once an earlier
+        sandboxd made the unit hand controllers down, into its leaf (as another process of the unit)."""
+        script = ('IFS=:; for g in $0; do [ -d "$g/sandboxd-supervisor" ] && g="$g/sandboxd-supervisor"; '
+                  'echo $$ > "$g/cgroup.procs" || exit 9; done; unset IFS; exec "$@"')
         return ["sh", "-c", script, ":".join(str(g) for g in self.joins)]
 
     def cap(self, controller: str) -> str:

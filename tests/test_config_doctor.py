@@ -13,6 +13,7 @@ import pytest
 from conftest import BASE_ENV, REPO, SANDBOXD
 from daemon_helpers import DaemonFactory
 from sandboxd import config
+from sandboxd.kernel import host_limits
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,9 +93,13 @@ def test_doctor_on_this_machine() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if line and not line.startswith(" ")]
     names = {line.split(":")[0].split(None, 1)[1] for line in lines[:-1]}
-    assert names >= {"privileges", "sandbox", "seccomp", "landlock", "cgroups", "nftables", "address pool",
+    assert names >= {"privileges", "sandbox", "seccomp", "landlock", "cgroups", "ceiling", "nftables", "address pool",
                      "call helper"}, lines
     assert all(line.startswith(("ok", "warn")) for line in lines[:-1]), result.stdout
+    # the ceiling line says the defaults and the caps of all sandboxes together (kernel.host_limits)
+    ceiling = next(line for line in lines if line.split(":")[0].endswith("ceiling"))
+    assert f"pids {host_limits.DEFAULT_PIDS}," in ceiling, ceiling
+    assert f"all together: pids {host_limits.default_ceiling().pids}," in ceiling, ceiling
 
 
 def test_doctor_says_what_is_missing_and_how_to_fix_it() -> None:
