@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from conftest import SLOW
 from sandboxd.kernel import cgroups
 
 # The file that holds each controller's limit, per hierarchy.
@@ -126,7 +127,8 @@ def own_parent() -> Iterator[ParentGroup]:
 
 # Forks up to argv[1] children that wait on a pipe, says how many it got ("FORKED n ERRNO e", e 0 when
 # all were made, 11 for EAGAIN), writes n to the file argv[2], and holds the children until the file
-# argv[3] exists (at most 120 s); they end with it (their pipe's last writer is gone).
+# argv[3] exists (at most 600 s: the test makes it, also when it fails); they end with it (their pipe's
+# last writer is gone).
 HOLDING_FORKS = ("import os, sys, time\n"
                  "r, w = os.pipe()\n"
                  "n = err = 0\n"
@@ -140,7 +142,7 @@ HOLDING_FORKS = ("import os, sys, time\n"
                  "print('FORKED', n, 'ERRNO', err, flush=True)\n"
                  "with open(sys.argv[2] + '.tmp', 'w') as f: f.write(str(n))\n"
                  "os.rename(sys.argv[2] + '.tmp', sys.argv[2])\n"
-                 "deadline = time.monotonic() + 120\n"
+                 "deadline = time.monotonic() + 600\n"
                  "while not os.path.exists(sys.argv[3]) and time.monotonic() < deadline: time.sleep(0.05)\n")
 
 
@@ -152,7 +154,7 @@ def forked(output: str | bytes) -> tuple[int, int]:
     return int(words[1]), int(words[3])
 
 
-def wait_for(path: Path, within: float = 120.0) -> None:
+def wait_for(path: Path, within: float = 120.0 * SLOW) -> None:
     """Until ``path`` exists (a sandboxed command made it); AssertionError after ``within`` seconds."""
     deadline = time.monotonic() + within
     while not path.exists():

@@ -224,5 +224,7 @@ def test_config_values_out_of_range_stop_the_daemon(tmp_path: Path, line: str, p
     path.write_text(line)
     with pytest.raises(config.ConfigError, match=problem.replace("^", "\\^")):
         config.load(str(path))
-    path.write_text("[defaults]\ntimeout_seconds = 604800\nmemory = \"8192T\"\n" if "defaults" in line else "")
-    config.load(str(path))                                                    # control: the maxima load
+    # control: the maxima load (a session's memory up to the total of all sandboxes, which must hold it)
+    path.write_text("[defaults]\ntimeout_seconds = 604800\nmemory = \"8192T\"\n[limits]\ntotal_memory = \"8192T\"\n"
+                    if "defaults" in line else "")
+    config.load(str(path))
