@@ -18,7 +18,7 @@ from cgroup_helpers import HOLDING_FORKS, ParentGroup, forked, own_parent, wait_
 from conftest import PY
 from daemon_fixtures import daemon, stub, ws  # noqa: F401 - pytest fixtures
 from daemon_helpers import (Daemon, DaemonFactory, ExecOutcome, PlainUser, close_quietly, create_session, rpc_error, run_client_as,
-                            run_exec, sandbox_cgroups, workspace_write)
+                            run_exec, workspace_write)
 from sandboxd.kernel import host_limits
 from sandboxd.kernel.netns import LINK_PREFIX
 from sandboxd.v1 import sandboxd_pb2 as pb
@@ -54,15 +54,15 @@ def sandbox_links() -> set[str]:
 
 
 @pytest.fixture
-def limited(stub: pb_grpc.SandboxStub, ws: Path) -> Iterator[pb.Session]:
-    before = sandbox_cgroups()
+def limited(daemon: Daemon, stub: pb_grpc.SandboxStub, ws: Path) -> Iterator[pb.Session]:  # noqa: F811 - fixture
+    before = daemon.own_cgroups()       # this daemon's: other daemons on the machine make and remove theirs
     s = create_session(stub, ws, workspace_write(network_access=True),
                        limits=pb.Limits(memory_bytes=MEMORY, pids=PIDS))
     try:
         yield s
     finally:
         close_quietly(stub, s.id)
-    assert sandbox_cgroups() <= before                   # the session's groups went with it
+    assert daemon.own_cgroups() <= before                # the session's groups went with it
 
 
 def test_a_limited_networked_session_enforces_and_reports(stub: pb_grpc.SandboxStub, limited: pb.Session) -> None:
@@ -94,15 +94,17 @@ def test_a_limited_networked_session_enforces_and_reports(stub: pb_grpc.SandboxS
     assert sandbox_links(), "an isolated network has a host-side link while the session lives"
 
 
-def test_closing_the_session_removes_its_groups_and_link(stub: pb_grpc.SandboxStub, ws: Path) -> None:
-    cgroups_before, links_before = sandbox_cgroups(), sandbox_links()
+def test_closing_the_session_removes_its_groups_and_link(daemon: Daemon, stub: pb_grpc.SandboxStub,  # noqa: F811
+                                                         ws: Path) -> None:
+    # this daemon's groups: every session has some now, and other daemons on the machine make theirs
+    cgroups_before, links_before = daemon.own_cgroups(), sandbox_links()
     s = create_session(stub, ws, workspace_write(network_access=True), limits=pb.Limits(memory_bytes=MEMORY, pids=PIDS))
     try:
         assert run_exec(stub, s.id, ["true"]).result.exit_code == 0
-        assert sandbox_cgroups() - cgroups_before, "a limited session has cgroups of its own"
+        assert daemon.own_cgroups() - cgroups_before, "a limited session has cgroups of its own"
     finally:
         stub.CloseSession(pb.CloseSessionRequest(session_id=s.id), timeout=60)
-    assert sandbox_cgroups() <= cgroups_before
+    assert daemon.own_cgroups() <= cgroups_before
     assert sandbox_links() <= links_before
 
 
@@ -243,8 +245,8 @@ def check_low_ceiling(factory: DaemonFactory, daemon: Daemon, parent: ParentGrou
         ws = user_workspace(factory, user)
         return create_session(stub, ws, workspace_write(), limits=pb.Limits(**limits)), ws
 
+    assert parent.cap("pids") == "128" and parent.cap("memory") == str(256 << 20)    # from start-up on
     plain, ws = session()
-    assert parent.cap("pids") == "128" and parent.cap("memory") == str(256 << 20)
     assert parent.sandbox_limits("pids") == ["40"] and parent.sandbox_limits("memory") == [str(96 << 20)]
     hog = run_exec(stub, plain.id, [PY, "-c", ALLOCATE, "160"])
     assert hog.result.oom_killed and b"ALIVE" not in hog.stdout, hog.describe()

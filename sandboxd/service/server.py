@@ -96,7 +96,7 @@ def _sweep_self_test_workspaces() -> None:
                 pass
 
 
-def _self_test(fork: "Any") -> str | None:
+def _self_test(fork: "Any", session_defaults: "SessionDefaults | None" = None) -> str | None:
     """Launch `true` in a read-only sandbox with a memory and a pids limit through the fork server:
     the whole set-up sequence (cgroups, namespaces, mounts, pivot_root, privileges, Landlock,
     seccomp). A machine where limits cannot be applied fails here, at start-up, with the fix,
@@ -107,12 +107,15 @@ def _self_test(fork: "Any") -> str | None:
     from sandboxd.policy import LaunchSpec, Limits, ReadOnly
 
     _sweep_self_test_workspaces()
+    limits = Limits(memory_bytes=64 << 20, pids=16)
+    if session_defaults is not None:          # the caps of all sandboxes together: in place from start-up
+        limits = limits.replace(total_pids=session_defaults.total_pids,
+                                total_memory_bytes=session_defaults.total_memory_bytes)
     workspace = tempfile.mkdtemp(prefix=f"{SELF_TEST_PREFIX}{os.getpid()}-", dir=SELF_TEST_DIR)
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     try:
         call = fork.launch(LaunchSpec(argv=("true",), workspace=workspace, policy=ReadOnly(),
-                                      limits=Limits(memory_bytes=64 << 20, pids=16),
-                                      env={"PATH": "/usr/bin:/bin"}), (null, null, null))
+                                      limits=limits, env={"PATH": "/usr/bin:/bin"}), (null, null, null))
         info = fork.wait(call)
         return None if info.exit_code == 0 else f"`true` in a sandbox ended with status {info.shell_status}"
     except SandboxdError as exc:
@@ -236,7 +239,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     # sets open_files.
     raise_nofile_limit()
     fork = ForkServer.start()                             # before gRPC's threads, and as a fresh process
-    problem = _self_test(fork)
+    problem = _self_test(fork, session_defaults)
     if problem is not None:
         # Refuse to start rather than serve sessions the kernel cannot enforce.
         sys.stderr.write(f"sandboxd serve: this machine cannot build a sandbox: {problem}\n"
