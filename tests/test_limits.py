@@ -245,3 +245,32 @@ def test_a_run_gets_the_default_limits_under_the_host_wide_caps(workspace: Path,
         out, err = proc.communicate(timeout=120)
         made, errno = forked(out)
         assert errno == 11 and 1024 < made < 1100, (out, err)
+
+
+def test_the_v2_path_writes_the_caps_on_the_base_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the caps go on cgroup v2 (the matrix guests run the real thing: the two tests above and
+    test_daemon_limits.py put their parent in a delegated v2 unit there): a directory laid out like a v2
+    group stands in for the mount, so this host (memory and pids on v1) runs the v2 code path too. It
+    checks which files are written, not that the kernel enforces them."""
+    from sandboxd.kernel import cgroups
+    from sandboxd.kernel.host_limits import Ceiling
+
+    base = tmp_path / cgroups.BASE_NAME
+    for group in (tmp_path, base):
+        group.mkdir(exist_ok=True)
+        (group / "cgroup.controllers").write_text("cpu memory pids\n")
+        (group / "cgroup.subtree_control").write_text("")
+    monkeypatch.setattr(cgroups, "_hierarchies", cgroups.Hierarchies(
+        str(tmp_path), "/", frozenset({"cpu", "memory", "pids"}), {}))
+    monkeypatch.setattr(cgroups, "_prepared", set())
+    monkeypatch.setattr(cgroups, "_capped", {})
+    cgroups.CgroupSet.create("run-1-1-aa", memory_bytes=64 << 20, pids=32,
+                                     ceiling=Ceiling(pids=128, memory_bytes=256 << 20))
+    assert (base / "pids.max").read_text() == "128" and (base / "memory.max").read_text() == str(256 << 20)
+    assert (base / "run-1-1-aa" / "pids.max").read_text() == "32"
+    assert (base / "run-1-1-aa" / "memory.max").read_text() == str(64 << 20)
+    assert (base / "cgroup.subtree_control").read_text() == "+cpu +memory +pids"
+    # a launch without caps (the restarted fork server's self-test) leaves them as they are
+    (base / "pids.max").write_text("max")
+    cgroups.CgroupSet.create("run-1-2-bb", memory_bytes=64 << 20, pids=32)
+    assert (base / "pids.max").read_text() == "max"
