@@ -81,7 +81,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             policy, approval, rules = convert.axes_from_create_request(request, self._defaults)
             session = self._registry.create(who, request.workspace, policy, approval,
                                             convert.limits_from_proto(request.limits, self._defaults),
-                                            dict(request.labels), rules)
+                                            convert.labels_from_proto(request.labels), rules)
             return session_to_proto(session)
         return self._unary(context, work)
 
