@@ -95,9 +95,11 @@ MAX_PUBLISHED_PORTS = 64                 # one listener thread each on the host
 MAX_LABELS = 64                          # free-form tags kept in every session row and event
 MAX_LABEL_KEY = 256                      # characters
 MAX_LABEL_VALUE = 1024                   # characters
-MAX_ARGV = 1 << 16                       # arguments of one command (ARG_MAX bounds their bytes too)
-MAX_ENV_ENTRIES = 4096                   # variables of one call's environment
-MAX_ENV_BYTES = 1 << 20                  # NAME=value bytes of one call's environment together
+# A command's strings also cross to the fork server in one message: at these limits (short
+# strings) they fit; their bytes are bounded by ARG_MAX (policy.spec.check_command).
+MAX_ARGV = 1 << 14                       # arguments given to one command directly (xargs-style lists run inside)
+MAX_ENV_ENTRIES = 4096                   # variables of one call's environment (a real one has tens to hundreds)
+MAX_ENV_BYTES = 128 << 10                # NAME=value bytes of one call's environment together (a real one: a few KiB)
 # All the paths, hosts, domains and ports of one policy together: the policy crosses to the fork
 # server in one SOCK_SEQPACKET message (below net.core.wmem_default, about 200 KiB), with room
 # left for the rest of the launch.
