@@ -17,6 +17,8 @@ from typing import Any, Iterator
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import BASE_ENV
 from daemon_helpers import (_CLIENT_PRELUDE, PYTHON, Daemon, DaemonFactory, close_quietly, make_base_dir, remove_tree,
@@ -347,6 +349,44 @@ def test_the_pool_and_its_shares(tmp_path: Path) -> None:
     with pytest.raises(InvalidPolicy, match="4 users at their quotas .* would hold 96 long-lived slots"):
         QuotaLimits(calls_per_uid=16, streams_per_uid=8)
     assert QuotaLimits().per_owner * 4 <= QuotaLimits().shared                 # control: the new defaults
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.lists(st.tuples(st.integers(0, 9), st.sampled_from([True] * 5 + [False]), st.booleans()),
+                min_size=20, max_size=150))
+def test_an_owner_holding_nothing_is_served_while_any_slot_is_free(steps: list[tuple[int, bool, bool]]) -> None:
+    """Any sequence of holds and releases by 10 owners (owner 0 is local root): the pool and the
+    per-owner limits are never passed, and a hold is refused only for a reason that holds: the
+    owner's quota, the pool full, or (for an owner already holding one) the first-slot share."""
+    limits = QuotaLimits(workers=WORKERS, reserved_workers=RESERVED, calls_per_uid=CALLS, streams_per_uid=STREAMS)
+    quotas = Quotas(limits)
+    owners = [identify(PeerCredentials(0 if i == 0 else 3000 + i, 3000, 1)) for i in range(10)]
+    held: list[list[contextlib.ExitStack]] = [[] for _ in owners]
+    total = 0
+    for index, acquire, is_call in steps:
+        owner, kind = owners[index], CALLS_KIND if is_call else STREAMS_KIND
+        if not acquire:
+            if held[index]:
+                held[index].pop().close()
+                total -= 1
+            continue
+        mine = quotas.usage(owner)
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(quotas.hold(owner, kind))
+        except Exhausted:
+            at_quota = not owner.is_root and mine[kind] >= (CALLS if is_call else STREAMS)
+            assert at_quota or total >= LONG_LIVED or (held[index] and total >= SHARED), (index, kind, total)
+            continue
+        assert not (held[index] and total >= SHARED), "the first-slot share went to an owner holding one"
+        held[index].append(stack)
+        total += 1
+        assert total <= LONG_LIVED and quotas.usage(owner)["long_lived_total"] == total
+        assert owner.is_root or quotas.usage(owner)[kind] <= (CALLS if is_call else STREAMS)
+    for stacks in held:
+        for stack in stacks:
+            stack.close()
+    assert quotas.usage(owners[0])["long_lived_total"] == 0
 
 
 def test_a_config_where_four_users_fill_the_pool_stops_the_daemon(sandboxd_daemon: DaemonFactory) -> None:
