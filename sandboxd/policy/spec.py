@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sandboxd._record import Factory, Record
 from sandboxd.errors import InvalidPolicy
-from sandboxd.policy.limits import Limits
+from sandboxd.policy.limits import MAX_ARGV, MAX_ENV_BYTES, MAX_ENV_ENTRIES, Limits, check_count
 from sandboxd.policy.sandbox import SandboxPolicy, default_policy, validate_policy
 
 TYPE_CHECKING = False
@@ -35,8 +35,11 @@ def arg_max() -> int:
 
 def check_command(argv: "tuple[str, ...] | list[str]", env: "dict[str, str]") -> None:
     """What execve would refuse (E2BIG, or a NUL cutting a string short), refused here with what
-    to fix: no NUL byte, each string below MAX_ARG_STRLEN, all of them within ARG_MAX."""
-    total = 0
+    to fix: no NUL byte, each string below MAX_ARG_STRLEN, all of them within ARG_MAX; and no
+    more arguments and variables than policy.limits allows."""
+    check_count("argv", argv, MAX_ARGV)
+    check_count("env", env, MAX_ENV_ENTRIES)
+    total = env_bytes = 0
     for arg in argv:
         if "\0" in arg:
             raise InvalidPolicy("command arguments may not contain NUL bytes")
@@ -54,6 +57,9 @@ def check_command(argv: "tuple[str, ...] | list[str]", env: "dict[str, str]") ->
             raise InvalidPolicy(f"environment variable {key[:100]!r} is {size - 2} bytes long: the kernel takes at "
                                 f"most {MAX_ARG_STRLEN - 2} per variable (pass large data in a file)")
         total += size + _POINTER
+        env_bytes += size
+    if env_bytes > MAX_ENV_BYTES:
+        raise InvalidPolicy(f"env takes {env_bytes} bytes (NAME=value, all variables); the limit is {MAX_ENV_BYTES}")
     if total > arg_max():
         raise InvalidPolicy(f"the command and its environment take {total} bytes: above the kernel's ARG_MAX "
                             f"({arg_max()} bytes); pass large data on stdin or in a file")

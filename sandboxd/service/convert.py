@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 
 from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy import DEFAULT_PROTECTED_SUBPATHS, Limits, SandboxPolicy, policy_from_name
 from sandboxd.policy.decision import PermissionMode, ToolRules, axes_for
-from sandboxd.policy.limits import DEFAULT_TMP_SIZE, check_timeout
+from sandboxd.policy.limits import DEFAULT_TMP_SIZE, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, check_count, check_timeout
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 _MODE_NAMES = {pb.SandboxPolicy.READ_ONLY: "read-only", pb.SandboxPolicy.WORKSPACE_WRITE: "workspace-write",
@@ -121,6 +122,15 @@ def approval_from_proto(value: pb.ApprovalPolicy) -> str:
 
 def approval_to_proto(name: str) -> pb.ApprovalPolicy:
     return _APPROVALS[name]
+
+
+def labels_from_proto(labels: Mapping[str, str]) -> dict[str, str]:
+    """A session's labels: at most MAX_LABELS, each key and value a short string."""
+    check_count("labels", labels, MAX_LABELS)
+    for key, value in labels.items():
+        check_text(key, "a label key", MAX_LABEL_KEY)
+        check_text(value, f"the value of label {key[:100]!r}", MAX_LABEL_VALUE)
+    return dict(labels)
 
 
 def limits_from_proto(message: pb.Limits, defaults: SessionDefaults | None = None) -> Limits:

@@ -253,7 +253,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
 
     from sandboxd.audit.store import open_in_state_dir
     from sandboxd.service.approvals import ApprovalGate
-    from sandboxd.service.peercred import FrontDoor, PeerCredentials
+    from sandboxd.service.peercred import FrontDoor
     from sandboxd.service.callers import Callers, TlsIdentity
     from sandboxd.service.sandboxed_peers import SandboxedPeers
     from sandboxd.service.servicer import SandboxServicer
@@ -283,15 +283,15 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     own = own_places(socket_path, private, backend, state_dir, tls.address if tls else "", metrics_listen)
     from sandboxd.service.quotas import QuotaLimits, Quotas
     counters = Quotas(quotas or QuotaLimits(workers=workers))
-    registry = SessionRegistry(fork, store, admin_gid=admin_gid, dns=dns, network_pool=network_pool, own=own,
+    registry = SessionRegistry(fork, store, dns=dns, network_pool=network_pool, own=own,
                                proxy_connections=proxy_connections, published_connections=published_connections,
                                quotas=counters)
     resumed = registry.restore()
     from sandboxd.service.metrics import Metrics
     metrics = Metrics()
     registry.metrics = metrics
-    metrics.watch(sessions=lambda: len(registry.list(PeerCredentials(0, 0, 0))),
-                  running=lambda: sum(s.running_calls for s in registry.list(PeerCredentials(0, 0, 0))),
+    metrics.watch(sessions=lambda: len(registry.open_sessions()),
+                  running=lambda: sum(s.running_calls for s in registry.open_sessions()),
                   events=store.last_id)
     gate = ApprovalGate(store, timeout=approval_timeout, metrics=metrics)
     sandboxed = SandboxedPeers(registry.sandbox_namespaces)
@@ -304,7 +304,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     if tls is not None:
         tls_identity = TlsIdentity(identity=tls.identity, default_user=(tls.uid, tls.gid), users=tls.users,
                                    port=int(tls.address.rpartition(":")[2]))
-    callers = Callers(door, tls_identity, sandboxed)
+    callers = Callers(door, tls_identity, sandboxed, admin_gid)
     sandboxd_pb2_grpc.add_SandboxServicer_to_server(
         SandboxServicer(registry, fork, callers, gate, metrics, session_defaults, counters), server)
     health_servicer = health.HealthServicer()
@@ -378,7 +378,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
         signal.signal(signum, signal.SIG_IGN)
     started = time.monotonic()
     systemd.notify("STOPPING=1")
-    log.info("stopping", extra={"fields": {"sessions": len(registry.list(PeerCredentials(0, 0, 0)))}})
+    log.info("stopping", extra={"fields": {"sessions": len(registry.open_sessions())}})
     health_servicer.enter_graceful_shutdown()
     door.close()
     registry.close_all()
