@@ -142,7 +142,7 @@ KEYS: tuple[Key, ...] = (
         "(each sees only its own sessions)", _octal_mode),
     Key("listen", "admin_group", "", "members of this group (name or gid) see and use every session; empty: "
         "only root", _text),
-    Key("listen", "workers", 64, "RPCs served at once", _whole(1, 1024)),
+    Key("listen", "workers", 128, "RPCs served at once", _whole(1, 1024)),
     Key("quotas", "connections_per_uid", 64, "connections one local user may hold open at once (more are closed "
         "as soon as they are accepted); root may hold four times as many", _whole(1, 65536)),
     Key("quotas", "proxy_connections_per_session", 256, "connections a session's sandbox may hold open at once "
@@ -151,10 +151,10 @@ KEYS: tuple[Key, ...] = (
         "ports, from anyone; more are refused at once", _whole(1, 65536)),
     Key("quotas", "sessions_per_uid", 64, "open sessions one local user (a TLS caller: one certificate) may hold; "
         "root is exempt", _whole(1, 100000)),
-    Key("quotas", "calls_per_uid", 8, "calls one user may have running at once: Exec, file tools, search, patches "
+    Key("quotas", "calls_per_uid", 16, "calls one user may have running at once: Exec, file tools, search, patches "
         "and Authorize, including those held for approval; root is exempt. 4 users at calls_per_uid + "
         "streams_per_uid must leave room in listen.workers for a fifth (checked at start)", _whole(1, 1024)),
-    Key("quotas", "streams_per_uid", 2, "open WatchEvents and following ReadBackgroundOutput streams per user; "
+    Key("quotas", "streams_per_uid", 4, "open WatchEvents and following ReadBackgroundOutput streams per user; "
         "root is exempt", _whole(1, 1024)),
     Key("quotas", "reserved_workers", 0, "workers that running calls and streams (everyone's, root's too) may never "
         "take: they stay free for short calls (CreateSession, CloseSession, ResolveApproval ...); must be below "

@@ -408,7 +408,7 @@ def test_the_reserve_must_leave_workers_for_calls(tmp_path: Path) -> None:
     with pytest.raises(InvalidPolicy, match="reserved_workers"):
         QuotaLimits(workers=4, reserved_workers=5)
     # The default reserve is a quarter of the workers; a good file loads.
-    assert QuotaLimits(workers=64).reserved_workers == 16 and QuotaLimits(workers=64).long_lived_total == 48
+    assert QuotaLimits(workers=128).reserved_workers == 32 and QuotaLimits(workers=128).long_lived_total == 96
     path.write_text(QUOTA_CONFIG)
     assert config.load(str(path))["quotas.calls_per_uid"] == CALLS
 

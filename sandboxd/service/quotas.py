@@ -45,14 +45,15 @@ class QuotaLimits(Record):
     """The ``[quotas]`` settings (sandboxd.config documents each)."""
 
     sessions_per_uid: int = 64
-    # With the default 64 workers: a pool of 48, a first-slot share of 6, and 4 owners at
-    # 8 calls + 2 streams each hold 40 slots: 2 more, and the 6 of the share, stay for others.
-    # 8 running calls is more than an agent runs in parallel; 2 streams are a WatchEvents and a
-    # followed background output.
-    calls_per_uid: int = 8
-    streams_per_uid: int = 2
+    # With the default 128 workers: a pool of 96, a first-slot share of 12, and 4 owners at
+    # 16 calls + 4 streams each hold 80 slots: 4 more, and the 12 of the share, stay for others.
+    # 16 running calls covers an agent's parallel tool calls; 4 streams are a WatchEvents, an MCP
+    # client's event follower and two followed background outputs. Idle workers cost nothing:
+    # the pool's threads are started on demand.
+    calls_per_uid: int = 16
+    streams_per_uid: int = 4
     reserved_workers: int = 0             # 0: a quarter of the workers, at least 1
-    workers: int = 64                     # listen.workers: the pool the reserve is taken from
+    workers: int = 128                    # listen.workers: the pool the reserve is taken from
 
     def __post_init__(self) -> None:
         if self.reserved_workers == 0:
