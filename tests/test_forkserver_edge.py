@@ -191,3 +191,26 @@ def test_sandboxd_run_waits_on_a_pidfd_past_1024(workspace: Path) -> None:
             os.close(fd)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "ran\n"
+
+
+def test_a_request_too_large_for_the_socket_is_refused_before_sending(server: ForkServer, workspace: Path) -> None:
+    """Thousands of writable roots (or a huge environment) used to fail as "the fork server has
+    exited (Message too long)" while it had not: now the request is refused with its size and the
+    limit, and the server goes on serving. A large request that fits goes through (control)."""
+    stdio = null_stdio()
+    try:
+        # Control: 5,000 writable roots' worth (300 KB, past the socket's default 208 KiB buffer).
+        env = {**BASE_ENV, **{f"V{i}": "x" * 56 for i in range(5000)}}
+        call = server.launch(LaunchSpec(argv=("true",), workspace=str(workspace), env=env), stdio)
+        assert server.wait(call).exit_code == 0
+    finally:
+        os.close(stdio[0])
+    # Past the limit (1 MiB): refused here, whatever the request (the policy's own per-list limits
+    # may refuse such a session earlier; the fork server's internal path check has none).
+    with pytest.raises(InvalidPolicy) as refused:
+        server.check_paths((65534, 65534, ()), [f"{workspace}/{'r' * 200}-{i}" for i in range(6000)])
+    message = str(refused.value)
+    assert "too large for the fork server" in message and "writable roots" in message, message
+    size, limit = [int(word) for word in message.replace(",", " ").split() if word.isdigit()][:2]
+    assert size > limit > 300_000, message
+    assert server.ping(10) and launch_true(server, workspace) == 0

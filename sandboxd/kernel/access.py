@@ -18,6 +18,8 @@ import array
 import ctypes
 import errno
 import os
+import select
+import signal
 
 from sandboxd._record import Record
 from sandboxd.errors import Forbidden, InvalidPolicy
@@ -48,37 +50,114 @@ class PathRequest(Record):
 def open_as(caller: "Caller | None", requests: "list[PathRequest]") -> list[int]:
     """An O_PATH descriptor for each request, opened and checked as ``caller`` (None: as this
     process, with no check: root's own launches). Raises InvalidPolicy for a path that does not
-    exist, Forbidden for one the caller cannot reach or lacks the rights on; no descriptor leaks."""
+    exist, Forbidden for one the caller cannot reach or lacks the rights on; no descriptor leaks.
+    Waits as long as the lookups take: a process with other work (the fork server) uses
+    ``PendingOpen`` from its poll loop instead."""
     if caller is None or (caller.uid == 0 and caller.gid == 0):
         return _open_here(requests)
-    parent_end, child_end = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child only reports, through the socket
-        parent_end.close()
-        code = 0
-        try:
-            _child(caller, requests, child_end)
-        except BaseException:  # noqa: BLE001 - the parent sees a short answer
-            code = 1
-        os._exit(code)
-    child_end.close()
-    fds: list[int] = []
+    pending = PendingOpen(caller, requests)
     try:
-        for request in requests:
-            answer, received = _receive(parent_end)
+        while not pending.step():
+            select_poll = _poller(pending.fileno())
+            select_poll.poll()
+        return pending.take()
+    finally:
+        pending.abandon()
+        pending.reap(block=True)
+
+
+def _poller(fd: int) -> "select.poll":
+    waiter = select.poll()
+    waiter.register(fd, select.POLLIN)
+    return waiter
+
+
+class PendingOpen:
+    """``open_as`` in a child, answered a descriptor at a time, for a poll loop that must never
+    wait on a caller's path: a lookup on a file system that does not answer (a FUSE server that
+    never replies, a hung NFS or sshfs mount) blocks only this child. Poll ``fileno()``; call
+    ``step()`` when it is readable (True: every answer is in, or the child failed); then ``take()``.
+    ``abandon()`` (always, at the end) SIGKILLs the child if it is still there; ``reap()``
+    collects it once its pidfd (``pidfd``) is readable: a task stuck in D state on a hard NFS
+    mount may take long, and nobody waits for it."""
+
+    def __init__(self, caller: Caller, requests: "list[PathRequest]") -> None:
+        self.caller, self.requests = caller, list(requests)
+        self._fds: list[int] = []
+        self._refusal: Exception | None = None
+        self._sock, child_end = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child only reports, through the socket
+            self._sock.close()
+            code = 0
+            try:
+                _child(caller, requests, child_end)
+            except BaseException:  # noqa: BLE001 - the parent sees a short answer
+                code = 1
+            os._exit(code)
+        child_end.close()
+        self.pid = pid
+        self.pidfd = os.pidfd_open(pid)
+        self._sock.setblocking(False)
+        self._reaped = False
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def step(self) -> bool:
+        """Take the answers that are in; True once there is nothing more to wait for."""
+        while len(self._fds) < len(self.requests) and self._refusal is None:
+            try:
+                answer, received = _receive(self._sock)
+            except BlockingIOError:
+                return False
+            except OSError:
+                answer, received = "", []
             if not received:
-                raise _refusal(caller, request, answer)
-            fds.append(received[0])
+                self._refusal = _refusal(self.caller, self.requests[len(self._fds)], answer)
+                return True
+            self._fds.append(received[0])
             for extra in received[1:]:
                 os.close(extra)
+        return True
+
+    def take(self) -> list[int]:
+        """The descriptors, one per request (the caller owns them), or the refusal raised."""
+        if self._refusal is not None:
+            raise self._refusal
+        fds, self._fds = self._fds, []
         return fds
-    except BaseException:
-        for fd in fds:
+
+    def waiting_on(self) -> PathRequest:
+        """The request whose answer has not come: the path a hung lookup is stuck on."""
+        return self.requests[min(len(self._fds), len(self.requests) - 1)]
+
+    def abandon(self) -> None:
+        """Stop waiting: close what was received and not taken, SIGKILL the child if still there."""
+        for fd in self._fds:
             os.close(fd)
-        raise
-    finally:
-        parent_end.close()
-        os.waitpid(pid, 0)
+        self._fds = []
+        if self._sock.fileno() >= 0:
+            self._sock.close()
+        if not self._reaped:
+            try:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def reap(self, *, block: bool = False) -> bool:
+        """Collect the child (True once it is gone and its pidfd closed)."""
+        if self._reaped:
+            return True
+        try:
+            pid, _ = os.waitpid(self.pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            pid = self.pid
+        if pid == 0:
+            return False
+        os.close(self.pidfd)
+        self._reaped = True
+        return True
 
 
 def _open_here(requests: "list[PathRequest]") -> list[int]:

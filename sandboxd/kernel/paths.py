@@ -35,22 +35,33 @@ class ResolvedPaths(Record):
         self.descriptors.clear()
 
 
-def resolve(workspace: str, cwd: str | None, writable_roots: tuple[str, ...], *,
-            workspace_writable: bool, confined: bool = True,
-            caller: "tuple[int, int, tuple[int, ...]] | None" = None,
-            allowed_sockets: tuple[str, ...] = ()) -> ResolvedPaths:
-    """Open the workspace, the writable roots and the allowed sockets once, as ``caller`` (the
-    kernel checks its rights: write on the workspace and roots, write on a socket, which is what
-    connect() needs), and resolve everything from those descriptors."""
+def requests_for(workspace: str, writable_roots: tuple[str, ...],
+                 allowed_sockets: tuple[str, ...] = ()) -> "list[access.PathRequest]":
+    """What ``resolve`` opens as the caller, in its order (InvalidPolicy for a relative path)."""
     for what, path in [("workspace", workspace), *[("writable root", r) for r in writable_roots],
                        *[("allowed Unix socket", p) for p in allowed_sockets]]:
         if not path.startswith("/"):
             raise InvalidPolicy(f"{what} {path!r} is relative: give an absolute path")
-    requests = ([access.PathRequest(workspace, "workspace", access.WRITE)]
-                + [access.PathRequest(r, "writable root", access.WRITE) for r in writable_roots]
-                + [access.PathRequest(p, "allowed Unix socket", access.WRITE) for p in allowed_sockets])
-    who = access.Caller(caller[0], caller[1], caller[2]) if caller else None
-    fds = access.open_as(who, requests)
+    return ([access.PathRequest(workspace, "workspace", access.WRITE)]
+            + [access.PathRequest(r, "writable root", access.WRITE) for r in writable_roots]
+            + [access.PathRequest(p, "allowed Unix socket", access.WRITE) for p in allowed_sockets])
+
+
+def resolve(workspace: str, cwd: str | None, writable_roots: tuple[str, ...], *,
+            workspace_writable: bool, confined: bool = True,
+            caller: "tuple[int, int, tuple[int, ...]] | None" = None,
+            allowed_sockets: tuple[str, ...] = (), opened: "list[int] | None" = None) -> ResolvedPaths:
+    """Open the workspace, the writable roots and the allowed sockets once, as ``caller`` (the
+    kernel checks its rights: write on the workspace and roots, write on a socket, which is what
+    connect() needs), and resolve everything from those descriptors. ``opened``: those
+    descriptors, opened already (``requests_for``, by a poll loop's access.PendingOpen); this
+    function owns them then."""
+    if opened is None:
+        requests = requests_for(workspace, writable_roots, allowed_sockets)
+        who = access.Caller(caller[0], caller[1], caller[2]) if caller else None
+        fds = access.open_as(who, requests)
+    else:
+        fds = opened
     try:
         resolved = _from_descriptors(fds, workspace, cwd, writable_roots, allowed_sockets,
                                      workspace_writable=workspace_writable, confined=confined)
