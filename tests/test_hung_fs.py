@@ -35,7 +35,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conftest import PY, SLOW
 from daemon_helpers import (Daemon, DaemonFactory, PlainUser, create_session, plain_users, run_client_as, run_exec,
                             workspace_write)
-from sandboxd.v1 import sandboxd_pb2 as pb
 
 WAIT_SECONDS = 4.0                  # the daemon's fork_server.wait_seconds here
 VICTIM_BOUND = 1.0 * SLOW           # the bound on the victim's CreateSession and Exec

@@ -19,7 +19,7 @@ import ctypes
 import errno
 import os
 import select
-import signal
+import _signal as signal  # the C module: signal.py builds IntEnums (the run path avoids enum)
 
 from sandboxd._record import Record
 from sandboxd.errors import Forbidden, InvalidPolicy
@@ -186,7 +186,7 @@ def _child(caller: Caller, requests: "list[PathRequest]", sock: "_socket.socket"
         except OSError as exc:
             sock.send(f"open {exc.errno or errno.EIO}".encode())
             return
-        if request.access:
+        if request.access and (caller.uid, caller.gid) != (0, 0):    # root: no check, as in open_as
             result = raw_syscall("faccessat2", ctypes.c_int(fd), b"", ctypes.c_int(request.access),
                                  ctypes.c_int(AT_EMPTY_PATH | AT_EACCESS))
             if result < 0:

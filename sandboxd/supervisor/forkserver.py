@@ -337,10 +337,9 @@ class _Server:
                     requests: "list[access.PathRequest]", then: "Callable[[list[int]], None]") -> None:
         """Open ``requests`` as ``caller`` in a child, then ``then(descriptors)`` (which owns them)
         from the loop; a lookup past the deadline answers DeadlineExceeded naming its path."""
-        who = access.Caller(caller[0], caller[1], tuple(caller[2])) if caller else None
-        if who is None or (who.uid == 0 and who.gid == 0):
-            then(access.open_as(who, requests))           # root's own launches: nobody else's path
-            return
+        # Root's paths too (the daemon's own launches, root's sessions): a hung NFS mount named by
+        # accident must not hold everyone else either.
+        who = access.Caller(caller[0], caller[1], tuple(caller[2])) if caller else access.Caller(0, 0, ())
         pending = access.PendingOpen(who, requests)
 
         def ready() -> bool:
