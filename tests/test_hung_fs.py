@@ -33,8 +33,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import PY, SLOW
-from daemon_helpers import (Daemon, DaemonFactory, PlainUser, create_session, plain_users, run_client_as, run_exec,
-                            workspace_write)
+from daemon_helpers import (Daemon, DaemonFactory, ExecCall, PlainUser, create_session, exec_start, plain_users,
+                            run_client_as, run_exec, workspace_write)
 
 WAIT_SECONDS = 4.0                  # the daemon's fork_server.wait_seconds here
 VICTIM_BOUND = 1.0 * SLOW           # the bound on the victim's CreateSession and Exec
@@ -349,6 +349,8 @@ def test_the_watchdog_replaces_a_frozen_fork_server(sandboxd_daemon: DaemonFacto
     assert run_exec(stub, session.id, ["/bin/echo", "before"]).stdout == b"before\n"
     frozen = daemon.fork_server_pid()
     assert frozen is not None
+    running = ExecCall(stub, exec_start(session.id, ["/bin/sleep", "60"]))
+    running.wait_started()
     os.kill(frozen, signal.SIGSTOP)
     try:
         deadline = time.monotonic() + 4 * ping_timeout + 10 * SLOW
@@ -371,6 +373,12 @@ def test_the_watchdog_replaces_a_frozen_fork_server(sandboxd_daemon: DaemonFacto
             pass
     assert not os.path.exists(f"/proc/{frozen}") or open(f"/proc/{frozen}/stat").read().split(")")[1].split()[0] == "Z"
     assert any("did not answer a ping" in str(line.get("msg")) for line in daemon.log_lines()), daemon.log()
+    # A call running in the frozen server died with it: it ends at once with an error that says so.
+    assert running.wait_done(30 * SLOW), running.outcome.describe()
+    running.close()
+    assert running.error is not None and running.error.code() == grpc.StatusCode.FAILED_PRECONDITION, \
+        (running.error, running.outcome.describe())
+    assert "fork server" in (running.error.details() or ""), running.error
     # The new fork server serves the old session (resumed on its next call) and a new one.
     assert run_exec(stub, session.id, ["/bin/echo", "after"]).stdout == b"after\n"
     other = create_session(stub, sandboxd_daemon.workspace(), workspace_write())

@@ -3,7 +3,8 @@
 The fork server's loop never waits on a caller's path (supervisor.waits), so a fork server that
 does not answer a ping within ``timeout`` seconds is stuck for a reason nobody foresaw (a kernel
 bug, a stop signal, a blocking call missed). Every session would hang behind it, with health
-still SERVING. The watchdog pings it every third of ``timeout``; on a missed answer it says
+still SERVING. The watchdog pings it every third of ``timeout``; on a missed answer (and no other
+answer within ``timeout`` either: under load a ping may queue behind many requests) it says
 NOT_SERVING (``on_hang``), logs why, and SIGKILLs the server; the daemon's main loop sees the
 death and runs the restart it runs for a crash (a new fork server, sessions resumed on their
 next call, SERVING again).
@@ -15,6 +16,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from sandboxd.errors import SetupError
@@ -56,6 +58,8 @@ class Watchdog:
             return True          # it has exited (or is being replaced): the main loop restarts it
         if self._stopping.is_set() or pid != self._fork.pid:
             return True          # replaced meanwhile: the new one gets the next ping
+        if time.monotonic() - self._fork.last_heard < self.timeout:
+            return True          # a long queue of requests ahead of the ping, but answering: alive
         self._on_hang()
         log.error("fork server did not answer a ping: killing it, to be replaced like a crashed one "
                   "(every sandbox dies with it; sessions resume on their next call)",

@@ -539,6 +539,7 @@ class ForkServer:
         self._first_id = 1                        # ids below it went to a server that has died since
         self._wait_seconds = DEFAULT_WAIT_SECONDS
         self._limit = message_limit(sock)
+        self.last_heard = time.monotonic()       # when it last answered anything (the watchdog's progress)
 
     @property
     def native_calls(self) -> bool:
@@ -661,6 +662,7 @@ class ForkServer:
                 self._sock, self.pid, self._process = fresh._sock, fresh.pid, fresh._process
                 self._limit = fresh._limit
                 self._native_calls = fresh._native_calls
+                self.last_heard = time.monotonic()
                 self._first_id = self._next_id
                 self._events.clear()
                 self._closed = False
@@ -755,6 +757,7 @@ class ForkServer:
                 if message is None:
                     self._closed = True
                 elif isinstance(message.get("id"), int):
+                    self.last_heard = time.monotonic()
                     self._events.setdefault(message["id"], []).append(message)
                 self._cond.notify_all()           # another waiter's event, or the next reader's turn
 
