@@ -161,6 +161,7 @@ class _Server:
         self._orphans = Orphans(self._poller)             # children given up on, reaped when they go
         self._opening: set[str] = set()                   # sessions being built
         self._closed_while_opening: set[str] = set()
+        self._unanswered: set[int] = set()                # calls that never started: their end is nobody's
 
     def serve(self) -> None:
         while True:
@@ -195,6 +196,9 @@ class _Server:
                 del self.running[call_id]
                 # By number: poll() above closed the pidfd, and nothing polls in between.
                 self._poller.unregister(self._watched.pop(call_id))
+                if call_id in self._unanswered:
+                    self._unanswered.discard(call_id)
+                    continue
                 self._answer({"id": call_id, "event": "exited", "info": info.to_dict()})
 
     def _answer(self, message: dict[str, Any]) -> None:
@@ -433,19 +437,26 @@ class _Server:
             if not reader.read():
                 return False
             proc.started_with(reader.data)
-            self.running[call_id] = (proc, limit)
-            self._watched[call_id] = proc.fileno()
-            self._poller.register(proc.fileno(), select.POLLIN)
+            self._track(call_id, proc, limit)
             self._answer({"id": call_id, "event": "started", "pid": proc.pid, "inner_pid": proc.inner_pid})
             return True
 
         def expire() -> None:
+            # Stopped (SIGKILL after the grace if its supervisor is stuck too) and reaped like a
+            # running call, but its end is nobody's answer: the request is answered here.
             proc.stop()
-            self._orphans.add(proc.fileno(), lambda: proc.poll() is not None)
+            self._unanswered.add(call_id)
+            self._track(call_id, proc, None)
             raise DeadlineExceeded(f"the command did not start within {self.wait_seconds:g} s: its cwd, its "
                                    "program or a path it names is on a file system that does not answer")
 
         self._waits.add(proc.report_fileno(), call_id, time.monotonic() + self.wait_seconds, ready, expire)
+
+    def _track(self, call_id: int, proc: SandboxProcess, limit: float | None) -> None:
+        """Watch a started call: its pidfd in the poller, its end reported by ``_collect_exits``."""
+        self.running[call_id] = (proc, limit)
+        self._watched[call_id] = proc.fileno()
+        self._poller.register(proc.fileno(), select.POLLIN)
 
     def _close_session(self, session: SessionSandbox) -> None:
         """Kill the session and wait until it is gone, reaping its calls meanwhile (init's exit
