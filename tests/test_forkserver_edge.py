@@ -214,3 +214,30 @@ def test_a_request_too_large_for_the_socket_is_refused_before_sending(server: Fo
     size, limit = [int(word) for word in message.replace(",", " ").split() if word.isdigit()][:2]
     assert size > limit > 300_000, message
     assert server.ping(10) and launch_true(server, workspace) == 0
+
+
+def test_a_planted_symlink_is_refused_by_the_walk_made_as_the_caller(server: ForkServer, base_dir: Path,
+                                                                     outside: Path) -> None:
+    """Through the fork server the walk along a writable root's path (is a symlink in it planted
+    inside a writable area?) runs in the child that opened the paths, as the caller, off the
+    loop: it still refuses a root through a symlink planted in the workspace; the target itself
+    given directly is fine (control)."""
+    ws = base_dir / "caller-ws"
+    ws.mkdir(mode=0o777)
+    os.chmod(ws, 0o777)
+    (ws / "planted").symlink_to(outside)
+    nobody = (65534, 65534, ())
+
+    def launch(root: str) -> int:
+        stdio = null_stdio()
+        try:
+            call = server.launch(LaunchSpec(argv=("true",), workspace=str(ws), env=dict(BASE_ENV), caller=nobody,
+                                            user=(65534, 65534), policy=WorkspaceWrite(writable_roots=(root,))), stdio)
+        finally:
+            os.close(stdio[0])
+        return server.wait(call).exit_code  # type: ignore[return-value]
+
+    assert launch(str(outside)) == 0
+    with pytest.raises(InvalidPolicy, match="planted") as refused:
+        launch(f"{ws}/planted")
+    assert f"{ws}/planted" in str(refused.value) and "symlink" in str(refused.value)

@@ -25,6 +25,10 @@ from sandboxd._record import Record
 from sandboxd.errors import Forbidden, InvalidPolicy
 from sandboxd.kernel._libc import raw_syscall
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 AT_EMPTY_PATH = 0x1000
 AT_EACCESS = 0x200
 READ, WRITE, SEARCH = os.R_OK, os.W_OK, os.X_OK
@@ -81,17 +85,22 @@ class PendingOpen:
     collects it once its pidfd (``pidfd``) is readable: a task stuck in D state on a hard NFS
     mount may take long, and nobody waits for it."""
 
-    def __init__(self, caller: Caller, requests: "list[PathRequest]") -> None:
+    def __init__(self, caller: Caller, requests: "list[PathRequest]",
+                 check: "Callable[[list[int]], None] | None" = None) -> None:
+        """``check``: run in the child, as the caller, on all the descriptors once opened (it may
+        raise InvalidPolicy): lookups of its own (a walk along the given paths) then wait on the
+        caller's file systems in the child too, never in this process."""
         self.caller, self.requests = caller, list(requests)
         self._fds: list[int] = []
         self._refusal: Exception | None = None
+        self._checking = check is not None
         self._sock, child_end = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child only reports, through the socket
             self._sock.close()
             code = 0
             try:
-                _child(caller, requests, child_end)
+                _child(caller, requests, child_end, check)
             except BaseException:  # noqa: BLE001 - the parent sees a short answer
                 code = 1
             os._exit(code)
@@ -106,13 +115,21 @@ class PendingOpen:
 
     def step(self) -> bool:
         """Take the answers that are in; True once there is nothing more to wait for."""
-        while len(self._fds) < len(self.requests) and self._refusal is None:
+        while (len(self._fds) < len(self.requests) or self._checking) and self._refusal is None:
             try:
                 answer, received = _receive(self._sock)
             except BlockingIOError:
                 return False
             except OSError:
                 answer, received = "", []
+            if len(self._fds) == len(self.requests):      # the check's verdict
+                for fd in received:
+                    os.close(fd)
+                self._checking = False
+                if answer != "checked":
+                    self._refusal = InvalidPolicy(answer.partition(" ")[2]) if answer.startswith("refused ") \
+                        else Forbidden(f"the path check as uid {self.caller.uid} failed")
+                return True
             if not received:
                 self._refusal = _refusal(self.caller, self.requests[len(self._fds)], answer)
                 return True
@@ -128,9 +145,10 @@ class PendingOpen:
         fds, self._fds = self._fds, []
         return fds
 
-    def waiting_on(self) -> PathRequest:
-        """The request whose answer has not come: the path a hung lookup is stuck on."""
-        return self.requests[min(len(self._fds), len(self.requests) - 1)]
+    def waiting_on(self) -> PathRequest | None:
+        """The request whose answer has not come: the path a hung lookup is stuck on (None: every
+        path is open, the ``check`` is what has not answered)."""
+        return self.requests[len(self._fds)] if len(self._fds) < len(self.requests) else None
 
     def abandon(self) -> None:
         """Stop waiting: close what was received and not taken, SIGKILL the child if still there."""
@@ -175,11 +193,13 @@ def _open_here(requests: "list[PathRequest]") -> list[int]:
         raise
 
 
-def _child(caller: Caller, requests: "list[PathRequest]", sock: "_socket.socket") -> None:
+def _child(caller: Caller, requests: "list[PathRequest]", sock: "_socket.socket",
+           check: "Callable[[list[int]], None] | None" = None) -> None:
     """In the forked child: become the caller, then open and check each path in turn."""
     os.setgroups(list(caller.groups))
     os.setresgid(caller.gid, caller.gid, caller.gid)
     os.setresuid(caller.uid, caller.uid, caller.uid)
+    opened: list[int] = []                # kept for ``check``; the process's exit closes them
     for request in requests:
         try:
             fd = os.open(request.path, os.O_PATH | os.O_CLOEXEC)
@@ -193,12 +213,19 @@ def _child(caller: Caller, requests: "list[PathRequest]", sock: "_socket.socket"
                 sock.send(f"access {-result}".encode())
                 return
         sock.sendmsg([b"ok"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, array.array("i", [fd]))])
-        os.close(fd)
+        opened.append(fd)
+    if check is not None:
+        try:
+            check(opened)
+        except InvalidPolicy as exc:
+            sock.send(f"refused {exc}".encode()[:4000])
+            return
+        sock.send(b"checked")
 
 
 def _receive(sock: "_socket.socket") -> tuple[str, list[int]]:
     fds = array.array("i")
-    data, ancillary, _, _ = sock.recvmsg(256, _socket.CMSG_SPACE(4 * fds.itemsize))
+    data, ancillary, _, _ = sock.recvmsg(4096, _socket.CMSG_SPACE(4 * fds.itemsize))
     for level, kind, payload in ancillary:
         if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])

@@ -15,6 +15,10 @@ from sandboxd.kernel.unix_diag import file_identity
 from sandboxd.policy import DangerFullAccess, LaunchSpec, Limits, WorkspaceWrite
 from sandboxd.policy.sandbox import is_within
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 
 class BrokerRules(Record):
     """What init's connect broker decides (launcher.connect_broker), fixed before the fork."""
@@ -88,10 +92,20 @@ def path_requests(spec: LaunchSpec) -> "list[access.PathRequest]":
                               tuple(getattr(policy, "allowed_unix_sockets", ())) if confined else ())
 
 
+def path_check(spec: LaunchSpec) -> "Callable[[list[int]], None]":
+    """The check ``prepare`` makes on the descriptors of ``path_requests(spec)`` with lookups of
+    its own (paths.planted_symlink_check): made where they were opened, as the caller."""
+    policy = spec.policy
+    return paths.planted_symlink_check(spec.workspace,
+                                       policy.writable_roots if isinstance(policy, WorkspaceWrite) else (),
+                                       workspace_writable=isinstance(policy, WorkspaceWrite))
+
+
 def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
     """Resolve ``spec``: its paths opened and checked as its caller, the mount trees of its roots
     cloned (the returned plan owns them: ``close_trees`` once the child has them). ``opened``: the
-    descriptors of ``path_requests(spec)``, opened already (prepare owns them then)."""
+    descriptors of ``path_requests(spec)``, opened and checked (``path_check``) already (prepare
+    owns them then)."""
     policy = spec.policy
     confined = not isinstance(policy, DangerFullAccess)
     writable = isinstance(policy, WorkspaceWrite)

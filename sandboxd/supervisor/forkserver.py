@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 from sandboxd._record import Record
 from sandboxd.kernel import access
+from sandboxd.launcher.plan import path_check as plan_path_check
 from sandboxd.launcher.plan import path_requests as plan_path_requests
 from sandboxd.errors import DeadlineExceeded, Forbidden, InvalidPolicy, SandboxdError, SetupError
 from sandboxd.policy.limits import MAX_TIMEOUT_SECONDS  # noqa: F401 - re-exported for the edge's callers
@@ -268,7 +269,7 @@ class _Server:
                         for fd in stdio:
                             os.close(fd)
                 try:
-                    self._open_paths(call_id, spec.caller, plan_path_requests(spec), launch)
+                    self._open_paths(call_id, spec.caller, plan_path_requests(spec), launch, plan_path_check(spec))
                 except BaseException:
                     for fd in stdio:
                         os.close(fd)
@@ -295,7 +296,7 @@ class _Server:
             self._opening.add(name)
             try:
                 self._open_paths(call_id, spec.caller, plan_path_requests(spec),
-                                 lambda opened: self._build_session(call_id, name, spec, opened))
+                                 lambda opened: self._build_session(call_id, name, spec, opened), plan_path_check(spec))
             except BaseException:
                 self._opening.discard(name)
                 raise
@@ -338,13 +339,15 @@ class _Server:
     # -- waiting on children, never blocking ---------------------------------------------------
 
     def _open_paths(self, call_id: int, caller: "tuple[int, int, tuple[int, ...]] | None",
-                    requests: "list[access.PathRequest]", then: "Callable[[list[int]], None]") -> None:
-        """Open ``requests`` as ``caller`` in a child, then ``then(descriptors)`` (which owns them)
-        from the loop; a lookup past the deadline answers DeadlineExceeded naming its path."""
+                    requests: "list[access.PathRequest]", then: "Callable[[list[int]], None]",
+                    check: "Callable[[list[int]], None] | None" = None) -> None:
+        """Open ``requests`` as ``caller`` in a child (which also runs ``check`` on them, see
+        access.PendingOpen), then ``then(descriptors)`` (which owns them) from the loop; a lookup
+        past the deadline answers DeadlineExceeded naming its path."""
         # Root's paths too (the daemon's own launches, root's sessions): a hung NFS mount named by
         # accident must not hold everyone else either.
         who = access.Caller(caller[0], caller[1], tuple(caller[2])) if caller else access.Caller(0, 0, ())
-        pending = access.PendingOpen(who, requests)
+        pending = access.PendingOpen(who, requests, check)
 
         def ready() -> bool:
             if not pending.step():
@@ -361,10 +364,12 @@ class _Server:
             waiting = pending.waiting_on()
             pending.abandon()
             self._orphans.add(pending.pidfd, lambda: pending.reap())
+            what = f"{waiting.what} {waiting.path!r}" if waiting else \
+                f"the symlink check along {', '.join(repr(r.path) for r in requests if r.what != 'allowed Unix socket')}"
             raise DeadlineExceeded(
-                f"{waiting.what} {waiting.path!r} did not answer within {self.wait_seconds:g} s when opened as "
-                f"uid {who.uid}: it is on a file system that does not answer (a FUSE server that does not "
-                "reply, a hung NFS or sshfs mount); release that mount or leave the path out")
+                f"{what} did not answer within {self.wait_seconds:g} s when opened as uid {who.uid}: it is on a "
+                "file system that does not answer (a FUSE server that does not reply, a hung NFS or sshfs "
+                "mount); release that mount or leave the path out")
 
         self._waits.add(pending.fileno(), call_id, time.monotonic() + self.wait_seconds, ready, expire)
 
