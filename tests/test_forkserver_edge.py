@@ -241,3 +241,21 @@ def test_a_planted_symlink_is_refused_by_the_walk_made_as_the_caller(server: For
     with pytest.raises(InvalidPolicy, match="planted") as refused:
         launch(f"{ws}/planted")
     assert f"{ws}/planted" in str(refused.value) and "symlink" in str(refused.value)
+
+
+def test_a_session_refused_at_its_paths_leaves_its_name_free(server: ForkServer, base_dir: Path) -> None:
+    """The paths are opened off the loop, before the build: a refusal there must not leave the
+    session's name taken (the daemon opens a session again under the same name)."""
+    ws = base_dir / "caller-ws"
+    ws.mkdir(mode=0o777)
+    os.chmod(ws, 0o777)
+    nobody = (65534, 65534, ())
+    missing = LaunchSpec(argv=("true",), workspace=str(ws), caller=nobody, user=(65534, 65534),
+                         policy=WorkspaceWrite(writable_roots=(f"{ws}/missing",)))
+    with pytest.raises(InvalidPolicy, match="does not exist"):
+        server.open_session("again", missing)
+    (ws / "missing").mkdir(mode=0o777)
+    os.chmod(ws / "missing", 0o777)
+    info = server.open_session("again", missing)
+    assert info.init_pid > 0 and info.workspace == str(ws)
+    server.close_session("again")

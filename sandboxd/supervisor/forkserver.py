@@ -262,17 +262,19 @@ class _Server:
                 limit = check_timeout(spec.limits.timeout_seconds, "limit timeout_seconds")
                 # The stdio descriptors outlive this request's message: the launch waits on the paths.
                 stdio = (os.dup(fds[0]), os.dup(fds[1]), os.dup(fds[2]))
+                def close_stdio() -> None:
+                    for fd in stdio:
+                        os.close(fd)
                 def launch(opened: list[int]) -> None:
                     try:
                         self._await_start(call_id, self.spawner.launch(spec, stdio=stdio, opened=opened), limit)
                     finally:
-                        for fd in stdio:
-                            os.close(fd)
+                        close_stdio()
                 try:
-                    self._open_paths(call_id, spec.caller, plan_path_requests(spec), launch, plan_path_check(spec))
+                    self._open_paths(call_id, spec.caller, plan_path_requests(spec), launch, plan_path_check(spec),
+                                     undo=close_stdio)
                 except BaseException:
-                    for fd in stdio:
-                        os.close(fd)
+                    close_stdio()
                     raise
                 return
             session = self._session(message)
@@ -296,9 +298,10 @@ class _Server:
             self._opening.add(name)
             try:
                 self._open_paths(call_id, spec.caller, plan_path_requests(spec),
-                                 lambda opened: self._build_session(call_id, name, spec, opened), plan_path_check(spec))
+                                 lambda opened: self._build_session(call_id, name, spec, opened), plan_path_check(spec),
+                                 undo=lambda: self._forget_opening(name))
             except BaseException:
-                self._opening.discard(name)
+                self._forget_opening(name)
                 raise
         elif op == "session_close":
             name = _field(message, "session", str)
@@ -340,10 +343,12 @@ class _Server:
 
     def _open_paths(self, call_id: int, caller: "tuple[int, int, tuple[int, ...]] | None",
                     requests: "list[access.PathRequest]", then: "Callable[[list[int]], None]",
-                    check: "Callable[[list[int]], None] | None" = None) -> None:
+                    check: "Callable[[list[int]], None] | None" = None,
+                    undo: "Callable[[], None]" = lambda: None) -> None:
         """Open ``requests`` as ``caller`` in a child (which also runs ``check`` on them, see
         access.PendingOpen), then ``then(descriptors)`` (which owns them) from the loop; a lookup
-        past the deadline answers DeadlineExceeded naming its path."""
+        past the deadline answers DeadlineExceeded naming its path. ``undo``: what to release when
+        ``then`` is never called (a refused path, the deadline)."""
         # Root's paths too (the daemon's own launches, root's sessions): a hung NFS mount named by
         # accident must not hold everyone else either.
         who = access.Caller(caller[0], caller[1], tuple(caller[2])) if caller else access.Caller(0, 0, ())
@@ -354,6 +359,9 @@ class _Server:
                 return False
             try:
                 opened = pending.take()
+            except BaseException:
+                undo()
+                raise
             finally:
                 pending.abandon()
                 self._orphans.add(pending.pidfd, lambda: pending.reap())
@@ -361,6 +369,7 @@ class _Server:
             return True
 
         def expire() -> None:
+            undo()
             waiting = pending.waiting_on()
             pending.abandon()
             self._orphans.add(pending.pidfd, lambda: pending.reap())
@@ -378,7 +387,7 @@ class _Server:
         try:
             build = self.spawner.begin_session(spec, opened)
         except BaseException:
-            self._opening.discard(name)
+            self._forget_opening(name)
             raise
         if isinstance(build, SessionSandbox):
             self._session_ready(call_id, name, build)
@@ -396,13 +405,17 @@ class _Server:
             return True
 
         def expire() -> None:
-            self._opening.discard(name)
-            self._closed_while_opening.discard(name)
+            self._forget_opening(name)
             self._abandon_session(build)
             raise DeadlineExceeded(f"the sandbox of session {name!r} was not built within {self.wait_seconds:g} s "
                                    "(a workspace or writable root on a file system that does not answer?)")
 
         self._waits.add(build.report_fd, call_id, time.monotonic() + self.wait_seconds, ready, expire)
+
+    def _forget_opening(self, name: str) -> None:
+        """A session that will not be open after all: its name is free again."""
+        self._opening.discard(name)
+        self._closed_while_opening.discard(name)
 
     def _abandon_session(self, build: SessionBuild) -> None:
         session = build.abandon()
