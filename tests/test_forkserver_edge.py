@@ -259,3 +259,15 @@ def test_a_session_refused_at_its_paths_leaves_its_name_free(server: ForkServer,
     info = server.open_session("again", missing)
     assert info.init_pid > 0 and info.workspace == str(ws)
     server.close_session("again")
+
+
+def test_ping_says_whether_the_server_answers_in_time(server: ForkServer) -> None:
+    """The watchdog's probe: a stopped server does not answer (False, after the timeout, never
+    later), the same server continued does (control)."""
+    assert server.ping(10)
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        assert not server.ping(0.3)
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    assert server.ping(10)

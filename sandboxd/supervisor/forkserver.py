@@ -628,9 +628,26 @@ class ForkServer:
 
     def ping(self, timeout: float) -> bool:
         """True if the server answers a ping within ``timeout`` seconds (the daemon's watchdog);
-        False if it does not. SetupError if it has exited."""
-        call_id = self._request({"op": "ping"})
-        return self._wait_event(call_id, ("pong",), timeout=timeout) is not None
+        False if it does not. SetupError if it has exited. Never blocks past ``timeout``: not on
+        the send lock (a sender may be stuck on a full socket) nor on a socket the server has
+        stopped draining."""
+        deadline = time.monotonic() + timeout
+        if not self._send_lock.acquire(timeout=timeout):
+            return False
+        try:
+            if self._closed:
+                raise SetupError("fork server", 0, detail="the fork server has exited")
+            call_id = self._next_id
+            self._next_id += 1
+            try:
+                self._sock.send(json.dumps({"op": "ping", "id": call_id}).encode(), socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return False                              # its queue is full: it is not reading
+            except OSError as exc:
+                raise SetupError("fork server", 0, detail=f"the fork server has exited ({exc.strerror})") from None
+        finally:
+            self._send_lock.release()
+        return self._wait_event(call_id, ("pong",), timeout=max(0.0, deadline - time.monotonic())) is not None
 
     def close_session(self, session: str) -> None:
         self._expect(self._request({"op": "session_close", "session": session}), "session_closed")
