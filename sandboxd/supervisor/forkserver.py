@@ -70,7 +70,7 @@ _PLAIN_ERRORS: dict[str, type[SandboxdError]] = {cls.__name__: cls for cls in (I
 DEFAULT_WAIT_SECONDS = 10.0
 # How long closing a session waits for its init to be reaped (milliseconds, normally) before
 # leaving it to the loop: a process stuck on a file system that does not answer may hold it.
-CLOSE_WAIT_SECONDS = 2.0
+CLOSE_WAIT_SECONDS = 5.0
 # The longest one poll() waits: far enough to cost nothing, near enough that no deadline can
 # overflow poll's millisecond int (the loop recomputes after every wake). Time limits above
 # MAX_TIMEOUT_SECONDS (a week) are refused before they get here (policy Limits, SessionCall) and
