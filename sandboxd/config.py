@@ -172,6 +172,13 @@ KEYS: tuple[Key, ...] = (
     Key("tls", "users", {}, "principal -> local USER[:GROUP] it acts as, e.g. { \"agent-a\" = \"alice\" }; "
         "others act as tls.user", _string_table),
     Key("state", "dir", defaults.STATE_DIR, "the event store (audit log) and session metadata", _absolute),
+    Key("fork_server", "ping_timeout_seconds", 10, "the watchdog: a fork server that does not answer a ping "
+        "within this (pinged every third of it) is killed and replaced, and health says NOT_SERVING meanwhile",
+        _positive_seconds),
+    Key("fork_server", "wait_seconds", 10, "how long a request may wait on the paths it names (opened as its "
+        "caller), its session's build or its command's start; past it the request fails with DEADLINE_EXCEEDED "
+        "naming the path (a FUSE, NFS or sshfs mount that does not answer), and nobody else waits",
+        _positive_seconds),
     Key("approvals", "timeout_seconds", 300, "a call nobody approves within this is denied", _positive_seconds),
     Key("network", "dns", [], "resolvers for isolated networks; empty: the host's", _ipv4_list),
     Key("network", "pool", "10.233.0.0/16", "addresses of isolated networks, a /30 per sandbox", _cidr),

@@ -232,13 +232,14 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
           log_format: str = "json", log_level: str = "info", config_path: str | None = None,
           metrics_listen: str = "",
           session_defaults: "SessionDefaults | None" = None, network_pool: str = "", connections_per_uid: int = 64,
-          proxy_connections: int = 256, published_connections: int = 256, quotas: "QuotaLimits | None" = None) -> int:
+          proxy_connections: int = 256, published_connections: int = 256, quotas: "QuotaLimits | None" = None,
+          ping_timeout: float = 10.0, wait_seconds: float = 10.0) -> int:
     from sandboxd.supervisor.forkserver import ForkServer
     # First: the fork server inherits it (it holds descriptors for every session; at 1024 it failed
     # past ~500 sessions). Sandboxes inherit it from the fork server in turn, unless the session
     # sets open_files.
     raise_nofile_limit()
-    fork = ForkServer.start()                             # before gRPC's threads, and as a fresh process
+    fork = ForkServer.start(wait_seconds=wait_seconds)    # before gRPC's threads, and as a fresh process
     problem = _self_test(fork, session_defaults)
     if problem is not None:
         # Refuse to start rather than serve sessions the kernel cannot enforce.
@@ -345,6 +346,12 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     # ("the fork server exited"), never hang.
     status = 0
     watch = ForkWatch(fork)
+    from sandboxd.service.watchdog import Watchdog
+    def not_serving() -> None:
+        for service in ("", "sandboxd.v1.Sandbox"):
+            health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    watchdog = Watchdog(fork, ping_timeout, not_serving)
+    watchdog.start()
     while not stopping:
         how = watch.died(0.2)
         if how is None:
@@ -371,6 +378,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
         log.info("fork server restarted", extra={"fields": {"fork_server_pid": fork.pid}})
         for service in ("", "sandboxd.v1.Sandbox"):
             health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    watchdog.stop()
     watch.close()
     for signum in (signal.SIGTERM, signal.SIGINT):
         # Stopping already: more of these must not cut the cleanup short (nor, at interpreter

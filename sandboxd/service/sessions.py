@@ -217,13 +217,14 @@ class SessionRegistry:
         self._check_policy(caller, policy)
         self._check_not_shared(caller, workspace, policy)
         check_host_ports(caller.is_root, getattr(policy, "published_ports", ()))
+        real_workspace = os.path.realpath(workspace)      # never under the lock: a lookup may hang (NFS)
         with self._lock:
             if len(self._sessions) >= self._max:
                 raise Exhausted(f"the daemon holds its maximum of {self._max} sessions: close some first")
             owner = owner_key(caller)
             self.quotas.check_sessions(caller, sum(1 for s in self._sessions.values() if owner_key(s.owner) == owner))
             session_id = secrets.token_hex(8)
-            session = Session(session_id, caller, os.path.realpath(workspace), policy, approval, limits, labels,
+            session = Session(session_id, caller, real_workspace, policy, approval, limits, labels,
                               rules)
             self._sessions[session_id] = session
         try:
