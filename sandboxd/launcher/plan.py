@@ -72,6 +72,7 @@ class LaunchPlan(Record):
     root_trees: dict[str, int] = Factory(dict)
     # sandboxd's own directories and files, covered inside the sandbox (rootfs step 8c).
     hidden_paths: tuple[str, ...] = ()
+    owner: str = ""                                # whose share of the ceiling its cgroups count against
     debug: DebugHooks | None = None                # tests only (DebugHooks)
 
     def close_trees(self) -> None:
@@ -125,7 +126,7 @@ def prepare(spec: LaunchSpec) -> LaunchPlan:
         protected_subpaths=policy.protected_subpaths if isinstance(policy, WorkspaceWrite) else (),
         uid=uid, gid=gid, limits=spec.limits,
         seccomp_program=seccomp.program_for(filter_spec), brokers_connect=filter_spec.brokers_connect,
-        broker=broker, root_trees=trees, hidden_paths=hidden,
+        broker=broker, root_trees=trees, hidden_paths=hidden, owner=spec.owner,
     )
 
 
