@@ -435,6 +435,7 @@ def wait_until_rss(parent, at_least: int, within: float = 60.0) -> bool:  # type
     ("[defaults]\npids = 200\n[limits]\ntotal_pids = 128\n", "defaults.pids", "limits.max_pids"),
     ("[limits]\nmax_pids = 200\ntotal_pids = 128\n", "limits.max_pids", "limits.total_pids"),
     ("[limits]\nmax_memory = \"1G\"\ntotal_memory = \"512M\"\n", "limits.max_memory", "limits.total_memory"),
+    ("[limits]\ntotal_pids = 300\nowner_pids = 400\n", "limits.owner_pids", "limits.total_pids"),
 ])
 def test_a_per_session_limit_past_the_parent_caps_is_refused_at_start(
         sandboxd_daemon: DaemonFactory, config: str, key: str, above: str) -> None:
