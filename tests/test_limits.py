@@ -84,6 +84,17 @@ def test_pids_limit_makes_fork_fail_with_eagain(policy: str, workspace: Path) ->
     assert int(words[2]) < 10
 
 
+def test_a_command_that_cannot_even_start_at_its_pids_limit_is_told_which_limits(workspace: Path) -> None:
+    """With --pids 1 init fills the limit, so the command itself cannot be forked: setup fails with
+    the limits to raise named (a daemon's call gets RESOURCE_EXHAUSTED with it: test_daemon_limits).
+    Control: with --pids 2 the same command runs."""
+    full = run_sbx(["true"], workspace=workspace, policy="read-only", options=("--pids", "1"), timeout=60)
+    assert full.returncode == 125 and "EAGAIN" in full.stderr, describe(full)
+    assert "--pids" in full.stderr and "limits.owner_pids" in full.stderr, describe(full)
+    fits = run_sbx(["true"], workspace=workspace, policy="read-only", options=("--pids", "2"), timeout=60)
+    assert fits.returncode == 0, describe(fits)
+
+
 def test_pids_without_limit_allow_many(workspace: Path) -> None:
     """Control: without --pids the same program makes 40 children."""
     result = run_sbx(py(PIDS, "40"), workspace=workspace)
