@@ -199,6 +199,11 @@ KEYS: tuple[Key, ...] = (
         "empty: three quarters of RAM", _size_or_empty),
     Key("limits", "total_pids", 0, "tasks of all sandboxes together (the cap of their parent cgroup); 0: half "
         "of the smaller of kernel.pid_max and kernel.threads-max", _whole(0, 1 << 22)),
+    Key("limits", "owner_pids", 0, "tasks of all sandboxes of one owner (a uid, a TLS principal; root's own "
+        "sessions have no share) together; 0: a fifth of limits.total_pids, so four owners at their share "
+        "leave a fifth for the rest", _whole(0, 1 << 22)),
+    Key("limits", "owner_memory", "", "memory of all sandboxes of one owner together; empty: no share (only "
+        "limits.total_memory: the OOM killer acts there)", _size_or_empty),
     Key("metrics", "listen", "", "HOST:PORT of the Prometheus metrics listener (HTTP, /metrics); empty: none",
         _text),
     Key("log", "level", "info", "info: the daemon's life and its problems; debug: also every decision and call "
@@ -312,6 +317,8 @@ class ResourceLimits(Record):
     max_pids: int
     total_memory: int        # all sandboxes together: their parent cgroup's caps
     total_pids: int
+    owner_pids: int          # all sandboxes of one owner together: the caps of its group
+    owner_memory: int = 0    # 0: none
 
 
 def resource_limits(config: Config) -> ResourceLimits:
@@ -329,26 +336,35 @@ def resource_limits(config: Config) -> ResourceLimits:
     total_pids = config.whole("limits.total_pids") or ceiling.pids or 0
     max_memory = size("limits.max_memory") or total_memory
     max_pids = config.whole("limits.max_pids") or total_pids
-    # The built-in defaults shrink to fit a smaller maximum; a default set in the file must fit as it is.
+    owner_pids = config.whole("limits.owner_pids") or host_limits.owner_pids(total_pids)
+    owner_memory = size("limits.owner_memory") or 0
+    # The built-in defaults shrink to fit a smaller maximum or share; a default set in the file must fit as it is.
     resolved = ResourceLimits(
-        memory=size("defaults.memory") or min(host_limits.default_memory(), max_memory),
-        pids=config.whole("defaults.pids") or min(host_limits.DEFAULT_PIDS, max_pids),
-        max_memory=max_memory, max_pids=max_pids, total_memory=total_memory, total_pids=total_pids)
+        memory=size("defaults.memory") or min(host_limits.default_memory(), max_memory, owner_memory or max_memory),
+        pids=config.whole("defaults.pids") or min(host_limits.DEFAULT_PIDS, max_pids, owner_pids),
+        max_memory=max_memory, max_pids=max_pids, total_memory=total_memory, total_pids=total_pids,
+        owner_pids=owner_pids, owner_memory=owner_memory)
     path = config.path or "(built-in defaults)"
-    for low, high in (("defaults.memory", "limits.max_memory"), ("limits.max_memory", "limits.total_memory"),
-                      ("defaults.pids", "limits.max_pids"), ("limits.max_pids", "limits.total_pids")):
+    nested = [("defaults.memory", "limits.max_memory"), ("limits.max_memory", "limits.total_memory"),
+              ("defaults.pids", "limits.max_pids"), ("limits.max_pids", "limits.total_pids"),
+              ("defaults.pids", "limits.owner_pids"), ("limits.owner_pids", "limits.total_pids")]
+    if owner_memory:
+        nested += [("defaults.memory", "limits.owner_memory"), ("limits.owner_memory", "limits.total_memory")]
+    within = {"limits.max": "its maximum", "limits.owner": "its owner's share", "limits.total": "the total of all sandboxes"}
+    for low, high in nested:
         below, above = _resolved_value(resolved, low), _resolved_value(resolved, high)
         if below > above:
-            raise ConfigError(path, low, f"{below} is above {high} ({above}): a session's limit must fit under "
-                              f"{'its maximum' if high.startswith('limits.max') else 'the total of all sandboxes'}; "
-                              f"lower {low} or raise {high}")
+            what = "an owner's share" if low.startswith("limits.owner") else "a session's limit"
+            raise ConfigError(path, low, f"{below} is above {high} ({above}): {what} must fit under "
+                              f"{within[high.rsplit('_', 1)[0]]}; lower {low} or raise {high}")
     return resolved
 
 
 def _resolved_value(resolved: ResourceLimits, dotted: str) -> int:
     return {"defaults.memory": resolved.memory, "defaults.pids": resolved.pids,
             "limits.max_memory": resolved.max_memory, "limits.max_pids": resolved.max_pids,
-            "limits.total_memory": resolved.total_memory, "limits.total_pids": resolved.total_pids}[dotted]
+            "limits.total_memory": resolved.total_memory, "limits.total_pids": resolved.total_pids,
+            "limits.owner_pids": resolved.owner_pids, "limits.owner_memory": resolved.owner_memory}[dotted]
 
 
 def defaults_file() -> str:

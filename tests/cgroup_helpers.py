@@ -90,9 +90,18 @@ class ParentGroup:
         return read(base / LIMIT_FILES[controller, version])
 
     def sandbox_limits(self, controller: str) -> list[str]:
-        """The limit of each sandbox group (``run-*``) below the base group now."""
+        """The limit of each sandbox group (``run-*``) below the base group now, in it or in an owner's group."""
         base, version = self.bases[controller]
-        return [read(group / LIMIT_FILES[controller, version]) for group in sorted(base.glob("run-*"))]
+        groups = sorted([*base.glob("run-*"), *base.glob(cgroups.OWNER_PREFIX + "*/run-*")])
+        return [read(group / LIMIT_FILES[controller, version]) for group in groups]
+
+    def owner_group(self, controller: str, key: str) -> Path:
+        """The group of owner ``key`` (LaunchSpec.owner) below the base group."""
+        return self.bases[controller][0] / (cgroups.OWNER_PREFIX + key)
+
+    def owner_groups(self) -> list[Path]:
+        """Every owner group below the base groups now."""
+        return sorted(group for base, _ in self.bases.values() for group in base.glob(cgroups.OWNER_PREFIX + "*"))
 
 
 @contextlib.contextmanager

@@ -22,10 +22,11 @@ import pytest
 from daemon_helpers import Daemon, DaemonFactory, TlsListener, close_quietly, plain_users, run_client_as
 from sandboxd.service.callers import identify
 from sandboxd.service.peercred import PeerCredentials
+from sandboxd.service.quotas import QuotaLimits
 from sandboxd.v1 import sandboxd_pb2 as pb
 from test_tls_listener import make_pki
 
-STREAMS = 2   # quotas.streams_per_uid (the default)
+STREAMS = QuotaLimits().streams_per_uid   # the default quotas.streams_per_uid
 
 SETUP = r'''
 session = stub.CreateSession(pb.CreateSessionRequest(workspace=ARGS["ws"], approval_policy=pb.NEVER), timeout=60)

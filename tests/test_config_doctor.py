@@ -164,3 +164,29 @@ def test_session_defaults_come_from_the_file(sandboxd_daemon: DaemonFactory) -> 
     d.stub.UpdateSessionPolicy(pb.UpdateSessionPolicyRequest(session_id=asked.id, approval_policy=pb.NEVER))
     routes = run_exec(d.stub, asked.id, ["cat", "/proc/net/fib_trie"]).stdout.decode()
     assert "10.234.0.2" in routes, routes[:500]
+
+
+def test_an_owners_share_defaults_to_a_fifth_of_the_total_and_must_nest(tmp_path: Path) -> None:
+    """limits.owner_pids: 0 is a fifth of limits.total_pids, and the built-in session default shrinks
+    to fit it; a share above the total, or a default above the share, stops with both keys. The memory
+    share is none unless set, and then nests the same way."""
+    def resolved(text: str) -> config.ResourceLimits:
+        path = tmp_path / "sandboxd.toml"
+        path.write_text(text)
+        return config.resource_limits(config.load(str(path)))
+
+    built_in = resolved("")
+    assert built_in.owner_pids == built_in.total_pids // 5 and built_in.owner_memory == 0
+    small = resolved("[limits]\ntotal_pids = 300\n")
+    assert (small.owner_pids, small.pids) == (60, 60)
+    shared = resolved("[limits]\ntotal_memory = \"512M\"\nowner_memory = \"256M\"\n")
+    assert (shared.owner_memory, shared.memory) == (256 << 20, 256 << 20)
+    for text, low, high in (
+            ("[limits]\ntotal_pids = 300\nowner_pids = 301\n", "limits.owner_pids", "limits.total_pids"),
+            ("[defaults]\npids = 100\n[limits]\ntotal_pids = 300\n", "defaults.pids", "limits.owner_pids"),
+            ("[limits]\ntotal_memory = \"512M\"\nowner_memory = \"1G\"\n", "limits.owner_memory", "limits.total_memory"),
+            ("[defaults]\nmemory = \"300M\"\n[limits]\nowner_memory = \"256M\"\n", "defaults.memory",
+             "limits.owner_memory")):
+        with pytest.raises(config.ConfigError) as refused:
+            resolved(text)
+        assert refused.value.key == low and high in str(refused.value), str(refused.value)

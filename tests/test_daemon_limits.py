@@ -10,11 +10,12 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
-from cgroup_helpers import HOLDING_FORKS, ParentGroup, forked, own_parent, wait_for
+from cgroup_helpers import HOLDING_FORKS, ParentGroup, forked, own_parent, read, wait_for
 from conftest import PY
 from daemon_fixtures import daemon, stub, ws  # noqa: F401 - pytest fixtures
 from daemon_helpers import (Daemon, DaemonFactory, ExecOutcome, PlainUser, close_quietly, create_session, rpc_error, run_client_as,
@@ -142,13 +143,18 @@ stub.CloseSession(pb.CloseSessionRequest(session_id=s.id), timeout=60)
 print(json.dumps({"bomb": bomb, "after": after, "status": status}))
 """
 
-# As another plain user meanwhile: a session, 100 processes of its own (held until they are all made), a call.
+# As another plain user meanwhile: a session, ARGS["forks"] processes of its own (held until they are all
+# made), a call; what failed on the way is reported by its gRPC status (a starved victim's calls fail).
 VICTIM = """
-s = stub.CreateSession(pb.CreateSessionRequest(workspace=ARGS["ws"], approval_policy=pb.NEVER), timeout=120)
-forks, _ = run(s.id, [ARGS["py"], "-c", ARGS["bomb"], "100", ARGS["count"], ARGS["count"]])
-echo, status = run(s.id, ["echo", "served"])
-stub.CloseSession(pb.CloseSessionRequest(session_id=s.id), timeout=60)
-print(json.dumps({"forks": forks, "echo": echo, "status": status}))
+found = {}
+found["create"] = code(lambda: found.update(session=stub.CreateSession(pb.CreateSessionRequest(
+    workspace=ARGS["ws"], approval_policy=pb.NEVER), timeout=120).id))
+if "session" in found:
+    found["exec"] = code(lambda: found.update(forks=run(found["session"], [
+        ARGS["py"], "-c", ARGS["bomb"], ARGS["forks"], ARGS["count"], ARGS["count"]])[0]))
+    code(lambda: found.update(zip(("echo", "status"), run(found["session"], ["echo", "served"]))))
+    stub.CloseSession(pb.CloseSessionRequest(session_id=found["session"]), timeout=60)
+print(json.dumps(found))
 """
 
 
@@ -194,7 +200,7 @@ def test_a_fork_bomb_stops_at_the_default_pids_limit_while_another_user_is_serve
         assert limits["pids.max"] == str(host_limits.DEFAULT_PIDS), limits
         assert limits.get("memory.max", limits.get("memory.limit_in_bytes")) == str(host_limits.default_memory())
         served = run_client_as(victim.uid, victim.gid, daemon.socket, VICTIM, {
-            "ws": str(ws_v), "py": PY, "bomb": HOLDING_FORKS, "count": str(ws_v / "count")})
+            "ws": str(ws_v), "py": PY, "bomb": HOLDING_FORKS, "forks": "100", "count": str(ws_v / "count")})
     finally:
         release.touch()
         thread.join(180)
@@ -207,6 +213,114 @@ def test_a_fork_bomb_stops_at_the_default_pids_limit_while_another_user_is_serve
     assert result["after"] == "alive\n" and result["status"] == 0, result       # and the session lives on
 
 
+# As a plain user: ARGS["sessions"] sessions one after the other, each running a fork bomb (HOLDING_FORKS)
+# that holds what it made; the next session starts once the bomb before it hit its wall. The file
+# ARGS["ready"] says all are holding; they end when ARGS["release"] exists. Reports each session's
+# CreateSession status and bomb output.
+OWNER_BOMBS = """
+import threading, time
+sessions, threads = [], []
+for i in range(int(ARGS["sessions"])):
+    entry = {}
+    sessions.append(entry)
+    entry["create"] = code(lambda: entry.update(id=stub.CreateSession(pb.CreateSessionRequest(
+        workspace=ARGS["ws"], approval_policy=pb.NEVER), timeout=120).id))
+    if "id" not in entry:
+        continue
+    count = f"{ARGS['ws']}/count-{i}"
+    def bomb(entry=entry, count=count):
+        try:
+            entry["bomb"] = run(entry["id"], [ARGS["py"], "-c", ARGS["bomb"], "1500", count, ARGS["release"]])[0]
+        except grpc.RpcError as error:
+            entry["exec"] = [error.code().name, error.details()]
+    threads.append(threading.Thread(target=bomb))
+    threads[-1].start()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(count) and threads[-1].is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+open(ARGS["ready"], "w").close()
+for thread in threads:
+    thread.join(600)
+for entry in sessions:
+    if "id" in entry:
+        stub.CloseSession(pb.CloseSessionRequest(session_id=entry["id"]), timeout=60)
+print(json.dumps({"sessions": sessions}))
+"""
+
+OWNER_SHARE = """
+[defaults]
+pids = 100
+[limits]
+total_pids = 300
+owner_pids = {owner_pids}
+"""
+
+
+@pytest.mark.parametrize("owner_pids", [150, 300], ids=["owner-share-150", "control-share-is-the-total"])
+def test_one_user_with_many_sessions_cannot_fill_the_ceiling_for_another(
+        sandboxd_daemon: DaemonFactory, plain_users: Callable[[int], list[PlainUser]], owner_pids: int) -> None:
+    """A daemon in a parent group of its own with total_pids 300 and 100 per session. Plain user A opens
+    three sessions and runs a fork bomb in each, all held: with an owner share of 150 A's bombs get EAGAIN
+    once its sessions hold 150 tasks together (its group's pids.max reads 150), and plain user B still
+    creates a session and forks 50 processes; the control, a share as large as the total, lets A's three
+    sessions fill all 300 and B is not served. After A's sessions close its owner group is gone."""
+    attacker, victim = plain_users(2)
+    with own_parent() as parent:
+        daemon = sandboxd_daemon(config=OWNER_SHARE.format(owner_pids=owner_pids), wrapper=parent.wrapper)
+        try:
+            attack, served = bombs_of_one_owner_beside_another(sandboxd_daemon, daemon, parent, attacker, victim,
+                                                               owner_pids)
+        finally:
+            daemon.close()                        # before its parent group goes
+        assert parent.owner_groups() == [], parent.owner_groups()   # both owners' groups went with their sessions
+    # Each of A's sessions stopped at a wall: its bomb got EAGAIN, or (the share already full) its Exec
+    # could not start the command and says so.
+    bombs = [forked(entry["bomb"]) for entry in attack["sessions"] if "bomb" in entry]
+    refused = [entry["exec"] for entry in attack["sessions"] if "exec" in entry]
+    assert len(bombs) + len(refused) == 3 and all(errno == 11 for _, errno in bombs), attack
+    assert all(code == "RESOURCE_EXHAUSTED" and "limits.owner_pids" in details for code, details in refused), attack
+    if owner_pids == 150:
+        assert 140 <= sum(made for made, _ in bombs) < 150, attack                 # A's share, not more
+        assert served.get("forks") and forked(served["forks"]) == (50, 0), served  # B made all of its own
+        assert served.get("echo") == "served\n" and served.get("status") == 0, served
+    else:
+        assert sum(made for made, _ in bombs) >= 285, attack                       # A took the whole ceiling
+        assert not served.get("forks") or forked(served["forks"]) != (50, 0), served   # and B is starved
+
+
+def bombs_of_one_owner_beside_another(factory: DaemonFactory, daemon: Daemon, parent: ParentGroup,
+                                      attacker: PlainUser, victim: PlainUser,
+                                      owner_pids: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A's bombs (OWNER_BOMBS) held while B runs VICTIM with 50 forks: both clients' reports. Checks the
+    cap A's owner group carries while A holds its tasks."""
+    ws_a, ws_v = user_workspace(factory, attacker), user_workspace(factory, victim)
+    ready, release = ws_a / "ready", ws_a / "release"
+    outcome: dict[str, Any] = {}
+
+    def attack() -> None:
+        try:
+            outcome["attack"] = run_client_as(attacker.uid, attacker.gid, daemon.socket, OWNER_BOMBS, {
+                "ws": str(ws_a), "py": PY, "bomb": HOLDING_FORKS, "sessions": "3", "ready": str(ready),
+                "release": str(release)}, timeout=600)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            outcome["attack"] = exc
+
+    thread = threading.Thread(target=attack)
+    thread.start()
+    try:
+        wait_for(ready)                                   # A's bombs all hit their walls and hold
+        group = parent.owner_group("pids", f"uid-{attacker.uid}")
+        assert read(group / "pids.max") == str(owner_pids)
+        assert int(read(group / "pids.current")) >= min(owner_pids, 300) - 10, read(group / "pids.current")
+        served = run_client_as(victim.uid, victim.gid, daemon.socket, VICTIM, {
+            "ws": str(ws_v), "py": PY, "bomb": HOLDING_FORKS, "forks": "50", "count": str(ws_v / "count")})
+    finally:
+        release.touch()
+        thread.join(300)
+    assert isinstance(outcome["attack"], dict), outcome["attack"]
+    return outcome["attack"], served
+
+
 LOW_CEILING = """
 [defaults]
 memory = "96M"
@@ -214,6 +328,7 @@ pids = 40
 [limits]
 max_pids = 100
 total_pids = 128
+owner_pids = 128
 total_memory = "256M"
 """
 ALLOCATE = ("import sys, time\n"
@@ -320,6 +435,7 @@ def wait_until_rss(parent, at_least: int, within: float = 60.0) -> bool:  # type
     ("[defaults]\npids = 200\n[limits]\ntotal_pids = 128\n", "defaults.pids", "limits.max_pids"),
     ("[limits]\nmax_pids = 200\ntotal_pids = 128\n", "limits.max_pids", "limits.total_pids"),
     ("[limits]\nmax_memory = \"1G\"\ntotal_memory = \"512M\"\n", "limits.max_memory", "limits.total_memory"),
+    ("[limits]\ntotal_pids = 300\nowner_pids = 400\n", "limits.owner_pids", "limits.total_pids"),
 ])
 def test_a_per_session_limit_past_the_parent_caps_is_refused_at_start(
         sandboxd_daemon: DaemonFactory, config: str, key: str, above: str) -> None:

@@ -84,6 +84,17 @@ def test_pids_limit_makes_fork_fail_with_eagain(policy: str, workspace: Path) ->
     assert int(words[2]) < 10
 
 
+def test_a_command_that_cannot_even_start_at_its_pids_limit_is_told_which_limits(workspace: Path) -> None:
+    """With --pids 1 init fills the limit, so the command itself cannot be forked: setup fails with
+    the limits to raise named (a daemon's call gets RESOURCE_EXHAUSTED with it: test_daemon_limits).
+    Control: with --pids 2 the same command runs."""
+    full = run_sbx(["true"], workspace=workspace, policy="read-only", options=("--pids", "1"), timeout=60)
+    assert full.returncode == 125 and "EAGAIN" in full.stderr, describe(full)
+    assert "--pids" in full.stderr and "limits.owner_pids" in full.stderr, describe(full)
+    fits = run_sbx(["true"], workspace=workspace, policy="read-only", options=("--pids", "2"), timeout=60)
+    assert fits.returncode == 0, describe(fits)
+
+
 def test_pids_without_limit_allow_many(workspace: Path) -> None:
     """Control: without --pids the same program makes 40 children."""
     result = run_sbx(py(PIDS, "40"), workspace=workspace)
@@ -251,12 +262,14 @@ def test_the_v2_path_writes_the_caps_on_the_base_group(tmp_path: Path, monkeypat
     """Where the caps go on cgroup v2 (the matrix guests run the real thing: the two tests above and
     test_daemon_limits.py put their parent in a delegated v2 unit there): a directory laid out like a v2
     group stands in for the mount, so this host (memory and pids on v1) runs the v2 code path too. It
-    checks which files are written, not that the kernel enforces them."""
+    checks which files are written, not that the kernel enforces them. Also an owner's group below
+    the base: the controllers handed down once more, the owner's caps on it, the sandbox inside."""
     from sandboxd.kernel import cgroups
-    from sandboxd.kernel.host_limits import Ceiling
+    from sandboxd.kernel.host_limits import Ceiling, OwnerShare
 
     base = tmp_path / cgroups.BASE_NAME
-    for group in (tmp_path, base):
+    owner = base / (cgroups.OWNER_PREFIX + "uid-1000")
+    for group in (tmp_path, base, owner):              # the kernel makes these files in every new group
         group.mkdir(exist_ok=True)
         (group / "cgroup.controllers").write_text("cpu memory pids\n")
         (group / "cgroup.subtree_control").write_text("")
@@ -274,3 +287,9 @@ def test_the_v2_path_writes_the_caps_on_the_base_group(tmp_path: Path, monkeypat
     (base / "pids.max").write_text("max")
     cgroups.CgroupSet.create("run-1-2-bb", memory_bytes=64 << 20, pids=32)
     assert (base / "pids.max").read_text() == "max"
+
+    cgroups.CgroupSet.create("run-1-3-cc", memory_bytes=64 << 20, pids=32,
+                             owner=OwnerShare("uid-1000", pids=100, memory_bytes=None))
+    assert (owner / "cgroup.subtree_control").read_text() == "+cpu +memory +pids"
+    assert (owner / "pids.max").read_text() == "100" and not (owner / "memory.max").exists()   # none asked
+    assert (owner / "run-1-3-cc" / "pids.max").read_text() == "32"

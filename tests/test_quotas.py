@@ -428,3 +428,20 @@ def test_config_values_out_of_range_stop_the_daemon(tmp_path: Path, line: str, p
     path.write_text("[defaults]\ntimeout_seconds = 604800\nmemory = \"8192T\"\n[limits]\ntotal_memory = \"8192T\"\n"
                     if "defaults" in line else "")
     config.load(str(path))
+
+
+def test_each_owner_has_its_own_cgroup_key_and_root_none() -> None:
+    """The group a caller's sandboxes share (LaunchSpec.owner, limits.owner_*): one per local uid, one
+    per TLS principal whatever characters it holds (even one acting as root), a usable cgroup name
+    each; root's own sessions have none (held only to the total, as by the quotas)."""
+    from sandboxd.policy.spec import is_owner_key
+    from sandboxd.service.callers import identify
+    from sandboxd.service.peercred import PeerCredentials
+    from sandboxd.service.quotas import cgroup_owner
+
+    keys = [cgroup_owner(identify(PeerCredentials(uid, uid, 0, principal, (uid,)))) for uid, principal in (
+        (1000, ""), (1001, ""), (65534, "tls:agent-a"), (65534, "tls:agent-b"), (65534, "tls-uri:spiffe://x/../y"),
+        (0, "tls:admin"))]
+    assert keys[:2] == ["uid-1000", "uid-1001"]
+    assert len(set(keys)) == len(keys) and all(is_owner_key(key) and key for key in keys), keys
+    assert cgroup_owner(identify(PeerCredentials(0, 0, 0, "", (0,)))) == ""

@@ -326,7 +326,8 @@ def check_ceiling() -> tuple[str, str]:
     limits = config.resource_limits(config.load(config.default_path()))
     detail = (f"each sandbox by default: pids {limits.pids}, memory {limits.memory >> 20} MiB (at most "
               f"{limits.max_pids} and {limits.max_memory >> 20} MiB); all together: pids {limits.total_pids}, "
-              f"memory {limits.total_memory >> 20} MiB")
+              f"memory {limits.total_memory >> 20} MiB; each owner's share: pids {limits.owner_pids}, memory "
+              f"{f'{limits.owner_memory >> 20} MiB' if limits.owner_memory else 'not capped'}")
     in_force = cgroups.ceiling_in_force()
     if in_force:
         detail += "; now " + ", ".join(f"{path} = {value}" for path, value in in_force.values())

@@ -130,7 +130,8 @@ def main(argv: list[str]) -> int:
         approval=loaded.text("defaults.approval_policy"),
         timeout_seconds=loaded.number("defaults.timeout_seconds") or None,
         memory_bytes=limits.memory, pids=limits.pids, max_memory_bytes=limits.max_memory, max_pids=limits.max_pids,
-        total_memory_bytes=limits.total_memory, total_pids=limits.total_pids)
+        total_memory_bytes=limits.total_memory, total_pids=limits.total_pids,
+        owner_memory_bytes=limits.owner_memory or None, owner_pids=limits.owner_pids)
     return serve(loaded.text("listen.socket"), socket_mode=int(loaded.text("listen.socket_mode"), 8),
                  admin_gid=admin_gid, workers=loaded.whole("listen.workers"),
                  tls=listener, state_dir=loaded.text("state.dir"),

@@ -11,6 +11,10 @@ Why these numbers (the README's threat model says the same):
 - the ceiling: half of the host's task space (the smaller of kernel.pid_max and kernel.threads-max,
   as pids.max counts threads) and three quarters of RAM for all sandboxes together, so the host and
   its other users always keep the rest, however many sessions there are.
+- an owner's share of the ceiling's pids: a fifth, so up to four users (or TLS principals) that fill
+  their share still leave a fifth of it to everyone else. pids.max has no killer: at a full ceiling
+  every fork below it fails, whoever caused it. Memory has one (the OOM killer acts at the full
+  group), so an owner's memory share is set only when configured (limits.owner_memory).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from sandboxd._record import Record
 
 DEFAULT_PIDS = 1024
 DEFAULT_MEMORY_CAP = 8 << 30
+OWNERS_SERVED = 5          # the default owner share is 1/5: four owners at theirs leave a fifth served
 
 
 class Ceiling(Record):
@@ -26,6 +31,21 @@ class Ceiling(Record):
 
     pids: int | None = None
     memory_bytes: int | None = None
+
+
+class OwnerShare(Record):
+    """One owner's share of the ceiling: the caps of the group ``owner-<key>`` that all sandboxes of
+    one owner (a local uid, or a TLS principal) live in, below the parent group (None: not capped)."""
+
+    key: str
+    pids: int | None = None
+    memory_bytes: int | None = None
+
+
+def owner_pids(total_pids: int) -> int:
+    """An owner's pids share when nothing sets one: a fifth of the total, so four owners at their
+    share still leave a fifth for everyone else."""
+    return max(1, total_pids // OWNERS_SERVED)
 
 
 def memory_total() -> int:

@@ -76,6 +76,7 @@ class LaunchPlan(Record):
     root_trees: dict[str, int] = Factory(dict)
     # sandboxd's own directories and files, covered inside the sandbox (rootfs step 8c).
     hidden_paths: tuple[str, ...] = ()
+    owner: str = ""                                # whose share of the ceiling its cgroups count against
     debug: DebugHooks | None = None                # tests only (DebugHooks)
 
     def close_trees(self) -> None:
@@ -149,7 +150,7 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
         protected_subpaths=policy.protected_subpaths if isinstance(policy, WorkspaceWrite) else (),
         uid=uid, gid=gid, limits=spec.limits,
         seccomp_program=seccomp.program_for(filter_spec), brokers_connect=filter_spec.brokers_connect,
-        broker=broker, root_trees=trees, hidden_paths=hidden,
+        broker=broker, root_trees=trees, hidden_paths=hidden, owner=spec.owner,
     )
 
 

@@ -25,7 +25,8 @@ _MAXIMA = {"timeout_seconds": (MAX_TIMEOUT_SECONDS, "604800 seconds (7 days)"),
            "cpu_seconds": (MAX_TIMEOUT_SECONDS, "604800 seconds (7 days)"),
            "open_files": (MAX_OPEN_FILES, "1048576 (the kernel's nr_open)"),
            "tmp_size_bytes": (MAX_BYTES, "2^53 bytes"),
-           "total_pids": (MAX_PIDS, "4194304 (the kernel's pid_max)"), "total_memory_bytes": (MAX_BYTES, "2^53 bytes")}
+           "total_pids": (MAX_PIDS, "4194304 (the kernel's pid_max)"), "total_memory_bytes": (MAX_BYTES, "2^53 bytes"),
+           "owner_pids": (MAX_PIDS, "4194304 (the kernel's pid_max)"), "owner_memory_bytes": (MAX_BYTES, "2^53 bytes")}
 
 
 def check_timeout(value: float, what: str = "timeout_seconds") -> float:
@@ -68,6 +69,9 @@ class Limits(Record):
     # `sandboxd run`'s cgroup) live under, written there when the launch prepares that group.
     total_pids: int | None = None
     total_memory_bytes: int | None = None
+    # Likewise: the caps of the group of the launch's owner (LaunchSpec.owner), its share of the above.
+    owner_pids: int | None = None
+    owner_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name, (maximum, said) in _MAXIMA.items():

@@ -70,6 +70,8 @@ class SessionDefaults(Record):
     max_pids: int | None = None
     total_memory_bytes: int | None = None
     total_pids: int | None = None
+    owner_memory_bytes: int | None = None     # and the share of them of one owner's sandboxes
+    owner_pids: int | None = None
 
 
 def policy_from_proto(message: pb.SandboxPolicy, defaults: SessionDefaults | None = None) -> SandboxPolicy:
@@ -146,7 +148,8 @@ def limits_from_proto(message: pb.Limits, defaults: SessionDefaults | None = Non
                   pids=int(message.pids) or defaults.pids,
                   cpu_seconds=int(message.cpu_seconds) or None, open_files=int(message.open_files) or None,
                   tmp_size_bytes=int(message.tmp_size_bytes) or DEFAULT_TMP_SIZE,
-                  total_pids=defaults.total_pids, total_memory_bytes=defaults.total_memory_bytes)
+                  total_pids=defaults.total_pids, total_memory_bytes=defaults.total_memory_bytes,
+                  owner_pids=defaults.owner_pids, owner_memory_bytes=defaults.owner_memory_bytes)
 
 
 def limits_to_proto(limits: Limits) -> pb.Limits:

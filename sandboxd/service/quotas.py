@@ -98,6 +98,17 @@ def owner_key(who: Caller) -> str:
     return who.principal or f"uid {who.uid}"
 
 
+def cgroup_owner(who: Caller) -> str:
+    """The same owner as ``owner_key`` as a cgroup name part (LaunchSpec.owner): ``uid-1000``, or
+    ``tls-`` and a hash of the principal (which may hold any character). Root's own sessions have
+    none: like the quotas, root is held only to the total."""
+    if who.principal:
+        import hashlib
+
+        return "tls-" + hashlib.sha256(who.principal.encode(errors="surrogateescape")).hexdigest()[:20]
+    return "" if who.is_root else f"uid-{who.uid}"
+
+
 class Quotas:
     """Counts long-lived handlers per owner and in total (thread-safe; O(1) per call)."""
 

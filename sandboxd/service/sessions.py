@@ -24,7 +24,7 @@ from sandboxd.policy.git_config import GIT_GUARD_SUBPATH
 from sandboxd.policy.sandbox import WorkspaceWrite, is_within
 from sandboxd.policy.spec import policy_from_dict, policy_to_dict
 from sandboxd.service.callers import Caller, session_owner
-from sandboxd.service.quotas import Quotas, owner_key
+from sandboxd.service.quotas import Quotas, cgroup_owner, owner_key
 from sandboxd.supervisor.forkserver import ForkServer
 from sandboxd.supervisor.git_guard import GitGuard
 from sandboxd.supervisor.publish import check_host_ports
@@ -492,7 +492,7 @@ class SessionRegistry:
                           limits=session.limits, user=command_user(session.owner, policy), dns=self._dns,
                           network_pool=self._network_pool, caller=rights_of(session.owner),
                           hidden_paths=self.own.hidden, denied_sockets=self.own.sockets,
-                          denied_listeners=self.own.listeners)
+                          denied_listeners=self.own.listeners, owner=cgroup_owner(session.owner))
 
     def _check_not_shared(self, caller: Caller, workspace: str, policy: SandboxPolicy,
                           session_id: str = "") -> None:

@@ -20,7 +20,7 @@ from sandboxd._record import Record
 from sandboxd.errors import SetupError
 from sandboxd.kernel import namespaces
 from sandboxd.kernel.cgroups import CgroupSet
-from sandboxd.kernel.host_limits import Ceiling
+from sandboxd.kernel.host_limits import Ceiling, OwnerShare
 from sandboxd.launcher import report, sequence
 from sandboxd.launcher.plan import LaunchPlan, prepare
 from sandboxd.policy import LaunchSpec
@@ -453,18 +453,23 @@ class Spawner:
         namespace already bounds the tree. Joining a cgroup costs an RCU grace period
         in the kernel (0.5 to 25 ms here), the largest single cost of a launch.
         DangerFullAccess has no PID namespace, so with a timeout it gets a cgroup whenever
-        possible: the timeout must also kill what left the command's session."""
+        possible: the timeout must also kill what left the command's session. A plan with an
+        owner goes into that owner's group, under its share of the ceiling."""
         name = f"run-{self.pid}-{next(_counter)}-{os.urandom(3).hex()}"
         limits = plan.limits
+        owner = None
+        if plan.owner:
+            owner = OwnerShare(plan.owner, pids=limits.owner_pids, memory_bytes=limits.owner_memory_bytes)
         if limits.memory_bytes or limits.pids:
             ceiling = None
             if limits.total_pids or limits.total_memory_bytes:
                 ceiling = Ceiling(pids=limits.total_pids, memory_bytes=limits.total_memory_bytes)
-            return CgroupSet.create(name, memory_bytes=limits.memory_bytes, pids=limits.pids, ceiling=ceiling)
+            return CgroupSet.create(name, memory_bytes=limits.memory_bytes, pids=limits.pids, ceiling=ceiling,
+                                    owner=owner)
         if plan.confined or limits.timeout_seconds is None:
             return None
         try:
-            group = CgroupSet.create(name, memory_bytes=None, pids=None)
+            group = CgroupSet.create(name, memory_bytes=None, pids=None, owner=owner)
         except SetupError:
             return None  # no writable cgroup hierarchy: the PID namespace still bounds the tree
         return group if group.dirs else None
