@@ -299,3 +299,31 @@ def test_generated_git_layouts_never_run_on_the_host(world: dict[str, Any], batc
     run_batch(world, batch)
     print(f"git differential: {world['tried']} layouts tried ({world['live']} live in the control), "
           "none ran under the guard")
+
+
+# --------------------------------------------------------------------------- the reader alone
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(name=st.sampled_from(NAMES), tail=st.sampled_from(TAILS[:4] + (b"\n" * 5000,)), prefix=st.sampled_from(PREFIXES),
+       lead=st.sampled_from((b"", b" ", b"./", b"../w/")), absolute=st.booleans(), nul=st.booleans(),
+       junk=st.binary(max_size=8))
+def test_gitfile_reader_agrees_with_git(tmp_path_factory: pytest.TempPathFactory, name: bytes, tail: bytes,
+                                        prefix: bytes, lead: bytes, absolute: bool, nul: bool, junk: bytes) -> None:
+    """Wherever git itself follows a .git file (`git rev-parse --absolute-git-dir` in its directory),
+    policy.git_config.gitfile_target names the same git directory once resolved."""
+    from sandboxd.policy.git_config import gitfile_target
+    base = tmp_path_factory.mktemp("reader")
+    work = base / "w"
+    work.mkdir()
+    target = os.fsencode(str(base)) + b"/" + name
+    subprocess.run(["git", "init", "-q", "--bare", target], check=True, capture_output=True)
+    path = target if absolute else lead + b"../" + name if lead != b"../w/" else lead + b"../" + name
+    data = prefix + path + (b"\0" + junk if nul else b"") + tail
+    with open(work / ".git", "wb") as f:
+        f.write(data)
+    git = subprocess.run(["git", "rev-parse", "--absolute-git-dir"], cwd=work, capture_output=True,
+                         env={**BASE_ENV, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CEILING_DIRECTORIES": str(base)})
+    ours = gitfile_target(data, os.fsencode(str(work / ".git")))
+    if git.returncode == 0:
+        assert ours is not None and os.path.realpath(ours) == git.stdout.rstrip(b"\n"), (data[:200], git.stdout)

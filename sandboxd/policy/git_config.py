@@ -46,6 +46,7 @@ GIT_SEQUENCER_DIRS = ("rebase-merge", "rebase-apply", "sequencer")
 # (it ends at a NUL); a relative one is relative to the directory holding the file.
 GITFILE_MAX_BYTES = 1 << 20
 GITFILE_PREFIX = b"gitdir: "
+GITFILE_PATH_MAX = 4096        # PATH_MAX, with the NUL
 
 
 def gitfile_target(data: bytes, gitfile: bytes) -> bytes | None:
@@ -56,10 +57,12 @@ def gitfile_target(data: bytes, gitfile: bytes) -> bytes | None:
     path = data[len(GITFILE_PREFIX):].rstrip(b"\r\n").split(b"\0", 1)[0]
     if not path:
         return None
-    if path.startswith(b"/"):
-        return path
-    slash = gitfile.rfind(b"/")
-    return gitfile[:slash + 1] + path if slash >= 0 else path
+    if not path.startswith(b"/"):
+        slash = gitfile.rfind(b"/")
+        path = gitfile[:slash + 1] + path if slash >= 0 else path
+    # The kernel refuses a longer path (ENAMETOOLONG) and so git's is_git_directory fails on it;
+    # judged on the absolute path (at least as long as git's own), so never kept where git could follow.
+    return path if len(path) < GITFILE_PATH_MAX else None
 
 
 def git_dir_entry_writable(name: str) -> bool:
