@@ -22,7 +22,7 @@ Each batch of layouts is planted twice by the same program (tests/git_planter.py
   marker of every layout git accepts (``Layout.live``), so the payloads and the commands are
   real and a green run means the guard removed them.
 
-Sized to about 40 s by default (DEFAULT_LAYOUTS); SANDBOXD_GIT_DIFF_EXAMPLES=N tries N layouts.
+Sized to about 30 s by default (DEFAULT_LAYOUTS); SANDBOXD_GIT_DIFF_EXAMPLES=N tries N layouts.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from conftest import BASE_ENV, PY, SANDBOXD, describe, make_dir
 from test_git_guard import HOST_GIT_ENV, IDENTITY, SANDBOX_ENV
 
 PLANTER = Path(__file__).with_name("git_planter.py")
-BATCH = 12
-DEFAULT_LAYOUTS = 48
+BATCH = 10
+DEFAULT_LAYOUTS = 40
 LAYOUTS = int(os.environ.get("SANDBOXD_GIT_DIFF_EXAMPLES", DEFAULT_LAYOUTS))
 
 ENTRIES = ("gitfile", "gitfile", "gitfile", "gitfile", "symlink", "nested", "worktree", "worktree_config",
@@ -289,6 +289,7 @@ def run_batch(world: dict[str, Any], batch: list[Layout]) -> None:
     shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.mark.timeout(max(300, 10 * LAYOUTS))          # a big run (SANDBOXD_GIT_DIFF_EXAMPLES) takes its time
 @settings(max_examples=max(1, -(-LAYOUTS // BATCH)), deadline=None, database=None,
           phases=[Phase.explicit, Phase.generate],     # no shrinking: each try plants a whole batch; the
           # failure message names the layouts that fired
@@ -304,7 +305,7 @@ def test_generated_git_layouts_never_run_on_the_host(world: dict[str, Any], batc
 # --------------------------------------------------------------------------- the reader alone
 
 
-@settings(max_examples=150, deadline=None, database=None)
+@settings(max_examples=100, deadline=None, database=None)
 @given(name=st.sampled_from(NAMES), tail=st.sampled_from(TAILS[:4] + (b"\n" * 5000,)), prefix=st.sampled_from(PREFIXES),
        lead=st.sampled_from((b"", b" ", b"./", b"../w/")), absolute=st.booleans(), nul=st.booleans(),
        junk=st.binary(max_size=8))
