@@ -124,9 +124,11 @@ class _Root:
         self.full = False
         self.wds: dict[int, str] = {}        # inotify watch -> the directory it watches
         # Directories holding a .git *file*: it can be rewritten in place (no event on its
-        # directory, no ctime change there), and a symlink on the way to its target can be
-        # replaced, so each is looked at every time: (its key, the path it names, where that led).
-        self.gitfiles: dict[str, tuple[Key, str, str]] = {}
+        # directory, no ctime change there), a symlink on the way to its target can be replaced,
+        # and the target can appear where the walk does not go (another filesystem mounted in the
+        # root), so each is looked at every time: (its key, the path it names, where that led,
+        # whether a directory was there).
+        self.gitfiles: dict[str, tuple[Key, str, str, bool]] = {}
         self.watching = True                 # False: a watch could not be added; every look walks it all
 
 
@@ -422,7 +424,7 @@ class _Pass:
             return
         target = os.fsdecode(named)
         real = self.guard._resolve(target, self.root)          # noqa: SLF001 - the guard's own helper
-        self.root.gitfiles[rel] = (_key(est), target, real or "")
+        self.root.gitfiles[rel] = (_key(est), target, real or "", self._is_dir(real))
         if (real is None or not self._judge_gitfile_target(real)) and not self.baseline:
             self.root.gitfiles.pop(rel, None)
             self._unlink(dir_fd, ".git", rel, "gitfile", real or target)
@@ -446,13 +448,22 @@ class _Pass:
             if there is not self and there.root_fd >= 0:
                 os.close(there.root_fd)
 
+    @staticmethod
+    def _is_dir(real: str | None) -> bool:
+        """Whether a directory is at ``real`` (resolved already: inside the roots, or None)."""
+        try:
+            return real is not None and stat.S_ISDIR(os.lstat(real).st_mode)
+        except OSError:
+            return False
+
     def _check_gitfiles(self) -> None:
-        for rel, (key, target, real) in list(self.root.gitfiles.items()):
+        for rel, (key, target, real, was_dir) in list(self.root.gitfiles.items()):
             st = self._lstat(_join(rel, ".git"))
             if st is None or not stat.S_ISREG(st.st_mode):
                 self.root.gitfiles.pop(rel, None)            # replaced: its directory's event covers it
                 continue
-            if _key(st) == key and (self.guard._resolve(target, self.root) or "") == real:  # noqa: SLF001
+            now = self.guard._resolve(target, self.root)     # noqa: SLF001 - the guard's own helper
+            if _key(st) == key and (now or "") == real and self._is_dir(now) == was_dir:
                 continue
             try:
                 fd = self._open_dir(rel)
