@@ -11,6 +11,7 @@ must still work, and their audit logs have no gap.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -496,3 +497,41 @@ def test_a_self_test_workspace_of_a_killed_daemon_is_removed_at_the_next_start(b
         for path in (leftover, alive):
             if path.exists():
                 path.rmdir()
+
+
+def test_a_zombie_creator_is_dead_and_the_loops_sweep_never_waits() -> None:
+    """A SIGKILLed daemon's fork server is a zombie for a while (its new parent reaps it later): the
+    groups named after it are stale, not alive (before, the next daemon's start-up sweep skipped
+    them, and nothing swept again). The fork server's periodic sweep (``patient=False``) removes an
+    empty stale group and leaves one that still holds a process it has just killed for the next
+    sweep, without waiting; a live creator's group stays (the control)."""
+    from sandboxd.kernel import cgroups
+
+    h = cgroups.hierarchies()
+    if "memory" in h.v1:
+        point, own = h.v1["memory"]
+        base = os.path.join(point, own.lstrip("/"), cgroups.BASE_NAME)
+    elif h.unified:
+        base = os.path.join(h.unified, h.unified_own.lstrip("/"), cgroups.BASE_NAME)
+    else:
+        pytest.skip("no cgroup hierarchy with a memory controller mounted")
+    zombie = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 10
+    while not open(f"/proc/{zombie.pid}/stat").read().rpartition(")")[2].split()[0] == "Z":
+        assert time.monotonic() < deadline, "the child did not exit"
+        time.sleep(0.01)
+    suffix = uuid.uuid4().hex[:8]
+    os.makedirs(base, exist_ok=True)
+    stale = os.path.join(base, f"run-{zombie.pid}-1-{suffix}")
+    live = os.path.join(base, f"run-{os.getpid()}-1-{suffix}")
+    try:
+        assert not cgroups._creator_alive(str(zombie.pid)) and cgroups._creator_alive(str(os.getpid()))
+        os.mkdir(stale)
+        os.mkdir(live)
+        assert cgroups.sweep_stale(patient=False) >= 1
+        assert not os.path.exists(stale) and os.path.isdir(live)
+    finally:
+        zombie.wait()
+        for path in (stale, live):
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(path)

@@ -207,6 +207,20 @@ class CgroupSet:
                 pass
         return found
 
+    def signal_once(self) -> None:
+        """SIGKILL everything in the set now, without waiting for it to go."""
+        if self.unified_dir and os.path.exists(os.path.join(self.unified_dir, "cgroup.kill")):
+            try:
+                _write(self.unified_dir, "cgroup.kill", 1)
+                return
+            except OSError:
+                pass
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def kill(self) -> None:
         """SIGKILL everything in the set, and wait until the groups are empty (bounded)."""
         if self.unified_dir and os.path.exists(os.path.join(self.unified_dir, "cgroup.kill")):
@@ -296,18 +310,33 @@ def join(dirs: list[str], pid: int = 0) -> None:
         raise from_oserror(exc, "cgroup join") from None
 
 
-def sweep_stale(prefix: str = "run-") -> int:
+def sweep_stale(prefix: str = "run-", patient: bool = True) -> int:
     """Remove the groups a killed daemon or `sandboxd run` left behind: ``<prefix><pid>-*`` under
     our base groups and their owner groups, whose creator is dead, and then the owner groups left
     empty. What still runs in one (a process that escaped its parent-death signal) is killed first:
-    its sandbox's creator is gone, nobody can collect it. Returns how many sandbox groups were removed."""
+    its sandbox's creator is gone, nobody can collect it. Returns how many sandbox groups were removed.
+
+    ``patient``: wait (bounded, a few seconds) for the killed processes to go, as at start-up;
+    False: signal once and remove what is already empty, never sleeping (a fork server's periodic
+    sweep, which must not hold its loop; what is not empty yet goes at the next sweep)."""
     removed = 0
     for base in _sweep_bases(hierarchies()):
-        removed += _sweep_groups(base, prefix)
+        removed += _sweep_groups(base, prefix, patient)
         for owner_group in _owner_groups(base):
-            removed += _sweep_groups(owner_group, prefix)
+            removed += _sweep_groups(owner_group, prefix, patient)
             remove_owner_group(owner_group)
     return removed
+
+
+def _creator_alive(pid: str) -> bool:
+    """Is the process that named a group still there? A zombie is not (a SIGKILLed daemon's fork
+    server is one until its new parent reaps it: its groups are stale already)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            state = stat_file.read().rpartition(b")")[2].split()[:1]
+    except OSError:
+        return False
+    return state not in ([b"Z"], [b"X"])
 
 
 def _owner_groups(base: str) -> list[str]:
@@ -334,7 +363,7 @@ def remove_owner_group(group: str) -> bool:
     return True
 
 
-def _sweep_groups(parent: str, prefix: str) -> int:
+def _sweep_groups(parent: str, prefix: str, patient: bool = True) -> int:
     """Remove ``<prefix><pid>-*`` groups in ``parent`` whose creator ``pid`` is dead."""
     removed = 0
     try:
@@ -343,15 +372,23 @@ def _sweep_groups(parent: str, prefix: str) -> int:
         return 0
     for name in names:
         creator = name[len(prefix):].split("-", 1)[0]
-        if not name.startswith(prefix) or not creator.isdigit() or os.path.exists(f"/proc/{creator}"):
+        if not name.startswith(prefix) or not creator.isdigit() or _creator_alive(creator):
             continue
         group = os.path.join(parent, name)
         stale = CgroupSet(name)
         # Parents first (remove() goes in reverse): a sandbox may have made groups inside its own.
         stale.dirs = [group] + [os.path.join(path, sub) for path, subs, _ in os.walk(group) for sub in subs]
         stale.unified_dir = group if os.path.exists(os.path.join(group, "cgroup.kill")) else None
-        stale.kill()
-        stale.remove()
+        if patient:
+            stale.kill()
+            stale.remove()
+        else:
+            stale.signal_once()
+            for path in reversed(stale.dirs):
+                try:
+                    os.rmdir(path)
+                except OSError:
+                    break                 # not empty yet (or gone): the next sweep takes it
         removed += not os.path.exists(group)
     return removed
 

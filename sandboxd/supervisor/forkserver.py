@@ -76,6 +76,8 @@ CLOSE_WAIT_SECONDS = 5.0
 # MAX_TIMEOUT_SECONDS (a week) are refused before they get here (policy Limits, SessionCall) and
 # again at this edge (check_timeout); the loop itself copes with any deadline.
 MAX_POLL_MS = 60_000
+# How often the loop removes sandbox groups of dead creators (cheap: a few directory listings).
+SWEEP_SECONDS = 60.0
 
 
 def check_timeout(timeout: object, what: str = "timeout_seconds") -> float | None:
@@ -163,11 +165,15 @@ class _Server:
         self._opening: set[str] = set()                   # sessions being built
         self._closed_while_opening: set[str] = set()
         self._unanswered: set[int] = set()                # calls that never started: their end is nobody's
+        # The start-up sweep can run before a SIGKILLed predecessor's fork server has died (its
+        # parent-death signal is asynchronous): its groups are taken by a later sweep, never waited for.
+        self._next_sweep = time.monotonic() + SWEEP_SECONDS
 
     def serve(self) -> None:
         while True:
             deadlines = [d for d in (proc.wake_at(t) for proc, t in self.running.values()) if d is not None]
             deadlines += self._waits.deadlines()
+            deadlines.append(self._next_sweep)
             try:
                 events = self._poller.poll(poll_timeout_ms(min(deadlines) if deadlines else None, time.monotonic()))
             except InterruptedError:
@@ -177,6 +183,8 @@ class _Server:
                 self._waits.ready(fd, self._answer_error)
                 self._orphans.ready(fd)
             self._waits.expire(time.monotonic(), self._answer_error)
+            if time.monotonic() >= self._next_sweep:
+                self._sweep(patient=False)
             if any(fd == self._sock_fd for fd, _ in events) and not self._handle_next():
                 self._shutdown()
                 return
@@ -505,6 +513,15 @@ class _Server:
             raise InvalidPolicy(f"no open session {message.get('session')!r} in the fork server")
         return session
 
+    def _sweep(self, patient: bool) -> None:
+        """Remove sandbox groups whose creator died (a SIGKILLed predecessor's)."""
+        from sandboxd.kernel.cgroups import sweep_stale
+        self._next_sweep = time.monotonic() + SWEEP_SECONDS
+        try:
+            sweep_stale(patient=patient)
+        except OSError as exc:                            # a cgroup file system gone odd: next time
+            _log(f"sweeping stale sandbox groups failed: {exc}")
+
     def _shutdown(self) -> None:
         self._waits.expire(math.inf, lambda _call_id, _error: None)   # SIGKILLs what they wait on
         for session in list(self.sessions.values()):
@@ -513,6 +530,7 @@ class _Server:
         for proc, _ in self.running.values():
             proc.kill()
             proc.wait()
+        self._sweep(patient=True)                         # what the start-up sweep was too early for
 
 
 def _field(message: dict[str, Any], key: str, kind: type, optional: bool = False) -> Any:
