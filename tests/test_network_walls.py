@@ -17,6 +17,7 @@ and two plain users made here (an attacker and an owner).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import socket
@@ -28,10 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import BASE_ENV, PY, SLOW
 from daemon_helpers import DaemonFactory, PlainUser, TlsListener, plain_users, run_client_as
 from test_tls_listener import make_pki
+from sandboxd.kernel import addresses
+from sandboxd.supervisor.publish import PeerCaps
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 PER_SESSION, PER_PEER = 12, 4                       # the caps the daemon gets here (config below)
@@ -287,3 +292,47 @@ def test_other_users_cannot_take_the_owners_published_port_offline(world: dict[s
     finally:
         for holder in holders:
             holder.release()
+
+
+# --------------------------------------------------------------------------- the rules, generated
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(v4=st.ip_addresses(v=4), pick=st.sampled_from(["127.", "0.", "own", "any"]), scope=st.integers(0, 3))
+def test_every_ipv6_spelling_of_an_ipv4_address_is_judged_alike(v4: ipaddress.IPv4Address, pick: str,
+                                                               scope: int) -> None:
+    """The mapped and compatible IPv6 spellings of an IPv4 address are this host exactly when the
+    address is (all of 127/8 and 0/8 and this host's own are), whatever the scope id."""
+    own = [a for a in this_hosts_spellings() if "." in a and ":" not in a]
+    if pick == "own":
+        v4 = ipaddress.IPv4Address(own[int(v4) % len(own)])
+    elif pick != "any":
+        v4 = ipaddress.IPv4Address(f"{pick}{int(v4) % 256}.{int(v4) // 256 % 256}.{int(v4) // 65536 % 256}")
+    expected = addresses.is_this_host(v4)
+    if v4.is_loopback or v4 in addresses.THIS_NETWORK or str(v4) in own:
+        assert expected, v4                 # (others may be too: the kernel binds broadcast addresses)
+    mapped, compatible = ipaddress.IPv6Address(f"::ffff:{v4}"), ipaddress.IPv6Address(f"::{v4}")
+    assert addresses.is_this_host(mapped, scope) == expected
+    if int(v4) > 1:                                   # ::0 and ::1 are IPv6's own unspecified and loopback
+        assert addresses.is_this_host(compatible, scope) == expected
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(limit=st.integers(1, 40), per_peer=st.integers(1, 40),
+       steps=st.lists(st.tuples(st.booleans(), st.sampled_from([1001, 1002, 1003, "address 10.0.0.1"])),
+                      max_size=120))
+def test_the_owner_always_keeps_its_reserve(limit: int, per_peer: int, steps: list[tuple[bool, Any]]) -> None:
+    """Whatever other peers take and give back, none holds more than its share, all together never
+    more than the cap, and the owner (uid 1000, holding nothing) can still take the whole reserve."""
+    caps = PeerCaps(limit, per_peer, owners=frozenset({1000}))
+    held: list[Any] = []
+    for take, peer in steps:
+        if take:
+            if caps.take(peer):
+                held.append(peer)
+        elif peer in held:
+            held.remove(peer)
+            caps.release(peer)
+        assert caps.active == len(held) <= limit
+        assert all(held.count(p) <= caps.per_peer for p in set(held))
+    assert caps.reserve >= min(per_peer, limit // 2)
+    assert all(caps.take(1000) for _ in range(caps.reserve))

@@ -20,10 +20,13 @@ import shutil
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import BASE_ENV, PY, make_dir
 from plain_users import plain_user
-from sandboxd.kernel.seccomp import AF_INET, AF_INET6, AF_NETLINK, ALLOWED_FAMILIES, ALLOWED_INET_TYPES
+from sandboxd.kernel.seccomp import (AF_INET, AF_INET6, AF_NETLINK, ALLOWED_FAMILIES, ALLOWED_INET_TYPES,
+                                     refused_blocks)
 from sandboxd.policy import DangerFullAccess, LaunchSpec, ReadOnly, SandboxPolicy, WorkspaceWrite
 from sandboxd.supervisor.forkserver import ForkServer
 from test_call_paths import run
@@ -198,3 +201,14 @@ def test_control_kernel_answers_otherwise_without_the_filter(answers: dict[str, 
     got = answers["danger-full-access"]
     refused = [*refused_family_calls(), *INET_REFUSED, *NETLINK_REFUSED]
     assert {key: got[key] for key in refused if got[key] == "EPERM"} == {}
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(bits=st.integers(1, 9), data=st.data())
+def test_refused_blocks_cover_exactly_the_complement(bits: int, data: st.DataObject) -> None:
+    """The filter's mask/value blocks match every number below 2**bits but the allowed ones, and
+    never an allowed one (the rows above are built from them)."""
+    allowed = frozenset(data.draw(st.sets(st.integers(0, (1 << bits) - 1), max_size=8)))
+    blocks = refused_blocks(allowed, bits)
+    for n in range(1 << bits):
+        assert any(n & mask == value for mask, value in blocks) == (n not in allowed), n
