@@ -29,7 +29,7 @@ from sandboxd.kernel.seccomp import (AF_INET, AF_INET6, AF_NETLINK, ALLOWED_FAMI
                                      refused_blocks)
 from sandboxd.policy import DangerFullAccess, LaunchSpec, ReadOnly, SandboxPolicy, WorkspaceWrite
 from sandboxd.supervisor.forkserver import ForkServer
-from test_call_paths import run
+from test_call_paths import run, server  # noqa: F401 - its fork server on each call path
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -115,18 +115,8 @@ def attacker() -> Iterator[tuple[int, int]]:
         yield ids
 
 
-@pytest.fixture(scope="module", params=["native", "python"])
-def server(request: pytest.FixtureRequest) -> Iterator[ForkServer]:
-    fs = ForkServer.start(native_calls=request.param == "native")
-    assert fs.native_calls == (request.param == "native")
-    try:
-        yield fs
-    finally:
-        fs.close()
-
-
 @pytest.fixture(scope="module")
-def answers(server: ForkServer, attacker: tuple[int, int],
+def answers(server: ForkServer, attacker: tuple[int, int],  # noqa: F811 - the imported fixture
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict[str, str]]]:
     """policy -> {call: answer}: the probe run once per policy in a session of its own, as the
     plain user (the danger-full-access control as root, so no missing capability answers EPERM)."""
