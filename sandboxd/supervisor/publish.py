@@ -52,13 +52,13 @@ class PeerCaps:
             self.refused += 1
             return False
         self.active += 1
-        self.others += not owner
+        self.others += 0 if owner else 1
         self.by_peer[peer] = self.by_peer.get(peer, 0) + 1
         return True
 
     def release(self, peer: Peer) -> None:
         self.active -= 1
-        self.others -= peer not in self.owners
+        self.others -= 0 if peer in self.owners else 1
         left = self.by_peer[peer] - 1
         if left:
             self.by_peer[peer] = left
