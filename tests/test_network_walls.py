@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from conftest import BASE_ENV, PY, SLOW
 from daemon_helpers import DaemonFactory, PlainUser, TlsListener, plain_users, run_client_as
 from test_tls_listener import make_pki
-from sandboxd.kernel import addresses
+from sandboxd.kernel import addresses, inet_diag
 from sandboxd.supervisor.publish import PeerCaps
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -336,3 +336,30 @@ def test_the_owner_always_keeps_its_reserve(limit: int, per_peer: int, steps: li
         assert all(held.count(p) <= caps.per_peer for p in set(held))
     assert caps.reserve >= min(per_peer, limit // 2)
     assert all(caps.take(1000) for _ in range(caps.reserve))
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_the_connecting_user_is_named_by_the_kernel_and_by_proc_alike(world: dict[str, Any], host: str) -> None:
+    """The uid behind a loopback connection: the inet_diag lookup names the plain user that connected,
+    and /proc/net/tcp (the fallback for kernels without inet_diag) names the same one."""
+    attacker: PlainUser = world["attacker"]
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as server:
+        server.bind((host, 0))
+        server.listen(1)
+        client = subprocess.Popen([PY, "-c", "import socket, sys\ns = socket.socket(int(sys.argv[1]))\n"
+                                   "s.connect((sys.argv[2], int(sys.argv[3])))\nsys.stdin.read()",
+                                   str(int(family)), host, str(server.getsockname()[1])],
+                                  stdin=subprocess.PIPE, user=attacker.uid, group=attacker.gid, extra_groups=[])
+        try:
+            conn, peer = server.accept()
+            with conn:
+                local = conn.getsockname()
+                assert inet_diag.tcp_peer_uid(peer[:2], local[:2]) == attacker.uid
+                assert inet_diag._uid_from_proc(ipaddress.ip_address(peer[0]), peer[1],
+                                                ipaddress.ip_address(local[0]), local[1]) == attacker.uid
+                assert inet_diag.tcp_peer_uid((peer[0], peer[1] ^ 1), local[:2]) is None   # control: no such socket
+        finally:
+            assert client.stdin is not None
+            client.stdin.close()
+            client.wait(timeout=30)
