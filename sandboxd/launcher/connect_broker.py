@@ -39,7 +39,8 @@ import stat
 import struct
 
 # addresses (ipaddress, about 1.5 ms) is imported here, in the fork server: init runs as the
-# sandbox's user, who may not be able to read the package to import anything later.
+# sandbox's user, who may be unable to read the interpreter's library or the package (a pyenv
+# Python under /root, say), so an import there fails.
 from sandboxd.kernel import addresses, seccomp_notify, unix_diag
 from sandboxd.kernel._libc import raw_syscall
 
