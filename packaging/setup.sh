@@ -29,6 +29,10 @@ packages=(python3 python3-venv python3-dev gcc libc6-dev libcap-dev libseccomp2 
 if [ "$mode" = test ] && ! { command -v node && command -v npm; } >/dev/null 2>&1; then
   packages+=(nodejs npm)
 fi
+# fuse3: fusermount3, with which tests/test_hung_fs.py mounts, as a plain user, a FUSE file system that never answers.
+if [ "$mode" = test ]; then
+  packages+=(fuse3)
+fi
 
 die() { echo "setup.sh: $*" >&2; exit 1; }
 

@@ -142,7 +142,7 @@ KEYS: tuple[Key, ...] = (
         "(each sees only its own sessions)", _octal_mode),
     Key("listen", "admin_group", "", "members of this group (name or gid) see and use every session; empty: "
         "only root", _text),
-    Key("listen", "workers", 64, "RPCs served at once", _whole(1, 1024)),
+    Key("listen", "workers", 128, "RPCs served at once", _whole(1, 1024)),
     Key("quotas", "connections_per_uid", 64, "connections one local user may hold open at once (more are closed "
         "as soon as they are accepted); root may hold four times as many", _whole(1, 65536)),
     Key("quotas", "proxy_connections_per_session", 256, "connections a session's sandbox may hold open at once "
@@ -155,8 +155,9 @@ KEYS: tuple[Key, ...] = (
     Key("quotas", "sessions_per_uid", 64, "open sessions one local user (a TLS caller: one certificate) may hold; "
         "root is exempt", _whole(1, 100000)),
     Key("quotas", "calls_per_uid", 16, "calls one user may have running at once: Exec, file tools, search, patches "
-        "and Authorize, including those held for approval; root is exempt", _whole(1, 1024)),
-    Key("quotas", "streams_per_uid", 8, "open WatchEvents and following ReadBackgroundOutput streams per user; "
+        "and Authorize, including those held for approval; root is exempt. 4 users at calls_per_uid + "
+        "streams_per_uid must leave room in listen.workers for a fifth (checked at start)", _whole(1, 1024)),
+    Key("quotas", "streams_per_uid", 4, "open WatchEvents and following ReadBackgroundOutput streams per user; "
         "root is exempt", _whole(1, 1024)),
     Key("quotas", "reserved_workers", 0, "workers that running calls and streams (everyone's, root's too) may never "
         "take: they stay free for short calls (CreateSession, CloseSession, ResolveApproval ...); must be below "
@@ -174,6 +175,13 @@ KEYS: tuple[Key, ...] = (
     Key("tls", "users", {}, "principal -> local USER[:GROUP] it acts as, e.g. { \"agent-a\" = \"alice\" }; "
         "others act as tls.user", _string_table),
     Key("state", "dir", defaults.STATE_DIR, "the event store (audit log) and session metadata", _absolute),
+    Key("fork_server", "ping_timeout_seconds", 10, "the watchdog: a fork server that does not answer a ping "
+        "within this (pinged every third of it) is killed and replaced, and health says NOT_SERVING meanwhile",
+        _positive_seconds),
+    Key("fork_server", "wait_seconds", 10, "how long a request may wait on the paths it names (opened as its "
+        "caller), its session's build or its command's start; past it the request fails with DEADLINE_EXCEEDED "
+        "naming the path (a FUSE, NFS or sshfs mount that does not answer), and nobody else waits",
+        _positive_seconds),
     Key("approvals", "timeout_seconds", 300, "a call nobody approves within this is denied", _positive_seconds),
     Key("network", "dns", [], "resolvers for isolated networks; empty: the host's", _ipv4_list),
     Key("network", "pool", "10.233.0.0/16", "addresses of isolated networks, a /30 per sandbox", _cidr),
@@ -183,8 +191,22 @@ KEYS: tuple[Key, ...] = (
     Key("defaults", "approval_policy", "on-request", "the approval policy of a session that does not ask for one",
         _one_of("never", "on-request", "always")),
     Key("defaults", "timeout_seconds", 0, "per-call timeout of sessions that set none; 0: none", _seconds_or_zero),
-    Key("defaults", "memory", "", "memory limit of sessions that set none (512M, 2G); empty: none", _size_or_empty),
-    Key("defaults", "pids", 0, "process limit of sessions that set none; 0: none", _whole(0, 1 << 22)),
+    Key("defaults", "memory", "", "memory limit of sessions that set none (512M, 2G); empty: min(8G, half of "
+        "RAM)", _size_or_empty),
+    Key("defaults", "pids", 0, "process (task) limit of sessions that set none; 0: 1024", _whole(0, 1 << 22)),
+    Key("limits", "max_memory", "", "the most memory a session may ask for (more is refused); empty: "
+        "limits.total_memory", _size_or_empty),
+    Key("limits", "max_pids", 0, "the most processes (tasks) a session may ask for; 0: limits.total_pids",
+        _whole(0, 1 << 22)),
+    Key("limits", "total_memory", "", "memory of all sandboxes together (the cap of their parent cgroup); "
+        "empty: three quarters of RAM", _size_or_empty),
+    Key("limits", "total_pids", 0, "tasks of all sandboxes together (the cap of their parent cgroup); 0: half "
+        "of the smaller of kernel.pid_max and kernel.threads-max", _whole(0, 1 << 22)),
+    Key("limits", "owner_pids", 0, "tasks of all sandboxes of one owner (a uid, a TLS principal; root's own "
+        "sessions have no share) together; 0: a fifth of limits.total_pids, so four owners at their share "
+        "leave a fifth for the rest", _whole(0, 1 << 22)),
+    Key("limits", "owner_memory", "", "memory of all sandboxes of one owner together; empty: no share (only "
+        "limits.total_memory: the OOM killer acts there)", _size_or_empty),
     Key("metrics", "listen", "", "HOST:PORT of the Prometheus metrics listener (HTTP, /metrics); empty: none",
         _text),
     Key("log", "level", "info", "info: the daemon's life and its problems; debug: also every decision and call "
@@ -283,10 +305,69 @@ def load(path: str | None) -> Config:
     if 0 < reserved >= workers:
         raise ConfigError(path, "quotas.reserved_workers", f"must be below listen.workers "
                           f"({workers}): the rest serve running calls and streams")
+    resource_limits(checked)                     # the limits must nest: defaults <= max <= total
     tls = [values[f"tls.{name}"] for name in ("address", "cert", "key", "client_ca")]
     if any(tls) and not all(tls):
         raise ConfigError(path, "tls", "a TCP listener needs all of address, cert, key and client_ca")
     return Config(values, path)
+
+
+class ResourceLimits(Record):
+    """The daemon's limits with the host-derived defaults filled in (bytes and task counts)."""
+    memory: int              # a session's when it sets none
+    pids: int
+    max_memory: int          # the most a session may ask for
+    max_pids: int
+    total_memory: int        # all sandboxes together: their parent cgroup's caps
+    total_pids: int
+    owner_pids: int          # all sandboxes of one owner together: the caps of its group
+    owner_memory: int = 0    # 0: none
+
+
+def resource_limits(config: Config) -> ResourceLimits:
+    """The ``defaults``/``limits`` keys resolved against this host (kernel.host_limits); ConfigError
+    when they do not nest (a default above its maximum, a maximum above the total)."""
+    from sandboxd.kernel import host_limits
+    from sandboxd.policy import parse_size
+
+    def size(dotted: str) -> int | None:
+        text = config.text(dotted)
+        return parse_size(text, dotted) if text else None
+
+    ceiling = host_limits.default_ceiling()
+    total_memory = size("limits.total_memory") or ceiling.memory_bytes or 0
+    total_pids = config.whole("limits.total_pids") or ceiling.pids or 0
+    max_memory = size("limits.max_memory") or total_memory
+    max_pids = config.whole("limits.max_pids") or total_pids
+    owner_pids = config.whole("limits.owner_pids") or host_limits.owner_pids(total_pids)
+    owner_memory = size("limits.owner_memory") or 0
+    # The built-in defaults shrink to fit a smaller maximum or share; a default set in the file must fit as it is.
+    resolved = ResourceLimits(
+        memory=size("defaults.memory") or min(host_limits.default_memory(), max_memory, owner_memory or max_memory),
+        pids=config.whole("defaults.pids") or min(host_limits.DEFAULT_PIDS, max_pids, owner_pids),
+        max_memory=max_memory, max_pids=max_pids, total_memory=total_memory, total_pids=total_pids,
+        owner_pids=owner_pids, owner_memory=owner_memory)
+    path = config.path or "(built-in defaults)"
+    nested = [("defaults.memory", "limits.max_memory"), ("limits.max_memory", "limits.total_memory"),
+              ("defaults.pids", "limits.max_pids"), ("limits.max_pids", "limits.total_pids"),
+              ("defaults.pids", "limits.owner_pids"), ("limits.owner_pids", "limits.total_pids")]
+    if owner_memory:
+        nested += [("defaults.memory", "limits.owner_memory"), ("limits.owner_memory", "limits.total_memory")]
+    within = {"limits.max": "its maximum", "limits.owner": "its owner's share", "limits.total": "the total of all sandboxes"}
+    for low, high in nested:
+        below, above = _resolved_value(resolved, low), _resolved_value(resolved, high)
+        if below > above:
+            what = "an owner's share" if low.startswith("limits.owner") else "a session's limit"
+            raise ConfigError(path, low, f"{below} is above {high} ({above}): {what} must fit under "
+                              f"{within[high.rsplit('_', 1)[0]]}; lower {low} or raise {high}")
+    return resolved
+
+
+def _resolved_value(resolved: ResourceLimits, dotted: str) -> int:
+    return {"defaults.memory": resolved.memory, "defaults.pids": resolved.pids,
+            "limits.max_memory": resolved.max_memory, "limits.max_pids": resolved.max_pids,
+            "limits.total_memory": resolved.total_memory, "limits.total_pids": resolved.total_pids,
+            "limits.owner_pids": resolved.owner_pids, "limits.owner_memory": resolved.owner_memory}[dotted]
 
 
 def defaults_file() -> str:

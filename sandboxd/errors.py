@@ -118,7 +118,13 @@ class LimitsUnavailable(SetupError):
     """A resource limit was asked for but no cgroup controller can enforce it."""
 
 
-_SETUP_KINDS = {c.__name__: c for c in (SetupError, NamespacesUnavailable, ExecFailed, LimitsUnavailable)}
+class ProcessLimitReached(SetupError):
+    """A fork in the sandbox failed with EAGAIN: the sandbox's process limit, its owner's share of the
+    ceiling or the ceiling itself is full (the caller's to resolve, not a broken host)."""
+
+
+_SETUP_KINDS = {c.__name__: c for c in (SetupError, NamespacesUnavailable, ExecFailed, LimitsUnavailable,
+                                        ProcessLimitReached)}
 
 
 def _strerror(code: int) -> str:

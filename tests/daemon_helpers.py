@@ -434,8 +434,10 @@ def plain_users(count: int = 1) -> Iterator[list[PlainUser]]:
     try:
         for _ in range(count):
             name = f"sbxt-{uuid.uuid4().hex[:10]}"
-            subprocess.run(["useradd", "-M", "-N", "-s", "/usr/sbin/nologin", name], check=True,
-                           capture_output=True, timeout=60)
+            added = subprocess.run(["useradd", "-M", "-N", "-s", "/usr/sbin/nologin", name],
+                                   capture_output=True, text=True, timeout=60)
+            if added.returncode != 0:
+                raise AssertionError(f"useradd {name} failed ({added.returncode}): {added.stderr.strip()}")
             entry = pwd.getpwnam(name)
             made.append(PlainUser(name, entry.pw_uid, entry.pw_gid))
         yield list(made)

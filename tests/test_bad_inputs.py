@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -16,7 +17,8 @@ from daemon_fixtures import daemon, stub, ws  # noqa: F401 - pytest fixtures
 from daemon_helpers import Daemon, close_quietly, create_session, rpc_error, run_exec, workspace_write
 from sandboxd.client import SandboxClient
 from sandboxd.errors import InvalidPolicy
-from sandboxd.policy import LaunchSpec, Limits
+from sandboxd.policy import LaunchSpec, Limits, policy_from_name
+from sandboxd.policy import limits as policy_limits
 from sandboxd.service.file_calls import DEFAULT_READ_LIMIT, MAX_READ_LIMIT
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
@@ -45,7 +47,7 @@ def test_exec_timeouts_out_of_range_are_refused(stub: pb_grpc.SandboxStub, sessi
 
 
 def test_argv_and_env_beyond_the_kernels_limits_are_refused(stub: pb_grpc.SandboxStub, session: pb.Session) -> None:
-    many = exec_error(stub, pb.ExecStart(session_id=session.id, argv=["true"] + ["x"] * 1_000_000))
+    many = exec_error(stub, pb.ExecStart(session_id=session.id, argv=["true"] + ["x" * 300] * 10_000))
     assert many.code() == INVALID and "ARG_MAX" in many.details(), many.details()
     long_arg = exec_error(stub, pb.ExecStart(session_id=session.id, argv=["echo", "y" * (128 << 10)]))
     assert long_arg.code() == INVALID and "per argument" in long_arg.details(), long_arg.details()
@@ -87,7 +89,12 @@ def test_the_policy_model_refuses_the_same_for_sandboxd_run() -> None:
     with pytest.raises(InvalidPolicy, match="finite"):
         Limits(timeout_seconds=math.nan)
     with pytest.raises(InvalidPolicy, match="ARG_MAX"):
+        LaunchSpec(argv=("true",) + ("x" * 300,) * 10_000, workspace="/tmp")
+    with pytest.raises(InvalidPolicy, match=f"argv has 1000001 entries; the limit is {policy_limits.MAX_ARGV}"):
         LaunchSpec(argv=("true",) + ("x",) * 1_000_000, workspace="/tmp")
+    with pytest.raises(InvalidPolicy, match=f"writable_roots has 5000 entries; the limit is "
+                                            f"{policy_limits.MAX_WRITABLE_ROOTS}"):
+        policy_from_name("workspace-write", writable_roots=[f"/tmp/{i}" for i in range(5000)])
     assert Limits(memory_bytes=1 << 53, pids=1 << 22).pids == 1 << 22           # control: the maxima themselves
 
 
@@ -160,3 +167,101 @@ def test_standing_rules_and_json_arguments_are_checked(stub: pb_grpc.SandboxStub
     ok = stub.Authorize(pb.AuthorizeRequest(session_id=session.id, tool="browser.action", arguments_json="[[1]]"),
                         timeout=60)                                           # control: NEVER asks nobody
     assert ok.call_id
+
+
+# Every list of a policy or a request, one entry past its limit (policy/limits.py): refused with
+# INVALID_ARGUMENT naming the field and the limit, before anything is built.
+_ISOLATED = {"network_access": True, "network_mode": "isolated"}
+POLICY_LISTS = [
+    ("writable_roots", policy_limits.MAX_WRITABLE_ROOTS, lambda n: {"writable_roots": [f"/tmp/r{i}" for i in range(n)]}),
+    ("protected_subpaths", policy_limits.MAX_PROTECTED_SUBPATHS,
+     lambda n: {"protected_subpaths": [f"p{i}" for i in range(n)], "no_default_protected_subpaths": True}),
+    ("allowed_unix_sockets", policy_limits.MAX_ALLOWED_UNIX_SOCKETS,
+     lambda n: {"allowed_unix_sockets": [f"/run/s{i}.sock" for i in range(n)]}),
+    ("allowed_hosts", policy_limits.MAX_ALLOWED_HOSTS,
+     lambda n: {**_ISOLATED, "allowed_hosts": [f"192.0.2.{i % 250}:{1000 + i}" for i in range(n)]}),
+    ("allowed_domains", policy_limits.MAX_ALLOWED_DOMAINS,
+     lambda n: {**_ISOLATED, "allowed_domains": [f"d{i}.example.org" for i in range(n)]}),
+    ("published_ports", policy_limits.MAX_PUBLISHED_PORTS,
+     lambda n: {**_ISOLATED, "published_ports": [f"{20000 + i}:{8000 + i}" for i in range(n)]}),
+]
+
+
+@pytest.mark.parametrize("field, limit, fields", POLICY_LISTS, ids=[case[0] for case in POLICY_LISTS])
+def test_each_policy_list_past_its_limit_is_refused(stub: pb_grpc.SandboxStub, ws: Path, session: pb.Session,
+                                                    field: str, limit: int, fields: Any) -> None:
+    said = f"{field} has {limit + 1} entries; the limit is {limit}"
+    created = rpc_error(lambda: create_session(stub, ws, workspace_write(**fields(limit + 1))))
+    assert created.code() == INVALID and said in created.details(), created.details()
+    updated = rpc_error(lambda: stub.UpdateSessionPolicy(pb.UpdateSessionPolicyRequest(
+        session_id=session.id, sandbox_policy=workspace_write(**fields(limit + 1))), timeout=60))
+    assert updated.code() == INVALID and said in updated.details(), updated.details()
+    # Control: the session is untouched and still runs commands.
+    assert stub.GetSession(pb.GetSessionRequest(session_id=session.id), timeout=60).sandbox_generation == 1
+    assert run_exec(stub, session.id, ["true"]).result.exit_code == 0
+
+
+def test_five_thousand_writable_roots_are_refused_and_the_limit_itself_works(stub: pb_grpc.SandboxStub,
+                                                                            ws: Path) -> None:
+    roots = [ws / f"root-{i}" for i in range(5000)]
+    for root in roots[:policy_limits.MAX_WRITABLE_ROOTS]:
+        root.mkdir()
+    error = rpc_error(lambda: create_session(stub, ws, workspace_write(writable_roots=[str(r) for r in roots])))
+    assert error.code() == INVALID, error.details()
+    assert f"writable_roots has 5000 entries; the limit is {policy_limits.MAX_WRITABLE_ROOTS}" in error.details()
+    # Control: exactly the limit builds a sandbox, and the last root is writable in it.
+    at_limit = [str(r) for r in roots[:policy_limits.MAX_WRITABLE_ROOTS]]
+    s = create_session(stub, ws, workspace_write(writable_roots=at_limit))
+    try:
+        ok = run_exec(stub, s.id, ["sh", "-c", f"touch {at_limit[-1]}/written && echo ok"])
+        assert ok.result.exit_code == 0 and ok.stdout == b"ok\n", ok
+    finally:
+        close_quietly(stub, s.id)
+
+
+def test_all_the_lists_of_a_policy_are_bounded_in_bytes_together(stub: pb_grpc.SandboxStub, ws: Path) -> None:
+    long_roots = [f"/tmp/{'r' * 250}/{'s' * 40}{i}" for i in range(policy_limits.MAX_WRITABLE_ROOTS)]
+    error = rpc_error(lambda: create_session(stub, ws, workspace_write(writable_roots=long_roots)))
+    assert error.code() == INVALID, error.details()
+    assert f"the limit is {policy_limits.MAX_POLICY_LIST_BYTES}" in error.details() and "bytes" in error.details()
+
+
+def test_labels_past_their_limits_are_refused(stub: pb_grpc.SandboxStub, ws: Path) -> None:
+    limit = policy_limits.MAX_LABELS
+    many = rpc_error(lambda: create_session(stub, ws, workspace_write(),
+                                            labels={f"k{i}": "v" for i in range(limit + 1)}))
+    assert many.code() == INVALID and f"labels has {limit + 1} entries; the limit is {limit}" in many.details()
+    long_key = rpc_error(lambda: create_session(stub, ws, workspace_write(),
+                                                labels={"k" * (policy_limits.MAX_LABEL_KEY + 1): "v"}))
+    assert long_key.code() == INVALID and "label key" in long_key.details(), long_key.details()
+    long_value = rpc_error(lambda: create_session(stub, ws, workspace_write(),
+                                                  labels={"k": "v" * (policy_limits.MAX_LABEL_VALUE + 1)}))
+    assert long_value.code() == INVALID and "value of label 'k'" in long_value.details(), long_value.details()
+    # Control: exactly the limit is kept and given back.
+    labels = {f"k{i}": "v" * policy_limits.MAX_LABEL_VALUE for i in range(limit)}
+    s = create_session(stub, ws, workspace_write(), labels=labels)
+    try:
+        assert dict(stub.GetSession(pb.GetSessionRequest(session_id=s.id), timeout=60).labels) == labels
+    finally:
+        close_quietly(stub, s.id)
+
+
+def test_argv_and_env_past_their_counts_are_refused(stub: pb_grpc.SandboxStub, session: pb.Session) -> None:
+    argv_limit, env_limit = policy_limits.MAX_ARGV, policy_limits.MAX_ENV_ENTRIES
+    argv = exec_error(stub, pb.ExecStart(session_id=session.id, argv=["true"] * (argv_limit + 1)))
+    assert argv.code() == INVALID and f"argv has {argv_limit + 1} entries; the limit is {argv_limit}" in argv.details()
+    env = exec_error(stub, pb.ExecStart(session_id=session.id, argv=["true"],
+                                        env={f"V{i}": "" for i in range(env_limit + 1)}))
+    assert env.code() == INVALID and f"env has {env_limit + 1} entries; the limit is {env_limit}" in env.details()
+    value = "z" * (100 << 10)
+    big = exec_error(stub, pb.ExecStart(session_id=session.id, argv=["true"], env={"V1": value, "V2": value}))
+    assert big.code() == INVALID and f"the limit is {policy_limits.MAX_ENV_BYTES}" in big.details(), big.details()
+    background = rpc_error(lambda: stub.StartBackground(pb.StartBackgroundRequest(
+        session_id=session.id, argv=["true"], env={f"V{i}": "" for i in range(env_limit + 1)}), timeout=60))
+    assert background.code() == INVALID and "env has" in background.details(), background.details()
+    # Control: exactly the limits run (the counts reach the command).
+    env_at_limit = {"PATH": "/usr/bin:/bin", **{f"V{i}": "" for i in range(env_limit - 1)}}
+    ok = run_exec(stub, session.id, ["sh", "-c", 'echo $#; env | grep -c "^V"', "sh", *["a"] * (argv_limit - 4)],
+                  env=env_at_limit)
+    assert ok.result.exit_code == 0, ok
+    assert ok.stdout.split() == [str(argv_limit - 4).encode(), str(env_limit - 1).encode()], ok.stdout[:200]

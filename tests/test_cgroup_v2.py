@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from cgroup_helpers import read, v2_slice
 from conftest import BASE_ENV, SANDBOXD, describe, py
 
 from sandboxd.kernel import cgroups
@@ -34,10 +35,6 @@ ALLOCATE = ("import sys\n"
             "b = bytearray(int(sys.argv[1]) << 20)\n"
             "for i in range(0, len(b), 4096): b[i] = 1\n"
             "print('ALIVE', flush=True)\n")
-
-
-def read(path: Path) -> str:
-    return path.read_text().strip()
 
 
 def in_group(group: Path, *argv: str, timeout: float = 120, popen: bool = False):  # type: ignore[no-untyped-def]
@@ -55,47 +52,10 @@ def sbx(*args: str) -> list[str]:
     return [SANDBOXD, "run", "--sandbox", "workspace-write", "--workspace", "/tmp", *args]
 
 
-def remove_group(group: Path) -> None:
-    """Kill what is left in ``group`` and below, then rmdir bottom-up."""
-    if not group.exists():
-        return
-    for dirpath, _, _ in sorted(os.walk(group), key=lambda e: -e[0].count("/")):
-        path = Path(dirpath)
-        for _ in range(200):
-            try:
-                pids = read(path / "cgroup.procs").split()
-            except OSError:
-                break
-            if not pids:
-                break
-            for pid in pids:
-                try:
-                    os.kill(int(pid), 9)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.01)
-        try:
-            path.rmdir()
-        except OSError:
-            pass
-
-
 @pytest.fixture
 def slice_() -> Iterator[Path]:
-    """What systemd does above a unit: a parent group with +memory +pids +cpu handed down (the root
-    enables them first when it has not: systemd does that at boot)."""
-    root = Path(MOUNT)
-    wanted = [c for c in ("cpu", "memory", "pids") if c in read(root / "cgroup.controllers").split()]
-    if set(wanted) - set(read(root / "cgroup.subtree_control").split()):
-        (root / "cgroup.subtree_control").write_text(" ".join("+" + c for c in wanted))
-    group = root / f"sbxt-{uuid.uuid4().hex[:8]}.slice"
-    group.mkdir()
-    try:
-        (group / "cgroup.subtree_control").write_text(" ".join("+" + c for c in wanted))
+    with v2_slice(MOUNT) as group:
         yield group
-    finally:
-        remove_group(group)
-        assert not group.exists()
 
 
 def unit(slice_: Path, delegated: bool) -> Path:
@@ -151,8 +111,8 @@ def test_a_busy_group_that_is_not_delegated_is_refused_with_the_fix(slice_: Path
     finally:
         bystander.kill()
         bystander.wait()
-    # control: the same command without a limit needs no controller and runs
-    result = in_group(group, *sbx("--", "true"))
+    # control: the same command without limits (the default ones turned off) needs no controller and runs
+    result = in_group(group, *sbx("--no-default-limits", "--", "true"))
     assert result.returncode == 0, describe(result)
 
 
@@ -211,5 +171,5 @@ def test_a_unit_whose_parent_hands_down_no_memory_controller_is_refused_with_the
     assert "cannot hand down the memory controller" in result.stderr and "Delegate=yes" in result.stderr, \
         describe(result)
     assert read(bare / "cgroup.subtree_control") == ""                   # nothing written above the unit
-    control = in_group(group, *sbx("--", "true"))
+    control = in_group(group, *sbx("--no-default-limits", "--", "true"))
     assert control.returncode == 0, describe(control)

@@ -13,6 +13,7 @@ import pytest
 from conftest import BASE_ENV, REPO, SANDBOXD
 from daemon_helpers import DaemonFactory
 from sandboxd import config
+from sandboxd.kernel import host_limits
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,9 +93,13 @@ def test_doctor_on_this_machine() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if line and not line.startswith(" ")]
     names = {line.split(":")[0].split(None, 1)[1] for line in lines[:-1]}
-    assert names >= {"privileges", "sandbox", "seccomp", "landlock", "cgroups", "nftables", "address pool",
+    assert names >= {"privileges", "sandbox", "seccomp", "landlock", "cgroups", "ceiling", "nftables", "address pool",
                      "call helper"}, lines
     assert all(line.startswith(("ok", "warn")) for line in lines[:-1]), result.stdout
+    # the ceiling line says the defaults and the caps of all sandboxes together (kernel.host_limits)
+    ceiling = next(line for line in lines if line.split(":")[0].endswith("ceiling"))
+    assert f"pids {host_limits.DEFAULT_PIDS}," in ceiling, ceiling
+    assert f"all together: pids {host_limits.default_ceiling().pids}," in ceiling, ceiling
 
 
 def test_doctor_says_what_is_missing_and_how_to_fix_it() -> None:
@@ -159,3 +164,29 @@ def test_session_defaults_come_from_the_file(sandboxd_daemon: DaemonFactory) -> 
     d.stub.UpdateSessionPolicy(pb.UpdateSessionPolicyRequest(session_id=asked.id, approval_policy=pb.NEVER))
     routes = run_exec(d.stub, asked.id, ["cat", "/proc/net/fib_trie"]).stdout.decode()
     assert "10.234.0.2" in routes, routes[:500]
+
+
+def test_an_owners_share_defaults_to_a_fifth_of_the_total_and_must_nest(tmp_path: Path) -> None:
+    """limits.owner_pids: 0 is a fifth of limits.total_pids, and the built-in session default shrinks
+    to fit it; a share above the total, or a default above the share, stops with both keys. The memory
+    share is none unless set, and then nests the same way."""
+    def resolved(text: str) -> config.ResourceLimits:
+        path = tmp_path / "sandboxd.toml"
+        path.write_text(text)
+        return config.resource_limits(config.load(str(path)))
+
+    built_in = resolved("")
+    assert built_in.owner_pids == built_in.total_pids // 5 and built_in.owner_memory == 0
+    small = resolved("[limits]\ntotal_pids = 300\n")
+    assert (small.owner_pids, small.pids) == (60, 60)
+    shared = resolved("[limits]\ntotal_memory = \"512M\"\nowner_memory = \"256M\"\n")
+    assert (shared.owner_memory, shared.memory) == (256 << 20, 256 << 20)
+    for text, low, high in (
+            ("[limits]\ntotal_pids = 300\nowner_pids = 301\n", "limits.owner_pids", "limits.total_pids"),
+            ("[defaults]\npids = 100\n[limits]\ntotal_pids = 300\n", "defaults.pids", "limits.owner_pids"),
+            ("[limits]\ntotal_memory = \"512M\"\nowner_memory = \"1G\"\n", "limits.owner_memory", "limits.total_memory"),
+            ("[defaults]\nmemory = \"300M\"\n[limits]\nowner_memory = \"256M\"\n", "defaults.memory",
+             "limits.owner_memory")):
+        with pytest.raises(config.ConfigError) as refused:
+            resolved(text)
+        assert refused.value.key == low and high in str(refused.value), str(refused.value)

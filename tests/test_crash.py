@@ -384,10 +384,12 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.parametrize("level", ["base", "owner"])
 @pytest.mark.parametrize("where", ["v1 memory", "v2"])
-def test_sweep_kills_and_removes_groups_of_dead_owners_only(where: str) -> None:
+def test_sweep_kills_and_removes_groups_of_dead_owners_only(where: str, level: str) -> None:
     """A group named after a dead creator is emptied (its process killed) and removed; one named
-    after a live creator is left alone, process and all (the control)."""
+    after a live creator is left alone, process and all (the control). Also in an owner's group
+    (``<base>/owner-<key>/``), which the sweep removes once it is empty, not before."""
     from sandboxd.kernel import cgroups
 
     h = cgroups.hierarchies()
@@ -400,10 +402,12 @@ def test_sweep_kills_and_removes_groups_of_dead_owners_only(where: str) -> None:
             pytest.skip("no cgroup v1 memory hierarchy mounted")
         point, own = h.v1["memory"]
         base = os.path.join(point, own.lstrip("/"), cgroups.BASE_NAME)
-    os.makedirs(base, exist_ok=True)
     suffix = uuid.uuid4().hex[:8]
-    stale = os.path.join(base, f"run-{_dead_pid()}-1-{suffix}")
-    live = os.path.join(base, f"run-{os.getpid()}-1-{suffix}")
+    owner = os.path.join(base, f"{cgroups.OWNER_PREFIX}uid-{suffix}")
+    parent = owner if level == "owner" else base
+    os.makedirs(parent, exist_ok=True)
+    stale = os.path.join(parent, f"run-{_dead_pid()}-1-{suffix}")
+    live = os.path.join(parent, f"run-{os.getpid()}-1-{suffix}")
     sleepers = []
     try:
         for path in (stale, live):
@@ -416,11 +420,22 @@ def test_sweep_kills_and_removes_groups_of_dead_owners_only(where: str) -> None:
         assert sleepers[0].wait(10) == -signal.SIGKILL
         assert not os.path.exists(stale)
         assert sleepers[1].poll() is None and os.path.isdir(live)
+        if level == "owner":
+            assert os.path.isdir(owner)                       # still holds the live group
+            sleepers[1].kill()
+            sleepers[1].wait()
+            live_group = cgroups.CgroupSet(os.path.basename(live))
+            live_group.dirs = [live]
+            live_group.remove()                           # the creator's own removal takes the empty owner group
+            assert not os.path.exists(live) and not os.path.exists(owner)
+            os.makedirs(owner)
+            cgroups.sweep_stale()                         # and the sweep one a killed daemon left empty
+            assert not os.path.exists(owner)
     finally:
         for sleeper in sleepers:
             sleeper.kill()
             sleeper.wait()
-        for path in (stale, live):
+        for path in (stale, live, owner):
             for _ in range(100):
                 try:
                     os.rmdir(path)

@@ -191,3 +191,84 @@ def test_sandboxd_run_waits_on_a_pidfd_past_1024(workspace: Path) -> None:
             os.close(fd)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "ran\n"
+
+
+def test_a_request_too_large_for_the_socket_is_refused_before_sending(server: ForkServer, workspace: Path) -> None:
+    """Thousands of writable roots (or a huge environment) used to fail as "the fork server has
+    exited (Message too long)" while it had not: now the request is refused with its size and the
+    limit, and the server goes on serving. A large request that fits goes through (control)."""
+    stdio = null_stdio()
+    try:
+        # Control: 300 KB of arguments, past the socket's default 208 KiB buffer (the policy's list
+        # limits keep env and roots smaller; argv is bounded by its entry count, not its bytes).
+        argv = ("true", *(f"{i:05d}" + "x" * 51 for i in range(5000)))
+        call = server.launch(LaunchSpec(argv=argv, workspace=str(workspace), env=dict(BASE_ENV)), stdio)
+        assert server.wait(call).exit_code == 0
+    finally:
+        os.close(stdio[0])
+    # Past the limit (1 MiB): refused here, whatever the request (the policy's own per-list limits
+    # may refuse such a session earlier; the fork server's internal path check has none).
+    with pytest.raises(InvalidPolicy) as refused:
+        server.check_paths((65534, 65534, ()), [f"{workspace}/{'r' * 200}-{i}" for i in range(6000)])
+    message = str(refused.value)
+    assert "too large for the fork server" in message and "writable roots" in message, message
+    size, limit = [int(word) for word in message.replace(",", " ").split() if word.isdigit()][:2]
+    assert size > limit > 300_000, message
+    assert server.ping(10) and launch_true(server, workspace) == 0
+
+
+def test_a_planted_symlink_is_refused_by_the_walk_made_as_the_caller(server: ForkServer, base_dir: Path,
+                                                                     outside: Path) -> None:
+    """Through the fork server the walk along a writable root's path (is a symlink in it planted
+    inside a writable area?) runs in the child that opened the paths, as the caller, off the
+    loop: it still refuses a root through a symlink planted in the workspace; the target itself
+    given directly is fine (control)."""
+    ws = base_dir / "caller-ws"
+    ws.mkdir(mode=0o777)
+    os.chmod(ws, 0o777)
+    (ws / "planted").symlink_to(outside)
+    nobody = (65534, 65534, ())
+
+    def launch(root: str) -> int:
+        stdio = null_stdio()
+        try:
+            call = server.launch(LaunchSpec(argv=("true",), workspace=str(ws), env=dict(BASE_ENV), caller=nobody,
+                                            user=(65534, 65534), policy=WorkspaceWrite(writable_roots=(root,))), stdio)
+        finally:
+            os.close(stdio[0])
+        return server.wait(call).exit_code  # type: ignore[return-value]
+
+    assert launch(str(outside)) == 0
+    with pytest.raises(InvalidPolicy, match="planted") as refused:
+        launch(f"{ws}/planted")
+    assert f"{ws}/planted" in str(refused.value) and "symlink" in str(refused.value)
+
+
+def test_a_session_refused_at_its_paths_leaves_its_name_free(server: ForkServer, base_dir: Path) -> None:
+    """The paths are opened off the loop, before the build: a refusal there must not leave the
+    session's name taken (the daemon opens a session again under the same name)."""
+    ws = base_dir / "caller-ws"
+    ws.mkdir(mode=0o777)
+    os.chmod(ws, 0o777)
+    nobody = (65534, 65534, ())
+    missing = LaunchSpec(argv=("true",), workspace=str(ws), caller=nobody, user=(65534, 65534),
+                         policy=WorkspaceWrite(writable_roots=(f"{ws}/missing",)))
+    with pytest.raises(InvalidPolicy, match="does not exist"):
+        server.open_session("again", missing)
+    (ws / "missing").mkdir(mode=0o777)
+    os.chmod(ws / "missing", 0o777)
+    info = server.open_session("again", missing)
+    assert info.init_pid > 0 and info.workspace == str(ws)
+    server.close_session("again")
+
+
+def test_ping_says_whether_the_server_answers_in_time(server: ForkServer) -> None:
+    """The watchdog's probe: a stopped server does not answer (False, after the timeout, never
+    later), the same server continued does (control)."""
+    assert server.ping(10)
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        assert not server.ping(0.3)
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    assert server.ping(10)

@@ -478,3 +478,81 @@ def test_guard_finds_plants_with_and_without_inotify(watch: bool, setup: Setup) 
         assert s.fired() == []
     finally:
         guard.close()
+
+
+# --------------------------------------------------------------------------- issue 16: git's own reading
+
+
+def issue16_script(markers: Path) -> str:
+    """The three .git-file variants of issue 16, each naming a git directory hidden in the writable
+    .git/objects/ (a file over 4096 bytes; a trailing blank, part of the path for git; a symlinked
+    component) and reached by a gitlink in the index, plus a rebase stopped at `break` with an
+    `exec` line queued."""
+    e = ".git/objects/ab"
+    todo = f"break\\nexec touch {markers}/rebase\\n"
+    return (f"set -e; mkdir -p {e}; "
+            f"git init -q --separate-git-dir \"$PWD/{e}/big\" s1; git init -q --separate-git-dir \"$PWD/{e}/blank \" s2; "
+            f"git init -q --separate-git-dir \"$PWD/{e}/linked\" s3; ln -s {e} lnk; "
+            f"for i in 1 2 3; do git -C s$i commit -q --allow-empty -m s; "
+            f"git -C s$i config core.fsmonitor \"touch {markers}/s$i; :\"; done; "
+            f"{{ printf 'gitdir: ../{e}/big'; head -c 5000 /dev/zero | tr '\\0' '\\n'; }} > s1/.git; "
+            f"printf 'gitdir: ../{e}/blank \\n' > s2/.git; printf 'gitdir: ../lnk/linked\\n' > s3/.git; "
+            "for i in 1 2 3; do git update-index --add --cacheinfo 160000,$(git -C s$i rev-parse HEAD),s$i; done; "
+            f"git commit -qm subs; GIT_SEQUENCE_EDITOR=\"printf '{todo}' >\" git rebase -q -i HEAD")
+
+
+def issue16_host_uses(s: Setup) -> None:
+    for args in (("status",), ("diff",), ("rebase", "--continue")):
+        s.git(*args)
+    for i in (1, 2, 3):
+        s.git("status", cwd=s.ws / f"s{i}")
+
+
+def test_issue16_control_the_owner_planting_it_fires(base_dir: Path, host_user: tuple[str, int, int]) -> None:
+    """Control: the same plant made by the workspace owner on the host fires every payload."""
+    s = make_setup(base_dir / "control", host_user)
+    done = subprocess.run(["runuser", "-u", s.user, "--", *HOST_GIT_ENV, "sh", "-c", issue16_script(s.markers)],
+                          cwd=s.ws, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    issue16_host_uses(s)
+    assert s.fired() == ["rebase", "s1", "s2", "s3"]
+
+
+def test_daemon_issue16_gitfiles_and_stopped_rebase_are_neutralized(daemon: Daemon, setup: Setup) -> None:
+    """Through the daemon, as the owner: after CloseSession nothing planted runs under host git, and
+    each removal is a GitConfigNeutralized event."""
+    s = setup
+    res = as_user(daemon, s, [issue16_script(s.markers)])
+    close(daemon, res["sid"])
+    assert res["exec"][0][0] == 0, res
+    issue16_host_uses(s)
+    assert s.fired() == []
+    events = {(e["what"], e["key"]) for e in neutralized(daemon, res["sid"])}
+    assert ("sequencer", "rebase-merge") in events and ("config-key", "core.fsmonitor") in events, events
+    assert s.git("status", "--short").returncode == 0
+
+
+def test_layouts_git_itself_makes_are_kept(setup: Setup) -> None:
+    """Control for the .git-file rules: a submodule added in a repository made in the sandbox (its
+    .git file names <gitdir>/modules/NAME), a linked worktree, a repository made with
+    --separate-git-dir and an interactive rebase with an `exec` line that finishes inside the call
+    leave no .git file, hook or sequencer state removed; host git works in each afterwards."""
+    s = setup
+    source = s.outside / "lib"
+    assert s.git("init", "-q", str(source), cwd=s.outside).returncode == 0
+    assert s.git("commit", "-q", "--allow-empty", "-m", "lib", cwd=source).returncode == 0
+    script = (f"set -e; git init -q fresh; cd fresh; git commit -q --allow-empty -m f; "
+              f"git -c protocol.file.allow=always submodule add -q {source} lib; git commit -qm lib; cd ..; "
+              "git worktree add -q wt; mkdir store; git init -q --separate-git-dir \"$PWD/store/sep.git\" sep; "
+              "git -C sep commit -q --allow-empty -m sep; "
+              "GIT_SEQUENCE_EDITOR=\"sed -i '1i exec touch exec-ran'\" git rebase -q -i HEAD; test -e exec-ran")
+    result = run_sbx(["sh", "-c", script], workspace=s.ws, env=SANDBOX_ENV)
+    assert result.returncode == 0, describe(result)
+    removed = [line for line in result.stderr.splitlines() if "git guard: removed" in line]
+    # git submodule add writes core.worktree into the submodule's config: not a safe key, dropped.
+    assert all("config-key 'core.worktree'" in line for line in removed), describe(result)
+    for repo in ("fresh/lib", "wt", "sep"):
+        assert (s.ws / repo / ".git").is_file(), repo
+        assert s.git("status", "--short", cwd=s.ws / repo).returncode == 0, repo
+    assert s.git("submodule", "status", cwd=s.ws / "fresh").stdout.split()[1] == "lib"
+    assert not (s.ws / ".git" / "rebase-merge").exists() and s.fired() == []

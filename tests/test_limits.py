@@ -84,6 +84,17 @@ def test_pids_limit_makes_fork_fail_with_eagain(policy: str, workspace: Path) ->
     assert int(words[2]) < 10
 
 
+def test_a_command_that_cannot_even_start_at_its_pids_limit_is_told_which_limits(workspace: Path) -> None:
+    """With --pids 1 init fills the limit, so the command itself cannot be forked: setup fails with
+    the limits to raise named (a daemon's call gets RESOURCE_EXHAUSTED with it: test_daemon_limits).
+    Control: with --pids 2 the same command runs."""
+    full = run_sbx(["true"], workspace=workspace, policy="read-only", options=("--pids", "1"), timeout=60)
+    assert full.returncode == 125 and "EAGAIN" in full.stderr, describe(full)
+    assert "--pids" in full.stderr and "limits.owner_pids" in full.stderr, describe(full)
+    fits = run_sbx(["true"], workspace=workspace, policy="read-only", options=("--pids", "2"), timeout=60)
+    assert fits.returncode == 0, describe(fits)
+
+
 def test_pids_without_limit_allow_many(workspace: Path) -> None:
     """Control: without --pids the same program makes 40 children."""
     result = run_sbx(py(PIDS, "40"), workspace=workspace)
@@ -201,3 +212,84 @@ def test_doctor_fails_when_a_limit_cannot_be_applied() -> None:
     assert "fix:" in result.stdout.split("FAIL  limits")[1].split("\n")[1], describe(result)
     assert "everything enforcement needs is here" not in result.stdout
     assert "ok    sandbox:" in result.stdout                    # control: what needs no cgroup still works
+
+
+def test_a_run_gets_the_default_limits_under_the_host_wide_caps(workspace: Path, plain_users) -> None:  # type: ignore[no-untyped-def]
+    """`sandboxd run` with no limit given: a fork bomb of a plain user stops at the default 1024 tasks
+    (EAGAIN), its groups carry the default limits, and the parent group of all sandboxes the host-wide
+    caps. Control: --pids above the default lets the same command fork past 1024. Run in a parent group
+    of its own (cgroup_helpers.own_parent), so the caps it writes are its own, not every sandboxd's."""
+    import os
+    import subprocess
+
+    from cgroup_helpers import HOLDING_FORKS, forked, own_parent, wait_for
+    from conftest import BASE_ENV, SANDBOXD
+    from sandboxd.kernel import host_limits
+
+    (user,) = plain_users(1)
+    os.chown(workspace, user.uid, user.gid)
+    ceiling = host_limits.default_ceiling()
+
+    def bomb(parent, tag: str, *options: str) -> "tuple[subprocess.Popen[str], Path, Path]":  # type: ignore[no-untyped-def]
+        count, release = workspace / f"count-{tag}", workspace / f"release-{tag}"
+        argv = [*parent.wrapper, SANDBOXD, "run", "--workspace", str(workspace), "--user", f"{user.uid}:{user.gid}",
+                *options, "--", *py(HOLDING_FORKS, "1500", str(count), str(release))]
+        return (subprocess.Popen(argv, env=BASE_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+                count, release)
+
+    with own_parent() as parent:
+        proc, count, release = bomb(parent, "default")
+        try:
+            wait_for(count)
+            assert parent.cap("pids") == str(ceiling.pids)
+            assert parent.cap("memory") == str(ceiling.memory_bytes)
+            assert parent.sandbox_limits("pids") == ["1024"]
+            assert parent.sandbox_limits("memory") == [str(host_limits.default_memory())]
+        finally:
+            release.touch()
+            out, err = proc.communicate(timeout=120)
+        made, errno = forked(out)
+        assert errno == 11 and 1000 <= made < 1024, (out, err)          # EAGAIN at the default wall
+
+        proc, count, release = bomb(parent, "raised", "--pids", "1100")   # control: a flag raises it
+        release.touch()
+        out, err = proc.communicate(timeout=120)
+        made, errno = forked(out)
+        assert errno == 11 and 1024 < made < 1100, (out, err)
+
+
+def test_the_v2_path_writes_the_caps_on_the_base_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the caps go on cgroup v2 (the matrix guests run the real thing: the two tests above and
+    test_daemon_limits.py put their parent in a delegated v2 unit there): a directory laid out like a v2
+    group stands in for the mount, so this host (memory and pids on v1) runs the v2 code path too. It
+    checks which files are written, not that the kernel enforces them. Also an owner's group below
+    the base: the controllers handed down once more, the owner's caps on it, the sandbox inside."""
+    from sandboxd.kernel import cgroups
+    from sandboxd.kernel.host_limits import Ceiling, OwnerShare
+
+    base = tmp_path / cgroups.BASE_NAME
+    owner = base / (cgroups.OWNER_PREFIX + "uid-1000")
+    for group in (tmp_path, base, owner):              # the kernel makes these files in every new group
+        group.mkdir(exist_ok=True)
+        (group / "cgroup.controllers").write_text("cpu memory pids\n")
+        (group / "cgroup.subtree_control").write_text("")
+    monkeypatch.setattr(cgroups, "_hierarchies", cgroups.Hierarchies(
+        str(tmp_path), "/", frozenset({"cpu", "memory", "pids"}), {}))
+    monkeypatch.setattr(cgroups, "_prepared", set())
+    monkeypatch.setattr(cgroups, "_capped", {})
+    cgroups.CgroupSet.create("run-1-1-aa", memory_bytes=64 << 20, pids=32,
+                                     ceiling=Ceiling(pids=128, memory_bytes=256 << 20))
+    assert (base / "pids.max").read_text() == "128" and (base / "memory.max").read_text() == str(256 << 20)
+    assert (base / "run-1-1-aa" / "pids.max").read_text() == "32"
+    assert (base / "run-1-1-aa" / "memory.max").read_text() == str(64 << 20)
+    assert (base / "cgroup.subtree_control").read_text() == "+cpu +memory +pids"
+    # a launch without caps (the restarted fork server's self-test) leaves them as they are
+    (base / "pids.max").write_text("max")
+    cgroups.CgroupSet.create("run-1-2-bb", memory_bytes=64 << 20, pids=32)
+    assert (base / "pids.max").read_text() == "max"
+
+    cgroups.CgroupSet.create("run-1-3-cc", memory_bytes=64 << 20, pids=32,
+                             owner=OwnerShare("uid-1000", pids=100, memory_bytes=None))
+    assert (owner / "cgroup.subtree_control").read_text() == "+cpu +memory +pids"
+    assert (owner / "pids.max").read_text() == "100" and not (owner / "memory.max").exists()   # none asked
+    assert (owner / "run-1-3-cc" / "pids.max").read_text() == "32"

@@ -108,7 +108,7 @@ def test_typed_settings_read_each_default_with_its_type() -> None:
     for key in config.KEYS:
         value = accessors[type(key.default)](key.dotted)
         assert value == (tuple(key.default) if isinstance(key.default, list) else key.default), key.dotted
-    assert loaded.whole("listen.workers") == 64 and loaded.text("listen.socket_mode") == "0666"
+    assert loaded.whole("listen.workers") == 128 and loaded.text("listen.socket_mode") == "0666"
     for read, dotted in ((loaded.whole, "listen.socket"), (loaded.text, "listen.workers"),
                          (loaded.whole, "defaults.network_access"), (loaded.flag, "listen.workers")):
         with pytest.raises(TypeError, match=dotted):

@@ -219,6 +219,11 @@ def test_launch_spec_defaults() -> None:
     ({"user": (-1, 0)}, "user"),
     ({"user": (0, -1)}, "user"),
     ({"policy": WorkspaceWrite(writable_roots=("/",))}, "whole host"),
+    ({"owner": "../../pids"}, "owner"),             # it names a cgroup: nothing that climbs or nests
+    ({"owner": "uid-1/run-1"}, "owner"),
+    ({"owner": "UID-1"}, "owner"),
+    ({"owner": "-x"}, "owner"),
+    ({"owner": "a" * 65}, "owner"),
 ])
 def test_launch_spec_rejects_bad_input(kwargs: dict[str, object], message: str) -> None:
     """Bad argv, paths, env names, users and policies raise InvalidPolicy."""
@@ -237,7 +242,9 @@ def test_launch_spec_rejects_bad_input(kwargs: dict[str, object], message: str) 
         network_access=True, writable_roots=("/var/tmp/a", "/var/tmp/b"), protected_subpaths=(".git/hooks", "x"))),
     LaunchSpec(argv=("id",), workspace="/w", policy=WorkspaceWrite(protected_subpaths=())),
     LaunchSpec(argv=("id",), workspace="/w", policy=DangerFullAccess(), user=(0, 0)),
-], ids=["minimal", "read-only-full", "workspace-write-roots", "no-protection", "danger-root"])
+    LaunchSpec(argv=("id",), workspace="/w", owner="uid-1000",
+               limits=Limits(pids=100, total_pids=300, owner_pids=150, owner_memory_bytes=256 << 20)),
+], ids=["minimal", "read-only-full", "workspace-write-roots", "no-protection", "danger-root", "owner-share"])
 def test_spec_round_trip(spec: LaunchSpec) -> None:
     """spec_from_dict(spec_to_dict(s)) == s, and the dict survives JSON (the fork server wire format)."""
     data = spec_to_dict(spec)

@@ -1,30 +1,45 @@
 """Quotas under attack: one plain user (the attacker) takes sessions, streams, calls held for
 approval and long commands up to and past its quotas; another (the victim) keeps being served,
-and the workers kept for short calls stay free even when every long-lived slot is taken."""
+and the workers kept for short calls stay free even when every long-lived slot is taken. Four
+users at their quotas together leave a fifth served, and an owner holding nothing gets a slot
+as long as any is free (the first-slot share)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import time
 from pathlib import Path
+from contextlib import contextmanager
 from typing import Any, Iterator
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import BASE_ENV
-from daemon_helpers import _CLIENT_PRELUDE, PYTHON, Daemon, close_quietly, make_base_dir, remove_tree, run_client_as
+from daemon_helpers import (_CLIENT_PRELUDE, PYTHON, Daemon, DaemonFactory, close_quietly, make_base_dir, remove_tree,
+                            run_client_as)
 from plain_users import plain_user
 from sandboxd import config
-from sandboxd.errors import InvalidPolicy
-from sandboxd.service.quotas import QuotaLimits
+from sandboxd.errors import Exhausted, InvalidPolicy
+from sandboxd.service.callers import identify
+from sandboxd.service.peercred import PeerCredentials
+from sandboxd.service.quotas import CALLS as CALLS_KIND
+from sandboxd.service.quotas import STREAMS as STREAMS_KIND
+from sandboxd.service.quotas import QuotaLimits, Quotas
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 
-SESSIONS, CALLS, STREAMS, WORKERS, RESERVED = 6, 4, 4, 24, 8
+# A pool of 24 long-lived slots (32 workers, 8 reserved), a first-slot share of 3 (an eighth);
+# 4 owners at 3 calls + 2 streams hold 20, leaving one shared slot and the share for the others.
+SESSIONS, CALLS, STREAMS, WORKERS, RESERVED = 6, 3, 2, 32, 8
 LONG_LIVED = WORKERS - RESERVED
+SHARE = LONG_LIVED // 8
+SHARED = LONG_LIVED - SHARE
 QUOTA_CONFIG = f"""
 [listen]
 workers = {WORKERS}
@@ -156,30 +171,13 @@ def test_one_user_past_its_quotas_cannot_stop_another(daemon: Daemon) -> None:
             served = victim_is_served(daemon, victim_uid, victim_gid, victim_ws)
             assert served == {"create": "OK", "exec": ["served\n", 0], "get": "OK", "close": "OK"}, served
 
-            # Every long-lived slot taken (root is held to the total only): the reserve stays free
-            # for short calls; a further long-lived call is refused naming the reserve.
-            channel = grpc.insecure_channel("unix:" + daemon.socket)
-            stub = pb_grpc.SandboxStub(channel)
-            root_streams = [stub.WatchEvents(pb.WatchEventsRequest(), timeout=600)
-                            for _ in range(LONG_LIVED - CALLS - STREAMS)]
-            try:
-                deadline = time.monotonic() + 60           # wait until their handlers hold their slots
-                while stub.GetStatus(pb.GetStatusRequest(), timeout=30).quota_usage["long_lived"] < LONG_LIVED:
-                    assert time.monotonic() < deadline, "the streams never took their slots"
-                    time.sleep(0.05)
-                refused = stub.WatchEvents(pb.WatchEventsRequest(), timeout=60)
-                with pytest.raises(grpc.RpcError) as caught:
-                    next(iter(refused))
-                assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert "quotas.reserved_workers" in (caught.value.details() or "")
-                assert not any(s.done() for s in root_streams)
+            # Root (held to the pool only) takes every slot it can: all but the first-slot share;
+            # one more is refused naming that share, and the victim, holding nothing, still runs
+            # a command in it, and its short calls are served from the reserve.
+            with root_holding(daemon, SHARED - CALLS - STREAMS) as refusal:
+                assert "first-slot share" in refusal, refusal
                 squeezed = victim_is_served(daemon, victim_uid, victim_gid, victim_ws)
-                assert squeezed["create"] == "OK" and squeezed["get"] == "OK" and squeezed["close"] == "OK", squeezed
-                assert squeezed["exec"][0] == "RESOURCE_EXHAUSTED" and "reserved_workers" in squeezed["exec"][1]
-            finally:
-                for s in root_streams:
-                    s.cancel()
-                channel.close()
+                assert squeezed == {"create": "OK", "exec": ["served\n", 0], "get": "OK", "close": "OK"}, squeezed
 
             # The attacker lets go: its slots come back, and the victim runs commands again.
             attacker.stdin.write("done\n")
@@ -192,6 +190,208 @@ def test_one_user_past_its_quotas_cannot_stop_another(daemon: Daemon) -> None:
                 attacker.kill()
                 attacker.wait()
             close_sessions_of(daemon, {attacker_uid, victim_uid})     # before userdel: their sandboxes go
+
+
+@contextmanager
+def root_holding(daemon: Daemon, count: int) -> Iterator[str]:
+    """Root holds ``count`` WatchEvents streams (all of them held, checked in GetStatus) while the
+    block runs; yields the refusal of one more."""
+    channel = grpc.insecure_channel("unix:" + daemon.socket)
+    stub = pb_grpc.SandboxStub(channel)
+    before = stub.GetStatus(pb.GetStatusRequest(), timeout=30).quota_usage["long_lived"]
+    streams = [stub.WatchEvents(pb.WatchEventsRequest(), timeout=600) for _ in range(count)]
+    try:
+        deadline = time.monotonic() + 60                  # wait until their handlers hold their slots
+        while stub.GetStatus(pb.GetStatusRequest(), timeout=30).quota_usage["long_lived"] < before + count:
+            assert time.monotonic() < deadline, "the streams never took their slots"
+            assert not any(s.done() for s in streams), [s.details() for s in streams if s.done()]
+            time.sleep(0.05)
+        with pytest.raises(grpc.RpcError) as caught:
+            next(iter(stub.WatchEvents(pb.WatchEventsRequest(), timeout=60)))
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        yield caught.value.details() or ""
+        assert not any(s.done() for s in streams)
+    finally:
+        for s in streams:
+            s.cancel()
+        channel.close()
+
+
+HOLDER = r'''
+import sys, time
+held = stub.CreateSession(pb.CreateSessionRequest(workspace=ARGS["ws"], approval_policy=pb.ALWAYS), timeout=60).id
+free = stub.CreateSession(pb.CreateSessionRequest(workspace=ARGS["ws"], approval_policy=pb.NEVER), timeout=60).id
+def start(session, argv):
+    return stub.Exec(iter([pb.ExecRequest(start=pb.ExecStart(session_id=session, argv=argv))]), timeout=600)
+streams = [stub.WatchEvents(pb.WatchEventsRequest(), timeout=600) for _ in range(ARGS["streams"])]
+calls = [start(free, ["sleep", "300"])] + [start(held, ["true"]) for _ in range(ARGS["calls"] - 1)]
+deadline = time.monotonic() + 120
+while time.monotonic() < deadline:                     # until every one holds its slot
+    usage = stub.GetStatus(pb.GetStatusRequest(), timeout=30).quota_usage
+    if usage["calls"] == ARGS["calls"] and usage["streams"] == ARGS["streams"]:
+        break
+    time.sleep(0.05)
+def refusal(call):
+    try:
+        for _ in call:
+            pass
+        return ["OK", ""]
+    except grpc.RpcError as error:
+        return [error.code().name, error.details()]
+print(json.dumps({"usage": dict(usage), "running": [c.done() for c in streams + calls].count(False),
+                  "more_calls": refusal(start(free, ["true"])),
+                  "more_streams": refusal(stub.WatchEvents(pb.WatchEventsRequest(), timeout=60))}), flush=True)
+sys.stdin.readline()                                   # hold everything until the test is done
+for c in streams + calls:
+    c.cancel()
+print(json.dumps({"released": True}), flush=True)
+'''
+
+FIFTH = r'''
+result = {}
+session = stub.CreateSession(pb.CreateSessionRequest(workspace=ARGS["ws"], approval_policy=pb.NEVER), timeout=60)
+def outcome(fn):
+    try:
+        return ["OK", fn()]
+    except grpc.RpcError as error:
+        return [error.code().name, error.details()]
+result["exec"] = outcome(lambda: run(session.id, ["sh", "-c", "echo served > note; cat note"]))
+result["read"] = outcome(lambda: stub.ReadFile(pb.ReadFileRequest(session_id=session.id, path="note"),
+                                               timeout=60).data.decode())
+result["search"] = outcome(lambda: [m.path.rsplit("/", 1)[-1] for m in stub.Search(
+    pb.SearchRequest(session_id=session.id, pattern="serv"), timeout=60).matches])
+stub.CloseSession(pb.CloseSessionRequest(session_id=session.id), timeout=60)
+print(json.dumps(result))
+'''
+
+
+def test_four_users_at_their_quotas_leave_a_fifth_served(daemon: Daemon) -> None:
+    with contextlib.ExitStack() as stack:
+        users = [stack.enter_context(plain_user()) for _ in range(5)]
+        holders: list[subprocess.Popen[str]] = []
+        try:
+            for index, (uid, gid) in enumerate(users[:4]):
+                payload = json.dumps({"uid": uid, "gid": gid, "socket": daemon.socket, "calls": CALLS,
+                                      "streams": STREAMS, "ws": owned_dir(daemon.base / f"holder-{index}", uid, gid)})
+                holders.append(subprocess.Popen([PYTHON, "-c", _CLIENT_PRELUDE + HOLDER, payload], stdin=subprocess.PIPE,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                                env=BASE_ENV, cwd="/"))
+            for holder in holders:
+                assert holder.stdout is not None
+                line = holder.stdout.readline()
+                assert line, f"a holder failed: {holder.stderr.read() if holder.stderr else ''}"
+                held = json.loads(line)
+                # Control: each holds its whole quota (a long command, calls held for approval,
+                # streams), all still running, and is refused one more of each.
+                assert held["usage"]["calls"] == CALLS and held["usage"]["streams"] == STREAMS, held
+                assert held["running"] == CALLS + STREAMS, held
+                assert held["more_calls"][0] == "RESOURCE_EXHAUSTED" and "quotas.calls_per_uid" in held["more_calls"][1]
+                assert held["more_streams"][0] == "RESOURCE_EXHAUSTED" and "streams_per_uid" in held["more_streams"][1]
+            status = daemon.stub.GetStatus(pb.GetStatusRequest(), timeout=30)
+            assert status.quota_usage["long_lived"] == 4 * (CALLS + STREAMS)          # the pool really is held
+            assert status.quota_limits["first_slot_share"] == SHARE
+
+            fifth_uid, fifth_gid = users[4]
+            fifth_ws = owned_dir(daemon.base / "fifth", fifth_uid, fifth_gid)
+            expected = {"exec": ["OK", ["served\n", 0]], "read": ["OK", "served\n"], "search": ["OK", ["note"]]}
+            served = run_client_as(fifth_uid, fifth_gid, daemon.socket, FIFTH, {"ws": fifth_ws})
+            assert served == expected, served
+            # Root takes what is left outside the first-slot share; the fifth, holding nothing, is
+            # still served from the share.
+            with root_holding(daemon, SHARED - 4 * (CALLS + STREAMS)) as refusal:
+                assert "first-slot share" in refusal, refusal
+                served = run_client_as(fifth_uid, fifth_gid, daemon.socket, FIFTH, {"ws": fifth_ws})
+                assert served == expected, served
+        finally:
+            for holder in holders:
+                if holder.poll() is None and holder.stdin is not None:
+                    holder.stdin.write("done\n")
+                    holder.stdin.flush()
+            for holder in holders:
+                try:
+                    holder.wait(60)
+                except subprocess.TimeoutExpired:
+                    holder.kill()
+                    holder.wait()
+            close_sessions_of(daemon, {uid for uid, _ in users})     # before userdel: their sandboxes go
+
+
+def test_the_pool_and_its_shares(tmp_path: Path) -> None:
+    """The rules of Quotas itself, with the counts a daemon test cannot reach cheaply: the pool
+    full (the reserve named), and the start-up check that 4 owners at quota leave room."""
+    limits = QuotaLimits(workers=WORKERS, reserved_workers=RESERVED, calls_per_uid=CALLS, streams_per_uid=STREAMS)
+    quotas = Quotas(limits)
+    who = [identify(PeerCredentials(2000 + i, 2000, 1)) for i in range(LONG_LIVED + 1)]
+    with contextlib.ExitStack() as stack:
+        for owner in who[:4]:                         # 4 owners at quota
+            for _ in range(CALLS):
+                stack.enter_context(quotas.hold(owner, CALLS_KIND))
+            for _ in range(STREAMS):
+                stack.enter_context(quotas.hold(owner, STREAMS_KIND))
+        stack.enter_context(quotas.hold(who[4], CALLS_KIND))          # the fifth: the last shared slot
+        with pytest.raises(Exhausted, match="first-slot share"):
+            stack.enter_context(quotas.hold(who[4], CALLS_KIND))      # its second: not from the share
+        for owner in who[5:5 + SHARE]:                # owners holding nothing: the share
+            stack.enter_context(quotas.hold(owner, STREAMS_KIND))
+        with pytest.raises(Exhausted, match="quotas.reserved_workers"):
+            stack.enter_context(quotas.hold(who[5 + SHARE], CALLS_KIND))
+        assert quotas.usage(who[0])["long_lived_total"] == LONG_LIVED
+    assert quotas.usage(who[0]) == {CALLS_KIND: 0, STREAMS_KIND: 0, "long_lived_total": 0}
+    # TLS principals are owners of their own, even when mapped to one uid (or to root).
+    tls = [identify(PeerCredentials(0, 0, 0, f"tls:agent-{i}")) for i in range(2)]
+    with quotas.hold(tls[0], STREAMS_KIND), quotas.hold(tls[0], STREAMS_KIND):
+        with pytest.raises(Exhausted, match="tls:agent-0 already has 2 open streams"):
+            with quotas.hold(tls[0], STREAMS_KIND):
+                pass
+        with quotas.hold(tls[1], STREAMS_KIND):
+            assert quotas.usage(tls[1])[STREAMS_KIND] == 1
+    # Start-up: the old defaults (16 calls + 8 streams of a 48-slot pool) are refused, saying why.
+    with pytest.raises(InvalidPolicy, match="4 users at their quotas .* would hold 96 long-lived slots"):
+        QuotaLimits(calls_per_uid=16, streams_per_uid=8)
+    assert QuotaLimits().per_owner * 4 <= QuotaLimits().shared                 # control: the new defaults
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.lists(st.tuples(st.integers(0, 9), st.sampled_from([True] * 5 + [False]), st.booleans()),
+                min_size=20, max_size=150))
+def test_an_owner_holding_nothing_is_served_while_any_slot_is_free(steps: list[tuple[int, bool, bool]]) -> None:
+    """Any sequence of holds and releases by 10 owners (owner 0 is local root): the pool and the
+    per-owner limits are never passed, and a hold is refused only for a reason that holds: the
+    owner's quota, the pool full, or (for an owner already holding one) the first-slot share."""
+    limits = QuotaLimits(workers=WORKERS, reserved_workers=RESERVED, calls_per_uid=CALLS, streams_per_uid=STREAMS)
+    quotas = Quotas(limits)
+    owners = [identify(PeerCredentials(0 if i == 0 else 3000 + i, 3000, 1)) for i in range(10)]
+    held: list[list[contextlib.ExitStack]] = [[] for _ in owners]
+    total = 0
+    for index, acquire, is_call in steps:
+        owner, kind = owners[index], CALLS_KIND if is_call else STREAMS_KIND
+        if not acquire:
+            if held[index]:
+                held[index].pop().close()
+                total -= 1
+            continue
+        mine = quotas.usage(owner)
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(quotas.hold(owner, kind))
+        except Exhausted:
+            at_quota = not owner.is_root and mine[kind] >= (CALLS if is_call else STREAMS)
+            assert at_quota or total >= LONG_LIVED or (held[index] and total >= SHARED), (index, kind, total)
+            continue
+        assert not (held[index] and total >= SHARED), "the first-slot share went to an owner holding one"
+        held[index].append(stack)
+        total += 1
+        assert total <= LONG_LIVED and quotas.usage(owner)["long_lived_total"] == total
+        assert owner.is_root or quotas.usage(owner)[kind] <= (CALLS if is_call else STREAMS)
+    for stacks in held:
+        for stack in stacks:
+            stack.close()
+    assert quotas.usage(owners[0])["long_lived_total"] == 0
+
+
+def test_a_config_where_four_users_fill_the_pool_stops_the_daemon(sandboxd_daemon: DaemonFactory) -> None:
+    failure = sandboxd_daemon.start_failure(config="[quotas]\ncalls_per_uid = 16\nstreams_per_uid = 8\n")
+    assert failure.returncode == 2 and "4 users at their quotas" in failure.log, failure.log
 
 
 def close_sessions_of(daemon: Daemon, uids: set[int]) -> None:
@@ -208,7 +408,7 @@ def test_the_reserve_must_leave_workers_for_calls(tmp_path: Path) -> None:
     with pytest.raises(InvalidPolicy, match="reserved_workers"):
         QuotaLimits(workers=4, reserved_workers=5)
     # The default reserve is a quarter of the workers; a good file loads.
-    assert QuotaLimits(workers=64).reserved_workers == 16 and QuotaLimits(workers=64).long_lived_total == 48
+    assert QuotaLimits(workers=128).reserved_workers == 32 and QuotaLimits(workers=128).long_lived_total == 96
     path.write_text(QUOTA_CONFIG)
     assert config.load(str(path))["quotas.calls_per_uid"] == CALLS
 
@@ -224,5 +424,24 @@ def test_config_values_out_of_range_stop_the_daemon(tmp_path: Path, line: str, p
     path.write_text(line)
     with pytest.raises(config.ConfigError, match=problem.replace("^", "\\^")):
         config.load(str(path))
-    path.write_text("[defaults]\ntimeout_seconds = 604800\nmemory = \"8192T\"\n" if "defaults" in line else "")
-    config.load(str(path))                                                    # control: the maxima load
+    # control: the maxima load (a session's memory up to the total of all sandboxes, which must hold it)
+    path.write_text("[defaults]\ntimeout_seconds = 604800\nmemory = \"8192T\"\n[limits]\ntotal_memory = \"8192T\"\n"
+                    if "defaults" in line else "")
+    config.load(str(path))
+
+
+def test_each_owner_has_its_own_cgroup_key_and_root_none() -> None:
+    """The group a caller's sandboxes share (LaunchSpec.owner, limits.owner_*): one per local uid, one
+    per TLS principal whatever characters it holds (even one acting as root), a usable cgroup name
+    each; root's own sessions have none (held only to the total, as by the quotas)."""
+    from sandboxd.policy.spec import is_owner_key
+    from sandboxd.service.callers import identify
+    from sandboxd.service.peercred import PeerCredentials
+    from sandboxd.service.quotas import cgroup_owner
+
+    keys = [cgroup_owner(identify(PeerCredentials(uid, uid, 0, principal, (uid,)))) for uid, principal in (
+        (1000, ""), (1001, ""), (65534, "tls:agent-a"), (65534, "tls:agent-b"), (65534, "tls-uri:spiffe://x/../y"),
+        (0, "tls:admin"))]
+    assert keys[:2] == ["uid-1000", "uid-1001"]
+    assert len(set(keys)) == len(keys) and all(is_owner_key(key) and key for key in keys), keys
+    assert cgroup_owner(identify(PeerCredentials(0, 0, 0, "", (0,)))) == ""

@@ -317,7 +317,27 @@ def check_thread_limit() -> tuple[str, str]:
     return _line("ok", "threads", detail)
 
 
-CHECKS = (check_root, check_sandbox, check_seccomp, check_landlock, check_cgroups, check_limits, check_nftables,
+def check_ceiling() -> tuple[str, str]:
+    """The default limits and the caps of all sandboxes together, from the daemon's configuration
+    (``$SANDBOXD_CONFIG`` or /etc/sandboxd/sandboxd.toml), and what the parent group carries now."""
+    from sandboxd import config
+    from sandboxd.kernel import cgroups
+
+    limits = config.resource_limits(config.load(config.default_path()))
+    detail = (f"each sandbox by default: pids {limits.pids}, memory {limits.memory >> 20} MiB (at most "
+              f"{limits.max_pids} and {limits.max_memory >> 20} MiB); all together: pids {limits.total_pids}, "
+              f"memory {limits.total_memory >> 20} MiB; each owner's share: pids {limits.owner_pids}, memory "
+              f"{f'{limits.owner_memory >> 20} MiB' if limits.owner_memory else 'not capped'}")
+    in_force = cgroups.ceiling_in_force()
+    if in_force:
+        detail += "; now " + ", ".join(f"{path} = {value}" for path, value in in_force.values())
+    else:
+        detail += f"; written on the {cgroups.BASE_NAME} group when the first sandbox starts"
+    return _line("ok", "ceiling", detail)
+
+
+CHECKS = (check_root, check_sandbox, check_seccomp, check_landlock, check_cgroups, check_limits, check_ceiling,
+          check_nftables,
           check_address_pool, check_isolated_network, check_call_helper, check_fd_limit, check_thread_limit)
 
 

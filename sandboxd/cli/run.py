@@ -7,7 +7,7 @@ import _signal as signal  # the C module: signal.py builds IntEnums, which costs
 import sys
 
 from sandboxd import defaults
-from sandboxd.errors import InvalidPolicy, SandboxdError
+from sandboxd.errors import InvalidPolicy, LimitsUnavailable, SandboxdError
 from sandboxd.policy import DEFAULT_PROTECTED_SUBPATHS, LaunchSpec, Limits, parse_size, policy_from_name
 from sandboxd.policy.git_config import GIT_GUARD_SUBPATH
 from sandboxd.policy.limits import DEFAULT_TMP_SIZE
@@ -80,8 +80,10 @@ OPTIONS: tuple[tuple[str, str | None, str, str], ...] = (
                                               "every other host socket stays unreachable)"),
     ("--no-network", None, "flag", "no network: a private namespace with only loopback (default)"),
     ("--timeout", "SECONDS", "value", "kill the whole tree after SECONDS"),
-    ("--memory", "SIZE", "value", "memory limit of the whole tree (cgroup)"),
-    ("--pids", "N", "value", "process/thread limit of the whole tree (cgroup)"),
+    ("--memory", "SIZE", "value", "memory limit of the whole tree (cgroup; default: min(8G, half of RAM))"),
+    ("--pids", "N", "value", "process/thread limit of the whole tree (cgroup; default: 1024)"),
+    ("--no-default-limits", None, "flag", "no memory or pids limit but those given (and no caps on the parent "
+                                          "cgroup): for a machine whose cgroups sandboxd cannot manage"),
     ("--cpu-seconds", "N", "value", "CPU time limit per process (rlimit)"),
     ("--open-files", "N", "value", "open files limit per process (rlimit)"),
     ("--tmp-size", "SIZE", "value", f"size of the private /tmp and /dev/shm (default {DEFAULT_TMP_SIZE >> 20}M)"),
@@ -212,12 +214,21 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
             raise InvalidPolicy(f"--env {item!r} must look like NAME=VALUE")
         env[key] = value
     memory, tmp_size = args["memory"], args["tmp_size"]
+    # Like every session of the daemon: default limits, under the host-wide caps of the parent group.
+    from sandboxd.kernel import host_limits
+    ceiling, pids = host_limits.default_ceiling(), _number(args, "pids", int)
+    if args["no_default_limits"]:
+        ceiling = host_limits.Ceiling()
+    elif pids is None:
+        pids = host_limits.DEFAULT_PIDS
     limits = Limits(
         timeout_seconds=_number(args, "timeout", float),
-        memory_bytes=parse_size(str(memory), "--memory") if memory else None,
-        pids=_number(args, "pids", int), cpu_seconds=_number(args, "cpu_seconds", int),
+        memory_bytes=(parse_size(str(memory), "--memory") if memory else
+                      None if args["no_default_limits"] else host_limits.default_memory()),
+        pids=pids, cpu_seconds=_number(args, "cpu_seconds", int),
         open_files=_number(args, "open_files", int),
         tmp_size_bytes=parse_size(str(tmp_size), "--tmp-size") if tmp_size else DEFAULT_TMP_SIZE,
+        total_pids=ceiling.pids, total_memory_bytes=ceiling.memory_bytes,
     )
     workspace = os.path.abspath(str(args["workspace"] or os.getcwd()))
     cwd, user = args["cwd"], args["user"]
@@ -249,6 +260,9 @@ def main(argv: list[str]) -> int:
         sandbox.wait_started()
     except SandboxdError as exc:
         sys.stderr.write(f"sandboxd run: {exc}\n")
+        if isinstance(exc, LimitsUnavailable) and not args["no_default_limits"]:
+            sys.stderr.write("sandboxd run: (every run has default memory and pids limits: "
+                             "--no-default-limits runs without them)\n")
         return EXIT_SETUP_FAILED
     published: "list[EgressProxy | PublishedPort]" = []
     network, policy = sandbox.network, spec.policy

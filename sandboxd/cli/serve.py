@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
     except SandboxdError as exc:
         sys.stderr.write(f"sandboxd serve: {exc}\n")
         return 2
-    from sandboxd.policy import parse_size
+    from sandboxd.config import resource_limits
     from sandboxd.service.convert import SessionDefaults
     from sandboxd.service.quotas import QuotaLimits
     from sandboxd.service.server import serve
@@ -124,13 +124,14 @@ def main(argv: list[str]) -> int:
     except SandboxdError as exc:
         sys.stderr.write(f"sandboxd serve: {exc}\n")
         return 2
-    memory = loaded.text("defaults.memory")
+    limits = resource_limits(loaded)
     defaults = SessionDefaults(
         sandbox=loaded.text("defaults.sandbox_policy"), network_access=loaded.flag("defaults.network_access"),
         approval=loaded.text("defaults.approval_policy"),
         timeout_seconds=loaded.number("defaults.timeout_seconds") or None,
-        memory_bytes=parse_size(memory, "defaults.memory") if memory else None,
-        pids=loaded.whole("defaults.pids") or None)
+        memory_bytes=limits.memory, pids=limits.pids, max_memory_bytes=limits.max_memory, max_pids=limits.max_pids,
+        total_memory_bytes=limits.total_memory, total_pids=limits.total_pids,
+        owner_memory_bytes=limits.owner_memory or None, owner_pids=limits.owner_pids)
     return serve(loaded.text("listen.socket"), socket_mode=int(loaded.text("listen.socket_mode"), 8),
                  admin_gid=admin_gid, workers=loaded.whole("listen.workers"),
                  tls=listener, state_dir=loaded.text("state.dir"),
@@ -141,5 +142,7 @@ def main(argv: list[str]) -> int:
                  network_pool=loaded.text("network.pool"), quotas=quotas,
                  proxy_connections=loaded.whole("quotas.proxy_connections_per_session"),
                  published_connections=loaded.whole("quotas.published_connections_per_session"),
-                 published_per_peer=loaded.whole("quotas.published_connections_per_peer"),
-                 connections_per_uid=loaded.whole("quotas.connections_per_uid"))
+                  published_per_peer=loaded.whole("quotas.published_connections_per_peer"),
+                  connections_per_uid=loaded.whole("quotas.connections_per_uid"),
+                  ping_timeout=loaded.number("fork_server.ping_timeout_seconds"),
+                  wait_seconds=loaded.number("fork_server.wait_seconds"))

@@ -7,7 +7,7 @@ import ctypes
 import errno
 import os
 
-from sandboxd.errors import NamespacesUnavailable, SetupError
+from sandboxd.errors import NamespacesUnavailable, ProcessLimitReached, SetupError
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
@@ -75,6 +75,11 @@ def setup_error(step: str, code: int, path: str | None = None, detail: str | Non
             hint = "the program is not executable by the sandbox user (check its mode and the --user given)"
     elif step.startswith("seccomp"):
         hint = "the kernel refused the seccomp filter: it needs CONFIG_SECCOMP_FILTER (and 5.0+ for user notification)"
+    elif step == "fork" and code == errno.EAGAIN:
+        cls = ProcessLimitReached
+        hint = ("the sandbox has as many processes as it may: its own limit (limits.pids; `sandboxd run --pids`), "
+                "its owner's share of all sandboxes' (limits.owner_pids) or all sandboxes' together "
+                "(limits.total_pids) is reached; end some of its processes or close sessions")
     elif step.startswith("cgroup"):
         hint = ("cgroup limits need a writable cgroup hierarchy: run as root, or under systemd with Delegate=yes")
     return cls(step, code, path, hint=hint, detail=detail)

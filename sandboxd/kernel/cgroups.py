@@ -19,6 +19,19 @@ cgroup v2 the way systemd and container runtimes expect (Documentation/admin-gui
   ``<own>`` is ever written.
 - What this process created (the ``sandboxd`` base groups) is removed at exit when empty, so a
   `sandboxd run` as root leaves nothing behind.
+
+The base group is also the ceiling: a launch may carry the caps of all sandboxes together
+(``Ceiling``: pids.max, and memory.max or v1's memory.limit_in_bytes), written on the base group of
+each hierarchy that enforces the controller when this process first prepares it. Both controllers
+are hierarchical (v1 memory too since Linux 5.11 made use_hierarchy always 1), so the sandboxes below
+cannot together exceed it, whatever their own limits say.
+
+Between the two, the sandboxes of one owner (a daemon's caller: a uid or a TLS principal; an
+``OwnerShare``) share a group ``<base>/owner-<key>`` whose caps are that owner's share of the ceiling,
+so one owner's sandboxes together cannot fill it for everyone else (pids.max has no killer: at a full
+ceiling every fork below it fails). It is made on an owner's first launch and removed with its last
+sandbox group; it holds no process on v2 (survivors of a danger-full-access command go to its
+``released`` group), and the stale sweep removes one a killed daemon left empty.
 """
 
 from __future__ import annotations
@@ -36,9 +49,12 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from sandboxd.kernel.host_limits import Ceiling, OwnerShare
+
 BASE_NAME = "sandboxd"
 LEAF_NAME = "sandboxd-supervisor"   # where our own processes go when our group hands controllers down
 RELEASED_NAME = "released"          # v2: survivors of a danger-full-access command (base is not a leaf)
+OWNER_PREFIX = "owner-"             # <base>/owner-<key>: the sandboxes of one owner, under its share
 V2_CONTROLLERS = ("cpu", "memory", "pids")
 DELEGATE_HINT = ("run the daemon from its systemd unit (Delegate=yes), or wrap the command: "
                  "systemd-run --scope -p Delegate=yes sandboxd run ...")
@@ -119,19 +135,26 @@ class CgroupSet:
         self.memory_v2 = False
 
     @classmethod
-    def create(cls, name: str, *, memory_bytes: int | None, pids: int | None) -> "CgroupSet":
+    def create(cls, name: str, *, memory_bytes: int | None, pids: int | None,
+               ceiling: "Ceiling | None" = None, owner: "OwnerShare | None" = None) -> "CgroupSet":
+        """The groups of sandbox ``name`` with these limits, below the base groups, whose caps
+        ``ceiling`` sets (None: they are left as they are); with ``owner``, in that owner's group
+        below each base group, with the owner's caps."""
         h = hierarchies()
         group = cls(name)
         try:
             wanted = {c for c, v in (("memory", memory_bytes), ("pids", pids)) if v is not None}
             v2_controllers = {c for c in wanted if c in h.unified_controllers}
             if h.unified:
-                group.unified_dir = group._mkdir_below(lambda: _v2_base(h, bool(v2_controllers)), name)
+                group.unified_dir = group._mkdir_below(lambda: _v2_owner(
+                    _v2_base(h, bool(v2_controllers), ceiling), h, bool(v2_controllers), owner), name)
             for controller in sorted(wanted - v2_controllers):
                 if controller not in h.v1:
                     raise LimitsUnavailable(f"cgroup {controller}", errno.ENOENT, hint=_missing_hint(h, controller))
                 point, own = h.v1[controller]
-                path = group._mkdir_below(lambda: _v1_base(point, own), name)  # noqa: B023 - called right here
+                path = group._mkdir_below(
+                    lambda: _v1_owner(_v1_base(point, own, controller, ceiling), controller, owner),  # noqa: B023
+                    name)                                                  # (called right here)
                 if controller == "memory":
                     group.memory_dir = path
                     _write(path, "memory.limit_in_bytes", memory_bytes)
@@ -164,6 +187,7 @@ class CgroupSet:
                 return self._mkdir(os.path.join(base(), name))
             except FileNotFoundError:
                 _prepared.clear()
+                _capped.clear()
                 if attempt:
                     raise
         raise AssertionError("unreachable")
@@ -243,6 +267,8 @@ class CgroupSet:
         return 0
 
     def remove(self) -> None:
+        """rmdir the groups (waiting briefly for the last process's teardown), then the owner groups
+        they were in when nothing else is left there."""
         for path in reversed(self.dirs):
             for _ in range(200):
                 try:
@@ -254,6 +280,9 @@ class CgroupSet:
                     if exc.errno != errno.EBUSY:
                         break
                     time.sleep(0.005)  # the last process is still being torn down
+        for parent in dict.fromkeys(os.path.dirname(path) for path in self.dirs):
+            if os.path.basename(parent).startswith(OWNER_PREFIX):
+                remove_owner_group(parent)
         self.dirs.clear()
 
 
@@ -269,27 +298,61 @@ def join(dirs: list[str], pid: int = 0) -> None:
 
 def sweep_stale(prefix: str = "run-") -> int:
     """Remove the groups a killed daemon or `sandboxd run` left behind: ``<prefix><pid>-*`` under
-    our base groups whose creator is dead. What still runs in one (a process that escaped its
-    parent-death signal) is killed first: its sandbox's owner is gone, nobody can collect it.
-    Returns how many groups were removed."""
+    our base groups and their owner groups, whose creator is dead, and then the owner groups left
+    empty. What still runs in one (a process that escaped its parent-death signal) is killed first:
+    its sandbox's creator is gone, nobody can collect it. Returns how many sandbox groups were removed."""
     removed = 0
     for base in _sweep_bases(hierarchies()):
+        removed += _sweep_groups(base, prefix)
+        for owner_group in _owner_groups(base):
+            removed += _sweep_groups(owner_group, prefix)
+            remove_owner_group(owner_group)
+    return removed
+
+
+def _owner_groups(base: str) -> list[str]:
+    try:
+        return [os.path.join(base, name) for name in os.listdir(base) if name.startswith(OWNER_PREFIX)]
+    except OSError:
+        return []
+
+
+def remove_owner_group(group: str) -> bool:
+    """rmdir an owner group (and its empty ``released`` group) if no sandbox group or process is
+    left in it, and forget what this process prepared there; True once it is gone. A launch of
+    another process that finds it gone meanwhile makes it again (``CgroupSet._mkdir_below``)."""
+    for path in (os.path.join(group, RELEASED_NAME), group):
         try:
-            names = os.listdir(base)
+            os.rmdir(path)
+        except FileNotFoundError:
+            pass
         except OSError:
+            return False                  # still used (EBUSY, ENOTEMPTY): its last sandbox removes it
+    _prepared.discard(group)
+    for name in [name for name in _capped if name.startswith(group + "/")]:
+        del _capped[name]
+    return True
+
+
+def _sweep_groups(parent: str, prefix: str) -> int:
+    """Remove ``<prefix><pid>-*`` groups in ``parent`` whose creator ``pid`` is dead."""
+    removed = 0
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return 0
+    for name in names:
+        creator = name[len(prefix):].split("-", 1)[0]
+        if not name.startswith(prefix) or not creator.isdigit() or os.path.exists(f"/proc/{creator}"):
             continue
-        for name in names:
-            owner = name[len(prefix):].split("-", 1)[0]
-            if not name.startswith(prefix) or not owner.isdigit() or os.path.exists(f"/proc/{owner}"):
-                continue
-            group = os.path.join(base, name)
-            stale = CgroupSet(name)
-            # Parents first (remove() goes in reverse): a sandbox may have made groups inside its own.
-            stale.dirs = [group] + [os.path.join(path, sub) for path, subs, _ in os.walk(group) for sub in subs]
-            stale.unified_dir = group if os.path.exists(os.path.join(group, "cgroup.kill")) else None
-            stale.kill()
-            stale.remove()
-            removed += not os.path.exists(group)
+        group = os.path.join(parent, name)
+        stale = CgroupSet(name)
+        # Parents first (remove() goes in reverse): a sandbox may have made groups inside its own.
+        stale.dirs = [group] + [os.path.join(path, sub) for path, subs, _ in os.walk(group) for sub in subs]
+        stale.unified_dir = group if os.path.exists(os.path.join(group, "cgroup.kill")) else None
+        stale.kill()
+        stale.remove()
+        removed += not os.path.exists(group)
     return removed
 
 
@@ -309,31 +372,115 @@ def _sweep_bases(h: Hierarchies) -> list[str]:
 
 _prepared: set[str] = set()      # base groups whose controllers this process has enabled
 _created: list[str] = []         # base groups this process made: removed at exit when empty
+_capped: dict[str, int] = {}     # base group file (pids.max ...) -> the cap this process wrote there
 
 
-def _v2_base(h: Hierarchies, controllers: bool) -> str:
+def _v2_base(h: Hierarchies, controllers: bool, ceiling: "Ceiling | None" = None) -> str:
     """Our v2 base group ``<own>/sandboxd``; with ``controllers``, +cpu +memory +pids (those our
-    group has) enabled down the path so the groups below it can be limited."""
+    group has) enabled down the path so the groups below it can be limited, and ``ceiling``'s caps
+    written on it for those of them that v2 enforces."""
     assert h.unified
     own = os.path.join(h.unified, h.unified_own.lstrip("/"))
     base = os.path.join(own, BASE_NAME)
-    if base in _prepared:
-        return base
-    if controllers:
+    if base not in _prepared:
+        if not controllers:
+            _make_base(base)
+            return base
         enable = [c for c in V2_CONTROLLERS if c in h.unified_controllers]
         _enable_controllers(own, h.unified_own == "/", enable)
         _make_base(base)
         _enable_controllers(base, False, enable)
         _prepared.add(base)
-    else:
-        _make_base(base)
+    if ceiling is not None:
+        if "memory" in h.unified_controllers:
+            _cap(base, "memory.max", ceiling.memory_bytes)
+        if "pids" in h.unified_controllers:
+            _cap(base, "pids.max", ceiling.pids)
     return base
 
 
-def _v1_base(point: str, own: str) -> str:
+def _v1_base(point: str, own: str, controller: str, ceiling: "Ceiling | None" = None) -> str:
+    """Our base group in the v1 hierarchy of ``controller``, with ``ceiling``'s cap for it."""
     base = os.path.join(point, own.lstrip("/"), BASE_NAME)
     _make_base(base)
+    if ceiling is not None:
+        if controller == "memory":
+            _cap(base, "memory.limit_in_bytes", ceiling.memory_bytes)
+        elif controller == "pids":
+            _cap(base, "pids.max", ceiling.pids)
     return base
+
+
+def _v2_owner(base: str, h: Hierarchies, controllers: bool, owner: "OwnerShare | None") -> str:
+    """The v2 group of ``owner`` in ``base`` (no owner: ``base`` itself); with ``controllers``, those of
+    the base handed down once more (it holds no process, so that is allowed), and the owner's caps."""
+    if owner is None:
+        return base
+    group = os.path.join(base, OWNER_PREFIX + owner.key)
+    if group not in _prepared:
+        try:
+            os.mkdir(group, 0o755)
+        except FileExistsError:
+            pass
+        if not controllers:
+            return group
+        _enable_controllers(group, False, [c for c in V2_CONTROLLERS if c in h.unified_controllers])
+        _prepared.add(group)
+    if "memory" in h.unified_controllers:
+        _cap(group, "memory.max", owner.memory_bytes)
+    if "pids" in h.unified_controllers:
+        _cap(group, "pids.max", owner.pids)
+    return group
+
+
+def _v1_owner(base: str, controller: str, owner: "OwnerShare | None") -> str:
+    """The group of ``owner`` in the v1 base group ``base`` of ``controller``, with its cap there."""
+    if owner is None:
+        return base
+    group = os.path.join(base, OWNER_PREFIX + owner.key)
+    if group not in _prepared:
+        try:
+            os.mkdir(group, 0o755)
+        except FileExistsError:
+            pass
+        _prepared.add(group)
+    if controller == "memory":
+        _cap(group, "memory.limit_in_bytes", owner.memory_bytes)
+    elif controller == "pids":
+        _cap(group, "pids.max", owner.pids)
+    return group
+
+
+def _cap(base: str, name: str, value: int | None) -> None:
+    """Write the ceiling ``value`` to ``base``/``name``, once per value in this process (a launch
+    costs one dict lookup). The last process to prepare a base group sets its caps: a daemon and a
+    `sandboxd run` normally each have their own (a systemd unit's, a login session's)."""
+    if value is None or _capped.get(os.path.join(base, name)) == value:
+        return
+    _write(base, name, value)
+    _capped[os.path.join(base, name)] = value
+
+
+def ceiling_in_force() -> dict[str, tuple[str, str]]:
+    """What caps the base groups carry now: controller -> (the file, its value), for memory and pids
+    where a base group of this process's cgroup exists (for `sandboxd doctor`)."""
+    h = hierarchies()
+    found: dict[str, tuple[str, str]] = {}
+    for controller, v2_name, v1_name in (("memory", "memory.max", "memory.limit_in_bytes"),
+                                         ("pids", "pids.max", "pids.max")):
+        if controller in h.unified_controllers and h.unified:
+            path = os.path.join(h.unified, h.unified_own.lstrip("/"), BASE_NAME, v2_name)
+        elif controller in h.v1:
+            point, own = h.v1[controller]
+            path = os.path.join(point, own.lstrip("/"), BASE_NAME, v1_name)
+        else:
+            continue
+        try:
+            with open(path) as f:
+                found[controller] = (path, f.read().strip())
+        except OSError:
+            pass
+    return found
 
 
 def _make_base(base: str) -> None:
@@ -350,6 +497,8 @@ def _make_base(base: str) -> None:
 def remove_created_bases() -> None:
     """rmdir the base groups this process made, when empty (at exit: `sandboxd run` leaves nothing)."""
     for base in reversed(_created):
+        for owner_group in _owner_groups(base):
+            remove_owner_group(owner_group)
         for leftover in (os.path.join(base, RELEASED_NAME), base):
             try:
                 os.rmdir(leftover)
@@ -357,6 +506,7 @@ def remove_created_bases() -> None:
                 pass                                   # still in use: the next owner's sweep takes it
     _created.clear()
     _prepared.clear()
+    _capped.clear()
 
 
 def _enable_controllers(group: str, namespace_root: bool, controllers: list[str]) -> None:

@@ -18,6 +18,10 @@ from sandboxd.errors import InvalidPolicy
 from sandboxd.kernel import access
 from sandboxd.policy.sandbox import is_within, validate_writable_root
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 
 class ResolvedPaths(Record):
     workspace: str
@@ -35,25 +39,51 @@ class ResolvedPaths(Record):
         self.descriptors.clear()
 
 
-def resolve(workspace: str, cwd: str | None, writable_roots: tuple[str, ...], *,
-            workspace_writable: bool, confined: bool = True,
-            caller: "tuple[int, int, tuple[int, ...]] | None" = None,
-            allowed_sockets: tuple[str, ...] = ()) -> ResolvedPaths:
-    """Open the workspace, the writable roots and the allowed sockets once, as ``caller`` (the
-    kernel checks its rights: write on the workspace and roots, write on a socket, which is what
-    connect() needs), and resolve everything from those descriptors."""
+def requests_for(workspace: str, writable_roots: tuple[str, ...],
+                 allowed_sockets: tuple[str, ...] = ()) -> "list[access.PathRequest]":
+    """What ``resolve`` opens as the caller, in its order (InvalidPolicy for a relative path)."""
     for what, path in [("workspace", workspace), *[("writable root", r) for r in writable_roots],
                        *[("allowed Unix socket", p) for p in allowed_sockets]]:
         if not path.startswith("/"):
             raise InvalidPolicy(f"{what} {path!r} is relative: give an absolute path")
-    requests = ([access.PathRequest(workspace, "workspace", access.WRITE)]
-                + [access.PathRequest(r, "writable root", access.WRITE) for r in writable_roots]
-                + [access.PathRequest(p, "allowed Unix socket", access.WRITE) for p in allowed_sockets])
-    who = access.Caller(caller[0], caller[1], caller[2]) if caller else None
-    fds = access.open_as(who, requests)
+    return ([access.PathRequest(workspace, "workspace", access.WRITE)]
+            + [access.PathRequest(r, "writable root", access.WRITE) for r in writable_roots]
+            + [access.PathRequest(p, "allowed Unix socket", access.WRITE) for p in allowed_sockets])
+
+
+def planted_symlink_check(workspace: str, writable_roots: tuple[str, ...], *,
+                          workspace_writable: bool) -> "Callable[[list[int]], None]":
+    """The walk along the given writable paths that ``resolve`` makes (``_refuse_planted_symlinks``),
+    on the descriptors of ``requests_for`` (InvalidPolicy for a planted symlink): for
+    access.PendingOpen, whose child walks as the caller, so a lookup that does not answer
+    waits there and not in a poll loop."""
+    def check(fds: list[int]) -> None:
+        reals = [access.real_path(fd) for fd in fds[:1 + len(writable_roots)]]
+        writable = (reals[:1] if workspace_writable else []) + reals[1:]
+        for given in ([workspace] if workspace_writable else []) + list(writable_roots):
+            _refuse_planted_symlinks(given, writable)
+    return check
+
+
+def resolve(workspace: str, cwd: str | None, writable_roots: tuple[str, ...], *,
+            workspace_writable: bool, confined: bool = True,
+            caller: "tuple[int, int, tuple[int, ...]] | None" = None,
+            allowed_sockets: tuple[str, ...] = (), opened: "list[int] | None" = None) -> ResolvedPaths:
+    """Open the workspace, the writable roots and the allowed sockets once, as ``caller`` (the
+    kernel checks its rights: write on the workspace and roots, write on a socket, which is what
+    connect() needs), and resolve everything from those descriptors. ``opened``: those
+    descriptors, opened already (``requests_for``, by a poll loop's access.PendingOpen, which
+    also made the ``planted_symlink_check``); this function owns them then."""
+    if opened is None:
+        requests = requests_for(workspace, writable_roots, allowed_sockets)
+        who = access.Caller(caller[0], caller[1], caller[2]) if caller else None
+        fds = access.open_as(who, requests)
+    else:
+        fds = opened
     try:
         resolved = _from_descriptors(fds, workspace, cwd, writable_roots, allowed_sockets,
-                                     workspace_writable=workspace_writable, confined=confined)
+                                     workspace_writable=workspace_writable, confined=confined,
+                                     walked=opened is not None)
     except BaseException:
         for fd in fds:
             os.close(fd)
@@ -66,7 +96,8 @@ def resolve(workspace: str, cwd: str | None, writable_roots: tuple[str, ...], *,
 
 
 def _from_descriptors(fds: list[int], workspace: str, cwd: str | None, writable_roots: tuple[str, ...],
-                      allowed_sockets: tuple[str, ...], *, workspace_writable: bool, confined: bool) -> ResolvedPaths:
+                      allowed_sockets: tuple[str, ...], *, workspace_writable: bool, confined: bool,
+                      walked: bool = False) -> ResolvedPaths:
     roots = 1 + len(writable_roots)
     socket_ids = frozenset(_socket_identity(fd, path) for fd, path in zip(fds[roots:], allowed_sockets, strict=True))
     real_ws = access.real_path(fds[0])
@@ -97,8 +128,8 @@ def _from_descriptors(fds: list[int], workspace: str, cwd: str | None, writable_
         except InvalidPolicy as exc:
             raise InvalidPolicy(f"writable root {given!r} resolves to {real!r}: {exc}") from None
     writable = ([real_ws] if workspace_writable else []) + reals
-    for given in ([workspace] if workspace_writable else []) + list(writable_roots):
-        _refuse_planted_symlinks(given, writable)
+    if not walked:
+        planted_symlink_check(workspace, writable_roots, workspace_writable=workspace_writable)(fds)
     descriptors: dict[str, int] = {}
     for real, fd in zip([real_ws, *reals], fds[:roots], strict=True):
         descriptors.setdefault(real, fd)

@@ -10,10 +10,14 @@ import os
 
 from sandboxd._record import Factory, Record
 from sandboxd.errors import InvalidPolicy
-from sandboxd.kernel import mounts, paths, seccomp
+from sandboxd.kernel import access, mounts, paths, seccomp
 from sandboxd.kernel.unix_diag import file_identity
 from sandboxd.policy import DangerFullAccess, LaunchSpec, Limits, WorkspaceWrite
 from sandboxd.policy.sandbox import is_within
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 class BrokerRules(Record):
@@ -72,6 +76,7 @@ class LaunchPlan(Record):
     root_trees: dict[str, int] = Factory(dict)
     # sandboxd's own directories and files, covered inside the sandbox (rootfs step 8c).
     hidden_paths: tuple[str, ...] = ()
+    owner: str = ""                                # whose share of the ceiling its cgroups count against
     debug: DebugHooks | None = None                # tests only (DebugHooks)
 
     def close_trees(self) -> None:
@@ -80,16 +85,36 @@ class LaunchPlan(Record):
         self.root_trees.clear()
 
 
-def prepare(spec: LaunchSpec) -> LaunchPlan:
+def path_requests(spec: LaunchSpec) -> "list[access.PathRequest]":
+    """The paths ``prepare`` opens as the caller, in the order it wants their descriptors."""
+    policy = spec.policy
+    confined = not isinstance(policy, DangerFullAccess)
+    return paths.requests_for(spec.workspace, policy.writable_roots if isinstance(policy, WorkspaceWrite) else (),
+                              tuple(getattr(policy, "allowed_unix_sockets", ())) if confined else ())
+
+
+def path_check(spec: LaunchSpec) -> "Callable[[list[int]], None]":
+    """The check ``prepare`` makes on the descriptors of ``path_requests(spec)`` with lookups of
+    its own (paths.planted_symlink_check): made where they were opened, as the caller."""
+    policy = spec.policy
+    return paths.planted_symlink_check(spec.workspace,
+                                       policy.writable_roots if isinstance(policy, WorkspaceWrite) else (),
+                                       workspace_writable=isinstance(policy, WorkspaceWrite))
+
+
+def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
     """Resolve ``spec``: its paths opened and checked as its caller, the mount trees of its roots
-    cloned (the returned plan owns them: ``close_trees`` once the child has them)."""
+    cloned (the returned plan owns them: ``close_trees`` once the child has them). ``opened``: the
+    descriptors of ``path_requests(spec)``, opened and checked (``path_check``) already (prepare
+    owns them then)."""
     policy = spec.policy
     confined = not isinstance(policy, DangerFullAccess)
     writable = isinstance(policy, WorkspaceWrite)
     resolved = paths.resolve(spec.workspace, spec.cwd,
                              policy.writable_roots if isinstance(policy, WorkspaceWrite) else (),
                              workspace_writable=writable, confined=confined, caller=spec.caller,
-                             allowed_sockets=tuple(getattr(policy, "allowed_unix_sockets", ())) if confined else ())
+                             allowed_sockets=tuple(getattr(policy, "allowed_unix_sockets", ())) if confined else (),
+                             opened=opened)
     trees: dict[str, int] = {}
     try:
         hidden = _hidden_paths(spec.hidden_paths, resolved.workspace, resolved.writable_roots) if confined else ()
@@ -125,7 +150,7 @@ def prepare(spec: LaunchSpec) -> LaunchPlan:
         protected_subpaths=policy.protected_subpaths if isinstance(policy, WorkspaceWrite) else (),
         uid=uid, gid=gid, limits=spec.limits,
         seccomp_program=seccomp.program_for(filter_spec), brokers_connect=filter_spec.brokers_connect,
-        broker=broker, root_trees=trees, hidden_paths=hidden,
+        broker=broker, root_trees=trees, hidden_paths=hidden, owner=spec.owner,
     )
 
 

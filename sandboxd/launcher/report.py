@@ -69,8 +69,13 @@ def read_all(fd: int) -> bytes:
 def read_outcome(fd: int) -> tuple[SetupError | None, int | None]:
     """Read until EOF: (the reported error or None when the command was executed,
     the command's pid inside its sandbox if a call's init announced it)."""
+    return parse_outcome(read_all(fd))
+
+
+def parse_outcome(data: bytes) -> tuple[SetupError | None, int | None]:
+    """``read_outcome`` of a report read to its end already (by a poll loop)."""
     pid = None
-    for line in read_all(fd).splitlines():
+    for line in data.splitlines():
         if not line.strip():
             continue
         fields = decode(line)

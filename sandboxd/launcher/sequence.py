@@ -60,6 +60,15 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUI
                      signal.SIGUSR2, signal.SIGWINCH, signal.SIGCONT)
 
 
+def _fork_command() -> int:
+    """init's fork of the command; EAGAIN (a full pids limit, owner share or ceiling) becomes the
+    ProcessLimitReached its caller gets, naming those limits."""
+    try:
+        return os.fork()
+    except OSError as exc:
+        raise from_oserror(exc, "fork") from None
+
+
 def run_sandbox(plan: LaunchPlan, *, report_fd: int, status_fd: int, cgroup_dirs: list[str],
                 spawner: int) -> NoReturn:
     """The spawner's child. For a confined policy it is PID 1 of a new PID namespace
@@ -112,7 +121,7 @@ def _run_init(plan: LaunchPlan, *, report_fd: int, status_fd: int) -> NoReturn:
         report.fail(report_fd, exc, "init")
     broker_end, command_end = (_socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
                                if plan.brokers_connect else (None, None))
-    command_pid = os.fork()
+    command_pid = _fork_command()
     if command_pid == 0:
         in_child(report_fd, "command", lambda: _run_command(plan, report_fd=report_fd, listener_sink=command_end))
     listener = None
@@ -212,7 +221,7 @@ def run_call(plan: LaunchPlan, *, session_pidfd: int, intake_fd: int | None, rep
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "join session")
     sink = _socket.socket(fileno=intake_fd) if intake_fd is not None else None
-    command_pid = os.fork()
+    command_pid = _fork_command()
     if command_pid == 0:
         in_child(report_fd, "command", lambda: _run_command(plan, report_fd=report_fd, listener_sink=sink,
                                                             parent=CALL_INIT, trace=trace))

@@ -37,6 +37,32 @@ GIT_DIR_NESTED = ("modules", "worktrees")
 GIT_DIR_CREATE_EMPTY = ("hooks", "info")
 # Files that point git at other configuration or another repository: removed when they appear.
 GIT_DIR_REDIRECTS = ("commondir", "config.worktree")
+# Where git keeps a stopped rebase, am, cherry-pick or revert. Their todo lists hold `exec` lines and
+# their option files merge strategies: `git rebase --continue` on the host would run them.
+GIT_SEQUENCER_DIRS = ("rebase-merge", "rebase-apply", "sequencer")
+
+# How git reads a .git *file* (setup.c, read_gitfile_gently): at most 1 MiB, "gitdir: " then the
+# path; only trailing LF and CR are stripped (blanks are part of the path); the path is a C string
+# (it ends at a NUL); a relative one is relative to the directory holding the file.
+GITFILE_MAX_BYTES = 1 << 20
+GITFILE_PREFIX = b"gitdir: "
+GITFILE_PATH_MAX = 4096        # PATH_MAX, with the NUL
+
+
+def gitfile_target(data: bytes, gitfile: bytes) -> bytes | None:
+    """The git directory a .git file whose content is ``data``, found at path ``gitfile``, names, by
+    git's rules (not yet resolved: symlinks and ".." are the caller's); None where git refuses it."""
+    if len(data) > GITFILE_MAX_BYTES or not data.startswith(GITFILE_PREFIX):
+        return None
+    path = data[len(GITFILE_PREFIX):].rstrip(b"\r\n").split(b"\0", 1)[0]
+    if not path:
+        return None
+    if not path.startswith(b"/"):
+        slash = gitfile.rfind(b"/")
+        path = gitfile[:slash + 1] + path if slash >= 0 else path
+    # The kernel refuses a longer path (ENAMETOOLONG) and so git's is_git_directory fails on it;
+    # judged on the absolute path (at least as long as git's own), so never kept where git could follow.
+    return path if len(path) < GITFILE_PATH_MAX else None
 
 
 def git_dir_entry_writable(name: str) -> bool:

@@ -7,6 +7,10 @@ import math
 from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sized
+
 _FACTORS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 DEFAULT_TMP_SIZE = 512 << 20
@@ -20,7 +24,9 @@ _MAXIMA = {"timeout_seconds": (MAX_TIMEOUT_SECONDS, "604800 seconds (7 days)"),
            "memory_bytes": (MAX_BYTES, "2^53 bytes"), "pids": (MAX_PIDS, "4194304 (the kernel's pid_max)"),
            "cpu_seconds": (MAX_TIMEOUT_SECONDS, "604800 seconds (7 days)"),
            "open_files": (MAX_OPEN_FILES, "1048576 (the kernel's nr_open)"),
-           "tmp_size_bytes": (MAX_BYTES, "2^53 bytes")}
+           "tmp_size_bytes": (MAX_BYTES, "2^53 bytes"),
+           "total_pids": (MAX_PIDS, "4194304 (the kernel's pid_max)"), "total_memory_bytes": (MAX_BYTES, "2^53 bytes"),
+           "owner_pids": (MAX_PIDS, "4194304 (the kernel's pid_max)"), "owner_memory_bytes": (MAX_BYTES, "2^53 bytes")}
 
 
 def check_timeout(value: float, what: str = "timeout_seconds") -> float:
@@ -59,6 +65,13 @@ class Limits(Record):
     cpu_seconds: int | None = None
     open_files: int | None = None
     tmp_size_bytes: int = DEFAULT_TMP_SIZE
+    # Not this launch's own: the caps of the parent cgroup all sandboxes of this daemon (or of this
+    # `sandboxd run`'s cgroup) live under, written there when the launch prepares that group.
+    total_pids: int | None = None
+    total_memory_bytes: int | None = None
+    # Likewise: the caps of the group of the launch's owner (LaunchSpec.owner), its share of the above.
+    owner_pids: int | None = None
+    owner_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name, (maximum, said) in _MAXIMA.items():
@@ -75,3 +88,42 @@ class Limits(Record):
             raise InvalidPolicy("memory limit below 4M cannot even start a shell: give at least 4M")
         if self.open_files is not None and self.open_files < 16:
             raise InvalidPolicy("open-files limit below 16 breaks most programs: give at least 16")
+
+
+# The most entries each list of a policy or a request may hold, checked before anything is
+# built (check_count). Each is far above what a real user writes by hand or a client generates
+# (a policy names a handful of roots, sockets and hosts; an environment holds a few hundred
+# variables), and low enough that the biggest policy still fits one fork-server message and
+# costs the kernel a bounded number of mounts, Landlock rules and nftables rules.
+MAX_WRITABLE_ROOTS = 256                 # one bind mount and one Landlock rule each
+MAX_PROTECTED_SUBPATHS = 256             # one read-only bind mount per root and entry
+MAX_ALLOWED_UNIX_SOCKETS = 64            # one connect rule each; an agent needs an ssh-agent, a database, docker
+MAX_ALLOWED_HOSTS = 256                  # one nftables rule each (CIDRs cover ranges)
+MAX_ALLOWED_DOMAINS = 256                # matched per connection by the egress proxy
+MAX_PUBLISHED_PORTS = 64                 # one listener thread each on the host
+MAX_LABELS = 64                          # free-form tags kept in every session row and event
+MAX_LABEL_KEY = 256                      # characters
+MAX_LABEL_VALUE = 1024                   # characters
+# A command's strings also cross to the fork server in one message: at these limits (short
+# strings) they fit; their bytes are bounded by ARG_MAX (policy.spec.check_command).
+MAX_ARGV = 1 << 14                       # arguments given to one command directly (xargs-style lists run inside)
+MAX_ENV_ENTRIES = 4096                   # variables of one call's environment (a real one has tens to hundreds)
+MAX_ENV_BYTES = 128 << 10                # NAME=value bytes of one call's environment together (a real one: a few KiB)
+# All the paths, hosts, domains and ports of one policy together: the policy crosses to the fork
+# server in one SOCK_SEQPACKET message (below net.core.wmem_default, about 200 KiB), with room
+# left for the rest of the launch.
+MAX_POLICY_LIST_BYTES = 64 << 10
+
+
+def check_count(field: str, items: Sized, limit: int) -> None:
+    """InvalidPolicy naming ``field`` and its limit when ``items`` has more than ``limit`` entries."""
+    count = len(items)
+    if count > limit:
+        raise InvalidPolicy(f"{field} has {count} entries; the limit is {limit}")
+
+
+def check_bytes(field: str, items: Iterable[str], limit: int) -> None:
+    """InvalidPolicy when the strings of ``items`` take more than ``limit`` bytes together."""
+    total = sum(len(item.encode(errors="surrogateescape")) for item in items)
+    if total > limit:
+        raise InvalidPolicy(f"{field} take {total} bytes together; the limit is {limit}")

@@ -14,6 +14,7 @@ import posixpath
 
 from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
+from sandboxd.policy import limits
 
 # Paths inside every writable root that stay read-only: git runs hooks and
 # reads config (core.fsmonitor, core.hooksPath, aliases) on the host later, so
@@ -77,6 +78,7 @@ class WorkspaceWrite(SandboxPolicy):
         object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
         object.__setattr__(self, "published_ports", tuple(self.published_ports))
         object.__setattr__(self, "allowed_domains", tuple(d.strip().lower() for d in self.allowed_domains))
+        self._check_list_limits()
         if self.allowed_domains and not (self.network_access and self.network_mode == "isolated"):
             raise InvalidPolicy("allowed domains apply to the isolated network: turn network access on "
                                 "(and keep network_mode isolated)")
@@ -101,6 +103,20 @@ class WorkspaceWrite(SandboxPolicy):
                                 "(and keep network_mode isolated)")
         for entry in self.allowed_hosts:
             parse_allowed_host(entry)
+
+    def _check_list_limits(self) -> None:
+        """Every list within its limit (policy.limits says why each), before any entry is parsed."""
+        for field, limit in (("writable_roots", limits.MAX_WRITABLE_ROOTS),
+                             ("protected_subpaths", limits.MAX_PROTECTED_SUBPATHS),
+                             ("allowed_unix_sockets", limits.MAX_ALLOWED_UNIX_SOCKETS),
+                             ("allowed_hosts", limits.MAX_ALLOWED_HOSTS),
+                             ("allowed_domains", limits.MAX_ALLOWED_DOMAINS),
+                             ("published_ports", limits.MAX_PUBLISHED_PORTS)):
+            limits.check_count(field, getattr(self, field), limit)
+        limits.check_bytes("the writable roots, protected subpaths, sockets, hosts, domains and ports of a policy",
+                           (*self.writable_roots, *self.protected_subpaths, *self.allowed_unix_sockets,
+                            *self.allowed_hosts, *self.allowed_domains, *self.published_ports),
+                           limits.MAX_POLICY_LIST_BYTES)
 
 
 class DangerFullAccess(SandboxPolicy):

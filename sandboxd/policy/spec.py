@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sandboxd._record import Factory, Record
 from sandboxd.errors import InvalidPolicy
-from sandboxd.policy.limits import Limits
+from sandboxd.policy.limits import MAX_ARGV, MAX_ENV_BYTES, MAX_ENV_ENTRIES, Limits, check_count
 from sandboxd.policy.sandbox import SandboxPolicy, default_policy, validate_policy
 
 TYPE_CHECKING = False
@@ -35,8 +35,11 @@ def arg_max() -> int:
 
 def check_command(argv: "tuple[str, ...] | list[str]", env: "dict[str, str]") -> None:
     """What execve would refuse (E2BIG, or a NUL cutting a string short), refused here with what
-    to fix: no NUL byte, each string below MAX_ARG_STRLEN, all of them within ARG_MAX."""
-    total = 0
+    to fix: no NUL byte, each string below MAX_ARG_STRLEN, all of them within ARG_MAX; and no
+    more arguments and variables than policy.limits allows."""
+    check_count("argv", argv, MAX_ARGV)
+    check_count("env", env, MAX_ENV_ENTRIES)
+    total = env_bytes = 0
     for arg in argv:
         if "\0" in arg:
             raise InvalidPolicy("command arguments may not contain NUL bytes")
@@ -54,6 +57,9 @@ def check_command(argv: "tuple[str, ...] | list[str]", env: "dict[str, str]") ->
             raise InvalidPolicy(f"environment variable {key[:100]!r} is {size - 2} bytes long: the kernel takes at "
                                 f"most {MAX_ARG_STRLEN - 2} per variable (pass large data in a file)")
         total += size + _POINTER
+        env_bytes += size
+    if env_bytes > MAX_ENV_BYTES:
+        raise InvalidPolicy(f"env takes {env_bytes} bytes (NAME=value, all variables); the limit is {MAX_ENV_BYTES}")
     if total > arg_max():
         raise InvalidPolicy(f"the command and its environment take {total} bytes: above the kernel's ARG_MAX "
                             f"({arg_max()} bytes); pass large data on stdin or in a file")
@@ -85,6 +91,10 @@ class LaunchSpec(Record):
     hidden_paths: tuple[str, ...] = ()
     denied_sockets: tuple[str, ...] = ()
     denied_listeners: tuple[str, ...] = ()   # "HOST:PORT" of the daemon's TCP listeners
+    # Whom the sandbox counts against (a daemon's caller: "uid-1000", "tls-<hash>"): its cgroups
+    # go in that owner's group, under its share of the ceiling (limits.owner_*). Empty: no owner
+    # level (`sandboxd run`, root's own sessions).
+    owner: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "argv", tuple(self.argv))
@@ -104,7 +114,20 @@ class LaunchSpec(Record):
         for path in (*self.hidden_paths, *self.denied_sockets):
             if not path.startswith("/") or "\0" in path:
                 raise InvalidPolicy(f"sandboxd's own path {path!r} must be absolute")
+        if not is_owner_key(self.owner):
+            raise InvalidPolicy(f"owner {self.owner[:100]!r} must be empty or up to {MAX_OWNER_KEY} lowercase "
+                                "letters, digits and '-' (it names a cgroup)")
         validate_policy(self.policy)
+
+
+MAX_OWNER_KEY = 64
+_OWNER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-")
+
+
+def is_owner_key(key: str) -> bool:
+    """A usable LaunchSpec.owner: empty, or a cgroup name part that cannot climb or nest (checked
+    by hand to keep ``re`` off the launch path)."""
+    return not key or (len(key) <= MAX_OWNER_KEY and key[0] != "-" and set(key) <= _OWNER_CHARS)
 
 
 def policy_to_dict(policy: SandboxPolicy) -> dict[str, object]:
@@ -142,7 +165,7 @@ def spec_to_dict(spec: LaunchSpec) -> dict[str, object]:
         "dns": list(spec.dns), "network_pool": spec.network_pool,
         "caller": [spec.caller[0], spec.caller[1], list(spec.caller[2])] if spec.caller else None,
         "hidden_paths": list(spec.hidden_paths), "denied_sockets": list(spec.denied_sockets),
-        "denied_listeners": list(spec.denied_listeners),
+        "denied_listeners": list(spec.denied_listeners), "owner": spec.owner,
     }
 
 
@@ -182,7 +205,8 @@ def spec_from_dict(data: dict[str, object]) -> LaunchSpec:
                           dns=_strings(data, "dns"), network_pool=str(data.get("network_pool") or ""),
                           caller=_caller(data.get("caller")), hidden_paths=_strings(data, "hidden_paths"),
                           denied_sockets=_strings(data, "denied_sockets"),
-                          denied_listeners=_strings(data, "denied_listeners"))
+                          denied_listeners=_strings(data, "denied_listeners"),
+                          owner=str(data.get("owner") or ""))
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, InvalidPolicy):
             raise

@@ -13,7 +13,7 @@ from sandboxd.audit.store import PERMISSION_NAMESPACE, Event, EventStore, EventT
 from sandboxd.errors import Forbidden, InvalidPolicy, NotFound, PermissionDenied
 from sandboxd.policy.tools import BUILTIN_TOOLS, Category, Effect, Risk, summary_of
 from sandboxd.service.approvals import ApprovalGate, Granted, ToolCall, rule_key
-from sandboxd.service.peercred import PeerCredentials
+from sandboxd.service.callers import Caller
 from sandboxd.service.sessions import SessionRegistry
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -57,11 +57,11 @@ class AuditService:
 
     # -- approvals -------------------------------------------------------------------------------
 
-    def resolve(self, who: PeerCredentials, request: pb.ResolveApprovalRequest) -> pb.ResolveApprovalResponse:
+    def resolve(self, who: Caller, request: pb.ResolveApprovalRequest) -> pb.ResolveApprovalResponse:
         session = self._registry.get(who, request.session_id)
         return pb.ResolveApprovalResponse(decision=self._gate.resolve(session.id, request.call_id, request.decision))
 
-    def pending(self, who: PeerCredentials, session_id: str) -> pb.ListPendingApprovalsResponse:
+    def pending(self, who: Caller, session_id: str) -> pb.ListPendingApprovalsResponse:
         session = self._registry.get(who, session_id)
         return pb.ListPendingApprovalsResponse(approvals=[
             pb.PendingApproval(call_id=call_id, tool=call.tool, summary=call.summary, reason=reason or "",
@@ -71,7 +71,7 @@ class AuditService:
 
     # -- external tools --------------------------------------------------------------------------
 
-    def authorize(self, who: PeerCredentials, request: pb.AuthorizeRequest,
+    def authorize(self, who: Caller, request: pb.AuthorizeRequest,
                   still_wanted: Callable[[], bool]) -> pb.AuthorizeResponse:
         session = self._registry.get(who, request.session_id)
         if not request.tool:
@@ -105,7 +105,7 @@ class AuditService:
         return pb.AuthorizeResponse(allowed=True, call_id=granted.call_id, granted_by=granted.granted_by,
                                     reason=granted.reason or "")
 
-    def report(self, who: PeerCredentials, request: pb.ReportToolResultRequest) -> pb.ReportToolResultResponse:
+    def report(self, who: Caller, request: pb.ReportToolResultRequest) -> pb.ReportToolResultResponse:
         session = self._registry.get(who, request.session_id)
         with self._lock:
             granted = self._external.pop((session.id, request.call_id), None)
@@ -130,7 +130,7 @@ class AuditService:
 
     # -- tools -----------------------------------------------------------------------------------
 
-    def tools(self, who: PeerCredentials, session_id: str) -> pb.ListToolsResponse:
+    def tools(self, who: Caller, session_id: str) -> pb.ListToolsResponse:
         session = self._registry.get(who, session_id)
         return pb.ListToolsResponse(tools=[
             pb.ToolInfo(name=spec.name, description=spec.description, risk=spec.risk, effect=spec.effect or "",
@@ -139,7 +139,7 @@ class AuditService:
 
     # -- events ----------------------------------------------------------------------------------
 
-    def query(self, who: PeerCredentials, request: pb.QueryEventsRequest) -> pb.QueryEventsResponse:
+    def query(self, who: Caller, request: pb.QueryEventsRequest) -> pb.QueryEventsResponse:
         visible = self._registry.visible_ids(who, request.session_id)
         after = _page_token(request.page_token)
         for name in ("since", "until"):
@@ -154,7 +154,7 @@ class AuditService:
         token = str(events[-1].id) if len(events) == min(max(size, 1), 1000) else ""
         return pb.QueryEventsResponse(events=[event_to_proto(e) for e in events], next_page_token=token)
 
-    def watch(self, who: PeerCredentials, request: pb.WatchEventsRequest,
+    def watch(self, who: Caller, request: pb.WatchEventsRequest,
               active: Callable[[], bool]) -> Iterator[pb.Event]:
         """Past events after ``from_sequence``, then live ones until the caller leaves."""
         if request.from_sequence > MAX_EVENT_ID:
@@ -197,7 +197,7 @@ class AuditService:
         finally:
             self._store.unsubscribe(subscription)
 
-    def _owned_now(self, who: PeerCredentials, event: Event) -> bool:
+    def _owned_now(self, who: Caller, event: Event) -> bool:
         """A session created after the watch began may be the caller's too."""
         try:
             return self._registry.visible_ids(who, event.session_id) is not None
@@ -210,7 +210,7 @@ class AuditService:
     # removing one's own rules need only the path. Root and the admin group list every owner's
     # rules and remove any by naming owner_uid; they cannot make a rule apply to someone else.
 
-    def add_rule(self, who: PeerCredentials, rule: pb.StandingRule) -> pb.StandingRule:
+    def add_rule(self, who: Caller, rule: pb.StandingRule) -> pb.StandingRule:
         workspace = self._registry.check_workspace(who, rule.workspace)
         if not rule.tool:
             raise InvalidPolicy("name the tool the rule allows (for example fs.read)")
@@ -223,20 +223,20 @@ class AuditService:
         row = self._store.recall(PERMISSION_NAMESPACE, workspace, owner_uid=who.uid, owner_principal=who.principal)
         return next(_rule_to_proto(r) for r in row if r.key == rule_key(rule.tool))
 
-    def rules(self, who: PeerCredentials, workspace: str) -> pb.ListStandingRulesResponse:
+    def rules(self, who: Caller, workspace: str) -> pb.ListStandingRulesResponse:
         """The caller's own rules; every owner's for an administrator."""
         where = _rule_path(workspace) if workspace else None
-        if self._registry.is_admin(who):
+        if who.is_admin:
             rows = self._store.recall(PERMISSION_NAMESPACE, where)
         else:
             rows = self._store.recall(PERMISSION_NAMESPACE, where, owner_uid=who.uid, owner_principal=who.principal)
         return pb.ListStandingRulesResponse(rules=[_rule_to_proto(r) for r in rows])
 
-    def remove_rule(self, who: PeerCredentials, rule: pb.StandingRule) -> pb.RemoveStandingRuleResponse:
+    def remove_rule(self, who: Caller, rule: pb.StandingRule) -> pb.RemoveStandingRuleResponse:
         workspace = _rule_path(rule.workspace)
         owner_uid, owner_principal = who.uid, who.principal
         if rule.HasField("owner_uid") and (rule.owner_uid, rule.owner_principal) != (who.uid, who.principal):
-            if not self._registry.is_admin(who):
+            if not who.is_admin:
                 raise Forbidden("only root and the admin group may remove another user's standing rule: "
                                         "leave owner_uid unset to remove your own")
             owner_uid, owner_principal = rule.owner_uid, rule.owner_principal

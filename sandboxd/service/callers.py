@@ -9,6 +9,17 @@
   else as ``tls.user`` (default nobody): principals mapped to the same local user share its file
   rights, so the daemon refuses one a workspace another principal's open session uses.
 - Either way, a caller whose process runs inside a sandbox is refused (service.sandboxed_peers).
+
+What the caller may do beyond its own sessions is decided here too, once per call, into a
+:class:`Caller` that every check reads (quotas, the admin checks, danger-full-access, privileged
+published ports, standing-rule ownership, path checks): nothing else asks ``uid == 0``.
+
+The rule: **local root** is a caller on the Unix socket whose SO_PEERCRED uid is 0; an
+**administrator** is local root or a Unix-socket caller in ``listen.admin_group``. A TLS caller
+is neither, whatever local user it is mapped to, uid 0 included: a certificate proves who holds a
+key, not that they are this host's root, so it never escapes quotas, never sees or removes
+others' sessions and rules, never gets danger-full-access or a privileged published port. Its
+uid and gid (its mapped user) only decide the file rights its commands run with.
 """
 
 from __future__ import annotations
@@ -25,6 +36,32 @@ IDENTITIES = ("common-name", "uri", "dns")
 # keeps the plain "tls:" prefix that sessions of earlier versions were stored with.
 _AUTH_KEYS = {"common-name": ("x509_common_name", "tls:"), "uri": ("peer_uri", "tls-uri:"),
               "dns": ("peer_dns", "tls-dns:")}
+
+
+class Caller(PeerCredentials):
+    """Who is calling and what that makes it, decided once per call (by :func:`identify`)."""
+
+    # A TLS caller: the local (uid, gid) its principal acts as (tls.users, else tls.user); None
+    # for a local caller.
+    mapped_user: tuple[int, int] | None = None
+    is_root: bool = False         # local root: exempt from per-owner quotas, may ask for danger-full-access
+    is_admin: bool = False        # local root or the admin group: sees and manages every owner's sessions and rules
+
+
+def identify(who: PeerCredentials, admin_gid: int | None = None) -> Caller:
+    """The one rule (module docstring): local uid 0 is root; root and local members of
+    ``admin_gid`` are administrators; a TLS principal is neither."""
+    local = not who.principal
+    is_root = local and who.uid == 0
+    is_admin = is_root or (local and admin_gid is not None and admin_gid in (who.gid, *who.groups))
+    return Caller(who.uid, who.gid, who.pid, who.principal, who.groups, who.refusal,
+                  mapped_user=None if local else (who.uid, who.gid), is_root=is_root, is_admin=is_admin)
+
+
+def session_owner(uid: int, gid: int, principal: str) -> Caller:
+    """The owner of a session read back from the store (after a restart): as it was identified
+    when it created the session, but for the admin group (which no owner check needs)."""
+    return identify(PeerCredentials(uid, gid, 0, principal))
 
 
 class TlsIdentity(Record):
@@ -56,19 +93,20 @@ class Callers:
     """Callable: the credentials of the caller of a gRPC call, or PermissionError saying why not."""
 
     def __init__(self, door: FrontDoor, tls: "TlsIdentity | tuple[int, int] | None" = None,
-                 sandboxed: SandboxedPeers | None = None) -> None:
+                 sandboxed: SandboxedPeers | None = None, admin_gid: int | None = None) -> None:
         self._door = door
+        self._admin_gid = admin_gid
         self._tls = TlsIdentity(default_user=tls) if isinstance(tls, tuple) else tls
         self._sandboxed = sandboxed
         self._groups: dict[tuple[int, int], tuple[int, ...]] = {}
 
-    def __call__(self, context: Any) -> PeerCredentials:
+    def __call__(self, context: Any) -> Caller:
         peer = context.peer()
         if peer.startswith("unix:") or self._tls is None:
             who = caller(self._door, context)
             if who.refusal:
                 raise PermissionError(who.refusal)
-            return who
+            return identify(who, self._admin_gid)
         if self._sandboxed is not None:
             address = parse_peer(peer)
             if address is not None:
@@ -77,7 +115,7 @@ class Callers:
                     raise PermissionError(reason)
         principal = self._tls.principal(context.auth_context())
         uid, gid = self._tls.user_of(principal)
-        return PeerCredentials(uid, gid, 0, principal, self._groups_of(uid, gid))
+        return identify(PeerCredentials(uid, gid, 0, principal, self._groups_of(uid, gid)), self._admin_gid)
 
     def _groups_of(self, uid: int, gid: int) -> tuple[int, ...]:
         groups = self._groups.get((uid, gid))

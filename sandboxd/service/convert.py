@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 
 from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy import DEFAULT_PROTECTED_SUBPATHS, Limits, SandboxPolicy, policy_from_name
 from sandboxd.policy.decision import PermissionMode, ToolRules, axes_for
-from sandboxd.policy.limits import DEFAULT_TMP_SIZE, check_timeout
+from sandboxd.policy.limits import DEFAULT_TMP_SIZE, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, check_count, check_timeout
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 _MODE_NAMES = {pb.SandboxPolicy.READ_ONLY: "read-only", pb.SandboxPolicy.WORKSPACE_WRITE: "workspace-write",
@@ -64,6 +65,13 @@ class SessionDefaults(Record):
     timeout_seconds: float | None = None
     memory_bytes: int | None = None
     pids: int | None = None
+    # The most a session may ask for (None: no maximum), and the caps of all sandboxes together.
+    max_memory_bytes: int | None = None
+    max_pids: int | None = None
+    total_memory_bytes: int | None = None
+    total_pids: int | None = None
+    owner_memory_bytes: int | None = None     # and the share of them of one owner's sandboxes
+    owner_pids: int | None = None
 
 
 def policy_from_proto(message: pb.SandboxPolicy, defaults: SessionDefaults | None = None) -> SandboxPolicy:
@@ -118,14 +126,30 @@ def approval_to_proto(name: str) -> pb.ApprovalPolicy:
     return _APPROVALS[name]
 
 
+def labels_from_proto(labels: Mapping[str, str]) -> dict[str, str]:
+    """A session's labels: at most MAX_LABELS, each key and value a short string."""
+    check_count("labels", labels, MAX_LABELS)
+    for key, value in labels.items():
+        check_text(key, "a label key", MAX_LABEL_KEY)
+        check_text(value, f"the value of label {key[:100]!r}", MAX_LABEL_VALUE)
+    return dict(labels)
+
+
 def limits_from_proto(message: pb.Limits, defaults: SessionDefaults | None = None) -> Limits:
     defaults = defaults or SessionDefaults()
     timeout = check_timeout(message.timeout_seconds, "limits.timeout_seconds") if message.timeout_seconds else None
+    for name, asked, most, key in (("memory_bytes", message.memory_bytes, defaults.max_memory_bytes, "max_memory"),
+                                   ("pids", message.pids, defaults.max_pids, "max_pids")):
+        if most is not None and asked > most:
+            raise InvalidPolicy(f"limits.{name} {asked} is above this daemon's maximum of {most} (its "
+                                f"limits.{key} setting): ask for at most {most}, or leave it unset for the default")
     return Limits(timeout_seconds=timeout or defaults.timeout_seconds,
                   memory_bytes=int(message.memory_bytes) or defaults.memory_bytes,
                   pids=int(message.pids) or defaults.pids,
                   cpu_seconds=int(message.cpu_seconds) or None, open_files=int(message.open_files) or None,
-                  tmp_size_bytes=int(message.tmp_size_bytes) or DEFAULT_TMP_SIZE)
+                  tmp_size_bytes=int(message.tmp_size_bytes) or DEFAULT_TMP_SIZE,
+                  total_pids=defaults.total_pids, total_memory_bytes=defaults.total_memory_bytes,
+                  owner_pids=defaults.owner_pids, owner_memory_bytes=defaults.owner_memory_bytes)
 
 
 def limits_to_proto(limits: Limits) -> pb.Limits:

@@ -8,7 +8,7 @@ import time
 
 from sandboxd import __version__
 from sandboxd.service.approvals import ApprovalGate
-from sandboxd.service.peercred import PeerCredentials
+from sandboxd.service.callers import Caller
 from sandboxd.service.quotas import CALLS, STREAMS, owner_key
 from sandboxd.service.sessions import SessionRegistry
 from sandboxd.v1 import sandboxd_pb2 as pb
@@ -37,7 +37,7 @@ def kernel_features() -> dict[str, str]:
     return features
 
 
-def status(registry: SessionRegistry, gate: ApprovalGate, who: PeerCredentials) -> pb.DaemonStatus:
+def status(registry: SessionRegistry, gate: ApprovalGate, who: Caller) -> pb.DaemonStatus:
     sessions = registry.list(who)
     quotas = registry.quotas
     limits = quotas.limits
@@ -58,7 +58,8 @@ def status(registry: SessionRegistry, gate: ApprovalGate, who: PeerCredentials) 
                                          "calls_per_uid": limits.calls_per_uid,
                                          "streams_per_uid": limits.streams_per_uid,
                                          "reserved_workers": limits.reserved_workers, "workers": limits.workers,
-                                         "long_lived_total": limits.long_lived_total, **limits_extra},
+                                         "long_lived_total": limits.long_lived_total,
+                                         "first_slot_share": limits.first_slot_share, **limits_extra},
                            quota_usage={"sessions": sum(1 for s in sessions if owner_key(s.owner) == owner),
                                         "calls": usage[CALLS], "streams": usage[STREAMS],
                                         "long_lived": usage["long_lived_total"], **connections})

@@ -1,45 +1,59 @@
-"""Per-user quotas and the worker reserve: one local user (or TLS principal) cannot stop the
-daemon serving the others.
+"""Per-user quotas, fair shares of the pool and the worker reserve: no local user (or TLS
+principal), nor any four of them together, can stop the daemon serving the others.
 
 Every RPC handler holds one of the gRPC server's worker threads until it returns. Most return
 in milliseconds; some may hold their worker for minutes: Exec and the built-in tools (a long
 command, or one held for approval), Authorize (held for approval), WatchEvents and a following
-ReadBackgroundOutput (streams). Those *long-lived* handlers take a slot here first:
+ReadBackgroundOutput (streams). Those *long-lived* handlers take a slot of the *pool* here first:
 
-* per owner (a uid; a TLS caller: its certificate's principal): at most ``calls_per_uid``
-  running calls and ``streams_per_uid`` streams, and ``sessions_per_uid`` open sessions;
-* in total: at most ``workers - reserved_workers`` long-lived handlers, so ``reserved_workers``
-  threads always remain for the short calls (CreateSession, GetSession, CloseSession,
-  ResolveApproval, GetStatus ...) whoever holds the rest.
+* the pool: ``workers - reserved_workers`` slots, so ``reserved_workers`` threads always remain
+  for the short calls (CreateSession, GetSession, CloseSession, ResolveApproval, GetStatus ...)
+  whoever holds the rest;
+* per owner (a uid; a TLS caller: its certificate's principal; both are owners alike): at most
+  ``calls_per_uid`` running calls and ``streams_per_uid`` streams, and ``sessions_per_uid`` open
+  sessions. Start-up refuses per-owner limits with which FAIR_OWNERS (4) owners at their quotas
+  would reach into the first-slot share below: any four owners together leave room for a fifth;
+* the first-slot share: the last ``first_slot_share`` slots of the pool (an eighth, at least 1)
+  go only to an owner that holds no slot at all, so an owner with nothing running is served as
+  long as any slot is free, however many owners hold the rest. Local root too is held to it.
 
 Past a limit the call ends at once with RESOURCE_EXHAUSTED naming the limit and its
-configuration key. Root (uid 0, local) is not held to the per-owner limits, only to the total.
-We bound and reserve rather than grow the pool: a bigger pool only moves the point where the
-threads run out, and every idle stream would still cost a thread.
+configuration key. Local root (service.callers decides who that is) is not held to the per-owner
+limits, only to the pool and the first-slot share. We bound and reserve rather than grow the
+pool or queue: a bigger pool only moves the point where the threads run out, every idle stream
+would still cost a thread, and a queued call would hold its worker while it waits.
 """
 
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, TypeVar
 
 from sandboxd._record import Record
 from sandboxd.errors import Exhausted, InvalidPolicy
-from sandboxd.service.peercred import PeerCredentials
+from sandboxd.service.callers import Caller
 
 CALLS = "calls"
 STREAMS = "streams"
+_K = TypeVar("_K")
+# How many owners at their quotas must always leave room for one more (checked at start-up).
+FAIR_OWNERS = 4
 
 
 class QuotaLimits(Record):
     """The ``[quotas]`` settings (sandboxd.config documents each)."""
 
     sessions_per_uid: int = 64
+    # With the default 128 workers: a pool of 96, a first-slot share of 12, and 4 owners at
+    # 16 calls + 4 streams each hold 80 slots: 4 more, and the 12 of the share, stay for others.
+    # 16 running calls covers an agent's parallel tool calls; 4 streams are a WatchEvents, an MCP
+    # client's event follower and two followed background outputs. Idle workers cost nothing:
+    # the pool's threads are started on demand.
     calls_per_uid: int = 16
-    streams_per_uid: int = 8
+    streams_per_uid: int = 4
     reserved_workers: int = 0             # 0: a quarter of the workers, at least 1
-    workers: int = 64                     # listen.workers: the pool the reserve is taken from
+    workers: int = 128                    # listen.workers: the pool the reserve is taken from
 
     def __post_init__(self) -> None:
         if self.reserved_workers == 0:
@@ -49,15 +63,50 @@ class QuotaLimits(Record):
         if not 1 <= self.reserved_workers < self.workers:
             raise InvalidPolicy(f"quotas.reserved_workers ({self.reserved_workers}) must be at least 1 and below "
                                 f"listen.workers ({self.workers}): raise listen.workers or lower the reserve")
+        fair = FAIR_OWNERS * self.per_owner
+        if fair > self.shared:
+            raise InvalidPolicy(
+                f"{FAIR_OWNERS} users at their quotas (quotas.calls_per_uid {self.calls_per_uid} + "
+                f"quotas.streams_per_uid {self.streams_per_uid}, each) would hold {fair} long-lived slots, more "
+                f"than the {self.shared} that listen.workers ({self.workers}) minus quotas.reserved_workers "
+                f"({self.reserved_workers}) minus the first-slot share ({self.first_slot_share}) leave: everyone "
+                f"else could be refused. Lower those quotas to {max(1, self.shared // FAIR_OWNERS)} slots per user "
+                "together, or raise listen.workers")
 
     @property
     def long_lived_total(self) -> int:
+        """The pool: slots for long-lived handlers, everyone's together."""
         return self.workers - self.reserved_workers
 
+    @property
+    def first_slot_share(self) -> int:
+        """The last slots of the pool, kept for owners that hold none: an eighth, at least 1."""
+        return max(1, self.long_lived_total // 8)
 
-def owner_key(who: PeerCredentials) -> str:
+    @property
+    def shared(self) -> int:
+        """The slots an owner that already holds one may take."""
+        return self.long_lived_total - self.first_slot_share
+
+    @property
+    def per_owner(self) -> int:
+        return self.calls_per_uid + self.streams_per_uid
+
+
+def owner_key(who: Caller) -> str:
     """Whom a quota is counted against: a TLS caller's principal, else its uid."""
     return who.principal or f"uid {who.uid}"
+
+
+def cgroup_owner(who: Caller) -> str:
+    """The same owner as ``owner_key`` as a cgroup name part (LaunchSpec.owner): ``uid-1000``, or
+    ``tls-`` and a hash of the principal (which may hold any character). Root's own sessions have
+    none: like the quotas, root is held only to the total."""
+    if who.principal:
+        import hashlib
+
+        return "tls-" + hashlib.sha256(who.principal.encode(errors="surrogateescape")).hexdigest()[:20]
+    return "" if who.is_root else f"uid-{who.uid}"
 
 
 class Quotas:
@@ -67,6 +116,7 @@ class Quotas:
         self.limits = limits or QuotaLimits()
         self._lock = threading.Lock()
         self._held: dict[tuple[str, str], int] = {}
+        self._by_owner: dict[str, int] = {}   # owner -> slots held, calls and streams together
         self._total = 0
 
     def _per_owner_limit(self, kind: str) -> tuple[int, str]:
@@ -75,45 +125,56 @@ class Quotas:
         return self.limits.streams_per_uid, "quotas.streams_per_uid"
 
     @contextmanager
-    def hold(self, who: PeerCredentials, kind: str) -> Iterator[None]:
+    def hold(self, who: Caller, kind: str) -> Iterator[None]:
         """A slot for one long-lived handler of ``kind`` (CALLS or STREAMS) while the block runs;
         Exhausted, naming the limit and its key, when none is free."""
-        key = (owner_key(who), kind)
+        owner = owner_key(who)
+        key = (owner, kind)
         limit, setting = self._per_owner_limit(kind)
-        exempt = who.uid == 0 and not who.principal
         with self._lock:
-            if not exempt and self._held.get(key, 0) >= limit:
+            if not who.is_root and self._held.get(key, 0) >= limit:
                 what = "running calls (Exec, file tools, approvals)" if kind == CALLS else "open streams"
-                raise Exhausted(f"{key[0]} already has {limit} {what}, its limit ({setting}): "
+                raise Exhausted(f"{owner} already has {limit} {what}, its limit ({setting}): "
                                 "wait for one to end or end one first")
             if self._total >= self.limits.long_lived_total:
                 raise Exhausted(f"the daemon is serving its maximum of {self.limits.long_lived_total} long-lived "
                                 "calls and streams (listen.workers minus quotas.reserved_workers): try again later")
+            holds = self._by_owner.get(owner, 0)
+            if holds and self._total >= self.limits.shared:
+                raise Exhausted(f"{owner} already holds {holds} long-lived calls and streams, and the daemon keeps "
+                                f"its last {self.limits.first_slot_share} for users that hold none (the first-slot "
+                                "share of listen.workers): wait for one of yours to end")
             self._held[key] = self._held.get(key, 0) + 1
+            self._by_owner[owner] = holds + 1
             self._total += 1
         try:
             yield
         finally:
             with self._lock:
-                left = self._held[key] - 1
-                if left:
-                    self._held[key] = left
-                else:
-                    del self._held[key]
+                _decrement(self._held, key)
+                _decrement(self._by_owner, owner)
                 self._total -= 1
 
-    def check_sessions(self, who: PeerCredentials, open_sessions: int) -> None:
+    def check_sessions(self, who: Caller, open_sessions: int) -> None:
         """Refuse a new session when ``who`` already holds ``open_sessions`` at its limit."""
-        if who.uid == 0 and not who.principal:
+        if who.is_root:
             return
         limit = self.limits.sessions_per_uid
         if open_sessions >= limit:
             raise Exhausted(f"{owner_key(who)} already has {limit} open sessions, its limit "
                             "(quotas.sessions_per_uid): close some first")
 
-    def usage(self, who: PeerCredentials) -> dict[str, int]:
+    def usage(self, who: Caller) -> dict[str, int]:
         """The caller's long-lived handlers now, and the total."""
         owner = owner_key(who)
         with self._lock:
             return {CALLS: self._held.get((owner, CALLS), 0), STREAMS: self._held.get((owner, STREAMS), 0),
                     "long_lived_total": self._total}
+
+
+def _decrement(counts: dict[_K, int], key: _K) -> None:
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]

@@ -96,7 +96,7 @@ def _sweep_self_test_workspaces() -> None:
                 pass
 
 
-def _self_test(fork: "Any") -> str | None:
+def _self_test(fork: "Any", session_defaults: "SessionDefaults | None" = None) -> str | None:
     """Launch `true` in a read-only sandbox with a memory and a pids limit through the fork server:
     the whole set-up sequence (cgroups, namespaces, mounts, pivot_root, privileges, Landlock,
     seccomp). A machine where limits cannot be applied fails here, at start-up, with the fix,
@@ -107,12 +107,15 @@ def _self_test(fork: "Any") -> str | None:
     from sandboxd.policy import LaunchSpec, Limits, ReadOnly
 
     _sweep_self_test_workspaces()
+    limits = Limits(memory_bytes=64 << 20, pids=16)
+    if session_defaults is not None:          # the caps of all sandboxes together: in place from start-up
+        limits = limits.replace(total_pids=session_defaults.total_pids,
+                                total_memory_bytes=session_defaults.total_memory_bytes)
     workspace = tempfile.mkdtemp(prefix=f"{SELF_TEST_PREFIX}{os.getpid()}-", dir=SELF_TEST_DIR)
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     try:
         call = fork.launch(LaunchSpec(argv=("true",), workspace=workspace, policy=ReadOnly(),
-                                      limits=Limits(memory_bytes=64 << 20, pids=16),
-                                      env={"PATH": "/usr/bin:/bin"}), (null, null, null))
+                                      limits=limits, env={"PATH": "/usr/bin:/bin"}), (null, null, null))
         info = fork.wait(call)
         return None if info.exit_code == 0 else f"`true` in a sandbox ended with status {info.shell_status}"
     except SandboxdError as exc:
@@ -223,21 +226,21 @@ class ForkWatch:
 
 
 def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_gid: int | None = None,
-          workers: int = 64,
+          workers: int = 128,
           ready: "threading.Event | None" = None, tls: "TlsListener | None" = None,
           state_dir: str = DEFAULT_STATE_DIR, approval_timeout: float = 300.0, dns: tuple[str, ...] = (),
           log_format: str = "json", log_level: str = "info", config_path: str | None = None,
           metrics_listen: str = "",
           session_defaults: "SessionDefaults | None" = None, network_pool: str = "", connections_per_uid: int = 64,
           proxy_connections: int = 256, published_connections: int = 256, published_per_peer: int = 32,
-          quotas: "QuotaLimits | None" = None) -> int:
+          quotas: "QuotaLimits | None" = None, ping_timeout: float = 10.0, wait_seconds: float = 10.0) -> int:
     from sandboxd.supervisor.forkserver import ForkServer
     # First: the fork server inherits it (it holds descriptors for every session; at 1024 it failed
     # past ~500 sessions). Sandboxes inherit it from the fork server in turn, unless the session
     # sets open_files.
     raise_nofile_limit()
-    fork = ForkServer.start()                             # before gRPC's threads, and as a fresh process
-    problem = _self_test(fork)
+    fork = ForkServer.start(wait_seconds=wait_seconds)    # before gRPC's threads, and as a fresh process
+    problem = _self_test(fork, session_defaults)
     if problem is not None:
         # Refuse to start rather than serve sessions the kernel cannot enforce.
         sys.stderr.write(f"sandboxd serve: this machine cannot build a sandbox: {problem}\n"
@@ -251,7 +254,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
 
     from sandboxd.audit.store import open_in_state_dir
     from sandboxd.service.approvals import ApprovalGate
-    from sandboxd.service.peercred import FrontDoor, PeerCredentials
+    from sandboxd.service.peercred import FrontDoor
     from sandboxd.service.callers import Callers, TlsIdentity
     from sandboxd.service.sandboxed_peers import SandboxedPeers
     from sandboxd.service.servicer import SandboxServicer
@@ -281,7 +284,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     own = own_places(socket_path, private, backend, state_dir, tls.address if tls else "", metrics_listen)
     from sandboxd.service.quotas import QuotaLimits, Quotas
     counters = Quotas(quotas or QuotaLimits(workers=workers))
-    registry = SessionRegistry(fork, store, admin_gid=admin_gid, dns=dns, network_pool=network_pool, own=own,
+    registry = SessionRegistry(fork, store, dns=dns, network_pool=network_pool, own=own,
                                proxy_connections=proxy_connections, published_connections=published_connections,
                                published_per_peer=published_per_peer,
                                quotas=counters)
@@ -289,8 +292,8 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     from sandboxd.service.metrics import Metrics
     metrics = Metrics()
     registry.metrics = metrics
-    metrics.watch(sessions=lambda: len(registry.list(PeerCredentials(0, 0, 0))),
-                  running=lambda: sum(s.running_calls for s in registry.list(PeerCredentials(0, 0, 0))),
+    metrics.watch(sessions=lambda: len(registry.open_sessions()),
+                  running=lambda: sum(s.running_calls for s in registry.open_sessions()),
                   events=store.last_id)
     gate = ApprovalGate(store, timeout=approval_timeout, metrics=metrics)
     sandboxed = SandboxedPeers(registry.sandbox_namespaces)
@@ -303,7 +306,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     if tls is not None:
         tls_identity = TlsIdentity(identity=tls.identity, default_user=(tls.uid, tls.gid), users=tls.users,
                                    port=int(tls.address.rpartition(":")[2]))
-    callers = Callers(door, tls_identity, sandboxed)
+    callers = Callers(door, tls_identity, sandboxed, admin_gid)
     sandboxd_pb2_grpc.add_SandboxServicer_to_server(
         SandboxServicer(registry, fork, callers, gate, metrics, session_defaults, counters), server)
     health_servicer = health.HealthServicer()
@@ -344,6 +347,12 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     # ("the fork server exited"), never hang.
     status = 0
     watch = ForkWatch(fork)
+    from sandboxd.service.watchdog import Watchdog
+    def not_serving() -> None:
+        for service in ("", "sandboxd.v1.Sandbox"):
+            health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    watchdog = Watchdog(fork, ping_timeout, not_serving)
+    watchdog.start()
     while not stopping:
         how = watch.died(0.2)
         if how is None:
@@ -370,6 +379,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
         log.info("fork server restarted", extra={"fields": {"fork_server_pid": fork.pid}})
         for service in ("", "sandboxd.v1.Sandbox"):
             health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    watchdog.stop()
     watch.close()
     for signum in (signal.SIGTERM, signal.SIGINT):
         # Stopping already: more of these must not cut the cleanup short (nor, at interpreter
@@ -377,7 +387,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
         signal.signal(signum, signal.SIG_IGN)
     started = time.monotonic()
     systemd.notify("STOPPING=1")
-    log.info("stopping", extra={"fields": {"sessions": len(registry.list(PeerCredentials(0, 0, 0)))}})
+    log.info("stopping", extra={"fields": {"sessions": len(registry.open_sessions())}})
     health_servicer.enter_graceful_shutdown()
     door.close()
     registry.close_all()

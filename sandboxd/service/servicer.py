@@ -13,8 +13,8 @@ from sandboxd.service import convert, exec_call, file_calls, patch_search, tool_
 from sandboxd.service.approvals import ApprovalGate, ToolCall
 from sandboxd.service.audit_calls import AuditService
 from sandboxd.service.background import BackgroundJob, BackgroundJobs
-from sandboxd.service.callers import Callers
-from sandboxd.service.peercred import FrontDoor, PeerCredentials
+from sandboxd.service.callers import Caller, Callers
+from sandboxd.service.peercred import FrontDoor
 from sandboxd.service.quotas import CALLS, STREAMS, Quotas
 from sandboxd.service.sessions import Session, SessionRegistry, cwd_inside
 from sandboxd.service.status import abort
@@ -61,13 +61,13 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         self._gate = gate
         self._audit = AuditService(registry, gate)
 
-    def _unary(self, context: grpc.ServicerContext, work: Callable[[PeerCredentials], R]) -> R:
+    def _unary(self, context: grpc.ServicerContext, work: Callable[[Caller], R]) -> R:
         try:
             return work(self._callers(context))
         except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
             abort(context, error)
 
-    def _tool(self, context: grpc.ServicerContext, who: PeerCredentials, session: Session, call: ToolCall,
+    def _tool(self, context: grpc.ServicerContext, who: Caller, session: Session, call: ToolCall,
               body: Callable[[], R]) -> R:
         """Run a built-in tool call through the policy engine: decided, recorded, maybe held for
         approval (PermissionDenied if refused), then run; its end is recorded too. It holds a
@@ -76,12 +76,12 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             return body()
 
     def CreateSession(self, request: pb.CreateSessionRequest, context: grpc.ServicerContext) -> pb.Session:
-        def work(who: PeerCredentials) -> pb.Session:
+        def work(who: Caller) -> pb.Session:
             convert.check_path(request.workspace, "workspace")
             policy, approval, rules = convert.axes_from_create_request(request, self._defaults)
             session = self._registry.create(who, request.workspace, policy, approval,
                                             convert.limits_from_proto(request.limits, self._defaults),
-                                            dict(request.labels), rules)
+                                            convert.labels_from_proto(request.labels), rules)
             return session_to_proto(session)
         return self._unary(context, work)
 
@@ -89,7 +89,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         return self._unary(context, lambda who: session_to_proto(self._registry.get(who, request.session_id)))
 
     def ListSessions(self, request: pb.ListSessionsRequest, context: grpc.ServicerContext) -> pb.ListSessionsResponse:
-        def work(who: PeerCredentials) -> pb.ListSessionsResponse:
+        def work(who: Caller) -> pb.ListSessionsResponse:
             sessions = [session_to_proto(s) for s in self._registry.list(who)]
             if request.include_closed:
                 sessions += [session_to_proto(s, closed_at) for s, closed_at in self._registry.list_closed(who)]
@@ -97,7 +97,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         return self._unary(context, work)
 
     def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext) -> pb.CloseSessionResponse:
-        def work(who: PeerCredentials) -> pb.CloseSessionResponse:
+        def work(who: Caller) -> pb.CloseSessionResponse:
             self._registry.close(who, request.session_id)
             self._jobs.forget(request.session_id)
             self._gate.forget_session(request.session_id)
@@ -107,7 +107,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
 
     def UpdateSessionPolicy(self, request: pb.UpdateSessionPolicyRequest,
                             context: grpc.ServicerContext) -> pb.Session:
-        def work(who: PeerCredentials) -> pb.Session:
+        def work(who: Caller) -> pb.Session:
             policy = (convert.policy_from_proto(request.sandbox_policy)
                       if request.HasField("sandbox_policy") else None)
             approval = (convert.approval_from_proto(request.approval_policy)
@@ -116,7 +116,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         return self._unary(context, work)
 
     def ReadFile(self, request: pb.ReadFileRequest, context: grpc.ServicerContext) -> pb.ReadFileResponse:
-        def work(who: PeerCredentials) -> pb.ReadFileResponse:
+        def work(who: Caller) -> pb.ReadFileResponse:
             session = self._registry.get(who, request.session_id)
             limit = file_calls.read_limit(request.max_bytes)
             path = file_calls.resolve(session, request.path)
@@ -127,7 +127,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         return self._unary(context, work)
 
     def WriteFile(self, request: pb.WriteFileRequest, context: grpc.ServicerContext) -> pb.WriteFileResponse:
-        def work(who: PeerCredentials) -> pb.WriteFileResponse:
+        def work(who: Caller) -> pb.WriteFileResponse:
             session = self._registry.get(who, request.session_id)
             path = file_calls.resolve(session, request.path)
             if request.mode > 0o7777:
@@ -144,7 +144,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         return self._unary(context, work)
 
     def ListDir(self, request: pb.ListDirRequest, context: grpc.ServicerContext) -> pb.ListDirResponse:
-        def work(who: PeerCredentials) -> pb.ListDirResponse:
+        def work(who: Caller) -> pb.ListDirResponse:
             session = self._registry.get(who, request.session_id)
             path = file_calls.resolve(session, request.path)
             _, out = self._tool(context, who, session, tool_calls.read(session, "fs.list", path), lambda: (
@@ -153,7 +153,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         return self._unary(context, work)
 
     def ApplyPatch(self, request: pb.ApplyPatchRequest, context: grpc.ServicerContext) -> pb.ApplyPatchResponse:
-        def work(who: PeerCredentials) -> pb.ApplyPatchResponse:
+        def work(who: Caller) -> pb.ApplyPatchResponse:
             session = self._registry.get(who, request.session_id)
             targets = [file_calls.resolve(session, f.path)
                        for f in patch_search.patched_files(request.patch, request.strip)[0]]
@@ -163,7 +163,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         return self._unary(context, work)
 
     def Search(self, request: pb.SearchRequest, context: grpc.ServicerContext) -> pb.SearchResponse:
-        def work(who: PeerCredentials) -> pb.SearchResponse:
+        def work(who: Caller) -> pb.SearchResponse:
             session = self._registry.get(who, request.session_id)
             call = tool_calls.read(session, "search", file_calls.resolve(session, request.path),
                                    pattern=request.pattern)
@@ -173,7 +173,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         return self._unary(context, work)
 
     def StartBackground(self, request: pb.StartBackgroundRequest, context: grpc.ServicerContext) -> pb.BackgroundProcess:
-        def work(who: PeerCredentials) -> pb.BackgroundProcess:
+        def work(who: Caller) -> pb.BackgroundProcess:
             session = self._registry.get(who, request.session_id)
             start = pb.ExecStart(argv=request.argv, shell=request.shell, env=request.env)
             argv = exec_call.command_of(start)
@@ -187,7 +187,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
 
     def ListBackground(self, request: pb.ListBackgroundRequest,
                        context: grpc.ServicerContext) -> pb.ListBackgroundResponse:
-        def work(who: PeerCredentials) -> pb.ListBackgroundResponse:
+        def work(who: Caller) -> pb.ListBackgroundResponse:
             session = self._registry.get(who, request.session_id)
             jobs = self._tool(context, who, session, tool_calls.read(session, "monitor.list", ""),
                               lambda: self._jobs.list(session))
@@ -195,7 +195,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         return self._unary(context, work)
 
     def StopBackground(self, request: pb.StopBackgroundRequest, context: grpc.ServicerContext) -> pb.BackgroundProcess:
-        def work(who: PeerCredentials) -> pb.BackgroundProcess:
+        def work(who: Caller) -> pb.BackgroundProcess:
             session = self._registry.get(who, request.session_id)
             call = tool_calls.read(session, "monitor.stop", "", id=request.id)
             return job_to_proto(self._tool(context, who, session, call, lambda: self._jobs.stop(session, request.id)))
@@ -221,7 +221,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
             abort(context, error)
 
-    def _exec(self, who: PeerCredentials, request_iterator: Iterator[pb.ExecRequest],
+    def _exec(self, who: Caller, request_iterator: Iterator[pb.ExecRequest],
               context: grpc.ServicerContext, received: float) -> Iterator[pb.ExecResponse]:
         with self._quotas.hold(who, CALLS):
             first = next(request_iterator, None)
@@ -257,7 +257,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         return self._unary(context, lambda who: self._audit.pending(who, request.session_id))
 
     def Authorize(self, request: pb.AuthorizeRequest, context: grpc.ServicerContext) -> pb.AuthorizeResponse:
-        def work(who: PeerCredentials) -> pb.AuthorizeResponse:
+        def work(who: Caller) -> pb.AuthorizeResponse:
             with self._quotas.hold(who, CALLS):           # may be held for approval, holding a worker
                 return self._audit.authorize(who, request, context.is_active)
         return self._unary(context, work)
@@ -281,7 +281,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             abort(context, error)
 
     def AddStandingRule(self, request: pb.StandingRule, context: grpc.ServicerContext) -> pb.StandingRule:
-        def work(who: PeerCredentials) -> pb.StandingRule:
+        def work(who: Caller) -> pb.StandingRule:
             convert.check_path(request.workspace, "workspace")
             return self._audit.add_rule(who, request)
         return self._unary(context, work)
@@ -297,7 +297,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
 
     def RemoveStandingRule(self, request: pb.StandingRule,
                            context: grpc.ServicerContext) -> pb.RemoveStandingRuleResponse:
-        def work(who: PeerCredentials) -> pb.RemoveStandingRuleResponse:
+        def work(who: Caller) -> pb.RemoveStandingRuleResponse:
             convert.check_path(request.workspace, "workspace")
             return self._audit.remove_rule(who, request)
         return self._unary(context, work)

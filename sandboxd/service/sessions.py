@@ -23,8 +23,8 @@ from sandboxd.policy.decision import ToolRules
 from sandboxd.policy.git_config import GIT_GUARD_SUBPATH
 from sandboxd.policy.sandbox import WorkspaceWrite, is_within
 from sandboxd.policy.spec import policy_from_dict, policy_to_dict
-from sandboxd.service.peercred import PeerCredentials
-from sandboxd.service.quotas import Quotas, owner_key
+from sandboxd.service.callers import Caller, session_owner
+from sandboxd.service.quotas import Quotas, cgroup_owner, owner_key
 from sandboxd.supervisor.forkserver import ForkServer
 from sandboxd.supervisor.git_guard import GitGuard
 from sandboxd.supervisor.publish import check_host_ports
@@ -39,9 +39,13 @@ SESSION_PLACEHOLDER_ARGV = ("sandboxd-session",)  # a session's spec runs no com
 
 
 class Session:
-    """One session. Mutable fields change only under the registry's lock."""
+    """One session. Its mutable fields (policy, approval, generation, running, closed,
+    sandbox_ready, workspace, services, extra_env) are read-modified-written only under ``lock``,
+    held for a moment; building or closing a sandbox generation (slow: the fork server) happens
+    under ``build_lock`` instead, taken first, which orders the session's builders (policy changes,
+    a resumed session's rebuild, the fork server's loss, CloseSession) one at a time."""
 
-    def __init__(self, session_id: str, owner: PeerCredentials, workspace: str, policy: SandboxPolicy,
+    def __init__(self, session_id: str, owner: Caller, workspace: str, policy: SandboxPolicy,
                  approval: str, limits: Limits, labels: dict[str, str], rules: ToolRules | None = None,
                  created_at: float | None = None) -> None:
         self.id = session_id
@@ -58,12 +62,14 @@ class Session:
         self.closed = False
         # False for a session resumed after a daemon restart: its sandbox is rebuilt by its next call.
         self.sandbox_ready = True
+        self.lock = threading.Lock()
         self.build_lock = threading.Lock()
         self.services: dict[int, list[PublishedPort | EgressProxy]] = {}   # by sandbox generation
         self.extra_env: dict[str, str] = {}   # added to every call's environment (the proxy variables)
         self.git_guard: GitGuard | None = None  # inspects the writable roots after each call (git_guard.py)
 
     def to_row(self, closed_at: float | None = None) -> SessionRow:
+        """What the store keeps of it (the caller holds ``lock``, or the session is not shared yet)."""
         return SessionRow(self.id, self.owner.uid, self.owner.gid, self.owner.principal, self.workspace,
                           policy_to_dict(self.policy), self.approval, rules_to_dict(self.rules),
                           self.limits.as_dict(), dict(self.labels), self.created_at, closed_at)
@@ -79,7 +85,8 @@ class Session:
 
     @property
     def running_calls(self) -> int:
-        return sum(self.running.values())
+        with self.lock:                               # begin_call and end_call change it from other threads
+            return sum(self.running.values())
 
 
 def rules_to_dict(rules: ToolRules) -> dict[str, object]:
@@ -106,7 +113,7 @@ class OwnPlaces(Record):
 
 
 class SessionRegistry:
-    def __init__(self, forkserver: ForkServer, store: EventStore, *, admin_gid: int | None = None,
+    def __init__(self, forkserver: ForkServer, store: EventStore, *,
                  max_sessions: int = 10000, dns: tuple[str, ...] = (), network_pool: str = "",
                  own: OwnPlaces | None = None, proxy_connections: int = 256,
                  published_connections: int = 256, published_per_peer: int = 32, quotas: Quotas | None = None) -> None:
@@ -123,7 +130,6 @@ class SessionRegistry:
         self._proxy_connections, self._published_connections = proxy_connections, published_connections
         self._published_per_peer = published_per_peer     # ... per connecting user but the session's owner
         self.metrics: "Any" = None                        # service.metrics.Metrics, when the daemon has it
-        self._admin_gid = admin_gid
         self._max = max_sessions
         self.quotas = quotas or Quotas()
         self._lock = threading.Lock()
@@ -131,17 +137,12 @@ class SessionRegistry:
 
     # -- access --------------------------------------------------------------------------------
 
-    def is_admin(self, caller: PeerCredentials) -> bool:
-        if caller.principal:                              # a TLS caller is never an administrator
-            return False
-        return caller.uid == 0 or (self._admin_gid is not None and self._admin_gid in caller_groups(caller))
-
     def sandbox_namespaces(self) -> set[int]:
         """The PID namespaces of this daemon's live sandboxes."""
         with self._lock:
             return set(self._sandbox_namespaces.values())
 
-    def get(self, caller: PeerCredentials, session_id: str) -> Session:
+    def get(self, caller: Caller, session_id: str) -> Session:
         """The session, if the caller may see it. Someone else's is NOT_FOUND, not PERMISSION_DENIED:
         a caller learns nothing about sessions it may not use."""
         with self._lock:
@@ -150,12 +151,17 @@ class SessionRegistry:
             raise NotFound(f"no session {session_id!r}")
         return session
 
-    def list(self, caller: PeerCredentials) -> list[Session]:
+    def list(self, caller: Caller) -> list[Session]:
         with self._lock:
             sessions = list(self._sessions.values())
         return [s for s in sessions if not s.closed and self._may_use(caller, s)]
 
-    def list_closed(self, caller: PeerCredentials) -> builtins.list[tuple[Session, float]]:  # list: the method above
+    def open_sessions(self) -> builtins.list[Session]:  # list: the method above
+        """Every open session, whoever owns it (for the daemon's own counts)."""
+        with self._lock:
+            return [s for s in self._sessions.values() if not s.closed]
+
+    def list_closed(self, caller: Caller) -> builtins.list[tuple[Session, float]]:  # list: the method above
         """Closed sessions the caller owns, from the store, with when each was closed."""
         closed = []
         for row in self.store.sessions(include_closed=True):
@@ -164,23 +170,23 @@ class SessionRegistry:
         return closed
 
     def _from_row(self, row: SessionRow) -> Session:
-        owner = PeerCredentials(row.owner_uid, row.owner_gid, 0, row.owner_principal)
+        owner = session_owner(row.owner_uid, row.owner_gid, row.owner_principal)
         session = Session(row.id, owner, row.workspace, policy_from_dict(row.sandbox_policy), row.approval_policy,
                           Limits(**row.limits), dict(row.labels), rules_from_dict(row.tool_rules),
                           created_at=row.created_at)
         session.sandbox_ready = False
         return session
 
-    def _may_use(self, caller: PeerCredentials, session: Session) -> bool:
+    def _may_use(self, caller: Caller, session: Session) -> bool:
         return self._owns(caller, session.owner.uid, session.owner.principal)
 
-    def _owns(self, caller: PeerCredentials, owner_uid: int, owner_principal: str) -> bool:
+    def _owns(self, caller: Caller, owner_uid: int, owner_principal: str) -> bool:
         """Its owner (same uid and, for TLS callers, same certificate), root, or the admin group."""
         if caller.principal:
             return owner_principal == caller.principal
-        return self.is_admin(caller) or (owner_uid == caller.uid and not owner_principal)
+        return caller.is_admin or (owner_uid == caller.uid and not owner_principal)
 
-    def visible_ids(self, caller: PeerCredentials, session_id: str = "") -> builtins.list[str] | None:
+    def visible_ids(self, caller: Caller, session_id: str = "") -> builtins.list[str] | None:
         """The sessions, open or closed, whose audit log the caller may read (None: all of them,
         for an administrator); with ``session_id``, that one or NOT_FOUND."""
         if session_id:
@@ -191,12 +197,12 @@ class SessionRegistry:
             if not self._owns(caller, row.owner_uid, row.owner_principal):
                 raise NotFound(f"no session {session_id!r}")
             return [session_id]
-        if self.is_admin(caller):
+        if caller.is_admin:
             return None
         return [row.id for row in self.store.sessions(include_closed=True)
                 if self._owns(caller, row.owner_uid, row.owner_principal)]
 
-    def check_workspace(self, caller: PeerCredentials, workspace: str) -> str:
+    def check_workspace(self, caller: Caller, workspace: str) -> str:
         """A workspace the caller could write itself (for standing rules); its real path, as the
         caller's own lookup resolved it (asked of the kernel under the caller's credentials)."""
         if not workspace.startswith("/") or "\0" in workspace:
@@ -205,20 +211,21 @@ class SessionRegistry:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def create(self, caller: PeerCredentials, workspace: str, policy: SandboxPolicy, approval: str,
+    def create(self, caller: Caller, workspace: str, policy: SandboxPolicy, approval: str,
                limits: Limits, labels: dict[str, str], rules: ToolRules | None = None) -> Session:
         if not workspace.startswith("/"):
             raise InvalidPolicy(f"workspace {workspace!r} must be an absolute path")
         self._check_policy(caller, policy)
         self._check_not_shared(caller, workspace, policy)
-        check_host_ports(caller.uid, getattr(policy, "published_ports", ()))
+        check_host_ports(caller.is_root, getattr(policy, "published_ports", ()))
+        real_workspace = os.path.realpath(workspace)      # never under the lock: a lookup may hang (NFS)
         with self._lock:
             if len(self._sessions) >= self._max:
                 raise Exhausted(f"the daemon holds its maximum of {self._max} sessions: close some first")
             owner = owner_key(caller)
             self.quotas.check_sessions(caller, sum(1 for s in self._sessions.values() if owner_key(s.owner) == owner))
             session_id = secrets.token_hex(8)
-            session = Session(session_id, caller, os.path.realpath(workspace), policy, approval, limits, labels,
+            session = Session(session_id, caller, real_workspace, policy, approval, limits, labels,
                               rules)
             self._sessions[session_id] = session
         try:
@@ -244,45 +251,62 @@ class SessionRegistry:
                 self._sessions[row.id] = self._from_row(row)
         return len(rows)
 
-    def update_policy(self, caller: PeerCredentials, session_id: str, policy: SandboxPolicy | None,
+    def update_policy(self, caller: Caller, session_id: str, policy: SandboxPolicy | None,
                       approval: str | None) -> Session:
         session = self.get(caller, session_id)
-        before = session.axes()
-        if policy is not None and policy != session.policy:
-            self._check_policy(caller, policy)
-            self._check_not_shared(caller, session.workspace, policy, session.id)
-            check_host_ports(caller.uid, getattr(policy, "published_ports", ()))
-        if approval is not None:
-            session.approval = approval
-        if policy is not None and policy != session.policy and not session.sandbox_ready:
-            session.policy = policy                   # resumed, not rebuilt yet: the next call builds this one
-        elif policy is not None and policy != session.policy:
-            generation = session.generation + 1
-            self._open_sandbox(session, generation, policy)
-            with self._lock:
-                old = session.generation
-                session.policy, session.generation = policy, generation
-                idle = session.running.get(old, 0) == 0
-            if idle:                                  # calls still running keep the old sandbox
-                self._close_sandbox(session, old)
-            self._guard_git(session, policy)
-        after = session.axes()
-        if after != before:
-            # Recorded before the caller hears the change took effect.
-            self.store.save_session(session.to_row())
-            self.store.append(session.id, EventType.POLICY_CHANGED, data={"before": before, "after": after,
-                                                                           "by_uid": caller.uid})
+        with session.build_lock:                      # one builder at a time: generations are consecutive
+            with session.lock:
+                if session.closed:
+                    raise NotFound(f"no session {session_id!r}")
+                before, current, ready = session.axes(), session.policy, session.sandbox_ready
+            changed = policy is not None and policy != current
+            if policy is not None and changed:
+                self._check_policy(caller, policy)
+                self._check_not_shared(caller, session.workspace, policy, session.id)
+                check_host_ports(caller.is_root, getattr(policy, "published_ports", ()))
+            generation = 0
+            if policy is not None and changed and ready:
+                with session.lock:
+                    generation = session.generation + 1
+                self._open_sandbox(session, generation, policy)   # complete before any call can join it
+                with session.lock:
+                    old = session.generation
+                    session.policy, session.generation = policy, generation
+                    if approval is not None:
+                        session.approval = approval
+                    idle = session.running.get(old, 0) == 0
+                if idle:                              # calls still running keep the old sandbox
+                    self._close_sandbox(session, old)
+                self._guard_git(session, policy)
+            else:
+                with session.lock:
+                    if policy is not None and changed:
+                        session.policy = policy       # resumed, not rebuilt yet: the next call builds this one
+                    if approval is not None:
+                        session.approval = approval
+            with session.lock:
+                after, row, now = session.axes(), session.to_row(), session.generation
+            if after != before:
+                # Recorded before the caller hears the change took effect, in the order they took effect.
+                self.store.save_session(row)
+                self.store.append(session.id, EventType.POLICY_CHANGED, data={
+                    "before": before, "after": after, "by_uid": caller.uid, "generation": generation or now})
         return session
 
-    def close(self, caller: PeerCredentials, session_id: str) -> None:
+    def close(self, caller: Caller, session_id: str) -> None:
         session = self.get(caller, session_id)
-        with self._lock:
-            session.closed = True
-            self._sessions.pop(session_id, None)
-            generations = set(session.running) | {session.generation}
-        for generation in generations:
-            if session.sandbox_ready or generation != session.generation:
-                self._close_sandbox(session, generation)
+        with session.build_lock:                      # after a policy change under way: its sandbox too
+            with session.lock:
+                if session.closed:
+                    raise NotFound(f"no session {session_id!r}")
+                session.closed = True
+                generations = set(session.running) | {session.generation}
+                current, ready = session.generation, session.sandbox_ready
+            with self._lock:
+                self._sessions.pop(session_id, None)
+            for generation in generations:
+                if ready or generation != current:
+                    self._close_sandbox(session, generation)
         self.inspect_git(session)                     # the last look: every process of the session is gone
         if session.git_guard is not None:
             session.git_guard.close()
@@ -296,9 +320,12 @@ class SessionRegistry:
             sessions = list(self._sessions.values())
             self._sessions.clear()
         for session in sessions:
-            session.closed = True
-            for generation in set(session.running) | {session.generation}:
-                if not session.sandbox_ready and generation == session.generation:
+            with session.lock:
+                session.closed = True
+                generations = set(session.running) | {session.generation}
+                current, ready = session.generation, session.sandbox_ready
+            for generation in generations:
+                if not ready and generation == current:
                     continue
                 try:
                     self._close_sandbox(session, generation)
@@ -316,9 +343,11 @@ class SessionRegistry:
             sessions = list(self._sessions.values())
         for session in sessions:
             with session.build_lock:
-                session.sandbox_ready = False
-                for generation in list(session.services):
-                    for service in session.services.pop(generation, []):
+                with session.lock:
+                    session.sandbox_ready = False
+                    lost = [session.services.pop(generation) for generation in list(session.services)]
+                for services in lost:
+                    for service in services:
                         try:
                             service.close()
                         except Exception:  # noqa: BLE001 - its sandbox is gone: close the rest regardless
@@ -327,17 +356,22 @@ class SessionRegistry:
     # -- calls ---------------------------------------------------------------------------------
 
     def begin_call(self, session: Session) -> int:
-        if not session.sandbox_ready:
-            self._rebuild(session)
-        with self._lock:
-            if session.closed:
-                raise NotFound(f"session {session.id!r} was closed")
-            generation = session.generation
-            session.running[generation] = session.running.get(generation, 0) + 1
-        return generation
+        """Count a call as running on the session's current generation, which is complete: a
+        generation becomes current only once its sandbox is built (update_policy)."""
+        while True:
+            if not session.sandbox_ready:
+                self._rebuild(session)
+            with session.lock:
+                if session.closed:
+                    raise NotFound(f"session {session.id!r} was closed")
+                if not session.sandbox_ready:         # lost again meanwhile (the fork server died): rebuild
+                    continue
+                generation = session.generation
+                session.running[generation] = session.running.get(generation, 0) + 1
+            return generation
 
     def end_call(self, session: Session, generation: int) -> None:
-        with self._lock:
+        with session.lock:
             left = session.running.get(generation, 1) - 1
             if left > 0:
                 session.running[generation] = left
@@ -351,7 +385,8 @@ class SessionRegistry:
         """Build one generation of the session's sandbox in the fork server, and publish its ports."""
         info = self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy))
         if info.workspace:
-            session.workspace = info.workspace            # as the caller's own lookup resolved it
+            with session.lock:
+                session.workspace = info.workspace        # as the caller's own lookup resolved it
         if info.init_pid:
             try:
                 namespace = os.stat(f"/proc/{info.init_pid}/ns/pid").st_ino
@@ -362,7 +397,8 @@ class SessionRegistry:
         entries, domains = getattr(policy, "published_ports", ()), getattr(policy, "allowed_domains", ())
         try:
             services: list[PublishedPort | EgressProxy] = []
-            session.services[generation] = services
+            with session.lock:
+                session.services[generation] = services
             if entries:
                 from sandboxd.supervisor.publish import publish_all
 
@@ -389,7 +425,8 @@ class SessionRegistry:
                                                 connections=self._proxy_connections).start())
                 finally:
                     os.close(netns)
-                session.extra_env = proxy_environment(info.host_address)
+                with session.lock:
+                    session.extra_env = proxy_environment(info.host_address)
         except BaseException:
             self._close_sandbox(session, generation)
             raise
@@ -397,7 +434,9 @@ class SessionRegistry:
     def _close_sandbox(self, session: Session, generation: int) -> None:
         """Stop what the daemon serves for one generation (published ports, the egress proxy),
         then have the fork server close the sandbox itself."""
-        for service in session.services.pop(generation, []):
+        with session.lock:
+            services = session.services.pop(generation, [])
+        for service in services:
             service.close()
         self._fork.close_session(session.sandbox_name(generation))
         with self._lock:
@@ -408,9 +447,12 @@ class SessionRegistry:
         with session.build_lock:
             if session.sandbox_ready or session.closed:
                 return
-            self._open_sandbox(session, session.generation, session.policy)
-            self._guard_git(session, session.policy)
-            session.sandbox_ready = True
+            with session.lock:
+                generation, policy = session.generation, session.policy
+            self._open_sandbox(session, generation, policy)
+            self._guard_git(session, policy)
+            with session.lock:
+                session.sandbox_ready = True
 
     # -- the git guard -------------------------------------------------------------------------
 
@@ -452,9 +494,9 @@ class SessionRegistry:
                           limits=session.limits, user=command_user(session.owner, policy), dns=self._dns,
                           network_pool=self._network_pool, caller=rights_of(session.owner),
                           hidden_paths=self.own.hidden, denied_sockets=self.own.sockets,
-                          denied_listeners=self.own.listeners)
+                          denied_listeners=self.own.listeners, owner=cgroup_owner(session.owner))
 
-    def _check_not_shared(self, caller: PeerCredentials, workspace: str, policy: SandboxPolicy,
+    def _check_not_shared(self, caller: Caller, workspace: str, policy: SandboxPolicy,
                           session_id: str = "") -> None:
         """TLS principals that act as the same local user share its file rights; so one may not
         use a workspace or writable root that overlaps one of another principal's open sessions
@@ -474,28 +516,29 @@ class SessionRegistry:
                                         "its file rights, so their workspaces are kept apart (map each principal "
                                         "to its own user with tls.users)")
 
-    def _check_policy(self, caller: PeerCredentials, policy: SandboxPolicy) -> None:
+    def _check_policy(self, caller: Caller, policy: SandboxPolicy) -> None:
         """What only root may ask for. Whether the caller may use the paths is the kernel's to say,
         under the caller's own credentials, when the sandbox is built (``_spec``)."""
-        if caller.uid != 0 and policy.name == "danger-full-access":
-            raise Forbidden("only root may create danger-full-access sessions (they run on the host as is)")
+        if not caller.is_root and policy.name == "danger-full-access":
+            raise Forbidden("only local root may create danger-full-access sessions (they run on the host as "
+                            "is); a TLS caller never may, whatever user it is mapped to")
 
 
 def _paths_of(workspace: str, policy: SandboxPolicy) -> list[str]:
     return [os.path.realpath(p) for p in (workspace, *getattr(policy, "writable_roots", ()))]
 
 
-def command_user(owner: PeerCredentials, policy: SandboxPolicy) -> tuple[int, int] | None:
+def command_user(owner: Caller, policy: SandboxPolicy) -> tuple[int, int] | None:
     """Who a session's commands run as: a non-root caller's as itself; a root caller's (in a
     confined policy) as the workspace's owner (None, as ``sandboxd run`` does), so that root
     acting on a user's checkout runs that user's commands as that user, and uid 0 remains only
     for a root-owned workspace. danger-full-access runs as its (root) caller, as before."""
-    if owner.uid == 0 and policy.name != "danger-full-access":
+    if owner.is_root and policy.name != "danger-full-access":
         return None
     return (owner.uid, owner.gid)
 
 
-def caller_groups(caller: PeerCredentials) -> set[int]:
+def caller_groups(caller: Caller) -> set[int]:
     """The caller's gid and supplementary groups: from SO_PEERGROUPS at connect time (the front
     door), for a TLS caller those of its local user, for a session restored after a restart
     those its owner has now."""
@@ -504,9 +547,9 @@ def caller_groups(caller: PeerCredentials) -> set[int]:
     return {caller.gid, *_groups_of_uid(caller.uid, caller.gid)}
 
 
-def rights_of(caller: PeerCredentials) -> tuple[int, int, tuple[int, ...]] | None:
-    """The credentials a caller's paths are checked with (None for root: it may use any)."""
-    if caller.uid == 0 and not caller.principal:
+def rights_of(caller: Caller) -> tuple[int, int, tuple[int, ...]] | None:
+    """The credentials a caller's paths are checked with (None for local root: it may use any)."""
+    if caller.is_root:
         return None
     return caller.uid, caller.gid, tuple(sorted(caller_groups(caller)))
 

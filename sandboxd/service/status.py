@@ -18,6 +18,7 @@ from sandboxd.errors import (
     NamespacesUnavailable,
     NotFound,
     PermissionDenied,
+    ProcessLimitReached,
     SandboxdError,
     SetupError,
 )
@@ -29,6 +30,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (PermissionError, grpc.StatusCode.PERMISSION_DENIED),   # a caller that did not come through the front door
     (Exhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (ProcessLimitReached, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ExecFailed, grpc.StatusCode.FAILED_PRECONDITION),
     (LimitsUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
     (NamespacesUnavailable, grpc.StatusCode.FAILED_PRECONDITION),

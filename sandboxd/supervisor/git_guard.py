@@ -13,8 +13,18 @@ under the writable roots and removes what would run code:
 * hooks: any entry of hooks/ not ending in ``.sample`` that was not there before;
 * config: keys outside sandboxd.policy.git_config.SAFE_KEYS that were not there before;
 * ``commondir`` and ``config.worktree`` that appeared (a linked worktree's own
-  ``commondir`` of "../.." is kept), and ``.git`` symlinks or ``.git`` files that
-  appeared pointing outside the writable roots.
+  ``commondir`` of "../.." is kept);
+* ``.git`` symlinks that appeared, and ``.git`` files that appeared or changed unless
+  they name, read by git's own rules (policy.git_config.gitfile_target: up to 1 MiB,
+  only trailing LF/CR stripped, symlinks and ".." resolved as git resolves them),
+  a directory inside a writable root that the guard inspects as a git directory;
+* sequencer state (rebase-merge, rebase-apply, sequencer: `exec` lines, merge
+  strategies) that appeared or changed: a stopped rebase left by a sandboxed
+  command is exactly what a host `git rebase --continue` would run.
+
+Every directory under a writable root that git could take for a git directory
+(HEAD with objects, refs, commondir or config) is one the guard inspects, wherever
+it is: inside another repository's .git, its objects/ and refs/ included.
 
 What was there when the guard took its baseline (the sandbox's build) is the
 user's own and is left alone.
@@ -39,7 +49,8 @@ import _thread  # the C module: threading imports functools and collections, too
 
 from sandboxd._record import Record
 from sandboxd.kernel.inotify import Inotify
-from sandboxd.policy.git_config import GIT_DIR_NESTED, GIT_DIR_REDIRECTS, filter_config, parse, ConfigSyntaxError
+from sandboxd.policy.git_config import (GIT_DIR_NESTED, GIT_DIR_REDIRECTS, GIT_SEQUENCER_DIRS, GITFILE_MAX_BYTES,
+                                        ConfigSyntaxError, filter_config, gitfile_target, parse)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -56,14 +67,16 @@ MAX_CONFIG_BYTES = 1 << 20    # a bigger config a sandbox wrote is replaced by a
 MAX_NESTED_DEPTH = 6          # modules/a/b/c: submodule names may hold slashes
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-# Inside a git directory these hold data, not configuration: never walked as ordinary directories.
-GIT_DATA_DIRS = frozenset({"objects", "refs", "logs", "hooks", "info", "modules", "worktrees", "lfs",
-                           "rr-cache", "rebase-merge", "rebase-apply", "sequencer"})
+MAX_SEQUENCER_ENTRIES = 10_000  # a sequencer directory bigger than this is removed without a closer look
+# The names that make a directory one git may take for a git directory (with HEAD): a superset of
+# setup.c's is_git_directory (HEAD, objects/ and refs/, or a commondir).
+GIT_DIR_MARKS = frozenset({"objects", "refs", "commondir", "config"})
 
 
 class Neutralization(Record):
     """One thing the guard removed: ``what`` is hook, config-key, config, commondir, config.worktree,
-    gitfile or symlink; ``key`` the hook name, the config key or the file name."""
+    gitfile, symlink or sequencer; ``key`` the hook name, the config key, the file name, a gitfile's
+    target or the sequencer directory's name."""
 
     repo: str
     what: str
@@ -87,8 +100,11 @@ class _Dir:
         self.key, self.subdirs, self.git_key = key, subdirs, git_key
 
 
+Fingerprint = tuple[tuple[str, Key], ...]  # a sequencer directory: every entry's path and key
+
+
 class _Git:
-    __slots__ = ("keys", "names", "config_trusted", "hooks_trusted", "nested", "redirects")
+    __slots__ = ("keys", "names", "config_trusted", "hooks_trusted", "nested", "redirects", "sequencer")
 
     def __init__(self) -> None:
         self.keys: dict[str, Key | None] = {}                 # "", config, hooks, modules, worktrees, hooks/X
@@ -97,6 +113,7 @@ class _Git:
         self.hooks_trusted: dict[str, Key] = {}
         self.nested: tuple[str, ...] = ()
         self.redirects: dict[str, Key | None] = {}            # commondir, config.worktree kept, as seen
+        self.sequencer: dict[str, Fingerprint] = {}          # rebase-merge, ... as last seen
 
 
 class _Root:
@@ -107,8 +124,11 @@ class _Root:
         self.full = False
         self.wds: dict[int, str] = {}        # inotify watch -> the directory it watches
         # Directories holding a .git *file*: it can be rewritten in place (no event on its
-        # directory, no ctime change there), so each is looked at every time.
-        self.gitfiles: dict[str, Key] = {}
+        # directory, no ctime change there), a symlink on the way to its target can be replaced,
+        # and the target can appear where the walk does not go (another filesystem mounted in the
+        # root), so each is looked at every time: (its key, the path it names, where that led,
+        # whether a directory was there).
+        self.gitfiles: dict[str, tuple[Key, str, str, bool]] = {}
         self.watching = True                 # False: a watch could not be added; every look walks it all
 
 
@@ -119,7 +139,6 @@ class GitGuard:
     def __init__(self, roots: Iterable[str] = (), *, watch: bool = True) -> None:
         self._lock = _thread.allocate_lock()
         self._roots: dict[str, _Root] = {}
-        self._recheck = False
         self.inotify: Inotify | None = None
         if watch:
             try:
@@ -155,14 +174,10 @@ class GitGuard:
                 fired, overflow = self.inotify.drain()
                 if overflow:
                     fired = None
-            self._recheck = False
             for root in self._roots.values():
                 seeds = None if fired is None or not root.watching else {
                     root.wds[wd] for wd in fired if wd in root.wds}
                 _Pass(self, root, found, baseline=False).run(seeds)
-            if self._recheck:                 # a .git file in one root named a git dir in another
-                for root in self._roots.values():
-                    _Pass(self, root, found, baseline=False).check_gits()
             return found
 
     def _baseline(self, path: str) -> _Root | None:
@@ -176,8 +191,51 @@ class GitGuard:
         _Pass(self, root, [], baseline=True).run()
         return root
 
-    def _inside(self, path: str) -> tuple[_Root, str] | None:
-        for root in self._roots.values():
+    def _resolve(self, path: str, first: _Root | None = None) -> str | None:
+        """``path`` (absolute) with its symlinks and ".." resolved as the kernel and git resolve them
+        (what is missing is kept as written, as realpath(3) without strictness), or None where the
+        resolution leaves the roots: nothing outside them is looked at (a hung mount there must not
+        hang the guard), and a git directory outside them is never one a planted .git file may name."""
+        roots = ([first.path] if first is not None else []) + list(self._roots)
+        parts = path.split("/")[::-1]
+        done, links = "", 0
+        while parts:
+            part = parts.pop()
+            if part in ("", "."):
+                continue
+            if part == "..":
+                done = done.rsplit("/", 1)[0]
+                continue
+            step = f"{done}/{part}"
+            if any(r == step or r.startswith(step + "/") for r in roots):
+                done = step                       # a root or above one: real directories (roots are real paths)
+                continue
+            if self._inside(step, first) is None:
+                return None
+            try:
+                st = os.lstat(step)
+            except OSError:
+                done = step
+                continue
+            if not stat.S_ISLNK(st.st_mode):
+                done = step
+                continue
+            links += 1
+            if links > 40:                        # ELOOP for git too
+                return None
+            try:
+                link = os.readlink(step)
+            except OSError:
+                return None
+            if link.startswith("/"):
+                done = ""
+            parts.extend(link.split("/")[::-1])
+        return done or "/"
+
+    def _inside(self, path: str, first: _Root | None = None) -> tuple[_Root, str] | None:
+        """The root holding ``path`` (a real path) and the path below it; ``first`` is looked at
+        first (a root taking its baseline is not among the guard's roots yet)."""
+        for root in ([first] if first is not None else []) + list(self._roots.values()):
             if path == root.path:
                 return root, ""
             if path.startswith(root.path.rstrip("/") + "/"):
@@ -312,17 +370,18 @@ class _Pass:
                             self._git_entry(rel, fd, est)
                         elif stat.S_ISDIR(est.st_mode):
                             self._track_git(_join(rel, ".git"))
-                    elif entry.is_dir(follow_symlinks=False):     # d_type: no stat per entry
+                    if entry.is_dir(follow_symlinks=False):     # d_type: no stat per entry
+                        # .git directories and their objects/, refs/, ... are walked too: a git
+                        # directory hidden in there is one a planted .git file could name.
                         # (another filesystem mounted there is refused when it is opened: _open_dir)
                         subdirs.append(entry.name)
                         known = self.root.dirs.get(_join(rel, entry.name))
                         if known is None or known.key[0] != entry.inode():
                             changed.append(entry.name)
-            if "HEAD" in names and ("objects" in names or "commondir" in names or "config" in names):
-                # a git directory under another name (a bare repository, or the target of a .git file)
+            if "HEAD" in names and not GIT_DIR_MARKS.isdisjoint(names):
+                # a git directory under another name (a bare repository, the target of a .git file,
+                # or one hidden anywhere, .git/objects/xx/ included)
                 self._track_git(rel)
-                subdirs = [s for s in subdirs if s not in GIT_DATA_DIRS]
-                changed = [s for s in changed if s not in GIT_DATA_DIRS]
         finally:
             os.close(fd)
         if old is not None:
@@ -354,33 +413,57 @@ class _Pass:
                 self._unlink(dir_fd, ".git", rel, "symlink", ".git")
             return
         if not stat.S_ISREG(est.st_mode):
-            return
-        self.root.gitfiles[rel] = _key(est)
-        text = _read_small(dir_fd, ".git", 4096)
-        if text is None or not text.startswith("gitdir:"):
-            return                                           # git refuses such a .git file itself
-        target = text[len("gitdir:"):].strip()
-        target = os.path.normpath(os.path.join(self._full(rel), target))
-        inside = self.guard._inside(target)                 # noqa: SLF001 - the guard's own helper
-        if inside is None:
+            return                                           # git reads only a regular file (it stats)
+        data = _read_bytes(dir_fd, ".git", GITFILE_MAX_BYTES)
+        named = None if data is None else gitfile_target(data, os.fsencode(self._full(where)))
+        if named is None:
+            # Git refuses it (no "gitdir: ", empty, over 1 MiB): useless to git, and whatever our
+            # reading missed must not stay.
             if not self.baseline:
-                self.root.gitfiles.pop(rel, None)
-                self._unlink(dir_fd, ".git", rel, "gitfile", target)
+                self._unlink(dir_fd, ".git", rel, "gitfile", "<not a gitfile git reads>")
             return
+        target = os.fsdecode(named)
+        real = self.guard._resolve(target, self.root)          # noqa: SLF001 - the guard's own helper
+        self.root.gitfiles[rel] = (_key(est), target, real or "", self._is_dir(real))
+        if (real is None or not self._judge_gitfile_target(real)) and not self.baseline:
+            self.root.gitfiles.pop(rel, None)
+            self._unlink(dir_fd, ".git", rel, "gitfile", real or target)
+
+    def _judge_gitfile_target(self, real: str) -> bool:
+        """Whether a .git file naming ``real`` may stay: it must be a directory inside a writable
+        root, reached without leaving that root's filesystem, that the guard inspects as a git
+        directory (now, and after every call)."""
+        inside = self.guard._inside(real, self.root)          # noqa: SLF001 - the guard's own helper
+        if inside is None:
+            return False
         root, target_rel = inside
-        if root is self.root:
-            self._track_git(target_rel)
-        elif target_rel not in root.gits:
-            root.gits[target_rel] = _Git()                   # checked by that root's pass
-            self.guard._recheck = True                       # noqa: SLF001 - ... which may have run already
+        there = self if root is self.root else _Pass(self.guard, root, self.found, baseline=self.baseline)
+        try:
+            there._track_git(target_rel)                      # noqa: SLF001 - a pass of the same class
+            if self.baseline:
+                return True
+            st = there._lstat(target_rel)                     # noqa: SLF001
+            return target_rel in root.gits and st is not None and stat.S_ISDIR(st.st_mode)
+        finally:
+            if there is not self and there.root_fd >= 0:
+                os.close(there.root_fd)
+
+    @staticmethod
+    def _is_dir(real: str | None) -> bool:
+        """Whether a directory is at ``real`` (resolved already: inside the roots, or None)."""
+        try:
+            return real is not None and stat.S_ISDIR(os.lstat(real).st_mode)
+        except OSError:
+            return False
 
     def _check_gitfiles(self) -> None:
-        for rel, key in list(self.root.gitfiles.items()):
+        for rel, (key, target, real, was_dir) in list(self.root.gitfiles.items()):
             st = self._lstat(_join(rel, ".git"))
             if st is None or not stat.S_ISREG(st.st_mode):
                 self.root.gitfiles.pop(rel, None)            # replaced: its directory's event covers it
                 continue
-            if _key(st) == key:
+            now = self.guard._resolve(target, self.root)     # noqa: SLF001 - the guard's own helper
+            if _key(st) == key and (now or "") == real and self._is_dir(now) == was_dir:
                 continue
             try:
                 fd = self._open_dir(rel)
@@ -414,6 +497,7 @@ class _Pass:
         git = self.root.gits.get(rel)
         if git is None:
             return
+        self._check_sequencer(rel, git)
         keys = self._git_keys(rel, git)
         if keys[""] is None or not stat.S_ISDIR(keys[""][3]):
             del self.root.gits[rel]
@@ -460,6 +544,101 @@ class _Pass:
             if name in names:
                 nested += self._nested_gits(rel, name)
         git.nested = tuple(nested)
+
+    def _check_sequencer(self, rel: str, git: _Git) -> None:
+        """Sequencer state that appeared or changed since the last look is removed whole: what a
+        rebase (cherry-pick, revert, am) finished inside a call leaves is nothing, and one a
+        sandboxed command left stopped is one whose `exec` lines the host would run."""
+        state: dict[str, Fingerprint] = {}
+        for name in GIT_SEQUENCER_DIRS:
+            st = self._lstat(f"{rel}/{name}")
+            if st is not None:
+                state[name] = self._fingerprint(f"{rel}/{name}", st)
+        if not self.baseline:
+            for name, fingerprint in list(state.items()):
+                if git.sequencer.get(name) != fingerprint and self._remove_sequencer(rel, name):
+                    del state[name]
+        git.sequencer = state
+
+    def _fingerprint(self, rel: str, st: os.stat_result) -> Fingerprint:
+        """The key of ``rel`` and of everything under it (a todo rewritten in place moves its own
+        ctime only); one too big to list is never the same twice."""
+        items: list[tuple[str, Key]] = [("", _key(st))]
+        if not stat.S_ISDIR(st.st_mode):
+            return tuple(items)
+        stack = [""]
+        while stack:
+            sub = stack.pop()
+            try:
+                fd = self._open_dir(f"{rel}/{sub}" if sub else rel)
+            except OSError:
+                items.append((sub + "/<unreadable>", (0, 0, 0, 0)))
+                continue
+            try:
+                with os.scandir(fd) as entries:
+                    for entry in _entries(entries):
+                        try:
+                            key = _key(entry.stat(follow_symlinks=False))
+                        except OSError:
+                            continue
+                        items.append((_join(sub, entry.name), key))
+                        if stat.S_ISDIR(key[3]):
+                            stack.append(_join(sub, entry.name))
+                        if len(items) > MAX_SEQUENCER_ENTRIES:
+                            return (*items, ("<too many entries>", (int.from_bytes(os.urandom(6), "big"), 0, 0, 0)))
+            finally:
+                os.close(fd)
+        return tuple(sorted(items))
+
+    def _remove_sequencer(self, rel: str, name: str) -> bool:
+        """Renamed out of git's sight first (atomic, whatever the sandbox does meanwhile), then
+        removed as far as it goes."""
+        try:
+            fd = self._open_dir(rel)
+        except OSError:
+            return False
+        try:
+            dead = f".{name}.sandboxd-removed-{os.urandom(6).hex()}"
+            try:
+                os.rename(name, dead, src_dir_fd=fd, dst_dir_fd=fd)
+            except OSError as exc:
+                _log_error("git guard: could not remove %s/%s: %s", self._full(rel), name, exc)
+                return False
+            self._record(rel, "sequencer", name)
+            self._remove_tree(fd, dead, 0)
+            return True
+        finally:
+            os.close(fd)
+
+    def _remove_tree(self, dir_fd: int, name: str, depth: int) -> None:
+        """``name`` and what is under it, never following a symlink nor leaving the root's
+        filesystem; what cannot be removed stays (under a name git does not read)."""
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+            return
+        except IsADirectoryError:
+            pass
+        except OSError:
+            return
+        if depth > MAX_NESTED_DEPTH * 8:
+            return
+        try:
+            fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+        except OSError:
+            return
+        try:
+            if os.fstat(fd).st_dev != self.root.dev:
+                return
+            with os.scandir(fd) as entries:
+                names = [entry.name for entry in _entries(entries)]
+            for sub in names:
+                self._remove_tree(fd, sub, depth + 1)
+        finally:
+            os.close(fd)
+        try:
+            os.rmdir(name, dir_fd=dir_fd)
+        except OSError:
+            pass
 
     def _worktree_commondir(self, rel: str, fd: int) -> bool:
         """A linked worktree's git dir (<gitdir>/worktrees/NAME) names its main one as "../..": that
@@ -616,6 +795,12 @@ def _join(rel: str, name: str) -> str:
 
 def _read_small(dir_fd: int, name: str, limit: int) -> str | None:
     """A regular file's text (None: not a regular file, unreadable, or over ``limit`` bytes)."""
+    data = _read_bytes(dir_fd, name, limit)
+    return None if data is None else data.decode("utf-8", "surrogateescape")
+
+
+def _read_bytes(dir_fd: int, name: str, limit: int) -> bytes | None:
+    """A regular file's bytes (None: not a regular file, unreadable, or over ``limit`` bytes)."""
     try:
         fd = os.open(name, FILE_FLAGS, dir_fd=dir_fd)
     except OSError:
@@ -632,7 +817,7 @@ def _read_small(dir_fd: int, name: str, limit: int) -> str | None:
             if total > limit:
                 return None
             chunks.append(chunk)
-        return b"".join(chunks).decode("utf-8", "surrogateescape")
+        return b"".join(chunks)
     except OSError:
         return None
     finally:

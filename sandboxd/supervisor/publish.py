@@ -85,10 +85,11 @@ def unprivileged_port_start() -> int:
         return 1024
 
 
-def check_host_ports(uid: int, entries: "tuple[str, ...] | list[str]") -> None:
-    """Forbidden unless ``uid`` could bind every host port of ``entries`` itself: the root daemon
-    must not lend a caller the privilege of binding low ports. Root may publish any port."""
-    if uid == 0 or not entries:
+def check_host_ports(root: bool, entries: "tuple[str, ...] | list[str]") -> None:
+    """Forbidden unless the caller could bind every host port of ``entries`` itself: the root daemon
+    must not lend a caller the privilege of binding low ports. Local root (``root``, as
+    service.callers decides it) may publish any port."""
+    if root or not entries:
         return
     start = unprivileged_port_start()
     for entry in entries:

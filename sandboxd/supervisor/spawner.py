@@ -20,6 +20,7 @@ from sandboxd._record import Record
 from sandboxd.errors import SetupError
 from sandboxd.kernel import namespaces
 from sandboxd.kernel.cgroups import CgroupSet
+from sandboxd.kernel.host_limits import Ceiling, OwnerShare
 from sandboxd.launcher import report, sequence
 from sandboxd.launcher.plan import LaunchPlan, prepare
 from sandboxd.policy import LaunchSpec
@@ -96,6 +97,9 @@ class SandboxProcess:
         self._pidfd = os.pidfd_open(pid)
         self._exit_status: int | None = None
         self._timed_out = False
+        # When ``stop`` asked a session call's supervisor to kill its tree: SIGKILL follows
+        # CALL_KILL_GRACE later (``poll``), if it has not ended by then.
+        self._stopped_at: float | None = None
         self.inner_pid: int | None = None     # the command's pid inside its sandbox, when known
         # A session call has no group of its own: it counts the session group's OOM kills.
         self._oom_group: "CgroupSet | None" = None
@@ -114,7 +118,17 @@ class SandboxProcess:
 
     def wait_started(self) -> None:
         """Block until the command was exec'd; raise SetupError (cleaning up) if setup failed."""
-        error, self.inner_pid = report.read_outcome(self._report_fd)
+        self.started_with(report.read_all(self._report_fd))
+
+    def report_fileno(self) -> int:
+        """The setup report's pipe: EOF once the command was exec'd (or setup failed). A poll
+        loop reads it to its end (``report.read_all`` blocks: a command whose cwd or program
+        lies on a file system that does not answer never gets there), then ``started_with``."""
+        return self._report_fd
+
+    def started_with(self, data: bytes) -> None:
+        """``wait_started`` with the report read already; raise SetupError (cleaning up) if setup failed."""
+        error, self.inner_pid = report.parse_outcome(data)
         os.close(self._report_fd)
         self._report_fd = -1
         if error is not None:
@@ -139,6 +153,22 @@ class SandboxProcess:
         if self._cgroup is not None:
             self._cgroup.kill()
 
+    def stop(self) -> None:
+        """``kill`` without waiting (for a poll loop): a session call's supervisor is asked to kill
+        its tree, and ``poll`` sends SIGKILL CALL_KILL_GRACE later if it is still there (it may be
+        stuck on a file system that does not answer); ``poll`` reaps it once ``fileno`` is readable."""
+        self.send_signal(self._kill_signal)
+        if self._kill_signal != signal.SIGKILL and self._stopped_at is None:
+            self._stopped_at = time.monotonic()
+        if self._cgroup is not None:
+            self._cgroup.kill()
+
+    def wake_at(self, timeout: float | None) -> float | None:
+        """When a poll loop must next call ``poll``: the time limit, or the end of a stop's grace."""
+        if self._stopped_at is not None:
+            return self._stopped_at + CALL_KILL_GRACE
+        return None if self._timed_out else self.deadline(timeout)
+
     def fileno(self) -> int:
         """A descriptor that becomes readable when the sandbox has ended (for select/poll loops)."""
         return self._pidfd
@@ -151,12 +181,20 @@ class SandboxProcess:
         if self._exit_status is None:
             self._reap(block=False)
         if self._exit_status is None:
-            deadline = self.deadline(timeout)
-            if deadline is None or time.monotonic() < deadline:
+            now = time.monotonic()
+            if self._stopped_at is not None:
+                if now >= self._stopped_at + CALL_KILL_GRACE:
+                    self._stopped_at = None
+                    self.send_signal(signal.SIGKILL)  # the supervisor is stuck: take it down at least
                 return None
+            deadline = self.deadline(timeout)
+            if self._timed_out or deadline is None or now < deadline:
+                return None
+            # Never waits: a tree stuck on a file system that does not answer must not hold the
+            # fork server's loop. It is reaped by a later poll, when ``fileno`` is readable.
             self._timed_out = True
-            self.kill()
-            self._reap(block=True)
+            self.stop()
+            return None
         return self._finish()
 
     def wait(self, timeout: float | None = None) -> ExitInfo:
@@ -228,9 +266,11 @@ class Spawner:
         self._new_pid_namespace = namespaces.PidNamespaceForNextChild()
         self.native_helper = native_helper
 
-    def launch(self, spec: LaunchSpec, stdio: tuple[int, int, int] = (0, 1, 2)) -> SandboxProcess:
-        """A one-shot sandbox running ``spec.argv`` (what `sandboxd run` does)."""
-        plan = prepare(spec)
+    def launch(self, spec: LaunchSpec, stdio: tuple[int, int, int] = (0, 1, 2),
+               opened: "list[int] | None" = None) -> SandboxProcess:
+        """A one-shot sandbox running ``spec.argv`` (what `sandboxd run` does). ``opened``: its
+        paths' descriptors, opened already (plan.path_requests, plan.prepare)."""
+        plan = prepare(spec, opened)
         try:
             network, plan = _isolated_network(plan)
         except BaseException:
@@ -290,10 +330,19 @@ class Spawner:
                 self._new_pid_namespace.leave()
         return pid
 
-    def open_session(self, spec: LaunchSpec) -> SessionSandbox:
-        """Build a session's sandbox once (``spec.argv`` is not run). DangerFullAccess has none:
-        its calls are plain unconfined launches."""
-        plan = prepare(spec)
+    def open_session(self, spec: LaunchSpec, opened: "list[int] | None" = None) -> SessionSandbox:
+        """Build a session's sandbox once (``spec.argv`` is not run), waiting for the build."""
+        build = self.begin_session(spec, opened)
+        if isinstance(build, SessionSandbox):
+            return build
+        return build.finish(report.read_all(build.report_fd))
+
+    def begin_session(self, spec: LaunchSpec, opened: "list[int] | None" = None) -> "SessionSandbox | SessionBuild":
+        """Start building a session's sandbox (``spec.argv`` is not run): the session, when
+        there is nothing to build (DangerFullAccess has no sandbox: its calls are plain
+        unconfined launches), else the build under way: read its ``report_fd`` to EOF, then
+        ``finish``. ``opened``: the spec's paths' descriptors, opened already."""
+        plan = prepare(spec, opened)
         cgroup = None
         try:
             if plan.limits.memory_bytes or plan.limits.pids:
@@ -325,14 +374,8 @@ class Spawner:
         os.close(report_w)
         theirs.close()
         _close_child_ends(plan)
-        error = report.read_error(report_r)
-        os.close(report_r)
-        session = SessionSandbox(plan.replace(netns_fd=-1, root_trees={}), pid, ours, cgroup,
-                                 network)
-        if error is not None:
-            session.close()
-            raise error
-        return session
+        return SessionBuild(SessionSandbox(plan.replace(netns_fd=-1, root_trees={}), pid, ours, cgroup, network),
+                            report_r)
 
     def launch_call(self, session: SessionSandbox, argv: tuple[str, ...], env: dict[str, str], cwd: str,
                     stdio: tuple[int, int, int] = (0, 1, 2), tool: dict[str, object] | None = None) -> SandboxProcess:
@@ -410,15 +453,23 @@ class Spawner:
         namespace already bounds the tree. Joining a cgroup costs an RCU grace period
         in the kernel (0.5 to 25 ms here), the largest single cost of a launch.
         DangerFullAccess has no PID namespace, so with a timeout it gets a cgroup whenever
-        possible: the timeout must also kill what left the command's session."""
+        possible: the timeout must also kill what left the command's session. A plan with an
+        owner goes into that owner's group, under its share of the ceiling."""
         name = f"run-{self.pid}-{next(_counter)}-{os.urandom(3).hex()}"
         limits = plan.limits
+        owner = None
+        if plan.owner:
+            owner = OwnerShare(plan.owner, pids=limits.owner_pids, memory_bytes=limits.owner_memory_bytes)
         if limits.memory_bytes or limits.pids:
-            return CgroupSet.create(name, memory_bytes=limits.memory_bytes, pids=limits.pids)
+            ceiling = None
+            if limits.total_pids or limits.total_memory_bytes:
+                ceiling = Ceiling(pids=limits.total_pids, memory_bytes=limits.total_memory_bytes)
+            return CgroupSet.create(name, memory_bytes=limits.memory_bytes, pids=limits.pids, ceiling=ceiling,
+                                    owner=owner)
         if plan.confined or limits.timeout_seconds is None:
             return None
         try:
-            group = CgroupSet.create(name, memory_bytes=None, pids=None)
+            group = CgroupSet.create(name, memory_bytes=None, pids=None, owner=owner)
         except SetupError:
             return None  # no writable cgroup hierarchy: the PID namespace still bounds the tree
         return group if group.dirs else None
@@ -485,6 +536,29 @@ class SessionSandbox:
         if self.network is not None:
             self.network.close()
             self.network = None
+
+
+class SessionBuild:
+    """A session's sandbox being built: its init reports on ``report_fd`` (EOF: ready)."""
+
+    def __init__(self, session: SessionSandbox, report_fd: int) -> None:
+        self.session = session
+        self.report_fd = report_fd
+
+    def finish(self, data: bytes) -> SessionSandbox:
+        """The session, given its init's whole report; SetupError (the session closed) if the build failed."""
+        os.close(self.report_fd)
+        error = report.parse_outcome(data)[0]
+        if error is not None:
+            self.session.close()
+            raise error
+        return self.session
+
+    def abandon(self) -> SessionSandbox:
+        """Give up on the build: its init is SIGKILLed; the caller reaps the session (``reap``, then ``close``)."""
+        os.close(self.report_fd)
+        self.session.kill()
+        return self.session
 
 
 def _isolated_network(plan: LaunchPlan) -> "tuple[IsolatedNetwork | None, LaunchPlan]":
