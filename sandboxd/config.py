@@ -149,6 +149,9 @@ KEYS: tuple[Key, ...] = (
         "through its egress proxy (allowed domains); more are refused at once", _whole(1, 65536)),
     Key("quotas", "published_connections_per_session", 256, "connections open at once to a session's published "
         "ports, from anyone; more are refused at once", _whole(1, 65536)),
+    Key("quotas", "published_connections_per_peer", 32, "connections open at once to a session's published ports "
+        "from one local user (by the uid of its socket; an address when none) other than the session's owner; "
+        "as many (at most half the session's cap) stay reserved for the owner", _whole(1, 65536)),
     Key("quotas", "sessions_per_uid", 64, "open sessions one local user (a TLS caller: one certificate) may hold; "
         "root is exempt", _whole(1, 100000)),
     Key("quotas", "calls_per_uid", 16, "calls one user may have running at once: Exec, file tools, search, patches "

@@ -82,9 +82,9 @@ IOCTLS: dict[str, int] = {"TIOCSTI": 0x5412, "TIOCLINUX": 0x541C, "TIOCSTI|1<<32
 
 # socket(family, type): name -> (family, type, errno without network, errno with network); None = allowed
 SOCKETS: dict[str, tuple[int, int, str | None, str | None]] = {
-    "AF_PACKET/SOCK_RAW": (17, 3, "EAFNOSUPPORT", "EAFNOSUPPORT"),
-    "AF_PACKET/SOCK_DGRAM": (17, 2, "EAFNOSUPPORT", "EAFNOSUPPORT"),
-    "AF_VSOCK/SOCK_STREAM": (40, 1, "EAFNOSUPPORT", "EAFNOSUPPORT"),
+    "AF_PACKET/SOCK_RAW": (17, 3, "EPERM", "EPERM"),
+    "AF_PACKET/SOCK_DGRAM": (17, 2, "EPERM", "EPERM"),
+    "AF_VSOCK/SOCK_STREAM": (40, 1, "EPERM", "EPERM"),
     "AF_UNIX/SOCK_DGRAM": (1, 2, "EACCES", None),
     "AF_UNIX/SOCK_DGRAM|SOCK_CLOEXEC|SOCK_NONBLOCK": (1, 2 | 0x80000 | 0x800, "EACCES", None),
     "AF_UNIX/SOCK_STREAM": (1, 1, None, None),
@@ -168,7 +168,7 @@ def test_terminal_injection_ioctls_are_filtered(policy: str, request_name: str,
 @pytest.mark.parametrize("policy", CONFINED)
 @pytest.mark.parametrize("kind", list(SOCKETS))
 def test_socket_families(policy: str, kind: str, probe: Callable[[str], dict[str, dict[str, str]]]) -> None:
-    """AF_PACKET/AF_VSOCK are EAFNOSUPPORT; AF_UNIX datagrams are EACCES without network only; others work."""
+    """AF_PACKET/AF_VSOCK are EPERM (test_socket_families tries every family); AF_UNIX datagrams are EACCES without network only; others work."""
     _, _, without, with_net = SOCKETS[kind]
     expected = with_net if policy == "workspace-write+network" else without
     assert probe(policy)["socket"][kind] == (expected or "OK")

@@ -3,7 +3,8 @@
 One relay loop serves them all (supervisor/tcp_relay): thousands of idle connections, from inside
 a sandbox to its proxy or from another local user to a published port, cost the root daemon no
 thread; each session holds at most its cap of connections (quotas.*_connections_per_session,
-256 by default) and the ones over it are refused at once; another session is served meanwhile;
+256 by default), a local user at most its share of a published port's (quotas.published_connections_per_peer,
+32), and the ones over it are refused at once; another session is served meanwhile;
 and when the flood goes, so do its descriptors. Real daemon, real sandboxes, real users; the
 world of tests/test_isolated_network.py stands in for the internet.
 """
@@ -22,12 +23,14 @@ import pytest
 
 from conftest import PY
 from daemon_helpers import Daemon, PlainUser, create_session, make_base_dir, remove_tree, run_client_as, run_exec
+from sandboxd.supervisor.publish import DEFAULT_PER_PEER
 from sandboxd.v1 import sandboxd_pb2 as pb
 from test_isolated_network import DNS, World, free_port, http_get, world  # noqa: F401 - the same world fixture
 
 pytestmark = pytest.mark.timeout(600)
 
 CAP = 256                                   # the default of both quotas
+PER_PEER = DEFAULT_PER_PEER                 # one local user's share of a published port (test_network_walls)
 
 # A server for the sandboxes' published ports: one thread however many connections it holds.
 SERVER = textwrap.dedent('''
@@ -143,16 +146,17 @@ def test_floods_cost_no_threads_are_capped_and_leave_nothing(world: World,
             PY, "-c", FLOOD, "PROXY", "2000", str(2000 - CAP), str(spaces["a"] / "result"),
             str(spaces["a"] / "release")]))
         user_flood = subprocess.Popen(
-            [PY, "-c", FLOOD, f"127.0.0.1:{flood_port}", "1500", str(1500 - CAP), str(spaces["user"] / "result"),
+            [PY, "-c", FLOOD, f"127.0.0.1:{flood_port}", "1500", str(1500 - PER_PEER), str(spaces["user"] / "result"),
              str(spaces["user"] / "release")], user=user.uid, group=user.gid, extra_groups=[],
             cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         in_sandbox = wait_for_file(spaces["a"] / "result")
         from_user = wait_for_file(spaces["user"] / "result")
         assert in_sandbox == {"opened": 2000, "closed": 2000 - CAP}, in_sandbox    # the cap, and no more
-        assert from_user == {"opened": 1500, "closed": 1500 - CAP}, from_user
+        assert from_user == {"opened": 1500, "closed": 1500 - PER_PEER}, from_user
         flooded_threads = threads_of(d.pid)
         assert flooded_threads <= threads + 5, (threads, flooded_threads)
-        assert fds_of(d.pid) >= fds + 2 * CAP                  # they are held: the flood is real
+        # They are held, the flood is real: the proxy's idle clients, and the user's share of relayed pairs.
+        assert fds_of(d.pid) >= fds + CAP + PER_PEER
         controls()                                             # another session is served meanwhile
         assert threads_of(d.pid) <= threads + 5
 

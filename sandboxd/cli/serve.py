@@ -142,6 +142,7 @@ def main(argv: list[str]) -> int:
                  network_pool=loaded.text("network.pool"), quotas=quotas,
                  proxy_connections=loaded.whole("quotas.proxy_connections_per_session"),
                  published_connections=loaded.whole("quotas.published_connections_per_session"),
-                 connections_per_uid=loaded.whole("quotas.connections_per_uid"),
-                 ping_timeout=loaded.number("fork_server.ping_timeout_seconds"),
-                 wait_seconds=loaded.number("fork_server.wait_seconds"))
+                  published_per_peer=loaded.whole("quotas.published_connections_per_peer"),
+                  connections_per_uid=loaded.whole("quotas.connections_per_uid"),
+                  ping_timeout=loaded.number("fork_server.ping_timeout_seconds"),
+                  wait_seconds=loaded.number("fork_server.wait_seconds"))

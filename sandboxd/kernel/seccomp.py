@@ -20,11 +20,30 @@ from sandboxd.kernel._libc import checked, raw_syscall
 TIOCSTI = 0x5412
 TIOCLINUX = 0x541C
 AF_UNIX = 1
-AF_PACKET = 17
-AF_VSOCK = 40
+AF_INET = 2
+AF_INET6 = 10
+AF_NETLINK = 16
+SOCK_STREAM = 1
 SOCK_DGRAM = 2
 SOCK_RAW = 3
 SOCK_TYPE_MASK = 0xF
+NETLINK_ROUTE = 0
+IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP, IPPROTO_ICMPV6 = 1, 6, 17, 58
+# The socket families a confined command may create, whatever its network: the Unix sockets
+# every tool uses; TCP/UDP over IPv4 and IPv6, which the network namespace confines (without
+# network only the sandbox's own loopback, which dev servers and tests use: probe NET-06);
+# netlink for NETLINK_ROUTE alone, which getifaddrs() and getaddrinfo(AI_ADDRCONFIG) use to list
+# the namespace's own interfaces. Every other family (AF_ALG, CAN, TIPC, RDS, Bluetooth, AF_PACKET,
+# AF_VSOCK...) and every other netlink protocol is refused with EPERM before the kernel looks the
+# family up, so a command never gets to load a family's module on demand.
+ALLOWED_FAMILIES = frozenset({AF_UNIX, AF_INET, AF_INET6, AF_NETLINK})
+# On AF_INET/AF_INET6: stream, datagram and raw sockets (raw needs CAP_NET_RAW, which no command
+# has) of TCP, UDP and ping (ICMP); protocol 0 picks TCP or UDP. SCTP (132), DCCP (33), UDP-Lite,
+# L2TP, MPTCP... and the types only they serve (SOCK_SEQPACKET, SOCK_RDM, SOCK_DCCP) are refused.
+ALLOWED_INET_TYPES = frozenset({SOCK_STREAM, SOCK_DGRAM, SOCK_RAW})
+ALLOWED_INET_PROTOCOLS = frozenset({0, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP, IPPROTO_ICMPV6})
+ALLOWED_NETLINK_PROTOCOLS = frozenset({NETLINK_ROUTE})
+FAMILY_BITS, PROTOCOL_BITS, NETLINK_PROTOCOL_BITS = 6, 9, 5   # AF_MAX 46, IPPROTO_MAX 263, MAX_LINKS 32
 MSG_FASTOPEN = 0x20000000
 NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000,
                    0x00000080)  # NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
@@ -63,6 +82,50 @@ NEWER_SYSCALLS = {"fchmodat2": 452}
 UNKNOWN_SYSCALL = -1                # what libseccomp resolves a name it does not know to (__NR_SCMP_ERROR)
 
 
+MASKED_EQ, GREATER = 7, 6           # libseccomp's SCMP_CMP_MASKED_EQ and SCMP_CMP_GT
+Rule = tuple[str, str, int, tuple[tuple[int, int, int, int], ...]]
+
+
+def refused_blocks(allowed: frozenset[int], bits: int) -> list[tuple[int, int]]:
+    """(mask, value) pairs that together match every number below 2**bits but ``allowed``, as
+    aligned blocks (like CIDR prefixes), so a handful of comparisons covers a whole range."""
+    blocks: list[tuple[int, int]] = []
+
+    def cover(start: int, size: int) -> None:
+        if not any(start <= n < start + size for n in allowed):
+            blocks.append((0xFFFFFFFF & ~(size - 1), start))
+        elif size > 1:
+            cover(start, size // 2)
+            cover(start + size // 2, size // 2)
+
+    cover(0, 1 << bits)
+    return blocks
+
+
+def socket_rows() -> list[Rule]:
+    """EPERM for every socket()/socketpair() a confined command has no use for: families outside
+    ALLOWED_FAMILIES, and on the allowed ones the types and protocols outside their lists. The
+    kernel reads these arguments as ints (the low 32 bits); any value with a bit set above the
+    checked range, high bits included, is refused whole (GREATER compares all 64 bits)."""
+    rows: list[Rule] = []
+    for call in ("socket", "socketpair"):
+        rows.append(("errno", call, errno.EPERM, ((0, GREATER, (1 << FAMILY_BITS) - 1, 0),)))
+        rows.extend(("errno", call, errno.EPERM, ((0, MASKED_EQ, mask, value),))
+                    for mask, value in refused_blocks(ALLOWED_FAMILIES, FAMILY_BITS))
+        for family in (AF_INET, AF_INET6):
+            is_family = (0, MASKED_EQ, 0xFFFFFFFF, family)
+            rows.extend(("errno", call, errno.EPERM, (is_family, (1, MASKED_EQ, mask & SOCK_TYPE_MASK, value)))
+                        for mask, value in refused_blocks(ALLOWED_INET_TYPES, 4))
+            rows.append(("errno", call, errno.EPERM, (is_family, (2, GREATER, (1 << PROTOCOL_BITS) - 1, 0))))
+            rows.extend(("errno", call, errno.EPERM, (is_family, (2, MASKED_EQ, mask, value)))
+                        for mask, value in refused_blocks(ALLOWED_INET_PROTOCOLS, PROTOCOL_BITS))
+        is_netlink = (0, MASKED_EQ, 0xFFFFFFFF, AF_NETLINK)
+        rows.append(("errno", call, errno.EPERM, (is_netlink, (2, GREATER, (1 << NETLINK_PROTOCOL_BITS) - 1, 0))))
+        rows.extend(("errno", call, errno.EPERM, (is_netlink, (2, MASKED_EQ, mask, value)))
+                    for mask, value in refused_blocks(ALLOWED_NETLINK_PROTOCOLS, NETLINK_PROTOCOL_BITS))
+    return rows
+
+
 class FilterSpec(Record):
     """Which filter a launch gets. ``confined`` is every policy but DangerFullAccess."""
 
@@ -87,8 +150,7 @@ class FilterSpec(Record):
         rows.append(("errno", "clone3", errno.ENOSYS, ()))
         for flag in NAMESPACE_FLAGS:
             rows.append(("errno", "clone", errno.EPERM, ((0, masked_eq, flag, flag),)))
-        for family in (AF_PACKET, AF_VSOCK):
-            rows.append(("errno", "socket", errno.EAFNOSUPPORT, ((0, 4, family, 0),)))
+        rows.extend(socket_rows())
         # No set-uid or set-gid file, for any uid: root in a root-owned workspace would otherwise
         # leave a root shell any host user can run (capabilities do not stop an owner's chmod), and
         # a plain user one that runs as itself for everybody. A mode with either bit is refused on

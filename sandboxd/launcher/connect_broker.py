@@ -9,7 +9,8 @@ seccomp filter turns connect() into a user notification, and init, which
 shares the sandbox's mount namespace, root and uid, performs the call:
 
 - sandboxd's own sockets (its public socket, its private backend, by inode) and, with the
-  host's network, its TCP listeners (TLS, metrics): EACCES in every mode, whatever else the
+  host's network, its TCP listeners (TLS, metrics: their port at any address of this host, in
+  any spelling, see kernel.addresses): EACCES in every mode, whatever else the
   policy allows. The daemon also hides their directory inside every sandbox (rootfs step 8c)
   and refuses a connection whose peer runs in a sandbox; this is the wall between the two.
 - AF_UNIX pathname: resolved as the caller would (its cwd, our shared root);
@@ -30,7 +31,6 @@ user-notification race). It connects a duplicate of the caller's socket
 
 from __future__ import annotations
 
-import _socket
 import _thread
 import errno
 import fcntl
@@ -38,7 +38,10 @@ import os
 import stat
 import struct
 
-from sandboxd.kernel import seccomp_notify, unix_diag
+# addresses (ipaddress, about 1.5 ms) is imported here, in the fork server: init runs as the
+# sandbox's user, who may be unable to read the interpreter's library or the package (a pyenv
+# Python under /root, say), so an import there fails.
+from sandboxd.kernel import addresses, seccomp_notify, unix_diag
 from sandboxd.kernel._libc import raw_syscall
 
 TYPE_CHECKING = False
@@ -112,6 +115,8 @@ class ConnectBroker:
                 result = seccomp_notify.connect_raw(sock, address)
         except OSError as exc:
             result = -(exc.errno or errno.EIO)
+        except Exception:  # noqa: BLE001 - a judgement that fails refuses, and init lives on
+            result = -errno.EACCES
         finally:
             os.close(sock)
         try:
@@ -164,37 +169,14 @@ def _thread_group(tid: int) -> int:
 
 
 def _is_sandboxd_listener(address: bytes, listeners: "tuple[tuple[str, int], ...]") -> bool:
-    """Whether an AF_INET/AF_INET6 sockaddr names one of sandboxd's listeners: the same port, and
-    the listener's own address or, for a listener on every address, any address of this host."""
-    if not listeners:
+    """Whether an AF_INET/AF_INET6 sockaddr may reach one of sandboxd's listeners: the same port
+    at any address of this host, in any spelling (0.0.0.0, ::, all of 127/8, ::1, IPv4-mapped or
+    -compatible IPv6, every interface's address: kernel.addresses). Judging "this host" rather
+    than the listener's own address means no spelling of it can slip past a comparison."""
+    if not listeners or len(address) < 4:
         return False
-    family = struct.unpack_from("=H", address)[0]
     port = struct.unpack_from("!H", address, 2)[0]
-    if family == AF_INET and len(address) >= 8:
-        host = _socket.inet_ntop(_socket.AF_INET, address[4:8])
-    elif family == AF_INET6 and len(address) >= 24:
-        host = _socket.inet_ntop(_socket.AF_INET6, address[8:24])
-        if host.startswith("::ffff:"):
-            host = host[len("::ffff:"):]                  # an IPv4-mapped address
-    else:
-        return False
-    for listen_host, listen_port in listeners:
-        if port != listen_port:
-            continue
-        if host == listen_host or (listen_host in ("0.0.0.0", "::", "") and _is_local(host)):
-            return True
-    return False
-
-
-def _is_local(host: str) -> bool:
-    """Whether ``host`` is an address of this host (init shares the host's network namespace
-    here): binding to it succeeds only if it is, which also covers every loopback address."""
-    family = _socket.AF_INET6 if ":" in host else _socket.AF_INET
-    probe = _socket.socket(family, _socket.SOCK_DGRAM)
-    try:
-        probe.bind((host, 0))
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
+    if all(port != listen_port for _, listen_port in listeners):
+        return False                                      # most connects stop here
+    destination = addresses.sockaddr_destination(address)
+    return destination is not None and addresses.is_this_host(destination[0], destination[2])

@@ -232,8 +232,8 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
           log_format: str = "json", log_level: str = "info", config_path: str | None = None,
           metrics_listen: str = "",
           session_defaults: "SessionDefaults | None" = None, network_pool: str = "", connections_per_uid: int = 64,
-          proxy_connections: int = 256, published_connections: int = 256, quotas: "QuotaLimits | None" = None,
-          ping_timeout: float = 10.0, wait_seconds: float = 10.0) -> int:
+          proxy_connections: int = 256, published_connections: int = 256, published_per_peer: int = 32,
+          quotas: "QuotaLimits | None" = None, ping_timeout: float = 10.0, wait_seconds: float = 10.0) -> int:
     from sandboxd.supervisor.forkserver import ForkServer
     # First: the fork server inherits it (it holds descriptors for every session; at 1024 it failed
     # past ~500 sessions). Sandboxes inherit it from the fork server in turn, unless the session
@@ -286,6 +286,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     counters = Quotas(quotas or QuotaLimits(workers=workers))
     registry = SessionRegistry(fork, store, dns=dns, network_pool=network_pool, own=own,
                                proxy_connections=proxy_connections, published_connections=published_connections,
+                               published_per_peer=published_per_peer,
                                quotas=counters)
     resumed = registry.restore()
     from sandboxd.service.metrics import Metrics

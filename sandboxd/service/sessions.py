@@ -116,7 +116,7 @@ class SessionRegistry:
     def __init__(self, forkserver: ForkServer, store: EventStore, *,
                  max_sessions: int = 10000, dns: tuple[str, ...] = (), network_pool: str = "",
                  own: OwnPlaces | None = None, proxy_connections: int = 256,
-                 published_connections: int = 256, quotas: Quotas | None = None) -> None:
+                 published_connections: int = 256, published_per_peer: int = 32, quotas: Quotas | None = None) -> None:
         self._fork = forkserver
         self.store = store
         self.own = own or OwnPlaces()
@@ -128,6 +128,7 @@ class SessionRegistry:
         self._network_pool = network_pool                 # addresses of isolated networks (default: netns's)
         # Connections at once per sandbox through its egress proxy, and to its published ports.
         self._proxy_connections, self._published_connections = proxy_connections, published_connections
+        self._published_per_peer = published_per_peer     # ... per connecting user but the session's owner
         self.metrics: "Any" = None                        # service.metrics.Metrics, when the daemon has it
         self._max = max_sessions
         self.quotas = quotas or Quotas()
@@ -403,7 +404,8 @@ class SessionRegistry:
 
                 netns = os.open(f"/proc/{info.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
                 try:
-                    services.extend(publish_all(netns, entries, connections=self._published_connections))
+                    services.extend(publish_all(netns, entries, connections=self._published_connections,
+                                                per_peer=self._published_per_peer, owners=frozenset({session.owner.uid})))
                 finally:
                     os.close(netns)
             if domains and info.host_address and info.sandbox_address:

@@ -58,8 +58,9 @@ def listen_tcp(address: str, port: int, *, step: str, hint: str | None = None) -
 
 
 class ConnectionCap:
-    """At most ``limit`` connections at once (one session's proxy, or its published ports); the
-    ones turned away are counted in ``refused``. Used on the loop thread only."""
+    """At most ``limit`` connections at once (one session's egress proxy; published ports have
+    per-user caps as well: publish.PeerCaps); the ones turned away are counted in ``refused``.
+    Used on the loop thread only."""
 
     def __init__(self, limit: int) -> None:
         self.limit, self.active, self.refused = limit, 0, 0
