@@ -426,8 +426,11 @@ class _Server:
         self._closed_while_opening.discard(name)
 
     def _abandon_session(self, build: SessionBuild) -> None:
-        session = build.abandon()
+        self._release_when_gone(build.abandon())
 
+    def _release_when_gone(self, session: SessionSandbox) -> None:
+        """Hand a killed session whose init has not gone yet to the orphans: reaped and closed
+        when its pidfd says so, never waited for on the loop."""
         def gone() -> bool:
             if not session.reap():
                 return False
@@ -497,12 +500,7 @@ class _Server:
             self._collect_exits()
         if session.init_pid is not None:
             # A process of it is stuck in the kernel (a hard NFS mount): released when it goes.
-            def gone() -> bool:
-                if not session.reap():
-                    return False
-                session.close()
-                return True
-            self._orphans.add(session.pidfd, gone)
+            self._release_when_gone(session)
             return
         session.close()
         self._collect_exits()
