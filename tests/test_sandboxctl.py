@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from daemon_fixtures import REPO, base, client  # noqa: F401 - pytest fixtures
+from daemon_helpers import PYTHON, PlainUser
 from sandboxd.client import SandboxClient
+from sandboxd.v1 import sandboxd_pb2 as pb
 
 SANDBOXCTL = str(REPO / ".venv" / "bin" / "sandboxctl")
 
@@ -76,7 +81,9 @@ def test_approvals_and_events_from_the_shell(base: Path, client: SandboxClient) 
     call_id = listed[0]
     assert "Execute: echo approved-run; true" in ctl(base, "pending", session_id).stdout
     notice = held.stderr.readline() + held.stderr.readline()     # sandboxctl exec says how to answer
-    assert f"sandboxctl approve {session_id} {call_id}" in notice and "unknown_command" in notice
+    # The socket came from --socket (not the default): the hint names it, so it can be pasted as is.
+    socket_option = f"--socket {base / 'run' / 'sandboxd.sock'}"
+    assert f"sandboxctl {socket_option} approve {session_id} {call_id}" in notice and "unknown_command" in notice
     assert ctl(base, "approve", session_id, call_id, "--session-wide").stdout.split() == [call_id, "allow_session"]
     out, _ = held.communicate(timeout=60)
     assert (held.returncode, out) == (0, "approved-run\n")
@@ -113,3 +120,118 @@ def test_status(base: Path, client: SandboxClient) -> None:
         assert expected in out, out
     # The caller's quotas, the front door's connections among them (this call's own connection counts).
     assert "quotas (yours/limit): sessions " in out and "connections 1/256" in out, out
+
+
+def ctl_env(*args: str, env: dict[str, str], stdin: str = "") -> subprocess.CompletedProcess[str]:
+    """sandboxctl without --socket, under the given environment."""
+    return subprocess.run([SANDBOXCTL, *args], input=stdin, capture_output=True, text=True, timeout=60,
+                          env={"PATH": os.environ["PATH"], **env})
+
+
+def test_socket_from_the_environment(base: Path, session_id: str) -> None:
+    socket = str(base / "run" / "sandboxd.sock")
+    listed = ctl_env("session", "list", env={"SANDBOXD_SOCKET": socket})
+    assert listed.returncode == 0 and session_id in listed.stdout, listed.stderr
+    # The flag wins over the environment.
+    flagged = ctl_env("--socket", socket, "session", "list", env={"SANDBOXD_SOCKET": str(base / "nowhere.sock")})
+    assert flagged.returncode == 0 and session_id in flagged.stdout, flagged.stderr
+    # Control: neither names the test daemon, so the default socket (no daemon there) is used.
+    default = ctl_env("session", "list", env={"SANDBOXD_SOCKET": ""})
+    assert default.returncode == 1 and session_id not in default.stdout
+    # From $SANDBOXD_SOCKET, the approval hint needs no --socket: the same environment answers it
+    # (test_approvals_and_events_from_the_shell is the control: from --socket, the hint names it).
+    workspace = base / "ctl-env-approval"
+    workspace.mkdir()
+    held_session = ctl(base, "session", "create", str(workspace), "--approval", "always").stdout.strip()
+    held = subprocess.Popen([SANDBOXCTL, "exec", held_session, "--", "true"], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={"PATH": os.environ["PATH"], "SANDBOXD_SOCKET": socket})
+    assert held.stderr is not None
+    notice = held.stderr.readline() + held.stderr.readline()
+    call_id = ctl(base, "pending", held_session).stdout.split()[0]
+    assert f"  sandboxctl approve {held_session} {call_id}" in notice and "--socket" not in notice, notice
+    ctl(base, "deny", held_session, call_id)
+    assert held.wait(timeout=60) == 1
+    ctl(base, "session", "close", held_session)
+
+
+def test_connection_errors_say_what_to_do(base: Path, tmp_path: Path,
+                                          plain_users: Callable[[int], list[PlainUser]]) -> None:
+    missing = str(tmp_path / "no-daemon.sock")
+    result = ctl_env("status", env={"SANDBOXD_SOCKET": missing})
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert f"cannot reach sandboxd at {missing}: is `sandboxd serve` running?" in result.stderr
+    assert "SANDBOXD_SOCKET" in result.stderr and "Traceback" not in result.stderr
+    # A plain user on the root-only test socket is refused by the socket's mode: said as such.
+    socket = base / "run" / "sandboxd.sock"
+    (user,) = plain_users(1)
+    # sandboxctl's own main(), imported as root (the venv is root's) and run as the plain user.
+    as_user = [PYTHON, "-c", "import os, shutil, sys; from grpc_health.v1 import health_pb2_grpc; "
+               "from sandboxd.cli import ctl; os.setgroups([]); "
+               f"os.setgid({user.gid}); os.setuid({user.uid}); sys.exit(ctl.main(sys.argv[1:]))",
+               "--socket", str(socket), "status"]
+    mode = socket.stat().st_mode & 0o7777
+    os.chmod(socket, 0o600)
+    try:
+        refused = subprocess.run(as_user, capture_output=True, text=True, timeout=60, cwd="/")
+    finally:
+        os.chmod(socket, mode)
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "you are not allowed on this socket" in refused.stderr, refused.stderr
+    # Control: the same user on the socket as the daemon made it (open to every user) gets through.
+    allowed = subprocess.run(as_user, capture_output=True, text=True, timeout=60, cwd="/")
+    assert allowed.returncode == 0 and "health: SERVING" in allowed.stdout, allowed.stderr
+
+
+def test_stdin_is_forwarded(base: Path, session_id: str) -> None:
+    piped = ctl(base, "exec", session_id, "--", "cat", stdin="hi\nthere\n")
+    assert (piped.returncode, piped.stdout) == (0, "hi\nthere\n"), piped.stderr
+    counted = ctl(base, "exec", session_id, "--", "wc", "-c", stdin="x" * 300_000)
+    assert counted.stdout.strip() == "300000", counted.stderr
+    # Control: empty stdin is an empty stdin, the command still ends.
+    assert ctl(base, "exec", session_id, "--", "cat").stdout == ""
+
+
+def test_ctrl_c_interrupts_the_remote_command(base: Path, session_id: str, client: SandboxClient) -> None:
+    running = subprocess.Popen([SANDBOXCTL, "--socket", str(base / "run" / "sandboxd.sock"), "exec", session_id,
+                                "--", "sh", "-c", "trap 'echo got-int; exit 9' INT; echo ready; "
+                                "while :; do sleep 0.1; done"],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert running.stdout is not None and running.stdout.readline() == "ready\n"
+    running.send_signal(signal.SIGINT)
+    out, err = running.communicate(timeout=60)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    # The remote shell got the SIGINT (its trap ran) and its status is sandboxctl's.
+    assert (running.returncode, out) == (9, "got-int\n"), err
+    assert client.get_session(session_id).running_calls == 0
+
+
+def test_broken_pipe_is_quiet(base: Path, session_id: str) -> None:
+    for _ in range(3):
+        ctl(base, "exec", session_id, "--", "true")
+    socket = str(base / "run" / "sandboxd.sock")
+    pipeline = subprocess.run(f"{SANDBOXCTL} --socket {socket} events | head -n 1; echo \"${{PIPESTATUS[0]}}\"",
+                              shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=60)
+    lines = pipeline.stdout.splitlines()
+    assert len(lines) == 2 and lines[1] in ("0", "141"), pipeline
+    assert "Traceback" not in pipeline.stderr and "BrokenPipe" not in pipeline.stderr, pipeline.stderr
+
+
+def test_list_status_and_events_tell_the_truth(base: Path, client: SandboxClient) -> None:
+    workspace = base / "ctl-truth"
+    workspace.mkdir()
+    session_id = ctl(base, "session", "create", str(workspace), "--sandbox", "read-only",
+                     "--approval", "never").stdout.strip()
+    line = next(row for row in ctl(base, "session", "list").stdout.splitlines() if row.startswith(session_id))
+    assert "read-only no-network" in line and "approval=never" in line and "running=0" in line, line
+    ctl(base, "exec", session_id, "--", "sh", "-c", "exit 3")
+    ctl(base, "exec", session_id, "--", "sh", "-c", "kill -KILL $$")
+    ended = ctl(base, "events", "--session", session_id, "--type", "ToolInvocationCompleted").stdout.splitlines()
+    assert len(ended) == 2 and "status=3" in ended[0] and "signal" not in ended[0], ended
+    assert "status=137" in ended[1] and "signal=9" in ended[1], ended
+    # The uptime is the daemon process's, not the time since the status module was first imported.
+    pid = client.stub.GetStatus(pb.GetStatusRequest()).pid
+    age = int(subprocess.run(["ps", "-o", "etimes=", "-p", str(pid)], capture_output=True, text=True).stdout)
+    up = int(ctl(base, "status").stdout.split(" up ")[1].split()[0])
+    assert age - 1 <= up <= age + 1, (up, age)
+    ctl(base, "session", "close", session_id)

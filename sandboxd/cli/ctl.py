@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
+import queue
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 
@@ -24,7 +30,8 @@ def _message_dict(session: Message) -> dict[str, object]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sandboxctl", description="Talk to the sandboxd daemon.")
-    parser.add_argument("--socket", default=DEFAULT_SOCKET, help=f"the daemon's socket (default {DEFAULT_SOCKET})")
+    parser.add_argument("--socket", default="",
+                        help=f"the daemon's socket (default: $SANDBOXD_SOCKET, else {DEFAULT_SOCKET})")
     commands = parser.add_subparsers(dest="command", required=True)
     session = commands.add_parser("session", help="create, list, close sessions, change their policy")
     actions = session.add_subparsers(dest="action", required=True)
@@ -101,6 +108,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+SOCKET_ENV = "SANDBOXD_SOCKET"
+
+
+def socket_choice(flag: str) -> tuple[str, bool]:
+    """The socket to use (flag > $SANDBOXD_SOCKET > default) and whether the hints this tool prints
+    must name it with --socket (only when it came from the flag and is not the default)."""
+    if flag:
+        return flag, flag != DEFAULT_SOCKET
+    return os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET, False
+
+
+def _connection_error(error: grpc.RpcError, socket_path: str) -> str | None:
+    """One line saying what to do when the daemon's socket cannot be used, else None."""
+    details = error.details() or ""
+    if error.code() != grpc.StatusCode.UNAVAILABLE:
+        return None
+    try:
+        os.stat(socket_path)
+        reachable = os.access(socket_path, os.R_OK | os.W_OK)
+    except OSError as stat_error:
+        reachable = stat_error.errno != errno.EACCES
+    if not reachable or "Permission denied" in details or "EACCES" in details:
+        return (f"you are not allowed on this socket ({socket_path}: its mode/group); ask the admin to add you "
+                f"to the socket's group, or use a socket you may open")
+    return (f"cannot reach sandboxd at {socket_path}: is `sandboxd serve` running? "
+            f"(set {SOCKET_ENV} or --socket for another socket)")
+
+
 def main(argv: list[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     # Everything after "--" is the command, options included: split it off before argparse sees it.
@@ -111,15 +146,26 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(words)
     if command:
         args.argv = list(getattr(args, "argv", [])) + command
+    args.socket, args.name_socket = socket_choice(args.socket)
     try:
         with SandboxClient(args.socket) as client:
             return _run(client, args)
     except grpc.RpcError as error:
-        sys.stderr.write(f"sandboxctl: {error.code().name}: {error.details()}\n")
+        line = _connection_error(error, args.socket) or f"{error.code().name}: {error.details()}"
+        sys.stderr.write(f"sandboxctl: {line}\n")
         return 1
     except ValueError as error:
         sys.stderr.write(f"sandboxctl: {error}\n")
         return 2
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    except BrokenPipeError:
+        # `sandboxctl events | head`: the reader left. Point stdout at /dev/null so the interpreter's
+        # final flush does not raise again, and exit as a tool killed by SIGPIPE would.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
 
 
 def _event_line(event: pb.Event) -> str:
@@ -127,6 +173,10 @@ def _event_line(event: pb.Event) -> str:
     when = time.strftime("%H:%M:%S", time.localtime(event.time))
     detail = data.get("summary") or data.get("message") or data.get("error") or ""
     extra = " ".join(f"{key}={data[key]}" for key in ("reason", "by") if data.get(key))
+    if "shell_status" in data:      # a command's end: how it ended, so a failure and a kill differ
+        ended = [f"status={data['shell_status']}"] + [f"{key}={data[key]}" for key in ("signal",) if data.get(key)]
+        ended += [key for key in ("timed_out", "oom_killed", "output_truncated") if data.get(key)]
+        extra = " ".join([extra, *ended]).strip()
     return (f"{when} {event.session_id}#{event.sequence:<4} {event.type:<24} {event.tool:<14} "
             f"{event.call_id:<18} {extra} {detail}").rstrip()
 
@@ -159,10 +209,9 @@ class _ApprovalNotices:
     """While a command runs, say on stderr when one of the session's calls is held for approval
     (the Exec stream itself stays silent until the call is answered)."""
 
-    def __init__(self, client: SandboxClient, session_id: str) -> None:
-        import threading
-
+    def __init__(self, client: SandboxClient, session_id: str, socket_option: str = "") -> None:
         self._client, self._session_id = client, session_id
+        self._ctl = f"sandboxctl {socket_option}".rstrip()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -185,8 +234,8 @@ class _ApprovalNotices:
                 if call.call_id not in told:
                     told.add(call.call_id)
                     sys.stderr.write(f"sandboxctl: waiting for approval ({call.reason}): {call.summary}\n"
-                                     f"  sandboxctl approve {self._session_id} {call.call_id} [--session-wide]"
-                                     f"  |  sandboxctl deny {self._session_id} {call.call_id}\n")
+                                     f"  {self._ctl} approve {self._session_id} {call.call_id} [--session-wide]"
+                                     f"  |  {self._ctl} deny {self._session_id} {call.call_id}\n")
                     sys.stderr.flush()
 
 
@@ -227,7 +276,7 @@ def _status(client: SandboxClient) -> int:
     status = client.stub.GetStatus(pb.GetStatusRequest(), timeout=10)
     print(f"health: {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}")
     print(f"version: sandboxd {status.version} (pid {status.pid}, up "
-          f"{int(time.time() - status.started_at)} s)")
+          f"{max(0, int(time.time() - status.started_at))} s)")
     for name in sorted(status.features):
         print(f"{name}: {status.features[name]}")
     print(f"sessions: {status.sessions}  running calls: {status.running_calls}  "
@@ -244,6 +293,64 @@ def _status(client: SandboxClient) -> int:
     return 0
 
 
+def _session_line(session: pb.Session) -> str:
+    policy = session.sandbox_policy
+    mode = pb.SandboxPolicy.Mode.Name(policy.mode or pb.SandboxPolicy.WORKSPACE_WRITE).lower().replace("_", "-")
+    network = "network" if policy.network_access or policy.mode == pb.SandboxPolicy.DANGER_FULL_ACCESS else "no-network"
+    approval = pb.ApprovalPolicy.Name(session.approval_policy).lower().replace("_", "-")
+    # The server reports the calls running now, not a running total: say exactly that.
+    return (f"{session.id}  uid={session.owner_uid}  {session.workspace}  {mode} {network}  "
+            f"approval={approval}  running={session.running_calls}")
+
+
+_STDIN_CHUNK = 64 << 10
+
+
+def _exec(client: SandboxClient, start: pb.ExecStart) -> int:
+    """Run one command, streaming stdin when it is not a terminal. Ctrl-C sends SIGINT to the
+    remote command; a second Ctrl-C cancels the call (the daemon kills the command's tree)."""
+    requests: queue.Queue[pb.ExecRequest | None] = queue.Queue()
+    forward_stdin = not sys.stdin.isatty()
+    if not forward_stdin:
+        start.close_stdin = True
+    requests.put(pb.ExecRequest(start=start))
+
+    def request_stream() -> Iterator[pb.ExecRequest]:
+        while (request := requests.get()) is not None:
+            yield request
+
+    def pump_stdin() -> None:
+        try:
+            while chunk := os.read(sys.stdin.fileno(), _STDIN_CHUNK):
+                requests.put(pb.ExecRequest(stdin=chunk))
+        except OSError:
+            pass
+        requests.put(pb.ExecRequest(close_stdin=True))
+
+    if forward_stdin:
+        threading.Thread(target=pump_stdin, daemon=True).start()
+    # Ctrl-C must not raise inside gRPC's iterator (that breaks the call): the first one only queues a
+    # SIGINT for the remote command; the second raises KeyboardInterrupt, which ends this process and
+    # with it the call, and the daemon kills the command's tree.
+    def interrupt(_signum: int, _frame: object) -> None:
+        requests.put(pb.ExecRequest(signal=signal.SIGINT))
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    previous = signal.signal(signal.SIGINT, interrupt)
+    status = 1
+    try:
+        for response in client.stub.Exec(request_stream()):
+            kind = response.WhichOneof("kind")
+            if kind in ("stdout", "stderr"):
+                write_through(1 if kind == "stdout" else 2, getattr(response, kind))
+            elif kind == "result":
+                status = response.result.shell_status
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        requests.put(None)
+    return status
+
+
 def _run(client: SandboxClient, args: argparse.Namespace) -> int:
     if args.command == "status":
         return _status(client)
@@ -253,10 +360,10 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
         command = args.argv
         if not command:
             raise ValueError("no command: sandboxctl exec SESSION -- PROGRAM [ARGS...]")
-        with _ApprovalNotices(client, args.session_id):
-            outcome = client.exec(args.session_id, command, cwd=args.cwd, timeout=args.timeout,
-                                  on_output=write_through)
-        return outcome.result.shell_status
+        socket_option = f"--socket {args.socket}" if args.name_socket else ""
+        with _ApprovalNotices(client, args.session_id, socket_option):
+            return _exec(client, pb.ExecStart(session_id=args.session_id, argv=command, cwd=args.cwd,
+                                              timeout_seconds=args.timeout))
     if args.command == "write":
         written = client.write_file(args.session_id, args.path, sys.stdin.buffer.read(), mode=args.mode,
                                     create_parents=args.parents)
@@ -304,8 +411,7 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(_message_dict(session)))
             else:
-                print(f"{session.id}  uid={session.owner_uid}  {session.workspace}  "
-                      f"policy={session.sandbox_policy.mode}  calls={session.running_calls}")
+                print(_session_line(session))
     elif args.action == "close":
         client.close_session(args.session_id)
     elif args.action == "policy":

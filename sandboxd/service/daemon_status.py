@@ -13,7 +13,23 @@ from sandboxd.service.quotas import CALLS, STREAMS, owner_key
 from sandboxd.service.sessions import SessionRegistry
 from sandboxd.v1 import sandboxd_pb2 as pb
 
-STARTED_AT = time.time()
+
+
+def _process_started_at() -> float:
+    """When this process started, from the kernel: this module is imported on the first GetStatus,
+    so the import time would make every daemon look freshly started."""
+    try:
+        with open("/proc/self/stat") as stat:
+            # Field 22 (starttime, clock ticks since boot); comm (field 2) may hold spaces: split after ')'.
+            ticks = int(stat.read().rpartition(")")[2].split()[19])
+        with open("/proc/stat") as machine:
+            boot = next(int(line.split()[1]) for line in machine if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return time.time()
+
+
+STARTED_AT = _process_started_at()
 
 
 def kernel_features() -> dict[str, str]:
