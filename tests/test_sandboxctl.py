@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import BASE_ENV, SANDBOXD
 from daemon_fixtures import REPO, base, client  # noqa: F401 - pytest fixtures
 from daemon_helpers import PYTHON, PlainUser
 from sandboxd.client import SandboxClient
@@ -235,3 +236,13 @@ def test_list_status_and_events_tell_the_truth(base: Path, client: SandboxClient
     up = int(ctl(base, "status").stdout.split(" up ")[1].split()[0])
     assert age - 1 <= up <= age + 1, (up, age)
     ctl(base, "session", "close", session_id)
+
+
+def test_second_serve_on_a_busy_socket(base: Path, tmp_path: Path) -> None:
+    socket = str(base / "run" / "sandboxd.sock")
+    second = subprocess.run([SANDBOXD, "serve", "--socket", socket, "--state-dir", str(tmp_path / "state")],
+                            capture_output=True, text=True, timeout=120, env=BASE_ENV)
+    assert second.returncode == 1 and second.stderr == (
+        f"sandboxd serve: another daemon is serving {socket}: stop it first, or serve on another socket (--socket)\n")
+    # Control: the first daemon still answers on it.
+    assert ctl(base, "status").returncode == 0

@@ -7,6 +7,7 @@ Settings come from the configuration file (sandboxd.config: --config, $SANDBOXD_
 from __future__ import annotations
 
 import argparse
+import errno
 import grp
 import sys
 
@@ -132,17 +133,25 @@ def main(argv: list[str]) -> int:
         memory_bytes=limits.memory, pids=limits.pids, max_memory_bytes=limits.max_memory, max_pids=limits.max_pids,
         total_memory_bytes=limits.total_memory, total_pids=limits.total_pids,
         owner_memory_bytes=limits.owner_memory or None, owner_pids=limits.owner_pids)
-    return serve(loaded.text("listen.socket"), socket_mode=int(loaded.text("listen.socket_mode"), 8),
-                 admin_gid=admin_gid, workers=loaded.whole("listen.workers"),
-                 tls=listener, state_dir=loaded.text("state.dir"),
-                 approval_timeout=approval_timeout, dns=dns,
-                 log_format=loaded.text("log.format"), log_level=loaded.text("log.level"),
-                 config_path=loaded.path,
-                 metrics_listen=loaded.text("metrics.listen"), session_defaults=defaults,
-                 network_pool=loaded.text("network.pool"), quotas=quotas,
-                 proxy_connections=loaded.whole("quotas.proxy_connections_per_session"),
-                 published_connections=loaded.whole("quotas.published_connections_per_session"),
-                  published_per_peer=loaded.whole("quotas.published_connections_per_peer"),
-                  connections_per_uid=loaded.whole("quotas.connections_per_uid"),
-                  ping_timeout=loaded.number("fork_server.ping_timeout_seconds"),
-                  wait_seconds=loaded.number("fork_server.wait_seconds"))
+    try:
+        return serve(loaded.text("listen.socket"), socket_mode=int(loaded.text("listen.socket_mode"), 8),
+                     admin_gid=admin_gid, workers=loaded.whole("listen.workers"),
+                     tls=listener, state_dir=loaded.text("state.dir"),
+                     approval_timeout=approval_timeout, dns=dns,
+                     log_format=loaded.text("log.format"), log_level=loaded.text("log.level"),
+                     config_path=loaded.path,
+                     metrics_listen=loaded.text("metrics.listen"), session_defaults=defaults,
+                     network_pool=loaded.text("network.pool"), quotas=quotas,
+                     proxy_connections=loaded.whole("quotas.proxy_connections_per_session"),
+                     published_connections=loaded.whole("quotas.published_connections_per_session"),
+                     published_per_peer=loaded.whole("quotas.published_connections_per_peer"),
+                     connections_per_uid=loaded.whole("quotas.connections_per_uid"),
+                     ping_timeout=loaded.number("fork_server.ping_timeout_seconds"),
+                     wait_seconds=loaded.number("fork_server.wait_seconds"))
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        # A second `sandboxd serve` on a busy socket: one line, not a traceback.
+        sys.stderr.write(f"sandboxd serve: another daemon is serving {loaded.text('listen.socket')}: stop it "
+                         f"first, or serve on another socket (--socket)\n")
+        return 1
