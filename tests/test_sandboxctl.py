@@ -216,6 +216,25 @@ def test_broken_pipe_is_quiet(base: Path, session_id: str) -> None:
     lines = pipeline.stdout.splitlines()
     assert len(lines) == 2 and lines[1] in ("0", "141"), pipeline
     assert "Traceback" not in pipeline.stderr and "BrokenPipe" not in pipeline.stderr, pipeline.stderr
+    # `status | head -n 1`: its output is small enough to sit in stdout's buffer until the end.
+    status = subprocess.run(f"{SANDBOXCTL} --socket {socket} status | (sleep 0.2; head -n 1); "
+                            "echo \"${PIPESTATUS[0]}\"", shell=True, executable="/bin/bash",
+                            capture_output=True, text=True, timeout=60)
+    assert status.stdout.splitlines()[0] == "health: SERVING" and status.stdout.splitlines()[1] in ("0", "141")
+    assert status.stderr == "", status.stderr
+    # Control: unpiped, every line arrives.
+    assert len(ctl(base, "events").stdout.splitlines()) > 3
+
+
+def test_ctrl_c_ends_events_follow_quietly(base: Path) -> None:
+    following = subprocess.Popen([SANDBOXCTL, "--socket", str(base / "run" / "sandboxd.sock"), "events", "-f"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert following.stdout is not None
+    ctl(base, "status")
+    following.stdout.readline()     # it is following
+    following.send_signal(signal.SIGINT)
+    _, err = following.communicate(timeout=60)
+    assert (following.returncode, err) == (130, "")
 
 
 def test_list_status_and_events_tell_the_truth(base: Path, client: SandboxClient) -> None:

@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     args.socket, args.name_socket = socket_choice(args.socket)
     try:
         with SandboxClient(args.socket) as client:
-            return _run(client, args)
+            status = _run(client, args)
+        sys.stdout.flush()      # here, so a reader that left shows up as the BrokenPipeError below
+        return status
     except grpc.RpcError as error:
         line = _connection_error(error, args.socket) or f"{error.code().name}: {error.details()}"
         sys.stderr.write(f"sandboxctl: {line}\n")
