@@ -448,17 +448,25 @@ def _v1_base(point: str, own: str, controller: str, ceiling: "Ceiling | None" = 
     return base
 
 
-def _v2_owner(base: str, h: Hierarchies, controllers: bool, owner: "OwnerShare | None") -> str:
-    """The v2 group of ``owner`` in ``base`` (no owner: ``base`` itself); with ``controllers``, those of
-    the base handed down once more (it holds no process, so that is allowed), and the owner's caps."""
-    if owner is None:
-        return base
+def _owner_dir(base: str, owner: "OwnerShare") -> str:
+    """``owner``'s group in ``base``, made unless this process prepared it already (a sandbox or
+    sweep of another process may have removed it since: then it is made again)."""
     group = os.path.join(base, OWNER_PREFIX + owner.key)
     if group not in _prepared:
         try:
             os.mkdir(group, 0o755)
         except FileExistsError:
             pass
+    return group
+
+
+def _v2_owner(base: str, h: Hierarchies, controllers: bool, owner: "OwnerShare | None") -> str:
+    """The v2 group of ``owner`` in ``base`` (no owner: ``base`` itself); with ``controllers``, those of
+    the base handed down once more (it holds no process, so that is allowed), and the owner's caps."""
+    if owner is None:
+        return base
+    group = _owner_dir(base, owner)
+    if group not in _prepared:
         if not controllers:
             return group
         _enable_controllers(group, False, [c for c in V2_CONTROLLERS if c in h.unified_controllers])
@@ -474,13 +482,8 @@ def _v1_owner(base: str, controller: str, owner: "OwnerShare | None") -> str:
     """The group of ``owner`` in the v1 base group ``base`` of ``controller``, with its cap there."""
     if owner is None:
         return base
-    group = os.path.join(base, OWNER_PREFIX + owner.key)
-    if group not in _prepared:
-        try:
-            os.mkdir(group, 0o755)
-        except FileExistsError:
-            pass
-        _prepared.add(group)
+    group = _owner_dir(base, owner)
+    _prepared.add(group)
     if controller == "memory":
         _cap(group, "memory.limit_in_bytes", owner.memory_bytes)
     elif controller == "pids":
