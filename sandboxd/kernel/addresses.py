@@ -59,6 +59,16 @@ def sockaddr_destination(sockaddr: bytes) -> "tuple[IPAddress, int, int] | None"
     return None
 
 
+def proc_net_address(hex_address: str) -> IPAddress:
+    """The address of a /proc/net/tcp{,6} entry's ``ADDRESS`` (hex, in 32-bit words of host byte
+    order), an IPv4-mapped one as the IPv4 address (how IPv4 peers of IPv6 sockets appear there)."""
+    raw = bytes.fromhex(hex_address)
+    address = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
 def _owned(address: IPAddress, scope_id: int) -> bool:
     """Whether an interface of this network namespace holds ``address`` (binding to it succeeds;
     with net.ipv4.ip_nonlocal_bind set, every address does, which errs on the side of "here")."""

@@ -15,6 +15,8 @@ import errno
 import ipaddress
 import struct
 
+from sandboxd.kernel.addresses import proc_net_address
+
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
 NLM_F_REQUEST = 0x1
@@ -74,12 +76,7 @@ def _uid_from_proc(peer: "ipaddress.IPv4Address | ipaddress.IPv6Address", peer_p
     sockets appear mapped."""
     def matches(field: str, address: "ipaddress.IPv4Address | ipaddress.IPv6Address", port: int) -> bool:
         host, _, hex_port = field.partition(":")
-        raw = bytes.fromhex(host)
-        packed = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-        seen = ipaddress.ip_address(packed)
-        if isinstance(seen, ipaddress.IPv6Address) and seen.ipv4_mapped is not None:
-            seen = seen.ipv4_mapped
-        return int(hex_port, 16) == port and seen == address
+        return int(hex_port, 16) == port and proc_net_address(host) == address
 
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:

@@ -9,8 +9,10 @@ can be sandboxed).
 
 from __future__ import annotations
 
+import ipaddress
 import os
-import socket
+
+from sandboxd.kernel.addresses import proc_net_address
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -94,7 +96,7 @@ def tcp_client_inodes(peer_host: str, peer_port: int, server_port: int) -> froze
     """Inodes of sockets whose local address is the peer's and remote port is ours (the client
     ends of such connections), from the host's /proc/net/tcp and tcp6."""
     inodes = set()
-    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
                 next(f, None)
@@ -103,18 +105,16 @@ def tcp_client_inodes(peer_host: str, peer_port: int, server_port: int) -> froze
                     local, remote, inode = fields[1], fields[2], int(fields[9])
                     if int(local.rsplit(":", 1)[1], 16) != peer_port or int(remote.rsplit(":", 1)[1], 16) != server_port:
                         continue
-                    if _same_host(local.rsplit(":", 1)[0], family, peer_host):
+                    if _same_host(local.rsplit(":", 1)[0], peer_host):
                         inodes.add(inode)
         except OSError:
             continue
     return frozenset(inodes)
 
 
-def _same_host(hex_address: str, family: int, host: str) -> bool:
-    """Whether /proc/net/tcp's hex address (host byte order, 32-bit words) is ``host``."""
-    raw = bytes.fromhex(hex_address)
-    packed = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    text = socket.inet_ntop(family, packed)
-    if text.startswith("::ffff:"):
-        text = text[len("::ffff:"):]
-    return text == host.strip("[]")
+def _same_host(hex_address: str, host: str) -> bool:
+    """Whether /proc/net/tcp's hex address is ``host``."""
+    try:
+        return proc_net_address(hex_address) == ipaddress.ip_address(host.strip("[]"))
+    except ValueError:                    # not an address: nothing there is it
+        return False
