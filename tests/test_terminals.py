@@ -25,7 +25,9 @@ from conftest import BASE_ENV, SLOW
 from daemon_fixtures import REPO, base, client, daemon, ws  # noqa: F401 - pytest fixtures
 from daemon_helpers import Daemon, PlainUser
 from sandboxd.client import SandboxClient
+from sandboxd.errors import InvalidPolicy
 from sandboxd.kernel import terminals
+from sandboxd.policy import DangerFullAccess, LaunchSpec
 from sandboxd.service.terminal_call import receive_master
 from sandboxd.supervisor.forkserver import ForkServer
 from sandboxd.v1 import sandboxd_pb2 as pb
@@ -114,6 +116,34 @@ def test_the_terminal_is_the_sessions_own_and_refuses_tiocsti(server: ForkServer
     assert info.exit_code == 0, output
     assert lines == {"tty": "/dev/pts/0 /dev/pts/0 /dev/pts/0", "leader": "True True", "pts": "['0', 'ptmx']",
                      "size": "33 101", "winsz": "True", "sti": "EPERM", "linux": "EPERM", "typed": "typed here"}, output
+
+
+@pytest.mark.parametrize("size", [(0, 80), (24, 1001), (True, 80)])
+def test_the_fork_server_refuses_a_bad_terminal(server: ForkServer, session: str, workspace: Path,  # noqa: F811
+                                                size: tuple[int, int]) -> None:
+    """Checked again at the fork server's edge (the daemon checks first): nothing starts."""
+    with pytest.raises(InvalidPolicy, match="a terminal is \\[rows, columns\\], each 1 to 1000"):
+        terminal_call(server, session, ["true"], str(workspace), size)
+
+
+def test_full_access_sessions_get_a_terminal_too(server: ForkServer, workspace: Path) -> None:  # noqa: F811
+    """danger-full-access has no devpts of its own (it is the host as it is): its terminal comes
+    from the host's, still with the command as session leader and TIOCSTI refused."""
+    name = f"full-{os.urandom(4).hex()}"
+    server.open_session(name, LaunchSpec(argv=("true",), workspace=str(workspace), env=dict(BASE_ENV),
+                                         policy=DangerFullAccess()))
+    try:
+        call_id, master = terminal_call(server, name, ["python3", "-c", PROBE], str(workspace), (20, 60))
+        try:
+            os.write(master, b"full\n")
+            output = read_until_hangup(master)
+        finally:
+            os.close(master)
+        assert server.wait(call_id).exit_code == 0, output
+    finally:
+        server.close_session(name)
+    for line in ("leader True True", "size 20 60", "winsz True", "sti EPERM", "linux EPERM", "typed full"):
+        assert line in output.splitlines(), output
 
 
 def test_resize_reaches_a_full_screen_program(server: ForkServer, session: str, workspace: Path) -> None:  # noqa: F811
