@@ -174,8 +174,7 @@ def test_ctrl_c_interrupts_the_foreground_command(server: ForkServer, session: s
         seen = b""
         while b"go" not in seen:
             seen += os.read(master, 4096)
-        time.sleep(0.2)                                   # until sh has exec'd sleep
-        os.write(master, b"\x03")
+        os.write(master, b"\x03")                         # to sh or the sleep it became: either dies of it
         read_until_hangup(master)
     finally:
         os.close(master)
@@ -321,8 +320,8 @@ def fd_count(pid: int) -> int:
 
 def test_nothing_is_left_after_a_terminal_call(daemon: Daemon, client: SandboxClient, ws: Path) -> None:  # noqa: F811
     """The daemon and the fork server hold as many descriptors after terminal calls as before (the
-    master, the channel, the wake-up pipe all closed), including a call cancelled mid-way, a call
-    whose child keeps the terminal open past its command's end, and the output limit."""
+    master, the channel, the wake-up pipe all closed), including a call timed out, a client gone
+    mid-call, a call whose child keeps the terminal open past its command's end, and the output limit."""
     session_id = open_session(client, ws)
     warm = pb.ExecStart(session_id=session_id, argv=["true"], terminal=pb.Terminal(rows=24, columns=80))
     exec_on_terminal(client, warm)
@@ -341,6 +340,11 @@ def test_nothing_is_left_after_a_terminal_call(daemon: Daemon, client: SandboxCl
     output, result = exec_on_terminal(client, pb.ExecStart(
         session_id=session_id, argv=["sleep", "600"], timeout_seconds=1, terminal=pb.Terminal(rows=24, columns=80)))
     assert result.timed_out
+    gone = client.stub.Exec(iter([pb.ExecRequest(start=pb.ExecStart(
+        session_id=session_id, argv=["sleep", "600"], terminal=pb.Terminal(rows=24, columns=80)))]))
+    assert next(gone).WhichOneof("kind") == "started_pid"
+    assert daemon.call_inits()                            # the control: the call runs
+    gone.cancel()                                         # the client goes away: the call's tree is killed
     deadline = time.monotonic() + WITHIN
     while (after := (fd_count(daemon.pid), fd_count(fork_pid))) != before and time.monotonic() < deadline:
         time.sleep(0.05)                                  # the stdin feeder ends with the stream

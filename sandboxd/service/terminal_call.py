@@ -214,7 +214,7 @@ def feed(fork: ForkServer, call: TerminalCall, start: pb.ExecStart, requests: It
             elif kind == "signal":
                 if 0 < request.signal < signal.NSIG:
                     fork.signal(call_id, request.signal)
-    except (OSError, grpc.RpcError, ValueError, SetupError):
+    except (OSError, termios.error, grpc.RpcError, ValueError, SetupError):
         pass  # the terminal hung up, or the client went away: the main flow sees it
     finally:
         os.close(master)
