@@ -132,7 +132,8 @@ class TerminalCall(SessionCall):
                 return
 
     def wait(self) -> ExitInfo:
-        assert self._waiter is not None
+        if self._waiter is None:                          # started, but its waiting thread never did
+            return super().wait()
         self._waiter.join()
         self.call_id = None
         outcome = self._outcome
@@ -144,8 +145,6 @@ class TerminalCall(SessionCall):
 
     def __exit__(self, *exc: object) -> None:
         try:
-            if self.call_id is not None and self._waiter is None:
-                self.call_id = None                       # started, but its thread never did: nothing to wait on
             super().__exit__(*exc)
         finally:
             if self._channel is not None:
