@@ -10,6 +10,7 @@ import errno
 import os
 import shutil
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from sandboxd.kernel import landlock
 from sandboxd.launcher import native_call
 from sandboxd.launcher.native_call import helper_path
 from sandboxd.launcher.plan import DebugHooks
+from sandboxd.service.terminal_call import receive_master
 from sandboxd.policy import LaunchSpec, Limits, WorkspaceWrite
 from sandboxd.supervisor.forkserver import ForkServer
 from sandboxd.supervisor.spawner import Spawner
@@ -264,9 +266,10 @@ SUPERVISOR_STEPS = ["die with parent", "join cgroups", "join namespaces", "chdir
                     "drop privileges", "die with parent", "not dumpable", "fork"]
 
 
-def command_steps(abi: int, *, listener: bool, walked: bool = False) -> list[str]:
+def command_steps(abi: int, *, listener: bool, walked: bool = False, terminal: bool = False) -> list[str]:
     """The command's steps (sequence._run_command and sandboxd_call.c run_command)."""
-    return ["default signals", "die with parent", "new session", "rlimits", "verify dropped", "landlock",
+    return ["default signals", "die with parent", "new session", *(["controlling terminal"] if terminal else []),
+            "rlimits", "verify dropped", "landlock",
             f"landlock abi {abi}", "close-on-exec", *(["close-on-exec by /proc/self/fd"] if walked else []),
             "seccomp", *(["send listener"] if listener else []), "exec"]
 
@@ -282,31 +285,41 @@ class LocalSession:
         self.session = self.spawner.open_session(LaunchSpec(argv=("true",), workspace=str(workspace),
                                                             env=dict(BASE_ENV), policy=WorkspaceWrite()))
 
-    def call(self, argv: list[str], **hooks: object) -> tuple[str, object, list[str]]:
-        """One call with DebugHooks(**hooks) and a trace: (its output, its ExitInfo, the trace's steps)."""
+    def call(self, argv: list[str], terminal: tuple[int, int] | None = None,
+             **hooks: object) -> tuple[str, object, list[str]]:
+        """One call with DebugHooks(**hooks) and a trace: (its output, its ExitInfo, the trace's steps).
+        With ``terminal``, on a terminal as the daemon runs one (terminal_call.TerminalCall)."""
         trace = self.trace_dir / f"trace-{os.urandom(4).hex()}"
         trace.write_text("")
         self.session.plan = self.session.plan.replace(debug=DebugHooks(trace_path=str(trace), **hooks))
-        read_end, write_end = os.pipe()
-        null = os.open("/dev/null", os.O_RDONLY)
+        if terminal is not None:
+            read_end, write_end = (end.detach() for end in socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+            stdio = (write_end, write_end, write_end)
+        else:
+            read_end, write_end = os.pipe()
+            stdio = (os.open("/dev/null", os.O_RDONLY), write_end, write_end)
+        child_ends = set(stdio)                           # ours are closed once the call has them
         try:
-            proc = self.spawner.launch_call(self.session, tuple(argv), dict(BASE_ENV), str(self.workspace),
-                                            (null, write_end, write_end))
-            os.close(write_end)
-            write_end = -1
+            proc = self.spawner.launch_call(self.session, tuple(argv), dict(BASE_ENV), str(self.workspace), stdio,
+                                            terminal=terminal)
             try:
                 proc.wait_started()
             except BaseException:
                 proc.wait()
                 raise
+            if terminal is not None:
+                channel, read_end = socket.socket(fileno=read_end), -1
+                with channel:
+                    read_end = receive_master(channel)
+            while child_ends:
+                os.close(child_ends.pop())
             chunks = []
-            while data := os.read(read_end, 65536):
+            while data := _read_to_hangup(read_end):
                 chunks.append(data)
             info = proc.wait()
         finally:
-            for fd in (read_end, write_end, null):
-                if fd >= 0:
-                    os.close(fd)
+            for fd in child_ends | {read_end} - {-1}:
+                os.close(fd)
         return b"".join(chunks).decode(), info, trace.read_text().splitlines()
 
     def close(self) -> None:
@@ -337,6 +350,30 @@ def test_both_paths_take_the_same_setup_steps(local_sessions: dict[str, LocalSes
     listener = local_sessions["native"].session.plan.brokers_connect
     expected = SUPERVISOR_STEPS + command_steps(landlock.abi_version(), listener=listener)
     assert traces["native"] == traces["python"] == expected, traces
+
+
+def test_both_paths_take_the_same_steps_on_a_terminal(local_sessions: dict[str, LocalSession]) -> None:
+    """A call on a terminal adds the same two steps on both paths: the supervisor opens it (as the
+    caller, inside the session) before the fork, the command takes it right after setsid."""
+    traces = {}
+    for name, local in local_sessions.items():
+        output, info, steps = local.call(["sh", "-c", "tty; stty size"], terminal=(12, 34))
+        assert output.split() == ["/dev/pts/0", "12", "34"] and info.exit_code == 0, (name, output, info)  # type: ignore[attr-defined]
+        traces[name] = steps
+    listener = local_sessions["native"].session.plan.brokers_connect
+    expected = (SUPERVISOR_STEPS[:-1] + ["open terminal", "fork"]
+                + command_steps(landlock.abi_version(), listener=listener, terminal=True))
+    assert traces["native"] == traces["python"] == expected, traces
+
+
+def _read_to_hangup(fd: int) -> bytes:
+    """A read of a pipe or a terminal's master: b"" at EOF and at a terminal's hang-up (EIO)."""
+    try:
+        return os.read(fd, 65536)
+    except OSError as exc:
+        if exc.errno != errno.EIO:
+            raise
+        return b""
 
 
 def test_the_trace_is_off_unless_asked(local_sessions: dict[str, LocalSession]) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxd.kernel import caps, landlock
+from sandboxd.kernel import caps, landlock, terminals
 from sandboxd.launcher import native_call, report, sequence
 
 PRINT_ALL = r"""
@@ -32,6 +32,7 @@ int main(void) {
     for (size_t i = 0; i < COUNT(extra); i++) printf(" %%s", extra[i]);
     printf("\nSBX_LL_FILE_WRITES_ONLY");
     for (size_t i = 0; i < COUNT(files); i++) printf(" %%s", files[i]);
+    printf("\nSBX_PTMX_PATH %%s", SBX_PTMX_PATH);
     printf("\nSBX_CONSTANTS_DIGEST %%s\n", SBX_CONSTANTS_DIGEST);
     return 0;
 }
@@ -49,12 +50,14 @@ def render_expected() -> list[str]:
         ("LL_WRITE_FILE", landlock.WRITE_FILE), ("LL_TRUNCATE", landlock.TRUNCATE),
         ("LL_WANTED_WRITES", landlock.WANTED_WRITES), ("LL_WANTED_FILE_WRITES", landlock.WANTED_FILE_WRITES),
         ("LL_WANTED_SCOPES", landlock.WANTED_SCOPES), ("LL_NET_ABI", 4), ("LL_SCOPE_ATTR_ABI", 6),
+        ("TERMINAL_MIN_SIZE", terminals.MIN_SIZE), ("TERMINAL_MAX_SIZE", terminals.MAX_SIZE),
     ]]
     lines.append("SBX_FORWARDED_SIGNALS " + " ".join(str(int(s)) for s in sequence.FORWARDED_SIGNALS))
     lines.append("SBX_LL_RIGHT_ABI " + " ".join(f"{bit}:{abi}" for bit, abi in sorted(landlock.RIGHT_ABI.items())))
     lines.append("SBX_LL_SCOPE_ABI " + " ".join(f"{bit}:{abi}" for bit, abi in sorted(landlock.SCOPE_ABI.items())))
     lines.append("SBX_LL_EXTRA_WRITABLE " + " ".join(landlock.EXTRA_WRITABLE))
     lines.append("SBX_LL_FILE_WRITES_ONLY " + " ".join(landlock.FILE_WRITES_ONLY))
+    lines.append(f"SBX_PTMX_PATH {terminals.PTMX_PATH}")
     lines.append(f"SBX_CONSTANTS_DIGEST {native_call.digest()}")
     return lines
 
@@ -62,7 +65,7 @@ def render_expected() -> list[str]:
 SCALARS = ["REPORT_FD", "STATUS_FD", "SESSION_PIDFD", "INTAKE_FD", "BPF_FD", "ENV_FD", "SETUP_FAILED_EXIT",
            "CAPABILITY_VERSION_3", "CAP_SYS_ADMIN", "FALLBACK_LAST_CAP", "SECUREBITS", "KILL_TREE_SIGNAL",
            "LL_WRITE_FILE", "LL_TRUNCATE", "LL_WANTED_WRITES", "LL_WANTED_FILE_WRITES", "LL_WANTED_SCOPES",
-           "LL_NET_ABI", "LL_SCOPE_ATTR_ABI"]
+           "LL_NET_ABI", "LL_SCOPE_ATTR_ABI", "TERMINAL_MIN_SIZE", "TERMINAL_MAX_SIZE"]
 
 
 def test_the_compiled_header_says_what_python_says(tmp_path: Path) -> None:
@@ -81,7 +84,7 @@ def test_every_constant_reaches_the_header() -> None:
     names = set(native_call.constants())
     assert names == {f"SBX_{name}" for name in SCALARS} | {
         "SBX_FORWARDED_SIGNALS", "SBX_LL_RIGHT_ABI", "SBX_LL_SCOPE_ABI", "SBX_LL_EXTRA_WRITABLE",
-        "SBX_LL_FILE_WRITES_ONLY", "SBX_TRACE_FD_MIN"}
+        "SBX_LL_FILE_WRITES_ONLY", "SBX_TRACE_FD_MIN", "SBX_PTMX_PATH"}
 
 
 def test_the_installed_helper_was_built_from_the_current_constants() -> None:
@@ -99,7 +102,7 @@ def test_the_source_has_no_copies_of_the_constants() -> None:
     assert '#include "sandboxd_call.h"' in source
     assert not re.search(r"#define\s+SBX_", source)
     for copy in ("0x20080522", "1ULL <<", "SIGRTMIN + 2", "SIGTERM, SIGINT", '"/dev/shm"', '"/tmp"',
-                 "REPORT_FD = 3", "(1 << 5)"):
+                 "REPORT_FD = 3", "(1 << 5)", '"/dev/ptmx"'):
         assert copy not in source, copy
 
 

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from sandboxd.cli import terminal
 from sandboxd.client import DEFAULT_SOCKET, MAX_READ_BYTES, SandboxClient, sandbox_policy, write_through
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -105,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     execute.add_argument("--cwd", default="")
     execute.add_argument("--timeout", type=float, default=0)
     execute.add_argument("argv", nargs="*", metavar="-- PROGRAM [ARGS...]")
+    execute.add_argument("-t", "--tty", action="store_true", help="run it on a terminal (needs one here)")
+    shell = commands.add_parser("shell", help="an interactive shell in a session's workspace (needs a terminal)")
+    shell.add_argument("session_id")
+    shell.add_argument("--cwd", default="")
     return parser
 
 
@@ -364,8 +369,11 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
             raise ValueError("no command: sandboxctl exec SESSION -- PROGRAM [ARGS...]")
         socket_option = f"--socket {args.socket}" if args.name_socket else ""
         with _ApprovalNotices(client, args.session_id, socket_option):
-            return _exec(client, pb.ExecStart(session_id=args.session_id, argv=command, cwd=args.cwd,
-                                              timeout_seconds=args.timeout))
+            start = pb.ExecStart(session_id=args.session_id, argv=command, cwd=args.cwd, timeout_seconds=args.timeout)
+            return terminal.run(client, start) if args.tty else _exec(client, start)
+    if args.command == "shell":
+        with _ApprovalNotices(client, args.session_id, f"--socket {args.socket}" if args.name_socket else ""):
+            return terminal.shell(client, args.session_id, args.cwd)
     if args.command == "write":
         written = client.write_file(args.session_id, args.path, sys.stdin.buffer.read(), mode=args.mode,
                                     create_parents=args.parents)

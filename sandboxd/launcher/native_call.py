@@ -51,6 +51,8 @@ def command_line(helper: str, plan: LaunchPlan, *, namespaces: int, cgroup_dirs:
     # FILE_WRITES_ONLY) come with the generated header.
     for path in plan.writable_roots:
         args += ["-W", path]
+    if plan.terminal is not None:
+        args += ["-t", f"{plan.terminal[0]}:{plan.terminal[1]}"]
     debug = plan.debug
     if debug is not None:                          # tests only (plan.DebugHooks)
         if debug.trace_path:
@@ -78,13 +80,13 @@ def environment_file(env: dict[str, str]) -> int:
     return fd
 
 
-Constant = int | tuple[int, ...] | tuple[str, ...] | tuple[tuple[int, int], ...]
+Constant = int | str | tuple[int, ...] | tuple[str, ...] | tuple[tuple[int, int], ...]
 
 
 def constants() -> dict[str, Constant]:
     """Every value the helper shares with the Python path, by its name in the header: the one
     source both are built from (the Python modules named here own them)."""
-    from sandboxd.kernel import caps, landlock
+    from sandboxd.kernel import caps, landlock, terminals
     from sandboxd.launcher import report, sequence
 
     return {
@@ -108,12 +110,17 @@ def constants() -> dict[str, Constant]:
         "SBX_LL_SCOPE_ATTR_ABI": landlock.SCOPE_ATTR_ABI,
         "SBX_LL_EXTRA_WRITABLE": tuple(landlock.EXTRA_WRITABLE),
         "SBX_LL_FILE_WRITES_ONLY": tuple(landlock.FILE_WRITES_ONLY),
+        "SBX_PTMX_PATH": terminals.PTMX_PATH,
+        "SBX_TERMINAL_MIN_SIZE": terminals.MIN_SIZE,
+        "SBX_TERMINAL_MAX_SIZE": terminals.MAX_SIZE,
     }
 
 
 def _render(value: Constant) -> str:
     if isinstance(value, int):
         return str(value)
+    if isinstance(value, str):
+        return f'"{value}"'
     items = [f'"{item}"' if isinstance(item, str) else _render(item) if isinstance(item, tuple) else str(item)
              for item in value]
     return "{" + ", ".join(items) + "}"

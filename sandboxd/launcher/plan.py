@@ -78,6 +78,9 @@ class LaunchPlan(Record):
     hidden_paths: tuple[str, ...] = ()
     owner: str = ""                                # whose share of the ceiling its cgroups count against
     debug: DebugHooks | None = None                # tests only (DebugHooks)
+    # A session call on a terminal: (rows, columns). Its stdin is then a socket the terminal's
+    # master goes back on (launcher.sequence.open_terminal); its peer becomes the command's stdio.
+    terminal: tuple[int, int] | None = None
 
     def close_trees(self) -> None:
         for fd in self.root_trees.values():

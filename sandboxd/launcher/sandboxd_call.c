@@ -11,7 +11,9 @@
  * no secret in it shows in this process's world-readable command line), and
  * these descriptors:
  *
- *   0 1 2  the command's stdin, stdout, stderr
+ *   0 1 2  the command's stdin, stdout, stderr; with -t, 0 is instead the terminal channel: a Unix
+ *          socket the terminal's master is sent back on (SCM_RIGHTS), and the command's stdio is
+ *          the terminal's peer
  *   3      report pipe: "pid" once forked; a setup error (step, errno, path); EOF at exec
  *   4      status pipe: the command's wait status and resource usage, at its end
  *   5      pidfd of the session's init (its namespaces are joined through it)
@@ -21,10 +23,11 @@
  *
  * Usage (built by sandboxd.launcher.native_call.command_line):
  *   sandboxd-call -u UID -g GID -c CWD -n NSFLAGS [-C CPU] [-F NOFILE] [-L] [-G CGROUPDIR]...
- *                 [-W WRITABLE]... [-T TRACE_FILE] [-A LANDLOCK_ABI] [-X] -- ARGV...
+ *                 [-W WRITABLE]... [-t ROWS:COLUMNS] [-T TRACE_FILE] [-A LANDLOCK_ABI] [-X] -- ARGV...
  *   sandboxd-call -V      prints the digest of the constants it was built with
  * -T, -A and -X are for tests only (plan.DebugHooks): append each setup step's name to a
  * file, use a lower Landlock ABI's rights, take the /proc/self/fd walk instead of close_range.
+ * -t runs the command on a terminal of that size from the session's devpts (sequence.open_terminal).
  *
  * Every constant shared with the Python path (descriptor layout, exit code, securebits,
  * Landlock rights and the ABI that introduced each, signals, path lists) comes from
@@ -50,6 +53,7 @@
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
@@ -89,6 +93,7 @@ struct options {
     const char *cgroups[MAX_PATHS]; int n_cgroups;
     const char *writable[MAX_PATHS]; int n_writable;
     long landlock_abi; int no_close_range;        /* tests only: -A, -X */
+    int terminal; unsigned short rows, columns;   /* -t */
     char **env; char **argv;
 };
 
@@ -329,13 +334,8 @@ static long restrict_writes(const struct options *o) {
     return abi;
 }
 
-static void load_seccomp(const struct options *o, struct sock_filter *program, size_t length) {
-    struct sock_fprog prog = {(unsigned short)length, program};
-    long listener = syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER,
-                            o->listener ? SECCOMP_FILTER_FLAG_NEW_LISTENER : 0, &prog);
-    check(listener, "seccomp load", NULL);
-    if (!o->listener) return;
-    /* The session's init answers this filter's connect() notifications (connect_broker.py). */
+/* One descriptor on a Unix socket (SCM_RIGHTS), as init_loop.send_fd. */
+static int send_fd(int sock, int fd) {
     char byte = 'L', control[CMSG_SPACE(sizeof(int))];
     struct iovec iov = {&byte, 1};
     struct msghdr message = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control,
@@ -344,10 +344,20 @@ static void load_seccomp(const struct options *o, struct sock_filter *program, s
     cmsg->cmsg_level = SOL_SOCKET;
     cmsg->cmsg_type = SCM_RIGHTS;
     cmsg->cmsg_len = CMSG_LEN(sizeof(int));
-    int fd = (int)listener;
     memcpy(CMSG_DATA(cmsg), &fd, sizeof fd);
+    return sendmsg(sock, &message, MSG_NOSIGNAL) < 0 ? -1 : 0;
+}
+
+static void load_seccomp(const struct options *o, struct sock_filter *program, size_t length) {
+    struct sock_fprog prog = {(unsigned short)length, program};
+    long listener = syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER,
+                            o->listener ? SECCOMP_FILTER_FLAG_NEW_LISTENER : 0, &prog);
+    check(listener, "seccomp load", NULL);
+    if (!o->listener) return;
+    /* The session's init answers this filter's connect() notifications (connect_broker.py). */
+    int fd = (int)listener;
     trace("send listener");
-    check(sendmsg(INTAKE_FD, &message, MSG_NOSIGNAL), "seccomp listener", NULL);
+    check(send_fd(INTAKE_FD, fd), "seccomp listener", NULL);
     check(close(fd), "seccomp listener", NULL);
     check(close(INTAKE_FD), "seccomp listener", NULL);
 }
@@ -379,8 +389,25 @@ static _Noreturn void exec_command(char **argv, char **env) {
     fail("exec", first_error, program);
 }
 
+/* As sequence.open_terminal: a terminal from the devpts this process sees (the session's own),
+ * unlocked and sized, its master sent on the terminal channel (fd 0) and closed here; its peer
+ * reached by TIOCGPTPEER (never by its /dev/pts name) is returned, for the command. */
+static int open_terminal(const struct options *o) {
+    int master = open(SBX_PTMX_PATH, O_RDWR | O_NOCTTY | O_CLOEXEC);
+    check(master, "open terminal", SBX_PTMX_PATH);
+    int unlock = 0;
+    struct winsize size = {o->rows, o->columns, 0, 0};
+    check(ioctl(master, TIOCSPTLCK, &unlock), "open terminal", NULL);
+    check(ioctl(master, TIOCSWINSZ, &size), "open terminal", NULL);
+    int peer = ioctl(master, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC);
+    check(peer, "open terminal", NULL);
+    check(send_fd(0, master), "send terminal", NULL);
+    check(close(master), "open terminal", NULL);
+    return peer;
+}
+
 static _Noreturn void run_command(const struct options *o, pid_t supervisor,
-                                  struct sock_filter *program, size_t length) {
+                                  struct sock_filter *program, size_t length, int terminal_peer) {
     sigset_t none;
     sigemptyset(&none);
     trace("default signals");
@@ -389,6 +416,12 @@ static _Noreturn void run_command(const struct options *o, pid_t supervisor,
     die_with_parent(supervisor);
     trace("new session");
     check(setsid(), "setsid", NULL);               /* no controlling terminal: no TIOCSTI into the caller */
+    if (terminal_peer >= 0) {                      /* the session's own pty, not the caller's */
+        trace("controlling terminal");
+        check(ioctl(terminal_peer, TIOCSCTTY, 0), "controlling terminal", NULL);
+        for (int fd = 0; fd < 3; fd++) check(dup2(terminal_peer, fd), "controlling terminal", NULL);
+        if (terminal_peer > 2) check(close(terminal_peer), "controlling terminal", NULL);
+    }
     trace("rlimits");
     apply_rlimits(o);
     trace("verify dropped");
@@ -426,7 +459,7 @@ static void parse(int argc, char **argv, struct options *o) {
     memset(o, 0, sizeof *o);
     o->cpu_seconds = o->open_files = -1;
     o->uid = (uid_t)-1;
-    while ((option = getopt(argc, argv, "+u:g:c:n:C:F:LG:W:T:A:X")) != -1) {
+    while ((option = getopt(argc, argv, "+u:g:c:n:C:F:LG:W:t:T:A:X")) != -1) {
         switch (option) {
         case 'u': o->uid = (uid_t)strtoul(optarg, NULL, 10); break;
         case 'g': o->gid = (gid_t)strtoul(optarg, NULL, 10); break;
@@ -437,6 +470,15 @@ static void parse(int argc, char **argv, struct options *o) {
         case 'L': o->listener = 1; break;
         case 'G': if (o->n_cgroups < MAX_PATHS) o->cgroups[o->n_cgroups++] = optarg; break;
         case 'W': if (o->n_writable < MAX_PATHS) o->writable[o->n_writable++] = optarg; break;
+        case 't': {
+            unsigned rows, columns;
+            char end;
+            if (sscanf(optarg, "%u:%u%c", &rows, &columns, &end) != 2 || rows < SBX_TERMINAL_MIN_SIZE
+                || rows > SBX_TERMINAL_MAX_SIZE || columns < SBX_TERMINAL_MIN_SIZE || columns > SBX_TERMINAL_MAX_SIZE)
+                fail("call helper arguments", EINVAL, NULL);
+            o->terminal = 1; o->rows = (unsigned short)rows; o->columns = (unsigned short)columns;
+            break;
+        }
         case 'T': open_trace(optarg); break;
         case 'A': o->landlock_abi = strtol(optarg, NULL, 10); break;
         case 'X': o->no_close_range = 1; break;
@@ -532,6 +574,11 @@ int main(int argc, char **argv) {
     die_with_parent(0);                            /* credential changes clear the death signal */
     trace("not dumpable");
     check(prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)", NULL);
+    int terminal_peer = -1;
+    if (o.terminal) {
+        trace("open terminal");
+        terminal_peer = open_terminal(&o);
+    }
 
     /* Blocked before the fork (the command unblocks them): no signal is lost or acted on early. */
     static const int forwarded[] = SBX_FORWARDED_SIGNALS;
@@ -548,7 +595,7 @@ int main(int argc, char **argv) {
     trace("fork");
     pid_t command = fork();
     if (command < 0) fail("fork", errno, NULL);
-    if (command == 0) run_command(&o, supervisor, program, got / sizeof(struct sock_filter));
+    if (command == 0) run_command(&o, supervisor, program, got / sizeof(struct sock_filter), terminal_peer);
 
     char line[64];
     snprintf(line, sizeof line, "pid\x1f%d\n", (int)command);   /* its pid as seen inside the session */

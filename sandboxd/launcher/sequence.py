@@ -31,7 +31,7 @@ import os
 import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
 
 from sandboxd.errors import ExecFailed
-from sandboxd.kernel import caps, cgroups, landlock, namespaces, netns, process, rlimits, seccomp
+from sandboxd.kernel import caps, cgroups, landlock, namespaces, netns, process, rlimits, seccomp, terminals
 from sandboxd.kernel._libc import from_oserror
 from sandboxd.launcher import file_tools, report, rootfs
 from sandboxd.launcher.init_loop import InitLoop, receive_fd, send_fd
@@ -217,6 +217,10 @@ def run_call(plan: LaunchPlan, *, session_pidfd: int, intake_fd: int | None, rep
         process.die_with_parent(OUTSIDE_PARENT)
         trace("not dumpable")
         process.set_dumpable(False)
+        terminal_peer = None
+        if plan.terminal is not None:
+            trace("open terminal")
+            terminal_peer = open_terminal(plan.terminal)
         trace("fork")
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "join session")
@@ -224,7 +228,8 @@ def run_call(plan: LaunchPlan, *, session_pidfd: int, intake_fd: int | None, rep
     command_pid = _fork_command()
     if command_pid == 0:
         in_child(report_fd, "command", lambda: _run_command(plan, report_fd=report_fd, listener_sink=sink,
-                                                            parent=CALL_INIT, trace=trace))
+                                                            parent=CALL_INIT, trace=trace,
+                                                            terminal_peer=terminal_peer))
     if sink is not None:
         sink.detach()                                     # its descriptor is closed just below
     try:
@@ -245,9 +250,28 @@ def run_call(plan: LaunchPlan, *, session_pidfd: int, intake_fd: int | None, rep
     InitLoop(on_exit).run()
 
 
+def open_terminal(size: tuple[int, int]) -> int:
+    """A terminal of ``size`` (rows, columns) from the devpts this process sees (a session's own,
+    inside it); its master is sent on fd 0, the call's terminal channel, to the daemon, which
+    relays it. Returns the peer, for the command (``terminals.take_as_controlling``)."""
+    master, peer = terminals.open_pair(*size, ptmx=terminals.PTMX_PATH)
+    channel = _socket.socket(fileno=0)
+    try:
+        send_fd(channel, master)
+    except BaseException:
+        os.close(peer)
+        raise
+    finally:
+        channel.detach()
+        os.close(master)
+    return peer
+
+
 def _run_command(plan: LaunchPlan, *, report_fd: int, listener_sink: "_socket.socket | None",
-                 parent: int = 1, trace: "Callable[[str], object]" = _no_trace) -> NoReturn:
-    """The command: ``parent`` is its expected parent pid (1: a one-shot init; CALL_INIT: a call's)."""
+                 parent: int = 1, trace: "Callable[[str], object]" = _no_trace,
+                 terminal_peer: int | None = None) -> NoReturn:
+    """The command: ``parent`` is its expected parent pid (1: a one-shot init; CALL_INIT: a call's).
+    ``terminal_peer``: its terminal (run_call opened it), made its controlling one and its stdio."""
     parent = os.getppid() if parent == CALL_INIT else parent
     debug = plan.debug
     try:
@@ -258,6 +282,9 @@ def _run_command(plan: LaunchPlan, *, report_fd: int, listener_sink: "_socket.so
         process.die_with_parent(parent)
         trace("new session")
         process.new_session()                             # no controlling terminal: no TIOCSTI into the caller
+        if terminal_peer is not None:
+            trace("controlling terminal")
+            terminals.take_as_controlling(terminal_peer)  # the session's own pty, not the caller's
         trace("rlimits")
         rlimits.apply(cpu_seconds=plan.limits.cpu_seconds, open_files=plan.limits.open_files)
         trace("verify dropped")
@@ -301,6 +328,8 @@ def _exec_unconfined(plan: LaunchPlan, report_fd: int) -> NoReturn:
             os.setgroups([])
             os.setresgid(plan.gid, plan.gid, plan.gid)
             os.setresuid(plan.uid, plan.uid, plan.uid)
+        if plan.terminal is not None:                     # the host's devpts: this is the host as it is
+            terminals.take_as_controlling(open_terminal(plan.terminal))
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "unconfined setup")
     _exec(plan, report_fd)

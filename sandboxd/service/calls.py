@@ -39,6 +39,21 @@ class SessionCall:
         self._generation: int | None = None
 
     def __enter__(self) -> "SessionCall":
+        child_stdio = self._child_stdio()
+        try:
+            self._generation = self._registry.begin_call(self._session)
+            argv, env, cwd, timeout, tool = self._request
+            self._start(self._session.sandbox_name(self._generation), argv, env, cwd, timeout, child_stdio, tool)
+        except BaseException:
+            self.__exit__()
+            raise
+        finally:
+            for fd in set(child_stdio):
+                os.close(fd)
+        return self
+
+    def _child_stdio(self) -> tuple[int, int, int]:
+        """The call's ends of its stdin, stdout and stderr pipes (closed here once it has them)."""
         stdin_r, self.stdin_w = os.pipe2(os.O_CLOEXEC)
         self.out_r, out_w = os.pipe2(os.O_CLOEXEC)
         self.err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -47,18 +62,11 @@ class SessionCall:
                 fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_SIZE)
             except OSError:
                 pass  # above /proc/sys/fs/pipe-max-size for an unprivileged daemon: the default still works
-        try:
-            self._generation = self._registry.begin_call(self._session)
-            argv, env, cwd, timeout, tool = self._request
-            self.call_id, self.inner_pid = self._fork.call(self._session.sandbox_name(self._generation), argv,
-                                                           env, cwd, timeout, (stdin_r, out_w, err_w), tool=tool)
-        except BaseException:
-            self.__exit__()
-            raise
-        finally:
-            for fd in (stdin_r, out_w, err_w):
-                os.close(fd)
-        return self
+        return stdin_r, out_w, err_w
+
+    def _start(self, sandbox: str, argv: list[str], env: dict[str, str], cwd: str, timeout: float | None,
+               stdio: tuple[int, int, int], tool: dict[str, object] | None) -> None:
+        self.call_id, self.inner_pid = self._fork.call(sandbox, argv, env, cwd, timeout, stdio, tool=tool)
 
     def take_stdin(self) -> int:
         """The write end of the command's stdin; the caller closes it from now on."""

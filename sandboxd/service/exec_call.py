@@ -20,6 +20,7 @@ import grpc
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy.limits import check_timeout
 from sandboxd.policy.spec import check_command
+from sandboxd.service import terminal_call
 from sandboxd.service.calls import SessionCall, write_all
 from sandboxd.service.sessions import Session, SessionRegistry
 from sandboxd.supervisor.forkserver import ForkServer
@@ -45,6 +46,8 @@ def check_start(start: pb.ExecStart, argv: list[str]) -> None:
     check_command(argv, dict(start.env) if start.env else DEFAULT_ENV)
     if start.timeout_seconds:
         check_timeout(start.timeout_seconds)
+    if start.HasField("terminal"):
+        terminal_call.check_terminal(start.terminal)
 
 
 def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb.ExecStart, argv: list[str],
@@ -53,12 +56,19 @@ def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb
     env = {**(dict(start.env) if start.env else DEFAULT_ENV), **session.extra_env}
     timeout = start.timeout_seconds or session.limits.timeout_seconds
     limit = start.output_limit_bytes or DEFAULT_OUTPUT_LIMIT
-    with SessionCall(registry, fork, session, argv, env=env, cwd=cwd, timeout=timeout) as call:
+    call: SessionCall
+    if start.HasField("terminal"):
+        call = terminal_call.TerminalCall(registry, fork, session, argv, env=terminal_call.environment(env, start.terminal),
+                                          cwd=cwd, timeout=timeout, size=terminal_call.check_terminal(start.terminal))
+    else:
+        call = SessionCall(registry, fork, session, argv, env=env, cwd=cwd, timeout=timeout)
+    with call:
         context.add_callback(call.cancel)
         yield pb.ExecResponse(started_pid=call.inner_pid or 0)
         assert call.call_id is not None
-        threading.Thread(target=_feed, args=(fork, call.call_id, call.take_stdin(), start, requests),
-                         name=f"sandboxd-stdin-{call.call_id}", daemon=True).start()
+        feeder, args = ((terminal_call.feed, (fork, call, start, requests)) if isinstance(call, terminal_call.TerminalCall)
+                        else (_feed, (fork, call.call_id, call.take_stdin(), start, requests)))
+        threading.Thread(target=feeder, args=args, name=f"sandboxd-stdin-{call.call_id}", daemon=True).start()
         truncated = False
         for stream, chunk in call.output():
             if limit <= 0:

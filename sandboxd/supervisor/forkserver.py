@@ -10,6 +10,7 @@ object per message:
   {"op": "session_close", "id": N, "session": S}                                   kill all of it
   {"op": "call", "id": N, "session": S, "argv": [...], "env": {...}, "cwd": C,
    "timeout": T}  + SCM_RIGHTS [stdin, stdout, stderr]                              one command in a session
+   (with "terminal": [rows, columns], on a terminal: stdin is the socket its master goes back on)
   {"op": "signal", "id": N, "signum": S}    {"op": "cancel", "id": N}               to a running launch or call
   {"op": "check_paths", "id": N, "caller": [uid, gid, [groups]], "paths": [...]}   may the caller write them?
   {"op": "ping", "id": N}                                                          the daemon's watchdog
@@ -295,8 +296,10 @@ class _Server:
             if any("\0" in item for item in (*argv, *env, *env.values(), cwd)):
                 raise InvalidPolicy("argv, env and cwd cannot contain NUL characters")
             limit = check_timeout(message.get("timeout"))
+            terminal = _terminal_size(message.get("terminal"))
             self._await_start(call_id, self.spawner.launch_call(session, tuple(argv), dict(env), cwd,
-                                                                stdio=(fds[0], fds[1], fds[2]), tool=tool), limit)
+                                                                stdio=(fds[0], fds[1], fds[2]), tool=tool,
+                                                                terminal=terminal), limit)
         elif op == "session_open":
             name = _field(message, "session", str)
             if name in self.sessions or name in self._opening:
@@ -541,6 +544,17 @@ def _field(message: dict[str, Any], key: str, kind: type, optional: bool = False
     return value
 
 
+def _terminal_size(value: object) -> tuple[int, int] | None:
+    """A call's terminal, [rows, columns], checked again at this edge (terminal_call.check_terminal)."""
+    from sandboxd.kernel.terminals import MAX_SIZE, MIN_SIZE
+    if value is None:
+        return None
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and MIN_SIZE <= n <= MAX_SIZE for n in value)):
+        raise InvalidPolicy(f"a terminal is [rows, columns], each {MIN_SIZE} to {MAX_SIZE}, got {value!r}")
+    return value[0], value[1]
+
+
 def _log(text: str) -> None:
     """The fork server has no logger of its own: its stderr is the daemon's."""
     try:
@@ -669,10 +683,15 @@ class ForkServer:
         self._expect(self._request({"op": "session_close", "session": session}), "session_closed")
 
     def call(self, session: str, argv: list[str], env: dict[str, str], cwd: str, timeout: float | None,
-             stdio: tuple[int, int, int], tool: dict[str, object] | None = None) -> tuple[int, int | None]:
-        """Run one command (or a file tool) in a session; return (call id, its pid inside the session)."""
-        call_id = self._request({"op": "call", "session": session, "argv": list(argv), "env": dict(env),
-                                 "cwd": cwd, "timeout": timeout, "tool": tool}, list(stdio))
+             stdio: tuple[int, int, int], tool: dict[str, object] | None = None,
+             terminal: tuple[int, int] | None = None) -> tuple[int, int | None]:
+        """Run one command (or a file tool) in a session; return (call id, its pid inside the session).
+        With ``terminal`` (rows, columns) it runs on a terminal whose master comes back on stdin."""
+        request: dict[str, Any] = {"op": "call", "session": session, "argv": list(argv), "env": dict(env),
+                                   "cwd": cwd, "timeout": timeout, "tool": tool}
+        if terminal is not None:
+            request["terminal"] = list(terminal)
+        call_id = self._request(request, list(stdio))
         event = self._expect(call_id, "started")
         return call_id, event.get("inner_pid")
 

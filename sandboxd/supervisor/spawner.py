@@ -378,18 +378,21 @@ class Spawner:
                             report_r)
 
     def launch_call(self, session: SessionSandbox, argv: tuple[str, ...], env: dict[str, str], cwd: str,
-                    stdio: tuple[int, int, int] = (0, 1, 2), tool: dict[str, object] | None = None) -> SandboxProcess:
+                    stdio: tuple[int, int, int] = (0, 1, 2), tool: dict[str, object] | None = None,
+                    terminal: tuple[int, int] | None = None) -> SandboxProcess:
         """Run one command in a session's sandbox: about a fork and an exec, no new sandbox.
         With ``tool``, the confined child runs that file tool instead of exec'ing (file_tools).
+        With ``terminal`` (rows, columns), on a terminal whose master goes back on stdin (plan.terminal).
         Commands go to the native helper when the spawner has one (native_call.py)."""
         oom_kills_before = session.cgroup.oom_kills() if session.cgroup else 0
-        proc = self._launch_call(session, argv, env, cwd, stdio, tool)
+        proc = self._launch_call(session, argv, env, cwd, stdio, tool, terminal)
         proc.count_oom_kills_in(session.cgroup, oom_kills_before)
         return proc
 
     def _launch_call(self, session: SessionSandbox, argv: tuple[str, ...], env: dict[str, str], cwd: str,
-                     stdio: tuple[int, int, int], tool: dict[str, object] | None) -> SandboxProcess:
-        plan = session.plan.replace(argv=tuple(argv), env=dict(env), cwd=cwd, tool=tool)
+                     stdio: tuple[int, int, int], tool: dict[str, object] | None,
+                     terminal: tuple[int, int] | None = None) -> SandboxProcess:
+        plan = session.plan.replace(argv=tuple(argv), env=dict(env), cwd=cwd, tool=tool, terminal=terminal)
         if self.native_helper is not None and tool is None and plan.confined and session.init_pid is not None:
             return self._spawn_native(self.native_helper, session, plan, stdio)
         cgroup_dirs = list(session.cgroup.dirs) if session.cgroup else []

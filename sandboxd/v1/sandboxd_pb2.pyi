@@ -188,7 +188,7 @@ class UpdateSessionPolicyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ...) -> None: ...
 
 class ExecStart(_message.Message):
-    __slots__ = ("session_id", "argv", "shell", "cwd", "env", "timeout_seconds", "stdin", "close_stdin", "output_limit_bytes", "execution_context_id")
+    __slots__ = ("session_id", "argv", "shell", "cwd", "env", "timeout_seconds", "stdin", "close_stdin", "output_limit_bytes", "execution_context_id", "terminal")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +206,7 @@ class ExecStart(_message.Message):
     CLOSE_STDIN_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
+    TERMINAL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     argv: _containers.RepeatedScalarFieldContainer[str]
     shell: str
@@ -216,19 +217,40 @@ class ExecStart(_message.Message):
     close_stdin: bool
     output_limit_bytes: int
     execution_context_id: str
-    def __init__(self, session_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., timeout_seconds: _Optional[float] = ..., stdin: _Optional[bytes] = ..., close_stdin: _Optional[bool] = ..., output_limit_bytes: _Optional[int] = ..., execution_context_id: _Optional[str] = ...) -> None: ...
+    terminal: Terminal
+    def __init__(self, session_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., timeout_seconds: _Optional[float] = ..., stdin: _Optional[bytes] = ..., close_stdin: _Optional[bool] = ..., output_limit_bytes: _Optional[int] = ..., execution_context_id: _Optional[str] = ..., terminal: _Optional[_Union[Terminal, _Mapping]] = ...) -> None: ...
+
+class Terminal(_message.Message):
+    __slots__ = ("rows", "columns", "term")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    columns: int
+    term: str
+    def __init__(self, rows: _Optional[int] = ..., columns: _Optional[int] = ..., term: _Optional[str] = ...) -> None: ...
+
+class TerminalSize(_message.Message):
+    __slots__ = ("rows", "columns")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    columns: int
+    def __init__(self, rows: _Optional[int] = ..., columns: _Optional[int] = ...) -> None: ...
 
 class ExecRequest(_message.Message):
-    __slots__ = ("start", "stdin", "close_stdin", "signal")
+    __slots__ = ("start", "stdin", "close_stdin", "signal", "resize")
     START_FIELD_NUMBER: _ClassVar[int]
     STDIN_FIELD_NUMBER: _ClassVar[int]
     CLOSE_STDIN_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    RESIZE_FIELD_NUMBER: _ClassVar[int]
     start: ExecStart
     stdin: bytes
     close_stdin: bool
     signal: int
-    def __init__(self, start: _Optional[_Union[ExecStart, _Mapping]] = ..., stdin: _Optional[bytes] = ..., close_stdin: _Optional[bool] = ..., signal: _Optional[int] = ...) -> None: ...
+    resize: TerminalSize
+    def __init__(self, start: _Optional[_Union[ExecStart, _Mapping]] = ..., stdin: _Optional[bytes] = ..., close_stdin: _Optional[bool] = ..., signal: _Optional[int] = ..., resize: _Optional[_Union[TerminalSize, _Mapping]] = ...) -> None: ...
 
 class ExecResult(_message.Message):
     __slots__ = ("exit_code", "signal", "timed_out", "wall_seconds", "cpu_seconds", "peak_memory_bytes", "output_truncated", "shell_status", "oom_killed")
