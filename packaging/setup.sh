@@ -30,8 +30,9 @@ if [ "$mode" = test ] && ! { command -v node && command -v npm; } >/dev/null 2>&
   packages+=(nodejs npm)
 fi
 # fuse3: fusermount3, with which tests/test_hung_fs.py mounts, as a plain user, a FUSE file system that never answers.
+# tmux: tests/test_terminals.py types into `sandboxctl shell` as a person would and reads the screen.
 if [ "$mode" = test ]; then
-  packages+=(fuse3)
+  packages+=(fuse3 tmux)
 fi
 
 die() { echo "setup.sh: $*" >&2; exit 1; }
