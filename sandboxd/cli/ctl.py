@@ -15,7 +15,10 @@ from collections.abc import Iterator
 
 import grpc
 
-from sandboxd.client import DEFAULT_SOCKET, MAX_READ_BYTES, SandboxClient, sandbox_policy, write_through
+from sandboxd.cli import approval_prompt
+from sandboxd.cli.env_args import add_env_options, env_from_args
+from sandboxd.client import (DEFAULT_SOCKET, MAX_READ_BYTES, SandboxClient, caller_environment, sandbox_policy,
+                             write_through)
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 TYPE_CHECKING = False
@@ -43,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--writable-root", action="append", default=[])
     create.add_argument("--approval", default="on-request", choices=["never", "on-request", "always"])
     create.add_argument("--label", action="append", default=[], metavar="K=V")
+    add_env_options(create, "every command of the session")
     listing = actions.add_parser("list", help="the sessions you may see")
     listing.add_argument("--json", action="store_true")
     close = actions.add_parser("close", help="close a session: kills everything in it")
@@ -89,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("--json", action="store_true", help="one JSON object per line")
     pending = commands.add_parser("pending", help="calls of a session waiting for approval")
     pending.add_argument("session_id")
+    approvals = commands.add_parser("approvals", help="held calls of your sessions; --follow: as they come, "
+                                                      "answered with y/s/n on a terminal")
+    approvals.add_argument("--follow", "-f", action="store_true", help="keep watching (and answering on a terminal)")
+    approvals.add_argument("--session", default="", help="one session (default: every session you own)")
+    approvals.add_argument("--json", action="store_true", help="one JSON object per held call (never answers)")
     for verb, text in (("approve", "allow a held call (once, or for the session)"), ("deny", "deny a held call")):
         answer = commands.add_parser(verb, help=text)
         answer.add_argument("session_id")
@@ -104,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     execute.add_argument("session_id")
     execute.add_argument("--cwd", default="")
     execute.add_argument("--timeout", type=float, default=0)
+    add_env_options(execute, "this command")
     execute.add_argument("argv", nargs="*", metavar="-- PROGRAM [ARGS...]")
     return parser
 
@@ -205,40 +215,6 @@ def _print_events(client: SandboxClient, args: argparse.Namespace) -> int:
         token = page.next_page_token
         if not token:
             return 0
-
-
-class _ApprovalNotices:
-    """While a command runs, say on stderr when one of the session's calls is held for approval
-    (the Exec stream itself stays silent until the call is answered)."""
-
-    def __init__(self, client: SandboxClient, session_id: str, socket_option: str = "") -> None:
-        self._client, self._session_id = client, session_id
-        self._ctl = f"sandboxctl {socket_option}".rstrip()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-
-    def __enter__(self) -> "_ApprovalNotices":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self._done.set()
-
-    def _watch(self) -> None:
-        told: set[str] = set()
-        while not self._done.wait(0.5):
-            try:
-                held = self._client.stub.ListPendingApprovals(
-                    pb.ListPendingApprovalsRequest(session_id=self._session_id)).approvals
-            except grpc.RpcError:
-                return
-            for call in held:
-                if call.call_id not in told:
-                    told.add(call.call_id)
-                    sys.stderr.write(f"sandboxctl: waiting for approval ({call.reason}): {call.summary}\n"
-                                     f"  {self._ctl} approve {self._session_id} {call.call_id} [--session-wide]"
-                                     f"  |  {self._ctl} deny {self._session_id} {call.call_id}\n")
-                    sys.stderr.flush()
 
 
 def _run_policy_command(client: SandboxClient, args: argparse.Namespace) -> int:
@@ -358,14 +334,21 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
         return _status(client)
     if args.command in ("events", "pending", "approve", "deny", "rules"):
         return _run_policy_command(client, args)
+    if args.command == "approvals":
+        return approval_prompt.follow(client, session_id=args.session, as_json=args.json, once=not args.follow,
+                                      interactive=args.follow and not args.json and approval_prompt.on_terminal())
     if args.command == "exec":
         command = args.argv
         if not command:
             raise ValueError("no command: sandboxctl exec SESSION -- PROGRAM [ARGS...]")
         socket_option = f"--socket {args.socket}" if args.name_socket else ""
-        with _ApprovalNotices(client, args.session_id, socket_option):
-            return _exec(client, pb.ExecStart(session_id=args.session_id, argv=command, cwd=args.cwd,
-                                              timeout_seconds=args.timeout))
+        context_id = approval_prompt.new_context_id()
+        start = pb.ExecStart(session_id=args.session_id, argv=command, cwd=args.cwd, timeout_seconds=args.timeout,
+                             env_overlay=env_from_args(args), execution_context_id=context_id,
+                             caller_env=caller_environment(on_terminal=sys.stdout.isatty()))
+        with approval_prompt.ExecApprovals(client, args.session_id, context_id, f"sandboxctl {socket_option}".rstrip(),
+                                           interactive=approval_prompt.on_terminal()):
+            return _exec(client, start)
     if args.command == "write":
         written = client.write_file(args.session_id, args.path, sys.stdin.buffer.read(), mode=args.mode,
                                     create_parents=args.parents)
@@ -406,7 +389,7 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
         labels = dict(item.split("=", 1) for item in args.label if "=" in item)
         session = client.create_session(args.workspace, policy=sandbox_policy(
             args.sandbox, network=args.network, writable_roots=args.writable_root), approval=args.approval,
-            labels=labels)
+            labels=labels, env=env_from_args(args))
         print(session.id)
     elif args.action == "list":
         for session in client.list_sessions():
