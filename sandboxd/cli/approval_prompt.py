@@ -59,12 +59,12 @@ def hint(session_id: str, held: pb.PendingApproval, ctl: str) -> str:
             f"  |  {ctl} deny {session_id} {held.call_id}\n")
 
 
-def pending(client: SandboxClient, session_id: str) -> list[pb.PendingApproval]:
-    """The session's held calls; none once the session is gone."""
+def pending(client: SandboxClient, session_id: str, *, missing_ok: bool = True) -> list[pb.PendingApproval]:
+    """The session's held calls; none once the session is gone (NOT_FOUND unless ``missing_ok``)."""
     try:
         return list(client.stub.ListPendingApprovals(pb.ListPendingApprovalsRequest(session_id=session_id)).approvals)
     except grpc.RpcError as error:
-        if error.code() == grpc.StatusCode.NOT_FOUND:
+        if missing_ok and error.code() == grpc.StatusCode.NOT_FOUND:
             return []
         raise
 
@@ -94,11 +94,13 @@ class KeyReader:
         self._saved: list[Any] | None = None
         self._lock = threading.Lock()
 
-    def read(self, keys: str, *, keep_waiting: Callable[[], bool]) -> str | None:
-        """The first of ``keys`` (case-insensitive) typed, or Ctrl-C / Ctrl-D (also at the end of
-        input); None once ``keep_waiting`` says no (checked every POLL_SECONDS)."""
+    def read(self, prompt: str, keys: str, *, keep_waiting: Callable[[], bool]) -> str | None:
+        """Show ``prompt``, then the first of ``keys`` (case-insensitive) typed, or Ctrl-C / Ctrl-D
+        (also at the end of input); None once ``keep_waiting`` says no (checked every POLL_SECONDS).
+        The terminal leaves canonical mode before the prompt shows, so no key typed after it is echoed."""
         self._raw()
         try:
+            _say(prompt)
             with selectors.DefaultSelector() as selector:
                 selector.register(self._fd, selectors.EVENT_READ)
                 while keep_waiting():
@@ -168,7 +170,6 @@ class ExecApprovals:
         if self._keys is None:
             _say(hint(self._session_id, held, self._ctl))
             return
-        _say(describe(self._session_id, held))
         last_check = [time.monotonic()]
 
         def keep_waiting() -> bool:
@@ -179,13 +180,14 @@ class ExecApprovals:
             last_check[0] = time.monotonic()
             return still_held(self._client, self._session_id, held.call_id)
 
-        key = self._keys.read("ysn", keep_waiting=keep_waiting)
+        key = self._keys.read(describe(self._session_id, held), "ysn", keep_waiting=keep_waiting)
         if key is None:
             _say("(answered elsewhere)\n" if not self._done.is_set() else "\n")
             return
         decision = ANSWERS.get(key, "deny")                   # Ctrl-C / Ctrl-D at the prompt: deny
-        answered = resolve(self._client, self._session_id, held.call_id, decision)
-        _say(f"{SAID[answered]}\n" if answered else "(answered elsewhere)\n")
+        _say(f"{SAID[decision]}\n")                          # before: the answer may end this process
+        if resolve(self._client, self._session_id, held.call_id, decision) is None:
+            _say("(too late: it was answered elsewhere)\n")
 
 
 def _say(text: str) -> None:
@@ -202,6 +204,8 @@ def follow(client: SandboxClient, *, session_id: str = "", as_json: bool = False
     keys = KeyReader(sys.stdin.fileno()) if interactive else None
     seen: set[tuple[str, str]] = set()
     me = os.getuid()
+    if session_id:
+        pending(client, session_id, missing_ok=False)         # a session the caller may not see: say so
     while True:
         if session_id:
             sessions = [session_id]
@@ -233,7 +237,6 @@ def _print_held(session_id: str, held: pb.PendingApproval, as_json: bool) -> Non
 
 
 def _ask(client: SandboxClient, keys: KeyReader, session_id: str, held: pb.PendingApproval) -> None:
-    _say(describe(session_id, held))
     last_check = [time.monotonic()]
 
     def keep_waiting() -> bool:
@@ -242,7 +245,7 @@ def _ask(client: SandboxClient, keys: KeyReader, session_id: str, held: pb.Pendi
         last_check[0] = time.monotonic()
         return still_held(client, session_id, held.call_id)
 
-    key = keys.read("ysn", keep_waiting=keep_waiting)
+    key = keys.read(describe(session_id, held), "ysn", keep_waiting=keep_waiting)
     if key == CTRL_C:
         _say("\n")
         raise KeyboardInterrupt
@@ -252,5 +255,6 @@ def _ask(client: SandboxClient, keys: KeyReader, session_id: str, held: pb.Pendi
     if key is None:
         _say("(answered elsewhere)\n")
         return
-    answered = resolve(client, session_id, held.call_id, ANSWERS[key])
-    _say(f"{SAID[answered]}\n" if answered else "(answered elsewhere)\n")
+    _say(f"{SAID[ANSWERS[key]]}\n")
+    if resolve(client, session_id, held.call_id, ANSWERS[key]) is None:
+        _say("(too late: it was answered elsewhere)\n")
