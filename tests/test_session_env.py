@@ -5,16 +5,19 @@ sandbox has; HOME is private and writable; old clients' `env` is exactly theirs;
 from __future__ import annotations
 
 import os
+import pwd
 import subprocess
+import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
-from conftest import BASE_ENV
+from conftest import BASE_ENV, SLOW
 from daemon_fixtures import REPO, base, client  # noqa: F401 - pytest fixtures
-from daemon_helpers import rpc_error
+from daemon_helpers import PlainUser, plain_users, rpc_error
 from sandboxd.client import SandboxClient, sandbox_policy
 from sandboxd.policy.limits import MAX_ENV_VALUE, MAX_PATH_ENTRIES, MAX_SESSION_ENV_ENTRIES
 from sandboxd.service.environment import SANDBOX_HOME
@@ -87,25 +90,61 @@ def test_path_keeps_the_directories_the_sandbox_has(base: Path, client: SandboxC
         assert found.returncode == 0 and "pytest" in (found.stdout + found.stderr), found.stderr
         without = ctl(base, "exec", session_id, "--", "pytest", "--version", env={**BASE_ENV, "PATH": "/usr/bin:/bin"})
         assert without.returncode != 0 and "pytest" not in without.stdout
+        # A directory made after the first look (a venv's bin) is found once it exists.
+        later = ws / "later" / "bin"
+        env = {**BASE_ENV, "PATH": f"{later}:/usr/bin:/bin"}
+        assert ctl(base, "exec", session_id, "--", "/bin/sh", "-c", 'echo "$PATH"', env=env).stdout.strip() == "/usr/bin:/bin"
+        later.mkdir(parents=True)
+        deadline = time.monotonic() + 60 * SLOW
+        while (seen := ctl(base, "exec", session_id, "--", "/bin/sh", "-c", 'echo "$PATH"', env=env).stdout.strip()) != (
+                f"{later}:/usr/bin:/bin"):
+            assert time.monotonic() < deadline, f"{later} never joined PATH: {seen}"
+            time.sleep(0.5)
         ctl(base, "session", "close", session_id)
     finally:
         host_tmp_dir.rmdir()
 
 
+HOME_SCRIPT = 'echo "$HOME"; id -u; stat -c "%a %u" "$HOME"; echo mine > "$HOME/.note" && cat "$HOME/.note"'
+
+
+@pytest.fixture(scope="module")
+def plain() -> Iterator[PlainUser]:
+    with plain_users(1) as (user,):
+        yield user
+
+
 @pytest.mark.parametrize("mode", ["read-only", "workspace-write"])
-def test_home_is_private_and_writable(base: Path, client: SandboxClient, mode: str) -> None:
-    """HOME is a 0700 directory the command may write, in every confined policy, not the host's
-    home, and private to the session (another session does not see what this one left there)."""
-    script = 'echo "$HOME"; stat -c %a "$HOME"; echo mine > "$HOME/.note" && cat "$HOME/.note"; ls -A "$HOME"'
-    sessions = [client.create_session(str(workspace(base)), policy=sandbox_policy(mode), approval="never")
-                for _ in range(2)]
-    first = client.exec(sessions[0].id, ["/bin/sh", "-c", script], caller_env=pb.CallerEnvironment(path="/usr/bin:/bin"))
-    assert first.stdout.decode().split() == [SANDBOX_HOME, "700", "mine", ".note"], first.stderr
+@pytest.mark.parametrize("owner", ["root", "plain"])
+def test_home_is_private_and_writable(base: Path, client: SandboxClient, plain: PlainUser, mode: str,
+                                      owner: str) -> None:
+    """HOME is a 0700 directory of the command's user (root's, or a plain user's: the workspace's
+    owner), writable, in every confined policy; not the host's home; private to the session
+    (another session does not see what this one left there); made again in a rebuilt sandbox."""
+    spaces = [workspace(base) for _ in range(2)]
+    uid = 0 if owner == "root" else plain.uid
+    for space in spaces:
+        os.chown(space, uid, 0 if owner == "root" else plain.gid)
+    sessions = [client.create_session(str(space), policy=sandbox_policy(mode), approval="never") for space in spaces]
+    first = client.exec(sessions[0].id, ["/bin/sh", "-c", HOME_SCRIPT], caller_env=pb.CallerEnvironment(path="/usr/bin:/bin"))
+    assert first.stdout.decode().split() == [SANDBOX_HOME, str(uid), "700", str(uid), "mine"], first.stderr
     assert not os.path.exists(f"{SANDBOX_HOME}/.note") and SANDBOX_HOME != os.path.expanduser("~")
     second = client.exec(sessions[1].id, ["/bin/sh", "-c", 'ls -A "$HOME"; echo end'])
     assert second.stdout.decode().split() == ["end"], second.stderr         # empty: its own HOME
+    # A policy change builds a new sandbox (a new private /tmp): HOME is made again there.
+    client.update_policy(sessions[0].id, policy=sandbox_policy("read-only" if mode != "read-only" else "workspace-write"))
+    rebuilt = client.exec(sessions[0].id, ["/bin/sh", "-c", HOME_SCRIPT], caller_env=pb.CallerEnvironment(path="/usr/bin:/bin"))
+    assert rebuilt.stdout.decode().split() == [SANDBOX_HOME, str(uid), "700", str(uid), "mine"], rebuilt.stderr
     for session in sessions:
         client.close_session(session.id)
+
+
+def test_danger_full_access_home_is_the_owners(base: Path, client: SandboxClient) -> None:
+    """No private /tmp there: HOME is the owner's own (root's here), never a name in the shared /tmp."""
+    session = client.create_session(str(workspace(base)), policy=sandbox_policy("danger-full-access"), approval="never")
+    shown = client.exec(session.id, ["/bin/sh", "-c", 'echo "$HOME"'])
+    assert shown.stdout.decode().strip() == pwd.getpwuid(0).pw_dir
+    client.close_session(session.id)
 
 
 def test_old_clients_env_is_exactly_theirs(base: Path, client: SandboxClient) -> None:

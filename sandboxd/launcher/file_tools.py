@@ -36,7 +36,7 @@ def run(tool: "dict[str, Any]") -> "NoReturn":   # the request, as JSON decoded 
             _list(path)
             code = 0
         elif op == "environment":
-            _environment(path, bool(tool.get("create")), [str(d) for d in tool.get("dirs") or ()])
+            _environment(path, [str(d) for d in tool.get("dirs") or ()])
             code = 0
         elif op == "search":
             _search(path, str(tool["pattern"]), bool(tool.get("case_insensitive")), int(tool.get("max_results") or 1000))
@@ -146,26 +146,20 @@ def _list(path: str) -> None:
     _write_all(1, ("\n".join(sorted(lines)) + "\n").encode() if lines else b"")
 
 
-def _environment(home: str, create: bool, dirs: "list[str]") -> None:
+def _environment(home: str, dirs: "list[str]") -> None:
     """A command's HOME and PATH, checked as the command will see them (service.environment):
-    create ``home`` (0700) when asked; say whether it is a directory of ours we may write
+    create ``home`` (0700) unless it exists; say whether it is a directory of ours we may write
     ("1" or "0" on the first line); then hex(entry) per line for each of ``dirs`` that is a
     directory here (following symlinks, as execvp's lookup does), in the order given."""
-    usable = False
-    if home:
-        if create:
-            try:
-                os.mkdir(home, 0o700)
-            except FileExistsError:
-                pass
-            except OSError:
-                pass                                  # not usable: the lstat below says so
-        try:
-            st = os.lstat(home)                       # a symlink planted in its place is not ours
-            usable = (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
-                      and os.access(home, os.W_OK | os.X_OK))
-        except OSError:
-            usable = False
+    try:
+        os.mkdir(home, 0o700)
+    except OSError:
+        pass                                          # there already, or not makable: lstat says which
+    try:
+        st = os.lstat(home)                           # a symlink planted in its place is not ours
+        usable = stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and os.access(home, os.W_OK | os.X_OK)
+    except OSError:
+        usable = False
     lines = ["1" if usable else "0"]
     for entry in dirs:
         try:

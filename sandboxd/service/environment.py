@@ -11,7 +11,8 @@ ways per call (the proto's ExecStart.env says the same):
   PATH   the client's entries that are absolute and are directories inside the sandbox, as the
          command's user sees them (checked there, by the file-tool child: a host directory the
          sandbox hides or the user cannot see is dropped, so is a relative entry, which would
-         make the cwd's files programs); none left: /usr/local/bin:/usr/bin:/bin
+         make the cwd's files programs); none left: /usr/local/bin:/usr/bin:/bin.
+         danger-full-access: the client's absolute entries as given (the host as it is).
   HOME   confined sandboxes: /tmp/sandboxd-home, in the session's private /tmp (a tmpfs every
          policy has, read-only included), created 0700 by the command's user on first use, so
          it is writable, private to the session and never the host's home (dotfiles, keys,
@@ -28,8 +29,12 @@ in both cases, by the caller (exec_call, background).
 
 from __future__ import annotations
 
+import math
 import os
 import pwd
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Mapping
 
 from sandboxd.errors import Exhausted, InvalidPolicy
@@ -133,17 +138,64 @@ def command_env(registry: SessionRegistry, fork: ForkServer, session: Session, s
     return compose(session, start, path=":".join(kept), home=home)
 
 
+class _Prepared:
+    """What ``prepare`` found, by (session, sandbox generation, sandbox build, client PATH): asking
+    costs a call into the sandbox (about as long as a short command), and a sandbox's HOME stays
+    made for its life. A new generation or a rebuilt sandbox (policy change, daemon restart, fork
+    server loss) is a new key. When every entry was kept the answer stands (a directory removed
+    later only costs execvp a failed lookup); when some were dropped it is asked again after
+    RECHECK_SECONDS, so a directory made meanwhile (a venv's bin) is found. Bounded: the oldest
+    entries go first (at worst a caller cycling PATHs makes others ask again)."""
+
+    MAX_ENTRIES = 4096
+    RECHECK_SECONDS = 2.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._found: OrderedDict[tuple[str, int, int, str], tuple[list[str], str, float]] = OrderedDict()
+
+    def get(self, key: tuple[str, int, int, str]) -> tuple[list[str], str] | None:
+        with self._lock:
+            found = self._found.get(key)
+            if found is None or time.monotonic() > found[2]:
+                return None
+            self._found.move_to_end(key)
+            return found[0], found[1]
+
+    def put(self, key: tuple[str, int, int, str], kept: list[str], home: str, *, complete: bool) -> None:
+        with self._lock:
+            self._found[key] = (kept, home, math.inf if complete else time.monotonic() + self.RECHECK_SECONDS)
+            self._found.move_to_end(key)
+            while len(self._found) > self.MAX_ENTRIES:
+                self._found.popitem(last=False)
+
+
+_prepared = _Prepared()
+
+
 def prepare(registry: SessionRegistry, fork: ForkServer, session: Session,
             candidates: list[str]) -> tuple[list[str], str]:
     """Inside the session's sandbox, as its commands' user: create the private HOME (confined
     sandboxes) and keep the PATH entries that are directories there. Returns (kept, HOME)."""
-    confined = not isinstance(session.policy, DangerFullAccess)
-    home = SANDBOX_HOME if confined else _owner_home(session.owner.uid)
-    _, out = run_tool(registry, fork, session, {"op": "environment", "path": home, "create": confined,
-                                                "dirs": candidates})
+    with session.lock:
+        key = (session.id, session.generation, session.sandbox_builds, ":".join(candidates))
+    found = _prepared.get(key)
+    if found is not None:
+        return list(found[0]), found[1]
+    if isinstance(session.policy, DangerFullAccess):
+        # The host as it is, as the owner: the client's own view of it. Nothing to check (a missing
+        # entry costs execvp a failed lookup), and file tools do not run there.
+        return candidates, _owner_home(session.owner.uid)
+    home = SANDBOX_HOME
+    _, out = run_tool(registry, fork, session, {"op": "environment", "path": home, "dirs": candidates})
     first, *rest = out.decode().splitlines() or ["0"]
     kept = [os.fsdecode(bytes.fromhex(line)) for line in rest if line]
-    return kept, (home if first == "1" else FALLBACK_HOME)
+    home = home if first == "1" else FALLBACK_HOME
+    with session.lock:                                # built again meanwhile: what it found may be gone
+        current = (session.generation, session.sandbox_builds) == key[1:3]
+    if current:
+        _prepared.put(key, kept, home, complete=len(kept) == len(candidates))
+    return list(kept), home
 
 
 def _owner_home(uid: int) -> str:

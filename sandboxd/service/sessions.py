@@ -68,6 +68,7 @@ class Session:
         self.services: dict[int, list[PublishedPort | EgressProxy]] = {}   # by sandbox generation
         self.extra_env: dict[str, str] = {}   # added to every call's environment (the proxy variables)
         self.git_guard: GitGuard | None = None  # inspects the writable roots after each call (git_guard.py)
+        self.sandbox_builds = 0               # sandboxes built so far (any generation): what was made in one is gone in the next
 
     def to_row(self, closed_at: float | None = None) -> SessionRow:
         """What the store keeps of it (the caller holds ``lock``, or the session is not shared yet)."""
@@ -386,6 +387,8 @@ class SessionRegistry:
     def _open_sandbox(self, session: Session, generation: int, policy: SandboxPolicy) -> None:
         """Build one generation of the session's sandbox in the fork server, and publish its ports."""
         info = self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy))
+        with session.lock:
+            session.sandbox_builds += 1
         if info.workspace:
             with session.lock:
                 session.workspace = info.workspace        # as the caller's own lookup resolved it
