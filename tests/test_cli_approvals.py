@@ -152,12 +152,13 @@ def test_s_allows_the_session_so_the_next_call_is_not_held(base: Path, session_i
     assert granted == ["user", "session"]
 
 
-def test_n_denies_with_the_typed_reason(base: Path, session_id: str) -> None:
+@pytest.mark.parametrize("key", ["n", "\x03"])                # n, or Ctrl-C at the prompt
+def test_n_denies_with_the_typed_reason(base: Path, session_id: str, key: str) -> None:
     term = Terminal(ctl_argv(base, "exec", session_id, *HELD))
     try:
         term.wait_for("[n] deny")
         term.type("x")                                       # not an answer: ignored, still asking
-        term.type("n")
+        term.type(key)
         code, screen = term.finish()
     finally:
         term.stop()

@@ -151,6 +151,10 @@ class ExecApprovals:
         return self
 
     def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """The call runs (or ended): stop looking, and give the terminal back as it was."""
         self._done.set()
         if self._keys is not None:
             self._keys.restore()

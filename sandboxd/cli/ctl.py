@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -284,9 +284,10 @@ def _session_line(session: pb.Session) -> str:
 _STDIN_CHUNK = 64 << 10
 
 
-def _exec(client: SandboxClient, start: pb.ExecStart) -> int:
+def _exec(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], None] = lambda: None) -> int:
     """Run one command, streaming stdin when it is not a terminal. Ctrl-C sends SIGINT to the
-    remote command; a second Ctrl-C cancels the call (the daemon kills the command's tree)."""
+    remote command; a second Ctrl-C cancels the call (the daemon kills the command's tree).
+    ``on_started``: the call was granted and runs (nothing is held for approval any more)."""
     requests: queue.Queue[pb.ExecRequest | None] = queue.Queue()
     forward_stdin = not sys.stdin.isatty()
     if not forward_stdin:
@@ -319,7 +320,9 @@ def _exec(client: SandboxClient, start: pb.ExecStart) -> int:
     try:
         for response in client.stub.Exec(request_stream()):
             kind = response.WhichOneof("kind")
-            if kind in ("stdout", "stderr"):
+            if kind == "started_pid":
+                on_started()
+            elif kind in ("stdout", "stderr"):
                 write_through(1 if kind == "stdout" else 2, getattr(response, kind))
             elif kind == "result":
                 status = response.result.shell_status
@@ -347,8 +350,8 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
                              env_overlay=env_from_args(args), execution_context_id=context_id,
                              caller_env=caller_environment(on_terminal=sys.stdout.isatty()))
         with approval_prompt.ExecApprovals(client, args.session_id, context_id, f"sandboxctl {socket_option}".rstrip(),
-                                           interactive=approval_prompt.on_terminal()):
-            return _exec(client, start)
+                                           interactive=approval_prompt.on_terminal()) as approvals:
+            return _exec(client, start, on_started=approvals.stop)
     if args.command == "write":
         written = client.write_file(args.session_id, args.path, sys.stdin.buffer.read(), mode=args.mode,
                                     create_parents=args.parents)
