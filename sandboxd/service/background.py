@@ -18,8 +18,8 @@ from sandboxd.errors import NotFound
 from sandboxd.service import environment
 from sandboxd.service.sessions import Session, SessionRegistry, cwd_inside
 from sandboxd.supervisor.forkserver import ForkServer
-from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.supervisor.spawner import ExitInfo
+from sandboxd.v1 import sandboxd_pb2 as pb
 
 BUFFER_BYTES = 4 << 20
 CHUNK = 64 * 1024
