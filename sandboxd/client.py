@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable
 
@@ -73,10 +74,11 @@ class SandboxClient:
 
     def create_session(self, workspace: str, *, policy: pb.SandboxPolicy | None = None,
                        approval: str = "on-request", limits: pb.Limits | None = None,
-                       labels: dict[str, str] | None = None) -> pb.Session:
+                       labels: dict[str, str] | None = None, env: dict[str, str] | None = None) -> pb.Session:
+        """``env``: variables every command of the session gets (see CreateSessionRequest.env)."""
         return self.stub.CreateSession(pb.CreateSessionRequest(
             workspace=workspace, sandbox_policy=policy or sandbox_policy(), approval_policy=approval_policy(approval),
-            limits=limits or pb.Limits(), labels=labels or {}))
+            limits=limits or pb.Limits(), labels=labels or {}, env=env or {}))
 
     def get_session(self, session_id: str) -> pb.Session:
         return self.stub.GetSession(pb.GetSessionRequest(session_id=session_id))
@@ -128,12 +130,16 @@ class SandboxClient:
 
     def exec(self, session_id: str, argv: list[str] | None = None, *, shell: str = "", cwd: str = "",
              env: dict[str, str] | None = None, timeout: float = 0, stdin: bytes = b"", output_limit: int = 0,
-             on_output: Callable[[int, bytes], None] | None = None) -> ExecOutcome:
+             on_output: Callable[[int, bytes], None] | None = None, env_overlay: dict[str, str] | None = None,
+             caller_env: pb.CallerEnvironment | None = None) -> ExecOutcome:
         """Run a command and wait for it. ``on_output(1 or 2, chunk)`` sees output as it comes;
         without it, output is collected into the outcome. ``output_limit``: the call's output cap
-        in bytes (0: the server's default)."""
+        in bytes (0: the server's default). ``env``: the command's whole environment; or, instead,
+        ``env_overlay`` and ``caller_env`` (see ``caller_environment``) on top of the defaults and
+        the session's env (ExecStart in the proto)."""
         start = pb.ExecStart(session_id=session_id, argv=argv or [], shell=shell, cwd=cwd, env=env or {},
-                             timeout_seconds=timeout, stdin=stdin, close_stdin=True, output_limit_bytes=output_limit)
+                             timeout_seconds=timeout, stdin=stdin, close_stdin=True, output_limit_bytes=output_limit,
+                             env_overlay=env_overlay or {}, caller_env=caller_env)
         chunks: dict[int, list[bytes]] = {1: [], 2: []}
         pid, result = 0, None
         # Everything is in `start` (stdin included, then closed), so the request stream
@@ -154,6 +160,13 @@ class SandboxClient:
         if result is None:
             raise RuntimeError("the daemon ended the Exec stream without a result")
         return ExecOutcome(pid, b"".join(chunks[1]), b"".join(chunks[2]), result)
+
+
+def caller_environment(on_terminal: bool) -> pb.CallerEnvironment:
+    """What a client passes of its own environment: PATH (the daemon keeps the entries the sandbox
+    has), LANG, and TERM when on a terminal. Nothing else: no token or key leaves by accident."""
+    return pb.CallerEnvironment(path=os.environ.get("PATH", ""), lang=os.environ.get("LANG", ""),
+                                term=os.environ.get("TERM", "") if on_terminal else "")
 
 
 def write_through(stream: int, data: bytes) -> None:

@@ -343,7 +343,7 @@ def test_exec_cwd(stub: pb_grpc.SandboxStub, session: pb.Session, ws: Path) -> N
 def test_exec_environment(stub: pb_grpc.SandboxStub, session: pb.Session) -> None:
     default = run_exec(stub, session.id, ["/usr/bin/env"])
     keys = {line.split("=", 1)[0] for line in default.stdout.decode().splitlines()}
-    assert keys == {"PATH", "HOME", "LANG"}, default.describe()
+    assert keys == {"PATH", "HOME", "LANG", "TERM"}, default.describe()     # service.environment's defaults
     given = run_exec(stub, session.id, ["/usr/bin/env"], env={"FOO": "bar baz", "PATH": "/usr/bin:/bin"})
     assert sorted(given.stdout.decode().splitlines()) == ["FOO=bar baz", "PATH=/usr/bin:/bin"], given.describe()
 

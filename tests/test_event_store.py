@@ -129,3 +129,27 @@ def test_session_rows_and_workspace_memory(store: EventStore) -> None:
     assert store.forget(PERMISSION_NAMESPACE, "/ws", "allow:fs.read", owner_uid=1000)
     assert not store.has_memory(PERMISSION_NAMESPACE, "/ws", "allow:fs.read", owner_uid=1000)
     assert store.has_memory("other", "/ws", "allow:fs.read", owner_uid=1000)    # namespaces are separate
+
+
+def test_a_sessions_env_survives_a_reopen_and_older_rows_get_none(tmp_path: Path) -> None:
+    """Migration 3: a session's own variables are kept with its row (a resumed session keeps them);
+    a row written before the migration reads back with an empty env."""
+    path = tmp_path / "events.db"
+    db = sqlite3.connect(path)                             # a store as schema version 2 left it
+    db.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    for version, migration in enumerate(MIGRATIONS[:2], 1):
+        db.executescript(migration)
+        db.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
+    db.execute("INSERT INTO sessions (id, owner_uid, owner_gid, workspace, sandbox_policy, approval_policy, limits, "
+               "labels, created_at) VALUES ('old', 1000, 1000, '/ws', '{}', 'never', '{}', '{}', 1.0)")
+    db.commit()
+    db.close()
+    store = EventStore(str(path))
+    assert store.session("old").env == {}
+    row = SessionRow("s1", 1000, 1000, "", "/ws", {"name": "read-only"}, "never", {}, {}, {}, 1.0, None,
+                     env={"TOKEN": "kept", "EMPTY": ""})
+    store.save_session(row)
+    store.close()
+    again = EventStore(str(path))
+    assert again.session("s1").env == {"TOKEN": "kept", "EMPTY": ""}
+    again.close()

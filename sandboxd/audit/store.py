@@ -34,7 +34,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from sandboxd._record import Record
+from sandboxd._record import Factory, Record
 from sandboxd.errors import InvalidPolicy, NotFound
 
 
@@ -90,6 +90,7 @@ class SessionRow(Record):
     labels: dict[str, str]
     created_at: float
     closed_at: float | None
+    env: dict[str, str] = Factory(dict)   # the session's own variables (CreateSessionRequest.env)
 
 
 MIGRATIONS: tuple[str, ...] = (
@@ -123,6 +124,10 @@ MIGRATIONS: tuple[str, ...] = (
                value, created_at FROM memory;
     DROP TABLE memory;
     ALTER TABLE memory_owned RENAME TO memory;
+    """,
+    # 3: a session's own environment (--env / --env-file), so a resumed session keeps it.
+    """
+    ALTER TABLE sessions ADD COLUMN env TEXT NOT NULL DEFAULT '{}';
     """,
 )
 
@@ -328,17 +333,17 @@ class EventStore:
         """Insert or update a session's metadata (committed when this returns)."""
         values = (row.id, row.owner_uid, row.owner_gid, row.owner_principal, row.workspace,
                   json.dumps(row.sandbox_policy), row.approval_policy, json.dumps(row.tool_rules),
-                  json.dumps(row.limits), json.dumps(row.labels), row.created_at, row.closed_at)
+                  json.dumps(row.limits), json.dumps(row.labels), row.created_at, row.closed_at, json.dumps(row.env))
         with self._lock:
             self._db.execute(
                 "INSERT INTO sessions (id, owner_uid, owner_gid, owner_principal, workspace, sandbox_policy, "
-                "approval_policy, tool_rules, limits, labels, created_at, closed_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+                "approval_policy, tool_rules, limits, labels, created_at, closed_at, env) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
                 "sandbox_policy = excluded.sandbox_policy, approval_policy = excluded.approval_policy, "
                 "tool_rules = excluded.tool_rules, closed_at = excluded.closed_at", values)
 
     _SESSION_COLUMNS = ("SELECT id, owner_uid, owner_gid, owner_principal, workspace, sandbox_policy, "
-                        "approval_policy, tool_rules, limits, labels, created_at, closed_at FROM sessions")
+                        "approval_policy, tool_rules, limits, labels, created_at, closed_at, env FROM sessions")
 
     def sessions(self, *, include_closed: bool = False) -> list[SessionRow]:
         sql = self._SESSION_COLUMNS + ("" if include_closed else " WHERE closed_at IS NULL")
@@ -424,4 +429,4 @@ def _make_private(path: str) -> None:
 
 def _session_row(r: tuple[Any, ...]) -> SessionRow:
     return SessionRow(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), r[6], json.loads(r[7]), json.loads(r[8]),
-                      json.loads(r[9]), r[10], r[11])
+                      json.loads(r[9]), r[10], r[11], json.loads(r[12]))

@@ -11,12 +11,14 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
-from sandboxd.cli import terminal
-from sandboxd.client import DEFAULT_SOCKET, MAX_READ_BYTES, SandboxClient, sandbox_policy, write_through
+from sandboxd.cli import approval_prompt, terminal
+from sandboxd.cli.env_args import add_env_options, env_from_args
+from sandboxd.client import (DEFAULT_SOCKET, MAX_READ_BYTES, SandboxClient, caller_environment, sandbox_policy,
+                             write_through)
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 TYPE_CHECKING = False
@@ -44,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--writable-root", action="append", default=[])
     create.add_argument("--approval", default="on-request", choices=["never", "on-request", "always"])
     create.add_argument("--label", action="append", default=[], metavar="K=V")
+    add_env_options(create, "every command of the session")
     listing = actions.add_parser("list", help="the sessions you may see")
     listing.add_argument("--json", action="store_true")
     close = actions.add_parser("close", help="close a session: kills everything in it")
@@ -90,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("--json", action="store_true", help="one JSON object per line")
     pending = commands.add_parser("pending", help="calls of a session waiting for approval")
     pending.add_argument("session_id")
+    approvals = commands.add_parser("approvals", help="held calls of your sessions; --follow: as they come, "
+                                                      "answered with y/s/n on a terminal")
+    approvals.add_argument("--follow", "-f", action="store_true", help="keep watching (and answering on a terminal)")
+    approvals.add_argument("--session", default="", help="one session (default: every session you own)")
+    approvals.add_argument("--json", action="store_true", help="one JSON object per held call (never answers)")
     for verb, text in (("approve", "allow a held call (once, or for the session)"), ("deny", "deny a held call")):
         answer = commands.add_parser(verb, help=text)
         answer.add_argument("session_id")
@@ -105,11 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     execute.add_argument("session_id")
     execute.add_argument("--cwd", default="")
     execute.add_argument("--timeout", type=float, default=0)
+    add_env_options(execute, "this command")
     execute.add_argument("argv", nargs="*", metavar="-- PROGRAM [ARGS...]")
     execute.add_argument("-t", "--tty", action="store_true", help="run it on a terminal (needs one here)")
     shell = commands.add_parser("shell", help="an interactive shell in a session's workspace (needs a terminal)")
     shell.add_argument("session_id")
     shell.add_argument("--cwd", default="")
+    add_env_options(shell, "the shell")
     return parser
 
 
@@ -212,40 +222,6 @@ def _print_events(client: SandboxClient, args: argparse.Namespace) -> int:
             return 0
 
 
-class _ApprovalNotices:
-    """While a command runs, say on stderr when one of the session's calls is held for approval
-    (the Exec stream itself stays silent until the call is answered)."""
-
-    def __init__(self, client: SandboxClient, session_id: str, socket_option: str = "") -> None:
-        self._client, self._session_id = client, session_id
-        self._ctl = f"sandboxctl {socket_option}".rstrip()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-
-    def __enter__(self) -> "_ApprovalNotices":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self._done.set()
-
-    def _watch(self) -> None:
-        told: set[str] = set()
-        while not self._done.wait(0.5):
-            try:
-                held = self._client.stub.ListPendingApprovals(
-                    pb.ListPendingApprovalsRequest(session_id=self._session_id)).approvals
-            except grpc.RpcError:
-                return
-            for call in held:
-                if call.call_id not in told:
-                    told.add(call.call_id)
-                    sys.stderr.write(f"sandboxctl: waiting for approval ({call.reason}): {call.summary}\n"
-                                     f"  {self._ctl} approve {self._session_id} {call.call_id} [--session-wide]"
-                                     f"  |  {self._ctl} deny {self._session_id} {call.call_id}\n")
-                    sys.stderr.flush()
-
-
 def _run_policy_command(client: SandboxClient, args: argparse.Namespace) -> int:
     """events, pending, approve, deny, rules."""
     if args.command == "events":
@@ -313,9 +289,29 @@ def _session_line(session: pb.Session) -> str:
 _STDIN_CHUNK = 64 << 10
 
 
-def _exec(client: SandboxClient, start: pb.ExecStart) -> int:
+def _exec_or_shell(client: SandboxClient, args: argparse.Namespace, command: list[str], socket_option: str, *,
+                   shell: bool = False) -> int:
+    """`exec` (on a terminal with -t) and `shell`: one call, tagged so that its own approval is asked
+    about in place (approval_prompt), with the caller's PATH/LANG/TERM and the --env options."""
+    on_terminal = shell or args.tty
+    if on_terminal:
+        terminal.require_terminal("sandboxctl shell" if shell else "sandboxctl exec -t")
+    context_id = approval_prompt.new_context_id()
+    start = pb.ExecStart(session_id=args.session_id, argv=command, cwd=args.cwd,
+                         timeout_seconds=getattr(args, "timeout", 0), env_overlay=env_from_args(args),
+                         execution_context_id=context_id,
+                         caller_env=caller_environment(on_terminal=sys.stdout.isatty()))
+    with approval_prompt.ExecApprovals(client, args.session_id, context_id, f"sandboxctl {socket_option}".rstrip(),
+                                       interactive=approval_prompt.on_terminal()) as approvals:
+        if on_terminal:
+            return terminal.run(client, start, on_started=approvals.stop)
+        return _exec(client, start, on_started=approvals.stop)
+
+
+def _exec(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], None] = lambda: None) -> int:
     """Run one command, streaming stdin when it is not a terminal. Ctrl-C sends SIGINT to the
-    remote command; a second Ctrl-C cancels the call (the daemon kills the command's tree)."""
+    remote command; a second Ctrl-C cancels the call (the daemon kills the command's tree).
+    ``on_started``: the call was granted and runs (nothing is held for approval any more)."""
     requests: queue.Queue[pb.ExecRequest | None] = queue.Queue()
     forward_stdin = not sys.stdin.isatty()
     if not forward_stdin:
@@ -348,7 +344,9 @@ def _exec(client: SandboxClient, start: pb.ExecStart) -> int:
     try:
         for response in client.stub.Exec(request_stream()):
             kind = response.WhichOneof("kind")
-            if kind in ("stdout", "stderr"):
+            if kind == "started_pid":
+                on_started()
+            elif kind in ("stdout", "stderr"):
                 write_through(1 if kind == "stdout" else 2, getattr(response, kind))
             elif kind == "result":
                 status = response.result.shell_status
@@ -363,17 +361,18 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
         return _status(client)
     if args.command in ("events", "pending", "approve", "deny", "rules"):
         return _run_policy_command(client, args)
+    if args.command == "approvals":
+        return approval_prompt.follow(client, session_id=args.session, as_json=args.json, once=not args.follow,
+                                      interactive=args.follow and not args.json and approval_prompt.on_terminal())
     if args.command == "exec":
         command = args.argv
         if not command:
             raise ValueError("no command: sandboxctl exec SESSION -- PROGRAM [ARGS...]")
         socket_option = f"--socket {args.socket}" if args.name_socket else ""
-        with _ApprovalNotices(client, args.session_id, socket_option):
-            start = pb.ExecStart(session_id=args.session_id, argv=command, cwd=args.cwd, timeout_seconds=args.timeout)
-            return terminal.run(client, start) if args.tty else _exec(client, start)
+        return _exec_or_shell(client, args, command, socket_option)
     if args.command == "shell":
-        with _ApprovalNotices(client, args.session_id, f"--socket {args.socket}" if args.name_socket else ""):
-            return terminal.shell(client, args.session_id, args.cwd)
+        socket_option = f"--socket {args.socket}" if args.name_socket else ""
+        return _exec_or_shell(client, args, terminal.SHELL, socket_option, shell=True)
     if args.command == "write":
         written = client.write_file(args.session_id, args.path, sys.stdin.buffer.read(), mode=args.mode,
                                     create_parents=args.parents)
@@ -414,7 +413,7 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
         labels = dict(item.split("=", 1) for item in args.label if "=" in item)
         session = client.create_session(args.workspace, policy=sandbox_policy(
             args.sandbox, network=args.network, writable_roots=args.writable_root), approval=args.approval,
-            labels=labels)
+            labels=labels, env=env_from_args(args))
         print(session.id)
     elif args.action == "list":
         for session in client.list_sessions():

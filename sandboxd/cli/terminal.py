@@ -15,7 +15,7 @@ import signal
 import termios
 import threading
 import tty
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from sandboxd.client import SandboxClient, write_through
 from sandboxd.v1 import sandboxd_pb2 as pb
@@ -42,8 +42,9 @@ def local_terminal() -> pb.Terminal:
     return pb.Terminal(rows=size.lines, columns=size.columns, term=term)
 
 
-def run(client: SandboxClient, start: pb.ExecStart) -> int:
-    """Run ``start`` on a terminal sized like ours; returns the command's shell status."""
+def run(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], None] = lambda: None) -> int:
+    """Run ``start`` on a terminal sized like ours; returns the command's shell status.
+    ``on_started``: the call was granted and runs (see ctl._exec)."""
     require_terminal("a terminal session")
     start.terminal.CopyFrom(local_terminal())
     requests: queue.Queue[pb.ExecRequest | None] = queue.Queue()
@@ -75,6 +76,7 @@ def run(client: SandboxClient, start: pb.ExecStart) -> int:
         for response in client.stub.Exec(request_stream()):
             kind = response.WhichOneof("kind")
             if kind == "started_pid":
+                on_started()                              # before raw mode: a prompt may still be restoring
                 tty.setraw(0, termios.TCSANOW)
                 threading.Thread(target=pump_stdin, daemon=True, name="sandboxctl-stdin").start()
                 resized(signal.SIGWINCH, None)            # a resize while the call waited to start
@@ -90,7 +92,3 @@ def run(client: SandboxClient, start: pb.ExecStart) -> int:
     return status
 
 
-def shell(client: SandboxClient, session_id: str, cwd: str = "", timeout: float = 0) -> int:
-    """`sandboxctl shell SESSION`: an interactive shell in the session's workspace."""
-    require_terminal("sandboxctl shell")
-    return run(client, pb.ExecStart(session_id=session_id, argv=SHELL, cwd=cwd, timeout_seconds=timeout))

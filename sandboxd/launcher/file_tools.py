@@ -35,6 +35,9 @@ def run(tool: "dict[str, Any]") -> "NoReturn":   # the request, as JSON decoded 
         elif op == "list":
             _list(path)
             code = 0
+        elif op == "environment":
+            _environment(path, [str(d) for d in tool.get("dirs") or ()])
+            code = 0
         elif op == "search":
             _search(path, str(tool["pattern"]), bool(tool.get("case_insensitive")), int(tool.get("max_results") or 1000))
             code = 0
@@ -141,6 +144,30 @@ def _list(path: str) -> None:
             lines.append(f"{kind}\t{st.st_size}\t{stat.S_IMODE(st.st_mode)}\t{st.st_mtime}\t"
                          f"{os.fsencode(entry.name).hex()}")
     _write_all(1, ("\n".join(sorted(lines)) + "\n").encode() if lines else b"")
+
+
+def _environment(home: str, dirs: "list[str]") -> None:
+    """A command's HOME and PATH, checked as the command will see them (service.environment):
+    create ``home`` (0700) unless it exists; say whether it is a directory of ours we may write
+    ("1" or "0" on the first line); then hex(entry) per line for each of ``dirs`` that is a
+    directory here (following symlinks, as execvp's lookup does), in the order given."""
+    try:
+        os.mkdir(home, 0o700)
+    except OSError:
+        pass                                          # there already, or not makable: lstat says which
+    try:
+        st = os.lstat(home)                           # a symlink planted in its place is not ours
+        usable = stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and os.access(home, os.W_OK | os.X_OK)
+    except OSError:
+        usable = False
+    lines = ["1" if usable else "0"]
+    for entry in dirs:
+        try:
+            if stat.S_ISDIR(os.stat(entry).st_mode):
+                lines.append(os.fsencode(entry).hex())
+        except (OSError, ValueError):
+            continue
+    _write_all(1, ("\n".join(lines) + "\n").encode())
 
 
 def _search(root: str, pattern: str, case_insensitive: bool, max_results: int) -> None:

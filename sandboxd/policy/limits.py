@@ -109,6 +109,17 @@ MAX_LABEL_VALUE = 1024                   # characters
 MAX_ARGV = 1 << 14                       # arguments given to one command directly (xargs-style lists run inside)
 MAX_ENV_ENTRIES = 4096                   # variables of one call's environment (a real one has tens to hundreds)
 MAX_ENV_BYTES = 128 << 10                # NAME=value bytes of one call's environment together (a real one: a few KiB)
+# A session's own environment (CreateSessionRequest.env: --env / --env-file), kept with the session
+# (and in the store) and added to each of its calls': bounded so a session costs the daemon little,
+# with room left in MAX_ENV_BYTES for the defaults and a call's own variables.
+MAX_SESSION_ENV_ENTRIES = 256            # variables a session sets (a real .env file holds tens)
+MAX_ENV_NAME = 256                       # bytes of one variable's name
+MAX_ENV_VALUE = 32 << 10                 # bytes of one variable's value (a certificate or a token fits)
+MAX_SESSION_ENV_BYTES = 64 << 10         # NAME=value bytes of a session's variables together
+# What a client passes of its own environment (ExecStart.caller_env): PATH's entries are each
+# stat'ed inside the sandbox, so their number is bounded; LANG and TERM are short names.
+MAX_PATH_ENTRIES = 256
+MAX_CALLER_VALUE = 256                   # bytes of LANG or TERM
 # All the paths, hosts, domains and ports of one policy together: the policy crosses to the fork
 # server in one SOCK_SEQPACKET message (below net.core.wmem_default, about 200 KiB), with room
 # left for the rest of the launch.

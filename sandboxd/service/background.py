@@ -15,10 +15,11 @@ import time
 from typing import Callable, Iterator
 
 from sandboxd.errors import NotFound
-from sandboxd.service.exec_call import DEFAULT_ENV
+from sandboxd.service import environment
 from sandboxd.service.sessions import Session, SessionRegistry, cwd_inside
 from sandboxd.supervisor.forkserver import ForkServer
 from sandboxd.supervisor.spawner import ExitInfo
+from sandboxd.v1 import sandboxd_pb2 as pb
 
 BUFFER_BYTES = 4 << 20
 CHUNK = 64 * 1024
@@ -92,13 +93,14 @@ class BackgroundJobs:
 
     def start(self, session: Session, argv: list[str], cwd: str, env: dict[str, str], name: str) -> BackgroundJob:
         job = BackgroundJob(session, name or " ".join(argv)[:80], argv)
+        env = environment.command_env(self._registry, self._fork, session, pb.ExecStart(env=env))
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         null = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
         generation = self._registry.begin_call(session)
         try:
             try:
                 job.call_id, pid = self._fork.call(session.sandbox_name(generation), argv,
-                                                   {**(env or DEFAULT_ENV), **session.extra_env},
+                                                   {**env, **session.extra_env},
                                                    cwd_inside(session.workspace, cwd), None, (null, out_w, out_w))
             finally:
                 os.close(out_w)

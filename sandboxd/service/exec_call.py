@@ -20,7 +20,7 @@ import grpc
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy.limits import check_timeout
 from sandboxd.policy.spec import check_command
-from sandboxd.service import terminal_call
+from sandboxd.service import environment, terminal_call
 from sandboxd.service.calls import SessionCall, write_all
 from sandboxd.service.sessions import Session, SessionRegistry
 from sandboxd.supervisor.forkserver import ForkServer
@@ -28,7 +28,6 @@ from sandboxd.supervisor.spawner import ExitInfo
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 DEFAULT_OUTPUT_LIMIT = 64 << 20
-DEFAULT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}
 
 
 def command_of(start: pb.ExecStart) -> list[str]:
@@ -41,9 +40,10 @@ def command_of(start: pb.ExecStart) -> list[str]:
     return list(start.argv)
 
 
-def check_start(start: pb.ExecStart, argv: list[str]) -> None:
+def check_start(start: pb.ExecStart, argv: list[str], session: Session) -> None:
     """What the kernel or the clock would refuse, refused before anything runs, saying what to fix."""
-    check_command(argv, dict(start.env) if start.env else DEFAULT_ENV)
+    environment.check_start(start)
+    check_command(argv, {**environment.worst_case(session, start), **session.extra_env})
     if start.timeout_seconds:
         check_timeout(start.timeout_seconds)
     if start.HasField("terminal"):
@@ -53,7 +53,7 @@ def check_start(start: pb.ExecStart, argv: list[str]) -> None:
 def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb.ExecStart, argv: list[str],
         cwd: str, requests: Iterator[pb.ExecRequest], context: grpc.ServicerContext) -> Iterator[pb.ExecResponse]:
     """``argv`` and ``cwd``: from ``command_of(start)`` and ``cwd_inside``, as the caller checked them."""
-    env = {**(dict(start.env) if start.env else DEFAULT_ENV), **session.extra_env}
+    env = {**environment.command_env(registry, fork, session, start), **session.extra_env}
     timeout = start.timeout_seconds or session.limits.timeout_seconds
     limit = start.output_limit_bytes or DEFAULT_OUTPUT_LIMIT
     call: SessionCall

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 import grpc
 
 from sandboxd.errors import InvalidPolicy
-from sandboxd.service import convert, exec_call, file_calls, patch_search, tool_calls
+from sandboxd.service import convert, environment, exec_call, file_calls, patch_search, tool_calls
 from sandboxd.service.approvals import ApprovalGate, ToolCall
 from sandboxd.service.audit_calls import AuditService
 from sandboxd.service.background import BackgroundJob, BackgroundJobs
@@ -36,7 +36,7 @@ def session_to_proto(session: Session, closed_at: float = 0.0) -> pb.Session:
         limits=convert.limits_to_proto(session.limits), labels=session.labels, owner_uid=session.owner.uid,
         owner_gid=session.owner.gid, created_at=session.created_at, running_calls=session.running_calls,
         sandbox_generation=session.generation, permission_mode=session.rules.mode, closed_at=closed_at or 0.0,
-        sandbox_ready=session.sandbox_ready and not closed_at)
+        sandbox_ready=session.sandbox_ready and not closed_at, env_names=sorted(session.env))
 
 
 def job_to_proto(job: BackgroundJob) -> pb.BackgroundProcess:
@@ -81,7 +81,8 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             policy, approval, rules = convert.axes_from_create_request(request, self._defaults)
             session = self._registry.create(who, request.workspace, policy, approval,
                                             convert.limits_from_proto(request.limits, self._defaults),
-                                            convert.labels_from_proto(request.labels), rules)
+                                            convert.labels_from_proto(request.labels), rules,
+                                            env=environment.session_env(request.env))
             return session_to_proto(session)
         return self._unary(context, work)
 
@@ -177,7 +178,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             session = self._registry.get(who, request.session_id)
             start = pb.ExecStart(argv=request.argv, shell=request.shell, env=request.env)
             argv = exec_call.command_of(start)
-            exec_call.check_start(start, argv)
+            exec_call.check_start(start, argv, session)
             convert.check_text(request.name, "name")
             call = tool_calls.command(session, "monitor.start", argv,
                                       cwd_inside(session.workspace, convert.check_path(request.cwd, "cwd")))
@@ -230,7 +231,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             start = first.start
             session = self._registry.get(who, start.session_id)
             argv, cwd = exec_call.command_of(start), cwd_inside(session.workspace, convert.check_path(start.cwd, "cwd"))
-            exec_call.check_start(start, argv)
+            exec_call.check_start(start, argv, session)
             call = tool_calls.command(session, "shell.exec", argv, cwd, context_id=start.execution_context_id)
             with self._gate.authorize(session, call, still_wanted=context.is_active) as granted:
                 for response in exec_call.run(self._registry, self._fork, session, start, argv, cwd, request_iterator,

@@ -47,7 +47,7 @@ class Session:
 
     def __init__(self, session_id: str, owner: Caller, workspace: str, policy: SandboxPolicy,
                  approval: str, limits: Limits, labels: dict[str, str], rules: ToolRules | None = None,
-                 created_at: float | None = None) -> None:
+                 created_at: float | None = None, env: dict[str, str] | None = None) -> None:
         self.id = session_id
         self.owner = owner
         self.workspace = workspace
@@ -56,6 +56,7 @@ class Session:
         self.rules = rules or ToolRules()
         self.limits = limits
         self.labels = labels
+        self.env = dict(env or {})            # the session's own variables (service.environment); never changed
         self.created_at = created_at or time.time()
         self.generation = 1
         self.running: dict[int, int] = {}     # generation -> running calls
@@ -67,12 +68,13 @@ class Session:
         self.services: dict[int, list[PublishedPort | EgressProxy]] = {}   # by sandbox generation
         self.extra_env: dict[str, str] = {}   # added to every call's environment (the proxy variables)
         self.git_guard: GitGuard | None = None  # inspects the writable roots after each call (git_guard.py)
+        self.sandbox_builds = 0               # sandboxes built so far (any generation): what was made in one is gone in the next
 
     def to_row(self, closed_at: float | None = None) -> SessionRow:
         """What the store keeps of it (the caller holds ``lock``, or the session is not shared yet)."""
         return SessionRow(self.id, self.owner.uid, self.owner.gid, self.owner.principal, self.workspace,
                           policy_to_dict(self.policy), self.approval, rules_to_dict(self.rules),
-                          self.limits.as_dict(), dict(self.labels), self.created_at, closed_at)
+                          self.limits.as_dict(), dict(self.labels), self.created_at, closed_at, dict(self.env))
 
     def axes(self) -> dict[str, object]:
         """Both policy axes, as events record them."""
@@ -173,7 +175,7 @@ class SessionRegistry:
         owner = session_owner(row.owner_uid, row.owner_gid, row.owner_principal)
         session = Session(row.id, owner, row.workspace, policy_from_dict(row.sandbox_policy), row.approval_policy,
                           Limits(**row.limits), dict(row.labels), rules_from_dict(row.tool_rules),
-                          created_at=row.created_at)
+                          created_at=row.created_at, env=dict(row.env))
         session.sandbox_ready = False
         return session
 
@@ -212,7 +214,8 @@ class SessionRegistry:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def create(self, caller: Caller, workspace: str, policy: SandboxPolicy, approval: str,
-               limits: Limits, labels: dict[str, str], rules: ToolRules | None = None) -> Session:
+               limits: Limits, labels: dict[str, str], rules: ToolRules | None = None,
+               env: dict[str, str] | None = None) -> Session:
         if not workspace.startswith("/"):
             raise InvalidPolicy(f"workspace {workspace!r} must be an absolute path")
         self._check_policy(caller, policy)
@@ -226,7 +229,7 @@ class SessionRegistry:
             self.quotas.check_sessions(caller, sum(1 for s in self._sessions.values() if owner_key(s.owner) == owner))
             session_id = secrets.token_hex(8)
             session = Session(session_id, caller, real_workspace, policy, approval, limits, labels,
-                              rules)
+                              rules, env=env)
             self._sessions[session_id] = session
         try:
             self._open_sandbox(session, session.generation, policy)
@@ -239,7 +242,7 @@ class SessionRegistry:
         self.store.save_session(session.to_row())
         self.store.append(session.id, EventType.SESSION_CREATED, data={
             **session.axes(), "workspace": session.workspace, "owner_uid": caller.uid, "owner_gid": caller.gid,
-            "limits": session.limits.as_dict(), "labels": dict(labels)})
+            "limits": session.limits.as_dict(), "labels": dict(labels), "env_names": sorted(session.env)})
         return session
 
     def restore(self) -> int:
@@ -384,6 +387,8 @@ class SessionRegistry:
     def _open_sandbox(self, session: Session, generation: int, policy: SandboxPolicy) -> None:
         """Build one generation of the session's sandbox in the fork server, and publish its ports."""
         info = self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy))
+        with session.lock:
+            session.sandbox_builds += 1
         if info.workspace:
             with session.lock:
                 session.workspace = info.workspace        # as the caller's own lookup resolved it

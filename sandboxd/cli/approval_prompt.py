@@ -1,0 +1,264 @@
+"""Held calls answered by a person: in place by `sandboxctl exec`, and from a second terminal
+by `sandboxctl approvals --follow`.
+
+Both ask the daemon (ListPendingApprovals, ResolveApproval), which shows and lets answer only
+the caller's own sessions' calls; `approvals --follow` also keeps to sessions the caller owns
+(root sees everyone's sessions, but follows its own). On a terminal one key answers: y (allow
+once), s (allow for the session: later calls of the same tool run without asking), n (deny).
+The key is read from the terminal in non-canonical mode without echo, and it never reaches
+the command (exec forwards stdin only when it is not a terminal).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import selectors
+import sys
+import termios
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from sandboxd.client import SandboxClient
+from sandboxd.v1 import sandboxd_pb2 as pb
+
+ANSWERS = {"y": "allow_once", "s": "allow_session", "n": "deny"}
+SAID = {"allow_once": "allowed once", "allow_session": "allowed for this session", "deny": "denied"}
+CTRL_C, CTRL_D = "\x03", "\x04"
+POLL_SECONDS = 0.25              # how often held calls are looked for, and a prompt checks its call
+
+
+def new_context_id() -> str:
+    """The execution_context_id one `sandboxctl exec` tags its call with, to find it among the
+    session's held calls (another client's calls in the same session are not its to answer)."""
+    return f"sandboxctl-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def on_terminal() -> bool:
+    """A person can be asked: stdin and stderr are a terminal."""
+    return sys.stdin.isatty() and sys.stderr.isatty()
+
+
+def describe(session_id: str, held: pb.PendingApproval) -> str:
+    """What a person needs to decide, then the keys."""
+    return (f"\nsandboxctl: approval needed (session {session_id}, call {held.call_id})\n"
+            f"  tool:    {held.tool}\n  command: {held.summary}\n"
+            f"  reason:  {held.reason or '-'}    risk: {held.risk or '-'}\n"
+            f"  [y] once  [s] session  [n] deny ? ")
+
+
+def hint(session_id: str, held: pb.PendingApproval, ctl: str) -> str:
+    """Without a terminal: how to answer from elsewhere (paste as is)."""
+    return (f"sandboxctl: waiting for approval ({held.reason}): {held.summary}\n"
+            f"  {ctl} approve {session_id} {held.call_id} [--session-wide]"
+            f"  |  {ctl} deny {session_id} {held.call_id}\n")
+
+
+def pending(client: SandboxClient, session_id: str, *, missing_ok: bool = True) -> list[pb.PendingApproval]:
+    """The session's held calls; none once the session is gone (NOT_FOUND unless ``missing_ok``)."""
+    try:
+        return list(client.stub.ListPendingApprovals(pb.ListPendingApprovalsRequest(session_id=session_id)).approvals)
+    except grpc.RpcError as error:
+        if missing_ok and error.code() == grpc.StatusCode.NOT_FOUND:
+            return []
+        raise
+
+
+def still_held(client: SandboxClient, session_id: str, call_id: str) -> bool:
+    return any(held.call_id == call_id for held in pending(client, session_id))
+
+
+def resolve(client: SandboxClient, session_id: str, call_id: str, decision: str) -> str | None:
+    """The canonical decision, or None when the call is no longer waiting (answered elsewhere,
+    timed out, its caller left)."""
+    try:
+        return str(client.stub.ResolveApproval(pb.ResolveApprovalRequest(
+            session_id=session_id, call_id=call_id, decision=decision)).decision)
+    except grpc.RpcError as error:
+        if error.code() == grpc.StatusCode.NOT_FOUND:
+            return None
+        raise
+
+
+class KeyReader:
+    """One key at a time from a terminal: non-canonical, no echo, no signals (Ctrl-C arrives as a
+    key, so the caller decides what it means), the terminal's mode restored afterwards."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._saved: list[Any] | None = None
+        self._lock = threading.Lock()
+
+    def read(self, prompt: str, keys: str, *, keep_waiting: Callable[[], bool]) -> str | None:
+        """Show ``prompt``, then the first of ``keys`` (case-insensitive) typed, or Ctrl-C / Ctrl-D
+        (also at the end of input); None once ``keep_waiting`` says no (checked every POLL_SECONDS).
+        The terminal leaves canonical mode before the prompt shows, so no key typed after it is echoed."""
+        self._raw()
+        try:
+            _say(prompt)
+            with selectors.DefaultSelector() as selector:
+                selector.register(self._fd, selectors.EVENT_READ)
+                while keep_waiting():
+                    if not selector.select(POLL_SECONDS):
+                        continue
+                    data = os.read(self._fd, 64)
+                    if not data:
+                        return CTRL_D                         # the terminal's end: as Ctrl-D
+                    for key in data.decode(errors="replace").lower():
+                        if key in keys or key in (CTRL_C, CTRL_D):
+                            return key
+        finally:
+            self.restore()
+        return None
+
+    def _raw(self) -> None:
+        mode = termios.tcgetattr(self._fd)
+        with self._lock:
+            self._saved = list(mode)
+        mode[3] &= ~(termios.ICANON | termios.ECHO | termios.ISIG)      # lflag
+        mode[6][termios.VMIN], mode[6][termios.VTIME] = 1, 0
+        termios.tcsetattr(self._fd, termios.TCSANOW, mode)
+
+    def restore(self) -> None:
+        with self._lock:
+            saved, self._saved = self._saved, None
+        if saved is not None:
+            try:
+                termios.tcsetattr(self._fd, termios.TCSANOW, saved)
+            except termios.error:
+                pass                                          # the terminal is gone
+
+
+class ExecApprovals:
+    """While `sandboxctl exec` waits, find its own call (by its execution_context_id) among the
+    session's held calls and, on a terminal, ask in place; otherwise say once how to answer."""
+
+    def __init__(self, client: SandboxClient, session_id: str, context_id: str, ctl: str,
+                 interactive: bool) -> None:
+        self._client, self._session_id, self._context_id = client, session_id, context_id
+        self._ctl, self._interactive = ctl, interactive
+        self._keys = KeyReader(sys.stdin.fileno()) if interactive else None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="sandboxctl-approvals", daemon=True)
+
+    def __enter__(self) -> "ExecApprovals":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """The call runs (or ended): stop looking, and give the terminal back as it was."""
+        self._done.set()
+        if self._keys is not None:
+            self._keys.restore()
+
+    def _watch(self) -> None:
+        try:
+            while not self._done.wait(POLL_SECONDS):
+                mine = [held for held in pending(self._client, self._session_id)
+                        if held.execution_context_id == self._context_id]
+                if mine:
+                    self._answer(mine[0])
+                    return
+        except grpc.RpcError:
+            return                                            # the Exec stream reports the daemon's state
+
+    def _answer(self, held: pb.PendingApproval) -> None:
+        if self._keys is None:
+            _say(hint(self._session_id, held, self._ctl))
+            return
+        last_check = [time.monotonic()]
+
+        def keep_waiting() -> bool:
+            if self._done.is_set():
+                return False
+            if time.monotonic() - last_check[0] < 2 * POLL_SECONDS:
+                return True
+            last_check[0] = time.monotonic()
+            return still_held(self._client, self._session_id, held.call_id)
+
+        key = self._keys.read(describe(self._session_id, held), "ysn", keep_waiting=keep_waiting)
+        if key is None:
+            _say("(answered elsewhere)\n" if not self._done.is_set() else "\n")
+            return
+        decision = ANSWERS.get(key, "deny")                   # Ctrl-C / Ctrl-D at the prompt: deny
+        _say(f"{SAID[decision]}\n")                          # before: the answer may end this process
+        if resolve(self._client, self._session_id, held.call_id, decision) is None:
+            _say("(too late: it was answered elsewhere)\n")
+
+
+def _say(text: str) -> None:
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
+def follow(client: SandboxClient, *, session_id: str = "", as_json: bool = False,
+           interactive: bool = False, once: bool = False) -> int:
+    """`sandboxctl approvals --follow`: every held call of the caller's own sessions, those held
+    now first, then each as it appears. On a terminal each is answered with one key (Ctrl-C quits
+    and leaves it held); otherwise each is printed once, one line (or one JSON object) each.
+    ``once`` (no --follow): print those held now and return."""
+    keys = KeyReader(sys.stdin.fileno()) if interactive else None
+    seen: set[tuple[str, str]] = set()
+    me = os.getuid()
+    if session_id:
+        pending(client, session_id, missing_ok=False)         # a session the caller may not see: say so
+    while True:
+        if session_id:
+            sessions = [session_id]
+        else:
+            sessions = [s.id for s in client.list_sessions() if s.owner_uid == me]
+        current = [(sid, held) for sid in sessions for held in pending(client, sid)]
+        fresh = [(sid, held) for sid, held in current if (sid, held.call_id) not in seen]
+        seen = {(sid, held.call_id) for sid, held in current}   # only what is held now: bounded
+        for sid, held in fresh:
+            if once or keys is None:
+                _print_held(sid, held, as_json)
+            else:
+                _ask(client, keys, sid, held)
+        if once:
+            return 0
+        if not fresh:
+            time.sleep(POLL_SECONDS)
+
+
+def _print_held(session_id: str, held: pb.PendingApproval, as_json: bool) -> None:
+    if as_json:
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps({"session_id": session_id, **MessageToDict(held, preserving_proto_field_name=True)}),
+              flush=True)
+    else:
+        print(f"{session_id} {held.call_id}  {held.tool:<14} risk={held.risk:<6} reason={held.reason:<20} "
+              f"{held.summary}", flush=True)
+
+
+def _ask(client: SandboxClient, keys: KeyReader, session_id: str, held: pb.PendingApproval) -> None:
+    last_check = [time.monotonic()]
+
+    def keep_waiting() -> bool:
+        if time.monotonic() - last_check[0] < 2 * POLL_SECONDS:
+            return True
+        last_check[0] = time.monotonic()
+        return still_held(client, session_id, held.call_id)
+
+    key = keys.read(describe(session_id, held), "ysn", keep_waiting=keep_waiting)
+    if key == CTRL_C:
+        _say("\n")
+        raise KeyboardInterrupt
+    if key == CTRL_D:                                         # no more input: leave the rest held
+        _say("(left held)\n")
+        raise SystemExit(0)
+    if key is None:
+        _say("(answered elsewhere)\n")
+        return
+    _say(f"{SAID[ANSWERS[key]]}\n")
+    if resolve(client, session_id, held.call_id, ANSWERS[key]) is None:
+        _say("(too late: it was answered elsewhere)\n")
