@@ -1,0 +1,100 @@
+"""The transports of `sandboxd mcp`: stdio (one client, one session), or streamable HTTP on a
+Unix socket or a loopback port (a session per MCP session), for the caller's own uid only: the
+Unix socket is created mode 0600, and a TCP client whose socket belongs to another uid (found
+through the kernel, sock_diag) is refused with 403 before any MCP message is read."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from typing import Any
+
+from mcp.server.lowlevel import NotificationOptions
+from mcp.server.runner import serve_loop
+from mcp.server.stdio import stdio_server
+
+from sandboxd.mcp.daemon import Daemon, SessionSpec
+from sandboxd.mcp.handlers import App, build_server
+
+_NOTIFY = NotificationOptions(tools_changed=True)
+
+
+def parse_listen(text: str) -> tuple[str, int] | str:
+    """unix:PATH -> PATH; HOST:PORT (loopback only) -> (HOST, PORT)."""
+    if text.startswith("unix:"):
+        path = text[len("unix:"):]
+        if not os.path.isabs(path):
+            raise ValueError(f"--http {text}: the socket path must be absolute")
+        return path
+    host, _, port = text.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--http {text}: use unix:/absolute/path or 127.0.0.1:PORT (localhost only)")
+    return host, int(port)
+
+
+async def serve_stdio(socket_path: str, spec: SessionSpec, ctl: str) -> None:
+    daemon = Daemon(socket_path)
+    try:
+        # The session is opened before serving, so a bad flag or an unreachable daemon is a clear
+        # error at start, not a failure of the client's first call.
+        first = await daemon.open(spec)
+        app = App(daemon, spec, ctl, first)
+        server = build_server(app)
+        try:
+            async with stdio_server() as (read_stream, write_stream):
+                # The handshake era (initialize): the one every MCP client speaks today, and the one in
+                # which a server may ask the client (elicitation) and notify it (tools/list_changed).
+                await serve_loop(server, read_stream, write_stream, lifespan_state=app,
+                                 init_options=server.create_initialization_options(_NOTIFY))
+        finally:
+            unused = app.take_first()        # a client that left before its first request
+            if unused is not None and unused[1]:
+                from sandboxd.v1 import sandboxd_pb2 as pb
+                await daemon.stub.CloseSession(pb.CloseSessionRequest(session_id=unused[0].id), timeout=30)
+    finally:
+        await daemon.close()
+
+
+class _OwnUidOnly:
+    """ASGI middleware: only clients whose TCP socket belongs to this process's uid."""
+
+    def __init__(self, app: Any) -> None:
+        self._app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("client") and scope.get("server"):
+            from sandboxd.kernel.inet_diag import tcp_peer_uid
+            client, server = scope["client"], scope["server"]
+            if tcp_peer_uid((client[0], client[1]), (server[0], server[1])) != os.getuid():
+                await send({"type": "http.response.start", "status": 403,
+                            "headers": [(b"content-type", b"text/plain")]})
+                await send({"type": "http.response.body", "body": b"sandboxd mcp serves its own user only\n"})
+                return
+        await self._app(scope, receive, send)
+
+
+async def serve_http(socket_path: str, spec: SessionSpec, ctl: str, listen: tuple[str, int] | str) -> None:
+    import uvicorn
+
+    daemon = Daemon(socket_path)
+    await daemon.open(spec) if spec.attach else None     # an attached session must exist and be ours
+    app = App(daemon, spec, ctl)
+    server = build_server(app)
+    asgi: Any = server.streamable_http_app(host="127.0.0.1")
+    if isinstance(listen, str):
+        config = uvicorn.Config(asgi, uds=listen, log_level="warning", lifespan="on")
+        old = os.umask(0o077)                            # the socket file: this uid only
+        try:
+            await uvicorn.Server(config).serve()
+        finally:
+            os.umask(old)
+    else:
+        config = uvicorn.Config(_OwnUidOnly(asgi), host=listen[0], port=listen[1], log_level="warning",
+                                lifespan="on")
+        await uvicorn.Server(config).serve()
+    await daemon.close()
