@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import json
 import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -115,12 +116,17 @@ def _ok(text: str, structured: dict[str, Any] | None = None) -> types.CallToolRe
     return types.CallToolResult(content=[types.TextContent(text=text)], structured_content=structured)
 
 
+_KINDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false", dict: "an object"}
+
+
 def _arg(args: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
-    value = args.get(name, default)
-    if value is None and default is None and name in args:
-        value = None
-    if value is not None and not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ToolError(f"{name} must be a {kind.__name__}, not {type(value).__name__}")
+    """``args[name]`` if it is of ``kind`` (a float also takes an integer), ``default`` when absent."""
+    value = args.get(name)
+    if value is None:
+        return default
+    wanted = (int, float) if kind is float else kind
+    if not isinstance(value, wanted) or (isinstance(value, bool) and kind is not bool):
+        raise ToolError(f"{name} must be {_KINDS[kind]}, not {json.dumps(value)[:40]}")
     return value
 
 
@@ -142,7 +148,7 @@ Runner = Callable[[Binding, dict[str, Any], Progress, str], Awaitable[types.Call
 
 
 async def _shell(binding: Binding, args: dict[str, Any], progress: Progress, context_id: str) -> types.CallToolResult:
-    timeout = _arg(args, "timeout", (int, float), 0)   # type: ignore[arg-type]
+    timeout = _arg(args, "timeout", float, 0)
     start = pb.ExecStart(session_id=binding.session_id, shell=_required(args, "command"), cwd=_arg(args, "cwd", str, ""),
                          env=_env(args), timeout_seconds=float(timeout), close_stdin=True,
                          output_limit_bytes=OUTPUT_LIMIT, execution_context_id=context_id)
