@@ -18,7 +18,7 @@ import mcp_types as types
 import pytest
 
 from conftest import SLOW
-from daemon_fixtures import base, client, daemon, ws  # noqa: F401 - fixtures
+from daemon_fixtures import client, daemon, ws  # noqa: F401 - pytest fixtures
 from daemon_helpers import Daemon, PlainUser, proc_info
 from mcp_helpers import SANDBOXCTL, decide, mcp_client, server_params, structured, text, tool_names
 from sandboxd.client import SandboxClient
