@@ -5,8 +5,12 @@ through the kernel, sock_diag) is refused with 403 before any MCP message is rea
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ipaddress
 import os
+import stat
+from collections.abc import AsyncIterator
 from typing import Any
 
 from mcp.server.lowlevel import NotificationOptions
@@ -37,6 +41,59 @@ def parse_listen(text: str) -> tuple[str, int] | str:
     return host, int(port)
 
 
+# The longest JSON-RPC line read from stdin: a write_file of the daemon's largest request (4 MiB),
+# JSON-escaped, with room to spare.
+MAX_LINE = 32 << 20
+
+
+class _PipeLines:
+    """stdin lines and stdout writes on the event loop itself. The SDK's default stdio wraps the
+    files in threads, a thread hop per message each way: most of the latency `sandboxd mcp` adds
+    to a call (tests/bench_mcp.py)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader, self._writer = reader, writer
+
+    def __aiter__(self) -> "_PipeLines":
+        return self
+
+    async def __anext__(self) -> str:
+        line = await self._reader.readline()
+        if not line:
+            raise StopAsyncIteration
+        return line.decode("utf-8", "replace")
+
+    async def write(self, text: str) -> None:
+        self._writer.write(text.encode())
+
+    async def flush(self) -> None:
+        await self._writer.drain()
+
+
+def _is_pipe(fd: int) -> bool:
+    mode = os.fstat(fd).st_mode
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+
+@contextlib.asynccontextmanager
+async def _stdio_streams() -> AsyncIterator[Any]:
+    if not (_is_pipe(0) and _is_pipe(1)):              # a file or a terminal: the SDK's threads
+        async with stdio_server() as streams:
+            yield streams
+        return
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=MAX_LINE)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), open(0, "rb", closefd=False))
+    transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin,
+                                                        open(1, "wb", closefd=False))
+    pipes = _PipeLines(reader, asyncio.StreamWriter(transport, protocol, None, loop))
+    try:
+        async with stdio_server(stdin=pipes, stdout=pipes) as streams:   # type: ignore[arg-type]
+            yield streams
+    finally:
+        transport.close()
+
+
 async def serve_stdio(socket_path: str, spec: SessionSpec, ctl: str) -> None:
     daemon = Daemon(socket_path)
     try:
@@ -46,7 +103,7 @@ async def serve_stdio(socket_path: str, spec: SessionSpec, ctl: str) -> None:
         app = App(daemon, spec, ctl, first)
         server = build_server(app)
         try:
-            async with stdio_server() as (read_stream, write_stream):
+            async with _stdio_streams() as (read_stream, write_stream):
                 # The handshake era (initialize): the one every MCP client speaks today, and the one in
                 # which a server may ask the client (elicitation) and notify it (tools/list_changed).
                 await serve_loop(server, read_stream, write_stream, lifespan_state=app,

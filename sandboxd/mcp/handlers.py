@@ -98,9 +98,14 @@ def build_server(app: App) -> "Server[App]":
         assert result is not None
         return result
 
-    return Server("sandboxd", version=_version(), on_list_tools=list_tools, on_call_tool=call_tool,
-                  instructions="Tools that run in a kernel-enforced sandboxd session: a shell, files, patches, "
-                               "search and background processes. Each tool's description states the policy.")
+    server: Server[App] = Server(
+        "sandboxd", version=_version(), on_list_tools=list_tools, on_call_tool=call_tool,
+        instructions="Tools that run in a kernel-enforced sandboxd session: a shell, files, patches, search and "
+                     "background processes. Each tool's description states the session's policy.")
+    # The SDK's default middleware is OpenTelemetry's span per message: no exporter here, and its
+    # cost lands on every call (tests/bench_mcp.py).
+    server.middleware = []
+    return server
 
 
 def _version() -> str:
