@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
+import stat
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +19,7 @@ from typing import Any
 
 import mcp_types as types
 import pytest
+from mcp import Client
 
 from conftest import SLOW
 from daemon_fixtures import client, daemon, ws  # noqa: F401 - pytest fixtures
@@ -316,3 +320,77 @@ def test_attached_session_stays_open(daemon: Daemon, ws: Path, client: SandboxCl
         assert client.get_session(session.id).closed_at == 0
     finally:
         client.close_session(session.id)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _wait_listening(connect: Callable[[], None], server: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60 * SLOW
+    while True:
+        try:
+            connect()
+            return
+        except OSError:
+            assert server.poll() is None and time.monotonic() < deadline, "sandboxd mcp --http did not listen"
+            time.sleep(0.1)
+
+
+def _post_as(user: PlainUser, target: str) -> str:
+    """An MCP initialize POSTed by ``user`` (to http://127.0.0.1:PORT/mcp, or a Unix socket path):
+    the HTTP status, or the connection error."""
+    script = ("import http.client, json, socket, sys\n"
+              "target = sys.argv[1]\n"
+              "class Unix(http.client.HTTPConnection):\n"
+              "    def connect(self):\n"
+              "        self.sock = socket.socket(socket.AF_UNIX); self.sock.connect(target)\n"
+              "try:\n"
+              "    c = Unix('localhost') if target.startswith('/') else http.client.HTTPConnection(*target.split(':'))\n"
+              "    body = json.dumps({'jsonrpc': '2.0', 'id': 1, 'method': 'initialize', 'params': {\n"
+              "        'protocolVersion': '2025-11-25', 'capabilities': {}, 'clientInfo': {'name': 'x', 'version': '0'}}})\n"
+              "    c.request('POST', '/mcp', body, {'Content-Type': 'application/json',\n"
+              "              'Accept': 'application/json, text/event-stream', 'Host': 'localhost'})\n"
+              "    print(c.getresponse().status)\n"
+              "except OSError as e:\n"
+              "    print(type(e).__name__)\n")
+    done = subprocess.run(["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups",
+                           sys.executable, "-c", script, target], capture_output=True, text=True, timeout=60, cwd="/")
+    return done.stdout.strip() or done.stderr
+
+
+def test_http_serves_its_own_user_only(daemon: Daemon, ws: Path, client: SandboxClient, tmp_path: Path,
+                                       plain_users: Callable[[int], list[PlainUser]]) -> None:
+    (other,) = plain_users(1)
+    port = _free_port()
+    params = server_params(daemon.socket, ws, "--approval", "never", "--http", f"127.0.0.1:{port}")
+    server = subprocess.Popen([params.command, *params.args], env=params.env, cwd="/")
+    try:
+        _wait_listening(lambda: socket.create_connection(("127.0.0.1", port), timeout=5).close(), server)
+
+        async def own_user() -> tuple[str, types.CallToolResult]:
+            async with Client(f"http://127.0.0.1:{port}/mcp") as mcp:
+                return mcp.protocol_version, await mcp.call_tool("shell", {"command": "echo over-http"})
+
+        version, result = asyncio.run(own_user())
+        assert version == "2025-11-25" and structured(result)["stdout"] == "over-http\n"
+        assert _post_as(other, f"127.0.0.1:{port}") == "403"       # another uid, same port: refused
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    # The HTTP session ended with its client, and its sandboxd session with it.
+    assert session_of(client, ws, include_closed=True).closed_at > 0
+
+    path = tmp_path / "mcp.sock"
+    os.chmod(tmp_path, 0o755)
+    params = server_params(daemon.socket, ws, "--approval", "never", "--http", f"unix:{path}")
+    server = subprocess.Popen([params.command, *params.args], env=params.env, cwd="/")
+    try:
+        _wait_listening(lambda: socket.socket(socket.AF_UNIX).connect(str(path)), server)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert _post_as(other, str(path)) == "PermissionError"
+    finally:
+        server.terminate()
+        server.wait(timeout=60)

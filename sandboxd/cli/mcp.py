@@ -68,6 +68,9 @@ def main(argv: list[str]) -> int:
     except ValueError as error:
         sys.stderr.write(f"sandboxd mcp: {error}\n")
         return 2
+    except OSError as error:                 # --http: the address is taken, or not ours to use
+        sys.stderr.write(f"sandboxd mcp: {args.http}: {error.strerror or error}\n")
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import json
 import os
+import socket
 import stat
 from collections.abc import AsyncIterator
 from typing import Any
@@ -135,23 +137,75 @@ class _OwnUidOnly:
         await self._app(scope, receive, send)
 
 
+class _HandshakeOnly:
+    """ASGI middleware: a request of the 2026-07-28 per-request era (its MCP-Protocol-Version
+    header) gets a JSON-RPC "method not found", on which clients fall back to the initialize
+    handshake. That era has no connection, so no session to keep: every request would open and
+    close one (and background processes would die with it)."""
+
+    def __init__(self, app: Any) -> None:
+        self._app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
+
+        header = next((value.decode("latin-1") for key, value in scope.get("headers", ())
+                       if key == b"mcp-protocol-version"), None) if scope["type"] == "http" else None
+        if header is None or header in HANDSHAKE_PROTOCOL_VERSIONS:
+            await self._app(scope, receive, send)
+            return
+        body, more = b"", True
+        while more and len(body) <= MAX_LINE:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        try:
+            request_id = json.loads(body).get("id")
+        except (ValueError, AttributeError):
+            request_id = None
+        answer = json.dumps({"jsonrpc": "2.0", "id": request_id, "error": {
+            "code": -32601, "message": "sandboxd mcp speaks the initialize handshake (protocol 2025-11-25 and "
+                                       "earlier)"}}).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": answer})
+
+
 async def serve_http(socket_path: str, spec: SessionSpec, ctl: str, listen: tuple[str, int] | str) -> None:
+    daemon = Daemon(socket_path)
+    try:
+        await _serve_http(daemon, spec, ctl, listen)
+    finally:
+        await daemon.close()
+
+
+async def _serve_http(daemon: Daemon, spec: SessionSpec, ctl: str, listen: tuple[str, int] | str) -> None:
     import uvicorn
 
-    daemon = Daemon(socket_path)
-    await daemon.open(spec) if spec.attach else None     # an attached session must exist and be ours
+    if spec.attach:
+        await daemon.open(spec)                          # an attached session must exist and be the caller's
     app = App(daemon, spec, ctl)
     server = build_server(app)
-    asgi: Any = server.streamable_http_app(host="127.0.0.1")
+    asgi: Any = _HandshakeOnly(server.streamable_http_app(host="127.0.0.1"))
     if isinstance(listen, str):
-        config = uvicorn.Config(asgi, uds=listen, log_level="warning", lifespan="on")
-        old = os.umask(0o077)                            # the socket file: this uid only
+        # Bound here, not by uvicorn (which makes its socket 0666): mode 0600 from the start, so
+        # only this uid (and root) can connect.
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(listen).st_mode):
+                os.unlink(listen)                        # a socket left by an earlier run
+        old = os.umask(0o177)
         try:
-            await uvicorn.Server(config).serve()
+            listener.bind(listen)
         finally:
             os.umask(old)
+        listener.listen(128)
+        try:
+            await uvicorn.Server(uvicorn.Config(asgi, log_level="warning", lifespan="on")).serve(sockets=[listener])
+        finally:
+            listener.close()
+            with contextlib.suppress(OSError):
+                os.unlink(listen)
     else:
         config = uvicorn.Config(_OwnUidOnly(asgi), host=listen[0], port=listen[1], log_level="warning",
                                 lifespan="on")
         await uvicorn.Server(config).serve()
-    await daemon.close()
