@@ -394,3 +394,19 @@ def test_http_serves_its_own_user_only(daemon: Daemon, ws: Path, client: Sandbox
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_bad_start_says_what_to_do(daemon: Daemon, tmp_path: Path) -> None:
+    def start(*flags: str, socket_path: str = daemon.socket) -> subprocess.CompletedProcess[str]:
+        params = server_params(socket_path, *flags)
+        return subprocess.run([params.command, *params.args], capture_output=True, text=True, timeout=60,
+                              env=params.env, stdin=subprocess.DEVNULL, cwd="/")
+
+    unreachable = start(str(tmp_path), socket_path=str(tmp_path / "none.sock"))
+    assert unreachable.returncode == 1 and "is `sandboxd serve` running?" in unreachable.stderr
+    missing = start(str(tmp_path / "missing"))
+    assert missing.returncode == 1 and "INVALID_ARGUMENT" in missing.stderr and "missing" in missing.stderr
+    anywhere = start(str(tmp_path), "--http", "0.0.0.0:8080")
+    assert anywhere.returncode == 2 and "localhost only" in anywhere.stderr
+    for done in (unreachable, missing, anywhere):
+        assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr

@@ -74,7 +74,10 @@ def build_server(app: App) -> "Server[App]":
         return types.ListToolsResult(tools=catalog.visible(session, [tool.name for tool in listed.tools]))
 
     async def call_tool(ctx: "Ctx", params: types.CallToolRequestParams) -> types.CallToolResult:
-        binding = await app.binding(ctx)
+        try:
+            binding = await app.binding(ctx)
+        except grpc.RpcError as error:          # no session for this connection (a quota, say): say why
+            return _error(f"no sandboxd session: {error.code().name}: {error.details()}")
         tool = catalog.BY_NAME.get(params.name)
         if tool is None:
             return _error(f"unknown tool {params.name!r}: use one of {', '.join(catalog.BY_NAME)}")
