@@ -233,10 +233,12 @@ def test_without_elicitation_the_call_waits_for_sandboxctl(daemon: Daemon, ws: P
     assert denied.is_error and structured(denied)["by"] == "user" and structured(denied)["reason"] == "policy_always"
 
 
-def test_a_client_gone_mid_command_kills_it_and_closes_the_session(daemon: Daemon, ws: Path,
-                                                                     client: SandboxClient) -> None:
-    """The client's end of stdio closes mid-command (as when it is killed): the command's process
-    tree is killed and the session closed; the audit log says the call ended killed."""
+@pytest.mark.parametrize("gone", ["stdin-closed", "sigterm"])
+def test_a_client_gone_mid_command_kills_it_and_closes_the_session(daemon: Daemon, ws: Path, client: SandboxClient,
+                                                                     gone: str) -> None:
+    """The client's end of stdio closes mid-command (as when it is killed), or the client stops its
+    server with SIGTERM: the command's process tree is killed and the session closed; the audit
+    log says how the call ended."""
     params = server_params(daemon.socket, ws, "--approval", "never")
     server = subprocess.Popen([params.command, *params.args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, env=params.env, cwd="/")
@@ -261,7 +263,10 @@ def test_a_client_gone_mid_command_kills_it_and_closes_the_session(daemon: Daemo
                 and info.cmdline == f"sleep\0{marker}".encode()]
         time.sleep(0.05)
     session = session_of(client, ws)
-    server.stdin.close()                                        # the client is gone
+    if gone == "sigterm":
+        server.terminate()
+    else:
+        server.stdin.close()                                    # the client is gone
     assert server.wait(timeout=60 * SLOW) == 0
     assert all(proc_info(pid) is None for pid in pids), "the command outlived its client"
     closed = session_of(client, ws, include_closed=True)

@@ -10,10 +10,13 @@ import contextlib
 import ipaddress
 import json
 import os
+import signal
 import socket
 import stat
 from collections.abc import AsyncIterator
 from typing import Any
+
+import anyio
 
 from mcp.server.lowlevel import NotificationOptions
 from mcp.server.runner import serve_loop
@@ -96,6 +99,15 @@ async def _stdio_streams() -> AsyncIterator[Any]:
         transport.close()
 
 
+async def _cancel_on_signals(scope: anyio.CancelScope) -> None:
+    """SIGTERM, SIGHUP or SIGINT (a client stopping its server, a closed terminal) end the serving
+    loop the way a closed stdin does: running calls cancelled, the session closed."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP, signal.SIGINT) as signals:
+        async for _signum in signals:
+            scope.cancel()
+            return
+
+
 async def serve_stdio(socket_path: str, spec: SessionSpec, ctl: str) -> None:
     daemon = Daemon(socket_path)
     try:
@@ -105,11 +117,14 @@ async def serve_stdio(socket_path: str, spec: SessionSpec, ctl: str) -> None:
         app = App(daemon, spec, ctl, first)
         server = build_server(app)
         try:
-            async with _stdio_streams() as (read_stream, write_stream):
-                # The handshake era (initialize): the one every MCP client speaks today, and the one in
-                # which a server may ask the client (elicitation) and notify it (tools/list_changed).
-                await serve_loop(server, read_stream, write_stream, lifespan_state=app,
-                                 init_options=server.create_initialization_options(_NOTIFY))
+            async with anyio.create_task_group() as group:
+                group.start_soon(_cancel_on_signals, group.cancel_scope)
+                async with _stdio_streams() as (read_stream, write_stream):
+                    # The handshake era (initialize): the one every MCP client speaks today, and the one
+                    # in which a server may ask the client (elicitation) and notify it (list_changed).
+                    await serve_loop(server, read_stream, write_stream, lifespan_state=app,
+                                     init_options=server.create_initialization_options(_NOTIFY))
+                group.cancel_scope.cancel()
         finally:
             unused = app.take_first()        # a client that left before its first request
             if unused is not None and unused[1]:

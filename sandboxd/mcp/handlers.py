@@ -90,7 +90,7 @@ def build_server(app: App) -> "Server[App]":
                 group.start_soon(answer_held, ctx, binding, held, progress, app.ctl)
                 try:
                     result = await RUNNERS[tool.name](binding, params.arguments or {}, progress, context_id)
-                except ToolError as error:
+                except (ToolError, ValueError, TypeError) as error:     # protobuf's range and type checks too
                     result = _error(str(error))
                 except grpc.RpcError as error:
                     denied = denial(error)
@@ -98,8 +98,7 @@ def build_server(app: App) -> "Server[App]":
                 group.cancel_scope.cancel()
         finally:
             binding.forget(held)
-        assert result is not None
-        return result
+        return result or _error("the call ended without a result")
 
     server: Server[App] = Server(
         "sandboxd", version=_version(), on_list_tools=list_tools, on_call_tool=call_tool,
