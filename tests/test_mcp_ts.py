@@ -1,5 +1,6 @@
 """`sandboxd mcp` from the MCP TypeScript SDK (@modelcontextprotocol/sdk from npm, pinned by
-packaging/mcp-client-ts/package-lock.json): the tool list and a command over stdio."""
+packaging/mcp-client-ts/package-lock.json): the tool list, a command over stdio, and the
+kernel's wall around it."""
 
 from __future__ import annotations
 
@@ -33,3 +34,6 @@ def test_typescript_sdk_lists_tools_and_runs_a_command(daemon: Daemon, ws: Path)
     assert (status["exit_code"], status["stdout"]) == (4, f"from-typescript\n{os.getuid()}\n")
     assert result["content"][0]["text"].startswith("exit status 4")
     assert "from-typescript\n" in "".join(out["progress"])
+    assert out["outside"]["exit_code"] != 0 and "Read-only file system" in out["outside"]["stderr"], out["outside"]
+    assert not os.path.exists("/etc/mcp-ts-probe")
+    assert out["inside"]["stdout"] == "x\n" and (ws / "ts-probe").read_text() == "x\n"

@@ -20,7 +20,13 @@ const result = await client.callTool(
   undefined,
   { onprogress: (p) => progress.push(p.message ?? "") },
 );
+// The kernel's wall, from the same client: a write outside the workspace fails inside the
+// sandbox; the same write inside the workspace works.
+const outside = await client.callTool({ name: "shell", arguments: { command: "echo x > /etc/mcp-ts-probe" } });
+const inside = await client.callTool({ name: "shell", arguments: { command: "echo x > ts-probe && cat ts-probe" } });
 console.log(JSON.stringify({
+  outside: outside.structuredContent,
+  inside: inside.structuredContent,
   tools: tools.tools.map((tool) => tool.name),
   shellSchema: tools.tools.find((tool) => tool.name === "shell")?.inputSchema,
   result,
