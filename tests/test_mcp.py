@@ -312,6 +312,22 @@ def test_the_session_is_the_callers_own(daemon: Daemon, ws: Path, client: Sandbo
     assert tried["approve"].returncode == 1 and "NOT_FOUND" in tried["approve"].stderr, tried["approve"].stderr
     assert tried["pending"].returncode == 1
     assert tried["owner"].returncode == 0, tried["owner"].stderr
+    # Nor can another user attach to the owner's session (control: the owner can, and leaving does not close it).
+    created = ctl(daemon, "session", "create", str(ws), "--approval", "never", user=owner)
+    assert created.returncode == 0, created.stderr
+    session_id = created.stdout.strip()
+    try:
+        status = {}
+        for user in (other, owner):
+            params = server_params(daemon.socket, ws, "--session", session_id, as_user=(user.uid, user.gid))
+            done = subprocess.run([params.command, *params.args], capture_output=True, text=True, timeout=60,
+                                  env=params.env, stdin=subprocess.DEVNULL, cwd="/")
+            status[user.name] = (done.returncode, done.stderr)
+        assert status[other.name][0] == 1 and "NOT_FOUND" in status[other.name][1], status
+        assert status[owner.name] == (0, ""), status
+        assert client.get_session(session_id).closed_at == 0
+    finally:
+        client.close_session(session_id)
 
 
 @pytest.mark.parametrize("flag", ["--session"])

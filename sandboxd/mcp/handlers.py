@@ -16,6 +16,8 @@ import anyio
 import grpc
 import mcp_types as types
 from mcp.server.lowlevel import Server
+from mcp.shared.exceptions import MCPError
+from mcp_types import INTERNAL_ERROR
 
 from sandboxd.mcp import catalog
 from sandboxd.mcp.approvals import Progress, answer_held, denied_result
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 # A command's output returned to the model, stdout and stderr together: past it the command keeps
 # running and its output is counted, not kept (the result says output_truncated).
 OUTPUT_LIMIT = 1 << 20
-_STATE_KEY = "sandboxd.binding"
+_STATE_KEY, _LOCK_KEY = "sandboxd.binding", "sandboxd.binding-lock"
 
 
 class ToolError(Exception):
@@ -41,10 +43,10 @@ class ToolError(Exception):
 
 
 class App:
-    def __init__(self, daemon: Daemon, spec: SessionSpec, ctl: str, first: tuple[pb.Session, bool] | None = None) -> None:
+    def __init__(self, daemon: Daemon, spec: SessionSpec, ctl: str,
+                 first: tuple[pb.Session, bool] | None = None) -> None:
         self.daemon, self.spec, self.ctl = daemon, spec, ctl
         self._first = first              # stdio: the session opened before serving, for the one connection
-        self._lock = asyncio.Lock()
 
     def take_first(self) -> tuple[pb.Session, bool] | None:
         first, self._first = self._first, None
@@ -54,7 +56,8 @@ class App:
         # The SDK hands handlers a per-request context; the per-connection state (and the
         # teardown that runs when the connection ends) lives on its Connection.
         connection: Connection = ctx.session._connection
-        async with self._lock:
+        lock = connection.state.setdefault(_LOCK_KEY, asyncio.Lock())   # one session even for racing requests
+        async with lock:
             bound = connection.state.get(_STATE_KEY)
             if isinstance(bound, Binding):
                 return bound
@@ -67,10 +70,13 @@ class App:
 
 def build_server(app: App) -> "Server[App]":
     async def list_tools(ctx: "Ctx", _params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
-        binding = await app.binding(ctx)
-        session, listed = await asyncio.gather(
-            app.daemon.stub.GetSession(pb.GetSessionRequest(session_id=binding.session_id)),
-            app.daemon.stub.ListTools(pb.ListToolsRequest(session_id=binding.session_id)))
+        try:
+            binding = await app.binding(ctx)
+            session, listed = await asyncio.gather(
+                app.daemon.stub.GetSession(pb.GetSessionRequest(session_id=binding.session_id)),
+                app.daemon.stub.ListTools(pb.ListToolsRequest(session_id=binding.session_id)))
+        except grpc.RpcError as error:
+            raise MCPError(INTERNAL_ERROR, f"sandboxd: {error.code().name}: {error.details()}") from None
         return types.ListToolsResult(tools=catalog.visible(session, [tool.name for tool in listed.tools]))
 
     async def call_tool(ctx: "Ctx", params: types.CallToolRequestParams) -> types.CallToolResult:
