@@ -65,6 +65,8 @@ def test_tool_list_follows_the_policy_and_its_changes(daemon: Daemon, ws: Path, 
 
         async with mcp_client(daemon.socket, ws, "--sandbox", "read-only") as mcp:
             read_only = tool_names(await mcp.list_tools())
+        async with mcp_client(daemon.socket, ws, "--permission-mode", "read_only") as mcp:
+            assert tool_names(await mcp.list_tools()) == read_only
         async with mcp_client(daemon.socket, ws, messages=messages) as mcp:
             listing = await mcp.list_tools()
             before = tool_names(listing)
