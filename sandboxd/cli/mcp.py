@@ -4,6 +4,7 @@ in a sandboxd session, as a client of the daemon with the caller's own identity.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import sys
 
@@ -43,6 +44,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_listen(text: str) -> tuple[str, int] | str:
+    """unix:PATH -> PATH; HOST:PORT (loopback only) -> (HOST, PORT)."""
+    if text.startswith("unix:"):
+        path = text[len("unix:"):]
+        if not os.path.isabs(path):
+            raise ValueError(f"--http {text}: the socket path must be absolute")
+        return path
+    host, _, port = text.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--http {text}: use unix:/absolute/path or 127.0.0.1:PORT (localhost only)")
+    return host, int(port)
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     socket_path, name_socket = socket_choice(args.socket)
@@ -53,11 +72,11 @@ def main(argv: list[str]) -> int:
                        labels={"client": "sandboxd-mcp"})
     ctl = f"sandboxctl --socket {socket_path}" if name_socket else "sandboxctl"
     try:
+        listen = parse_listen(args.http) if args.http else None
         import anyio
 
         from sandboxd.cli import mcp_transports
-        if args.http:
-            listen = mcp_transports.parse_listen(args.http)
+        if listen is not None:
             anyio.run(mcp_transports.serve_http, socket_path, spec, ctl, listen)
         else:
             anyio.run(mcp_transports.serve_stdio, socket_path, spec, ctl)

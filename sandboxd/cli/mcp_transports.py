@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import os
 import signal
@@ -24,26 +23,9 @@ from mcp.server.stdio import stdio_server
 
 from sandboxd.mcp.daemon import Daemon, SessionSpec
 from sandboxd.mcp.handlers import App, build_server
+from sandboxd.v1 import sandboxd_pb2 as pb
 
 _NOTIFY = NotificationOptions(tools_changed=True)
-
-
-def parse_listen(text: str) -> tuple[str, int] | str:
-    """unix:PATH -> PATH; HOST:PORT (loopback only) -> (HOST, PORT)."""
-    if text.startswith("unix:"):
-        path = text[len("unix:"):]
-        if not os.path.isabs(path):
-            raise ValueError(f"--http {text}: the socket path must be absolute")
-        return path
-    host, _, port = text.rpartition(":")
-    host = host.strip("[]") or "127.0.0.1"
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--http {text}: use unix:/absolute/path or 127.0.0.1:PORT (localhost only)")
-    return host, int(port)
 
 
 # The longest JSON-RPC line read from stdin: a write_file of the daemon's largest request (4 MiB),
@@ -128,7 +110,6 @@ async def serve_stdio(socket_path: str, spec: SessionSpec, ctl: str) -> None:
         finally:
             unused = app.take_first()        # a client that left before its first request
             if unused is not None and unused[1]:
-                from sandboxd.v1 import sandboxd_pb2 as pb
                 await daemon.stub.CloseSession(pb.CloseSessionRequest(session_id=unused[0].id), timeout=30)
     finally:
         await daemon.close()
