@@ -42,6 +42,10 @@ def test_the_package_builds_installs_starts_and_goes(sandboxd_daemon: DaemonFact
         check = subprocess.run(["/usr/bin/sandboxd", "config", "check", "/etc/sandboxd/sandboxd.toml"],
                                capture_output=True, text=True)
         assert check.returncode == 0, check.stderr
+        # `sandboxd mcp` has its dependency (the MCP SDK) among the package's wheels.
+        mcp = subprocess.run(["/opt/sandboxd/venv/bin/python", "-c", "import sandboxd.cli.mcp_transports"],
+                             capture_output=True, text=True, cwd="/")
+        assert mcp.returncode == 0, mcp.stderr
         # The installed wheel carries the native call helper.
         helper = subprocess.run(["/opt/sandboxd/venv/bin/python", "-c",
                                  "from sandboxd.launcher.native_call import helper_path; print(helper_path())"],

@@ -8,6 +8,7 @@ USAGE = """usage: sandboxd COMMAND [ARGS...]
 
 commands:
   run      run one command in a sandbox, no daemon (see: sandboxd run --help)
+  mcp      an MCP server whose tools run in a sandboxd session (see: sandboxd mcp --help)
   serve    run the daemon: sessions with persistent sandboxes over gRPC (see: sandboxd serve --help)
   config   check FILE: validate a configuration file; defaults: print one with every key
   doctor   check this machine for everything enforcement needs, and say how to fix what is missing
@@ -24,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "run":
         from sandboxd.cli.run import main as run_main
         return run_main(rest)
+    if command == "mcp":
+        from sandboxd.cli.mcp import main as mcp_main
+        return mcp_main(rest)
     if command == "serve":
         from sandboxd.cli.serve import main as serve_main
         return serve_main(rest)

@@ -1,0 +1,95 @@
+"""`sandboxd mcp`: an MCP server (stdio, or opt-in streamable HTTP on localhost) whose tools run
+in a sandboxd session, as a client of the daemon with the caller's own identity."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+
+import grpc
+
+from sandboxd.cli.ctl import SOCKET_ENV, _connection_error, socket_choice
+from sandboxd.client import DEFAULT_SOCKET
+
+USAGE_EPILOG = """examples:
+  sandboxd mcp --workspace ~/project                       stdio, a workspace-write session without network
+  claude mcp add sandboxd -- sandboxd mcp --workspace ~/project --approval never
+  sandboxd mcp --http 127.0.0.1:8765 --workspace ~/project  streamable HTTP at http://127.0.0.1:8765/mcp
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sandboxd mcp", epilog=USAGE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="An MCP server whose tools (shell, files, patches, search, background processes) run in a "
+                    "sandboxd session opened for each MCP connection and closed when it ends.")
+    parser.add_argument("--socket", default="",
+                        help=f"the daemon's socket (default: ${SOCKET_ENV}, else {DEFAULT_SOCKET})")
+    parser.add_argument("--workspace", default="", help="the session's workspace (default: the current directory)")
+    parser.add_argument("--sandbox", default="workspace-write",
+                        choices=["read-only", "workspace-write", "danger-full-access"])
+    parser.add_argument("--network", action="store_true", help="let commands reach the network")
+    parser.add_argument("--writable-root", action="append", default=[], metavar="DIR",
+                        help="another directory commands may write (repeatable)")
+    parser.add_argument("--approval", default="on-request", choices=["never", "on-request", "always"])
+    parser.add_argument("--permission-mode", default="", choices=["", "read_only", "auto", "full"],
+                        help="one axis instead of --sandbox and --approval (see the README)")
+    parser.add_argument("--session", default="", metavar="ID",
+                        help="attach to this existing session of yours instead (it is not closed at exit)")
+    parser.add_argument("--http", default="", metavar="unix:PATH|127.0.0.1:PORT",
+                        help="serve streamable HTTP (at /mcp) on a Unix socket (mode 0600) or a loopback port "
+                             "that only your own uid may use, instead of stdio")
+    return parser
+
+
+def parse_listen(text: str) -> tuple[str, int] | str:
+    """unix:PATH -> PATH; HOST:PORT (loopback only) -> (HOST, PORT)."""
+    if text.startswith("unix:"):
+        path = text[len("unix:"):]
+        if not os.path.isabs(path):
+            raise ValueError(f"--http {text}: the socket path must be absolute")
+        return path
+    host, _, port = text.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--http {text}: use unix:/absolute/path or 127.0.0.1:PORT (localhost only)")
+    return host, int(port)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    socket_path, name_socket = socket_choice(args.socket)
+    from sandboxd.mcp.daemon import SessionSpec
+    spec = SessionSpec(workspace=os.path.abspath(args.workspace or os.getcwd()), sandbox=args.sandbox,
+                       network=args.network, writable_roots=tuple(os.path.abspath(root) for root in args.writable_root),
+                       approval=args.approval, permission_mode=args.permission_mode, attach=args.session,
+                       labels={"client": "sandboxd-mcp"})
+    ctl = f"sandboxctl --socket {socket_path}" if name_socket else "sandboxctl"
+    try:
+        listen = parse_listen(args.http) if args.http else None
+        import anyio
+
+        from sandboxd.cli import mcp_transports
+        if listen is not None:
+            anyio.run(mcp_transports.serve_http, socket_path, spec, ctl, listen)
+        else:
+            anyio.run(mcp_transports.serve_stdio, socket_path, spec, ctl)
+    except grpc.RpcError as error:
+        line = _connection_error(error, socket_path) or f"{error.code().name}: {error.details()}"
+        sys.stderr.write(f"sandboxd mcp: {line}\n")
+        return 1
+    except ValueError as error:
+        sys.stderr.write(f"sandboxd mcp: {error}\n")
+        return 2
+    except OSError as error:                 # --http: the address is taken, or not ours to use
+        sys.stderr.write(f"sandboxd mcp: {args.http}: {error.strerror or error}\n")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0

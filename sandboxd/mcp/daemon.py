@@ -1,0 +1,70 @@
+"""The daemon as `sandboxd mcp` talks to it: an asyncio gRPC channel on the caller's socket (so
+the daemon sees the caller's own uid through SO_PEERCRED), the session to create from the
+command line's flags, and a denial read back from a failed call."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import grpc
+import grpc.aio
+
+from sandboxd.client import CHANNEL_OPTIONS, approval_policy, sandbox_policy
+from sandboxd.v1 import sandboxd_pb2 as pb
+from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
+
+DENIAL_METADATA = "sandboxd-permission-denied"   # the trailing metadata a policy denial carries
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """What to open for each MCP connection (or `attach`: an existing session, never closed)."""
+
+    workspace: str
+    sandbox: str = "workspace-write"
+    network: bool = False
+    writable_roots: tuple[str, ...] = ()
+    approval: str = "on-request"
+    permission_mode: str = ""
+    attach: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def request(self) -> pb.CreateSessionRequest:
+        return pb.CreateSessionRequest(
+            workspace=self.workspace, permission_mode=self.permission_mode, labels=self.labels,
+            sandbox_policy=sandbox_policy(self.sandbox, network=self.network, writable_roots=self.writable_roots),
+            approval_policy=approval_policy(self.approval) if not self.permission_mode else pb.APPROVAL_POLICY_UNSPECIFIED)
+
+
+class Daemon:
+    """One asyncio channel to the daemon (created in the running event loop)."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+        self.channel = grpc.aio.insecure_channel(f"unix:{socket_path}", options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.SandboxStub(self.channel)
+
+    async def open(self, spec: SessionSpec) -> tuple[pb.Session, bool]:
+        """The session for one connection, and whether it is ours to close."""
+        if spec.attach:
+            return await self.stub.GetSession(pb.GetSessionRequest(session_id=spec.attach)), False
+        return await self.stub.CreateSession(spec.request()), True
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def denial(error: grpc.RpcError) -> dict[str, str] | None:
+    """The PermissionDenied (call_id, tool, reason, by, detail, message) a denied call carries."""
+    if not isinstance(error, grpc.aio.AioRpcError) or error.code() != grpc.StatusCode.PERMISSION_DENIED:
+        return None
+    for key, value in error.trailing_metadata() or ():
+        if key == DENIAL_METADATA:
+            try:
+                data = json.loads(value)
+            except ValueError:
+                return None
+            return {name: str(data.get(name) or "") for name in ("call_id", "tool", "reason", "by", "detail",
+                                                                 "message")}
+    return None

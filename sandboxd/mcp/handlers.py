@@ -1,0 +1,285 @@
+"""tools/list and tools/call of `sandboxd mcp`, on the daemon's RPCs.
+
+One `App` per process holds the daemon channel and the session flags; each MCP connection gets
+its own `Binding` (its session), made at its first request and ended with the connection."""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import json
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import grpc
+import mcp_types as types
+from mcp.server.lowlevel import Server
+from mcp.shared.exceptions import MCPError
+from mcp_types import INTERNAL_ERROR
+
+from sandboxd.mcp import catalog
+from sandboxd.mcp.approvals import Progress, answer_held, denied_result
+from sandboxd.mcp.binding import Binding
+from sandboxd.mcp.daemon import Daemon, SessionSpec, denial
+from sandboxd.v1 import sandboxd_pb2 as pb
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from mcp.server.connection import Connection
+    from mcp.server.context import ServerRequestContext
+
+    Ctx = ServerRequestContext[Any, Any]
+
+# A command's output returned to the model, stdout and stderr together: past it the command keeps
+# running and its output is counted, not kept (the result says output_truncated).
+OUTPUT_LIMIT = 1 << 20
+_STATE_KEY, _LOCK_KEY = "sandboxd.binding", "sandboxd.binding-lock"
+
+
+class ToolError(Exception):
+    """Bad arguments: a tool error that says what to fix."""
+
+
+class App:
+    def __init__(self, daemon: Daemon, spec: SessionSpec, ctl: str,
+                 first: tuple[pb.Session, bool] | None = None) -> None:
+        self.daemon, self.spec, self.ctl = daemon, spec, ctl
+        self._first = first              # stdio: the session opened before serving, for the one connection
+
+    def take_first(self) -> tuple[pb.Session, bool] | None:
+        first, self._first = self._first, None
+        return first
+
+    async def binding(self, ctx: "Ctx") -> Binding:
+        # The SDK hands handlers a per-request context; the per-connection state (and the
+        # teardown that runs when the connection ends) lives on its Connection.
+        connection: Connection = ctx.session._connection
+        lock = connection.state.setdefault(_LOCK_KEY, asyncio.Lock())   # one session even for racing requests
+        async with lock:
+            bound = connection.state.get(_STATE_KEY)
+            if isinstance(bound, Binding):
+                return bound
+            session, owned = self.take_first() or await self.daemon.open(self.spec)
+            bound = Binding(self.daemon, session, owned, connection.send_tool_list_changed)
+            connection.state[_STATE_KEY] = bound
+            connection.exit_stack.push_async_callback(bound.close)
+            return bound
+
+
+def build_server(app: App) -> "Server[App]":
+    async def list_tools(ctx: "Ctx", _params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
+        try:
+            binding = await app.binding(ctx)
+            session, listed = await asyncio.gather(
+                app.daemon.stub.GetSession(pb.GetSessionRequest(session_id=binding.session_id)),
+                app.daemon.stub.ListTools(pb.ListToolsRequest(session_id=binding.session_id)))
+        except grpc.RpcError as error:
+            raise MCPError(INTERNAL_ERROR, f"sandboxd: {error.code().name}: {error.details()}") from None
+        return types.ListToolsResult(tools=catalog.visible(session, [tool.name for tool in listed.tools]))
+
+    async def call_tool(ctx: "Ctx", params: types.CallToolRequestParams) -> types.CallToolResult:
+        try:
+            binding = await app.binding(ctx)
+        except grpc.RpcError as error:          # no session for this connection (a quota, say): say why
+            return _error(f"no sandboxd session: {error.code().name}: {error.details()}")
+        tool = catalog.BY_NAME.get(params.name)
+        if tool is None:
+            return _error(f"unknown tool {params.name!r}: use one of {', '.join(catalog.BY_NAME)}")
+        context_id = f"mcp-{secrets.token_hex(6)}" if tool.name == "shell" else ""
+        held = binding.expect(tool.daemon_tool, context_id)
+        progress = Progress(ctx)
+        result: types.CallToolResult | None = None
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(answer_held, ctx, binding, held, progress, app.ctl)
+                try:
+                    result = await RUNNERS[tool.name](binding, params.arguments or {}, progress, context_id)
+                except (ToolError, ValueError, TypeError) as error:     # protobuf's range and type checks too
+                    result = _error(str(error))
+                except grpc.RpcError as error:
+                    denied = denial(error)
+                    result = denied_result(denied) if denied else _error(f"{error.code().name}: {error.details()}")
+                group.cancel_scope.cancel()
+        finally:
+            binding.forget(held)
+        return result or _error("the call ended without a result")
+
+    server: Server[App] = Server(
+        "sandboxd", version=_version(), on_list_tools=list_tools, on_call_tool=call_tool,
+        instructions="Tools that run in a kernel-enforced sandboxd session: a shell, files, patches, search and "
+                     "background processes. Each tool's description states the session's policy.")
+    # The SDK's default middleware is OpenTelemetry's span per message: no exporter here, and its
+    # cost lands on every call (tests/bench_mcp.py).
+    server.middleware = []
+    return server
+
+
+def _version() -> str:
+    from sandboxd import __version__
+    return __version__
+
+
+def _error(text: str) -> types.CallToolResult:
+    return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
+
+
+def _ok(text: str, structured: dict[str, Any] | None = None) -> types.CallToolResult:
+    return types.CallToolResult(content=[types.TextContent(text=text)], structured_content=structured)
+
+
+_KINDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false", dict: "an object"}
+
+
+def _arg(args: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
+    """``args[name]`` if it is of ``kind`` (a float also takes an integer), ``default`` when absent."""
+    value = args.get(name)
+    if value is None:
+        return default
+    wanted = (int, float) if kind is float else kind
+    if not isinstance(value, wanted) or (isinstance(value, bool) and kind is not bool):
+        raise ToolError(f"{name} must be {_KINDS[kind]}, not {json.dumps(value)[:40]}")
+    return value
+
+
+def _required(args: dict[str, Any], name: str) -> str:
+    value = _arg(args, name, str)
+    if not value:
+        raise ToolError(f"{name} is required")
+    return str(value)
+
+
+def _env(args: dict[str, Any]) -> dict[str, str]:
+    env = _arg(args, "env", dict, {})
+    if not all(isinstance(key, str) and isinstance(value, str) for key, value in env.items()):
+        raise ToolError("env must map names to strings")
+    return dict(env)
+
+
+Runner = Callable[[Binding, dict[str, Any], Progress, str], Awaitable[types.CallToolResult]]
+
+
+async def _shell(binding: Binding, args: dict[str, Any], progress: Progress, context_id: str) -> types.CallToolResult:
+    timeout = _arg(args, "timeout", float, 0)
+    start = pb.ExecStart(session_id=binding.session_id, shell=_required(args, "command"), cwd=_arg(args, "cwd", str, ""),
+                         env=_env(args), timeout_seconds=float(timeout), close_stdin=True,
+                         output_limit_bytes=OUTPUT_LIMIT, execution_context_id=context_id)
+    output: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+    decoders = {kind: codecs.getincrementaldecoder("utf-8")("replace") for kind in output}
+    result: pb.ExecResult | None = None
+    call = binding.daemon.stub.Exec(iter([pb.ExecRequest(start=start)]))
+    binding.track(call)
+    try:
+        async for response in call:
+            kind = response.WhichOneof("kind")
+            if kind in output:
+                chunk = getattr(response, kind)
+                output[kind].append(chunk)
+                await progress.say(decoders[kind].decode(chunk))
+            elif kind == "result":
+                result = response.result
+    finally:
+        binding.untrack(call)
+        call.cancel()                   # a no-op once it ended; else the daemon kills the tree
+    if result is None:
+        return _error("the daemon ended the command without a result")
+    stdout, stderr = (b"".join(output[kind]).decode("utf-8", "replace") for kind in ("stdout", "stderr"))
+    status = {"exit_code": result.exit_code, "signal": result.signal, "timed_out": result.timed_out,
+              "shell_status": result.shell_status, "output_truncated": result.output_truncated,
+              "oom_killed": result.oom_killed, "wall_seconds": round(result.wall_seconds, 3)}
+    how = (f"timed out (killed after {start.timeout_seconds:g} s)" if result.timed_out
+           else f"killed by signal {result.signal}" if result.signal else f"exit status {result.exit_code}")
+    text = how + (" (output truncated)" if result.output_truncated else "")
+    if stdout:
+        text += f"\n--- stdout ---\n{stdout}"
+    if stderr:
+        text += f"\n--- stderr ---\n{stderr}"
+    return _ok(text, {**status, "stdout": stdout, "stderr": stderr})
+
+
+async def _read(binding: Binding, args: dict[str, Any], _progress: Progress, _context: str) -> types.CallToolResult:
+    answer = await binding.daemon.stub.ReadFile(pb.ReadFileRequest(
+        session_id=binding.session_id, path=_required(args, "path"), max_bytes=_arg(args, "max_bytes", int, 0)))
+    text = answer.data.decode("utf-8", "replace")
+    return _ok(text + ("\n[truncated: the file is longer]" if answer.truncated else ""),
+               {"bytes": len(answer.data), "truncated": answer.truncated})
+
+
+async def _write(binding: Binding, args: dict[str, Any], _progress: Progress, _context: str) -> types.CallToolResult:
+    content = _arg(args, "content", str)
+    if content is None:
+        raise ToolError("content is required (the whole new file)")
+    path = _required(args, "path")
+    written = await binding.daemon.stub.WriteFile(pb.WriteFileRequest(
+        session_id=binding.session_id, path=path, data=content.encode(), create_parents=True))
+    return _ok(f"wrote {written.bytes_written} bytes to {path}", {"bytes_written": written.bytes_written})
+
+
+async def _list(binding: Binding, args: dict[str, Any], _progress: Progress, _context: str) -> types.CallToolResult:
+    listing = await binding.daemon.stub.ListDir(pb.ListDirRequest(session_id=binding.session_id,
+                                                                 path=_arg(args, "path", str, "")))
+    lines = [f"{entry.type:<7} {entry.mode:04o} {entry.size:>10}  {entry.name}" for entry in listing.entries]
+    return _ok("\n".join(lines) or "(empty)", {"entries": [
+        {"name": entry.name, "type": entry.type, "size": entry.size} for entry in listing.entries]})
+
+
+async def _patch(binding: Binding, args: dict[str, Any], _progress: Progress, _context: str) -> types.CallToolResult:
+    answer = await binding.daemon.stub.ApplyPatch(pb.ApplyPatchRequest(
+        session_id=binding.session_id, patch=_required(args, "patch"), strip=_arg(args, "strip", int, 0)))
+    return _ok("\n".join(f"{patched.action}\t{patched.path}" for patched in answer.files),
+               {"files": [{"path": patched.path, "action": patched.action} for patched in answer.files]})
+
+
+async def _search(binding: Binding, args: dict[str, Any], _progress: Progress, _context: str) -> types.CallToolResult:
+    answer = await binding.daemon.stub.Search(pb.SearchRequest(
+        session_id=binding.session_id, pattern=_required(args, "pattern"), path=_arg(args, "path", str, ""),
+        max_results=_arg(args, "max_results", int, 0), case_insensitive=bool(_arg(args, "case_insensitive", bool))))
+    lines = [f"{match.path}:{match.line}: {match.text}" for match in answer.matches]
+    if answer.truncated:
+        lines.append("[more matches not shown: narrow the pattern or the path]")
+    return _ok("\n".join(lines) or "no matches", {"matches": len(answer.matches), "truncated": answer.truncated})
+
+
+def _job(job: pb.BackgroundProcess) -> dict[str, Any]:
+    return {"id": job.id, "name": job.name, "pid": job.pid, "running": job.running,
+            "shell_status": None if job.running else job.result.shell_status, "output_bytes": job.output_bytes}
+
+
+async def _start(binding: Binding, args: dict[str, Any], _progress: Progress, _context: str) -> types.CallToolResult:
+    job = await binding.daemon.stub.StartBackground(pb.StartBackgroundRequest(
+        session_id=binding.session_id, shell=_required(args, "command"), cwd=_arg(args, "cwd", str, ""),
+        env=_env(args), name=_arg(args, "name", str, "")))
+    return _ok(f"started {job.id} (pid {job.pid})", _job(job))
+
+
+async def _processes(binding: Binding, _args: dict[str, Any], _progress: Progress,
+                     _context: str) -> types.CallToolResult:
+    jobs = (await binding.daemon.stub.ListBackground(pb.ListBackgroundRequest(session_id=binding.session_id))).processes
+    lines = [f"{job.id}  pid={job.pid}  {'running' if job.running else f'exited {job.result.shell_status}'}  "
+             f"{job.name}" for job in jobs]
+    return _ok("\n".join(lines) or "no background processes", {"processes": [_job(job) for job in jobs]})
+
+
+async def _output(binding: Binding, args: dict[str, Any], _progress: Progress, _context: str) -> types.CallToolResult:
+    offset = _arg(args, "offset", int, 0)
+    chunks, dropped, end = [], 0, offset
+    async for chunk in binding.daemon.stub.ReadBackgroundOutput(pb.ReadBackgroundOutputRequest(
+            session_id=binding.session_id, id=_required(args, "id"), offset=offset)):
+        chunks.append(chunk.data)
+        dropped += chunk.dropped
+        end = chunk.offset + len(chunk.data)
+    text = b"".join(chunks).decode("utf-8", "replace")
+    return _ok(text + (f"\n[{dropped} earlier bytes no longer kept]" if dropped else ""),
+               {"next_offset": end, "dropped": dropped})
+
+
+async def _stop(binding: Binding, args: dict[str, Any], _progress: Progress, _context: str) -> types.CallToolResult:
+    job = await binding.daemon.stub.StopBackground(pb.StopBackgroundRequest(session_id=binding.session_id,
+                                                                            id=_required(args, "id")))
+    return _ok(f"{job.id} stopped (status {job.result.shell_status})", _job(job))
+
+
+RUNNERS: dict[str, Runner] = {"shell": _shell, "read_file": _read, "write_file": _write, "list_dir": _list,
+                              "apply_patch": _patch, "search": _search, "start_process": _start,
+                              "list_processes": _processes, "read_process_output": _output, "stop_process": _stop}

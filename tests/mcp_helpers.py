@@ -1,0 +1,64 @@
+"""Driving `sandboxd mcp` from the official MCP Python SDK client over stdio, for the MCP tests
+and the latency benchmark."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import mcp_types as types
+from mcp import Client
+from mcp.client.session import ElicitationFnT, MessageHandlerFnT
+from mcp.client.stdio import StdioServerParameters
+
+REPO = Path(__file__).resolve().parents[1]
+SANDBOXD = str(REPO / ".venv" / "bin" / "sandboxd")
+SANDBOXCTL = str(REPO / ".venv" / "bin" / "sandboxctl")
+ENV = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
+
+
+def server_params(socket: str, workspace: str | os.PathLike[str], *flags: str,
+                  as_user: tuple[int, int] | None = None) -> StdioServerParameters:
+    """`sandboxd mcp` on ``socket`` for ``workspace``; ``as_user`` (uid, gid): run it as that user."""
+    command = [SANDBOXD, "mcp", "--socket", socket, "--workspace", str(workspace), *flags]
+    if as_user is not None:
+        command = ["setpriv", f"--reuid={as_user[0]}", f"--regid={as_user[1]}", "--clear-groups", *command]
+    return StdioServerParameters(command=command[0], args=command[1:], env=ENV, cwd="/")
+
+
+@contextlib.asynccontextmanager
+async def mcp_client(socket: str, workspace: str | os.PathLike[str], *flags: str,
+                     elicitation: ElicitationFnT | None = None, messages: MessageHandlerFnT | None = None,
+                     as_user: tuple[int, int] | None = None) -> AsyncIterator[Client]:
+    async with Client(server_params(socket, workspace, *flags, as_user=as_user), elicitation_callback=elicitation,
+                      message_handler=messages, read_timeout_seconds=120) as client:
+        yield client
+
+
+def text(result: types.CallToolResult) -> str:
+    return "".join(block.text for block in result.content if isinstance(block, types.TextContent))
+
+
+def tool_names(listing: types.ListToolsResult) -> list[str]:
+    return [tool.name for tool in listing.tools]
+
+
+def structured(result: types.CallToolResult) -> dict[str, Any]:
+    assert isinstance(result.structured_content, dict), result
+    return result.structured_content
+
+
+def decide(decisions: Sequence[str], asked: list[types.ElicitRequestParams]) -> ElicitationFnT:
+    """An elicitation callback answering each request with the next decision, recording the requests."""
+    pending = list(decisions)
+
+    async def answer(_context: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
+        asked.append(params)
+        decision = pending.pop(0)
+        if decision == "decline":
+            return types.ElicitResult(action="decline")
+        return types.ElicitResult(action="accept", content={"decision": decision})
+    return answer
