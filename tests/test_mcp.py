@@ -99,7 +99,9 @@ def test_shell_output_status_timeout_and_kernel_wall(daemon: Daemon, ws: Path) -
                                               progress_callback=on_progress)
             out["progress"] = list(progress)
             out["timeout"] = await mcp.call_tool("shell", {"command": "sleep 60", "timeout": 1})
-            out["env_cwd"] = await mcp.call_tool("shell", {"command": "mkdir -p sub && cd sub && pwd && echo $GREETING",
+            # env is added to the session's environment: HOME and LANG stay.
+            out["env_cwd"] = await mcp.call_tool("shell", {"command": "mkdir -p sub && cd sub && pwd && echo $GREETING"
+                                                           " && echo $HOME $LANG",
                                                            "env": {"GREETING": "hello", "PATH": "/usr/bin:/bin"}})
             # The kernel's wall: python3 is not a command the policy can vouch for, so it runs, and the
             # write outside the workspace fails inside the sandbox; the same write in the workspace works.
@@ -117,7 +119,7 @@ def test_shell_output_status_timeout_and_kernel_wall(daemon: Daemon, ws: Path) -
     assert "streamed\n" in out["progress"] and "oops\n" in out["progress"]
     timed = structured(out["timeout"])
     assert timed["timed_out"] and timed["shell_status"] == 124 and "timed out" in text(out["timeout"])
-    assert structured(out["env_cwd"])["stdout"] == f"{ws}/sub\nhello\n"
+    assert structured(out["env_cwd"])["stdout"] == f"{ws}/sub\nhello\n/tmp/sandboxd-home C.UTF-8\n"
     outside = structured(out["outside"])
     assert outside["exit_code"] != 0 and "Read-only file system" in outside["stderr"], outside
     assert not os.path.exists("/etc/mcp-probe")

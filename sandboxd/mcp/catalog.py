@@ -39,7 +39,7 @@ TOOLS: tuple[ToolDef, ...] = (
                      "cwd": {"type": "string", "description": "Working directory, absolute or relative to the "
                                                               "workspace (default: the workspace)."},
                      "env": {"type": "object", "additionalProperties": _STR,
-                             "description": "Environment variables for this command."}}, ["command"]),
+                             "description": "Variables added to the session's environment (PATH, HOME, LANG are set already)."}}, ["command"]),
             read_only=False, policy_in_description=True),
     ToolDef("read_file", "fs.read", "Read a text file (absolute, or relative to the workspace).",
             _schema({"path": _STR, "max_bytes": {"type": "integer", "minimum": 1, "maximum": 64 << 20,

@@ -19,6 +19,7 @@ from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import MCPError
 from mcp_types import INTERNAL_ERROR
 
+from sandboxd.client import caller_environment
 from sandboxd.mcp import catalog
 from sandboxd.mcp.approvals import Progress, answer_held, denied_result
 from sandboxd.mcp.binding import Binding
@@ -157,13 +158,20 @@ def _env(args: dict[str, Any]) -> dict[str, str]:
     return dict(env)
 
 
+# What the MCP client (the agent runtime that started ``sandboxd mcp``) passes of its own
+# environment: its PATH (the daemon keeps the entries the sandbox has) and LANG; never TERM (a
+# tool's output goes to a model, not a terminal), never anything else.
+CALLER_ENV = caller_environment(on_terminal=False)
+
+
 Runner = Callable[[Binding, dict[str, Any], Progress, str], Awaitable[types.CallToolResult]]
 
 
 async def _shell(binding: Binding, args: dict[str, Any], progress: Progress, context_id: str) -> types.CallToolResult:
     timeout = _arg(args, "timeout", float, 0)
     start = pb.ExecStart(session_id=binding.session_id, shell=_required(args, "command"), cwd=_arg(args, "cwd", str, ""),
-                         env=_env(args), timeout_seconds=float(timeout), close_stdin=True,
+                         env_overlay=_env(args), caller_env=CALLER_ENV, timeout_seconds=float(timeout),
+                         close_stdin=True,
                          output_limit_bytes=OUTPUT_LIMIT, execution_context_id=context_id)
     output: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
     decoders = {kind: codecs.getincrementaldecoder("utf-8")("replace") for kind in output}
@@ -249,7 +257,7 @@ def _job(job: pb.BackgroundProcess) -> dict[str, Any]:
 async def _start(binding: Binding, args: dict[str, Any], _progress: Progress, _context: str) -> types.CallToolResult:
     job = await binding.daemon.stub.StartBackground(pb.StartBackgroundRequest(
         session_id=binding.session_id, shell=_required(args, "command"), cwd=_arg(args, "cwd", str, ""),
-        env=_env(args), name=_arg(args, "name", str, "")))
+        env_overlay=_env(args), caller_env=CALLER_ENV, name=_arg(args, "name", str, "")))
     return _ok(f"started {job.id} (pid {job.pid})", _job(job))
 
 

@@ -91,9 +91,10 @@ class BackgroundJobs:
         self._lock = threading.Lock()
         self._jobs: dict[str, dict[str, BackgroundJob]] = {}
 
-    def start(self, session: Session, argv: list[str], cwd: str, env: dict[str, str], name: str) -> BackgroundJob:
+    def start(self, session: Session, argv: list[str], cwd: str, start: pb.ExecStart, name: str) -> BackgroundJob:
+        """``start``: the environment fields (env, or env_overlay and caller_env), checked by the caller."""
         job = BackgroundJob(session, name or " ".join(argv)[:80], argv)
-        env = environment.command_env(self._registry, self._fork, session, pb.ExecStart(env=env))
+        env = environment.command_env(self._registry, self._fork, session, start)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         null = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
         generation = self._registry.begin_call(session)

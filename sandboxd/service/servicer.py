@@ -176,14 +176,15 @@ class SandboxServicer(pb_grpc.SandboxServicer):
     def StartBackground(self, request: pb.StartBackgroundRequest, context: grpc.ServicerContext) -> pb.BackgroundProcess:
         def work(who: Caller) -> pb.BackgroundProcess:
             session = self._registry.get(who, request.session_id)
-            start = pb.ExecStart(argv=request.argv, shell=request.shell, env=request.env)
+            start = pb.ExecStart(argv=request.argv, shell=request.shell, env=request.env,
+                                 env_overlay=request.env_overlay, caller_env=request.caller_env)
             argv = exec_call.command_of(start)
             exec_call.check_start(start, argv, session)
             convert.check_text(request.name, "name")
             call = tool_calls.command(session, "monitor.start", argv,
                                       cwd_inside(session.workspace, convert.check_path(request.cwd, "cwd")))
             return job_to_proto(self._tool(context, who, session, call, lambda: self._jobs.start(
-                session, argv, request.cwd, dict(request.env), request.name)))
+                session, argv, request.cwd, start, request.name)))
         return self._unary(context, work)
 
     def ListBackground(self, request: pb.ListBackgroundRequest,

@@ -385,8 +385,15 @@ class ListDirResponse(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[DirEntry, _Mapping]]] = ...) -> None: ...
 
 class StartBackgroundRequest(_message.Message):
-    __slots__ = ("session_id", "argv", "shell", "cwd", "env", "name")
+    __slots__ = ("session_id", "argv", "shell", "cwd", "env", "name", "env_overlay", "caller_env")
     class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class EnvOverlayEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -399,13 +406,17 @@ class StartBackgroundRequest(_message.Message):
     CWD_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    ENV_OVERLAY_FIELD_NUMBER: _ClassVar[int]
+    CALLER_ENV_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     argv: _containers.RepeatedScalarFieldContainer[str]
     shell: str
     cwd: str
     env: _containers.ScalarMap[str, str]
     name: str
-    def __init__(self, session_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., name: _Optional[str] = ...) -> None: ...
+    env_overlay: _containers.ScalarMap[str, str]
+    caller_env: CallerEnvironment
+    def __init__(self, session_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., name: _Optional[str] = ..., env_overlay: _Optional[_Mapping[str, str]] = ..., caller_env: _Optional[_Union[CallerEnvironment, _Mapping]] = ...) -> None: ...
 
 class BackgroundProcess(_message.Message):
     __slots__ = ("id", "session_id", "name", "argv", "pid", "running", "result", "output_bytes", "started_at")
