@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
 import sys
 
 from sandboxd import defaults
-from sandboxd.errors import InvalidPolicy, LimitsUnavailable, SandboxdError
+from sandboxd.errors import ExecFailed, InvalidPolicy, LimitsUnavailable, SandboxdError
 from sandboxd.policy import DEFAULT_PROTECTED_SUBPATHS, LaunchSpec, Limits, parse_size, policy_from_name
 from sandboxd.policy.git_config import GIT_GUARD_SUBPATH
 from sandboxd.policy.limits import DEFAULT_TMP_SIZE
@@ -230,6 +231,9 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
         tmp_size_bytes=parse_size(str(tmp_size), "--tmp-size") if tmp_size else DEFAULT_TMP_SIZE,
         total_pids=ceiling.pids, total_memory_bytes=ceiling.memory_bytes,
     )
+    from sandboxd.cli import run_user
+    if run_user.plain_user():
+        limits = run_user.limits_for_plain_user(limits, args)
     workspace = os.path.abspath(str(args["workspace"] or os.getcwd()))
     cwd, user = args["cwd"], args["user"]
     return LaunchSpec(argv=tuple(command), workspace=workspace, env=env,
@@ -260,6 +264,8 @@ def main(argv: list[str]) -> int:
         sandbox.wait_started()
     except SandboxdError as exc:
         sys.stderr.write(f"sandboxd run: {exc}\n")
+        if isinstance(exc, ExecFailed) and exc.errno == errno.EACCES:
+            _note_uid(spec)
         if isinstance(exc, LimitsUnavailable) and not args["no_default_limits"]:
             sys.stderr.write("sandboxd run: (every run has default memory and pids limits: "
                              "--no-default-limits runs without them)\n")
@@ -287,7 +293,20 @@ def main(argv: list[str]) -> int:
     if info.oom_killed:
         sys.stderr.write(f"sandboxd run: the memory limit ({spec.limits.memory_bytes} bytes) was reached; "
                          "the kernel killed a process of the sandbox (OOM)\n")
+    if info.shell_status != 0:
+        _note_uid(spec, sandbox.plan.uid, sandbox.plan.gid)
     return info.shell_status
+
+
+def _note_uid(spec: LaunchSpec, uid: "int | None" = None, gid: "int | None" = None) -> None:
+    """Root's run of a command that failed as the workspace's owner: say so (cli.run_user)."""
+    from sandboxd.cli.run_user import uid_note
+    if uid is None or gid is None:
+        owner = os.stat(spec.workspace)
+        uid, gid = owner.st_uid, owner.st_gid
+    note = uid_note(uid, gid, spec.workspace, asked=spec.user is not None)
+    if note is not None:
+        sys.stderr.write(f"sandboxd run: {note}\n")
 
 
 def _git_guard(spec: LaunchSpec) -> "GitGuard | None":

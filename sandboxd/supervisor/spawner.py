@@ -282,7 +282,8 @@ class Spawner:
             _close_network(network, plan)
             raise
         dirs = list(cgroup.dirs) if cgroup else []
-        proc = self._fork(plan, stdio, cgroup, pid_namespace=plan.confined, network=network,
+        # Rootless, the child makes the PID namespace itself, inside its user namespace (launcher.rootless).
+        proc = self._fork(plan, stdio, cgroup, pid_namespace=plan.confined and not plan.rootless, network=network,
                           body=lambda report_w, status_w: (
                               sequence.run_sandbox(plan, report_fd=report_w, status_fd=status_w, cgroup_dirs=dirs,
                                                    spawner=self.pid)))
