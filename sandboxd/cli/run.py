@@ -19,6 +19,7 @@ if TYPE_CHECKING:   # typing stays off the `sandboxd run` path: these are for th
     from typing import Callable, TypeVar
 
     from sandboxd.kernel.netns import IsolatedNetwork
+    from sandboxd.supervisor.loopback_proxy import LoopbackProxy
     from sandboxd.supervisor.egress_proxy import EgressProxy
     from sandboxd.supervisor.git_guard import GitGuard
     from sandboxd.supervisor.publish import PublishedPort
@@ -327,7 +328,7 @@ def _git_guard(spec: LaunchSpec) -> "GitGuard | None":
     return GitGuard(resolved.writable_roots)
 
 
-def _serve_proxy(network: "IsolatedNetwork", domains: "tuple[str, ...]") -> "EgressProxy":
+def _serve_proxy(network: "IsolatedNetwork | LoopbackProxy", domains: "tuple[str, ...]") -> "EgressProxy":
     """The egress proxy of --allow-domain, on this process's relay loop (a thread: after the one
     fork, the parent forks no more); it connects from inside the sandbox's network namespace."""
     from sandboxd.supervisor.egress_proxy import EgressProxy
@@ -336,6 +337,7 @@ def _serve_proxy(network: "IsolatedNetwork", domains: "tuple[str, ...]") -> "Egr
         sys.stderr.write(f"sandboxd run: blocked a connection to {destination}: {why}\n")
         sys.stderr.flush()
     listener, network.proxy_listener = network.proxy_listener, None
+    assert listener is not None                      # main serves a proxy only when there is one
     return EgressProxy(listener, domains, client_address=network.sandbox_address,
                        netns_fd=network.netns_fd, resolvers=network.resolvers,
                        on_denied=denied).start()

@@ -73,6 +73,10 @@ class LaunchPlan(Record):
     # sandbox's resolv.conf.
     netns_fd: int = -1
     resolv_conf: str | None = None
+    # Rootless --allow-domain (supervisor.loopback_proxy): init listens on 127.0.0.1:proxy_port in the
+    # sandbox's loopback-only namespace and sends that socket on proxy_sink_fd, set by the spawner.
+    proxy_sink_fd: int = -1
+    proxy_port: int = 0
     # Detached mount trees (mounts.clone_tree) of the workspace and writable roots, by real path,
     # made from the descriptors the caller's rights were checked on; closed in the parent after
     # the fork, and empty in a session's stored plan.

@@ -16,12 +16,14 @@ clones that.
 
 from __future__ import annotations
 
+import _socket
 import errno
 import os
 import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
 
 from sandboxd.errors import SetupError
 from sandboxd.kernel import caps, mounts, namespaces, process, userns
+from sandboxd.launcher.init_loop import send_fd
 from sandboxd.launcher.plan import LaunchPlan
 
 TYPE_CHECKING = False
@@ -88,3 +90,23 @@ def clone_roots(plan: LaunchPlan) -> None:
             os.close(here)
         os.close(source)
         plan.root_trees[real] = tree
+
+
+def hand_over_proxy_listener(plan: LaunchPlan) -> None:
+    """Rootless --allow-domain: listen on the sandbox's 127.0.0.1:proxy_port and send that socket
+    to `sandboxd run`, which serves the egress proxy on it (supervisor.loopback_proxy). Called by
+    init in the new network namespace, before the command exists: its first request finds the
+    proxy there, and no command can take the port first."""
+    if plan.proxy_sink_fd < 0:
+        return
+    sink = _socket.socket(fileno=plan.proxy_sink_fd)
+    listener = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+    try:
+        listener.bind(("127.0.0.1", plan.proxy_port))
+        listener.listen(1024)
+        send_fd(sink, listener.fileno())
+    except OSError as exc:
+        raise SetupError("egress proxy", exc.errno or errno.EIO, f"127.0.0.1:{plan.proxy_port}") from None
+    finally:
+        listener.close()
+        sink.close()

@@ -106,13 +106,16 @@ CALL_INIT = -1  # the command's parent is a call's init, whose pid is only known
 
 def _build_sandbox(plan: LaunchPlan, title: str) -> None:
     """Everything init does before any command exists; shared by one-shot and session inits."""
-    flags = namespaces.ISOLATED_NOW | (0 if plan.network else namespaces.CLONE_NEWNET)
+    # Rootless, the isolated network is a loopback-only namespace with the egress proxy's listener.
+    loopback_only = not plan.network or (plan.rootless and plan.network_isolated)
+    flags = namespaces.ISOLATED_NOW | (namespaces.CLONE_NEWNET if loopback_only else 0)
     namespaces.unshare(flags)                             # mount, ipc, uts, cgroup (+ net): applies to us now
     if plan.netns_fd >= 0:
         # An isolated network: a namespace the spawner built (veth, address, route) before the fork.
         namespaces.setns(plan.netns_fd, namespaces.CLONE_NEWNET)
-    if not plan.network:
+    if loopback_only:
         netns.bring_up_loopback()                         # a new net namespace has only lo, and it is down
+        rootless.hand_over_proxy_listener(plan)
     namespaces.set_hostname("sandbox")
     rootfs.build(plan)                                    # mounts, then pivot_root (see rootfs.py)
     os.chdir(plan.cwd)

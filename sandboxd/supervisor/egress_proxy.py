@@ -139,12 +139,14 @@ class EgressProxy(TcpService):
                  connections: int = DEFAULT_CONNECTIONS, loop: RelayLoop | None = None) -> None:
         """``listener``: bound and listening (see ``listen``); only ``client_address`` (the
         sandbox) is served, once ``start`` is called; upstream connections are made in the
-        network namespace ``netns_fd`` (the sandbox's; the proxy keeps its own copy).
+        network namespace ``netns_fd`` (the sandbox's; the proxy keeps its own copy; -1: this
+        process's own, for rootless `sandboxd run`, whose sandbox has only loopback:
+        supervisor.loopback_proxy).
         ``on_denied(destination, why)`` is told of every refusal (on a worker thread)."""
         super().__init__(listener, "sandboxd-egress-proxy", loop)
         self._allowed, self._client = allowed, client_address
         self._resolvers, self._on_denied = list(resolvers), on_denied
-        self._netns = os.dup(netns_fd)
+        self._netns = os.dup(netns_fd) if netns_fd >= 0 else -1
         self.cap = ConnectionCap(connections)
         self._cap_reported = False
 
@@ -160,7 +162,8 @@ class EgressProxy(TcpService):
     def _close_in_loop(self) -> None:
         if not self._closed:
             super()._close_in_loop()
-            os.close(self._netns)
+            if self._netns >= 0:
+                os.close(self._netns)
 
     def denied(self, destination: str, why: str) -> None:
         """Report a refusal off the loop (the daemon's report writes to the event store)."""
@@ -215,7 +218,11 @@ class EgressProxy(TcpService):
                 request.fail(request.forbidden)
                 return
             try:
-                upstream = socket_in_namespace(self._netns, mark=PROXY_MARK)
+                upstream = (socket_in_namespace(self._netns, mark=PROXY_MARK) if self._netns >= 0 else
+                            # Rootless: no kernel filter behind it, so the range check above is the
+                            # wall, on exactly the address connected to.
+                            socket.socket(socket.AF_INET,
+                                          socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC))
             except OSError:
                 request.fail(request.unreachable)      # the sandbox's namespace is gone
                 return
