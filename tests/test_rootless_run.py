@@ -315,6 +315,7 @@ def test_allowed_domains_through_the_loopback_proxy(setup: Setup, world: World) 
     assert direct.stdout == "open\n", direct.stderr
 
 
+@pytest.mark.timeout(int(300 * SLOW))
 def test_conformance_probes_hold_as_a_plain_user(setup: Setup) -> None:
     """`../shared/conformance/run` as the plain user (its fixtures, workspace and decoys are the
     user's): all 80 verdicts hold rootless. Two things are translated by a wrapper, for reasons
@@ -328,15 +329,19 @@ def test_conformance_probes_hold_as_a_plain_user(setup: Setup) -> None:
         pytest.skip(f"conformance probes not present at {CONFORMANCE} (set SANDBOXD_CONFORMANCE)")
     s = setup
     wrapper = s.base / "sandboxd-rootless"
-    wrapper.write_text("#!/bin/sh\nskip=\nfor arg do shift\n"
+    # Under emulation the probes' CPU and wall budgets are scaled, as packaging/vm/slow-sandboxd does.
+    wrapper.write_text("#!/bin/sh\nskip=\nscale=\ncommand=\nfor arg do shift\n"
+                       "  if [ -n \"$command\" ]; then set -- \"$@\" \"$arg\"; continue; fi\n"
                        "  if [ -n \"$skip\" ]; then skip=; continue; fi\n"
-                       "  case \"$arg\" in --memory|--pids) skip=1; continue;; --network) arg=--network=host;; esac\n"
+                       f"  if [ -n \"$scale\" ]; then scale=; arg=$(( ${{arg%.*}} * {max(1, int(SLOW))} )); fi\n"
+                       "  case \"$arg\" in --memory|--pids) skip=1; continue;; --network) arg=--network=host;;\n"
+                       "    --cpu-seconds|--timeout) scale=1;; --) command=1;; esac\n"
                        "  set -- \"$@\" \"$arg\"\ndone\n"
                        f"PYTHONPATH={s.code} exec {PY} -m sandboxd.cli.main \"$@\"\n")
     wrapper.chmod(0o755)
     before = set(Path("/var/tmp").glob("sbx-conformance.*"))
     try:
-        result = subprocess.run([str(runner), str(wrapper)], capture_output=True, text=True, timeout=280,
+        result = subprocess.run([str(runner), str(wrapper)], capture_output=True, text=True, timeout=280 * SLOW,
                                 user=s.user.uid, group=s.user.gid, extra_groups=[], cwd="/",
                                 env={**BASE_ENV, "HOME": str(s.workspace)})
     finally:
@@ -372,3 +377,28 @@ def test_as_root_a_failing_command_says_which_uid_it_ran_as(setup: Setup) -> Non
     asked = as_root("--user", str(s.user.uid), "--", "cat", str(root_only))
     assert asked.returncode == 1 and "the command ran as uid" not in asked.stderr, describe(asked)
     assert pwd.getpwuid(os.stat(s.workspace).st_uid).pw_uid == s.user.uid
+
+
+def test_host_unix_sockets_only_by_name_rootless(setup: Setup) -> None:
+    """The connect broker works in the user namespace: a host socket of the user's own is
+    refused unless --allow-unix-socket names it (the control)."""
+    s = setup
+    where = make_dir(s.base / "sockets", 0o700)
+    os.chown(where, s.user.uid, s.user.gid)
+    path = where / "service.sock"
+    server = subprocess.Popen([PY, "-c", "import socket, sys\ns = socket.socket(socket.AF_UNIX)\n"
+                               "s.bind(sys.argv[1]); s.listen(4); print('ready', flush=True)\n"
+                               "while True:\n    c, _ = s.accept(); c.sendall(b'hello'); c.close()", str(path)],
+                              stdout=subprocess.PIPE, text=True, **as_user(s, s.user))
+    try:
+        assert server.stdout is not None and server.stdout.readline() == "ready\n"
+        probe = ["--", PY, "-c", "import socket, sys; c = socket.socket(socket.AF_UNIX); c.connect(sys.argv[1]); "
+                 "print(c.recv(5).decode())", str(path)]
+        refused = run_as(s, s.user, *probe)
+        assert refused.returncode == 1 and "PermissionError" in refused.stderr, describe(refused)
+        allowed = run_as(s, s.user, "--allow-unix-socket", str(path), *probe)
+        assert (allowed.returncode, allowed.stdout) == (0, "hello\n"), describe(allowed)
+    finally:
+        server.kill()
+        server.wait()
+        path.unlink()

@@ -294,7 +294,7 @@ def main(argv: list[str]) -> int:
     if info.oom_killed:
         sys.stderr.write(f"sandboxd run: the memory limit ({spec.limits.memory_bytes} bytes) was reached; "
                          "the kernel killed a process of the sandbox (OOM)\n")
-    if info.shell_status != 0:
+    if info.exit_code:                               # its own failure, not a timeout or a signal
         _note_uid(spec, sandbox.plan.uid, sandbox.plan.gid)
     return info.shell_status
 
