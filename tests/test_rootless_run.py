@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import textwrap
 import time
@@ -42,8 +43,19 @@ class Setup(NamedTuple):
     secret: Path             # the other user's, 0600
 
 
+# The plain user runs the system's python3, which has no pyseccomp to compile the seccomp filters:
+# root fills its cache first (/var/cache/sandboxd/seccomp, trusted only when root's), as on any
+# machine where root has run sandboxd; a user's own install of sandboxd compiles them itself.
+WARM_FILTERS = ("from sandboxd.kernel import seccomp\n"
+                "for confined, network, isolated in ((True, False, False), (True, True, False), (True, True, True),\n"
+                "                                    (False, True, False)):\n"
+                "    seccomp.program_for(seccomp.FilterSpec(confined=confined, network_access=network,\n"
+                "                                           isolated_network=isolated))\n")
+
+
 @pytest.fixture(scope="module")
 def setup() -> Iterator[Setup]:
+    subprocess.run([sys.executable, "-c", WARM_FILTERS], check=True, timeout=120, cwd=REPO)
     with plain_users(2) as (user, other):
         base = Path(tempfile.mkdtemp(prefix="sbxrootless-", dir="/var/tmp"))
         try:
@@ -402,3 +414,36 @@ def test_host_unix_sockets_only_by_name_rootless(setup: Setup) -> None:
         server.kill()
         server.wait()
         path.unlink()
+
+
+SWAP_CHECK = textwrap.dedent('''
+    import os, sys
+    from sandboxd.errors import SetupError
+    from sandboxd.kernel import mounts, namespaces
+    from sandboxd.launcher import rootless
+    path, swap = sys.argv[1], sys.argv[2] == "swap"
+    checked = os.open(path, os.O_PATH | os.O_CLOEXEC)       # what plan.prepare opened and checked
+    if swap:                                                # the name now leads somewhere else
+        os.rename(path, path + "-aside")
+        os.mkdir(path)
+    namespaces.unshare(namespaces.CLONE_NEWNS)              # the sandbox's new mount namespace
+    mounts.make_private("/")
+    trees = {path: checked}
+    try:
+        rootless.clone_roots(trees)
+    except SetupError as exc:
+        print("refused", exc.step, exc.errno == 116)        # ESTALE
+    else:
+        print("cloned", os.fstat(trees[path]).st_ino == os.stat(path).st_ino)
+''')
+
+
+def test_a_root_swapped_after_its_check_is_not_mounted(tmp_path: Path) -> None:
+    """Rootless, the roots are cloned in the sandbox's mount namespace from their paths: a path
+    that leads to another directory than the one checked (renamed and replaced since) is refused;
+    the control, the same path left alone, is cloned."""
+    for mode, expected in (("swap", "refused reopen workspace or writable root True\n"), ("keep", "cloned True\n")):
+        path = make_dir(tmp_path / mode)
+        done = subprocess.run([sys.executable, "-c", SWAP_CHECK, str(path), mode], capture_output=True, text=True,
+                              timeout=60, cwd=REPO)
+        assert done.stdout == expected, done.stderr

@@ -70,7 +70,7 @@ GIT_NESTED_MAX_DEPTH = 6
 def build(plan: LaunchPlan) -> None:
     mounts.make_private("/")                                                        # 1
     if plan.rootless:
-        rootless.clone_roots(plan)             # the roots' trees for step 8, before /tmp is covered
+        rootless.clone_roots(plan.root_trees)    # for step 8, before /tmp is covered
     mounts.tmpfs(STAGE, size=1 << 20, mode=0o700, step="mount staging tmpfs")        # 2
     os.mkdir(NEW_ROOT, 0o755)
     mounts.bind("/", NEW_ROOT, step="bind host root")

@@ -70,11 +70,12 @@ def run_outer(plan: LaunchPlan, spawner: int, init: "Callable[[], object]") -> "
     os._exit(os.WEXITSTATUS(status))
 
 
-def clone_roots(plan: LaunchPlan) -> None:
-    """Replace the host-namespace descriptors in ``plan.root_trees`` by clones made here (see the
-    module's text). Call in the sandbox's new mount namespace before anything is mounted over the
-    roots' paths (a root under /tmp is hidden once the private /tmp is there)."""
-    for real, source in list(plan.root_trees.items()):
+def clone_roots(trees: dict[str, int]) -> None:
+    """Replace the host-namespace descriptors in ``trees`` (a plan's root_trees, by real path) by
+    clones made here (see the module's text). Call in the sandbox's new mount namespace before
+    anything is mounted over the roots' paths (a root under /tmp is hidden once the private /tmp
+    is there)."""
+    for real, source in list(trees.items()):
         checked = os.fstat(source)
         try:
             here = os.open(real, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -89,7 +90,7 @@ def clone_roots(plan: LaunchPlan) -> None:
         finally:
             os.close(here)
         os.close(source)
-        plan.root_trees[real] = tree
+        trees[real] = tree
 
 
 def hand_over_proxy_listener(plan: LaunchPlan) -> None:
