@@ -45,6 +45,10 @@ policies:
 every policy but danger-full-access gets new mount, PID, IPC, UTS, cgroup and
 (without --network) network namespaces, a read-only host root, fresh /proc, a
 minimal /dev, a private /tmp, no capabilities, no_new_privs and seccomp.
+
+as a plain user it runs rootless: the same sandbox, built in a user namespace that maps
+you to yourself (the command runs as you); the isolated network (use --network=host, or
+--network --allow-domain), --allow-host, --publish, --memory, --pids and --user need root.
 """
 
 EPILOG = """exit status:
