@@ -28,7 +28,8 @@ import pytest
 from conftest import BASE_ENV, PY, REPO, SANDBOXD, SLOW, describe, make_dir
 from daemon_helpers import PlainUser, plain_users
 from test_conformance import CONFORMANCE
-from test_isolated_network import BLOCKED, DNS, PROXY_PROBE, World, world  # noqa: F401 - world: a fixture
+from test_isolated_network import (  # noqa: F401 - world: a fixture
+    BLOCKED, DNS, HOST_ONLY, HOST_REACH_PROBE, PROXY_PROBE, UPLINK, World, world)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -328,6 +329,44 @@ def test_allowed_domains_through_the_loopback_proxy(setup: Setup, world: World) 
 
 
 @pytest.mark.timeout(int(300 * SLOW))
+def test_the_rootless_proxy_refuses_the_host_through_an_allowed_name(setup: Setup, world: World) -> None:  # noqa: F811
+    """host.test is allowed and resolves to an address of the host (not in a blocked range). Rootless,
+    no kernel filter stands behind the proxy, which connects from the host's namespace: it refuses
+    the host's own addresses itself, through plain HTTP, CONNECT and SOCKS5 alike, and the host's
+    service sees no connection."""
+    s = setup
+    service = socket.socket()
+    service.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    service.bind(("0.0.0.0", 0))
+    service.listen(16)
+    port = service.getsockname()[1]
+    try:
+        # The control: the service is there, for this very user on the host.
+        reached = subprocess.run([PY, "-c", "import socket, sys; socket.create_connection((sys.argv[1], "
+                                  "int(sys.argv[2])), timeout=5).close(); print('open')", HOST_ONLY, str(port)],
+                                 capture_output=True, text=True, timeout=60, **as_user(s, s.user))
+        assert reached.stdout == "open\n", reached.stderr
+        service.accept()[0].close()
+        result = run_as(s, s.user, "--network", "--dns", DNS, "--allow-domain", "host.test", "--allow-domain",
+                        "uplink.test", "--allow-domain", "internet.test", "--", PY, "-c", HOST_REACH_PROBE,
+                        str(port), "1", timeout=120)
+        assert result.returncode == 0, describe(result)
+        seen = json.loads(result.stdout.strip().splitlines()[-1])
+        assert seen["http internet"] == "hello from internet", seen                 # the control, in the sandbox
+        assert seen["socks internet"] == "socks reply 0", seen
+        assert seen["http host"] == "HTTP/1.1 403 Forbidden", seen
+        assert seen["connect host"] == "HTTP/1.1 403 Forbidden", seen
+        assert seen["socks host"] == "socks reply 2", seen
+        assert seen["http uplink"] == "HTTP/1.1 403 Forbidden", seen
+        assert f"host.test:{port}: it resolves to {HOST_ONLY}, an address of this host" in result.stderr
+        assert f"uplink.test:{port}: it resolves to {UPLINK}, a blocked range" in result.stderr
+        service.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            service.accept()                                                        # nothing came through
+    finally:
+        service.close()
+
+
 def test_conformance_probes_hold_as_a_plain_user(setup: Setup) -> None:
     """`../shared/conformance/run` as the plain user (its fixtures, workspace and decoys are the
     user's): all 80 verdicts hold rootless. Two things are translated by a wrapper, for reasons

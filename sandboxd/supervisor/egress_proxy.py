@@ -79,6 +79,19 @@ def refused_range(address: str) -> bool:
     return any(ip in network for network in _REFUSED)
 
 
+def host_owns(address: str) -> bool:
+    """Is ``address`` one of this host's own (one a socket here can bind)? A rootless proxy has no
+    kernel filter between it and the host's services, which may listen on any of the host's
+    addresses, public ones too: it refuses them itself. Where every address binds
+    (ip_nonlocal_bind), every one is refused: closed, not open."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError:
+            return False
+    return True
+
+
 def proxy_environment(host_address: str) -> dict[str, str]:
     url = f"http://{host_address}:{PROXY_PORT}"
     env = {"NO_PROXY": "localhost,127.0.0.1", "ALL_PROXY": f"socks5h://{host_address}:{PROXY_PORT}"}
@@ -217,9 +230,13 @@ class EgressProxy(TcpService):
                 self.denied(destination, f"it resolves to {address}, a blocked range")
                 request.fail(request.forbidden)
                 return
+            if self._netns < 0 and host_owns(address):
+                self.denied(destination, f"it resolves to {address}, an address of this host")
+                request.fail(request.forbidden)
+                return
             try:
                 upstream = (socket_in_namespace(self._netns, mark=PROXY_MARK) if self._netns >= 0 else
-                            # Rootless: no kernel filter behind it, so the range check above is the
+                            # Rootless: no kernel filter behind it, so the two checks above are the
                             # wall, on exactly the address connected to.
                             socket.socket(socket.AF_INET,
                                           socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC))
