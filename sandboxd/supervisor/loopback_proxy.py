@@ -7,8 +7,9 @@ out over a socket pair (launcher.rootless.hand_over_proxy_listener). `sandboxd r
 and runs the same egress proxy as root's isolated network (supervisor.egress_proxy), which
 connects out from the host's namespace as the user: the only way out of the sandbox is through
 the proxy, and the proxy reaches only the allowed names, refusing every address in
-REFUSED_RANGES (the host's loopback, private and link-local ranges) before it connects to exactly
-the address it checked. This is the technique of Anthropic's sandbox-runtime, which bridges a
+REFUSED_RANGES (loopback, private, link-local and reserved ranges) and every address of the host
+itself (egress_proxy.host_owns) before it connects to exactly the address it checked: with no
+kernel filter behind it, those checks are the wall. This is the technique of Anthropic's sandbox-runtime, which bridges a
 socket into a network namespace instead of routing one.
 """
 
