@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
 import sys
 
 from sandboxd import defaults
-from sandboxd.errors import InvalidPolicy, LimitsUnavailable, SandboxdError
+from sandboxd.errors import ExecFailed, InvalidPolicy, LimitsUnavailable, SandboxdError
 from sandboxd.policy import DEFAULT_PROTECTED_SUBPATHS, LaunchSpec, Limits, parse_size, policy_from_name
 from sandboxd.policy.git_config import GIT_GUARD_SUBPATH
 from sandboxd.policy.limits import DEFAULT_TMP_SIZE
@@ -18,6 +19,7 @@ if TYPE_CHECKING:   # typing stays off the `sandboxd run` path: these are for th
     from typing import Callable, TypeVar
 
     from sandboxd.kernel.netns import IsolatedNetwork
+    from sandboxd.supervisor.loopback_proxy import LoopbackProxy
     from sandboxd.supervisor.egress_proxy import EgressProxy
     from sandboxd.supervisor.git_guard import GitGuard
     from sandboxd.supervisor.publish import PublishedPort
@@ -43,6 +45,10 @@ policies:
 every policy but danger-full-access gets new mount, PID, IPC, UTS, cgroup and
 (without --network) network namespaces, a read-only host root, fresh /proc, a
 minimal /dev, a private /tmp, no capabilities, no_new_privs and seccomp.
+
+as a plain user it runs rootless: the same sandbox, built in a user namespace that maps
+you to yourself (the command runs as you); the isolated network (use --network=host, or
+--network --allow-domain), --allow-host, --publish, --memory, --pids and --user need root.
 """
 
 EPILOG = """exit status:
@@ -230,6 +236,9 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
         tmp_size_bytes=parse_size(str(tmp_size), "--tmp-size") if tmp_size else DEFAULT_TMP_SIZE,
         total_pids=ceiling.pids, total_memory_bytes=ceiling.memory_bytes,
     )
+    from sandboxd.cli import run_user
+    if run_user.plain_user():
+        limits = run_user.limits_for_plain_user(limits, args)
     workspace = os.path.abspath(str(args["workspace"] or os.getcwd()))
     cwd, user = args["cwd"], args["user"]
     return LaunchSpec(argv=tuple(command), workspace=workspace, env=env,
@@ -260,6 +269,8 @@ def main(argv: list[str]) -> int:
         sandbox.wait_started()
     except SandboxdError as exc:
         sys.stderr.write(f"sandboxd run: {exc}\n")
+        if isinstance(exc, ExecFailed) and exc.errno == errno.EACCES:
+            _note_uid(spec)
         if isinstance(exc, LimitsUnavailable) and not args["no_default_limits"]:
             sys.stderr.write("sandboxd run: (every run has default memory and pids limits: "
                              "--no-default-limits runs without them)\n")
@@ -287,7 +298,20 @@ def main(argv: list[str]) -> int:
     if info.oom_killed:
         sys.stderr.write(f"sandboxd run: the memory limit ({spec.limits.memory_bytes} bytes) was reached; "
                          "the kernel killed a process of the sandbox (OOM)\n")
+    if info.exit_code:                               # its own failure, not a timeout or a signal
+        _note_uid(spec, sandbox.plan.uid, sandbox.plan.gid)
     return info.shell_status
+
+
+def _note_uid(spec: LaunchSpec, uid: "int | None" = None, gid: "int | None" = None) -> None:
+    """Root's run of a command that failed as the workspace's owner: say so (cli.run_user)."""
+    from sandboxd.cli.run_user import uid_note
+    if uid is None or gid is None:
+        owner = os.stat(spec.workspace)
+        uid, gid = owner.st_uid, owner.st_gid
+    note = uid_note(uid, gid, spec.workspace, asked=spec.user is not None)
+    if note is not None:
+        sys.stderr.write(f"sandboxd run: {note}\n")
 
 
 def _git_guard(spec: LaunchSpec) -> "GitGuard | None":
@@ -308,7 +332,7 @@ def _git_guard(spec: LaunchSpec) -> "GitGuard | None":
     return GitGuard(resolved.writable_roots)
 
 
-def _serve_proxy(network: "IsolatedNetwork", domains: "tuple[str, ...]") -> "EgressProxy":
+def _serve_proxy(network: "IsolatedNetwork | LoopbackProxy", domains: "tuple[str, ...]") -> "EgressProxy":
     """The egress proxy of --allow-domain, on this process's relay loop (a thread: after the one
     fork, the parent forks no more); it connects from inside the sandbox's network namespace."""
     from sandboxd.supervisor.egress_proxy import EgressProxy
@@ -317,6 +341,7 @@ def _serve_proxy(network: "IsolatedNetwork", domains: "tuple[str, ...]") -> "Egr
         sys.stderr.write(f"sandboxd run: blocked a connection to {destination}: {why}\n")
         sys.stderr.flush()
     listener, network.proxy_listener = network.proxy_listener, None
+    assert listener is not None                      # main serves a proxy only when there is one
     return EgressProxy(listener, domains, client_address=network.sandbox_address,
                        netns_fd=network.netns_fd, resolvers=network.resolvers,
                        on_denied=denied).start()

@@ -45,14 +45,17 @@ def last_cap() -> int:
         return FALLBACK_LAST_CAP
 
 
-def drop_privileges(uid: int, gid: int) -> None:
-    """Become ``uid:gid`` with empty bounding, ambient, inheritable, permitted and effective sets, and NNP."""
+def drop_privileges(uid: int, gid: int, *, keep_groups: bool = False) -> None:
+    """Become ``uid:gid`` with empty bounding, ambient, inheritable, permitted and effective sets, and NNP.
+    ``keep_groups``: leave the supplementary groups (in a user namespace with setgroups denied,
+    the kernel refuses to change them: they stay the caller's own)."""
     try:
         for cap in range(last_cap() + 1):
             prctl(PR_CAPBSET_DROP, cap, step="drop capability bounding set")
         prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, step="clear ambient capabilities")
         prctl(PR_SET_SECUREBITS, SECUREBITS, step="set securebits")
-        os.setgroups([])
+        if not keep_groups:
+            os.setgroups([])
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
         # For uid 0 the kernel keeps the capability sets across setresuid: clear them.
@@ -60,6 +63,10 @@ def drop_privileges(uid: int, gid: int) -> None:
         prctl(PR_SET_NO_NEW_PRIVS, 1, step="set no_new_privs")
     except OSError as exc:
         raise from_oserror(exc, "drop privileges") from None
+
+
+def set_no_new_privs() -> None:
+    prctl(PR_SET_NO_NEW_PRIVS, 1, step="set no_new_privs")
 
 
 class _CapHeader(ctypes.Structure):

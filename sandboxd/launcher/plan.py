@@ -59,6 +59,9 @@ class LaunchPlan(Record):
     seccomp_program: bytes
     brokers_connect: bool               # the filter hands connect() to init (see connect_broker)
     tool: dict[str, object] | None = None  # a file tool to run in the sandbox instead of exec'ing argv
+    # Launched by a plain user (launcher.rootless): built in a user namespace that maps the caller
+    # to themselves; root_trees then holds the roots' checked descriptors, cloned in the child.
+    rootless: bool = False
     dns: tuple[str, ...] = ()
     network_pool: str = ""
     allowed_unix_sockets: tuple[str, ...] = ()     # host socket files connect() may reach (connect_broker)
@@ -70,6 +73,10 @@ class LaunchPlan(Record):
     # sandbox's resolv.conf.
     netns_fd: int = -1
     resolv_conf: str | None = None
+    # Rootless --allow-domain (supervisor.loopback_proxy): init listens on 127.0.0.1:proxy_port in the
+    # sandbox's loopback-only namespace and sends that socket on proxy_sink_fd, set by the spawner.
+    proxy_sink_fd: int = -1
+    proxy_port: int = 0
     # Detached mount trees (mounts.clone_tree) of the workspace and writable roots, by real path,
     # made from the descriptors the caller's rights were checked on; closed in the parent after
     # the fork, and empty in a session's stored plan.
@@ -119,18 +126,26 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
                              allowed_sockets=tuple(getattr(policy, "allowed_unix_sockets", ())) if confined else (),
                              opened=opened)
     trees: dict[str, int] = {}
+    plain_user = os.geteuid() != 0                       # sandboxd run by a plain user: rootless
+    rootless = confined and plain_user
     try:
         hidden = _hidden_paths(spec.hidden_paths, resolved.workspace, resolved.writable_roots) if confined else ()
+        if plain_user:
+            check_rootless(spec)
         if confined:
             for real, fd in resolved.descriptors.items():
-                trees[real] = mounts.clone_tree(fd, step="clone workspace or writable root", path=real)
+                # A plain user may not clone mounts here: the child does, in its own namespace.
+                trees[real] = os.dup(fd) if rootless else mounts.clone_tree(
+                    fd, step="clone workspace or writable root", path=real)
     except BaseException:
         for tree in trees.values():
             os.close(tree)
         raise
     finally:
         resolved.close()
-    if spec.user is not None:
+    if plain_user:
+        uid, gid = os.geteuid(), os.getegid()             # the only ids it can run as (and its userns maps)
+    elif spec.user is not None:
         uid, gid = spec.user
     else:
         st = os.stat(resolved.workspace)
@@ -143,7 +158,7 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
                          host_network=network and not isolated)
     return LaunchPlan(
         argv=spec.argv, env=dict(spec.env), cwd=resolved.cwd, workspace=resolved.workspace,
-        confined=confined, network=network, network_isolated=isolated, dns=tuple(spec.dns),
+        confined=confined, rootless=rootless, network=network, network_isolated=isolated, dns=tuple(spec.dns),
         network_pool=spec.network_pool,
         allowed_unix_sockets=tuple(getattr(policy, "allowed_unix_sockets", ())),
         allowed_hosts=tuple(getattr(policy, "allowed_hosts", ())),
@@ -155,6 +170,33 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
         seccomp_program=seccomp.program_for(filter_spec), brokers_connect=filter_spec.brokers_connect,
         broker=broker, root_trees=trees, hidden_paths=hidden, owner=spec.owner,
     )
+
+
+ROOT_NEEDED = "needs root"
+
+
+def check_rootless(spec: LaunchSpec) -> None:
+    """Refuse, with what to do, what a plain user's sandbox cannot build (launcher.rootless): another
+    uid, and the isolated network's parts that live in the host's network namespace."""
+    policy = spec.policy
+    if spec.user is not None and spec.user != (os.geteuid(), os.getegid()):
+        raise InvalidPolicy(f"--user {spec.user[0]}:{spec.user[1]} {ROOT_NEEDED}: a plain user's sandbox runs "
+                            "the command as that user; drop --user, or run sandboxd run as root")
+    if not isinstance(policy, WorkspaceWrite):
+        return
+    if policy.published_ports:
+        raise InvalidPolicy(f"--publish {ROOT_NEEDED} (it listens in the sandbox's network namespace from the "
+                            "host's): run sandboxd run as root, or use --network=host and no --publish")
+    if not policy.network_access or policy.network_mode != "isolated":
+        return
+    if policy.allowed_hosts:
+        raise InvalidPolicy(f"--allow-host {ROOT_NEEDED} (an nftables filter in the host's namespace): run "
+                            "sandboxd run as root, or name the hosts with --allow-domain")
+    if not policy.allowed_domains:
+        raise InvalidPolicy(f"the isolated network (--network) {ROOT_NEEDED} (a veth pair, NAT and a filter in "
+                            "the host's namespace): run sandboxd run as root, or use --network=host (the host's "
+                            "network as it is) or --network --allow-domain NAME (only those names, through "
+                            "a filtering proxy)")
 
 
 def _hidden_paths(hidden: tuple[str, ...], workspace: str, writable_roots: tuple[str, ...]) -> tuple[str, ...]:

@@ -45,6 +45,7 @@ from sandboxd.kernel.mounts import (
     MS_RDONLY,
     MS_REMOUNT,
 )
+from sandboxd.launcher import rootless
 from sandboxd.launcher.plan import LaunchPlan
 from sandboxd.policy.git_config import (GIT_DIR_CREATE_EMPTY, GIT_DIR_NESTED, GIT_GUARD_SUBPATH,
                                         git_dir_entry_writable)
@@ -68,12 +69,14 @@ GIT_NESTED_MAX_DEPTH = 6
 
 def build(plan: LaunchPlan) -> None:
     mounts.make_private("/")                                                        # 1
+    if plan.rootless:
+        rootless.clone_roots(plan.root_trees)    # for step 8, before /tmp is covered
     mounts.tmpfs(STAGE, size=1 << 20, mode=0o700, step="mount staging tmpfs")        # 2
     os.mkdir(NEW_ROOT, 0o755)
     mounts.bind("/", NEW_ROOT, step="bind host root")
     mounts.set_attrs_recursive(NEW_ROOT, READONLY_ATTRS, step="make host root read-only")  # 3
     _mount_proc(NEW_ROOT + "/proc")                                                  # 4
-    _mount_sys(NEW_ROOT + "/sys")                                                    # 5
+    _mount_sys(NEW_ROOT + "/sys", plan.rootless)                                     # 5
     _mount_dev(NEW_ROOT + "/dev", plan.limits.tmp_size_bytes)                        # 6
     mounts.tmpfs(NEW_ROOT + "/tmp", size=plan.limits.tmp_size_bytes, mode=0o1777,    # 7
                  step="mount private /tmp")
@@ -125,14 +128,14 @@ def _bind_resolv_conf(text: str) -> None:
                  step="make resolv.conf read-only")
 
 
-def _mount_sys(target: str) -> None:
+def _mount_sys(target: str, rootless: bool) -> None:
     try:
         mounts.mount("sysfs", target, "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, step="mount /sys")
     except SetupError as exc:
         # In the host's network namespace the kernel hands out the host's own sysfs
-        # superblock, already mounted read-write: EBUSY. The read-only copy from
-        # step 3 then stays; only the masks below are added.
-        if exc.errno != errno.EBUSY:
+        # superblock, already mounted read-write: EBUSY (rootless: EPERM, that namespace is not
+        # ours). The read-only copy from step 3 then stays; only the masks below are added.
+        if exc.errno != errno.EBUSY and not (rootless and exc.errno == errno.EPERM):
             raise
     for name in SYS_MASKED:
         path = f"{target}/{name}"

@@ -33,7 +33,7 @@ import _signal as signal  # the C module: signal.py builds IntEnums, which costs
 from sandboxd.errors import ExecFailed
 from sandboxd.kernel import caps, cgroups, landlock, namespaces, netns, process, rlimits, seccomp, terminals
 from sandboxd.kernel._libc import from_oserror
-from sandboxd.launcher import file_tools, report, rootfs
+from sandboxd.launcher import file_tools, report, rootfs, rootless
 from sandboxd.launcher.init_loop import InitLoop, receive_fd, send_fd
 from sandboxd.launcher.plan import LaunchPlan
 
@@ -77,14 +77,26 @@ def run_sandbox(plan: LaunchPlan, *, report_fd: int, status_fd: int, cgroup_dirs
     try:
         # ``spawner``: the parent's pid, taken before the fork, so the race check sees a parent
         # that died before the death signal was set (getppid() here would already be its heir).
-        process.die_with_parent(OUTSIDE_PARENT if plan.confined else spawner)
+        process.die_with_parent(OUTSIDE_PARENT if plan.confined and not plan.rootless else spawner)
         cgroups.join(cgroup_dirs)                        # before anything forks: limits cover the whole tree
+        if plan.confined and plan.rootless:              # a plain user: init comes from a user namespace
+            rootless.run_outer(plan, spawner, lambda: _run_rootless_init(plan, report_fd, status_fd))
         if not plan.confined:
             os.close(status_fd)
             _exec_unconfined(plan, report_fd)
         _run_init(plan, report_fd=report_fd, status_fd=status_fd)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes a report
         report.fail(report_fd, exc, "sandbox")
+
+
+def _run_rootless_init(plan: LaunchPlan, report_fd: int, status_fd: int) -> NoReturn:
+    """init of a rootless launch: PID 1 of the PID namespace the outer process (rootless.run_outer)
+    made in its user namespace; from here on the same sequence as root's."""
+    try:
+        process.die_with_parent(OUTSIDE_PARENT)
+    except BaseException as exc:  # noqa: BLE001
+        report.fail(report_fd, exc, "init")
+    _run_init(plan, report_fd=report_fd, status_fd=status_fd)
 
 
 # Seen from inside a new PID namespace, a parent outside it has pid 0.
@@ -94,13 +106,16 @@ CALL_INIT = -1  # the command's parent is a call's init, whose pid is only known
 
 def _build_sandbox(plan: LaunchPlan, title: str) -> None:
     """Everything init does before any command exists; shared by one-shot and session inits."""
-    flags = namespaces.ISOLATED_NOW | (0 if plan.network else namespaces.CLONE_NEWNET)
+    # Rootless, the isolated network is a loopback-only namespace with the egress proxy's listener.
+    loopback_only = not plan.network or (plan.rootless and plan.network_isolated)
+    flags = namespaces.ISOLATED_NOW | (namespaces.CLONE_NEWNET if loopback_only else 0)
     namespaces.unshare(flags)                             # mount, ipc, uts, cgroup (+ net): applies to us now
     if plan.netns_fd >= 0:
         # An isolated network: a namespace the spawner built (veth, address, route) before the fork.
         namespaces.setns(plan.netns_fd, namespaces.CLONE_NEWNET)
-    if not plan.network:
+    if loopback_only:
         netns.bring_up_loopback()                         # a new net namespace has only lo, and it is down
+        rootless.hand_over_proxy_listener(plan)
     namespaces.set_hostname("sandbox")
     rootfs.build(plan)                                    # mounts, then pivot_root (see rootfs.py)
     os.chdir(plan.cwd)
@@ -108,7 +123,8 @@ def _build_sandbox(plan: LaunchPlan, title: str) -> None:
     # so a command starts without any: same uid, no capabilities, NNP. Not
     # dumpable, so a command cannot read init's memory or environment.
     process.set_title(title)                              # while its memory is still writable to it
-    caps.drop_privileges(plan.uid, plan.gid)
+    # Rootless, setgroups is denied in the user namespace (userns.enter_own): the groups stay.
+    caps.drop_privileges(plan.uid, plan.gid, keep_groups=plan.rootless)
     process.die_with_parent(OUTSIDE_PARENT)               # credential changes clear the death signal
     process.set_dumpable(False)
 
@@ -322,7 +338,10 @@ def _exec_unconfined(plan: LaunchPlan, report_fd: int) -> NoReturn:
         os.chdir(plan.cwd)
         process.cloexec_from(3)
         # Loaded while still privileged, so it needs no no_new_privs (full access
-        # means setuid binaries keep working); it survives the uid switch below.
+        # means setuid binaries keep working); it survives the uid switch below. A plain user
+        # (rootless sandboxd run) may load a filter only under no_new_privs: no setuid then.
+        if os.geteuid() != 0:
+            caps.set_no_new_privs()
         seccomp.load(plan.seccomp_program)
         if (plan.uid, plan.gid) != (os.getuid(), os.getgid()):
             os.setgroups([])

@@ -79,6 +79,19 @@ def refused_range(address: str) -> bool:
     return any(ip in network for network in _REFUSED)
 
 
+def host_owns(address: str) -> bool:
+    """Is ``address`` one of this host's own (one a socket here can bind)? A rootless proxy has no
+    kernel filter between it and the host's services, which may listen on any of the host's
+    addresses, public ones too: it refuses them itself. Where every address binds
+    (ip_nonlocal_bind), every one is refused: closed, not open."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError:
+            return False
+    return True
+
+
 def proxy_environment(host_address: str) -> dict[str, str]:
     url = f"http://{host_address}:{PROXY_PORT}"
     env = {"NO_PROXY": "localhost,127.0.0.1", "ALL_PROXY": f"socks5h://{host_address}:{PROXY_PORT}"}
@@ -139,12 +152,14 @@ class EgressProxy(TcpService):
                  connections: int = DEFAULT_CONNECTIONS, loop: RelayLoop | None = None) -> None:
         """``listener``: bound and listening (see ``listen``); only ``client_address`` (the
         sandbox) is served, once ``start`` is called; upstream connections are made in the
-        network namespace ``netns_fd`` (the sandbox's; the proxy keeps its own copy).
+        network namespace ``netns_fd`` (the sandbox's; the proxy keeps its own copy; -1: this
+        process's own, for rootless `sandboxd run`, whose sandbox has only loopback:
+        supervisor.loopback_proxy).
         ``on_denied(destination, why)`` is told of every refusal (on a worker thread)."""
         super().__init__(listener, "sandboxd-egress-proxy", loop)
         self._allowed, self._client = allowed, client_address
         self._resolvers, self._on_denied = list(resolvers), on_denied
-        self._netns = os.dup(netns_fd)
+        self._netns = os.dup(netns_fd) if netns_fd >= 0 else -1
         self.cap = ConnectionCap(connections)
         self._cap_reported = False
 
@@ -160,7 +175,8 @@ class EgressProxy(TcpService):
     def _close_in_loop(self) -> None:
         if not self._closed:
             super()._close_in_loop()
-            os.close(self._netns)
+            if self._netns >= 0:
+                os.close(self._netns)
 
     def denied(self, destination: str, why: str) -> None:
         """Report a refusal off the loop (the daemon's report writes to the event store)."""
@@ -214,8 +230,16 @@ class EgressProxy(TcpService):
                 self.denied(destination, f"it resolves to {address}, a blocked range")
                 request.fail(request.forbidden)
                 return
+            if self._netns < 0 and host_owns(address):
+                self.denied(destination, f"it resolves to {address}, an address of this host")
+                request.fail(request.forbidden)
+                return
             try:
-                upstream = socket_in_namespace(self._netns, mark=PROXY_MARK)
+                upstream = (socket_in_namespace(self._netns, mark=PROXY_MARK) if self._netns >= 0 else
+                            # Rootless: no kernel filter behind it, so the two checks above are the
+                            # wall, on exactly the address connected to.
+                            socket.socket(socket.AF_INET,
+                                          socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC))
             except OSError:
                 request.fail(request.unreachable)      # the sandbox's namespace is gone
                 return

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from typing import Callable
 
     from sandboxd.kernel.netns import IsolatedNetwork
+    from sandboxd.supervisor.loopback_proxy import LoopbackProxy
 
 _counter = itertools.count(1)
 
@@ -83,7 +84,7 @@ class SandboxProcess:
 
     def __init__(self, plan: LaunchPlan, pid: int, report_fd: int, status_fd: int,
                  cgroup: "CgroupSet | None", *, kill_signal: int = signal.SIGKILL,
-                 network: "IsolatedNetwork | None" = None) -> None:
+                 network: "IsolatedNetwork | LoopbackProxy | None" = None) -> None:
         self.plan = plan
         self.network = network                        # an isolated network: for the egress proxy
         # SIGKILL for a sandbox's init (the PID namespace goes with it); for a session
@@ -272,7 +273,7 @@ class Spawner:
         paths' descriptors, opened already (plan.path_requests, plan.prepare)."""
         plan = prepare(spec, opened)
         try:
-            network, plan = _isolated_network(plan)
+            network, plan = _loopback_proxy(plan) if plan.rootless else _isolated_network(plan)
         except BaseException:
             plan.close_trees()
             raise
@@ -282,7 +283,8 @@ class Spawner:
             _close_network(network, plan)
             raise
         dirs = list(cgroup.dirs) if cgroup else []
-        proc = self._fork(plan, stdio, cgroup, pid_namespace=plan.confined, network=network,
+        # Rootless, the child makes the PID namespace itself, inside its user namespace (launcher.rootless).
+        proc = self._fork(plan, stdio, cgroup, pid_namespace=plan.confined and not plan.rootless, network=network,
                           body=lambda report_w, status_w: (
                               sequence.run_sandbox(plan, report_fd=report_w, status_fd=status_w, cgroup_dirs=dirs,
                                                    spawner=self.pid)))
@@ -291,7 +293,8 @@ class Spawner:
 
     def _fork(self, plan: LaunchPlan, stdio: tuple[int, int, int], cgroup: "CgroupSet | None", *,
               pid_namespace: "bool | int", body: "Callable[[int, int], object]",
-              kill_signal: int = signal.SIGKILL, network: "IsolatedNetwork | None" = None) -> SandboxProcess:
+              kill_signal: int = signal.SIGKILL, network: "IsolatedNetwork | LoopbackProxy | None" = None
+              ) -> SandboxProcess:
         report_r, report_w = os.pipe2(os.O_CLOEXEC)
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         try:
@@ -564,6 +567,19 @@ class SessionBuild:
         return self.session
 
 
+def _loopback_proxy(plan: LaunchPlan) -> "tuple[LoopbackProxy | None, LaunchPlan]":
+    """A rootless launch's --allow-domain (plan.check_rootless refuses the rest of the isolated
+    network): the socket pair its init hands the proxy's listener over (supervisor.loopback_proxy)."""
+    if not plan.network_isolated:
+        return None, plan
+    from sandboxd.supervisor.egress_proxy import PROXY_PORT, proxy_environment
+    from sandboxd.supervisor.loopback_proxy import LoopbackProxy
+
+    proxy = LoopbackProxy(plan.dns)
+    return proxy, plan.replace(proxy_sink_fd=proxy.child_end(), proxy_port=PROXY_PORT,
+                               env={**plan.env, **proxy_environment(proxy.host_address)})
+
+
 def _isolated_network(plan: LaunchPlan) -> "tuple[IsolatedNetwork | None, LaunchPlan]":
     """For an isolated network, build it now (before any fork) and hand the child its namespace
     (a descriptor, closed in the parent by ``_close_child_ends`` after the fork) and resolv.conf."""
@@ -596,10 +612,12 @@ def _close_child_ends(plan: LaunchPlan) -> None:
     mount trees. After the fork (the child has its copies), or when the launch is given up."""
     if plan.netns_fd >= 0:
         os.close(plan.netns_fd)
+    if plan.proxy_sink_fd >= 0:
+        os.close(plan.proxy_sink_fd)
     plan.close_trees()
 
 
-def _close_network(network: "IsolatedNetwork | None", plan: LaunchPlan) -> None:
+def _close_network(network: "IsolatedNetwork | LoopbackProxy | None", plan: LaunchPlan) -> None:
     _close_child_ends(plan)
     if network is not None:
         network.close()
