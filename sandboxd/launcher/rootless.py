@@ -41,11 +41,17 @@ def run_outer(plan: LaunchPlan, spawner: int, init: "Callable[[], object]") -> "
     userns.enter_own(plan.uid, plan.gid)
     process.die_with_parent(spawner)                  # entering a user namespace cleared the death signal
     namespaces.unshare(namespaces.CLONE_NEWPID)       # applies to the next child: init
+    # A signal sent to `sandboxd run` from now on is forwarded to init, even one that comes before
+    # the handlers below exist (under load, the command can be up and printing by then): held
+    # blocked across the fork, delivered to the handlers once they are in place. Init unblocks at once.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
     try:
         init_pid = os.fork()
     except OSError as exc:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         raise SetupError("fork", exc.errno or 0, hint="the system is out of processes or memory") from None
     if init_pid == 0:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         init()
         os._exit(125)                                 # init never returns; this is belt and braces
     # Nothing of the launch's pipes may stay open here: EOF on the report pipe means "started".
@@ -61,6 +67,7 @@ def run_outer(plan: LaunchPlan, spawner: int, init: "Callable[[], object]") -> "
 
     for signum in FORWARDED_SIGNALS:
         signal.signal(signum, forward)
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     _, status = os.waitpid(init_pid, 0)               # PEP 475: retried after each forwarded signal
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)
