@@ -45,14 +45,15 @@ def last_cap() -> int:
         return FALLBACK_LAST_CAP
 
 
-def drop_privileges(uid: int, gid: int) -> None:
-    """Become ``uid:gid`` with empty bounding, ambient, inheritable, permitted and effective sets, and NNP."""
+def drop_privileges(uid: int, gid: int, groups: "tuple[int, ...]" = ()) -> None:
+    """Become ``uid:gid`` (with supplementary ``groups``: none unless given) with empty bounding,
+    ambient, inheritable, permitted and effective sets, and NNP."""
     try:
         for cap in range(last_cap() + 1):
             prctl(PR_CAPBSET_DROP, cap, step="drop capability bounding set")
         prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, step="clear ambient capabilities")
         prctl(PR_SET_SECUREBITS, SECUREBITS, step="set securebits")
-        os.setgroups([])
+        os.setgroups(list(groups))
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
         # For uid 0 the kernel keeps the capability sets across setresuid: clear them.

@@ -132,6 +132,8 @@ class SessionRegistry:
         self.metrics: "Any" = None                        # service.metrics.Metrics, when the daemon has it
         self._max = max_sessions
         self.quotas = quotas or Quotas()
+        # policy.allow_user_full_access: whether a local non-root caller may have danger-full-access.
+        self.allow_user_full_access = True
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
 
@@ -519,9 +521,17 @@ class SessionRegistry:
     def _check_policy(self, caller: Caller, policy: SandboxPolicy) -> None:
         """What only root may ask for. Whether the caller may use the paths is the kernel's to say,
         under the caller's own credentials, when the sandbox is built (``_spec``)."""
-        if not caller.is_root and policy.name == "danger-full-access":
-            raise Forbidden("only local root may create danger-full-access sessions (they run on the host as "
-                            "is); a TLS caller never may, whatever user it is mapped to")
+        if caller.is_root or policy.name != "danger-full-access":
+            return
+        # A local non-root caller's danger-full-access runs as that caller with its own rights and
+        # no more (sequence._exec_as_caller). A TLS principal is not the local user it is mapped
+        # to (principals sharing one user are kept apart: _check_not_shared), so it never may.
+        if caller.principal:
+            raise Forbidden("a TLS caller never may create danger-full-access sessions, whatever user it is "
+                            "mapped to: use workspace-write")
+        if not self.allow_user_full_access:
+            raise Forbidden("this daemon lets only local root create danger-full-access sessions "
+                            "(policy.allow_user_full_access = false): use workspace-write, or ask its operator")
 
 
 def _paths_of(workspace: str, policy: SandboxPolicy) -> list[str]:
