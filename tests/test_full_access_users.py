@@ -149,6 +149,13 @@ res["write_root"] = tool(lambda: stub.WriteFile(pb.WriteFileRequest(session_id=s
                                                                     data=b"x"), timeout=60).bytes_written)
 res["write_own"] = tool(lambda: stub.WriteFile(pb.WriteFileRequest(session_id=s.id, path="tool-made",
                                                                    data=b"xyz"), timeout=60).bytes_written)
+switched = stub.CreateSession(pb.CreateSessionRequest(workspace=ws, approval_policy=pb.NEVER), timeout=60)
+res["switched_session"] = switched.id
+stub.UpdateSessionPolicy(pb.UpdateSessionPolicyRequest(session_id=switched.id, sandbox_policy=pb.SandboxPolicy(
+    mode=pb.SandboxPolicy.DANGER_FULL_ACCESS)), timeout=60)
+res["switched"] = call(switched.id, ["sh", "-c", "id -u; grep -E 'CapBnd|NoNewPrivs' /proc/self/status"])
+confined = stub.CreateSession(pb.CreateSessionRequest(workspace=ws, approval_policy=pb.NEVER), timeout=60)
+res["confined_session"] = confined.id
 lifetime = session(ws)
 res["lifetime_session"] = lifetime.id
 res["timeout"] = call(lifetime.id, ["sh", "-c", "setsid sh -c 'sleep 1000 & echo $! > timeout.pid'; "
@@ -175,12 +182,13 @@ def world(sandboxd_daemon_module: DaemonFactory) -> Iterator[dict[str, Any]]:
     """A daemon; the plain user ``alice`` (in a group of its own making) who attacks from its
     full-access session, and ``bob`` whose private file it goes for."""
     base = sandboxd_daemon_module.base
-    group = f"sbxf-{uuid.uuid4().hex[:8]}"
-    subprocess.run(["groupadd", group], check=True, capture_output=True)
+    group, admins = f"sbxf-{uuid.uuid4().hex[:8]}", f"sbxf-a{uuid.uuid4().hex[:8]}"
+    for name in (group, admins):
+        subprocess.run(["groupadd", name], check=True, capture_output=True)
     try:
         with plain_users(2) as (alice, bob):
             gid = grp.getgrnam(group).gr_gid
-            daemon = sandboxd_daemon_module()
+            daemon = sandboxd_daemon_module(config=f'[listen]\nadmin_group = "{admins}"\n')
             ws = base / "alice-ws"
             (ws / "sub").mkdir(parents=True)
             (ws / "own.txt").write_text("alice's own")
@@ -208,14 +216,15 @@ def world(sandboxd_daemon_module: DaemonFactory) -> Iterator[dict[str, Any]]:
             seen = run_client_as(alice.uid, alice.gid, str(daemon.socket), ATTACK, args)
             try:
                 yield {"daemon": daemon, "alice": alice, "bob": bob, "gid": gid, "ws": ws, "seen": seen,
-                       "setuid_id": setuid_id, "args": args}
+                       "setuid_id": setuid_id, "args": args, "admin_gid": grp.getgrnam(admins).gr_gid}
             finally:
-                for key in ("session", "lifetime_session"):
+                for key in ("session", "lifetime_session", "switched_session", "confined_session"):
                     if key in seen:
                         close_quietly(daemon.stub, seen[key])
                 _kill_pid_files(ws)
     finally:
-        subprocess.run(["groupdel", group], check=True, capture_output=True)
+        for name in (group, admins):
+            subprocess.run(["groupdel", name], check=True, capture_output=True)
 
 
 def _a_root_cgroup_procs() -> str:
@@ -361,6 +370,39 @@ def test_root_full_access_still_runs_as_root(world: dict[str, Any]) -> None:
     out = outcome.stdout.decode().split()
     assert out[0] == "0" and "shadow=ok" in out, out
     assert int(out[out.index("CapEff:") + 1], 16) != 0, out
+
+
+ADMIN = r'''
+def update(**kwargs):
+    try:
+        stub.UpdateSessionPolicy(pb.UpdateSessionPolicyRequest(session_id=ARGS["session"], **kwargs), timeout=60)
+        return ["OK", ""]
+    except grpc.RpcError as error:
+        return [error.code().name, error.details()]
+print(json.dumps({"full": update(sandbox_policy=pb.SandboxPolicy(mode=pb.SandboxPolicy.DANGER_FULL_ACCESS)),
+                  "approval": update(approval_policy=pb.ALWAYS)}))
+'''
+
+
+def test_a_session_switched_to_full_access_runs_as_its_owner(world: dict[str, Any]) -> None:
+    switched = world["seen"]["switched"]
+    assert switched["code"] == "OK", switched
+    out = switched["out"].split()
+    assert out[0] == str(world["alice"].uid) and out[out.index("CapBnd:") + 1] == "0000000000000000", out
+    assert out[out.index("NoNewPrivs:") + 1] == "1", out
+
+
+def test_an_administrator_cannot_make_another_users_session_full_access(world: dict[str, Any]) -> None:
+    """The admin group manages everyone's sessions (the control: it changes the approval policy of
+    the user's session), but must not get to run commands on the host as that user."""
+    daemon: Daemon = world["daemon"]
+    bob = world["bob"]
+    seen = run_client_as(bob.uid, bob.gid, str(daemon.socket), ADMIN,
+                         {"session": world["seen"]["confined_session"], "groups": [world["admin_gid"]]})
+    assert seen["approval"] == ["OK", ""], seen
+    assert seen["full"][0] == "PERMISSION_DENIED" and "only the session's owner" in seen["full"][1], seen
+    session = daemon.stub.GetSession(pb.GetSessionRequest(session_id=world["seen"]["confined_session"]), timeout=60)
+    assert session.sandbox_policy.mode == pb.SandboxPolicy.WORKSPACE_WRITE
 
 
 DENIED = r'''
