@@ -100,15 +100,7 @@ def session(ws, **kwargs):
             mode=pb.SandboxPolicy.DANGER_FULL_ACCESS), **kwargs), timeout=60)
 
 import time
-TIMES = []
 def call(session_id, argv, **kwargs):
-    t0 = time.monotonic()
-    try:
-        return _call(session_id, argv, **kwargs)
-    finally:
-        TIMES.append([argv[:2], round(time.monotonic() - t0, 2)])
-
-def _call(session_id, argv, **kwargs):
     out, err, result = b"", b"", None
     start = pb.ExecStart(session_id=session_id, argv=argv, **kwargs)
     try:
@@ -165,7 +157,13 @@ res["timeout"] = call(lifetime.id, ["sh", "-c", "setsid sh -c 'sleep 1000 & echo
 res["background"] = call(lifetime.id, ["sh", "-c", "setsid sh -c 'sleep 1000 </dev/null >/dev/null 2>&1 & "
                                                    "echo $! > background.pid'; "
                                                    "while [ ! -s background.pid ]; do sleep 0.01; done"])
-res["times"] = TIMES
+job = stub.StartBackground(pb.StartBackgroundRequest(session_id=lifetime.id, shell=(
+    "setsid sh -c 'sleep 1000 </dev/null >/dev/null 2>&1 & echo $! > job.pid'; sleep 1000")), timeout=60)
+deadline = time.monotonic() + 60
+while not (os.path.exists(ws + "/job.pid") and open(ws + "/job.pid").read().strip()) and time.monotonic() < deadline:
+    time.sleep(0.02)
+stopped = stub.StopBackground(pb.StopBackgroundRequest(session_id=lifetime.id, id=job.id), timeout=60)
+res["job_stopped"] = [stopped.running, stopped.result.signal]
 print(json.dumps(res))
 '''
 
@@ -238,7 +236,7 @@ def _a_root_cgroup_procs() -> str:
 
 
 def _kill_pid_files(ws: Path) -> None:
-    for name in ("timeout.pid", "background.pid"):
+    for name in ("timeout.pid", "background.pid", "job.pid"):
         try:
             pid = int((ws / name).read_text())
             if proc_info(pid) is not None and proc_info(pid).comm == "sleep":  # type: ignore[union-attr]
@@ -334,6 +332,14 @@ def test_a_timeout_kills_what_the_call_daemonized(world: dict[str, Any]) -> None
     pid = int((world["ws"] / "timeout.pid").read_text())
     info = proc_info(pid)
     assert info is None or not survivors({pid: info}), f"the daemonized sleep {pid} outlived its call's timeout"
+
+
+def test_stopping_a_background_process_kills_what_it_daemonized(world: dict[str, Any]) -> None:
+    stopped = world["seen"]["job_stopped"]
+    assert stopped[0] is False and stopped[1] in (9, 15), stopped
+    pid = int((world["ws"] / "job.pid").read_text())
+    info = proc_info(pid)
+    assert info is None or not survivors({pid: info}), f"the daemonized sleep {pid} outlived StopBackground"
 
 
 def test_background_jobs_live_until_the_session_closes(world: dict[str, Any]) -> None:
