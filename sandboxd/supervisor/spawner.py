@@ -398,6 +398,8 @@ class Spawner:
         plan = session.plan.replace(argv=tuple(argv), env=dict(env), cwd=cwd, tool=tool)
         if self.native_helper is not None and tool is None and plan.confined and session.init_pid is not None:
             return self._spawn_native(self.native_helper, session, plan, stdio)
+        # danger-full-access (root's or a plain caller's) has no sandbox for the helper to join:
+        # the Python path is its only one (launcher/sequence.py says so too).
         if plan.caller_groups is not None:
             return self._launch_as_caller(session, plan, stdio)
         cgroup_dirs = list(session.cgroup.dirs) if session.cgroup else []
