@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import pytest
 
 from daemon_helpers import (
-    Daemon, DaemonFactory, close_quietly, plain_users, proc_info, run_client_as, run_exec, survivors,
+    Daemon, DaemonFactory, ExecCall, close_quietly, exec_start, plain_users, proc_info, run_client_as, run_exec, survivors,
 )
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -236,7 +236,7 @@ def _a_root_cgroup_procs() -> str:
 
 
 def _kill_pid_files(ws: Path) -> None:
-    for name in ("timeout.pid", "background.pid", "job.pid"):
+    for name in ("timeout.pid", "background.pid", "job.pid", "running.pid"):
         try:
             pid = int((ws / name).read_text())
             if proc_info(pid) is not None and proc_info(pid).comm == "sleep":  # type: ignore[union-attr]
@@ -349,8 +349,17 @@ def test_background_jobs_live_until_the_session_closes(world: dict[str, Any]) ->
     pid = int((world["ws"] / "background.pid").read_text())
     info = proc_info(pid)
     assert info is not None and info.comm == "sleep", "the control: a background job outlives its call"
-    daemon.stub.CloseSession(pb.CloseSessionRequest(session_id=world["seen"]["lifetime_session"]), timeout=60)
-    assert not survivors({pid: info}), f"the daemonized sleep {pid} outlived its session"
+    # And a call still running at the close, with a daemon of its own: both end with the session.
+    with ExecCall(daemon.stub, exec_start(world["seen"]["lifetime_session"], ["sh", "-c", (
+            "setsid sh -c 'sleep 1000 </dev/null >/dev/null 2>&1 & echo $! > running.pid'; "
+            "while [ ! -s running.pid ]; do sleep 0.01; done; echo ready; exec sleep 1000")])) as running:
+        running.wait_stdout(b"ready")
+        running_pid = int((world["ws"] / "running.pid").read_text())
+        running_info = proc_info(running_pid)
+        assert running_info is not None and running_info.comm == "sleep"
+        daemon.stub.CloseSession(pb.CloseSessionRequest(session_id=world["seen"]["lifetime_session"]), timeout=60)
+        assert running.wait_done(), "the running call did not end when its session closed"
+    assert not survivors({pid: info, running_pid: running_info}), "a daemonized sleep outlived its session"
 
 
 def test_calls_are_audited_as_any_call(world: dict[str, Any]) -> None:
