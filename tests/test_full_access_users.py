@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,8 +24,9 @@ from typing import Any, Iterator
 import pytest
 
 from daemon_helpers import (
-    Daemon, DaemonFactory, ExecCall, close_quietly, exec_start, plain_users, proc_info, run_client_as, run_exec, survivors,
+    Daemon, DaemonFactory, ExecCall, ProcInfo, close_quietly, exec_start, plain_users, proc_info, run_client_as, run_exec, survivors,
 )
+from conftest import SLOW
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 FULL = pb.SandboxPolicy(mode=pb.SandboxPolicy.DANGER_FULL_ACCESS)
@@ -245,6 +247,16 @@ def _kill_pid_files(ws: Path) -> None:
             pass
 
 
+def _sleeping(pid: int) -> "ProcInfo | None":
+    """``pid`` once it is the ``sleep`` it was forked to exec (``$!`` is the pid before the exec)."""
+    deadline = time.monotonic() + 30 * SLOW
+    while True:
+        info = proc_info(pid)
+        if info is None or info.comm == "sleep" or time.monotonic() > deadline:
+            return info if info is not None and info.comm == "sleep" else None
+        time.sleep(0.01)
+
+
 def _probe(world: dict[str, Any]) -> dict[str, Any]:
     call = world["seen"]["probe"]
     assert call["code"] == "OK" and call["exit"] == 0, call
@@ -347,16 +359,16 @@ def test_background_jobs_live_until_the_session_closes(world: dict[str, Any]) ->
     background = world["seen"]["background"]
     assert background["code"] == "OK" and background["exit"] == 0, background
     pid = int((world["ws"] / "background.pid").read_text())
-    info = proc_info(pid)
-    assert info is not None and info.comm == "sleep", "the control: a background job outlives its call"
+    info = _sleeping(pid)
+    assert info is not None, "the control: a background job outlives its call"
     # And a call still running at the close, with a daemon of its own: both end with the session.
     with ExecCall(daemon.stub, exec_start(world["seen"]["lifetime_session"], ["sh", "-c", (
             "setsid sh -c 'sleep 1000 </dev/null >/dev/null 2>&1 & echo $! > running.pid'; "
             "while [ ! -s running.pid ]; do sleep 0.01; done; echo ready; exec sleep 1000")])) as running:
         running.wait_stdout(b"ready")
         running_pid = int((world["ws"] / "running.pid").read_text())
-        running_info = proc_info(running_pid)
-        assert running_info is not None and running_info.comm == "sleep"
+        running_info = _sleeping(running_pid)
+        assert running_info is not None, "the control: the running call's daemon runs"
         daemon.stub.CloseSession(pb.CloseSessionRequest(session_id=world["seen"]["lifetime_session"]), timeout=60)
         assert running.wait_done(), "the running call did not end when its session closed"
     assert not survivors({pid: info, running_pid: running_info}), "a daemonized sleep outlived its session"
@@ -475,3 +487,29 @@ def _python_path() -> dict[str, str]:
     import sandboxd
     paths = [str(Path(grpc.__file__).parents[1]), str(Path(sandboxd.__file__).parents[1])]
     return {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONPATH": ":".join(paths)}
+
+
+def test_a_session_group_takes_its_calls_groups_with_it() -> None:
+    """The fork server's last resort (a session closed or swept with a call's group still in it):
+    killing and removing the session's group covers the groups nested in it, on v1 too, where no
+    cgroup.kill does it for us. The control: the process really ran in the nested group."""
+    from sandboxd.kernel import cgroups
+
+    session = cgroups.CgroupSet.create(f"run-{os.getpid()}-full-access-{uuid.uuid4().hex[:6]}",
+                                       memory_bytes=None, pids=64)
+    made = list(session.dirs)
+    try:
+        call = session.child("call-1")
+        made += call.dirs
+        sleeper = subprocess.Popen(["sleep", "1000"])
+        try:
+            cgroups.join(call.dirs, sleeper.pid)
+            assert call.pids() == {sleeper.pid} and sleeper.pid in session.pids()
+            session.kill()
+            assert sleeper.wait(timeout=30) == -9
+        finally:
+            sleeper.kill()
+            sleeper.wait()
+    finally:
+        session.remove()
+    assert made and not any(os.path.exists(path) for path in made), made
