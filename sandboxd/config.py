@@ -183,6 +183,10 @@ KEYS: tuple[Key, ...] = (
         "naming the path (a FUSE, NFS or sshfs mount that does not answer), and nobody else waits",
         _positive_seconds),
     Key("approvals", "timeout_seconds", 300, "a call nobody approves within this is denied", _positive_seconds),
+    Key("policy", "allow_user_full_access", True, "a local non-root caller may create danger-full-access "
+        "sessions, whose commands run on the host as that caller with its own rights and no more (a killable "
+        "tree, the session's limits, the audit trail); false: only local root may (TLS callers never may)",
+        _boolean),
     Key("network", "dns", [], "resolvers for isolated networks; empty: the host's", _ipv4_list),
     Key("network", "pool", "10.233.0.0/16", "addresses of isolated networks, a /30 per sandbox", _cidr),
     Key("defaults", "sandbox_policy", "workspace-write", "the sandbox of a session that does not ask for one",

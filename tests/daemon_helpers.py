@@ -676,7 +676,7 @@ import grpc
 import grpc._channel, grpc._common, grpc._utilities, grpc._interceptor, grpc._runtime_protos  # noqa: F401
 from sandboxd.v1 import sandboxd_pb2 as pb, sandboxd_pb2_grpc as pb_grpc
 ARGS = json.loads(sys.argv[1])
-os.setgroups([])
+os.setgroups(ARGS.get("groups", []))   # supplementary groups: none unless the test gives some
 os.setgid(ARGS["gid"])
 os.setuid(ARGS["uid"])
 channel = grpc.insecure_channel("unix:" + ARGS["socket"])

@@ -1,6 +1,6 @@
 """One definition of the caller (service/callers.py), as every consumer sees it, through a real
 daemon: local root; a TLS principal mapped to uid 0 ("alice", tls.users); a plain user in the
-admin group; a plain user. Each runs the same checks from its own process: danger-full-access,
+admin group; a plain user. Each runs the same checks from its own process: danger-full-access (as whom),
 the per-owner stream quota, seeing another user's session, listing and removing another user's
 standing rules, publishing a privileged host port, and whose file rights its session gets.
 
@@ -59,7 +59,7 @@ def session_running(request, argv):
         stub.CloseSession(pb.CloseSessionRequest(session_id=session.id), timeout=60)
 result = {}
 result["danger"] = attempt(lambda: session_running(pb.CreateSessionRequest(
-    workspace=ARGS["ws"], approval_policy=pb.NEVER, sandbox_policy=policy("DANGER_FULL_ACCESS")), ["true"]))
+    workspace=ARGS["ws"], approval_policy=pb.NEVER, sandbox_policy=policy("DANGER_FULL_ACCESS")), ["id", "-u"]))
 result["low_port"] = attempt(lambda: session_running(pb.CreateSessionRequest(
     workspace=ARGS["ws"], approval_policy=pb.NEVER, sandbox_policy=policy(
         "WORKSPACE_WRITE", network_access=True, published_ports=[f"{ARGS['low_port']}:8080"])), ["true"]))
@@ -160,7 +160,7 @@ def checks_of(world: dict[str, Any], who: str) -> dict[str, Any]:
 
 def test_local_root_is_root_and_administrator(world: dict[str, Any]) -> None:
     seen = checks_of(world, "root")
-    assert seen["danger"][0] == "OK", seen                      # danger-full-access
+    assert seen["danger"] == ["OK", "0"], seen                  # danger-full-access, as root
     assert seen["low_port"][0] == "OK", seen                    # a privileged published port
     assert seen["file_rights"] == ["OK", "0"], seen             # any path
     assert seen["sees_other_session"] and seen["sees_other_rule"], seen
@@ -186,7 +186,7 @@ def test_a_plain_user_in_the_admin_group_administers_but_is_not_root(world: dict
     seen = checks_of(world, "admin")
     assert seen["sees_other_session"] and seen["sees_other_rule"], seen
     assert seen["removes_other_rule"] == ["OK", False], seen
-    assert seen["danger"][0] == "PERMISSION_DENIED", seen
+    assert seen["danger"] == ["OK", str(world["admin"][0])], seen  # danger-full-access as itself, not root
     assert seen["low_port"][0] == "PERMISSION_DENIED", seen
     assert seen["file_rights"][0] == "PERMISSION_DENIED", seen     # its own rights: not root's directory
     assert seen["streams"] == ["held"] * STREAMS + ["RESOURCE_EXHAUSTED"], seen
@@ -194,7 +194,8 @@ def test_a_plain_user_in_the_admin_group_administers_but_is_not_root(world: dict
 
 def test_a_plain_user_is_neither(world: dict[str, Any]) -> None:
     seen = checks_of(world, "plain")             # the owner of the "other" session and rule
-    assert not any(seen[key][0] == "OK" for key in ("danger", "low_port", "file_rights")), seen
+    assert not any(seen[key][0] == "OK" for key in ("low_port", "file_rights")), seen
+    assert seen["danger"] == ["OK", str(world["plain"][0])], seen  # as itself (test_full_access_users.py)
     assert seen["sees_other_session"] and seen["sees_other_rule"], seen          # its own, the control
     assert seen["removes_other_rule"] == ["OK", False], seen                      # its own, the control
     assert seen["streams"] == ["held"] * STREAMS + ["RESOURCE_EXHAUSTED"], seen

@@ -713,8 +713,9 @@ res["update_root"] = code(lambda: stub.UpdateSessionPolicy(pb.UpdateSessionPolic
     session_id=rid, approval_policy=pb.NEVER)))
 res["exec_root"] = code(lambda: run(rid, ["true"]))
 res["create_in_root_dir"] = code(lambda: stub.CreateSession(pb.CreateSessionRequest(workspace=ARGS["root_dir"])))
-res["danger"] = code(lambda: stub.CreateSession(pb.CreateSessionRequest(
-    workspace=ARGS["own_dir"], sandbox_policy=pb.SandboxPolicy(mode=pb.SandboxPolicy.DANGER_FULL_ACCESS))))
+res["danger"] = code(lambda: stub.CloseSession(pb.CloseSessionRequest(session_id=stub.CreateSession(
+    pb.CreateSessionRequest(workspace=ARGS["own_dir"], sandbox_policy=pb.SandboxPolicy(
+        mode=pb.SandboxPolicy.DANGER_FULL_ACCESS))).id)))
 res["writable_root_of_root"] = code(lambda: stub.CreateSession(pb.CreateSessionRequest(
     workspace=ARGS["own_dir"], sandbox_policy=pb.SandboxPolicy(mode=pb.SandboxPolicy.WORKSPACE_WRITE,
                                                              writable_roots=[ARGS["root_dir"]]))))
@@ -745,7 +746,7 @@ def test_peer_credentials_isolate_users(daemon: Daemon, stub: pb_grpc.SandboxStu
     for key in ("get_root", "close_root", "update_root", "exec_root"):
         assert res[key] == "NOT_FOUND", (key, res[key])
     assert res["create_in_root_dir"] == "PERMISSION_DENIED"
-    assert res["danger"] == "PERMISSION_DENIED"
+    assert res["danger"] == "OK"          # as itself, with its own rights (tests/test_full_access_users.py)
     assert res["writable_root_of_root"] == "PERMISSION_DENIED"
     assert res["list_after_refusals"] == []
     for mine in res["mine"]:

@@ -147,7 +147,8 @@ def main(argv: list[str]) -> int:
                      published_per_peer=loaded.whole("quotas.published_connections_per_peer"),
                      connections_per_uid=loaded.whole("quotas.connections_per_uid"),
                      ping_timeout=loaded.number("fork_server.ping_timeout_seconds"),
-                     wait_seconds=loaded.number("fork_server.wait_seconds"))
+                     wait_seconds=loaded.number("fork_server.wait_seconds"),
+                     allow_user_full_access=loaded.flag("policy.allow_user_full_access"))
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise

@@ -45,17 +45,18 @@ def last_cap() -> int:
         return FALLBACK_LAST_CAP
 
 
-def drop_privileges(uid: int, gid: int, *, keep_groups: bool = False) -> None:
-    """Become ``uid:gid`` with empty bounding, ambient, inheritable, permitted and effective sets, and NNP.
-    ``keep_groups``: leave the supplementary groups (in a user namespace with setgroups denied,
-    the kernel refuses to change them: they stay the caller's own)."""
+def drop_privileges(uid: int, gid: int, groups: "tuple[int, ...]" = (), *, keep_groups: bool = False) -> None:
+    """Become ``uid:gid`` (with supplementary ``groups``: none unless given) with empty bounding,
+    ambient, inheritable, permitted and effective sets, and NNP. ``keep_groups``: leave the
+    supplementary groups as they are (in a user namespace with setgroups denied, the kernel
+    refuses to change them: they stay the caller's own)."""
     try:
         for cap in range(last_cap() + 1):
             prctl(PR_CAPBSET_DROP, cap, step="drop capability bounding set")
         prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, step="clear ambient capabilities")
         prctl(PR_SET_SECUREBITS, SECUREBITS, step="set securebits")
         if not keep_groups:
-            os.setgroups([])
+            os.setgroups(list(groups))
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
         # For uid 0 the kernel keeps the capability sets across setresuid: clear them.

@@ -133,6 +133,26 @@ class CgroupSet:
         self.unified_dir: str | None = None
         self.memory_dir: str | None = None
         self.memory_v2 = False
+        self.nested = False               # a call's group inside a session's (``child``)
+
+    def child(self, name: str) -> "CgroupSet":
+        """A group ``name`` inside each of this set's groups, with no controller of its own: what
+        it holds counts against this set's limits (memory and pids are hierarchical), and it can be
+        killed alone. A non-root caller's danger-full-access call runs in one: no PID namespace
+        bounds its tree, this does. Its ``release`` hands survivors to this set."""
+        group = CgroupSet(name)
+        group.nested = True
+        try:
+            for path in self.dirs:
+                made = group._mkdir(os.path.join(path, name))
+                if path == self.unified_dir:
+                    group.unified_dir = made
+                if path == self.memory_dir and not self.memory_v2:
+                    group.memory_dir = made       # v1 accounts each group (its peak); v2 would need +memory
+        except OSError as exc:
+            group.remove()
+            raise from_oserror(exc, "cgroup setup") from None
+        return group
 
     @classmethod
     def create(cls, name: str, *, memory_bytes: int | None, pids: int | None,
@@ -198,13 +218,15 @@ class CgroupSet:
         return path
 
     def pids(self) -> set[int]:
+        """Every process in the set, in the groups nested in it too (``child``: v1 has no cgroup.kill)."""
         found: set[int] = set()
         for path in self.dirs:
-            try:
-                with open(os.path.join(path, "cgroup.procs")) as f:
-                    found.update(int(x) for x in f.read().split())
-            except OSError:
-                pass
+            for group in _nested_groups(path):
+                try:
+                    with open(os.path.join(group, "cgroup.procs")) as f:
+                        found.update(int(x) for x in f.read().split())
+                except OSError:
+                    pass
         return found
 
     def signal_once(self) -> None:
@@ -246,14 +268,21 @@ class CgroupSet:
         no process itself."""
         for path in self.dirs:
             parent = os.path.dirname(path)
-            if path == self.unified_dir:
+            if path == self.unified_dir and not self.nested:
                 parent = os.path.join(parent, RELEASED_NAME)
                 os.makedirs(parent, exist_ok=True)
-            for pid in self.pids():
-                try:
-                    _write(parent, "cgroup.procs", pid)
-                except OSError:
-                    pass
+            # A nested group's parent is a session's, which hands no controller down and so may
+            # hold processes; its survivors stay under its limits and die when it is killed. A
+            # survivor that forks meanwhile leaves its child behind: hence the rounds (bounded).
+            for _ in range(20 if self.nested else 1):
+                left = _procs(path)
+                if not left:
+                    break
+                for pid in left:
+                    try:
+                        _write(parent, "cgroup.procs", pid)
+                    except OSError:
+                        pass
 
     def peak_memory(self) -> int | None:
         if not self.memory_dir:
@@ -284,20 +313,38 @@ class CgroupSet:
         """rmdir the groups (waiting briefly for the last process's teardown), then the owner groups
         they were in when nothing else is left there."""
         for path in reversed(self.dirs):
-            for _ in range(200):
-                try:
-                    os.rmdir(path)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError as exc:
-                    if exc.errno != errno.EBUSY:
-                        break
-                    time.sleep(0.005)  # the last process is still being torn down
+            for group in reversed(_nested_groups(path)):    # a session's calls' groups first
+                _rmdir_patiently(group)
         for parent in dict.fromkeys(os.path.dirname(path) for path in self.dirs):
             if os.path.basename(parent).startswith(OWNER_PREFIX):
                 remove_owner_group(parent)
         self.dirs.clear()
+
+
+def _nested_groups(path: str) -> list[str]:
+    """``path`` and the groups inside it, parents first."""
+    return [path, *(os.path.join(top, sub) for top, subs, _ in os.walk(path) for sub in subs)]
+
+
+def _procs(path: str) -> list[str]:
+    try:
+        with open(os.path.join(path, "cgroup.procs")) as f:
+            return f.read().split()
+    except OSError:
+        return []
+
+
+def _rmdir_patiently(path: str) -> None:
+    for _ in range(200):
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                return
+            time.sleep(0.005)  # the last process is still being torn down
 
 
 def join(dirs: list[str], pid: int = 0) -> None:

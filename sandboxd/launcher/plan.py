@@ -84,6 +84,10 @@ class LaunchPlan(Record):
     # sandboxd's own directories and files, covered inside the sandbox (rootfs step 8c).
     hidden_paths: tuple[str, ...] = ()
     owner: str = ""                                # whose share of the ceiling its cgroups count against
+    # A non-root caller's danger-full-access: its supplementary groups, which its commands run with
+    # (sequence._exec_as_caller: its own uid, gid and groups, no privilege, each call in a group of
+    # its own below the session's). None for every other plan (root's full access included).
+    caller_groups: tuple[int, ...] | None = None
     debug: DebugHooks | None = None                # tests only (DebugHooks)
     # A session call on a terminal: (rows, columns). Its stdin is then a socket the terminal's
     # master goes back on (launcher.sequence.open_terminal); its peer becomes the command's stdio.
@@ -169,6 +173,7 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
         uid=uid, gid=gid, limits=spec.limits,
         seccomp_program=seccomp.program_for(filter_spec), brokers_connect=filter_spec.brokers_connect,
         broker=broker, root_trees=trees, hidden_paths=hidden, owner=spec.owner,
+        caller_groups=None if confined or spec.caller is None else tuple(spec.caller[2]),
     )
 
 

@@ -20,7 +20,12 @@ namespace, so nothing outlives the sandbox, not even a double-forked daemon.
 Init drops its privileges before forking the command, so the command never
 holds a capability, and init holds none while the command runs.
 
-DangerFullAccess uses one process: the spawner's child becomes the command.
+DangerFullAccess uses one process: the spawner's child becomes the command. For root
+(``_exec_unconfined``) that is the host as it is; for a non-root caller (``_exec_as_caller``)
+it is the host as that caller has it: its own uid, gid and groups, no capability, no_new_privs.
+Both are Python-only: the native helper (sandboxd_call.c) exists to join a session sandbox's
+namespaces quickly, and a danger-full-access session has no sandbox (no init, no namespace) to
+join; the spawner sends it confined calls only (Spawner._launch_call).
 """
 
 from __future__ import annotations
@@ -83,6 +88,8 @@ def run_sandbox(plan: LaunchPlan, *, report_fd: int, status_fd: int, cgroup_dirs
             rootless.run_outer(plan, spawner, lambda: _run_rootless_init(plan, report_fd, status_fd))
         if not plan.confined:
             os.close(status_fd)
+            if plan.caller_groups is not None:
+                _exec_as_caller(plan, report_fd, spawner)
             _exec_unconfined(plan, report_fd)
         _run_init(plan, report_fd=report_fd, status_fd=status_fd)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes a report
@@ -351,6 +358,32 @@ def _exec_unconfined(plan: LaunchPlan, report_fd: int) -> NoReturn:
             terminals.take_as_controlling(open_terminal(plan.terminal))
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "unconfined setup")
+    _exec(plan, report_fd)
+
+
+def _exec_as_caller(plan: LaunchPlan, report_fd: int, spawner: int) -> NoReturn:
+    """A non-root caller's danger-full-access command (or file tool): the host with exactly the
+    caller's own rights. Unlike root's (``_exec_unconfined``), every privilege goes before anything
+    the caller names is touched: its uid, gid and supplementary groups, empty capability sets
+    (bounding and ambient too), securebits locked and no_new_privs, so a setuid binary or file
+    capability elevates nothing. The spawner put it in a cgroup of its own below the session's
+    (run_sandbox joined it first), which is what keeps the tree killable without a PID namespace."""
+    try:
+        process.new_session()                             # no controlling terminal: no TIOCSTI into the caller
+        rlimits.apply(cpu_seconds=plan.limits.cpu_seconds, open_files=plan.limits.open_files)
+        process.cloexec_from(3)                           # no descriptor of the fork server survives exec
+        caps.drop_privileges(plan.uid, plan.gid, plan.caller_groups or ())
+        # Until exec this process holds the fork server's memory: not the caller's to read or trace.
+        process.set_dumpable(False)
+        process.die_with_parent(spawner)                  # the credential change cleared it
+        caps.verify_dropped()
+        os.chdir(plan.cwd)                                # as the caller: a cwd it could not enter fails here
+        seccomp.load(plan.seccomp_program)                # no_new_privs is set: no privilege needed
+    except BaseException as exc:  # noqa: BLE001
+        report.fail(report_fd, exc, "full access setup")
+    if plan.tool is not None:
+        process.close_all_except({0, 1, 2})               # the report pipe too: "running", nothing to exec
+        file_tools.run(plan.tool)
     _exec(plan, report_fd)
 
 

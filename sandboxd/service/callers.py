@@ -44,7 +44,7 @@ class Caller(PeerCredentials):
     # A TLS caller: the local (uid, gid) its principal acts as (tls.users, else tls.user); None
     # for a local caller.
     mapped_user: tuple[int, int] | None = None
-    is_root: bool = False         # local root: exempt from per-owner quotas, may ask for danger-full-access
+    is_root: bool = False         # local root: exempt from per-owner quotas, its danger-full-access runs as root
     is_admin: bool = False        # local root or the admin group: sees and manages every owner's sessions and rules
 
 

@@ -233,7 +233,8 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
           metrics_listen: str = "",
           session_defaults: "SessionDefaults | None" = None, network_pool: str = "", connections_per_uid: int = 64,
           proxy_connections: int = 256, published_connections: int = 256, published_per_peer: int = 32,
-          quotas: "QuotaLimits | None" = None, ping_timeout: float = 10.0, wait_seconds: float = 10.0) -> int:
+          quotas: "QuotaLimits | None" = None, ping_timeout: float = 10.0, wait_seconds: float = 10.0,
+          allow_user_full_access: bool = True) -> int:
     from sandboxd.supervisor.forkserver import ForkServer
     # First: the fork server inherits it (it holds descriptors for every session; at 1024 it failed
     # past ~500 sessions). Sandboxes inherit it from the fork server in turn, unless the session
@@ -288,6 +289,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
                                proxy_connections=proxy_connections, published_connections=published_connections,
                                published_per_peer=published_per_peer,
                                quotas=counters)
+    registry.allow_user_full_access = allow_user_full_access
     resumed = registry.restore()
     from sandboxd.service.metrics import Metrics
     metrics = Metrics()

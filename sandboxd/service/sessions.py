@@ -134,6 +134,8 @@ class SessionRegistry:
         self.metrics: "Any" = None                        # service.metrics.Metrics, when the daemon has it
         self._max = max_sessions
         self.quotas = quotas or Quotas()
+        # policy.allow_user_full_access: whether a local non-root caller may have danger-full-access.
+        self.allow_user_full_access = True
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
 
@@ -264,7 +266,7 @@ class SessionRegistry:
                 before, current, ready = session.axes(), session.policy, session.sandbox_ready
             changed = policy is not None and policy != current
             if policy is not None and changed:
-                self._check_policy(caller, policy)
+                self._check_policy(caller, policy, owner=session.owner)
                 self._check_not_shared(caller, session.workspace, policy, session.id)
                 check_host_ports(caller.is_root, getattr(policy, "published_ports", ()))
             generation = 0
@@ -521,12 +523,30 @@ class SessionRegistry:
                                         "its file rights, so their workspaces are kept apart (map each principal "
                                         "to its own user with tls.users)")
 
-    def _check_policy(self, caller: Caller, policy: SandboxPolicy) -> None:
-        """What only root may ask for. Whether the caller may use the paths is the kernel's to say,
-        under the caller's own credentials, when the sandbox is built (``_spec``)."""
-        if not caller.is_root and policy.name == "danger-full-access":
-            raise Forbidden("only local root may create danger-full-access sessions (they run on the host as "
-                            "is); a TLS caller never may, whatever user it is mapped to")
+    def _check_policy(self, caller: Caller, policy: SandboxPolicy, owner: Caller | None = None) -> None:
+        """Who may ask for danger-full-access, for a session of ``owner`` (None: the caller's own,
+        being created). Whether the caller may use the paths is the kernel's to say, under the
+        caller's own credentials, when the sandbox is built (``_spec``)."""
+        if policy.name != "danger-full-access":
+            return
+        owner = owner or caller
+        # A non-root owner's danger-full-access runs as that owner with its own rights and no more
+        # (sequence._exec_as_caller). A TLS principal is not the local user it is mapped to
+        # (principals sharing one user are kept apart: _check_not_shared), so neither it nor
+        # anyone for it may.
+        if caller.principal or owner.principal:
+            raise Forbidden("a TLS caller never may create danger-full-access sessions, whatever user it is "
+                            "mapped to, and no session of one becomes one: use workspace-write")
+        if caller.is_root:
+            return
+        if caller.uid != owner.uid:
+            # An administrator manages others' sessions, but must not get a way to run anything on
+            # the host as their owner.
+            raise Forbidden(f"only the session's owner (uid {owner.uid}) or root may make it danger-full-access: "
+                            "its commands would run on the host as that owner")
+        if not self.allow_user_full_access:
+            raise Forbidden("this daemon lets only local root create danger-full-access sessions "
+                            "(policy.allow_user_full_access = false): use workspace-write, or ask its operator")
 
 
 def _paths_of(workspace: str, policy: SandboxPolicy) -> list[str]:
@@ -537,7 +557,8 @@ def command_user(owner: Caller, policy: SandboxPolicy) -> tuple[int, int] | None
     """Who a session's commands run as: a non-root caller's as itself; a root caller's (in a
     confined policy) as the workspace's owner (None, as ``sandboxd run`` does), so that root
     acting on a user's checkout runs that user's commands as that user, and uid 0 remains only
-    for a root-owned workspace. danger-full-access runs as its (root) caller, as before."""
+    for a root-owned workspace. danger-full-access runs as its owner: root as root, as before,
+    anyone else as itself with no privilege (launcher.sequence._exec_as_caller)."""
     if owner.is_root and policy.name != "danger-full-access":
         return None
     return (owner.uid, owner.gid)

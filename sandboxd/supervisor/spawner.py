@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
 import _socket  # likewise for socket.py
+import errno
 import itertools
 import os
 import select
 import time
 
 from sandboxd._record import Record
-from sandboxd.errors import SetupError
+from sandboxd.errors import LimitsUnavailable, SetupError
 from sandboxd.kernel import namespaces
 from sandboxd.kernel.cgroups import CgroupSet
 from sandboxd.kernel.host_limits import Ceiling, OwnerShare
@@ -60,6 +61,9 @@ class ExitInfo(Record):
 
 
 CALL_KILL_GRACE = 5.0
+NO_GROUP_FOR_CALLER = ("a non-root caller's danger-full-access session needs a cgroup to keep its commands' tree "
+                       "killable (it has no PID namespace), and none could be made: give the session a memory or "
+                       "pids limit, or mount cgroup v2 (cgroup.kill); else use workspace-write")
 # Ignored in the fork server (Python ignores SIGPIPE and SIGXFSZ) or handled by it: a
 # spawned helper gets the defaults back, since exec keeps ignored signals ignored.
 SPAWN_DEFAULT_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
@@ -113,9 +117,9 @@ class SandboxProcess:
         self._oom_group, self._oom_kills_before = group, before
 
     def _oom_killed(self) -> bool:
-        if self._cgroup is not None:
-            return self._cgroup.oom_killed()
-        return self._oom_group is not None and self._oom_group.oom_kills() > self._oom_kills_before
+        if self._oom_group is not None:              # a session call: its session's group has the limit
+            return self._oom_group.oom_kills() > self._oom_kills_before
+        return self._cgroup is not None and self._cgroup.oom_killed()
 
     def wait_started(self) -> None:
         """Block until the command was exec'd; raise SetupError (cleaning up) if setup failed."""
@@ -348,8 +352,10 @@ class Spawner:
         plan = prepare(spec, opened)
         cgroup = None
         try:
-            if plan.limits.memory_bytes or plan.limits.pids:
+            if plan.limits.memory_bytes or plan.limits.pids or plan.caller_groups is not None:
                 cgroup = self._cgroup_for(plan)
+            if plan.caller_groups is not None and (cgroup is None or not cgroup.dirs):
+                raise LimitsUnavailable("cgroup setup", errno.ENOENT, hint=NO_GROUP_FOR_CALLER)
             if not plan.confined:
                 return SessionSandbox(plan, None, None, cgroup)
             network, plan = _isolated_network(plan)
@@ -398,6 +404,10 @@ class Spawner:
         plan = session.plan.replace(argv=tuple(argv), env=dict(env), cwd=cwd, tool=tool, terminal=terminal)
         if self.native_helper is not None and tool is None and plan.confined and session.init_pid is not None:
             return self._spawn_native(self.native_helper, session, plan, stdio)
+        # danger-full-access (root's or a plain caller's) has no sandbox for the helper to join:
+        # the Python path is its only one (launcher/sequence.py says so too).
+        if plan.caller_groups is not None:
+            return self._launch_as_caller(session, plan, stdio)
         cgroup_dirs = list(session.cgroup.dirs) if session.cgroup else []
         if not plan.confined or session.init_pid is None:
             return self._fork(plan, stdio, None, pid_namespace=False, body=lambda report_w, status_w: (
@@ -408,6 +418,20 @@ class Spawner:
             sequence.run_call(plan, session_pidfd=pidfd, intake_fd=intake.fileno() if intake else None,
                               report_fd=report_w, status_fd=status_w, cgroup_dirs=cgroup_dirs)),
             kill_signal=sequence.KILL_TREE_SIGNAL)
+
+    def _launch_as_caller(self, session: SessionSandbox, plan: LaunchPlan,
+                          stdio: tuple[int, int, int]) -> SandboxProcess:
+        """A call of a non-root caller's danger-full-access session (sequence._exec_as_caller). It
+        has no PID namespace, so its tree is held by a cgroup of its own inside the session's
+        (under the session's limits and the owner's share): a timeout or cancel kills that group,
+        daemons that double-forked included; what is left when the command ends on its own moves
+        to the session's group (background jobs live on, as on the host) until the session closes."""
+        if session.cgroup is None or not session.cgroup.dirs:
+            raise LimitsUnavailable("cgroup setup", errno.ENOENT, hint=NO_GROUP_FOR_CALLER)
+        group = session.cgroup.child(f"call-{next(_counter)}-{os.urandom(3).hex()}")
+        dirs = list(group.dirs)
+        return self._fork(plan, stdio, group, pid_namespace=False, body=lambda report_w, status_w: (
+            sequence.run_sandbox(plan, report_fd=report_w, status_fd=status_w, cgroup_dirs=dirs, spawner=self.pid)))
 
     def _spawn_native(self, helper: str, session: SessionSandbox, plan: LaunchPlan,
                       stdio: tuple[int, int, int]) -> SandboxProcess:
@@ -472,7 +496,7 @@ class Spawner:
                 ceiling = Ceiling(pids=limits.total_pids, memory_bytes=limits.total_memory_bytes)
             return CgroupSet.create(name, memory_bytes=limits.memory_bytes, pids=limits.pids, ceiling=ceiling,
                                     owner=owner)
-        if plan.confined or limits.timeout_seconds is None:
+        if plan.confined or (limits.timeout_seconds is None and plan.caller_groups is None):
             return None
         try:
             group = CgroupSet.create(name, memory_bytes=None, pids=None, owner=owner)
