@@ -132,6 +132,9 @@ res["session"] = s.id
 res["probe"] = call(s.id, ["/usr/bin/python3", "-c", ARGS["probe"], json.dumps(ARGS)])
 res["shell"] = call(s.id, ["sh", "-c", "cat /etc/shadow >/dev/null; echo cat=$?; touch /root/sbxt-fa; "
                                       "echo touch=$?; touch own-file; echo own=$?; echo nofile=$(ulimit -n); pwd"])
+res["terminal"] = call(s.id, ["sh", "-c", "test -t 0 && test -t 1 && echo on-a-tty; id -u; "
+                                         "python3 -c 'import os; print(os.getsid(0) == os.getppid(), os.tcgetpgrp(0) == os.getpgrp())'"],
+                       terminal=pb.Terminal(rows=24, columns=80))
 res["cwd_sub"] = call(s.id, ["pwd"], cwd=ws + "/sub")
 res["cwd_link_to_root"] = call(s.id, ["pwd"], cwd=ws + "/to-root")
 res["cwd_outside"] = call(s.id, ["pwd"], cwd="/root")
@@ -270,6 +273,14 @@ def test_commands_run_as_the_caller_with_its_own_groups(world: dict[str, Any]) -
     assert probe["ids"] == [alice.uid, alice.uid, alice.gid, alice.gid, sorted({alice.gid, gid})], probe  # the same
     assert probe["group_file"] == "ok"                             # a file only that group may read
     assert probe["own_write"] == "ok"                              # the caller's own files are writable
+
+
+def test_a_terminal_call_runs_as_the_caller_on_its_own_terminal(world: dict[str, Any]) -> None:
+    """exec -t / sandboxctl shell in a non-root full-access session: the terminal is opened by the
+    command's own process after it became the caller (the host's devpts), and it leads its session."""
+    call = world["seen"]["terminal"]
+    assert call["code"] == "OK" and call["exit"] == 0, call
+    assert call["out"].split() == ["on-a-tty", str(world["alice"].uid), "True", "True"], call
 
 
 def test_no_capability_no_new_privs_securebits_locked(world: dict[str, Any]) -> None:

@@ -379,6 +379,8 @@ def _exec_as_caller(plan: LaunchPlan, report_fd: int, spawner: int) -> NoReturn:
         caps.verify_dropped()
         os.chdir(plan.cwd)                                # as the caller: a cwd it could not enter fails here
         seccomp.load(plan.seccomp_program)                # no_new_privs is set: no privilege needed
+        if plan.terminal is not None:                     # the host's devpts, opened as the caller
+            terminals.take_as_controlling(open_terminal(plan.terminal))
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "full access setup")
     if plan.tool is not None:
