@@ -13,6 +13,10 @@
 6. Cover /dev with a minimal tmpfs: the six harmless nodes bound from the
    host, a private devpts, a private /dev/shm; then make /dev read-only.
 7. Cover /tmp with a private, size-capped tmpfs.
+   7b. Cover each private home (`sandboxd run`'s, LaunchSpec.private_homes) with an empty tmpfs
+   owned by the command's user: its HOME, with none of the host's dotfiles. The interpreter and
+   package sandboxd runs from stay visible read-only when they live there (a pyenv or a venv in
+   the home). Before 8, so a workspace inside the home is attached over it.
 8. Attach the workspace and writable roots read-write (under read-only, the
    workspace read-only, so it is seen even when it lives under /tmp), parents before
    children, from the detached mount trees the parent cloned from the very descriptors
@@ -46,6 +50,7 @@ from sandboxd.kernel.mounts import (
     MS_REMOUNT,
 )
 from sandboxd.launcher.plan import LaunchPlan
+from sandboxd.policy.sandbox import is_within
 from sandboxd.policy.git_config import (GIT_DIR_CREATE_EMPTY, GIT_DIR_NESTED, GIT_GUARD_SUBPATH,
                                         git_dir_entry_writable)
 
@@ -77,6 +82,8 @@ def build(plan: LaunchPlan) -> None:
     _mount_dev(NEW_ROOT + "/dev", plan.limits.tmp_size_bytes)                        # 6
     mounts.tmpfs(NEW_ROOT + "/tmp", size=plan.limits.tmp_size_bytes, mode=0o1777,    # 7
                  step="mount private /tmp")
+    for home in plan.private_homes:                                                  # 7b
+        _private_home(home, plan)
     for root in plan.readonly_roots:                                                 # 8
         _attach_root(root, plan.root_trees[root], writable=False)
     for root in plan.writable_roots:
@@ -175,6 +182,35 @@ def _attach_root(root: str, tree: int, *, writable: bool) -> None:
                                    step="bind writable root")
     else:
         mounts.set_attrs_recursive(target, READONLY_ATTRS, step="bind read-only workspace")
+
+
+def _private_home(home: str, plan: LaunchPlan) -> None:
+    """Step 7b: an empty, size-capped home of the command's user over ``home`` (a real path: cli.run_env), made
+    in the private /tmp when it lives there; sandboxd's own install in it bound back read-only."""
+    target = NEW_ROOT + home
+    if not os.path.lexists(target):
+        try:
+            os.makedirs(target, 0o700)                    # under the private /tmp: a new directory there
+        except OSError:
+            return                                        # not on the host either: nothing to cover
+    elif os.path.isdir(target) and not os.path.islink(target):
+        mounts.tmpfs(target, size=plan.limits.tmp_size_bytes, mode=0o700, step="mount private home")
+    else:
+        return
+    os.chown(target, plan.uid, plan.gid)
+    for own in _own_install():
+        if own != home and is_within(own, home):
+            os.makedirs(NEW_ROOT + own, 0o755, exist_ok=True)
+            mounts.bind_readonly(own, NEW_ROOT + own, step="keep sandboxd's own install in the private home")
+
+
+def _own_install() -> tuple[str, ...]:
+    """The interpreter's prefixes and the directory of the sandboxd package, as real paths: what
+    this process (the sandbox's init) and a command started with the same Python may still load."""
+    import sys
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = (sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(package))
+    return tuple(dict.fromkeys(os.path.realpath(path) for path in paths))
 
 
 def _hide(path: str) -> None:

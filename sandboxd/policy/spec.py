@@ -91,6 +91,10 @@ class LaunchSpec(Record):
     hidden_paths: tuple[str, ...] = ()
     denied_sockets: tuple[str, ...] = ()
     denied_listeners: tuple[str, ...] = ()   # "HOST:PORT" of the daemon's TCP listeners
+    # Home directories covered by an empty tmpfs of the command's user (rootfs step 7b): the
+    # private HOME of `sandboxd run`, so that a command never reads the dotfiles (keys, tokens)
+    # of its user or its caller. A workspace or writable root inside one is attached over it.
+    private_homes: tuple[str, ...] = ()
     # Whom the sandbox counts against (a daemon's caller: "uid-1000", "tls-<hash>"): its cgroups
     # go in that owner's group, under its share of the ceiling (limits.owner_*). Empty: no owner
     # level (`sandboxd run`, root's own sessions).
@@ -114,6 +118,9 @@ class LaunchSpec(Record):
         for path in (*self.hidden_paths, *self.denied_sockets):
             if not path.startswith("/") or "\0" in path:
                 raise InvalidPolicy(f"sandboxd's own path {path!r} must be absolute")
+        for path in self.private_homes:
+            if not path.startswith("/") or "\0" in path or not path.strip("/"):
+                raise InvalidPolicy(f"private home {path!r} must be an absolute path other than /")
         if not is_owner_key(self.owner):
             raise InvalidPolicy(f"owner {self.owner[:100]!r} must be empty or up to {MAX_OWNER_KEY} lowercase "
                                 "letters, digits and '-' (it names a cgroup)")
@@ -166,6 +173,7 @@ def spec_to_dict(spec: LaunchSpec) -> dict[str, object]:
         "caller": [spec.caller[0], spec.caller[1], list(spec.caller[2])] if spec.caller else None,
         "hidden_paths": list(spec.hidden_paths), "denied_sockets": list(spec.denied_sockets),
         "denied_listeners": list(spec.denied_listeners), "owner": spec.owner,
+        "private_homes": list(spec.private_homes),
     }
 
 
@@ -206,7 +214,8 @@ def spec_from_dict(data: dict[str, object]) -> LaunchSpec:
                           caller=_caller(data.get("caller")), hidden_paths=_strings(data, "hidden_paths"),
                           denied_sockets=_strings(data, "denied_sockets"),
                           denied_listeners=_strings(data, "denied_listeners"),
-                          owner=str(data.get("owner") or ""))
+                          owner=str(data.get("owner") or ""),
+                          private_homes=_strings(data, "private_homes"))
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, InvalidPolicy):
             raise
