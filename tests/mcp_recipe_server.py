@@ -70,7 +70,7 @@ def environment() -> str:
 @server.tool()
 def leave_behind(marker: str) -> str:
     """Start a process that outlives this call (and would outlive the server, unsandboxed)."""
-    child = subprocess.Popen(["/bin/sh", "-c", f"exec -a {marker} sleep 600"], start_new_session=True,
+    child = subprocess.Popen([marker, "600"], executable="/bin/sleep", start_new_session=True,
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return f"started {child.pid}"
 

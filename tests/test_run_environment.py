@@ -1,0 +1,77 @@
+"""What `sandboxd run` gives its command besides the walls (sandboxd/cli/run_env.py): only the
+named variables of its caller's environment, and a private HOME. The third-party MCP server recipe
+(tests/test_mcp_recipe.py) shows both against a server; these are the edges."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import BASE_ENV, EXIT_SETUP, describe, py, run_sbx, sbx_cli
+from daemon_helpers import plain_users
+
+pytestmark = pytest.mark.timeout(120)
+
+SHOW = "import json, os; print(json.dumps(dict(os.environ)))"
+
+
+def test_only_named_variables_reach_the_command(workspace: Path) -> None:
+    env = {**BASE_ENV, "GITHUB_TOKEN": "ghp-secret", "SHARED": "yes", "LC_MESSAGES": "C"}
+    result = sbx_cli("run", "--workspace", str(workspace), "--pass-env", "SHARED", "--pass-env", "UNSET",
+                     "--env", "SET=here", "--", *py(SHOW), env=env)
+    assert result.returncode == 0, describe(result)
+    inside = json.loads(result.stdout)
+    assert "GITHUB_TOKEN" not in inside and "UNSET" not in inside, inside
+    assert inside["SHARED"] == "yes" and inside["SET"] == "here" and inside["LC_MESSAGES"] == "C"
+    assert inside["PATH"] == BASE_ENV["PATH"] and inside["USER"] == "root"
+    control = sbx_cli("run", "--workspace", str(workspace), "--host-home", "--sandbox", "danger-full-access",
+                      "--pass-env", "GITHUB_TOKEN", "--", *py(SHOW), env=env)
+    assert json.loads(control.stdout)["GITHUB_TOKEN"] == "ghp-secret"          # named: passed, in every policy
+
+
+def test_clear_env_starts_from_nothing(workspace: Path) -> None:
+    result = run_sbx(["/usr/bin/env"], workspace=workspace, options=["--clear-env", "--env", "ONLY=this"])
+    assert result.returncode == 0, describe(result)
+    assert result.stdout == "ONLY=this\n"
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--pass-env", "A=B", "--pass-env 'A=B' must be a variable name"),
+    ("--env", "NOVALUE", "--env 'NOVALUE' must look like NAME=VALUE"),
+])
+def test_bad_variables_say_what_to_fix(workspace: Path, flag: str, value: str, message: str) -> None:
+    result = run_sbx(["true"], workspace=workspace, options=[flag, value])
+    assert result.returncode == EXIT_SETUP and message in result.stderr, describe(result)
+
+
+def test_a_system_users_home_is_not_covered(workspace: Path) -> None:
+    """Daemon users have homes such as /usr/sbin: never covered; the command gets a new HOME in
+    its private /tmp instead, writable."""
+    daemon = pwd.getpwnam("daemon")
+    assert daemon.pw_dir.startswith(("/usr", "/var", "/nonexistent")), daemon.pw_dir
+    result = run_sbx(["/bin/sh", "-c", 'echo "HOME=$HOME"; ls /usr/sbin | grep -c . ; touch "$HOME/x" && echo wrote'],
+                     workspace=workspace, options=["--user", "daemon"])
+    assert result.returncode == 0, describe(result)
+    home, count, wrote = result.stdout.split()
+    assert home == "HOME=/tmp/home" and int(count) > 0 and wrote == "wrote"
+
+
+def test_the_home_is_private_unless_kept(base_dir: Path) -> None:
+    with plain_users(1) as (user,):
+        home = base_dir / "home"
+        (home / "project").mkdir(parents=True)
+        (home / ".netrc").write_text("machine example.org password hunter2\n")
+        for path in (home, home / "project", home / ".netrc"):
+            os.chown(path, user.uid, user.gid)
+        subprocess.run(["usermod", "-d", str(home), user.name], check=True, capture_output=True, timeout=60)
+        show = ["/bin/sh", "-c", 'echo "$HOME"; cat "$HOME/.netrc"; echo x > "$HOME/.netrc" && echo wrote']
+        private = run_sbx(show, workspace=home / "project")
+        kept = run_sbx(show, workspace=home / "project", options=["--host-home"])
+    assert private.stdout.split() == [str(home), "wrote"], describe(private)        # empty, writable, private
+    assert "hunter2" in kept.stdout and "wrote" not in kept.stdout, describe(kept)  # the host's, read-only
+    assert (home / ".netrc").read_text() == "machine example.org password hunter2\n"
