@@ -80,13 +80,10 @@ def run_sbx(command: Sequence[str], *, workspace: str | os.PathLike[str] | None 
             env: dict[str, str] | None = None, timeout: float = 60, pass_fds: Sequence[int] = (),
             input: str | None = None, cwd: str | os.PathLike[str] | None = None,
             ) -> subprocess.CompletedProcess[str]:
-    """Run ``command`` inside ``sandboxd run`` and return the finished process (text, captured).
-    ``env`` is sandboxd's environment; the command gets those of its variables not as in BASE_ENV too (named
-    with --pass-env: `sandboxd run` passes nothing else of its caller's)."""
+    """Run ``command`` inside ``sandboxd run`` and return the finished process (text, captured)."""
     args = [SANDBOXD, "run", *POLICY_ARGS[policy]]
     if workspace is not None:
         args += ["--workspace", str(workspace)]
-    args += [f"--pass-env={name}" for name, value in (env or {}).items() if BASE_ENV.get(name) != value]
     args += [*options, "--", *command]
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout,
                           env=BASE_ENV if env is None else env, pass_fds=tuple(pass_fds),
