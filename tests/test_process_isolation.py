@@ -193,7 +193,9 @@ def test_environment_is_named_variables_plus_env(policy: str, workspace: Path) -
                               "--env", "SBX_OVERRIDE=new", "--env", "SBX_ADDED=x=y", "--env", "SBX_EMPTY="))
     assert result.returncode == 0, describe(result)
     expected = {**BASE_ENV, "USER": "root", "LOGNAME": "root", "SBX_KEEP": "kept value", "SBX_ODD": "a=b c\td",
-                "SBX_OVERRIDE": "new", "SBX_ADDED": "x=y", "SBX_EMPTY": ""}
+                "SBX_OVERRIDE": "new", "SBX_ADDED": "x=y", "SBX_EMPTY": "",
+                # HOME: a new one in the private /tmp, unless unconfined (run_env.PRIVATE_HOME).
+                "HOME": "/root" if policy == "danger-full-access" else "/tmp/home"}
     assert parse_env0(result.stdout) == expected
 
 

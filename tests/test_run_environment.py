@@ -50,8 +50,8 @@ def test_bad_variables_say_what_to_fix(workspace: Path, flag: str, value: str, m
 
 
 def test_a_system_users_home_is_not_covered(workspace: Path) -> None:
-    """Daemon users have homes such as /usr/sbin: never covered; the command gets a new HOME in
-    its private /tmp instead, writable."""
+    """Daemon users have homes such as /usr/sbin: never hidden (the command still gets its new
+    HOME in its private /tmp, writable)."""
     daemon = pwd.getpwnam("daemon")
     assert daemon.pw_dir.startswith(("/usr", "/var", "/nonexistent")), daemon.pw_dir
     result = run_sbx(["/bin/sh", "-c", 'echo "HOME=$HOME"; ls /usr/sbin | grep -c . ; touch "$HOME/x" && echo wrote'],
@@ -69,9 +69,15 @@ def test_the_home_is_private_unless_kept(base_dir: Path) -> None:
         for path in (home, home / "project", home / ".netrc"):
             os.chown(path, user.uid, user.gid)
         subprocess.run(["usermod", "-d", str(home), user.name], check=True, capture_output=True, timeout=60)
-        show = ["/bin/sh", "-c", 'echo "$HOME"; cat "$HOME/.netrc"; echo x > "$HOME/.netrc" && echo wrote']
+        netrc = home / ".netrc"
+        show = ["/bin/sh", "-c", f'echo "$HOME"; cat {netrc}; echo x > {netrc} && echo wrote; '
+                                 'echo y > "$HOME/cache" && echo home-writable']
         private = run_sbx(show, workspace=home / "project")
         kept = run_sbx(show, workspace=home / "project", options=["--host-home"])
-    assert private.stdout.split() == [str(home), "wrote"], describe(private)        # empty, writable, private
-    assert "hunter2" in kept.stdout and "wrote" not in kept.stdout, describe(kept)  # the host's, read-only
-    assert (home / ".netrc").read_text() == "machine example.org password hunter2\n"
+    # Hidden: empty and read-only; HOME is a new private directory, writable.
+    assert private.stdout.split() == ["/tmp/home", "home-writable"], describe(private)
+    assert "Read-only file system" in private.stderr, describe(private)
+    # Kept: the host's home as it is, read-only like the rest of the host.
+    assert kept.stdout.split()[:1] == [str(home)] and "hunter2" in kept.stdout, describe(kept)
+    assert "wrote" not in kept.stdout and "home-writable" not in kept.stdout, describe(kept)
+    assert netrc.read_text() == "machine example.org password hunter2\n"

@@ -46,9 +46,9 @@ minimal /dev, a private /tmp, no capabilities, no_new_privs and seccomp.
 
 environment: PATH, LANG, LC_*, TERM, COLORTERM, NO_COLOR and TZ from yours; HOME,
 USER, LOGNAME of the command's user; nothing else unless named (--pass-env NAME,
---env NAME=VALUE). HOME is private: the command user's and your home directories
-are covered by an empty, writable tmpfs (a workspace inside stays visible), so
-keys and tokens in them (~/.ssh, ~/.aws, ~/.npmrc) are out of reach.
+--env NAME=VALUE). HOME is /tmp/home, new and private; the command user's and
+your home directories are hidden (empty, read-only; a workspace inside stays
+visible), so keys and tokens in them (~/.ssh, ~/.aws, ~/.npmrc) are out of reach.
 """
 
 EPILOG = """exit status:
@@ -219,10 +219,10 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
     cwd, user = args["cwd"], args["user"]
     command_user = parse_user(str(user)) if user else None
     from sandboxd.cli import run_env
-    env, homes = run_env.plan(dict(os.environ), workspace=workspace, user=command_user,
-                              confined=policy.name != "danger-full-access", host_home=bool(args["host_home"]),
-                              clear=bool(args["clear_env"]), passes=_strings(args, "pass_env"),
-                              sets=_strings(args, "env"))
+    env, hidden_homes, private_home = run_env.plan(
+        dict(os.environ), workspace=workspace, user=command_user, confined=policy.name != "danger-full-access",
+        host_home=bool(args["host_home"]), clear=bool(args["clear_env"]), passes=_strings(args, "pass_env"),
+        sets=_strings(args, "env"))
     memory, tmp_size = args["memory"], args["tmp_size"]
     # Like every session of the daemon: default limits, under the host-wide caps of the parent group.
     from sandboxd.kernel import host_limits
@@ -242,7 +242,8 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
     )
     return LaunchSpec(argv=tuple(command), workspace=workspace, env=env,
                       cwd=os.path.abspath(str(cwd)) if cwd else None, policy=policy, limits=limits,
-                      user=command_user, dns=tuple(_strings(args, "dns")), private_homes=homes,
+                      user=command_user, dns=tuple(_strings(args, "dns")),
+                      hidden_homes=hidden_homes, private_home=private_home,
                       # A daemon on this machine keeps its sockets and audit log here: out of reach.
                       hidden_paths=(defaults.SOCKET_DIR, defaults.STATE_DIR), denied_sockets=(defaults.SOCKET,))
 

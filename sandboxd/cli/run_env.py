@@ -6,16 +6,20 @@ client's API keys) and its home holds keys and credentials (~/.ssh, ~/.aws, ~/.n
 all readable on the host's read-only view. So by default:
 
 - the environment is PATH, the locale (LANG, LANGUAGE, LC_*), TERM, COLORTERM, NO_COLOR and TZ
-  from the caller, and HOME, USER and LOGNAME of the command's user; nothing else, unless named:
+  from the caller, HOME, and USER and LOGNAME of the command's user; nothing else, unless named:
   ``--pass-env NAME`` (the caller's value: a secret never appears on a command line, which every
   local user can read in /proc) or ``--env NAME=VALUE``;
-- the home directories of the command's user and of the caller are covered by an empty, private,
-  writable tmpfs (launcher.rootfs step 7b), and HOME is the command user's one. A workspace or
-  writable root inside stays visible, attached over it. ``--host-home`` keeps the host's homes
-  and HOME as they are (for tools installed in the home, e.g. by nvm).
+- the home directories of the command's user and of the caller are hidden: an empty, read-only
+  directory (launcher.rootfs steps 7b, 8d). A workspace or writable root inside stays visible.
+  They are read-only rather than private and writable: a write there could not be told from a
+  write to the real home (a planted ~/.bashrc), which is what a sandbox is checked for;
+- HOME is PRIVATE_HOME, a new directory of the command's user in the sandbox's private /tmp:
+  writable, empty, gone with the sandbox (caches, ~/.npm, ~/.config);
+- ``--host-home`` keeps the host's homes and HOME as they are (for tools installed in the home,
+  e.g. by nvm).
 
-Homes are covered only when they are real directories owned by their user and not system trees
-(daemon users have homes such as /usr/sbin or /var/www: never covered).
+Homes are hidden only when they are real directories owned by their user and not system trees
+(daemon users have homes such as /usr/sbin or /var/www: never hidden).
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ from sandboxd.errors import InvalidPolicy
 PASSED = ("PATH", "LANG", "LANGUAGE", "TERM", "COLORTERM", "NO_COLOR", "TZ")
 PASSED_PREFIXES = ("LC_",)
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-# Where a command gets its HOME when its user has no home of its own to cover: a new directory in
-# the sandbox's private /tmp (a fresh tmpfs, so nothing on the host can be planted there).
-FALLBACK_HOME = "/tmp/home"
+# The command's HOME: a new directory in the sandbox's private /tmp (a fresh tmpfs, so nothing on
+# the host can be planted there).
+PRIVATE_HOME = "/tmp/home"
 # A "home" in these trees, or equal to one of these directories, is a system directory: never covered.
 _SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/run", "/sbin",
                  "/sys", "/usr")
@@ -76,8 +80,8 @@ def coverable_home(path: str | None, owners: tuple[int, ...]) -> str | None:
     return real
 
 
-def private_homes(target: tuple[int, int] | None, caller_env: dict[str, str]) -> tuple[str, ...]:
-    """The homes to cover: the command user's, the caller's (by uid and by $HOME), deduplicated,
+def hidden_homes(target: tuple[int, int] | None, caller_env: dict[str, str]) -> tuple[str, ...]:
+    """The homes to hide: the command user's, the caller's (by uid and by $HOME), deduplicated,
     the command user's first."""
     caller = os.getuid()
     owners = (caller,) if target is None else (target[0], caller)
@@ -122,17 +126,16 @@ def _user_name(uid: int) -> str | None:
 
 
 def plan(caller_env: dict[str, str], *, workspace: str, user: tuple[int, int] | None, confined: bool,
-         host_home: bool, clear: bool, passes: list[str], sets: list[str]) -> tuple[dict[str, str], tuple[str, ...]]:
-    """The command's environment and the homes to cover, for `sandboxd run`'s options."""
+         host_home: bool, clear: bool, passes: list[str],
+         sets: list[str]) -> tuple[dict[str, str], tuple[str, ...], str]:
+    """For `sandboxd run`'s options: the command's environment, the homes to hide, and the HOME to
+    make in the sandbox's /tmp ("": none)."""
     target = command_user(workspace, user)
-    homes = private_homes(target, caller_env) if confined and not host_home else ()
-    own = home_of(target[0]) if target else None
-    own_real = coverable_home(own, (target[0],)) if target else None
-    if host_home or not confined:
-        home = own if own and os.path.isdir(own) else caller_env.get("HOME")
-    elif own_real and own_real in homes:
-        home = own_real
+    if confined and not host_home:
+        hidden, private = hidden_homes(target, caller_env), PRIVATE_HOME
+        home: str | None = PRIVATE_HOME
     else:
-        home = FALLBACK_HOME
-        homes = (*homes, FALLBACK_HOME)
-    return environment(caller_env, clear=clear, passes=passes, sets=sets, home=home, user=target), homes
+        hidden, private = (), ""
+        own = home_of(target[0]) if target else None
+        home = own if own and os.path.isdir(own) else caller_env.get("HOME")
+    return environment(caller_env, clear=clear, passes=passes, sets=sets, home=home, user=target), hidden, private

@@ -47,9 +47,9 @@ def command_line(helper: str, plan: LaunchPlan, *, namespaces: int, cgroup_dirs:
         args.append("-L")
     for path in cgroup_dirs:
         args += ["-G", path]
-    # The plan's writable roots and private homes; the paths every call adds (landlock.EXTRA_WRITABLE,
+    # The plan's writable roots; the paths every call adds (landlock.EXTRA_WRITABLE,
     # FILE_WRITES_ONLY) come with the generated header.
-    for path in (*plan.writable_roots, *plan.private_homes):
+    for path in plan.writable_roots:
         args += ["-W", path]
     debug = plan.debug
     if debug is not None:                          # tests only (plan.DebugHooks)

@@ -76,8 +76,10 @@ class LaunchPlan(Record):
     root_trees: dict[str, int] = Factory(dict)
     # sandboxd's own directories and files, covered inside the sandbox (rootfs step 8c).
     hidden_paths: tuple[str, ...] = ()
-    # Homes covered by an empty tmpfs of the command's user (rootfs step 7b; LaunchSpec.private_homes).
-    private_homes: tuple[str, ...] = ()
+    # Homes covered by an empty read-only directory, and the HOME made in /tmp (rootfs step 7b;
+    # LaunchSpec.hidden_homes, private_home).
+    hidden_homes: tuple[str, ...] = ()
+    private_home: str = ""
     owner: str = ""                                # whose share of the ceiling its cgroups count against
     debug: DebugHooks | None = None                # tests only (DebugHooks)
 
@@ -153,7 +155,7 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
         uid=uid, gid=gid, limits=spec.limits,
         seccomp_program=seccomp.program_for(filter_spec), brokers_connect=filter_spec.brokers_connect,
         broker=broker, root_trees=trees, hidden_paths=hidden, owner=spec.owner,
-        private_homes=spec.private_homes if confined else (),
+        hidden_homes=spec.hidden_homes if confined else (), private_home=spec.private_home if confined else "",
     )
 
 

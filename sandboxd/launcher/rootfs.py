@@ -13,10 +13,11 @@
 6. Cover /dev with a minimal tmpfs: the six harmless nodes bound from the
    host, a private devpts, a private /dev/shm; then make /dev read-only.
 7. Cover /tmp with a private, size-capped tmpfs.
-   7b. Cover each private home (`sandboxd run`'s, LaunchSpec.private_homes) with an empty tmpfs
-   owned by the command's user: its HOME, with none of the host's dotfiles. The interpreter and
-   package sandboxd runs from stay visible read-only when they live there (a pyenv or a venv in
-   the home). Before 8, so a workspace inside the home is attached over it.
+   7b. `sandboxd run`'s homes: cover each hidden home (LaunchSpec.hidden_homes) with an empty
+   tmpfs, to be made read-only in 8d; the interpreter and package sandboxd runs from stay
+   visible read-only when they live there (a pyenv or a venv in the home). Make the command's
+   HOME (LaunchSpec.private_home) in the private /tmp, its user's. Before 8, so a workspace
+   inside a hidden home is attached over it.
 8. Attach the workspace and writable roots read-write (under read-only, the
    workspace read-only, so it is seen even when it lives under /tmp), parents before
    children, from the detached mount trees the parent cloned from the very descriptors
@@ -27,6 +28,8 @@
    8c. Cover sandboxd's own places (its sockets' directory, its state directory): an empty
    read-only tmpfs over a directory, /dev/null over a file. After 8, so a workspace that
    contains them (a root caller's /var) does not show them either.
+   8d. Make the hidden homes' tmpfs read-only: a write there could not be told from a write to
+   the real home (a planted ~/.bashrc), which is what a sandbox is checked for.
 9. pivot_root into the copy and drop the old root entirely.
 """
 
@@ -82,8 +85,13 @@ def build(plan: LaunchPlan) -> None:
     _mount_dev(NEW_ROOT + "/dev", plan.limits.tmp_size_bytes)                        # 6
     mounts.tmpfs(NEW_ROOT + "/tmp", size=plan.limits.tmp_size_bytes, mode=0o1777,    # 7
                  step="mount private /tmp")
-    for home in plan.private_homes:                                                  # 7b
-        _private_home(home, plan)
+    covered = [home for home in plan.hidden_homes
+               if not any(is_within(home, root) for root in (*plan.readonly_roots, *plan.writable_roots))]
+    for home in covered:                                                             # 7b
+        _cover_home(home, plan)
+    if plan.private_home:
+        os.makedirs(NEW_ROOT + plan.private_home, 0o700)
+        os.chown(NEW_ROOT + plan.private_home, plan.uid, plan.gid)
     for root in plan.readonly_roots:                                                 # 8
         _attach_root(root, plan.root_trees[root], writable=False)
     for root in plan.writable_roots:
@@ -95,6 +103,10 @@ def build(plan: LaunchPlan) -> None:
         _bind_resolv_conf(plan.resolv_conf)
     for path in plan.hidden_paths:                                                   # 8c
         _hide(path)
+    for home in covered:                                                             # 8d
+        if os.path.ismount(NEW_ROOT + home):
+            mounts.mount(None, NEW_ROOT + home, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV,
+                         step="make hidden home read-only")
     mounts.pivot_root_here(NEW_ROOT)                                                 # 9
 
 
@@ -184,24 +196,19 @@ def _attach_root(root: str, tree: int, *, writable: bool) -> None:
         mounts.set_attrs_recursive(target, READONLY_ATTRS, step="bind read-only workspace")
 
 
-def _private_home(home: str, plan: LaunchPlan) -> None:
-    """Step 7b: an empty, size-capped home of the command's user over ``home`` (a real path: cli.run_env), made
-    in the private /tmp when it lives there; sandboxd's own install in it bound back read-only."""
+def _cover_home(home: str, plan: LaunchPlan) -> None:
+    """Step 7b: an empty tmpfs of the command's user over ``home`` (a real path: cli.run_env), with
+    sandboxd's own install in it bound back read-only. Writable until 8d, for the mount points of
+    the roots inside."""
     target = NEW_ROOT + home
-    if not os.path.lexists(target):
-        try:
-            os.makedirs(target, 0o700)                    # under the private /tmp: a new directory there
-        except OSError:
-            return                                        # not on the host either: nothing to cover
-    elif os.path.isdir(target) and not os.path.islink(target):
-        mounts.tmpfs(target, size=plan.limits.tmp_size_bytes, mode=0o700, step="mount private home")
-    else:
-        return
+    if not os.path.isdir(target) or os.path.islink(target):
+        return                                            # under a replaced directory (/tmp), or gone
+    mounts.tmpfs(target, size=1 << 16, mode=0o700, step="cover a home")
     os.chown(target, plan.uid, plan.gid)
     for own in _own_install():
         if own != home and is_within(own, home):
             os.makedirs(NEW_ROOT + own, 0o755, exist_ok=True)
-            mounts.bind_readonly(own, NEW_ROOT + own, step="keep sandboxd's own install in the private home")
+            mounts.bind_readonly(own, NEW_ROOT + own, step="keep sandboxd's own install in a hidden home")
 
 
 def _own_install() -> tuple[str, ...]:

@@ -264,7 +264,7 @@ def _run_command(plan: LaunchPlan, *, report_fd: int, listener_sink: "_socket.so
         caps.verify_dropped()                             # no caps, no_new_privs
         trace("landlock")
         abi = landlock.restrict_writes(                   # second wall for writes, by path
-            [*plan.writable_roots, *plan.private_homes, *landlock.EXTRA_WRITABLE], list(landlock.FILE_WRITES_ONLY),
+            [*plan.writable_roots, *landlock.EXTRA_WRITABLE], list(landlock.FILE_WRITES_ONLY),
             forced_abi=debug.landlock_abi if debug else 0)
         trace(f"landlock abi {abi}")
         trace("close-on-exec")
