@@ -81,3 +81,25 @@ def test_the_home_is_private_unless_kept(base_dir: Path) -> None:
     assert kept.stdout.split()[:1] == [str(home)] and "hunter2" in kept.stdout, describe(kept)
     assert "wrote" not in kept.stdout and "home-writable" not in kept.stdout, describe(kept)
     assert netrc.read_text() == "machine example.org password hunter2\n"
+
+
+def test_a_cwd_in_a_hidden_home_stays_visible_read_only(base_dir: Path) -> None:
+    """A CI runner's layout: the checkout in the runner's home, the build directory the workspace,
+    the checkout the cwd (README's CI recipe). The checkout is read, the build written, the rest
+    of the home hidden."""
+    with plain_users(1) as (user,):
+        home = base_dir / "home"
+        checkout = home / "work" / "repo"
+        (checkout / "build").mkdir(parents=True)
+        (checkout / "src.txt").write_text("source\n")
+        (home / ".git-credentials").write_text("https://user:token@example.org\n")
+        for path in (home, home / "work", checkout, checkout / "build", checkout / "src.txt",
+                     home / ".git-credentials"):
+            os.chown(path, user.uid, user.gid)
+        subprocess.run(["usermod", "-d", str(home), user.name], check=True, capture_output=True, timeout=60)
+        script = (f"cp src.txt build/out.txt && echo built; echo x > src.txt || echo src-read-only; "
+                  f"cat {home}/.git-credentials || echo no-credentials")
+        result = run_sbx(["/bin/sh", "-c", script], workspace=checkout / "build", options=["--cwd", str(checkout)])
+    assert result.stdout.split() == ["built", "src-read-only", "no-credentials"], describe(result)
+    assert (checkout / "build" / "out.txt").read_text() == "source\n"
+    assert (checkout / "src.txt").read_text() == "source\n"

@@ -14,8 +14,9 @@
    host, a private devpts, a private /dev/shm; then make /dev read-only.
 7. Cover /tmp with a private, size-capped tmpfs.
    7b. `sandboxd run`'s homes: cover each hidden home (LaunchSpec.hidden_homes) with an empty
-   tmpfs, to be made read-only in 8d; the interpreter and package sandboxd runs from stay
-   visible read-only when they live there (a pyenv or a venv in the home). Make the command's
+   tmpfs, to be made read-only in 8d; the interpreter and package sandboxd runs from, and the
+   command's cwd, stay visible read-only when they live there (a pyenv, a venv, a CI checkout
+   with the build directory as the workspace). Make the command's
    HOME (LaunchSpec.private_home) in the private /tmp, its user's. Before 8, so a workspace
    inside a hidden home is attached over it.
 8. Attach the workspace and writable roots read-write (under read-only, the
@@ -198,17 +199,44 @@ def _attach_root(root: str, tree: int, *, writable: bool) -> None:
 
 def _cover_home(home: str, plan: LaunchPlan) -> None:
     """Step 7b: an empty tmpfs of the command's user over ``home`` (a real path: cli.run_env), with
-    sandboxd's own install in it bound back read-only. Writable until 8d, for the mount points of
-    the roots inside."""
+    what must stay visible in it bound back read-only: sandboxd's own install, and the command's
+    cwd when it was put there (`--cwd ~/checkout` with the workspace elsewhere, a CI runner's
+    layout). Writable until 8d, for the mount points of the roots inside."""
     target = NEW_ROOT + home
     if not os.path.isdir(target) or os.path.islink(target):
         return                                            # under a replaced directory (/tmp), or gone
     mounts.tmpfs(target, size=1 << 16, mode=0o700, step="cover a home")
     os.chown(target, plan.uid, plan.gid)
-    for own in _own_install():
-        if own != home and is_within(own, home):
-            os.makedirs(NEW_ROOT + own, 0o755, exist_ok=True)
-            mounts.bind_readonly(own, NEW_ROOT + own, step="keep sandboxd's own install in a hidden home")
+    roots = (*plan.readonly_roots, *plan.writable_roots)
+    cwd = () if any(is_within(plan.cwd, root) for root in roots) else (plan.cwd,)   # else attached in 8
+    for kept in sorted({*_own_install(), *cwd}, key=len):
+        if kept != home and is_within(kept, home):
+            _bind_back(kept)
+
+
+def _bind_back(path: str) -> None:
+    """Bind the host's directory ``path`` read-only at the same place in the copy, reached from / one
+    component at a time without following symlinks: a name its home's owner swaps cannot point
+    the bind elsewhere. A path that is not such a directory stays hidden."""
+    flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open("/", flags)
+    try:
+        for part in path.strip("/").split("/"):
+            fd, parent = os.open(part, flags, dir_fd=fd), fd
+            os.close(parent)
+    except OSError:
+        os.close(fd)
+        return
+    try:
+        tree = mounts.clone_tree(fd, step="keep a directory of a hidden home", path=path)
+    finally:
+        os.close(fd)
+    try:
+        os.makedirs(NEW_ROOT + path, 0o755, exist_ok=True)
+        mounts.attach_tree(tree, NEW_ROOT + path, step="keep a directory of a hidden home")
+    finally:
+        os.close(tree)
+    mounts.set_attrs_recursive(NEW_ROOT + path, READONLY_ATTRS, step="keep a directory of a hidden home")
 
 
 def _own_install() -> tuple[str, ...]:
