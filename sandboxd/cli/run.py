@@ -44,10 +44,10 @@ every policy but danger-full-access gets new mount, PID, IPC, UTS, cgroup and
 (without --network) network namespaces, a read-only host root, fresh /proc, a
 minimal /dev, a private /tmp, no capabilities, no_new_privs and seccomp.
 
-environment: PATH, LANG, LC_*, TERM, COLORTERM, NO_COLOR and TZ from yours; HOME,
-USER, LOGNAME of the command's user; nothing else unless named (--pass-env NAME,
---env NAME=VALUE). HOME is /tmp/home, new and private; the command user's and
-your home directories are hidden (empty, read-only; a workspace inside stays
+environment: PATH, LANG, LC_*, TERM, COLORTERM, NO_COLOR and TZ from yours; USER
+and LOGNAME of the command's user; HOME=/tmp/home, new and private; nothing else
+unless named (--pass-env NAME, --env NAME=VALUE). The command user's and your
+home directories are hidden (empty, read-only; a workspace or --cwd inside stays
 visible), so keys and tokens in them (~/.ssh, ~/.aws, ~/.npmrc) are out of reach.
 """
 
