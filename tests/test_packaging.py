@@ -147,6 +147,17 @@ def test_a_ci_step_has_no_network_unless_registries_are_named(checkout: Path) ->
     assert "connected" not in registry.stdout and "proxy=http://10.233." in registry.stdout  # only the proxy is a way out
 
 
+def test_a_ci_step_gets_only_the_variables_it_names(checkout: Path) -> None:
+    show = ["--", PY, "-c", "import os; print(os.environ.get('CI'), os.environ.get('GITHUB_TOKEN'))"]
+    env = {**BASE_ENV, "SANDBOXD": SANDBOXD, "CI": "true", "GITHUB_TOKEN": "ghs-secret"}
+    plain = subprocess.run([str(PACKAGING / "ci" / "sandboxed-step"), *show], cwd=checkout, capture_output=True,
+                           text=True, timeout=120, env=env)
+    named = subprocess.run([str(PACKAGING / "ci" / "sandboxed-step"), "--pass-env", "CI", *show], cwd=checkout,
+                           capture_output=True, text=True, timeout=120, env=env)
+    assert (plain.returncode, plain.stdout) == (0, "None None\n"), plain.stderr
+    assert (named.returncode, named.stdout) == (0, "true None\n"), named.stderr
+
+
 def test_a_bad_recipe_call_says_what_to_fix(checkout: Path) -> None:
     result = step(checkout, "--sideways")
     assert result.returncode == 125 and "unknown option --sideways" in result.stderr
