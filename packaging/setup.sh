@@ -8,7 +8,8 @@
 #   packaging/setup.sh install                    install only (the container image's build step)
 #
 # Installs only what is missing: the Debian packages below, then a virtualenv in
-# .venv with sandboxd and its Python dependencies. Safe to run again.
+# .venv with sandboxd and its Python dependencies, and puts `sandboxd` and `sandboxctl` on PATH
+# (symlinks in /usr/local/bin, or $SANDBOXD_BIN_DIR, to .venv/bin). Safe to run again.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -82,6 +83,27 @@ if [ ! -x "$helper" ] || [ "$repo/sandboxd/launcher/sandboxd_call.c" -nt "$helpe
   "$venv/bin/python" -m sandboxd.launcher.native_call build >/dev/null || die "building the call helper failed (see above)"
 fi
 
+# `sandboxd` and `sandboxctl` on PATH, as the .deb does in /usr/bin: a symlink to this checkout's
+# venv, made when missing (or dangling), left alone when it is one already; any other file of that
+# name (another checkout's link, an installed package's command) is not replaced: say so, and how.
+bin_dir=${SANDBOXD_BIN_DIR:-/usr/local/bin}
+mkdir -p "$bin_dir"
+for name in sandboxd sandboxctl; do
+  link="$bin_dir/$name" target="$venv/bin/$name"
+  if [ -L "$link" ] && [ "$(readlink "$link")" = "$target" ]; then
+    continue
+  elif [ -L "$link" ] && [ ! -e "$link" ]; then
+    echo "setup.sh: replacing $link, a link to $(readlink "$link"), which is gone" >&2
+    ln -sfn "$target" "$link"
+  elif [ -e "$link" ] || [ -L "$link" ]; then
+    echo "setup.sh: $link exists and is not a link to $target$([ -L "$link" ] && echo " (it points to $(readlink "$link"))"):" \
+         "left as it is; run $target, or remove $link and run setup.sh again" >&2
+  else
+    ln -s "$target" "$link"
+    echo "setup.sh: $name is on PATH: $link -> $target" >&2
+  fi
+done
+
 cd "$repo"
 case "$mode" in
   serve)
@@ -96,6 +118,6 @@ case "$mode" in
     exec "$venv/bin/python" -m pytest "$@"
     ;;
   install)
-    echo "setup.sh: installed; the daemon: $venv/bin/sandboxd serve" >&2
+    echo "setup.sh: installed; the daemon: sandboxd serve ($venv/bin/sandboxd)" >&2
     ;;
 esac

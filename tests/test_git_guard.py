@@ -36,6 +36,8 @@ from daemon_fixtures import daemon  # noqa: F401 - pytest fixture: the module's 
 IDENTITY = {"GIT_AUTHOR_NAME": "sandbox", "GIT_AUTHOR_EMAIL": "s@example.invalid",
             "GIT_COMMITTER_NAME": "sandbox", "GIT_COMMITTER_EMAIL": "s@example.invalid"}
 SANDBOX_ENV = {**BASE_ENV, "HOME": "/tmp", "GIT_CONFIG_NOSYSTEM": "1", **IDENTITY}
+# `sandboxd run` passes only what is named (sandboxd/cli/run_env.py): the command's variables.
+SANDBOX_OPTIONS = tuple(f"--env={key}={value}" for key, value in SANDBOX_ENV.items() if key not in ("PATH", "LANG"))
 HOST_GIT_ENV = ["env", "-i", f"PATH={BASE_ENV['PATH']}", "HOME=/nonexistent", "XDG_CONFIG_HOME=/nonexistent",
                 "GIT_CONFIG_NOSYSTEM=1", *(f"{k}={v}" for k, v in IDENTITY.items())]
 
@@ -133,7 +135,8 @@ def host_uses(s: Setup) -> None:
 def test_planted_git_code_does_not_run_on_the_host(kind: str, base_dir: Path,
                                                    host_user: tuple[str, int, int]) -> None:
     s = make_setup(base_dir, host_user, template=kind != "c")
-    result = run_sbx(["sh", "-c", attack_script(kind, s.markers)], workspace=s.ws, env=SANDBOX_ENV)
+    result = run_sbx(["sh", "-c", attack_script(kind, s.markers)], workspace=s.ws, env=SANDBOX_ENV,
+                     options=SANDBOX_OPTIONS)
     assert result.returncode == 0 or kind == "c", describe(result)
     host_uses(s)
     assert s.fired() == [], describe(result)
@@ -152,7 +155,7 @@ def test_control_without_the_guard_the_planted_code_runs(kind: str, base_dir: Pa
     """The same attacks with --no-default-protect: the marker appears, so the test above can fail."""
     s = make_setup(base_dir, host_user, template=kind != "c")
     result = run_sbx(["sh", "-c", attack_script(kind, s.markers)], workspace=s.ws, env=SANDBOX_ENV,
-                     options=("--no-default-protect",))
+                     options=("--no-default-protect", *SANDBOX_OPTIONS))
     assert result.returncode == 0, describe(result)
     assert "git guard" not in result.stderr
     host_uses(s)
@@ -172,7 +175,7 @@ def test_git_commands_work_in_the_sandbox_and_on_the_host_after(setup: Setup) ->
               "git fetch -q origin; git checkout -q master 2>/dev/null || git checkout -q main; "
               "git merge -q --no-edit topic; git gc -q 2>/dev/null; git worktree add -q wt keep; "
               "git -C wt log -1 --format=%s; git log --format=%s")
-    result = run_sbx(["sh", "-c", script], workspace=s.ws, env=SANDBOX_ENV)
+    result = run_sbx(["sh", "-c", script], workspace=s.ws, env=SANDBOX_ENV, options=SANDBOX_OPTIONS)
     assert result.returncode == 0, describe(result)
     assert result.stdout.split() == ["two", "two", "one", "base"], describe(result)
     assert "git guard" not in result.stderr, describe(result)
@@ -194,8 +197,8 @@ def test_users_own_configuration_is_left_alone(setup: Setup) -> None:
     post.chmod(0o755)
     os.chown(post, s.uid, s.gid)
     result = run_sbx(["sh", "-c", "git add file.txt && git commit -q --allow-empty -m c && git init -q sub"],
-                     workspace=s.ws, env={**SANDBOX_ENV, "GIT_CONFIG_COUNT": "1",
-                                          "GIT_CONFIG_KEY_0": "core.fsmonitor", "GIT_CONFIG_VALUE_0": ""})
+                     workspace=s.ws, options=(*SANDBOX_OPTIONS, "--env=GIT_CONFIG_COUNT=1",
+                                              "--env=GIT_CONFIG_KEY_0=core.fsmonitor", "--env=GIT_CONFIG_VALUE_0="))
     assert result.returncode == 0, describe(result)
     assert "git guard" not in result.stderr, describe(result)
     assert post.exists()
@@ -212,7 +215,7 @@ def test_symlinks_and_gitfiles_are_removed_not_followed(setup: Setup) -> None:
     before = target.read_text()
     script = (f"git init -q r1 && rm r1/.git/config && ln -s {target} r1/.git/config; "
               f"mkdir r2 && ln -s {s.outside} r2/.git; mkdir r3 && printf 'gitdir: {s.outside}\\n' > r3/.git; true")
-    result = run_sbx(["sh", "-c", script], workspace=s.ws, env=SANDBOX_ENV)
+    result = run_sbx(["sh", "-c", script], workspace=s.ws, env=SANDBOX_ENV, options=SANDBOX_OPTIONS)
     assert result.returncode == 0, describe(result)
     assert target.read_text() == before
     assert not os.path.lexists(s.ws / "r1" / ".git" / "config")
@@ -229,7 +232,7 @@ def test_rewritten_config_keeps_safe_keys_owner_and_mode(setup: Setup) -> None:
               "git config filter.f.clean 'touch /x' && git config include.path ../../evil && "
               "git config core.sshCommand 'touch /x' && git config remote.ev.url 'ext::sh -c touch% /x' && "
               "chmod 640 .git/config && stat -c %i .git/config")
-    result = run_sbx(["sh", "-c", script], workspace=s.ws, env=SANDBOX_ENV)
+    result = run_sbx(["sh", "-c", script], workspace=s.ws, env=SANDBOX_ENV, options=SANDBOX_OPTIONS)
     assert result.returncode == 0, describe(result)
     config = s.ws / "sub" / ".git" / "config"
     listing = s.git("config", "-f", str(config), "--list").stdout.splitlines()
@@ -414,7 +417,7 @@ def test_gitfile_rewritten_in_place_is_checked_again(setup: Setup) -> None:
     s = setup
     script = (f"git init -q real && mkdir wt && printf 'gitdir: ../real/.git\\n' > wt/.git && "
               f"stat -c %i wt/.git && sleep 0.01 && printf 'gitdir: {s.outside}\\n' 1<> wt/.git && stat -c %i wt/.git")
-    result = run_sbx(["sh", "-c", script], workspace=s.ws, env=SANDBOX_ENV)
+    result = run_sbx(["sh", "-c", script], workspace=s.ws, env=SANDBOX_ENV, options=SANDBOX_OPTIONS)
     assert result.returncode == 0, describe(result)
     first, second = result.stdout.split()
     assert first == second                                   # really the same inode
@@ -467,7 +470,8 @@ def test_guard_finds_plants_with_and_without_inotify(watch: bool, setup: Setup) 
         assert (guard.inspect(), guard.inotify is not None) == ([], watch)
         script = (f"mkdir -p a/b/c && cd a/b/c && {attack_script('d', s.markers)} && cd /; cd {s.ws} && "
                   "printf '../evil\\n' > .git/commondir")
-        result = run_sbx(["sh", "-c", script], workspace=s.ws, env=SANDBOX_ENV, options=("--no-default-protect",))
+        result = run_sbx(["sh", "-c", script], workspace=s.ws, env=SANDBOX_ENV,
+                         options=("--no-default-protect", *SANDBOX_OPTIONS))
         assert result.returncode == 0, describe(result)
         found = sorted((n.what, n.key) for n in guard.inspect())
         assert found == [("commondir", "commondir"), ("config-key", "core.fsmonitor"), ("hook", "post-checkout")]
@@ -546,7 +550,7 @@ def test_layouts_git_itself_makes_are_kept(setup: Setup) -> None:
               "git worktree add -q wt; mkdir store; git init -q --separate-git-dir \"$PWD/store/sep.git\" sep; "
               "git -C sep commit -q --allow-empty -m sep; "
               "GIT_SEQUENCE_EDITOR=\"sed -i '1i exec touch exec-ran'\" git rebase -q -i HEAD; test -e exec-ran")
-    result = run_sbx(["sh", "-c", script], workspace=s.ws, env=SANDBOX_ENV)
+    result = run_sbx(["sh", "-c", script], workspace=s.ws, env=SANDBOX_ENV, options=SANDBOX_OPTIONS)
     assert result.returncode == 0, describe(result)
     removed = [line for line in result.stderr.splitlines() if "git guard: removed" in line]
     # git submodule add writes core.worktree into the submodule's config: not a safe key, dropped.

@@ -40,7 +40,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from conftest import BASE_ENV, PY, SANDBOXD, describe, make_dir
-from test_git_guard import HOST_GIT_ENV, IDENTITY, SANDBOX_ENV
+from test_git_guard import HOST_GIT_ENV, IDENTITY, SANDBOX_ENV, SANDBOX_OPTIONS
 
 PLANTER = Path(__file__).with_name("git_planter.py")
 BATCH = 10
@@ -270,7 +270,7 @@ def run_batch(world: dict[str, Any], batch: list[Layout]) -> None:
         plant_as(name, [op for prior, _ in plans[id(tree)] for op in prior])
     result = subprocess.run(
         [SANDBOXD, "run", "--sandbox", "workspace-write", "--workspace", str(guarded.ws),
-         "--writable-root", str(guarded.other), "--", *planter()],
+         "--writable-root", str(guarded.other), *SANDBOX_OPTIONS, "--", *planter()],
         capture_output=True, text=True, timeout=300, env=SANDBOX_ENV,
         input=encode([op for _, ops in plans[id(guarded)] for op in ops]))
     assert result.returncode == 0 and "planter: 0 operations failed" in result.stdout, describe(result)

@@ -17,6 +17,7 @@ import pytest
 from conftest import BASE_ENV, EXIT_SETUP, WRITABLE, describe, make_dir, run_sbx
 
 GIT_ENV = {**BASE_ENV, "GIT_CONFIG_NOSYSTEM": "1"}
+GIT_OPTIONS = ("--env=GIT_CONFIG_NOSYSTEM=1",)     # `sandboxd run` passes only what is named
 
 
 def tree_digest(path: Path) -> str:
@@ -52,7 +53,7 @@ def test_git_branch_tag_and_second_commit_work(git_workspace: Path) -> None:
     """Ordinary history operations (branch, tag, more commits, gc of loose objects) work."""
     script = ("git add file.txt && git commit -qm one && git checkout -qb topic && echo more >> file.txt && "
               "git commit -qam two && git tag v1 && git gc -q && git log --format=%s")
-    result = run_sbx(["sh", "-c", script], workspace=git_workspace, env=GIT_ENV)
+    result = run_sbx(["sh", "-c", script], workspace=git_workspace, env=GIT_ENV, options=GIT_OPTIONS)
     assert result.returncode == 0, describe(result)
     assert result.stdout.split() == ["two", "one"]
     assert host_git(git_workspace, "tag").strip() == "v1"
@@ -83,7 +84,7 @@ def test_config_is_read_only(policy: str, git_workspace: Path) -> None:
               "git config core.fsmonitor 'touch /tmp/pwned' && echo GITCONFIG; "
               "echo x > .git/newconfig && mv .git/newconfig .git/config && echo REPLACED; "
               "rm -f .git/config && echo REMOVED; exit 0")
-    result = run_sbx(["sh", "-c", script], workspace=git_workspace, policy=policy, env=GIT_ENV)
+    result = run_sbx(["sh", "-c", script], workspace=git_workspace, policy=policy, env=GIT_ENV, options=GIT_OPTIONS)
     for word in ("APPENDED", "GITCONFIG", "REPLACED", "REMOVED"):
         assert word not in result.stdout, describe(result)
     assert config.read_bytes() == before
@@ -221,7 +222,8 @@ def test_every_existing_git_directory_is_protected(git_workspace: Path) -> None:
               "cd vendor/lib && git add x.txt && git commit -qm nested && echo COMMIT")
     env = {**GIT_ENV, "GIT_AUTHOR_NAME": "a", "GIT_AUTHOR_EMAIL": "a@b", "GIT_COMMITTER_NAME": "a",
            "GIT_COMMITTER_EMAIL": "a@b"}
-    result = run_sbx(["sh", "-c", script], workspace=git_workspace, env=env)
+    result = run_sbx(["sh", "-c", script], workspace=git_workspace, env=env,
+                     options=[f"--pass-env={key}" for key in env if key not in BASE_ENV])
     assert result.stdout.split() == ["COMMIT"], describe(result)
     assert {path: tree_digest(path) for path in before} == before
     assert "nested" in host_git(nested, "log", "--format=%s")

@@ -29,11 +29,42 @@ def test_the_image_runs_what_the_readme_runs() -> None:
     assert 'venv="$repo/.venv"' in setup and "--privileged" in recipe
 
 
-def test_setup_install_mode_installs_and_runs_nothing() -> None:
-    result = subprocess.run([str(PACKAGING / "setup.sh"), "install"], capture_output=True, text=True, timeout=600,
-                            env={**BASE_ENV})
+def setup_install(bin_dir: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(PACKAGING / "setup.sh"), "install"], capture_output=True, text=True, timeout=600,
+                          env={**BASE_ENV, "SANDBOXD_BIN_DIR": str(bin_dir)})
+
+
+def test_setup_install_mode_installs_and_runs_nothing(base_dir: Path) -> None:
+    result = setup_install(base_dir / "bin")
     assert result.returncode == 0, result.stderr
     assert "installed; the daemon:" in result.stderr
+
+
+def test_setup_puts_the_commands_on_path_and_never_clobbers(base_dir: Path) -> None:
+    """The README's commands run by name after set-up (symlinks to the venv's, in /usr/local/bin by
+    default; a directory of the test's here); a second run changes nothing; a file of the same name
+    that is not this checkout's link stays, and set-up says so."""
+    bin_dir = base_dir / "bin"
+    first = setup_install(bin_dir)
+    assert first.returncode == 0, first.stderr
+    for name in ("sandboxd", "sandboxctl"):
+        assert os.readlink(bin_dir / name) == str(REPO / ".venv" / "bin" / name)
+        assert f"{name} is on PATH" in first.stderr
+    found = subprocess.run(["sandboxd", "version"], capture_output=True, text=True, timeout=60,
+                           env={**BASE_ENV, "PATH": f"{bin_dir}:{BASE_ENV['PATH']}"})
+    assert found.returncode == 0 and found.stdout.startswith("sandboxd "), found.stderr
+    again = setup_install(bin_dir)
+    assert again.returncode == 0 and "on PATH" not in again.stderr and "left as it is" not in again.stderr
+    (bin_dir / "sandboxctl").unlink()
+    (bin_dir / "sandboxctl").write_text("#!/bin/sh\necho someone else's\n")
+    os.symlink("/nonexistent/.venv/bin/sandboxd", bin_dir / "stale")
+    os.replace(bin_dir / "stale", bin_dir / "sandboxd")
+    third = setup_install(bin_dir)
+    assert third.returncode == 0, third.stderr
+    assert f"{bin_dir}/sandboxctl exists and is not a link to" in third.stderr and "left as it is" in third.stderr
+    assert (bin_dir / "sandboxctl").read_text() == "#!/bin/sh\necho someone else's\n"
+    assert "which is gone" in third.stderr                                    # a dangling link is replaced
+    assert os.readlink(bin_dir / "sandboxd") == str(REPO / ".venv" / "bin" / "sandboxd")
 
 
 def load_yaml(path: Path) -> list[dict]:  # type: ignore[type-arg]
@@ -114,6 +145,17 @@ def test_a_ci_step_has_no_network_unless_registries_are_named(checkout: Path) ->
     registry = step(checkout, "--allow-domain", "pypi.org", "--", PY, "-c", probe)
     assert registry.returncode == 0, registry.stderr
     assert "connected" not in registry.stdout and "proxy=http://10.233." in registry.stdout  # only the proxy is a way out
+
+
+def test_a_ci_step_gets_only_the_variables_it_names(checkout: Path) -> None:
+    show = ["--", PY, "-c", "import os; print(os.environ.get('CI'), os.environ.get('GITHUB_TOKEN'))"]
+    env = {**BASE_ENV, "SANDBOXD": SANDBOXD, "CI": "true", "GITHUB_TOKEN": "ghs-secret"}
+    plain = subprocess.run([str(PACKAGING / "ci" / "sandboxed-step"), *show], cwd=checkout, capture_output=True,
+                           text=True, timeout=120, env=env)
+    named = subprocess.run([str(PACKAGING / "ci" / "sandboxed-step"), "--pass-env", "CI", *show], cwd=checkout,
+                           capture_output=True, text=True, timeout=120, env=env)
+    assert (plain.returncode, plain.stdout) == (0, "None None\n"), plain.stderr
+    assert (named.returncode, named.stdout) == (0, "true None\n"), named.stderr
 
 
 def test_a_bad_recipe_call_says_what_to_fix(checkout: Path) -> None:

@@ -182,13 +182,20 @@ def parse_env0(text: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("policy", ALL_POLICIES)
-def test_environment_is_callers_plus_env(policy: str, workspace: Path) -> None:
-    """Without --clear-env the command sees exactly the caller's environment plus --env (which overrides)."""
-    caller = {**BASE_ENV, "SBX_KEEP": "kept value", "SBX_OVERRIDE": "old", "SBX_ODD": "a=b c\td"}
+def test_environment_is_named_variables_plus_env(policy: str, workspace: Path) -> None:
+    """Without --clear-env the command sees PATH and the locale of the caller's environment, HOME,
+    USER and LOGNAME of its user (root: the workspace is root's), what --pass-env names, and --env
+    (which overrides); nothing else of the caller's (sandboxd/cli/run_env.py)."""
+    caller = {**BASE_ENV, "SBX_KEEP": "kept value", "SBX_OVERRIDE": "old", "SBX_ODD": "a=b c\td",
+              "SBX_NOT_NAMED": "secret"}
     result = run_sbx(ENV_PRINT, workspace=workspace, policy=policy, env=caller,
-                     options=("--env", "SBX_OVERRIDE=new", "--env", "SBX_ADDED=x=y", "--env", "SBX_EMPTY="))
+                     options=("--pass-env", "SBX_KEEP", "--pass-env", "SBX_ODD", "--pass-env", "SBX_OVERRIDE",
+                              "--env", "SBX_OVERRIDE=new", "--env", "SBX_ADDED=x=y", "--env", "SBX_EMPTY="))
     assert result.returncode == 0, describe(result)
-    expected = {**caller, "SBX_OVERRIDE": "new", "SBX_ADDED": "x=y", "SBX_EMPTY": ""}
+    expected = {**BASE_ENV, "USER": "root", "LOGNAME": "root", "SBX_KEEP": "kept value", "SBX_ODD": "a=b c\td",
+                "SBX_OVERRIDE": "new", "SBX_ADDED": "x=y", "SBX_EMPTY": "",
+                # HOME: a new one in the private /tmp, unless unconfined (run_env.PRIVATE_HOME).
+                "HOME": "/root" if policy == "danger-full-access" else "/tmp/home"}
     assert parse_env0(result.stdout) == expected
 
 

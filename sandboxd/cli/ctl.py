@@ -411,9 +411,10 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
         return 0
     if args.action == "create":
         labels = dict(item.split("=", 1) for item in args.label if "=" in item)
-        session = client.create_session(args.workspace, policy=sandbox_policy(
-            args.sandbox, network=args.network, writable_roots=args.writable_root), approval=args.approval,
-            labels=labels, env=env_from_args(args))
+        # Relative paths are the caller's (`session create .`): the daemon takes absolute ones only.
+        session = client.create_session(os.path.abspath(args.workspace), policy=sandbox_policy(
+            args.sandbox, network=args.network, writable_roots=[os.path.abspath(root) for root in args.writable_root]),
+            approval=args.approval, labels=labels, env=env_from_args(args))
         print(session.id)
     elif args.action == "list":
         for session in client.list_sessions():
@@ -423,6 +424,7 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
                 print(_session_line(session))
     elif args.action == "close":
         client.close_session(args.session_id)
+        print(f"{args.session_id} closed")              # a command a person types says what it did
     elif args.action == "policy":
         policy = (sandbox_policy(args.sandbox, network=args.network, writable_roots=args.writable_root)
                   if args.sandbox else None)

@@ -49,6 +49,12 @@ minimal /dev, a private /tmp, no capabilities, no_new_privs and seccomp.
 as a plain user it runs rootless: the same sandbox, built in a user namespace that maps
 you to yourself (the command runs as you); the isolated network (use --network=host, or
 --network --allow-domain), --allow-host, --publish, --memory, --pids and --user need root.
+
+environment: PATH, LANG, LC_*, TERM, COLORTERM, NO_COLOR and TZ from yours; USER
+and LOGNAME of the command's user; HOME=/tmp/home, new and private; nothing else
+unless named (--pass-env NAME, --env NAME=VALUE). The command user's and your
+home directories are hidden (empty, read-only; a workspace or --cwd inside stays
+visible), so keys and tokens in them (~/.ssh, ~/.aws, ~/.npmrc) are out of reach.
 """
 
 EPILOG = """exit status:
@@ -95,7 +101,9 @@ OPTIONS: tuple[tuple[str, str | None, str, str], ...] = (
     ("--tmp-size", "SIZE", "value", f"size of the private /tmp and /dev/shm (default {DEFAULT_TMP_SIZE >> 20}M)"),
     ("--user", "UID[:GID]", "value", "run as this user (numbers or names; default: the owner of the workspace)"),
     ("--env", "K=V", "append", "set a variable (repeatable)"),
+    ("--pass-env", "NAME", "append", "pass the caller's NAME (repeatable; the way to hand a secret to the command)"),
     ("--clear-env", None, "flag", "start from an empty environment"),
+    ("--host-home", None, "flag", "keep the host's home directories visible (read-only) and HOME as it is"),
     ("--help", None, "flag", "show this help and exit"),
 )
 _BY_FLAG = {flag: (metavar, kind) for flag, metavar, kind, _ in OPTIONS}
@@ -213,12 +221,14 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
                               allowed_hosts=list(_strings(args, "allow_host")),
                               published_ports=list(_strings(args, "publish")),
                               allowed_domains=list(_strings(args, "allow_domain")))
-    env = {} if args["clear_env"] else dict(os.environ)
-    for item in _strings(args, "env"):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise InvalidPolicy(f"--env {item!r} must look like NAME=VALUE")
-        env[key] = value
+    workspace = os.path.abspath(str(args["workspace"] or os.getcwd()))
+    cwd, user = args["cwd"], args["user"]
+    command_user = parse_user(str(user)) if user else None
+    from sandboxd.cli import run_env
+    env, hidden_homes, private_home = run_env.plan(
+        dict(os.environ), workspace=workspace, user=command_user, confined=policy.name != "danger-full-access",
+        host_home=bool(args["host_home"]), clear=bool(args["clear_env"]), passes=_strings(args, "pass_env"),
+        sets=_strings(args, "env"))
     memory, tmp_size = args["memory"], args["tmp_size"]
     # Like every session of the daemon: default limits, under the host-wide caps of the parent group.
     from sandboxd.kernel import host_limits
@@ -239,11 +249,10 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
     from sandboxd.cli import run_user
     if run_user.plain_user():
         limits = run_user.limits_for_plain_user(limits, args)
-    workspace = os.path.abspath(str(args["workspace"] or os.getcwd()))
-    cwd, user = args["cwd"], args["user"]
     return LaunchSpec(argv=tuple(command), workspace=workspace, env=env,
                       cwd=os.path.abspath(str(cwd)) if cwd else None, policy=policy, limits=limits,
-                      user=parse_user(str(user)) if user else None, dns=tuple(_strings(args, "dns")),
+                      user=command_user, dns=tuple(_strings(args, "dns")),
+                      hidden_homes=hidden_homes, private_home=private_home,
                       # A daemon on this machine keeps its sockets and audit log here: out of reach.
                       hidden_paths=(defaults.SOCKET_DIR, defaults.STATE_DIR), denied_sockets=(defaults.SOCKET,))
 

@@ -83,6 +83,10 @@ class LaunchPlan(Record):
     root_trees: dict[str, int] = Factory(dict)
     # sandboxd's own directories and files, covered inside the sandbox (rootfs step 8c).
     hidden_paths: tuple[str, ...] = ()
+    # Homes covered by an empty read-only directory, and the HOME made in /tmp (rootfs step 7b;
+    # LaunchSpec.hidden_homes, private_home).
+    hidden_homes: tuple[str, ...] = ()
+    private_home: str = ""
     owner: str = ""                                # whose share of the ceiling its cgroups count against
     # A non-root caller's danger-full-access: its supplementary groups, which its commands run with
     # (sequence._exec_as_caller: its own uid, gid and groups, no privilege, each call in a group of
@@ -174,6 +178,7 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
         seccomp_program=seccomp.program_for(filter_spec), brokers_connect=filter_spec.brokers_connect,
         broker=broker, root_trees=trees, hidden_paths=hidden, owner=spec.owner,
         caller_groups=None if confined or spec.caller is None else tuple(spec.caller[2]),
+        hidden_homes=spec.hidden_homes if confined else (), private_home=spec.private_home if confined else "",
     )
 
 

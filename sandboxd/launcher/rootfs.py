@@ -13,6 +13,12 @@
 6. Cover /dev with a minimal tmpfs: the six harmless nodes bound from the
    host, a private devpts, a private /dev/shm; then make /dev read-only.
 7. Cover /tmp with a private, size-capped tmpfs.
+   7b. `sandboxd run`'s homes: cover each hidden home (LaunchSpec.hidden_homes) with an empty
+   tmpfs, to be made read-only in 8d; the interpreter and package sandboxd runs from, and the
+   command's cwd, stay visible read-only when they live there (a pyenv, a venv, a CI checkout
+   with the build directory as the workspace). Make the command's
+   HOME (LaunchSpec.private_home) in the private /tmp, its user's. Before 8, so a workspace
+   inside a hidden home is attached over it.
 8. Attach the workspace and writable roots read-write (under read-only, the
    workspace read-only, so it is seen even when it lives under /tmp), parents before
    children, from the detached mount trees the parent cloned from the very descriptors
@@ -23,6 +29,8 @@
    8c. Cover sandboxd's own places (its sockets' directory, its state directory): an empty
    read-only tmpfs over a directory, /dev/null over a file. After 8, so a workspace that
    contains them (a root caller's /var) does not show them either.
+   8d. Make the hidden homes' tmpfs read-only: a write there could not be told from a write to
+   the real home (a planted ~/.bashrc), which is what a sandbox is checked for.
 9. pivot_root into the copy and drop the old root entirely.
 """
 
@@ -47,6 +55,7 @@ from sandboxd.kernel.mounts import (
 )
 from sandboxd.launcher import rootless
 from sandboxd.launcher.plan import LaunchPlan
+from sandboxd.policy.sandbox import is_within
 from sandboxd.policy.git_config import (GIT_DIR_CREATE_EMPTY, GIT_DIR_NESTED, GIT_GUARD_SUBPATH,
                                         git_dir_entry_writable)
 
@@ -80,6 +89,13 @@ def build(plan: LaunchPlan) -> None:
     _mount_dev(NEW_ROOT + "/dev", plan.limits.tmp_size_bytes)                        # 6
     mounts.tmpfs(NEW_ROOT + "/tmp", size=plan.limits.tmp_size_bytes, mode=0o1777,    # 7
                  step="mount private /tmp")
+    covered = [home for home in plan.hidden_homes
+               if not any(is_within(home, root) for root in (*plan.readonly_roots, *plan.writable_roots))]
+    for home in covered:                                                             # 7b
+        _cover_home(home, plan)
+    if plan.private_home:
+        os.makedirs(NEW_ROOT + plan.private_home, 0o700)
+        os.chown(NEW_ROOT + plan.private_home, plan.uid, plan.gid)
     for root in plan.readonly_roots:                                                 # 8
         _attach_root(root, plan.root_trees[root], writable=False)
     for root in plan.writable_roots:
@@ -91,6 +107,10 @@ def build(plan: LaunchPlan) -> None:
         _bind_resolv_conf(plan.resolv_conf)
     for path in plan.hidden_paths:                                                   # 8c
         _hide(path)
+    for home in covered:                                                             # 8d
+        if os.path.ismount(NEW_ROOT + home):
+            mounts.mount(None, NEW_ROOT + home, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV,
+                         step="make hidden home read-only")
     mounts.pivot_root_here(NEW_ROOT)                                                 # 9
 
 
@@ -178,6 +198,57 @@ def _attach_root(root: str, tree: int, *, writable: bool) -> None:
                                    step="bind writable root")
     else:
         mounts.set_attrs_recursive(target, READONLY_ATTRS, step="bind read-only workspace")
+
+
+def _cover_home(home: str, plan: LaunchPlan) -> None:
+    """Step 7b: an empty tmpfs of the command's user over ``home`` (a real path: cli.run_env), with
+    what must stay visible in it bound back read-only: sandboxd's own install, and the command's
+    cwd when it was put there (`--cwd ~/checkout` with the workspace elsewhere, a CI runner's
+    layout). Writable until 8d, for the mount points of the roots inside."""
+    target = NEW_ROOT + home
+    if not os.path.isdir(target) or os.path.islink(target):
+        return                                            # under a replaced directory (/tmp), or gone
+    mounts.tmpfs(target, size=1 << 16, mode=0o700, step="cover a home")
+    os.chown(target, plan.uid, plan.gid)
+    roots = (*plan.readonly_roots, *plan.writable_roots)
+    cwd = () if any(is_within(plan.cwd, root) for root in roots) else (plan.cwd,)   # else attached in 8
+    for kept in sorted({*_own_install(), *cwd}, key=len):
+        if kept != home and is_within(kept, home):
+            _bind_back(kept)
+
+
+def _bind_back(path: str) -> None:
+    """Bind the host's directory ``path`` read-only at the same place in the copy, reached from / one
+    component at a time without following symlinks: a name its home's owner swaps cannot point
+    the bind elsewhere. A path that is not such a directory stays hidden."""
+    flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open("/", flags)
+    try:
+        for part in path.strip("/").split("/"):
+            fd, parent = os.open(part, flags, dir_fd=fd), fd
+            os.close(parent)
+    except OSError:
+        os.close(fd)
+        return
+    try:
+        tree = mounts.clone_tree(fd, step="keep a directory of a hidden home", path=path)
+    finally:
+        os.close(fd)
+    try:
+        os.makedirs(NEW_ROOT + path, 0o755, exist_ok=True)
+        mounts.attach_tree(tree, NEW_ROOT + path, step="keep a directory of a hidden home")
+    finally:
+        os.close(tree)
+    mounts.set_attrs_recursive(NEW_ROOT + path, READONLY_ATTRS, step="keep a directory of a hidden home")
+
+
+def _own_install() -> tuple[str, ...]:
+    """The interpreter's prefixes and the directory of the sandboxd package, as real paths: what
+    this process (the sandbox's init) and a command started with the same Python may still load."""
+    import sys
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = (sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(package))
+    return tuple(dict.fromkeys(os.path.realpath(path) for path in paths))
 
 
 def _hide(path: str) -> None:

@@ -91,6 +91,12 @@ class LaunchSpec(Record):
     hidden_paths: tuple[str, ...] = ()
     denied_sockets: tuple[str, ...] = ()
     denied_listeners: tuple[str, ...] = ()   # "HOST:PORT" of the daemon's TCP listeners
+    # `sandboxd run`'s homes (cli/run_env.py; rootfs step 7b): directories covered by an empty,
+    # read-only directory, so that a command never reads the dotfiles (keys, tokens) of its user or
+    # its caller (a workspace or writable root inside one is attached over it); and the command's
+    # own HOME, a new directory of its user's in the sandbox's private /tmp ("": none).
+    hidden_homes: tuple[str, ...] = ()
+    private_home: str = ""
     # Whom the sandbox counts against (a daemon's caller: "uid-1000", "tls-<hash>"): its cgroups
     # go in that owner's group, under its share of the ceiling (limits.owner_*). Empty: no owner
     # level (`sandboxd run`, root's own sessions).
@@ -114,6 +120,12 @@ class LaunchSpec(Record):
         for path in (*self.hidden_paths, *self.denied_sockets):
             if not path.startswith("/") or "\0" in path:
                 raise InvalidPolicy(f"sandboxd's own path {path!r} must be absolute")
+        for path in self.hidden_homes:
+            if not path.startswith("/") or "\0" in path or not path.strip("/"):
+                raise InvalidPolicy(f"hidden home {path!r} must be an absolute path other than /")
+        if self.private_home and (not self.private_home.startswith("/tmp/") or "\0" in self.private_home
+                                  or ".." in self.private_home.split("/")):
+            raise InvalidPolicy(f"private home {self.private_home!r} must be a path in /tmp")
         if not is_owner_key(self.owner):
             raise InvalidPolicy(f"owner {self.owner[:100]!r} must be empty or up to {MAX_OWNER_KEY} lowercase "
                                 "letters, digits and '-' (it names a cgroup)")
@@ -166,6 +178,7 @@ def spec_to_dict(spec: LaunchSpec) -> dict[str, object]:
         "caller": [spec.caller[0], spec.caller[1], list(spec.caller[2])] if spec.caller else None,
         "hidden_paths": list(spec.hidden_paths), "denied_sockets": list(spec.denied_sockets),
         "denied_listeners": list(spec.denied_listeners), "owner": spec.owner,
+        "hidden_homes": list(spec.hidden_homes), "private_home": spec.private_home,
     }
 
 
@@ -206,7 +219,9 @@ def spec_from_dict(data: dict[str, object]) -> LaunchSpec:
                           caller=_caller(data.get("caller")), hidden_paths=_strings(data, "hidden_paths"),
                           denied_sockets=_strings(data, "denied_sockets"),
                           denied_listeners=_strings(data, "denied_listeners"),
-                          owner=str(data.get("owner") or ""))
+                          owner=str(data.get("owner") or ""),
+                          hidden_homes=_strings(data, "hidden_homes"),
+                          private_home=str(data.get("private_home") or ""))
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, InvalidPolicy):
             raise
