@@ -19,7 +19,7 @@ from conftest import BASE_ENV, SLOW
 from daemon_fixtures import REPO, base, client  # noqa: F401 - pytest fixtures
 from daemon_helpers import PlainUser, plain_users, rpc_error
 from sandboxd.client import SandboxClient, sandbox_policy
-from sandboxd.policy.limits import MAX_ENV_VALUE, MAX_PATH_ENTRIES, MAX_SESSION_ENV_ENTRIES
+from sandboxd.policy.limits import MAX_CALLER_PATH_BYTES, MAX_ENV_VALUE, MAX_PATH_ENTRIES, MAX_SESSION_ENV_ENTRIES
 from sandboxd.service.environment import SANDBOX_HOME
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -178,6 +178,10 @@ def test_caller_path_is_bounded(base: Path, client: SandboxClient) -> None:
     long_path = ":".join(["/usr/bin"] * (MAX_PATH_ENTRIES + 1))
     error = rpc_error(lambda: client.exec(session.id, ["true"], caller_env=pb.CallerEnvironment(path=long_path)))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "the limit is 256" in (error.details() or "")
+    huge_path = "/" + "x" * MAX_CALLER_PATH_BYTES                 # one entry, past the byte limit
+    error = rpc_error(lambda: client.exec(session.id, ["true"], caller_env=pb.CallerEnvironment(path=huge_path)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert f"the limit is {MAX_CALLER_PATH_BYTES}" in (error.details() or ""), error.details()
     client.close_session(session.id)
 
 

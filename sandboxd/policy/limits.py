@@ -119,6 +119,9 @@ MAX_SESSION_ENV_BYTES = 64 << 10         # NAME=value bytes of a session's varia
 # What a client passes of its own environment (ExecStart.caller_env): PATH's entries are each
 # stat'ed inside the sandbox, so their number is bounded; LANG and TERM are short names.
 MAX_PATH_ENTRIES = 256
+# ... and its bytes: the daemon remembers what it found per PATH (service.environment), so a caller
+# cycling huge PATHs must not grow that memory (a long Nix PATH is a few KiB).
+MAX_CALLER_PATH_BYTES = 16 << 10
 MAX_CALLER_VALUE = 256                   # bytes of LANG or TERM
 # All the paths, hosts, domains and ports of one policy together: the policy crosses to the fork
 # server in one SOCK_SEQPACKET message (below net.core.wmem_default, about 200 KiB), with room

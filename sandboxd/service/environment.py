@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 
 from sandboxd.errors import Exhausted, InvalidPolicy
-from sandboxd.policy.limits import (MAX_CALLER_VALUE, MAX_ENV_NAME, MAX_ENV_VALUE, MAX_PATH_ENTRIES,
+from sandboxd.policy.limits import (MAX_CALLER_PATH_BYTES, MAX_CALLER_VALUE, MAX_ENV_NAME, MAX_ENV_VALUE, MAX_PATH_ENTRIES,
                                     MAX_SESSION_ENV_BYTES, MAX_SESSION_ENV_ENTRIES)
 from sandboxd.policy.sandbox import DangerFullAccess
 from sandboxd.service.file_calls import run_tool
@@ -87,6 +87,9 @@ def session_env(env: Mapping[str, str]) -> dict[str, str]:
 def path_candidates(path: str) -> list[str]:
     """The client's PATH entries worth checking: absolute ones, normalised, first occurrence kept.
     A relative or empty entry (the cwd) is dropped: it would run whatever the cwd holds."""
+    size = len(path.encode(errors="surrogateescape"))
+    if size > MAX_CALLER_PATH_BYTES:
+        raise InvalidPolicy(f"caller_env.path is {size} bytes; the limit is {MAX_CALLER_PATH_BYTES}")
     entries = path.split(":") if path else []
     if len(entries) > MAX_PATH_ENTRIES:
         raise InvalidPolicy(f"caller_env.path has {len(entries)} entries; the limit is {MAX_PATH_ENTRIES}")
@@ -149,9 +152,10 @@ class _Prepared:
     server loss) is a new key. When every entry was kept the answer stands (a directory removed
     later only costs execvp a failed lookup); when some were dropped it is asked again after
     RECHECK_SECONDS, so a directory made meanwhile (a venv's bin) is found. Bounded: the oldest
-    entries go first (at worst a caller cycling PATHs makes others ask again)."""
+    entries go first (at worst a caller cycling PATHs makes others ask again). With a PATH of at
+    most MAX_CALLER_PATH_BYTES, that is at most about 2 x 16 MiB."""
 
-    MAX_ENTRIES = 4096
+    MAX_ENTRIES = 1024
     RECHECK_SECONDS = 2.0
 
     def __init__(self) -> None:
