@@ -155,3 +155,21 @@ def new_session() -> None:
         os.setsid()
     except OSError as exc:
         checked(-(exc.errno or 1), "setsid")
+
+
+# What a process standing between a caller and a command (a sandbox's init, a call's init, a
+# rootless launch's outer process) passes down, like tini: termination and job control.
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                     signal.SIGUSR2, signal.SIGWINCH, signal.SIGCONT)
+
+
+def forward_signals_to(target: int) -> None:
+    """Pass FORWARDED_SIGNALS that reach this process on to ``target`` (gone: ignored)."""
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            os.kill(target, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in FORWARDED_SIGNALS:
+        signal.signal(signum, forward)

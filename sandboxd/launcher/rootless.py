@@ -30,8 +30,6 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Callable, NoReturn
 
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-                     signal.SIGUSR2, signal.SIGWINCH, signal.SIGCONT)
 
 
 def run_outer(plan: LaunchPlan, spawner: int, init: "Callable[[], object]") -> "NoReturn":
@@ -44,7 +42,7 @@ def run_outer(plan: LaunchPlan, spawner: int, init: "Callable[[], object]") -> "
     # A signal sent to `sandboxd run` from now on is forwarded to init, even one that comes before
     # the handlers below exist (under load, the command can be up and printing by then): held
     # blocked across the fork, delivered to the handlers once they are in place. Init unblocks at once.
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, process.FORWARDED_SIGNALS)
     try:
         init_pid = os.fork()
     except OSError as exc:
@@ -59,14 +57,7 @@ def run_outer(plan: LaunchPlan, spawner: int, init: "Callable[[], object]") -> "
     caps.drop_privileges(plan.uid, plan.gid, keep_groups=True)
     process.die_with_parent(spawner)
 
-    def forward(signum: int, _frame: object) -> None:
-        try:
-            os.kill(init_pid, signum)
-        except ProcessLookupError:
-            pass
-
-    for signum in FORWARDED_SIGNALS:
-        signal.signal(signum, forward)
+    process.forward_signals_to(init_pid)
     signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     _, status = os.waitpid(init_pid, 0)               # PEP 475: retried after each forwarded signal
     if os.WIFSIGNALED(status):

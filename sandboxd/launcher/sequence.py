@@ -61,8 +61,7 @@ def in_child(report_fd: int, step: str, body: "Callable[[], object]") -> "NoRetu
 
 # Python ignores SIGPIPE and SIGXFSZ for itself; an exec'd program must get the defaults back.
 RESTORED_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-                     signal.SIGUSR2, signal.SIGWINCH, signal.SIGCONT)
+FORWARDED_SIGNALS = process.FORWARDED_SIGNALS           # also the C helper's (native_call's header)
 
 
 def _fork_command() -> int:
@@ -153,7 +152,7 @@ def _run_init(plan: LaunchPlan, *, report_fd: int, status_fd: int) -> NoReturn:
         listener = receive_fd(broker_end)                 # sent by the command just before exec
         broker_end.close()
     process.close_all_except({status_fd} | ({listener} if listener is not None else set()))
-    _forward_signals_to(command_pid)                      # the report pipe closed with the command's exec
+    process.forward_signals_to(command_pid)               # the report pipe closed with the command's exec
 
     def on_exit(pid: int, status: int, usage: struct_rusage) -> None:
         # When the command ends, init reports and exits, which takes the namespace
@@ -260,7 +259,7 @@ def run_call(plan: LaunchPlan, *, session_pidfd: int, intake_fd: int | None, rep
     except OSError:
         pass
     process.close_all_except({status_fd})
-    _forward_signals_to(command_pid)
+    process.forward_signals_to(command_pid)
     signal.signal(KILL_TREE_SIGNAL, lambda _s, _f: process.kill_descendants())
 
     def on_exit(pid: int, status: int, usage: struct_rusage) -> None:
@@ -420,13 +419,3 @@ def _exec(plan: LaunchPlan, report_fd: int) -> NoReturn:
         report.fail(report_fd, exc, "exec")
 
 
-def _forward_signals_to(target: int) -> None:
-    """Pass the usual job-control and termination signals down one level (like tini)."""
-    def forward(signum: int, _frame: object) -> None:
-        try:
-            os.kill(target, signum)
-        except ProcessLookupError:
-            pass
-
-    for signum in FORWARDED_SIGNALS:
-        signal.signal(signum, forward)
