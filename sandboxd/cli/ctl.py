@@ -6,17 +6,16 @@ import argparse
 import errno
 import json
 import os
-import queue
 import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import grpc
 
 from sandboxd.cli import approval_prompt, terminal
 from sandboxd.cli.env_args import add_env_options, env_from_args
+from sandboxd.cli.exec_requests import ExecRequests
 from sandboxd.client import (DEFAULT_SOCKET, MAX_READ_BYTES, SandboxClient, caller_environment, sandbox_policy,
                              write_through)
 from sandboxd.v1 import sandboxd_pb2 as pb
@@ -286,9 +285,6 @@ def _session_line(session: pb.Session) -> str:
             f"approval={approval}  running={session.running_calls}")
 
 
-_STDIN_CHUNK = 64 << 10
-
-
 def _exec_or_shell(client: SandboxClient, args: argparse.Namespace, command: list[str], socket_option: str, *,
                    shell: bool = False) -> int:
     """`exec` (on a terminal with -t) and `shell`: one call, tagged so that its own approval is asked
@@ -312,26 +308,12 @@ def _exec(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], N
     """Run one command, streaming stdin when it is not a terminal. Ctrl-C sends SIGINT to the
     remote command; a second Ctrl-C cancels the call (the daemon kills the command's tree).
     ``on_started``: the call was granted and runs (nothing is held for approval any more)."""
-    requests: queue.Queue[pb.ExecRequest | None] = queue.Queue()
     forward_stdin = not sys.stdin.isatty()
     if not forward_stdin:
         start.close_stdin = True
-    requests.put(pb.ExecRequest(start=start))
-
-    def request_stream() -> Iterator[pb.ExecRequest]:
-        while (request := requests.get()) is not None:
-            yield request
-
-    def pump_stdin() -> None:
-        try:
-            while chunk := os.read(sys.stdin.fileno(), _STDIN_CHUNK):
-                requests.put(pb.ExecRequest(stdin=chunk))
-        except OSError:
-            pass
-        requests.put(pb.ExecRequest(close_stdin=True))
-
+    requests = ExecRequests(start)
     if forward_stdin:
-        threading.Thread(target=pump_stdin, daemon=True).start()
+        requests.pump_stdin(sys.stdin.fileno(), close_at_eof=True)
     # Ctrl-C must not raise inside gRPC's iterator (that breaks the call): the first one only queues a
     # SIGINT for the remote command; the second raises KeyboardInterrupt, which ends this process and
     # with it the call, and the daemon kills the command's tree.
@@ -342,7 +324,7 @@ def _exec(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], N
     previous = signal.signal(signal.SIGINT, interrupt)
     status = 1
     try:
-        for response in client.stub.Exec(request_stream()):
+        for response in client.stub.Exec(iter(requests)):
             kind = response.WhichOneof("kind")
             if kind == "started_pid":
                 on_started()
@@ -352,7 +334,7 @@ def _exec(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], N
                 status = response.result.shell_status
     finally:
         signal.signal(signal.SIGINT, previous)
-        requests.put(None)
+        requests.close()
     return status
 
 

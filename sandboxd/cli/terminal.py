@@ -10,19 +10,17 @@ foreground command, as a local one would. SIGWINCH here becomes a resize there.
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import termios
-import threading
 import tty
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
+from sandboxd.cli.exec_requests import ExecRequests
 from sandboxd.client import SandboxClient, write_through
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 # Runs the session's bash when it has one, else sh; both interactive, in the workspace.
 SHELL = ["/bin/sh", "-c", "if command -v bash >/dev/null 2>&1; then exec bash -i; fi; exec sh -i"]
-_STDIN_CHUNK = 1 << 16
 _TERM_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.+")
 
 
@@ -47,19 +45,7 @@ def run(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], Non
     ``on_started``: the call was granted and runs (see ctl._exec)."""
     require_terminal("a terminal session")
     start.terminal.CopyFrom(local_terminal())
-    requests: queue.Queue[pb.ExecRequest | None] = queue.Queue()
-    requests.put(pb.ExecRequest(start=start))
-
-    def request_stream() -> Iterator[pb.ExecRequest]:
-        while (request := requests.get()) is not None:
-            yield request
-
-    def pump_stdin() -> None:
-        try:
-            while chunk := os.read(0, _STDIN_CHUNK):
-                requests.put(pb.ExecRequest(stdin=chunk))
-        except OSError:
-            pass
+    requests = ExecRequests(start)
 
     def resized(_signum: int, _frame: object) -> None:
         size = os.get_terminal_size(1)
@@ -73,12 +59,12 @@ def run(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], Non
                 ((signal.SIGWINCH, resized), (signal.SIGTERM, ended), (signal.SIGHUP, ended))}
     status = 1
     try:
-        for response in client.stub.Exec(request_stream()):
+        for response in client.stub.Exec(iter(requests)):
             kind = response.WhichOneof("kind")
             if kind == "started_pid":
                 on_started()                              # before raw mode: a prompt may still be restoring
                 tty.setraw(0, termios.TCSANOW)
-                threading.Thread(target=pump_stdin, daemon=True, name="sandboxctl-stdin").start()
+                requests.pump_stdin(0, close_at_eof=False)
                 resized(signal.SIGWINCH, None)            # a resize while the call waited to start
             elif kind in ("stdout", "stderr"):
                 write_through(1, getattr(response, kind))
@@ -88,7 +74,7 @@ def run(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], Non
         termios.tcsetattr(0, termios.TCSADRAIN, saved)
         for signum, previous in handlers.items():
             signal.signal(signum, previous)
-        requests.put(None)
+        requests.close()
     return status
 
 
