@@ -98,6 +98,18 @@ def test_each_call_gets_its_own_argv_env_and_cwd(server: ForkServer, session: st
     assert seen == [f"call{i} {workspace / 'sub' if i % 2 else workspace} {i}" for i in range(4)]
 
 
+SLEEP_SYSCALLS = {"35", "230"}   # x86-64 nanosleep, clock_nanosleep
+
+
+def _sleeping(pid: int) -> bool:
+    """Whether the process is blocked in a sleep system call (its first field in /proc/PID/syscall)."""
+    try:
+        with open(f"/proc/{pid}/syscall") as f:
+            return f.read().split(" ", 1)[0] in SLEEP_SYSCALLS
+    except OSError:
+        return False
+
+
 def test_a_call_holds_only_its_own_descriptors(server: ForkServer, session: str, workspace: Path) -> None:
     """The command has exactly stdin, stdout and stderr; its supervisor only its status pipe
     (and, in Python, a signal wake-up pipe): no other call's pipe, no session pidfd."""
@@ -111,10 +123,11 @@ def test_a_call_holds_only_its_own_descriptors(server: ForkServer, session: str,
             assert time.monotonic() < deadline, "the call's supervisor never showed up"
             time.sleep(0.02)
         supervisor, (command,) = found[0]
-        # Until its exec the command's process still holds the call's close-on-exec descriptors
-        # (a wide window in an emulated guest): look once it is `sleep`.
-        while command.name() != "sleep":
-            assert time.monotonic() < deadline, f"the command never became sleep: {command.cmdline()}"
+        # Until its exec the command's process still holds the call's close-on-exec descriptors,
+        # and after it the dynamic loader and the locale briefly hold their own files as fd 3 (a
+        # wide window in an emulated guest): look once `sleep` is blocked in its sleep.
+        while not _sleeping(command.pid):
+            assert time.monotonic() < deadline, f"the command never slept: {command.cmdline()}"
             time.sleep(0.02)
         assert sorted(os.listdir(f"/proc/{command.pid}/fd"), key=int) == ["0", "1", "2"]
         assert len(os.listdir(f"/proc/{supervisor.pid}/fd")) <= (1 if server.native_calls else 3)
