@@ -8,9 +8,11 @@ machine hits all three alike. Over each block it takes CPU time (utime + stime, 
 
 * the daemon, ``/proc/<serve>/task/<tid>/stat`` per thread, each thread named by ``py-spy dump``
   (Python's threads have no kernel name on 3.11): the front door's relay thread
-  (``sandboxd-frontdoor``), grpc's worker pool (``sandboxd-rpc_N``, the servicer runs there), grpc's
-  C-core threads (kernel names such as ``grpc_global_tim``), the main thread and any other; the
-  process total from ``/proc/<serve>/stat`` (threads that ended in between show as the rest);
+  (``sandboxd-frontdoor``), grpc's worker pool (``sandboxd-rpc_N``, the servicer runs there),
+  grpc's Python poll thread (``Thread-N (_serve)``), grpc's C-core threads (no Python: kernel names
+  such as ``grpc_global_tim``, ``event_engine``), the main thread and any other; the process total
+  from ``/proc/<serve>/stat``: threads that ended in between (the per-call stdin feeders of
+  exec_call.py, one per Exec) show only there, as the rest;
 * the fork server, ``/proc/<fork server>/stat`` utime + stime (its own work);
 * the call helpers (``sandboxd-call``, one per call, short-lived) and the commands together: the
   fork server's ``cutime + cstime`` (the helper is its child and is reaped by it; the command is
@@ -53,6 +55,7 @@ from typing import Any
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 FRONT_DOOR_THREAD = "sandboxd-frontdoor"
 RPC_THREAD_PREFIX = "sandboxd-rpc"
+STDIN_THREAD_PREFIX = "sandboxd-stdin-"    # exec_call.py starts one per Exec; it ends with the call
 PROFILE_RATE_HZ = 250
 TOP_FRAMES = 12
 
@@ -152,6 +155,10 @@ def thread_group(pid: int, tid: int, python_names: dict[int, str]) -> str:
         return "daemon: front door relay thread"
     if name is not None and name.startswith(RPC_THREAD_PREFIX):
         return "daemon: grpc worker pool (servicer)"
+    if name is not None and name.endswith("(_serve)"):
+        return "daemon: grpc server poll thread (Python)"    # grpc/_server.py's completion-queue loop
+    if name is not None and name.startswith(STDIN_THREAD_PREFIX):
+        return "daemon: per-call stdin feeder threads"
     if name is not None:
         return "daemon: other Python threads"
     # py-spy names every thread that runs Python; the rest are grpc's C-core threads.
@@ -193,6 +200,7 @@ def exec_block(client: Any, session_id: str, calls: int, serve: int, fork_server
         per_thread += delta
         tally.cpu_s[thread_group(serve, tid, python_names)] += delta * TICK_S
     serve_total = after.serve[0] - before.serve[0]
+    # Mostly the per-call stdin feeders: each ends with its call, so its time is only in the total.
     tally.cpu_s["daemon: threads that ended during the block"] += max(0, serve_total - per_thread) * TICK_S
     tally.cpu_s["fork server (Python loop)"] += (after.fork[0] - before.fork[0]) * TICK_S
     helpers_and_commands = (after.fork[1] - before.fork[1]) * TICK_S
