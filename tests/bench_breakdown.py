@@ -31,7 +31,8 @@ The baselines are charged the same way: their CPU is this process's children tim
 With py-spy on PATH or in the venv (``.venv/bin/pip install py-spy``), a second loop of
 ``--breakdown-profile-calls`` (500) Execs runs under ``py-spy record --native --threads`` of the
 daemon and of the fork server (separately; the sampling slows both, so it is not in the timed
-blocks) and the top frames by self time are printed, per process and per daemon thread. py-spy
+blocks) and the top frames by self time are printed, per process and per daemon thread (the raw
+stacks stay in /var/tmp/sandboxd-bench-breakdown-*/; everything else there is removed). py-spy
 counts blocked threads as active here, so each sample is sorted by its innermost native frames
 (``sample_kind``): waiting (a lock, a poll), in a read (a wait or a copy: counted apart) or running;
 only the running ones are ranked. ``perf`` would give the kernel's side too, but records no samples
@@ -419,12 +420,27 @@ def run_breakdown(calls: int, blocks: int, profile_calls: int, cli_runs: int) ->
         report["survivors"] = still_alive(daemon.seen)
         report["daemon_exit_code"] = daemon.exit_code
         report["log_problems"] = daemon.log_problems()[:5]
-        report["profile_dir"] = base
-        shutil.rmtree(workspace, ignore_errors=True)   # the py-spy files stay in base
+        report["profile_dir"] = base if "profile" in report else None
+        _keep_only_profiles(base)
     report["exec"] = _tally_report(exec_tally)
     report["bare"] = _tally_report(bare_tally)
     report["bwrap"] = _tally_report(bwrap_tally)
     return report
+
+
+def _keep_only_profiles(base: str) -> None:
+    """Remove the daemon's state, socket directory and workspace; keep the py-spy files (if any) for the reader."""
+    kept = False
+    for entry in os.listdir(base):
+        path = os.path.join(base, entry)
+        if entry.endswith(".raw"):
+            kept = True
+        elif os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    if not kept:
+        os.rmdir(base)
 
 
 def _tally_report(tally: Tally) -> dict[str, Any]:
