@@ -6,6 +6,7 @@ Run it from the repository root with the project's venv::
     .venv/bin/python tests/benchmark.py --runs 60       # quicker, noisier
     .venv/bin/python tests/benchmark.py --json out.json # also write every number as JSON
     .venv/bin/python tests/benchmark.py --soak 600      # only the soak: 20 clients for 10 minutes (bench_soak.py)
+    .venv/bin/python tests/benchmark.py --breakdown     # only where a warm Exec's CPU goes (bench_breakdown.py)
 
 It needs root (the sandboxes unshare namespaces and mount) and bwrap at
 /usr/bin/bwrap. It is not a pytest test: the file name does not match
@@ -346,7 +347,8 @@ def summarize(samples: list[float]) -> dict[str, float] | None:
         return None
     ordered = sorted(samples)
     p95 = statistics.quantiles(ordered, n=20, method="inclusive")[18] if len(ordered) > 1 else ordered[0]
-    return {"n": len(ordered), "median_ms": statistics.median(ordered), "p95_ms": p95,
+    p99 = statistics.quantiles(ordered, n=100, method="inclusive")[98] if len(ordered) > 1 else ordered[0]
+    return {"n": len(ordered), "median_ms": statistics.median(ordered), "p95_ms": p95, "p99_ms": p99,
             "mean_ms": statistics.fmean(ordered), "min_ms": ordered[0], "max_ms": ordered[-1]}
 
 
@@ -1024,7 +1026,7 @@ def print_daemon_section(report: dict[str, Any]) -> dict[str, float | None]:
         print(f"{conc['clients']} concurrent clients (a thread, a SandboxClient and a session each), `true` in a loop "
               f"for {conc['seconds_target']:.0f} s: {conc['execs']} execs in {fmt(conc['wall_s'], '.2f')} s = "
               f"{fmt(conc['execs_per_s'], '.1f')} execs/s; per exec median {fmt(lat.get('median_ms'), '.1f')} ms, "
-              f"p95 {fmt(lat.get('p95_ms'), '.1f')} ms; per client {conc['per_client_execs']}; "
+              f"p95 {fmt(lat.get('p95_ms'), '.1f')} ms, p99 {fmt(lat.get('p99_ms'), '.1f')} ms; per client {conc['per_client_execs']}; "
               f"front-door connections {fmt(conc['front_door_connections'], 'd')}")
         if conc["failures"] or conc["setup_failures"] or conc["hung_threads"]:
             print(f"FAILURES concurrent execs: {conc['failures']} execs, {conc['setup_failures']} client setups, "
@@ -1126,6 +1128,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "without a value)")
     p.add_argument("--soak-clients", type=int, default=20, help="soak: concurrent clients (default 20)")
     p.add_argument("--soak-interval", type=float, default=5.0, help="soak: seconds between samples (default 5)")
+    p.add_argument("--breakdown", type=int, metavar="CALLS", nargs="?", const=1000, default=None,
+                   help="run only the CPU breakdown of a warm Exec (tests/bench_breakdown.py) over CALLS calls "
+                        "(default 1000 when given without a value)")
+    p.add_argument("--breakdown-blocks", type=int, default=4,
+                   help="breakdown: blocks the calls are split into, each followed by bare and bwrap (default 4)")
+    p.add_argument("--breakdown-profile-calls", type=int, default=500,
+                   help="breakdown: Execs run under py-spy, if it is installed (default 500; 0: no profile)")
+    p.add_argument("--breakdown-cli-runs", type=int, default=20,
+                   help="breakdown: rounds of `sandboxd run -- true` in this checkout vs an empty workspace "
+                        "(default 20)")
     p.add_argument("--fuzz", type=int, metavar="EXAMPLES", default=0,
                    help="instead of timing: the RPC fuzz test (tests/test_fuzz_rpcs.py) with EXAMPLES requests per "
                         "RPC and batch, 5 batches (CI runs 40 x 2)")
@@ -1139,6 +1151,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.soak is not None:
         return soak_main(args)
+    if args.breakdown is not None:
+        return breakdown_main(args)
     if args.fuzz:
         env = {**os.environ, "SANDBOXD_FUZZ_EXAMPLES": str(args.fuzz), "SANDBOXD_FUZZ_BATCHES": "5"}
         return subprocess.call([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
@@ -1257,6 +1271,29 @@ def soak_main(args: argparse.Namespace) -> int:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump({"machine": machine, "soak": report}, handle, indent=2)
     return 1 if report["failures"] else 0
+
+
+def breakdown_main(args: argparse.Namespace) -> int:
+    """``--breakdown``: where a warm Exec's CPU goes (bench_breakdown.py); 1 if anything failed."""
+    from bench_breakdown import print_breakdown, run_breakdown
+
+    compile_sources()
+    machine = machine_info()
+    print(f"sandboxd warm Exec CPU breakdown  {machine['date']}")
+    print(f"machine: nproc={machine['nproc']}  cpu={machine['cpu_model']}  kernel={machine['kernel']}  "
+          f"loadavg={' '.join(f'{x:.2f}' for x in machine['loadavg_start'])}")
+    sys.stdout.flush()
+    report = run_breakdown(args.breakdown, args.breakdown_blocks, args.breakdown_profile_calls,
+                           args.breakdown_cli_runs)
+    print_breakdown(report)
+    machine["loadavg_end"] = list(os.getloadavg())
+    print(f"loadavg at end {' '.join(f'{x:.2f}' for x in machine['loadavg_end'])}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump({"machine": machine, "breakdown": report}, handle, indent=2)
+    failed = report["errors"] or report["survivors"] or any(
+        row["failures"] for row in (report.get("cli") or {}).get("rows", []))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
