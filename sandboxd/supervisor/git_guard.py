@@ -57,6 +57,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Iterable, Iterator
 
+    from sandboxd.supervisor.git_watch import InotifyHub, Subscription
+
 
 
 def _log_error(message: str, *args: object) -> None:
@@ -142,13 +144,15 @@ class GitGuard:
     """The guard of one session's (or one `sandboxd run`'s) writable roots. Thread-safe: concurrent
     calls' inspections run one at a time."""
 
-    def __init__(self, roots: Iterable[str] = (), *, watch: bool = True) -> None:
+    def __init__(self, roots: Iterable[str] = (), *, watch: bool = True, hub: "InotifyHub | None" = None) -> None:
+        """``hub``: a daemon's one inotify instance, shared by its sessions' guards (git_watch.py);
+        without, the guard makes an instance of its own (`sandboxd run`)."""
         self._lock = _thread.allocate_lock()
         self._roots: dict[str, _Root] = {}
-        self.inotify: Inotify | None = None
+        self.inotify: Inotify | Subscription | None = None
         if watch:
             try:
-                self.inotify = Inotify()
+                self.inotify = hub.subscribe() if hub is not None else Inotify()
             except OSError as exc:       # out of instances (fs.inotify.max_user_instances): walk instead
                 _log_error("git guard: no inotify (%s): every inspection walks the whole tree", exc)
         self.set_roots(roots)
