@@ -130,3 +130,21 @@ def test_the_guard_neutralises_below_the_depth_it_holds_open(workspace: Path, wa
     assert open_fds() == before
     assert [(item.what, item.key) for item in found] == [("hook", "post-checkout")]
     assert (deep / ".git" / "hooks" / "pre-commit").exists()
+
+
+def test_a_repository_past_path_max_does_not_break_the_build(workspace: Path) -> None:
+    """The guard's walk reaches a ``.git`` at any depth (descriptor-relative), but a git directory
+    is judged, and protected at build, by path: one whose path is longer than PATH_MAX is not in
+    what the guard hands to the build, and the sandbox still builds (the build's own walk
+    stopped at depth 16, so it never met one)."""
+    fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(20):                            # 20 x 251 bytes: past PATH_MAX (4096)
+            os.mkdir("d" * 250, dir_fd=fd)
+            fd, parent = os.open("d" * 250, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd), fd
+            os.close(parent)
+        os.mkdir(".git", dir_fd=fd)
+    finally:
+        os.close(fd)
+    result = run_sbx(["sh", "-c", "echo ok > file && echo WROTE"], workspace=workspace)
+    assert result.stdout.split() == ["WROTE"], describe(result)
