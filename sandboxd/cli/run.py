@@ -341,10 +341,7 @@ def _git_guard(spec: LaunchSpec) -> "GitGuard | None":
     except SandboxdError:
         return None
     resolved.close()                                 # only the real paths are needed here
-    # No inotify: a run inspects once, after its command. A walk that stats every directory then
-    # costs less than a watch on each (tests/bench_git_guard.py), and a process holding an
-    # instance with watches exits only after the kernel's mark reaper (20-80 ms here).
-    return GitGuard(resolved.writable_roots, watch=False)
+    return GitGuard(resolved.writable_roots)
 
 
 def _serve_proxy(network: "IsolatedNetwork | LoopbackProxy", domains: "tuple[str, ...]") -> "EgressProxy":
