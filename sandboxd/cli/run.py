@@ -271,6 +271,9 @@ def main(argv: list[str]) -> int:
         sys.stderr.write(f"sandboxd run: {exc}\n")
         return EXIT_SETUP_FAILED
     guard = _git_guard(spec)
+    if guard is not None:
+        # One walk: the build protects the git directories the guard's baseline just found.
+        spec = spec.replace(git_dirs=guard.found_git_dirs())
     try:
         from sandboxd.supervisor.spawner import Spawner
         sandbox = Spawner().launch(spec)

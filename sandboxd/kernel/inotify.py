@@ -53,6 +53,10 @@ class Inotify:
             raise OSError(code, os.strerror(code), "inotify_add_watch")
         return wd
 
+    def remove_watch(self, wd: int) -> None:
+        """Stop watching (nothing when the kernel removed the watch already: its inode is gone)."""
+        libc.inotify_rm_watch(self.fd, wd)
+
     def drain(self) -> tuple[set[int], bool]:
         """(the watches that saw an event since the last drain, whether the kernel's queue overflowed)."""
         fired: set[int] = set()

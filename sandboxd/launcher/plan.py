@@ -13,6 +13,7 @@ from sandboxd.errors import InvalidPolicy
 from sandboxd.kernel import access, mounts, paths, seccomp
 from sandboxd.kernel.unix_diag import file_identity
 from sandboxd.policy import DangerFullAccess, LaunchSpec, Limits, WorkspaceWrite
+from sandboxd.policy.git_dirs import FoundGitDirs
 from sandboxd.policy.sandbox import is_within
 
 TYPE_CHECKING = False
@@ -96,6 +97,8 @@ class LaunchPlan(Record):
     # A session call on a terminal: (rows, columns). Its stdin is then a socket the terminal's
     # master goes back on (launcher.sequence.open_terminal); its peer becomes the command's stdio.
     terminal: tuple[int, int] | None = None
+    # LaunchSpec.git_dirs: the git directories of the writable roots, found already (rootfs step 8).
+    git_dirs: "dict[str, FoundGitDirs]" = Factory(dict)
 
     def close_trees(self) -> None:
         for fd in self.root_trees.values():
@@ -179,6 +182,7 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
         broker=broker, root_trees=trees, hidden_paths=hidden, owner=spec.owner,
         caller_groups=None if confined or spec.caller is None else tuple(spec.caller[2]),
         hidden_homes=spec.hidden_homes if confined else (), private_home=spec.private_home if confined else "",
+        git_dirs={root: found for root, found in spec.git_dirs.items() if root in resolved.writable_roots},
     )
 
 

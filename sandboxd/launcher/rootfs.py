@@ -55,6 +55,7 @@ from sandboxd.kernel.mounts import (
 )
 from sandboxd.launcher import rootless
 from sandboxd.launcher.plan import LaunchPlan
+from sandboxd.policy.git_dirs import FoundGitDirs
 from sandboxd.policy.sandbox import is_within
 from sandboxd.policy.git_config import (GIT_DIR_CREATE_EMPTY, GIT_DIR_NESTED, GIT_GUARD_SUBPATH,
                                         git_dir_entry_writable)
@@ -101,7 +102,7 @@ def build(plan: LaunchPlan) -> None:
     for root in plan.writable_roots:
         _attach_root(root, plan.root_trees[root], writable=True)
     for root in plan.writable_roots:
-        _protect_root(root, plan.protected_subpaths)
+        _protect_root(root, plan.protected_subpaths, plan.git_dirs.get(root))
     plan.close_trees()
     if plan.resolv_conf is not None:                                                 # 8b
         _bind_resolv_conf(plan.resolv_conf)
@@ -264,12 +265,23 @@ def _hide(path: str) -> None:
         mounts.bind("/dev/null", target, recursive=False, step="hide sandboxd's own socket")
 
 
-def _protect_root(root: str, subs: tuple[str, ...]) -> None:
+def _protect_root(root: str, subs: tuple[str, ...], found: FoundGitDirs | None = None) -> None:
     """The protected subpaths of one writable root and, while .git/config is one of them (the
-    default), the control files of every git directory under it (see _protect_git_dir)."""
+    default), the control files of every git directory under it (see _protect_git_dir): those the
+    git guard's baseline walk just found (``found``, LaunchPlan.git_dirs), else from a walk here."""
     done: dict[str, bool] = {}                      # path -> already read-only (else only pinned)
     if GIT_GUARD_SUBPATH in subs:
-        for gitdir in _find_git_dirs(NEW_ROOT + root):
+        top = NEW_ROOT + root
+        if found is None:
+            gitdirs = _find_git_dirs(top)
+        else:
+            # The guard walks every directory of the root's filesystem, with no depth bound and
+            # 200,000 directories where this walk stops at 20,000 and depth 16: what it found is a
+            # superset of what _find_git_dirs finds there. It does not enter another filesystem
+            # mounted under the root; the attached tree holds it, so it is walked here as before.
+            gitdirs = sorted({*(f"{top}/{rel}" for rel in found.git_dirs),
+                              *(gitdir for rel in found.other_filesystems for gitdir in _find_git_dirs(f"{top}/{rel}"))})
+        for gitdir in gitdirs:
             _protect_git_dir(root, gitdir, done)
     for sub in subs:
         _protect(root, sub, done)
@@ -277,25 +289,56 @@ def _protect_root(root: str, subs: tuple[str, ...]) -> None:
 
 def _find_git_dirs(top: str) -> list[str]:
     """The ``.git`` directories under ``top`` (not symlinks; not inside another git directory),
-    parents first, from a walk bounded in directories and depth."""
+    parents first, from a walk bounded in directories and depth. Each directory is opened from its
+    parent's descriptor (O_NOFOLLOW: a symlink is never followed), not looked up from / again."""
     found: list[str] = []
-    stack = [(top, 0)]
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    # (path, descriptor to open it from or -1 for top, depth); a parent's descriptor is closed
+    # once its last subdirectory was taken off the stack (refs).
+    refs: dict[int, int] = {}
+    stack: list[tuple[str, int, int]] = [(top, -1, 0)]
     seen = 0
-    while stack and seen < GIT_WALK_MAX_DIRS:
-        path, depth = stack.pop()
-        seen += 1
-        try:
-            entries = list(os.scandir(path))
-        except OSError:
-            continue
-        for entry in entries:
-            if not entry.is_dir(follow_symlinks=False):
+    try:
+        while stack and seen < GIT_WALK_MAX_DIRS:
+            path, parent, depth = stack.pop()
+            seen += 1
+            try:
+                fd = os.open(path, flags) if parent < 0 else os.open(path.rsplit("/", 1)[1], flags, dir_fd=parent)
+            except OSError:
+                fd = -1
+            finally:
+                if parent >= 0:
+                    _release(parent, refs)
+            if fd < 0:
                 continue
-            if entry.name == ".git":
-                found.append(entry.path)
-            elif depth < GIT_WALK_MAX_DEPTH:
-                stack.append((entry.path, depth + 1))
+            subdirs: list[str] = []
+            try:
+                with os.scandir(fd) as entries:
+                    for entry in entries:
+                        if not entry.is_dir(follow_symlinks=False):
+                            continue
+                        if entry.name == ".git":
+                            found.append(f"{path}/.git")
+                        elif depth < GIT_WALK_MAX_DEPTH:
+                            subdirs.append(entry.name)
+            except OSError:
+                pass
+            if subdirs:
+                refs[fd] = len(subdirs)
+                stack.extend((f"{path}/{name}", fd, depth + 1) for name in subdirs)
+            else:
+                os.close(fd)
+    finally:
+        for fd in refs:                             # the walk stopped early (GIT_WALK_MAX_DIRS)
+            os.close(fd)
     return sorted(found)
+
+
+def _release(fd: int, refs: dict[int, int]) -> None:
+    refs[fd] -= 1
+    if refs[fd] == 0:
+        del refs[fd]
+        os.close(fd)
 
 
 def _protect_git_dir(root: str, gitdir: str, done: dict[str, bool], depth: int = 0) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sandboxd._record import Factory, Record
 from sandboxd.errors import InvalidPolicy
+from sandboxd.policy.git_dirs import FoundGitDirs
 from sandboxd.policy.limits import MAX_ARGV, MAX_ENV_BYTES, MAX_ENV_ENTRIES, Limits, check_count
 from sandboxd.policy.sandbox import SandboxPolicy, default_policy, validate_policy
 
@@ -101,6 +102,11 @@ class LaunchSpec(Record):
     # go in that owner's group, under its share of the ceiling (limits.owner_*). Empty: no owner
     # level (`sandboxd run`, root's own sessions).
     owner: str = ""
+    # The git directories of each writable root (by real path), found by the git guard's baseline
+    # walk just before the launch (policy.git_dirs): the build protects them without walking the
+    # root again. A root not named here is walked at build. Not on the fork server's wire: a
+    # session's build walks (its guard's baseline is taken after the build: service.sessions).
+    git_dirs: "dict[str, FoundGitDirs]" = Factory(dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "argv", tuple(self.argv))

@@ -27,6 +27,7 @@ from sandboxd.service.callers import Caller, session_owner
 from sandboxd.service.quotas import Quotas, cgroup_owner, owner_key
 from sandboxd.supervisor.forkserver import ForkServer
 from sandboxd.supervisor.git_guard import GitGuard
+from sandboxd.supervisor.git_watch import InotifyHub
 from sandboxd.supervisor.publish import check_host_ports
 
 log = logging.getLogger("sandboxd")
@@ -121,6 +122,7 @@ class SessionRegistry:
                  published_connections: int = 256, published_per_peer: int = 32, quotas: Quotas | None = None) -> None:
         self._fork = forkserver
         self.store = store
+        self._git_watch = InotifyHub()     # one inotify instance for every session's git guard
         self.own = own or OwnPlaces()
         self.front_door: "Any" = None                     # service.peercred.FrontDoor, for status counts
         # PID namespaces (inode numbers) of this daemon's live sandboxes: a connection from a
@@ -471,7 +473,7 @@ class SessionRegistry:
             roots = [session.workspace, *(os.path.realpath(r) for r in policy.writable_roots)]
         if session.git_guard is None:
             if roots:
-                session.git_guard = GitGuard(roots)
+                session.git_guard = GitGuard(roots, hub=self._git_watch)
         else:
             session.git_guard.set_roots(roots)
 

@@ -49,6 +49,7 @@ import _thread  # the C module: threading imports functools and collections, too
 
 from sandboxd._record import Record
 from sandboxd.kernel.inotify import Inotify
+from sandboxd.policy.git_dirs import FoundGitDirs
 from sandboxd.policy.git_config import (GIT_DIR_NESTED, GIT_DIR_REDIRECTS, GIT_SEQUENCER_DIRS, GITFILE_MAX_BYTES,
                                         ConfigSyntaxError, filter_config, gitfile_target, parse)
 
@@ -56,12 +57,17 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Iterable, Iterator
 
+    from sandboxd.supervisor.git_watch import InotifyHub, Subscription
+
 
 
 def _log_error(message: str, *args: object) -> None:
     import logging                      # only on this rare path: `sandboxd run` does not import logging
     logging.getLogger("sandboxd").error(message, *args)
 
+# The walk holds a directory open while its subdirectories wait (opened from it): at most this many
+# levels at once; deeper ones are opened from the root, component by component, as before.
+MAX_OPEN_DEPTH = 64
 MAX_DIRS = 200_000            # directories tracked per root; beyond, new ones are not watched (logged once)
 MAX_CONFIG_BYTES = 1 << 20    # a bigger config a sandbox wrote is replaced by an empty one
 MAX_NESTED_DEPTH = 6          # modules/a/b/c: submodule names may hold slashes
@@ -130,19 +136,23 @@ class _Root:
         # whether a directory was there).
         self.gitfiles: dict[str, tuple[Key, str, str, bool]] = {}
         self.watching = True                 # False: a watch could not be added; every look walks it all
+        # Directories on another filesystem the baseline did not enter (FoundGitDirs.other_filesystems).
+        self.other_filesystems: set[str] = set()
 
 
 class GitGuard:
     """The guard of one session's (or one `sandboxd run`'s) writable roots. Thread-safe: concurrent
     calls' inspections run one at a time."""
 
-    def __init__(self, roots: Iterable[str] = (), *, watch: bool = True) -> None:
+    def __init__(self, roots: Iterable[str] = (), *, watch: bool = True, hub: "InotifyHub | None" = None) -> None:
+        """``hub``: a daemon's one inotify instance, shared by its sessions' guards (git_watch.py);
+        without, the guard makes an instance of its own (`sandboxd run`)."""
         self._lock = _thread.allocate_lock()
         self._roots: dict[str, _Root] = {}
-        self.inotify: Inotify | None = None
+        self.inotify: Inotify | Subscription | None = None
         if watch:
             try:
-                self.inotify = Inotify()
+                self.inotify = hub.subscribe() if hub is not None else Inotify()
             except OSError as exc:       # out of instances (fs.inotify.max_user_instances): walk instead
                 _log_error("git guard: no inotify (%s): every inspection walks the whole tree", exc)
         self.set_roots(roots)
@@ -164,6 +174,17 @@ class GitGuard:
     @property
     def roots(self) -> tuple[str, ...]:
         return tuple(self._roots)
+
+    def found_git_dirs(self) -> dict[str, FoundGitDirs]:
+        """What the baseline walk found, for the build of the sandbox launched next
+        (LaunchSpec.git_dirs): each root's ``.git`` directories not inside another one, as the
+        build's own walk finds them, and where the walk did not go (another filesystem). Only
+        right after the baseline: the build must protect what the guard took as the user's. A
+        root the walk did not finish (MAX_DIRS) is left out: the build walks it itself."""
+        with self._lock:
+            return {path: FoundGitDirs(git_dirs=tuple(sorted(rel for rel in root.gits if _is_dot_git(rel))),
+                                       other_filesystems=tuple(sorted(root.other_filesystems)))
+                    for path, root in self._roots.items() if not root.full}
 
     def inspect(self) -> list[Neutralization]:
         """Neutralise what changed since the last inspection; what was removed, in order."""
@@ -309,33 +330,77 @@ class _Pass:
     # -- ordinary directories ----------------------------------------------------------------------
 
     def _walk_dirs(self, seeds: set[str] | None) -> None:
+        """Visit ``seeds`` (None: the root) and, below each, what is new (with inotify) or
+        everything (without). A subdirectory is reached from its parent's descriptor, held open
+        while its subdirectories wait on the stack (``_Parent``): one openat per directory, never
+        a symlink followed (O_NOFOLLOW), never another filesystem (st_dev), instead of one open
+        per path component from the root."""
         dirs = self.root.dirs
         everything = seeds is None
-        stack = [""] if seeds is None else sorted(seeds)
-        while stack:
-            rel = stack.pop()
-            st = self._lstat(rel)
-            if st is None or not stat.S_ISDIR(st.st_mode):
+        stack: list[tuple[str, _Parent | None]] = [(rel, None) for rel in ([""] if seeds is None else sorted(seeds))]
+        try:
+            while stack:
+                rel, parent = stack.pop()
+                try:
+                    subs, handle = self._visit(rel, parent, dirs.get(rel), everything)
+                finally:
+                    if parent is not None:
+                        parent.release()
+                if subs:
+                    stack.extend((_join(rel, sub), handle) for sub in subs)
+        finally:
+            for _rel, parent in stack:            # only after an error: what was not visited
+                if parent is not None:
+                    parent.release()
+
+    def _visit(self, rel: str, parent: "_Parent | None", old: "_Dir | None",
+               everything: bool) -> "tuple[Iterable[str], _Parent | None]":
+        """One directory of the walk: (the subdirectories to visit next, the descriptor to open
+        them from, holding one reference per subdirectory; None: open them from the root)."""
+        name = rel.rsplit("/", 1)[-1]
+        st = _lstat_at(None, self._full(rel)) if parent is None else _lstat_at(parent.fd, name)
+        if st is None or not stat.S_ISDIR(st.st_mode) or st.st_dev != self.root.dev:
+            if st is not None and stat.S_ISDIR(st.st_mode) and self.baseline:
+                self.root.other_filesystems.add(rel)      # the build walks it (FoundGitDirs)
+            self._forget(rel)
+            return (), None
+        if old is not None and old.key == _key(st) and not (everything and old.subdirs):
+            return (), None                       # unchanged, and nothing below to visit: no open
+        if old is None and len(self.root.dirs) >= MAX_DIRS:
+            if not self.root.full:
+                self.root.full = True
+                _log_error("git guard: more than %d directories under %s: deeper new ones are not "
+                           "inspected", MAX_DIRS, self.root.path)
+            return (), None
+        try:
+            fd = self._open_dir(rel) if parent is None else os.open(name, DIR_FLAGS, dir_fd=parent.fd)
+        except OSError:
+            self._forget(rel)
+            return (), None
+        depth = 0 if parent is None else parent.depth + 1
+        try:
+            st = os.fstat(fd)                     # what was opened (the name may have changed since)
+            if st.st_dev != self.root.dev:
+                if self.baseline:
+                    self.root.other_filesystems.add(rel)
                 self._forget(rel)
-                continue
-            old = dirs.get(rel)
+                return (), None
+            subs: "Iterable[str]"
             if old is not None and old.key == _key(st):
-                if everything:
-                    stack.extend(_join(rel, s) for s in old.subdirs)
-                continue
-            if old is None and len(dirs) >= MAX_DIRS:
-                if not self.root.full:
-                    self.root.full = True
-                    _log_error("git guard: more than %d directories under %s: deeper new ones are not "
-                               "inspected", MAX_DIRS, self.root.path)
-                continue
-            visit = self._scan(rel, old)
-            if visit is None:
-                self._forget(rel)
-                continue
-            subdirs, changed = visit
-            # With inotify, a known subdirectory has its own watch: only new or replaced ones are visited.
-            stack.extend(_join(rel, s) for s in (subdirs if everything else changed))
+                subs = old.subdirs if everything else ()
+            else:
+                subdirs, changed = self._scan(rel, old, fd)
+                # With inotify, a known subdirectory has its own watch: only new or replaced ones are visited.
+                subs = subdirs if everything else changed
+            subs = tuple(subs)
+            if not subs or depth >= MAX_OPEN_DEPTH:
+                return subs, None                 # deeper: opened from the root (bounded descriptors)
+            handle = _Parent(fd, len(subs), depth)
+            fd = -1                               # the handle owns it now
+            return subs, handle
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     def _forget(self, rel: str) -> None:
         old = self.root.dirs.pop(rel, None)
@@ -344,46 +409,40 @@ class _Pass:
         for sub in old.subdirs:
             self._forget(f"{rel}/{sub}" if rel else sub)
 
-    def _scan(self, rel: str, old: _Dir | None) -> tuple[tuple[str, ...], list[str]] | None:
-        """List one directory: (its subdirectories, those new or replaced since the last look)."""
-        try:
-            fd = self._open_dir(rel)
-        except OSError:
-            return None
-        try:
-            self._watch(rel, fd)          # first: a change from now on is an event, seen next time
-            key = _key(os.fstat(fd))      # before listing: a later change moves ctime, seen next time
-            subdirs: list[str] = []
-            changed: list[str] = []
-            names: set[str] = set()
-            git_key: Key | None = None
-            with os.scandir(fd) as entries:
-                for entry in _entries(entries):
-                    names.add(entry.name)
-                    if entry.name == ".git":
-                        try:
-                            est = entry.stat(follow_symlinks=False)
-                        except OSError:
-                            continue
-                        git_key = _key(est)
-                        if old is None or old.git_key != git_key:
-                            self._git_entry(rel, fd, est)
-                        elif stat.S_ISDIR(est.st_mode):
-                            self._track_git(_join(rel, ".git"))
-                    if entry.is_dir(follow_symlinks=False):     # d_type: no stat per entry
-                        # .git directories and their objects/, refs/, ... are walked too: a git
-                        # directory hidden in there is one a planted .git file could name.
-                        # (another filesystem mounted there is refused when it is opened: _open_dir)
-                        subdirs.append(entry.name)
-                        known = self.root.dirs.get(_join(rel, entry.name))
-                        if known is None or known.key[0] != entry.inode():
-                            changed.append(entry.name)
-            if "HEAD" in names and not GIT_DIR_MARKS.isdisjoint(names):
-                # a git directory under another name (a bare repository, the target of a .git file,
-                # or one hidden anywhere, .git/objects/xx/ included)
-                self._track_git(rel)
-        finally:
-            os.close(fd)
+    def _scan(self, rel: str, old: _Dir | None, fd: int) -> tuple[tuple[str, ...], list[str]]:
+        """List one directory, open as ``fd`` (the caller closes it): (its subdirectories, those
+        new or replaced since the last look)."""
+        self._watch(rel, fd)          # first: a change from now on is an event, seen next time
+        key = _key(os.fstat(fd))      # before listing: a later change moves ctime, seen next time
+        subdirs: list[str] = []
+        changed: list[str] = []
+        names: set[str] = set()
+        git_key: Key | None = None
+        with os.scandir(fd) as entries:
+            for entry in _entries(entries):
+                names.add(entry.name)
+                if entry.name == ".git":
+                    try:
+                        est = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    git_key = _key(est)
+                    if old is None or old.git_key != git_key:
+                        self._git_entry(rel, fd, est)
+                    elif stat.S_ISDIR(est.st_mode):
+                        self._track_git(_join(rel, ".git"))
+                if entry.is_dir(follow_symlinks=False):     # d_type: no stat per entry
+                    # .git directories and their objects/, refs/, ... are walked too: a git
+                    # directory hidden in there is one a planted .git file could name.
+                    # (another filesystem mounted there is refused when it is opened: _open_dir)
+                    subdirs.append(entry.name)
+                    known = self.root.dirs.get(_join(rel, entry.name))
+                    if known is None or known.key[0] != entry.inode():
+                        changed.append(entry.name)
+        if "HEAD" in names and not GIT_DIR_MARKS.isdisjoint(names):
+            # a git directory under another name (a bare repository, the target of a .git file,
+            # or one hidden anywhere, .git/objects/xx/ included)
+            self._track_git(rel)
         if old is not None:
             for gone in set(old.subdirs) - set(subdirs):
                 self._forget(_join(rel, gone))
@@ -779,6 +838,34 @@ class _Pass:
             except OSError:
                 pass
             return False
+
+
+class _Parent:
+    """A directory the walk holds open for its subdirectories still on the stack: each releases
+    one reference once visited; the last one closes it."""
+    __slots__ = ("fd", "refs", "depth")
+
+    def __init__(self, fd: int, refs: int, depth: int) -> None:
+        self.fd, self.refs, self.depth = fd, refs, depth
+
+    def release(self) -> None:
+        self.refs -= 1
+        if self.refs == 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _is_dot_git(rel: str) -> bool:
+    """A ``.git`` directory not inside another git directory's ``.git``."""
+    parts = rel.split("/")
+    return parts[-1] == ".git" and ".git" not in parts[:-1]
+
+
+def _lstat_at(dir_fd: int | None, name: str) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return None
 
 
 def _entries(entries: "Iterator[os.DirEntry[str]]") -> "Iterator[os.DirEntry[str]]":
