@@ -267,6 +267,8 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     log = logging.getLogger("sandboxd")
     log.addHandler(handler)
     log.setLevel({"debug": logging.DEBUG, "warning": logging.WARNING}.get(log_level, logging.INFO))
+    from sandboxd.service import memtrace
+    tracer = memtrace.start_from_environment()          # None unless $SANDBOXD_TRACEMALLOC names a file
 
     from sandboxd.service import systemd
     activated = systemd.activated_socket()
@@ -401,6 +403,8 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
             os.unlink(path)
         except FileNotFoundError:
             pass
+    if tracer is not None:
+        tracer.stop()
     log.info("stopped", extra={"fields": {"seconds": round(time.monotonic() - started, 3)}})
     return status
 

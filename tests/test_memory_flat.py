@@ -1,0 +1,99 @@
+"""Memory that stays flat (issue 18, item 6): the daemon's allocation tracer (service.memtrace),
+off unless ``SANDBOXD_TRACEMALLOC`` names a file, and the per-session memory a closed session
+leaves behind (the PATH checks of service.environment; the event store's sequences are in
+test_event_store.py)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from daemon_helpers import DaemonFactory
+from sandboxd.client import SandboxClient
+from sandboxd.service import environment, memtrace
+
+
+@pytest.fixture
+def not_tracing() -> Iterator[None]:
+    """These tests start tracemalloc in the test process: it must not be on before, nor left on."""
+    assert not tracemalloc.is_tracing()
+    yield
+    tracemalloc.stop()
+
+
+def test_the_tracer_is_off_unless_its_variable_names_a_file(not_tracing: None) -> None:
+    assert memtrace.start_from_environment({}) is None
+    assert memtrace.start_from_environment({memtrace.ENV_FILE: "", memtrace.ENV_INTERVAL: "1"}) is None
+    assert not tracemalloc.is_tracing()
+
+
+HELD: list[bytearray] = []
+
+
+def _grow() -> None:
+    HELD.extend(bytearray(1024) for _ in range(512))      # 512 KiB that stay: the growth to find
+
+
+def test_the_tracer_names_what_grew_by_traceback(tmp_path: Path, not_tracing: None) -> None:
+    path = tmp_path / "trace.txt"
+    tracer = memtrace.start_from_environment({memtrace.ENV_FILE: str(path), memtrace.ENV_INTERVAL: "3600"})
+    assert tracer is not None and tracemalloc.is_tracing()
+    try:
+        _grow()
+        tracer.dump()
+    finally:
+        HELD.clear()
+        tracer.stop()
+    assert not tracemalloc.is_tracing()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    text = path.read_text()
+    assert text.startswith("# sandboxd tracemalloc:") and text.count("\n## t=") == 2     # the dump, the stop
+    first_dump = text.split("\n## t=")[1]
+    growth = first_dump.split("### top")[1]                # since the first snapshot
+    top = growth.split("\n")[1:3]                          # the biggest growth and its most recent frame
+    grew_kib = float(top[0].split()[0])                    # 512 buffers of 1 KiB and their objects
+    assert 512 <= grew_kib < 600 and "+1024 blocks" in top[0], top
+    assert top[1].strip().endswith(f"test_memory_flat.py:{_grow.__code__.co_firstlineno + 1}"), top
+
+
+def test_the_tracer_never_follows_a_symlink(tmp_path: Path, not_tracing: None) -> None:
+    target = tmp_path / "target"
+    target.write_text("untouched\n")
+    (tmp_path / "link").symlink_to(target)
+    with pytest.raises(OSError):
+        memtrace.start_from_environment({memtrace.ENV_FILE: str(tmp_path / "link")})
+    tracemalloc.stop()
+    assert target.read_text() == "untouched\n"
+    with pytest.raises(ValueError, match="SANDBOXD_TRACEMALLOC_INTERVAL"):
+        memtrace.MemoryTracer(str(tmp_path / "t"), interval=0)
+
+
+def test_a_daemon_asked_to_trace_writes_its_growth_at_stop(sandboxd_daemon: DaemonFactory) -> None:
+    trace = sandboxd_daemon.base / "trace.txt"
+    daemon = sandboxd_daemon(env={memtrace.ENV_FILE: str(trace), memtrace.ENV_INTERVAL: "3600"})
+    with SandboxClient(daemon.socket) as client:
+        session = client.create_session(str(sandboxd_daemon.workspace()), approval="never")
+        assert client.exec(session.id, ["true"]).result.shell_status == 0
+        client.close_session(session.id)
+    assert daemon.stop() == 0
+    text = trace.read_text()
+    assert text.startswith(f"# sandboxd tracemalloc: pid {daemon.pid},") and text.count("\n## t=") == 1
+    assert "/sandboxd/service/" in text                    # the daemon's own allocations, by traceback
+    assert stat.S_IMODE(os.stat(trace).st_mode) == 0o600
+
+
+def test_a_closed_sessions_path_checks_are_forgotten() -> None:
+    prepared = environment._Prepared()
+    for session_id in ("a", "b"):
+        for generation in (1, 2):
+            prepared.put((session_id, generation, 1, "/usr/bin"), ["/usr/bin"], "/home/sandbox", complete=True)
+    assert len(prepared) == 4
+    prepared.forget("a")
+    assert len(prepared) == 2
+    assert prepared.get(("a", 1, 1, "/usr/bin")) is None
+    assert prepared.get(("b", 2, 1, "/usr/bin")) == (["/usr/bin"], "/home/sandbox")
