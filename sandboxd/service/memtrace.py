@@ -15,6 +15,7 @@ it is a debugging aid, not something to leave on in production.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -43,6 +44,24 @@ def rss_kib() -> int | None:
     except OSError:
         pass
     return None
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def malloc_kib() -> str:
+    """glibc's view of the C heap, every arena summed (mallinfo2): what is in use, what is free but
+    kept (fragmentation: RSS that no Python object accounts for), what is mmapped. "" elsewhere."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):                 # not glibc, or older than 2.33
+        return ""
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return (f"  malloc: in use {info.uordblks >> 10} KiB, free in heaps {info.fordblks >> 10} KiB "
+            f"(top {info.keepcost >> 10}), heaps {info.arena >> 10} KiB, mmapped {info.hblkhd >> 10} KiB")
 
 
 class MemoryTracer:
@@ -98,7 +117,7 @@ class MemoryTracer:
         with self._open() as out:
             out.write(f"\n## t={time.monotonic() - self._started:.0f} s  RSS {rss_kib()} KiB  traced "
                       f"{traced / 1024:.0f} KiB (peak {peak / 1024:.0f} KiB)  tracer's own "
-                      f"{tracemalloc.get_tracemalloc_memory() / 1024:.0f} KiB\n")
+                      f"{tracemalloc.get_tracemalloc_memory() / 1024:.0f} KiB{malloc_kib()}\n")
             for title, base in (("since the first snapshot", self._first), ("since the previous", self._previous)):
                 out.write(f"### top {TOP} by traceback, {title}\n")
                 for stat in snapshot.compare_to(base, "traceback")[:TOP]:
