@@ -97,3 +97,40 @@ def test_a_closed_sessions_path_checks_are_forgotten() -> None:
     assert len(prepared) == 2
     assert prepared.get(("a", 1, 1, "/usr/bin")) is None
     assert prepared.get(("b", 2, 1, "/usr/bin")) == (["/usr/bin"], "/home/sandbox")
+
+
+ARENAS_PROBE = """
+import ctypes, sys, threading
+from sandboxd.kernel.malloc_arenas import limit_arenas
+print(limit_arenas(environ={}) if sys.argv[1] == "limit" else "unlimited", flush=True)
+barrier, held = threading.Barrier(8), []
+def allocate():
+    held.append(bytearray(64 * 1024))       # from the thread's arena (below the mmap threshold)
+    barrier.wait()                          # all eight alive at once: none inherits a freed arena
+threads = [threading.Thread(target=allocate) for _ in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+ctypes.CDLL(None).malloc_stats()            # "Arena N:" per arena, on stderr
+"""
+
+
+@pytest.mark.parametrize("mode, most", [("limit", 2), ("unlimited", 16)])
+def test_the_daemons_threads_share_two_malloc_arenas(mode: str, most: int) -> None:
+    """glibc only: another C library has no mallopt(M_ARENA_MAX) and the daemon changes nothing."""
+    import subprocess
+    import sys
+
+    probe = subprocess.run([sys.executable, "-c", ARENAS_PROBE, mode], capture_output=True, text=True, timeout=60,
+                           check=True)
+    arenas = probe.stderr.count("Arena ")
+    assert probe.stdout.strip() == ("True" if mode == "limit" else "unlimited")
+    if mode == "limit":
+        assert arenas == 2, probe.stderr
+    else:
+        assert 2 < arenas <= most, probe.stderr          # the control: eight threads, eight arenas more
+
+
+def test_malloc_arena_max_in_the_environment_wins() -> None:
+    from sandboxd.kernel.malloc_arenas import limit_arenas
+
+    assert limit_arenas(environ={"MALLOC_ARENA_MAX": "4"}) is False

@@ -235,7 +235,9 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
           proxy_connections: int = 256, published_connections: int = 256, published_per_peer: int = 32,
           quotas: "QuotaLimits | None" = None, ping_timeout: float = 10.0, wait_seconds: float = 10.0,
           allow_user_full_access: bool = True) -> int:
+    from sandboxd.kernel.malloc_arenas import limit_arenas
     from sandboxd.supervisor.forkserver import ForkServer
+    limit_arenas()              # before any thread: the daemon's C heaps stay flat under load
     # First: the fork server inherits it (it holds descriptors for every session; at 1024 it failed
     # past ~500 sessions). Sandboxes inherit it from the fork server in turn, unless the session
     # sets open_files.
