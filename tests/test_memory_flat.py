@@ -1,19 +1,22 @@
-"""Memory that stays flat (issue 18, item 6): the daemon's allocation tracer (service.memtrace),
-off unless ``SANDBOXD_TRACEMALLOC`` names a file, and the per-session memory a closed session
-leaves behind (the PATH checks of service.environment; the event store's sequences are in
-test_event_store.py)."""
+"""Memory that stays flat and idle that costs nothing (issue 18, items 6 and 4): the daemon's
+allocation tracer (service.memtrace), off unless ``SANDBOXD_TRACEMALLOC`` names a file; the
+per-session memory a closed session leaves behind (the PATH checks of service.environment; the
+event store's sequences are in test_event_store.py); the daemon's two malloc arenas; its main
+thread asleep while nothing happens."""
 
 from __future__ import annotations
 
 import os
 import stat
+import time
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from daemon_helpers import DaemonFactory
+from daemon_fixtures import daemon  # noqa: F401 - pytest fixture
+from daemon_helpers import Daemon, DaemonFactory
 from sandboxd.client import SandboxClient
 from sandboxd.service import environment, memtrace
 
@@ -134,3 +137,17 @@ def test_malloc_arena_max_in_the_environment_wins() -> None:
     from sandboxd.kernel.malloc_arenas import limit_arenas
 
     assert limit_arenas(environ={"MALLOC_ARENA_MAX": "4"}) is False
+
+
+def _switches(pid: int, tid: int) -> int:
+    with open(f"/proc/{pid}/task/{tid}/status", encoding="ascii") as status:
+        return sum(int(line.split()[1]) for line in status
+                   if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")))
+
+
+def test_an_idle_daemons_main_thread_sleeps_until_a_signal(daemon: Daemon) -> None:  # noqa: F811
+    """It used to wake five times a second to look at its stop flag; now a signal's byte on a
+    pipe (signal.set_wakeup_fd) or the fork server's pidfd wakes it, and nothing else."""
+    before = _switches(daemon.pid, daemon.pid)
+    time.sleep(3)
+    assert _switches(daemon.pid, daemon.pid) - before <= 2          # polling every 0.2 s: 15
