@@ -66,6 +66,22 @@ def test_sequences_are_per_session_and_survive_a_reopen(tmp_path: Path) -> None:
     reopened.close()
 
 
+def test_a_closed_sessions_sequence_is_not_remembered_yet_a_late_event_follows_on(
+        store: EventStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next-sequence cache held one entry per session ever served: the soak's steady growth."""
+    for n in range(50):
+        store.append(f"s{n}", EventType.SESSION_CREATED)
+        store.append(f"s{n}", EventType.SESSION_CLOSED)
+    assert store._next_seq == {}
+    assert store.append("s7", EventType.GIT_CONFIG_NEUTRALIZED).sequence == 3    # asked of the index
+    monkeypatch.setattr("sandboxd.audit.store.MAX_CACHED_SEQUENCES", 8)
+    for n in range(20):                                   # open sessions past the bound: the oldest go
+        store.append(f"open{n}", EventType.SESSION_CREATED)
+    assert len(store._next_seq) == 8
+    assert store.append("open0", EventType.TOOL_STARTED).sequence == 2
+    assert store.append("open19", EventType.TOOL_STARTED).sequence == 2
+
+
 def test_unknown_event_types_are_refused(store: EventStore) -> None:
     with pytest.raises(InvalidPolicy, match="unknown event type"):
         store.append("a", "SomethingElse")

@@ -38,6 +38,11 @@ from sandboxd._record import Factory, Record
 from sandboxd.errors import InvalidPolicy, NotFound
 
 
+# Next sequence numbers remembered (one per open session, so more than any daemon holds); past
+# it the oldest go first and cost one indexed query at their next event.
+MAX_CACHED_SEQUENCES = 16384
+
+
 class EventType:
     SESSION_CREATED = "SessionCreated"
     POLICY_CHANGED = "PolicyChanged"
@@ -254,7 +259,14 @@ class EventStore:
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-            self._next_seq[session_id] = seq + len(rows)
+            if any(kind == EventType.SESSION_CLOSED for kind, *_ in rows):
+                # A cache (a miss asks the index): a closed session's entry would stay forever, one
+                # per session the daemon ever served, the soak's steady growth.
+                self._next_seq.pop(session_id, None)
+            else:
+                self._next_seq[session_id] = seq + len(rows)
+                while len(self._next_seq) > MAX_CACHED_SEQUENCES:      # late events of closed ones
+                    del self._next_seq[next(iter(self._next_seq))]
             for subscriber in self._subscribers:
                 for event in events:
                     if subscriber.wants(event):

@@ -367,10 +367,13 @@ def sweep_stale(prefix: str = "run-", patient: bool = True) -> int:
     False: signal once and remove what is already empty, never sleeping (a fork server's periodic
     sweep, which must not hold its loop; what is not empty yet goes at the next sweep)."""
     removed = 0
+    # Each creator's liveness is read once per sweep, not once per group: a fork server with
+    # 1,000 sessions would otherwise read its own /proc entry 1,000 times a minute while idle.
+    alive: dict[str, bool] = {}
     for base in _sweep_bases(hierarchies()):
-        removed += _sweep_groups(base, prefix, patient)
+        removed += _sweep_groups(base, prefix, patient, alive)
         for owner_group in _owner_groups(base):
-            removed += _sweep_groups(owner_group, prefix, patient)
+            removed += _sweep_groups(owner_group, prefix, patient, alive)
             remove_owner_group(owner_group)
     return removed
 
@@ -410,16 +413,22 @@ def remove_owner_group(group: str) -> bool:
     return True
 
 
-def _sweep_groups(parent: str, prefix: str, patient: bool = True) -> int:
-    """Remove ``<prefix><pid>-*`` groups in ``parent`` whose creator ``pid`` is dead."""
+def _sweep_groups(parent: str, prefix: str, patient: bool = True, alive: "dict[str, bool] | None" = None) -> int:
+    """Remove ``<prefix><pid>-*`` groups in ``parent`` whose creator ``pid`` is dead (``alive``:
+    the creators already looked at, by pid)."""
     removed = 0
+    alive = {} if alive is None else alive
     try:
         names = os.listdir(parent)
     except OSError:
         return 0
     for name in names:
         creator = name[len(prefix):].split("-", 1)[0]
-        if not name.startswith(prefix) or not creator.isdigit() or _creator_alive(creator):
+        if not name.startswith(prefix) or not creator.isdigit():
+            continue
+        if creator not in alive:
+            alive[creator] = _creator_alive(creator)
+        if alive[creator]:
             continue
         group = os.path.join(parent, name)
         stale = CgroupSet(name)

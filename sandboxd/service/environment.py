@@ -177,6 +177,17 @@ class _Prepared:
             while len(self._found) > self.MAX_ENTRIES:
                 self._found.popitem(last=False)
 
+    def forget(self, session_id: str) -> None:
+        """Drop a closed session's entries: they could never be asked for again, and would stay
+        until evicted (up to MAX_ENTRIES of them under session churn)."""
+        with self._lock:
+            for key in [key for key in self._found if key[0] == session_id]:
+                del self._found[key]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._found)
+
 
 _prepared = _Prepared()
 
@@ -204,6 +215,11 @@ def prepare(registry: SessionRegistry, fork: ForkServer, session: Session,
     if current:
         _prepared.put(key, kept, home, complete=len(kept) == len(candidates))
     return list(kept), home
+
+
+def forget_session(session_id: str) -> None:
+    """The session closed: what was found for it goes."""
+    _prepared.forget(session_id)
 
 
 def _owner_home(uid: int) -> str:

@@ -185,10 +185,11 @@ RESTART_WINDOW = 60.0
 class ForkWatch:
     """The daemon's watch on its fork server, by pidfd: ``died`` wakes the moment it exits."""
 
-    def __init__(self, fork: "Any") -> None:
+    def __init__(self, fork: "Any", wake_fd: int = -1) -> None:
         self._fork = fork
         self._restarts: list[float] = []
         self._pidfd = -1
+        self._wake_fd = wake_fd            # signal.set_wakeup_fd's pipe: a stop signal wakes died()
         self.rearm()
 
     def rearm(self) -> None:
@@ -199,10 +200,20 @@ class ForkWatch:
         self._pidfd = os.pidfd_open(self._fork.pid)
         self._poller = select.poll()
         self._poller.register(self._pidfd, select.POLLIN)
+        if self._wake_fd >= 0:
+            self._poller.register(self._wake_fd, select.POLLIN)
 
-    def died(self, timeout: float) -> str | None:
-        """Wait up to ``timeout`` seconds; how the fork server ended if it did, else None."""
-        if not self._poller.poll(int(timeout * 1000)):
+    def died(self, timeout: float | None) -> str | None:
+        """Wait up to ``timeout`` seconds (None: until the fork server dies or a signal comes);
+        how the fork server ended if it did, else None."""
+        events = self._poller.poll(None if timeout is None else int(timeout * 1000))
+        if any(fd == self._wake_fd for fd, _ in events):
+            try:
+                while os.read(self._wake_fd, 64):
+                    pass
+            except BlockingIOError:
+                pass
+        if not any(fd == self._pidfd for fd, _ in events):
             return None
         try:                                              # WNOWAIT: the client's Popen reaps it
             result = os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED | os.WNOWAIT)
@@ -235,7 +246,9 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
           proxy_connections: int = 256, published_connections: int = 256, published_per_peer: int = 32,
           quotas: "QuotaLimits | None" = None, ping_timeout: float = 10.0, wait_seconds: float = 10.0,
           allow_user_full_access: bool = True) -> int:
+    from sandboxd.kernel.malloc_arenas import limit_arenas
     from sandboxd.supervisor.forkserver import ForkServer
+    limit_arenas()              # before any thread: the daemon's C heaps stay flat under load
     # First: the fork server inherits it (it holds descriptors for every session; at 1024 it failed
     # past ~500 sessions). Sandboxes inherit it from the fork server in turn, unless the session
     # sets open_files.
@@ -267,6 +280,8 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     log = logging.getLogger("sandboxd")
     log.addHandler(handler)
     log.setLevel({"debug": logging.DEBUG, "warning": logging.WARNING}.get(log_level, logging.INFO))
+    from sandboxd.service import memtrace
+    tracer = memtrace.start_from_environment()          # None unless $SANDBOXD_TRACEMALLOC names a file
 
     from sandboxd.service import systemd
     activated = systemd.activated_socket()
@@ -348,7 +363,15 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     # daemon restart. Meanwhile health says NOT_SERVING, and calls fail with FAILED_PRECONDITION
     # ("the fork server exited"), never hang.
     status = 0
-    watch = ForkWatch(fork)
+    # A signal writes to this pipe, which wakes the loop below: it sleeps until something
+    # happens, instead of waking five times a second to look at the flag (an idle daemon's CPU).
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        signal.set_wakeup_fd(wake_w)
+        wait: float | None = None
+    except ValueError:                       # not the main thread (serve() run in a thread): poll
+        wait = 0.2
+    watch = ForkWatch(fork, wake_r)
     from sandboxd.service.watchdog import Watchdog
     def not_serving() -> None:
         for service in ("", "sandboxd.v1.Sandbox"):
@@ -356,7 +379,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
     watchdog = Watchdog(fork, ping_timeout, not_serving)
     watchdog.start()
     while not stopping:
-        how = watch.died(0.2)
+        how = watch.died(wait)
         if how is None:
             continue
         for service in ("", "sandboxd.v1.Sandbox"):
@@ -383,6 +406,10 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
             health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     watchdog.stop()
     watch.close()
+    if wait is None:
+        signal.set_wakeup_fd(-1)
+    os.close(wake_r)
+    os.close(wake_w)
     for signum in (signal.SIGTERM, signal.SIGINT):
         # Stopping already: more of these must not cut the cleanup short (nor, at interpreter
         # exit, turn exit status 0 into death by signal). A stuck stop still yields to SIGKILL.
@@ -401,6 +428,8 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
             os.unlink(path)
         except FileNotFoundError:
             pass
+    if tracer is not None:
+        tracer.stop()
     log.info("stopped", extra={"fields": {"seconds": round(time.monotonic() - started, 3)}})
     return status
 

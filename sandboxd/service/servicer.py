@@ -103,6 +103,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             self._jobs.forget(request.session_id)
             self._gate.forget_session(request.session_id)
             self._audit.forget_session(request.session_id)
+            environment.forget_session(request.session_id)
             return pb.CloseSessionResponse()
         return self._unary(context, work)
 

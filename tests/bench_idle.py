@@ -1,0 +1,218 @@
+"""The idle-sessions benchmark (``tests/bench_idle.py --sessions N``): what N open, idle sessions cost.
+
+Not a test: it prints numbers. It starts one ``sandboxd serve`` (tests/benchmark.py's
+DaemonProcess), opens ``--sessions`` sessions as root (exempt from ``quotas.sessions_per_uid``;
+each in a workspace of its own, READ_ONLY by default: a WORKSPACE_WRITE session's git guard holds an
+inotify instance, and root has 128 on the whole machine, shared with every other root process)
+and runs one ``true`` in each (a warm sandbox, as an agent leaves it). Then, after ``--settle``
+seconds, it holds them idle for ``--seconds`` and measures, from /proc:
+
+* CPU: utime + stime deltas (clock ticks) of the daemon, the fork server and every sandbox
+  process (the descendants of the fork server), and voluntary + involuntary context switches
+  (the wakeups: a timer or a poll shows here first, before it adds up to a tick), per thread of
+  the daemon and the fork server, and summed over the sandboxes;
+* memory: VmRSS and PSS (smaps_rollup) of the daemon and the fork server, before the first
+  session and with all of them open; the PSS of every sandbox process, summed and per session;
+* what limits the count: open fds of both, inotify instances held, sandbox processes.
+
+    .venv/bin/python tests/bench_idle.py --sessions 200 --seconds 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_and_switches(proc_dir: str) -> tuple[int, int] | None:
+    """(utime + stime ticks, voluntary + involuntary context switches) of /proc/PID or /proc/PID/task/TID."""
+    try:
+        with open(f"{proc_dir}/stat", encoding="utf-8") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        switches = 0
+        with open(f"{proc_dir}/status", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+                    switches += int(line.split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return int(fields[11]) + int(fields[12]), switches
+
+
+def threads(pid: int) -> dict[str, tuple[int, int]]:
+    """{"tid name": (ticks, switches)} of every thread of ``pid``."""
+    out: dict[str, tuple[int, int]] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        sample = cpu_and_switches(f"/proc/{pid}/task/{tid}")
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm", encoding="utf-8") as handle:
+                name = handle.read().strip()
+        except OSError:
+            continue
+        if sample is not None:
+            out[f"{tid} {name}"] = sample
+    return out
+
+
+def inotify_instances(pid: int) -> int:
+    count = 0
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:inotify":
+                    count += 1
+            except OSError:
+                pass
+    except OSError:
+        pass
+    return count
+
+
+def snapshot(daemon: Any) -> dict[str, Any]:
+    from benchmark import descendants
+
+    fork = daemon.fork_server_pid()
+    boxes = descendants(fork) if fork else {}
+    return {"serve": threads(daemon.pid), "fork": threads(fork) if fork else {},
+            "boxes": {pid: cpu_and_switches(f"/proc/{pid}") for pid in boxes}}
+
+
+def deltas(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    return {name: (after[name][0] - before[name][0], after[name][1] - before[name][1])
+            for name in after if name in before}
+
+
+def memory(daemon: Any) -> dict[str, Any]:
+    mem = daemon.memory()
+    fork = mem.get("fork_server_pid")
+    mem["serve_fds"] = len(os.listdir(f"/proc/{daemon.pid}/fd"))
+    mem["fork_fds"] = len(os.listdir(f"/proc/{fork}/fd")) if fork else None
+    mem["inotify_instances"] = inotify_instances(daemon.pid) + (inotify_instances(fork) if fork else 0)
+    return mem
+
+
+def run(count: int, seconds: float, settle: float, exec_each: bool, policy: str) -> dict[str, Any]:
+    from benchmark import DaemonProcess, Sessions, exec_true
+    from sandboxd.client import SandboxClient, sandbox_policy
+
+    base = tempfile.mkdtemp(prefix="sandboxd-idle-", dir="/var/tmp")
+    os.chmod(base, 0o755)
+    daemon = DaemonProcess(base)
+    sessions = Sessions()
+    report: dict[str, Any] = {"sessions": count, "seconds": seconds, "policy": policy, "uptime_start": open("/proc/loadavg").read()}
+    try:
+        report["ready_s"] = daemon.start()
+        time.sleep(settle)
+        report["memory_empty"] = memory(daemon)
+        with SandboxClient(daemon.socket) as client:
+            started = time.monotonic()
+            create_ms: list[float] = []
+            for i in range(count):
+                workspace = os.path.join(base, f"ws-{i}")
+                os.mkdir(workspace)
+                began = time.monotonic()
+                session_id = client.create_session(workspace, policy=sandbox_policy(policy), approval="never").id
+                sessions.add(session_id)
+                create_ms.append((time.monotonic() - began) * 1e3)
+                if exec_each:
+                    exec_true(client, session_id)
+            report["fill_s"] = time.monotonic() - started
+            create_ms.sort()
+            report["create_ms"] = {"p50": create_ms[len(create_ms) // 2], "first": create_ms[0],
+                                   "last_tenth_p50": sorted(create_ms[-max(1, count // 10):])[max(1, count // 10) // 2],
+                                   "max": create_ms[-1]}
+            time.sleep(settle)
+            report["memory_full"] = memory(daemon)
+            before, began = snapshot(daemon), time.monotonic()
+            time.sleep(seconds)
+            after, elapsed = snapshot(daemon), time.monotonic() - began
+            report["idle_elapsed_s"] = elapsed
+            serve, fork = deltas(before["serve"], after["serve"]), deltas(before["fork"], after["fork"])
+            boxes = {pid: (a[0] - b[0], a[1] - b[1]) for pid, a in after["boxes"].items()
+                     if a is not None and (b := before["boxes"].get(pid)) is not None}
+            report["idle"] = {
+                "serve_ticks": sum(t for t, _ in serve.values()), "serve_switches": sum(s for _, s in serve.values()),
+                "serve_threads_waking": {n: d for n, d in serve.items() if d != (0, 0)},
+                "fork_ticks": sum(t for t, _ in fork.values()), "fork_switches": sum(s for _, s in fork.values()),
+                "fork_threads_waking": {n: d for n, d in fork.items() if d != (0, 0)},
+                "box_processes": len(boxes), "box_ticks": sum(t for t, _ in boxes.values()),
+                "box_switches": sum(s for _, s in boxes.values()),
+                "boxes_waking": sum(1 for d in boxes.values() if d != (0, 0)),
+                "tick_hz": TICK,
+            }
+            ticks = report["idle"]["serve_ticks"] + report["idle"]["fork_ticks"] + report["idle"]["box_ticks"]
+            report["idle"]["cpu_percent_of_one_core"] = 100.0 * ticks / TICK / elapsed
+        report["uptime_end"] = open("/proc/loadavg").read()
+    finally:
+        report["left_open"] = sessions.close_all(daemon.socket)[0] if daemon.running() else None
+        daemon.stop()
+        report["exit_code"] = daemon.exit_code
+        report["log_problems"] = daemon.log_problems()[:5]
+        shutil.rmtree(base, ignore_errors=True)
+    return report
+
+
+def print_report(report: dict[str, Any]) -> None:
+    def mib(kib: int | None) -> str:
+        return "-" if kib is None else f"{kib / 1024:.1f}"
+
+    n = report["sessions"]
+    print(f"{n} {report['policy']} sessions opened in {report['fill_s']:.1f} s; CreateSession ms {report['create_ms']}")
+    for label in ("memory_empty", "memory_full"):
+        mem = report[label]
+        print(f"{label}: serve RSS {mib(mem['serve'].get('rss_kib'))} MiB PSS {mib(mem['serve'].get('pss_kib'))}, "
+              f"fork RSS {mib(mem['fork_server'].get('rss_kib'))} PSS {mib(mem['fork_server'].get('pss_kib'))}, "
+              f"sum RSS {mib(mem['sum_rss_kib'])} MiB; sandbox processes {mem['sandbox_processes']} "
+              f"PSS {mib(mem['sandbox_pss_kib'])} MiB; fds serve {mem['serve_fds']} fork {mem['fork_fds']}; "
+              f"inotify {mem['inotify_instances']}")
+    full, empty = report["memory_full"], report["memory_empty"]
+    print(f"per session: sandbox PSS {full['sandbox_pss_kib'] / n:.0f} KiB, daemon+fork RSS "
+          f"+{(full['sum_rss_kib'] - empty['sum_rss_kib']) / n:.0f} KiB, PSS "
+          f"+{(full['sum_pss_kib'] - empty['sum_pss_kib']) / n:.0f} KiB")
+    idle = report["idle"]
+    print(f"idle {report['idle_elapsed_s']:.1f} s: ticks serve {idle['serve_ticks']} fork {idle['fork_ticks']} "
+          f"sandboxes {idle['box_ticks']} ({idle['box_processes']} processes, {idle['boxes_waking']} woke) -> "
+          f"{idle['cpu_percent_of_one_core']:.3f}% of a core; switches serve {idle['serve_switches']} "
+          f"fork {idle['fork_switches']} sandboxes {idle['box_switches']}")
+    for side in ("serve_threads_waking", "fork_threads_waking"):
+        for name, (ticks, switches) in sorted(idle[side].items(), key=lambda kv: -kv[1][1]):
+            print(f"  {side[:5]} thread {name}: {ticks} ticks, {switches} switches")
+    print(f"loadavg start {report['uptime_start'].strip()}  end {report['uptime_end'].strip()}; "
+          f"exit {report['exit_code']}, log problems {len(report['log_problems'])}: {report['log_problems'][:2]}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sessions", type=int, default=200)
+    p.add_argument("--seconds", type=float, default=60.0, help="idle window measured (default 60)")
+    p.add_argument("--settle", type=float, default=5.0, help="seconds before each measurement (default 5)")
+    p.add_argument("--policy", default="read-only", choices=["read-only", "workspace-write"],
+                   help="the sessions' sandbox policy (default read-only: a workspace-write session's git guard "
+                        "holds an inotify instance, and root has 128 on the whole machine)")
+    p.add_argument("--no-exec", action="store_true", help="do not run `true` once in each session")
+    p.add_argument("--json", metavar="FILE")
+    args = p.parse_args()
+    report = run(args.sessions, args.seconds, args.settle, not args.no_exec, args.policy)
+    print_report(report)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(report, handle, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
