@@ -263,6 +263,10 @@ def main(argv: list[str]) -> int:
         if args["help"]:
             sys.stdout.write(help_text())
             return 0
+        warmup = None
+        if not args["no_default_limits"] or args["memory"] or args["pids"]:   # its child will join cgroups
+            from sandboxd.kernel import cgroup_warmup
+            warmup = cgroup_warmup.start()
         spec = spec_from_args(args)
     except UsageError as exc:
         sys.stderr.write(f"{USAGE}\nsandboxd run: {exc}\n")
@@ -273,6 +277,8 @@ def main(argv: list[str]) -> int:
     guard = _git_guard(spec)
     try:
         from sandboxd.supervisor.spawner import Spawner
+        if warmup is not None:
+            warmup.wait()                            # before the fork: no thread may run across it
         sandbox = Spawner().launch(spec)
         _forward_signals(sandbox)
         sandbox.wait_started()
