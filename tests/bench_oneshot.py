@@ -20,11 +20,13 @@ per round (benchmark.run_rounds) so that a shared machine's noise hits every var
   directory, first on sys.path, so nothing else is needed), with an empty workspace and with this
   checkout (its .venv included) as the workspace; as root on the venv's interpreter (the installed
   CLI's) and as the plain user on /usr/bin/python3 (the venv's is under /root, out of its reach),
-  rootless.
+  rootless; and the after tree's empty-workspace run as root with ``--host-home`` (no private
+  home, homes not hidden: what issue 17's environment and hidden homes cost).
 
 ``--phases N`` then runs the after tree's CLI steps in N fresh processes, timing each step with
-perf_counter: interpreter start (spawn to the first line), imports of cli.run and the spawner,
-the spec (run_env, limits), the git guard's baseline walk, Spawner.launch (paths, mount trees,
+perf_counter, in the CLI's order: interpreter start (spawn to the first line), the import of
+cli.run, the start of the cgroup warm-up (kernel.cgroup_warmup), the spec (run_env, limits), the
+git guard's baseline walk, the spawner's import, what is left of the warm-up's wait, Spawner.launch (paths, mount trees,
 seccomp, cgroups, fork), the child's setup until the command's exec (wait_started), the command
 and the teardown (wait: reap, cgroup removal) and the guard's inspection, and the interpreter's
 exit (the last step to the reaped exit).
@@ -61,12 +63,21 @@ marks = [("start", time.perf_counter())]
 import sys
 from sandboxd.cli import run
 marks.append(("import cli.run", time.perf_counter()))
-from sandboxd.supervisor.spawner import Spawner
-marks.append(("import spawner", time.perf_counter()))
+try:                                          # since issue 18: the cgroup move's wait, paid early
+    from sandboxd.kernel import cgroup_warmup
+    warmup = cgroup_warmup.start()
+except ImportError:
+    warmup = None
+marks.append(("start cgroup warm-up", time.perf_counter()))
 spec = run.spec_from_args(run.parse_args(["--workspace", sys.argv[1], "--", "true"]))
 marks.append(("spec (run_env, limits)", time.perf_counter()))
 guard = run._git_guard(spec)
 marks.append(("git guard baseline walk", time.perf_counter()))
+from sandboxd.supervisor.spawner import Spawner
+marks.append(("import spawner", time.perf_counter()))
+if warmup is not None:
+    warmup.wait()
+marks.append(("wait for the warm-up", time.perf_counter()))
 sandbox = Spawner().launch(spec)
 marks.append(("Spawner.launch", time.perf_counter()))
 sandbox.wait_started()
@@ -129,6 +140,10 @@ def build_variants(trees: dict[str, Path], workspaces: dict[str, str], user_ws: 
                                            user_ws if ws_label == "empty" else ws, "--", "true"])
             variants.append(Variant(f"user: run {ws_label} {label}",
                                     lambda a=user_argv: spawn_and_wait(a, devnull)))
+    # What issue 17's private environment and hidden homes cost: the same run with --host-home.
+    argv = [venv_python, str(trees["after"] / "sandboxd-cli"), "run", "--host-home", "--workspace",
+            workspaces["empty"], "--", "true"]
+    variants.append(Variant("run empty after --host-home", lambda: spawn_and_wait(argv, devnull)))
     return variants
 
 
@@ -143,7 +158,7 @@ def print_ratios(variants: list[Variant]) -> dict[str, Any]:
         prefix = "user: " if v.name.startswith("user: ") else ""
         median = medians[v.name]
         bwrap, bare = medians[f"{prefix}bwrap one-shot"], medians[f"{prefix}bare exec /bin/true"]
-        before = medians.get(v.name.replace(" after", " before")) if v.name.endswith(" after") else None
+        before = medians.get(v.name.replace(" after", " before")) if " after" in v.name else None
         row = {"median_ms": median, "x_bwrap": median / bwrap if median and bwrap else None,
                "x_bare": median / bare if median and bare else None,
                "x_before": median / before if median and before else None}
