@@ -168,20 +168,19 @@ def print_ratios(variants: list[Variant]) -> dict[str, Any]:
     return out
 
 
-def phases(tree: Path, workspace: str, runs: int) -> dict[str, float]:
-    """Median of each step of the CLI over ``runs`` fresh processes (see PHASES_DRIVER)."""
-    samples: dict[str, list[float]] = {}
-    for _ in range(runs):
-        spawned = time.perf_counter()
-        done = subprocess.run([sys.executable, "-c", PHASES_DRIVER, workspace], cwd=str(tree),
-                              capture_output=True, text=True, env={**ENV, "PYTHONPATH": str(tree)}, check=True)
-        ended = time.perf_counter()
-        marks: list[tuple[str, float]] = [("spawn", spawned), *ast.literal_eval(done.stdout), ("exit", ended)]
-        for (_, previous), (name, at) in zip(marks, marks[1:], strict=False):
-            name = {"start": "interpreter start", "exit": "interpreter exit + reap"}.get(name, name)
-            samples.setdefault(name, []).append((at - previous) * 1e3)
-        samples.setdefault("total", []).append((ended - spawned) * 1e3)
-    return {name: statistics.median(values) for name, values in samples.items()}
+def phases(tree: Path, workspace: str) -> dict[str, list[float]]:
+    """One run of the CLI's steps in a fresh process (see PHASES_DRIVER): each step's ms."""
+    spawned = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", PHASES_DRIVER, workspace], cwd=str(tree),
+                          capture_output=True, text=True, env={**ENV, "PYTHONPATH": str(tree)}, check=True)
+    ended = time.perf_counter()
+    marks: list[tuple[str, float]] = [("spawn", spawned), *ast.literal_eval(done.stdout), ("exit", ended)]
+    steps: dict[str, float] = {}
+    for (_, previous), (name, at) in zip(marks, marks[1:], strict=False):
+        name = {"start": "interpreter start", "exit": "interpreter exit + reap"}.get(name, name)
+        steps[name] = (at - previous) * 1e3
+    steps["total"] = (ended - spawned) * 1e3
+    return steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,11 +207,22 @@ def main(argv: list[str] | None = None) -> int:
         empty.mkdir()
         workspaces = {"empty": str(empty), "checkout": str(ROOT)}
         if args.phases:
-            for label, ws in workspaces.items():
-                report[f"phases {label}"] = timeline = phases(trees["after"], ws, args.phases)
-                print(f"\nphases, workspace {label} ({ws}), median of {args.phases} runs, ms:")
-                for name, value in timeline.items():
-                    print(f"  {name:<28} {value:7.2f}")
+            timelines: dict[str, dict[str, float]] = {}
+            for _ in range(args.phases):               # the trees and workspaces interleaved, one run each
+                for tree_label, tree in trees.items():
+                    for label, ws in workspaces.items():
+                        one = phases(tree, ws)
+                        for name, value in one.items():
+                            timelines.setdefault(f"{tree_label} {label}", {}).setdefault(name, []).append(value)
+            columns = list(timelines)
+            print(f"\nphases, median of {args.phases} runs, ms (empty: {workspaces['empty']}; "
+                  f"checkout: {workspaces['checkout']}):")
+            print(f"  {'step':<28}" + "".join(f" {column:>16}" for column in columns))
+            names = list(timelines[columns[-1]])
+            for name in names:
+                cells = [statistics.median(timelines[c][name]) if name in timelines[c] else None for c in columns]
+                print(f"  {name:<28}" + "".join(f" {fmt(cell, '16.2f')}" for cell in cells))
+            report["phases"] = {c: {n: statistics.median(v) for n, v in t.items()} for c, t in timelines.items()}
         else:
             with plain_user() as (uid, gid), open(os.devnull, "wb") as null:
                 user_ws = base / "user-empty"
