@@ -25,8 +25,8 @@ per round (benchmark.run_rounds) so that a shared machine's noise hits every var
 
 ``--phases N`` then runs the after tree's CLI steps in N fresh processes, timing each step with
 perf_counter, in the CLI's order: interpreter start (spawn to the first line), the import of
-cli.run, the start of the cgroup warm-up (kernel.cgroup_warmup), the spec (run_env, limits), the
-git guard's baseline walk, the spawner's import, what is left of the warm-up's wait, Spawner.launch (paths, mount trees,
+cli.run, the spec (run_env, limits), the git guard's baseline walk, the start of the cgroup
+warm-up (kernel.cgroup_warmup), the spawner's import, what is left of the warm-up's wait, Spawner.launch (paths, mount trees,
 seccomp, cgroups, fork), the child's setup until the command's exec (wait_started), the command
 and the teardown (wait: reap, cgroup removal) and the guard's inspection, and the interpreter's
 exit (the last step to the reaped exit).
@@ -63,16 +63,16 @@ marks = [("start", time.perf_counter())]
 import sys
 from sandboxd.cli import run
 marks.append(("import cli.run", time.perf_counter()))
+spec = run.spec_from_args(run.parse_args(["--workspace", sys.argv[1], "--", "true"]))
+marks.append(("spec (run_env, limits)", time.perf_counter()))
+guard = run._git_guard(spec)
+marks.append(("git guard baseline walk", time.perf_counter()))
 try:                                          # since issue 18: the cgroup move's wait, paid early
     from sandboxd.kernel import cgroup_warmup
     warmup = cgroup_warmup.start()
 except ImportError:
     warmup = None
 marks.append(("start cgroup warm-up", time.perf_counter()))
-spec = run.spec_from_args(run.parse_args(["--workspace", sys.argv[1], "--", "true"]))
-marks.append(("spec (run_env, limits)", time.perf_counter()))
-guard = run._git_guard(spec)
-marks.append(("git guard baseline walk", time.perf_counter()))
 from sandboxd.supervisor.spawner import Spawner
 marks.append(("import spawner", time.perf_counter()))
 if warmup is not None:

@@ -263,10 +263,6 @@ def main(argv: list[str]) -> int:
         if args["help"]:
             sys.stdout.write(help_text())
             return 0
-        warmup = None
-        if not args["no_default_limits"] or args["memory"] or args["pids"]:   # its child will join cgroups
-            from sandboxd.kernel import cgroup_warmup
-            warmup = cgroup_warmup.start()
         spec = spec_from_args(args)
     except UsageError as exc:
         sys.stderr.write(f"{USAGE}\nsandboxd run: {exc}\n")
@@ -275,6 +271,12 @@ def main(argv: list[str]) -> int:
         sys.stderr.write(f"sandboxd run: {exc}\n")
         return EXIT_SETUP_FAILED
     guard = _git_guard(spec)
+    warmup = None
+    if not args["no_default_limits"] or args["memory"] or args["pids"]:   # its child will join cgroups
+        # Started here, not earlier: the wait is saved only if the child's move comes within about
+        # one grace period of the warm-up's end, and the git guard's walk above can take longer.
+        from sandboxd.kernel import cgroup_warmup
+        warmup = cgroup_warmup.start()
     try:
         from sandboxd.supervisor.spawner import Spawner
         if warmup is not None:

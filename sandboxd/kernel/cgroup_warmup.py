@@ -6,9 +6,10 @@ root does once, in its child, before it unshares anything) takes the kernel's gl
 (``rcu_sync_enter``): 5 to 25 ms on the CI machine, the largest single step of a run and about a
 whole bwrap launch. A writer that comes while the rwsem is still in writer mode - during another
 writer's grace period, or up to about one grace period after the last writer left - does not wait
-again. So `sandboxd run` starts a no-op migration on a thread first thing (its own process into
-the group it is already in: nothing moves), its imports and planning run meanwhile, and the
-child's real move finds the rwsem ready.
+again. So `sandboxd run` starts a no-op migration on a thread (its own process into the group
+it is already in: nothing moves) once its git guard has walked the workspace (a walk can outlast
+the window), imports the spawner meanwhile, waits for the thread just before it plans and forks,
+and the child's real move, a few ms later, finds the rwsem ready.
 
 Nothing that is enforced changes: the child joins its groups exactly as before; this only moves
 a wait earlier. Where the no-op cannot be written (a group this process may not write, cgroups
