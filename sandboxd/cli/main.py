@@ -65,7 +65,26 @@ def _config(args: list[str]) -> int:
 
 
 def entry() -> None:
-    sys.exit(main())
+    code = main()
+    if sys.argv[1:2] == ["run"]:
+        _leave(code)
+    sys.exit(code)
+
+
+def _leave(code: int) -> None:
+    """End `sandboxd run` without the interpreter's teardown (freeing every module: several ms of a
+    run that takes tens). Nothing is lost: the run has reaped its sandbox, closed its ports and
+    removed its cgroups; what remains is flushing stdio and the atexit handlers (kernel.cgroups
+    removes the base groups it made there), run here as at a normal exit."""
+    import atexit
+    atexit._run_exitfuncs()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        sys.exit(code)                               # let the interpreter report it as it always does
+    import os
+    os._exit(code)
 
 
 if __name__ == "__main__":

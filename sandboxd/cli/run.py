@@ -274,8 +274,16 @@ def main(argv: list[str]) -> int:
     if guard is not None:
         # One walk: the build protects the git directories the guard's baseline just found.
         spec = spec.replace(git_dirs=guard.found_git_dirs())
+    warmup = None
+    if not args["no_default_limits"] or args["memory"] or args["pids"]:   # its child will join cgroups
+        # Started here, not earlier: the wait is saved only if the child's move comes within about
+        # one grace period of the warm-up's end, and the git guard's walk above can take longer.
+        from sandboxd.kernel import cgroup_warmup
+        warmup = cgroup_warmup.start()
     try:
         from sandboxd.supervisor.spawner import Spawner
+        if warmup is not None:
+            warmup.wait()                            # before the fork: no thread may run across it
         sandbox = Spawner().launch(spec)
         _forward_signals(sandbox)
         sandbox.wait_started()

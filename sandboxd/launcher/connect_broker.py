@@ -38,10 +38,12 @@ import os
 import stat
 import struct
 
-# addresses (ipaddress, about 1.5 ms) is imported here, in the fork server: init runs as the
-# sandbox's user, who may be unable to read the interpreter's library or the package (a pyenv
-# Python under /root, say), so an import there fails.
-from sandboxd.kernel import addresses, seccomp_notify, unix_diag
+# addresses (ipaddress, functools and collections with it: about 5 ms, a tenth of `sandboxd run`)
+# is needed only when there are sandboxd listeners to refuse (the daemon's sessions), and then
+# plan.prepare imports it in the process that forks init: init runs as the sandbox's user, who may
+# be unable to read the interpreter's library or the package (a pyenv Python under /root, say), so
+# an import there would fail. _is_sandboxd_listener finds it in sys.modules.
+from sandboxd.kernel import seccomp_notify, unix_diag
 from sandboxd.kernel._libc import raw_syscall
 
 TYPE_CHECKING = False
@@ -178,5 +180,6 @@ def _is_sandboxd_listener(address: bytes, listeners: "tuple[tuple[str, int], ...
     port = struct.unpack_from("!H", address, 2)[0]
     if all(port != listen_port for _, listen_port in listeners):
         return False                                      # most connects stop here
+    from sandboxd.kernel import addresses              # loaded already: plan.prepare (see the imports)
     destination = addresses.sockaddr_destination(address)
     return destination is not None and addresses.is_this_host(destination[0], destination[2])

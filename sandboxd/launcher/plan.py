@@ -167,6 +167,10 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
     broker = BrokerRules(allowed=resolved.socket_ids, denied=_socket_ids(spec.denied_sockets),
                          denied_listeners=tuple(_listener(entry) for entry in spec.denied_listeners),
                          host_network=network and not isolated)
+    if broker.denied_listeners:
+        # The connect broker judges addresses with it, in init, which may not be able to import
+        # it (connect_broker's imports): load it here, in the process that forks init.
+        from sandboxd.kernel import addresses  # noqa: F401
     return LaunchPlan(
         argv=spec.argv, env=dict(spec.env), cwd=resolved.cwd, workspace=resolved.workspace,
         confined=confined, rootless=rootless, network=network, network_isolated=isolated, dns=tuple(spec.dns),
