@@ -57,6 +57,12 @@ def test_guards_share_one_instance_and_each_sees_only_its_own_changes(base_dir: 
         for guard in guards:
             guard.close()
     assert hub.watches == 0                            # every watch went with the last guard using it
+    assert inotify_fds() == before                     # and the instance with the last guard
+    again = GitGuard([str(workspaces[0])], hub=hub)    # a later session gets a new one
+    try:
+        assert again.inotify is not None and inotify_fds() == before + 1
+    finally:
+        again.close()
     hub.close()
     assert inotify_fds() == before
 

@@ -485,3 +485,36 @@ def test_a_root_swapped_after_its_check_is_not_mounted(tmp_path: Path) -> None:
         done = subprocess.run([sys.executable, "-c", SWAP_CHECK, str(path), mode], capture_output=True, text=True,
                               timeout=60, cwd=REPO)
         assert done.stdout == expected, done.stderr
+
+
+@pytest.mark.parametrize("who", ["root", "plain"])
+def test_a_ctrl_c_at_any_moment_is_the_commands_or_ends_the_run_quietly(setup: Setup, who: str) -> None:
+    """SIGINT sent to `sandboxd run` at staggered moments (its start-up, the sandbox's build, the
+    command's fork, the command running): it reaches the command (its trap exits 9, or it dies of it:
+    130), or ends a run that had no sandbox yet (130, or killed by it before Python ran); never a Python traceback or a setup failure
+    (init or the CLI taking it as KeyboardInterrupt, as under load before signals were held across
+    each fork), and nothing is left running."""
+    script = "trap 'echo got-int; exit 9' INT; echo ready; while :; do sleep 0.1; done"
+    if who == "plain":
+        options = as_user(setup, setup.user)
+    else:
+        options = {"cwd": str(make_dir(setup.base / "root-ws")),
+                   "env": {**BASE_ENV, "PYTHONPATH": str(setup.code)}}
+    entry = "import sys; from sandboxd.cli.main import main; sys.exit(main())"   # as the `sandboxd` script
+    for step in range(16):
+        started = subprocess.Popen([PY, "-c", entry, "run", "--", "sh", "-c", script], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, **options)
+        time.sleep(step * 0.025 * SLOW)
+        started.send_signal(signal.SIGINT)
+        out, err = started.communicate(timeout=30 * SLOW)
+        outcome = (step, started.returncode, out, err)
+        assert "setup failed" not in err and started.returncode != 125, outcome
+        if "ready" in out:                             # its trap was set: the command must have got it
+            assert (started.returncode, out) == (9, "ready\ngot-int\n"), outcome
+        elif "Traceback" in err:
+            # Only Python's own start-up may be interrupted so: no frame of sandboxd's files.
+            assert err.rstrip().endswith("KeyboardInterrupt") and "/sandboxd/" not in err, outcome
+        else:
+            assert started.returncode in (130, -signal.SIGINT), outcome
+    if who == "plain":
+        assert _wait_for_no_processes(setup.user) == []

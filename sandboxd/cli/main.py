@@ -23,8 +23,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = args[0], args[1:]
     if command == "run":
-        from sandboxd.cli.run import main as run_main
-        return run_main(rest)
+        try:
+            from sandboxd.cli.run import main as run_main
+            return run_main(rest)
+        except KeyboardInterrupt:          # Ctrl-C before a sandbox exists (after: the command gets it)
+            return 128 + 2
     if command == "mcp":
         from sandboxd.cli.mcp import main as mcp_main
         return mcp_main(rest)

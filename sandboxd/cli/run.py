@@ -281,11 +281,18 @@ def main(argv: list[str]) -> int:
         from sandboxd.kernel import cgroup_warmup
         warmup = cgroup_warmup.start()
     try:
+        from sandboxd.kernel.process import FORWARDED_SIGNALS
         from sandboxd.supervisor.spawner import Spawner
         if warmup is not None:
             warmup.wait()                            # before the fork: no thread may run across it
-        sandbox = Spawner().launch(spec)
-        _forward_signals(sandbox)
+        # Held from the fork until the forwarding exists (then delivered to it): a Ctrl-C in that
+        # window reaches the command, not Python's KeyboardInterrupt. The command's exec clears it.
+        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
+        try:
+            sandbox = Spawner().launch(spec)
+            _forward_signals(sandbox)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)
         sandbox.wait_started()
     except SandboxdError as exc:
         sys.stderr.write(f"sandboxd run: {exc}\n")
@@ -383,5 +390,6 @@ def _forward_signals(sandbox: "SandboxProcess") -> None:
     def forward(signum: int, _frame: object) -> None:
         sandbox.send_signal(signum)
 
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+    from sandboxd.kernel.process import FORWARDED_SIGNALS
+    for signum in FORWARDED_SIGNALS:
         signal.signal(signum, forward)

@@ -41,7 +41,8 @@ def run_outer(plan: LaunchPlan, spawner: int, init: "Callable[[], object]") -> "
     namespaces.unshare(namespaces.CLONE_NEWPID)       # applies to the next child: init
     # A signal sent to `sandboxd run` from now on is forwarded to init, even one that comes before
     # the handlers below exist (under load, the command can be up and printing by then): held
-    # blocked across the fork, delivered to the handlers once they are in place. Init unblocks at once.
+    # blocked across the fork, delivered to the handlers once they are in place. Init keeps them
+    # held until its own forwarding to the command exists (sequence._run_init).
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, process.FORWARDED_SIGNALS)
     try:
         init_pid = os.fork()
@@ -49,7 +50,6 @@ def run_outer(plan: LaunchPlan, spawner: int, init: "Callable[[], object]") -> "
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         raise SetupError("fork", exc.errno or 0, hint="the system is out of processes or memory") from None
     if init_pid == 0:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         init()
         os._exit(125)                                 # init never returns; this is belt and braces
     # Nothing of the launch's pipes may stay open here: EOF on the report pipe means "started".
@@ -58,7 +58,7 @@ def run_outer(plan: LaunchPlan, spawner: int, init: "Callable[[], object]") -> "
     process.die_with_parent(spawner)
 
     process.forward_signals_to(init_pid)
-    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, process.FORWARDED_SIGNALS)   # held by `sandboxd run` too
     _, status = os.waitpid(init_pid, 0)               # PEP 475: retried after each forwarded signal
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)

@@ -143,6 +143,10 @@ def _run_init(plan: LaunchPlan, *, report_fd: int, status_fd: int) -> NoReturn:
         report.fail(report_fd, exc, "init")
     broker_end, command_end = (_socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
                                if plan.brokers_connect else (None, None))
+    # The command can be up and printing before the forwarding below exists (under load, by far): a
+    # signal sent meanwhile is held, not taken by Python's own handlers (a KeyboardInterrupt that
+    # ended init), and forwarded once the handlers are in place. The command's exec clears its mask.
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
     command_pid = _fork_command()
     if command_pid == 0:
         in_child(report_fd, "command", lambda: _run_command(plan, report_fd=report_fd, listener_sink=command_end))
@@ -153,6 +157,7 @@ def _run_init(plan: LaunchPlan, *, report_fd: int, status_fd: int) -> NoReturn:
         broker_end.close()
     process.close_all_except({status_fd} | ({listener} if listener is not None else set()))
     process.forward_signals_to(command_pid)               # the report pipe closed with the command's exec
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)   # what came meanwhile goes on now
 
     def on_exit(pid: int, status: int, usage: struct_rusage) -> None:
         # When the command ends, init reports and exits, which takes the namespace
@@ -397,6 +402,9 @@ def _exec(plan: LaunchPlan, report_fd: int) -> NoReturn:
     try:
         for signum in RESTORED_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)
+        # No signal held: init and `sandboxd run` block the forwarded ones across their forks, and
+        # one that came meanwhile reaches the program now (as the C helper's empty mask).
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
         program, argv = plan.argv[0], list(plan.argv)
         if "/" in program:
             candidates = [program]

@@ -13,7 +13,8 @@ that asked for it; a drain (by any guard, under the hub's lock) reads every pend
 hands each fired watch to every subscription holding it, to be taken at that guard's next
 inspection. An overflow of the one queue is every subscription's overflow (each then looks at
 everything, as a guard of its own instance does). A closing subscription removes the watches
-no other subscription holds: no watch outlives the sessions that need it.
+no other subscription holds: no watch outlives the sessions that need it, and the instance
+itself goes with the last subscription.
 
 Idle sessions cost nothing: no thread and no polling; events wait in the kernel's queue (and
 then in the subscriptions' sets) until some guard inspects.
@@ -91,6 +92,11 @@ class InotifyHub:
                 if self._inotify is not None:
                     self._inotify.remove_watch(wd)
         subscription.wds.clear()
+        if not self._subscriptions and self._inotify is not None:
+            # No session needs it: a daemon with no session holds no inotify descriptor (the next
+            # subscription makes a new one; its queue holds nothing anyone still wants).
+            self._inotify.close()
+            self._inotify = None
 
 
 class Subscription:
