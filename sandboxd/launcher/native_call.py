@@ -87,7 +87,7 @@ def constants() -> dict[str, Constant]:
     """Every value the helper shares with the Python path, by its name in the header: the one
     source both are built from (the Python modules named here own them)."""
     from sandboxd.kernel import caps, landlock, terminals
-    from sandboxd.launcher import report, sequence
+    from sandboxd.launcher import call_plan, report, sequence
 
     return {
         "SBX_REPORT_FD": REPORT_FD, "SBX_STATUS_FD": STATUS_FD, "SBX_SESSION_PIDFD": SESSION_PIDFD,
@@ -113,6 +113,10 @@ def constants() -> dict[str, Constant]:
         "SBX_PTMX_PATH": terminals.PTMX_PATH,
         "SBX_TERMINAL_MIN_SIZE": terminals.MIN_SIZE,
         "SBX_TERMINAL_MAX_SIZE": terminals.MAX_SIZE,
+        # The call plan: the names the helper traces its steps by, and their order (unused by the
+        # C code, here so that the digest changes with the plan: a helper built before is stale).
+        **{f"SBX_STEP_{name}": text for name, text in call_plan.step_names().items()},
+        "SBX_CALL_PLAN": tuple(text for text, _ in call_plan.CALL_PLAN),
     }
 
 

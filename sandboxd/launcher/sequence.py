@@ -39,6 +39,7 @@ from sandboxd.errors import ExecFailed
 from sandboxd.kernel import caps, cgroups, landlock, namespaces, netns, process, rlimits, seccomp, terminals
 from sandboxd.kernel._libc import from_oserror
 from sandboxd.launcher import file_tools, report, rootfs, rootless
+from sandboxd.launcher.call_plan import Step
 from sandboxd.launcher.init_loop import InitLoop, receive_fd, send_fd
 from sandboxd.launcher.plan import LaunchPlan
 
@@ -219,31 +220,31 @@ def run_call(plan: LaunchPlan, *, session_pidfd: int, intake_fd: int | None, rep
     """
     try:
         trace = _tracer(plan)
-        trace("die with parent")
+        trace(Step.DIE_WITH_PARENT)
         process.die_with_parent(OUTSIDE_PARENT)
-        trace("join cgroups")
+        trace(Step.JOIN_CGROUPS)
         cgroups.join(cgroup_dirs)
         # A pidfd of the session's init, inherited from the spawner (its pid number
         # means nothing in here): the session's root comes with its mount namespace.
-        trace("join namespaces")
+        trace(Step.JOIN_NAMESPACES)
         namespaces.setns(session_pidfd, CALL_NAMESPACES)
-        trace("chdir")
+        trace(Step.CHDIR)
         os.chdir(plan.cwd)
-        trace("child subreaper")
+        trace(Step.CHILD_SUBREAPER)
         process.set_child_subreaper()
-        trace("set title")
+        trace(Step.SET_TITLE)
         process.set_title("sandboxd-call")
-        trace("drop privileges")
+        trace(Step.DROP_PRIVILEGES)
         caps.drop_privileges(plan.uid, plan.gid)
-        trace("die with parent")
+        trace(Step.DIE_WITH_PARENT)
         process.die_with_parent(OUTSIDE_PARENT)
-        trace("not dumpable")
+        trace(Step.NOT_DUMPABLE)
         process.set_dumpable(False)
         terminal_peer = None
         if plan.terminal is not None:
-            trace("open terminal")
+            trace(Step.OPEN_TERMINAL)
             terminal_peer = open_terminal(plan.terminal)
-        trace("fork")
+        trace(Step.FORK)
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "join session")
     sink = _socket.socket(fileno=intake_fd) if intake_fd is not None else None
@@ -297,33 +298,33 @@ def _run_command(plan: LaunchPlan, *, report_fd: int, listener_sink: "_socket.so
     parent = os.getppid() if parent == CALL_INIT else parent
     debug = plan.debug
     try:
-        trace("default signals")
+        trace(Step.DEFAULT_SIGNALS)
         for signum in FORWARDED_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)
-        trace("die with parent")
+        trace(Step.DIE_WITH_PARENT)
         process.die_with_parent(parent)
-        trace("new session")
+        trace(Step.NEW_SESSION)
         process.new_session()                             # no controlling terminal: no TIOCSTI into the caller
         if terminal_peer is not None:
-            trace("controlling terminal")
+            trace(Step.CONTROLLING_TERMINAL)
             terminals.take_as_controlling(terminal_peer)  # the session's own pty, not the caller's
-        trace("rlimits")
+        trace(Step.RLIMITS)
         rlimits.apply(cpu_seconds=plan.limits.cpu_seconds, open_files=plan.limits.open_files)
-        trace("verify dropped")
+        trace(Step.VERIFY_DROPPED)
         caps.verify_dropped()                             # no caps, no_new_privs
-        trace("landlock")
+        trace(Step.LANDLOCK)
         abi = landlock.restrict_writes(                   # second wall for writes, by path
             [*plan.writable_roots, *landlock.EXTRA_WRITABLE], list(landlock.FILE_WRITES_ONLY),
             forced_abi=debug.landlock_abi if debug else 0)
-        trace(f"landlock abi {abi}")
-        trace("close-on-exec")
+        trace(Step.LANDLOCK_ABI % abi)
+        trace(Step.CLOSE_ON_EXEC)
         if process.cloexec_from(3, use_close_range=not (debug and debug.no_close_range)):  # only 0, 1, 2 survive exec
-            trace("close-on-exec by /proc/self/fd")
-        trace("seccomp")
+            trace(Step.CLOSE_ON_EXEC_WALK)
+        trace(Step.SECCOMP)
         listener = seccomp.load(plan.seccomp_program,     # last: nothing after this but exec
                                 new_listener=plan.brokers_connect)
         if listener_sink is not None and plan.brokers_connect:
-            trace("send listener")
+            trace(Step.SEND_LISTENER)
             send_fd(listener_sink, listener)              # init answers this filter's notifications
             os.close(listener)
             listener_sink.close()
@@ -332,7 +333,7 @@ def _run_command(plan: LaunchPlan, *, report_fd: int, listener_sink: "_socket.so
     if plan.tool is not None:
         os.close(report_fd)                               # "running": there is nothing to exec
         file_tools.run(plan.tool)
-    trace("exec")
+    trace(Step.EXEC)
     _exec(plan, report_fd)
 
 
