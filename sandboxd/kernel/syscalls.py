@@ -31,6 +31,11 @@ def _write_file(path: str, text: str, mode: int) -> None:
     os.chmod(path, mode)
 
 
+def _scandir(path: str) -> list[os.DirEntry[str]]:
+    with os.scandir(path) as entries:
+        return list(entries)
+
+
 def _is_dir_fd(fd: int) -> bool:
     import stat
 
@@ -84,7 +89,7 @@ class Syscalls:
     islink = staticmethod(os.path.islink)
     ismount = staticmethod(os.path.ismount)
     readlink = staticmethod(os.readlink)
-    scandir = staticmethod(os.scandir)
+    scandir = staticmethod(_scandir)
     is_dir_fd = staticmethod(_is_dir_fd)
 
 
