@@ -32,6 +32,10 @@
    8d. Make the hidden homes' tmpfs read-only: a write there could not be told from a write to
    the real home (a planted ~/.bashrc), which is what a sandbox is checked for.
 9. pivot_root into the copy and drop the old root entirely.
+
+Every kernel call here, and the lookups the steps decide by, go through kernel.syscalls.current
+(``kernel = syscalls.current``): tests/test_setup_order.py records them instead, to hold this order
+as a numbered list without root.
 """
 
 from __future__ import annotations

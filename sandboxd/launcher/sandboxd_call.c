@@ -31,7 +31,9 @@
  *
  * Every constant shared with the Python path (descriptor layout, exit code, securebits,
  * Landlock rights and the ABI that introduced each, signals, path lists) comes from
- * sandboxd_call.h, which native_call.py generates from the Python modules at build time.
+ * sandboxd_call.h, which native_call.py generates from the Python modules at build time,
+ * and so do the names of the setup steps it traces (SBX_STEP_*, from launcher/call_plan.py:
+ * the call plan both paths follow, in its order).
  *
  * Records on the report and status pipes use the Python side's format
  * (launcher/report.py): key<US>value pairs joined by <RS>, one line.
