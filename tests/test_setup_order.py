@@ -9,7 +9,7 @@ fails. Only the order: what each step blocks is tested against the real kernel
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -167,13 +167,12 @@ CALL = [
 ]
 
 
-def test_a_call_sets_up_in_order(tmp_path: object) -> None:
-    """run_call in a forked child (it never returns): its supervisor's steps, the fork (the
-    recorder follows the command's side), the command's steps, exec."""
+def record_in_child(body: Callable[[int, int], object]) -> list[str]:
+    """The calls ``body(report_fd, status_fd)`` makes, run in a forked child (a setup sequence
+    never returns: it ends in exec, which the recorder turns into the end of the child)."""
     record_r, record_w = os.pipe()
     report_r, report_w = os.pipe()
     status_r, status_w = os.pipe()
-    supervisor = os.getpid()                               # the child's parent: run_call's "fork" is recorded only
     pid = os.fork()
     if pid == 0:                                           # pragma: no cover - the child
         try:
@@ -185,8 +184,7 @@ def test_a_call_sets_up_in_order(tmp_path: object) -> None:
 
             fake = SyscallRecorder(HOST, on_exec=dump)
             syscalls.current = fake
-            sequence.run_call(make_plan(), session_pidfd=5, intake_fd=None, report_fd=report_w,
-                              status_fd=status_w, cgroup_dirs=["/sys/fs/cgroup/test-call"])
+            body(report_w, status_w)
         finally:
             os._exit(report.SETUP_FAILED_EXIT)
     for fd in (record_w, report_w, status_w):
@@ -200,5 +198,24 @@ def test_a_call_sets_up_in_order(tmp_path: object) -> None:
     finally:
         os.close(status_r)
     assert os.waitstatus_to_exitcode(status) == 0, failure
+    return calls
+
+
+def test_a_call_sets_up_in_order() -> None:
+    """run_call: its supervisor's steps, the fork (the recorder follows the command's side), the
+    command's steps, exec."""
+    supervisor = os.getpid()                               # the child's parent: run_call's "fork" is recorded only
+    calls = record_in_child(lambda report_fd, status_fd: sequence.run_call(
+        make_plan(), session_pidfd=5, intake_fd=None, report_fd=report_fd, status_fd=status_fd,
+        cgroup_dirs=["/sys/fs/cgroup/test-call"]))
     expected = [line.format(supervisor=supervisor) for line in CALL]
+    assert _numbered(calls) == _numbered(expected), "\n".join(_numbered(calls))
+
+
+def test_a_one_shot_sandbox_sets_up_in_order() -> None:
+    """`sandboxd run`'s init: the session's build (as init, PID 1), then its command's steps."""
+    calls = record_in_child(lambda report_fd, status_fd: sequence._run_init(
+        make_plan(), report_fd=report_fd, status_fd=status_fd))
+    expected = [line.replace("title sandboxd-session", "title sandboxd-init") for line in SESSION_INIT]
+    expected += ["fork", "pdeathsig, parent 1", *CALL[CALL.index("setsid"):]]
     assert _numbered(calls) == _numbered(expected), "\n".join(_numbered(calls))
