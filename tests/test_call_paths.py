@@ -21,7 +21,7 @@ import pytest
 from conftest import BASE_ENV, PY, SLOW
 from sandboxd.errors import ExecFailed, SetupError
 from sandboxd.kernel import landlock
-from sandboxd.launcher import native_call
+from sandboxd.launcher import call_plan, native_call
 from sandboxd.launcher.native_call import helper_path
 from sandboxd.launcher.plan import DebugHooks
 from sandboxd.service.terminal_call import receive_master
@@ -279,19 +279,6 @@ def test_host_unix_sockets_stay_unreachable(server: ForkServer, session: str, wo
 # These drive a Spawner in this process (no fork server), so that a test can set the plan's
 # DebugHooks, which no request can reach.
 
-# The setup steps of a session call, in order (sequence.run_call and sandboxd_call.c main).
-SUPERVISOR_STEPS = ["die with parent", "join cgroups", "join namespaces", "chdir", "child subreaper", "set title",
-                    "drop privileges", "die with parent", "not dumpable", "fork"]
-
-
-def command_steps(abi: int, *, listener: bool, walked: bool = False, terminal: bool = False) -> list[str]:
-    """The command's steps (sequence._run_command and sandboxd_call.c run_command)."""
-    return ["default signals", "die with parent", "new session", *(["controlling terminal"] if terminal else []),
-            "rlimits", "verify dropped", "landlock",
-            f"landlock abi {abi}", "close-on-exec", *(["close-on-exec by /proc/self/fd"] if walked else []),
-            "seccomp", *(["send listener"] if listener else []), "exec"]
-
-
 class LocalSession:
     """A session's sandbox opened by a Spawner in this process, on one call path."""
 
@@ -366,7 +353,9 @@ def test_both_paths_take_the_same_setup_steps(local_sessions: dict[str, LocalSes
         assert output == "traced\n" and info.exit_code == 0, (name, output, info)  # type: ignore[attr-defined]
         traces[name] = steps
     listener = local_sessions["native"].session.plan.brokers_connect
-    expected = SUPERVISOR_STEPS + command_steps(landlock.abi_version(), listener=listener)
+    for name, steps in traces.items():
+        assert call_plan.misplaced(steps) is None, (name, call_plan.misplaced(steps), steps)
+    expected = call_plan.expected(landlock_abi=landlock.abi_version(), listener=listener)
     assert traces["native"] == traces["python"] == expected, traces
 
 
@@ -379,8 +368,9 @@ def test_both_paths_take_the_same_steps_on_a_terminal(local_sessions: dict[str, 
         assert output.split() == ["/dev/pts/0", "12", "34"] and info.exit_code == 0, (name, output, info)  # type: ignore[attr-defined]
         traces[name] = steps
     listener = local_sessions["native"].session.plan.brokers_connect
-    expected = (SUPERVISOR_STEPS[:-1] + ["open terminal", "fork"]
-                + command_steps(landlock.abi_version(), listener=listener, terminal=True))
+    for name, steps in traces.items():
+        assert call_plan.misplaced(steps) is None, (name, call_plan.misplaced(steps), steps)
+    expected = call_plan.expected(landlock_abi=landlock.abi_version(), listener=listener, terminal=True)
     assert traces["native"] == traces["python"] == expected, traces
 
 
@@ -422,7 +412,8 @@ def test_the_close_range_fallback_leaks_nothing(local_sessions: dict[str, LocalS
     for name, local in local_sessions.items():
         output, info, steps = local.call([PY, "-c", OPEN_DESCRIPTORS], no_close_range=True)
         assert output.split() == ["[]"] and info.exit_code == 0, (name, output, info)  # type: ignore[attr-defined]
-        assert "close-on-exec by /proc/self/fd" in steps, (name, steps)    # the walk really ran
+        assert call_plan.Step.CLOSE_ON_EXEC_WALK in steps, (name, steps)    # the walk really ran
+        assert call_plan.misplaced(steps) is None, (name, call_plan.misplaced(steps), steps)
         # Control: without the flag close_range does it, and the walk is not taken.
         output, info, steps = local.call([PY, "-c", OPEN_DESCRIPTORS])
         assert output.split() == ["[]"] and "close-on-exec by /proc/self/fd" not in steps, (name, output, steps)
@@ -472,7 +463,7 @@ def test_landlock_at_every_abi(local_sessions: dict[str, LocalSession], outside:
             shutil.rmtree(local.workspace / leftover, ignore_errors=True)
         output, info, steps = local.call([PY, "-c", LANDLOCK_PROBE, str(outside)], landlock_abi=abi)
         assert info.exit_code == 0, (name, output, info)  # type: ignore[attr-defined]
-        assert f"landlock abi {abi}" in steps, (name, steps)
+        assert call_plan.Step.LANDLOCK_ABI % abi in steps, (name, steps)
         results[name] = dict(line.split() for line in output.splitlines())
         assert (outside / "target.txt").read_text() == "original\n"
     expected = {"outside": "EROFS", "inside": "ok", "truncate": "ok", "refer": "ok" if abi >= 2 else "EXDEV",

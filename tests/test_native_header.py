@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sandboxd.kernel import caps, landlock, terminals
-from sandboxd.launcher import native_call, report, sequence
+from sandboxd.launcher import call_plan, native_call, report, sequence
 
 PRINT_ALL = r"""
 #include <stdio.h>
@@ -84,7 +84,8 @@ def test_every_constant_reaches_the_header() -> None:
     names = set(native_call.constants())
     assert names == {f"SBX_{name}" for name in SCALARS} | {
         "SBX_FORWARDED_SIGNALS", "SBX_LL_RIGHT_ABI", "SBX_LL_SCOPE_ABI", "SBX_LL_EXTRA_WRITABLE",
-        "SBX_LL_FILE_WRITES_ONLY", "SBX_TRACE_FD_MIN", "SBX_PTMX_PATH"}
+        "SBX_LL_FILE_WRITES_ONLY", "SBX_TRACE_FD_MIN", "SBX_PTMX_PATH", "SBX_CALL_PLAN"} | {
+        f"SBX_STEP_{name}" for name in call_plan.step_names()}     # tests/test_call_plan.py compiles these
 
 
 def test_the_installed_helper_was_built_from_the_current_constants() -> None:

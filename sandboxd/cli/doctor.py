@@ -247,12 +247,16 @@ def check_address_pool() -> tuple[str, str]:
 
 def check_call_helper() -> tuple[str, str]:
     from sandboxd.errors import SandboxdError
-    from sandboxd.launcher.native_call import helper_path
+    from sandboxd.launcher.native_call import REBUILD, check_helper
 
-    helper = helper_path()
+    checked = check_helper()
+    if checked.unusable:
+        return _line("warn", "call helper", f"sandboxd-call is {checked.state}: the daemon does not use it, "
+                     "its calls take the slower Python path", REBUILD)
+    helper = checked.path
     if helper is None:
         return _line("warn", "call helper", "sandboxd-call is not built: daemon calls take the slower Python path",
-                     "python -m sandboxd.launcher.native_call build (packaging/setup.sh does it)")
+                     REBUILD)
     try:
         with _Session(helper=helper) as s:
             info, out = s.call("sh", "-c", "echo called")

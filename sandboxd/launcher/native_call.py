@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 
+from sandboxd._record import Record
 from sandboxd.launcher.plan import LaunchPlan
 
 HELPER_NAME = "sandboxd-call"
@@ -32,8 +33,75 @@ TRACE_FD_MIN = 16
 
 
 def helper_path() -> str | None:
-    """The built helper, or None (the Python path is used then)."""
+    """The built helper, or None (the Python path is used then). Built, not checked: see
+    ``check_helper`` for whether it may be used."""
     return DEFAULT_HELPER if os.access(DEFAULT_HELPER, os.X_OK) else None
+
+
+REBUILD = "python -m sandboxd.launcher.native_call build (packaging/setup.sh does it)"
+# How long ``sandboxd-call -V`` may take: it prints one line; a helper that hangs is broken.
+VERSION_SECONDS = 5.0
+
+
+class HelperCheck(Record):
+    """What ``check_helper`` found: the helper to run calls with (None: the Python path), and
+    its state as `sandboxctl status` shows it (``call_helper``)."""
+
+    path: str | None
+    state: str                      # "built", "missing (...)", "stale (...)" or "broken (...)"
+
+    @property
+    def unusable(self) -> bool:
+        """There is a helper, but it must not be used: say so loudly (a missing one is a choice)."""
+        return self.path is None and not self.state.startswith("missing")
+
+
+_checked: dict[tuple[str, int, int, int, int], HelperCheck] = {}
+
+
+def check_helper(path: str | None = None) -> HelperCheck:
+    """Whether the helper at ``path`` (the built one by default) was built from this sandboxd's
+    constants and call plan: ``path -V`` prints the digest of the header it was compiled with,
+    which must be ``digest()``. A helper built before a constant or a step changed would take
+    steps the Python path no longer takes, or share values it no longer shares: it is not used
+    (stale), nor is one that does not answer -V with a digest (broken). Remembered per file
+    (device, inode, size, change time), so `sandboxctl status` runs it once per build."""
+    helper = path or DEFAULT_HELPER
+    try:
+        st = os.stat(helper)
+    except OSError:
+        st = None
+    if st is None or not os.access(helper, os.X_OK):
+        return HelperCheck(None, "missing (Python call path)")
+    key = (helper, st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns)
+    if key not in _checked:
+        _checked.clear()                            # one entry: the helper as it is now
+        _checked[key] = _run_version(helper)
+    return _checked[key]
+
+
+def _run_version(helper: str) -> HelperCheck:
+    import re
+    import subprocess
+
+    try:
+        # An empty environment, as the fork server gives it: it runs as root.
+        result = subprocess.run([helper, "-V"], stdin=subprocess.DEVNULL, capture_output=True, env={},
+                                timeout=VERSION_SECONDS)
+    except subprocess.TimeoutExpired:
+        return HelperCheck(None, f"broken ({helper} -V did not answer in {VERSION_SECONDS:g} s; Python call path)")
+    except OSError as exc:
+        return HelperCheck(None, f"broken ({helper} -V: {exc.strerror or exc}; Python call path)")
+    built = result.stdout.decode(errors="replace").strip()
+    if result.returncode != 0 or not re.fullmatch(r"[0-9a-f]{16}", built):
+        said = (built or result.stderr.decode(errors="replace").strip())[:80]
+        return HelperCheck(None, f"broken ({helper} -V exited {result.returncode} saying {said!r}, "
+                                 f"not a digest; Python call path)")
+    wanted = digest()
+    if built != wanted:
+        return HelperCheck(None, f"stale ({helper} was built with constants {built}, this sandboxd's are "
+                                 f"{wanted}; Python call path)")
+    return HelperCheck(helper, "built")
 
 
 def command_line(helper: str, plan: LaunchPlan, *, namespaces: int, cgroup_dirs: list[str]) -> list[str]:
@@ -87,7 +155,7 @@ def constants() -> dict[str, Constant]:
     """Every value the helper shares with the Python path, by its name in the header: the one
     source both are built from (the Python modules named here own them)."""
     from sandboxd.kernel import caps, landlock, terminals
-    from sandboxd.launcher import report, sequence
+    from sandboxd.launcher import call_plan, report, sequence
 
     return {
         "SBX_REPORT_FD": REPORT_FD, "SBX_STATUS_FD": STATUS_FD, "SBX_SESSION_PIDFD": SESSION_PIDFD,
@@ -113,6 +181,10 @@ def constants() -> dict[str, Constant]:
         "SBX_PTMX_PATH": terminals.PTMX_PATH,
         "SBX_TERMINAL_MIN_SIZE": terminals.MIN_SIZE,
         "SBX_TERMINAL_MAX_SIZE": terminals.MAX_SIZE,
+        # The call plan: the names the helper traces its steps by, and their order (unused by the
+        # C code, here so that the digest changes with the plan: a helper built before is stale).
+        **{f"SBX_STEP_{name}": text for name, text in call_plan.step_names().items()},
+        "SBX_CALL_PLAN": tuple(text for text, _ in call_plan.CALL_PLAN),
     }
 
 

@@ -32,16 +32,19 @@
    8d. Make the hidden homes' tmpfs read-only: a write there could not be told from a write to
    the real home (a planted ~/.bashrc), which is what a sandbox is checked for.
 9. pivot_root into the copy and drop the old root entirely.
+
+Every kernel call here, and the lookups the steps decide by, go through kernel.syscalls.current
+(``kernel = syscalls.current``): tests/test_setup_order.py records them instead, to hold this order
+as a numbered list without root.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import stat
 
 from sandboxd.errors import SetupError
-from sandboxd.kernel import mounts
+from sandboxd.kernel import syscalls
 from sandboxd.kernel.mounts import (
     MOUNT_ATTR_NODEV,
     MOUNT_ATTR_NOSUID,
@@ -78,25 +81,26 @@ GIT_NESTED_MAX_DEPTH = 6
 
 
 def build(plan: LaunchPlan) -> None:
-    mounts.make_private("/")                                                        # 1
+    kernel = syscalls.current
+    kernel.make_private("/")                                                        # 1
     if plan.rootless:
         rootless.clone_roots(plan.root_trees)    # for step 8, before /tmp is covered
-    mounts.tmpfs(STAGE, size=1 << 20, mode=0o700, step="mount staging tmpfs")        # 2
-    os.mkdir(NEW_ROOT, 0o755)
-    mounts.bind("/", NEW_ROOT, step="bind host root")
-    mounts.set_attrs_recursive(NEW_ROOT, READONLY_ATTRS, step="make host root read-only")  # 3
+    kernel.tmpfs(STAGE, size=1 << 20, mode=0o700, step="mount staging tmpfs")        # 2
+    kernel.mkdir(NEW_ROOT, 0o755)
+    kernel.bind("/", NEW_ROOT, step="bind host root")
+    kernel.set_attrs_recursive(NEW_ROOT, READONLY_ATTRS, step="make host root read-only")  # 3
     _mount_proc(NEW_ROOT + "/proc")                                                  # 4
     _mount_sys(NEW_ROOT + "/sys", plan.rootless)                                     # 5
     _mount_dev(NEW_ROOT + "/dev", plan.limits.tmp_size_bytes)                        # 6
-    mounts.tmpfs(NEW_ROOT + "/tmp", size=plan.limits.tmp_size_bytes, mode=0o1777,    # 7
+    kernel.tmpfs(NEW_ROOT + "/tmp", size=plan.limits.tmp_size_bytes, mode=0o1777,    # 7
                  step="mount private /tmp")
     covered = [home for home in plan.hidden_homes
                if not any(is_within(home, root) for root in (*plan.readonly_roots, *plan.writable_roots))]
     for home in covered:                                                             # 7b
         _cover_home(home, plan)
     if plan.private_home:
-        os.makedirs(NEW_ROOT + plan.private_home, 0o700)
-        os.chown(NEW_ROOT + plan.private_home, plan.uid, plan.gid)
+        kernel.makedirs(NEW_ROOT + plan.private_home, 0o700)
+        kernel.chown(NEW_ROOT + plan.private_home, plan.uid, plan.gid)
     for root in plan.readonly_roots:                                                 # 8
         _attach_root(root, plan.root_trees[root], writable=False)
     for root in plan.writable_roots:
@@ -109,49 +113,50 @@ def build(plan: LaunchPlan) -> None:
     for path in plan.hidden_paths:                                                   # 8c
         _hide(path)
     for home in covered:                                                             # 8d
-        if os.path.ismount(NEW_ROOT + home):
-            mounts.mount(None, NEW_ROOT + home, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV,
+        if kernel.ismount(NEW_ROOT + home):
+            kernel.mount(None, NEW_ROOT + home, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV,
                          step="make hidden home read-only")
-    mounts.pivot_root_here(NEW_ROOT)                                                 # 9
+    kernel.pivot_root_here(NEW_ROOT)                                                 # 9
 
 
 def _mount_proc(target: str) -> None:
-    mounts.mount("proc", target, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, step="mount /proc")
+    kernel = syscalls.current
+    kernel.mount("proc", target, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, step="mount /proc")
     for name in PROC_READONLY:
         path = f"{target}/{name}"
-        if os.path.isdir(path) or os.path.isfile(path):
-            mounts.bind(path, path, recursive=True, step=f"protect /proc/{name}")
-            mounts.set_attrs_recursive(path, READONLY_ATTRS, step=f"protect /proc/{name}")
+        if kernel.isdir(path) or kernel.isfile(path):
+            kernel.bind(path, path, recursive=True, step=f"protect /proc/{name}")
+            kernel.set_attrs_recursive(path, READONLY_ATTRS, step=f"protect /proc/{name}")
     for name in PROC_MASKED:
         path = f"{target}/{name}"
-        if os.path.lexists(path):
-            mounts.bind("/dev/null", path, recursive=False, step=f"mask /proc/{name}")
+        if kernel.lexists(path):
+            kernel.bind("/dev/null", path, recursive=False, step=f"mask /proc/{name}")
 
 
 def _bind_resolv_conf(text: str) -> None:
     """An isolated network's resolvers: a file on the staging tmpfs, bound read-only over the
     copy's /etc/resolv.conf (following a symlink such as systemd's inside the copy, not the
     host). The bind keeps the staging file alive after pivot_root detaches the rest."""
+    kernel = syscalls.current
     target = NEW_ROOT + "/etc/resolv.conf"
     for _ in range(8):
-        if not os.path.islink(target):
+        if not kernel.islink(target):
             break
-        link = os.readlink(target)
+        link = kernel.readlink(target)
         target = NEW_ROOT + link if link.startswith("/") else os.path.join(os.path.dirname(target), link)
-    if not os.path.isfile(target):
+    if not kernel.isfile(target):
         return                                            # the host has none: DNS stays unconfigured
     source = STAGE + "/resolv.conf"
-    with open(source, "w") as f:
-        f.write(text)
-    os.chmod(source, 0o644)
-    mounts.bind(source, target, step="bind resolv.conf")
-    mounts.mount("none", target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV,
+    kernel.write_file(source, text, 0o644)
+    kernel.bind(source, target, step="bind resolv.conf")
+    kernel.mount("none", target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV,
                  step="make resolv.conf read-only")
 
 
 def _mount_sys(target: str, rootless: bool) -> None:
+    kernel = syscalls.current
     try:
-        mounts.mount("sysfs", target, "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, step="mount /sys")
+        kernel.mount("sysfs", target, "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, step="mount /sys")
     except SetupError as exc:
         # In the host's network namespace the kernel hands out the host's own sysfs
         # superblock, already mounted read-write: EBUSY (rootless: EPERM, that namespace is not
@@ -160,45 +165,47 @@ def _mount_sys(target: str, rootless: bool) -> None:
             raise
     for name in SYS_MASKED:
         path = f"{target}/{name}"
-        if os.path.isdir(path):
-            mounts.tmpfs(path, size=4096, mode=0o555, flags=MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+        if kernel.isdir(path):
+            kernel.tmpfs(path, size=4096, mode=0o555, flags=MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
                          step=f"mask /sys/{name}")
 
 
 def _mount_dev(target: str, shm_size: int) -> None:
-    mounts.tmpfs(target, size=1 << 16, mode=0o755, flags=MS_NOSUID | MS_NOEXEC, step="mount /dev")
+    kernel = syscalls.current
+    kernel.tmpfs(target, size=1 << 16, mode=0o755, flags=MS_NOSUID | MS_NOEXEC, step="mount /dev")
     for name in DEVICES:
         node = f"{target}/{name}"
-        os.close(os.open(node, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o666))
-        mounts.bind(f"/dev/{name}", node, recursive=False, step=f"bind /dev/{name}")
-    os.mkdir(f"{target}/pts", 0o755)
-    mounts.mount("devpts", f"{target}/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+        kernel.create_file(node, 0o666)
+        kernel.bind(f"/dev/{name}", node, recursive=False, step=f"bind /dev/{name}")
+    kernel.mkdir(f"{target}/pts", 0o755)
+    kernel.mount("devpts", f"{target}/pts", "devpts", MS_NOSUID | MS_NOEXEC,
                  "newinstance,ptmxmode=0666,mode=0620", step="mount /dev/pts")
-    os.symlink("pts/ptmx", f"{target}/ptmx")
-    os.mkdir(f"{target}/shm", 0o1777)
-    mounts.tmpfs(f"{target}/shm", size=shm_size, mode=0o1777, step="mount /dev/shm")
+    kernel.symlink("pts/ptmx", f"{target}/ptmx")
+    kernel.mkdir(f"{target}/shm", 0o1777)
+    kernel.tmpfs(f"{target}/shm", size=shm_size, mode=0o1777, step="mount /dev/shm")
     for name, dest in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                        ("stderr", "/proc/self/fd/2")):
-        os.symlink(dest, f"{target}/{name}")
-    mounts.mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC,
+        kernel.symlink(dest, f"{target}/{name}")
+    kernel.mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC,
                  step="make /dev read-only")
 
 
 def _attach_root(root: str, tree: int, *, writable: bool) -> None:
+    kernel = syscalls.current
     target = NEW_ROOT + root
-    if not os.path.lexists(target):
+    if not kernel.lexists(target):
         # Only possible under a directory the sandbox replaced (e.g. /tmp): make the mount point.
-        if stat.S_ISDIR(os.fstat(tree).st_mode):
-            os.makedirs(target, 0o755, exist_ok=True)
+        if kernel.is_dir_fd(tree):
+            kernel.makedirs(target, 0o755, exist_ok=True)
         else:
-            os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
-            os.close(os.open(target, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
-    mounts.attach_tree(tree, target, step="bind root")
+            kernel.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
+            kernel.create_file(target, 0o644)
+    kernel.attach_tree(tree, target, step="bind root")
     if writable:
-        mounts.set_attrs_recursive(target, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, MOUNT_ATTR_RDONLY,
+        kernel.set_attrs_recursive(target, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, MOUNT_ATTR_RDONLY,
                                    step="bind writable root")
     else:
-        mounts.set_attrs_recursive(target, READONLY_ATTRS, step="bind read-only workspace")
+        kernel.set_attrs_recursive(target, READONLY_ATTRS, step="bind read-only workspace")
 
 
 def _cover_home(home: str, plan: LaunchPlan) -> None:
@@ -206,11 +213,12 @@ def _cover_home(home: str, plan: LaunchPlan) -> None:
     what must stay visible in it bound back read-only: sandboxd's own install, and the command's
     cwd when it was put there (`--cwd ~/checkout` with the workspace elsewhere, a CI runner's
     layout). Writable until 8d, for the mount points of the roots inside."""
+    kernel = syscalls.current
     target = NEW_ROOT + home
-    if not os.path.isdir(target) or os.path.islink(target):
+    if not kernel.isdir(target) or kernel.islink(target):
         return                                            # under a replaced directory (/tmp), or gone
-    mounts.tmpfs(target, size=1 << 16, mode=0o700, step="cover a home")
-    os.chown(target, plan.uid, plan.gid)
+    kernel.tmpfs(target, size=1 << 16, mode=0o700, step="cover a home")
+    kernel.chown(target, plan.uid, plan.gid)
     roots = (*plan.readonly_roots, *plan.writable_roots)
     cwd = () if any(is_within(plan.cwd, root) for root in roots) else (plan.cwd,)   # else attached in 8
     for kept in sorted({*_own_install(), *cwd}, key=len):
@@ -222,6 +230,7 @@ def _bind_back(path: str) -> None:
     """Bind the host's directory ``path`` read-only at the same place in the copy, reached from / one
     component at a time without following symlinks: a name its home's owner swaps cannot point
     the bind elsewhere. A path that is not such a directory stays hidden."""
+    kernel = syscalls.current
     flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open("/", flags)
     try:
@@ -232,15 +241,15 @@ def _bind_back(path: str) -> None:
         os.close(fd)
         return
     try:
-        tree = mounts.clone_tree(fd, step="keep a directory of a hidden home", path=path)
+        tree = kernel.clone_tree(fd, step="keep a directory of a hidden home", path=path)
     finally:
         os.close(fd)
     try:
-        os.makedirs(NEW_ROOT + path, 0o755, exist_ok=True)
-        mounts.attach_tree(tree, NEW_ROOT + path, step="keep a directory of a hidden home")
+        kernel.makedirs(NEW_ROOT + path, 0o755, exist_ok=True)
+        kernel.attach_tree(tree, NEW_ROOT + path, step="keep a directory of a hidden home")
     finally:
         os.close(tree)
-    mounts.set_attrs_recursive(NEW_ROOT + path, READONLY_ATTRS, step="keep a directory of a hidden home")
+    kernel.set_attrs_recursive(NEW_ROOT + path, READONLY_ATTRS, step="keep a directory of a hidden home")
 
 
 def _own_install() -> tuple[str, ...]:
@@ -255,14 +264,15 @@ def _own_install() -> tuple[str, ...]:
 def _hide(path: str) -> None:
     """Cover one of sandboxd's own paths (step 8c): it may hold the daemon's sockets or its audit
     log, which no sandbox may reach, whatever its uid or network."""
+    kernel = syscalls.current
     target = NEW_ROOT + path
-    if not os.path.lexists(target):
+    if not kernel.lexists(target):
         return                                            # under a replaced directory (/tmp): not there
-    if os.path.isdir(target) and not os.path.islink(target):
-        mounts.tmpfs(target, size=4096, mode=0o555, flags=MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+    if kernel.isdir(target) and not kernel.islink(target):
+        kernel.tmpfs(target, size=4096, mode=0o555, flags=MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
                      step="hide sandboxd's own directory")
     else:
-        mounts.bind("/dev/null", target, recursive=False, step="hide sandboxd's own socket")
+        kernel.bind("/dev/null", target, recursive=False, step="hide sandboxd's own socket")
 
 
 def _protect_root(root: str, subs: tuple[str, ...], found: FoundGitDirs | None = None) -> None:
@@ -348,11 +358,12 @@ def _protect_git_dir(root: str, gitdir: str, done: dict[str, bool], depth: int =
     `git init` does) when missing, so that no hook can appear in them. .git itself and its ancestors
     are pinned (a mount point cannot be renamed away); modules/* and worktrees/* are git directories
     themselves. The git guard (supervisor/git_guard.py) covers what appears later."""
-    if os.path.islink(gitdir) or not os.path.isdir(gitdir):
+    kernel = syscalls.current
+    if kernel.islink(gitdir) or not kernel.isdir(gitdir):
         return
     _pin_down_to(NEW_ROOT + root, gitdir, done)
     _make_empty_dirs(NEW_ROOT + root, gitdir)
-    for entry in list(os.scandir(gitdir)):
+    for entry in list(kernel.scandir(gitdir)):
         if git_dir_entry_writable(entry.name) or entry.is_symlink():
             continue                                 # a symlinked hooks/ or config is refused by _protect
         if entry.name in GIT_DIR_NESTED and entry.is_dir(follow_symlinks=False):
@@ -362,8 +373,8 @@ def _protect_git_dir(root: str, gitdir: str, done: dict[str, bool], depth: int =
             continue
         if entry.path not in done or not done[entry.path]:
             if entry.path not in done:
-                mounts.bind(entry.path, entry.path, recursive=True, step="protect git directory")
-            mounts.set_attrs_recursive(entry.path, READONLY_ATTRS, step="protect git directory")
+                kernel.bind(entry.path, entry.path, recursive=True, step="protect git directory")
+            kernel.set_attrs_recursive(entry.path, READONLY_ATTRS, step="protect git directory")
             done[entry.path] = True
 
 
@@ -400,11 +411,12 @@ def _make_empty_dirs(top: str, gitdir: str) -> None:
 
 def _nested_git_dirs(path: str, depth: int) -> list[str]:
     """Git directories in modules/ or worktrees/: each holds a HEAD (submodule names may nest)."""
+    kernel = syscalls.current
     found = []
-    for entry in os.scandir(path):
+    for entry in kernel.scandir(path):
         if not entry.is_dir(follow_symlinks=False):
             continue
-        if os.path.lexists(f"{entry.path}/HEAD"):
+        if kernel.lexists(f"{entry.path}/HEAD"):
             found.append(entry.path)
         elif depth < GIT_NESTED_MAX_DEPTH:
             found += _nested_git_dirs(entry.path, depth + 1)
@@ -421,8 +433,9 @@ def _pin_down_to(top: str, path: str, done: dict[str, bool]) -> None:
 
 
 def _pin(path: str, done: dict[str, bool]) -> None:
+    kernel = syscalls.current
     if path not in done:
-        mounts.bind(path, path, recursive=True, step="protect subpath")
+        kernel.bind(path, path, recursive=True, step="protect subpath")
         done[path] = False
 
 
@@ -434,21 +447,22 @@ def _protect(root: str, sub: str, done: dict[str, bool] | None = None) -> None:
     command could move ``.git`` aside and build a new one with writable hooks.
     A mount point itself cannot be renamed or removed (EBUSY).
     """
+    kernel = syscalls.current
     done = {} if done is None else done
     parts = sub.split("/")
     current = NEW_ROOT + root
     for index, part in enumerate(parts):
         current = f"{current}/{part}"
-        if not os.path.lexists(current):
+        if not kernel.lexists(current):
             return
-        if os.path.islink(current):
+        if kernel.islink(current):
             raise SetupError("protect subpath", errno.ELOOP, f"{root}/{'/'.join(parts[:index + 1])}",
                              hint="a protected path is a symlink, which could point anywhere: replace it by "
                                   "a real file or directory, or remove it from protected_subpaths")
         last = index == len(parts) - 1
         if current not in done:
-            mounts.bind(current, current, recursive=True, step="protect subpath")
+            kernel.bind(current, current, recursive=True, step="protect subpath")
             done[current] = False
         if last and not done[current]:
-            mounts.set_attrs_recursive(current, READONLY_ATTRS, step="protect subpath")
+            kernel.set_attrs_recursive(current, READONLY_ATTRS, step="protect subpath")
             done[current] = True

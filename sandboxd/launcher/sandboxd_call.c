@@ -31,7 +31,9 @@
  *
  * Every constant shared with the Python path (descriptor layout, exit code, securebits,
  * Landlock rights and the ABI that introduced each, signals, path lists) comes from
- * sandboxd_call.h, which native_call.py generates from the Python modules at build time.
+ * sandboxd_call.h, which native_call.py generates from the Python modules at build time,
+ * and so do the names of the setup steps it traces (SBX_STEP_*, from launcher/call_plan.py:
+ * the call plan both paths follow, in its order).
  *
  * Records on the report and status pipes use the Python side's format
  * (launcher/report.py): key<US>value pairs joined by <RS>, one line.
@@ -356,7 +358,7 @@ static void load_seccomp(const struct options *o, struct sock_filter *program, s
     if (!o->listener) return;
     /* The session's init answers this filter's connect() notifications (connect_broker.py). */
     int fd = (int)listener;
-    trace("send listener");
+    trace(SBX_STEP_SEND_LISTENER);
     check(send_fd(INTAKE_FD, fd), "seccomp listener", NULL);
     check(close(fd), "seccomp listener", NULL);
     check(close(INTAKE_FD), "seccomp listener", NULL);
@@ -410,35 +412,35 @@ static _Noreturn void run_command(const struct options *o, pid_t supervisor,
                                   struct sock_filter *program, size_t length, int terminal_peer) {
     sigset_t none;
     sigemptyset(&none);
-    trace("default signals");
+    trace(SBX_STEP_DEFAULT_SIGNALS);
     check(sigprocmask(SIG_SETMASK, &none, NULL), "default signals", NULL);
-    trace("die with parent");
+    trace(SBX_STEP_DIE_WITH_PARENT);
     die_with_parent(supervisor);
-    trace("new session");
+    trace(SBX_STEP_NEW_SESSION);
     check(setsid(), "setsid", NULL);               /* no controlling terminal: no TIOCSTI into the caller */
     if (terminal_peer >= 0) {                      /* the session's own pty, not the caller's */
-        trace("controlling terminal");
+        trace(SBX_STEP_CONTROLLING_TERMINAL);
         check(ioctl(terminal_peer, TIOCSCTTY, 0), "controlling terminal", NULL);
         for (int fd = 0; fd < 3; fd++) check(dup2(terminal_peer, fd), "controlling terminal", NULL);
         if (terminal_peer > 2) check(close(terminal_peer), "controlling terminal", NULL);
     }
-    trace("rlimits");
+    trace(SBX_STEP_RLIMITS);
     apply_rlimits(o);
-    trace("verify dropped");
+    trace(SBX_STEP_VERIFY_DROPPED);
     verify_dropped();                              /* no caps, no_new_privs */
-    trace("landlock");
+    trace(SBX_STEP_LANDLOCK);
     long abi = restrict_writes(o);                 /* second wall for writes, by path */
     if (trace_fd >= 0) {                           /* no formatting unless traced */
         char step[48];
-        snprintf(step, sizeof step, "landlock abi %ld", abi);
+        snprintf(step, sizeof step, SBX_STEP_LANDLOCK_ABI, (int)abi);
         trace(step);
     }
-    trace("close-on-exec");
+    trace(SBX_STEP_CLOSE_ON_EXEC);
     if (close_from(3, 1, !o->no_close_range))      /* only 0, 1, 2 survive exec */
-        trace("close-on-exec by /proc/self/fd");
-    trace("seccomp");
+        trace(SBX_STEP_CLOSE_ON_EXEC_WALK);
+    trace(SBX_STEP_SECCOMP);
     load_seccomp(o, program, length);              /* last: nothing after this but exec */
-    trace("exec");
+    trace(SBX_STEP_EXEC);
     exec_command(o->argv, o->env);
 }
 
@@ -549,9 +551,9 @@ int main(int argc, char **argv) {
     o.env = read_environment();
 
     /* The fork server is outside our PID namespace, so it appears as parent 0. */
-    trace("die with parent");
+    trace(SBX_STEP_DIE_WITH_PARENT);
     die_with_parent(0);
-    trace("join cgroups");
+    trace(SBX_STEP_JOIN_CGROUPS);
     join_cgroups(&o);                              /* before anything forks: limits cover the whole tree */
     size_t got = 0;
     for (ssize_t n; (n = read(BPF_FD, (char *)program + got, sizeof program - got)) != 0; got += n > 0 ? (size_t)n : 0)
@@ -559,24 +561,24 @@ int main(int argc, char **argv) {
     if (got == 0 || got % sizeof(struct sock_filter)) fail("seccomp program", EINVAL, NULL);
     check(close(BPF_FD), "seccomp program", NULL);
     /* The session's root comes with its mount namespace; the pidfd is the session's init. */
-    trace("join namespaces");
+    trace(SBX_STEP_JOIN_NAMESPACES);
     check(setns(SESSION_PIDFD, o.nsflags), "setns", NULL);
     check(close(SESSION_PIDFD), "setns", NULL);
-    trace("chdir");
+    trace(SBX_STEP_CHDIR);
     check(chdir(o.cwd), "chdir", o.cwd);
-    trace("child subreaper");
+    trace(SBX_STEP_CHILD_SUBREAPER);
     check(prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)", NULL);
-    trace("set title");
+    trace(SBX_STEP_SET_TITLE);
     check(prctl(PR_SET_NAME, "sandboxd-call", 0, 0, 0), "prctl(PR_SET_NAME)", NULL);
-    trace("drop privileges");
+    trace(SBX_STEP_DROP_PRIVILEGES);
     drop_privileges(&o);                           /* the supervisor keeps no privilege either */
-    trace("die with parent");
+    trace(SBX_STEP_DIE_WITH_PARENT);
     die_with_parent(0);                            /* credential changes clear the death signal */
-    trace("not dumpable");
+    trace(SBX_STEP_NOT_DUMPABLE);
     check(prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)", NULL);
     int terminal_peer = -1;
     if (o.terminal) {
-        trace("open terminal");
+        trace(SBX_STEP_OPEN_TERMINAL);
         terminal_peer = open_terminal(&o);
     }
 
@@ -592,7 +594,7 @@ int main(int argc, char **argv) {
     check(sigprocmask(SIG_BLOCK, &handled, NULL), "signals", NULL);
 
     pid_t supervisor = getpid();
-    trace("fork");
+    trace(SBX_STEP_FORK);
     pid_t command = fork();
     if (command < 0) fail("fork", errno, NULL);
     if (command == 0) run_command(&o, supervisor, program, got / sizeof(struct sock_filter), terminal_peer);

@@ -36,9 +36,10 @@ import os
 import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
 
 from sandboxd.errors import ExecFailed
-from sandboxd.kernel import caps, cgroups, landlock, namespaces, netns, process, rlimits, seccomp, terminals
+from sandboxd.kernel import caps, cgroups, landlock, namespaces, process, rlimits, seccomp, syscalls, terminals
 from sandboxd.kernel._libc import from_oserror
 from sandboxd.launcher import file_tools, report, rootfs, rootless
+from sandboxd.launcher.call_plan import Step
 from sandboxd.launcher.init_loop import InitLoop, receive_fd, send_fd
 from sandboxd.launcher.plan import LaunchPlan
 
@@ -68,7 +69,7 @@ def _fork_command() -> int:
     """init's fork of the command; EAGAIN (a full pids limit, owner share or ceiling) becomes the
     ProcessLimitReached its caller gets, naming those limits."""
     try:
-        return os.fork()
+        return syscalls.current.fork()
     except OSError as exc:
         raise from_oserror(exc, "fork") from None
 
@@ -112,27 +113,28 @@ CALL_INIT = -1  # the command's parent is a call's init, whose pid is only known
 
 def _build_sandbox(plan: LaunchPlan, title: str) -> None:
     """Everything init does before any command exists; shared by one-shot and session inits."""
+    kernel = syscalls.current                             # the real kernel, or a test's recorder
     # Rootless, the isolated network is a loopback-only namespace with the egress proxy's listener.
     loopback_only = not plan.network or (plan.rootless and plan.network_isolated)
     flags = namespaces.ISOLATED_NOW | (namespaces.CLONE_NEWNET if loopback_only else 0)
-    namespaces.unshare(flags)                             # mount, ipc, uts, cgroup (+ net): applies to us now
+    kernel.unshare(flags)                                 # mount, ipc, uts, cgroup (+ net): applies to us now
     if plan.netns_fd >= 0:
         # An isolated network: a namespace the spawner built (veth, address, route) before the fork.
-        namespaces.setns(plan.netns_fd, namespaces.CLONE_NEWNET)
+        kernel.setns(plan.netns_fd, namespaces.CLONE_NEWNET)
     if loopback_only:
-        netns.bring_up_loopback()                         # a new net namespace has only lo, and it is down
+        kernel.bring_up_loopback()                        # a new net namespace has only lo, and it is down
         rootless.hand_over_proxy_listener(plan)
-    namespaces.set_hostname("sandbox")
+    kernel.set_hostname("sandbox")
     rootfs.build(plan)                                    # mounts, then pivot_root (see rootfs.py)
-    os.chdir(plan.cwd)
+    kernel.chdir(plan.cwd)
     # Init keeps no privilege either, and drops it before any command is forked
     # so a command starts without any: same uid, no capabilities, NNP. Not
     # dumpable, so a command cannot read init's memory or environment.
-    process.set_title(title)                              # while its memory is still writable to it
+    kernel.set_title(title)                               # while its memory is still writable to it
     # Rootless, setgroups is denied in the user namespace (userns.enter_own): the groups stay.
-    caps.drop_privileges(plan.uid, plan.gid, keep_groups=plan.rootless)
-    process.die_with_parent(OUTSIDE_PARENT)               # credential changes clear the death signal
-    process.set_dumpable(False)
+    kernel.drop_privileges(plan.uid, plan.gid, keep_groups=plan.rootless)
+    kernel.die_with_parent(OUTSIDE_PARENT)                # credential changes clear the death signal
+    kernel.set_dumpable(False)
 
 
 def _run_init(plan: LaunchPlan, *, report_fd: int, status_fd: int) -> NoReturn:
@@ -223,32 +225,33 @@ def run_call(plan: LaunchPlan, *, session_pidfd: int, intake_fd: int | None, rep
     it drops every privilege before the command is forked.
     """
     try:
+        kernel = syscalls.current                         # the real kernel, or a test's recorder
         trace = _tracer(plan)
-        trace("die with parent")
-        process.die_with_parent(OUTSIDE_PARENT)
-        trace("join cgroups")
-        cgroups.join(cgroup_dirs)
+        trace(Step.DIE_WITH_PARENT)
+        kernel.die_with_parent(OUTSIDE_PARENT)
+        trace(Step.JOIN_CGROUPS)
+        kernel.join_cgroups(cgroup_dirs)
         # A pidfd of the session's init, inherited from the spawner (its pid number
         # means nothing in here): the session's root comes with its mount namespace.
-        trace("join namespaces")
-        namespaces.setns(session_pidfd, CALL_NAMESPACES)
-        trace("chdir")
-        os.chdir(plan.cwd)
-        trace("child subreaper")
-        process.set_child_subreaper()
-        trace("set title")
-        process.set_title("sandboxd-call")
-        trace("drop privileges")
-        caps.drop_privileges(plan.uid, plan.gid)
-        trace("die with parent")
-        process.die_with_parent(OUTSIDE_PARENT)
-        trace("not dumpable")
-        process.set_dumpable(False)
+        trace(Step.JOIN_NAMESPACES)
+        kernel.setns(session_pidfd, CALL_NAMESPACES)
+        trace(Step.CHDIR)
+        kernel.chdir(plan.cwd)
+        trace(Step.CHILD_SUBREAPER)
+        kernel.set_child_subreaper()
+        trace(Step.SET_TITLE)
+        kernel.set_title("sandboxd-call")
+        trace(Step.DROP_PRIVILEGES)
+        kernel.drop_privileges(plan.uid, plan.gid)
+        trace(Step.DIE_WITH_PARENT)
+        kernel.die_with_parent(OUTSIDE_PARENT)
+        trace(Step.NOT_DUMPABLE)
+        kernel.set_dumpable(False)
         terminal_peer = None
         if plan.terminal is not None:
-            trace("open terminal")
+            trace(Step.OPEN_TERMINAL)
             terminal_peer = open_terminal(plan.terminal)
-        trace("fork")
+        trace(Step.FORK)
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "join session")
     sink = _socket.socket(fileno=intake_fd) if intake_fd is not None else None
@@ -301,34 +304,35 @@ def _run_command(plan: LaunchPlan, *, report_fd: int, listener_sink: "_socket.so
     ``terminal_peer``: its terminal (run_call opened it), made its controlling one and its stdio."""
     parent = os.getppid() if parent == CALL_INIT else parent
     debug = plan.debug
+    kernel = syscalls.current                             # the real kernel, or a test's recorder
     try:
-        trace("default signals")
+        trace(Step.DEFAULT_SIGNALS)
         for signum in FORWARDED_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)
-        trace("die with parent")
-        process.die_with_parent(parent)
-        trace("new session")
-        process.new_session()                             # no controlling terminal: no TIOCSTI into the caller
+        trace(Step.DIE_WITH_PARENT)
+        kernel.die_with_parent(parent)
+        trace(Step.NEW_SESSION)
+        kernel.new_session()                              # no controlling terminal: no TIOCSTI into the caller
         if terminal_peer is not None:
-            trace("controlling terminal")
+            trace(Step.CONTROLLING_TERMINAL)
             terminals.take_as_controlling(terminal_peer)  # the session's own pty, not the caller's
-        trace("rlimits")
-        rlimits.apply(cpu_seconds=plan.limits.cpu_seconds, open_files=plan.limits.open_files)
-        trace("verify dropped")
-        caps.verify_dropped()                             # no caps, no_new_privs
-        trace("landlock")
-        abi = landlock.restrict_writes(                   # second wall for writes, by path
+        trace(Step.RLIMITS)
+        kernel.apply_rlimits(cpu_seconds=plan.limits.cpu_seconds, open_files=plan.limits.open_files)
+        trace(Step.VERIFY_DROPPED)
+        kernel.verify_dropped()                           # no caps, no_new_privs
+        trace(Step.LANDLOCK)
+        abi = kernel.restrict_writes(                     # second wall for writes, by path
             [*plan.writable_roots, *landlock.EXTRA_WRITABLE], list(landlock.FILE_WRITES_ONLY),
             forced_abi=debug.landlock_abi if debug else 0)
-        trace(f"landlock abi {abi}")
-        trace("close-on-exec")
-        if process.cloexec_from(3, use_close_range=not (debug and debug.no_close_range)):  # only 0, 1, 2 survive exec
-            trace("close-on-exec by /proc/self/fd")
-        trace("seccomp")
-        listener = seccomp.load(plan.seccomp_program,     # last: nothing after this but exec
-                                new_listener=plan.brokers_connect)
+        trace(Step.LANDLOCK_ABI % abi)
+        trace(Step.CLOSE_ON_EXEC)
+        if kernel.cloexec_from(3, use_close_range=not (debug and debug.no_close_range)):  # only 0, 1, 2 survive exec
+            trace(Step.CLOSE_ON_EXEC_WALK)
+        trace(Step.SECCOMP)
+        listener = kernel.load_seccomp(plan.seccomp_program,  # last: nothing after this but exec
+                                       new_listener=plan.brokers_connect)
         if listener_sink is not None and plan.brokers_connect:
-            trace("send listener")
+            trace(Step.SEND_LISTENER)
             send_fd(listener_sink, listener)              # init answers this filter's notifications
             os.close(listener)
             listener_sink.close()
@@ -337,7 +341,7 @@ def _run_command(plan: LaunchPlan, *, report_fd: int, listener_sink: "_socket.so
     if plan.tool is not None:
         os.close(report_fd)                               # "running": there is nothing to exec
         file_tools.run(plan.tool)
-    trace("exec")
+    trace(Step.EXEC)
     _exec(plan, report_fd)
 
 
@@ -414,7 +418,7 @@ def _exec(plan: LaunchPlan, report_fd: int) -> NoReturn:
         first_error: OSError | None = None
         for candidate in candidates:
             try:
-                os.execve(candidate, argv, plan.env)
+                syscalls.current.execve(candidate, argv, plan.env)
             except OSError as exc:
                 # Like execvp: remember a real refusal (EACCES...), keep looking past ENOENT/ENOTDIR.
                 if first_error is None or (first_error.errno in (errno.ENOENT, errno.ENOTDIR)

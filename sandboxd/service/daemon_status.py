@@ -35,7 +35,7 @@ STARTED_AT = _process_started_at()
 def kernel_features() -> dict[str, str]:
     """Detected once per call; each a short value people can read."""
     from sandboxd.kernel import cgroups, landlock
-    from sandboxd.launcher.native_call import helper_path
+    from sandboxd.launcher.native_call import check_helper
 
     try:
         with open("/proc/sys/kernel/seccomp/actions_avail") as f:
@@ -46,7 +46,7 @@ def kernel_features() -> dict[str, str]:
     features = {"namespaces": "mount, pid, ipc, uts, cgroup, net", "seccomp": seccomp,
                 "landlock": f"ABI {landlock.abi_version()}" if landlock.abi_version() else "missing",
                 "nftables": "present" if shutil.which("nft") else "missing (no isolated networks)",
-                "call_helper": "built" if helper_path() else "missing (Python call path)"}
+                "call_helper": check_helper().state}     # "stale (...)": built from other constants
     for controller in ("memory", "pids"):
         features[f"cgroup.{controller}"] = ("v2" if controller in h.unified_controllers
                                             else "v1" if controller in h.v1 else "missing")

@@ -145,14 +145,18 @@ class _Server:
     """The server side: runs in the fork server process, single-threaded."""
 
     def __init__(self, sock: socket.socket, native_calls: bool = True,
-                 wait_seconds: float = DEFAULT_WAIT_SECONDS) -> None:
+                 wait_seconds: float = DEFAULT_WAIT_SECONDS, call_helper: str | None = None) -> None:
         from sandboxd.kernel import netns
         from sandboxd.kernel.cgroups import sweep_stale
-        from sandboxd.launcher.native_call import helper_path
+        from sandboxd.launcher.native_call import REBUILD, check_helper
         sweep_stale()                                     # what a SIGKILLed predecessor left behind
         netns.sweep_stale()                               # its isolated networks' links and proxy access too
         self.sock = sock
-        self.spawner = Spawner(native_helper=helper_path() if native_calls else None)
+        # Once, at start: a helper built from other constants or another call plan is not used.
+        helper = check_helper(call_helper) if native_calls else None
+        if helper is not None and helper.unusable:
+            _log(f"call helper {helper.state}: session calls take the slower Python path; rebuild it: {REBUILD}")
+        self.spawner = Spawner(native_helper=helper.path if helper else None)
         self.running: dict[int, tuple[SandboxProcess, float | None]] = {}
         self.sessions: dict[str, SessionSandbox] = {}
         # poll, not select: descriptors past 1024 (a thousand sessions) are ordinary here.
@@ -564,11 +568,13 @@ def _log(text: str) -> None:
         pass
 
 
-def serve(sock: socket.socket, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS) -> None:
+def serve(sock: socket.socket, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS,
+          call_helper: str | None = None) -> None:
     """The fork server loop. Returns when the client end closes, after killing everything.
-    ``native_calls``: run session calls with sandboxd-call when it is built (native_call.py);
+    ``native_calls``: run session calls with sandboxd-call when it is built and current
+    (native_call.check_helper; ``call_helper``: another build of it than the package's, for tests);
     ``wait_seconds``: how long a request may wait on a caller's paths (see the module's doc)."""
-    _Server(sock, native_calls, wait_seconds).serve()
+    _Server(sock, native_calls, wait_seconds, call_helper).serve()
 
 
 class SessionInfo(Record):
@@ -597,6 +603,7 @@ class ForkServer:
         self._wanted_native_calls = True
         self._first_id = 1                        # ids below it went to a server that has died since
         self._wait_seconds = DEFAULT_WAIT_SECONDS
+        self._call_helper: str | None = None
         self._limit = message_limit(sock)
         self.last_heard = time.monotonic()       # when it last answered anything (the watchdog's progress)
 
@@ -605,7 +612,8 @@ class ForkServer:
         return self._native_calls
 
     @classmethod
-    def start(cls, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS) -> "ForkServer":
+    def start(cls, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS,
+              call_helper: str | None = None) -> "ForkServer":
         """Start the server as a fresh interpreter (``python -m sandboxd.supervisor.forkserver``).
 
         Not a fork of the caller: the daemon has gRPC threads, and a forked copy of a
@@ -619,7 +627,8 @@ class ForkServer:
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "PYTHONPATH": package_root}
         try:
-            flags = ([] if native_calls else ["--python-calls"]) + [f"--wait-seconds={wait_seconds!r}"]
+            flags = ([] if native_calls else ["--python-calls"]) + [f"--wait-seconds={wait_seconds!r}"] + (
+                [f"--call-helper={call_helper}"] if call_helper else [])
             child = subprocess.Popen([sys.executable, "-m", "sandboxd.supervisor.forkserver", str(child_end.fileno()),
                                       *flags],
                                      pass_fds=(child_end.fileno(),), env=env, stdin=subprocess.DEVNULL,
@@ -630,8 +639,9 @@ class ForkServer:
         server._process = child
         server._wanted_native_calls = native_calls
         server._wait_seconds = wait_seconds
-        from sandboxd.launcher.native_call import helper_path
-        server._native_calls = native_calls and helper_path() is not None
+        server._call_helper = call_helper
+        from sandboxd.launcher.native_call import check_helper
+        server._native_calls = native_calls and check_helper(call_helper).path is not None   # as the server decides
         return server
 
     # -- requests ------------------------------------------------------------------------------
@@ -730,7 +740,7 @@ class ForkServer:
         sweeps what they left (cgroups, links) as it starts. A fresh interpreter again, spawned
         by subprocess (fork+exec in C, no Python code runs in the child), so the threaded
         daemon may call this."""
-        fresh = ForkServer.start(self._wanted_native_calls, self._wait_seconds)
+        fresh = ForkServer.start(self._wanted_native_calls, self._wait_seconds, self._call_helper)
         with self._send_lock:
             old_sock, old_process = self._sock, self._process
             try:
@@ -849,7 +859,8 @@ def _readable_within(sock: socket.socket, seconds: float) -> bool:
     return bool(waiter.poll(max(0, math.ceil(seconds * 1000))))
 
 
-def _main(fd: int, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS) -> None:
+def _main(fd: int, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS,
+          call_helper: str | None = None) -> None:
     """Entry point of the fork server process."""
     import prctl  # python-prctl: off the one-shot launch path, so its import cost is fine here
 
@@ -858,12 +869,13 @@ def _main(fd: int, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT
     prctl.set_pdeathsig(signal.SIGKILL)      # the fork server never outlives the daemon
     if os.getppid() != expected_parent:      # the daemon died before that took effect
         os._exit(0)
-    serve(socket.socket(fileno=fd), native_calls, wait_seconds)
+    serve(socket.socket(fileno=fd), native_calls, wait_seconds, call_helper)
 
 
 if __name__ == "__main__":
     import sys
 
     waits = [float(flag.partition("=")[2]) for flag in sys.argv[2:] if flag.startswith("--wait-seconds=")]
+    helpers = [flag.partition("=")[2] for flag in sys.argv[2:] if flag.startswith("--call-helper=")]
     _main(int(sys.argv[1]), native_calls="--python-calls" not in sys.argv[2:],
-          wait_seconds=waits[-1] if waits else DEFAULT_WAIT_SECONDS)
+          wait_seconds=waits[-1] if waits else DEFAULT_WAIT_SECONDS, call_helper=helpers[-1] if helpers else None)

@@ -1,0 +1,98 @@
+"""The seam between a sandbox's setup steps and the kernel.
+
+The setup sequences (launcher/sequence.py: a session's init, a call; launcher/rootfs.py: the
+mount tree) make their system calls through ``current``, a ``Syscalls``: by default the real
+ones, the kernel modules' functions themselves (no wrapper, no extra call). A test replaces it
+with a fake that records each call instead of making it (tests/syscall_recorder.py), which
+checks the ORDER of the steps without root: read-only root before the writable roots, /proc
+after the mount namespace, seccomp last before exec. Order only: that a step blocks anything is
+tested against the real kernel, never here.
+
+The file-system calls the mount steps make in the new tree (mkdir, a mount point's file, a
+symlink) and the lookups they decide by go through it too, so that a fake never touches the
+host's /tmp and answers from a tree of its own.
+"""
+
+from __future__ import annotations
+
+import os
+
+from sandboxd.kernel import caps, cgroups, landlock, mounts, namespaces, netns, process, rlimits, seccomp
+
+
+def _create_file(path: str, mode: int) -> None:
+    """An empty file to mount over (a device node's or a file root's mount point)."""
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, mode))
+
+
+def _write_file(path: str, text: str, mode: int) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+    os.chmod(path, mode)
+
+
+def _scandir(path: str) -> list[os.DirEntry[str]]:
+    with os.scandir(path) as entries:
+        return list(entries)
+
+
+def _is_dir_fd(fd: int) -> bool:
+    import stat
+
+    return stat.S_ISDIR(os.fstat(fd).st_mode)
+
+
+class Syscalls:
+    """Every kernel call of the setup sequences, by what it does; the real ones."""
+
+    # Process and privileges (kernel/process.py, caps.py, rlimits.py, cgroups.py).
+    die_with_parent = staticmethod(process.die_with_parent)
+    join_cgroups = staticmethod(cgroups.join)
+    set_child_subreaper = staticmethod(process.set_child_subreaper)
+    set_title = staticmethod(process.set_title)
+    drop_privileges = staticmethod(caps.drop_privileges)
+    set_dumpable = staticmethod(process.set_dumpable)
+    new_session = staticmethod(process.new_session)
+    apply_rlimits = staticmethod(rlimits.apply)
+    verify_dropped = staticmethod(caps.verify_dropped)
+    cloexec_from = staticmethod(process.cloexec_from)
+    chdir = staticmethod(os.chdir)
+    fork = staticmethod(os.fork)
+    execve = staticmethod(os.execve)
+    # Namespaces (kernel/namespaces.py, netns.py).
+    unshare = staticmethod(namespaces.unshare)
+    setns = staticmethod(namespaces.setns)
+    set_hostname = staticmethod(namespaces.set_hostname)
+    bring_up_loopback = staticmethod(netns.bring_up_loopback)
+    # The last walls (kernel/landlock.py, seccomp.py).
+    restrict_writes = staticmethod(landlock.restrict_writes)
+    load_seccomp = staticmethod(seccomp.load)
+    # The mount tree (kernel/mounts.py).
+    make_private = staticmethod(mounts.make_private)
+    mount = staticmethod(mounts.mount)
+    bind = staticmethod(mounts.bind)
+    tmpfs = staticmethod(mounts.tmpfs)
+    set_attrs_recursive = staticmethod(mounts.set_attrs_recursive)
+    clone_tree = staticmethod(mounts.clone_tree)
+    attach_tree = staticmethod(mounts.attach_tree)
+    pivot_root_here = staticmethod(mounts.pivot_root_here)
+    # Files made in the new tree, and the lookups the mount steps decide by.
+    mkdir = staticmethod(os.mkdir)
+    makedirs = staticmethod(os.makedirs)
+    create_file = staticmethod(_create_file)
+    write_file = staticmethod(_write_file)
+    symlink = staticmethod(os.symlink)
+    chown = staticmethod(os.chown)
+    lexists = staticmethod(os.path.lexists)
+    isdir = staticmethod(os.path.isdir)
+    isfile = staticmethod(os.path.isfile)
+    islink = staticmethod(os.path.islink)
+    ismount = staticmethod(os.path.ismount)
+    readlink = staticmethod(os.readlink)
+    scandir = staticmethod(_scandir)
+    is_dir_fd = staticmethod(_is_dir_fd)
+
+
+# What the setup sequences call. Looked up at each call (``syscalls.current.mount(...)``), so a
+# test that replaces it reaches every step.
+current: Syscalls = Syscalls()
