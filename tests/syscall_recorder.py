@@ -202,6 +202,12 @@ class SyscallRecorder(Syscalls):
         self._record("seccomp" + (" with listener" if new_listener else ""))
         return self._descriptor() if new_listener else -1
 
+    def hold_signals(self) -> None:
+        self._record("hold forwarded signals")
+
+    def default_signals(self) -> None:
+        self._record("default signals")
+
     def fork(self) -> int:
         self._record("fork")
         return 0

@@ -156,6 +156,7 @@ CALL = [
     "pdeathsig, parent 0",
     "dumpable 0",
     "fork",                                               # the command, from here
+    "default signals",                                    # and nothing held
     "pdeathsig, parent {supervisor}",
     "setsid",
     "rlimits cpu=60 files=256",
@@ -217,5 +218,6 @@ def test_a_one_shot_sandbox_sets_up_in_order() -> None:
     calls = record_in_child(lambda report_fd, status_fd: sequence._run_init(
         make_plan(), report_fd=report_fd, status_fd=status_fd))
     expected = [line.replace("title sandboxd-session", "title sandboxd-init") for line in SESSION_INIT]
-    expected += ["fork", "pdeathsig, parent 1", *CALL[CALL.index("setsid"):]]
+    expected += ["hold forwarded signals", "fork",             # held until init forwards them
+                 "default signals", "pdeathsig, parent 1", *CALL[CALL.index("setsid"):]]
     assert _numbered(calls) == _numbered(expected), "\n".join(_numbered(calls))

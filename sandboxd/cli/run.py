@@ -281,18 +281,18 @@ def main(argv: list[str]) -> int:
         from sandboxd.kernel import cgroup_warmup
         warmup = cgroup_warmup.start()
     try:
-        from sandboxd.kernel.process import FORWARDED_SIGNALS
+        from sandboxd.kernel import process
         from sandboxd.supervisor.spawner import Spawner
         if warmup is not None:
             warmup.wait()                            # before the fork: no thread may run across it
         # Held from the fork until the forwarding exists (then delivered to it): a Ctrl-C in that
         # window reaches the command, not Python's KeyboardInterrupt. The command's exec clears it.
-        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
+        process.hold_forwarded_signals()
         try:
             sandbox = Spawner().launch(spec)
             _forward_signals(sandbox)
         finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)
+            process.release_forwarded_signals()
         sandbox.wait_started()
     except SandboxdError as exc:
         sys.stderr.write(f"sandboxd run: {exc}\n")

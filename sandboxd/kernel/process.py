@@ -163,6 +163,26 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUI
                      signal.SIGUSR2, signal.SIGWINCH, signal.SIGCONT)
 
 
+def hold_forwarded_signals() -> None:
+    """Block FORWARDED_SIGNALS: held across a fork until the forwarding to the child exists
+    (``forward_signals_to`` then ``release_forwarded_signals``); the child's ``default_signals``
+    clears what it inherited."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
+
+
+def release_forwarded_signals() -> None:
+    """Unblock FORWARDED_SIGNALS: one that came while they were held is delivered now."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)
+
+
+def default_signals() -> None:
+    """A command's start: the forwarded signals' default actions, and nothing held (as the C
+    helper's empty mask), so one that came while its parent held them reaches it."""
+    for signum in FORWARDED_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
+
+
 def forward_signals_to(target: int) -> None:
     """Pass FORWARDED_SIGNALS that reach this process on to ``target`` (gone: ignored)."""
     def forward(signum: int, _frame: object) -> None:

@@ -47,6 +47,8 @@ class Syscalls:
 
     # Process and privileges (kernel/process.py, caps.py, rlimits.py, cgroups.py).
     die_with_parent = staticmethod(process.die_with_parent)
+    hold_signals = staticmethod(process.hold_forwarded_signals)
+    default_signals = staticmethod(process.default_signals)
     join_cgroups = staticmethod(cgroups.join)
     set_child_subreaper = staticmethod(process.set_child_subreaper)
     set_title = staticmethod(process.set_title)

@@ -43,11 +43,11 @@ def run_outer(plan: LaunchPlan, spawner: int, init: "Callable[[], object]") -> "
     # the handlers below exist (under load, the command can be up and printing by then): held
     # blocked across the fork, delivered to the handlers once they are in place. Init keeps them
     # held until its own forwarding to the command exists (sequence._run_init).
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, process.FORWARDED_SIGNALS)
+    process.hold_forwarded_signals()
     try:
         init_pid = os.fork()
     except OSError as exc:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        process.release_forwarded_signals()
         raise SetupError("fork", exc.errno or 0, hint="the system is out of processes or memory") from None
     if init_pid == 0:
         init()
@@ -58,7 +58,7 @@ def run_outer(plan: LaunchPlan, spawner: int, init: "Callable[[], object]") -> "
     process.die_with_parent(spawner)
 
     process.forward_signals_to(init_pid)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, process.FORWARDED_SIGNALS)   # held by `sandboxd run` too
+    process.release_forwarded_signals()               # held by `sandboxd run` too
     _, status = os.waitpid(init_pid, 0)               # PEP 475: retried after each forwarded signal
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)

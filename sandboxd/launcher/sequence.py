@@ -147,8 +147,8 @@ def _run_init(plan: LaunchPlan, *, report_fd: int, status_fd: int) -> NoReturn:
                                if plan.brokers_connect else (None, None))
     # The command can be up and printing before the forwarding below exists (under load, by far): a
     # signal sent meanwhile is held, not taken by Python's own handlers (a KeyboardInterrupt that
-    # ended init), and forwarded once the handlers are in place. The command's exec clears its mask.
-    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
+    # ended init), and forwarded once the handlers are in place. The command clears what it inherits.
+    syscalls.current.hold_signals()
     command_pid = _fork_command()
     if command_pid == 0:
         in_child(report_fd, "command", lambda: _run_command(plan, report_fd=report_fd, listener_sink=command_end))
@@ -159,7 +159,7 @@ def _run_init(plan: LaunchPlan, *, report_fd: int, status_fd: int) -> NoReturn:
         broker_end.close()
     process.close_all_except({status_fd} | ({listener} if listener is not None else set()))
     process.forward_signals_to(command_pid)               # the report pipe closed with the command's exec
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)   # what came meanwhile goes on now
+    process.release_forwarded_signals()                   # what came meanwhile goes on now
 
     def on_exit(pid: int, status: int, usage: struct_rusage) -> None:
         # When the command ends, init reports and exits, which takes the namespace
@@ -307,8 +307,7 @@ def _run_command(plan: LaunchPlan, *, report_fd: int, listener_sink: "_socket.so
     kernel = syscalls.current                             # the real kernel, or a test's recorder
     try:
         trace(Step.DEFAULT_SIGNALS)
-        for signum in FORWARDED_SIGNALS:
-            signal.signal(signum, signal.SIG_DFL)
+        kernel.default_signals()                          # and nothing held: init held them across its fork
         trace(Step.DIE_WITH_PARENT)
         kernel.die_with_parent(parent)
         trace(Step.NEW_SESSION)
@@ -348,6 +347,7 @@ def _run_command(plan: LaunchPlan, *, report_fd: int, listener_sink: "_socket.so
 def _exec_unconfined(plan: LaunchPlan, report_fd: int) -> NoReturn:
     """DangerFullAccess: the host as it is, but a killable tree and no TIOCSTI."""
     try:
+        process.default_signals()                         # `sandboxd run` held them across its fork
         process.new_session()
         rlimits.apply(cpu_seconds=plan.limits.cpu_seconds, open_files=plan.limits.open_files)
         os.chdir(plan.cwd)
@@ -377,6 +377,7 @@ def _exec_as_caller(plan: LaunchPlan, report_fd: int, spawner: int) -> NoReturn:
     capability elevates nothing. The spawner put it in a cgroup of its own below the session's
     (run_sandbox joined it first), which is what keeps the tree killable without a PID namespace."""
     try:
+        process.default_signals()
         process.new_session()                             # no controlling terminal: no TIOCSTI into the caller
         rlimits.apply(cpu_seconds=plan.limits.cpu_seconds, open_files=plan.limits.open_files)
         process.cloexec_from(3)                           # no descriptor of the fork server survives exec
@@ -406,9 +407,6 @@ def _exec(plan: LaunchPlan, report_fd: int) -> NoReturn:
     try:
         for signum in RESTORED_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)
-        # No signal held: init and `sandboxd run` block the forwarded ones across their forks, and
-        # one that came meanwhile reaches the program now (as the C helper's empty mask).
-        signal.pthread_sigmask(signal.SIG_SETMASK, ())
         program, argv = plan.argv[0], list(plan.argv)
         if "/" in program:
             candidates = [program]
