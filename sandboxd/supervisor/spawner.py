@@ -457,10 +457,14 @@ class Spawner:
             for target, source in enumerate(sources):
                 if source is None:
                     continue
-                # Duplicated out of the way first, so no dup2 overwrites a source still to be moved.
-                high = fcntl.fcntl(source, fcntl.F_DUPFD_CLOEXEC, 64)
-                closing.append(high)
-                actions.append((os.POSIX_SPAWN_DUP2, high, target))
+                if source < len(sources):
+                    # A source among the targets is duplicated out of the way first, so no dup2
+                    # overwrites it before it is moved (or leaves it close-on-exec in its place).
+                    # The others are moved as they are: a call's descriptors are mostly high, and
+                    # each duplicate is two more system calls on the fork server's loop.
+                    source = fcntl.fcntl(source, fcntl.F_DUPFD_CLOEXEC, 64)
+                    closing.append(source)
+                actions.append((os.POSIX_SPAWN_DUP2, source, target))
             argv = native_call.command_line(helper, plan, namespaces=sequence.CALL_NAMESPACES,
                                             cgroup_dirs=list(session.cgroup.dirs) if session.cgroup else [])
             self._new_pid_namespace.enter(session.pidfd)
