@@ -4,6 +4,8 @@ Not a test: it prints numbers. Run as root from a checkout with the helper built
 
     .venv/bin/python tests/bench_call_start.py [CALLS] [BLOCKS]     # the mechanisms, end to end
     .venv/bin/python tests/bench_call_start.py --pieces [N]          # the pieces (bench_call_start.c)
+    .venv/bin/python tests/bench_call_start.py --running 0,100,400 [CALLS]   # the fork server's loop
+                                                                     # while that many calls run
 
 It opens one session with the daemon's default kind of limits (a pids and a memory limit, so the
 session has a cgroup, as every daemon session does) through ``Spawner`` in this process, as
@@ -223,8 +225,52 @@ def pieces(n: int) -> None:
         shutil.rmtree(workspace, ignore_errors=True)
 
 
+def _fork_server_cpu(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def while_running(running_counts: list[int], calls: int) -> None:
+    """The fork server's CPU per warm call of ``true`` while other calls (``sleep``) are running:
+    the cost of its loop per event grows with what it holds (``_Server._collect_exits``)."""
+    from sandboxd.supervisor.forkserver import ForkServer
+
+    server = ForkServer.start()
+    workspace = tempfile.mkdtemp(prefix="sandboxd-bench-call-start-")
+    null = os.open("/dev/null", os.O_RDWR)
+    try:
+        server.open_session("busy", LaunchSpec(argv=("true",), workspace=workspace, env=dict(ENV),
+                                               policy=WorkspaceWrite(), limits=Limits(pids=4096, memory_bytes=1 << 30)))
+        server.open_session("warm", LaunchSpec(argv=("true",), workspace=workspace, env=dict(ENV),
+                                               policy=WorkspaceWrite(), limits=LIMITS))
+        print(f"loadavg before {open('/proc/loadavg').read().strip()}")
+        for count in running_counts:
+            sleepers = [server.call("busy", ["sleep", "3600"], dict(ENV), workspace, None, (null, null, null))[0]
+                        for _ in range(count)]
+            cpu, wall = _fork_server_cpu(server.pid), time.perf_counter()
+            for _ in range(calls):
+                call_id, _ = server.call("warm", ["true"], dict(ENV), workspace, None, (null, null, null))
+                if server.wait(call_id).exit_code != 0:
+                    raise RuntimeError("true failed")
+            cpu, wall = _fork_server_cpu(server.pid) - cpu, time.perf_counter() - wall
+            print(f"{count:5d} calls running: fork server CPU {cpu / calls * 1e3:.3f} ms per warm call, "
+                  f"wall {wall / calls * 1e3:.3f} ms")
+            for call_id in sleepers:
+                server.cancel(call_id)
+            for call_id in sleepers:
+                server.wait(call_id)
+        print(f"loadavg after {open('/proc/loadavg').read().strip()}")
+    finally:
+        os.close(null)
+        server.close()
+        shutil.rmtree(workspace, ignore_errors=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--pieces"]:
+    if sys.argv[1:2] == ["--running"]:
+        while_running([int(n) for n in sys.argv[2].split(",")] if len(sys.argv) > 2 else [0, 100, 400, 0],
+                      int(sys.argv[3]) if len(sys.argv) > 3 else 300)
+    elif sys.argv[1:2] == ["--pieces"]:
         pieces(int(sys.argv[2]) if len(sys.argv) > 2 else 2000)
     else:
         mechanisms(int(sys.argv[1]) if len(sys.argv) > 1 else 800, int(sys.argv[2]) if len(sys.argv) > 2 else 8)
