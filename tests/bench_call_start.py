@@ -24,6 +24,11 @@ B  the option "the session's init starts the call", approximated: a process that
    to the session's PID namespace) posix_spawns the same helper with G's arguments
 C  an inside process that forks itself (Python ``os.fork`` + ``_exit``, nothing else): the floor
    of an init that starts calls without an exec
+R  the option "a per-session resident helper", as a prototype (bench_call_start_resident.c: the
+   helper's own code plus a request loop, never used by sandboxd): started once in the session's
+   namespaces and cgroup, outside its PID namespace; per call this process sends it the helper's
+   argv and descriptors, it forks (no exec, no setns, no cgroup join) and sends back the call's
+   pidfd. "children" is the resident helper's CPU with its children's (from /proc)
 D  a bare ``posix_spawn`` + ``waitpid`` of /bin/true from this process
 
 Per mechanism: wall time per call, this process's CPU (the "fork server" side) and its children's
@@ -53,7 +58,7 @@ LIMITS = Limits(pids=1024, memory_bytes=1 << 30)
 NAMES = {"A": "A today: spawner -> helper (setns, cgroup)", "E": "E A's spawn alone (no SandboxProcess/OOM)",
          "F": "F E without the cgroup join", "G": "G F without the setns (uts only)",
          "B": "B helper spawned from inside the session", "C": "C Python fork+_exit from inside",
-         "D": "D bare posix_spawn /bin/true"}
+         "R": "R resident per-session helper forks (no exec)", "D": "D bare posix_spawn /bin/true"}
 Sample = tuple[float, float, float]     # wall ms, own CPU ms, children's CPU ms, per call
 
 
@@ -135,6 +140,75 @@ def inside(session: SessionSandbox, helper: str, workspace: str, null: int, per_
         os.write(answers, repr(sample).encode())
 
 
+def build_resident(directory: str) -> str:
+    """bench_call_start_resident.c, with the generated header of the helper it includes."""
+    with open(os.path.join(directory, native_call.HEADER_NAME), "w") as f:
+        f.write(native_call.header())
+    program = os.path.join(directory, "bench_call_start_resident")
+    subprocess.run(["cc", "-O2", "-iquote", directory, f'-DSANDBOXD_CALL_SOURCE="{native_call.SOURCE}"', "-o", program,
+                    os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_call_start_resident.c")], check=True)
+    return program
+
+
+class Resident:
+    """The running prototype: its control socket and its pid (for its CPU)."""
+
+    def __init__(self, program: str, session: SessionSandbox) -> None:
+        import socket
+
+        assert session.cgroup is not None
+        self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        actions = [(os.POSIX_SPAWN_DUP2, theirs.fileno(), 3), (os.POSIX_SPAWN_DUP2, session.pidfd, 4)]
+        self.pid = os.posix_spawn(program, [program, str(sequence.CALL_NAMESPACES), *session.cgroup.dirs], {},
+                                  file_actions=actions, setsigdef=SPAWN_DEFAULT_SIGNALS)
+        theirs.close()
+
+    def cpu(self) -> float:
+        fields = open(f"/proc/{self.pid}/stat").read().rsplit(")", 1)[1].split()
+        return sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+    def call(self, session: SessionSandbox, plan: LaunchPlan, helper: str, null: int) -> None:
+        import select
+        import socket
+
+        report_r, report_w = os.pipe2(os.O_CLOEXEC)
+        status_r, status_w = os.pipe2(os.O_CLOEXEC)
+        program_r, program_w = os.pipe2(os.O_CLOEXEC)
+        os.write(program_w, plan.seccomp_program)
+        environment = native_call.environment_file(plan.env)
+        assert session.intake is not None
+        argv = native_call.command_line(helper, plan, namespaces=namespaces.CLONE_NEWUTS, cgroup_dirs=[])
+        socket.send_fds(self.control, [b"\0".join(os.fsencode(arg) for arg in argv)],
+                        [null, null, null, report_w, status_w, session.intake.fileno(), program_r, environment])
+        for fd in (report_w, status_w, program_r, program_w, environment):
+            os.close(fd)
+        _, fds, _, _ = socket.recv_fds(self.control, 16, 1)
+        pidfd = fds[0]
+        report = b""
+        while more := os.read(report_r, 4096):
+            report += more
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        poller.poll()
+        status = os.read(status_r, 4096)
+        for fd in (report_r, status_r, pidfd):
+            os.close(fd)
+        if not report.startswith(b"pid") or b"status\x1f0\x1e" not in status:
+            raise RuntimeError(f"the call failed: report {report!r}, status {status!r}")
+
+    def close(self) -> None:
+        self.control.close()                              # EOF: it exits
+        os.waitpid(self.pid, 0)
+
+
+def measure_resident(calls: int, resident: Resident, one: Callable[[], None]) -> Sample:
+    own, theirs, wall = _cpu(resource.RUSAGE_SELF), resident.cpu(), time.perf_counter()
+    for _ in range(calls):
+        one()
+    return ((time.perf_counter() - wall) / calls * 1e3, (_cpu(resource.RUSAGE_SELF) - own) / calls * 1e3,
+            (resident.cpu() - theirs) / calls * 1e3)
+
+
 def mechanisms(calls: int, blocks: int) -> None:
     helper = native_call.helper_path()
     if helper is None:
@@ -159,6 +233,8 @@ def mechanisms(calls: int, blocks: int) -> None:
     os.close(to_inside)
     os.close(answers_w)
     load_before = open("/proc/loadavg").read().strip()
+    build = tempfile.mkdtemp(prefix="sandboxd-bench-call-start-")
+    resident = Resident(build_resident(build), session)
     try:
         assert session.cgroup is not None
         plan = session.plan.replace(argv=("true",), env=dict(ENV), cwd=workspace)
@@ -185,8 +261,12 @@ def mechanisms(calls: int, blocks: int) -> None:
             for kind in "BC":
                 os.write(requests, kind.encode())
                 samples[kind].append(eval(os.read(answers_r, 4096)))
+            samples["R"].append(measure_resident(per_block, resident,
+                                                 lambda: resident.call(session, plan, helper, null)))
             samples["D"].append(measure(per_block, bare))
     finally:
+        resident.close()
+        shutil.rmtree(build, ignore_errors=True)
         os.close(requests)
         os.waitpid(child, 0)
         os.close(null)
