@@ -6,6 +6,7 @@ Not a test: it prints numbers. Run as root from a checkout with the helper built
     .venv/bin/python tests/bench_call_start.py --pieces [N]          # the pieces (bench_call_start.c)
     .venv/bin/python tests/bench_call_start.py --running 0,100,400 [CALLS]   # the fork server's loop
                                                                      # while that many calls run
+    .venv/bin/python tests/bench_call_start.py --loop-turn [RUNNING]  # one turn of it, piece by piece
 
 It opens one session with the daemon's default kind of limits (a pids and a memory limit, so the
 session has a cgroup, as every daemon session does) through ``Spawner`` in this process, as
@@ -346,8 +347,58 @@ def while_running(running_counts: list[int], calls: int) -> None:
         shutil.rmtree(workspace, ignore_errors=True)
 
 
+def loop_turn(count: int, turns: int = 300) -> None:
+    """One turn of the fork server's loop with ``count`` calls running, piece by piece: real
+    SandboxProcess objects around real children (``sleep``; their plan is not used here)."""
+    import select
+
+    from sandboxd.supervisor.spawner import SandboxProcess
+
+    procs = []
+    try:
+        for _ in range(count):
+            pid = os.posix_spawn("/bin/sleep", ["sleep", "600"], {})
+            report_r, _ = os.pipe()
+            status_r, _ = os.pipe()
+            procs.append(SandboxProcess(None, pid, report_r, status_r, None))  # type: ignore[arg-type]
+        running = {call_id: (proc, None) for call_id, proc in enumerate(procs)}
+        poller = select.poll()
+        for proc in procs:
+            poller.register(proc.fileno(), select.POLLIN)
+
+        def scan() -> None:                    # _Server.serve: the next deadline
+            [d for d in (proc.wake_at(limit) for proc, limit in running.values()) if d is not None]
+
+        def poll_each() -> None:               # _collect_exits before this branch
+            for proc, limit in list(running.values()):
+                proc.poll(limit)
+
+        def ready_only() -> None:              # _collect_exits now, with no pidfd ready
+            now, ready = time.monotonic(), set()
+            for proc, limit in list(running.values()):
+                if proc.fileno() not in ready:
+                    wake = proc.wake_at(limit)
+                    if wake is None or wake > now:
+                        continue
+
+        print(f"loadavg {open('/proc/loadavg').read().strip()}; {count} calls running, {turns} turns each")
+        for name, piece in (("poll() of every pidfd", lambda: poller.poll(0)), ("the deadline scan", scan),
+                            ("_collect_exits, a waitpid per call (before)", poll_each),
+                            ("_collect_exits, ready pidfds only (now)", ready_only)):
+            cpu = time.process_time()
+            for _ in range(turns):
+                piece()
+            print(f"  {name:<44} {(time.process_time() - cpu) / turns * 1e6:8.1f} us per turn")
+    finally:
+        for proc in procs:
+            os.kill(proc.pid, 9)
+            os.waitpid(proc.pid, 0)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--running"]:
+    if sys.argv[1:2] == ["--loop-turn"]:
+        loop_turn(int(sys.argv[2]) if len(sys.argv) > 2 else 400)
+    elif sys.argv[1:2] == ["--running"]:
         while_running([int(n) for n in sys.argv[2].split(",")] if len(sys.argv) > 2 else [0, 100, 400, 0],
                       int(sys.argv[3]) if len(sys.argv) > 3 else 300)
     elif sys.argv[1:2] == ["--pieces"]:
