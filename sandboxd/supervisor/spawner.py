@@ -22,6 +22,7 @@ from sandboxd.errors import LimitsUnavailable, SetupError
 from sandboxd.kernel import namespaces
 from sandboxd.kernel.cgroups import CgroupSet
 from sandboxd.kernel.host_limits import Ceiling, OwnerShare
+from sandboxd.kernel.oom_counter import OomCounter
 from sandboxd.launcher import report, sequence
 from sandboxd.launcher.plan import LaunchPlan, prepare
 from sandboxd.policy import LaunchSpec
@@ -107,10 +108,10 @@ class SandboxProcess:
         self._stopped_at: float | None = None
         self.inner_pid: int | None = None     # the command's pid inside its sandbox, when known
         # A session call has no group of its own: it counts the session group's OOM kills.
-        self._oom_group: "CgroupSet | None" = None
+        self._oom_group: "CgroupSet | OomCounter | None" = None
         self._oom_kills_before = 0
 
-    def count_oom_kills_in(self, group: "CgroupSet | None", before: int) -> None:
+    def count_oom_kills_in(self, group: "CgroupSet | OomCounter | None", before: int) -> None:
         """Report ``oom_killed`` when ``group`` (a session's) counted more OOM kills at the end than
         ``before`` (read before this call started). With calls running side by side in one session,
         a kill is reported to every call that was running when it happened."""
@@ -393,9 +394,10 @@ class Spawner:
         With ``tool``, the confined child runs that file tool instead of exec'ing (file_tools).
         With ``terminal`` (rows, columns), on a terminal whose master goes back on stdin (plan.terminal).
         Commands go to the native helper when the spawner has one (native_call.py)."""
-        oom_kills_before = session.cgroup.oom_kills() if session.cgroup else 0
+        counter = session.oom_counter
+        oom_kills_before = counter.oom_kills() if counter else 0
         proc = self._launch_call(session, argv, env, cwd, stdio, tool, terminal)
-        proc.count_oom_kills_in(session.cgroup, oom_kills_before)
+        proc.count_oom_kills_in(counter, oom_kills_before)
         return proc
 
     def _launch_call(self, session: SessionSandbox, argv: tuple[str, ...], env: dict[str, str], cwd: str,
@@ -455,10 +457,14 @@ class Spawner:
             for target, source in enumerate(sources):
                 if source is None:
                     continue
-                # Duplicated out of the way first, so no dup2 overwrites a source still to be moved.
-                high = fcntl.fcntl(source, fcntl.F_DUPFD_CLOEXEC, 64)
-                closing.append(high)
-                actions.append((os.POSIX_SPAWN_DUP2, high, target))
+                if source < len(sources):
+                    # A source among the targets is duplicated out of the way first, so no dup2
+                    # overwrites it before it is moved (or leaves it close-on-exec in its place).
+                    # The others are moved as they are: a call's descriptors are mostly high, and
+                    # each duplicate is two more system calls on the fork server's loop.
+                    source = fcntl.fcntl(source, fcntl.F_DUPFD_CLOEXEC, 64)
+                    closing.append(source)
+                actions.append((os.POSIX_SPAWN_DUP2, source, target))
             argv = native_call.command_line(helper, plan, namespaces=sequence.CALL_NAMESPACES,
                                             cgroup_dirs=list(session.cgroup.dirs) if session.cgroup else [])
             self._new_pid_namespace.enter(session.pidfd)
@@ -517,6 +523,8 @@ class SessionSandbox:
         self.pidfd = os.pidfd_open(init_pid) if init_pid is not None else -1
         self.intake = intake
         self.cgroup = cgroup
+        # Read before and after every call: held open, so each read is one pread (oom_counter.py).
+        self.oom_counter = OomCounter(cgroup) if cgroup is not None else None
 
     def kill(self) -> None:
         """SIGKILL the session's init: the kernel kills everything in its PID namespace.
@@ -559,6 +567,9 @@ class SessionSandbox:
         if self.intake is not None:
             self.intake.close()
             self.intake = None
+        if self.oom_counter is not None:
+            self.oom_counter.close()
+            self.oom_counter = None
         if self.cgroup is not None:
             self.cgroup.kill()
             self.cgroup.remove()

@@ -1,0 +1,56 @@
+"""A session's OOM kills, read from a descriptor held open (kernel/oom_counter.py): the same count
+as ``CgroupSet.oom_kills`` through a real kernel OOM kill, reported to the call it hit and not to
+the next one, and the descriptor gone with the session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import BASE_ENV, PY
+from sandboxd.kernel.oom_counter import OomCounter
+from sandboxd.launcher.native_call import helper_path
+from sandboxd.policy import LaunchSpec, Limits, WorkspaceWrite
+from sandboxd.supervisor.spawner import Spawner
+
+pytestmark = pytest.mark.timeout(120)
+
+HOG = "b = bytearray(512 << 20); b[::4096] = b'x' * len(b[::4096]); print('ALIVE')"
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_a_held_counter_counts_the_kernels_oom_kills(workspace: Path, native: bool) -> None:
+    spawner = Spawner(native_helper=helper_path() if native else None)
+    before = open_fds()
+    session = spawner.open_session(LaunchSpec(argv=("true",), workspace=str(workspace), env=dict(BASE_ENV),
+                                              policy=WorkspaceWrite(), limits=Limits(memory_bytes=64 << 20)))
+    null = os.open("/dev/null", os.O_RDWR)
+    try:
+        assert session.cgroup is not None and session.cgroup.memory_dir, "no memory cgroup on this machine"
+        counter = session.oom_counter
+        assert isinstance(counter, OomCounter)
+        assert counter.oom_kills() == session.cgroup.oom_kills() == 0
+
+        def call(argv: tuple[str, ...]) -> tuple[int | None, bool]:
+            proc = spawner.launch_call(session, argv, dict(BASE_ENV), str(workspace), stdio=(null, null, null))
+            proc.wait_started()
+            info = proc.wait(timeout=60)
+            return info.exit_code, info.oom_killed
+
+        assert call(("true",)) == (0, False)                         # control: nothing killed, nothing said
+        exit_code, oom_killed = call((PY, "-c", HOG))
+        assert exit_code is None and oom_killed                      # the kernel killed it, and the call says so
+        # The held descriptor reads fresh contents: the same count as a fresh open of the file.
+        assert counter.oom_kills() == session.cgroup.oom_kills() >= 1
+        assert call(("true",)) == (0, False)                         # the next call is not blamed
+    finally:
+        os.close(null)
+        session.close()
+    assert session.oom_counter is None
+    assert open_fds() <= before                                      # the counter's descriptor went with it
