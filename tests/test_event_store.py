@@ -4,13 +4,17 @@ per-session sequences, queries, live subscriptions, session rows and workspace m
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
 import stat
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from conftest import SLOW
+from sandboxd.audit import checkpointer
 from sandboxd.audit.store import MIGRATIONS, PERMISSION_NAMESPACE, EventStore, EventType, SessionRow
 from sandboxd.errors import InvalidPolicy, NotFound
 
@@ -169,3 +173,54 @@ def test_a_sessions_env_survives_a_reopen_and_older_rows_get_none(tmp_path: Path
     again = EventStore(str(path))
     assert again.session("s1").env == {"TOKEN": "kept", "EMPTY": ""}
     again.close()
+
+
+# ---- checkpoints on their own thread (sandboxd.audit.checkpointer) ---------------------------------
+
+def events_in_the_database_file(path: Path, copy: Path) -> int:
+    """Events in the database file alone (a copy without its WAL): what a checkpoint has moved there."""
+    shutil.copyfile(path, copy)
+    db = sqlite3.connect(f"file:{copy}?immutable=1", uri=True)
+    try:
+        return int(db.execute("SELECT COUNT(*) FROM events").fetchone()[0])
+    except sqlite3.DatabaseError:
+        return -1                                          # copied in the middle of a checkpoint: look again
+    finally:
+        db.close()
+
+
+def test_commits_are_checkpointed_by_a_thread_soon_after_and_an_idle_store_sleeps(tmp_path: Path) -> None:
+    """sqlite's own checkpoint would wait for 10,000 WAL pages (FALLBACK_PAGES); the event is in the
+    database file (synced) within about DELAY seconds all the same, because the thread did it.
+    Then, with nothing committed, the thread stays asleep."""
+    path = tmp_path / "events.db"
+    store = EventStore(str(path))
+    try:
+        assert store._checkpoints is not None
+        store.append("s1", EventType.SESSION_CREATED)
+        store.append_many("s1", [(EventType.TOOL_STARTED, "c1", "shell.exec", {}),
+                                 (EventType.TOOL_COMPLETED, "c1", "shell.exec", {})])
+        copy = tmp_path / "copy.db"
+        deadline = time.monotonic() + 30 * SLOW
+        while events_in_the_database_file(path, copy) != 3:
+            assert time.monotonic() < deadline, "the commits never reached the database file"
+            time.sleep(0.05)
+        done = store._checkpoints.checkpoints
+        assert done >= 1
+        time.sleep(3 * checkpointer.DELAY)
+        assert store._checkpoints.checkpoints == done          # idle: no checkpoint, no wake-up
+    finally:
+        store.close()
+
+
+def test_closing_the_store_ends_its_checkpoint_thread(tmp_path: Path) -> None:
+    before = {t.ident for t in threading.enumerate() if t.name == "sandboxd-wal-checkpoint"}
+    store = EventStore(str(tmp_path / "events.db"))
+    mine = [t for t in threading.enumerate() if t.name == "sandboxd-wal-checkpoint" and t.ident not in before]
+    assert len(mine) == 1
+    store.append("s1", EventType.SESSION_CREATED)
+    store.close()
+    assert not mine[0].is_alive()
+    memory = EventStore(":memory:")                        # no WAL, no thread
+    assert memory._checkpoints is None
+    memory.close()
