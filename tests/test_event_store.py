@@ -189,26 +189,35 @@ def events_in_the_database_file(path: Path, copy: Path) -> int:
         db.close()
 
 
-def test_commits_are_checkpointed_by_a_thread_soon_after_and_an_idle_store_sleeps(tmp_path: Path) -> None:
-    """sqlite's own checkpoint would wait for 10,000 WAL pages (FALLBACK_PAGES); the event is in the
-    database file (synced) within about DELAY seconds all the same, because the thread did it.
-    Then, with nothing committed, the thread stays asleep."""
+def test_the_thread_syncs_soon_after_a_commit_checkpoints_every_so_many_and_sleeps_when_idle(
+        tmp_path: Path) -> None:
+    """One commit: synced by the thread (no checkpoint: the next commit would pay for the WAL's
+    restart). CHECKPOINT_COMMITS commits: the thread checkpoints, so the events are in the database
+    file itself, long before sqlite's own checkpoint (FALLBACK_PAGES of WAL) would have run. Then,
+    with nothing committed, the thread stays asleep."""
     path = tmp_path / "events.db"
     store = EventStore(str(path))
     try:
-        assert store._checkpoints is not None
+        thread = store._checkpoints
+        assert thread is not None
         store.append("s1", EventType.SESSION_CREATED)
-        store.append_many("s1", [(EventType.TOOL_STARTED, "c1", "shell.exec", {}),
-                                 (EventType.TOOL_COMPLETED, "c1", "shell.exec", {})])
-        copy = tmp_path / "copy.db"
         deadline = time.monotonic() + 30 * SLOW
-        while events_in_the_database_file(path, copy) != 3:
+        while thread.syncs < 1:
+            assert time.monotonic() < deadline, "the commit was never synced"
+            time.sleep(0.05)
+        assert thread.checkpoints == 0
+        for n in range(checkpointer.CHECKPOINT_COMMITS):
+            store.append_many("s1", [(EventType.TOOL_STARTED, f"c{n}", "shell.exec", {}),
+                                     (EventType.TOOL_COMPLETED, f"c{n}", "shell.exec", {})])
+        wanted = 1 + 2 * checkpointer.CHECKPOINT_COMMITS
+        copy = tmp_path / "copy.db"
+        while events_in_the_database_file(path, copy) != wanted:
             assert time.monotonic() < deadline, "the commits never reached the database file"
             time.sleep(0.05)
-        done = store._checkpoints.checkpoints
-        assert done >= 1
+        assert thread.checkpoints == 1
+        syncs = thread.syncs
         time.sleep(3 * checkpointer.DELAY)
-        assert store._checkpoints.checkpoints == done          # idle: no checkpoint, no wake-up
+        assert thread.syncs == syncs                               # idle: no sync, no wake-up
     finally:
         store.close()
 
