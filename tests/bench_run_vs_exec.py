@@ -53,3 +53,4 @@ try:
     for c, s in zip(clients, sids): c.close_session(s); c.close()
 finally:
     d.proc.terminate(); d.proc.wait(30)
+    import shutil; shutil.rmtree(base, ignore_errors=True)
