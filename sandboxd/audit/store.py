@@ -18,7 +18,7 @@ an event before it takes the action the event records, so a crash leaves a log
 that says exactly how far each call got. ``synchronous=NORMAL`` in WAL mode
 survives a crash of the daemon (the kill -9 case); a power loss may drop the
 transactions of the last ``checkpointer.DELAY`` seconds, which a thread of its own
-syncs to disk (sandboxd.audit.checkpointer: never inside a call); ``durable=True``
+syncs to disk (sandboxd.audit.checkpointer, not the call that commits); ``durable=True``
 makes every commit wait for the disk.
 
 Watching: ``watch`` registers a subscriber *before* reading the past, under the
