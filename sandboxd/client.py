@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+from typing import Callable, Iterator
 
 import grpc
 
@@ -57,6 +57,7 @@ class SandboxClient:
     def __init__(self, socket_path: str = DEFAULT_SOCKET) -> None:
         self._channel = grpc.insecure_channel(f"unix:{socket_path}", options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.SandboxStub(self._channel)
+        self._run_supported = True          # until a daemon older than the Run RPC says otherwise
 
     @property
     def channel(self) -> grpc.Channel:
@@ -128,6 +129,23 @@ class SandboxClient:
     def stop_background(self, session_id: str, job_id: str) -> pb.BackgroundProcess:
         return self.stub.StopBackground(pb.StopBackgroundRequest(session_id=session_id, id=job_id))
 
+    def _run(self, start: pb.ExecStart) -> Iterator[pb.ExecResponse]:
+        """Everything is in `start` (stdin included, then closed), so the call needs no request
+        stream: Run, which spares both sides the stream's threads and messages. A daemon older
+        than Run answers UNIMPLEMENTED before anything ran: then Exec with the same `start`."""
+        if self._run_supported:
+            answered = False
+            try:
+                for response in self.stub.Run(start):
+                    answered = True
+                    yield response
+                return
+            except grpc.RpcError as error:
+                if answered or error.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                self._run_supported = False
+        yield from self.stub.Exec(iter([pb.ExecRequest(start=start)]))
+
     def exec(self, session_id: str, argv: list[str] | None = None, *, shell: str = "", cwd: str = "",
              env: dict[str, str] | None = None, timeout: float = 0, stdin: bytes = b"", output_limit: int = 0,
              on_output: Callable[[int, bytes], None] | None = None, env_overlay: dict[str, str] | None = None,
@@ -142,9 +160,7 @@ class SandboxClient:
                              env_overlay=env_overlay or {}, caller_env=caller_env)
         chunks: dict[int, list[bytes]] = {1: [], 2: []}
         pid, result = 0, None
-        # Everything is in `start` (stdin included, then closed), so the request stream
-        # ends right after it: an open-ended request iterator would pin a client thread.
-        for response in self.stub.Exec(iter([pb.ExecRequest(start=start)])):
+        for response in self._run(start):
             kind = response.WhichOneof("kind")
             if kind == "started_pid":
                 pid = response.started_pid

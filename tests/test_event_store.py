@@ -4,13 +4,17 @@ per-session sequences, queries, live subscriptions, session rows and workspace m
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
 import stat
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from conftest import SLOW
+from sandboxd.audit import checkpointer
 from sandboxd.audit.store import MIGRATIONS, PERMISSION_NAMESPACE, EventStore, EventType, SessionRow
 from sandboxd.errors import InvalidPolicy, NotFound
 
@@ -169,3 +173,63 @@ def test_a_sessions_env_survives_a_reopen_and_older_rows_get_none(tmp_path: Path
     again = EventStore(str(path))
     assert again.session("s1").env == {"TOKEN": "kept", "EMPTY": ""}
     again.close()
+
+
+# ---- checkpoints on their own thread (sandboxd.audit.checkpointer) ---------------------------------
+
+def events_in_the_database_file(path: Path, copy: Path) -> int:
+    """Events in the database file alone (a copy without its WAL): what a checkpoint has moved there."""
+    shutil.copyfile(path, copy)
+    db = sqlite3.connect(f"file:{copy}?immutable=1", uri=True)
+    try:
+        return int(db.execute("SELECT COUNT(*) FROM events").fetchone()[0])
+    except sqlite3.DatabaseError:
+        return -1                                          # copied in the middle of a checkpoint: look again
+    finally:
+        db.close()
+
+
+def test_the_thread_syncs_soon_after_a_commit_checkpoints_every_so_many_and_sleeps_when_idle(
+        tmp_path: Path) -> None:
+    """One commit: synced by the thread (no checkpoint: the next commit would pay for the WAL's
+    restart). CHECKPOINT_COMMITS commits: the thread checkpoints, so the events are in the database
+    file itself, long before sqlite's own checkpoint (FALLBACK_PAGES of WAL) would have run. Then,
+    with nothing committed, the thread stays asleep."""
+    path = tmp_path / "events.db"
+    store = EventStore(str(path))
+    try:
+        thread = store._checkpoints
+        assert thread is not None
+        store.append("s1", EventType.SESSION_CREATED)
+        deadline = time.monotonic() + 30 * SLOW
+        while thread.syncs < 1:
+            assert time.monotonic() < deadline, "the commit was never synced"
+            time.sleep(0.05)
+        assert thread.checkpoints == 0
+        for n in range(checkpointer.CHECKPOINT_COMMITS):
+            store.append_many("s1", [(EventType.TOOL_STARTED, f"c{n}", "shell.exec", {}),
+                                     (EventType.TOOL_COMPLETED, f"c{n}", "shell.exec", {})])
+        wanted = 1 + 2 * checkpointer.CHECKPOINT_COMMITS
+        copy = tmp_path / "copy.db"
+        while events_in_the_database_file(path, copy) != wanted:
+            assert time.monotonic() < deadline, "the commits never reached the database file"
+            time.sleep(0.05)
+        assert thread.checkpoints == 1
+        syncs = thread.syncs
+        time.sleep(3 * checkpointer.DELAY)
+        assert thread.syncs == syncs                               # idle: no sync, no wake-up
+    finally:
+        store.close()
+
+
+def test_closing_the_store_ends_its_checkpoint_thread(tmp_path: Path) -> None:
+    before = {t.ident for t in threading.enumerate() if t.name == "sandboxd-wal-checkpoint"}
+    store = EventStore(str(tmp_path / "events.db"))
+    mine = [t for t in threading.enumerate() if t.name == "sandboxd-wal-checkpoint" and t.ident not in before]
+    assert len(mine) == 1
+    store.append("s1", EventType.SESSION_CREATED)
+    store.close()
+    assert not mine[0].is_alive()
+    memory = EventStore(":memory:")                        # no WAL, no thread
+    assert memory._checkpoints is None
+    memory.close()

@@ -16,8 +16,10 @@ with versioned migrations. It holds:
 Durability: every append is committed before it returns, and the daemon appends
 an event before it takes the action the event records, so a crash leaves a log
 that says exactly how far each call got. ``synchronous=NORMAL`` in WAL mode
-survives a crash of the daemon (the kill -9 case); a power loss may drop the last
-transactions (``durable=True`` makes every commit wait for the disk).
+survives a crash of the daemon (the kill -9 case); a power loss may drop the
+transactions of the last ``checkpointer.DELAY`` seconds, which a thread of its own
+syncs to disk (sandboxd.audit.checkpointer, not the call that commits); ``durable=True``
+makes every commit wait for the disk.
 
 Watching: ``watch`` registers a subscriber *before* reading the past, under the
 same lock appends take, so the switch from past to live events has no gap and no
@@ -35,6 +37,7 @@ from collections import deque
 from typing import Any, Callable
 
 from sandboxd._record import Factory, Record
+from sandboxd.audit import checkpointer
 from sandboxd.errors import InvalidPolicy, NotFound
 
 
@@ -185,13 +188,21 @@ class EventStore:
         try:
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+            synchronous = "FULL" if durable else "NORMAL"
+            self._db.execute(f"PRAGMA synchronous={synchronous}")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._migrate()
         finally:
             os.umask(previous)
+        self._checkpoints: checkpointer.Checkpointer | None = None
         if path != ":memory:":
             _make_private(path)
+            self._db.execute(f"PRAGMA wal_autocheckpoint={checkpointer.FALLBACK_PAGES}")
+            self._checkpoints = checkpointer.Checkpointer(path, synchronous)
+
+    def _committed(self) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.committed()
 
     # -- schema ----------------------------------------------------------------------------------
 
@@ -220,6 +231,8 @@ class EventStore:
         return int(self._db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0)
 
     def close(self) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.stop()
         with self._lock:
             for subscriber in self._subscribers:
                 with subscriber.cond:
@@ -259,6 +272,7 @@ class EventStore:
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+            self._committed()
             if any(kind == EventType.SESSION_CLOSED for kind, *_ in rows):
                 # A cache (a miss asks the index): a closed session's entry would stay forever, one
                 # per session the daemon ever served, the soak's steady growth.
@@ -353,6 +367,7 @@ class EventStore:
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
                 "sandbox_policy = excluded.sandbox_policy, approval_policy = excluded.approval_policy, "
                 "tool_rules = excluded.tool_rules, closed_at = excluded.closed_at", values)
+            self._committed()
 
     _SESSION_COLUMNS = ("SELECT id, owner_uid, owner_gid, owner_principal, workspace, sandbox_policy, "
                         "approval_policy, tool_rules, limits, labels, created_at, closed_at, env FROM sessions")
@@ -382,6 +397,7 @@ class EventStore:
                              "(namespace, workspace, owner_uid, owner_principal, key) DO UPDATE SET value = "
                              "excluded.value",
                              (namespace, workspace, owner_uid, owner_principal, key, json.dumps(value), time.time()))
+            self._committed()
 
     def forget(self, namespace: str, workspace: str, key: str, *, owner_uid: int, owner_principal: str = "") -> bool:
         """Remove one owner's row; whether there was one."""
@@ -389,6 +405,7 @@ class EventStore:
             cursor = self._db.execute("DELETE FROM memory WHERE namespace = ? AND workspace = ? AND key = ? "
                                       "AND owner_uid = ? AND owner_principal = ?",
                                       (namespace, workspace, key, owner_uid, owner_principal))
+            self._committed()
         return cursor.rowcount > 0
 
     def recall(self, namespace: str, workspace: str | None = None, *, owner_uid: int | None = None,

@@ -50,9 +50,19 @@ def check_start(start: pb.ExecStart, argv: list[str], session: Session) -> None:
         terminal_call.check_terminal(start.terminal)
 
 
+def check_unstreamed(start: pb.ExecStart) -> None:
+    """What a call with no request stream (Run) cannot do, refused before it is authorized."""
+    if start.HasField("terminal"):
+        raise InvalidPolicy("a terminal call takes keystrokes and resizes after `start`: run it with Exec, not Run")
+
+
 def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb.ExecStart, argv: list[str],
-        cwd: str, requests: Iterator[pb.ExecRequest], context: grpc.ServicerContext) -> Iterator[pb.ExecResponse]:
-    """``argv`` and ``cwd``: from ``command_of(start)`` and ``cwd_inside``, as the caller checked them."""
+        cwd: str, requests: Iterator[pb.ExecRequest] | None,
+        context: grpc.ServicerContext) -> Iterator[pb.ExecResponse]:
+    """``argv`` and ``cwd``: from ``command_of(start)`` and ``cwd_inside``, as the caller checked them.
+    ``requests``: Exec's stream after `start` (stdin, signals, resizes: read by a feeder thread);
+    None for Run, where nothing follows `start`: its stdin is written and closed here, and a thread
+    is started only for the part of it the pipe does not take at once."""
     env = {**environment.command_env(registry, fork, session, start), **session.extra_env}
     timeout = start.timeout_seconds or session.limits.timeout_seconds
     limit = start.output_limit_bytes or DEFAULT_OUTPUT_LIMIT
@@ -66,9 +76,17 @@ def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb
         context.add_callback(call.cancel)
         yield pb.ExecResponse(started_pid=call.inner_pid or 0)
         assert call.call_id is not None
-        feeder, args = ((terminal_call.feed, (fork, call, start, requests)) if isinstance(call, terminal_call.TerminalCall)
-                        else (_feed, (fork, call.call_id, call.take_stdin(), start, requests)))
-        threading.Thread(target=feeder, args=args, name=f"sandboxd-stdin-{call.call_id}", daemon=True).start()
+        if requests is None:
+            assert not isinstance(call, terminal_call.TerminalCall), "check_unstreamed refuses a terminal"
+            rest = _write_what_fits(call.take_stdin(), start.stdin)
+            if rest is not None:
+                threading.Thread(target=_write_and_close, args=rest, name=f"sandboxd-stdin-{call.call_id}",
+                                 daemon=True).start()
+        else:
+            feeder, args = ((terminal_call.feed, (fork, call, start, requests))
+                            if isinstance(call, terminal_call.TerminalCall)
+                            else (_feed, (fork, call.call_id, call.take_stdin(), start, requests)))
+            threading.Thread(target=feeder, args=args, name=f"sandboxd-stdin-{call.call_id}", daemon=True).start()
         truncated = False
         for stream, chunk in call.output():
             if limit <= 0:
@@ -93,6 +111,35 @@ def result_summary(result: pb.ExecResult) -> dict[str, object]:
     return {"exit_code": result.exit_code, "signal": result.signal, "timed_out": result.timed_out,
             "shell_status": result.shell_status, "wall_seconds": round(result.wall_seconds, 6),
             "output_truncated": result.output_truncated, "oom_killed": result.oom_killed}
+
+
+def _write_what_fits(stdin_w: int, data: bytes) -> tuple[int, memoryview] | None:
+    """Write ``data`` to the command's stdin without blocking and close it; when the pipe is full
+    first, (the fd, set blocking again, and what is left) for a thread to finish: this thread must
+    go on to read the output, or a command that writes before it reads would deadlock with us."""
+    view = memoryview(data)
+    try:
+        if view:
+            os.set_blocking(stdin_w, False)
+            while view:
+                view = view[os.write(stdin_w, view):]
+    except BlockingIOError:
+        os.set_blocking(stdin_w, True)
+        return stdin_w, view
+    except OSError:
+        pass  # the command closed its stdin (EPIPE): what it did not read is dropped, as with Exec
+    os.close(stdin_w)
+    return None
+
+
+def _write_and_close(stdin_w: int, rest: memoryview) -> None:
+    try:
+        while rest:
+            rest = rest[os.write(stdin_w, rest):]
+    except OSError:
+        pass  # the command closed its stdin, or ended
+    finally:
+        os.close(stdin_w)
 
 
 def _feed(fork: ForkServer, call_id: int, stdin_w: int, start: pb.ExecStart,

@@ -220,20 +220,34 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         received = time.monotonic()
         try:
             who = self._callers(context)
-            yield from self._exec(who, request_iterator, context, received)
+            yield from self._exec(who, None, request_iterator, context, received)
         except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
             abort(context, error)
 
-    def _exec(self, who: Caller, request_iterator: Iterator[pb.ExecRequest],
+    def Run(self, request: pb.ExecStart, context: grpc.ServicerContext) -> Iterator[pb.ExecResponse]:
+        """Exec without a request stream: the same path (_exec), with nothing to read after `start`."""
+        received = time.monotonic()
+        try:
+            who = self._callers(context)
+            yield from self._exec(who, request, None, context, received)
+        except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
+            abort(context, error)
+
+    def _exec(self, who: Caller, start: pb.ExecStart | None, request_iterator: Iterator[pb.ExecRequest] | None,
               context: grpc.ServicerContext, received: float) -> Iterator[pb.ExecResponse]:
+        """Exec (``start`` None: it is the stream's first message) or Run (``request_iterator`` None)."""
         with self._quotas.hold(who, CALLS):
-            first = next(request_iterator, None)
-            if first is None or first.WhichOneof("kind") != "start":
-                raise InvalidPolicy("the first Exec message must be `start` (session, argv or shell, ...)")
-            start = first.start
+            if start is None:
+                assert request_iterator is not None
+                first = next(request_iterator, None)
+                if first is None or first.WhichOneof("kind") != "start":
+                    raise InvalidPolicy("the first Exec message must be `start` (session, argv or shell, ...)")
+                start = first.start
             session = self._registry.get(who, start.session_id)
             argv, cwd = exec_call.command_of(start), cwd_inside(session.workspace, convert.check_path(start.cwd, "cwd"))
             exec_call.check_start(start, argv, session)
+            if request_iterator is None:
+                exec_call.check_unstreamed(start)
             call = tool_calls.command(session, "shell.exec", argv, cwd, context_id=start.execution_context_id)
             with self._gate.authorize(session, call, still_wanted=context.is_active) as granted:
                 for response in exec_call.run(self._registry, self._fork, session, start, argv, cwd, request_iterator,

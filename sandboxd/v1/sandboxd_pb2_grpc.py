@@ -64,6 +64,11 @@ class SandboxStub:
                 request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExecRequest.SerializeToString,
                 response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExecResponse.FromString,
                 _registered_method=True)
+        self.Run = channel.unary_stream(
+                '/sandboxd.v1.Sandbox/Run',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExecStart.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExecResponse.FromString,
+                _registered_method=True)
         self.ReadFile = channel.unary_unary(
                 '/sandboxd.v1.Sandbox/ReadFile',
                 request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ReadFileRequest.SerializeToString,
@@ -205,6 +210,18 @@ class SandboxServicer:
         """The first request must carry `start`; later ones carry stdin chunks, stdin close or a signal.
         The server sends `started`, then stdout/stderr chunks as they come, then one `result`.
         Cancelling the call (or disconnecting) kills the command's whole process tree.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Run(self, request, context):
+        """Exec for a call that sends nothing after `start`: the same checks, approvals, audit, quotas
+        and responses (`started`, output chunks, one `result`), with one request message instead of a
+        stream, so neither side keeps a stream of requests open (cheaper per call). stdin is
+        `start.stdin` and is then closed, whatever `close_stdin` says; there is no way to send a
+        signal (cancel the call instead: the command's whole tree is killed) and no terminal (a
+        terminal call takes keystrokes and resizes: use Exec; here it is INVALID_ARGUMENT).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -384,6 +401,11 @@ def add_SandboxServicer_to_server(servicer, server):
             'Exec': grpc.stream_stream_rpc_method_handler(
                     servicer.Exec,
                     request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExecRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExecResponse.SerializeToString,
+            ),
+            'Run': grpc.unary_stream_rpc_method_handler(
+                    servicer.Run,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExecStart.FromString,
                     response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ExecResponse.SerializeToString,
             ),
             'ReadFile': grpc.unary_unary_rpc_method_handler(
@@ -648,6 +670,33 @@ class Sandbox:
             target,
             '/sandboxd.v1.Sandbox/Exec',
             sandboxd_dot_v1_dot_sandboxd__pb2.ExecRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.ExecResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Run(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/Run',
+            sandboxd_dot_v1_dot_sandboxd__pb2.ExecStart.SerializeToString,
             sandboxd_dot_v1_dot_sandboxd__pb2.ExecResponse.FromString,
             options,
             channel_credentials,
