@@ -132,7 +132,7 @@ class BackgroundJobs:
             except Exception:  # noqa: BLE001 - the fork server went away: the job is over all the same
                 result = ExitInfo(exit_code=None, signal=9, timed_out=False, wall_seconds=0.0, cpu_seconds=None,
                                   peak_memory_bytes=None, oom_killed=False)
-            self._registry.inspect_git(job.session)           # before a follower hears the job ended
+            self._registry.call_ended(job.session)           # before a follower hears the job ended
             job.finish(result)
             self._registry.end_call(job.session, generation)
 
