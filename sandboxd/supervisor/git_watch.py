@@ -3,8 +3,8 @@
 A git guard (supervisor/git_guard.py) learns from inotify which directories changed since its
 last inspection. With an instance per guard, a daemon holding more sessions than
 fs.inotify.max_user_instances (128 for root by default) has guards without one, and each of
-those walks its whole tree after every call. An ``InotifyHub`` is one instance (one descriptor)
-for all of them: each guard holds a ``Subscription`` with the same interface as
+those walks its whole tree after every call. An ``InotifyHub`` is one instance (one descriptor,
+held while any guard lives) for all of them: each guard holds a ``Subscription`` with the same interface as
 kernel.inotify.Inotify (``watch_fd``, ``drain``, ``close``).
 
 The kernel gives one watch per inode per instance: two sessions on the same workspace get the
@@ -91,6 +91,11 @@ class InotifyHub:
                 if self._inotify is not None:
                     self._inotify.remove_watch(wd)
         subscription.wds.clear()
+        if not self._subscriptions and self._inotify is not None:
+            # The last guard went (its sessions closed, or the fork server's loss): so does the
+            # descriptor; the next guard makes a new instance.
+            self._inotify.close()
+            self._inotify = None
 
 
 class Subscription:
