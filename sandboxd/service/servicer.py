@@ -61,7 +61,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         self._jobs = BackgroundJobs(registry, fork)
         self._gate = gate
         self._audit = AuditService(registry, gate)
-        for forget in (self._jobs.forget, gate.forget_session, self._audit.forget_session, environment.forget_session):
+        for forget in (gate.forget_session, self._audit.forget_session, environment.forget_session):
             registry.add_hooks(WhenClosed(forget))            # a closed session is forgotten (sandbox_hooks)
 
     def _unary(self, context: grpc.ServicerContext, work: Callable[[Caller], R]) -> R:

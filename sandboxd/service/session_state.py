@@ -21,14 +21,15 @@ from sandboxd.policy.spec import policy_from_dict, policy_to_dict
 from sandboxd.service.callers import Caller, session_owner
 
 if TYPE_CHECKING:
+    from sandboxd.service.background import BackgroundJob
     from sandboxd.service.sandbox_hooks import Service
     from sandboxd.supervisor.git_guard import GitGuard
 
 
 class Session:
     """One session. Its mutable fields (policy, approval, generation, running, closed, building,
-    sandbox_ready, workspace, services, extra_env, git_guard, sandbox_builds) change only under
-    ``lock``; see the module's docstring for ``build_lock``."""
+    sandbox_ready, workspace, services, extra_env, git_guard, sandbox_builds, jobs) change only
+    under ``lock``; see the module's docstring for ``build_lock``."""
 
     def __init__(self, session_id: str, owner: Caller, workspace: str, policy: SandboxPolicy,
                  approval: str, limits: Limits, labels: dict[str, str], rules: ToolRules | None = None,
@@ -59,6 +60,7 @@ class Session:
         self.extra_env: dict[str, str] = {}   # added to every call's environment (the proxy variables)
         self.git_guard: GitGuard | None = None  # set by git_guard_hook: inspects the writable roots after each call
         self.sandbox_builds = 0               # sandboxes built so far (any generation): what was made in one is gone in the next
+        self.jobs: dict[str, BackgroundJob] = {}  # its background processes by id (service.background)
 
     def to_row(self, closed_at: float | None = None) -> SessionRow:
         """What the store keeps of it (the caller holds ``lock``, or the session is not shared yet)."""
