@@ -148,45 +148,43 @@ def others_go_on(env: InProcess, other: Session) -> dict[str, float]:
     return seconds
 
 
+def while_held(env: InProcess, other: Session, workspace: str, where: str, work: Callable[[], Any],
+               check_held: Callable[[], None]) -> dict[str, Any]:
+    """``work`` in a thread, held in its hook at ``where`` for ``workspace``'s session: meanwhile
+    ``check_held()`` and another session's steps (each within BOUND). Returns work's outcome."""
+    env.holder.hold(workspace, where)
+    thread, outcome = in_thread(work)
+    assert env.holder.entered.wait(30 * SLOW), outcome
+    try:
+        check_held()
+        seconds = others_go_on(env, other)
+        assert thread.is_alive(), f"the held {where} ended before it was released"
+    finally:
+        env.holder.release.set()
+    thread.join(30 * SLOW)
+    print(f"while a {where} is held: " + ", ".join(f"{step} {took * 1000:.1f} ms" for step, took in seconds.items()))
+    assert max(seconds.values()) < BOUND, seconds
+    assert "error" not in outcome, outcome
+    return outcome
+
+
 def test_a_held_build_or_close_holds_no_other_session(in_process: InProcess) -> None:
     env = in_process
     other = env.create(env.workspace("other"))
     count = env.registry.count()
-
-    # A build held in its hook: the new session is counted, found by no one, and others go on.
     held_ws = env.workspace("held")
-    env.holder.hold(held_ws, "build")
-    thread, outcome = in_thread(lambda: env.create(held_ws))
-    assert env.holder.entered.wait(30 * SLOW), outcome
-    try:
+
+    def building() -> None:                                   # counted, found by no one
         assert env.registry.count() == count + 1
         assert all(s.workspace != held_ws for s in env.registry.list(env.owner))
-        seconds = others_go_on(env, other)
-        assert thread.is_alive(), "the held build ended before it was released"
-    finally:
-        env.holder.release.set()
-    thread.join(30 * SLOW)
-    print(f"while a build is held: {seconds}")
-    assert max(seconds.values()) < BOUND, seconds
-    held = outcome["result"]                                 # control: released, it is a session
-    assert env.registry.get(env.owner, held.id) is held
+    held = while_held(env, other, held_ws, "build", lambda: env.create(held_ws), building)["result"]
+    assert env.registry.get(env.owner, held.id) is held      # control: released, it is a session
     assert env.echo(held, "held") == b"held\n"
 
-    # Its close held in its hook: it is gone for everyone at once, and others go on.
-    env.holder.hold(held_ws, "close")
-    thread, outcome = in_thread(lambda: env.registry.close(env.owner, held.id))
-    assert env.holder.entered.wait(30 * SLOW), outcome
-    try:
+    def closing() -> None:                                    # gone for everyone at once
         with pytest.raises(NotFound):
             env.registry.get(env.owner, held.id)
-        seconds = others_go_on(env, other)
-        assert thread.is_alive(), "the held close ended before it was released"
-    finally:
-        env.holder.release.set()
-    thread.join(30 * SLOW)
-    print(f"while a close is held: {seconds}")
-    assert max(seconds.values()) < BOUND, seconds
-    assert "error" not in outcome, outcome
+    while_held(env, other, held_ws, "close", lambda: env.registry.close(env.owner, held.id), closing)
     assert env.registry.count() == count
 
 
