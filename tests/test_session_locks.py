@@ -9,6 +9,11 @@ policy changed (a build of its own) and a new session is created and closed: eac
 bound. The held session is counted (quotas) but found by no one while it is being built.
 Control: released, the held build finishes and its session is found and runs commands.
 
+A hook that fails a build fails CreateSession with its error, and leaves nothing: what the
+hooks before it served is closed, the sandbox is gone (no process of the user), the session is
+not counted. Control: the same hooks without the failure build it, and CloseSession closes
+what they served.
+
 Through the daemon, a build that waits on a file system that never answers (issue 16's FUSE
 mount, test_hung_fs): UpdateSessionPolicy naming a writable root on it is held until the fork
 server's deadline, and meanwhile the same session is looked up and runs commands on its
@@ -29,7 +34,7 @@ import pytest
 from conftest import SLOW
 from daemon_helpers import Daemon, PlainUser, run_client_as
 from sandboxd.audit.store import open_in_state_dir
-from sandboxd.errors import NotFound
+from sandboxd.errors import InvalidPolicy, NotFound
 from sandboxd.policy import Limits
 from sandboxd.policy.sandbox import ReadOnly, WorkspaceWrite
 from sandboxd.service.callers import Caller, session_owner
@@ -37,7 +42,7 @@ from sandboxd.service.file_calls import run_in_session
 from sandboxd.service.sandbox_hooks import Sandbox, SandboxHooks, Service
 from sandboxd.service.sessions import Session, SessionRegistry
 from sandboxd.supervisor.forkserver import ForkServer
-from test_hung_fs import WAIT_SECONDS, HungMount, owned_dir
+from test_hung_fs import WAIT_SECONDS, HungMount, owned_dir, processes_of
 from test_hung_fs import daemon, fuse_device, hung, users  # noqa: F401 - pytest fixtures
 
 BOUND = 2.0 * SLOW        # what any one step of the other sessions may take while one is held
@@ -186,6 +191,61 @@ def test_a_held_build_or_close_holds_no_other_session(in_process: InProcess) -> 
             env.registry.get(env.owner, held.id)
     while_held(env, other, held_ws, "close", lambda: env.registry.close(env.owner, held.id), closing)
     assert env.registry.count() == count
+
+
+class Served:
+    """A stand-in for a published port: it only records that it was closed."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class ServeThenFail(SandboxHooks):
+    """Serves one thing per sandbox; then, for ``refuse``'s workspace, a later hook fails the build."""
+
+    def __init__(self) -> None:
+        self.served: list[Served] = []
+        self.refuse = ""
+
+    def sandbox_ready(self, session: Session, sandbox: Sandbox) -> tuple[Service, ...]:
+        self.served.append(Served())
+        return (self.served[-1],)
+
+
+class Refuse(SandboxHooks):
+    def __init__(self, by: ServeThenFail) -> None:
+        self.by = by
+
+    def sandbox_ready(self, session: Session, sandbox: Sandbox) -> tuple[Service, ...]:
+        if session.workspace == self.by.refuse:
+            raise InvalidPolicy("refused by the test's hook")
+        return ()
+
+
+def test_a_failing_hook_fails_the_build_and_leaves_nothing(in_process: InProcess) -> None:
+    env = in_process
+    serving = ServeThenFail()
+    env.registry.add_hooks(serving)
+    env.registry.add_hooks(Refuse(serving))
+    count, namespaces = env.registry.count(), env.registry.sandbox_namespaces()
+    serving.refuse = env.workspace("refused")
+    with pytest.raises(InvalidPolicy, match="refused by the test's hook"):
+        env.create(serving.refuse)
+    assert [s.closed for s in serving.served] == [True]          # what the hook before it served
+    assert env.registry.count() == count and env.registry.sandbox_namespaces() == namespaces
+    deadline = time.monotonic() + 10 * SLOW
+    while processes_of(env.user.uid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_of(env.user.uid) == []                       # its sandbox is gone
+    # Control: without the refusal the same hooks build it; its service lives until CloseSession.
+    session = env.create(env.workspace("served"))
+    assert processes_of(env.user.uid), "a built sandbox has its init, as the user"    # what was looked for
+    assert env.echo(session, "served") == b"served\n" and [s.closed for s in serving.served] == [True, False]
+    env.registry.close(env.owner, session.id)
+    assert [s.closed for s in serving.served] == [True, True]
 
 
 # As the mounter of a FUSE file system that never answers: one session's policy change waits on
