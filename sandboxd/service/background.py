@@ -83,13 +83,12 @@ class BackgroundJob:
 
 
 class BackgroundJobs:
-    """All background jobs of the daemon, by session."""
+    """Background jobs: each session keeps its own (``Session.jobs``, under the session's lock),
+    and they go with it."""
 
     def __init__(self, registry: SessionRegistry, fork: ForkServer) -> None:
         self._registry = registry
         self._fork = fork
-        self._lock = threading.Lock()
-        self._jobs: dict[str, dict[str, BackgroundJob]] = {}
 
     def start(self, session: Session, argv: list[str], cwd: str, start: pb.ExecStart, name: str) -> BackgroundJob:
         """``start``: the environment fields (env, or env_overlay and caller_env), checked by the caller."""
@@ -111,8 +110,8 @@ class BackgroundJobs:
             self._registry.end_call(session, generation)
             raise
         job.pid = pid or 0
-        with self._lock:
-            self._jobs.setdefault(session.id, {})[job.id] = job
+        with session.lock:
+            session.jobs[job.id] = job
         threading.Thread(target=self._pump, args=(job, out_r, generation), name=f"sandboxd-bg-{job.id}",
                          daemon=True).start()
         return job
@@ -132,20 +131,21 @@ class BackgroundJobs:
             except Exception:  # noqa: BLE001 - the fork server went away: the job is over all the same
                 result = ExitInfo(exit_code=None, signal=9, timed_out=False, wall_seconds=0.0, cpu_seconds=None,
                                   peak_memory_bytes=None, oom_killed=False)
-            self._registry.inspect_git(job.session)           # before a follower hears the job ended
+            self._registry.call_ended(job.session)           # before a follower hears the job ended
             job.finish(result)
             self._registry.end_call(job.session, generation)
 
     def get(self, session: Session, job_id: str) -> BackgroundJob:
-        with self._lock:
-            job = self._jobs.get(session.id, {}).get(job_id)
+        with session.lock:
+            job = session.jobs.get(job_id)
         if job is None:
             raise NotFound(f"no background process {job_id!r} in session {session.id!r}")
         return job
 
     def list(self, session: Session) -> list[BackgroundJob]:
-        with self._lock:
-            return sorted(self._jobs.get(session.id, {}).values(), key=lambda j: j.started_at)
+        with session.lock:
+            jobs = list(session.jobs.values())
+        return sorted(jobs, key=lambda j: j.started_at)
 
     def stop(self, session: Session, job_id: str, timeout: float = 10.0) -> BackgroundJob:
         job = self.get(session, job_id)
@@ -154,7 +154,3 @@ class BackgroundJobs:
             with job._cond:                                    # noqa: SLF001 - same module family
                 job._cond.wait_for(lambda: job.result is not None, timeout=timeout)
         return job
-
-    def forget(self, session_id: str) -> None:
-        with self._lock:
-            self._jobs.pop(session_id, None)

@@ -94,7 +94,7 @@ class SessionCall:
         assert self.call_id is not None
         info = self._fork.wait(self.call_id)
         self.call_id = None
-        self._registry.inspect_git(self._session)          # before the caller hears the call ended
+        self._registry.call_ended(self._session)          # before the caller hears the call ended
         return info
 
     def cancel(self) -> None:

@@ -16,6 +16,7 @@ from sandboxd.service.background import BackgroundJob, BackgroundJobs
 from sandboxd.service.callers import Caller, Callers
 from sandboxd.service.peercred import FrontDoor
 from sandboxd.service.quotas import CALLS, STREAMS, Quotas
+from sandboxd.service.sandbox_hooks import WhenClosed
 from sandboxd.service.sessions import Session, SessionRegistry, cwd_inside
 from sandboxd.service.status import abort
 from sandboxd.supervisor.forkserver import ForkServer
@@ -60,6 +61,8 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         self._jobs = BackgroundJobs(registry, fork)
         self._gate = gate
         self._audit = AuditService(registry, gate)
+        for forget in (gate.forget_session, self._audit.forget_session, environment.forget_session):
+            registry.add_hooks(WhenClosed(forget))            # a closed session is forgotten (sandbox_hooks)
 
     def _unary(self, context: grpc.ServicerContext, work: Callable[[Caller], R]) -> R:
         try:
@@ -100,10 +103,6 @@ class SandboxServicer(pb_grpc.SandboxServicer):
     def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext) -> pb.CloseSessionResponse:
         def work(who: Caller) -> pb.CloseSessionResponse:
             self._registry.close(who, request.session_id)
-            self._jobs.forget(request.session_id)
-            self._gate.forget_session(request.session_id)
-            self._audit.forget_session(request.session_id)
-            environment.forget_session(request.session_id)
             return pb.CloseSessionResponse()
         return self._unary(context, work)
 

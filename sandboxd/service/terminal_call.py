@@ -140,7 +140,7 @@ class TerminalCall(SessionCall):
         if isinstance(outcome, BaseException):
             raise outcome
         assert outcome is not None
-        self._registry.inspect_git(self._session)
+        self._registry.call_ended(self._session)
         return outcome
 
     def __exit__(self, *exc: object) -> None:

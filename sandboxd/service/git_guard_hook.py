@@ -1,0 +1,66 @@
+"""The git guard as a session's hooks: it watches the session's writable roots while
+.git/config is protected (the default), and after each call neutralises the git configuration
+the call planted (supervisor/git_guard.py), one event and one log line each."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Iterable
+
+from sandboxd.audit.store import EventStore, EventType
+from sandboxd.policy.git_config import GIT_GUARD_SUBPATH
+from sandboxd.policy.sandbox import WorkspaceWrite
+from sandboxd.service.sandbox_hooks import Sandbox, SandboxHooks, Service
+from sandboxd.service.session_state import Session
+from sandboxd.supervisor.git_guard import GitGuard
+from sandboxd.supervisor.git_watch import InotifyHub
+
+log = logging.getLogger("sandboxd")
+
+
+class GitGuardHook(SandboxHooks):
+    def __init__(self, store: EventStore) -> None:
+        self._store = store
+        self._watch = InotifyHub()         # one inotify instance for every session's git guard
+
+    def sandbox_ready(self, session: Session, sandbox: Sandbox) -> Iterable[Service]:
+        """The generation's roots: a root new to the guard is taken as it is now (what the user
+        had is theirs). The baseline walk runs under the session's build_lock only."""
+        policy = sandbox.policy
+        roots: list[str] = []
+        if isinstance(policy, WorkspaceWrite) and GIT_GUARD_SUBPATH in policy.protected_subpaths:
+            with session.lock:
+                workspace = session.workspace
+            roots = [workspace, *(os.path.realpath(r) for r in policy.writable_roots)]
+        guard = session.git_guard
+        if guard is None:
+            if roots:
+                guard = GitGuard(roots, hub=self._watch)
+                with session.lock:
+                    session.git_guard = guard
+        else:
+            guard.set_roots(roots)
+        return ()
+
+    def call_ended(self, session: Session) -> None:
+        guard = session.git_guard
+        if guard is None:
+            return
+        found = guard.inspect()
+        if found:
+            self._store.append_many(session.id, [
+                (EventType.GIT_CONFIG_NEUTRALIZED, "", "", {"repo": n.repo, "what": n.what, "key": n.key})
+                for n in found])
+        for item in found:
+            log.warning("session %s: %s", session.id, item.describe())
+
+    def session_closed(self, session: Session, stopping: bool) -> None:
+        """The last look (every process of the session is gone), then the guard stops."""
+        try:
+            self.call_ended(session)
+        finally:
+            with session.lock:
+                guard, session.git_guard = session.git_guard, None
+            if guard is not None:
+                guard.close()

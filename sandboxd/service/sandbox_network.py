@@ -1,0 +1,61 @@
+"""What the daemon serves a sandbox's network, as a session's hooks: its published ports
+(policy.published_ports) and its egress proxy (policy.allowed_domains), one set per sandbox
+generation, closed with it (sandbox_hooks)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable
+
+from sandboxd.audit.store import EventStore, EventType
+from sandboxd.service.sandbox_hooks import Sandbox, SandboxHooks, Service
+from sandboxd.service.session_state import Session
+
+
+class PublishedPorts(SandboxHooks):
+    def __init__(self, connections: int, per_peer: int) -> None:
+        # Connections at once per sandbox, and per connecting user but the session's owner.
+        self._connections, self._per_peer = connections, per_peer
+
+    def sandbox_ready(self, session: Session, sandbox: Sandbox) -> Iterable[Service]:
+        entries = getattr(sandbox.policy, "published_ports", ())
+        if not entries:
+            return ()
+        from sandboxd.supervisor.publish import publish_all
+
+        netns = os.open(f"/proc/{sandbox.info.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return publish_all(netns, entries, connections=self._connections, per_peer=self._per_peer,
+                               owners=frozenset({session.owner.uid}))
+        finally:
+            os.close(netns)
+
+
+class EgressProxies(SandboxHooks):
+    def __init__(self, store: EventStore, connections: int) -> None:
+        self._store = store
+        self._connections = connections                 # at once, per sandbox
+        self.metrics: "Any" = None                       # service.metrics.Metrics, when the daemon has it
+
+    def sandbox_ready(self, session: Session, sandbox: Sandbox) -> Iterable[Service]:
+        domains, info = getattr(sandbox.policy, "allowed_domains", ()), sandbox.info
+        if not (domains and info.host_address and info.sandbox_address):
+            return ()
+        from sandboxd.supervisor.egress_proxy import EgressProxy, proxy_environment
+
+        def denied(destination: str, why: str) -> None:
+            if self.metrics is not None:
+                self.metrics.network_denials.inc()
+            self._store.append(session.id, EventType.PERMISSION_DENIED, tool="network", data={
+                "reason": "network_request", "by": "sandbox", "destination": destination, "detail": why,
+                "message": f"network: denied by the sandbox (network_request): {destination}: {why}"})
+        netns = os.open(f"/proc/{info.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:                                            # its upstream connections are made in there
+            proxy = EgressProxy(EgressProxy.listen(info.host_address), domains, client_address=info.sandbox_address,
+                                netns_fd=netns, resolvers=info.resolvers, on_denied=denied,
+                                connections=self._connections).start()
+        finally:
+            os.close(netns)
+        with session.lock:
+            session.extra_env = proxy_environment(info.host_address)
+        return (proxy,)

@@ -1,0 +1,135 @@
+"""Who may see and act on a session, and with what rights its sandbox is built.
+
+A session is its owner's: the same local uid (not through TLS), or the same TLS principal;
+root and the admin group see every local user's. Someone else's session is NOT_FOUND, never
+PERMISSION_DENIED: a caller learns nothing about sessions it may not use. Which paths a caller
+may use is the kernel's to say, under the caller's own credentials (``rights_of``), when the
+sandbox is built; this module only decides who may ask for what.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+from sandboxd.audit.store import EventStore
+from sandboxd.errors import Forbidden, NotFound
+from sandboxd.policy import SandboxPolicy
+from sandboxd.policy.sandbox import is_within
+from sandboxd.service.callers import Caller
+from sandboxd.service.session_state import Session
+
+
+def owns(caller: Caller, owner_uid: int, owner_principal: str) -> bool:
+    """Its owner (same uid and, for TLS callers, same certificate), root, or the admin group."""
+    if caller.principal:
+        return owner_principal == caller.principal
+    return caller.is_admin or (owner_uid == caller.uid and not owner_principal)
+
+
+def may_use(caller: Caller, session: Session) -> bool:
+    return owns(caller, session.owner.uid, session.owner.principal)
+
+
+def visible_ids(store: EventStore, caller: Caller, session_id: str = "") -> list[str] | None:
+    """The sessions, open or closed, whose audit log the caller may read (None: all of them,
+    for an administrator); with ``session_id``, that one or NOT_FOUND."""
+    if session_id:
+        try:
+            row = store.session(session_id)
+        except NotFound:
+            raise NotFound(f"no session {session_id!r}") from None
+        if not owns(caller, row.owner_uid, row.owner_principal):
+            raise NotFound(f"no session {session_id!r}")
+        return [session_id]
+    if caller.is_admin:
+        return None
+    return [row.id for row in store.sessions(include_closed=True) if owns(caller, row.owner_uid, row.owner_principal)]
+
+
+def check_full_access(caller: Caller, policy: SandboxPolicy, owner: Caller | None = None, *,
+                      allow_user_full_access: bool = True) -> None:
+    """Who may ask for danger-full-access, for a session of ``owner`` (None: the caller's own,
+    being created)."""
+    if policy.name != "danger-full-access":
+        return
+    owner = owner or caller
+    # A non-root owner's danger-full-access runs as that owner with its own rights and no more
+    # (sequence._exec_as_caller). A TLS principal is not the local user it is mapped to
+    # (principals sharing one user are kept apart: check_not_shared), so neither it nor
+    # anyone for it may.
+    if caller.principal or owner.principal:
+        raise Forbidden("a TLS caller never may create danger-full-access sessions, whatever user it is "
+                        "mapped to, and no session of one becomes one: use workspace-write")
+    if caller.is_root:
+        return
+    if caller.uid != owner.uid:
+        # An administrator manages others' sessions, but must not get a way to run anything on
+        # the host as their owner.
+        raise Forbidden(f"only the session's owner (uid {owner.uid}) or root may make it danger-full-access: "
+                        "its commands would run on the host as that owner")
+    if not allow_user_full_access:
+        raise Forbidden("this daemon lets only local root create danger-full-access sessions "
+                        "(policy.allow_user_full_access = false): use workspace-write, or ask its operator")
+
+
+def check_not_shared(caller: Caller, workspace: str, policy: SandboxPolicy, sessions: Iterable[Session],
+                     session_id: str = "") -> None:
+    """TLS principals that act as the same local user share its file rights; so one may not
+    use a workspace or writable root that overlaps one of another principal's open sessions
+    (it could read and overwrite that principal's files through it)."""
+    if not caller.principal:
+        return
+    others = [s for s in sessions if not s.closed and s.id != session_id
+              and s.owner.principal and s.owner.principal != caller.principal and s.owner.uid == caller.uid]
+    if not others:
+        return
+    mine = _paths_of(workspace, policy)
+    for other in others:
+        for path in mine:
+            for theirs in _paths_of(other.workspace, other.policy):
+                if is_within(path, theirs) or is_within(theirs, path):
+                    raise Forbidden(f"{path!r} overlaps {theirs!r}, which a session of another TLS principal "
+                                    f"uses: principals acting as the same local user (uid {caller.uid}) share "
+                                    "its file rights, so their workspaces are kept apart (map each principal "
+                                    "to its own user with tls.users)")
+
+
+def _paths_of(workspace: str, policy: SandboxPolicy) -> list[str]:
+    return [os.path.realpath(p) for p in (workspace, *getattr(policy, "writable_roots", ()))]
+
+
+def command_user(owner: Caller, policy: SandboxPolicy) -> tuple[int, int] | None:
+    """Who a session's commands run as: a non-root caller's as itself; a root caller's (in a
+    confined policy) as the workspace's owner (None, as ``sandboxd run`` does), so that root
+    acting on a user's checkout runs that user's commands as that user, and uid 0 remains only
+    for a root-owned workspace. danger-full-access runs as its owner: root as root, as before,
+    anyone else as itself with no privilege (launcher.sequence._exec_as_caller)."""
+    if owner.is_root and policy.name != "danger-full-access":
+        return None
+    return (owner.uid, owner.gid)
+
+
+def caller_groups(caller: Caller) -> set[int]:
+    """The caller's gid and supplementary groups: from SO_PEERGROUPS at connect time (the front
+    door), for a TLS caller those of its local user, for a session restored after a restart
+    those its owner has now."""
+    if caller.groups or caller.pid:
+        return {caller.gid, *caller.groups}
+    return {caller.gid, *_groups_of_uid(caller.uid, caller.gid)}
+
+
+def rights_of(caller: Caller) -> tuple[int, int, tuple[int, ...]] | None:
+    """The credentials a caller's paths are checked with (None for local root: it may use any)."""
+    if caller.is_root:
+        return None
+    return caller.uid, caller.gid, tuple(sorted(caller_groups(caller)))
+
+
+def _groups_of_uid(uid: int, gid: int) -> list[int]:
+    import pwd
+
+    try:
+        return os.getgrouplist(pwd.getpwuid(uid).pw_name, gid)
+    except (KeyError, OSError):
+        return [gid]

@@ -1,0 +1,266 @@
+"""A session's life: created and built, its calls counted per sandbox generation, its policy
+changed (a new generation), closed, restored after a daemon restart, rebuilt after the fork
+server's loss.
+
+A session's sandbox is built once in the fork server and every call joins it. Changing the
+sandbox axis builds a new one (a new *generation*) for later calls; the old one is closed when
+its last running call ends. What the daemon serves beside a sandbox (ports, proxy, git guard)
+is the hooks' (sandbox_hooks), called here and nowhere else. Locks: the table's only for its map
+(session_table), the session's ``lock`` for a moment, its ``build_lock`` across its builds and
+closes (session_state); none of them is ever held for another session's sake.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from typing import Callable
+
+from sandboxd._record import Record
+from sandboxd.audit.store import EventStore, EventType
+from sandboxd.errors import NotFound
+from sandboxd.policy import LaunchSpec, Limits, SandboxPolicy
+from sandboxd.policy.decision import ToolRules
+from sandboxd.service.callers import Caller
+from sandboxd.service.quotas import cgroup_owner
+from sandboxd.service.sandbox_hooks import HookList, Sandbox, close_all
+from sandboxd.service.session_access import command_user, rights_of
+from sandboxd.service.session_state import Session, session_from_row
+from sandboxd.service.session_table import SessionTable
+from sandboxd.supervisor.forkserver import ForkServer
+
+SESSION_PLACEHOLDER_ARGV = ("sandboxd-session",)  # a session's spec runs no command itself
+
+
+class OwnPlaces(Record):
+    """What of the daemon no sandbox may see or reach: the directories hidden inside every
+    sandbox, the Unix sockets and the TCP listeners ("HOST:PORT") connect() is refused for."""
+
+    hidden: tuple[str, ...] = ()
+    sockets: tuple[str, ...] = ()
+    listeners: tuple[str, ...] = ()
+
+
+class SandboxPlaces(Record):
+    """What every sandbox of this daemon gets besides its session's own settings."""
+
+    own: OwnPlaces = OwnPlaces()
+    dns: tuple[str, ...] = ()           # resolvers for isolated networks (default: the host's)
+    network_pool: str = ""              # addresses of isolated networks (default: netns's)
+
+
+class SessionLifecycle:
+    def __init__(self, fork: ForkServer, store: EventStore, table: SessionTable, hooks: HookList,
+                 places: SandboxPlaces) -> None:
+        self._fork, self._store, self._table, self._hooks, self._places = fork, store, table, hooks, places
+
+    # -- create, restore, change, close ----------------------------------------------------------
+
+    def create(self, owner: Caller, workspace: str, policy: SandboxPolicy, approval: str, limits: Limits,
+               labels: dict[str, str], rules: ToolRules | None, env: dict[str, str] | None) -> Session:
+        """Counted at once (quotas), found by no one until its sandbox and services are up."""
+        session = Session(secrets.token_hex(8), owner, workspace, policy, approval, limits, labels, rules, env=env)
+        session.building = True
+        self._table.add(session)
+        built = False
+        try:
+            with session.build_lock:
+                self._open_sandbox(session, session.generation, policy)
+                built = True
+                # Recorded before the caller hears of the session.
+                self._store.save_session(session.to_row())
+                self._store.append(session.id, EventType.SESSION_CREATED, data={
+                    **session.axes(), "workspace": session.workspace, "owner_uid": owner.uid,
+                    "owner_gid": owner.gid, "limits": session.limits.as_dict(), "labels": dict(labels),
+                    "env_names": sorted(session.env)})
+        except BaseException:
+            self._table.remove(session.id)
+            if built:                                 # the store failed: nothing of it may stay
+                with session.build_lock:
+                    self._close_sandbox(session, session.generation)
+                    self._hooks.session_closed(session)
+            raise
+        with session.lock:
+            session.building = False
+        return session
+
+    def restore(self) -> int:
+        """Sessions a previous daemon left open (it stopped or crashed): listed again, their logs
+        readable, and each resumed by its next call, which rebuilds its sandbox. Returns how many."""
+        rows = self._store.sessions()
+        for row in rows:
+            self._table.add(session_from_row(row), check=False)
+        return len(rows)
+
+    def update_policy(self, caller: Caller, session: Session, policy: SandboxPolicy | None, approval: str | None,
+                      check: Callable[[SandboxPolicy], None]) -> Session:
+        """``check(policy)``: whether the caller may have it (raises), asked only if it changes."""
+        with session.build_lock:                      # one builder at a time: generations are consecutive
+            with session.lock:
+                if session.closed:
+                    raise NotFound(f"no session {session.id!r}")
+                before, current, ready = session.axes(), session.policy, session.sandbox_ready
+            changed = policy is not None and policy != current
+            if policy is not None and changed:
+                check(policy)
+            generation = 0
+            if policy is not None and changed and ready:
+                with session.lock:
+                    generation = session.generation + 1
+                self._open_sandbox(session, generation, policy)   # complete before any call can join it
+                with session.lock:
+                    old = session.generation
+                    session.policy, session.generation = policy, generation
+                    if approval is not None:
+                        session.approval = approval
+                    idle = session.running.get(old, 0) == 0
+                if idle:                              # calls still running keep the old sandbox
+                    self._close_sandbox(session, old)
+            else:
+                with session.lock:
+                    if policy is not None and changed:
+                        session.policy = policy       # resumed, not rebuilt yet: the next call builds this one
+                    if approval is not None:
+                        session.approval = approval
+            with session.lock:
+                after, row, now = session.axes(), session.to_row(), session.generation
+            if after != before:
+                # Recorded before the caller hears the change took effect, in the order they took effect.
+                self._store.save_session(row)
+                self._store.append(session.id, EventType.POLICY_CHANGED, data={
+                    "before": before, "after": after, "by_uid": caller.uid, "generation": generation or now})
+        return session
+
+    def close(self, caller: Caller, session: Session) -> None:
+        with session.build_lock:                      # after a policy change under way: its sandbox too
+            with session.lock:
+                if session.closed:
+                    raise NotFound(f"no session {session.id!r}")
+                session.closed = True
+                generations = set(session.running) | {session.generation}
+                current, ready = session.generation, session.sandbox_ready
+            self._table.remove(session.id)
+            for generation in generations:
+                if ready or generation != current:
+                    self._close_sandbox(session, generation)
+            self._hooks.session_closed(session)
+        self._store.save_session(session.to_row(closed_at=time.time()))
+        self._store.append(session.id, EventType.SESSION_CLOSED, data={"by_uid": caller.uid})
+
+    def close_all(self) -> None:
+        """The daemon stops: every sandbox goes, but the sessions stay open in the store, to be
+        resumed by the next daemon."""
+        for session in self._table.take_all():
+            with session.lock:
+                session.closed = True
+                generations = set(session.running) | {session.generation}
+                current, ready = session.generation, session.sandbox_ready
+            for generation in generations:
+                if not ready and generation == current:
+                    continue
+                try:
+                    self._close_sandbox(session, generation)
+                except Exception:  # noqa: BLE001 - shutting down: the fork server may be gone already
+                    pass
+            self._hooks.session_closed(session, stopping=True)
+
+    def sandboxes_lost(self) -> None:
+        """The fork server died, and every sandbox with it: stop what the daemon served for them
+        (published ports, egress proxies), and let each open session's next call rebuild its
+        sandbox, as after a daemon restart (``restore``)."""
+        for session in self._table.all():
+            with session.build_lock:
+                with session.lock:
+                    session.sandbox_ready = False
+                    lost = [session.services.pop(generation) for generation in list(session.services)]
+                for services in lost:
+                    close_all(services)
+
+    # -- calls -----------------------------------------------------------------------------------
+
+    def begin_call(self, session: Session) -> int:
+        """Count a call as running on the session's current generation, which is complete: a
+        generation becomes current only once its sandbox is built (update_policy)."""
+        while True:
+            if not session.sandbox_ready:
+                self._rebuild(session)
+            with session.lock:
+                if session.closed:
+                    raise NotFound(f"session {session.id!r} was closed")
+                if not session.sandbox_ready:         # lost again meanwhile (the fork server died): rebuild
+                    continue
+                generation = session.generation
+                session.running[generation] = session.running.get(generation, 0) + 1
+            return generation
+
+    def end_call(self, session: Session, generation: int) -> None:
+        with session.lock:
+            left = session.running.get(generation, 1) - 1
+            if left > 0:
+                session.running[generation] = left
+                return
+            session.running.pop(generation, None)
+            retired = generation != session.generation and not session.closed
+        if retired:                                   # the last call on a replaced sandbox ended
+            self._close_sandbox(session, generation)
+
+    def call_ended(self, session: Session) -> None:
+        """A call's command ended: the hooks look (the git guard), before its caller hears so."""
+        self._hooks.call_ended(session)
+
+    # -- sandbox generations ---------------------------------------------------------------------
+
+    def _open_sandbox(self, session: Session, generation: int, policy: SandboxPolicy) -> None:
+        """Build one generation of the session's sandbox in the fork server, then its services
+        (the hooks). The caller holds the session's build_lock."""
+        info = self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy))
+        with session.lock:
+            session.sandbox_builds += 1
+            if info.workspace:
+                session.workspace = info.workspace    # as the caller's own lookup resolved it
+        if info.init_pid:
+            try:
+                namespace = os.stat(f"/proc/{info.init_pid}/ns/pid").st_ino
+            except OSError:
+                namespace = 0                         # gone already: its first call says so
+            self._table.set_namespace(session.sandbox_name(generation), namespace)
+        try:
+            served = self._hooks.sandbox_ready(session, Sandbox(generation, policy, info))
+            with session.lock:
+                session.services[generation] = served
+        except BaseException:
+            self._close_sandbox(session, generation)
+            raise
+
+    def _close_sandbox(self, session: Session, generation: int) -> None:
+        """Stop what the daemon serves for one generation, then have the fork server close the
+        sandbox itself."""
+        with session.lock:
+            services = session.services.pop(generation, [])
+        close_all(services)
+        self._fork.close_session(session.sandbox_name(generation))
+        self._table.drop_namespace(session.sandbox_name(generation))
+
+    def _rebuild(self, session: Session) -> None:
+        """A resumed session's first call builds its sandbox again (once, whoever comes first)."""
+        with session.build_lock:
+            if session.sandbox_ready or session.closed:
+                return
+            with session.lock:
+                generation, policy = session.generation, session.policy
+            self._open_sandbox(session, generation, policy)
+            with session.lock:
+                session.sandbox_ready = True
+
+    def _spec(self, session: Session, policy: SandboxPolicy) -> LaunchSpec:
+        # The workspace, the writable roots and the allowed sockets are opened and checked by the
+        # kernel as the session's owner (kernel.access) when its sandbox is built, every time.
+        own = self._places.own
+        with session.lock:
+            workspace = session.workspace
+        return LaunchSpec(argv=SESSION_PLACEHOLDER_ARGV, workspace=workspace, policy=policy,
+                          limits=session.limits, user=command_user(session.owner, policy), dns=self._places.dns,
+                          network_pool=self._places.network_pool, caller=rights_of(session.owner),
+                          hidden_paths=own.hidden, denied_sockets=own.sockets, denied_listeners=own.listeners,
+                          owner=cgroup_owner(session.owner))

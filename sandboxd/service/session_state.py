@@ -1,0 +1,113 @@
+"""One session's state, and the one lock that guards it.
+
+A session's mutable fields are read-modified-written only under its own ``lock``, held for a
+moment and never across I/O; building or closing one of its sandbox generations (slow: the fork
+server) happens under its ``build_lock`` instead, taken first, which orders that session's
+builders (policy changes, a resumed session's rebuild, the fork server's loss, CloseSession) one
+at a time. Neither lock is ever taken for another session: one session's slow build or close
+holds no one else's lookup or call (the registry's own lock covers only its map: session_table).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from sandboxd.audit.store import SessionRow
+from sandboxd.policy import Limits, SandboxPolicy
+from sandboxd.policy.decision import ToolRules
+from sandboxd.policy.spec import policy_from_dict, policy_to_dict
+from sandboxd.service.callers import Caller, session_owner
+
+if TYPE_CHECKING:
+    from sandboxd.service.background import BackgroundJob
+    from sandboxd.service.sandbox_hooks import Service
+    from sandboxd.supervisor.git_guard import GitGuard
+
+
+class Session:
+    """One session. Its mutable fields (policy, approval, generation, running, closed, building,
+    sandbox_ready, workspace, services, extra_env, git_guard, sandbox_builds, jobs) change only
+    under ``lock``; see the module's docstring for ``build_lock``."""
+
+    def __init__(self, session_id: str, owner: Caller, workspace: str, policy: SandboxPolicy,
+                 approval: str, limits: Limits, labels: dict[str, str], rules: ToolRules | None = None,
+                 created_at: float | None = None, env: dict[str, str] | None = None) -> None:
+        self.id = session_id
+        self.owner = owner
+        self.workspace = workspace
+        self.policy = policy
+        self.approval = approval
+        self.rules = rules or ToolRules()
+        self.limits = limits
+        self.labels = labels
+        self.env = dict(env or {})            # the session's own variables (service.environment); never changed
+        self.created_at = created_at or time.time()
+        self.generation = 1
+        self.running: dict[int, int] = {}     # generation -> running calls
+        self.closed = False
+        # True while CreateSession builds its first sandbox: counted (quotas) but not found by
+        # anyone yet, so no call can start on a sandbox that does not exist.
+        self.building = False
+        # False for a session resumed after a daemon restart: its sandbox is rebuilt by its next call.
+        self.sandbox_ready = True
+        self.lock = threading.Lock()
+        self.build_lock = threading.Lock()
+        # What the daemon serves for each sandbox generation (published ports, the egress proxy),
+        # from the hooks (sandbox_hooks); closed with that generation.
+        self.services: dict[int, list[Service]] = {}
+        self.extra_env: dict[str, str] = {}   # added to every call's environment (the proxy variables)
+        self.git_guard: GitGuard | None = None  # set by git_guard_hook: inspects the writable roots after each call
+        self.sandbox_builds = 0               # sandboxes built so far (any generation): what was made in one is gone in the next
+        self.jobs: dict[str, BackgroundJob] = {}  # its background processes by id (service.background)
+
+    def to_row(self, closed_at: float | None = None) -> SessionRow:
+        """What the store keeps of it (the caller holds ``lock``, or the session is not shared yet)."""
+        return SessionRow(self.id, self.owner.uid, self.owner.gid, self.owner.principal, self.workspace,
+                          policy_to_dict(self.policy), self.approval, rules_to_dict(self.rules),
+                          self.limits.as_dict(), dict(self.labels), self.created_at, closed_at, dict(self.env))
+
+    def axes(self) -> dict[str, object]:
+        """Both policy axes, as events record them."""
+        return {"sandbox_policy": policy_to_dict(self.policy), "approval_policy": self.approval,
+                "permission_mode": self.rules.mode or None}
+
+    def sandbox_name(self, generation: int | None = None) -> str:
+        """The session's name in the fork server, one per sandbox generation."""
+        return f"{self.id}#{generation or self.generation}"
+
+    @property
+    def running_calls(self) -> int:
+        with self.lock:                               # begin_call and end_call change it from other threads
+            return sum(self.running.values())
+
+    @property
+    def usable(self) -> bool:
+        """Whether callers may find it: built, and not closed."""
+        with self.lock:
+            return not self.closed and not self.building
+
+
+def session_from_row(row: SessionRow) -> Session:
+    """A session as the store kept it: its sandbox is rebuilt by its next call."""
+    owner = session_owner(row.owner_uid, row.owner_gid, row.owner_principal)
+    session = Session(row.id, owner, row.workspace, policy_from_dict(row.sandbox_policy), row.approval_policy,
+                      Limits(**row.limits), dict(row.labels), rules_from_dict(row.tool_rules),
+                      created_at=row.created_at, env=dict(row.env))
+    session.sandbox_ready = False
+    return session
+
+
+def rules_to_dict(rules: ToolRules) -> dict[str, object]:
+    return {"hidden": sorted(rules.hidden), "always_ask": sorted(rules.always_ask), "mode": rules.mode}
+
+
+def _names(data: dict[str, object], key: str) -> list[str]:
+    value = data.get(key) or ()
+    return [str(name) for name in value] if isinstance(value, (list, tuple)) else []
+
+
+def rules_from_dict(data: dict[str, object]) -> ToolRules:
+    return ToolRules(hidden=frozenset(_names(data, "hidden")), always_ask=frozenset(_names(data, "always_ask")),
+                     mode=str(data.get("mode") or ""))
