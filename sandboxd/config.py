@@ -157,6 +157,9 @@ KEYS: tuple[Key, ...] = (
     Key("quotas", "calls_per_uid", 16, "calls one user may have running at once: Exec, file tools, search, patches "
         "and Authorize, including those held for approval; root is exempt. 4 users at calls_per_uid + "
         "streams_per_uid must leave room in listen.workers for a fifth (checked at start)", _whole(1, 1024)),
+    Key("quotas", "background_per_uid", 16, "background processes (StartBackground) one user's sessions keep, "
+        "running or ended with their output (up to 4 MiB each) still readable; starting one more forgets that "
+        "user's oldest ended one, and with all of them running it is refused; root is exempt", _whole(1, 1024)),
     Key("quotas", "streams_per_uid", 4, "open WatchEvents and following ReadBackgroundOutput streams per user; "
         "root is exempt", _whole(1, 1024)),
     Key("quotas", "reserved_workers", 0, "workers that running calls and streams (everyone's, root's too) may never "

@@ -445,3 +445,67 @@ def test_each_owner_has_its_own_cgroup_key_and_root_none() -> None:
     assert keys[:2] == ["uid-1000", "uid-1001"]
     assert len(set(keys)) == len(keys) and all(is_owner_key(key) and key for key in keys), keys
     assert cgroup_owner(identify(PeerCredentials(0, 0, 0, "", (0,)))) == ""
+
+
+BACKGROUND_HOG = r'''
+def start(sid, name):
+    try:
+        job = stub.StartBackground(pb.StartBackgroundRequest(session_id=sid, argv=["sh", "-c", "echo " + name + "; sleep 600"],
+                                                             name=name), timeout=60)
+        return ["OK", job.id]
+    except grpc.RpcError as error:
+        return [error.code().name, error.details()]
+
+def read(sid, job_id):
+    try:
+        return ["OK", b"".join(o.data for o in stub.ReadBackgroundOutput(
+            pb.ReadBackgroundOutputRequest(session_id=sid, id=job_id), timeout=60)).decode()]
+    except grpc.RpcError as error:
+        return [error.code().name, error.details()]
+
+a = stub.CreateSession(pb.CreateSessionRequest(workspace=ARGS["ws"], approval_policy=pb.NEVER), timeout=60).id
+b = stub.CreateSession(pb.CreateSessionRequest(workspace=ARGS["ws"], approval_policy=pb.NEVER), timeout=60).id
+res = {"first": [start(a, "a1"), start(b, "b1"), start(a, "a2")]}
+res["past_the_limit"] = start(b, "b2")
+first_id = res["first"][0][1]
+stub.StopBackground(pb.StopBackgroundRequest(session_id=a, id=first_id), timeout=60)
+res["stopped_output"] = read(a, first_id)
+res["after_one_ended"] = start(b, "b3")
+res["forgotten"] = read(a, first_id)
+res["listed"] = sorted(p.name for s in (a, b) for p in stub.ListBackground(
+    pb.ListBackgroundRequest(session_id=s), timeout=60).processes)
+for s in (a, b):
+    stub.CloseSession(pb.CloseSessionRequest(session_id=s), timeout=60)
+print(json.dumps(res))
+'''
+
+
+def test_a_users_background_processes_are_bounded_and_others_are_served(sandboxd_daemon: DaemonFactory) -> None:
+    """quotas.background_per_uid (3 here): a plain user's sessions keep at most 3 background
+    processes together; a fourth is refused while all run, naming the key; once one ended, a new
+    one forgets it (its output is gone). Each kept one holds a thread and up to 4 MiB in the
+    daemon: without the bound one user filled its memory. Another user is served meanwhile, and
+    root (control) is not held to it."""
+    daemon = sandboxd_daemon(config="[quotas]\nbackground_per_uid = 3\n")
+    with plain_user() as (uid, gid), plain_user() as (other_uid, other_gid):
+        ws = owned_dir(daemon.base / f"bg-{uid}", uid, gid)
+        seen = run_client_as(uid, gid, daemon.socket, BACKGROUND_HOG, {"ws": ws})
+        assert [code for code, _ in seen["first"]] == ["OK", "OK", "OK"], seen
+        code, details = seen["past_the_limit"]
+        assert code == "RESOURCE_EXHAUSTED" and "quotas.background_per_uid" in details, seen
+        assert seen["stopped_output"] == ["OK", "a1\n"], seen          # ended, still readable
+        assert seen["after_one_ended"][0] == "OK", seen
+        assert seen["forgotten"][0] == "NOT_FOUND", seen                # made room for b3
+        assert seen["listed"] == ["a2", "b1", "b3"], seen
+        # Another user, and root, are not held by the first user's count.
+        other_ws = owned_dir(daemon.base / f"bg-{other_uid}", other_uid, other_gid)
+        assert run_client_as(other_uid, other_gid, daemon.socket, BACKGROUND_HOG,
+                             {"ws": other_ws})["first"][2][0] == "OK"
+        root_session = daemon.stub.CreateSession(pb.CreateSessionRequest(
+            workspace=str(daemon.base), approval_policy=pb.NEVER), timeout=60).id
+        try:
+            jobs = [daemon.stub.StartBackground(pb.StartBackgroundRequest(
+                session_id=root_session, argv=["sleep", "600"]), timeout=60) for _ in range(5)]
+            assert len({job.id for job in jobs}) == 5
+        finally:
+            close_quietly(daemon.stub, root_session)

@@ -120,6 +120,7 @@ def main(argv: list[str]) -> int:
         quotas = QuotaLimits(sessions_per_uid=loaded.whole("quotas.sessions_per_uid"),
                              calls_per_uid=loaded.whole("quotas.calls_per_uid"),
                              streams_per_uid=loaded.whole("quotas.streams_per_uid"),
+                             background_per_uid=loaded.whole("quotas.background_per_uid"),
                              reserved_workers=loaded.whole("quotas.reserved_workers"),
                              workers=loaded.whole("listen.workers"))
     except SandboxdError as exc:

@@ -14,8 +14,9 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from sandboxd.errors import NotFound
+from sandboxd.errors import Exhausted, NotFound
 from sandboxd.service import environment
+from sandboxd.service.quotas import owner_key
 from sandboxd.service.sessions import Session, SessionRegistry, cwd_inside
 from sandboxd.supervisor.forkserver import ForkServer
 from sandboxd.supervisor.spawner import ExitInfo
@@ -84,22 +85,72 @@ class BackgroundJob:
 
 class BackgroundJobs:
     """Background jobs: each session keeps its own (``Session.jobs``, under the session's lock),
-    and they go with it."""
+    and they go with it. Each session owner (but root) keeps at most ``per_owner`` of them over
+    all its sessions, running or ended: each holds a thread while it runs and its output buffer
+    until forgotten, so without a bound one user could fill the daemon's memory."""
 
-    def __init__(self, registry: SessionRegistry, fork: ForkServer) -> None:
+    def __init__(self, registry: SessionRegistry, fork: ForkServer, per_owner: int = 16) -> None:
         self._registry = registry
         self._fork = fork
+        self._per_owner = per_owner
+        self._lock = threading.Lock()
+        self._kept: dict[str, list[BackgroundJob]] = {}   # owner -> its kept jobs, oldest first
+
+    def _admit(self, job: BackgroundJob) -> str | None:
+        """Count ``job`` against its session's owner (returned; None for root), making room by
+        forgetting the owner's oldest ended job; Exhausted when all it keeps are running."""
+        session = job.session
+        if session.owner.is_root:
+            return None
+        owner = owner_key(session.owner)
+        with self._lock:
+            kept = self._kept.setdefault(owner, [])
+            kept[:] = [job for job in kept if not job.session.closed]      # closed sessions took theirs
+            if len(kept) >= self._per_owner:
+                ended = next((job for job in kept if job.result is not None), None)
+                if ended is None:
+                    raise Exhausted(f"{owner} already has {self._per_owner} background processes running, its "
+                                    "limit (quotas.background_per_uid): stop one (StopBackground) first")
+                kept.remove(ended)
+                with ended.session.lock:
+                    ended.session.jobs.pop(ended.id, None)
+            kept.append(job)                       # counted from now: two starts at once cannot both fit
+            return owner
+
+    def _release(self, owner: str | None, job: BackgroundJob) -> None:
+        """A job that did not start after all."""
+        if owner is not None:
+            with self._lock:
+                kept = self._kept.get(owner, [])
+                if job in kept:
+                    kept.remove(job)
 
     def start(self, session: Session, argv: list[str], cwd: str, start: pb.ExecStart, name: str) -> BackgroundJob:
         """``start``: the environment fields (env, or env_overlay and caller_env), checked by the caller."""
         job = BackgroundJob(session, name or " ".join(argv)[:80], argv)
+        owner = self._admit(job)
+        try:
+            out_r, generation, pid = self._launch(job, cwd, start)
+        except BaseException:
+            self._release(owner, job)
+            raise
+        job.pid = pid or 0
+        with session.lock:
+            session.jobs[job.id] = job
+        threading.Thread(target=self._pump, args=(job, out_r, generation), name=f"sandboxd-bg-{job.id}",
+                         daemon=True).start()
+        return job
+
+    def _launch(self, job: BackgroundJob, cwd: str, start: pb.ExecStart) -> tuple[int, int, int | None]:
+        """The job's call started: (its output's read end, the sandbox generation, its pid)."""
+        session = job.session
         env = environment.command_env(self._registry, self._fork, session, start)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         null = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
         generation = self._registry.begin_call(session)
         try:
             try:
-                job.call_id, pid = self._fork.call(session.sandbox_name(generation), argv,
+                job.call_id, pid = self._fork.call(session.sandbox_name(generation), job.argv,
                                                    {**env, **session.extra_env},
                                                    cwd_inside(session.workspace, cwd), None, (null, out_w, out_w))
             finally:
@@ -109,12 +160,7 @@ class BackgroundJobs:
             os.close(out_r)
             self._registry.end_call(session, generation)
             raise
-        job.pid = pid or 0
-        with session.lock:
-            session.jobs[job.id] = job
-        threading.Thread(target=self._pump, args=(job, out_r, generation), name=f"sandboxd-bg-{job.id}",
-                         daemon=True).start()
-        return job
+        return out_r, generation, pid
 
     def _pump(self, job: BackgroundJob, out_r: int, generation: int) -> None:
         try:

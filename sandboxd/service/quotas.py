@@ -52,6 +52,9 @@ class QuotaLimits(Record):
     # the pool's threads are started on demand.
     calls_per_uid: int = 16
     streams_per_uid: int = 4
+    # Each keeps a daemon thread while it runs and up to background.BUFFER_BYTES of output until it
+    # is forgotten: 16 per user is 64 MiB at most, whatever the user's sessions start.
+    background_per_uid: int = 16
     reserved_workers: int = 0             # 0: a quarter of the workers, at least 1
     workers: int = 128                    # listen.workers: the pool the reserve is taken from
 

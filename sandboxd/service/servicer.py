@@ -58,7 +58,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         self._registry = registry
         self._fork = fork
         self._callers = callers if isinstance(callers, Callers) else Callers(callers)
-        self._jobs = BackgroundJobs(registry, fork)
+        self._jobs = BackgroundJobs(registry, fork, self._quotas.limits.background_per_uid)
         self._gate = gate
         self._audit = AuditService(registry, gate)
         for forget in (gate.forget_session, self._audit.forget_session, environment.forget_session):
