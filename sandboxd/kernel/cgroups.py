@@ -243,8 +243,10 @@ class CgroupSet:
             except ProcessLookupError:
                 pass
 
-    def kill(self) -> None:
-        """SIGKILL everything in the set, and wait until the groups are empty (bounded)."""
+    def kill(self, wait: bool = True) -> None:
+        """SIGKILL everything in the set, and wait until the groups are empty (bounded); with
+        ``wait`` False signal once and return (a poll loop: what is stuck in the kernel there
+        must not hold it; the group is emptied and removed when its process is reaped)."""
         if self.unified_dir and os.path.exists(os.path.join(self.unified_dir, "cgroup.kill")):
             try:
                 _write(self.unified_dir, "cgroup.kill", 1)
@@ -260,6 +262,8 @@ class CgroupSet:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+            if not wait:
+                return
             time.sleep(0.002)
 
     def release(self) -> None:
