@@ -27,7 +27,8 @@ import psutil
 import pytest
 
 from conftest import BASE_ENV, PY, SLOW
-from sandboxd.policy import LaunchSpec, WorkspaceWrite
+from sandboxd.kernel.cgroups import hierarchies
+from sandboxd.policy import DangerFullAccess, LaunchSpec, Limits, SandboxPolicy, WorkspaceWrite
 from sandboxd.supervisor.forkserver import ForkServer
 
 pytestmark = pytest.mark.timeout(int(180 * SLOW))
@@ -97,11 +98,12 @@ def start_server(close_seconds: float) -> ForkServer:
     return ForkServer.start(close_seconds=close_seconds)
 
 
-def open_session(server: ForkServer, base_dir: Path, name: str) -> tuple[str, Path, int]:
+def open_session(server: ForkServer, base_dir: Path, name: str,
+                 policy: SandboxPolicy | None = None, limits: Limits | None = None) -> tuple[str, Path, int]:
     workspace = base_dir / f"ws-{name}"
     workspace.mkdir()
     info = server.open_session(name, LaunchSpec(argv=("true",), workspace=str(workspace), env=dict(BASE_ENV),
-                                                policy=WorkspaceWrite()))
+                                                policy=policy or WorkspaceWrite(), limits=limits or Limits()))
     return name, workspace, info.init_pid
 
 
@@ -244,6 +246,55 @@ def test_a_close_stuck_past_its_bound_is_answered_and_released_later(stuck_fuse:
         # The name is free again (it was refused while the close was under way).
         open_session(server, base_dir / "ws-a", "a")
         server.close_session("a")
+    finally:
+        if null >= 0:
+            os.close(null)
+        server.close()
+
+
+def v2_group_of(pid: int) -> Path:
+    """The directory of ``pid``'s cgroup v2 group (the ``0::/path`` line of /proc/PID/cgroup)."""
+    unified = hierarchies().unified
+    assert unified is not None
+    line = next(line for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines() if line.startswith("0::"))
+    return Path(unified) / line[3:].lstrip("/")
+
+
+def test_a_danger_full_access_close_waits_on_its_group_not_in_the_loop(stuck_fuse: StuckFuse,
+                                                                        base_dir: Path) -> None:
+    """A danger-full-access session has no init: its close SIGKILLs its cgroup and waits for the
+    group's ``cgroup.events`` to say it is empty, as one more descriptor of the loop. Its stuck
+    call holds that close, not another session's call; released, the group is removed."""
+    if not hierarchies().unified:
+        pytest.skip("no cgroup v2 hierarchy: a v1 group's close is still emptied in the loop")
+    server = start_server(close_seconds=2 * BOUND)
+    null = -1
+    try:
+        a, a_workspace, _ = open_session(server, base_dir, "a", DangerFullAccess(), Limits(pids=64))
+        b, b_workspace, _ = open_session(server, base_dir, "b")
+        a_call, null = start_stuck_call(server, a, a_workspace, stuck_fuse)
+        (stuck,) = stuck_calls(server)
+        group = v2_group_of(stuck.pid)
+        assert group.is_dir() and group.name.startswith("run-"), group
+        closing = Closing(server, a)
+        closing.start()
+        assert wait_for(lambda: all_in_disk_sleep(stuck_calls(server))), stuck_calls(server)
+
+        done: list[tuple[str, int | None]] = []
+        b_call = threading.Thread(target=lambda: done.append(echo(server, b, b_workspace)), daemon=True)
+        b_call.start()
+        b_call.join(BOUND)
+        assert done == [("B ran\n", 0)], "B's call did not end while A was closing"
+        assert closing.is_alive() and closing.error is None, closing.error
+        assert group.is_dir(), "A's group is gone: nothing made its close slow"
+
+        stuck_fuse.release()
+        closing.join(BOUND)
+        assert not closing.is_alive() and closing.error is None, closing.error
+        assert server.wait(a_call).signal is not None
+        assert not group.exists(), "A's group was not removed"
+        server.close_session(b)
+        assert psutil.Process(server.pid).children(recursive=True) == []
     finally:
         if null >= 0:
             os.close(null)

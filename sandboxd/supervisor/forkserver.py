@@ -522,7 +522,10 @@ class _Server:
             except Exception as exc:  # noqa: BLE001 - what is left is swept; the close is still answered
                 _log(f"releasing session {name!r} failed: {type(exc).__name__}: {exc}")
 
-        if session.reap():                                # no init of its own (danger-full-access), or gone
+        if session.init_pid is None and session.cgroup is not None:
+            self._close_group(session, release, answer, answer_to)
+            return
+        if session.reap():                                # no init and no group (danger-full-access), or gone
             release()
             answer(True)
             return
@@ -539,6 +542,40 @@ class _Server:
             answer(False)
 
         self._waits.add(session.pidfd, answer_to or 0, time.monotonic() + self.close_seconds, ready, expire)
+
+    def _close_group(self, session: SessionSandbox, release: "Callable[[], None]",
+                     answer: "Callable[[bool], None]", answer_to: int | None) -> None:
+        """Close a session that has no init but a cgroup (danger-full-access with limits, or a
+        plain caller's): its group is SIGKILLed once, and its ``cgroup.events`` is one more
+        descriptor in the poller (POLLPRI when ``populated`` changes): released and answered once
+        the group is empty, or answered at ``close_seconds`` and released when it empties.
+        Without a v2 group (cgroup v1): released at once, which waits (bounded) in the loop."""
+        assert session.cgroup is not None
+        group = session.cgroup
+        group.kill(wait=False)
+        events = group.open_events()
+        if events is None:
+            release()
+            answer(True)
+            return
+
+        def emptied() -> bool:
+            if group.populated(events):
+                return False
+            os.close(events)
+            release()
+            answer(True)
+            return True
+
+        if emptied():
+            return
+
+        def expire() -> None:
+            self._orphans.add(events, emptied, select.POLLPRI)
+            answer(False)
+
+        self._waits.add(events, answer_to or 0, time.monotonic() + self.close_seconds, emptied, expire,
+                        select.POLLPRI)
 
     def _session(self, name: str) -> SessionSandbox:
         session = self.sessions.get(name)
