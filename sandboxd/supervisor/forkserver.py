@@ -36,7 +36,10 @@ The loop never waits. What a request depends on is a descriptor in its poller, w
   Then the sandbox is released (cgroup, network) and ``SessionClosed(gone=True)`` answered. If that
   takes longer than ``close_seconds`` (a process stuck in the kernel on a file system that does not
   answer), ``SessionClosed(gone=False)`` is answered then, and the release happens whenever the
-  init goes. Only the closing caller waits for that answer, never another session's request;
+  init goes. A danger-full-access session has no init: its cgroup is SIGKILLed and its
+  ``cgroup.events`` watched instead (POLLPRI when ``populated`` changes; on cgroup v1 the group is
+  still emptied in the loop, bounded). Only the closing caller waits for that answer, never
+  another session's request;
 * shutdown (the daemon's end of the socket closed) kills everything at once and runs the same loop
   until all of it is gone, or ``close_seconds`` passed.
 
