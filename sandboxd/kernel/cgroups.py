@@ -263,10 +263,8 @@ class CgroupSet:
             except ProcessLookupError:
                 pass
 
-    def kill(self, wait: bool = True) -> None:
-        """SIGKILL everything in the set, and wait until the groups are empty (bounded); with
-        ``wait`` False signal once and return (a poll loop: what is stuck in the kernel there
-        must not hold it; the group is emptied and removed when its process is reaped)."""
+    def kill(self) -> None:
+        """SIGKILL everything in the set, and wait until the groups are empty (bounded)."""
         if self.unified_dir and os.path.exists(os.path.join(self.unified_dir, "cgroup.kill")):
             try:
                 _write(self.unified_dir, "cgroup.kill", 1)
@@ -282,8 +280,6 @@ class CgroupSet:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            if not wait:
-                return
             time.sleep(0.002)
 
     def release(self) -> None:

@@ -132,6 +132,14 @@ class Message(Record):
         table = _REQUESTS if cls._tag == "op" else _EVENTS
         table[kind] = cls
 
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        # Every field given by position (how this module's users build them, three or four per
+        # call): set at once. Anything else takes Record's checked path.
+        if len(args) == len(self._fields) and not kwargs:
+            self.__dict__.update(zip(self._fields, args))
+        else:
+            super().__init__(*args, **kwargs)
+
     def encode(self) -> bytes:
         # A Record keeps exactly its fields in its __dict__: no per-field getattr.
         return _encoder.encode({**self.__dict__, self._tag: self._kind}).encode()

@@ -555,7 +555,7 @@ class _Server:
         Without a v2 group (cgroup v1): released at once, which waits (bounded) in the loop."""
         assert session.cgroup is not None
         group = session.cgroup
-        group.kill(wait=False)
+        group.signal_once()
         events = group.open_events()
         if events is None:
             release()
