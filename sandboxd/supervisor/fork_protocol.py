@@ -64,7 +64,11 @@ _SIMPLE: dict[str, "Callable[[object], bool]"] = {
 def _checker(annotation: str) -> "Callable[[object], bool]":
     """A check of a decoded JSON value against the annotation it is declared with (the subset the
     records use: the simple names above, ``list[X]``, ``dict[str, X]`` and unions of them)."""
-    options = [_one_checker(part) for part in _union(annotation)]
+    parts = _union(annotation)
+    if len(parts) == 2 and "None" in parts:               # X | None, the common union: no generator
+        check = _one_checker(parts[1 - parts.index("None")])
+        return lambda value: value is None or check(value)
+    options = [_one_checker(part) for part in parts]
     if len(options) == 1:
         return options[0]
     return lambda value: any(check(value) for check in options)
