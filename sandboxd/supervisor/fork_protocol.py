@@ -140,7 +140,7 @@ class Message(Record):
         # Every field given by position (how this module's users build them, three or four per
         # call): set at once. Anything else takes Record's checked path.
         if len(args) == len(self._fields) and not kwargs:
-            self.__dict__.update(zip(self._fields, args))
+            self.__dict__.update(zip(self._fields, args, strict=True))
         else:
             super().__init__(*args, **kwargs)
 
