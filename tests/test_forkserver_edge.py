@@ -17,6 +17,7 @@ from conftest import BASE_ENV
 from sandboxd.errors import InvalidPolicy, SetupError
 from sandboxd.policy import LaunchSpec, Limits, WorkspaceWrite
 from sandboxd.service.calls import SessionCall
+from sandboxd.supervisor import fork_protocol
 from sandboxd.supervisor.forkserver import MAX_POLL_MS, ForkServer, check_timeout, poll_timeout_ms
 
 pytestmark = pytest.mark.timeout(120)
@@ -67,45 +68,73 @@ def test_check_timeout_refuses_what_no_clock_holds() -> None:
         Limits(timeout_seconds=1e12)
 
 
+def send_raw(server: ForkServer, message: object, fds: list[int] | None = None) -> None:
+    """A request as the typed client would never send it: any JSON (or bytes), straight on the socket."""
+    data = message if isinstance(message, bytes) else json.dumps(message).encode()
+    fork_protocol.send(server._sock, data, fds)
+
+
+def error_for(server: ForkServer, call_id: int) -> dict[str, object]:
+    event = server._wait_event(call_id, (fork_protocol.Error,))
+    assert isinstance(event, fork_protocol.Error)
+    return event.error
+
+
 def test_malformed_requests_get_error_answers_and_the_server_lives(server: ForkServer, workspace: Path) -> None:
+    """Every request the codec cannot take as its record (a field of the wrong type, an unknown
+    operation, the wrong number of descriptors, not JSON) is answered InvalidPolicy naming what is
+    wrong, under its own id when it had one; the loop goes on, and launches still work (control)."""
     pid = server.pid
     stdio = null_stdio()
     try:
-        bad_requests: list[tuple[dict[str, object], list[int]]] = [
-            ({"op": "launch", "spec": "not a spec"}, list(stdio)),
-            ({"op": "launch", "spec": {"argv": 5}}, list(stdio)),
-            ({"op": "launch"}, []),
-            ({"op": "call", "session": 7, "argv": ["true"], "cwd": "/"}, list(stdio)),
-            ({"op": "call", "session": "nope", "argv": ["true"], "cwd": "/"}, list(stdio)),
-            ({"op": "session_open", "session": ["x"], "spec": {}}, []),
-            ({"op": "session_open", "session": "s", "spec": {"argv": []}}, []),
-            ({"op": "session_close", "session": None}, []),
-            ({"op": "explode"}, []),
+        bad_requests: list[tuple[dict[str, object], list[int], str]] = [
+            ({"op": "launch", "spec": "not a spec"}, list(stdio), "field 'spec' must be dict"),
+            ({"op": "launch", "spec": {"argv": 5}}, list(stdio), ""),
+            ({"op": "launch"}, [], "takes 3 descriptors, got 0"),
+            ({"op": "call", "session": 7, "argv": ["true"], "env": {}, "cwd": "/"}, list(stdio),
+             "field 'session' must be str"),
+            ({"op": "call", "session": "s", "argv": ["true", 5], "env": {}, "cwd": "/"}, list(stdio),
+             "field 'argv' must be list[str]"),
+            ({"op": "call", "session": "s", "argv": ["true"], "env": {"A": None}, "cwd": "/"}, list(stdio),
+             "field 'env' must be dict[str, str]"),
+            ({"op": "call", "session": "nope", "argv": ["true"], "env": {}, "cwd": "/"}, list(stdio),
+             "no open session"),
+            ({"op": "call", "session": "nope", "argv": ["true"], "env": {}, "cwd": "/", "timeout": True},
+             list(stdio), "field 'timeout' must be float | None"),
+            ({"op": "session_open", "session": ["x"], "spec": {}}, [], "field 'session' must be str"),
+            ({"op": "session_open", "session": "s", "spec": {"argv": []}}, [], ""),
+            ({"op": "session_close", "session": None}, [], "field 'session' must be str"),
+            ({"op": "check_paths", "caller": [0, "root", []], "paths": ["/"]}, [], "a caller is [uid, gid, [groups]]"),
+            ({"op": "explode"}, [], "unknown fork server operation 'explode'"),
         ]
-        for message, fds in bad_requests:
-            call_id = server._request(dict(message), fds or None)
-            with pytest.raises((InvalidPolicy, SetupError)):
-                server._expect(call_id, "started")
+        for number, (message, fds, says) in enumerate(bad_requests, start=10_000):
+            send_raw(server, {**message, "id": number}, fds or None)
+            error = error_for(server, number)
+            assert error["kind"] in ("InvalidPolicy", "SetupError"), error
+            assert says in str(error["detail"]), (message, error)
             assert server.pid == pid
         # Fields the client would never send: a time limit of 1e12 s, a signal beyond NSIG.
         spec = LaunchSpec(argv=("true",), workspace=str(workspace), env=dict(BASE_ENV))
         from sandboxd.policy.spec import spec_to_dict
         huge = spec_to_dict(spec)
-        huge["limits"]["timeout_seconds"] = 1e12
+        huge["limits"]["timeout_seconds"] = 1e12  # type: ignore[index]
         with pytest.raises(InvalidPolicy, match="timeout_seconds"):
-            server._expect(server._request({"op": "launch", "spec": huge}, list(stdio)), "started")
-        server._send({"op": "signal", "id": 99999, "signum": 10 ** 9})
-        assert "not a signal" in server._wait_event(99999, ("error",))["error"]["detail"]
-        # Not JSON, and not an object: answered with id 0.
-        server._sock.send(b"\xff not json")
-        server._sock.send(json.dumps([1, 2]).encode())
-        server._sock.send(json.dumps({"op": "launch", "id": "seven"}).encode())
-        for _ in range(3):
-            assert server._wait_event(0, ("error",))["event"] == "error"
+            server._expect(server._request(lambda call_id: fork_protocol.Launch(call_id, huge), list(stdio)),
+                           fork_protocol.Started)
+        server._send(fork_protocol.Signal(99999, 10 ** 9))
+        assert "not a signal" in str(error_for(server, 99999)["detail"])
+        # Not JSON, not an object, no integer id: answered with id 0.
+        send_raw(server, b"\xff not json")
+        send_raw(server, [1, 2])
+        send_raw(server, {"op": "launch", "id": "seven"})
+        send_raw(server, {"op": "ping", "id": True})
+        for _ in range(4):
+            assert error_for(server, 0)["kind"] == "InvalidPolicy"
     finally:
         os.close(stdio[0])
     assert os.path.exists(f"/proc/{pid}") and server.pid == pid
     assert launch_true(server, workspace) == 0          # the control: it still launches
+    assert server.ping(10)
 
 
 def test_deadlines_still_kill_on_time(server: ForkServer, workspace: Path) -> None:

@@ -229,6 +229,26 @@ class CgroupSet:
                     pass
         return found
 
+    def open_events(self) -> int | None:
+        """A descriptor of the v2 group's ``cgroup.events`` (None: no v2 group): poll it for
+        POLLPRI, which the kernel raises when ``populated`` changes, then ask ``populated``."""
+        if not self.unified_dir:
+            return None
+        try:
+            return os.open(os.path.join(self.unified_dir, "cgroup.events"), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+
+    @staticmethod
+    def populated(events_fd: int) -> bool:
+        """Does the group (or one nested in it) still hold a process? Read from ``open_events``'s
+        descriptor, which also re-arms its POLLPRI."""
+        try:
+            text = os.pread(events_fd, 4096, 0).decode()
+        except OSError:
+            return False                                  # the group is gone
+        return "populated 1" in text.splitlines()
+
     def signal_once(self) -> None:
         """SIGKILL everything in the set now, without waiting for it to go."""
         if self.unified_dir and os.path.exists(os.path.join(self.unified_dir, "cgroup.kill")):

@@ -2,41 +2,53 @@
 
 The daemon starts it before any gRPC thread exists (a forked child of a
 threaded process can deadlock, and fork cost grows with the parent's
-memory), then sends it requests over a SOCK_SEQPACKET socket pair, one JSON
-object per message:
+memory), then sends it requests over a SOCK_SEQPACKET socket pair. The protocol is typed
+(``fork_protocol``): one record per request and per event, one codec used by both ends (a JSON
+object per message, tagged with its kind and request id, every field's type checked on decode;
+descriptors as SCM_RIGHTS), and the server dispatches on the record's type through a table:
 
-  {"op": "launch", "id": N, "spec": {...}}  + SCM_RIGHTS [stdin, stdout, stderr]   one-shot sandbox
-  {"op": "session_open", "id": N, "session": S, "spec": {...}}                     build a session's sandbox
-  {"op": "session_close", "id": N, "session": S}                                   kill all of it
-  {"op": "call", "id": N, "session": S, "argv": [...], "env": {...}, "cwd": C,
-   "timeout": T}  + SCM_RIGHTS [stdin, stdout, stderr]                              one command in a session
-   (with "terminal": [rows, columns], on a terminal: stdin is the socket its master goes back on)
-  {"op": "signal", "id": N, "signum": S}    {"op": "cancel", "id": N}               to a running launch or call
-  {"op": "check_paths", "id": N, "caller": [uid, gid, [groups]], "paths": [...]}   may the caller write them?
-  {"op": "ping", "id": N}                                                          the daemon's watchdog
+  Launch(spec)  + [stdin, stdout, stderr]                  one-shot sandbox        -> Started, then Exited
+  SessionOpen(session, spec)                               build a session's sandbox -> SessionReady
+  SessionClose(session)                                    kill all of it          -> SessionClosed(gone)
+  Call(session, argv, env, cwd, timeout, tool, terminal)
+        + [stdin, stdout, stderr]                          one command in a session -> Started, then Exited
+        (with terminal [rows, columns]: stdin is the socket the terminal's master goes back on)
+  Signal(signum), Cancel()                                 to a running launch or call (its id)
+  CheckPaths(caller, paths)                                may the caller write them? -> PathsChecked
+  Ping()                                                   the daemon's watchdog   -> Pong
 
-and answers, tagged with the request's id:
-
-  {"event": "started", "pid": P, "inner_pid": Q}  {"event": "session_ready", "init_pid": P, "workspace": W}
-  {"event": "paths_checked", "paths": [real paths]}  {"event": "pong"}
-  {"event": "error", "error": {step, errno, path, hint, ...}}  {"event": "session_closed"}
-  {"event": "exited", "info": {exit_code, signal, timed_out, ...}}
+Any request may be answered Error({kind, detail} or a SetupError's fields) instead; a message
+that is not a request (bad JSON, a field of the wrong type, the wrong number of descriptors) is
+answered Error (InvalidPolicy) with its id when it had one, and the loop goes on.
 
 Launches and calls take the same ``Spawner`` paths that ``sandboxd run`` uses.
 
-The loop never waits on a caller's path: the paths a request names are opened as its caller in a
-child (access.PendingOpen), a session's build and a command's start are reported on pipes, and
-each of those is a descriptor in the poll loop with a deadline (``wait_seconds``). A file system
-that does not answer (a FUSE server that never replies, a hung NFS mount) costs only the request
-that named it: DeadlineExceeded naming the path, the child SIGKILLed and reaped whenever it goes.
+The loop never waits. What a request depends on is a descriptor in its poller, with a deadline:
+
+* the paths a request names are opened as its caller in a child (access.PendingOpen), a
+  session's build and a command's start are reported on pipes (``wait_seconds``): a file system
+  that does not answer (a FUSE server that never replies, a hung NFS mount) costs only the request
+  that named it: DeadlineExceeded naming the path, the child SIGKILLed and reaped whenever it goes;
+* a running launch or call is its pidfd; its time limit and a cancel's grace (SIGKILL after
+  CALL_KILL_GRACE when a call's supervisor does not end its tree) are timers of the loop;
+* a session's close SIGKILLs its init and watches the init's pidfd: readable once every process
+  of the session is gone (the init's exit waits for them, and the loop reaps the calls meanwhile).
+  Then the sandbox is released (cgroup, network) and ``SessionClosed(gone=True)`` answered. If that
+  takes longer than ``close_seconds`` (a process stuck in the kernel on a file system that does not
+  answer), ``SessionClosed(gone=False)`` is answered then, and the release happens whenever the
+  init goes. A danger-full-access session has no init: its cgroup is SIGKILLed and its
+  ``cgroup.events`` watched instead (POLLPRI when ``populated`` changes; on cgroup v1 the group is
+  still emptied in the loop, bounded). Only the closing caller waits for that answer, never
+  another session's request;
+* shutdown (the daemon's end of the socket closed) kills everything at once and runs the same loop
+  until all of it is gone, or ``close_seconds`` passed.
+
 Sandboxes, sessions and calls die with the fork server, and it dies with its client.
 """
 
 from __future__ import annotations
 
-import array
 import errno
-import json
 import math
 import os
 import select
@@ -45,7 +57,7 @@ import socket
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from sandboxd._record import Record
 from sandboxd.kernel import access
@@ -55,22 +67,26 @@ from sandboxd.errors import DeadlineExceeded, Forbidden, InvalidPolicy, Sandboxd
 from sandboxd.policy.limits import MAX_TIMEOUT_SECONDS  # noqa: F401 - re-exported for the edge's callers
 from sandboxd.policy.limits import check_timeout as limits_check_timeout
 from sandboxd.policy.spec import LaunchSpec, spec_from_dict, spec_to_dict
+from sandboxd.supervisor import fork_protocol as protocol
+from sandboxd.supervisor.fork_protocol import (Call, Cancel, CheckPaths, Error, Event, Exited, Launch, Malformed,
+                                               Message, PathsChecked, Ping, Pong, Request, SessionClose,
+                                               SessionClosed, SessionOpen, SessionReady, Signal, Started)
 from sandboxd.supervisor.spawner import ExitInfo, SandboxProcess, SessionBuild, SessionSandbox, Spawner
 from sandboxd.supervisor.waits import Orphans, ReportReader, Waits
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-MAX_MESSAGE = 1 << 20
-SO_SNDBUFFORCE = 32
+E = TypeVar("E", bound=Event)
 # Errors that cross from the fork server as their kind and message (a SetupError has more fields).
 _PLAIN_ERRORS: dict[str, type[SandboxdError]] = {cls.__name__: cls for cls in (InvalidPolicy, Forbidden,
                                                                                  DeadlineExceeded)}
 # How long a request may wait on a caller's paths, a session's build or a command's start
 # (``fork_server.wait_seconds``): a lookup that takes longer is on a file system that does not answer.
 DEFAULT_WAIT_SECONDS = 10.0
-# How long closing a session waits for its init to be reaped (milliseconds, normally) before
-# leaving it to the loop: a process stuck on a file system that does not answer may hold it.
+# How long a session's close may take before it is answered anyway (``gone=False``): a process
+# stuck on a file system that does not answer may hold the session's init; it is released when it
+# goes. Only the closing caller waits this long; the loop goes on serving everyone meanwhile.
 CLOSE_WAIT_SECONDS = 5.0
 # The longest one poll() waits: far enough to cost nothing, near enough that no deadline can
 # overflow poll's millisecond int (the loop recomputes after every wake). Time limits above
@@ -104,48 +120,12 @@ def poll_timeout_ms(deadline: float | None, now: float) -> int:
     return math.ceil(remaining * 1000)
 
 
-def _send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None,
-          data: bytes | None = None) -> None:
-    data = json.dumps(message).encode() if data is None else data
-    if fds:
-        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-    else:
-        sock.send(data)
-
-
-def message_limit(sock: socket.socket) -> int:
-    """The largest request ``sock`` carries in one message: what its send buffer allows (the
-    kernel refuses a SEQPACKET message over SO_SNDBUF - 32 bytes with EMSGSIZE), raised to
-    MAX_MESSAGE when it can be (root: SO_SNDBUFFORCE), never above what the server reads."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, 2 * MAX_MESSAGE)
-    except OSError:
-        pass                                              # not root: the default buffer
-    return min(MAX_MESSAGE, sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) - 32 - 1024)
-
-
-def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
-    fds = array.array("i")
-    data, ancdata, _, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(16 * fds.itemsize))
-    for level, kind, payload in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
-    if not data:
-        return None, list(fds)
-    try:
-        message = json.loads(data)
-    except ValueError:                                    # also a message cut at MAX_MESSAGE
-        message = None
-    if not isinstance(message, dict):
-        return {"op": None, "malformed": True}, list(fds)   # answered as an error, never taken as EOF
-    return message, list(fds)
-
-
 class _Server:
     """The server side: runs in the fork server process, single-threaded."""
 
     def __init__(self, sock: socket.socket, native_calls: bool = True,
-                 wait_seconds: float = DEFAULT_WAIT_SECONDS, call_helper: str | None = None) -> None:
+                 wait_seconds: float = DEFAULT_WAIT_SECONDS, call_helper: str | None = None,
+                 close_seconds: float = CLOSE_WAIT_SECONDS) -> None:
         from sandboxd.kernel import netns
         from sandboxd.kernel.cgroups import sweep_stale
         from sandboxd.launcher.native_call import REBUILD, check_helper
@@ -165,34 +145,50 @@ class _Server:
         self._poller.register(self._sock_fd, select.POLLIN)
         self._watched: dict[int, int] = {}                # call id -> its pidfd in the poller
         self.wait_seconds = wait_seconds
-        self._waits = Waits(self._poller)                 # requests waiting on a child: paths, builds, starts
+        self.close_seconds = close_seconds
+        self._waits = Waits(self._poller)                 # requests waiting on a child: paths, builds, starts, closes
         self._orphans = Orphans(self._poller)             # children given up on, reaped when they go
         self._opening: set[str] = set()                   # sessions being built
         self._closed_while_opening: set[str] = set()
+        self._closing: dict[str, list[int]] = {}          # sessions being closed -> the closes to answer when gone
         self._unanswered: set[int] = set()                # calls that never started: their end is nobody's
         # The start-up sweep can run before a SIGKILLed predecessor's fork server has died (its
         # parent-death signal is asynchronous): its groups are taken by a later sweep, never waited for.
         self._next_sweep = time.monotonic() + SWEEP_SECONDS
+        # The dispatch table: one handler per request type, each given the request and its descriptors.
+        self._handlers: dict[type[Message], Callable[[Any, list[int]], None]] = {
+            Launch: self._launch, Call: self._call, SessionOpen: self._session_open,
+            SessionClose: self._session_close, Signal: self._signal, Cancel: self._cancel,
+            CheckPaths: self._check_paths, Ping: self._ping,
+        }
 
     def serve(self) -> None:
         while True:
-            deadlines = [d for d in (proc.wake_at(t) for proc, t in self.running.values()) if d is not None]
-            deadlines += self._waits.deadlines()
-            deadlines.append(self._next_sweep)
-            try:
-                events = self._poller.poll(poll_timeout_ms(min(deadlines) if deadlines else None, time.monotonic()))
-            except InterruptedError:
-                continue
-            self._collect_exits({fd for fd, _ in events})
-            for fd, _ in events:
-                self._waits.ready(fd, self._answer_error)
-                self._orphans.ready(fd)
-            self._waits.expire(time.monotonic(), self._answer_error)
-            if time.monotonic() >= self._next_sweep:
-                self._sweep(patient=False)
+            events = self._turn(None)
             if any(fd == self._sock_fd for fd, _ in events) and not self._handle_next():
                 self._shutdown()
                 return
+
+    def _turn(self, until: float | None) -> list[tuple[int, int]]:
+        """One wait of the loop, at most until the nearest deadline (or ``until``), and what is
+        due then: exits collected, children's descriptors handled, deadlines expired, the sweep."""
+        deadlines = [d for d in (proc.wake_at(t) for proc, t in self.running.values()) if d is not None]
+        deadlines += self._waits.deadlines()
+        deadlines.append(self._next_sweep)
+        if until is not None:
+            deadlines.append(until)
+        try:
+            events = self._poller.poll(poll_timeout_ms(min(deadlines), time.monotonic()))
+        except InterruptedError:
+            return []
+        self._collect_exits({fd for fd, _ in events})
+        for fd, _ in events:
+            self._waits.ready(fd, self._answer_error)
+            self._orphans.ready(fd)
+        self._waits.expire(time.monotonic(), self._answer_error)
+        if time.monotonic() >= self._next_sweep:
+            self._sweep(patient=False)
+        return events
 
     def _collect_exits(self, ready: "set[int] | None" = None) -> None:
         """Report the calls that ended. With ``ready`` (the descriptors poll() reported), only the
@@ -209,10 +205,7 @@ class _Server:
                 info = proc.poll(limit)
             except Exception as exc:  # noqa: BLE001 - one broken call must not end everyone's
                 _log(f"collecting call {call_id} failed: {type(exc).__name__}: {exc}")
-                try:
-                    proc.kill()
-                except Exception:  # noqa: BLE001 - best effort: it is reported as killed either way
-                    pass
+                self._give_up(proc)
                 info = ExitInfo(exit_code=None, signal=signal.SIGKILL, timed_out=False, wall_seconds=0.0,
                                 cpu_seconds=None, peak_memory_bytes=None, oom_killed=False)
             if info is not None:
@@ -222,146 +215,170 @@ class _Server:
                 if call_id in self._unanswered:
                     self._unanswered.discard(call_id)
                     continue
-                self._answer({"id": call_id, "event": "exited", "info": info.to_dict()})
+                self._answer(Exited(call_id, info.exit_code, info.signal, info.timed_out, info.wall_seconds,
+                                    info.cpu_seconds, info.peak_memory_bytes, info.oom_killed))
 
-    def _answer(self, message: dict[str, Any]) -> None:
+    def _give_up(self, proc: SandboxProcess) -> None:
+        """A call that could not be collected: SIGKILLed (its tree too, as far as ``stop`` reaches
+        without waiting) and reaped whenever it goes, by the orphans, never waited for here."""
+        pid, pidfd = proc.pid, os.dup(proc.fileno())
         try:
-            _send(self.sock, message)
+            proc.stop()
+            proc.send_signal(signal.SIGKILL)
+        except Exception:  # noqa: BLE001 - best effort: it is reported as killed either way
+            pass
+
+        def reap() -> bool:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                    return False
+            except ChildProcessError:
+                pass                                      # reaped already
+            os.close(pidfd)
+            return True
+        self._orphans.add(pidfd, reap)
+
+    def _answer(self, event: Event) -> None:
+        try:
+            protocol.send(self.sock, event.encode())
         except OSError as exc:                            # the daemon is gone: EOF ends the loop
-            if exc.errno == errno.EMSGSIZE and message.get("event") != "error":
-                self._answer_error(int(message.get("id") or 0), InvalidPolicy(
-                    f"the answer to request {message.get('id')} is too large for the fork server's socket; "
+            if exc.errno == errno.EMSGSIZE and not isinstance(event, Error):
+                self._answer_error(event.id, InvalidPolicy(
+                    f"the answer to request {event.id} is too large for the fork server's socket; "
                     "ask for fewer paths at once"))
                 return
             _log(f"cannot answer the daemon: {exc}")
 
     def _answer_error(self, call_id: int, exc: BaseException) -> None:
         """A request's failure as its answer: every failure is one, none ends the loop."""
+        error: dict[str, object]
         if isinstance(exc, SandboxdError):
             error = exc.to_dict() if isinstance(exc, SetupError) else {"kind": type(exc).__name__, "detail": str(exc)}
         else:
             _log(f"request {call_id} failed: {type(exc).__name__}: {exc}")
             error = {"kind": "SetupError", "step": "fork server",
                      "detail": f"the fork server could not handle the request ({type(exc).__name__}: {exc})"}
-        self._answer({"id": call_id, "event": "error", "error": error})
+        self._answer(Error(call_id, error))
 
     def _handle_next(self) -> bool:
         try:
-            message, fds = _recv(self.sock)
-        except (OSError, ValueError):
+            message, fds = protocol.receive(self.sock, protocol.requests())
+        except OSError:
             message, fds = None, []
         if message is None:
             for fd in fds:
                 os.close(fd)
             return False
-        call_id = 0
         try:
-            if message.get("malformed"):
-                raise InvalidPolicy("a fork server request must be one JSON object below 1 MiB")
-            call_id = message.get("id", 0)
-            if isinstance(call_id, bool) or not isinstance(call_id, int):
-                call_id = 0
-                raise InvalidPolicy("a fork server request needs an integer id")
-            self._dispatch(call_id, message, fds)
+            if isinstance(message, Malformed):
+                raise InvalidPolicy(str(message))
+            self._handlers[type(message)](message, fds)
         except Exception as exc:  # noqa: BLE001 - the dispatch edge: every failure is an answer
-            self._answer_error(call_id, exc)
+            self._answer_error(message.id, exc)
         finally:
             for fd in fds:
                 os.close(fd)
         return True
 
-    def _dispatch(self, call_id: int, message: dict[str, Any], fds: list[int]) -> None:
-        """One request, checked field by field: the daemon is trusted, but a bug there must
-        come back as an error answer, never end every sandbox of every user."""
-        op = message.get("op")
-        if op in ("launch", "call"):
-            if call_id <= 0 or call_id in self.running:
-                raise InvalidPolicy(f"request id {call_id!r} is not a fresh positive id")
-            if len(fds) != 3:
-                raise InvalidPolicy("a launch needs exactly three descriptors: stdin, stdout, stderr")
-            if op == "launch":
-                spec = spec_from_dict(_field(message, "spec", dict))
-                limit = check_timeout(spec.limits.timeout_seconds, "limit timeout_seconds")
-                # The stdio descriptors outlive this request's message: the launch waits on the paths.
-                stdio = (os.dup(fds[0]), os.dup(fds[1]), os.dup(fds[2]))
-                def close_stdio() -> None:
-                    for fd in stdio:
-                        os.close(fd)
-                def launch(opened: list[int]) -> None:
-                    try:
-                        self._await_start(call_id, self.spawner.launch(spec, stdio=stdio, opened=opened), limit)
-                    finally:
-                        close_stdio()
-                try:
-                    self._open_paths(call_id, spec.caller, plan_path_requests(spec), launch, plan_path_check(spec),
-                                     undo=close_stdio)
-                except BaseException:
-                    close_stdio()
-                    raise
-                return
-            session = self._session(message)
-            argv = _field(message, "argv", list)
-            env = _field(message, "env", dict, optional=True) or {}
-            cwd = _field(message, "cwd", str)
-            tool = _field(message, "tool", dict, optional=True)
-            if not all(isinstance(item, str) for item in (*argv, *env, *env.values())):
-                raise InvalidPolicy("argv and env must hold strings only")
-            if any("\0" in item for item in (*argv, *env, *env.values(), cwd)):
-                raise InvalidPolicy("argv, env and cwd cannot contain NUL characters")
-            limit = check_timeout(message.get("timeout"))
-            terminal = _terminal_size(message.get("terminal"))
-            self._await_start(call_id, self.spawner.launch_call(session, tuple(argv), dict(env), cwd,
-                                                                stdio=(fds[0], fds[1], fds[2]), tool=tool,
-                                                                terminal=terminal), limit)
-        elif op == "session_open":
-            name = _field(message, "session", str)
-            if name in self.sessions or name in self._opening:
-                raise InvalidPolicy(f"session {name!r} is already open in the fork server")
-            spec = spec_from_dict(_field(message, "spec", dict))
-            check_timeout(spec.limits.timeout_seconds, "limit timeout_seconds")
-            self._opening.add(name)
+    # -- the handlers: one request each, its fields typed by the codec; what is left to check
+    #    (ranges, NULs, names) is checked here. The daemon is trusted, but a bug there must come
+    #    back as an error answer, never end every sandbox of every user.
+
+    def _fresh(self, call_id: int) -> None:
+        if call_id <= 0 or call_id in self.running:
+            raise InvalidPolicy(f"request id {call_id!r} is not a fresh positive id")
+
+    def _launch(self, request: Launch, fds: list[int]) -> None:
+        call_id = request.id
+        self._fresh(call_id)
+        spec = spec_from_dict(request.spec)
+        limit = check_timeout(spec.limits.timeout_seconds, "limit timeout_seconds")
+        # The stdio descriptors outlive this request's message: the launch waits on the paths.
+        stdio = (os.dup(fds[0]), os.dup(fds[1]), os.dup(fds[2]))
+
+        def close_stdio() -> None:
+            for fd in stdio:
+                os.close(fd)
+
+        def launch(opened: list[int]) -> None:
             try:
-                self._open_paths(call_id, spec.caller, plan_path_requests(spec),
-                                 lambda opened: self._build_session(call_id, name, spec, opened), plan_path_check(spec),
-                                 undo=lambda: self._forget_opening(name))
-            except BaseException:
-                self._forget_opening(name)
-                raise
-        elif op == "session_close":
-            name = _field(message, "session", str)
-            closing = self.sessions.pop(name, None)
-            if closing is not None:
-                self._close_session(closing)
-            elif name in self._opening:
-                self._closed_while_opening.add(name)      # closed as its build ends
-            self._answer({"id": call_id, "event": "session_closed"})
-        elif op == "check_paths":
-            paths = [str(p) for p in _field(message, "paths", list)]
-            caller = message.get("caller")
-            who = (int(caller[0]), int(caller[1]), tuple(int(g) for g in caller[2])) if caller else None
-            def checked(opened: list[int]) -> None:
-                try:
-                    real = [access.real_path(fd) for fd in opened]
-                finally:
-                    for fd in opened:
-                        os.close(fd)
-                self._answer({"id": call_id, "event": "paths_checked", "paths": real})
-            self._open_paths(call_id, who, [access.PathRequest(path, "workspace", access.WRITE) for path in paths],
-                             checked)
-        elif op == "ping":
-            self._answer({"id": call_id, "event": "pong"})
-        elif op in ("signal", "cancel"):
-            entry = self.running.get(call_id)
-            signum = _field(message, "signum", int) if op == "signal" else signal.SIGKILL
-            if not 0 < signum < signal.NSIG:
-                raise InvalidPolicy(f"signal {signum} is not a signal number")
-            if entry:
-                if op == "cancel":
-                    entry[0].stop()                       # never waits: see SandboxProcess.stop
-                else:
-                    entry[0].send_signal(signum)
+                self._await_start(call_id, self.spawner.launch(spec, stdio=stdio, opened=opened), limit)
+            finally:
+                close_stdio()
+        try:
+            self._open_paths(call_id, spec.caller, plan_path_requests(spec), launch, plan_path_check(spec),
+                             undo=close_stdio)
+        except BaseException:
+            close_stdio()
+            raise
+
+    def _call(self, request: Call, fds: list[int]) -> None:
+        self._fresh(request.id)
+        session = self._session(request.session)
+        if any("\0" in item for item in (*request.argv, *request.env, *request.env.values(), request.cwd)):
+            raise InvalidPolicy("argv, env and cwd cannot contain NUL characters")
+        limit = check_timeout(request.timeout)
+        terminal = _terminal_size(request.terminal)
+        self._await_start(request.id, self.spawner.launch_call(session, tuple(request.argv), dict(request.env),
+                                                               request.cwd, stdio=(fds[0], fds[1], fds[2]),
+                                                               tool=request.tool, terminal=terminal), limit)
+
+    def _session_open(self, request: SessionOpen, fds: list[int]) -> None:
+        call_id, name = request.id, request.session
+        if name in self.sessions or name in self._opening:
+            raise InvalidPolicy(f"session {name!r} is already open in the fork server")
+        if name in self._closing:
+            raise InvalidPolicy(f"session {name!r} is still being closed in the fork server")
+        spec = spec_from_dict(request.spec)
+        check_timeout(spec.limits.timeout_seconds, "limit timeout_seconds")
+        self._opening.add(name)
+        try:
+            self._open_paths(call_id, spec.caller, plan_path_requests(spec),
+                             lambda opened: self._build_session(call_id, name, spec, opened), plan_path_check(spec),
+                             undo=lambda: self._forget_opening(name))
+        except BaseException:
+            self._forget_opening(name)
+            raise
+
+    def _session_close(self, request: SessionClose, fds: list[int]) -> None:
+        name = request.session
+        closing = self.sessions.pop(name, None)
+        if closing is not None:
+            self._close_session(name, closing, request.id)
+        elif name in self._closing:
+            self._closing[name].append(request.id)         # closed twice: answered with the first
         else:
-            raise InvalidPolicy(f"unknown fork server operation {op!r}")
+            if name in self._opening:
+                self._closed_while_opening.add(name)       # closed as its build ends
+            self._answer(SessionClosed(request.id, True))
+
+    def _check_paths(self, request: CheckPaths, fds: list[int]) -> None:
+        call_id, who = request.id, _caller(request.caller)
+
+        def checked(opened: list[int]) -> None:
+            try:
+                real = [access.real_path(fd) for fd in opened]
+            finally:
+                for fd in opened:
+                    os.close(fd)
+            self._answer(PathsChecked(call_id, real))
+        self._open_paths(call_id, who, [access.PathRequest(path, "workspace", access.WRITE) for path in request.paths],
+                         checked)
+
+    def _ping(self, request: Ping, fds: list[int]) -> None:
+        self._answer(Pong(request.id))
+
+    def _signal(self, request: Signal, fds: list[int]) -> None:
+        if not 0 < request.signum < signal.NSIG:
+            raise InvalidPolicy(f"signal {request.signum} is not a signal number")
+        entry = self.running.get(request.id)
+        if entry:
+            entry[0].send_signal(request.signum)
+
+    def _cancel(self, request: Cancel, fds: list[int]) -> None:
+        entry = self.running.get(request.id)
+        if entry:
+            entry[0].stop()                               # never waits: see SandboxProcess.stop
 
     # -- waiting on children, never blocking ---------------------------------------------------
 
@@ -457,11 +474,10 @@ class _Server:
     def _session_ready(self, call_id: int, name: str, session: SessionSandbox) -> None:
         if name in self._closed_while_opening:
             self._closed_while_opening.discard(name)
-            self._close_session(session)
+            self._close_session(name, session, None)
             raise InvalidPolicy(f"session {name!r} was closed while its sandbox was being built")
         self.sessions[name] = session
-        ready: dict[str, Any] = {"id": call_id, "event": "session_ready", "init_pid": session.init_pid,
-                                 "workspace": session.plan.workspace}
+        ready = SessionReady(call_id, session.init_pid, session.plan.workspace)
         network = session.network
         if network is not None:
             # The daemon serves the egress proxy (this process has no threads): it binds the
@@ -469,12 +485,12 @@ class _Server:
             if network.proxy_listener is not None:
                 network.proxy_listener.close()
                 network.proxy_listener = None
-            ready.update(host_address=network.host_address, sandbox_address=network.sandbox_address,
-                         resolvers=network.resolvers)
+            ready = SessionReady(call_id, session.init_pid, session.plan.workspace, network.host_address,
+                                 network.sandbox_address, list(network.resolvers))
         self._answer(ready)
 
     def _await_start(self, call_id: int, proc: SandboxProcess, limit: float | None) -> None:
-        """Answer "started" once the command was exec'd (its setup report's EOF), from the loop:
+        """Answer Started once the command was exec'd (its setup report's EOF), from the loop:
         a cwd or program on a file system that does not answer holds only this request."""
         reader = ReportReader(proc.report_fileno())
 
@@ -483,7 +499,7 @@ class _Server:
                 return False
             proc.started_with(reader.data)
             self._track(call_id, proc, limit)
-            self._answer({"id": call_id, "event": "started", "pid": proc.pid, "inner_pid": proc.inner_pid})
+            self._answer(Started(call_id, proc.pid, proc.inner_pid))
             return True
 
         def expire() -> None:
@@ -503,28 +519,85 @@ class _Server:
         self._watched[call_id] = proc.fileno()
         self._poller.register(proc.fileno(), select.POLLIN)
 
-    def _close_session(self, session: SessionSandbox) -> None:
-        """Kill the session and wait until it is gone, reaping its calls meanwhile (init's exit
-        waits for them; see SessionSandbox.kill). Bounded: a stuck kernel cannot hang us."""
+    def _close_session(self, name: str, session: SessionSandbox, answer_to: int | None) -> None:
+        """Kill the session (its init: the kernel kills the rest of its PID namespace) and answer
+        ``answer_to`` (and any later close of the same name) once the init's pidfd says it is gone,
+        from the loop. The init's exit waits until every process of its namespace is reaped, the
+        calls' supervisors included, which are ours: the loop reaps them meanwhile
+        (``_collect_exits``), so the close waits on nothing here. Past ``close_seconds`` a process
+        is stuck in the kernel: answered ``gone=False``, released when it goes."""
         session.kill()
-        deadline = time.monotonic() + CLOSE_WAIT_SECONDS
-        while not session.reap() and time.monotonic() < deadline:
-            waiter = select.poll()
-            for fd in (session.pidfd, *self._watched.values()):
-                waiter.register(fd, select.POLLIN)
-            waiter.poll(50)
-            self._collect_exits()
-        if session.init_pid is not None:
-            # A process of it is stuck in the kernel (a hard NFS mount): released when it goes.
-            self._release_when_gone(session)
-            return
-        session.close()
-        self._collect_exits()
+        self._closing[name] = [] if answer_to is None else [answer_to]
 
-    def _session(self, message: dict[str, Any]) -> SessionSandbox:
-        session = self.sessions.get(_field(message, "session", str))
+        def answer(gone: bool) -> None:
+            for call_id in self._closing.pop(name, []):
+                self._answer(SessionClosed(call_id, gone))
+
+        def release() -> None:
+            try:
+                session.close()
+            except Exception as exc:  # noqa: BLE001 - what is left is swept; the close is still answered
+                _log(f"releasing session {name!r} failed: {type(exc).__name__}: {exc}")
+
+        if session.init_pid is None and session.cgroup is not None:
+            self._close_group(session, release, answer, answer_to)
+            return
+        if session.reap():                                # no init and no group (danger-full-access), or gone
+            release()
+            answer(True)
+            return
+
+        def ready() -> bool:
+            if not session.reap():
+                return False
+            release()
+            answer(True)
+            return True
+
+        def expire() -> None:
+            self._release_when_gone(session)
+            answer(False)
+
+        self._waits.add(session.pidfd, answer_to or 0, time.monotonic() + self.close_seconds, ready, expire)
+
+    def _close_group(self, session: SessionSandbox, release: "Callable[[], None]",
+                     answer: "Callable[[bool], None]", answer_to: int | None) -> None:
+        """Close a session that has no init but a cgroup (danger-full-access with limits, or a
+        plain caller's): its group is SIGKILLed once, and its ``cgroup.events`` is one more
+        descriptor in the poller (POLLPRI when ``populated`` changes): released and answered once
+        the group is empty, or answered at ``close_seconds`` and released when it empties.
+        Without a v2 group (cgroup v1): released at once, which waits (bounded) in the loop."""
+        assert session.cgroup is not None
+        group = session.cgroup
+        group.signal_once()
+        events = group.open_events()
+        if events is None:
+            release()
+            answer(True)
+            return
+
+        def emptied() -> bool:
+            if group.populated(events):
+                return False
+            os.close(events)
+            release()
+            answer(True)
+            return True
+
+        if emptied():
+            return
+
+        def expire() -> None:
+            self._orphans.add(events, emptied, select.POLLPRI)
+            answer(False)
+
+        self._waits.add(events, answer_to or 0, time.monotonic() + self.close_seconds, emptied, expire,
+                        select.POLLPRI)
+
+    def _session(self, name: str) -> SessionSandbox:
+        session = self.sessions.get(name)
         if session is None:
-            raise InvalidPolicy(f"no open session {message.get('session')!r} in the fork server")
+            raise InvalidPolicy(f"no open session {name!r} in the fork server")
         return session
 
     def _sweep(self, patient: bool) -> None:
@@ -537,35 +610,42 @@ class _Server:
             _log(f"sweeping stale sandbox groups failed: {exc}")
 
     def _shutdown(self) -> None:
+        """The daemon is gone: kill everything at once, then run the loop (no more requests) until
+        all of it is reaped and released, or ``close_seconds`` passed (a process stuck in the kernel:
+        it is not waited for beyond that)."""
+        self._poller.unregister(self._sock_fd)            # at EOF for good: it would wake every turn
         self._waits.expire(math.inf, lambda _call_id, _error: None)   # SIGKILLs what they wait on
-        for session in list(self.sessions.values()):
-            self._close_session(session)
+        for name, session in list(self.sessions.items()):
+            self._close_session(name, session, None)
         self.sessions.clear()
         for proc, _ in self.running.values():
-            proc.kill()
-            proc.wait()
+            proc.stop()
+            proc.send_signal(signal.SIGKILL)              # no grace: nobody waits for its report
+        deadline = time.monotonic() + self.close_seconds
+        while (self.running or len(self._waits) or len(self._orphans)) and time.monotonic() < deadline:
+            self._turn(deadline)
         self._sweep(patient=True)                         # what the start-up sweep was too early for
 
 
-def _field(message: dict[str, Any], key: str, kind: type, optional: bool = False) -> Any:
-    """``message[key]`` if it is a ``kind`` (None allowed when ``optional``), else InvalidPolicy."""
-    value = message.get(key)
-    if value is None and optional:
+def _caller(value: "list[object] | None") -> "tuple[int, int, tuple[int, ...]] | None":
+    """A CheckPaths caller, [uid, gid, [groups]] (None: root's own), or InvalidPolicy."""
+    if value is None:
         return None
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise InvalidPolicy(f"fork server request field {key!r} must be a {kind.__name__}, got {value!r}")
-    return value
+    if (len(value) == 3 and type(value[0]) is int and type(value[1]) is int and isinstance(value[2], list)
+            and all(type(group) is int for group in value[2])):
+        return value[0], value[1], tuple(value[2])
+    raise InvalidPolicy(f"a caller is [uid, gid, [groups]], got {value!r}")
 
 
-def _terminal_size(value: object) -> tuple[int, int] | None:
+def _terminal_size(value: "list[object] | None") -> tuple[int, int] | None:
     """A call's terminal, [rows, columns], checked again at this edge (terminal_call.check_terminal)."""
     from sandboxd.kernel.terminals import MAX_SIZE, MIN_SIZE
     if value is None:
         return None
-    if (not isinstance(value, list) or len(value) != 2
-            or not all(isinstance(n, int) and not isinstance(n, bool) and MIN_SIZE <= n <= MAX_SIZE for n in value)):
+    sizes = [n for n in value if type(n) is int and MIN_SIZE <= n <= MAX_SIZE]
+    if len(value) != 2 or len(sizes) != 2:
         raise InvalidPolicy(f"a terminal is [rows, columns], each {MIN_SIZE} to {MAX_SIZE}, got {value!r}")
-    return value[0], value[1]
+    return sizes[0], sizes[1]
 
 
 def _log(text: str) -> None:
@@ -578,12 +658,13 @@ def _log(text: str) -> None:
 
 
 def serve(sock: socket.socket, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS,
-          call_helper: str | None = None) -> None:
+          call_helper: str | None = None, close_seconds: float = CLOSE_WAIT_SECONDS) -> None:
     """The fork server loop. Returns when the client end closes, after killing everything.
     ``native_calls``: run session calls with sandboxd-call when it is built and current
     (native_call.check_helper; ``call_helper``: another build of it than the package's, for tests);
-    ``wait_seconds``: how long a request may wait on a caller's paths (see the module's doc)."""
-    _Server(sock, native_calls, wait_seconds, call_helper).serve()
+    ``wait_seconds``: how long a request may wait on a caller's paths (see the module's doc);
+    ``close_seconds``: how long a session's close may take before it is answered anyway."""
+    _Server(sock, native_calls, wait_seconds, call_helper, close_seconds).serve()
 
 
 class SessionInfo(Record):
@@ -603,7 +684,7 @@ class ForkServer:
         self.pid = pid
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
-        self._events: dict[int, list[dict[str, Any]]] = {}
+        self._events: dict[int, list[Event]] = {}
         self._next_id = 1
         self._closed = False
         self._reading = False                     # a waiting thread is reading the socket
@@ -613,7 +694,8 @@ class ForkServer:
         self._first_id = 1                        # ids below it went to a server that has died since
         self._wait_seconds = DEFAULT_WAIT_SECONDS
         self._call_helper: str | None = None
-        self._limit = message_limit(sock)
+        self._close_seconds = CLOSE_WAIT_SECONDS
+        self._limit = protocol.message_limit(sock)
         self.last_heard = time.monotonic()       # when it last answered anything (the watchdog's progress)
 
     @property
@@ -622,7 +704,7 @@ class ForkServer:
 
     @classmethod
     def start(cls, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS,
-              call_helper: str | None = None) -> "ForkServer":
+              call_helper: str | None = None, close_seconds: float = CLOSE_WAIT_SECONDS) -> "ForkServer":
         """Start the server as a fresh interpreter (``python -m sandboxd.supervisor.forkserver``).
 
         Not a fork of the caller: the daemon has gRPC threads, and a forked copy of a
@@ -636,7 +718,8 @@ class ForkServer:
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "PYTHONPATH": package_root}
         try:
-            flags = ([] if native_calls else ["--python-calls"]) + [f"--wait-seconds={wait_seconds!r}"] + (
+            flags = ([] if native_calls else ["--python-calls"]) + [f"--wait-seconds={wait_seconds!r}",
+                                                                     f"--close-seconds={close_seconds!r}"] + (
                 [f"--call-helper={call_helper}"] if call_helper else [])
             child = subprocess.Popen([sys.executable, "-m", "sandboxd.supervisor.forkserver", str(child_end.fileno()),
                                       *flags],
@@ -649,6 +732,7 @@ class ForkServer:
         server._wanted_native_calls = native_calls
         server._wait_seconds = wait_seconds
         server._call_helper = call_helper
+        server._close_seconds = close_seconds
         from sandboxd.launcher.native_call import check_helper
         server._native_calls = native_calls and check_helper(call_helper).path is not None   # as the server decides
         return server
@@ -657,23 +741,24 @@ class ForkServer:
 
     def launch(self, spec: LaunchSpec, stdio: tuple[int, int, int] = (0, 1, 2)) -> int:
         """Start a one-shot sandbox; return its id once the command is running, or raise SetupError."""
-        call_id = self._request({"op": "launch", "spec": spec_to_dict(spec)}, list(stdio))
-        self._expect(call_id, "started")
+        wire = spec_to_dict(spec)
+        call_id = self._request(lambda call_id: Launch(call_id, wire), list(stdio))
+        self._expect(call_id, Started)
         return call_id
 
     def open_session(self, session: str, spec: LaunchSpec) -> "SessionInfo":
         """Build a session's sandbox (``spec.argv`` is not run): its init's pid and, with an isolated
         network, its addresses."""
-        event = self._expect(self._request({"op": "session_open", "session": session,
-                                            "spec": spec_to_dict(spec)}), "session_ready")
-        return SessionInfo(int(event.get("init_pid") or 0), str(event.get("workspace") or ""),
-                           event.get("host_address"), event.get("sandbox_address"), tuple(event.get("resolvers") or ()))
+        wire = spec_to_dict(spec)
+        event = self._expect(self._request(lambda call_id: SessionOpen(call_id, session, wire)), SessionReady)
+        return SessionInfo(event.init_pid or 0, event.workspace, event.host_address, event.sandbox_address,
+                           tuple(event.resolvers or ()))
 
     def check_paths(self, caller: "tuple[int, int, tuple[int, ...]] | None", paths: list[str]) -> list[str]:
         """The real paths of ``paths`` if ``caller`` may write each (Forbidden or InvalidPolicy if not)."""
-        event = self._expect(self._request({"op": "check_paths", "caller": list(caller[:2]) + [list(caller[2])]
-                                            if caller else None, "paths": list(paths)}), "paths_checked")
-        return [str(p) for p in event["paths"]]
+        who: list[object] | None = [caller[0], caller[1], list(caller[2])] if caller else None
+        wanted = [str(path) for path in paths]
+        return self._expect(self._request(lambda call_id: CheckPaths(call_id, who, wanted)), PathsChecked).paths
 
     def ping(self, timeout: float) -> bool:
         """True if the server answers a ping within ``timeout`` seconds (the daemon's watchdog);
@@ -689,41 +774,42 @@ class ForkServer:
             call_id = self._next_id
             self._next_id += 1
             try:
-                self._sock.send(json.dumps({"op": "ping", "id": call_id}).encode(), socket.MSG_DONTWAIT)
+                protocol.send(self._sock, Ping(call_id).encode(), None, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return False                              # its queue is full: it is not reading
             except OSError as exc:
                 raise SetupError("fork server", 0, detail=f"the fork server has exited ({exc.strerror})") from None
         finally:
             self._send_lock.release()
-        return self._wait_event(call_id, ("pong",), timeout=max(0.0, deadline - time.monotonic())) is not None
+        return self._wait_event(call_id, (Pong,), timeout=max(0.0, deadline - time.monotonic())) is not None
 
     def close_session(self, session: str) -> None:
-        self._expect(self._request({"op": "session_close", "session": session}), "session_closed")
+        """Kill all of a session; return once every process of it is gone and its sandbox released,
+        or after the fork server's close bound (a process stuck in the kernel: released when it goes)."""
+        self._expect(self._request(lambda call_id: SessionClose(call_id, session)), SessionClosed)
 
     def call(self, session: str, argv: list[str], env: dict[str, str], cwd: str, timeout: float | None,
              stdio: tuple[int, int, int], tool: dict[str, object] | None = None,
              terminal: tuple[int, int] | None = None) -> tuple[int, int | None]:
         """Run one command (or a file tool) in a session; return (call id, its pid inside the session).
         With ``terminal`` (rows, columns) it runs on a terminal whose master comes back on stdin."""
-        request: dict[str, Any] = {"op": "call", "session": session, "argv": list(argv), "env": dict(env),
-                                   "cwd": cwd, "timeout": timeout, "tool": tool}
-        if terminal is not None:
-            request["terminal"] = list(terminal)
-        call_id = self._request(request, list(stdio))
-        event = self._expect(call_id, "started")
-        return call_id, event.get("inner_pid")
+        size: list[object] | None = None if terminal is None else list(terminal)
+        call_id = self._request(lambda call_id: Call(call_id, session, list(argv), dict(env), cwd, timeout, tool, size),
+                                list(stdio))
+        return call_id, self._expect(call_id, Started).inner_pid
 
     def signal(self, call_id: int, signum: int) -> None:
-        self._send({"op": "signal", "id": call_id, "signum": signum})
+        self._send(Signal(call_id, signum))
 
     def cancel(self, call_id: int) -> None:
         """Kill everything the launch or call started; its ``wait`` then reports how it ended."""
-        self._send({"op": "cancel", "id": call_id})
+        self._send(Cancel(call_id))
 
     def wait(self, call_id: int) -> ExitInfo:
-        event = self._wait_event(call_id, ("exited",))
-        return ExitInfo(**event["info"])
+        event = self._wait_event(call_id, (Exited,))
+        assert isinstance(event, Exited)
+        return ExitInfo(event.exit_code, event.signal, event.timed_out, event.wall_seconds, event.cpu_seconds,
+                        event.peak_memory_bytes, event.oom_killed)
 
     def close(self) -> None:
         """Stop the server: it kills every sandbox and session it holds, then exits."""
@@ -749,7 +835,8 @@ class ForkServer:
         sweeps what they left (cgroups, links) as it starts. A fresh interpreter again, spawned
         by subprocess (fork+exec in C, no Python code runs in the child), so the threaded
         daemon may call this."""
-        fresh = ForkServer.start(self._wanted_native_calls, self._wait_seconds, self._call_helper)
+        fresh = ForkServer.start(self._wanted_native_calls, self._wait_seconds, self._call_helper,
+                                 self._close_seconds)
         with self._send_lock:
             old_sock, old_process = self._sock, self._process
             try:
@@ -773,49 +860,52 @@ class ForkServer:
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def _request(self, message: dict[str, Any], fds: list[int] | None = None) -> int:
+    def _request(self, make: "Callable[[int], Request]", fds: list[int] | None = None) -> int:
+        """Send the request ``make(id)`` with a fresh id (taken under the send lock, so that ids
+        below ``_first_id`` all went to a server that died); return the id."""
         with self._send_lock:
             call_id = self._next_id
             self._next_id += 1
-            message["id"] = call_id
-            self._send_locked(message, fds)
+            self._send_locked(make(call_id), fds)
         return call_id
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def _send(self, request: Request) -> None:
         with self._send_lock:
-            self._send_locked(message, None)
+            self._send_locked(request, None)
 
-    def _send_locked(self, message: dict[str, Any], fds: list[int] | None) -> None:
+    def _send_locked(self, request: Request, fds: list[int] | None) -> None:
         if self._closed:
             raise SetupError("fork server", 0, detail="the fork server has exited")
-        data = json.dumps(message).encode()
+        data = request.encode()
         if len(data) > self._limit:
             # Refused here: sent, it would fail with EMSGSIZE, which says nothing to the caller.
             raise InvalidPolicy(f"the request is too large for the fork server: {len(data)} bytes, limit "
                                 f"{self._limit} (too many writable roots, allowed sockets, paths, arguments or "
                                 "environment entries, or too long ones): send fewer")
         try:
-            _send(self._sock, message, fds, data)
+            protocol.send(self._sock, data, fds)
         except OSError as exc:                            # EPIPE, ECONNRESET: it died under us
             raise SetupError("fork server", 0, detail=f"the fork server has exited ({exc.strerror})") from None
 
-    def _expect(self, call_id: int, kind: str) -> dict[str, Any]:
-        event = self._wait_event(call_id, (kind, "error"))
-        if event["event"] == "error":
-            error = event["error"]
+    def _expect(self, call_id: int, kind: type[E]) -> E:
+        """The answer ``kind`` to request ``call_id``; its Error answer raised as the error it names."""
+        event = self._wait_event(call_id, (kind, Error))
+        if isinstance(event, Error):
+            error = event.error
             plain = _PLAIN_ERRORS.get(str(error.get("kind")))
             if plain is not None:
-                raise plain(error.get("detail", "invalid request"))
+                raise plain(str(error.get("detail", "invalid request")))
             raise SetupError.from_dict(error)
+        assert isinstance(event, kind)
         return event
 
     @overload
-    def _wait_event(self, call_id: int, kinds: tuple[str, ...]) -> dict[str, Any]: ...
+    def _wait_event(self, call_id: int, kinds: tuple[type[Event], ...]) -> Event: ...
 
     @overload
-    def _wait_event(self, call_id: int, kinds: tuple[str, ...], timeout: float) -> dict[str, Any] | None: ...
+    def _wait_event(self, call_id: int, kinds: tuple[type[Event], ...], timeout: float) -> Event | None: ...
 
-    def _wait_event(self, call_id: int, kinds: tuple[str, ...], timeout: float | None = None) -> dict[str, Any] | None:
+    def _wait_event(self, call_id: int, kinds: tuple[type[Event], ...], timeout: float | None = None) -> Event | None:
         """The next event of ``kinds`` for ``call_id`` (None if ``timeout`` seconds pass first).
         Whoever waits reads (leader/follower): one waiting thread at a time reads the socket and
         hands others their events, so an answer wakes its own caller directly, with no reader
@@ -825,7 +915,7 @@ class ForkServer:
             while True:
                 queue = self._events.get(call_id, [])
                 for index, event in enumerate(queue):
-                    if event["event"] in kinds:
+                    if type(event) in kinds:
                         queue.pop(index)
                         if not queue:
                             self._events.pop(call_id, None)
@@ -840,14 +930,14 @@ class ForkServer:
                     continue
                 self._reading = True
                 self._cond.release()
-                message: dict[str, Any] | None
+                message: Message | Malformed | None
                 fds: list[int]
                 try:
                     if remaining is not None and not _readable_within(self._sock, remaining):
-                        message, fds = {}, []             # nothing yet: back to the deadline check
+                        message, fds = Malformed(0, "nothing yet"), []   # back to the deadline check
                     else:
-                        message, fds = _recv(self._sock)
-                except (OSError, ValueError):
+                        message, fds = protocol.receive(self._sock, protocol.events())
+                except OSError:
                     message, fds = None, []
                 finally:
                     self._cond.acquire()
@@ -856,9 +946,14 @@ class ForkServer:
                     os.close(fd)
                 if message is None:
                     self._closed = True
-                elif isinstance(message.get("id"), int):
+                elif isinstance(message, Malformed):
+                    if message.id:                        # a server bug: its request fails, nobody hangs
+                        self._events.setdefault(message.id, []).append(Error(message.id, {
+                            "kind": "SetupError", "step": "fork server",
+                            "detail": f"the fork server's answer was malformed: {message}"}))
+                elif isinstance(message, Event):
                     self.last_heard = time.monotonic()
-                    self._events.setdefault(message["id"], []).append(message)
+                    self._events.setdefault(message.id, []).append(message)
                 self._cond.notify_all()           # another waiter's event, or the next reader's turn
 
 
@@ -869,7 +964,7 @@ def _readable_within(sock: socket.socket, seconds: float) -> bool:
 
 
 def _main(fd: int, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS,
-          call_helper: str | None = None) -> None:
+          call_helper: str | None = None, close_seconds: float = CLOSE_WAIT_SECONDS) -> None:
     """Entry point of the fork server process."""
     import prctl  # python-prctl: off the one-shot launch path, so its import cost is fine here
 
@@ -878,13 +973,15 @@ def _main(fd: int, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT
     prctl.set_pdeathsig(signal.SIGKILL)      # the fork server never outlives the daemon
     if os.getppid() != expected_parent:      # the daemon died before that took effect
         os._exit(0)
-    serve(socket.socket(fileno=fd), native_calls, wait_seconds, call_helper)
+    serve(socket.socket(fileno=fd), native_calls, wait_seconds, call_helper, close_seconds)
+
+
+def _flag(name: str) -> str | None:
+    values = [flag.partition("=")[2] for flag in sys.argv[2:] if flag.startswith(f"--{name}=")]
+    return values[-1] if values else None
 
 
 if __name__ == "__main__":
-    import sys
-
-    waits = [float(flag.partition("=")[2]) for flag in sys.argv[2:] if flag.startswith("--wait-seconds=")]
-    helpers = [flag.partition("=")[2] for flag in sys.argv[2:] if flag.startswith("--call-helper=")]
     _main(int(sys.argv[1]), native_calls="--python-calls" not in sys.argv[2:],
-          wait_seconds=waits[-1] if waits else DEFAULT_WAIT_SECONDS, call_helper=helpers[-1] if helpers else None)
+          wait_seconds=float(_flag("wait-seconds") or DEFAULT_WAIT_SECONDS), call_helper=_flag("call-helper"),
+          close_seconds=float(_flag("close-seconds") or CLOSE_WAIT_SECONDS))

@@ -167,7 +167,7 @@ class SandboxProcess:
         if self._kill_signal != signal.SIGKILL and self._stopped_at is None:
             self._stopped_at = time.monotonic()
         if self._cgroup is not None:
-            self._cgroup.kill()
+            self._cgroup.signal_once()                # a poll loop's: emptied for good when reaped (_cleanup)
 
     def wake_at(self, timeout: float | None) -> float | None:
         """When a poll loop must next call ``poll``: the time limit, or the end of a stop's grace."""

@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 
 class _Entry:
     def __init__(self, call_id: int, deadline: float, ready: "Callable[[], bool]",
-                 expire: "Callable[[], None]") -> None:
+                 expire: "Callable[[], None]", events: int) -> None:
         self.call_id, self.deadline, self.ready, self.expire = call_id, deadline, ready, expire
+        self.events = events
 
 
 class Waits:
@@ -32,11 +33,12 @@ class Waits:
         self._entries: dict[int, _Entry] = {}
 
     def add(self, fd: int, call_id: int, deadline: float, ready: "Callable[[], bool]",
-            expire: "Callable[[], None]") -> None:
-        """Wait on ``fd``: ``ready()`` when it is readable, until it returns True; ``expire()``
-        at ``deadline`` if that has not happened. Either may raise: the request's error answer."""
-        self._entries[fd] = _Entry(call_id, deadline, ready, expire)
-        self._poller.register(fd, select.POLLIN)
+            expire: "Callable[[], None]", events: int = select.POLLIN) -> None:
+        """Wait on ``fd``: ``ready()`` when it is readable (or has ``events``), until it returns
+        True; ``expire()`` at ``deadline`` if that has not happened. Either may raise: the
+        request's error answer."""
+        self._entries[fd] = _Entry(call_id, deadline, ready, expire, events)
+        self._poller.register(fd, events)
 
     def deadlines(self) -> list[float]:
         return [entry.deadline for entry in self._entries.values()]
@@ -58,7 +60,7 @@ class Waits:
             fail(entry.call_id, exc)
             return
         self._entries[fd] = entry
-        self._poller.register(fd, select.POLLIN)
+        self._poller.register(fd, entry.events)
 
     def expire(self, now: float, fail: "Callable[[int, BaseException], None]") -> None:
         for fd, entry in list(self._entries.items()):
@@ -78,12 +80,13 @@ class Orphans:
         self._poller = poller
         self._reapers: dict[int, "Callable[[], bool]"] = {}
 
-    def add(self, pidfd: int, reap: "Callable[[], bool]") -> None:
-        """Call ``reap()`` (True: gone, and ``pidfd`` closed) whenever ``pidfd`` is readable."""
+    def add(self, pidfd: int, reap: "Callable[[], bool]", events: int = select.POLLIN) -> None:
+        """Call ``reap()`` (True: gone, and ``pidfd`` closed) whenever ``pidfd`` is readable (or
+        has ``events``: a cgroup's events file, POLLPRI)."""
         if reap():
             return
         self._reapers[pidfd] = reap
-        self._poller.register(pidfd, select.POLLIN)
+        self._poller.register(pidfd, events)
 
     def __len__(self) -> int:
         return len(self._reapers)

@@ -1,0 +1,342 @@
+"""The fork server's protocol: one record type per request and per event, and one codec.
+
+Both ends use it: the fork server (``forkserver._Server``) decodes requests and encodes events, its
+client in the daemon (``forkserver.ForkServer``) the other way round. A message is one
+SOCK_SEQPACKET datagram holding one JSON object, tagged with its kind (``"op"`` for a request,
+``"event"`` for an event) and its request ``"id"``, plus the record's fields by name; the
+descriptors a request carries (stdin, stdout, stderr of a launch or call) travel as SCM_RIGHTS.
+
+Each record's annotations are its schema: ``decode`` checks every field's JSON type against them
+(``int`` is never a bool, ``float`` takes an int, ``list[str]`` checks each item, ``X | None`` may
+be absent), and the descriptor count against ``descriptors``. What does not fit is ``Malformed``,
+carrying the request's id when it had a usable one, so the server answers it as InvalidPolicy
+and goes on: a bug in the daemon costs one request, never every sandbox of every user.
+
+JSON, not marshal or pickle: the decoder must be safe on any bytes (marshal's documentation says
+it is not), and the codec is a few microseconds per message against about a millisecond of work
+per call (doc-drafts/18-forkproto.md has the measurement).
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import socket
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from sandboxd._record import Record
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+MAX_MESSAGE = 1 << 20
+SO_SNDBUFFORCE = 32
+MAX_DESCRIPTORS = 16                    # the most one message may carry (a request takes 0 or 3)
+
+_encoder = json.JSONEncoder(separators=(",", ":"), check_circular=False)
+_decoder = json.JSONDecoder()
+
+
+# -- field checks from the annotations ------------------------------------------------------------
+
+def _union(annotation: str) -> list[str]:
+    """``"a[b | c] | None"`` -> ``["a[b | c]", "None"]``: the top-level alternatives."""
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(annotation):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "|" and depth == 0:
+            parts.append(annotation[start:index].strip())
+            start = index + 1
+    parts.append(annotation[start:].strip())
+    return parts
+
+
+_SIMPLE: dict[str, "Callable[[object], bool]"] = {
+    "None": lambda v: v is None,
+    "int": lambda v: type(v) is int,                      # never a bool
+    "float": lambda v: type(v) in (int, float),
+    "bool": lambda v: type(v) is bool,
+    "str": lambda v: type(v) is str,
+    "object": lambda v: True,
+}
+
+
+def _checker(annotation: str) -> "Callable[[object], bool]":
+    """A check of a decoded JSON value against the annotation it is declared with (the subset the
+    records use: the simple names above, ``list[X]``, ``dict[str, X]`` and unions of them)."""
+    parts = _union(annotation)
+    if len(parts) == 2 and "None" in parts:               # X | None, the common union: no generator
+        check = _one_checker(parts[1 - parts.index("None")])
+        return lambda value: value is None or check(value)
+    options = [_one_checker(part) for part in parts]
+    if len(options) == 1:
+        return options[0]
+    return lambda value: any(check(value) for check in options)
+
+
+# The JSON types each simple item annotation admits, for containers checked with one set of their
+# items' types (C loops: an environment of fifty entries costs about what one entry costs in Python).
+_ITEM_TYPES: dict[str, frozenset[type]] = {"int": frozenset({int}), "float": frozenset({int, float}),
+                                           "bool": frozenset({bool}), "str": frozenset({str})}
+
+
+def _one_checker(annotation: str) -> "Callable[[object], bool]":
+    if annotation in _SIMPLE:
+        return _SIMPLE[annotation]
+    if annotation.startswith("list[") and annotation.endswith("]"):
+        inner = annotation[5:-1]
+        if inner == "object":
+            return lambda value: type(value) is list
+        if inner in _ITEM_TYPES:
+            types = _ITEM_TYPES[inner]
+            return lambda value: type(value) is list and set(map(type, value)) <= types
+        item = _checker(inner)
+        return lambda value: type(value) is list and all(item(v) for v in value)
+    if annotation.startswith("dict[str, ") and annotation.endswith("]"):
+        inner, keys = annotation[10:-1], _ITEM_TYPES["str"]
+        if inner == "object":
+            return lambda value: type(value) is dict and set(map(type, value)) <= keys
+        if inner in _ITEM_TYPES:
+            types = _ITEM_TYPES[inner]
+            return lambda value: (type(value) is dict and set(map(type, value)) <= keys
+                                  and set(map(type, value.values())) <= types)
+        item = _checker(inner)
+        return lambda value: (type(value) is dict and set(map(type, value)) <= keys
+                              and all(item(v) for v in value.values()))
+    raise TypeError(f"a fork server record field cannot be declared {annotation!r}")
+
+
+class Malformed(Exception):
+    """A message that is not one of the protocol's records; ``id`` is its request's, when usable (else 0)."""
+
+    def __init__(self, call_id: int, detail: str) -> None:
+        super().__init__(detail)
+        self.id = call_id
+
+
+class Message(Record):
+    """A request or event: ``id`` ties an event to the request it answers."""
+
+    id: int
+    _tag: ClassVar[str] = ""            # "op" (requests) or "event" (events)
+    _kind: ClassVar[str] = ""           # the value of the tag
+    _checks: ClassVar[tuple[tuple[str, Callable[[object], bool], str], ...]] = ()
+    descriptors = 0                     # how many SCM_RIGHTS descriptors come with it
+
+    def __init_subclass__(cls, kind: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not kind:
+            return
+        cls._kind = kind
+        annotations: dict[str, str] = {}
+        for klass in reversed(cls.__mro__):
+            annotations.update({name: text for name, text in klass.__dict__.get("__annotations__", {}).items()
+                                if not name.startswith("_") and not text.startswith("ClassVar")})
+        cls._checks = tuple((name, _checker(annotations[name]), annotations[name]) for name in cls._fields)
+        table = _REQUESTS if cls._tag == "op" else _EVENTS
+        table[kind] = cls
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        # Every field given by position (how this module's users build them, three or four per
+        # call): set at once. Anything else takes Record's checked path.
+        if len(args) == len(self._fields) and not kwargs:
+            self.__dict__.update(zip(self._fields, args, strict=True))
+        else:
+            super().__init__(*args, **kwargs)
+
+    def encode(self) -> bytes:
+        # A Record keeps exactly its fields in its __dict__: no per-field getattr.
+        return _encoder.encode({**self.__dict__, self._tag: self._kind}).encode()
+
+
+class Request(Message):
+    _tag = "op"
+
+
+class Event(Message):
+    _tag = "event"
+
+
+_REQUESTS: dict[str, type[Message]] = {}
+_EVENTS: dict[str, type[Message]] = {}
+
+
+# -- requests (daemon -> fork server) -------------------------------------------------------------
+
+class Launch(Request, kind="launch"):
+    """A one-shot sandbox running ``spec`` (``policy.spec.spec_to_dict``); with stdin, stdout, stderr."""
+    spec: dict[str, object]
+    descriptors = 3
+
+
+class SessionOpen(Request, kind="session_open"):
+    """Build a session's sandbox from ``spec`` (its argv is not run)."""
+    session: str
+    spec: dict[str, object]
+
+
+class SessionClose(Request, kind="session_close"):
+    """Kill all of a session; answered ``SessionClosed`` when it is gone (or at the close's bound)."""
+    session: str
+
+
+class Call(Request, kind="call"):
+    """One command (or file ``tool``) in a session; with stdin, stdout, stderr. With ``terminal``
+    [rows, columns] it runs on a terminal, whose master goes back on the stdin socket."""
+    session: str
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    timeout: float | None = None
+    tool: dict[str, object] | None = None
+    terminal: list[object] | None = None     # [rows, columns]: the server checks the range, and says it
+    descriptors = 3
+
+
+class Signal(Request, kind="signal"):
+    """Deliver ``signum`` to a running launch or call (``id`` is that request's)."""
+    signum: int
+
+
+class Cancel(Request, kind="cancel"):
+    """Kill everything a running launch or call started (``id`` is that request's)."""
+
+
+class CheckPaths(Request, kind="check_paths"):
+    """May ``caller`` ([uid, gid, [groups]], None: root) write each of ``paths``?"""
+    caller: list[object] | None
+    paths: list[str]
+
+
+class Ping(Request, kind="ping"):
+    """The daemon's watchdog: answered ``Pong`` at once."""
+
+
+# -- events (fork server -> daemon) ---------------------------------------------------------------
+
+class Started(Event, kind="started"):
+    pid: int
+    inner_pid: int | None = None
+
+
+class Exited(Event, kind="exited"):
+    """How a launch or call ended (``spawner.ExitInfo``'s fields)."""
+    exit_code: int | None
+    signal: int | None
+    timed_out: bool
+    wall_seconds: float
+    cpu_seconds: float | None
+    peak_memory_bytes: int | None
+    oom_killed: bool
+
+
+class SessionReady(Event, kind="session_ready"):
+    init_pid: int | None
+    workspace: str
+    host_address: str | None = None
+    sandbox_address: str | None = None
+    resolvers: list[str] | None = None
+
+
+class SessionClosed(Event, kind="session_closed"):
+    """``gone``: every process of the session was reaped and its sandbox released; False when the
+    close's bound passed first (a process stuck in the kernel): it is released when it goes."""
+    gone: bool = True
+
+
+class PathsChecked(Event, kind="paths_checked"):
+    paths: list[str]
+
+
+class Pong(Event, kind="pong"):
+    pass
+
+
+class Error(Event, kind="error"):
+    """A request's failure: ``{"kind", "detail"}``, or a SetupError's ``to_dict``."""
+    error: dict[str, object]
+
+
+# -- the codec ------------------------------------------------------------------------------------
+
+def decode(data: bytes, fds: int, table: "dict[str, type[Message]]") -> Message:
+    """``data`` as a record of ``table`` (requests or events), checked field by field; Malformed if not."""
+    try:
+        fields = _decoder.decode(data.decode())
+    except (ValueError, RecursionError):                  # also UnicodeDecodeError
+        raise Malformed(0, f"a fork server message must be one JSON object below {MAX_MESSAGE} bytes") from None
+    if not isinstance(fields, dict):
+        raise Malformed(0, "a fork server message must be one JSON object")
+    call_id = fields.get("id")
+    if type(call_id) is not int:
+        raise Malformed(0, f"a fork server message needs an integer id, got {call_id!r}")
+    tag = "op" if table is _REQUESTS else "event"
+    cls = table.get(str(fields.get(tag)))
+    if cls is None:
+        raise Malformed(call_id, f"unknown fork server {'operation' if tag == 'op' else 'event'} {fields.get(tag)!r}")
+    if fds != cls.descriptors:
+        raise Malformed(call_id, f"a fork server {cls._kind} takes {cls.descriptors} descriptors, got {fds}"
+                        + (" (stdin, stdout, stderr)" if cls.descriptors == 3 else ""))
+    values: dict[str, object] = {}
+    for name, check, annotation in cls._checks:
+        if name not in fields and name in cls._defaults:
+            values[name] = cls._defaults[name]            # its default (the records' are all immutable)
+            continue
+        value = fields.get(name)                          # None when absent: fine if optional
+        if not check(value):
+            raise Malformed(call_id, f"fork server {cls._kind} field {name!r} must be {annotation}, got {value!r}"[:500])
+        values[name] = value
+    # Every field is set and checked: filled in directly, without Record.__init__'s per-field walk
+    # (the decoder's largest cost); the record is as immutable as one built the usual way.
+    message = cls.__new__(cls)
+    message.__dict__.update(values)
+    return message
+
+
+def requests() -> "dict[str, type[Message]]":
+    """The request table, for ``decode`` and ``receive`` on the fork server's side."""
+    return _REQUESTS
+
+
+def events() -> "dict[str, type[Message]]":
+    """The event table, for the client's side."""
+    return _EVENTS
+
+
+def send(sock: socket.socket, data: bytes, fds: "list[int] | None" = None, flags: int = 0) -> None:
+    """One encoded message (``Message.encode``), with ``fds`` as SCM_RIGHTS."""
+    if fds:
+        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))], flags)
+    else:
+        sock.send(data, flags)
+
+
+def receive(sock: socket.socket, table: "dict[str, type[Message]]") -> "tuple[Message | Malformed | None, list[int]]":
+    """The next message (None at EOF) and the descriptors that came with it (the caller's to close).
+    A message that is not a record of ``table`` comes back as Malformed, never raised: the loop
+    answers it and goes on."""
+    fds = array.array("i")
+    data, ancdata, flags, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(MAX_DESCRIPTORS * fds.itemsize))
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
+    if not data and not flags & socket.MSG_TRUNC:
+        return None, list(fds)
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        return Malformed(0, f"a fork server message must be below {MAX_MESSAGE} bytes and carry at most "
+                            f"{MAX_DESCRIPTORS} descriptors"), list(fds)
+    try:
+        return decode(data, len(fds), table), list(fds)
+    except Malformed as malformed:
+        return malformed, list(fds)
+
+
+def message_limit(sock: socket.socket) -> int:
+    """The largest request ``sock`` carries in one message: what its send buffer allows (the
+    kernel refuses a SEQPACKET message over SO_SNDBUF - 32 bytes with EMSGSIZE), raised to
+    MAX_MESSAGE when it can be (root: SO_SNDBUFFORCE), never above what the server reads."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, 2 * MAX_MESSAGE)
+    except OSError:
+        pass                                              # not root: the default buffer
+    return min(MAX_MESSAGE, sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) - 32 - 1024)
