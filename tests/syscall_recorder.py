@@ -202,6 +202,9 @@ class SyscallRecorder(Syscalls):
         self._record("seccomp" + (" with listener" if new_listener else ""))
         return self._descriptor() if new_listener else -1
 
+    def prefer_for_oom_kill(self) -> None:
+        self._record("oom score adj")
+
     def hold_signals(self) -> None:
         self._record("hold forwarded signals")
 

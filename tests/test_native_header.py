@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxd.kernel import caps, landlock, terminals
+from sandboxd.kernel import caps, landlock, process, terminals
 from sandboxd.launcher import call_plan, native_call, report, sequence
 
 PRINT_ALL = r"""
@@ -33,6 +33,7 @@ int main(void) {
     printf("\nSBX_LL_FILE_WRITES_ONLY");
     for (size_t i = 0; i < COUNT(files); i++) printf(" %%s", files[i]);
     printf("\nSBX_PTMX_PATH %%s", SBX_PTMX_PATH);
+    printf("\nSBX_OOM_SCORE_ADJ_PATH %%s", SBX_OOM_SCORE_ADJ_PATH);
     printf("\nSBX_CONSTANTS_DIGEST %%s\n", SBX_CONSTANTS_DIGEST);
     return 0;
 }
@@ -51,6 +52,7 @@ def render_expected() -> list[str]:
         ("LL_WANTED_WRITES", landlock.WANTED_WRITES), ("LL_WANTED_FILE_WRITES", landlock.WANTED_FILE_WRITES),
         ("LL_WANTED_SCOPES", landlock.WANTED_SCOPES), ("LL_NET_ABI", 4), ("LL_SCOPE_ATTR_ABI", 6),
         ("TERMINAL_MIN_SIZE", terminals.MIN_SIZE), ("TERMINAL_MAX_SIZE", terminals.MAX_SIZE),
+        ("COMMAND_OOM_SCORE_ADJ", process.COMMAND_OOM_SCORE_ADJ),
     ]]
     lines.append("SBX_FORWARDED_SIGNALS " + " ".join(str(int(s)) for s in sequence.FORWARDED_SIGNALS))
     lines.append("SBX_LL_RIGHT_ABI " + " ".join(f"{bit}:{abi}" for bit, abi in sorted(landlock.RIGHT_ABI.items())))
@@ -58,6 +60,7 @@ def render_expected() -> list[str]:
     lines.append("SBX_LL_EXTRA_WRITABLE " + " ".join(landlock.EXTRA_WRITABLE))
     lines.append("SBX_LL_FILE_WRITES_ONLY " + " ".join(landlock.FILE_WRITES_ONLY))
     lines.append(f"SBX_PTMX_PATH {terminals.PTMX_PATH}")
+    lines.append(f"SBX_OOM_SCORE_ADJ_PATH {process.OOM_SCORE_ADJ_PATH}")
     lines.append(f"SBX_CONSTANTS_DIGEST {native_call.digest()}")
     return lines
 
@@ -65,7 +68,7 @@ def render_expected() -> list[str]:
 SCALARS = ["REPORT_FD", "STATUS_FD", "SESSION_PIDFD", "INTAKE_FD", "BPF_FD", "ENV_FD", "SETUP_FAILED_EXIT",
            "CAPABILITY_VERSION_3", "CAP_SYS_ADMIN", "FALLBACK_LAST_CAP", "SECUREBITS", "KILL_TREE_SIGNAL",
            "LL_WRITE_FILE", "LL_TRUNCATE", "LL_WANTED_WRITES", "LL_WANTED_FILE_WRITES", "LL_WANTED_SCOPES",
-           "LL_NET_ABI", "LL_SCOPE_ATTR_ABI", "TERMINAL_MIN_SIZE", "TERMINAL_MAX_SIZE"]
+           "LL_NET_ABI", "LL_SCOPE_ATTR_ABI", "TERMINAL_MIN_SIZE", "TERMINAL_MAX_SIZE", "COMMAND_OOM_SCORE_ADJ"]
 
 
 def test_the_compiled_header_says_what_python_says(tmp_path: Path) -> None:
@@ -84,7 +87,7 @@ def test_every_constant_reaches_the_header() -> None:
     names = set(native_call.constants())
     assert names == {f"SBX_{name}" for name in SCALARS} | {
         "SBX_FORWARDED_SIGNALS", "SBX_LL_RIGHT_ABI", "SBX_LL_SCOPE_ABI", "SBX_LL_EXTRA_WRITABLE",
-        "SBX_LL_FILE_WRITES_ONLY", "SBX_TRACE_FD_MIN", "SBX_PTMX_PATH", "SBX_CALL_PLAN"} | {
+        "SBX_LL_FILE_WRITES_ONLY", "SBX_TRACE_FD_MIN", "SBX_PTMX_PATH", "SBX_OOM_SCORE_ADJ_PATH", "SBX_CALL_PLAN"} | {
         f"SBX_STEP_{name}" for name in call_plan.step_names()}     # tests/test_call_plan.py compiles these
 
 
@@ -103,7 +106,7 @@ def test_the_source_has_no_copies_of_the_constants() -> None:
     assert '#include "sandboxd_call.h"' in source
     assert not re.search(r"#define\s+SBX_", source)
     for copy in ("0x20080522", "1ULL <<", "SIGRTMIN + 2", "SIGTERM, SIGINT", '"/dev/shm"', '"/tmp"',
-                 "REPORT_FD = 3", "(1 << 5)", '"/dev/ptmx"'):
+                 "REPORT_FD = 3", "(1 << 5)", '"/dev/ptmx"', '"/proc/self/oom_score_adj"'):
         assert copy not in source, copy
 
 

@@ -1,6 +1,6 @@
 """A session's OOM kills, read from a descriptor held open (kernel/oom_counter.py): the same count
 as ``CgroupSet.oom_kills`` through a real kernel OOM kill, reported to the call it hit and not to
-the next one, and the descriptor gone with the session."""
+the next one, the session's init spared, and the descriptor gone with the session."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from conftest import BASE_ENV, PY
 from sandboxd.kernel.oom_counter import OomCounter
+from sandboxd.kernel.process import COMMAND_OOM_SCORE_ADJ
 from sandboxd.launcher.native_call import helper_path
 from sandboxd.policy import LaunchSpec, Limits, WorkspaceWrite
 from sandboxd.supervisor.spawner import Spawner
@@ -18,6 +19,11 @@ from sandboxd.supervisor.spawner import Spawner
 pytestmark = pytest.mark.timeout(120)
 
 HOG = "b = bytearray(512 << 20); b[::4096] = b'x' * len(b[::4096]); print('ALIVE')"
+
+
+def session_init_adj(pid: int) -> str:
+    with open(f"/proc/{pid}/oom_score_adj") as f:
+        return f.read().strip()
 
 
 def open_fds() -> set[str]:
@@ -48,7 +54,11 @@ def test_a_held_counter_counts_the_kernels_oom_kills(workspace: Path, native: bo
         assert exit_code is None and oom_killed                      # the kernel killed it, and the call says so
         # The held descriptor reads fresh contents: the same count as a fresh open of the file.
         assert counter.oom_kills() == session.cgroup.oom_kills() >= 1
+        # The session lives on: a command goes before its init (a second kill before the first one's
+        # memory was freed took the init here under load, and the session with it).
+        assert session.init_pid is not None and session_init_adj(session.init_pid) == "0"
         assert call(("true",)) == (0, False)                         # the next call is not blamed
+        assert call(("sh", "-c", f'test "$(cat /proc/self/oom_score_adj)" = {COMMAND_OOM_SCORE_ADJ}')) == (0, False)
     finally:
         os.close(null)
         session.close()

@@ -152,6 +152,7 @@ CALL = [
     f"chdir {WORKSPACE}",
     "child subreaper",
     "title sandboxd-call",
+    "oom score adj",                                      # the call before the session's init, if memory runs out
     "drop privileges to 1000:1000",                       # before the command exists
     "pdeathsig, parent 0",
     "dumpable 0",

@@ -6,7 +6,7 @@ import errno
 import os
 import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
 
-from sandboxd.kernel._libc import checked, prctl, raw_syscall
+from sandboxd.kernel._libc import checked, from_oserror, prctl, raw_syscall
 
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
@@ -161,6 +161,28 @@ def new_session() -> None:
 # rootless launch's outer process) passes down, like tini: termination and job control.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
                      signal.SIGUSR2, signal.SIGWINCH, signal.SIGCONT)
+
+
+# A session call's bias for the OOM killer (its supervisor's, which its command inherits), above the
+# 0 of the session's init: a command that runs its group's memory out is what the kernel takes, also
+# when a second kill comes before the first one's memory is freed (under load it took a session's
+# init, and the session with it). Raising it needs no privilege, but the file must be writable to
+# the process: set before the privilege drop (after it, a non-dumpable process's /proc entries are
+# root's).
+COMMAND_OOM_SCORE_ADJ = 500
+OOM_SCORE_ADJ_PATH = "/proc/self/oom_score_adj"
+
+
+def prefer_for_oom_kill() -> None:
+    """This process (a call's supervisor) and what it forks go first when the group runs out of memory."""
+    try:
+        fd = os.open(OOM_SCORE_ADJ_PATH, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, str(COMMAND_OOM_SCORE_ADJ).encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise from_oserror(exc, "oom_score_adj", OOM_SCORE_ADJ_PATH) from None
 
 
 def hold_forwarded_signals() -> None:

@@ -56,6 +56,7 @@ class Syscalls:
     set_dumpable = staticmethod(process.set_dumpable)
     new_session = staticmethod(process.new_session)
     apply_rlimits = staticmethod(rlimits.apply)
+    prefer_for_oom_kill = staticmethod(process.prefer_for_oom_kill)
     verify_dropped = staticmethod(caps.verify_dropped)
     cloexec_from = staticmethod(process.cloexec_from)
     chdir = staticmethod(os.chdir)

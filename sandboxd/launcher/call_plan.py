@@ -24,6 +24,7 @@ class Step:
     CHDIR = "chdir"
     CHILD_SUBREAPER = "child subreaper"
     SET_TITLE = "set title"
+    OOM_SCORE = "oom score"
     DROP_PRIVILEGES = "drop privileges"
     NOT_DUMPABLE = "not dumpable"
     OPEN_TERMINAL = "open terminal"
@@ -61,6 +62,7 @@ CALL_PLAN: tuple[tuple[str, str | None], ...] = (
     (Step.CHDIR, None),
     (Step.CHILD_SUBREAPER, None),
     (Step.SET_TITLE, None),
+    (Step.OOM_SCORE, None),                 # the call before the session's init when memory runs out
     (Step.DROP_PRIVILEGES, None),
     (Step.DIE_WITH_PARENT, None),           # the credential change cleared it
     (Step.NOT_DUMPABLE, None),

@@ -154,7 +154,7 @@ Constant = int | str | tuple[int, ...] | tuple[str, ...] | tuple[tuple[int, int]
 def constants() -> dict[str, Constant]:
     """Every value the helper shares with the Python path, by its name in the header: the one
     source both are built from (the Python modules named here own them)."""
-    from sandboxd.kernel import caps, landlock, terminals
+    from sandboxd.kernel import caps, landlock, process, terminals
     from sandboxd.launcher import call_plan, report, sequence
 
     return {
@@ -179,6 +179,8 @@ def constants() -> dict[str, Constant]:
         "SBX_LL_EXTRA_WRITABLE": tuple(landlock.EXTRA_WRITABLE),
         "SBX_LL_FILE_WRITES_ONLY": tuple(landlock.FILE_WRITES_ONLY),
         "SBX_PTMX_PATH": terminals.PTMX_PATH,
+        "SBX_COMMAND_OOM_SCORE_ADJ": process.COMMAND_OOM_SCORE_ADJ,
+        "SBX_OOM_SCORE_ADJ_PATH": process.OOM_SCORE_ADJ_PATH,
         "SBX_TERMINAL_MIN_SIZE": terminals.MIN_SIZE,
         "SBX_TERMINAL_MAX_SIZE": terminals.MAX_SIZE,
         # The call plan: the names the helper traces its steps by, and their order (unused by the

@@ -263,6 +263,17 @@ static void kill_descendants(int reap) {
 
 /* ---- the command ---------------------------------------------------------------------------- */
 
+/* As process.prefer_for_oom_kill: the call (this supervisor, and the command that inherits it) goes
+ * before the session's init when the group runs out of memory. */
+static void prefer_for_oom_kill(void) {
+    char value[16];
+    int length = snprintf(value, sizeof value, "%d", SBX_COMMAND_OOM_SCORE_ADJ);
+    int fd = open(SBX_OOM_SCORE_ADJ_PATH, O_WRONLY | O_CLOEXEC);
+    check(fd, "oom_score_adj", SBX_OOM_SCORE_ADJ_PATH);
+    if (write(fd, value, (size_t)length) != length) fail("oom_score_adj", errno, SBX_OOM_SCORE_ADJ_PATH);
+    check(close(fd), "oom_score_adj", SBX_OOM_SCORE_ADJ_PATH);
+}
+
 static void apply_rlimits(const struct options *o) {
     struct rlimit none = {0, 0};
     check(setrlimit(RLIMIT_CORE, &none), "setrlimit", NULL);
@@ -570,6 +581,8 @@ int main(int argc, char **argv) {
     check(prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)", NULL);
     trace(SBX_STEP_SET_TITLE);
     check(prctl(PR_SET_NAME, "sandboxd-call", 0, 0, 0), "prctl(PR_SET_NAME)", NULL);
+    trace(SBX_STEP_OOM_SCORE);
+    prefer_for_oom_kill();                         /* while its /proc entry is still writable to it */
     trace(SBX_STEP_DROP_PRIVILEGES);
     drop_privileges(&o);                           /* the supervisor keeps no privilege either */
     trace(SBX_STEP_DIE_WITH_PARENT);

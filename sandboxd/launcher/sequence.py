@@ -241,6 +241,8 @@ def run_call(plan: LaunchPlan, *, session_pidfd: int, intake_fd: int | None, rep
         kernel.set_child_subreaper()
         trace(Step.SET_TITLE)
         kernel.set_title("sandboxd-call")
+        trace(Step.OOM_SCORE)
+        kernel.prefer_for_oom_kill()                      # while its /proc entry is still writable to it
         trace(Step.DROP_PRIVILEGES)
         kernel.drop_privileges(plan.uid, plan.gid)
         trace(Step.DIE_WITH_PARENT)
