@@ -126,7 +126,7 @@ def call(session_id, argv, retried=False, **kwargs):
             return again
         return {"code": error.code().name, "details": error.details(), "seconds": took}
     return {"code": "OK", "out": out.decode(), "err": err.decode(), "exit": result.exit_code,
-            "timed_out": result.timed_out}
+            "timed_out": result.timed_out, "seconds": time.monotonic() - began}
 
 def tool(fn):
     try:
@@ -225,7 +225,7 @@ def world(sandboxd_daemon_module: DaemonFactory) -> Iterator[dict[str, Any]]:
                     "backend": daemon.private_sockets()[0], "front": str(daemon.socket),
                     "cgroup_procs": _a_root_cgroup_procs(), "probe": PROBE, "open_files": OPEN_FILES,
                     "call_timeout": CALL_TIMEOUT, "groups": [gid], "slow": SLOW}
-            seen = run_client_as(alice.uid, alice.gid, str(daemon.socket), ATTACK, args)
+            seen = run_client_as(alice.uid, alice.gid, str(daemon.socket), ATTACK, args, timeout=180 * SLOW)
             try:
                 yield {"daemon": daemon, "alice": alice, "bob": bob, "gid": gid, "ws": ws, "seen": seen,
                        "setuid_id": setuid_id, "args": args, "admin_gid": grp.getgrnam(admins).gr_gid}
