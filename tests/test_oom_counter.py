@@ -18,7 +18,11 @@ from sandboxd.supervisor.spawner import Spawner
 
 pytestmark = pytest.mark.timeout(120)
 
-HOG = "b = bytearray(512 << 20); b[::4096] = b'x' * len(b[::4096]); print('ALIVE')"
+# The hog must be most of the group when it is killed: with 64 MiB, the session's init and the page
+# cache of the Python it loaded were about half of it, and under load, when the hog's 20-odd MiB
+# were not enough to free, the kernel went on to kill the init (a second OOM kill).
+LIMIT = 256 << 20
+HOG = "b = bytearray(1024 << 20); b[::4096] = b'x' * len(b[::4096]); print('ALIVE')"
 
 
 def session_init_adj(pid: int) -> str:
@@ -35,7 +39,7 @@ def test_a_held_counter_counts_the_kernels_oom_kills(workspace: Path, native: bo
     spawner = Spawner(native_helper=helper_path() if native else None)
     before = open_fds()
     session = spawner.open_session(LaunchSpec(argv=("true",), workspace=str(workspace), env=dict(BASE_ENV),
-                                              policy=WorkspaceWrite(), limits=Limits(memory_bytes=64 << 20)))
+                                              policy=WorkspaceWrite(), limits=Limits(memory_bytes=LIMIT)))
     null = os.open("/dev/null", os.O_RDWR)
     try:
         assert session.cgroup is not None and session.cgroup.memory_dir, "no memory cgroup on this machine"

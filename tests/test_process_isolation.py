@@ -251,12 +251,13 @@ def test_only_stdio_descriptors_are_inherited(policy: str, workspace: Path, tmp_
     secret.write_text("secret\n")
     fd = os.open(secret, os.O_RDONLY)
     read_end, write_end = os.pipe()
+    # The lowest free descriptors from 57 up, taken atomically: dup2 onto a fixed number could
+    # take one another thread of this process was opening (EBUSY) or using.
+    high_file, high_pipe = fcntl.fcntl(fd, fcntl.F_DUPFD, 57), fcntl.fcntl(write_end, fcntl.F_DUPFD, 57)
     try:
-        os.dup2(fd, 57)
-        os.dup2(write_end, 58)
-        result = run_sbx(py(FD_LIST), workspace=workspace, policy=policy, pass_fds=(57, 58))
+        result = run_sbx(py(FD_LIST), workspace=workspace, policy=policy, pass_fds=(high_file, high_pipe))
     finally:
-        for d in (fd, read_end, write_end, 57, 58):
+        for d in (fd, read_end, write_end, high_file, high_pipe):
             os.close(d)
     assert result.returncode == 0, describe(result)
     fds = [int(x) for x in result.stdout.split()]
