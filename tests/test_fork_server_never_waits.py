@@ -188,6 +188,16 @@ class Closing(threading.Thread):
             self.error = exc
 
 
+
+def b_runs_while_a_closes(server: ForkServer, b: str, b_workspace: Path, closing: "Closing") -> None:
+    """Session B's call, started now, ends within BOUND while A's close is still unanswered."""
+    done: list[tuple[str, int | None]] = []
+    b_call = threading.Thread(target=lambda: done.append(echo(server, b, b_workspace)), daemon=True)
+    b_call.start()
+    b_call.join(BOUND)
+    assert done == [("B ran\n", 0)], "B's call did not end while A was closing"
+    assert closing.is_alive() and closing.error is None, closing.error
+
 def test_a_slow_close_delays_no_other_sessions_call(stuck_fuse: StuckFuse, base_dir: Path) -> None:
     server = start_server(close_seconds=2 * BOUND)       # longer than the test: the close waits for A to go
     null = -1
@@ -201,13 +211,8 @@ def test_a_slow_close_delays_no_other_sessions_call(stuck_fuse: StuckFuse, base_
         # The close's SIGKILL turns the lookup's wait uninterruptible: the request was read.
         assert wait_for(lambda: all_in_disk_sleep(stuck_calls(server))), stuck_calls(server)
 
-        done: list[tuple[str, int | None]] = []
-        b_call = threading.Thread(target=lambda: done.append(echo(server, b, b_workspace)), daemon=True)
-        b_call.start()
-        b_call.join(BOUND)
-        assert done == [("B ran\n", 0)], "B's call did not end while A was closing"
-        # B ended while A is still closing: A's close is unanswered, its init still exiting.
-        assert closing.is_alive() and closing.error is None, closing.error
+        # B ends while A is still closing: A's close is unanswered, its init still exiting.
+        b_runs_while_a_closes(server, b, b_workspace, closing)
         assert alive(a_init), "A's init is gone: nothing made its close slow"
         assert server.ping(BOUND)                                          # and the loop answers
 
@@ -280,12 +285,7 @@ def test_a_danger_full_access_close_waits_on_its_group_not_in_the_loop(stuck_fus
         closing.start()
         assert wait_for(lambda: all_in_disk_sleep(stuck_calls(server))), stuck_calls(server)
 
-        done: list[tuple[str, int | None]] = []
-        b_call = threading.Thread(target=lambda: done.append(echo(server, b, b_workspace)), daemon=True)
-        b_call.start()
-        b_call.join(BOUND)
-        assert done == [("B ran\n", 0)], "B's call did not end while A was closing"
-        assert closing.is_alive() and closing.error is None, closing.error
+        b_runs_while_a_closes(server, b, b_workspace, closing)
         assert group.is_dir(), "A's group is gone: nothing made its close slow"
 
         stuck_fuse.release()

@@ -216,19 +216,18 @@ class SandboxServicer(pb_grpc.SandboxServicer):
 
     def Exec(self, request_iterator: Iterator[pb.ExecRequest],
              context: grpc.ServicerContext) -> Iterator[pb.ExecResponse]:
-        received = time.monotonic()
-        try:
-            who = self._callers(context)
-            yield from self._exec(who, None, request_iterator, context, received)
-        except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
-            abort(context, error)
+        yield from self._exec_rpc(context, None, request_iterator)
 
     def Run(self, request: pb.ExecStart, context: grpc.ServicerContext) -> Iterator[pb.ExecResponse]:
         """Exec without a request stream: the same path (_exec), with nothing to read after `start`."""
+        yield from self._exec_rpc(context, request, None)
+
+    def _exec_rpc(self, context: grpc.ServicerContext, start: pb.ExecStart | None,
+                  request_iterator: Iterator[pb.ExecRequest] | None) -> Iterator[pb.ExecResponse]:
         received = time.monotonic()
         try:
             who = self._callers(context)
-            yield from self._exec(who, request, None, context, received)
+            yield from self._exec(who, start, request_iterator, context, received)
         except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
             abort(context, error)
 
