@@ -286,7 +286,8 @@ def main(argv: list[str]) -> int:
         if warmup is not None:
             warmup.wait()                            # before the fork: no thread may run across it
         # Held from the fork until the forwarding exists (then delivered to it): a Ctrl-C in that
-        # window reaches the command, not Python's KeyboardInterrupt. The command's exec clears it.
+        # window reaches the command, not Python's KeyboardInterrupt. The command clears what it
+        # inherits at its 'default signals' step (process.default_signals).
         process.hold_forwarded_signals()
         try:
             sandbox = Spawner().launch(spec)
