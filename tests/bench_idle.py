@@ -120,14 +120,15 @@ _USER_FILL = r'''
 import time
 from sandboxd.client import SandboxClient, sandbox_policy
 client = SandboxClient(ARGS["socket"])
-created_ms = []
+created_ms, ids = [], []
 for workspace in ARGS["workspaces"]:
     began = time.monotonic()
     session_id = client.create_session(workspace, policy=sandbox_policy(ARGS["policy"]), approval="never").id
     created_ms.append((time.monotonic() - began) * 1e3)
+    ids.append(session_id)
     if ARGS["exec_each"]:
         assert client.exec(session_id, ["true"]).result.shell_status == 0
-print(json.dumps({"created_ms": created_ms}))
+print(json.dumps({"created_ms": created_ms, "ids": ids}))
 '''
 
 
@@ -145,9 +146,10 @@ def warm_exec_ms(client: Any, session_id: str, calls: int) -> dict[str, float]:
 
 
 def fill_as_users(daemon: Any, base: str, users: list[tuple[int, int]], count: int, exec_each: bool,
-                  policy: str) -> list[float]:
+                  policy: str, sessions: Any) -> list[float]:
     """``count`` sessions split evenly over ``users``, each user creating its own in a client of its
-    own (one after another, so every fill level is measured); CreateSession times in order."""
+    own (one after another, so every fill level is measured); CreateSession times in order. The
+    sessions go into ``sessions``, which root closes at the end (root may close any session)."""
     from daemon_helpers import run_client_as
 
     created: list[float] = []
@@ -162,6 +164,8 @@ def fill_as_users(daemon: Any, base: str, users: list[tuple[int, int]], count: i
         out = run_client_as(uid, gid, daemon.socket, _USER_FILL, {"workspaces": workspaces, "policy": policy,
                                                                   "exec_each": exec_each}, timeout=600)
         created.extend(out["created_ms"])
+        for session_id in out["ids"]:
+            sessions.add(session_id)
     return created
 
 
@@ -200,7 +204,7 @@ def run(count: int, seconds: float, settle: float, exec_each: bool, policy: str,
                 if exec_each:
                     exec_true(client, session_id)
             if users:
-                create_ms = fill_as_users(daemon, base, users, count, exec_each, policy)
+                create_ms = fill_as_users(daemon, base, users, count, exec_each, policy, sessions)
             report["fill_s"] = time.monotonic() - started
             create_ms.sort()
             report["create_ms"] = {"p50": create_ms[len(create_ms) // 2], "first": create_ms[0],
@@ -230,7 +234,9 @@ def run(count: int, seconds: float, settle: float, exec_each: bool, policy: str,
             report["exec_among_ms"] = warm_exec_ms(client, probe, exec_calls)
         report["uptime_end"] = open("/proc/loadavg").read()
     finally:
+        began = time.monotonic()
         report["left_open"] = sessions.close_all(daemon.socket)[0] if daemon.running() else None
+        report["close_all_s"] = time.monotonic() - began
         daemon.stop()
         report["exit_code"] = daemon.exit_code
         report["log_problems"] = daemon.log_problems()[:5]
@@ -270,6 +276,7 @@ def print_report(report: dict[str, Any]) -> None:
           f"with it alone; p50 {among['p50']:.2f} ms, p95 {among['p95']:.2f} with {n} more open: "
           f"{among['p50'] / alone['p50']:.2f}x")
     print(f"loadavg start {report['uptime_start'].strip()}  end {report['uptime_end'].strip()}; "
+          f"closing them took {report['close_all_s']:.1f} s, {report['left_open']} left open; "
           f"exit {report['exit_code']}, log problems {len(report['log_problems'])}: {report['log_problems'][:2]}")
 
 
