@@ -45,8 +45,7 @@ def set_title(title: str) -> None:
     /proc/PID/cmdline shows nothing of the command line it was forked from.
 
     Writes over the argv area (found in /proc/self/stat) through /proc/self/mem,
-    as setproctitle(3) and python-prctl do; python-prctl is not imported for it
-    because its import costs more than this on the launch path.
+    as setproctitle(3) does. (psutil has no arg_start/arg_end to find it by.)
     """
     set_name(title)
     with open("/proc/self/stat", "rb") as stat_file:

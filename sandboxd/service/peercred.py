@@ -62,6 +62,8 @@ import struct
 import threading
 import time
 
+import psutil
+
 from sandboxd._record import Record
 from sandboxd.errors import CallerRefused
 
@@ -439,9 +441,9 @@ class FrontDoor:
 
     def _calibrate(self, now: float) -> None:
         try:
-            # (listdir's own descriptor is counted too: one of slack.)
-            total = len(os.listdir("/proc/self/fd"))
-        except OSError:
+            # (the count's own descriptor, listing /proc/PID/fd, is counted too: one of slack.)
+            total = psutil.Process().num_fds()
+        except (psutil.Error, OSError):
             total = 0  # no /proc: only our own relays are counted
         self._fds_others = total - _FDS_PER_CONNECTION * len(self._relays)
         self._fds_calibrated = now

@@ -61,7 +61,7 @@ import time
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from sandboxd._record import Record
-from sandboxd.kernel import access
+from sandboxd.kernel import access, process
 from sandboxd.launcher.plan import path_check as plan_path_check
 from sandboxd.launcher.plan import path_requests as plan_path_requests
 from sandboxd.errors import DeadlineExceeded, InvalidPolicy, SandboxdError, SetupError
@@ -956,13 +956,9 @@ def _readable_within(sock: socket.socket, seconds: float) -> bool:
 def _main(fd: int, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS,
           call_helper: str | None = None, close_seconds: float = CLOSE_WAIT_SECONDS) -> None:
     """Entry point of the fork server process."""
-    import prctl  # python-prctl: off the one-shot launch path, so its import cost is fine here
-
     expected_parent = os.getppid()
-    prctl.set_name("sandboxd-fork")
-    prctl.set_pdeathsig(signal.SIGKILL)      # the fork server never outlives the daemon
-    if os.getppid() != expected_parent:      # the daemon died before that took effect
-        os._exit(0)
+    process.set_name("sandboxd-fork")
+    process.die_with_parent(expected_parent)  # the fork server never outlives the daemon
     serve(socket.socket(fileno=fd), native_calls, wait_seconds, call_helper, close_seconds)
 
 
