@@ -2,8 +2,8 @@
 
 Everything that can go wrong is one of these. OS errors are translated into
 them once, at the kernel edge (``sandboxd.kernel._libc.check`` and friends);
-the layers above only ever see this tree, and the CLI (and later the gRPC
-service) maps it to exit codes / status codes in one place each.
+the layers above only ever see this tree, and the CLI and the gRPC service
+(``service.status``) map it to exit codes / status codes in one place each.
 
 An error crosses a process boundary (the fork server's answers, a sandbox's setup report) as
 plain data: ``to_dict()`` names its class (``kind``) beside what its constructor takes, and

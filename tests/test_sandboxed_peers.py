@@ -10,7 +10,6 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -28,26 +27,15 @@ HOLD = ("import socket, sys, time\n"
         "time.sleep(60)\n")
 
 
-@pytest.fixture
-def listener() -> Iterator[socket.socket]:
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(8)
-    try:
-        yield server
-    finally:
-        server.close()
-
-
 def foreign_pids(marker: str) -> list[int]:
     """Pids carrying ``marker`` outside our PID namespace (not the `sandboxd run` that started them)."""
     ours = peers.pid_namespace(os.getpid())
     return [pid for pid in pids_with_marker(marker) if peers.pid_namespace(pid) not in (ours, None)]
 
 
-def test_a_sandboxd_run_process_is_refused_by_pid_and_by_tcp(workspace: Path, listener: socket.socket,
+def test_a_sandboxd_run_process_is_refused_by_pid_and_by_tcp(workspace: Path, tcp_listener: socket.socket,
                                                               marker: str) -> None:
-    server_port = listener.getsockname()[1]
+    server_port = tcp_listener.getsockname()[1]
     inside = subprocess.Popen([SANDBOXD, "run", "--sandbox", "workspace-write", "--network=host", "--workspace",
                                str(workspace), "--", PY, "-c", HOLD, str(server_port), marker],
                               stdout=subprocess.PIPE, text=True, env=BASE_ENV, cwd=workspace)
