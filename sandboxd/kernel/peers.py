@@ -55,7 +55,9 @@ def namespace_init(namespace: int) -> int | None:
 
 def start_time(pid: int) -> float | None:
     """When ``pid`` started (the kernel's start time, in clock ticks since boot, as seconds since
-    the epoch): with the pid, names one process for good."""
+    the epoch): with the pid, names one process for good. A step of the wall clock changes it
+    (psutil adds the boot time as the clock says it now): a verdict kept by it is then judged
+    again, never matched to another process."""
     try:
         return psutil.Process(pid).create_time()
     except psutil.Error:
