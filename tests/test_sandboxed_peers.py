@@ -51,6 +51,9 @@ def test_a_sandboxd_run_process_is_refused_by_pid_and_by_tcp(workspace: Path, tc
         assert judge.reason_for_pid(os.getpid()) == ""
         assert judge.reason_for_tcp("127.0.0.1", host.getsockname()[1], server_port) == ""
         assert peers.start_time(sandboxed) == psutil.Process(sandboxed).create_time()
+        init = peers.namespace_init(peers.pid_namespace(sandboxed) or 0)
+        assert init is not None and peers.command_line(init).startswith("sandboxd-init")
+        assert psutil.Process(init).name() == "sandboxd-init"        # its comm too (process.set_name)
     finally:
         host.close()
         inside.kill()

@@ -35,9 +35,12 @@ def set_child_subreaper() -> None:
 
 
 def set_name(name: str) -> None:
+    """This thread's name (``comm``: ps, top, /proc/PID/comm), its first 15 bytes."""
     import ctypes
-    prctl(PR_SET_NAME, ctypes.cast(ctypes.c_char_p(name.encode()[:15]), ctypes.c_void_p).value or 0,
-          step="prctl(PR_SET_NAME)")
+    # A buffer held until the call returns: the kernel copies the name from it. (A pointer taken from
+    # a temporary c_char_p pointed at freed memory by the time prctl read it: the name came out empty.)
+    name_buffer = ctypes.create_string_buffer(name.encode()[:15])
+    prctl(PR_SET_NAME, ctypes.addressof(name_buffer), step="prctl(PR_SET_NAME)")
 
 
 def set_title(title: str) -> None:
