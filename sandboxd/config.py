@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 import os
 import tomllib
-from typing import Callable
+from collections.abc import Mapping
+from typing import Callable, Self
 
 from sandboxd import defaults
 from sandboxd._record import Record
@@ -25,6 +26,13 @@ class ConfigError(InvalidPolicy):
     def __init__(self, path: str, key: str, problem: str) -> None:
         self.path, self.key, self.problem = path, key, problem
         super().__init__(f"{path}: {key}: {problem}" if key else f"{path}: {problem}")
+
+    def _fields(self) -> dict[str, object]:
+        return {"path": self.path, "key": self.key, "problem": self.problem}
+
+    @classmethod
+    def _from_fields(cls, data: Mapping[str, object]) -> Self:
+        return cls(str(data.get("path", "")), str(data.get("key", "")), str(data.get("problem", "")))
 
 
 class Key(Record):

@@ -29,6 +29,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from sandboxd.errors import CallerRefused
 from sandboxd.service.peercred import FrontDoor, PeerCredentials, caller
 
 MiB = 1 << 20
@@ -73,7 +74,7 @@ class Servicer(health_pb2_grpc.HealthServicer):
         self.seen.append((peer, self.door.identity(peer)))
         try:
             caller(self.door, context)
-        except PermissionError as exc:
+        except CallerRefused as exc:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 
@@ -781,7 +782,7 @@ def test_a_connection_whose_process_is_gone_is_refused(paths: Paths) -> None:
         assert gone is not None and "exited before the daemon could check it" in gone.refusal
         assert served is not None and served.refusal == "" and served.pid == os.getpid()
         assert asked[-1] == os.getpid() and len(asked) <= 2   # (the gone one: asked or not, by kernel)
-        with pytest.raises(PermissionError, match="exited before"):
+        with pytest.raises(CallerRefused, match="exited before"):
             caller(door, PeerOf(f"unix:{paths.relay}/0.sock"))
         assert caller(door, PeerOf(f"unix:{paths.relay}/1.sock")) == served
         inherited.close()

@@ -22,7 +22,7 @@ a thread; each uid may hold at most ``connections_per_uid`` of them (more are
 accepted and closed at once), and nothing is accepted while the daemon is short
 of descriptors. At accept the door also reads the caller's supplementary groups
 (SO_PEERGROUPS) and may refuse it (``peer_check``): every call on a refused
-connection then fails with PermissionError saying why.
+connection then fails with CallerRefused (sandboxd.errors) saying why.
 
 Why this cannot be forged: a peer string only maps to credentials if it names
 one of our relay paths exactly, and only this process can bind there (the
@@ -39,7 +39,7 @@ Wiring it up::
     door.start()
     ...
     def Run(self, request, context):
-        who = caller(door, context)       # PermissionError if it did not come through the door
+        who = caller(door, context)       # CallerRefused if it did not come through the door
     ...
     door.close()
     server.stop(grace)
@@ -62,7 +62,10 @@ import struct
 import threading
 import time
 
+import psutil
+
 from sandboxd._record import Record
+from sandboxd.errors import CallerRefused
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -173,7 +176,7 @@ class FrontDoor:
         ``peer_check``: the refusal hook, called once per accepted connection with who connected
         and a pidfd of the connecting process (SO_PEERPIDFD; -1 before Linux 6.5, or when that
         process is gone already). It returns the reason to refuse that caller, or "" to serve
-        it; a refused connection stays open, and every call on it fails with PermissionError
+        it; a refused connection stays open, and every call on it fails with CallerRefused
         (PERMISSION_DENIED) saying the reason. The pidfd is open only during the call: a check
         that reads ``/proc/<pid>`` confirms with it (``signal.pidfd_send_signal(pidfd, 0)``)
         that the pid still named the same process; the door itself confirms it after the check,
@@ -438,9 +441,9 @@ class FrontDoor:
 
     def _calibrate(self, now: float) -> None:
         try:
-            # (listdir's own descriptor is counted too: one of slack.)
-            total = len(os.listdir("/proc/self/fd"))
-        except OSError:
+            # (the count's own descriptor, listing /proc/PID/fd, is counted too: one of slack.)
+            total = psutil.Process().num_fds()
+        except (psutil.Error, OSError):
             total = 0  # no /proc: only our own relays are counted
         self._fds_others = total - _FDS_PER_CONNECTION * len(self._relays)
         self._fds_calibrated = now
@@ -747,7 +750,7 @@ def _peer_groups(conn: socket.socket) -> tuple[int, ...]:
 
 
 def caller(front_door: FrontDoor, context: "Any") -> PeerCredentials:
-    """The credentials of the process behind a gRPC call; PermissionError if it did not come through the door,
+    """The credentials of the process behind a gRPC call; CallerRefused if it did not come through the door,
     or if the door refused it (its ``peer_check`` gave a reason: the error says it).
 
     Call it at the start of a handler: the mapping goes away with the connection.
@@ -755,9 +758,9 @@ def caller(front_door: FrontDoor, context: "Any") -> PeerCredentials:
     peer = context.peer()
     who = front_door.identity(peer)
     if who is None:
-        raise PermissionError(f"unknown caller {peer!r}: not connected through the front door")
+        raise CallerRefused(f"unknown caller {peer!r}: not connected through the front door")
     if who.refusal:
-        raise PermissionError(who.refusal)
+        raise CallerRefused(who.refusal)
     return who
 
 
