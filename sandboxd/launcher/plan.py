@@ -74,7 +74,7 @@ class LaunchPlan(Record):
     # sandbox's resolv.conf.
     netns_fd: int = -1
     resolv_conf: str | None = None
-    # Rootless --allow-domain (supervisor.loopback_proxy): init listens on 127.0.0.1:proxy_port in the
+    # Rootless --allow-domain (network.loopback_proxy): init listens on 127.0.0.1:proxy_port in the
     # sandbox's loopback-only namespace and sends that socket on proxy_sink_fd, set by the spawner.
     proxy_sink_fd: int = -1
     proxy_port: int = 0

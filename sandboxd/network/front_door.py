@@ -57,24 +57,21 @@ import resource
 import select
 import signal
 import socket
-import stat
-import struct
 import threading
 import time
 
-from sandboxd._record import Record
+from sandboxd.network.peer_credentials import PeerCredentials, peer_groups, peer_ucred
+from sandboxd.network.socket_files import (clear_relay_dir, ensure_private_dir, listen, unlink_if_same,
+                                           unlink_quietly)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
 
-__all__ = ["PeerCredentials", "FrontDoor", "caller"]
+__all__ = ["FrontDoor", "caller"]
 
 log = logging.getLogger(__name__)
-
-# struct ucred { pid_t pid; uid_t uid; gid_t gid; }: the kernel's answer to SO_PEERCRED.
-_UCRED = struct.Struct("iII")
 
 # sizeof(sockaddr_un.sun_path) is 108, including the terminating NUL.
 _SUN_PATH_MAX = 107
@@ -98,9 +95,7 @@ _SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
 _IN, _OUT = select.EPOLLIN, select.EPOLLOUT
 
 # Not in Python's socket module: from <asm-generic/socket.h>.
-_SO_PEERGROUPS = 59
 _SO_PEERPIDFD = 77       # Linux 6.5+
-_NGROUPS_MAX = 65536
 # The refusal of a connection whose process exited before the door could check it.
 _PEER_GONE = ("the process that opened this connection exited before the daemon could check it; "
               "connect from the process that makes the calls")
@@ -126,22 +121,6 @@ _LOG_EVERY = 60.0
 _CONNECT_RETRY_FIRST = 0.005
 _CONNECT_RETRY_MAX = 0.1
 _CONNECT_PATIENCE = 30.0
-
-
-class PeerCredentials(Record):
-    """A caller as the kernel saw it when it connected (SO_PEERCRED); or, for a TLS caller,
-    the local uid/gid it acts as, and ``principal`` naming its client certificate."""
-
-    uid: int
-    gid: int
-    pid: int
-    principal: str = ""
-    # Supplementary groups, from SO_PEERGROUPS at connect time (the caller's /proc entry may be
-    # gone or reused by then); for a TLS caller, those of the local user it acts as.
-    groups: tuple[int, ...] = ()
-    # Non-empty when the caller must be refused whatever it asks (for example: its process runs
-    # inside one of this daemon's own sandboxes); the reason, said to the caller.
-    refusal: str = ""
 
 
 class FrontDoor:
@@ -197,8 +176,8 @@ class FrontDoor:
                              "(gRPC would percent-encode anything else in the peer address)")
         # The whole scheme rests on nobody else binding in relay_dir; the backend
         # directory being private keeps everyone else from bypassing the door.
-        _ensure_private_dir(self._relay_dir, create=True, what="relay directory")
-        _ensure_private_dir(os.path.dirname(self._backend_path), create=False, what="backend socket directory")
+        ensure_private_dir(self._relay_dir, create=True, what="relay directory")
+        ensure_private_dir(os.path.dirname(self._backend_path), create=False, what="backend socket directory")
 
         self._per_uid_limit = connections_per_uid
         self._root_limit = root_connections if root_connections is not None else 4 * connections_per_uid
@@ -208,11 +187,11 @@ class FrontDoor:
         if listener is not None:
             self._listener, self._public_id = listener, None
         else:
-            self._listener, self._public_id = _listen(self._public_path, mode)
+            self._listener, self._public_id = listen(self._public_path, mode)
         self._listener.setblocking(False)
         # Only after we own the public socket (so no live daemon uses relay_dir):
         # clear relay files a dead daemon left behind.
-        _clear_relay_dir(self._relay_dir)
+        clear_relay_dir(self._relay_dir)
 
         # Guards what other threads read (_per_uid for counts) and _closing/_thread.
         self._lock = threading.Lock()
@@ -362,7 +341,7 @@ class FrontDoor:
         self._identities.clear()
         self._listener.close()
         if self._public_id is not None:
-            _unlink_if_same(self._public_path, self._public_id)
+            unlink_if_same(self._public_path, self._public_id)
         self._epoll.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -447,11 +426,10 @@ class FrontDoor:
 
     def _admit(self, conn: socket.socket) -> None:
         try:
-            raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+            pid, uid, gid = peer_ucred(conn)
         except OSError:
             conn.close()  # gone already
             return
-        pid, uid, gid = _UCRED.unpack(raw)
         limit = self._root_limit if uid == 0 else self._per_uid_limit
         count = self._per_uid.get(uid, 0)
         if count >= limit:
@@ -464,7 +442,7 @@ class FrontDoor:
                             "closing its new ones", uid, count)
             conn.close()
             return
-        groups = _peer_groups(conn)
+        groups = peer_groups(conn)
         credentials = PeerCredentials(uid=uid, gid=gid, pid=pid, groups=groups)
         if self._peer_check is not None:
             refusal = self._check(conn, credentials)
@@ -722,28 +700,13 @@ class _Relay:
             os.close(fd)
         self._pipes = []
         # File first: once a relay is no longer counted, nothing of it is left.
-        _unlink_quietly(self.path)
+        unlink_quietly(self.path)
         door._forget(self)
 
 
 def _fd_limit() -> int:
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return soft if soft != resource.RLIM_INFINITY else 1 << 30
-
-
-def _peer_groups(conn: socket.socket) -> tuple[int, ...]:
-    """The connecting process's supplementary groups (SO_PEERGROUPS), as of connect()."""
-    size = 64 * 4
-    for _ in range(2):
-        try:
-            raw = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, size)
-        except OSError as exc:
-            if exc.errno == errno.ERANGE:
-                size = _NGROUPS_MAX * 4  # more than 64 groups: ask for room for all
-                continue
-            return ()
-        return struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
-    return ()
 
 
 def caller(front_door: FrontDoor, context: "Any") -> PeerCredentials:
@@ -759,96 +722,3 @@ def caller(front_door: FrontDoor, context: "Any") -> PeerCredentials:
     if who.refusal:
         raise PermissionError(who.refusal)
     return who
-
-
-# ---------------------------------------------------------------------- filesystem helpers
-
-
-def _ensure_private_dir(path: str, *, create: bool, what: str) -> None:
-    """``path`` must be a real directory, owned by us, closed to group and others."""
-    if create:
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, f"{what} does not exist", path) from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise NotADirectoryError(errno.ENOTDIR, f"{what} is not a directory", path)
-    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise PermissionError(errno.EACCES, f"{what} must be owned by uid {os.geteuid()} and mode 0700 "
-                              f"(it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})", path)
-
-
-def _listen(path: str, mode: int) -> tuple[socket.socket, tuple[int, int]]:
-    """Bind and listen on ``path`` with ``mode``; returns the socket and the file's (dev, ino)."""
-    _remove_stale_socket(path)
-    # Bound under a temporary name, chmod'ed, then renamed into place: clients
-    # can never see the socket with the umask's mode instead of ``mode``.
-    temp = f"{path}.{os.getpid()}.new"
-    _unlink_quietly(temp)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(temp)
-        os.chmod(temp, mode)
-        sock.listen(socket.SOMAXCONN)
-        os.rename(temp, path)
-        st = os.lstat(path)
-    except BaseException:
-        sock.close()
-        _unlink_quietly(temp)
-        raise
-    return sock, (st.st_dev, st.st_ino)
-
-
-def _remove_stale_socket(path: str) -> None:
-    """Make room at ``path``: nothing there, or a socket nobody listens on (removed). Else refuse."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise FileExistsError(errno.EEXIST, "refusing to replace something that is not a socket "
-                              "(remove it, or choose another socket path)", path)
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.setblocking(False)
-    try:
-        probe.connect(path)
-    except ConnectionRefusedError:
-        # Nobody listening: a dead daemon's leftover.
-        _unlink_quietly(path)
-        return
-    except FileNotFoundError:
-        return
-    except BlockingIOError:
-        pass  # a full backlog: someone is listening
-    finally:
-        probe.close()
-    raise OSError(errno.EADDRINUSE, "another process is accepting connections on this socket "
-                  "(is another sandboxd running?)", path)
-
-
-def _clear_relay_dir(relay_dir: str) -> None:
-    for name in os.listdir(relay_dir):
-        stem, dot, ext = name.partition(".")
-        if stem.isdigit() and dot and ext == "sock":
-            _unlink_quietly(os.path.join(relay_dir, name))
-
-
-def _unlink_if_same(path: str, ident: tuple[int, int]) -> None:
-    """Remove ``path`` only if it is still our socket (not one a newer daemon put there)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if (st.st_dev, st.st_ino) == ident:
-        _unlink_quietly(path)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -38,7 +38,7 @@ from concurrent.futures import Future
 from typing import Callable
 
 from sandboxd.kernel.nftables import BLOCKED_RANGES, PROXY_MARK
-from sandboxd.supervisor.tcp_relay import (READ, ConnectionCap, Connecting, Relay, RelayLoop, TcpService, listen_tcp,
+from sandboxd.network.tcp_relay import (READ, ConnectionCap, Connecting, Relay, RelayLoop, TcpService, listen_tcp,
                                            refuse, socket_in_namespace)
 
 PROXY_PORT = 3128
@@ -154,7 +154,7 @@ class EgressProxy(TcpService):
         sandbox) is served, once ``start`` is called; upstream connections are made in the
         network namespace ``netns_fd`` (the sandbox's; the proxy keeps its own copy; -1: this
         process's own, for rootless `sandboxd run`, whose sandbox has only loopback:
-        supervisor.loopback_proxy).
+        network.loopback_proxy).
         ``on_denied(destination, why)`` is told of every refusal (on a worker thread)."""
         super().__init__(listener, "sandboxd-egress-proxy", loop)
         self._allowed, self._client = allowed, client_address
