@@ -213,7 +213,7 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
     protected = () if args["no_default_protect"] else DEFAULT_PROTECTED_SUBPATHS
     protected = tuple(dict.fromkeys(protected + tuple(_strings(args, "protect"))))
     network = bool(args["network"])
-    mode = "host" if args["network"] == "host" else "isolated"
+    mode = "host" if args["network"] == "host" else defaults.NETWORK_MODE
     policy = policy_from_name(str(args["sandbox"] or "workspace-write"), network_access=network,
                               writable_roots=list(_strings(args, "writable_root")),
                               protected_subpaths=protected, network_mode=mode,

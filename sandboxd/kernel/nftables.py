@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import subprocess
 
+from sandboxd.defaults import PROXY_PORT  # the egress proxy on the host side of each link (network.egress_proxy)
 from sandboxd.errors import SetupError
 
 TABLE = "sandboxd"
 INTERFACE_PATTERN = "sbx*"
-PROXY_PORT = 3128                   # the egress proxy on the host side of each link (network.egress_proxy)
 # The SO_MARK of the egress proxy's upstream sockets, made inside the sandbox's namespace: the
 # sandbox's own egress table lets them out. Setting a mark needs CAP_NET_ADMIN, which no sandboxed
 # process holds, so only the root proxy can use this way out (and the host's filter still applies).

@@ -3,7 +3,7 @@ isolated sandbox and the internet.
 
 With ``allowed_domains`` the sandbox's namespace lets out nothing but DNS and TCP to this proxy
 (kernel.nftables.egress_ruleset), so a program that ignores the proxy variables gets nothing. The
-proxy listens on the host side of the sandbox's link, port 3128, and for each request:
+proxy listens on the host side of the sandbox's link, port defaults.PROXY_PORT (3128), and for each request:
 
 - takes the destination *name* (CONNECT host:port, an absolute http:// URI, or a SOCKS5 domain
   address; a bare IP address is refused: there is no name to check),
@@ -37,11 +37,11 @@ import time
 from concurrent.futures import Future
 from typing import Callable
 
+from sandboxd.defaults import PROXY_PORT
 from sandboxd.kernel.nftables import BLOCKED_RANGES, PROXY_MARK
 from sandboxd.network.tcp_relay import (READ, ConnectionCap, Connecting, Relay, RelayLoop, TcpService, listen_tcp,
                                            refuse, socket_in_namespace)
 
-PROXY_PORT = 3128
 DEFAULT_CONNECTIONS = 256
 REQUEST_SECONDS = 30.0             # from accepting a connection to a complete request
 MAX_REQUEST_HEAD = 65536

@@ -607,7 +607,8 @@ def _loopback_proxy(plan: LaunchPlan) -> "tuple[LoopbackProxy | None, LaunchPlan
     network): the socket pair its init hands the proxy's listener over (network.loopback_proxy)."""
     if not plan.network_isolated:
         return None, plan
-    from sandboxd.network.egress_proxy import PROXY_PORT, proxy_environment
+    from sandboxd.defaults import PROXY_PORT
+    from sandboxd.network.egress_proxy import proxy_environment
     from sandboxd.network.loopback_proxy import LoopbackProxy
 
     proxy = LoopbackProxy(plan.dns)
