@@ -152,33 +152,35 @@ def default_policy() -> SandboxPolicy:
 
 def parse_publish(entry: str) -> tuple[int, int]:
     """"[HOSTPORT:]PORT" into (host port, sandbox port)."""
-    host, _, port = entry.rpartition(":")
+    from sandboxd.policy.ipv4 import port
+
+    host, _, inside = entry.rpartition(":")
     try:
-        sandbox_port = int(port)
-        host_port = int(host) if host else sandbox_port
-    except ValueError:
-        raise InvalidPolicy(f"publish {entry!r}: give [HOSTPORT:]PORT, like 8000 or 18000:8000") from None
-    if not (0 < sandbox_port < 65536 and 0 < host_port < 65536):
-        raise InvalidPolicy(f"publish {entry!r}: ports go from 1 to 65535")
+        sandbox_port = port(inside)
+        host_port = port(host) if host else sandbox_port
+    except ValueError as exc:
+        raise InvalidPolicy(f"publish {entry!r}: give [HOSTPORT:]PORT, like 8000 or 18000:8000 ({exc})") from None
     return host_port, sandbox_port
 
 
 def parse_allowed_host(entry: str) -> tuple[str, tuple[tuple[int, int], ...]]:
     """"CIDR" or "CIDR:PORTS" into (CIDR, ((low, high), ...)); no ports means every port."""
+    from sandboxd.policy.ipv4 import ipv4_network, port_range
+
     address, _, ports = entry.partition(":")
-    parts = address.split("/")
-    octets = parts[0].split(".")
-    if (len(parts) > 2 or len(octets) != 4 or not all(o.isdigit() and int(o) < 256 for o in octets)
-            or (len(parts) == 2 and not (parts[1].isdigit() and int(parts[1]) <= 32))):
+    try:
+        network = ipv4_network(address)
+    except ValueError as exc:
         raise InvalidPolicy(f"allowed host {entry!r}: give an IPv4 address or CIDR, optionally with ports, "
-                            "like 203.0.113.7, 198.51.100.0/24:443 or 192.0.2.1:8000-8100,9000")
+                            f"like 203.0.113.7, 198.51.100.0/24:443 or 192.0.2.1:8000-8100,9000 ({exc})") from None
     ranges = []
     for item in filter(None, ports.split(",")):
-        low, _, high = item.partition("-")
-        if not low.isdigit() or (high and not high.isdigit()) or not 0 < int(low) <= int(high or low) < 65536:
-            raise InvalidPolicy(f"allowed host {entry!r}: bad port range {item!r} (use 443 or 8000-8100)")
-        ranges.append((int(low), int(high or low)))
-    return address if "/" in address else address + "/32", tuple(ranges)
+        try:
+            ranges.append(port_range(item))
+        except ValueError as exc:
+            raise InvalidPolicy(f"allowed host {entry!r}: bad port range {item!r} (use 443 or 8000-8100): "
+                                f"{exc}") from None
+    return str(network), tuple(ranges)
 
 
 def policy_from_name(name: str, *, network_access: bool = False,
