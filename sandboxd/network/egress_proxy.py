@@ -39,7 +39,8 @@ from typing import Callable
 
 from sandboxd.defaults import PROXY_PORT
 from sandboxd.kernel.nftables import BLOCKED_RANGES, PROXY_MARK
-from sandboxd.network.tcp_relay import (READ, ConnectionCap, Connecting, Relay, RelayLoop, TcpService, listen_tcp,
+from sandboxd.network.event_loop import READ
+from sandboxd.network.tcp_relay import (ConnectionCap, Connecting, Relay, RelayLoop, TcpService, listen_tcp,
                                            refuse, socket_in_namespace)
 
 DEFAULT_CONNECTIONS = 256

@@ -49,17 +49,16 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import heapq
 import itertools
 import logging
 import os
 import resource
-import select
 import signal
 import socket
 import threading
 import time
 
+from sandboxd.network.event_loop import READ, WRITE, Acceptor, EventLoop
 from sandboxd.network.peer_credentials import PeerCredentials, peer_groups, peer_ucred
 from sandboxd.network.socket_files import (clear_relay_dir, ensure_private_dir, listen, unlink_if_same,
                                            unlink_quietly)
@@ -92,7 +91,7 @@ _PLAIN_PATH_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVW
 _CHUNK = 256 * 1024
 
 _SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
-_IN, _OUT = select.EPOLLIN, select.EPOLLOUT
+_IN, _OUT = READ, WRITE
 
 # Not in Python's socket module: from <asm-generic/socket.h>.
 _SO_PEERPIDFD = 77       # Linux 6.5+
@@ -113,7 +112,6 @@ _ACCEPT_BURST = 64
 # A pending connection left in the backlog keeps the listener readable, so
 # out of descriptors the door stops watching it for this long instead of spinning.
 _ACCEPT_BACKOFF = 0.1
-_ACCEPT_RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 # The same warning about the same thing (a uid over quota, no descriptors) at most this often.
 _LOG_EVERY = 60.0
 
@@ -188,35 +186,28 @@ class FrontDoor:
             self._listener, self._public_id = listener, None
         else:
             self._listener, self._public_id = listen(self._public_path, mode)
-        self._listener.setblocking(False)
         # Only after we own the public socket (so no live daemon uses relay_dir):
         # clear relay files a dead daemon left behind.
         clear_relay_dir(self._relay_dir)
 
-        # Guards what other threads read (_per_uid for counts) and _closing/_thread.
+        # Guards what other threads read (_per_uid for counts) and _closing/_started.
         self._lock = threading.Lock()
         self._closing = False
-        self._thread: threading.Thread | None = None
+        self._started = False
         # Everything below belongs to the loop thread (or to close() once it has ended).
         self._relays: dict[int, _Relay] = {}
         self._identities: dict[str, PeerCredentials] = {}
         self._per_uid: dict[int, int] = {}
         self._numbers = itertools.count()
-        self._epoll = select.epoll()
-        # fd -> (relay, True for its client socket / False for its backend socket).
-        self._watched: dict[int, tuple[_Relay, bool]] = {}
-        self._timers: list[tuple[float, int, "Callable[[], None]"]] = []
-        self._timer_numbers = itertools.count()
-        self._accepting = False          # the listener is in the epoll set
-        self._accept_paused = False      # out of descriptors: a timer resumes accepting
         self._refused_logged: dict[int, float] = {}
         self._starved_logged = -_LOG_EVERY
         self._fds_others = 0             # descriptors not counted per relay, at the last calibration
         self._fds_calibrated = float("-inf")
         self._pidfd_supported = True
-        # close() writes here to wake the loop.
-        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self._epoll.register(self._wake_r, select.EPOLLIN)
+        # The loop (network.event_loop, the relays' too): its thread is the door's only one.
+        self._loop = EventLoop("sandboxd-frontdoor", on_stop=self._teardown)
+        self._acceptor = Acceptor(self._loop, self._listener, self._admit, name="front door", burst=_ACCEPT_BURST,
+                                  backoff=_ACCEPT_BACKOFF, room=self._room_for_one, starved=self._starved)
 
     # ------------------------------------------------------------------ public API
 
@@ -247,10 +238,11 @@ class FrontDoor:
         with self._lock:
             if self._closing:
                 raise RuntimeError("front door is closed")
-            if self._thread is not None:
+            if self._started:
                 raise RuntimeError("front door already started")
-            self._thread = threading.Thread(target=self._loop, name="sandboxd-frontdoor", daemon=True)
-        self._thread.start()
+            self._started = True
+        self._loop.post(self._acceptor.start)
+        self._loop.start()
 
     def identity(self, peer: str) -> PeerCredentials | None:
         """The credentials behind ``peer`` (a gRPC ``context.peer()``), or None if it is not a live relay."""
@@ -263,19 +255,9 @@ class FrontDoor:
             if self._closing:
                 return
             self._closing = True
-            thread = self._thread
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
-            if thread.is_alive():
-                # Only a peer_check that blocks can do this; the loop tears down when it returns.
-                log.warning("front door: the loop did not stop within %.1fs", timeout)
-                return
-        if thread is None:
-            self._teardown()
+        if not self._loop.stop(timeout):
+            # Only a peer_check that blocks can do this; the loop tears down when it returns.
+            log.warning("front door: the loop did not stop within %.1fs", timeout)
 
     def __enter__(self) -> "FrontDoor":
         return self
@@ -285,115 +267,30 @@ class FrontDoor:
 
     # ------------------------------------------------------------------ the loop
 
-    def _loop(self) -> None:
-        listener = self._listener.fileno()
-        wake = self._wake_r
-        watched = self._watched
-        poll = self._epoll.poll
-        try:
-            self._resume_accepting()
-            while not self._closing:
-                timeout = -1.0
-                if self._timers:
-                    timeout = max(0.0, self._timers[0][0] - time.monotonic())
-                try:
-                    events = poll(timeout)
-                except InterruptedError:
-                    continue
-                for fd, mask in events:
-                    entry = watched.get(fd)
-                    if entry is not None:
-                        relay, is_client = entry
-                        if relay.state is not _CLOSED:
-                            try:
-                                relay.on_event(is_client, mask)
-                            except Exception:  # noqa: BLE001 - one bad relay must not end the loop
-                                log.exception("front door: relay %d failed", relay.number)
-                                relay.abort()
-                    elif fd == listener:
-                        self._accept_some()
-                    elif fd == wake:
-                        break
-                if self._timers:
-                    self._run_timers()
-        except Exception:  # noqa: BLE001
-            log.exception("front door: the loop failed; no more connections are served")
-        finally:
-            self._teardown()
-
-    def _run_timers(self) -> None:
-        now = time.monotonic()
-        while self._timers and self._timers[0][0] <= now:
-            _, _, action = heapq.heappop(self._timers)
-            try:
-                action()
-            except Exception:  # noqa: BLE001
-                log.exception("front door: a timer failed")
-
-    def _after(self, delay: float, action: "Callable[[], None]") -> None:
-        heapq.heappush(self._timers, (time.monotonic() + delay, next(self._timer_numbers), action))
-
     def _teardown(self) -> None:
-        """Cut every relay, close the listener and the loop's descriptors. The loop has ended."""
+        """Cut every relay, close the listener. The loop has ended (it closes its own descriptors next)."""
+        self._closing = True
         for relay in list(self._relays.values()):
             relay.abort()
-        self._timers.clear()
         self._identities.clear()
+        self._acceptor.stop()
         self._listener.close()
         if self._public_id is not None:
             unlink_if_same(self._public_path, self._public_id)
-        self._epoll.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
 
     # ------------------------------------------------------------------ accepting
 
-    def _resume_accepting(self) -> None:
-        self._accept_paused = False
-        if not self._accepting and not self._closing:
-            self._epoll.register(self._listener.fileno(), select.EPOLLIN)
-            self._accepting = True
-
-    def _pause_accepting(self, delay: float) -> None:
-        """Leave pending connections in the backlog for ``delay`` (a readable listener would spin the loop)."""
-        if self._accepting:
-            self._epoll.unregister(self._listener.fileno())
-            self._accepting = False
-        if not self._accept_paused:
-            self._accept_paused = True
-            self._after(delay, self._resume_accepting)
-
-    def _accept_some(self) -> None:
-        # A burst is taken in one go, but not forever: relays need their turn.
-        for _ in range(_ACCEPT_BURST):
-            if not self._room_for_one():
-                now = time.monotonic()
-                if now - self._starved_logged >= _LOG_EVERY:
-                    self._starved_logged = now
-                    log.warning("front door: fewer than %d file descriptors left (limit %d): not accepting "
-                                "new connections for now", self._fd_reserve + _FDS_PER_CONNECTION, _fd_limit())
-                self._pause_accepting(_ACCEPT_BACKOFF)
-                return
-            try:
-                conn, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in _ACCEPT_RESOURCE_ERRORS:
-                    now = time.monotonic()
-                    if now - self._starved_logged >= _LOG_EVERY:
-                        self._starved_logged = now
-                        log.warning("front door: cannot accept (%s); retrying", os.strerror(exc.errno or 0))
-                    self._pause_accepting(_ACCEPT_BACKOFF)
-                    return
-                # ECONNABORTED, EPROTO...: that one connection is lost, not the door.
-                log.debug("front door: accept failed: %s", exc)
-                continue
-            try:
-                self._admit(conn)
-            except Exception:  # noqa: BLE001 - one bad connection must not end the loop
-                log.exception("front door: dropping a connection")
-                conn.close()
+    def _starved(self, why: str) -> None:
+        """The acceptor rests (network.event_loop.Acceptor): said at most once a minute."""
+        now = time.monotonic()
+        if now - self._starved_logged < _LOG_EVERY:
+            return
+        self._starved_logged = now
+        if why:
+            log.warning("front door: cannot accept (%s); retrying", why)
+        else:
+            log.warning("front door: fewer than %d file descriptors left (limit %d): not accepting "
+                        "new connections for now", self._fd_reserve + _FDS_PER_CONNECTION, _fd_limit())
 
     def _room_for_one(self) -> bool:
         """Whether one more connection leaves at least ``fd_reserve`` descriptors for the rest of the daemon.
@@ -424,7 +321,7 @@ class FrontDoor:
         self._fds_others = total - _FDS_PER_CONNECTION * len(self._relays)
         self._fds_calibrated = now
 
-    def _admit(self, conn: socket.socket) -> None:
+    def _admit(self, conn: socket.socket, _address: object = None) -> None:
         try:
             pid, uid, gid = peer_ucred(conn)
         except OSError:
@@ -489,20 +386,6 @@ class FrontDoor:
 
     # ------------------------------------------------------------------ called by relays
 
-    def _watch(self, fd: int, relay: "_Relay", is_client: bool, old: int, new: int) -> None:
-        """Move ``fd`` from epoll interest ``old`` to ``new`` (0: not in the set at all, so a
-        hang-up it cannot act on yet does not spin the loop)."""
-        if new == old:
-            return
-        if not old:
-            self._epoll.register(fd, new)
-            self._watched[fd] = (relay, is_client)
-        elif not new:
-            self._epoll.unregister(fd)
-            del self._watched[fd]
-        else:
-            self._epoll.modify(fd, new)
-
     def _remember(self, relay: "_Relay") -> None:
         self._identities[relay.peer] = relay.credentials
 
@@ -517,8 +400,8 @@ class FrontDoor:
                 self._per_uid[uid] = left
             else:
                 del self._per_uid[uid]
-        if self._accept_paused and not self._closing and self._room_for_one():
-            self._resume_accepting()
+        if not self._closing:
+            self._acceptor.resume_if_room()
 
 
 _CONNECTING, _RELAYING, _CLOSED = "connecting", "relaying", "closed"
@@ -536,11 +419,29 @@ class _Direction:
         self.done = False     # ... and everything before it reached dst, which got a half-close
 
 
+class _Side:
+    """What the loop calls for one socket of a relay: its client's, or its backend's."""
+
+    __slots__ = ("relay", "is_client")
+
+    def __init__(self, relay: "_Relay", is_client: bool) -> None:
+        self.relay, self.is_client = relay, is_client
+
+    def on_ready(self, mask: int) -> None:
+        if self.relay.state is not _CLOSED:
+            self.relay.on_event(self.is_client, mask)
+
+    def close(self) -> None:
+        """A failure escaped the relay (the loop logged it): cut it, not the door."""
+        self.relay.abort()
+
+
 class _Relay:
     """One accepted connection and its connection to the backend, driven by the door's loop."""
 
     __slots__ = ("door", "number", "client", "backend", "credentials", "path", "peer", "state", "up", "down",
-                 "_client_mask", "_backend_mask", "_pipes", "_connect_delay", "_connect_deadline")
+                 "_client_mask", "_backend_mask", "_client_side", "_backend_side", "_pipes", "_connect_delay",
+                 "_connect_deadline")
 
     def __init__(self, door: FrontDoor, number: int, client: socket.socket, credentials: PeerCredentials) -> None:
         self.door = door
@@ -555,6 +456,8 @@ class _Relay:
         self.down: _Direction | None = None
         self._client_mask = 0
         self._backend_mask = 0
+        self._client_side = _Side(self, True)
+        self._backend_side = _Side(self, False)
         self._pipes: list[int] = []
         self._connect_delay = _CONNECT_RETRY_FIRST
         self._connect_deadline = time.monotonic() + _CONNECT_PATIENCE
@@ -590,7 +493,7 @@ class _Relay:
                             self.number, _CONNECT_PATIENCE)
                 self.abort()
                 return
-            self.door._after(self._connect_delay, self._try_connect)
+            self.door._loop.later(self._connect_delay, self._try_connect)
             self._connect_delay = min(2 * self._connect_delay, _CONNECT_RETRY_MAX)
             return
         except OSError as exc:
@@ -670,10 +573,10 @@ class _Relay:
         client = (_IN if not up.eof and not up.pending else 0) | (_OUT if down.pending else 0)
         backend = (_IN if not down.eof and not down.pending else 0) | (_OUT if up.pending else 0)
         if client != self._client_mask:
-            self.door._watch(up.src, self, True, self._client_mask, client)
+            self.door._loop.watch(up.src, self._client_mask, client, self._client_side)
             self._client_mask = client
         if backend != self._backend_mask:
-            self.door._watch(down.src, self, False, self._backend_mask, backend)
+            self.door._loop.watch(down.src, self._backend_mask, backend, self._backend_side)
             self._backend_mask = backend
 
     # -- ending
@@ -689,9 +592,9 @@ class _Relay:
         self.state = _CLOSED
         door = self.door
         if self._client_mask:
-            door._watch(self.client.fileno(), self, True, self._client_mask, 0)
+            door._loop.watch(self.client, self._client_mask, 0, self._client_side)
         if self._backend_mask and self.backend is not None:
-            door._watch(self.backend.fileno(), self, False, self._backend_mask, 0)
+            door._loop.watch(self.backend, self._backend_mask, 0, self._backend_side)
         self._client_mask = self._backend_mask = 0
         self.client.close()
         if self.backend is not None:
