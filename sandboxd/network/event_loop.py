@@ -35,6 +35,7 @@ from typing import Any, Callable, TypeVar
 __all__ = ["READ", "WRITE", "Acceptor", "EventLoop"]
 
 READ, WRITE = select.EPOLLIN, select.EPOLLOUT
+_HANGUP = select.EPOLLERR | select.EPOLLHUP
 WORKERS = 4                        # threads for blocking work (DNS), per loop, made on first use
 ACCEPT_BURST = 64                  # connections accepted per wake-up of a listener
 # Accept errors that mean "the process (or system) is short of something": rest, do not spin.
@@ -197,7 +198,7 @@ class EventLoop:
                 for fd, mask in events:
                     handler = handlers.get(fd)
                     if handler is not None:
-                        if mask & (select.EPOLLERR | select.EPOLLHUP):
+                        if mask & _HANGUP:
                             mask |= READ | WRITE            # the handler finds out by reading or writing
                         try:                                # (inline: this is every byte's path)
                             handler.on_ready(mask)
