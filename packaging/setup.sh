@@ -64,7 +64,7 @@ extras=""; [ "$mode" = test ] && extras="[test]"
 want="$(sha256sum "$repo/pyproject.toml" | cut -d' ' -f1)$extras"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$venv/bin/python" -c 'import sandboxd' 2>/dev/null; then
   "$venv/bin/pip" install -q --disable-pip-version-check --config-settings editable_mode=compat -e "$repo$extras" 2>&1 | grep -v "^WARNING: Location" >&2 || true
-  "$venv/bin/python" -c 'import sandboxd, pyseccomp, psutil, grpc' || die "the Python install failed (see above)"
+  "$venv/bin/python" -c 'import sandboxd, pyseccomp, psutil, grpc, dns.message' || die "the Python install failed (see above)"
   echo "$want" > "$stamp"
 fi
 

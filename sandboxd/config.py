@@ -77,10 +77,13 @@ def _positive_seconds(value: object) -> str | None:
 def _ipv4_list(value: object) -> str | None:
     if not isinstance(value, list):
         return "must be a list of IPv4 addresses, like [\"192.0.2.53\"]"
+    from sandboxd.policy.ipv4 import ipv4_address
+
     for item in value:
-        parts = str(item).split(".")
-        if not isinstance(item, str) or len(parts) != 4 or not all(p.isdigit() and int(p) < 256 for p in parts):
-            return f"{item!r} is not an IPv4 address"
+        try:
+            ipv4_address(item)
+        except ValueError as exc:
+            return f"{item!r} is not an IPv4 address ({exc})"
     return None
 
 

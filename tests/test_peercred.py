@@ -30,7 +30,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sandboxd.errors import CallerRefused
-from sandboxd.service.peercred import FrontDoor, PeerCredentials, caller
+from sandboxd.network.front_door import FrontDoor, caller
+from sandboxd.network.peer_credentials import PeerCredentials
 
 MiB = 1 << 20
 
@@ -334,7 +335,7 @@ def test_a_slow_reader_stalls_the_writer_without_stalling_others(
 
 def test_accepting_survives_running_out_of_descriptors(raw_door: tuple[FrontDoor, RawBackend], paths: Paths,
                                                       caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="sandboxd.service.peercred")
+    caplog.set_level(logging.WARNING, logger="sandboxd.network.front_door")
     door, _ = raw_door
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # made while descriptors remain
     client.settimeout(10)
@@ -359,7 +360,7 @@ def test_accepting_survives_running_out_of_descriptors(raw_door: tuple[FrontDoor
 
 def test_the_door_leaves_a_reserve_of_descriptors(raw_door: tuple[FrontDoor, RawBackend], paths: Paths,
                                                   caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="sandboxd.service.peercred")
+    caplog.set_level(logging.WARNING, logger="sandboxd.network.front_door")
     door, _ = raw_door
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     clients = []
@@ -688,7 +689,7 @@ sys.stdin.readline()
 
 
 def test_connections_over_a_uids_quota_are_closed_at_once(paths: Paths, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="sandboxd.service.peercred")
+    caplog.set_level(logging.WARNING, logger="sandboxd.network.front_door")
     raw = RawBackend(paths.backend)
     door = FrontDoor(paths.public, paths.backend, relay_dir=paths.relay, connections_per_uid=3, root_connections=5)
     door.start()

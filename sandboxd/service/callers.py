@@ -1,7 +1,7 @@
 """Who is calling: the one place that turns a gRPC call into the caller's credentials.
 
 - On the Unix socket, the front door saw the caller's SO_PEERCRED and SO_PEERGROUPS when it
-  connected (service.peercred).
+  connected (network.front_door).
 - On the optional TLS listener, the verified client certificate names the caller (its
   *principal*): by its common name, or by one configured subject alternative name (a URI, as
   SPIFFE IDs are, or a DNS name). A certificate without a usable identity is refused, never
@@ -29,7 +29,8 @@ from typing import Any
 
 from sandboxd._record import Factory, Record
 from sandboxd.errors import CallerRefused
-from sandboxd.service.peercred import FrontDoor, PeerCredentials, caller
+from sandboxd.network.front_door import FrontDoor, caller
+from sandboxd.network.peer_credentials import PeerCredentials
 from sandboxd.service.sandboxed_peers import SandboxedPeers, parse_peer
 
 IDENTITIES = ("common-name", "uri", "dns")

@@ -268,7 +268,7 @@ def serve(socket_path: str = DEFAULT_SOCKET, *, socket_mode: int = 0o666, admin_
 
     from sandboxd.audit.store import open_in_state_dir
     from sandboxd.service.approvals import ApprovalGate
-    from sandboxd.service.peercred import FrontDoor
+    from sandboxd.network.front_door import FrontDoor
     from sandboxd.service.callers import Callers, TlsIdentity
     from sandboxd.service.sandboxed_peers import SandboxedPeers
     from sandboxd.service.servicer import SandboxServicer

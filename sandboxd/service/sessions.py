@@ -33,7 +33,7 @@ from sandboxd.service.session_lifecycle import SESSION_PLACEHOLDER_ARGV, OwnPlac
 from sandboxd.service.session_state import Session, rules_from_dict, rules_to_dict, session_from_row
 from sandboxd.service.session_table import SessionTable
 from sandboxd.supervisor.forkserver import ForkServer
-from sandboxd.supervisor.publish import check_host_ports
+from sandboxd.network.publish import check_host_ports
 
 __all__ = ["SESSION_PLACEHOLDER_ARGV", "OwnPlaces", "Session", "SessionRegistry", "caller_groups", "command_user",
            "cwd_inside", "rights_of", "rules_from_dict", "rules_to_dict"]
@@ -47,7 +47,7 @@ class SessionRegistry:
         self._fork = forkserver
         self.store = store
         self.own = own or OwnPlaces()
-        self.front_door: "Any" = None                     # service.peercred.FrontDoor, for status counts
+        self.front_door: "Any" = None                     # network.front_door.FrontDoor, for status counts
         self.quotas = quotas or Quotas()
         # policy.allow_user_full_access: whether a local non-root caller may have danger-full-access.
         self.allow_user_full_access = True
