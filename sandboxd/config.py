@@ -1,10 +1,15 @@
-"""The daemon's configuration file: one TOML file, every key documented with its default.
+"""The daemon's settings: one TOML file, every key documented with its default.
 
-Where it is read from: ``sandboxd serve --config FILE``, else ``$SANDBOXD_CONFIG``, else
-``/etc/sandboxd/sandboxd.toml`` when it exists (built-in defaults otherwise). Command-line flags
-win over the file. An unknown key, a bad value or a file that is not TOML stops the daemon at
-start-up with the file, the key and what is wrong; ``sandboxd config check FILE`` says the same
-without starting anything, and ``sandboxd config defaults`` prints a file with every key.
+Where they come from, each later one winning over the earlier (``load``): the built-in defaults;
+the file (``sandboxd serve --config FILE``, else ``$SANDBOXD_CONFIG``, else
+``/etc/sandboxd/sandboxd.toml`` when it exists); the environment (``$SANDBOXD_<SECTION>_<KEY>``,
+e.g. ``SANDBOXD_LISTEN_WORKERS=8``: a string key takes the value as it is, any other a TOML
+value such as ``8``, ``true`` or ``["192.0.2.53"]``); the command-line flags. ``load`` checks
+everything once, the values and what they name (groups, users, the TLS files), and returns a
+frozen ``DaemonSettings``: the daemon reads nothing else. An unknown key, a bad value or a file
+that is not TOML stops the daemon at start-up with where the value came from, the key and what
+to fix; ``sandboxd config check FILE`` says the same without starting anything, and
+``sandboxd config defaults`` prints a file with every key.
 """
 
 from __future__ import annotations
@@ -12,13 +17,21 @@ from __future__ import annotations
 import math
 import os
 import tomllib
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 from sandboxd import defaults
 from sandboxd._record import Record
-from sandboxd.errors import InvalidPolicy
+from sandboxd.errors import InvalidPolicy, SandboxdError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from sandboxd.service.convert import SessionDefaults
+    from sandboxd.service.quotas import QuotaLimits
 
 DEFAULT_PATH = "/etc/sandboxd/sandboxd.toml"
+CONFIG_ENV = "SANDBOXD_CONFIG"
+BUILT_IN = "(built-in defaults)"
 
 
 class ConfigError(InvalidPolicy):
@@ -71,7 +84,7 @@ def _ipv4_list(value: object) -> str | None:
         return "must be a list of IPv4 addresses, like [\"192.0.2.53\"]"
     for item in value:
         parts = str(item).split(".")
-        if not isinstance(item, str) or len(parts) != 4 or not all(p.isdigit() and int(p) < 256 for p in parts):
+        if not isinstance(item, str) or len(parts) != 4 or not all(p.isascii() and p.isdigit() and int(p) < 256 for p in parts):
             return f"{item!r} is not an IPv4 address"
     return None
 
@@ -272,19 +285,202 @@ class Config(Record):
         return dict(value)
 
 
-def default_path() -> str | None:
+def default_path(environ: Mapping[str, str] = os.environ) -> str | None:
     """The file a daemon without --config reads, if any."""
-    explicit = os.environ.get("SANDBOXD_CONFIG")
+    explicit = environ.get(CONFIG_ENV)
     if explicit:
         return explicit
     return DEFAULT_PATH if os.path.exists(DEFAULT_PATH) else None
 
 
-def load(path: str | None) -> Config:
-    """The built-in defaults, overlaid with ``path`` (None: defaults only). ConfigError on any problem."""
-    values: dict[str, object] = {key.dotted: key.default for key in KEYS}
+# The flags of ``sandboxd serve`` that set a key (cli.serve builds its parser from this).
+FLAGS: dict[str, str] = {
+    "listen.socket": "--socket", "listen.admin_group": "--admin-group", "listen.workers": "--workers",
+    "state.dir": "--state-dir", "network.dns": "--dns", "approvals.timeout_seconds": "--approval-timeout",
+    "tls.address": "--tcp", "tls.cert": "--tls-cert", "tls.key": "--tls-key", "tls.client_ca": "--tls-client-ca",
+    "tls.user": "--tcp-user", "log.format": "--log-format", "log.level": "--log-level",
+    "metrics.listen": "--metrics"}
+_TLS_FILES = ("tls.cert", "tls.key", "tls.client_ca")
+
+
+@dataclass(frozen=True, slots=True)
+class TlsSettings:
+    """The optional TCP listener: TLS, and a client certificate signed by ``client_ca`` required.
+    Its callers are named by ``identity`` (service.callers: the common name, or a URI or DNS
+    subject alternative name) and act as the local user ``users`` maps them to, else ``uid:gid``."""
+    address: str
+    port: int
+    cert: bytes                   # PEM, read once at load: a file that cannot be read stops the start
+    key: bytes
+    client_ca: bytes
+    uid: int
+    gid: int
+    identity: str
+    users: Mapping[str, tuple[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonSettings:
+    """Everything the daemon is built from, checked once by ``load``: each field is ready to use."""
+    source: Config                # every key's value as checked, and the file read (None: none)
+    socket: str
+    socket_mode: int
+    admin_gid: int | None
+    workers: int
+    connections_per_uid: int
+    quotas: "QuotaLimits"
+    tls: TlsSettings | None
+    state_dir: str
+    ping_timeout: float
+    wait_seconds: float
+    approval_timeout: float
+    allow_user_full_access: bool
+    dns: tuple[str, ...]
+    network_pool: str
+    proxy_connections: int
+    published_connections: int
+    published_per_peer: int
+    session_defaults: "SessionDefaults"
+    metrics_listen: str
+    log_format: str
+    log_level: str
+
+    @property
+    def config_path(self) -> str | None:
+        return self.source.path
+
+
+def load(path: str | None = None, *, environ: Mapping[str, str] | None = None,
+         flags: Mapping[str, object] | None = None) -> DaemonSettings:
+    """The daemon's settings: the built-in defaults, then the file ``path`` (None: the one
+    ``$SANDBOXD_CONFIG`` in ``environ`` names, else DEFAULT_PATH if it exists), then ``environ``'s
+    ``SANDBOXD_<SECTION>_<KEY>`` variables, then ``flags`` (dotted key -> value: the command
+    line's), each checked as it comes in and all of them together at the end, with what they
+    name (groups, users, TLS files). ConfigError naming where the bad value came from, the key
+    and what to fix. ``environ`` None: the process's own."""
+    environ = os.environ if environ is None else environ
+    path = path or default_path(environ)
+    values = _defaults()
+    _overlay_file(values, path)
+    sources = {dotted: path or BUILT_IN for dotted in values}
+    sources.update(_overlay_environment(values, environ))
+    for dotted, value in (flags or {}).items():
+        key = _BY_NAME[dotted]               # a KeyError is a bug in the caller: flags are ours
+        _set(values, FLAGS.get(dotted, dotted), key, value)
+        sources[dotted] = FLAGS.get(dotted, dotted)
+    flagged = {FLAGS[k] for k in (flags or {}) if k.startswith("tls.") and k in FLAGS}
+    if flagged and not all(values[k] for k in ("tls.address", *_TLS_FILES)):
+        raise ConfigError("command line", "tls", "a TCP listener needs all of --tcp, --tls-cert, --tls-key and "
+                          "--tls-client-ca (tls.address, tls.cert, tls.key, tls.client_ca): there is no "
+                          "plain-text or unauthenticated TCP")
+    return _settings(_check_together(values, path), sources)
+
+
+def _settings(config: Config, sources: dict[str, str]) -> DaemonSettings:
+    from sandboxd.service.convert import SessionDefaults
+    from sandboxd.service.quotas import QuotaLimits
+
+    def refuse(dotted: str, problem: str) -> ConfigError:
+        return ConfigError(sources.get(dotted, config.path or BUILT_IN), dotted, problem)
+
+    admin_gid = None
+    group = config.text("listen.admin_group")
+    if group:
+        from sandboxd.kernel.users import group_id
+        try:
+            admin_gid = group_id(group)
+        except KeyError:
+            raise refuse("listen.admin_group", f"no group {group!r} on this machine: name an existing group "
+                         "(or its number), or leave it empty (only root sees every session)") from None
+    try:
+        quotas = QuotaLimits(sessions_per_uid=config.whole("quotas.sessions_per_uid"),
+                             calls_per_uid=config.whole("quotas.calls_per_uid"),
+                             streams_per_uid=config.whole("quotas.streams_per_uid"),
+                             background_per_uid=config.whole("quotas.background_per_uid"),
+                             reserved_workers=config.whole("quotas.reserved_workers"),
+                             workers=config.whole("listen.workers"))
+    except SandboxdError as exc:
+        raise refuse("quotas", str(exc)) from None
+    limits = resource_limits(config)
+    defaults = SessionDefaults(
+        sandbox=config.text("defaults.sandbox_policy"), network_access=config.flag("defaults.network_access"),
+        approval=config.text("defaults.approval_policy"),
+        timeout_seconds=config.number("defaults.timeout_seconds") or None,
+        memory_bytes=limits.memory, pids=limits.pids, max_memory_bytes=limits.max_memory, max_pids=limits.max_pids,
+        total_memory_bytes=limits.total_memory, total_pids=limits.total_pids,
+        owner_memory_bytes=limits.owner_memory or None, owner_pids=limits.owner_pids)
+    return DaemonSettings(
+        source=config, socket=config.text("listen.socket"), socket_mode=int(config.text("listen.socket_mode"), 8),
+        admin_gid=admin_gid, workers=config.whole("listen.workers"),
+        connections_per_uid=config.whole("quotas.connections_per_uid"), quotas=quotas,
+        tls=_tls(config, refuse), state_dir=config.text("state.dir"),
+        ping_timeout=config.number("fork_server.ping_timeout_seconds"),
+        wait_seconds=config.number("fork_server.wait_seconds"),
+        approval_timeout=config.number("approvals.timeout_seconds"),
+        allow_user_full_access=config.flag("policy.allow_user_full_access"),
+        dns=config.texts("network.dns"), network_pool=config.text("network.pool"),
+        proxy_connections=config.whole("quotas.proxy_connections_per_session"),
+        published_connections=config.whole("quotas.published_connections_per_session"),
+        published_per_peer=config.whole("quotas.published_connections_per_peer"),
+        session_defaults=defaults, metrics_listen=config.text("metrics.listen"),
+        log_format=config.text("log.format"), log_level=config.text("log.level"))
+
+
+def _tls(config: Config, refuse: "Callable[[str, str], ConfigError]") -> TlsSettings | None:
+    """The TCP listener's settings with its files read and its users looked up; None without one."""
+    from types import MappingProxyType
+
+    from sandboxd.kernel.users import parse_user
+
+    address = config.text("tls.address")
+    if not address:
+        return None
+    host, _, port = address.rpartition(":")
+    if not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        raise refuse("tls.address", f"{address!r} must be HOST:PORT, like 0.0.0.0:8443")
+    pem: dict[str, bytes] = {}
+    for dotted in _TLS_FILES:
+        file = config.text(dotted)
+        try:
+            with open(file, "rb") as f:
+                pem[dotted] = f.read()
+        except OSError as exc:
+            raise refuse(dotted, f"cannot read {file} ({exc.strerror}): give a PEM file the daemon can read") from None
+    try:
+        uid, gid = parse_user(config.text("tls.user"), "tls.user")
+    except InvalidPolicy as exc:
+        raise refuse("tls.user", f"{exc}: name an existing USER[:GROUP], or give numbers") from None
+    users: dict[str, tuple[int, int]] = {}
+    for principal, user in config.table("tls.users").items():
+        try:
+            users[principal] = parse_user(user, f"tls.users[{principal!r}]")
+        except InvalidPolicy as exc:
+            raise refuse("tls.users", f"{exc}: name an existing USER[:GROUP], or give numbers") from None
+    return TlsSettings(address=address, port=int(port), cert=pem["tls.cert"], key=pem["tls.key"],
+                       client_ca=pem["tls.client_ca"], uid=uid, gid=gid, identity=config.text("tls.identity"),
+                       users=MappingProxyType(users))
+
+
+def env_name(key: Key) -> str:
+    """The environment variable that sets ``key``: ``SANDBOXD_<SECTION>_<NAME>``."""
+    return f"SANDBOXD_{key.section}_{key.name}".upper()
+
+
+def read_file(path: str | None) -> Config:
+    """The built-in defaults, overlaid with ``path`` (None: defaults only), every key and the
+    keys together checked. ConfigError on any problem. (``load`` adds the environment and flags.)"""
+    values = _defaults()
+    _overlay_file(values, path)
+    return _check_together(values, path)
+
+
+def _defaults() -> dict[str, object]:
+    return {key.dotted: key.default for key in KEYS}
+
+
+def _overlay_file(values: dict[str, object], path: str | None) -> None:
     if path is None:
-        return Config(values, None)
+        return
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -303,20 +499,49 @@ def load(path: str | None) -> Config:
                 hint = f"known keys of [{section}]: {', '.join(known)}" if known else \
                     f"known sections: {', '.join(sorted({k.section for k in KEYS}))}"
                 raise ConfigError(path, f"{section}.{name}", f"unknown key ({hint})")
-            problem = key.check(value)
-            if problem:
-                raise ConfigError(path, key.dotted, problem)
-            values[key.dotted] = value
+            _set(values, path, key, value)
+
+
+def _set(values: dict[str, object], source: str, key: Key, value: object) -> None:
+    problem = key.check(value)
+    if problem:
+        raise ConfigError(source, key.dotted, problem)
+    values[key.dotted] = value
+
+
+def _overlay_environment(values: dict[str, object], environ: Mapping[str, str]) -> dict[str, str]:
+    """Set the keys ``environ`` names; returns each one's variable (key -> "$NAME")."""
+    given: dict[str, str] = {}
+    for key in KEYS:
+        name = env_name(key)
+        text = environ.get(name)
+        if text is None:
+            continue
+        value: object = text
+        if not isinstance(key.default, str):
+            try:
+                value = tomllib.loads(f"value = {text}")["value"]
+            except tomllib.TOMLDecodeError:
+                raise ConfigError(f"${name}", key.dotted, f"{text!r} is not a TOML value (like 8, true or "
+                                  "[\"192.0.2.53\"])") from None
+        _set(values, f"${name}", key, value)
+        given[key.dotted] = f"${name}"
+    return given
+
+
+def _check_together(values: dict[str, object], path: str | None) -> Config:
+    """The checks of keys against each other, once every source is in."""
     checked = Config(values, path)
+    where = path or BUILT_IN
     reserved, workers = checked.whole("quotas.reserved_workers"), checked.whole("listen.workers")
     if 0 < reserved >= workers:
-        raise ConfigError(path, "quotas.reserved_workers", f"must be below listen.workers "
+        raise ConfigError(where, "quotas.reserved_workers", f"must be below listen.workers "
                           f"({workers}): the rest serve running calls and streams")
     resource_limits(checked)                     # the limits must nest: defaults <= max <= total
     tls = [values[f"tls.{name}"] for name in ("address", "cert", "key", "client_ca")]
     if any(tls) and not all(tls):
-        raise ConfigError(path, "tls", "a TCP listener needs all of address, cert, key and client_ca")
-    return Config(values, path)
+        raise ConfigError(where, "tls", "a TCP listener needs all of address, cert, key and client_ca")
+    return checked
 
 
 class ResourceLimits(Record):
@@ -354,7 +579,7 @@ def resource_limits(config: Config) -> ResourceLimits:
         pids=config.whole("defaults.pids") or min(host_limits.DEFAULT_PIDS, max_pids, owner_pids),
         max_memory=max_memory, max_pids=max_pids, total_memory=total_memory, total_pids=total_pids,
         owner_pids=owner_pids, owner_memory=owner_memory)
-    path = config.path or "(built-in defaults)"
+    path = config.path or BUILT_IN
     nested = [("defaults.memory", "limits.max_memory"), ("limits.max_memory", "limits.total_memory"),
               ("defaults.pids", "limits.max_pids"), ("limits.max_pids", "limits.total_pids"),
               ("defaults.pids", "limits.owner_pids"), ("limits.owner_pids", "limits.total_pids")]

@@ -55,7 +55,8 @@ def _config(args: list[str]) -> int:
         return 0
     if len(args) == 2 and args[0] == "check":
         try:
-            loaded = config.load(args[1])
+            # Everything the daemon would check at start-up, the environment aside: the file alone.
+            loaded = config.load(args[1], environ={}).source
         except config.ConfigError as exc:
             sys.stderr.write(f"sandboxd config: {exc}\n")
             return 2
