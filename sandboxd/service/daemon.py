@@ -28,7 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sandboxd.audit.store import EventStore, open_in_state_dir
-from sandboxd.config import DaemonSettings
+from sandboxd.daemon_settings import DaemonSettings
 from sandboxd.service import memtrace, systemd
 from sandboxd.service.approvals import ApprovalGate
 from sandboxd.service.callers import Callers, TlsIdentity
@@ -80,23 +80,19 @@ class Daemon:
         """Start, serve until SIGTERM or SIGINT (or a fork server that cannot be restarted), stop.
         The exit status: 0 after a stop signal, 1 when the daemon could not start or run on.
         OSError (EADDRINUSE: another daemon on the socket) if a listener cannot be set up."""
-        try:
-            problem = self.start()
-        except BaseException:
-            self.close()
-            raise
-        if problem is not None:
-            # Refuse to start rather than serve sessions the kernel cannot enforce.
-            sys.stderr.write(f"sandboxd serve: this machine cannot build a sandbox: {problem}\n"
-                             "  (sandboxd doctor says what is missing and how to fix it)\n")
-            self.close()
-            return 1
         # The handler only sets a flag: anything that takes a lock (Event.set, logging) can
-        # deadlock when the signal lands while the main thread holds that same lock.
+        # deadlock when the signal lands while the main thread holds that same lock. Set before
+        # the start: a stop asked for while starting is honoured as soon as the daemon serves.
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda received, _frame: self._stop_requested.append(received))
         signal.set_wakeup_fd(self._wake_w)
         try:
+            problem = self.start()
+            if problem is not None:
+                # Refuse to start rather than serve sessions the kernel cannot enforce.
+                sys.stderr.write(f"sandboxd serve: this machine cannot build a sandbox: {problem}\n"
+                                 "  (sandboxd doctor says what is missing and how to fix it)\n")
+                return 1
             return self.serve()
         finally:
             signal.set_wakeup_fd(-1)
