@@ -326,7 +326,7 @@ def load(path: str | None = None, *, environ: Mapping[str, str] | None = None,
                           "plain-text or unauthenticated TCP")
     from sandboxd.daemon_settings import settings_from
 
-    return settings_from(_check_together(values, path), sources)
+    return settings_from(*_check_together(values, path), sources)
 
 
 def env_name(key: Key) -> str:
@@ -339,7 +339,7 @@ def read_file(path: str | None) -> Config:
     keys together checked. ConfigError on any problem. (``load`` adds the environment and flags.)"""
     values = _defaults()
     _overlay_file(values, path)
-    return _check_together(values, path)
+    return _check_together(values, path)[0]
 
 
 def _defaults() -> dict[str, object]:
@@ -397,8 +397,9 @@ def _overlay_environment(values: dict[str, object], environ: Mapping[str, str]) 
     return given
 
 
-def _check_together(values: dict[str, object], path: str | None) -> Config:
-    """The checks of keys against each other, once every source is in."""
+def _check_together(values: dict[str, object], path: str | None) -> "tuple[Config, ResourceLimits]":
+    """The checks of keys against each other, once every source is in; the checked values and
+    the resource limits they resolve to."""
     from types import MappingProxyType
 
     checked = Config(MappingProxyType(dict(values)), path)
@@ -407,11 +408,11 @@ def _check_together(values: dict[str, object], path: str | None) -> Config:
     if 0 < reserved >= workers:
         raise ConfigError(where, "quotas.reserved_workers", f"must be below listen.workers "
                           f"({workers}): the rest serve running calls and streams")
-    resource_limits(checked)                     # the limits must nest: defaults <= max <= total
-    tls = [values[f"tls.{name}"] for name in ("address", "cert", "key", "client_ca")]
+    limits = resource_limits(checked)            # the limits must nest: defaults <= max <= total
+    tls = [values[dotted] for dotted in _TLS]
     if any(tls) and not all(tls):
         raise ConfigError(where, "tls", "a TCP listener needs all of address, cert, key and client_ca")
-    return checked
+    return checked, limits
 
 
 class ResourceLimits(Record):

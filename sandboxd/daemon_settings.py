@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from sandboxd.config import BUILT_IN, Config, ConfigError, resource_limits
+from sandboxd.config import BUILT_IN, Config, ConfigError, ResourceLimits
 from sandboxd.errors import InvalidPolicy, SandboxdError
 
 TYPE_CHECKING = False
@@ -65,10 +65,11 @@ class DaemonSettings:
         return self.source.path
 
 
-def settings_from(config: Config, sources: Mapping[str, str]) -> DaemonSettings:
-    """``config`` (every key checked, and the keys together) as the daemon's settings, with what
-    the keys name looked up: the admin group, the TLS files and users; the quotas checked against
-    the workers. ``sources``: where each key's value came from, for the messages."""
+def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, str]) -> DaemonSettings:
+    """``config`` (every key checked, and the keys together; ``limits``: its resource limits
+    resolved) as the daemon's settings, with what the keys name looked up: the admin group, the
+    TLS files and users; the quotas checked against the workers. ``sources``: where each key's
+    value came from, for the messages."""
     from sandboxd.service.convert import SessionDefaults
     from sandboxd.service.quotas import QuotaLimits
 
@@ -93,7 +94,6 @@ def settings_from(config: Config, sources: Mapping[str, str]) -> DaemonSettings:
                              workers=config.whole("listen.workers"))
     except SandboxdError as exc:
         raise refuse("quotas", str(exc)) from None
-    limits = resource_limits(config)
     defaults = SessionDefaults(
         sandbox=config.text("defaults.sandbox_policy"), network_access=config.flag("defaults.network_access"),
         approval=config.text("defaults.approval_policy"),
