@@ -16,14 +16,13 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 mode=${1:-}
 shift || true
 
-# python3-dev, gcc, libcap-dev: python-prctl builds a C extension against libcap.
 # gcc, libc6-dev: the native call helper (sandboxd/launcher/sandboxd_call.c) is compiled here.
 # libseccomp2: the seccomp filter compiler (pyseccomp loads it with ctypes).
 # nftables: NAT and the egress filter of isolated networks (the `nft` command).
 # iproute2, procps, git: used by the tests (ip link, pgrep, git add/commit in a sandbox).
 # bubblewrap: the baseline the benchmark compares against.
 # ripgrep: the daemon's Search uses it when installed (a built-in search otherwise).
-packages=(python3 python3-venv python3-dev gcc libc6-dev libcap-dev libseccomp2 nftables iproute2 procps git bubblewrap ca-certificates
+packages=(python3 python3-venv gcc libc6-dev libseccomp2 nftables iproute2 procps git bubblewrap ca-certificates
           ripgrep)
 # nodejs, npm: the test that drives the daemon from Node's @grpc/grpc-js (tests/test_node_client.py).
 # Checked by command, not package: a NodeSource nodejs ships npm itself and conflicts with Debian's.
@@ -65,7 +64,7 @@ extras=""; [ "$mode" = test ] && extras="[test]"
 want="$(sha256sum "$repo/pyproject.toml" | cut -d' ' -f1)$extras"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$venv/bin/python" -c 'import sandboxd' 2>/dev/null; then
   "$venv/bin/pip" install -q --disable-pip-version-check --config-settings editable_mode=compat -e "$repo$extras" 2>&1 | grep -v "^WARNING: Location" >&2 || true
-  "$venv/bin/python" -c 'import sandboxd, prctl, pyseccomp, psutil, grpc' || die "the Python install failed (see above)"
+  "$venv/bin/python" -c 'import sandboxd, pyseccomp, psutil, grpc, dns.message' || die "the Python install failed (see above)"
   echo "$want" > "$stamp"
 fi
 

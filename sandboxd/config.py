@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 import os
 import tomllib
-from typing import Callable, Mapping
+from collections.abc import Mapping
+from typing import Callable, Self
 
 from sandboxd import defaults
 from sandboxd._record import Record
@@ -36,6 +37,13 @@ class ConfigError(InvalidPolicy):
     def __init__(self, path: str, key: str, problem: str) -> None:
         self.path, self.key, self.problem = path, key, problem
         super().__init__(f"{path}: {key}: {problem}" if key else f"{path}: {problem}")
+
+    def _fields(self) -> dict[str, object]:
+        return {"path": self.path, "key": self.key, "problem": self.problem}
+
+    @classmethod
+    def _from_fields(cls, data: Mapping[str, object]) -> Self:
+        return cls(str(data.get("path", "")), str(data.get("key", "")), str(data.get("problem", "")))
 
 
 class Key(Record):
@@ -80,10 +88,13 @@ def _positive_seconds(value: object) -> str | None:
 def _ipv4_list(value: object) -> str | None:
     if not isinstance(value, list):
         return "must be a list of IPv4 addresses, like [\"192.0.2.53\"]"
+    from sandboxd.policy.ipv4 import ipv4_address
+
     for item in value:
-        parts = str(item).split(".")
-        if not isinstance(item, str) or len(parts) != 4 or not all(p.isascii() and p.isdigit() and int(p) < 256 for p in parts):
-            return f"{item!r} is not an IPv4 address"
+        try:
+            ipv4_address(item)
+        except ValueError as exc:
+            return f"{item!r} is not an IPv4 address ({exc})"
     return None
 
 

@@ -2,8 +2,14 @@
 
 Everything that can go wrong is one of these. OS errors are translated into
 them once, at the kernel edge (``sandboxd.kernel._libc.check`` and friends);
-the layers above only ever see this tree, and the CLI (and later the gRPC
-service) maps it to exit codes / status codes in one place each.
+the layers above only ever see this tree, and the CLI and the gRPC service
+(``service.status``) map it to exit codes / status codes in one place each.
+
+An error crosses a process boundary (the fork server's answers, a sandbox's setup report) as
+plain data: ``to_dict()`` names its class (``kind``) beside what its constructor takes, and
+``from_dict()`` builds it back. Classes are found by name in one registry that
+``__init_subclass__`` fills: only classes of this tree are in it, each name once, so a payload can
+name nothing else; a name it does not hold decodes to the class ``from_dict`` was called on.
 
 This module is pure: no OS calls, so the policy layer can use it too.
 """
@@ -15,10 +21,46 @@ import errno as _errno
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping
+    from typing import Self
+
+# Every class of the tree by its name (``to_dict``'s "kind"), filled as each class is defined.
+_BY_NAME: "dict[str, type[SandboxdError]]" = {}
 
 
 class SandboxdError(Exception):
     """Base of every sandboxd error."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        known = _BY_NAME.get(cls.__name__)
+        if known is not None:
+            # Two classes of one name would decode as whichever came last: refused where it is written.
+            raise TypeError(f"sandboxd error {cls.__name__!r} is defined twice ({known.__module__} and "
+                            f"{cls.__module__}): name one of them differently")
+        _BY_NAME[cls.__name__] = cls
+
+    def to_dict(self) -> dict[str, object]:
+        """This error as JSON-safe data: ``kind``, its class's name, and what its constructor takes."""
+        return {"kind": type(self).__name__, **self._fields()}
+
+    @classmethod
+    def from_dict(cls, data: "Mapping[str, object]") -> "Self":
+        """The error ``data`` (a ``to_dict``) describes: of the class its ``kind`` names when that is
+        ``cls`` or below it, else of ``cls`` itself. Never raises on what the data holds: a field of
+        another type is read as text, a number that is not one as 0."""
+        named = _BY_NAME.get(str(data.get("kind")), cls)
+        kind = named if issubclass(named, cls) else cls
+        return kind._from_fields(data)
+
+    def _fields(self) -> dict[str, object]:
+        """``to_dict`` but the kind: the message, as ``detail``; a class with its own constructor
+        gives that constructor's arguments."""
+        return {"detail": str(self)}
+
+    @classmethod
+    def _from_fields(cls, data: "Mapping[str, object]") -> "Self":
+        """The inverse of ``_fields``."""
+        return cls(_text(data, "detail") or cls.__name__)
 
 
 class InvalidPolicy(SandboxdError, ValueError):
@@ -31,6 +73,12 @@ class NotFound(SandboxdError):
 
 class Forbidden(SandboxdError):
     """The caller may not do this (someone else's session, a path out of its own reach)."""
+
+
+class CallerRefused(Forbidden):
+    """The daemon serves this caller nothing: it did not come through the front door, the door
+    refused its connection (a process inside a sandbox, ...), or its TLS certificate names nobody.
+    The message says which."""
 
 
 class PermissionDenied(Forbidden):
@@ -47,9 +95,15 @@ class PermissionDenied(Forbidden):
             text += f" ({reason})"
         super().__init__(f"{text}: {detail}" if detail else text)
 
-    def to_dict(self) -> dict[str, object]:
+    def _fields(self) -> dict[str, object]:
+        # Also the denial's structured form in a failed call's trailing metadata (service.status).
         return {"call_id": self.call_id, "tool": self.tool, "reason": self.reason, "by": self.by,
                 "detail": self.detail, "message": str(self)}
+
+    @classmethod
+    def _from_fields(cls, data: "Mapping[str, object]") -> "Self":
+        return cls(_text(data, "call_id") or "", _text(data, "tool") or "", _text(data, "reason"),
+                   _text(data, "by") or "", _text(data, "detail") or "")
 
 
 class Exhausted(SandboxdError):
@@ -91,19 +145,13 @@ class SetupError(SandboxdError):
             text += f"; {self.hint}"
         return text
 
-    def to_dict(self) -> dict[str, object]:
-        return {"step": self.step, "errno": self.errno, "path": self.path,
-                "hint": self.hint, "detail": self.detail, "kind": type(self).__name__}
+    def _fields(self) -> dict[str, object]:
+        return {"step": self.step, "errno": self.errno, "path": self.path, "hint": self.hint, "detail": self.detail}
 
-    @staticmethod
-    def from_dict(data: "Mapping[str, object]") -> "SetupError":
-        cls = _SETUP_KINDS.get(str(data.get("kind")), SetupError)
-        def text(key: str) -> str | None:
-            value = data.get(key)
-            return None if value is None else str(value)
-        number = data.get("errno") or 0
-        return cls(step=str(data.get("step", "?")), errno=int(number) if isinstance(number, (int, str)) else 0,
-                   path=text("path"), hint=text("hint"), detail=text("detail"))
+    @classmethod
+    def _from_fields(cls, data: "Mapping[str, object]") -> "Self":
+        return cls(step=_text(data, "step") or "?", errno=_whole(data, "errno"), path=_text(data, "path"),
+                   hint=_text(data, "hint"), detail=_text(data, "detail"))
 
 
 class NamespacesUnavailable(SetupError):
@@ -123,8 +171,20 @@ class ProcessLimitReached(SetupError):
     ceiling or the ceiling itself is full (the caller's to resolve, not a broken host)."""
 
 
-_SETUP_KINDS = {c.__name__: c for c in (SetupError, NamespacesUnavailable, ExecFailed, LimitsUnavailable,
-                                        ProcessLimitReached)}
+def _text(data: "Mapping[str, object]", key: str) -> str | None:
+    value = data.get(key)
+    return None if value is None else str(value)
+
+
+def _whole(data: "Mapping[str, object]", key: str) -> int:
+    """An integer field (a setup report's fields are all text); 0 when it is not one."""
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        return 0
+    try:
+        return int(value)
+    except ValueError:
+        return 0
 
 
 def _strerror(code: int) -> str:

@@ -1,4 +1,4 @@
-"""Cost of the git guard (sandboxd/supervisor/git_guard.py), in process, on an empty repository and
+"""Cost of the git guard (sandboxd/gitguard/guard.py), in process, on an empty repository and
 on a 10,000-file tree (521 directories, one repository at its root):
 
 * baseline: taking the tree as it is (at session creation, or before `sandboxd run`'s command);
@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from sandboxd.supervisor.git_guard import GitGuard  # noqa: E402
+from sandboxd.gitguard.guard import GitGuard  # noqa: E402
 
 
 def make_tree(files: int) -> str:

@@ -13,14 +13,22 @@ seconds, it holds them idle for ``--seconds`` and measures, from /proc:
   the daemon and the fork server, and summed over the sandboxes;
 * memory: VmRSS and PSS (smaps_rollup) of the daemon and the fork server, before the first
   session and with all of them open; the PSS of every sandbox process, summed and per session;
-* what limits the count: open fds of both, inotify instances held, sandbox processes.
+* what limits the count: open fds of both, inotify instances held, sandbox processes;
+* a warm ``Exec true`` in a session of root's own, timed with that session alone and again with
+  all the others open (issue 18: at most 2x).
+
+``--users U`` splits the sessions over U plain users made for the run (removed after), each
+creating its share in a client of its own as that user (16 users x 64 sessions: the default
+``quotas.sessions_per_uid``).
 
     .venv/bin/python tests/bench_idle.py --sessions 200 --seconds 60
+    .venv/bin/python tests/bench_idle.py --sessions 1024 --users 16 --seconds 60
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -30,6 +38,8 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from plain_users import plain_user  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -105,7 +115,64 @@ def memory(daemon: Any) -> dict[str, Any]:
     return mem
 
 
-def run(count: int, seconds: float, settle: float, exec_each: bool, policy: str) -> dict[str, Any]:
+# One user's share of the sessions, created by that user (the daemon checks the workspace as the caller).
+_USER_FILL = r'''
+import time
+from sandboxd.client import SandboxClient, sandbox_policy
+client = SandboxClient(ARGS["socket"])
+created_ms, ids = [], []
+for workspace in ARGS["workspaces"]:
+    began = time.monotonic()
+    session_id = client.create_session(workspace, policy=sandbox_policy(ARGS["policy"]), approval="never").id
+    created_ms.append((time.monotonic() - began) * 1e3)
+    ids.append(session_id)
+    if ARGS["exec_each"]:
+        assert client.exec(session_id, ["true"]).result.shell_status == 0
+print(json.dumps({"created_ms": created_ms, "ids": ids}))
+'''
+
+
+def warm_exec_ms(client: Any, session_id: str, calls: int) -> dict[str, float]:
+    """The median and p95 of ``calls`` warm ``Exec true`` in one session."""
+    from benchmark import exec_true
+
+    samples = []
+    for _ in range(calls):
+        began = time.monotonic()
+        exec_true(client, session_id)
+        samples.append((time.monotonic() - began) * 1e3)
+    samples.sort()
+    return {"p50": samples[len(samples) // 2], "p95": samples[int(len(samples) * 0.95)], "n": calls}
+
+
+def fill_as_users(daemon: Any, base: str, users: list[tuple[int, int]], count: int, exec_each: bool,
+                  policy: str, sessions: Any) -> list[float]:
+    """``count`` sessions split evenly over ``users``, each user creating its own in a client of its
+    own (one after another, so every fill level is measured); CreateSession times in order. The
+    sessions go into ``sessions``, which root closes at the end (root may close any session)."""
+    from daemon_helpers import run_client_as
+
+    created: list[float] = []
+    per_user = count // len(users)
+    for n, (uid, gid) in enumerate(users):
+        workspaces = []
+        for i in range(per_user):
+            workspace = os.path.join(base, f"ws-{n}-{i}")
+            os.mkdir(workspace)
+            os.chown(workspace, uid, gid)
+            workspaces.append(workspace)
+        out = run_client_as(uid, gid, daemon.socket, _USER_FILL, {"workspaces": workspaces, "policy": policy,
+                                                                  "exec_each": exec_each}, timeout=600)
+        created.extend(out["created_ms"])
+        for session_id in out["ids"]:
+            sessions.add(session_id)
+    return created
+
+
+def run(count: int, seconds: float, settle: float, exec_each: bool, policy: str,
+        users: list[tuple[int, int]] | None = None, exec_calls: int = 200) -> dict[str, Any]:
+    """N idle sessions: fill, memory, CPU while idle, and a warm Exec in a session of root's own
+    with one session open and with all N open. ``users``: the N sessions are theirs, split evenly."""
     from benchmark import DaemonProcess, Sessions, exec_true
     from sandboxd.client import SandboxClient, sandbox_policy
 
@@ -119,9 +186,15 @@ def run(count: int, seconds: float, settle: float, exec_each: bool, policy: str)
         time.sleep(settle)
         report["memory_empty"] = memory(daemon)
         with SandboxClient(daemon.socket) as client:
+            probe_ws = os.path.join(base, "probe")
+            os.mkdir(probe_ws)
+            probe = client.create_session(probe_ws, policy=sandbox_policy(policy), approval="never").id
+            sessions.add(probe)
+            exec_true(client, probe)
+            report["exec_alone_ms"] = warm_exec_ms(client, probe, exec_calls)
             started = time.monotonic()
             create_ms: list[float] = []
-            for i in range(count):
+            for i in range(count if not users else 0):
                 workspace = os.path.join(base, f"ws-{i}")
                 os.mkdir(workspace)
                 began = time.monotonic()
@@ -130,6 +203,8 @@ def run(count: int, seconds: float, settle: float, exec_each: bool, policy: str)
                 create_ms.append((time.monotonic() - began) * 1e3)
                 if exec_each:
                     exec_true(client, session_id)
+            if users:
+                create_ms = fill_as_users(daemon, base, users, count, exec_each, policy, sessions)
             report["fill_s"] = time.monotonic() - started
             create_ms.sort()
             report["create_ms"] = {"p50": create_ms[len(create_ms) // 2], "first": create_ms[0],
@@ -156,9 +231,12 @@ def run(count: int, seconds: float, settle: float, exec_each: bool, policy: str)
             }
             ticks = report["idle"]["serve_ticks"] + report["idle"]["fork_ticks"] + report["idle"]["box_ticks"]
             report["idle"]["cpu_percent_of_one_core"] = 100.0 * ticks / TICK / elapsed
+            report["exec_among_ms"] = warm_exec_ms(client, probe, exec_calls)
         report["uptime_end"] = open("/proc/loadavg").read()
     finally:
+        began = time.monotonic()
         report["left_open"] = sessions.close_all(daemon.socket)[0] if daemon.running() else None
+        report["close_all_s"] = time.monotonic() - began
         daemon.stop()
         report["exit_code"] = daemon.exit_code
         report["log_problems"] = daemon.log_problems()[:5]
@@ -171,6 +249,8 @@ def print_report(report: dict[str, Any]) -> None:
         return "-" if kib is None else f"{kib / 1024:.1f}"
 
     n = report["sessions"]
+    if report.get("users"):
+        print(f"owners: {report['users']} plain users, {n // report['users']} sessions each")
     print(f"{n} {report['policy']} sessions opened in {report['fill_s']:.1f} s; CreateSession ms {report['create_ms']}")
     for label in ("memory_empty", "memory_full"):
         mem = report[label]
@@ -191,7 +271,12 @@ def print_report(report: dict[str, Any]) -> None:
     for side in ("serve_threads_waking", "fork_threads_waking"):
         for name, (ticks, switches) in sorted(idle[side].items(), key=lambda kv: -kv[1][1]):
             print(f"  {side[:5]} thread {name}: {ticks} ticks, {switches} switches")
+    alone, among = report["exec_alone_ms"], report["exec_among_ms"]
+    print(f"warm Exec true in one session (root's, n={alone['n']}): p50 {alone['p50']:.2f} ms, p95 {alone['p95']:.2f} "
+          f"with it alone; p50 {among['p50']:.2f} ms, p95 {among['p95']:.2f} with {n} more open: "
+          f"{among['p50'] / alone['p50']:.2f}x")
     print(f"loadavg start {report['uptime_start'].strip()}  end {report['uptime_end'].strip()}; "
+          f"closing them took {report['close_all_s']:.1f} s, {report['left_open']} left open; "
           f"exit {report['exit_code']}, log problems {len(report['log_problems'])}: {report['log_problems'][:2]}")
 
 
@@ -204,9 +289,17 @@ def main() -> int:
                    help="the sessions' sandbox policy (default read-only: a workspace-write session's git guard "
                         "holds an inotify instance, and root has 128 on the whole machine)")
     p.add_argument("--no-exec", action="store_true", help="do not run `true` once in each session")
+    p.add_argument("--users", type=int, default=0,
+                   help="split the sessions over this many plain users made for the run (each at most "
+                        "quotas.sessions_per_uid, 64 by default); 0: all root's")
+    p.add_argument("--exec-calls", type=int, default=200, help="warm Execs timed alone and among the sessions")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()
-    report = run(args.sessions, args.seconds, args.settle, not args.no_exec, args.policy)
+    with contextlib.ExitStack() as stack:
+        users = [stack.enter_context(plain_user()) for _ in range(args.users)]
+        report = run(args.sessions, args.seconds, args.settle, not args.no_exec, args.policy, users or None,
+                     args.exec_calls)
+        report["users"] = args.users
     print_report(report)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:

@@ -56,7 +56,8 @@ SERVING. It is measured over the Unix socket with ``sandboxd.client``:
   process and the ``spawner`` variants fork it.
 * ``daemon CreateSession`` / ``daemon CloseSession``: the round trip of each.
 * ``--clients`` (8) threads, each with its own ``SandboxClient`` and session,
-  running ``true`` in a loop for ``--concurrency-seconds`` (5): total execs/s.
+  running ``true`` in a loop for ``--concurrency-seconds`` (5): total execs/s; with
+  ``--churners N``, N more clients create and close sessions meanwhile (their errors counted).
 * stdout throughput of ``head -c 1073741824 /dev/zero`` in a session, bytes
   counted as they arrive, ``--throughput-runs`` (2) times (target >= 200 MiB/s).
   Raw ``Exec`` stub with ``output_limit_bytes`` 2 GiB: ``SandboxClient.exec``
@@ -745,14 +746,35 @@ def interleaved_daemon_rounds(daemon: DaemonProcess, client: Any, sessions: Sess
 
 
 def concurrent_execs(daemon: DaemonProcess, socket_path: str, sessions: Sessions, workspace: str,
-                     clients: int, seconds: float) -> dict[str, Any]:
-    """``clients`` threads, each with its own SandboxClient and session, running ``true`` for ``seconds``."""
+                     clients: int, seconds: float, churners: int = 0) -> dict[str, Any]:
+    """``clients`` threads, each with its own SandboxClient and session, running ``true`` for ``seconds``;
+    beside them ``churners`` threads, each with its own SandboxClient, creating and closing sessions
+    (CreateSession, one ``true``, CloseSession) for as long."""
     from sandboxd.client import SandboxClient
 
     start_at: list[float] = []
-    barrier = threading.Barrier(clients + 1, action=lambda: start_at.append(time.perf_counter()))
+    barrier = threading.Barrier(clients + churners + 1, action=lambda: start_at.append(time.perf_counter()))
     results: list[dict[str, Any]] = [{"ok": 0, "failures": 0, "first_error": None, "setup_error": None,
                                       "latencies_ms": [], "end": None} for _ in range(clients)]
+    churned: list[dict[str, Any]] = [{"cycles": 0, "failures": 0, "first_error": None} for _ in range(churners)]
+
+    def churner(slot: dict[str, Any]) -> None:
+        with SandboxClient(socket_path) as client:
+            try:
+                barrier.wait(timeout=120)
+            except threading.BrokenBarrierError:
+                slot["first_error"] = "the start barrier broke"
+                return
+            deadline = start_at[0] + seconds
+            while time.perf_counter() < deadline and daemon.running():
+                try:
+                    session_id = create_session(client, sessions, workspace)
+                    exec_true(client, session_id)
+                    close_session(client, sessions, session_id)
+                    slot["cycles"] += 1
+                except Exception as exc:  # noqa: BLE001 - counted
+                    slot["failures"] += 1
+                    slot["first_error"] = slot["first_error"] or error_text(exc)
 
     def worker(slot: dict[str, Any]) -> None:
         client = session_id = None
@@ -792,6 +814,8 @@ def concurrent_execs(daemon: DaemonProcess, socket_path: str, sessions: Sessions
 
     threads = [threading.Thread(target=worker, args=(slot,), name=f"bench-client-{i}", daemon=True)
                for i, slot in enumerate(results)]
+    threads += [threading.Thread(target=churner, args=(slot,), name=f"bench-churner-{i}", daemon=True)
+                for i, slot in enumerate(churned)]
     connections: int | None = None
     with Watchdog(daemon, "concurrent execs", seconds + 180):
         for thread in threads:
@@ -824,6 +848,9 @@ def concurrent_execs(daemon: DaemonProcess, socket_path: str, sessions: Sessions
         "first_error": next((slot["first_error"] for slot in results if slot["first_error"]), None),
         "first_setup_error": next((slot["setup_error"] for slot in results if slot["setup_error"]), None),
         "front_door_connections": connections,
+        "churners": churners, "churn_cycles": sum(slot["cycles"] for slot in churned),
+        "churn_failures": sum(slot["failures"] for slot in churned),
+        "churn_first_error": next((slot["first_error"] for slot in churned if slot["first_error"]), None),
     }
 
 
@@ -930,7 +957,7 @@ def run_daemon_section(args: argparse.Namespace, main_bwrap_median: float | None
             report["rounds"] = {"runs": args.daemon_runs, "warmup": args.warmup, "seed": SHUFFLE_SEED + 1,
                                 "variants": build_daemon_rows(list(rounds.values()))}
             report["concurrency"] = concurrent_execs(daemon, daemon.socket, sessions, workspace,
-                                                     args.clients, args.concurrency_seconds)
+                                                     args.clients, args.concurrency_seconds, args.churners)
             report["throughput"] = stdout_throughput(daemon, client, sessions, workspace, args.throughput_runs)
             time.sleep(0.2)
             report["memory_idle_after_load"] = daemon.memory()
@@ -1028,6 +1055,10 @@ def print_daemon_section(report: dict[str, Any]) -> dict[str, float | None]:
               f"{fmt(conc['execs_per_s'], '.1f')} execs/s; per exec median {fmt(lat.get('median_ms'), '.1f')} ms, "
               f"p95 {fmt(lat.get('p95_ms'), '.1f')} ms, p99 {fmt(lat.get('p99_ms'), '.1f')} ms; per client {conc['per_client_execs']}; "
               f"front-door connections {fmt(conc['front_door_connections'], 'd')}")
+        if conc["churners"]:
+            print(f"  beside them {conc['churners']} clients churning sessions (CreateSession, `true`, CloseSession): "
+                  f"{conc['churn_cycles']} sessions, {conc['churn_failures']} errors"
+                  + (f"; first: {conc['churn_first_error']}" if conc["churn_first_error"] else ""))
         if conc["failures"] or conc["setup_failures"] or conc["hung_threads"]:
             print(f"FAILURES concurrent execs: {conc['failures']} execs, {conc['setup_failures']} client setups, "
                   f"{conc['hung_threads']} hung threads; first: {conc['first_error'] or conc['first_setup_error']}")
@@ -1112,6 +1143,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--daemon-runs", type=int, default=None,
                    help="measured rounds of warm Exec / CreateSession+CloseSession / bwrap (default: --runs)")
     p.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
+    p.add_argument("--churners", type=int, default=0,
+                   help="more clients that create and close sessions while the concurrent clients run (default 0)")
     p.add_argument("--concurrency-seconds", type=float, default=5.0,
                    help="how long the concurrent clients run (default 5)")
     p.add_argument("--throughput-runs", type=int, default=2, help="runs of the 1 GiB stdout command (default 2)")

@@ -201,6 +201,20 @@ def test_each_policy_list_past_its_limit_is_refused(stub: pb_grpc.SandboxStub, w
     assert run_exec(stub, session.id, ["true"]).result.exit_code == 0
 
 
+@pytest.mark.parametrize("fields, said", [
+    ({**_ISOLATED, "allowed_hosts": ["\u0668.8.8.8"]}, "Only decimal digits"),      # Arabic-Indic 8: int() takes it
+    ({**_ISOLATED, "allowed_hosts": ["192.0.2.053:443"]}, "Leading zeros"),
+    ({**_ISOLATED, "allowed_hosts": ["192.0.2.7:\u0664\u0664\u0663"]}, "ASCII digits"),
+    ({**_ISOLATED, "published_ports": ["18000:\u0668\u0660"]}, "ASCII digits"),
+], ids=["address-digits", "address-zeros", "port-digits", "publish-digits"])
+def test_addresses_and_ports_in_other_digits_are_refused(stub: pb_grpc.SandboxStub, ws: Path, fields: Any,
+                                                         said: str) -> None:
+    """One reading of addresses and ports (policy/ipv4.py): what int() would take but nft and people
+    read otherwise is refused with INVALID_ARGUMENT saying why (tests/test_ipv4_text.py: every form)."""
+    error = rpc_error(lambda: create_session(stub, ws, workspace_write(**fields)))
+    assert error.code() == INVALID and said in error.details(), error.details()
+
+
 def test_five_thousand_writable_roots_are_refused_and_the_limit_itself_works(stub: pb_grpc.SandboxStub,
                                                                             ws: Path) -> None:
     roots = [ws / f"root-{i}" for i in range(5000)]

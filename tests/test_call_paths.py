@@ -158,7 +158,7 @@ def test_the_kernel_walls_hold(server: ForkServer, session: str, workspace: Path
                     str(workspace))
     assert "CapEff:\t0000000000000000" in output and "NoNewPrivs:\t1" in output, output
     # Landlock's signal scope: the command cannot kill its call's supervisor. Below ABI 6 (Linux 6.1)
-    # nothing scopes signals inside the session's PID namespace (README, "Kernels and cgroups"): the
+    # nothing scopes signals inside the session's PID namespace (docs/kernels.md): the
     # command can end its own call that way, which is reported as killed, and the session goes on.
     output, info = run(server, session, ["/bin/sh", "-c", "kill -9 $PPID; echo status=$?"], str(workspace))
     if landlock.abi_version() >= landlock.SCOPE_ABI[landlock.SCOPE_SIGNAL]:

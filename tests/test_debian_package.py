@@ -1,4 +1,4 @@
-"""The Debian package: built from this tree, installed on this machine (apt-get install ./deb, as the README says), the installed daemon
+"""The Debian package: built from this tree, installed on this machine (apt-get install ./deb, as docs/operations.md says), the installed daemon
 started (as the unit would, minus systemd: this machine's PID 1 is not systemd) and asked for
 its health, then the package removed again, leaving nothing behind."""
 
@@ -32,7 +32,7 @@ def test_the_package_builds_installs_starts_and_goes(sandboxd_daemon: DaemonFact
         assert path in contents, path
     daemon = None
     try:
-        # As the README says (apt resolves the dependencies; here they are installed already).
+        # As docs/operations.md says (apt resolves the dependencies; here they are installed already).
         install = subprocess.run(["apt-get", "install", "-y", str(deb)], capture_output=True,
                                  text=True, timeout=600, env={**BASE_ENV, "DEBIAN_FRONTEND": "noninteractive"})
         assert install.returncode == 0, install.stdout + install.stderr

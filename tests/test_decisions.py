@@ -78,10 +78,10 @@ def test_decision_matrix(cell: tuple[str, str, str]) -> None:
     assert rendered(effect, sandbox, approval) == EXPECTED[cell]
 
 
-def test_the_readme_shows_the_same_matrix() -> None:
-    """Users read the matrix in the README: it must be this one."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    rows = re.findall(r"^\| `([a-z+-]+)` \| `([a-z-]+)` \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$", readme, re.M)
+def test_the_docs_show_the_same_matrix() -> None:
+    """Users read the matrix in docs/approvals-and-audit.md: it must be this one."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "approvals-and-audit.md").read_text()
+    rows = re.findall(r"^\| `([a-z+-]+)` \| `([a-z-]+)` \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$", page, re.M)
     shown = {}
     for sandbox, effect, *answers in rows:
         for approval, answer in zip(ApprovalPolicy.ALL, answers):

@@ -463,7 +463,7 @@ def test_guard_finds_plants_with_and_without_inotify(watch: bool, setup: Setup) 
     """The guard's two ways of finding what changed (inotify; the ctime walk it falls back to when the
     kernel's inotify limits are reached) find the same plants, deep in the tree too. The sandbox
     runs with --no-default-protect so that only this guard looks."""
-    from sandboxd.supervisor.git_guard import GitGuard
+    from sandboxd.gitguard.guard import GitGuard
     s = setup
     guard = GitGuard([str(s.ws)], watch=watch)
     try:

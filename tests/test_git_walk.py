@@ -19,8 +19,8 @@ import pytest
 
 from conftest import BASE_ENV, describe, run_sbx
 from sandboxd.launcher import rootfs
-from sandboxd.supervisor import git_guard
-from sandboxd.supervisor.git_guard import GitGuard
+from sandboxd.gitguard import guard as git_guard
+from sandboxd.gitguard.guard import GitGuard
 
 GIT_ENV = {**BASE_ENV, "GIT_CONFIG_NOSYSTEM": "1"}
 

@@ -1,4 +1,4 @@
-"""One inotify instance for every git guard of a daemon (supervisor/git_watch.py), against the real
+"""One inotify instance for every git guard of a daemon (gitguard/watch.py), against the real
 kernel: past fs.inotify.max_user_instances sessions (128 for root) a guard with an instance of
 its own had none and walked its whole tree after every call."""
 
@@ -8,8 +8,8 @@ import os
 import threading
 from pathlib import Path
 
-from sandboxd.supervisor.git_guard import GitGuard
-from sandboxd.supervisor.git_watch import InotifyHub
+from sandboxd.gitguard.guard import GitGuard
+from sandboxd.gitguard.watch import InotifyHub
 
 from test_git_walk import git_init
 

@@ -551,7 +551,7 @@ def test_a_session_reports_refused_domains_as_events(world: World, workspace: Pa
 def test_only_sandboxes_with_allowed_domains_reach_the_proxy_port(world: World, workspace: Path) -> None:
     """A host service on the proxy port (a squid on 0.0.0.0:3128, say) is as out of reach as any
     other for a sandbox that has no domain allowlist."""
-    from sandboxd.supervisor.egress_proxy import PROXY_PORT
+    from sandboxd.defaults import PROXY_PORT
 
     squid = socket.socket()
     squid.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -97,6 +97,23 @@ def test_the_types_cost_the_run_path_no_imports() -> None:
     assert "'typing'" in control.stdout, control.stdout + control.stderr
 
 
+def test_a_run_never_imports_psutil(tmp_path: Path) -> None:
+    """psutil serves the daemon (kernel.peers, the front door's descriptor count, GetStatus); a
+    `sandboxd run` and the fork server load without it (its import costs more than a launch)."""
+    from conftest import BASE_ENV, SANDBOXD
+
+    done = subprocess.run([SANDBOXD, "run", "--", "true"], capture_output=True, text=True, timeout=60,
+                          env={**BASE_ENV, "PYTHONPROFILEIMPORTTIME": "1"}, cwd=tmp_path)
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time")]
+    assert done.returncode == 0 and "sandboxd.cli.run" in imported, done.stderr[-2000:]
+    assert not [name for name in imported if name.startswith("psutil")], imported
+    probe = "import sys, sandboxd.supervisor.forkserver as f, sandboxd.kernel.peers as p; print('psutil' in sys.modules)"
+    fork_server = subprocess.run([sys.executable, "-c", probe.replace(", sandboxd.kernel.peers as p", "")],
+                                 cwd=REPO, capture_output=True, text=True, timeout=60)
+    control = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert (fork_server.stdout.strip(), control.stdout.strip()) == ("False", "True"), fork_server.stderr + control.stderr
+
+
 def test_typed_settings_read_each_default_with_its_type() -> None:
     """sandboxd serve reads the configuration through Config's typed accessors: each default is of
     the type its accessor promises, and the wrong accessor is refused rather than guessed."""

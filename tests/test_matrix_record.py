@@ -1,6 +1,6 @@
-"""The README's "Kernels and cgroups" table is the VM matrix runner's recorded output, not prose:
-packaging/vm/run-matrix --record keeps each kernel's last row in packaging/vm/matrix-results.json
-and writes the README's table from it. These tests keep the two from drifting apart."""
+"""The matrix table of docs/kernels.md ("Kernels and cgroups") is the VM matrix runner's recorded output,
+not prose: packaging/vm/run-matrix --record keeps each kernel's last row in
+packaging/vm/matrix-results.json and writes the page's table from it. These tests keep the two from drifting apart."""
 
 from __future__ import annotations
 
@@ -22,14 +22,14 @@ def _runner() -> types.ModuleType:
     return module
 
 
-def test_readme_table_is_the_recorded_matrix() -> None:
+def test_the_kernels_page_table_is_the_recorded_matrix() -> None:
     runner = _runner()
     rows = runner.load_record()
     assert rows, "packaging/vm/matrix-results.json has no recorded leg"
-    with open(runner.README) as f:
-        readme = f.read()
-    assert runner.readme_with(readme, runner.render_record(rows)) == readme, (
-        "README.md's matrix table differs from packaging/vm/matrix-results.json: "
+    with open(runner.MATRIX_PAGE) as f:
+        page = f.read()
+    assert runner.page_with(page, runner.render_record(rows)) == page, (
+        "docs/kernels.md's matrix table differs from packaging/vm/matrix-results.json: "
         "run packaging/vm/run-matrix --record, or fix the file by hand and rewrite the table")
 
 
@@ -47,5 +47,5 @@ def test_rows_sort_by_kernel_version_and_cells_cannot_break_the_table() -> None:
     lines = table.splitlines()
     assert lines[2].startswith("| 6.1.0-57 |") and lines[3].startswith("| 6.12.117 |")
     assert all(line.count("|") == lines[0].count("|") for line in lines)
-    readme = f"intro\n{runner.README_BEGIN}\nold\n{runner.README_END}\nrest\n"
-    assert runner.readme_with(readme, table) == f"intro\n{runner.README_BEGIN}\n{table}\n{runner.README_END}\nrest\n"
+    page = f"intro\n{runner.MATRIX_BEGIN}\nold\n{runner.MATRIX_END}\nrest\n"
+    assert runner.page_with(page, table) == f"intro\n{runner.MATRIX_BEGIN}\n{table}\n{runner.MATRIX_END}\nrest\n"

@@ -36,7 +36,7 @@ from conftest import BASE_ENV, PY, SLOW
 from daemon_helpers import DaemonFactory, PlainUser, TlsListener, plain_users, run_client_as
 from test_tls_listener import make_pki
 from sandboxd.kernel import addresses, inet_diag
-from sandboxd.supervisor.publish import PeerCaps
+from sandboxd.network.publish import PeerCaps
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 PER_SESSION, PER_PEER = 12, 4                       # the caps the daemon gets here (config below)

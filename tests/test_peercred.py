@@ -29,7 +29,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sandboxd.service.peercred import FrontDoor, PeerCredentials, caller
+from sandboxd.errors import CallerRefused
+from sandboxd.network.front_door import FrontDoor, caller
+from sandboxd.network.peer_credentials import PeerCredentials
 
 MiB = 1 << 20
 
@@ -73,7 +75,7 @@ class Servicer(health_pb2_grpc.HealthServicer):
         self.seen.append((peer, self.door.identity(peer)))
         try:
             caller(self.door, context)
-        except PermissionError as exc:
+        except CallerRefused as exc:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 
@@ -333,7 +335,7 @@ def test_a_slow_reader_stalls_the_writer_without_stalling_others(
 
 def test_accepting_survives_running_out_of_descriptors(raw_door: tuple[FrontDoor, RawBackend], paths: Paths,
                                                       caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="sandboxd.service.peercred")
+    caplog.set_level(logging.WARNING, logger="sandboxd.network.front_door")
     door, _ = raw_door
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # made while descriptors remain
     client.settimeout(10)
@@ -358,7 +360,7 @@ def test_accepting_survives_running_out_of_descriptors(raw_door: tuple[FrontDoor
 
 def test_the_door_leaves_a_reserve_of_descriptors(raw_door: tuple[FrontDoor, RawBackend], paths: Paths,
                                                   caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="sandboxd.service.peercred")
+    caplog.set_level(logging.WARNING, logger="sandboxd.network.front_door")
     door, _ = raw_door
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     clients = []
@@ -687,7 +689,7 @@ sys.stdin.readline()
 
 
 def test_connections_over_a_uids_quota_are_closed_at_once(paths: Paths, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="sandboxd.service.peercred")
+    caplog.set_level(logging.WARNING, logger="sandboxd.network.front_door")
     raw = RawBackend(paths.backend)
     door = FrontDoor(paths.public, paths.backend, relay_dir=paths.relay, connections_per_uid=3, root_connections=5)
     door.start()
@@ -781,7 +783,7 @@ def test_a_connection_whose_process_is_gone_is_refused(paths: Paths) -> None:
         assert gone is not None and "exited before the daemon could check it" in gone.refusal
         assert served is not None and served.refusal == "" and served.pid == os.getpid()
         assert asked[-1] == os.getpid() and len(asked) <= 2   # (the gone one: asked or not, by kernel)
-        with pytest.raises(PermissionError, match="exited before"):
+        with pytest.raises(CallerRefused, match="exited before"):
             caller(door, PeerOf(f"unix:{paths.relay}/0.sock"))
         assert caller(door, PeerOf(f"unix:{paths.relay}/1.sock")) == served
         inherited.close()

@@ -27,7 +27,7 @@ from plain_users import plain_user
 from sandboxd import config
 from sandboxd.errors import Exhausted, InvalidPolicy
 from sandboxd.service.callers import identify
-from sandboxd.service.peercred import PeerCredentials
+from sandboxd.network.peer_credentials import PeerCredentials
 from sandboxd.service.quotas import CALLS as CALLS_KIND
 from sandboxd.service.quotas import STREAMS as STREAMS_KIND
 from sandboxd.service.quotas import QuotaLimits, Quotas
@@ -436,7 +436,7 @@ def test_each_owner_has_its_own_cgroup_key_and_root_none() -> None:
     each; root's own sessions have none (held only to the total, as by the quotas)."""
     from sandboxd.policy.spec import is_owner_key
     from sandboxd.service.callers import identify
-    from sandboxd.service.peercred import PeerCredentials
+    from sandboxd.network.peer_credentials import PeerCredentials
     from sandboxd.service.quotas import cgroup_owner
 
     keys = [cgroup_owner(identify(PeerCredentials(uid, uid, 0, principal, (uid,)))) for uid, principal in (

@@ -1,6 +1,6 @@
 """The daemon's egress proxies and published ports under load, and who may publish which port.
 
-One relay loop serves them all (supervisor/tcp_relay): thousands of idle connections, from inside
+One relay loop serves them all (network/tcp_relay): thousands of idle connections, from inside
 a sandbox to its proxy or from another local user to a published port, cost the root daemon no
 thread; each session holds at most its cap of connections (quotas.*_connections_per_session,
 256 by default), a local user at most its share of a published port's (quotas.published_connections_per_peer,
@@ -23,7 +23,7 @@ import pytest
 
 from conftest import PY
 from daemon_helpers import Daemon, PlainUser, create_session, make_base_dir, remove_tree, run_client_as, run_exec
-from sandboxd.supervisor.publish import DEFAULT_PER_PEER
+from sandboxd.network.publish import DEFAULT_PER_PEER
 from sandboxd.v1 import sandboxd_pb2 as pb
 from test_isolated_network import DNS, World, free_port, http_get, world  # noqa: F401 - the same world fixture
 
@@ -199,7 +199,7 @@ print(json.dumps({"low": low, "high": high, "moved": moved}))
 
 def test_only_root_publishes_privileged_host_ports(plain_users: Callable[[int], list[PlainUser]]) -> None:
     (user,) = plain_users(1)
-    from sandboxd.supervisor.publish import unprivileged_port_start
+    from sandboxd.network.publish import unprivileged_port_start
 
     start = unprivileged_port_start()
     if start <= 80:
@@ -249,7 +249,7 @@ def test_a_relay_copies_both_ways_with_bounded_buffers() -> None:
     import socket
     import threading
 
-    from sandboxd.supervisor import tcp_relay
+    from sandboxd.network import tcp_relay
 
     loop = tcp_relay.RelayLoop("test-relay")
     left, a = socket.socketpair()

@@ -62,6 +62,10 @@ def setup() -> Iterator[Setup]:
             os.chmod(base, 0o755)
             code = make_dir(base / "code")
             shutil.copytree(REPO / "sandboxd", code / "sandboxd", ignore=shutil.ignore_patterns("__pycache__"))
+            # Its one pure-Python dependency on this path (the rootless proxy's DNS client, network/dns.py),
+            # as an installed sandboxd has it in its venv.
+            import dns
+            shutil.copytree(Path(dns.__file__).parent, code / "dns", ignore=shutil.ignore_patterns("__pycache__"))
             subprocess.run(["chmod", "-R", "a+rX", str(code)], check=True)
             workspace = make_dir(base / "ws", 0o700)
             os.chown(workspace, user.uid, user.gid)

@@ -126,7 +126,7 @@ def test_the_session_init_sets_up_in_order(recorder: SyscallRecorder) -> None:
 
 
 def test_the_order_holds_the_rules_it_is_for(recorder: SyscallRecorder) -> None:
-    """The same sequence, asserted as the rules the README states (a reader's check of the list
+    """The same sequence, asserted as the rules docs/policies.md states (a reader's check of the list
     above), with an isolated network and a resolv.conf this time."""
     sequence._build_sandbox(make_plan(network=True, network_isolated=True, netns_fd=7,
                                       resolv_conf="nameserver 10.0.0.1\n"), "sandboxd-session")

@@ -6,8 +6,8 @@
 # The package carries sandboxd and every Python dependency as wheels (built here, so installing
 # needs no network), the systemd units and the default configuration. Its postinst makes
 # /opt/sandboxd/venv from those wheels and links /usr/bin/sandboxd and /usr/bin/sandboxctl.
-# Needs: dpkg-deb, python3 (>= 3.11) with venv, gcc and libcap-dev (python-prctl builds a C
-# extension), network to the Python package index or a pip cache.
+# Needs: dpkg-deb, python3 (>= 3.11) with venv, gcc and libc6-dev (the native call helper), network to
+# the Python package index or a pip cache.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)

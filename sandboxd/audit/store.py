@@ -56,7 +56,7 @@ class EventType:
     TOOL_COMPLETED = "ToolInvocationCompleted"
     TOOL_FAILED = "ToolInvocationFailed"
     SESSION_CLOSED = "SessionClosed"
-    # The git guard removed a hook, a config key or a redirect a call planted (supervisor/git_guard.py).
+    # The git guard removed a hook, a config key or a redirect a call planted (gitguard/guard.py).
     GIT_CONFIG_NEUTRALIZED = "GitConfigNeutralized"
 
     ALL = (SESSION_CREATED, POLICY_CHANGED, PERMISSION_REQUESTED, PERMISSION_GRANTED, PERMISSION_DENIED,

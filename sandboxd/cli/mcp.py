@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="another directory commands may write (repeatable)")
     parser.add_argument("--approval", default="on-request", choices=["never", "on-request", "always"])
     parser.add_argument("--permission-mode", default="", choices=["", "read_only", "auto", "full"],
-                        help="one axis instead of --sandbox and --approval (see the README)")
+                        help="one axis instead of --sandbox and --approval (see docs/mcp.md)")
     parser.add_argument("--session", default="", metavar="ID",
                         help="attach to this existing session of yours instead (it is not closed at exit)")
     parser.add_argument("--http", default="", metavar="unix:PATH|127.0.0.1:PORT",

@@ -20,10 +20,10 @@ if TYPE_CHECKING:   # typing stays off the `sandboxd run` path: these are for th
     from typing import Callable, TypeVar
 
     from sandboxd.kernel.netns import IsolatedNetwork
-    from sandboxd.supervisor.loopback_proxy import LoopbackProxy
-    from sandboxd.supervisor.egress_proxy import EgressProxy
-    from sandboxd.supervisor.git_guard import GitGuard
-    from sandboxd.supervisor.publish import PublishedPort
+    from sandboxd.network.loopback_proxy import LoopbackProxy
+    from sandboxd.network.egress_proxy import EgressProxy
+    from sandboxd.gitguard.guard import GitGuard
+    from sandboxd.network.publish import PublishedPort
     from sandboxd.supervisor.spawner import SandboxProcess
 
     N = TypeVar("N", int, float)
@@ -193,7 +193,7 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
     protected = () if args["no_default_protect"] else DEFAULT_PROTECTED_SUBPATHS
     protected = tuple(dict.fromkeys(protected + tuple(_strings(args, "protect"))))
     network = bool(args["network"])
-    mode = "host" if args["network"] == "host" else "isolated"
+    mode = "host" if args["network"] == "host" else defaults.NETWORK_MODE
     policy = policy_from_name(str(args["sandbox"] or "workspace-write"), network_access=network,
                               writable_roots=list(_strings(args, "writable_root")),
                               protected_subpaths=protected, network_mode=mode,
@@ -330,7 +330,7 @@ def _git_guard(spec: LaunchSpec) -> "GitGuard | None":
     if not isinstance(policy, WorkspaceWrite) or GIT_GUARD_SUBPATH not in policy.protected_subpaths:
         return None
     from sandboxd.kernel import paths
-    from sandboxd.supervisor.git_guard import GitGuard
+    from sandboxd.gitguard.guard import GitGuard
     try:
         resolved = paths.resolve(spec.workspace, spec.cwd, policy.writable_roots, workspace_writable=True,
                                  confined=True)
@@ -343,7 +343,7 @@ def _git_guard(spec: LaunchSpec) -> "GitGuard | None":
 def _serve_proxy(network: "IsolatedNetwork | LoopbackProxy", domains: "tuple[str, ...]") -> "EgressProxy":
     """The egress proxy of --allow-domain, on this process's relay loop (a thread: after the one
     fork, the parent forks no more); it connects from inside the sandbox's network namespace."""
-    from sandboxd.supervisor.egress_proxy import EgressProxy
+    from sandboxd.network.egress_proxy import EgressProxy
 
     def denied(destination: str, why: str) -> None:
         sys.stderr.write(f"sandboxd run: blocked a connection to {destination}: {why}\n")
@@ -358,7 +358,7 @@ def _serve_proxy(network: "IsolatedNetwork | LoopbackProxy", domains: "tuple[str
 def _publish(init_pid: int, entries: "tuple[str, ...]") -> "list[PublishedPort]":
     """Listen for the published ports, on this process's relay loop (a thread: after the one fork,
     the parent forks no more)."""
-    from sandboxd.supervisor.publish import publish_all
+    from sandboxd.network.publish import publish_all
 
     netns = os.open(f"/proc/{init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:

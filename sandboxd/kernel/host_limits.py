@@ -1,7 +1,7 @@
 """The built-in resource limits, derived from what this host has: a sandbox's default pids and memory
 limits, and the caps of the parent cgroup every sandbox lives under (the ceiling).
 
-Why these numbers (the README's threat model says the same):
+Why these numbers (docs/threat-model.md says the same):
 
 - pids 1024 per sandbox: a compiler driver, ``npm install``, ``make -j`` or pytest with workers stays
   in the low hundreds of tasks (threads count); a fork bomb reaches 1024 in well under a second and

@@ -34,7 +34,7 @@ MAKE_SYM = 1 << 12
 REFER = 1 << 13        # ABI 2: rename/link across directories (ABI 1 denies every such reparenting)
 TRUNCATE = 1 << 14     # ABI 3
 IOCTL_DEV = 1 << 15    # ABI 5: not handled (device ioctls are the seccomp filter's and nodev mounts' job)
-SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0  # ABI 6: not handled (see README: abstract sockets)
+SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0  # ABI 6: not handled (see docs/kernels.md: abstract sockets)
 SCOPE_SIGNAL = 1 << 1  # ABI 6: no signals to processes outside the domain (init, the host)
 
 # The first ABI that knows each right: handling a right the kernel does not know is EINVAL.

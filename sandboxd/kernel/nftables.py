@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import subprocess
 
+from sandboxd.defaults import PROXY_PORT  # the egress proxy on the host side of each link (network.egress_proxy)
 from sandboxd.errors import SetupError
 
 TABLE = "sandboxd"
 INTERFACE_PATTERN = "sbx*"
-PROXY_PORT = 3128                   # the egress proxy on the host side of each link (supervisor.egress_proxy)
 # The SO_MARK of the egress proxy's upstream sockets, made inside the sandbox's namespace: the
 # sandbox's own egress table lets them out. Setting a mark needs CAP_NET_ADMIN, which no sandboxed
 # process holds, so only the root proxy can use this way out (and the host's filter still applies).
@@ -88,6 +88,8 @@ def _nft(script: str, step: str) -> subprocess.CompletedProcess[str]:
 
 
 def _listing() -> str | None:
+    """The table as nft's text, or None. Text, not ``nft -j``: the version is the table's comment,
+    and nft 1.0.6 (Debian 12) leaves table comments out of its JSON."""
     try:
         result = subprocess.run(["nft", "list", "table", "inet", TABLE], capture_output=True, text=True, timeout=30)
     except FileNotFoundError:
@@ -120,14 +122,25 @@ def allow_proxy(sandbox_address: str, allowed: bool) -> None:
 
 
 def proxied_addresses() -> "list[str]":
-    """The sandboxes allowed to reach the proxy port ([] without the table, or without nft)."""
+    """The sandboxes allowed to reach the proxy port ([] without the table, or without nft). Read as
+    nft's JSON (``nft -j``), not its text: the text's layout changes between releases."""
+    import json
+
     try:
-        listing = subprocess.run(["nft", "list", "set", "inet", TABLE, "proxied"], capture_output=True, text=True,
-                                 timeout=30).stdout
+        listing = subprocess.run(["nft", "-j", "list", "set", "inet", TABLE, "proxied"], capture_output=True,
+                                 text=True, timeout=30)
     except FileNotFoundError:
         return []
-    inside = listing.split("elements = {", 1)[1].split("}", 1)[0] if "elements = {" in listing else ""
-    return [item.strip() for item in inside.split(",") if item.strip()]
+    if listing.returncode != 0:
+        return []                                         # no table (yet)
+    addresses = []
+    for entry in json.loads(listing.stdout).get("nftables", []):
+        for element in entry.get("set", {}).get("elem", []):
+            # A plain element is its value; one with a timeout or comment is {"elem": {"val": ...}}.
+            value = element.get("elem", {}).get("val") if isinstance(element, dict) else element
+            if isinstance(value, str):
+                addresses.append(value)
+    return addresses
 
 
 def egress_ruleset(resolvers: "list[str] | tuple[str, ...]",

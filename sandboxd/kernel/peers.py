@@ -5,6 +5,18 @@ connection the kernel names the peer's pid (SO_PEERCRED); for a TCP connection o
 is known, so the socket is looked up in /proc/net/tcp{,6} (its inode) and then among the open
 descriptors of the processes that live in a PID namespace other than ours (the only ones that
 can be sandboxed).
+
+Processes are listed and read through psutil (the daemon's side only: ``sandboxd run`` never
+imports this module). Three reads stay by hand, for what psutil does not give:
+
+- a process's pid inside its own namespace (``NSpid`` of /proc/PID/status);
+- the socket inodes a process holds (psutil's ``Process.net_connections`` gives no inode, and
+  re-reads the TCP tables of the process's network namespace for every process asked);
+- the client sockets of a connection, from /proc/net/tcp{,6}: ``psutil.net_connections`` gives no
+  inode either (the verdict cache of sandboxed_peers keys on it), and it finds each socket's
+  process by reading every descriptor of every process on the host on each call: a pass a local
+  user can inflate at will, on every call of a TCP caller. Here only the sockets are read, and the
+  descriptors of the processes outside our PID namespace only when the connection is new.
 """
 
 from __future__ import annotations
@@ -12,12 +24,9 @@ from __future__ import annotations
 import ipaddress
 import os
 
+import psutil
+
 from sandboxd.kernel.addresses import proc_net_address
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from collections.abc import Iterator
-
 
 def pid_namespace(pid: int) -> int | None:
     """The inode number of ``pid``'s PID namespace, or None when the process is gone."""
@@ -27,15 +36,9 @@ def pid_namespace(pid: int) -> int | None:
         return None
 
 
-def _pids() -> "Iterator[int]":
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            yield int(entry)
-
-
 def namespace_init(namespace: int) -> int | None:
     """The host pid of the process that is PID 1 of ``namespace``, if it still runs."""
-    for pid in _pids():
+    for pid in psutil.pids():
         if pid_namespace(pid) != namespace:
             continue
         try:
@@ -50,21 +53,23 @@ def namespace_init(namespace: int) -> int | None:
     return None
 
 
-def start_time(pid: int) -> int | None:
-    """When ``pid`` started (clock ticks since boot): with the pid, names one process for good."""
+def start_time(pid: int) -> float | None:
+    """When ``pid`` started (the kernel's start time, in clock ticks since boot, as seconds since
+    the epoch): with the pid, names one process for good. A step of the wall clock changes it
+    (psutil adds the boot time as the clock says it now): a verdict kept by it is then judged
+    again, never matched to another process."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
         return None
 
 
-def command_line(pid: int) -> bytes:
+def command_line(pid: int) -> str:
+    """``pid``'s command line, its arguments joined by spaces ("" when it is gone)."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return ""
 
 
 def pids_holding(inodes: "set[int] | frozenset[int]") -> set[int]:
@@ -75,7 +80,7 @@ def pids_holding(inodes: "set[int] | frozenset[int]") -> set[int]:
     wanted = {f"socket:[{inode}]" for inode in inodes}
     ours = pid_namespace(os.getpid())
     found = set()
-    for pid in _pids():
+    for pid in psutil.pids():
         if pid_namespace(pid) in (ours, None):
             continue
         try:

@@ -35,9 +35,12 @@ def set_child_subreaper() -> None:
 
 
 def set_name(name: str) -> None:
+    """This thread's name (``comm``: ps, top, /proc/PID/comm), its first 15 bytes."""
     import ctypes
-    prctl(PR_SET_NAME, ctypes.cast(ctypes.c_char_p(name.encode()[:15]), ctypes.c_void_p).value or 0,
-          step="prctl(PR_SET_NAME)")
+    # A buffer held until the call returns: the kernel copies the name from it. (A pointer taken from
+    # a temporary c_char_p pointed at freed memory by the time prctl read it: the name came out empty.)
+    name_buffer = ctypes.create_string_buffer(name.encode()[:15])
+    prctl(PR_SET_NAME, ctypes.addressof(name_buffer), step="prctl(PR_SET_NAME)")
 
 
 def set_title(title: str) -> None:
@@ -45,8 +48,7 @@ def set_title(title: str) -> None:
     /proc/PID/cmdline shows nothing of the command line it was forked from.
 
     Writes over the argv area (found in /proc/self/stat) through /proc/self/mem,
-    as setproctitle(3) and python-prctl do; python-prctl is not imported for it
-    because its import costs more than this on the launch path.
+    as setproctitle(3) does. (psutil has no arg_start/arg_end to find it by.)
     """
     set_name(title)
     with open("/proc/self/stat", "rb") as stat_file:

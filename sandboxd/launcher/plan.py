@@ -14,7 +14,7 @@ from sandboxd.kernel import access, mounts, paths, seccomp
 from sandboxd.kernel.unix_diag import file_identity
 from sandboxd.policy import DangerFullAccess, LaunchSpec, Limits, WorkspaceWrite
 from sandboxd.policy.git_dirs import FoundGitDirs
-from sandboxd.policy.sandbox import is_within
+from sandboxd.policy.sandbox import is_within, network_mode_of
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class LaunchPlan(Record):
     # sandbox's resolv.conf.
     netns_fd: int = -1
     resolv_conf: str | None = None
-    # Rootless --allow-domain (supervisor.loopback_proxy): init listens on 127.0.0.1:proxy_port in the
+    # Rootless --allow-domain (network.loopback_proxy): init listens on 127.0.0.1:proxy_port in the
     # sandbox's loopback-only namespace and sends that socket on proxy_sink_fd, set by the spawner.
     proxy_sink_fd: int = -1
     proxy_port: int = 0
@@ -162,7 +162,7 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
         st = os.stat(resolved.workspace)
         uid, gid = st.st_uid, st.st_gid
     network = bool(policy.network_access)
-    isolated = network and confined and getattr(policy, "network_mode", "host") == "isolated"
+    isolated = network and confined and network_mode_of(policy) == "isolated"
     filter_spec = seccomp.FilterSpec(confined=confined, network_access=network, isolated_network=isolated)
     broker = BrokerRules(allowed=resolved.socket_ids, denied=_socket_ids(spec.denied_sockets),
                          denied_listeners=tuple(_listener(entry) for entry in spec.denied_listeners),

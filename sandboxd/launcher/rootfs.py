@@ -357,7 +357,7 @@ def _protect_git_dir(root: str, gitdir: str, done: dict[str, bool], depth: int =
     description, commondir, config.worktree, anything unknown. hooks/ and info/ are made (empty, as
     `git init` does) when missing, so that no hook can appear in them. .git itself and its ancestors
     are pinned (a mount point cannot be renamed away); modules/* and worktrees/* are git directories
-    themselves. The git guard (supervisor/git_guard.py) covers what appears later."""
+    themselves. The git guard (gitguard/guard.py) covers what appears later."""
     kernel = syscalls.current
     if kernel.islink(gitdir) or not kernel.isdir(gitdir):
         return

@@ -93,7 +93,7 @@ def clone_roots(trees: dict[str, int]) -> None:
 
 def hand_over_proxy_listener(plan: LaunchPlan) -> None:
     """Rootless --allow-domain: listen on the sandbox's 127.0.0.1:proxy_port and send that socket
-    to `sandboxd run`, which serves the egress proxy on it (supervisor.loopback_proxy). Called by
+    to `sandboxd run`, which serves the egress proxy on it (network.loopback_proxy). Called by
     init in the new network namespace, before the command exists: its first request finds the
     proxy there, and no command can take the port first."""
     if plan.proxy_sink_fd < 0:

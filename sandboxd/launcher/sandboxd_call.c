@@ -4,8 +4,8 @@
  * This is sequence.run_call and sequence._run_command (the Python call path)
  * in C, step for step, so that a call in a warm session costs a vfork, two
  * small execs and a fork of a tiny process instead of two forks of a Python
- * interpreter (the difference is most of a call's CPU time; see the README's
- * benchmark). The fork server spawns it (posix_spawn) inside the session's PID
+ * interpreter (the difference is most of a call's CPU time; see
+ * docs/benchmark.md). The fork server spawns it (posix_spawn) inside the session's PID
  * namespace, as root, with an EMPTY environment (the command's environment
  * comes in a memfd, so no LD_PRELOAD or similar can reach a root process, and
  * no secret in it shows in this process's world-readable command line), and

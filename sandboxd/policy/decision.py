@@ -149,7 +149,7 @@ class PermissionMode:
 
 
 def axes_for(mode: str, *, network_access: bool = False) -> tuple[SandboxPolicy, str, ToolRules]:
-    """The two axes and the tool rules a permission mode stands for (see the README's table).
+    """The two axes and the tool rules a permission mode stands for (see the table in docs/approvals-and-audit.md).
 
     - read_only: read-only sandbox, never ask, file-write and execution tools hidden.
     - auto: workspace-write sandbox, on-request, and every file-write or execution call asked.

@@ -2,7 +2,7 @@
 
 Pure: names and text only. The mounts that enforce the first list are in
 sandboxd/launcher/rootfs.py, the inspection that applies the second in
-sandboxd/supervisor/git_guard.py.
+sandboxd/gitguard/guard.py.
 
 Git runs code named by its repository: hooks, and config keys such as
 core.fsmonitor, core.hooksPath, core.sshCommand, filter.*.clean or alias.x=!cmd.

@@ -1,7 +1,7 @@
 """FoundGitDirs: what the git guard's baseline walk found under one writable root, handed to the
 sandbox's build so that it protects those git directories without walking the root again.
 
-Built by sandboxd.supervisor.git_guard (GitGuard.found_git_dirs), read by
+Built by sandboxd.gitguard.guard (GitGuard.found_git_dirs), read by
 sandboxd.launcher.rootfs (_protect_root). One walk then serves both: the guard's baseline (what
 was there is the user's) and the build's read-only mounts over every existing git directory's
 control files (issue 10). A root the walk could not cover completely has no FoundGitDirs: the

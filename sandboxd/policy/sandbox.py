@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import posixpath
 
+from sandboxd import defaults
 from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy import limits
@@ -48,6 +49,12 @@ class ReadOnly(SandboxPolicy):
 NETWORK_MODES = ("isolated", "host")
 
 
+def network_mode_of(policy: SandboxPolicy) -> str:
+    """The network a policy's sandbox gets when it has network access: workspace-write says which;
+    danger-full-access has the host's; read-only has none ("host" then never matters)."""
+    return policy.network_mode if isinstance(policy, WorkspaceWrite) else "host"
+
+
 class WorkspaceWrite(SandboxPolicy):
     """Write the workspace and the listed roots; everything else read-only. With network access,
     ``network_mode`` "isolated" (the default) gives the sandbox a network namespace of its own
@@ -55,17 +62,17 @@ class WorkspaceWrite(SandboxPolicy):
 
     writable_roots: tuple[str, ...] = ()
     protected_subpaths: tuple[str, ...] = DEFAULT_PROTECTED_SUBPATHS
-    network_mode: str = "isolated"
+    network_mode: str = defaults.NETWORK_MODE
     # Host pathname Unix sockets the sandbox may connect to (an ssh-agent, a database socket);
     # every other host socket stays unreachable (without network, or with an isolated one).
     allowed_unix_sockets: tuple[str, ...] = ()
     # With an isolated network: the only destinations allowed, "CIDR" or "CIDR:PORTS" (PORTS
     # like 443 or 8000-8100, comma-separated). Empty: every destination the host filter allows.
     allowed_hosts: tuple[str, ...] = ()
-    # Servers of the sandbox reachable on the host's 127.0.0.1: "[HOSTPORT:]PORT" (supervisor.publish).
+    # Servers of the sandbox reachable on the host's 127.0.0.1: "[HOSTPORT:]PORT" (network.publish).
     published_ports: tuple[str, ...] = ()
     # With an isolated network: names reachable through the filtering proxy ("pypi.org",
-    # "*.pythonhosted.org"), which is then the only way out (supervisor.egress_proxy).
+    # "*.pythonhosted.org"), which is then the only way out (network.egress_proxy).
     allowed_domains: tuple[str, ...] = ()
 
     name = "workspace-write"
@@ -145,39 +152,41 @@ def default_policy() -> SandboxPolicy:
 
 def parse_publish(entry: str) -> tuple[int, int]:
     """"[HOSTPORT:]PORT" into (host port, sandbox port)."""
-    host, _, port = entry.rpartition(":")
+    from sandboxd.policy.ipv4 import port
+
+    host, _, inside = entry.rpartition(":")
     try:
-        sandbox_port = int(port)
-        host_port = int(host) if host else sandbox_port
-    except ValueError:
-        raise InvalidPolicy(f"publish {entry!r}: give [HOSTPORT:]PORT, like 8000 or 18000:8000") from None
-    if not (0 < sandbox_port < 65536 and 0 < host_port < 65536):
-        raise InvalidPolicy(f"publish {entry!r}: ports go from 1 to 65535")
+        sandbox_port = port(inside)
+        host_port = port(host) if host else sandbox_port
+    except ValueError as exc:
+        raise InvalidPolicy(f"publish {entry!r}: give [HOSTPORT:]PORT, like 8000 or 18000:8000 ({exc})") from None
     return host_port, sandbox_port
 
 
 def parse_allowed_host(entry: str) -> tuple[str, tuple[tuple[int, int], ...]]:
     """"CIDR" or "CIDR:PORTS" into (CIDR, ((low, high), ...)); no ports means every port."""
+    from sandboxd.policy.ipv4 import ipv4_network, port_range
+
     address, _, ports = entry.partition(":")
-    parts = address.split("/")
-    octets = parts[0].split(".")
-    if (len(parts) > 2 or len(octets) != 4 or not all(o.isdigit() and int(o) < 256 for o in octets)
-            or (len(parts) == 2 and not (parts[1].isdigit() and int(parts[1]) <= 32))):
+    try:
+        network = ipv4_network(address)
+    except ValueError as exc:
         raise InvalidPolicy(f"allowed host {entry!r}: give an IPv4 address or CIDR, optionally with ports, "
-                            "like 203.0.113.7, 198.51.100.0/24:443 or 192.0.2.1:8000-8100,9000")
+                            f"like 203.0.113.7, 198.51.100.0/24:443 or 192.0.2.1:8000-8100,9000 ({exc})") from None
     ranges = []
     for item in filter(None, ports.split(",")):
-        low, _, high = item.partition("-")
-        if not low.isdigit() or (high and not high.isdigit()) or not 0 < int(low) <= int(high or low) < 65536:
-            raise InvalidPolicy(f"allowed host {entry!r}: bad port range {item!r} (use 443 or 8000-8100)")
-        ranges.append((int(low), int(high or low)))
-    return address if "/" in address else address + "/32", tuple(ranges)
+        try:
+            ranges.append(port_range(item))
+        except ValueError as exc:
+            raise InvalidPolicy(f"allowed host {entry!r}: bad port range {item!r} (use 443 or 8000-8100): "
+                                f"{exc}") from None
+    return str(network), tuple(ranges)
 
 
 def policy_from_name(name: str, *, network_access: bool = False,
                      writable_roots: tuple[str, ...] | list[str] = (),
                      protected_subpaths: tuple[str, ...] | list[str] | None = None,
-                     network_mode: str = "isolated", allowed_unix_sockets: tuple[str, ...] | list[str] = (),
+                     network_mode: str = defaults.NETWORK_MODE, allowed_unix_sockets: tuple[str, ...] | list[str] = (),
                      allowed_hosts: tuple[str, ...] | list[str] = (),
                      published_ports: tuple[str, ...] | list[str] = (),
                      allowed_domains: tuple[str, ...] | list[str] = ()) -> SandboxPolicy:
@@ -201,7 +210,7 @@ def policy_from_name(name: str, *, network_access: bool = False,
     policy = WorkspaceWrite(
         network_access=network_access, writable_roots=tuple(writable_roots),
         protected_subpaths=DEFAULT_PROTECTED_SUBPATHS if protected_subpaths is None else tuple(protected_subpaths),
-        network_mode=network_mode or "isolated", allowed_unix_sockets=tuple(allowed_unix_sockets),
+        network_mode=network_mode or defaults.NETWORK_MODE, allowed_unix_sockets=tuple(allowed_unix_sockets),
         allowed_hosts=tuple(allowed_hosts), published_ports=tuple(published_ports),
         allowed_domains=tuple(allowed_domains))
     validate_policy(policy)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from sandboxd import defaults
 from sandboxd._record import Factory, Record
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy.git_dirs import FoundGitDirs
 from sandboxd.policy.limits import MAX_ARGV, MAX_ENV_BYTES, MAX_ENV_ENTRIES, Limits, check_count
-from sandboxd.policy.sandbox import SandboxPolicy, default_policy, validate_policy
+from sandboxd.policy.sandbox import SandboxPolicy, default_policy, network_mode_of, validate_policy
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -117,10 +118,15 @@ class LaunchSpec(Record):
             raise InvalidPolicy(f"workspace {self.workspace[:200]!r} must be an absolute path without NUL bytes")
         if self.cwd is not None and not self.cwd.startswith("/"):
             raise InvalidPolicy(f"cwd {self.cwd!r} must be an absolute path")
-        for server in self.dns:
-            parts = server.split(".")
-            if len(parts) != 4 or not all(p.isdigit() and int(p) < 256 for p in parts):
-                raise InvalidPolicy(f"DNS server {server!r} must be an IPv4 address such as 192.0.2.53")
+        if self.dns:
+            from sandboxd.policy.ipv4 import ipv4_address    # (ipaddress: ~10 ms, only when asked)
+
+            for server in self.dns:
+                try:
+                    ipv4_address(server)
+                except ValueError as exc:
+                    raise InvalidPolicy(f"DNS server {server!r} must be an IPv4 address such as 192.0.2.53: "
+                                        f"{exc}") from None
         if self.user is not None and (self.user[0] < 0 or self.user[1] < 0):
             raise InvalidPolicy(f"bad user {self.user!r}: uid and gid must be >= 0")
         for path in (*self.hidden_paths, *self.denied_sockets):
@@ -153,7 +159,7 @@ def policy_to_dict(policy: SandboxPolicy) -> dict[str, object]:
     return {"name": policy.name, "network_access": bool(policy.network_access),
             "writable_roots": list(getattr(policy, "writable_roots", ())),
             "protected_subpaths": list(getattr(policy, "protected_subpaths", ())),
-            "network_mode": getattr(policy, "network_mode", "host"),
+            "network_mode": network_mode_of(policy),
             "allowed_unix_sockets": list(getattr(policy, "allowed_unix_sockets", ())),
             "allowed_hosts": list(getattr(policy, "allowed_hosts", ())),
             "published_ports": list(getattr(policy, "published_ports", ())),
@@ -166,7 +172,7 @@ def policy_from_dict(data: dict[str, object]) -> SandboxPolicy:
     return policy_from_name(str(data["name"]), network_access=bool(data.get("network_access")),
                             writable_roots=list(_strings(data, "writable_roots")),
                             protected_subpaths=list(_strings(data, "protected_subpaths")),
-                            network_mode=str(data.get("network_mode") or "isolated"),
+                            network_mode=str(data.get("network_mode") or defaults.NETWORK_MODE),
                             allowed_unix_sockets=list(_strings(data, "allowed_unix_sockets")),
                             allowed_hosts=list(_strings(data, "allowed_hosts")),
                             published_ports=list(_strings(data, "published_ports")),

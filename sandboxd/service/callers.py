@@ -1,7 +1,7 @@
 """Who is calling: the one place that turns a gRPC call into the caller's credentials.
 
 - On the Unix socket, the front door saw the caller's SO_PEERCRED and SO_PEERGROUPS when it
-  connected (service.peercred).
+  connected (network.front_door).
 - On the optional TLS listener, the verified client certificate names the caller (its
   *principal*): by its common name, or by one configured subject alternative name (a URI, as
   SPIFFE IDs are, or a DNS name). A certificate without a usable identity is refused, never
@@ -28,7 +28,9 @@ import os
 from typing import Any
 
 from sandboxd._record import Factory, Record
-from sandboxd.service.peercred import FrontDoor, PeerCredentials, caller
+from sandboxd.errors import CallerRefused
+from sandboxd.network.front_door import FrontDoor, caller
+from sandboxd.network.peer_credentials import PeerCredentials
 from sandboxd.service.sandboxed_peers import SandboxedPeers, parse_peer
 
 IDENTITIES = ("common-name", "uri", "dns")
@@ -73,12 +75,12 @@ class TlsIdentity(Record):
     port: int = 0                                              # the listener's port
 
     def principal(self, auth: dict[str, list[bytes]]) -> str:
-        """The caller's principal from its verified certificate; PermissionError when it has none."""
+        """The caller's principal from its verified certificate; CallerRefused when it has none."""
         key, prefix = _AUTH_KEYS[self.identity]
         values = [v.decode(errors="replace") for v in auth.get(key, []) if v]
         if len(values) != 1:
             found = "none" if not values else f"{len(values)} ({', '.join(values)})"
-            raise PermissionError(
+            raise CallerRefused(
                 f"the client certificate has no usable identity: sandboxd names TLS callers by their "
                 f"{self.identity} (tls.identity) and this certificate has {found}; issue it with exactly one, "
                 "or set tls.identity to the field your certificates carry (common-name, uri, dns)")
@@ -90,7 +92,7 @@ class TlsIdentity(Record):
 
 
 class Callers:
-    """Callable: the credentials of the caller of a gRPC call, or PermissionError saying why not."""
+    """Callable: the credentials of the caller of a gRPC call, or CallerRefused saying why not."""
 
     def __init__(self, door: FrontDoor, tls: "TlsIdentity | tuple[int, int] | None" = None,
                  sandboxed: SandboxedPeers | None = None, admin_gid: int | None = None) -> None:
@@ -105,14 +107,14 @@ class Callers:
         if peer.startswith("unix:") or self._tls is None:
             who = caller(self._door, context)
             if who.refusal:
-                raise PermissionError(who.refusal)
+                raise CallerRefused(who.refusal)
             return identify(who, self._admin_gid)
         if self._sandboxed is not None:
             address = parse_peer(peer)
             if address is not None:
                 reason = self._sandboxed.reason_for_tcp(address[0], address[1], self._tls.port)
                 if reason:
-                    raise PermissionError(reason)
+                    raise CallerRefused(reason)
         principal = self._tls.principal(context.auth_context())
         uid, gid = self._tls.user_of(principal)
         return identify(PeerCredentials(uid, gid, 0, principal, self._groups_of(uid, gid)), self._admin_gid)

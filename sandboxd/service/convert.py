@@ -6,6 +6,7 @@ import math
 import os
 from collections.abc import Mapping
 
+from sandboxd.defaults import NETWORK_MODE
 from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy import DEFAULT_PROTECTED_SUBPATHS, Limits, SandboxPolicy, policy_from_name
@@ -98,7 +99,7 @@ def policy_from_proto(message: pb.SandboxPolicy, defaults: SessionDefaults | Non
         protected = tuple(dict.fromkeys(DEFAULT_PROTECTED_SUBPATHS + protected))
     return policy_from_name(name, network_access=network,
                             writable_roots=list(message.writable_roots), protected_subpaths=protected,
-                            network_mode=message.network_mode or "isolated",
+                            network_mode=message.network_mode or NETWORK_MODE,
                             allowed_unix_sockets=list(message.allowed_unix_sockets),
                             allowed_hosts=list(message.allowed_hosts), published_ports=list(message.published_ports),
                             allowed_domains=list(message.allowed_domains))

@@ -33,7 +33,7 @@ from sandboxd.service import memtrace, systemd
 from sandboxd.service.approvals import ApprovalGate
 from sandboxd.service.callers import Callers, TlsIdentity
 from sandboxd.service.metrics import Metrics
-from sandboxd.service.peercred import FrontDoor
+from sandboxd.network.front_door import FrontDoor
 from sandboxd.service.quotas import Quotas
 from sandboxd.service.sandboxed_peers import SandboxedPeers
 from sandboxd.service.server import (MAX_FORK_RESTARTS, RESTART_WINDOW, ForkWatch, JsonLogFormatter,

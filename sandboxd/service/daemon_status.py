@@ -7,6 +7,8 @@ import shutil
 import time
 from typing import Protocol
 
+import psutil
+
 from sandboxd import __version__
 from sandboxd.service.approvals import ApprovalGate
 from sandboxd.service.callers import Caller
@@ -25,16 +27,12 @@ class ConnectionCounts(Protocol):
 
 
 def _process_started_at() -> float:
-    """When this process started, from the kernel: this module is imported on the first GetStatus,
-    so the import time would make every daemon look freshly started."""
+    """When this process started, from the kernel (boot time plus its start in clock ticks): this
+    module is imported on the first GetStatus, so the import time would make every daemon look
+    freshly started."""
     try:
-        with open("/proc/self/stat") as stat:
-            # Field 22 (starttime, clock ticks since boot); comm (field 2) may hold spaces: split after ')'.
-            ticks = int(stat.read().rpartition(")")[2].split()[19])
-        with open("/proc/stat") as machine:
-            boot = next(int(line.split()[1]) for line in machine if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, StopIteration, IndexError):
+        return psutil.Process().create_time()
+    except psutil.Error:
         return time.time()
 
 

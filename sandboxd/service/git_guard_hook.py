@@ -1,6 +1,6 @@
 """The git guard as a session's hooks: it watches the session's writable roots while
 .git/config is protected (the default), and after each call neutralises the git configuration
-the call planted (supervisor/git_guard.py), one event and one log line each."""
+the call planted (gitguard/guard.py), one event and one log line each."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from sandboxd.policy.git_config import GIT_GUARD_SUBPATH
 from sandboxd.policy.sandbox import WorkspaceWrite
 from sandboxd.service.sandbox_hooks import Sandbox, SandboxHooks, Service
 from sandboxd.service.session_state import Session
-from sandboxd.supervisor.git_guard import GitGuard
-from sandboxd.supervisor.git_watch import InotifyHub
+from sandboxd.gitguard.guard import GitGuard
+from sandboxd.gitguard.watch import InotifyHub
 
 log = logging.getLogger("sandboxd")
 

@@ -23,6 +23,8 @@ import tracemalloc
 from collections.abc import Mapping
 from typing import TextIO
 
+import psutil
+
 ENV_FILE = "SANDBOXD_TRACEMALLOC"
 ENV_INTERVAL = "SANDBOXD_TRACEMALLOC_INTERVAL"
 ENV_FRAMES = "SANDBOXD_TRACEMALLOC_FRAMES"
@@ -35,15 +37,11 @@ IGNORED = (tracemalloc.__file__, "<frozen importlib._bootstrap>", "<frozen impor
 
 
 def rss_kib() -> int | None:
-    """This process's VmRSS (KiB), None where /proc does not say."""
+    """This process's resident set (KiB: VmRSS), None where the kernel does not say."""
     try:
-        with open("/proc/self/status", encoding="ascii", errors="replace") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
+        return int(psutil.Process().memory_info().rss) // 1024
+    except psutil.Error:
+        return None
 
 
 class _MallInfo2(ctypes.Structure):

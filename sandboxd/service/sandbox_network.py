@@ -21,7 +21,7 @@ class PublishedPorts(SandboxHooks):
         entries = getattr(sandbox.policy, "published_ports", ())
         if not entries:
             return ()
-        from sandboxd.supervisor.publish import publish_all
+        from sandboxd.network.publish import publish_all
 
         netns = os.open(f"/proc/{sandbox.info.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -41,7 +41,7 @@ class EgressProxies(SandboxHooks):
         domains, info = getattr(sandbox.policy, "allowed_domains", ()), sandbox.info
         if not (domains and info.host_address and info.sandbox_address):
             return ()
-        from sandboxd.supervisor.egress_proxy import EgressProxy, proxy_environment
+        from sandboxd.network.egress_proxy import EgressProxy, proxy_environment
 
         def denied(destination: str, why: str) -> None:
             if self._count_denial is not None:

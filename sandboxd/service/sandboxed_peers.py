@@ -19,7 +19,7 @@ from sandboxd.kernel import peers
 REASON = ("this connection comes from a process inside a sandboxd sandbox: sandboxed commands may not use "
           "the daemon (ask the user, outside the sandbox)")
 # What a sandboxd init calls itself (launcher.sequence: process.set_title).
-INIT_TITLES = (b"sandboxd-init", b"sandboxd-session")
+INIT_TITLES = ("sandboxd-init", "sandboxd-session")
 
 
 class SandboxedPeers:
@@ -31,7 +31,7 @@ class SandboxedPeers:
         # connection is judged anew.
         self._tcp_verdicts: dict[tuple[str, int, int], tuple[frozenset[int], str]] = {}
         # Foreign PID namespaces already judged: namespace -> (its PID 1, that process's start time, verdict).
-        self._namespace_verdicts: dict[int, tuple[int, int | None, str]] = {}
+        self._namespace_verdicts: dict[int, tuple[int, float | None, str]] = {}
         self._own = peers.pid_namespace(os.getpid())
 
     def reason_for_pid(self, pid: int) -> str:
@@ -54,7 +54,7 @@ class SandboxedPeers:
             return known[2]
         init = peers.namespace_init(namespace)
         reason = ""
-        if init is not None and peers.command_line(init).rstrip(b"\0").startswith(INIT_TITLES):
+        if init is not None and peers.command_line(init).startswith(INIT_TITLES):
             reason = REASON
         if init is not None:
             if len(self._namespace_verdicts) > 4096:

@@ -14,7 +14,7 @@ from sandboxd.service.approvals import ApprovalGate, ToolCall
 from sandboxd.service.audit_calls import AuditService
 from sandboxd.service.background import BackgroundJob, BackgroundJobs
 from sandboxd.service.callers import Caller, Callers
-from sandboxd.service.peercred import FrontDoor
+from sandboxd.network.front_door import FrontDoor
 from sandboxd.service.quotas import CALLS, STREAMS, Quotas
 from sandboxd.service.sandbox_hooks import WhenClosed
 from sandboxd.service.sessions import Session, SessionRegistry, cwd_inside

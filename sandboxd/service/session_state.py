@@ -23,7 +23,7 @@ from sandboxd.service.callers import Caller, session_owner
 if TYPE_CHECKING:
     from sandboxd.service.background import BackgroundJob
     from sandboxd.service.sandbox_hooks import Service
-    from sandboxd.supervisor.git_guard import GitGuard
+    from sandboxd.gitguard.guard import GitGuard
 
 
 class Session:

@@ -33,7 +33,7 @@ from sandboxd.service.session_lifecycle import SESSION_PLACEHOLDER_ARGV, OwnPlac
 from sandboxd.service.session_state import Session, rules_from_dict, rules_to_dict, session_from_row
 from sandboxd.service.session_table import SessionTable
 from sandboxd.supervisor.forkserver import ForkServer
-from sandboxd.supervisor.publish import check_host_ports
+from sandboxd.network.publish import check_host_ports
 
 __all__ = ["SESSION_PLACEHOLDER_ARGV", "OwnPlaces", "Session", "SessionRegistry", "caller_groups", "command_user",
            "cwd_inside", "rights_of", "rules_from_dict", "rules_to_dict"]

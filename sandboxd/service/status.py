@@ -9,6 +9,7 @@ from typing import NoReturn
 import grpc
 
 from sandboxd.errors import (
+    CallerRefused,
     DeadlineExceeded,
     ExecFailed,
     Exhausted,
@@ -26,8 +27,11 @@ from sandboxd.errors import (
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidPolicy, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFound, grpc.StatusCode.NOT_FOUND),
+    (CallerRefused, grpc.StatusCode.PERMISSION_DENIED),     # not through the front door, or refused there
     (Forbidden, grpc.StatusCode.PERMISSION_DENIED),
-    (PermissionError, grpc.StatusCode.PERMISSION_DENIED),   # a caller that did not come through the front door
+    # An EACCES that reached a handler untranslated (the kernel edge translates the ones it knows):
+    # still a refusal to the caller, not an INTERNAL error. Callers are refused with CallerRefused.
+    (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
     (Exhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (ProcessLimitReached, grpc.StatusCode.RESOURCE_EXHAUSTED),

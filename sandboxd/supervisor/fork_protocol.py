@@ -253,7 +253,7 @@ class Pong(Event, kind="pong"):
 
 
 class Error(Event, kind="error"):
-    """A request's failure: ``{"kind", "detail"}``, or a SetupError's ``to_dict``."""
+    """A request's failure: the error's ``to_dict`` (``SandboxdError.from_dict`` raises it again)."""
     error: dict[str, object]
 
 

@@ -17,9 +17,10 @@ descriptors as SCM_RIGHTS), and the server dispatches on the record's type throu
   CheckPaths(caller, paths)                                may the caller write them? -> PathsChecked
   Ping()                                                   the daemon's watchdog   -> Pong
 
-Any request may be answered Error({kind, detail} or a SetupError's fields) instead; a message
-that is not a request (bad JSON, a field of the wrong type, the wrong number of descriptors) is
-answered Error (InvalidPolicy) with its id when it had one, and the loop goes on.
+Any request may be answered Error(the error's ``to_dict``; ``SandboxdError.from_dict`` raises it
+again on the daemon's side) instead; a message that is not a request (bad JSON, a field of the wrong
+type, the wrong number of descriptors) is answered Error (InvalidPolicy) with its id when it had
+one, and the loop goes on.
 
 Launches and calls take the same ``Spawner`` paths that ``sandboxd run`` uses.
 
@@ -60,10 +61,10 @@ import time
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from sandboxd._record import Record
-from sandboxd.kernel import access
+from sandboxd.kernel import access, process
 from sandboxd.launcher.plan import path_check as plan_path_check
 from sandboxd.launcher.plan import path_requests as plan_path_requests
-from sandboxd.errors import DeadlineExceeded, Forbidden, InvalidPolicy, SandboxdError, SetupError
+from sandboxd.errors import DeadlineExceeded, InvalidPolicy, SandboxdError, SetupError
 from sandboxd.policy.limits import MAX_TIMEOUT_SECONDS  # noqa: F401 - re-exported for the edge's callers
 from sandboxd.policy.limits import check_timeout as limits_check_timeout
 from sandboxd.policy.spec import LaunchSpec, spec_from_dict, spec_to_dict
@@ -78,9 +79,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 E = TypeVar("E", bound=Event)
-# Errors that cross from the fork server as their kind and message (a SetupError has more fields).
-_PLAIN_ERRORS: dict[str, type[SandboxdError]] = {cls.__name__: cls for cls in (InvalidPolicy, Forbidden,
-                                                                                 DeadlineExceeded)}
 # How long a request may wait on a caller's paths, a session's build or a command's start
 # (``fork_server.wait_seconds``): a lookup that takes longer is on a file system that does not answer.
 DEFAULT_WAIT_SECONDS = 10.0
@@ -251,14 +249,11 @@ class _Server:
 
     def _answer_error(self, call_id: int, exc: BaseException) -> None:
         """A request's failure as its answer: every failure is one, none ends the loop."""
-        error: dict[str, object]
-        if isinstance(exc, SandboxdError):
-            error = exc.to_dict() if isinstance(exc, SetupError) else {"kind": type(exc).__name__, "detail": str(exc)}
-        else:
+        if not isinstance(exc, SandboxdError):
             _log(f"request {call_id} failed: {type(exc).__name__}: {exc}")
-            error = {"kind": "SetupError", "step": "fork server",
-                     "detail": f"the fork server could not handle the request ({type(exc).__name__}: {exc})"}
-        self._answer(Error(call_id, error))
+            exc = SetupError("fork server", detail=f"the fork server could not handle the request "
+                                                   f"({type(exc).__name__}: {exc})")
+        self._answer(Error(call_id, exc.to_dict()))
 
     def _handle_next(self) -> bool:
         try:
@@ -891,11 +886,7 @@ class ForkServer:
         """The answer ``kind`` to request ``call_id``; its Error answer raised as the error it names."""
         event = self._wait_event(call_id, (kind, Error))
         if isinstance(event, Error):
-            error = event.error
-            plain = _PLAIN_ERRORS.get(str(error.get("kind")))
-            if plain is not None:
-                raise plain(str(error.get("detail", "invalid request")))
-            raise SetupError.from_dict(error)
+            raise SandboxdError.from_dict(event.error)
         assert isinstance(event, kind)
         return event
 
@@ -948,9 +939,8 @@ class ForkServer:
                     self._closed = True
                 elif isinstance(message, Malformed):
                     if message.id:                        # a server bug: its request fails, nobody hangs
-                        self._events.setdefault(message.id, []).append(Error(message.id, {
-                            "kind": "SetupError", "step": "fork server",
-                            "detail": f"the fork server's answer was malformed: {message}"}))
+                        self._events.setdefault(message.id, []).append(Error(message.id, SetupError(
+                            "fork server", detail=f"the fork server's answer was malformed: {message}").to_dict()))
                 elif isinstance(message, Event):
                     self.last_heard = time.monotonic()
                     self._events.setdefault(message.id, []).append(message)
@@ -966,13 +956,9 @@ def _readable_within(sock: socket.socket, seconds: float) -> bool:
 def _main(fd: int, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS,
           call_helper: str | None = None, close_seconds: float = CLOSE_WAIT_SECONDS) -> None:
     """Entry point of the fork server process."""
-    import prctl  # python-prctl: off the one-shot launch path, so its import cost is fine here
-
     expected_parent = os.getppid()
-    prctl.set_name("sandboxd-fork")
-    prctl.set_pdeathsig(signal.SIGKILL)      # the fork server never outlives the daemon
-    if os.getppid() != expected_parent:      # the daemon died before that took effect
-        os._exit(0)
+    process.set_name("sandboxd-fork")
+    process.die_with_parent(expected_parent)  # the fork server never outlives the daemon
     serve(socket.socket(fileno=fd), native_calls, wait_seconds, call_helper, close_seconds)
 
 

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from typing import Callable
 
     from sandboxd.kernel.netns import IsolatedNetwork
-    from sandboxd.supervisor.loopback_proxy import LoopbackProxy
+    from sandboxd.network.loopback_proxy import LoopbackProxy
 
 _counter = itertools.count(1)
 
@@ -604,11 +604,12 @@ class SessionBuild:
 
 def _loopback_proxy(plan: LaunchPlan) -> "tuple[LoopbackProxy | None, LaunchPlan]":
     """A rootless launch's --allow-domain (plan.check_rootless refuses the rest of the isolated
-    network): the socket pair its init hands the proxy's listener over (supervisor.loopback_proxy)."""
+    network): the socket pair its init hands the proxy's listener over (network.loopback_proxy)."""
     if not plan.network_isolated:
         return None, plan
-    from sandboxd.supervisor.egress_proxy import PROXY_PORT, proxy_environment
-    from sandboxd.supervisor.loopback_proxy import LoopbackProxy
+    from sandboxd.defaults import PROXY_PORT
+    from sandboxd.network.egress_proxy import proxy_environment
+    from sandboxd.network.loopback_proxy import LoopbackProxy
 
     proxy = LoopbackProxy(plan.dns)
     return proxy, plan.replace(proxy_sink_fd=proxy.child_end(), proxy_port=PROXY_PORT,
@@ -630,7 +631,7 @@ def _isolated_network(plan: LaunchPlan) -> "tuple[IsolatedNetwork | None, Launch
         netns_fd = os.dup(network.netns_fd)
         env = dict(plan.env)
         if plan.allowed_domains:
-            from sandboxd.supervisor.egress_proxy import EgressProxy, proxy_environment
+            from sandboxd.network.egress_proxy import EgressProxy, proxy_environment
 
             # Bound before the command can exist, so its first request finds the proxy there;
             # whoever runs it (sandboxd run, the daemon) starts serving it.

@@ -22,7 +22,7 @@ import socket
 from sandboxd.errors import Forbidden
 from sandboxd.kernel import inet_diag
 from sandboxd.policy.sandbox import parse_publish
-from sandboxd.supervisor.tcp_relay import (Connecting, RelayLoop, Relay, TcpService, listen_tcp, refuse,
+from sandboxd.network.tcp_relay import (Connecting, RelayLoop, Relay, TcpService, listen_tcp, refuse,
                                            socket_in_namespace)
 
 UNPRIVILEGED_PORT_START = "/proc/sys/net/ipv4/ip_unprivileged_port_start"

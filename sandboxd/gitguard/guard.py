@@ -57,7 +57,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Iterable, Iterator
 
-    from sandboxd.supervisor.git_watch import InotifyHub, Subscription
+    from sandboxd.gitguard.watch import InotifyHub, Subscription
 
 
 

@@ -3,12 +3,12 @@ isolated sandbox and the internet.
 
 With ``allowed_domains`` the sandbox's namespace lets out nothing but DNS and TCP to this proxy
 (kernel.nftables.egress_ruleset), so a program that ignores the proxy variables gets nothing. The
-proxy listens on the host side of the sandbox's link, port 3128, and for each request:
+proxy listens on the host side of the sandbox's link, port defaults.PROXY_PORT (3128), and for each request:
 
 - takes the destination *name* (CONNECT host:port, an absolute http:// URI, or a SOCKS5 domain
   address; a bare IP address is refused: there is no name to check),
 - checks it against the allowlist (``pypi.org`` exactly, ``*.pypi.org`` any subdomain),
-- resolves it itself (the configured resolvers, else the host's) and refuses at once, with a
+- resolves it itself (network.dns: the configured resolvers, else the host's) and refuses at once, with a
   reason, an address in a range no sandbox may reach (``REFUSED_RANGES``),
 - connects from INSIDE the sandbox's network namespace, with a socket carrying ``PROXY_MARK``
   (the one thing besides DNS and the proxy that the sandbox's own egress table lets out, and that
@@ -37,11 +37,13 @@ import time
 from concurrent.futures import Future
 from typing import Callable
 
+from sandboxd.defaults import PROXY_PORT
 from sandboxd.kernel.nftables import BLOCKED_RANGES, PROXY_MARK
-from sandboxd.supervisor.tcp_relay import (READ, ConnectionCap, Connecting, Relay, RelayLoop, TcpService, listen_tcp,
+from sandboxd.network.dns import resolve
+from sandboxd.network.event_loop import READ
+from sandboxd.network.tcp_relay import (ConnectionCap, Connecting, Relay, RelayLoop, TcpService, listen_tcp,
                                            refuse, socket_in_namespace)
 
-PROXY_PORT = 3128
 DEFAULT_CONNECTIONS = 256
 REQUEST_SECONDS = 30.0             # from accepting a connection to a complete request
 MAX_REQUEST_HEAD = 65536
@@ -100,51 +102,6 @@ def proxy_environment(host_address: str) -> dict[str, str]:
     return {**env, **{key.lower(): value for key, value in env.items()}}
 
 
-def resolve(name: str, resolvers: "list[str] | tuple[str, ...]") -> str:
-    """An IPv4 address of ``name``: a one-question A query to the resolvers, else the host's.
-    Blocking: the proxy calls it on a worker thread, never on the loop."""
-    if not resolvers:
-        return str(socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
-    query = struct.pack(">HHHHHH", int.from_bytes(os.urandom(2), "big"), 0x0100, 1, 0, 0, 0)
-    query += b"".join(bytes([len(label)]) + label.encode("idna") for label in name.rstrip(".").split(".")) + b"\0"
-    query += struct.pack(">HH", 1, 1)
-    for server in resolvers:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            sock.settimeout(3)
-            try:
-                sock.sendto(query, (server, 53))
-                reply = sock.recv(1500)
-            except OSError:
-                continue
-        try:
-            address = _first_a_record(query, reply)
-        except (IndexError, struct.error):
-            continue
-        if address is not None:
-            return address
-    raise OSError(f"cannot resolve {name}")
-
-
-def _first_a_record(query: bytes, reply: bytes) -> str | None:
-    if reply[:2] != query[:2]:
-        return None                                     # not the answer to our question
-    count = struct.unpack(">H", reply[6:8])[0]
-    offset = len(query)
-    for _ in range(count):
-        while True:                                     # the answer's name: labels, maybe ending in a pointer
-            size = reply[offset]
-            if size == 0 or size & 0xC0 == 0xC0:
-                offset += 1 if size == 0 else 2
-                break
-            offset += 1 + size
-        kind, _klass, _ttl, length = struct.unpack(">HHIH", reply[offset:offset + 10])
-        offset += 10
-        if kind == 1 and length == 4:
-            return socket.inet_ntoa(reply[offset:offset + 4])
-        offset += length
-    return None
-
-
 class EgressProxy(TcpService):
     def __init__(self, listener: socket.socket, allowed: "tuple[str, ...]", *, client_address: str,
                  netns_fd: int, resolvers: "list[str] | tuple[str, ...]" = (),
@@ -154,7 +111,7 @@ class EgressProxy(TcpService):
         sandbox) is served, once ``start`` is called; upstream connections are made in the
         network namespace ``netns_fd`` (the sandbox's; the proxy keeps its own copy; -1: this
         process's own, for rootless `sandboxd run`, whose sandbox has only loopback:
-        supervisor.loopback_proxy).
+        network.loopback_proxy).
         ``on_denied(destination, why)`` is told of every refusal (on a worker thread)."""
         super().__init__(listener, "sandboxd-egress-proxy", loop)
         self._allowed, self._client = allowed, client_address

@@ -22,7 +22,7 @@ a thread; each uid may hold at most ``connections_per_uid`` of them (more are
 accepted and closed at once), and nothing is accepted while the daemon is short
 of descriptors. At accept the door also reads the caller's supplementary groups
 (SO_PEERGROUPS) and may refuse it (``peer_check``): every call on a refused
-connection then fails with PermissionError saying why.
+connection then fails with CallerRefused (sandboxd.errors) saying why.
 
 Why this cannot be forged: a peer string only maps to credentials if it names
 one of our relay paths exactly, and only this process can bind there (the
@@ -39,7 +39,7 @@ Wiring it up::
     door.start()
     ...
     def Run(self, request, context):
-        who = caller(door, context)       # PermissionError if it did not come through the door
+        who = caller(door, context)       # CallerRefused if it did not come through the door
     ...
     door.close()
     server.stop(grace)
@@ -49,32 +49,31 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import heapq
 import itertools
 import logging
 import os
 import resource
-import select
 import signal
 import socket
-import stat
-import struct
 import threading
 import time
 
-from sandboxd._record import Record
+import psutil
+
+from sandboxd.errors import CallerRefused
+from sandboxd.network.event_loop import READ, WRITE, Acceptor, EventLoop
+from sandboxd.network.peer_credentials import PeerCredentials, peer_groups, peer_ucred
+from sandboxd.network.socket_files import (clear_relay_dir, ensure_private_dir, listen, unlink_if_same,
+                                           unlink_quietly)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
 
-__all__ = ["PeerCredentials", "FrontDoor", "caller"]
+__all__ = ["FrontDoor", "caller"]
 
 log = logging.getLogger(__name__)
-
-# struct ucred { pid_t pid; uid_t uid; gid_t gid; }: the kernel's answer to SO_PEERCRED.
-_UCRED = struct.Struct("iII")
 
 # sizeof(sockaddr_un.sun_path) is 108, including the terminating NUL.
 _SUN_PATH_MAX = 107
@@ -95,12 +94,10 @@ _PLAIN_PATH_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVW
 _CHUNK = 256 * 1024
 
 _SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
-_IN, _OUT = select.EPOLLIN, select.EPOLLOUT
+_IN, _OUT = READ, WRITE
 
 # Not in Python's socket module: from <asm-generic/socket.h>.
-_SO_PEERGROUPS = 59
 _SO_PEERPIDFD = 77       # Linux 6.5+
-_NGROUPS_MAX = 65536
 # The refusal of a connection whose process exited before the door could check it.
 _PEER_GONE = ("the process that opened this connection exited before the daemon could check it; "
               "connect from the process that makes the calls")
@@ -118,7 +115,6 @@ _ACCEPT_BURST = 64
 # A pending connection left in the backlog keeps the listener readable, so
 # out of descriptors the door stops watching it for this long instead of spinning.
 _ACCEPT_BACKOFF = 0.1
-_ACCEPT_RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 # The same warning about the same thing (a uid over quota, no descriptors) at most this often.
 _LOG_EVERY = 60.0
 
@@ -126,22 +122,6 @@ _LOG_EVERY = 60.0
 _CONNECT_RETRY_FIRST = 0.005
 _CONNECT_RETRY_MAX = 0.1
 _CONNECT_PATIENCE = 30.0
-
-
-class PeerCredentials(Record):
-    """A caller as the kernel saw it when it connected (SO_PEERCRED); or, for a TLS caller,
-    the local uid/gid it acts as, and ``principal`` naming its client certificate."""
-
-    uid: int
-    gid: int
-    pid: int
-    principal: str = ""
-    # Supplementary groups, from SO_PEERGROUPS at connect time (the caller's /proc entry may be
-    # gone or reused by then); for a TLS caller, those of the local user it acts as.
-    groups: tuple[int, ...] = ()
-    # Non-empty when the caller must be refused whatever it asks (for example: its process runs
-    # inside one of this daemon's own sandboxes); the reason, said to the caller.
-    refusal: str = ""
 
 
 class FrontDoor:
@@ -173,7 +153,7 @@ class FrontDoor:
         ``peer_check``: the refusal hook, called once per accepted connection with who connected
         and a pidfd of the connecting process (SO_PEERPIDFD; -1 before Linux 6.5, or when that
         process is gone already). It returns the reason to refuse that caller, or "" to serve
-        it; a refused connection stays open, and every call on it fails with PermissionError
+        it; a refused connection stays open, and every call on it fails with CallerRefused
         (PERMISSION_DENIED) saying the reason. The pidfd is open only during the call: a check
         that reads ``/proc/<pid>`` confirms with it (``signal.pidfd_send_signal(pidfd, 0)``)
         that the pid still named the same process; the door itself confirms it after the check,
@@ -197,8 +177,8 @@ class FrontDoor:
                              "(gRPC would percent-encode anything else in the peer address)")
         # The whole scheme rests on nobody else binding in relay_dir; the backend
         # directory being private keeps everyone else from bypassing the door.
-        _ensure_private_dir(self._relay_dir, create=True, what="relay directory")
-        _ensure_private_dir(os.path.dirname(self._backend_path), create=False, what="backend socket directory")
+        ensure_private_dir(self._relay_dir, create=True, what="relay directory")
+        ensure_private_dir(os.path.dirname(self._backend_path), create=False, what="backend socket directory")
 
         self._per_uid_limit = connections_per_uid
         self._root_limit = root_connections if root_connections is not None else 4 * connections_per_uid
@@ -208,36 +188,29 @@ class FrontDoor:
         if listener is not None:
             self._listener, self._public_id = listener, None
         else:
-            self._listener, self._public_id = _listen(self._public_path, mode)
-        self._listener.setblocking(False)
+            self._listener, self._public_id = listen(self._public_path, mode)
         # Only after we own the public socket (so no live daemon uses relay_dir):
         # clear relay files a dead daemon left behind.
-        _clear_relay_dir(self._relay_dir)
+        clear_relay_dir(self._relay_dir)
 
-        # Guards what other threads read (_per_uid for counts) and _closing/_thread.
+        # Guards what other threads read (_per_uid for counts) and _closing/_started.
         self._lock = threading.Lock()
         self._closing = False
-        self._thread: threading.Thread | None = None
+        self._started = False
         # Everything below belongs to the loop thread (or to close() once it has ended).
         self._relays: dict[int, _Relay] = {}
         self._identities: dict[str, PeerCredentials] = {}
         self._per_uid: dict[int, int] = {}
         self._numbers = itertools.count()
-        self._epoll = select.epoll()
-        # fd -> (relay, True for its client socket / False for its backend socket).
-        self._watched: dict[int, tuple[_Relay, bool]] = {}
-        self._timers: list[tuple[float, int, "Callable[[], None]"]] = []
-        self._timer_numbers = itertools.count()
-        self._accepting = False          # the listener is in the epoll set
-        self._accept_paused = False      # out of descriptors: a timer resumes accepting
         self._refused_logged: dict[int, float] = {}
         self._starved_logged = -_LOG_EVERY
         self._fds_others = 0             # descriptors not counted per relay, at the last calibration
         self._fds_calibrated = float("-inf")
         self._pidfd_supported = True
-        # close() writes here to wake the loop.
-        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self._epoll.register(self._wake_r, select.EPOLLIN)
+        # The loop (network.event_loop, the relays' too): its thread is the door's only one.
+        self._loop = EventLoop("sandboxd-frontdoor", on_stop=self._teardown)
+        self._acceptor = Acceptor(self._loop, self._listener, self._admit, name="front door", burst=_ACCEPT_BURST,
+                                  backoff=_ACCEPT_BACKOFF, room=self._room_for_one, starved=self._starved)
 
     # ------------------------------------------------------------------ public API
 
@@ -268,10 +241,11 @@ class FrontDoor:
         with self._lock:
             if self._closing:
                 raise RuntimeError("front door is closed")
-            if self._thread is not None:
+            if self._started:
                 raise RuntimeError("front door already started")
-            self._thread = threading.Thread(target=self._loop, name="sandboxd-frontdoor", daemon=True)
-        self._thread.start()
+            self._started = True
+        self._loop.post(self._acceptor.start)
+        self._loop.start()
 
     def identity(self, peer: str) -> PeerCredentials | None:
         """The credentials behind ``peer`` (a gRPC ``context.peer()``), or None if it is not a live relay."""
@@ -284,19 +258,9 @@ class FrontDoor:
             if self._closing:
                 return
             self._closing = True
-            thread = self._thread
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
-            if thread.is_alive():
-                # Only a peer_check that blocks can do this; the loop tears down when it returns.
-                log.warning("front door: the loop did not stop within %.1fs", timeout)
-                return
-        if thread is None:
-            self._teardown()
+        if not self._loop.stop(timeout):
+            # Only a peer_check that blocks can do this; the loop tears down when it returns.
+            log.warning("front door: the loop did not stop within %.1fs", timeout)
 
     def __enter__(self) -> "FrontDoor":
         return self
@@ -306,115 +270,30 @@ class FrontDoor:
 
     # ------------------------------------------------------------------ the loop
 
-    def _loop(self) -> None:
-        listener = self._listener.fileno()
-        wake = self._wake_r
-        watched = self._watched
-        poll = self._epoll.poll
-        try:
-            self._resume_accepting()
-            while not self._closing:
-                timeout = -1.0
-                if self._timers:
-                    timeout = max(0.0, self._timers[0][0] - time.monotonic())
-                try:
-                    events = poll(timeout)
-                except InterruptedError:
-                    continue
-                for fd, mask in events:
-                    entry = watched.get(fd)
-                    if entry is not None:
-                        relay, is_client = entry
-                        if relay.state is not _CLOSED:
-                            try:
-                                relay.on_event(is_client, mask)
-                            except Exception:  # noqa: BLE001 - one bad relay must not end the loop
-                                log.exception("front door: relay %d failed", relay.number)
-                                relay.abort()
-                    elif fd == listener:
-                        self._accept_some()
-                    elif fd == wake:
-                        break
-                if self._timers:
-                    self._run_timers()
-        except Exception:  # noqa: BLE001
-            log.exception("front door: the loop failed; no more connections are served")
-        finally:
-            self._teardown()
-
-    def _run_timers(self) -> None:
-        now = time.monotonic()
-        while self._timers and self._timers[0][0] <= now:
-            _, _, action = heapq.heappop(self._timers)
-            try:
-                action()
-            except Exception:  # noqa: BLE001
-                log.exception("front door: a timer failed")
-
-    def _after(self, delay: float, action: "Callable[[], None]") -> None:
-        heapq.heappush(self._timers, (time.monotonic() + delay, next(self._timer_numbers), action))
-
     def _teardown(self) -> None:
-        """Cut every relay, close the listener and the loop's descriptors. The loop has ended."""
+        """Cut every relay, close the listener. The loop has ended (it closes its own descriptors next)."""
+        self._closing = True
         for relay in list(self._relays.values()):
             relay.abort()
-        self._timers.clear()
         self._identities.clear()
+        self._acceptor.stop()
         self._listener.close()
         if self._public_id is not None:
-            _unlink_if_same(self._public_path, self._public_id)
-        self._epoll.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+            unlink_if_same(self._public_path, self._public_id)
 
     # ------------------------------------------------------------------ accepting
 
-    def _resume_accepting(self) -> None:
-        self._accept_paused = False
-        if not self._accepting and not self._closing:
-            self._epoll.register(self._listener.fileno(), select.EPOLLIN)
-            self._accepting = True
-
-    def _pause_accepting(self, delay: float) -> None:
-        """Leave pending connections in the backlog for ``delay`` (a readable listener would spin the loop)."""
-        if self._accepting:
-            self._epoll.unregister(self._listener.fileno())
-            self._accepting = False
-        if not self._accept_paused:
-            self._accept_paused = True
-            self._after(delay, self._resume_accepting)
-
-    def _accept_some(self) -> None:
-        # A burst is taken in one go, but not forever: relays need their turn.
-        for _ in range(_ACCEPT_BURST):
-            if not self._room_for_one():
-                now = time.monotonic()
-                if now - self._starved_logged >= _LOG_EVERY:
-                    self._starved_logged = now
-                    log.warning("front door: fewer than %d file descriptors left (limit %d): not accepting "
-                                "new connections for now", self._fd_reserve + _FDS_PER_CONNECTION, _fd_limit())
-                self._pause_accepting(_ACCEPT_BACKOFF)
-                return
-            try:
-                conn, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in _ACCEPT_RESOURCE_ERRORS:
-                    now = time.monotonic()
-                    if now - self._starved_logged >= _LOG_EVERY:
-                        self._starved_logged = now
-                        log.warning("front door: cannot accept (%s); retrying", os.strerror(exc.errno or 0))
-                    self._pause_accepting(_ACCEPT_BACKOFF)
-                    return
-                # ECONNABORTED, EPROTO...: that one connection is lost, not the door.
-                log.debug("front door: accept failed: %s", exc)
-                continue
-            try:
-                self._admit(conn)
-            except Exception:  # noqa: BLE001 - one bad connection must not end the loop
-                log.exception("front door: dropping a connection")
-                conn.close()
+    def _starved(self, why: str) -> None:
+        """The acceptor rests (network.event_loop.Acceptor): said at most once a minute."""
+        now = time.monotonic()
+        if now - self._starved_logged < _LOG_EVERY:
+            return
+        self._starved_logged = now
+        if why:
+            log.warning("front door: cannot accept (%s); retrying", why)
+        else:
+            log.warning("front door: fewer than %d file descriptors left (limit %d): not accepting "
+                        "new connections for now", self._fd_reserve + _FDS_PER_CONNECTION, _fd_limit())
 
     def _room_for_one(self) -> bool:
         """Whether one more connection leaves at least ``fd_reserve`` descriptors for the rest of the daemon.
@@ -438,20 +317,19 @@ class FrontDoor:
 
     def _calibrate(self, now: float) -> None:
         try:
-            # (listdir's own descriptor is counted too: one of slack.)
-            total = len(os.listdir("/proc/self/fd"))
-        except OSError:
+            # (the count's own descriptor, listing /proc/PID/fd, is counted too: one of slack.)
+            total = psutil.Process().num_fds()
+        except (psutil.Error, OSError):
             total = 0  # no /proc: only our own relays are counted
         self._fds_others = total - _FDS_PER_CONNECTION * len(self._relays)
         self._fds_calibrated = now
 
-    def _admit(self, conn: socket.socket) -> None:
+    def _admit(self, conn: socket.socket, _address: object = None) -> None:
         try:
-            raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+            pid, uid, gid = peer_ucred(conn)
         except OSError:
             conn.close()  # gone already
             return
-        pid, uid, gid = _UCRED.unpack(raw)
         limit = self._root_limit if uid == 0 else self._per_uid_limit
         count = self._per_uid.get(uid, 0)
         if count >= limit:
@@ -464,7 +342,7 @@ class FrontDoor:
                             "closing its new ones", uid, count)
             conn.close()
             return
-        groups = _peer_groups(conn)
+        groups = peer_groups(conn)
         credentials = PeerCredentials(uid=uid, gid=gid, pid=pid, groups=groups)
         if self._peer_check is not None:
             refusal = self._check(conn, credentials)
@@ -511,20 +389,6 @@ class FrontDoor:
 
     # ------------------------------------------------------------------ called by relays
 
-    def _watch(self, fd: int, relay: "_Relay", is_client: bool, old: int, new: int) -> None:
-        """Move ``fd`` from epoll interest ``old`` to ``new`` (0: not in the set at all, so a
-        hang-up it cannot act on yet does not spin the loop)."""
-        if new == old:
-            return
-        if not old:
-            self._epoll.register(fd, new)
-            self._watched[fd] = (relay, is_client)
-        elif not new:
-            self._epoll.unregister(fd)
-            del self._watched[fd]
-        else:
-            self._epoll.modify(fd, new)
-
     def _remember(self, relay: "_Relay") -> None:
         self._identities[relay.peer] = relay.credentials
 
@@ -539,8 +403,8 @@ class FrontDoor:
                 self._per_uid[uid] = left
             else:
                 del self._per_uid[uid]
-        if self._accept_paused and not self._closing and self._room_for_one():
-            self._resume_accepting()
+        if not self._closing:
+            self._acceptor.resume_if_room()
 
 
 _CONNECTING, _RELAYING, _CLOSED = "connecting", "relaying", "closed"
@@ -558,11 +422,29 @@ class _Direction:
         self.done = False     # ... and everything before it reached dst, which got a half-close
 
 
+class _Side:
+    """What the loop calls for one socket of a relay: its client's, or its backend's."""
+
+    __slots__ = ("relay", "is_client")
+
+    def __init__(self, relay: "_Relay", is_client: bool) -> None:
+        self.relay, self.is_client = relay, is_client
+
+    def on_ready(self, mask: int) -> None:
+        if self.relay.state is not _CLOSED:
+            self.relay.on_event(self.is_client, mask)
+
+    def close(self) -> None:
+        """A failure escaped the relay (the loop logged it): cut it, not the door."""
+        self.relay.abort()
+
+
 class _Relay:
     """One accepted connection and its connection to the backend, driven by the door's loop."""
 
     __slots__ = ("door", "number", "client", "backend", "credentials", "path", "peer", "state", "up", "down",
-                 "_client_mask", "_backend_mask", "_pipes", "_connect_delay", "_connect_deadline")
+                 "_client_mask", "_backend_mask", "_client_side", "_backend_side", "_pipes", "_connect_delay",
+                 "_connect_deadline")
 
     def __init__(self, door: FrontDoor, number: int, client: socket.socket, credentials: PeerCredentials) -> None:
         self.door = door
@@ -577,6 +459,8 @@ class _Relay:
         self.down: _Direction | None = None
         self._client_mask = 0
         self._backend_mask = 0
+        self._client_side = _Side(self, True)
+        self._backend_side = _Side(self, False)
         self._pipes: list[int] = []
         self._connect_delay = _CONNECT_RETRY_FIRST
         self._connect_deadline = time.monotonic() + _CONNECT_PATIENCE
@@ -612,7 +496,7 @@ class _Relay:
                             self.number, _CONNECT_PATIENCE)
                 self.abort()
                 return
-            self.door._after(self._connect_delay, self._try_connect)
+            self.door._loop.later(self._connect_delay, self._try_connect)
             self._connect_delay = min(2 * self._connect_delay, _CONNECT_RETRY_MAX)
             return
         except OSError as exc:
@@ -692,10 +576,10 @@ class _Relay:
         client = (_IN if not up.eof and not up.pending else 0) | (_OUT if down.pending else 0)
         backend = (_IN if not down.eof and not down.pending else 0) | (_OUT if up.pending else 0)
         if client != self._client_mask:
-            self.door._watch(up.src, self, True, self._client_mask, client)
+            self.door._loop.watch(up.src, self._client_mask, client, self._client_side)
             self._client_mask = client
         if backend != self._backend_mask:
-            self.door._watch(down.src, self, False, self._backend_mask, backend)
+            self.door._loop.watch(down.src, self._backend_mask, backend, self._backend_side)
             self._backend_mask = backend
 
     # -- ending
@@ -711,9 +595,9 @@ class _Relay:
         self.state = _CLOSED
         door = self.door
         if self._client_mask:
-            door._watch(self.client.fileno(), self, True, self._client_mask, 0)
+            door._loop.watch(self.client, self._client_mask, 0, self._client_side)
         if self._backend_mask and self.backend is not None:
-            door._watch(self.backend.fileno(), self, False, self._backend_mask, 0)
+            door._loop.watch(self.backend, self._backend_mask, 0, self._backend_side)
         self._client_mask = self._backend_mask = 0
         self.client.close()
         if self.backend is not None:
@@ -722,7 +606,7 @@ class _Relay:
             os.close(fd)
         self._pipes = []
         # File first: once a relay is no longer counted, nothing of it is left.
-        _unlink_quietly(self.path)
+        unlink_quietly(self.path)
         door._forget(self)
 
 
@@ -731,23 +615,8 @@ def _fd_limit() -> int:
     return soft if soft != resource.RLIM_INFINITY else 1 << 30
 
 
-def _peer_groups(conn: socket.socket) -> tuple[int, ...]:
-    """The connecting process's supplementary groups (SO_PEERGROUPS), as of connect()."""
-    size = 64 * 4
-    for _ in range(2):
-        try:
-            raw = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, size)
-        except OSError as exc:
-            if exc.errno == errno.ERANGE:
-                size = _NGROUPS_MAX * 4  # more than 64 groups: ask for room for all
-                continue
-            return ()
-        return struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
-    return ()
-
-
 def caller(front_door: FrontDoor, context: "Any") -> PeerCredentials:
-    """The credentials of the process behind a gRPC call; PermissionError if it did not come through the door,
+    """The credentials of the process behind a gRPC call; CallerRefused if it did not come through the door,
     or if the door refused it (its ``peer_check`` gave a reason: the error says it).
 
     Call it at the start of a handler: the mapping goes away with the connection.
@@ -755,100 +624,7 @@ def caller(front_door: FrontDoor, context: "Any") -> PeerCredentials:
     peer = context.peer()
     who = front_door.identity(peer)
     if who is None:
-        raise PermissionError(f"unknown caller {peer!r}: not connected through the front door")
+        raise CallerRefused(f"unknown caller {peer!r}: not connected through the front door")
     if who.refusal:
-        raise PermissionError(who.refusal)
+        raise CallerRefused(who.refusal)
     return who
-
-
-# ---------------------------------------------------------------------- filesystem helpers
-
-
-def _ensure_private_dir(path: str, *, create: bool, what: str) -> None:
-    """``path`` must be a real directory, owned by us, closed to group and others."""
-    if create:
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, f"{what} does not exist", path) from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise NotADirectoryError(errno.ENOTDIR, f"{what} is not a directory", path)
-    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise PermissionError(errno.EACCES, f"{what} must be owned by uid {os.geteuid()} and mode 0700 "
-                              f"(it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})", path)
-
-
-def _listen(path: str, mode: int) -> tuple[socket.socket, tuple[int, int]]:
-    """Bind and listen on ``path`` with ``mode``; returns the socket and the file's (dev, ino)."""
-    _remove_stale_socket(path)
-    # Bound under a temporary name, chmod'ed, then renamed into place: clients
-    # can never see the socket with the umask's mode instead of ``mode``.
-    temp = f"{path}.{os.getpid()}.new"
-    _unlink_quietly(temp)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(temp)
-        os.chmod(temp, mode)
-        sock.listen(socket.SOMAXCONN)
-        os.rename(temp, path)
-        st = os.lstat(path)
-    except BaseException:
-        sock.close()
-        _unlink_quietly(temp)
-        raise
-    return sock, (st.st_dev, st.st_ino)
-
-
-def _remove_stale_socket(path: str) -> None:
-    """Make room at ``path``: nothing there, or a socket nobody listens on (removed). Else refuse."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise FileExistsError(errno.EEXIST, "refusing to replace something that is not a socket "
-                              "(remove it, or choose another socket path)", path)
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.setblocking(False)
-    try:
-        probe.connect(path)
-    except ConnectionRefusedError:
-        # Nobody listening: a dead daemon's leftover.
-        _unlink_quietly(path)
-        return
-    except FileNotFoundError:
-        return
-    except BlockingIOError:
-        pass  # a full backlog: someone is listening
-    finally:
-        probe.close()
-    raise OSError(errno.EADDRINUSE, "another process is accepting connections on this socket "
-                  "(is another sandboxd running?)", path)
-
-
-def _clear_relay_dir(relay_dir: str) -> None:
-    for name in os.listdir(relay_dir):
-        stem, dot, ext = name.partition(".")
-        if stem.isdigit() and dot and ext == "sock":
-            _unlink_quietly(os.path.join(relay_dir, name))
-
-
-def _unlink_if_same(path: str, ident: tuple[int, int]) -> None:
-    """Remove ``path`` only if it is still our socket (not one a newer daemon put there)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if (st.st_dev, st.st_ino) == ident:
-        _unlink_quietly(path)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

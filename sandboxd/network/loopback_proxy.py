@@ -4,7 +4,7 @@ A plain user cannot build the isolated network (a veth pair, NAT and an nftables
 host's namespace). Instead the sandbox gets a network namespace with only loopback, in which its
 init listens on 127.0.0.1:PROXY_PORT before the command exists and hands that listening socket
 out over a socket pair (launcher.rootless.hand_over_proxy_listener). `sandboxd run` accepts on it
-and runs the same egress proxy as root's isolated network (supervisor.egress_proxy), which
+and runs the same egress proxy as root's isolated network (network.egress_proxy), which
 connects out from the host's namespace as the user: the only way out of the sandbox is through
 the proxy, and the proxy reaches only the allowed names, refusing every address in
 REFUSED_RANGES (loopback, private, link-local and reserved ranges) and every address of the host

@@ -1,6 +1,6 @@
 """One inotify instance for every git guard of a daemon, its watches tagged per guard.
 
-A git guard (supervisor/git_guard.py) learns from inotify which directories changed since its
+A git guard (gitguard/guard.py) learns from inotify which directories changed since its
 last inspection. With an instance per guard, a daemon holding more sessions than
 fs.inotify.max_user_instances (128 for root by default) has guards without one, and each of
 those walks its whole tree after every call. An ``InotifyHub`` is one instance (one descriptor)

@@ -3,8 +3,9 @@
 Every listener and every connection of the egress proxies and published ports of a process (the
 daemon, or one ``sandboxd run``) is served by ONE thread running an epoll loop over non-blocking
 sockets, so a flood of connections costs file descriptors (capped per session, see
-``ConnectionCap``) and never threads. Blocking work (the proxy's DNS resolution) goes to a small,
-fixed pool of worker threads (``WORKERS``) and comes back to the loop.
+``ConnectionCap``) and never threads: the loop, its timers and its accept back-off are
+network.event_loop's, the same as the front door's. Blocking work (the proxy's DNS resolution)
+goes to the loop's small pool of worker threads and comes back to the loop.
 
 Bytes are copied with bounded buffers and backpressure: a side is not read while its peer's
 outgoing buffer holds ``BUFFER_LIMIT`` (32 KiB) bytes, so a slow reader slows its writer down instead of
@@ -17,15 +18,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import selectors
 import socket
 import threading
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
 from sandboxd.errors import SetupError
+from sandboxd.network.event_loop import READ, WRITE, Acceptor, EventLoop
 
 CHUNK = 32 * 1024
 # Bytes waiting for one side before its peer is no longer read. The kernel's socket buffers do the
@@ -34,13 +33,8 @@ CHUNK = 32 * 1024
 BUFFER_LIMIT = 32 * 1024
 IDLE_SECONDS = 600.0               # a relayed connection quiet this long either way is closed
 CONNECT_SECONDS = 10.0             # connecting a socket (the proxy's upstream, a published port's inner one)
-ACCEPT_BATCH = 64                  # connections accepted per wakeup of a listener (fairness between listeners)
 ACCEPT_BACKOFF_SECONDS = 1.0       # out of fds: a listener rests this long instead of spinning
-SWEEP_SECONDS = 1.0                # how often deadlines are checked
-WORKERS = 4                        # threads for blocking work (DNS), shared by all proxies of the process
 
-READ, WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
-T = TypeVar("T")
 log = logging.getLogger("sandboxd")
 
 
@@ -76,140 +70,13 @@ class ConnectionCap:
         self.active -= 1
 
 
-class _Timer:
-    """Something the loop calls once ``deadline`` (time.monotonic) has passed."""
-
-    def __init__(self, deadline: float, fire: Callable[[], None]) -> None:
-        self.deadline, self._fire = deadline, fire
-
-    def expire(self) -> None:
-        self._fire()
-
-
-class RelayLoop:
-    """The event loop: one thread, one epoll set, a wakeup pipe for work posted by other threads.
-    Everything registered with it is touched on the loop thread only."""
+class RelayLoop(EventLoop):
+    """The TCP services' loop (network.event_loop), started at once: the process shares one
+    (``shared_loop``); a test may run one of its own."""
 
     def __init__(self, name: str = "sandboxd-relay") -> None:
-        self._selector = selectors.DefaultSelector()
-        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._selector.register(self._wake_read, READ, None)
-        self._posted: deque[Callable[[], None]] = deque()
-        self._timed: set[Any] = set()                  # objects with .deadline and .expire()
-        self._stopping = False
-        self._pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix=f"{name}-work")
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    # -- for any thread ------------------------------------------------------------------------
-
-    def in_loop(self) -> bool:
-        return threading.current_thread() is self._thread
-
-    def post(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the loop thread, soon."""
-        self._posted.append(fn)
-        try:
-            os.write(self._wake_write, b"\0")
-        except BlockingIOError:
-            pass                                        # the pipe is full: the loop is awake anyway
-
-    def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the loop thread and return its result (at once on the loop thread)."""
-        if self.in_loop():
-            return fn()
-        done = threading.Event()
-        results: list[T] = []
-        failures: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                results.append(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed back to the caller
-                failures.append(exc)
-            done.set()
-        self.post(run)
-        done.wait()
-        if failures:
-            raise failures[0]
-        return results[0]
-
-    def close(self) -> None:
-        """Stop the loop thread and the workers (the process's shared loop lives as long as it
-        does: this is for loops of their own). What is still registered is not closed."""
-        def stop() -> None:
-            self._stopping = True
-        self.post(stop)
-        self._thread.join()
-        self._pool.shutdown(wait=True)
-        self._selector.close()
-        os.close(self._wake_read)
-        os.close(self._wake_write)
-
-    def offload(self, work: Callable[[], T], then: "Callable[[Future[T]], None] | None" = None) -> None:
-        """Run blocking ``work`` on a worker thread, then ``then(future)`` on the loop thread."""
-        future = self._pool.submit(work)
-        if then is not None:
-            future.add_done_callback(lambda f: self.post(lambda: then(f)))
-
-    # -- for the loop thread -------------------------------------------------------------------
-
-    def watch(self, sock: socket.socket, old: int, new: int, handler: Any) -> None:
-        """Change what ``sock`` is watched for, from ``old`` to ``new`` events (0: not watched);
-        ``handler.on_ready(mask)`` is called when they come."""
-        if old == new:
-            return
-        if not old:
-            self._selector.register(sock, new, handler)
-        elif not new:
-            self._selector.unregister(sock)
-        else:
-            self._selector.modify(sock, new, handler)
-
-    def add_timed(self, item: Any) -> None:
-        self._timed.add(item)
-
-    def discard_timed(self, item: Any) -> None:
-        self._timed.discard(item)
-
-    def later(self, seconds: float, fn: Callable[[], None]) -> None:
-        timer = _Timer(time.monotonic() + seconds, fn)
-        self._timed.add(timer)
-
-    def _run(self) -> None:
-        next_sweep = time.monotonic() + SWEEP_SECONDS
-        while not self._stopping:
-            for key, mask in self._selector.select(SWEEP_SECONDS):
-                if key.data is None:
-                    try:
-                        while os.read(self._wake_read, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
-                    continue
-                self._guard(key.data.on_ready, mask, key.data)
-            while self._posted:
-                self._guard(self._posted.popleft())
-            now = time.monotonic()
-            if now >= next_sweep:
-                next_sweep = now + SWEEP_SECONDS
-                for item in [item for item in self._timed if item.deadline <= now]:
-                    self._timed.discard(item)
-                    self._guard(item.expire)
-
-    @staticmethod
-    def _guard(fn: Callable[..., None], *args: Any) -> None:
-        """A bug in one connection's handling must not stop the loop that serves all of them."""
-        try:
-            fn(*args[:1])
-        except Exception:  # noqa: BLE001
-            log.exception("relay loop: a connection handler failed")
-            owner = args[1] if len(args) > 1 else None
-            if owner is not None and hasattr(owner, "close"):
-                try:
-                    owner.close()
-                except Exception:  # noqa: BLE001
-                    pass
+        super().__init__(name)
+        self.start()
 
 
 _shared: RelayLoop | None = None
@@ -417,9 +284,8 @@ class TcpService:
         self._listener = listener
         self._loop = loop or shared_loop()
         self._closed = False
-        self._watched = False
         self._connections: set[Any] = set()
-        listener.setblocking(False)
+        self._acceptor = Acceptor(self._loop, listener, self._admit, name=name, backoff=ACCEPT_BACKOFF_SECONDS)
 
     @property
     def loop(self) -> RelayLoop:
@@ -430,30 +296,15 @@ class TcpService:
         return self
 
     def _watch_listener(self) -> None:
-        if not self._closed and not self._watched:
-            self._loop.watch(self._listener, 0, READ, self)
-            self._watched = True
+        if not self._closed:
+            self._acceptor.start()
+
+    def _admit(self, client: socket.socket, address: Any) -> None:
+        client.setblocking(False)
+        self.accepted(client, address[0])
 
     def accepted(self, client: socket.socket, address: str) -> None:
         raise NotImplementedError
-
-    def on_ready(self, _mask: int) -> None:
-        for _ in range(ACCEPT_BATCH):
-            try:
-                client, (address, _port) = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:                             # out of descriptors, say: rest rather than spin
-                self._loop.watch(self._listener, READ, 0, self)
-                self._watched = False
-                self._loop.later(ACCEPT_BACKOFF_SECONDS, self._watch_listener)
-                return
-            client.setblocking(False)
-            try:
-                self.accepted(client, address)
-            except Exception:  # noqa: BLE001 - one bad connection must not stop the listener
-                log.exception("%s: a connection failed", self.name)
-                client.close()
 
     def track(self, connection: Any) -> None:
         self._connections.add(connection)
@@ -474,9 +325,7 @@ class TcpService:
         if self._closed:
             return
         self._closed = True
-        if self._watched:
-            self._loop.watch(self._listener, READ, 0, self)
-            self._watched = False
+        self._acceptor.stop()
         self._listener.close()
         for connection in list(self._connections):
             connection.close()
