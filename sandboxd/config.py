@@ -1,10 +1,15 @@
-"""The daemon's configuration file: one TOML file, every key documented with its default.
+"""The daemon's settings: one TOML file, every key documented with its default.
 
-Where it is read from: ``sandboxd serve --config FILE``, else ``$SANDBOXD_CONFIG``, else
-``/etc/sandboxd/sandboxd.toml`` when it exists (built-in defaults otherwise). Command-line flags
-win over the file. An unknown key, a bad value or a file that is not TOML stops the daemon at
-start-up with the file, the key and what is wrong; ``sandboxd config check FILE`` says the same
-without starting anything, and ``sandboxd config defaults`` prints a file with every key.
+Where they come from, each later one winning over the earlier (``load``): the built-in defaults;
+the file (``sandboxd serve --config FILE``, else ``$SANDBOXD_CONFIG``, else
+``/etc/sandboxd/sandboxd.toml`` when it exists); the environment (``$SANDBOXD_<SECTION>_<KEY>``,
+e.g. ``SANDBOXD_LISTEN_WORKERS=8``: a string key takes the value as it is, any other a TOML
+value such as ``8``, ``true`` or ``["192.0.2.53"]``); the command-line flags. ``load`` checks
+everything once, the values and what they name (groups, users, the TLS files), and returns a
+frozen ``DaemonSettings``: the daemon reads nothing else. An unknown key, a bad value or a file
+that is not TOML stops the daemon at start-up with where the value came from, the key and what
+to fix; ``sandboxd config check FILE`` says the same without starting anything, and
+``sandboxd config defaults`` prints a file with every key.
 """
 
 from __future__ import annotations
@@ -19,7 +24,13 @@ from sandboxd import defaults
 from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from sandboxd.daemon_settings import DaemonSettings
+
 DEFAULT_PATH = "/etc/sandboxd/sandboxd.toml"
+CONFIG_ENV = "SANDBOXD_CONFIG"
+BUILT_IN = "(built-in defaults)"
 
 
 class ConfigError(InvalidPolicy):
@@ -239,7 +250,7 @@ class Config(Record):
     """The values of every key (dotted name -> value, each passed its key's check), and the file read.
 
     Read them through the typed accessors: a key read as the wrong type is a bug here, not a bad file."""
-    values: dict[str, object]
+    values: Mapping[str, object]        # read-only
     path: str | None
 
     def __getitem__(self, dotted: str) -> object:
@@ -283,19 +294,72 @@ class Config(Record):
         return dict(value)
 
 
-def default_path() -> str | None:
+def default_path(environ: Mapping[str, str] = os.environ) -> str | None:
     """The file a daemon without --config reads, if any."""
-    explicit = os.environ.get("SANDBOXD_CONFIG")
+    explicit = environ.get(CONFIG_ENV)
     if explicit:
         return explicit
     return DEFAULT_PATH if os.path.exists(DEFAULT_PATH) else None
 
 
-def load(path: str | None) -> Config:
-    """The built-in defaults, overlaid with ``path`` (None: defaults only). ConfigError on any problem."""
-    values: dict[str, object] = {key.dotted: key.default for key in KEYS}
+# The flags of ``sandboxd serve`` that set a key (cli.serve builds its parser from this).
+FLAGS: dict[str, str] = {
+    "listen.socket": "--socket", "listen.admin_group": "--admin-group", "listen.workers": "--workers",
+    "state.dir": "--state-dir", "network.dns": "--dns", "approvals.timeout_seconds": "--approval-timeout",
+    "tls.address": "--tcp", "tls.cert": "--tls-cert", "tls.key": "--tls-key", "tls.client_ca": "--tls-client-ca",
+    "tls.user": "--tcp-user", "log.format": "--log-format", "log.level": "--log-level",
+    "metrics.listen": "--metrics"}
+_TLS = ("tls.address", "tls.cert", "tls.key", "tls.client_ca")
+
+
+def load(path: str | None = None, *, environ: Mapping[str, str] | None = None,
+         flags: Mapping[str, object] | None = None) -> "DaemonSettings":
+    """The daemon's settings: the built-in defaults, then the file ``path`` (None: the one
+    ``$SANDBOXD_CONFIG`` in ``environ`` names, else DEFAULT_PATH if it exists), then ``environ``'s
+    ``SANDBOXD_<SECTION>_<KEY>`` variables, then ``flags`` (dotted key -> value: the command
+    line's), each checked as it comes in and all of them together at the end, with what they
+    name (groups, users, TLS files). ConfigError naming where the bad value came from, the key
+    and what to fix. ``environ`` None: the process's own."""
+    environ = os.environ if environ is None else environ
+    path = path or default_path(environ)
+    values = _defaults()
+    _overlay_file(values, path)
+    sources = {dotted: path or BUILT_IN for dotted in values}
+    sources.update(_overlay_environment(values, environ))
+    for dotted, value in (flags or {}).items():
+        key = _BY_NAME[dotted]               # a KeyError is a bug in the caller: flags are ours
+        _set(values, FLAGS.get(dotted, dotted), key, value)
+        sources[dotted] = FLAGS.get(dotted, dotted)
+    flagged = {FLAGS[k] for k in (flags or {}) if k.startswith("tls.") and k in FLAGS}
+    if flagged and not all(values[k] for k in _TLS):
+        raise ConfigError("command line", "tls", "a TCP listener needs all of --tcp, --tls-cert, --tls-key and "
+                          "--tls-client-ca (tls.address, tls.cert, tls.key, tls.client_ca): there is no "
+                          "plain-text or unauthenticated TCP")
+    from sandboxd.daemon_settings import settings_from
+
+    return settings_from(*_check_together(values, path), sources)
+
+
+def env_name(key: Key) -> str:
+    """The environment variable that sets ``key``: ``SANDBOXD_<SECTION>_<NAME>``."""
+    return f"SANDBOXD_{key.section}_{key.name}".upper()
+
+
+def read_file(path: str | None) -> Config:
+    """The built-in defaults, overlaid with ``path`` (None: defaults only), every key and the
+    keys together checked. ConfigError on any problem. (``load`` adds the environment and flags.)"""
+    values = _defaults()
+    _overlay_file(values, path)
+    return _check_together(values, path)[0]
+
+
+def _defaults() -> dict[str, object]:
+    return {key.dotted: key.default for key in KEYS}
+
+
+def _overlay_file(values: dict[str, object], path: str | None) -> None:
     if path is None:
-        return Config(values, None)
+        return
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -314,20 +378,52 @@ def load(path: str | None) -> Config:
                 hint = f"known keys of [{section}]: {', '.join(known)}" if known else \
                     f"known sections: {', '.join(sorted({k.section for k in KEYS}))}"
                 raise ConfigError(path, f"{section}.{name}", f"unknown key ({hint})")
-            problem = key.check(value)
-            if problem:
-                raise ConfigError(path, key.dotted, problem)
-            values[key.dotted] = value
-    checked = Config(values, path)
+            _set(values, path, key, value)
+
+
+def _set(values: dict[str, object], source: str, key: Key, value: object) -> None:
+    problem = key.check(value)
+    if problem:
+        raise ConfigError(source, key.dotted, problem)
+    values[key.dotted] = value
+
+
+def _overlay_environment(values: dict[str, object], environ: Mapping[str, str]) -> dict[str, str]:
+    """Set the keys ``environ`` names; returns each one's variable (key -> "$NAME")."""
+    given: dict[str, str] = {}
+    for key in KEYS:
+        name = env_name(key)
+        text = environ.get(name)
+        if text is None:
+            continue
+        value: object = text
+        if not isinstance(key.default, str):
+            try:
+                value = tomllib.loads(f"value = {text}")["value"]
+            except tomllib.TOMLDecodeError:
+                raise ConfigError(f"${name}", key.dotted, f"{text!r} is not a TOML value (like 8, true or "
+                                  "[\"192.0.2.53\"])") from None
+        _set(values, f"${name}", key, value)
+        given[key.dotted] = f"${name}"
+    return given
+
+
+def _check_together(values: dict[str, object], path: str | None) -> "tuple[Config, ResourceLimits]":
+    """The checks of keys against each other, once every source is in; the checked values and
+    the resource limits they resolve to."""
+    from types import MappingProxyType
+
+    checked = Config(MappingProxyType(dict(values)), path)
+    where = path or BUILT_IN
     reserved, workers = checked.whole("quotas.reserved_workers"), checked.whole("listen.workers")
     if 0 < reserved >= workers:
-        raise ConfigError(path, "quotas.reserved_workers", f"must be below listen.workers "
+        raise ConfigError(where, "quotas.reserved_workers", f"must be below listen.workers "
                           f"({workers}): the rest serve running calls and streams")
-    resource_limits(checked)                     # the limits must nest: defaults <= max <= total
-    tls = [values[f"tls.{name}"] for name in ("address", "cert", "key", "client_ca")]
+    limits = resource_limits(checked)            # the limits must nest: defaults <= max <= total
+    tls = [values[dotted] for dotted in _TLS]
     if any(tls) and not all(tls):
-        raise ConfigError(path, "tls", "a TCP listener needs all of address, cert, key and client_ca")
-    return Config(values, path)
+        raise ConfigError(where, "tls", "a TCP listener needs all of address, cert, key and client_ca")
+    return checked, limits
 
 
 class ResourceLimits(Record):
@@ -365,7 +461,7 @@ def resource_limits(config: Config) -> ResourceLimits:
         pids=config.whole("defaults.pids") or min(host_limits.DEFAULT_PIDS, max_pids, owner_pids),
         max_memory=max_memory, max_pids=max_pids, total_memory=total_memory, total_pids=total_pids,
         owner_pids=owner_pids, owner_memory=owner_memory)
-    path = config.path or "(built-in defaults)"
+    path = config.path or BUILT_IN
     nested = [("defaults.memory", "limits.max_memory"), ("limits.max_memory", "limits.total_memory"),
               ("defaults.pids", "limits.max_pids"), ("limits.max_pids", "limits.total_pids"),
               ("defaults.pids", "limits.owner_pids"), ("limits.owner_pids", "limits.total_pids")]

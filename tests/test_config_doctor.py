@@ -26,7 +26,7 @@ def sandboxd(*args: str, env: dict[str, str] | None = None, timeout: float = 60)
 def test_the_defaults_file_is_the_defaults(tmp_path: Path) -> None:
     text = sandboxd("config", "defaults").stdout
     (tmp_path / "defaults.toml").write_text(text)
-    assert config.load(str(tmp_path / "defaults.toml")).values == config.load(None).values
+    assert config.read_file(str(tmp_path / "defaults.toml")).values == config.read_file(None).values
     for key in config.KEYS:
         assert f"# {key.doc}" in text
 
@@ -111,7 +111,7 @@ def test_doctor_says_what_is_missing_and_how_to_fix_it() -> None:
 
 def test_the_packaged_default_config_is_valid() -> None:
     packaged = REPO / "packaging" / "sandboxd.toml"
-    assert config.load(str(packaged)).values == config.load(None).values
+    assert config.read_file(str(packaged)).values == config.read_file(None).values
     assert os.path.getsize(packaged) > 0
 
 
@@ -173,7 +173,7 @@ def test_an_owners_share_defaults_to_a_fifth_of_the_total_and_must_nest(tmp_path
     def resolved(text: str) -> config.ResourceLimits:
         path = tmp_path / "sandboxd.toml"
         path.write_text(text)
-        return config.resource_limits(config.load(str(path)))
+        return config.resource_limits(config.read_file(str(path)))
 
     built_in = resolved("")
     assert built_in.owner_pids == built_in.total_pids // 5 and built_in.owner_memory == 0

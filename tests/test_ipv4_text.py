@@ -90,7 +90,7 @@ def test_the_daemons_dns_setting_refuses_malformed_addresses(tmp_path: Path, tex
     path = tmp_path / "sandboxd.toml"
     path.write_text(f'[network]\ndns = ["{text}"]\n', encoding="utf-8")
     with pytest.raises(config.ConfigError) as refused:
-        config.load(str(path))
+        config.read_file(str(path))
     assert f"network.dns: {text!r} is not an IPv4 address" in str(refused.value) and why in str(refused.value)
     path.write_text('[network]\ndns = ["192.0.2.53"]\n')
-    assert config.load(str(path)).texts("network.dns") == ("192.0.2.53",)          # control
+    assert config.read_file(str(path)).texts("network.dns") == ("192.0.2.53",)          # control

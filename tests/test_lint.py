@@ -119,7 +119,7 @@ def test_typed_settings_read_each_default_with_its_type() -> None:
     the type its accessor promises, and the wrong accessor is refused rather than guessed."""
     from sandboxd import config
 
-    loaded = config.load(None)
+    loaded = config.read_file(None)
     accessors = {str: loaded.text, bool: loaded.flag, int: loaded.whole, float: loaded.number,
                  list: loaded.texts, dict: loaded.table}
     for key in config.KEYS:

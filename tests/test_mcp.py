@@ -440,7 +440,7 @@ def test_bad_start_says_what_to_do(daemon: Daemon, tmp_path: Path) -> None:
 def test_the_daemon_never_imports_the_mcp_sdk() -> None:
     """The MCP SDK is `sandboxd mcp`'s alone: the daemon's code does not load it (control: the
     MCP command's own modules do)."""
-    probe = ("import sys; import sandboxd.cli.serve, sandboxd.service.server; "
+    probe = ("import sys; import sandboxd.cli.serve, sandboxd.service.daemon; "
              "print(any(name == 'mcp' or name.startswith('mcp.') for name in sys.modules)); "
              "import sandboxd.cli.mcp_transports; print('mcp' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd="/")

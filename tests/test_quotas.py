@@ -410,7 +410,7 @@ def test_the_reserve_must_leave_workers_for_calls(tmp_path: Path) -> None:
     # The default reserve is a quarter of the workers; a good file loads.
     assert QuotaLimits(workers=128).reserved_workers == 32 and QuotaLimits(workers=128).long_lived_total == 96
     path.write_text(QUOTA_CONFIG)
-    assert config.load(str(path))["quotas.calls_per_uid"] == CALLS
+    assert config.read_file(str(path))["quotas.calls_per_uid"] == CALLS
 
 
 @pytest.mark.parametrize("line, problem", [

@@ -327,7 +327,7 @@ def check_ceiling() -> tuple[str, str]:
     from sandboxd import config
     from sandboxd.kernel import cgroups
 
-    limits = config.resource_limits(config.load(config.default_path()))
+    limits = config.resource_limits(config.read_file(config.default_path()))
     detail = (f"each sandbox by default: pids {limits.pids}, memory {limits.memory >> 20} MiB (at most "
               f"{limits.max_pids} and {limits.max_memory >> 20} MiB); all together: pids {limits.total_pids}, "
               f"memory {limits.total_memory >> 20} MiB; each owner's share: pids {limits.owner_pids}, memory "

@@ -55,7 +55,7 @@ def _config(args: list[str]) -> int:
         return 0
     if len(args) == 2 and args[0] == "check":
         try:
-            loaded = config.load(args[1])
+            loaded = config.read_file(args[1])
         except config.ConfigError as exc:
             sys.stderr.write(f"sandboxd config: {exc}\n")
             return 2

@@ -9,6 +9,7 @@ import sys
 
 from sandboxd import defaults
 from sandboxd.errors import ExecFailed, InvalidPolicy, LimitsUnavailable, SandboxdError
+from sandboxd.kernel.users import parse_user
 from sandboxd.policy import DEFAULT_PROTECTED_SUBPATHS, LaunchSpec, Limits, parse_size, policy_from_name
 from sandboxd.policy.git_config import GIT_GUARD_SUBPATH
 from sandboxd.policy.limits import DEFAULT_TMP_SIZE
@@ -183,27 +184,6 @@ def _number(options: dict[str, object], key: str, kind: "Callable[[str], N]") ->
         return kind(str(value))
     except ValueError:
         raise UsageError(f"--{key.replace('_', '-')} {value!r} is not a {'whole ' if kind is int else ''}number") from None
-
-
-def parse_user(text: str) -> tuple[int, int]:
-    import pwd
-    import grp
-    name, _, group = text.partition(":")
-    try:
-        if name.isdigit():
-            uid = int(name)
-            try:
-                default_gid = pwd.getpwuid(uid).pw_gid
-            except KeyError:
-                default_gid = uid
-        else:
-            entry = pwd.getpwnam(name)
-            uid, default_gid = entry.pw_uid, entry.pw_gid
-        if not group:
-            return uid, default_gid
-        return uid, int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
-    except KeyError:
-        raise InvalidPolicy(f"unknown user or group in --user {text!r}") from None
 
 
 def spec_from_args(args: dict[str, object]) -> LaunchSpec:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from typing import Protocol
 
 import psutil
 
@@ -14,6 +15,14 @@ from sandboxd.service.callers import Caller
 from sandboxd.service.quotas import CALLS, STREAMS, owner_key
 from sandboxd.service.sessions import SessionRegistry
 from sandboxd.v1 import sandboxd_pb2 as pb
+
+
+class ConnectionCounts(Protocol):
+    """What the status reads of the front door (service.peercred.FrontDoor): a uid's connections."""
+
+    def connections_by_uid(self) -> dict[int, int]: ...
+
+    def connection_limit(self, uid: int) -> int: ...
 
 
 
@@ -51,13 +60,13 @@ def kernel_features() -> dict[str, str]:
     return features
 
 
-def status(registry: SessionRegistry, gate: ApprovalGate, who: Caller) -> pb.DaemonStatus:
+def status(registry: SessionRegistry, gate: ApprovalGate, who: Caller,
+           door: ConnectionCounts | None = None) -> pb.DaemonStatus:
     sessions = registry.list(who)
     quotas = registry.quotas
     limits = quotas.limits
     owner = owner_key(who)
     usage = quotas.usage(who)
-    door = registry.front_door
     connections: dict[str, int] = {}
     if door is not None and not who.principal:            # TLS callers do not come through the door
         connections = {"connections": door.connections_by_uid().get(who.uid, 0)}

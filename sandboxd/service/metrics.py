@@ -8,7 +8,7 @@ registry; live sessions, running calls and the event store's size are read when 
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import MetricsHandler
@@ -17,11 +17,16 @@ from prometheus_client.exposition import MetricsHandler
 # time (no thread per connection), so a slow one must not hold it.
 CLIENT_TIMEOUT = 5.0
 
+if TYPE_CHECKING:
+    import threading
+    from http.server import HTTPServer
+
 LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 15, 60, 300)
 
 
 class Metrics:
     def __init__(self) -> None:
+        self._listener: "tuple[HTTPServer, threading.Thread] | None" = None
         self.registry = CollectorRegistry()
         r = self.registry
         self.calls = Counter("sandboxd_tool_calls", "Tool calls by tool and outcome (completed, failed, "
@@ -75,4 +80,15 @@ class Metrics:
 
         Handler.registry = registry
         server = HTTPServer((host.strip("[]") or "127.0.0.1", int(port)), Handler)
-        threading.Thread(target=server.serve_forever, name="sandboxd-metrics", daemon=True).start()
+        thread = threading.Thread(target=server.serve_forever, name="sandboxd-metrics", daemon=True)
+        thread.start()
+        self._listener = (server, thread)
+
+    def close(self) -> None:
+        """Stop the HTTP listener, if it was started: its thread ends and its socket is closed."""
+        if self._listener is not None:
+            server, thread = self._listener
+            self._listener = None
+            server.shutdown()
+            server.server_close()
+            thread.join()

@@ -5,7 +5,7 @@ generation, closed with it (sandbox_hooks)."""
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable
+from typing import Callable, Iterable
 
 from sandboxd.audit.store import EventStore, EventType
 from sandboxd.service.sandbox_hooks import Sandbox, SandboxHooks, Service
@@ -32,10 +32,10 @@ class PublishedPorts(SandboxHooks):
 
 
 class EgressProxies(SandboxHooks):
-    def __init__(self, store: EventStore, connections: int) -> None:
+    def __init__(self, store: EventStore, connections: int, count_denial: Callable[[], None] | None = None) -> None:
         self._store = store
         self._connections = connections                 # at once, per sandbox
-        self.metrics: "Any" = None                       # service.metrics.Metrics, when the daemon has it
+        self._count_denial = count_denial                # the daemon's metrics, when it has them
 
     def sandbox_ready(self, session: Session, sandbox: Sandbox) -> Iterable[Service]:
         domains, info = getattr(sandbox.policy, "allowed_domains", ()), sandbox.info
@@ -44,8 +44,8 @@ class EgressProxies(SandboxHooks):
         from sandboxd.network.egress_proxy import EgressProxy, proxy_environment
 
         def denied(destination: str, why: str) -> None:
-            if self.metrics is not None:
-                self.metrics.network_denials.inc()
+            if self._count_denial is not None:
+                self._count_denial()
             self._store.append(session.id, EventType.PERMISSION_DENIED, tool="network", data={
                 "reason": "network_request", "by": "sandbox", "destination": destination, "detail": why,
                 "message": f"network: denied by the sandbox (network_request): {destination}: {why}"})

@@ -25,6 +25,7 @@ from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 
 
 if TYPE_CHECKING:
+    from sandboxd.service.daemon_status import ConnectionCounts
     from sandboxd.service.metrics import Metrics
 
 R = TypeVar("R")   # what a unary call's work returns
@@ -51,7 +52,8 @@ def job_to_proto(job: BackgroundJob) -> pb.BackgroundProcess:
 class SandboxServicer(pb_grpc.SandboxServicer):
     def __init__(self, registry: SessionRegistry, fork: ForkServer, callers: "Callers | FrontDoor",
                  gate: ApprovalGate, metrics: "Metrics | None" = None,
-                 defaults: "convert.SessionDefaults | None" = None, quotas: Quotas | None = None) -> None:
+                 defaults: "convert.SessionDefaults | None" = None, quotas: Quotas | None = None,
+                 connections: "ConnectionCounts | None" = None) -> None:
         self._quotas = quotas or registry.quotas
         self._metrics = metrics
         self._defaults = defaults or convert.SessionDefaults()
@@ -60,6 +62,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         self._callers = callers if isinstance(callers, Callers) else Callers(callers)
         self._jobs = BackgroundJobs(registry, fork, self._quotas.limits.background_per_uid)
         self._gate = gate
+        self._connections = connections                   # the front door's counts, for GetStatus
         self._audit = AuditService(registry, gate)
         for forget in (gate.forget_session, self._audit.forget_session, environment.forget_session):
             registry.add_hooks(WhenClosed(forget))            # a closed session is forgotten (sandbox_hooks)
@@ -308,7 +311,8 @@ class SandboxServicer(pb_grpc.SandboxServicer):
 
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.DaemonStatus:
         from sandboxd.service import daemon_status
-        return self._unary(context, lambda who: daemon_status.status(self._registry, self._gate, who))
+        return self._unary(context, lambda who: daemon_status.status(self._registry, self._gate, who,
+                                                                      self._connections))
 
     def RemoveStandingRule(self, request: pb.StandingRule,
                            context: grpc.ServicerContext) -> pb.RemoveStandingRuleResponse:

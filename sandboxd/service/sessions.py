@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import builtins
 import os
-from typing import Any
+from typing import Callable
 
 from sandboxd.audit.store import EventStore
 from sandboxd.errors import InvalidPolicy, NotFound
@@ -43,30 +43,23 @@ class SessionRegistry:
     def __init__(self, forkserver: ForkServer, store: EventStore, *,
                  max_sessions: int = 10000, dns: tuple[str, ...] = (), network_pool: str = "",
                  own: OwnPlaces | None = None, proxy_connections: int = 256,
-                 published_connections: int = 256, published_per_peer: int = 32, quotas: Quotas | None = None) -> None:
+                 published_connections: int = 256, published_per_peer: int = 32, quotas: Quotas | None = None,
+                 allow_user_full_access: bool = True, count_network_denial: Callable[[], None] | None = None) -> None:
+        """``allow_user_full_access``: policy.allow_user_full_access, whether a local non-root caller
+        may have danger-full-access. ``count_network_denial``: called for each connection an egress
+        proxy refuses (the daemon's metrics count them)."""
         self._fork = forkserver
         self.store = store
         self.own = own or OwnPlaces()
-        self.front_door: "Any" = None                     # network.front_door.FrontDoor, for status counts
         self.quotas = quotas or Quotas()
-        # policy.allow_user_full_access: whether a local non-root caller may have danger-full-access.
-        self.allow_user_full_access = True
+        self.allow_user_full_access = allow_user_full_access
         self._table = SessionTable(max_sessions, self.quotas)
         # The order their sandbox_ready runs in: the network first, the git guard's baseline last.
-        self._egress = EgressProxies(store, proxy_connections)
+        self._egress = EgressProxies(store, proxy_connections, count_network_denial)
         self.hooks = HookList([PublishedPorts(published_connections, published_per_peer), self._egress,
                                GitGuardHook(store)])
         self._life = SessionLifecycle(forkserver, store, self._table, self.hooks,
                                       SandboxPlaces(own=self.own, dns=dns, network_pool=network_pool))
-
-    @property
-    def metrics(self) -> "Any":
-        """service.metrics.Metrics, when the daemon has it (the egress proxies count refusals)."""
-        return self._egress.metrics
-
-    @metrics.setter
-    def metrics(self, metrics: "Any") -> None:
-        self._egress.metrics = metrics
 
     def add_hooks(self, hooks: SandboxHooks) -> None:
         """Another service's hooks (sandbox_hooks), called after the registry's own."""
@@ -88,6 +81,10 @@ class SessionRegistry:
     def open_sessions(self) -> builtins.list[Session]:
         """Every open session, whoever owns it (for the daemon's own counts)."""
         return [s for s in self._table.all() if s.usable]
+
+    def count_open(self) -> int:
+        """How many sessions are open, whoever owns them (the daemon's gauge and stop log)."""
+        return sum(1 for s in self._table.all() if s.usable)
 
     def count(self) -> int:
         """Sessions held (being built ones included): what the limits count."""

@@ -1,0 +1,153 @@
+"""The settings the daemon is built from (``config.load`` makes them): one frozen record, every
+field typed and ready to use, and what the keys name already looked up and read, so a bad value
+stops the start here, once, never half-way through it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from sandboxd.config import BUILT_IN, Config, ConfigError, ResourceLimits
+from sandboxd.errors import InvalidPolicy, SandboxdError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from sandboxd.service.convert import SessionDefaults
+    from sandboxd.service.quotas import QuotaLimits
+
+TLS_FILES = ("tls.cert", "tls.key", "tls.client_ca")
+
+
+@dataclass(frozen=True, slots=True)
+class TlsSettings:
+    """The optional TCP listener: TLS, and a client certificate signed by ``client_ca`` required.
+    Its callers are named by ``identity`` (service.callers: the common name, or a URI or DNS
+    subject alternative name) and act as the local user ``users`` maps them to, else ``uid:gid``."""
+    address: str
+    port: int
+    cert: bytes                   # PEM, read once at load: a file that cannot be read stops the start
+    key: bytes
+    client_ca: bytes
+    uid: int
+    gid: int
+    identity: str
+    users: Mapping[str, tuple[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonSettings:
+    """Everything the daemon is built from, checked once by ``load``: each field is ready to use."""
+    source: Config                # every key's value as checked, and the file read (None: none)
+    socket: str
+    socket_mode: int
+    admin_gid: int | None
+    workers: int
+    connections_per_uid: int
+    quotas: "QuotaLimits"
+    tls: TlsSettings | None
+    state_dir: str
+    ping_timeout: float
+    wait_seconds: float
+    approval_timeout: float
+    allow_user_full_access: bool
+    dns: tuple[str, ...]
+    network_pool: str
+    proxy_connections: int
+    published_connections: int
+    published_per_peer: int
+    session_defaults: "SessionDefaults"
+    metrics_listen: str
+    log_format: str
+    log_level: str
+
+    @property
+    def config_path(self) -> str | None:
+        return self.source.path
+
+
+def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, str]) -> DaemonSettings:
+    """``config`` (every key checked, and the keys together; ``limits``: its resource limits
+    resolved) as the daemon's settings, with what the keys name looked up: the admin group, the
+    TLS files and users; the quotas checked against the workers. ``sources``: where each key's
+    value came from, for the messages."""
+    from sandboxd.service.convert import SessionDefaults
+    from sandboxd.service.quotas import QuotaLimits
+
+    def refuse(dotted: str, problem: str) -> ConfigError:
+        return ConfigError(sources.get(dotted, config.path or BUILT_IN), dotted, problem)
+
+    admin_gid = None
+    group = config.text("listen.admin_group")
+    if group:
+        from sandboxd.kernel.users import group_id
+        try:
+            admin_gid = group_id(group)
+        except KeyError:
+            raise refuse("listen.admin_group", f"no group {group!r} on this machine: name an existing group "
+                         "(or its number), or leave it empty (only root sees every session)") from None
+    try:
+        quotas = QuotaLimits(sessions_per_uid=config.whole("quotas.sessions_per_uid"),
+                             calls_per_uid=config.whole("quotas.calls_per_uid"),
+                             streams_per_uid=config.whole("quotas.streams_per_uid"),
+                             background_per_uid=config.whole("quotas.background_per_uid"),
+                             reserved_workers=config.whole("quotas.reserved_workers"),
+                             workers=config.whole("listen.workers"))
+    except SandboxdError as exc:
+        raise refuse("quotas", str(exc)) from None
+    defaults = SessionDefaults(
+        sandbox=config.text("defaults.sandbox_policy"), network_access=config.flag("defaults.network_access"),
+        approval=config.text("defaults.approval_policy"),
+        timeout_seconds=config.number("defaults.timeout_seconds") or None,
+        memory_bytes=limits.memory, pids=limits.pids, max_memory_bytes=limits.max_memory, max_pids=limits.max_pids,
+        total_memory_bytes=limits.total_memory, total_pids=limits.total_pids,
+        owner_memory_bytes=limits.owner_memory or None, owner_pids=limits.owner_pids)
+    return DaemonSettings(
+        source=config, socket=config.text("listen.socket"), socket_mode=int(config.text("listen.socket_mode"), 8),
+        admin_gid=admin_gid, workers=config.whole("listen.workers"),
+        connections_per_uid=config.whole("quotas.connections_per_uid"), quotas=quotas,
+        tls=_tls(config, refuse), state_dir=config.text("state.dir"),
+        ping_timeout=config.number("fork_server.ping_timeout_seconds"),
+        wait_seconds=config.number("fork_server.wait_seconds"),
+        approval_timeout=config.number("approvals.timeout_seconds"),
+        allow_user_full_access=config.flag("policy.allow_user_full_access"),
+        dns=config.texts("network.dns"), network_pool=config.text("network.pool"),
+        proxy_connections=config.whole("quotas.proxy_connections_per_session"),
+        published_connections=config.whole("quotas.published_connections_per_session"),
+        published_per_peer=config.whole("quotas.published_connections_per_peer"),
+        session_defaults=defaults, metrics_listen=config.text("metrics.listen"),
+        log_format=config.text("log.format"), log_level=config.text("log.level"))
+
+
+def _tls(config: Config, refuse: "Callable[[str, str], ConfigError]") -> TlsSettings | None:
+    """The TCP listener's settings with its files read and its users looked up; None without one."""
+    from types import MappingProxyType
+
+    from sandboxd.kernel.users import parse_user
+
+    address = config.text("tls.address")
+    if not address:
+        return None
+    host, _, port = address.rpartition(":")
+    if not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        raise refuse("tls.address", f"{address!r} must be HOST:PORT, like 0.0.0.0:8443")
+    pem: dict[str, bytes] = {}
+    for dotted in TLS_FILES:
+        file = config.text(dotted)
+        try:
+            with open(file, "rb") as f:
+                pem[dotted] = f.read()
+        except OSError as exc:
+            raise refuse(dotted, f"cannot read {file} ({exc.strerror}): give a PEM file the daemon can read") from None
+    try:
+        uid, gid = parse_user(config.text("tls.user"), "tls.user")
+    except InvalidPolicy as exc:
+        raise refuse("tls.user", f"{exc}: name an existing USER[:GROUP], or give numbers") from None
+    users: dict[str, tuple[int, int]] = {}
+    for principal, user in config.table("tls.users").items():
+        try:
+            users[principal] = parse_user(user, f"tls.users[{principal!r}]")
+        except InvalidPolicy as exc:
+            raise refuse("tls.users", f"{exc}: name an existing USER[:GROUP], or give numbers") from None
+    return TlsSettings(address=address, port=int(port), cert=pem["tls.cert"], key=pem["tls.key"],
+                       client_ca=pem["tls.client_ca"], uid=uid, gid=gid, identity=config.text("tls.identity"),
+                       users=MappingProxyType(users))

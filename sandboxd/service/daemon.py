@@ -1,0 +1,306 @@
+"""The daemon, built from its settings (config.DaemonSettings) in one place.
+
+``Daemon(settings).run()`` is ``sandboxd serve``: ``start`` builds every part, each handed what
+it needs through its constructor (the fork server first, as a fresh process before gRPC's
+threads; then the event store, the registry, metrics, the approval gate, the front door, the
+gRPC server and the optional TLS and metrics listeners); ``serve`` waits for a stop signal or the
+fork server's death (restarting it in place); ``stop`` takes it all down in order. Listeners: the
+public Unix socket (mode 0666 by default: every local user may talk to it; what each may do is
+decided per call from SO_PEERCRED) relayed by the front door to the gRPC server on a socket in a
+0700 directory. SIGTERM/SIGINT stop it gracefully: no new connections, every session killed,
+sockets removed. If the daemon is SIGKILLed, the fork server (parent-death signal) and with it
+every sandbox die too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from concurrent import futures
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from sandboxd.audit.store import EventStore, open_in_state_dir
+from sandboxd.daemon_settings import DaemonSettings
+from sandboxd.service import memtrace, systemd
+from sandboxd.service.approvals import ApprovalGate
+from sandboxd.service.callers import Callers, TlsIdentity
+from sandboxd.service.metrics import Metrics
+from sandboxd.network.front_door import FrontDoor
+from sandboxd.service.quotas import Quotas
+from sandboxd.service.sandboxed_peers import SandboxedPeers
+from sandboxd.service.server import (MAX_FORK_RESTARTS, RESTART_WINDOW, ForkWatch, JsonLogFormatter,
+                                     TextLogFormatter, own_places, raise_nofile_limit, self_test,
+                                     sweep_private_dir)
+from sandboxd.service.servicer import SandboxServicer
+from sandboxd.service.sessions import SessionRegistry
+from sandboxd.service.watchdog import Watchdog
+from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.v1 import sandboxd_pb2, sandboxd_pb2_grpc
+
+log = logging.getLogger("sandboxd")
+SERVICES = ("", "sandboxd.v1.Sandbox")          # what health reports on
+STOP_GRACE_SECONDS = 2                           # calls still running at stop get this long
+
+
+@dataclass(frozen=True, slots=True)
+class _Parts:
+    """Everything ``start`` built, for ``serve`` and ``stop``."""
+    fork: ForkServer
+    store: EventStore
+    registry: SessionRegistry
+    metrics: Metrics
+    door: FrontDoor
+    server: grpc.Server
+    workers: futures.ThreadPoolExecutor
+    health: health.HealthServicer
+    backend: str                                 # the gRPC server's private socket
+    log_handler: logging.Handler
+    tracer: memtrace.MemoryTracer | None
+
+
+class Daemon:
+    def __init__(self, settings: DaemonSettings) -> None:
+        self.settings = settings
+        self._parts: _Parts | None = None
+        self._stop_requested: list[int] = []     # a flag a signal handler may set: no lock taken
+        # Written to by a stop signal (signal.set_wakeup_fd) or request_stop: wakes serve at once.
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    # -- the whole life, as `sandboxd serve` runs it ---------------------------------------------
+
+    def run(self) -> int:
+        """Start, serve until SIGTERM or SIGINT (or a fork server that cannot be restarted), stop.
+        The exit status: 0 after a stop signal, 1 when the daemon could not start or run on.
+        OSError (EADDRINUSE: another daemon on the socket) if a listener cannot be set up."""
+        # The handler only sets a flag: anything that takes a lock (Event.set, logging) can
+        # deadlock when the signal lands while the main thread holds that same lock. Set before
+        # the start: a stop asked for while starting is honoured as soon as the daemon serves.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda received, _frame: self._stop_requested.append(received))
+        signal.set_wakeup_fd(self._wake_w)
+        try:
+            problem = self.start()
+            if problem is not None:
+                # Refuse to start rather than serve sessions the kernel cannot enforce.
+                sys.stderr.write(f"sandboxd serve: this machine cannot build a sandbox: {problem}\n"
+                                 "  (sandboxd doctor says what is missing and how to fix it)\n")
+                return 1
+            return self.serve()
+        finally:
+            signal.set_wakeup_fd(-1)
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                # Stopping already: more of these must not cut the cleanup short (nor, at interpreter
+                # exit, turn exit status 0 into death by signal). A stuck stop still yields to SIGKILL.
+                signal.signal(signum, signal.SIG_IGN)
+            self.stop()
+            self.close()
+
+    # -- its steps --------------------------------------------------------------------------------
+
+    def start(self) -> str | None:
+        """Build and start every part. Why this machine cannot build a sandbox (nothing left
+        running then), or None once the daemon serves."""
+        from sandboxd.kernel.malloc_arenas import limit_arenas
+
+        s = self.settings
+        limit_arenas()              # before any thread: the daemon's C heaps stay flat under load
+        # First: the fork server inherits it (it holds descriptors for every session; at 1024 it failed
+        # past ~500 sessions). Sandboxes inherit it from the fork server in turn, unless the session
+        # sets open_files.
+        raise_nofile_limit()
+        with ExitStack() as undo:                 # what is built so far, undone if a later step fails
+            fork = ForkServer.start(wait_seconds=s.wait_seconds)   # before gRPC's threads, as a fresh process
+            undo.callback(fork.close)
+            problem = self_test(fork, s.session_defaults)
+            if problem is not None:
+                return problem
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(JsonLogFormatter() if s.log_format == "json" else TextLogFormatter())
+            log.addHandler(handler)
+            undo.callback(log.removeHandler, handler)
+            log.setLevel({"debug": logging.DEBUG, "warning": logging.WARNING}.get(s.log_level, logging.INFO))
+            tracer = memtrace.start_from_environment()      # None unless $SANDBOXD_TRACEMALLOC names a file
+            if tracer is not None:
+                undo.callback(tracer.stop)
+
+            activated = systemd.activated_socket()
+            socket_path = s.socket if activated is None else activated.getsockname() or s.socket  # systemd wins
+            base = os.path.dirname(os.path.abspath(socket_path))
+            private = os.path.join(base, ".sandboxd-private")
+            os.makedirs(base, mode=0o755, exist_ok=True)
+            os.makedirs(private, mode=0o700, exist_ok=True)
+            os.chmod(private, 0o700)
+            backend = os.path.join(private, f"grpc-{os.getpid()}.sock")
+            stale_sockets = sweep_private_dir(private)           # ours included, from a reused pid
+
+            # The audit log and session metadata: opened (and migrated) before anything is served.
+            store = open_in_state_dir(s.state_dir)
+            undo.callback(store.close)
+            tls = s.tls
+            own = own_places(socket_path, private, backend, s.state_dir, tls.address if tls else "",
+                             s.metrics_listen)
+            counters = Quotas(s.quotas)
+            metrics = Metrics()
+            registry = SessionRegistry(fork, store, dns=s.dns, network_pool=s.network_pool, own=own,
+                                       proxy_connections=s.proxy_connections,
+                                       published_connections=s.published_connections,
+                                       published_per_peer=s.published_per_peer, quotas=counters,
+                                       allow_user_full_access=s.allow_user_full_access,
+                                       count_network_denial=metrics.network_denials.inc)
+            undo.callback(registry.close_all)
+            resumed = registry.restore()
+            metrics.watch(sessions=registry.count_open,
+                          running=lambda: sum(session.running_calls for session in registry.open_sessions()),
+                          events=store.last_id)
+            gate = ApprovalGate(store, timeout=s.approval_timeout, metrics=metrics)
+            sandboxed = SandboxedPeers(registry.sandbox_namespaces)
+            door = FrontDoor(socket_path, backend, mode=s.socket_mode, relay_dir=os.path.join(private, "relay"),
+                             listener=activated, connections_per_uid=s.connections_per_uid,
+                             peer_check=lambda who, _pidfd: sandboxed.reason_for_pid(who.pid))
+            undo.callback(door.close)
+            workers = futures.ThreadPoolExecutor(max_workers=s.workers, thread_name_prefix="sandboxd-rpc")
+            undo.callback(workers.shutdown)
+            server = grpc.server(workers)
+            undo.callback(lambda: server.stop(None).wait())
+            undo.callback(_unlink, backend)
+            tls_identity = None if tls is None else TlsIdentity(
+                identity=tls.identity, default_user=(tls.uid, tls.gid), users=dict(tls.users), port=tls.port)
+            callers = Callers(door, tls_identity, sandboxed, s.admin_gid)
+            sandboxd_pb2_grpc.add_SandboxServicer_to_server(
+                SandboxServicer(registry, fork, callers, gate, metrics, s.session_defaults, counters,
+                                connections=door), server)
+            health_servicer = health.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+            reflection.enable_server_reflection(
+                (sandboxd_pb2.DESCRIPTOR.services_by_name["Sandbox"].full_name, reflection.SERVICE_NAME,
+                 health.SERVICE_NAME), server)
+            server.add_insecure_port(f"unix:{backend}")
+            if tls is not None:
+                credentials = grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.client_ca,
+                                                          require_client_auth=True)
+                if not server.add_secure_port(tls.address, credentials):
+                    raise OSError(f"cannot listen on {tls.address}")
+            server.start()
+            door.start()
+            if s.metrics_listen:
+                metrics.serve(s.metrics_listen, refuse=sandboxed.reason_for_tcp)
+                undo.callback(metrics.close)
+            self._set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
+            self._parts = _Parts(fork=fork, store=store, registry=registry, metrics=metrics, door=door,
+                                 server=server, workers=workers, health=health_servicer, backend=backend,
+                                 log_handler=handler, tracer=tracer)
+            undo.pop_all()                        # started: stop() takes it down from here on
+        log.info("serving", extra={"fields": {"socket": socket_path, "pid": os.getpid(),
+                                              "tls": tls.address if tls else None, "event_store": store.path,
+                                              "config": s.config_path, "metrics": s.metrics_listen or None,
+                                              "sessions_resumed": resumed, "stale_sockets_removed": len(stale_sockets),
+                                              "fork_server_pid": fork.pid}})
+        systemd.notify(f"READY=1\nSTATUS=serving on {socket_path}\nMAINPID={os.getpid()}")
+        return None
+
+    def serve(self) -> int:
+        """Until a stop is asked for (a signal, request_stop): 0; or 1 when the fork server died and
+        cannot be restarted. A dead fork server took every sandbox with it; it is restarted in place
+        and sessions resume on their next call, as after a daemon restart. Meanwhile health says
+        NOT_SERVING, and calls fail with FAILED_PRECONDITION ("the fork server exited"), never hang."""
+        parts = self._started()
+        fork = parts.fork
+        watch = ForkWatch(fork, self._wake_r)      # sleeps until something happens: an idle daemon's CPU
+        watchdog = Watchdog(fork, self.settings.ping_timeout,
+                            lambda: self._set_health(parts.health, health_pb2.HealthCheckResponse.NOT_SERVING))
+        watchdog.start()
+        status = 0
+        try:
+            while not self._stop_requested:
+                how = watch.died(None)
+                if how is None:
+                    continue
+                self._set_health(parts.health, health_pb2.HealthCheckResponse.NOT_SERVING)
+                log.error("fork server died: every sandbox died with it; restarting it",
+                          extra={"fields": {"fork_server_pid": fork.pid, "how": how}})
+                parts.registry.sandboxes_lost()
+                problem = None if watch.may_restart() else \
+                    f"it died more than {MAX_FORK_RESTARTS} times in {RESTART_WINDOW:.0f} s"
+                if problem is None:
+                    try:
+                        fork.restart()
+                        watch.rearm()
+                        problem = self_test(fork)
+                    except Exception as exc:  # noqa: BLE001 - any failure here ends the daemon, non-zero
+                        problem = f"{type(exc).__name__}: {exc}"
+                if problem is not None:
+                    log.error("cannot restart the fork server: exiting non-zero (the service manager restarts "
+                              "the daemon)", extra={"fields": {"problem": problem}})
+                    status = 1
+                    break
+                log.info("fork server restarted", extra={"fields": {"fork_server_pid": fork.pid}})
+                self._set_health(parts.health, health_pb2.HealthCheckResponse.SERVING)
+        finally:
+            watchdog.stop()
+            watch.close()
+        return status
+
+    def request_stop(self) -> None:
+        """Make ``serve`` return (from any thread; what a stop signal does)."""
+        self._stop_requested.append(0)
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:                  # the pipe is full: serve is woken already
+            pass
+
+    def stop(self) -> None:
+        """Take the started daemon down, in this order: no new calls, no new connections, every
+        session closed (its sandbox killed), running calls given STOP_GRACE_SECONDS, then the fork
+        server, the store and the sockets. Idempotent."""
+        parts, self._parts = self._parts, None
+        if parts is None:
+            return
+        started = time.monotonic()
+        systemd.notify("STOPPING=1")
+        log.info("stopping", extra={"fields": {"sessions": parts.registry.count_open()}})
+        parts.health.enter_graceful_shutdown()
+        parts.door.close()
+        parts.registry.close_all()
+        parts.server.stop(grace=STOP_GRACE_SECONDS).wait()
+        parts.workers.shutdown()
+        parts.metrics.close()
+        parts.fork.close()
+        parts.store.close()
+        _unlink(parts.backend)
+        if parts.tracer is not None:
+            parts.tracer.stop()
+        log.info("stopped", extra={"fields": {"seconds": round(time.monotonic() - started, 3)}})
+        log.removeHandler(parts.log_handler)
+
+    def close(self) -> None:
+        """Release the wake pipe (after stop; the daemon cannot be started again)."""
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+
+    def _started(self) -> _Parts:
+        if self._parts is None:
+            raise RuntimeError("the daemon is not started (Daemon.start)")
+        return self._parts
+
+    @staticmethod
+    def _set_health(servicer: health.HealthServicer, status: int) -> None:
+        for service in SERVICES:
+            servicer.set(service, status)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
