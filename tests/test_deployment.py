@@ -106,6 +106,10 @@ PHASES = ["tools", "rootfs", "import", "build", "play", "checks", "conformance",
 def test_the_image_builds_and_the_daemonset_pod_runs_and_holds() -> None:
     """packaging/container/build-and-run end to end: each phase and each check it prints holds, and
     it leaves no podman state behind (its work directory is gone)."""
+    # What podman makes outside its store on first use: gone again afterwards if it was not there before.
+    shared = [Path(p) for p in ("/dev/shm/libpod_lock", "/run/libpod", "/run/containers", "/var/lib/containers",
+                                "/etc/cni/net.d/cni.lock", "/var/lib/cni")]
+    absent = [path for path in shared if not path.exists()]
     done = subprocess.run([str(CONTAINER / "build-and-run")], capture_output=True, text=True, timeout=1750,
                           env={**BASE_ENV, "HOME": "/root"})
     print("\n".join(line for line in done.stdout.splitlines()
@@ -119,6 +123,7 @@ def test_the_image_builds_and_the_daemonset_pod_runs_and_holds() -> None:
     assert re.search(r"held (\d+)/80", conformance)
     work = re.search(r"(/var/tmp/sandboxd-deploy\.\w+)", done.stdout)
     assert work and not Path(work.group(1)).exists()
+    assert [path for path in absent if path.exists()] == []
 
 
 # In a pod without a cgroup namespace the runtime bind-mounts the container's own group over the
