@@ -1,6 +1,6 @@
 """The deployment as it runs: every Kubernetes manifest against the API's schemas (kubernetes-validate,
 always), and the image built and the DaemonSet's pod played with podman (packaging/container/
-build-and-run: 6 to 12 minutes, so only with `-m deployment`)."""
+build-and-run: 3 to 12 minutes, so only with `-m deployment`)."""
 
 from __future__ import annotations
 
