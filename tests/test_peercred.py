@@ -662,6 +662,25 @@ def test_a_check_that_fails_refuses(paths: Paths, backend: Servicer, caplog: pyt
     assert "peer check failed" in caplog.text
 
 
+def test_a_caller_the_daemon_cannot_see_is_refused_with_the_fix(paths: Paths, backend: Servicer) -> None:
+    """SO_PEERCRED's pid is 0 for a caller outside the daemon's PID namespace (a daemon in a pod
+    without hostPID, found by packaging/container/build-and-run): it is refused with what to change,
+    and the check is not asked about a process it cannot see."""
+    asked: list[int] = []
+
+    def check(who: PeerCredentials, pidfd: int) -> str:
+        asked.append(who.pid)
+        return ""
+
+    with FrontDoor(paths.public, paths.backend, relay_dir=paths.relay, peer_check=check) as door:
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            invisible = door._check(ours, PeerCredentials(uid=os.getuid(), gid=os.getgid(), pid=0, groups=()))
+            visible = door._check(ours, PeerCredentials(uid=os.getuid(), gid=os.getgid(), pid=os.getpid(), groups=()))
+    assert "outside the daemon's PID namespace" in invisible and "hostPID: true" in invisible
+    assert visible == "" and asked == [os.getpid()]                  # control: a visible caller is checked
+
+
 # Connects `count` times to the public socket as uid/gid, says how many connections the door
 # closed at once (EOF without a byte) and whether one more echoes, then waits for a line on stdin.
 HOLD_CONNECTIONS = r"""

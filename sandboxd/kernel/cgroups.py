@@ -68,7 +68,7 @@ class Hierarchies(Record):
 
 
 def detect() -> Hierarchies:
-    unified = None
+    unified, unified_root = None, "/"
     v1: dict[str, tuple[str, str]] = {}
     own = _own_paths()
     with open("/proc/self/mountinfo") as info:
@@ -76,14 +76,14 @@ def detect() -> Hierarchies:
             fields = line.split()
             sep = fields.index("-")
             fstype, options = fields[sep + 1], fields[sep + 3].split(",")
-            point = fields[4]
+            root, point = fields[3], fields[4]
             if fstype == "cgroup2" and unified is None:
-                unified = point
+                unified, unified_root = point, root
             elif fstype == "cgroup":
                 for controller in ("memory", "pids", "freezer"):
                     if controller in options:
-                        v1[controller] = (point, own.get(controller, "/"))
-    unified_own = own.get("", "/")
+                        v1[controller] = (point, below_mount(own.get(controller, "/"), root))
+    unified_own = below_mount(own.get("", "/"), unified_root) if unified else own.get("", "/")
     if os.path.basename(unified_own) == LEAF_NAME:          # we moved ourselves there: sandboxes go beside it
         unified_own = os.path.dirname(unified_own)
     controllers: frozenset[str] = frozenset()
@@ -94,6 +94,18 @@ def detect() -> Hierarchies:
         except OSError:
             pass
     return Hierarchies(unified, unified_own, controllers, v1)
+
+
+def below_mount(own: str, mount_root: str) -> str:
+    """Our group ``own`` (from /proc/self/cgroup: a path from the hierarchy's root, as our cgroup
+    namespace sees it) as a path below a mount of the hierarchy whose root is ``mount_root`` (field
+    4 of mountinfo). A container runtime without a cgroup namespace (cgroup v1; a pod under
+    `podman kube play` or a kubelet) bind-mounts the container's own group at /sys/fs/cgroup/<x>:
+    there /proc/self/cgroup says /kubepods/.../<ctr> and that group is the mount's root, not a
+    directory below it."""
+    if mount_root in ("", "/") or not (own == mount_root or own.startswith(mount_root.rstrip("/") + "/")):
+        return own
+    return own[len(mount_root.rstrip("/")):] or "/"
 
 
 def _own_paths() -> dict[str, str]:

@@ -101,6 +101,11 @@ _SO_PEERPIDFD = 77       # Linux 6.5+
 # The refusal of a connection whose process exited before the door could check it.
 _PEER_GONE = ("the process that opened this connection exited before the daemon could check it; "
               "connect from the process that makes the calls")
+# SO_PEERCRED's pid is 0 when the caller's process is outside the daemon's PID namespace (a daemon
+# in a container of its own): nothing of it can be looked at, so whether it is sandboxed is unknown.
+_PEER_INVISIBLE = ("the daemon cannot see the process that opened this connection (it is outside the daemon's "
+                   "PID namespace), so it cannot check that it is not sandboxed; run the daemon in its callers' "
+                   "PID namespace (Kubernetes: hostPID: true, or shareProcessNamespace: true for a sidecar)")
 
 # Descriptors one live connection costs the daemon: the accepted socket, the socket to
 # the backend, two pipes (two ends each), and the gRPC server's end of the backend socket.
@@ -363,6 +368,8 @@ class FrontDoor:
         later one given the same number. A connection whose process is gone already is refused:
         whoever holds it now (a child it forked, a process it passed the socket to) is unknown."""
         assert self._peer_check is not None
+        if credentials.pid == 0:
+            return _PEER_INVISIBLE
         pidfd = -1
         if self._pidfd_supported:
             try:

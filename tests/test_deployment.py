@@ -1,0 +1,164 @@
+"""The deployment as it runs: every Kubernetes manifest against the API's schemas (kubernetes-validate,
+always), and the image built and the DaemonSet's pod played with podman (packaging/container/
+build-and-run: 3 to 12 minutes, so only with `-m deployment`)."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import re
+import subprocess
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from conftest import BASE_ENV, REPO
+
+KUBERNETES = REPO / "packaging" / "kubernetes"
+CONTAINER = REPO / "packaging" / "container"
+VERSION = kubernetes_validate.latest_version()
+
+
+def load(path: Path) -> dict[str, Any]:
+    (doc,) = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return doc  # type: ignore[no-any-return]
+
+
+def pod_from_manifest() -> ModuleType:
+    """packaging/container/pod-from-manifest (a script without a .py suffix), as a module."""
+    path = str(CONTAINER / "pod-from-manifest")
+    loader = importlib.machinery.SourceFileLoader("pod_from_manifest", path)
+    spec = importlib.util.spec_from_loader("pod_from_manifest", loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def invalid(doc: dict[str, Any]) -> str:
+    """What the schemas of Kubernetes VERSION say against ``doc`` (strict: unknown fields are errors)."""
+    try:
+        kubernetes_validate.validate(doc, VERSION, strict=True)
+    except kubernetes_validate.ValidationError as error:
+        return f"{'.'.join(str(p) for p in error.path)}: {error.message}"
+    return ""
+
+
+def test_the_daemonset_and_the_pod_played_from_it_pass_the_api_schemas() -> None:
+    daemonset = load(KUBERNETES / "daemonset.yaml")
+    assert invalid(daemonset) == ""
+    pod = pod_from_manifest().pod_from_manifest(daemonset, name="sandboxd-test", image="localhost/sandboxd:test",
+                                                host_root="/tmp/host", workspaces="/var/tmp")
+    assert invalid(pod) == ""
+    spec = pod["spec"]
+    assert spec["hostPID"] is True and spec["containers"][0]["securityContext"]["privileged"] is True
+    assert spec["containers"][0]["livenessProbe"] == daemonset["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]
+    # The workspaces volume is at the same path on both sides; the other hostPaths moved under host_root.
+    volumes = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+    assert volumes["workspaces"] == mounts["workspaces"] == "/var/tmp"
+    assert volumes["socket"] == "/tmp/host/run/sandboxd" and mounts["socket"] == "/run/sandboxd"
+
+
+def test_the_agent_sandbox_template_passes_the_api_schemas() -> None:
+    """kubernetes-validate has no schema for agent-sandbox's CRD (SandboxTemplate): its podTemplate,
+    a core/v1 PodTemplateSpec in the CRD, is checked as one (inside a v1 PodTemplate), and its
+    metadata holds only what the CRD's podTemplate.metadata allows (labels, annotations)."""
+    template = load(KUBERNETES / "agent-sandbox-template.yaml")
+    assert (template["apiVersion"], template["kind"]) == ("extensions.agents.x-k8s.io/v1alpha1", "SandboxTemplate")
+    assert set(template["spec"]) <= {"podTemplate", "networkPolicy", "networkPolicyManagement"}
+    pod_template = template["spec"]["podTemplate"]
+    assert set(pod_template["metadata"]) <= {"labels", "annotations"}
+    assert invalid({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "sandboxd-agent"},
+                    "template": pod_template}) == ""
+    assert pod_template["spec"]["shareProcessNamespace"] is True       # the sidecar sees its callers
+    pod = pod_from_manifest().pod_from_manifest(template, name="agent-test", image="localhost/sandboxd:test",
+                                                idle=("agent",))
+    assert invalid(pod) == ""
+    assert {c["name"]: c.get("command") for c in pod["spec"]["containers"]} == {
+        "agent": ["sleep", "infinity"], "sandboxd": None}
+
+
+def test_the_validation_can_fail() -> None:
+    """Control: a field of the wrong type and a field the API does not have are both found."""
+    daemonset = load(KUBERNETES / "daemonset.yaml")
+    daemonset["spec"]["template"]["spec"]["hostPID"] = "yes"
+    assert "hostPID" in invalid(daemonset)
+    daemonset = load(KUBERNETES / "daemonset.yaml")
+    daemonset["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
+    assert invalid(daemonset) != ""
+
+
+# ---- the deployment, run ------------------------------------------------------------------------
+
+CHECKS = ["pod-running", "privileged", "host-pid", "host-paths", "liveness-probe", "status-from-host",
+          "session-from-host", "workspace-write", "write-outside-fails", "no-capabilities", "network-isolated",
+          "pid-namespace", "conformance", "agent-sidecar"]
+PHASES = ["tools", "rootfs", "import", "build", "play", "checks", "conformance", "agent-template", "cleanup"]
+
+
+@pytest.mark.deployment
+@pytest.mark.timeout(1800)
+def test_the_image_builds_and_the_daemonset_pod_runs_and_holds() -> None:
+    """packaging/container/build-and-run end to end: each phase and each check it prints holds, and
+    it leaves no podman state behind (its work directory is gone)."""
+    # What podman makes outside its store on first use: gone again afterwards if it was not there before.
+    shared = [Path(p) for p in ("/dev/shm/libpod_lock", "/run/libpod", "/run/containers", "/var/lib/containers",
+                                "/etc/cni/net.d/cni.lock", "/var/lib/cni")]
+    absent = [path for path in shared if not path.exists()]
+    done = subprocess.run([str(CONTAINER / "build-and-run")], capture_output=True, text=True, timeout=1750,
+                          env={**BASE_ENV, "HOME": "/root"})
+    print("\n".join(line for line in done.stdout.splitlines()
+                    if line.startswith(("phase ", "check ", "conformance: FAIL", "conformance: held"))))
+    phases = dict(re.findall(r"^phase (\S+) \d+ (\S+)", done.stdout, re.MULTILINE))
+    checks = dict(re.findall(r"^check (\S+) (\S+)", done.stdout, re.MULTILINE))
+    assert phases == dict.fromkeys(PHASES, "ok"), done.stdout[-4000:] + done.stderr[-4000:]
+    assert checks == dict.fromkeys(CHECKS, "ok"), done.stdout[-4000:] + done.stderr[-4000:]
+    assert done.returncode == 0
+    conformance = next(line for line in done.stdout.splitlines() if line.startswith("check conformance"))
+    assert re.search(r"held (\d+)/80", conformance)
+    work = re.search(r"(/var/tmp/sandboxd-deploy\.\w+)", done.stdout)
+    assert work and not Path(work.group(1)).exists()
+    assert [path for path in absent if path.exists()] == []
+
+
+# In a pod without a cgroup namespace the runtime bind-mounts the container's own group over the
+# hierarchy's mount point; /proc/self/cgroup still names the group from the hierarchy's root.
+CONTAINER_LAYOUT = r"""
+import os, subprocess, sys
+from sandboxd.kernel import cgroups
+point, own = sys.argv[1], sys.argv[2]
+group = os.path.join(point, own.lstrip("/"), sys.argv[3])
+with open(os.path.join(group, "cgroup.procs"), "w") as f:
+    f.write(str(os.getpid()))
+subprocess.run(["mount", "--make-rprivate", "/"], check=True)
+subprocess.run(["mount", "--bind", group, point], check=True)
+h = cgroups.detect()
+found = h.v1.get("memory", (None, None))[1] if h.v1 else h.unified_own
+print(found, os.path.isdir(os.path.join(point, found.lstrip("/"))))
+"""
+
+
+def test_the_daemon_finds_its_group_where_a_container_runtime_mounts_it(tmp_path: Path) -> None:
+    """Found by running the pod: cgroups.detect() gives our group relative to the mount (mountinfo's
+    root), so <mount>/<own> is the container's group itself, not a path that does not exist."""
+    from sandboxd.kernel import cgroups
+
+    h = cgroups.detect()
+    point, own = h.v1["memory"] if "memory" in h.v1 else (h.unified, h.unified_own)
+    assert point is not None
+    name = f"sandboxd-layout-{tmp_path.name}"[:60]
+    group = Path(point) / own.lstrip("/") / name
+    group.mkdir()
+    try:
+        done = subprocess.run(["unshare", "--mount", "--", str(REPO / ".venv" / "bin" / "python"), "-c",
+                               CONTAINER_LAYOUT, point, own, name],
+                              capture_output=True, text=True, timeout=60, env=BASE_ENV, cwd=REPO)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["/", "True"]           # the mount itself is our group
+    finally:
+        group.rmdir()
