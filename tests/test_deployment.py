@@ -4,8 +4,6 @@ build-and-run: 3 to 12 minutes, so only with `-m deployment`)."""
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import re
 import subprocess
 from pathlib import Path
@@ -17,6 +15,7 @@ import pytest
 import yaml
 
 from conftest import BASE_ENV, REPO
+from script_modules import load_script
 
 KUBERNETES = REPO / "packaging" / "kubernetes"
 CONTAINER = REPO / "packaging" / "container"
@@ -30,13 +29,7 @@ def load(path: Path) -> dict[str, Any]:
 
 def pod_from_manifest() -> ModuleType:
     """packaging/container/pod-from-manifest (a script without a .py suffix), as a module."""
-    path = str(CONTAINER / "pod-from-manifest")
-    loader = importlib.machinery.SourceFileLoader("pod_from_manifest", path)
-    spec = importlib.util.spec_from_loader("pod_from_manifest", loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    return load_script(str(CONTAINER / "pod-from-manifest"), "pod_from_manifest")
 
 
 def invalid(doc: dict[str, Any]) -> str:

@@ -4,22 +4,16 @@ packaging/vm/matrix-results.json and writes the page's table from it. These test
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import os
 import types
+
+from script_modules import load_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _runner() -> types.ModuleType:
-    path = os.path.join(REPO, "packaging", "vm", "run-matrix")
-    loader = importlib.machinery.SourceFileLoader("run_matrix", path)
-    spec = importlib.util.spec_from_loader("run_matrix", loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    return load_script(os.path.join(REPO, "packaging", "vm", "run-matrix"), "run_matrix")
 
 
 def test_the_kernels_page_table_is_the_recorded_matrix() -> None:
