@@ -22,7 +22,7 @@ import pytest
 from daemon_helpers import Daemon, DaemonFactory, TlsListener, close_quietly, plain_users, run_client_as
 from sandboxd.service.callers import identify
 from sandboxd.network.peer_credentials import PeerCredentials
-from sandboxd.service.quotas import QuotaLimits
+from sandboxd.policy.quota_limits import QuotaLimits
 from sandboxd.v1 import sandboxd_pb2 as pb
 from test_tls_listener import make_pki
 

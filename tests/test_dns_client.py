@@ -11,6 +11,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 
+import dns.exception
 import dns.message
 import dns.rrset
 import pytest
@@ -43,9 +44,12 @@ def _no_address(query: dns.message.Message) -> bytes:
 def resolvers() -> Iterator[Callable[[Answer], str]]:
     """Start a stand-in resolver on a fresh 127.x.y.z:53; returns its address."""
     sockets: list[socket.socket] = []
+    threads: list[threading.Thread] = []
+    stop = threading.Event()
 
     def start(answer: Answer) -> str:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.settimeout(0.1)              # so the thread sees ``stop``: closing does not wake a recvfrom
         for _ in range(20):
             address = f"127.{random.randrange(1, 250)}.{random.randrange(1, 250)}.{random.randrange(2, 250)}"
             try:
@@ -56,17 +60,28 @@ def resolvers() -> Iterator[Callable[[Answer], str]]:
         sockets.append(sock)
 
         def serve() -> None:
-            while True:
+            while not stop.is_set():
                 try:
                     data, client = sock.recvfrom(4096)
+                except TimeoutError:
+                    continue
                 except OSError:
                     return
-                reply = answer(dns.message.from_wire(data))
+                try:
+                    question = dns.message.from_wire(data)
+                except dns.exception.DNSException:
+                    continue                  # not a query this stand-in can answer: like a real server, drop it
+                reply = answer(question)
                 if reply is not None:
                     sock.sendto(reply, client)
-        threading.Thread(target=serve, daemon=True).start()
+        thread = threading.Thread(target=serve, name=f"resolver-{address}", daemon=True)
+        thread.start()
+        threads.append(thread)
         return address
     yield start
+    stop.set()
+    for thread in threads:
+        thread.join(5)
     for sock in sockets:
         sock.close()
 

@@ -30,7 +30,8 @@ from sandboxd.service.callers import identify
 from sandboxd.network.peer_credentials import PeerCredentials
 from sandboxd.service.quotas import CALLS as CALLS_KIND
 from sandboxd.service.quotas import STREAMS as STREAMS_KIND
-from sandboxd.service.quotas import QuotaLimits, Quotas
+from sandboxd.policy.quota_limits import QuotaLimits
+from sandboxd.service.quotas import Quotas
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 

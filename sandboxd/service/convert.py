@@ -7,10 +7,10 @@ import os
 from collections.abc import Mapping
 
 from sandboxd.defaults import NETWORK_MODE
-from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy import DEFAULT_PROTECTED_SUBPATHS, Limits, SandboxPolicy, policy_from_name
 from sandboxd.policy.decision import PermissionMode, ToolRules, axes_for
+from sandboxd.policy.session_defaults import SessionDefaults
 from sandboxd.policy.limits import DEFAULT_TMP_SIZE, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, check_count, check_timeout
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -55,24 +55,6 @@ def check_finite(value: float, what: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise InvalidPolicy(f"{what} must be a finite number, 0 or more; got {value!r}")
     return value
-
-
-class SessionDefaults(Record):
-    """What a CreateSession that leaves something unset gets (the daemon's `defaults` settings)."""
-
-    sandbox: str = "workspace-write"
-    network_access: bool = False
-    approval: str = "on-request"
-    timeout_seconds: float | None = None
-    memory_bytes: int | None = None
-    pids: int | None = None
-    # The most a session may ask for (None: no maximum), and the caps of all sandboxes together.
-    max_memory_bytes: int | None = None
-    max_pids: int | None = None
-    total_memory_bytes: int | None = None
-    total_pids: int | None = None
-    owner_memory_bytes: int | None = None     # and the share of them of one owner's sandboxes
-    owner_pids: int | None = None
 
 
 def policy_from_proto(message: pb.SandboxPolicy, defaults: SessionDefaults | None = None) -> SandboxPolicy:

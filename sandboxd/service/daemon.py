@@ -28,7 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sandboxd.audit.store import EventStore, open_in_state_dir
-from sandboxd.daemon_settings import DaemonSettings
+from sandboxd.config.settings import DaemonSettings
 from sandboxd.service import memtrace, systemd
 from sandboxd.service.approvals import ApprovalGate
 from sandboxd.service.callers import Callers, TlsIdentity

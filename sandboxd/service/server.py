@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sandboxd.service.convert import SessionDefaults
+    from sandboxd.policy.session_defaults import SessionDefaults
     from sandboxd.service.session_lifecycle import OwnPlaces
     from sandboxd.supervisor.forkserver import ForkServer
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 import grpc
 
 from sandboxd.errors import InvalidPolicy
+from sandboxd.policy.session_defaults import SessionDefaults
 from sandboxd.service import convert, environment, exec_call, file_calls, patch_search, tool_calls
 from sandboxd.service.approvals import ApprovalGate, ToolCall
 from sandboxd.service.audit_calls import AuditService
@@ -52,11 +53,11 @@ def job_to_proto(job: BackgroundJob) -> pb.BackgroundProcess:
 class SandboxServicer(pb_grpc.SandboxServicer):
     def __init__(self, registry: SessionRegistry, fork: ForkServer, callers: "Callers | FrontDoor",
                  gate: ApprovalGate, metrics: "Metrics | None" = None,
-                 defaults: "convert.SessionDefaults | None" = None, quotas: Quotas | None = None,
+                 defaults: "SessionDefaults | None" = None, quotas: Quotas | None = None,
                  connections: "ConnectionCounts | None" = None) -> None:
         self._quotas = quotas or registry.quotas
         self._metrics = metrics
-        self._defaults = defaults or convert.SessionDefaults()
+        self._defaults = defaults or SessionDefaults()
         self._registry = registry
         self._fork = fork
         self._callers = callers if isinstance(callers, Callers) else Callers(callers)

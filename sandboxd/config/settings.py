@@ -12,8 +12,8 @@ from sandboxd.errors import InvalidPolicy, SandboxdError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from sandboxd.service.convert import SessionDefaults
-    from sandboxd.service.quotas import QuotaLimits
+    from sandboxd.policy.session_defaults import SessionDefaults
+    from sandboxd.policy.quota_limits import QuotaLimits
 
 TLS_FILES = ("tls.cert", "tls.key", "tls.client_ca")
 
@@ -70,8 +70,8 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
     resolved) as the daemon's settings, with what the keys name looked up: the admin group, the
     TLS files and users; the quotas checked against the workers. ``sources``: where each key's
     value came from, for the messages."""
-    from sandboxd.service.convert import SessionDefaults
-    from sandboxd.service.quotas import QuotaLimits
+    from sandboxd.policy.session_defaults import SessionDefaults
+    from sandboxd.policy.quota_limits import QuotaLimits
 
     def refuse(dotted: str, problem: str) -> ConfigError:
         return ConfigError(sources.get(dotted, config.path or BUILT_IN), dotted, problem)

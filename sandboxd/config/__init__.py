@@ -26,7 +26,7 @@ from sandboxd.errors import InvalidPolicy
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from sandboxd.daemon_settings import DaemonSettings
+    from sandboxd.config.settings import DaemonSettings
 
 DEFAULT_PATH = "/etc/sandboxd/sandboxd.toml"
 CONFIG_ENV = "SANDBOXD_CONFIG"
@@ -335,7 +335,7 @@ def load(path: str | None = None, *, environ: Mapping[str, str] | None = None,
         raise ConfigError("command line", "tls", "a TCP listener needs all of --tcp, --tls-cert, --tls-key and "
                           "--tls-client-ca (tls.address, tls.cert, tls.key, tls.client_ca): there is no "
                           "plain-text or unauthenticated TCP")
-    from sandboxd.daemon_settings import settings_from
+    from sandboxd.config.settings import settings_from
 
     return settings_from(*_check_together(values, path), sources)
 

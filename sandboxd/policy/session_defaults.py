@@ -1,0 +1,24 @@
+"""What a CreateSession that leaves something unset gets: the daemon's ``[defaults]`` and
+``[limits]`` settings, as one record (service/convert.py applies them)."""
+
+from __future__ import annotations
+
+from sandboxd._record import Record
+
+
+class SessionDefaults(Record):
+    """What a CreateSession that leaves something unset gets (the daemon's `defaults` settings)."""
+
+    sandbox: str = "workspace-write"
+    network_access: bool = False
+    approval: str = "on-request"
+    timeout_seconds: float | None = None
+    memory_bytes: int | None = None
+    pids: int | None = None
+    # The most a session may ask for (None: no maximum), and the caps of all sandboxes together.
+    max_memory_bytes: int | None = None
+    max_pids: int | None = None
+    total_memory_bytes: int | None = None
+    total_pids: int | None = None
+    owner_memory_bytes: int | None = None     # and the share of them of one owner's sandboxes
+    owner_pids: int | None = None
