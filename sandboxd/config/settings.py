@@ -9,11 +9,9 @@ from typing import Callable, Mapping
 
 from sandboxd.config import BUILT_IN, Config, ConfigError, ResourceLimits
 from sandboxd.errors import InvalidPolicy, SandboxdError
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from sandboxd.policy.session_defaults import SessionDefaults
-    from sandboxd.policy.quota_limits import QuotaLimits
+from sandboxd.policy.ipv4 import port as tcp_port
+from sandboxd.policy.quota_limits import QuotaLimits
+from sandboxd.policy.session_defaults import SessionDefaults
 
 TLS_FILES = ("tls.cert", "tls.key", "tls.client_ca")
 
@@ -43,7 +41,7 @@ class DaemonSettings:
     admin_gid: int | None
     workers: int
     connections_per_uid: int
-    quotas: "QuotaLimits"
+    quotas: QuotaLimits
     tls: TlsSettings | None
     state_dir: str
     ping_timeout: float
@@ -55,7 +53,7 @@ class DaemonSettings:
     proxy_connections: int
     published_connections: int
     published_per_peer: int
-    session_defaults: "SessionDefaults"
+    session_defaults: SessionDefaults
     metrics_listen: str
     log_format: str
     log_level: str
@@ -70,9 +68,6 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
     resolved) as the daemon's settings, with what the keys name looked up: the admin group, the
     TLS files and users; the quotas checked against the workers. ``sources``: where each key's
     value came from, for the messages."""
-    from sandboxd.policy.session_defaults import SessionDefaults
-    from sandboxd.policy.quota_limits import QuotaLimits
-
     def refuse(dotted: str, problem: str) -> ConfigError:
         return ConfigError(sources.get(dotted, config.path or BUILT_IN), dotted, problem)
 
@@ -127,8 +122,12 @@ def _tls(config: Config, refuse: "Callable[[str, str], ConfigError]") -> TlsSett
     address = config.text("tls.address")
     if not address:
         return None
-    host, _, port = address.rpartition(":")
-    if not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+    host, _, port_text = address.rpartition(":")
+    try:
+        port = tcp_port(port_text)
+    except ValueError:
+        port = 0
+    if not host or not port:
         raise refuse("tls.address", f"{address!r} must be HOST:PORT, like 0.0.0.0:8443")
     pem: dict[str, bytes] = {}
     for dotted in TLS_FILES:
@@ -148,6 +147,6 @@ def _tls(config: Config, refuse: "Callable[[str, str], ConfigError]") -> TlsSett
             users[principal] = parse_user(user, f"tls.users[{principal!r}]")
         except InvalidPolicy as exc:
             raise refuse("tls.users", f"{exc}: name an existing USER[:GROUP], or give numbers") from None
-    return TlsSettings(address=address, port=int(port), cert=pem["tls.cert"], key=pem["tls.key"],
+    return TlsSettings(address=address, port=port, cert=pem["tls.cert"], key=pem["tls.key"],
                        client_ca=pem["tls.client_ca"], uid=uid, gid=gid, identity=config.text("tls.identity"),
                        users=MappingProxyType(users))
