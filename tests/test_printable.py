@@ -28,7 +28,6 @@ import time
 import unicodedata
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import mcp_types as types
 import pytest
@@ -309,20 +308,20 @@ def test_a_path_a_sandbox_names_cannot_forge_a_log_line(sandboxd_daemon: DaemonF
                                                         log_format: str) -> None:
     """The git guard logs the repository it neutralised; a plain user's sandbox names that
     directory with a newline, a log line of its own and an escape sequence."""
-    daemon = sandboxd_daemon(args=["--log-format", log_format])
+    logging_daemon = sandboxd_daemon(args=["--log-format", log_format])
     forged = "sandboxd error: fork server died: every sandbox died with it (forged)"
     script = ('d="$(printf "repo\\n%s\\033[2K" "$FORGED")" && mkdir -p "$d/.git" && '
               'printf "[core]\\n\\tfsmonitor = touch /tmp/never\\n" > "$d/.git/config" && '
               'printf "ref: refs/heads/main\\n" > "$d/.git/HEAD"')
     workspace = owned_workspace(sandboxd_daemon.base, attacker)
     body = EXEC_AS_USER.replace('{"PATH": "/usr/bin:/bin"}', '{"PATH": "/usr/bin:/bin", "FORGED": ARGS["forged"]}')
-    reply = run_client_as(attacker.uid, attacker.gid, daemon.socket, body,
+    reply = run_client_as(attacker.uid, attacker.gid, logging_daemon.socket, body,
                           {"ws": str(workspace), "script": script, "forged": forged})
     assert reply["code"] == 0, reply
-    daemon.stub.CloseSession(pb.CloseSessionRequest(session_id=reply["session"]), timeout=WAIT)
+    logging_daemon.stub.CloseSession(pb.CloseSessionRequest(session_id=reply["session"]), timeout=WAIT)
     deadline = time.monotonic() + WAIT
-    while not (logged := [line for line in daemon.log().splitlines() if "(forged)" in line]):
-        assert time.monotonic() < deadline, daemon.log()
+    while not (logged := [line for line in logging_daemon.log().splitlines() if "(forged)" in line]):
+        assert time.monotonic() < deadline, logging_daemon.log()
         time.sleep(0.1)
     [line] = logged                                                        # one line, whatever it quotes
     assert not [char for char in line if acted_on(char)], line
