@@ -11,7 +11,7 @@ SANDBOXD = Path(__file__).resolve().parents[1] / "sandboxd"
 
 # Bottom first. Entries of one tuple are side by side: neither imports the other.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("__init__", "_record", "errors", "defaults", "v1"),
+    ("__init__", "_record", "errors", "defaults", "printable", "v1"),
     ("policy", "client"),
     ("kernel", "mcp"),
     ("launcher", "gitguard", "config"),

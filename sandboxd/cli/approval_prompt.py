@@ -7,6 +7,11 @@ the caller's own sessions' calls; `approvals --follow` also keeps to sessions th
 once), s (allow for the session: later calls of the same tool run without asking), n (deny).
 The key is read from the terminal in non-canonical mode without echo, and it never reaches
 the command (exec forwards stdin only when it is not a terminal).
+
+What the caller chose (the command, the tool, the reason, a held call's ids) is shown through
+``printable``: an escape sequence, a carriage return or a newline in a command cannot redraw
+the prompt or forge a line, and when the summary shows less than the whole command (a `sh -c`
+shown by its script, a command cut at 200 characters) the prompt adds the argv as it will run.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import os
 import secrets
 import selectors
+import shlex
 import sys
 import termios
 import threading
@@ -25,6 +31,7 @@ from typing import Any
 import grpc
 
 from sandboxd.client import SandboxClient
+from sandboxd.printable import printable
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 ANSWERS = {"y": "allow_once", "s": "allow_session", "n": "deny"}
@@ -46,17 +53,31 @@ def on_terminal() -> bool:
 
 def describe(session_id: str, held: pb.PendingApproval) -> str:
     """What a person needs to decide, then the keys."""
-    return (f"\nsandboxctl: approval needed (session {session_id}, call {held.call_id})\n"
-            f"  tool:    {held.tool}\n  command: {held.summary}\n"
-            f"  reason:  {held.reason or '-'}    risk: {held.risk or '-'}\n"
+    return (f"\nsandboxctl: approval needed (session {printable(session_id)}, call {printable(held.call_id)})\n"
+            f"  tool:    {printable(held.tool)}\n  command: {printable(held.summary)}\n"
+            + _whole_command(held) +
+            f"  reason:  {printable(held.reason) or '-'}    risk: {printable(held.risk) or '-'}\n"
             f"  [y] once  [s] session  [n] deny ? ")
+
+
+def _whole_command(held: pb.PendingApproval) -> str:
+    """The argv line, when the summary is not the whole command: what `y` runs, not an abridgement."""
+    try:
+        argv = json.loads(held.arguments_json or "{}").get("argv")
+    except (ValueError, AttributeError, RecursionError):
+        return ""
+    if not isinstance(argv, list) or not all(isinstance(arg, str) for arg in argv):
+        return ""
+    whole = shlex.join(argv)
+    return "" if held.summary == f"Execute: {whole}" else f"  argv:    {printable(whole)}\n"
 
 
 def hint(session_id: str, held: pb.PendingApproval, ctl: str) -> str:
     """Without a terminal: how to answer from elsewhere (paste as is)."""
-    return (f"sandboxctl: waiting for approval ({held.reason}): {held.summary}\n"
-            f"  {ctl} approve {session_id} {held.call_id} [--session-wide]"
-            f"  |  {ctl} deny {session_id} {held.call_id}\n")
+    session_id, call_id = printable(session_id), printable(held.call_id)
+    return (f"sandboxctl: waiting for approval ({printable(held.reason)}): {printable(held.summary)}\n"
+            f"  {ctl} approve {session_id} {call_id} [--session-wide]"
+            f"  |  {ctl} deny {session_id} {call_id}\n")
 
 
 def pending(client: SandboxClient, session_id: str, *, missing_ok: bool = True) -> list[pb.PendingApproval]:
@@ -236,8 +257,14 @@ def _print_held(session_id: str, held: pb.PendingApproval, as_json: bool) -> Non
         print(json.dumps({"session_id": session_id, **MessageToDict(held, preserving_proto_field_name=True)}),
               flush=True)
     else:
-        print(f"{session_id} {held.call_id}  {held.tool:<14} risk={held.risk:<6} reason={held.reason:<20} "
-              f"{held.summary}", flush=True)
+        print(held_line(held, session_id), flush=True)
+
+
+def held_line(held: pb.PendingApproval, session_id: str = "") -> str:
+    """One held call on one line: `approvals` (with its session) and `pending` (without)."""
+    session = f"{printable(session_id)} " if session_id else ""
+    return (f"{session}{printable(held.call_id)}  {printable(held.tool):<14} risk={printable(held.risk):<6} "
+            f"reason={printable(held.reason):<20} {printable(held.summary)}")
 
 
 def _ask(client: SandboxClient, keys: KeyReader, session_id: str, held: pb.PendingApproval) -> None:

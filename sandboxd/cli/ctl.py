@@ -1,4 +1,9 @@
-"""`sandboxctl`: drive the sandboxd daemon from a shell."""
+"""`sandboxctl`: drive the sandboxd daemon from a shell.
+
+Every string it prints that came from the daemon (what callers chose: commands, paths, names,
+reasons, and errors that quote them) goes through ``printable``: nothing a caller chose can move
+the cursor, recolour or hide text, or start a line of its own. Only what a person asks for as
+bytes (`read`, `logs`, a command's output) is written as it is, as `cat` would."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from sandboxd.cli.env_args import add_env_options, env_from_args
 from sandboxd.cli.exec_requests import ExecRequests
 from sandboxd.client import (DEFAULT_SOCKET, MAX_READ_BYTES, SandboxClient, caller_environment, sandbox_policy,
                              write_through)
+from sandboxd.printable import printable
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 TYPE_CHECKING = False
@@ -168,10 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         return status
     except grpc.RpcError as error:
         line = _connection_error(error, args.socket) or f"{error.code().name}: {error.details()}"
-        sys.stderr.write(f"sandboxctl: {line}\n")
+        sys.stderr.write(f"sandboxctl: {printable(line)}\n")
         return 1
     except ValueError as error:
-        sys.stderr.write(f"sandboxctl: {error}\n")
+        sys.stderr.write(f"sandboxctl: {printable(str(error))}\n")
         return 2
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
@@ -185,16 +191,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _event_line(event: pb.Event) -> str:
+    """One event on one line. Each part is printable: a summary holding a newline cannot add a
+    line of its own (a forged PermissionGranted for another session, say)."""
     data = json.loads(event.data_json or "{}")
     when = time.strftime("%H:%M:%S", time.localtime(event.time))
-    detail = data.get("summary") or data.get("message") or data.get("error") or ""
-    extra = " ".join(f"{key}={data[key]}" for key in ("reason", "by") if data.get(key))
+    detail = printable(str(data.get("summary") or data.get("message") or data.get("error") or ""))
+    extra = " ".join(f"{key}={printable(str(data[key]))}" for key in ("reason", "by") if data.get(key))
     if "shell_status" in data:      # a command's end: how it ended, so a failure and a kill differ
-        ended = [f"status={data['shell_status']}"] + [f"{key}={data[key]}" for key in ("signal",) if data.get(key)]
+        ended = [f"status={printable(str(data['shell_status']))}"]
+        ended += [f"{key}={printable(str(data[key]))}" for key in ("signal",) if data.get(key)]
         ended += [key for key in ("timed_out", "oom_killed", "output_truncated") if data.get(key)]
         extra = " ".join([extra, *ended]).strip()
-    return (f"{when} {event.session_id}#{event.sequence:<4} {event.type:<24} {event.tool:<14} "
-            f"{event.call_id:<18} {extra} {detail}").rstrip()
+    return (f"{when} {printable(event.session_id)}#{event.sequence:<4} {printable(event.type):<24} "
+            f"{printable(event.tool):<14} {printable(event.call_id):<18} {extra} {detail}").rstrip()
 
 
 def _print_events(client: SandboxClient, args: argparse.Namespace) -> int:
@@ -227,17 +236,17 @@ def _run_policy_command(client: SandboxClient, args: argparse.Namespace) -> int:
         return _print_events(client, args)
     if args.command == "pending":
         for held in client.stub.ListPendingApprovals(pb.ListPendingApprovalsRequest(session_id=args.session_id)).approvals:
-            print(f"{held.call_id}  {held.tool:<14} risk={held.risk:<6} reason={held.reason:<20} {held.summary}")
+            print(approval_prompt.held_line(held))
         return 0
     if args.command in ("approve", "deny"):
         decision = "deny" if args.command == "deny" else ("allow_session" if args.session_wide else "allow_once")
         answer = client.stub.ResolveApproval(pb.ResolveApprovalRequest(session_id=args.session_id,
                                                                        call_id=args.call_id, decision=decision))
-        print(f"{args.call_id} {answer.decision}")
+        print(f"{printable(args.call_id)} {printable(answer.decision)}")
         return 0
     if args.rule_action == "list":
         for rule in client.stub.ListStandingRules(pb.ListStandingRulesRequest(workspace=args.workspace)).rules:
-            print(f"{rule.workspace}\t{rule.tool}")
+            print(f"{printable(rule.workspace)}\t{printable(rule.tool)}")
         return 0
     if not args.workspace or not args.tool:
         raise ValueError(f"sandboxctl rules {args.rule_action} WORKSPACE TOOL")
@@ -260,7 +269,7 @@ def _status(client: SandboxClient) -> int:
     print(f"version: sandboxd {status.version} (pid {status.pid}, up "
           f"{max(0, int(time.time() - status.started_at))} s)")
     for name in sorted(status.features):
-        print(f"{name}: {status.features[name]}")
+        print(f"{printable(name)}: {printable(status.features[name])}")
     print(f"sessions: {status.sessions}  running calls: {status.running_calls}  "
           f"pending approvals: {status.pending_approvals}  events: {status.events}")
     if status.quota_limits:
@@ -281,7 +290,7 @@ def _session_line(session: pb.Session) -> str:
     network = "network" if policy.network_access or policy.mode == pb.SandboxPolicy.DANGER_FULL_ACCESS else "no-network"
     approval = pb.ApprovalPolicy.Name(session.approval_policy).lower().replace("_", "-")
     # The server reports the calls running now, not a running total: say exactly that.
-    return (f"{session.id}  uid={session.owner_uid}  {session.workspace}  {mode} {network}  "
+    return (f"{printable(session.id)}  uid={session.owner_uid}  {printable(session.workspace)}  {mode} {network}  "
             f"approval={approval}  running={session.running_calls}")
 
 
@@ -365,26 +374,26 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
         return 0
     if args.command == "ls":
         for entry in client.list_dir(args.session_id, args.path):
-            print(f"{entry.type:<7} {entry.mode:04o} {entry.size:>10}  {entry.name}")
+            print(f"{printable(entry.type):<7} {entry.mode:04o} {entry.size:>10}  {printable(entry.name)}")
         return 0
     if args.command == "patch":
         for patched in client.apply_patch(args.session_id, sys.stdin.read(), args.strip):
-            print(f"{patched.action}\t{patched.path}")
+            print(f"{printable(patched.action)}\t{printable(patched.path)}")
         return 0
     if args.command == "start":
         command = args.argv
         if not command:
             raise ValueError("no command: sandboxctl start SESSION -- PROGRAM [ARGS...]")
-        print(client.start_background(args.session_id, command, name=args.name).id)
+        print(printable(client.start_background(args.session_id, command, name=args.name).id))
         return 0
     if args.command == "ps":
         for job in client.list_background(args.session_id):
             state = "running" if job.running else f"exited {job.result.shell_status}"
-            print(f"{job.id}  pid={job.pid}  {state:<10}  {job.name}")
+            print(f"{printable(job.id)}  pid={job.pid}  {state:<10}  {printable(job.name)}")
         return 0
     if args.command == "stop":
         job = client.stop_background(args.session_id, args.job_id)
-        print(f"{job.id} stopped ({job.result.shell_status})")
+        print(f"{printable(job.id)} stopped ({job.result.shell_status})")
         return 0
     if args.command == "logs":
         for chunk in client.stub.ReadBackgroundOutput(pb.ReadBackgroundOutputRequest(
@@ -397,7 +406,7 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
         session = client.create_session(os.path.abspath(args.workspace), policy=sandbox_policy(
             args.sandbox, network=args.network, writable_roots=[os.path.abspath(root) for root in args.writable_root]),
             approval=args.approval, labels=labels, env=env_from_args(args))
-        print(session.id)
+        print(printable(session.id))
     elif args.action == "list":
         for session in client.list_sessions():
             if args.json:
@@ -406,12 +415,12 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
                 print(_session_line(session))
     elif args.action == "close":
         client.close_session(args.session_id)
-        print(f"{args.session_id} closed")              # a command a person types says what it did
+        print(f"{printable(args.session_id)} closed")              # a command a person types says what it did
     elif args.action == "policy":
         policy = (sandbox_policy(args.sandbox, network=args.network, writable_roots=args.writable_root)
                   if args.sandbox else None)
         session = client.update_policy(args.session_id, policy=policy, approval=args.approval)
-        print(f"{session.id} generation={session.sandbox_generation}")
+        print(f"{printable(session.id)} generation={session.sandbox_generation}")
     return 0
 
 

@@ -14,6 +14,8 @@ import subprocess
 import sys
 import tempfile
 
+from sandboxd.printable import printable
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
@@ -29,9 +31,11 @@ def _failure(exc: Exception) -> tuple[str, str]:
 
 
 def _line(status: str, what: str, detail: str, fix: str = "") -> tuple[str, str]:
-    text = f"{status:<5} {what}: {detail}"
+    """One check's line (and its fix), printable: the detail may quote what the machine holds (a
+    path, a cgroup's content, a command's error), which whoever could write there chose."""
+    text = f"{status:<5} {printable(what)}: {printable(detail)}"
     if fix:
-        text += f"\n      fix: {fix}"
+        text += f"\n      fix: {printable(fix)}"
     return status, text
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from sandboxd.printable import printable
+
 USAGE = """usage: sandboxd COMMAND [ARGS...]
 
 commands:
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         from sandboxd import __version__
         print(f"sandboxd {__version__}")
         return 0
-    sys.stderr.write(f"sandboxd: unknown command {command!r}\n{USAGE}")
+    sys.stderr.write(f"sandboxd: unknown command {printable(command)}\n{USAGE}")
     return 2
 
 
@@ -57,11 +59,11 @@ def _config(args: list[str]) -> int:
         try:
             loaded = config.read_file(args[1])
         except config.ConfigError as exc:
-            sys.stderr.write(f"sandboxd config: {exc}\n")
+            sys.stderr.write(f"sandboxd config: {printable(str(exc))}\n")   # it may quote the file's text
             return 2
-        print(f"{args[1]}: ok")
+        print(f"{printable(args[1])}: ok")
         for key in config.KEYS:
-            print(f"  {key.dotted} = {loaded[key.dotted]!r}")
+            print(f"  {key.dotted} = {printable(repr(loaded[key.dotted]))}")
         return 0
     sys.stderr.write("usage: sandboxd config check FILE | sandboxd config defaults\n")
     return 2

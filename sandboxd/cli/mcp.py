@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import os
 import sys
 
@@ -12,6 +13,8 @@ import grpc
 
 from sandboxd.cli.ctl import SOCKET_ENV, _connection_error, socket_choice
 from sandboxd.client import DEFAULT_SOCKET
+from sandboxd.printable import printable
+from sandboxd.service.server import TextLogFormatter
 
 USAGE_EPILOG = """examples:
   sandboxd mcp --workspace ~/project                       stdio, a workspace-write session without network
@@ -62,8 +65,20 @@ def parse_listen(text: str) -> tuple[str, int] | str:
     return host, int(port)
 
 
+def log_printable() -> None:
+    """What this process logs (sandboxd.mcp, the MCP SDK, uvicorn: warnings and worse) goes to
+    stderr as the daemon's text lines, printable: a client's, an agent's or the daemon's strings in
+    a message cannot forge a line or act on the terminal. Once per process."""
+    root = logging.getLogger()
+    if not any(isinstance(handler.formatter, TextLogFormatter) for handler in root.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(TextLogFormatter())
+        root.addHandler(handler)
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    log_printable()
     socket_path, name_socket = socket_choice(args.socket)
     from sandboxd.mcp.daemon import SessionSpec
     spec = SessionSpec(workspace=os.path.abspath(args.workspace or os.getcwd()), sandbox=args.sandbox,
@@ -82,13 +97,13 @@ def main(argv: list[str]) -> int:
             anyio.run(mcp_transports.serve_stdio, socket_path, spec, ctl)
     except grpc.RpcError as error:
         line = _connection_error(error, socket_path) or f"{error.code().name}: {error.details()}"
-        sys.stderr.write(f"sandboxd mcp: {line}\n")
+        sys.stderr.write(f"sandboxd mcp: {printable(line)}\n")
         return 1
     except ValueError as error:
-        sys.stderr.write(f"sandboxd mcp: {error}\n")
+        sys.stderr.write(f"sandboxd mcp: {printable(str(error))}\n")
         return 2
     except OSError as error:                 # --http: the address is taken, or not ours to use
-        sys.stderr.write(f"sandboxd mcp: {args.http}: {error.strerror or error}\n")
+        sys.stderr.write(f"sandboxd mcp: {printable(args.http)}: {printable(str(error.strerror or error))}\n")
         return 1
     except KeyboardInterrupt:
         return 130

@@ -26,6 +26,9 @@ from sandboxd.mcp.handlers import App, build_server
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 _NOTIFY = NotificationOptions(tools_changed=True)
+# uvicorn's own log set-up would print its lines raw, beside ours: without it they reach the
+# printable handler `sandboxd mcp` puts on the root logger (cli.mcp.log_printable).
+PRINTABLE_LOGS = None
 
 
 # The longest JSON-RPC line read from stdin: a write_file of the daemon's largest request (4 MiB),
@@ -196,12 +199,13 @@ async def _serve_http(daemon: Daemon, spec: SessionSpec, ctl: str, listen: tuple
             os.umask(old)
         listener.listen(128)
         try:
-            await uvicorn.Server(uvicorn.Config(asgi, log_level="warning", lifespan="on")).serve(sockets=[listener])
+            await uvicorn.Server(uvicorn.Config(asgi, log_level="warning", log_config=PRINTABLE_LOGS,
+                                               lifespan="on")).serve(sockets=[listener])
         finally:
             listener.close()
             with contextlib.suppress(OSError):
                 os.unlink(listen)
     else:
         config = uvicorn.Config(_OwnUidOnly(asgi), host=listen[0], port=listen[1], log_level="warning",
-                                lifespan="on")
+                                log_config=PRINTABLE_LOGS, lifespan="on")
         await uvicorn.Server(config).serve()

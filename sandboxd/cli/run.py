@@ -14,6 +14,7 @@ from sandboxd.policy import DEFAULT_PROTECTED_SUBPATHS, LaunchSpec, Limits, pars
 from sandboxd.policy.git_config import GIT_GUARD_SUBPATH
 from sandboxd.policy.limits import DEFAULT_TMP_SIZE
 from sandboxd.policy.sandbox import WorkspaceWrite
+from sandboxd.printable import printable
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:   # typing stays off the `sandboxd run` path: these are for the type checker only
@@ -237,6 +238,12 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
                       hidden_paths=(defaults.SOCKET_DIR, defaults.STATE_DIR), denied_sockets=(defaults.SOCKET,))
 
 
+def _say(text: str) -> None:
+    """One line of `sandboxd run`'s own on stderr. Printable: it may quote what the command chose
+    (a path the git guard names, a destination the proxy refused)."""
+    sys.stderr.write(f"sandboxd run: {printable(text)}\n")
+
+
 def main(argv: list[str]) -> int:
     try:
         args = parse_args(argv)
@@ -245,10 +252,11 @@ def main(argv: list[str]) -> int:
             return 0
         spec = spec_from_args(args)
     except UsageError as exc:
-        sys.stderr.write(f"{USAGE}\nsandboxd run: {exc}\n")
+        sys.stderr.write(USAGE + "\n")
+        _say(str(exc))
         return EXIT_SETUP_FAILED
     except SandboxdError as exc:
-        sys.stderr.write(f"sandboxd run: {exc}\n")
+        _say(str(exc))
         return EXIT_SETUP_FAILED
     guard = _git_guard(spec)
     if guard is not None:
@@ -276,7 +284,7 @@ def main(argv: list[str]) -> int:
             process.release_forwarded_signals()
         sandbox.wait_started()
     except SandboxdError as exc:
-        sys.stderr.write(f"sandboxd run: {exc}\n")
+        _say(str(exc))
         if isinstance(exc, ExecFailed) and exc.errno == errno.EACCES:
             _note_uid(spec)
         if isinstance(exc, LimitsUnavailable) and not args["no_default_limits"]:
@@ -293,14 +301,14 @@ def main(argv: list[str]) -> int:
         except SandboxdError as exc:
             sandbox.kill()
             sandbox.wait()
-            sys.stderr.write(f"sandboxd run: {exc}\n")
+            _say(str(exc))
             return EXIT_SETUP_FAILED
     info = sandbox.wait(spec.limits.timeout_seconds)
     for port in published:
         port.close()
     if guard is not None:
         for item in guard.inspect():
-            sys.stderr.write(f"sandboxd run: {item.describe()}\n")
+            _say(item.describe())
     if info.timed_out:
         sys.stderr.write(f"sandboxd run: timed out after {spec.limits.timeout_seconds:g}s; killed the whole tree\n")
     if info.oom_killed:
@@ -319,7 +327,7 @@ def _note_uid(spec: LaunchSpec, uid: "int | None" = None, gid: "int | None" = No
         uid, gid = owner.st_uid, owner.st_gid
     note = uid_note(uid, gid, spec.workspace, asked=spec.user is not None)
     if note is not None:
-        sys.stderr.write(f"sandboxd run: {note}\n")
+        _say(note)
 
 
 def _git_guard(spec: LaunchSpec) -> "GitGuard | None":
@@ -346,7 +354,7 @@ def _serve_proxy(network: "IsolatedNetwork | LoopbackProxy", domains: "tuple[str
     from sandboxd.network.egress_proxy import EgressProxy
 
     def denied(destination: str, why: str) -> None:
-        sys.stderr.write(f"sandboxd run: blocked a connection to {destination}: {why}\n")
+        _say(f"blocked a connection to {destination}: {why}")
         sys.stderr.flush()
     listener, network.proxy_listener = network.proxy_listener, None
     assert listener is not None                      # main serves a proxy only when there is one

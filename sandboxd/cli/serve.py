@@ -12,6 +12,7 @@ import sys
 
 from sandboxd.config import FLAGS
 from sandboxd.errors import SandboxdError
+from sandboxd.printable import printable
 
 
 def parser() -> argparse.ArgumentParser:
@@ -56,7 +57,7 @@ def main(argv: list[str]) -> int:
     try:
         settings = config.load(args.config, flags=flag_values(args))
     except SandboxdError as exc:
-        sys.stderr.write(f"sandboxd serve: {exc}\n")
+        sys.stderr.write(f"sandboxd serve: {printable(str(exc))}\n")   # it may quote the file's text
         return 2
     from sandboxd.service.daemon import Daemon
     try:
@@ -65,6 +66,6 @@ def main(argv: list[str]) -> int:
         if exc.errno != errno.EADDRINUSE:
             raise
         # A second `sandboxd serve` on a busy socket: one line, not a traceback.
-        sys.stderr.write(f"sandboxd serve: another daemon is serving {settings.socket}: stop it "
+        sys.stderr.write(f"sandboxd serve: another daemon is serving {printable(settings.socket)}: stop it "
                          f"first, or serve on another socket (--socket)\n")
         return 1

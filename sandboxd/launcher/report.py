@@ -17,6 +17,7 @@ import os
 import sys
 
 from sandboxd.errors import SetupError
+from sandboxd.printable import printable
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ def fail(fd: int, error: BaseException, step: str = "setup") -> "NoReturn":
         os.write(fd, encode(error.to_dict()))
     except OSError:
         try:
-            sys.stderr.write(f"sandboxd: {error}\n")
+            sys.stderr.write(f"sandboxd: {printable(str(error))}\n")   # it may quote the caller's paths
         except Exception:  # noqa: BLE001 - last resort in a dying child
             pass
     os._exit(SETUP_FAILED_EXIT)

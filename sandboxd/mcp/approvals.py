@@ -3,7 +3,10 @@
 When the MCP client declared the elicitation capability, a held call becomes an elicitation
 (allow once, allow for this session, deny; with the tool, the summary and the typed reason) and
 the answer goes to the daemon with ResolveApproval. Otherwise, or when the client cannot answer,
-the call waits for `sandboxctl approve`, and a progress message says exactly how."""
+the call waits for `sandboxctl approve`, and a progress message says exactly how.
+
+The tool, summary and reason are the agent's choice: the elicitation and the hint show them
+printable, so a command cannot redraw the dialog or the terminal, nor add lines of its own."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import grpc
 import mcp_types as types
 
 from sandboxd.mcp.binding import Binding, HeldCalls
+from sandboxd.printable import printable
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 TYPE_CHECKING = False
@@ -60,9 +64,10 @@ async def answer_held(ctx: "ServerRequestContext[Any, Any]", binding: Binding, h
         summary, reason = str(data.get("summary") or event.tool), str(data.get("reason") or "")
         if _elicits(ctx) and await _elicit(ctx, binding, event.call_id, event.tool, summary, reason):
             continue
-        hint = (f"waiting for approval ({reason}): {summary}; answer with `{ctl} approve {binding.session_id} "
-                f"{event.call_id}` (add --session-wide for the rest of the session) or `{ctl} deny "
-                f"{binding.session_id} {event.call_id}`")
+        session_id, call_id = printable(binding.session_id), printable(event.call_id)
+        hint = (f"waiting for approval ({printable(reason)}): {printable(summary)}; answer with `{ctl} approve "
+                f"{session_id} {call_id}` (add --session-wide for the rest of the session) or `{ctl} deny "
+                f"{session_id} {call_id}`")
         sys.stderr.write(f"sandboxd mcp: {hint}\n")
         sys.stderr.flush()
         await progress.say(hint)
@@ -72,8 +77,8 @@ async def _elicit(ctx: "ServerRequestContext[Any, Any]", binding: Binding, call_
                   reason: str) -> bool:
     """Ask the client's user; True once the answer reached the daemon (or the call was answered
     elsewhere meanwhile)."""
-    message = (f"sandboxd: a {tool} call needs your approval ({reason}).\n{summary}\n"
-               f"Session {binding.session_id}, call {call_id}.")
+    message = (f"sandboxd: a {printable(tool)} call needs your approval ({printable(reason)}).\n"
+               f"{printable(summary)}\nSession {printable(binding.session_id)}, call {printable(call_id)}.")
     try:
         result = await ctx.session.elicit_form(message, SCHEMA, related_request_id=ctx.request_id)
     except Exception as error:                      # noqa: BLE001 - a client that cannot answer: fall back

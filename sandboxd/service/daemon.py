@@ -34,6 +34,7 @@ from sandboxd.service.approvals import ApprovalGate
 from sandboxd.service.callers import Callers, TlsIdentity
 from sandboxd.service.metrics import Metrics
 from sandboxd.network.front_door import FrontDoor
+from sandboxd.printable import printable
 from sandboxd.service.quotas import Quotas
 from sandboxd.service.sandboxed_peers import SandboxedPeers
 from sandboxd.service.server import (MAX_FORK_RESTARTS, RESTART_WINDOW, ForkWatch, JsonLogFormatter,
@@ -90,7 +91,7 @@ class Daemon:
             problem = self.start()
             if problem is not None:
                 # Refuse to start rather than serve sessions the kernel cannot enforce.
-                sys.stderr.write(f"sandboxd serve: this machine cannot build a sandbox: {problem}\n"
+                sys.stderr.write(f"sandboxd serve: this machine cannot build a sandbox: {printable(problem)}\n"
                                  "  (sandboxd doctor says what is missing and how to fix it)\n")
                 return 1
             return self.serve()

@@ -10,6 +10,8 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from sandboxd.printable import printable
+
 if TYPE_CHECKING:
     from sandboxd.policy.session_defaults import SessionDefaults
     from sandboxd.service.session_lifecycle import OwnPlaces
@@ -17,6 +19,9 @@ if TYPE_CHECKING:
 
 
 class JsonLogFormatter(logging.Formatter):
+    """One JSON object a line. json.dumps escapes every control character and (ensure_ascii, its
+    default) everything past ASCII: a caller's string in a message or a field stays in its quotes."""
+
     def format(self, record: logging.LogRecord) -> str:
         line = {"ts": round(record.created, 3), "level": record.levelname.lower(), "msg": record.getMessage(),
                 "logger": record.name}
@@ -25,9 +30,14 @@ class JsonLogFormatter(logging.Formatter):
 
 
 class TextLogFormatter(logging.Formatter):
+    """`sandboxd LEVEL: message (key=value ...)`, one line a record. The message and each field are
+    printable: a caller's string in them (a path the git guard names, an error quoting a request)
+    cannot start a line of its own, nor act on the terminal that reads the log."""
+
     def format(self, record: logging.LogRecord) -> str:
-        fields = " ".join(f"{key}={value}" for key, value in getattr(record, "fields", {}).items())
-        return f"sandboxd {record.levelname.lower()}: {record.getMessage()}" + (f" ({fields})" if fields else "")
+        fields = " ".join(f"{key}={printable(str(value))}" for key, value in getattr(record, "fields", {}).items())
+        return (f"sandboxd {record.levelname.lower()}: {printable(record.getMessage())}"
+                + (f" ({fields})" if fields else ""))
 
 
 # Directories a socket may sit in that are not sandboxd's own: hiding one of them would hide far

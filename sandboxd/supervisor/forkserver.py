@@ -68,6 +68,7 @@ from sandboxd.errors import DeadlineExceeded, InvalidPolicy, SandboxdError, Setu
 from sandboxd.policy.limits import MAX_TIMEOUT_SECONDS  # noqa: F401 - re-exported for the edge's callers
 from sandboxd.policy.limits import check_timeout as limits_check_timeout
 from sandboxd.policy.spec import LaunchSpec, spec_from_dict, spec_to_dict
+from sandboxd.printable import printable
 from sandboxd.supervisor import fork_protocol as protocol
 from sandboxd.supervisor.fork_protocol import (Call, Cancel, CheckPaths, Error, Event, Exited, Launch, Malformed,
                                                Message, PathsChecked, Ping, Pong, Request, SessionClose,
@@ -644,9 +645,10 @@ def _terminal_size(value: "list[object] | None") -> tuple[int, int] | None:
 
 
 def _log(text: str) -> None:
-    """The fork server has no logger of its own: its stderr is the daemon's."""
+    """The fork server has no logger of its own: its stderr is the daemon's log, so the text is
+    printable as the daemon's log lines are (it may quote a caller's path or request)."""
     try:
-        sys.stderr.write(f"sandboxd-fork: {text}\n")
+        sys.stderr.write(f"sandboxd-fork: {printable(text)}\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
