@@ -220,6 +220,13 @@ ROOTS = ["/ws", "/cache"]
     (["/bin/sh", "-c", "echo $(id)"], Effect.UNKNOWN_COMMAND),
     (["/bin/sh", "-c", "echo 'unterminated"], Effect.UNKNOWN_COMMAND),
     ([], Effect.UNKNOWN_COMMAND),
+    # A known name outside the system's directories is the agent's own program: the control is
+    # the same name where the system keeps it.
+    (["/usr/bin/cat", "a"], Effect.READ_ONLY),
+    (["./cat", "a"], Effect.UNKNOWN_COMMAND),
+    (["/ws/bin/ls"], Effect.UNKNOWN_COMMAND),
+    (["/ws/evilsh", "-c", "ls"], Effect.UNKNOWN_COMMAND),
+    (["/ws/bash", "-c", "ls"], Effect.UNKNOWN_COMMAND),
 ])
 def test_classify_command(argv: list[str], effect: str) -> None:
     assert classify_command(argv, cwd="/ws", writable_roots=ROOTS) == effect
@@ -230,3 +237,7 @@ def test_summaries() -> None:
     assert summary_of("shell.exec", ["ls", "my dir"]) == "Execute: ls 'my dir'"
     assert summary_of("fs.write", path="src/a.py") == "Write: src/a.py"
     assert len(summary_of("shell.exec", ["x" * 500])) == 200
+    # Only a system shell's script is shown alone: a program of the agent's named like a shell is
+    # shown whole, or the card would read `Execute: ls` while /ws/evilsh runs.
+    assert summary_of("shell.exec", ["/ws/evilsh", "-c", "ls"]) == "Execute: /ws/evilsh -c ls"
+    assert summary_of("shell.exec", ["./bash", "-c", "ls"]) == "Execute: ./bash -c ls"

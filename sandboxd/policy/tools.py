@@ -87,6 +87,14 @@ NETWORK_SUBCOMMANDS = {"git": ("clone", "fetch", "pull", "push", "ls-remote"),
 PATH_WRITING_PROGRAMS = frozenset(("mkdir", "touch", "cp", "mv", "rm", "rmdir", "ln", "chmod", "truncate"))
 # A shell string with any of these is more than one plain command (or expands something).
 SHELL_SYNTAX = frozenset(";&|<>$`(){}\n*?[]~!#\\")
+# The shells whose ``-c STRING`` is looked into (classified, and shown as its script): only these
+# spellings, so a program of the agent's own named ``evilsh`` or ``/ws/bash`` is shown and
+# classified as the program it is.
+SHELLS = frozenset(("/bin/sh", "sh", "/bin/bash", "bash", "/usr/bin/sh", "/usr/bin/bash"))
+# Where a known program's name counts as that program: a bare name (looked up in PATH) or these
+# system directories, which every sandbox sees read-only. ``./ls`` or ``/ws/cat`` is the agent's
+# own file, whatever its name: UNKNOWN_COMMAND.
+SYSTEM_BIN_DIRS = frozenset(("/bin", "/usr/bin", "/usr/local/bin", "/sbin", "/usr/sbin", "/usr/local/sbin"))
 
 
 def classify_command(argv: "list[str] | tuple[str, ...]", *, cwd: str, writable_roots: "list[str]") -> str:
@@ -94,7 +102,7 @@ def classify_command(argv: "list[str] | tuple[str, ...]", *, cwd: str, writable_
     plain command). Anything not recognised is UNKNOWN_COMMAND: the engine never guesses
     in the permissive direction."""
     argv = list(argv)
-    if len(argv) == 3 and argv[0] in ("/bin/sh", "sh", "/bin/bash", "bash") and argv[1] == "-c":
+    if len(argv) == 3 and argv[0] in SHELLS and argv[1] == "-c":
         script = argv[2]
         if any(ch in SHELL_SYNTAX for ch in script) or not script.strip():
             return Effect.UNKNOWN_COMMAND
@@ -103,6 +111,8 @@ def classify_command(argv: "list[str] | tuple[str, ...]", *, cwd: str, writable_
         except ValueError:
             return Effect.UNKNOWN_COMMAND
     if not argv:
+        return Effect.UNKNOWN_COMMAND
+    if "/" in argv[0] and os.path.dirname(argv[0]) not in SYSTEM_BIN_DIRS:
         return Effect.UNKNOWN_COMMAND
     program, args = os.path.basename(argv[0]), argv[1:]
     first = next((a for a in args if not a.startswith("-")), "")
@@ -133,7 +143,7 @@ def summary_of(tool: str, argv: "list[str] | tuple[str, ...]" = (), path: str = 
     """The one line an approval card shows: ``Execute: pytest -q``, ``Write: src/a.py``."""
     if argv or command:
         if not command:
-            command = argv[2] if len(argv) == 3 and argv[1] == "-c" and argv[0].endswith("sh") else shlex.join(argv)
+            command = argv[2] if len(argv) == 3 and argv[1] == "-c" and argv[0] in SHELLS else shlex.join(argv)
         line = f"Execute: {command}"
     elif path:
         verb = {"fs.write": "Write", "fs.read": "Read", "fs.list": "List", "patch.apply": "Patch",
