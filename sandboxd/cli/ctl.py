@@ -193,6 +193,11 @@ def _event_line(event: pb.Event) -> str:
         ended = [f"status={data['shell_status']}"] + [f"{key}={data[key]}" for key in ("signal",) if data.get(key)]
         ended += [key for key in ("timed_out", "oom_killed", "output_truncated") if data.get(key)]
         extra = " ".join([extra, *ended]).strip()
+    clipped = data.get("clipped")
+    if isinstance(clipped, list) and clipped:      # the store kept only the start of these (audit.event_bytes)
+        cut = ", ".join(f"{'.'.join(map(str, c.get('path') or ['all']))} ({c.get('bytes')} bytes)" for c in clipped
+                        if isinstance(c, dict))
+        detail = f"{detail} [clipped: {cut}]".strip()
     return (f"{when} {event.session_id}#{event.sequence:<4} {event.type:<24} {event.tool:<14} "
             f"{event.call_id:<18} {extra} {detail}").rstrip()
 
