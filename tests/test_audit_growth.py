@@ -88,6 +88,8 @@ def step(what):
             attempt("rule", lambda: stub.AddStandingRule(pb.StandingRule(workspace=what["ws"], tool="fs.read"),
                                                          timeout=60))
         attempt("list", lambda: stub.ListSessions(pb.ListSessionsRequest(), timeout=60))
+        status = stub.GetStatus(pb.GetStatusRequest(), timeout=60)
+        out["audit"] = [status.quota_usage["audit_bytes"], status.quota_limits["audit_owner_budget"]]
         return out
     if kind == "close":
         stub.CloseSession(pb.CloseSessionRequest(session_id=what["session"]), timeout=120)
@@ -259,6 +261,7 @@ def test_past_its_budget_the_flooder_is_refused_and_a_bystander_is_served(
     for name in ("create", "exec", "rule"):
         assert tried[name][0] == "RESOURCE_EXHAUSTED" and "audit.owner_budget" in tried[name][1], tried
     assert tried["query"] == tried["get"] == tried["list"] == ["OK", ""], tried
+    assert tried["audit"][1] == 256 << 10 and tried["audit"][0] >= tried["audit"][1], tried    # GetStatus says so
 
     # A bystander is not affected.
     other_ws = owned_workspace(sandboxd_daemon, bystander)

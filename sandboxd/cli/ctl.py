@@ -277,6 +277,9 @@ def _status(client: SandboxClient) -> int:
                  if "connections_per_uid" in limits else ""))
         print(f"workers: {limits['workers']} ({limits['reserved_workers']} kept for short calls; "
               f"long-lived calls and streams now {usage['long_lived']}/{limits['long_lived_total']})")
+        if "audit_owner_budget" in limits:
+            print(f"audit log: {usage['audit_bytes']} of your {limits['audit_owner_budget']} bytes "
+                  "(audit.owner_budget, refilled evenly over its period) spent")
     return 0
 
 
