@@ -216,7 +216,10 @@ class EventStore:
         self._lock = threading.RLock()
         self._next_seq: dict[str, int] = {}
         self._owners: dict[str, tuple[str, bool] | None] = {}     # session -> (owner, exempt); None: no row
-        self._unrecorded: dict[tuple[str, str, str], int] = {}   # (session, type, tool) -> events only counted
+        # (session, type, tool) -> events ``note`` only counted. Bounded by the open sessions: a
+        # session's close records and drops its counts, and nothing notes for a closed session
+        # (its proxy and git guard are stopped before its SessionClosed is appended).
+        self._unrecorded: dict[tuple[str, str, str], int] = {}
         self._subscribers: list[Subscription] = []
         self._budgets = OwnerBudgets(limits.owner_budget_bytes, limits.budget_period_seconds)
         self._floor = DiskFloor(os.path.dirname(os.path.abspath(path)), 0 if path == ":memory:" else
