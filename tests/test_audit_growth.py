@@ -195,6 +195,7 @@ def test_a_long_command_is_recorded_bounded_and_approved_whole(
         held = []
         while not held and caller.is_alive():
             held = list(daemon.stub.ListPendingApprovals(pb.ListPendingApprovalsRequest(session_id=session)).approvals)
+            time.sleep(0.05)
         assert held and held[0].summary == "Execute: /bin/echo hello"
         daemon.stub.ResolveApproval(pb.ResolveApprovalRequest(session_id=session, call_id=held[0].call_id,
                                                               decision="allow_once"))
