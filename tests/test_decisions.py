@@ -236,7 +236,9 @@ def test_summaries() -> None:
     assert summary_of("shell.exec", ["/bin/sh", "-c", "pytest -q"]) == "Execute: pytest -q"
     assert summary_of("shell.exec", ["ls", "my dir"]) == "Execute: ls 'my dir'"
     assert summary_of("fs.write", path="src/a.py") == "Write: src/a.py"
-    assert len(summary_of("shell.exec", ["x" * 500])) == 200
+    long = summary_of("shell.exec", ["x" * 500])
+    assert len(long) <= 200 and long.startswith("Execute: xxx")
+    assert long.endswith(f" ... [cut: {long.index(' ...')} of 509 characters shown]"), long
     # Only a system shell's script is shown alone: a program of the agent's named like a shell is
     # shown whole, or the card would read `Execute: ls` while /ws/evilsh runs.
     assert summary_of("shell.exec", ["/ws/evilsh", "-c", "ls"]) == "Execute: /ws/evilsh -c ls"

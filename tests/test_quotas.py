@@ -163,6 +163,7 @@ def test_one_user_past_its_quotas_cannot_stop_another(daemon: Daemon) -> None:
             # What GetStatus says of it, and a short call of its own still works.
             usage = dict(attack["usage"])
             assert usage.pop("connections") >= 1             # its own connections at the front door
+            assert usage.pop("audit_bytes") > 0              # what its sessions wrote to the audit log
             assert usage == {"sessions": SESSIONS, "calls": CALLS, "streams": STREAMS,
                              "long_lived": CALLS + STREAMS}
             assert attack["limits"]["calls_per_uid"] == CALLS and attack["limits"]["long_lived_total"] == LONG_LIVED

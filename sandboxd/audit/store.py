@@ -21,6 +21,17 @@ transactions of the last ``checkpointer.DELAY`` seconds, which a thread of its o
 syncs to disk (sandboxd.audit.checkpointer, not the call that commits); ``durable=True``
 makes every commit wait for the disk.
 
+Bounds (the ``[audit]`` settings, policy.audit_limits): every event's data is kept in its
+bounded form (sandboxd.audit.bounded: at most ``audit.event_bytes``, a longer value a caller
+chose kept as its start, its length and its SHA-256); every byte written for a session (its
+events, its row) and for a standing rule is spent from its owner's budget (sandboxd.audit.budget);
+and ``admit`` refuses to let an owner start anything that writes once that budget is spent, or
+when the disk is below ``audit.min_free`` (sandboxd.audit.disk_floor). ``append`` itself never
+refuses: what must be recorded is recorded, and what may not be recorded does not start. Events
+nobody's call asked for (a sandbox's denied connection, a git neutralization: ``note``) are
+written while their owner may write, and otherwise counted, the count recorded with the next one
+written or at the session's close.
+
 Watching: ``watch`` registers a subscriber *before* reading the past, under the
 same lock appends take, so the switch from past to live events has no gap and no
 duplicate.
@@ -34,16 +45,24 @@ import sqlite3
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from sandboxd._record import Factory, Record
 from sandboxd.audit import checkpointer
-from sandboxd.errors import InvalidPolicy, NotFound
+from sandboxd.audit.bounded import bounded
+from sandboxd.audit.budget import OwnerBudgets
+from sandboxd.audit.disk_floor import DiskFloor
+from sandboxd.errors import Exhausted, InvalidPolicy, NotFound
+from sandboxd.policy.audit_limits import AuditLimits
 
 
-# Next sequence numbers remembered (one per open session, so more than any daemon holds); past
-# it the oldest go first and cost one indexed query at their next event.
+# Next sequence numbers (and owners) remembered (one per open session, so more than any daemon
+# holds); past it the oldest go first and cost one indexed query at their next event.
 MAX_CACHED_SEQUENCES = 16384
+# What one row costs the disk beyond its text (SQLite's row and cell headers, the id, seq and time,
+# and the entries of the four indexes, which repeat the session id, the type and the tool): the
+# budget counts it so that it tracks the file's growth (measured in tests/test_audit_bounds.py).
+ROW_OVERHEAD = 96
 
 
 class EventType:
@@ -171,16 +190,41 @@ class Subscription:
             return self.queue.popleft() if self.queue else None
 
 
+def owner_key(owner_uid: int, owner_principal: str) -> str:
+    """Whose budget a session's writes are spent from: a TLS caller's principal, else its uid
+    (the owners service.quotas counts)."""
+    return owner_principal or f"uid {owner_uid}"
+
+
+class _Prepared(NamedTuple):
+    """One event ready to insert: its data in its bounded form, and that form's JSON text."""
+    kind: str
+    call_id: str
+    tool: str
+    data: dict[str, Any]
+    text: str
+
+
 class EventStore:
-    def __init__(self, path: str, *, durable: bool = False) -> None:
+    def __init__(self, path: str, *, durable: bool = False, limits: AuditLimits | None = None) -> None:
         """Open (creating and migrating as needed) the store at ``path``; ":memory:" for tests."""
         if path != ":memory:":
             os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", mode=0o700, exist_ok=True)
             _make_private(path)                        # one an older sandboxd left readable
         self.path = path
+        self.limits = limits = limits or AuditLimits()
         self._lock = threading.RLock()
         self._next_seq: dict[str, int] = {}
+        self._owners: dict[str, tuple[str, bool] | None] = {}     # session -> (owner, exempt); None: no row
+        # (session, type, tool) -> events ``note`` only counted. Bounded by the open sessions: a
+        # session's close records and drops its counts, and nothing notes for a closed session
+        # (its proxy and git guard are stopped before its SessionClosed is appended).
+        self._unrecorded: dict[tuple[str, str, str], int] = {}
         self._subscribers: list[Subscription] = []
+        self._budgets = OwnerBudgets(limits.owner_budget_bytes, limits.budget_period_seconds)
+        self._floor = DiskFloor(os.path.dirname(os.path.abspath(path)), 0 if path == ":memory:" else
+                                limits.min_free_bytes, 0.0 if path == ":memory:" else limits.min_free_percent,
+                                _min_free_text(limits))
         # The audit log (argv, paths, answers) is the daemon's alone, from its first byte: sqlite
         # creates the database, its WAL and its SHM with 0644 less the umask (and the WAL and
         # SHM later with the database's mode), so the umask is tight while they are made.
@@ -240,6 +284,56 @@ class EventStore:
                     subscriber.cond.notify_all()
             self._db.close()
 
+    # -- admission: what may start writing ------------------------------------------------------
+
+    def admit(self, owner_uid: int, owner_principal: str = "") -> None:
+        """Whether this owner may start something that writes (a call, a session, a policy change,
+        a standing rule): Exhausted, naming the setting, when the log's disk is below
+        ``audit.min_free`` or (local root excepted) the owner's budget is spent."""
+        problem = self._floor.shortfall()
+        if problem is not None:
+            raise Exhausted(problem)
+        if owner_uid == 0 and not owner_principal:
+            return
+        owner = owner_key(owner_uid, owner_principal)
+        wait = self._budgets.refusal(owner)
+        if wait is not None:
+            limits = self.limits
+            raise Exhausted(
+                f"{owner} has written its whole audit budget (audit.owner_budget: {_size_text(limits.owner_budget_bytes)} "
+                f"per audit.budget_period_seconds: {limits.budget_period_seconds:g} s) to the audit log: its new calls, "
+                f"sessions and policy changes are refused for about {wait:.0f} s, until the budget refills (reads and "
+                "calls under way are not affected; an administrator may raise audit.owner_budget)")
+
+    def budget_left(self, owner_uid: int, owner_principal: str = "") -> float:
+        """Bytes the owner may still write before ``admit`` refuses it (below zero: its overdraft)."""
+        return self._budgets.left(owner_key(owner_uid, owner_principal))
+
+    def _owner(self, session_id: str) -> tuple[str, bool] | None:
+        """The session's owner and whether it is exempt from refusals (local root); None for a
+        session without a row (the store's own tests). Under the lock."""
+        if session_id in self._owners:
+            return self._owners[session_id]
+        row = self._db.execute("SELECT owner_uid, owner_principal FROM sessions WHERE id = ?",
+                               (session_id,)).fetchone()
+        owner = None if row is None else (owner_key(row[0], row[1]), row[0] == 0 and not row[1])
+        self._remember_owner(session_id, owner)
+        return owner
+
+    def _remember_owner(self, session_id: str, owner: tuple[str, bool] | None) -> None:
+        self._owners[session_id] = owner
+        while len(self._owners) > MAX_CACHED_SEQUENCES:
+            del self._owners[next(iter(self._owners))]
+
+    def _spend(self, owner: tuple[str, bool] | None, amount: int) -> None:
+        if owner is not None:
+            self._budgets.spend(owner[0], amount)
+
+    def _may_write(self, owner: tuple[str, bool] | None) -> bool:
+        if self._floor.shortfall() is not None:
+            return False
+        return owner is None or owner[1] or self._budgets.refusal(owner[0]) is None
+
     # -- events ----------------------------------------------------------------------------------
 
     def append(self, session_id: str, kind: str, *, call_id: str = "", tool: str = "",
@@ -248,43 +342,94 @@ class EventStore:
         return self.append_many(session_id, [(kind, call_id, tool, data or {})])[0]
 
     def append_many(self, session_id: str, rows: list[tuple[str, str, str, dict[str, Any]]]) -> list[Event]:
-        """Append several events of one session in one transaction (kind, call_id, tool, data)."""
-        for kind, *_ in rows:
+        """Append several events of one session in one transaction (kind, call_id, tool, data),
+        each in its bounded form, never refused: the caller was admitted before it started
+        what they record (``admit``). A session's close first records what ``note`` only counted."""
+        prepared = self._prepared(rows)
+        with self._lock:
+            if any(kind == EventType.SESSION_CLOSED for kind, *_ in rows):
+                prepared = self._prepared(self._counted_rows(session_id)) + prepared
+            return self._write(session_id, prepared)
+
+    def note(self, session_id: str, rows: list[tuple[str, str, str, dict[str, Any]]]) -> list[Event]:
+        """Append events nobody's call asked for and that no refusal can prevent (a sandbox's
+        denied connection, a git neutralization: the protection itself happens either way).
+        Written while the session's owner may write (``admit``'s conditions); otherwise only
+        counted, and the count recorded as ``unrecorded`` in the next such event written, or in
+        one event of that type when the session closes. Returns the events written."""
+        prepared = self._prepared(rows)
+        with self._lock:
+            owner = self._owner(session_id)
+            if not self._may_write(owner):
+                for kind, _call_id, tool, _data in rows:
+                    key = (session_id, kind, tool)
+                    self._unrecorded[key] = self._unrecorded.get(key, 0) + 1
+                return []
+            for index, (kind, call_id, tool, _data) in enumerate(rows):
+                missed = self._unrecorded.pop((session_id, kind, tool), 0)
+                if missed:
+                    prepared[index] = self._prepared([(kind, call_id, tool, {**rows[index][3], "unrecorded": missed})])[0]
+            return self._write(session_id, prepared)
+
+    def _prepared(self, rows: list[tuple[str, str, str, dict[str, Any]]]) -> list[_Prepared]:
+        """Each row checked and in its bounded form, with its text: done before the lock is taken
+        (a caller's megabytes take milliseconds to bound, and nobody else's event waits for it)."""
+        prepared = []
+        for kind, call_id, tool, data in rows:
             if kind not in EventType.ALL:
                 raise InvalidPolicy(f"unknown event type {kind!r}")
+            kept, text = bounded(data, self.limits.event_bytes)
+            prepared.append(_Prepared(kind, call_id, tool, kept, text))
+        return prepared
+
+    def _counted_rows(self, session_id: str) -> list[tuple[str, str, str, dict[str, Any]]]:
+        """One event per type that ``note`` only counted in this session (under the lock)."""
+        rows = []
+        for key in [k for k in self._unrecorded if k[0] == session_id]:
+            missed = self._unrecorded.pop(key)
+            rows.append((key[1], "", key[2], {
+                "unrecorded": missed, "message": f"{missed} more {key[1]} events of this session were counted, "
+                "not recorded one by one: its owner's audit budget (audit.owner_budget) was spent or the disk was "
+                "below audit.min_free"}))
+        return rows
+
+    def _write(self, session_id: str, rows: list[_Prepared]) -> list[Event]:
+        """Insert ``rows`` in one transaction and tell the watchers (under the lock)."""
         now = time.time()
-        with self._lock:
-            seq = self._next_seq.get(session_id)
-            if seq is None:
-                seq = int(self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE session_id = ?",
-                                           (session_id,)).fetchone()[0])
-            events = []
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                for offset, (kind, call_id, tool, data) in enumerate(rows):
-                    text = json.dumps(data, separators=(",", ":"), default=str)
-                    cursor = self._db.execute(
-                        "INSERT INTO events (session_id, seq, type, time, call_id, tool, data) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?)", (session_id, seq + offset, kind, now, call_id, tool, text))
-                    events.append(Event(int(cursor.lastrowid or 0), session_id, seq + offset, kind, now, call_id,
-                                        tool, data))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._committed()
-            if any(kind == EventType.SESSION_CLOSED for kind, *_ in rows):
-                # A cache (a miss asks the index): a closed session's entry would stay forever, one
-                # per session the daemon ever served, the soak's steady growth.
-                self._next_seq.pop(session_id, None)
-            else:
-                self._next_seq[session_id] = seq + len(rows)
-                while len(self._next_seq) > MAX_CACHED_SEQUENCES:      # late events of closed ones
-                    del self._next_seq[next(iter(self._next_seq))]
-            for subscriber in self._subscribers:
-                for event in events:
-                    if subscriber.wants(event):
-                        subscriber.push(event)
+        seq = self._next_seq.get(session_id)
+        if seq is None:
+            seq = int(self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE session_id = ?",
+                                       (session_id,)).fetchone()[0])
+        owner = self._owner(session_id)
+        events, cost = [], 0
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            for offset, (kind, call_id, tool, kept, text) in enumerate(rows):
+                cursor = self._db.execute(
+                    "INSERT INTO events (session_id, seq, type, time, call_id, tool, data) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)", (session_id, seq + offset, kind, now, call_id, tool, text))
+                events.append(Event(int(cursor.lastrowid or 0), session_id, seq + offset, kind, now, call_id,
+                                    tool, kept))
+                cost += len(text) + len(call_id) + 2 * (len(session_id) + len(kind) + len(tool)) + ROW_OVERHEAD
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._committed()
+        self._spend(owner, cost)
+        if any(kind == EventType.SESSION_CLOSED for kind, *_ in rows):
+            # A cache (a miss asks the index): a closed session's entry would stay forever, one
+            # per session the daemon ever served, the soak's steady growth.
+            self._next_seq.pop(session_id, None)
+            self._owners.pop(session_id, None)
+        else:
+            self._next_seq[session_id] = seq + len(rows)
+            while len(self._next_seq) > MAX_CACHED_SEQUENCES:      # late events of closed ones
+                del self._next_seq[next(iter(self._next_seq))]
+        for subscriber in self._subscribers:
+            for event in events:
+                if subscriber.wants(event):
+                    subscriber.push(event)
         return events
 
     def query(self, *, session_ids: list[str] | None = None, types: list[str] | None = None, tool: str = "",
@@ -368,6 +513,10 @@ class EventStore:
                 "sandbox_policy = excluded.sandbox_policy, approval_policy = excluded.approval_policy, "
                 "tool_rules = excluded.tool_rules, closed_at = excluded.closed_at", values)
             self._committed()
+            owner = (owner_key(row.owner_uid, row.owner_principal), row.owner_uid == 0 and not row.owner_principal)
+            if row.closed_at is None:
+                self._remember_owner(row.id, owner)
+            self._spend(owner, sum(len(v) for v in values if isinstance(v, str)) + ROW_OVERHEAD)
 
     _SESSION_COLUMNS = ("SELECT id, owner_uid, owner_gid, owner_principal, workspace, sandbox_policy, "
                         "approval_policy, tool_rules, limits, labels, created_at, closed_at, env FROM sessions")
@@ -391,13 +540,18 @@ class EventStore:
 
     def remember(self, namespace: str, workspace: str, key: str, value: dict[str, Any], *, owner_uid: int,
                  owner_principal: str = "") -> None:
+        """Insert or replace one owner's row, spent from its budget (the caller was admitted)."""
+        text = json.dumps(value)
         with self._lock:
             self._db.execute("INSERT INTO memory (namespace, workspace, owner_uid, owner_principal, key, value, "
                              "created_at) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT "
                              "(namespace, workspace, owner_uid, owner_principal, key) DO UPDATE SET value = "
                              "excluded.value",
-                             (namespace, workspace, owner_uid, owner_principal, key, json.dumps(value), time.time()))
+                             (namespace, workspace, owner_uid, owner_principal, key, text, time.time()))
             self._committed()
+        self._budgets.spend(owner_key(owner_uid, owner_principal),
+                            len(namespace) + 2 * (len(workspace) + len(key) + len(owner_principal)) + len(text)
+                            + ROW_OVERHEAD)
 
     def forget(self, namespace: str, workspace: str, key: str, *, owner_uid: int, owner_principal: str = "") -> bool:
         """Remove one owner's row; whether there was one."""
@@ -435,7 +589,7 @@ class EventStore:
 STORE_SUFFIXES = ("", "-wal", "-shm")                # the database and the files sqlite keeps beside it
 
 
-def open_in_state_dir(state_dir: str, *, durable: bool = False) -> EventStore:
+def open_in_state_dir(state_dir: str, *, durable: bool = False, limits: AuditLimits | None = None) -> EventStore:
     """The daemon's store, ``events.db`` in ``state_dir``, which is forced to 0700 first (it
     may be an older sandboxd's, or made by hand with the default umask)."""
     os.makedirs(state_dir, mode=0o700, exist_ok=True)
@@ -444,7 +598,19 @@ def open_in_state_dir(state_dir: str, *, durable: bool = False) -> EventStore:
         raise InvalidPolicy(f"the state directory {state_dir} belongs to uid {st.st_uid}, not to the daemon's "
                             f"uid {os.geteuid()}: chown it or use another --state-dir")
     os.chmod(state_dir, 0o700)
-    return EventStore(os.path.join(state_dir, "events.db"), durable=durable)
+    return EventStore(os.path.join(state_dir, "events.db"), durable=durable, limits=limits)
+
+
+def _size_text(size: int) -> str:
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if size >= 1 << shift and size % (1 << shift) == 0:
+            return f"{size >> shift}{unit}"
+    return f"{size} bytes"
+
+
+def _min_free_text(limits: AuditLimits) -> str:
+    """audit.min_free as it would be written."""
+    return f"{limits.min_free_percent:g}%" if limits.min_free_percent else _size_text(limits.min_free_bytes)
 
 
 def _make_private(path: str) -> None:

@@ -202,6 +202,11 @@ def _event_line(event: pb.Event) -> str:
         ended += [f"{key}={printable(str(data[key]))}" for key in ("signal",) if data.get(key)]
         ended += [key for key in ("timed_out", "oom_killed", "output_truncated") if data.get(key)]
         extra = " ".join([extra, *ended]).strip()
+    clipped = data.get("clipped")
+    if isinstance(clipped, list) and clipped:      # the store kept only the start of these (audit.event_bytes)
+        cut = ", ".join(f"{'.'.join(map(str, c.get('path') or ['all']))} ({c.get('bytes')} bytes)" for c in clipped
+                        if isinstance(c, dict))
+        detail = f"{detail} [clipped: {printable(cut)}]".strip()
     return (f"{when} {printable(event.session_id)}#{event.sequence:<4} {printable(event.type):<24} "
             f"{printable(event.tool):<14} {printable(event.call_id):<18} {extra} {detail}").rstrip()
 
@@ -281,6 +286,9 @@ def _status(client: SandboxClient) -> int:
                  if "connections_per_uid" in limits else ""))
         print(f"workers: {limits['workers']} ({limits['reserved_workers']} kept for short calls; "
               f"long-lived calls and streams now {usage['long_lived']}/{limits['long_lived_total']})")
+        if "audit_owner_budget" in limits:
+            print(f"audit log: {usage['audit_bytes']} of your {limits['audit_owner_budget']} bytes "
+                  "(audit.owner_budget, refilled evenly over its period) spent")
     return 0
 
 

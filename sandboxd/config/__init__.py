@@ -139,6 +139,22 @@ def _size_or_empty(value: object) -> str | None:
     return None if size <= MAX_BYTES else f"must be at most 2^53 bytes (8192T), not {value!r}"
 
 
+def _size(value: object) -> str | None:
+    return "must be a size like 256M or 1G" if value == "" else _size_or_empty(value)
+
+
+def _min_free(value: object) -> str | None:
+    from sandboxd.policy.audit_limits import parse_min_free
+
+    if not isinstance(value, str):
+        return f"must be a size like \"512M\" or a share of the disk like \"5%\" (\"0\": no floor), not {value!r}"
+    try:
+        parse_min_free(value)
+    except InvalidPolicy as exc:
+        return str(exc)
+    return None
+
+
 def _cidr(value: object) -> str | None:
     import ipaddress
 
@@ -208,6 +224,17 @@ KEYS: tuple[Key, ...] = (
         "naming the path (a FUSE, NFS or sshfs mount that does not answer), and nobody else waits",
         _positive_seconds),
     Key("approvals", "timeout_seconds", 300, "a call nobody approves within this is denied", _positive_seconds),
+    Key("audit", "event_bytes", 16384, "the most bytes one event keeps (its data as JSON): a longer value a caller "
+        "chose (a command, a tool's arguments or result) is kept as its start (up to a quarter of this), its full "
+        "length and SHA-256", _whole(1024, 1 << 20)),
+    Key("audit", "owner_budget", "256M", "bytes one owner's (a uid, a TLS principal) sessions may add to the audit "
+        "log per audit.budget_period_seconds (refilled evenly); past it that owner's new calls, sessions, policy "
+        "changes and standing rules are refused (RESOURCE_EXHAUSTED) until it refills; local root is exempt",
+        _size),
+    Key("audit", "budget_period_seconds", 86400, "the period of audit.owner_budget", _positive_seconds),
+    Key("audit", "min_free", "512M", "free space (for unprivileged users) the audit log's disk must keep, as a "
+        "size or a share of the disk (\"5%\"); below it no new call, session or policy change starts "
+        "(RESOURCE_EXHAUSTED) while reads keep working; \"0\": no floor", _min_free),
     Key("policy", "allow_user_full_access", True, "a local non-root caller may create danger-full-access "
         "sessions, whose commands run on the host as that caller with its own rights and no more (a killable "
         "tree, the session's limits, the audit trail); false: only local root may (TLS callers never may)",

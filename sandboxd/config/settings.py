@@ -9,7 +9,9 @@ from typing import Callable, Mapping
 
 from sandboxd.config import BUILT_IN, Config, ConfigError, ResourceLimits
 from sandboxd.errors import InvalidPolicy, SandboxdError
+from sandboxd.policy.audit_limits import AuditLimits, parse_min_free
 from sandboxd.policy.ipv4 import port as tcp_port
+from sandboxd.policy.limits import parse_size
 from sandboxd.policy.quota_limits import QuotaLimits
 from sandboxd.policy.session_defaults import SessionDefaults
 
@@ -47,6 +49,7 @@ class DaemonSettings:
     ping_timeout: float
     wait_seconds: float
     approval_timeout: float
+    audit: AuditLimits
     allow_user_full_access: bool
     dns: tuple[str, ...]
     network_pool: str
@@ -89,6 +92,14 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
                              workers=config.whole("listen.workers"))
     except SandboxdError as exc:
         raise refuse("quotas", str(exc)) from None
+    min_free_bytes, min_free_percent = parse_min_free(config.text("audit.min_free"))
+    try:
+        audit = AuditLimits(event_bytes=config.whole("audit.event_bytes"),
+                            owner_budget_bytes=parse_size(config.text("audit.owner_budget"), "audit.owner_budget"),
+                            budget_period_seconds=config.number("audit.budget_period_seconds"),
+                            min_free_bytes=min_free_bytes, min_free_percent=min_free_percent)
+    except SandboxdError as exc:
+        raise refuse("audit", str(exc)) from None
     defaults = SessionDefaults(
         sandbox=config.text("defaults.sandbox_policy"), network_access=config.flag("defaults.network_access"),
         approval=config.text("defaults.approval_policy"),
@@ -103,7 +114,7 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         tls=_tls(config, refuse), state_dir=config.text("state.dir"),
         ping_timeout=config.number("fork_server.ping_timeout_seconds"),
         wait_seconds=config.number("fork_server.wait_seconds"),
-        approval_timeout=config.number("approvals.timeout_seconds"),
+        approval_timeout=config.number("approvals.timeout_seconds"), audit=audit,
         allow_user_full_access=config.flag("policy.allow_user_full_access"),
         dns=config.texts("network.dns"), network_pool=config.text("network.pool"),
         proxy_connections=config.whole("quotas.proxy_connections_per_session"),

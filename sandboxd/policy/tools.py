@@ -13,6 +13,7 @@ import os
 import shlex
 
 from sandboxd._record import Record
+from sandboxd.errors import InvalidPolicy
 from sandboxd.policy.sandbox import is_within
 
 
@@ -42,6 +43,21 @@ class Category:
     EXECUTION = "execution"                  # runs a program: shell, code, a background process
     MONITOR = "monitor"                      # looks at or stops background processes
     EXTERNAL = "external"                    # a tool outside sandboxd (MCP, browser, desktop)
+
+
+# The longest tool name a caller may give (Authorize, a standing rule): it is a column of every
+# event of the call and of the rule's row, so it is bounded at the door, not clipped (MCP names
+# tools in at most 128 characters).
+MAX_TOOL_NAME = 256
+
+
+def check_tool_name(tool: str) -> None:
+    """InvalidPolicy unless ``tool`` names a tool in 1 to MAX_TOOL_NAME bytes."""
+    if not tool:
+        raise InvalidPolicy("name the tool (for example browser.action)")
+    size = len(tool.encode(errors="surrogateescape"))
+    if size > MAX_TOOL_NAME:
+        raise InvalidPolicy(f"the tool name is {size} bytes long; the limit is {MAX_TOOL_NAME}")
 
 
 class ToolSpec(Record):
@@ -139,8 +155,14 @@ def write_effect(paths: "list[str]", writable_roots: "list[str]") -> str:
     return Effect.WORKSPACE_WRITE if inside else Effect.DESTRUCTIVE
 
 
+SUMMARY_CHARS = 200
+
+
 def summary_of(tool: str, argv: "list[str] | tuple[str, ...]" = (), path: str = "", command: str = "") -> str:
-    """The one line an approval card shows: ``Execute: pytest -q``, ``Write: src/a.py``."""
+    """The one line an approval card shows: ``Execute: pytest -q``, ``Write: src/a.py``; at most
+    SUMMARY_CHARS characters. A longer line says so, with its whole length, so that a person
+    asked about it knows there is more than shown (the call runs all of it; the approval is of
+    the call, never of this text): ``Execute: python3 -c '... ... [cut: 160 of 1835030 characters shown]``."""
     if argv or command:
         if not command:
             command = argv[2] if len(argv) == 3 and argv[1] == "-c" and argv[0] in SHELLS else shlex.join(argv)
@@ -151,4 +173,8 @@ def summary_of(tool: str, argv: "list[str] | tuple[str, ...]" = (), path: str = 
         line = f"{verb}: {path}"
     else:
         line = tool
-    return line if len(line) <= 200 else line[:197] + "..."
+    if len(line) <= SUMMARY_CHARS:
+        return line
+    marker = f" ... [cut: {{}} of {len(line)} characters shown]"
+    keep = SUMMARY_CHARS - len(marker.format(SUMMARY_CHARS))
+    return line[:keep] + marker.format(keep)

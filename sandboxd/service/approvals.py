@@ -131,7 +131,10 @@ class ApprovalGate:
     def authorize(self, session: Session, call: ToolCall, *, call_id: str = "",
                   still_wanted: Callable[[], bool] = lambda: True) -> Granted:
         """Decide, record, and (if needed) wait for a person. Returns a Granted the caller must
-        end; raises PermissionDenied (after recording it) otherwise."""
+        end; raises PermissionDenied (after recording it) otherwise. Exhausted before anything
+        is decided or recorded when the store will not take this owner's events (its audit budget
+        is spent, or the disk is nearly full): a call that cannot be recorded does not start."""
+        self._store.admit(session.owner.uid, session.owner.principal)
         call_id = call_id or "call_" + secrets.token_hex(6)
         decision = decide(call.effect, call.tool, session.policy, session.approval, category=call.category,
                           untrusted_mcp=call.untrusted_mcp, rules=session.rules)

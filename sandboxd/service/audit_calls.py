@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 from sandboxd.audit.store import PERMISSION_NAMESPACE, Event, EventStore, EventType, MemoryRow
 from sandboxd.errors import Forbidden, InvalidPolicy, NotFound, PermissionDenied
-from sandboxd.policy.tools import BUILTIN_TOOLS, Category, Effect, Risk, summary_of
+from sandboxd.policy.tools import BUILTIN_TOOLS, Category, Effect, Risk, check_tool_name, summary_of
 from sandboxd.service.approvals import ApprovalGate, Granted, ToolCall, rule_key
 from sandboxd.service.callers import Caller
 from sandboxd.service.sessions import SessionRegistry
@@ -74,8 +74,7 @@ class AuditService:
     def authorize(self, who: Caller, request: pb.AuthorizeRequest,
                   still_wanted: Callable[[], bool]) -> pb.AuthorizeResponse:
         session = self._registry.get(who, request.session_id)
-        if not request.tool:
-            raise InvalidPolicy("name the tool to authorize (for example browser.action)")
+        check_tool_name(request.tool)
         if request.tool in BUILTIN_TOOLS:
             raise InvalidPolicy(f"{request.tool} is a built-in tool: call its RPC, which is authorized itself")
         if request.effect not in EFFECTS:
@@ -212,11 +211,11 @@ class AuditService:
 
     def add_rule(self, who: Caller, rule: pb.StandingRule) -> pb.StandingRule:
         workspace = self._registry.check_workspace(who, rule.workspace)
-        if not rule.tool:
-            raise InvalidPolicy("name the tool the rule allows (for example fs.read)")
+        check_tool_name(rule.tool)
         if rule.HasField("owner_uid") and (rule.owner_uid, rule.owner_principal) != (who.uid, who.principal):
             raise InvalidPolicy("a standing rule is always its caller's own: leave owner_uid and owner_principal "
                                 "unset (a rule for another user is that user's to add)")
+        self._store.admit(who.uid, who.principal)          # the rule's row is spent from the owner's budget
         self._store.remember(PERMISSION_NAMESPACE, workspace, rule_key(rule.tool), {"tool": rule.tool,
                                                                                     "by_uid": who.uid},
                              owner_uid=who.uid, owner_principal=who.principal)

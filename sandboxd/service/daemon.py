@@ -143,7 +143,7 @@ class Daemon:
             stale_sockets = sweep_private_dir(private)           # ours included, from a reused pid
 
             # The audit log and session metadata: opened (and migrated) before anything is served.
-            store = open_in_state_dir(s.state_dir)
+            store = open_in_state_dir(s.state_dir, limits=s.audit)
             undo.callback(store.close)
             tls = s.tls
             own = own_places(socket_path, private, backend, s.state_dir, tls.address if tls else "",

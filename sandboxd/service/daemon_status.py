@@ -73,6 +73,9 @@ def status(registry: SessionRegistry, gate: ApprovalGate, who: Caller,
         limits_extra = {"connections_per_uid": door.connection_limit(who.uid)}
     else:
         limits_extra = {}
+    store = registry.store
+    budget = store.limits.owner_budget_bytes                 # what this owner has written to the log lately
+    audit_used = min(max(0, int(budget - store.budget_left(who.uid, who.principal))), 2 * budget)
     return pb.DaemonStatus(version=__version__, pid=os.getpid(), started_at=STARTED_AT, features=kernel_features(),
                            sessions=len(sessions), running_calls=sum(s.running_calls for s in sessions),
                            pending_approvals=sum(len(gate.pending(s.id)) for s in sessions),
@@ -82,7 +85,9 @@ def status(registry: SessionRegistry, gate: ApprovalGate, who: Caller,
                                          "streams_per_uid": limits.streams_per_uid,
                                          "reserved_workers": limits.reserved_workers, "workers": limits.workers,
                                          "long_lived_total": limits.long_lived_total,
-                                         "first_slot_share": limits.first_slot_share, **limits_extra},
+                                         "first_slot_share": limits.first_slot_share,
+                                         "audit_owner_budget": budget, **limits_extra},
                            quota_usage={"sessions": sum(1 for s in sessions if owner_key(s.owner) == owner),
                                         "calls": usage[CALLS], "streams": usage[STREAMS],
-                                        "long_lived": usage["long_lived_total"], **connections})
+                                        "long_lived": usage["long_lived_total"], "audit_bytes": audit_used,
+                                        **connections})

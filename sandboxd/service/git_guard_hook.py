@@ -49,7 +49,7 @@ class GitGuardHook(SandboxHooks):
             return
         found = guard.inspect()
         if found:
-            self._store.append_many(session.id, [
+            self._store.note(session.id, [      # the call chose how many: counted past its owner's budget
                 (EventType.GIT_CONFIG_NEUTRALIZED, "", "", {"repo": n.repo, "what": n.what, "key": n.key})
                 for n in found])
         for item in found:

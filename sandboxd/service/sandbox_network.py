@@ -46,9 +46,11 @@ class EgressProxies(SandboxHooks):
         def denied(destination: str, why: str) -> None:
             if self._count_denial is not None:
                 self._count_denial()
-            self._store.append(session.id, EventType.PERMISSION_DENIED, tool="network", data={
+            # The sandbox chooses how often: noted, i.e. counted rather than written once its owner's
+            # audit budget is spent (the connection is refused either way).
+            self._store.note(session.id, [(EventType.PERMISSION_DENIED, "", "network", {
                 "reason": "network_request", "by": "sandbox", "destination": destination, "detail": why,
-                "message": f"network: denied by the sandbox (network_request): {destination}: {why}"})
+                "message": f"network: denied by the sandbox (network_request): {destination}: {why}"})])
         netns = os.open(f"/proc/{info.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:                                            # its upstream connections are made in there
             proxy = EgressProxy(EgressProxy.listen(info.host_address), domains, client_address=info.sandbox_address,

@@ -59,7 +59,9 @@ class SessionLifecycle:
 
     def create(self, owner: Caller, workspace: str, policy: SandboxPolicy, approval: str, limits: Limits,
                labels: dict[str, str], rules: ToolRules | None, env: dict[str, str] | None) -> Session:
-        """Counted at once (quotas), found by no one until its sandbox and services are up."""
+        """Counted at once (quotas), found by no one until its sandbox and services are up; not
+        begun at all when the store will not take the owner's events (EventStore.admit)."""
+        self._store.admit(owner.uid, owner.principal)
         session = Session(secrets.token_hex(8), owner, workspace, policy, approval, limits, labels, rules, env=env)
         session.building = True
         self._table.add(session)
@@ -95,7 +97,9 @@ class SessionLifecycle:
 
     def update_policy(self, caller: Caller, session: Session, policy: SandboxPolicy | None, approval: str | None,
                       check: Callable[[SandboxPolicy], None]) -> Session:
-        """``check(policy)``: whether the caller may have it (raises), asked only if it changes."""
+        """``check(policy)``: whether the caller may have it (raises), asked only if it changes.
+        The change is recorded, so the store must admit the session's owner first."""
+        self._store.admit(session.owner.uid, session.owner.principal)
         with session.build_lock:                      # one builder at a time: generations are consecutive
             with session.lock:
                 if session.closed:
