@@ -182,10 +182,17 @@ KEYS: tuple[Key, ...] = (
     Key("quotas", "background_per_uid", 16, "background processes (StartBackground) one user's sessions keep, "
         "running or ended with their output (up to 4 MiB each) still readable; starting one more forgets that "
         "user's oldest ended one, and with all of them running it is refused; root is exempt", _whole(1, 1024)),
-    Key("quotas", "streams_per_uid", 4, "open WatchEvents and following ReadBackgroundOutput streams per user; "
-        "root is exempt", _whole(1, 1024)),
+    Key("quotas", "streams_per_uid", 4, "open WatchEvents, following ReadBackgroundOutput and server reflection "
+        "streams per user; root is exempt", _whole(1, 1024)),
+    Key("quotas", "requests_per_uid", 8, "every other call (CreateSession, UpdateSessionPolicy, CloseSession, "
+        "standing rules, GetStatus ...) one user may have in progress at once: one naming a path that does not "
+        "answer waits up to fork_server.wait_seconds, holding a worker; root is exempt. 4 users at calls_per_uid + "
+        "streams_per_uid + requests_per_uid must leave the first-slot share of listen.workers free (checked at "
+        "start)", _whole(1, 1024)),
+    Key("quotas", "terminals_per_uid", 8, "calls on a terminal (sandboxctl shell, Exec with a terminal) one user may "
+        "have running at once, among its calls_per_uid; root is exempt", _whole(1, 1024)),
     Key("quotas", "reserved_workers", 0, "workers that running calls and streams (everyone's, root's too) may never "
-        "take: they stay free for short calls (CreateSession, CloseSession, ResolveApproval ...); must be below "
+        "take: they stay free for requests (CreateSession, CloseSession, ResolveApproval ...); must be below "
         "listen.workers; 0: a quarter of listen.workers (at least 1)", _whole(0, 1023)),
     Key("tls", "address", "", "HOST:PORT of an optional TCP listener; it always needs TLS and client "
         "certificates (all four tls keys)", _text),

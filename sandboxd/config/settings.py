@@ -84,6 +84,8 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         quotas = QuotaLimits(sessions_per_uid=config.whole("quotas.sessions_per_uid"),
                              calls_per_uid=config.whole("quotas.calls_per_uid"),
                              streams_per_uid=config.whole("quotas.streams_per_uid"),
+                             requests_per_uid=config.whole("quotas.requests_per_uid"),
+                             terminals_per_uid=config.whole("quotas.terminals_per_uid"),
                              background_per_uid=config.whole("quotas.background_per_uid"),
                              reserved_workers=config.whole("quotas.reserved_workers"),
                              workers=config.whole("listen.workers"))
