@@ -6,13 +6,16 @@ helper and the Python reference, as test_call_paths.py selects them)."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import queue
 import shlex
 import shutil
 import signal
 import socket
+import struct
 import subprocess
+import termios
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,9 +41,11 @@ pytestmark = pytest.mark.timeout(180)
 SANDBOXCTL = str(REPO / ".venv" / "bin" / "sandboxctl")
 WITHIN = 20 * SLOW
 
-# Run inside the sandbox: what a terminal looks like from there, and TIOCSTI / TIOCLINUX tried on it.
+# Run inside the sandbox: what a terminal looks like from there, and TIOCSTI / TIOCLINUX tried on
+# it, and TIOCSETD (a line discipline: N_TTY, which every pty has already; the filter cannot read
+# the number, so it refuses them all).
 PROBE = r"""
-import errno, fcntl, os, sys, termios
+import errno, fcntl, os, struct, sys, termios
 def attempt(request, argument):
     try:
         fcntl.ioctl(0, request, argument)
@@ -55,6 +60,7 @@ print("size", os.get_terminal_size(0).lines, os.get_terminal_size(0).columns)
 print("winsz", attempt(termios.TIOCGWINSZ, bytes(8)) == "allowed")
 print("sti", attempt(termios.TIOCSTI, b"x"))
 print("linux", attempt(0x541C, bytes([2])))
+print("setd", attempt(termios.TIOCSETD, struct.pack("i", 0)))
 print("typed", sys.stdin.readline().strip())
 """
 
@@ -94,11 +100,13 @@ def test_the_terminal_is_the_sessions_own_and_refuses_tiocsti(server: ForkServer
                                                               workspace: Path) -> None:
     """The command leads its own session with the pty as controlling terminal on 0, 1 and 2; the pty
     is /dev/pts/0 of the session's devpts (the host's terminals are not there, though the host has
-    one open right now); TIOCSTI and TIOCLINUX fail with EPERM while another ioctl on the same
-    terminal works; typed input reaches the command."""
+    one open right now); TIOCSTI, TIOCLINUX and TIOCSETD fail with EPERM while another ioctl on the
+    same terminal works; typed input reaches the command. Control: TIOCSETD to N_TTY on one of the
+    host's ptys, outside any sandbox, works (the EPERM inside is the filter's)."""
     host_ptys = [os.openpty(), os.openpty()]              # the control: the host has ptys open right now
     try:
         assert len(os.listdir("/dev/pts")) >= 3
+        fcntl.ioctl(host_ptys[0][1], termios.TIOCSETD, struct.pack("i", 0))     # N_TTY: allowed on the host
         call_id, master = terminal_call(server, session, ["python3", "-c", PROBE], str(workspace), (33, 101))
         try:
             os.write(master, b"typed here\n")
@@ -111,11 +119,12 @@ def test_the_terminal_is_the_sessions_own_and_refuses_tiocsti(server: ForkServer
             for fd in pair:
                 os.close(fd)
     lines = dict(line.split(" ", 1) for line in output.splitlines() if line.split(" ", 1)[0] in
-                 ("tty", "leader", "pts", "devpts", "size", "winsz", "sti", "linux", "typed"))
+                 ("tty", "leader", "pts", "devpts", "size", "winsz", "sti", "linux", "setd", "typed"))
     assert int(lines.pop("devpts", "0")) not in (0, os.stat("/dev/pts").st_dev), output   # another devpts
     assert info.exit_code == 0, output
     assert lines == {"tty": "/dev/pts/0 /dev/pts/0 /dev/pts/0", "leader": "True True", "pts": "['0', 'ptmx']",
-                     "size": "33 101", "winsz": "True", "sti": "EPERM", "linux": "EPERM", "typed": "typed here"}, output
+                     "size": "33 101", "winsz": "True", "sti": "EPERM", "linux": "EPERM", "setd": "EPERM",
+                     "typed": "typed here"}, output
 
 
 @pytest.mark.parametrize("size", [(0, 80), (24, 1001), (True, 80)])
@@ -142,7 +151,8 @@ def test_full_access_sessions_get_a_terminal_too(server: ForkServer, workspace: 
         assert server.wait(call_id).exit_code == 0, output
     finally:
         server.close_session(name)
-    for line in ("leader True True", "size 20 60", "winsz True", "sti EPERM", "linux EPERM", "typed full"):
+    for line in ("leader True True", "size 20 60", "winsz True", "sti EPERM", "linux EPERM", "typed full",
+                 "setd allowed"):                         # the host as it is: its own user may (not confined)
         assert line in output.splitlines(), output
 
 
