@@ -23,6 +23,7 @@ from typing import Callable, Self
 from sandboxd import defaults
 from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
+from sandboxd.policy.limits import DEFAULT_PTYS, MAX_PTYS
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -241,6 +242,10 @@ KEYS: tuple[Key, ...] = (
     Key("limits", "owner_pids", 0, "tasks of all sandboxes of one owner (a uid, a TLS principal; root's own "
         "sessions have no share) together; 0: a fifth of limits.total_pids, so four owners at their share "
         "leave a fifth for the rest", _whole(0, 1 << 22)),
+    Key("limits", "session_ptys", DEFAULT_PTYS, "terminals (ptys) one session's sandbox may hold at once: its own "
+        "devpts is mounted with this max=, and past it the next one opened there fails with ENOSPC. Every sandbox "
+        "draws on one kernel-wide pool (kernel.pty.max minus kernel.pty.reserve, 3072 by default): a user holds at "
+        "most quotas.sessions_per_uid times this", _whole(1, MAX_PTYS)),
     Key("limits", "owner_memory", "", "memory of all sandboxes of one owner together; empty: no share (only "
         "limits.total_memory: the OOM killer acts there)", _size_or_empty),
     Key("metrics", "listen", "", "HOST:PORT of the Prometheus metrics listener (HTTP, /metrics); empty: none",
