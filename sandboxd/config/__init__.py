@@ -192,6 +192,10 @@ KEYS: tuple[Key, ...] = (
         "start)", _whole(1, 1024)),
     Key("quotas", "terminals_per_uid", 8, "calls on a terminal (sandboxctl shell, Exec with a terminal) one user may "
         "have running at once, among its calls_per_uid; root is exempt", _whole(1, 1024)),
+    Key("quotas", "git_watches_per_uid", 0, "inotify watches one user's git guards hold together (one per directory "
+        "of its sessions' writable roots), out of root's host-wide fs.inotify.max_user_watches; past it that user's "
+        "guards walk the roots after each call instead (one lstat per directory); 0: a sixteenth of "
+        "fs.inotify.max_user_watches", _whole(0, 1 << 30)),
     Key("quotas", "reserved_workers", 0, "workers that running calls and streams (everyone's, root's too) may never "
         "take: they stay free for requests (CreateSession, CloseSession, ResolveApproval ...); must be below "
         "listen.workers; 0: a quarter of listen.workers (at least 1)", _whole(0, 1023)),

@@ -9,6 +9,7 @@ from typing import Callable, Mapping
 
 from sandboxd.config import BUILT_IN, Config, ConfigError, ResourceLimits
 from sandboxd.errors import InvalidPolicy, SandboxdError
+from sandboxd.kernel import host_limits
 from sandboxd.policy.ipv4 import port as tcp_port
 from sandboxd.policy.quota_limits import QuotaLimits
 from sandboxd.policy.session_defaults import SessionDefaults
@@ -87,6 +88,8 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
                              requests_per_uid=config.whole("quotas.requests_per_uid"),
                              terminals_per_uid=config.whole("quotas.terminals_per_uid"),
                              background_per_uid=config.whole("quotas.background_per_uid"),
+                             git_watches_per_uid=(config.whole("quotas.git_watches_per_uid")
+                                                  or host_limits.owner_watches()),
                              reserved_workers=config.whole("quotas.reserved_workers"),
                              workers=config.whole("listen.workers"))
     except SandboxdError as exc:

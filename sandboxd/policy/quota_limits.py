@@ -34,6 +34,9 @@ class QuotaLimits(Record):
     # Each keeps a daemon thread while it runs and up to background.BUFFER_BYTES of output until it
     # is forgotten: 16 per user is 64 MiB at most, whatever the user's sessions start.
     background_per_uid: int = 16
+    # inotify watches one owner's git guards hold together (their sessions' directories); 0: no
+    # budget. The daemon's default is a sixteenth of root's fs.inotify.max_user_watches (config).
+    git_watches_per_uid: int = 0
     reserved_workers: int = 0             # 0: a quarter of the workers, at least 1
     workers: int = 128                    # listen.workers: the pool the reserve is taken from
 
