@@ -224,27 +224,22 @@ def check_flood(results: list[list[Any]], seen_by: dict[str, Any], samples: list
     return first_hung_end
 
 
-def test_a_rule_flood_holds_only_its_callers_requests(daemon: Daemon, users: list[PlainUser],
-                                                      hung_mount: Callable[[PlainUser, str], HungMount]) -> None:
+@pytest.mark.parametrize("kind", ["rule", "policy"])
+def test_a_flood_holds_only_its_callers_requests(kind: str, daemon: Daemon, users: list[PlainUser],
+                                                 hung_mount: Callable[[PlainUser, str], HungMount]) -> None:
+    """The rule flood (AddStandingRule) and the policy flood (UpdateSessionPolicy) of 400 at once."""
     attacker, bystander = users
     hung = hung_mount(attacker, "fusermount3").path
-    results, seen_by, samples = flood(daemon, attacker, bystander, "rule", hung)
+    results, seen_by, samples = flood(daemon, attacker, bystander, kind, hung)
     first_hung_end = check_flood(results, seen_by, samples, hung)
-    report("rule flood", seen_by, first_hung_end)
-    # The admitted ones waited the whole wait_seconds: without the bound, each of the 400 would.
-    started = min(ended for code, _, ended in results if code == "RESOURCE_EXHAUSTED")
-    assert first_hung_end - started >= WAIT_SECONDS * 0.8, (first_hung_end, started)
-
-
-def test_a_policy_flood_holds_only_its_callers_requests(daemon: Daemon, users: list[PlainUser],
-                                                        hung_mount: Callable[[PlainUser, str], HungMount]) -> None:
-    attacker, bystander = users
-    hung = hung_mount(attacker, "fusermount3").path
-    results, seen_by, samples = flood(daemon, attacker, bystander, "policy", hung)
-    first_hung_end = check_flood(results, seen_by, samples, hung)
-    report("policy flood", seen_by, first_hung_end)
-    # The admitted ones took the session's build lock in turn, each waiting on the mount.
-    assert sum(code == "DEADLINE_EXCEEDED" for code, _, _ in results) >= 2
+    report(f"{kind} flood", seen_by, first_hung_end)
+    if kind == "rule":
+        # The admitted ones waited the whole wait_seconds: without the bound, each of the 400 would.
+        started = min(ended for code, _, ended in results if code == "RESOURCE_EXHAUSTED")
+        assert first_hung_end - started >= WAIT_SECONDS * 0.8, (first_hung_end, started)
+    else:
+        # The admitted ones took the session's build lock in turn, each waiting on the mount.
+        assert sum(code == "DEADLINE_EXCEEDED" for code, _, _ in results) >= 2
 
 
 def test_control_root_without_a_per_owner_bound_fills_all_but_the_share(
