@@ -1,16 +1,21 @@
 """One inotify instance for every git guard of a daemon (gitguard/watch.py), against the real
 kernel: past fs.inotify.max_user_instances sessions (128 for root) a guard with an instance of
-its own had none and walked its whole tree after every call."""
+its own had none and walked its whole tree after every call. And a budget of watches per owner
+(issue 24): a user with 20,000 directories took 20,021 of root's host-wide watches."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from sandboxd.gitguard.guard import GitGuard
 from sandboxd.gitguard.watch import InotifyHub
+from sandboxd.v1 import sandboxd_pb2 as pb
 
+from daemon_helpers import Daemon, DaemonFactory, PlainUser, run_client_as
 from test_git_walk import git_init
 
 
@@ -119,3 +124,152 @@ def test_an_overflow_of_the_shared_queue_is_every_guards(base_dir: Path) -> None
         busy.close()
         quiet.close()
         hub.close()
+
+
+# -- a per-owner budget of root's watches (issue 24, part 7) ---------------------------------------
+
+
+def tree(root: Path, directories: int) -> Path:
+    """``root`` holding a git repository and ``directories`` empty directories under ``many/``."""
+    git_init(root)
+    for index in range(directories):
+        (root / "many" / f"d{index:04}").mkdir(parents=True)
+    return root
+
+
+def plant(directory: Path) -> None:
+    """A git directory made after the baseline, whose config runs code (what a sandboxed call plants)."""
+    planted = directory / "sub" / ".git"
+    for name in ("objects", "refs"):
+        (planted / name).mkdir(parents=True)
+    (planted / "HEAD").write_text("ref: refs/heads/main\n")
+    (planted / "config").write_text("[core]\n\tfsmonitor = touch /tmp/pwned\n")
+
+
+def directory_inodes(root: Path) -> dict[int, Path]:
+    found = {os.stat(root).st_ino: root}
+    for parent, names, _ in os.walk(root):
+        for name in names:
+            found[os.stat(os.path.join(parent, name)).st_ino] = Path(parent, name)
+    return found
+
+
+def watched_inodes(pid: int) -> set[int]:
+    """The inodes every inotify instance of process ``pid`` watches (its fdinfo lists them)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        if _link(f"/proc/{pid}/fd/{fd}") == "anon_inode:inotify":
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                inodes |= {int(field[4:], 16) for line in f if line.startswith("inotify ")
+                           for field in line.split() if field.startswith("ino:")}
+    return inodes
+
+
+def test_an_owner_past_its_watch_budget_is_walked_and_others_are_watched(base_dir: Path) -> None:
+    """Owner a's guard on 120 directories with a budget of 50 watches: a holds 50 (ENOSPC past
+    them, as when root has none left), its root falls back to the walk by ctime, and a repository
+    planted in a directory it does not watch is still neutralised. Owner b, on 20 directories, is
+    watched whole and its plant found through its events. Closing a's guard gives its watches back.
+    Control: without a budget a's guard watches every directory of its tree."""
+    hub = InotifyHub(watches_per_owner=50)
+    big, small = tree(base_dir / "big", 120), tree(base_dir / "small", 20)
+    guards = {"a": GitGuard([str(big)], hub=hub, owner="a"), "b": GitGuard([str(small)], hub=hub, owner="b")}
+    try:
+        assert hub.watches_of("a") == 50
+        assert hub.watches_of("b") == len(directory_inodes(small))        # all of b's, .git's own included
+        watched = watched_inodes(os.getpid())
+        unwatched = [path for inode, path in directory_inodes(big).items() if inode not in watched
+                     and path.parent.name == "many"]
+        assert unwatched and set(directory_inodes(small)) <= watched
+        plant(unwatched[0])
+        plant(small / "many" / "d0003")
+        found = {owner: [item.key for item in guard.inspect()] for owner, guard in guards.items()}
+        assert found == {"a": ["core.fsmonitor"], "b": ["core.fsmonitor"]}, found
+        assert "fsmonitor" not in (unwatched[0] / "sub" / ".git" / "config").read_text()
+        guards["a"].close()
+        assert hub.watches_of("a") == 0 and hub.watches_of("b") > 0
+    finally:
+        for guard in guards.values():
+            guard.close()
+    unbounded = InotifyHub()
+    control = GitGuard([str(big)], hub=unbounded, owner="a")
+    try:
+        assert unbounded.watches_of("a") == len(directory_inodes(big)) > 50
+    finally:
+        control.close()
+        unbounded.close()
+    hub.close()
+
+
+def test_one_owners_guards_share_its_budget_and_a_watch_counts_once(base_dir: Path) -> None:
+    """Two sessions of one owner on one workspace hold the same watches: counted once against it;
+    a third session's guard on another tree has what is left."""
+    hub = InotifyHub(watches_per_owner=30)
+    ws, other = tree(base_dir / "ws", 10), tree(base_dir / "other", 40)
+    first, second = GitGuard([str(ws)], hub=hub, owner="a"), GitGuard([str(ws)], hub=hub, owner="a")
+    try:
+        held = hub.watches_of("a")
+        assert held == len(directory_inodes(ws)) < 30
+        third = GitGuard([str(other)], hub=hub, owner="a")
+        assert hub.watches_of("a") == 30
+        third.close()
+        first.close()
+        assert hub.watches_of("a") == held                # the second still holds them
+    finally:
+        second.close()
+        hub.close()
+    assert hub.watches_of("a") == 0
+
+
+OPEN_SESSION = r'''
+print(json.dumps({"session": stub.CreateSession(pb.CreateSessionRequest(workspace=ARGS["ws"], approval_policy=pb.NEVER),
+                                                timeout=120).id}))
+'''
+
+PLANT = r'''
+script = ("mkdir -p {0}/sub/.git/objects {0}/sub/.git/refs && echo 'ref: refs/heads/main' > {0}/sub/.git/HEAD && "
+          "printf '[core]\\n\\tfsmonitor = touch /tmp/pwned\\n' > {0}/sub/.git/config").format(ARGS["plant"])
+exits = [r.result.exit_code for r in stub.Exec(iter([pb.ExecRequest(start=pb.ExecStart(
+    session_id=ARGS["session"], argv=["sh", "-c", script]))]), timeout=120) if r.WhichOneof("kind") == "result"]
+events = stub.QueryEvents(pb.QueryEventsRequest(session_id=ARGS["session"], types=["GitConfigNeutralized"]),
+                          timeout=60).events
+stub.CloseSession(pb.CloseSessionRequest(session_id=ARGS["session"]), timeout=120)
+print(json.dumps({"exit": exits, "neutralized": [json.loads(e.data_json)["key"] for e in events]}))
+'''
+
+
+def sessions_on_trees(daemon: Daemon, users: list[PlainUser], sizes: list[int]) -> list[tuple[str, Path]]:
+    """Each user's workspace (a repository and ``size`` directories, theirs) and a session on it."""
+    opened = []
+    for user, size in zip(users, sizes, strict=True):
+        ws = tree(daemon.base / f"ws-{user.name}-{os.urandom(3).hex()}", size)
+        subprocess.run(["chown", "-R", f"{user.uid}:{user.gid}", str(ws)], check=True)
+        opened.append((run_client_as(user.uid, user.gid, daemon.socket, OPEN_SESSION, {"ws": str(ws)})["session"], ws))
+    return opened
+
+
+def test_a_daemon_holds_each_owner_to_its_watch_budget(sandboxd_daemon: DaemonFactory,
+                                                       plain_users: Callable[[int], list[PlainUser]]) -> None:
+    """Through the daemon, as plain users (quotas.git_watches_per_uid = 100): a user whose
+    workspace has 300 directories gets 100 of root's watches, and a repository its command plants
+    in a directory the daemon does not watch is neutralised after the call (the walk); another
+    user's 20-directory workspace is watched whole and its plant neutralised too. Control: with the
+    default budget (a sixteenth of fs.inotify.max_user_watches) the first user's tree is watched whole."""
+    big_user, small_user = plain_users(2)
+    daemon = sandboxd_daemon(config="[quotas]\ngit_watches_per_uid = 100\n")
+    (big_session, big), (small_session, small) = sessions_on_trees(daemon, [big_user, small_user], [300, 20])
+    watched = watched_inodes(daemon.pid)
+    big_dirs, small_dirs = directory_inodes(big), directory_inodes(small)
+    assert len(watched & set(big_dirs)) == 100, len(watched & set(big_dirs))
+    assert set(small_dirs) <= watched
+    target = next(path for inode, path in big_dirs.items() if inode not in watched and path.parent.name == "many")
+    for user, session, where in ((big_user, big_session, target), (small_user, small_session, small / "many" / "d0003")):
+        seen = run_client_as(user.uid, user.gid, daemon.socket, PLANT, {"session": session, "plant": str(where)})
+        assert seen == {"exit": [0], "neutralized": ["core.fsmonitor"]}, (user, seen)
+        assert "fsmonitor" not in (where / "sub" / ".git" / "config").read_text()
+    control = sandboxd_daemon(socket=sandboxd_daemon.base / "control" / "sandboxd.sock")
+    [(session, big)] = sessions_on_trees(control, [big_user], [300])
+    try:
+        assert set(directory_inodes(big)) <= watched_inodes(control.pid)
+    finally:
+        control.stub.CloseSession(pb.CloseSessionRequest(session_id=session), timeout=60)

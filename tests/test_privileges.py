@@ -79,6 +79,9 @@ SYSCALLS: dict[str, tuple[int, tuple[int, ...], str]] = {
 # ioctl on /dev/null: the kernel answers ENOTTY, the filter EPERM. Upper 32 bits must be ignored.
 IOCTLS: dict[str, int] = {"TIOCSTI": 0x5412, "TIOCLINUX": 0x541C, "TIOCSTI|1<<32": 0x100005412,
                           "TIOCSTI|0xffffffff<<32": 0xFFFFFFFF00005412, "TIOCLINUX|1<<40": 0x1000000541C}
+# TIOCSETD (set a line discipline, loading its module on demand) in confined sandboxes only: the
+# filter cannot read the number it points to, so it refuses every one; the kernel says ENOTTY here.
+LINE_DISCIPLINE: dict[str, int] = {"TIOCSETD": 0x5423, "TIOCSETD|1<<32": 0x100005423}
 
 # socket(family, type): name -> (family, type, errno without network, errno with network); None = allowed
 SOCKETS: dict[str, tuple[int, int, str | None, str | None]] = {
@@ -129,7 +132,7 @@ def probe(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str,
     """Run the system call probe once per policy (inside the sandbox) and cache its answers."""
     workspace = make_dir(tmp_path_factory.mktemp("syscalls") / "ws")
     spec = {"syscall": {k: [nr, list(args)] for k, (nr, args, _) in SYSCALLS.items()},
-            "ioctl": IOCTLS, "socket": {k: [f, t] for k, (f, t, _, _) in SOCKETS.items()}}
+            "ioctl": {**IOCTLS, **LINE_DISCIPLINE}, "socket": {k: [f, t] for k, (f, t, _, _) in SOCKETS.items()}}
 
     def get(policy: str) -> dict[str, dict[str, str]]:
         if policy not in _results:
@@ -163,6 +166,16 @@ def test_terminal_injection_ioctls_are_filtered(policy: str, request_name: str,
                                                 probe: Callable[[str], dict[str, dict[str, str]]]) -> None:
     """TIOCSTI/TIOCLINUX fail with EPERM under every policy, whatever the upper 32 bits (the kernel says ENOTTY)."""
     assert probe(policy)["ioctl"][request_name] == "EPERM"
+
+
+@pytest.mark.parametrize("policy", CONFINED)
+@pytest.mark.parametrize("request_name", list(LINE_DISCIPLINE))
+def test_line_discipline_changes_are_filtered(policy: str, request_name: str,
+                                              probe: Callable[[str], dict[str, dict[str, str]]]) -> None:
+    """TIOCSETD fails with EPERM in confined sandboxes, whatever the upper 32 bits; control: without
+    the confined filter (danger-full-access) the kernel's own answer on /dev/null, ENOTTY."""
+    assert probe(policy)["ioctl"][request_name] == "EPERM"
+    assert probe("danger-full-access")["ioctl"][request_name] == "ENOTTY"
 
 
 @pytest.mark.parametrize("policy", CONFINED)

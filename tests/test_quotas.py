@@ -29,6 +29,7 @@ from sandboxd.errors import Exhausted, InvalidPolicy
 from sandboxd.service.callers import identify
 from sandboxd.network.peer_credentials import PeerCredentials
 from sandboxd.service.quotas import CALLS as CALLS_KIND
+from sandboxd.service.quotas import REQUESTS as REQUESTS_KIND
 from sandboxd.service.quotas import STREAMS as STREAMS_KIND
 from sandboxd.policy.quota_limits import QuotaLimits
 from sandboxd.service.quotas import Quotas
@@ -36,8 +37,9 @@ from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 
 # A pool of 24 long-lived slots (32 workers, 8 reserved), a first-slot share of 3 (an eighth);
-# 4 owners at 3 calls + 2 streams hold 20, leaving one shared slot and the share for the others.
-SESSIONS, CALLS, STREAMS, WORKERS, RESERVED = 6, 3, 2, 32, 8
+# 4 owners at 3 calls + 2 streams hold 20, leaving one shared slot and the share for the others;
+# with 2 requests each they hold 28 of the 32 workers, leaving the share and one more.
+SESSIONS, CALLS, STREAMS, REQUESTS, WORKERS, RESERVED = 6, 3, 2, 2, 32, 8
 LONG_LIVED = WORKERS - RESERVED
 SHARE = LONG_LIVED // 8
 SHARED = LONG_LIVED - SHARE
@@ -48,6 +50,7 @@ workers = {WORKERS}
 sessions_per_uid = {SESSIONS}
 calls_per_uid = {CALLS}
 streams_per_uid = {STREAMS}
+requests_per_uid = {REQUESTS}
 reserved_workers = {RESERVED}
 """
 
@@ -164,8 +167,9 @@ def test_one_user_past_its_quotas_cannot_stop_another(daemon: Daemon) -> None:
             usage = dict(attack["usage"])
             assert usage.pop("connections") >= 1             # its own connections at the front door
             assert usage.pop("audit_bytes") > 0              # what its sessions wrote to the audit log
-            assert usage == {"sessions": SESSIONS, "calls": CALLS, "streams": STREAMS,
-                             "long_lived": CALLS + STREAMS}
+            # Its GetStatus is one request in progress; the workers busy are its slots and that one.
+            assert usage == {"sessions": SESSIONS, "calls": CALLS, "streams": STREAMS, "requests": 1, "terminals": 0,
+                             "long_lived": CALLS + STREAMS, "workers_busy": CALLS + STREAMS + 1}
             assert attack["limits"]["calls_per_uid"] == CALLS and attack["limits"]["long_lived_total"] == LONG_LIVED
             assert attack["control"] == "OK"
 
@@ -321,7 +325,8 @@ def test_four_users_at_their_quotas_leave_a_fifth_served(daemon: Daemon) -> None
 def test_the_pool_and_its_shares(tmp_path: Path) -> None:
     """The rules of Quotas itself, with the counts a daemon test cannot reach cheaply: the pool
     full (the reserve named), and the start-up check that 4 owners at quota leave room."""
-    limits = QuotaLimits(workers=WORKERS, reserved_workers=RESERVED, calls_per_uid=CALLS, streams_per_uid=STREAMS)
+    limits = QuotaLimits(workers=WORKERS, reserved_workers=RESERVED, calls_per_uid=CALLS, streams_per_uid=STREAMS,
+                         requests_per_uid=REQUESTS)
     quotas = Quotas(limits)
     who = [identify(PeerCredentials(2000 + i, 2000, 1)) for i in range(LONG_LIVED + 1)]
     with contextlib.ExitStack() as stack:
@@ -338,7 +343,8 @@ def test_the_pool_and_its_shares(tmp_path: Path) -> None:
         with pytest.raises(Exhausted, match="quotas.reserved_workers"):
             stack.enter_context(quotas.hold(who[5 + SHARE], CALLS_KIND))
         assert quotas.usage(who[0])["long_lived_total"] == LONG_LIVED
-    assert quotas.usage(who[0]) == {CALLS_KIND: 0, STREAMS_KIND: 0, "long_lived_total": 0}
+    assert quotas.usage(who[0]) == {CALLS_KIND: 0, STREAMS_KIND: 0, REQUESTS_KIND: 0, "terminals": 0,
+                                    "long_lived_total": 0, "workers_busy": 0}
     # TLS principals are owners of their own, even when mapped to one uid (or to root).
     tls = [identify(PeerCredentials(0, 0, 0, f"tls:agent-{i}")) for i in range(2)]
     with quotas.hold(tls[0], STREAMS_KIND), quotas.hold(tls[0], STREAMS_KIND):
@@ -353,42 +359,98 @@ def test_the_pool_and_its_shares(tmp_path: Path) -> None:
     assert QuotaLimits().per_owner * 4 <= QuotaLimits().shared                 # control: the new defaults
 
 
+def test_requests_and_terminals(tmp_path: Path) -> None:
+    """Every RPC that is neither a call nor a stream is a request (CreateSession, UpdateSessionPolicy,
+    AddStandingRule ... any of which may wait on a path that does not answer): at most REQUESTS in
+    progress per owner, naming quotas.requests_per_uid; from any worker the calls and streams leave,
+    and the last first-slot share of all the workers only for owners with none in progress, local
+    root included. Terminal calls are counted apart, per owner (root exempt)."""
+    limits = QuotaLimits(workers=WORKERS, reserved_workers=RESERVED, calls_per_uid=CALLS, streams_per_uid=STREAMS,
+                         requests_per_uid=REQUESTS, terminals_per_uid=2)
+    quotas = Quotas(limits)
+    who = [identify(PeerCredentials(4000 + i, 4000, 1)) for i in range(9)]
+    root = identify(PeerCredentials(0, 0, 1))
+    with contextlib.ExitStack() as stack:
+        for owner in who[:4]:                         # 4 owners at every quota: 28 of the 32 workers
+            for kind, count in ((CALLS_KIND, CALLS), (STREAMS_KIND, STREAMS), (REQUESTS_KIND, REQUESTS)):
+                for _ in range(count):
+                    stack.enter_context(quotas.hold(owner, kind))
+        with pytest.raises(Exhausted, match="uid 4000 already has 2 requests in progress.*quotas.requests_per_uid"):
+            stack.enter_context(quotas.hold(who[0], REQUESTS_KIND))
+        assert quotas.usage(who[0])["workers_busy"] == 4 * (CALLS + STREAMS + REQUESTS)
+        stack.enter_context(quotas.hold(root, REQUESTS_KIND))         # root: the last worker outside the share
+        with pytest.raises(Exhausted, match="first-slot share"):
+            stack.enter_context(quotas.hold(root, REQUESTS_KIND))     # its second: not from the share
+        for owner in who[4:4 + SHARE]:                # owners with none in progress: the share
+            stack.enter_context(quotas.hold(owner, REQUESTS_KIND))
+        with pytest.raises(Exhausted, match="maximum of 32 calls at once .listen.workers."):
+            stack.enter_context(quotas.hold(who[4 + SHARE], REQUESTS_KIND))
+    assert quotas.usage(who[0])["workers_busy"] == 0
+    with quotas.terminal(who[0]), quotas.terminal(who[0]):
+        with pytest.raises(Exhausted, match="2 calls on a terminal .*quotas.terminals_per_uid"):
+            with quotas.terminal(who[0]):
+                pass
+        with quotas.terminal(who[1]), quotas.terminal(root), quotas.terminal(root), quotas.terminal(root):
+            assert quotas.usage(who[0])["terminals"] == 2 and quotas.usage(root)["terminals"] == 3
+    assert quotas.usage(who[0])["terminals"] == 0
+    # Start-up: 4 owners whose calls, streams and requests reach into the share are refused, saying why.
+    with pytest.raises(InvalidPolicy, match="4 users at all their quotas .* would hold 120 of the 128 workers"):
+        QuotaLimits(requests_per_uid=10)
+    defaults = QuotaLimits()                           # control: the defaults leave the share and more
+    assert 4 * (defaults.per_owner + defaults.requests_per_uid) <= defaults.workers - defaults.first_slot_share
+
+
+KINDS = (CALLS_KIND, STREAMS_KIND, REQUESTS_KIND)
+
+
 @settings(max_examples=300, deadline=None, database=None)
-@given(st.lists(st.tuples(st.integers(0, 9), st.sampled_from([True] * 5 + [False]), st.booleans()),
+@given(st.lists(st.tuples(st.integers(0, 9), st.sampled_from([True] * 5 + [False]), st.sampled_from(KINDS)),
                 min_size=20, max_size=150))
-def test_an_owner_holding_nothing_is_served_while_any_slot_is_free(steps: list[tuple[int, bool, bool]]) -> None:
-    """Any sequence of holds and releases by 10 owners (owner 0 is local root): the pool and the
-    per-owner limits are never passed, and a hold is refused only for a reason that holds: the
-    owner's quota, the pool full, or (for an owner already holding one) the first-slot share."""
-    limits = QuotaLimits(workers=WORKERS, reserved_workers=RESERVED, calls_per_uid=CALLS, streams_per_uid=STREAMS)
+def test_an_owner_holding_nothing_is_served_while_any_slot_is_free(steps: list[tuple[int, bool, str]]) -> None:
+    """Any sequence of holds and releases of every kind by 10 owners (owner 0 is local root): the
+    pool, the workers and the per-owner limits are never passed, and a hold is refused only for a
+    reason that holds: the owner's quota, the pool or the workers full, or (for an owner already
+    holding one of that pool) a first-slot share."""
+    limits = QuotaLimits(workers=WORKERS, reserved_workers=RESERVED, calls_per_uid=CALLS, streams_per_uid=STREAMS,
+                         requests_per_uid=REQUESTS)
+    quota = {CALLS_KIND: CALLS, STREAMS_KIND: STREAMS, REQUESTS_KIND: REQUESTS}
     quotas = Quotas(limits)
     owners = [identify(PeerCredentials(0 if i == 0 else 3000 + i, 3000, 1)) for i in range(10)]
-    held: list[list[contextlib.ExitStack]] = [[] for _ in owners]
-    total = 0
-    for index, acquire, is_call in steps:
-        owner, kind = owners[index], CALLS_KIND if is_call else STREAMS_KIND
+    held: list[list[tuple[str, contextlib.ExitStack]]] = [[] for _ in owners]
+    for index, acquire, kind in steps:
+        owner = owners[index]
         if not acquire:
             if held[index]:
-                held[index].pop().close()
-                total -= 1
+                held[index].pop()[1].close()
             continue
         mine = quotas.usage(owner)
+        long_lived = mine["long_lived_total"]
+        busy = mine["workers_busy"]
+        holds_long = any(k != REQUESTS_KIND for k, _ in held[index])
         stack = contextlib.ExitStack()
         try:
             stack.enter_context(quotas.hold(owner, kind))
         except Exhausted:
-            at_quota = not owner.is_root and mine[kind] >= (CALLS if is_call else STREAMS)
-            assert at_quota or total >= LONG_LIVED or (held[index] and total >= SHARED), (index, kind, total)
+            at_quota = not owner.is_root and mine[kind] >= quota[kind]
+            if kind == REQUESTS_KIND:
+                assert at_quota or busy >= WORKERS or (mine[kind] and busy >= WORKERS - SHARE), (index, kind, busy)
+            else:
+                assert at_quota or long_lived >= LONG_LIVED or busy >= WORKERS or (
+                    holds_long and long_lived >= SHARED), (index, kind)
             continue
-        assert not (held[index] and total >= SHARED), "the first-slot share went to an owner holding one"
-        held[index].append(stack)
-        total += 1
-        assert total <= LONG_LIVED and quotas.usage(owner)["long_lived_total"] == total
-        assert owner.is_root or quotas.usage(owner)[kind] <= (CALLS if is_call else STREAMS)
+        if kind == REQUESTS_KIND:
+            assert not (mine[kind] and busy >= WORKERS - SHARE), "the share went to an owner with a request"
+        else:
+            assert not (holds_long and long_lived >= SHARED), "the first-slot share went to an owner holding one"
+        held[index].append((kind, stack))
+        now = quotas.usage(owner)
+        assert now["long_lived_total"] <= LONG_LIVED and now["workers_busy"] <= WORKERS
+        assert now["workers_busy"] == sum(len(h) for h in held)
+        assert owner.is_root or now[kind] <= quota[kind]
     for stacks in held:
-        for stack in stacks:
+        for _, stack in stacks:
             stack.close()
-    assert quotas.usage(owners[0])["long_lived_total"] == 0
+    assert quotas.usage(owners[0])["workers_busy"] == 0
 
 
 def test_a_config_where_four_users_fill_the_pool_stops_the_daemon(sandboxd_daemon: DaemonFactory) -> None:

@@ -6,28 +6,33 @@ helper and the Python reference, as test_call_paths.py selects them)."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import queue
 import shlex
 import shutil
 import signal
 import socket
+import struct
 import subprocess
+import termios
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from conftest import BASE_ENV, SLOW
 from daemon_fixtures import REPO, base, client, daemon, ws  # noqa: F401 - pytest fixtures
-from daemon_helpers import Daemon, PlainUser
+from daemon_helpers import Daemon, DaemonFactory, PlainUser, run_client_as
 from sandboxd.client import SandboxClient
-from sandboxd.errors import InvalidPolicy
+from sandboxd.errors import InvalidPolicy, SetupError
 from sandboxd.kernel import terminals
-from sandboxd.policy import DangerFullAccess, LaunchSpec
+from sandboxd.policy import DangerFullAccess, LaunchSpec, Limits, WorkspaceWrite
+from sandboxd.policy.limits import DEFAULT_PTYS
 from sandboxd.service.terminal_call import receive_master
 from sandboxd.supervisor.forkserver import ForkServer
 from sandboxd.v1 import sandboxd_pb2 as pb
@@ -38,9 +43,11 @@ pytestmark = pytest.mark.timeout(180)
 SANDBOXCTL = str(REPO / ".venv" / "bin" / "sandboxctl")
 WITHIN = 20 * SLOW
 
-# Run inside the sandbox: what a terminal looks like from there, and TIOCSTI / TIOCLINUX tried on it.
+# Run inside the sandbox: what a terminal looks like from there, and TIOCSTI / TIOCLINUX tried on
+# it, and TIOCSETD (a line discipline: N_TTY, which every pty has already; the filter cannot read
+# the number, so it refuses them all).
 PROBE = r"""
-import errno, fcntl, os, sys, termios
+import errno, fcntl, os, struct, sys, termios
 def attempt(request, argument):
     try:
         fcntl.ioctl(0, request, argument)
@@ -55,6 +62,7 @@ print("size", os.get_terminal_size(0).lines, os.get_terminal_size(0).columns)
 print("winsz", attempt(termios.TIOCGWINSZ, bytes(8)) == "allowed")
 print("sti", attempt(termios.TIOCSTI, b"x"))
 print("linux", attempt(0x541C, bytes([2])))
+print("setd", attempt(termios.TIOCSETD, struct.pack("i", 0)))
 print("typed", sys.stdin.readline().strip())
 """
 
@@ -94,11 +102,13 @@ def test_the_terminal_is_the_sessions_own_and_refuses_tiocsti(server: ForkServer
                                                               workspace: Path) -> None:
     """The command leads its own session with the pty as controlling terminal on 0, 1 and 2; the pty
     is /dev/pts/0 of the session's devpts (the host's terminals are not there, though the host has
-    one open right now); TIOCSTI and TIOCLINUX fail with EPERM while another ioctl on the same
-    terminal works; typed input reaches the command."""
+    one open right now); TIOCSTI, TIOCLINUX and TIOCSETD fail with EPERM while another ioctl on the
+    same terminal works; typed input reaches the command. Control: TIOCSETD to N_TTY on one of the
+    host's ptys, outside any sandbox, works (the EPERM inside is the filter's)."""
     host_ptys = [os.openpty(), os.openpty()]              # the control: the host has ptys open right now
     try:
         assert len(os.listdir("/dev/pts")) >= 3
+        fcntl.ioctl(host_ptys[0][1], termios.TIOCSETD, struct.pack("i", 0))     # N_TTY: allowed on the host
         call_id, master = terminal_call(server, session, ["python3", "-c", PROBE], str(workspace), (33, 101))
         try:
             os.write(master, b"typed here\n")
@@ -111,11 +121,12 @@ def test_the_terminal_is_the_sessions_own_and_refuses_tiocsti(server: ForkServer
             for fd in pair:
                 os.close(fd)
     lines = dict(line.split(" ", 1) for line in output.splitlines() if line.split(" ", 1)[0] in
-                 ("tty", "leader", "pts", "devpts", "size", "winsz", "sti", "linux", "typed"))
+                 ("tty", "leader", "pts", "devpts", "size", "winsz", "sti", "linux", "setd", "typed"))
     assert int(lines.pop("devpts", "0")) not in (0, os.stat("/dev/pts").st_dev), output   # another devpts
     assert info.exit_code == 0, output
     assert lines == {"tty": "/dev/pts/0 /dev/pts/0 /dev/pts/0", "leader": "True True", "pts": "['0', 'ptmx']",
-                     "size": "33 101", "winsz": "True", "sti": "EPERM", "linux": "EPERM", "typed": "typed here"}, output
+                     "size": "33 101", "winsz": "True", "sti": "EPERM", "linux": "EPERM", "setd": "EPERM",
+                     "typed": "typed here"}, output
 
 
 @pytest.mark.parametrize("size", [(0, 80), (24, 1001), (True, 80)])
@@ -142,7 +153,8 @@ def test_full_access_sessions_get_a_terminal_too(server: ForkServer, workspace: 
         assert server.wait(call_id).exit_code == 0, output
     finally:
         server.close_session(name)
-    for line in ("leader True True", "size 20 60", "winsz True", "sti EPERM", "linux EPERM", "typed full"):
+    for line in ("leader True True", "size 20 60", "winsz True", "sti EPERM", "linux EPERM", "typed full",
+                 "setd allowed"):                         # the host as it is: its own user may (not confined)
         assert line in output.splitlines(), output
 
 
@@ -407,3 +419,187 @@ def test_each_sessions_terminals_are_its_own(client: SandboxClient, base: Path, 
         holder.join(WITHIN)
         for session_id in sessions:                       # their processes run as the users, removed next
             client.close_session(session_id)
+
+
+# -- bounded terminals (issue 24, part 4): each session's devpts holds limits.session_ptys ---------
+
+# Run in a sandbox: open terminals until the kernel refuses one, say how many and why, then hold
+# them (a background job, or a call the test ends by closing its stdin).
+HOARD = r"""
+import errno, os, sys, time
+held = []
+while True:
+    try:
+        held.append(os.openpty())
+    except OSError as exc:
+        print("held", len(held), errno.errorcode[exc.errno], len(os.listdir("/dev/pts")) - 1, flush=True)
+        break
+sys.stdin.read() if sys.argv[1:] == ["until-eof"] else time.sleep(600)
+"""
+
+
+def hoard(server: ForkServer, session: str, workspace: Path) -> tuple[int, str, int]:  # noqa: F811
+    """Start HOARD in ``session`` on the fork server: (its call, what it says, its stdin's write end)."""
+    stdin_r, stdin_w = os.pipe()
+    out_r, out_w = os.pipe()
+    try:
+        call_id, _ = server.call(session, ["python3", "-c", HOARD, "until-eof"], dict(BASE_ENV), str(workspace), None,
+                                 (stdin_r, out_w, out_w))
+    finally:
+        os.close(stdin_r)
+        os.close(out_w)
+    with os.fdopen(out_r) as output:
+        line = output.readline().strip()
+    return call_id, line, stdin_w
+
+
+def test_a_sessions_devpts_holds_its_limit_and_no_more(server: ForkServer, session: str,  # noqa: F811
+                                                       workspace: Path) -> None:
+    """A confined command opens terminals until it fails: it gets ENOSPC inside its own sandbox once
+    its devpts holds Limits.ptys (policy.limits.DEFAULT_PTYS, 8), and a terminal call into that session
+    meanwhile fails at its `open terminal` step with ENOSPC (the daemon says which limit). Control: a
+    session given a wider limit holds that many, so the number is the devpts' max=, not another limit."""
+    call_id, line, stdin_w = hoard(server, session, workspace)
+    try:
+        assert line == f"held {DEFAULT_PTYS} ENOSPC {DEFAULT_PTYS}", line
+        with pytest.raises(SetupError) as full:
+            terminal_call(server, session, ["true"], str(workspace))
+        assert (full.value.step, full.value.errno) == ("open terminal", errno.ENOSPC), full.value
+    finally:
+        os.close(stdin_w)
+    assert server.wait(call_id).exit_code == 0
+    call_id, master = terminal_call(server, session, ["tty"], str(workspace))    # released: there is room again
+    try:
+        assert read_until_hangup(master).strip().startswith("/dev/pts/")
+    finally:
+        os.close(master)
+    server.wait(call_id)
+    wider = f"wide-{os.urandom(4).hex()}"
+    server.open_session(wider, LaunchSpec(argv=("true",), workspace=str(workspace), env=dict(BASE_ENV),
+                                          policy=WorkspaceWrite(), limits=Limits(ptys=3 * DEFAULT_PTYS)))
+    try:
+        call_id, line, stdin_w = hoard(server, wider, workspace)
+        os.close(stdin_w)
+        assert line == f"held {3 * DEFAULT_PTYS} ENOSPC {3 * DEFAULT_PTYS}", line
+        server.wait(call_id)
+    finally:
+        server.close_session(wider)
+
+
+ATTACKER = r'''
+import time
+session = stub.CreateSession(pb.CreateSessionRequest(workspace=ARGS["ws"], approval_policy=pb.NEVER), timeout=120).id
+job = stub.StartBackground(pb.StartBackgroundRequest(session_id=session, argv=["python3", "-c", ARGS["hoard"]]),
+                           timeout=120)
+said = b""
+for chunk in stub.ReadBackgroundOutput(pb.ReadBackgroundOutputRequest(session_id=session, id=job.id, follow=True),
+                                       timeout=120):
+    said += chunk.data
+    if b"\n" in said:
+        break
+own = pb.ExecStart(session_id=session, argv=["tty"], terminal=pb.Terminal(rows=24, columns=80))
+try:
+    list(stub.Exec(iter([pb.ExecRequest(start=own)]), timeout=120))
+    own_terminal = ["OK", ""]
+except grpc.RpcError as error:
+    own_terminal = [error.code().name, error.details()]
+print(json.dumps({"session": session, "said": said.decode().strip(), "own_terminal": own_terminal}))
+'''
+
+VICTIM_SHELL = r'''
+session = stub.CreateSession(pb.CreateSessionRequest(workspace=ARGS["ws"], approval_policy=pb.NEVER), timeout=120).id
+start = pb.ExecStart(session_id=session, shell="tty; echo served", terminal=pb.Terminal(rows=24, columns=80))
+output, result = b"", None
+for response in stub.Exec(iter([pb.ExecRequest(start=start)]), timeout=120):
+    if response.WhichOneof("kind") == "stdout":
+        output += response.stdout
+    elif response.WhichOneof("kind") == "result":
+        result = response.result.exit_code
+stub.CloseSession(pb.CloseSessionRequest(session_id=session), timeout=120)
+print(json.dumps({"output": output.decode().split(), "exit": result}))
+'''
+
+
+def pty_attack(daemon: Daemon, attacker: PlainUser, victim: PlainUser) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The attacker's sandbox hoards terminals (a background job keeps them); then the victim opens
+    a terminal in a session of its own. (What each saw.)"""
+    workspaces = {}
+    for user in (attacker, victim):
+        workspaces[user.name] = daemon.base / f"tty-{user.name}-{os.urandom(3).hex()}"
+        workspaces[user.name].mkdir()
+        os.chown(workspaces[user.name], user.uid, user.gid)
+    attack = run_client_as(attacker.uid, attacker.gid, daemon.socket, ATTACKER,
+                           {"ws": str(workspaces[attacker.name]), "hoard": HOARD})
+    try:
+        served = run_client_as(victim.uid, victim.gid, daemon.socket, VICTIM_SHELL, {"ws": str(workspaces[victim.name])})
+    finally:
+        daemon.stub.CloseSession(pb.CloseSessionRequest(session_id=attack["session"]), timeout=60)
+    return attack, served
+
+
+def test_one_sandbox_cannot_take_another_users_terminals(sandboxd_daemon: DaemonFactory,
+                                                         plain_users: Callable[[int], list[PlainUser]]) -> None:
+    """The attack of issue 24 (a confined command opened every pty the kernel's pool for devpts
+    instances holds, 3,071, and another user's `sandboxctl shell` failed with ENOSPC): the command
+    now gets ENOSPC in its own sandbox at limits.session_ptys (8 by default), its owner's next
+    terminal there is refused with RESOURCE_EXHAUSTED naming the key, and the victim's terminal works
+    while the attacker holds its 8. Control: with the key raised to 64 the same command holds 64, so
+    it is the key that stops it (each one came out of the kernel-wide pool)."""
+    attacker, victim = plain_users(2)
+    attack, served = pty_attack(sandboxd_daemon(), attacker, victim)
+    assert attack["said"] == f"held {DEFAULT_PTYS} ENOSPC {DEFAULT_PTYS}", attack
+    code, details = attack["own_terminal"]
+    assert code == "RESOURCE_EXHAUSTED" and "limits.session_ptys" in details and f"({DEFAULT_PTYS}," in details, attack
+    assert served == {"output": ["/dev/pts/0", "served"], "exit": 0}, served
+    control = sandboxd_daemon(config="[limits]\nsession_ptys = 64\n",
+                              socket=sandboxd_daemon.base / "control" / "sandboxd.sock")
+    wider, served = pty_attack(control, attacker, victim)
+    assert wider["said"] == "held 64 ENOSPC 64", wider
+    assert served == {"output": ["/dev/pts/0", "served"], "exit": 0}, served
+
+
+TWO_TERMINALS = r'''
+import threading, time
+session = stub.CreateSession(pb.CreateSessionRequest(workspace=ARGS["ws"], approval_policy=pb.NEVER), timeout=120).id
+release = threading.Event()
+def held_requests():
+    yield pb.ExecRequest(start=pb.ExecStart(session_id=session, shell="echo holding; read line",
+                                            terminal=pb.Terminal(rows=24, columns=80)))
+    release.wait()
+    yield pb.ExecRequest(stdin=b"done\n")
+first = stub.Exec(held_requests(), timeout=120)
+said = b""
+for response in first:
+    said += response.stdout
+    if b"holding" in said:
+        break
+def attempt(start):
+    try:
+        return [r.result.exit_code for r in stub.Exec(iter([pb.ExecRequest(start=start)]), timeout=120)
+                if r.WhichOneof("kind") == "result"]
+    except grpc.RpcError as error:
+        return [error.code().name, error.details()]
+second = attempt(pb.ExecStart(session_id=session, argv=["true"], terminal=pb.Terminal(rows=24, columns=80)))
+plain = attempt(pb.ExecStart(session_id=session, argv=["true"]))
+release.set()
+list(first)
+after = attempt(pb.ExecStart(session_id=session, argv=["true"], terminal=pb.Terminal(rows=24, columns=80)))
+stub.CloseSession(pb.CloseSessionRequest(session_id=session), timeout=120)
+print(json.dumps({"second": second, "plain": plain, "after": after}))
+'''
+
+
+def test_terminal_calls_are_counted_per_owner(sandboxd_daemon: DaemonFactory,
+                                              plain_users: Callable[[int], list[PlainUser]]) -> None:
+    """quotas.terminals_per_uid (1 here): with one terminal call open, the owner's next is refused
+    naming the key, while a call without a terminal runs (control) and, once the first ended, a
+    terminal call runs again."""
+    daemon = sandboxd_daemon(config="[quotas]\nterminals_per_uid = 1\n")
+    (user,) = plain_users(1)
+    ws = daemon.base / f"term-{user.name}"
+    ws.mkdir()
+    os.chown(ws, user.uid, user.gid)
+    seen = run_client_as(user.uid, user.gid, daemon.socket, TWO_TERMINALS, {"ws": str(ws)})
+    code, details = seen["second"]
+    assert code == "RESOURCE_EXHAUSTED" and "quotas.terminals_per_uid" in details, seen
+    assert seen["plain"] == [0] and seen["after"] == [0], seen

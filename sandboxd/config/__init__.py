@@ -23,6 +23,7 @@ from typing import Callable, Self
 from sandboxd import defaults
 from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
+from sandboxd.policy.limits import DEFAULT_PTYS, MAX_PTYS
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -198,10 +199,21 @@ KEYS: tuple[Key, ...] = (
     Key("quotas", "background_per_uid", 16, "background processes (StartBackground) one user's sessions keep, "
         "running or ended with their output (up to 4 MiB each) still readable; starting one more forgets that "
         "user's oldest ended one, and with all of them running it is refused; root is exempt", _whole(1, 1024)),
-    Key("quotas", "streams_per_uid", 4, "open WatchEvents and following ReadBackgroundOutput streams per user; "
-        "root is exempt", _whole(1, 1024)),
+    Key("quotas", "streams_per_uid", 4, "open WatchEvents, following ReadBackgroundOutput and server reflection "
+        "streams per user; root is exempt", _whole(1, 1024)),
+    Key("quotas", "requests_per_uid", 8, "every other call (CreateSession, UpdateSessionPolicy, CloseSession, "
+        "standing rules, GetStatus ...) one user may have in progress at once: one naming a path that does not "
+        "answer waits up to fork_server.wait_seconds, holding a worker; root is exempt. 4 users at calls_per_uid + "
+        "streams_per_uid + requests_per_uid must leave the first-slot share of listen.workers free (checked at "
+        "start)", _whole(1, 1024)),
+    Key("quotas", "terminals_per_uid", 8, "calls on a terminal (sandboxctl shell, Exec with a terminal) one user may "
+        "have running at once, among its calls_per_uid; root is exempt", _whole(1, 1024)),
+    Key("quotas", "git_watches_per_uid", 0, "inotify watches one user's git guards hold together (one per directory "
+        "of its sessions' writable roots), out of root's host-wide fs.inotify.max_user_watches; past it that user's "
+        "guards walk the roots after each call instead (one lstat per directory); 0: a sixteenth of "
+        "fs.inotify.max_user_watches", _whole(0, 1 << 30)),
     Key("quotas", "reserved_workers", 0, "workers that running calls and streams (everyone's, root's too) may never "
-        "take: they stay free for short calls (CreateSession, CloseSession, ResolveApproval ...); must be below "
+        "take: they stay free for requests (CreateSession, CloseSession, ResolveApproval ...); must be below "
         "listen.workers; 0: a quarter of listen.workers (at least 1)", _whole(0, 1023)),
     Key("tls", "address", "", "HOST:PORT of an optional TCP listener; it always needs TLS and client "
         "certificates (all four tls keys)", _text),
@@ -261,6 +273,10 @@ KEYS: tuple[Key, ...] = (
     Key("limits", "owner_pids", 0, "tasks of all sandboxes of one owner (a uid, a TLS principal; root's own "
         "sessions have no share) together; 0: a fifth of limits.total_pids, so four owners at their share "
         "leave a fifth for the rest", _whole(0, 1 << 22)),
+    Key("limits", "session_ptys", DEFAULT_PTYS, "terminals (ptys) one session's sandbox may hold at once: its own "
+        "devpts is mounted with this max=, and past it the next one opened there fails with ENOSPC. Every sandbox "
+        "draws on one kernel-wide pool (kernel.pty.max minus kernel.pty.reserve, 3072 by default): a user holds at "
+        "most quotas.sessions_per_uid times this", _whole(1, MAX_PTYS)),
     Key("limits", "owner_memory", "", "memory of all sandboxes of one owner together; empty: no share (only "
         "limits.total_memory: the OOM killer acts there)", _size_or_empty),
     Key("metrics", "listen", "", "HOST:PORT of the Prometheus metrics listener (HTTP, /metrics); empty: none",

@@ -9,6 +9,7 @@ from typing import Callable, Mapping
 
 from sandboxd.config import BUILT_IN, Config, ConfigError, ResourceLimits
 from sandboxd.errors import InvalidPolicy, SandboxdError
+from sandboxd.kernel import host_limits
 from sandboxd.policy.audit_limits import AuditLimits, parse_min_free
 from sandboxd.policy.ipv4 import port as tcp_port
 from sandboxd.policy.limits import parse_size
@@ -87,7 +88,11 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         quotas = QuotaLimits(sessions_per_uid=config.whole("quotas.sessions_per_uid"),
                              calls_per_uid=config.whole("quotas.calls_per_uid"),
                              streams_per_uid=config.whole("quotas.streams_per_uid"),
+                             requests_per_uid=config.whole("quotas.requests_per_uid"),
+                             terminals_per_uid=config.whole("quotas.terminals_per_uid"),
                              background_per_uid=config.whole("quotas.background_per_uid"),
+                             git_watches_per_uid=(config.whole("quotas.git_watches_per_uid")
+                                                  or host_limits.owner_watches()),
                              reserved_workers=config.whole("quotas.reserved_workers"),
                              workers=config.whole("listen.workers"))
     except SandboxdError as exc:
@@ -106,7 +111,8 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         timeout_seconds=config.number("defaults.timeout_seconds") or None,
         memory_bytes=limits.memory, pids=limits.pids, max_memory_bytes=limits.max_memory, max_pids=limits.max_pids,
         total_memory_bytes=limits.total_memory, total_pids=limits.total_pids,
-        owner_memory_bytes=limits.owner_memory or None, owner_pids=limits.owner_pids)
+        owner_memory_bytes=limits.owner_memory or None, owner_pids=limits.owner_pids,
+        ptys=config.whole("limits.session_ptys"))
     return DaemonSettings(
         source=config, socket=config.text("listen.socket"), socket_mode=int(config.text("listen.socket_mode"), 8),
         admin_gid=admin_gid, workers=config.whole("listen.workers"),

@@ -144,15 +144,17 @@ class GitGuard:
     """The guard of one session's (or one `sandboxd run`'s) writable roots. Thread-safe: concurrent
     calls' inspections run one at a time."""
 
-    def __init__(self, roots: Iterable[str] = (), *, watch: bool = True, hub: "InotifyHub | None" = None) -> None:
-        """``hub``: a daemon's one inotify instance, shared by its sessions' guards (git_watch.py);
+    def __init__(self, roots: Iterable[str] = (), *, watch: bool = True, hub: "InotifyHub | None" = None,
+                 owner: str = "") -> None:
+        """``hub``: a daemon's one inotify instance, shared by its sessions' guards (gitguard/watch.py),
+        whose watches count against ``owner``'s budget there (past it a root is walked instead);
         without, the guard makes an instance of its own (`sandboxd run`)."""
         self._lock = _thread.allocate_lock()
         self._roots: dict[str, _Root] = {}
         self.inotify: Inotify | Subscription | None = None
         if watch:
             try:
-                self.inotify = hub.subscribe() if hub is not None else Inotify()
+                self.inotify = hub.subscribe(owner) if hub is not None else Inotify()
             except OSError as exc:       # out of instances (fs.inotify.max_user_instances): walk instead
                 _log_error("git guard: no inotify (%s): every inspection walks the whole tree", exc)
         self.set_roots(roots)
@@ -455,7 +457,7 @@ class _Pass:
             return
         try:
             self.root.wds[inotify.watch_fd(fd)] = rel
-        except OSError as exc:            # out of watches (fs.inotify.max_user_watches): walk instead
+        except OSError as exc:            # out of watches (the owner's budget, fs.inotify.max_user_watches): walk instead
             self.root.watching = False
             _log_error("git guard: cannot watch %s (%s): every inspection walks the whole tree",
                        self._full(rel), exc)

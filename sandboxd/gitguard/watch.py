@@ -18,29 +18,42 @@ itself goes with the last subscription.
 
 Idle sessions cost nothing: no thread and no polling; events wait in the kernel's queue (and
 then in the subscriptions' sets) until some guard inspects.
+
+Every watch is one of root's host-wide fs.inotify.max_user_watches, which the rest of the host
+(systemd, file managers, other daemons) also needs. So each subscription names its owner (whom
+the session counts against: a uid, a TLS principal) and the hub gives an owner at most
+``watches_per_owner`` distinct watches: past it ``watch_fd`` fails with ENOSPC, as the kernel
+does when root has none left, and that guard's root falls back to the walk by inode and ctime
+(one lstat per directory per inspection: slower, as safe). Other owners are still watched.
 """
 
 from __future__ import annotations
 
 import _thread
+import errno
 
 from sandboxd.kernel.inotify import ENTRIES_CHANGED, Inotify
 
 
 class InotifyHub:
-    def __init__(self) -> None:
+    def __init__(self, watches_per_owner: int = 0) -> None:
+        """``watches_per_owner``: the most distinct watches one owner's subscriptions hold together
+        (quotas.git_watches_per_uid); 0: no budget, only the kernel's limit."""
         self._lock = _thread.allocate_lock()
         self._inotify: Inotify | None = None          # made by the first subscription
         self._holders: dict[int, set[Subscription]] = {}
         self._subscriptions: set[Subscription] = set()
+        self.watches_per_owner = watches_per_owner
+        # owner -> {watch: how many of the owner's subscriptions hold it}: its distinct watches
+        self._owned: dict[str, dict[int, int]] = {}
 
-    def subscribe(self) -> "Subscription":
-        """A guard's share of the instance; OSError when the instance cannot be made (the guard then
-        walks on each inspection, as without inotify)."""
+    def subscribe(self, owner: str = "") -> "Subscription":
+        """A guard's share of the instance, counted against ``owner``; OSError when the instance
+        cannot be made (the guard then walks on each inspection, as without inotify)."""
         with self._lock:
             if self._inotify is None:
                 self._inotify = Inotify()
-            subscription = Subscription(self)
+            subscription = Subscription(self, owner)
             self._subscriptions.add(subscription)
             return subscription
 
@@ -50,6 +63,11 @@ class InotifyHub:
         with self._lock:
             return len(self._holders)
 
+    def watches_of(self, owner: str) -> int:
+        """The distinct watches ``owner``'s subscriptions hold."""
+        with self._lock:
+            return len(self._owned.get(owner, ()))
+
     def close(self) -> None:
         with self._lock:
             if self._inotify is not None:
@@ -58,15 +76,22 @@ class InotifyHub:
             for subscription in self._subscriptions:
                 subscription.overflow = True          # nothing is watched any more: walk everything
             self._holders.clear()
+            self._owned.clear()
 
     # -- for Subscription, under self._lock --------------------------------------------------------
 
     def _watch(self, subscription: "Subscription", dir_fd: int, mask: int) -> int:
         if self._inotify is None:
-            raise OSError(9, "the inotify hub is closed")   # EBADF: the guard falls back to walking
+            raise OSError(errno.EBADF, "the inotify hub is closed")   # the guard falls back to walking
+        owned = self._owned.setdefault(subscription.owner, {})
+        if self.watches_per_owner and len(owned) >= self.watches_per_owner:
+            raise OSError(errno.ENOSPC, f"{subscription.owner or 'this owner'} holds its whole budget of "
+                          f"{self.watches_per_owner} inotify watches (quotas.git_watches_per_uid)")
         wd = self._inotify.watch_fd(dir_fd, mask)
         self._holders.setdefault(wd, set()).add(subscription)
-        subscription.wds.add(wd)
+        if wd not in subscription.wds:
+            subscription.wds.add(wd)
+            owned[wd] = owned.get(wd, 0) + 1
         return wd
 
     def _drain(self) -> None:
@@ -82,7 +107,12 @@ class InotifyHub:
 
     def _release(self, subscription: "Subscription") -> None:
         self._subscriptions.discard(subscription)
+        owned = self._owned.get(subscription.owner, {})
         for wd in subscription.wds:
+            if wd in owned:
+                owned[wd] -= 1
+                if not owned[wd]:
+                    del owned[wd]
             holders = self._holders.get(wd)
             if holders is None:
                 continue
@@ -92,6 +122,8 @@ class InotifyHub:
                 if self._inotify is not None:
                     self._inotify.remove_watch(wd)
         subscription.wds.clear()
+        if not owned:
+            self._owned.pop(subscription.owner, None)
         if not self._subscriptions and self._inotify is not None:
             # No session needs it: a daemon with no session holds no inotify descriptor (the next
             # subscription makes a new one; its queue holds nothing anyone still wants).
@@ -102,8 +134,9 @@ class InotifyHub:
 class Subscription:
     """One guard's watches on the hub's instance: the interface of kernel.inotify.Inotify."""
 
-    def __init__(self, hub: InotifyHub) -> None:
+    def __init__(self, hub: InotifyHub, owner: str = "") -> None:
         self.hub = hub
+        self.owner = owner                                    # whose budget its watches count against
         self.wds: set[int] = set()
         self.pending: set[int] = set()
         self.overflow = False

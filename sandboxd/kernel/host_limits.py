@@ -15,6 +15,9 @@ Why these numbers (docs/threat-model.md says the same):
   their share still leave a fifth of it to everyone else. pids.max has no killer: at a full ceiling
   every fork below it fails, whoever caused it. Memory has one (the OOM killer acts at the full
   group), so an owner's memory share is set only when configured (limits.owner_memory).
+- an owner's inotify watches (the git guard's, quotas.git_watches_per_uid): a sixteenth of root's
+  fs.inotify.max_user_watches, which every root process on the host shares (systemd, udev, file
+  managers, other daemons): four owners at their budget leave three quarters of it to the rest.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from sandboxd._record import Record
 DEFAULT_PIDS = 1024
 DEFAULT_MEMORY_CAP = 8 << 30
 OWNERS_SERVED = 5          # the default owner share is 1/5: four owners at theirs leave a fifth served
+WATCH_SHARE = 16           # an owner's default inotify budget: 1/16 of root's fs.inotify.max_user_watches
 
 
 class Ceiling(Record):
@@ -79,3 +83,10 @@ def default_ceiling() -> Ceiling:
 def _whole_mib(size: int) -> int:
     """Rounded down to whole MiB: cgroup v1 rounds a limit down to pages, so it reads back as written."""
     return size >> 20 << 20
+
+
+def owner_watches() -> int:
+    """An owner's inotify budget when nothing sets one: a sixteenth of this host's
+    fs.inotify.max_user_watches (every root process's watches together)."""
+    with open("/proc/sys/fs/inotify/max_user_watches") as f:
+        return max(1, int(f.read()) // WATCH_SHARE)

@@ -19,6 +19,7 @@ from sandboxd.kernel._libc import checked, raw_syscall
 
 TIOCSTI = 0x5412
 TIOCLINUX = 0x541C
+TIOCSETD = 0x5423
 AF_UNIX = 1
 AF_INET = 2
 AF_INET6 = 10
@@ -151,6 +152,15 @@ class FilterSpec(Record):
         for flag in NAMESPACE_FLAGS:
             rows.append(("errno", "clone", errno.EPERM, ((0, masked_eq, flag, flag),)))
         rows.extend(socket_rows())
+        # TIOCSETD sets a terminal's line discipline, and for one not built in the kernel loads its
+        # module (tty_ldisc_get: with dev.tty.ldisc_autoload=1, distributions' default, anyone may):
+        # SLIP, PPP, CAN, HCI UART, ..., the module surface the socket rows close for families. Its
+        # argument is a pointer to the number, which seccomp cannot read (it compares registers),
+        # so "only N_TTY" cannot be said here; and checking it from a notifier would read memory
+        # another thread of the sandbox can rewrite before the kernel reads it again. A confined
+        # command has no use for another discipline, nor for setting N_TTY on a terminal that has
+        # it already (every pty starts with N_TTY): refused outright.
+        rows.append(("errno", "ioctl", errno.EPERM, ((1, masked_eq, 0xFFFFFFFF, TIOCSETD),)))
         # No set-uid or set-gid file, for any uid: root in a root-owned workspace would otherwise
         # leave a root shell any host user can run (capabilities do not stop an owner's chmod), and
         # a plain user one that runs as itself for everybody. A mode with either bit is refused on

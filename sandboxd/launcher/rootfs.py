@@ -11,7 +11,8 @@
 5. Cover /sys with a fresh read-only sysfs (the copy showed the host's
    network devices and cgroup release_agent files).
 6. Cover /dev with a minimal tmpfs: the six harmless nodes bound from the
-   host, a private devpts, a private /dev/shm; then make /dev read-only.
+   host, a private devpts holding at most ``limits.ptys`` terminals, a private
+   /dev/shm; then make /dev read-only.
 7. Cover /tmp with a private, size-capped tmpfs.
    7b. `sandboxd run`'s homes: cover each hidden home (LaunchSpec.hidden_homes) with an empty
    tmpfs, to be made read-only in 8d; the interpreter and package sandboxd runs from, and the
@@ -91,7 +92,7 @@ def build(plan: LaunchPlan) -> None:
     kernel.set_attrs_recursive(NEW_ROOT, READONLY_ATTRS, step="make host root read-only")  # 3
     _mount_proc(NEW_ROOT + "/proc")                                                  # 4
     _mount_sys(NEW_ROOT + "/sys", plan.rootless)                                     # 5
-    _mount_dev(NEW_ROOT + "/dev", plan.limits.tmp_size_bytes)                        # 6
+    _mount_dev(NEW_ROOT + "/dev", plan.limits.tmp_size_bytes, plan.limits.ptys)      # 6
     kernel.tmpfs(NEW_ROOT + "/tmp", size=plan.limits.tmp_size_bytes, mode=0o1777,    # 7
                  step="mount private /tmp")
     covered = [home for home in plan.hidden_homes
@@ -170,7 +171,7 @@ def _mount_sys(target: str, rootless: bool) -> None:
                          step=f"mask /sys/{name}")
 
 
-def _mount_dev(target: str, shm_size: int) -> None:
+def _mount_dev(target: str, shm_size: int, ptys: int) -> None:
     kernel = syscalls.current
     kernel.tmpfs(target, size=1 << 16, mode=0o755, flags=MS_NOSUID | MS_NOEXEC, step="mount /dev")
     for name in DEVICES:
@@ -178,8 +179,10 @@ def _mount_dev(target: str, shm_size: int) -> None:
         kernel.create_file(node, 0o666)
         kernel.bind(f"/dev/{name}", node, recursive=False, step=f"bind /dev/{name}")
     kernel.mkdir(f"{target}/pts", 0o755)
+    # max=: every devpts instance but the host's draws on one kernel-wide pool of ptys
+    # (policy.limits.DEFAULT_PTYS); past its own max a sandbox's next /dev/ptmx open gets ENOSPC.
     kernel.mount("devpts", f"{target}/pts", "devpts", MS_NOSUID | MS_NOEXEC,
-                 "newinstance,ptmxmode=0666,mode=0620", step="mount /dev/pts")
+                 f"newinstance,ptmxmode=0666,mode=0620,max={ptys}", step="mount /dev/pts")
     kernel.symlink("pts/ptmx", f"{target}/ptmx")
     kernel.mkdir(f"{target}/shm", 0o1777)
     kernel.tmpfs(f"{target}/shm", size=shm_size, mode=0o1777, step="mount /dev/shm")

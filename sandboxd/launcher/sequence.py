@@ -35,7 +35,7 @@ import errno
 import os
 import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
 
-from sandboxd.errors import ExecFailed
+from sandboxd.errors import ExecFailed, SetupError
 from sandboxd.kernel import caps, cgroups, landlock, namespaces, process, rlimits, seccomp, syscalls, terminals
 from sandboxd.kernel._libc import from_oserror
 from sandboxd.launcher import file_tools, report, rootfs, rootless
@@ -286,7 +286,10 @@ def open_terminal(size: tuple[int, int]) -> int:
     """A terminal of ``size`` (rows, columns) from the devpts this process sees (a session's own,
     inside it); its master is sent on fd 0, the call's terminal channel, to the daemon, which
     relays it. Returns the peer, for the command (``terminals.take_as_controlling``)."""
-    master, peer = terminals.open_pair(*size, ptmx=terminals.PTMX_PATH)
+    try:
+        master, peer = terminals.open_pair(*size, ptmx=terminals.PTMX_PATH)
+    except OSError as exc:                                # ENOSPC: the devpts' max= (limits.ptys) is reached
+        raise SetupError(Step.OPEN_TERMINAL, exc.errno or 0, terminals.PTMX_PATH) from None
     channel = _socket.socket(fileno=0)
     try:
         send_fd(channel, master)

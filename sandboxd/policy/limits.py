@@ -14,17 +14,25 @@ if TYPE_CHECKING:
 _FACTORS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 DEFAULT_TMP_SIZE = 512 << 20
+# Terminals (ptys) one sandbox's own devpts may hold at once (its `max=`). Every devpts instance
+# but the host's draws on one kernel-wide pool, kernel.pty.max minus kernel.pty.reserve (4096 - 1024
+# by default): without a cap one sandbox took all 3,071 and every other user's terminal failed.
+# 8 holds a person's shells into the session and the ptys its commands open (script, expect, a
+# tmux: one to three each); an owner's 64 sessions (quotas.sessions_per_uid) hold 512 at most, so
+# four owners at theirs leave a third of the default pool to everyone else.
+DEFAULT_PTYS = 8
 
 # The ranges of every limit: what the kernel takes, and what makes sense for a sandboxed call.
 MAX_TIMEOUT_SECONDS = 7 * 24 * 3600      # a week: longer is a service, not a call
 MAX_BYTES = 1 << 53                      # 8 PiB: far above any machine, exact as a float
 MAX_PIDS = 1 << 22                       # the kernel's largest pid_max
 MAX_OPEN_FILES = 1 << 20                 # the kernel's default fs.nr_open
+MAX_PTYS = 1 << 20                       # the most devpts takes for max= (NR_UNIX98_PTY_MAX)
 _MAXIMA = {"timeout_seconds": (MAX_TIMEOUT_SECONDS, "604800 seconds (7 days)"),
            "memory_bytes": (MAX_BYTES, "2^53 bytes"), "pids": (MAX_PIDS, "4194304 (the kernel's pid_max)"),
            "cpu_seconds": (MAX_TIMEOUT_SECONDS, "604800 seconds (7 days)"),
            "open_files": (MAX_OPEN_FILES, "1048576 (the kernel's nr_open)"),
-           "tmp_size_bytes": (MAX_BYTES, "2^53 bytes"),
+           "tmp_size_bytes": (MAX_BYTES, "2^53 bytes"), "ptys": (MAX_PTYS, "1048576 (the kernel's pty maximum)"),
            "total_pids": (MAX_PIDS, "4194304 (the kernel's pid_max)"), "total_memory_bytes": (MAX_BYTES, "2^53 bytes"),
            "owner_pids": (MAX_PIDS, "4194304 (the kernel's pid_max)"), "owner_memory_bytes": (MAX_BYTES, "2^53 bytes")}
 
@@ -65,6 +73,7 @@ class Limits(Record):
     cpu_seconds: int | None = None
     open_files: int | None = None
     tmp_size_bytes: int = DEFAULT_TMP_SIZE
+    ptys: int = DEFAULT_PTYS             # the `max=` of the sandbox's own devpts (limits.session_ptys)
     # Not this launch's own: the caps of the parent cgroup all sandboxes of this daemon (or of this
     # `sandboxd run`'s cgroup) live under, written there when the launch prepares that group.
     total_pids: int | None = None

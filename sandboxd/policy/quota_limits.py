@@ -1,6 +1,6 @@
-"""The ``[quotas]`` settings of the daemon, checked together: per-owner calls, streams, sessions and
-background processes, and the worker reserve (service/quotas.py enforces them; the module's
-docstring there says why each exists)."""
+"""The ``[quotas]`` settings of the daemon, checked together: per-owner calls, streams, requests,
+terminals, sessions and background processes, and the worker reserve (service/quotas.py enforces
+them; the module's docstring there says why each exists)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,21 @@ class QuotaLimits(Record):
     # the pool's threads are started on demand.
     calls_per_uid: int = 16
     streams_per_uid: int = 4
+    # Every other RPC (CreateSession, UpdateSessionPolicy, CloseSession, standing rules, GetStatus...)
+    # holds a worker too, and those that name a path may wait on it for fork_server.wait_seconds (a
+    # FUSE mount that never answers). 8 in progress at once covers a client's parallel session set-up
+    # (and an agent that changes its policy while it lists), and 4 owners at 16 + 4 + 8 hold 112 of
+    # the 128 workers: the first-slot share (12) and 4 more stay for everyone else.
+    requests_per_uid: int = 8
+    # Calls on a terminal (Exec with `terminal`: sandboxctl shell): each holds a pty of its session's
+    # devpts and a relay in the daemon for as long as a person keeps it open, often idle for hours.
+    terminals_per_uid: int = 8
     # Each keeps a daemon thread while it runs and up to background.BUFFER_BYTES of output until it
     # is forgotten: 16 per user is 64 MiB at most, whatever the user's sessions start.
     background_per_uid: int = 16
+    # inotify watches one owner's git guards hold together (their sessions' directories); 0: no
+    # budget. The daemon's default is a sixteenth of root's fs.inotify.max_user_watches (config).
+    git_watches_per_uid: int = 0
     reserved_workers: int = 0             # 0: a quarter of the workers, at least 1
     workers: int = 128                    # listen.workers: the pool the reserve is taken from
 
@@ -45,6 +57,16 @@ class QuotaLimits(Record):
                 f"({self.reserved_workers}) minus the first-slot share ({self.first_slot_share}) leave: everyone "
                 f"else could be refused. Lower those quotas to {max(1, self.shared // FAIR_OWNERS)} slots per user "
                 "together, or raise listen.workers")
+        every = FAIR_OWNERS * (self.per_owner + self.requests_per_uid)
+        if every > self.workers - self.first_slot_share:
+            raise InvalidPolicy(
+                f"{FAIR_OWNERS} users at all their quotas (quotas.calls_per_uid {self.calls_per_uid} + "
+                f"quotas.streams_per_uid {self.streams_per_uid} + quotas.requests_per_uid {self.requests_per_uid}, "
+                f"each) would hold {every} of the {self.workers} workers (listen.workers), reaching into the last "
+                f"{self.first_slot_share} that the daemon keeps for users that hold none: everyone else could be "
+                "refused. Lower quotas.requests_per_uid to "
+                f"{max(1, (self.workers - self.first_slot_share) // FAIR_OWNERS - self.per_owner)}, or raise "
+                "listen.workers")
 
     @property
     def long_lived_total(self) -> int:

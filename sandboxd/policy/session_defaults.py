@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from sandboxd._record import Record
+from sandboxd.policy.limits import DEFAULT_PTYS
 
 
 class SessionDefaults(Record):
@@ -22,3 +23,4 @@ class SessionDefaults(Record):
     total_pids: int | None = None
     owner_memory_bytes: int | None = None     # and the share of them of one owner's sandboxes
     owner_pids: int | None = None
+    ptys: int = DEFAULT_PTYS                  # terminals of each session's own devpts (limits.session_ptys)

@@ -132,7 +132,8 @@ def limits_from_proto(message: pb.Limits, defaults: SessionDefaults | None = Non
                   cpu_seconds=int(message.cpu_seconds) or None, open_files=int(message.open_files) or None,
                   tmp_size_bytes=int(message.tmp_size_bytes) or DEFAULT_TMP_SIZE,
                   total_pids=defaults.total_pids, total_memory_bytes=defaults.total_memory_bytes,
-                  owner_pids=defaults.owner_pids, owner_memory_bytes=defaults.owner_memory_bytes)
+                  owner_pids=defaults.owner_pids, owner_memory_bytes=defaults.owner_memory_bytes,
+                  ptys=defaults.ptys)
 
 
 def limits_to_proto(limits: Limits) -> pb.Limits:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from sandboxd.audit.store import EventStore, open_in_state_dir
 from sandboxd.config.settings import DaemonSettings
@@ -40,7 +40,7 @@ from sandboxd.service.sandboxed_peers import SandboxedPeers
 from sandboxd.service.server import (MAX_FORK_RESTARTS, RESTART_WINDOW, ForkWatch, JsonLogFormatter,
                                      TextLogFormatter, own_places, raise_nofile_limit, self_test,
                                      sweep_private_dir)
-from sandboxd.service.servicer import SandboxServicer
+from sandboxd.service.servicer import Reflection, SandboxServicer
 from sandboxd.service.sessions import SessionRegistry
 from sandboxd.service.watchdog import Watchdog
 from sandboxd.supervisor.forkserver import ForkServer
@@ -180,9 +180,9 @@ class Daemon:
                                 connections=door), server)
             health_servicer = health.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-            reflection.enable_server_reflection(
+            reflection_pb2_grpc.add_ServerReflectionServicer_to_server(Reflection(
                 (sandboxd_pb2.DESCRIPTOR.services_by_name["Sandbox"].full_name, reflection.SERVICE_NAME,
-                 health.SERVICE_NAME), server)
+                 health.SERVICE_NAME), callers, counters), server)
             server.add_insecure_port(f"unix:{backend}")
             if tls is not None:
                 credentials = grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.client_ca,

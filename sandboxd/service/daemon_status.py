@@ -12,7 +12,7 @@ import psutil
 from sandboxd import __version__
 from sandboxd.service.approvals import ApprovalGate
 from sandboxd.service.callers import Caller
-from sandboxd.service.quotas import CALLS, STREAMS, owner_key
+from sandboxd.service.quotas import CALLS, REQUESTS, STREAMS, TERMINALS, owner_key
 from sandboxd.service.sessions import SessionRegistry
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -83,11 +83,14 @@ def status(registry: SessionRegistry, gate: ApprovalGate, who: Caller,
                            quota_limits={"sessions_per_uid": limits.sessions_per_uid,
                                          "calls_per_uid": limits.calls_per_uid,
                                          "streams_per_uid": limits.streams_per_uid,
+                                         "requests_per_uid": limits.requests_per_uid,
+                                         "terminals_per_uid": limits.terminals_per_uid,
                                          "reserved_workers": limits.reserved_workers, "workers": limits.workers,
                                          "long_lived_total": limits.long_lived_total,
                                          "first_slot_share": limits.first_slot_share,
                                          "audit_owner_budget": budget, **limits_extra},
                            quota_usage={"sessions": sum(1 for s in sessions if owner_key(s.owner) == owner),
                                         "calls": usage[CALLS], "streams": usage[STREAMS],
+                                        "requests": usage[REQUESTS], "terminals": usage[TERMINALS],
                                         "long_lived": usage["long_lived_total"], "audit_bytes": audit_used,
-                                        **connections})
+                                        "workers_busy": usage["workers_busy"], **connections})

@@ -11,6 +11,7 @@ from typing import Iterable
 from sandboxd.audit.store import EventStore, EventType
 from sandboxd.policy.git_config import GIT_GUARD_SUBPATH
 from sandboxd.policy.sandbox import WorkspaceWrite
+from sandboxd.service.quotas import owner_key
 from sandboxd.service.sandbox_hooks import Sandbox, SandboxHooks, Service
 from sandboxd.service.session_state import Session
 from sandboxd.gitguard.guard import GitGuard
@@ -20,9 +21,11 @@ log = logging.getLogger("sandboxd")
 
 
 class GitGuardHook(SandboxHooks):
-    def __init__(self, store: EventStore) -> None:
+    def __init__(self, store: EventStore, watches_per_owner: int = 0) -> None:
         self._store = store
-        self._watch = InotifyHub()         # one inotify instance for every session's git guard
+        # One inotify instance for every session's git guard; each owner's guards together hold at
+        # most watches_per_owner of root's watches (quotas.git_watches_per_uid), then walk instead.
+        self._watch = InotifyHub(watches_per_owner)
 
     def sandbox_ready(self, session: Session, sandbox: Sandbox) -> Iterable[Service]:
         """The generation's roots: a root new to the guard is taken as it is now (what the user
@@ -36,7 +39,7 @@ class GitGuardHook(SandboxHooks):
         guard = session.git_guard
         if guard is None:
             if roots:
-                guard = GitGuard(roots, hub=self._watch)
+                guard = GitGuard(roots, hub=self._watch, owner=owner_key(session.owner))
                 with session.lock:
                     session.git_guard = guard
         else:

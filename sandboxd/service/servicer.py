@@ -4,9 +4,11 @@ registry and the fork server, and turns any error into a status (sandboxd.servic
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
 import grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy.session_defaults import SessionDefaults
@@ -16,7 +18,7 @@ from sandboxd.service.audit_calls import AuditService
 from sandboxd.service.background import BackgroundJob, BackgroundJobs
 from sandboxd.service.callers import Caller, Callers
 from sandboxd.network.front_door import FrontDoor
-from sandboxd.service.quotas import CALLS, STREAMS, Quotas
+from sandboxd.service.quotas import CALLS, REQUESTS, STREAMS, Quotas
 from sandboxd.service.sandbox_hooks import WhenClosed
 from sandboxd.service.sessions import Session, SessionRegistry, cwd_inside
 from sandboxd.service.status import abort
@@ -68,18 +70,22 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         for forget in (gate.forget_session, self._audit.forget_session, environment.forget_session):
             registry.add_hooks(WhenClosed(forget))            # a closed session is forgotten (sandbox_hooks)
 
-    def _unary(self, context: grpc.ServicerContext, work: Callable[[Caller], R]) -> R:
+    def _unary(self, context: grpc.ServicerContext, work: Callable[[Caller], R], kind: str = REQUESTS) -> R:
+        """A unary RPC: ``work`` for the caller, holding a slot of ``kind`` (quotas: every RPC holds
+        one, so no owner holds more workers than its quotas, whatever it calls): REQUESTS, or CALLS
+        for the built-in tools and Authorize, which may run or wait for approval for minutes."""
         try:
-            return work(self._callers(context))
+            who = self._callers(context)
+            with self._quotas.hold(who, kind):
+                return work(who)
         except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
             abort(context, error)
 
-    def _tool(self, context: grpc.ServicerContext, who: Caller, session: Session, call: ToolCall,
-              body: Callable[[], R]) -> R:
+    def _tool(self, context: grpc.ServicerContext, session: Session, call: ToolCall, body: Callable[[], R]) -> R:
         """Run a built-in tool call through the policy engine: decided, recorded, maybe held for
-        approval (PermissionDenied if refused), then run; its end is recorded too. It holds a
-        worker meanwhile, so it counts as one of the caller's running calls."""
-        with self._quotas.hold(who, CALLS), self._gate.authorize(session, call, still_wanted=context.is_active):
+        approval (PermissionDenied if refused), then run; its end is recorded too. Its RPC holds one
+        of the caller's running calls meanwhile (``_unary(..., CALLS)``)."""
+        with self._gate.authorize(session, call, still_wanted=context.is_active):
             return body()
 
     def CreateSession(self, request: pb.CreateSessionRequest, context: grpc.ServicerContext) -> pb.Session:
@@ -125,11 +131,11 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             session = self._registry.get(who, request.session_id)
             limit = file_calls.read_limit(request.max_bytes)
             path = file_calls.resolve(session, request.path)
-            code, data = self._tool(context, who, session, tool_calls.read(session, "fs.read", path), lambda: (
+            code, data = self._tool(context, session, tool_calls.read(session, "fs.read", path), lambda: (
                 file_calls.run_tool(self._registry, self._fork, session, {
                     "op": "read", "path": path, "max_bytes": limit}, limit=limit)))
             return pb.ReadFileResponse(data=data, truncated=code == 3)
-        return self._unary(context, work)
+        return self._unary(context, work, CALLS)
 
     def WriteFile(self, request: pb.WriteFileRequest, context: grpc.ServicerContext) -> pb.WriteFileResponse:
         def work(who: Caller) -> pb.WriteFileResponse:
@@ -141,21 +147,21 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                 raise InvalidPolicy(f"mode {request.mode:o} has the set-uid or set-gid bit: a file written "
                                     f"through the daemon may not have them (use {request.mode & 0o1777:o})")
             call = tool_calls.write(session, "fs.write", [path], bytes=len(request.data))
-            _, out = self._tool(context, who, session, call, lambda: file_calls.run_tool(
+            _, out = self._tool(context, session, call, lambda: file_calls.run_tool(
                 self._registry, self._fork, session, {
                     "op": "write", "path": path, "mode": request.mode, "create_parents": request.create_parents},
                 data=request.data))
             return pb.WriteFileResponse(bytes_written=int(out or b"0"))
-        return self._unary(context, work)
+        return self._unary(context, work, CALLS)
 
     def ListDir(self, request: pb.ListDirRequest, context: grpc.ServicerContext) -> pb.ListDirResponse:
         def work(who: Caller) -> pb.ListDirResponse:
             session = self._registry.get(who, request.session_id)
             path = file_calls.resolve(session, request.path)
-            _, out = self._tool(context, who, session, tool_calls.read(session, "fs.list", path), lambda: (
+            _, out = self._tool(context, session, tool_calls.read(session, "fs.list", path), lambda: (
                 file_calls.run_tool(self._registry, self._fork, session, {"op": "list", "path": path})))
             return pb.ListDirResponse(entries=file_calls.parse_listing(out))
-        return self._unary(context, work)
+        return self._unary(context, work, CALLS)
 
     def ApplyPatch(self, request: pb.ApplyPatchRequest, context: grpc.ServicerContext) -> pb.ApplyPatchResponse:
         def work(who: Caller) -> pb.ApplyPatchResponse:
@@ -163,19 +169,19 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             targets = [file_calls.resolve(session, f.path)
                        for f in patch_search.patched_files(request.patch, request.strip)[0]]
             return pb.ApplyPatchResponse(files=self._tool(
-                context, who, session, tool_calls.write(session, "patch.apply", targets),
+                context, session, tool_calls.write(session, "patch.apply", targets),
                 lambda: patch_search.apply_patch(self._registry, self._fork, session, request.patch, request.strip)))
-        return self._unary(context, work)
+        return self._unary(context, work, CALLS)
 
     def Search(self, request: pb.SearchRequest, context: grpc.ServicerContext) -> pb.SearchResponse:
         def work(who: Caller) -> pb.SearchResponse:
             session = self._registry.get(who, request.session_id)
             call = tool_calls.read(session, "search", file_calls.resolve(session, request.path),
                                    pattern=request.pattern)
-            return self._tool(context, who, session, call, lambda: patch_search.search(
+            return self._tool(context, session, call, lambda: patch_search.search(
                 self._registry, self._fork, session, request.pattern, request.path, request.max_results,
                 request.case_insensitive, request.engine))
-        return self._unary(context, work)
+        return self._unary(context, work, CALLS)
 
     def StartBackground(self, request: pb.StartBackgroundRequest, context: grpc.ServicerContext) -> pb.BackgroundProcess:
         def work(who: Caller) -> pb.BackgroundProcess:
@@ -187,25 +193,25 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             convert.check_text(request.name, "name")
             call = tool_calls.command(session, "monitor.start", argv,
                                       cwd_inside(session.workspace, convert.check_path(request.cwd, "cwd")))
-            return job_to_proto(self._tool(context, who, session, call, lambda: self._jobs.start(
+            return job_to_proto(self._tool(context, session, call, lambda: self._jobs.start(
                 session, argv, request.cwd, start, request.name)))
-        return self._unary(context, work)
+        return self._unary(context, work, CALLS)
 
     def ListBackground(self, request: pb.ListBackgroundRequest,
                        context: grpc.ServicerContext) -> pb.ListBackgroundResponse:
         def work(who: Caller) -> pb.ListBackgroundResponse:
             session = self._registry.get(who, request.session_id)
-            jobs = self._tool(context, who, session, tool_calls.read(session, "monitor.list", ""),
+            jobs = self._tool(context, session, tool_calls.read(session, "monitor.list", ""),
                               lambda: self._jobs.list(session))
             return pb.ListBackgroundResponse(processes=[job_to_proto(j) for j in jobs])
-        return self._unary(context, work)
+        return self._unary(context, work, CALLS)
 
     def StopBackground(self, request: pb.StopBackgroundRequest, context: grpc.ServicerContext) -> pb.BackgroundProcess:
         def work(who: Caller) -> pb.BackgroundProcess:
             session = self._registry.get(who, request.session_id)
             call = tool_calls.read(session, "monitor.stop", "", id=request.id)
-            return job_to_proto(self._tool(context, who, session, call, lambda: self._jobs.stop(session, request.id)))
-        return self._unary(context, work)
+            return job_to_proto(self._tool(context, session, call, lambda: self._jobs.stop(session, request.id)))
+        return self._unary(context, work, CALLS)
 
     def ReadBackgroundOutput(self, request: pb.ReadBackgroundOutputRequest,
                              context: grpc.ServicerContext) -> Iterator[pb.BackgroundOutput]:
@@ -238,7 +244,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
     def _exec(self, who: Caller, start: pb.ExecStart | None, request_iterator: Iterator[pb.ExecRequest] | None,
               context: grpc.ServicerContext, received: float) -> Iterator[pb.ExecResponse]:
         """Exec (``start`` None: it is the stream's first message) or Run (``request_iterator`` None)."""
-        with self._quotas.hold(who, CALLS):
+        with self._quotas.hold(who, CALLS), ExitStack() as terminal:
             if start is None:
                 assert request_iterator is not None
                 first = next(request_iterator, None)
@@ -250,6 +256,8 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             exec_call.check_start(start, argv, session)
             if request_iterator is None:
                 exec_call.check_unstreamed(start)
+            if start.HasField("terminal"):                # a pty of its session's devpts, counted apart too
+                terminal.enter_context(self._quotas.terminal(who))
             call = tool_calls.command(session, "shell.exec", argv, cwd, context_id=start.execution_context_id)
             with self._gate.authorize(session, call, still_wanted=context.is_active) as granted:
                 for response in exec_call.run(self._registry, self._fork, session, start, argv, cwd, request_iterator,
@@ -276,10 +284,8 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         return self._unary(context, lambda who: self._audit.pending(who, request.session_id))
 
     def Authorize(self, request: pb.AuthorizeRequest, context: grpc.ServicerContext) -> pb.AuthorizeResponse:
-        def work(who: Caller) -> pb.AuthorizeResponse:
-            with self._quotas.hold(who, CALLS):           # may be held for approval, holding a worker
-                return self._audit.authorize(who, request, context.is_active)
-        return self._unary(context, work)
+        # may be held for approval, holding a worker: one of the caller's running calls
+        return self._unary(context, lambda who: self._audit.authorize(who, request, context.is_active), CALLS)
 
     def ReportToolResult(self, request: pb.ReportToolResultRequest,
                          context: grpc.ServicerContext) -> pb.ReportToolResultResponse:
@@ -321,3 +327,23 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             convert.check_path(request.workspace, "workspace")
             return self._audit.remove_rule(who, request)
         return self._unary(context, work)
+
+
+class Reflection(reflection.ReflectionServicer):
+    """Server reflection (grpcurl and the like), its streams counted as the caller's: each waits on
+    its client's next request, holding a worker meanwhile, like a WatchEvents."""
+
+    def __init__(self, service_names: Iterable[str], callers: Callers, quotas: Quotas) -> None:
+        super().__init__(tuple(service_names))
+        self._callers = callers
+        self._quotas = quotas
+
+    def ServerReflectionInfo(self, request_iterator: Iterable[reflection_pb2.ServerReflectionRequest],
+                             context: "grpc.ServicerContext | grpc.aio.ServicerContext[Any, Any]",
+                             ) -> Iterator[reflection_pb2.ServerReflectionResponse]:
+        assert isinstance(context, grpc.ServicerContext)  # the daemon's server is not asyncio's
+        try:
+            with self._quotas.hold(self._callers(context), STREAMS):
+                yield from super().ServerReflectionInfo(request_iterator, context)
+        except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
+            abort(context, error)

@@ -20,6 +20,7 @@ the call still holds the peer. The master is closed when the call ends; nothing 
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import signal
@@ -30,8 +31,9 @@ from typing import Iterator
 
 import grpc
 
-from sandboxd.errors import InvalidPolicy, SetupError
+from sandboxd.errors import Exhausted, InvalidPolicy, SetupError
 from sandboxd.kernel import terminals
+from sandboxd.launcher.call_plan import Step
 from sandboxd.service.calls import CHUNK, SessionCall
 from sandboxd.service.sessions import Session, SessionRegistry
 from sandboxd.supervisor.forkserver import ForkServer
@@ -73,6 +75,7 @@ class TerminalCall(SessionCall):
                  env: dict[str, str], cwd: str, timeout: float | None, size: tuple[int, int]) -> None:
         super().__init__(registry, fork, session, argv, env=env, cwd=cwd, timeout=timeout)
         self._size = size
+        self._ptys = session.limits.ptys
         self._channel: socket.socket | None = None
         self.master = -1
         self.ended = threading.Event()
@@ -90,7 +93,15 @@ class TerminalCall(SessionCall):
     def _start(self, sandbox: str, argv: list[str], env: dict[str, str], cwd: str, timeout: float | None,
                stdio: tuple[int, int, int], tool: dict[str, object] | None) -> None:
         assert self._channel is not None
-        self.call_id, self.inner_pid = self._fork.call(sandbox, argv, env, cwd, timeout, stdio, terminal=self._size)
+        try:
+            self.call_id, self.inner_pid = self._fork.call(sandbox, argv, env, cwd, timeout, stdio,
+                                                           terminal=self._size)
+        except SetupError as exc:
+            if exc.step == Step.OPEN_TERMINAL and exc.errno == errno.ENOSPC:
+                raise Exhausted(f"this session's sandbox already holds every terminal it may ({self._ptys}, "
+                                "limits.session_ptys): a command of the session keeps them open; end it, or use "
+                                "another session") from None
+            raise
         call_id = self.call_id
         self._waiter = threading.Thread(target=self._wait_for_end, args=(call_id,), daemon=True,
                                         name=f"sandboxd-terminal-{call_id}")
