@@ -3,7 +3,8 @@ isolated sandbox and the internet.
 
 With ``allowed_domains`` the sandbox's namespace lets out nothing but DNS and TCP to this proxy
 (kernel.nftables.egress_ruleset), so a program that ignores the proxy variables gets nothing. The
-proxy listens on the host side of the sandbox's link, port defaults.PROXY_PORT (3128), and for each request:
+proxy listens on the sandbox's own loopback, ``PROXY_ADDRESS``:defaults.PROXY_PORT (127.0.0.1:3128 inside the
+sandbox's network namespace, bound before the sandbox exists; ``listen``), and for each request:
 
 - takes the destination *name* (CONNECT host:port, an absolute http:// URI, or a SOCKS5 domain
   address; a bare IP address is refused: there is no name to check),
@@ -53,6 +54,12 @@ MAX_REQUEST_HEAD = 65536
 REFUSED_RANGES = BLOCKED_RANGES + ("192.0.2.0/24", "203.0.113.0/24", "192.88.99.0/24", "255.255.255.255/32")
 _REFUSED = [ipaddress.ip_network(r) for r in REFUSED_RANGES]
 
+# Where a sandbox finds its proxy: its own loopback. Not the host side of its link: an address of the
+# host's namespace, where any local user may bind port 3128 (or 0.0.0.0:3128, or any address with
+# IP_FREEBIND) first, and so refuse every allowed-domains sandbox its proxy or, once the sandbox
+# could reach that port, receive its traffic. Nobody but root and the sandbox enters its namespace.
+PROXY_ADDRESS = "127.0.0.1"
+
 HTTP_FORBIDDEN = b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 HTTP_BAD_REQUEST = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 HTTP_BAD_GATEWAY = b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
@@ -94,36 +101,39 @@ def host_owns(address: str) -> bool:
     return True
 
 
-def proxy_environment(host_address: str) -> dict[str, str]:
-    url = f"http://{host_address}:{PROXY_PORT}"
-    env = {"NO_PROXY": "localhost,127.0.0.1", "ALL_PROXY": f"socks5h://{host_address}:{PROXY_PORT}"}
+def proxy_environment() -> dict[str, str]:
+    """The variables that point a sandbox's programs at its proxy (PROXY_ADDRESS)."""
+    url = f"http://{PROXY_ADDRESS}:{PROXY_PORT}"
+    env = {"NO_PROXY": "localhost,127.0.0.1", "ALL_PROXY": f"socks5h://{PROXY_ADDRESS}:{PROXY_PORT}"}
     for name in ("HTTP_PROXY", "HTTPS_PROXY"):
         env[name] = url
     return {**env, **{key.lower(): value for key, value in env.items()}}
 
 
 class EgressProxy(TcpService):
-    def __init__(self, listener: socket.socket, allowed: "tuple[str, ...]", *, client_address: str,
+    def __init__(self, listener: socket.socket, allowed: "tuple[str, ...]", *,
                  netns_fd: int, resolvers: "list[str] | tuple[str, ...]" = (),
                  on_denied: "Callable[[str, str], None]" = lambda destination, why: None,
                  connections: int = DEFAULT_CONNECTIONS, loop: RelayLoop | None = None) -> None:
-        """``listener``: bound and listening (see ``listen``); only ``client_address`` (the
-        sandbox) is served, once ``start`` is called; upstream connections are made in the
+        """``listener``: bound and listening on the sandbox's loopback (see ``listen``); only
+        clients from PROXY_ADDRESS are served, once ``start`` is called; upstream connections are made in the
         network namespace ``netns_fd`` (the sandbox's; the proxy keeps its own copy; -1: this
         process's own, for rootless `sandboxd run`, whose sandbox has only loopback:
         network.loopback_proxy).
         ``on_denied(destination, why)`` is told of every refusal (on a worker thread)."""
         super().__init__(listener, "sandboxd-egress-proxy", loop)
-        self._allowed, self._client = allowed, client_address
+        self._allowed, self._client = allowed, PROXY_ADDRESS
         self._resolvers, self._on_denied = list(resolvers), on_denied
         self._netns = os.dup(netns_fd) if netns_fd >= 0 else -1
         self.cap = ConnectionCap(connections)
         self._cap_reported = False
 
     @staticmethod
-    def listen(host_address: str) -> socket.socket:
-        return listen_tcp(host_address, PROXY_PORT, step="egress proxy",
-                          hint=f"something else holds port {PROXY_PORT} on every address of the host")
+    def listen(netns_fd: int) -> socket.socket:
+        """The proxy's listening socket on PROXY_ADDRESS:PROXY_PORT in the network namespace
+        ``netns_fd``: a sandbox's new one, before any of its processes exists (so nothing else
+        holds the port)."""
+        return listen_tcp(PROXY_ADDRESS, PROXY_PORT, step="egress proxy", netns_fd=netns_fd)
 
     def start(self) -> "EgressProxy":
         super().start()

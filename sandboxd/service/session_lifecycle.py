@@ -28,7 +28,7 @@ from sandboxd.service.sandbox_hooks import HookList, Sandbox, close_all
 from sandboxd.service.session_access import command_user, rights_of
 from sandboxd.service.session_state import Session, session_from_row
 from sandboxd.service.session_table import SessionTable
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.forkserver import ForkServer, SessionInfo
 
 SESSION_PLACEHOLDER_ARGV = ("sandboxd-session",)  # a session's spec runs no command itself
 
@@ -215,6 +215,14 @@ class SessionLifecycle:
         """Build one generation of the session's sandbox in the fork server, then its services
         (the hooks). The caller holds the session's build_lock."""
         info = self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy))
+        try:
+            self._serve_sandbox(session, generation, policy, info)
+        finally:
+            if info.proxy_listener >= 0:              # the egress proxy serves its own copy (sandbox_network)
+                os.close(info.proxy_listener)
+
+    def _serve_sandbox(self, session: Session, generation: int, policy: SandboxPolicy, info: SessionInfo) -> None:
+        """What ``_open_sandbox`` does once the fork server built the sandbox: count it, then the hooks."""
         with session.lock:
             session.sandbox_builds += 1
             if info.workspace:
