@@ -72,7 +72,8 @@ SERVERS = textwrap.dedent('''
         print("ready", flush=True)
         dns_on("198.51.100.53", {"internet.test": "198.51.100.10", "private.test": "10.77.0.10",
                                  "other.test": "198.51.100.11", "api.internet.test": "198.51.100.10",
-                                 "host.test": "198.51.100.200", "uplink.test": "203.0.113.1"})
+                                 "host.test": "198.51.100.200", "uplink.test": "203.0.113.1",
+                                 "xn--bcher-kva.test": "198.51.100.10"})
     else:
         http_on("10.77.0.10", 8080, "private")
         print("ready", flush=True)
@@ -526,6 +527,59 @@ def test_allowed_domains_go_through_the_proxy_and_nothing_else(world: World, wor
     assert seen["direct 198.51.100.10"] in BLOCKED and seen["direct 198.51.100.11"] in BLOCKED, seen
     assert "blocked a connection to other.test:8080: not in the allowed domains" in result.stderr
     assert "private.test:8080: it resolves to 10.77.0.10, a blocked range" in result.stderr
+
+
+A_LABEL_PROBE = textwrap.dedent('''
+    import json, os, socket, struct, sys, urllib.request
+    proxy = os.environ["HTTP_PROXY"].rsplit("/", 1)[-1].split(":")
+    proxy = (proxy[0], int(proxy[1]))
+    def body(s):
+        reply = b""
+        while chunk := s.recv(4096):
+            reply += chunk
+        return "open: " + reply.split(b"\\r\\n\\r\\n", 1)[-1].decode()
+    def connect(name):                                # name: the bytes a client sends
+        with socket.create_connection(proxy, timeout=10) as s:
+            s.sendall(b"CONNECT " + name + b":8080 HTTP/1.1\\r\\n\\r\\n")
+            status = s.recv(4096).split(b"\\r\\n", 1)[0].decode()
+            if " 200 " not in status:
+                return status
+            s.sendall(b"GET / HTTP/1.0\\r\\n\\r\\n")
+            return body(s)
+    def socks(name):
+        with socket.create_connection(proxy, timeout=10) as s:
+            s.sendall(b"\\x05\\x01\\x00"); s.recv(2)
+            s.sendall(b"\\x05\\x01\\x00\\x03" + bytes([len(name)]) + name + struct.pack(">H", 8080))
+            reply = s.recv(10)
+            if reply[1] != 0:
+                return f"socks refused {reply[1]}"
+            s.sendall(b"GET / HTTP/1.0\\r\\n\\r\\n")
+            return body(s)
+    def http(url):
+        try:
+            return "open: " + urllib.request.urlopen(url, timeout=10).read().decode()
+        except urllib.error.HTTPError as e:
+            return f"http {e.code}"
+    a_label, unicode_name = b"xn--bcher-kva.test", "bücher.test".encode()
+    print(json.dumps({"http a-label": http("http://xn--bcher-kva.test:8080/"),
+                      "connect a-label": connect(a_label), "socks a-label": socks(a_label),
+                      "connect unicode": connect(unicode_name), "socks unicode": socks(unicode_name)}))
+''')
+
+
+def test_an_a_label_goes_through_every_proxy_protocol_and_its_unicode_name_does_not(world: World,
+                                                                                    workspace: Path) -> None:
+    """An allowed domain given as its A-label is reached by plain HTTP, CONNECT and SOCKS5 alike (the
+    proxy matches the name as sent: SOCKS5 names were once decoded from IDNA into Unicode, which no
+    allowed domain matches), and the same name sent in Unicode is refused on both."""
+    result = subprocess.run([SANDBOXD, "run", "--workspace", str(workspace), "--network", "--dns", DNS,
+                             "--allow-domain", "xn--bcher-kva.test", "--", PY, "-c", A_LABEL_PROBE],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen == {"http a-label": "open: hello from internet", "connect a-label": "open: hello from internet",
+                    "socks a-label": "open: hello from internet", "connect unicode": "HTTP/1.1 403 Forbidden",
+                    "socks unicode": "socks refused 2"}, seen
 
 
 def test_a_session_reports_refused_domains_as_events(world: World, workspace: Path) -> None:

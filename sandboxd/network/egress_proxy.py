@@ -8,7 +8,8 @@ sandbox's network namespace, bound before the sandbox exists; ``listen``), and f
 
 - takes the destination *name* (CONNECT host:port, an absolute http:// URI, or a SOCKS5 domain
   address; a bare IP address is refused: there is no name to check),
-- checks it against the allowlist (``pypi.org`` exactly, ``*.pypi.org`` any subdomain),
+- checks it against the allowlist (``pypi.org`` exactly, ``*.pypi.org`` any subdomain): only an ASCII
+  host name can match, the rule the policy's names follow (policy.domains),
 - resolves it itself (network.dns: the configured resolvers, else the host's) and refuses at once, with a
   reason, an address in a range no sandbox may reach (``REFUSED_RANGES``),
 - connects from INSIDE the sandbox's network namespace, with a socket carrying ``PROXY_MARK``
@@ -41,6 +42,7 @@ from typing import Callable
 from sandboxd.defaults import PROXY_PORT
 from sandboxd.kernel.nftables import BLOCKED_RANGES, PROXY_MARK
 from sandboxd.network.dns import resolve
+from sandboxd.policy.domains import WILDCARD, host_name
 from sandboxd.network.event_loop import READ
 from sandboxd.network.tcp_relay import (ConnectionCap, Connecting, Relay, RelayLoop, TcpService, listen_tcp,
                                            refuse, socket_in_namespace)
@@ -70,16 +72,20 @@ SOCKS_REFUSED = b"\x05\x05\x00\x01" + b"\0" * 6         # connection refused
 SOCKS_OK = b"\x05\x00\x00\x01" + b"\0" * 6
 
 
-def domain_allowed(name: str, patterns: "tuple[str, ...] | list[str]") -> bool:
-    name = name.rstrip(".").lower()
+def allowed_name(name: str, patterns: "tuple[str, ...] | list[str]") -> str | None:
+    """A request's destination ``name`` as a host name (policy.domains.host_name: lower case,
+    without a final dot) when one of ``patterns`` (a policy's allowed_domains) allows it; else
+    None. A name that is no host name, one not in ASCII included, is never allowed."""
+    host = host_name(name)
+    if host is None:
+        return None
     for pattern in patterns:
-        pattern = pattern.rstrip(".").lower()
-        if pattern.startswith("*."):
-            if name.endswith(pattern[1:]) and name != pattern[2:]:
-                return True
-        elif name == pattern:
-            return True
-    return False
+        if pattern.startswith(WILDCARD):
+            if host.endswith(pattern[1:]):
+                return host
+        elif host == pattern:
+            return host
+    return None
 
 
 def refused_range(address: str) -> bool:
@@ -175,14 +181,15 @@ class EgressProxy(TcpService):
         """Check ``name``, resolve it off the loop, connect from the sandbox's namespace; then
         ``request.upstream_ready(sock)`` or ``request.fail(reply)``, on the loop."""
         destination = f"{name}:{port}"
-        if not domain_allowed(name, self._allowed):
+        host = allowed_name(name, self._allowed)
+        if host is None:
             self.denied(destination, "not in the allowed domains")
             request.fail(request.forbidden)
             return
         resolvers = tuple(self._resolvers)
 
         def work() -> str:
-            return resolve(name, resolvers)
+            return resolve(host, resolvers)             # the name as matched, as DNS holds it
 
         def then(future: "Future[str]") -> None:
             if request.closed:
@@ -308,7 +315,9 @@ class _Request:
         if len(data) < size:
             return
         port = struct.unpack(">H", bytes(data[size - 2:size]))[0]
-        name = bytes(data[5:size - 2]).decode("idna") if kind == 3 else ""
+        # As sent: a name in A-labels stays one (allowed_name matches text; "idna" decoding
+        # made it Unicode, which no allowed domain is).
+        name = bytes(data[5:size - 2]).decode("latin-1") if kind == 3 else ""
         self.to_upstream = bytes(data[size:])
         self.success = SOCKS_OK
         if not name:

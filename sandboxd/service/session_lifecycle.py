@@ -19,7 +19,7 @@ from typing import Callable
 
 from sandboxd._record import Record
 from sandboxd.audit.store import EventStore, EventType
-from sandboxd.errors import NotFound
+from sandboxd.errors import InvalidPolicy, NotFound
 from sandboxd.policy import LaunchSpec, Limits, SandboxPolicy
 from sandboxd.policy.decision import ToolRules
 from sandboxd.service.callers import Caller
@@ -89,9 +89,20 @@ class SessionLifecycle:
         """Sessions a previous daemon left open (it stopped or crashed): listed again, their logs
         readable, and each resumed by its next call, which rebuilds its sandbox. Returns how many."""
         rows = self._store.sessions()
+        resumed = 0
         for row in rows:
-            self._table.add(session_from_row(row), check=False)
-        return len(rows)
+            try:
+                session = session_from_row(row)
+            except InvalidPolicy as exc:
+                # A policy an older sandboxd took and this one refuses (an allowed domain not in
+                # ASCII, say): closed, saying why, rather than resumed with a narrower or wider one.
+                self._store.save_session(row.replace(closed_at=time.time()))
+                self._store.append(row.id, EventType.SESSION_CLOSED,
+                                   data={"by_uid": 0, "reason": f"its policy is refused now: {exc}"})
+                continue
+            self._table.add(session, check=False)
+            resumed += 1
+        return resumed
 
     def update_policy(self, caller: Caller, session: Session, policy: SandboxPolicy | None, approval: str | None,
                       check: Callable[[SandboxPolicy], None]) -> Session:
