@@ -477,9 +477,9 @@ class _Server:
         if network is None:
             self._answer(SessionReady(call_id, session.init_pid, session.plan.workspace))
             return
-        # The daemon serves the egress proxy (this process has no threads) on this very socket, sent
-        # along still bound: were it closed here and bound again there, any local user could bind
-        # the address (port 3128 needs no privilege) in between, and the session's build would fail.
+        # The daemon serves the egress proxy (this process has no threads) on this very socket, bound
+        # in the sandbox's namespace before the sandbox existed (network.egress_proxy.PROXY_ADDRESS)
+        # and sent along still bound: its port is never free while the session lives.
         listener, network.proxy_listener = network.proxy_listener, None
         self._answer(SessionReady(call_id, session.init_pid, session.plan.workspace, network.host_address,
                                   network.sandbox_address, list(network.resolvers), listener is not None),
