@@ -579,7 +579,7 @@ def test_an_a_label_goes_through_every_proxy_protocol_and_its_unicode_name_does_
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert seen == {"http a-label": "open: hello from internet", "connect a-label": "open: hello from internet",
                     "socks a-label": "open: hello from internet", "connect unicode": "HTTP/1.1 403 Forbidden",
-                    "socks unicode": "socks refused 2"}, seen
+                    "socks unicode": "socks refused 2"}, (seen, result.stderr)
 
 
 def test_a_session_reports_refused_domains_as_events(world: World, workspace: Path) -> None:
@@ -856,7 +856,11 @@ def test_no_other_user_can_take_the_proxy_address(world: World, workspace: Path,
             assert through_proxy["connect internet"] == "open: hello from internet", through_proxy
             assert to_the_link[f"GATEWAY:{PROXY_PORT}"] in BLOCKED, to_the_link
     finally:
-        out, _ = squatter.communicate(timeout=30)                      # closes its stdin: it stops
         d.close()
         remove_tree(base)
+        try:
+            out, _ = squatter.communicate(timeout=30)                  # closes its stdin: it stops
+        finally:
+            squatter.kill()                                            # (gone already, unless it hung)
+            squatter.wait()
     assert json.loads(out.strip().splitlines()[-1]) == ["control"] * 3, out
