@@ -20,12 +20,12 @@ import pytest
 
 from conftest import BASE_ENV, PY, SLOW
 from sandboxd.errors import ExecFailed, SetupError
-from sandboxd.kernel import landlock
-from sandboxd.launcher import call_plan, native_call
+from sandboxd.kernel import cgroups, landlock
+from sandboxd.launcher import call_plan, native_call, report
 from sandboxd.launcher.native_call import helper_path
 from sandboxd.launcher.plan import DebugHooks
 from sandboxd.service.terminal_call import receive_master
-from sandboxd.policy import LaunchSpec, Limits, WorkspaceWrite
+from sandboxd.policy import LaunchSpec, Limits, WorkspaceWrite, limits
 from sandboxd.supervisor.forkserver import ForkServer
 from sandboxd.supervisor.spawner import Spawner
 
@@ -236,6 +236,122 @@ def test_the_environment_stays_private(server: ForkServer, session: str, workspa
         for fd in (read_end, write_end, null):
             if fd >= 0:
                 os.close(fd)
+
+
+WRITE_EACH = 'for d in "$@"; do { echo "$d" > "$d/written"; } 2>/dev/null || echo "refused $d"; done'
+
+
+def test_every_writable_root_is_writable_at_the_maximum(server: ForkServer, workspace: Path, base_dir: Path) -> None:
+    """A policy may name MAX_WRITABLE_ROOTS roots, and the workspace comes on top: each of them gets its
+    Landlock rule on both paths (the native helper once held 256 paths, and the 257th silently lost
+    its rule). The roots sit outside the workspace and beside each other, so no other rule covers
+    one; the last one in the plan's order (the deepest, then by name) is the one a short list drops."""
+    parent = base_dir / "roots"
+    parent.mkdir()
+    roots = [parent / f"root-{index:03}" for index in range(limits.MAX_WRITABLE_ROOTS)]
+    for root in roots:
+        root.mkdir()
+    control = parent / "not-a-root"                       # bound read-only with the rest of the host
+    control.mkdir()
+    name = f"call-roots-{os.urandom(4).hex()}"
+    server.open_session(name, LaunchSpec(argv=("true",), workspace=str(workspace), env=dict(BASE_ENV),
+                                         policy=WorkspaceWrite(writable_roots=tuple(map(str, roots)))))
+    try:
+        targets = [workspace, *roots, control]
+        output, info = run(server, name, ["/bin/sh", "-c", WRITE_EACH, "sh", *map(str, targets)], str(workspace))
+    finally:
+        server.close_session(name)
+    assert info.exit_code == 0, (output, info)  # type: ignore[attr-defined]
+    # The control: a directory beside the roots that is not one stays unwritable (the wall is there).
+    assert output.splitlines() == [f"refused {control}"], output
+    assert not (control / "written").exists()
+    assert [(t / "written").read_text() for t in targets[:-1]] == [f"{t}\n" for t in targets[:-1]]
+
+
+# -- the helper's own command line: what it cannot hold or read, it refuses --
+
+def run_helper(arguments: list[str]) -> tuple[int, dict[str, str]]:
+    """sandboxd-call run directly, with only its report pipe (descriptor 3): (its exit status, the
+    fields of its report). A command line it accepts fails one step later, at the environment
+    (descriptor 8 is not there)."""
+    helper = helper_path()
+    assert helper is not None
+    read_end, write_end = os.pipe()
+    try:
+        pid = os.posix_spawn(helper, [helper, *arguments], {},
+                             file_actions=[(os.POSIX_SPAWN_DUP2, write_end, native_call.REPORT_FD),
+                                           (os.POSIX_SPAWN_CLOSE, native_call.ENV_FD)])
+        os.close(write_end)
+        write_end = -1
+        data = report.read_all(read_end)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        for fd in (read_end, write_end):
+            if fd >= 0:
+                os.close(fd)
+    return os.waitstatus_to_exitcode(status), report.decode(data)
+
+
+GOOD = {"-u": "1000", "-g": "1000", "-n": "0", "-C": "7", "-F": "77", "-A": "1", "-t": "24:80"}
+
+
+def helper_arguments(**changed: str) -> list[str]:
+    options = {**GOOD, **{f"-{key}": value for key, value in changed.items()}}
+    return ["-c", "/", *[item for pair in options.items() for item in pair], "--", "true"]
+
+
+PASSED_PARSING = {"native": "1", "errno": str(errno.EBADF), "step": "environment"}
+
+
+def test_the_helper_refuses_more_paths_than_it_holds() -> None:
+    """One writable path or cgroup more than the header's maximum is refused (E2BIG, naming the path
+    it could not hold), not dropped; exactly the maximum is taken (the control)."""
+    if helper_path() is None:
+        pytest.skip("sandboxd-call is not built (test_the_native_helper_is_built fails)")
+    paths = [f"/var/tmp/root-{index:03}" for index in range(limits.MAX_WRITABLE_PATHS + 1)]
+    writable = [item for path in paths for item in ("-W", path)]
+    assert run_helper([*writable[:-2], *helper_arguments()]) == (report.SETUP_FAILED_EXIT, PASSED_PARSING)
+    assert run_helper([*writable, *helper_arguments()]) == (report.SETUP_FAILED_EXIT, {
+        "native": "1", "errno": str(errno.E2BIG), "step": "call helper arguments", "path": paths[-1]})
+    groups = [item for index in range(cgroups.MAX_SET_DIRS + 1) for item in ("-G", f"/sys/fs/cgroup/g{index}")]
+    assert run_helper([*groups[:-2], *helper_arguments()]) == (report.SETUP_FAILED_EXIT, PASSED_PARSING)
+    assert run_helper([*groups, *helper_arguments()])[1]["errno"] == str(errno.E2BIG)
+
+
+BAD_NUMBERS = {
+    # Not a number to its end: strtoul alone read these as 0, 1, 12, 16 or ULONG_MAX.
+    "": errno.EINVAL, "x": errno.EINVAL, "-1": errno.EINVAL, "+1": errno.EINVAL, " 1": errno.EINVAL,
+    "12x": errno.EINVAL, "0x10": errno.EINVAL, "1 ": errno.EINVAL,
+    # Out of range: past the type (strtoul's overflow), or past what the option may be.
+    "18446744073709551616": errno.ERANGE, "99999999999999999999999": errno.ERANGE,
+}
+TOO_BIG = {"u": str(2**32 - 1), "g": str(2**32 - 1), "n": str(2**31), "C": str(limits.MAX_TIMEOUT_SECONDS + 1),
+           "F": str(limits.MAX_OPEN_FILES + 1), "A": str(landlock.HIGHEST_KNOWN_ABI + 1)}
+
+
+@pytest.mark.parametrize("option", sorted(TOO_BIG))
+def test_the_helper_refuses_bad_numbers(option: str) -> None:
+    """Every number on the helper's command line is checked (digits to the end, errno, range): a bad
+    one refuses the call with EINVAL or ERANGE naming it, where an unchecked strtoul ran the call
+    with another uid, limit or ABI. The control: the largest good value passes."""
+    if helper_path() is None:
+        pytest.skip("sandboxd-call is not built (test_the_native_helper_is_built fails)")
+    for value, code in {**BAD_NUMBERS, TOO_BIG[option]: errno.ERANGE}.items():
+        assert run_helper(helper_arguments(**{option: value})) == (report.SETUP_FAILED_EXIT, {
+            "native": "1", "errno": str(code), "step": "call helper arguments", "path": value}), value
+    largest = str(int(TOO_BIG[option]) - 1)
+    assert run_helper(helper_arguments(**{option: largest})) == (report.SETUP_FAILED_EXIT, PASSED_PARSING)
+
+
+def test_the_helper_refuses_a_bad_terminal_size() -> None:
+    if helper_path() is None:
+        pytest.skip("sandboxd-call is not built (test_the_native_helper_is_built fails)")
+    for size in ("24", "24:", ":80", "24:80x", "24x:80", "-1:80", "24:-1", "0:80", "24:0", "18446744073709551617:80",
+                 f"24:{2**32 + 80}"):
+        code, fields = run_helper(helper_arguments(t=size))
+        assert (code, fields["step"]) == (report.SETUP_FAILED_EXIT, "call helper arguments"), (size, fields)
+        assert fields["errno"] in {str(errno.EINVAL), str(errno.ERANGE)}, (size, fields)
+    assert run_helper(helper_arguments(t="1:1")) == (report.SETUP_FAILED_EXIT, PASSED_PARSING)
 
 
 UNIX_CONNECT = """

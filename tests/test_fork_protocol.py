@@ -101,6 +101,23 @@ def test_descriptors_ids_and_garbage() -> None:
         assert bad.value.id == 0
 
 
+def test_a_session_ready_carries_the_proxy_listener_exactly_when_it_says_so() -> None:
+    """The egress proxy's listener comes with SessionReady (its one descriptor) only when
+    ``proxy_listener`` says so: one without the other is malformed, so none is lost or taken for it."""
+    with_listener = protocol.SessionReady(3, 99, "/w", "10.0.0.1", "10.0.0.2", [], True)
+    assert protocol.decode(with_listener.encode(), 1, protocol.events()) == with_listener
+    with pytest.raises(protocol.Malformed, match="takes 1 descriptors, got 0 .proxy_listener is True."):
+        protocol.decode(with_listener.encode(), 0, protocol.events())
+    without = protocol.SessionReady(4, 99, "/w", "10.0.0.1", "10.0.0.2", [])
+    assert protocol.decode(without.encode(), 0, protocol.events()) == without
+    with pytest.raises(protocol.Malformed, match="takes 0 descriptors, got 1"):
+        protocol.decode(without.encode(), 1, protocol.events())
+    forged = json.loads(with_listener.encode())
+    forged["proxy_listener"] = 1                           # not a bool: no descriptor is expected
+    with pytest.raises(protocol.Malformed, match="takes 0 descriptors, got 1"):
+        protocol.decode(json.dumps(forged).encode(), 1, protocol.events())
+
+
 def test_receive_reports_eof_truncation_and_descriptors() -> None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with ours, theirs:

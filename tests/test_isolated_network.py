@@ -16,6 +16,7 @@ reaches it: from the host, or with --network=host.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -24,6 +25,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -70,7 +72,8 @@ SERVERS = textwrap.dedent('''
         print("ready", flush=True)
         dns_on("198.51.100.53", {"internet.test": "198.51.100.10", "private.test": "10.77.0.10",
                                  "other.test": "198.51.100.11", "api.internet.test": "198.51.100.10",
-                                 "host.test": "198.51.100.200", "uplink.test": "203.0.113.1"})
+                                 "host.test": "198.51.100.200", "uplink.test": "203.0.113.1",
+                                 "xn--bcher-kva.test": "198.51.100.10"})
     else:
         http_on("10.77.0.10", 8080, "private")
         print("ready", flush=True)
@@ -526,6 +529,59 @@ def test_allowed_domains_go_through_the_proxy_and_nothing_else(world: World, wor
     assert "private.test:8080: it resolves to 10.77.0.10, a blocked range" in result.stderr
 
 
+A_LABEL_PROBE = textwrap.dedent('''
+    import json, os, socket, struct, sys, urllib.request
+    proxy = os.environ["HTTP_PROXY"].rsplit("/", 1)[-1].split(":")
+    proxy = (proxy[0], int(proxy[1]))
+    def body(s):
+        reply = b""
+        while chunk := s.recv(4096):
+            reply += chunk
+        return "open: " + reply.split(b"\\r\\n\\r\\n", 1)[-1].decode()
+    def connect(name):                                # name: the bytes a client sends
+        with socket.create_connection(proxy, timeout=10) as s:
+            s.sendall(b"CONNECT " + name + b":8080 HTTP/1.1\\r\\n\\r\\n")
+            status = s.recv(4096).split(b"\\r\\n", 1)[0].decode()
+            if " 200 " not in status:
+                return status
+            s.sendall(b"GET / HTTP/1.0\\r\\n\\r\\n")
+            return body(s)
+    def socks(name):
+        with socket.create_connection(proxy, timeout=10) as s:
+            s.sendall(b"\\x05\\x01\\x00"); s.recv(2)
+            s.sendall(b"\\x05\\x01\\x00\\x03" + bytes([len(name)]) + name + struct.pack(">H", 8080))
+            reply = s.recv(10)
+            if reply[1] != 0:
+                return f"socks refused {reply[1]}"
+            s.sendall(b"GET / HTTP/1.0\\r\\n\\r\\n")
+            return body(s)
+    def http(url):
+        try:
+            return "open: " + urllib.request.urlopen(url, timeout=10).read().decode()
+        except urllib.error.HTTPError as e:
+            return f"http {e.code}"
+    a_label, unicode_name = b"xn--bcher-kva.test", "bücher.test".encode()
+    print(json.dumps({"http a-label": http("http://xn--bcher-kva.test:8080/"),
+                      "connect a-label": connect(a_label), "socks a-label": socks(a_label),
+                      "connect unicode": connect(unicode_name), "socks unicode": socks(unicode_name)}))
+''')
+
+
+def test_an_a_label_goes_through_every_proxy_protocol_and_its_unicode_name_does_not(world: World,
+                                                                                    workspace: Path) -> None:
+    """An allowed domain given as its A-label is reached by plain HTTP, CONNECT and SOCKS5 alike (the
+    proxy matches the name as sent: SOCKS5 names were once decoded from IDNA into Unicode, which no
+    allowed domain matches), and the same name sent in Unicode is refused on both."""
+    result = subprocess.run([SANDBOXD, "run", "--workspace", str(workspace), "--network", "--dns", DNS,
+                             "--allow-domain", "xn--bcher-kva.test", "--", PY, "-c", A_LABEL_PROBE],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen == {"http a-label": "open: hello from internet", "connect a-label": "open: hello from internet",
+                    "socks a-label": "open: hello from internet", "connect unicode": "HTTP/1.1 403 Forbidden",
+                    "socks unicode": "socks refused 2"}, (seen, result.stderr)
+
+
 def test_a_session_reports_refused_domains_as_events(world: World, workspace: Path) -> None:
     from daemon_helpers import Daemon, create_session, make_base_dir, remove_tree, run_exec
     from sandboxd.v1 import sandboxd_pb2 as pb
@@ -666,6 +722,145 @@ def test_the_proxy_cannot_reach_the_host_through_an_allowed_name(world: World, w
 def test_a_proxy_upstream_is_marked_and_only_the_proxy_ruleset_lets_the_mark_out() -> None:
     from sandboxd.kernel import nftables
 
-    via_proxy = nftables.egress_ruleset(["192.0.2.53"], [], proxy="10.233.0.1")
+    via_proxy = nftables.egress_ruleset(["192.0.2.53"], [], via_proxy=True)
     assert f"meta mark {nftables.PROXY_MARK:#x}" in via_proxy
     assert "meta mark" not in nftables.egress_ruleset(["192.0.2.53"], [("198.51.100.7", ())])
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets process ``pid`` holds."""
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue                                   # closed meanwhile
+        if target.startswith("socket:["):
+            found.add(int(target[8:-1]))
+    return found
+
+
+def test_the_fork_server_hands_the_proxy_listener_over(workspace: Path) -> None:
+    """With allowed domains, the session's proxy listener comes back with the session: listening on
+    127.0.0.1:3128 of the sandbox's own namespace (its init's /proc/net/tcp lists it), and no longer
+    held by the fork server (the daemon's copy is the only one: it is never closed and bound again)."""
+    from sandboxd.defaults import PROXY_PORT
+
+    fs = ForkServer.start()
+    try:
+        info = fs.open_session("proxied", LaunchSpec(argv=("true",), workspace=str(workspace), dns=(DNS,),
+                                                     policy=WorkspaceWrite(network_access=True,
+                                                                           allowed_domains=("internet.test",))))
+        assert info.proxy_listener >= 0
+        with socket.socket(fileno=info.proxy_listener) as listener:
+            assert listener.getsockname() == ("127.0.0.1", PROXY_PORT)
+            assert listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+            inode = os.fstat(listener.fileno()).st_ino
+            with open(f"/proc/{info.init_pid}/net/tcp") as table:         # the sandbox's namespace
+                listening = {int(line.split()[9]) for line in table.read().splitlines()[1:]
+                             if line.split()[1] == f"0100007F:{PROXY_PORT:04X}" and line.split()[3] == "0A"}
+            assert listening == {inode}
+            assert inode not in socket_inodes(fs.pid)
+        # The control: a session without allowed domains gets none.
+        assert fs.open_session("plain", LaunchSpec(argv=("true",), workspace=str(workspace), dns=(DNS,),
+                                                   policy=WorkspaceWrite(network_access=True))).proxy_listener == -1
+        fs.close_session("proxied")
+        fs.close_session("plain")
+    finally:
+        fs.close()
+
+
+# A plain user's attack on the egress proxy's address: the proxy port (3128) needs no privilege,
+# and IP_FREEBIND lets anyone bind an address no interface has yet, such as the host side of the
+# link the next sandbox will get. It takes every host address of the daemon's pool at port 3128
+# before any session exists, and records whatever reaches it.
+PROXY_SQUATTER = textwrap.dedent('''
+    import json, os, select, socket, sys
+    uid, gid, addresses, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(","), int(sys.argv[4])
+    os.setgroups([]); os.setresgid(gid, gid, gid); os.setresuid(uid, uid, uid)
+    IP_FREEBIND = 15
+    held = []
+    for address in addresses:
+        s = socket.socket()
+        s.setsockopt(socket.IPPROTO_IP, IP_FREEBIND, 1)
+        s.bind((address, port))
+        s.listen(64)
+        s.setblocking(False)
+        held.append(s)
+    print("held", os.getuid(), flush=True)
+    received, stdin = [], select.poll()
+    stdin.register(0, select.POLLIN)
+    while not stdin.poll(10):                      # until the test closes our stdin
+        for s in held:
+            try:
+                conn, _ = s.accept()
+            except BlockingIOError:
+                continue
+            conn.settimeout(2)
+            try:
+                received.append(conn.recv(200).decode(errors="replace"))
+            except OSError as e:
+                received.append(type(e).__name__)
+            conn.close()
+    print(json.dumps(received))
+''')
+
+
+def test_no_other_user_can_take_the_proxy_address(world: World, workspace: Path, plain_users: Any) -> None:
+    """A plain user holds 3128 on every host address of the daemon's pool (bound before any sandbox
+    exists, then accepting). Sessions with allowed domains are still built and served, through the
+    proxy on the sandbox's own loopback, and nothing a sandbox sends reaches that user. The control:
+    the listener where it was (the host side of the link, bound by root as the fork server did) cannot
+    be bound against this user, and whatever reaches that address does reach the user."""
+    import ipaddress
+
+    from daemon_helpers import Daemon, create_session, make_base_dir, remove_tree, run_exec
+    from sandboxd.defaults import PROXY_PORT
+    from sandboxd.network.egress_proxy import host_owns
+    from sandboxd.v1 import sandboxd_pb2 as pb
+
+    (attacker,) = plain_users(1)
+    pool = ipaddress.ip_network(f"10.234.{int.from_bytes(os.urandom(1), 'big')}.0/29")   # this daemon's alone
+    hosts = [str(block[1]) for block in pool.subnets(new_prefix=30)]
+    squatter = subprocess.Popen([PY, "-c", PROXY_SQUATTER, str(attacker.uid), str(attacker.gid), ",".join(hosts),
+                                 str(PROXY_PORT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
+    base = make_base_dir("sbxd-squat-")
+    d = Daemon(base, args=["--dns", DNS], env={"SANDBOXD_NETWORK_POOL": str(pool)})
+    try:
+        assert squatter.stdout is not None
+        assert squatter.stdout.readline().split() == ["held", str(attacker.uid)]
+        # The control: the old place, bound by root as the fork server bound it, is the user's.
+        old_place = socket.socket()
+        old_place.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        old_place.setsockopt(socket.IPPROTO_IP, 15, 1)                  # IP_FREEBIND: no link has it yet
+        with old_place, pytest.raises(OSError) as taken:
+            old_place.bind((hosts[0], PROXY_PORT))
+        assert taken.value.errno == errno.EADDRINUSE
+        d.start()
+        seen = []
+        for _ in range(3):                                              # each gets the pool's first free block
+            session = create_session(d.stub, workspace, pb.SandboxPolicy(
+                mode=pb.SandboxPolicy.WORKSPACE_WRITE, network_access=True, allowed_domains=["internet.test"]))
+            proxied = run_exec(d.stub, session.id, [PY, "-c", PROXY_PROBE])
+            direct = run_exec(d.stub, session.id, [PY, "-c", PROBE, f"GATEWAY:{PROXY_PORT}"])
+            seen.append((json.loads(proxied.stdout.decode().strip().splitlines()[-1]),
+                         json.loads(direct.stdout.decode().strip().splitlines()[-1])))
+            # The control: what reaches the host side's port 3128 reaches the user (sent from the host,
+            # to the session's link: the one address of the pool that is the host's now).
+            (link,) = [address for address in hosts if host_owns(address)]
+            with socket.create_connection((link, PROXY_PORT), timeout=5) as reaching:
+                reaching.sendall(b"control")
+            d.stub.CloseSession(pb.CloseSessionRequest(session_id=session.id))
+        for through_proxy, to_the_link in seen:
+            assert through_proxy["http internet"] == "open: hello from internet", through_proxy
+            assert through_proxy["connect internet"] == "open: hello from internet", through_proxy
+            assert to_the_link[f"GATEWAY:{PROXY_PORT}"] in BLOCKED, to_the_link
+    finally:
+        d.close()
+        remove_tree(base)
+        try:
+            out, _ = squatter.communicate(timeout=30)                  # closes its stdin: it stops
+        finally:
+            squatter.kill()                                            # (gone already, unless it hung)
+            squatter.wait()
+    assert json.loads(out.strip().splitlines()[-1]) == ["control"] * 3, out

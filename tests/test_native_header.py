@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from sandboxd.kernel import caps, landlock, process, terminals
+from sandboxd.kernel import caps, cgroups, landlock, process, terminals
 from sandboxd.launcher import call_plan, native_call, report, sequence
+from sandboxd.policy import limits
 
 PRINT_ALL = r"""
 #include <stdio.h>
@@ -53,6 +54,10 @@ def render_expected() -> list[str]:
         ("LL_WANTED_SCOPES", landlock.WANTED_SCOPES), ("LL_NET_ABI", 4), ("LL_SCOPE_ATTR_ABI", 6),
         ("TERMINAL_MIN_SIZE", terminals.MIN_SIZE), ("TERMINAL_MAX_SIZE", terminals.MAX_SIZE),
         ("COMMAND_OOM_SCORE_ADJ", process.COMMAND_OOM_SCORE_ADJ),
+        # What the helper holds: the policy's writable roots and the workspace, a cgroup set's groups.
+        ("MAX_WRITABLE_PATHS", limits.MAX_WRITABLE_ROOTS + 1), ("MAX_CGROUP_DIRS", cgroups.MAX_SET_DIRS),
+        ("MAX_CPU_SECONDS", limits.MAX_TIMEOUT_SECONDS), ("MAX_OPEN_FILES", limits.MAX_OPEN_FILES),
+        ("LL_HIGHEST_ABI", landlock.HIGHEST_KNOWN_ABI),
     ]]
     lines.append("SBX_FORWARDED_SIGNALS " + " ".join(str(int(s)) for s in sequence.FORWARDED_SIGNALS))
     lines.append("SBX_LL_RIGHT_ABI " + " ".join(f"{bit}:{abi}" for bit, abi in sorted(landlock.RIGHT_ABI.items())))
@@ -68,7 +73,8 @@ def render_expected() -> list[str]:
 SCALARS = ["REPORT_FD", "STATUS_FD", "SESSION_PIDFD", "INTAKE_FD", "BPF_FD", "ENV_FD", "SETUP_FAILED_EXIT",
            "CAPABILITY_VERSION_3", "CAP_SYS_ADMIN", "FALLBACK_LAST_CAP", "SECUREBITS", "KILL_TREE_SIGNAL",
            "LL_WRITE_FILE", "LL_TRUNCATE", "LL_WANTED_WRITES", "LL_WANTED_FILE_WRITES", "LL_WANTED_SCOPES",
-           "LL_NET_ABI", "LL_SCOPE_ATTR_ABI", "TERMINAL_MIN_SIZE", "TERMINAL_MAX_SIZE", "COMMAND_OOM_SCORE_ADJ"]
+           "LL_NET_ABI", "LL_SCOPE_ATTR_ABI", "TERMINAL_MIN_SIZE", "TERMINAL_MAX_SIZE", "COMMAND_OOM_SCORE_ADJ",
+           "MAX_WRITABLE_PATHS", "MAX_CGROUP_DIRS", "MAX_CPU_SECONDS", "MAX_OPEN_FILES", "LL_HIGHEST_ABI"]
 
 
 def test_the_compiled_header_says_what_python_says(tmp_path: Path) -> None:
@@ -106,7 +112,8 @@ def test_the_source_has_no_copies_of_the_constants() -> None:
     assert '#include "sandboxd_call.h"' in source
     assert not re.search(r"#define\s+SBX_", source)
     for copy in ("0x20080522", "1ULL <<", "SIGRTMIN + 2", "SIGTERM, SIGINT", '"/dev/shm"', '"/tmp"',
-                 "REPORT_FD = 3", "(1 << 5)", '"/dev/ptmx"', '"/proc/self/oom_score_adj"'):
+                 "REPORT_FD = 3", "(1 << 5)", '"/dev/ptmx"', '"/proc/self/oom_score_adj"', "MAX_PATHS = 256",
+                 "604800", "1 << 20"):
         assert copy not in source, copy
 
 

@@ -358,8 +358,7 @@ def _serve_proxy(network: "IsolatedNetwork | LoopbackProxy", domains: "tuple[str
         sys.stderr.flush()
     listener, network.proxy_listener = network.proxy_listener, None
     assert listener is not None                      # main serves a proxy only when there is one
-    return EgressProxy(listener, domains, client_address=network.sandbox_address,
-                       netns_fd=network.netns_fd, resolvers=network.resolvers,
+    return EgressProxy(listener, domains, netns_fd=network.netns_fd, resolvers=network.resolvers,
                        on_denied=denied).start()
 
 

@@ -56,6 +56,9 @@ LEAF_NAME = "sandboxd-supervisor"   # where our own processes go when our group 
 RELEASED_NAME = "released"          # v2: survivors of a danger-full-access command (base is not a leaf)
 OWNER_PREFIX = "owner-"             # <base>/owner-<key>: the sandboxes of one owner, under its share
 V2_CONTROLLERS = ("cpu", "memory", "pids")
+# The most groups one CgroupSet has: the v2 one, and a v1 one per controller a limit may take from
+# v1 (memory, pids). The native call helper holds this many (native_call's header).
+MAX_SET_DIRS = 3
 DELEGATE_HINT = ("run the daemon from its systemd unit (Delegate=yes), or wrap the command: "
                  "systemd-run --scope -p Delegate=yes sandboxd run ...")
 

@@ -65,7 +65,6 @@ class IsolatedNetwork:
         self.sandbox_address = sandbox_address
         self.resolvers = resolvers
         self.proxy_listener: "Any" = None           # the egress proxy's socket, with allowed domains
-        self.proxied = False                        # its address is in the table's proxy set
 
     def resolv_conf(self) -> str:
         """The sandbox's /etc/resolv.conf."""
@@ -83,10 +82,6 @@ class IsolatedNetwork:
         if self.proxy_listener is not None:
             self.proxy_listener.close()
             self.proxy_listener = None
-        if self.proxied:
-            from sandboxd.kernel import nftables
-            nftables.allow_proxy(self.sandbox_address, False)
-            self.proxied = False
         if self.host_link:
             _delete_link(self.host_link)
             self.host_link = ""
@@ -98,7 +93,7 @@ def create_isolated(*, pool: str = DEFAULT_POOL, resolvers: "list[str] | None" =
     ``eth0`` up, an address from ``pool``, a default route out through the host, the host's
     nftables table in place and IPv4 forwarding on for the link and the host's uplink. With
     ``allowed_hosts`` ("CIDR[:PORTS]") or ``via_proxy`` (allowed domains: the egress proxy on the
-    host side), an egress allowlist inside the namespace too."""
+    namespace's own loopback, network.egress_proxy), an egress allowlist inside the namespace too."""
     import fcntl
     import ipaddress
     import os
@@ -131,18 +126,14 @@ def create_isolated(*, pool: str = DEFAULT_POOL, resolvers: "list[str] | None" =
                 if allowed_hosts or via_proxy:            # nft runs here, so it loads into the new namespace
                     from sandboxd.policy.sandbox import parse_allowed_host
                     nftables.load_here(nftables.egress_ruleset(resolvers, [parse_allowed_host(h) for h in allowed_hosts],
-                                                               host_address if via_proxy else None),
+                                                               via_proxy=via_proxy),
                                        "load egress allowlist")
             finally:
                 namespaces.setns(own, namespaces.CLONE_NEWNET)
         finally:
             os.close(own)
         _configure(host_link, netns_fd, inside, host_address, sandbox_address, block.prefixlen)
-        if via_proxy:
-            nftables.allow_proxy(sandbox_address, True)
     except BaseException as exc:
-        if via_proxy and host_link:
-            nftables.allow_proxy(sandbox_address, False)
         if host_link:
             _delete_link(host_link, missing_ok=True)
         if netns_fd >= 0:
@@ -152,9 +143,7 @@ def create_isolated(*, pool: str = DEFAULT_POOL, resolvers: "list[str] | None" =
         raise
     finally:
         os.close(lock)
-    isolated = IsolatedNetwork(netns_fd, host_link, host_address, sandbox_address, resolvers)
-    isolated.proxied = via_proxy
-    return isolated
+    return IsolatedNetwork(netns_fd, host_link, host_address, sandbox_address, resolvers)
 
 
 def _configure(host_link: str, netns_fd: int, inside: "Any", host_address: str, sandbox_address: str,
@@ -241,7 +230,8 @@ def sweep_stale() -> int:
         if not os.path.exists(f"/proc/{pid}"):
             _delete_link(name)
             removed += 1
-    # Proxy access of sandboxes whose link is gone (their creator was killed before closing them).
+    # Proxy access of sandboxes whose link is gone (their creator was killed before closing them):
+    # given by sandboxd versions whose proxy listened on the host side of the link.
     if proxied:
         with IPRoute() as host:
             live = {address.get_attr("IFA_ADDRESS") for address in host.get_addr(family=2)}

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import subprocess
 
-from sandboxd.defaults import PROXY_PORT  # the egress proxy on the host side of each link (network.egress_proxy)
+from sandboxd.defaults import PROXY_PORT  # the egress proxy's port (the ``proxied`` set: see ruleset)
 from sandboxd.errors import SetupError
 
 TABLE = "sandboxd"
@@ -42,9 +42,14 @@ RULESET_VERSION = "sandboxd ruleset 3"
 
 
 def ruleset() -> str:
-    """The one table. It depends on no address pool: sandboxes are known by their links' names
-    (and the proxy's clients by the ``proxied`` set), so daemons and one-shot runs with different
-    pools share it."""
+    """The one table. It depends on no address pool: sandboxes are known by their links' names,
+    so daemons and one-shot runs with different pools share it.
+
+    The ``proxied`` set (sandboxes that may reach port PROXY_PORT of the host) is only ever emptied
+    now: the egress proxy listens on each sandbox's own loopback (network.egress_proxy.PROXY_ADDRESS),
+    and no sandbox may reach the host's port 3128, which any local user can bind. It stays in the
+    table so that this ruleset's version, shared with older sandboxd on the same machine (whose
+    proxies listen on the host side of the link), does not change under them."""
     sbx = f'"{INTERFACE_PATTERN}"'
     return f"""
 table inet {TABLE} {{
@@ -110,9 +115,9 @@ def ensure_table(resolvers: "list[str] | tuple[str, ...]") -> None:
 
 
 def allow_proxy(sandbox_address: str, allowed: bool) -> None:
-    """Let one sandbox (with allowed domains) reach the egress proxy port on its link, or stop.
-    Only sandboxes in this set may: for the others a host service on that port is as out of
-    reach as any other."""
+    """Let one sandbox reach the host's egress proxy port on its link, or stop. Only sandboxes in
+    this set may, and this version adds none (``ruleset``): the sweep removes what older ones
+    added for sandboxes that are gone."""
     verb = "add" if allowed else "delete"
     try:
         _nft(f"{verb} element inet {TABLE} proxied {{ {sandbox_address} }}\n", "egress proxy access")
@@ -144,16 +149,16 @@ def proxied_addresses() -> "list[str]":
 
 
 def egress_ruleset(resolvers: "list[str] | tuple[str, ...]",
-                   allowed: "list[tuple[str, tuple[tuple[int, int], ...]]]", proxy: str | None = None) -> str:
+                   allowed: "list[tuple[str, tuple[tuple[int, int], ...]]]", *, via_proxy: bool = False) -> str:
     """The allowlist of one isolated network, loaded inside its namespace (the sandbox holds no
-    capability to change it): loopback, replies, DNS to the resolvers, the allowed destinations,
-    and with ``proxy`` the proxy port and the proxy's own upstream sockets (``PROXY_MARK``);
-    everything else is rejected at once (a program fails fast instead of timing out)."""
+    capability to change it): loopback (where the egress proxy listens, network.egress_proxy),
+    replies, DNS to the resolvers, the allowed destinations, and ``via_proxy`` the proxy's own
+    upstream sockets (``PROXY_MARK``); everything else is rejected at once (a program fails fast
+    instead of timing out)."""
     lines = ['oifname "lo" accept', "ct state established,related accept"]
     if resolvers:
         lines.append(f"ip daddr {{ {', '.join(resolvers)} }} meta l4proto {{ udp, tcp }} th dport 53 accept")
-    if proxy:                                            # the egress proxy: the way out for allowed domains
-        lines.append(f"ip daddr {proxy} tcp dport {PROXY_PORT} accept")
+    if via_proxy:                                        # the egress proxy: the way out for allowed domains
         lines.append(f"meta mark {PROXY_MARK:#x} meta l4proto tcp accept")  # the proxy's own upstream connections
     for cidr, ports in allowed:
         if ports:

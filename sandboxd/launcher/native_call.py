@@ -154,8 +154,9 @@ Constant = int | str | tuple[int, ...] | tuple[str, ...] | tuple[tuple[int, int]
 def constants() -> dict[str, Constant]:
     """Every value the helper shares with the Python path, by its name in the header: the one
     source both are built from (the Python modules named here own them)."""
-    from sandboxd.kernel import caps, landlock, process, terminals
+    from sandboxd.kernel import caps, cgroups, landlock, process, terminals
     from sandboxd.launcher import call_plan, report, sequence
+    from sandboxd.policy import limits
 
     return {
         "SBX_REPORT_FD": REPORT_FD, "SBX_STATUS_FD": STATUS_FD, "SBX_SESSION_PIDFD": SESSION_PIDFD,
@@ -183,6 +184,12 @@ def constants() -> dict[str, Constant]:
         "SBX_OOM_SCORE_ADJ_PATH": process.OOM_SCORE_ADJ_PATH,
         "SBX_TERMINAL_MIN_SIZE": terminals.MIN_SIZE,
         "SBX_TERMINAL_MAX_SIZE": terminals.MAX_SIZE,
+        # What the helper holds and takes: more paths, or a number out of range, refuse the call.
+        "SBX_MAX_WRITABLE_PATHS": limits.MAX_WRITABLE_PATHS,
+        "SBX_MAX_CGROUP_DIRS": cgroups.MAX_SET_DIRS,
+        "SBX_MAX_CPU_SECONDS": limits.MAX_TIMEOUT_SECONDS,
+        "SBX_MAX_OPEN_FILES": limits.MAX_OPEN_FILES,
+        "SBX_LL_HIGHEST_ABI": landlock.HIGHEST_KNOWN_ABI,
         # The call plan: the names the helper traces its steps by, and their order (unused by the
         # C code, here so that the digest changes with the plan: a helper built before is stale).
         **{f"SBX_STEP_{name}": text for name, text in call_plan.step_names().items()},

@@ -61,6 +61,7 @@
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <grp.h>
+#include <limits.h>
 #include <unistd.h>
 
 #include "sandboxd_call.h"
@@ -71,7 +72,10 @@
 
 enum { REPORT_FD = SBX_REPORT_FD, STATUS_FD = SBX_STATUS_FD, SESSION_PIDFD = SBX_SESSION_PIDFD,
        INTAKE_FD = SBX_INTAKE_FD, BPF_FD = SBX_BPF_FD, ENV_FD = SBX_ENV_FD };
-enum { SETUP_FAILED_EXIT = SBX_SETUP_FAILED_EXIT, MAX_PATHS = 256, MAX_BPF = 1 << 16, MAX_ENV = 1 << 24 };
+enum { SETUP_FAILED_EXIT = SBX_SETUP_FAILED_EXIT, MAX_BPF = 1 << 16, MAX_ENV = 1 << 24 };
+/* As many paths as the policy can name (a writable root each, and the workspace; the groups of
+ * one cgroup set): one more is refused, never dropped, since a dropped path would lose its rule. */
+enum { MAX_WRITABLE = SBX_MAX_WRITABLE_PATHS, MAX_CGROUPS = SBX_MAX_CGROUP_DIRS };
 
 /* Syscalls glibc may not wrap; numbers 434 and up are the same on every architecture
  * (kernel ABI, like the flags below: not sandboxd's own constants). */
@@ -92,8 +96,8 @@ struct cap_data { uint32_t effective, permitted, inheritable; };
 struct options {
     uid_t uid; gid_t gid; const char *cwd; int nsflags;
     long cpu_seconds; long open_files; int listener;
-    const char *cgroups[MAX_PATHS]; int n_cgroups;
-    const char *writable[MAX_PATHS]; int n_writable;
+    const char *cgroups[MAX_CGROUPS]; int n_cgroups;
+    const char *writable[MAX_WRITABLE]; int n_writable;
     long landlock_abi; int no_close_range;        /* tests only: -A, -X */
     int terminal; unsigned short rows, columns;   /* -t */
     char **env; char **argv;
@@ -144,6 +148,18 @@ static void trace(const char *step) {
     if (write(trace_fd, line, (size_t)length) != length) fail("trace", errno, NULL);
 }
 
+/* A decimal number in [min, max] that is all of ``text`` up to ``stop``: 0, or EINVAL (not digits
+ * up to there: a sign, a space, nothing) or ERANGE. strtoul alone takes "-1" as ULONG_MAX, "12x"
+ * as 12, "" as 0 and an overflow as ULONG_MAX; every number this program reads goes through here. */
+static int decimal(const char *text, char stop, unsigned long min, unsigned long max, unsigned long *value) {
+    char *end;
+    if (*text < '0' || *text > '9') return EINVAL;
+    errno = 0;
+    *value = strtoul(text, &end, 10);
+    if (*end != stop) return EINVAL;
+    return errno || *value < min || *value > max ? ERANGE : 0;
+}
+
 /* Every descriptor from first up, closed (cloexec 0) or marked close-on-exec (cloexec 1):
  * close_range(2) when the kernel has it (5.9; CLOSE_RANGE_CLOEXEC 5.11), else a walk over
  * /proc/self/fd (as process.cloexec_from); a descriptor the walk cannot handle fails the call
@@ -158,9 +174,8 @@ static int close_from(int first, int cloexec, int use_close_range) {
     struct dirent *entry;
     errno = 0;
     while ((entry = readdir(dir))) {
-        char *end;
-        long fd = strtol(entry->d_name, &end, 10);
-        if (*end || end == entry->d_name || fd < first || fd == own) continue;
+        unsigned long fd;
+        if (decimal(entry->d_name, '\0', (unsigned long)first, INT_MAX, &fd) || (int)fd == own) continue;
         if (n == (int)(sizeof found / sizeof *found)) fail("close-on-exec", EMFILE, "/proc/self/fd");
         found[n++] = (int)fd;
     }
@@ -194,8 +209,13 @@ static void join_cgroups(const struct options *o) {
 
 static void drop_privileges(const struct options *o) {
     int last_cap = SBX_FALLBACK_LAST_CAP;
+    char text[16] = "";
     FILE *f = fopen("/proc/sys/kernel/cap_last_cap", "re");
-    if (f) { if (fscanf(f, "%d", &last_cap) != 1) last_cap = SBX_FALLBACK_LAST_CAP; fclose(f); }
+    if (f) {
+        unsigned long value;
+        if (fgets(text, sizeof text, f) && decimal(text, '\n', 0, 63, &value) == 0) last_cap = (int)value;
+        fclose(f);
+    }
     for (int cap = 0; cap <= last_cap; cap++)
         check(prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), "drop capability bounding set", NULL);
     check(prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient capabilities", NULL);
@@ -224,20 +244,20 @@ static int find_descendants(pid_t *victims, int room) {
     if (!proc) fail("kill the call's tree", errno, "/proc");   /* as process.descendants: never skip it */
     struct dirent *entry;
     while ((entry = readdir(proc)) && n < 65536) {
-        char *end, path[64], buffer[512];
-        long pid = strtol(entry->d_name, &end, 10);
-        if (*end || pid <= 0) continue;
-        snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+        char path[64], buffer[512];
+        unsigned long pid, parent;
+        if (decimal(entry->d_name, '\0', 1, INT_MAX, &pid)) continue;    /* not a process */
+        snprintf(path, sizeof path, "/proc/%lu/stat", pid);
         int fd = open(path, O_RDONLY | O_CLOEXEC);
         if (fd < 0) continue;                      /* the process has ended meanwhile */
         ssize_t size = read(fd, buffer, sizeof buffer - 1);
         close(fd);                                 /* read-only /proc file: nothing to lose */
         if (size <= 0) continue;
         buffer[size] = '\0';
+        /* "PID (COMM) STATE PPID ...": the command name may hold anything, so from its last ')' */
         char *close_paren = strrchr(buffer, ')');
-        int parent;
-        if (!close_paren || sscanf(close_paren + 1, " %*c %d", &parent) != 1) continue;
-        pids[n] = (pid_t)pid; parents[n] = parent; n++;
+        if (!close_paren || strlen(close_paren) < 4 || decimal(close_paren + 4, ' ', 0, INT_MAX, &parent)) continue;
+        pids[n] = (pid_t)pid; parents[n] = (pid_t)parent; n++;
     }
     check(closedir(proc), "kill the call's tree", "/proc");
     if (room <= 0) return 0;
@@ -467,6 +487,21 @@ static void open_trace(const char *path) {
     check(close(fd), "trace", path);
 }
 
+/* A decimal number in [min, max] given on the command line, all of ``text`` up to ``stop``, or
+ * the call is refused. */
+static unsigned long number(const char *text, char stop, unsigned long min, unsigned long max) {
+    unsigned long value;
+    int code = decimal(text, stop, min, max, &value);
+    if (code) fail("call helper arguments", code, text);
+    return value;
+}
+
+/* One more path into a list of ``room``; past it the call is refused (E2BIG), never shortened. */
+static void add_path(const char **paths, int *count, int room, const char *path) {
+    if (*count >= room) fail("call helper arguments", E2BIG, path);
+    paths[(*count)++] = path;
+}
+
 static void parse(int argc, char **argv, struct options *o) {
     int option;
     memset(o, 0, sizeof *o);
@@ -474,26 +509,25 @@ static void parse(int argc, char **argv, struct options *o) {
     o->uid = (uid_t)-1;
     while ((option = getopt(argc, argv, "+u:g:c:n:C:F:LG:W:t:T:A:X")) != -1) {
         switch (option) {
-        case 'u': o->uid = (uid_t)strtoul(optarg, NULL, 10); break;
-        case 'g': o->gid = (gid_t)strtoul(optarg, NULL, 10); break;
+        /* (uid_t)-1 and (gid_t)-1 mean "unchanged" to setres[ug]id: never a caller's id. */
+        case 'u': o->uid = (uid_t)number(optarg, '\0', 0, (uid_t)-2); break;
+        case 'g': o->gid = (gid_t)number(optarg, '\0', 0, (gid_t)-2); break;
         case 'c': o->cwd = optarg; break;
-        case 'n': o->nsflags = (int)strtol(optarg, NULL, 0); break;
-        case 'C': o->cpu_seconds = strtol(optarg, NULL, 10); break;
-        case 'F': o->open_files = strtol(optarg, NULL, 10); break;
+        case 'n': o->nsflags = (int)number(optarg, '\0', 0, INT_MAX); break;
+        case 'C': o->cpu_seconds = (long)number(optarg, '\0', 1, SBX_MAX_CPU_SECONDS); break;
+        case 'F': o->open_files = (long)number(optarg, '\0', 1, SBX_MAX_OPEN_FILES); break;
         case 'L': o->listener = 1; break;
-        case 'G': if (o->n_cgroups < MAX_PATHS) o->cgroups[o->n_cgroups++] = optarg; break;
-        case 'W': if (o->n_writable < MAX_PATHS) o->writable[o->n_writable++] = optarg; break;
+        case 'G': add_path(o->cgroups, &o->n_cgroups, MAX_CGROUPS, optarg); break;
+        case 'W': add_path(o->writable, &o->n_writable, MAX_WRITABLE, optarg); break;
         case 't': {
-            unsigned rows, columns;
-            char end;
-            if (sscanf(optarg, "%u:%u%c", &rows, &columns, &end) != 2 || rows < SBX_TERMINAL_MIN_SIZE
-                || rows > SBX_TERMINAL_MAX_SIZE || columns < SBX_TERMINAL_MIN_SIZE || columns > SBX_TERMINAL_MAX_SIZE)
-                fail("call helper arguments", EINVAL, NULL);
-            o->terminal = 1; o->rows = (unsigned short)rows; o->columns = (unsigned short)columns;
+            const char *colon = strchr(optarg, ':');
+            o->rows = (unsigned short)number(optarg, ':', SBX_TERMINAL_MIN_SIZE, SBX_TERMINAL_MAX_SIZE);
+            o->columns = (unsigned short)number(colon + 1, '\0', SBX_TERMINAL_MIN_SIZE, SBX_TERMINAL_MAX_SIZE);
+            o->terminal = 1;
             break;
         }
         case 'T': open_trace(optarg); break;
-        case 'A': o->landlock_abi = strtol(optarg, NULL, 10); break;
+        case 'A': o->landlock_abi = (long)number(optarg, '\0', 1, SBX_LL_HIGHEST_ABI); break;
         case 'X': o->no_close_range = 1; break;
         default: fail("call helper arguments", EINVAL, NULL);
         }

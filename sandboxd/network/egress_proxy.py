@@ -3,11 +3,13 @@ isolated sandbox and the internet.
 
 With ``allowed_domains`` the sandbox's namespace lets out nothing but DNS and TCP to this proxy
 (kernel.nftables.egress_ruleset), so a program that ignores the proxy variables gets nothing. The
-proxy listens on the host side of the sandbox's link, port defaults.PROXY_PORT (3128), and for each request:
+proxy listens on the sandbox's own loopback, ``PROXY_ADDRESS``:defaults.PROXY_PORT (127.0.0.1:3128 inside the
+sandbox's network namespace, bound before the sandbox exists; ``listen``), and for each request:
 
 - takes the destination *name* (CONNECT host:port, an absolute http:// URI, or a SOCKS5 domain
   address; a bare IP address is refused: there is no name to check),
-- checks it against the allowlist (``pypi.org`` exactly, ``*.pypi.org`` any subdomain),
+- checks it against the allowlist (``pypi.org`` exactly, ``*.pypi.org`` any subdomain): only an ASCII
+  host name can match, the rule the policy's names follow (policy.domains),
 - resolves it itself (network.dns: the configured resolvers, else the host's) and refuses at once, with a
   reason, an address in a range no sandbox may reach (``REFUSED_RANGES``),
 - connects from INSIDE the sandbox's network namespace, with a socket carrying ``PROXY_MARK``
@@ -40,6 +42,7 @@ from typing import Callable
 from sandboxd.defaults import PROXY_PORT
 from sandboxd.kernel.nftables import BLOCKED_RANGES, PROXY_MARK
 from sandboxd.network.dns import resolve
+from sandboxd.policy.domains import WILDCARD, host_name
 from sandboxd.network.event_loop import READ
 from sandboxd.network.tcp_relay import (ConnectionCap, Connecting, Relay, RelayLoop, TcpService, listen_tcp,
                                            refuse, socket_in_namespace)
@@ -53,6 +56,12 @@ MAX_REQUEST_HEAD = 65536
 REFUSED_RANGES = BLOCKED_RANGES + ("192.0.2.0/24", "203.0.113.0/24", "192.88.99.0/24", "255.255.255.255/32")
 _REFUSED = [ipaddress.ip_network(r) for r in REFUSED_RANGES]
 
+# Where a sandbox finds its proxy: its own loopback. Not the host side of its link: an address of the
+# host's namespace, where any local user may bind port 3128 (or 0.0.0.0:3128, or any address with
+# IP_FREEBIND) first, and so refuse every allowed-domains sandbox its proxy or, once the sandbox
+# could reach that port, receive its traffic. Nobody but root and the sandbox enters its namespace.
+PROXY_ADDRESS = "127.0.0.1"
+
 HTTP_FORBIDDEN = b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 HTTP_BAD_REQUEST = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 HTTP_BAD_GATEWAY = b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
@@ -63,16 +72,20 @@ SOCKS_REFUSED = b"\x05\x05\x00\x01" + b"\0" * 6         # connection refused
 SOCKS_OK = b"\x05\x00\x00\x01" + b"\0" * 6
 
 
-def domain_allowed(name: str, patterns: "tuple[str, ...] | list[str]") -> bool:
-    name = name.rstrip(".").lower()
+def allowed_name(name: str, patterns: "tuple[str, ...] | list[str]") -> str | None:
+    """A request's destination ``name`` as a host name (policy.domains.host_name: lower case,
+    without a final dot) when one of ``patterns`` (a policy's allowed_domains) allows it; else
+    None. A name that is no host name, one not in ASCII included, is never allowed."""
+    host = host_name(name)
+    if host is None:
+        return None
     for pattern in patterns:
-        pattern = pattern.rstrip(".").lower()
-        if pattern.startswith("*."):
-            if name.endswith(pattern[1:]) and name != pattern[2:]:
-                return True
-        elif name == pattern:
-            return True
-    return False
+        if pattern.startswith(WILDCARD):
+            if host.endswith(pattern[1:]):
+                return host
+        elif host == pattern:
+            return host
+    return None
 
 
 def refused_range(address: str) -> bool:
@@ -94,36 +107,39 @@ def host_owns(address: str) -> bool:
     return True
 
 
-def proxy_environment(host_address: str) -> dict[str, str]:
-    url = f"http://{host_address}:{PROXY_PORT}"
-    env = {"NO_PROXY": "localhost,127.0.0.1", "ALL_PROXY": f"socks5h://{host_address}:{PROXY_PORT}"}
+def proxy_environment() -> dict[str, str]:
+    """The variables that point a sandbox's programs at its proxy (PROXY_ADDRESS)."""
+    url = f"http://{PROXY_ADDRESS}:{PROXY_PORT}"
+    env = {"NO_PROXY": "localhost,127.0.0.1", "ALL_PROXY": f"socks5h://{PROXY_ADDRESS}:{PROXY_PORT}"}
     for name in ("HTTP_PROXY", "HTTPS_PROXY"):
         env[name] = url
     return {**env, **{key.lower(): value for key, value in env.items()}}
 
 
 class EgressProxy(TcpService):
-    def __init__(self, listener: socket.socket, allowed: "tuple[str, ...]", *, client_address: str,
+    def __init__(self, listener: socket.socket, allowed: "tuple[str, ...]", *,
                  netns_fd: int, resolvers: "list[str] | tuple[str, ...]" = (),
                  on_denied: "Callable[[str, str], None]" = lambda destination, why: None,
                  connections: int = DEFAULT_CONNECTIONS, loop: RelayLoop | None = None) -> None:
-        """``listener``: bound and listening (see ``listen``); only ``client_address`` (the
-        sandbox) is served, once ``start`` is called; upstream connections are made in the
+        """``listener``: bound and listening on the sandbox's loopback (see ``listen``); only
+        clients from PROXY_ADDRESS are served, once ``start`` is called; upstream connections are made in the
         network namespace ``netns_fd`` (the sandbox's; the proxy keeps its own copy; -1: this
         process's own, for rootless `sandboxd run`, whose sandbox has only loopback:
         network.loopback_proxy).
         ``on_denied(destination, why)`` is told of every refusal (on a worker thread)."""
         super().__init__(listener, "sandboxd-egress-proxy", loop)
-        self._allowed, self._client = allowed, client_address
+        self._allowed, self._client = allowed, PROXY_ADDRESS
         self._resolvers, self._on_denied = list(resolvers), on_denied
         self._netns = os.dup(netns_fd) if netns_fd >= 0 else -1
         self.cap = ConnectionCap(connections)
         self._cap_reported = False
 
     @staticmethod
-    def listen(host_address: str) -> socket.socket:
-        return listen_tcp(host_address, PROXY_PORT, step="egress proxy",
-                          hint=f"something else holds port {PROXY_PORT} on every address of the host")
+    def listen(netns_fd: int) -> socket.socket:
+        """The proxy's listening socket on PROXY_ADDRESS:PROXY_PORT in the network namespace
+        ``netns_fd``: a sandbox's new one, before any of its processes exists (so nothing else
+        holds the port)."""
+        return listen_tcp(PROXY_ADDRESS, PROXY_PORT, step="egress proxy", netns_fd=netns_fd)
 
     def start(self) -> "EgressProxy":
         super().start()
@@ -165,14 +181,15 @@ class EgressProxy(TcpService):
         """Check ``name``, resolve it off the loop, connect from the sandbox's namespace; then
         ``request.upstream_ready(sock)`` or ``request.fail(reply)``, on the loop."""
         destination = f"{name}:{port}"
-        if not domain_allowed(name, self._allowed):
+        host = allowed_name(name, self._allowed)
+        if host is None:
             self.denied(destination, "not in the allowed domains")
             request.fail(request.forbidden)
             return
         resolvers = tuple(self._resolvers)
 
         def work() -> str:
-            return resolve(name, resolvers)
+            return resolve(host, resolvers)             # the name as matched, as DNS holds it
 
         def then(future: "Future[str]") -> None:
             if request.closed:
@@ -298,7 +315,9 @@ class _Request:
         if len(data) < size:
             return
         port = struct.unpack(">H", bytes(data[size - 2:size]))[0]
-        name = bytes(data[5:size - 2]).decode("idna") if kind == 3 else ""
+        # As sent: a name in A-labels stays one (allowed_name matches text; "idna" decoding
+        # made it Unicode, which no allowed domain is).
+        name = bytes(data[5:size - 2]).decode("latin-1") if kind == 3 else ""
         self.to_upstream = bytes(data[size:])
         self.success = SOCKS_OK
         if not name:

@@ -21,15 +21,13 @@ import socket
 
 from sandboxd.errors import SetupError
 from sandboxd.launcher.init_loop import receive_fd
-
-SANDBOX_ADDRESS = "127.0.0.1"           # the proxy's clients: the sandbox's own loopback
+from sandboxd.network.egress_proxy import PROXY_ADDRESS
 
 
 class LoopbackProxy:
     """The parent's side of the hand-over; in the place of an IsolatedNetwork for `sandboxd run`."""
 
-    sandbox_address = SANDBOX_ADDRESS
-    host_address = SANDBOX_ADDRESS       # where the sandbox finds the proxy (its environment says so)
+    sandbox_address = PROXY_ADDRESS      # the sandbox's own loopback: its only network
     netns_fd = -1                        # the proxy connects from this process's namespace
 
     def __init__(self, resolvers: "tuple[str, ...]" = ()) -> None:

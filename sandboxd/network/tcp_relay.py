@@ -38,9 +38,11 @@ ACCEPT_BACKOFF_SECONDS = 1.0       # out of fds: a listener rests this long inst
 log = logging.getLogger("sandboxd")
 
 
-def listen_tcp(address: str, port: int, *, step: str, hint: str | None = None) -> socket.socket:
-    """A listening TCP socket on address:port, or a SetupError naming the step (and what to do)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+def listen_tcp(address: str, port: int, *, step: str, hint: str | None = None, netns_fd: int = -1) -> socket.socket:
+    """A listening TCP socket on address:port (in the network namespace ``netns_fd``; -1: this
+    process's), or a SetupError naming the step (and what to do)."""
+    sock = (socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) if netns_fd < 0 else
+            socket_in_namespace(netns_fd))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((address, port))

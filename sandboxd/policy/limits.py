@@ -105,6 +105,7 @@ class Limits(Record):
 # variables), and low enough that the biggest policy still fits one fork-server message and
 # costs the kernel a bounded number of mounts, Landlock rules and nftables rules.
 MAX_WRITABLE_ROOTS = 256                 # one bind mount and one Landlock rule each
+MAX_WRITABLE_PATHS = MAX_WRITABLE_ROOTS + 1   # a call's writable paths: those roots and the workspace
 MAX_PROTECTED_SUBPATHS = 256             # one read-only bind mount per root and entry
 MAX_ALLOWED_UNIX_SOCKETS = 64            # one connect rule each; an agent needs an ssh-agent, a database, docker
 MAX_ALLOWED_HOSTS = 256                  # one nftables rule each (CIDRs cover ranges)

@@ -16,6 +16,7 @@ from sandboxd import defaults
 from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy import limits
+from sandboxd.policy.domains import allowed_domain
 
 # Paths inside every writable root that stay read-only: git runs hooks and
 # reads config (core.fsmonitor, core.hooksPath, aliases) on the host later, so
@@ -84,17 +85,12 @@ class WorkspaceWrite(SandboxPolicy):
         object.__setattr__(self, "allowed_unix_sockets", tuple(self.allowed_unix_sockets))
         object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
         object.__setattr__(self, "published_ports", tuple(self.published_ports))
-        object.__setattr__(self, "allowed_domains", tuple(d.strip().lower() for d in self.allowed_domains))
+        object.__setattr__(self, "allowed_domains", tuple(self.allowed_domains))
         self._check_list_limits()
         if self.allowed_domains and not (self.network_access and self.network_mode == "isolated"):
             raise InvalidPolicy("allowed domains apply to the isolated network: turn network access on "
                                 "(and keep network_mode isolated)")
-        for domain in self.allowed_domains:
-            bare = domain[2:] if domain.startswith("*.") else domain
-            if not bare or "*" in bare or not all(part and all(c.isalnum() or c == "-" for c in part)
-                                                   for part in bare.split(".")):
-                raise InvalidPolicy(f"allowed domain {domain!r}: give a name like pypi.org, or *.pypi.org for "
-                                    "its subdomains")
+        object.__setattr__(self, "allowed_domains", tuple(allowed_domain(d) for d in self.allowed_domains))
         if self.published_ports and self.network_access and self.network_mode == "host":
             raise InvalidPolicy("published ports need a network of the sandbox's own: with the host's network "
                                 "its servers are on the host already")

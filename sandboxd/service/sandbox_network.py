@@ -5,9 +5,12 @@ generation, closed with it (sandbox_hooks)."""
 from __future__ import annotations
 
 import os
+import socket
 from typing import Callable, Iterable
 
 from sandboxd.audit.store import EventStore, EventType
+from sandboxd.defaults import PROXY_PORT
+from sandboxd.errors import SetupError
 from sandboxd.service.sandbox_hooks import Sandbox, SandboxHooks, Service
 from sandboxd.service.session_state import Session
 
@@ -41,7 +44,7 @@ class EgressProxies(SandboxHooks):
         domains, info = getattr(sandbox.policy, "allowed_domains", ()), sandbox.info
         if not (domains and info.host_address and info.sandbox_address):
             return ()
-        from sandboxd.network.egress_proxy import EgressProxy, proxy_environment
+        from sandboxd.network.egress_proxy import PROXY_ADDRESS, EgressProxy, proxy_environment
 
         def denied(destination: str, why: str) -> None:
             if self._count_denial is not None:
@@ -51,13 +54,21 @@ class EgressProxies(SandboxHooks):
             self._store.note(session.id, [(EventType.PERMISSION_DENIED, "", "network", {
                 "reason": "network_request", "by": "sandbox", "destination": destination, "detail": why,
                 "message": f"network: denied by the sandbox (network_request): {destination}: {why}"})])
+        if info.proxy_listener < 0:
+            raise SetupError("egress proxy", 0, f"{PROXY_ADDRESS}:{PROXY_PORT}",
+                             detail="the fork server sent no listening socket for the egress proxy")
+        # The socket the fork server bound in the sandbox's namespace before the sandbox existed,
+        # never closed since (egress_proxy.PROXY_ADDRESS says why not an address of the host's).
+        listener = socket.socket(fileno=os.dup(info.proxy_listener))
         netns = os.open(f"/proc/{info.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:                                            # its upstream connections are made in there
-            proxy = EgressProxy(EgressProxy.listen(info.host_address), domains, client_address=info.sandbox_address,
-                                netns_fd=netns, resolvers=info.resolvers, on_denied=denied,
+            proxy = EgressProxy(listener, domains, netns_fd=netns, resolvers=info.resolvers, on_denied=denied,
                                 connections=self._connections).start()
+        except BaseException:
+            listener.close()
+            raise
         finally:
             os.close(netns)
         with session.lock:
-            session.extra_env = proxy_environment(info.host_address)
+            session.extra_env = proxy_environment()
         return (proxy,)

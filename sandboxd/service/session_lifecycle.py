@@ -19,7 +19,7 @@ from typing import Callable
 
 from sandboxd._record import Record
 from sandboxd.audit.store import EventStore, EventType
-from sandboxd.errors import NotFound
+from sandboxd.errors import InvalidPolicy, NotFound
 from sandboxd.policy import LaunchSpec, Limits, SandboxPolicy
 from sandboxd.policy.decision import ToolRules
 from sandboxd.service.callers import Caller
@@ -28,7 +28,7 @@ from sandboxd.service.sandbox_hooks import HookList, Sandbox, close_all
 from sandboxd.service.session_access import command_user, rights_of
 from sandboxd.service.session_state import Session, session_from_row
 from sandboxd.service.session_table import SessionTable
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.forkserver import ForkServer, SessionInfo
 
 SESSION_PLACEHOLDER_ARGV = ("sandboxd-session",)  # a session's spec runs no command itself
 
@@ -91,9 +91,20 @@ class SessionLifecycle:
         """Sessions a previous daemon left open (it stopped or crashed): listed again, their logs
         readable, and each resumed by its next call, which rebuilds its sandbox. Returns how many."""
         rows = self._store.sessions()
+        resumed = 0
         for row in rows:
-            self._table.add(session_from_row(row), check=False)
-        return len(rows)
+            try:
+                session = session_from_row(row)
+            except InvalidPolicy as exc:
+                # A policy an older sandboxd took and this one refuses (an allowed domain not in
+                # ASCII, say): closed, saying why, rather than resumed with a narrower or wider one.
+                self._store.save_session(row.replace(closed_at=time.time()))
+                self._store.append(row.id, EventType.SESSION_CLOSED,
+                                   data={"by_uid": 0, "reason": f"its policy is refused now: {exc}"})
+                continue
+            self._table.add(session, check=False)
+            resumed += 1
+        return resumed
 
     def update_policy(self, caller: Caller, session: Session, policy: SandboxPolicy | None, approval: str | None,
                       check: Callable[[SandboxPolicy], None]) -> Session:
@@ -219,6 +230,14 @@ class SessionLifecycle:
         """Build one generation of the session's sandbox in the fork server, then its services
         (the hooks). The caller holds the session's build_lock."""
         info = self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy))
+        try:
+            self._serve_sandbox(session, generation, policy, info)
+        finally:
+            if info.proxy_listener >= 0:              # the egress proxy serves its own copy (sandbox_network)
+                os.close(info.proxy_listener)
+
+    def _serve_sandbox(self, session: Session, generation: int, policy: SandboxPolicy, info: SessionInfo) -> None:
+        """What ``_open_sandbox`` does once the fork server built the sandbox: count it, then the hooks."""
         with session.lock:
             session.sandbox_builds += 1
             if info.workspace:

@@ -91,9 +91,18 @@ class SessionRegistry:
         return len(self._table)
 
     def list_closed(self, caller: Caller) -> builtins.list[tuple[Session, float]]:
-        """Closed sessions the caller owns, from the store, with when each was closed."""
-        return [(session_from_row(row), row.closed_at) for row in self.store.sessions(include_closed=True)
-                if row.closed_at is not None and access.owns(caller, row.owner_uid, row.owner_principal)]
+        """Closed sessions the caller owns, from the store, with when each was closed. One whose
+        policy this sandboxd refuses (an older one took it: restore closed it) is left out; its
+        events stay readable."""
+        closed = []
+        for row in self.store.sessions(include_closed=True):
+            if row.closed_at is None or not access.owns(caller, row.owner_uid, row.owner_principal):
+                continue
+            try:
+                closed.append((session_from_row(row), row.closed_at))
+            except InvalidPolicy:
+                continue
+        return closed
 
     def visible_ids(self, caller: Caller, session_id: str = "") -> builtins.list[str] | None:
         """The sessions, open or closed, whose audit log the caller may read (None: all of them,

@@ -122,6 +122,8 @@ class Message(Record):
     _kind: ClassVar[str] = ""           # the value of the tag
     _checks: ClassVar[tuple[tuple[str, Callable[[object], bool], str], ...]] = ()
     descriptors = 0                     # how many SCM_RIGHTS descriptors come with it
+    # Or, when one comes only sometimes: the name of the bool field that says it does.
+    descriptor_flag = ""
 
     def __init_subclass__(cls, kind: str = "", **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -231,11 +233,15 @@ class Exited(Event, kind="exited"):
 
 
 class SessionReady(Event, kind="session_ready"):
+    """With ``proxy_listener``, the egress proxy's listening socket comes with it, still bound: the
+    daemon serves it, and its address is never free for another user to bind meanwhile."""
     init_pid: int | None
     workspace: str
     host_address: str | None = None
     sandbox_address: str | None = None
     resolvers: list[str] | None = None
+    proxy_listener: bool = False
+    descriptor_flag = "proxy_listener"
 
 
 class SessionClosed(Event, kind="session_closed"):
@@ -274,9 +280,11 @@ def decode(data: bytes, fds: int, table: "dict[str, type[Message]]") -> Message:
     cls = table.get(str(fields.get(tag)))
     if cls is None:
         raise Malformed(call_id, f"unknown fork server {'operation' if tag == 'op' else 'event'} {fields.get(tag)!r}")
-    if fds != cls.descriptors:
-        raise Malformed(call_id, f"a fork server {cls._kind} takes {cls.descriptors} descriptors, got {fds}"
-                        + (" (stdin, stdout, stderr)" if cls.descriptors == 3 else ""))
+    wanted = cls.descriptors if not cls.descriptor_flag else int(fields.get(cls.descriptor_flag) is True)
+    if fds != wanted:
+        raise Malformed(call_id, f"a fork server {cls._kind} takes {wanted} descriptors, got {fds}"
+                        + (" (stdin, stdout, stderr)" if wanted == 3 else "")
+                        + (f" ({cls.descriptor_flag} is {fields.get(cls.descriptor_flag)!r})" if cls.descriptor_flag else ""))
     values: dict[str, object] = {}
     for name, check, annotation in cls._checks:
         if name not in fields and name in cls._defaults:

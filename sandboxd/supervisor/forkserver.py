@@ -9,6 +9,7 @@ descriptors as SCM_RIGHTS), and the server dispatches on the record's type throu
 
   Launch(spec)  + [stdin, stdout, stderr]                  one-shot sandbox        -> Started, then Exited
   SessionOpen(session, spec)                               build a session's sandbox -> SessionReady
+                                                           (+ [the egress proxy's listener], if any)
   SessionClose(session)                                    kill all of it          -> SessionClosed(gone)
   Call(session, argv, env, cwd, timeout, tool, terminal)
         + [stdin, stdout, stderr]                          one command in a session -> Started, then Exited
@@ -237,9 +238,9 @@ class _Server:
             return True
         self._orphans.add(pidfd, reap)
 
-    def _answer(self, event: Event) -> None:
+    def _answer(self, event: Event, fds: "list[int] | None" = None) -> None:
         try:
-            protocol.send(self.sock, event.encode())
+            protocol.send(self.sock, event.encode(), fds)
         except OSError as exc:                            # the daemon is gone: EOF ends the loop
             if exc.errno == errno.EMSGSIZE and not isinstance(event, Error):
                 self._answer_error(event.id, InvalidPolicy(
@@ -473,17 +474,19 @@ class _Server:
             self._close_session(name, session, None)
             raise InvalidPolicy(f"session {name!r} was closed while its sandbox was being built")
         self.sessions[name] = session
-        ready = SessionReady(call_id, session.init_pid, session.plan.workspace)
         network = session.network
-        if network is not None:
-            # The daemon serves the egress proxy (this process has no threads): it binds the
-            # same address next, before the session can run anything.
-            if network.proxy_listener is not None:
-                network.proxy_listener.close()
-                network.proxy_listener = None
-            ready = SessionReady(call_id, session.init_pid, session.plan.workspace, network.host_address,
-                                 network.sandbox_address, list(network.resolvers))
-        self._answer(ready)
+        if network is None:
+            self._answer(SessionReady(call_id, session.init_pid, session.plan.workspace))
+            return
+        # The daemon serves the egress proxy (this process has no threads) on this very socket, bound
+        # in the sandbox's namespace before the sandbox existed (network.egress_proxy.PROXY_ADDRESS)
+        # and sent along still bound: its port is never free while the session lives.
+        listener, network.proxy_listener = network.proxy_listener, None
+        self._answer(SessionReady(call_id, session.init_pid, session.plan.workspace, network.host_address,
+                                  network.sandbox_address, list(network.resolvers), listener is not None),
+                     None if listener is None else [listener.fileno()])
+        if listener is not None:
+            listener.close()                              # the daemon's copy holds the address now
 
     def _await_start(self, call_id: int, proc: SandboxProcess, limit: float | None) -> None:
         """Answer Started once the command was exec'd (its setup report's EOF), from the loop:
@@ -670,6 +673,9 @@ class SessionInfo(Record):
     host_address: str | None            # the host side of an isolated network's link
     sandbox_address: str | None
     resolvers: tuple[str, ...]
+    # The egress proxy's listening socket (allowed domains), bound by the fork server and handed
+    # over (SessionReady): the receiver's to close, once whoever serves it has its own copy. -1: none.
+    proxy_listener: int = -1
 
 
 class ForkServer:
@@ -682,6 +688,7 @@ class ForkServer:
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
         self._events: dict[int, list[Event]] = {}
+        self._passed: dict[int, list[int]] = {}   # descriptors that came with an event, by request id
         self._next_id = 1
         self._closed = False
         self._reading = False                     # a waiting thread is reading the socket
@@ -747,9 +754,12 @@ class ForkServer:
         """Build a session's sandbox (``spec.argv`` is not run): its init's pid and, with an isolated
         network, its addresses."""
         wire = spec_to_dict(spec)
-        event = self._expect(self._request(lambda call_id: SessionOpen(call_id, session, wire)), SessionReady)
+        call_id = self._request(lambda call_id: SessionOpen(call_id, session, wire))
+        event = self._expect(call_id, SessionReady)
+        with self._cond:
+            passed = self._passed.pop(call_id, [])
         return SessionInfo(event.init_pid or 0, event.workspace, event.host_address, event.sandbox_address,
-                           tuple(event.resolvers or ()))
+                           tuple(event.resolvers or ()), passed[0] if passed else -1)
 
     def check_paths(self, caller: "tuple[int, int, tuple[int, ...]] | None", paths: list[str]) -> list[str]:
         """The real paths of ``paths`` if ``caller`` may write each (Forbidden or InvalidPolicy if not)."""
@@ -821,8 +831,17 @@ class ForkServer:
         except SetupError:
             pass
         self._sock.close()
+        with self._cond:
+            self._close_passed()
         if self._process is not None:
             self._process.wait()
+
+    def _close_passed(self) -> None:
+        """Descriptors no request will take now (its server died, or this client closed)."""
+        for fds in self._passed.values():
+            for fd in fds:
+                os.close(fd)
+        self._passed.clear()
 
     def restart(self) -> None:
         """Replace a dead server with a fresh one, in place (every holder of this client keeps it).
@@ -849,6 +868,7 @@ class ForkServer:
                 self.last_heard = time.monotonic()
                 self._first_id = self._next_id
                 self._events.clear()
+                self._close_passed()
                 self._closed = False
                 self._cond.notify_all()
         old_sock.close()
@@ -935,8 +955,13 @@ class ForkServer:
                 finally:
                     self._cond.acquire()
                     self._reading = False
-                for fd in fds:
-                    os.close(fd)
+                if isinstance(message, Event) and fds:     # as many as the record says (decode checked)
+                    for fd in fds:
+                        os.set_inheritable(fd, False)     # SCM_RIGHTS gives them without close-on-exec
+                    self._passed.setdefault(message.id, []).extend(fds)
+                else:
+                    for fd in fds:
+                        os.close(fd)
                 if message is None:
                     self._closed = True
                 elif isinstance(message, Malformed):

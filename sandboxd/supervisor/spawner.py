@@ -613,7 +613,7 @@ def _loopback_proxy(plan: LaunchPlan) -> "tuple[LoopbackProxy | None, LaunchPlan
 
     proxy = LoopbackProxy(plan.dns)
     return proxy, plan.replace(proxy_sink_fd=proxy.child_end(), proxy_port=PROXY_PORT,
-                               env={**plan.env, **proxy_environment(proxy.host_address)})
+                               env={**plan.env, **proxy_environment()})
 
 
 def _isolated_network(plan: LaunchPlan) -> "tuple[IsolatedNetwork | None, LaunchPlan]":
@@ -633,10 +633,10 @@ def _isolated_network(plan: LaunchPlan) -> "tuple[IsolatedNetwork | None, Launch
         if plan.allowed_domains:
             from sandboxd.network.egress_proxy import EgressProxy, proxy_environment
 
-            # Bound before the command can exist, so its first request finds the proxy there;
-            # whoever runs it (sandboxd run, the daemon) starts serving it.
-            network.proxy_listener = EgressProxy.listen(network.host_address)
-            env.update(proxy_environment(network.host_address))
+            # On the sandbox's loopback, bound before the command can exist, so its first request
+            # finds the proxy there; whoever runs it (sandboxd run, the daemon) starts serving it.
+            network.proxy_listener = EgressProxy.listen(network.netns_fd)
+            env.update(proxy_environment())
     except BaseException:
         network.close()
         raise
