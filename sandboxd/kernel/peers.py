@@ -123,3 +123,94 @@ def _same_host(hex_address: str, host: str) -> bool:
         return proc_net_address(hex_address) == ipaddress.ip_address(host.strip("[]"))
     except ValueError:                    # not an address: nothing there is it
         return False
+
+
+def socket_inodes(pid: int, limit: int) -> frozenset[int]:
+    """The inodes of the sockets ``pid`` holds open; OSError when the process is gone, or when it
+    holds more than ``limit`` descriptors (OverflowError: the walk is bounded, a caller's
+    descriptor table is its own to inflate)."""
+    names = os.listdir(f"/proc/{pid}/fd")
+    if len(names) > limit:
+        raise OverflowError(f"the process holds {len(names)} descriptors (more than {limit})")
+    inodes = set()
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target.endswith("]"):
+            inodes.add(int(target[len("socket:["):-1]))
+    return frozenset(inodes)
+
+
+def tcp_listeners(inodes: "set[int] | frozenset[int]") -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address,
+                                                                    int, int]]:
+    """(address, port, inode) of the listening TCP sockets among ``inodes``, from this network
+    namespace's /proc/net/tcp{,6} (an IPv4-mapped address as the IPv4 one)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split()
+                    if fields[3] != "0A" or int(fields[9]) not in inodes:      # 0A: TCP_LISTEN
+                        continue
+                    host, _, port = fields[1].rpartition(":")
+                    found.append((proc_net_address(host), int(port, 16), int(fields[9])))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def process_key(pid: int) -> str | None:
+    """A name for the process ``pid`` that no other process ever has: this boot's id, the pid and
+    its start time (clock ticks since boot, /proc/PID/stat). None when it is gone."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: fields are counted after its last ")".
+    fields = stat[stat.rindex(b")") + 2:].split()
+    return f"{boot}:{pid}:{int(fields[19])}"
+
+
+def namespace_depth(pid: int) -> int | None:
+    """How many PID namespaces ``pid`` is in, counted from the one /proc shows (``NSpid`` of
+    /proc/PID/status, which any user may read): 1 in ours, more in a namespace below it (a
+    sandbox, a container). None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    return len(line.split()) - 1
+    except OSError:
+        return None
+    return 1                                  # a kernel before 4.1: no NSpid, no way to tell
+
+
+def holders_of_uid(inodes: "set[int] | frozenset[int]", uid: int) -> set[int]:
+    """The processes of ``uid`` that hold a socket of ``inodes``, among those whose descriptors
+    this process may list (a process that made itself non-dumpable is not among them)."""
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+    found = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid != uid:
+                continue
+            fds = os.listdir(f"/proc/{name}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{name}/fd/{fd}") in wanted:
+                    found.add(int(name))
+                    break
+            except OSError:
+                continue
+    return found
