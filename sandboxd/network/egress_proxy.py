@@ -176,11 +176,6 @@ class EgressProxy(TcpService):
             self.denied(destination, "not in the allowed domains")
             request.fail(request.forbidden)
             return
-        if self._ports is not None and port not in self._ports:
-            self.denied(destination, f"port {port} is not one this proxy relays to (only "
-                                     f"{', '.join(map(str, self._ports))})")
-            request.fail(request.forbidden)
-            return
         resolvers = tuple(self._resolvers)
 
         def work() -> str:
@@ -201,6 +196,11 @@ class EgressProxy(TcpService):
                 return
             if self._netns < 0 and host_owns(address):
                 self.denied(destination, f"it resolves to {address}, an address of this host")
+                request.fail(request.forbidden)
+                return
+            if self._ports is not None and port not in self._ports:   # after the graver reasons, to say them
+                self.denied(destination, f"port {port} is not one this proxy relays to (only "
+                                         f"{', '.join(map(str, self._ports))})")
                 request.fail(request.forbidden)
                 return
             try:
