@@ -355,3 +355,49 @@ def test_wall_three_the_token_stops_what_walls_one_and_two_cannot_see(door: Door
                             network_mode="host")
     assert seen == {"relay": 401}, seen
     assert probe_on_host(d, {"post": {"relay": ["127.0.0.1", d.relay_port, d.token_file]}}) == {"relay": 200}
+
+
+REGISTER = textwrap.dedent('''
+    import socket
+    def register():
+        try:
+            return {"listeners": list(stub.RegisterApprovalChannel(pb.RegisterApprovalChannelRequest()).listeners)}
+        except grpc.RpcError as e:
+            return {"code": e.code().name, "details": e.details()}
+    seen = {"nothing": register()}                   # holds no listening socket (the MCP port is not its own)
+    wide = socket.create_server(("0.0.0.0", 0))
+    seen["wide"] = register()
+    wide.close()
+    mine = [socket.create_server(("127.0.0.1", 0)) for _ in range(16)]
+    seen["mine"] = register()
+    mine.append(socket.create_server(("127.0.0.1", 0)))
+    seen["one more"] = register()
+    try:
+        open(ARGS["token"]).read()
+        seen["token"] = "read"
+    except OSError as e:
+        seen["token"] = type(e).__name__
+    print(json.dumps(seen))
+''')
+
+
+def test_a_user_registers_only_its_own_listening_sockets(door: Door, daemon: Daemon) -> None:  # noqa: F811
+    """Another local user can neither read the server's token nor take its port: registration
+    names nothing, the daemon finds the sockets the calling process itself holds, so a process
+    without one (the server's port is someone else's) gets INVALID_ARGUMENT, as does one listening
+    beyond loopback; 16 of its own are registered (the control), the 17th is RESOURCE_EXHAUSTED.
+    All of them go when that process exits."""
+    with plain_users(1) as (other,):
+        seen = run_client_as(other.uid, other.gid, daemon.socket, REGISTER, {"token": door.token_file})
+        registry = Path(daemon.socket).parent / ".sandboxd-mcp" / "listeners"
+        deadline = time.monotonic() + 60 * SLOW
+        while (left := [name for name in os.listdir(registry) if name.split("-")[-1].startswith(f"{other.uid}.")]):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    assert seen["nothing"]["code"] == "INVALID_ARGUMENT" and "holds no listening socket" in seen["nothing"]["details"]
+    assert seen["wide"]["code"] == "INVALID_ARGUMENT" and "not a loopback address" in seen["wide"]["details"], seen
+    assert len(seen["mine"]["listeners"]) == 16 and seen["mine"]["listeners"][0].startswith("tcp 127.0.0.1:"), seen
+    assert seen["one more"]["code"] == "RESOURCE_EXHAUSTED", seen
+    assert seen["token"] == "PermissionError", seen
+    assert left == [], left                          # its process exited: its registrations went with it
