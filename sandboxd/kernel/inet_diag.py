@@ -15,7 +15,7 @@ import errno
 import ipaddress
 import struct
 
-from sandboxd.kernel.addresses import proc_net_address
+from sandboxd.kernel.addresses import proc_net_address, tcp_table_rows
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
@@ -78,14 +78,10 @@ def _uid_from_proc(peer: "ipaddress.IPv4Address | ipaddress.IPv6Address", peer_p
         host, _, hex_port = field.partition(":")
         return int(hex_port, 16) == port and proc_net_address(host) == address
 
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f, None)
-                for line in f:
-                    fields = line.split()
-                    if matches(fields[1], peer, peer_port) and matches(fields[2], local, local_port):
-                        return int(fields[7])
-        except (OSError, ValueError, IndexError):
-            continue
+    try:
+        for fields in tcp_table_rows():
+            if matches(fields[1], peer, peer_port) and matches(fields[2], local, local_port):
+                return int(fields[7])
+    except ValueError:
+        pass
     return None

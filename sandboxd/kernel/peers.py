@@ -26,7 +26,7 @@ import os
 
 import psutil
 
-from sandboxd.kernel.addresses import proc_net_address
+from sandboxd.kernel.addresses import proc_net_address, tcp_table_rows
 
 def pid_namespace(pid: int) -> int | None:
     """The inode number of ``pid``'s PID namespace, or None when the process is gone."""
@@ -79,41 +79,38 @@ def pids_holding(inodes: "set[int] | frozenset[int]") -> set[int]:
         return set()
     wanted = {f"socket:[{inode}]" for inode in inodes}
     ours = pid_namespace(os.getpid())
-    found = set()
-    for pid in psutil.pids():
-        if pid_namespace(pid) in (ours, None):
-            continue
+    return {pid for pid in psutil.pids() if pid_namespace(pid) not in (ours, None) and _holds(pid, wanted)}
+
+
+def _fd_targets(pid: int) -> list[str]:
+    """What each open descriptor of ``pid`` names (``socket:[INODE]`` for a socket); OSError when
+    its descriptors may not be listed (gone, another user's, not dumpable)."""
+    targets = []
+    for name in os.listdir(f"/proc/{pid}/fd"):
         try:
-            names = os.listdir(f"/proc/{pid}/fd")
+            targets.append(os.readlink(f"/proc/{pid}/fd/{name}"))
         except OSError:
             continue
-        for name in names:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{name}") in wanted:
-                    found.add(pid)
-                    break
-            except OSError:
-                continue
-    return found
+    return targets
+
+
+def _holds(pid: int, wanted: set[str]) -> bool:
+    try:
+        return not wanted.isdisjoint(_fd_targets(pid))
+    except OSError:
+        return False
 
 
 def tcp_client_inodes(peer_host: str, peer_port: int, server_port: int) -> frozenset[int]:
     """Inodes of sockets whose local address is the peer's and remote port is ours (the client
     ends of such connections), from the host's /proc/net/tcp and tcp6."""
     inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f, None)
-                for line in f:
-                    fields = line.split()
-                    local, remote, inode = fields[1], fields[2], int(fields[9])
-                    if int(local.rsplit(":", 1)[1], 16) != peer_port or int(remote.rsplit(":", 1)[1], 16) != server_port:
-                        continue
-                    if _same_host(local.rsplit(":", 1)[0], peer_host):
-                        inodes.add(inode)
-        except OSError:
+    for fields in tcp_table_rows():
+        local, remote, inode = fields[1], fields[2], int(fields[9])
+        if int(local.rsplit(":", 1)[1], 16) != peer_port or int(remote.rsplit(":", 1)[1], 16) != server_port:
             continue
+        if _same_host(local.rsplit(":", 1)[0], peer_host):
+            inodes.add(inode)
     return frozenset(inodes)
 
 
@@ -129,18 +126,11 @@ def socket_inodes(pid: int, limit: int) -> frozenset[int]:
     """The inodes of the sockets ``pid`` holds open; OSError when the process is gone, or when it
     holds more than ``limit`` descriptors (OverflowError: the walk is bounded, a caller's
     descriptor table is its own to inflate)."""
-    names = os.listdir(f"/proc/{pid}/fd")
-    if len(names) > limit:
-        raise OverflowError(f"the process holds {len(names)} descriptors (more than {limit})")
-    inodes = set()
-    for name in names:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{name}")
-        except OSError:
-            continue
-        if target.startswith("socket:[") and target.endswith("]"):
-            inodes.add(int(target[len("socket:["):-1]))
-    return frozenset(inodes)
+    count = len(os.listdir(f"/proc/{pid}/fd"))
+    if count > limit:
+        raise OverflowError(f"the process holds {count} descriptors (more than {limit})")
+    return frozenset(int(target[len("socket:["):-1]) for target in _fd_targets(pid)
+                     if target.startswith("socket:[") and target.endswith("]"))
 
 
 def tcp_listeners(inodes: "set[int] | frozenset[int]") -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address,
@@ -148,18 +138,11 @@ def tcp_listeners(inodes: "set[int] | frozenset[int]") -> list[tuple[ipaddress.I
     """(address, port, inode) of the listening TCP sockets among ``inodes``, from this network
     namespace's /proc/net/tcp{,6} (an IPv4-mapped address as the IPv4 one)."""
     found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f, None)
-                for line in f:
-                    fields = line.split()
-                    if fields[3] != "0A" or int(fields[9]) not in inodes:      # 0A: TCP_LISTEN
-                        continue
-                    host, _, port = fields[1].rpartition(":")
-                    found.append((proc_net_address(host), int(port, 16), int(fields[9])))
-        except (OSError, ValueError, IndexError):
+    for fields in tcp_table_rows():
+        if fields[3] != "0A" or int(fields[9]) not in inodes:      # 0A: TCP_LISTEN
             continue
+        host, _, port = fields[1].rpartition(":")
+        found.append((proc_net_address(host), int(port, 16), int(fields[9])))
     return found
 
 
@@ -198,19 +181,9 @@ def holders_of_uid(inodes: "set[int] | frozenset[int]", uid: int) -> set[int]:
     wanted = {f"socket:[{inode}]" for inode in inodes}
     found = set()
     for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
         try:
-            if os.stat(f"/proc/{name}").st_uid != uid:
-                continue
-            fds = os.listdir(f"/proc/{name}/fd")
+            if name.isdigit() and os.stat(f"/proc/{name}").st_uid == uid and _holds(int(name), wanted):
+                found.add(int(name))
         except OSError:
             continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{name}/fd/{fd}") in wanted:
-                    found.add(int(name))
-                    break
-            except OSError:
-                continue
     return found
