@@ -40,12 +40,11 @@ _TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01
 _UCRED = struct.Struct("iII")
 _SO_PEERPIDFD = 77               # Linux 6.5+
 
-SANDBOXED = ("sandboxd mcp refuses connections from inside a sandbox or container (a PID namespace below its "
-             "own): a sandboxed command may not answer approvals (ask the user, outside the sandbox)\n")
+SANDBOXED = ("sandboxd mcp serves processes of its own PID namespace only, never one inside a sandbox or container "
+             "(or one it cannot examine: not dumpable): a sandboxed command may not answer approvals (ask the "
+             "user, outside the sandbox)\n")
 OTHER_USER = "sandboxd mcp serves its own user only\n"
 GONE = "sandboxd mcp: the process that opened this connection exited before it could be checked\n"
-UNSEEN = ("sandboxd mcp: no process of this user that can be examined holds this connection (one that made itself "
-          "non-dumpable cannot be told from a sandboxed one)\n")
 NO_TOKEN = ("sandboxd mcp: send this server's bearer token (Authorization: Bearer TOKEN); sandboxd mcp said "
             "where it is when it started (docs/mcp.md)\n")
 
@@ -125,30 +124,35 @@ class PeerCheck:
 
     The daemon's own test (service.sandboxed_peers) asks, as root, whether the peer's PID
     namespace is a sandbox's; this server runs as its user, who may not look at a sandbox's init
-    (it is not dumpable) nor into a process that made itself so. So it asks what any user may
-    read, and refuses more: a peer whose process is in a PID namespace below this server's
-    (``NSpid``: every sandbox, sandboxd's or another tool's, and every container) is refused;
-    on a loopback port, so is a connection whose socket no examinable process of this user holds
-    (a sandboxed process that made itself non-dumpable to hide)."""
+    (it is not dumpable) nor into a process that made itself so. So it asks what its user may
+    read, and refuses more. On a Unix socket the kernel names the peer's process (SO_PEERCRED):
+    refused when it is in a PID namespace below this server's (``NSpid``: every sandbox,
+    sandboxd's or another tool's, and every container). On a loopback port the kernel names no
+    process: served only when a process of this user in this server's own PID namespace is seen
+    holding the client's socket; a socket held only by a sandboxed process, also one that made
+    itself non-dumpable to hide its descriptors, is refused (and so is a client that is not
+    dumpable: none of the agent runtimes is)."""
 
     def __init__(self) -> None:
         from sandboxd.kernel import peers
 
         self._peers = peers
         self._uid = os.getuid()
-        self._depth = peers.namespace_depth(os.getpid())
+        self._depth = peers.namespace_depth(os.getpid()) or 1
+        self._namespace = os.stat("/proc/self/ns/pid").st_ino
+        self._last = 0                                # the process that held the last client socket
 
     def refusal(self, sock: Any) -> str:
         if sock.family == socket.AF_UNIX:
             return self._unix(sock)
         peer, local = sock.getpeername(), sock.getsockname()
-        from sandboxd.kernel.inet_diag import tcp_peer_uid
-        if tcp_peer_uid((peer[0], peer[1]), (local[0], local[1])) != self._uid:
+        from sandboxd.kernel.inet_diag import tcp_peer_socket
+        client = tcp_peer_socket((peer[0], peer[1]), (local[0], local[1]))     # (uid, inode) of its socket
+        if client is None or client[0] != self._uid:
             return OTHER_USER
-        holders = self._peers.holders_of_uid(self._peers.tcp_client_inodes(peer[0], peer[1], local[1]), self._uid)
-        if not holders:
-            return UNSEEN
-        return SANDBOXED if any(self._peers.namespace_depth(pid) != self._depth for pid in holders) else ""
+        holder = self._peers.holder_in_namespace({client[1]}, self._uid, self._namespace, self._last)
+        self._last = holder or self._last
+        return "" if holder else SANDBOXED
 
     def _unix(self, sock: Any) -> str:
         pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
@@ -175,11 +179,19 @@ class PeerCheck:
         return reason
 
 
+# How long a refused client has to read its 403 and close, before its connection is cut.
+REFUSED_LINGER = 10.0
+
+
 def guarded(protocol: type[asyncio.Protocol], check: PeerCheck) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol, refusing a connection (403, then closed) as soon as it is made
-    when ``check`` says so: before any byte of it is read."""
+    """uvicorn's HTTP protocol, refusing a connection as soon as it is made when ``check`` says
+    so: before any byte of it is read. The 403 is written and our side shut; what the client
+    sends is then read and dropped until it closes (closing with its request unread would make
+    the kernel reset the connection, and the client might never see why)."""
 
     class Guarded(protocol):  # type: ignore[valid-type, misc]
+        refused = False
+
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
             try:
@@ -187,10 +199,22 @@ def guarded(protocol: type[asyncio.Protocol], check: PeerCheck) -> type[asyncio.
             except OSError:
                 reason = GONE
             if reason:
+                self.refused = True
                 body = reason.encode()
                 assert isinstance(transport, asyncio.WriteTransport)
                 transport.write(b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nConnection: close\r\n"
                                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-                transport.close()
+                transport.write_eof()
+                asyncio.get_running_loop().call_later(REFUSED_LINGER, transport.close)
+
+        def data_received(self, data: bytes) -> None:
+            if not self.refused:
+                super().data_received(data)
+
+        def eof_received(self) -> Any:
+            if self.refused:
+                self.transport.close()
+                return None
+            return super().eof_received()
 
     return Guarded

@@ -163,8 +163,8 @@ def process_key(pid: int) -> str | None:
 
 def namespace_depth(pid: int) -> int | None:
     """How many PID namespaces ``pid`` is in, counted from the one /proc shows (``NSpid`` of
-    /proc/PID/status, which any user may read): 1 in ours, more in a namespace below it (a
-    sandbox, a container). None when the process is gone."""
+    /proc/PID/status, which any user may read, whatever the process): 1 in ours, more in a
+    namespace below it (a sandbox, a container). None when the process is gone."""
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
@@ -175,15 +175,19 @@ def namespace_depth(pid: int) -> int | None:
     return 1                                  # a kernel before 4.1: no NSpid, no way to tell
 
 
-def holders_of_uid(inodes: "set[int] | frozenset[int]", uid: int) -> set[int]:
-    """The processes of ``uid`` that hold a socket of ``inodes``, among those whose descriptors
-    this process may list (a process that made itself non-dumpable is not among them)."""
+def holder_in_namespace(inodes: "set[int] | frozenset[int]", uid: int, namespace: int, first: int = 0) -> int:
+    """A process of ``uid`` in the PID namespace ``namespace`` that holds a socket of ``inodes``,
+    among those whose descriptors this process may list (its own user's dumpable ones), ``first``
+    looked at first (the one found last time: a client keeps its process); 0 when there is none.
+    A process below that namespace (a sandbox) never counts."""
     wanted = {f"socket:[{inode}]" for inode in inodes}
-    found = set()
-    for name in os.listdir("/proc"):
+
+    def holds(pid: int) -> bool:
         try:
-            if name.isdigit() and os.stat(f"/proc/{name}").st_uid == uid and _holds(int(name), wanted):
-                found.add(int(name))
+            return (os.stat(f"/proc/{pid}").st_uid == uid and os.stat(f"/proc/{pid}/ns/pid").st_ino == namespace
+                    and _holds(pid, wanted))
         except OSError:
-            continue
-    return found
+            return False
+    if first > 0 and holds(first):
+        return first
+    return next((int(name) for name in os.listdir("/proc") if name.isdigit() and holds(int(name))), 0)
