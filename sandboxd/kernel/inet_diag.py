@@ -56,12 +56,12 @@ def tcp_peer_socket(peer: tuple[str, int], local: tuple[str, int]) -> tuple[int,
     try:
         nl = _socket.socket(_socket.AF_NETLINK, _socket.SOCK_DGRAM | _socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG)
     except OSError:
-        return _uid_from_proc(peer_ip, peer[1], local_ip, local[1])
+        return _socket_from_proc(peer_ip, peer[1], local_ip, local[1])
     try:
         nl.send(_HEADER.pack(_HEADER.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, 1, 0) + body)
         data = nl.recv(65536)
     except OSError:
-        return _uid_from_proc(peer_ip, peer[1], local_ip, local[1])
+        return _socket_from_proc(peer_ip, peer[1], local_ip, local[1])
     finally:
         nl.close()
     if len(data) < _HEADER.size:
@@ -70,16 +70,16 @@ def tcp_peer_socket(peer: tuple[str, int], local: tuple[str, int]) -> tuple[int,
     if kind == NLMSG_ERROR:
         code = -struct.unpack_from("=i", data, _HEADER.size)[0] if len(data) >= _HEADER.size + 4 else 0
         # ENOENT: no such socket here. Anything else (no inet_diag in this kernel): ask /proc.
-        return None if code == errno.ENOENT else _uid_from_proc(peer_ip, peer[1], local_ip, local[1])
+        return None if code == errno.ENOENT else _socket_from_proc(peer_ip, peer[1], local_ip, local[1])
     if kind != SOCK_DIAG_BY_FAMILY or len(data) < _HEADER.size + UID_OFFSET + 8:
         return None
     uid, inode = struct.unpack_from("=II", data, _HEADER.size + UID_OFFSET)   # idiag_uid, then idiag_inode
     return int(uid), int(inode)
 
 
-def _uid_from_proc(peer: "ipaddress.IPv4Address | ipaddress.IPv6Address", peer_port: int,
+def _socket_from_proc(peer: "ipaddress.IPv4Address | ipaddress.IPv6Address", peer_port: int,
                    local: "ipaddress.IPv4Address | ipaddress.IPv6Address", local_port: int) -> tuple[int, int] | None:
-    """The same answer from /proc/net/tcp{,6} (a pass over every socket: only when the kernel has
+    """The same answer (uid, inode) from /proc/net/tcp{,6} (a pass over every socket: only when the kernel has
     no inet_diag). Addresses there are hex, 32-bit words in host byte order; IPv4 peers of IPv6
     sockets appear mapped."""
     def matches(field: str, address: "ipaddress.IPv4Address | ipaddress.IPv6Address", port: int) -> bool:
