@@ -17,6 +17,7 @@ import socket
 import stat
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -152,12 +153,14 @@ class _HandshakeOnly:
         await send({"type": "http.response.body", "body": answer})
 
 
+@dataclass(frozen=True)
 class HttpOptions:
     """What `sandboxd mcp --http` takes besides the session's flags."""
 
-    def __init__(self, listen: tuple[str, int] | str, token_file: str = "", idle_timeout: float = 600.0,
-                 max_sessions: int = 64) -> None:
-        self.listen, self.token_file, self.idle_timeout, self.max_sessions = listen, token_file, idle_timeout, max_sessions
+    listen: tuple[str, int] | str                 # (loopback host, port), or a Unix socket's path
+    token_file: str = ""                          # "": the user's directory in the daemon's place
+    idle_timeout: float = 600.0                   # an MCP session with no request for this long ends
+    max_sessions: int = 64
 
 
 async def serve_http(socket_path: str, spec: SessionSpec, ctl: str, options: HttpOptions) -> None:

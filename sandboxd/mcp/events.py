@@ -33,14 +33,16 @@ class EventHub:
         self._daemon = daemon
         self._handlers: dict[str, Handler] = {}
         self._task: asyncio.Task[None] | None = None
+        self._starting = asyncio.Lock()         # sessions subscribing at once start one watch
         self._last = 0                          # the last event id seen (or the start)
 
     async def subscribe(self, session_id: str, handler: Handler) -> None:
         """Hand ``session_id``'s events to ``handler`` from now on (its calls' events included)."""
         self._handlers[session_id] = handler
-        if self._task is None or self._task.done():
-            self._last = (await self._daemon.stub.GetStatus(pb.GetStatusRequest())).events
-            self._task = asyncio.get_running_loop().create_task(self._watch())
+        async with self._starting:
+            if self._task is None or self._task.done():
+                self._last = (await self._daemon.stub.GetStatus(pb.GetStatusRequest())).events
+                self._task = asyncio.get_running_loop().create_task(self._watch())
 
     def unsubscribe(self, session_id: str) -> None:
         """No more events for ``session_id``; the stream ends with the last session."""
@@ -59,7 +61,7 @@ class EventHub:
                     handler = self._handlers.get(event.session_id)
                     if handler is not None:
                         await handler(event)
-                return                          # the daemon ended the stream: it is stopping
+                log.warning("sandboxd mcp: the daemon ended the event watch; watching again in %.1f s", delay)
             except grpc.RpcError as error:
                 if error.code() == grpc.StatusCode.CANCELLED:
                     return
