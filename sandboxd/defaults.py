@@ -5,9 +5,44 @@ Every sandbox hides these (launcher.rootfs step 8c) and refuses connect() to the
 also a one-shot `sandboxd run` next to a daemon on the same machine.
 """
 
+import os
+
 SOCKET_DIR = "/run/sandboxd"
 SOCKET = SOCKET_DIR + "/sandboxd.sock"
 STATE_DIR = "/var/lib/sandboxd"
+SOCKET_ENV = "SANDBOXD_SOCKET"           # the clients' choice of another daemon socket (`sandboxd run` hides it too)
+
+# Directories a socket may sit in that are not sandboxd's own: hiding one of them would hide far
+# more than sandboxd (resolv.conf's stub, other services' sockets), so only sandboxd's own
+# entries in it are hidden then.
+SHARED_DIRECTORIES = frozenset({"/", "/run", "/var/run", "/tmp", "/var/tmp", "/dev/shm", "/var", "/var/lib", "/home",
+                                "/root", "/srv", "/opt", "/etc", "/usr", "/mnt", "/media"})
+# Beside the socket: the daemon's private directory (its gRPC server's socket, the front door's
+# relay files), and what `sandboxd mcp --http` needs of the daemon (service.approval_channels):
+# the registry of approval channels every sandbox's connect broker reads (launcher.channel_registry)
+# and each user's secrets directory.
+PRIVATE_DIR_NAME = ".sandboxd-private"
+CHANNELS_DIR_NAME = ".sandboxd-mcp"
+
+
+def channels_dir(socket_path: str) -> str:
+    """Where the daemon of ``socket_path`` keeps what approval channels need (see above)."""
+    return os.path.join(os.path.dirname(os.path.abspath(socket_path)), CHANNELS_DIR_NAME)
+
+
+def channel_registry(socket_path: str) -> str:
+    """The registry of approval channels of the daemon of ``socket_path`` (launcher.channel_registry)."""
+    return channels_dir(socket_path) + "/listeners"
+
+
+def daemon_hidden_paths(socket_path: str) -> tuple[str, ...]:
+    """What of the daemon of ``socket_path`` every sandbox hides, its state directory aside: the
+    socket's directory, or in a shared directory the daemon's own entries there."""
+    socket_path = os.path.abspath(socket_path)
+    base = os.path.dirname(socket_path)
+    if base in SHARED_DIRECTORIES:
+        return (socket_path, os.path.join(base, PRIVATE_DIR_NAME), channels_dir(socket_path))
+    return (base,)
 
 # Sandboxes' own defaults, one constant each, used wherever the default applies.
 # A workspace-write sandbox with network access gets a network namespace of its own (the other

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator, Sequence
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,3 +64,40 @@ def decide(decisions: Sequence[str], asked: list[types.ElicitRequestParams]) -> 
             return types.ElicitResult(action="decline")
         return types.ElicitResult(action="accept", content={"decision": decision})
     return answer
+
+
+@contextlib.contextmanager
+def http_server(socket: str, workspace: str | os.PathLike[str], listen: str, *flags: str, log: Path,
+                as_user: tuple[int, int] | None = None,
+                env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`sandboxd mcp --http LISTEN FLAGS` (its output in ``log``), once it says it serves: the
+    process and its bearer token (read from the file it names, or ``env``'s SANDBOXD_MCP_TOKEN)."""
+    params = server_params(socket, workspace, *flags, "--http", listen, as_user=as_user)
+    with open(log, "wb") as out:
+        server = subprocess.Popen([params.command, *params.args], env={**ENV, **(env or {})}, cwd="/",
+                                  stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 120 * float(os.environ.get("SANDBOXD_TEST_SLOW", "1"))
+        while "serving" not in log.read_text():
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        line = next(line for line in log.read_text().splitlines() if "serving" in line)
+        token = (env or {}).get("SANDBOXD_MCP_TOKEN") or Path(line.split("the token in ", 1)[1].strip()).read_text()
+        yield server, token.strip()
+    finally:
+        if server.poll() is None:
+            server.terminate()
+        server.wait(timeout=60)
+
+
+def http_client(url: str, token: str, *, uds: str = "", **options: Any) -> Client:
+    """An MCP client of a `sandboxd mcp --http` server, sending ``token``; over the Unix socket
+    ``uds`` when given (``url`` then names only the path and the Host)."""
+    import httpx2
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared._httpx_utils import create_mcp_http_client
+
+    headers = {"Authorization": f"Bearer {token}"}
+    http = (httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=uds), headers=headers,
+                               timeout=httpx2.Timeout(30, read=300)) if uds else create_mcp_http_client(headers=headers))
+    return Client(streamable_http_client(url, http_client=http), **options)

@@ -19,12 +19,12 @@ from typing import Any
 
 import mcp_types as types
 import pytest
-from mcp import Client
 
 from conftest import SLOW
 from daemon_fixtures import client, daemon, ws  # noqa: F401 - pytest fixtures
 from daemon_helpers import Daemon, PlainUser, proc_info
-from mcp_helpers import SANDBOXCTL, decide, mcp_client, server_params, structured, text, tool_names
+from mcp_helpers import (SANDBOXCTL, decide, http_client, http_server, mcp_client, server_params, structured, text,
+                         tool_names)
 from sandboxd.client import SandboxClient
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -353,17 +353,6 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _wait_listening(connect: Callable[[], None], server: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 60 * SLOW
-    while True:
-        try:
-            connect()
-            return
-        except OSError:
-            assert server.poll() is None and time.monotonic() < deadline, "sandboxd mcp --http did not listen"
-            time.sleep(0.1)
-
-
 def _post_as(user: PlainUser, target: str) -> str:
     """An MCP initialize POSTed by ``user`` (to http://127.0.0.1:PORT/mcp, or a Unix socket path):
     the HTTP status, or the connection error."""
@@ -390,35 +379,23 @@ def test_http_serves_its_own_user_only(daemon: Daemon, ws: Path, client: Sandbox
                                        plain_users: Callable[[int], list[PlainUser]]) -> None:
     (other,) = plain_users(1)
     port = _free_port()
-    params = server_params(daemon.socket, ws, "--approval", "never", "--http", f"127.0.0.1:{port}")
-    server = subprocess.Popen([params.command, *params.args], env=params.env, cwd="/")
-    try:
-        _wait_listening(lambda: socket.create_connection(("127.0.0.1", port), timeout=5).close(), server)
-
+    with http_server(daemon.socket, ws, f"127.0.0.1:{port}", "--approval", "never", log=tmp_path / "tcp.log") as (
+            _server, token):
         async def own_user() -> tuple[str, types.CallToolResult]:
-            async with Client(f"http://127.0.0.1:{port}/mcp") as mcp:
+            async with http_client(f"http://127.0.0.1:{port}/mcp", token) as mcp:
                 return mcp.protocol_version, await mcp.call_tool("shell", {"command": "echo over-http"})
 
         version, result = asyncio.run(own_user())
         assert version == "2025-11-25" and structured(result)["stdout"] == "over-http\n"
         assert _post_as(other, f"127.0.0.1:{port}") == "403"       # another uid, same port: refused
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
     # The HTTP session ended with its client, and its sandboxd session with it.
     assert session_of(client, ws, include_closed=True).closed_at > 0
 
     path = tmp_path / "mcp.sock"
     os.chmod(tmp_path, 0o755)
-    params = server_params(daemon.socket, ws, "--approval", "never", "--http", f"unix:{path}")
-    server = subprocess.Popen([params.command, *params.args], env=params.env, cwd="/")
-    try:
-        _wait_listening(lambda: socket.socket(socket.AF_UNIX).connect(str(path)), server)
+    with http_server(daemon.socket, ws, f"unix:{path}", "--approval", "never", log=tmp_path / "unix.log"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
         assert _post_as(other, str(path)) == "PermissionError"
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
 
 
 def test_bad_start_says_what_to_do(daemon: Daemon, tmp_path: Path) -> None:

@@ -356,8 +356,9 @@ def test_the_connecting_user_is_named_by_the_kernel_and_by_proc_alike(world: dic
             with conn:
                 local = conn.getsockname()
                 assert inet_diag.tcp_peer_uid(peer[:2], local[:2]) == attacker.uid
-                assert inet_diag._uid_from_proc(ipaddress.ip_address(peer[0]), peer[1],
-                                                ipaddress.ip_address(local[0]), local[1]) == attacker.uid
+                from_proc = inet_diag._socket_from_proc(ipaddress.ip_address(peer[0]), peer[1],
+                                                        ipaddress.ip_address(local[0]), local[1])
+                assert from_proc == inet_diag.tcp_peer_socket(peer[:2], local[:2]) and from_proc[0] == attacker.uid
                 assert inet_diag.tcp_peer_uid((peer[0], peer[1] ^ 1), local[:2]) is None   # control: no such socket
         finally:
             assert client.stdin is not None

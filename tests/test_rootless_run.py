@@ -371,6 +371,38 @@ def test_the_rootless_proxy_refuses_the_host_through_an_allowed_name(setup: Setu
         service.close()
 
 
+PORT_PROBE = textwrap.dedent('''
+    import json, os, socket, struct
+    proxy = os.environ["HTTP_PROXY"].rsplit("/", 1)[-1].split(":")
+    proxy, seen = (proxy[0], int(proxy[1])), {}
+    for port in (8080, 22, 25, 5432):
+        with socket.create_connection(proxy, timeout=10) as s:
+            s.sendall(f"CONNECT internet.test:{port} HTTP/1.1\\r\\nHost: internet.test\\r\\n\\r\\n".encode())
+            seen[f"connect {port}"] = s.recv(4096).split(b"\\r\\n", 1)[0].decode()
+        with socket.create_connection(proxy, timeout=10) as s:
+            s.sendall(b"\\x05\\x01\\x00"); s.recv(2)
+            s.sendall(b"\\x05\\x01\\x00\\x03" + bytes([13]) + b"internet.test" + struct.pack(">H", port))
+            seen[f"socks {port}"] = s.recv(10)[1]
+    print(json.dumps(seen))
+''')
+
+
+def test_the_rootless_proxy_relays_an_allowed_name_to_web_ports_only(setup: Setup, world: World) -> None:  # noqa: F811
+    """An allowed name is not an allowed host: rootless, with no kernel filter behind the proxy, it
+    relays to the ports docs/rootless.md names (80, 443, 8080, 8443), and CONNECT or SOCKS to the
+    name's ssh, mail or database port is 403 / SOCKS reply 2, saying why. Control: port 8080 of
+    the same name goes through."""
+    result = run_as(setup, setup.user, "--network", "--dns", DNS, "--allow-domain", "internet.test", "--", PY, "-c",
+                    PORT_PROBE, timeout=120)
+    assert result.returncode == 0, describe(result)
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["connect 8080"].endswith(" 200 Connection established") and seen["socks 8080"] == 0, seen
+    for port in (22, 25, 5432):
+        assert seen[f"connect {port}"] == "HTTP/1.1 403 Forbidden" and seen[f"socks {port}"] == 2, seen
+        assert (f"blocked a connection to internet.test:{port}: port {port} is not one this proxy relays to "
+                "(only 80, 443, 8080, 8443)") in result.stderr
+
+
 def test_conformance_probes_hold_as_a_plain_user(setup: Setup) -> None:
     """`../shared/conformance/run` as the plain user (its fixtures, workspace and decoys are the
     user's): all 80 verdicts hold rootless. Two things are translated by a wrapper, for reasons

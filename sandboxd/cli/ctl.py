@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import grpc
 
+from sandboxd import defaults
 from sandboxd.cli import approval_prompt, terminal
 from sandboxd.cli.env_args import add_env_options, env_from_args
 from sandboxd.cli.exec_requests import ExecRequests
@@ -128,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-SOCKET_ENV = "SANDBOXD_SOCKET"
+SOCKET_ENV = defaults.SOCKET_ENV
 
 
 def socket_choice(flag: str) -> tuple[str, bool]:

@@ -20,6 +20,7 @@ USAGE_EPILOG = """examples:
   sandboxd mcp --workspace ~/project                       stdio, a workspace-write session without network
   claude mcp add sandboxd -- sandboxd mcp --workspace ~/project --approval never
   sandboxd mcp --http 127.0.0.1:8765 --workspace ~/project  streamable HTTP at http://127.0.0.1:8765/mcp
+                                                           (with the bearer token it names on stderr)
 """
 
 
@@ -43,7 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="attach to this existing session of yours instead (it is not closed at exit)")
     parser.add_argument("--http", default="", metavar="unix:PATH|127.0.0.1:PORT",
                         help="serve streamable HTTP (at /mcp) on a Unix socket (mode 0600) or a loopback port "
-                             "that only your own uid may use, instead of stdio")
+                             "that only your own uid may use, outside any sandbox, with this server's bearer "
+                             "token, instead of stdio")
+    parser.add_argument("--token-file", default="", metavar="PATH",
+                        help="--http: write the bearer token made at start here (mode 0600) instead of your "
+                             "directory in the daemon's place, which no sandbox sees; or pass one in "
+                             "$SANDBOXD_MCP_TOKEN")
+    parser.add_argument("--idle-timeout", default=600.0, type=float, metavar="SECONDS",
+                        help="--http: end an MCP session (and its sandboxd session) that no request reached "
+                             "for this long (default 600)")
     return parser
 
 
@@ -88,11 +97,18 @@ def main(argv: list[str]) -> int:
     ctl = f"sandboxctl --socket {socket_path}" if name_socket else "sandboxctl"
     try:
         listen = parse_listen(args.http) if args.http else None
+        if (args.token_file or args.idle_timeout != 600.0) and listen is None:
+            raise ValueError("--token-file and --idle-timeout are for --http")
+        if args.token_file and not os.path.isabs(args.token_file):
+            raise ValueError(f"--token-file {args.token_file}: the path must be absolute")
+        if not 0 < args.idle_timeout <= 7 * 86400:
+            raise ValueError(f"--idle-timeout {args.idle_timeout:g}: give seconds above 0, at most a week")
         import anyio
 
         from sandboxd.cli import mcp_transports
         if listen is not None:
-            anyio.run(mcp_transports.serve_http, socket_path, spec, ctl, listen)
+            options = mcp_transports.HttpOptions(listen, token_file=args.token_file, idle_timeout=args.idle_timeout)
+            anyio.run(mcp_transports.serve_http, socket_path, spec, ctl, options)
         else:
             anyio.run(mcp_transports.serve_stdio, socket_path, spec, ctl)
     except grpc.RpcError as error:

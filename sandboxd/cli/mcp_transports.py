@@ -1,7 +1,10 @@
 """The transports of `sandboxd mcp`: stdio (one client, one session), or streamable HTTP on a
-Unix socket or a loopback port (a session per MCP session), for the caller's own uid only: the
-Unix socket is created mode 0600, and a TCP client whose socket belongs to another uid (found
-through the kernel, sock_diag) is refused with 403 before any MCP message is read."""
+Unix socket or a loopback port (a session per MCP session). HTTP is for the caller's own uid,
+outside any sandbox, with this server's bearer token (cli.mcp_door): the Unix socket is created
+mode 0600, a connection of another uid or from inside a sandbox gets 403 before any MCP message
+is read, a request without the token 401; and the listening socket is registered with the daemon
+before anything is served, so no sandbox's connect() reaches it. An HTTP session no request
+reached for ``idle_timeout`` seconds is ended (with its sandboxd session) as a DELETE would."""
 
 from __future__ import annotations
 
@@ -12,7 +15,9 @@ import os
 import signal
 import socket
 import stat
+import sys
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -23,6 +28,7 @@ from mcp.server.stdio import stdio_server
 
 from sandboxd.mcp.daemon import Daemon, SessionSpec
 from sandboxd.mcp.handlers import App, build_server
+from sandboxd.printable import printable
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 _NOTIFY = NotificationOptions(tools_changed=True)
@@ -118,24 +124,6 @@ async def serve_stdio(socket_path: str, spec: SessionSpec, ctl: str) -> None:
         await daemon.close()
 
 
-class _OwnUidOnly:
-    """ASGI middleware: only clients whose TCP socket belongs to this process's uid."""
-
-    def __init__(self, app: Any) -> None:
-        self._app = app
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope.get("client") and scope.get("server"):
-            from sandboxd.kernel.inet_diag import tcp_peer_uid
-            client, server = scope["client"], scope["server"]
-            if tcp_peer_uid((client[0], client[1]), (server[0], server[1])) != os.getuid():
-                await send({"type": "http.response.start", "status": 403,
-                            "headers": [(b"content-type", b"text/plain")]})
-                await send({"type": "http.response.body", "body": b"sandboxd mcp serves its own user only\n"})
-                return
-        await self._app(scope, receive, send)
-
-
 class _HandshakeOnly:
     """ASGI middleware: a request of the 2026-07-28 per-request era (its MCP-Protocol-Version
     header) gets a JSON-RPC "method not found", on which clients fall back to the initialize
@@ -169,25 +157,82 @@ class _HandshakeOnly:
         await send({"type": "http.response.body", "body": answer})
 
 
-async def serve_http(socket_path: str, spec: SessionSpec, ctl: str, listen: tuple[str, int] | str) -> None:
+@dataclass(frozen=True)
+class HttpOptions:
+    """What `sandboxd mcp --http` takes besides the session's flags."""
+
+    listen: tuple[str, int] | str                 # (loopback host, port), or a Unix socket's path
+    token_file: str = ""                          # "": the user's directory in the daemon's place
+    idle_timeout: float = 600.0                   # an MCP session with no request for this long ends
+    max_sessions: int = 64
+
+
+async def serve_http(socket_path: str, spec: SessionSpec, ctl: str, options: HttpOptions) -> None:
     daemon = Daemon(socket_path)
     try:
-        await _serve_http(daemon, spec, ctl, listen)
+        await _serve_http(daemon, spec, ctl, options)
     finally:
         await daemon.close()
 
 
-async def _serve_http(daemon: Daemon, spec: SessionSpec, ctl: str, listen: tuple[str, int] | str) -> None:
-    import uvicorn
+# Host headers a request may carry (the SDK's DNS rebinding wall): on a loopback port, a loopback
+# name with a port; on a Unix socket also without one (curl --unix-socket sends "localhost").
+_LOOPBACK_HOSTS = ["127.0.0.1:*", "localhost:*", "[::1]:*"]
+_PORTLESS_HOSTS = ["127.0.0.1", "localhost", "[::1]"]
+_LOOPBACK_ORIGINS = ["http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*"]
 
+
+async def _serve_http(daemon: Daemon, spec: SessionSpec, ctl: str, options: HttpOptions) -> None:
+    import uvicorn
+    from mcp.server.transport_security import TransportSecuritySettings
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    from sandboxd.cli import mcp_door
+
+    listen = options.listen
+    given = mcp_door.runtime_token()
+    if given is not None and options.token_file:
+        raise ValueError(f"--token-file and ${mcp_door.TOKEN_ENV} both name the token: use one")
     if spec.attach:
         await daemon.open(spec)                          # an attached session must exist and be the caller's
-    app = App(daemon, spec, ctl)
-    server = build_server(app)
-    asgi: Any = _HandshakeOnly(server.streamable_http_app(host="127.0.0.1"))
+    listener = _listen(listen)
+    token, token_path = given or mcp_door.new_token(), ""
+    try:
+        # Registered before anything is served: from here on no sandbox's connect() reaches it.
+        channel = await daemon.stub.RegisterApprovalChannel(pb.RegisterApprovalChannelRequest())
+        if given is None:
+            token_path = options.token_file or os.path.join(channel.secrets_dir, mcp_door.token_file_name(listen))
+            mcp_door.write_token(token_path, token)
+        where = (f"http://localhost/mcp on the Unix socket {listen}" if isinstance(listen, str) else
+                 f"http://{'[' + listen[0] + ']' if ':' in listen[0] else listen[0]}:{listen[1]}/mcp")
+        source = f"the token in {token_path}" if token_path else f"${mcp_door.TOKEN_ENV}"
+        sys.stderr.write(f"sandboxd mcp: serving {printable(where)}; clients send `Authorization: Bearer` with "
+                         f"{printable(source)}\n")
+        sys.stderr.flush()
+        app = App(daemon, spec, ctl)
+        server = build_server(app)
+        security = TransportSecuritySettings(
+            enable_dns_rebinding_protection=True, allowed_origins=_LOOPBACK_ORIGINS,
+            allowed_hosts=_LOOPBACK_HOSTS + (_PORTLESS_HOSTS if isinstance(listen, str) else []))
+        asgi: Any = mcp_door.BearerOnly(_HandshakeOnly(server.streamable_http_app(
+            transport_security=security, session_idle_timeout=options.idle_timeout,
+            max_sessions=options.max_sessions)), token)
+        config = uvicorn.Config(asgi, log_level="warning", log_config=PRINTABLE_LOGS, lifespan="on",
+                                http=mcp_door.guarded(AutoHTTPProtocol, mcp_door.PeerCheck()))
+        await uvicorn.Server(config).serve(sockets=[listener])
+    finally:
+        listener.close()
+        if isinstance(listen, str):
+            with contextlib.suppress(OSError):
+                os.unlink(listen)
+        if token_path:
+            mcp_door.remove_token(token_path, token)
+
+
+def _listen(listen: tuple[str, int] | str) -> socket.socket:
+    """The listening socket, bound here rather than by uvicorn: a Unix socket mode 0600 from the
+    start (uvicorn makes its 0666), and both held before the daemon is asked to register them."""
     if isinstance(listen, str):
-        # Bound here, not by uvicorn (which makes its socket 0666): mode 0600 from the start, so
-        # only this uid (and root) can connect.
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISSOCK(os.lstat(listen).st_mode):
@@ -197,15 +242,13 @@ async def _serve_http(daemon: Daemon, spec: SessionSpec, ctl: str, listen: tuple
             listener.bind(listen)
         finally:
             os.umask(old)
-        listener.listen(128)
-        try:
-            await uvicorn.Server(uvicorn.Config(asgi, log_level="warning", log_config=PRINTABLE_LOGS,
-                                               lifespan="on")).serve(sockets=[listener])
-        finally:
-            listener.close()
-            with contextlib.suppress(OSError):
-                os.unlink(listen)
     else:
-        config = uvicorn.Config(_OwnUidOnly(asgi), host=listen[0], port=listen[1], log_level="warning",
-                                log_config=PRINTABLE_LOGS, lifespan="on")
-        await uvicorn.Server(config).serve()
+        listener = socket.socket(socket.AF_INET6 if ":" in listen[0] else socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind(listen)
+        except OSError:
+            listener.close()
+            raise
+    listener.listen(128)
+    return listener

@@ -230,12 +230,23 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
     from sandboxd.cli import run_user
     if run_user.plain_user():
         limits = run_user.limits_for_plain_user(limits, args)
+    hidden, sockets, channels = _daemon_places()
     return LaunchSpec(argv=tuple(command), workspace=workspace, env=env,
                       cwd=os.path.abspath(str(cwd)) if cwd else None, policy=policy, limits=limits,
                       user=command_user, dns=tuple(_strings(args, "dns")),
-                      hidden_homes=hidden_homes, private_home=private_home,
-                      # A daemon on this machine keeps its sockets and audit log here: out of reach.
-                      hidden_paths=(defaults.SOCKET_DIR, defaults.STATE_DIR), denied_sockets=(defaults.SOCKET,))
+                      hidden_homes=hidden_homes, private_home=private_home, hidden_paths=hidden,
+                      denied_sockets=sockets, approval_channels=channels)
+
+
+def _daemon_places() -> "tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]":
+    """What of a daemon on this machine a run keeps out of reach: its sockets, its audit log, and
+    its approval channels (`sandboxd mcp --http`, launcher.channel_registry); the default daemon's,
+    and the one $SANDBOXD_SOCKET names for this user's clients."""
+    sockets = tuple(dict.fromkeys((defaults.SOCKET, os.path.abspath(os.environ.get(defaults.SOCKET_ENV)
+                                                                     or defaults.SOCKET))))
+    hidden = (defaults.SOCKET_DIR, defaults.STATE_DIR, *(path for socket in sockets[1:]
+                                                         for path in defaults.daemon_hidden_paths(socket)))
+    return hidden, sockets, tuple(defaults.channel_registry(socket) for socket in sockets)
 
 
 def _say(text: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import _socket
 import ipaddress
 import struct
+from collections.abc import Iterator
 
 AF_INET = 2
 AF_INET6 = 10
@@ -67,6 +68,22 @@ def proc_net_address(hex_address: str) -> IPAddress:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return address.ipv4_mapped
     return address
+
+
+def tcp_table_rows() -> Iterator[list[str]]:
+    """The rows of this network namespace's /proc/net/tcp and tcp6, split into their fields
+    (``sl local_address rem_address st ... uid timeout inode``), the header left out; a table that
+    cannot be read is skipped."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split()
+                    if len(fields) >= 10:
+                        yield fields
+        except OSError:
+            continue
 
 
 def _owned(address: IPAddress, scope_id: int) -> bool:

@@ -15,7 +15,7 @@ import errno
 import ipaddress
 import struct
 
-from sandboxd.kernel.addresses import proc_net_address
+from sandboxd.kernel.addresses import proc_net_address, tcp_table_rows
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
@@ -32,6 +32,13 @@ _HEADER = struct.Struct("=IHHII")
 def tcp_peer_uid(peer: tuple[str, int], local: tuple[str, int]) -> int | None:
     """The uid that created the socket at ``peer`` connected to our ``local`` end (both in this
     network namespace), or None when there is no such socket here (it is gone, or remote)."""
+    found = tcp_peer_socket(peer, local)
+    return None if found is None else found[0]
+
+
+def tcp_peer_socket(peer: tuple[str, int], local: tuple[str, int]) -> tuple[int, int] | None:
+    """(the uid that created it, its inode) of the socket at ``peer`` connected to our ``local``
+    end (both in this network namespace), or None when there is no such socket here."""
     try:
         peer_ip, local_ip = ipaddress.ip_address(peer[0].split("%")[0]), ipaddress.ip_address(local[0].split("%")[0])
     except ValueError:
@@ -49,12 +56,12 @@ def tcp_peer_uid(peer: tuple[str, int], local: tuple[str, int]) -> int | None:
     try:
         nl = _socket.socket(_socket.AF_NETLINK, _socket.SOCK_DGRAM | _socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG)
     except OSError:
-        return _uid_from_proc(peer_ip, peer[1], local_ip, local[1])
+        return _socket_from_proc(peer_ip, peer[1], local_ip, local[1])
     try:
         nl.send(_HEADER.pack(_HEADER.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, 1, 0) + body)
         data = nl.recv(65536)
     except OSError:
-        return _uid_from_proc(peer_ip, peer[1], local_ip, local[1])
+        return _socket_from_proc(peer_ip, peer[1], local_ip, local[1])
     finally:
         nl.close()
     if len(data) < _HEADER.size:
@@ -63,29 +70,26 @@ def tcp_peer_uid(peer: tuple[str, int], local: tuple[str, int]) -> int | None:
     if kind == NLMSG_ERROR:
         code = -struct.unpack_from("=i", data, _HEADER.size)[0] if len(data) >= _HEADER.size + 4 else 0
         # ENOENT: no such socket here. Anything else (no inet_diag in this kernel): ask /proc.
-        return None if code == errno.ENOENT else _uid_from_proc(peer_ip, peer[1], local_ip, local[1])
-    if kind != SOCK_DIAG_BY_FAMILY or len(data) < _HEADER.size + UID_OFFSET + 4:
+        return None if code == errno.ENOENT else _socket_from_proc(peer_ip, peer[1], local_ip, local[1])
+    if kind != SOCK_DIAG_BY_FAMILY or len(data) < _HEADER.size + UID_OFFSET + 8:
         return None
-    return int(struct.unpack_from("=I", data, _HEADER.size + UID_OFFSET)[0])
+    uid, inode = struct.unpack_from("=II", data, _HEADER.size + UID_OFFSET)   # idiag_uid, then idiag_inode
+    return int(uid), int(inode)
 
 
-def _uid_from_proc(peer: "ipaddress.IPv4Address | ipaddress.IPv6Address", peer_port: int,
-                   local: "ipaddress.IPv4Address | ipaddress.IPv6Address", local_port: int) -> int | None:
-    """The same answer from /proc/net/tcp{,6} (a pass over every socket: only when the kernel has
+def _socket_from_proc(peer: "ipaddress.IPv4Address | ipaddress.IPv6Address", peer_port: int,
+                   local: "ipaddress.IPv4Address | ipaddress.IPv6Address", local_port: int) -> tuple[int, int] | None:
+    """The same answer (uid, inode) from /proc/net/tcp{,6} (a pass over every socket: only when the kernel has
     no inet_diag). Addresses there are hex, 32-bit words in host byte order; IPv4 peers of IPv6
     sockets appear mapped."""
     def matches(field: str, address: "ipaddress.IPv4Address | ipaddress.IPv6Address", port: int) -> bool:
         host, _, hex_port = field.partition(":")
         return int(hex_port, 16) == port and proc_net_address(host) == address
 
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f, None)
-                for line in f:
-                    fields = line.split()
-                    if matches(fields[1], peer, peer_port) and matches(fields[2], local, local_port):
-                        return int(fields[7])
-        except (OSError, ValueError, IndexError):
-            continue
+    try:
+        for fields in tcp_table_rows():
+            if matches(fields[1], peer, peer_port) and matches(fields[2], local, local_port):
+                return int(fields[7]), int(fields[9])
+    except ValueError:
+        pass
     return None

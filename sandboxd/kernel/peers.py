@@ -26,7 +26,7 @@ import os
 
 import psutil
 
-from sandboxd.kernel.addresses import proc_net_address
+from sandboxd.kernel.addresses import proc_net_address, tcp_table_rows
 
 def pid_namespace(pid: int) -> int | None:
     """The inode number of ``pid``'s PID namespace, or None when the process is gone."""
@@ -79,41 +79,38 @@ def pids_holding(inodes: "set[int] | frozenset[int]") -> set[int]:
         return set()
     wanted = {f"socket:[{inode}]" for inode in inodes}
     ours = pid_namespace(os.getpid())
-    found = set()
-    for pid in psutil.pids():
-        if pid_namespace(pid) in (ours, None):
-            continue
+    return {pid for pid in psutil.pids() if pid_namespace(pid) not in (ours, None) and _holds(pid, wanted)}
+
+
+def _fd_targets(pid: int) -> list[str]:
+    """What each open descriptor of ``pid`` names (``socket:[INODE]`` for a socket); OSError when
+    its descriptors may not be listed (gone, another user's, not dumpable)."""
+    targets = []
+    for name in os.listdir(f"/proc/{pid}/fd"):
         try:
-            names = os.listdir(f"/proc/{pid}/fd")
+            targets.append(os.readlink(f"/proc/{pid}/fd/{name}"))
         except OSError:
             continue
-        for name in names:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{name}") in wanted:
-                    found.add(pid)
-                    break
-            except OSError:
-                continue
-    return found
+    return targets
+
+
+def _holds(pid: int, wanted: set[str]) -> bool:
+    try:
+        return not wanted.isdisjoint(_fd_targets(pid))
+    except OSError:
+        return False
 
 
 def tcp_client_inodes(peer_host: str, peer_port: int, server_port: int) -> frozenset[int]:
     """Inodes of sockets whose local address is the peer's and remote port is ours (the client
     ends of such connections), from the host's /proc/net/tcp and tcp6."""
     inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f, None)
-                for line in f:
-                    fields = line.split()
-                    local, remote, inode = fields[1], fields[2], int(fields[9])
-                    if int(local.rsplit(":", 1)[1], 16) != peer_port or int(remote.rsplit(":", 1)[1], 16) != server_port:
-                        continue
-                    if _same_host(local.rsplit(":", 1)[0], peer_host):
-                        inodes.add(inode)
-        except OSError:
+    for fields in tcp_table_rows():
+        local, remote, inode = fields[1], fields[2], int(fields[9])
+        if int(local.rsplit(":", 1)[1], 16) != peer_port or int(remote.rsplit(":", 1)[1], 16) != server_port:
             continue
+        if _same_host(local.rsplit(":", 1)[0], peer_host):
+            inodes.add(inode)
     return frozenset(inodes)
 
 
@@ -123,3 +120,74 @@ def _same_host(hex_address: str, host: str) -> bool:
         return proc_net_address(hex_address) == ipaddress.ip_address(host.strip("[]"))
     except ValueError:                    # not an address: nothing there is it
         return False
+
+
+def socket_inodes(pid: int, limit: int) -> frozenset[int]:
+    """The inodes of the sockets ``pid`` holds open; OSError when the process is gone, or when it
+    holds more than ``limit`` descriptors (OverflowError: the walk is bounded, a caller's
+    descriptor table is its own to inflate)."""
+    count = len(os.listdir(f"/proc/{pid}/fd"))
+    if count > limit:
+        raise OverflowError(f"the process holds {count} descriptors (more than {limit})")
+    return frozenset(int(target[len("socket:["):-1]) for target in _fd_targets(pid)
+                     if target.startswith("socket:[") and target.endswith("]"))
+
+
+def tcp_listeners(inodes: "set[int] | frozenset[int]") -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address,
+                                                                    int, int]]:
+    """(address, port, inode) of the listening TCP sockets among ``inodes``, from this network
+    namespace's /proc/net/tcp{,6} (an IPv4-mapped address as the IPv4 one)."""
+    found = []
+    for fields in tcp_table_rows():
+        if fields[3] != "0A" or int(fields[9]) not in inodes:      # 0A: TCP_LISTEN
+            continue
+        host, _, port = fields[1].rpartition(":")
+        found.append((proc_net_address(host), int(port, 16), int(fields[9])))
+    return found
+
+
+def process_key(pid: int) -> str | None:
+    """A name for the process ``pid`` that no other process ever has: this boot's id, the pid and
+    its start time (clock ticks since boot, /proc/PID/stat). None when it is gone."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: fields are counted after its last ")".
+    fields = stat[stat.rindex(b")") + 2:].split()
+    return f"{boot}:{pid}:{int(fields[19])}"
+
+
+def namespace_depth(pid: int) -> int | None:
+    """How many PID namespaces ``pid`` is in, counted from the one /proc shows (``NSpid`` of
+    /proc/PID/status, which any user may read, whatever the process): 1 in ours, more in a
+    namespace below it (a sandbox, a container). None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    return len(line.split()) - 1
+    except OSError:
+        return None
+    return 1                                  # a kernel before 4.1: no NSpid, no way to tell
+
+
+def holder_in_namespace(inodes: "set[int] | frozenset[int]", uid: int, namespace: int, first: int = 0) -> int:
+    """A process of ``uid`` in the PID namespace ``namespace`` that holds a socket of ``inodes``,
+    among those whose descriptors this process may list (its own user's dumpable ones), ``first``
+    looked at first (the one found last time: a client keeps its process); 0 when there is none.
+    A process below that namespace (a sandbox) never counts."""
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+
+    def holds(pid: int) -> bool:
+        try:
+            return (os.stat(f"/proc/{pid}").st_uid == uid and os.stat(f"/proc/{pid}/ns/pid").st_ino == namespace
+                    and _holds(pid, wanted))
+        except OSError:
+            return False
+    if first > 0 and holds(first):
+        return first
+    return next((int(name) for name in os.listdir("/proc") if name.isdigit() and holds(int(name))), 0)

@@ -23,6 +23,7 @@ NLMSG_DONE = 3
 UDIAG_SHOW_VFS = 0x2
 UNIX_DIAG_VFS = 1
 ALL_STATES = 0xFFFFFFFF
+TCP_LISTEN = 10                  # a listening socket's state, as sock_diag numbers them
 
 _HEADER = struct.Struct("=IHHII")
 _REQUEST = struct.Struct("=BBHIIIII")
@@ -31,10 +32,22 @@ _MESSAGE = struct.Struct("=BBBBIII")
 
 def bound_socket_files() -> set[tuple[int, int, int]]:
     """(major, minor, inode) of every socket file bound by a socket of this network namespace."""
-    found: set[tuple[int, int, int]] = set()
+    return {identity for _, identity in _bound_sockets(ALL_STATES)}
+
+
+def listening_socket_files() -> dict[int, tuple[int, int, int]]:
+    """The listening sockets of this network namespace that are bound to a file: socket inode ->
+    (major, minor, inode) of that file (an approval channel is registered by it: service.approval_channels)."""
+    return dict(_bound_sockets(1 << TCP_LISTEN))
+
+
+def _bound_sockets(states: int) -> list[tuple[int, tuple[int, int, int]]]:
+    """(socket inode, bound file's identity) of this namespace's Unix sockets in ``states`` (a bit
+    mask of TCP_* states) that are bound to a file."""
+    found: list[tuple[int, tuple[int, int, int]]] = []
     nl = _socket.socket(_socket.AF_NETLINK, _socket.SOCK_DGRAM | _socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG)
     try:
-        body = _REQUEST.pack(_socket.AF_UNIX, 0, 0, ALL_STATES, 0, UDIAG_SHOW_VFS, 0xFFFFFFFF, 0xFFFFFFFF)
+        body = _REQUEST.pack(_socket.AF_UNIX, 0, 0, states, 0, UDIAG_SHOW_VFS, 0xFFFFFFFF, 0xFFFFFFFF)
         nl.send(_HEADER.pack(_HEADER.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
                 + body)
         while True:
@@ -46,22 +59,26 @@ def bound_socket_files() -> set[tuple[int, int, int]]:
                     return found
                 if kind == NLMSG_ERROR:
                     raise OSError(-struct.unpack_from("=i", data, offset + _HEADER.size)[0], "sock_diag")
-                _parse_attributes(data, offset + _HEADER.size + _MESSAGE.size, offset + length, found)
+                socket_inode = _MESSAGE.unpack_from(data, offset + _HEADER.size)[4]
+                identity = _bound_file(data, offset + _HEADER.size + _MESSAGE.size, offset + length)
+                if identity is not None:
+                    found.append((socket_inode, identity))
                 offset += (length + 3) & ~3
     finally:
         nl.close()
 
 
-def _parse_attributes(data: bytes, start: int, end: int, found: set[tuple[int, int, int]]) -> None:
+def _bound_file(data: bytes, start: int, end: int) -> tuple[int, int, int] | None:
     while start + 4 <= end:
         length, kind = struct.unpack_from("=HH", data, start)
         if length < 4:
-            return
+            return None
         if kind == UNIX_DIAG_VFS and length >= 12:
             inode, dev = struct.unpack_from("=II", data, start + 4)
             # The kernel's internal dev_t: 12 bits of major above 20 bits of minor.
-            found.add((dev >> 20, dev & 0xFFFFF, inode))
+            return (dev >> 20, dev & 0xFFFFF, inode)
         start += (length + 3) & ~3
+    return None
 
 
 def file_identity(st: os.stat_result) -> tuple[int, int, int]:

@@ -20,8 +20,13 @@ shares the sandbox's mount namespace, root and uid, performs the call:
   Anything else: EACCES. With the host's network (--network=host) every host socket but
   sandboxd's own is reachable, as the host's network is. The connect goes through
   /proc/self/fd/N of the inode that was checked, so a rename in between changes nothing.
+- Approval channels (`sandboxd mcp --http`'s listeners, registered with the daemon while their
+  process lives: launcher.channel_registry): EACCES in every mode, by the bound file's inode for
+  a Unix socket (whatever allowed_unix_sockets names), by address and port with the host's
+  network; the registry is read on each such connect, so a channel that appeared after the
+  sandbox was built is refused too. No sandboxed code reaches a channel that answers approvals.
 - Any other family (TCP, abstract Unix): performed as asked; the network namespace confines
-  them (with the host's network, only sandboxd's listeners are refused).
+  them (with the host's network, only sandboxd's listeners and approval channels are refused).
 
 Init never lets the kernel continue a call it inspected: another thread of
 the caller could rewrite the address in between (the documented seccomp
@@ -45,6 +50,7 @@ import struct
 # an import there would fail. _is_sandboxd_listener finds it in sys.modules.
 from sandboxd.kernel import seccomp_notify, unix_diag
 from sandboxd.kernel._libc import raw_syscall
+from sandboxd.launcher import channel_registry
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -110,9 +116,10 @@ class ConnectBroker:
             family = struct.unpack_from("=H", address)[0]
             if family == AF_UNIX:
                 result = self._connect_unix(n.pid, sock, address)
-            elif family in (AF_INET, AF_INET6) and self.rules.host_network and _is_sandboxd_listener(
-                    address, self.rules.denied_listeners):
-                result = -errno.EACCES                        # sandboxd's own TLS or metrics listener
+            elif family in (AF_INET, AF_INET6) and self.rules.host_network and (
+                    _is_sandboxd_listener(address, self.rules.denied_listeners)
+                    or self._is_approval_channel(address)):
+                result = -errno.EACCES           # sandboxd's own TLS or metrics listener, or an approval channel
             else:
                 result = seccomp_notify.connect_raw(sock, address)
         except OSError as exc:
@@ -125,6 +132,14 @@ class ConnectBroker:
             seccomp_notify.respond(self.listener, n.id, result)
         except OSError:
             pass  # the caller was killed meanwhile
+
+    def _is_approval_channel(self, address: bytes) -> bool:
+        """Whether a TCP connect() would reach a registered approval channel (launcher.channel_registry);
+        OSError when the registry cannot be read (the connect is refused)."""
+        if not self.rules.channel_fds:
+            return False
+        destination = channel_registry.tcp_destination(address)
+        return destination is not None and destination in channel_registry.read(self.rules.channel_fds).tcp
 
     def _connect_unix(self, pid: int, sock: int, address: bytes) -> int:
         path = address[2:].split(b"\0", 1)[0] if address[2:3] != b"\0" else b""
@@ -149,6 +164,8 @@ class ConnectBroker:
             identity = unix_diag.file_identity(st)
             if identity in self.rules.denied:
                 return -errno.EACCES  # sandboxd's own socket, reached through a link or a leftover name
+            if self.rules.channel_fds and identity in channel_registry.read(self.rules.channel_fds).unix:
+                return -errno.EACCES  # an approval channel (`sandboxd mcp --http`), whatever the policy allows
             if (not self.rules.host_network and identity not in self.rules.allowed
                     and identity not in unix_diag.bound_socket_files()):
                 return -errno.EACCES  # a host socket the policy does not name

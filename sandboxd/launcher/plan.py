@@ -32,6 +32,10 @@ class BrokerRules(Record):
     denied_listeners: tuple[tuple[str, int], ...] = ()
     # The host's network as it is: every host socket but sandboxd's own is reachable.
     host_network: bool = False
+    # The registries of approval channels (launcher.channel_registry): their listeners are refused
+    # in every mode; and the descriptors init opened them on, before building the sandbox.
+    channel_dirs: tuple[str, ...] = ()
+    channel_fds: tuple[int, ...] = ()
 
 
 class DebugHooks(Record):
@@ -166,7 +170,7 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
     filter_spec = seccomp.FilterSpec(confined=confined, network_access=network, isolated_network=isolated)
     broker = BrokerRules(allowed=resolved.socket_ids, denied=_socket_ids(spec.denied_sockets),
                          denied_listeners=tuple(_listener(entry) for entry in spec.denied_listeners),
-                         host_network=network and not isolated)
+                         host_network=network and not isolated, channel_dirs=spec.approval_channels)
     if broker.denied_listeners:
         # The connect broker judges addresses with it, in init, which may not be able to import
         # it (connect_broker's imports): load it here, in the process that forks init.

@@ -38,7 +38,7 @@ import _signal as signal  # the C module: signal.py builds IntEnums, which costs
 from sandboxd.errors import ExecFailed, SetupError
 from sandboxd.kernel import caps, cgroups, landlock, namespaces, process, rlimits, seccomp, syscalls, terminals
 from sandboxd.kernel._libc import from_oserror
-from sandboxd.launcher import file_tools, report, rootfs, rootless
+from sandboxd.launcher import channel_registry, file_tools, report, rootfs, rootless
 from sandboxd.launcher.call_plan import Step
 from sandboxd.launcher.init_loop import InitLoop, receive_fd, send_fd
 from sandboxd.launcher.plan import LaunchPlan
@@ -84,6 +84,8 @@ def run_sandbox(plan: LaunchPlan, *, report_fd: int, status_fd: int, cgroup_dirs
         # that died before the death signal was set (getppid() here would already be its heir).
         process.die_with_parent(OUTSIDE_PARENT if plan.confined and not plan.rootless else spawner)
         cgroups.join(cgroup_dirs)                        # before anything forks: limits cover the whole tree
+        if plan.confined:
+            plan = _with_channel_registries(plan)
         if plan.confined and plan.rootless:              # a plain user: init comes from a user namespace
             rootless.run_outer(plan, spawner, lambda: _run_rootless_init(plan, report_fd, status_fd))
         if not plan.confined:
@@ -104,6 +106,13 @@ def _run_rootless_init(plan: LaunchPlan, report_fd: int, status_fd: int) -> NoRe
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "init")
     _run_init(plan, report_fd=report_fd, status_fd=status_fd)
+
+
+def _with_channel_registries(plan: LaunchPlan) -> LaunchPlan:
+    """The plan with its broker holding the approval-channel registries open (launcher.channel_registry):
+    opened here, in the host's namespaces, before anything hides them."""
+    fds = channel_registry.open_registries(plan.broker.channel_dirs)
+    return plan.replace(broker=plan.broker.replace(channel_fds=fds)) if fds else plan
 
 
 # Seen from inside a new PID namespace, a parent outside it has pid 0.
@@ -157,7 +166,7 @@ def _run_init(plan: LaunchPlan, *, report_fd: int, status_fd: int) -> NoReturn:
         command_end.close()
         listener = receive_fd(broker_end)                 # sent by the command just before exec
         broker_end.close()
-    process.close_all_except({status_fd} | ({listener} if listener is not None else set()))
+    process.close_all_except({status_fd, *plan.broker.channel_fds} | ({listener} if listener is not None else set()))
     process.forward_signals_to(command_pid)               # the report pipe closed with the command's exec
     process.release_forwarded_signals()                   # what came meanwhile goes on now
 
@@ -183,8 +192,9 @@ def run_session_init(plan: LaunchPlan, *, report_fd: int, intake: "_socket.socke
     try:
         process.die_with_parent(OUTSIDE_PARENT)
         cgroups.join(cgroup_dirs)
+        plan = _with_channel_registries(plan)
         _build_sandbox(plan, "sandboxd-session")
-        process.close_all_except({intake.fileno()})       # closing the report pipe says "ready"
+        process.close_all_except({intake.fileno(), *plan.broker.channel_fds})   # closing the report pipe says "ready"
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "session init")
     loop = InitLoop(lambda _pid, _status, _usage: None, plan.broker)

@@ -1,29 +1,35 @@
-"""One MCP connection's sandboxd session, and the one event watch that serves it.
+"""One MCP connection's sandboxd session: the tools it shows, and the calls it holds.
 
-The watch (WatchEvents: PermissionRequested and PolicyChanged of this session) turns a policy
+The process's event watch (mcp.events: PermissionRequested and PolicyChanged) turns a policy
 change into `notifications/tools/list_changed`, and hands each held call to the tool call that
 made it: a command by its execution context id (unique per MCP call), any other tool by its name
 (first come, first served; the daemon's file tools carry no context id).
 
+The tools a session shows (``visible``: the daemon's ListTools, less what a read-only sandbox
+hides) are the only ones it runs: a hidden tool called anyway is refused (mcp.handlers), so the
+list a client was given and what runs never disagree. It is read again after each policy change.
+
 When the connection ends (the client closed stdin, was killed, or its HTTP session ended), every
 call still running is cancelled (the daemon kills a cancelled command's process tree) and the
-session is closed, unless it was attached with --session."""
+session is closed, unless it was attached with --session. If `sandboxd mcp` itself is killed,
+the daemon closes its sessions (they were created with close_with_caller)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
 import grpc
+import mcp_types as types
 
+from sandboxd.mcp import catalog
 from sandboxd.mcp.daemon import Daemon
+from sandboxd.mcp.events import EventHub
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 log = logging.getLogger("sandboxd.mcp")
-WATCHED = ("PermissionRequested", "PolicyChanged")
 
 
 class HeldCalls:
@@ -35,15 +41,33 @@ class HeldCalls:
 
 
 class Binding:
-    def __init__(self, daemon: Daemon, session: pb.Session, owned: bool,
+    def __init__(self, daemon: Daemon, session: pb.Session, owned: bool, events: EventHub,
                  tools_changed: Callable[[], Awaitable[None]]) -> None:
         self.daemon, self.session, self.owned = daemon, session, owned
         self.session_id = session.id
+        self._events = events
         self._tools_changed = tools_changed
         self._waiting: list[HeldCalls] = []
         self._calls: set[grpc.aio.Call] = set()
-        self._since = time.time()
-        self._watch = asyncio.get_running_loop().create_task(self._watch_events())
+        self._visible: list[types.Tool] | None = None
+
+    async def start(self) -> None:
+        """Watch this session's events (before any call of it can be held)."""
+        await self._events.subscribe(self.session_id, self._on_event)
+
+    # -- the tools it shows ----------------------------------------------------------------------
+
+    async def visible(self, fresh: bool = False) -> list[types.Tool]:
+        """The tools this session shows (and runs): asked of the daemon when ``fresh``, or after a
+        policy change."""
+        shown = self._visible
+        if shown is None or fresh:
+            session, listed = await asyncio.gather(
+                self.daemon.stub.GetSession(pb.GetSessionRequest(session_id=self.session_id)),
+                self.daemon.stub.ListTools(pb.ListToolsRequest(session_id=self.session_id)))
+            shown = catalog.visible(session, [tool.name for tool in listed.tools])
+            self.session, self._visible = session, shown
+        return shown
 
     # -- calls in flight -------------------------------------------------------------------------
 
@@ -71,28 +95,22 @@ class Binding:
                 held.events.put_nowait(event)
                 return
 
-    async def _watch_events(self) -> None:
-        request = pb.WatchEventsRequest(session_id=self.session_id, types=list(WATCHED))
-        try:
-            async for event in self.daemon.stub.WatchEvents(request):
-                if event.time < self._since:       # history from before this connection
-                    continue
-                if event.type == "PolicyChanged":
-                    await self._tools_changed()
-                else:
-                    data = json.loads(event.data_json or "{}")
-                    self._route(event, str(data.get("execution_context_id") or ""))
-        except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.CANCELLED:
-                log.warning("sandboxd mcp: the event watch ended: %s", error.details())
-        except Exception:                           # noqa: BLE001 - a closed connection while notifying
-            log.debug("the event watch ended", exc_info=True)
+    async def _on_event(self, event: pb.Event) -> None:
+        if event.type == "PolicyChanged":
+            self._visible = None                  # read again before the next list or call
+            try:
+                await self._tools_changed()
+            except Exception:                       # noqa: BLE001 - a closed connection while notifying
+                log.debug("could not notify the client of a tool list change", exc_info=True)
+        else:
+            data = json.loads(event.data_json or "{}")
+            self._route(event, str(data.get("execution_context_id") or ""))
 
     # -- the end ---------------------------------------------------------------------------------
 
     async def close(self) -> None:
         """Cancel what still runs (the daemon kills those trees), then close an owned session."""
-        self._watch.cancel()
+        self._events.unsubscribe(self.session_id)
         for call in list(self._calls):
             call.cancel()
         if self.owned:

@@ -31,8 +31,10 @@ class SessionSpec:
     labels: dict[str, str] = field(default_factory=dict)
 
     def request(self) -> pb.CreateSessionRequest:
+        # close_with_caller: a `sandboxd mcp` killed before it could close its sessions (SIGKILL,
+        # the OOM killer) leaves none open; the daemon closes them when this process exits.
         return pb.CreateSessionRequest(
-            workspace=self.workspace, permission_mode=self.permission_mode, labels=self.labels,
+            workspace=self.workspace, permission_mode=self.permission_mode, labels=self.labels, close_with_caller=True,
             sandbox_policy=sandbox_policy(self.sandbox, network=self.network, writable_roots=self.writable_roots),
             approval_policy=approval_policy(self.approval) if not self.permission_mode else pb.APPROVAL_POLICY_UNSPECIFIED)
 

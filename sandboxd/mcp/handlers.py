@@ -24,6 +24,7 @@ from sandboxd.mcp import catalog
 from sandboxd.mcp.approvals import Progress, answer_held, denied_result
 from sandboxd.mcp.binding import Binding
 from sandboxd.mcp.daemon import Daemon, SessionSpec, denial
+from sandboxd.mcp.events import EventHub
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 TYPE_CHECKING = False
@@ -47,6 +48,7 @@ class App:
     def __init__(self, daemon: Daemon, spec: SessionSpec, ctl: str,
                  first: tuple[pb.Session, bool] | None = None) -> None:
         self.daemon, self.spec, self.ctl = daemon, spec, ctl
+        self.events = EventHub(daemon)   # one watch for every session of this process
         self._first = first              # stdio: the session opened before serving, for the one connection
 
     def take_first(self) -> tuple[pb.Session, bool] | None:
@@ -63,9 +65,10 @@ class App:
             if isinstance(bound, Binding):
                 return bound
             session, owned = self.take_first() or await self.daemon.open(self.spec)
-            bound = Binding(self.daemon, session, owned, connection.send_tool_list_changed)
-            connection.state[_STATE_KEY] = bound
+            bound = Binding(self.daemon, session, owned, self.events, connection.send_tool_list_changed)
             connection.exit_stack.push_async_callback(bound.close)
+            await bound.start()
+            connection.state[_STATE_KEY] = bound
             return bound
 
 
@@ -73,21 +76,26 @@ def build_server(app: App) -> "Server[App]":
     async def list_tools(ctx: "Ctx", _params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
         try:
             binding = await app.binding(ctx)
-            session, listed = await asyncio.gather(
-                app.daemon.stub.GetSession(pb.GetSessionRequest(session_id=binding.session_id)),
-                app.daemon.stub.ListTools(pb.ListToolsRequest(session_id=binding.session_id)))
+            return types.ListToolsResult(tools=await binding.visible(fresh=True))
         except grpc.RpcError as error:
             raise MCPError(INTERNAL_ERROR, f"sandboxd: {error.code().name}: {error.details()}") from None
-        return types.ListToolsResult(tools=catalog.visible(session, [tool.name for tool in listed.tools]))
 
     async def call_tool(ctx: "Ctx", params: types.CallToolRequestParams) -> types.CallToolResult:
         try:
             binding = await app.binding(ctx)
         except grpc.RpcError as error:          # no session for this connection (a quota, say): say why
             return _error(f"no sandboxd session: {error.code().name}: {error.details()}")
+        try:
+            shown = [listed.name for listed in await binding.visible()]
+        except grpc.RpcError as error:
+            return _error(f"sandboxd: {error.code().name}: {error.details()}")
         tool = catalog.BY_NAME.get(params.name)
-        if tool is None:
-            return _error(f"unknown tool {params.name!r}: use one of {', '.join(catalog.BY_NAME)}")
+        if tool is None or tool.name not in shown:
+            # Hidden means refused: a tool the list does not show (a read-only sandbox, a
+            # permission mode) never runs, whoever calls it.
+            why = "unknown tool" if tool is None else "this session does not offer the tool"
+            return _error(f"{why} {params.name!r} ({catalog.policy_text(binding.session)}); use one of "
+                          f"{', '.join(shown)}")
         context_id = f"mcp-{secrets.token_hex(6)}" if tool.name == "shell" else ""
         held = binding.expect(tool.daemon_tool, context_id)
         progress = Progress(ctx)

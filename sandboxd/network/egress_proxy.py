@@ -9,7 +9,8 @@ sandbox's network namespace, bound before the sandbox exists; ``listen``), and f
 - takes the destination *name* (CONNECT host:port, an absolute http:// URI, or a SOCKS5 domain
   address; a bare IP address is refused: there is no name to check),
 - checks it against the allowlist (``pypi.org`` exactly, ``*.pypi.org`` any subdomain): only an ASCII
-  host name can match, the rule the policy's names follow (policy.domains),
+  host name can match, the rule the policy's names follow (policy.domains), and, rootless, the port
+  against ROOTLESS_PORTS,
 - resolves it itself (network.dns: the configured resolvers, else the host's) and refuses at once, with a
   reason, an address in a range no sandbox may reach (``REFUSED_RANGES``),
 - connects from INSIDE the sandbox's network namespace, with a socket carrying ``PROXY_MARK``
@@ -55,6 +56,11 @@ MAX_REQUEST_HEAD = 65536
 # 198.51.100.0/24 (TEST-NET-2) is left out on purpose: the test suite's stand-in internet lives there.
 REFUSED_RANGES = BLOCKED_RANGES + ("192.0.2.0/24", "203.0.113.0/24", "192.88.99.0/24", "255.255.255.255/32")
 _REFUSED = [ipaddress.ip_network(r) for r in REFUSED_RANGES]
+# The ports a rootless proxy relays an allowed name to (network.loopback_proxy): HTTP and HTTPS
+# and their usual alternates, what package registries and web APIs listen on. With no kernel
+# filter behind it, an allowed name is not an allowed host: its ssh, mail or database port stays
+# shut (docs/rootless.md names these).
+ROOTLESS_PORTS = (80, 443, 8080, 8443)
 
 # Where a sandbox finds its proxy: its own loopback. Not the host side of its link: an address of the
 # host's namespace, where any local user may bind port 3128 (or 0.0.0.0:3128, or any address with
@@ -131,6 +137,7 @@ class EgressProxy(TcpService):
         self._allowed, self._client = allowed, PROXY_ADDRESS
         self._resolvers, self._on_denied = list(resolvers), on_denied
         self._netns = os.dup(netns_fd) if netns_fd >= 0 else -1
+        self._ports = ROOTLESS_PORTS if netns_fd < 0 else None
         self.cap = ConnectionCap(connections)
         self._cap_reported = False
 
@@ -206,6 +213,11 @@ class EgressProxy(TcpService):
                 return
             if self._netns < 0 and host_owns(address):
                 self.denied(destination, f"it resolves to {address}, an address of this host")
+                request.fail(request.forbidden)
+                return
+            if self._ports is not None and port not in self._ports:   # after the graver reasons, to say them
+                self.denied(destination, f"port {port} is not one this proxy relays to (only "
+                                         f"{', '.join(map(str, self._ports))})")
                 request.fail(request.forbidden)
                 return
             try:

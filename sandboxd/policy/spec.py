@@ -93,6 +93,9 @@ class LaunchSpec(Record):
     hidden_paths: tuple[str, ...] = ()
     denied_sockets: tuple[str, ...] = ()
     denied_listeners: tuple[str, ...] = ()   # "HOST:PORT" of the daemon's TCP listeners
+    # The registries of approval channels (`sandboxd mcp --http`'s listeners), whose sockets
+    # connect() is refused for too, also those registered after the launch (launcher.channel_registry).
+    approval_channels: tuple[str, ...] = ()
     # `sandboxd run`'s homes (cli/run_env.py; rootfs step 7b): directories covered by an empty,
     # read-only directory, so that a command never reads the dotfiles (keys, tokens) of its user or
     # its caller (a workspace or writable root inside one is attached over it); and the command's
@@ -129,7 +132,7 @@ class LaunchSpec(Record):
                                         f"{exc}") from None
         if self.user is not None and (self.user[0] < 0 or self.user[1] < 0):
             raise InvalidPolicy(f"bad user {self.user!r}: uid and gid must be >= 0")
-        for path in (*self.hidden_paths, *self.denied_sockets):
+        for path in (*self.hidden_paths, *self.denied_sockets, *self.approval_channels):
             if not path.startswith("/") or "\0" in path:
                 raise InvalidPolicy(f"sandboxd's own path {path!r} must be absolute")
         for path in self.hidden_homes:
@@ -189,7 +192,8 @@ def spec_to_dict(spec: LaunchSpec) -> dict[str, object]:
         "dns": list(spec.dns), "network_pool": spec.network_pool,
         "caller": [spec.caller[0], spec.caller[1], list(spec.caller[2])] if spec.caller else None,
         "hidden_paths": list(spec.hidden_paths), "denied_sockets": list(spec.denied_sockets),
-        "denied_listeners": list(spec.denied_listeners), "owner": spec.owner,
+        "denied_listeners": list(spec.denied_listeners), "approval_channels": list(spec.approval_channels),
+        "owner": spec.owner,
         "hidden_homes": list(spec.hidden_homes), "private_home": spec.private_home,
     }
 
@@ -231,6 +235,7 @@ def spec_from_dict(data: dict[str, object]) -> LaunchSpec:
                           caller=_caller(data.get("caller")), hidden_paths=_strings(data, "hidden_paths"),
                           denied_sockets=_strings(data, "denied_sockets"),
                           denied_listeners=_strings(data, "denied_listeners"),
+                          approval_channels=_strings(data, "approval_channels"),
                           owner=str(data.get("owner") or ""),
                           hidden_homes=_strings(data, "hidden_homes"),
                           private_home=str(data.get("private_home") or ""))

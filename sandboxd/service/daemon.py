@@ -27,12 +27,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
+from sandboxd import defaults
 from sandboxd.audit.store import EventStore, open_in_state_dir
 from sandboxd.config.settings import DaemonSettings
 from sandboxd.service import memtrace, systemd
+from sandboxd.service.approval_channels import ApprovalChannels
 from sandboxd.service.approvals import ApprovalGate
 from sandboxd.service.callers import Callers, TlsIdentity
 from sandboxd.service.metrics import Metrics
+from sandboxd.service.process_ties import ProcessTies
 from sandboxd.network.front_door import FrontDoor
 from sandboxd.printable import printable
 from sandboxd.service.quotas import Quotas
@@ -42,6 +45,7 @@ from sandboxd.service.server import (MAX_FORK_RESTARTS, RESTART_WINDOW, ForkWatc
                                      sweep_private_dir)
 from sandboxd.service.servicer import Reflection, SandboxServicer
 from sandboxd.service.sessions import SessionRegistry
+from sandboxd.service.tied_sessions import TiedSessions
 from sandboxd.service.watchdog import Watchdog
 from sandboxd.supervisor.forkserver import ForkServer
 from sandboxd.v1 import sandboxd_pb2, sandboxd_pb2_grpc
@@ -63,6 +67,7 @@ class _Parts:
     workers: futures.ThreadPoolExecutor
     health: health.HealthServicer
     backend: str                                 # the gRPC server's private socket
+    ties: ProcessTies                            # what ends with a client's process
     log_handler: logging.Handler
     tracer: memtrace.MemoryTracer | None
 
@@ -135,7 +140,7 @@ class Daemon:
             activated = systemd.activated_socket()
             socket_path = s.socket if activated is None else activated.getsockname() or s.socket  # systemd wins
             base = os.path.dirname(os.path.abspath(socket_path))
-            private = os.path.join(base, ".sandboxd-private")
+            private = os.path.join(base, defaults.PRIVATE_DIR_NAME)
             os.makedirs(base, mode=0o755, exist_ok=True)
             os.makedirs(private, mode=0o700, exist_ok=True)
             os.chmod(private, 0o700)
@@ -146,8 +151,7 @@ class Daemon:
             store = open_in_state_dir(s.state_dir, limits=s.audit)
             undo.callback(store.close)
             tls = s.tls
-            own = own_places(socket_path, private, backend, s.state_dir, tls.address if tls else "",
-                             s.metrics_listen)
+            own = own_places(socket_path, backend, s.state_dir, tls.address if tls else "", s.metrics_listen)
             counters = Quotas(s.quotas)
             metrics = Metrics()
             registry = SessionRegistry(fork, store, dns=s.dns, network_pool=s.network_pool, own=own,
@@ -158,6 +162,13 @@ class Daemon:
                                        count_network_denial=metrics.network_denials.inc)
             undo.callback(registry.close_all)
             resumed = registry.restore()
+            # What ends with a client's process: sessions asked for with close_with_caller, approval
+            # channels. Those whose process exited while no daemon ran end now.
+            ties = ProcessTies()
+            undo.callback(ties.close)
+            tied = TiedSessions(registry, ties)
+            resumed -= tied.restore()
+            channels = ApprovalChannels(defaults.channels_dir(socket_path), ties)
             metrics.watch(sessions=registry.count_open,
                           running=lambda: sum(session.running_calls for session in registry.open_sessions()),
                           events=store.last_id)
@@ -177,7 +188,7 @@ class Daemon:
             callers = Callers(door, tls_identity, sandboxed, s.admin_gid)
             sandboxd_pb2_grpc.add_SandboxServicer_to_server(
                 SandboxServicer(registry, fork, callers, gate, metrics, s.session_defaults, counters,
-                                connections=door), server)
+                                connections=door, tied=tied, channels=channels), server)
             health_servicer = health.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
             reflection_pb2_grpc.add_ServerReflectionServicer_to_server(Reflection(
@@ -197,7 +208,7 @@ class Daemon:
             self._set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
             self._parts = _Parts(fork=fork, store=store, registry=registry, metrics=metrics, door=door,
                                  server=server, workers=workers, health=health_servicer, backend=backend,
-                                 log_handler=handler, tracer=tracer)
+                                 ties=ties, log_handler=handler, tracer=tracer)
             undo.pop_all()                        # started: stop() takes it down from here on
         log.info("serving", extra={"fields": {"socket": socket_path, "pid": os.getpid(),
                                               "tls": tls.address if tls else None, "event_store": store.path,
@@ -269,6 +280,7 @@ class Daemon:
         log.info("stopping", extra={"fields": {"sessions": parts.registry.count_open()}})
         parts.health.enter_graceful_shutdown()
         parts.door.close()
+        parts.ties.close()                       # what is tied stays so, for the next daemon
         parts.registry.close_all()
         parts.server.stop(grace=STOP_GRACE_SECONDS).wait()
         parts.workers.shutdown()

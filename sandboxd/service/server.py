@@ -10,6 +10,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from sandboxd import defaults
 from sandboxd.printable import printable
 
 if TYPE_CHECKING:
@@ -40,23 +41,15 @@ class TextLogFormatter(logging.Formatter):
                 + (f" ({fields})" if fields else ""))
 
 
-# Directories a socket may sit in that are not sandboxd's own: hiding one of them would hide far
-# more than sandboxd (resolv.conf's stub, other services' sockets), so only sandboxd's own
-# entries in it are hidden then.
-SHARED_DIRECTORIES = frozenset({"/", "/run", "/var/run", "/tmp", "/var/tmp", "/dev/shm", "/var", "/var/lib", "/home",
-                                "/root", "/srv", "/opt", "/etc", "/usr", "/mnt", "/media"})
-
-
-def own_places(socket_path: str, private: str, backend: str, state_dir: str, tls_address: str,
+def own_places(socket_path: str, backend: str, state_dir: str, tls_address: str,
                metrics_listen: str) -> "OwnPlaces":
     """What of this daemon every sandbox must not see or reach (sessions.OwnPlaces)."""
     from sandboxd.service.sessions import OwnPlaces
 
-    socket_dir = os.path.dirname(os.path.abspath(socket_path))
-    hidden = ([socket_path, private] if socket_dir in SHARED_DIRECTORIES else [socket_dir]) + [state_dir]
     listeners = tuple(address for address in (tls_address, metrics_listen) if address)
-    return OwnPlaces(hidden=tuple(os.path.abspath(p) for p in hidden),
-                     sockets=(os.path.abspath(socket_path), backend), listeners=listeners)
+    return OwnPlaces(hidden=(*defaults.daemon_hidden_paths(socket_path), os.path.abspath(state_dir)),
+                     sockets=(os.path.abspath(socket_path), backend), listeners=listeners,
+                     channels=(defaults.channel_registry(socket_path),))
 
 
 SELF_TEST_DIR = "/var/tmp"

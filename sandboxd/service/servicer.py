@@ -28,8 +28,10 @@ from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 
 
 if TYPE_CHECKING:
+    from sandboxd.service.approval_channels import ApprovalChannels
     from sandboxd.service.daemon_status import ConnectionCounts
     from sandboxd.service.metrics import Metrics
+    from sandboxd.service.tied_sessions import TiedSessions
 
 R = TypeVar("R")   # what a unary call's work returns
 
@@ -56,7 +58,9 @@ class SandboxServicer(pb_grpc.SandboxServicer):
     def __init__(self, registry: SessionRegistry, fork: ForkServer, callers: "Callers | FrontDoor",
                  gate: ApprovalGate, metrics: "Metrics | None" = None,
                  defaults: "SessionDefaults | None" = None, quotas: Quotas | None = None,
-                 connections: "ConnectionCounts | None" = None) -> None:
+                 connections: "ConnectionCounts | None" = None, tied: "TiedSessions | None" = None,
+                 channels: "ApprovalChannels | None" = None) -> None:
+        self._tied, self._channels = tied, channels       # close_with_caller; RegisterApprovalChannel
         self._quotas = quotas or registry.quotas
         self._metrics = metrics
         self._defaults = defaults or SessionDefaults()
@@ -92,10 +96,16 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         def work(who: Caller) -> pb.Session:
             convert.check_path(request.workspace, "workspace")
             policy, approval, rules = convert.axes_from_create_request(request, self._defaults)
+            labels = convert.labels_from_proto(request.labels)
+            if self._tied is not None:
+                labels = self._tied.labels(who, labels, request.close_with_caller)
+            elif request.close_with_caller:
+                raise InvalidPolicy("this daemon cannot close a session with its caller")
             session = self._registry.create(who, request.workspace, policy, approval,
                                             convert.limits_from_proto(request.limits, self._defaults),
-                                            convert.labels_from_proto(request.labels), rules,
-                                            env=environment.session_env(request.env))
+                                            labels, rules, env=environment.session_env(request.env))
+            if self._tied is not None:
+                self._tied.tie(session)
             return session_to_proto(session)
         return self._unary(context, work)
 
@@ -315,6 +325,14 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                           context: grpc.ServicerContext) -> pb.ListStandingRulesResponse:
         return self._unary(context, lambda who: self._audit.rules(
             who, convert.check_path(request.workspace, "workspace")))
+
+    def RegisterApprovalChannel(self, request: pb.RegisterApprovalChannelRequest,
+                                context: grpc.ServicerContext) -> pb.ApprovalChannel:
+        def work(who: Caller) -> pb.ApprovalChannel:
+            if self._channels is None:
+                raise InvalidPolicy("this daemon keeps no approval channels")
+            return self._channels.register(who)
+        return self._unary(context, work)
 
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.DaemonStatus:
         from sandboxd.service import daemon_status

@@ -40,6 +40,7 @@ class OwnPlaces(Record):
     hidden: tuple[str, ...] = ()
     sockets: tuple[str, ...] = ()
     listeners: tuple[str, ...] = ()
+    channels: tuple[str, ...] = ()      # the registries of approval channels (launcher.channel_registry)
 
 
 class SandboxPlaces(Record):
@@ -147,7 +148,7 @@ class SessionLifecycle:
                     "before": before, "after": after, "by_uid": caller.uid, "generation": generation or now})
         return session
 
-    def close(self, caller: Caller, session: Session) -> None:
+    def close(self, caller: Caller, session: Session, reason: str = "") -> None:
         with session.build_lock:                      # after a policy change under way: its sandbox too
             with session.lock:
                 if session.closed:
@@ -161,7 +162,8 @@ class SessionLifecycle:
                     self._close_sandbox(session, generation)
             self._hooks.session_closed(session)
         self._store.save_session(session.to_row(closed_at=time.time()))
-        self._store.append(session.id, EventType.SESSION_CLOSED, data={"by_uid": caller.uid})
+        self._store.append(session.id, EventType.SESSION_CLOSED,
+                           data={"by_uid": caller.uid, **({"reason": reason} if reason else {})})
 
     def close_all(self) -> None:
         """The daemon stops: every sandbox goes, but the sessions stay open in the store, to be
@@ -286,4 +288,5 @@ class SessionLifecycle:
                           limits=session.limits, user=command_user(session.owner, policy), dns=self._places.dns,
                           network_pool=self._places.network_pool, caller=rights_of(session.owner),
                           hidden_paths=own.hidden, denied_sockets=own.sockets, denied_listeners=own.listeners,
+                          approval_channels=own.channels,
                           owner=cgroup_owner(session.owner))

@@ -146,8 +146,9 @@ class SessionRegistry:
         return self._life.update_policy(caller, session, policy, approval, lambda new: self._check_policy(
             caller, new, session.workspace, owner=session.owner, session_id=session.id))
 
-    def close(self, caller: Caller, session_id: str) -> None:
-        self._life.close(caller, self.get(caller, session_id))
+    def close(self, caller: Caller, session_id: str, reason: str = "") -> None:
+        """``reason``: why the daemon closed it itself (the SessionClosed event says so)."""
+        self._life.close(caller, self.get(caller, session_id), reason)
 
     def close_all(self) -> None:
         self._life.close_all()

@@ -125,7 +125,7 @@ class Session(_message.Message):
     def __init__(self, id: _Optional[str] = ..., workspace: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., owner_uid: _Optional[int] = ..., owner_gid: _Optional[int] = ..., created_at: _Optional[float] = ..., running_calls: _Optional[int] = ..., sandbox_generation: _Optional[int] = ..., permission_mode: _Optional[str] = ..., closed_at: _Optional[float] = ..., sandbox_ready: _Optional[bool] = ..., env_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("workspace", "sandbox_policy", "approval_policy", "limits", "labels", "permission_mode", "allow_shell", "allow_file_write", "env")
+    __slots__ = ("workspace", "sandbox_policy", "approval_policy", "limits", "labels", "permission_mode", "allow_shell", "allow_file_write", "env", "close_with_caller")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,7 @@ class CreateSessionRequest(_message.Message):
     ALLOW_SHELL_FIELD_NUMBER: _ClassVar[int]
     ALLOW_FILE_WRITE_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_WITH_CALLER_FIELD_NUMBER: _ClassVar[int]
     workspace: str
     sandbox_policy: SandboxPolicy
     approval_policy: ApprovalPolicy
@@ -158,7 +159,8 @@ class CreateSessionRequest(_message.Message):
     allow_shell: bool
     allow_file_write: bool
     env: _containers.ScalarMap[str, str]
-    def __init__(self, workspace: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., permission_mode: _Optional[str] = ..., allow_shell: _Optional[bool] = ..., allow_file_write: _Optional[bool] = ..., env: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    close_with_caller: bool
+    def __init__(self, workspace: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., permission_mode: _Optional[str] = ..., allow_shell: _Optional[bool] = ..., allow_file_write: _Optional[bool] = ..., env: _Optional[_Mapping[str, str]] = ..., close_with_caller: _Optional[bool] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -775,6 +777,18 @@ class RemoveStandingRuleResponse(_message.Message):
 class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class RegisterApprovalChannelRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ApprovalChannel(_message.Message):
+    __slots__ = ("listeners", "secrets_dir")
+    LISTENERS_FIELD_NUMBER: _ClassVar[int]
+    SECRETS_DIR_FIELD_NUMBER: _ClassVar[int]
+    listeners: _containers.RepeatedScalarFieldContainer[str]
+    secrets_dir: str
+    def __init__(self, listeners: _Optional[_Iterable[str]] = ..., secrets_dir: _Optional[str] = ...) -> None: ...
 
 class DaemonStatus(_message.Message):
     __slots__ = ("version", "pid", "started_at", "features", "sessions", "running_calls", "pending_approvals", "events", "quota_limits", "quota_usage")

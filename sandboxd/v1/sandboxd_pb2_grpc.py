@@ -169,6 +169,11 @@ class SandboxStub:
                 request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.DaemonStatus.FromString,
                 _registered_method=True)
+        self.RegisterApprovalChannel = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/RegisterApprovalChannel',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.RegisterApprovalChannelRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ApprovalChannel.FromString,
+                _registered_method=True)
 
 
 class SandboxServicer:
@@ -370,6 +375,19 @@ class SandboxServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterApprovalChannel(self, request, context):
+        """An approval channel: the calling process (`sandboxd mcp --http`) answers approvals for its
+        user's sessions on the listening sockets it holds. Every socket it listens on (loopback TCP,
+        Unix) is registered: connect() to it is refused in every sandbox (of this daemon, and every
+        `sandboxd run` on the machine) for as long as that process lives. The answer names them, and
+        a directory of the caller's own (mode 0700) that every sandbox hides, for its secrets. Local
+        callers on the Unix socket only; at most 16 listeners per user. A process that holds no
+        listening socket, or one on an address other than loopback, is INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SandboxServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -507,6 +525,11 @@ def add_SandboxServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.GetStatusRequest.FromString,
                     response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.DaemonStatus.SerializeToString,
+            ),
+            'RegisterApprovalChannel': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterApprovalChannel,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.RegisterApprovalChannelRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ApprovalChannel.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1238,6 +1261,33 @@ class Sandbox:
             '/sandboxd.v1.Sandbox/GetStatus',
             sandboxd_dot_v1_dot_sandboxd__pb2.GetStatusRequest.SerializeToString,
             sandboxd_dot_v1_dot_sandboxd__pb2.DaemonStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterApprovalChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/RegisterApprovalChannel',
+            sandboxd_dot_v1_dot_sandboxd__pb2.RegisterApprovalChannelRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.ApprovalChannel.FromString,
             options,
             channel_credentials,
             insecure,
