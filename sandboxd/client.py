@@ -10,8 +10,10 @@
 from __future__ import annotations
 
 import os
+import random
 import sys
-from typing import Callable, Iterator
+import time
+from typing import Any, Callable, Iterator
 
 import grpc
 
@@ -52,10 +54,47 @@ MAX_READ_BYTES = 64 << 20
 MAX_RECEIVE_BYTES = MAX_READ_BYTES + (1 << 20)
 CHANNEL_OPTIONS = (("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),)
 
+# A request the daemon refused because its owner already had quotas.requests_per_uid requests in
+# progress did nothing: the bound is on how many at once, not how many in all, so a client's own
+# burst (an MCP server's concurrent tool listings, a script's threads) waits and tries again, about
+# 4 s in all with jitter, instead of failing. Every other refusal is returned at once.
+REQUEST_QUOTA_KEY = "quotas.requests_per_uid"
+RETRY_DELAYS = (0.02, 0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0)
+
+
+def refused_for_requests_in_progress(code: "grpc.StatusCode | None", details: "str | None") -> bool:
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and REQUEST_QUOTA_KEY in (details or "")
+
+
+def retry_delays() -> Iterator[float]:
+    """The waits between tries, each jittered (so a burst refused together does not come back together)."""
+    for delay in RETRY_DELAYS:
+        yield delay * random.uniform(0.5, 1.5)
+
+
+class RetryRequestsInProgress(grpc.UnaryUnaryClientInterceptor):
+    """Unary requests refused for the owner's requests in progress are tried again (above)."""
+
+    def intercept_unary_unary(self, continuation: Callable[[Any, Any], Any], client_call_details: Any,
+                              request: Any) -> Any:
+        outcome = continuation(client_call_details, request)
+        for delay in retry_delays():
+            if not refused_for_requests_in_progress(outcome.code(), outcome.details()):
+                break
+            time.sleep(delay)
+            outcome = continuation(client_call_details, request)
+        return outcome
+
+
+def request_channel(socket_path: str) -> grpc.Channel:
+    """A channel on the daemon's socket whose unary requests ride out a burst of the caller's own."""
+    return grpc.intercept_channel(grpc.insecure_channel(f"unix:{socket_path}", options=CHANNEL_OPTIONS),
+                                  RetryRequestsInProgress())
+
 
 class SandboxClient:
     def __init__(self, socket_path: str = DEFAULT_SOCKET) -> None:
-        self._channel = grpc.insecure_channel(f"unix:{socket_path}", options=CHANNEL_OPTIONS)
+        self._channel = request_channel(socket_path)
         self.stub = pb_grpc.SandboxStub(self._channel)
         self._run_supported = True          # until a daemon older than the Run RPC says otherwise
 

@@ -4,13 +4,16 @@ command line's flags, and a denial read back from a failed call."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import grpc
 import grpc.aio
 
-from sandboxd.client import CHANNEL_OPTIONS, approval_policy, sandbox_policy
+from sandboxd.client import (CHANNEL_OPTIONS, approval_policy, refused_for_requests_in_progress, retry_delays,
+                             sandbox_policy)
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 
@@ -39,12 +42,28 @@ class SessionSpec:
             approval_policy=approval_policy(self.approval) if not self.permission_mode else pb.APPROVAL_POLICY_UNSPECIFIED)
 
 
+class RetryRequestsInProgress(grpc.aio.UnaryUnaryClientInterceptor):
+    """sandboxd.client.RetryRequestsInProgress for the asyncio channel: an MCP client's concurrent
+    tool calls and listings are a burst of this process's own requests."""
+
+    async def intercept_unary_unary(self, continuation: Callable[[Any, Any], Any], client_call_details: Any,
+                                    request: Any) -> Any:
+        call = await continuation(client_call_details, request)
+        for delay in retry_delays():
+            if not refused_for_requests_in_progress(await call.code(), await call.details()):
+                break
+            await asyncio.sleep(delay)
+            call = await continuation(client_call_details, request)
+        return call
+
+
 class Daemon:
     """One asyncio channel to the daemon (created in the running event loop)."""
 
     def __init__(self, socket_path: str) -> None:
         self.socket_path = socket_path
-        self.channel = grpc.aio.insecure_channel(f"unix:{socket_path}", options=CHANNEL_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(f"unix:{socket_path}", options=CHANNEL_OPTIONS,
+                                                 interceptors=[RetryRequestsInProgress()])
         self.stub = pb_grpc.SandboxStub(self.channel)
 
     async def open(self, spec: SessionSpec) -> tuple[pb.Session, bool]:

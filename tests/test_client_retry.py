@@ -1,0 +1,95 @@
+"""The clients ride out a burst of their own requests (quotas.requests_per_uid) and nothing else.
+
+A stand-in daemon in this process answers GetStatus with the daemon's own refusal a given number
+of times before it answers; what the clients see is asserted, with the control of a refusal that
+names another key (returned at once, tried once)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from sandboxd.client import REQUEST_QUOTA_KEY, SandboxClient
+from sandboxd.mcp.daemon import Daemon
+from sandboxd.v1 import sandboxd_pb2 as pb
+from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
+
+
+class Refusing(pb_grpc.SandboxServicer):
+    def __init__(self) -> None:
+        self.refusals, self.key, self.tries = 0, REQUEST_QUOTA_KEY, 0
+        self.lock = threading.Lock()
+
+    def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.DaemonStatus:
+        with self.lock:
+            self.tries += 1
+            refuse = self.tries <= self.refusals
+        if refuse:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"uid 1000 already has 8 requests in progress, its limit ({self.key}): wait")
+        return pb.DaemonStatus(version="stand-in")
+
+
+@pytest.fixture
+def stand_in(tmp_path: Path) -> Iterator[tuple[Refusing, str]]:
+    servicer = Refusing()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_SandboxServicer_to_server(servicer, server)
+    socket_path = str(tmp_path / "sandboxd.sock")
+    server.add_insecure_port(f"unix:{socket_path}")
+    server.start()
+    try:
+        yield servicer, socket_path
+    finally:
+        server.stop(None)
+
+
+@pytest.mark.parametrize("refusals", [1, 5])
+def test_the_sync_client_tries_again_while_its_requests_are_in_progress(
+        stand_in: tuple[Refusing, str], refusals: int) -> None:
+    servicer, socket_path = stand_in
+    servicer.refusals = refusals
+    with SandboxClient(socket_path) as client:
+        assert client.stub.GetStatus(pb.GetStatusRequest()).version == "stand-in"
+    assert servicer.tries == refusals + 1
+
+
+def test_the_sync_client_gives_up_and_says_why(stand_in: tuple[Refusing, str]) -> None:
+    servicer, socket_path = stand_in
+    servicer.refusals = 1000
+    with SandboxClient(socket_path) as client, pytest.raises(grpc.RpcError) as refused:
+        client.stub.GetStatus(pb.GetStatusRequest())
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert REQUEST_QUOTA_KEY in (refused.value.details() or "")
+    assert 2 < servicer.tries < 20                    # bounded: a few tries, then the refusal
+
+
+def test_another_refusal_is_returned_at_once(stand_in: tuple[Refusing, str]) -> None:
+    """The control: a refusal for anything else (the audit budget here) is not tried again."""
+    servicer, socket_path = stand_in
+    servicer.refusals, servicer.key = 1, "audit.owner_budget"
+    with SandboxClient(socket_path) as client, pytest.raises(grpc.RpcError) as refused:
+        client.stub.GetStatus(pb.GetStatusRequest())
+    assert "audit.owner_budget" in (refused.value.details() or "")
+    assert servicer.tries == 1
+
+
+def test_the_mcp_servers_channel_tries_again_too(stand_in: tuple[Refusing, str]) -> None:
+    servicer, socket_path = stand_in
+    servicer.refusals = 3
+
+    async def ask() -> str:
+        daemon = Daemon(socket_path)
+        try:
+            return (await daemon.stub.GetStatus(pb.GetStatusRequest())).version
+        finally:
+            await daemon.close()
+
+    assert asyncio.run(ask()) == "stand-in"
+    assert servicer.tries == 4
