@@ -123,9 +123,17 @@ def test_status(base: Path, client: SandboxClient) -> None:
     assert "quotas (yours/limit): sessions " in out and "connections 1/256" in out, out
 
 
-def ctl_env(*args: str, env: dict[str, str], stdin: str = "") -> subprocess.CompletedProcess[str]:
-    """sandboxctl without --socket, under the given environment."""
-    return subprocess.run([SANDBOXCTL, *args], input=stdin, capture_output=True, text=True, timeout=60,
+# Runs a command where nothing serves on the default socket: /run/sandboxd behind an empty tmpfs.
+HIDE_DEFAULT_DAEMON = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                       '[ ! -d /run/sandboxd ] || mount -t tmpfs tmpfs /run/sandboxd || exit 99; exec "$@"', "sh"]
+
+
+def ctl_env(*args: str, env: dict[str, str], stdin: str = "",
+            without_default_daemon: bool = False) -> subprocess.CompletedProcess[str]:
+    """sandboxctl without --socket, under the given environment; ``without_default_daemon``: where no
+    daemon serves on the default socket, whatever serves there on this machine."""
+    return subprocess.run([*(HIDE_DEFAULT_DAEMON if without_default_daemon else []), SANDBOXCTL, *args],
+                          input=stdin, capture_output=True, text=True, timeout=60,
                           env={"PATH": os.environ["PATH"], **env})
 
 
@@ -136,9 +144,11 @@ def test_socket_from_the_environment(base: Path, session_id: str) -> None:
     # The flag wins over the environment.
     flagged = ctl_env("--socket", socket, "session", "list", env={"SANDBOXD_SOCKET": str(base / "nowhere.sock")})
     assert flagged.returncode == 0 and session_id in flagged.stdout, flagged.stderr
-    # Control: neither names the test daemon, so the default socket (no daemon there) is used.
-    default = ctl_env("session", "list", env={"SANDBOXD_SOCKET": ""})
+    # Control: neither names the test daemon, so the default socket is used. Another daemon may serve
+    # there (the README's `setup.sh serve`): it is hidden, in a mount namespace of this call's own.
+    default = ctl_env("session", "list", env={"SANDBOXD_SOCKET": ""}, without_default_daemon=True)
     assert default.returncode == 1 and session_id not in default.stdout
+    assert "cannot reach sandboxd at /run/sandboxd/sandboxd.sock" in default.stderr, default.stderr
     # From $SANDBOXD_SOCKET, the approval hint needs no --socket: the same environment answers it
     # (test_approvals_and_events_from_the_shell is the control: from --socket, the hint names it).
     workspace = base / "ctl-env-approval"
