@@ -21,6 +21,7 @@ import os
 import random
 import socket
 import subprocess
+import sys
 import textwrap
 import time
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PY, SANDBOXD
+from conftest import PY, SANDBOXD, SLOW
 from daemon_helpers import descendants, sandbox_links
 from sandboxd.kernel import netns as kernel_netns
 from sandboxd.policy import LaunchSpec, WorkspaceWrite
@@ -111,14 +112,49 @@ def sh(*commands: str) -> None:
         subprocess.run(command, shell=True, check=True, capture_output=True, text=True, timeout=30)
 
 
+# The world's routes and addresses are the host's (198.51.100.0/24, the metadata address, 203.0.113.1):
+# one world at a time on a machine, whichever checkout's test run builds it. A second one waits.
+WORLD_LOCK = "/run/lock/sandboxd-test-world.lock"
+WORLD_WAIT = 240.0 * SLOW
+
+
 class World:
     def __init__(self) -> None:
         tag = os.urandom(2).hex()
         self.gw, self.pv = f"tgw{tag}", f"tpv{tag}"
         self.processes: list[subprocess.Popen[str]] = []
         self.host_listeners: list[socket.socket] = []
+        self.lock = -1
+
+    def take_the_host(self) -> None:
+        """The machine-wide lock on the world's host routes and addresses, waiting up to WORLD_WAIT
+        for another test run's world (it names its holder); released at teardown or with the process."""
+        import fcntl
+
+        os.makedirs(os.path.dirname(WORLD_LOCK), exist_ok=True)
+        self.lock = os.open(WORLD_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        deadline = time.monotonic() + WORLD_WAIT
+        while True:
+            try:
+                fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    holder = os.pread(self.lock, 4096, 0).decode(errors="replace")
+                    raise AssertionError(f"another test run's world still holds the host's routes after "
+                                         f"{WORLD_WAIT:.0f} s: {holder}") from None
+                time.sleep(0.5)
+        os.ftruncate(self.lock, 0)
+        os.pwrite(self.lock, f"pid {os.getpid()}: {' '.join(sys.argv)[:300]}\n".encode(), 0)
+        # What a world killed before its teardown left (no live one can exist now: each holds the lock).
+        left = subprocess.run("ip -o link show; ip netns list", shell=True, capture_output=True, text=True).stdout
+        for name in {word.split("@")[0].rstrip(":") for word in left.split() if word.startswith(("tgw", "tpv"))}:
+            subprocess.run(f"ip link del {name} || ip netns del {name}", shell=True, capture_output=True, timeout=30)
+        for route in ("198.51.100.0/24", f"{METADATA}/32"):
+            subprocess.run(["ip", "route", "del", route], capture_output=True, timeout=30)
 
     def build(self) -> "World":
+        self.take_the_host()
         gw, pv = self.gw, self.pv
         sh(f"ip netns add {gw}", f"ip netns add {pv}",
            f"ip link add {gw}h type veth peer name {gw}i", f"ip link set {gw}i netns {gw}",
@@ -165,9 +201,13 @@ class World:
             proc.wait()
         for listener in self.host_listeners:
             listener.close()
+        if self.lock < 0:                                   # never took the host: nothing of ours there
+            return
         for command in ("ip route del 198.51.100.0/24", f"ip route del {METADATA}/32", f"ip link del {self.gw}h",
                         f"ip link del {self.pv}h", f"ip netns del {self.gw}", f"ip netns del {self.pv}"):
             subprocess.run(command, shell=True, capture_output=True, timeout=30)
+        os.close(self.lock)
+        self.lock = -1
 
 
 @pytest.fixture(scope="module")
