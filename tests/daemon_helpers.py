@@ -15,8 +15,8 @@ left behind. Nothing is mocked.
   :class:`ExecCall` drives an interactive call (stdin chunks, signals, cancel)
   through a queue-backed request iterator.
 * :func:`run_client_as` runs a small client script as another uid: it imports
-  grpc and sandboxd.v1 as root (the interpreter lives under /root/.pyenv,
-  unreadable to other uids), then drops privileges, then connects.
+  grpc and sandboxd.v1 as root (a checkout plain users cannot read works too),
+  then drops privileges, then connects.
 * Host probes: :func:`descendants`, :func:`survivors`, :func:`sandbox_cgroups`,
   :func:`sandbox_links`, :func:`mount_count`, :func:`fd_count`.
 """
