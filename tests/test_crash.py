@@ -29,8 +29,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import kill_marked, pids_with_marker, wait_until_gone
 from daemon_helpers import (Daemon, ExecCall, close_quietly, create_session, descendants, exec_start, kill_procs,
-                            make_base_dir, mount_count, remove_tree, rpc_error, run_exec, sandbox_cgroups, sandbox_links,
-                            survivors, workspace_write)
+                            make_base_dir, mount_count, remove_tree, rpc_error, run_exec, sandbox_cgroups,
+                            sandbox_links, survivors, workspace_write)
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)

@@ -24,7 +24,8 @@ INSTALLED = ("/usr/bin/sandboxd", "/usr/bin/sandboxctl", "/opt/sandboxd", "/etc/
 def host_has_the_package() -> list[str]:
     """What of the package the host's own root has (nothing, before and after)."""
     status = subprocess.run(["dpkg-query", "-W", "-f=${Status}", "sandboxd"], capture_output=True, text=True).stdout
-    return (["dpkg: " + status] if "installed" in status else []) + [path for path in INSTALLED if os.path.lexists(path)]
+    found = [path for path in INSTALLED if os.path.lexists(path)]
+    return (["dpkg: " + status] if "installed" in status else []) + found
 
 
 @pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="not a Debian system: dpkg-deb is missing")

@@ -118,6 +118,27 @@ WORLD_LOCK = "/run/lock/sandboxd-test-world.lock"
 WORLD_WAIT = 240.0 * SLOW
 
 
+def clear_dead_worlds() -> None:
+    """What a world killed before its teardown left: its namespaces (no process left in them: a live
+    world's servers run there, and a run without the lock may have one up), the host links that went
+    into them, and the routes when no world lives."""
+    def ip(*args: str) -> str:
+        return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30).stdout
+
+    namespaces = [line.split()[0] for line in ip("netns", "list").splitlines() if line.startswith(("tgw", "tpv"))]
+    dead = [name for name in namespaces if not ip("netns", "pids", name).strip()]
+    for name in dead:
+        ip("netns", "del", name)
+    live = set(namespaces) - set(dead)
+    for word in ip("-o", "link", "show").split():
+        link = word.split("@")[0].rstrip(":")
+        if link.startswith(("tgw", "tpv")) and link[:-1] not in live:
+            ip("link", "del", link)
+    if not live:
+        for route in ("198.51.100.0/24", f"{METADATA}/32"):
+            ip("route", "del", route)
+
+
 class World:
     def __init__(self) -> None:
         tag = os.urandom(2).hex()
@@ -146,12 +167,7 @@ class World:
                 time.sleep(0.5)
         os.ftruncate(self.lock, 0)
         os.pwrite(self.lock, f"pid {os.getpid()}: {' '.join(sys.argv)[:300]}\n".encode(), 0)
-        # What a world killed before its teardown left (no live one can exist now: each holds the lock).
-        left = subprocess.run("ip -o link show; ip netns list", shell=True, capture_output=True, text=True).stdout
-        for name in {word.split("@")[0].rstrip(":") for word in left.split() if word.startswith(("tgw", "tpv"))}:
-            subprocess.run(f"ip link del {name} || ip netns del {name}", shell=True, capture_output=True, timeout=30)
-        for route in ("198.51.100.0/24", f"{METADATA}/32"):
-            subprocess.run(["ip", "route", "del", route], capture_output=True, timeout=30)
+        clear_dead_worlds()
 
     def build(self) -> "World":
         self.take_the_host()

@@ -16,8 +16,7 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,16 +26,6 @@ from daemon_helpers import PlainUser
 
 pytestmark = pytest.mark.timeout(300)
 SYSTEM_PYTHON = os.path.realpath("/usr/bin/python3")
-
-
-@pytest.fixture
-def place() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="sbxt-setup-", dir="/var/tmp"))
-    os.chmod(path, 0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def checkout_copy(where: Path) -> Path:
@@ -81,16 +70,16 @@ def as_user(user: PlainUser, *argv: str, cwd: str = "/") -> subprocess.Completed
 
 
 def test_a_venv_made_from_roots_own_python_is_remade_for_every_user(
-        place: Path, plain_users: Callable[[int], list[PlainUser]]) -> None:
+        base_dir: Path, plain_users: Callable[[int], list[PlainUser]]) -> None:
     """A former install's venv, made from a Python only root can reach (a copy of the system's in a
     0700 directory, as a pyenv under /root is): a plain user gets "bad interpreter" (the control).
     setup.sh remakes it from the system's python3, in place (the same X.Y: the installed packages
     stay), and the same user then runs `sandboxd`, and `sandboxd run` rootless."""
     (user,) = plain_users(1)
-    private = place / "roots-own"
+    private = base_dir / "roots-own"
     private.mkdir(mode=0o700)
     shutil.copy2(SYSTEM_PYTHON, private / "python3")
-    repo = checkout_copy(place)
+    repo = checkout_copy(base_dir)
     venv = former_install(repo, str(private / "python3"))
     before = as_user(user, str(venv / "bin" / "sandboxd"), "version")
     assert before.returncode == 126 and "Permission denied" in before.stderr, before
@@ -104,22 +93,22 @@ def test_a_venv_made_from_roots_own_python_is_remade_for_every_user(
 
     after = as_user(user, str(venv / "bin" / "sandboxd"), "version")
     assert after.returncode == 0 and after.stdout.startswith("sandboxd "), after
-    workspace = place / "ws"
+    workspace = base_dir / "ws"
     workspace.mkdir(mode=0o700)
     os.chown(workspace, user.uid, user.gid)
-    run = as_user(user, str(place / "bin" / "sandboxd"), "run", "--", "sh", "-c", "id -u; echo made > here; cat here",
+    run = as_user(user, str(base_dir / "bin" / "sandboxd"), "run", "--", "sh", "-c", "id -u; echo made > here; cat here",
                   cwd=str(workspace))
     assert run.returncode == 0 and run.stdout == f"{user.uid}\nmade\n", run
     again = setup_install(repo)                                       # the venv is right now: left as it is
     assert again.returncode == 0 and "made from" not in again.stderr and "plain users" not in again.stderr, again
 
 
-def test_a_checkout_plain_users_cannot_enter_is_named(place: Path, plain_users: Callable[[int], list[PlainUser]]) -> None:
+def test_a_checkout_plain_users_cannot_enter_is_named(base_dir: Path, plain_users: Callable[[int], list[PlainUser]]) -> None:
     """A checkout under a directory plain users cannot enter (a clone in /root): set-up still installs
     (root's daemon works), and says why plain users cannot run it, naming that directory and the fix.
     The control: they really cannot."""
     (user,) = plain_users(1)
-    closed = place / "closed"
+    closed = base_dir / "closed"
     closed.mkdir(mode=0o700)
     repo = checkout_copy(closed)
     venv = former_install(repo, "/usr/bin/python3")
@@ -132,14 +121,14 @@ def test_a_checkout_plain_users_cannot_enter_is_named(place: Path, plain_users: 
     assert refused.returncode == 126, refused
 
 
-def test_serve_as_a_plain_user_says_it_needs_root(place: Path, plain_users: Callable[[int], list[PlainUser]]) -> None:
+def test_serve_as_a_plain_user_says_it_needs_root(base_dir: Path, plain_users: Callable[[int], list[PlainUser]]) -> None:
     """`sandboxd serve` as a plain user: one message saying it needs root and why, exit status 1, and
     nothing made (before, it started, failed its self-test and blamed the self-test's workspace).
     `sandboxd serve --help` still answers anyone (the control that the user runs sandboxd at all)."""
     (user,) = plain_users(1)
-    repo = checkout_copy(place)
+    repo = checkout_copy(base_dir)
     venv = former_install(repo, "/usr/bin/python3")
-    own = place / "own"                                               # where the user may make things
+    own = base_dir / "own"                                               # where the user may make things
     own.mkdir()
     os.chown(own, user.uid, user.gid)
     refused = as_user(user, str(venv / "bin" / "sandboxd"), "serve", "--socket", str(own / "run" / "sandboxd.sock"),
