@@ -8,8 +8,9 @@
 #   packaging/setup.sh install                    install only (the container image's build step)
 #
 # Installs only what is missing: the Debian packages below, then a virtualenv in
-# .venv with sandboxd and its Python dependencies, and puts `sandboxd` and `sandboxctl` on PATH
-# (symlinks in /usr/local/bin, or $SANDBOXD_BIN_DIR, to .venv/bin). Safe to run again.
+# .venv (from the system's python3, which every user can run; $PYTHON for another) with sandboxd
+# and its Python dependencies, and puts `sandboxd` and `sandboxctl` on PATH (symlinks in
+# /usr/local/bin, or $SANDBOXD_BIN_DIR, to .venv/bin). Safe to run again.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -51,11 +52,39 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-python=${PYTHON:-python3}
-"$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+# The venv's interpreter: $PYTHON, else the system's python3 when it is new enough, else the first
+# python3 on PATH. Plain users run this venv too (rootless `sandboxd run`, `sandboxd mcp`): a venv
+# only links to its interpreter, so one made from a Python only root can reach (a pyenv under
+# /root, mode 0700) gives them "bad interpreter".
+new_enough() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }
+if [ -n "${PYTHON:-}" ]; then
+  python=$PYTHON
+elif new_enough /usr/bin/python3; then
+  python=/usr/bin/python3
+else
+  python=python3
+fi
+new_enough "$python" \
   || die "sandboxd needs Python 3.11 or newer; $("$python" --version 2>&1) found (set PYTHON=/path/to/python3.11)"
 
+umask 022                   # the venv, the helper and the byte code: readable by every user
 venv="$repo/.venv"
+# A venv made from another interpreter (before, root's own python3: a pyenv under /root) is remade
+# from this one: in place when it is the same X.Y (the installed packages fit it; the running tests'
+# imports keep working), else anew.
+home=$("$python" -c 'import os, sys; print(os.path.dirname(os.path.abspath(sys._base_executable)))')
+version=$("$python" -c 'import platform; print(platform.python_version())')
+made_home=$(sed -n 's/^home = //p' "$venv/pyvenv.cfg" 2>/dev/null)
+made_version=$(sed -n 's/^version = //p' "$venv/pyvenv.cfg" 2>/dev/null)
+if [ -x "$venv/bin/python" ] && [ "$made_home" != "$home" ]; then
+  echo "setup.sh: $venv was made from the Python in $made_home ($made_version); remaking it from $python ($version)" >&2
+  if [ "${made_version%.*}" = "${version%.*}" ]; then
+    rm -f "$venv"/bin/python "$venv"/bin/python3 "$venv/bin/python${version%.*}"
+    "$python" -m venv --upgrade --without-pip "$venv"
+  else
+    rm -rf "$venv"
+  fi
+fi
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
@@ -80,6 +109,28 @@ helper="$repo/sandboxd/launcher/sandboxd-call"
 if [ ! -x "$helper" ] || [ "$repo/sandboxd/launcher/sandboxd_call.c" -nt "$helper" ] \
    || [ "$("$helper" -V 2>/dev/null)" != "$("$venv/bin/python" -m sandboxd.launcher.native_call digest)" ]; then
   "$venv/bin/python" -m sandboxd.launcher.native_call build >/dev/null || die "building the call helper failed (see above)"
+fi
+
+# Plain users run the venv's commands too: when they cannot (a checkout under /root, mode 0700; a
+# PYTHON= only root can reach), say exactly why. Root's daemon works either way.
+as_nobody() { (cd / && runuser -u nobody -- "$@"); }
+first_closed() {            # the outermost directory on the way to $1 that plain users cannot enter
+  local path="" part parts
+  IFS=/ read -ra parts <<< "${1#/}"
+  for part in "${parts[@]:0:${#parts[@]}-1}"; do
+    path="$path/$part"
+    as_nobody test -x "$path" || { echo "$path"; return; }
+  done
+}
+if id nobody >/dev/null 2>&1 && ! why=$(as_nobody "$venv/bin/python" -c 'import sandboxd' 2>&1); then
+  closed=$(first_closed "$(readlink -f "$venv/bin/python")")
+  [ -n "$closed" ] || closed=$(first_closed "$repo/sandboxd/__init__.py")
+  if [ -n "$closed" ]; then
+    why="they cannot enter $closed (mode $(stat -c %a "$closed"), owner $(stat -c %U "$closed"))"
+  fi
+  echo "setup.sh: plain users cannot run $venv/bin/sandboxd: $(echo "$why" | tail -n 1). Rootless" \
+       "\`sandboxd run\` and \`sandboxd mcp\` work from this checkout only for root; for every user, clone" \
+       "sandboxd where all can read it (e.g. /opt/sandboxd)${closed:+, or let them through $closed (chmod o+x)}" >&2
 fi
 
 # `sandboxd` and `sandboxctl` on PATH, as the .deb does in /usr/bin: a symlink to this checkout's

@@ -15,10 +15,10 @@ left behind. Nothing is mocked.
   :class:`ExecCall` drives an interactive call (stdin chunks, signals, cancel)
   through a queue-backed request iterator.
 * :func:`run_client_as` runs a small client script as another uid: it imports
-  grpc and sandboxd.v1 as root (the interpreter lives under /root/.pyenv,
-  unreadable to other uids), then drops privileges, then connects.
+  grpc and sandboxd.v1 as root (a checkout plain users cannot read works too),
+  then drops privileges, then connects.
 * Host probes: :func:`descendants`, :func:`survivors`, :func:`sandbox_cgroups`,
-  :func:`mount_count`, :func:`fd_count`.
+  :func:`sandbox_links`, :func:`mount_count`, :func:`fd_count`.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ class Daemon:
 
     def leftovers(self, within: float = 10.0) -> list[str]:
         """What the stopped daemon left behind: processes of its tree, its sandbox cgroups, and
-        (after a clean exit) its private sockets. Empty when nothing."""
+        (after a clean exit) its private sockets and network links. Empty when nothing."""
         assert self.proc is not None and self.proc.poll() is not None, "leftovers() is for a stopped daemon"
         found = []
         if self.stopped_by_close not in (None, 0):
@@ -255,6 +255,9 @@ class Daemon:
             sockets = self.private_sockets()
             if sockets:
                 found.append(f"private sockets of daemon {self.pid} left behind: {sockets}")
+            links = self.own_links()          # after a SIGKILL, the next start sweeps them
+            if links:
+                found.append(f"isolated network links of daemon {self.pid} left behind: {sorted(links)}")
         return found
 
     def own_cgroups(self) -> set[str]:
@@ -262,6 +265,11 @@ class Daemon:
         other daemons on the machine have their own."""
         prefixes = tuple(f"run-{pid}-" for pid in self.spawner_pids)
         return {path for path in sandbox_cgroups() if os.path.basename(path).startswith(prefixes)} if prefixes else set()
+
+    def own_links(self) -> set[str]:
+        """The isolated networks' host links this daemon made (its fork servers'): other daemons on
+        the machine have their own."""
+        return sandbox_links(*self.spawner_pids)
 
     def private_sockets(self) -> list[str]:
         """This daemon's backend socket and the relay sockets in its private directory."""
@@ -810,9 +818,28 @@ def sandbox_cgroups() -> set[str]:
     return found
 
 
+def sandbox_links(*creators: int) -> set[str]:
+    """The host-side links of isolated networks that ``creators`` made (kernel.netns names each
+    ``sbx<its creator's pid, hex>x<n>``: a daemon's fork server, a `sandboxd run`). Other daemons
+    and runs on the machine have links of their own, so there is no "every sandbox link" here."""
+    from sandboxd.kernel.netns import LINK_PREFIX
+
+    prefixes = tuple(f"{LINK_PREFIX}{pid:x}x" for pid in creators)
+    return {name for name in os.listdir("/sys/class/net") if name.startswith(prefixes)} if prefixes else set()
+
+
 def mount_count() -> int:
+    """The host's mounts, but for those other test runs on the machine make and remove meanwhile, which
+    no daemon makes: named network namespaces (`ip netns add`, /run/netns), FUSE mounts and the tmpfs of
+    tests/test_git_walk.py (source ``sbxtest-*``)."""
+    count = 0
     with open("/proc/self/mountinfo") as f:
-        return sum(1 for _ in f)
+        for line in f:
+            fields = line.split()
+            point, (fstype, source) = fields[4], fields[fields.index("-") + 1:][:2]
+            if not (point.startswith("/run/netns/") or fstype.startswith("fuse") or source.startswith("sbxtest-")):
+                count += 1
+    return count
 
 
 def fd_count(pid: int) -> int:

@@ -16,6 +16,7 @@ import os
 import resource
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -28,8 +29,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import kill_marked, pids_with_marker, wait_until_gone
 from daemon_helpers import (Daemon, ExecCall, close_quietly, create_session, descendants, exec_start, kill_procs,
-                            make_base_dir, mount_count, remove_tree, rpc_error, run_exec, sandbox_cgroups, survivors,
-                            workspace_write)
+                            make_base_dir, mount_count, remove_tree, rpc_error, run_exec, sandbox_cgroups,
+                            sandbox_links, survivors, workspace_write)
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)
@@ -83,10 +84,9 @@ class Scene:
         """Cgroups of sandboxes made by this scene's fork server (others' tests run beside us)."""
         return {path for path in sandbox_cgroups() if os.path.basename(path).startswith(f"run-{self.fork_pid}-")}
 
-    def veths(self) -> list[str]:
-        out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
-        names = [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line]
-        return [name for name in names if name.startswith(f"sbx{self.fork_pid:x}x")]
+    def veths(self) -> set[str]:
+        """Isolated networks' links made by this scene's fork server (others' come and go beside us)."""
+        return sandbox_links(self.fork_pid)
 
     def close(self) -> None:
         self.call.close()
@@ -209,7 +209,7 @@ def test_fork_server_sigkill_is_noticed_and_restarted_in_place(base: Path, marke
         assert survivors(old) == {}, survivors(old, 0)
         assert wait_until_gone(marker, 10) == []
         assert scene.cgroups() == set()
-        assert scene.veths() == []
+        assert scene.veths() == set()
         assert mount_count() == mounts_before
 
         assert_resumes(daemon, scene)
@@ -278,7 +278,7 @@ def test_daemon_sigkill_leaves_nothing_after_the_next_start(base: Path, marker: 
         restarted = Daemon(base).start()
         # The next start sweeps the rest: cgroups, veths, the dead daemon's private socket.
         assert scene.cgroups() == set(), scene.cgroups()
-        assert scene.veths() == []
+        assert scene.veths() == set()
         assert not private_socket.exists()
         assert not dead_relays & {(entry.name, entry.stat().st_ino) for entry in relays.iterdir()}
         assert (restarted.private / f"grpc-{restarted.pid}.sock").exists()
@@ -479,24 +479,78 @@ def test_a_fork_server_that_keeps_dying_ends_the_daemon_non_zero(base: Path) -> 
         daemon.close()
 
 
-def test_a_self_test_workspace_of_a_killed_daemon_is_removed_at_the_next_start(base: Path) -> None:
-    """A daemon SIGKILLed during its start-up self-test leaves its empty workspace in /var/tmp (the
-    ``finally`` never runs): the next start removes those of dead daemons, and only those."""
-    dead = subprocess.Popen(["true"])
-    dead.wait()                                          # a pid that no longer runs
-    leftover = Path(f"/var/tmp/sandboxd-selftest-{dead.pid}-{uuid.uuid4().hex[:6]}")
-    alive = Path(f"/var/tmp/sandboxd-selftest-{os.getpid()}-{uuid.uuid4().hex[:6]}")
-    for path in (leftover, alive):
-        path.mkdir()
+def dead_pid() -> int:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    return gone.pid                                      # a pid that no longer runs
+
+
+@contextlib.contextmanager
+def self_test_workspaces(held_by: int) -> Iterator[dict[str, Path]]:
+    """Self-test workspaces as daemons leave them in /var/tmp, removed afterwards if still there:
+    "dead": a SIGKILLed daemon's (made long ago, nobody holds it), although its name has a live pid
+    (this test's: pids are reused); "held": a live daemon's, locked (flock, by this test), named
+    after ``held_by``; "fresh": one made an instant ago and not locked yet."""
+    import fcntl
+
+    from sandboxd.service.server import SELF_TEST_DIR, SELF_TEST_LOCK_GRACE, SELF_TEST_PREFIX
+
+    tag = uuid.uuid4().hex[:6]
+    paths = {"dead": Path(SELF_TEST_DIR, f"{SELF_TEST_PREFIX}{os.getpid()}-{tag}d"),
+             "held": Path(SELF_TEST_DIR, f"{SELF_TEST_PREFIX}{held_by}-{tag}h"),
+             "fresh": Path(SELF_TEST_DIR, f"{SELF_TEST_PREFIX}{dead_pid()}-{tag}f")}
+    for path in paths.values():
+        path.mkdir(mode=0o700)
+    long_ago = time.time() - 2 * SELF_TEST_LOCK_GRACE
+    for name in ("dead", "held"):
+        os.utime(paths[name], (long_ago, long_ago))
+    lock = os.open(paths["held"], os.O_RDONLY | os.O_DIRECTORY)
     try:
-        daemon = Daemon(base).start()
-        daemon.close()
-        assert not leftover.exists()
-        assert alive.exists()                            # its daemon (here: this test) still runs
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield paths
     finally:
-        for path in (leftover, alive):
+        os.close(lock)
+        for path in paths.values():
             if path.exists():
                 path.rmdir()
+
+
+def test_a_self_test_workspace_of_a_killed_daemon_is_removed_at_the_next_start(base: Path) -> None:
+    """A daemon SIGKILLed during its start-up self-test leaves its empty workspace in /var/tmp (the
+    ``finally`` never runs): the next start removes those nobody holds, and only those, whatever
+    pid their names have."""
+    with self_test_workspaces(held_by=dead_pid()) as paths:
+        daemon = Daemon(base).start()
+        daemon.close()
+        assert not paths["dead"].exists()
+        assert paths["held"].exists() and paths["fresh"].exists()
+
+
+SWEEP_IN_ANOTHER_PID_NAMESPACE = """
+import json, os, sys
+from sandboxd.service.server import _sweep_self_test_workspaces
+paths, held_by = json.loads(sys.argv[1]), int(sys.argv[2])
+seen = os.path.exists(f"/proc/{held_by}")
+_sweep_self_test_workspaces()
+print(json.dumps({"pid": os.getpid(), "holder_seen": seen, "kept": {k: os.path.isdir(v) for k, v in paths.items()}}))
+"""
+
+
+def test_a_daemon_in_another_pid_namespace_keeps_a_live_daemons_self_test_workspace() -> None:
+    """A daemon in a container (a PID namespace of its own, /var/tmp shared) sweeps the self-test
+    workspaces: a live daemon's (this test's, here) is locked, so it stays, although its pid is not
+    there (the old judgement, by /proc/PID, removed it mid-test); a dead daemon's goes (the control)."""
+    import json
+
+    with self_test_workspaces(held_by=os.getpid()) as paths:
+        done = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                               SWEEP_IN_ANOTHER_PID_NAMESPACE, json.dumps({k: str(v) for k, v in paths.items()}),
+                               str(os.getpid())], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        seen = json.loads(done.stdout)
+        assert seen["pid"] == 1 and seen["holder_seen"] is False           # another PID namespace
+        assert seen["kept"] == {"dead": False, "held": True, "fresh": True}, seen
+        assert paths["held"].exists()
 
 
 def test_a_zombie_creator_is_dead_and_the_loops_sweep_never_waits() -> None:

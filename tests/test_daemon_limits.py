@@ -21,7 +21,6 @@ from daemon_fixtures import daemon, stub, ws  # noqa: F401 - pytest fixtures
 from daemon_helpers import (Daemon, DaemonFactory, ExecOutcome, PlainUser, close_quietly, create_session, rpc_error, run_client_as,
                             run_exec, workspace_write)
 from sandboxd.kernel import host_limits
-from sandboxd.kernel.netns import LINK_PREFIX
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 
@@ -50,10 +49,6 @@ FORKS = ("import os, time\n"
          "    print('FORK-FAILED', e.errno, n)\n")
 
 
-def sandbox_links() -> set[str]:
-    return {n for n in os.listdir("/sys/class/net") if n.startswith(LINK_PREFIX)}
-
-
 @pytest.fixture
 def limited(daemon: Daemon, stub: pb_grpc.SandboxStub, ws: Path) -> Iterator[pb.Session]:  # noqa: F811 - fixture
     before = daemon.own_cgroups()       # this daemon's: other daemons on the machine make and remove theirs
@@ -66,7 +61,8 @@ def limited(daemon: Daemon, stub: pb_grpc.SandboxStub, ws: Path) -> Iterator[pb.
     assert daemon.own_cgroups() <= before                # the session's groups went with it
 
 
-def test_a_limited_networked_session_enforces_and_reports(stub: pb_grpc.SandboxStub, limited: pb.Session) -> None:
+def test_a_limited_networked_session_enforces_and_reports(daemon: Daemon, stub: pb_grpc.SandboxStub,  # noqa: F811
+                                                         limited: pb.Session) -> None:
     # usage numbers: 48 MiB touched and 0.3 s of CPU are what ExecResult says
     out = run_exec(stub, limited.id, [PY, "-c", WORK, "48", "0.3"])
     assert out.stdout == b"ALIVE\n" and out.result.exit_code == 0, out.describe()
@@ -92,13 +88,13 @@ def test_a_limited_networked_session_enforces_and_reports(stub: pb_grpc.SandboxS
     inside = set(out.stdout.decode().split())
     assert out.result.exit_code == 0 and "lo" in inside, out.describe()
     assert not inside & (set(os.listdir("/sys/class/net")) - {"lo", "eth0"}), inside
-    assert sandbox_links(), "an isolated network has a host-side link while the session lives"
+    assert daemon.own_links(), "an isolated network has a host-side link while the session lives"
 
 
 def test_closing_the_session_removes_its_groups_and_link(daemon: Daemon, stub: pb_grpc.SandboxStub,  # noqa: F811
                                                          ws: Path) -> None:
     # this daemon's groups: every session has some now, and other daemons on the machine make theirs
-    cgroups_before, links_before = daemon.own_cgroups(), sandbox_links()
+    cgroups_before, links_before = daemon.own_cgroups(), daemon.own_links()
     s = create_session(stub, ws, workspace_write(network_access=True), limits=pb.Limits(memory_bytes=MEMORY, pids=PIDS))
     try:
         assert run_exec(stub, s.id, ["true"]).result.exit_code == 0
@@ -106,7 +102,7 @@ def test_closing_the_session_removes_its_groups_and_link(daemon: Daemon, stub: p
     finally:
         stub.CloseSession(pb.CloseSessionRequest(session_id=s.id), timeout=60)
     assert daemon.own_cgroups() <= cgroups_before
-    assert sandbox_links() <= links_before
+    assert daemon.own_links() <= links_before
 
 
 def test_the_daemon_refuses_to_start_where_limits_cannot_be_applied(tmp_path: Path) -> None:

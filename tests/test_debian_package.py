@@ -1,28 +1,39 @@
-"""The Debian package: built from this tree, installed on this machine (apt-get install ./deb, as docs/operations.md says), the installed daemon
-started (as the unit would, minus systemd: this machine's PID 1 is not systemd) and asked for
-its health, then the package removed again, leaving nothing behind."""
+"""The Debian package: built from this tree, installed (apt-get install ./deb, as docs/operations.md
+says) in a throw-away root (tests/throwaway_root.py: this machine's root with an overlay that goes
+away), the installed daemon started there (as the unit would, minus systemd: this machine's PID 1
+is not systemd) and asked for its health from the host, then the package purged, leaving nothing
+behind in that root; and the host's own root is untouched throughout."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
-
 from pathlib import Path
 
 import pytest
 
 from conftest import BASE_ENV, REPO
 from daemon_helpers import DaemonFactory
+from throwaway_root import throwaway_root
 
 pytestmark = pytest.mark.timeout(900)
+INSTALLED = ("/usr/bin/sandboxd", "/usr/bin/sandboxctl", "/opt/sandboxd", "/etc/sandboxd/sandboxd.toml")
+
+
+def host_has_the_package() -> list[str]:
+    """What of the package the host's own root has (nothing, before and after)."""
+    status = subprocess.run(["dpkg-query", "-W", "-f=${Status}", "sandboxd"], capture_output=True, text=True).stdout
+    found = [path for path in INSTALLED if os.path.lexists(path)]
+    return (["dpkg: " + status] if "installed" in status else []) + found
 
 
 @pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="not a Debian system: dpkg-deb is missing")
-def test_the_package_builds_installs_starts_and_goes(sandboxd_daemon: DaemonFactory, tmp_path: Path) -> None:
-    already = subprocess.run(["dpkg-query", "-W", "-f=${Status}", "sandboxd"], capture_output=True, text=True)
-    assert "installed" not in already.stdout, "a sandboxd package is installed already: remove it first"
-    built = subprocess.run([str(REPO / "packaging" / "debian" / "build.sh"), str(tmp_path)], capture_output=True,
+def test_the_package_builds_installs_starts_and_goes(sandboxd_daemon: DaemonFactory) -> None:
+    on_the_host = host_has_the_package()
+    assert not on_the_host, f"a sandboxd package is installed on this machine already: {on_the_host}"
+    dist = sandboxd_daemon.base / "dist"          # under /var/tmp: the throw-away root sees it too
+    built = subprocess.run([str(REPO / "packaging" / "debian" / "build.sh"), str(dist)], capture_output=True,
                            text=True, timeout=900, env=BASE_ENV)
     assert built.returncode == 0, built.stderr[-3000:]
     deb = Path(built.stdout.strip().splitlines()[-1])
@@ -30,42 +41,40 @@ def test_the_package_builds_installs_starts_and_goes(sandboxd_daemon: DaemonFact
     for path in ("./lib/systemd/system/sandboxd.service", "./lib/systemd/system/sandboxd.socket",
                  "./etc/sandboxd/sandboxd.toml", "./opt/sandboxd/wheels/sandboxd-"):
         assert path in contents, path
-    daemon = None
-    try:
-        # As docs/operations.md says (apt resolves the dependencies; here they are installed already).
-        install = subprocess.run(["apt-get", "install", "-y", str(deb)], capture_output=True,
-                                 text=True, timeout=600, env={**BASE_ENV, "DEBIAN_FRONTEND": "noninteractive"})
-        assert install.returncode == 0, install.stdout + install.stderr
-        assert os.path.realpath("/usr/bin/sandboxd") == "/opt/sandboxd/venv/bin/sandboxd"
-        assert subprocess.run(["/usr/bin/sandboxd", "version"], capture_output=True, text=True).stdout.startswith(
-            "sandboxd ")
-        check = subprocess.run(["/usr/bin/sandboxd", "config", "check", "/etc/sandboxd/sandboxd.toml"],
-                               capture_output=True, text=True)
-        assert check.returncode == 0, check.stderr
-        # `sandboxd mcp` has its dependency (the MCP SDK) among the package's wheels.
-        mcp = subprocess.run(["/opt/sandboxd/venv/bin/python", "-c", "import sandboxd.cli.mcp_transports"],
-                             capture_output=True, text=True, cwd="/")
-        assert mcp.returncode == 0, mcp.stderr
-        # The installed wheel carries the native call helper.
-        helper = subprocess.run(["/opt/sandboxd/venv/bin/python", "-c",
-                                 "from sandboxd.launcher.native_call import helper_path; print(helper_path())"],
-                                capture_output=True, text=True, cwd="/").stdout.strip()
-        assert helper.startswith("/opt/sandboxd/venv/") and helper.endswith("sandboxd-call")
-        daemon = sandboxd_daemon(executable="/usr/bin/sandboxd")
-        socket_path = daemon.socket
-        status = subprocess.run(["/usr/bin/sandboxctl", "--socket", socket_path, "status"], capture_output=True,
-                                text=True, timeout=60)
-        assert status.returncode == 0 and "health: SERVING" in status.stdout, status.stdout + status.stderr
-        workspace = sandboxd_daemon.workspace()
-        session = subprocess.run(["/usr/bin/sandboxctl", "--socket", socket_path, "session", "create",
-                                  str(workspace), "--approval", "never"], capture_output=True, text=True)
-        ran = subprocess.run(["/usr/bin/sandboxctl", "--socket", socket_path, "exec", session.stdout.strip(),
-                              "--", "echo", "from the package"], capture_output=True, text=True, timeout=60)
-        assert ran.stdout == "from the package\n", ran.stderr
-    finally:
-        if daemon is not None:
-            daemon.close()                                 # before the purge takes its executable away
-        subprocess.run(["dpkg", "--purge", "sandboxd"], capture_output=True, timeout=300)
-    assert not os.path.exists("/usr/bin/sandboxd") and not os.path.exists("/opt/sandboxd/venv")
-    assert not os.path.exists("/etc/sandboxd/sandboxd.toml")
-
+    with throwaway_root() as root:
+        env = {**BASE_ENV, "DEBIAN_FRONTEND": "noninteractive"}
+        daemon = None
+        try:
+            # As docs/operations.md says (apt resolves the dependencies; here they are installed already).
+            install = root.run(["apt-get", "install", "-y", str(deb)], timeout=600, env=env)
+            assert install.returncode == 0, install.stdout + install.stderr
+            assert root.run(["readlink", "-f", "/usr/bin/sandboxd"]).stdout.strip() == "/opt/sandboxd/venv/bin/sandboxd"
+            assert root.run(["/usr/bin/sandboxd", "version"]).stdout.startswith("sandboxd ")
+            check = root.run(["/usr/bin/sandboxd", "config", "check", "/etc/sandboxd/sandboxd.toml"])
+            assert check.returncode == 0, check.stderr
+            # `sandboxd mcp` has its dependency (the MCP SDK) among the package's wheels.
+            mcp = root.run(["/opt/sandboxd/venv/bin/python", "-c", "import sandboxd.cli.mcp_transports"])
+            assert mcp.returncode == 0, mcp.stderr
+            # The installed wheel carries the native call helper.
+            helper = root.run(["/opt/sandboxd/venv/bin/python", "-c",
+                               "from sandboxd.launcher.native_call import helper_path; print(helper_path())"])
+            assert helper.stdout.strip().startswith("/opt/sandboxd/venv/") and helper.stdout.strip().endswith(
+                "sandboxd-call"), helper
+            assert host_has_the_package() == []                      # installed there, not here
+            daemon = sandboxd_daemon(executable="/usr/bin/sandboxd", wrapper=root.wrapper())
+            status = root.run(["/usr/bin/sandboxctl", "--socket", daemon.socket, "status"], timeout=60)
+            assert status.returncode == 0 and "health: SERVING" in status.stdout, status.stdout + status.stderr
+            workspace = sandboxd_daemon.workspace()
+            session = root.run(["/usr/bin/sandboxctl", "--socket", daemon.socket, "session", "create",
+                                str(workspace), "--approval", "never"], timeout=60)
+            ran = root.run(["/usr/bin/sandboxctl", "--socket", daemon.socket, "exec", session.stdout.strip(),
+                            "--", "echo", "from the package"], timeout=60)
+            assert ran.stdout == "from the package\n", ran.stderr
+        finally:
+            if daemon is not None:
+                daemon.close()                             # before the purge takes its executable away
+        purge = root.run(["dpkg", "--purge", "sandboxd"], timeout=300)
+        assert purge.returncode == 0, purge.stdout + purge.stderr
+        left = root.run(["sh", "-c", "for p in \"$@\"; do [ -e \"$p\" ] && echo \"$p\"; done; true", "sh", *INSTALLED])
+        assert left.stdout == "", left.stdout
+    assert host_has_the_package() == []

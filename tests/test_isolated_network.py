@@ -19,8 +19,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import random
 import socket
 import subprocess
+import sys
 import textwrap
 import time
 from collections.abc import Iterator
@@ -29,7 +31,8 @@ from typing import Any
 
 import pytest
 
-from conftest import PY, SANDBOXD
+from conftest import PY, SANDBOXD, SLOW
+from daemon_helpers import descendants, sandbox_links
 from sandboxd.kernel import netns as kernel_netns
 from sandboxd.policy import LaunchSpec, WorkspaceWrite
 from sandboxd.supervisor.forkserver import ForkServer
@@ -112,14 +115,65 @@ def sh(*commands: str) -> None:
         subprocess.run(command, shell=True, check=True, capture_output=True, text=True, timeout=30)
 
 
+# The world's routes and addresses are the host's (198.51.100.0/24, the metadata address, 203.0.113.1):
+# one world at a time on a machine, whichever checkout's test run builds it. A second one waits.
+WORLD_LOCK = "/run/lock/sandboxd-test-world.lock"
+WORLD_WAIT = 240.0 * SLOW
+
+
+def clear_dead_worlds() -> None:
+    """What a world killed before its teardown left: its namespaces (no process left in them: a live
+    world's servers run there, and a run without the lock may have one up), the host links that went
+    into them, and the routes when no world lives."""
+    def ip(*args: str) -> str:
+        return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30).stdout
+
+    namespaces = [line.split()[0] for line in ip("netns", "list").splitlines() if line.startswith(("tgw", "tpv"))]
+    dead = [name for name in namespaces if not ip("netns", "pids", name).strip()]
+    for name in dead:
+        ip("netns", "del", name)
+    live = set(namespaces) - set(dead)
+    for word in ip("-o", "link", "show").split():
+        link = word.split("@")[0].rstrip(":")
+        if link.startswith(("tgw", "tpv")) and link[:-1] not in live:
+            ip("link", "del", link)
+    if not live:
+        for route in ("198.51.100.0/24", f"{METADATA}/32"):
+            ip("route", "del", route)
+
+
 class World:
     def __init__(self) -> None:
         tag = os.urandom(2).hex()
         self.gw, self.pv = f"tgw{tag}", f"tpv{tag}"
         self.processes: list[subprocess.Popen[str]] = []
         self.host_listeners: list[socket.socket] = []
+        self.lock = -1
+
+    def take_the_host(self) -> None:
+        """The machine-wide lock on the world's host routes and addresses, waiting up to WORLD_WAIT
+        for another test run's world (it names its holder); released at teardown or with the process."""
+        import fcntl
+
+        os.makedirs(os.path.dirname(WORLD_LOCK), exist_ok=True)
+        self.lock = os.open(WORLD_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        deadline = time.monotonic() + WORLD_WAIT
+        while True:
+            try:
+                fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    holder = os.pread(self.lock, 4096, 0).decode(errors="replace")
+                    raise AssertionError(f"another test run's world still holds the host's routes after "
+                                         f"{WORLD_WAIT:.0f} s: {holder}") from None
+                time.sleep(0.5)
+        os.ftruncate(self.lock, 0)
+        os.pwrite(self.lock, f"pid {os.getpid()}: {' '.join(sys.argv)[:300]}\n".encode(), 0)
+        clear_dead_worlds()
 
     def build(self) -> "World":
+        self.take_the_host()
         gw, pv = self.gw, self.pv
         sh(f"ip netns add {gw}", f"ip netns add {pv}",
            f"ip link add {gw}h type veth peer name {gw}i", f"ip link set {gw}i netns {gw}",
@@ -166,9 +220,13 @@ class World:
             proc.wait()
         for listener in self.host_listeners:
             listener.close()
+        if self.lock < 0:                                   # never took the host: nothing of ours there
+            return
         for command in ("ip route del 198.51.100.0/24", f"ip route del {METADATA}/32", f"ip link del {self.gw}h",
                         f"ip link del {self.pv}h", f"ip netns del {self.gw}", f"ip netns del {self.pv}"):
             subprocess.run(command, shell=True, capture_output=True, timeout=30)
+        os.close(self.lock)
+        self.lock = -1
 
 
 @pytest.fixture(scope="module")
@@ -187,20 +245,19 @@ def targets(world: World) -> list[str]:
 
 
 def probe_in_sandbox(world: World, workspace: Path, *network: str) -> dict[str, str]:
-    result = subprocess.run([SANDBOXD, "run", "--workspace", str(workspace), *network, "--", PY, "-c", PROBE,
-                             *targets(world)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    """What PROBE saw from a `sandboxd run` with ``network`` options; the run left no link behind."""
+    run = subprocess.Popen([SANDBOXD, "run", "--workspace", str(workspace), *network, "--", PY, "-c", PROBE,
+                            *targets(world)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = run.communicate(timeout=120)
+    assert run.returncode == 0, stderr
+    assert sandbox_links(run.pid) == set()                    # its link (named after it) went with it
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def probe_on_host(world: World) -> dict[str, str]:
     result = subprocess.run([PY, "-c", PROBE, *[t for t in targets(world) if "test" not in t and "GATEWAY" not in t]],
                             capture_output=True, text=True, timeout=120)
     return json.loads(result.stdout)
-
-
-def sandbox_links() -> list[str]:
-    return [name for name in os.listdir("/sys/class/net") if name.startswith(kernel_netns.LINK_PREFIX)]
 
 
 def test_the_world_is_reachable_from_the_host(world: World) -> None:
@@ -226,7 +283,6 @@ def test_isolated_network_reaches_the_internet_but_not_the_host(world: World, wo
         assert seen[blocked] in ("TimeoutError", "ConnectionRefusedError", "OSError"), (blocked, seen)
     # 127.0.0.1 inside is the sandbox's own loopback: the host's listener is not there.
     assert seen[f"127.0.0.1:{world.loopback_port}"] == "ConnectionRefusedError", seen
-    assert sandbox_links() == []                                                 # the run left nothing
 
 
 def test_host_network_mode_is_the_host_as_it_is(world: World, workspace: Path) -> None:
@@ -238,10 +294,10 @@ def test_host_network_mode_is_the_host_as_it_is(world: World, workspace: Path) -
 def test_a_session_with_network_gets_its_own_namespace(world: World, workspace: Path) -> None:
     fs = ForkServer.start()
     try:
-        before = set(sandbox_links())
+        assert sandbox_links(fs.pid) == set()
         fs.open_session("net", LaunchSpec(argv=("true",), workspace=str(workspace), dns=(DNS,),
                                           policy=WorkspaceWrite(network_access=True)))
-        assert len(set(sandbox_links()) - before) == 1
+        assert len(sandbox_links(fs.pid)) == 1
         read_end, write_end = os.pipe()
         null = os.open("/dev/null", os.O_RDONLY)
         call_id, _ = fs.call("net", [PY, "-c", PROBE, *targets(world)], {"PATH": "/usr/bin:/bin"}, str(workspace),
@@ -257,34 +313,61 @@ def test_a_session_with_network_gets_its_own_namespace(world: World, workspace: 
         assert seen["internet.test:8080"] == "open: hello from internet"
         assert seen[f"{PRIVATE}:8080"] != "open: hello from private" and seen[f"{METADATA}:80"] == "TimeoutError"
         fs.close_session("net")
-        assert set(sandbox_links()) == before
+        assert sandbox_links(fs.pid) == set()
     finally:
         fs.close()
 
 
+def one_block_pool() -> str:
+    """An address pool of one /30 that no link on this host uses now, away from the default pool's
+    first blocks (which the machine's other daemons take): a pool of this test's own."""
+    used = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, check=True).stdout
+    while True:
+        block = f"10.233.{random.randrange(128, 256)}.{random.randrange(0, 256, 4)}"
+        first = block.rsplit(".", 1)[0] + "." + str(int(block.rsplit(".", 1)[1]) + 1)
+        if f" {first}/" not in used:
+            return f"{block}/30"
+
+
+def net_namespaces_held(pid: int) -> set[str]:
+    """The network namespaces that ``pid`` and its descendants hold: by a descriptor or by being in one."""
+    held = set()
+    for proc in (pid, *descendants(pid)):
+        try:
+            held.add(os.readlink(f"/proc/{proc}/ns/net"))
+            for fd in os.listdir(f"/proc/{proc}/fd"):
+                target = os.readlink(f"/proc/{proc}/fd/{fd}")
+                if target.startswith("net:["):
+                    held.add(target)
+        except FileNotFoundError:                       # it ended meanwhile
+            continue
+    return held
+
+
 def test_five_hundred_sessions_leave_nothing_behind(workspace: Path) -> None:
+    """500 isolated sessions opened and closed one after the other, from a pool of one block: each
+    close gives its block back (the next open gets it), removes its link and lets go of its namespace."""
+    pool = one_block_pool()
     fs = ForkServer.start()
     try:
-        links_before = sandbox_links()
+        held_before = net_namespaces_held(fs.pid)
         started = time.monotonic()
         addresses = set()
         for n in range(500):
-            fs.open_session(f"s{n}", LaunchSpec(argv=("true",), workspace=str(workspace),
+            fs.open_session(f"s{n}", LaunchSpec(argv=("true",), workspace=str(workspace), network_pool=pool,
                                                 policy=WorkspaceWrite(network_access=True)))
-            # Only this fork server's links (sbx<its pid>x...): other sandboxes may come and go meanwhile.
-            (link,) = {name for name in set(sandbox_links()) - set(links_before)
-                       if name.startswith(f"{kernel_netns.LINK_PREFIX}{fs.pid:x}x")}
+            (link,) = sandbox_links(fs.pid)
             addresses.add(subprocess.run(["ip", "-br", "-4", "addr", "show", link], capture_output=True,
                                          text=True).stdout.split()[2])
             fs.close_session(f"s{n}")
         elapsed = time.monotonic() - started
-        assert not [name for name in sandbox_links() if name.startswith(f"{kernel_netns.LINK_PREFIX}{fs.pid:x}x")]
-        assert addresses == {"10.233.0.1/30"}, addresses          # the pool hands the same block back
+        assert sandbox_links(fs.pid) == set()
+        first = pool.split("/")[0].rsplit(".", 1)
+        assert addresses == {f"{first[0]}.{int(first[1]) + 1}/30"}, addresses   # the pool's one block, each time
+        assert net_namespaces_held(fs.pid) == held_before                        # no namespace kept alive
         print(f"500 sessions with isolated network created and closed in {elapsed:.1f} s")
     finally:
         fs.close()
-    namespaces = subprocess.run(["lsns", "-t", "net", "-n", "-o", "NS"], capture_output=True, text=True).stdout
-    assert len(namespaces.split()) < 20, namespaces             # no namespace kept alive
 
 
 def test_stale_links_of_a_dead_process_are_swept() -> None:
@@ -292,9 +375,9 @@ def test_stale_links_of_a_dead_process_are_swept() -> None:
     dead.wait()
     name = f"{kernel_netns.LINK_PREFIX}{dead.pid:x}x1"
     sh(f"ip link add {name} type veth peer name {name}p")
-    assert name in sandbox_links()
+    assert name in sandbox_links(dead.pid)
     assert kernel_netns.sweep_stale() >= 1
-    assert name not in sandbox_links()
+    assert sandbox_links(dead.pid) == set()
 
 
 def test_bad_network_options_are_refused(workspace: Path) -> None:
@@ -452,7 +535,7 @@ def test_a_session_publishes_its_ports(workspace: Path) -> None:
         assert http_get(port) == "HTTP/1.0 200 OK"
         d.stub.CloseSession(pb.CloseSessionRequest(session_id=session.id))
         assert http_get(port, within=1) == "unreachable"
-        assert sandbox_links() == []
+        assert d.own_links() == set()
 
 
 PROXY_PROBE = textwrap.dedent('''

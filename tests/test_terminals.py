@@ -300,6 +300,41 @@ def test_exec_t_runs_one_command_on_a_terminal(daemon: Daemon, client: SandboxCl
         assert len(refused.stderr.splitlines()) == 1 and "needs a terminal" in refused.stderr
 
 
+def exec_t_on_a_pty(daemon: Daemon, session_id: str, size: tuple[int, int] | None) -> tuple[int, str]:  # noqa: F811
+    """`sandboxctl exec -t SESSION -- stty size` on a fresh pty of ``size`` (None: as a new pty is, 0x0,
+    the size CI's `script` and some `docker exec -t` report): its exit status and what it printed."""
+    master, slave = os.openpty()
+    try:
+        if size is not None:
+            terminals.set_size(master, *size)
+        assert terminals.get_size(slave) == (size or (0, 0))
+        ctl = subprocess.Popen([SANDBOXCTL, "--socket", daemon.socket, "exec", "-t", session_id, "--", "stty", "size"],
+                               stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+        os.close(slave)
+        slave = -1
+        output = read_until_hangup(master)
+        return ctl.wait(timeout=WITHIN), output
+    finally:
+        os.close(master)
+        if slave >= 0:
+            os.close(slave)
+
+
+def test_a_terminal_of_unknown_size_is_24_by_80(daemon: Daemon, client: SandboxClient, ws: Path) -> None:  # noqa: F811
+    """A local terminal that reports 0x0 (unknown) got INVALID_ARGUMENT: now the command gets 24 rows
+    and 80 columns, from `sandboxctl exec -t` and over the API (0 is proto3's unset). The control: a
+    terminal that knows its size passes it on."""
+    session_id = open_session(client, ws)
+    status, output = exec_t_on_a_pty(daemon, session_id, None)
+    assert status == 0 and "24 80" in output, (status, output)
+    status, output = exec_t_on_a_pty(daemon, session_id, (30, 100))
+    assert status == 0 and "30 100" in output, (status, output)
+    for terminal in (pb.Terminal(), pb.Terminal(rows=0, columns=0, term="vt100"), pb.Terminal(rows=0, columns=132)):
+        output, result = exec_on_terminal(client, pb.ExecStart(session_id=session_id, argv=["stty", "size"],
+                                                               terminal=terminal))
+        assert result.exit_code == 0 and output.strip() == f"24 {terminal.columns or 80}", (terminal, output)
+
+
 def exec_on_terminal(client: SandboxClient, start: pb.ExecStart,  # noqa: F811
                      inputs: tuple[pb.ExecRequest, ...] = ()) -> tuple[str, pb.ExecResult]:
     """One Exec with a terminal over the API; ``inputs`` follow the start, then the stream stays
@@ -364,7 +399,7 @@ def test_nothing_is_left_after_a_terminal_call(daemon: Daemon, client: SandboxCl
 
 
 @pytest.mark.parametrize("terminal, fix", [
-    (pb.Terminal(rows=0, columns=80), "rows and columns from 1 to 1000"),
+    (pb.Terminal(rows=1001, columns=80), "rows and columns from 1 to 1000"),
     (pb.Terminal(rows=24, columns=5000), "rows and columns from 1 to 1000"),
     (pb.Terminal(rows=24, columns=80, term="xterm; rm -rf /"), "terminal type name"),
 ])

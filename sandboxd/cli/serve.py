@@ -50,10 +50,21 @@ def flag_values(args: argparse.Namespace) -> dict[str, object]:
     return {dotted: value for dotted, value in given.items() if value is not None}
 
 
+NEEDS_ROOT = ("sandboxd serve: needs root (you are uid {uid}): the daemon builds every user's sandboxes "
+              "(namespaces, mounts, cgroups, network links) and runs each command as the user who asked for it, "
+              "which only root may do. Start it as root (`packaging/setup.sh serve`, or the systemd unit); as "
+              "yourself, `sandboxd run` runs one command in a sandbox, rootless, with no daemon\n")
+
+
 def main(argv: list[str]) -> int:
+    import os
+
     from sandboxd import config
 
     args = parser().parse_args(argv)
+    if os.geteuid() != 0:
+        sys.stderr.write(NEEDS_ROOT.format(uid=os.geteuid()))
+        return 1
     try:
         settings = config.load(args.config, flags=flag_values(args))
     except SandboxdError as exc:

@@ -4,6 +4,7 @@ and self-test workspaces left by killed daemons, and the watch on the fork serve
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -14,6 +15,8 @@ from sandboxd import defaults
 from sandboxd.printable import printable
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from sandboxd.policy.session_defaults import SessionDefaults
     from sandboxd.service.session_lifecycle import OwnPlaces
     from sandboxd.supervisor.forkserver import ForkServer
@@ -54,18 +57,54 @@ def own_places(socket_path: str, backend: str, state_dir: str, tls_address: str,
 
 SELF_TEST_DIR = "/var/tmp"
 SELF_TEST_PREFIX = "sandboxd-selftest-"
+# A self-test's workspace is locked (flock) an instant after it is made: one nobody holds is a dead
+# daemon's only once it is older than this.
+SELF_TEST_LOCK_GRACE = 60.0
+
+
+@contextlib.contextmanager
+def _self_test_workspace() -> "Iterator[str]":
+    """An empty directory for the self-test, locked (flock) while it is used, removed afterwards.
+    The lock, not the pid in its name, says its daemon lives: the kernel drops it when the daemon
+    dies, and every daemon sharing /var/tmp sees it, whatever its PID namespace (a container's
+    daemon saw a host daemon's pid as dead and removed its workspace mid-test)."""
+    import fcntl
+    import tempfile
+
+    workspace = tempfile.mkdtemp(prefix=f"{SELF_TEST_PREFIX}{os.getpid()}-", dir=SELF_TEST_DIR)
+    held = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)    # 0700 and root's: only another daemon's sweep can hold it, an instant
+        yield workspace
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(workspace)
+        os.close(held)
 
 
 def _sweep_self_test_workspaces() -> None:
     """The empty workspaces of self-tests whose daemon was killed mid-test (SIGKILL skips the
-    ``finally``): named after that daemon's pid, removed once it is dead."""
+    ``finally``): those nobody holds locked, made more than SELF_TEST_LOCK_GRACE seconds ago."""
+    import fcntl
+
+    now = time.time()
     for name in os.listdir(SELF_TEST_DIR):
-        owner = name[len(SELF_TEST_PREFIX):].split("-", 1)[0]
-        if name.startswith(SELF_TEST_PREFIX) and owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
-            try:
-                os.rmdir(os.path.join(SELF_TEST_DIR, name))   # only an empty directory; never follows a link
-            except OSError:
-                pass
+        if not name.startswith(SELF_TEST_PREFIX):
+            continue
+        path = os.path.join(SELF_TEST_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if now - os.fstat(fd).st_mtime < SELF_TEST_LOCK_GRACE:
+                continue                                   # may be between its making and its lock
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: its daemon lives
+            os.rmdir(path)                                 # only an empty directory
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def self_test(fork: "ForkServer", session_defaults: "SessionDefaults | None" = None) -> str | None:
@@ -73,8 +112,6 @@ def self_test(fork: "ForkServer", session_defaults: "SessionDefaults | None" = N
     the whole set-up sequence (cgroups, namespaces, mounts, pivot_root, privileges, Landlock,
     seccomp). A machine where limits cannot be applied fails here, at start-up, with the fix,
     not at a user's first limited call. The problem, or None."""
-    import tempfile
-
     from sandboxd.errors import SandboxdError
     from sandboxd.policy import LaunchSpec, Limits, ReadOnly
 
@@ -83,18 +120,17 @@ def self_test(fork: "ForkServer", session_defaults: "SessionDefaults | None" = N
     if session_defaults is not None:          # the caps of all sandboxes together: in place from start-up
         limits = limits.replace(total_pids=session_defaults.total_pids,
                                 total_memory_bytes=session_defaults.total_memory_bytes)
-    workspace = tempfile.mkdtemp(prefix=f"{SELF_TEST_PREFIX}{os.getpid()}-", dir=SELF_TEST_DIR)
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     try:
-        call = fork.launch(LaunchSpec(argv=("true",), workspace=workspace, policy=ReadOnly(),
-                                      limits=limits, env={"PATH": "/usr/bin:/bin"}), (null, null, null))
-        info = fork.wait(call)
+        with _self_test_workspace() as workspace:
+            call = fork.launch(LaunchSpec(argv=("true",), workspace=workspace, policy=ReadOnly(),
+                                          limits=limits, env={"PATH": "/usr/bin:/bin"}), (null, null, null))
+            info = fork.wait(call)
         return None if info.exit_code == 0 else f"`true` in a sandbox ended with status {info.shell_status}"
     except SandboxdError as exc:
         return str(exc)
     finally:
         os.close(null)
-        os.rmdir(workspace)
 
 
 def nofile_target() -> tuple[int, int, int]:

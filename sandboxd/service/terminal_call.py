@@ -46,7 +46,14 @@ MAX_TERM_LENGTH = 64
 WRITE_RECHECK_MS = 200
 
 
+# A size of 0 is an unknown one (proto3's unset): the local terminal could not say (CI's `script`,
+# some `docker exec -t` report 0x0). The command gets the classic terminal's instead.
+DEFAULT_ROWS, DEFAULT_COLUMNS = 24, 80
+
+
 def check_size(rows: int, columns: int, what: str) -> tuple[int, int]:
+    """(rows, columns), each 0 (unknown) taken as the default's; InvalidPolicy past the range."""
+    rows, columns = rows or DEFAULT_ROWS, columns or DEFAULT_COLUMNS
     if not (terminals.MIN_SIZE <= rows <= terminals.MAX_SIZE and terminals.MIN_SIZE <= columns <= terminals.MAX_SIZE):
         raise InvalidPolicy(f"{what} must have rows and columns from {terminals.MIN_SIZE} to {terminals.MAX_SIZE}, "
                             f"got {rows} rows and {columns} columns: send the local terminal's size")

@@ -714,6 +714,10 @@ class ForkServer:
         Not a fork of the caller: the daemon has gRPC threads, and a forked copy of a
         threaded process may deadlock; and a fresh process is as small as it gets,
         which keeps every later fork cheap. subprocess spawns it without forking Python.
+        In a session of its own, away from the daemon's terminal: Ctrl-C on `sandboxd serve`
+        (SIGINT to the terminal's whole foreground group) is the daemon's to handle, by
+        closing sessions in order and then the fork server, which it killed mid-loop before
+        (a KeyboardInterrupt traceback); Ctrl-Z no longer stops it either.
         """
         import subprocess
         import sys
@@ -728,7 +732,7 @@ class ForkServer:
             child = subprocess.Popen([sys.executable, "-m", "sandboxd.supervisor.forkserver", str(child_end.fileno()),
                                       *flags],
                                      pass_fds=(child_end.fileno(),), env=env, stdin=subprocess.DEVNULL,
-                                     close_fds=True)
+                                     close_fds=True, start_new_session=True)
         finally:
             child_end.close()
         server = cls(parent_end, child.pid)
