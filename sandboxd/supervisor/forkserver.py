@@ -718,8 +718,10 @@ class ForkServer:
             flags = ([] if native_calls else ["--python-calls"]) + [f"--wait-seconds={wait_seconds!r}",
                                                                      f"--close-seconds={close_seconds!r}"] + (
                 [f"--call-helper={call_helper}"] if call_helper else [])
-            child = subprocess.Popen([sys.executable, "-m", "sandboxd.supervisor.forkserver", str(child_end.fileno()),
-                                      *flags],
+            # -P: `python -m` would put the working directory first on sys.path, so a `sandboxd`
+            # package in whatever directory the daemon was started from (a user's) would run as root.
+            child = subprocess.Popen([sys.executable, "-P", "-m", "sandboxd.supervisor.forkserver",
+                                      str(child_end.fileno()), *flags],
                                      pass_fds=(child_end.fileno(),), env=env, stdin=subprocess.DEVNULL,
                                      close_fds=True)
         finally:
