@@ -420,11 +420,12 @@ class Spawner:
         # the Python path is its only one (launcher/sequence.py says so too).
         if plan.caller_groups is not None:
             return self._launch_as_caller(session, plan, stdio)
-        cgroup_dirs = list(session.cgroup.dirs) if session.cgroup else []
         if not plan.confined or session.init_pid is None:
+            cgroup_dirs = list(session.cgroup.dirs) if session.cgroup else []   # no PID namespace: every group
             return self._fork(plan, stdio, None, pid_namespace=False, body=lambda report_w, status_w: (
                 sequence.run_sandbox(plan, report_fd=report_w, status_fd=status_w, cgroup_dirs=cgroup_dirs,
                                      spawner=self.pid)))
+        cgroup_dirs = session.cgroup.call_dirs() if session.cgroup else []
         pidfd, intake = session.call_pidfd(), session.intake
         try:
             return self._fork(plan, stdio, None, pid_namespace=pidfd, body=lambda report_w, status_w: (
@@ -481,7 +482,7 @@ class Spawner:
                     closing.append(source)
                 actions.append((os.POSIX_SPAWN_DUP2, source, target))
             argv = native_call.command_line(helper, plan, namespaces=sequence.CALL_NAMESPACES,
-                                            cgroup_dirs=list(session.cgroup.dirs) if session.cgroup else [])
+                                            cgroup_dirs=session.cgroup.call_dirs() if session.cgroup else [])
             self._new_pid_namespace.enter(pidfd)
             try:
                 pid = os.posix_spawn(helper, argv, {}, file_actions=actions, setsigmask=(),
