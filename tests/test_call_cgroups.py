@@ -7,7 +7,7 @@ and then). A single-threaded process moves its one thread through a v1 group's `
 which the kernel does without that lock; v2 has no such move across groups. A v2 group with no
 controller (memory and pids are v1's here) limits nothing: it is there to kill the session in one
 write, and a confined call's tree is in the session's PID namespace, so calls do not join it
-(CgroupSet.call_dirs). The figures: docs/performance.md, "Session calls and the cgroup join".
+(CgroupSet.limiting_dirs). The figures: docs/performance.md, "Session calls and the cgroup join".
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_a_call_is_in_each_group_that_limits_it_and_in_no_other(workspace: Path,
             assert len(command) == 1
             for path in group.dirs:
                 joined = members(path) - before[path]
-                if path in group.call_dirs():
+                if path in group.limiting_dirs():
                     assert joined == {proc.pid} | command, path      # the supervisor, and the command it forked
                 else:                                                # only a v2 group that limits nothing
                     assert path == group.unified_dir and not group.unified_limits
@@ -157,3 +157,47 @@ def test_a_single_threaded_caller_moves_through_tasks_where_there_is_one(tmp_pat
             thread.join()
     in_child(with_a_thread)
     assert written() == {"v1/tasks": "", "v1/cgroup.procs": "0", "v2/cgroup.procs": "0"}
+
+
+def test_a_confined_run_joins_the_groups_that_limit_it_and_waits_for_no_warmup(tmp_path: Path) -> None:
+    """`sandboxd run` as root: its command is in the run's own v1 memory and pids groups, under the
+    pids limit asked, and not in the run's v2 group when that group has no controller (its PID
+    namespace bounds it); with nothing to join through cgroup.procs, no warm-up is started for it.
+    A danger-full-access run (no PID namespace) still joins every group."""
+    import subprocess
+    import time
+
+    from daemon_helpers import descendants
+    from sandboxd.cli import run as cli_run
+    from sandboxd.policy import DangerFullAccess
+
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    v2_limits = "v2" in (cgroups.where("memory"), cgroups.where("pids"))
+    confined = LaunchSpec(argv=("true",), workspace=str(workspace), policy=WorkspaceWrite())
+    assert cli_run._waits_to_join(confined) is v2_limits
+    assert cli_run._waits_to_join(confined.replace(policy=DangerFullAccess())) is True
+    repo = Path(__file__).resolve().parents[1]
+    runner = subprocess.Popen([PY, str(repo / "packaging" / "bin" / "sandboxd"), "run", "--workspace", str(workspace),
+                               "--pids", "77", "--", "sleep", "30"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, env={**BASE_ENV, "PYTHONPATH": str(repo)})
+    try:
+        deadline, command = time.monotonic() + 60, 0
+        while not command and time.monotonic() < deadline:
+            command = next((pid for pid, info in descendants(runner.pid).items()
+                            if info.cmdline == b"sleep\x0030"), 0)
+            time.sleep(0.05)
+        assert command, "the run's command never started"
+        groups = dict(line.split(":", 2)[1:] for line in Path(f"/proc/{command}/cgroup").read_text().splitlines())
+        runner_groups = dict(line.split(":", 2)[1:] for line in
+                             Path(f"/proc/{runner.pid}/cgroup").read_text().splitlines())
+        if cgroups.where("pids") == "v1":
+            assert "/sandboxd/" in groups["pids"] and groups["pids"] != runner_groups["pids"], groups
+            assert Path(f"/sys/fs/cgroup/pids{groups['pids']}/pids.max").read_text().strip() == "77"
+        if cgroups.where("memory") == "v1":
+            assert "/sandboxd/" in groups["memory"], groups
+        if "" in groups and not v2_limits:                          # a v2 group with no controller: not joined
+            assert groups[""] == runner_groups[""], groups
+    finally:
+        runner.terminate()
+        runner.wait(timeout=60)

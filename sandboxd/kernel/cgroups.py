@@ -213,13 +213,13 @@ class CgroupSet:
             raise
         return group
 
-    def call_dirs(self) -> list[str]:
-        """The groups a confined session call joins: each one that enforces a limit. A v2 group
-        with no controller (memory and pids are v1's on this host) enforces none: it is there to
-        kill the session in one write, and a confined call's whole tree is in the session's PID
-        namespace, which the session's close kills. Joining it would cost each call a write to
-        ``cgroup.procs``, whose wait for an RCU grace period (``join``) is the largest part of a
-        call that comes after a quiet moment."""
+    def limiting_dirs(self) -> list[str]:
+        """The groups a confined process joins (a session call, a one-shot sandbox's init): each
+        one that enforces a limit. A v2 group with no controller (memory and pids are v1's on this
+        host) enforces none: it is there to kill a tree in one write, and a confined tree is in a
+        PID namespace of its own (the session's, or the one-shot's), which its end kills. Joining it
+        would cost a write to ``cgroup.procs``, whose wait for an RCU grace period (``join``) is the
+        largest part of a call that comes after a quiet moment."""
         return [path for path in self.dirs if path != self.unified_dir or self.unified_limits]
 
     def _mkdir_below(self, base: "Callable[[], str]", name: str) -> str:

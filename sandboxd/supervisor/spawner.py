@@ -290,7 +290,9 @@ class Spawner:
         except BaseException:
             _close_network(network, plan)
             raise
-        dirs = list(cgroup.dirs) if cgroup else []
+        # A confined init is PID 1 of a namespace that bounds its whole tree: it joins only the groups
+        # that limit it, as session calls do (CgroupSet.limiting_dirs).
+        dirs = (cgroup.limiting_dirs() if plan.confined and not plan.rootless else list(cgroup.dirs)) if cgroup else []
         # Rootless, the child makes the PID namespace itself, inside its user namespace (launcher.rootless).
         proc = self._fork(plan, stdio, cgroup, pid_namespace=plan.confined and not plan.rootless, network=network,
                           body=lambda report_w, status_w: (
@@ -425,7 +427,7 @@ class Spawner:
             return self._fork(plan, stdio, None, pid_namespace=False, body=lambda report_w, status_w: (
                 sequence.run_sandbox(plan, report_fd=report_w, status_fd=status_w, cgroup_dirs=cgroup_dirs,
                                      spawner=self.pid)))
-        cgroup_dirs = session.cgroup.call_dirs() if session.cgroup else []
+        cgroup_dirs = session.cgroup.limiting_dirs() if session.cgroup else []
         pidfd, intake = session.call_pidfd(), session.intake
         try:
             return self._fork(plan, stdio, None, pid_namespace=pidfd, body=lambda report_w, status_w: (
@@ -482,7 +484,7 @@ class Spawner:
                     closing.append(source)
                 actions.append((os.POSIX_SPAWN_DUP2, source, target))
             argv = native_call.command_line(helper, plan, namespaces=sequence.CALL_NAMESPACES,
-                                            cgroup_dirs=session.cgroup.call_dirs() if session.cgroup else [])
+                                            cgroup_dirs=session.cgroup.limiting_dirs() if session.cgroup else [])
             self._new_pid_namespace.enter(pidfd)
             try:
                 pid = os.posix_spawn(helper, argv, {}, file_actions=actions, setsigmask=(),
