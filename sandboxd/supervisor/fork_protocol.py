@@ -324,7 +324,7 @@ def receive(sock: socket.socket, table: "dict[str, type[Message]]",
     allocate MAX_MESSAGE afresh per message, which glibc serves with an mmap, an mremap and a
     munmap; in the fork server each of those may wait on the anonymous-memory lock it shares with
     every session's init (forked from it) while the kernel walks their pages, a cost that grew with
-    the number of open sessions (docs/performance.md, "A thousand sessions")."""
+    the number of open sessions (docs/performance.md, "Session calls and the cgroup join")."""
     fds = array.array("i")
     size, ancdata, flags, _ = sock.recvmsg_into([buffer], socket.CMSG_SPACE(MAX_DESCRIPTORS * fds.itemsize))
     for level, kind, payload in ancdata:
