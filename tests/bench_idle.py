@@ -14,8 +14,10 @@ seconds, it holds them idle for ``--seconds`` and measures, from /proc:
 * memory: VmRSS and PSS (smaps_rollup) of the daemon and the fork server, before the first
   session and with all of them open; the PSS of every sandbox process, summed and per session;
 * what limits the count: open fds of both, inotify instances held, sandbox processes;
-* a warm ``Exec true`` in a session of root's own, timed with that session alone and again with
-  all the others open (issue 18: at most 2x).
+* a warm ``true`` in a session of root's own, with that session alone and again with all the
+  others open (issue 18: at most 2x), through both RPCs as a gRPC runtime drives them
+  (bench_rpcs: the generated stubs, a channel each; ``Exec``, the stream, and ``Run``), back to
+  back and after an idle pause, interleaved round-robin with a one-shot bwrap and a bare spawn.
 
 ``--users U`` splits the sessions over U plain users made for the run (removed after), each
 creating its share in a client of its own as that user (16 users x 64 sessions: the default
@@ -132,17 +134,21 @@ print(json.dumps({"created_ms": created_ms, "ids": ids}))
 '''
 
 
-def warm_exec_ms(client: Any, session_id: str, calls: int) -> dict[str, float]:
-    """The median and p95 of ``calls`` warm ``Exec true`` in one session."""
-    from benchmark import exec_true
+def warm_calls(socket_path: str, session_id: str, rounds: int, pause_ms: float) -> list[dict[str, Any]]:
+    """``rounds`` interleaved rounds of bench_rpcs.variants in one session (after 3 warm-up
+    rounds): a row (benchmark.build_daemon_rows: median, p95, x bwrap, failures) per variant."""
+    import bench_rpcs
+    from benchmark import SHUFFLE_SEED, build_daemon_rows
 
-    samples = []
-    for _ in range(calls):
-        began = time.monotonic()
-        exec_true(client, session_id)
-        samples.append((time.monotonic() - began) * 1e3)
-    samples.sort()
-    return {"p50": samples[len(samples) // 2], "p95": samples[int(len(samples) * 0.95)], "n": calls}
+    calls = bench_rpcs.RawCalls(socket_path)
+    devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        variants = bench_rpcs.variants(calls, session_id, devnull, pause_ms)
+        bench_rpcs.measure(variants, rounds, 3, SHUFFLE_SEED + 2, pause_ms)
+    finally:
+        os.close(devnull)
+        calls.close()
+    return build_daemon_rows(variants)
 
 
 def fill_as_users(daemon: Any, base: str, users: list[tuple[int, int]], count: int, exec_each: bool,
@@ -170,7 +176,8 @@ def fill_as_users(daemon: Any, base: str, users: list[tuple[int, int]], count: i
 
 
 def run(count: int, seconds: float, settle: float, exec_each: bool, policy: str,
-        users: list[tuple[int, int]] | None = None, exec_calls: int = 200) -> dict[str, Any]:
+        users: list[tuple[int, int]] | None = None, rounds: int = 200,
+        pause_ms: float = 60.0, tree: str | None = None) -> dict[str, Any]:
     """N idle sessions: fill, memory, CPU while idle, and a warm Exec in a session of root's own
     with one session open and with all N open. ``users``: the N sessions are theirs, split evenly."""
     from benchmark import DaemonProcess, Sessions, exec_true
@@ -178,9 +185,10 @@ def run(count: int, seconds: float, settle: float, exec_each: bool, policy: str,
 
     base = tempfile.mkdtemp(prefix="sandboxd-idle-", dir="/var/tmp")
     os.chmod(base, 0o755)
-    daemon = DaemonProcess(base)
+    daemon = DaemonProcess(base, tree)
     sessions = Sessions()
-    report: dict[str, Any] = {"sessions": count, "seconds": seconds, "policy": policy, "uptime_start": open("/proc/loadavg").read()}
+    report: dict[str, Any] = {"sessions": count, "seconds": seconds, "policy": policy, "rounds": rounds,
+                              "pause_ms": pause_ms, "uptime_start": open("/proc/loadavg").read()}
     try:
         report["ready_s"] = daemon.start()
         time.sleep(settle)
@@ -191,7 +199,7 @@ def run(count: int, seconds: float, settle: float, exec_each: bool, policy: str,
             probe = client.create_session(probe_ws, policy=sandbox_policy(policy), approval="never").id
             sessions.add(probe)
             exec_true(client, probe)
-            report["exec_alone_ms"] = warm_exec_ms(client, probe, exec_calls)
+            report["calls_alone"] = warm_calls(daemon.socket, probe, rounds, pause_ms)
             started = time.monotonic()
             create_ms: list[float] = []
             for i in range(count if not users else 0):
@@ -231,7 +239,7 @@ def run(count: int, seconds: float, settle: float, exec_each: bool, policy: str,
             }
             ticks = report["idle"]["serve_ticks"] + report["idle"]["fork_ticks"] + report["idle"]["box_ticks"]
             report["idle"]["cpu_percent_of_one_core"] = 100.0 * ticks / TICK / elapsed
-            report["exec_among_ms"] = warm_exec_ms(client, probe, exec_calls)
+            report["calls_among"] = warm_calls(daemon.socket, probe, rounds, pause_ms)
         report["uptime_end"] = open("/proc/loadavg").read()
     finally:
         began = time.monotonic()
@@ -271,13 +279,34 @@ def print_report(report: dict[str, Any]) -> None:
     for side in ("serve_threads_waking", "fork_threads_waking"):
         for name, (ticks, switches) in sorted(idle[side].items(), key=lambda kv: -kv[1][1]):
             print(f"  {side[:5]} thread {name}: {ticks} ticks, {switches} switches")
-    alone, among = report["exec_alone_ms"], report["exec_among_ms"]
-    print(f"warm Exec true in one session (root's, n={alone['n']}): p50 {alone['p50']:.2f} ms, p95 {alone['p95']:.2f} "
-          f"with it alone; p50 {among['p50']:.2f} ms, p95 {among['p95']:.2f} with {n} more open: "
-          f"{among['p50'] / alone['p50']:.2f}x")
+    print_calls(report["calls_alone"], report["calls_among"], n, report["rounds"], report["pause_ms"])
     print(f"loadavg start {report['uptime_start'].strip()}  end {report['uptime_end'].strip()}; "
           f"closing them took {report['close_all_s']:.1f} s, {report['left_open']} left open; "
           f"exit {report['exit_code']}, log problems {len(report['log_problems'])}: {report['log_problems'][:2]}")
+
+
+def print_calls(alone: list[dict[str, Any]], among: list[dict[str, Any]], n: int, rounds: int,
+                pause_ms: float) -> None:
+    """The warm calls in the probe session, alone and among the ``n`` others: each row's medians,
+    among / alone, and both against the bwrap of the same phase."""
+    from benchmark import fmt, ratio
+
+    print(f"warm `true` in one session of root's, {rounds} rounds per phase, interleaved (bench_rpcs; "
+          f"'after a pause': {pause_ms:g} ms idle first): median ms")
+    header = (f"{'call':<24} | {'alone':>7} | {'x bwrap':>7} | {f'among {n}':>10} | {'x bwrap':>7} | "
+              f"{'among/alone':>11} | fail")
+    print(header)
+    print("-" * len(header))
+    after = {row["name"]: row for row in among}
+    for row in alone:
+        other = after.get(row["name"], {})
+        print(f"{row['name']:<24} | {fmt(row['median_ms'], '7.2f')} | {fmt(row['x_bwrap'], '7.2f')} | "
+              f"{fmt(other.get('median_ms'), '10.2f')} | {fmt(other.get('x_bwrap'), '7.2f')} | "
+              f"{fmt(ratio(other.get('median_ms'), row['median_ms']), '11.2f')} | "
+              f"{row['failures'] + other.get('failures', 0)}")
+        for failed in (row, other):
+            if failed.get("failures"):
+                print(f"  FAILURES {row['name']}: {failed['first_error']}")
 
 
 def main() -> int:
@@ -292,13 +321,21 @@ def main() -> int:
     p.add_argument("--users", type=int, default=0,
                    help="split the sessions over this many plain users made for the run (each at most "
                         "quotas.sessions_per_uid, 64 by default); 0: all root's")
-    p.add_argument("--exec-calls", type=int, default=200, help="warm Execs timed alone and among the sessions")
+    p.add_argument("--rounds", type=int, default=200,
+                   help="interleaved rounds of the warm calls (bench_rpcs), alone and among the sessions (default 200)")
+    p.add_argument("--pause-ms", type=float, default=60.0,
+                   help="idle time before the 'after a pause' calls (default 60; 0: leave them out)")
+    p.add_argument("--tree", metavar="DIR",
+                   help="run the daemon from this source tree instead of this checkout, for before/after figures: "
+                        "another revision's sandboxd package with its call helper built (`git archive REV sandboxd "
+                        "| tar -x -C DIR`, then from outside any checkout `PYTHONPATH=DIR .venv/bin/python -m "
+                        "sandboxd.launcher.native_call build`)")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()
     with contextlib.ExitStack() as stack:
         users = [stack.enter_context(plain_user()) for _ in range(args.users)]
         report = run(args.sessions, args.seconds, args.settle, not args.no_exec, args.policy, users or None,
-                     args.exec_calls)
+                     args.rounds, args.pause_ms, args.tree)
         report["users"] = args.users
     print_report(report)
     if args.json:

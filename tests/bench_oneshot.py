@@ -65,11 +65,12 @@ from sandboxd.cli import run
 marks.append(("import cli.run", time.perf_counter()))
 spec = run.spec_from_args(run.parse_args(["--workspace", sys.argv[1], "--", "true"]))
 marks.append(("spec (run_env, limits)", time.perf_counter()))
-guard = run._git_guard(spec)
+guard = run._git_guard(spec) if hasattr(run, "_git_guard") else None   # since issue 16
 marks.append(("git guard baseline walk", time.perf_counter()))
 try:                                          # since issue 18: the cgroup move's wait, paid early
     from sandboxd.kernel import cgroup_warmup
-    warmup = cgroup_warmup.start()
+    # since issue 24: only when the child's join will wait (a v2 group with a limit)
+    warmup = cgroup_warmup.start() if getattr(run, "_waits_to_join", lambda spec: True)(spec) else None
 except ImportError:
     warmup = None
 marks.append(("start cgroup warm-up", time.perf_counter()))

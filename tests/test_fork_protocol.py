@@ -120,18 +120,23 @@ def test_a_session_ready_carries_the_proxy_listener_exactly_when_it_says_so() ->
 
 def test_receive_reports_eof_truncation_and_descriptors() -> None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    buffer = protocol.receive_buffer()                    # one buffer for every message, as both ends read
     with ours, theirs:
         read_end, write_end = socket.socketpair()
         with read_end, write_end:
             fds = [read_end.fileno(), write_end.fileno(), read_end.fileno()]
             protocol.send(ours, protocol.Call(1, "s", ["true"], {}, "/").encode(), fds)
-            message, received = protocol.receive(theirs, protocol.requests())
+            message, received = protocol.receive(theirs, protocol.requests(), buffer)
             assert isinstance(message, protocol.Call) and len(received) == 3
             for fd in received:
                 socket.socket(fileno=fd).close()
         ours.setsockopt(socket.SOL_SOCKET, protocol.SO_SNDBUFFORCE, 4 * protocol.MAX_MESSAGE)
         protocol.send(ours, b" " * (protocol.MAX_MESSAGE + 10))
-        message, _ = protocol.receive(theirs, protocol.requests())
+        message, _ = protocol.receive(theirs, protocol.requests(), buffer)
         assert isinstance(message, protocol.Malformed) and "below" in str(message)
+        # A short message after a long one is read as itself: nothing of the longer one is left in the buffer.
+        protocol.send(ours, protocol.Ping(2).encode())
+        message, _ = protocol.receive(theirs, protocol.requests(), buffer)
+        assert isinstance(message, protocol.Ping) and message.id == 2
         ours.shutdown(socket.SHUT_WR)
-        assert protocol.receive(theirs, protocol.requests()) == (None, [])
+        assert protocol.receive(theirs, protocol.requests(), buffer) == (None, [])

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -301,3 +302,27 @@ def test_ping_says_whether_the_server_answers_in_time(server: ForkServer) -> Non
     finally:
         os.kill(server.pid, signal.SIGCONT)
     assert server.ping(10)
+
+
+def test_the_fork_server_never_runs_code_from_the_daemons_working_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m` puts the working directory first on sys.path: a `sandboxd` package planted
+    where root started the daemon (a user's directory) would run as the root fork server. It is
+    started with -P; the control shows the same plant runs under a plain `python -m`."""
+    planted = tmp_path / "sandboxd" / "supervisor"
+    planted.mkdir(parents=True)
+    for package in (tmp_path / "sandboxd", planted):
+        (package / "__init__.py").write_text("")
+    marker = tmp_path / "ran"
+    (planted / "forkserver.py").write_text(f"open({str(marker)!r}, 'w').write('planted code ran')\n")
+    monkeypatch.chdir(tmp_path)
+    fs = ForkServer.start()
+    try:
+        assert fs.ping(30), "the fork server does not answer"
+    finally:
+        fs.close()
+    assert not marker.exists()
+    # Control: the same interpreter and environment without -P imports the plant.
+    subprocess.run([sys.executable, "-m", "sandboxd.supervisor.forkserver", "0"], cwd=tmp_path,
+                   env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}, capture_output=True, timeout=60)
+    assert marker.read_text() == "planted code ran"

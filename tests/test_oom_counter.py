@@ -1,6 +1,8 @@
 """A session's OOM kills, read from a descriptor held open (kernel/oom_counter.py): the same count
 as ``CgroupSet.oom_kills`` through a real kernel OOM kill, reported to the call it hit and not to
-the next one, the session's init spared, and the descriptor gone with the session."""
+the next one, the session's init spared. Each call holds its own counter (and pidfd) only while it
+runs: an open session holds no descriptor but its intake socket (spawner.SessionSandbox), and
+nothing is left when a call has been collected or the session closed."""
 
 from __future__ import annotations
 
@@ -40,17 +42,21 @@ def test_a_held_counter_counts_the_kernels_oom_kills(workspace: Path, native: bo
     before = open_fds()
     session = spawner.open_session(LaunchSpec(argv=("true",), workspace=str(workspace), env=dict(BASE_ENV),
                                               policy=WorkspaceWrite(), limits=Limits(memory_bytes=LIMIT)))
+    # The session holds its intake socket and nothing else: a descriptor per open session would be
+    # copied into, and closed again by, every helper the fork server spawns.
+    assert len(open_fds() - before) == 1
     null = os.open("/dev/null", os.O_RDWR)
     try:
         assert session.cgroup is not None and session.cgroup.memory_dir, "no memory cgroup on this machine"
-        counter = session.oom_counter
-        assert isinstance(counter, OomCounter)
+        counter = OomCounter(session.cgroup)                         # held across the kill, as a call holds its own
         assert counter.oom_kills() == session.cgroup.oom_kills() == 0
+        idle = open_fds()
 
         def call(argv: tuple[str, ...]) -> tuple[int | None, bool]:
             proc = spawner.launch_call(session, argv, dict(BASE_ENV), str(workspace), stdio=(null, null, null))
             proc.wait_started()
             info = proc.wait(timeout=60)
+            assert open_fds() == idle, "a call's counter or pidfd outlived it"
             return info.exit_code, info.oom_killed
 
         assert call(("true",)) == (0, False)                         # control: nothing killed, nothing said
@@ -63,8 +69,8 @@ def test_a_held_counter_counts_the_kernels_oom_kills(workspace: Path, native: bo
         assert session.init_pid is not None and session_init_adj(session.init_pid) == "0"
         assert call(("true",)) == (0, False)                         # the next call is not blamed
         assert call(("sh", "-c", f'test "$(cat /proc/self/oom_score_adj)" = {COMMAND_OOM_SCORE_ADJ}')) == (0, False)
+        counter.close()
     finally:
         os.close(null)
         session.close()
-    assert session.oom_counter is None
-    assert open_fds() <= before                                      # the counter's descriptor went with it
+    assert open_fds() <= before                                      # nothing of the session is left

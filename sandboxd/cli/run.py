@@ -13,7 +13,7 @@ from sandboxd.kernel.users import parse_user
 from sandboxd.policy import DEFAULT_PROTECTED_SUBPATHS, LaunchSpec, Limits, parse_size, policy_from_name
 from sandboxd.policy.git_config import GIT_GUARD_SUBPATH
 from sandboxd.policy.limits import DEFAULT_TMP_SIZE
-from sandboxd.policy.sandbox import WorkspaceWrite
+from sandboxd.policy.sandbox import DangerFullAccess, WorkspaceWrite
 from sandboxd.printable import printable
 
 TYPE_CHECKING = False
@@ -255,6 +255,20 @@ def _say(text: str) -> None:
     sys.stderr.write(f"sandboxd run: {printable(text)}\n")
 
 
+def _waits_to_join(spec: LaunchSpec) -> bool:
+    """Whether the child's cgroup join will write ``cgroup.procs`` (kernel/cgroups.join), the move
+    that waits for an RCU grace period: into a v2 group that holds a limit, or into every group of
+    a danger-full-access run (no PID namespace bounds it). A confined run whose limits are v1's
+    moves through ``tasks`` alone, and the warm-up would only wait for nothing. A plain user's
+    (rootless) run moves nothing itself."""
+    if os.geteuid() != 0:
+        return False
+    if isinstance(spec.policy, DangerFullAccess):
+        return True
+    from sandboxd.kernel import cgroups
+    return "v2" in (cgroups.where("memory"), cgroups.where("pids"))
+
+
 def main(argv: list[str]) -> int:
     try:
         args = parse_args(argv)
@@ -274,7 +288,7 @@ def main(argv: list[str]) -> int:
         # One walk: the build protects the git directories the guard's baseline just found.
         spec = spec.replace(git_dirs=guard.found_git_dirs())
     warmup = None
-    if not args["no_default_limits"] or args["memory"] or args["pids"]:   # its child will join cgroups
+    if (not args["no_default_limits"] or args["memory"] or args["pids"]) and _waits_to_join(spec):
         # Started here, not earlier: the wait is saved only if the child's move comes within about
         # one grace period of the warm-up's end, and the git guard's walk above can take longer.
         from sandboxd.kernel import cgroup_warmup

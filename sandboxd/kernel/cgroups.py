@@ -146,6 +146,7 @@ class CgroupSet:
         self.name = name
         self.dirs: list[str] = []
         self.unified_dir: str | None = None
+        self.unified_limits = False       # the v2 group enforces a limit (memory or pids is v2's)
         self.memory_dir: str | None = None
         self.memory_v2 = False
         self.nested = False               # a call's group inside a session's (``child``)
@@ -197,6 +198,7 @@ class CgroupSet:
                         _write(path, "memory.memsw.limit_in_bytes", memory_bytes)
                 else:
                     _write(path, "pids.max", pids)
+            group.unified_limits = bool(v2_controllers)
             if "memory" in v2_controllers:
                 assert group.unified_dir is not None          # made above: v2 controllers mean h.unified
                 group.memory_dir, group.memory_v2 = group.unified_dir, True
@@ -213,6 +215,15 @@ class CgroupSet:
             group.remove()
             raise
         return group
+
+    def limiting_dirs(self) -> list[str]:
+        """The groups a confined process joins (a session call, a one-shot sandbox's init): each
+        one that enforces a limit. A v2 group with no controller (memory and pids are v1's on this
+        host) enforces none: it is there to kill a tree in one write, and a confined tree is in a
+        PID namespace of its own (the session's, or the one-shot's), which its end kills. Joining it
+        would cost a write to ``cgroup.procs``, whose wait for an RCU grace period (``join``) is the
+        largest part of a call that comes after a quiet moment."""
+        return [path for path in self.dirs if path != self.unified_dir or self.unified_limits]
 
     def _mkdir_below(self, base: "Callable[[], str]", name: str) -> str:
         """mkdir ``name`` in the base group ``base()`` prepares; once more if the base vanished
@@ -384,12 +395,45 @@ def _rmdir_patiently(path: str) -> None:
 
 def join(dirs: list[str], pid: int = 0) -> None:
     """Move ``pid`` (0: the caller) into each group of ``dirs`` (a CgroupSet's ``dirs``, which a
-    forked child has without the set)."""
+    forked child has without the set).
+
+    A write to ``cgroup.procs`` moves a whole process under the kernel's global
+    ``cgroup_threadgroup_rwsem``, whose write side first waits for an RCU grace period unless
+    another migration ran in the last few ticks: 10 to 25 ms here, more than the rest of a session
+    call, paid by a call that comes after a quiet moment (docs/performance.md, "Session calls and
+    the cgroup join"). Moving only the calling thread skips that lock
+    (cgroup_procs_write_start: a move of ``current`` alone needs no threadgroup stability), and a
+    single-threaded process's one thread is all of it. So a single-threaded caller moves itself
+    into a v1 group through ``tasks``; v2 has no such move across groups (``cgroup.threads``
+    stays within a threaded domain): ``cgroup.procs`` there, and for anyone else."""
+    alone = pid == 0 and _single_threaded()
     try:
         for path in dirs:
-            _write(path, "cgroup.procs", pid)
+            if not (alone and _move_thread(path)):
+                _write(path, "cgroup.procs", pid)
     except OSError as exc:
         raise from_oserror(exc, "cgroup join") from None
+
+
+def _single_threaded() -> bool:
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
+def _move_thread(group: str) -> bool:
+    """Move the calling thread into v1 ``group`` through its ``tasks``; False for a v2 group
+    (no such file: opened without O_CREAT, which a cgroup directory refuses with EACCES)."""
+    try:
+        fd = os.open(os.path.join(group, "tasks"), os.O_WRONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        os.write(fd, b"0")
+    finally:
+        os.close(fd)
+    return True
 
 
 def sweep_stale(prefix: str = "run-", patient: bool = True) -> int:

@@ -1,10 +1,12 @@
-"""A session's OOM-kill count, read twice per call from a descriptor opened once.
+"""A session's OOM-kill count, read twice per call from a descriptor the call opens once.
 
 Every session call reads its session group's OOM kills before it starts and after it ends
 (``SandboxProcess.count_oom_kills_in``). ``CgroupSet.oom_kills`` opens, decodes and closes the
 file each time: about 15 us per read here, 30 us per call in the fork server's loop. A kernfs file
-gives fresh contents to every ``pread`` at offset 0, so the session keeps it open and a read is one
-system call and a bytes search (about 2 us). Same values, same file, same meaning.
+gives fresh contents to every ``pread`` at offset 0, so the call keeps it open from its start to
+its end and a read is one system call and a bytes search (about 2 us). Same values, same file,
+same meaning. Not the session's to keep: a descriptor held per open session is copied into every
+helper the fork server spawns (spawner.SessionSandbox).
 """
 
 from __future__ import annotations

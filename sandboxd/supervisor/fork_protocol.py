@@ -319,22 +319,32 @@ def send(sock: socket.socket, data: bytes, fds: "list[int] | None" = None, flags
         sock.send(data, flags)
 
 
-def receive(sock: socket.socket, table: "dict[str, type[Message]]") -> "tuple[Message | Malformed | None, list[int]]":
+def receive_buffer() -> bytearray:
+    """A buffer for ``receive``, made once per reader and used for every message it reads."""
+    return bytearray(MAX_MESSAGE)
+
+
+def receive(sock: socket.socket, table: "dict[str, type[Message]]",
+            buffer: bytearray) -> "tuple[Message | Malformed | None, list[int]]":
     """The next message (None at EOF) and the descriptors that came with it (the caller's to close).
     A message that is not a record of ``table`` comes back as Malformed, never raised: the loop
-    answers it and goes on."""
+    answers it and goes on. ``buffer`` (``receive_buffer``) is read into and reused: recvmsg would
+    allocate MAX_MESSAGE afresh per message, which glibc serves with an mmap, an mremap and a
+    munmap; in the fork server each of those may wait on the anonymous-memory lock it shares with
+    every session's init (forked from it) while the kernel walks their pages, a cost that grew with
+    the number of open sessions (docs/performance.md, "Session calls and the cgroup join")."""
     fds = array.array("i")
-    data, ancdata, flags, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(MAX_DESCRIPTORS * fds.itemsize))
+    size, ancdata, flags, _ = sock.recvmsg_into([buffer], socket.CMSG_SPACE(MAX_DESCRIPTORS * fds.itemsize))
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
-    if not data and not flags & socket.MSG_TRUNC:
+    if not size and not flags & socket.MSG_TRUNC:
         return None, list(fds)
     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
         return Malformed(0, f"a fork server message must be below {MAX_MESSAGE} bytes and carry at most "
                             f"{MAX_DESCRIPTORS} descriptors"), list(fds)
     try:
-        return decode(data, len(fds), table), list(fds)
+        return decode(bytes(memoryview(buffer)[:size]), len(fds), table), list(fds)
     except Malformed as malformed:
         return malformed, list(fds)
 

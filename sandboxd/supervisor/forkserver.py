@@ -143,6 +143,7 @@ class _Server:
         self._poller = select.poll()
         self._sock_fd = sock.fileno()
         self._poller.register(self._sock_fd, select.POLLIN)
+        self._received = protocol.receive_buffer()        # every request is read into it
         self._watched: dict[int, int] = {}                # call id -> its pidfd in the poller
         self.wait_seconds = wait_seconds
         self.close_seconds = close_seconds
@@ -259,7 +260,7 @@ class _Server:
 
     def _handle_next(self) -> bool:
         try:
-            message, fds = protocol.receive(self.sock, protocol.requests())
+            message, fds = protocol.receive(self.sock, protocol.requests(), self._received)
         except OSError:
             message, fds = None, []
         if message is None:
@@ -700,6 +701,7 @@ class ForkServer:
         self._call_helper: str | None = None
         self._close_seconds = CLOSE_WAIT_SECONDS
         self._limit = protocol.message_limit(sock)
+        self._received = protocol.receive_buffer()        # every event is read into it (one reader at a time)
         self.last_heard = time.monotonic()       # when it last answered anything (the watchdog's progress)
 
     @property
@@ -729,8 +731,10 @@ class ForkServer:
             flags = ([] if native_calls else ["--python-calls"]) + [f"--wait-seconds={wait_seconds!r}",
                                                                      f"--close-seconds={close_seconds!r}"] + (
                 [f"--call-helper={call_helper}"] if call_helper else [])
-            child = subprocess.Popen([sys.executable, "-m", "sandboxd.supervisor.forkserver", str(child_end.fileno()),
-                                      *flags],
+            # -P: `python -m` would put the working directory first on sys.path, so a `sandboxd`
+            # package in whatever directory the daemon was started from (a user's) would run as root.
+            child = subprocess.Popen([sys.executable, "-P", "-m", "sandboxd.supervisor.forkserver",
+                                      str(child_end.fileno()), *flags],
                                      pass_fds=(child_end.fileno(),), env=env, stdin=subprocess.DEVNULL,
                                      close_fds=True, start_new_session=True)
         finally:
@@ -953,7 +957,7 @@ class ForkServer:
                     if remaining is not None and not _readable_within(self._sock, remaining):
                         message, fds = Malformed(0, "nothing yet"), []   # back to the deadline check
                     else:
-                        message, fds = protocol.receive(self._sock, protocol.events())
+                        message, fds = protocol.receive(self._sock, protocol.events(), self._received)
                 except OSError:
                     message, fds = None, []
                 finally:

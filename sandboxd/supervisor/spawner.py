@@ -114,7 +114,8 @@ class SandboxProcess:
     def count_oom_kills_in(self, group: "CgroupSet | OomCounter | None", before: int) -> None:
         """Report ``oom_killed`` when ``group`` (a session's) counted more OOM kills at the end than
         ``before`` (read before this call started). With calls running side by side in one session,
-        a kill is reported to every call that was running when it happened."""
+        a kill is reported to every call that was running when it happened. An OomCounter given
+        here is this call's: closed when the call is collected."""
         self._oom_group, self._oom_kills_before = group, before
 
     def _oom_killed(self) -> bool:
@@ -250,6 +251,8 @@ class SandboxProcess:
             if fd >= 0:
                 os.close(fd)
         self._report_fd = self._status_fd = self._pidfd = -1
+        if isinstance(self._oom_group, OomCounter):
+            self._oom_group.close()
         if self._cgroup is not None:
             if self.plan.confined or self._timed_out:
                 self._cgroup.kill()
@@ -287,7 +290,9 @@ class Spawner:
         except BaseException:
             _close_network(network, plan)
             raise
-        dirs = list(cgroup.dirs) if cgroup else []
+        # A confined init is PID 1 of a namespace that bounds its whole tree: it joins only the groups
+        # that limit it, as session calls do (CgroupSet.limiting_dirs).
+        dirs = (cgroup.limiting_dirs() if plan.confined and not plan.rootless else list(cgroup.dirs)) if cgroup else []
         # Rootless, the child makes the PID namespace itself, inside its user namespace (launcher.rootless).
         proc = self._fork(plan, stdio, cgroup, pid_namespace=plan.confined and not plan.rootless, network=network,
                           body=lambda report_w, status_w: (
@@ -394,9 +399,16 @@ class Spawner:
         With ``tool``, the confined child runs that file tool instead of exec'ing (file_tools).
         With ``terminal`` (rows, columns), on a terminal whose master goes back on stdin (plan.terminal).
         Commands go to the native helper when the spawner has one (native_call.py)."""
-        counter = session.oom_counter
-        oom_kills_before = counter.oom_kills() if counter else 0
-        proc = self._launch_call(session, argv, env, cwd, stdio, tool, terminal)
+        # The call's own descriptor of its session group's OOM kills, read before it starts and
+        # after it ends, closed with it (SessionSandbox says why it is not the session's).
+        counter = OomCounter(session.cgroup) if session.cgroup is not None else None
+        try:
+            oom_kills_before = counter.oom_kills() if counter else 0
+            proc = self._launch_call(session, argv, env, cwd, stdio, tool, terminal)
+        except BaseException:
+            if counter is not None:
+                counter.close()
+            raise
         proc.count_oom_kills_in(counter, oom_kills_before)
         return proc
 
@@ -410,16 +422,20 @@ class Spawner:
         # the Python path is its only one (launcher/sequence.py says so too).
         if plan.caller_groups is not None:
             return self._launch_as_caller(session, plan, stdio)
-        cgroup_dirs = list(session.cgroup.dirs) if session.cgroup else []
         if not plan.confined or session.init_pid is None:
+            cgroup_dirs = list(session.cgroup.dirs) if session.cgroup else []   # no PID namespace: every group
             return self._fork(plan, stdio, None, pid_namespace=False, body=lambda report_w, status_w: (
                 sequence.run_sandbox(plan, report_fd=report_w, status_fd=status_w, cgroup_dirs=cgroup_dirs,
                                      spawner=self.pid)))
-        pidfd, intake = session.pidfd, session.intake
-        return self._fork(plan, stdio, None, pid_namespace=pidfd, body=lambda report_w, status_w: (
-            sequence.run_call(plan, session_pidfd=pidfd, intake_fd=intake.fileno() if intake else None,
-                              report_fd=report_w, status_fd=status_w, cgroup_dirs=cgroup_dirs)),
-            kill_signal=sequence.KILL_TREE_SIGNAL)
+        cgroup_dirs = session.cgroup.limiting_dirs() if session.cgroup else []
+        pidfd, intake = session.call_pidfd(), session.intake
+        try:
+            return self._fork(plan, stdio, None, pid_namespace=pidfd, body=lambda report_w, status_w: (
+                sequence.run_call(plan, session_pidfd=pidfd, intake_fd=intake.fileno() if intake else None,
+                                  report_fd=report_w, status_fd=status_w, cgroup_dirs=cgroup_dirs)),
+                kill_signal=sequence.KILL_TREE_SIGNAL)
+        finally:
+            os.close(pidfd)                               # the child has its own copy (fork)
 
     def _launch_as_caller(self, session: SessionSandbox, plan: LaunchPlan,
                           stdio: tuple[int, int, int]) -> SandboxProcess:
@@ -448,10 +464,12 @@ class Spawner:
         program_r, program_w = os.pipe2(os.O_CLOEXEC)
         closing = [report_w, status_w, program_r, program_w]
         try:
+            pidfd = session.call_pidfd()
+            closing.append(pidfd)
             os.write(program_w, plan.seccomp_program)    # a few KiB: the pipe holds it
             environment = native_call.environment_file(plan.env)
             closing.append(environment)
-            sources = [*stdio, report_w, status_w, session.pidfd,
+            sources = [*stdio, report_w, status_w, pidfd,
                        session.intake.fileno() if session.intake else None, program_r, environment]
             actions = []
             for target, source in enumerate(sources):
@@ -466,8 +484,8 @@ class Spawner:
                     closing.append(source)
                 actions.append((os.POSIX_SPAWN_DUP2, source, target))
             argv = native_call.command_line(helper, plan, namespaces=sequence.CALL_NAMESPACES,
-                                            cgroup_dirs=list(session.cgroup.dirs) if session.cgroup else [])
-            self._new_pid_namespace.enter(session.pidfd)
+                                            cgroup_dirs=session.cgroup.limiting_dirs() if session.cgroup else [])
+            self._new_pid_namespace.enter(pidfd)
             try:
                 pid = os.posix_spawn(helper, argv, {}, file_actions=actions, setsigmask=(),
                                      setsigdef=SPAWN_DEFAULT_SIGNALS)
@@ -513,18 +531,37 @@ class Spawner:
 
 class SessionSandbox:
     """A session's persistent sandbox, as the fork server holds it: the session's init
-    (PID 1 of its namespaces) and the socket its calls send seccomp listeners on."""
+    (PID 1 of its namespaces) and the socket its calls send seccomp listeners on.
+
+    It holds as few descriptors as it can (the intake socket, and a pidfd only once its close
+    began): every descriptor the fork server holds is copied into each helper it spawns and
+    closed again at the helper's exec, so one held per open session made every call cost more
+    for each session open (about 0.3 ms per thousand descriptors here). A call takes a pidfd
+    of its own (``call_pidfd``) and its own OOM-kill counter (Spawner.launch_call), for as long
+    as it runs."""
 
     def __init__(self, plan: LaunchPlan, init_pid: int | None, intake: "_socket.socket | None",
                  cgroup: "CgroupSet | None", network: "IsolatedNetwork | None" = None) -> None:
         self.plan = plan
         self.network = network
         self.init_pid = init_pid
-        self.pidfd = os.pidfd_open(init_pid) if init_pid is not None else -1
+        self._pidfd = -1
         self.intake = intake
         self.cgroup = cgroup
-        # Read before and after every call: held open, so each read is one pread (oom_counter.py).
-        self.oom_counter = OomCounter(cgroup) if cgroup is not None else None
+
+    @property
+    def pidfd(self) -> int:
+        """The init's pidfd (-1 without an init), opened when first asked (a close waits on it)
+        and kept until ``close``."""
+        if self._pidfd < 0 and self.init_pid is not None:
+            self._pidfd = os.pidfd_open(self.init_pid)
+        return self._pidfd
+
+    def call_pidfd(self) -> int:
+        """A new pidfd of the init, for one call (the caller closes it). By pid, safely: the init
+        is this process's child, and its pid stays its own until ``reap`` collects it."""
+        assert self.init_pid is not None, "a call runs only in a session that has an init"
+        return os.pidfd_open(self.init_pid)
 
     def kill(self) -> None:
         """SIGKILL the session's init: the kernel kills everything in its PID namespace.
@@ -561,15 +598,12 @@ class SessionSandbox:
             except ChildProcessError:
                 pass
             self.init_pid = None
-        if self.pidfd >= 0:
-            os.close(self.pidfd)
-            self.pidfd = -1
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
         if self.intake is not None:
             self.intake.close()
             self.intake = None
-        if self.oom_counter is not None:
-            self.oom_counter.close()
-            self.oom_counter = None
         if self.cgroup is not None:
             self.cgroup.kill()
             self.cgroup.remove()
