@@ -113,6 +113,15 @@ def make_dir(path: Path, mode: int = 0o755) -> Path:
     return path
 
 
+def readable_copy_of_sandboxd(base: Path) -> Path:
+    """``base``/code holding a copy of the sandboxd package every user can read: what a plain
+    user's rootless `sandboxd run` imports (PYTHONPATH), the checkout and its venv may be root's."""
+    code = make_dir(base / "code")
+    shutil.copytree(REPO / "sandboxd", code / "sandboxd", ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(["chmod", "-R", "a+rX", str(code)], check=True)
+    return code
+
+
 # --------------------------------------------------------------------------- directories
 
 

@@ -185,19 +185,21 @@ print(json.dumps({"out": out, "code": code}))
 def test_a_hard_link_to_the_socket_is_refused_even_with_the_host_network(world: dict[str, Any]) -> None:
     """A hard link to the daemon's socket lies in a workspace (made by root here: with
     fs.protected_hardlinks a plain user may not link a socket it does not own), and a host-network
-    sandbox connects to it: the broker knows the socket by its inode, not its name."""
+    sandbox whose policy names it connects to it: the broker knows the socket by its inode, not its
+    name, and refuses it whatever the policy names."""
     attacker = world["users"][0]
     ws = workspace_of(world, attacker)
     link = ws / "door.sock"
     os.link(world["daemon"].socket, link)
-    other = ws / "own.sock"                              # control: any other host socket stays reachable
+    other = ws / "own.sock"                              # control: another host socket the policy names is reached
     server = socket.socket(socket.AF_UNIX)
     server.bind(str(other))
     os.chmod(other, 0o666)
     server.listen(4)
     try:
         body = r'''
-policy = pb.SandboxPolicy(mode=pb.SandboxPolicy.WORKSPACE_WRITE, network_access=True, network_mode="host")
+policy = pb.SandboxPolicy(mode=pb.SandboxPolicy.WORKSPACE_WRITE, network_access=True, network_mode="host",
+                          allowed_unix_sockets=[ARGS["link"], ARGS["other"]])
 s = stub.CreateSession(pb.CreateSessionRequest(workspace=ARGS["ws"], sandbox_policy=policy, approval_policy=pb.NEVER))
 script = "import socket,sys\nfor p in sys.argv[1:]:\n  s=socket.socket(socket.AF_UNIX)\n  try:\n    s.connect(p); print(p, 'REACHED')\n  except OSError as e:\n    print(p, 'blocked', e.strerror)"
 out, code = run(s.id, ["/usr/bin/python3", "-c", script, ARGS["link"], ARGS["other"]])

@@ -453,9 +453,11 @@ def test_host_unix_sockets_only_by_name(workspace: Path, base_dir: Path) -> None
         assert result.returncode == 0, result.stderr
         return result.stdout.strip()
     try:
-        assert connect("--network=host") == "connected agent"                # the control
+        assert connect("--sandbox", "danger-full-access") == "connected agent"  # the control
         assert connect("--network") == "refused 13"                          # isolated: EACCES, like no network
         assert connect() == "refused 13"
+        assert connect("--network=host") == "refused 13"                     # the host's network: the same
+        assert connect("--network=host", "--allow-unix-socket", str(path)) == "connected agent"
         assert connect("--network", "--allow-unix-socket", str(path)) == "connected agent"
         assert connect("--allow-unix-socket", str(path)) == "connected agent"
         other = socket.socket(socket.AF_UNIX)              # allowing another socket (it must exist) grants

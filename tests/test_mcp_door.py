@@ -9,7 +9,8 @@ the test makes, each with a control (the same connection succeeding without that
 
 1. every sandbox's connect broker refuses the server's registered listening sockets (loopback
    TCP and Unix), whatever the sandbox's network and policy (control: another listener of the
-   same user, beside it, is reached);
+   same user, beside it, is reached: a TCP one by the host's network, a Unix one when the policy
+   names it, as it names the server's);
 2. the server refuses (403) a connection whose process runs inside a sandbox, before any HTTP is
    read (shown from sandboxes whose broker does not know the server: a second daemon's session,
    a run that knows no daemon; control: the same request from outside succeeds);
@@ -35,7 +36,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from conftest import BASE_ENV, PY, REPO, SLOW, describe, make_dir
+from conftest import BASE_ENV, PY, REPO, SLOW, describe, make_dir, readable_copy_of_sandboxd
 from daemon_fixtures import daemon  # noqa: F401 - a pytest fixture
 from daemon_helpers import Daemon, DaemonFactory, PlainUser, plain_users, run_client_as
 from mcp_helpers import ENV, SANDBOXD
@@ -133,9 +134,7 @@ HELPER = textwrap.dedent('''
 ''')
 
 WARM_FILTERS = ("from sandboxd.kernel import seccomp\n"
-                "for confined, network, isolated in ((True, False, False), (True, True, False)):\n"
-                "    seccomp.program_for(seccomp.FilterSpec(confined=confined, network_access=network,\n"
-                "                                           isolated_network=isolated))\n")
+                "seccomp.program_for(seccomp.FilterSpec(confined=True))\n")
 
 
 class Door(NamedTuple):
@@ -189,9 +188,7 @@ def door(daemon: Daemon) -> Iterator[Door]:  # noqa: F811
         processes: list[subprocess.Popen[Any]] = []
         try:
             os.chmod(base, 0o755)
-            code = make_dir(base / "code")
-            shutil.copytree(REPO / "sandboxd", code / "sandboxd", ignore=shutil.ignore_patterns("__pycache__"))
-            subprocess.run(["chmod", "-R", "a+rX", str(code)], check=True)
+            code = readable_copy_of_sandboxd(base)
             workspace = make_dir(base / "ws", 0o700)
             sockets = make_dir(base / "sockets", 0o700)
             for path in (workspace, sockets):
@@ -294,9 +291,10 @@ def test_the_server_registered_its_sockets_and_hid_its_token(door: Door) -> None
 
 def test_wall_one_a_rootless_host_network_run_cannot_connect(door: Door) -> None:
     """Rootless `sandboxd run --network=host` as the user: the broker refuses the server's port in
-    every spelling and its Unix socket; the user's other listener and socket beside them are
-    reached (the control); the tokens are nowhere to be seen."""
-    seen = probe_in_run(door, wall_one_plan(door), "--network=host")
+    every spelling and its Unix socket (named by --allow-unix-socket); the user's other listener
+    and socket beside them (named too) are reached (the control); the tokens are nowhere to be seen."""
+    seen = probe_in_run(door, wall_one_plan(door), "--network=host", "--allow-unix-socket", door.mcp_unix,
+                        "--allow-unix-socket", door.plain_unix)
     assert seen["mcp"] == "EACCES" and seen["mcp 0.0.0.0"] == "EACCES" and seen["mcp mapped"] == "EACCES", seen
     assert seen["plain"] == "connected", seen
     assert (seen["unix mcp"], seen["unix plain"]) == ("EACCES", "connected"), seen
@@ -305,7 +303,8 @@ def test_wall_one_a_rootless_host_network_run_cannot_connect(door: Door) -> None
 
 def test_wall_one_a_host_network_daemon_session_cannot_connect(door: Door) -> None:
     """A `--network=host` session the user opens on the daemon: the same, from the session's calls."""
-    seen = probe_in_session(door, wall_one_plan(door), network_access=True, network_mode="host")
+    seen = probe_in_session(door, wall_one_plan(door), network_access=True, network_mode="host",
+                            allowed_unix_sockets=[door.mcp_unix, door.plain_unix])
     assert seen["mcp"] == "EACCES" and seen["mcp 0.0.0.0"] == "EACCES" and seen["mcp mapped"] == "EACCES", seen
     assert seen["plain"] == "connected", seen
     assert (seen["unix mcp"], seen["unix plain"]) == ("EACCES", "connected"), seen

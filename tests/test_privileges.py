@@ -83,16 +83,16 @@ IOCTLS: dict[str, int] = {"TIOCSTI": 0x5412, "TIOCLINUX": 0x541C, "TIOCSTI|1<<32
 # filter cannot read the number it points to, so it refuses every one; the kernel says ENOTTY here.
 LINE_DISCIPLINE: dict[str, int] = {"TIOCSETD": 0x5423, "TIOCSETD|1<<32": 0x100005423}
 
-# socket(family, type): name -> (family, type, errno without network, errno with network); None = allowed
-SOCKETS: dict[str, tuple[int, int, str | None, str | None]] = {
-    "AF_PACKET/SOCK_RAW": (17, 3, "EPERM", "EPERM"),
-    "AF_PACKET/SOCK_DGRAM": (17, 2, "EPERM", "EPERM"),
-    "AF_VSOCK/SOCK_STREAM": (40, 1, "EPERM", "EPERM"),
-    "AF_UNIX/SOCK_DGRAM": (1, 2, "EACCES", None),
-    "AF_UNIX/SOCK_DGRAM|SOCK_CLOEXEC|SOCK_NONBLOCK": (1, 2 | 0x80000 | 0x800, "EACCES", None),
-    "AF_UNIX/SOCK_STREAM": (1, 1, None, None),
-    "AF_UNIX/SOCK_SEQPACKET": (1, 5, None, None),
-    "AF_INET/SOCK_STREAM": (2, 1, None, None),
+# socket(family, type): name -> (family, type, errno in every confined sandbox, whatever its network); None = allowed
+SOCKETS: dict[str, tuple[int, int, str | None]] = {
+    "AF_PACKET/SOCK_RAW": (17, 3, "EPERM"),
+    "AF_PACKET/SOCK_DGRAM": (17, 2, "EPERM"),
+    "AF_VSOCK/SOCK_STREAM": (40, 1, "EPERM"),
+    "AF_UNIX/SOCK_DGRAM": (1, 2, "EACCES"),
+    "AF_UNIX/SOCK_DGRAM|SOCK_CLOEXEC|SOCK_NONBLOCK": (1, 2 | 0x80000 | 0x800, "EACCES"),
+    "AF_UNIX/SOCK_STREAM": (1, 1, None),
+    "AF_UNIX/SOCK_SEQPACKET": (1, 5, None),
+    "AF_INET/SOCK_STREAM": (2, 1, None),
 }
 
 PROBE = r"""
@@ -132,7 +132,7 @@ def probe(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str,
     """Run the system call probe once per policy (inside the sandbox) and cache its answers."""
     workspace = make_dir(tmp_path_factory.mktemp("syscalls") / "ws")
     spec = {"syscall": {k: [nr, list(args)] for k, (nr, args, _) in SYSCALLS.items()},
-            "ioctl": {**IOCTLS, **LINE_DISCIPLINE}, "socket": {k: [f, t] for k, (f, t, _, _) in SOCKETS.items()}}
+            "ioctl": {**IOCTLS, **LINE_DISCIPLINE}, "socket": {k: [f, t] for k, (f, t, _) in SOCKETS.items()}}
 
     def get(policy: str) -> dict[str, dict[str, str]]:
         if policy not in _results:
@@ -181,10 +181,8 @@ def test_line_discipline_changes_are_filtered(policy: str, request_name: str,
 @pytest.mark.parametrize("policy", CONFINED)
 @pytest.mark.parametrize("kind", list(SOCKETS))
 def test_socket_families(policy: str, kind: str, probe: Callable[[str], dict[str, dict[str, str]]]) -> None:
-    """AF_PACKET/AF_VSOCK are EPERM (test_socket_families tries every family); AF_UNIX datagrams are EACCES without network only; others work."""
-    _, _, without, with_net = SOCKETS[kind]
-    expected = with_net if policy == "workspace-write+network" else without
-    assert probe(policy)["socket"][kind] == (expected or "OK")
+    """AF_PACKET/AF_VSOCK are EPERM (test_socket_families tries every family); AF_UNIX datagrams are EACCES whatever the network; others work."""
+    assert probe(policy)["socket"][kind] == (SOCKETS[kind][2] or "OK")
 
 
 def test_control_af_packet_without_filter(probe: Callable[[str], dict[str, dict[str, str]]]) -> None:

@@ -81,7 +81,8 @@ OPTIONS: tuple[tuple[str, str | None, str, str], ...] = (
     ("--network", "[=isolated|host]", "optional", "network access (workspace-write only): isolated (the default) is a "
                                                   "namespace of its own behind NAT that reaches the internet but not "
                                                   "the host, its loopback, link-local or private ranges; "
-                                                  "--network=host is the host's network as it is"),
+                                                  "--network=host is the host's TCP and UDP as they are (its Unix "
+                                                  "sockets stay unreachable, as without network)"),
     ("--dns", "IP", "append", "a resolver for the isolated network (repeatable; default: the host's)"),
     ("--allow-host", "CIDR[:PORTS]", "append", "with the isolated network, allow only these destinations "
                                                "(repeatable; PORTS like 443 or 8000-8100,9000)"),

@@ -27,6 +27,7 @@ import os
 import psutil
 
 from sandboxd.kernel.addresses import proc_net_address, tcp_table_rows
+from sandboxd.kernel.process import descriptor_targets
 
 def pid_namespace(pid: int) -> int | None:
     """The inode number of ``pid``'s PID namespace, or None when the process is gone."""
@@ -82,21 +83,9 @@ def pids_holding(inodes: "set[int] | frozenset[int]") -> set[int]:
     return {pid for pid in psutil.pids() if pid_namespace(pid) not in (ours, None) and _holds(pid, wanted)}
 
 
-def _fd_targets(pid: int) -> list[str]:
-    """What each open descriptor of ``pid`` names (``socket:[INODE]`` for a socket); OSError when
-    its descriptors may not be listed (gone, another user's, not dumpable)."""
-    targets = []
-    for name in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            targets.append(os.readlink(f"/proc/{pid}/fd/{name}"))
-        except OSError:
-            continue
-    return targets
-
-
 def _holds(pid: int, wanted: set[str]) -> bool:
     try:
-        return not wanted.isdisjoint(_fd_targets(pid))
+        return not wanted.isdisjoint(descriptor_targets(pid))
     except OSError:
         return False
 
@@ -129,7 +118,7 @@ def socket_inodes(pid: int, limit: int) -> frozenset[int]:
     count = len(os.listdir(f"/proc/{pid}/fd"))
     if count > limit:
         raise OverflowError(f"the process holds {count} descriptors (more than {limit})")
-    return frozenset(int(target[len("socket:["):-1]) for target in _fd_targets(pid)
+    return frozenset(int(target[len("socket:["):-1]) for target in descriptor_targets(pid)
                      if target.startswith("socket:[") and target.endswith("]"))
 
 

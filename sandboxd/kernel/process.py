@@ -119,6 +119,43 @@ def descendants() -> list[int]:
     return found
 
 
+def descriptor_targets(pid: int | str) -> list[str]:
+    """What each open descriptor of ``pid`` names (``socket:[INODE]`` for a socket); OSError when
+    its descriptors may not be listed (gone, another user's, not dumpable)."""
+    directory = os.open(f"/proc/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        targets = []
+        for name in os.listdir(directory):
+            try:
+                targets.append(os.readlink(name, dir_fd=directory))
+            except OSError:
+                continue                  # closed meanwhile
+        return targets
+    finally:
+        os.close(directory)
+
+
+def socket_holder_here(socket_inode: int, first: int = 0) -> int:
+    """A process /proc lists, other than the caller, that holds the socket ``socket_inode`` open
+    (``first`` looked at first: a server keeps its process), 0 when there is none: in a sandbox's
+    init, whose /proc is its PID namespace's, a process of the sandbox. Only the processes whose
+    descriptors the caller may read count (its own user's dumpable ones): a holder that made
+    itself non-dumpable is not seen, which refuses, never allows. The cost grows with the
+    descriptors of the namespace's processes: the sandbox's own to inflate."""
+    wanted = f"socket:[{socket_inode}]"
+    me = os.getpid()
+
+    def holds(pid: int) -> bool:
+        try:
+            return wanted in descriptor_targets(pid)
+        except OSError:
+            return False                  # gone, or not ours to read
+    if first > 0 and first != me and holds(first):
+        return first
+    return next((int(name) for name in os.listdir("/proc")
+                 if name.isdigit() and int(name) not in (me, first) and holds(int(name))), 0)
+
+
 def kill_descendants(*, reap: bool = False) -> None:
     """SIGKILL the caller's whole subtree. With ``reap``, also collect the dead, repeating until
     no child is left (a child subreaper inherits every orphan of its tree, so nothing escapes)."""

@@ -128,13 +128,11 @@ def socket_rows() -> list[Rule]:
 
 
 class FilterSpec(Record):
-    """Which filter a launch gets. ``confined`` is every policy but DangerFullAccess."""
+    """Which filter a launch gets. ``confined`` is every policy but DangerFullAccess. A confined
+    sandbox gets the same filter in every network mode: where its network matters (which Unix
+    socket or listener a connect() may reach), init's connect broker judges (launcher.connect_broker)."""
 
     confined: bool
-    network_access: bool
-    # A network of its own (not the host's): TCP and abstract sockets are confined by the
-    # namespace, pathname Unix sockets are not, so connect() is brokered as without network.
-    isolated_network: bool = False
 
     def rules(self) -> list[tuple[str, str, int, tuple[tuple[int, int, int, int], ...]]]:
         """(action, syscall, errno, ((arg, op, mask/value, value), ...)) rows, in a stable order."""
@@ -176,28 +174,24 @@ class FilterSpec(Record):
                     rows.append(("errno", name, errno.EPERM,
                                  ((flags_arg, masked_eq, flag, flag), (mode_arg, masked_eq, bit, bit))))
         rows.append(("errno", "openat2", errno.ENOSYS, ()))
-        if self.brokers_connect and not self.host_network:
-            # An AF_UNIX datagram socket, even one from socketpair(), can sendto()
-            # any host socket path (syslog, journald, systemd notify) without a
-            # connect: without network the sandbox gets none. Stream and seqpacket
-            # sockets reach a path only through connect(), which init brokers
+        if self.brokers_connect:
+            # An AF_UNIX datagram socket, even one from socketpair(), can sendto() (or sendmsg(),
+            # whose address seccomp cannot read) any host socket path (syslog, journald, systemd
+            # notify) without a connect, and with the host's network any abstract name of the
+            # host: a confined sandbox gets none, whatever its network. Stream and seqpacket
+            # sockets reach a path or a name only through connect(), which init brokers
             # (see sandboxd.launcher.connect_broker).
             # SOCK_RAW is turned into a datagram socket for AF_UNIX, so it goes too.
             for call in ("socket", "socketpair"):
                 for kind in (SOCK_DGRAM, SOCK_RAW):
                     rows.append(("errno", call, errno.EACCES,
                                  ((0, 4, AF_UNIX, 0), (1, masked_eq, SOCK_TYPE_MASK, kind))))
-        if self.brokers_connect:
             rows.append(("notify", "connect", 0, ()))
             # TCP Fast Open connects from sendto/sendmsg without a connect() the broker would see:
             # with the host's network that could reach sandboxd's own listeners.
             for call, flags_arg in (("sendto", 3), ("sendmsg", 2), ("sendmmsg", 3)):
                 rows.append(("errno", call, errno.EPERM, ((flags_arg, masked_eq, MSG_FASTOPEN, MSG_FASTOPEN),)))
         return rows
-
-    @property
-    def host_network(self) -> bool:
-        return self.network_access and not self.isolated_network
 
     @property
     def brokers_connect(self) -> bool:
@@ -209,8 +203,7 @@ class FilterSpec(Record):
         # Names the cached program; its integrity comes from the cache being root-only,
         # so a checksum is enough (hashlib would cost an OpenSSL load on every run).
         rules = repr(self.rules()).encode()
-        kind = (("confined" if self.confined else "open") + ("-net" if self.network_access else "")
-                + ("-isolated" if self.isolated_network else ""))
+        kind = "confined" if self.confined else "open"
         return f"{__version__}-{os.uname().machine}-{kind}-{zlib.crc32(rules):08x}-{len(rules)}"
 
 

@@ -13,20 +13,33 @@ shares the sandbox's mount namespace, root and uid, performs the call:
   any spelling, see kernel.addresses): EACCES in every mode, whatever else the
   policy allows. The daemon also hides their directory inside every sandbox (rootfs step 8c)
   and refuses a connection whose peer runs in a sandbox; this is the wall between the two.
-- AF_UNIX pathname: resolved as the caller would (its cwd, our shared root);
-  without network or with an isolated one, allowed only when the socket file is bound by a
-  socket of the sandbox's own network namespace (NETLINK_SOCK_DIAG), i.e. created inside the
-  sandbox, or is one the policy names (allowed_unix_sockets) and the caller may connect to.
-  Anything else: EACCES. With the host's network (--network=host) every host socket but
-  sandboxd's own is reachable, as the host's network is. The connect goes through
+- AF_UNIX pathname: resolved as the caller would (its cwd, our shared root); allowed only when
+  the socket is the sandbox's own, or is one the policy names (allowed_unix_sockets) and the
+  caller may connect to. Anything else: EACCES, in every network mode. The connect goes through
   /proc/self/fd/N of the inode that was checked, so a rename in between changes nothing.
+  "The sandbox's own", without network or with an isolated one: the socket file is bound by a
+  socket of the sandbox's network namespace (NETLINK_SOCK_DIAG), i.e. made inside it. With the
+  host's network every socket is the host namespace's, so that says nothing: there the listening
+  socket bound to the file (sock_diag again) must be held open by a process of the sandbox (its
+  descriptors, read in /proc, which shows init the sandbox's PID namespace only). A file is bound
+  by one socket for good, and init holds the file open: the connect reaches that socket or none.
+  No listener bound to it: ECONNREFUSED, as the kernel would answer, without connecting.
+- AF_UNIX abstract, with the host's network: the host's abstract namespace (an X server's
+  @/tmp/.X11-unix/X0, an abstract D-Bus address), so the same rule: the listener of that name and
+  the caller's socket type must be held by a process of the sandbox, else EACCES. Unlike a file,
+  a name can pass to another socket between the check and the connect: only if the sandbox's
+  listener closes and a host process binds the same name in those microseconds (see
+  docs/policies.md). Without network or with an isolated one: performed as asked, the sandbox's
+  own namespace confines them.
 - Approval channels (`sandboxd mcp --http`'s listeners, registered with the daemon while their
   process lives: launcher.channel_registry): EACCES in every mode, by the bound file's inode for
   a Unix socket (whatever allowed_unix_sockets names), by address and port with the host's
   network; the registry is read on each such connect, so a channel that appeared after the
   sandbox was built is refused too. No sandboxed code reaches a channel that answers approvals.
-- Any other family (TCP, abstract Unix): performed as asked; the network namespace confines
-  them (with the host's network, only sandboxd's listeners and approval channels are refused).
+- Any other family (TCP): performed as asked; the network namespace confines it (with the
+  host's network, only sandboxd's listeners and approval channels are refused). Unix datagram
+  sockets, which reach a path by sendto() without a connect(), are refused in every confined
+  sandbox by the seccomp filter (kernel.seccomp).
 
 Init never lets the kernel continue a call it inspected: another thread of
 the caller could rewrite the address in between (the documented seccomp
@@ -36,6 +49,7 @@ user-notification race). It connects a duplicate of the caller's socket
 
 from __future__ import annotations
 
+import _socket  # the C module: socket.py's enums cost more to import than a launch
 import _thread
 import errno
 import fcntl
@@ -48,7 +62,7 @@ import struct
 # plan.prepare imports it in the process that forks init: init runs as the sandbox's user, who may
 # be unable to read the interpreter's library or the package (a pyenv Python under /root, say), so
 # an import there would fail. _is_sandboxd_listener finds it in sys.modules.
-from sandboxd.kernel import seccomp_notify, unix_diag
+from sandboxd.kernel import process, seccomp_notify, unix_diag
 from sandboxd.kernel._libc import raw_syscall
 from sandboxd.launcher import channel_registry
 
@@ -60,6 +74,7 @@ AF_UNIX = 1
 AF_INET = 2
 AF_INET6 = 10
 MAX_SOCKADDR = 128
+SOCKADDR_UN_SIZE = 110                   # sizeof(struct sockaddr_un): the kernel refuses a longer one (EINVAL)
 
 
 class ConnectBroker:
@@ -67,6 +82,7 @@ class ConnectBroker:
         """``rules``: what the policy allows and what is sandboxd's own (launcher.plan.BrokerRules)."""
         self.listener = listener
         self.rules = rules
+        self._last_holder = 0             # a hint only: every verdict reads the descriptors again
 
     def handle_one(self) -> None:
         notification = seccomp_notify.receive(self.listener)
@@ -142,9 +158,14 @@ class ConnectBroker:
         return destination is not None and destination in channel_registry.read(self.rules.channel_fds).tcp
 
     def _connect_unix(self, pid: int, sock: int, address: bytes) -> int:
+        if len(address) > SOCKADDR_UN_SIZE:
+            return -errno.EINVAL
         path = address[2:].split(b"\0", 1)[0] if address[2:3] != b"\0" else b""
         if not path:
-            # Abstract or unnamed: scoped to the sandbox's own network namespace.
+            if self.rules.host_network and len(address) > 2:
+                return self._connect_abstract(sock, address)
+            # Abstract without the host's network: scoped to the sandbox's own network namespace.
+            # Unnamed (the family alone): the kernel's EINVAL.
             return seccomp_notify.connect_raw(sock, address)
         try:
             if path.startswith(b"/"):
@@ -166,13 +187,47 @@ class ConnectBroker:
                 return -errno.EACCES  # sandboxd's own socket, reached through a link or a leftover name
             if self.rules.channel_fds and identity in channel_registry.read(self.rules.channel_fds).unix:
                 return -errno.EACCES  # an approval channel (`sandboxd mcp --http`), whatever the policy allows
-            if (not self.rules.host_network and identity not in self.rules.allowed
-                    and identity not in unix_diag.bound_socket_files()):
-                return -errno.EACCES  # a host socket the policy does not name
+            if identity not in self.rules.allowed:
+                refusal = self._unless_own_file(identity)
+                if refusal:
+                    return refusal    # a host socket the policy does not name
             pinned = struct.pack("=H", AF_UNIX) + b"/proc/self/fd/%d\0" % target
             return seccomp_notify.connect_raw(sock, pinned)
         finally:
             os.close(target)
+
+    def _unless_own_file(self, identity: tuple[int, int, int]) -> int:
+        """0 when the socket file ``identity`` is the sandbox's own (see the module's docstring),
+        else the answer: -EACCES, or -ECONNREFUSED when nothing listens on it (host network)."""
+        if not self.rules.host_network:
+            return 0 if identity in unix_diag.bound_socket_files() else -errno.EACCES
+        listener = unix_diag.listener_bound_to(identity)
+        if listener is None:
+            return -errno.ECONNREFUSED
+        return 0 if self._held_here(listener) else -errno.EACCES
+
+    def _connect_abstract(self, sock: int, address: bytes) -> int:
+        """A connect() to an abstract name with the host's network: only to a listener a process
+        of the sandbox holds (the module's docstring)."""
+        caller = _socket.socket(fileno=sock)
+        try:
+            kind = caller.type
+        finally:
+            caller.detach()                 # ``sock`` stays open: _finish closes it
+        listener = unix_diag.listener_named(address[2:], kind)
+        if listener is None:
+            return -errno.ECONNREFUSED      # as the kernel answers for a name nobody listens on
+        if not self._held_here(listener):
+            return -errno.EACCES            # the host's: an X server, a D-Bus bus, an agent
+        return seccomp_notify.connect_raw(sock, address)
+
+    def _held_here(self, listener: int) -> bool:
+        """Whether a process of the sandbox holds the listening socket ``listener`` (the one that
+        held the last one is looked at first: its clients come back to it)."""
+        holder = process.socket_holder_here(listener, self._last_holder)
+        if holder:
+            self._last_holder = holder
+        return holder > 0
 
 
 def _thread_group(tid: int) -> int:

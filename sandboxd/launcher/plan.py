@@ -30,7 +30,8 @@ class BrokerRules(Record):
     denied: frozenset[tuple[int, int, int]] = frozenset()
     # sandboxd's own TCP listeners, (host, port): refused with the host's network.
     denied_listeners: tuple[tuple[str, int], ...] = ()
-    # The host's network as it is: every host socket but sandboxd's own is reachable.
+    # The host's network: its TCP and UDP as they are; a Unix socket (pathname or abstract) only the
+    # sandbox's own or one the policy names, judged by who holds its listener (connect_broker).
     host_network: bool = False
     # The registries of approval channels (launcher.channel_registry): their listeners are refused
     # in every mode; and the descriptors init opened them on, before building the sandbox.
@@ -167,7 +168,7 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
         uid, gid = st.st_uid, st.st_gid
     network = bool(policy.network_access)
     isolated = network and confined and network_mode_of(policy) == "isolated"
-    filter_spec = seccomp.FilterSpec(confined=confined, network_access=network, isolated_network=isolated)
+    filter_spec = seccomp.FilterSpec(confined=confined)
     broker = BrokerRules(allowed=resolved.socket_ids, denied=_socket_ids(spec.denied_sockets),
                          denied_listeners=tuple(_listener(entry) for entry in spec.denied_listeners),
                          host_network=network and not isolated, channel_dirs=spec.approval_channels)

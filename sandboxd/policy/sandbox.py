@@ -59,7 +59,8 @@ def network_mode_of(policy: SandboxPolicy) -> str:
 class WorkspaceWrite(SandboxPolicy):
     """Write the workspace and the listed roots; everything else read-only. With network access,
     ``network_mode`` "isolated" (the default) gives the sandbox a network namespace of its own
-    behind NAT and the host's egress filter; "host" gives it the host's network as it is."""
+    behind NAT and the host's egress filter; "host" gives it the host's TCP and UDP as they are (not
+    its Unix sockets: a connect reaches the sandbox's own or allowed_unix_sockets, in every mode)."""
 
     writable_roots: tuple[str, ...] = ()
     protected_subpaths: tuple[str, ...] = DEFAULT_PROTECTED_SUBPATHS
