@@ -379,18 +379,17 @@ def test_a_thousand_sessions_push_fds_past_1024_and_exec_still_works(base: Path)
         daemon.close()
 
 
-def _base_of(where: str) -> str:
+@pytest.fixture
+def sweep_base(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Where the sweep looks, for this test only: a private group in the hierarchy the test names
+    (cgroup_helpers.private_base), so no other sandboxd on the machine sweeps what the test plants."""
+    from cgroup_helpers import private_base
     from sandboxd.kernel import cgroups
 
-    h = cgroups.hierarchies()
-    if where == "v2":
-        if not h.unified:
-            pytest.skip("no cgroup2 hierarchy mounted")
-        return os.path.join(h.unified, h.unified_own.lstrip("/"), cgroups.BASE_NAME)
-    if "memory" not in h.v1:
-        pytest.skip("no cgroup v1 memory hierarchy mounted")
-    point, own = h.v1["memory"]
-    return os.path.join(point, own.lstrip("/"), cgroups.BASE_NAME)
+    where = getattr(request, "param", None) or ("v1 memory" if "memory" in cgroups.hierarchies().v1 else "v2")
+    with private_base(where) as base:
+        monkeypatch.setattr(cgroups, "_sweep_bases", lambda _h: [str(base)])
+        yield str(base)
 
 
 def _named_for(pid: int, start: int, namespace: int, suffix: str) -> str:
@@ -400,8 +399,8 @@ def _named_for(pid: int, start: int, namespace: int, suffix: str) -> str:
 
 
 @pytest.mark.parametrize("level", ["base", "owner"])
-@pytest.mark.parametrize("where", ["v1 memory", "v2"])
-def test_sweep_kills_and_removes_groups_of_dead_owners_only(where: str, level: str) -> None:
+@pytest.mark.parametrize("sweep_base", ["v1 memory", "v2"], indirect=True)
+def test_sweep_kills_and_removes_groups_of_dead_owners_only(sweep_base: str, level: str) -> None:
     """A group named after a dead creator is emptied (its process killed) and removed by the fork
     server's leftovers; one named after a live creator is left alone, process and all (the control),
     and so are one named after the same dead pid in another PID namespace (whose pids say nothing
@@ -411,7 +410,7 @@ def test_sweep_kills_and_removes_groups_of_dead_owners_only(where: str, level: s
     from cgroup_helpers import LeftoversLoop
     from sandboxd.kernel import cgroups
 
-    base = _base_of(where)
+    base = sweep_base
     suffix = uuid.uuid4().hex[:8]
     owner = os.path.join(base, f"{cgroups.OWNER_PREFIX}uid-{suffix}")
     parent = owner if level == "owner" else base
@@ -577,14 +576,14 @@ def test_a_daemon_in_another_pid_namespace_keeps_a_live_daemons_self_test_worksp
         assert paths["held"].exists()
 
 
-def test_a_zombie_or_a_reused_pid_is_a_dead_creator() -> None:
+def test_a_zombie_or_a_reused_pid_is_a_dead_creator(sweep_base: str) -> None:
     """A SIGKILLed daemon's fork server is a zombie for a while (its new parent reaps it later): the
     groups named after it are stale, not alive (before, the next daemon's start-up sweep skipped
     them, and nothing swept again). So are a creator's whose pid now names a process started at
     another time. A live creator's group stays (the control)."""
     from sandboxd.kernel import cgroups
 
-    base = _base_of("v1 memory" if "memory" in cgroups.hierarchies().v1 else "v2")
+    base = sweep_base
     zombie = subprocess.Popen(["true"])
     deadline = time.monotonic() + 10
     while not open(f"/proc/{zombie.pid}/stat").read().rpartition(")")[2].split()[0] == "Z":

@@ -51,6 +51,7 @@ from typing import Any
 import psutil
 import pytest
 
+from cgroup_helpers import LeftoversLoop, private_base
 from conftest import PY, REPO, SLOW, eventually
 from daemon_helpers import Daemon, DaemonFactory, PlainUser, plain_users, run_client_as
 from user_fuse import UserFuse, fuse_for_users  # noqa: F401 - a fixture
@@ -310,39 +311,6 @@ def test_a_fork_server_crash_with_leftovers_is_survived(attack_scene: tuple[Daem
 # -- the pieces, on the real kernel ---------------------------------------------------------------
 
 
-def v1_group_base(controller: str) -> Path:
-    """Our v1 base group of ``controller`` (skip without one)."""
-    from sandboxd.kernel import cgroups
-
-    h = cgroups.hierarchies()
-    if controller not in h.v1:
-        pytest.skip(f"no cgroup v1 {controller} hierarchy mounted")
-    point, own = h.v1[controller]
-    base = Path(point) / own.lstrip("/") / cgroups.BASE_NAME
-    base.mkdir(exist_ok=True)
-    return base
-
-
-def v1_group(controller: str, name: str) -> Path:
-    """A sandbox group ``name`` in our v1 base group of ``controller`` (skip without one)."""
-    group = v1_group_base(controller) / name
-    group.mkdir()
-    return group
-
-
-def v2_group(name: str) -> Path:
-    from sandboxd.kernel import cgroups
-
-    h = cgroups.hierarchies()
-    if not h.unified:
-        pytest.skip("no cgroup v2 hierarchy mounted: cgroup.events exists only there")
-    base = Path(h.unified) / h.unified_own.lstrip("/") / cgroups.BASE_NAME
-    base.mkdir(exist_ok=True)
-    group = base / name
-    group.mkdir()
-    return group
-
-
 class StuckInGroup:
     """``stat`` of a plain user on its own stuck FUSE mount, moved into ``groups`` first: in D state
     once SIGKILLed, until the mount's server goes."""
@@ -374,7 +342,7 @@ def fuse_user(users: list[PlainUser], fuse_for_users: None) -> PlainUser:  # noq
     return users[0]
 
 
-@pytest.mark.parametrize("where", ["v2: cgroup.events", "v1 only: the timer"])
+@pytest.mark.parametrize("where", ["v2: cgroup.events", "v1 alone: the timer"])
 def test_leftovers_signal_once_and_remove_the_group_when_it_empties(where: str, fuse_user: PlainUser,
                                                                    base_dir: Path) -> None:
     """``Leftovers.dispose`` SIGKILLs what is in a group and returns; a process stuck in D state in
@@ -382,33 +350,32 @@ def test_leftovers_signal_once_and_remove_the_group_when_it_empties(where: str, 
     meanwhile); once the process goes, the loop removes the group (v2: on its cgroup.events; v1
     alone: on a timer). Before, the loop emptied and removed it in place (``kill``: 5 s; ``remove``:
     200 x 5 ms a group), and gave up with the group still there."""
-    from cgroup_helpers import LeftoversLoop
     from sandboxd.kernel import cgroups
 
     name = cgroups.group_name(f"t-{uuid.uuid4().hex[:6]}")
-    made = [v2_group(name)] if where.startswith("v2") else [v1_group("memory", name), v1_group("pids", name)]
-    group = cgroups.CgroupSet(name)
-    group.dirs = [str(path) for path in made]
-    group.unified_dir = str(made[0]) if where.startswith("v2") else None
-    stuck = StuckInGroup(fuse_user, base_dir, made)
-    loop = LeftoversLoop()
-    try:
+    hierarchies = ["v2"] if where.startswith("v2") else ["v1 memory", "v1 pids"]
+    with contextlib.ExitStack() as stack:
+        made = [stack.enter_context(private_base(hierarchy)) / name for hierarchy in hierarchies]
+        for path in made:
+            path.mkdir()
+        group = cgroups.CgroupSet(name)
+        group.dirs = [str(path) for path in made]
+        group.unified_dir = str(made[0]) if where.startswith("v2") else None
+        stuck = StuckInGroup(fuse_user, base_dir, made)
+        stack.callback(stuck.release)
+        loop = LeftoversLoop()
         loop.leftovers.dispose(group, True, None)
-        assert wait_for(stuck.stuck), "SIGKILLed on a read request: D state"       # the control: it cannot die
+        assert wait_for(stuck.stuck), "SIGKILLed on a read request: D state"   # the control: it cannot die
         for _ in range(20):
             loop.turn(0.05)
         assert len(loop.leftovers) == 1 and all(path.is_dir() for path in made)
         stuck.release()
         assert loop.run_until_empty(), "the loop did not remove the group once it emptied"
         assert not any(path.exists() for path in made)
-    finally:
-        stuck.release()
-        for path in made:
-            with contextlib.suppress(FileNotFoundError):
-                path.rmdir()
 
 
-def test_a_sweep_never_takes_a_group_made_in_another_pid_namespace(base_dir: Path) -> None:
+def test_a_sweep_never_takes_a_group_made_in_another_pid_namespace(base_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Two daemons sharing a cgroup base, one in a container's PID namespace: a group's pid says
     nothing outside the namespace it was made in. A process in a fresh PID namespace (pid 1 there)
     makes a sandbox group as a fork server would, and lives in it: our sweep leaves it, process and
@@ -416,7 +383,10 @@ def test_a_sweep_never_takes_a_group_made_in_another_pid_namespace(base_dir: Pat
     from sandboxd.kernel import cgroups
 
     ready = base_dir / "made"
-    maker = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", PY, "-c", r'''
+    where = "v1 memory" if "memory" in cgroups.hierarchies().v1 else "v2"
+    with private_base(where) as base:
+        monkeypatch.setattr(cgroups, "_sweep_bases", lambda _h: [str(base)])
+        maker = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", PY, "-c", r'''
 import os, sys, time
 sys.path.insert(0, sys.argv[3])
 from sandboxd.kernel import cgroups
@@ -427,24 +397,20 @@ with open(os.path.join(group, "cgroup.procs"), "w") as f:
 with open(sys.argv[2], "w") as f:
     f.write(group)
 time.sleep(600)
-''', str(v1_group_base("memory")), str(ready), str(REPO)])
-    group = None
-    try:
-        assert wait_for(lambda: ready.exists() and ready.read_text()), "the namespaced maker never made its group"
-        group = ready.read_text()
-        creator = cgroups._creator_of(os.path.basename(group))
-        assert creator is not None and creator[0] == 1, group
-        ours = os.stat("/proc/self/ns/pid").st_ino
-        assert creator[2] != ours
-        assert cgroups._provably_dead((creator[0], creator[1], ours), ours), "the control: by pid here, dead"
-        assert group not in {path for found in cgroups.stale_groups() for path in found.dirs}
-        assert (Path(group) / "cgroup.procs").read_text().split(), "its process was killed"
-    finally:
-        maker.kill()
-        maker.wait(BOUND)
-        if group is not None:
-            assert wait_for(lambda: not (Path(group) / "cgroup.procs").read_text().split())
-            os.rmdir(group)
+''', str(base), str(ready), str(REPO)])
+        try:
+            assert wait_for(lambda: ready.exists() and ready.read_text()), "the namespaced maker made no group"
+            group = ready.read_text()
+            creator = cgroups._creator_of(os.path.basename(group))
+            assert creator is not None and creator[0] == 1, group
+            ours = os.stat("/proc/self/ns/pid").st_ino
+            assert creator[2] != ours
+            assert cgroups._provably_dead((creator[0], creator[1], ours), ours), "the control: by pid here, dead"
+            assert cgroups.stale_groups() == []
+            assert (Path(group) / "cgroup.procs").read_text().split(), "its process was killed"
+        finally:
+            maker.kill()
+            maker.wait(BOUND)
 
 
 def test_a_late_loop_never_blames_a_path_that_answered() -> None:
