@@ -633,14 +633,14 @@ class SessionSandbox:
         if self.intake is not None:
             self.intake.close()
             self.intake = None
-        if self.network is not None:
-            self.network.close()
-            self.network = None
         cgroup, self.cgroup = self.cgroup, None
         if cgroup is not None:
             self._dispose(cgroup, True, then)
         elif then is not None:
             then()
+        if self.network is not None:
+            self.network.close()
+            self.network = None
 
 
 class SessionBuild:
