@@ -374,6 +374,56 @@ def test_leftovers_signal_once_and_remove_the_group_when_it_empties(where: str, 
         assert not any(path.exists() for path in made)
 
 
+def test_a_descriptor_number_reused_while_a_child_is_reaped_stays_watched() -> None:
+    """Reaping a session's init closes its pidfd and hands the session's group to the leftovers,
+    which open its cgroup.events: the lowest free number, often the pidfd's own. The loop must take
+    the pidfd out of its poller before that (it did after, by number: the group's events were never
+    heard again and the group stayed, intermittently, in the attack test). Here the number is reused
+    for sure (the control), and the group is still removed when it empties."""
+    from sandboxd.kernel import cgroups
+    from sandboxd.supervisor.waits import Orphans
+
+    loop = LeftoversLoop()
+    orphans = Orphans(loop.poller)
+    with private_base("v2") as base:
+        path = base / cgroups.group_name(f"t-{uuid.uuid4().hex[:6]}")
+        path.mkdir()
+        sleeper = subprocess.Popen(["sleep", "300"])
+        try:
+            (path / "cgroup.procs").write_text(str(sleeper.pid))
+            group = cgroups.CgroupSet(path.name)
+            group.dirs, group.unified_dir = [str(path)], str(path)
+            group.nested = True                           # a call's group in its session's: jobs stay in it
+            child_r, child_w = os.pipe()                  # stands in for a pidfd: readable when "gone"
+            handed: list[int] = []
+
+            def reap() -> bool:
+                if not handed:
+                    handed.append(-1)
+                    return False                          # Orphans.add tries once at once
+                os.close(child_r)
+                loop.leftovers.dispose(group, False, None)  # its background jobs live on
+                handed.append(child_r)
+                return True
+            orphans.add(child_r, reap)
+            os.write(child_w, b"x")
+            for fd, _ in loop.poller.poll(int(BOUND * 1000)):
+                orphans.ready(fd)
+            os.close(child_w)
+            assert handed == [-1, child_r] and child_r in loop.leftovers._by_events, "the number was not reused"
+            sleeper.kill()
+            sleeper.wait()
+            deadline = time.monotonic() + BOUND
+            while len(loop.leftovers) and time.monotonic() < deadline:   # no timer: its events alone
+                for fd, _ in loop.poller.poll(100):
+                    orphans.ready(fd)
+                    loop.leftovers.ready(fd)
+            assert not len(loop.leftovers) and not path.exists(), "the group's events went unheard"
+        finally:
+            sleeper.kill()
+            sleeper.wait()
+
+
 def test_a_sweep_never_takes_a_group_made_in_another_pid_namespace(base_dir: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Two daemons sharing a cgroup base, one in a container's PID namespace: a group's pid says

@@ -214,6 +214,11 @@ class _Server:
                 wake = proc.wake_at(limit)
                 if wake is None or wake > now:
                     continue
+            # Out of the poller before poll() may close the pidfd: what its end releases (the call's
+            # cgroup, to the leftovers) may open a descriptor of the same number, which unregistering
+            # by number afterwards would take out of the poller instead.
+            pidfd = self._watched[call_id]
+            self._poller.unregister(pidfd)
             try:
                 info = proc.poll(limit)
             except Exception as exc:  # noqa: BLE001 - one broken call must not end everyone's
@@ -221,10 +226,11 @@ class _Server:
                 self._give_up(proc)
                 info = ExitInfo(exit_code=None, signal=signal.SIGKILL, timed_out=False, wall_seconds=0.0,
                                 cpu_seconds=None, peak_memory_bytes=None, oom_killed=False)
-            if info is not None:
+            if info is None:
+                self._poller.register(pidfd, select.POLLIN)
+            else:
                 del self.running[call_id]
-                # By number: poll() above closed the pidfd, and nothing polls in between.
-                self._poller.unregister(self._watched.pop(call_id))
+                del self._watched[call_id]
                 if call_id in self._unanswered:
                     self._unanswered.discard(call_id)
                     continue

@@ -98,22 +98,27 @@ class Orphans:
         self._poller = poller
         self._reapers: dict[int, "Callable[[], bool]"] = {}
 
-    def add(self, pidfd: int, reap: "Callable[[], bool]", events: int = select.POLLIN) -> None:
-        """Call ``reap()`` (True: gone, and ``pidfd`` closed) whenever ``pidfd`` is readable (or
-        has ``events``: a cgroup's events file, POLLPRI)."""
+    def add(self, pidfd: int, reap: "Callable[[], bool]") -> None:
+        """Call ``reap()`` (True: gone, and ``pidfd`` closed) whenever ``pidfd`` is readable."""
         if reap():
             return
         self._reapers[pidfd] = reap
-        self._poller.register(pidfd, events)
+        self._poller.register(pidfd, select.POLLIN)
 
     def __len__(self) -> int:
         return len(self._reapers)
 
     def ready(self, fd: int) -> None:
-        reap = self._reapers.get(fd)
-        if reap is not None and reap():
-            self._poller.unregister(fd)
-            del self._reapers[fd]
+        reap = self._reapers.pop(fd, None)
+        if reap is None:
+            return
+        # Out of the poller (and this table) before ``reap`` closes ``fd``: what it releases (a
+        # session's cgroup, to the leftovers) may open a descriptor of the same number, which must
+        # stay in the poller.
+        self._poller.unregister(fd)
+        if not reap():
+            self._reapers[fd] = reap
+            self._poller.register(fd, select.POLLIN)
 
 
 def _has_events(fd: int, events: int) -> bool:
