@@ -256,10 +256,11 @@ class CgroupSet:
         self.dirs.append(path)
         return path
 
-    def pids(self) -> set[int]:
-        """Every process in the set, in the groups nested in it too (``child``: v1 has no cgroup.kill)."""
+    def pids(self, dirs: "list[str] | None" = None) -> set[int]:
+        """Every process in the set (or in those of its ``dirs``), in the groups nested in them too
+        (``child``: v1 has no cgroup.kill)."""
         found: set[int] = set()
-        for path in self.dirs:
+        for path in self.dirs if dirs is None else dirs:
             for group in _nested_groups(path):
                 try:
                     with open(os.path.join(group, "cgroup.procs")) as f:
@@ -289,14 +290,18 @@ class CgroupSet:
         return "populated 1" in text.splitlines()
 
     def signal_once(self) -> None:
-        """SIGKILL everything in the set now, without waiting for it to go."""
+        """SIGKILL everything in the set now, without waiting for it to go: ``cgroup.kill`` of the v2
+        group (one write, a fork racing it included), and one pass over ``cgroup.procs`` of the
+        others, for what is only in them (a confined process joins only the groups that limit it:
+        ``limiting_dirs``; and v1 has no cgroup.kill)."""
+        others = self.dirs
         if self.unified_dir and os.path.exists(os.path.join(self.unified_dir, "cgroup.kill")):
             try:
                 _write(self.unified_dir, "cgroup.kill", 1)
-                return
+                others = [path for path in self.dirs if path != self.unified_dir]
             except OSError:
                 pass
-        for pid in self.pids():
+        for pid in self.pids(others):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -542,10 +547,9 @@ def _provably_dead(creator: tuple[int, int, int], namespace: int) -> bool:
 def stale_groups() -> list[CgroupSet]:
     """The sandbox groups a dead process left behind (a SIGKILLed daemon's fork server, a killed
     `sandboxd run`): the ``run-*`` groups under our base groups and their owner groups whose creator
-    is provably dead, one set per sandbox across hierarchies, with the groups nested in each
-    (parents first). Nothing is signalled or removed here: the caller disposes of them (the fork
-    server hands them to supervisor.waits.Leftovers, which never waits). Owner groups a killed
-    daemon left empty are removed on the way."""
+    is provably dead, one set per sandbox across hierarchies. Nothing is signalled or removed here:
+    the caller disposes of them (the fork server hands them to supervisor.waits.Leftovers, which
+    never waits). Owner groups a killed daemon left empty are removed on the way."""
     namespace = _own_pid_namespace()
     if namespace is None:
         return []
@@ -572,7 +576,7 @@ def stale_groups() -> list[CgroupSet]:
                     continue
                 path = os.path.join(parent, name)
                 group = found.setdefault(name, CgroupSet(name))
-                group.dirs += _nested_groups(path)
+                group.dirs.append(path)                  # with the groups nested in it (pids, try_remove)
                 if unified and path.startswith(unified):
                     group.unified_dir = path
         for owner_group in owner_groups:
