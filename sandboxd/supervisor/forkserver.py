@@ -595,7 +595,7 @@ class _Server:
         self._next_sweep = time.monotonic() + SWEEP_SECONDS
         try:
             for group in stale_groups():
-                self._leftovers.dispose(group, True, None)
+                self._leftovers.dispose(group, True, None, watch=False)   # a timer's tries: no descriptor
         except OSError as exc:                            # a cgroup file system gone odd: next time
             _log(f"sweeping stale sandbox groups failed: {exc}")
 

@@ -162,8 +162,9 @@ RETRY_MAX = 5.0
 
 
 class _Leftover:
-    def __init__(self, key: str, group: "CgroupSet", kill: bool, then: "list[Callable[[], None]]") -> None:
-        self.key, self.group, self.kill, self.then = key, group, kill, then
+    def __init__(self, key: str, group: "CgroupSet", kill: bool, then: "list[Callable[[], None]]",
+                 watch: bool) -> None:
+        self.key, self.group, self.kill, self.then, self.watch = key, group, kill, then, watch
         self.events: int | None = None                # cgroup.events, in the poller while the group is populated
         self.retry = RETRY_FIRST
         self.done = False
@@ -191,10 +192,13 @@ class Leftovers:
     def __len__(self) -> int:
         return len(self._held)
 
-    def dispose(self, group: "CgroupSet", kill: bool = True, then: "Callable[[], None] | None" = None) -> None:
+    def dispose(self, group: "CgroupSet", kill: bool = True, then: "Callable[[], None] | None" = None,
+                watch: bool = True) -> None:
         """Take ``group`` (the caller lets go of it): SIGKILL what is in it (``kill``; else what is left
         may live on: a danger-full-access call's background jobs, removed with the group once they
-        end), and remove it once it is empty; then ``then()``, if given."""
+        end), and remove it once it is empty; then ``then()``, if given. ``watch``: hold its
+        cgroup.events to hear at once when it empties (else the timer alone: for what a sweep
+        found, which nobody waits for, so that it costs this process no descriptor)."""
         thens = [then] if then is not None else []
         if not group.dirs:
             for action in thens:
@@ -206,7 +210,7 @@ class Leftovers:
             held.then += thens
             held.kill = held.kill or kill
             return
-        entry = _Leftover(key, group, kill, thens)
+        entry = _Leftover(key, group, kill, thens, watch)
         self._held[key] = entry
         if not kill:
             try:
@@ -229,7 +233,7 @@ class Leftovers:
         if gone:
             self._finish(entry)
             return
-        if entry.events is None and group.unified_dir is not None:
+        if entry.events is None and entry.watch and group.unified_dir is not None:
             entry.events = group.open_events()
             if entry.events is not None:
                 self._by_events[entry.events] = entry
