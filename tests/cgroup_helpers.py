@@ -169,3 +169,61 @@ def wait_for(path: Path, within: float = 120.0 * SLOW) -> None:
     while not path.exists():
         assert time.monotonic() < deadline, f"{path} did not appear within {within}s"
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def private_base(where: str) -> Iterator[Path]:
+    """A group standing in for a base group, ``<own>/sbxt-<random>`` in ``where`` ("v2", "v1 memory",
+    "v1 pids"; skip without it), that no sandboxd on the machine looks at (each sweeps only
+    ``<own>/sandboxd``): for the sweep's tests, which other daemons beside them, older ones judging by
+    pid alone among them, must not race. Killed and removed afterwards."""
+    import pytest
+
+    h = cgroups.hierarchies()
+    if where == "v2":
+        if not h.unified:
+            pytest.skip("no cgroup v2 hierarchy mounted")
+        own = Path(h.unified) / h.unified_own.lstrip("/")
+    else:
+        controller = where.split()[-1]
+        if controller not in h.v1:
+            pytest.skip(f"no cgroup v1 {controller} hierarchy mounted")
+        point, path = h.v1[controller]
+        own = Path(point) / path.lstrip("/")
+    base = own / f"sbxt-{uuid.uuid4().hex[:8]}"
+    base.mkdir()
+    try:
+        yield base
+    finally:
+        remove_group(base)
+
+
+class LeftoversLoop:
+    """The fork server's leftovers (supervisor.waits.Leftovers) on a poll loop of the test's own: its
+    poller, its timers, and ``turn``, which waits as the fork server's loop does (at most until the
+    next timer) and hands each ready descriptor and due timer on."""
+
+    def __init__(self) -> None:
+        import select
+
+        from sandboxd.supervisor.waits import Leftovers, Timers
+
+        self.poller = select.poll()
+        self.timers = Timers()
+        self.leftovers = Leftovers(self.poller, self.timers)
+        self.turns = 0
+
+    def turn(self, longest: float = 0.1) -> None:
+        due = self.timers.deadline()
+        wait = longest if due is None else max(0.0, min(longest, due - time.monotonic()))
+        for fd, _ in self.poller.poll(int(wait * 1000)):
+            self.leftovers.ready(fd)
+        self.timers.run_due(time.monotonic())
+        self.turns += 1
+
+    def run_until_empty(self, within: float = 60.0 * SLOW) -> bool:
+        """Turn until every group handed over is removed (True) or ``within`` seconds pass."""
+        deadline = time.monotonic() + within
+        while len(self.leftovers) and time.monotonic() < deadline:
+            self.turn()
+        return not len(self.leftovers)

@@ -185,6 +185,17 @@ def pids_with_marker(marker: str) -> list[int]:
     return found
 
 
+def eventually(condition: Callable[[], object], within: float) -> bool:
+    """Poll ``condition`` every 50 ms until it holds (True) or ``within`` seconds pass (False): for
+    what the kernel or a daemon does asynchronously. A bound, never a measure."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def wait_until_gone(marker: str, within: float = 2.0) -> list[int]:
     """Poll until no host process carries ``marker``; return the survivors (empty when all are gone)."""
     deadline = time.monotonic() + within

@@ -379,64 +379,87 @@ def test_a_thousand_sessions_push_fds_past_1024_and_exec_still_works(base: Path)
         daemon.close()
 
 
-def _dead_pid() -> int:
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid
+@pytest.fixture
+def sweep_base(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Where the sweep looks, for this test only: a private group in the hierarchy the test names
+    (cgroup_helpers.private_base), so no other sandboxd on the machine sweeps what the test plants."""
+    from cgroup_helpers import private_base
+    from sandboxd.kernel import cgroups
+
+    where = getattr(request, "param", None) or ("v1 memory" if "memory" in cgroups.hierarchies().v1 else "v2")
+    with private_base(where) as base:
+        monkeypatch.setattr(cgroups, "_sweep_bases", lambda _h: [str(base)])
+        yield str(base)
+
+
+def _named_for(pid: int, start: int, namespace: int, suffix: str) -> str:
+    """A sandbox group's name as a creator ``pid`` (started at ``start``, in PID namespace
+    ``namespace``) writes it (cgroups.group_name)."""
+    return f"run-{pid}-{start}-{namespace}-1-{suffix}"
 
 
 @pytest.mark.parametrize("level", ["base", "owner"])
-@pytest.mark.parametrize("where", ["v1 memory", "v2"])
-def test_sweep_kills_and_removes_groups_of_dead_owners_only(where: str, level: str) -> None:
-    """A group named after a dead creator is emptied (its process killed) and removed; one named
-    after a live creator is left alone, process and all (the control). Also in an owner's group
-    (``<base>/owner-<key>/``), which the sweep removes once it is empty, not before."""
+@pytest.mark.parametrize("sweep_base", ["v1 memory", "v2"], indirect=True)
+def test_sweep_kills_and_removes_groups_of_dead_owners_only(sweep_base: str, level: str) -> None:
+    """A group named after a dead creator is emptied (its process killed) and removed by the fork
+    server's leftovers; one named after a live creator is left alone, process and all (the control),
+    and so are one named after the same dead pid in another PID namespace (whose pids say nothing
+    here: another daemon's, in a container sharing the cgroup base) and one an older sandboxd named
+    by pid alone. Also in an owner's group (``<base>/owner-<key>/``), which the sweep removes once it
+    is empty, not before."""
+    from cgroup_helpers import LeftoversLoop
     from sandboxd.kernel import cgroups
 
-    h = cgroups.hierarchies()
-    if where == "v2":
-        if not h.unified:
-            pytest.skip("no cgroup2 hierarchy mounted")
-        base = os.path.join(h.unified, h.unified_own.lstrip("/"), cgroups.BASE_NAME)
-    else:
-        if "memory" not in h.v1:
-            pytest.skip("no cgroup v1 memory hierarchy mounted")
-        point, own = h.v1["memory"]
-        base = os.path.join(point, own.lstrip("/"), cgroups.BASE_NAME)
+    base = sweep_base
     suffix = uuid.uuid4().hex[:8]
     owner = os.path.join(base, f"{cgroups.OWNER_PREFIX}uid-{suffix}")
     parent = owner if level == "owner" else base
     os.makedirs(parent, exist_ok=True)
-    stale = os.path.join(parent, f"run-{_dead_pid()}-1-{suffix}")
-    live = os.path.join(parent, f"run-{os.getpid()}-1-{suffix}")
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    dead = dead_pid()
+    stale = os.path.join(parent, _named_for(dead, 1, namespace, suffix))
+    live = os.path.join(parent, cgroups.group_name(f"1-{suffix}"))
+    elsewhere = os.path.join(parent, _named_for(dead, 1, namespace + 1, suffix))
+    older = os.path.join(parent, f"run-{dead}-1-{suffix}")
     sleepers = []
     try:
-        for path in (stale, live):
+        for path in (stale, live, elsewhere, older):
             os.mkdir(path)
             sleeper = subprocess.Popen(["sleep", "300"])
             sleepers.append(sleeper)
             with open(os.path.join(path, "cgroup.procs"), "w") as f:
                 f.write(str(sleeper.pid))
-        assert cgroups.sweep_stale() >= 1
+        found = cgroups.stale_groups()
+        assert stale in [path for group in found for path in group.dirs]
+        assert not {live, elsewhere, older} & {path for group in found for path in group.dirs}
+        loop = LeftoversLoop()
+        for group in found:
+            if stale in group.dirs:
+                loop.leftovers.dispose(group, True, None)
+        assert loop.run_until_empty()
         assert sleepers[0].wait(10) == -signal.SIGKILL
         assert not os.path.exists(stale)
-        assert sleepers[1].poll() is None and os.path.isdir(live)
+        for sleeper, path in zip(sleepers[1:], (live, elsewhere, older), strict=True):
+            assert sleeper.poll() is None and os.path.isdir(path), path
         if level == "owner":
-            assert os.path.isdir(owner)                       # still holds the live group
-            sleepers[1].kill()
-            sleepers[1].wait()
+            assert os.path.isdir(owner)                       # still holds the other groups
+            for sleeper in sleepers[1:]:
+                sleeper.kill()
+                sleeper.wait()
+            for path in (elsewhere, older):
+                os.rmdir(path)
             live_group = cgroups.CgroupSet(os.path.basename(live))
             live_group.dirs = [live]
-            live_group.remove()                           # the creator's own removal takes the empty owner group
+            assert live_group.try_remove()                    # the creator's own removal takes the empty owner group
             assert not os.path.exists(live) and not os.path.exists(owner)
             os.makedirs(owner)
-            cgroups.sweep_stale()                         # and the sweep one a killed daemon left empty
+            cgroups.stale_groups()                            # and the sweep one a killed daemon left empty
             assert not os.path.exists(owner)
     finally:
         for sleeper in sleepers:
             sleeper.kill()
             sleeper.wait()
-        for path in (stale, live, owner):
+        for path in (stale, live, elsewhere, older, owner):
             for _ in range(100):
                 try:
                     os.rmdir(path)
@@ -553,39 +576,35 @@ def test_a_daemon_in_another_pid_namespace_keeps_a_live_daemons_self_test_worksp
         assert paths["held"].exists()
 
 
-def test_a_zombie_creator_is_dead_and_the_loops_sweep_never_waits() -> None:
+def test_a_zombie_or_a_reused_pid_is_a_dead_creator(sweep_base: str) -> None:
     """A SIGKILLed daemon's fork server is a zombie for a while (its new parent reaps it later): the
     groups named after it are stale, not alive (before, the next daemon's start-up sweep skipped
-    them, and nothing swept again). The fork server's periodic sweep (``patient=False``) removes an
-    empty stale group and leaves one that still holds a process it has just killed for the next
-    sweep, without waiting; a live creator's group stays (the control)."""
+    them, and nothing swept again). So are a creator's whose pid now names a process started at
+    another time. A live creator's group stays (the control)."""
     from sandboxd.kernel import cgroups
 
-    h = cgroups.hierarchies()
-    if "memory" in h.v1:
-        point, own = h.v1["memory"]
-        base = os.path.join(point, own.lstrip("/"), cgroups.BASE_NAME)
-    elif h.unified:
-        base = os.path.join(h.unified, h.unified_own.lstrip("/"), cgroups.BASE_NAME)
-    else:
-        pytest.skip("no cgroup hierarchy with a memory controller mounted")
+    base = sweep_base
     zombie = subprocess.Popen(["true"])
     deadline = time.monotonic() + 10
     while not open(f"/proc/{zombie.pid}/stat").read().rpartition(")")[2].split()[0] == "Z":
         assert time.monotonic() < deadline, "the child did not exit"
         time.sleep(0.01)
     suffix = uuid.uuid4().hex[:8]
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    me = os.getpid()
+    started = cgroups._start_time(me)
+    assert started is not None and cgroups._start_time(zombie.pid) is None
     os.makedirs(base, exist_ok=True)
-    stale = os.path.join(base, f"run-{zombie.pid}-1-{suffix}")
-    live = os.path.join(base, f"run-{os.getpid()}-1-{suffix}")
+    stale = os.path.join(base, _named_for(zombie.pid, 1, namespace, suffix))
+    reused = os.path.join(base, _named_for(me, started + 1, namespace, suffix))
+    live = os.path.join(base, _named_for(me, started, namespace, suffix))
     try:
-        assert not cgroups._creator_alive(str(zombie.pid)) and cgroups._creator_alive(str(os.getpid()))
-        os.mkdir(stale)
-        os.mkdir(live)
-        assert cgroups.sweep_stale(patient=False) >= 1
-        assert not os.path.exists(stale) and os.path.isdir(live)
+        for path in (stale, reused, live):
+            os.mkdir(path)
+        found = {path for group in cgroups.stale_groups() for path in group.dirs}
+        assert {stale, reused} <= found and live not in found
     finally:
         zombie.wait()
-        for path in (stale, live):
+        for path in (stale, reused, live):
             with contextlib.suppress(FileNotFoundError):
                 os.rmdir(path)

@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import BASE_ENV, PY, SLOW
+from conftest import BASE_ENV, PY, SLOW, eventually
 from sandboxd.kernel.cgroups import hierarchies
 from sandboxd.policy import DangerFullAccess, LaunchSpec, Limits, SandboxPolicy, WorkspaceWrite
 from sandboxd.supervisor.forkserver import ForkServer
@@ -163,12 +163,7 @@ def all_in_disk_sleep(processes: list[psutil.Process]) -> bool:
 
 def wait_for(condition: Callable[[], object]) -> bool:
     """Poll ``condition`` until it holds or BOUND passes (what the kernel does asynchronously)."""
-    deadline = time.monotonic() + BOUND
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
+    return eventually(condition, BOUND)
 
 
 class Closing(threading.Thread):

@@ -13,11 +13,11 @@ import os
 import pwd
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
+from conftest import eventually
 from daemon_helpers import Daemon, fd_count, make_base_dir, remove_tree, run_client_as, running_daemon
 
 pytestmark = pytest.mark.timeout(240)
@@ -72,12 +72,7 @@ print(json.dumps({"out": out, "exit": exit_code}))
 
 
 def wait_for(condition: Callable[[], bool], within: float = 15.0) -> bool:
-    deadline = time.monotonic() + within
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+    return eventually(condition, within)
 
 
 def threads_of(pid: int) -> int:

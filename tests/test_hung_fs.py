@@ -20,7 +20,6 @@ import json
 import os
 import signal
 import socket
-import stat
 import subprocess
 import threading
 import time
@@ -36,6 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conftest import PY, SLOW
 from daemon_helpers import (Daemon, DaemonFactory, ExecCall, PlainUser, create_session, exec_start, plain_users,
                             run_client_as, run_exec, workspace_write)
+from user_fuse import fuse_for_users  # noqa: F401 - a fixture
 
 WAIT_SECONDS = 4.0                  # the daemon's fork_server.wait_seconds here
 VICTIM_BOUND = 1.0 * SLOW           # the issue's bound on the victim's CreateSession and Exec
@@ -69,20 +69,6 @@ def users() -> Iterator[list[PlainUser]]:
     """Two plain users (attacker, victim), made here and removed afterwards."""
     with plain_users(2) as made:
         yield made
-
-
-@pytest.fixture(scope="module")
-def fuse_device() -> Iterator[None]:
-    """/dev/fuse usable by every user, as udev sets it up on Debian and Ubuntu (0666): what a plain
-    user needs to mount FUSE. Containers often leave it 0600; its mode is restored afterwards."""
-    if not os.path.exists("/dev/fuse"):
-        pytest.skip("no /dev/fuse: this kernel has no FUSE")
-    mode = stat.S_IMODE(os.stat("/dev/fuse").st_mode)
-    os.chmod("/dev/fuse", 0o666)
-    try:
-        yield
-    finally:
-        os.chmod("/dev/fuse", mode)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +111,8 @@ class HungMount:
 
 
 @pytest.fixture(scope="module")
-def hung(users: list[PlainUser], fuse_device: None, daemon: Daemon) -> Iterator[dict[str, HungMount]]:
+def hung(users: list[PlainUser], fuse_for_users: None,  # noqa: F811 - the fixture
+         daemon: Daemon) -> Iterator[dict[str, HungMount]]:
     mounts: dict[str, HungMount] = {}
     try:
         for kind in ("fusermount3", "userns"):

@@ -159,10 +159,11 @@ def test_the_fork_servers_sweep_reads_each_creator_once(tmp_path: Path, monkeypa
     from sandboxd.kernel import cgroups
 
     for n in range(50):
-        (tmp_path / f"run-{os.getpid()}-{n}").mkdir()                # a live creator's groups
-    looked_at: list[str] = []
-    real = cgroups._creator_alive
-    monkeypatch.setattr(cgroups, "_creator_alive", lambda pid: looked_at.append(pid) or real(pid))
-    assert cgroups._sweep_groups(str(tmp_path), "run-", patient=False) == 0
-    assert looked_at == [str(os.getpid())]
+        (tmp_path / cgroups.group_name(str(n))).mkdir()               # a live creator's groups
+    looked_at: list[int] = []
+    real = cgroups._start_time
+    monkeypatch.setattr(cgroups, "_sweep_bases", lambda _h: [str(tmp_path)])
+    monkeypatch.setattr(cgroups, "_start_time", lambda pid: looked_at.append(pid) or real(pid))
+    assert cgroups.stale_groups() == []
+    assert looked_at == [os.getpid()]
     assert len(list(tmp_path.iterdir())) == 50                        # a live creator's groups stay

@@ -29,6 +29,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from conftest import eventually
 from sandboxd.errors import CallerRefused
 from sandboxd.network.front_door import FrontDoor, caller
 from sandboxd.network.peer_credentials import PeerCredentials
@@ -136,12 +137,7 @@ def check(target: str) -> int:
 
 
 def wait_for(condition: Callable[[], bool], within: float = 5.0) -> bool:
-    deadline = time.monotonic() + within
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    return eventually(condition, within)
 
 
 def our_threads() -> list[str]:

@@ -35,7 +35,8 @@ import pytest
 from daemon_helpers import Daemon, DaemonFactory, PlainUser, plain_users, run_client_as
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
-from test_hung_fs import HungMount, fuse_device, owned_dir  # noqa: F401 - fuse_device: a fixture
+from test_hung_fs import HungMount, owned_dir
+from user_fuse import fuse_for_users  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -131,7 +132,7 @@ def daemon(users: list[PlainUser], sandboxd_daemon_module: DaemonFactory) -> Dae
 
 
 @pytest.fixture()
-def hung_mount(daemon: Daemon, fuse_device: None) -> Iterator[Callable[[PlainUser, str], HungMount]]:  # noqa: F811
+def hung_mount(daemon: Daemon, fuse_for_users: None) -> Iterator[Callable[[PlainUser, str], HungMount]]:  # noqa: F811
     """``hung_mount(owner, kind)``: a FUSE mount of ``owner``'s that never answers, released
     afterwards; ``kind`` as for HungMount (root's goes in a mount namespace of its own, "userns":
     only the daemon, told its /proc/PID/root path, ever looks up anything under it)."""

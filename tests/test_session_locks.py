@@ -43,7 +43,8 @@ from sandboxd.service.sandbox_hooks import Sandbox, SandboxHooks, Service
 from sandboxd.service.sessions import Session, SessionRegistry
 from sandboxd.supervisor.forkserver import ForkServer
 from test_hung_fs import WAIT_SECONDS, HungMount, owned_dir, processes_of
-from test_hung_fs import daemon, fuse_device, hung, users  # noqa: F401 - pytest fixtures
+from test_hung_fs import daemon, hung, users  # noqa: F401 - pytest fixtures
+from user_fuse import fuse_for_users  # noqa: F401 - a fixture
 
 BOUND = 2.0 * SLOW        # what any one step of the other sessions may take while one is held
 HOLD = 60.0               # how long a held hook waits for the test at most (then the test failed)

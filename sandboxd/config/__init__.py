@@ -229,7 +229,8 @@ KEYS: tuple[Key, ...] = (
         "others act as tls.user", _string_table),
     Key("state", "dir", defaults.STATE_DIR, "the event store (audit log) and session metadata", _absolute),
     Key("fork_server", "ping_timeout_seconds", 10, "the watchdog: a fork server that does not answer a ping "
-        "within this (pinged every third of it) is killed and replaced, and health says NOT_SERVING meanwhile",
+        "within this (pinged every third of it) is killed and replaced, and health says NOT_SERVING meanwhile; "
+        "one that has answered nothing since it started gets 60 s (or this, if longer) first",
         _positive_seconds),
     Key("fork_server", "wait_seconds", 10, "how long a request may wait on the paths it names (opened as its "
         "caller), its session's build or its command's start; past it the request fails with DEADLINE_EXCEEDED "

@@ -20,6 +20,19 @@ cgroup v2 the way systemd and container runtimes expect (Documentation/admin-gui
 - What this process created (the ``sandboxd`` base groups) is removed at exit when empty, so a
   `sandboxd run` as root leaves nothing behind.
 
+Who made a sandbox group is in its name: ``run-<pid>-<start>-<pidns>-<serial>`` (``group_name``): the
+creator's pid, its start time (clock ticks after boot, /proc/PID/stat) and the inode of its PID
+namespace. A sweep (``stale_groups``) takes only the groups whose creator is provably dead: its PID
+namespace is the sweeper's own, and that pid is gone, a zombie, or another process since (another
+start time). A group made in another PID namespace (a daemon in a container sharing the cgroup base)
+or named otherwise is never touched: a pid alone names no process there, and one daemon must never
+kill, remove or wait on another's sandboxes.
+
+Nothing here that a loop calls waits: ``signal_once`` and ``try_remove`` are one pass of system calls
+each (what a group still holds, or a group still being torn down, is left for a later pass:
+supervisor.waits.Leftovers). ``kill`` and ``remove`` wait (bounded), for a process with nothing else
+to do: `sandboxd run`.
+
 The base group is also the ceiling: a launch may carry the caps of all sandboxes together
 (``Ceiling``: pids.max, and memory.max or v1's memory.limit_in_bytes), written on the base group of
 each hierarchy that enforces the controller when this process first prepares it. Both controllers
@@ -243,10 +256,11 @@ class CgroupSet:
         self.dirs.append(path)
         return path
 
-    def pids(self) -> set[int]:
-        """Every process in the set, in the groups nested in it too (``child``: v1 has no cgroup.kill)."""
+    def pids(self, dirs: "list[str] | None" = None) -> set[int]:
+        """Every process in the set (or in those of its ``dirs``), in the groups nested in them too
+        (``child``: v1 has no cgroup.kill)."""
         found: set[int] = set()
-        for path in self.dirs:
+        for path in self.dirs if dirs is None else dirs:
             for group in _nested_groups(path):
                 try:
                     with open(os.path.join(group, "cgroup.procs")) as f:
@@ -276,21 +290,26 @@ class CgroupSet:
         return "populated 1" in text.splitlines()
 
     def signal_once(self) -> None:
-        """SIGKILL everything in the set now, without waiting for it to go."""
+        """SIGKILL everything in the set now, without waiting for it to go: ``cgroup.kill`` of the v2
+        group (one write, a fork racing it included), and one pass over ``cgroup.procs`` of the
+        others, for what is only in them (a confined process joins only the groups that limit it:
+        ``limiting_dirs``; and v1 has no cgroup.kill)."""
+        others = self.dirs
         if self.unified_dir and os.path.exists(os.path.join(self.unified_dir, "cgroup.kill")):
             try:
                 _write(self.unified_dir, "cgroup.kill", 1)
-                return
+                others = [path for path in self.dirs if path != self.unified_dir]
             except OSError:
                 pass
-        for pid in self.pids():
+        for pid in self.pids(others):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
     def kill(self) -> None:
-        """SIGKILL everything in the set, and wait until the groups are empty (bounded)."""
+        """SIGKILL everything in the set, and wait until the groups are empty (bounded: up to 5 s).
+        Never from a loop that serves others (the fork server): ``signal_once`` there."""
         if self.unified_dir and os.path.exists(os.path.join(self.unified_dir, "cgroup.kill")):
             try:
                 _write(self.unified_dir, "cgroup.kill", 1)
@@ -311,24 +330,22 @@ class CgroupSet:
     def release(self) -> None:
         """Move survivors out (danger-full-access keeps background jobs): to the parent group in
         v1, to ``<base>/released`` in v2, where the base hands controllers down and so may hold
-        no process itself."""
+        no process itself. A nested group (``child``) keeps its survivors: it is inside a session's
+        group already, under its limits, and goes with it, or once they end (moving them was a cgroup
+        migration each, which costs the kernel an RCU grace period: a caller's many survivors, moved
+        one by one, held the fork server's loop)."""
+        if self.nested:
+            return
         for path in self.dirs:
             parent = os.path.dirname(path)
-            if path == self.unified_dir and not self.nested:
+            if path == self.unified_dir:
                 parent = os.path.join(parent, RELEASED_NAME)
                 os.makedirs(parent, exist_ok=True)
-            # A nested group's parent is a session's, which hands no controller down and so may
-            # hold processes; its survivors stay under its limits and die when it is killed. A
-            # survivor that forks meanwhile leaves its child behind: hence the rounds (bounded).
-            for _ in range(20 if self.nested else 1):
-                left = _procs(path)
-                if not left:
-                    break
-                for pid in left:
-                    try:
-                        _write(parent, "cgroup.procs", pid)
-                    except OSError:
-                        pass
+            for pid in _procs(path):
+                try:
+                    _write(parent, "cgroup.procs", pid)
+                except OSError:
+                    pass
 
     def peak_memory(self) -> int | None:
         if not self.memory_dir:
@@ -356,15 +373,40 @@ class CgroupSet:
         return 0
 
     def remove(self) -> None:
-        """rmdir the groups (waiting briefly for the last process's teardown), then the owner groups
-        they were in when nothing else is left there."""
+        """rmdir the groups (waiting briefly for the last process's teardown: up to 1 s a group),
+        then the owner groups they were in when nothing else is left there. Never from a loop that
+        serves others: ``try_remove`` there."""
         for path in reversed(self.dirs):
             for group in reversed(_nested_groups(path)):    # a session's calls' groups first
                 _rmdir_patiently(group)
+        self._remove_owner_groups()
+        self.dirs.clear()
+
+    def try_remove(self) -> bool:
+        """rmdir the groups once each, the groups nested in them first, never waiting: True once
+        every one is gone (and then the owner groups they were in, when nothing else is left there).
+        A group that still holds a process, or whose last one is still being torn down (EBUSY),
+        stays for a later try; so do the groups it is in."""
+        left = False
+        for path in reversed(self.dirs):
+            for group in reversed(_nested_groups(path)):
+                try:
+                    os.rmdir(group)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    left = True
+                    break                                   # the groups it is in cannot go before it
+        if left:
+            return False
+        self._remove_owner_groups()
+        self.dirs.clear()
+        return True
+
+    def _remove_owner_groups(self) -> None:
         for parent in dict.fromkeys(os.path.dirname(path) for path in self.dirs):
             if os.path.basename(parent).startswith(OWNER_PREFIX):
                 remove_owner_group(parent)
-        self.dirs.clear()
 
 
 def _nested_groups(path: str) -> list[str]:
@@ -381,6 +423,7 @@ def _procs(path: str) -> list[str]:
 
 
 def _rmdir_patiently(path: str) -> None:
+    """rmdir, retrying while the last process is torn down (up to 1 s: `sandboxd run` only)."""
     for _ in range(200):
         try:
             os.rmdir(path)
@@ -436,36 +479,109 @@ def _move_thread(group: str) -> bool:
     return True
 
 
-def sweep_stale(prefix: str = "run-", patient: bool = True) -> int:
-    """Remove the groups a killed daemon or `sandboxd run` left behind: ``<prefix><pid>-*`` under
-    our base groups and their owner groups, whose creator is dead, and then the owner groups left
-    empty. What still runs in one (a process that escaped its parent-death signal) is killed first:
-    its sandbox's creator is gone, nobody can collect it. Returns how many sandbox groups were removed.
-
-    ``patient``: wait (bounded, a few seconds) for the killed processes to go, as at start-up;
-    False: signal once and remove what is already empty, never sleeping (a fork server's periodic
-    sweep, which must not hold its loop; what is not empty yet goes at the next sweep)."""
-    removed = 0
-    # Each creator's liveness is read once per sweep, not once per group: a fork server with
-    # 1,000 sessions would otherwise read its own /proc entry 1,000 times a minute while idle.
-    alive: dict[str, bool] = {}
-    for base in _sweep_bases(hierarchies()):
-        removed += _sweep_groups(base, prefix, patient, alive)
-        for owner_group in _owner_groups(base):
-            removed += _sweep_groups(owner_group, prefix, patient, alive)
-            remove_owner_group(owner_group)
-    return removed
+GROUP_PREFIX = "run-"
 
 
-def _creator_alive(pid: str) -> bool:
-    """Is the process that named a group still there? A zombie is not (a SIGKILLed daemon's fork
-    server is one until its new parent reaps it: its groups are stale already)."""
+def group_name(serial: str) -> str:
+    """The name of a new sandbox group of this process: ``run-<pid>-<start>-<pidns>-<serial>``, where
+    ``serial`` makes it unique within the process: what a sweep needs to prove its creator dead
+    (``stale_groups``), the same in every hierarchy (a cgroup directory can hold no file of ours)."""
+    return f"{GROUP_PREFIX}{creator_tag()}-{serial}"
+
+
+_creator: tuple[int, str] | None = None   # (pid, its tag): read once per process (a forked child is another)
+
+
+def creator_tag() -> str:
+    """This process as a group's creator: ``<pid>-<start>-<pidns>``."""
+    global _creator
+    pid = os.getpid()
+    if _creator is None or _creator[0] != pid:
+        _creator = (pid, f"{pid}-{_start_time(pid)}-{os.stat('/proc/self/ns/pid').st_ino}")
+    return _creator[1]
+
+
+def _start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks after boot: field 22 of /proc/PID/stat); None if there is
+    no such process or it has exited (a zombie: a SIGKILLed daemon's fork server is one until its
+    new parent reaps it, and its groups are stale already)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat_file:
-            state = stat_file.read().rpartition(b")")[2].split()[:1]
+            fields = stat_file.read().rpartition(b")")[2].split()
     except OSError:
-        return False
-    return state not in ([b"Z"], [b"X"])
+        return None
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+def _creator_of(name: str) -> tuple[int, int, int] | None:
+    """(pid, start time, PID namespace inode) from a sandbox group's name; None for any other name
+    (an older sandboxd's ``run-<pid>-<serial>-<random>`` cannot be judged: it names no namespace)."""
+    if not name.startswith(GROUP_PREFIX):
+        return None
+    fields = name[len(GROUP_PREFIX):].split("-")
+    if len(fields) < 4 or not all(field.isdigit() for field in fields[:3]):
+        return None
+    return int(fields[0]), int(fields[1]), int(fields[2])
+
+
+def _own_pid_namespace() -> int | None:
+    """Our PID namespace's inode, when /proc is that namespace's (else the pids /proc shows are not
+    ours to look up: None, and nothing can be proven dead)."""
+    try:
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return None
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _provably_dead(creator: tuple[int, int, int], namespace: int) -> bool:
+    """Made in our PID namespace by a process that is no longer there (gone, a zombie, or its pid
+    reused by a process that started at another time)."""
+    pid, start, made_in = creator
+    return made_in == namespace and _start_time(pid) != start
+
+
+def stale_groups() -> list[CgroupSet]:
+    """The sandbox groups a dead process left behind (a SIGKILLed daemon's fork server, a killed
+    `sandboxd run`): the ``run-*`` groups under our base groups and their owner groups whose creator
+    is provably dead, one set per sandbox across hierarchies. Nothing is signalled or removed here:
+    the caller disposes of them (the fork server hands them to supervisor.waits.Leftovers, which
+    never waits). Owner groups a killed daemon left empty are removed on the way."""
+    namespace = _own_pid_namespace()
+    if namespace is None:
+        return []
+    h = hierarchies()
+    unified = h.unified.rstrip("/") + "/" if h.unified else None
+    # Each creator is judged once per sweep, not once per group: a fork server with 1,000 sessions
+    # would otherwise read its own /proc entry 1,000 times a minute while idle.
+    judged: dict[tuple[int, int, int], bool] = {}
+    found: dict[str, CgroupSet] = {}
+    for base in _sweep_bases(h):
+        owner_groups = _owner_groups(base)
+        for parent in (base, *owner_groups):
+            try:
+                names = os.listdir(parent)
+            except OSError:
+                continue
+            for name in names:
+                creator = _creator_of(name)
+                if creator is None:
+                    continue
+                if creator not in judged:
+                    judged[creator] = _provably_dead(creator, namespace)
+                if not judged[creator]:
+                    continue
+                path = os.path.join(parent, name)
+                group = found.setdefault(name, CgroupSet(name))
+                group.dirs.append(path)                  # with the groups nested in it (pids, try_remove)
+                if unified and path.startswith(unified):
+                    group.unified_dir = path
+        for owner_group in owner_groups:
+            remove_owner_group(owner_group)       # only if nothing is left in it: a live sandbox keeps it
+    return list(found.values())
 
 
 def _owner_groups(base: str) -> list[str]:
@@ -490,42 +606,6 @@ def remove_owner_group(group: str) -> bool:
     for name in [name for name in _capped if name.startswith(group + "/")]:
         del _capped[name]
     return True
-
-
-def _sweep_groups(parent: str, prefix: str, patient: bool = True, alive: "dict[str, bool] | None" = None) -> int:
-    """Remove ``<prefix><pid>-*`` groups in ``parent`` whose creator ``pid`` is dead (``alive``:
-    the creators already looked at, by pid)."""
-    removed = 0
-    alive = {} if alive is None else alive
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return 0
-    for name in names:
-        creator = name[len(prefix):].split("-", 1)[0]
-        if not name.startswith(prefix) or not creator.isdigit():
-            continue
-        if creator not in alive:
-            alive[creator] = _creator_alive(creator)
-        if alive[creator]:
-            continue
-        group = os.path.join(parent, name)
-        stale = CgroupSet(name)
-        # Parents first (remove() goes in reverse): a sandbox may have made groups inside its own.
-        stale.dirs = [group] + [os.path.join(path, sub) for path, subs, _ in os.walk(group) for sub in subs]
-        stale.unified_dir = group if os.path.exists(os.path.join(group, "cgroup.kill")) else None
-        if patient:
-            stale.kill()
-            stale.remove()
-        else:
-            stale.signal_once()
-            for path in reversed(stale.dirs):
-                try:
-                    os.rmdir(path)
-                except OSError:
-                    break                 # not empty yet (or gone): the next sweep takes it
-        removed += not os.path.exists(group)
-    return removed
 
 
 def _sweep_bases(h: Hierarchies) -> list[str]:

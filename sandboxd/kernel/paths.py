@@ -101,8 +101,10 @@ def _from_descriptors(fds: list[int], workspace: str, cwd: str | None, writable_
     roots = 1 + len(writable_roots)
     socket_ids = frozenset(_socket_identity(fd, path) for fd, path in zip(fds[roots:], allowed_sockets, strict=True))
     real_ws = access.real_path(fds[0])
-    if not stat.S_ISDIR(os.fstat(fds[0]).st_mode):
+    if not stat.S_ISDIR(_stat_as_root(fds[0], "workspace", workspace).st_mode):
         raise InvalidPolicy(f"workspace {workspace!r} is not a directory")
+    for fd, given in zip(fds[1:roots], writable_roots, strict=True):
+        _stat_as_root(fd, "writable root", given)
     if confined:
         # The workspace is bound into the sandbox (read-write, or read-only under
         # read-only): it must not hand over the host's root, /proc, /sys or /dev.
@@ -137,8 +139,40 @@ def _from_descriptors(fds: list[int], workspace: str, cwd: str | None, writable_
     return ResolvedPaths(real_ws, real_cwd, tuple(ordered), descriptors, socket_ids)
 
 
+def _stat_as_root(fd: int, what: str, given: str) -> os.stat_result:
+    """fstat of a path the caller opened, as this process (root): refused with what to do when
+    its file system does not let root in. A FUSE mount without ``allow_other`` (sshfs, rclone, a
+    user's own FUSE server) answers only its mounting user, and root gets EACCES: a sandbox is set
+    up as root (its mounts, its cwd) before it drops to the caller's uid, so it cannot use it."""
+    try:
+        return os.fstat(fd)
+    except PermissionError:
+        kind = file_system_type(fd)
+        raise InvalidPolicy(
+            f"{what} {given!r} is on a file system{f' ({kind})' if kind else ''} that refuses root (EACCES): "
+            "a FUSE mount without allow_other answers only the user who mounted it, and a sandbox is set up "
+            "as root before it drops to your uid; mount it with -o allow_other (user_allow_other in "
+            "/etc/fuse.conf), or use a directory on a local file system") from None
+
+
+def file_system_type(fd: int) -> str | None:
+    """The type of the file system ``fd`` is on (``fuse.sshfs``, ``ext4``), from its mount's line in
+    /proc/self/mountinfo (no lookup under the mount: a statfs could wait on a FUSE server)."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as info:
+            mount_id = next(line.split()[1] for line in info if line.startswith("mnt_id:"))
+        with open("/proc/self/mountinfo") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if fields and fields[0] == mount_id:
+                    return fields[fields.index("-") + 1]
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass
+    return None
+
+
 def _socket_identity(fd: int, given: str) -> tuple[int, int, int]:
-    st = os.fstat(fd)
+    st = _stat_as_root(fd, "allowed Unix socket", given)
     if not stat.S_ISSOCK(st.st_mode):
         raise InvalidPolicy(f"allowed Unix socket {given!r} is not a socket")
     return (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)

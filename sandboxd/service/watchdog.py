@@ -8,6 +8,13 @@ answer within ``timeout`` either: under load a ping may queue behind many reques
 NOT_SERVING (``on_hang``), logs why, and SIGKILLs the server; the daemon's main loop sees the
 death and runs the restart it runs for a crash (a new fork server, sessions resumed on their
 next call, SERVING again).
+
+A fork server that has not answered anything since it was started is starting, not hung: a fresh
+interpreter, its imports, the helper check. It gets ``START_SECONDS`` (or ``timeout``, if longer)
+from its start before a missed ping counts. Its start-up no longer waits on anything a caller
+made: what a predecessor left (stale cgroups, however stuck) is handed to its loop's first turn,
+which never waits either; so a replacement is never taken for a hung one and killed, which used
+to end the daemon ("cannot restart the fork server").
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ if TYPE_CHECKING:
     from sandboxd.supervisor.forkserver import ForkServer
 
 log = logging.getLogger("sandboxd")
+
+# How long a fork server may take from its start to its first answer (an interpreter starting on a
+# loaded machine takes seconds; nothing in the start-up waits on a caller).
+START_SECONDS = 60.0
 
 
 class Watchdog:
@@ -58,8 +69,11 @@ class Watchdog:
             return True          # it has exited (or is being replaced): the main loop restarts it
         if self._stopping.is_set() or pid != self._fork.pid:
             return True          # replaced meanwhile: the new one gets the next ping
-        if time.monotonic() - self._fork.last_heard < self.timeout:
+        now = time.monotonic()
+        if now - self._fork.last_heard < self.timeout:
             return True          # a long queue of requests ahead of the ping, but answering: alive
+        if not self._fork.answered and now - self._fork.started_at < max(self.timeout, START_SECONDS):
+            return True          # not answered anything yet since its start: starting, not hung
         self._on_hang()
         log.error("fork server did not answer a ping: killing it, to be replaced like a crashed one "
                   "(every sandbox dies with it; sessions resume on their next call)",

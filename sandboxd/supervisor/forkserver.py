@@ -38,10 +38,14 @@ The loop never waits. What a request depends on is a descriptor in its poller, w
   Then the sandbox is released (cgroup, network) and ``SessionClosed(gone=True)`` answered. If that
   takes longer than ``close_seconds`` (a process stuck in the kernel on a file system that does not
   answer), ``SessionClosed(gone=False)`` is answered then, and the release happens whenever the
-  init goes. A danger-full-access session has no init: its cgroup is SIGKILLed and its
-  ``cgroup.events`` watched instead (POLLPRI when ``populated`` changes; on cgroup v1 the group is
-  still emptied in the loop, bounded). Only the closing caller waits for that answer, never
-  another session's request;
+  init goes. A danger-full-access session has no init: its cgroup is SIGKILLed and handed to the
+  leftovers, and the close answered when they have removed it (or at ``close_seconds``). Only the
+  closing caller waits for that answer, never another session's request;
+* the cgroups of ended sandboxes (calls that ended or timed out, closed sessions, and at start-up
+  and every SWEEP_SECONDS the groups of a dead predecessor: kernel.cgroups.stale_groups) are
+  signalled once and handed to ``Leftovers``, which removes each when its ``cgroup.events`` says it
+  is empty (cgroup v1 alone: a retry on the loop's timer). A process stuck in D state in one (on a
+  FUSE mount its own user never answers) keeps its group, and costs nobody else anything;
 * shutdown (the daemon's end of the socket closed) kills everything at once and runs the same loop
   until all of it is gone, or ``close_seconds`` passed.
 
@@ -69,13 +73,13 @@ from sandboxd.errors import DeadlineExceeded, InvalidPolicy, SandboxdError, Setu
 from sandboxd.policy.limits import MAX_TIMEOUT_SECONDS  # noqa: F401 - re-exported for the edge's callers
 from sandboxd.policy.limits import check_timeout as limits_check_timeout
 from sandboxd.policy.spec import LaunchSpec, spec_from_dict, spec_to_dict
-from sandboxd.printable import printable
 from sandboxd.supervisor import fork_protocol as protocol
 from sandboxd.supervisor.fork_protocol import (Call, Cancel, CheckPaths, Error, Event, Exited, Launch, Malformed,
                                                Message, PathsChecked, Ping, Pong, Request, SessionClose,
                                                SessionClosed, SessionOpen, SessionReady, Signal, Started)
 from sandboxd.supervisor.spawner import ExitInfo, SandboxProcess, SessionBuild, SessionSandbox, Spawner
-from sandboxd.supervisor.waits import Orphans, ReportReader, Waits
+from sandboxd.supervisor.waits import Leftovers, Orphans, ReportReader, Timers, Waits
+from sandboxd.supervisor.waits import log as _log
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -93,7 +97,8 @@ CLOSE_WAIT_SECONDS = 5.0
 # MAX_TIMEOUT_SECONDS (a week) are refused before they get here (policy Limits, SessionCall) and
 # again at this edge (check_timeout); the loop itself copes with any deadline.
 MAX_POLL_MS = 60_000
-# How often the loop removes sandbox groups of dead creators (cheap: a few directory listings).
+# How often the loop looks for sandbox groups of dead creators (cheap: a few directory listings);
+# the first look is its first turn.
 SWEEP_SECONDS = 60.0
 
 
@@ -127,20 +132,20 @@ class _Server:
                  wait_seconds: float = DEFAULT_WAIT_SECONDS, call_helper: str | None = None,
                  close_seconds: float = CLOSE_WAIT_SECONDS) -> None:
         from sandboxd.kernel import netns
-        from sandboxd.kernel.cgroups import sweep_stale
         from sandboxd.launcher.native_call import REBUILD, check_helper
-        sweep_stale()                                     # what a SIGKILLed predecessor left behind
-        netns.sweep_stale()                               # its isolated networks' links and proxy access too
+        netns.sweep_stale()                               # a SIGKILLed predecessor's links and proxy access
         self.sock = sock
+        # poll, not select: descriptors past 1024 (a thousand sessions) are ordinary here.
+        self._poller = select.poll()
+        self._timers = Timers()
+        self._leftovers = Leftovers(self._poller, self._timers)   # sandbox groups on their way out
         # Once, at start: a helper built from other constants or another call plan is not used.
         helper = check_helper(call_helper) if native_calls else None
         if helper is not None and helper.unusable:
             _log(f"call helper {helper.state}: session calls take the slower Python path; rebuild it: {REBUILD}")
-        self.spawner = Spawner(native_helper=helper.path if helper else None)
+        self.spawner = Spawner(native_helper=helper.path if helper else None, dispose=self._leftovers.dispose)
         self.running: dict[int, tuple[SandboxProcess, float | None]] = {}
         self.sessions: dict[str, SessionSandbox] = {}
-        # poll, not select: descriptors past 1024 (a thousand sessions) are ordinary here.
-        self._poller = select.poll()
         self._sock_fd = sock.fileno()
         self._poller.register(self._sock_fd, select.POLLIN)
         self._received = protocol.receive_buffer()        # every request is read into it
@@ -153,9 +158,11 @@ class _Server:
         self._closed_while_opening: set[str] = set()
         self._closing: dict[str, list[int]] = {}          # sessions being closed -> the closes to answer when gone
         self._unanswered: set[int] = set()                # calls that never started: their end is nobody's
-        # The start-up sweep can run before a SIGKILLed predecessor's fork server has died (its
-        # parent-death signal is asynchronous): its groups are taken by a later sweep, never waited for.
-        self._next_sweep = time.monotonic() + SWEEP_SECONDS
+        # The first turn sweeps what a SIGKILLed predecessor left behind: handed to the leftovers, so
+        # the loop answers from its first turn on, however much there is and however stuck. It can
+        # run before that predecessor has died (its parent-death signal is asynchronous): its groups
+        # are taken by a later sweep then.
+        self._next_sweep = time.monotonic()
         # The dispatch table: one handler per request type, each given the request and its descriptors.
         self._handlers: dict[type[Message], Callable[[Any, list[int]], None]] = {
             Launch: self._launch, Call: self._call, SessionOpen: self._session_open,
@@ -176,6 +183,9 @@ class _Server:
         deadlines = [d for d in (proc.wake_at(t) for proc, t in self.running.values()) if d is not None]
         deadlines += self._waits.deadlines()
         deadlines.append(self._next_sweep)
+        timer = self._timers.deadline()
+        if timer is not None:
+            deadlines.append(timer)
         if until is not None:
             deadlines.append(until)
         try:
@@ -186,9 +196,11 @@ class _Server:
         for fd, _ in events:
             self._waits.ready(fd, self._answer_error)
             self._orphans.ready(fd)
+            self._leftovers.ready(fd)
         self._waits.expire(time.monotonic(), self._answer_error)
+        self._timers.run_due(time.monotonic())
         if time.monotonic() >= self._next_sweep:
-            self._sweep(patient=False)
+            self._sweep()
         return events
 
     def _collect_exits(self, ready: "set[int] | None" = None) -> None:
@@ -202,6 +214,11 @@ class _Server:
                 wake = proc.wake_at(limit)
                 if wake is None or wake > now:
                     continue
+            # Out of the poller before poll() may close the pidfd: what its end releases (the call's
+            # cgroup, to the leftovers) may open a descriptor of the same number, which unregistering
+            # by number afterwards would take out of the poller instead.
+            pidfd = self._watched[call_id]
+            self._poller.unregister(pidfd)
             try:
                 info = proc.poll(limit)
             except Exception as exc:  # noqa: BLE001 - one broken call must not end everyone's
@@ -209,10 +226,11 @@ class _Server:
                 self._give_up(proc)
                 info = ExitInfo(exit_code=None, signal=signal.SIGKILL, timed_out=False, wall_seconds=0.0,
                                 cpu_seconds=None, peak_memory_bytes=None, oom_killed=False)
-            if info is not None:
+            if info is None:
+                self._poller.register(pidfd, select.POLLIN)
+            else:
                 del self.running[call_id]
-                # By number: poll() above closed the pidfd, and nothing polls in between.
-                self._poller.unregister(self._watched.pop(call_id))
+                del self._watched[call_id]
                 if call_id in self._unanswered:
                     self._unanswered.discard(call_id)
                     continue
@@ -437,7 +455,7 @@ class _Server:
             if not reader.read():
                 return False
             try:
-                session = build.finish(reader.data)
+                session = build.finish(reader.data, release=self._release_when_gone)
             finally:
                 self._opening.discard(name)
             self._session_ready(call_id, name, session)
@@ -527,20 +545,24 @@ class _Server:
         (``_collect_exits``), so the close waits on nothing here. Past ``close_seconds`` a process
         is stuck in the kernel: answered ``gone=False``, released when it goes."""
         session.kill()
-        self._closing[name] = [] if answer_to is None else [answer_to]
+        waiting = self._closing[name] = [] if answer_to is None else [answer_to]
 
         def answer(gone: bool) -> None:
-            for call_id in self._closing.pop(name, []):
-                self._answer(SessionClosed(call_id, gone))
+            if self._closing.get(name) is waiting:       # not a later close of a session of the same name
+                for call_id in self._closing.pop(name):
+                    self._answer(SessionClosed(call_id, gone))
 
-        def release() -> None:
+        def release(then: "Callable[[], None] | None" = None) -> None:
             try:
-                session.close()
+                session.close(then)
             except Exception as exc:  # noqa: BLE001 - what is left is swept; the close is still answered
                 _log(f"releasing session {name!r} failed: {type(exc).__name__}: {exc}")
 
         if session.init_pid is None and session.cgroup is not None:
-            self._close_group(session, release, answer, answer_to)
+            # danger-full-access with a group: SIGKILLed and handed to the leftovers with the rest of
+            # the session; answered once they have removed it, or at close_seconds.
+            release(lambda: answer(True))
+            self._timers.add(time.monotonic() + self.close_seconds, lambda: answer(False))
             return
         if session.reap():                                # no init and no group (danger-full-access), or gone
             release()
@@ -560,52 +582,20 @@ class _Server:
 
         self._waits.add(session.pidfd, answer_to or 0, time.monotonic() + self.close_seconds, ready, expire)
 
-    def _close_group(self, session: SessionSandbox, release: "Callable[[], None]",
-                     answer: "Callable[[bool], None]", answer_to: int | None) -> None:
-        """Close a session that has no init but a cgroup (danger-full-access with limits, or a
-        plain caller's): its group is SIGKILLed once, and its ``cgroup.events`` is one more
-        descriptor in the poller (POLLPRI when ``populated`` changes): released and answered once
-        the group is empty, or answered at ``close_seconds`` and released when it empties.
-        Without a v2 group (cgroup v1): released at once, which waits (bounded) in the loop."""
-        assert session.cgroup is not None
-        group = session.cgroup
-        group.signal_once()
-        events = group.open_events()
-        if events is None:
-            release()
-            answer(True)
-            return
-
-        def emptied() -> bool:
-            if group.populated(events):
-                return False
-            os.close(events)
-            release()
-            answer(True)
-            return True
-
-        if emptied():
-            return
-
-        def expire() -> None:
-            self._orphans.add(events, emptied, select.POLLPRI)
-            answer(False)
-
-        self._waits.add(events, answer_to or 0, time.monotonic() + self.close_seconds, emptied, expire,
-                        select.POLLPRI)
-
     def _session(self, name: str) -> SessionSandbox:
         session = self.sessions.get(name)
         if session is None:
             raise InvalidPolicy(f"no open session {name!r} in the fork server")
         return session
 
-    def _sweep(self, patient: bool) -> None:
-        """Remove sandbox groups whose creator died (a SIGKILLed predecessor's)."""
-        from sandboxd.kernel.cgroups import sweep_stale
+    def _sweep(self) -> None:
+        """Hand the sandbox groups whose creator is provably dead (a SIGKILLed predecessor's, a killed
+        `sandboxd run`'s; never another live daemon's: kernel.cgroups.stale_groups) to the leftovers."""
+        from sandboxd.kernel.cgroups import stale_groups
         self._next_sweep = time.monotonic() + SWEEP_SECONDS
         try:
-            sweep_stale(patient=patient)
+            for group in stale_groups():
+                self._leftovers.dispose(group, True, None, watch=False)   # a timer's tries: no descriptor
         except OSError as exc:                            # a cgroup file system gone odd: next time
             _log(f"sweeping stale sandbox groups failed: {exc}")
 
@@ -621,10 +611,12 @@ class _Server:
         for proc, _ in self.running.values():
             proc.stop()
             proc.send_signal(signal.SIGKILL)              # no grace: nobody waits for its report
+        self._sweep()                                     # what the start-up sweep was too early for
         deadline = time.monotonic() + self.close_seconds
-        while (self.running or len(self._waits) or len(self._orphans)) and time.monotonic() < deadline:
+        while (self.running or len(self._waits) or len(self._orphans) or len(self._leftovers)) and \
+                time.monotonic() < deadline:
             self._turn(deadline)
-        self._sweep(patient=True)                         # what the start-up sweep was too early for
+        # What is left is stuck in the kernel: a stale group for the next fork server's sweep.
 
 
 def _caller(value: "list[object] | None") -> "tuple[int, int, tuple[int, ...]] | None":
@@ -646,16 +638,6 @@ def _terminal_size(value: "list[object] | None") -> tuple[int, int] | None:
     if len(value) != 2 or len(sizes) != 2:
         raise InvalidPolicy(f"a terminal is [rows, columns], each {MIN_SIZE} to {MAX_SIZE}, got {value!r}")
     return sizes[0], sizes[1]
-
-
-def _log(text: str) -> None:
-    """The fork server has no logger of its own: its stderr is the daemon's log, so the text is
-    printable as the daemon's log lines are (it may quote a caller's path or request)."""
-    try:
-        sys.stderr.write(f"sandboxd-fork: {printable(text)}\n")
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
 
 
 def serve(sock: socket.socket, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS,
@@ -703,6 +685,10 @@ class ForkServer:
         self._limit = protocol.message_limit(sock)
         self._received = protocol.receive_buffer()        # every event is read into it (one reader at a time)
         self.last_heard = time.monotonic()       # when it last answered anything (the watchdog's progress)
+        # When this server was started, and whether it has answered anything since: until it has, it
+        # is starting (its loop has not run yet), which the watchdog tells from a loop that stopped.
+        self.started_at = self.last_heard
+        self.answered = False
 
     @property
     def native_calls(self) -> bool:
@@ -873,7 +859,8 @@ class ForkServer:
                 self._sock, self.pid, self._process = fresh._sock, fresh.pid, fresh._process
                 self._limit = fresh._limit
                 self._native_calls = fresh._native_calls
-                self.last_heard = time.monotonic()
+                self.last_heard = self.started_at = time.monotonic()
+                self.answered = False
                 self._first_id = self._next_id
                 self._events.clear()
                 self._close_passed()
@@ -978,6 +965,7 @@ class ForkServer:
                             "fork server", detail=f"the fork server's answer was malformed: {message}").to_dict()))
                 elif isinstance(message, Event):
                     self.last_heard = time.monotonic()
+                    self.answered = True
                     self._events.setdefault(message.id, []).append(message)
                 self._cond.notify_all()           # another waiter's event, or the next reader's turn
 

@@ -20,7 +20,7 @@ import time
 from sandboxd._record import Record
 from sandboxd.errors import LimitsUnavailable, SetupError
 from sandboxd.kernel import namespaces
-from sandboxd.kernel.cgroups import CgroupSet
+from sandboxd.kernel.cgroups import CgroupSet, group_name
 from sandboxd.kernel.host_limits import Ceiling, OwnerShare
 from sandboxd.kernel.oom_counter import OomCounter
 from sandboxd.launcher import report, sequence
@@ -34,7 +34,26 @@ if TYPE_CHECKING:
     from sandboxd.kernel.netns import IsolatedNetwork
     from sandboxd.network.loopback_proxy import LoopbackProxy
 
+    # What becomes of a sandbox's cgroup once its sandbox has ended: (group, kill, then). ``kill``:
+    # SIGKILL what is left in it (else what is left may live on: a danger-full-access command's
+    # background jobs); ``then``: called once it is gone (None: nobody waits for that).
+    Dispose = Callable[[CgroupSet, bool, "Callable[[], None] | None"], None]
+
 _counter = itertools.count(1)
+
+
+def dispose_waiting(group: CgroupSet, kill: bool, then: "Callable[[], None] | None" = None) -> None:
+    """A group's end in a process with nothing else to do (`sandboxd run`, the doctor): killed and
+    removed, waiting (bounded) for both; or its survivors released and the group removed. The fork
+    server never waits: it hands its groups to supervisor.waits.Leftovers instead."""
+    if kill:
+        group.kill()
+    else:
+        group.release()
+    if kill or not group.nested:          # a nested group keeps its survivors: it goes with its session's
+        group.remove()
+    if then is not None:
+        then()
 
 
 class ExitInfo(Record):
@@ -89,8 +108,10 @@ class SandboxProcess:
 
     def __init__(self, plan: LaunchPlan, pid: int, report_fd: int, status_fd: int,
                  cgroup: "CgroupSet | None", *, kill_signal: int = signal.SIGKILL,
-                 network: "IsolatedNetwork | LoopbackProxy | None" = None) -> None:
+                 network: "IsolatedNetwork | LoopbackProxy | None" = None,
+                 dispose: "Dispose" = dispose_waiting) -> None:
         self.plan = plan
+        self._dispose = dispose
         self.network = network                        # an isolated network: for the egress proxy
         # SIGKILL for a sandbox's init (the PID namespace goes with it); for a session
         # call, the signal that makes its supervisor kill the call's tree and report.
@@ -106,6 +127,7 @@ class SandboxProcess:
         # When ``stop`` asked a session call's supervisor to kill its tree: SIGKILL follows
         # CALL_KILL_GRACE later (``poll``), if it has not ended by then.
         self._stopped_at: float | None = None
+        self._stopped = False                 # killed or stopped: nothing of it may outlive it
         self.inner_pid: int | None = None     # the command's pid inside its sandbox, when known
         # A session call has no group of its own: it counts the session group's OOM kills.
         self._oom_group: "CgroupSet | OomCounter | None" = None
@@ -152,7 +174,9 @@ class SandboxProcess:
 
     def kill(self) -> None:
         """Kill the whole tree: init (whose death takes the PID namespace down) and the cgroup;
-        or, for a session call, everything the call started (its supervisor does it)."""
+        or, for a session call, everything the call started (its supervisor does it). Waits
+        (bounded): `sandboxd run` only (a poll loop uses ``stop``)."""
+        self._stopped = True
         self.send_signal(self._kill_signal)
         if self._kill_signal != signal.SIGKILL:
             if not _readable(self._pidfd, CALL_KILL_GRACE):
@@ -164,11 +188,12 @@ class SandboxProcess:
         """``kill`` without waiting (for a poll loop): a session call's supervisor is asked to kill
         its tree, and ``poll`` sends SIGKILL CALL_KILL_GRACE later if it is still there (it may be
         stuck on a file system that does not answer); ``poll`` reaps it once ``fileno`` is readable."""
+        self._stopped = True
         self.send_signal(self._kill_signal)
         if self._kill_signal != signal.SIGKILL and self._stopped_at is None:
             self._stopped_at = time.monotonic()
         if self._cgroup is not None:
-            self._cgroup.signal_once()                # a poll loop's: emptied for good when reaped (_cleanup)
+            self._cgroup.signal_once()                # a poll loop's: disposed of for good when reaped (_cleanup)
 
     def wake_at(self, timeout: float | None) -> float | None:
         """When a poll loop must next call ``poll``: the time limit, or the end of a stop's grace."""
@@ -254,12 +279,9 @@ class SandboxProcess:
         if isinstance(self._oom_group, OomCounter):
             self._oom_group.close()
         if self._cgroup is not None:
-            if self.plan.confined or self._timed_out:
-                self._cgroup.kill()
-            else:
-                # DangerFullAccess: background jobs may outlive the command, as on the host.
-                self._cgroup.release()
-            self._cgroup.remove()
+            # DangerFullAccess: background jobs may outlive the command, as on the host, unless it
+            # timed out or was stopped. A confined sandbox's init is gone: so is everything in it.
+            self._dispose(self._cgroup, self.plan.confined or self._timed_out or self._stopped, None)
             self._cgroup = None
         if self.network is not None:                  # after init is gone: nothing uses the link
             self.network.close()
@@ -269,9 +291,12 @@ class SandboxProcess:
 class Spawner:
     """Forks sandboxes. Create it, and call ``launch``, only in a single-threaded process."""
 
-    def __init__(self, native_helper: str | None = None) -> None:
-        """``native_helper``: the built sandboxd-call, which then runs session calls (native_call.py)."""
+    def __init__(self, native_helper: str | None = None, dispose: "Dispose" = dispose_waiting) -> None:
+        """``native_helper``: the built sandboxd-call, which then runs session calls (native_call.py).
+        ``dispose``: what becomes of a sandbox's cgroup once it has ended (``dispose_waiting``; the
+        fork server's loop must never wait, and hands them to its Leftovers)."""
         self.pid = os.getpid()
+        self._dispose = dispose
         self._new_pid_namespace = namespaces.PidNamespaceForNextChild()
         self.native_helper = native_helper
 
@@ -327,7 +352,8 @@ class Spawner:
             sequence.in_child(report_w, "sandbox", child)
         os.close(report_w)
         os.close(status_w)
-        return SandboxProcess(plan, pid, report_r, status_r, cgroup, kill_signal=kill_signal, network=network)
+        return SandboxProcess(plan, pid, report_r, status_r, cgroup, kill_signal=kill_signal, network=network,
+                              dispose=self._dispose)
 
     def _fork_child(self, pid_namespace: "bool | int") -> int:
         """fork(); with ``pid_namespace`` True the child is PID 1 of a new PID namespace; given
@@ -363,7 +389,7 @@ class Spawner:
             if plan.caller_groups is not None and (cgroup is None or not cgroup.dirs):
                 raise LimitsUnavailable("cgroup setup", errno.ENOENT, hint=NO_GROUP_FOR_CALLER)
             if not plan.confined:
-                return SessionSandbox(plan, None, None, cgroup)
+                return SessionSandbox(plan, None, None, cgroup, dispose=self._dispose)
             network, plan = _isolated_network(plan)
         except BaseException:
             plan.close_trees()
@@ -389,8 +415,8 @@ class Spawner:
         os.close(report_w)
         theirs.close()
         _close_child_ends(plan)
-        return SessionBuild(SessionSandbox(plan.replace(netns_fd=-1, root_trees={}), pid, ours, cgroup, network),
-                            report_r)
+        return SessionBuild(SessionSandbox(plan.replace(netns_fd=-1, root_trees={}), pid, ours, cgroup, network,
+                                           dispose=self._dispose), report_r)
 
     def launch_call(self, session: SessionSandbox, argv: tuple[str, ...], env: dict[str, str], cwd: str,
                     stdio: tuple[int, int, int] = (0, 1, 2), tool: dict[str, object] | None = None,
@@ -509,7 +535,7 @@ class Spawner:
         DangerFullAccess has no PID namespace, so with a timeout it gets a cgroup whenever
         possible: the timeout must also kill what left the command's session. A plan with an
         owner goes into that owner's group, under its share of the ceiling."""
-        name = f"run-{self.pid}-{next(_counter)}-{os.urandom(3).hex()}"
+        name = group_name(f"{next(_counter)}-{os.urandom(3).hex()}")
         limits = plan.limits
         owner = None
         if plan.owner:
@@ -541,8 +567,10 @@ class SessionSandbox:
     as it runs."""
 
     def __init__(self, plan: LaunchPlan, init_pid: int | None, intake: "_socket.socket | None",
-                 cgroup: "CgroupSet | None", network: "IsolatedNetwork | None" = None) -> None:
+                 cgroup: "CgroupSet | None", network: "IsolatedNetwork | None" = None,
+                 dispose: "Dispose" = dispose_waiting) -> None:
         self.plan = plan
+        self._dispose = dispose
         self.network = network
         self.init_pid = init_pid
         self._pidfd = -1
@@ -588,9 +616,10 @@ class SessionSandbox:
         self.init_pid = None
         return True
 
-    def close(self) -> None:
-        """Kill everything in the session and release its namespaces, mounts and cgroups
-        (for a session without running calls; see ``kill`` otherwise)."""
+    def close(self, then: "Callable[[], None] | None" = None) -> None:
+        """Kill everything in the session and release its namespaces, mounts and cgroups (for a
+        session without running calls, whose init is reaped already when a poll loop calls this;
+        see ``kill`` otherwise). Its cgroup goes to ``dispose``; ``then()`` once that is gone."""
         self.kill()
         if self.init_pid is not None:
             try:
@@ -604,10 +633,11 @@ class SessionSandbox:
         if self.intake is not None:
             self.intake.close()
             self.intake = None
-        if self.cgroup is not None:
-            self.cgroup.kill()
-            self.cgroup.remove()
-            self.cgroup = None
+        cgroup, self.cgroup = self.cgroup, None
+        if cgroup is not None:
+            self._dispose(cgroup, True, then)
+        elif then is not None:
+            then()
         if self.network is not None:
             self.network.close()
             self.network = None
@@ -620,12 +650,18 @@ class SessionBuild:
         self.session = session
         self.report_fd = report_fd
 
-    def finish(self, data: bytes) -> SessionSandbox:
-        """The session, given its init's whole report; SetupError (the session closed) if the build failed."""
+    def finish(self, data: bytes, release: "Callable[[SessionSandbox], None] | None" = None) -> SessionSandbox:
+        """The session, given its init's whole report; SetupError (the session closed) if the build
+        failed: closed here (waiting for its init), or killed and given to ``release`` (a poll loop's,
+        which closes it once its init is gone)."""
         os.close(self.report_fd)
         error = report.parse_outcome(data)[0]
         if error is not None:
-            self.session.close()
+            if release is None:
+                self.session.close()
+            else:
+                self.session.kill()
+                release(self.session)
             raise error
         return self.session
 
