@@ -74,8 +74,8 @@ venv="$repo/.venv"
 # imports keep working), else anew.
 home=$("$python" -c 'import os, sys; print(os.path.dirname(os.path.abspath(sys._base_executable)))')
 version=$("$python" -c 'import platform; print(platform.python_version())')
-made_home=$(sed -n 's/^home = //p' "$venv/pyvenv.cfg" 2>/dev/null)
-made_version=$(sed -n 's/^version = //p' "$venv/pyvenv.cfg" 2>/dev/null)
+made_home=$(sed -n 's/^home = //p' "$venv/pyvenv.cfg" 2>/dev/null || true)      # none yet: no venv
+made_version=$(sed -n 's/^version = //p' "$venv/pyvenv.cfg" 2>/dev/null || true)
 if [ -x "$venv/bin/python" ] && [ "$made_home" != "$home" ]; then
   echo "setup.sh: $venv was made from the Python in $made_home ($made_version); remaking it from $python ($version)" >&2
   if [ "${made_version%.*}" = "${version%.*}" ]; then

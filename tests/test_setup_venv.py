@@ -148,3 +148,15 @@ def test_this_checkouts_venv_runs_for_every_user() -> None:
     interpreter = Path(os.path.realpath(REPO / ".venv" / "bin" / "python"))
     for path in (interpreter, *interpreter.parents):
         assert os.stat(path).st_mode & 0o001, f"{path} is closed to other users: {oct(os.stat(path).st_mode)}"
+
+
+def test_a_checkout_with_no_venv_installs(base_dir: Path) -> None:
+    """What CI and every newcomer start from: a clone with no .venv at all. setup.sh makes one from
+    the system's python3 (it once stopped with status 2 and no word, reading the missing venv's
+    pyvenv.cfg under `set -e`)."""
+    repo = checkout_copy(base_dir)
+    assert not (repo / ".venv").exists()
+    done = setup_install(repo)
+    assert done.returncode == 0, done.stderr
+    assert f"home = {os.path.dirname(SYSTEM_PYTHON)}\n" in (repo / ".venv" / "pyvenv.cfg").read_text()
+    assert (repo / ".venv" / ".sandboxd-installed").exists()
