@@ -819,13 +819,40 @@ def sandbox_cgroups() -> set[str]:
 
 
 def sandbox_links(*creators: int) -> set[str]:
-    """The host-side links of isolated networks that ``creators`` made (kernel.netns names each
-    ``sbx<its creator's pid, hex>x<n>``: a daemon's fork server, a `sandboxd run`). Other daemons
-    and runs on the machine have links of their own, so there is no "every sandbox link" here."""
-    from sandboxd.kernel.netns import LINK_PREFIX
+    """The host-side links of isolated networks that ``creators`` made (pids in this PID namespace: a
+    daemon's fork server, a `sandboxd run`): kernel.netns names each link's creator in its alias
+    (kernel.netns.link_creator). Other daemons and runs on the machine have links of their own, so
+    there is no "every sandbox link" here."""
+    from sandboxd.kernel.netns import LINK_PREFIX, link_creator
 
-    prefixes = tuple(f"{LINK_PREFIX}{pid:x}x" for pid in creators)
-    return {name for name in os.listdir("/sys/class/net") if name.startswith(prefixes)} if prefixes else set()
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    found = set()
+    for name in os.listdir("/sys/class/net"):
+        creator = link_creator(name) if name.startswith(LINK_PREFIX) else None
+        if creator is not None and creator[0] in creators and creator[2] == namespace:
+            found.add(name)
+    return found
+
+
+def free_pool(blocks: int = 1) -> str:
+    """An address pool of ``blocks`` /30s (a power of two) that no address or route of this host is in
+    now, away from the default pool's first blocks (which the machine's other daemons take): a pool
+    of the caller's own. (Another run may pick the same one meanwhile: the kernel's claim of each block,
+    kernel.netns._claim_block, still gives each network its own.)"""
+    import ipaddress
+    import random
+
+    size = 4 * blocks
+    addresses = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, check=True).stdout
+    routes = subprocess.run(["ip", "-4", "route", "show", "table", "all"], capture_output=True, text=True,
+                            check=True).stdout
+    taken = [ipaddress.ip_network(word, strict=False) for line in (addresses + routes).splitlines()
+             for word in line.split() if word[:1].isdigit() and word.count(".") == 3]
+    prefix = 33 - size.bit_length()                             # 4 addresses: a /30
+    while True:
+        pool = ipaddress.ip_network(f"10.233.{random.randrange(128, 256)}.{random.randrange(0, 256, size)}/{prefix}")
+        if not any(pool.overlaps(network) for network in taken):
+            return str(pool)
 
 
 def mount_count() -> int:

@@ -581,7 +581,7 @@ def test_a_zombie_or_a_reused_pid_is_a_dead_creator(sweep_base: str) -> None:
     groups named after it are stale, not alive (before, the next daemon's start-up sweep skipped
     them, and nothing swept again). So are a creator's whose pid now names a process started at
     another time. A live creator's group stays (the control)."""
-    from sandboxd.kernel import cgroups
+    from sandboxd.kernel import cgroups, creators
 
     base = sweep_base
     zombie = subprocess.Popen(["true"])
@@ -592,8 +592,8 @@ def test_a_zombie_or_a_reused_pid_is_a_dead_creator(sweep_base: str) -> None:
     suffix = uuid.uuid4().hex[:8]
     namespace = os.stat("/proc/self/ns/pid").st_ino
     me = os.getpid()
-    started = cgroups._start_time(me)
-    assert started is not None and cgroups._start_time(zombie.pid) is None
+    started = creators.start_time(me)
+    assert started is not None and creators.start_time(zombie.pid) is None
     os.makedirs(base, exist_ok=True)
     stale = os.path.join(base, _named_for(zombie.pid, 1, namespace, suffix))
     reused = os.path.join(base, _named_for(me, started + 1, namespace, suffix))

@@ -434,7 +434,7 @@ def test_a_sweep_never_takes_a_group_made_in_another_pid_namespace(base_dir: Pat
     nothing outside the namespace it was made in. A process in a fresh PID namespace (pid 1 there)
     makes a sandbox group as a fork server would, and lives in it: our sweep leaves it, process and
     all. The control: judged by its pid here, as before, it is dead (no pid 1 of ours started then)."""
-    from sandboxd.kernel import cgroups
+    from sandboxd.kernel import cgroups, creators
 
     ready = base_dir / "made"
     where = "v1 memory" if "memory" in cgroups.hierarchies().v1 else "v2"
@@ -459,7 +459,7 @@ time.sleep(600)
             assert creator is not None and creator[0] == 1, group
             ours = os.stat("/proc/self/ns/pid").st_ino
             assert creator[2] != ours
-            assert cgroups._provably_dead((creator[0], creator[1], ours), ours), "the control: by pid here, dead"
+            assert creators.provably_dead((creator[0], creator[1], ours), ours), "the control: by pid here, dead"
             assert cgroups.stale_groups() == []
             assert (Path(group) / "cgroup.procs").read_text().split(), "its process was killed"
         finally:

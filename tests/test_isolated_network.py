@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 from conftest import PY, SANDBOXD, SLOW
-from daemon_helpers import descendants, sandbox_links
+from daemon_helpers import descendants, free_pool, sandbox_links
 from sandboxd.kernel import netns as kernel_netns
 from sandboxd.policy import LaunchSpec, WorkspaceWrite
 from sandboxd.supervisor.forkserver import ForkServer
@@ -318,17 +318,6 @@ def test_a_session_with_network_gets_its_own_namespace(world: World, workspace: 
         fs.close()
 
 
-def one_block_pool() -> str:
-    """An address pool of one /30 that no link on this host uses now, away from the default pool's
-    first blocks (which the machine's other daemons take): a pool of this test's own."""
-    used = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, check=True).stdout
-    while True:
-        block = f"10.233.{random.randrange(128, 256)}.{random.randrange(0, 256, 4)}"
-        first = block.rsplit(".", 1)[0] + "." + str(int(block.rsplit(".", 1)[1]) + 1)
-        if f" {first}/" not in used:
-            return f"{block}/30"
-
-
 def net_namespaces_held(pid: int) -> set[str]:
     """The network namespaces that ``pid`` and its descendants hold: by a descriptor or by being in one."""
     held = set()
@@ -347,7 +336,7 @@ def net_namespaces_held(pid: int) -> set[str]:
 def test_five_hundred_sessions_leave_nothing_behind(workspace: Path) -> None:
     """500 isolated sessions opened and closed one after the other, from a pool of one block: each
     close gives its block back (the next open gets it), removes its link and lets go of its namespace."""
-    pool = one_block_pool()
+    pool = free_pool()
     fs = ForkServer.start()
     try:
         held_before = net_namespaces_held(fs.pid)
@@ -368,16 +357,6 @@ def test_five_hundred_sessions_leave_nothing_behind(workspace: Path) -> None:
         print(f"500 sessions with isolated network created and closed in {elapsed:.1f} s")
     finally:
         fs.close()
-
-
-def test_stale_links_of_a_dead_process_are_swept() -> None:
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    name = f"{kernel_netns.LINK_PREFIX}{dead.pid:x}x1"
-    sh(f"ip link add {name} type veth peer name {name}p")
-    assert name in sandbox_links(dead.pid)
-    assert kernel_netns.sweep_stale() >= 1
-    assert sandbox_links(dead.pid) == set()
 
 
 def test_bad_network_options_are_refused(workspace: Path) -> None:

@@ -156,14 +156,14 @@ def test_an_idle_daemons_main_thread_sleeps_until_a_signal(daemon: Daemon) -> No
 def test_the_fork_servers_sweep_reads_each_creator_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The minutely sweep of stale sandbox groups looked at its creator's /proc entry once per
     group: with 1,000 idle sessions, 1,000 reads a minute (5 ticks of the fork server's CPU)."""
-    from sandboxd.kernel import cgroups
+    from sandboxd.kernel import cgroups, creators
 
     for n in range(50):
         (tmp_path / cgroups.group_name(str(n))).mkdir()               # a live creator's groups
     looked_at: list[int] = []
-    real = cgroups._start_time
+    real = creators.start_time
     monkeypatch.setattr(cgroups, "_sweep_bases", lambda _h: [str(tmp_path)])
-    monkeypatch.setattr(cgroups, "_start_time", lambda pid: looked_at.append(pid) or real(pid))
+    monkeypatch.setattr(creators, "start_time", lambda pid: looked_at.append(pid) or real(pid))
     assert cgroups.stale_groups() == []
     assert looked_at == [os.getpid()]
     assert len(list(tmp_path.iterdir())) == 50                        # a live creator's groups stay

@@ -22,11 +22,12 @@ cgroup v2 the way systemd and container runtimes expect (Documentation/admin-gui
 
 Who made a sandbox group is in its name: ``run-<pid>-<start>-<pidns>-<serial>`` (``group_name``): the
 creator's pid, its start time (clock ticks after boot, /proc/PID/stat) and the inode of its PID
-namespace. A sweep (``stale_groups``) takes only the groups whose creator is provably dead: its PID
-namespace is the sweeper's own, and that pid is gone, a zombie, or another process since (another
-start time). A group made in another PID namespace (a daemon in a container sharing the cgroup base)
-or named otherwise is never touched: a pid alone names no process there, and one daemon must never
-kill, remove or wait on another's sandboxes.
+namespace. A sweep (``stale_groups``) takes only the groups whose creator is provably dead, by the one
+rule of kernel.creators (isolated networks' links are judged by it too): its PID namespace is the
+sweeper's own, and that pid is gone, a zombie, or another process since (another start time). A
+group made in another PID namespace (a daemon in a container sharing the cgroup base) or named
+otherwise is never touched: a pid alone names no process there, and one daemon must never kill,
+remove or wait on another's sandboxes.
 
 Nothing here that a loop calls waits: ``signal_once`` and ``try_remove`` are one pass of system calls
 each (what a group still holds, or a group still being torn down, is left for a later pass:
@@ -57,6 +58,7 @@ import time
 from sandboxd._record import Record
 from sandboxd.errors import LimitsUnavailable
 from sandboxd.kernel._libc import from_oserror
+from sandboxd.kernel.creators import Creator, DeadCreators, creator_tag, parse_creator
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -483,65 +485,19 @@ GROUP_PREFIX = "run-"
 
 
 def group_name(serial: str) -> str:
-    """The name of a new sandbox group of this process: ``run-<pid>-<start>-<pidns>-<serial>``, where
-    ``serial`` makes it unique within the process: what a sweep needs to prove its creator dead
-    (``stale_groups``), the same in every hierarchy (a cgroup directory can hold no file of ours)."""
+    """The name of a new sandbox group of this process: ``run-<pid>-<start>-<pidns>-<serial>``
+    (kernel.creators.creator_tag), where ``serial`` makes it unique within the process: what a sweep
+    needs to prove its creator dead (``stale_groups``), the same in every hierarchy (a cgroup directory
+    can hold no file of ours)."""
     return f"{GROUP_PREFIX}{creator_tag()}-{serial}"
 
 
-_creator: tuple[int, str] | None = None   # (pid, its tag): read once per process (a forked child is another)
-
-
-def creator_tag() -> str:
-    """This process as a group's creator: ``<pid>-<start>-<pidns>``."""
-    global _creator
-    pid = os.getpid()
-    if _creator is None or _creator[0] != pid:
-        _creator = (pid, f"{pid}-{_start_time(pid)}-{os.stat('/proc/self/ns/pid').st_ino}")
-    return _creator[1]
-
-
-def _start_time(pid: int) -> int | None:
-    """When ``pid`` started (clock ticks after boot: field 22 of /proc/PID/stat); None if there is
-    no such process or it has exited (a zombie: a SIGKILLed daemon's fork server is one until its
-    new parent reaps it, and its groups are stale already)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat_file:
-            fields = stat_file.read().rpartition(b")")[2].split()
-    except OSError:
-        return None
-    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
-
-
-def _creator_of(name: str) -> tuple[int, int, int] | None:
+def _creator_of(name: str) -> Creator | None:
     """(pid, start time, PID namespace inode) from a sandbox group's name; None for any other name
     (an older sandboxd's ``run-<pid>-<serial>-<random>`` cannot be judged: it names no namespace)."""
-    if not name.startswith(GROUP_PREFIX):
+    if not name.startswith(GROUP_PREFIX) or name.count("-") < 4:
         return None
-    fields = name[len(GROUP_PREFIX):].split("-")
-    if len(fields) < 4 or not all(field.isdigit() for field in fields[:3]):
-        return None
-    return int(fields[0]), int(fields[1]), int(fields[2])
-
-
-def _own_pid_namespace() -> int | None:
-    """Our PID namespace's inode, when /proc is that namespace's (else the pids /proc shows are not
-    ours to look up: None, and nothing can be proven dead)."""
-    try:
-        if os.readlink("/proc/self") != str(os.getpid()):
-            return None
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
-
-
-def _provably_dead(creator: tuple[int, int, int], namespace: int) -> bool:
-    """Made in our PID namespace by a process that is no longer there (gone, a zombie, or its pid
-    reused by a process that started at another time)."""
-    pid, start, made_in = creator
-    return made_in == namespace and _start_time(pid) != start
+    return parse_creator(name[len(GROUP_PREFIX):])
 
 
 def stale_groups() -> list[CgroupSet]:
@@ -550,14 +506,11 @@ def stale_groups() -> list[CgroupSet]:
     is provably dead, one set per sandbox across hierarchies. Nothing is signalled or removed here:
     the caller disposes of them (the fork server hands them to supervisor.waits.Leftovers, which
     never waits). Owner groups a killed daemon left empty are removed on the way."""
-    namespace = _own_pid_namespace()
-    if namespace is None:
+    dead = DeadCreators()
+    if dead.namespace is None:
         return []
     h = hierarchies()
     unified = h.unified.rstrip("/") + "/" if h.unified else None
-    # Each creator is judged once per sweep, not once per group: a fork server with 1,000 sessions
-    # would otherwise read its own /proc entry 1,000 times a minute while idle.
-    judged: dict[tuple[int, int, int], bool] = {}
     found: dict[str, CgroupSet] = {}
     for base in _sweep_bases(h):
         owner_groups = _owner_groups(base)
@@ -568,11 +521,7 @@ def stale_groups() -> list[CgroupSet]:
                 continue
             for name in names:
                 creator = _creator_of(name)
-                if creator is None:
-                    continue
-                if creator not in judged:
-                    judged[creator] = _provably_dead(creator, namespace)
-                if not judged[creator]:
+                if creator is None or creator not in dead:
                     continue
                 path = os.path.join(parent, name)
                 group = found.setdefault(name, CgroupSet(name))
