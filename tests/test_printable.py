@@ -25,6 +25,7 @@ import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 import unicodedata
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -234,13 +235,17 @@ def test_approvals_follow_shows_the_real_command(daemon: Daemon, client: Sandbox
     try:
         held = wait_held(client, session_id)
         assert held.summary == f"Execute: {PROMPT_ATTACK}"                  # the store holds it as sent
+        # Without a terminal, the in-place hint says it in one escaped line too: read before the call
+        # is answered elsewhere (exec looks for its held call every 0.25 s; the answer can come first).
+        assert held_call.stderr is not None
+        with ThreadPoolExecutor(1) as reader:
+            hint = reader.submit(held_call.stderr.readline).result(timeout=WAIT)
+        assert hint == f"sandboxctl: waiting for approval (unknown_command): Execute: {printable(PROMPT_ATTACK)}\n"
         term = tmux(shlex.join([SANDBOXCTL, "--socket", daemon.socket, "approvals", "--follow"]))
         term.expect("[n] deny ?", within=WAIT)
         assert_real_command_shown(joined(term), joined(term, attributes=True))
         term.keys("n")
         _, err = held_call.communicate(timeout=WAIT)
-        # Without a terminal, the in-place hint said it in one escaped line too.
-        assert f"waiting for approval (unknown_command): Execute: {printable(PROMPT_ATTACK)}\n" in err, err
         assert "denied by user" in err and not (ws / "pwned").exists()
     finally:
         held_call.kill()
