@@ -26,6 +26,7 @@ import json
 import os
 import shlex
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -368,3 +369,44 @@ def test_a_nearly_full_disk_refuses_calls_clearly_and_recovers(
         if daemon is not None:
             daemon.stop()
         subprocess.run(["umount", str(state)], check=False)
+
+
+def test_a_user_filling_the_disk_does_not_stop_the_daemon(plain_users: Any, sandboxd_daemon: DaemonFactory) -> None:
+    """The floor counts root's reserve (f_bfree): a plain user who fills the state directory's disk
+    with their own file runs out of space at the reserve, above the floor, and every user is still
+    served. The control: the space left to users (f_bavail) is then below the floor, which is where
+    the daemon stopped everyone while it counted only that."""
+    attacker, victim = plain_users(2)
+    disk = sandboxd_daemon.base / "ext4.img"
+    mount = Path(tempfile.mkdtemp(prefix="sbxd-fill-", dir="/var/tmp"))    # a place plain users can reach
+    os.chmod(mount, 0o755)
+    with open(disk, "wb") as image:
+        image.truncate(64 << 20)
+    # 25% reserved for root: 16 MiB, above the 8 MiB floor below.
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "25", str(disk)], check=True, capture_output=True)
+    subprocess.run(["mount", "-o", "loop", str(disk), str(mount)], check=True)
+    daemon: Daemon | None = None
+    try:
+        state, public = mount / "state", mount / "public"
+        state.mkdir(mode=0o700)
+        public.mkdir()
+        os.chown(public, attacker.uid, attacker.gid)
+        daemon = sandboxd_daemon(config='[audit]\nmin_free = "8M"\n', args=["--state-dir", str(state)])
+        ws = owned_workspace(sandboxd_daemon, victim)
+        session = as_user(victim, daemon, kind="create", ws=str(ws))["id"]
+        true = {"head": ["true"], "count": 0, "bytes": 0}
+        assert as_user(victim, daemon, kind="exec", session=session, argv=true)["code"] == 0
+
+        filled = subprocess.run(["dd", "if=/dev/zero", f"of={public / 'filler'}", "bs=1M"], capture_output=True,
+                                text=True, user=attacker.uid, group=attacker.gid, extra_groups=[], timeout=120)
+        assert "No space left on device" in filled.stderr, filled.stderr
+        stat = os.statvfs(state)
+        assert stat.f_bavail * stat.f_frsize < 8 << 20        # the control: users' share is below the floor
+        assert stat.f_bfree * stat.f_frsize >= 8 << 20        # the reserve is not
+        assert as_user(victim, daemon, kind="exec", session=session, argv=true)["code"] == 0
+        assert as_user(victim, daemon, kind="try", session=session, ws=str(ws))["create"] == ["OK", ""]
+    finally:
+        if daemon is not None:
+            daemon.stop()
+        subprocess.run(["umount", str(mount)], check=False)
+        mount.rmdir()

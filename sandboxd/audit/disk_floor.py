@@ -5,10 +5,14 @@ floor the daemon refuses new calls, sessions and policy changes with RESOURCE_EX
 where and how much is free, while what is under way finishes and is recorded (the floor is far
 above what it can write) and every read keeps working.
 
-The space counted is what unprivileged users could still write (``f_bavail``): the blocks a
-file system reserves for root are left to the machine's own emergencies, and to the events of
-calls already under way. One ``statvfs`` per admission, a few microseconds: no cache, so the
-daemon serves again as soon as space is freed.
+The space counted is what the daemon itself can still write: as root it also writes the blocks a
+file system reserves for root (``f_bfree``, not ``f_bavail``). So on a file system with a root
+reserve at least as large as the floor (ext4's default 5% on any disk over 10 GiB, against the
+default 512M), no user can bring the daemon below it by filling the disk with their own files or
+from a sandbox's workspace: they run out of space first. On one without a reserve (tmpfs, xfs,
+btrfs) they can, and the daemon then refuses everyone: give the state directory a file system of
+its own, or a reserve (docs/operations.md says so). One ``statvfs`` per admission, a few
+microseconds: no cache, so the daemon serves again as soon as space is freed.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ class DiskFloor:
             stat = os.statvfs(self.directory)
         except OSError as exc:
             return self._changed(f"the audit log's directory {self.directory} cannot be examined ({exc.strerror})")
-        free, size = stat.f_bavail * stat.f_frsize, stat.f_blocks * stat.f_frsize
+        free, size = stat.f_bfree * stat.f_frsize, stat.f_blocks * stat.f_frsize
         floor = self._bytes or int(size * self._percent / 100)
         if free >= floor:
             return self._changed(None)

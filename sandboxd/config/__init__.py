@@ -245,8 +245,8 @@ KEYS: tuple[Key, ...] = (
         "changes and standing rules are refused (RESOURCE_EXHAUSTED) until it refills; local root is exempt",
         _size),
     Key("audit", "budget_period_seconds", 86400, "the period of audit.owner_budget", _positive_seconds),
-    Key("audit", "min_free", "512M", "free space (for unprivileged users) the audit log's disk must keep, as a "
-        "size or a share of the disk (\"5%\"); below it no new call, session or policy change starts "
+    Key("audit", "min_free", "512M", "free space (counting root's reserve: the daemon writes it) the audit "
+        "log's disk must keep, as a size or a share of the disk (\"5%\"); below it no new call, session or policy change starts "
         "(RESOURCE_EXHAUSTED) while reads keep working; \"0\": no floor", _min_free),
     Key("policy", "allow_user_full_access", True, "a local non-root caller may create danger-full-access "
         "sessions, whose commands run on the host as that caller with its own rights and no more (a killable "
