@@ -32,8 +32,10 @@ if [ "$mode" = test ] && ! { command -v node && command -v npm; } >/dev/null 2>&
 fi
 # fuse3: fusermount3, with which tests/test_hung_fs.py mounts, as a plain user, a FUSE file system that never answers.
 # tmux: tests/test_terminals.py types into `sandboxctl shell` as a person would and reads the screen.
+# btrfs-progs: mkfs.btrfs, for the loop-mounted btrfs on which tests/test_btrfs_sockets.py checks that the
+# connect broker names a socket file as sock_diag does (a subvolume's stat() device is not its superblock's).
 if [ "$mode" = test ]; then
-  packages+=(fuse3 tmux)
+  packages+=(fuse3 tmux btrfs-progs)
 fi
 
 die() { echo "setup.sh: $*" >&2; exit 1; }

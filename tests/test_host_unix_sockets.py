@@ -20,9 +20,11 @@ the host, as that user, and the services count what reached them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +39,7 @@ import pytest
 from conftest import BASE_ENV, PY, REPO, SANDBOXD, SLOW, describe, make_dir, readable_copy_of_sandboxd
 from daemon_fixtures import daemon  # noqa: F401 - a pytest fixture
 from daemon_helpers import Daemon, PlainUser, plain_users, run_client_as
+from socket_probes import ATTEMPT
 
 pytestmark = pytest.mark.timeout(int(600 * SLOW))
 
@@ -273,10 +276,10 @@ def sandbox_plan(w: World) -> dict[str, Any]:
 # Inside every host-network sandbox: the host's services refused, except the one the policy names;
 # the sandbox's own servers answered.
 EXPECTED_INSIDE = {
-    "bus": "EACCES", "agent": "connected", "abstract bus": "EACCES", "abstract seqpacket": "EACCES",
+    "bus": "EACCES", "agent": "connected", "abstract bus": "ECONNREFUSED", "abstract seqpacket": "ECONNREFUSED",
     "journal": "create EACCES", "abstract journal": "create EACCES",
     "own stream /tmp": "pong", "own seqpacket /tmp": "pong", "own stream in the workspace": "pong",
-    "own abstract": "pong", "twin: own stream": "connected", "twin: host seqpacket": "EACCES",
+    "own abstract": "pong", "twin: own stream": "connected", "twin: host seqpacket": "ECONNREFUSED",
 }
 # What reached the services from inside: only the connect to the socket the policy names.
 REACHED_FROM_INSIDE = {"bus": 0, "agent": 1, "abstract bus": 0, "abstract seqpacket": 0, "journal": 0}
@@ -361,3 +364,114 @@ def test_without_the_allowed_socket_nothing_of_the_host_is_reached(world: World)
     assert json.loads(answer["probe"].strip().splitlines()[-1]) == {"agent": "EACCES", "bus": "EACCES"}, answer
     assert w.counts() == {"bus": 0, "agent": 0, "abstract bus": 0, "abstract seqpacket": 0, "journal": 0}
     check_control(w)
+
+
+# Another local user's listeners, many of them (abstract names and files of its own), held until
+# stdin closes: with the host's network they share the sandbox's namespace. Finding 9 of round 4's
+# second hostile pass: the broker dumped them all on every connect (95,000 made each of a
+# host-network sandbox's Unix connects 200 times slower); now it looks only at the sandbox's own.
+CROWD = textwrap.dedent('''
+    import os, resource, socket, sys
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    directory, count = sys.argv[1], min(int(sys.argv[2]), hard - 64)
+    held = []
+    for i in range(count):
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(os.path.join(directory, "l%d" % i) if i % 10 == 0 else "\\0sbxtest-crowd-%d-%d" % (os.getpid(), i))
+        s.listen(1)
+        held.append(s)
+    print(len(held), flush=True)
+    sys.stdin.read()
+''')
+CROWD_SIZE = 10_000
+
+
+@pytest.fixture(scope="module")
+def crowd(world: World) -> Iterator[int]:
+    """CROWD_SIZE listeners (or as many as the descriptor limit allows) of another plain user."""
+    with plain_users(1) as (other,):
+        directory = make_dir(world.base / "crowd", 0o700)
+        os.chown(directory, other.uid, other.gid)
+        process = subprocess.Popen([PY, "-c", CROWD, str(directory), str(CROWD_SIZE)], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True, env=BASE_ENV, **_as(other))
+        try:
+            assert process.stdout is not None
+            yield int(process.stdout.readline())
+        finally:
+            process.kill()
+            process.wait(timeout=60)
+
+
+def test_own_sockets_are_found_among_many_foreign_listeners(world: World, crowd: int) -> None:
+    """With another user's thousands of listening sockets in the host's namespace: the sandbox's own
+    servers answer, the host's services are refused, from a host-network session (its background
+    server too) and a rootless run, as without them."""
+    w = world
+    assert crowd >= 5_000
+    w.counts()
+    assert run_probe(w, rootless=True) == EXPECTED_INSIDE
+    assert w.counts() == REACHED_FROM_INSIDE
+    test_a_host_network_daemon_session_reaches_no_host_unix_socket(w)
+
+
+# A command's servers whose bound name no longer leads to them: one bound under a temporary name
+# and renamed into place (its own: reached), and one whose file was unlinked and replaced by a host
+# socket moved there from the workspace (the host's, behind the own socket's name: refused).
+RENAMES = ATTEMPT + textwrap.dedent('''
+    import json, os, sys
+    host_socket, seen = sys.argv[1], {}
+    def connect(path):
+        return attempt(socket.AF_UNIX, path)
+    moved = socket.socket(socket.AF_UNIX)
+    moved.bind("/tmp/placing.sock")
+    moved.listen(4)
+    os.rename("/tmp/placing.sock", "/tmp/served.sock")
+    seen["own, renamed into place"] = connect("/tmp/served.sock")
+    decoy = socket.socket(socket.AF_UNIX)
+    decoy.bind("decoy.sock")
+    decoy.listen(4)
+    seen["own, before"] = connect("decoy.sock")
+    os.unlink("decoy.sock")
+    os.rename(host_socket, "decoy.sock")
+    seen["host's, under the own one's name"] = connect("decoy.sock")
+    print(json.dumps(seen))
+''')
+
+
+def test_a_host_socket_moved_under_an_own_sockets_name_is_refused(world: World, crowd: int) -> None:
+    """A host-network sandbox cannot pass a host socket off as its own by giving it the name its own
+    socket was bound by (getsockname() still says that name; the broker asks sock_diag which file
+    the socket is bound to). The host's server, the user's in the workspace, is reached by the same
+    path from the host (the control)."""
+    w = world
+    host_server = socket.socket(socket.AF_UNIX)
+    try:
+        host_socket = w.workspace / "host-server.sock"
+        host_server.bind(str(host_socket))
+        os.chown(host_socket, w.user.uid, w.user.gid)
+        host_server.listen(8)
+        host_server.setblocking(False)
+        answer = run_client_as(w.user.uid, w.user.gid, w.daemon.socket, SESSION_PROBE, {
+            "workspace": str(w.workspace), "probe": RENAMES, "plan": str(host_socket),
+            "policy": {"network_access": True, "network_mode": "host"}})
+        seen = json.loads(answer["probe"].strip().splitlines()[-1])
+        assert seen == {"own, renamed into place": "connected", "own, before": "connected",
+                        "host's, under the own one's name": "EACCES"}, answer
+        with pytest.raises(BlockingIOError):
+            host_server.accept()                   # nothing reached it
+        control = probe_on_path(w, str(w.workspace / "decoy.sock"))
+        assert control == "connected"
+        host_server.accept()[0].close()
+    finally:
+        host_server.close()
+        for name in ("decoy.sock", "host-server.sock"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(w.workspace / name)
+
+
+def probe_on_path(w: World, path: str) -> str:
+    """The user connects to ``path`` from the host."""
+    done = subprocess.run([PY, "-c", "import socket, sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1])", path],
+                          capture_output=True, text=True, timeout=120 * SLOW, env=BASE_ENV, **_as(w.user))
+    return "connected" if done.returncode == 0 else done.stderr.strip().splitlines()[-1]

@@ -16,8 +16,8 @@ _MACHINE = os.uname().machine
 # System calls without a glibc wrapper. 434 and up are the same on every
 # architecture; older ones differ.
 _SYSCALLS = {
-    "x86_64": {"pivot_root": 155, "seccomp": 317},
-    "aarch64": {"pivot_root": 41, "seccomp": 277},
+    "x86_64": {"pivot_root": 155, "seccomp": 317, "statx": 332},
+    "aarch64": {"pivot_root": 41, "seccomp": 277, "statx": 291},
 }
 _COMMON = {"open_tree": 428, "move_mount": 429, "pidfd_open": 434, "close_range": 436, "openat2": 437,
            "pidfd_getfd": 438, "faccessat2": 439, "mount_setattr": 442, "landlock_create_ruleset": 444, "landlock_add_rule": 445,

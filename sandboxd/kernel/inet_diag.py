@@ -1,32 +1,32 @@
-"""Who opened the other end of a local TCP connection (NETLINK_SOCK_DIAG, one exact lookup).
+"""Which local TCP socket is where (NETLINK_SOCK_DIAG, one exact lookup each).
 
 A server that accepted a connection over loopback knows only the peer's address and port. The
 kernel knows more: the client's socket, found by its exact four-tuple, carries the uid that
-created it. One request, one answer, whatever the number of sockets on the host (reading
-/proc/net/tcp would cost a pass over all of them per connection, which a local user could
-inflate at will; that pass is only the fallback for a kernel without inet_diag). Hand-rolled
-with ``struct`` like unix_diag, for the same import cost.
+created it (``tcp_peer_socket``). And the listening socket a connect() to an address and port
+would reach is the one the kernel finds for a SYN there (``tcp_listener_at``: the connect broker
+asks it of an approval channel's port). One request, one answer, whatever the number of sockets
+on the host (reading /proc/net/tcp would cost a pass over all of them per connection, which a
+local user could inflate at will; that pass is only the fallback for a kernel without inet_diag).
+Hand-rolled with ``struct`` like unix_diag, for the same import cost; ipaddress is imported only
+by the functions that take text addresses (a sandbox's init never calls them).
 """
 
 from __future__ import annotations
 
 import _socket
-import errno
-import ipaddress
 import struct
 
-from sandboxd.kernel.addresses import proc_net_address, tcp_table_rows
+from sandboxd.kernel import sock_diag
 
-NETLINK_SOCK_DIAG = 4
-SOCK_DIAG_BY_FAMILY = 20
-NLM_F_REQUEST = 0x1
-NLMSG_ERROR = 2
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import ipaddress
+
 IPPROTO_TCP = 6
 ALL_STATES = 0xFFFFFFFF
 NO_COOKIE = 0xFFFFFFFF
+LOOPBACK_IFINDEX = 1            # the kernel gives lo this index in every network namespace
 UID_OFFSET = 64                 # in struct inet_diag_msg: 4 bytes, inet_diag_sockid (48), expires, rqueue, wqueue
-
-_HEADER = struct.Struct("=IHHII")
 
 
 def tcp_peer_uid(peer: tuple[str, int], local: tuple[str, int]) -> int | None:
@@ -39,6 +39,7 @@ def tcp_peer_uid(peer: tuple[str, int], local: tuple[str, int]) -> int | None:
 def tcp_peer_socket(peer: tuple[str, int], local: tuple[str, int]) -> tuple[int, int] | None:
     """(the uid that created it, its inode) of the socket at ``peer`` connected to our ``local``
     end (both in this network namespace), or None when there is no such socket here."""
+    import ipaddress
     try:
         peer_ip, local_ip = ipaddress.ip_address(peer[0].split("%")[0]), ipaddress.ip_address(local[0].split("%")[0])
     except ValueError:
@@ -49,39 +50,43 @@ def tcp_peer_socket(peer: tuple[str, int], local: tuple[str, int]) -> tuple[int,
         local_ip = local_ip.ipv4_mapped
     if peer_ip.version != local_ip.version:
         return None
-    family = _socket.AF_INET if peer_ip.version == 4 else _socket.AF_INET6
-    sockid = (struct.pack("!HH", peer[1], local[1]) + peer_ip.packed.ljust(16, b"\0")
-              + local_ip.packed.ljust(16, b"\0") + struct.pack("=III", 0, NO_COOKIE, NO_COOKIE))
-    body = struct.pack("=BBBBI", family, IPPROTO_TCP, 0, 0, ALL_STATES) + sockid
     try:
-        nl = _socket.socket(_socket.AF_NETLINK, _socket.SOCK_DGRAM | _socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG)
+        return _ask(peer_ip.packed, peer[1], local_ip.packed, local[1], 0)
     except OSError:
+        # No inet_diag in this kernel (or no netlink here): ask /proc.
         return _socket_from_proc(peer_ip, peer[1], local_ip, local[1])
-    try:
-        nl.send(_HEADER.pack(_HEADER.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, 1, 0) + body)
-        data = nl.recv(65536)
-    except OSError:
-        return _socket_from_proc(peer_ip, peer[1], local_ip, local[1])
-    finally:
-        nl.close()
-    if len(data) < _HEADER.size:
+
+
+def tcp_listener_at(address: bytes, port: int, fd: int = -1) -> tuple[int, int] | None:
+    """(the uid that created it, its inode) of the listening socket a connect() over loopback to
+    ``address`` (4 or 16 bytes) and ``port`` reaches, in this network namespace (or ``fd``'s:
+    sock_diag.ask): the one the kernel finds for a SYN there (the most specific bound address; a
+    dual-stack IPv6 listener for IPv4). None when none listens there; OSError when it cannot be told."""
+    return _ask(address, port, bytes(len(address)), 0, LOOPBACK_IFINDEX, fd)
+
+
+def _ask(source: bytes, source_port: int, destination: bytes, destination_port: int, interface: int,
+         fd: int = -1) -> tuple[int, int] | None:
+    """(uid, inode) of the TCP socket sock_diag finds for this id (its own address first, as the
+    kernel's inet_diag_sockid has it), None when there is none."""
+    family = _socket.AF_INET if len(source) == 4 else _socket.AF_INET6
+    sockid = (struct.pack("!HH", source_port, destination_port) + source.ljust(16, b"\0")
+              + destination.ljust(16, b"\0") + struct.pack("=III", interface, NO_COOKIE, NO_COOKIE))
+    answer = sock_diag.ask(struct.pack("=BBBBI", family, IPPROTO_TCP, 0, 0, ALL_STATES) + sockid, fd)
+    if answer is None or len(answer) < UID_OFFSET + 8:
         return None
-    kind = _HEADER.unpack_from(data)[1]
-    if kind == NLMSG_ERROR:
-        code = -struct.unpack_from("=i", data, _HEADER.size)[0] if len(data) >= _HEADER.size + 4 else 0
-        # ENOENT: no such socket here. Anything else (no inet_diag in this kernel): ask /proc.
-        return None if code == errno.ENOENT else _socket_from_proc(peer_ip, peer[1], local_ip, local[1])
-    if kind != SOCK_DIAG_BY_FAMILY or len(data) < _HEADER.size + UID_OFFSET + 8:
-        return None
-    uid, inode = struct.unpack_from("=II", data, _HEADER.size + UID_OFFSET)   # idiag_uid, then idiag_inode
+    uid, inode = struct.unpack_from("=II", answer, UID_OFFSET)   # idiag_uid, then idiag_inode
     return int(uid), int(inode)
 
 
 def _socket_from_proc(peer: "ipaddress.IPv4Address | ipaddress.IPv6Address", peer_port: int,
-                   local: "ipaddress.IPv4Address | ipaddress.IPv6Address", local_port: int) -> tuple[int, int] | None:
+                      local: "ipaddress.IPv4Address | ipaddress.IPv6Address",
+                      local_port: int) -> tuple[int, int] | None:
     """The same answer (uid, inode) from /proc/net/tcp{,6} (a pass over every socket: only when the kernel has
     no inet_diag). Addresses there are hex, 32-bit words in host byte order; IPv4 peers of IPv6
     sockets appear mapped."""
+    from sandboxd.kernel.addresses import proc_net_address, tcp_table_rows
+
     def matches(field: str, address: "ipaddress.IPv4Address | ipaddress.IPv6Address", port: int) -> bool:
         host, _, hex_port = field.partition(":")
         return int(hex_port, 16) == port and proc_net_address(host) == address

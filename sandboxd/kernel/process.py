@@ -8,6 +8,10 @@ import _signal as signal  # the C module: signal.py builds IntEnums, which costs
 
 from sandboxd.kernel._libc import checked, from_oserror, prctl, raw_syscall
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 PR_SET_NAME = 15
@@ -135,25 +139,35 @@ def descriptor_targets(pid: int | str) -> list[str]:
         os.close(directory)
 
 
-def socket_holder_here(socket_inode: int, first: int = 0) -> int:
-    """A process /proc lists, other than the caller, that holds the socket ``socket_inode`` open
-    (``first`` looked at first: a server keeps its process), 0 when there is none: in a sandbox's
-    init, whose /proc is its PID namespace's, a process of the sandbox. Only the processes whose
-    descriptors the caller may read count (its own user's dumpable ones): a holder that made
-    itself non-dumpable is not seen, which refuses, never allows. The cost grows with the
+def held_sockets(first: int = 0) -> "Iterator[tuple[int, int, int]]":
+    """(pid, descriptor, socket inode) of each socket held open by the processes /proc lists, other
+    than the caller: in a sandbox's init, whose /proc is its PID namespace's, the sandbox's
+    processes. ``first``'s come first (a server keeps its process), and each socket once. Only the
+    processes whose descriptors the caller may read count (its own user's dumpable ones): one that
+    made itself non-dumpable is not seen, which refuses, never allows. The cost grows with the
     descriptors of the namespace's processes: the sandbox's own to inflate."""
-    wanted = f"socket:[{socket_inode}]"
-    me = os.getpid()
-
-    def holds(pid: int) -> bool:
+    me, seen = os.getpid(), set()
+    pids = [first] if first > 0 and first != me else []
+    pids += (int(name) for name in os.listdir("/proc") if name.isdigit() and int(name) not in (me, first))
+    for pid in pids:
         try:
-            return wanted in descriptor_targets(pid)
+            directory = os.open(f"/proc/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
-            return False                  # gone, or not ours to read
-    if first > 0 and first != me and holds(first):
-        return first
-    return next((int(name) for name in os.listdir("/proc")
-                 if name.isdigit() and int(name) not in (me, first) and holds(int(name))), 0)
+            continue                      # gone, or not ours to read
+        try:
+            names = os.listdir(directory)
+            for name in names:
+                try:
+                    target = os.readlink(name, dir_fd=directory)
+                except OSError:
+                    continue              # closed meanwhile
+                if target.startswith("socket:[") and target not in seen:
+                    seen.add(target)
+                    yield pid, int(name), int(target[len("socket:["):-1])
+        except OSError:
+            continue
+        finally:
+            os.close(directory)
 
 
 def kill_descendants(*, reap: bool = False) -> None:

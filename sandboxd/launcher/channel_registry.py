@@ -5,11 +5,19 @@ A directory (``defaults.channel_registry``: ``.sandboxd-mcp/listeners`` beside t
 socket), owned by root and written only by the daemon (service.approval_channels), holding one
 empty file per listening socket whose name says what it is:
 
-    tcp-7f000001-8765-KEY             a TCP listener on 127.0.0.1:8765 (the address in hex)
-    tcp-00000000000000000000000000000001-8765-KEY     one on [::1]:8765
-    unix-MAJOR-MINOR-INODE-KEY        a Unix listener bound to that file (its device and inode)
+    tcp-7f000001-8765-SOCKET-KEY      a TCP listener on 127.0.0.1:8765 (the address in hex)
+    tcp-00000000000000000000000000000001-8765-SOCKET-KEY     one on [::1]:8765
+    unix-MAJOR-MINOR-INODE-SOCKET-KEY a Unix listener bound to that file (its device, as sock_diag
+                                      names it: kernel.superblocks, and inode)
 
-KEY names the registration (uid, pid, a counter). Names only: one getdents tells a broker all.
+    netns-INODE                       the daemon's network namespace (/proc/self/ns/net's inode),
+                                      where the registered sockets are
+
+SOCKET is the listening socket's inode, KEY names the registration (uid, pid, a counter). Names
+only: one getdents tells a broker all. An entry stands for that socket, not for its address: the
+broker refuses a connect() only while the socket found there (the listener at that address and
+port, the socket bound to that file) is the registered one, so a channel that closed its listener
+blocks nothing, although its entry lasts as long as its process.
 
 A sandbox's init opens the registries when it starts, before it builds the sandbox (inside, the
 directory is hidden with the rest of the daemon's places), and lists them again on every
@@ -32,33 +40,46 @@ _LOOPBACK_V4 = bytes((127, 0, 0, 1))
 _LOOPBACK_V6 = bytes(15) + b"\x01"
 
 
-def tcp_entry(packed: bytes, port: int, key: str) -> str:
-    """The entry of a TCP listener on ``packed`` (4 or 16 bytes, an IPv4-mapped one as 4), ``port``."""
-    return f"tcp-{packed.hex()}-{port}-{key}"
+NETNS = "netns"
 
 
-def unix_entry(identity: tuple[int, int, int], key: str) -> str:
-    """The entry of a Unix listener bound to the file ``identity`` (major, minor, inode)."""
-    return f"unix-{identity[0]}-{identity[1]}-{identity[2]}-{key}"
+def network_namespace_entry(inode: int) -> str:
+    """The entry naming the daemon's network namespace (the inode of its /proc/self/ns/net)."""
+    return f"{NETNS}-{inode}"
+
+
+def tcp_entry(packed: bytes, port: int, socket_inode: int, key: str) -> str:
+    """The entry of the TCP listener ``socket_inode`` on ``packed`` (4 or 16 bytes, an IPv4-mapped
+    one as 4), ``port``."""
+    return f"tcp-{packed.hex()}-{port}-{socket_inode}-{key}"
+
+
+def unix_entry(identity: tuple[int, int, int], socket_inode: int, key: str) -> str:
+    """The entry of the Unix listener ``socket_inode`` bound to the file ``identity`` (major,
+    minor, inode, as sock_diag names it)."""
+    return f"unix-{identity[0]}-{identity[1]}-{identity[2]}-{socket_inode}-{key}"
 
 
 class Registered:
-    """One reading of the registries: the TCP listeners (address bytes, port) and the Unix ones
-    (the bound files' identities)."""
+    """One reading of the registries: the TCP listeners by (address bytes, port) and the Unix ones
+    by the bound file's identity, each as the set of the registered sockets' inodes."""
 
-    __slots__ = ("tcp", "unix")
+    __slots__ = ("tcp", "unix", "network_namespaces")
 
     def __init__(self) -> None:
-        self.tcp: set[tuple[bytes, int]] = set()
-        self.unix: set[tuple[int, int, int]] = set()
+        self.tcp: dict[tuple[bytes, int], set[int]] = {}
+        self.unix: dict[tuple[int, int, int], set[int]] = {}
+        self.network_namespaces: set[int] = set()       # of the daemons that wrote the registries
 
     def add(self, name: str) -> None:
         parts = name.split("-")
         try:
-            if parts[0] == "tcp" and len(parts) == 4:
-                self.tcp.add((bytes.fromhex(parts[1]), int(parts[2])))
-            elif parts[0] == "unix" and len(parts) == 5:
-                self.unix.add((int(parts[1]), int(parts[2]), int(parts[3])))
+            if parts[0] == NETNS and len(parts) == 2:
+                self.network_namespaces.add(int(parts[1]))
+            elif parts[0] == "tcp" and len(parts) == 5:
+                self.tcp.setdefault((bytes.fromhex(parts[1]), int(parts[2])), set()).add(int(parts[3]))
+            elif parts[0] == "unix" and len(parts) == 6:
+                self.unix.setdefault((int(parts[1]), int(parts[2]), int(parts[3])), set()).add(int(parts[4]))
         except ValueError:
             pass                          # not an entry (the daemon writes nothing else here)
 

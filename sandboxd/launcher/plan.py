@@ -34,9 +34,13 @@ class BrokerRules(Record):
     # sandbox's own or one the policy names, judged by who holds its listener (connect_broker).
     host_network: bool = False
     # The registries of approval channels (launcher.channel_registry): their listeners are refused
-    # in every mode; and the descriptors init opened them on, before building the sandbox.
+    # in every mode; and the descriptors init opened them on, before building the sandbox, with a
+    # sock_diag socket of the host's network namespace (kernel.sock_diag.open_shared), where the
+    # channels' sockets are, whatever the sandbox's network (-1: none could be opened).
     channel_dirs: tuple[str, ...] = ()
     channel_fds: tuple[int, ...] = ()
+    host_diag_fd: int = -1
+    host_network_namespace: int = 0         # where host_diag_fd was opened (its inode in /proc/self/ns)
 
 
 class DebugHooks(Record):

@@ -36,7 +36,7 @@ import os
 import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
 
 from sandboxd.errors import ExecFailed, SetupError
-from sandboxd.kernel import caps, cgroups, landlock, namespaces, process, rlimits, seccomp, syscalls, terminals
+from sandboxd.kernel import caps, cgroups, landlock, namespaces, process, rlimits, seccomp, sock_diag, syscalls, terminals
 from sandboxd.kernel._libc import from_oserror
 from sandboxd.launcher import channel_registry, file_tools, report, rootfs, rootless
 from sandboxd.launcher.call_plan import Step
@@ -109,10 +109,24 @@ def _run_rootless_init(plan: LaunchPlan, report_fd: int, status_fd: int) -> NoRe
 
 
 def _with_channel_registries(plan: LaunchPlan) -> LaunchPlan:
-    """The plan with its broker holding the approval-channel registries open (launcher.channel_registry):
+    """The plan with its broker holding the approval-channel registries open (launcher.channel_registry),
+    and a sock_diag socket of the host's network namespace, where the channels' sockets are:
     opened here, in the host's namespaces, before anything hides them."""
     fds = channel_registry.open_registries(plan.broker.channel_dirs)
-    return plan.replace(broker=plan.broker.replace(channel_fds=fds)) if fds else plan
+    if not fds:
+        return plan
+    try:
+        namespace = os.stat("/proc/self/ns/net").st_ino
+        diag = sock_diag.open_shared()
+    except OSError:
+        diag, namespace = -1, 0           # the broker then refuses every registered channel's file
+    return plan.replace(broker=plan.broker.replace(channel_fds=fds, host_diag_fd=diag,
+                                                   host_network_namespace=namespace))
+
+
+def _broker_fds(plan: LaunchPlan) -> set[int]:
+    """What init keeps open for its connect brokers (_with_channel_registries)."""
+    return {*plan.broker.channel_fds, plan.broker.host_diag_fd} - {-1}
 
 
 # Seen from inside a new PID namespace, a parent outside it has pid 0.
@@ -166,7 +180,7 @@ def _run_init(plan: LaunchPlan, *, report_fd: int, status_fd: int) -> NoReturn:
         command_end.close()
         listener = receive_fd(broker_end)                 # sent by the command just before exec
         broker_end.close()
-    process.close_all_except({status_fd, *plan.broker.channel_fds} | ({listener} if listener is not None else set()))
+    process.close_all_except({status_fd, *_broker_fds(plan)} | ({listener} if listener is not None else set()))
     process.forward_signals_to(command_pid)               # the report pipe closed with the command's exec
     process.release_forwarded_signals()                   # what came meanwhile goes on now
 
@@ -194,7 +208,7 @@ def run_session_init(plan: LaunchPlan, *, report_fd: int, intake: "_socket.socke
         cgroups.join(cgroup_dirs)
         plan = _with_channel_registries(plan)
         _build_sandbox(plan, "sandboxd-session")
-        process.close_all_except({intake.fileno(), *plan.broker.channel_fds})   # closing the report pipe says "ready"
+        process.close_all_except({intake.fileno(), *_broker_fds(plan)})   # closing the report pipe says "ready"
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "session init")
     loop = InitLoop(lambda _pid, _status, _usage: None, plan.broker)

@@ -13,7 +13,10 @@ its own calls. So such a process registers with the daemon:
   port (which every sandbox would then lose). A TCP listener must be on a loopback address.
 - it writes one entry per socket to the registry (launcher.channel_registry) that the connect
   broker of every sandbox reads on each connect(): this daemon's sessions and every
-  `sandboxd run` on the machine (which opens the default daemon's registry and $SANDBOXD_SOCKET's);
+  `sandboxd run` on the machine (which opens the default daemon's registry and $SANDBOXD_SOCKET's).
+  An entry names the socket (its inode) beside its address or file, and a broker refuses only
+  while the socket found there is that one: a registration whose socket was closed blocks
+  nobody's port or file, although it lasts as long as its process (and counts towards the bound);
 - the entries are removed when that process exits (service.process_ties), and at start-up for
   processes that exited while no daemon ran;
 - it answers with the caller's own directory (mode 0700) inside the daemon's place, which every
@@ -57,6 +60,10 @@ class ApprovalChannels:
         for path in (self._place, self._registry):
             _root_directory(path)
         self._restore()
+        # Where the registered sockets are: a broker asks there whether a Unix channel still is
+        # bound to its file, and refuses when it cannot (channel_registry).
+        _touch(os.path.join(self._registry, channel_registry.network_namespace_entry(
+            os.stat("/proc/self/ns/net").st_ino)))
 
     @property
     def registry(self) -> str:
@@ -98,15 +105,15 @@ class ApprovalChannels:
     def _listeners(self, inodes: frozenset[int], key: str) -> tuple[list[str], list[str]]:
         """The registry entries of the listening sockets among ``inodes``, and how each is said."""
         entries, shown = [], []
-        for address, port, _inode in peers.tcp_listeners(inodes):
+        for address, port, inode in peers.tcp_listeners(inodes):
             if not address.is_loopback:
                 raise InvalidPolicy(f"the calling process listens on {address}:{port}, not a loopback address: an "
                                     "approval channel listens on loopback or on a Unix socket only")
-            entries.append(channel_registry.tcp_entry(address.packed, port, key))
+            entries.append(channel_registry.tcp_entry(address.packed, port, inode, key))
             shown.append(f"tcp {address}:{port}" if address.version == 4 else f"tcp [{address}]:{port}")
         for inode, identity in unix_diag.listening_socket_files().items():
             if inode in inodes:
-                entries.append(channel_registry.unix_entry(identity, key))
+                entries.append(channel_registry.unix_entry(identity, inode, key))
                 shown.append(f"unix {identity[0]}:{identity[1]} inode {identity[2]}")
         return entries, shown
 
@@ -141,6 +148,9 @@ class ApprovalChannels:
         """Entries a previous daemon made: kept (and tied again) while their process lives."""
         by_key: dict[str, list[str]] = {}
         for name in os.listdir(self._registry):
+            if name.startswith(channel_registry.NETNS + "-"):
+                os.unlink(os.path.join(self._registry, name))   # written again for this daemon
+                continue
             by_key.setdefault(name.rsplit("-", 1)[-1], []).append(name)
         for entry_key, names in by_key.items():
             uid, key = _parse_entry_key(entry_key)
