@@ -41,8 +41,7 @@ from sandboxd.printable import printable
 from sandboxd.service.quotas import Quotas
 from sandboxd.service.sandboxed_peers import SandboxedPeers
 from sandboxd.service.server import (MAX_FORK_RESTARTS, RESTART_WINDOW, ForkWatch, JsonLogFormatter,
-                                     TextLogFormatter, own_places, raise_nofile_limit, self_test,
-                                     sweep_private_dir)
+                                     TextLogFormatter, own_places, self_test, sweep_private_dir)
 from sandboxd.service.servicer import Reflection, SandboxServicer
 from sandboxd.service.sessions import SessionRegistry
 from sandboxd.service.tied_sessions import TiedSessions
@@ -115,6 +114,7 @@ class Daemon:
         """Build and start every part. Why this machine cannot build a sandbox (nothing left
         running then), or None once the daemon serves."""
         from sandboxd.kernel.malloc_arenas import limit_arenas
+        from sandboxd.kernel.rlimits import raise_nofile_limit
 
         s = self.settings
         limit_arenas()              # before any thread: the daemon's C heaps stay flat under load

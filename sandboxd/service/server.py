@@ -1,6 +1,6 @@
 """The daemon's start-up and watch helpers (service.daemon puts them together): its log lines,
-what of it sandboxes must not see, the self-test, the descriptor limit, the sweep of sockets
-and self-test workspaces left by killed daemons, and the watch on the fork server."""
+what of it sandboxes must not see, the self-test, the sweep of sockets and self-test workspaces
+left by killed daemons, and the watch on the fork server. (Its descriptor limit: kernel.rlimits.)"""
 
 from __future__ import annotations
 
@@ -131,37 +131,6 @@ def self_test(fork: "ForkServer", session_defaults: "SessionDefaults | None" = N
         return str(exc)
     finally:
         os.close(null)
-
-
-def nofile_target() -> tuple[int, int, int]:
-    """RLIMIT_NOFILE as (soft, hard, what ``serve`` raises the soft limit to: the hard limit).
-    Every session holds descriptors in the daemon and the fork server, so 1024 caps a daemon
-    at about 500 sessions; the hard limit is what the service manager allows (LimitNOFILE=)."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard
-    if hard == resource.RLIM_INFINITY:                # Linux caps descriptors at fs.nr_open anyway
-        try:
-            with open("/proc/sys/fs/nr_open") as f:
-                target = int(f.read())
-        except (OSError, ValueError):
-            target = 1 << 20
-    return soft, hard, max(soft, target) if soft != resource.RLIM_INFINITY else soft
-
-
-def raise_nofile_limit() -> int:
-    """Raise our soft RLIMIT_NOFILE to the hard limit (before the fork server starts: it
-    inherits it); returns the soft limit in force."""
-    import resource
-
-    soft, hard, target = nofile_target()
-    if target != soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (OSError, ValueError):
-            return soft
-    return target
 
 
 def sweep_private_dir(private: str) -> list[str]:
