@@ -41,7 +41,8 @@ from sandboxd.printable import printable
 from sandboxd.service.quotas import Quotas
 from sandboxd.service.sandboxed_peers import SandboxedPeers
 from sandboxd.service.server import (MAX_FORK_RESTARTS, RESTART_WINDOW, ForkWatch, JsonLogFormatter,
-                                     TextLogFormatter, own_places, self_test, sweep_private_dir)
+                                     TextLogFormatter, make_own_directories, own_places, self_test,
+                                     sweep_private_dir)
 from sandboxd.service.servicer import Reflection, SandboxServicer
 from sandboxd.service.sessions import SessionRegistry
 from sandboxd.service.tied_sessions import TiedSessions
@@ -139,11 +140,7 @@ class Daemon:
 
             activated = systemd.activated_socket()
             socket_path = s.socket if activated is None else activated.getsockname() or s.socket  # systemd wins
-            base = os.path.dirname(os.path.abspath(socket_path))
-            private = os.path.join(base, defaults.PRIVATE_DIR_NAME)
-            os.makedirs(base, mode=0o755, exist_ok=True)
-            os.makedirs(private, mode=0o700, exist_ok=True)
-            os.chmod(private, 0o700)
+            private = make_own_directories(socket_path, undo)    # PlaceTaken: another user's name, beside it
             backend = os.path.join(private, f"grpc-{os.getpid()}.sock")
             stale_sockets = sweep_private_dir(private)           # ours included, from a reused pid
 
