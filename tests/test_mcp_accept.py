@@ -182,7 +182,9 @@ def test_a_check_short_of_descriptors_is_a_503_and_accept_failures_are_logged_on
         assert 1 < len(ours) <= seconds / 1.0 + 2, ours            # once, then a line a second with a count
         assert all(line.endswith("more in the last 1 s)") for line in ours[1:]), ours
         assert sum(int(line.split("(")[-1].split()[0]) for line in ours[1:]) >= 2, ours
-        assert said["asyncio"] > 100 * len(ours), (said["asyncio"], ours)   # the control: asyncio's, a line each
+        # The control: asyncio's own accept loop, same limit, same time: a line per failed accept
+        # (a hundred per wake-up; here about a thousand in 3 s).
+        assert said["asyncio"] >= 100 and said["asyncio"] > 10 * len(ours), (said["asyncio"], ours)
         served.say("unlimit")
         assert _served(waiting)
         for client in (short, waiting, asyncio_waiting):
