@@ -10,13 +10,17 @@ flood itself, across users against the whole server: tests/test_mcp_door_flood.p
   to spare is served);
 - accept failing for want of descriptors is logged once, then once per interval with a count
   (control: asyncio's own accept loop, under the same limit, logs each failed accept), and the
-  waiting connection is served once descriptors are back.
+  waiting connection is served once descriptors are back;
+- the log names at most Tally.MAX_CAUSES causes at once (a user with many uids: a rootless
+  container's subordinate ones).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 import socket
 import subprocess
 import textwrap
@@ -28,7 +32,7 @@ import pytest
 
 from conftest import BASE_ENV, REPO, SLOW, eventually
 from daemon_helpers import PYTHON, PlainUser, plain_users
-from sandboxd.cli.mcp_accept import REFUSED_PER_UID, REFUSED_TOTAL, refused_total
+from sandboxd.cli.mcp_accept import REFUSED_PER_UID, REFUSED_TOTAL, Tally, refused_total
 
 pytestmark = pytest.mark.timeout(int(300 * SLOW))
 
@@ -189,3 +193,20 @@ def test_a_check_short_of_descriptors_is_a_503_and_accept_failures_are_logged_on
         assert _served(waiting)
         for client in (short, waiting, asyncio_waiting):
             client.close()
+
+
+def test_the_log_names_a_bounded_number_of_causes(caplog: pytest.LogCaptureFixture) -> None:
+    """Refusals of 100 uids: the first MAX_CAUSES get a line each (the control), the rest one line
+    together, then counted."""
+    async def refusals() -> None:
+        tally = Tally(asyncio.get_running_loop())
+        for _ in range(3):
+            for uid in range(100):
+                tally.note(f"refused connections of another user's process (uid {uid})")
+        tally.close()
+    with caplog.at_level(logging.WARNING, logger="sandboxd.mcp"):
+        asyncio.run(refusals())
+    lines = [record.getMessage() for record in caplog.records]
+    assert lines[:Tally.MAX_CAUSES] == [f"refused connections of another user's process (uid {uid})"
+                                        for uid in range(Tally.MAX_CAUSES)]
+    assert lines[Tally.MAX_CAUSES:] == ["more connections refused or failed, of other kinds or uids"]

@@ -73,14 +73,19 @@ def _answer(status: str, text: str, *extra: str) -> bytes:
 class Tally:
     """Log lines about what happens per connection, bounded: the first event of a cause is logged
     at once; those after it are counted and said in one line per ``every`` seconds while they go
-    on ("… (N more in the last 60 s)")."""
+    on ("… (N more in the last 60 s)"). At most MAX_CAUSES causes at once: past them an event is
+    counted under ``overflow`` (a user with many uids, a rootless container's, names one each)."""
+
+    MAX_CAUSES = 32
 
     def __init__(self, loop: asyncio.AbstractEventLoop, every: float = LOG_EVERY) -> None:
         self._loop, self._every = loop, every
         self._counts: dict[str, int] = {}                 # cause -> events since its last line
         self._timers: dict[str, asyncio.TimerHandle] = {}
 
-    def note(self, cause: str) -> None:
+    def note(self, cause: str, overflow: str = "more connections refused or failed, of other kinds or uids") -> None:
+        if cause not in self._counts and len(self._counts) >= self.MAX_CAUSES:
+            cause = overflow
         if cause in self._counts:
             self._counts[cause] += 1
             return
