@@ -20,13 +20,44 @@ SHARED_DIRECTORIES = frozenset({"/", "/run", "/var/run", "/tmp", "/var/tmp", "/d
 # Beside the socket: the daemon's private directory (its gRPC server's socket, the front door's
 # relay files), and what `sandboxd mcp --http` needs of the daemon (service.approval_channels):
 # the registry of approval channels every sandbox's connect broker reads (launcher.channel_registry)
-# and each user's secrets directory.
+# and each user's secrets directory. In a directory of the daemon's own (/run/sandboxd) they are
+# these two names; in a shared one, where any user may make a name first, both sit in one
+# directory named after the socket (own_dir), which the daemon makes or refuses to start beside.
 PRIVATE_DIR_NAME = ".sandboxd-private"
 CHANNELS_DIR_NAME = ".sandboxd-mcp"
+_PLAIN = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+
+
+def own_dir(socket_path: str) -> str | None:
+    """The directory of the daemon of ``socket_path`` beside it when the socket sits in a shared
+    directory (SHARED_DIRECTORIES), else None (the socket's directory is the daemon's own). Named
+    after the socket, so daemons in one shared directory never share one: ``.sandboxd-`` and the
+    socket's name (letters, digits and ``._-`` only, at most 24 of them: the front door's relay
+    directory is below it, and Unix socket paths are short), then 8 hex digits of the SHA-256 of
+    the socket's absolute path."""
+    socket_path = os.path.abspath(socket_path)
+    base, name = os.path.split(socket_path)
+    if base not in SHARED_DIRECTORIES:
+        return None
+    import hashlib
+
+    plain = "".join(c if c in _PLAIN else "_" for c in name)[:24]
+    return os.path.join(base, f".sandboxd-{plain}-{hashlib.sha256(os.fsencode(socket_path)).hexdigest()[:8]}")
+
+
+def private_dir(socket_path: str) -> str:
+    """The private directory (0700) of the daemon of ``socket_path`` (see above)."""
+    shared = own_dir(socket_path)
+    if shared is not None:
+        return os.path.join(shared, "private")
+    return os.path.join(os.path.dirname(os.path.abspath(socket_path)), PRIVATE_DIR_NAME)
 
 
 def channels_dir(socket_path: str) -> str:
     """Where the daemon of ``socket_path`` keeps what approval channels need (see above)."""
+    shared = own_dir(socket_path)
+    if shared is not None:
+        return os.path.join(shared, "mcp")
     return os.path.join(os.path.dirname(os.path.abspath(socket_path)), CHANNELS_DIR_NAME)
 
 
@@ -39,10 +70,10 @@ def daemon_hidden_paths(socket_path: str) -> tuple[str, ...]:
     """What of the daemon of ``socket_path`` every sandbox hides, its state directory aside: the
     socket's directory, or in a shared directory the daemon's own entries there."""
     socket_path = os.path.abspath(socket_path)
-    base = os.path.dirname(socket_path)
-    if base in SHARED_DIRECTORIES:
-        return (socket_path, os.path.join(base, PRIVATE_DIR_NAME), channels_dir(socket_path))
-    return (base,)
+    shared = own_dir(socket_path)
+    if shared is not None:
+        return (socket_path, shared)
+    return (os.path.dirname(socket_path),)
 
 # Sandboxes' own defaults, one constant each, used wherever the default applies.
 # A workspace-write sandbox with network access gets a network namespace of its own (the other

@@ -96,6 +96,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from sandboxd import defaults
 from sandboxd.policy import DangerFullAccess, LaunchSpec, ReadOnly, SandboxPolicy, WorkspaceWrite
 from sandboxd.supervisor.forkserver import ForkServer
 from sandboxd.supervisor.spawner import Spawner
@@ -838,7 +839,7 @@ def concurrent_execs(daemon: DaemonProcess, socket_path: str, sessions: Sessions
         try:
             barrier.wait(timeout=120)
             time.sleep(min(1.0, seconds / 2))
-            relay_dir = os.path.join(os.path.dirname(socket_path), ".sandboxd-private", "relay")
+            relay_dir = os.path.join(defaults.private_dir(socket_path), "relay")
             try:                                                 # one relay socket per live connection
                 connections = sum(1 for name in os.listdir(relay_dir) if name.endswith(".sock"))
             except OSError:

@@ -45,6 +45,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import BASE_ENV, SANDBOXD
+from sandboxd import defaults
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 
@@ -91,7 +92,7 @@ class Daemon:
                  default_flags: bool = True) -> None:
         self.base = base
         self.socket = str(socket if socket is not None else socket_in(base))
-        self.private = Path(self.socket).parent / ".sandboxd-private"
+        self.private = Path(defaults.private_dir(self.socket))
         self.log_path = base / f"daemon-{uuid.uuid4().hex[:8]}.log"   # one per daemon, also on restarts
         self.args = list(args)
         self.executable = executable

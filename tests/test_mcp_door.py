@@ -40,6 +40,7 @@ from conftest import BASE_ENV, PY, REPO, SLOW, describe, make_dir, readable_copy
 from daemon_fixtures import daemon  # noqa: F401 - a pytest fixture
 from daemon_helpers import Daemon, DaemonFactory, PlainUser, plain_users, run_client_as
 from mcp_helpers import ENV, SANDBOXD
+from sandboxd import defaults
 
 pytestmark = pytest.mark.timeout(int(600 * SLOW))
 
@@ -281,7 +282,7 @@ def test_the_server_registered_its_sockets_and_hid_its_token(door: Door) -> None
     assert (seen["tcp"], seen["tcp no token"], seen["relay"]) == (200, 401, 200), seen
     # Where the tokens are: the user's own directory in the daemon's place, 0700 and 0600.
     secrets = Path(d.token_file).parent
-    assert secrets.parent == Path(d.daemon.socket).parent / ".sandboxd-mcp" == Path(d.unix_token_file).parent.parent
+    assert secrets.parent == Path(defaults.channels_dir(d.daemon.socket)) == Path(d.unix_token_file).parent.parent
     assert (secrets.stat().st_uid, secrets.stat().st_mode & 0o777) == (d.user.uid, 0o700)
     assert (Path(d.token_file).stat().st_mode & 0o777) == 0o600
     registry = os.listdir(secrets.parent / "listeners")
@@ -389,7 +390,7 @@ def test_a_user_registers_only_its_own_listening_sockets(door: Door, daemon: Dae
     All of them go when that process exits."""
     with plain_users(1) as (other,):
         seen = run_client_as(other.uid, other.gid, daemon.socket, REGISTER, {"token": door.token_file})
-        registry = Path(daemon.socket).parent / ".sandboxd-mcp" / "listeners"
+        registry = Path(defaults.channel_registry(daemon.socket))
         deadline = time.monotonic() + 60 * SLOW
         while (left := [name for name in os.listdir(registry) if name.split("-")[-1].startswith(f"{other.uid}.")]):
             if time.monotonic() > deadline:

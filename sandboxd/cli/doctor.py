@@ -283,7 +283,7 @@ LOW_NPROC = 4096
 
 def check_fd_limit() -> tuple[str, str]:
     """RLIMIT_NOFILE as this process has it, and what `sandboxd serve` started the same way would use."""
-    from sandboxd.service.server import nofile_target
+    from sandboxd.kernel.rlimits import nofile_target
 
     soft, hard, target = nofile_target()
     detail = (f"soft {soft}, hard {hard}: the daemon raises its soft limit to {target} (each open session "

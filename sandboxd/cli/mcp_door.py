@@ -13,6 +13,9 @@ Three walls, each enough against a sandboxed command on its own:
    below this server's: PeerCheck says why this is wider than the daemon's own test), gets 403
    before any HTTP is read: on a Unix socket by SO_PEERCRED (pinned with SO_PEERPIDFD), on a
    loopback port by the kernel's record of the client socket (sock_diag's uid; its holders in /proc).
+   A check that could not be made (no descriptor left to make it with) gets 503, never a guess.
+   The accept loop that asks (cli.mcp_accept) bounds what refused connections hold, so another
+   user's flood of them cannot take the server from its own user.
 3. Every request carries this server's bearer token, or gets 401. It is 256 random bits made at
    start and written 0600 in the user's directory in the daemon's place, which every sandbox
    hides (the daemon's answer names it), or the runtime's own ($SANDBOXD_MCP_TOKEN): so a
@@ -22,7 +25,6 @@ Three walls, each enough against a sandboxed command on its own:
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import hashlib
 import hmac
@@ -31,7 +33,9 @@ import secrets
 import signal
 import socket
 import struct
-from typing import Any
+from typing import Any, NamedTuple
+
+from sandboxd.kernel.addresses import SHORT_OF_RESOURCES
 
 TOKEN_ENV = "SANDBOXD_MCP_TOKEN"
 MIN_TOKEN = 32
@@ -45,6 +49,8 @@ SANDBOXED = ("sandboxd mcp serves processes of its own PID namespace only, never
              "user, outside the sandbox)\n")
 OTHER_USER = "sandboxd mcp serves its own user only\n"
 GONE = "sandboxd mcp: the process that opened this connection exited before it could be checked\n"
+UNCHECKED = ("sandboxd mcp could not check who opened this connection (it is short of file descriptors or "
+             "memory): retry in a moment\n")
 NO_TOKEN = ("sandboxd mcp: send this server's bearer token (Authorization: Bearer TOKEN); sandboxd mcp said "
             "where it is when it started (docs/mcp.md)\n")
 
@@ -119,6 +125,14 @@ class BearerOnly:
         await self._app(scope, receive, send)
 
 
+class Verdict(NamedTuple):
+    """What PeerCheck found: why the connection is refused ("" to serve it), and the uid that
+    opened it (None when unknown: a client socket gone before it was looked at)."""
+
+    refusal: str
+    uid: int | None
+
+
 class PeerCheck:
     """Wall 2 (see the module's text): why a connection is refused, or "".
 
@@ -131,7 +145,11 @@ class PeerCheck:
     process: served only when a process of this user in this server's own PID namespace is seen
     holding the client's socket; a socket held only by a sandboxed process, also one that made
     itself non-dumpable to hide its descriptors, is refused (and so is a client that is not
-    dumpable: none of the agent runtimes is)."""
+    dumpable: none of the agent runtimes is).
+
+    A lookup that fails for want of a descriptor or memory raises OSError (SHORT_OF_RESOURCES):
+    the caller answers 503 (UNCHECKED). Taken for "no such socket" or "no such holder", it turned
+    the server's own user into a stranger when a flood had used up its descriptors."""
 
     def __init__(self) -> None:
         from sandboxd.kernel import peers
@@ -142,30 +160,34 @@ class PeerCheck:
         self._namespace = os.stat("/proc/self/ns/pid").st_ino
         self._last = 0                                # the process that held the last client socket
 
-    def refusal(self, sock: Any) -> str:
+    def check(self, sock: Any) -> Verdict:
         if sock.family == socket.AF_UNIX:
             return self._unix(sock)
         peer, local = sock.getpeername(), sock.getsockname()
         from sandboxd.kernel.inet_diag import tcp_peer_socket
         client = tcp_peer_socket((peer[0], peer[1]), (local[0], local[1]))     # (uid, inode) of its socket
-        if client is None or client[0] != self._uid:
-            return OTHER_USER
+        if client is None:
+            return Verdict(OTHER_USER, None)          # not on this host (or gone already)
+        if client[0] != self._uid:
+            return Verdict(OTHER_USER, client[0])
         holder = self._peers.holder_in_namespace({client[1]}, self._uid, self._namespace, self._last)
         self._last = holder or self._last
-        return "" if holder else SANDBOXED
+        return Verdict("" if holder else SANDBOXED, self._uid)
 
-    def _unix(self, sock: Any) -> str:
+    def _unix(self, sock: Any) -> Verdict:
         pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         if uid != self._uid:
-            return OTHER_USER
+            return Verdict(OTHER_USER, uid)
         if pid <= 0:
-            return SANDBOXED                          # outside our PID namespace: nothing of it can be seen
+            return Verdict(SANDBOXED, uid)            # outside our PID namespace: nothing of it can be seen
         pidfd = -1
         try:
             pidfd = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
         except OSError as exc:
+            if exc.errno in SHORT_OF_RESOURCES:
+                raise
             if exc.errno in (errno.ESRCH, errno.EINVAL):
-                return GONE
+                return Verdict(GONE, uid)
         try:
             depth = self._peers.namespace_depth(pid)
             reason = GONE if depth is None else SANDBOXED if depth != self._depth else ""
@@ -176,45 +198,4 @@ class PeerCheck:
         finally:
             if pidfd >= 0:
                 os.close(pidfd)
-        return reason
-
-
-# How long a refused client has to read its 403 and close, before its connection is cut.
-REFUSED_LINGER = 10.0
-
-
-def guarded(protocol: type[asyncio.Protocol], check: PeerCheck) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol, refusing a connection as soon as it is made when ``check`` says
-    so: before any byte of it is read. The 403 is written and our side shut; what the client
-    sends is then read and dropped until it closes (closing with its request unread would make
-    the kernel reset the connection, and the client might never see why)."""
-
-    class Guarded(protocol):  # type: ignore[valid-type, misc]
-        refused = False
-
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            super().connection_made(transport)
-            try:
-                reason = check.refusal(transport.get_extra_info("socket"))
-            except OSError:
-                reason = GONE
-            if reason:
-                self.refused = True
-                body = reason.encode()
-                assert isinstance(transport, asyncio.WriteTransport)
-                transport.write(b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nConnection: close\r\n"
-                                b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-                transport.write_eof()
-                asyncio.get_running_loop().call_later(REFUSED_LINGER, transport.close)
-
-        def data_received(self, data: bytes) -> None:
-            if not self.refused:
-                super().data_received(data)
-
-        def eof_received(self) -> Any:
-            if self.refused:
-                self.transport.close()
-                return None
-            return super().eof_received()
-
-    return Guarded
+        return Verdict(reason, uid)

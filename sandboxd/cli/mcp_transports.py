@@ -2,7 +2,8 @@
 Unix socket or a loopback port (a session per MCP session). HTTP is for the caller's own uid,
 outside any sandbox, with this server's bearer token (cli.mcp_door): the Unix socket is created
 mode 0600, a connection of another uid or from inside a sandbox gets 403 before any MCP message
-is read, a request without the token 401; and the listening socket is registered with the daemon
+is read (cli.mcp_accept: what such connections hold is bounded), a request without the token 401;
+and the listening socket is registered with the daemon
 before anything is served, so no sandbox's connect() reaches it. An HTTP session no request
 reached for ``idle_timeout`` seconds is ended (with its sandboxd session) as a DELETE would."""
 
@@ -185,9 +186,9 @@ _LOOPBACK_ORIGINS = ["http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*
 async def _serve_http(daemon: Daemon, spec: SessionSpec, ctl: str, options: HttpOptions) -> None:
     import uvicorn
     from mcp.server.transport_security import TransportSecuritySettings
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    from sandboxd.cli import mcp_door
+    from sandboxd.cli import mcp_accept, mcp_door
+    from sandboxd.kernel.rlimits import raise_nofile_limit
 
     listen = options.listen
     given = mcp_door.runtime_token()
@@ -195,6 +196,7 @@ async def _serve_http(daemon: Daemon, spec: SessionSpec, ctl: str, options: Http
         raise ValueError(f"--token-file and ${mcp_door.TOKEN_ENV} both name the token: use one")
     if spec.attach:
         await daemon.open(spec)                          # an attached session must exist and be the caller's
+    descriptors = raise_nofile_limit()                   # room for the owner's connections (the bound: mcp_accept)
     listener = _listen(listen)
     token, token_path = given or mcp_door.new_token(), ""
     try:
@@ -217,9 +219,8 @@ async def _serve_http(daemon: Daemon, spec: SessionSpec, ctl: str, options: Http
         asgi: Any = mcp_door.BearerOnly(_HandshakeOnly(server.streamable_http_app(
             transport_security=security, session_idle_timeout=options.idle_timeout,
             max_sessions=options.max_sessions)), token)
-        config = uvicorn.Config(asgi, log_level="warning", log_config=PRINTABLE_LOGS, lifespan="on",
-                                http=mcp_door.guarded(AutoHTTPProtocol, mcp_door.PeerCheck()))
-        await uvicorn.Server(config).serve(sockets=[listener])
+        config = uvicorn.Config(asgi, log_level="warning", log_config=PRINTABLE_LOGS, lifespan="on")
+        await mcp_accept.Server(config, mcp_accept.Doorkeeper(listener, mcp_door.PeerCheck(), descriptors)).serve()
     finally:
         listener.close()
         if isinstance(listen, str):
@@ -250,5 +251,7 @@ def _listen(listen: tuple[str, int] | str) -> socket.socket:
         except OSError:
             listener.close()
             raise
-    listener.listen(128)
+    # The kernel's longest queue: another user's flood fills a short one, and then the owner's
+    # connect waits for a retransmitted SYN (a second or more) instead of its turn.
+    listener.listen(socket.SOMAXCONN)
     return listener

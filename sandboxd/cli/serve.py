@@ -70,9 +70,14 @@ def main(argv: list[str]) -> int:
     except SandboxdError as exc:
         sys.stderr.write(f"sandboxd serve: {printable(str(exc))}\n")   # it may quote the file's text
         return 2
+    from sandboxd.network.socket_files import PlaceTaken
     from sandboxd.service.daemon import Daemon
     try:
         return Daemon(settings).run()
+    except PlaceTaken as exc:
+        # A name beside the socket another user made first (a socket in /tmp): one line, not a traceback.
+        sys.stderr.write(f"sandboxd serve: {printable(str(exc))}\n")
+        return 1
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise

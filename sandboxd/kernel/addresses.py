@@ -13,6 +13,7 @@ exactly the addresses this network namespace owns, now, whatever interfaces come
 from __future__ import annotations
 
 import _socket
+import errno
 import ipaddress
 import struct
 from collections.abc import Iterator
@@ -21,6 +22,10 @@ AF_INET = 2
 AF_INET6 = 10
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 THIS_NETWORK = ipaddress.IPv4Network("0.0.0.0/8")       # "this host on this network" (RFC 1122)
+# What a failed open or socket() says when the process (or the host) is short of something, not
+# that the thing looked for is absent: a lookup that fails so knows nothing, and must not answer
+# "none" (a server flooded to its descriptor limit took its own user for a stranger).
+SHORT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 def normalized(address: IPAddress) -> IPAddress:
@@ -70,10 +75,11 @@ def proc_net_address(hex_address: str) -> IPAddress:
     return address
 
 
-def tcp_table_rows() -> Iterator[list[str]]:
+def tcp_table_rows(*, strict: bool = False) -> Iterator[list[str]]:
     """The rows of this network namespace's /proc/net/tcp and tcp6, split into their fields
     (``sl local_address rem_address st ... uid timeout inode``), the header left out; a table that
-    cannot be read is skipped."""
+    cannot be read is skipped, unless ``strict`` and the process is short of resources to read it
+    (SHORT_OF_RESOURCES: the OSError is raised)."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
@@ -82,7 +88,9 @@ def tcp_table_rows() -> Iterator[list[str]]:
                     fields = line.split()
                     if len(fields) >= 10:
                         yield fields
-        except OSError:
+        except OSError as exc:
+            if strict and exc.errno in SHORT_OF_RESOURCES:
+                raise
             continue
 
 

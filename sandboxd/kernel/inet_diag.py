@@ -31,15 +31,20 @@ UID_OFFSET = 64                 # in struct inet_diag_msg: 4 bytes, inet_diag_so
 
 def tcp_peer_uid(peer: tuple[str, int], local: tuple[str, int]) -> int | None:
     """The uid that created the socket at ``peer`` connected to our ``local`` end (both in this
-    network namespace), or None when there is no such socket here (it is gone, or remote)."""
+    network namespace), or None when there is no such socket here (it is gone, or remote);
+    OSError as tcp_peer_socket."""
     found = tcp_peer_socket(peer, local)
     return None if found is None else found[0]
 
 
 def tcp_peer_socket(peer: tuple[str, int], local: tuple[str, int]) -> tuple[int, int] | None:
     """(the uid that created it, its inode) of the socket at ``peer`` connected to our ``local``
-    end (both in this network namespace), or None when there is no such socket here."""
+    end (both in this network namespace), or None when there is no such socket here. OSError when
+    the lookup itself could not be made for want of a descriptor or memory (SHORT_OF_RESOURCES):
+    then nothing is known, and None would be a wrong answer."""
     import ipaddress
+
+    from sandboxd.kernel.addresses import SHORT_OF_RESOURCES
     try:
         peer_ip, local_ip = ipaddress.ip_address(peer[0].split("%")[0]), ipaddress.ip_address(local[0].split("%")[0])
     except ValueError:
@@ -52,7 +57,9 @@ def tcp_peer_socket(peer: tuple[str, int], local: tuple[str, int]) -> tuple[int,
         return None
     try:
         return _ask(peer_ip.packed, peer[1], local_ip.packed, local[1], 0)
-    except OSError:
+    except OSError as exc:
+        if exc.errno in SHORT_OF_RESOURCES:
+            raise
         # No inet_diag in this kernel (or no netlink here): ask /proc.
         return _socket_from_proc(peer_ip, peer[1], local_ip, local[1])
 
@@ -84,7 +91,7 @@ def _socket_from_proc(peer: "ipaddress.IPv4Address | ipaddress.IPv6Address", pee
                       local_port: int) -> tuple[int, int] | None:
     """The same answer (uid, inode) from /proc/net/tcp{,6} (a pass over every socket: only when the kernel has
     no inet_diag). Addresses there are hex, 32-bit words in host byte order; IPv4 peers of IPv6
-    sockets appear mapped."""
+    sockets appear mapped. OSError when a table cannot be opened for want of a descriptor."""
     from sandboxd.kernel.addresses import proc_net_address, tcp_table_rows
 
     def matches(field: str, address: "ipaddress.IPv4Address | ipaddress.IPv6Address", port: int) -> bool:
@@ -92,7 +99,7 @@ def _socket_from_proc(peer: "ipaddress.IPv4Address | ipaddress.IPv6Address", pee
         return int(hex_port, 16) == port and proc_net_address(host) == address
 
     try:
-        for fields in tcp_table_rows():
+        for fields in tcp_table_rows(strict=True):
             if matches(fields[1], peer, peer_port) and matches(fields[2], local, local_port):
                 return int(fields[7]), int(fields[9])
     except ValueError:

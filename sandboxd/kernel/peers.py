@@ -26,7 +26,7 @@ import os
 
 import psutil
 
-from sandboxd.kernel.addresses import proc_net_address, tcp_table_rows
+from sandboxd.kernel.addresses import SHORT_OF_RESOURCES, proc_net_address, tcp_table_rows
 from sandboxd.kernel.process import descriptor_targets
 
 def pid_namespace(pid: int) -> int | None:
@@ -153,13 +153,16 @@ def process_key(pid: int) -> str | None:
 def namespace_depth(pid: int) -> int | None:
     """How many PID namespaces ``pid`` is in, counted from the one /proc shows (``NSpid`` of
     /proc/PID/status, which any user may read, whatever the process): 1 in ours, more in a
-    namespace below it (a sandbox, a container). None when the process is gone."""
+    namespace below it (a sandbox, a container). None when the process is gone; OSError when its
+    status could not be opened for want of a descriptor (SHORT_OF_RESOURCES)."""
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
                 if line.startswith(b"NSpid:"):
                     return len(line.split()) - 1
-    except OSError:
+    except OSError as exc:
+        if exc.errno in SHORT_OF_RESOURCES:
+            raise
         return None
     return 1                                  # a kernel before 4.1: no NSpid, no way to tell
 
@@ -168,15 +171,18 @@ def holder_in_namespace(inodes: "set[int] | frozenset[int]", uid: int, namespace
     """A process of ``uid`` in the PID namespace ``namespace`` that holds a socket of ``inodes``,
     among those whose descriptors this process may list (its own user's dumpable ones), ``first``
     looked at first (the one found last time: a client keeps its process); 0 when there is none.
-    A process below that namespace (a sandbox) never counts."""
+    A process below that namespace (a sandbox) never counts. OSError when the processes could
+    not be read for want of a descriptor (SHORT_OF_RESOURCES): 0 would then be a wrong answer."""
     wanted = {f"socket:[{inode}]" for inode in inodes}
 
     def holds(pid: int) -> bool:
         try:
             return (os.stat(f"/proc/{pid}").st_uid == uid and os.stat(f"/proc/{pid}/ns/pid").st_ino == namespace
-                    and _holds(pid, wanted))
-        except OSError:
-            return False
+                    and not wanted.isdisjoint(descriptor_targets(pid)))
+        except OSError as exc:
+            if exc.errno in SHORT_OF_RESOURCES:
+                raise
+            return False                    # gone, or not ours to read
     if first > 0 and holds(first):
         return first
     return next((int(name) for name in os.listdir("/proc") if name.isdigit() and holds(int(name))), 0)

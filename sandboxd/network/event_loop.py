@@ -19,7 +19,6 @@ Everything registered with a loop is touched on its thread only.
 
 from __future__ import annotations
 
-import errno
 import heapq
 import itertools
 import logging
@@ -32,6 +31,8 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
+from sandboxd.kernel.addresses import SHORT_OF_RESOURCES
+
 __all__ = ["READ", "WRITE", "Acceptor", "EventLoop"]
 
 READ, WRITE = select.EPOLLIN, select.EPOLLOUT
@@ -40,7 +41,7 @@ WORKERS = 4                        # threads for blocking work (DNS), per loop, 
 ACCEPT_BURST = 64                  # connections accepted per wake-up of a listener
 # Accept errors that mean "the process (or system) is short of something": rest, do not spin.
 # Any other (ECONNABORTED, EPROTO...) loses that one connection, not the listener.
-ACCEPT_RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+ACCEPT_RESOURCE_ERRORS = SHORT_OF_RESOURCES
 
 T = TypeVar("T")
 log = logging.getLogger("sandboxd")

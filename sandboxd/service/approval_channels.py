@@ -40,6 +40,7 @@ import psutil
 from sandboxd.errors import Exhausted, InvalidPolicy
 from sandboxd.kernel import peers, unix_diag
 from sandboxd.launcher import channel_registry
+from sandboxd.network.socket_files import own_directory
 from sandboxd.service.callers import Caller
 from sandboxd.service.process_ties import ProcessTies
 from sandboxd.v1 import sandboxd_pb2 as pb
@@ -51,14 +52,15 @@ MAX_DESCRIPTORS = 4096
 
 class ApprovalChannels:
     def __init__(self, place: str, ties: ProcessTies) -> None:
-        """``place``: defaults.channels_dir of the daemon's socket; made here (root's, 0755), with
-        its registry, and what a dead daemon registered for processes now gone is removed."""
+        """``place``: defaults.channels_dir of the daemon's socket; made here (root's, 0755: brokers
+        trust nothing else, launcher.channel_registry.open_registries) if the daemon has not made it,
+        with its registry, and what a dead daemon registered for processes now gone is removed."""
         self._place, self._registry = place, os.path.join(place, "listeners")
         self._ties = ties
         self._lock = threading.Lock()
         self._by_uid: dict[int, set[str]] = {}        # uid -> its entries in the registry
-        for path in (self._place, self._registry):
-            _root_directory(path)
+        own_directory(self._place, 0o755, role="the approval channels' directory")
+        own_directory(self._registry, 0o755, role="the registry of approval channels")
         self._restore()
         # Where the registered sockets are: a broker asks there whether a Unix channel still is
         # bound to its file, and refuses when it cannot (channel_registry).
@@ -174,21 +176,6 @@ def _parse_entry_key(entry_key: str) -> tuple[int | None, str | None]:
         return None, None
     boot = parts[3]
     return int(parts[0]), f"{boot[:8]}-{boot[8:12]}-{boot[12:16]}-{boot[16:20]}-{boot[20:]}:{parts[1]}:{parts[2]}"
-
-
-def _root_directory(path: str) -> None:
-    """``path`` a directory of root's that only root may write (made so when missing): brokers
-    trust nothing else (launcher.channel_registry.open_registries)."""
-    try:
-        os.mkdir(path, 0o755)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        raise PermissionError(errno.EACCES, f"must be a directory of uid {os.geteuid()} (it is uid {st.st_uid}): "
-                              "remove it and start the daemon again", path)
-    if stat.S_IMODE(st.st_mode) != 0o755:
-        os.chmod(path, 0o755)
 
 
 def _touch(path: str) -> None:

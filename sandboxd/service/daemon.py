@@ -41,7 +41,7 @@ from sandboxd.printable import printable
 from sandboxd.service.quotas import Quotas
 from sandboxd.service.sandboxed_peers import SandboxedPeers
 from sandboxd.service.server import (MAX_FORK_RESTARTS, RESTART_WINDOW, ForkWatch, JsonLogFormatter,
-                                     TextLogFormatter, own_places, raise_nofile_limit, self_test,
+                                     TextLogFormatter, make_own_directories, own_places, self_test,
                                      sweep_private_dir)
 from sandboxd.service.servicer import Reflection, SandboxServicer
 from sandboxd.service.sessions import SessionRegistry
@@ -115,6 +115,7 @@ class Daemon:
         """Build and start every part. Why this machine cannot build a sandbox (nothing left
         running then), or None once the daemon serves."""
         from sandboxd.kernel.malloc_arenas import limit_arenas
+        from sandboxd.kernel.rlimits import raise_nofile_limit
 
         s = self.settings
         limit_arenas()              # before any thread: the daemon's C heaps stay flat under load
@@ -139,11 +140,7 @@ class Daemon:
 
             activated = systemd.activated_socket()
             socket_path = s.socket if activated is None else activated.getsockname() or s.socket  # systemd wins
-            base = os.path.dirname(os.path.abspath(socket_path))
-            private = os.path.join(base, defaults.PRIVATE_DIR_NAME)
-            os.makedirs(base, mode=0o755, exist_ok=True)
-            os.makedirs(private, mode=0o700, exist_ok=True)
-            os.chmod(private, 0o700)
+            private = make_own_directories(socket_path, undo)    # PlaceTaken: another user's name, beside it
             backend = os.path.join(private, f"grpc-{os.getpid()}.sock")
             stale_sockets = sweep_private_dir(private)           # ours included, from a reused pid
 

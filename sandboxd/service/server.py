@@ -1,6 +1,6 @@
 """The daemon's start-up and watch helpers (service.daemon puts them together): its log lines,
-what of it sandboxes must not see, the self-test, the descriptor limit, the sweep of sockets
-and self-test workspaces left by killed daemons, and the watch on the fork server."""
+what of it sandboxes must not see, the self-test, the sweep of sockets and self-test workspaces
+left by killed daemons, and the watch on the fork server. (Its descriptor limit: kernel.rlimits.)"""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from sandboxd.printable import printable
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+    from contextlib import ExitStack
 
     from sandboxd.policy.session_defaults import SessionDefaults
     from sandboxd.service.session_lifecycle import OwnPlaces
@@ -42,6 +43,37 @@ class TextLogFormatter(logging.Formatter):
         fields = " ".join(f"{key}={printable(str(value))}" for key, value in getattr(record, "fields", {}).items())
         return (f"sandboxd {record.levelname.lower()}: {printable(record.getMessage())}"
                 + (f" ({fields})" if fields else ""))
+
+
+def make_own_directories(socket_path: str, undo: "ExitStack") -> str:
+    """The daemon's directories beside its socket, made (or checked to be root's) before anything
+    is served: in a shared directory its own one named after the socket (defaults.own_dir) first,
+    then its private directory with the front door's relay directory, the approval channels'
+    directory and their registry; else the socket's directory must be root's alone. A name another
+    user took first stops the start with socket_files.PlaceTaken, nothing changed there; what this start made is removed again (while
+    empty) by ``undo`` if a later step fails. Returns the private directory."""
+    from sandboxd.network.socket_files import check_socket_directory, own_directory
+
+    base = os.path.dirname(os.path.abspath(socket_path))
+    os.makedirs(base, mode=0o755, exist_ok=True)
+    private, channels = defaults.private_dir(socket_path), defaults.channels_dir(socket_path)
+    shared = defaults.own_dir(socket_path)
+    if shared is None:
+        check_socket_directory(base)
+    places = [] if shared is None else [(shared, 0o755, "this daemon's directory beside its socket")]
+    places += [(private, 0o700, "this daemon's private directory"),
+               (os.path.join(private, "relay"), 0o700, "the front door's relay directory"),
+               (channels, 0o755, "the approval channels' directory"),
+               (defaults.channel_registry(socket_path), 0o755, "the registry of approval channels")]
+    for path, mode, role in places:
+        if own_directory(path, mode, role=role):
+            undo.callback(_remove_if_empty, path)
+    return private
+
+
+def _remove_if_empty(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
 
 
 def own_places(socket_path: str, backend: str, state_dir: str, tls_address: str,
@@ -131,37 +163,6 @@ def self_test(fork: "ForkServer", session_defaults: "SessionDefaults | None" = N
         return str(exc)
     finally:
         os.close(null)
-
-
-def nofile_target() -> tuple[int, int, int]:
-    """RLIMIT_NOFILE as (soft, hard, what ``serve`` raises the soft limit to: the hard limit).
-    Every session holds descriptors in the daemon and the fork server, so 1024 caps a daemon
-    at about 500 sessions; the hard limit is what the service manager allows (LimitNOFILE=)."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard
-    if hard == resource.RLIM_INFINITY:                # Linux caps descriptors at fs.nr_open anyway
-        try:
-            with open("/proc/sys/fs/nr_open") as f:
-                target = int(f.read())
-        except (OSError, ValueError):
-            target = 1 << 20
-    return soft, hard, max(soft, target) if soft != resource.RLIM_INFINITY else soft
-
-
-def raise_nofile_limit() -> int:
-    """Raise our soft RLIMIT_NOFILE to the hard limit (before the fork server starts: it
-    inherits it); returns the soft limit in force."""
-    import resource
-
-    soft, hard, target = nofile_target()
-    if target != soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (OSError, ValueError):
-            return soft
-    return target
 
 
 def sweep_private_dir(private: str) -> list[str]:
