@@ -49,6 +49,7 @@ class DaemonSettings:
     state_dir: str
     ping_timeout: float
     wait_seconds: float
+    stuck_openers: int
     approval_timeout: float
     audit: AuditLimits
     allow_user_full_access: bool
@@ -120,6 +121,7 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         tls=_tls(config, refuse), state_dir=config.text("state.dir"),
         ping_timeout=config.number("fork_server.ping_timeout_seconds"),
         wait_seconds=config.number("fork_server.wait_seconds"),
+        stuck_openers=config.whole("fork_server.stuck_openers_per_uid"),
         approval_timeout=config.number("approvals.timeout_seconds"), audit=audit,
         allow_user_full_access=config.flag("policy.allow_user_full_access"),
         dns=config.texts("network.dns"), network_pool=config.text("network.pool"),
