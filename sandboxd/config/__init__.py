@@ -212,6 +212,11 @@ KEYS: tuple[Key, ...] = (
         "of its sessions' writable roots), out of root's host-wide fs.inotify.max_user_watches; past it that user's "
         "guards walk the roots after each call instead (one lstat per directory); 0: a sixteenth of "
         "fs.inotify.max_user_watches", _whole(0, 1 << 30)),
+    Key("quotas", "git_inotify_instances", 0, "inotify instances the git guards hold, out of root's host-wide "
+        "fs.inotify.max_user_instances: one per owner (a uid, a TLS principal) for the first owners, so that one "
+        "owner's file churn overflowing its queue makes only its own guards walk their trees; past it, newer "
+        "owners share the last one (an overflow there is theirs together); 1: all owners share one; 0: an eighth "
+        "of fs.inotify.max_user_instances (16 of the default 128)", _whole(0, 1 << 20)),
     Key("quotas", "reserved_workers", 0, "workers that running calls and streams (everyone's, root's too) may never "
         "take: they stay free for requests (CreateSession, CloseSession, ResolveApproval ...); must be below "
         "listen.workers; 0: a quarter of listen.workers (at least 1)", _whole(0, 1023)),

@@ -94,6 +94,8 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
                              background_per_uid=config.whole("quotas.background_per_uid"),
                              git_watches_per_uid=(config.whole("quotas.git_watches_per_uid")
                                                   or host_limits.owner_watches()),
+                             git_inotify_instances=(config.whole("quotas.git_inotify_instances")
+                                                    or host_limits.git_instances()),
                              reserved_workers=config.whole("quotas.reserved_workers"),
                              workers=config.whole("listen.workers"))
     except SandboxdError as exc:

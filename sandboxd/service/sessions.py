@@ -57,7 +57,8 @@ class SessionRegistry:
         # The order their sandbox_ready runs in: the network first, the git guard's baseline last.
         self._egress = EgressProxies(store, proxy_connections, count_network_denial)
         self.hooks = HookList([PublishedPorts(published_connections, published_per_peer), self._egress,
-                               GitGuardHook(store, self.quotas.limits.git_watches_per_uid)])
+                               GitGuardHook(store, self.quotas.limits.git_watches_per_uid,
+                                            self.quotas.limits.git_inotify_instances)])
         self._life = SessionLifecycle(forkserver, store, self._table, self.hooks,
                                       SandboxPlaces(own=self.own, dns=dns, network_pool=network_pool))
 
