@@ -183,9 +183,11 @@ class InotifyHub:
             for subscription in queue.holders.get(wd, ()):
                 subscription.pending.add(wd)
 
-    def _release(self, subscription: "Subscription") -> None:
-        """Under the hub's lock: the subscription's watches go (those no other holds), and its
-        instance with its last subscription."""
+    def _release(self, subscription: "Subscription") -> Inotify | None:
+        """Under the hub's lock: the subscription's watches go (those no other holds); with its last
+        subscription its instance is taken out, and returned for the caller to close outside every
+        lock: closing an instance waits for the kernel's fsnotify mark reaper (up to tens of ms)."""
+        closing = None
         queue, owner = subscription.queue, subscription.owner
         with queue.lock:
             queue.subscriptions.discard(subscription)
@@ -209,8 +211,7 @@ class InotifyHub:
             if not queue.subscriptions and queue.inotify is not None:
                 # No session needs it: an owner with no session holds no inotify descriptor (the next
                 # subscription makes a new one; its queue holds nothing anyone still wants).
-                queue.inotify.close()
-                queue.inotify = None
+                closing, queue.inotify = queue.inotify, None
         self._subscribed[owner] -= 1
         if not self._subscribed[owner]:
             del self._subscribed[owner]
@@ -219,6 +220,7 @@ class InotifyHub:
                 del self._own[owner]
         if queue is self._shared and queue.inotify is None:
             self._shared = None
+        return closing
 
 
 class Subscription:
@@ -246,7 +248,10 @@ class Subscription:
             return fired, overflow
 
     def close(self) -> None:
+        closing = None
         with self.hub._lock:                                  # noqa: SLF001
             if not self.closed:
                 self.closed = True
-                self.hub._release(self)                       # noqa: SLF001
+                closing = self.hub._release(self)             # noqa: SLF001
+        if closing is not None:                               # its owner's last: the reaper's wait is its own
+            closing.close()
