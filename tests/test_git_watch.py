@@ -349,7 +349,8 @@ VICTIM_CALLS = 4
 
 def lost_events(daemon: Daemon, session: str) -> int:
     """How many of ``session``'s inspections the daemon logged as having lost inotify events."""
-    return daemon.log().count(f"session {session}: git guard: inotify events were lost")
+    text = daemon.log_path.read_text(errors="replace")      # all of it (``log`` is its tail)
+    return text.count(f"session {session}: git guard: inotify events were lost")
 
 
 def churned(workspace: Path) -> int:
