@@ -45,9 +45,7 @@ WAIT_SECONDS = 1.0 * SLOW               # fork_server.wait_seconds: each stuck l
 THREADS = 6                             # the attacker's concurrent requests (quotas.requests_per_uid is 8)
 FLOOD_SECONDS = 6.0 * SLOW
 WITHIN = 60.0 * SLOW                    # how long what must happen may take here (never a measure)
-# The fork server's descriptors beyond the openers' (each holds two while it opens, its pidfd once
-# given up on): the bystander's session and call hold some while they run (pidfds, pipes, stdio).
-SLACK_FDS = 12
+SLACK_FDS = 4                           # the fork server's descriptors that come and go on their own
 
 # As the attacker: THREADS threads of CreateSession on fresh paths under the stuck mount, for
 # ARGS["seconds"]; the codes seen, and one detail per code.
@@ -148,6 +146,18 @@ def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def pidfds_on(pid: int, children: set[int]) -> int:
+    """How many of process ``pid``'s descriptors are pidfds of ``children`` (fdinfo names a pidfd's process)."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fdinfo"):
+        try:
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                count += any(line.startswith("Pid:") and int(line.split()[1]) in children for line in f)
+        except (OSError, ValueError):
+            pass
+    return count
+
+
 def pids_group_of(pid: int) -> str | None:
     """The v1 pids cgroup of ``pid`` (None where pids is not a v1 hierarchy)."""
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
@@ -175,14 +185,15 @@ def test_a_flood_of_lookups_on_a_stuck_mount_leaves_at_most_the_bound(
 
     mount = UserFuse("stuck", attacker.uid, attacker.gid, sandboxd_daemon.base / "fuse-attacker")
     try:
-        most = [0, 0]                                      # the most openers and fork-server descriptors seen
+        most = [0, 0]                       # the most openers, and the fork server's pidfds of them, seen
         flooding = threading.Event()
         flooding.set()
 
         def sample() -> None:
             while flooding.is_set():
-                most[0] = max(most[0], len(openers_of(daemon, attacker.uid)))
-                most[1] = max(most[1], fd_count(fork))
+                openers = {p.pid for p in openers_of(daemon, attacker.uid)}
+                most[0] = max(most[0], len(openers))
+                most[1] = max(most[1], pidfds_on(fork, openers))
                 time.sleep(0.05)
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
@@ -201,19 +212,22 @@ def test_a_flood_of_lookups_on_a_stuck_mount_leaves_at_most_the_bound(
         flooding.clear()
         sampler.join()
         print(f"\nbound {bound}: attacker's codes {result['codes']}; openers at the end {len(left)}, at most "
-              f"{most[0]}; fork server descriptors {fds_before} before, {fds_after} after, at most {most[1]}")
+              f"{most[0]} (the fork server's pidfds of them: at most {most[1]}); fork server descriptors {fds_before} "
+              f"before, {fds_after} after")
 
         # The attack did what it does: lookups stuck in D state, SIGKILLed and still there.
         assert result["codes"].get("DEADLINE_EXCEEDED", 0) >= 1, result
         assert left and all(p.status() == psutil.STATUS_DISK_SLEEP for p in left), [(p.pid, p.status()) for p in left]
         # A bystander is served throughout.
         assert during["failures"] == [], during
+        # The fork server holds a pidfd for each (and, while it opens, its socket).
+        assert most[1] >= 1 and pidfds_on(fork, {p.pid for p in left}) == len(left), most
         if bound == UNBOUNDED:
             # The control: without the bound the stuck openers pile up past it, a descriptor each.
             assert len(left) > BOUND and fds_after > fds_before + 2 * BOUND + SLACK_FDS, (len(left), fds_after)
         else:
-            assert most[0] <= bound and len(left) <= bound, (most[0], len(left))
-            assert most[1] <= fds_before + 2 * bound + SLACK_FDS, (fds_before, most[1])
+            assert most[0] <= bound and most[1] <= bound and len(left) <= bound, (most, len(left))
+            assert fds_after <= fds_before + 2 * bound + SLACK_FDS, (fds_before, fds_after)
             refused = result["details"].get("RESOURCE_EXHAUSTED", "")
             assert str(mount.mountpoint) in refused and "does not answer" in refused and \
                 "fork_server.stuck_openers_per_uid" in refused, result

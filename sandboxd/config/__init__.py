@@ -245,7 +245,8 @@ KEYS: tuple[Key, ...] = (
         "outstanding in the fork server: each request naming a path opens it as its caller in a child, which a "
         "file system that does not answer leaves stuck (D state: a pid, ~2 MB, a descriptor) until that mount goes. "
         "Past it, while some are stuck, that owner's requests naming paths are refused at once (RESOURCE_EXHAUSTED "
-        "naming the stuck paths); a burst of lookups that answer waits its turn instead", _whole(1, 4096)),
+        "naming the stuck paths); a burst of lookups that answer waits its turn instead; local root's own are not "
+        "counted", _whole(1, 4096)),
     Key("approvals", "timeout_seconds", 300, "a call nobody approves within this is denied", _positive_seconds),
     Key("audit", "event_bytes", 16384, "the most bytes one event keeps (its data as JSON): a longer value a caller "
         "chose (a command, a tool's arguments or result) is kept as its start (up to a quarter of this), its full "

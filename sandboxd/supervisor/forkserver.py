@@ -435,7 +435,9 @@ class _Server:
             undo()
             self._answer_error(call_id, exc)
 
-        self._openers.admit(owner or f"uid-{who.uid}", start, refuse, deadline)
+        # Local root's own requests (no owner) are not counted, as the quotas do not count them.
+        key = owner or (f"uid-{who.uid}" if who.uid != 0 else None)
+        self._openers.admit(key, start, refuse, deadline)
 
     def _start_opener(self, call_id: int, who: access.Caller, requests: "list[access.PathRequest]",
                       then: "Callable[[list[int]], None]", check: "Callable[[list[int]], None] | None",
@@ -471,7 +473,7 @@ class _Server:
             what = f"{waiting.what} {waiting.path!r}" if waiting else \
                 f"the symlink check along {', '.join(repr(r.path) for r in requests if r.what != 'allowed Unix socket')}"
             self._orphans.add(pending.pidfd, reap)
-            slot.stuck(what)                              # (nothing, if it was reaped at once)
+            slot.given_up(what, time.monotonic())         # stuck, if still there a moment later
             raise DeadlineExceeded(
                 f"{what} did not answer within {self.wait_seconds:g} s when opened as uid {who.uid}: it is on a "
                 "file system that does not answer (a FUSE server that does not reply, a hung NFS or sshfs "

@@ -7,7 +7,8 @@ until the mount goes, holding a host pid, about 2 MB of memory and a descriptor 
 (its pidfd, in ``Orphans``), and no sandbox cgroup holds it. Unbounded, one user left ~0.8 a
 second (~2,900 an hour) until the fork server ran out of descriptors for everyone, or the host out
 of pids. So ``Openers`` holds each owner (LaunchSpec.owner: ``uid-N``, ``tls-<hash>``; else the
-caller's uid) to ``per_owner`` live openers, opening or given up on, until each is reaped:
+caller's uid) to ``per_owner`` live openers, opening or stuck (given up on, and still there a
+moment after its SIGKILL: ``STUCK_GRACE``), until each is reaped:
 
 * below it, a request's opener starts at once;
 * at it, with none given up on (a burst of ordinary requests, each opener done in milliseconds),
@@ -16,7 +17,9 @@ caller's uid) to ``per_owner`` live openers, opening or given up on, until each 
   naming the paths its earlier requests are stuck on; so are the requests still waiting for a slot.
 
 So an owner never has more than ``per_owner`` stuck openers, and other owners are not counted.
-Nothing here waits: a slot frees when the loop reaps its child (``Slot.release``).
+Local root's own requests (no owner, uid 0) are not counted, as the quotas do not count them
+(service/quotas.py): what root's own mounts cost is root's to mind. Nothing here waits: a slot
+frees when the loop reaps its child (``Slot.release``).
 """
 
 from __future__ import annotations
@@ -33,25 +36,33 @@ if TYPE_CHECKING:
 
 # The most stuck paths a refusal names (the count says how many there are).
 NAMED_PATHS = 3
+# How long after its SIGKILL an opener still there is judged stuck: one waiting on a request its
+# file system has not read yet dies at once (the kernel drops the request); one whose request was
+# read and never answered cannot (D state) until the mount goes.
+STUCK_GRACE = 0.5
 
 
 class Slot:
     """One live opener of an owner: ``stuck(what)`` when its request gave up on it, ``release()``
     once its child is reaped (or never started)."""
 
-    def __init__(self, openers: "Openers", owner: str) -> None:
-        self._openers, self.owner = openers, owner
+    def __init__(self, openers: "Openers | None", owner: str) -> None:
+        self._openers, self.owner = openers, owner        # None: not counted (root's own)
         self.released = False
 
-    def stuck(self, what: str) -> None:
-        """Its request gave up on it at ``what`` (a path it did not get past): until it is reaped,
-        this owner's requests beyond the bound are refused, not held."""
-        self._openers._stuck(self, what)                   # noqa: SLF001 - the owner's own record
+    def given_up(self, what: str, now: float) -> None:
+        """Its request gave up on it at ``what`` (a path it did not get past) and SIGKILLed it: if it
+        is still there STUCK_GRACE later, until it is reaped this owner's requests beyond the bound
+        are refused, not held."""
+        if self._openers is not None:
+            openers = self._openers
+            openers._timers.add(now + STUCK_GRACE, lambda: openers._stuck(self, what))   # noqa: SLF001
 
     def release(self) -> None:
-        if not self.released:
+        if not self.released and self._openers is not None:
             self.released = True
             self._openers._release(self)                   # noqa: SLF001
+        self.released = True
 
 
 class _Waiting:
@@ -78,12 +89,16 @@ class Openers:
         self._timers = timers
         self._owners: dict[str, _Owner] = {}
 
-    def admit(self, owner: str, start: "Callable[[Slot], None]", refuse: "Callable[[BaseException], None]",
+    def admit(self, owner: str | None, start: "Callable[[Slot], None]", refuse: "Callable[[BaseException], None]",
               deadline: float) -> None:
         """``start(slot)`` now, or once a slot of ``owner`` frees; ``refuse(error)`` instead if it never
         may (refused, or ``deadline`` passed first). Raises Exhausted at once, calling neither, when
         the owner holds every slot and some of them are stuck. A ``start`` that raises gives its slot
-        back (and, started later, is refused with what it raised)."""
+        back (and, started later, is refused with what it raised). ``owner`` None: not counted (local
+        root's own requests), started at once."""
+        if owner is None:
+            start(Slot(None, ""))
+            return
         entry = self._owners.setdefault(owner, _Owner())
         if entry.live < self.per_owner:
             self._start(entry, owner, start)
