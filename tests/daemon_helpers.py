@@ -723,6 +723,15 @@ def run_client_as(uid: int, gid: int, socket_path: str, body: str, args: dict[st
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def start_client_as(uid: int, gid: int, socket_path: str, body: str,
+                    args: dict[str, Any] | None = None) -> subprocess.Popen[str]:
+    """``run_client_as``'s client, left running: for a client process the test kills, or whose
+    lines it reads as they come (stdout is a text pipe)."""
+    payload = json.dumps({"uid": uid, "gid": gid, "socket": socket_path, **(args or {})})
+    return subprocess.Popen([PYTHON, "-c", _CLIENT_PRELUDE + body, payload], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=BASE_ENV, cwd="/")
+
+
 # --------------------------------------------------------------------------- host probes
 
 

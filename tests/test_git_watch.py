@@ -11,10 +11,13 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from sandboxd.gitguard.guard import GitGuard
 from sandboxd.gitguard.watch import InotifyHub
 from sandboxd.v1 import sandboxd_pb2 as pb
 
+from conftest import eventually
 from daemon_helpers import Daemon, DaemonFactory, PlainUser, run_client_as
 from test_git_walk import git_init
 
@@ -100,30 +103,72 @@ def test_two_guards_on_one_directory_both_get_its_events(base_dir: Path) -> None
         hub.close()
 
 
-def test_an_overflow_of_the_shared_queue_is_every_guards(base_dir: Path) -> None:
-    """More events than the kernel queues (fs.inotify.max_queued_events): every subscription is
-    told it lost events (its guard then looks at everything), not only the one that drained."""
+def overflow(directory: Path) -> None:
+    """More events in ``directory`` than the kernel queues (fs.inotify.max_queued_events)."""
     with open("/proc/sys/fs/inotify/max_queued_events") as f:
         limit = int(f.read())
-    hub = InotifyHub()
-    busy, quiet = hub.subscribe(), hub.subscribe()
+    (directory / "a").write_text("")
+    for i in range(limit // 2 + 10):                   # two events each (moved from, moved to)
+        os.rename(directory / "ab"[i % 2], directory / "ba"[i % 2])
+
+
+@pytest.mark.parametrize("instances", [3, 1], ids=["an-instance-per-owner", "control-one-shared"])
+def test_an_overflow_is_only_its_owners(instances: int, base_dir: Path) -> None:
+    """More events than the kernel queues in a directory of owner a: a's subscriptions are told they
+    lost events (their guards then look at everything), owner b's are not (its instance is its own).
+    The control: with one instance for all (quotas.git_inotify_instances = 1, as before round 4's
+    second pass) the overflow is b's as well."""
+    hub = InotifyHub(instances=instances)
+    busy, busy_too, quiet = hub.subscribe("a"), hub.subscribe("a"), hub.subscribe("b")
+    (base_dir / "busy").mkdir()
     (base_dir / "quiet").mkdir()
-    fd, quiet_fd = open_dir(base_dir), open_dir(base_dir / "quiet")
+    fd, quiet_fd = open_dir(base_dir / "busy"), open_dir(base_dir / "quiet")
     try:
         busy.watch_fd(fd)
         quiet.watch_fd(quiet_fd)
-        (base_dir / "a").write_text("")
-        for i in range(limit // 2 + 10):               # two events each (moved from, moved to)
-            os.rename(base_dir / "ab"[i % 2], base_dir / "ba"[i % 2])
+        assert hub.instances_held() == (2 if instances > 1 else 1)
+        overflow(base_dir / "busy")
         assert busy.drain()[1] is True
-        assert quiet.drain()[1] is True
+        assert busy_too.drain()[1] is True             # the owner's other guard too, whoever drained
+        assert quiet.drain()[1] is (instances == 1)
         assert quiet.drain() == (set(), False)
     finally:
         os.close(fd)
         os.close(quiet_fd)
-        busy.close()
-        quiet.close()
-        hub.close()
+        for subscription in (busy, busy_too, quiet):
+            subscription.close()
+    assert hub.instances_held() == 0                   # each instance went with its last subscription
+    hub.close()
+
+
+def test_past_the_instance_budget_owners_share_one(base_dir: Path) -> None:
+    """A budget of 3 instances: the first two owners get one each, the next two share the third; an
+    overflow by one of those two is both of theirs and nobody else's. When the sharers are gone, a new
+    owner gets an instance of its own again."""
+    hub = InotifyHub(instances=3)
+    subscriptions = {owner: hub.subscribe(owner) for owner in "abcd"}
+    assert [hub.shares(owner) for owner in "abcd"] == [False, False, True, True]
+    assert hub.instances_held() == 3
+    fds = []
+    try:
+        for owner, subscription in subscriptions.items():
+            (base_dir / owner).mkdir()
+            fds.append(open_dir(base_dir / owner))
+            subscription.watch_fd(fds[-1])
+        overflow(base_dir / "c")
+        assert {owner: subscription.drain()[1] for owner, subscription in subscriptions.items()} == \
+            {"a": False, "b": False, "c": True, "d": True}
+    finally:
+        for fd in fds:
+            os.close(fd)
+    subscriptions.pop("a").close()
+    assert hub.instances_held() == 2
+    later = hub.subscribe("e")
+    assert not hub.shares("e") and hub.instances_held() == 3
+    for subscription in [*subscriptions.values(), later]:
+        subscription.close()
+    assert hub.instances_held() == 0
+    hub.close()
 
 
 # -- a per-owner budget of root's watches (issue 24, part 7) ---------------------------------------
@@ -273,3 +318,91 @@ def test_a_daemon_holds_each_owner_to_its_watch_budget(sandboxd_daemon: DaemonFa
         assert set(directory_inodes(big)) <= watched_inodes(control.pid)
     finally:
         control.stub.CloseSession(pb.CloseSessionRequest(session_id=session), timeout=60)
+
+
+# -- one owner's file churn costs only that owner (round 4's second hostile pass, finding 10) ------
+
+# As the attacker: a command in its session that creates and removes a file in its workspace as fast
+# as it can (two events each on the workspace's watch) until the test drops ``stop`` there; every
+# 4096 cycles it writes how many it has done into ``progress`` (in place: no event the guard watches).
+CHURN = r'''
+script = ("import os\n"
+          "progress = os.open('progress', os.O_CREAT | os.O_WRONLY, 0o600)\n"
+          "n = 0\n"
+          "while n % 4096 or not os.path.exists('stop'):\n"
+          "    os.close(os.open('f', os.O_CREAT | os.O_WRONLY, 0o600)); os.unlink('f'); n += 1\n"
+          "    if not n % 4096: os.pwrite(progress, str(n).encode().ljust(20), 0)\n"
+          "print(n)\n")
+out, status = run(ARGS["session"], ["python3", "-c", script])
+print(json.dumps({"cycles": int(out.split()[-1]), "status": status}))
+'''
+
+# As the victim: one Exec of `true`; its seconds.
+CALL = r'''
+import time
+began = time.monotonic()
+out, status = run(ARGS["session"], ["true"])
+print(json.dumps({"seconds": time.monotonic() - began, "status": status}))
+'''
+VICTIM_CALLS = 4
+
+
+def lost_events(daemon: Daemon, session: str) -> int:
+    """How many of ``session``'s inspections the daemon logged as having lost inotify events."""
+    text = daemon.log_path.read_text(errors="replace")      # all of it (``log`` is its tail)
+    return text.count(f"session {session}: git guard: inotify events were lost")
+
+
+def churned(workspace: Path) -> int:
+    """The attacker's cycles so far (each two events on its workspace's watch)."""
+    try:
+        return int((workspace / "progress").read_text().strip() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+@pytest.mark.parametrize("instances", [0, 1], ids=["an-instance-per-owner", "control-one-shared"])
+def test_one_users_file_churn_makes_nobody_else_walk(instances: int, sandboxd_daemon: DaemonFactory,
+                                                     plain_users: Callable[[int], list[PlainUser]]) -> None:
+    """The pass's reproduction: the attacker's sandbox creates and removes a file in a loop while the
+    victim, whose workspace has 2,000 directories, runs `true` now and then: before each of its calls
+    the attacker has made more events than an inotify queue holds (fs.inotify.max_queued_events) since
+    the victim's last call ended, whatever the machine's load. Each guard's inspection after a call
+    reads its queue: with the default (an instance per owner) the victim's never lost an event, so its
+    guard looked only where events fired; the attacker's own queue overflowed (its inspection after the
+    churn looked at everything: the attack happened). The control (quotas.git_inotify_instances = 1,
+    everyone on one queue, as before): every inspection of the victim's lost events and walked its
+    whole tree. The victim's call times are printed, never asserted."""
+    with open("/proc/sys/fs/inotify/max_queued_events") as f:
+        enough = int(f.read()) // 2 + 4096                # cycles that overflow a queue nobody drains
+    attacker, victim = plain_users(2)
+    daemon = sandboxd_daemon(config=f"[quotas]\ngit_inotify_instances = {instances}\n[log]\nlevel = \"debug\"\n")
+    (churner, churn_ws), (victims, _victim_ws) = sessions_on_trees(daemon, [attacker, victim], [0, 2000])
+    churn: dict[str, object] = {}
+    thread = threading.Thread(target=lambda: churn.update(run_client_as(
+        attacker.uid, attacker.gid, daemon.socket, CHURN, {"session": churner}, timeout=900)), daemon=True)
+    thread.start()
+    seconds = []
+    try:
+        mark = 0
+        for _ in range(VICTIM_CALLS):
+            assert eventually(lambda: churned(churn_ws) >= mark + enough or not thread.is_alive(), 300), churn
+            call = run_client_as(victim.uid, victim.gid, daemon.socket, CALL, {"session": victims})
+            assert call["status"] == 0, call
+            seconds.append(call["seconds"])
+            mark = churned(churn_ws)
+    finally:
+        (churn_ws / "stop").touch()
+        thread.join(120)
+        for session in (churner, victims):             # before the users go
+            daemon.stub.CloseSession(pb.CloseSessionRequest(session_id=session), timeout=120)
+    seconds.sort()
+    print(f"\ninstances {instances}: the attacker's churn {churn}; the victim's Exec true: p50 "
+          f"{seconds[len(seconds) // 2] * 1000:.0f} ms, max {seconds[-1] * 1000:.0f} ms; inspections that lost "
+          f"events: victim {lost_events(daemon, victims)}, attacker {lost_events(daemon, churner)}")
+    assert churn.get("status") == 0, churn
+    assert lost_events(daemon, churner) >= 1, "the churn never overflowed the attacker's queue"
+    if instances == 1:
+        assert lost_events(daemon, victims) == VICTIM_CALLS, "the control: on a shared queue the victim lost events"
+    else:
+        assert lost_events(daemon, victims) == 0, daemon.log()[-3000:]

@@ -212,6 +212,11 @@ KEYS: tuple[Key, ...] = (
         "of its sessions' writable roots), out of root's host-wide fs.inotify.max_user_watches; past it that user's "
         "guards walk the roots after each call instead (one lstat per directory); 0: a sixteenth of "
         "fs.inotify.max_user_watches", _whole(0, 1 << 30)),
+    Key("quotas", "git_inotify_instances", 0, "inotify instances the git guards hold, out of root's host-wide "
+        "fs.inotify.max_user_instances: one per owner (a uid, a TLS principal) for the first owners, so that one "
+        "owner's file churn overflowing its queue makes only its own guards walk their trees; past it, newer "
+        "owners share the last one (an overflow there is theirs together); 1: all owners share one; 0: an eighth "
+        "of fs.inotify.max_user_instances (16 of the default 128)", _whole(0, 1 << 20)),
     Key("quotas", "reserved_workers", 0, "workers that running calls and streams (everyone's, root's too) may never "
         "take: they stay free for requests (CreateSession, CloseSession, ResolveApproval ...); must be below "
         "listen.workers; 0: a quarter of listen.workers (at least 1)", _whole(0, 1023)),
@@ -236,6 +241,12 @@ KEYS: tuple[Key, ...] = (
         "caller), its session's build or its command's start; past it the request fails with DEADLINE_EXCEEDED "
         "naming the path (a FUSE, NFS or sshfs mount that does not answer), and nobody else waits",
         _positive_seconds),
+    Key("fork_server", "stuck_openers_per_uid", 8, "path lookups one owner (a uid, a TLS principal) may have "
+        "outstanding in the fork server: each request naming a path opens it as its caller in a child, which a "
+        "file system that does not answer leaves stuck (D state: a pid, ~2 MB, a descriptor) until that mount goes. "
+        "Past it, while some are stuck, that owner's requests naming paths are refused at once (RESOURCE_EXHAUSTED "
+        "naming the stuck paths); a burst of lookups that answer waits its turn instead; local root's own are not "
+        "counted", _whole(1, 4096)),
     Key("approvals", "timeout_seconds", 300, "a call nobody approves within this is denied", _positive_seconds),
     Key("audit", "event_bytes", 16384, "the most bytes one event keeps (its data as JSON): a longer value a caller "
         "chose (a command, a tool's arguments or result) is kept as its start (up to a quarter of this), its full "

@@ -49,6 +49,7 @@ class DaemonSettings:
     state_dir: str
     ping_timeout: float
     wait_seconds: float
+    stuck_openers: int
     approval_timeout: float
     audit: AuditLimits
     allow_user_full_access: bool
@@ -93,6 +94,8 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
                              background_per_uid=config.whole("quotas.background_per_uid"),
                              git_watches_per_uid=(config.whole("quotas.git_watches_per_uid")
                                                   or host_limits.owner_watches()),
+                             git_inotify_instances=(config.whole("quotas.git_inotify_instances")
+                                                    or host_limits.git_instances()),
                              reserved_workers=config.whole("quotas.reserved_workers"),
                              workers=config.whole("listen.workers"))
     except SandboxdError as exc:
@@ -120,6 +123,7 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         tls=_tls(config, refuse), state_dir=config.text("state.dir"),
         ping_timeout=config.number("fork_server.ping_timeout_seconds"),
         wait_seconds=config.number("fork_server.wait_seconds"),
+        stuck_openers=config.whole("fork_server.stuck_openers_per_uid"),
         approval_timeout=config.number("approvals.timeout_seconds"), audit=audit,
         allow_user_full_access=config.flag("policy.allow_user_full_access"),
         dns=config.texts("network.dns"), network_pool=config.text("network.pool"),

@@ -152,6 +152,7 @@ class GitGuard:
         self._lock = _thread.allocate_lock()
         self._roots: dict[str, _Root] = {}
         self.inotify: Inotify | Subscription | None = None
+        self.overflows = 0           # inspections that found events lost and so looked at every directory
         if watch:
             try:
                 self.inotify = hub.subscribe(owner) if hub is not None else Inotify()
@@ -197,6 +198,7 @@ class GitGuard:
                 fired, overflow = self.inotify.drain()
                 if overflow:
                     fired = None
+                    self.overflows += 1
             for root in self._roots.values():
                 seeds = None if fired is None or not root.watching else {
                     root.wds[wd] for wd in fired if wd in root.wds}

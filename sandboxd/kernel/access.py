@@ -86,10 +86,13 @@ class PendingOpen:
     mount may take long, and nobody waits for it."""
 
     def __init__(self, caller: Caller, requests: "list[PathRequest]",
-                 check: "Callable[[list[int]], None] | None" = None) -> None:
+                 check: "Callable[[list[int]], None] | None" = None,
+                 enter: "Callable[[], None] | None" = None) -> None:
         """``check``: run in the child, as the caller, on all the descriptors once opened (it may
         raise InvalidPolicy): lookups of its own (a walk along the given paths) then wait on the
-        caller's file systems in the child too, never in this process."""
+        caller's file systems in the child too, never in this process. ``enter``: run in the child
+        first, still with this process's rights (the fork server moves it into its owner's cgroup:
+        a child stuck on the caller's mount then counts against the caller's own share)."""
         self.caller, self.requests = caller, list(requests)
         self._fds: list[int] = []
         self._refusal: Exception | None = None
@@ -100,6 +103,8 @@ class PendingOpen:
             self._sock.close()
             code = 0
             try:
+                if enter is not None:
+                    enter()
                 _child(caller, requests, child_end, check)
             except BaseException:  # noqa: BLE001 - the parent sees a short answer
                 code = 1

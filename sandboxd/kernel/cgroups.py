@@ -460,6 +460,28 @@ def join(dirs: list[str], pid: int = 0) -> None:
         raise from_oserror(exc, "cgroup join") from None
 
 
+def owner_pids_group(owner: "OwnerShare") -> str | None:
+    """``owner``'s group in the v1 pids hierarchy (made, with its cap when ``owner`` carries one),
+    for a single-threaded child of this process to move itself into through ``tasks`` (``join``: no
+    grace period), so that it counts against the owner's pids share; None where pids is v2's or
+    missing. v1 lets a process sit beside child groups; v2 would need a leaf and a ``cgroup.procs``
+    write, which costs an RCU grace period (about 5 ms here) in every move."""
+    h = hierarchies()
+    if "pids" in h.unified_controllers or "pids" not in h.v1:
+        return None
+    point, own = h.v1["pids"]
+    for _ in (0, 1):
+        try:
+            group = _v1_owner(_v1_base(point, own, "pids"), "pids", owner)
+        except OSError:
+            return None
+        if os.path.isdir(group):
+            return group
+        _prepared.discard(group)          # swept meanwhile (an empty owner group is): made again
+        _capped.pop(os.path.join(group, "pids.max"), None)
+    return None
+
+
 def _single_threaded() -> bool:
     try:
         return len(os.listdir("/proc/self/task")) == 1

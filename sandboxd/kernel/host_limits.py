@@ -28,6 +28,10 @@ DEFAULT_PIDS = 1024
 DEFAULT_MEMORY_CAP = 8 << 30
 OWNERS_SERVED = 5          # the default owner share is 1/5: four owners at theirs leave a fifth served
 WATCH_SHARE = 16           # an owner's default inotify budget: 1/16 of root's fs.inotify.max_user_watches
+# The git guards' default inotify instances: 1/8 of root's fs.inotify.max_user_instances (16 of the default
+# 128). Root's other users hold some (systemd, journald, udevd, logind a few each; each running root
+# `sandboxd run` one), and another sandboxd daemon on the host takes its own eighth.
+INSTANCE_SHARE = 8
 
 
 class Ceiling(Record):
@@ -83,6 +87,14 @@ def default_ceiling() -> Ceiling:
 def _whole_mib(size: int) -> int:
     """Rounded down to whole MiB: cgroup v1 rounds a limit down to pages, so it reads back as written."""
     return size >> 20 << 20
+
+
+def git_instances() -> int:
+    """The git guards' inotify instances when nothing sets how many: an eighth of this host's
+    fs.inotify.max_user_instances (every root process's instances together), at least 2 (one owner's
+    own and the one the others share)."""
+    with open("/proc/sys/fs/inotify/max_user_instances") as f:
+        return max(2, int(f.read()) // INSTANCE_SHARE)
 
 
 def owner_watches() -> int:

@@ -37,6 +37,10 @@ class QuotaLimits(Record):
     # inotify watches one owner's git guards hold together (their sessions' directories); 0: no
     # budget. The daemon's default is a sixteenth of root's fs.inotify.max_user_watches (config).
     git_watches_per_uid: int = 0
+    # inotify instances all git guards hold: one per owner for the first ones, then a shared one
+    # (an overflow of a queue costs only the owners on it); 0: an eighth of root's
+    # fs.inotify.max_user_instances (config).
+    git_inotify_instances: int = 0
     reserved_workers: int = 0             # 0: a quarter of the workers, at least 1
     workers: int = 128                    # listen.workers: the pool the reserve is taken from
 

@@ -43,6 +43,7 @@ from sandboxd.launcher import channel_registry
 from sandboxd.network.socket_files import own_directory
 from sandboxd.service.callers import Caller
 from sandboxd.service.process_ties import ProcessTies
+from sandboxd.service.quotas import uid_owner
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 log = logging.getLogger("sandboxd")
@@ -97,7 +98,7 @@ class ApprovalChannels:
             for name in fresh:
                 _touch(os.path.join(self._registry, name))
                 mine.add(name)
-        if fresh and self._ties.tie(key, lambda: self._forget(who.uid, fresh)) is None:
+        if fresh and self._ties.tie(key, lambda: self._forget(who.uid, fresh), uid_owner(who.uid)) is None:
             self._forget(who.uid, fresh)              # it exited meanwhile
             raise InvalidPolicy(f"the calling process (pid {who.pid}) has exited")
         log.info("approval channel registered", extra={"fields": {"uid": who.uid, "pid": who.pid,
@@ -156,7 +157,8 @@ class ApprovalChannels:
             by_key.setdefault(name.rsplit("-", 1)[-1], []).append(name)
         for entry_key, names in by_key.items():
             uid, key = _parse_entry_key(entry_key)
-            if uid is None or key is None or self._ties.tie(key, functools.partial(self._forget, uid, names)) is None:
+            if uid is None or key is None or \
+                    self._ties.tie(key, functools.partial(self._forget, uid, names), uid_owner(uid)) is None:
                 for name in names:
                     os.unlink(os.path.join(self._registry, name))
                 continue

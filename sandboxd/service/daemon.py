@@ -124,7 +124,8 @@ class Daemon:
         # sets open_files.
         raise_nofile_limit()
         with ExitStack() as undo:                 # what is built so far, undone if a later step fails
-            fork = ForkServer.start(wait_seconds=s.wait_seconds)   # before gRPC's threads, as a fresh process
+            fork = ForkServer.start(wait_seconds=s.wait_seconds,   # before gRPC's threads, as a fresh process
+                                    stuck_openers=s.stuck_openers)
             undo.callback(fork.close)
             problem = self_test(fork, s.session_defaults)
             if problem is not None:

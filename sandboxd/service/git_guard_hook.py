@@ -21,11 +21,12 @@ log = logging.getLogger("sandboxd")
 
 
 class GitGuardHook(SandboxHooks):
-    def __init__(self, store: EventStore, watches_per_owner: int = 0) -> None:
+    def __init__(self, store: EventStore, watches_per_owner: int = 0, instances: int = 0) -> None:
         self._store = store
-        # One inotify instance for every session's git guard; each owner's guards together hold at
-        # most watches_per_owner of root's watches (quotas.git_watches_per_uid), then walk instead.
-        self._watch = InotifyHub(watches_per_owner)
+        # An inotify instance per owner, shared by that owner's guards (at most ``instances``:
+        # quotas.git_inotify_instances, then a shared one); each owner's guards together hold at most
+        # watches_per_owner of root's watches (quotas.git_watches_per_uid), then walk instead.
+        self._watch = InotifyHub(watches_per_owner, instances)
 
     def sandbox_ready(self, session: Session, sandbox: Sandbox) -> Iterable[Service]:
         """The generation's roots: a root new to the guard is taken as it is now (what the user
@@ -50,7 +51,11 @@ class GitGuardHook(SandboxHooks):
         guard = session.git_guard
         if guard is None:
             return
+        lost = guard.overflows
         found = guard.inspect()
+        if guard.overflows != lost:
+            log.debug("session %s: git guard: inotify events were lost (its owner's queue overflowed): it looked "
+                      "at every directory of its roots", session.id)
         if found:
             self._store.note(session.id, [      # the call chose how many: counted past its owner's budget
                 (EventType.GIT_CONFIG_NEUTRALIZED, "", "", {"repo": n.repo, "what": n.what, "key": n.key})

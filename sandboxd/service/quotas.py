@@ -54,7 +54,12 @@ _WHAT = {CALLS: "running calls (Exec, file tools, approvals)", STREAMS: "open st
 _K = TypeVar("_K")
 def owner_key(who: Caller) -> str:
     """Whom a quota is counted against: a TLS caller's principal, else its uid."""
-    return who.principal or f"uid {who.uid}"
+    return who.principal or uid_owner(who.uid)
+
+
+def uid_owner(uid: int) -> str:
+    """``owner_key`` of a local caller of ``uid``."""
+    return f"uid {uid}"
 
 
 def cgroup_owner(who: Caller) -> str:

@@ -25,7 +25,7 @@ from sandboxd.policy.sandbox import is_within
 from sandboxd.service import session_access as access
 from sandboxd.service.callers import Caller
 from sandboxd.service.git_guard_hook import GitGuardHook
-from sandboxd.service.quotas import Quotas
+from sandboxd.service.quotas import Quotas, cgroup_owner
 from sandboxd.service.sandbox_hooks import HookList, SandboxHooks
 from sandboxd.service.sandbox_network import EgressProxies, PublishedPorts
 from sandboxd.service.session_access import caller_groups, command_user, rights_of
@@ -57,7 +57,8 @@ class SessionRegistry:
         # The order their sandbox_ready runs in: the network first, the git guard's baseline last.
         self._egress = EgressProxies(store, proxy_connections, count_network_denial)
         self.hooks = HookList([PublishedPorts(published_connections, published_per_peer), self._egress,
-                               GitGuardHook(store, self.quotas.limits.git_watches_per_uid)])
+                               GitGuardHook(store, self.quotas.limits.git_watches_per_uid,
+                                            self.quotas.limits.git_inotify_instances)])
         self._life = SessionLifecycle(forkserver, store, self._table, self.hooks,
                                       SandboxPlaces(own=self.own, dns=dns, network_pool=network_pool))
 
@@ -118,7 +119,7 @@ class SessionRegistry:
         caller's own lookup resolved it (asked of the kernel under the caller's credentials)."""
         if not workspace.startswith("/") or "\0" in workspace:
             raise InvalidPolicy(f"workspace {workspace!r} must be an absolute path")
-        return self._fork.check_paths(rights_of(caller), [workspace])[0]
+        return self._fork.check_paths(rights_of(caller), [workspace], cgroup_owner(caller))[0]
 
     def _check_policy(self, caller: Caller, policy: SandboxPolicy, workspace: str, owner: Caller | None = None,
                       session_id: str = "") -> None:

@@ -18,6 +18,7 @@ from sandboxd.errors import InvalidPolicy, NotFound
 from sandboxd.kernel import peers
 from sandboxd.service.callers import Caller
 from sandboxd.service.process_ties import ProcessTies
+from sandboxd.service.quotas import owner_key
 from sandboxd.service.sandbox_hooks import WhenClosed
 from sandboxd.service.sessions import Session, SessionRegistry
 
@@ -54,7 +55,7 @@ class TiedSessions:
         if not key:
             return
         session_id = session.id
-        handle = self._ties.tie(key, lambda: self._end(session_id, session.owner))
+        handle = self._ties.tie(key, lambda: self._end(session_id, session.owner), owner_key(session.owner))
         if handle is None:
             self._end(session_id, session.owner)
             return

@@ -205,9 +205,11 @@ class Cancel(Request, kind="cancel"):
 
 
 class CheckPaths(Request, kind="check_paths"):
-    """May ``caller`` ([uid, gid, [groups]], None: root) write each of ``paths``?"""
+    """May ``caller`` ([uid, gid, [groups]], None: root) write each of ``paths``? ``owner``: whom the
+    lookup counts against (LaunchSpec.owner; "": the caller's uid)."""
     caller: list[object] | None
     paths: list[str]
+    owner: str = ""
 
 
 class Ping(Request, kind="ping"):

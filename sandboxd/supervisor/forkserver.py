@@ -15,7 +15,7 @@ descriptors as SCM_RIGHTS), and the server dispatches on the record's type throu
         + [stdin, stdout, stderr]                          one command in a session -> Started, then Exited
         (with terminal [rows, columns]: stdin is the socket the terminal's master goes back on)
   Signal(signum), Cancel()                                 to a running launch or call (its id)
-  CheckPaths(caller, paths)                                may the caller write them? -> PathsChecked
+  CheckPaths(caller, paths, owner)                         may the caller write them? -> PathsChecked
   Ping()                                                   the daemon's watchdog   -> Pong
 
 Any request may be answered Error(the error's ``to_dict``; ``SandboxdError.from_dict`` raises it
@@ -30,7 +30,10 @@ The loop never waits. What a request depends on is a descriptor in its poller, w
 * the paths a request names are opened as its caller in a child (access.PendingOpen), a
   session's build and a command's start are reported on pipes (``wait_seconds``): a file system
   that does not answer (a FUSE server that never replies, a hung NFS mount) costs only the request
-  that named it: DeadlineExceeded naming the path, the child SIGKILLed and reaped whenever it goes;
+  that named it: DeadlineExceeded naming the path, the child SIGKILLed and reaped whenever it goes.
+  Such a child may outlive its request in D state: each owner has at most ``stuck_openers`` of them
+  alive (``openers.Openers``; past it, with some stuck, its requests naming paths are refused at
+  once), and on cgroup v1 each sits in its owner's pids group (its share);
 * a running launch or call is its pidfd; its time limit and a cancel's grace (SIGKILL after
   CALL_KILL_GRACE when a call's supervisor does not end its tree) are timers of the loop;
 * a session's close SIGKILLs its init and watches the init's pidfd: readable once every process
@@ -78,6 +81,7 @@ from sandboxd.supervisor.fork_protocol import (Call, Cancel, CheckPaths, Error, 
                                                Message, PathsChecked, Ping, Pong, Request, SessionClose,
                                                SessionClosed, SessionOpen, SessionReady, Signal, Started)
 from sandboxd.supervisor.spawner import ExitInfo, SandboxProcess, SessionBuild, SessionSandbox, Spawner
+from sandboxd.supervisor.openers import Openers, Slot
 from sandboxd.supervisor.waits import Leftovers, Orphans, ReportReader, Timers, Waits
 from sandboxd.supervisor.waits import log as _log
 
@@ -88,6 +92,13 @@ E = TypeVar("E", bound=Event)
 # How long a request may wait on a caller's paths, a session's build or a command's start
 # (``fork_server.wait_seconds``): a lookup that takes longer is on a file system that does not answer.
 DEFAULT_WAIT_SECONDS = 10.0
+# How many path-opening children one owner may have alive at once (``fork_server.stuck_openers_per_uid``):
+# each one stuck on a file system that does not answer holds a pid, ~2 MB and a descriptor here until
+# that mount goes (supervisor/openers.py). Eight: an owner's ordinary lookups take milliseconds each (a
+# burst beyond it waits its turn, never refused), and the quotas let one user have 8 requests in progress
+# (quotas.requests_per_uid), so a user whose mount hangs sees as many DeadlineExceeded as it has requests
+# in flight, then a refusal at once naming the mount; 8 x 2 MB and 8 descriptors per owner.
+DEFAULT_STUCK_OPENERS = 8
 # How long a session's close may take before it is answered anyway (``gone=False``): a process
 # stuck on a file system that does not answer may hold the session's init; it is released when it
 # goes. Only the closing caller waits this long; the loop goes on serving everyone meanwhile.
@@ -130,7 +141,7 @@ class _Server:
 
     def __init__(self, sock: socket.socket, native_calls: bool = True,
                  wait_seconds: float = DEFAULT_WAIT_SECONDS, call_helper: str | None = None,
-                 close_seconds: float = CLOSE_WAIT_SECONDS) -> None:
+                 close_seconds: float = CLOSE_WAIT_SECONDS, stuck_openers: int = DEFAULT_STUCK_OPENERS) -> None:
         from sandboxd.kernel import netns
         from sandboxd.launcher.native_call import REBUILD, check_helper
         netns.sweep_stale()                               # a SIGKILLed predecessor's links and proxy access
@@ -154,6 +165,7 @@ class _Server:
         self.close_seconds = close_seconds
         self._waits = Waits(self._poller)                 # requests waiting on a child: paths, builds, starts, closes
         self._orphans = Orphans(self._poller)             # children given up on, reaped when they go
+        self._openers = Openers(stuck_openers, self._timers)   # each owner's path-opening children, bounded
         self._opening: set[str] = set()                   # sessions being built
         self._closed_while_opening: set[str] = set()
         self._closing: dict[str, list[int]] = {}          # sessions being closed -> the closes to answer when gone
@@ -323,7 +335,7 @@ class _Server:
                 close_stdio()
         try:
             self._open_paths(call_id, spec.caller, plan_path_requests(spec), launch, plan_path_check(spec),
-                             undo=close_stdio)
+                             undo=close_stdio, owner=spec.owner, owner_pids=spec.limits.owner_pids)
         except BaseException:
             close_stdio()
             raise
@@ -351,7 +363,8 @@ class _Server:
         try:
             self._open_paths(call_id, spec.caller, plan_path_requests(spec),
                              lambda opened: self._build_session(call_id, name, spec, opened), plan_path_check(spec),
-                             undo=lambda: self._forget_opening(name))
+                             undo=lambda: self._forget_opening(name), owner=spec.owner,
+                             owner_pids=spec.limits.owner_pids)
         except BaseException:
             self._forget_opening(name)
             raise
@@ -379,7 +392,7 @@ class _Server:
                     os.close(fd)
             self._answer(PathsChecked(call_id, real))
         self._open_paths(call_id, who, [access.PathRequest(path, "workspace", access.WRITE) for path in request.paths],
-                         checked)
+                         checked, owner=request.owner)
 
     def _ping(self, request: Ping, fds: list[int]) -> None:
         self._answer(Pong(request.id))
@@ -401,15 +414,43 @@ class _Server:
     def _open_paths(self, call_id: int, caller: "tuple[int, int, tuple[int, ...]] | None",
                     requests: "list[access.PathRequest]", then: "Callable[[list[int]], None]",
                     check: "Callable[[list[int]], None] | None" = None,
-                    undo: "Callable[[], None]" = lambda: None) -> None:
+                    undo: "Callable[[], None]" = lambda: None, owner: str = "",
+                    owner_pids: int | None = None) -> None:
         """Open ``requests`` as ``caller`` in a child (which also runs ``check`` on them, see
         access.PendingOpen), then ``then(descriptors)`` (which owns them) from the loop; a lookup
         past the deadline answers DeadlineExceeded naming its path. ``undo``: what to release when
-        ``then`` is never called (a refused path, the deadline)."""
+        ``then`` is never called (a refused path, the deadline). ``owner`` (LaunchSpec.owner; "":
+        the caller's uid) is whom the child counts against: its bound of live openers (Openers:
+        Exhausted at once past it, when some are stuck), and on cgroup v1 its pids share
+        (``owner_pids``: the share's cap, if known)."""
         # Root's paths too (the daemon's own launches, root's sessions): a hung NFS mount named by
         # accident must not hold everyone else either.
         who = access.Caller(caller[0], caller[1], tuple(caller[2])) if caller else access.Caller(0, 0, ())
-        pending = access.PendingOpen(who, requests, check)
+        deadline = time.monotonic() + self.wait_seconds
+
+        def start(slot: Slot) -> None:
+            self._start_opener(call_id, who, requests, then, check, undo, slot, deadline, owner, owner_pids)
+
+        def refuse(exc: BaseException) -> None:
+            undo()
+            self._answer_error(call_id, exc)
+
+        # Local root's own requests (no owner) are not counted, as the quotas do not count them.
+        key = owner or (f"uid-{who.uid}" if who.uid != 0 else None)
+        self._openers.admit(key, start, refuse, deadline)
+
+    def _start_opener(self, call_id: int, who: access.Caller, requests: "list[access.PathRequest]",
+                      then: "Callable[[list[int]], None]", check: "Callable[[list[int]], None] | None",
+                      undo: "Callable[[], None]", slot: Slot, deadline: float, owner: str,
+                      owner_pids: int | None) -> None:
+        """``_open_paths``'s child, once its owner has a slot for it; the slot goes with the child."""
+        pending = access.PendingOpen(who, requests, check, _owner_share(owner, owner_pids))
+
+        def reap() -> bool:
+            if not pending.reap():
+                return False
+            slot.release()
+            return True
 
         def ready() -> bool:
             if not pending.step():
@@ -421,7 +462,7 @@ class _Server:
                 raise
             finally:
                 pending.abandon()
-                self._orphans.add(pending.pidfd, lambda: pending.reap())
+                self._orphans.add(pending.pidfd, reap)
             then(opened)
             return True
 
@@ -429,15 +470,16 @@ class _Server:
             undo()
             waiting = pending.waiting_on()
             pending.abandon()
-            self._orphans.add(pending.pidfd, lambda: pending.reap())
             what = f"{waiting.what} {waiting.path!r}" if waiting else \
                 f"the symlink check along {', '.join(repr(r.path) for r in requests if r.what != 'allowed Unix socket')}"
+            self._orphans.add(pending.pidfd, reap)
+            slot.given_up(what, time.monotonic())         # stuck, if still there a moment later
             raise DeadlineExceeded(
                 f"{what} did not answer within {self.wait_seconds:g} s when opened as uid {who.uid}: it is on a "
                 "file system that does not answer (a FUSE server that does not reply, a hung NFS or sshfs "
                 "mount); release that mount or leave the path out")
 
-        self._waits.add(pending.fileno(), call_id, time.monotonic() + self.wait_seconds, ready, expire)
+        self._waits.add(pending.fileno(), call_id, deadline, ready, expire)
 
     def _build_session(self, call_id: int, name: str, spec: LaunchSpec, opened: list[int]) -> None:
         """Start the session's build; it is answered from the loop when its init reports."""
@@ -619,6 +661,28 @@ class _Server:
         # What is left is stuck in the kernel: a stale group for the next fork server's sweep.
 
 
+def _owner_share(owner: str, pids: int | None) -> "Callable[[], None] | None":
+    """What a path-opening child of ``owner`` runs first (access.PendingOpen's ``enter``): it moves
+    itself into the owner's pids group on cgroup v1 (kernel.cgroups.owner_pids_group), so that a
+    child stuck in D state counts against its owner's share. None for root's own requests (no share)
+    and where pids is v2's: a v2 move costs an RCU grace period per request (about 5 ms here); the
+    bound of Openers holds there alone."""
+    if not owner:
+        return None
+    from sandboxd.kernel import cgroups
+    from sandboxd.kernel.host_limits import OwnerShare
+    group = cgroups.owner_pids_group(OwnerShare(owner, pids=pids))
+    if group is None:
+        return None
+
+    def enter() -> None:
+        try:
+            cgroups.join([group])                     # single-threaded: through ``tasks``, no grace period
+        except Exception:  # noqa: BLE001 - swept meanwhile: the child opens anyway; the bound holds
+            pass
+    return enter
+
+
 def _caller(value: "list[object] | None") -> "tuple[int, int, tuple[int, ...]] | None":
     """A CheckPaths caller, [uid, gid, [groups]] (None: root's own), or InvalidPolicy."""
     if value is None:
@@ -641,13 +705,15 @@ def _terminal_size(value: "list[object] | None") -> tuple[int, int] | None:
 
 
 def serve(sock: socket.socket, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS,
-          call_helper: str | None = None, close_seconds: float = CLOSE_WAIT_SECONDS) -> None:
+          call_helper: str | None = None, close_seconds: float = CLOSE_WAIT_SECONDS,
+          stuck_openers: int = DEFAULT_STUCK_OPENERS) -> None:
     """The fork server loop. Returns when the client end closes, after killing everything.
     ``native_calls``: run session calls with sandboxd-call when it is built and current
     (native_call.check_helper; ``call_helper``: another build of it than the package's, for tests);
     ``wait_seconds``: how long a request may wait on a caller's paths (see the module's doc);
-    ``close_seconds``: how long a session's close may take before it is answered anyway."""
-    _Server(sock, native_calls, wait_seconds, call_helper, close_seconds).serve()
+    ``close_seconds``: how long a session's close may take before it is answered anyway;
+    ``stuck_openers``: the path-opening children one owner may have alive (openers.Openers)."""
+    _Server(sock, native_calls, wait_seconds, call_helper, close_seconds, stuck_openers).serve()
 
 
 class SessionInfo(Record):
@@ -682,6 +748,7 @@ class ForkServer:
         self._wait_seconds = DEFAULT_WAIT_SECONDS
         self._call_helper: str | None = None
         self._close_seconds = CLOSE_WAIT_SECONDS
+        self._stuck_openers = DEFAULT_STUCK_OPENERS
         self._limit = protocol.message_limit(sock)
         self._received = protocol.receive_buffer()        # every event is read into it (one reader at a time)
         self.last_heard = time.monotonic()       # when it last answered anything (the watchdog's progress)
@@ -696,7 +763,8 @@ class ForkServer:
 
     @classmethod
     def start(cls, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS,
-              call_helper: str | None = None, close_seconds: float = CLOSE_WAIT_SECONDS) -> "ForkServer":
+              call_helper: str | None = None, close_seconds: float = CLOSE_WAIT_SECONDS,
+              stuck_openers: int = DEFAULT_STUCK_OPENERS) -> "ForkServer":
         """Start the server as a fresh interpreter (``python -m sandboxd.supervisor.forkserver``).
 
         Not a fork of the caller: the daemon has gRPC threads, and a forked copy of a
@@ -715,7 +783,8 @@ class ForkServer:
         env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "PYTHONPATH": package_root}
         try:
             flags = ([] if native_calls else ["--python-calls"]) + [f"--wait-seconds={wait_seconds!r}",
-                                                                     f"--close-seconds={close_seconds!r}"] + (
+                                                                     f"--close-seconds={close_seconds!r}",
+                                                                     f"--stuck-openers={int(stuck_openers)}"] + (
                 [f"--call-helper={call_helper}"] if call_helper else [])
             # -P: `python -m` would put the working directory first on sys.path, so a `sandboxd`
             # package in whatever directory the daemon was started from (a user's) would run as root.
@@ -731,6 +800,7 @@ class ForkServer:
         server._wait_seconds = wait_seconds
         server._call_helper = call_helper
         server._close_seconds = close_seconds
+        server._stuck_openers = stuck_openers
         from sandboxd.launcher.native_call import check_helper
         server._native_calls = native_calls and check_helper(call_helper).path is not None   # as the server decides
         return server
@@ -755,11 +825,13 @@ class ForkServer:
         return SessionInfo(event.init_pid or 0, event.workspace, event.host_address, event.sandbox_address,
                            tuple(event.resolvers or ()), passed[0] if passed else -1)
 
-    def check_paths(self, caller: "tuple[int, int, tuple[int, ...]] | None", paths: list[str]) -> list[str]:
-        """The real paths of ``paths`` if ``caller`` may write each (Forbidden or InvalidPolicy if not)."""
+    def check_paths(self, caller: "tuple[int, int, tuple[int, ...]] | None", paths: list[str],
+                    owner: str = "") -> list[str]:
+        """The real paths of ``paths`` if ``caller`` may write each (Forbidden or InvalidPolicy if not);
+        ``owner``: whom the lookup counts against (LaunchSpec.owner)."""
         who: list[object] | None = [caller[0], caller[1], list(caller[2])] if caller else None
         wanted = [str(path) for path in paths]
-        return self._expect(self._request(lambda call_id: CheckPaths(call_id, who, wanted)), PathsChecked).paths
+        return self._expect(self._request(lambda call_id: CheckPaths(call_id, who, wanted, owner)), PathsChecked).paths
 
     def ping(self, timeout: float) -> bool:
         """True if the server answers a ping within ``timeout`` seconds (the daemon's watchdog);
@@ -846,7 +918,7 @@ class ForkServer:
         by subprocess (fork+exec in C, no Python code runs in the child), so the threaded
         daemon may call this."""
         fresh = ForkServer.start(self._wanted_native_calls, self._wait_seconds, self._call_helper,
-                                 self._close_seconds)
+                                 self._close_seconds, self._stuck_openers)
         with self._send_lock:
             old_sock, old_process = self._sock, self._process
             try:
@@ -977,12 +1049,13 @@ def _readable_within(sock: socket.socket, seconds: float) -> bool:
 
 
 def _main(fd: int, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS,
-          call_helper: str | None = None, close_seconds: float = CLOSE_WAIT_SECONDS) -> None:
+          call_helper: str | None = None, close_seconds: float = CLOSE_WAIT_SECONDS,
+          stuck_openers: int = DEFAULT_STUCK_OPENERS) -> None:
     """Entry point of the fork server process."""
     expected_parent = os.getppid()
     process.set_name("sandboxd-fork")
     process.die_with_parent(expected_parent)  # the fork server never outlives the daemon
-    serve(socket.socket(fileno=fd), native_calls, wait_seconds, call_helper, close_seconds)
+    serve(socket.socket(fileno=fd), native_calls, wait_seconds, call_helper, close_seconds, stuck_openers)
 
 
 def _flag(name: str) -> str | None:
@@ -993,4 +1066,5 @@ def _flag(name: str) -> str | None:
 if __name__ == "__main__":
     _main(int(sys.argv[1]), native_calls="--python-calls" not in sys.argv[2:],
           wait_seconds=float(_flag("wait-seconds") or DEFAULT_WAIT_SECONDS), call_helper=_flag("call-helper"),
-          close_seconds=float(_flag("close-seconds") or CLOSE_WAIT_SECONDS))
+          close_seconds=float(_flag("close-seconds") or CLOSE_WAIT_SECONDS),
+          stuck_openers=int(_flag("stuck-openers") or DEFAULT_STUCK_OPENERS))
