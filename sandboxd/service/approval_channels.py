@@ -31,6 +31,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import contextlib
 import os
 import stat
 import threading
@@ -65,8 +66,15 @@ class ApprovalChannels:
         self._restore()
         # Where the registered sockets are: a broker asks there whether a Unix channel still is
         # bound to its file, and refuses when it cannot (channel_registry).
-        _touch(os.path.join(self._registry, channel_registry.network_namespace_entry(
-            os.stat("/proc/self/ns/net").st_ino)))
+        self._namespace_entry = os.path.join(self._registry, channel_registry.network_namespace_entry(
+            os.stat("/proc/self/ns/net").st_ino))
+        _touch(self._namespace_entry)
+
+    def withdraw(self) -> None:
+        """Take back what the constructor wrote (a start that failed later: its directories are
+        removed only when empty)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._namespace_entry)
 
     @property
     def registry(self) -> str:

@@ -167,6 +167,7 @@ class Daemon:
             tied = TiedSessions(registry, ties)
             resumed -= tied.restore()
             channels = ApprovalChannels(defaults.channels_dir(socket_path), ties)
+            undo.callback(channels.withdraw)
             metrics.watch(sessions=registry.count_open,
                           running=lambda: sum(session.running_calls for session in registry.open_sessions()),
                           events=store.last_id)
