@@ -17,7 +17,7 @@ import pytest
 
 from conftest import BASE_ENV, PY, SANDBOXD, kill_marked, pids_with_marker
 from sandboxd.kernel import peers
-from sandboxd.service.sandboxed_peers import REASON, SandboxedPeers
+from sandboxd.service.sandboxed_peers import REASON, UNKNOWN, SandboxedPeers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,6 +56,48 @@ def test_a_sandboxd_run_process_is_refused_by_pid_and_by_tcp(workspace: Path, tc
         assert psutil.Process(init).name() == "sandboxd-init"        # its comm too (process.set_name)
     finally:
         host.close()
+        inside.kill()
+        inside.wait()
+        kill_marked(marker)
+
+
+def exhausted_descriptors() -> list[int]:
+    """Every descriptor this process may still open, taken (as a flood of connections would leave
+    the daemon); the caller closes them."""
+    taken = []
+    try:
+        while True:
+            taken.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+    except OSError:
+        return taken
+
+
+def test_a_judge_short_of_descriptors_refuses_rather_than_passes(workspace: Path, tcp_listener: socket.socket,
+                                                                 marker: str) -> None:
+    """With no descriptor left to read /proc with, the judge cannot tell a sandboxed peer from
+    another: it refuses (UNKNOWN, try again) instead of passing it as "not sandboxed", which it did
+    (round 4's second hostile pass: the lookups took "could not open" for "no such socket"). The
+    control: with descriptors to spare the same peers are judged as they are."""
+    server_port = tcp_listener.getsockname()[1]
+    inside = subprocess.Popen([SANDBOXD, "run", "--sandbox", "workspace-write", "--network=host", "--workspace",
+                               str(workspace), "--", PY, "-c", HOLD, str(server_port), marker],
+                              stdout=subprocess.PIPE, text=True, env=BASE_ENV, cwd=workspace)
+    try:
+        assert inside.stdout is not None
+        client_port = int(inside.stdout.readline())
+        [sandboxed] = foreign_pids(marker)
+        assert SandboxedPeers(set).reason_for_tcp("127.0.0.1", client_port, server_port) == REASON   # control
+        judge = SandboxedPeers(set)
+        taken = exhausted_descriptors()
+        try:
+            by_tcp = judge.reason_for_tcp("127.0.0.1", client_port, server_port)
+            by_pid = judge.reason_for_pid(sandboxed)
+        finally:
+            for fd in taken:
+                os.close(fd)
+        assert by_tcp == UNKNOWN and by_pid == UNKNOWN
+        assert judge.reason_for_tcp("127.0.0.1", client_port, server_port) == REASON   # nothing wrong was kept
+    finally:
         inside.kill()
         inside.wait()
         kill_marked(marker)

@@ -49,7 +49,9 @@ def namespace_init(namespace: int) -> int | None:
                         if line.split()[-1] == b"1":
                             return pid
                         break
-        except OSError:
+        except OSError as exc:
+            if exc.errno in SHORT_OF_RESOURCES:
+                raise                             # nothing is known: not "no such process"
             continue
     return None
 
@@ -86,15 +88,18 @@ def pids_holding(inodes: "set[int] | frozenset[int]") -> set[int]:
 def _holds(pid: int, wanted: set[str]) -> bool:
     try:
         return not wanted.isdisjoint(descriptor_targets(pid))
-    except OSError:
+    except OSError as exc:
+        if exc.errno in SHORT_OF_RESOURCES:
+            raise                                 # could not look: not "holds none"
         return False
 
 
 def tcp_client_inodes(peer_host: str, peer_port: int, server_port: int) -> frozenset[int]:
     """Inodes of sockets whose local address is the peer's and remote port is ours (the client
-    ends of such connections), from the host's /proc/net/tcp and tcp6."""
+    ends of such connections), from the host's /proc/net/tcp and tcp6. OSError when a table cannot
+    be read for want of a descriptor or memory (SHORT_OF_RESOURCES): "none" would be a wrong answer."""
     inodes = set()
-    for fields in tcp_table_rows():
+    for fields in tcp_table_rows(strict=True):
         local, remote, inode = fields[1], fields[2], int(fields[9])
         if int(local.rsplit(":", 1)[1], 16) != peer_port or int(remote.rsplit(":", 1)[1], 16) != server_port:
             continue

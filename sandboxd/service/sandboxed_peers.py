@@ -15,9 +15,14 @@ import os
 from typing import Callable
 
 from sandboxd.kernel import peers
+from sandboxd.kernel.addresses import SHORT_OF_RESOURCES
 
 REASON = ("this connection comes from a process inside a sandboxd sandbox: sandboxed commands may not use "
           "the daemon (ask the user, outside the sandbox)")
+# When the daemon could not look (out of descriptors or memory): refused, never taken for "not
+# sandboxed" (a sandbox that exhausts the daemon's descriptors must not pass the wall that way).
+UNKNOWN = ("the daemon could not tell whether this connection comes from a sandbox (it is short of "
+           "descriptors or memory): try again shortly")
 # What a sandboxd init calls itself (launcher.sequence: process.set_title).
 INIT_TITLES = ("sandboxd-init", "sandboxd-session")
 
@@ -36,7 +41,16 @@ class SandboxedPeers:
 
     def reason_for_pid(self, pid: int) -> str:
         """The refusal for the process ``pid``, or "" when it is not sandboxed (or already gone:
-        what it sent can only be answered on its connection, which is gone with it)."""
+        what it sent can only be answered on its connection, which is gone with it); UNKNOWN when
+        it could not be told."""
+        try:
+            return self._reason_for_pid(pid)
+        except OSError as exc:
+            if exc.errno in SHORT_OF_RESOURCES:
+                return UNKNOWN
+            raise
+
+    def _reason_for_pid(self, pid: int) -> str:
         namespace = peers.pid_namespace(pid) if pid > 0 else None
         if namespace is None or namespace == self._own:
             return ""
@@ -63,7 +77,16 @@ class SandboxedPeers:
         return reason
 
     def reason_for_tcp(self, peer_host: str, peer_port: int, server_port: int) -> str:
-        """The refusal for the TCP client at ``peer_host:peer_port`` of our ``server_port``."""
+        """The refusal for the TCP client at ``peer_host:peer_port`` of our ``server_port``; UNKNOWN
+        when it could not be told."""
+        try:
+            return self._reason_for_tcp(peer_host, peer_port, server_port)
+        except OSError as exc:
+            if exc.errno in SHORT_OF_RESOURCES:
+                return UNKNOWN
+            raise
+
+    def _reason_for_tcp(self, peer_host: str, peer_port: int, server_port: int) -> str:
         key = (peer_host, peer_port, server_port)
         inodes = peers.tcp_client_inodes(peer_host, peer_port, server_port)
         known = self._tcp_verdicts.get(key)
@@ -71,7 +94,7 @@ class SandboxedPeers:
             return known[1]
         reason = ""
         for pid in peers.pids_holding(inodes):
-            reason = self.reason_for_pid(pid)
+            reason = self._reason_for_pid(pid)
             if reason:
                 break
         if len(self._tcp_verdicts) > 4096:
