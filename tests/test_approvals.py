@@ -130,7 +130,7 @@ def test_a_held_call_runs_once_allowed(stub: pb_grpc.SandboxStub, ws: Path, open
     completed = [e for e in events(stub, session.id) if e.type == "ToolInvocationCompleted"][0]
     assert json.loads(completed.data_json)["exit_code"] == 0
     # allow_once remembers nothing: the next such call is asked about again.
-    again = Background(lambda: run_exec(stub, session.id, shell="echo again; true"))
+    again = Background(lambda: run_exec(stub, session.id, shell="echo again; exec true"))
     assert wait_pending(stub, session.id).call_id != pending.call_id
     resolve(stub, session.id, wait_pending(stub, session.id).call_id, "ok")
     assert again.result().stdout == b"again\n"
@@ -139,17 +139,17 @@ def test_a_held_call_runs_once_allowed(stub: pb_grpc.SandboxStub, ws: Path, open
 def test_allow_session_remembers_the_tool_for_that_session_only(
         stub: pb_grpc.SandboxStub, ws: Path, opened: Callable[..., pb.Session]) -> None:
     session = opened(ws, workspace_write(), approval_policy=pb.ON_REQUEST)
-    first = Background(lambda: run_exec(stub, session.id, shell="echo one; true"))
+    first = Background(lambda: run_exec(stub, session.id, shell="echo one; exec true"))
     resolve(stub, session.id, wait_pending(stub, session.id).call_id, "always")
     assert first.result().stdout == b"one\n"
     # The same tool again: no prompt, granted by the session's memory.
-    assert run_exec(stub, session.id, shell="echo two; true").stdout == b"two\n"
+    assert run_exec(stub, session.id, shell="echo two; exec true").stdout == b"two\n"
     grants = [json.loads(e.data_json)["by"] for e in events(stub, session.id, types=["PermissionGranted"])]
     assert grants == ["user", "session"]
     assert len(events(stub, session.id, types=["PermissionRequested"])) == 1
     # Another session asks again.
     other = opened(ws, workspace_write(), approval_policy=pb.ON_REQUEST)
-    held = Background(lambda: run_exec(stub, other.id, shell="echo three; true"))
+    held = Background(lambda: run_exec(stub, other.id, shell="echo three; exec true"))
     resolve(stub, other.id, wait_pending(stub, other.id).call_id, "allow")
     assert held.result().stdout == b"three\n"
 
@@ -157,7 +157,7 @@ def test_allow_session_remembers_the_tool_for_that_session_only(
 def test_a_denied_call_never_runs_and_says_why(stub: pb_grpc.SandboxStub, ws: Path,
                                                opened: Callable[..., pb.Session]) -> None:
     session = opened(ws, workspace_write(), approval_policy=pb.ON_REQUEST)
-    call = Background(lambda: run_exec(stub, session.id, shell="touch should-not-exist; true"))
+    call = Background(lambda: run_exec(stub, session.id, shell="touch should-not-exist; exec true"))
     pending = wait_pending(stub, session.id)
     assert resolve(stub, session.id, pending.call_id, "reject") == "deny"
     with pytest.raises(grpc.RpcError) as raised:

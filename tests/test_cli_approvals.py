@@ -21,7 +21,7 @@ from daemon_helpers import PYTHON, PlainUser, plain_users
 from sandboxd.client import SandboxClient
 
 SANDBOXCTL = str(REPO / ".venv" / "bin" / "sandboxctl")
-HELD = ["--", "sh", "-c", "echo approved-run; true"]    # an unknown command: on-request holds it
+HELD = ["--", "sh", "-c", "echo approved-run; exec true"]    # `exec`: no program it knows, so held
 WAIT = 60 * SLOW
 
 
@@ -127,7 +127,7 @@ def test_exec_asks_in_place_and_y_runs_it(base: Path, session_id: str) -> None:
     term = Terminal(ctl_argv(base, "exec", session_id, *HELD))
     try:
         screen = term.wait_for("[y] once  [s] session  [n] deny")
-        assert "shell.exec" in screen and "Execute: echo approved-run; true" in screen
+        assert "shell.exec" in screen and "Execute: echo approved-run; exec true" in screen
         assert "reason:  unknown_command" in screen and "risk:" in screen
         term.type("y")
         code, screen = term.finish()
@@ -172,8 +172,9 @@ def test_without_a_terminal_it_says_how_to_answer(base: Path, session_id: str) -
     try:
         [call_id] = held_calls(base, session_id)
         assert held.stderr is not None
-        hint = held.stderr.readline() + held.stderr.readline()
+        hint = "".join(held.stderr.readline() for _ in range(3))     # the summary, the argv, how to answer
         assert "waiting for approval (unknown_command)" in hint and f"approve {session_id} {call_id}" in hint
+        assert "\n  argv:    sh -c 'echo approved-run; exec true'\n" in hint, hint
         listed = [json.loads(line) for line in ctl(base, "approvals", "--json").stdout.splitlines()]
         assert {"session_id": session_id, "call_id": call_id} in [
             {"session_id": item["session_id"], "call_id": item["call_id"]} for item in listed]
@@ -195,9 +196,9 @@ def test_follow_answers_calls_of_another_terminal(base: Path, session_id: str) -
         follower.type("y")
         out, _ = first.communicate(timeout=WAIT)
         assert (first.returncode, out) == (0, "approved-run\n")
-        second = background(base, "exec", session_id, "--", "sh", "-c", "echo second; true")
+        second = background(base, "exec", session_id, "--", "sh", "-c", "echo second; exec true")
         follower.wait_for("[y] once  [s] session  [n] deny", count=2)
-        assert "Execute: echo second; true" in follower.screen
+        assert "Execute: echo second; exec true" in follower.screen
         follower.type("n")
         _, err = second.communicate(timeout=WAIT)
         assert second.returncode == 1 and "denied by user" in err

@@ -19,7 +19,7 @@ from sandboxd.policy.decision import (
     axes_for,
     decide,
 )
-from sandboxd.policy.tools import BUILTIN_TOOLS, Category, Effect, classify_command, summary_of
+from sandboxd.policy.tools import BUILTIN_TOOLS, Category, Effect, WriteScope, classify_command, summary_of
 
 SANDBOXES = {"read-only": ReadOnly(), "workspace-write": WorkspaceWrite(),
              "workspace-write+network": WorkspaceWrite(network_access=True), "danger-full-access": DangerFullAccess()}
@@ -193,7 +193,7 @@ def test_rules_never_override_a_denial() -> None:
 
 # ---- the command classifier --------------------------------------------------------------------
 
-ROOTS = ["/ws", "/cache"]
+SCOPE = WriteScope(roots=("/ws", "/cache"), protected=(".git/hooks", ".git/config"), scratch=("/tmp", "/dev/shm"))
 
 
 @pytest.mark.parametrize("argv, effect", [
@@ -229,7 +229,7 @@ ROOTS = ["/ws", "/cache"]
     (["/ws/bash", "-c", "ls"], Effect.UNKNOWN_COMMAND),
 ])
 def test_classify_command(argv: list[str], effect: str) -> None:
-    assert classify_command(argv, cwd="/ws", writable_roots=ROOTS) == effect
+    assert classify_command(argv, cwd="/ws", scope=SCOPE).effect == effect
 
 
 def test_summaries() -> None:

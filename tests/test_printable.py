@@ -376,5 +376,7 @@ def test_the_mcp_elicitation_and_hint_show_the_command_escaped(daemon: Daemon, c
     summary = json.loads(event.data_json)["summary"]
     assert summary.endswith(command) and [char for char in summary if acted_on(char)]  # the control: it came raw
     assert message.splitlines()[1] == printable(summary), message
-    assert len(message.splitlines()) == 3 and not [char for char in message if acted_on(char) and char != "\n"]
+    # The summary shows the script alone: the argv follows, as sandboxctl's prompt adds it.
+    assert message.splitlines()[2] == f"argv: {printable(shlex.join(['/bin/sh', '-c', command]))}", message
+    assert len(message.splitlines()) == 4 and not [char for char in message if acted_on(char) and char != "\n"]
     assert f": {printable(summary)};" in hints[0] and not [char for char in hints[0] if acted_on(char)], hints[0]

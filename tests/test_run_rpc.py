@@ -106,7 +106,7 @@ def test_run_is_audited_like_exec(stub: pb_grpc.SandboxStub, session: pb.Session
 def test_run_is_held_for_approval_and_a_denial_says_why(stub: pb_grpc.SandboxStub, ws: Path,
                                                          opened) -> None:  # type: ignore[no-untyped-def]
     session = opened(ws, workspace_write(), approval_policy=pb.ON_REQUEST)
-    denied = Background(lambda: run(stub, session.id, shell="touch should-not-exist; true"))
+    denied = Background(lambda: run(stub, session.id, shell="touch should-not-exist; exec true"))
     pending = wait_pending(stub, session.id)
     assert pending.tool == "shell.exec"
     resolve(stub, session.id, pending.call_id, "deny")
@@ -117,7 +117,7 @@ def test_run_is_held_for_approval_and_a_denial_says_why(stub: pb_grpc.SandboxStu
     assert not (ws / "should-not-exist").exists()
     assert kinds(stub, session.id, pending.call_id) == ["PermissionRequested", "PermissionDenied"]
     # Control: allowed, the same call runs.
-    allowed = Background(lambda: run(stub, session.id, shell="touch made; echo ran"))
+    allowed = Background(lambda: run(stub, session.id, shell="touch made; exec echo ran"))
     resolve(stub, session.id, wait_pending(stub, session.id).call_id, "allow")
     assert stdout_of(allowed.result()) == b"ran\n" and (ws / "made").exists()
 

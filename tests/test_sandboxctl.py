@@ -73,15 +73,18 @@ def test_approvals_and_events_from_the_shell(base: Path, client: SandboxClient) 
     workspace.mkdir()
     session_id = ctl(base, "session", "create", str(workspace), "--approval", "on-request").stdout.strip()
     held = subprocess.Popen([SANDBOXCTL, "--socket", str(base / "run" / "sandboxd.sock"), "exec", session_id, "--",
-                             "sh", "-c", "echo approved-run; true"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             "sh", "-c", "echo approved-run; exec true"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     deadline = time.monotonic() + 30
     while not (listed := ctl(base, "pending", session_id).stdout.split()):
         assert time.monotonic() < deadline, "the call was never held"
         time.sleep(0.05)
     call_id = listed[0]
-    assert "Execute: echo approved-run; true" in ctl(base, "pending", session_id).stdout
-    notice = held.stderr.readline() + held.stderr.readline()     # sandboxctl exec says how to answer
+    assert "Execute: echo approved-run; exec true" in ctl(base, "pending", session_id).stdout
+    notice = held.stderr.readline()                               # sandboxctl exec says how to answer:
+    while " approve " not in notice.splitlines()[-1]:             # the card's lines (argv), then the commands
+        notice += held.stderr.readline()
+    assert "  argv:    sh -c 'echo approved-run; exec true'\n" in notice, notice
     # The socket came from --socket (not the default): the hint names it, so it can be pasted as is.
     socket_option = f"--socket {base / 'run' / 'sandboxd.sock'}"
     assert f"sandboxctl {socket_option} approve {session_id} {call_id}" in notice and "unknown_command" in notice

@@ -11,7 +11,8 @@ the command (exec forwards stdin only when it is not a terminal).
 What the caller chose (the command, the tool, the reason, a held call's ids) is shown through
 ``printable``: an escape sequence, a carriage return or a newline in a command cannot redraw
 the prompt or forge a line, and when the summary shows less than the whole command (a `sh -c`
-shown by its script, a command cut at 200 characters) the prompt adds the argv as it will run.
+shown by its script, a command cut at 200 characters) the prompt adds the argv as it will run,
+and the environment the call sets (policy.approval_card: both bounded, saying what is not shown).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import json
 import os
 import secrets
 import selectors
-import shlex
 import sys
 import termios
 import threading
@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 
 from sandboxd.client import SandboxClient
+from sandboxd.policy import approval_card
 from sandboxd.printable import printable
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -55,27 +56,23 @@ def describe(session_id: str, held: pb.PendingApproval) -> str:
     """What a person needs to decide, then the keys."""
     return (f"\nsandboxctl: approval needed (session {printable(session_id)}, call {printable(held.call_id)})\n"
             f"  tool:    {printable(held.tool)}\n  command: {printable(held.summary)}\n"
-            + _whole_command(held) +
+            + _card(held) +
             f"  reason:  {printable(held.reason) or '-'}    risk: {printable(held.risk) or '-'}\n"
             f"  [y] once  [s] session  [n] deny ? ")
 
 
-def _whole_command(held: pb.PendingApproval) -> str:
-    """The argv line, when the summary is not the whole command: what `y` runs, not an abridgement."""
-    try:
-        argv = json.loads(held.arguments_json or "{}").get("argv")
-    except (ValueError, AttributeError, RecursionError):
-        return ""
-    if not isinstance(argv, list) or not all(isinstance(arg, str) for arg in argv):
-        return ""
-    whole = shlex.join(argv)
-    return "" if held.summary == f"Execute: {whole}" else f"  argv:    {printable(whole)}\n"
+def _card(held: pb.PendingApproval) -> str:
+    """The lines below the summary (policy.approval_card): the argv when the summary is not the
+    whole command (what `y` runs, not an abridgement), and the environment the call sets."""
+    return "".join(f"  {label + ':':<9}{text}\n" for label, text in approval_card.lines(held.summary,
+                                                                                      held.arguments_json))
 
 
 def hint(session_id: str, held: pb.PendingApproval, ctl: str) -> str:
     """Without a terminal: how to answer from elsewhere (paste as is)."""
     session_id, call_id = printable(session_id), printable(held.call_id)
     return (f"sandboxctl: waiting for approval ({printable(held.reason)}): {printable(held.summary)}\n"
+            + _card(held) +
             f"  {ctl} approve {session_id} {call_id} [--session-wide]"
             f"  |  {ctl} deny {session_id} {call_id}\n")
 
@@ -261,10 +258,12 @@ def _print_held(session_id: str, held: pb.PendingApproval, as_json: bool) -> Non
 
 
 def held_line(held: pb.PendingApproval, session_id: str = "") -> str:
-    """One held call on one line: `approvals` (with its session) and `pending` (without)."""
+    """One held call on one line: `approvals` (with its session) and `pending` (without); the
+    card's other lines follow on it (``  argv: ...  env: ...``)."""
     session = f"{printable(session_id)} " if session_id else ""
+    extra = "".join(f"  {label}: {text}" for label, text in approval_card.lines(held.summary, held.arguments_json))
     return (f"{session}{printable(held.call_id)}  {printable(held.tool):<14} risk={printable(held.risk):<6} "
-            f"reason={printable(held.reason):<20} {printable(held.summary)}")
+            f"reason={printable(held.reason):<20} {printable(held.summary)}{extra}")
 
 
 def _ask(client: SandboxClient, keys: KeyReader, session_id: str, held: pb.PendingApproval) -> None:

@@ -6,11 +6,14 @@ the answer goes to the daemon with ResolveApproval. Otherwise, or when the clien
 the call waits for `sandboxctl approve`, and a progress message says exactly how.
 
 The tool, summary and reason are the agent's choice: the elicitation and the hint show them
-printable, so a command cannot redraw the dialog or the terminal, nor add lines of its own."""
+printable, so a command cannot redraw the dialog or the terminal, nor add lines of its own. Like
+sandboxctl's prompt, they add the whole command when the summary shows less of it (a command cut
+at 200 characters: a tail after the cut would otherwise run unseen) and the environment the call
+sets (policy.approval_card, both bounded), read from the daemon's held call, not from the event
+(whose arguments are the audit's bounded form)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from typing import Any
@@ -19,6 +22,7 @@ import grpc
 import mcp_types as types
 
 from sandboxd.mcp.binding import Binding, HeldCalls
+from sandboxd.policy import approval_card
 from sandboxd.printable import printable
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -60,12 +64,16 @@ async def answer_held(ctx: "ServerRequestContext[Any, Any]", binding: Binding, h
     """Runs beside a tool call until it ends: asks about each of its calls held for approval."""
     while True:
         event = await held.events.get()
-        data = json.loads(event.data_json or "{}")
-        summary, reason = str(data.get("summary") or event.tool), str(data.get("reason") or "")
-        if _elicits(ctx) and await _elicit(ctx, binding, event.call_id, event.tool, summary, reason):
+        call = await _held_call(binding, event.call_id)
+        if call is None:
+            continue                                    # answered elsewhere, timed out, or gone
+        card = [f"{label}: {text}" for label, text in approval_card.lines(call.summary, call.arguments_json)]
+        summary, reason = call.summary or call.tool, call.reason
+        if _elicits(ctx) and await _elicit(ctx, binding, call.call_id, call.tool, summary, card, reason):
             continue
-        session_id, call_id = printable(binding.session_id), printable(event.call_id)
-        hint = (f"waiting for approval ({printable(reason)}): {printable(summary)}; answer with `{ctl} approve "
+        session_id, call_id = printable(binding.session_id), printable(call.call_id)
+        hint = (f"waiting for approval ({printable(reason)}): {printable(summary)}"
+                f"{''.join(f'; {line}' for line in card)}; answer with `{ctl} approve "
                 f"{session_id} {call_id}` (add --session-wide for the rest of the session) or `{ctl} deny "
                 f"{session_id} {call_id}`")
         sys.stderr.write(f"sandboxd mcp: {hint}\n")
@@ -73,12 +81,25 @@ async def answer_held(ctx: "ServerRequestContext[Any, Any]", binding: Binding, h
         await progress.say(hint)
 
 
+async def _held_call(binding: Binding, call_id: str) -> pb.PendingApproval | None:
+    """The held call as the daemon keeps it (whole: an event's arguments are the audit's bounded
+    form, a long command clipped), or None once it is no longer held."""
+    try:
+        listed = await binding.daemon.stub.ListPendingApprovals(pb.ListPendingApprovalsRequest(
+            session_id=binding.session_id))
+    except grpc.RpcError as error:
+        log.warning("sandboxd mcp: could not read held call %s (%s)", printable(call_id), printable(str(error.code())))
+        return None
+    return next((call for call in listed.approvals if call.call_id == call_id), None)
+
+
 async def _elicit(ctx: "ServerRequestContext[Any, Any]", binding: Binding, call_id: str, tool: str, summary: str,
-                  reason: str) -> bool:
+                  card: list[str], reason: str) -> bool:
     """Ask the client's user; True once the answer reached the daemon (or the call was answered
-    elsewhere meanwhile)."""
+    elsewhere meanwhile). ``card``: the card's lines below the summary, escaped already."""
     message = (f"sandboxd: a {printable(tool)} call needs your approval ({printable(reason)}).\n"
-               f"{printable(summary)}\nSession {printable(binding.session_id)}, call {printable(call_id)}.")
+               f"{printable(summary)}\n" + "".join(f"{line}\n" for line in card) +
+               f"Session {printable(binding.session_id)}, call {printable(call_id)}.")
     try:
         result = await ctx.session.elicit_form(message, SCHEMA, related_request_id=ctx.request_id)
     except Exception as error:                      # noqa: BLE001 - a client that cannot answer: fall back

@@ -3,8 +3,10 @@
 The engine reads only the effect; ``Risk`` is shown to people (an approval card,
 a status line) and never decides anything. Built-in tools have a fixed effect,
 except the ones that run a command (``shell.exec``, ``monitor.start``): theirs
-comes from the command, through a deliberately small classifier that only
-recognises what it can be sure of and calls everything else an unknown command.
+comes from the command and the environment it carries, through a deliberately
+small classifier that only recognises what it can be sure of (each program's
+harmless forms: sandboxd.policy.safe_commands) and calls everything else an
+unknown command.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import shlex
 
 from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
+from sandboxd.policy.command_env import CommandEnv, effective, unknown_variables, untrusted_directories
+from sandboxd.policy.safe_commands import read_only, written_paths
 from sandboxd.policy.sandbox import is_within
+from sandboxd.policy.shell_script import Command, split
 
 
 class Effect:
@@ -82,27 +87,11 @@ BUILTIN_TOOLS: dict[str, ToolSpec] = {spec.name: spec for spec in (
     ToolSpec("monitor.stop", Risk.LOW, Effect.READ_ONLY, Category.MONITOR, "Stop a background process."),
 )}
 
-# Programs that only read, whatever their arguments (apart from the exceptions below).
-READ_ONLY_PROGRAMS = frozenset((
-    "cat", "ls", "head", "tail", "wc", "grep", "egrep", "fgrep", "rg", "pwd", "echo", "true", "false",
-    "stat", "file", "which", "whoami", "id", "date", "uname", "tree", "du", "df", "diff", "cmp", "sort",
-    "uniq", "cut", "tr", "basename", "dirname", "realpath", "readlink", "nl", "od", "xxd", "sha256sum",
-    "sha1sum", "md5sum", "hostname", "printf", "test", "[",
-))
-READ_ONLY_GIT = frozenset(("status", "log", "diff", "show", "rev-parse", "ls-files", "blame", "grep", "describe"))
-# Options that make an otherwise reading program write or run something.
-WRITING_OPTIONS = {"find": ("-delete", "-exec", "-execdir", "-ok", "-okdir", "-fprint", "-fprint0", "-fprintf",
-                            "-fls"),
-                   "sort": ("-o", "--output"), "sed": ("-i", "--in-place")}
 NETWORK_PROGRAMS = frozenset(("curl", "wget", "ssh", "scp", "sftp", "nc", "ncat", "telnet", "ping", "ftp"))
 NETWORK_SUBCOMMANDS = {"git": ("clone", "fetch", "pull", "push", "ls-remote"),
                        "pip": ("install", "download"), "pip3": ("install", "download"),
                        "npm": ("install", "ci", "update", "publish"), "yarn": ("add", "install"),
                        "cargo": ("fetch", "install", "update"), "go": ("get", "mod")}
-# Programs that write the paths they are given (every non-option argument).
-PATH_WRITING_PROGRAMS = frozenset(("mkdir", "touch", "cp", "mv", "rm", "rmdir", "ln", "chmod", "truncate"))
-# A shell string with any of these is more than one plain command (or expands something).
-SHELL_SYNTAX = frozenset(";&|<>$`(){}\n*?[]~!#\\")
 # The shells whose ``-c STRING`` is looked into (classified, and shown as its script): only these
 # spellings, so a program of the agent's own named ``evilsh`` or ``/ws/bash`` is shown and
 # classified as the program it is.
@@ -111,48 +100,160 @@ SHELLS = frozenset(("/bin/sh", "sh", "/bin/bash", "bash", "/usr/bin/sh", "/usr/b
 # system directories, which every sandbox sees read-only. ``./ls`` or ``/ws/cat`` is the agent's
 # own file, whatever its name: UNKNOWN_COMMAND.
 SYSTEM_BIN_DIRS = frozenset(("/bin", "/usr/bin", "/usr/local/bin", "/sbin", "/usr/sbin", "/usr/local/sbin"))
+# The HOME of a confined sandbox's commands (made by service.environment): in the session's own
+# /tmp, but not a scratch area a call writes without asking, since programs read their
+# configuration there (git's .gitconfig runs core.fsmonitor, less's lesskey sets LESSOPEN).
+SANDBOX_HOME = "/tmp/sandboxd-home"
+# A script with more possible working directories than this (each ``cd`` may fail) is unknown.
+MAX_SCRIPT_CWDS = 8
 
 
-def classify_command(argv: "list[str] | tuple[str, ...]", *, cwd: str, writable_roots: "list[str]") -> str:
-    """The effect of running ``argv`` (a ``/bin/sh -c STRING`` is looked into when it is one
-    plain command). Anything not recognised is UNKNOWN_COMMAND: the engine never guesses
-    in the permissive direction."""
-    argv = list(argv)
+class WriteScope(Record):
+    """Where a call's writes are workspace-write (allowed without asking unless the sandbox is
+    read-only): the writable roots but their protected subpaths (.git/hooks, .git/config), and in
+    a confined sandbox its private scratch areas (/tmp, /dev/shm) but the commands' HOME."""
+
+    roots: tuple[str, ...]
+    protected: tuple[str, ...] = ()
+    scratch: tuple[str, ...] = ()
+    writes_allowed: bool = True      # False in a read-only sandbox: no write runs without asking
+    # The git guard keeps every repository under the writable roots free of configuration that
+    # runs programs (sandboxd/gitguard), or nothing there is writable: git reads only what the
+    # person put there. Not in danger-full-access, where nothing inspects a planted .git/config.
+    git_guarded: bool = True
+
+    def effect_of(self, paths: "list[str]") -> tuple[str, str]:
+        """WORKSPACE_WRITE for writes only there; else DESTRUCTIVE and why."""
+        for path in paths:
+            inside = [root for root in self.roots if is_within(path, root)]
+            if not inside and not any(is_within(path, area) for area in self.scratch):
+                return Effect.DESTRUCTIVE, (f"write to {path!r} is outside the workspace and the writable roots "
+                                            f"({', '.join(self.roots)})")
+            for root in inside:
+                for sub in self.protected:
+                    if is_within(path, os.path.join(root, sub)):
+                        return Effect.DESTRUCTIVE, f"write to {path!r}: {sub} stays read-only inside writable roots"
+            if self.scratch and is_within(path, SANDBOX_HOME):
+                return Effect.DESTRUCTIVE, (f"write to {path!r}: the commands' HOME holds the configuration "
+                                            "programs read, so it is not written without asking")
+        return Effect.WORKSPACE_WRITE, ""
+
+    def writes_freely(self, path: str) -> bool:
+        """A call may write ``path`` (or below it) without anyone being asked."""
+        return self.writes_allowed and self.effect_of([path])[0] == Effect.WORKSPACE_WRITE
+
+
+class Classified(Record):
+    effect: str
+    note: str = ""            # why a command that would be vouched for is not (its environment)
+
+
+_READ_ONLY = Classified(Effect.READ_ONLY)
+_UNKNOWN = Classified(Effect.UNKNOWN_COMMAND)
+
+
+def classify_command(argv: "list[str] | tuple[str, ...]", *, cwd: str, scope: WriteScope,
+                     env: CommandEnv | None = None) -> Classified:
+    """The effect of running ``argv`` with ``env``: read-only or workspace-write only in the forms
+    sandboxd.policy.safe_commands lists, with an environment sandboxd.policy.command_env accepts.
+    A ``sh -c SCRIPT`` is looked into when it is plain commands (sandboxd.policy.shell_script),
+    each of them safe. Anything not recognised is UNKNOWN_COMMAND: the engine never guesses in
+    the permissive direction."""
+    env = env or CommandEnv()
+    found = _classify_argv(list(argv), cwd, scope)
+    if found.effect not in (Effect.READ_ONLY, Effect.WORKSPACE_WRITE):
+        return found
+    unknown = unknown_variables(env)
+    if unknown:
+        return Classified(Effect.UNKNOWN_COMMAND, "the environment sets " + ", ".join(unknown[:8])
+                          + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
+                          + ": such a variable can make any program run code")
+    programs = _programs(list(argv))
+    if any("/" not in program for program in programs):
+        path = effective(env, "PATH", env.path)
+        shadowed = untrusted_directories(path.split(":"), scope.writes_freely)
+        if shadowed:
+            return Classified(Effect.UNKNOWN_COMMAND, f"PATH has {shadowed[0]!r}, which the agent may write "
+                                                      "(or which names another directory): a program there may "
+                                                      "be its own")
+    if "git" in (os.path.basename(program) for program in programs):
+        if not scope.git_guarded:
+            return Classified(Effect.UNKNOWN_COMMAND, "nothing keeps this sandbox's repositories free of "
+                                                      "configuration git would run (danger-full-access, or no "
+                                                      "git guard)")
+        home = effective(env, "HOME", env.home)
+        if home and untrusted_directories([home], scope.writes_freely):
+            return Classified(Effect.UNKNOWN_COMMAND, f"HOME is {home!r}, which the agent may write: git "
+                                                      "runs what its configuration there names")
+    return found
+
+
+def _programs(argv: "list[str]") -> list[str]:
+    """The programs a command starts by name: its own, and a script's (already split once)."""
+    script = _script(argv)
+    if script is None:
+        return argv[:1]
+    return [argv[0], *(command.argv[0] for command in script)]
+
+
+def _script(argv: "list[str]") -> "list[Command] | None":
     if len(argv) == 3 and argv[0] in SHELLS and argv[1] == "-c":
-        script = argv[2]
-        if any(ch in SHELL_SYNTAX for ch in script) or not script.strip():
-            return Effect.UNKNOWN_COMMAND
-        try:
-            argv = shlex.split(script)
-        except ValueError:
-            return Effect.UNKNOWN_COMMAND
-    if not argv:
-        return Effect.UNKNOWN_COMMAND
+        return split(argv[2])
+    return None
+
+
+def _classify_argv(argv: "list[str]", cwd: str, scope: WriteScope) -> Classified:
+    if len(argv) == 3 and argv[0] in SHELLS and argv[1] == "-c":
+        script = split(argv[2])
+        return _UNKNOWN if script is None else _classify_script(script, cwd, scope)
+    return _classify_one(argv, cwd, scope)
+
+
+def _classify_script(script: "list[Command]", cwd: str, scope: WriteScope) -> Classified:
+    """Every command read-only: read-only; every one read-only or workspace-write: workspace-write.
+    ``cd DIR`` (not in a pipeline) moves the commands after it, but each may run where the shell
+    was before, if the ``cd`` failed: paths are judged from every directory possible."""
+    cwds = [cwd]
+    effects = []
+    for position, command in enumerate(script):
+        piped = command.joined_by == "|" or (position + 1 < len(script) and script[position + 1].joined_by == "|")
+        if command.argv[0] == "cd":
+            if piped or len(command.argv) != 2 or not command.argv[1] or command.argv[1].startswith("-"):
+                return _UNKNOWN
+            moved = [os.path.normpath(os.path.join(where, command.argv[1])) for where in cwds]
+            if not all(any(is_within(where, root) for root in scope.roots) for where in moved):
+                return _UNKNOWN                  # elsewhere git would read a repository the guard does not watch
+            cwds = list(dict.fromkeys(cwds + moved))
+            if len(cwds) > MAX_SCRIPT_CWDS:
+                return _UNKNOWN
+            continue
+        effect = max((_classify_one(list(command.argv), where, scope).effect for where in cwds), key=_RANK.__getitem__)
+        if effect not in (Effect.READ_ONLY, Effect.WORKSPACE_WRITE):
+            return _UNKNOWN
+        effects.append(effect)
+    return Classified(Effect.WORKSPACE_WRITE if Effect.WORKSPACE_WRITE in effects else Effect.READ_ONLY)
+
+
+_RANK = {Effect.READ_ONLY: 0, Effect.WORKSPACE_WRITE: 1, Effect.NETWORK: 2, Effect.DESTRUCTIVE: 3,
+         Effect.UNKNOWN_COMMAND: 4}
+
+
+def _classify_one(argv: "list[str]", cwd: str, scope: WriteScope) -> Classified:
+    if not argv or not argv[0]:
+        return _UNKNOWN
     if "/" in argv[0] and os.path.dirname(argv[0]) not in SYSTEM_BIN_DIRS:
-        return Effect.UNKNOWN_COMMAND
+        return _UNKNOWN
     program, args = os.path.basename(argv[0]), argv[1:]
     first = next((a for a in args if not a.startswith("-")), "")
     if program in NETWORK_PROGRAMS or first in NETWORK_SUBCOMMANDS.get(program, ()):
-        return Effect.NETWORK
-    if program == "git":
-        return Effect.READ_ONLY if first in READ_ONLY_GIT else Effect.UNKNOWN_COMMAND
-    if program in READ_ONLY_PROGRAMS or program in WRITING_OPTIONS:
-        writing = WRITING_OPTIONS.get(program, ())
-        if any(a == w or a.startswith(w + "=") or (w == "-i" and a.startswith("-i")) for a in args for w in writing):
-            return Effect.UNKNOWN_COMMAND
-        return Effect.READ_ONLY
-    if program in PATH_WRITING_PROGRAMS:
-        targets = [a for a in args if not a.startswith("-")]
-        if not targets:
-            return Effect.UNKNOWN_COMMAND
-        return write_effect([os.path.normpath(os.path.join(cwd, t)) for t in targets], writable_roots)
-    return Effect.UNKNOWN_COMMAND
-
-
-def write_effect(paths: "list[str]", writable_roots: "list[str]") -> str:
-    """WORKSPACE_WRITE when every path is inside a writable root, else DESTRUCTIVE."""
-    inside = all(any(is_within(path, root) for root in writable_roots) for path in paths)
-    return Effect.WORKSPACE_WRITE if inside else Effect.DESTRUCTIVE
+        return Classified(Effect.NETWORK)
+    if read_only(program, args):
+        return _READ_ONLY
+    written = written_paths(program, args)
+    if written is None:
+        return _UNKNOWN
+    effect, note = scope.effect_of([os.path.normpath(os.path.join(cwd, path)) for path in written])
+    return Classified(effect, note)
 
 
 SUMMARY_CHARS = 200

@@ -40,7 +40,9 @@ from collections.abc import Mapping
 from sandboxd.errors import Exhausted, InvalidPolicy
 from sandboxd.policy.limits import (MAX_CALLER_PATH_BYTES, MAX_CALLER_VALUE, MAX_ENV_NAME, MAX_ENV_VALUE, MAX_PATH_ENTRIES,
                                     MAX_SESSION_ENV_BYTES, MAX_SESSION_ENV_ENTRIES)
+from sandboxd.policy.command_env import CommandEnv
 from sandboxd.policy.sandbox import DangerFullAccess
+from sandboxd.policy.tools import SANDBOX_HOME
 from sandboxd.service.file_calls import run_tool
 from sandboxd.service.terminal_call import DEFAULT_TERM
 from sandboxd.service.sessions import Session, SessionRegistry
@@ -48,7 +50,6 @@ from sandboxd.supervisor.forkserver import ForkServer
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
-SANDBOX_HOME = "/tmp/sandboxd-home"
 FALLBACK_HOME = "/tmp"
 DEFAULT_LANG = "C.UTF-8"
 NO_TERMINAL = "dumb"
@@ -135,6 +136,18 @@ def worst_case(session: Session, start: pb.ExecStart) -> dict[str, str]:
     if start.env:
         return dict(start.env)
     return compose(session, start, path=":".join(path_candidates(start.caller_env.path)), home=SANDBOX_HOME)
+
+
+def for_classifier(session: Session, start: pb.ExecStart) -> CommandEnv:
+    """What the command classifier (policy.tools.classify_command) needs of the environment the
+    call will carry: its overlay, the session's env (or the whole env the client sent), the PATH
+    searched when neither sets one (the client's entries, before the sandbox drops those it
+    hides: a superset) and the HOME the daemon gives."""
+    if start.env:
+        return CommandEnv(configured=dict(start.env), path=DEFAULT_PATH)
+    home = _owner_home(session.owner.uid) if isinstance(session.policy, DangerFullAccess) else SANDBOX_HOME
+    return CommandEnv(overlay=dict(start.env_overlay), configured=dict(session.env),
+                      path=":".join(path_candidates(start.caller_env.path)) or DEFAULT_PATH, home=home)
 
 
 def command_env(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb.ExecStart) -> dict[str, str]:

@@ -10,8 +10,9 @@ import threading
 from typing import Iterator
 
 from sandboxd.errors import DeadlineExceeded, Forbidden, InvalidPolicy, NotFound, SandboxdError
-from sandboxd.policy.sandbox import DangerFullAccess, is_within
-from sandboxd.policy.tools import Effect
+from sandboxd.policy.git_config import GIT_GUARD_SUBPATH
+from sandboxd.policy.sandbox import DangerFullAccess, ReadOnly
+from sandboxd.policy.tools import WriteScope
 from sandboxd.service.calls import SessionCall, write_all
 from sandboxd.service.convert import check_path
 from sandboxd.service.sessions import Session, SessionRegistry
@@ -41,24 +42,24 @@ def resolve(session: Session, path: str) -> str:
     return check_path(resolved, "the path (joined to the workspace)")
 
 
+def write_scope(session: Session, *, resolved: bool) -> WriteScope:
+    """Where the session's calls write without anyone being asked (policy.tools.WriteScope): its
+    writable roots (``resolved``: the policy's by their real paths, as the file tools reach them),
+    their protected subpaths, and a confined sandbox's private /tmp and /dev/shm."""
+    policy = session.policy
+    roots = getattr(policy, "writable_roots", ())
+    protected = tuple(getattr(policy, "protected_subpaths", ()))
+    return WriteScope(roots=(session.workspace, *(os.path.realpath(r) if resolved else r for r in roots)),
+                      protected=protected, scratch=() if isinstance(policy, DangerFullAccess) else ("/tmp", "/dev/shm"),
+                      writes_allowed=not isinstance(policy, ReadOnly),
+                      git_guarded=isinstance(policy, ReadOnly) or GIT_GUARD_SUBPATH in protected)
+
+
 def write_effect(session: Session, paths: list[str]) -> tuple[str, str]:
     """The effect of writing ``paths`` (resolved, absolute) in this session, and for a destructive
     one the reason: a write outside the writable roots, or under a protected subpath, counts as
     destructive (the policy engine then refuses it unless the sandbox is danger-full-access)."""
-    policy = session.policy
-    roots = [session.workspace] + [os.path.realpath(r) for r in getattr(policy, "writable_roots", ())]
-    scratch = [] if isinstance(policy, DangerFullAccess) else ["/tmp", "/dev/shm"]  # private to a confined sandbox
-    protected = getattr(policy, "protected_subpaths", ())
-    for path in paths:
-        inside = [root for root in roots if is_within(path, root)]
-        if not inside and not any(is_within(path, area) for area in scratch):
-            return Effect.DESTRUCTIVE, (f"write to {path!r} is outside the workspace and the writable roots "
-                                        f"({', '.join(roots)})")
-        for root in inside:
-            for sub in protected:
-                if is_within(path, os.path.join(root, sub)):
-                    return Effect.DESTRUCTIVE, f"write to {path!r}: {sub} stays read-only inside writable roots"
-    return Effect.WORKSPACE_WRITE, ""
+    return write_scope(session, resolved=True).effect_of(paths)
 
 
 def run_tool(registry: SessionRegistry, fork: ForkServer, session: Session, tool: dict[str, object],

@@ -202,7 +202,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             exec_call.check_start(start, argv, session)
             convert.check_text(request.name, "name")
             call = tool_calls.command(session, "monitor.start", argv,
-                                      cwd_inside(session.workspace, convert.check_path(request.cwd, "cwd")))
+                                      cwd_inside(session.workspace, convert.check_path(request.cwd, "cwd")), start)
             return job_to_proto(self._tool(context, session, call, lambda: self._jobs.start(
                 session, argv, request.cwd, start, request.name)))
         return self._unary(context, work, CALLS)
@@ -268,7 +268,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                 exec_call.check_unstreamed(start)
             if start.HasField("terminal"):                # a pty of its session's devpts, counted apart too
                 terminal.enter_context(self._quotas.terminal(who))
-            call = tool_calls.command(session, "shell.exec", argv, cwd, context_id=start.execution_context_id)
+            call = tool_calls.command(session, "shell.exec", argv, cwd, start, context_id=start.execution_context_id)
             with self._gate.authorize(session, call, still_wanted=context.is_active) as granted:
                 for response in exec_call.run(self._registry, self._fork, session, start, argv, cwd, request_iterator,
                                               context):

@@ -4,9 +4,11 @@ and the one-line summary an approval card shows. One function per kind of call."
 from __future__ import annotations
 
 from sandboxd.policy.tools import BUILTIN_TOOLS, classify_command, summary_of
+from sandboxd.service import environment
 from sandboxd.service.approvals import ToolCall
-from sandboxd.service.file_calls import write_effect
+from sandboxd.service.file_calls import write_effect, write_scope
 from sandboxd.service.sessions import Session
+from sandboxd.v1 import sandboxd_pb2 as pb
 
 
 def _call(name: str, effect: str | None, arguments: dict[str, object], summary: str, *, note: str = "",
@@ -16,14 +18,20 @@ def _call(name: str, effect: str | None, arguments: dict[str, object], summary: 
                     risk=spec.risk, execution_context_id=context_id, note=note)
 
 
-def writable_roots(session: Session) -> list[str]:
-    return [session.workspace, *getattr(session.policy, "writable_roots", ())]
-
-
-def command(session: Session, tool: str, argv: list[str], cwd: str, *, context_id: str = "") -> ToolCall:
-    """shell.exec or monitor.start: the effect comes from the command."""
-    effect = classify_command(argv, cwd=cwd, writable_roots=writable_roots(session))
-    return _call(tool, effect, {"argv": argv, "cwd": cwd}, summary_of(tool, argv), context_id=context_id)
+def command(session: Session, tool: str, argv: list[str], cwd: str, start: pb.ExecStart, *,
+            context_id: str = "") -> ToolCall:
+    """shell.exec or monitor.start: the effect comes from the command and the environment it
+    carries. That environment is part of the call: the variables the call sets (its overlay, or
+    the whole env a client sent) are in its arguments, so every approval card shows them and the
+    audit log records them (the session's own env is not: its values stay root-only, and only its
+    names are recorded, when the session is created)."""
+    found = classify_command(argv, cwd=cwd, scope=write_scope(session, resolved=False),
+                             env=environment.for_classifier(session, start))
+    arguments: dict[str, object] = {"argv": argv, "cwd": cwd}
+    carried = dict(start.env or start.env_overlay)
+    if carried:
+        arguments["env"] = carried
+    return _call(tool, found.effect, arguments, summary_of(tool, argv), context_id=context_id, note=found.note)
 
 
 def read(session: Session, tool: str, path: str, **extra: object) -> ToolCall:

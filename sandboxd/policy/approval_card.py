@@ -1,0 +1,94 @@
+"""What a person is shown about a held call besides its one-line summary (policy.tools.summary_of):
+the whole command, when the summary shows less of it (a ``sh -c`` shown by its script, a command
+cut at SUMMARY_CHARS), and the environment the call sets (its overlay, or the whole env a client
+sent), which can change what any program runs (``BASH_ENV``, ``LD_PRELOAD``). Every card reads
+it from here: sandboxctl's in-place prompt, its hint and ``approvals`` listing, the MCP
+elicitation and hint.
+
+Everything is the caller's choice, so it is shown through sandboxd.printable, and bounded: a
+command may be 2 MiB, and an overlay 128 KiB. A part longer than its bound shows its start and its
+end around a marker that says how much is not shown (``... [1,835,030 characters not shown:
+approve only what you have read] ...``): the approval is of the whole call, which runs all of it,
+so a person who cannot read it all is told so rather than shown an innocent head. Variables are
+listed unknown ones first (those outside policy.command_env's safe set: whatever else is cut,
+``LD_PRELOAD`` is not), names before values when the values do not fit.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+from sandboxd.policy.command_env import SAFE_VARIABLES
+from sandboxd.printable import printable
+
+COMMAND_CHARS = 8192       # of the whole command, as shown (a terminal's 100 lines of 80)
+ENV_CHARS = 4096           # of the variables, as shown
+TAIL_SHARE = 4             # the end keeps a quarter of a bound part
+
+
+def whole_command(summary: str, arguments: dict[str, Any]) -> str:
+    """The argv as it will run, escaped and bounded, when ``summary`` shows less; else ""."""
+    argv = arguments.get("argv")
+    if not isinstance(argv, list) or not argv or not all(isinstance(arg, str) for arg in argv):
+        return ""
+    whole = shlex.join(argv)
+    return "" if summary == f"Execute: {whole}" else bounded(whole, COMMAND_CHARS)
+
+
+def environment(arguments: dict[str, Any]) -> str:
+    """The variables the call sets, ``NAME=value`` (the value quoted as a shell would need it),
+    escaped and bounded; "" when it sets none."""
+    env = arguments.get("env")
+    if not isinstance(env, dict) or not env:
+        return ""
+    names = sorted((str(name) for name in env), key=lambda name: (name in SAFE_VARIABLES, name))
+    shown: list[str] = []
+    used = 0
+    for index, name in enumerate(names):
+        pair = printable(f"{name}={shlex.quote(str(env[name]))}")
+        if used + len(pair) > ENV_CHARS:
+            rest = bounded(" ".join(names[index:]), ENV_CHARS // 2)
+            return " ".join(shown + [f"[{len(names) - index} more, values not shown: {rest}]"])
+        shown.append(pair)
+        used += len(pair) + 1
+    return " ".join(shown)
+
+
+def lines(summary: str, arguments_json: str) -> list[tuple[str, str]]:
+    """(label, text) for each line a card adds below the summary: ``argv``, ``env``."""
+    try:
+        arguments = json.loads(arguments_json or "{}")
+    except (ValueError, RecursionError):
+        return []
+    if not isinstance(arguments, dict):
+        return []
+    found = [("argv", whole_command(summary, arguments)), ("env", environment(arguments))]
+    return [(label, text) for label, text in found if text]
+
+
+def bounded(text: str, limit: int) -> str:
+    """``text`` through printable, at most about ``limit`` characters shown: its start and its end
+    around a marker saying how many characters are not shown."""
+    shown = printable(text)
+    if len(shown) <= limit:
+        return shown
+    head = _fitting(text, limit - limit // TAIL_SHARE)
+    tail = _fitting(text[::-1], limit // TAIL_SHARE)[::-1]        # escapes are per character: same length
+    hidden = len(text) - len(head) - len(tail)
+    return (f"{printable(head)} ... [{hidden:,} of {len(text):,} characters not shown: approve only what you "
+            f"have read] ... {printable(tail)}")
+
+
+def _fitting(text: str, limit: int) -> str:
+    """The longest start of ``text`` whose escaped form takes at most ``limit`` characters (whole
+    characters are escaped, so an escape is never cut in two)."""
+    low, high = 0, min(len(text), limit)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if len(printable(text[:middle])) <= limit:
+            low = middle
+        else:
+            high = middle - 1
+    return text[:low]
