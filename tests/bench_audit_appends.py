@@ -9,7 +9,7 @@ where the WAL checkpoints show up (tests/bench_store.py reports only the median 
     N=3000 WARM=200 PACE=0.002 .venv/bin/python tests/bench_audit_appends.py [CHECKOUT]
 
 CHECKOUT (default: this one) is put first on sys.path, so another checkout's store can be timed
-with the same script, interleaved (the before/after in doc-drafts/18-rpc.md).
+with the same script, interleaved (the before/after in docs/perf-notes/18-rpc.md).
 """
 import os
 import resource

@@ -33,7 +33,7 @@ R  the option "a per-session resident helper", as a prototype (bench_call_start_
 D  a bare ``posix_spawn`` + ``waitpid`` of /bin/true from this process
 
 Per mechanism: wall time per call, this process's CPU (the "fork server" side) and its children's
-(helper and command). Numbers for issue 18 are in doc-drafts/18-initcall.md.
+(helper and command). Numbers for issue 18 are in docs/perf-notes/18-initcall.md.
 """
 
 from __future__ import annotations

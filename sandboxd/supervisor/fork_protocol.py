@@ -14,7 +14,7 @@ and goes on: a bug in the daemon costs one request, never every sandbox of every
 
 JSON, not marshal or pickle: the decoder must be safe on any bytes (marshal's documentation says
 it is not), and the codec is a few microseconds per message against about a millisecond of work
-per call (doc-drafts/18-forkproto.md has the measurement).
+per call (docs/perf-notes/18-forkproto.md has the measurement).
 """
 
 from __future__ import annotations
