@@ -48,6 +48,14 @@ PY = "/usr/bin/python3"
 # nothing is asserted about speed.
 SLOW = float(os.environ.get("SANDBOXD_TEST_SLOW", "1"))
 
+# A suite started as a background job of a non-interactive shell (`setup.sh test &`, nohup) inherits
+# SIGINT and SIGQUIT ignored (POSIX), and so would every process a test starts: the Ctrl-C tests'
+# commands would never see theirs. What a test sends is meant to arrive: a handler here (Python's
+# own, for SIGINT) is reset to the default in every child's exec.
+for _signum in (signal.SIGINT, signal.SIGQUIT):
+    if signal.getsignal(_signum) == signal.SIG_IGN:
+        signal.signal(_signum, signal.default_int_handler if _signum == signal.SIGINT else signal.SIG_DFL)
+
 STD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # A small, fully known environment for the sandboxd CLI (and so for the command).
 BASE_ENV: dict[str, str] = {"PATH": STD_PATH, "HOME": "/root", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}

@@ -435,6 +435,13 @@ class PlainUser(NamedTuple):
     gid: int
 
 
+def owned_dir(path: Path, owner: PlainUser) -> Path:
+    """A new directory ``path`` (0755) that ``owner`` owns: a plain user's workspace."""
+    path.mkdir(mode=0o755)
+    os.chown(path, owner.uid, owner.gid)
+    return path
+
+
 @contextlib.contextmanager
 def plain_users(count: int = 1) -> Iterator[list[PlainUser]]:
     """``count`` fresh unprivileged users (``sbxt-<random>``, no home, no group of their own, no

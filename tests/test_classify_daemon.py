@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from daemon_fixtures import base, daemon  # noqa: F401 - pytest fixtures
-from daemon_helpers import Daemon, PlainUser, plain_users, run_client_as
+from daemon_helpers import Daemon, PlainUser, owned_dir, plain_users, run_client_as
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 pytestmark = pytest.mark.timeout(600)
@@ -71,12 +71,6 @@ print(json.dumps({"results": results, "requested": events}))
 def victim() -> Iterator[PlainUser]:
     with plain_users(1) as made:
         yield made[0]
-
-
-def owned_dir(path: Path, user: PlainUser) -> Path:
-    path.mkdir(mode=0o755)
-    os.chown(path, user.uid, user.gid)
-    return path
 
 
 def preload_library(directory: Path, user: PlainUser, made: Path) -> Path:

@@ -53,7 +53,7 @@ import pytest
 
 from cgroup_helpers import LeftoversLoop, private_base
 from conftest import PY, REPO, SLOW, eventually
-from daemon_helpers import Daemon, DaemonFactory, PlainUser, plain_users, run_client_as
+from daemon_helpers import Daemon, DaemonFactory, PlainUser, owned_dir, plain_users, run_client_as
 from user_fuse import UserFuse, fuse_for_users  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.timeout(int(600 * SLOW))
@@ -121,12 +121,6 @@ def users() -> Iterator[list[PlainUser]]:
     """Two plain users (attacker, victim), made here and removed afterwards."""
     with plain_users(2) as made:
         yield made
-
-
-def owned_dir(path: Path, owner: PlainUser) -> Path:
-    path.mkdir(mode=0o755)
-    os.chown(path, owner.uid, owner.gid)
-    return path
 
 
 def victim_rounds(daemon: Daemon, victim: PlainUser, workspace: Path, seconds: float) -> list[dict[str, Any]]:

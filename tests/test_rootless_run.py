@@ -540,7 +540,12 @@ def test_a_ctrl_c_at_any_moment_is_the_commands_or_ends_the_run_quietly(setup: S
                                    stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, **options)
         time.sleep(step * 0.025 * SLOW)
         started.send_signal(signal.SIGINT)
-        out, err = started.communicate(timeout=30 * SLOW)
+        try:
+            out, err = started.communicate(timeout=30 * SLOW)
+        except subprocess.TimeoutExpired:
+            started.kill()                             # its sandbox goes with it (die-with-parent)
+            out, err = started.communicate(timeout=60)
+            raise AssertionError(f"step {step}: SIGINT ended nothing in {30 * SLOW:g} s: {out!r} {err!r}") from None
         outcome = (step, started.returncode, out, err)
         assert "setup failed" not in err and started.returncode != 125, outcome
         if "ready" in out:                             # its trap was set: the command must have got it

@@ -34,7 +34,7 @@ import psutil
 import pytest
 
 from conftest import SLOW, eventually
-from daemon_helpers import Daemon, DaemonFactory, PlainUser, plain_users, run_client_as
+from daemon_helpers import Daemon, DaemonFactory, PlainUser, owned_dir, plain_users, run_client_as
 from user_fuse import UserFuse, fuse_for_users  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.timeout(int(600 * SLOW))
@@ -119,12 +119,6 @@ def users() -> Iterator[list[PlainUser]]:
     """Two plain users (attacker, victim), made here and removed afterwards."""
     with plain_users(2) as made:
         yield made
-
-
-def owned_dir(path: Path, owner: PlainUser) -> Path:
-    path.mkdir(mode=0o755)
-    os.chown(path, owner.uid, owner.gid)
-    return path
 
 
 def openers_of(daemon: Daemon, uid: int) -> list[psutil.Process]:

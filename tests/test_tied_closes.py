@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 
 from conftest import SLOW, eventually
-from daemon_helpers import DaemonFactory, PlainUser, plain_users, run_client_as, start_client_as
+from daemon_helpers import DaemonFactory, PlainUser, owned_dir, plain_users, run_client_as, start_client_as
 from sandboxd.client import SandboxClient
 from sandboxd.v1 import sandboxd_pb2 as pb
 from user_fuse import UserFuse, fuse_for_users  # noqa: F401 - a fixture
@@ -93,12 +93,6 @@ def users() -> Iterator[list[PlainUser]]:
     """Two plain users (attacker, victim), made here and removed afterwards."""
     with plain_users(2) as made:
         yield made
-
-
-def owned_dir(path: Path, owner: PlainUser) -> Path:
-    path.mkdir(mode=0o755)
-    os.chown(path, owner.uid, owner.gid)
-    return path
 
 
 def tied_session(daemon_socket: str, user: PlainUser, workspace: Path, *, run_one: bool = False,
