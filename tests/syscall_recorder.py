@@ -170,6 +170,9 @@ class SyscallRecorder(Syscalls):
     def set_child_subreaper(self) -> None:
         self._record("child subreaper")
 
+    def declare_ptracer(self, tracer: int) -> None:
+        self._record(f"ptracer {tracer}")
+
     def set_title(self, title: str) -> None:
         self._record(f"title {title}")
 

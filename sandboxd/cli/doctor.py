@@ -85,6 +85,27 @@ def check_seccomp() -> tuple[str, str]:
     return _line("ok", "seccomp", f"filters with {', '.join(actions)}")
 
 
+YAMA_PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+
+
+def check_yama() -> tuple[str, str]:
+    """Yama's ptrace scope: the connect broker reads each caller's address and duplicates its socket,
+    ptrace-attach checks that a scope above 0 narrows (docs/policies.md, "Yama")."""
+    try:
+        with open(YAMA_PTRACE_SCOPE) as f:
+            scope = int(f.read())
+    except (OSError, ValueError):
+        return _line("ok", "yama", "no Yama ptrace scope: the connect broker reaches every process of its sandbox")
+    if scope == 0:
+        return _line("ok", "yama", "ptrace_scope 0: the connect broker reaches every process of its sandbox")
+    if scope == 1:
+        return _line("warn", "yama", "ptrace_scope 1: in a daemon session, a process a call's command forks "
+                     "cannot connect() (EPERM); the command itself and one-shot sandboxes can",
+                     "kernel.yama.ptrace_scope=0 if session commands fork clients (docs/policies.md, \"Yama\")")
+    return _line("warn", "yama", f"ptrace_scope {scope}: the connect broker has no CAP_SYS_PTRACE, so no "
+                 "confined sandbox can connect() (EPERM)", "kernel.yama.ptrace_scope=1 or 0")
+
+
 def check_landlock() -> tuple[str, str]:
     from sandboxd.kernel import landlock
 
@@ -344,7 +365,7 @@ def check_ceiling() -> tuple[str, str]:
     return _line("ok", "ceiling", detail)
 
 
-CHECKS = (check_root, check_sandbox, check_seccomp, check_landlock, check_cgroups, check_limits, check_ceiling,
+CHECKS = (check_root, check_sandbox, check_seccomp, check_yama, check_landlock, check_cgroups, check_limits, check_ceiling,
           check_nftables,
           check_address_pool, check_isolated_network, check_call_helper, check_fd_limit, check_thread_limit)
 

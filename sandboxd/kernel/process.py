@@ -6,7 +6,7 @@ import errno
 import os
 import _signal as signal  # the C module: signal.py builds IntEnums, which costs more than a launch
 
-from sandboxd.kernel._libc import checked, from_oserror, prctl, raw_syscall
+from sandboxd.kernel._libc import checked, from_oserror, libc, prctl, raw_syscall
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -16,6 +16,7 @@ PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 PR_SET_NAME = 15
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_PTRACER = 0x59616D61          # "Yama"
 CLOSE_RANGE_CLOEXEC = 4
 
 
@@ -36,6 +37,19 @@ def set_dumpable(flag: bool) -> None:
 
 def set_child_subreaper() -> None:
     prctl(PR_SET_CHILD_SUBREAPER, 1, step="prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def declare_ptracer(tracer: int) -> None:
+    """Let ``tracer`` (a pid of this process's PID namespace) and its descendants pass Yama's
+    ptrace_scope 1 check on this process, as its ancestors do (the other ptrace checks, same uid
+    and dumpable, still apply). For this process only: neither its children nor a process it
+    forks inherits it; an exec keeps it. A kernel without Yama has nothing to declare (EINVAL)."""
+    import ctypes
+
+    result = libc.prctl(ctypes.c_int(PR_SET_PTRACER), ctypes.c_ulong(tracer), ctypes.c_ulong(0),
+                        ctypes.c_ulong(0), ctypes.c_ulong(0))
+    if result < 0 and ctypes.get_errno() != errno.EINVAL:
+        checked(result, "prctl(PR_SET_PTRACER)")
 
 
 def set_name(name: str) -> None:

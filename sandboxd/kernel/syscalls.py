@@ -51,6 +51,7 @@ class Syscalls:
     default_signals = staticmethod(process.default_signals)
     join_cgroups = staticmethod(cgroups.join)
     set_child_subreaper = staticmethod(process.set_child_subreaper)
+    declare_ptracer = staticmethod(process.declare_ptracer)
     set_title = staticmethod(process.set_title)
     drop_privileges = staticmethod(caps.drop_privileges)
     set_dumpable = staticmethod(process.set_dumpable)

@@ -33,6 +33,7 @@ class Step:
     DEFAULT_SIGNALS = "default signals"
     NEW_SESSION = "new session"
     CONTROLLING_TERMINAL = "controlling terminal"
+    DECLARE_PTRACER = "declare ptracer"
     RLIMITS = "rlimits"
     VERIFY_DROPPED = "verify dropped"
     LANDLOCK = "landlock"
@@ -72,6 +73,7 @@ CALL_PLAN: tuple[tuple[str, str | None], ...] = (
     (Step.DIE_WITH_PARENT, None),
     (Step.NEW_SESSION, None),               # no controlling terminal: no TIOCSTI into the caller
     (Step.CONTROLLING_TERMINAL, TERMINAL),
+    (Step.DECLARE_PTRACER, None),           # the session's init brokers its connects (Yama's ptrace_scope 1)
     (Step.RLIMITS, None),
     (Step.VERIFY_DROPPED, None),
     (Step.LANDLOCK, None),

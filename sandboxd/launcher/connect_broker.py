@@ -148,8 +148,10 @@ class ConnectBroker:
         try:
             try:
                 address = seccomp_notify.read_memory(n.pid, address_ptr, length)
-            except OSError:
-                return -errno.EFAULT
+            except OSError as exc:
+                # EPERM: a ptrace-attach check refused init (Yama's ptrace_scope: docs/policies.md),
+                # the sandbox's wall, not the caller's address; anything else is the address's fault.
+                return -errno.EPERM if exc.errno == errno.EPERM else -errno.EFAULT
             # The caller still waits, so the pidfd opened above is really it.
             if not seccomp_notify.still_valid(self.listener, n.id):
                 return None

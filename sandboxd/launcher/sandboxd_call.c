@@ -463,6 +463,12 @@ static _Noreturn void run_command(const struct options *o, pid_t supervisor,
         for (int fd = 0; fd < 3; fd++) check(dup2(terminal_peer, fd), "controlling terminal", NULL);
         if (terminal_peer > 2) check(close(terminal_peer), "controlling terminal", NULL);
     }
+    /* The session's init (PID 1 here) brokers this command's connects: it reads their address and
+     * duplicates their socket, ptrace-attach checks that Yama's ptrace_scope 1 passes only for an
+     * ancestor (init is none of this call's) or a declared ptracer. Not inherited by what the
+     * command forks (docs/policies.md). EINVAL: a kernel without Yama, nothing to declare. */
+    trace(SBX_STEP_DECLARE_PTRACER);
+    if (prctl(PR_SET_PTRACER, 1, 0, 0, 0) < 0 && errno != EINVAL) fail("prctl(PR_SET_PTRACER)", errno, NULL);
     trace(SBX_STEP_RLIMITS);
     apply_rlimits(o);
     trace(SBX_STEP_VERIFY_DROPPED);

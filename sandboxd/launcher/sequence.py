@@ -331,7 +331,8 @@ def _run_command(plan: LaunchPlan, *, report_fd: int, listener_sink: "_socket.so
                  terminal_peer: int | None = None) -> NoReturn:
     """The command: ``parent`` is its expected parent pid (1: a one-shot init; CALL_INIT: a call's).
     ``terminal_peer``: its terminal (run_call opened it), made its controlling one and its stdio."""
-    parent = os.getppid() if parent == CALL_INIT else parent
+    is_call = parent == CALL_INIT
+    parent = os.getppid() if is_call else parent
     debug = plan.debug
     kernel = syscalls.current                             # the real kernel, or a test's recorder
     try:
@@ -344,6 +345,13 @@ def _run_command(plan: LaunchPlan, *, report_fd: int, listener_sink: "_socket.so
         if terminal_peer is not None:
             trace(Step.CONTROLLING_TERMINAL)
             terminals.take_as_controlling(terminal_peer)  # the session's own pty, not the caller's
+        if is_call:
+            # The session's init (PID 1 here) brokers this command's connects: it reads their
+            # address and duplicates their socket, ptrace-attach checks that Yama's ptrace_scope 1
+            # passes only for an ancestor (a one-shot init is one; a call's is not) or a declared
+            # ptracer. Not inherited: what the command forks is not covered (docs/policies.md).
+            trace(Step.DECLARE_PTRACER)
+            kernel.declare_ptracer(1)
         trace(Step.RLIMITS)
         kernel.apply_rlimits(cpu_seconds=plan.limits.cpu_seconds, open_files=plan.limits.open_files)
         trace(Step.VERIFY_DROPPED)
