@@ -44,7 +44,7 @@ WAIT = 60.0
 
 
 def test_the_card_adds_the_environment_and_the_whole_command_only_when_needed() -> None:
-    plain = json.dumps({"argv": ["ls", "-la"], "cwd": "/ws"})
+    plain = json.dumps({"argv": ["ls", "-la"]})
     assert approval_card.lines("Execute: ls -la", plain) == []
     env = json.dumps({"argv": ["bash", "-c", "ls"], "env": {"LANG": "C", "BASH_ENV": "/ws/x y.sh"}})
     assert approval_card.lines("Execute: bash -c ls", env) == [("env", "BASH_ENV='/ws/x y.sh' LANG=C")]
@@ -52,6 +52,17 @@ def test_the_card_adds_the_environment_and_the_whole_command_only_when_needed() 
     assert approval_card.lines("Execute: ls\x1b[2K", shell) == [("argv", "/bin/sh -c 'ls\\x1b[2K'")]
     for bad in ("", "[]", "{", json.dumps({"argv": [1, 2]}), json.dumps({"env": "x"})):
         assert approval_card.lines("Execute: x", bad) == []
+
+
+def test_the_card_says_where_a_command_runs_escaped() -> None:
+    """`./test.sh` in vendor/pkg is another script than the workspace's own: the card names the
+    directory (round 4's third hostile pass approved an agent's script that way)."""
+    call = json.dumps({"argv": ["./test.sh"], "cwd": "/ws/vendor/pkg"})
+    assert approval_card.lines("Execute: ./test.sh", call) == [("cwd", "/ws/vendor/pkg")]
+    hostile = json.dumps({"argv": ["ls"], "cwd": "/ws/\x1b[2J\u202e" + "d" * 3000})
+    (label, text), = approval_card.lines("Execute: ls", hostile)
+    assert label == "cwd" and not [char for char in text if acted_on(char)]
+    assert text.startswith("/ws/\\x1b[2J") and "characters not shown" in text and len(text) < 1200
 
 
 @given(st.text(min_size=1, max_size=3000), st.integers(40, 2000))
@@ -129,7 +140,7 @@ def test_the_hint_and_approvals_listing_show_the_environment(daemon: Daemon, cli
         listing = subprocess.run([SANDBOXCTL, "--socket", daemon.socket, "approvals"], capture_output=True,
                                  text=True, timeout=60, env=BASE_ENV, check=True).stdout
         [line] = [line for line in listing.splitlines() if held.call_id in line]
-        assert line.endswith(f"Execute: ls  argv: bash -c ls  env: BASH_ENV={script}"), line
+        assert line.endswith(f"Execute: ls  argv: bash -c ls  cwd: {ws}  env: BASH_ENV={script}"), line
         as_json = subprocess.run([SANDBOXCTL, "--socket", daemon.socket, "approvals", "--json"], capture_output=True,
                                  text=True, timeout=60, env=BASE_ENV, check=True).stdout
         [entry] = [json.loads(line) for line in as_json.splitlines() if held.call_id in line]

@@ -212,3 +212,52 @@ def test_the_argument_grammar_reads_as_getopt_does() -> None:
     parsed = parse(grammar, ["--", "-o", "--pre=x"])
     assert parsed is not None and parsed.operands == ("-o", "--pre=x")
     assert parse(grammar.replace(max_operands=1), ["a", "b"]) is None
+
+
+# Round 4's third hostile pass (against the rewritten classifier): each ran an agent's program
+# through a real daemon without asking. Each with its control, still vouched for.
+@pytest.mark.parametrize("attack, control", [
+    # bash's builtins evaluate an array subscript in a variable's name, quotes and all, and
+    # printf -v assigns any variable (/usr/bin/test and /usr/bin/printf do neither: not scripts).
+    (["bash", "-c", "test -v 'a[$(id > /ws/P)]'"], ["bash", "-c", "test -f a.txt"]),
+    (["bash", "-c", "[ -v 'a[$(id)]' ]"], ["bash", "-c", "test -d src && ls src"]),
+    (["bash", "-c", "printf -v 'a[$(uname)]' x"], ["bash", "-c", "printf '%s\\n' done"]),
+    (["bash", "-c", "printf -v PATH %s /ws/bin && ls"], ["bash", "-c", "printf x && ls"]),
+    (["sh", "-c", "test -R 'a[$(id)]'"], ["sh", "-c", "echo 'a b'"]),
+    (["sh", "-c", "echo '$(id)'"], ["sh", "-c", "echo ok; pwd"]),
+    # A nested repository's config planted and run in one script (the guard cleans after the call).
+    (["sh", "-c", "cp cfg sub/.git/config && cd sub && git status"], ["sh", "-c", "cd sub && git status"]),
+    (["sh", "-c", "cp -r planted sub && cd sub/planted && git status"], ["sh", "-c", "git status && git log -3"]),
+    # Debian's egrep and fgrep are scripts that run `grep` from PATH.
+    (["/usr/bin/egrep", "x", "f"], ["/usr/bin/grep", "-E", "x", "f"]),
+    (["fgrep", "x", "f"], ["grep", "-F", "x", "f"]),
+    # git gives a required value the next word, "--" too, and reads the rest as options.
+    (["git", "describe", "--match", "--", "--always"], ["git", "describe", "--match=v*", "--always"]),
+])
+def test_the_third_pass_and_its_controls(attack: list[str], control: list[str]) -> None:
+    assert effect(attack) == UNKNOWN, attack
+    assert effect(control) == RO, control
+
+
+@pytest.mark.parametrize("argv", [
+    ["cp", "-r", "h/sandboxd-home", "/tmp"],                    # lands as /tmp/sandboxd-home: the commands' HOME
+    ["cp", "-rT", "h", "/tmp"],                                 # h's contents, its sandboxd-home too, into /tmp
+    ["cp", "-r", "h/.", "/tmp"],
+    ["cp", "-r", "-t", "/tmp", "h/sandboxd-home"],
+    ["mv", "h/sandboxd-home/", "/tmp"],
+    ["cp", "cfg", "sub/.git/config"],                          # a nested repository's configuration
+    ["cp", "-r", "planted/.git", "sub"],                       # a .git moved into place
+    ["mv", "x", "deep/er/.git"],
+    ["touch", "sub/.git/hooks/pre-commit"],
+    ["mkdir", "-p", "a/.git/hooks"],
+])
+def test_writes_that_land_in_home_or_a_repository_are_asked(argv: list[str]) -> None:
+    assert effect(argv) == DESTRUCTIVE, argv
+
+
+@pytest.mark.parametrize("argv", [
+    ["cp", "-r", "src", "/tmp/src"], ["cp", "a", "b"], ["mv", "build", "/tmp/old-build"], ["mkdir", "-p", "a/b"],
+    ["cp", "-t", "out", "a", "b"], ["touch", "a.git", ".gitignore"],
+])
+def test_the_same_writes_elsewhere_are_workspace_writes(argv: list[str]) -> None:
+    assert effect(argv) == WW, argv

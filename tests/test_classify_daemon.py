@@ -38,6 +38,8 @@ for case in ARGS["cases"]:
     box = {}
     def go():
         start = pb.ExecStart(session_id=session.id, argv=case["argv"], env_overlay=case.get("env", {}))
+        if case.get("terminal"):
+            start.terminal.CopyFrom(pb.Terminal(rows=24, columns=80))
         try:
             for reply in stub.Exec(iter([pb.ExecRequest(start=start)]), timeout=180):
                 if reply.WhichOneof("kind") == "result":
@@ -157,3 +159,24 @@ def test_workspace_write_on_request_asks_before_sed_e_and_shows_the_environment(
     assert all("BASH_ENV" in event["note"] for event in requested), requested
     assert "env" not in sed_denied["arguments"]                                   # none set: none shown
     assert json.dumps(sed_denied["arguments"]["argv"]) == json.dumps(sed)
+
+
+def test_the_third_pass_builtins_and_terminals_are_asked(daemon: Daemon, base: Path,  # noqa: F811
+                                                         victim: PlainUser) -> None:
+    """Round 4's third hostile pass: bash's `test -v` evaluated a subscript's `$(...)` (read-only
+    by the name `test`), and a terminal call's keystrokes drove git's pager into `!cmd`. Both are
+    asked now; allowed once, the builtin does make its file (the attack is real); `ls` without a
+    terminal is still not asked."""
+    ws = owned_dir(base / f"ws-{os.urandom(3).hex()}", victim)
+    cases = [
+        *attack_and_control(["bash", "-c", f"test -v 'a[$(touch {ws}/PWNED_test_v)]'"], ws / "PWNED_test_v"),
+        {"argv": ["ls"], "terminal": True, "answer": "deny"},
+        {"argv": ["ls"], "answer": "deny"},
+    ]
+    denied, allowed, on_terminal, plain = run_cases(daemon, victim, ws, pb.SandboxPolicy.WORKSPACE_WRITE,
+                                                    cases)["results"]
+    assert (denied["held"], denied["reason"], denied["made"]) == (True, "unknown_command", False), denied
+    assert (allowed["held"], allowed["made"]) == (True, True), allowed
+    assert (on_terminal["held"], on_terminal["reason"]) == (True, "unknown_command"), on_terminal
+    assert on_terminal["arguments"]["cwd"] == str(ws)                  # the card's cwd line comes from here
+    assert (plain["held"], plain.get("code")) == (False, 0), plain

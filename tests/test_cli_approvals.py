@@ -172,7 +172,7 @@ def test_without_a_terminal_it_says_how_to_answer(base: Path, session_id: str) -
     try:
         [call_id] = held_calls(base, session_id)
         assert held.stderr is not None
-        hint = "".join(held.stderr.readline() for _ in range(3))     # the summary, the argv, how to answer
+        hint = "".join(held.stderr.readline() for _ in range(4))     # the summary, the argv, the cwd, how to answer
         assert "waiting for approval (unknown_command)" in hint and f"approve {session_id} {call_id}" in hint
         assert "\n  argv:    sh -c 'echo approved-run; exec true'\n" in hint, hint
         listed = [json.loads(line) for line in ctl(base, "approvals", "--json").stdout.splitlines()]

@@ -78,7 +78,9 @@ def test_a_killed_server_leaves_no_session_open(daemon: Daemon, ws: Path, client
     kill(server)
     kill(holder)
     wait_until(lambda: not sessions_on(client, ws), "the killed server's session stayed open")
-    closed = client.stub.QueryEvents(pb.QueryEventsRequest(session_id=session.id, types=["SessionClosed"])).events
+    # The session leaves the table before its closing event is written: wait for the event too.
+    closed = wait_until(lambda: client.stub.QueryEvents(pb.QueryEventsRequest(
+        session_id=session.id, types=["SessionClosed"])).events, "no SessionClosed event for the killed server's session")
     assert "the process that created it exited" in json.loads(closed[0].data_json)["reason"], closed
     # The control's process died at the same moment; its session is still there.
     assert [s.id for s in sessions_on(client, control_ws)] == [control_id]

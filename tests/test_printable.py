@@ -378,5 +378,6 @@ def test_the_mcp_elicitation_and_hint_show_the_command_escaped(daemon: Daemon, c
     assert message.splitlines()[1] == printable(summary), message
     # The summary shows the script alone: the argv follows, as sandboxctl's prompt adds it.
     assert message.splitlines()[2] == f"argv: {printable(shlex.join(['/bin/sh', '-c', command]))}", message
-    assert len(message.splitlines()) == 4 and not [char for char in message if acted_on(char) and char != "\n"]
+    assert message.splitlines()[3].startswith("cwd: /"), message
+    assert len(message.splitlines()) == 5 and not [char for char in message if acted_on(char) and char != "\n"]
     assert f": {printable(summary)};" in hints[0] and not [char for char in hints[0] if acted_on(char)], hints[0]

@@ -161,7 +161,7 @@ def test_socket_from_the_environment(base: Path, session_id: str) -> None:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={"PATH": os.environ["PATH"], "SANDBOXD_SOCKET": socket})
     assert held.stderr is not None
-    notice = held.stderr.readline() + held.stderr.readline()
+    notice = "".join(held.stderr.readline() for _ in range(3))           # the summary, the cwd, how to answer
     call_id = ctl(base, "pending", held_session).stdout.split()[0]
     assert f"  sandboxctl approve {held_session} {call_id}" in notice and "--socket" not in notice, notice
     ctl(base, "deny", held_session, call_id)

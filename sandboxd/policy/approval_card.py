@@ -25,6 +25,7 @@ from sandboxd.printable import printable
 
 COMMAND_CHARS = 8192       # of the whole command, as shown (a terminal's 100 lines of 80)
 ENV_CHARS = 4096           # of the variables, as shown
+CWD_CHARS = 1024           # of the working directory, as shown (PATH_MAX is 4096)
 TAIL_SHARE = 4             # the end keeps a quarter of a bound part
 
 
@@ -57,14 +58,17 @@ def environment(arguments: dict[str, Any]) -> str:
 
 
 def lines(summary: str, arguments_json: str) -> list[tuple[str, str]]:
-    """(label, text) for each line a card adds below the summary: ``argv``, ``env``."""
+    """(label, text) for each line a card adds below the summary: ``argv``, ``cwd``, ``env``."""
     try:
         arguments = json.loads(arguments_json or "{}")
     except (ValueError, RecursionError):
         return []
     if not isinstance(arguments, dict):
         return []
-    found = [("argv", whole_command(summary, arguments)), ("env", environment(arguments))]
+    cwd = arguments.get("cwd")
+    # Where it runs: `./test.sh` or `rm -rf build` names another file in another directory.
+    where = bounded(str(cwd), CWD_CHARS) if isinstance(cwd, str) and cwd else ""
+    found = [("argv", whole_command(summary, arguments)), ("cwd", where), ("env", environment(arguments))]
     return [(label, text) for label, text in found if text]
 
 

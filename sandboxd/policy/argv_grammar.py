@@ -68,6 +68,11 @@ def parse(grammar: Grammar, args: Sequence[str]) -> Parsed | None:
             name, equals, value = arg[2:].partition("=")
             if name in grammar.long_flags and not equals:
                 options.append((name, ""))
+            elif name in grammar.long_optional and not equals and index < len(args) and args[index] == "--":
+                # git's parse-options gives a required value the next word, "--" included, and
+                # then reads the words after it as options: whichever way the program reads it,
+                # what follows would not be checked as it runs.
+                return None
             elif name in grammar.long_optional or (name in grammar.long_valued and equals):
                 options.append((name, value))
             elif name in grammar.long_valued and index < len(args):

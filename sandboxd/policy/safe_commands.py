@@ -22,6 +22,7 @@ the repository configuration the git guard (sandboxd/gitguard) leaves in place.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 from sandboxd.policy.argv_grammar import Grammar, Parsed, parse, words
@@ -92,7 +93,8 @@ READ_ONLY_PROGRAMS: dict[str, Grammar | str] = {
     "file": Grammar(flags="bEhikLlNnrs0", valued="eFf", long_flags=words(
         "brief mime mime-type mime-encoding apple extension keep-going dereference no-dereference no-pad "
         "no-buffer raw special-files print0"), long_valued=words("exclude exclude-quiet separator files-from")),
-    "grep": _GREP, "egrep": _GREP, "fgrep": _GREP,
+    # Not egrep or fgrep: Debian's are scripts that run `grep` from PATH, which the agent may write.
+    "grep": _GREP,
     # ripgrep: not --pre/--pre-glob (runs a program per file), -z/--search-zip (runs
     # decompressors), --hostname-bin; its config file comes only from RIPGREP_CONFIG_PATH, a
     # variable outside the safe environment.
@@ -388,5 +390,13 @@ def written_paths(program: str, args: Sequence[str]) -> list[str] | None:
         modes.append(operands.pop(0))
     if not all(_mode(mode) for mode in modes):
         return None
-    paths = operands + [value for name, value in parsed.options if name in writer.target_options]
+    targets = [value for name, value in parsed.options if name in writer.target_options]
+    paths = operands + targets
+    if program in ("cp", "mv") and paths:
+        # Into a directory, each source lands below it under its own name (``cp -r home /tmp``
+        # writes /tmp/home): whether the target is a directory is not known here, so both count.
+        into = targets[-1] if targets else operands[-1]
+        sources = operands if targets else operands[:-1]
+        paths += [os.path.join(into, os.path.basename(source.rstrip("/")))
+                  for source in sources if source.rstrip("/")]
     return paths or None

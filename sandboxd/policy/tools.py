@@ -106,6 +106,11 @@ SYSTEM_BIN_DIRS = frozenset(("/bin", "/usr/bin", "/usr/local/bin", "/sbin", "/us
 SANDBOX_HOME = "/tmp/sandboxd-home"
 # A script with more possible working directories than this (each ``cd`` may fail) is unknown.
 MAX_SCRIPT_CWDS = 8
+GIT_DIR_NAME = ".git"
+# Programs that are bash builtins in a script: bash evaluates an array subscript in a variable's
+# name (``test -v 'a[$(id)]'`` runs id, single quotes and all) and ``printf -v`` assigns any
+# variable (PATH, mid-script). The programs in /usr/bin do neither, so this holds in scripts only.
+SHELL_BUILTINS = frozenset(("echo", "printf", "test", "[", "true", "false", "pwd"))
 
 
 class WriteScope(Record):
@@ -125,6 +130,11 @@ class WriteScope(Record):
     def effect_of(self, paths: "list[str]") -> tuple[str, str]:
         """WORKSPACE_WRITE for writes only there; else DESTRUCTIVE and why."""
         for path in paths:
+            if GIT_DIR_NAME in path.split("/"):
+                # Any repository's, at any depth: a nested repository's .git/config (or a .git
+                # copied or moved into place) names programs git runs, and the git guard removes
+                # such configuration only after the call, when a script may have run git already.
+                return Effect.DESTRUCTIVE, f"write to {path!r}: a repository's .git is not written without asking"
             inside = [root for root in self.roots if is_within(path, root)]
             if not inside and not any(is_within(path, area) for area in self.scratch):
                 return Effect.DESTRUCTIVE, (f"write to {path!r} is outside the workspace and the writable roots "
@@ -133,7 +143,7 @@ class WriteScope(Record):
                 for sub in self.protected:
                     if is_within(path, os.path.join(root, sub)):
                         return Effect.DESTRUCTIVE, f"write to {path!r}: {sub} stays read-only inside writable roots"
-            if self.scratch and is_within(path, SANDBOX_HOME):
+            if self.scratch and (is_within(path, SANDBOX_HOME) or is_within(SANDBOX_HOME, path)):
                 return Effect.DESTRUCTIVE, (f"write to {path!r}: the commands' HOME holds the configuration "
                                             "programs read, so it is not written without asking")
         return Effect.WORKSPACE_WRITE, ""
@@ -227,11 +237,22 @@ def _classify_script(script: "list[Command]", cwd: str, scope: WriteScope) -> Cl
             if len(cwds) > MAX_SCRIPT_CWDS:
                 return _UNKNOWN
             continue
+        if command.argv[0] in SHELL_BUILTINS and not _plain_builtin(command.argv):
+            return _UNKNOWN
         effect = max((_classify_one(list(command.argv), where, scope).effect for where in cwds), key=_RANK.__getitem__)
         if effect not in (Effect.READ_ONLY, Effect.WORKSPACE_WRITE):
             return _UNKNOWN
         effects.append(effect)
+    if Effect.WORKSPACE_WRITE in effects and any(os.path.basename(command.argv[0]) == "git" for command in script):
+        return _UNKNOWN          # it may write a repository's configuration, then run git on it
     return Classified(Effect.WORKSPACE_WRITE if Effect.WORKSPACE_WRITE in effects else Effect.READ_ONLY)
+
+
+def _plain_builtin(argv: "tuple[str, ...]") -> bool:
+    """A builtin's arguments that bash reads as text only: no variable named (``-v``, ``-R``) and
+    nothing a subscript or an expansion could be made of."""
+    return not any(arg in ("-v", "-R") or arg.startswith("-v") or any(char in arg for char in "[$`")
+                   for arg in argv[1:])
 
 
 _RANK = {Effect.READ_ONLY: 0, Effect.WORKSPACE_WRITE: 1, Effect.NETWORK: 2, Effect.DESTRUCTIVE: 3,

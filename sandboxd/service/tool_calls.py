@@ -3,7 +3,7 @@ and the one-line summary an approval card shows. One function per kind of call."
 
 from __future__ import annotations
 
-from sandboxd.policy.tools import BUILTIN_TOOLS, classify_command, summary_of
+from sandboxd.policy.tools import BUILTIN_TOOLS, Classified, Effect, classify_command, summary_of
 from sandboxd.service import environment
 from sandboxd.service.approvals import ToolCall
 from sandboxd.service.file_calls import write_effect, write_scope
@@ -27,6 +27,11 @@ def command(session: Session, tool: str, argv: list[str], cwd: str, start: pb.Ex
     names are recorded, when the session is created)."""
     found = classify_command(argv, cwd=cwd, scope=write_scope(session, resolved=False),
                              env=environment.for_classifier(session, start))
+    if start.HasField("terminal") and found.effect in (Effect.READ_ONLY, Effect.WORKSPACE_WRITE):
+        # On a terminal the caller's keystrokes drive the program: git starts its pager there, and
+        # less runs a shell command for "!cmd". What the program will be made to do is not in its argv.
+        found = Classified(Effect.UNKNOWN_COMMAND, "it runs on a terminal, where the caller's keystrokes drive "
+                                                   "it (a pager's shell escape): such a call is not vouched for")
     arguments: dict[str, object] = {"argv": argv, "cwd": cwd}
     carried = dict(start.env or start.env_overlay)
     if carried:
