@@ -241,18 +241,24 @@ def test_the_third_pass_and_its_controls(attack: list[str], control: list[str]) 
 
 @pytest.mark.parametrize("argv", [
     ["cp", "-r", "h/sandboxd-home", "/tmp"],                    # lands as /tmp/sandboxd-home: the commands' HOME
-    ["cp", "-rT", "h", "/tmp"],                                 # h's contents, its sandboxd-home too, into /tmp
-    ["cp", "-r", "h/.", "/tmp"],
     ["cp", "-r", "-t", "/tmp", "h/sandboxd-home"],
     ["mv", "h/sandboxd-home/", "/tmp"],
+])
+def test_writes_that_land_in_home_are_refused(argv: list[str]) -> None:
+    assert effect(argv) == DESTRUCTIVE, argv
+
+
+@pytest.mark.parametrize("argv", [
+    ["cp", "-rT", "h", "/tmp"],                                 # h's contents, its sandboxd-home too, into /tmp
+    ["cp", "-r", "h/.", "/tmp"],
     ["cp", "cfg", "sub/.git/config"],                          # a nested repository's configuration
     ["cp", "-r", "planted/.git", "sub"],                       # a .git moved into place
     ["mv", "x", "deep/er/.git"],
     ["touch", "sub/.git/hooks/pre-commit"],
     ["mkdir", "-p", "a/.git/hooks"],
 ])
-def test_writes_that_land_in_home_or_a_repository_are_asked(argv: list[str]) -> None:
-    assert effect(argv) == DESTRUCTIVE, argv
+def test_writes_that_may_fill_home_or_a_repository_are_asked(argv: list[str]) -> None:
+    assert effect(argv) == UNKNOWN, argv
 
 
 @pytest.mark.parametrize("argv", [

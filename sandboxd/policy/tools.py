@@ -130,11 +130,6 @@ class WriteScope(Record):
     def effect_of(self, paths: "list[str]") -> tuple[str, str]:
         """WORKSPACE_WRITE for writes only there; else DESTRUCTIVE and why."""
         for path in paths:
-            if GIT_DIR_NAME in path.split("/"):
-                # Any repository's, at any depth: a nested repository's .git/config (or a .git
-                # copied or moved into place) names programs git runs, and the git guard removes
-                # such configuration only after the call, when a script may have run git already.
-                return Effect.DESTRUCTIVE, f"write to {path!r}: a repository's .git is not written without asking"
             inside = [root for root in self.roots if is_within(path, root)]
             if not inside and not any(is_within(path, area) for area in self.scratch):
                 return Effect.DESTRUCTIVE, (f"write to {path!r} is outside the workspace and the writable roots "
@@ -143,7 +138,7 @@ class WriteScope(Record):
                 for sub in self.protected:
                     if is_within(path, os.path.join(root, sub)):
                         return Effect.DESTRUCTIVE, f"write to {path!r}: {sub} stays read-only inside writable roots"
-            if self.scratch and (is_within(path, SANDBOX_HOME) or is_within(SANDBOX_HOME, path)):
+            if self.scratch and is_within(path, SANDBOX_HOME):
                 return Effect.DESTRUCTIVE, (f"write to {path!r}: the commands' HOME holds the configuration "
                                             "programs read, so it is not written without asking")
         return Effect.WORKSPACE_WRITE, ""
@@ -273,7 +268,18 @@ def _classify_one(argv: "list[str]", cwd: str, scope: WriteScope) -> Classified:
     written = written_paths(program, args)
     if written is None:
         return _UNKNOWN
-    effect, note = scope.effect_of([os.path.normpath(os.path.join(cwd, path)) for path in written])
+    paths = [os.path.normpath(os.path.join(cwd, path)) for path in written]
+    effect, note = scope.effect_of(paths)
+    if effect == Effect.WORKSPACE_WRITE:
+        for path in paths:
+            if GIT_DIR_NAME in path.split("/"):
+                # A nested repository's .git/config (or a .git copied or moved into place) names
+                # programs git runs; the git guard removes them after the call, and until then
+                # they are a person's call. Asked, not refused: the kernel lets the write happen.
+                return Classified(Effect.UNKNOWN_COMMAND, f"it writes {path!r}, inside a repository's .git")
+            if scope.scratch and is_within(SANDBOX_HOME, path):
+                return Classified(Effect.UNKNOWN_COMMAND, f"it writes {path!r}, which holds the commands' HOME "
+                                                          "(a directory's contents copied there would fill it)")
     return Classified(effect, note)
 
 
