@@ -48,6 +48,19 @@ PY = "/usr/bin/python3"
 # nothing is asserted about speed.
 SLOW = float(os.environ.get("SANDBOXD_TEST_SLOW", "1"))
 
+# Places every sandbox gets a private copy of (a tmpfs): a checkout there has a .venv the sandboxed
+# commands of the tests cannot see, and a third of the suite would fail on ENOENT with no word why.
+PRIVATE_IN_SANDBOXES = ("/tmp", "/dev/shm", "/run")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for place in PRIVATE_IN_SANDBOXES:
+        if REPO == Path(place) or Path(place) in REPO.parents:
+            pytest.exit(f"this checkout is under {place}, which every sandbox replaces with a private one, so the "
+                        f"tests' sandboxed commands cannot see its .venv: clone it elsewhere (/var/tmp, /opt, /srv)",
+                        returncode=2)
+
+
 # A suite started as a background job of a non-interactive shell (`setup.sh test &`, nohup) inherits
 # SIGINT and SIGQUIT ignored (POSIX), and so would every process a test starts: the Ctrl-C tests'
 # commands would never see theirs. What a test sends is meant to arrive: a handler here (Python's
