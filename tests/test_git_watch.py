@@ -403,6 +403,7 @@ def test_one_users_file_churn_makes_nobody_else_walk(instances: int, sandboxd_da
     assert churn.get("status") == 0, churn
     assert lost_events(daemon, churner) >= 1, "the churn never overflowed the attacker's queue"
     if instances == 1:
-        assert lost_events(daemon, victims) == VICTIM_CALLS, "the control: on a shared queue the victim lost events"
+        # Each of the victim's calls (and, under load, an inspection more: its session's close) lost events.
+        assert lost_events(daemon, victims) >= VICTIM_CALLS, "the control: on a shared queue the victim lost events"
     else:
         assert lost_events(daemon, victims) == 0, daemon.log()[-3000:]

@@ -824,6 +824,10 @@ def test_the_fork_server_hands_the_proxy_listener_over(workspace: Path) -> None:
                 listening = {int(line.split()[9]) for line in table.read().splitlines()[1:]
                              if line.split()[1] == f"0100007F:{PROXY_PORT:04X}" and line.split()[3] == "0A"}
             assert listening == {inode}
+            # The fork server closes its copy right after the answer that passed it: wait for that.
+            deadline = time.monotonic() + 10 * SLOW
+            while inode in socket_inodes(fs.pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
             assert inode not in socket_inodes(fs.pid)
         # The control: a session without allowed domains gets none.
         assert fs.open_session("plain", LaunchSpec(argv=("true",), workspace=str(workspace), dns=(DNS,),
