@@ -442,6 +442,35 @@ def owned_dir(path: Path, owner: PlainUser) -> Path:
     return path
 
 
+def _unclaimed_gid() -> int:
+    """A gid no group has and no user has as its primary group. groupadd alone takes the lowest
+    free group id, which a stale account (a user whose group went away) may still name as its
+    primary: groupdel then refuses to remove the group this test made."""
+    import grp
+    taken = {g.gr_gid for g in grp.getgrall()} | {p.pw_gid for p in pwd.getpwall()}
+    for gid in range(62000, 63000):
+        if gid not in taken:
+            return gid
+    raise AssertionError("no unclaimed gid in 62000..62999")
+
+
+@contextlib.contextmanager
+def scratch_group(prefix: str) -> Iterator[str]:
+    """A fresh group (``<prefix><random>``) with a gid nobody claims, removed afterwards; a failed
+    removal says which account still holds it."""
+    name = f"{prefix}{uuid.uuid4().hex[:8]}"
+    added = subprocess.run(["groupadd", "-g", str(_unclaimed_gid()), name], capture_output=True, text=True,
+                           timeout=60)
+    if added.returncode != 0:
+        raise AssertionError(f"groupadd {name} failed ({added.returncode}): {added.stderr.strip()}")
+    try:
+        yield name
+    finally:
+        removed = subprocess.run(["groupdel", name], capture_output=True, text=True, timeout=60)
+        if removed.returncode != 0:
+            raise AssertionError(f"groupdel {name} failed ({removed.returncode}): {removed.stderr.strip()}")
+
+
 @contextlib.contextmanager
 def plain_users(count: int = 1) -> Iterator[list[PlainUser]]:
     """``count`` fresh unprivileged users (``sbxt-<random>``, no home, no group of their own, no

@@ -13,13 +13,12 @@ import grp
 import os
 import socket
 import subprocess
-import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
-from daemon_helpers import Daemon, DaemonFactory, TlsListener, close_quietly, plain_users, run_client_as
+from daemon_helpers import Daemon, DaemonFactory, TlsListener, close_quietly, plain_users, run_client_as, scratch_group
 from sandboxd.service.callers import identify
 from sandboxd.network.peer_credentials import PeerCredentials
 from sandboxd.policy.quota_limits import QuotaLimits
@@ -110,37 +109,32 @@ def low_free_port() -> int:
 def world(sandboxd_daemon_module: DaemonFactory) -> Iterator[dict[str, Any]]:
     """The daemon (admin group, TLS with alice mapped to root) and its callers."""
     base = sandboxd_daemon_module.base
-    group = f"sbxa-{uuid.uuid4().hex[:8]}"
-    subprocess.run(["groupadd", group], check=True, capture_output=True)
-    try:
-        with plain_users(2) as (admin, plain):
-            admin_gid = grp.getgrnam(group).gr_gid
-            subprocess.run(["usermod", "-g", group, admin.name], check=True, capture_output=True)
-            make_pki(base)
-            address = f"127.0.0.1:{free_port()}"
-            daemon = sandboxd_daemon_module(
-                config=f'[listen]\nadmin_group = "{group}"\n[tls]\nusers = {{ "alice" = "root" }}\n',
-                tls=TlsListener(address, base / "server.pem", base / "server.key", base / "ca.pem",
-                                tcp_user="65534:65534"))
-            shared = base / "shared-ws"
-            shared.mkdir(mode=0o777)
-            os.chmod(shared, 0o777)
-            private = base / "root-only-ws"
-            private.mkdir(mode=0o700)
-            plain_ws = base / "plain-ws"
-            plain_ws.mkdir()
-            os.chown(plain_ws, plain.uid, plain.gid)
-            setup = run_client_as(plain.uid, plain.gid, daemon.socket, SETUP, {"ws": str(plain_ws)})
-            args = {"ws": str(shared), "private_ws": str(private), "other_ws": str(plain_ws),
-                    "other_session": setup["session"], "other_uid": plain.uid, "streams": STREAMS,
-                    "low_port": low_free_port(), "pki": str(base)}
-            try:
-                yield {"daemon": daemon, "args": args, "address": address, "admin": (admin.uid, admin_gid),
-                       "plain": (plain.uid, plain.gid)}
-            finally:
-                close_all(daemon)                     # before userdel: their sandboxes go
-    finally:
-        subprocess.run(["groupdel", group], capture_output=True)
+    with scratch_group("sbxa-") as group, plain_users(2) as (admin, plain):
+        admin_gid = grp.getgrnam(group).gr_gid
+        subprocess.run(["usermod", "-g", group, admin.name], check=True, capture_output=True)
+        make_pki(base)
+        address = f"127.0.0.1:{free_port()}"
+        daemon = sandboxd_daemon_module(
+            config=f'[listen]\nadmin_group = "{group}"\n[tls]\nusers = {{ "alice" = "root" }}\n',
+            tls=TlsListener(address, base / "server.pem", base / "server.key", base / "ca.pem",
+                            tcp_user="65534:65534"))
+        shared = base / "shared-ws"
+        shared.mkdir(mode=0o777)
+        os.chmod(shared, 0o777)
+        private = base / "root-only-ws"
+        private.mkdir(mode=0o700)
+        plain_ws = base / "plain-ws"
+        plain_ws.mkdir()
+        os.chown(plain_ws, plain.uid, plain.gid)
+        setup = run_client_as(plain.uid, plain.gid, daemon.socket, SETUP, {"ws": str(plain_ws)})
+        args = {"ws": str(shared), "private_ws": str(private), "other_ws": str(plain_ws),
+                "other_session": setup["session"], "other_uid": plain.uid, "streams": STREAMS,
+                "low_port": low_free_port(), "pki": str(base)}
+        try:
+            yield {"daemon": daemon, "args": args, "address": address, "admin": (admin.uid, admin_gid),
+                   "plain": (plain.uid, plain.gid)}
+        finally:
+            close_all(daemon)                     # before userdel: their sandboxes go
 
 
 def close_all(daemon: Daemon) -> None:

@@ -24,7 +24,8 @@ from typing import Any, Iterator
 import pytest
 
 from daemon_helpers import (
-    Daemon, DaemonFactory, ExecCall, ProcInfo, close_quietly, exec_start, plain_users, proc_info, run_client_as, run_exec, survivors,
+    Daemon, DaemonFactory, ExecCall, ProcInfo, close_quietly, exec_start, plain_users, proc_info, run_client_as, run_exec, scratch_group,
+    survivors,
 )
 from conftest import SLOW
 from sandboxd.v1 import sandboxd_pb2 as pb
@@ -194,49 +195,42 @@ def world(sandboxd_daemon_module: DaemonFactory) -> Iterator[dict[str, Any]]:
     """A daemon; the plain user ``alice`` (in a group of its own making) who attacks from its
     full-access session, and ``bob`` whose private file it goes for."""
     base = sandboxd_daemon_module.base
-    group, admins = f"sbxf-{uuid.uuid4().hex[:8]}", f"sbxf-a{uuid.uuid4().hex[:8]}"
-    for name in (group, admins):
-        subprocess.run(["groupadd", name], check=True, capture_output=True)
-    try:
-        with plain_users(2) as (alice, bob):
-            gid = grp.getgrnam(group).gr_gid
-            daemon = sandboxd_daemon_module(config=f'[listen]\nadmin_group = "{admins}"\n')
-            ws = base / "alice-ws"
-            (ws / "sub").mkdir(parents=True)
-            (ws / "own.txt").write_text("alice's own")
-            (ws / "to-root").symlink_to("/root")
-            for path in (ws, ws / "sub", ws / "own.txt", ws / "to-root"):
-                os.lchown(path, alice.uid, alice.gid)
-            os.chmod(ws, 0o700)
-            bob_dir = base / "bob-private"
-            bob_dir.mkdir(mode=0o700)
-            (bob_dir / "secret").write_text("bob's")
-            for path in (bob_dir, bob_dir / "secret"):
-                os.chown(path, bob.uid, bob.gid)
-            group_file = base / "group-only"
-            group_file.write_text("for the group")
-            os.chown(group_file, 0, gid)
-            os.chmod(group_file, 0o640)
-            setuid_id = base / "setuid-id"
-            shutil.copy(shutil.which("id") or "/usr/bin/id", setuid_id)
-            os.chmod(setuid_id, 0o4755)
-            args = {"ws": str(ws), "other_secret": str(bob_dir / "secret"), "group_file": str(group_file),
-                    "setuid_id": str(setuid_id), "daemon": daemon.pid, "fork_server": daemon.fork_server_pid(),
-                    "backend": daemon.private_sockets()[0], "front": str(daemon.socket),
-                    "cgroup_procs": _a_root_cgroup_procs(), "probe": PROBE, "open_files": OPEN_FILES,
-                    "call_timeout": CALL_TIMEOUT, "groups": [gid], "slow": SLOW}
-            seen = run_client_as(alice.uid, alice.gid, str(daemon.socket), ATTACK, args, timeout=180 * SLOW)
-            try:
-                yield {"daemon": daemon, "alice": alice, "bob": bob, "gid": gid, "ws": ws, "seen": seen,
-                       "setuid_id": setuid_id, "args": args, "admin_gid": grp.getgrnam(admins).gr_gid}
-            finally:
-                for key in ("session", "lifetime_session", "switched_session", "confined_session"):
-                    if key in seen:
-                        close_quietly(daemon.stub, seen[key])
-                _kill_pid_files(ws)
-    finally:
-        for name in (group, admins):
-            subprocess.run(["groupdel", name], check=True, capture_output=True)
+    with scratch_group("sbxf-") as group, scratch_group("sbxf-a") as admins, plain_users(2) as (alice, bob):
+        gid = grp.getgrnam(group).gr_gid
+        daemon = sandboxd_daemon_module(config=f'[listen]\nadmin_group = "{admins}"\n')
+        ws = base / "alice-ws"
+        (ws / "sub").mkdir(parents=True)
+        (ws / "own.txt").write_text("alice's own")
+        (ws / "to-root").symlink_to("/root")
+        for path in (ws, ws / "sub", ws / "own.txt", ws / "to-root"):
+            os.lchown(path, alice.uid, alice.gid)
+        os.chmod(ws, 0o700)
+        bob_dir = base / "bob-private"
+        bob_dir.mkdir(mode=0o700)
+        (bob_dir / "secret").write_text("bob's")
+        for path in (bob_dir, bob_dir / "secret"):
+            os.chown(path, bob.uid, bob.gid)
+        group_file = base / "group-only"
+        group_file.write_text("for the group")
+        os.chown(group_file, 0, gid)
+        os.chmod(group_file, 0o640)
+        setuid_id = base / "setuid-id"
+        shutil.copy(shutil.which("id") or "/usr/bin/id", setuid_id)
+        os.chmod(setuid_id, 0o4755)
+        args = {"ws": str(ws), "other_secret": str(bob_dir / "secret"), "group_file": str(group_file),
+                "setuid_id": str(setuid_id), "daemon": daemon.pid, "fork_server": daemon.fork_server_pid(),
+                "backend": daemon.private_sockets()[0], "front": str(daemon.socket),
+                "cgroup_procs": _a_root_cgroup_procs(), "probe": PROBE, "open_files": OPEN_FILES,
+                "call_timeout": CALL_TIMEOUT, "groups": [gid], "slow": SLOW}
+        seen = run_client_as(alice.uid, alice.gid, str(daemon.socket), ATTACK, args, timeout=180 * SLOW)
+        try:
+            yield {"daemon": daemon, "alice": alice, "bob": bob, "gid": gid, "ws": ws, "seen": seen,
+                   "setuid_id": setuid_id, "args": args, "admin_gid": grp.getgrnam(admins).gr_gid}
+        finally:
+            for key in ("session", "lifetime_session", "switched_session", "confined_session"):
+                if key in seen:
+                    close_quietly(daemon.stub, seen[key])
+            _kill_pid_files(ws)
 
 
 def _a_root_cgroup_procs() -> str:

@@ -555,18 +555,15 @@ def user_in_group() -> Iterator[tuple[str, int, int, int]]:
     """A real local user (useradd) with a real supplementary group (groupadd): name, uid, gid, group."""
     import grp
     import pwd
-    suffix = os.urandom(4).hex()
-    user, group = f"sbxt-{suffix}", f"sbxt-g{suffix}"
-    subprocess.run(["groupadd", group], check=True)
-    try:
+    from daemon_helpers import scratch_group
+    user = f"sbxt-{os.urandom(4).hex()}"
+    with scratch_group("sbxt-g") as group:
         subprocess.run(["useradd", "-M", "-N", "-s", "/usr/sbin/nologin", "-G", group, user], check=True)
         try:
             entry = pwd.getpwnam(user)
             yield user, entry.pw_uid, entry.pw_gid, grp.getgrnam(group).gr_gid
         finally:
             subprocess.run(["userdel", user], check=True)
-    finally:
-        subprocess.run(["groupdel", group], check=True)
 
 
 # As AS_OTHER_USER, but the groups are the user's own from /etc/group (initgroups), as a login has them.
