@@ -26,7 +26,7 @@ from sandboxd.launcher.native_call import helper_path
 from sandboxd.launcher.plan import DebugHooks
 from sandboxd.service.terminal_call import receive_master
 from sandboxd.policy import LaunchSpec, Limits, WorkspaceWrite, limits
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.supervisor.spawner import Spawner
 
 pytestmark = pytest.mark.timeout(120)

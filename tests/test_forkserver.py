@@ -16,7 +16,7 @@ import pytest
 from conftest import BASE_ENV, PY, kill_marked, make_dir, pids_with_marker, wait_until_gone
 from sandboxd.errors import ExecFailed, InvalidPolicy, SetupError
 from sandboxd.policy import DangerFullAccess, LaunchSpec, Limits, ReadOnly, WorkspaceWrite
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -232,7 +232,7 @@ def test_two_fork_servers_close_independently() -> None:
     second one, which should not hold the first one's client socket). Run in a child with a deadline."""
     code = (
         "import time\n"
-        "from sandboxd.supervisor.forkserver import ForkServer\n"
+        "from sandboxd.supervisor.fork_client import ForkServer\n"
         "a = ForkServer.start(); b = ForkServer.start()\n"
         "t = time.monotonic(); a.close(); print('first closed in', round(time.monotonic() - t, 2), flush=True)\n"
         "b.close(); print('both closed', flush=True)\n")

@@ -19,7 +19,9 @@ from sandboxd.errors import InvalidPolicy, SetupError
 from sandboxd.policy import LaunchSpec, Limits, WorkspaceWrite
 from sandboxd.service.calls import SessionCall
 from sandboxd.supervisor import fork_protocol
-from sandboxd.supervisor.forkserver import MAX_POLL_MS, ForkServer, check_timeout, poll_timeout_ms
+from sandboxd.supervisor.fork_client import ForkServer
+from sandboxd.supervisor.fork_protocol import check_timeout
+from sandboxd.supervisor.fork_server import MAX_POLL_MS, poll_timeout_ms
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -314,7 +316,7 @@ def test_the_fork_server_never_runs_code_from_the_daemons_working_directory(
     for package in (tmp_path / "sandboxd", planted):
         (package / "__init__.py").write_text("")
     marker = tmp_path / "ran"
-    (planted / "forkserver.py").write_text(f"open({str(marker)!r}, 'w').write('planted code ran')\n")
+    (planted / "fork_server.py").write_text(f"open({str(marker)!r}, 'w').write('planted code ran')\n")
     monkeypatch.chdir(tmp_path)
     fs = ForkServer.start()
     try:
@@ -323,6 +325,6 @@ def test_the_fork_server_never_runs_code_from_the_daemons_working_directory(
         fs.close()
     assert not marker.exists()
     # Control: the same interpreter and environment without -P imports the plant.
-    subprocess.run([sys.executable, "-m", "sandboxd.supervisor.forkserver", "0"], cwd=tmp_path,
+    subprocess.run([sys.executable, "-m", "sandboxd.supervisor.fork_server", "0"], cwd=tmp_path,
                    env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}, capture_output=True, timeout=60)
     assert marker.read_text() == "planted code ran"

@@ -109,7 +109,7 @@ class LaunchSpec(Record):
     # The git directories of each writable root (by real path), found by the git guard's baseline
     # walk just before the launch (policy.git_dirs): the build protects them without walking the
     # root again. A root not named here is walked at build. Not on the fork server's wire: a
-    # session's build walks (its guard's baseline is taken after the build: service.sessions).
+    # session's build walks (its guard's baseline is taken after the build: service.git_guard_hook).
     git_dirs: "dict[str, FoundGitDirs]" = Factory(dict)
 
     def __post_init__(self) -> None:

@@ -14,7 +14,7 @@ from sandboxd.errors import Forbidden, InvalidPolicy, NotFound, PermissionDenied
 from sandboxd.policy.tools import BUILTIN_TOOLS, Category, Effect, Risk, check_tool_name, summary_of
 from sandboxd.service.approvals import ApprovalGate, Granted, ToolCall, rule_key
 from sandboxd.service.callers import Caller
-from sandboxd.service.sessions import SessionRegistry
+from sandboxd.service.sessions.registry import SessionRegistry
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 EFFECTS = {pb.POLICY_EFFECT_UNSPECIFIED: None, pb.EFFECT_READ_ONLY: Effect.READ_ONLY,

@@ -15,8 +15,8 @@ from sandboxd.policy.sandbox import DangerFullAccess, ReadOnly
 from sandboxd.policy.tools import WriteScope
 from sandboxd.service.calls import SessionCall, write_all
 from sandboxd.service.convert import check_path
-from sandboxd.service.sessions import Session, SessionRegistry
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.service.sessions.registry import Session, SessionRegistry
+from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.supervisor.spawner import ExitInfo
 from sandboxd.v1 import sandboxd_pb2 as pb
 

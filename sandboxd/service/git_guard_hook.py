@@ -13,7 +13,7 @@ from sandboxd.policy.git_config import GIT_GUARD_SUBPATH
 from sandboxd.policy.sandbox import WorkspaceWrite
 from sandboxd.service.quotas import owner_key
 from sandboxd.service.sandbox_hooks import Sandbox, SandboxHooks, Service
-from sandboxd.service.session_state import Session
+from sandboxd.service.sessions.state import Session
 from sandboxd.gitguard.guard import GitGuard
 from sandboxd.gitguard.watch import InotifyHub
 

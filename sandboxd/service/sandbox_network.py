@@ -12,7 +12,7 @@ from sandboxd.audit.store import EventStore, EventType
 from sandboxd.defaults import PROXY_PORT
 from sandboxd.errors import SetupError
 from sandboxd.service.sandbox_hooks import Sandbox, SandboxHooks, Service
-from sandboxd.service.session_state import Session
+from sandboxd.service.sessions.state import Session
 
 
 class PublishedPorts(SandboxHooks):

@@ -20,9 +20,9 @@ from sandboxd.service.callers import Caller, Callers
 from sandboxd.network.front_door import FrontDoor
 from sandboxd.service.quotas import CALLS, REQUESTS, STREAMS, Quotas
 from sandboxd.service.sandbox_hooks import WhenClosed
-from sandboxd.service.sessions import Session, SessionRegistry, cwd_inside
+from sandboxd.service.sessions.registry import Session, SessionRegistry, cwd_inside
 from sandboxd.service.status import abort
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from sandboxd.service.approval_channels import ApprovalChannels
     from sandboxd.service.daemon_status import ConnectionCounts
     from sandboxd.service.metrics import Metrics
-    from sandboxd.service.tied_sessions import TiedSessions
+    from sandboxd.service.sessions.tied import TiedSessions
 
 R = TypeVar("R")   # what a unary call's work returns
 

@@ -7,7 +7,7 @@ from sandboxd.policy.tools import BUILTIN_TOOLS, classify_command, summary_of
 from sandboxd.service import environment
 from sandboxd.service.approvals import ToolCall
 from sandboxd.service.file_calls import write_effect, write_scope
-from sandboxd.service.sessions import Session
+from sandboxd.service.sessions.registry import Session
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 

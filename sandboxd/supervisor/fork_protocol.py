@@ -1,7 +1,7 @@
 """The fork server's protocol: one record type per request and per event, and one codec.
 
-Both ends use it: the fork server (``forkserver._Server``) decodes requests and encodes events, its
-client in the daemon (``forkserver.ForkServer``) the other way round. A message is one
+Both ends use it: the fork server (``fork_server._Server``) decodes requests and encodes events, its
+client in the daemon (``fork_client.ForkServer``) the other way round. A message is one
 SOCK_SEQPACKET datagram holding one JSON object, tagged with its kind (``"op"`` for a request,
 ``"event"`` for an event) and its request ``"id"``, plus the record's fields by name; the
 descriptors a request carries (stdin, stdout, stderr of a launch or call) travel as SCM_RIGHTS.
@@ -25,6 +25,8 @@ import socket
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from sandboxd._record import Record
+from sandboxd.errors import InvalidPolicy
+from sandboxd.policy.limits import check_timeout as limits_check_timeout
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -32,6 +34,34 @@ if TYPE_CHECKING:
 MAX_MESSAGE = 1 << 20
 SO_SNDBUFFORCE = 32
 MAX_DESCRIPTORS = 16                    # the most one message may carry (a request takes 0 or 3)
+
+# -- the server's bounds (its command-line flags: the client passes them when it starts it) --------
+
+# How long a request may wait on a caller's paths, a session's build or a command's start
+# (``fork_server.wait_seconds``): a lookup that takes longer is on a file system that does not answer.
+DEFAULT_WAIT_SECONDS = 10.0
+# How many path-opening children one owner may have alive at once (``fork_server.stuck_openers_per_uid``):
+# each one stuck on a file system that does not answer holds a pid, ~2 MB and a descriptor here until
+# that mount goes (supervisor/openers.py). Eight: an owner's ordinary lookups take milliseconds each (a
+# burst beyond it waits its turn, never refused), and the quotas let one user have 8 requests in progress
+# (quotas.requests_per_uid), so a user whose mount hangs sees as many DeadlineExceeded as it has requests
+# in flight, then a refusal at once naming the mount; 8 x 2 MB and 8 descriptors per owner.
+DEFAULT_STUCK_OPENERS = 8
+# How long a session's close may take before it is answered anyway (``gone=False``): a process
+# stuck on a file system that does not answer may hold the session's init; it is released when it
+# goes. Only the closing caller waits this long; the loop goes on serving everyone meanwhile.
+CLOSE_WAIT_SECONDS = 5.0
+
+
+def check_timeout(timeout: object, what: str = "timeout_seconds") -> float | None:
+    """A call's time limit as a float (None or 0: no limit), or InvalidPolicy for what no clock can
+    hold; the same range as the policy's (policy.limits.check_timeout), checked again at this edge."""
+    if timeout is None or (timeout == 0 and not isinstance(timeout, bool)):
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise InvalidPolicy(f"{what} must be a number of seconds, got {timeout!r}")
+    return limits_check_timeout(timeout, what)
+
 
 _encoder = json.JSONEncoder(separators=(",", ":"), check_circular=False)
 _decoder = json.JSONDecoder()

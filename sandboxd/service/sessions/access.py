@@ -17,7 +17,7 @@ from sandboxd.errors import Forbidden, NotFound
 from sandboxd.policy import SandboxPolicy
 from sandboxd.policy.sandbox import is_within
 from sandboxd.service.callers import Caller
-from sandboxd.service.session_state import Session
+from sandboxd.service.sessions.state import Session
 
 
 def owns(caller: Caller, owner_uid: int, owner_principal: str) -> bool:

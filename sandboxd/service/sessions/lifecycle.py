@@ -6,8 +6,8 @@ A session's sandbox is built once in the fork server and every call joins it. Ch
 sandbox axis builds a new one (a new *generation*) for later calls; the old one is closed when
 its last running call ends. What the daemon serves beside a sandbox (ports, proxy, git guard)
 is the hooks' (sandbox_hooks), called here and nowhere else. Locks: the table's only for its map
-(session_table), the session's ``lock`` for a moment, its ``build_lock`` across its builds and
-closes (session_state); none of them is ever held for another session's sake.
+(sessions.table), the session's ``lock`` for a moment, its ``build_lock`` across its builds and
+closes (sessions.state); none of them is ever held for another session's sake.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from sandboxd.policy.decision import ToolRules
 from sandboxd.service.callers import Caller
 from sandboxd.service.quotas import cgroup_owner
 from sandboxd.service.sandbox_hooks import HookList, Sandbox, close_all
-from sandboxd.service.session_access import command_user, rights_of
-from sandboxd.service.session_state import Session, session_from_row
-from sandboxd.service.session_table import SessionTable
-from sandboxd.supervisor.forkserver import ForkServer, SessionInfo
+from sandboxd.service.sessions.access import command_user, rights_of
+from sandboxd.service.sessions.state import Session, session_from_row
+from sandboxd.service.sessions.table import SessionTable
+from sandboxd.supervisor.fork_client import ForkServer, SessionInfo
 
 SESSION_PLACEHOLDER_ARGV = ("sandboxd-session",)  # a session's spec runs no command itself
 

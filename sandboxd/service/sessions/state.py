@@ -5,7 +5,7 @@ moment and never across I/O; building or closing one of its sandbox generations 
 server) happens under its ``build_lock`` instead, taken first, which orders that session's
 builders (policy changes, a resumed session's rebuild, the fork server's loss, CloseSession) one
 at a time. Neither lock is ever taken for another session: one session's slow build or close
-holds no one else's lookup or call (the registry's own lock covers only its map: session_table).
+holds no one else's lookup or call (the registry's own lock covers only its map: sessions.table).
 """
 
 from __future__ import annotations

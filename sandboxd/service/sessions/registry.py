@@ -2,10 +2,10 @@
 
 ``SessionRegistry`` only puts together the modules that own each concern:
 
-- session_state: one session's state and its own locks;
-- session_table: the map of sessions by id, with the registry's only global lock (map only);
-- session_access: who may see or act on a session, and with which rights its sandbox is built;
-- session_lifecycle: create, build, change, close, restore, and each call's generation;
+- state: one session's state and its own locks;
+- table: the map of sessions by id, with the registry's only global lock (map only);
+- access: who may see or act on a session, and with which rights its sandbox is built;
+- lifecycle: create, build, change, close, restore, and each call's generation;
 - sandbox_hooks: what is served beside each sandbox, wired once (sandbox_network: published
   ports and the egress proxy; git_guard_hook: the git guard; environment and the servicer
   forget a closed session through them too).
@@ -22,17 +22,17 @@ from sandboxd.errors import InvalidPolicy, NotFound
 from sandboxd.policy import Limits, SandboxPolicy
 from sandboxd.policy.decision import ToolRules
 from sandboxd.policy.sandbox import is_within
-from sandboxd.service import session_access as access
+from sandboxd.service.sessions import access
 from sandboxd.service.callers import Caller
 from sandboxd.service.git_guard_hook import GitGuardHook
 from sandboxd.service.quotas import Quotas, cgroup_owner
 from sandboxd.service.sandbox_hooks import HookList, SandboxHooks
 from sandboxd.service.sandbox_network import EgressProxies, PublishedPorts
-from sandboxd.service.session_access import caller_groups, command_user, rights_of
-from sandboxd.service.session_lifecycle import SESSION_PLACEHOLDER_ARGV, OwnPlaces, SandboxPlaces, SessionLifecycle
-from sandboxd.service.session_state import Session, rules_from_dict, rules_to_dict, session_from_row
-from sandboxd.service.session_table import SessionTable
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.service.sessions.access import caller_groups, command_user, rights_of
+from sandboxd.service.sessions.lifecycle import SESSION_PLACEHOLDER_ARGV, OwnPlaces, SandboxPlaces, SessionLifecycle
+from sandboxd.service.sessions.state import Session, rules_from_dict, rules_to_dict, session_from_row
+from sandboxd.service.sessions.table import SessionTable
+from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.network.publish import check_host_ports
 
 __all__ = ["SESSION_PLACEHOLDER_ARGV", "OwnPlaces", "Session", "SessionRegistry", "caller_groups", "command_user",
