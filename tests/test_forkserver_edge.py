@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,14 @@ def test_check_timeout_refuses_what_no_clock_holds() -> None:
         Limits(timeout_seconds=1e12)
 
 
+def spec_with(record: str, field: str, value: object) -> dict[str, object]:
+    """A launch spec as the client sends it (its JSON), with one nested field of ``record`` changed."""
+    spec = LaunchSpec(argv=("true",), workspace="/w", caller=(1000, 1000, ()))
+    wire: dict[str, Any] = json.loads(fork_protocol.Launch(1, fork_protocol.spec_record(spec)).encode())["spec"]
+    wire[record][field] = value
+    return wire
+
+
 def send_raw(server: ForkServer, message: object, fds: list[int] | None = None) -> None:
     """A request as the typed client would never send it: any JSON (or bytes), straight on the socket."""
     data = message if isinstance(message, bytes) else json.dumps(message).encode()
@@ -91,7 +100,8 @@ def test_malformed_requests_get_error_answers_and_the_server_lives(server: ForkS
     stdio = null_stdio()
     try:
         bad_requests: list[tuple[dict[str, object], list[int], str]] = [
-            ({"op": "launch", "spec": "not a spec"}, list(stdio), "field 'spec' must be dict"),
+            ({"op": "launch", "spec": "not a spec"}, list(stdio),
+             "field 'spec' must be an object of SpecRecord's fields"),
             ({"op": "launch", "spec": {"argv": 5}}, list(stdio), ""),
             ({"op": "launch"}, [], "takes 3 descriptors, got 0"),
             ({"op": "call", "session": 7, "argv": ["true"], "env": {}, "cwd": "/"}, list(stdio),
@@ -108,6 +118,15 @@ def test_malformed_requests_get_error_answers_and_the_server_lives(server: ForkS
             ({"op": "session_open", "session": "s", "spec": {"argv": []}}, [], ""),
             ({"op": "session_close", "session": None}, [], "field 'session' must be str"),
             ({"op": "check_paths", "caller": [0, "root", []], "paths": ["/"]}, [], "a caller is [uid, gid, [groups]]"),
+            # The spec's nested fields, each checked and named by its path (the policy's modes too).
+            ({"op": "launch", "spec": spec_with("policy", "network_mode", 7)}, list(stdio),
+             "field 'spec.policy.network_mode' must be one of isolated, host, got 7"),
+            ({"op": "session_open", "session": "s", "spec": spec_with("policy", "writable_roots", "/etc")}, [],
+             "field 'spec.policy.writable_roots' must be list[str]"),
+            ({"op": "session_open", "session": "s", "spec": spec_with("limits", "pids", "many")}, [],
+             "field 'spec.limits.pids' must be int | None"),
+            ({"op": "launch", "spec": spec_with("caller", "uid", None)}, list(stdio),
+             "field 'spec.caller.uid' must be int"),
             ({"op": "explode"}, [], "unknown fork server operation 'explode'"),
         ]
         for number, (message, fds, says) in enumerate(bad_requests, start=10_000):
@@ -118,9 +137,8 @@ def test_malformed_requests_get_error_answers_and_the_server_lives(server: ForkS
             assert server.pid == pid
         # Fields the client would never send: a time limit of 1e12 s, a signal beyond NSIG.
         spec = LaunchSpec(argv=("true",), workspace=str(workspace), env=dict(BASE_ENV))
-        from sandboxd.policy.spec import spec_to_dict
-        huge = spec_to_dict(spec)
-        huge["limits"]["timeout_seconds"] = 1e12  # type: ignore[index]
+        huge = json.loads(fork_protocol.Launch(1, fork_protocol.spec_record(spec)).encode())["spec"]
+        huge["limits"]["timeout_seconds"] = 1e12
         with pytest.raises(InvalidPolicy, match="timeout_seconds"):
             server._expect(server._request(lambda call_id: fork_protocol.Launch(call_id, huge), list(stdio)),
                            fork_protocol.Started)

@@ -245,10 +245,13 @@ class AuditService:
 
 
 def _rule_path(workspace: str) -> str:
-    """A workspace as rules store it (its real path)."""
-    if not workspace.startswith("/"):
+    """A workspace as rules store it: the real path AddStandingRule's lookup found, as its caller
+    (ListStandingRules shows it), named as it is. Never looked up here, as root: a path on a file
+    system that does not answer would hold this thread, and symlinks would be followed with root's
+    rights."""
+    if not workspace.startswith("/") or "\0" in workspace:
         raise InvalidPolicy(f"workspace {workspace!r} must be an absolute path")
-    return os.path.realpath(workspace)
+    return os.path.normpath(workspace)
 
 
 def _rule_to_proto(row: MemoryRow) -> pb.StandingRule:

@@ -25,7 +25,7 @@ def command(session: Session, tool: str, argv: list[str], cwd: str, start: pb.Ex
     the whole env a client sent) are in its arguments, so every approval card shows them and the
     audit log records them (the session's own env is not: its values stay root-only, and only its
     names are recorded, when the session is created)."""
-    found = classify_command(argv, cwd=cwd, scope=write_scope(session, resolved=False),
+    found = classify_command(argv, cwd=cwd, scope=write_scope(session),
                              env=environment.for_classifier(session, start))
     arguments: dict[str, object] = {"argv": argv, "cwd": cwd}
     carried = dict(start.env or start.env_overlay)

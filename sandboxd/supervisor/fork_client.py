@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy, SandboxdError, SetupError
-from sandboxd.policy.spec import LaunchSpec, spec_to_dict
+from sandboxd.policy.spec import LaunchSpec
 from sandboxd.supervisor import fork_protocol as protocol
 from sandboxd.supervisor.fork_protocol import (CLOSE_WAIT_SECONDS, DEFAULT_STUCK_OPENERS, DEFAULT_WAIT_SECONDS, Call,
                                                Cancel, CheckPaths, Error, Event, Exited, Launch, Malformed, Message,
                                                PathsChecked, Ping, Pong, Request, SessionClose, SessionClosed,
-                                               SessionOpen, SessionReady, Signal, Started)
+                                               SessionOpen, SessionReady, Signal, Started, spec_record)
 from sandboxd.supervisor.spawner import ExitInfo
 
 if TYPE_CHECKING:
@@ -30,14 +30,19 @@ E = TypeVar("E", bound=Event)
 
 
 class SessionInfo(Record):
+    """What the fork server built for a session's sandbox (SessionReady): the daemon keeps these
+    facts and acts on them, and never resolves the session's paths again itself, as root."""
+
     init_pid: int
     workspace: str                      # the workspace's real path, as the owner's lookup resolved it
+    writable_roots: tuple[str, ...]     # the policy's writable roots' real paths, the same way (no workspace)
     host_address: str | None            # the host side of an isolated network's link
     sandbox_address: str | None
     resolvers: tuple[str, ...]
     # The egress proxy's listening socket (allowed domains), bound by the fork server and handed
     # over (SessionReady): the receiver's to close, once whoever serves it has its own copy. -1: none.
     proxy_listener: int = -1
+    pid_namespace: int = 0              # its PID namespace's inode, read by the fork server (0: none)
 
 
 class ForkServer:
@@ -122,7 +127,7 @@ class ForkServer:
 
     def launch(self, spec: LaunchSpec, stdio: tuple[int, int, int] = (0, 1, 2)) -> int:
         """Start a one-shot sandbox; return its id once the command is running, or raise SetupError."""
-        wire = spec_to_dict(spec)
+        wire = spec_record(spec)
         call_id = self._request(lambda call_id: Launch(call_id, wire), list(stdio))
         self._expect(call_id, Started)
         return call_id
@@ -130,13 +135,14 @@ class ForkServer:
     def open_session(self, session: str, spec: LaunchSpec) -> "SessionInfo":
         """Build a session's sandbox (``spec.argv`` is not run): its init's pid and, with an isolated
         network, its addresses."""
-        wire = spec_to_dict(spec)
+        wire = spec_record(spec)
         call_id = self._request(lambda call_id: SessionOpen(call_id, session, wire))
         event = self._expect(call_id, SessionReady)
         with self._cond:
             passed = self._passed.pop(call_id, [])
-        return SessionInfo(event.init_pid or 0, event.workspace, event.host_address, event.sandbox_address,
-                           tuple(event.resolvers or ()), passed[0] if passed else -1)
+        return SessionInfo(event.init_pid or 0, event.workspace, tuple(event.writable_roots), event.host_address,
+                           event.sandbox_address,
+                           tuple(event.resolvers or ()), passed[0] if passed else -1, event.pid_namespace)
 
     def check_paths(self, caller: "tuple[int, int, tuple[int, ...]] | None", paths: list[str],
                     owner: str = "") -> list[str]:

@@ -72,12 +72,12 @@ from sandboxd.kernel import access, process
 from sandboxd.launcher.plan import path_check as plan_path_check
 from sandboxd.launcher.plan import path_requests as plan_path_requests
 from sandboxd.errors import DeadlineExceeded, InvalidPolicy, SandboxdError, SetupError
-from sandboxd.policy.spec import LaunchSpec, spec_from_dict
+from sandboxd.policy.spec import LaunchSpec
 from sandboxd.supervisor import fork_protocol as protocol
 from sandboxd.supervisor.fork_protocol import (CLOSE_WAIT_SECONDS, DEFAULT_STUCK_OPENERS, DEFAULT_WAIT_SECONDS, Call,
                                                Cancel, CheckPaths, Error, Event, Exited, Launch, Malformed, Message,
                                                PathsChecked, Ping, Pong, SessionClose, SessionClosed, SessionOpen,
-                                               SessionReady, Signal, Started, check_timeout)
+                                               SessionReady, Signal, Started, check_timeout, launch_spec)
 from sandboxd.supervisor.spawner import ExitInfo, SandboxProcess, SessionBuild, SessionSandbox, Spawner
 from sandboxd.supervisor.openers import Openers, Slot
 from sandboxd.supervisor.waits import Leftovers, Orphans, ReportReader, Timers, Waits
@@ -292,7 +292,7 @@ class _Server:
     def _launch(self, request: Launch, fds: list[int]) -> None:
         call_id = request.id
         self._fresh(call_id)
-        spec = spec_from_dict(request.spec)
+        spec = launch_spec(request.spec)
         limit = check_timeout(spec.limits.timeout_seconds, "limit timeout_seconds")
         # The stdio descriptors outlive this request's message: the launch waits on the paths.
         stdio = (os.dup(fds[0]), os.dup(fds[1]), os.dup(fds[2]))
@@ -330,7 +330,7 @@ class _Server:
             raise InvalidPolicy(f"session {name!r} is already open in the fork server")
         if name in self._closing:
             raise InvalidPolicy(f"session {name!r} is still being closed in the fork server")
-        spec = spec_from_dict(request.spec)
+        spec = launch_spec(request.spec)
         check_timeout(spec.limits.timeout_seconds, "limit timeout_seconds")
         self._opening.add(name)
         try:
@@ -508,16 +508,20 @@ class _Server:
             self._close_session(name, session, None)
             raise InvalidPolicy(f"session {name!r} was closed while its sandbox was being built")
         self.sessions[name] = session
+        plan = session.plan
+        roots = [root for root in plan.writable_roots if root != plan.workspace]   # as resolved, by descriptor
+        # Read here, where the init is an unreaped child (its pid cannot be another process's yet).
+        namespace = os.stat(f"/proc/{session.init_pid}/ns/pid").st_ino if session.init_pid else 0
         network = session.network
         if network is None:
-            self._answer(SessionReady(call_id, session.init_pid, session.plan.workspace))
+            self._answer(SessionReady(call_id, session.init_pid, plan.workspace, roots, pid_namespace=namespace))
             return
         # The daemon serves the egress proxy (this process has no threads) on this very socket, bound
         # in the sandbox's namespace before the sandbox existed (network.egress_proxy.PROXY_ADDRESS)
         # and sent along still bound: its port is never free while the session lives.
         listener, network.proxy_listener = network.proxy_listener, None
-        self._answer(SessionReady(call_id, session.init_pid, session.plan.workspace, network.host_address,
-                                  network.sandbox_address, list(network.resolvers), listener is not None),
+        self._answer(SessionReady(call_id, session.init_pid, plan.workspace, roots, network.host_address,
+                                  network.sandbox_address, list(network.resolvers), listener is not None, namespace),
                      None if listener is None else [listener.fileno()])
         if listener is not None:
             listener.close()                              # the daemon's copy holds the address now
