@@ -27,7 +27,7 @@ SAMPLES: list[protocol.Message] = [
     protocol.Call(5, "s#1", ["true"], {}, "/w"),
     protocol.Signal(6, 15),
     protocol.Cancel(7),
-    protocol.CheckPaths(8, [1000, 1000, [27]], ["/w", "/x"]),
+    protocol.CheckPaths(8, protocol.CallerRecord(1000, 1000, [27]), ["/w", "/x"]),
     protocol.CheckPaths(9, None, []),
     protocol.Ping(10),
     protocol.Started(11, 4242, 7),

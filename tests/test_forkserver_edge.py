@@ -117,7 +117,10 @@ def test_malformed_requests_get_error_answers_and_the_server_lives(server: ForkS
             ({"op": "session_open", "session": ["x"], "spec": {}}, [], "field 'session' must be str"),
             ({"op": "session_open", "session": "s", "spec": {"argv": []}}, [], ""),
             ({"op": "session_close", "session": None}, [], "field 'session' must be str"),
-            ({"op": "check_paths", "caller": [0, "root", []], "paths": ["/"]}, [], "a caller is [uid, gid, [groups]]"),
+            ({"op": "check_paths", "caller": [0, "root", []], "paths": ["/"]}, [],
+             "field 'caller' must be an object of CallerRecord's fields"),
+            ({"op": "check_paths", "caller": {"uid": 0, "gid": "root", "groups": []}, "paths": ["/"]}, [],
+             "field 'caller.gid' must be int"),
             # The spec's nested fields, each checked and named by its path (the policy's modes too).
             ({"op": "launch", "spec": spec_with("policy", "network_mode", 7)}, list(stdio),
              "field 'spec.policy.network_mode' must be one of isolated, host, got 7"),

@@ -18,9 +18,10 @@ from sandboxd.errors import InvalidPolicy, SandboxdError, SetupError
 from sandboxd.policy.spec import LaunchSpec
 from sandboxd.supervisor import fork_protocol as protocol
 from sandboxd.supervisor.fork_protocol import (CLOSE_WAIT_SECONDS, DEFAULT_STUCK_OPENERS, DEFAULT_WAIT_SECONDS, Call,
-                                               Cancel, CheckPaths, Error, Event, Exited, Launch, Malformed, Message,
-                                               PathsChecked, Ping, Pong, Request, SessionClose, SessionClosed,
-                                               SessionOpen, SessionReady, Signal, Started, spec_record)
+                                               CallerRecord, Cancel, CheckPaths, Error, Event, Exited, Launch,
+                                               Malformed, Message, PathsChecked, Ping, Pong, Request, SessionClose,
+                                               SessionClosed, SessionOpen, SessionReady, Signal, Started,
+                                               spec_record)
 from sandboxd.supervisor.spawner import ExitInfo
 
 if TYPE_CHECKING:
@@ -148,7 +149,7 @@ class ForkServer:
                     owner: str = "") -> list[str]:
         """The real paths of ``paths`` if ``caller`` may write each (Forbidden or InvalidPolicy if not);
         ``owner``: whom the lookup counts against (LaunchSpec.owner)."""
-        who: list[object] | None = [caller[0], caller[1], list(caller[2])] if caller else None
+        who = CallerRecord(caller[0], caller[1], list(caller[2])) if caller else None
         wanted = [str(path) for path in paths]
         return self._expect(self._request(lambda call_id: CheckPaths(call_id, who, wanted, owner)), PathsChecked).paths
 

@@ -436,9 +436,9 @@ class Cancel(Request, kind="cancel"):
 
 
 class CheckPaths(Request, kind="check_paths"):
-    """May ``caller`` ([uid, gid, [groups]], None: root) write each of ``paths``? ``owner``: whom the
-    lookup counts against (LaunchSpec.owner; "": the caller's uid)."""
-    caller: list[object] | None
+    """May ``caller`` (None: root) write each of ``paths``? ``owner``: whom the lookup counts against
+    (LaunchSpec.owner; "": the caller's uid)."""
+    caller: CallerRecord | None
     paths: list[str]
     owner: str = ""
 

@@ -355,7 +355,8 @@ class _Server:
             self._answer(SessionClosed(request.id, True))
 
     def _check_paths(self, request: CheckPaths, fds: list[int]) -> None:
-        call_id, who = request.id, _caller(request.caller)
+        caller = request.caller
+        call_id, who = request.id, None if caller is None else (caller.uid, caller.gid, tuple(caller.groups))
 
         def checked(opened: list[int]) -> None:
             try:
@@ -658,16 +659,6 @@ def _owner_share(owner: str, pids: int | None) -> "Callable[[], None] | None":
         except Exception:  # noqa: BLE001 - swept meanwhile: the child opens anyway; the bound holds
             pass
     return enter
-
-
-def _caller(value: "list[object] | None") -> "tuple[int, int, tuple[int, ...]] | None":
-    """A CheckPaths caller, [uid, gid, [groups]] (None: root's own), or InvalidPolicy."""
-    if value is None:
-        return None
-    if (len(value) == 3 and type(value[0]) is int and type(value[1]) is int and isinstance(value[2], list)
-            and all(type(group) is int for group in value[2])):
-        return value[0], value[1], tuple(value[2])
-    raise InvalidPolicy(f"a caller is [uid, gid, [groups]], got {value!r}")
 
 
 def _terminal_size(value: "list[object] | None") -> tuple[int, int] | None:
