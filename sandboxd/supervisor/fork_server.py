@@ -9,8 +9,10 @@ object per message, tagged with its kind and request id, every field's type chec
 descriptors as SCM_RIGHTS), and the server dispatches on the record's type through a table:
 
   Launch(spec)  + [stdin, stdout, stderr]                  one-shot sandbox        -> Started, then Exited
-  SessionOpen(session, spec)                               build a session's sandbox -> SessionReady
-                                                           (+ [the egress proxy's listener], if any)
+  SessionOpen(session, spec)                               build a session's sandbox -> SessionReady:
+                                                           what was built (real workspace and roots,
+                                                           addresses, PID namespace; + [the egress
+                                                           proxy's listener], if any)
   SessionClose(session)                                    kill all of it          -> SessionClosed(gone)
   Call(session, argv, env, cwd, timeout, tool, terminal)
         + [stdin, stdout, stderr]                          one command in a session -> Started, then Exited
