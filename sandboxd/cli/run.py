@@ -208,7 +208,7 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
     command_user = parse_user(str(user)) if user else None
     from sandboxd.cli import run_env
     env, hidden_homes, private_home = run_env.plan(
-        dict(os.environ), workspace=workspace, user=command_user, confined=policy.name != "danger-full-access",
+        dict(os.environ), workspace=workspace, user=command_user, confined=policy.confined,
         host_home=bool(args["host_home"]), clear=bool(args["clear_env"]), passes=_strings(args, "pass_env"),
         sets=_strings(args, "env"))
     memory, tmp_size = args["memory"], args["tmp_size"]

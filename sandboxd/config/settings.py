@@ -11,9 +11,11 @@ from sandboxd.config import BUILT_IN, Config, ConfigError, ResourceLimits
 from sandboxd.errors import InvalidPolicy, SandboxdError
 from sandboxd.kernel import host_limits
 from sandboxd.policy.audit_limits import AuditLimits, parse_min_free
+from sandboxd.policy.decision import approval_policy
 from sandboxd.policy.ipv4 import port as tcp_port
 from sandboxd.policy.limits import parse_size
 from sandboxd.policy.quota_limits import QuotaLimits
+from sandboxd.policy.sandbox import sandbox_mode
 from sandboxd.policy.session_defaults import SessionDefaults
 
 TLS_FILES = ("tls.cert", "tls.key", "tls.client_ca")
@@ -109,8 +111,9 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
     except SandboxdError as exc:
         raise refuse("audit", str(exc)) from None
     defaults = SessionDefaults(
-        sandbox=config.text("defaults.sandbox_policy"), network_access=config.flag("defaults.network_access"),
-        approval=config.text("defaults.approval_policy"),
+        sandbox=sandbox_mode(config.text("defaults.sandbox_policy")),
+        network_access=config.flag("defaults.network_access"),
+        approval=approval_policy(config.text("defaults.approval_policy")),
         timeout_seconds=config.number("defaults.timeout_seconds") or None,
         memory_bytes=limits.memory, pids=limits.pids, max_memory_bytes=limits.max_memory, max_pids=limits.max_pids,
         total_memory_bytes=limits.total_memory, total_pids=limits.total_pids,

@@ -12,9 +12,9 @@ from sandboxd._record import Factory, Record
 from sandboxd.errors import InvalidPolicy
 from sandboxd.kernel import access, mounts, paths, seccomp
 from sandboxd.kernel.unix_diag import file_identity
-from sandboxd.policy import DangerFullAccess, LaunchSpec, Limits, WorkspaceWrite
+from sandboxd.policy import LaunchSpec, Limits
 from sandboxd.policy.git_dirs import FoundGitDirs
-from sandboxd.policy.sandbox import is_within, network_mode_of
+from sandboxd.policy.sandbox import is_within
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -118,18 +118,16 @@ class LaunchPlan(Record):
 def path_requests(spec: LaunchSpec) -> "list[access.PathRequest]":
     """The paths ``prepare`` opens as the caller, in the order it wants their descriptors."""
     policy = spec.policy
-    confined = not isinstance(policy, DangerFullAccess)
-    return paths.requests_for(spec.workspace, policy.writable_roots if isinstance(policy, WorkspaceWrite) else (),
-                              tuple(getattr(policy, "allowed_unix_sockets", ())) if confined else ())
+    return paths.requests_for(spec.workspace, policy.writable_roots,
+                              policy.allowed_unix_sockets if policy.confined else ())
 
 
 def path_check(spec: LaunchSpec) -> "Callable[[list[int]], None]":
     """The check ``prepare`` makes on the descriptors of ``path_requests(spec)`` with lookups of
     its own (paths.planted_symlink_check): made where they were opened, as the caller."""
     policy = spec.policy
-    return paths.planted_symlink_check(spec.workspace,
-                                       policy.writable_roots if isinstance(policy, WorkspaceWrite) else (),
-                                       workspace_writable=isinstance(policy, WorkspaceWrite))
+    return paths.planted_symlink_check(spec.workspace, policy.writable_roots,
+                                       workspace_writable=policy.workspace_writable)
 
 
 def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
@@ -138,12 +136,10 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
     descriptors of ``path_requests(spec)``, opened and checked (``path_check``) already (prepare
     owns them then)."""
     policy = spec.policy
-    confined = not isinstance(policy, DangerFullAccess)
-    writable = isinstance(policy, WorkspaceWrite)
-    resolved = paths.resolve(spec.workspace, spec.cwd,
-                             policy.writable_roots if isinstance(policy, WorkspaceWrite) else (),
+    confined, writable = policy.confined, policy.workspace_writable
+    resolved = paths.resolve(spec.workspace, spec.cwd, policy.writable_roots,
                              workspace_writable=writable, confined=confined, caller=spec.caller,
-                             allowed_sockets=tuple(getattr(policy, "allowed_unix_sockets", ())) if confined else (),
+                             allowed_sockets=policy.allowed_unix_sockets if confined else (),
                              opened=opened)
     trees: dict[str, int] = {}
     plain_user = os.geteuid() != 0                       # sandboxd run by a plain user: rootless
@@ -171,7 +167,7 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
         st = os.stat(resolved.workspace)
         uid, gid = st.st_uid, st.st_gid
     network = bool(policy.network_access)
-    isolated = network and confined and network_mode_of(policy) == "isolated"
+    isolated = policy.isolated_network
     filter_spec = seccomp.FilterSpec(confined=confined)
     broker = BrokerRules(allowed=resolved.socket_ids, denied=_socket_ids(spec.denied_sockets),
                          denied_listeners=tuple(_listener(entry) for entry in spec.denied_listeners),
@@ -184,12 +180,11 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
         argv=spec.argv, env=dict(spec.env), cwd=resolved.cwd, workspace=resolved.workspace,
         confined=confined, rootless=rootless, network=network, network_isolated=isolated, dns=tuple(spec.dns),
         network_pool=spec.network_pool,
-        allowed_unix_sockets=tuple(getattr(policy, "allowed_unix_sockets", ())),
-        allowed_hosts=tuple(getattr(policy, "allowed_hosts", ())),
-        allowed_domains=tuple(getattr(policy, "allowed_domains", ())),
+        allowed_unix_sockets=policy.allowed_unix_sockets, allowed_hosts=policy.allowed_hosts,
+        allowed_domains=policy.allowed_domains,
         writable_roots=resolved.writable_roots,
         readonly_roots=() if writable or not confined else (resolved.workspace,),
-        protected_subpaths=policy.protected_subpaths if isinstance(policy, WorkspaceWrite) else (),
+        protected_subpaths=policy.protected_subpaths,
         uid=uid, gid=gid, limits=spec.limits,
         seccomp_program=seccomp.program_for(filter_spec), brokers_connect=filter_spec.brokers_connect,
         broker=broker, root_trees=trees, hidden_paths=hidden, owner=spec.owner,
@@ -209,12 +204,12 @@ def check_rootless(spec: LaunchSpec) -> None:
     if spec.user is not None and spec.user != (os.geteuid(), os.getegid()):
         raise InvalidPolicy(f"--user {spec.user[0]}:{spec.user[1]} {ROOT_NEEDED}: a plain user's sandbox runs "
                             "the command as that user; drop --user, or run sandboxd run as root")
-    if not isinstance(policy, WorkspaceWrite):
+    if not policy.workspace_writable:
         return
     if policy.published_ports:
         raise InvalidPolicy(f"--publish {ROOT_NEEDED} (it listens in the sandbox's network namespace from the "
                             "host's): run sandboxd run as root, or use --network=host and no --publish")
-    if not policy.network_access or policy.network_mode != "isolated":
+    if not policy.isolated_network:
         return
     if policy.allowed_hosts:
         raise InvalidPolicy(f"--allow-host {ROOT_NEEDED} (an nftables filter in the host's namespace): run "

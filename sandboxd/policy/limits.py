@@ -27,6 +27,9 @@ MAX_TIMEOUT_SECONDS = 7 * 24 * 3600      # a week: longer is a service, not a ca
 MAX_BYTES = 1 << 53                      # 8 PiB: far above any machine, exact as a float
 MAX_PIDS = 1 << 22                       # the kernel's largest pid_max
 MAX_OPEN_FILES = 1 << 20                 # the kernel's default fs.nr_open
+# The kernel's PATH_MAX, with its NUL: the longest path a caller may name (service.convert.check_path)
+# and the size of the call helper's path buffers, which refuse a longer one (never cut it short).
+PATH_MAX = 4096
 MAX_PTYS = 1 << 20                       # the most devpts takes for max= (NR_UNIX98_PTY_MAX)
 _MAXIMA = {"timeout_seconds": (MAX_TIMEOUT_SECONDS, "604800 seconds (7 days)"),
            "memory_bytes": (MAX_BYTES, "2^53 bytes"), "pids": (MAX_PIDS, "4194304 (the kernel's pid_max)"),

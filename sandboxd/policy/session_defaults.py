@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 from sandboxd._record import Record
+from sandboxd.policy.decision import ApprovalPolicy
 from sandboxd.policy.limits import DEFAULT_PTYS
+from sandboxd.policy.sandbox import SandboxMode
 
 
 class SessionDefaults(Record):
     """What a CreateSession that leaves something unset gets (the daemon's `defaults` settings)."""
 
-    sandbox: str = "workspace-write"
+    sandbox: SandboxMode = SandboxMode.WORKSPACE_WRITE
     network_access: bool = False
-    approval: str = "on-request"
+    approval: ApprovalPolicy = ApprovalPolicy.ON_REQUEST
     timeout_seconds: float | None = None
     memory_bytes: int | None = None
     pids: int | None = None

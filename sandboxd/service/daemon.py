@@ -44,10 +44,10 @@ from sandboxd.service.server import (MAX_FORK_RESTARTS, RESTART_WINDOW, ForkWatc
                                      TextLogFormatter, make_own_directories, own_places, self_test,
                                      sweep_private_dir)
 from sandboxd.service.servicer import Reflection, SandboxServicer
-from sandboxd.service.sessions import SessionRegistry
-from sandboxd.service.tied_sessions import TiedSessions
+from sandboxd.service.sessions.registry import SessionRegistry
+from sandboxd.service.sessions.tied import TiedSessions
 from sandboxd.service.watchdog import Watchdog
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.v1 import sandboxd_pb2, sandboxd_pb2_grpc
 
 log = logging.getLogger("sandboxd")

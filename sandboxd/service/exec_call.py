@@ -22,8 +22,8 @@ from sandboxd.policy.limits import check_timeout
 from sandboxd.policy.spec import check_command
 from sandboxd.service import environment, terminal_call
 from sandboxd.service.calls import SessionCall, write_all
-from sandboxd.service.sessions import Session, SessionRegistry
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.service.sessions.registry import Session, SessionRegistry
+from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.supervisor.spawner import ExitInfo
 from sandboxd.v1 import sandboxd_pb2 as pb
 

@@ -20,9 +20,9 @@ from sandboxd.service.callers import Caller, Callers
 from sandboxd.network.front_door import FrontDoor
 from sandboxd.service.quotas import CALLS, REQUESTS, STREAMS, Quotas
 from sandboxd.service.sandbox_hooks import WhenClosed
-from sandboxd.service.sessions import Session, SessionRegistry, cwd_inside
+from sandboxd.service.sessions.registry import Session, SessionRegistry, cwd_inside
 from sandboxd.service.status import abort
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from sandboxd.service.approval_channels import ApprovalChannels
     from sandboxd.service.daemon_status import ConnectionCounts
     from sandboxd.service.metrics import Metrics
-    from sandboxd.service.tied_sessions import TiedSessions
+    from sandboxd.service.sessions.tied import TiedSessions
 
 R = TypeVar("R")   # what a unary call's work returns
 
@@ -156,6 +156,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             if request.mode & 0o6000:                      # S_ISUID | S_ISGID
                 raise InvalidPolicy(f"mode {request.mode:o} has the set-uid or set-gid bit: a file written "
                                     f"through the daemon may not have them (use {request.mode & 0o1777:o})")
+            self._registry.ready(session)                 # its paths judged on what was built
             call = tool_calls.write(session, "fs.write", [path], bytes=len(request.data))
             _, out = self._tool(context, session, call, lambda: file_calls.run_tool(
                 self._registry, self._fork, session, {
@@ -178,6 +179,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             session = self._registry.get(who, request.session_id)
             targets = [file_calls.resolve(session, f.path)
                        for f in patch_search.patched_files(request.patch, request.strip)[0]]
+            self._registry.ready(session)
             return pb.ApplyPatchResponse(files=self._tool(
                 context, session, tool_calls.write(session, "patch.apply", targets),
                 lambda: patch_search.apply_patch(self._registry, self._fork, session, request.patch, request.strip)))
@@ -201,6 +203,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             argv = exec_call.command_of(start)
             exec_call.check_start(start, argv, session)
             convert.check_text(request.name, "name")
+            self._registry.ready(session)
             call = tool_calls.command(session, "monitor.start", argv,
                                       cwd_inside(session.workspace, convert.check_path(request.cwd, "cwd")), start)
             return job_to_proto(self._tool(context, session, call, lambda: self._jobs.start(
@@ -268,6 +271,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                 exec_call.check_unstreamed(start)
             if start.HasField("terminal"):                # a pty of its session's devpts, counted apart too
                 terminal.enter_context(self._quotas.terminal(who))
+            self._registry.ready(session)
             call = tool_calls.command(session, "shell.exec", argv, cwd, start, context_id=start.execution_context_id)
             with self._gate.authorize(session, call, still_wanted=context.is_active) as granted:
                 for response in exec_call.run(self._registry, self._fork, session, start, argv, cwd, request_iterator,

@@ -4,7 +4,7 @@ It must run in a single-threaded process (a forked child of a threaded
 process may deadlock on a lock another thread held, and unshare of user
 namespaces refuses threaded callers). ``sandboxd run`` is such a process and
 calls it directly; the daemon runs it inside the fork server
-(``sandboxd.supervisor.forkserver``). Either way the same ``launch`` runs.
+(``sandboxd.supervisor.fork_server``). Either way the same ``launch`` runs.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ A session's sandbox is built once in the fork server and every call joins it. Ch
 sandbox axis builds a new one (a new *generation*) for later calls; the old one is closed when
 its last running call ends. What the daemon serves beside a sandbox (ports, proxy, git guard)
 is the hooks' (sandbox_hooks), called here and nowhere else. Locks: the table's only for its map
-(session_table), the session's ``lock`` for a moment, its ``build_lock`` across its builds and
-closes (session_state); none of them is ever held for another session's sake.
+(sessions.table), the session's ``lock`` for a moment, its ``build_lock`` across its builds and
+closes (sessions.state); none of them is ever held for another session's sake.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from sandboxd._record import Record
 from sandboxd.audit.store import EventStore, EventType
 from sandboxd.errors import InvalidPolicy, NotFound
 from sandboxd.policy import LaunchSpec, Limits, SandboxPolicy
-from sandboxd.policy.decision import ToolRules
+from sandboxd.policy.decision import ApprovalPolicy, ToolRules
 from sandboxd.service.callers import Caller
 from sandboxd.service.quotas import cgroup_owner
 from sandboxd.service.sandbox_hooks import HookList, Sandbox, close_all
-from sandboxd.service.session_access import command_user, rights_of
-from sandboxd.service.session_state import Session, session_from_row
-from sandboxd.service.session_table import SessionTable
-from sandboxd.supervisor.forkserver import ForkServer, SessionInfo
+from sandboxd.service.sessions.access import command_user, rights_of
+from sandboxd.service.sessions.state import Session, session_from_row
+from sandboxd.service.sessions.table import SessionTable
+from sandboxd.supervisor.fork_client import ForkServer, SessionInfo
 
 SESSION_PLACEHOLDER_ARGV = ("sandboxd-session",)  # a session's spec runs no command itself
 
@@ -53,13 +53,17 @@ class SandboxPlaces(Record):
 
 class SessionLifecycle:
     def __init__(self, fork: ForkServer, store: EventStore, table: SessionTable, hooks: HookList,
-                 places: SandboxPlaces) -> None:
+                 places: SandboxPlaces, check_built: Callable[[Session, SessionInfo], None] | None = None) -> None:
+        """``check_built(session, facts)``: whether a sandbox the fork server built for ``session``
+        may serve it (raises if not: the sandbox is closed), before its services start or anyone
+        can use it: what is judged on the real paths is judged here, on the facts."""
         self._fork, self._store, self._table, self._hooks, self._places = fork, store, table, hooks, places
+        self._check_built = check_built
 
     # -- create, restore, change, close ----------------------------------------------------------
 
-    def create(self, owner: Caller, workspace: str, policy: SandboxPolicy, approval: str, limits: Limits,
-               labels: dict[str, str], rules: ToolRules | None, env: dict[str, str] | None) -> Session:
+    def create(self, owner: Caller, workspace: str, policy: SandboxPolicy, approval: ApprovalPolicy,
+               limits: Limits, labels: dict[str, str], rules: ToolRules | None, env: dict[str, str] | None) -> Session:
         """Counted at once (quotas), found by no one until its sandbox and services are up; not
         begun at all when the store will not take the owner's events (EventStore.admit)."""
         self._store.admit(owner.uid, owner.principal)
@@ -107,8 +111,8 @@ class SessionLifecycle:
             resumed += 1
         return resumed
 
-    def update_policy(self, caller: Caller, session: Session, policy: SandboxPolicy | None, approval: str | None,
-                      check: Callable[[SandboxPolicy], None]) -> Session:
+    def update_policy(self, caller: Caller, session: Session, policy: SandboxPolicy | None,
+                      approval: ApprovalPolicy | None, check: Callable[[SandboxPolicy], None]) -> Session:
         """``check(policy)``: whether the caller may have it (raises), asked only if it changes.
         The change is recorded, so the store must admit the session's owner first."""
         self._store.admit(session.owner.uid, session.owner.principal)
@@ -190,11 +194,17 @@ class SessionLifecycle:
             with session.build_lock:
                 with session.lock:
                     session.sandbox_ready = False
+                    session.built.clear()
                     lost = [session.services.pop(generation) for generation in list(session.services)]
                 for services in lost:
                     close_all(services)
 
     # -- calls -----------------------------------------------------------------------------------
+
+    def ready(self, session: Session) -> None:
+        """A resumed session's sandbox built (as its first call would), if it has none."""
+        if not session.sandbox_ready:
+            self._rebuild(session)
 
     def begin_call(self, session: Session) -> int:
         """Count a call as running on the session's current generation, which is complete: a
@@ -229,10 +239,22 @@ class SessionLifecycle:
     # -- sandbox generations ---------------------------------------------------------------------
 
     def _open_sandbox(self, session: Session, generation: int, policy: SandboxPolicy) -> None:
-        """Build one generation of the session's sandbox in the fork server, then its services
-        (the hooks). The caller holds the session's build_lock."""
+        """Build one generation of the session's sandbox in the fork server, keep what it built
+        (``session.built``, without the proxy's listener, which is closed here), judge it
+        (``check_built``), then start its services (the hooks). The caller holds the session's
+        build_lock."""
         info = self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy))
         try:
+            with session.lock:                        # before the check: a concurrent build's check sees it
+                session.built[generation] = info.replace(proxy_listener=-1)
+            if self._check_built is not None:
+                try:
+                    self._check_built(session, info)
+                except BaseException:
+                    self._fork.close_session(session.sandbox_name(generation))
+                    with session.lock:
+                        session.built.pop(generation, None)
+                    raise
             self._serve_sandbox(session, generation, policy, info)
         finally:
             if info.proxy_listener >= 0:              # the egress proxy serves its own copy (sandbox_network)
@@ -244,12 +266,8 @@ class SessionLifecycle:
             session.sandbox_builds += 1
             if info.workspace:
                 session.workspace = info.workspace    # as the caller's own lookup resolved it
-        if info.init_pid:
-            try:
-                namespace = os.stat(f"/proc/{info.init_pid}/ns/pid").st_ino
-            except OSError:
-                namespace = 0                         # gone already: its first call says so
-            self._table.set_namespace(session.sandbox_name(generation), namespace)
+        if info.pid_namespace:                        # read by the fork server, while the init was surely its
+            self._table.set_namespace(session.sandbox_name(generation), info.pid_namespace)
         try:
             served = self._hooks.sandbox_ready(session, Sandbox(generation, policy, info))
             with session.lock:
@@ -263,6 +281,7 @@ class SessionLifecycle:
         sandbox itself."""
         with session.lock:
             services = session.services.pop(generation, [])
+            session.built.pop(generation, None)
         close_all(services)
         self._fork.close_session(session.sandbox_name(generation))
         self._table.drop_namespace(session.sandbox_name(generation))
