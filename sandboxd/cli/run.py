@@ -21,6 +21,7 @@ if TYPE_CHECKING:   # typing stays off the `sandboxd run` path: these are for th
     from typing import Callable, TypeVar
 
     from sandboxd.kernel.netns import IsolatedNetwork
+    from sandboxd.kernel.overlay import Layers
     from sandboxd.network.loopback_proxy import LoopbackProxy
     from sandboxd.network.egress_proxy import EgressProxy
     from sandboxd.gitguard.guard import GitGuard
@@ -330,6 +331,8 @@ def main(argv: list[str]) -> int:
         finally:
             process.release_forwarded_signals()
         sandbox.wait_started()
+        if isinstance(review_dir, str):
+            _save_layers(review_dir, list(sandbox.plan.review_layers.values()))
     except SandboxdError as exc:
         _say(str(exc))
         if isinstance(exc, ExecFailed) and exc.errno == errno.EACCES:
@@ -357,7 +360,7 @@ def main(argv: list[str]) -> int:
         for item in guard.inspect():
             _say(item.describe())
     if isinstance(review_dir, str):
-        _summarize_review(review_dir)
+        _summarize_review(review_dir, list(sandbox.plan.review_layers.values()))
     if info.timed_out:
         sys.stderr.write(f"sandboxd run: timed out after {spec.limits.timeout_seconds:g}s; killed the whole tree\n")
     if info.oom_killed:
@@ -371,12 +374,22 @@ def main(argv: list[str]) -> int:
 REVIEW_SUMMARY_LINES = 50
 
 
-def _summarize_review(review_dir: str) -> None:
+def _save_layers(review_dir: str, layers: "list[Layers]") -> None:
+    """The layers' record, what a later listing or apply from ``review_dir`` starts from: written
+    while the command runs (json's import is not the launch's to pay)."""
+    from sandboxd.kernel import overlay
+    try:
+        overlay.save(review_dir, layers)
+    except OSError as exc:
+        _say(f"review: could not record the layers in {review_dir}: {os.strerror(exc.errno or errno.EIO)}")
+
+
+def _summarize_review(review_dir: str, layers: "list[Layers]") -> None:
     """Review mode's end: each root's changes, one line each (the first REVIEW_SUMMARY_LINES), on
     stderr; they stay in ``review_dir``."""
     from sandboxd.review import kept
     try:
-        listed = kept.list_changes(review_dir, limit=REVIEW_SUMMARY_LINES)
+        listed = kept.list_layers(layers, limit=REVIEW_SUMMARY_LINES)
     except (SandboxdError, OSError) as exc:
         _say(f"review: the change set in {review_dir} could not be listed: {exc}")
         return

@@ -140,8 +140,9 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None, *, review_dir: 
     cloned (the returned plan owns them: ``close_trees`` once the child has them). ``opened``: the
     descriptors of ``path_requests(spec)``, opened and checked (``path_check``) already (prepare
     owns them then). ``review_dir``: review mode, an empty directory of this process's (made by
-    kernel.overlay.make_review_dir) that receives the layers of every writable root (the record of
-    them is saved there too); the writable roots are then overlays whose upper layers it holds."""
+    kernel.overlay.make_review_dir) that receives the layers of every writable root (the plan's
+    review_layers, which the caller saves there); the writable roots are then overlays whose upper
+    layers it holds."""
     policy = spec.policy
     confined = not isinstance(policy, DangerFullAccess)
     writable = isinstance(policy, WorkspaceWrite)
@@ -212,7 +213,8 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None, *, review_dir: 
 
 def _review_layers(review_dir: str, roots: tuple[str, ...], descriptors: dict[str, int], *, confined: bool,
                    rootless: bool) -> "dict[str, overlay.Layers]":
-    """The layers of each writable root under ``review_dir``, saved there; refused with the reason
+    """The layers of each writable root under ``review_dir`` (the caller saves their record:
+    kernel.overlay.save, off the launch's path: it imports json); refused with the reason
     where review mode cannot be (no writable root, an old kernel rootless, a refused file system, the
     directory inside a root or a root inside it)."""
     if not confined or not roots:
@@ -225,10 +227,8 @@ def _review_layers(review_dir: str, roots: tuple[str, ...], descriptors: dict[st
         if is_within(real, root) or is_within(root, real):
             raise InvalidPolicy(f"review directory {real!r} and writable root {root!r} overlap: the change set "
                                 "must live outside every root")
-    layers = {root: overlay.make_layers(real, index, root, descriptors[root], userxattr=rootless)
-              for index, root in enumerate(roots)}
-    overlay.save(real, list(layers.values()))
-    return layers
+    return {root: overlay.make_layers(real, index, root, descriptors[root], userxattr=rootless)
+            for index, root in enumerate(roots)}
 
 
 ROOT_NEEDED = "needs root"

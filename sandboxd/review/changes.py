@@ -25,7 +25,6 @@ upper.scan, which needs root to read overlay's trusted.* attributes).
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import stat
 
@@ -95,6 +94,7 @@ def hash_file(dir_fd: int, rel: str, budget: "_Budget | None" = None,
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or (expect is not None and (st.st_ino, st.st_size) != expect):
             return ""
+        import hashlib                          # when a file is hashed: a listing with none pays nothing
         if budget is not None:
             if st.st_size > budget.left:
                 budget.unhashed += 1

@@ -74,12 +74,12 @@ class Baseline(Record):
 
 def load_baseline(layer_dir: str, started_ns: int) -> Baseline:
     """The baseline saved beside an overlay's layers (save_baseline), or a fresh one."""
-    import json
-
     try:
         fd = os.open(f"{layer_dir}/{BASELINE_FILE}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return Baseline(started_ns=started_ns)
+    import json                                 # only when there is one: `sandboxd run`'s summary has none
+
     try:
         raw = json.loads(os.read(fd, 64 << 20))
     finally:

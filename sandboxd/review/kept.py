@@ -12,13 +12,14 @@ from __future__ import annotations
 import os
 
 from sandboxd.kernel import overlay
-from sandboxd.review import apply as applying
 from sandboxd.review import conflicts, upper
 from sandboxd.review.changes import PAGE, ChangeSet, Comparison
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Callable, TypeVar
+
+    from sandboxd.review.apply import ApplyResult
 
     T = TypeVar("T")
 
@@ -42,14 +43,20 @@ def _with_comparison(layers: overlay.Layers, body: "Callable[[Comparison], T]") 
 
 
 def list_changes(review_dir: str, *, limit: int = PAGE) -> "list[ChangeSet]":
-    """The first page of each overlay's changes."""
-    return [_with_comparison(layers, lambda compared: compared.list(limit=limit))
-            for layers in overlay.load(review_dir)]
+    """The first page of each overlay's changes, from the layers' record in ``review_dir``."""
+    return list_layers(overlay.load(review_dir), limit=limit)
+
+
+def list_layers(layers: "list[overlay.Layers]", *, limit: int = PAGE) -> "list[ChangeSet]":
+    """The first page of each of these overlays' changes."""
+    return [_with_comparison(item, lambda compared: compared.list(limit=limit)) for item in layers]
 
 
 def apply_changes(review_dir: str, root: str, paths: tuple[str, ...] = ("",), *, force: bool = False,
-                  include_flagged: frozenset[str] = frozenset()) -> applying.ApplyResult:
+                  include_flagged: frozenset[str] = frozenset()) -> "ApplyResult":
     """Apply ``paths`` of the overlay over ``root``; its baseline is saved after."""
+    from sandboxd.review import apply as applying
+
     for layers in overlay.load(review_dir):
         if layers.root == root:
             result = _with_comparison(layers, lambda compared: applying.apply(
