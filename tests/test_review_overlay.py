@@ -12,6 +12,7 @@ Attacks are made by plain users the tests create, each next to its control.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -29,6 +30,7 @@ import pytest
 
 from conftest import BASE_ENV, PY, REPO, SANDBOXD, SLOW, describe, make_dir
 from daemon_helpers import PlainUser, owned_dir, plain_users
+from loop_filesystems import loop_mounted
 from sandboxd.kernel import caps, overlay
 from sandboxd.review import apply as applying
 from sandboxd.review import changes as listing
@@ -43,16 +45,31 @@ class Place(NamedTuple):
     base: Path                  # 0755, root's
 
 
+TMPFS_MAGIC = 0x01021994
+
+
+def _local_disk(path: str) -> bool:
+    """Whether ``path`` is on a file system review mode takes as lower and upper on every kernel: not
+    an overlay, nor a tmpfs (user.* attributes only from 6.6). The VM matrix's guest has only those
+    writable (virtme's /var and /tmp are overlays over tmpfs)."""
+    fd = os.open(path, os.O_PATH)
+    try:
+        kind = overlay.filesystem_type(fd)
+    finally:
+        os.close(fd)
+    return kind not in overlay.REFUSED_UPPERS and kind != TMPFS_MAGIC
+
+
 @pytest.fixture(scope="module")
 def place() -> Iterator[Place]:
-    with plain_users(2) as (owner, attacker):
-        base = Path(tempfile.mkdtemp(prefix="sbxreview-", dir="/var/tmp"))
-        try:
-            os.chmod(base, 0o755)
-            yield Place(owner, attacker, base)
-        finally:
-            subprocess.run(["chmod", "-R", "u+rwx", str(base)], capture_output=True)
-            shutil.rmtree(base, ignore_errors=True)
+    with plain_users(2) as (owner, attacker), contextlib.ExitStack() as stack:
+        top = Path(tempfile.mkdtemp(prefix="sbxreview-", dir="/var/tmp"))
+        stack.callback(shutil.rmtree, top, ignore_errors=True)
+        stack.callback(subprocess.run, ["chmod", "-R", "u+rwx", str(top)], capture_output=True)
+        os.chmod(top, 0o755)
+        # On a disk of its own where /var/tmp is not one (the VM guest): an ext4 image.
+        base = top if _local_disk(str(top)) else stack.enter_context(loop_mounted("ext4", top / "disk"))
+        yield Place(owner, attacker, base)
 
 
 def fresh(place: Place, name: str) -> tuple[Path, Path]:
@@ -403,16 +420,16 @@ def test_a_lower_that_is_an_overlay_is_refused_in_one_line(place: Place) -> None
     assert plain.returncode == 0, describe(plain)
 
 
-def test_lowers_refused_by_file_system() -> None:
+def test_lowers_refused_by_file_system(place: Place) -> None:
     fd = os.open("/proc", os.O_PATH)
     try:
         with pytest.raises(Exception, match="on proc"):
             overlay.check_lower(fd, "/proc")
     finally:
         os.close(fd)
-    fd = os.open("/var/tmp", os.O_PATH)
+    fd = os.open(place.base, os.O_PATH)
     try:
-        overlay.check_lower(fd, "/var/tmp")              # control: a local disk is a lower
+        overlay.check_lower(fd, str(place.base))         # control: a local disk is a lower
     finally:
         os.close(fd)
 
