@@ -27,7 +27,7 @@ from typing import Callable
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_git_guard import count_dirs, make_big_workspace  # noqa: E402
+from bench_git_guard import count_dirs, make_big_workspace, median_us  # noqa: E402
 from sandboxd.kernel import overlay  # noqa: E402
 from sandboxd.review import apply as applying  # noqa: E402
 from sandboxd.review import conflicts, kept, upper  # noqa: E402
@@ -37,12 +37,7 @@ SANDBOXD = os.path.join(os.path.dirname(sys.executable), "sandboxd")
 
 
 def median_ms(action: Callable[[], object], runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        action()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return median_us(action, runs) / 1e3
 
 
 def run(workspace: str, *options: str, script: str = "true") -> None:

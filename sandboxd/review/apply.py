@@ -40,7 +40,7 @@ from sandboxd.kernel import beneath
 from sandboxd.kernel._libc import libc
 from sandboxd.review.changes import CHUNK, DELETED, METADATA, OWNER, REPLACED, TYPE_CHANGED, Change, Comparison
 from sandboxd.review.conflicts import Baseline, HostLookups
-from sandboxd.review.upper import DIR, FILE, OTHER, SYMLINK, UpperEntry
+from sandboxd.review.upper import DIR, FILE, OTHER, SYMLINK, UpperEntry, kind_of
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -216,7 +216,7 @@ def _set_attributes(comparison: Comparison, parent: int, name: str, change: Chan
         kind = os.fstat(fd).st_mode
         if stat.S_ISLNK(kind):
             return Applied(change.path, change.kind)    # a symlink has no mode of its own
-        if change.type and _type_of(kind) != change.type:
+        if change.type and kind_of(kind) != change.type:
             raise _Stale()
         _chmod(fd, change.mode)
         if OWNER in change.aspects or made:
@@ -224,16 +224,6 @@ def _set_attributes(comparison: Comparison, parent: int, name: str, change: Chan
     finally:
         os.close(fd)
     return Applied(change.path, change.kind, note=note)
-
-
-def _type_of(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return DIR
-    if stat.S_ISREG(mode):
-        return FILE
-    if stat.S_ISLNK(mode):
-        return SYMLINK
-    return OTHER
 
 
 def _chown(fd: int, change: Change) -> str:
