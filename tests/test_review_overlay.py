@@ -414,6 +414,7 @@ def test_a_lower_that_is_an_overlay_is_refused_in_one_line(place: Place) -> None
     assert result.returncode == 125, describe(result)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "it is on overlayfs" in lines[0], result.stderr
+    assert not (top / "review").exists()                # nothing left of the refused run
     # Control: the same run over a plain directory builds.
     plain = subprocess.run([SANDBOXD, "run", f"--review=keep:{top}/review2", "--workspace", str(top / "lower"),
                             "--", "true"], capture_output=True, text=True, timeout=60 * SLOW, env=BASE_ENV)

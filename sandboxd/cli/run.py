@@ -335,6 +335,8 @@ def main(argv: list[str]) -> int:
             _save_layers(review_dir, list(sandbox.plan.review_layers.values()))
     except SandboxdError as exc:
         _say(str(exc))
+        if isinstance(review_dir, str):
+            _remove_review_dir(review_dir)           # made above for this run: nothing reached it
         if isinstance(exc, ExecFailed) and exc.errno == errno.EACCES:
             _note_uid(spec)
         if isinstance(exc, LimitsUnavailable) and not args["no_default_limits"]:
@@ -372,6 +374,14 @@ def main(argv: list[str]) -> int:
 
 
 REVIEW_SUMMARY_LINES = 50
+
+
+def _remove_review_dir(review_dir: str) -> None:
+    from sandboxd.kernel import overlay
+    try:
+        overlay.remove_layers(review_dir)
+    except OSError:
+        pass                                         # what is left is the user's to see: it is theirs
 
 
 def _save_layers(review_dir: str, layers: "list[Layers]") -> None:
