@@ -67,7 +67,9 @@ def place() -> Iterator[Place]:
         stack.callback(shutil.rmtree, top, ignore_errors=True)
         stack.callback(subprocess.run, ["chmod", "-R", "u+rwx", str(top)], capture_output=True)
         os.chmod(top, 0o755)
-        # On a disk of its own where /var/tmp is not one (the VM guest): an ext4 image.
+        # On a disk of its own where /var/tmp is not one (the VM guest, whose ext4 is a module): an ext4 image.
+        if not _local_disk(str(top)):
+            subprocess.run(["modprobe", "-q", "ext4"], capture_output=True, timeout=60)
         base = top if _local_disk(str(top)) else stack.enter_context(loop_mounted("ext4", top / "disk"))
         yield Place(owner, attacker, base)
 
