@@ -21,6 +21,7 @@ if TYPE_CHECKING:   # typing stays off the `sandboxd run` path: these are for th
     from typing import Callable, TypeVar
 
     from sandboxd.kernel.netns import IsolatedNetwork
+    from sandboxd.kernel.overlay import Layers
     from sandboxd.network.loopback_proxy import LoopbackProxy
     from sandboxd.network.egress_proxy import EgressProxy
     from sandboxd.gitguard.guard import GitGuard
@@ -109,7 +110,12 @@ OPTIONS: tuple[tuple[str, str | None, str, str], ...] = (
     ("--host-home", None, "flag", "keep the host's home directories visible (read-only) and HOME as it is"),
     ("--help", None, "flag", "show this help and exit"),
 )
-_BY_FLAG = {flag: (metavar, kind) for flag, metavar, kind, _ in OPTIONS}
+# Experimental, not in --help until review mode is wired into sessions (issue 25): parsed like the rest.
+HIDDEN_OPTIONS: tuple[tuple[str, str | None, str, str], ...] = (
+    ("--review", "keep:DIR", "value", "review mode: the writable roots are overlays, the host is not written; "
+                                      "the change set is kept in DIR (new, or empty) and summarised at the end"),
+)
+_BY_FLAG = {flag: (metavar, kind) for flag, metavar, kind, _ in (*OPTIONS, *HIDDEN_OPTIONS)}
 USAGE = "usage: sandboxd run [options] -- PROGRAM [ARGS...]"
 
 
@@ -128,7 +134,7 @@ def help_text() -> str:
 def parse_args(argv: list[str]) -> dict[str, object]:
     """Options as a dict keyed like the flags (``writable_root``...), plus ``command``."""
     options: dict[str, object] = {flag[2:].replace("-", "_"): [] if kind == "append" else None
-                                  for flag, _, kind, _ in OPTIONS}
+                                  for flag, _, kind, _ in (*OPTIONS, *HIDDEN_OPTIONS)}
     options["command"] = []
     index = 0
     while index < len(argv):
@@ -168,6 +174,13 @@ def parse_args(argv: list[str]) -> dict[str, object]:
     for flag in ("dns", "allow_host", "allow_domain"):
         if options[flag] and options["network"] not in (True, "isolated"):
             raise UsageError(f"--{flag.replace('_', '-')} only applies to the isolated network: add --network")
+    review = options["review"]
+    if review is not None:
+        decision, _, where = str(review).partition(":")
+        if decision != "keep" or not where:
+            raise UsageError(f"--review={review}: use --review=keep:DIR (apply and discard at the end are not "
+                             "there yet)")
+        options["review"] = os.path.abspath(where)
     return options
 
 
@@ -284,7 +297,16 @@ def main(argv: list[str]) -> int:
     except SandboxdError as exc:
         _say(str(exc))
         return EXIT_SETUP_FAILED
-    guard = _git_guard(spec)
+    review_dir = args["review"]
+    if isinstance(review_dir, str):
+        from sandboxd.kernel import overlay
+        try:
+            overlay.make_review_dir(review_dir)
+        except SandboxdError as exc:
+            _say(str(exc))
+            return EXIT_SETUP_FAILED
+    # In review mode nothing reaches the host: what would be planted is flagged in the change set.
+    guard = _git_guard(spec) if review_dir is None else None
     if guard is not None:
         # One walk: the build protects the git directories the guard's baseline just found.
         spec = spec.replace(git_dirs=guard.found_git_dirs())
@@ -304,13 +326,17 @@ def main(argv: list[str]) -> int:
         # inherits at its 'default signals' step (process.default_signals).
         process.hold_forwarded_signals()
         try:
-            sandbox = Spawner().launch(spec)
+            sandbox = Spawner().launch(spec, review_dir=review_dir if isinstance(review_dir, str) else None)
             _forward_signals(sandbox)
         finally:
             process.release_forwarded_signals()
         sandbox.wait_started()
+        if isinstance(review_dir, str):
+            _save_layers(review_dir, list(sandbox.plan.review_layers.values()))
     except SandboxdError as exc:
         _say(str(exc))
+        if isinstance(review_dir, str):
+            _remove_review_dir(review_dir)           # made above for this run: nothing reached it
         if isinstance(exc, ExecFailed) and exc.errno == errno.EACCES:
             _note_uid(spec)
         if isinstance(exc, LimitsUnavailable) and not args["no_default_limits"]:
@@ -335,6 +361,8 @@ def main(argv: list[str]) -> int:
     if guard is not None:
         for item in guard.inspect():
             _say(item.describe())
+    if isinstance(review_dir, str):
+        _summarize_review(review_dir, list(sandbox.plan.review_layers.values()))
     if info.timed_out:
         sys.stderr.write(f"sandboxd run: timed out after {spec.limits.timeout_seconds:g}s; killed the whole tree\n")
     if info.oom_killed:
@@ -343,6 +371,45 @@ def main(argv: list[str]) -> int:
     if info.exit_code:                               # its own failure, not a timeout or a signal
         _note_uid(spec, sandbox.plan.uid, sandbox.plan.gid)
     return info.shell_status
+
+
+REVIEW_SUMMARY_LINES = 50
+
+
+def _remove_review_dir(review_dir: str) -> None:
+    from sandboxd.kernel import overlay
+    try:
+        overlay.remove_layers(review_dir)
+    except OSError:
+        pass                                         # what is left is the user's to see: it is theirs
+
+
+def _save_layers(review_dir: str, layers: "list[Layers]") -> None:
+    """The layers' record, what a later listing or apply from ``review_dir`` starts from: written
+    while the command runs (json's import is not the launch's to pay)."""
+    from sandboxd.kernel import overlay
+    try:
+        overlay.save(review_dir, layers)
+    except OSError as exc:
+        _say(f"review: could not record the layers in {review_dir}: {os.strerror(exc.errno or errno.EIO)}")
+
+
+def _summarize_review(review_dir: str, layers: "list[Layers]") -> None:
+    """Review mode's end: each root's changes, one line each (the first REVIEW_SUMMARY_LINES), on
+    stderr; they stay in ``review_dir``."""
+    from sandboxd.review import kept
+    try:
+        listed = kept.list_layers(layers, limit=REVIEW_SUMMARY_LINES)
+    except (SandboxdError, OSError) as exc:
+        _say(f"review: the change set in {review_dir} could not be listed: {exc}")
+        return
+    for change_set in listed:
+        count = len(change_set.changes)
+        more = "+" if change_set.next_after else ""
+        _say(f"review: {count}{more} change(s) to {change_set.root}, kept in {review_dir}")
+        for change in change_set.changes:
+            marks = (" [flagged]" if change.flags else "") + (" [conflict]" if change.conflict else "")
+            _say(f"  {change.kind:<12} {change.path or '.'}{marks}")
 
 
 def _note_uid(spec: LaunchSpec, uid: "int | None" = None, gid: "int | None" = None) -> None:

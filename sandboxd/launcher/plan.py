@@ -10,7 +10,7 @@ import os
 
 from sandboxd._record import Factory, Record
 from sandboxd.errors import InvalidPolicy
-from sandboxd.kernel import access, mounts, paths, seccomp
+from sandboxd.kernel import access, mounts, overlay, paths, seccomp
 from sandboxd.kernel.unix_diag import file_identity
 from sandboxd.policy import LaunchSpec, Limits
 from sandboxd.policy.git_dirs import FoundGitDirs
@@ -108,6 +108,9 @@ class LaunchPlan(Record):
     terminal: tuple[int, int] | None = None
     # LaunchSpec.git_dirs: the git directories of the writable roots, found already (rootfs step 8).
     git_dirs: "dict[str, FoundGitDirs]" = Factory(dict)
+    # Review mode (kernel.overlay): each writable root, by real path, is covered by an overlay whose
+    # upper layer collects its changes (rootfs step 8); empty: the roots are written directly.
+    review_layers: "dict[str, overlay.Layers]" = Factory(dict)
 
     def close_trees(self) -> None:
         for fd in self.root_trees.values():
@@ -130,11 +133,14 @@ def path_check(spec: LaunchSpec) -> "Callable[[list[int]], None]":
                                        workspace_writable=policy.workspace_writable)
 
 
-def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
+def prepare(spec: LaunchSpec, opened: "list[int] | None" = None, *, review_dir: str | None = None) -> LaunchPlan:
     """Resolve ``spec``: its paths opened and checked as its caller, the mount trees of its roots
     cloned (the returned plan owns them: ``close_trees`` once the child has them). ``opened``: the
     descriptors of ``path_requests(spec)``, opened and checked (``path_check``) already (prepare
-    owns them then)."""
+    owns them then). ``review_dir``: review mode, an empty directory of this process's (made by
+    kernel.overlay.make_review_dir) that receives the layers of every writable root (the plan's
+    review_layers, which the caller saves there); the writable roots are then overlays whose upper
+    layers it holds."""
     policy = spec.policy
     confined, writable = policy.confined, policy.workspace_writable
     resolved = paths.resolve(spec.workspace, spec.cwd, policy.writable_roots,
@@ -148,6 +154,11 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
         hidden = _hidden_paths(spec.hidden_paths, resolved.workspace, resolved.writable_roots) if confined else ()
         if plain_user:
             check_rootless(spec)
+        review_layers = (_review_layers(review_dir, resolved.writable_roots, resolved.descriptors, confined=confined,
+                                        rootless=plain_user)
+                         if review_dir is not None else {})
+        if review_dir is not None:
+            hidden = (*hidden, os.path.realpath(review_dir))      # the sandbox never sees its own change set
         if confined:
             for real, fd in resolved.descriptors.items():
                 # A plain user may not clone mounts here: the child does, in its own namespace.
@@ -191,7 +202,28 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
         caller_groups=None if confined or spec.caller is None else tuple(spec.caller[2]),
         hidden_homes=spec.hidden_homes if confined else (), private_home=spec.private_home if confined else "",
         git_dirs={root: found for root, found in spec.git_dirs.items() if root in resolved.writable_roots},
+        review_layers=review_layers,
     )
+
+
+def _review_layers(review_dir: str, roots: tuple[str, ...], descriptors: dict[str, int], *, confined: bool,
+                   rootless: bool) -> "dict[str, overlay.Layers]":
+    """The layers of each writable root under ``review_dir`` (the caller saves their record:
+    kernel.overlay.save, off the launch's path: it imports json); refused with the reason
+    where review mode cannot be (no writable root, an old kernel rootless, a refused file system, the
+    directory inside a root or a root inside it)."""
+    if not confined or not roots:
+        raise InvalidPolicy("review mode needs the workspace-write policy: there is nothing to review otherwise")
+    if rootless and not overlay.rootless_supported():
+        raise InvalidPolicy(f"review mode as a plain user needs unprivileged overlayfs (Linux 5.11 or later); "
+                            f"this kernel is {os.uname().release}: run it as root")
+    real = os.path.realpath(review_dir)
+    for root in roots:
+        if is_within(real, root) or is_within(root, real):
+            raise InvalidPolicy(f"review directory {real!r} and writable root {root!r} overlap: the change set "
+                                "must live outside every root")
+    return {root: overlay.make_layers(real, index, root, descriptors[root], userxattr=rootless)
+            for index, root in enumerate(roots)}
 
 
 ROOT_NEEDED = "needs root"

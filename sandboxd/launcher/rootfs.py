@@ -24,7 +24,9 @@
    workspace read-only, so it is seen even when it lives under /tmp), parents before
    children, from the detached mount trees the parent cloned from the very descriptors
    the caller's rights were checked on (launcher.plan, kernel.access): a name swapped
-   since then changes nothing, and roots under /tmp are reachable that way too; then pin
+   since then changes nothing, and roots under /tmp are reachable that way too; in review
+   mode cover each attached root at once with its overlay (kernel.overlay: the attached tree
+   is the lower layer, the upper and work directories were opened in step 1b); then pin
    and re-protect the protected subpaths.
    8b. With an isolated network, bind its resolv.conf over /etc/resolv.conf.
    8c. Cover sandboxd's own places (its sockets' directory, its state directory): an empty
@@ -33,6 +35,10 @@
    8d. Make the hidden homes' tmpfs read-only: a write there could not be told from a write to
    the real home (a planted ~/.bashrc), which is what a sandbox is checked for.
 9. pivot_root into the copy and drop the old root entirely.
+
+Step 1b (review mode): open each overlay's upper and work directories, in this namespace (overlayfs
+takes no layer from another) and before step 2 covers /tmp, where a `sandboxd run` review directory
+may be.
 
 Every kernel call here, and the lookups the steps decide by, go through kernel.syscalls.current
 (``kernel = syscalls.current``): tests/test_setup_order.py records them instead, to hold this order
@@ -64,6 +70,10 @@ from sandboxd.policy.sandbox import is_within
 from sandboxd.policy.git_config import (GIT_DIR_CREATE_EMPTY, GIT_DIR_NESTED, GIT_GUARD_SUBPATH,
                                         git_dir_entry_writable)
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from sandboxd.kernel.overlay import Layers
+
 STAGE = "/tmp"
 NEW_ROOT = STAGE + "/root"
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
@@ -86,6 +96,17 @@ def build(plan: LaunchPlan) -> None:
     kernel.make_private("/")                                                        # 1
     if plan.rootless:
         rootless.clone_roots(plan.root_trees)    # for step 8, before /tmp is covered
+    layer_dirs = _open_layer_dirs(plan.review_layers)                                # 1b
+    try:
+        _build_tree(plan, layer_dirs)
+    finally:
+        for fds in layer_dirs.values():
+            for fd in fds:
+                kernel.close(fd)
+
+
+def _build_tree(plan: LaunchPlan, layer_dirs: "dict[str, tuple[int, int]]") -> None:
+    kernel = syscalls.current
     kernel.tmpfs(STAGE, size=1 << 20, mode=0o700, step="mount staging tmpfs")        # 2
     kernel.mkdir(NEW_ROOT, 0o755)
     kernel.bind("/", NEW_ROOT, step="bind host root")
@@ -105,9 +126,10 @@ def build(plan: LaunchPlan) -> None:
     for root in plan.readonly_roots:                                                 # 8
         _attach_root(root, plan.root_trees[root], writable=False)
     for root in plan.writable_roots:
-        _attach_root(root, plan.root_trees[root], writable=True)
+        _attach_root(root, plan.root_trees[root], writable=True,
+                     review=(plan.review_layers[root], *layer_dirs[root]) if root in layer_dirs else None)
     for root in plan.writable_roots:
-        _protect_root(root, plan.protected_subpaths, plan.git_dirs.get(root))
+        _protect_root(root, plan.protected_subpaths, plan.git_dirs.get(root), reviewed=root in layer_dirs)
     plan.close_trees()
     if plan.resolv_conf is not None:                                                 # 8b
         _bind_resolv_conf(plan.resolv_conf)
@@ -193,7 +215,29 @@ def _mount_dev(target: str, shm_size: int, ptys: int) -> None:
                  step="make /dev read-only")
 
 
-def _attach_root(root: str, tree: int, *, writable: bool) -> None:
+def _open_layer_dirs(layers: "dict[str, Layers]") -> "dict[str, tuple[int, int]]":
+    """Step 1b: (upper, work) descriptors of each reviewed root's overlay, opened here (see the
+    module's text); O_PATH, never through a symlink (the review directory is sandboxd's own)."""
+    kernel = syscalls.current
+    opened: dict[str, tuple[int, int]] = {}
+    try:
+        for root, layer in layers.items():
+            upper = kernel.open_dir_path(layer.upper, step="open review layers")
+            try:
+                work = kernel.open_dir_path(layer.work, step="open review layers")
+            except BaseException:
+                kernel.close(upper)
+                raise
+            opened[root] = (upper, work)
+    except BaseException:
+        for fds in opened.values():
+            for fd in fds:
+                kernel.close(fd)
+        raise
+    return opened
+
+
+def _attach_root(root: str, tree: int, *, writable: bool, review: "tuple[Layers, int, int] | None" = None) -> None:
     kernel = syscalls.current
     target = NEW_ROOT + root
     if not kernel.lexists(target):
@@ -204,6 +248,14 @@ def _attach_root(root: str, tree: int, *, writable: bool) -> None:
             kernel.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
             kernel.create_file(target, 0o644)
     kernel.attach_tree(tree, target, step="bind root")
+    if review is not None:
+        layer, upper, work = review
+        lower = kernel.open_dir_path(target, step="open review lower")  # the tree just attached
+        try:
+            kernel.mount_overlay(target, lower_fd=lower, upper_fd=upper, work_fd=work, userxattr=layer.userxattr,
+                                 shown=root)
+        finally:
+            kernel.close(lower)
     if writable:
         kernel.set_attrs_recursive(target, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, MOUNT_ATTR_RDONLY,
                                    step="bind writable root")
@@ -278,10 +330,13 @@ def _hide(path: str) -> None:
         kernel.bind("/dev/null", target, recursive=False, step="hide sandboxd's own socket")
 
 
-def _protect_root(root: str, subs: tuple[str, ...], found: FoundGitDirs | None = None) -> None:
+def _protect_root(root: str, subs: tuple[str, ...], found: FoundGitDirs | None = None, *,
+                  reviewed: bool = False) -> None:
     """The protected subpaths of one writable root and, while .git/config is one of them (the
     default), the control files of every git directory under it (see _protect_git_dir): those the
-    git guard's baseline walk just found (``found``, LaunchPlan.git_dirs), else from a walk here."""
+    git guard's baseline walk just found (``found``, LaunchPlan.git_dirs), else from a walk here.
+    ``reviewed``: the root is an overlay, whose missing hooks/ and info/ are not made (they would
+    be changes of the sandbox's own in the change set; what appears there is flagged by review)."""
     done: dict[str, bool] = {}                      # path -> already read-only (else only pinned)
     if GIT_GUARD_SUBPATH in subs:
         top = NEW_ROOT + root
@@ -295,7 +350,7 @@ def _protect_root(root: str, subs: tuple[str, ...], found: FoundGitDirs | None =
             gitdirs = sorted({*(f"{top}/{rel}" for rel in found.git_dirs),
                               *(gitdir for rel in found.other_filesystems for gitdir in _find_git_dirs(f"{top}/{rel}"))})
         for gitdir in gitdirs:
-            _protect_git_dir(root, gitdir, done)
+            _protect_git_dir(root, gitdir, done, make_missing=not reviewed)
     for sub in subs:
         _protect(root, sub, done)
 
@@ -354,7 +409,8 @@ def _release(fd: int, refs: dict[int, int]) -> None:
         os.close(fd)
 
 
-def _protect_git_dir(root: str, gitdir: str, done: dict[str, bool], depth: int = 0) -> None:
+def _protect_git_dir(root: str, gitdir: str, done: dict[str, bool], depth: int = 0, *,
+                     make_missing: bool = True) -> None:
     """Everything in an existing git directory read-only but what git add, commit, checkout, branch,
     stash, fetch and gc write (sandboxd.policy.git_config.GIT_DIR_WRITABLE): config, hooks/, info/,
     description, commondir, config.worktree, anything unknown. hooks/ and info/ are made (empty, as
@@ -365,14 +421,15 @@ def _protect_git_dir(root: str, gitdir: str, done: dict[str, bool], depth: int =
     if kernel.islink(gitdir) or not kernel.isdir(gitdir):
         return
     _pin_down_to(NEW_ROOT + root, gitdir, done)
-    _make_empty_dirs(NEW_ROOT + root, gitdir)
+    if make_missing:
+        _make_empty_dirs(NEW_ROOT + root, gitdir)
     for entry in list(kernel.scandir(gitdir)):
         if git_dir_entry_writable(entry.name) or entry.is_symlink():
             continue                                 # a symlinked hooks/ or config is refused by _protect
         if entry.name in GIT_DIR_NESTED and entry.is_dir(follow_symlinks=False):
             _pin(entry.path, done)
             for nested in _nested_git_dirs(entry.path, depth):
-                _protect_git_dir(root, nested, done, depth + 1)
+                _protect_git_dir(root, nested, done, depth + 1, make_missing=make_missing)
             continue
         if entry.path not in done or not done[entry.path]:
             if entry.path not in done:

@@ -301,10 +301,11 @@ class Spawner:
         self.native_helper = native_helper
 
     def launch(self, spec: LaunchSpec, stdio: tuple[int, int, int] = (0, 1, 2),
-               opened: "list[int] | None" = None) -> SandboxProcess:
+               opened: "list[int] | None" = None, *, review_dir: str | None = None) -> SandboxProcess:
         """A one-shot sandbox running ``spec.argv`` (what `sandboxd run` does). ``opened``: its
-        paths' descriptors, opened already (plan.path_requests, plan.prepare)."""
-        plan = prepare(spec, opened)
+        paths' descriptors, opened already (plan.path_requests, plan.prepare). ``review_dir``:
+        review mode, the writable roots' changes kept there (plan.prepare)."""
+        plan = prepare(spec, opened, review_dir=review_dir)
         try:
             network, plan = _loopback_proxy(plan) if plan.rootless else _isolated_network(plan)
         except BaseException:

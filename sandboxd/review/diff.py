@@ -1,0 +1,74 @@
+"""One change shown to a person: a unified diff for text, a summary line for anything else.
+
+Both sides are read beneath their descriptors (kernel.beneath), as the session's owner, at most
+``max_bytes`` each; the text is the files' own (a person's terminal shows it through
+``sandboxd.printable``, never raw).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import stat
+
+from sandboxd.kernel import beneath
+from sandboxd.review.changes import Change, Comparison
+
+MAX_BYTES = 1 << 20
+MAX_LINES = 5000
+
+
+def _read(dir_fd: int, rel: str, limit: int) -> bytes | None:
+    """The regular file ``rel``'s first ``limit`` + 1 bytes (None: not a readable regular file)."""
+    try:
+        fd = beneath.open_beneath(dir_fd, rel, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        chunks, left = [], limit + 1
+        while left > 0:
+            block = os.read(fd, min(left, 1 << 16))
+            if not block:
+                break
+            chunks.append(block)
+            left -= len(block)
+        return b"".join(chunks)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _text(data: bytes | None) -> list[str] | None:
+    if data is None or b"\0" in data:
+        return None
+    try:
+        return data.decode().splitlines(keepends=True)
+    except UnicodeDecodeError:
+        return None
+
+
+def show(comparison: Comparison, change: Change, *, max_bytes: int = MAX_BYTES, max_lines: int = MAX_LINES) -> str:
+    """The diff of ``change`` (from ``comparison.list``): host side a/, sandbox side b/."""
+    path = change.path or "."
+    if change.type not in ("file", "") or change.host_type not in ("file", ""):
+        if change.type == "symlink" or change.host_type == "symlink":
+            return f"{change.kind} {path}: symlink {change.host_target or '-'} -> {change.target or '-'}\n"
+        return f"{change.kind} {path}: {change.host_type or 'nothing'} -> {change.type or 'nothing'}\n"
+    theirs = _read(comparison.host_fd, change.path, max_bytes) if change.host_type else b""
+    mine = _read(comparison.upper_fd, change.path, max_bytes) if change.type else b""
+    if theirs is not None and mine is not None and max(len(theirs), len(mine)) > max_bytes:
+        return f"{change.kind} {path}: too big to show ({change.host_size} -> {change.size} bytes)\n"
+    old, new = _text(theirs), _text(mine)
+    if old is None or new is None:
+        return (f"{change.kind} {path}: binary or unreadable ({change.host_size} -> {change.size} bytes, "
+                f"sha256 {change.host_sha256 or '-'} -> {change.sha256 or '-'})\n")
+    lines = list(difflib.unified_diff(old, new, f"a/{path}" if change.host_type else "/dev/null",
+                                      f"b/{path}" if change.type else "/dev/null"))
+    if len(lines) > max_lines:
+        lines = lines[:max_lines] + [f"... {len(lines) - max_lines} more lines\n"]
+    if change.aspects and "content" not in change.aspects:
+        lines.insert(0, f"{change.kind} {path}: mode {change.host_mode:o} -> {change.mode:o}\n")
+    return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)
