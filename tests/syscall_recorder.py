@@ -130,8 +130,9 @@ class SyscallRecorder(Syscalls):
         return self._descriptor()
 
     def mount_overlay(self, target: str, *, lower_fd: int, upper_fd: int, work_fd: int, userxattr: bool,
-                      shown: str) -> None:
-        self._record(f"mount overlay {target} nosuid,nodev" + (" userxattr" if userxattr else ""))
+                      shown: str, checkpoint_fds: tuple[int, ...] = ()) -> None:
+        self._record(f"mount overlay {target} nosuid,nodev" + (" userxattr" if userxattr else "")
+                     + (f" checkpoints={len(checkpoint_fds)}" if checkpoint_fds else ""))
 
     def pivot_root_here(self, new_root: str) -> None:
         self._record(f"pivot_root {new_root}")

@@ -141,6 +141,21 @@ def test_a_reviewed_root_is_an_overlay_over_its_attached_tree(recorder: SyscallR
     assert _numbered(recorder.calls) == _numbered(expected), recorder.numbered()
 
 
+def test_checkpoint_layers_are_opened_with_the_others_and_stacked(recorder: SyscallRecorder) -> None:
+    """A review session with checkpoints (review.checkpoints): its layers opened in step 1b with the
+    upper and work directories (before /tmp is covered), and the overlay mounted with them stacked."""
+    review = "/var/lib/sandboxd/review/s1"
+    layers = overlay.Layers(root=WORKSPACE, upper=f"{review}/0/upper", work=f"{review}/0/work", userxattr=False,
+                            root_dev=1, root_ino=2, started_ns=0,
+                            checkpoints=(f"{review}/0/checkpoints/1", f"{review}/0/checkpoints/3"))
+    sequence._build_sandbox(make_plan(review_layers={WORKSPACE: layers}), "sandboxd-session")
+    calls = recorder.calls
+    private = calls.index("make-rprivate /")
+    assert calls[private + 1:private + 5] == [f"open {review}/0/upper", f"open {review}/0/work",
+                                              f"open {review}/0/checkpoints/1", f"open {review}/0/checkpoints/3"]
+    assert f"mount overlay {R}{WORKSPACE} nosuid,nodev checkpoints=2" in calls, recorder.numbered()
+
+
 def test_the_order_holds_the_rules_it_is_for(recorder: SyscallRecorder) -> None:
     """The same sequence, asserted as the rules docs/policies.md states (a reader's check of the list
     above), with an isolated network and a resolv.conf this time."""

@@ -23,6 +23,13 @@ Options, the same on every kernel (each is a mount option since 4.19, so 6.1 and
 * the layers are named ``/proc/self/fd/N`` of descriptors opened beforehand: no escaping of
   commas and colons in paths, and the sandbox's /proc/self/mountinfo names no host path.
 
+Checkpoints (review.checkpoints) stack: a checkpoint renames the upper directory into a read-only
+layer and starts an empty upper, so the overlay is then mounted with
+``lowerdir=ckN:...:ck1:HOST`` (newest first). overlayfs honours whiteouts and opaque directories
+in every lower layer but the last, exactly as in an upper, so the sandbox sees the same tree. At
+most MAX_CHECKPOINTS: far below the kernel's 500 lower layers, and the mount's options (one page
+for mount(2), 4096 bytes with the terminating NUL; ``lowerdir+`` is 6.8+ only) stay under 1.5 KiB.
+
 Not every directory can be a lower layer for review. ``check_lower`` refuses, with one line
 naming why, what would make the change set or its conflict check untrustworthy, rather than
 falling back to direct writes.
@@ -48,6 +55,9 @@ TRUSTED_PREFIX = "trusted.overlay."
 USER_PREFIX = "user.overlay."
 LAYERS_FILE = "layers.json"
 CLOCK_REALTIME_COARSE = 5                    # <linux/time.h>: the time module does not name it
+MAX_CHECKPOINTS = 64                         # checkpoint layers one overlay stacks at most (see above)
+DEFAULT_CHECKPOINTS = 32                     # config review.max_checkpoints
+MAX_OPTIONS = 4095                           # mount(2) copies one page of options, NUL included
 
 OVERLAYFS_MAGIC = 0x794C7630
 # Lower file systems review mode refuses, and why (statfs f_type).
@@ -86,10 +96,19 @@ class Layers(Record):
     root_dev: int               # the lower's identity when the layers were made
     root_ino: int
     started_ns: int             # CLOCK_REALTIME_COARSE then (started_now; review.conflicts)
+    # The checkpoint layers under the upper, oldest first (review.checkpoints): read-only lower
+    # layers between the upper and the host, each a former upper directory.
+    checkpoints: tuple[str, ...] = ()
 
     @property
     def xattr_prefix(self) -> str:
         return USER_PREFIX if self.userxattr else TRUSTED_PREFIX
+
+    @property
+    def stack(self) -> tuple[str, ...]:
+        """The layers sandboxd owns, top down: the upper, then the checkpoints newest first (the
+        host directory is below them all). ``review.upper.UpperEntry.layer`` indexes this."""
+        return (self.upper, *reversed(self.checkpoints))
 
 
 class _Statfs(ctypes.Structure):
@@ -211,15 +230,22 @@ def save(review_dir: str, layers: "list[Layers]") -> None:
     the sandbox is gone, or after a daemon restart, starts from."""
     import json                                 # not on every launch's path: json imports re
 
-    data = json.dumps([item.as_dict() for item in layers], sort_keys=True).encode()
-    temporary = f"{review_dir}/.{LAYERS_FILE}.new"
+    write_aside(review_dir, LAYERS_FILE, json.dumps([item.as_dict() for item in layers], sort_keys=True).encode())
+
+
+def write_aside(directory: str, name: str, data: bytes) -> None:
+    """``directory``/``name`` holds ``data`` (0600): written beside it, synced, renamed into place,
+    so a reader (or a restart after a crash) finds the old record or the new one, never half."""
+    temporary = f"{directory}/.{name}.new"
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, data)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.rename(temporary, f"{review_dir}/{LAYERS_FILE}")
+    os.rename(temporary, f"{directory}/{name}")
 
 
 def load(review_dir: str) -> "list[Layers]":
@@ -230,16 +256,26 @@ def load(review_dir: str) -> "list[Layers]":
         raw = json.loads(os.read(fd, 1 << 20))
     finally:
         os.close(fd)
-    return [Layers(**{name: item[name] for name in Layers._fields}) for item in raw]
+    # A record written before checkpoints existed has no "checkpoints": none.
+    return [Layers(root=item["root"], upper=item["upper"], work=item["work"], userxattr=item["userxattr"],
+                   root_dev=item["root_dev"], root_ino=item["root_ino"], started_ns=item["started_ns"],
+                   checkpoints=tuple(item.get("checkpoints", ()))) for item in raw]
 
 
-def mount_over(target: str, *, lower_fd: int, upper_fd: int, work_fd: int, userxattr: bool, shown: str) -> None:
+def mount_over(target: str, *, lower_fd: int, upper_fd: int, work_fd: int, userxattr: bool, shown: str,
+               checkpoint_fds: "tuple[int, ...]" = ()) -> None:
     """Mount the overlay at ``target`` (nosuid, nodev), its layers given by descriptors opened in
     this mount namespace (overlayfs refuses a layer whose mount is in another). ``lower_fd``: the
-    root attached at ``target`` already, which the overlay then covers. ``shown``: the path errors
-    name (the root as the user knows it, not the staging path)."""
-    data = (f"lowerdir=/proc/self/fd/{lower_fd},upperdir=/proc/self/fd/{upper_fd},"
+    root attached at ``target`` already, which the overlay then covers. ``checkpoint_fds``: the
+    checkpoint layers, oldest first (Layers.checkpoints), stacked between the upper and the root.
+    ``shown``: the path errors name (the root as the user knows it, not the staging path)."""
+    if len(checkpoint_fds) > MAX_CHECKPOINTS:
+        raise SetupError(STEP, errno.E2BIG, shown, hint=f"more than {MAX_CHECKPOINTS} checkpoint layers")
+    lowers = ":".join(f"/proc/self/fd/{fd}" for fd in (*reversed(checkpoint_fds), lower_fd))
+    data = (f"lowerdir={lowers},upperdir=/proc/self/fd/{upper_fd},"
             f"workdir=/proc/self/fd/{work_fd},{OPTIONS}" + (",userxattr" if userxattr else ""))
+    if len(data) > MAX_OPTIONS:
+        raise SetupError(STEP, errno.E2BIG, shown, hint=f"the overlay's options are {len(data)} bytes, over one page")
     result = libc.mount(fsencode("sandboxd-review"), fsencode(target), fsencode("overlay"),
                         ctypes.c_ulong(MS_NOSUID | MS_NODEV), fsencode(data))
     if result != 0:

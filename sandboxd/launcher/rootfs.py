@@ -36,8 +36,9 @@
    the real home (a planted ~/.bashrc), which is what a sandbox is checked for.
 9. pivot_root into the copy and drop the old root entirely.
 
-Step 1b (review mode): open each overlay's upper and work directories, in this namespace (overlayfs
-takes no layer from another) and before step 2 covers /tmp, where a `sandboxd run` review directory
+Step 1b (review mode): open each overlay's upper and work directories and its checkpoint layers
+(kernel.overlay.Layers.checkpoints, stacked under the upper), in this namespace (overlayfs takes
+no layer from another) and before step 2 covers /tmp, where a `sandboxd run` review directory
 may be.
 
 Every kernel call here, and the lookups the steps decide by, go through kernel.syscalls.current
@@ -105,7 +106,7 @@ def build(plan: LaunchPlan) -> None:
                 kernel.close(fd)
 
 
-def _build_tree(plan: LaunchPlan, layer_dirs: "dict[str, tuple[int, int]]") -> None:
+def _build_tree(plan: LaunchPlan, layer_dirs: "dict[str, tuple[int, ...]]") -> None:
     kernel = syscalls.current
     kernel.tmpfs(STAGE, size=1 << 20, mode=0o700, step="mount staging tmpfs")        # 2
     kernel.mkdir(NEW_ROOT, 0o755)
@@ -127,7 +128,7 @@ def _build_tree(plan: LaunchPlan, layer_dirs: "dict[str, tuple[int, int]]") -> N
         _attach_root(root, plan.root_trees[root], writable=False)
     for root in plan.writable_roots:
         _attach_root(root, plan.root_trees[root], writable=True,
-                     review=(plan.review_layers[root], *layer_dirs[root]) if root in layer_dirs else None)
+                     review=(plan.review_layers[root], layer_dirs[root]) if root in layer_dirs else None)
     for root in plan.writable_roots:
         _protect_root(root, plan.protected_subpaths, plan.git_dirs.get(root), reviewed=root in layer_dirs)
     plan.close_trees()
@@ -215,29 +216,33 @@ def _mount_dev(target: str, shm_size: int, ptys: int) -> None:
                  step="make /dev read-only")
 
 
-def _open_layer_dirs(layers: "dict[str, Layers]") -> "dict[str, tuple[int, int]]":
-    """Step 1b: (upper, work) descriptors of each reviewed root's overlay, opened here (see the
-    module's text); O_PATH, never through a symlink (the review directory is sandboxd's own)."""
+def _open_layer_dirs(layers: "dict[str, Layers]") -> "dict[str, tuple[int, ...]]":
+    """Step 1b: (upper, work, checkpoint layers oldest first) descriptors of each reviewed root's
+    overlay, opened here (see the module's text); O_PATH, never through a symlink (the review
+    directory is sandboxd's own)."""
     kernel = syscalls.current
-    opened: dict[str, tuple[int, int]] = {}
+    opened: dict[str, tuple[int, ...]] = {}
     try:
         for root, layer in layers.items():
-            upper = kernel.open_dir_path(layer.upper, step="open review layers")
+            fds: list[int] = []
             try:
-                work = kernel.open_dir_path(layer.work, step="open review layers")
+                for path in (layer.upper, layer.work, *layer.checkpoints):
+                    fds.append(kernel.open_dir_path(path, step="open review layers"))
             except BaseException:
-                kernel.close(upper)
+                for fd in fds:
+                    kernel.close(fd)
                 raise
-            opened[root] = (upper, work)
+            opened[root] = tuple(fds)
     except BaseException:
-        for fds in opened.values():
-            for fd in fds:
+        for fds_of_root in opened.values():
+            for fd in fds_of_root:
                 kernel.close(fd)
         raise
     return opened
 
 
-def _attach_root(root: str, tree: int, *, writable: bool, review: "tuple[Layers, int, int] | None" = None) -> None:
+def _attach_root(root: str, tree: int, *, writable: bool,
+                 review: "tuple[Layers, tuple[int, ...]] | None" = None) -> None:
     kernel = syscalls.current
     target = NEW_ROOT + root
     if not kernel.lexists(target):
@@ -249,11 +254,11 @@ def _attach_root(root: str, tree: int, *, writable: bool, review: "tuple[Layers,
             kernel.create_file(target, 0o644)
     kernel.attach_tree(tree, target, step="bind root")
     if review is not None:
-        layer, upper, work = review
+        layer, (upper, work, *checkpoints) = review
         lower = kernel.open_dir_path(target, step="open review lower")  # the tree just attached
         try:
             kernel.mount_overlay(target, lower_fd=lower, upper_fd=upper, work_fd=work, userxattr=layer.userxattr,
-                                 shown=root)
+                                 shown=root, checkpoint_fds=tuple(checkpoints))
         finally:
             kernel.close(lower)
     if writable:

@@ -44,7 +44,7 @@ import errno
 import os
 
 from sandboxd._record import Factory, Record
-from sandboxd.kernel import beneath
+from sandboxd.kernel import beneath, overlay
 from sandboxd.kernel._libc import libc
 
 TYPE_CHECKING = False
@@ -90,14 +90,8 @@ def load_baseline(layer_dir: str, started_ns: int) -> Baseline:
 def save_baseline(layer_dir: str, baseline: Baseline) -> None:
     import json
 
-    temporary = f"{layer_dir}/.{BASELINE_FILE}.new"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, json.dumps({"started_ns": baseline.started_ns, "applied": baseline.applied}).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(temporary, f"{layer_dir}/{BASELINE_FILE}")
+    overlay.write_aside(layer_dir, BASELINE_FILE,
+                        json.dumps({"started_ns": baseline.started_ns, "applied": baseline.applied}).encode())
 
 
 class _FileHandle(ctypes.Structure):
