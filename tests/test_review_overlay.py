@@ -12,7 +12,6 @@ Attacks are made by plain users the tests create, each next to its control.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -20,20 +19,20 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import pytest
 
 from conftest import BASE_ENV, PY, REPO, SANDBOXD, SLOW, describe, make_dir
 from daemon_helpers import PlainUser, owned_dir, plain_users
-from sandboxd.kernel import caps, overlay
+from review_helpers import as_owner, kinds, review_base, scan_kept, snapshot
+from sandboxd.kernel import overlay
 from sandboxd.review import apply as applying
 from sandboxd.review import changes as listing
-from sandboxd.review import conflicts, diff, rules, upper
+from sandboxd.review import conflicts, rules
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,44 +43,10 @@ class Place(NamedTuple):
     base: Path                  # 0755, root's
 
 
-TMPFS_MAGIC = 0x01021994
-
-
-def _local_disk(path: str) -> bool:
-    """Whether ``path`` is on a file system review mode takes as lower and upper on every kernel: not
-    an overlay, nor a tmpfs (user.* attributes only from 6.6). The VM matrix's guest has only those
-    writable (virtme's /var and /tmp are overlays over tmpfs)."""
-    fd = os.open(path, os.O_PATH)
-    try:
-        kind = overlay.filesystem_type(fd)
-    finally:
-        os.close(fd)
-    return kind not in overlay.REFUSED_UPPERS and kind != TMPFS_MAGIC
-
-
 @pytest.fixture(scope="module")
 def place() -> Iterator[Place]:
-    with plain_users(2) as (owner, attacker), contextlib.ExitStack() as stack:
-        top = Path(tempfile.mkdtemp(prefix="sbxreview-", dir="/var/tmp"))
-        stack.callback(shutil.rmtree, top, ignore_errors=True)
-        stack.callback(subprocess.run, ["chmod", "-R", "u+rwx", str(top)], capture_output=True)
-        os.chmod(top, 0o755)
-        # Where /var/tmp is no local disk (the VM guest: overlays over tmpfs, no loop devices), a
-        # tmpfs of the test's own: a lower and, as root, an upper on every kernel.
-        base = top if _local_disk(str(top)) else stack.enter_context(_tmpfs(top / "disk"))
+    with plain_users(2) as (owner, attacker), review_base() as base:
         yield Place(owner, attacker, base)
-
-
-@contextlib.contextmanager
-def _tmpfs(where: Path) -> Iterator[Path]:
-    where.mkdir(mode=0o755)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m,mode=0755", "sbxreview", str(where)], check=True,
-                   capture_output=True, timeout=60)
-    try:
-        yield where
-    finally:
-        if subprocess.run(["umount", str(where)], capture_output=True, timeout=60).returncode != 0:
-            subprocess.run(["umount", "-l", str(where)], check=True, capture_output=True, timeout=60)
 
 
 def fresh(place: Place, name: str) -> tuple[Path, Path]:
@@ -127,90 +92,6 @@ def review_run(ws: Path, review_dir: Path, script: str, *extra: str) -> subproce
     return subprocess.run([SANDBOXD, "run", f"--review=keep:{review_dir}", "--workspace", str(ws), *extra,
                            "--", "sh", "-c", script], capture_output=True, text=True, timeout=120 * SLOW,
                           stdin=subprocess.DEVNULL, env=BASE_ENV, cwd=str(ws))
-
-
-def snapshot(top: Path) -> dict[str, tuple[object, ...]]:
-    """Every entry under ``top``: its type, mode, owner and content (a file's bytes, a link's target)."""
-    seen: dict[str, tuple[object, ...]] = {}
-    for dirpath, dirnames, filenames in os.walk(top):
-        for name in dirnames + filenames:
-            path = Path(dirpath) / name
-            st = path.lstat()
-            body: object = (os.readlink(path) if stat.S_ISLNK(st.st_mode)
-                            else path.read_bytes() if stat.S_ISREG(st.st_mode) else None)
-            seen[str(path.relative_to(top))] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid,
-                                                st.st_gid, body)
-    return seen
-
-
-def scan_kept(review_dir: Path) -> tuple[overlay.Layers, list[upper.UpperEntry]]:
-    (layers,) = overlay.load(str(review_dir))
-    fd = os.open(layers.upper, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        return layers, upper.scan(fd, prefix=layers.xattr_prefix)
-    finally:
-        os.close(fd)
-
-
-def _plain(value: object) -> object:
-    if hasattr(value, "as_dict"):
-        return {key: _plain(item) for key, item in value.as_dict().items()}
-    if isinstance(value, (tuple, list)):
-        return [_plain(item) for item in value]
-    if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
-    return value
-
-
-def as_owner(user: PlainUser, review_dir: Path, body: str, **options: Any) -> dict[str, Any]:
-    """Run ``body`` ("apply" or "list") over the kept change set the way the daemon will: the upper
-    layer read as root here, then a forked child that drops to ``user`` (no capability, no groups)
-    compares it with the host and applies (the conflict baseline, root's, read and saved here).
-    Returns the child's result."""
-    layers, entries = scan_kept(review_dir)
-    baseline = conflicts.load_baseline(os.path.dirname(layers.upper), layers.started_ns)
-    upper_fd = os.open(layers.upper, os.O_RDONLY | os.O_DIRECTORY)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(read)
-            caps.drop_privileges(user.uid, user.gid)
-            host_fd = os.open(layers.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-            with listing.Comparison(entries, upper_fd=upper_fd, host_fd=host_fd, layers=layers,
-                                    baseline=baseline) as compared:
-                result: object
-                if body == "list":
-                    result = compared.list()
-                elif body == "diff":
-                    (change,) = compared.list(under=options["path"]).changes
-                    result = {"diff": diff.show(compared, change)}
-                else:
-                    result = applying.apply(compared, **options)
-            os.write(write, json.dumps({"ok": _plain(result)}).encode())
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
-            os.write(write, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    os.close(upper_fd)
-    data = b""
-    while chunk := os.read(read, 1 << 16):
-        data += chunk
-    os.close(read)
-    os.waitpid(pid, 0)
-    answer: dict[str, Any] = json.loads(data)
-    assert "ok" in answer, answer
-    ok: dict[str, Any] = answer["ok"]
-    if body == "apply":                                 # kept beside the layers, as the daemon will
-        conflicts.save_baseline(os.path.dirname(layers.upper),
-                                conflicts.Baseline(started_ns=ok["baseline"]["started_ns"],
-                                                   applied=ok["baseline"]["applied"]))
-    return ok
-
-
-def kinds(change_set: dict[str, Any]) -> set[tuple[str, str]]:
-    return {(change["path"], change["kind"]) for change in change_set["changes"]}
 
 
 def test_the_host_stays_unchanged_and_the_change_set_is_exact(place: Place) -> None:

@@ -238,7 +238,7 @@ def _chown(fd: int, change: Change) -> str:
 
 
 def _write_file(comparison: Comparison, parent: int, name: str, change: Change) -> Applied:
-    source = beneath.open_beneath(comparison.upper_fd, change.path, os.O_RDONLY | os.O_NONBLOCK)
+    source = beneath.open_beneath(comparison.layer_fd(change.path), change.path, os.O_RDONLY | os.O_NONBLOCK)
     temporary = _temporary_name()
     try:
         before = os.fstat(source)
@@ -335,11 +335,14 @@ class DiscardResult(Record):
     skipped: tuple[Skipped, ...]
 
 
-def discard(upper_fd: int, entries: "list[UpperEntry]", paths: tuple[str, ...] = ("",)) -> DiscardResult:
+def discard(upper_fd: int, entries: "list[UpperEntry]", paths: tuple[str, ...] = ("",), *,
+            checkpoint_fds: "tuple[int, ...]" = ()) -> DiscardResult:
     """Remove the upper entries at ``paths`` and below ("": all but the root itself), so the sandbox
     sees the host there again once the overlay is mounted again (it must not be mounted now: see
     the module's text). A path inside a directory the sandbox replaced is refused: the host's
-    entry there stays hidden by that directory, discard the directory."""
+    entry there stays hidden by that directory, discard the directory. With checkpoints,
+    ``entries`` are upper.scan_stack's and ``checkpoint_fds`` its checkpoint layers (newest first):
+    the path goes from every layer (a discarded change does not come back on a rollback)."""
     by_path = {entry.path: entry for entry in entries}
     removed: list[str] = []
     skipped: list[Skipped] = []
@@ -354,12 +357,23 @@ def discard(upper_fd: int, entries: "list[UpperEntry]", paths: tuple[str, ...] =
             continue
         for path in names:
             try:
-                parent, name = beneath.open_parent(upper_fd, path)
-                try:
-                    beneath.remove_tree(parent, name)
-                finally:
-                    os.close(parent)
+                for layer_fd in (upper_fd, *checkpoint_fds):
+                    _remove_in_layer(layer_fd, path)
                 removed.append(path)
             except OSError as exc:
                 skipped.append(Skipped(path, _why(exc)))
     return DiscardResult(removed=tuple(removed), skipped=tuple(skipped))
+
+
+def _remove_in_layer(layer_fd: int, path: str) -> None:
+    """Remove ``path`` and what is below it from one layer; nothing when the layer has none."""
+    try:
+        parent, name = beneath.open_parent(layer_fd, path)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return                                      # this layer has nothing on that path
+        raise
+    try:
+        beneath.remove_tree(parent, name)
+    finally:
+        os.close(parent)

@@ -117,7 +117,9 @@ class Comparison:
     text); ``list`` pages through the changes, ``change_at`` gives one."""
 
     def __init__(self, entries: "list[UpperEntry]", *, upper_fd: int, host_fd: int, layers: Layers,
-                 baseline: Baseline) -> None:
+                 baseline: Baseline, checkpoint_fds: "tuple[int, ...]" = ()) -> None:
+        """``entries``: upper.scan's, or upper.scan_stack's with ``checkpoint_fds`` the checkpoint
+        layers' descriptors in its order (Layers.stack[1:], newest first)."""
         host_root = os.fstat(host_fd)
         if (host_root.st_dev, host_root.st_ino) != (layers.root_dev, layers.root_ino):
             raise InvalidPolicy(f"{layers.root!r} is not the directory the session started on (it was replaced "
@@ -129,6 +131,7 @@ class Comparison:
         # in the sandbox (no redirects: EXDEV), so its origin is what the host had at its path.
         self.origins = {entry.path: entry.origin for entry in entries if entry.kind == DIR and entry.origin is not None}
         self.upper_fd, self.host_fd, self.layers, self.baseline = upper_fd, host_fd, layers, baseline
+        self.layer_fds = (upper_fd, *checkpoint_fds)
         self.host = HostLookups(host_fd)
         self._git_dirs: dict[str, bool] = {}
 
@@ -151,6 +154,10 @@ class Comparison:
             if above is not None and above.opaque:
                 return True
         return False
+
+    def layer_fd(self, path: str) -> int:
+        """The descriptor of the layer that holds the entry at ``path`` (an entry's content is read there)."""
+        return self.layer_fds[self.by_path[path].layer]
 
     def _host(self, path: str) -> "os.stat_result | None":
         st = self.host.stat(path)
@@ -194,7 +201,7 @@ class Comparison:
             if not aspects:
                 return None                             # copied up, changed nothing
         if entry.kind == FILE and "sha256" not in more:
-            more["sha256"] = hash_file(self.upper_fd, path, budget, expect=(entry.ino, entry.size))
+            more["sha256"] = hash_file(self.layer_fd(path), path, budget, expect=(entry.ino, entry.size))
         if entry.kind == SYMLINK and host_kind == SYMLINK:
             more["host_target"] = _readlink(self.host_fd, path)
         if host is not None:
@@ -230,7 +237,7 @@ class Comparison:
             if entry.size != host.st_size:
                 differs = True
             else:
-                mine = hash_file(self.upper_fd, entry.path, budget, expect=(entry.ino, entry.size))
+                mine = hash_file(self.layer_fd(entry.path), entry.path, budget, expect=(entry.ino, entry.size))
                 theirs = hash_file(self.host_fd, entry.path, budget, expect=(host.st_ino, host.st_size))
                 more.update(sha256=mine, host_sha256=theirs)
                 differs = not mine or not theirs or mine != theirs

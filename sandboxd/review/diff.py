@@ -58,7 +58,7 @@ def show(comparison: Comparison, change: Change, *, max_bytes: int = MAX_BYTES, 
             return f"{change.kind} {path}: symlink {change.host_target or '-'} -> {change.target or '-'}\n"
         return f"{change.kind} {path}: {change.host_type or 'nothing'} -> {change.type or 'nothing'}\n"
     theirs = _read(comparison.host_fd, change.path, max_bytes) if change.host_type else b""
-    mine = _read(comparison.upper_fd, change.path, max_bytes) if change.type else b""
+    mine = _read(comparison.layer_fd(change.path), change.path, max_bytes) if change.type else b""
     if theirs is not None and mine is not None and max(len(theirs), len(mine)) > max_bytes:
         return f"{change.kind} {path}: too big to show ({change.host_size} -> {change.size} bytes)\n"
     old, new = _text(theirs), _text(mine)

@@ -26,20 +26,39 @@ if TYPE_CHECKING:
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+def open_stack(layers: overlay.Layers) -> "tuple[int, ...]":
+    """Descriptors of the layers sandboxd owns, in Layers.stack's order (the upper, then the
+    checkpoints newest first): what upper.scan_stack reads, Comparison and discard take."""
+    fds: list[int] = []
+    try:
+        for path in layers.stack:
+            fds.append(os.open(path, DIR_FLAGS))
+    except BaseException:
+        close_stack(tuple(fds))
+        raise
+    return tuple(fds)
+
+
+def close_stack(fds: "tuple[int, ...]") -> None:
+    for fd in fds:
+        os.close(fd)
+
+
 def _with_comparison(layers: overlay.Layers, body: "Callable[[Comparison], T]") -> "T":
-    upper_fd = os.open(layers.upper, DIR_FLAGS)
+    stack = open_stack(layers)
     try:
         # By path: Comparison then checks it is the very directory the layers were made over.
         host_fd = os.open(layers.root, DIR_FLAGS)
         try:
-            entries = upper.scan(upper_fd, prefix=layers.xattr_prefix)
+            entries = upper.scan_stack(stack, prefix=layers.xattr_prefix)
             baseline = conflicts.load_baseline(os.path.dirname(layers.upper), layers.started_ns)
-            with Comparison(entries, upper_fd=upper_fd, host_fd=host_fd, layers=layers, baseline=baseline) as compared:
+            with Comparison(entries, upper_fd=stack[0], host_fd=host_fd, layers=layers, baseline=baseline,
+                            checkpoint_fds=stack[1:]) as compared:
                 return body(compared)
         finally:
             os.close(host_fd)
     finally:
-        os.close(upper_fd)
+        close_stack(stack)
 
 
 def list_changes(review_dir: str, *, limit: int = PAGE) -> "list[ChangeSet]":

@@ -22,6 +22,17 @@ directory is opened beneath the upper layer's descriptor (kernel.beneath.STRICT:
 symlink, never into another mount), names are read with lstat, attributes of a non-directory
 through its parent's descriptor without following it. A sandbox still running can change the
 layer meanwhile: what is read is then either before or after, never outside.
+
+With checkpoints (review.checkpoints) the overlay has several layers of sandboxd's over the host:
+the upper, then the checkpoint layers newest first (kernel.overlay.Layers.stack), each a former
+upper. ``scan_stack`` reads each and ``merge`` makes them one change set against the host, as
+overlayfs's lookup sees them: the topmost entry at a path decides; a directory merges with the
+directories below it down to the first opaque one; a whiteout, a non-directory or an opaque
+directory hides everything below it in lower layers. A merged directory is opaque when the last
+directory of its chain is (it replaced the host's), and its ``origin`` is that last directory's:
+a copy-up from a checkpoint layer stores the handle of the checkpoint's directory (overlayfs
+names the lower it copied from), while the conflict check needs the host's, which only the
+bottom of the chain holds.
 """
 
 from __future__ import annotations
@@ -53,6 +64,7 @@ class UpperEntry(Record):
     # The copy-up origin: None for an entry the sandbox made; b"" for a copy-up whose host file
     # system gives no handles; else overlay's encoded handle of the host object (conflicts.origin_handle).
     origin: bytes | None = None
+    layer: int = 0              # which layer holds it: an index into Layers.stack (0: the upper)
 
 
 GONE = UpperEntry(path="", kind="")
@@ -86,10 +98,11 @@ def _entry(rel: str, st: os.stat_result, *, target: str = "", origin: bytes | No
                       origin=origin)
 
 
-def scan(upper_fd: int, *, prefix: str, max_entries: int = MAX_ENTRIES) -> list[UpperEntry]:
+def scan(upper_fd: int, *, prefix: str, max_entries: int = MAX_ENTRIES, layer: int = 0) -> list[UpperEntry]:
     """Every entry of the upper layer at ``upper_fd`` (the root's own first), sorted by path.
-    ``prefix``: overlay's attribute prefix (kernel.overlay.Layers.xattr_prefix). Raises Exhausted
-    past ``max_entries``, OSError when the layer cannot be read."""
+    ``prefix``: overlay's attribute prefix (kernel.overlay.Layers.xattr_prefix). ``layer``: the
+    layer's index in Layers.stack, given to every entry. Raises Exhausted past ``max_entries``,
+    OSError when the layer cannot be read."""
     opaque_name, whiteout_name, origin_name = prefix + "opaque", prefix + "whiteout", prefix + "origin"
     found: list[UpperEntry] = []
     directories: dict[str, int] = {}            # a directory's place in ``found``, completed when opened
@@ -142,7 +155,59 @@ def scan(upper_fd: int, *, prefix: str, max_entries: int = MAX_ENTRIES) -> list[
             pending.extend(reversed(subdirs))       # depth first, in name order
         finally:
             os.close(fd)
-    present = [entry for entry in found if entry is not GONE]
+    present = [entry.replace(layer=layer) if layer else entry for entry in found if entry is not GONE]
     present.sort(key=lambda entry: entry.path)
     return present
+
+
+def scan_stack(layer_fds: "tuple[int, ...]", *, prefix: str, max_entries: int = MAX_ENTRIES) -> list[UpperEntry]:
+    """The merged change set of the layers at ``layer_fds`` (Layers.stack's order: the upper first,
+    then the checkpoints newest first), sorted by path; ``max_entries`` bounds all layers together.
+    One layer: exactly ``scan``."""
+    layers: list[list[UpperEntry]] = []
+    left = max_entries
+    for index, fd in enumerate(layer_fds):
+        layers.append(scan(fd, prefix=prefix, max_entries=left, layer=index))
+        left -= len(layers[-1])
+    return merge(layers)
+
+
+def below_any(path: str, cut: "set[str]") -> bool:
+    """Whether ``path`` or a directory above it is in ``cut``."""
+    if path in cut:
+        return True
+    end = path.rfind("/")
+    while end > 0:
+        if path[:end] in cut:
+            return True
+        end = path.rfind("/", 0, end)
+    return False
+
+
+def merge(layers: "list[list[UpperEntry]]") -> list[UpperEntry]:
+    """The entries of stacked layers (top first) as one layer over the host (see the module's text)."""
+    if len(layers) == 1:
+        return layers[0]
+    merged: dict[str, UpperEntry] = {}
+    cut: set[str] = set()                       # paths the layers below the current one cannot show
+    for entries in layers:
+        cut_here: list[str] = []
+        for entry in entries:
+            if entry.path and below_any(entry.path, cut):
+                continue
+            above = merged.get(entry.path)
+            if above is None:
+                merged[entry.path] = entry
+            elif entry.kind == DIR:
+                # The chain of a merged directory goes on: the host-side facts are the lowest one's.
+                merged[entry.path] = above.replace(opaque=entry.opaque, origin=entry.origin)
+            else:
+                # A directory over a non-directory or a whiteout: overlayfs's lookup stops there,
+                # so the directory hides whatever the host has at its path.
+                merged[entry.path] = above.replace(opaque=True, origin=None)
+            now = merged[entry.path]
+            if entry.path and (now.kind != DIR or now.opaque):
+                cut_here.append(entry.path)
+        cut.update(cut_here)
+    return sorted(merged.values(), key=lambda entry: entry.path)
 

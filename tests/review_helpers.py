@@ -1,0 +1,146 @@
+"""What the review-mode test modules share: a place on a file system review mode takes on every
+kernel, a tree's snapshot, and a kept change set read as root and compared or applied as its
+owner the way the daemon will (test_review_overlay, test_review_checkpoints)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from daemon_helpers import PlainUser
+from sandboxd.kernel import caps, overlay
+from sandboxd.review import apply as applying
+from sandboxd.review import changes as listing
+from sandboxd.review import conflicts, diff, kept, upper
+
+TMPFS_MAGIC = 0x01021994
+
+
+def _local_disk(path: str) -> bool:
+    """Whether ``path`` is on a file system review mode takes as lower and upper on every kernel: not
+    an overlay, nor a tmpfs (user.* attributes only from 6.6). The VM matrix's guest has only those
+    writable (virtme's /var and /tmp are overlays over tmpfs)."""
+    fd = os.open(path, os.O_PATH)
+    try:
+        kind = overlay.filesystem_type(fd)
+    finally:
+        os.close(fd)
+    return kind not in overlay.REFUSED_UPPERS and kind != TMPFS_MAGIC
+
+
+@contextlib.contextmanager
+def _tmpfs(where: Path) -> Iterator[Path]:
+    where.mkdir(mode=0o755)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m,mode=0755", "sbxreview", str(where)], check=True,
+                   capture_output=True, timeout=60)
+    try:
+        yield where
+    finally:
+        if subprocess.run(["umount", str(where)], capture_output=True, timeout=60).returncode != 0:
+            subprocess.run(["umount", "-l", str(where)], check=True, capture_output=True, timeout=60)
+
+
+@contextlib.contextmanager
+def review_base() -> Iterator[Path]:
+    """A directory 0755 of root's under /var/tmp, removed afterwards: where /var/tmp is no local
+    disk (the VM guest: overlays over tmpfs, no loop devices), a tmpfs of the test's own there, a
+    lower and, as root, an upper on every kernel."""
+    with contextlib.ExitStack() as stack:
+        top = Path(tempfile.mkdtemp(prefix="sbxreview-", dir="/var/tmp"))
+        stack.callback(shutil.rmtree, top, ignore_errors=True)
+        stack.callback(subprocess.run, ["chmod", "-R", "u+rwx", str(top)], capture_output=True)
+        os.chmod(top, 0o755)
+        yield top if _local_disk(str(top)) else stack.enter_context(_tmpfs(top / "disk"))
+
+
+def snapshot(top: Path) -> dict[str, tuple[object, ...]]:
+    """Every entry under ``top``: its type, mode, owner and content (a file's bytes, a link's target)."""
+    seen: dict[str, tuple[object, ...]] = {}
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            st = path.lstat()
+            body: object = (os.readlink(path) if stat.S_ISLNK(st.st_mode)
+                            else path.read_bytes() if stat.S_ISREG(st.st_mode) else None)
+            seen[str(path.relative_to(top))] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid,
+                                                st.st_gid, body)
+    return seen
+
+
+def scan_kept(review_dir: Path) -> tuple[overlay.Layers, list[upper.UpperEntry]]:
+    """The one overlay kept in ``review_dir`` and its change set, every layer merged (as root)."""
+    (layers,) = overlay.load(str(review_dir))
+    fds = kept.open_stack(layers)
+    try:
+        return layers, upper.scan_stack(fds, prefix=layers.xattr_prefix)
+    finally:
+        kept.close_stack(fds)
+
+
+def _plain(value: object) -> object:
+    if hasattr(value, "as_dict"):
+        return {key: _plain(item) for key, item in value.as_dict().items()}
+    if isinstance(value, (tuple, list)):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
+
+
+def as_owner(user: PlainUser, review_dir: Path, body: str, **options: Any) -> dict[str, Any]:
+    """Run ``body`` ("apply", "list" or "diff") over the kept change set the way the daemon will: the
+    layers read as root here (every layer, checkpoints merged), then a forked child that drops to
+    ``user`` (no capability, no groups) compares it with the host and applies (the conflict
+    baseline, root's, read and saved here). Returns the child's result."""
+    layers, entries = scan_kept(review_dir)
+    baseline = conflicts.load_baseline(os.path.dirname(layers.upper), layers.started_ns)
+    fds = kept.open_stack(layers)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            caps.drop_privileges(user.uid, user.gid)
+            host_fd = os.open(layers.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            with listing.Comparison(entries, upper_fd=fds[0], host_fd=host_fd, layers=layers, baseline=baseline,
+                                    checkpoint_fds=fds[1:]) as compared:
+                result: object
+                if body == "list":
+                    result = compared.list()
+                elif body == "diff":
+                    (change,) = compared.list(under=options["path"]).changes
+                    result = {"diff": diff.show(compared, change)}
+                else:
+                    result = applying.apply(compared, **options)
+            os.write(write, json.dumps({"ok": _plain(result)}).encode())
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            os.write(write, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    kept.close_stack(fds)
+    data = b""
+    while chunk := os.read(read, 1 << 16):
+        data += chunk
+    os.close(read)
+    os.waitpid(pid, 0)
+    answer: dict[str, Any] = json.loads(data)
+    assert "ok" in answer, answer
+    ok: dict[str, Any] = answer["ok"]
+    if body == "apply":                                 # kept beside the layers, as the daemon will
+        conflicts.save_baseline(os.path.dirname(layers.upper),
+                                conflicts.Baseline(started_ns=ok["baseline"]["started_ns"],
+                                                   applied=ok["baseline"]["applied"]))
+    return ok
+
+
+def kinds(change_set: dict[str, Any]) -> set[tuple[str, str]]:
+    return {(change["path"], change["kind"]) for change in change_set["changes"]}
