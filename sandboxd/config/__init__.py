@@ -23,6 +23,7 @@ from typing import Callable, Self
 from sandboxd import defaults
 from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
+from sandboxd.kernel.overlay import DEFAULT_CHECKPOINTS, MAX_CHECKPOINTS
 from sandboxd.policy.limits import DEFAULT_PTYS, MAX_PTYS
 
 TYPE_CHECKING = False
@@ -291,6 +292,9 @@ KEYS: tuple[Key, ...] = (
         "most quotas.sessions_per_uid times this", _whole(1, MAX_PTYS)),
     Key("limits", "owner_memory", "", "memory of all sandboxes of one owner together; empty: no share (only "
         "limits.total_memory: the OOM killer acts there)", _size_or_empty),
+    Key("review", "max_checkpoints", DEFAULT_CHECKPOINTS, "checkpoints one review session keeps (each a layer of "
+        "its overlays, made in O(changes since the last one)); past it the oldest two are merged into one: "
+        "the oldest point is forgotten (no rollback reaches it), its changes stay", _whole(1, MAX_CHECKPOINTS)),
     Key("metrics", "listen", "", "HOST:PORT of the Prometheus metrics listener (HTTP, /metrics); empty: none",
         _text),
     Key("log", "level", "info", "info: the daemon's life and its problems; debug: also every decision and call "

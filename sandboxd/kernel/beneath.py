@@ -17,7 +17,7 @@ import errno
 import os
 import stat
 
-from sandboxd.kernel._libc import raw_syscall
+from sandboxd.kernel._libc import libc, raw_syscall
 
 RESOLVE_NO_XDEV = 0x01
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -107,3 +107,15 @@ def remove_tree(dir_fd: int, name: str) -> int:
         for fd, _, _ in stack:
             os.close(fd)
     return removed
+
+
+RENAME_EXCHANGE = 2                         # <linux/fs.h>
+
+
+def exchange(dir_fd: int, first: str, second: str) -> None:
+    """Swap the names ``first`` and ``second`` in ``dir_fd`` at once (renameat2 RENAME_EXCHANGE,
+    Linux 3.15): a reader sees one or the other, never neither."""
+    if libc.renameat2(ctypes.c_int(dir_fd), os.fsencode(first), ctypes.c_int(dir_fd), os.fsencode(second),
+                      ctypes.c_uint(RENAME_EXCHANGE)) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), first)
