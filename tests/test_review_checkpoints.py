@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -23,7 +24,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from conftest import BASE_ENV, REPO, SLOW, describe
+from conftest import BASE_ENV, PY, REPO, SLOW, describe
 from daemon_helpers import PlainUser, owned_dir, plain_users
 from review_helpers import as_owner, kinds, review_base, scan_kept, snapshot
 from sandboxd.errors import InvalidPolicy, NotFound, SetupError
@@ -51,9 +52,10 @@ HOST_FILES = {"a.txt": "a0\n", "b.txt": "b0\n", "c.txt": "c0\n", "keep.txt": "ke
               "deep/x": "x\n", "deep/y": "y\n"}
 
 
-def workspace(place: Place, name: str, files: "dict[str, str] | None" = None) -> tuple[Path, Path]:
+def workspace(place: Place, name: str, files: "dict[str, str] | None" = None, *,
+              layers: bool = True) -> tuple[Path, Path]:
     """A workspace of the owner's and an empty review session over it (kernel.overlay's layers and
-    record, as a review session's are made)."""
+    record, as a review session's are made; ``layers`` False: only its path)."""
     ws = owned_dir(place.base / name, place.owner)
     for rel, text in (HOST_FILES if files is None else files).items():
         path = ws / rel
@@ -69,6 +71,8 @@ def workspace(place: Place, name: str, files: "dict[str, str] | None" = None) ->
     while time.clock_gettime_ns(overlay.CLOCK_REALTIME_COARSE) <= newest:
         time.sleep(0.002)
     review_dir = place.base / f"{name}-review"
+    if not layers:
+        return ws, review_dir
     overlay.make_review_dir(str(review_dir))
     fd = os.open(ws, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
@@ -84,15 +88,15 @@ def workspace(place: Place, name: str, files: "dict[str, str] | None" = None) ->
 IN_OVERLAY = textwrap.dedent("""\
     import json, os, stat, subprocess, sys
     from sandboxd.kernel import overlay
-    review_dir, uid, gid, script = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    review_dir, uid, gid, script = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+    user = {} if uid == "-" else {"user": int(uid), "group": int(gid), "extra_groups": []}   # "-": as it is
     (layers,) = overlay.load(review_dir)
     fds = [os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
            for path in (layers.upper, layers.work, *layers.checkpoints)]
     lower = os.open(layers.root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
     overlay.mount_over(layers.root, lower_fd=lower, upper_fd=fds[0], work_fd=fds[1], userxattr=layers.userxattr,
                        shown=layers.root, checkpoint_fds=tuple(fds[2:]))
-    ran = subprocess.run(["sh", "-c", script], cwd=layers.root, user=uid, group=gid, extra_groups=[],
-                         capture_output=True, text=True)
+    ran = subprocess.run(["sh", "-c", script], cwd=layers.root, capture_output=True, text=True, **user)
     view = {}
     for dirpath, dirnames, filenames in os.walk(layers.root):
         for name in dirnames + filenames:
@@ -235,6 +239,41 @@ def test_a_middle_layers_whiteout_and_opaque_directory_hide_what_is_below(place:
         ["opq/more", "opq/n"]
 
 
+def test_a_directory_made_over_a_lower_layers_whiteout(place: Place) -> None:
+    """overlayfs makes a directory over a lower layer's whiteout without the opaque mark (over its
+    upper's own whiteout it sets one): its lookup stops at the whiteout. The merged change set must
+    say the host's directory was replaced (control: the upper alone says a merged directory), and
+    merging the two layers marks the directory opaque, the view and the change set unchanged."""
+    ws, review_dir = workspace(place, "over-whiteout")
+    in_overlay(place, review_dir, "rm -rf mid; rm a.txt")
+    checkpoints.create(str(review_dir))
+    seen = in_overlay(place, review_dir, "mkdir mid && echo q > mid/q; mkdir a.txt")["view"]
+    assert "mid/m1" not in seen and "mid/q" in seen
+    layers, _ = scan_kept(review_dir)
+    fd = os.open(layers.upper, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        alone = {entry.path: entry for entry in upper.scan(fd, prefix=layers.xattr_prefix)}
+    finally:
+        os.close(fd)
+    assert alone["mid"].kind == upper.DIR and not alone["mid"].opaque
+    expected = {("mid", listing.REPLACED), ("mid/q", listing.ADDED), ("a.txt", listing.TYPE_CHANGED)}
+    assert kinds(as_owner(place.owner, review_dir, "list")) == expected
+    checkpoints.create(str(review_dir), limit=1)                  # frozen, then merged into checkpoint 1
+    (layers,) = overlay.load(str(review_dir))
+    assert [os.path.basename(path) for path in layers.checkpoints] == ["2"]
+    fd = os.open(layers.checkpoints[0], os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        merged = {entry.path: entry for entry in upper.scan(fd, prefix=layers.xattr_prefix)}
+    finally:
+        os.close(fd)
+    assert merged["mid"].opaque and merged["a.txt"].opaque and "mid/m1" not in merged
+    assert in_overlay(place, review_dir)["view"] == seen
+    assert kinds(as_owner(place.owner, review_dir, "list")) == expected
+    done = as_owner(place.owner, review_dir, "apply")
+    assert done["skipped"] == [], done
+    assert host_view(ws) == seen
+
+
 def test_conflicts_still_work_across_checkpoints(place: Place) -> None:
     """deep/ was copied up from the host into checkpoint 1 (its origin: the host's deep/) and from
     checkpoint 1 into checkpoint 3 (its origin there: checkpoint 1's directory). The conflict
@@ -275,6 +314,9 @@ def test_discard_takes_a_path_out_of_every_layer(place: Place) -> None:
     _, entries = scan_kept(review_dir)
     fds = kept.open_stack(layers)
     try:
+        # Merged entries without the checkpoint layers' descriptors: refused, not the upper alone.
+        with pytest.raises(ValueError, match="from 4 layers, 1 descriptors"):
+            applying.discard(fds[0], entries, ("a.txt",))
         inside = applying.discard(fds[0], entries, ("opq/n",), checkpoint_fds=fds[1:])
         assert inside.removed == () and "opq" in inside.skipped[0].reason
         # a.txt is in all three layers, made/ in the first and third.
@@ -384,6 +426,77 @@ def test_bad_labels_and_limits_are_refused_saying_so(place: Place) -> None:
     with pytest.raises(InvalidPolicy, match="1 to 64"):
         checkpoints.create(str(review_dir), limit=65)
     assert checkpoints.list_checkpoints(str(review_dir)) == []
+
+
+ROOTLESS_SETUP = textwrap.dedent("""\
+    import os, sys
+    from sandboxd.kernel import overlay
+    ws, review_dir = sys.argv[1], sys.argv[2]
+    overlay.make_review_dir(review_dir)
+    fd = os.open(ws, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    overlay.save(review_dir, [overlay.make_layers(review_dir, 0, ws, fd, userxattr=True)])
+""")
+ROOTLESS_DO = textwrap.dedent("""\
+    import json, sys
+    from sandboxd.review import checkpoints, kept
+    review_dir, what = sys.argv[1], sys.argv[2]
+    if what == "create":
+        print(checkpoints.create(review_dir, limit=2).id)
+    elif what == "rollback":
+        print(checkpoints.rollback(review_dir, int(sys.argv[3])).to)
+    else:
+        (listed,) = kept.list_changes(review_dir)
+        print(json.dumps(sorted([change.path, change.kind] for change in listed.changes)))
+""")
+
+
+def test_rootless_checkpoints_as_a_plain_user(place: Place) -> None:
+    """A plain user's review session (user.overlay.* attributes, the overlay mounted in its own user
+    namespace): checkpoints, the merge past the limit (which marks directories opaque with
+    user.overlay.opaque), the merged change set and rollback, all as that user."""
+    if not overlay.rootless_supported():
+        pytest.skip(f"unprivileged overlayfs needs Linux 5.11 (this is {os.uname().release})")
+    code = place.base / "code"
+    if not code.exists():
+        code.mkdir(mode=0o755)
+        shutil.copytree(REPO / "sandboxd", code / "sandboxd", ignore=shutil.ignore_patterns("__pycache__"))
+        subprocess.run(["chmod", "-R", "a+rX", str(code)], check=True)
+    state = owned_dir(place.base / "rootless-state", place.owner)
+    try:
+        os.setxattr(state, "user.sbxreview-probe", b"1")
+    except OSError as exc:
+        pytest.skip(f"{place.base} holds no user.* extended attributes ({os.strerror(exc.errno or 0)}): "
+                    "a tmpfs has them from Linux 6.6")
+    ws, _ = workspace(place, "rootless", layers=False)
+    review_dir = state / "review"
+    env = {**BASE_ENV, "HOME": str(ws), "PYTHONPATH": str(code)}
+
+    def as_user(*argv: str) -> str:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=120 * SLOW, cwd=str(ws), env=env,
+                              user=place.owner.uid, group=place.owner.gid, extra_groups=[])
+        assert done.returncode == 0, describe(done)
+        return done.stdout
+
+    def view(script: str = "true") -> dict[str, Any]:
+        ran = json.loads(as_user("unshare", "--user", "--map-root-user", "--mount", "--propagation", "private",
+                                 PY, "-c", IN_OVERLAY, str(review_dir), "-", "-", script))
+        assert ran["returncode"] == 0, ran
+        return dict(ran["view"])
+
+    as_user(PY, "-c", ROOTLESS_SETUP, str(ws), str(review_dir))
+    control = snapshot(ws)
+    views = {}
+    for step in (STEP1, STEP2, STEP3):
+        views[len(views) + 1] = view(step)
+        as_user(PY, "-c", ROOTLESS_DO, str(review_dir), "create")
+    assert snapshot(ws) == control
+    (layers,) = overlay.load(str(review_dir))
+    assert layers.userxattr and [os.path.basename(path) for path in layers.checkpoints] == ["2", "3"]
+    assert view() == views[3]
+    assert {tuple(item) for item in json.loads(as_user(PY, "-c", ROOTLESS_DO, str(review_dir), "list"))} == AFTER[3]
+    assert as_user(PY, "-c", ROOTLESS_DO, str(review_dir), "rollback", "2").strip() == "2"
+    assert view() == views[2]
+    assert {tuple(item) for item in json.loads(as_user(PY, "-c", ROOTLESS_DO, str(review_dir), "list"))} == AFTER[2]
 
 
 def test_more_layers_than_a_mount_takes_are_refused_before_the_kernel() -> None:

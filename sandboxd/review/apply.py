@@ -38,7 +38,8 @@ from sandboxd._record import Record
 from sandboxd.errors import Exhausted
 from sandboxd.kernel import beneath
 from sandboxd.kernel._libc import libc
-from sandboxd.review.changes import CHUNK, DELETED, METADATA, OWNER, REPLACED, TYPE_CHANGED, Change, Comparison
+from sandboxd.review.changes import (CHUNK, DELETED, METADATA, OWNER, REPLACED, TYPE_CHANGED, Change, Comparison,
+                                     check_layers)
 from sandboxd.review.conflicts import Baseline, HostLookups
 from sandboxd.review.upper import DIR, FILE, OTHER, SYMLINK, UpperEntry, kind_of
 
@@ -343,6 +344,7 @@ def discard(upper_fd: int, entries: "list[UpperEntry]", paths: tuple[str, ...] =
     entry there stays hidden by that directory, discard the directory. With checkpoints,
     ``entries`` are upper.scan_stack's and ``checkpoint_fds`` its checkpoint layers (newest first):
     the path goes from every layer (a discarded change does not come back on a rollback)."""
+    check_layers(entries, (upper_fd, *checkpoint_fds))
     by_path = {entry.path: entry for entry in entries}
     removed: list[str] = []
     skipped: list[Skipped] = []

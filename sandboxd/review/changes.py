@@ -132,6 +132,7 @@ class Comparison:
         self.origins = {entry.path: entry.origin for entry in entries if entry.kind == DIR and entry.origin is not None}
         self.upper_fd, self.host_fd, self.layers, self.baseline = upper_fd, host_fd, layers, baseline
         self.layer_fds = (upper_fd, *checkpoint_fds)
+        check_layers(entries, self.layer_fds)
         self.host = HostLookups(host_fd)
         self._git_dirs: dict[str, bool] = {}
 
@@ -266,6 +267,15 @@ class Comparison:
                 found.append(change)
         return ChangeSet(root=self.layers.root, changes=tuple(found), next_after=next_after,
                          unhashed=budget.unhashed)
+
+
+def check_layers(entries: "list[UpperEntry]", layer_fds: "tuple[int, ...]") -> None:
+    """Entries of a stack must come with a descriptor for each of its layers: read without them, a
+    change in a checkpoint layer would be looked for in the upper (and a discard would leave it)."""
+    deepest = max((entry.layer for entry in entries), default=0)
+    if deepest >= len(layer_fds):
+        raise ValueError(f"the entries come from {deepest + 1} layers, {len(layer_fds)} descriptors given "
+                         "(pass checkpoint_fds: the layers of upper.scan_stack)")
 
 
 def _readlink(dir_fd: int, rel: str) -> str:

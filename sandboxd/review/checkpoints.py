@@ -39,7 +39,7 @@ import stat
 import time
 
 from sandboxd._record import Record
-from sandboxd.errors import InvalidPolicy, NotFound
+from sandboxd.errors import Exhausted, InvalidPolicy, NotFound
 from sandboxd.kernel import beneath, overlay
 from sandboxd.review import upper
 
@@ -73,9 +73,12 @@ class _State(Record):
 def count_changes(layer_fd: int, prefix: str) -> int:
     """The paths one layer changed: its files, symlinks, whiteouts and other entries, and its
     directories that are new or replaced (no copy-up origin, or opaque); a directory copied up
-    only to hold a change below it is not one. O(the layer's entries)."""
-    return sum(1 for entry in upper.scan(layer_fd, prefix=prefix)
-               if entry.path and (entry.kind != upper.DIR or entry.opaque or entry.origin is None))
+    only to hold a change below it is not one. O(the layer's entries); a layer of more than
+    upper.MAX_ENTRIES entries counts as that many (a floor: counting never fails a checkpoint)."""
+    try:
+        return sum(1 for entry in upper.scan(layer_fd, prefix=prefix) if _counts(entry))
+    except Exhausted:
+        return upper.MAX_ENTRIES
 
 
 def _load(review_dir: str) -> _State:
@@ -153,7 +156,8 @@ def _freeze(layers: overlay.Layers, checkpoint_id: int) -> tuple[overlay.Layers,
 
 def create(review_dir: str, label: str = "", *, limit: int = DEFAULT_LIMIT) -> Checkpoint:
     """Mark a checkpoint of every overlay in ``review_dir`` (kernel.overlay's record there), the
-    overlays unmounted; past ``limit`` checkpoints the oldest two are merged (merge_oldest).
+    overlays unmounted; at ``limit`` checkpoints the oldest two are merged first (merge_oldest;
+    Exhausted, and no checkpoint, when the newer of them has more than upper.MAX_ENTRIES).
     Raises InvalidPolicy for a label over MAX_LABEL characters or a limit out of 1..MAX_CHECKPOINTS."""
     if len(label) > MAX_LABEL:
         raise InvalidPolicy(f"a checkpoint's label has at most {MAX_LABEL} characters (this one {len(label)})")
@@ -161,6 +165,10 @@ def create(review_dir: str, label: str = "", *, limit: int = DEFAULT_LIMIT) -> C
         raise InvalidPolicy(f"review.max_checkpoints is 1 to {overlay.MAX_CHECKPOINTS} (not {limit})")
     recover(review_dir)
     state = _load(review_dir)
+    # Room first: should a merge fail (a layer past upper.MAX_ENTRIES), nothing was frozen, and
+    # the layers a mount stacks stay within the limit.
+    while len(state.checkpoints) >= max(limit, 2):
+        state = _merge_oldest(review_dir, state)
     checkpoint_id = state.next_id
     made: list[overlay.Layers] = []
     changes = 0
@@ -172,7 +180,7 @@ def create(review_dir: str, label: str = "", *, limit: int = DEFAULT_LIMIT) -> C
     checkpoint = Checkpoint(id=checkpoint_id, time_ns=time.time_ns(), label=label, changes=changes)
     state = _State(next_id=checkpoint_id + 1, checkpoints=(*state.checkpoints, checkpoint))
     _save(review_dir, state)
-    while len(state.checkpoints) > limit:
+    if len(state.checkpoints) > limit:          # a limit of 1: the new one merged into the one before
         state = _merge_oldest(review_dir, state)
     return checkpoint
 
@@ -237,7 +245,7 @@ def _count_at(parent_fd: int, name: str, prefix: str) -> int:
     try:
         top = upper.UpperEntry(path=name, kind=upper.DIR, opaque=_attribute(fd, prefix + "opaque") == b"y",
                                origin=_attribute(fd, prefix + "origin"))
-        return int(_counts(top)) + sum(1 for entry in upper.scan(fd, prefix=prefix) if _counts(entry))
+        return int(_counts(top)) + count_changes(fd, prefix)
     finally:
         os.close(fd)
 
