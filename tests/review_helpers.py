@@ -15,7 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from daemon_helpers import PlainUser
+import pytest
+
+from conftest import REPO
+from daemon_helpers import PlainUser, owned_dir
 from sandboxd.kernel import caps, overlay
 from sandboxd.review import apply as applying
 from sandboxd.review import changes as listing
@@ -59,6 +62,28 @@ def review_base() -> Iterator[Path]:
         stack.callback(subprocess.run, ["chmod", "-R", "u+rwx", str(top)], capture_output=True)
         os.chmod(top, 0o755)
         yield top if _local_disk(str(top)) else stack.enter_context(_tmpfs(top / "disk"))
+
+
+def rootless_place(base: Path, owner: PlainUser) -> tuple[Path, Path]:
+    """For a plain user's review under ``base``: a copy of sandboxd it can import (the PYTHONPATH),
+    and a state directory of its own. Skips, naming why, where the kernel has no unprivileged
+    overlayfs or ``base`` holds no user.* attributes."""
+    if not overlay.rootless_supported():
+        pytest.skip(f"unprivileged overlayfs needs Linux 5.11 (this is {os.uname().release})")
+    code = base / "code"
+    if not (code / "sandboxd").exists():
+        code.mkdir(mode=0o755, exist_ok=True)
+        shutil.copytree(REPO / "sandboxd", code / "sandboxd", ignore=shutil.ignore_patterns("__pycache__"))
+        subprocess.run(["chmod", "-R", "a+rX", str(code)], check=True)
+    state = base / "rootless-state"
+    if not state.exists():
+        owned_dir(state, owner)
+    try:
+        os.setxattr(state, "user.sbxreview-probe", b"1")
+    except OSError as exc:
+        pytest.skip(f"{base} holds no user.* extended attributes ({os.strerror(exc.errno or 0)}): "
+                    "a tmpfs has them from Linux 6.6")
+    return code, state
 
 
 def snapshot(top: Path) -> dict[str, tuple[object, ...]]:

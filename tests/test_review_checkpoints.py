@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -26,7 +25,7 @@ import pytest
 
 from conftest import BASE_ENV, PY, REPO, SLOW, describe
 from daemon_helpers import PlainUser, owned_dir, plain_users
-from review_helpers import as_owner, kinds, review_base, scan_kept, snapshot
+from review_helpers import as_owner, kinds, review_base, rootless_place, scan_kept, snapshot
 from sandboxd.errors import InvalidPolicy, NotFound, SetupError
 from sandboxd.kernel import beneath, overlay
 from sandboxd.review import apply as applying
@@ -452,21 +451,9 @@ ROOTLESS_DO = textwrap.dedent("""\
 
 def test_rootless_checkpoints_as_a_plain_user(place: Place) -> None:
     """A plain user's review session (user.overlay.* attributes, the overlay mounted in its own user
-    namespace): checkpoints, the merge past the limit (which marks directories opaque with
-    user.overlay.opaque), the merged change set and rollback, all as that user."""
-    if not overlay.rootless_supported():
-        pytest.skip(f"unprivileged overlayfs needs Linux 5.11 (this is {os.uname().release})")
-    code = place.base / "code"
-    if not code.exists():
-        code.mkdir(mode=0o755)
-        shutil.copytree(REPO / "sandboxd", code / "sandboxd", ignore=shutil.ignore_patterns("__pycache__"))
-        subprocess.run(["chmod", "-R", "a+rX", str(code)], check=True)
-    state = owned_dir(place.base / "rootless-state", place.owner)
-    try:
-        os.setxattr(state, "user.sbxreview-probe", b"1")
-    except OSError as exc:
-        pytest.skip(f"{place.base} holds no user.* extended attributes ({os.strerror(exc.errno or 0)}): "
-                    "a tmpfs has them from Linux 6.6")
+    namespace): checkpoints, the merge past the limit, the merged change set and rollback, all as
+    that user."""
+    code, state = rootless_place(place.base, place.owner)
     ws, _ = workspace(place, "rootless", layers=False)
     review_dir = state / "review"
     env = {**BASE_ENV, "HOME": str(ws), "PYTHONPATH": str(code)}

@@ -28,7 +28,7 @@ import pytest
 
 from conftest import BASE_ENV, PY, REPO, SANDBOXD, SLOW, describe, make_dir
 from daemon_helpers import PlainUser, owned_dir, plain_users
-from review_helpers import as_owner, kinds, review_base, scan_kept, snapshot
+from review_helpers import as_owner, kinds, review_base, rootless_place, scan_kept, snapshot
 from sandboxd.kernel import overlay
 from sandboxd.review import apply as applying
 from sandboxd.review import changes as listing
@@ -266,22 +266,11 @@ def test_discard_drops_changes_from_the_upper_layer(place: Place) -> None:
 
 
 def test_rootless_review_as_a_plain_user(place: Place) -> None:
-    if not overlay.rootless_supported():
-        pytest.skip(f"unprivileged overlayfs needs Linux 5.11 (this is {os.uname().release})")
-    code = make_dir(place.base / "code")
-    if not (code / "sandboxd").exists():
-        shutil.copytree(REPO / "sandboxd", code / "sandboxd", ignore=shutil.ignore_patterns("__pycache__"))
-        subprocess.run(["chmod", "-R", "a+rX", str(code)], check=True)
+    code, state = rootless_place(place.base, place.owner)
     subprocess.run([sys.executable, "-c", "from sandboxd.kernel import seccomp\n"
                     "for c in (True, False): seccomp.program_for(seccomp.FilterSpec(confined=c))\n"],
                    check=True, timeout=120, cwd=REPO)
     ws, _ = fresh(place, "rootless")
-    state = owned_dir(place.base / "rootless-state", place.owner)
-    try:
-        os.setxattr(state, "user.sbxreview-probe", b"1")
-    except OSError as exc:
-        pytest.skip(f"{place.base} holds no user.* extended attributes ({os.strerror(exc.errno or 0)}): "
-                    "a tmpfs has them from Linux 6.6")
     review_dir = state / "review"
     control = snapshot(ws)
     env = {**BASE_ENV, "HOME": str(ws), "PYTHONPATH": str(code)}
