@@ -32,7 +32,7 @@ from sandboxd.review import apply as applying
 from sandboxd.review import changes as listing
 from sandboxd.review import checkpoints, conflicts, kept, upper
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(int(300 * SLOW))       # the VM matrix's TCG guest: SLOW = 10
 
 
 class Place(NamedTuple):
