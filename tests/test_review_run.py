@@ -319,3 +319,11 @@ def test_rootless_apply_discard_and_keep_as_a_plain_user(place: Place, env: dict
     done = as_owner("apply", str(kept), cwd=ws)
     assert done.returncode == 0, describe(done)
     assert (ws / "mod.txt").read_text() == "changed\n" and not kept.exists()
+
+
+def test_the_layers_record_is_the_text_json_writes() -> None:
+    layers = [overlay.Layers(root="/w/\u00e9\"q\\\n\udcff", upper="/r/0/upper", work="/r/0/work", userxattr=flag,
+                             root_dev=2049, root_ino=12, started_ns=1764780000123456789) for flag in (True, False)]
+    text = overlay.record_text(layers)
+    assert text == json.dumps([layer.as_dict() for layer in layers], sort_keys=True)
+    assert overlay.record_text([]) == "[]"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from sandboxd.cli.change_sets import KeptDir, apply_result, change_set, list_all
+from sandboxd.cli.change_sets import MAX_LISTED, KeptDir, apply_result, change_set, list_all
 from sandboxd.errors import SandboxdError
 from sandboxd.printable import printable
 from sandboxd.review.apply import Skipped
@@ -31,6 +31,7 @@ DIR is a change set `sandboxd run --review` kept (yours only). PATHs are host pa
 (the host changed there since the run started) unless --force, and a flagged change (planted
 git hooks or config, .envrc, set-ID files...) unless that path is named with --include-flagged.
 Applied and discarded changes leave DIR; DIR goes when nothing is left.
+Exit status: 0 done; 1 something was skipped (each listed, with why); 2 bad usage or DIR unusable.
 """
 FLAGGED, CONFLICT = "flagged: ", "conflict: "      # how review.apply starts those skip reasons
 
@@ -43,7 +44,6 @@ def say(text: str) -> None:
 
 def listed(kept: KeptDir, paths: "list[str]", limit: int = 0) -> "list[ChangeSet]":
     """Each selected overlay's changes (all of them, or the first ``limit``)."""
-    from sandboxd.cli.change_sets import MAX_LISTED
     found = []
     for layer, chosen in kept.select(paths):
         def body(comparison: Comparison, chosen: "tuple[str, ...]" = chosen) -> ChangeSet:
@@ -79,7 +79,6 @@ def _stat(sets: "list[ChangeSet]") -> None:
 
 def diffs(kept: KeptDir, paths: "list[str]") -> "list[tuple[str, str]]":
     """(root, diff text) of each selected overlay's changes."""
-    from sandboxd.cli.change_sets import MAX_LISTED
     from sandboxd.review import diff
 
     shown = []
@@ -177,7 +176,8 @@ def remove_if_done(kept: KeptDir) -> bool:
 
 
 def main(command: str, argv: "list[str]") -> int:
-    """`sandboxd changes|apply|discard`: 0 done, 1 something skipped, 2 bad usage or an unusable DIR."""
+    """`sandboxd changes|apply|discard`: 0 done, 1 something skipped (listed), 2 bad usage or an
+    unusable DIR."""
     options: dict[str, Any] = {"view": "", "force": False, "include_flagged": [], "paths": []}
     rest = list(argv)
     allowed = {"changes": ("--stat", "--diff", "--json"), "apply": ("--force", "--include-flagged"),

@@ -34,6 +34,7 @@ from sandboxd.printable import printable
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from sandboxd.cli.change_sets import KeptDir
     from sandboxd.kernel.overlay import Layers
 
 ASK, APPLY, DISCARD, KEEP = "ask", "apply", "discard", "keep"
@@ -76,6 +77,7 @@ def base_dir(roots: "list[str]") -> str:
         home = state or os.path.join(os.path.expanduser("~"), ".local", "state")
         candidates = [os.path.join(home, "sandboxd", "reviews"), f"/var/tmp/sandboxd-reviews-{os.geteuid()}"]
     real_roots = [os.path.realpath(root) for root in roots]
+    why = "every place for the change set is inside a writable root"
     for base in candidates:
         parent = os.path.realpath(os.path.dirname(base))
         if any(parent == root or parent.startswith(root.rstrip("/") + "/") or root.startswith(parent + "/")
@@ -87,15 +89,14 @@ def base_dir(roots: "list[str]") -> str:
         except FileExistsError:
             pass
         except OSError as exc:
-            raise InvalidPolicy(f"cannot make {base} for the change set: {os.strerror(exc.errno or errno.EIO)}; "
-                                "name a directory with --review=keep:DIR") from None
+            why = f"cannot make {base}: {os.strerror(exc.errno or errno.EIO)}"
+            continue
         st = os.lstat(base)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise InvalidPolicy(f"{base} is not a 0700 directory of yours: the change set cannot go there; "
-                                "name one with --review=keep:DIR")
+            why = f"{base} is not a 0700 directory of yours"
+            continue
         return base
-    raise InvalidPolicy("every place for the change set is inside a writable root: name one outside them "
-                        "with --review=keep:DIR")
+    raise InvalidPolicy(f"review: {why}: name a directory for the change set with --review=keep:DIR")
 
 
 def new_directory(review: Review, roots: "list[str]") -> str:
@@ -177,13 +178,11 @@ def _decide(review: Review, killed: str) -> None:
             _say(_hint(directory))
 
 
-def _ask(kept: "object") -> str:
+def _ask(kept: "KeptDir") -> str:
     """[a]pply [d]iscard [k]eep [r]eview, on the terminal; r shows the diff and asks again.
     Ctrl-C, Ctrl-D or the terminal's end keep."""
     from sandboxd.cli import review_commands as commands
-    from sandboxd.cli.change_sets import KeptDir
     from sandboxd.cli.keys import KeyReader
-    assert isinstance(kept, KeptDir)
     keys = KeyReader(sys.stdin.fileno())
     while True:
         key = keys.read("review: [a]pply [d]iscard [k]eep [r]eview? ", KEYS, keep_waiting=lambda: True)

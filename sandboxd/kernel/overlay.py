@@ -209,9 +209,7 @@ def make_layers(review_dir: str, index: int, root: str, root_fd: int, *, userxat
 def save(review_dir: str, layers: "list[Layers]") -> None:
     """Write the layers' record beside them (written aside, renamed into place): what an apply after
     the sandbox is gone, or after a daemon restart, starts from."""
-    import json                                 # not on every launch's path: json imports re
-
-    data = json.dumps([item.as_dict() for item in layers], sort_keys=True).encode()
+    data = record_text(layers).encode()
     temporary = f"{review_dir}/.{LAYERS_FILE}.new"
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -220,6 +218,21 @@ def save(review_dir: str, layers: "list[Layers]") -> None:
     finally:
         os.close(fd)
     os.rename(temporary, f"{review_dir}/{LAYERS_FILE}")
+
+
+def record_text(layers: "list[Layers]") -> str:
+    """``json.dumps([layer.as_dict() ...], sort_keys=True)``, the same text, without importing json:
+    its import (re and enum with it) costs a `sandboxd run --review -- true` more than the rest of
+    review mode's set-up. Strings go through the C encoder json itself uses."""
+    from _json import encode_basestring_ascii as quoted
+
+    def value(item: object) -> str:
+        if isinstance(item, bool):
+            return "true" if item else "false"
+        return str(item) if isinstance(item, int) else quoted(str(item))
+    fields = (", ".join(f"{quoted(name)}: {value(item)}" for name, item in sorted(layer.as_dict().items()))
+              for layer in layers)
+    return "[" + ", ".join("{" + text + "}" for text in fields) + "]"
 
 
 def load(review_dir: str) -> "list[Layers]":
