@@ -16,9 +16,7 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,10 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BASE_ENV, PY, REPO, SANDBOXD, SLOW, describe, make_dir
+from conftest import BASE_ENV, PY, SANDBOXD, SLOW, describe
 from daemon_helpers import owned_dir
 from sandboxd.kernel import overlay
-from test_review_overlay import EDITS, Place, fresh, place, snapshot  # noqa: F401 - place: a pytest fixture
+from test_review_overlay import (EDITS, Place, code_for_plain_users, fresh, place,  # noqa: F401 - place: a fixture
+                                 rootless_state, snapshot)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -257,7 +256,7 @@ def test_a_kept_directory_is_its_users_alone(place: Place, env: dict[str, str]) 
     assert refused.returncode == 2 and "writable by others" in refused.stderr, describe(refused)
     os.chmod(kept, 0o700)                                               # control: its owner may
     assert sbx("changes", str(kept)).returncode == 0
-    code = {**BASE_ENV, **_code_for_plain_users(place)}
+    code = {**BASE_ENV, "PYTHONPATH": str(code_for_plain_users(place))}
     attacker = subprocess.run([PY, "-m", "sandboxd.cli.main", "apply", str(kept)], capture_output=True, text=True,
                               timeout=120 * SLOW, env=code, cwd="/", user=place.attacker.uid,
                               group=place.attacker.gid, extra_groups=[])
@@ -266,29 +265,10 @@ def test_a_kept_directory_is_its_users_alone(place: Place, env: dict[str, str]) 
     assert sbx("discard", str(kept)).returncode == 0
 
 
-def _code_for_plain_users(place: Place) -> dict[str, str]:
-    """The environment a plain user's `python -m sandboxd.cli.main` runs with: a readable copy of
-    the code (the worktree may sit where plain users cannot read)."""
-    code = make_dir(place.base / "code") if not (place.base / "code").exists() else place.base / "code"
-    if not (code / "sandboxd").exists():
-        shutil.copytree(REPO / "sandboxd", code / "sandboxd", ignore=shutil.ignore_patterns("__pycache__"))
-        subprocess.run(["chmod", "-R", "a+rX", str(code)], check=True)
-    subprocess.run([sys.executable, "-c", "from sandboxd.kernel import seccomp\n"
-                    "for c in (True, False): seccomp.program_for(seccomp.FilterSpec(confined=c))\n"],
-                   check=True, timeout=120, cwd=REPO)
-    return {"PYTHONPATH": str(code)}
-
-
 def test_rootless_apply_discard_and_keep_as_a_plain_user(place: Place, env: dict[str, str]) -> None:
-    if not overlay.rootless_supported():
-        pytest.skip(f"unprivileged overlayfs needs Linux 5.11 (this is {os.uname().release})")
-    state = owned_dir(place.base / "rootless-run-state", place.owner)
-    try:
-        os.setxattr(state, "user.sbxreview-probe", b"1")
-    except OSError as exc:
-        pytest.skip(f"{place.base} holds no user.* extended attributes ({os.strerror(exc.errno or 0)}): "
-                    "a tmpfs has them from Linux 6.6")
-    mine = {**BASE_ENV, **_code_for_plain_users(place), "HOME": str(state), "XDG_STATE_HOME": str(state)}
+    state = rootless_state(place, "rootless-run-state")
+    mine = {**BASE_ENV, "PYTHONPATH": str(code_for_plain_users(place)), "HOME": str(state),
+            "XDG_STATE_HOME": str(state)}
 
     def as_owner(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         return subprocess.run([PY, "-m", "sandboxd.cli.main", *args], capture_output=True, text=True,
