@@ -221,6 +221,21 @@ def _wait_for(output: list[bytes], text: bytes, count: int = 1) -> None:
 PROMPT = b"[a]pply [d]iscard [k]eep [r]eview? "
 
 
+def test_a_key_typed_ahead_does_not_answer(place: Place, env: dict[str, str]) -> None:
+    """An "a" typed while the command runs (or left by it) is dropped; the answer typed once the
+    question shows decides (here: discard)."""
+    ws, _ = fresh(place, "run-pty-ahead")
+    control = snapshot(ws)
+    with _pty_run(env, ws, "echo changed > mod.txt; sleep 2") as (master, output, process):
+        os.write(master, b"a")                            # long before the question: the command sleeps
+        _wait_for(output, PROMPT)
+        os.write(master, b"d")
+        assert process.wait(timeout=120 * SLOW) == 0, b"".join(output)
+    shown = b"".join(output).decode(errors="replace")
+    assert "review: discarded" in shown and "applied" not in shown, shown
+    assert snapshot(ws) == control and left_for(ws, reviews(env)) == []
+
+
 @pytest.mark.parametrize("keys", ["a", "d", "k", "ra"])
 def test_the_prompt_on_a_terminal(place: Place, env: dict[str, str], keys: str) -> None:
     ws, _ = fresh(place, f"run-pty-{keys}")

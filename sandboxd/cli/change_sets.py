@@ -194,12 +194,15 @@ class KeptDir:
 def list_all(comparison: Comparison, paths: "tuple[str, ...]", limit: int = MAX_LISTED) -> ChangeSet:
     """The changes at ``paths`` and below ("": all), at most ``limit`` (next_after says more)."""
     found: list[Change] = []
+    seen: set[str] = set()                          # a path under two of ``paths`` is listed once
     unhashed, more = 0, ""
     for under in paths:
         after = ""
         while len(found) < limit:
             page = comparison.list(after=after, limit=min(PAGE, limit - len(found)), under=under)
-            found += [change for change in page.changes if change.path not in {known.path for known in found}]
+            fresh = [change for change in page.changes if change.path not in seen]
+            seen.update(change.path for change in fresh)
+            found += fresh
             unhashed += page.unhashed
             if not page.next_after:
                 break

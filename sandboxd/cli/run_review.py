@@ -183,8 +183,12 @@ def _ask(kept: "KeptDir") -> str:
     Ctrl-C, Ctrl-D or the terminal's end keep."""
     from sandboxd.cli import review_commands as commands
     from sandboxd.cli.keys import KeyReader
+    import termios
     keys = KeyReader(sys.stdin.fileno())
     while True:
+        # Only a key typed once the question shows answers it: one typed ahead (for the command,
+        # while it ran) is dropped.
+        termios.tcflush(sys.stdin.fileno(), termios.TCIFLUSH)
         key = keys.read("review: [a]pply [d]iscard [k]eep [r]eview? ", KEYS, keep_waiting=lambda: True)
         sys.stderr.write((key if key and key in KEYS else "") + "\n")
         if key == "r":
