@@ -109,10 +109,9 @@ OPTIONS: tuple[tuple[str, str | None, str, str], ...] = (
     ("--clear-env", None, "flag", "start from an empty environment"),
     ("--host-home", None, "flag", "keep the host's home directories visible (read-only) and HOME as it is"),
     ("--review", "[=apply|discard|keep[:DIR]]", "optional",
-     "review mode: the writable roots are overlays and the host is not written; at the end the "
-     "change summary, then on a terminal [a]pply [d]iscard [k]eep [r]eview (without one: keep, "
-     "and say where); =apply applies as the roots' owner (conflicts and flagged changes stay, listed), "
-     "=discard drops it, =keep:DIR keeps it in DIR for sandboxd changes|apply|discard DIR"),
+     "review mode: writes go to an overlay, not the host; at the end the change summary, then "
+     "[a]pply [d]iscard [k]eep [r]eview on a terminal (keep, saying where, without one); =apply, "
+     "=discard or =keep:DIR decide beforehand (a kept DIR: sandboxd changes|apply|discard DIR)"),
     ("--help", None, "flag", "show this help and exit"),
 )
 _BY_FLAG = {flag: (metavar, kind) for flag, metavar, kind, _ in OPTIONS}
