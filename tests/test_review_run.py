@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -177,6 +178,29 @@ def test_a_killed_command_keeps_its_change_set(place: Place, env: dict[str, str]
     assert "killed by signal 9" in result.stderr, describe(result)
     kept = Path(re.findall(r"kept in (\S+)", result.stderr)[0])
     assert (kept / "layers.json").exists() and snapshot(ws) == control
+    assert sbx("discard", str(kept)).returncode == 0 and not kept.exists()
+
+
+def test_an_interrupted_run_keeps_its_change_set(place: Place, env: dict[str, str]) -> None:
+    """Ctrl-C to `sandboxd run --review=apply` (SIGINT, forwarded to the command): nothing applied,
+    the change set kept where it is, and said so; the status the command's (128+2)."""
+    ws, _ = fresh(place, "run-interrupted")
+    control = snapshot(ws)
+    process = subprocess.Popen([SANDBOXD, "run", "--review=apply", "--workspace", str(ws), "--", "sh", "-c",
+                                "echo changed > mod.txt; echo ready; exec sleep 60"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, cwd=str(ws), text=True)
+    try:
+        assert process.stdout is not None and process.stdout.readline() == "ready\n"
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120 * SLOW)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 128 + signal.SIGINT, stderr
+    assert "killed by signal 2" in stderr and "applied" not in stderr, stderr
+    kept = Path(re.findall(r"kept in (\S+)", stderr)[0])
+    assert snapshot(ws) == control and (kept / "layers.json").exists()
     assert sbx("discard", str(kept)).returncode == 0 and not kept.exists()
 
 
