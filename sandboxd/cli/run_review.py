@@ -30,6 +30,7 @@ import sys
 from sandboxd import defaults
 from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
+from sandboxd.kernel import overlay
 from sandboxd.printable import printable
 
 TYPE_CHECKING = False
@@ -95,8 +96,20 @@ def base_dir(roots: "list[str]") -> str:
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
             why = f"{base} is not a 0700 directory of yours"
             continue
+        if _filesystem(base) in overlay.REFUSED_UPPERS:     # a container's root is an overlay itself
+            why = f"{base} is on a file system overlayfs cannot keep an upper layer on"
+            continue
         return base
-    raise InvalidPolicy(f"review: {why}: name a directory for the change set with --review=keep:DIR")
+    raise InvalidPolicy(f"review: {why}: name a directory for the change set on a local disk with "
+                        "--review=keep:DIR, or set XDG_STATE_HOME")
+
+
+def _filesystem(path: str) -> int:
+    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    try:
+        return overlay.filesystem_type(fd)
+    finally:
+        os.close(fd)
 
 
 def new_directory(review: Review, roots: "list[str]") -> str:
@@ -109,7 +122,6 @@ def new_directory(review: Review, roots: "list[str]") -> str:
 
 
 def _nothing_changed(layers: "list[Layers]") -> bool:
-    from sandboxd.kernel import overlay
     for layer in layers:
         fd = os.open(layer.upper, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
@@ -135,7 +147,6 @@ def finish(review: Review, layers: "list[Layers]", *, killed: str = "") -> None:
             if review.named:
                 _say(f"review: no changes (the empty change set is in {directory})")
             else:
-                from sandboxd.kernel import overlay
                 overlay.remove_layers(directory)
                 _say("review: no changes")
             return
