@@ -28,8 +28,8 @@ import pytest
 from conftest import BASE_ENV, PY, SANDBOXD, SLOW, describe
 from daemon_helpers import owned_dir
 from sandboxd.kernel import overlay
-from test_review_overlay import (EDITS, Place, code_for_plain_users, fresh, place,  # noqa: F401 - place: a fixture
-                                 rootless_state, snapshot)
+from test_review_overlay import (EDITS, NAIVE_APPLY, Place, code_for_plain_users, fresh,
+                                 place, rootless_state, snapshot)  # noqa: F401 - place: a fixture
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -168,6 +168,31 @@ def test_a_planted_hook_is_not_applied_without_include_flagged(place: Place, env
     named = sbx("apply", str(kept), *(f"--include-flagged={path}" for path in (hook.parent.parent, hook.parent, hook)))
     assert named.returncode == 0, describe(named)
     assert hook.read_text() == "#!/bin/sh\ntouch /tmp/pwned\n" and hook.stat().st_uid == place.owner.uid
+
+
+def test_root_s_apply_of_a_kept_set_never_follows_a_swapped_symlink(place: Place, env: dict[str, str]) -> None:
+    """`sandboxd apply DIR --force` as root writes as the workspace's owner and walks beneath the
+    root: another user's symlink where the sandbox made a directory is refused, not followed into
+    the owner's private directory (control: an apply that follows names, as the owner, does)."""
+    ws, _ = fresh(place, "run-swap")
+    os.chmod(ws, 0o777)                                 # a shared workspace: the attacker may add names
+    private = owned_dir(place.base / "run-swap-private", place.owner)
+    os.chmod(private, 0o700)
+    kept = kept_dir(run(env, ws, "keep", "mkdir newdir && echo planted > newdir/authorized_keys"))
+    swap = subprocess.run(["ln", "-s", str(private), str(ws / "newdir")], user=place.attacker.uid,
+                          group=place.attacker.gid, extra_groups=[], capture_output=True, text=True, env=BASE_ENV)
+    assert swap.returncode == 0, describe(swap)
+    naive = subprocess.run([PY, "-c", NAIVE_APPLY, str(ws), "newdir/authorized_keys", "planted\n"],
+                           user=place.owner.uid, group=place.owner.gid, extra_groups=[], capture_output=True,
+                           text=True, env=BASE_ENV)
+    assert naive.returncode == 0 and (private / "authorized_keys").read_text() == "planted\n", describe(naive)
+    (private / "authorized_keys").unlink()
+    done = sbx("apply", str(kept))
+    assert done.returncode == 1 and "conflict" in done.stderr, describe(done)
+    forced = sbx("apply", str(kept), "--force", str(ws / "newdir" / "authorized_keys"))
+    assert forced.returncode == 1 and "symlink" in forced.stderr, describe(forced)
+    assert os.listdir(private) == [] and os.readlink(ws / "newdir") == str(private)
+    assert sbx("discard", str(kept)).returncode == 0
 
 
 def test_a_killed_command_keeps_its_change_set(place: Place, env: dict[str, str]) -> None:
