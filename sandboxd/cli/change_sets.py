@@ -30,12 +30,12 @@ from sandboxd.kernel import beneath, caps, overlay
 from sandboxd.review import conflicts, upper
 from sandboxd.review.apply import ApplyResult, Skipped
 from sandboxd.review.changes import PAGE, Change, ChangeSet, Comparison
+from sandboxd.review.kept import DIR_FLAGS
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, Callable
 
-DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_LISTED = 100_000                 # changes one listing shows at most (review.apply takes as many)
 MAX_ANSWER = 256 << 20               # bytes a child's answer may have (diffs are bounded per file)
 

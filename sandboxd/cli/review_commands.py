@@ -36,9 +36,9 @@ Exit status: 0 done; 1 something was skipped (each listed, with why); 2 bad usag
 FLAGGED, CONFLICT = "flagged: ", "conflict: "      # how review.apply starts those skip reasons
 
 
-def say(text: str) -> None:
+def say(text: str, prefix: str = "") -> None:
     """One line on stderr, whatever it quotes escaped."""
-    sys.stderr.write(printable(text) + "\n")
+    sys.stderr.write(prefix + printable(text) + "\n")
     sys.stderr.flush()
 
 
@@ -57,13 +57,13 @@ def marks(change: "Any") -> str:
             + (f" [conflict: {change.conflict}]" if change.conflict else ""))
 
 
-def print_summary(sets: "list[ChangeSet]", *, where: str = "") -> None:
-    """One line per change under one per root, on stderr (the run's end, `sandboxd changes`)."""
+def print_summary(sets: "list[ChangeSet]", *, prefix: str = "") -> None:
+    """One line per change under one per root, on stderr (the run's end)."""
     for found in sets:
         more = "+" if found.next_after else ""
-        say(f"review: {len(found.changes)}{more} change(s) to {found.root}" + (f", in {where}" if where else ""))
+        say(f"review: {len(found.changes)}{more} change(s) to {found.root}", prefix)
         for change in found.changes:
-            say(f"  {change.kind:<12} {change.path or '.'}{marks(change)}")
+            say(f"  {change.kind:<12} {change.path or '.'}{marks(change)}", prefix)
 
 
 def _stat(sets: "list[ChangeSet]") -> None:
@@ -131,23 +131,23 @@ def apply(kept: KeptDir, paths: "list[str]", *, force: bool = False,
     return outcome
 
 
-def report_apply(kept: KeptDir, outcome: Outcome) -> None:
+def report_apply(kept: KeptDir, outcome: Outcome, prefix: str = "") -> None:
     """The skipped changes, each with why, and the commands that would take them."""
-    say(f"review: applied {outcome.applied} change(s)")
+    say(f"review: applied {outcome.applied} change(s)", prefix)
     if not outcome.skipped:
         return
-    say(f"review: skipped {len(outcome.skipped)}:")
+    say(f"review: skipped {len(outcome.skipped)}:", prefix)
     for root, skipped in outcome.skipped:
-        say(f"  {skipped.path or '.'} ({root}): {skipped.reason}")
+        say(f"  {skipped.path or '.'} ({root}): {skipped.reason}", prefix)
     flagged = [_host_path(root, item.path) for root, item in outcome.skipped if item.reason.startswith(FLAGGED)]
     conflicted = [_host_path(root, item.path) for root, item in outcome.skipped if item.reason.startswith(CONFLICT)]
     import shlex
     if conflicted:
         say(f"review: to overwrite the host's changes: sandboxd apply {shlex.quote(kept.path)} --force "
-            + " ".join(shlex.quote(path) for path in conflicted))
+            + " ".join(shlex.quote(path) for path in conflicted), prefix)
     if flagged:
         say(f"review: to apply a flagged change, name it: sandboxd apply {shlex.quote(kept.path)} "
-            + " ".join(f"--include-flagged {shlex.quote(path)}" for path in flagged))
+            + " ".join(f"--include-flagged {shlex.quote(path)}" for path in flagged), prefix)
 
 
 def _host_path(root: str, rel: str) -> str:

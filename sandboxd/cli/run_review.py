@@ -166,7 +166,7 @@ def _decide(review: Review, killed: str) -> None:
 
     directory = review.directory
     with KeptDir(directory) as kept:
-        commands.print_summary(commands.listed(kept, [], limit=SUMMARY_LINES))
+        commands.print_summary(commands.listed(kept, [], limit=SUMMARY_LINES), prefix="sandboxd run: ")
         if killed:
             _say(f"review: {killed}: the change set is kept in {directory}")
             _say(_hint(directory))
@@ -182,7 +182,7 @@ def _decide(review: Review, killed: str) -> None:
             _say("review: discarded")
         else:
             outcome = commands.apply(kept, [])
-            commands.report_apply(kept, outcome)
+            commands.report_apply(kept, outcome, prefix="sandboxd run: ")
             if commands.remove_if_done(kept):
                 return
             _say(f"review: what was not applied is kept in {directory}")
