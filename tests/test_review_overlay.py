@@ -329,6 +329,21 @@ NAIVE_APPLY = textwrap.dedent("""\
 """)
 
 
+def swap_in_symlink(place: Place, ws: Path, private: Path) -> None:
+    """The attacker (who may add names to the shared ``ws``) puts a symlink to the owner's
+    ``private`` directory where the sandbox made ``newdir``; control: an apply that follows names,
+    as the owner, writes ``newdir/authorized_keys`` into ``private`` (removed again)."""
+    swap = subprocess.run(["ln", "-s", str(private), str(ws / "newdir")], user=place.attacker.uid,
+                          group=place.attacker.gid, extra_groups=[], capture_output=True, text=True, env=BASE_ENV)
+    assert swap.returncode == 0, describe(swap)
+    naive = subprocess.run([PY, "-c", NAIVE_APPLY, str(ws), "newdir/authorized_keys", "planted\n"],
+                           user=place.owner.uid, group=place.owner.gid, extra_groups=[], capture_output=True,
+                           text=True, env=BASE_ENV)
+    assert naive.returncode == 0, describe(naive)
+    assert (private / "authorized_keys").read_text() == "planted\n"
+    (private / "authorized_keys").unlink()
+
+
 def test_a_symlink_swapped_in_before_apply_is_refused_not_followed(place: Place) -> None:
     ws, review_dir = fresh(place, "swap")
     os.chmod(ws, 0o777)                                 # a shared workspace: the attacker may add names
@@ -338,16 +353,7 @@ def test_a_symlink_swapped_in_before_apply_is_refused_not_followed(place: Place)
     listed = as_owner(place.owner, review_dir, "list")
     assert ("newdir/authorized_keys", listing.ADDED) in kinds(listed)
     # Between listing and apply the attacker puts a symlink where the new directory goes.
-    swap = subprocess.run(["ln", "-s", str(private), str(ws / "newdir")], user=place.attacker.uid,
-                          group=place.attacker.gid, extra_groups=[], capture_output=True, text=True, env=BASE_ENV)
-    assert swap.returncode == 0, describe(swap)
-    # Control: an apply that follows names, as the owner, writes into the owner's private directory.
-    naive = subprocess.run([PY, "-c", NAIVE_APPLY, str(ws), "newdir/authorized_keys", "planted\n"],
-                           user=place.owner.uid, group=place.owner.gid, extra_groups=[], capture_output=True,
-                           text=True, env=BASE_ENV)
-    assert naive.returncode == 0, describe(naive)
-    assert (private / "authorized_keys").read_text() == "planted\n"
-    (private / "authorized_keys").unlink()
+    swap_in_symlink(place, ws, private)
     # The apply: a conflict by default (the host has a new name there) ...
     done = as_owner(place.owner, review_dir, "apply")
     assert done["applied"] == [] and "conflict" in done["skipped"][0]["reason"]

@@ -28,8 +28,8 @@ import pytest
 from conftest import BASE_ENV, PY, SANDBOXD, SLOW, describe
 from daemon_helpers import owned_dir
 from sandboxd.kernel import overlay
-from test_review_overlay import (EDITS, NAIVE_APPLY, Place, code_for_plain_users, fresh,
-                                 place, rootless_state, snapshot)  # noqa: F401 - place: a fixture
+from test_review_overlay import (EDITS, Place, code_for_plain_users, fresh, place,  # noqa: F401 - a fixture
+                                 rootless_state, snapshot, swap_in_symlink)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -179,14 +179,7 @@ def test_root_s_apply_of_a_kept_set_never_follows_a_swapped_symlink(place: Place
     private = owned_dir(place.base / "run-swap-private", place.owner)
     os.chmod(private, 0o700)
     kept = kept_dir(run(env, ws, "keep", "mkdir newdir && echo planted > newdir/authorized_keys"))
-    swap = subprocess.run(["ln", "-s", str(private), str(ws / "newdir")], user=place.attacker.uid,
-                          group=place.attacker.gid, extra_groups=[], capture_output=True, text=True, env=BASE_ENV)
-    assert swap.returncode == 0, describe(swap)
-    naive = subprocess.run([PY, "-c", NAIVE_APPLY, str(ws), "newdir/authorized_keys", "planted\n"],
-                           user=place.owner.uid, group=place.owner.gid, extra_groups=[], capture_output=True,
-                           text=True, env=BASE_ENV)
-    assert naive.returncode == 0 and (private / "authorized_keys").read_text() == "planted\n", describe(naive)
-    (private / "authorized_keys").unlink()
+    swap_in_symlink(place, ws, private)
     done = sbx("apply", str(kept))
     assert done.returncode == 1 and "conflict" in done.stderr, describe(done)
     forced = sbx("apply", str(kept), "--force", str(ws / "newdir" / "authorized_keys"))
