@@ -131,8 +131,8 @@ def test_without_a_terminal_review_keeps_and_names_where(place: Place, env: dict
     one = sbx("apply", str(kept), str(ws / "added.txt"))
     assert one.returncode == 0, describe(one)
     assert (ws / "added.txt").read_text() == "new\n" and (ws / "mod.txt").read_text() == "old\n"
-    rest = sbx("discard", str(kept))
-    assert rest.returncode == 0 and not kept.exists(), describe(rest)
+    rest = sbx("discard", str(kept), str(ws / "mod.txt"))               # the last change, by path
+    assert rest.returncode == 0 and "nothing is left" in rest.stderr and not kept.exists(), describe(rest)
     assert (ws / "mod.txt").read_text() == "old\n"
 
 
