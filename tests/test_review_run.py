@@ -91,6 +91,14 @@ def test_discard_leaves_the_host_byte_for_byte_and_keeps_nothing(place: Place, e
     assert left_for(ws, reviews(env)) == []
 
 
+def test_the_summary_shows_a_name_the_sandbox_chose_escaped(place: Place, env: dict[str, str]) -> None:
+    ws, _ = fresh(place, "run-escaped")
+    result = run(env, ws, "discard", "touch \"$(printf 'a\\033[2Jb\\nreview: applied 9 change(s)')\"")
+    assert result.returncode == 0, describe(result)
+    assert "\x1b" not in result.stderr and "a\\x1b[2Jb\\nreview: applied 9 change(s)" in result.stderr, describe(result)
+    assert "\nreview: applied" not in result.stderr                    # no line forged
+
+
 def test_apply_lands_what_the_sandbox_made_as_the_owner(place: Place, env: dict[str, str]) -> None:
     ws, _ = fresh(place, "run-apply")
     control = snapshot(ws)
