@@ -15,10 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from conftest import REPO
-from daemon_helpers import PlainUser, owned_dir
+from daemon_helpers import PlainUser
+from sandboxd.cli.change_sets import plain
 from sandboxd.kernel import caps, overlay
 from sandboxd.review import apply as applying
 from sandboxd.review import changes as listing
@@ -64,28 +62,6 @@ def review_base() -> Iterator[Path]:
         yield top if _local_disk(str(top)) else stack.enter_context(_tmpfs(top / "disk"))
 
 
-def rootless_place(base: Path, owner: PlainUser) -> tuple[Path, Path]:
-    """For a plain user's review under ``base``: a copy of sandboxd it can import (the PYTHONPATH),
-    and a state directory of its own. Skips, naming why, where the kernel has no unprivileged
-    overlayfs or ``base`` holds no user.* attributes."""
-    if not overlay.rootless_supported():
-        pytest.skip(f"unprivileged overlayfs needs Linux 5.11 (this is {os.uname().release})")
-    code = base / "code"
-    if not (code / "sandboxd").exists():
-        code.mkdir(mode=0o755, exist_ok=True)
-        shutil.copytree(REPO / "sandboxd", code / "sandboxd", ignore=shutil.ignore_patterns("__pycache__"))
-        subprocess.run(["chmod", "-R", "a+rX", str(code)], check=True)
-    state = base / "rootless-state"
-    if not state.exists():
-        owned_dir(state, owner)
-    try:
-        os.setxattr(state, "user.sbxreview-probe", b"1")
-    except OSError as exc:
-        pytest.skip(f"{base} holds no user.* extended attributes ({os.strerror(exc.errno or 0)}): "
-                    "a tmpfs has them from Linux 6.6")
-    return code, state
-
-
 def snapshot(top: Path) -> dict[str, tuple[object, ...]]:
     """Every entry under ``top``: its type, mode, owner and content (a file's bytes, a link's target)."""
     seen: dict[str, tuple[object, ...]] = {}
@@ -108,16 +84,6 @@ def scan_kept(review_dir: Path) -> tuple[overlay.Layers, list[upper.UpperEntry]]
         return layers, upper.scan_stack(fds, prefix=layers.xattr_prefix)
     finally:
         kept.close_stack(fds)
-
-
-def _plain(value: object) -> object:
-    if hasattr(value, "as_dict"):
-        return {key: _plain(item) for key, item in value.as_dict().items()}
-    if isinstance(value, (tuple, list)):
-        return [_plain(item) for item in value]
-    if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
-    return value
 
 
 def as_owner(user: PlainUser, review_dir: Path, body: str, **options: Any) -> dict[str, Any]:
@@ -145,7 +111,7 @@ def as_owner(user: PlainUser, review_dir: Path, body: str, **options: Any) -> di
                     result = {"diff": diff.show(compared, change)}
                 else:
                     result = applying.apply(compared, **options)
-            os.write(write, json.dumps({"ok": _plain(result)}).encode())
+            os.write(write, json.dumps({"ok": plain(result)}).encode())
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
             os.write(write, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
         finally:

@@ -25,25 +25,15 @@ import pytest
 
 from conftest import BASE_ENV, PY, REPO, SLOW, describe
 from daemon_helpers import PlainUser, owned_dir, plain_users
-from review_helpers import as_owner, kinds, review_base, rootless_place, scan_kept, snapshot
+from review_helpers import as_owner, kinds, scan_kept, snapshot
 from sandboxd.errors import InvalidPolicy, NotFound, SetupError
 from sandboxd.kernel import beneath, overlay
 from sandboxd.review import apply as applying
 from sandboxd.review import changes as listing
 from sandboxd.review import checkpoints, conflicts, kept, upper
+from test_review_overlay import Place, code_for_plain_users, place, rootless_state  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.timeout(int(300 * SLOW))       # the VM matrix's TCG guest: SLOW = 10
-
-
-class Place(NamedTuple):
-    owner: PlainUser
-    base: Path
-
-
-@pytest.fixture(scope="module")
-def place() -> Iterator[Place]:
-    with plain_users(1) as (owner,), review_base() as base:
-        yield Place(owner, base)
 
 
 HOST_FILES = {"a.txt": "a0\n", "b.txt": "b0\n", "c.txt": "c0\n", "keep.txt": "keep\n", "mid/m1": "m1\n",
@@ -453,7 +443,8 @@ def test_rootless_checkpoints_as_a_plain_user(place: Place) -> None:
     """A plain user's review session (user.overlay.* attributes, the overlay mounted in its own user
     namespace): checkpoints, the merge past the limit, the merged change set and rollback, all as
     that user."""
-    code, state = rootless_place(place.base, place.owner)
+    state = rootless_state(place, "rootless-checkpoints")
+    code = code_for_plain_users(place)
     ws, _ = workspace(place, "rootless", layers=False)
     review_dir = state / "review"
     env = {**BASE_ENV, "HOME": str(ws), "PYTHONPATH": str(code)}
