@@ -274,6 +274,9 @@ KEYS: tuple[Key, ...] = (
     Key("defaults", "memory", "", "memory limit of sessions that set none (512M, 2G); empty: min(8G, half of "
         "RAM)", _size_or_empty),
     Key("defaults", "pids", 0, "process (task) limit of sessions that set none; 0: 1024", _whole(0, 1 << 22)),
+    Key("review", "default", False, "review mode for a workspace-write session whose CreateSession does not say "
+        "(its writes are kept in a change set under state.dir and reach the host only when applied: "
+        "docs/review-mode.md); a session asks for it or not with `review`", _boolean),
     Key("limits", "max_memory", "", "the most memory a session may ask for (more is refused); empty: "
         "limits.total_memory", _size_or_empty),
     Key("limits", "max_pids", 0, "the most processes (tasks) a session may ask for; 0: limits.total_pids",

@@ -206,6 +206,44 @@ def make_layers(review_dir: str, index: int, root: str, root_fd: int, *, userxat
                   root_ino=lower.st_ino, started_ns=started)
 
 
+def make_session_dir(base: str, name: str) -> tuple[str, bool]:
+    """A daemon session's review directory ``base/name`` (base: under the state directory, made
+    0700 root here if missing): made 0700, or the one an earlier build of the session left (a
+    rebuild after a restart or a discard reuses its layers). Returns it and whether it holds the
+    layers' record already (False: new; remove it if the build fails)."""
+    for path in (base, f"{base}/{name}"):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+                raise InvalidPolicy(f"review directory {path!r} is not a directory of the daemon's own, mode 0700: "
+                                    "move it away") from None
+        except OSError as exc:
+            raise InvalidPolicy(f"cannot make review directory {path!r}: {os.strerror(exc.errno or errno.EIO)}"
+                                ) from None
+    path = f"{base}/{name}"
+    return path, os.path.lexists(f"{path}/{LAYERS_FILE}")
+
+
+def reuse_layers(review_dir: str, roots: "tuple[str, ...]", descriptors: "dict[str, int]") -> "dict[str, Layers]":
+    """The layers an earlier build of the same session made (its record in ``review_dir``), for the
+    same roots, each still the very directory it was (device and inode: a root replaced on the host
+    since would have its change set applied to another directory): the rebuilt sandbox sees the
+    same upper layers, so pending changes survive a restart. Refused, saying why, otherwise."""
+    kept = {layer.root: layer for layer in load(review_dir)}
+    if sorted(kept) != sorted(roots):
+        raise InvalidPolicy(f"the session's writable roots are not those its change set in {review_dir!r} was made "
+                            f"for ({', '.join(sorted(kept))}): apply or discard its changes first")
+    for root in roots:
+        st = os.fstat(descriptors[root])
+        if (st.st_dev, st.st_ino) != (kept[root].root_dev, kept[root].root_ino):
+            raise InvalidPolicy(f"{root!r} was replaced or moved on the host since the session started: its change "
+                                f"set is kept in {review_dir!r} and cannot be laid over another directory")
+        check_lower(descriptors[root], root)
+    return {root: kept[root] for root in roots}
+
+
 def save(review_dir: str, layers: "list[Layers]") -> None:
     """Write the layers' record beside them (written aside, renamed into place): what an apply after
     the sandbox is gone, or after a daemon restart, starts from."""

@@ -157,7 +157,8 @@ class Daemon:
                                        published_connections=s.published_connections,
                                        published_per_peer=s.published_per_peer, quotas=counters,
                                        allow_user_full_access=s.allow_user_full_access,
-                                       count_network_denial=metrics.network_denials.inc)
+                                       count_network_denial=metrics.network_denials.inc,
+                                       review_dir=os.path.join(os.path.abspath(s.state_dir), "review"))
             undo.callback(registry.close_all)
             resumed = registry.restore()
             # What ends with a client's process: sessions asked for with close_with_caller, approval

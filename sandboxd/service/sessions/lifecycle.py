@@ -15,11 +15,11 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 from sandboxd._record import Record
 from sandboxd.audit.store import EventStore, EventType
-from sandboxd.errors import InvalidPolicy, NotFound
+from sandboxd.errors import InvalidPolicy, NotFound, WrongState
 from sandboxd.policy import LaunchSpec, Limits, SandboxPolicy
 from sandboxd.policy.decision import ApprovalPolicy, ToolRules
 from sandboxd.service.callers import Caller
@@ -30,6 +30,7 @@ from sandboxd.service.sessions.state import Session, session_from_row
 from sandboxd.service.sessions.table import SessionTable
 from sandboxd.supervisor.fork_client import ForkServer, SessionInfo
 
+T = TypeVar("T")
 SESSION_PLACEHOLDER_ARGV = ("sandboxd-session",)  # a session's spec runs no command itself
 
 
@@ -48,6 +49,7 @@ class SandboxPlaces(Record):
 
     own: OwnPlaces = OwnPlaces()
     dns: tuple[str, ...] = ()           # resolvers for isolated networks (default: the host's)
+    review_dir: str = ""                # where review sessions' change sets are, one directory each (STATE/review)
     network_pool: str = ""              # addresses of isolated networks (default: netns's)
 
 
@@ -63,11 +65,15 @@ class SessionLifecycle:
     # -- create, restore, change, close ----------------------------------------------------------
 
     def create(self, owner: Caller, workspace: str, policy: SandboxPolicy, approval: ApprovalPolicy,
-               limits: Limits, labels: dict[str, str], rules: ToolRules | None, env: dict[str, str] | None) -> Session:
+               limits: Limits, labels: dict[str, str], rules: ToolRules | None, env: dict[str, str] | None,
+               review: bool = False) -> Session:
         """Counted at once (quotas), found by no one until its sandbox and services are up; not
         begun at all when the store will not take the owner's events (EventStore.admit)."""
         self._store.admit(owner.uid, owner.principal)
-        session = Session(secrets.token_hex(8), owner, workspace, policy, approval, limits, labels, rules, env=env)
+        if review and not self._places.review_dir:
+            raise InvalidPolicy("this daemon keeps no change sets (no state directory): review mode is not available")
+        session = Session(secrets.token_hex(8), owner, workspace, policy, approval, limits, labels, rules, env=env,
+                          review=review)
         session.building = True
         self._table.add(session)
         built = False
@@ -80,7 +86,7 @@ class SessionLifecycle:
                 self._store.append(session.id, EventType.SESSION_CREATED, data={
                     **session.axes(), "workspace": session.workspace, "owner_uid": owner.uid,
                     "owner_gid": owner.gid, "limits": session.limits.as_dict(), "labels": dict(labels),
-                    "env_names": sorted(session.env)})
+                    "env_names": sorted(session.env), **({"review": True} if review else {})})
         except BaseException:
             self._table.remove(session.id)
             if built:                                 # the store failed: nothing of it may stay
@@ -122,6 +128,11 @@ class SessionLifecycle:
                     raise NotFound(f"no session {session.id!r}")
                 before, current, ready = session.axes(), session.policy, session.sandbox_ready
             changed = policy is not None and policy != current
+            if changed and session.review:
+                # Its sandbox is built over its change set: another one (other roots) would not match
+                # it, and two generations would share one upper layer.
+                raise WrongState(f"session {session.id} is in review mode: its sandbox policy cannot change; apply or "
+                                 "discard its changes and create a new session (the approval policy may change)")
             if policy is not None and changed:
                 check(policy)
             generation = 0
@@ -199,6 +210,30 @@ class SessionLifecycle:
                 for services in lost:
                     close_all(services)
 
+    def between_calls(self, session: Session, work: "Callable[[], T]") -> "T":
+        """``work`` with the session's sandbox closed (a review session's discard: overlayfs forbids
+        changing a layer while it is mounted); the next call rebuilds it over the changed layers, so
+        the sandbox then sees the host where changes were dropped. Between calls only: with a call
+        or a background process running, WrongState naming it, and nothing is closed."""
+        with session.build_lock:
+            with session.lock:
+                if session.closed:
+                    raise NotFound(f"no session {session.id!r}")
+                running = sum(session.running.values())
+                jobs = [job for job in session.jobs.values() if job.result is None]
+                if not running and not jobs:
+                    generation, ready = session.generation, session.sandbox_ready
+                    session.sandbox_ready = False     # a call that begins now waits for the rebuild
+            if jobs:
+                raise WrongState(f"session {session.id} has a background process running ({jobs[0].id}, "
+                                 f"{jobs[0].name!r}): stop it first (changes are dropped between calls only)")
+            if running:
+                raise WrongState(f"session {session.id} has {running} call(s) running: changes are dropped between "
+                                 "calls only, try again when they end")
+            if ready:
+                self._close_sandbox(session, generation)   # its services too, as when the fork server is lost
+            return work()
+
     # -- calls -----------------------------------------------------------------------------------
 
     def ready(self, session: Session) -> None:
@@ -243,7 +278,8 @@ class SessionLifecycle:
         (``session.built``, without the proxy's listener, which is closed here), judge it
         (``check_built``), then start its services (the hooks). The caller holds the session's
         build_lock."""
-        info = self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy))
+        info = self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy),
+                                       self.review_dir(session))
         try:
             with session.lock:                        # before the check: a concurrent build's check sees it
                 session.built[generation] = info.replace(proxy_listener=-1)
@@ -296,6 +332,10 @@ class SessionLifecycle:
             self._open_sandbox(session, generation, policy)
             with session.lock:
                 session.sandbox_ready = True
+
+    def review_dir(self, session: Session) -> str:
+        """Where a review session's change set is (made by the fork server); "" for one in direct mode."""
+        return os.path.join(self._places.review_dir, session.id) if session.review else ""
 
     def _spec(self, session: Session, policy: SandboxPolicy) -> LaunchSpec:
         # The workspace, the writable roots and the allowed sockets are opened and checked by the

@@ -1,0 +1,203 @@
+"""Review mode's RPCs: ListChanges, DiffChanges, ApplyChanges, DiscardChanges (docs/review-mode.md).
+
+Each request is judged here (who may, which session, which paths) and carried out by a child of
+the fork server (fork_protocol.Review, supervisor.review_child): the daemon's gRPC process never
+forks nor reads a change set itself. Paths are judged against what the fork server built for the
+session (its real roots: Session.built), never looked up again here: a path names a host path
+under one of the session's roots, absolute or relative to the workspace, and crosses as
+[root, path below it]. Callers: the session's owner, root and the admin group (sessions.access:
+anyone else's is NOT_FOUND). Every apply and discard is an audit event (EventType.CHANGES_APPLIED,
+CHANGES_DISCARDED) naming the paths and content hashes, never contents.
+"""
+
+from __future__ import annotations
+
+import os
+
+from sandboxd.audit.store import EventStore, EventType
+from sandboxd.errors import InvalidPolicy, WrongState
+from sandboxd.policy.sandbox import is_within
+from sandboxd.service.callers import Caller
+from sandboxd.service.quotas import cgroup_owner
+from sandboxd.service.sessions.access import rights_of
+from sandboxd.service.sessions.registry import SessionRegistry
+from sandboxd.service.sessions.state import Session
+from sandboxd.supervisor.fork_client import ForkServer
+from sandboxd.supervisor.fork_protocol import REVIEW_SECONDS, CallerRecord, Review
+from sandboxd.v1 import sandboxd_pb2 as pb
+
+DEFAULT_PAGE = 1000
+MAX_PAGE = 10_000
+DEFAULT_DIFF_BYTES = 1 << 20
+MAX_DIFF_BYTES = 4 << 20
+MAX_PATHS = 10_000                  # paths one request may name (each crosses to the fork server)
+# How long the daemon reads a review child's answer: the fork server SIGKILLs it at REVIEW_SECONDS.
+ANSWER_SECONDS = REVIEW_SECONDS + 5
+
+KINDS = {"added": pb.FileChange.ADDED, "modified": pb.FileChange.MODIFIED, "deleted": pb.FileChange.DELETED,
+         "replaced": pb.FileChange.REPLACED, "type changed": pb.FileChange.TYPE_CHANGED,
+         "metadata": pb.FileChange.METADATA}
+NUMBERS = ("mode", "host_mode", "uid", "gid", "host_uid", "host_gid", "size", "host_size")
+TEXTS = ("type", "host_type", "sha256", "host_sha256", "target", "host_target", "conflict")
+
+
+def targets(roots: list[str], paths: "list[str] | tuple[str, ...]", what: str = "path") -> list[list[str]]:
+    """``paths`` (absolute, or relative to the workspace ``roots[0]``) as [root, path below it],
+    each under the deepest of the session's ``roots`` that holds it; InvalidPolicy naming the roots
+    for one under none."""
+    if len(paths) > MAX_PATHS:
+        raise InvalidPolicy(f"at most {MAX_PATHS} paths at once, got {len(paths)}: name their directories instead")
+    pairs: list[list[str]] = []
+    for path in paths:
+        if not path or "\0" in path:
+            raise InvalidPolicy(f"{what} {path!r} must be a path (absolute, or relative to the workspace) without NUL")
+        full = os.path.normpath(path if path.startswith("/") else os.path.join(roots[0], path))
+        holders = [root for root in roots if is_within(full, root)]
+        if not holders:
+            raise InvalidPolicy(f"{what} {path!r} is not under one of the session's roots ({', '.join(roots)}): name a "
+                                "path in the workspace or a writable root")
+        root = max(holders, key=len)
+        pairs.append([root, "" if full == root else os.path.relpath(full, root)])
+    return pairs
+
+
+def change_to_proto(item: dict[str, object]) -> pb.FileChange:
+    change = pb.FileChange(root=str(item.get("root", "")), path=str(item.get("path", "")),
+                           kind=KINDS.get(str(item.get("kind")), pb.FileChange.KIND_UNSPECIFIED))
+    for name in NUMBERS:
+        value = item.get(name)
+        if isinstance(value, int) and value >= 0:
+            setattr(change, name, value)
+    for name in TEXTS:
+        setattr(change, name, str(item.get(name) or ""))
+    change.aspects.extend(str(aspect) for aspect in _items(item.get("aspects")))
+    change.flags.extend(str(flag) for flag in _items(item.get("flags")))
+    return change
+
+
+def _items(value: object) -> list[object]:
+    return list(value) if isinstance(value, (list, tuple)) else []
+
+
+def _dicts(value: object) -> list[dict[str, object]]:
+    return [item for item in _items(value) if isinstance(item, dict)]
+
+
+class ReviewCalls:
+    def __init__(self, registry: SessionRegistry, fork: ForkServer, store: EventStore) -> None:
+        self._registry, self._fork, self._store = registry, fork, store
+
+    def _session(self, who: Caller, session_id: str) -> Session:
+        session = self._registry.get(who, session_id)       # NOT_FOUND for anyone but its owner, root, admins
+        if not session.review:
+            raise WrongState(f"session {session.id} is not in review mode: its writes reach the host directly "
+                             "(create it with review)")
+        return session
+
+    def _roots(self, session: Session) -> list[str]:
+        """The session's real roots as its sandbox was built (built now if it was resumed)."""
+        self._registry.ready(session)
+        facts = session.facts
+        if facts is None:
+            raise WrongState(f"session {session.id} has no sandbox now: try again")
+        return [facts.workspace, *facts.writable_roots]
+
+    def _run(self, session: Session, action: str, roots: list[str], paths: list[list[str]], *,
+             include_flagged: "list[list[str]] | None" = None, page: str = "", limit: int = DEFAULT_PAGE,
+             max_bytes: int = DEFAULT_DIFF_BYTES, force: bool = False) -> dict[str, object]:
+        rights = rights_of(session.owner)
+        caller = None if rights is None else CallerRecord(rights[0], rights[1], list(rights[2]))
+        review_dir = self._registry.review_dir(session)
+        return self._fork.review(lambda call_id: Review(
+            call_id, review_dir, caller, cgroup_owner(session.owner), action, roots, paths, include_flagged or [],
+            page, limit, max_bytes, force), ANSWER_SECONDS)
+
+    # -- the RPCs --------------------------------------------------------------------------------
+
+    def list(self, who: Caller, request: pb.ListChangesRequest) -> pb.ListChangesResponse:
+        if request.page_size > MAX_PAGE:
+            raise InvalidPolicy(f"page_size is at most {MAX_PAGE}, got {request.page_size}")
+        session = self._session(who, request.session_id)
+        roots = self._roots(session)
+        answer = self._run(session, "list", roots, targets(roots, list(request.paths)), page=request.page_token,
+                           limit=request.page_size or DEFAULT_PAGE)
+        unhashed = answer.get("unhashed")
+        return pb.ListChangesResponse(changes=[change_to_proto(item) for item in _dicts(answer.get("changes"))],
+                                      next_page_token=str(answer.get("next") or ""),
+                                      unhashed=unhashed if isinstance(unhashed, int) and unhashed >= 0 else 0)
+
+    def diff(self, who: Caller, request: pb.DiffChangesRequest) -> pb.DiffChangesResponse:
+        if request.max_bytes > MAX_DIFF_BYTES:
+            raise InvalidPolicy(f"max_bytes is at most {MAX_DIFF_BYTES} (4 MiB), got {request.max_bytes}")
+        session = self._session(who, request.session_id)
+        roots = self._roots(session)
+        answer = self._run(session, "diff", roots, targets(roots, list(request.paths)), page=request.page_token,
+                           max_bytes=request.max_bytes or DEFAULT_DIFF_BYTES)
+        return pb.DiffChangesResponse(diff=str(answer.get("diff") or ""), next_page_token=str(answer.get("next") or ""))
+
+    def apply(self, who: Caller, request: pb.ApplyChangesRequest) -> pb.ApplyChangesResponse:
+        session = self._session(who, request.session_id)
+        self._store.admit(session.owner.uid, session.owner.principal)   # recorded: the owner's budget
+        roots = self._roots(session)
+        paths = targets(roots, list(request.paths))
+        flagged = targets(roots, list(request.include_flagged), "include_flagged path")
+        answer = self._run(session, "apply", roots, paths, include_flagged=flagged, force=request.force)
+        applied, skipped = _dicts(answer.get("applied")), _dicts(answer.get("skipped"))
+        named = {(pair[0], pair[1]) for pair in flagged}
+        self._store.append(session.id, EventType.CHANGES_APPLIED, data={
+            "by_uid": who.uid, **({"by_principal": who.principal} if who.principal else {}),
+            "summary": f"applied {len(applied)}, skipped {len(skipped)}" + (" (forced)" if request.force else ""),
+            "force": request.force, "paths": [f"{root}/{path}" if path else root for root, path in paths] or ["(all)"],
+            "applied": [{key: item.get(key) for key in ("root", "path", "kind", "sha256") if item.get(key)}
+                        for item in applied],
+            "skipped": [{key: item.get(key) for key in ("root", "path", "reason")} for item in skipped],
+            # Flagged changes (planted code: review.rules): those held back, and those a person named.
+            "flagged": [{"root": item.get("root"), "path": item.get("path"), "applied": False,
+                         "reason": item.get("reason")} for item in skipped
+                        if str(item.get("reason", "")).startswith("flagged")] +
+                       [{"root": item.get("root"), "path": item.get("path"), "applied": True} for item in applied
+                        if (item.get("root"), item.get("path")) in named]})
+        self._forget(session, answer.get("forgettable"))
+        return pb.ApplyChangesResponse(
+            applied=[pb.AppliedChange(root=str(item.get("root", "")), path=str(item.get("path", "")),
+                                      kind=KINDS.get(str(item.get("kind")), pb.FileChange.KIND_UNSPECIFIED),
+                                      note=str(item.get("note") or "")) for item in applied],
+            skipped=[_skipped(item) for item in skipped])
+
+    def _forget(self, session: Session, forgettable: object) -> None:
+        """Drop the upper entries of what an apply landed (they equal the host now), so that the
+        sandbox follows the host there again: between calls only (the sandbox is rebuilt); with a
+        call running they stay, and still list as no change."""
+        if not isinstance(forgettable, dict):
+            return
+        pairs = [[str(root), str(path)] for root, paths in forgettable.items() for path in _items(paths)]
+        if not pairs:
+            return
+        roots = [str(root) for root in forgettable]
+        try:
+            self._registry.between_calls(session, lambda: self._run(session, "discard", roots, pairs))
+        except WrongState:
+            pass
+
+    def discard(self, who: Caller, request: pb.DiscardChangesRequest) -> pb.DiscardChangesResponse:
+        session = self._session(who, request.session_id)
+        self._store.admit(session.owner.uid, session.owner.principal)
+        roots = self._roots(session)
+        paths = targets(roots, list(request.paths))
+        answer = self._registry.between_calls(session, lambda: self._run(session, "discard", roots, paths))
+        discarded, skipped = _dicts(answer.get("discarded")), _dicts(answer.get("skipped"))
+        self._store.append(session.id, EventType.CHANGES_DISCARDED, data={
+            "by_uid": who.uid, **({"by_principal": who.principal} if who.principal else {}),
+            "summary": f"discarded {len(discarded)}, skipped {len(skipped)}",
+            "paths": [f"{root}/{path}" if path else root for root, path in paths] or ["(all)"],
+            "discarded": [{"root": item.get("root"), "path": item.get("path")} for item in discarded],
+            "skipped": [{key: item.get(key) for key in ("root", "path", "reason")} for item in skipped]})
+        return pb.DiscardChangesResponse(
+            discarded=[pb.AppliedChange(root=str(item.get("root", "")), path=str(item.get("path", "")))
+                       for item in discarded],
+            skipped=[_skipped(item) for item in skipped])
+
+
+def _skipped(item: dict[str, object]) -> pb.SkippedChange:
+    return pb.SkippedChange(root=str(item.get("root", "")), path=str(item.get("path", "")),
+                            reason=str(item.get("reason") or ""))
