@@ -30,6 +30,7 @@ import pytest
 
 from conftest import BASE_ENV, PY, REPO, SANDBOXD, SLOW, describe, make_dir
 from daemon_helpers import PlainUser, owned_dir, plain_users
+from review_helpers import EDITS, EXPECTED, local_disk, snapshot, tmpfs, usual_workspace
 from sandboxd.kernel import caps, overlay
 from sandboxd.review import apply as applying
 from sandboxd.review import changes as listing
@@ -44,21 +45,6 @@ class Place(NamedTuple):
     base: Path                  # 0755, root's
 
 
-TMPFS_MAGIC = 0x01021994
-
-
-def _local_disk(path: str) -> bool:
-    """Whether ``path`` is on a file system review mode takes as lower and upper on every kernel: not
-    an overlay, nor a tmpfs (user.* attributes only from 6.6). The VM matrix's guest has only those
-    writable (virtme's /var and /tmp are overlays over tmpfs)."""
-    fd = os.open(path, os.O_PATH)
-    try:
-        kind = overlay.filesystem_type(fd)
-    finally:
-        os.close(fd)
-    return kind not in overlay.REFUSED_UPPERS and kind != TMPFS_MAGIC
-
-
 @pytest.fixture(scope="module")
 def place() -> Iterator[Place]:
     with plain_users(2) as (owner, attacker), contextlib.ExitStack() as stack:
@@ -68,58 +54,13 @@ def place() -> Iterator[Place]:
         os.chmod(top, 0o755)
         # Where /var/tmp is no local disk (the VM guest: overlays over tmpfs, no loop devices), a
         # tmpfs of the test's own: a lower and, as root, an upper on every kernel.
-        base = top if _local_disk(str(top)) else stack.enter_context(_tmpfs(top / "disk"))
+        base = top if local_disk(str(top)) else stack.enter_context(tmpfs(top / "disk"))
         yield Place(owner, attacker, base)
-
-
-@contextlib.contextmanager
-def _tmpfs(where: Path) -> Iterator[Path]:
-    where.mkdir(mode=0o755)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m,mode=0755", "sbxreview", str(where)], check=True,
-                   capture_output=True, timeout=60)
-    try:
-        yield where
-    finally:
-        if subprocess.run(["umount", str(where)], capture_output=True, timeout=60).returncode != 0:
-            subprocess.run(["umount", "-l", str(where)], check=True, capture_output=True, timeout=60)
 
 
 def fresh(place: Place, name: str) -> tuple[Path, Path]:
     """A workspace of the owner's (with the usual contents) and the path of a review directory."""
-    ws = owned_dir(place.base / name, place.owner)
-    files = {"keep.txt": "keep\n", "mod.txt": "old\n", "del.txt": "delete me\n", "chmod.sh": "#!/bin/sh\n",
-             "renamed-src.txt": "moving\n", "olddir/a": "a\n", "olddir/b": "b\n", "replaced/x": "x\n",
-             "replaced/y": "y\n", "sub/inner.txt": "inner\n"}
-    for rel, text in files.items():
-        path = ws / rel
-        if not path.parent.exists():
-            owned_dir(path.parent, place.owner)
-        path.write_text(text)
-        os.chmod(path, 0o644)
-        os.chown(path, place.owner.uid, place.owner.gid)
-    os.symlink("keep.txt", ws / "link")
-    os.lchown(ws / "link", place.owner.uid, place.owner.gid)
-    return ws, place.base / f"{name}-review"
-
-
-EDITS = textwrap.dedent("""\
-    set -e
-    echo new > added.txt
-    echo changed > mod.txt
-    rm del.txt
-    chmod 755 chmod.sh
-    ln -sfn mod.txt link
-    mv renamed-src.txt renamed-dst.txt
-    rm -rf replaced && mkdir replaced && echo z > replaced/z
-    mkdir newdir && echo n > newdir/n
-    rm -rf olddir
-""")
-EXPECTED = {
-    ("added.txt", listing.ADDED), ("mod.txt", listing.MODIFIED), ("del.txt", listing.DELETED),
-    ("chmod.sh", listing.METADATA), ("link", listing.MODIFIED), ("renamed-src.txt", listing.DELETED),
-    ("renamed-dst.txt", listing.ADDED), ("replaced", listing.REPLACED), ("replaced/z", listing.ADDED),
-    ("newdir", listing.ADDED), ("newdir/n", listing.ADDED), ("olddir", listing.DELETED),
-}
+    return usual_workspace(place.base / name, place.owner), place.base / f"{name}-review"
 
 
 def review_run(ws: Path, review_dir: Path, script: str, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -127,20 +68,6 @@ def review_run(ws: Path, review_dir: Path, script: str, *extra: str) -> subproce
     return subprocess.run([SANDBOXD, "run", f"--review=keep:{review_dir}", "--workspace", str(ws), *extra,
                            "--", "sh", "-c", script], capture_output=True, text=True, timeout=120 * SLOW,
                           stdin=subprocess.DEVNULL, env=BASE_ENV, cwd=str(ws))
-
-
-def snapshot(top: Path) -> dict[str, tuple[object, ...]]:
-    """Every entry under ``top``: its type, mode, owner and content (a file's bytes, a link's target)."""
-    seen: dict[str, tuple[object, ...]] = {}
-    for dirpath, dirnames, filenames in os.walk(top):
-        for name in dirnames + filenames:
-            path = Path(dirpath) / name
-            st = path.lstat()
-            body: object = (os.readlink(path) if stat.S_ISLNK(st.st_mode)
-                            else path.read_bytes() if stat.S_ISREG(st.st_mode) else None)
-            seen[str(path.relative_to(top))] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid,
-                                                st.st_gid, body)
-    return seen
 
 
 def scan_kept(review_dir: Path) -> tuple[overlay.Layers, list[upper.UpperEntry]]:

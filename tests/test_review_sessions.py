@@ -17,9 +17,7 @@ import contextlib
 import json
 import os
 import shutil
-import stat
 import subprocess
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -29,12 +27,11 @@ import pytest
 from conftest import BASE_ENV, REPO, SLOW, describe
 from daemon_helpers import (Daemon, DaemonFactory, PlainUser, daemon_factory, owned_dir, plain_users,
                             run_client_as)
-from sandboxd.kernel import overlay
+from review_helpers import EDITS, EXPECTED, local_disk, snapshot, tmpfs, usual_workspace
 
 pytestmark = pytest.mark.timeout(600)
 
 SANDBOXCTL = str(REPO / ".venv" / "bin" / "sandboxctl")
-TMPFS_MAGIC = 0x01021994
 
 
 class Place(NamedTuple):
@@ -45,35 +42,15 @@ class Place(NamedTuple):
     disk: Path                  # where workspaces go: a file system review mode takes as lower
 
 
-def _local_disk(path: Path) -> bool:
-    """Whether ``path`` is on a file system review mode takes as lower and upper on every kernel: not
-    an overlay nor a tmpfs (the VM guest's /var/tmp is an overlay over tmpfs, without loop devices)."""
-    fd = os.open(path, os.O_PATH)
-    try:
-        kind = overlay.filesystem_type(fd)
-    finally:
-        os.close(fd)
-    return kind not in overlay.REFUSED_UPPERS and kind != TMPFS_MAGIC
-
-
-@contextlib.contextmanager
-def _tmpfs(where: Path) -> Iterator[Path]:
-    # 1 GiB: the daemon's state (the audit log's floor, audit.min_free, is 512 MiB) lives here too.
-    where.mkdir(mode=0o755)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1g,mode=0755", "sbxrsess", str(where)], check=True,
-                   capture_output=True, timeout=60)
-    try:
-        yield where
-    finally:
-        if subprocess.run(["umount", str(where)], capture_output=True, timeout=60).returncode != 0:
-            subprocess.run(["umount", "-l", str(where)], check=True, capture_output=True, timeout=60)
-
-
 @pytest.fixture(scope="module")
 def place() -> Iterator[Place]:
     with plain_users(2) as (owner, attacker), daemon_factory("sbxrsess-") as factory, \
             contextlib.ExitStack() as stack:
-        disk = factory.base if _local_disk(factory.base) else stack.enter_context(_tmpfs(factory.base / "disk"))
+        # Where /var/tmp is no local disk (the VM guest: overlays over tmpfs, no loop devices), a tmpfs
+        # of the test's own for the workspaces and the daemon's state (1 GiB: the audit log's floor,
+        # audit.min_free, is 512 MiB).
+        disk = (factory.base if local_disk(str(factory.base))
+                else stack.enter_context(tmpfs(factory.base / "disk", size="1g")))
         daemon = factory(args=["--state-dir", str(disk / "state")])
         yield Place(factory, daemon, owner, attacker, disk)
         daemon.close()                              # before its state's tmpfs (if any) is unmounted
@@ -81,52 +58,7 @@ def place() -> Iterator[Place]:
 
 def fresh(place: Place, name: str) -> Path:
     """A workspace of the owner's with the usual contents."""
-    ws = owned_dir(place.disk / name, place.owner)
-    files = {"keep.txt": "keep\n", "mod.txt": "old\n", "del.txt": "delete me\n", "chmod.sh": "#!/bin/sh\n",
-             "renamed-src.txt": "moving\n", "olddir/a": "a\n", "olddir/b": "b\n", "replaced/x": "x\n",
-             "replaced/y": "y\n", "sub/inner.txt": "inner\n"}
-    for rel, text in files.items():
-        path = ws / rel
-        if not path.parent.exists():
-            owned_dir(path.parent, place.owner)
-        path.write_text(text)
-        os.chmod(path, 0o644)
-        os.chown(path, place.owner.uid, place.owner.gid)
-    os.symlink("keep.txt", ws / "link")
-    os.lchown(ws / "link", place.owner.uid, place.owner.gid)
-    return ws
-
-
-EDITS = textwrap.dedent("""\
-    set -e
-    echo new > added.txt
-    echo changed > mod.txt
-    rm del.txt
-    chmod 755 chmod.sh
-    ln -sfn mod.txt link
-    mv renamed-src.txt renamed-dst.txt
-    rm -rf replaced && mkdir replaced && echo z > replaced/z
-    mkdir newdir && echo n > newdir/n
-    rm -rf olddir
-""")
-EXPECTED = {("added.txt", "ADDED"), ("mod.txt", "MODIFIED"), ("del.txt", "DELETED"), ("chmod.sh", "METADATA"),
-            ("link", "MODIFIED"), ("renamed-src.txt", "DELETED"), ("renamed-dst.txt", "ADDED"),
-            ("replaced", "REPLACED"), ("replaced/z", "ADDED"), ("newdir", "ADDED"), ("newdir/n", "ADDED"),
-            ("olddir", "DELETED")}
-
-
-def snapshot(top: Path) -> dict[str, tuple[object, ...]]:
-    """Every entry under ``top``: its type, mode, owner and content (a file's bytes, a link's target)."""
-    seen: dict[str, tuple[object, ...]] = {}
-    for dirpath, dirnames, filenames in os.walk(top):
-        for name in dirnames + filenames:
-            path = Path(dirpath) / name
-            st = path.lstat()
-            body: object = (os.readlink(path) if stat.S_ISLNK(st.st_mode)
-                            else path.read_bytes() if stat.S_ISREG(st.st_mode) else None)
-            seen[str(path.relative_to(top))] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid,
-                                                st.st_gid, body)
-    return seen
+    return usual_workspace(place.disk / name, place.owner)
 
 
 # What a client body does, as a plain user: ARGS["ops"] is a list of [name, request fields]; each
@@ -196,7 +128,7 @@ def test_the_host_is_unchanged_until_apply_which_lands_exactly_one_path_and_disc
     assert ran["status"] == 0 and ran["stdout"] == "changed\n", ran        # the sandbox sees its writes
     assert snapshot(ws) == control                                         # the host: byte for byte as before
     changes = listed(place, session)
-    assert {(path, change["kind"]) for path, change in changes.items()} == EXPECTED
+    assert {(path, change["kind"].lower().replace("_", " ")) for path, change in changes.items()} == EXPECTED
     assert changes["mod.txt"]["root"] == str(ws.resolve()) and not changes["mod.txt"].get("flags")
 
     # sandboxctl as the owner shows the same change set, each path escaped, one per line.
@@ -355,3 +287,36 @@ def test_apply_does_not_follow_a_symlink_swapped_in_between_listing_and_apply(pl
     assert (shared / "inner" / "p.txt").read_text() == "planted\n"
     close(place, session)
     shutil.rmtree(private)
+
+
+def test_discard_waits_for_the_session_to_be_between_calls(place: Place) -> None:
+    ws = fresh(place, "ws-busy")
+    session = create(place, ws)
+    ok(as_user(place, place.owner, ("exec", {"session": session, "script": "echo x > new.txt"}))[0])
+    job = ok(as_user(place, place.owner, ("StartBackground", {"session_id": session, "argv": ["sleep", "600"],
+                                                              "name": "sleeper"}))[0])
+    refused = as_user(place, place.owner, ("DiscardChanges", {"session_id": session}))[0]
+    assert refused.get("code") == "FAILED_PRECONDITION" and "'sleeper'" in refused["details"], refused
+    ran = ok(as_user(place, place.owner, ("exec", {"session": session, "script": "cat new.txt"}))[0])
+    assert ran["stdout"] == "x\n"                                          # nothing was dropped
+    ok(as_user(place, place.owner, ("StopBackground", {"session_id": session, "id": job["id"]}))[0])
+    dropped = ok(as_user(place, place.owner, ("DiscardChanges", {"session_id": session}))[0])  # control: idle
+    assert [item["path"] for item in dropped.get("discarded", [])] == ["new.txt"], dropped
+    gone = ok(as_user(place, place.owner, ("exec", {"session": session, "script": "ls"}))[0])
+    assert "new.txt" not in gone["stdout"], gone
+    close(place, session)
+
+
+def test_sandboxctl_prints_the_names_a_sandbox_chose_escaped(place: Place) -> None:
+    ws = fresh(place, "ws-names")
+    session = create(place, ws)
+    ok(as_user(place, place.owner, ("exec", {"session": session,
+                                             "script": "printf 'x\\n' > \"$(printf 'evil\\n\\033[31mname')\""}))[0])
+    shown = sandboxctl(place, place.owner, "changes", session)
+    assert shown.returncode == 0 and "\x1b" not in shown.stdout, describe(shown)
+    assert shown.stdout.splitlines() == ["A evil\\n\\x1b[31mname"], describe(shown)
+    diff = sandboxctl(place, place.owner, "changes", session, "--diff")
+    # The daemon's diff names the path escaped (one header line), and sandboxctl escapes each line again.
+    assert "\x1b" not in diff.stdout and diff.stdout.splitlines() == [
+        "--- /dev/null", "+++ b/evil\\\\n\\\\x1b[31mname", "@@ -0,0 +1 @@", "+x"], describe(diff)
+    close(place, session)

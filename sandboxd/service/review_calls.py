@@ -13,6 +13,7 @@ CHANGES_DISCARDED) naming the paths and content hashes, never contents.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 from sandboxd.audit.store import EventStore, EventType
 from sandboxd.errors import InvalidPolicy, WrongState
@@ -112,15 +113,21 @@ class ReviewCalls:
             call_id, review_dir, caller, cgroup_owner(session.owner), action, roots, paths, include_flagged or [],
             page, limit, max_bytes, force), ANSWER_SECONDS)
 
+    def _read(self, who: Caller, session_id: str, paths: "Iterable[str]", action: str, *, page: str,
+              limit: int = DEFAULT_PAGE, max_bytes: int = DEFAULT_DIFF_BYTES) -> dict[str, object]:
+        """A page of a listing or a diff of the paths asked for."""
+        session = self._session(who, session_id)
+        roots = self._roots(session)
+        return self._run(session, action, roots, targets(roots, list(paths)), page=page, limit=limit,
+                         max_bytes=max_bytes)
+
     # -- the RPCs --------------------------------------------------------------------------------
 
     def list(self, who: Caller, request: pb.ListChangesRequest) -> pb.ListChangesResponse:
         if request.page_size > MAX_PAGE:
             raise InvalidPolicy(f"page_size is at most {MAX_PAGE}, got {request.page_size}")
-        session = self._session(who, request.session_id)
-        roots = self._roots(session)
-        answer = self._run(session, "list", roots, targets(roots, list(request.paths)), page=request.page_token,
-                           limit=request.page_size or DEFAULT_PAGE)
+        answer = self._read(who, request.session_id, request.paths, "list", page=request.page_token,
+                            limit=request.page_size or DEFAULT_PAGE)
         unhashed = answer.get("unhashed")
         return pb.ListChangesResponse(changes=[change_to_proto(item) for item in _dicts(answer.get("changes"))],
                                       next_page_token=str(answer.get("next") or ""),
@@ -129,10 +136,8 @@ class ReviewCalls:
     def diff(self, who: Caller, request: pb.DiffChangesRequest) -> pb.DiffChangesResponse:
         if request.max_bytes > MAX_DIFF_BYTES:
             raise InvalidPolicy(f"max_bytes is at most {MAX_DIFF_BYTES} (4 MiB), got {request.max_bytes}")
-        session = self._session(who, request.session_id)
-        roots = self._roots(session)
-        answer = self._run(session, "diff", roots, targets(roots, list(request.paths)), page=request.page_token,
-                           max_bytes=request.max_bytes or DEFAULT_DIFF_BYTES)
+        answer = self._read(who, request.session_id, request.paths, "diff", page=request.page_token,
+                            max_bytes=request.max_bytes or DEFAULT_DIFF_BYTES)
         return pb.DiffChangesResponse(diff=str(answer.get("diff") or ""), next_page_token=str(answer.get("next") or ""))
 
     def apply(self, who: Caller, request: pb.ApplyChangesRequest) -> pb.ApplyChangesResponse:
