@@ -253,6 +253,7 @@ def test_a_killed_daemon_keeps_the_change_set(place: Place) -> None:
     assert seen["stdout"].startswith("kept\n") and "del.txt" not in seen["stdout"], seen
     assert not (ws / "added.txt").exists() and (ws / "del.txt").exists()
     close(place, session)
+    assert (place.disk / "state" / "review" / session / "layers.json").exists()   # pending changes stay
 
 
 def test_apply_does_not_follow_a_symlink_swapped_in_between_listing_and_apply(place: Place) -> None:
@@ -304,7 +305,10 @@ def test_discard_waits_for_the_session_to_be_between_calls(place: Place) -> None
     assert [item["path"] for item in dropped.get("discarded", [])] == ["new.txt"], dropped
     gone = ok(as_user(place, place.owner, ("exec", {"session": session, "script": "ls"}))[0])
     assert "new.txt" not in gone["stdout"], gone
+    kept = place.disk / "state" / "review" / session
+    assert kept.is_dir()
     close(place, session)
+    assert not kept.exists()                       # closed with nothing in its change set: removed
 
 
 def test_sandboxctl_prints_the_names_a_sandbox_chose_escaped(place: Place) -> None:

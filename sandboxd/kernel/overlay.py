@@ -226,6 +226,19 @@ def make_session_dir(base: str, name: str) -> tuple[str, bool]:
     return path, os.path.lexists(f"{path}/{LAYERS_FILE}")
 
 
+def remove_if_unchanged(review_dir: str) -> bool:
+    """Remove a closed session's review directory when no upper layer holds anything (nothing to
+    apply or keep); True if it was removed. The sandbox must be gone (its overlays unmounted)."""
+    try:
+        layers = load(review_dir)
+        if any(os.listdir(layer.upper) for layer in layers):
+            return False
+        remove_layers(review_dir)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def reuse_layers(review_dir: str, roots: "tuple[str, ...]", descriptors: "dict[str, int]") -> "dict[str, Layers]":
     """The layers an earlier build of the same session made (its record in ``review_dir``), for the
     same roots, each still the very directory it was (device and inode: a root replaced on the host

@@ -12,6 +12,7 @@ closes (sessions.state); none of them is ever held for another session's sake.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import time
@@ -20,6 +21,7 @@ from typing import Callable, TypeVar
 from sandboxd._record import Record
 from sandboxd.audit.store import EventStore, EventType
 from sandboxd.errors import InvalidPolicy, NotFound, WrongState
+from sandboxd.kernel import overlay
 from sandboxd.policy import LaunchSpec, Limits, SandboxPolicy
 from sandboxd.policy.decision import ApprovalPolicy, ToolRules
 from sandboxd.service.callers import Caller
@@ -31,6 +33,7 @@ from sandboxd.service.sessions.table import SessionTable
 from sandboxd.supervisor.fork_client import ForkServer, SessionInfo
 
 T = TypeVar("T")
+log = logging.getLogger("sandboxd")
 SESSION_PLACEHOLDER_ARGV = ("sandboxd-session",)  # a session's spec runs no command itself
 
 
@@ -176,9 +179,20 @@ class SessionLifecycle:
                 if ready or generation != current:
                     self._close_sandbox(session, generation)
             self._hooks.session_closed(session)
+            self._drop_empty_change_set(session)
         self._store.save_session(session.to_row(closed_at=time.time()))
         self._store.append(session.id, EventType.SESSION_CLOSED,
                            data={"by_uid": caller.uid, **({"reason": reason} if reason else {})})
+
+    def _drop_empty_change_set(self, session: Session) -> None:
+        """A closed review session's directory goes when it holds no change (its sandbox is gone); a
+        change set with changes stays (docs/review-mode.md: there is no expiry yet)."""
+        if not session.review:
+            return
+        try:
+            overlay.remove_if_unchanged(self.review_dir(session))
+        except OSError as exc:
+            log.warning("session %s: its empty change set could not be removed: %s", session.id, exc)
 
     def close_all(self) -> None:
         """The daemon stops: every sandbox goes, but the sessions stay open in the store, to be
