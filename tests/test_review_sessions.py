@@ -324,3 +324,25 @@ def test_sandboxctl_prints_the_names_a_sandbox_chose_escaped(place: Place) -> No
     assert "\x1b" not in diff.stdout and diff.stdout.splitlines() == [
         "--- /dev/null", "+++ b/evil\\\\n\\\\x1b[31mname", "@@ -0,0 +1 @@", "+x"], describe(diff)
     close(place, session)
+
+
+def test_review_is_refused_in_one_line_where_the_lower_cannot_be_one(place: Place) -> None:
+    layers = place.disk / "ovl-layers"
+    for name in ("lower", "upper", "work"):
+        (layers / name).mkdir(parents=True)
+    merged = place.disk / "ovl-merged"
+    merged.mkdir()
+    subprocess.run(["mount", "-t", "overlay", "sbxrsess-ovl", "-o", f"lowerdir={layers}/lower,upperdir={layers}/upper,"
+                    f"workdir={layers}/work", str(merged)], check=True, capture_output=True, timeout=60)
+    try:
+        ws = owned_dir(merged / "ws", place.owner)
+        kept = place.disk / "state" / "review"
+        before = set(os.listdir(kept)) if kept.exists() else set()
+        refused = as_user(place, place.owner, ("create", {"workspace": str(ws)}))[0]
+        assert refused.get("code") == "INVALID_ARGUMENT" and "overlayfs" in refused["details"], refused
+        assert "\n" not in refused["details"]
+        assert (set(os.listdir(kept)) if kept.exists() else set()) == before     # nothing left of it
+        direct = create(place, ws, review=False)                               # control: direct mode works
+        close(place, direct)
+    finally:
+        subprocess.run(["umount", "-l", str(merged)], check=True, capture_output=True, timeout=60)
