@@ -9,7 +9,7 @@ object per message, tagged with its kind and request id, every field's type chec
 descriptors as SCM_RIGHTS), and the server dispatches on the record's type through a table:
 
   Launch(spec)  + [stdin, stdout, stderr]                  one-shot sandbox        -> Started, then Exited
-  SessionOpen(session, spec)                               build a session's sandbox -> SessionReady:
+  SessionOpen(session, spec, review_dir)                   build a session's sandbox -> SessionReady:
                                                            what was built (real workspace and roots,
                                                            addresses, PID namespace; + [the egress
                                                            proxy's listener], if any)
@@ -19,6 +19,10 @@ descriptors as SCM_RIGHTS), and the server dispatches on the record's type throu
         (with terminal [rows, columns]: stdin is the socket the terminal's master goes back on)
   Signal(signum), Cancel()                                 to a running launch or call (its id)
   CheckPaths(caller, paths, owner)                         may the caller write them? -> PathsChecked
+  Review(review_dir, caller, action, roots, paths, ...)    a review session's change set listed, diffed,
+                                                           applied or discarded in a child
+                                                           (review_child) -> ReviewStarted + [the pipe
+                                                           its answer comes on, read by the daemon]
   Ping()                                                   the daemon's watchdog   -> Pong
 
 Any request may be answered Error(the error's ``to_dict``; ``SandboxdError.from_dict`` raises it
