@@ -335,12 +335,12 @@ def _protect_root(root: str, subs: tuple[str, ...], found: FoundGitDirs | None =
     """The protected subpaths of one writable root and, while .git/config is one of them (the
     default), the control files of every git directory under it (see _protect_git_dir): those the
     git guard's baseline walk just found (``found``, LaunchPlan.git_dirs), else from a walk here.
-    ``reviewed``: the root is an overlay: its git directories are not pinned (what a command
-    writes there is flagged in the change set), the other protected subpaths are."""
+    ``reviewed``: the root is an overlay, and its git directories are left as they are: nothing the
+    sandbox writes there reaches the host but by an apply, which flags every change to a git
+    directory's control files and applies none unless a person names it (review.rules). This
+    also spares a review launch the walk for git directories (a second or more in a workspace of
+    20,000 directories)."""
     done: dict[str, bool] = {}                      # path -> already read-only (else only pinned)
-    # Reviewed, what a command writes to a git directory lands in the change set, where it is flagged
-    # and applied only when a person names it (review.rules): no walk for git directories to pin
-    # (up to 20,000 directories at every build: most of a review session's CreateSession).
     if GIT_GUARD_SUBPATH in subs and not reviewed:
         top = NEW_ROOT + root
         if found is None:
