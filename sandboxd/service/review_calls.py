@@ -16,8 +16,9 @@ import os
 from collections.abc import Iterable
 
 from sandboxd.audit.store import EventStore, EventType
-from sandboxd.errors import InvalidPolicy, WrongState
+from sandboxd.errors import InvalidPolicy, SetupError, WrongState
 from sandboxd.policy.sandbox import is_within
+from sandboxd.review import conflicts
 from sandboxd.service.callers import Caller
 from sandboxd.service.quotas import cgroup_owner
 from sandboxd.service.sessions.access import rights_of
@@ -147,6 +148,7 @@ class ReviewCalls:
         paths = targets(roots, list(request.paths))
         flagged = targets(roots, list(request.include_flagged), "include_flagged path")
         answer = self._run(session, "apply", roots, paths, include_flagged=flagged, force=request.force)
+        self._save_baselines(session, answer.get("baselines"))
         applied, skipped = _dicts(answer.get("applied")), _dicts(answer.get("skipped"))
         named = {(pair[0], pair[1]) for pair in flagged}
         self._store.append(session.id, EventType.CHANGES_APPLIED, data={
@@ -168,6 +170,19 @@ class ReviewCalls:
                                       kind=KINDS.get(str(item.get("kind")), pb.FileChange.KIND_UNSPECIFIED),
                                       note=str(item.get("note") or "")) for item in applied],
             skipped=[_skipped(item) for item in skipped])
+
+    def _save_baselines(self, session: Session, baselines: object) -> None:
+        """The conflict baselines after an apply (review.conflicts), each beside its overlay's layers in
+        the session's review directory: root's, which the apply's child (the owner) cannot write."""
+        review_dir = self._registry.review_dir(session)
+        for item in _dicts(baselines):
+            layer, started, applied = item.get("layer"), item.get("started_ns"), item.get("applied")
+            if not isinstance(layer, str) or not layer.isdigit() or not isinstance(started, int) or \
+                    not isinstance(applied, dict):
+                raise SetupError("review", detail="an apply's answer carried a malformed conflict baseline")
+            conflicts.save_baseline(os.path.join(review_dir, layer), conflicts.Baseline(
+                started_ns=started, applied={str(path): int(ctime) for path, ctime in applied.items()
+                                             if isinstance(ctime, int)}))
 
     def _forget(self, session: Session, forgettable: object) -> None:
         """Drop the upper entries of what an apply landed (they equal the host now), so that the

@@ -11,12 +11,12 @@ and it is SIGKILLed at its deadline (fork_server._review). In the child, in this
    are removed (the daemon closed the session's sandbox first: overlayfs forbids changing a
    layer while it is mounted), and that is all;
 2. as the session's owner (its uid, gid and groups; root's own session: the workspace's owner),
-   no capability in effect: the host roots are opened by the real paths the session was built on
+   every capability dropped and no_new_privs (kernel.caps.drop_privileges): the host roots are opened by the real paths the session was built on
    (review.changes.Comparison checks each is the very directory its layers were made over), and
    the changes listed, shown or applied (review.apply: every host path walked beneath the root's
    descriptor, never through a symlink);
-3. after an apply, root again (kept as the saved uid, never in effect while the host is written)
-   only to save the new conflict baseline in the review directory, which the owner cannot write.
+3. after an apply, the new conflict baselines go back in the answer: the daemon saves them in the
+   review directory, which is root's (this child keeps no privilege to write it).
 
 Paths cross as [root, path below it] pairs, the daemon having judged them against the session's
 roots; a listing's page token is "ROOT-INDEX:SELECTION-INDEX:AFTER-PATH".
@@ -28,7 +28,7 @@ import json
 import os
 
 from sandboxd.errors import InvalidPolicy, SandboxdError, SetupError
-from sandboxd.kernel import overlay
+from sandboxd.kernel import caps, overlay
 from sandboxd.review import conflicts, upper
 from sandboxd.review.changes import Change, Comparison
 
@@ -114,25 +114,18 @@ def _selection(roots: list[str], pairs: list[list[str]]) -> list[tuple[str, ...]
 
 
 def _become_owner(request: "Review", workspace: str) -> None:
-    """The session owner's uid, gid and groups in effect (root kept as the saved uid only, for the
-    baseline after an apply); root's own session acts as its workspace's owner, as its commands do
-    (sessions.access.command_user)."""
+    """The session owner's uid, gid and groups, every capability dropped and no_new_privs
+    (kernel.caps.drop_privileges): the kernel's permissions decide what it may read and write.
+    Root's own session acts as its workspace's owner, as its commands do (sessions.access.command_user);
+    a root-owned workspace's as uid 0 without capabilities (only its own files' rights)."""
     caller = request.caller
+    groups: tuple[int, ...]
     if caller is None:
         st = os.stat(workspace, follow_symlinks=False)
-        uid, gid, groups = st.st_uid, st.st_gid, [st.st_gid]
+        uid, gid, groups = st.st_uid, st.st_gid, (st.st_gid,)
     else:
-        uid, gid, groups = caller.uid, caller.gid, list(caller.groups)
-    if uid == 0:
-        return                                  # a root-owned workspace of root's: root's own rights
-    os.setgroups(groups)
-    os.setresgid(gid, gid, 0)
-    os.setresuid(uid, uid, 0)                   # euid and fsuid the owner's: no capability in effect
-
-
-def _regain_root() -> None:
-    os.setresuid(0, 0, 0)
-    os.setresgid(0, 0, 0)
+        uid, gid, groups = caller.uid, caller.gid, tuple(caller.groups)
+    caps.drop_privileges(uid, gid, groups)
 
 
 def _comparison(layer: _Layer) -> Comparison:
@@ -222,7 +215,7 @@ def _apply(request: "Review", layers: list[_Layer], selected: list[tuple[str, ..
     applied: list[dict[str, object]] = []
     skipped: list[dict[str, object]] = []
     forgettable: dict[str, list[str]] = {}
-    baselines: list[tuple[str, conflicts.Baseline]] = []
+    baselines: list[dict[str, object]] = []
     for layer, paths in zip(layers, selected, strict=True):
         if not paths:
             continue
@@ -233,11 +226,11 @@ def _apply(request: "Review", layers: list[_Layer], selected: list[tuple[str, ..
         applied += [{"root": root, **item.as_dict()} for item in result.applied]
         skipped += [{"root": root, **item.as_dict()} for item in result.skipped]
         forgettable[root] = list(result.forgettable)
-        baselines.append((os.path.dirname(layer.layers.upper), result.baseline))
-    _regain_root()
-    for layer_dir, baseline in baselines:
-        conflicts.save_baseline(layer_dir, baseline)
-    return {"applied": applied, "skipped": skipped, "forgettable": forgettable}
+        # Saved by the daemon (the review directory is root's; this child is not).
+        baselines.append({"layer": os.path.basename(os.path.dirname(layer.layers.upper)),
+                          "started_ns": result.baseline.started_ns,
+                          "applied": dict(result.baseline.applied)})
+    return {"applied": applied, "skipped": skipped, "forgettable": forgettable, "baselines": baselines}
 
 
 def _discard(layers: list[_Layer], selected: list[tuple[str, ...]]) -> dict[str, object]:
