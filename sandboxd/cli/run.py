@@ -114,6 +114,8 @@ OPTIONS: tuple[tuple[str, str | None, str, str], ...] = (
 HIDDEN_OPTIONS: tuple[tuple[str, str | None, str, str], ...] = (
     ("--review", "keep:DIR", "value", "review mode: the writable roots are overlays, the host is not written; "
                                       "the change set is kept in DIR (new, or empty) and summarised at the end"),
+    ("--review-bytes", "SIZE", "value", "root's review: DIR is a tmpfs of this size, past which writes get ENOSPC "
+                                        "(default: review.session_bytes's; 0: no bound)"),
 )
 _BY_FLAG = {flag: (metavar, kind) for flag, metavar, kind, _ in (*OPTIONS, *HIDDEN_OPTIONS)}
 USAGE = "usage: sandboxd run [options] -- PROGRAM [ARGS...]"
@@ -302,6 +304,8 @@ def main(argv: list[str]) -> int:
         from sandboxd.kernel import overlay
         try:
             overlay.make_review_dir(review_dir)
+            from sandboxd.kernel import review_space             # the store's disk bound (issue 25)
+            review_space.bound_run(review_dir, args["review_bytes"])
         except SandboxdError as exc:
             _say(str(exc))
             return EXIT_SETUP_FAILED

@@ -211,9 +211,22 @@ def save(review_dir: str, layers: "list[Layers]") -> None:
     the sandbox is gone, or after a daemon restart, starts from."""
     import json                                 # not on every launch's path: json imports re
 
+    from sandboxd.kernel.review_space import RESERVE, RESERVE_BYTES
+
     data = json.dumps([item.as_dict() for item in layers], sort_keys=True).encode()
     temporary = f"{review_dir}/.{LAYERS_FILE}.new"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        # A bounded store's reserve (kernel.review_space): written over its pages, the record needs
+        # no new space, which the sandbox may have taken already; padded with white space (JSON
+        # ignores it) to the reserve's size, it gives no page back to the sandbox either.
+        if len(data) > RESERVE_BYTES:
+            raise FileNotFoundError
+        os.rename(f"{review_dir}/{RESERVE}", temporary)
+        data = data.ljust(RESERVE_BYTES)
+    except FileNotFoundError:
+        flags |= os.O_TRUNC
+    fd = os.open(temporary, flags, 0o600)
     try:
         os.write(fd, data)
         os.fsync(fd)
@@ -262,8 +275,8 @@ def _hint(code: int, userxattr: bool) -> str:
 def remove_layers(review_dir: str) -> None:
     """Remove a review session's layers for good (discarded, expired). overlayfs leaves its work
     directory's inner ``work`` with mode 000: made searchable first, so a plain user (rootless)
-    can remove what it made."""
-    from sandboxd.kernel import beneath
+    can remove what it made. A bounded store (kernel.review_space) is emptied, then unmounted."""
+    from sandboxd.kernel import beneath, review_space
 
     fd = os.open(review_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
@@ -275,4 +288,6 @@ def remove_layers(review_dir: str) -> None:
             beneath.remove_tree(fd, name)
     finally:
         os.close(fd)
+    if review_space.is_store(review_dir):
+        review_space.release(review_dir)
     os.rmdir(review_dir)
