@@ -191,6 +191,15 @@ def test_the_bound_is_refused_where_it_cannot_be_made_and_configured_with_checks
                             timeout=120 * SLOW, stdin=subprocess.DEVNULL, cwd=str(ws), env=env, **user)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 125 and len(lines) == 1 and "--review-bytes bounds root's" in lines[0], describe(result)
+    # Root's: a bound without a review directory, or not a size, is refused in one line.
+    for options, said in ((["--review-bytes=4M"], "--review-bytes bounds a review directory"),
+                          ([f"--review=keep:{place.base}/bad-size", "--review-bytes=lots"], "bad --review-bytes 'lots'"),
+                          ([f"--review=keep:{place.base}/too-small", "--review-bytes=64K"], "at least 1 MiB")):
+        result = subprocess.run([SANDBOXD, "run", *options, "--workspace", str(ws), "--", "true"], capture_output=True,
+                                text=True, timeout=60 * SLOW, stdin=subprocess.DEVNULL, env=BASE_ENV)
+        said_lines = [line for line in result.stderr.splitlines() if not line.startswith("usage:")]
+        assert result.returncode == 125 and len(said_lines) == 1 and said in said_lines[0], describe(result)
+    assert not mounted(place.base / "bad-size") and not mounted(place.base / "too-small")
     with pytest.raises(Exhausted):
         review_space.share(4 * MiB, 4 * MiB, 4 * MiB - MiB + 1)
     assert review_space.share(4 * MiB, 4 * MiB, 3 * MiB) == MiB        # control: exactly the floor is given

@@ -183,6 +183,8 @@ def parse_args(argv: list[str]) -> dict[str, object]:
             raise UsageError(f"--review={review}: use --review=keep:DIR (apply and discard at the end are not "
                              "there yet)")
         options["review"] = os.path.abspath(where)
+    if options["review_bytes"] is not None and review is None:
+        raise UsageError("--review-bytes bounds a review directory: add --review=keep:DIR")
     return options
 
 
