@@ -25,7 +25,7 @@ from conftest import BASE_ENV, PY, REPO, SANDBOXD, SLOW, describe
 from daemon_helpers import owned_dir
 from sandboxd import config
 from sandboxd.config import ConfigError
-from sandboxd.errors import Exhausted
+from sandboxd.errors import Exhausted, InvalidPolicy
 from sandboxd.kernel import overlay, review_space
 from sandboxd.review import kept
 from test_review_overlay import Place, place  # noqa: F401 - the module's fixture: plain users, a local disk
@@ -78,7 +78,7 @@ def test_a_write_past_the_session_bound_gets_enospc_in_the_sandbox(place: Place)
     (change_set,) = kept.list_changes(str(review_dir))
     assert [(change.path, change.kind, change.size) for change in change_set.changes] == [("big", "added", 4 * MiB)]
     assert not (ws / "big").exists()                    # and the host saw nothing
-    review_space.free(review_space.Store(path=str(review_dir), bytes=4 * MiB))
+    review_space.free(review_space.Store(path=str(review_dir), size=4 * MiB))
     # Control: the same write with the bound explicitly off lands in full.
     ws2 = owned_dir(place.base / "unbounded", place.owner)
     free_dir = place.base / "unbounded-review"
@@ -114,7 +114,7 @@ def test_the_store_outlives_its_runner_and_leaves_nothing_once_freed(place: Plac
     assert [(change.path, change.kind) for change in change_set.changes] == [("kept.txt", "added")]
     # Sealed, its bound shrinks to what it holds: the rest goes back to the owner's share.
     assert review_space.seal(str(review_dir)) < MiB
-    review_space.free(review_space.Store(path=str(review_dir), bytes=8 * MiB))
+    review_space.free(review_space.Store(path=str(review_dir), size=8 * MiB))
     assert not mounted(review_dir) and not review_dir.exists()
     with open("/proc/self/mountinfo") as info:
         assert str(review_dir) not in info.read()
@@ -159,7 +159,7 @@ def test_an_owners_second_session_is_bounded_by_what_the_first_leaves(place: Pla
         second = review_space.make_store(str(place.base / "owner-2"), session_bytes=session_bytes,
                                          owner_bytes=owner_bytes, owner_total=total)
         stores.append(second)
-        assert (first.bytes, second.bytes) == (4 * MiB, 2 * MiB)
+        assert (first.size, second.size) == (4 * MiB, 2 * MiB)
         ws = owned_dir(place.base / "owner-ws", place.owner)
         assert fill_through_overlay(second.path, ws, place, 16 * MiB) == (2 * MiB, "ENOSPC")
         assert not (ws / "big").exists()
@@ -200,6 +200,17 @@ def test_the_bound_is_refused_where_it_cannot_be_made_and_configured_with_checks
         said_lines = [line for line in result.stderr.splitlines() if not line.startswith("usage:")]
         assert result.returncode == 125 and len(said_lines) == 1 and said in said_lines[0], describe(result)
     assert not mounted(place.base / "bad-size") and not mounted(place.base / "too-small")
+    # A review directory swapped for a symlink once made is not followed: the mount goes nowhere.
+    target = place.base / "swap-target"
+    target.mkdir(mode=0o700)
+    (place.base / "swapped").symlink_to(target)
+    with pytest.raises(InvalidPolicy, match="cannot be bounded: .*not a symlink"):
+        review_space.bound(str(place.base / "swapped"), 4 * MiB)
+    assert not mounted(target) and not mounted(place.base / "swapped")
+    review_space.bound(str(target), 4 * MiB)                          # control: the directory itself is bounded
+    assert review_space.is_store(str(target)) and not review_space.is_store(str(place.base / "swapped"))
+    review_space.release(str(target))
+    assert not mounted(target)
     with pytest.raises(Exhausted):
         review_space.share(4 * MiB, 4 * MiB, 4 * MiB - MiB + 1)
     assert review_space.share(4 * MiB, 4 * MiB, 3 * MiB) == MiB        # control: exactly the floor is given

@@ -288,6 +288,5 @@ def remove_layers(review_dir: str) -> None:
             beneath.remove_tree(fd, name)
     finally:
         os.close(fd)
-    if review_space.is_store(review_dir):
-        review_space.release(review_dir)
+    review_space.release(review_dir)
     os.rmdir(review_dir)

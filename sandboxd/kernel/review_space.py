@@ -9,8 +9,8 @@ writes: overlayfs writes the upper layer with its mounter's credentials (root's)
 CAP_SYS_RESOURCE passes an ext4 project quota's hard limit and a disk's root reserve, never a
 tmpfs's size. It lives in the host's mount namespace, so it survives the runner's exit, a daemon
 restart and a SIGKILL; not a reboot. It is memory (and swap): the pages are charged to the memory
-cgroup of the sandbox that wrote them, and count under sandboxd's parent cgroup
-(limits.total_memory) after that sandbox is gone.
+cgroup of the sandbox that wrote them (a session's store counts in its memory limit) and, like page
+cache, stay charged to it once it is removed, counted in its parent's until freed.
 
 The per-owner bound: a new store's size is the smaller of the session's bound and what the owner's
 other stores leave of the owner's (``share``); ``seal`` shrinks a store whose sandbox is gone to
@@ -24,18 +24,20 @@ cannot stop its own change set being recorded.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
+import stat
 
 from sandboxd._record import Record
-from sandboxd.errors import Exhausted, SetupError
-from sandboxd.kernel import mounts
-from sandboxd.kernel.overlay import TRUSTED_PREFIX, filesystem_type
+from sandboxd.errors import Exhausted, InvalidPolicy, SetupError
+from sandboxd.kernel import mounts, paths
+from sandboxd.kernel._libc import fsencode, libc
+from sandboxd.kernel.overlay import TRUSTED_PREFIX
 from sandboxd.policy.limits import DEFAULT_REVIEW_SESSION_BYTES
 
 STEP = "mount review store"
 SOURCE = "sandboxd-review"              # the mount's source, as /proc/self/mountinfo names it
-TMPFS_MAGIC = 0x01021994
 PAGE = 4096
 MIN_SHARE = 1 << 20                     # a smaller share holds nothing useful: refused instead
 INODE_BYTES = PAGE                      # one inode per page of the bound: every file takes a page anyway;
@@ -43,13 +45,15 @@ INODE_BYTES = PAGE                      # one inode per page of the bound: every
 MIN_INODES = 1024
 RESERVE = ".sandboxd-reserve"           # pages the layers' record is written into (kernel.overlay.save)
 RESERVE_BYTES = 64 << 10
+RESERVE_INODES = 16                     # slack for the reserve and the layers' first directories
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class Store(Record):
-    """A review directory and its bound (0: none, review.session_bytes = 0)."""
+    """A review directory and its bound in bytes (0: none, review.session_bytes = 0)."""
 
     path: str
-    bytes: int
+    size: int
 
 
 def share(session_bytes: int, owner_bytes: int, owner_total: int) -> int:
@@ -80,7 +84,7 @@ def make_store(path: str, *, session_bytes: int, owner_bytes: int, owner_total: 
         except BaseException:
             os.rmdir(path)
             raise
-    return Store(path=path, bytes=size)
+    return Store(path=path, size=size)
 
 
 def bound_run(path: str, size_text: object) -> None:
@@ -88,7 +92,6 @@ def bound_run(path: str, size_text: object) -> None:
     bounded to SIZE (default: review.session_bytes's; 0: no bound, said on the command line). A plain user's
     DIR is its own directory, written with its own rights and counted in its own disk quota:
     nothing of root's to bound, and a SIZE for it is refused."""
-    from sandboxd.errors import InvalidPolicy
     from sandboxd.policy.limits import parse_size
 
     if os.geteuid() != 0:
@@ -107,15 +110,29 @@ def bound_run(path: str, size_text: object) -> None:
 def bound(path: str, size: int) -> None:
     """Mount a tmpfs of ``size`` bytes (plus the reserve) on the empty review directory ``path``
     (root only: in this mount namespace, which should be the host's), then make the reserve. The
-    tmpfs is nosuid, nodev and noexec on the host (nothing in a change set runs there; the sandbox
-    sees it through its overlay, whose own flags decide)."""
-    inodes = max(MIN_INODES, size // INODE_BYTES)
+    directory is opened without following a link and checked to be root's, 0700 and empty, and the
+    tmpfs mounted on that very directory (/proc/self/fd/N): a parent swapped for a symlink since it
+    was made cannot move the mount elsewhere. The tmpfs is nosuid, nodev and noexec on the host
+    (nothing in a change set runs there; the sandbox sees it through its overlay, whose own flags
+    decide)."""
+    inodes = max(MIN_INODES, size // INODE_BYTES) + RESERVE_INODES
     flags = mounts.MS_NOSUID | mounts.MS_NODEV | mounts.MS_NOEXEC
     try:
-        mounts.mount(SOURCE, path, "tmpfs", flags,
-                     f"size={size + RESERVE_BYTES},nr_inodes={inodes + 16},mode=0700,uid=0,gid=0", step=STEP)
-    except SetupError as exc:
-        raise SetupError(STEP, exc.errno, path, hint=_hint(exc.errno)) from None
+        fd = os.open(path, DIR_FLAGS)
+    except OSError as exc:
+        raise InvalidPolicy(f"review directory {path!r} cannot be bounded: {os.strerror(exc.errno or errno.EIO)} "
+                            "(it must be a directory, not a symlink)") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != 0 or stat.S_IMODE(st.st_mode) != 0o700 or os.listdir(fd):
+            raise InvalidPolicy(f"review directory {path!r} is not an empty directory of root's, mode 0700: name a new one")
+        try:
+            mounts.mount(SOURCE, f"/proc/self/fd/{fd}", "tmpfs", flags,
+                         f"size={size + RESERVE_BYTES},nr_inodes={inodes},mode=0700,uid=0,gid=0", step=STEP)
+        except SetupError as exc:
+            raise SetupError(STEP, exc.errno, path, hint=_hint(exc.errno)) from None
+    finally:
+        os.close(fd)
     try:
         _probe_attributes(path)
         _make_reserve(path)
@@ -154,18 +171,29 @@ def _make_reserve(path: str) -> None:
 
 
 def is_store(path: str) -> bool:
-    """Whether ``path`` (not followed) is a bounded review store: a tmpfs mounted there."""
+    """Whether ``path`` (its last component not followed) is a bounded review store: the root of a
+    tmpfs mounted as SOURCE."""
     try:
         fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return False
     try:
-        if filesystem_type(fd) != TMPFS_MAGIC:
-            return False
-        parent = os.stat(os.path.dirname(path) or "/")
-        return os.fstat(fd).st_dev != parent.st_dev
+        return _is_store_root(fd)
     finally:
         os.close(fd)
+
+
+def _is_store_root(fd: int) -> bool:
+    fields = paths.mount_fields(fd)
+    if not fields or "-" not in fields or fields[3] != "/":
+        return False
+    if fields[fields.index("-") + 1:][:2] != ["tmpfs", SOURCE]:
+        return False
+    parent = os.open("..", os.O_PATH | os.O_CLOEXEC, dir_fd=fd)
+    try:
+        return os.fstat(parent).st_dev != os.fstat(fd).st_dev      # the mount's root, not a directory in it
+    finally:
+        os.close(parent)
 
 
 def reserved(path: str) -> int:
@@ -199,20 +227,26 @@ def seal(path: str) -> int:
 
 def release(path: str) -> None:
     """Unmount the store at ``path`` (kernel.overlay.remove_layers calls this once the layers are
-    removed, so its memory is already free). A sandbox still holding it (a mount namespace that
-    copied it) keeps only an empty tmpfs, which goes with that namespace."""
-    from sandboxd.kernel._libc import fsencode, libc
-    import ctypes
-
-    umount_nofollow = 8
-    if libc.umount2(fsencode(path), ctypes.c_int(umount_nofollow)) == 0:
+    removed, so its memory is already free), checked to be one by its descriptor and unmounted
+    through it; nothing when ``path`` is no store. A sandbox still holding it (a mount namespace
+    that copied it) keeps only an empty tmpfs, which goes with that namespace."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
         return
-    code = ctypes.get_errno()
-    if code != errno.EBUSY:
-        raise OSError(code, os.strerror(code), path)
-    if libc.umount2(fsencode(path), ctypes.c_int(umount_nofollow | mounts.MNT_DETACH)) != 0:
+    try:
+        if not _is_store_root(fd):
+            return
+        target = fsencode(f"/proc/self/fd/{fd}")
+        if libc.umount2(target, ctypes.c_int(0)) == 0:
+            return
+        code = ctypes.get_errno()
+        if code == errno.EBUSY and libc.umount2(target, ctypes.c_int(mounts.MNT_DETACH)) == 0:
+            return
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code), path)
+    finally:
+        os.close(fd)
 
 
 def free(store: Store) -> None:
