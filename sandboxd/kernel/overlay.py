@@ -215,18 +215,20 @@ def save(review_dir: str, layers: "list[Layers]") -> None:
 
     data = json.dumps([item.as_dict() for item in layers], sort_keys=True).encode()
     temporary = f"{review_dir}/.{LAYERS_FILE}.new"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        # A bounded store's reserve (kernel.review_space): written over its pages, the record needs
-        # no new space, which the sandbox may have taken already; padded with white space (JSON
-        # ignores it) to the reserve's size, it gives no page back to the sandbox either.
-        if len(data) > RESERVE_BYTES:
-            raise FileNotFoundError
-        os.rename(f"{review_dir}/{RESERVE}", temporary)
+    # A bounded store's reserve (kernel.review_space): written over its pages, the record needs no
+    # new space, which the sandbox may have taken already; padded with white space (JSON ignores
+    # it) to the reserve's size, it gives no page back to the sandbox either.
+    taken = False
+    if len(data) <= RESERVE_BYTES:
+        try:
+            os.rename(f"{review_dir}/{RESERVE}", temporary)
+            taken = True
+        except FileNotFoundError:
+            pass
+    if taken:
         data = data.ljust(RESERVE_BYTES)
-    except FileNotFoundError:
-        flags |= os.O_TRUNC
-    fd = os.open(temporary, flags, 0o600)
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (0 if taken else os.O_TRUNC),
+                 0o600)
     try:
         os.write(fd, data)
         os.fsync(fd)
