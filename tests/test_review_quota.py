@@ -88,6 +88,43 @@ def test_a_write_past_the_session_bound_gets_enospc_in_the_sandbox(place: Place)
     overlay.remove_layers(str(free_dir))
 
 
+UNLINK_ALL = textwrap.dedent("""\
+    import errno, os
+    removed, refused = 0, "none"
+    for name in sorted(os.listdir(".")):
+        try:
+            os.unlink(name)
+            removed += 1
+        except OSError as exc:
+            refused = errno.errorcode[exc.errno]
+            break
+    print(removed, refused)
+""")
+
+
+def test_deletions_count_against_the_bound_as_inodes(place: Place) -> None:
+    """Each deletion of a host file is a whiteout in the upper layer: an inode, bounded with the
+    store (one per 4 KiB of its size, at least 1024), so a sandbox cannot grow a store's kernel
+    memory without bound through empty files either."""
+    ws = owned_dir(place.base / "many", place.owner)
+    for index in range(1500):
+        (ws / f"f{index:04}").touch()
+    outcomes = {}
+    for size in ("4M", "0"):
+        review_dir = place.base / f"many-review-{size}"
+        result = subprocess.run([SANDBOXD, "run", f"--review=keep:{review_dir}", f"--review-bytes={size}",
+                                 "--workspace", str(ws), "--", "python3", "-c", UNLINK_ALL], capture_output=True,
+                                text=True, timeout=120 * SLOW, stdin=subprocess.DEVNULL, env=BASE_ENV, cwd=str(ws))
+        assert result.returncode == 0, describe(result)
+        removed, refused = result.stdout.split()
+        outcomes[size] = (int(removed), refused)
+        overlay.remove_layers(str(review_dir))
+        assert not mounted(review_dir)
+    assert outcomes["4M"][1] == "ENOSPC" and 1000 <= outcomes["4M"][0] < 1040, outcomes
+    assert outcomes["0"] == (1500, "none"), outcomes                  # control: unbounded, every one goes
+    assert len(os.listdir(ws)) == 1500                                 # and the host kept them all
+
+
 def test_the_store_outlives_its_runner_and_leaves_nothing_once_freed(place: Place) -> None:
     ws = owned_dir(place.base / "outlive", place.owner)
     review_dir = place.base / "outlive-review"

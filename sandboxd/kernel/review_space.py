@@ -128,7 +128,7 @@ def bound(path: str, size: int) -> None:
             raise InvalidPolicy(f"review directory {path!r} is not an empty directory of root's, mode 0700: name a new one")
         try:
             mounts.mount(SOURCE, f"/proc/self/fd/{fd}", "tmpfs", flags,
-                         f"size={size + RESERVE_BYTES},nr_inodes={inodes},mode=0700,uid=0,gid=0", step=STEP)
+                         f"size={size + RESERVE_BYTES},nr_inodes={inodes},mode=0700,uid=0,gid=0,huge=never", step=STEP)
         except SetupError as exc:
             raise SetupError(STEP, exc.errno, path, hint=_hint(exc.errno)) from None
     finally:
