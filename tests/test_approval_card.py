@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shlex
 import subprocess
 import time
@@ -126,6 +127,28 @@ def test_the_in_place_prompt_shows_the_environment_on_a_real_terminal(daemon: Da
         client.close_session(session_id)
 
 
+def stderr_shows(process: "subprocess.Popen[str]", text: str) -> bool:
+    """Whether ``process``'s stderr shows ``text`` within WAIT (read a byte at a time, so that
+    nothing after it is taken from a later communicate())."""
+    assert process.stderr is not None
+    seen, deadline = "", time.monotonic() + WAIT
+    fd = process.stderr.fileno()
+    os.set_blocking(fd, False)
+    try:
+        while text not in seen and time.monotonic() < deadline:
+            try:
+                chunk = os.read(fd, 1)
+            except BlockingIOError:
+                time.sleep(0.02)
+                continue
+            if not chunk:
+                break
+            seen += chunk.decode(errors="replace")
+    finally:
+        os.set_blocking(fd, True)
+    return text in seen
+
+
 def test_the_hint_and_approvals_listing_show_the_environment(daemon: Daemon, client: SandboxClient,  # noqa: F811
                                                              ws: Path) -> None:  # noqa: F811
     script, made = bash_env_attack(ws)
@@ -145,10 +168,13 @@ def test_the_hint_and_approvals_listing_show_the_environment(daemon: Daemon, cli
                                  text=True, timeout=60, env=BASE_ENV, check=True).stdout
         [entry] = [json.loads(line) for line in as_json.splitlines() if held.call_id in line]
         assert json.loads(entry["arguments_json"])["env"] == {"BASH_ENV": str(script)}
+        # The hint is sandboxctl's to print once it sees its call held: wait for it before the
+        # answer (under load the answer could come first, and a resolved call asks nobody).
+        assert stderr_shows(held_call, f"  env:     BASH_ENV={script}\n"), "sandboxctl printed no hint"
         client.stub.ResolveApproval(pb.ResolveApprovalRequest(session_id=session_id, call_id=held.call_id,
                                                               decision="deny"))
         _, err = held_call.communicate(timeout=WAIT)
-        assert f"  env:     BASH_ENV={script}\n" in err and "denied by user" in err, err
+        assert "denied by user" in err, err
         assert not made.exists()
     finally:
         held_call.kill()

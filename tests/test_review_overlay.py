@@ -30,6 +30,7 @@ import pytest
 
 from conftest import BASE_ENV, PY, REPO, SANDBOXD, SLOW, describe, make_dir
 from daemon_helpers import PlainUser, owned_dir, plain_users
+from sandboxd.cli.change_sets import plain
 from sandboxd.kernel import caps, overlay, review_space
 from sandboxd.review import apply as applying
 from sandboxd.review import changes as listing
@@ -162,16 +163,6 @@ def scan_kept(review_dir: Path) -> tuple[overlay.Layers, list[upper.UpperEntry]]
         os.close(fd)
 
 
-def _plain(value: object) -> object:
-    if hasattr(value, "as_dict"):
-        return {key: _plain(item) for key, item in value.as_dict().items()}
-    if isinstance(value, (tuple, list)):
-        return [_plain(item) for item in value]
-    if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
-    return value
-
-
 def as_owner(user: PlainUser, review_dir: Path, body: str, **options: Any) -> dict[str, Any]:
     """Run ``body`` ("apply" or "list") over the kept change set the way the daemon will: the upper
     layer read as root here, then a forked child that drops to ``user`` (no capability, no groups)
@@ -197,7 +188,7 @@ def as_owner(user: PlainUser, review_dir: Path, body: str, **options: Any) -> di
                     result = {"diff": diff.show(compared, change)}
                 else:
                     result = applying.apply(compared, **options)
-            os.write(write, json.dumps({"ok": _plain(result)}).encode())
+            os.write(write, json.dumps({"ok": plain(result)}).encode())
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
             os.write(write, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
         finally:
@@ -348,6 +339,21 @@ NAIVE_APPLY = textwrap.dedent("""\
 """)
 
 
+def swap_in_symlink(place: Place, ws: Path, private: Path) -> None:
+    """The attacker (who may add names to the shared ``ws``) puts a symlink to the owner's
+    ``private`` directory where the sandbox made ``newdir``; control: an apply that follows names,
+    as the owner, writes ``newdir/authorized_keys`` into ``private`` (removed again)."""
+    swap = subprocess.run(["ln", "-s", str(private), str(ws / "newdir")], user=place.attacker.uid,
+                          group=place.attacker.gid, extra_groups=[], capture_output=True, text=True, env=BASE_ENV)
+    assert swap.returncode == 0, describe(swap)
+    naive = subprocess.run([PY, "-c", NAIVE_APPLY, str(ws), "newdir/authorized_keys", "planted\n"],
+                           user=place.owner.uid, group=place.owner.gid, extra_groups=[], capture_output=True,
+                           text=True, env=BASE_ENV)
+    assert naive.returncode == 0, describe(naive)
+    assert (private / "authorized_keys").read_text() == "planted\n"
+    (private / "authorized_keys").unlink()
+
+
 def test_a_symlink_swapped_in_before_apply_is_refused_not_followed(place: Place) -> None:
     ws, review_dir = fresh(place, "swap")
     os.chmod(ws, 0o777)                                 # a shared workspace: the attacker may add names
@@ -357,16 +363,7 @@ def test_a_symlink_swapped_in_before_apply_is_refused_not_followed(place: Place)
     listed = as_owner(place.owner, review_dir, "list")
     assert ("newdir/authorized_keys", listing.ADDED) in kinds(listed)
     # Between listing and apply the attacker puts a symlink where the new directory goes.
-    swap = subprocess.run(["ln", "-s", str(private), str(ws / "newdir")], user=place.attacker.uid,
-                          group=place.attacker.gid, extra_groups=[], capture_output=True, text=True, env=BASE_ENV)
-    assert swap.returncode == 0, describe(swap)
-    # Control: an apply that follows names, as the owner, writes into the owner's private directory.
-    naive = subprocess.run([PY, "-c", NAIVE_APPLY, str(ws), "newdir/authorized_keys", "planted\n"],
-                           user=place.owner.uid, group=place.owner.gid, extra_groups=[], capture_output=True,
-                           text=True, env=BASE_ENV)
-    assert naive.returncode == 0, describe(naive)
-    assert (private / "authorized_keys").read_text() == "planted\n"
-    (private / "authorized_keys").unlink()
+    swap_in_symlink(place, ws, private)
     # The apply: a conflict by default (the host has a new name there) ...
     done = as_owner(place.owner, review_dir, "apply")
     assert done["applied"] == [] and "conflict" in done["skipped"][0]["reason"]
@@ -394,23 +391,38 @@ def test_discard_drops_changes_from_the_upper_layer(place: Place) -> None:
                                ("replaced/z", listing.ADDED)}
 
 
-def test_rootless_review_as_a_plain_user(place: Place) -> None:
-    if not overlay.rootless_supported():
-        pytest.skip(f"unprivileged overlayfs needs Linux 5.11 (this is {os.uname().release})")
-    code = make_dir(place.base / "code")
+def code_for_plain_users(place: Place) -> Path:
+    """A copy of the code plain users can read (the checkout may sit where they cannot), for
+    `python -m sandboxd.cli.main` as one of them; the seccomp programs' cache made first."""
+    code = place.base / "code"
     if not (code / "sandboxd").exists():
+        make_dir(code)
         shutil.copytree(REPO / "sandboxd", code / "sandboxd", ignore=shutil.ignore_patterns("__pycache__"))
         subprocess.run(["chmod", "-R", "a+rX", str(code)], check=True)
     subprocess.run([sys.executable, "-c", "from sandboxd.kernel import seccomp\n"
                     "for c in (True, False): seccomp.program_for(seccomp.FilterSpec(confined=c))\n"],
                    check=True, timeout=120, cwd=REPO)
-    ws, _ = fresh(place, "rootless")
-    state = owned_dir(place.base / "rootless-state", place.owner)
+    return code
+
+
+def rootless_state(place: Place, name: str) -> Path:
+    """A directory of the owner's for a rootless run's change sets; skipped, naming why, where the
+    kernel cannot have one (no unprivileged overlayfs, no user.* attributes on the tests' disk)."""
+    if not overlay.rootless_supported():
+        pytest.skip(f"unprivileged overlayfs needs Linux 5.11 (this is {os.uname().release})")
+    state = owned_dir(place.base / name, place.owner)
     try:
         os.setxattr(state, "user.sbxreview-probe", b"1")
     except OSError as exc:
         pytest.skip(f"{place.base} holds no user.* extended attributes ({os.strerror(exc.errno or 0)}): "
                     "a tmpfs has them from Linux 6.6")
+    return state
+
+
+def test_rootless_review_as_a_plain_user(place: Place) -> None:
+    state = rootless_state(place, "rootless-state")
+    code = code_for_plain_users(place)
+    ws, _ = fresh(place, "rootless")
     review_dir = state / "review"
     control = snapshot(ws)
     env = {**BASE_ENV, "HOME": str(ws), "PYTHONPATH": str(code)}

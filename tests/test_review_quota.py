@@ -232,7 +232,7 @@ def test_the_bound_is_refused_where_it_cannot_be_made_and_configured_with_checks
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 125 and len(lines) == 1 and "--review-bytes bounds root's" in lines[0], describe(result)
     # Root's: a bound without a review directory, or not a size, is refused in one line.
-    for options, said in ((["--review-bytes=4M"], "--review-bytes bounds a review directory"),
+    for options, said in ((["--review-bytes=4M"], "--review-bytes bounds a review's change set"),
                           ([f"--review=keep:{place.base}/bad-size", "--review-bytes=lots"], "bad --review-bytes 'lots'"),
                           ([f"--review=keep:{place.base}/too-small", "--review-bytes=64K"], "at least 1 MiB")):
         result = subprocess.run([SANDBOXD, "run", *options, "--workspace", str(ws), "--", "true"], capture_output=True,

@@ -138,6 +138,13 @@ def test_a_reviewed_root_is_an_overlay_over_its_attached_tree(recorder: SyscallR
     expected[private:private] = [f"open {review}/0/upper", f"open {review}/0/work"]
     attach = expected.index(f"move_mount {R}{WORKSPACE}")
     expected[attach + 1:attach + 1] = [f"open {R}{WORKSPACE}", f"mount overlay {R}{WORKSPACE} nosuid,nodev"]
+    # Its git directory is not walked for nor protected as a whole (review flags what the sandbox
+    # writes there): only the policy's protected subpaths are, in their order.
+    git = expected.index(f"bind {R}{WORKSPACE}/.git/config -> {R}{WORKSPACE}/.git/config")
+    assert expected[git:git + 4] == [
+        f"bind {R}{WORKSPACE}/.git/config -> {R}{WORKSPACE}/.git/config", f"setattr -R {R}{WORKSPACE}/.git/config +ro,nosuid,nodev",
+        f"bind {R}{WORKSPACE}/.git/hooks -> {R}{WORKSPACE}/.git/hooks", f"setattr -R {R}{WORKSPACE}/.git/hooks +ro,nosuid,nodev"]
+    expected[git:git + 4] = [*expected[git + 2:git + 4], *expected[git:git + 2]]
     assert _numbered(recorder.calls) == _numbered(expected), recorder.numbered()
 
 

@@ -108,16 +108,15 @@ OPTIONS: tuple[tuple[str, str | None, str, str], ...] = (
     ("--pass-env", "NAME", "append", "pass the caller's NAME (repeatable; the way to hand a secret to the command)"),
     ("--clear-env", None, "flag", "start from an empty environment"),
     ("--host-home", None, "flag", "keep the host's home directories visible (read-only) and HOME as it is"),
+    ("--review", "[=apply|discard|keep[:DIR]]", "optional",
+     "review mode: writes go to an overlay, not the host; at the end the change summary, then "
+     "[a]pply [d]iscard [k]eep [r]eview on a terminal (keep, saying where, without one); =apply, "
+     "=discard or =keep:DIR decide beforehand (a kept DIR: sandboxd changes|apply|discard DIR)"),
+    ("--review-bytes", "SIZE", "value", "as root, the change set's bound: a tmpfs of SIZE, past which the command's "
+                                        "writes get ENOSPC (default 1G, review.session_bytes's; 0: none)"),
     ("--help", None, "flag", "show this help and exit"),
 )
-# Experimental, not in --help until review mode is wired into sessions (issue 25): parsed like the rest.
-HIDDEN_OPTIONS: tuple[tuple[str, str | None, str, str], ...] = (
-    ("--review", "keep:DIR", "value", "review mode: the writable roots are overlays, the host is not written; "
-                                      "the change set is kept in DIR (new, or empty) and summarised at the end"),
-    ("--review-bytes", "SIZE", "value", "root's review: DIR is a tmpfs of this size, past which writes get ENOSPC "
-                                        "(default: review.session_bytes's; 0: no bound)"),
-)
-_BY_FLAG = {flag: (metavar, kind) for flag, metavar, kind, _ in (*OPTIONS, *HIDDEN_OPTIONS)}
+_BY_FLAG = {flag: (metavar, kind) for flag, metavar, kind, _ in OPTIONS}
 USAGE = "usage: sandboxd run [options] -- PROGRAM [ARGS...]"
 
 
@@ -136,7 +135,7 @@ def help_text() -> str:
 def parse_args(argv: list[str]) -> dict[str, object]:
     """Options as a dict keyed like the flags (``writable_root``...), plus ``command``."""
     options: dict[str, object] = {flag[2:].replace("-", "_"): [] if kind == "append" else None
-                                  for flag, _, kind, _ in (*OPTIONS, *HIDDEN_OPTIONS)}
+                                  for flag, _, kind, _ in OPTIONS}
     options["command"] = []
     index = 0
     while index < len(argv):
@@ -176,15 +175,14 @@ def parse_args(argv: list[str]) -> dict[str, object]:
     for flag in ("dns", "allow_host", "allow_domain"):
         if options[flag] and options["network"] not in (True, "isolated"):
             raise UsageError(f"--{flag.replace('_', '-')} only applies to the isolated network: add --network")
-    review = options["review"]
-    if review is not None:
-        decision, _, where = str(review).partition(":")
-        if decision != "keep" or not where:
-            raise UsageError(f"--review={review}: use --review=keep:DIR (apply and discard at the end are not "
-                             "there yet)")
-        options["review"] = os.path.abspath(where)
-    if options["review_bytes"] is not None and review is None:
-        raise UsageError("--review-bytes bounds a review directory: add --review=keep:DIR")
+    if options["review"] is not None:
+        from sandboxd.cli import run_review
+        try:
+            options["review"] = run_review.parse(options["review"])
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    if options["review_bytes"] is not None and options["review"] is None:
+        raise UsageError("--review-bytes bounds a review's change set: add --review")
     return options
 
 
@@ -301,16 +299,20 @@ def main(argv: list[str]) -> int:
     except SandboxdError as exc:
         _say(str(exc))
         return EXIT_SETUP_FAILED
-    review_dir = args["review"]
-    if isinstance(review_dir, str):
+    review, review_dir = args["review"], None
+    if review is not None:
+        from sandboxd.cli import run_review
         from sandboxd.kernel import overlay
+        assert isinstance(review, run_review.Review)
         try:
+            review_dir = run_review.new_directory(review, [spec.workspace, *_roots(spec)])
             overlay.make_review_dir(review_dir)
             from sandboxd.kernel import review_space             # the store's disk bound (issue 25)
             review_space.bound_run(review_dir, args["review_bytes"])
         except SandboxdError as exc:
             _say(str(exc))
             return EXIT_SETUP_FAILED
+        review = review.replace(directory=review_dir)
     # In review mode nothing reaches the host: what would be planted is flagged in the change set.
     guard = _git_guard(spec) if review_dir is None else None
     if guard is not None:
@@ -332,16 +334,16 @@ def main(argv: list[str]) -> int:
         # inherits at its 'default signals' step (process.default_signals).
         process.hold_forwarded_signals()
         try:
-            sandbox = Spawner().launch(spec, review_dir=review_dir if isinstance(review_dir, str) else None)
+            sandbox = Spawner().launch(spec, review_dir=review_dir)
             _forward_signals(sandbox)
         finally:
             process.release_forwarded_signals()
         sandbox.wait_started()
-        if isinstance(review_dir, str):
+        if review_dir is not None:
             _save_layers(review_dir, list(sandbox.plan.review_layers.values()))
     except SandboxdError as exc:
         _say(str(exc))
-        if isinstance(review_dir, str):
+        if review_dir is not None:
             _remove_review_dir(review_dir)           # made above for this run: nothing reached it
         if isinstance(exc, ExecFailed) and exc.errno == errno.EACCES:
             _note_uid(spec)
@@ -367,8 +369,12 @@ def main(argv: list[str]) -> int:
     if guard is not None:
         for item in guard.inspect():
             _say(item.describe())
-    if isinstance(review_dir, str):
-        _summarize_review(review_dir, list(sandbox.plan.review_layers.values()))
+    if review is not None:
+        from sandboxd.cli import run_review
+        assert isinstance(review, run_review.Review)
+        killed = ("the command timed out" if info.timed_out else
+                  f"the command was killed by signal {info.signal}" if info.signal is not None else "")
+        run_review.finish(review, list(sandbox.plan.review_layers.values()), killed=killed)
     if info.timed_out:
         sys.stderr.write(f"sandboxd run: timed out after {spec.limits.timeout_seconds:g}s; killed the whole tree\n")
     if info.oom_killed:
@@ -377,9 +383,6 @@ def main(argv: list[str]) -> int:
     if info.exit_code:                               # its own failure, not a timeout or a signal
         _note_uid(spec, sandbox.plan.uid, sandbox.plan.gid)
     return info.shell_status
-
-
-REVIEW_SUMMARY_LINES = 50
 
 
 def _remove_review_dir(review_dir: str) -> None:
@@ -400,24 +403,6 @@ def _save_layers(review_dir: str, layers: "list[Layers]") -> None:
         _say(f"review: could not record the layers in {review_dir}: {os.strerror(exc.errno or errno.EIO)}")
 
 
-def _summarize_review(review_dir: str, layers: "list[Layers]") -> None:
-    """Review mode's end: each root's changes, one line each (the first REVIEW_SUMMARY_LINES), on
-    stderr; they stay in ``review_dir``."""
-    from sandboxd.review import kept
-    try:
-        listed = kept.list_layers(layers, limit=REVIEW_SUMMARY_LINES)
-    except (SandboxdError, OSError) as exc:
-        _say(f"review: the change set in {review_dir} could not be listed: {exc}")
-        return
-    for change_set in listed:
-        count = len(change_set.changes)
-        more = "+" if change_set.next_after else ""
-        _say(f"review: {count}{more} change(s) to {change_set.root}, kept in {review_dir}")
-        for change in change_set.changes:
-            marks = (" [flagged]" if change.flags else "") + (" [conflict]" if change.conflict else "")
-            _say(f"  {change.kind:<12} {change.path or '.'}{marks}")
-
-
 def _note_uid(spec: LaunchSpec, uid: "int | None" = None, gid: "int | None" = None) -> None:
     """Root's run of a command that failed as the workspace's owner: say so (cli.run_user)."""
     from sandboxd.cli.run_user import uid_note
@@ -427,6 +412,11 @@ def _note_uid(spec: LaunchSpec, uid: "int | None" = None, gid: "int | None" = No
     note = uid_note(uid, gid, spec.workspace, asked=spec.user is not None)
     if note is not None:
         _say(note)
+
+
+def _roots(spec: LaunchSpec) -> "list[str]":
+    policy = spec.policy
+    return list(policy.writable_roots) if isinstance(policy, WorkspaceWrite) else []
 
 
 def _git_guard(spec: LaunchSpec) -> "GitGuard | None":

@@ -209,11 +209,9 @@ def make_layers(review_dir: str, index: int, root: str, root_fd: int, *, userxat
 def save(review_dir: str, layers: "list[Layers]") -> None:
     """Write the layers' record beside them (written aside, renamed into place): what an apply after
     the sandbox is gone, or after a daemon restart, starts from."""
-    import json                                 # not on every launch's path: json imports re
-
     from sandboxd.kernel.review_space import RESERVE, RESERVE_BYTES
 
-    data = json.dumps([item.as_dict() for item in layers], sort_keys=True).encode()
+    data = record_text(layers).encode()
     temporary = f"{review_dir}/.{LAYERS_FILE}.new"
     # A bounded store's reserve (kernel.review_space): written over its pages, the record needs no
     # new space, which the sandbox may have taken already; padded with white space (JSON ignores
@@ -235,6 +233,21 @@ def save(review_dir: str, layers: "list[Layers]") -> None:
     finally:
         os.close(fd)
     os.rename(temporary, f"{review_dir}/{LAYERS_FILE}")
+
+
+def record_text(layers: "list[Layers]") -> str:
+    """``json.dumps([layer.as_dict() ...], sort_keys=True)``, the same text, without importing json:
+    its import (re and enum with it) costs a `sandboxd run --review -- true` more than the rest of
+    review mode's set-up. Strings go through the C encoder json itself uses."""
+    from _json import encode_basestring_ascii as quoted
+
+    def value(item: object) -> str:
+        if isinstance(item, bool):
+            return "true" if item else "false"
+        return str(item) if isinstance(item, int) else quoted(str(item))
+    fields = (", ".join(f"{quoted(name)}: {value(item)}" for name, item in sorted(layer.as_dict().items()))
+              for layer in layers)
+    return "[" + ", ".join("{" + text + "}" for text in fields) + "]"
 
 
 def load(review_dir: str) -> "list[Layers]":
@@ -274,6 +287,19 @@ def _hint(code: int, userxattr: bool) -> str:
     return "the kernel refused the overlay (its reason is in the kernel log, 'overlayfs:' lines)"
 
 
+def upper_is_empty(upper_fd: int, root: str) -> bool:
+    """Whether the overlay whose upper layer is open as ``upper_fd`` changed nothing of the host
+    directory ``root``: no entry in the upper layer, and its top directory (which the overlay's
+    top shows, and a chmod or chown there copies up to) with the root's own mode and owner. One
+    directory read: no attribute, nothing of the host's tree."""
+    with os.scandir(upper_fd) as listing:
+        if next(listing, None) is not None:
+            return False
+    mine, host = os.fstat(upper_fd), os.stat(root)
+    return (stat.S_IMODE(mine.st_mode), mine.st_uid, mine.st_gid) == \
+        (stat.S_IMODE(host.st_mode), host.st_uid, host.st_gid)
+
+
 def remove_layers(review_dir: str) -> None:
     """Remove a review session's layers for good (discarded, expired). overlayfs leaves its work
     directory's inner ``work`` with mode 000: made searchable first, so a plain user (rootless)
@@ -283,9 +309,14 @@ def remove_layers(review_dir: str) -> None:
     fd = os.open(review_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         for name in os.listdir(fd):
-            inner = f"{review_dir}/{name}/work/work"
-            if os.path.isdir(inner) and not os.path.islink(inner):
-                os.chmod(inner, 0o700)
+            try:                                # beneath the directory's descriptor: no symlink followed
+                inner = beneath.open_beneath(fd, f"{name}/work/work", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+            except OSError:
+                continue
+            try:
+                os.chmod(f"/proc/self/fd/{inner}", 0o700)      # mode 000: an O_PATH descriptor, by its link
+            finally:
+                os.close(inner)
         for name in os.listdir(fd):
             beneath.remove_tree(fd, name)
     finally:
