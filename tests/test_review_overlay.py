@@ -32,7 +32,7 @@ from conftest import BASE_ENV, PY, REPO, SANDBOXD, SLOW, describe, make_dir
 from daemon_helpers import PlainUser, owned_dir, plain_users
 from review_helpers import EDITS, EXPECTED, local_disk, snapshot, tmpfs, usual_workspace
 from sandboxd.cli.change_sets import plain
-from sandboxd.kernel import caps, overlay
+from sandboxd.kernel import caps, overlay, review_space
 from sandboxd.review import apply as applying
 from sandboxd.review import changes as listing
 from sandboxd.review import conflicts, diff, rules, upper
@@ -56,7 +56,17 @@ def place() -> Iterator[Place]:
         # Where /var/tmp is no local disk (the VM guest: overlays over tmpfs, no loop devices), a
         # tmpfs of the test's own: a lower and, as root, an upper on every kernel.
         base = top if local_disk(str(top)) else stack.enter_context(tmpfs(top / "disk"))
+        stack.callback(release_stores, top)             # first: they may sit on the tmpfs above
         yield Place(owner, attacker, base)
+
+
+def release_stores(top: "Path | str") -> None:
+    """Unmount the review stores (kernel.review_space: a tmpfs per root run's review directory) the
+    tests left under ``top``, deepest first."""
+    with open("/proc/self/mountinfo") as info:
+        points = [line.split()[4] for line in info if line.split()[4].startswith(f"{top}/")]
+    for point in sorted(points, reverse=True):
+        review_space.release(point)
 
 
 def fresh(place: Place, name: str) -> tuple[Path, Path]:

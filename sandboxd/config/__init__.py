@@ -23,7 +23,8 @@ from typing import Callable, Self
 from sandboxd import defaults
 from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
-from sandboxd.policy.limits import DEFAULT_PTYS, MAX_PTYS
+from sandboxd.policy.limits import (DEFAULT_PTYS, DEFAULT_REVIEW_OWNER_BYTES, DEFAULT_REVIEW_SESSION_BYTES,
+                                    MAX_PTYS)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -142,6 +143,21 @@ def _size_or_empty(value: object) -> str | None:
 
 def _size(value: object) -> str | None:
     return "must be a size like 256M or 1G" if value == "" else _size_or_empty(value)
+
+
+def _review_bytes(*, zero: bool) -> "Callable[[object], str | None]":
+    """A review store's size (kernel.review_space): at least its MIN_SHARE, 1 MiB; "0" where
+    ``zero``: no bound."""
+    def check(value: object) -> str | None:
+        if zero and value in ("0", 0):
+            return None
+        wanted = "a size of at least 1M, like 512M or 2G" + (" (\"0\": no bound)" if zero else "")
+        if value == "" or _size_or_empty(value) is not None:
+            return f"must be {wanted}, not {value!r}"
+        from sandboxd.policy import parse_size
+
+        return None if parse_size(str(value)) >= 1 << 20 else f"must be {wanted}, not {value!r}"
+    return check
 
 
 def _min_free(value: object) -> str | None:
@@ -274,9 +290,6 @@ KEYS: tuple[Key, ...] = (
     Key("defaults", "memory", "", "memory limit of sessions that set none (512M, 2G); empty: min(8G, half of "
         "RAM)", _size_or_empty),
     Key("defaults", "pids", 0, "process (task) limit of sessions that set none; 0: 1024", _whole(0, 1 << 22)),
-    Key("review", "default", False, "review mode for a workspace-write session whose CreateSession does not say "
-        "(its writes are kept in a change set under state.dir and reach the host only when applied: "
-        "docs/review-mode.md); a session asks for it or not with `review`", _boolean),
     Key("limits", "max_memory", "", "the most memory a session may ask for (more is refused); empty: "
         "limits.total_memory", _size_or_empty),
     Key("limits", "max_pids", 0, "the most processes (tasks) a session may ask for; 0: limits.total_pids",
@@ -294,6 +307,17 @@ KEYS: tuple[Key, ...] = (
         "most quotas.sessions_per_uid times this", _whole(1, MAX_PTYS)),
     Key("limits", "owner_memory", "", "memory of all sandboxes of one owner together; empty: no share (only "
         "limits.total_memory: the OOM killer acts there)", _size_or_empty),
+    Key("review", "default", False, "review mode for a workspace-write session whose CreateSession does not say "
+        "(its writes are kept in a change set under state.dir and reach the host only when applied: "
+        "docs/review-mode.md); a session asks for it or not with `review`", _boolean),
+    Key("review", "session_bytes", DEFAULT_REVIEW_SESSION_BYTES, "bytes one review session's change set may hold "
+        "(its upper layers, in a tmpfs of this size: memory, counted in the session's memory limit); past it the "
+        "sandbox's writes get ENOSPC. \"0\": no bound at all, the change sets are plain directories on the state "
+        "directory's disk (for a host that bounds that disk otherwise)", _review_bytes(zero=True)),
+    Key("review", "owner_bytes", DEFAULT_REVIEW_OWNER_BYTES, "bytes all review sessions of one owner (a uid, a TLS "
+        "principal) may hold together, kept change sets included: a new session gets the smaller of "
+        "review.session_bytes and what the owner's others leave, and is refused (RESOURCE_EXHAUSTED) under 1 MiB",
+        _review_bytes(zero=False)),
     Key("metrics", "listen", "", "HOST:PORT of the Prometheus metrics listener (HTTP, /metrics); empty: none",
         _text),
     Key("log", "level", "info", "info: the daemon's life and its problems; debug: also every decision and call "

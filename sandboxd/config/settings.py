@@ -64,6 +64,8 @@ class DaemonSettings:
     metrics_listen: str
     log_format: str
     log_level: str
+    review_session_bytes: int     # review.session_bytes (0: no bound), for kernel.review_space.make_store
+    review_owner_bytes: int       # review.owner_bytes
 
     @property
     def config_path(self) -> str | None:
@@ -134,7 +136,14 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         published_connections=config.whole("quotas.published_connections_per_session"),
         published_per_peer=config.whole("quotas.published_connections_per_peer"),
         session_defaults=defaults, metrics_listen=config.text("metrics.listen"),
-        log_format=config.text("log.format"), log_level=config.text("log.level"))
+        log_format=config.text("log.format"), log_level=config.text("log.level"),
+        review_session_bytes=_size_or_zero(config, "review.session_bytes"),
+        review_owner_bytes=parse_size(config.text("review.owner_bytes"), "review.owner_bytes"))
+
+
+def _size_or_zero(config: Config, dotted: str) -> int:
+    text = str(config[dotted])
+    return 0 if text == "0" else parse_size(text, dotted)
 
 
 def _tls(config: Config, refuse: "Callable[[str, str], ConfigError]") -> TlsSettings | None:

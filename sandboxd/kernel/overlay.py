@@ -260,9 +260,24 @@ def reuse_layers(review_dir: str, roots: "tuple[str, ...]", descriptors: "dict[s
 def save(review_dir: str, layers: "list[Layers]") -> None:
     """Write the layers' record beside them (written aside, renamed into place): what an apply after
     the sandbox is gone, or after a daemon restart, starts from."""
+    from sandboxd.kernel.review_space import RESERVE, RESERVE_BYTES
+
     data = record_text(layers).encode()
     temporary = f"{review_dir}/.{LAYERS_FILE}.new"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    # A bounded store's reserve (kernel.review_space): written over its pages, the record needs no
+    # new space, which the sandbox may have taken already; padded with white space (JSON ignores
+    # it) to the reserve's size, it gives no page back to the sandbox either.
+    taken = False
+    if len(data) <= RESERVE_BYTES:
+        try:
+            os.rename(f"{review_dir}/{RESERVE}", temporary)
+            taken = True
+        except FileNotFoundError:
+            pass
+    if taken:
+        data = data.ljust(RESERVE_BYTES)
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (0 if taken else os.O_TRUNC),
+                 0o600)
     try:
         os.write(fd, data)
         os.fsync(fd)
@@ -339,8 +354,8 @@ def upper_is_empty(upper_fd: int, root: str) -> bool:
 def remove_layers(review_dir: str) -> None:
     """Remove a review session's layers for good (discarded, expired). overlayfs leaves its work
     directory's inner ``work`` with mode 000: made searchable first, so a plain user (rootless)
-    can remove what it made."""
-    from sandboxd.kernel import beneath
+    can remove what it made. A bounded store (kernel.review_space) is emptied, then unmounted."""
+    from sandboxd.kernel import beneath, review_space
 
     fd = os.open(review_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
@@ -357,4 +372,5 @@ def remove_layers(review_dir: str) -> None:
             beneath.remove_tree(fd, name)
     finally:
         os.close(fd)
+    review_space.release(review_dir)
     os.rmdir(review_dir)
