@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from sandboxd.client import SandboxClient
 from sandboxd.printable import printable
@@ -111,3 +112,76 @@ def _changes(client: SandboxClient, args: argparse.Namespace, workspace: str) ->
     if unhashed:
         print(f"({unhashed} file(s) of the same size as the host's were not hashed: listed as modified)")
     return 0
+
+
+SUMMARY_LINES = 20               # changes shown above the end-of-session question
+PROMPT_KEYS = "adkr"
+
+
+def end_of_session(client: SandboxClient, session_id: str) -> None:
+    """On a terminal, after `sandboxctl shell`, `exec -t`, or before `session close`: a review
+    session with pending changes asks the person in place, `[a]pply [d]iscard [k]eep [r]eview`
+    (r shows the diff and asks again; Ctrl-C, Ctrl-D or the terminal's end keep). Anything that
+    goes wrong here keeps the changes and says so: the command's own status is never changed."""
+    if not (sys.stdin.isatty() and sys.stderr.isatty()):
+        return
+    import grpc
+    try:
+        session = client.get_session(session_id)
+        if not session.review:
+            return
+        page = client.stub.ListChanges(pb.ListChangesRequest(session_id=session_id, page_size=SUMMARY_LINES))
+        if not page.changes:
+            return
+        more = " (and more)" if page.next_page_token else ""
+        _say(f"review: {len(page.changes)}{more} pending change(s) in session {printable(session_id)}, "
+             "not on the host yet:")
+        for change in page.changes:
+            _say("  " + change_line(change, session.workspace))
+        decision = _ask(client, session_id)
+        if decision == "a":
+            result = client.apply_changes(session_id)
+            for applied in result.applied:
+                _say(f"applied {printable(shown_path(applied.root, applied.path, session.workspace))}")
+            for item in result.skipped:
+                _say(f"skipped {printable(shown_path(item.root, item.path, session.workspace))}: "
+                     f"{printable(item.reason)}")
+            if result.skipped:
+                _say(f"review: what was skipped stays; see `sandboxctl changes {printable(session_id)}`, "
+                     "then `sandboxctl apply` with --force or --include-flagged PATH")
+        elif decision == "d":
+            result_discard = client.discard_changes(session_id)
+            _say(f"review: {len(result_discard.discarded)} change(s) discarded")
+            for item in result_discard.skipped:
+                _say(f"skipped {printable(shown_path(item.root, item.path, session.workspace))}: "
+                     f"{printable(item.reason)}")
+        else:
+            _say(f"review: kept; `sandboxctl changes {printable(session_id)} --diff`, then "
+                 f"`sandboxctl apply` or `sandboxctl discard` {printable(session_id)}")
+    except grpc.RpcError as error:
+        _say(f"review: {error.code().name}: {printable(error.details() or '')}: the changes are kept")
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _ask(client: SandboxClient, session_id: str) -> str:
+    """The person's key: a, d or k (r shows the diff first and asks again)."""
+    import termios
+
+    from sandboxd.cli.keys import KeyReader
+    keys = KeyReader(sys.stdin.fileno())
+    while True:
+        # Only a key typed once the question shows answers it: one typed ahead (for the command,
+        # while it ran) is dropped.
+        termios.tcflush(sys.stdin.fileno(), termios.TCIFLUSH)
+        key = keys.read("review: [a]pply [d]iscard [k]eep [r]eview? ", PROMPT_KEYS, keep_waiting=lambda: True)
+        sys.stderr.write((key if key and key in PROMPT_KEYS else "") + "\n")
+        if key == "r":
+            for text in client.diff_changes(session_id):
+                for line in text.splitlines():
+                    _say(printable(line))
+            continue
+        return key if key in ("a", "d") else "k"

@@ -329,9 +329,11 @@ def _exec_or_shell(client: SandboxClient, args: argparse.Namespace, command: lis
                          caller_env=caller_environment(on_terminal=sys.stdout.isatty()))
     with approval_prompt.ExecApprovals(client, args.session_id, context_id, f"sandboxctl {socket_option}".rstrip(),
                                        interactive=approval_prompt.on_terminal()) as approvals:
-        if on_terminal:
-            return terminal.run(client, start, on_started=approvals.stop)
-        return _exec(client, start, on_started=approvals.stop)
+        if not on_terminal:
+            return _exec(client, start, on_started=approvals.stop)
+        status = terminal.run(client, start, on_started=approvals.stop)
+    changes.end_of_session(client, args.session_id)        # a review session's pending changes: asked here
+    return status
 
 
 def _exec(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], None] = lambda: None) -> int:
@@ -437,6 +439,7 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
             else:
                 print(_session_line(session))
     elif args.action == "close":
+        changes.end_of_session(client, args.session_id)    # before it closes: apply, discard or keep
         client.close_session(args.session_id)
         print(f"{printable(args.session_id)} closed")              # a command a person types says what it did
     elif args.action == "policy":
