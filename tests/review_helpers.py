@@ -45,6 +45,14 @@ def tmpfs(where: Path, size: str = "256m") -> Iterator[Path]:
             subprocess.run(["umount", "-l", str(where)], check=True, capture_output=True, timeout=60)
 
 
+def free_stores(state_dir: Path) -> None:
+    """Remove every change set a test daemon kept under ``state_dir`` (its daemon closed): a bounded
+    store is a tmpfs in the host's mount namespace, which no directory removal takes away."""
+    review = state_dir / "review"
+    for path in sorted(review.iterdir()) if review.is_dir() else []:
+        overlay.remove_layers(str(path))
+
+
 def usual_workspace(ws: Path, owner: PlainUser) -> Path:
     """A new workspace of ``owner``'s at ``ws`` with the usual contents (what EDITS changes)."""
     owned_dir(ws, owner)

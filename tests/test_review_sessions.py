@@ -27,7 +27,7 @@ import pytest
 from conftest import BASE_ENV, REPO, SLOW, describe
 from daemon_helpers import (Daemon, DaemonFactory, PlainUser, daemon_factory, owned_dir, plain_users,
                             run_client_as)
-from review_helpers import EDITS, EXPECTED, local_disk, snapshot, tmpfs, usual_workspace
+from review_helpers import EDITS, EXPECTED, free_stores, local_disk, snapshot, tmpfs, usual_workspace
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -54,6 +54,7 @@ def place() -> Iterator[Place]:
         daemon = factory(args=["--state-dir", str(disk / "state")])
         yield Place(factory, daemon, owner, attacker, disk)
         daemon.close()                              # before its state's tmpfs (if any) is unmounted
+        free_stores(disk / "state")                 # the kept change sets' stores (tmpfs mounts)
 
 
 def fresh(place: Place, name: str) -> Path:

@@ -158,7 +158,8 @@ class Daemon:
                                        published_per_peer=s.published_per_peer, quotas=counters,
                                        allow_user_full_access=s.allow_user_full_access,
                                        count_network_denial=metrics.network_denials.inc,
-                                       review_dir=os.path.join(os.path.abspath(s.state_dir), "review"))
+                                       review_dir=os.path.join(os.path.abspath(s.state_dir), "review"),
+                                       review_bytes=(s.review_session_bytes, s.review_owner_bytes))
             undo.callback(registry.close_all)
             resumed = registry.restore()
             # What ends with a client's process: sessions asked for with close_with_caller, approval
