@@ -4,7 +4,10 @@ makes it. A write past the session's bound gets ENOSPC inside the sandbox while 
 serving (control: a daemon with a bigger bound lets the same write land); an owner's second
 session is bounded by what its first leaves of review.owner_bytes; after a SIGKILLed daemon's
 restart the stores are still mounted and still counted (a third session is refused naming
-review.owner_bytes until one is freed by closing it with nothing pending).
+review.owner_bytes until one is freed by closing it with nothing pending); a failed build leaves
+no store. A session closed with changes pending is listed, applied (one path, then the rest) and
+discarded after the close by its owner (another user: NOT_FOUND), and what leaves nothing frees
+its store and directory.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import pytest
 
 from conftest import SLOW
 from daemon_helpers import Daemon, PlainUser, daemon_factory, plain_users, run_client_as
-from review_helpers import free_stores, local_disk, tmpfs, usual_workspace
+from review_helpers import CLIENT, free_stores, local_disk, tmpfs, usual_workspace
 from sandboxd.kernel import review_space
 
 pytestmark = pytest.mark.timeout(600)
@@ -48,27 +51,6 @@ def place() -> Iterator[Place]:
         roomy = other(config=ROOMY, args=["--state-dir", str(other.base / "roomy")])
         stack.callback(roomy.close)
         yield Place(small, roomy, owner, disk)
-
-
-CLIENT = r'''
-answers = []
-for name, fields in ARGS["ops"]:
-    try:
-        if name == "create":
-            reply = stub.CreateSession(pb.CreateSessionRequest(
-                workspace=fields["workspace"], approval_policy=pb.NEVER, review=True,
-                sandbox_policy=pb.SandboxPolicy(mode=pb.SandboxPolicy.Mode.Value("WORKSPACE_WRITE"))), timeout=180)
-            answers.append({"ok": True, "id": reply.id})
-        elif name == "exec":
-            out, status = run(fields["session"], ["sh", "-c", fields["script"]])
-            answers.append({"ok": True, "stdout": out, "status": status})
-        else:
-            getattr(stub, name)(getattr(pb, name + "Request")(**fields), timeout=180)
-            answers.append({"ok": True})
-    except grpc.RpcError as error:
-        answers.append({"ok": False, "code": error.code().name, "details": error.details()})
-print(json.dumps(answers))
-'''
 
 
 def call(daemon: Daemon, user: PlainUser, *ops: tuple[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -152,3 +134,38 @@ def test_a_failed_build_leaves_no_store(place: Place) -> None:
     mounted = Path("/proc/self/mountinfo").read_text()
     assert not [line for line in mounted.splitlines() if str(place.disk / "small" / "review") in line
                 and not any(str(path) in line for path in before)]
+
+
+def test_a_closed_sessions_change_set_is_listed_and_applied_after_close_then_freed(place: Place) -> None:
+    ws = place.disk / "ws-closed"
+    session = create(place, place.small, "ws-closed")
+    assert call(place.small, place.owner, ("exec", {"session": session, "script": "echo kept > added.txt; rm del.txt"}))[0]["ok"]
+    assert call(place.small, place.owner, ("CloseSession", {"session_id": session}))[0]["ok"]
+    assert review_space.is_store(store(place, session))         # pending: kept (and sealed)
+    listed = call(place.small, place.owner, ("ListChanges", {"session_id": session}))[0]
+    assert listed["ok"], listed
+    # Another user learns nothing of it (NOT_FOUND, as for an open session of someone else's).
+    with plain_users(1) as (stranger,):
+        for name in ("ListChanges", "ApplyChanges", "DiscardChanges"):
+            theirs = call(place.small, stranger, (name, {"session_id": session}))[0]
+            assert not theirs["ok"] and theirs["code"] == "NOT_FOUND", theirs
+    assert (ws / "del.txt").exists() and not (ws / "added.txt").exists()
+    applied = call(place.small, place.owner, ("ApplyChanges", {"session_id": session, "paths": ["added.txt"]}))[0]
+    assert applied["ok"], (applied, place.small.log()[-3000:])
+    assert (ws / "added.txt").read_text() == "kept\n" and (ws / "del.txt").exists()   # exactly that path
+    assert review_space.is_store(store(place, session))         # del.txt still pending: kept
+    assert call(place.small, place.owner, ("ApplyChanges", {"session_id": session}))[0]["ok"]
+    assert not (ws / "del.txt").exists()
+    assert not Path(store(place, session)).exists()             # nothing left: the store and directory freed
+    gone = call(place.small, place.owner, ("ListChanges", {"session_id": session}))[0]
+    assert not gone["ok"] and gone["code"] == "NOT_FOUND" and "keeps no change set" in gone["details"], gone
+
+
+def test_a_closed_sessions_discard_of_all_frees_its_store(place: Place) -> None:
+    session = create(place, place.small, "ws-closed-discard")
+    assert call(place.small, place.owner, ("exec", {"session": session, "script": "echo x > added.txt"}))[0]["ok"]
+    assert call(place.small, place.owner, ("CloseSession", {"session_id": session}))[0]["ok"]
+    assert review_space.is_store(store(place, session))
+    assert call(place.small, place.owner, ("DiscardChanges", {"session_id": session}))[0]["ok"]
+    assert not Path(store(place, session)).exists()
+    assert not (place.disk / "ws-closed-discard" / "added.txt").exists()

@@ -37,6 +37,10 @@ log = logging.getLogger("sandboxd")
 SESSION_PLACEHOLDER_ARGV = ("sandboxd-session",)  # a session's spec runs no command itself
 
 
+# What a closed session's sealed store keeps free for the conflict baselines its applies save.
+SEAL_SLACK = 1 << 20
+
+
 class OwnPlaces(Record):
     """What of the daemon no sandbox may see or reach: the directories hidden inside every
     sandbox, the Unix sockets and the TCP listeners ("HOST:PORT") connect() is refused for."""
@@ -189,13 +193,14 @@ class SessionLifecycle:
     def _drop_empty_change_set(self, session: Session) -> None:
         """A closed review session's directory goes when it holds no change (its sandbox is gone); a
         change set with changes stays, its store shrunk to what it holds (review_space.seal: the
-        rest of its bound goes back to the owner's share)."""
+        rest of its bound goes back to the owner's share) and SEAL_SLACK, which the daemon's own
+        records of later applies (their conflict baselines, review.conflicts) are written into."""
         if not session.review:
             return
         try:
             if not overlay.remove_if_unchanged(self.review_dir(session)) and \
                     review_space.is_store(self.review_dir(session)):
-                review_space.seal(self.review_dir(session))
+                review_space.seal(self.review_dir(session), SEAL_SLACK)
         except OSError as exc:
             log.warning("session %s: its empty change set could not be removed: %s", session.id, exc)
 
@@ -356,7 +361,10 @@ class SessionLifecycle:
 
     def review_dir(self, session: Session) -> str:
         """Where a review session's change set is (made by the fork server); "" for one in direct mode."""
-        return os.path.join(self._places.review_dir, session.id) if session.review else ""
+        return self.review_dir_of(session.id) if session.review else ""
+
+    def review_dir_of(self, session_id: str) -> str:
+        return os.path.join(self._places.review_dir, session_id)
 
     def _owner_stores(self, session: Session) -> list[str]:
         """The review directories of the owner's other review sessions, which its new store's share
@@ -370,7 +378,7 @@ class SessionLifecycle:
         ids.update(row.id for row in self._store.sessions(include_closed=True)
                    if row.review and (row.owner_uid, row.owner_principal) == mine)
         ids.discard(session.id)
-        return sorted(os.path.join(self._places.review_dir, other) for other in ids)
+        return sorted(self.review_dir_of(other) for other in ids)
 
     def _spec(self, session: Session, policy: SandboxPolicy) -> LaunchSpec:
         # The workspace, the writable roots and the allowed sockets are opened and checked by the

@@ -176,6 +176,10 @@ class SessionRegistry:
     def review_dir(self, session: Session) -> str:
         return self._life.review_dir(session)
 
+    def review_dir_of(self, session_id: str) -> str:
+        """Where the review session ``session_id`` (open or closed) keeps its change set."""
+        return self._life.review_dir_of(session_id)
+
     # -- calls ---------------------------------------------------------------------------------
 
     def ready(self, session: Session) -> None:
