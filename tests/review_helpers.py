@@ -45,6 +45,14 @@ def tmpfs(where: Path, size: str = "256m") -> Iterator[Path]:
             subprocess.run(["umount", "-l", str(where)], check=True, capture_output=True, timeout=60)
 
 
+def free_stores(state_dir: Path) -> None:
+    """Remove every change set a test daemon kept under ``state_dir`` (its daemon closed): a bounded
+    store is a tmpfs in the host's mount namespace, which no directory removal takes away."""
+    review = state_dir / "review"
+    for path in sorted(review.iterdir()) if review.is_dir() else []:
+        overlay.remove_layers(str(path))
+
+
 def usual_workspace(ws: Path, owner: PlainUser) -> Path:
     """A new workspace of ``owner``'s at ``ws`` with the usual contents (what EDITS changes)."""
     owned_dir(ws, owner)
@@ -97,3 +105,29 @@ def snapshot(top: Path) -> dict[str, tuple[object, ...]]:
             seen[str(path.relative_to(top))] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid,
                                                 st.st_gid, body)
     return seen
+
+
+# What a client body does, as a plain user: ARGS["ops"] is a list of [name, request fields]; each
+# answer (or its status code and details) is printed as JSON.
+CLIENT = r'''
+from google.protobuf.json_format import MessageToDict
+answers = []
+for name, fields in ARGS["ops"]:
+    try:
+        if name == "create":
+            reply = stub.CreateSession(pb.CreateSessionRequest(
+                workspace=fields["workspace"], approval_policy=pb.NEVER, review=fields.get("review", True),
+                sandbox_policy=pb.SandboxPolicy(mode=pb.SandboxPolicy.Mode.Value(fields.get("mode", "WORKSPACE_WRITE")))),
+                timeout=180)
+        elif name == "exec":
+            out, status = run(fields["session"], ["sh", "-c", fields["script"]])
+            answers.append({"ok": True, "stdout": out, "status": status})
+            continue
+        else:
+            request = getattr(pb, name + "Request")(**fields)
+            reply = getattr(stub, name)(request, timeout=180)
+        answers.append({"ok": True, **MessageToDict(reply, preserving_proto_field_name=True)})
+    except grpc.RpcError as error:
+        answers.append({"ok": False, "code": error.code().name, "details": error.details()})
+print(json.dumps(answers))
+'''

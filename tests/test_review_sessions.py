@@ -27,7 +27,7 @@ import pytest
 from conftest import BASE_ENV, REPO, SLOW, describe
 from daemon_helpers import (Daemon, DaemonFactory, PlainUser, daemon_factory, owned_dir, plain_users,
                             run_client_as)
-from review_helpers import EDITS, EXPECTED, local_disk, snapshot, tmpfs, usual_workspace
+from review_helpers import CLIENT, EDITS, EXPECTED, free_stores, local_disk, snapshot, tmpfs, usual_workspace
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -54,37 +54,12 @@ def place() -> Iterator[Place]:
         daemon = factory(args=["--state-dir", str(disk / "state")])
         yield Place(factory, daemon, owner, attacker, disk)
         daemon.close()                              # before its state's tmpfs (if any) is unmounted
+        free_stores(disk / "state")                 # the kept change sets' stores (tmpfs mounts)
 
 
 def fresh(place: Place, name: str) -> Path:
     """A workspace of the owner's with the usual contents."""
     return usual_workspace(place.disk / name, place.owner)
-
-
-# What a client body does, as a plain user: ARGS["ops"] is a list of [name, request fields]; each
-# answer (or its status code and details) is printed as JSON.
-CLIENT = r'''
-from google.protobuf.json_format import MessageToDict
-answers = []
-for name, fields in ARGS["ops"]:
-    try:
-        if name == "create":
-            reply = stub.CreateSession(pb.CreateSessionRequest(
-                workspace=fields["workspace"], approval_policy=pb.NEVER, review=fields.get("review", True),
-                sandbox_policy=pb.SandboxPolicy(mode=pb.SandboxPolicy.Mode.Value(fields.get("mode", "WORKSPACE_WRITE")))),
-                timeout=180)
-        elif name == "exec":
-            out, status = run(fields["session"], ["sh", "-c", fields["script"]])
-            answers.append({"ok": True, "stdout": out, "status": status})
-            continue
-        else:
-            request = getattr(pb, name + "Request")(**fields)
-            reply = getattr(stub, name)(request, timeout=180)
-        answers.append({"ok": True, **MessageToDict(reply, preserving_proto_field_name=True)})
-    except grpc.RpcError as error:
-        answers.append({"ok": False, "code": error.code().name, "details": error.details()})
-print(json.dumps(answers))
-'''
 
 
 def as_user(place: Place, user: PlainUser, *ops: tuple[str, dict[str, Any]]) -> list[dict[str, Any]]:

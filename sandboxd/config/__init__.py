@@ -87,6 +87,12 @@ def _positive_seconds(value: object) -> str | None:
     return None
 
 
+def _days_or_zero(value: object) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return f"must be a number of days, 0 (kept until applied or discarded) or more, not {value!r}"
+    return None
+
+
 def _ipv4_list(value: object) -> str | None:
     if not isinstance(value, list):
         return "must be a list of IPv4 addresses, like [\"192.0.2.53\"]"
@@ -318,6 +324,9 @@ KEYS: tuple[Key, ...] = (
         "principal) may hold together, kept change sets included: a new session gets the smaller of "
         "review.session_bytes and what the owner's others leave, and is refused (RESOURCE_EXHAUSTED) under 1 MiB",
         _review_bytes(zero=False)),
+    Key("review", "keep_days", 14, "days a closed review session's change set with pending changes is kept (to "
+        "list, apply or discard: docs/review-mode.md) before the daemon's sweep removes it, with an audit event; "
+        "0: kept until applied or discarded. A fraction of a day is taken as it is", _days_or_zero),
     Key("metrics", "listen", "", "HOST:PORT of the Prometheus metrics listener (HTTP, /metrics); empty: none",
         _text),
     Key("log", "level", "info", "info: the daemon's life and its problems; debug: also every decision and call "

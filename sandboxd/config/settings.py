@@ -66,6 +66,7 @@ class DaemonSettings:
     log_level: str
     review_session_bytes: int     # review.session_bytes (0: no bound), for kernel.review_space.make_store
     review_owner_bytes: int       # review.owner_bytes
+    review_keep_days: float       # review.keep_days (0: kept for good), for service.review_expiry
 
     @property
     def config_path(self) -> str | None:
@@ -138,7 +139,8 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         session_defaults=defaults, metrics_listen=config.text("metrics.listen"),
         log_format=config.text("log.format"), log_level=config.text("log.level"),
         review_session_bytes=_size_or_zero(config, "review.session_bytes"),
-        review_owner_bytes=parse_size(config.text("review.owner_bytes"), "review.owner_bytes"))
+        review_owner_bytes=parse_size(config.text("review.owner_bytes"), "review.owner_bytes"),
+        review_keep_days=config.number("review.keep_days"))
 
 
 def _size_or_zero(config: Config, dotted: str) -> int:

@@ -212,11 +212,12 @@ def used(path: str) -> int:
     return max(0, (st.f_blocks - st.f_bfree) * st.f_frsize - RESERVE_BYTES)
 
 
-def seal(path: str) -> int:
-    """Shrink the store at ``path`` to what it holds now, once nothing writes to it (its sandbox is
-    gone, the change set is kept): the rest of its bound goes back to the owner's share. Returns the
-    new bound. A store that grew meanwhile keeps its bound (the remount is refused; nothing lost)."""
-    size = max(used(path), PAGE)
+def seal(path: str, slack: int = 0) -> int:
+    """Shrink the store at ``path`` to what it holds now plus ``slack`` bytes, once nothing writes
+    to it (its sandbox is gone, the change set is kept): the rest of its bound goes back to the
+    owner's share. Returns the new bound. A store that grew meanwhile keeps its bound (the remount
+    is refused; nothing lost)."""
+    size = max(used(path) + slack, PAGE)
     try:
         mounts.mount(None, path, None, mounts.MS_REMOUNT | mounts.MS_NOSUID | mounts.MS_NODEV | mounts.MS_NOEXEC,
                      f"size={size + RESERVE_BYTES}", step=STEP)

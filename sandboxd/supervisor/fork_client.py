@@ -133,11 +133,14 @@ class ForkServer:
         self._expect(call_id, Started)
         return call_id
 
-    def open_session(self, session: str, spec: LaunchSpec, review_dir: str = "") -> "SessionInfo":
+    def open_session(self, session: str, spec: LaunchSpec, review_dir: str = "", *, session_bytes: int = 0,
+                     owner_bytes: int = 0, owner_stores: "list[str] | None" = None) -> "SessionInfo":
         """Build a session's sandbox (``spec.argv`` is not run): its init's pid and, with an isolated
-        network, its addresses. ``review_dir``: review mode, its change set there (SessionOpen)."""
+        network, its addresses. ``review_dir``: review mode, its change set there, a store bounded
+        by the other three (SessionOpen)."""
         wire = spec_record(spec)
-        call_id = self._request(lambda call_id: SessionOpen(call_id, session, wire, review_dir))
+        call_id = self._request(lambda call_id: SessionOpen(call_id, session, wire, review_dir, session_bytes,
+                                                            owner_bytes, list(owner_stores or [])))
         event = self._expect(call_id, SessionReady)
         with self._cond:
             passed = self._passed.pop(call_id, [])

@@ -27,7 +27,7 @@ import json
 import socket
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from sandboxd._record import Choice, Record
+from sandboxd._record import Choice, Factory, Record
 from sandboxd.errors import InvalidPolicy, SandboxdError
 from sandboxd.policy.limits import Limits
 from sandboxd.policy.limits import check_timeout as limits_check_timeout
@@ -408,10 +408,16 @@ class Launch(Request, kind="launch"):
 class SessionOpen(Request, kind="session_open"):
     """Build a session's sandbox from ``spec`` (its argv is not run). ``review_dir``: review mode,
     the session's change set there (made 0700 by the fork server; an earlier build's layers are
-    reused: kernel.overlay.reuse_layers); "": the roots are written directly."""
+    reused: kernel.overlay.reuse_layers); "": the roots are written directly. A new review
+    directory is a bounded store (kernel.review_space) of ``session_bytes`` (0: none) or what
+    ``owner_stores`` (the owner's other review directories, by the daemon's records) leave of
+    ``owner_bytes``, whichever is smaller: the fork server reads their bounds from the kernel."""
     session: str
     spec: SpecRecord
     review_dir: str = ""
+    session_bytes: int = 0
+    owner_bytes: int = 0
+    owner_stores: list[str] = Factory(list)
 
 
 class SessionClose(Request, kind="session_close"):

@@ -341,6 +341,8 @@ class _Server:
         spec = launch_spec(request.spec)
         check_timeout(spec.limits.timeout_seconds, "limit timeout_seconds")
         review_dir, fresh = _review_dir(request.review_dir)
+        if fresh and review_dir is not None:
+            _bound_review_dir(review_dir, request)
         self._opening.add(name)
 
         def undo() -> None:
@@ -714,6 +716,25 @@ def _review_dir(path: str, make: bool = True) -> tuple[str | None, bool]:
         return path, False
     made, kept = overlay.make_session_dir(base, name)
     return made, not kept
+
+
+def _bound_review_dir(path: str, request: SessionOpen) -> None:
+    """Make the review directory ``path`` just made a bounded store (kernel.review_space): its
+    share is the session's bound or what the owner's other stores (``owner_stores``, named by the
+    daemon, each beside it) reserve now of the owner's, read from the kernel (a tmpfs mount of
+    the daemon's own: nothing a caller can make wait). On refusal the directory is removed."""
+    from sandboxd.kernel import review_space
+    if not request.session_bytes:
+        return
+    try:
+        base = os.path.dirname(path)
+        others = [other for other in request.owner_stores if os.path.dirname(other) == base and other != path
+                  and os.path.normpath(other) == other]
+        total = sum(review_space.reserved(other) for other in others)
+        review_space.bound(path, review_space.share(request.session_bytes, request.owner_bytes, total))
+    except BaseException:
+        _remove_review_dir(path)
+        raise
 
 
 def _remove_review_dir(path: str | None) -> None:

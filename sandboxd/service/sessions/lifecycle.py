@@ -21,7 +21,7 @@ from typing import Callable, TypeVar
 from sandboxd._record import Record
 from sandboxd.audit.store import EventStore, EventType
 from sandboxd.errors import InvalidPolicy, NotFound, WrongState
-from sandboxd.kernel import overlay
+from sandboxd.kernel import overlay, review_space
 from sandboxd.policy import LaunchSpec, Limits, SandboxPolicy
 from sandboxd.policy.decision import ApprovalPolicy, ToolRules
 from sandboxd.service.callers import Caller
@@ -35,6 +35,10 @@ from sandboxd.supervisor.fork_client import ForkServer, SessionInfo
 T = TypeVar("T")
 log = logging.getLogger("sandboxd")
 SESSION_PLACEHOLDER_ARGV = ("sandboxd-session",)  # a session's spec runs no command itself
+
+
+# What a closed session's sealed store keeps free for the conflict baselines its applies save.
+SEAL_SLACK = 1 << 20
 
 
 class OwnPlaces(Record):
@@ -53,6 +57,8 @@ class SandboxPlaces(Record):
     own: OwnPlaces = OwnPlaces()
     dns: tuple[str, ...] = ()           # resolvers for isolated networks (default: the host's)
     review_dir: str = ""                # where review sessions' change sets are, one directory each (STATE/review)
+    review_session_bytes: int = 0       # each a bounded store (kernel.review_space): review.session_bytes (0: none)
+    review_owner_bytes: int = 0         # and review.owner_bytes
     network_pool: str = ""              # addresses of isolated networks (default: netns's)
 
 
@@ -186,11 +192,15 @@ class SessionLifecycle:
 
     def _drop_empty_change_set(self, session: Session) -> None:
         """A closed review session's directory goes when it holds no change (its sandbox is gone); a
-        change set with changes stays (docs/review-mode.md: there is no expiry yet)."""
+        change set with changes stays, its store shrunk to what it holds (review_space.seal: the
+        rest of its bound goes back to the owner's share) and SEAL_SLACK, which the daemon's own
+        records of later applies (their conflict baselines, review.conflicts) are written into."""
         if not session.review:
             return
         try:
-            overlay.remove_if_unchanged(self.review_dir(session))
+            if not overlay.remove_if_unchanged(self.review_dir(session)) and \
+                    review_space.is_store(self.review_dir(session)):
+                review_space.seal(self.review_dir(session), SEAL_SLACK)
         except OSError as exc:
             log.warning("session %s: its empty change set could not be removed: %s", session.id, exc)
 
@@ -293,7 +303,9 @@ class SessionLifecycle:
         (``check_built``), then start its services (the hooks). The caller holds the session's
         build_lock."""
         info = self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy),
-                                       self.review_dir(session))
+                                       self.review_dir(session), session_bytes=self._places.review_session_bytes,
+                                       owner_bytes=self._places.review_owner_bytes,
+                                       owner_stores=self._owner_stores(session))
         try:
             with session.lock:                        # before the check: a concurrent build's check sees it
                 session.built[generation] = info.replace(proxy_listener=-1)
@@ -349,7 +361,24 @@ class SessionLifecycle:
 
     def review_dir(self, session: Session) -> str:
         """Where a review session's change set is (made by the fork server); "" for one in direct mode."""
-        return os.path.join(self._places.review_dir, session.id) if session.review else ""
+        return self.review_dir_of(session.id) if session.review else ""
+
+    def review_dir_of(self, session_id: str) -> str:
+        return os.path.join(self._places.review_dir, session_id)
+
+    def _owner_stores(self, session: Session) -> list[str]:
+        """The review directories of the owner's other review sessions, which its new store's share
+        is what they leave of (the fork server reads their bounds from the kernel): the open ones
+        and those being built (the table), and the closed ones whose change set is kept (the
+        store's records: what a restarted daemon knows too)."""
+        if not session.review or not self._places.review_session_bytes:
+            return []
+        mine = (session.owner.uid, session.owner.principal)
+        ids = {other.id for other in self._table.all() if other.review and (other.owner.uid, other.owner.principal) == mine}
+        ids.update(row.id for row in self._store.sessions(include_closed=True)
+                   if row.review and (row.owner_uid, row.owner_principal) == mine)
+        ids.discard(session.id)
+        return sorted(self.review_dir_of(other) for other in ids)
 
     def _spec(self, session: Session, policy: SandboxPolicy) -> LaunchSpec:
         # The workspace, the writable roots and the allowed sockets are opened and checked by the

@@ -46,11 +46,12 @@ class SessionRegistry:
                  own: OwnPlaces | None = None, proxy_connections: int = 256,
                  published_connections: int = 256, published_per_peer: int = 32, quotas: Quotas | None = None,
                  allow_user_full_access: bool = True, count_network_denial: Callable[[], None] | None = None,
-                 review_dir: str = "") -> None:
+                 review_dir: str = "", review_bytes: tuple[int, int] = (0, 0)) -> None:
         """``allow_user_full_access``: policy.allow_user_full_access, whether a local non-root caller
         may have danger-full-access. ``count_network_denial``: called for each connection an egress
         proxy refuses (the daemon's metrics count them). ``review_dir``: where review sessions'
-        change sets go, one directory each (STATE/review; "": review mode is not available)."""
+        change sets go, one directory each (STATE/review; "": review mode is not available);
+        ``review_bytes``: review.session_bytes and review.owner_bytes, the bounds of their stores."""
         self._fork = forkserver
         self.store = store
         self.own = own or OwnPlaces()
@@ -64,7 +65,8 @@ class SessionRegistry:
                                             self.quotas.limits.git_inotify_instances)])
         self._life = SessionLifecycle(forkserver, store, self._table, self.hooks,
                                       SandboxPlaces(own=self.own, dns=dns, network_pool=network_pool,
-                                                    review_dir=review_dir),
+                                                    review_dir=review_dir, review_session_bytes=review_bytes[0],
+                                                    review_owner_bytes=review_bytes[1]),
                                       check_built=lambda session, facts: access.check_not_shared(
                                           session.owner, facts, self._table.all(), session.id))
 
@@ -173,6 +175,10 @@ class SessionRegistry:
 
     def review_dir(self, session: Session) -> str:
         return self._life.review_dir(session)
+
+    def review_dir_of(self, session_id: str) -> str:
+        """Where the review session ``session_id`` (open or closed) keeps its change set."""
+        return self._life.review_dir_of(session_id)
 
     # -- calls ---------------------------------------------------------------------------------
 
