@@ -114,11 +114,16 @@ class SandboxClient:
 
     def create_session(self, workspace: str, *, policy: pb.SandboxPolicy | None = None,
                        approval: str = "on-request", limits: pb.Limits | None = None,
-                       labels: dict[str, str] | None = None, env: dict[str, str] | None = None) -> pb.Session:
-        """``env``: variables every command of the session gets (see CreateSessionRequest.env)."""
-        return self.stub.CreateSession(pb.CreateSessionRequest(
+                       labels: dict[str, str] | None = None, env: dict[str, str] | None = None,
+                       review: bool | None = None) -> pb.Session:
+        """``env``: variables every command of the session gets (see CreateSessionRequest.env);
+        ``review``: review mode (None: the daemon's review.default)."""
+        request = pb.CreateSessionRequest(
             workspace=workspace, sandbox_policy=policy or sandbox_policy(), approval_policy=approval_policy(approval),
-            limits=limits or pb.Limits(), labels=labels or {}, env=env or {}))
+            limits=limits or pb.Limits(), labels=labels or {}, env=env or {})
+        if review is not None:
+            request.review = review
+        return self.stub.CreateSession(request)
 
     def get_session(self, session_id: str) -> pb.Session:
         return self.stub.GetSession(pb.GetSessionRequest(session_id=session_id))
@@ -137,6 +142,39 @@ class SandboxClient:
         if approval is not None:
             request.approval_policy = approval_policy(approval)
         return self.stub.UpdateSessionPolicy(request)
+
+    # -- review mode: each page followed to the end -------------------------------------------------
+
+    def list_changes(self, session_id: str, paths: "list[str] | None" = None) -> tuple[list[pb.FileChange], int]:
+        """Every change (and how many files were left without a hash) of a review session."""
+        changes: list[pb.FileChange] = []
+        unhashed, token = 0, ""
+        while True:
+            page = self.stub.ListChanges(pb.ListChangesRequest(session_id=session_id, paths=paths or [],
+                                                               page_token=token))
+            changes += page.changes
+            unhashed += page.unhashed
+            token = page.next_page_token
+            if not token:
+                return changes, unhashed
+
+    def diff_changes(self, session_id: str, paths: "list[str] | None" = None) -> "Iterator[str]":
+        token = ""
+        while True:
+            page = self.stub.DiffChanges(pb.DiffChangesRequest(session_id=session_id, paths=paths or [],
+                                                               page_token=token))
+            yield page.diff
+            token = page.next_page_token
+            if not token:
+                return
+
+    def apply_changes(self, session_id: str, paths: "list[str] | None" = None, *, force: bool = False,
+                      include_flagged: "list[str] | None" = None) -> pb.ApplyChangesResponse:
+        return self.stub.ApplyChanges(pb.ApplyChangesRequest(session_id=session_id, paths=paths or [], force=force,
+                                                             include_flagged=include_flagged or []))
+
+    def discard_changes(self, session_id: str, paths: "list[str] | None" = None) -> pb.DiscardChangesResponse:
+        return self.stub.DiscardChanges(pb.DiscardChangesRequest(session_id=session_id, paths=paths or []))
 
     def read_file(self, session_id: str, path: str, max_bytes: int = 0) -> pb.ReadFileResponse:
         return self.stub.ReadFile(pb.ReadFileRequest(session_id=session_id, path=path, max_bytes=max_bytes))

@@ -33,6 +33,7 @@ from sandboxd.kernel import overlay  # noqa: E402
 from sandboxd.review import apply as applying  # noqa: E402
 from sandboxd.review import conflicts, kept, upper  # noqa: E402
 from sandboxd.review.changes import Comparison  # noqa: E402
+from review_helpers import release_stores  # noqa: E402
 
 SANDBOXD = os.path.join(os.path.dirname(sys.executable), "sandboxd")
 
@@ -122,6 +123,7 @@ def main() -> None:
         finally:
             shutil.rmtree(files, ignore_errors=True)
     finally:
+        release_stores(scratch)                         # root's review directories are tmpfs (review_space)
         subprocess.run(["chmod", "-R", "u+rwx", scratch], capture_output=True)
         shutil.rmtree(scratch, ignore_errors=True)
         shutil.rmtree(big, ignore_errors=True)

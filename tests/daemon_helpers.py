@@ -401,6 +401,7 @@ class DaemonFactory:
                 for path in daemon.own_cgroups():
                     with contextlib.suppress(OSError):
                         os.rmdir(path)
+        release_review_stores(self.base)
         remove_tree(self.base)
         if problems:
             raise AssertionError("the daemon left things behind:\n" + "\n".join(problems))
@@ -921,3 +922,16 @@ def fd_count(pid: int) -> int:
 
 def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def release_review_stores(base: Path) -> None:
+    """Unmount the review stores (kernel.review_space: tmpfs mounts in the host's namespace, which
+    no directory removal takes away) of the change sets the daemons under ``base`` kept."""
+    from sandboxd.kernel import review_space
+
+    prefix = f"{base}/"
+    with open("/proc/self/mountinfo") as mounts:
+        points = [line.split()[4] for line in mounts if f" - tmpfs {review_space.SOURCE} " in line]
+    for point in sorted((p for p in points if p.startswith(prefix)), reverse=True):
+        with contextlib.suppress(OSError):
+            review_space.release(point.replace("\\040", " "))

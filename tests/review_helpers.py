@@ -1,6 +1,8 @@
-"""What the review-mode test modules share: a place on a file system review mode takes on every
-kernel, a tree's snapshot, and a kept change set read as root and compared or applied as its
-owner the way the daemon will (test_review_overlay, test_review_checkpoints)."""
+"""What the review-mode tests share (test_review_overlay: the library through `sandboxd run`;
+test_review_checkpoints: checkpoints and rollback; test_review_sessions: the daemon's sessions):
+where a workspace may be a lower layer on every kernel, the usual workspace, the command that
+changes it in every way, a byte-for-byte snapshot of a tree to compare the host with, and a kept
+change set read as root and compared or applied as its owner the way the daemon does."""
 
 from __future__ import annotations
 
@@ -11,13 +13,14 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from daemon_helpers import PlainUser
+from daemon_helpers import PlainUser, owned_dir
 from sandboxd.cli.change_sets import plain
-from sandboxd.kernel import caps, overlay
+from sandboxd.kernel import caps, overlay, review_space
 from sandboxd.review import apply as applying
 from sandboxd.review import changes as listing
 from sandboxd.review import conflicts, diff, kept, upper
@@ -25,7 +28,7 @@ from sandboxd.review import conflicts, diff, kept, upper
 TMPFS_MAGIC = 0x01021994
 
 
-def _local_disk(path: str) -> bool:
+def local_disk(path: str) -> bool:
     """Whether ``path`` is on a file system review mode takes as lower and upper on every kernel: not
     an overlay, nor a tmpfs (user.* attributes only from 6.6). The VM matrix's guest has only those
     writable (virtme's /var and /tmp are overlays over tmpfs)."""
@@ -38,9 +41,10 @@ def _local_disk(path: str) -> bool:
 
 
 @contextlib.contextmanager
-def _tmpfs(where: Path) -> Iterator[Path]:
+def tmpfs(where: Path, size: str = "256m") -> Iterator[Path]:
+    """A tmpfs of the test's own at ``where`` (made): a lower and, as root, an upper on every kernel."""
     where.mkdir(mode=0o755)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m,mode=0755", "sbxreview", str(where)], check=True,
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "sbxreview", str(where)], check=True,
                    capture_output=True, timeout=60)
     try:
         yield where
@@ -49,17 +53,77 @@ def _tmpfs(where: Path) -> Iterator[Path]:
             subprocess.run(["umount", "-l", str(where)], check=True, capture_output=True, timeout=60)
 
 
+def free_stores(state_dir: Path) -> None:
+    """Remove every change set a test daemon kept under ``state_dir`` (its daemon closed): a bounded
+    store is a tmpfs in the host's mount namespace, which no directory removal takes away."""
+    review = state_dir / "review"
+    for path in sorted(review.iterdir()) if review.is_dir() else []:
+        overlay.remove_layers(str(path))
+
+
 @contextlib.contextmanager
 def review_base() -> Iterator[Path]:
-    """A directory 0755 of root's under /var/tmp, removed afterwards: where /var/tmp is no local
-    disk (the VM guest: overlays over tmpfs, no loop devices), a tmpfs of the test's own there, a
-    lower and, as root, an upper on every kernel."""
+    """A directory 0755 of root's under /var/tmp, removed afterwards (the review stores the tests
+    left under it unmounted first): where /var/tmp is no local disk (the VM guest: overlays over
+    tmpfs, no loop devices), a tmpfs of the test's own there, a lower and, as root, an upper on
+    every kernel."""
     with contextlib.ExitStack() as stack:
         top = Path(tempfile.mkdtemp(prefix="sbxreview-", dir="/var/tmp"))
         stack.callback(shutil.rmtree, top, ignore_errors=True)
         stack.callback(subprocess.run, ["chmod", "-R", "u+rwx", str(top)], capture_output=True)
         os.chmod(top, 0o755)
-        yield top if _local_disk(str(top)) else stack.enter_context(_tmpfs(top / "disk"))
+        base = top if local_disk(str(top)) else stack.enter_context(tmpfs(top / "disk"))
+        stack.callback(release_stores, top)             # first: they may sit on the tmpfs above
+        yield base
+
+
+def release_stores(top: "Path | str") -> None:
+    """Unmount the review stores (kernel.review_space: a tmpfs per root run's review directory) the
+    tests left under ``top``, deepest first."""
+    with open("/proc/self/mountinfo") as info:
+        points = [line.split()[4] for line in info if line.split()[4].startswith(f"{top}/")]
+    for point in sorted(points, reverse=True):
+        review_space.release(point)
+
+
+def usual_workspace(ws: Path, owner: PlainUser) -> Path:
+    """A new workspace of ``owner``'s at ``ws`` with the usual contents (what EDITS changes)."""
+    owned_dir(ws, owner)
+    files = {"keep.txt": "keep\n", "mod.txt": "old\n", "del.txt": "delete me\n", "chmod.sh": "#!/bin/sh\n",
+             "renamed-src.txt": "moving\n", "olddir/a": "a\n", "olddir/b": "b\n", "replaced/x": "x\n",
+             "replaced/y": "y\n", "sub/inner.txt": "inner\n"}
+    for rel, text in files.items():
+        path = ws / rel
+        if not path.parent.exists():
+            owned_dir(path.parent, owner)
+        path.write_text(text)
+        os.chmod(path, 0o644)
+        os.chown(path, owner.uid, owner.gid)
+    os.symlink("keep.txt", ws / "link")
+    os.lchown(ws / "link", owner.uid, owner.gid)
+    return ws
+
+
+# Creates, modifies, deletes, renames, chmods, symlinks and replaces a directory.
+EDITS = textwrap.dedent("""\
+    set -e
+    echo new > added.txt
+    echo changed > mod.txt
+    rm del.txt
+    chmod 755 chmod.sh
+    ln -sfn mod.txt link
+    mv renamed-src.txt renamed-dst.txt
+    rm -rf replaced && mkdir replaced && echo z > replaced/z
+    mkdir newdir && echo n > newdir/n
+    rm -rf olddir
+""")
+# The change set EDITS makes: (path, kind).
+EXPECTED = {
+    ("added.txt", listing.ADDED), ("mod.txt", listing.MODIFIED), ("del.txt", listing.DELETED),
+    ("chmod.sh", listing.METADATA), ("link", listing.MODIFIED), ("renamed-src.txt", listing.DELETED),
+    ("renamed-dst.txt", listing.ADDED), ("replaced", listing.REPLACED), ("replaced/z", listing.ADDED),
+    ("newdir", listing.ADDED), ("newdir/n", listing.ADDED), ("olddir", listing.DELETED),
+}
 
 
 def snapshot(top: Path) -> dict[str, tuple[object, ...]]:
@@ -135,3 +199,29 @@ def as_owner(user: PlainUser, review_dir: Path, body: str, **options: Any) -> di
 
 def kinds(change_set: dict[str, Any]) -> set[tuple[str, str]]:
     return {(change["path"], change["kind"]) for change in change_set["changes"]}
+
+
+# What a client body does, as a plain user: ARGS["ops"] is a list of [name, request fields]; each
+# answer (or its status code and details) is printed as JSON.
+CLIENT = r'''
+from google.protobuf.json_format import MessageToDict
+answers = []
+for name, fields in ARGS["ops"]:
+    try:
+        if name == "create":
+            reply = stub.CreateSession(pb.CreateSessionRequest(
+                workspace=fields["workspace"], approval_policy=pb.NEVER, review=fields.get("review", True),
+                sandbox_policy=pb.SandboxPolicy(mode=pb.SandboxPolicy.Mode.Value(fields.get("mode", "WORKSPACE_WRITE")))),
+                timeout=180)
+        elif name == "exec":
+            out, status = run(fields["session"], ["sh", "-c", fields["script"]])
+            answers.append({"ok": True, "stdout": out, "status": status})
+            continue
+        else:
+            request = getattr(pb, name + "Request")(**fields)
+            reply = getattr(stub, name)(request, timeout=180)
+        answers.append({"ok": True, **MessageToDict(reply, preserving_proto_field_name=True)})
+    except grpc.RpcError as error:
+        answers.append({"ok": False, "code": error.code().name, "details": error.details()})
+print(json.dumps(answers))
+'''

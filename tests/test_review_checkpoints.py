@@ -181,6 +181,27 @@ def test_three_checkpoints_the_merged_change_set_and_rollback_to_each(place: Pla
     assert checkpoints.list_checkpoints(str(review_dir)) == [] and snapshot(ws) == control
 
 
+def test_changes_only_in_a_checkpoint_layer_are_not_taken_for_none(place: Place) -> None:
+    """A session's end asks whether anything changed (overlay.upper_is_empty, remove_if_unchanged):
+    a checkpoint leaves the upper empty, its changes in the layer below."""
+    ws, review_dir = workspace(place, "only-in-checkpoint")
+    in_overlay(place, review_dir, STEP1)
+    checkpoints.create(str(review_dir), label="all of it")
+    (layers,) = overlay.load(str(review_dir))
+    fd = os.open(layers.upper, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert os.listdir(fd) == []                                  # the upper alone says "nothing"
+        assert overlay.upper_is_empty(fd, layers.root) is True       # control: the check without the layers
+        assert overlay.upper_is_empty(fd, layers.root, layers.checkpoints) is False
+    finally:
+        os.close(fd)
+    assert overlay.remove_if_unchanged(str(review_dir)) is False
+    assert kinds(as_owner(place.owner, review_dir, "list")) == AFTER[1]
+    # Control: a session that changed nothing is removed.
+    _, untouched = workspace(place, "untouched")
+    assert overlay.remove_if_unchanged(str(untouched)) is True and not untouched.exists()
+
+
 def test_apply_after_checkpoints_lands_exactly_the_merged_state(place: Place) -> None:
     ws, review_dir, views = three_checkpoints(place, "apply")
     in_overlay(place, review_dir, "echo a4 > a.txt; ln -s keep.txt link")     # and some in the upper

@@ -28,7 +28,7 @@ import pytest
 
 from conftest import BASE_ENV, PY, REPO, SANDBOXD, SLOW, describe, make_dir
 from daemon_helpers import PlainUser, owned_dir, plain_users
-from review_helpers import as_owner, kinds, review_base, scan_kept, snapshot
+from review_helpers import EDITS, EXPECTED, as_owner, kinds, review_base, scan_kept, snapshot, usual_workspace
 from sandboxd.kernel import overlay
 from sandboxd.review import apply as applying
 from sandboxd.review import changes as listing
@@ -51,40 +51,7 @@ def place() -> Iterator[Place]:
 
 def fresh(place: Place, name: str) -> tuple[Path, Path]:
     """A workspace of the owner's (with the usual contents) and the path of a review directory."""
-    ws = owned_dir(place.base / name, place.owner)
-    files = {"keep.txt": "keep\n", "mod.txt": "old\n", "del.txt": "delete me\n", "chmod.sh": "#!/bin/sh\n",
-             "renamed-src.txt": "moving\n", "olddir/a": "a\n", "olddir/b": "b\n", "replaced/x": "x\n",
-             "replaced/y": "y\n", "sub/inner.txt": "inner\n"}
-    for rel, text in files.items():
-        path = ws / rel
-        if not path.parent.exists():
-            owned_dir(path.parent, place.owner)
-        path.write_text(text)
-        os.chmod(path, 0o644)
-        os.chown(path, place.owner.uid, place.owner.gid)
-    os.symlink("keep.txt", ws / "link")
-    os.lchown(ws / "link", place.owner.uid, place.owner.gid)
-    return ws, place.base / f"{name}-review"
-
-
-EDITS = textwrap.dedent("""\
-    set -e
-    echo new > added.txt
-    echo changed > mod.txt
-    rm del.txt
-    chmod 755 chmod.sh
-    ln -sfn mod.txt link
-    mv renamed-src.txt renamed-dst.txt
-    rm -rf replaced && mkdir replaced && echo z > replaced/z
-    mkdir newdir && echo n > newdir/n
-    rm -rf olddir
-""")
-EXPECTED = {
-    ("added.txt", listing.ADDED), ("mod.txt", listing.MODIFIED), ("del.txt", listing.DELETED),
-    ("chmod.sh", listing.METADATA), ("link", listing.MODIFIED), ("renamed-src.txt", listing.DELETED),
-    ("renamed-dst.txt", listing.ADDED), ("replaced", listing.REPLACED), ("replaced/z", listing.ADDED),
-    ("newdir", listing.ADDED), ("newdir/n", listing.ADDED), ("olddir", listing.DELETED),
-}
+    return usual_workspace(place.base / name, place.owner), place.base / f"{name}-review"
 
 
 def review_run(ws: Path, review_dir: Path, script: str, *extra: str) -> subprocess.CompletedProcess[str]:

@@ -28,8 +28,9 @@ import pytest
 from conftest import BASE_ENV, PY, SANDBOXD, SLOW, describe
 from daemon_helpers import owned_dir
 from sandboxd.kernel import overlay
-from test_review_overlay import (EDITS, Place, code_for_plain_users, fresh, place,  # noqa: F401 - a fixture
-                                 rootless_state, snapshot, swap_in_symlink)
+from review_helpers import EDITS, snapshot
+from test_review_overlay import (Place, code_for_plain_users, fresh, place,  # noqa: F401 - a fixture
+                                 rootless_state, swap_in_symlink)
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -86,7 +86,7 @@ class Layer:
 
     def empty(self) -> bool:
         """Whether the sandbox changed nothing here (kernel.overlay.upper_is_empty)."""
-        return overlay.upper_is_empty(self.upper_fd, self.root)
+        return overlay.upper_is_empty(self.upper_fd, self.root, self.layers.checkpoints)
 
     def scan(self) -> "list[upper.UpperEntry]":
         return upper.scan(self.upper_fd, prefix=self.layers.xattr_prefix)

@@ -112,6 +112,8 @@ OPTIONS: tuple[tuple[str, str | None, str, str], ...] = (
      "review mode: writes go to an overlay, not the host; at the end the change summary, then "
      "[a]pply [d]iscard [k]eep [r]eview on a terminal (keep, saying where, without one); =apply, "
      "=discard or =keep:DIR decide beforehand (a kept DIR: sandboxd changes|apply|discard DIR)"),
+    ("--review-bytes", "SIZE", "value", "as root, the change set's bound: a tmpfs of SIZE, past which the command's "
+                                        "writes get ENOSPC (default 1G, review.session_bytes's; 0: none)"),
     ("--help", None, "flag", "show this help and exit"),
 )
 _BY_FLAG = {flag: (metavar, kind) for flag, metavar, kind, _ in OPTIONS}
@@ -179,6 +181,8 @@ def parse_args(argv: list[str]) -> dict[str, object]:
             options["review"] = run_review.parse(options["review"])
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+    if options["review_bytes"] is not None and options["review"] is None:
+        raise UsageError("--review-bytes bounds a review's change set: add --review")
     return options
 
 
@@ -303,6 +307,8 @@ def main(argv: list[str]) -> int:
         try:
             review_dir = run_review.new_directory(review, [spec.workspace, *_roots(spec)])
             overlay.make_review_dir(review_dir)
+            from sandboxd.kernel import review_space             # the store's disk bound (issue 25)
+            review_space.bound_run(review_dir, args["review_bytes"])
         except SandboxdError as exc:
             _say(str(exc))
             return EXIT_SETUP_FAILED

@@ -125,7 +125,7 @@ def _nothing_changed(layers: "list[Layers]") -> bool:
     for layer in layers:
         fd = os.open(layer.upper, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            if not overlay.upper_is_empty(fd, layer.root):
+            if not overlay.upper_is_empty(fd, layer.root, layer.checkpoints):
                 return False
         finally:
             os.close(fd)

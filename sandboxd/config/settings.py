@@ -64,6 +64,9 @@ class DaemonSettings:
     metrics_listen: str
     log_format: str
     log_level: str
+    review_session_bytes: int     # review.session_bytes (0: no bound), for kernel.review_space.make_store
+    review_owner_bytes: int       # review.owner_bytes
+    review_keep_days: float       # review.keep_days (0: kept for good), for service.review_expiry
 
     @property
     def config_path(self) -> str | None:
@@ -118,7 +121,7 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         memory_bytes=limits.memory, pids=limits.pids, max_memory_bytes=limits.max_memory, max_pids=limits.max_pids,
         total_memory_bytes=limits.total_memory, total_pids=limits.total_pids,
         owner_memory_bytes=limits.owner_memory or None, owner_pids=limits.owner_pids,
-        ptys=config.whole("limits.session_ptys"))
+        ptys=config.whole("limits.session_ptys"), review=config.flag("review.default"))
     return DaemonSettings(
         source=config, socket=config.text("listen.socket"), socket_mode=int(config.text("listen.socket_mode"), 8),
         admin_gid=admin_gid, workers=config.whole("listen.workers"),
@@ -134,7 +137,15 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         published_connections=config.whole("quotas.published_connections_per_session"),
         published_per_peer=config.whole("quotas.published_connections_per_peer"),
         session_defaults=defaults, metrics_listen=config.text("metrics.listen"),
-        log_format=config.text("log.format"), log_level=config.text("log.level"))
+        log_format=config.text("log.format"), log_level=config.text("log.level"),
+        review_session_bytes=_size_or_zero(config, "review.session_bytes"),
+        review_owner_bytes=parse_size(config.text("review.owner_bytes"), "review.owner_bytes"),
+        review_keep_days=config.number("review.keep_days"))
+
+
+def _size_or_zero(config: Config, dotted: str) -> int:
+    text = str(config[dotted])
+    return 0 if text == "0" else parse_size(text, dotted)
 
 
 def _tls(config: Config, refuse: "Callable[[str, str], ConfigError]") -> TlsSettings | None:

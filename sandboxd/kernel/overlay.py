@@ -225,17 +225,86 @@ def make_layers(review_dir: str, index: int, root: str, root_fd: int, *, userxat
                   root_ino=lower.st_ino, started_ns=started)
 
 
+def make_session_dir(base: str, name: str) -> tuple[str, bool]:
+    """A daemon session's review directory ``base/name`` (base: under the state directory, made
+    0700 root here if missing): made 0700, or the one an earlier build of the session left (a
+    rebuild after a restart or a discard reuses its layers). Returns it and whether it holds the
+    layers' record already (False: new; remove it if the build fails)."""
+    for path in (base, f"{base}/{name}"):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+                raise InvalidPolicy(f"review directory {path!r} is not a directory of the daemon's own, mode 0700: "
+                                    "move it away") from None
+        except OSError as exc:
+            raise InvalidPolicy(f"cannot make review directory {path!r}: {os.strerror(exc.errno or errno.EIO)}"
+                                ) from None
+    path = f"{base}/{name}"
+    return path, os.path.lexists(f"{path}/{LAYERS_FILE}")
+
+
+def remove_if_unchanged(review_dir: str) -> bool:
+    """Remove a closed session's review directory when no upper layer holds anything (nothing to
+    apply or keep); True if it was removed. The sandbox must be gone (its overlays unmounted)."""
+    try:
+        layers = load(review_dir)
+        # A checkpoint layer holds changes too (review.checkpoints): kept whenever one exists.
+        if any(layer.checkpoints or os.listdir(layer.upper) for layer in layers):
+            return False
+        remove_layers(review_dir)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def reuse_layers(review_dir: str, roots: "tuple[str, ...]", descriptors: "dict[str, int]") -> "dict[str, Layers]":
+    """The layers an earlier build of the same session made (its record in ``review_dir``), for the
+    same roots, each still the very directory it was (device and inode: a root replaced on the host
+    since would have its change set applied to another directory): the rebuilt sandbox sees the
+    same upper layers, so pending changes survive a restart. Refused, saying why, otherwise."""
+    kept = {layer.root: layer for layer in load(review_dir)}
+    if sorted(kept) != sorted(roots):
+        raise InvalidPolicy(f"the session's writable roots are not those its change set in {review_dir!r} was made "
+                            f"for ({', '.join(sorted(kept))}): apply or discard its changes first")
+    for root in roots:
+        st = os.fstat(descriptors[root])
+        if (st.st_dev, st.st_ino) != (kept[root].root_dev, kept[root].root_ino):
+            raise InvalidPolicy(f"{root!r} was replaced or moved on the host since the session started: its change "
+                                f"set is kept in {review_dir!r} and cannot be laid over another directory")
+        check_lower(descriptors[root], root)
+    return {root: kept[root] for root in roots}
+
+
 def save(review_dir: str, layers: "list[Layers]") -> None:
     """Write the layers' record beside them (written aside, renamed into place): what an apply after
     the sandbox is gone, or after a daemon restart, starts from."""
-    write_aside(review_dir, LAYERS_FILE, record_text(layers).encode())
+    write_aside(review_dir, LAYERS_FILE, record_text(layers).encode(), reserve=True)
 
 
-def write_aside(directory: str, name: str, data: bytes) -> None:
+def write_aside(directory: str, name: str, data: bytes, *, reserve: bool = False) -> None:
     """``directory``/``name`` holds ``data`` (0600): written beside it, synced, renamed into place,
-    so a reader (or a restart after a crash) finds the old record or the new one, never half."""
+    so a reader (or a restart after a crash) finds the old record or the new one, never half.
+    ``reserve``: written over a bounded store's reserve in ``directory`` (kernel.review_space) when
+    there is one and ``data`` fits it, so it needs no new space, which the sandbox may have taken
+    already; padded with white space (JSON ignores it) to the reserve's size, it gives no page back
+    to the sandbox either."""
     temporary = f"{directory}/.{name}.new"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    taken = False
+    if reserve:
+        from sandboxd.kernel.review_space import RESERVE, RESERVE_BYTES
+
+        if len(data) <= RESERVE_BYTES:
+            try:
+                os.rename(f"{directory}/{RESERVE}", temporary)
+                taken = True
+            except FileNotFoundError:
+                pass
+        if taken:
+            data = data.ljust(RESERVE_BYTES)
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (0 if taken else os.O_TRUNC),
+                 0o600)
     try:
         view = memoryview(data)
         while view:
@@ -310,11 +379,14 @@ def _hint(code: int, userxattr: bool) -> str:
     return "the kernel refused the overlay (its reason is in the kernel log, 'overlayfs:' lines)"
 
 
-def upper_is_empty(upper_fd: int, root: str) -> bool:
+def upper_is_empty(upper_fd: int, root: str, checkpoints: "tuple[str, ...]" = ()) -> bool:
     """Whether the overlay whose upper layer is open as ``upper_fd`` changed nothing of the host
-    directory ``root``: no entry in the upper layer, and its top directory (which the overlay's
-    top shows, and a chmod or chown there copies up to) with the root's own mode and owner. One
-    directory read: no attribute, nothing of the host's tree."""
+    directory ``root``: no checkpoint layer (``checkpoints``, Layers.checkpoints: each holds changes
+    of its own, so any answers "changed", the safe side), no entry in the upper layer, and its top
+    directory (which the overlay's top shows, and a chmod or chown there copies up to) with the
+    root's own mode and owner. One directory read: no attribute, nothing of the host's tree."""
+    if checkpoints:
+        return False
     with os.scandir(upper_fd) as listing:
         if next(listing, None) is not None:
             return False
@@ -326,8 +398,8 @@ def upper_is_empty(upper_fd: int, root: str) -> bool:
 def remove_layers(review_dir: str) -> None:
     """Remove a review session's layers for good (discarded, expired). overlayfs leaves its work
     directory's inner ``work`` with mode 000: made searchable first, so a plain user (rootless)
-    can remove what it made."""
-    from sandboxd.kernel import beneath
+    can remove what it made. A bounded store (kernel.review_space) is emptied, then unmounted."""
+    from sandboxd.kernel import beneath, review_space
 
     fd = os.open(review_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
@@ -344,4 +416,5 @@ def remove_layers(review_dir: str) -> None:
             beneath.remove_tree(fd, name)
     finally:
         os.close(fd)
+    review_space.release(review_dir)
     os.rmdir(review_dir)

@@ -158,6 +158,15 @@ def _stat_as_root(fd: int, what: str, given: str) -> os.stat_result:
 def file_system_type(fd: int) -> str | None:
     """The type of the file system ``fd`` is on (``fuse.sshfs``, ``ext4``), from its mount's line in
     /proc/self/mountinfo (no lookup under the mount: a statfs could wait on a FUSE server)."""
+    fields = mount_fields(fd)
+    try:
+        return fields[fields.index("-") + 1] if fields else None
+    except (ValueError, IndexError):
+        return None
+
+
+def mount_fields(fd: int) -> list[str] | None:
+    """The fields of the /proc/self/mountinfo line (proc(5)) of the mount ``fd`` is on, or None."""
     try:
         with open(f"/proc/self/fdinfo/{fd}") as info:
             mount_id = next(line.split()[1] for line in info if line.startswith("mnt_id:"))
@@ -165,8 +174,8 @@ def file_system_type(fd: int) -> str | None:
             for line in mounts:
                 fields = line.split()
                 if fields and fields[0] == mount_id:
-                    return fields[fields.index("-") + 1]
-    except (OSError, StopIteration, ValueError, IndexError):
+                    return fields
+    except (OSError, StopIteration):
         pass
     return None
 

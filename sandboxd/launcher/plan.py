@@ -218,6 +218,8 @@ def _review_layers(review_dir: str, roots: tuple[str, ...], descriptors: dict[st
         raise InvalidPolicy(f"review mode as a plain user needs unprivileged overlayfs (Linux 5.11 or later); "
                             f"this kernel is {os.uname().release}: run it as root")
     real = os.path.realpath(review_dir)
+    if os.path.lexists(f"{real}/{overlay.LAYERS_FILE}"):      # a session's rebuild: the same change set
+        return overlay.reuse_layers(real, roots, descriptors)
     for root in roots:
         if is_within(real, root) or is_within(root, real):
             raise InvalidPolicy(f"review directory {real!r} and writable root {root!r} overlap: the change set "

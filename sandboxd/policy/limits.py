@@ -22,6 +22,10 @@ DEFAULT_TMP_SIZE = 512 << 20
 # four owners at theirs leave a third of the default pool to everyone else.
 DEFAULT_PTYS = 8
 
+# Review mode's change sets (kernel.review_space): one session's, and one owner's together.
+DEFAULT_REVIEW_SESSION_BYTES = "1G"
+DEFAULT_REVIEW_OWNER_BYTES = "4G"
+
 # The ranges of every limit: what the kernel takes, and what makes sense for a sandboxed call.
 MAX_TIMEOUT_SECONDS = 7 * 24 * 3600      # a week: longer is a service, not a call
 MAX_BYTES = 1 << 53                      # 8 PiB: far above any machine, exact as a float

@@ -26,3 +26,4 @@ class SessionDefaults(Record):
     owner_memory_bytes: int | None = None     # and the share of them of one owner's sandboxes
     owner_pids: int | None = None
     ptys: int = DEFAULT_PTYS                  # terminals of each session's own devpts (limits.session_ptys)
+    review: bool = False                      # review mode for a workspace-write session that does not say (review.default)

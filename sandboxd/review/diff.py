@@ -12,6 +12,7 @@ import os
 import stat
 
 from sandboxd.kernel import beneath
+from sandboxd.printable import printable
 from sandboxd.review.changes import Change, Comparison
 
 MAX_BYTES = 1 << 20
@@ -51,11 +52,14 @@ def _text(data: bytes | None) -> list[str] | None:
 
 
 def show(comparison: Comparison, change: Change, *, max_bytes: int = MAX_BYTES, max_lines: int = MAX_LINES) -> str:
-    """The diff of ``change`` (from ``comparison.list``): host side a/, sandbox side b/."""
-    path = change.path or "."
+    """The diff of ``change`` (from ``comparison.list``): host side a/, sandbox side b/. The path
+    (the sandbox chose it) is shown escaped (``printable``): a newline in a name must not start a
+    header line of its own."""
+    path = printable(change.path or ".")
     if change.type not in ("file", "") or change.host_type not in ("file", ""):
         if change.type == "symlink" or change.host_type == "symlink":
-            return f"{change.kind} {path}: symlink {change.host_target or '-'} -> {change.target or '-'}\n"
+            return (f"{change.kind} {path}: symlink {printable(change.host_target or '-')} -> "
+                    f"{printable(change.target or '-')}\n")
         return f"{change.kind} {path}: {change.host_type or 'nothing'} -> {change.type or 'nothing'}\n"
     theirs = _read(comparison.host_fd, change.path, max_bytes) if change.host_type else b""
     mine = _read(comparison.layer_fd(change.path), change.path, max_bytes) if change.type else b""

@@ -34,7 +34,9 @@ class GitGuardHook(SandboxHooks):
         build_lock only."""
         policy, info = sandbox.policy, sandbox.info
         roots: list[str] = []
-        if policy.workspace_writable and GIT_GUARD_SUBPATH in policy.protected_subpaths:
+        # In review mode nothing a call writes reaches the host: what the guard would remove is
+        # flagged in the change set instead (review.rules), and nothing has to run after a call.
+        if policy.workspace_writable and GIT_GUARD_SUBPATH in policy.protected_subpaths and not session.review:
             roots = [info.workspace, *info.writable_roots]
         guard = session.git_guard
         if guard is None:

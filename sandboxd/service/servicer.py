@@ -19,6 +19,7 @@ from sandboxd.service.background import BackgroundJob, BackgroundJobs
 from sandboxd.service.callers import Caller, Callers
 from sandboxd.network.front_door import FrontDoor
 from sandboxd.service.quotas import CALLS, REQUESTS, STREAMS, Quotas
+from sandboxd.service.review_calls import ReviewCalls
 from sandboxd.service.sandbox_hooks import WhenClosed
 from sandboxd.service.sessions.registry import Session, SessionRegistry, cwd_inside
 from sandboxd.service.status import abort
@@ -43,7 +44,7 @@ def session_to_proto(session: Session, closed_at: float = 0.0) -> pb.Session:
         limits=convert.limits_to_proto(session.limits), labels=session.labels, owner_uid=session.owner.uid,
         owner_gid=session.owner.gid, created_at=session.created_at, running_calls=session.running_calls,
         sandbox_generation=session.generation, permission_mode=session.rules.mode, closed_at=closed_at or 0.0,
-        sandbox_ready=session.sandbox_ready and not closed_at, env_names=sorted(session.env))
+        sandbox_ready=session.sandbox_ready and not closed_at, env_names=sorted(session.env), review=session.review)
 
 
 def job_to_proto(job: BackgroundJob) -> pb.BackgroundProcess:
@@ -71,6 +72,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         self._gate = gate
         self._connections = connections                   # the front door's counts, for GetStatus
         self._audit = AuditService(registry, gate)
+        self._review = ReviewCalls(registry, fork, registry.store)
         for forget in (gate.forget_session, self._audit.forget_session, environment.forget_session):
             registry.add_hooks(WhenClosed(forget))            # a closed session is forgotten (sandbox_hooks)
 
@@ -101,9 +103,12 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                 labels = self._tied.labels(who, labels, request.close_with_caller)
             elif request.close_with_caller:
                 raise InvalidPolicy("this daemon cannot close a session with its caller")
+            # Unset: the daemon's review.default, for the sessions that have writes to review.
+            review = request.review if request.HasField("review") else (
+                self._defaults.review and policy.workspace_writable)
             session = self._registry.create(who, request.workspace, policy, approval,
                                             convert.limits_from_proto(request.limits, self._defaults),
-                                            labels, rules, env=environment.session_env(request.env))
+                                            labels, rules, env=environment.session_env(request.env), review=review)
             if self._tied is not None:
                 self._tied.tie(session)
             return session_to_proto(session)
@@ -135,6 +140,23 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                         if request.approval_policy != pb.APPROVAL_POLICY_UNSPECIFIED else None)
             return session_to_proto(self._registry.update_policy(who, request.session_id, policy, approval))
         return self._unary(context, work)
+
+    # -- review mode (service/review_calls.py): each holds one of the caller's CALLS slots, as a
+    #    change set's listing or apply may take a while (the fork server's child does the work).
+
+    def ListChanges(self, request: pb.ListChangesRequest, context: grpc.ServicerContext) -> pb.ListChangesResponse:
+        return self._unary(context, lambda who: self._review.list(who, request), CALLS)
+
+    def DiffChanges(self, request: pb.DiffChangesRequest, context: grpc.ServicerContext) -> pb.DiffChangesResponse:
+        return self._unary(context, lambda who: self._review.diff(who, request), CALLS)
+
+    def ApplyChanges(self, request: pb.ApplyChangesRequest,
+                     context: grpc.ServicerContext) -> pb.ApplyChangesResponse:
+        return self._unary(context, lambda who: self._review.apply(who, request), CALLS)
+
+    def DiscardChanges(self, request: pb.DiscardChangesRequest,
+                       context: grpc.ServicerContext) -> pb.DiscardChangesResponse:
+        return self._unary(context, lambda who: self._review.discard(who, request), CALLS)
 
     def ReadFile(self, request: pb.ReadFileRequest, context: grpc.ServicerContext) -> pb.ReadFileResponse:
         def work(who: Caller) -> pb.ReadFileResponse:

@@ -19,9 +19,9 @@ from sandboxd.policy.spec import LaunchSpec
 from sandboxd.supervisor import fork_protocol as protocol
 from sandboxd.supervisor.fork_protocol import (CLOSE_WAIT_SECONDS, DEFAULT_STUCK_OPENERS, DEFAULT_WAIT_SECONDS, Call,
                                                CallerRecord, Cancel, CheckPaths, Error, Event, Exited, Launch,
-                                               Malformed, Message, PathsChecked, Ping, Pong, Request, SessionClose,
-                                               SessionClosed, SessionOpen, SessionReady, Signal, Started,
-                                               spec_record)
+                                               Malformed, Message, PathsChecked, Ping, Pong, Request, Review,
+                                               ReviewStarted, SessionClose, SessionClosed, SessionOpen,
+                                               SessionReady, Signal, Started, spec_record)
 from sandboxd.supervisor.spawner import ExitInfo
 
 if TYPE_CHECKING:
@@ -133,11 +133,14 @@ class ForkServer:
         self._expect(call_id, Started)
         return call_id
 
-    def open_session(self, session: str, spec: LaunchSpec) -> "SessionInfo":
+    def open_session(self, session: str, spec: LaunchSpec, review_dir: str = "", *, session_bytes: int = 0,
+                     owner_bytes: int = 0, owner_stores: "list[str] | None" = None) -> "SessionInfo":
         """Build a session's sandbox (``spec.argv`` is not run): its init's pid and, with an isolated
-        network, its addresses."""
+        network, its addresses. ``review_dir``: review mode, its change set there, a store bounded
+        by the other three (SessionOpen)."""
         wire = spec_record(spec)
-        call_id = self._request(lambda call_id: SessionOpen(call_id, session, wire))
+        call_id = self._request(lambda call_id: SessionOpen(call_id, session, wire, review_dir, session_bytes,
+                                                            owner_bytes, list(owner_stores or [])))
         event = self._expect(call_id, SessionReady)
         with self._cond:
             passed = self._passed.pop(call_id, [])
@@ -152,6 +155,20 @@ class ForkServer:
         who = CallerRecord(caller[0], caller[1], list(caller[2])) if caller else None
         wanted = [str(path) for path in paths]
         return self._expect(self._request(lambda call_id: CheckPaths(call_id, who, wanted, owner)), PathsChecked).paths
+
+    def review(self, make: "Callable[[int], Review]", timeout: float) -> dict[str, object]:
+        """Run a review request (fork_protocol.Review, ``make(id)``) and return its child's answer,
+        read here from the pipe the fork server passed (never by the fork server's loop), within
+        ``timeout`` seconds and REVIEW_ANSWER_BYTES; the error it names raised."""
+        call_id = self._request(make)
+        self._expect(call_id, ReviewStarted)
+        with self._cond:
+            passed = self._passed.pop(call_id, [])
+        if len(passed) != 1:
+            for fd in passed:
+                os.close(fd)
+            raise SetupError("fork server", detail="a review request was answered without its pipe")
+        return read_review_answer(passed[0], timeout)
 
     def ping(self, timeout: float) -> bool:
         """True if the server answers a ping within ``timeout`` seconds (the daemon's watchdog);
@@ -360,6 +377,49 @@ class ForkServer:
                     self.answered = True
                     self._events.setdefault(message.id, []).append(message)
                 self._cond.notify_all()           # another waiter's event, or the next reader's turn
+
+
+# The most a review request's answer may be (a page of 10,000 changes, a diff of 4 MiB, an apply's
+# list of what it did): past it the answer is refused rather than held.
+REVIEW_ANSWER_BYTES = 64 << 20
+
+
+def read_review_answer(fd: int, timeout: float) -> dict[str, object]:
+    """A review child's answer on ``fd`` (which this closes): one JSON object, until EOF."""
+    import json
+
+    from sandboxd.errors import DeadlineExceeded, Exhausted
+
+    deadline = time.monotonic() + timeout
+    chunks: list[bytes] = []
+    size = 0
+    waiter = select.poll()
+    waiter.register(fd, select.POLLIN)
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not waiter.poll(math.ceil(left * 1000)):
+                raise DeadlineExceeded(f"the change set was not read within {timeout:g} s: list or apply fewer "
+                                       "paths at once")
+            block = os.read(fd, 1 << 20)
+            if not block:
+                break
+            size += len(block)
+            if size > REVIEW_ANSWER_BYTES:
+                raise Exhausted(f"the answer is over {REVIEW_ANSWER_BYTES >> 20} MiB: ask for fewer paths or a "
+                                "smaller page")
+            chunks.append(block)
+    finally:
+        os.close(fd)
+    try:
+        answer = json.loads(b"".join(chunks))
+    except ValueError:
+        raise SetupError("review", detail="the review request's child ended without an answer") from None
+    if not isinstance(answer, dict):
+        raise SetupError("review", detail="the review request's child answered something else")
+    if isinstance(answer.get("error"), dict):
+        raise SandboxdError.from_dict(answer["error"])
+    return answer
 
 
 def _readable_within(sock: socket.socket, seconds: float) -> bool:

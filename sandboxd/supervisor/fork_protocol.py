@@ -27,7 +27,7 @@ import json
 import socket
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from sandboxd._record import Choice, Record
+from sandboxd._record import Choice, Factory, Record
 from sandboxd.errors import InvalidPolicy, SandboxdError
 from sandboxd.policy.limits import Limits
 from sandboxd.policy.limits import check_timeout as limits_check_timeout
@@ -58,6 +58,9 @@ DEFAULT_STUCK_OPENERS = 8
 # stuck on a file system that does not answer may hold the session's init; it is released when it
 # goes. Only the closing caller waits this long; the loop goes on serving everyone meanwhile.
 CLOSE_WAIT_SECONDS = 5.0
+# How long a review request's child may run (listing, diffing, applying a change set) before the
+# fork server SIGKILLs it; the daemon then answers DEADLINE_EXCEEDED.
+REVIEW_SECONDS = 120.0
 
 
 def check_timeout(timeout: object, what: str = "timeout_seconds") -> float | None:
@@ -403,9 +406,18 @@ class Launch(Request, kind="launch"):
 
 
 class SessionOpen(Request, kind="session_open"):
-    """Build a session's sandbox from ``spec`` (its argv is not run)."""
+    """Build a session's sandbox from ``spec`` (its argv is not run). ``review_dir``: review mode,
+    the session's change set there (made 0700 by the fork server; an earlier build's layers are
+    reused: kernel.overlay.reuse_layers); "": the roots are written directly. A new review
+    directory is a bounded store (kernel.review_space) of ``session_bytes`` (0: none) or what
+    ``owner_stores`` (the owner's other review directories, by the daemon's records) leave of
+    ``owner_bytes``, whichever is smaller: the fork server reads their bounds from the kernel."""
     session: str
     spec: SpecRecord
+    review_dir: str = ""
+    session_bytes: int = 0
+    owner_bytes: int = 0
+    owner_stores: list[str] = Factory(list)
 
 
 class SessionClose(Request, kind="session_close"):
@@ -441,6 +453,28 @@ class CheckPaths(Request, kind="check_paths"):
     caller: CallerRecord | None
     paths: list[str]
     owner: str = ""
+
+
+class Review(Request, kind="review"):
+    """A request on a review session's change set in ``review_dir``, run in a child of the fork
+    server (supervisor.review_child): as root it reads the upper layers (overlay's trusted.*
+    attributes) and, for ``discard``, removes entries (the session's sandbox is closed meanwhile);
+    as ``caller`` (None: the workspace's owner) it compares them with the host, shows or applies
+    them. Answered ReviewStarted with the read end of a pipe the child writes its answer to (one
+    JSON object) and closes: the daemon reads it, the loop never does. ``roots``: the session's
+    real roots as built (the workspace first); ``paths``: [root, path below it] pairs (none: all);
+    ``page``: where a listing goes on (review_child.Page's token)."""
+    review_dir: str
+    caller: CallerRecord | None
+    owner: str
+    action: str                         # list, diff, apply, discard
+    roots: list[str]
+    paths: list[list[str]]
+    include_flagged: list[list[str]]
+    page: str = ""
+    limit: int = 1000
+    max_bytes: int = 1 << 20
+    force: bool = False
 
 
 class Ping(Request, kind="ping"):
@@ -481,6 +515,11 @@ class SessionReady(Event, kind="session_ready"):
     proxy_listener: bool = False
     pid_namespace: int = 0          # its PID namespace's inode (0: none of its own, danger-full-access)
     descriptor_flag = "proxy_listener"
+
+
+class ReviewStarted(Event, kind="review_started"):
+    """A Review's child runs; its answer comes on the pipe passed with this (the daemon's to close)."""
+    descriptors = 1
 
 
 class SessionClosed(Event, kind="session_closed"):

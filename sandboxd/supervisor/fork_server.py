@@ -9,7 +9,7 @@ object per message, tagged with its kind and request id, every field's type chec
 descriptors as SCM_RIGHTS), and the server dispatches on the record's type through a table:
 
   Launch(spec)  + [stdin, stdout, stderr]                  one-shot sandbox        -> Started, then Exited
-  SessionOpen(session, spec)                               build a session's sandbox -> SessionReady:
+  SessionOpen(session, spec, review_dir)                   build a session's sandbox -> SessionReady:
                                                            what was built (real workspace and roots,
                                                            addresses, PID namespace; + [the egress
                                                            proxy's listener], if any)
@@ -19,6 +19,10 @@ descriptors as SCM_RIGHTS), and the server dispatches on the record's type throu
         (with terminal [rows, columns]: stdin is the socket the terminal's master goes back on)
   Signal(signum), Cancel()                                 to a running launch or call (its id)
   CheckPaths(caller, paths, owner)                         may the caller write them? -> PathsChecked
+  Review(review_dir, caller, action, roots, paths, ...)    a review session's change set listed, diffed,
+                                                           applied or discarded in a child
+                                                           (review_child) -> ReviewStarted + [the pipe
+                                                           its answer comes on, read by the daemon]
   Ping()                                                   the daemon's watchdog   -> Pong
 
 Any request may be answered Error(the error's ``to_dict``; ``SandboxdError.from_dict`` raises it
@@ -70,16 +74,18 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from sandboxd.kernel import access, process
+from sandboxd.kernel import access, overlay, process
 from sandboxd.launcher.plan import path_check as plan_path_check
 from sandboxd.launcher.plan import path_requests as plan_path_requests
 from sandboxd.errors import DeadlineExceeded, InvalidPolicy, SandboxdError, SetupError
 from sandboxd.policy.spec import LaunchSpec
 from sandboxd.supervisor import fork_protocol as protocol
-from sandboxd.supervisor.fork_protocol import (CLOSE_WAIT_SECONDS, DEFAULT_STUCK_OPENERS, DEFAULT_WAIT_SECONDS, Call,
+from sandboxd.supervisor.fork_protocol import (CLOSE_WAIT_SECONDS, DEFAULT_STUCK_OPENERS, DEFAULT_WAIT_SECONDS,
+                                               REVIEW_SECONDS, Call,
                                                Cancel, CheckPaths, Error, Event, Exited, Launch, Malformed, Message,
-                                               PathsChecked, Ping, Pong, SessionClose, SessionClosed, SessionOpen,
-                                               SessionReady, Signal, Started, check_timeout, launch_spec)
+                                               PathsChecked, Ping, Pong, Review, ReviewStarted, SessionClose,
+                                               SessionClosed, SessionOpen, SessionReady, Signal, Started,
+                                               check_timeout, launch_spec)
 from sandboxd.supervisor.spawner import ExitInfo, SandboxProcess, SessionBuild, SessionSandbox, Spawner
 from sandboxd.supervisor.openers import Openers, Slot
 from sandboxd.supervisor.waits import Leftovers, Orphans, ReportReader, Timers, Waits
@@ -154,7 +160,7 @@ class _Server:
         self._handlers: dict[type[Message], Callable[[Any, list[int]], None]] = {
             Launch: self._launch, Call: self._call, SessionOpen: self._session_open,
             SessionClose: self._session_close, Signal: self._signal, Cancel: self._cancel,
-            CheckPaths: self._check_paths, Ping: self._ping,
+            CheckPaths: self._check_paths, Ping: self._ping, Review: self._review,
         }
 
     def serve(self) -> None:
@@ -334,14 +340,22 @@ class _Server:
             raise InvalidPolicy(f"session {name!r} is still being closed in the fork server")
         spec = launch_spec(request.spec)
         check_timeout(spec.limits.timeout_seconds, "limit timeout_seconds")
+        review_dir, fresh = _review_dir(request.review_dir)
+        if fresh and review_dir is not None:
+            _bound_review_dir(review_dir, request)
         self._opening.add(name)
+
+        def undo() -> None:
+            self._forget_opening(name)
+            if fresh:
+                _remove_review_dir(review_dir)
+
         try:
             self._open_paths(call_id, spec.caller, plan_path_requests(spec),
-                             lambda opened: self._build_session(call_id, name, spec, opened), plan_path_check(spec),
-                             undo=lambda: self._forget_opening(name), owner=spec.owner,
-                             owner_pids=spec.limits.owner_pids)
+                             lambda opened: self._build_session(call_id, name, spec, opened, review_dir, undo),
+                             plan_path_check(spec), undo=undo, owner=spec.owner, owner_pids=spec.limits.owner_pids)
         except BaseException:
-            self._forget_opening(name)
+            undo()
             raise
 
     def _session_close(self, request: SessionClose, fds: list[int]) -> None:
@@ -372,6 +386,49 @@ class _Server:
 
     def _ping(self, request: Ping, fds: list[int]) -> None:
         self._answer(Pong(request.id))
+
+    def _review(self, request: Review, fds: list[int]) -> None:
+        """A request on a review session's change set, in a child (supervisor.review_child): its
+        answer's pipe goes to the daemon at once, the child is reaped whenever it goes and
+        SIGKILLed at ``review_seconds``. Each owner has at most ``stuck_openers`` such children and
+        path openers alive together (Openers), never waited on here."""
+        from sandboxd.supervisor import review_child
+
+        _review_dir(request.review_dir, make=False)
+        who = request.caller
+        key = request.owner or (f"uid-{who.uid}" if who is not None and who.uid != 0 else None)
+        deadline = time.monotonic() + REVIEW_SECONDS
+
+        def start(slot: Slot) -> None:
+            pid, pidfd, answer = review_child.start(request)
+            try:
+                self._answer(ReviewStarted(request.id), [answer])
+            finally:
+                os.close(answer)
+            reaped = False
+
+            def reap() -> bool:
+                nonlocal reaped
+                try:
+                    if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                        return False
+                except ChildProcessError:
+                    pass
+                reaped = True
+                os.close(pidfd)
+                slot.release()
+                return True
+
+            def kill() -> None:
+                if not reaped:
+                    try:
+                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            self._orphans.add(pidfd, reap)
+            self._timers.add(deadline, kill)
+
+        self._openers.admit(key, start, lambda exc: self._answer_error(request.id, exc), deadline)
 
     def _signal(self, request: Signal, fds: list[int]) -> None:
         if not 0 < request.signum < signal.NSIG:
@@ -457,12 +514,14 @@ class _Server:
 
         self._waits.add(pending.fileno(), call_id, deadline, ready, expire)
 
-    def _build_session(self, call_id: int, name: str, spec: LaunchSpec, opened: list[int]) -> None:
-        """Start the session's build; it is answered from the loop when its init reports."""
+    def _build_session(self, call_id: int, name: str, spec: LaunchSpec, opened: list[int], review_dir: str | None,
+                       undo: "Callable[[], None]") -> None:
+        """Start the session's build; it is answered from the loop when its init reports. ``undo``:
+        what a failed build releases (its name; a review directory made for it)."""
         try:
-            build = self.spawner.begin_session(spec, opened)
+            build = self.spawner.begin_session(spec, opened, review_dir=review_dir)
         except BaseException:
-            self._forget_opening(name)
+            undo()
             raise
         if isinstance(build, SessionSandbox):
             self._session_ready(call_id, name, build)
@@ -474,14 +533,17 @@ class _Server:
                 return False
             try:
                 session = build.finish(reader.data, release=self._release_when_gone)
+            except BaseException:
+                undo()
+                raise
             finally:
                 self._opening.discard(name)
             self._session_ready(call_id, name, session)
             return True
 
         def expire() -> None:
-            self._forget_opening(name)
             self._abandon_session(build)
+            undo()
             raise DeadlineExceeded(f"the sandbox of session {name!r} was not built within {self.wait_seconds:g} s "
                                    "(a workspace or writable root on a file system that does not answer?)")
 
@@ -639,6 +701,50 @@ class _Server:
                 time.monotonic() < deadline:
             self._turn(deadline)
         # What is left is stuck in the kernel: a stale group for the next fork server's sweep.
+
+
+def _review_dir(path: str, make: bool = True) -> tuple[str | None, bool]:
+    """A session's review directory as the daemon names it (STATE/review/ID: absolute, its last
+    name the session's): made (0700, kernel.overlay.make_session_dir) unless ``make`` is False.
+    (None, False) for "" (not review mode); else (it, whether it was made now, with no layers)."""
+    if not path:
+        return None, False
+    base, _, name = path.rpartition("/")
+    if not base.startswith("/") or "\0" in path or not name or name in (".", "..") or os.path.normpath(path) != path:
+        raise InvalidPolicy(f"review directory {path!r} is not an absolute normal path")
+    if not make:
+        return path, False
+    made, kept = overlay.make_session_dir(base, name)
+    return made, not kept
+
+
+def _bound_review_dir(path: str, request: SessionOpen) -> None:
+    """Make the review directory ``path`` just made a bounded store (kernel.review_space): its
+    share is the session's bound or what the owner's other stores (``owner_stores``, named by the
+    daemon, each beside it) reserve now of the owner's, read from the kernel (a tmpfs mount of
+    the daemon's own: nothing a caller can make wait). On refusal the directory is removed."""
+    from sandboxd.kernel import review_space
+    if not request.session_bytes:
+        return
+    try:
+        base = os.path.dirname(path)
+        others = [other for other in request.owner_stores if os.path.dirname(other) == base and other != path
+                  and os.path.normpath(other) == other]
+        total = sum(review_space.reserved(other) for other in others)
+        review_space.bound(path, review_space.share(request.session_bytes, request.owner_bytes, total))
+    except BaseException:
+        _remove_review_dir(path)
+        raise
+
+
+def _remove_review_dir(path: str | None) -> None:
+    """A review directory made for a build that failed: nothing was ever mounted on it."""
+    if path is None:
+        return
+    try:
+        overlay.remove_layers(path)
+    except OSError as exc:
+        _log(f"removing review directory {path!r} failed: {exc}")
 
 
 def _owner_share(owner: str, pids: int | None) -> "Callable[[], None] | None":

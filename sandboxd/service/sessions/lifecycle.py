@@ -12,14 +12,16 @@ closes (sessions.state); none of them is ever held for another session's sake.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 from sandboxd._record import Record
 from sandboxd.audit.store import EventStore, EventType
-from sandboxd.errors import InvalidPolicy, NotFound
+from sandboxd.errors import InvalidPolicy, NotFound, WrongState
+from sandboxd.kernel import overlay, review_space
 from sandboxd.policy import LaunchSpec, Limits, SandboxPolicy
 from sandboxd.policy.decision import ApprovalPolicy, ToolRules
 from sandboxd.service.callers import Caller
@@ -30,7 +32,13 @@ from sandboxd.service.sessions.state import Session, session_from_row
 from sandboxd.service.sessions.table import SessionTable
 from sandboxd.supervisor.fork_client import ForkServer, SessionInfo
 
+T = TypeVar("T")
+log = logging.getLogger("sandboxd")
 SESSION_PLACEHOLDER_ARGV = ("sandboxd-session",)  # a session's spec runs no command itself
+
+
+# What a closed session's sealed store keeps free for the conflict baselines its applies save.
+SEAL_SLACK = 1 << 20
 
 
 class OwnPlaces(Record):
@@ -48,6 +56,9 @@ class SandboxPlaces(Record):
 
     own: OwnPlaces = OwnPlaces()
     dns: tuple[str, ...] = ()           # resolvers for isolated networks (default: the host's)
+    review_dir: str = ""                # where review sessions' change sets are, one directory each (STATE/review)
+    review_session_bytes: int = 0       # each a bounded store (kernel.review_space): review.session_bytes (0: none)
+    review_owner_bytes: int = 0         # and review.owner_bytes
     network_pool: str = ""              # addresses of isolated networks (default: netns's)
 
 
@@ -63,11 +74,15 @@ class SessionLifecycle:
     # -- create, restore, change, close ----------------------------------------------------------
 
     def create(self, owner: Caller, workspace: str, policy: SandboxPolicy, approval: ApprovalPolicy,
-               limits: Limits, labels: dict[str, str], rules: ToolRules | None, env: dict[str, str] | None) -> Session:
+               limits: Limits, labels: dict[str, str], rules: ToolRules | None, env: dict[str, str] | None,
+               review: bool = False) -> Session:
         """Counted at once (quotas), found by no one until its sandbox and services are up; not
         begun at all when the store will not take the owner's events (EventStore.admit)."""
         self._store.admit(owner.uid, owner.principal)
-        session = Session(secrets.token_hex(8), owner, workspace, policy, approval, limits, labels, rules, env=env)
+        if review and not self._places.review_dir:
+            raise InvalidPolicy("this daemon keeps no change sets (no state directory): review mode is not available")
+        session = Session(secrets.token_hex(8), owner, workspace, policy, approval, limits, labels, rules, env=env,
+                          review=review)
         session.building = True
         self._table.add(session)
         built = False
@@ -80,7 +95,7 @@ class SessionLifecycle:
                 self._store.append(session.id, EventType.SESSION_CREATED, data={
                     **session.axes(), "workspace": session.workspace, "owner_uid": owner.uid,
                     "owner_gid": owner.gid, "limits": session.limits.as_dict(), "labels": dict(labels),
-                    "env_names": sorted(session.env)})
+                    "env_names": sorted(session.env), **({"review": True} if review else {})})
         except BaseException:
             self._table.remove(session.id)
             if built:                                 # the store failed: nothing of it may stay
@@ -122,6 +137,11 @@ class SessionLifecycle:
                     raise NotFound(f"no session {session.id!r}")
                 before, current, ready = session.axes(), session.policy, session.sandbox_ready
             changed = policy is not None and policy != current
+            if changed and session.review:
+                # Its sandbox is built over its change set: another one (other roots) would not match
+                # it, and two generations would share one upper layer.
+                raise WrongState(f"session {session.id} is in review mode: its sandbox policy cannot change; apply or "
+                                 "discard its changes and create a new session (the approval policy may change)")
             if policy is not None and changed:
                 check(policy)
             generation = 0
@@ -165,9 +185,24 @@ class SessionLifecycle:
                 if ready or generation != current:
                     self._close_sandbox(session, generation)
             self._hooks.session_closed(session)
+            self._drop_empty_change_set(session)
         self._store.save_session(session.to_row(closed_at=time.time()))
         self._store.append(session.id, EventType.SESSION_CLOSED,
                            data={"by_uid": caller.uid, **({"reason": reason} if reason else {})})
+
+    def _drop_empty_change_set(self, session: Session) -> None:
+        """A closed review session's directory goes when it holds no change (its sandbox is gone); a
+        change set with changes stays, its store shrunk to what it holds (review_space.seal: the
+        rest of its bound goes back to the owner's share) and SEAL_SLACK, which the daemon's own
+        records of later applies (their conflict baselines, review.conflicts) are written into."""
+        if not session.review:
+            return
+        try:
+            if not overlay.remove_if_unchanged(self.review_dir(session)) and \
+                    review_space.is_store(self.review_dir(session)):
+                review_space.seal(self.review_dir(session), SEAL_SLACK)
+        except OSError as exc:
+            log.warning("session %s: its empty change set could not be removed: %s", session.id, exc)
 
     def close_all(self) -> None:
         """The daemon stops: every sandbox goes, but the sessions stay open in the store, to be
@@ -198,6 +233,30 @@ class SessionLifecycle:
                     lost = [session.services.pop(generation) for generation in list(session.services)]
                 for services in lost:
                     close_all(services)
+
+    def between_calls(self, session: Session, work: "Callable[[], T]") -> "T":
+        """``work`` with the session's sandbox closed (a review session's discard: overlayfs forbids
+        changing a layer while it is mounted); the next call rebuilds it over the changed layers, so
+        the sandbox then sees the host where changes were dropped. Between calls only: with a call
+        or a background process running, WrongState naming it, and nothing is closed."""
+        with session.build_lock:
+            with session.lock:
+                if session.closed:
+                    raise NotFound(f"no session {session.id!r}")
+                running = sum(session.running.values())
+                jobs = [job for job in session.jobs.values() if job.result is None]
+                if not running and not jobs:
+                    generation, ready = session.generation, session.sandbox_ready
+                    session.sandbox_ready = False     # a call that begins now waits for the rebuild
+            if jobs:
+                raise WrongState(f"session {session.id} has a background process running ({jobs[0].id}, "
+                                 f"{jobs[0].name!r}): stop it first (changes are dropped between calls only)")
+            if running:
+                raise WrongState(f"session {session.id} has {running} call(s) running: changes are dropped between "
+                                 "calls only, try again when they end")
+            if ready:
+                self._close_sandbox(session, generation)   # its services too, as when the fork server is lost
+            return work()
 
     # -- calls -----------------------------------------------------------------------------------
 
@@ -243,7 +302,10 @@ class SessionLifecycle:
         (``session.built``, without the proxy's listener, which is closed here), judge it
         (``check_built``), then start its services (the hooks). The caller holds the session's
         build_lock."""
-        info = self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy))
+        info = self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy),
+                                       self.review_dir(session), session_bytes=self._places.review_session_bytes,
+                                       owner_bytes=self._places.review_owner_bytes,
+                                       owner_stores=self._owner_stores(session))
         try:
             with session.lock:                        # before the check: a concurrent build's check sees it
                 session.built[generation] = info.replace(proxy_listener=-1)
@@ -296,6 +358,27 @@ class SessionLifecycle:
             self._open_sandbox(session, generation, policy)
             with session.lock:
                 session.sandbox_ready = True
+
+    def review_dir(self, session: Session) -> str:
+        """Where a review session's change set is (made by the fork server); "" for one in direct mode."""
+        return self.review_dir_of(session.id) if session.review else ""
+
+    def review_dir_of(self, session_id: str) -> str:
+        return os.path.join(self._places.review_dir, session_id)
+
+    def _owner_stores(self, session: Session) -> list[str]:
+        """The review directories of the owner's other review sessions, which its new store's share
+        is what they leave of (the fork server reads their bounds from the kernel): the open ones
+        and those being built (the table), and the closed ones whose change set is kept (the
+        store's records: what a restarted daemon knows too)."""
+        if not session.review or not self._places.review_session_bytes:
+            return []
+        mine = (session.owner.uid, session.owner.principal)
+        ids = {other.id for other in self._table.all() if other.review and (other.owner.uid, other.owner.principal) == mine}
+        ids.update(row.id for row in self._store.sessions(include_closed=True)
+                   if row.review and (row.owner_uid, row.owner_principal) == mine)
+        ids.discard(session.id)
+        return sorted(self.review_dir_of(other) for other in ids)
 
     def _spec(self, session: Session, policy: SandboxPolicy) -> LaunchSpec:
         # The workspace, the writable roots and the allowed sockets are opened and checked by the

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import builtins
 import os
-from typing import Callable
+from typing import Callable, TypeVar
 
 from sandboxd.audit.store import EventStore
 from sandboxd.errors import InvalidPolicy, NotFound
@@ -35,6 +35,7 @@ from sandboxd.service.sessions.table import SessionTable
 from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.network.publish import check_host_ports
 
+T = TypeVar("T")
 __all__ = ["SESSION_PLACEHOLDER_ARGV", "OwnPlaces", "Session", "SessionRegistry", "caller_groups", "command_user",
            "cwd_inside", "rights_of", "rules_from_dict", "rules_to_dict"]
 
@@ -44,10 +45,13 @@ class SessionRegistry:
                  max_sessions: int = 10000, dns: tuple[str, ...] = (), network_pool: str = "",
                  own: OwnPlaces | None = None, proxy_connections: int = 256,
                  published_connections: int = 256, published_per_peer: int = 32, quotas: Quotas | None = None,
-                 allow_user_full_access: bool = True, count_network_denial: Callable[[], None] | None = None) -> None:
+                 allow_user_full_access: bool = True, count_network_denial: Callable[[], None] | None = None,
+                 review_dir: str = "", review_bytes: tuple[int, int] = (0, 0)) -> None:
         """``allow_user_full_access``: policy.allow_user_full_access, whether a local non-root caller
         may have danger-full-access. ``count_network_denial``: called for each connection an egress
-        proxy refuses (the daemon's metrics count them)."""
+        proxy refuses (the daemon's metrics count them). ``review_dir``: where review sessions'
+        change sets go, one directory each (STATE/review; "": review mode is not available);
+        ``review_bytes``: review.session_bytes and review.owner_bytes, the bounds of their stores."""
         self._fork = forkserver
         self.store = store
         self.own = own or OwnPlaces()
@@ -60,7 +64,9 @@ class SessionRegistry:
                                GitGuardHook(store, self.quotas.limits.git_watches_per_uid,
                                             self.quotas.limits.git_inotify_instances)])
         self._life = SessionLifecycle(forkserver, store, self._table, self.hooks,
-                                      SandboxPlaces(own=self.own, dns=dns, network_pool=network_pool),
+                                      SandboxPlaces(own=self.own, dns=dns, network_pool=network_pool,
+                                                    review_dir=review_dir, review_session_bytes=review_bytes[0],
+                                                    review_owner_bytes=review_bytes[1]),
                                       check_built=lambda session, facts: access.check_not_shared(
                                           session.owner, facts, self._table.all(), session.id))
 
@@ -132,13 +138,17 @@ class SessionRegistry:
 
     def create(self, caller: Caller, workspace: str, policy: SandboxPolicy, approval: ApprovalPolicy,
                limits: Limits, labels: dict[str, str], rules: ToolRules | None = None,
-               env: dict[str, str] | None = None) -> Session:
+               env: dict[str, str] | None = None, review: bool = False) -> Session:
         if not workspace.startswith("/"):
             raise InvalidPolicy(f"workspace {workspace!r} must be an absolute path")
+        if review and not policy.workspace_writable:
+            raise InvalidPolicy(f"review mode keeps a sandbox's writes for review: it needs the workspace-write "
+                                f"policy, not {policy.mode} (danger-full-access writes the host directly)")
         self._check_policy(caller, policy, workspace)
         # As given: the fork server opens it as the caller and the session keeps the real path that
         # lookup found (SessionInfo.workspace), never one the daemon looked up itself as root.
-        return self._life.create(caller, os.path.normpath(workspace), policy, approval, limits, labels, rules, env)
+        return self._life.create(caller, os.path.normpath(workspace), policy, approval, limits, labels, rules, env,
+                                 review)
 
     def restore(self) -> int:
         return self._life.restore()
@@ -158,6 +168,17 @@ class SessionRegistry:
 
     def sandboxes_lost(self) -> None:
         self._life.sandboxes_lost()
+
+    def between_calls(self, session: Session, work: "Callable[[], T]") -> "T":
+        """``work`` with the session's sandbox closed, rebuilt by its next call (lifecycle)."""
+        return self._life.between_calls(session, work)
+
+    def review_dir(self, session: Session) -> str:
+        return self._life.review_dir(session)
+
+    def review_dir_of(self, session_id: str) -> str:
+        """Where the review session ``session_id`` (open or closed) keeps its change set."""
+        return self._life.review_dir_of(session_id)
 
     # -- calls ---------------------------------------------------------------------------------
 

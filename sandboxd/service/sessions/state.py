@@ -34,7 +34,7 @@ class Session:
 
     def __init__(self, session_id: str, owner: Caller, workspace: str, policy: SandboxPolicy,
                  approval: ApprovalPolicy, limits: Limits, labels: dict[str, str], rules: ToolRules | None = None,
-                 created_at: float | None = None, env: dict[str, str] | None = None) -> None:
+                 created_at: float | None = None, env: dict[str, str] | None = None, review: bool = False) -> None:
         self.id = session_id
         self.owner = owner
         self.workspace = workspace
@@ -44,6 +44,9 @@ class Session:
         self.limits = limits
         self.labels = labels
         self.env = dict(env or {})            # the session's own variables (service.environment); never changed
+        # Review mode: its roots are overlays whose change set is kept in review_dir (under the state
+        # directory, per session): fixed at creation, kept across restarts.
+        self.review = review
         self.created_at = created_at or time.time()
         self.generation = 1
         self.running: dict[int, int] = {}     # generation -> running calls
@@ -72,7 +75,8 @@ class Session:
         """What the store keeps of it (the caller holds ``lock``, or the session is not shared yet)."""
         return SessionRow(self.id, self.owner.uid, self.owner.gid, self.owner.principal, self.workspace,
                           policy_to_dict(self.policy), self.approval, rules_to_dict(self.rules),
-                          self.limits.as_dict(), dict(self.labels), self.created_at, closed_at, dict(self.env))
+                          self.limits.as_dict(), dict(self.labels), self.created_at, closed_at, dict(self.env),
+                          self.review)
 
     def axes(self) -> dict[str, object]:
         """Both policy axes, as events record them."""
@@ -109,7 +113,7 @@ def session_from_row(row: SessionRow) -> Session:
     session = Session(row.id, owner, row.workspace, policy_from_dict(row.sandbox_policy),
                       approval_policy(row.approval_policy),
                       Limits(**row.limits), dict(row.labels), rules_from_dict(row.tool_rules),
-                      created_at=row.created_at, env=dict(row.env))
+                      created_at=row.created_at, env=dict(row.env), review=row.review)
     session.sandbox_ready = False
     return session
 

@@ -1,0 +1,187 @@
+"""`sandboxctl changes|apply|discard`: a review session's change set, shown and decided on
+(docs/review-mode.md). Every path, reason and diff line is a caller's (the sandbox chose the
+names and contents): each is printed through ``printable``, one line each."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from sandboxd.client import SandboxClient
+from sandboxd.printable import printable
+from sandboxd.v1 import sandboxd_pb2 as pb
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from argparse import _SubParsersAction
+    from collections.abc import Iterable
+
+# One letter per kind, as `git status --short` shows them.
+MARKS = {pb.FileChange.ADDED: "A", pb.FileChange.MODIFIED: "M", pb.FileChange.DELETED: "D",
+         pb.FileChange.REPLACED: "R", pb.FileChange.TYPE_CHANGED: "T", pb.FileChange.METADATA: "m"}
+COMMANDS = ("changes", "apply", "discard")
+
+
+def add_commands(commands: "_SubParsersAction[argparse.ArgumentParser]") -> None:
+    paths_help = "host paths under the session's roots: absolute, or relative to its workspace (none: all)"
+    changes = commands.add_parser("changes", help="a review session's changes (not on the host yet)")
+    changes.add_argument("session_id")
+    changes.add_argument("paths", nargs="*", metavar="PATH", help=paths_help)
+    shown = changes.add_mutually_exclusive_group()
+    shown.add_argument("--stat", action="store_true", help="counts by kind, flagged and conflicting")
+    shown.add_argument("--diff", action="store_true", help="a unified diff (binary files: one line each)")
+    shown.add_argument("--json", action="store_true", help="one JSON object per change")
+    apply = commands.add_parser("apply", help="write a review session's changes to the host, as its owner")
+    apply.add_argument("session_id")
+    apply.add_argument("paths", nargs="*", metavar="PATH", help=paths_help)
+    apply.add_argument("--force", action="store_true", help="overwrite what changed on the host meanwhile")
+    apply.add_argument("--include-flagged", action="append", default=[], metavar="PATH",
+                       help="apply this flagged change (planted code) all the same; repeat per path")
+    discard = commands.add_parser("discard", help="drop a review session's changes: it sees the host again")
+    discard.add_argument("session_id")
+    discard.add_argument("paths", nargs="*", metavar="PATH", help=paths_help)
+
+
+def shown_path(root: str, path: str, workspace: str) -> str:
+    """A change's path as a person names it: relative to the workspace, else absolute."""
+    if root == workspace:
+        return path or "."
+    return f"{root}/{path}" if path else root
+
+
+def change_line(change: pb.FileChange, workspace: str) -> str:
+    line = f"{MARKS.get(change.kind, '?')} {printable(shown_path(change.root, change.path, workspace))}"
+    if change.kind in (pb.FileChange.MODIFIED, pb.FileChange.METADATA) and change.aspects:
+        line += f"  ({printable(', '.join(change.aspects))})"
+    if change.flags:
+        line += f"  [flagged: {printable('; '.join(change.flags))}]"
+    if change.conflict:
+        line += f"  [conflict: {printable(change.conflict)}]"
+    return line
+
+
+def run(client: SandboxClient, args: argparse.Namespace) -> int:
+    workspace = client.get_session(args.session_id).workspace
+    if args.command == "changes":
+        return _changes(client, args, workspace)
+    if args.command == "apply":
+        result = client.apply_changes(args.session_id, args.paths, force=args.force,
+                                      include_flagged=args.include_flagged)
+        for applied in result.applied:
+            note = f"  ({printable(applied.note)})" if applied.note else ""
+            print(f"applied {printable(shown_path(applied.root, applied.path, workspace))}{note}")
+        _skipped(result.skipped, workspace)
+        return 1 if result.skipped else 0
+    result_discard = client.discard_changes(args.session_id, args.paths)
+    for dropped in result_discard.discarded:
+        print(f"discarded {printable(shown_path(dropped.root, dropped.path, workspace))}")
+    _skipped(result_discard.skipped, workspace)
+    return 1 if result_discard.skipped else 0
+
+
+def _skipped(skipped: "Iterable[pb.SkippedChange]", workspace: str) -> None:
+    for item in skipped:
+        print(f"skipped {printable(shown_path(item.root, item.path, workspace))}: {printable(item.reason)}")
+
+
+def _changes(client: SandboxClient, args: argparse.Namespace, workspace: str) -> int:
+    if args.diff:
+        for text in client.diff_changes(args.session_id, args.paths):
+            for line in text.splitlines():
+                print(printable(line))
+        return 0
+    changes, unhashed = client.list_changes(args.session_id, args.paths)
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+        for change in changes:
+            print(json.dumps(MessageToDict(change, preserving_proto_field_name=True)))
+        return 0
+    if args.stat:
+        counts: dict[str, int] = {}
+        for change in changes:
+            name = pb.FileChange.Kind.Name(change.kind).lower().replace("_", " ")
+            counts[name] = counts.get(name, 0) + 1
+        kinds = ", ".join(f"{count} {name}" for name, count in sorted(counts.items())) or "no changes"
+        flagged = sum(1 for change in changes if change.flags)
+        conflicts = sum(1 for change in changes if change.conflict)
+        print(f"{len(changes)} change(s): {kinds}; {flagged} flagged, {conflicts} conflicting")
+    else:
+        for change in changes:
+            print(change_line(change, workspace))
+    if unhashed:
+        print(f"({unhashed} file(s) of the same size as the host's were not hashed: listed as modified)")
+    return 0
+
+
+SUMMARY_LINES = 20               # changes shown above the end-of-session question
+PROMPT_KEYS = "adkr"
+
+
+def end_of_session(client: SandboxClient, session_id: str) -> None:
+    """On a terminal, after `sandboxctl shell`, `exec -t`, or before `session close`: a review
+    session with pending changes asks the person in place, `[a]pply [d]iscard [k]eep [r]eview`
+    (r shows the diff and asks again; Ctrl-C, Ctrl-D or the terminal's end keep). Anything that
+    goes wrong here keeps the changes and says so: the command's own status is never changed."""
+    if not (sys.stdin.isatty() and sys.stderr.isatty()):
+        return
+    import grpc
+    try:
+        session = client.get_session(session_id)
+        if not session.review:
+            return
+        page = client.stub.ListChanges(pb.ListChangesRequest(session_id=session_id, page_size=SUMMARY_LINES))
+        if not page.changes:
+            return
+        more = " (and more)" if page.next_page_token else ""
+        _say(f"review: {len(page.changes)}{more} pending change(s) in session {printable(session_id)}, "
+             "not on the host yet:")
+        for change in page.changes:
+            _say("  " + change_line(change, session.workspace))
+        decision = _ask(client, session_id)
+        if decision == "a":
+            result = client.apply_changes(session_id)
+            for applied in result.applied:
+                _say(f"applied {printable(shown_path(applied.root, applied.path, session.workspace))}")
+            for item in result.skipped:
+                _say(f"skipped {printable(shown_path(item.root, item.path, session.workspace))}: "
+                     f"{printable(item.reason)}")
+            if result.skipped:
+                _say(f"review: what was skipped stays; see `sandboxctl changes {printable(session_id)}`, "
+                     "then `sandboxctl apply` with --force or --include-flagged PATH")
+        elif decision == "d":
+            result_discard = client.discard_changes(session_id)
+            _say(f"review: {len(result_discard.discarded)} change(s) discarded")
+            for item in result_discard.skipped:
+                _say(f"skipped {printable(shown_path(item.root, item.path, session.workspace))}: "
+                     f"{printable(item.reason)}")
+        else:
+            _say(f"review: kept; `sandboxctl changes {printable(session_id)} --diff`, then "
+                 f"`sandboxctl apply` or `sandboxctl discard` {printable(session_id)}")
+    except grpc.RpcError as error:
+        _say(f"review: {error.code().name}: {printable(error.details() or '')}: the changes are kept")
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _ask(client: SandboxClient, session_id: str) -> str:
+    """The person's key: a, d or k (r shows the diff first and asks again)."""
+    import termios
+
+    from sandboxd.cli.keys import KeyReader
+    keys = KeyReader(sys.stdin.fileno())
+    while True:
+        # Only a key typed once the question shows answers it: one typed ahead (for the command,
+        # while it ran) is dropped.
+        termios.tcflush(sys.stdin.fileno(), termios.TCIFLUSH)
+        key = keys.read("review: [a]pply [d]iscard [k]eep [r]eview? ", PROMPT_KEYS, keep_waiting=lambda: True)
+        sys.stderr.write((key if key and key in PROMPT_KEYS else "") + "\n")
+        if key == "r":
+            for text in client.diff_changes(session_id):
+                for line in text.splitlines():
+                    _say(printable(line))
+            continue
+        return key if key in ("a", "d") else "k"

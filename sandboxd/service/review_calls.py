@@ -1,0 +1,281 @@
+"""Review mode's RPCs: ListChanges, DiffChanges, ApplyChanges, DiscardChanges (docs/review-mode.md).
+
+Each request is judged here (who may, which session, which paths) and carried out by a child of
+the fork server (fork_protocol.Review, supervisor.review_child): the daemon's gRPC process never
+forks nor reads a change set itself. Paths are judged against what the fork server built for the
+session (its real roots: Session.built), never looked up again here: a path names a host path
+under one of the session's roots, absolute or relative to the workspace, and crosses as
+[root, path below it]. Callers: the session's owner, root and the admin group (sessions.access:
+anyone else's is NOT_FOUND). Every apply and discard is an audit event (EventType.CHANGES_APPLIED,
+CHANGES_DISCARDED) naming the paths and content hashes, never contents. A closed session's kept
+change set takes the same four, without a sandbox (Target.session None: its roots from its layers'
+record); one its apply or discard leaves empty is removed, its store with it (docs/review-mode.md,
+"After the close").
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from typing import NamedTuple, TypeVar
+
+from sandboxd.audit.store import EventStore, EventType
+from sandboxd.errors import Exhausted, InvalidPolicy, NotFound, SetupError, WrongState
+from sandboxd.kernel import overlay
+from sandboxd.policy.sandbox import is_within
+from sandboxd.review import conflicts
+from sandboxd.service.callers import Caller, session_owner
+from sandboxd.service.quotas import cgroup_owner
+from sandboxd.service.sessions.access import rights_of, visible_ids
+from sandboxd.service.sessions.registry import SessionRegistry
+from sandboxd.service.sessions.state import Session
+from sandboxd.supervisor.fork_client import ForkServer
+from sandboxd.supervisor.fork_protocol import REVIEW_SECONDS, CallerRecord, Review
+from sandboxd.v1 import sandboxd_pb2 as pb
+
+T = TypeVar("T")
+
+DEFAULT_PAGE = 1000
+MAX_PAGE = 10_000
+DEFAULT_DIFF_BYTES = 1 << 20
+MAX_DIFF_BYTES = 4 << 20
+MAX_PATHS = 10_000                  # paths one request may name (each crosses to the fork server)
+# How long the daemon reads a review child's answer: the fork server SIGKILLs it at REVIEW_SECONDS.
+ANSWER_SECONDS = REVIEW_SECONDS + 5
+
+KINDS = {"added": pb.FileChange.ADDED, "modified": pb.FileChange.MODIFIED, "deleted": pb.FileChange.DELETED,
+         "replaced": pb.FileChange.REPLACED, "type changed": pb.FileChange.TYPE_CHANGED,
+         "metadata": pb.FileChange.METADATA}
+NUMBERS = ("mode", "host_mode", "uid", "gid", "host_uid", "host_gid", "size", "host_size")
+TEXTS = ("type", "host_type", "sha256", "host_sha256", "target", "host_target", "conflict")
+
+
+def targets(roots: list[str], paths: "list[str] | tuple[str, ...]", what: str = "path") -> list[list[str]]:
+    """``paths`` (absolute, or relative to the workspace ``roots[0]``) as [root, path below it],
+    each under the deepest of the session's ``roots`` that holds it; InvalidPolicy naming the roots
+    for one under none."""
+    if len(paths) > MAX_PATHS:
+        raise InvalidPolicy(f"at most {MAX_PATHS} paths at once, got {len(paths)}: name their directories instead")
+    pairs: list[list[str]] = []
+    for path in paths:
+        if not path or "\0" in path:
+            raise InvalidPolicy(f"{what} {path!r} must be a path (absolute, or relative to the workspace) without NUL")
+        full = os.path.normpath(path if path.startswith("/") else os.path.join(roots[0], path))
+        holders = [root for root in roots if is_within(full, root)]
+        if not holders:
+            raise InvalidPolicy(f"{what} {path!r} is not under one of the session's roots ({', '.join(roots)}): name a "
+                                "path in the workspace or a writable root")
+        root = max(holders, key=len)
+        pairs.append([root, "" if full == root else os.path.relpath(full, root)])
+    return pairs
+
+
+def change_to_proto(item: dict[str, object]) -> pb.FileChange:
+    change = pb.FileChange(root=str(item.get("root", "")), path=str(item.get("path", "")),
+                           kind=KINDS.get(str(item.get("kind")), pb.FileChange.KIND_UNSPECIFIED))
+    for name in NUMBERS:
+        value = item.get(name)
+        if isinstance(value, int) and value >= 0:
+            setattr(change, name, value)
+    for name in TEXTS:
+        setattr(change, name, str(item.get(name) or ""))
+    change.aspects.extend(str(aspect) for aspect in _items(item.get("aspects")))
+    change.flags.extend(str(flag) for flag in _items(item.get("flags")))
+    return change
+
+
+def _items(value: object) -> list[object]:
+    return list(value) if isinstance(value, (list, tuple)) else []
+
+
+def _dicts(value: object) -> list[dict[str, object]]:
+    return [item for item in _items(value) if isinstance(item, dict)]
+
+
+class Target(NamedTuple):
+    """What a review request acts on: an open session (``session``), or a closed one whose change
+    set is kept (``session`` None: no sandbox, nothing to build or close)."""
+
+    id: str
+    owner: Caller
+    review_dir: str
+    roots: list[str]                    # the real roots its sandbox was built on, the workspace first
+    session: "Session | None"
+
+
+class ReviewCalls:
+    def __init__(self, registry: SessionRegistry, fork: ForkServer, store: EventStore) -> None:
+        self._registry, self._fork, self._store = registry, fork, store
+
+    def _target(self, who: Caller, session_id: str) -> Target:
+        """The open session, or the closed one (its owner, root, the admin group: NOT_FOUND for
+        anyone else, as for an open one) whose change set is still kept."""
+        try:
+            session = self._registry.get(who, session_id)       # NOT_FOUND for anyone but its owner, root, admins
+        except NotFound:
+            return self._closed(who, session_id)
+        if not session.review:
+            raise WrongState(f"session {session.id} is not in review mode: its writes reach the host directly "
+                             "(create it with review)")
+        return Target(session.id, session.owner, self._registry.review_dir(session), self._roots(session), session)
+
+    def _closed(self, who: Caller, session_id: str) -> Target:
+        """A closed review session's change set: its roots are those its layers' record names (the
+        real paths the fork server built the overlays on, written by it), the workspace first."""
+        visible_ids(self._store, who, session_id)               # NOT_FOUND unless the caller may see it
+        row = self._store.session(session_id)
+        if row.closed_at is None:                               # open, but not served (being built or closed now)
+            raise NotFound(f"no session {session_id!r}")
+        if not row.review:
+            raise WrongState(f"session {session_id} is not in review mode: its writes reached the host directly")
+        review_dir = self._registry.review_dir_of(session_id)
+        try:
+            roots = [layer.root for layer in overlay.load(review_dir)]
+        except FileNotFoundError:
+            raise NotFound(f"session {session_id} is closed and keeps no change set (applied, discarded or "
+                           "expired)") from None
+        roots.sort(key=lambda root: root != row.workspace)      # the workspace first: relative paths are in it
+        return Target(session_id, session_owner(row.owner_uid, row.owner_gid, row.owner_principal), review_dir,
+                      roots, None)
+
+    def _roots(self, session: Session) -> list[str]:
+        """The session's real roots as its sandbox was built (built now if it was resumed)."""
+        self._registry.ready(session)
+        facts = session.facts
+        if facts is None:
+            raise WrongState(f"session {session.id} has no sandbox now: try again")
+        return [facts.workspace, *facts.writable_roots]
+
+    def _run(self, target: Target, action: str, roots: list[str], paths: list[list[str]], *,
+             include_flagged: "list[list[str]] | None" = None, page: str = "", limit: int = DEFAULT_PAGE,
+             max_bytes: int = DEFAULT_DIFF_BYTES, force: bool = False) -> dict[str, object]:
+        rights = rights_of(target.owner)
+        caller = None if rights is None else CallerRecord(rights[0], rights[1], list(rights[2]))
+        return self._fork.review(lambda call_id: Review(
+            call_id, target.review_dir, caller, cgroup_owner(target.owner), action, roots, paths,
+            include_flagged or [], page, limit, max_bytes, force), ANSWER_SECONDS)
+
+    def _between_calls(self, target: Target, work: "Callable[[], T]") -> "T":
+        """``work`` with the session's sandbox closed (registry.between_calls); a closed session has none."""
+        return work() if target.session is None else self._registry.between_calls(target.session, work)
+
+    def _free_if_empty(self, target: Target) -> None:
+        """A closed session's change set that holds nothing now goes, its store with it: the owner's
+        review.owner_bytes gets its share back."""
+        if target.session is None:
+            overlay.remove_if_unchanged(target.review_dir)
+
+    def _read(self, who: Caller, session_id: str, paths: "Iterable[str]", action: str, *, page: str,
+              limit: int = DEFAULT_PAGE, max_bytes: int = DEFAULT_DIFF_BYTES) -> dict[str, object]:
+        """A page of a listing or a diff of the paths asked for."""
+        target = self._target(who, session_id)
+        return self._run(target, action, target.roots, targets(target.roots, list(paths)), page=page, limit=limit,
+                         max_bytes=max_bytes)
+
+    # -- the RPCs --------------------------------------------------------------------------------
+
+    def list(self, who: Caller, request: pb.ListChangesRequest) -> pb.ListChangesResponse:
+        if request.page_size > MAX_PAGE:
+            raise InvalidPolicy(f"page_size is at most {MAX_PAGE}, got {request.page_size}")
+        answer = self._read(who, request.session_id, request.paths, "list", page=request.page_token,
+                            limit=request.page_size or DEFAULT_PAGE)
+        unhashed = answer.get("unhashed")
+        return pb.ListChangesResponse(changes=[change_to_proto(item) for item in _dicts(answer.get("changes"))],
+                                      next_page_token=str(answer.get("next") or ""),
+                                      unhashed=unhashed if isinstance(unhashed, int) and unhashed >= 0 else 0)
+
+    def diff(self, who: Caller, request: pb.DiffChangesRequest) -> pb.DiffChangesResponse:
+        if request.max_bytes > MAX_DIFF_BYTES:
+            raise InvalidPolicy(f"max_bytes is at most {MAX_DIFF_BYTES} (4 MiB), got {request.max_bytes}")
+        answer = self._read(who, request.session_id, request.paths, "diff", page=request.page_token,
+                            max_bytes=request.max_bytes or DEFAULT_DIFF_BYTES)
+        return pb.DiffChangesResponse(diff=str(answer.get("diff") or ""), next_page_token=str(answer.get("next") or ""))
+
+    def apply(self, who: Caller, request: pb.ApplyChangesRequest) -> pb.ApplyChangesResponse:
+        target = self._target(who, request.session_id)
+        self._store.admit(target.owner.uid, target.owner.principal)     # recorded: the owner's budget
+        roots = target.roots
+        paths = targets(roots, list(request.paths))
+        flagged = targets(roots, list(request.include_flagged), "include_flagged path")
+        answer = self._run(target, "apply", roots, paths, include_flagged=flagged, force=request.force)
+        applied, skipped = _dicts(answer.get("applied")), _dicts(answer.get("skipped"))
+        named = {(pair[0], pair[1]) for pair in flagged}
+        self._store.append(target.id, EventType.CHANGES_APPLIED, data={
+            "by_uid": who.uid, **({"by_principal": who.principal} if who.principal else {}),
+            "summary": f"applied {len(applied)}, skipped {len(skipped)}" + (" (forced)" if request.force else ""),
+            "force": request.force, "paths": [f"{root}/{path}" if path else root for root, path in paths] or ["(all)"],
+            "applied": [{key: item.get(key) for key in ("root", "path", "kind", "sha256") if item.get(key)}
+                        for item in applied],
+            "skipped": [{key: item.get(key) for key in ("root", "path", "reason")} for item in skipped],
+            # Flagged changes (planted code: review.rules): those held back, and those a person named.
+            "flagged": [{"root": item.get("root"), "path": item.get("path"), "applied": False,
+                         "reason": item.get("reason")} for item in skipped
+                        if str(item.get("reason", "")).startswith("flagged")] +
+                       [{"root": item.get("root"), "path": item.get("path"), "applied": True} for item in applied
+                        if (item.get("root"), item.get("path")) in named]})
+        # After the audit event: what landed is recorded even when its baseline cannot be kept.
+        self._save_baselines(target, answer.get("baselines"))
+        self._forget(target, answer.get("forgettable"))
+        self._free_if_empty(target)
+        return pb.ApplyChangesResponse(
+            applied=[pb.AppliedChange(root=str(item.get("root", "")), path=str(item.get("path", "")),
+                                      kind=KINDS.get(str(item.get("kind")), pb.FileChange.KIND_UNSPECIFIED),
+                                      note=str(item.get("note") or "")) for item in applied],
+            skipped=[_skipped(item) for item in skipped])
+
+    def _save_baselines(self, target: Target, baselines: object) -> None:
+        """The conflict baselines after an apply (review.conflicts), each beside its overlay's layers in
+        the session's review directory: root's, which the apply's child (the owner) cannot write."""
+        review_dir = target.review_dir
+        for item in _dicts(baselines):
+            layer, started, applied = item.get("layer"), item.get("started_ns"), item.get("applied")
+            if not isinstance(layer, str) or not layer.isdigit() or not isinstance(started, int) or \
+                    not isinstance(applied, dict):
+                raise SetupError("review", detail="an apply's answer carried a malformed conflict baseline")
+            try:
+                conflicts.save_baseline(os.path.join(review_dir, layer), conflicts.Baseline(
+                    started_ns=started, applied={str(path): int(ctime) for path, ctime in applied.items()
+                                                 if isinstance(ctime, int)}))
+            except OSError as exc:          # ENOSPC: the sandbox filled its store (review.session_bytes)
+                raise Exhausted(f"session {target.id}: the apply landed, but its conflict baseline could not be "
+                                f"kept in the review store ({os.strerror(exc.errno or 0)}): discard changes to "
+                                "make room before the next apply") from None
+
+    def _forget(self, target: Target, forgettable: object) -> None:
+        """Drop the upper entries of what an apply landed (they equal the host now), so that the
+        sandbox follows the host there again: between calls only (the sandbox is rebuilt); with a
+        call running they stay, and still list as no change."""
+        if not isinstance(forgettable, dict):
+            return
+        pairs = [[str(root), str(path)] for root, paths in forgettable.items() for path in _items(paths)]
+        if not pairs:
+            return
+        roots = [str(root) for root in forgettable]
+        try:
+            self._between_calls(target, lambda: self._run(target, "discard", roots, pairs))
+        except WrongState:
+            pass
+
+    def discard(self, who: Caller, request: pb.DiscardChangesRequest) -> pb.DiscardChangesResponse:
+        target = self._target(who, request.session_id)
+        self._store.admit(target.owner.uid, target.owner.principal)
+        roots = target.roots
+        paths = targets(roots, list(request.paths))
+        answer = self._between_calls(target, lambda: self._run(target, "discard", roots, paths))
+        discarded, skipped = _dicts(answer.get("discarded")), _dicts(answer.get("skipped"))
+        self._store.append(target.id, EventType.CHANGES_DISCARDED, data={
+            "by_uid": who.uid, **({"by_principal": who.principal} if who.principal else {}),
+            "summary": f"discarded {len(discarded)}, skipped {len(skipped)}",
+            "paths": [f"{root}/{path}" if path else root for root, path in paths] or ["(all)"],
+            "discarded": [{"root": item.get("root"), "path": item.get("path")} for item in discarded],
+            "skipped": [{key: item.get(key) for key in ("root", "path", "reason")} for item in skipped]})
+        self._free_if_empty(target)
+        return pb.DiscardChangesResponse(
+            discarded=[pb.AppliedChange(root=str(item.get("root", "")), path=str(item.get("path", "")))
+                       for item in discarded],
+            skipped=[_skipped(item) for item in skipped])
+
+
+def _skipped(item: dict[str, object]) -> pb.SkippedChange:
+    return pb.SkippedChange(root=str(item.get("root", "")), path=str(item.get("path", "")),
+                            reason=str(item.get("reason") or ""))

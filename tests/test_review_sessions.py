@@ -1,0 +1,323 @@
+"""Review mode in the daemon's sessions (issue 25), from the user's side: gRPC and sandboxctl as
+plain users the tests make, on the real kernel.
+
+A review session's commands write into overlays whose change set the daemon keeps under its state
+directory: the host stays byte for byte what a control copy holds until a person applies; apply of
+one path lands exactly that path; discard makes the sandbox see the host again; a host edit made
+during the session is a conflict; planted git hooks are flagged and not applied; other users can
+neither list, apply nor discard (the owner can); a SIGKILLed daemon's successor lists the same
+change set and the sandbox still sees it; and apply does not follow a symlink another user swapped
+into the workspace between listing and apply (control: an apply that follows names writes into
+the owner's private directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+
+from conftest import BASE_ENV, REPO, SLOW, describe
+from daemon_helpers import (Daemon, DaemonFactory, PlainUser, daemon_factory, owned_dir, plain_users,
+                            run_client_as)
+from review_helpers import CLIENT, EDITS, EXPECTED, free_stores, local_disk, snapshot, tmpfs, usual_workspace
+
+pytestmark = pytest.mark.timeout(600)
+
+SANDBOXCTL = str(REPO / ".venv" / "bin" / "sandboxctl")
+
+
+class Place(NamedTuple):
+    factory: DaemonFactory
+    daemon: Daemon
+    owner: PlainUser
+    attacker: PlainUser
+    disk: Path                  # where workspaces go: a file system review mode takes as lower
+
+
+@pytest.fixture(scope="module")
+def place() -> Iterator[Place]:
+    with plain_users(2) as (owner, attacker), daemon_factory("sbxrsess-") as factory, \
+            contextlib.ExitStack() as stack:
+        # Where /var/tmp is no local disk (the VM guest: overlays over tmpfs, no loop devices), a tmpfs
+        # of the test's own for the workspaces and the daemon's state (1 GiB: the audit log's floor,
+        # audit.min_free, is 512 MiB).
+        disk = (factory.base if local_disk(str(factory.base))
+                else stack.enter_context(tmpfs(factory.base / "disk", size="1g")))
+        daemon = factory(args=["--state-dir", str(disk / "state")])
+        yield Place(factory, daemon, owner, attacker, disk)
+        daemon.close()                              # before its state's tmpfs (if any) is unmounted
+        free_stores(disk / "state")                 # the kept change sets' stores (tmpfs mounts)
+
+
+def fresh(place: Place, name: str) -> Path:
+    """A workspace of the owner's with the usual contents."""
+    return usual_workspace(place.disk / name, place.owner)
+
+
+def as_user(place: Place, user: PlainUser, *ops: tuple[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    answers: list[dict[str, Any]] = run_client_as(user.uid, user.gid, place.daemon.socket, CLIENT,  # type: ignore[assignment]
+                                                  {"ops": [list(op) for op in ops]}, timeout=300 * SLOW)
+    return answers
+
+
+def ok(answer: dict[str, Any]) -> dict[str, Any]:
+    assert answer["ok"], answer
+    return answer
+
+
+def create(place: Place, ws: Path, **fields: Any) -> str:
+    return str(ok(as_user(place, place.owner, ("create", {"workspace": str(ws), **fields}))[0])["id"])
+
+
+def listed(place: Place, session: str, user: PlainUser | None = None) -> dict[str, dict[str, Any]]:
+    answer = ok(as_user(place, user or place.owner, ("ListChanges", {"session_id": session}))[0])
+    return {change.get("path", ""): change for change in answer.get("changes", [])}
+
+
+def sandboxctl(place: Place, user: PlainUser, *args: str) -> subprocess.CompletedProcess[str]:
+    def become() -> None:
+        os.setgroups([])
+        os.setgid(user.gid)
+        os.setuid(user.uid)
+    return subprocess.run([SANDBOXCTL, "--socket", place.daemon.socket, *args], capture_output=True, text=True,
+                          timeout=300 * SLOW, env=BASE_ENV, cwd="/", preexec_fn=become)
+
+
+def close(place: Place, session: str) -> None:
+    as_user(place, place.owner, ("CloseSession", {"session_id": session}))
+
+
+def test_the_host_is_unchanged_until_apply_which_lands_exactly_one_path_and_discard_restores(place: Place) -> None:
+    ws = fresh(place, "ws-main")
+    control = snapshot(ws)
+    session = create(place, ws)
+    ran = ok(as_user(place, place.owner, ("exec", {"session": session, "script": EDITS + "cat mod.txt"}))[0])
+    assert ran["status"] == 0 and ran["stdout"] == "changed\n", ran        # the sandbox sees its writes
+    assert snapshot(ws) == control                                         # the host: byte for byte as before
+    changes = listed(place, session)
+    assert {(path, change["kind"].lower().replace("_", " ")) for path, change in changes.items()} == EXPECTED
+    assert changes["mod.txt"]["root"] == str(ws.resolve()) and not changes["mod.txt"].get("flags")
+
+    # sandboxctl as the owner shows the same change set, each path escaped, one per line.
+    shown = sandboxctl(place, place.owner, "changes", session, "--stat")
+    assert shown.returncode == 0 and "12 change(s)" in shown.stdout, describe(shown)
+    lines = sandboxctl(place, place.owner, "changes", session, "--json")
+    assert {json.loads(line)["path"] for line in lines.stdout.splitlines()} == {path for path, _ in EXPECTED}
+    diff = sandboxctl(place, place.owner, "changes", session, "--diff", "mod.txt")
+    assert "-old" in diff.stdout and "+changed" in diff.stdout, describe(diff)
+
+    applied = sandboxctl(place, place.owner, "apply", session, "added.txt")
+    assert applied.returncode == 0 and applied.stdout.strip() == "applied added.txt", describe(applied)
+    after = snapshot(ws)
+    assert set(after) - set(control) == {"added.txt"} and (ws / "added.txt").read_text() == "new\n"
+    assert {key: value for key, value in after.items() if key != "added.txt"} == control
+    assert after["added.txt"][2] == place.owner.uid                        # written as the owner, never root
+
+    dropped = sandboxctl(place, place.owner, "discard", session)
+    assert dropped.returncode == 0 and "discarded mod.txt" in dropped.stdout, describe(dropped)
+    seen = ok(as_user(place, place.owner, ("exec", {"session": session, "script": "cat mod.txt; ls"}))[0])
+    assert seen["stdout"].split("\n", 1)[0] == "old"                       # the host's content again
+    assert "olddir" in seen["stdout"] and "newdir" not in seen["stdout"], seen
+    assert listed(place, session) == {}
+    assert snapshot(ws) == after
+    events = sandboxctl(place, place.owner, "events", "--session", session, "--json")
+    kinds = [json.loads(line)["type"] for line in events.stdout.splitlines()]
+    assert "ChangesApplied" in kinds and "ChangesDiscarded" in kinds, describe(events)
+    close(place, session)
+
+
+def test_a_host_edit_during_the_session_is_a_conflict(place: Place) -> None:
+    ws = fresh(place, "ws-conflict")
+    session = create(place, ws)
+    ok(as_user(place, place.owner, ("exec", {"session": session, "script": "echo mine > mod.txt; echo k > keep2"}))[0])
+    # Control: untouched on the host, the sandbox's change is no conflict.
+    assert not listed(place, session)["mod.txt"].get("conflict")
+    subprocess.run(["sh", "-c", f"echo theirs > {ws}/mod.txt"], check=True, user=place.owner.uid,
+                   group=place.owner.gid, extra_groups=[], timeout=60)
+    changes = listed(place, session)
+    assert changes["mod.txt"].get("conflict") and not changes["keep2"].get("conflict"), changes
+    skipped = ok(as_user(place, place.owner, ("ApplyChanges", {"session_id": session}))[0])
+    assert [item["path"] for item in skipped.get("skipped", [])] == ["mod.txt"], skipped
+    assert "conflict" in skipped["skipped"][0]["reason"]
+    assert (ws / "mod.txt").read_text() == "theirs\n" and (ws / "keep2").read_text() == "k\n"
+    forced = ok(as_user(place, place.owner, ("ApplyChanges", {"session_id": session, "paths": ["mod.txt"],
+                                                              "force": True}))[0])
+    assert [item["path"] for item in forced.get("applied", [])] == ["mod.txt"], forced
+    assert (ws / "mod.txt").read_text() == "mine\n"
+    close(place, session)
+
+
+def test_a_planted_hook_is_flagged_and_applied_only_when_named(place: Place) -> None:
+    ws = fresh(place, "ws-hook")
+    for part in ("repo", "repo/.git", "repo/.git/objects", "repo/.git/refs"):
+        owned_dir(ws / part, place.owner)
+    (ws / "repo/.git/HEAD").write_text("ref: refs/heads/main\n")      # a checkout of the owner's, no hooks yet
+    session = create(place, ws)
+    plant = ("mkdir -p repo/.git/hooks && printf '#!/bin/sh\\ntouch /tmp/pwned\\n' > repo/.git/hooks/x && "
+             "chmod 755 repo/.git/hooks/x && echo fine > ordinary.txt")
+    ran = ok(as_user(place, place.owner, ("exec", {"session": session, "script": plant}))[0])
+    assert ran["status"] == 0, ran
+    changes = listed(place, session)
+    assert changes["repo/.git/hooks/x"].get("flags"), changes["repo/.git/hooks/x"]
+    shown = sandboxctl(place, place.owner, "changes", session, "repo/.git/hooks/x")
+    assert "[flagged:" in shown.stdout, describe(shown)
+    result = sandboxctl(place, place.owner, "apply", session)
+    assert result.returncode == 1 and "skipped repo/.git/hooks: flagged: a git hook" in result.stdout, \
+        describe(result)
+    assert "skipped repo/.git/hooks/x: its directory repo/.git/hooks was not applied" in result.stdout
+    assert (ws / "ordinary.txt").read_text() == "fine\n"                  # control: the rest was applied
+    assert not (ws / "repo" / ".git" / "hooks" / "x").exists()
+    named = sandboxctl(place, place.owner, "apply", session, "repo/.git/hooks", "--include-flagged",
+                       "repo/.git/hooks", "--include-flagged", "repo/.git/hooks/x")
+    assert named.returncode == 0 and (ws / "repo" / ".git" / "hooks" / "x").exists(), describe(named)
+    close(place, session)
+
+
+def test_another_user_can_neither_list_apply_nor_discard(place: Place) -> None:
+    ws = fresh(place, "ws-other")
+    session = create(place, ws)
+    ok(as_user(place, place.owner, ("exec", {"session": session, "script": "echo x > new.txt"}))[0])
+    tried = as_user(place, place.attacker, ("ListChanges", {"session_id": session}),
+                    ("DiffChanges", {"session_id": session}),
+                    ("ApplyChanges", {"session_id": session}), ("DiscardChanges", {"session_id": session}))
+    assert [answer.get("code") for answer in tried] == ["NOT_FOUND"] * 4, tried
+    assert not (ws / "new.txt").exists()
+    assert set(listed(place, session)) == {"new.txt"}                      # control: the owner can
+    ok(as_user(place, place.owner, ("ApplyChanges", {"session_id": session}))[0])
+    assert (ws / "new.txt").read_text() == "x\n"
+    close(place, session)
+
+
+def test_bad_requests_are_refused_saying_what_to_fix(place: Place) -> None:
+    ws = fresh(place, "ws-bad")
+    direct = create(place, ws, review=False)
+    refused = as_user(place, place.owner, ("ListChanges", {"session_id": direct}),
+                      ("create", {"workspace": str(ws), "mode": "DANGER_FULL_ACCESS"}))
+    assert refused[0]["code"] == "FAILED_PRECONDITION" and "not in review mode" in refused[0]["details"]
+    assert refused[1]["code"] == "INVALID_ARGUMENT" and "workspace-write" in refused[1]["details"], refused
+    session = create(place, ws)
+    bad = as_user(place, place.owner, ("ListChanges", {"session_id": session, "paths": ["/etc/passwd"]}),
+                  ("ListChanges", {"session_id": session, "paths": ["../outside"]}),
+                  ("ListChanges", {"session_id": session, "page_size": 100_000}),
+                  ("UpdateSessionPolicy", {"session_id": session,
+                                           "sandbox_policy": {"mode": "READ_ONLY"}}))
+    assert [answer.get("code") for answer in bad] == ["INVALID_ARGUMENT"] * 3 + ["FAILED_PRECONDITION"], bad
+    assert "not under one of the session's roots" in bad[0]["details"]
+    close(place, session)
+    close(place, direct)
+
+
+def test_a_killed_daemon_keeps_the_change_set(place: Place) -> None:
+    ws = fresh(place, "ws-restart")
+    session = create(place, ws)
+    ok(as_user(place, place.owner, ("exec", {"session": session, "script": "echo kept > added.txt; rm del.txt"}))[0])
+    before = listed(place, session)
+    assert set(before) == {"added.txt", "del.txt"}
+    place.daemon.kill()
+    place.daemon.start()
+    assert listed(place, session) == before
+    seen = ok(as_user(place, place.owner, ("exec", {"session": session, "script": "cat added.txt; ls"}))[0])
+    assert seen["stdout"].startswith("kept\n") and "del.txt" not in seen["stdout"], seen
+    assert not (ws / "added.txt").exists() and (ws / "del.txt").exists()
+    close(place, session)
+    assert (place.disk / "state" / "review" / session / "layers.json").exists()   # pending changes stay
+
+
+def test_apply_does_not_follow_a_symlink_swapped_in_between_listing_and_apply(place: Place) -> None:
+    ws = fresh(place, "ws-swap")
+    shared = ws / "shared"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)                        # a directory other users may rename in (no sticky bit)
+    inner = owned_dir(shared / "inner", place.owner)
+    private = owned_dir(place.disk / "owner-private", place.owner)
+    os.chmod(private, 0o700)
+    session = create(place, ws)
+    ok(as_user(place, place.owner, ("exec", {"session": session, "script": "echo planted > shared/inner/p.txt"}))[0])
+    assert set(listed(place, session)) == {"shared/inner/p.txt"}
+    # The attacker (not the owner) swaps the directory for a symlink to the owner's private one.
+    swap = f"mv {inner} {shared}/gone && ln -s {private} {inner}"
+    subprocess.run(["sh", "-c", swap], check=True, user=place.attacker.uid, group=place.attacker.gid,
+                   extra_groups=[], timeout=60)
+    # Control: an apply that follows names, as the owner, writes into the owner's private directory.
+    subprocess.run(["sh", "-c", f"echo planted > {inner}/p.txt"], check=True, user=place.owner.uid,
+                   group=place.owner.gid, extra_groups=[], timeout=60)
+    assert (private / "p.txt").read_text() == "planted\n"
+    (private / "p.txt").unlink()
+    # The daemon's apply: the swap is a conflict (skipped, saying so), and forced it replaces the
+    # symlink with the sandbox's directory: never written through it.
+    result = ok(as_user(place, place.owner, ("ApplyChanges", {"session_id": session}))[0])
+    reasons = {item["path"]: item["reason"] for item in result.get("skipped", [])}
+    assert "conflict" in reasons["shared/inner"] and "shared/inner/p.txt" in reasons, result
+    assert os.listdir(private) == []
+    forced = ok(as_user(place, place.owner, ("ApplyChanges", {"session_id": session, "force": True}))[0])
+    assert {item["path"] for item in forced.get("applied", [])} == {"shared/inner", "shared/inner/p.txt"}, forced
+    assert os.listdir(private) == [] and not (shared / "inner").is_symlink()
+    assert (shared / "inner" / "p.txt").read_text() == "planted\n"
+    close(place, session)
+    shutil.rmtree(private)
+
+
+def test_discard_waits_for_the_session_to_be_between_calls(place: Place) -> None:
+    ws = fresh(place, "ws-busy")
+    session = create(place, ws)
+    ok(as_user(place, place.owner, ("exec", {"session": session, "script": "echo x > new.txt"}))[0])
+    job = ok(as_user(place, place.owner, ("StartBackground", {"session_id": session, "argv": ["sleep", "600"],
+                                                              "name": "sleeper"}))[0])
+    refused = as_user(place, place.owner, ("DiscardChanges", {"session_id": session}))[0]
+    assert refused.get("code") == "FAILED_PRECONDITION" and "'sleeper'" in refused["details"], refused
+    ran = ok(as_user(place, place.owner, ("exec", {"session": session, "script": "cat new.txt"}))[0])
+    assert ran["stdout"] == "x\n"                                          # nothing was dropped
+    ok(as_user(place, place.owner, ("StopBackground", {"session_id": session, "id": job["id"]}))[0])
+    dropped = ok(as_user(place, place.owner, ("DiscardChanges", {"session_id": session}))[0])  # control: idle
+    assert [item["path"] for item in dropped.get("discarded", [])] == ["new.txt"], dropped
+    gone = ok(as_user(place, place.owner, ("exec", {"session": session, "script": "ls"}))[0])
+    assert "new.txt" not in gone["stdout"], gone
+    kept = place.disk / "state" / "review" / session
+    assert kept.is_dir()
+    close(place, session)
+    assert not kept.exists()                       # closed with nothing in its change set: removed
+
+
+def test_sandboxctl_prints_the_names_a_sandbox_chose_escaped(place: Place) -> None:
+    ws = fresh(place, "ws-names")
+    session = create(place, ws)
+    ok(as_user(place, place.owner, ("exec", {"session": session,
+                                             "script": "printf 'x\\n' > \"$(printf 'evil\\n\\033[31mname')\""}))[0])
+    shown = sandboxctl(place, place.owner, "changes", session)
+    assert shown.returncode == 0 and "\x1b" not in shown.stdout, describe(shown)
+    assert shown.stdout.splitlines() == ["A evil\\n\\x1b[31mname"], describe(shown)
+    diff = sandboxctl(place, place.owner, "changes", session, "--diff")
+    # The daemon's diff names the path escaped (one header line), and sandboxctl escapes each line again.
+    assert "\x1b" not in diff.stdout and diff.stdout.splitlines() == [
+        "--- /dev/null", "+++ b/evil\\\\n\\\\x1b[31mname", "@@ -0,0 +1 @@", "+x"], describe(diff)
+    close(place, session)
+
+
+def test_review_is_refused_in_one_line_where_the_lower_cannot_be_one(place: Place) -> None:
+    layers = place.disk / "ovl-layers"
+    for name in ("lower", "upper", "work"):
+        (layers / name).mkdir(parents=True)
+    merged = place.disk / "ovl-merged"
+    merged.mkdir()
+    subprocess.run(["mount", "-t", "overlay", "sbxrsess-ovl", "-o", f"lowerdir={layers}/lower,upperdir={layers}/upper,"
+                    f"workdir={layers}/work", str(merged)], check=True, capture_output=True, timeout=60)
+    try:
+        ws = owned_dir(merged / "ws", place.owner)
+        kept = place.disk / "state" / "review"
+        before = set(os.listdir(kept)) if kept.exists() else set()
+        refused = as_user(place, place.owner, ("create", {"workspace": str(ws)}))[0]
+        assert refused.get("code") == "INVALID_ARGUMENT" and "overlayfs" in refused["details"], refused
+        assert "\n" not in refused["details"]
+        assert (set(os.listdir(kept)) if kept.exists() else set()) == before     # nothing left of it
+        direct = create(place, ws, review=False)                               # control: direct mode works
+        close(place, direct)
+    finally:
+        subprocess.run(["umount", "-l", str(merged)], check=True, capture_output=True, timeout=60)
