@@ -341,6 +341,16 @@ def test_review_rules() -> None:
     assert rules.reasons("sub/.git", "symlink", 0o777, never_git) == (rules.GITLINK,)
     assert rules.reasons("bin/tool", "file", 0o4755, never_git) == (rules.SETID,)
     assert rules.reasons("src/main.c", "file", 0o644, never_git) == ()
+    # Writable by every user: anyone could change what runs later (a sticky directory aside).
+    assert rules.reasons("src", "dir", 0o777, never_git) == (rules.WORLD_WRITABLE,)
+    assert rules.reasons("", "dir", 0o777, never_git) == (rules.WORLD_WRITABLE,)
+    assert rules.reasons("Makefile", "file", 0o666, never_git) == (rules.WORLD_WRITABLE,)
+    assert rules.reasons("scratch", "dir", 0o1777, never_git) == ()
+    assert rules.reasons("src", "dir", 0o775, never_git) == ()
+    # A tool's configuration directory as a symlink brings its target's files in unflagged otherwise.
+    assert rules.reasons(".vscode", "symlink", 0o777, never_git) == (f".vscode: {rules.TOOL_LINK}",)
+    assert rules.reasons("sub/.vscode", "symlink", 0o777, never_git) == (f".vscode: {rules.TOOL_LINK}",)
+    assert rules.reasons(".vscode", "dir", 0o755, never_git) == ()
     # A git directory not named .git (hidden in objects/, say), as the guard judges one.
     hidden = lambda path: path == ".git/objects/ab/repo"  # noqa: E731
     assert rules.HOOK in rules.reasons(".git/objects/ab/repo/hooks/post-checkout", "file", 0o755, hidden)

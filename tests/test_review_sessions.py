@@ -265,7 +265,7 @@ def test_apply_does_not_follow_a_symlink_swapped_in_between_listing_and_apply(pl
     shutil.rmtree(private)
 
 
-def test_discard_waits_for_the_session_to_be_between_calls(place: Place) -> None:
+def test_discard_and_apply_wait_for_the_session_to_be_between_calls(place: Place) -> None:
     ws = fresh(place, "ws-busy")
     session = create(place, ws)
     ok(as_user(place, place.owner, ("exec", {"session": session, "script": "echo x > new.txt"}))[0])
@@ -273,6 +273,11 @@ def test_discard_waits_for_the_session_to_be_between_calls(place: Place) -> None
                                                               "name": "sleeper"}))[0])
     refused = as_user(place, place.owner, ("DiscardChanges", {"session_id": session}))[0]
     assert refused.get("code") == "FAILED_PRECONDITION" and "'sleeper'" in refused["details"], refused
+    # Apply too (a running process could swap a file between the person's diff and the apply, and
+    # watch the apply read it): refused, and nothing reached the host.
+    refused = as_user(place, place.owner, ("ApplyChanges", {"session_id": session}))[0]
+    assert refused.get("code") == "FAILED_PRECONDITION" and "'sleeper'" in refused["details"], refused
+    assert not (ws / "new.txt").exists()
     ran = ok(as_user(place, place.owner, ("exec", {"session": session, "script": "cat new.txt"}))[0])
     assert ran["stdout"] == "x\n"                                          # nothing was dropped
     ok(as_user(place, place.owner, ("StopBackground", {"session_id": session, "id": job["id"]}))[0])

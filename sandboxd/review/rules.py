@@ -41,6 +41,8 @@ CONTROL = "a git control file that git's own commands do not write"
 GITFILE = "a .git file: git follows it to another repository"
 GITLINK = "a .git symlink: git follows it to another repository"
 SETID = "a set-user-ID or set-group-ID program"
+WORLD_WRITABLE = "writable by every user: anyone on the host could change it, or plant beside it, what runs later"
+TOOL_LINK = "a symlink where tools look for their configuration: what it points at is run"
 TOOL_FILES: dict[str, str] = {
     ".envrc": "direnv runs it when a shell enters the directory",
     ".gitattributes": "it can name git filter and diff programs",
@@ -50,6 +52,8 @@ TOOL_FILES: dict[str, str] = {
 TOOL_PATHS: dict[str, str] = {
     ".vscode/tasks.json": "VS Code runs its tasks when the folder is opened",
 }
+# The directories of TOOL_PATHS (".vscode"): a symlink by that name brings its target's files in.
+_TOOL_DIRS = frozenset(path.split("/", 1)[0] for path in TOOL_PATHS)
 MAX_GIT_DEPTH = 8               # git directories nested in modules/ and worktrees/ judged at most this deep
 
 
@@ -104,6 +108,10 @@ def reasons(path: str, kind: str, mode: int, is_git_dir: "Callable[[str], bool]"
             break
     if kind == "file" and mode & (stat.S_ISUID | stat.S_ISGID):
         found.append(SETID)
+    if kind in ("file", "dir") and mode & stat.S_IWOTH and not (kind == "dir" and mode & stat.S_ISVTX):
+        found.append(WORLD_WRITABLE)
+    if kind == "symlink" and parts and parts[-1] in _TOOL_DIRS:
+        found.append(f"{parts[-1]}: {TOOL_LINK}")
     if parts and parts[-1] in TOOL_FILES:
         found.append(f"{parts[-1]}: {TOOL_FILES[parts[-1]]}")
     for suffix, why in TOOL_PATHS.items():

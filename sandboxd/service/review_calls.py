@@ -50,7 +50,10 @@ NUMBERS = ("mode", "host_mode", "uid", "gid", "host_uid", "host_gid", "size", "h
 TEXTS = ("type", "host_type", "sha256", "host_sha256", "target", "host_target", "conflict")
 
 
-def targets(roots: list[str], paths: "list[str] | tuple[str, ...]", what: str = "path") -> list[list[str]]:
+Pairs = list[list[str]]                 # [root, path below it], as targets() makes them
+
+
+def targets(roots: list[str], paths: "list[str] | tuple[str, ...]", what: str = "path") -> Pairs:
     """``paths`` (absolute, or relative to the workspace ``roots[0]``) as [root, path below it],
     each under the deepest of the session's ``roots`` that holds it; InvalidPolicy naming the roots
     for one under none."""
@@ -197,13 +200,19 @@ class ReviewCalls:
         roots = target.roots
         paths = targets(roots, list(request.paths))
         flagged = targets(roots, list(request.include_flagged), "include_flagged path")
-        answer = self._run(target, "apply", roots, paths, include_flagged=flagged, force=request.force)
+        # Between calls, like discard (FAILED_PRECONDITION naming what runs): no process of the
+        # sandbox may change a file while it is applied, nor watch the apply read it (atime).
+        return self._between_calls(target, lambda: self._apply(who, target, paths, flagged, request.force))
+
+    def _apply(self, who: Caller, target: Target, paths: "Pairs", flagged: "Pairs",
+               force: bool) -> pb.ApplyChangesResponse:
+        answer = self._run(target, "apply", target.roots, paths, include_flagged=flagged, force=force)
         applied, skipped = _dicts(answer.get("applied")), _dicts(answer.get("skipped"))
         named = {(pair[0], pair[1]) for pair in flagged}
         self._store.append(target.id, EventType.CHANGES_APPLIED, data={
             "by_uid": who.uid, **({"by_principal": who.principal} if who.principal else {}),
-            "summary": f"applied {len(applied)}, skipped {len(skipped)}" + (" (forced)" if request.force else ""),
-            "force": request.force, "paths": [f"{root}/{path}" if path else root for root, path in paths] or ["(all)"],
+            "summary": f"applied {len(applied)}, skipped {len(skipped)}" + (" (forced)" if force else ""),
+            "force": force, "paths": [f"{root}/{path}" if path else root for root, path in paths] or ["(all)"],
             "applied": [{key: item.get(key) for key in ("root", "path", "kind", "sha256") if item.get(key)}
                         for item in applied],
             "skipped": [{key: item.get(key) for key in ("root", "path", "reason")} for item in skipped],
@@ -216,7 +225,8 @@ class ReviewCalls:
         # After the audit event: what landed is recorded even when its baseline cannot be kept.
         self._save_baselines(target, answer.get("baselines"))
         self._forget(target, answer.get("forgettable"))
-        self._free_if_empty(target)
+        if target.session is None:
+            self._free_if_empty(target)
         return pb.ApplyChangesResponse(
             applied=[pb.AppliedChange(root=str(item.get("root", "")), path=str(item.get("path", "")),
                                       kind=KINDS.get(str(item.get("kind")), pb.FileChange.KIND_UNSPECIFIED),
@@ -243,18 +253,12 @@ class ReviewCalls:
 
     def _forget(self, target: Target, forgettable: object) -> None:
         """Drop the upper entries of what an apply landed (they equal the host now), so that the
-        sandbox follows the host there again: between calls only (the sandbox is rebuilt); with a
-        call running they stay, and still list as no change."""
+        sandbox follows the host there again (its sandbox, closed for the apply, is rebuilt)."""
         if not isinstance(forgettable, dict):
             return
         pairs = [[str(root), str(path)] for root, paths in forgettable.items() for path in _items(paths)]
-        if not pairs:
-            return
-        roots = [str(root) for root in forgettable]
-        try:
-            self._between_calls(target, lambda: self._run(target, "discard", roots, pairs))
-        except WrongState:
-            pass
+        if pairs:
+            self._run(target, "discard", [str(root) for root in forgettable], pairs)
 
     def discard(self, who: Caller, request: pb.DiscardChangesRequest) -> pb.DiscardChangesResponse:
         target = self._target(who, request.session_id)

@@ -250,9 +250,9 @@ class SessionLifecycle:
                     session.sandbox_ready = False     # a call that begins now waits for the rebuild
             if jobs:
                 raise WrongState(f"session {session.id} has a background process running ({jobs[0].id}, "
-                                 f"{jobs[0].name!r}): stop it first (changes are dropped between calls only)")
+                                 f"{jobs[0].name!r}): stop it first (changes are applied or dropped between calls only)")
             if running:
-                raise WrongState(f"session {session.id} has {running} call(s) running: changes are dropped between "
+                raise WrongState(f"session {session.id} has {running} call(s) running: changes are applied or dropped between "
                                  "calls only, try again when they end")
             if ready:
                 self._close_sandbox(session, generation)   # its services too, as when the fork server is lost
