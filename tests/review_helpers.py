@@ -14,10 +14,13 @@ import stat
 import subprocess
 import tempfile
 import textwrap
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from conftest import SLOW
 from daemon_helpers import PlainUser, owned_dir
 from sandboxd.cli.change_sets import plain
 from sandboxd.kernel import caps, overlay, review_space
@@ -225,3 +228,48 @@ for name, fields in ARGS["ops"]:
         answers.append({"ok": False, "code": error.code().name, "details": error.details()})
 print(json.dumps(answers))
 '''
+
+
+PROMPT = b"[a]pply [d]iscard [k]eep [r]eview? "          # the end-of-review question (cli.keys.ask_review)
+
+
+@contextlib.contextmanager
+def on_a_pty(argv: Sequence[str], env: Mapping[str, str], cwd: str = "/") -> Iterator[
+        tuple[int, list[bytes], "subprocess.Popen[bytes]"]]:
+    """``argv`` with a pty as its terminal: (master, output so far, process)."""
+    master, slave = os.openpty()
+    process = subprocess.Popen(list(argv), stdin=slave, stdout=slave, stderr=slave, env={**env, "TERM": "dumb"},
+                               cwd=cwd, start_new_session=True)
+    os.close(slave)
+    output: list[bytes] = []
+
+    def pump() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                return
+            if not chunk:
+                return
+            output.append(chunk)
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        yield master, output, process
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=60)
+        reader.join(timeout=10)
+        os.close(master)
+
+
+def wait_for(output: list[bytes], text: bytes, count: int = 1,
+             process: "subprocess.Popen[bytes] | None" = None) -> None:
+    """Until ``text`` was shown ``count`` times (an assertion with what was shown past 60 s, or
+    once ``process`` ended)."""
+    deadline = time.monotonic() + 60 * SLOW
+    while b"".join(output).count(text) < count:
+        ended = f" (it ended with {process.returncode})" if process is not None and process.poll() is not None else ""
+        assert time.monotonic() < deadline and not ended, b"".join(output).decode(errors="replace") + ended
+        time.sleep(0.05)

@@ -6,12 +6,9 @@ Control: without a terminal nothing asks, and the changes stay pending."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,12 +17,9 @@ from conftest import BASE_ENV, SLOW
 from daemon_fixtures import client, daemon, ws  # noqa: F401 - pytest fixtures
 from daemon_helpers import Daemon
 from mcp_helpers import SANDBOXCTL
-from review_helpers import local_disk
+from review_helpers import PROMPT, local_disk, on_a_pty, wait_for
 from sandboxd.client import SandboxClient
 from sandboxd.v1 import sandboxd_pb2 as pb
-
-PROMPT = b"[a]pply [d]iscard [k]eep [r]eview? "
-
 
 @pytest.fixture
 def review_ws(ws: Path) -> Path:  # noqa: F811 - the imported fixture
@@ -36,44 +30,6 @@ def review_ws(ws: Path) -> Path:  # noqa: F811 - the imported fixture
     # conflict: review/conflicts.py is conservative there); the sessions here start later.
     time.sleep(0.05)
     return ws
-
-
-@contextlib.contextmanager
-def on_a_pty(argv: list[str]) -> Iterator[tuple[int, list[bytes], "subprocess.Popen[bytes]"]]:
-    """``argv`` with a pty as its terminal: (master, output so far, process)."""
-    master, slave = os.openpty()
-    process = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env={**BASE_ENV, "TERM": "dumb"},
-                               cwd="/", start_new_session=True)
-    os.close(slave)
-    output: list[bytes] = []
-
-    def pump() -> None:
-        while True:
-            try:
-                chunk = os.read(master, 4096)
-            except OSError:
-                return
-            if not chunk:
-                return
-            output.append(chunk)
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        yield master, output, process
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=60)
-        reader.join(timeout=10)
-        os.close(master)
-
-
-def wait_for(output: list[bytes], text: bytes, count: int = 1, process: "subprocess.Popen[bytes] | None" = None) -> None:
-    deadline = time.monotonic() + 60 * SLOW
-    while b"".join(output).count(text) < count:
-        ended = f" (it ended with {process.returncode})" if process is not None and process.poll() is not None else ""
-        assert time.monotonic() < deadline and not ended, b"".join(output).decode(errors="replace") + ended
-        time.sleep(0.05)
 
 
 def pending(client: SandboxClient, session_id: str) -> list[str]:  # noqa: F811
@@ -87,7 +43,7 @@ def test_exec_on_a_terminal_asks_at_its_end(daemon: Daemon, client: SandboxClien
     try:
         argv = [SANDBOXCTL, "--socket", daemon.socket, "exec", "-t", session, "--", "sh", "-c",
                 "echo changed > mod.txt; printf x > \"$(printf 'evil\\033[2Jname')\"; exit 7"]
-        with on_a_pty(argv) as (master, output, process):
+        with on_a_pty(argv, BASE_ENV) as (master, output, process):
             for index, key in enumerate(keys, start=1):
                 wait_for(output, PROMPT, index)
                 os.write(master, key.encode())
@@ -118,7 +74,7 @@ def test_a_key_typed_ahead_does_not_answer(daemon: Daemon, client: SandboxClient
     try:
         argv = [SANDBOXCTL, "--socket", daemon.socket, "exec", "-t", session, "--", "sh", "-c",
                 "echo changed > mod.txt; sleep 2"]
-        with on_a_pty(argv) as (master, output, process):
+        with on_a_pty(argv, BASE_ENV) as (master, output, process):
             time.sleep(0.5)
             os.write(master, b"a")                          # meant for the command, long before the question
             wait_for(output, PROMPT)
@@ -134,7 +90,7 @@ def test_session_close_asks_before_it_closes(daemon: Daemon, client: SandboxClie
     responses = list(client.stub.Run(pb.ExecStart(session_id=session, argv=["sh", "-c", "echo changed > mod.txt"])))
     assert responses[-1].result.exit_code == 0, responses
     assert pending(client, session) == ["mod.txt"]
-    with on_a_pty([SANDBOXCTL, "--socket", daemon.socket, "session", "close", session]) as (master, output, process):
+    with on_a_pty([SANDBOXCTL, "--socket", daemon.socket, "session", "close", session], BASE_ENV) as (master, output, process):
         wait_for(output, PROMPT, process=process)
         os.write(master, b"a")
         assert process.wait(timeout=120 * SLOW) == 0, b"".join(output)

@@ -18,9 +18,6 @@ import os
 import re
 import signal
 import subprocess
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,7 +25,7 @@ import pytest
 from conftest import BASE_ENV, PY, SANDBOXD, SLOW, describe
 from daemon_helpers import owned_dir
 from sandboxd.kernel import overlay
-from review_helpers import EDITS, snapshot
+from review_helpers import EDITS, PROMPT, on_a_pty, snapshot, wait_for
 from test_review_overlay import (Place, code_for_plain_users, fresh, place,  # noqa: F401 - a fixture
                                  rootless_state, swap_in_symlink)
 
@@ -231,45 +228,9 @@ def test_an_interrupted_run_keeps_its_change_set(place: Place, env: dict[str, st
     assert sbx("discard", str(kept)).returncode == 0 and not kept.exists()
 
 
-@contextlib.contextmanager
-def _pty_run(env: dict[str, str], ws: Path, script: str) -> Iterator[tuple[int, list[bytes], subprocess.Popen[bytes]]]:
+def _pty_run(env: dict[str, str], ws: Path, script: str) -> "contextlib.AbstractContextManager[tuple[int, list[bytes], subprocess.Popen[bytes]]]":
     """`sandboxd run --review` with a pty as its terminal: (master, output so far, process)."""
-    master, slave = os.openpty()
-    process = subprocess.Popen([SANDBOXD, "run", "--review", "--workspace", str(ws), "--", "sh", "-c", script],
-                               stdin=slave, stdout=slave, stderr=slave, env={**env, "TERM": "dumb"},
-                               cwd=str(ws), start_new_session=True)
-    os.close(slave)
-    output: list[bytes] = []
-
-    def pump() -> None:
-        while True:
-            try:
-                chunk = os.read(master, 4096)
-            except OSError:
-                return
-            if not chunk:
-                return
-            output.append(chunk)
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        yield master, output, process
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=60)
-        reader.join(timeout=10)
-        os.close(master)
-
-
-def _wait_for(output: list[bytes], text: bytes, count: int = 1) -> None:
-    deadline = time.monotonic() + 60 * SLOW
-    while b"".join(output).count(text) < count:
-        assert time.monotonic() < deadline, b"".join(output).decode(errors="replace")
-        time.sleep(0.05)
-
-
-PROMPT = b"[a]pply [d]iscard [k]eep [r]eview? "
+    return on_a_pty([SANDBOXD, "run", "--review", "--workspace", str(ws), "--", "sh", "-c", script], env, str(ws))
 
 
 def test_a_key_typed_ahead_does_not_answer(place: Place, env: dict[str, str]) -> None:
@@ -279,7 +240,7 @@ def test_a_key_typed_ahead_does_not_answer(place: Place, env: dict[str, str]) ->
     control = snapshot(ws)
     with _pty_run(env, ws, "echo changed > mod.txt; sleep 2") as (master, output, process):
         os.write(master, b"a")                            # long before the question: the command sleeps
-        _wait_for(output, PROMPT)
+        wait_for(output, PROMPT)
         os.write(master, b"d")
         assert process.wait(timeout=120 * SLOW) == 0, b"".join(output)
     shown = b"".join(output).decode(errors="replace")
@@ -293,7 +254,7 @@ def test_the_prompt_on_a_terminal(place: Place, env: dict[str, str], keys: str) 
     control = snapshot(ws)
     with _pty_run(env, ws, "echo changed > mod.txt; exit 7") as (master, output, process):
         for index, key in enumerate(keys, start=1):
-            _wait_for(output, PROMPT, index)
+            wait_for(output, PROMPT, index)
             os.write(master, key.encode())
         assert process.wait(timeout=120 * SLOW) == 7, b"".join(output)
     shown = b"".join(output).decode(errors="replace")

@@ -115,7 +115,6 @@ def _changes(client: SandboxClient, args: argparse.Namespace, workspace: str) ->
 
 
 SUMMARY_LINES = 20               # changes shown above the end-of-session question
-PROMPT_KEYS = "adkr"
 
 
 def end_of_session(client: SandboxClient, session_id: str) -> None:
@@ -168,20 +167,11 @@ def _say(line: str) -> None:
 
 
 def _ask(client: SandboxClient, session_id: str) -> str:
-    """The person's key: a, d or k (r shows the diff first and asks again)."""
-    import termios
+    """The person's key: a, d or k (r shows the diff first and asks again: cli.keys.ask_review)."""
+    from sandboxd.cli.keys import ask_review
 
-    from sandboxd.cli.keys import KeyReader
-    keys = KeyReader(sys.stdin.fileno())
-    while True:
-        # Only a key typed once the question shows answers it: one typed ahead (for the command,
-        # while it ran) is dropped.
-        termios.tcflush(sys.stdin.fileno(), termios.TCIFLUSH)
-        key = keys.read("review: [a]pply [d]iscard [k]eep [r]eview? ", PROMPT_KEYS, keep_waiting=lambda: True)
-        sys.stderr.write((key if key and key in PROMPT_KEYS else "") + "\n")
-        if key == "r":
-            for text in client.diff_changes(session_id):
-                for line in text.splitlines():
-                    _say(printable(line))
-            continue
-        return key if key in ("a", "d") else "k"
+    def show_diff() -> None:
+        for text in client.diff_changes(session_id):
+            for line in text.splitlines():
+                _say(printable(line))
+    return ask_review(show_diff)

@@ -69,3 +69,24 @@ class KeyReader:
                 termios.tcsetattr(self._fd, termios.TCSANOW, saved)
             except termios.error:
                 pass                                          # the terminal is gone
+
+
+REVIEW_KEYS = "adkr"
+
+
+def ask_review(show_diff: "Callable[[], None]") -> str:
+    """The end of a review (`sandboxd run --review`, a review session's terminal work): ``a``,
+    ``d`` or ``k`` for `[a]pply [d]iscard [k]eep [r]eview` on stdin's terminal; r calls
+    ``show_diff`` and asks again; Ctrl-C, Ctrl-D or the terminal's end keep (``k``)."""
+    fd = sys.stdin.fileno()
+    keys = KeyReader(fd)
+    while True:
+        # Only a key typed once the question shows answers it: one typed ahead (for the command,
+        # while it ran) is dropped.
+        termios.tcflush(fd, termios.TCIFLUSH)
+        key = keys.read("review: [a]pply [d]iscard [k]eep [r]eview? ", REVIEW_KEYS, keep_waiting=lambda: True)
+        sys.stderr.write((key if key and key in REVIEW_KEYS else "") + "\n")
+        if key == "r":
+            show_diff()
+            continue
+        return key if key in ("a", "d") else "k"

@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 ASK, APPLY, DISCARD, KEEP = "ask", "apply", "discard", "keep"
 ROOT_BASE = defaults.STATE_DIR + "/run-reviews"
 SUMMARY_LINES = 50
-KEYS = "adkr"
 
 
 class Review(Record):
@@ -190,19 +189,8 @@ def _decide(review: Review, killed: str) -> None:
 
 
 def _ask(kept: "KeptDir") -> str:
-    """[a]pply [d]iscard [k]eep [r]eview, on the terminal; r shows the diff and asks again.
-    Ctrl-C, Ctrl-D or the terminal's end keep."""
+    """[a]pply [d]iscard [k]eep [r]eview, on the terminal (cli.keys.ask_review)."""
     from sandboxd.cli import review_commands as commands
-    from sandboxd.cli.keys import KeyReader
-    import termios
-    keys = KeyReader(sys.stdin.fileno())
-    while True:
-        # Only a key typed once the question shows answers it: one typed ahead (for the command,
-        # while it ran) is dropped.
-        termios.tcflush(sys.stdin.fileno(), termios.TCIFLUSH)
-        key = keys.read("review: [a]pply [d]iscard [k]eep [r]eview? ", KEYS, keep_waiting=lambda: True)
-        sys.stderr.write((key if key and key in KEYS else "") + "\n")
-        if key == "r":
-            commands.print_diffs(kept, [], sys.stderr)
-            continue
-        return {"a": APPLY, "d": DISCARD}.get(key or "", KEEP)
+    from sandboxd.cli.keys import ask_review
+    key = ask_review(lambda: commands.print_diffs(kept, [], sys.stderr))
+    return {"a": APPLY, "d": DISCARD}.get(key, KEEP)

@@ -85,23 +85,21 @@ TOOLS: tuple[ToolDef, ...] = (
 # never apply or discard it (a person's decision, through sandboxctl or the end-of-session prompt).
 # They name no daemon tool: the daemon serves them to the session's owner, outside the policy engine,
 # and they change nothing.
+_REVIEW_SCHEMA = _schema({
+    "paths": {"type": "array", "items": _STR, "maxItems": 100,
+              "description": "Only these paths (absolute, or relative to the workspace); default: all."},
+    "page_token": {"type": "string", "description": "next_page_token of the previous page."}}, [])
 REVIEW_TOOLS: tuple[ToolDef, ...] = (
     ToolDef("list_changes", "",
             "List this session's pending changes: its writes are kept for a person's review and have not reached "
             "the host. Each line: kind (added, modified, deleted, replaced, type_changed, metadata), path, and why "
             "it is flagged or in conflict, if it is. Only a person can apply or discard them.",
-            _schema({"paths": {"type": "array", "items": _STR, "maxItems": 100,
-                               "description": "Only these paths (absolute, or relative to the workspace); "
-                                              "default: all."},
-                     "page_token": {"type": "string", "description": "next_page_token of the previous page."}}, []),
+            _REVIEW_SCHEMA,
             read_only=True),
     ToolDef("diff_changes", "",
             "Show this session's pending changes as a unified diff (binary files, types and modes as one line "
             "each), paged. Only a person can apply or discard them.",
-            _schema({"paths": {"type": "array", "items": _STR, "maxItems": 100,
-                               "description": "Only these paths (absolute, or relative to the workspace); "
-                                              "default: all."},
-                     "page_token": {"type": "string", "description": "next_page_token of the previous page."}}, []),
+            _REVIEW_SCHEMA,
             read_only=True),
 )
 BY_NAME = {tool.name: tool for tool in TOOLS + REVIEW_TOOLS}
