@@ -176,6 +176,15 @@ class SandboxClient:
     def discard_changes(self, session_id: str, paths: "list[str] | None" = None) -> pb.DiscardChangesResponse:
         return self.stub.DiscardChanges(pb.DiscardChangesRequest(session_id=session_id, paths=paths or []))
 
+    def create_checkpoint(self, session_id: str, label: str = "") -> pb.Checkpoint:
+        return self.stub.CreateCheckpoint(pb.CreateCheckpointRequest(session_id=session_id, label=label))
+
+    def list_checkpoints(self, session_id: str) -> list[pb.Checkpoint]:
+        return list(self.stub.ListCheckpoints(pb.ListCheckpointsRequest(session_id=session_id)).checkpoints)
+
+    def rollback_changes(self, session_id: str, checkpoint_id: int) -> pb.RollbackChangesResponse:
+        return self.stub.RollbackChanges(pb.RollbackChangesRequest(session_id=session_id, checkpoint_id=checkpoint_id))
+
     def read_file(self, session_id: str, path: str, max_bytes: int = 0) -> pb.ReadFileResponse:
         return self.stub.ReadFile(pb.ReadFileRequest(session_id=session_id, path=path, max_bytes=max_bytes))
 

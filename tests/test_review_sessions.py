@@ -326,3 +326,101 @@ def test_review_is_refused_in_one_line_where_the_lower_cannot_be_one(place: Plac
         close(place, direct)
     finally:
         subprocess.run(["umount", "-l", str(merged)], check=True, capture_output=True, timeout=60)
+
+
+def sees(place: Place, session: str) -> set[str]:
+    """What the sandbox sees of its workspace: each entry's name and a file's content, one line each."""
+    return set(str(ok(as_user(place, place.owner, ("exec", {"session": session, "script": (
+        "for f in $(ls -A | sort); do if [ -f \"$f\" ] && [ ! -L \"$f\" ]; then echo \"$f=$(cat \"$f\")\"; "
+        "else echo \"$f\"; fi; done")}))[0])["stdout"]).splitlines())
+
+
+def test_rollback_returns_the_sandbox_to_a_checkpoint_and_apply_lands_every_layer(place: Place) -> None:
+    ws = fresh(place, "ws-checkpoints")
+    control = snapshot(ws)
+    session = create(place, ws)
+    start = sees(place, session)
+    assert "del.txt=delete me" in start and "a.txt=A" not in start, start
+    run = lambda script: ok(as_user(place, place.owner, ("exec", {"session": session, "script": script}))[0])  # noqa: E731
+    run("echo A > a.txt")
+    first = ok(as_user(place, place.owner, ("CreateCheckpoint", {"session_id": session, "label": "one\x1b[2J"}))[0])
+    assert int(first["id"]) == 1 and int(first["changes"]) == 1 and first["label"] == "one\x1b[2J", first
+    run("echo B > b.txt; rm del.txt")
+    second = ok(as_user(place, place.owner, ("CreateCheckpoint", {"session_id": session}))[0])
+    assert int(second["id"]) == 2 and int(second["changes"]) == 2, second
+    run("echo C > c.txt")
+    at_two = sees(place, session)
+    listing = ok(as_user(place, place.owner, ("ListCheckpoints", {"session_id": session}))[0])
+    assert [int(item["id"]) for item in listing["checkpoints"]] == [1, 2], listing
+
+    back = ok(as_user(place, place.owner, ("RollbackChanges", {"session_id": session, "checkpoint_id": 2}))[0])
+    assert int(back["checkpoint_id"]) == 2 and [int(item["id"]) for item in back["checkpoints"]] == [1, 2], back
+    seen = sees(place, session)
+    assert seen == at_two - {"c.txt=C"} and {"a.txt=A", "b.txt=B"} <= seen, (seen, at_two)
+    assert seen == start - {"del.txt=delete me"} | {"a.txt=A", "b.txt=B"}, seen
+    assert {path: change["kind"] for path, change in listed(place, session).items()} == {
+        "a.txt": "ADDED", "b.txt": "ADDED", "del.txt": "DELETED"}
+    assert snapshot(ws) == control                                         # the host: untouched throughout
+
+    ok(as_user(place, place.owner, ("RollbackChanges", {"session_id": session, "checkpoint_id": 0}))[0])
+    assert sees(place, session) == start and listed(place, session) == {}
+    again = ok(as_user(place, place.owner, ("ListCheckpoints", {"session_id": session}))[0])
+    assert again.get("checkpoints", []) == [], again
+    gone = as_user(place, place.owner, ("RollbackChanges", {"session_id": session, "checkpoint_id": 1}))[0]
+    assert gone.get("code") == "NOT_FOUND", gone                           # a rolled-back id names no state
+
+    # Checkpoints again (ids go on: never reused), then apply: the host gets every layer merged.
+    run("echo A > a.txt; echo keep > mod.txt")
+    third = ok(as_user(place, place.owner, ("CreateCheckpoint", {"session_id": session}))[0])
+    assert int(third["id"]) == 3, third
+    run("echo A2 > a.txt; echo B > b.txt; rm del.txt")
+    ok(as_user(place, place.owner, ("CreateCheckpoint", {"session_id": session}))[0])
+    run("echo C > c.txt; rm b.txt")
+    merged = sees(place, session)
+    applied = ok(as_user(place, place.owner, ("ApplyChanges", {"session_id": session}))[0])
+    assert {item["path"] for item in applied.get("applied", [])} == {"a.txt", "c.txt", "mod.txt", "del.txt"}, applied
+    after = snapshot(ws)
+    assert set(after) == (set(control) - {"del.txt"}) | {"a.txt", "c.txt"}
+    assert (ws / "a.txt").read_text() == "A2\n" and (ws / "c.txt").read_text() == "C\n"
+    assert (ws / "mod.txt").read_text() == "keep\n"
+    assert {key: value for key, value in after.items() if key not in ("a.txt", "c.txt", "mod.txt")} == \
+        {key: value for key, value in control.items() if key not in ("del.txt", "mod.txt")}
+    assert sees(place, session) == merged and listed(place, session) == {}
+
+    events = sandboxctl(place, place.owner, "events", "--session", session, "--json")
+    kinds = [json.loads(line)["type"] for line in events.stdout.splitlines()]
+    assert kinds.count("CheckpointCreated") == 4 and kinds.count("ChangesRolledBack") == 2, describe(events)
+    close(place, session)
+
+
+def test_only_the_owner_checkpoints_and_rolls_back_and_only_between_calls(place: Place) -> None:
+    ws = fresh(place, "ws-checkpoint-rights")
+    session = create(place, ws)
+    ok(as_user(place, place.owner, ("exec", {"session": session, "script": "echo x > new.txt"}))[0])
+    tried = as_user(place, place.attacker, ("CreateCheckpoint", {"session_id": session}),
+                    ("ListCheckpoints", {"session_id": session}),
+                    ("RollbackChanges", {"session_id": session, "checkpoint_id": 0}))
+    assert [answer.get("code") for answer in tried] == ["NOT_FOUND"] * 3, tried
+    made = ok(as_user(place, place.owner, ("CreateCheckpoint", {"session_id": session}))[0])  # control: the owner
+    assert int(made["id"]) == 1, made
+    ok(as_user(place, place.owner, ("exec", {"session": session, "script": "echo y > later.txt"}))[0])
+
+    long = as_user(place, place.owner, ("CreateCheckpoint", {"session_id": session, "label": "x" * 257}))[0]
+    assert long.get("code") == "INVALID_ARGUMENT" and "256" in long["details"], long
+
+    job = ok(as_user(place, place.owner, ("StartBackground", {"session_id": session, "argv": ["sleep", "600"],
+                                                              "name": "sleeper"}))[0])
+    refused = as_user(place, place.owner, ("RollbackChanges", {"session_id": session, "checkpoint_id": 0}),
+                      ("CreateCheckpoint", {"session_id": session}))
+    assert [answer.get("code") for answer in refused] == ["FAILED_PRECONDITION"] * 2, refused
+    assert all("'sleeper'" in answer["details"] for answer in refused), refused
+    ran = ok(as_user(place, place.owner, ("exec", {"session": session, "script": "cat new.txt later.txt"}))[0])
+    assert ran["stdout"] == "x\ny\n", ran                                  # nothing was dropped
+    ok(as_user(place, place.owner, ("StopBackground", {"session_id": session, "id": job["id"]}))[0])
+    ok(as_user(place, place.owner, ("RollbackChanges", {"session_id": session, "checkpoint_id": 1}))[0])  # idle
+    ran = ok(as_user(place, place.owner, ("exec", {"session": session, "script": "ls"}))[0])
+    assert "new.txt" in ran["stdout"] and "later.txt" not in ran["stdout"], ran
+    close(place, session)
+    closed = as_user(place, place.owner, ("CreateCheckpoint", {"session_id": session}))[0]
+    assert closed.get("code") == "FAILED_PRECONDITION" and "closed" in closed["details"], closed
+    ok(as_user(place, place.owner, ("DiscardChanges", {"session_id": session}))[0])

@@ -82,10 +82,14 @@ class EventType:
     # flagged changes held back or named.
     CHANGES_APPLIED = "ChangesApplied"
     CHANGES_DISCARDED = "ChangesDiscarded"
+    # A person marked a checkpoint of a review session's changes, or rolled them back to one: the
+    # caller, the checkpoint (its label is the caller's string), what was dropped.
+    CHECKPOINT_CREATED = "CheckpointCreated"
+    CHANGES_ROLLED_BACK = "ChangesRolledBack"
 
     ALL = (SESSION_CREATED, POLICY_CHANGED, PERMISSION_REQUESTED, PERMISSION_GRANTED, PERMISSION_DENIED,
            TOOL_STARTED, TOOL_COMPLETED, TOOL_FAILED, SESSION_CLOSED, GIT_CONFIG_NEUTRALIZED, CHANGES_APPLIED,
-           CHANGES_DISCARDED)
+           CHANGES_DISCARDED, CHECKPOINT_CREATED, CHANGES_ROLLED_BACK)
 
 
 class Event(Record):

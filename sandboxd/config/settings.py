@@ -121,7 +121,8 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         memory_bytes=limits.memory, pids=limits.pids, max_memory_bytes=limits.max_memory, max_pids=limits.max_pids,
         total_memory_bytes=limits.total_memory, total_pids=limits.total_pids,
         owner_memory_bytes=limits.owner_memory or None, owner_pids=limits.owner_pids,
-        ptys=config.whole("limits.session_ptys"), review=config.flag("review.default"))
+        ptys=config.whole("limits.session_ptys"), review=config.flag("review.default"),
+        max_checkpoints=config.whole("review.max_checkpoints"))
     return DaemonSettings(
         source=config, socket=config.text("listen.socket"), socket_mode=int(config.text("listen.socket_mode"), 8),
         admin_gid=admin_gid, workers=config.whole("listen.workers"),

@@ -27,3 +27,4 @@ class SessionDefaults(Record):
     owner_pids: int | None = None
     ptys: int = DEFAULT_PTYS                  # terminals of each session's own devpts (limits.session_ptys)
     review: bool = False                      # review mode for a workspace-write session that does not say (review.default)
+    max_checkpoints: int | None = None        # checkpoints a review session keeps (review.max_checkpoints; None: its default)

@@ -10,7 +10,9 @@ anyone else's is NOT_FOUND). Every apply and discard is an audit event (EventTyp
 CHANGES_DISCARDED) naming the paths and content hashes, never contents. A closed session's kept
 change set takes the same four, without a sandbox (Target.session None: its roots from its layers'
 record); one its apply or discard leaves empty is removed, its store with it (docs/review-mode.md,
-"After the close").
+"After the close"). CreateCheckpoint, ListCheckpoints and RollbackChanges (review.checkpoints, in
+the same child, as root) take an open session only; a checkpoint and a rollback are between calls
+and audit events (EventType.CHECKPOINT_CREATED, CHANGES_ROLLED_BACK).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from sandboxd.errors import Exhausted, InvalidPolicy, NotFound, SetupError, Wron
 from sandboxd.kernel import overlay
 from sandboxd.policy.sandbox import is_within
 from sandboxd.review import conflicts
+from sandboxd.review.checkpoints import MAX_LABEL
 from sandboxd.service.callers import Caller, session_owner
 from sandboxd.service.quotas import cgroup_owner
 from sandboxd.service.sessions.access import rights_of, visible_ids
@@ -107,8 +110,10 @@ class Target(NamedTuple):
 
 
 class ReviewCalls:
-    def __init__(self, registry: SessionRegistry, fork: ForkServer, store: EventStore) -> None:
+    def __init__(self, registry: SessionRegistry, fork: ForkServer, store: EventStore, *,
+                 max_checkpoints: "int | None" = None) -> None:
         self._registry, self._fork, self._store = registry, fork, store
+        self._max_checkpoints = max_checkpoints or overlay.DEFAULT_CHECKPOINTS     # review.max_checkpoints
 
     def _target(self, who: Caller, session_id: str) -> Target:
         """The open session, or the closed one (its owner, root, the admin group: NOT_FOUND for
@@ -151,12 +156,13 @@ class ReviewCalls:
 
     def _run(self, target: Target, action: str, roots: list[str], paths: list[list[str]], *,
              include_flagged: "list[list[str]] | None" = None, page: str = "", limit: int = DEFAULT_PAGE,
-             max_bytes: int = DEFAULT_DIFF_BYTES, force: bool = False) -> dict[str, object]:
+             max_bytes: int = DEFAULT_DIFF_BYTES, force: bool = False, label: str = "",
+             checkpoint: int = 0) -> dict[str, object]:
         rights = rights_of(target.owner)
         caller = None if rights is None else CallerRecord(rights[0], rights[1], list(rights[2]))
         return self._fork.review(lambda call_id: Review(
             call_id, target.review_dir, caller, cgroup_owner(target.owner), action, roots, paths,
-            include_flagged or [], page, limit, max_bytes, force), ANSWER_SECONDS)
+            include_flagged or [], page, limit, max_bytes, force, label, checkpoint), ANSWER_SECONDS)
 
     def _between_calls(self, target: Target, work: "Callable[[], T]") -> "T":
         """``work`` with the session's sandbox closed (registry.between_calls); a closed session has none."""
@@ -278,6 +284,65 @@ class ReviewCalls:
             discarded=[pb.AppliedChange(root=str(item.get("root", "")), path=str(item.get("path", "")))
                        for item in discarded],
             skipped=[_skipped(item) for item in skipped])
+
+
+    # -- checkpoints (review.checkpoints) ----------------------------------------------------------
+
+    def _open(self, who: Caller, session_id: str, what: str) -> Target:
+        """An open review session: a closed one's change set has no sandbox to return to a point."""
+        target = self._target(who, session_id)
+        if target.session is None:
+            raise WrongState(f"session {session_id} is closed: its change set has no {what} (apply or discard it)")
+        return target
+
+    def create_checkpoint(self, who: Caller, request: pb.CreateCheckpointRequest) -> pb.Checkpoint:
+        if len(request.label) > MAX_LABEL:
+            raise InvalidPolicy(f"a checkpoint's label has at most {MAX_LABEL} characters, got {len(request.label)}")
+        target = self._open(who, request.session_id, "checkpoints")
+        self._store.admit(target.owner.uid, target.owner.principal)
+        answer = self._between_calls(target, lambda: self._run(
+            target, "checkpoint", target.roots, [], limit=self._max_checkpoints, label=request.label))
+        made = _checkpoint(answer.get("checkpoint"))
+        self._store.append(target.id, EventType.CHECKPOINT_CREATED, data={
+            "by_uid": who.uid, **({"by_principal": who.principal} if who.principal else {}),
+            "summary": f"checkpoint {made.id} ({made.changes} changes)", "checkpoint": made.id,
+            "label": made.label, "changes": made.changes})
+        return made
+
+    def list_checkpoints(self, who: Caller, request: pb.ListCheckpointsRequest) -> pb.ListCheckpointsResponse:
+        target = self._open(who, request.session_id, "checkpoints")
+        answer = self._run(target, "checkpoints", target.roots, [])
+        return pb.ListCheckpointsResponse(checkpoints=[_checkpoint(item) for item in _dicts(answer.get("checkpoints"))])
+
+    def rollback(self, who: Caller, request: pb.RollbackChangesRequest) -> pb.RollbackChangesResponse:
+        target = self._open(who, request.session_id, "checkpoint to roll back to")
+        self._store.admit(target.owner.uid, target.owner.principal)
+        answer = self._between_calls(target, lambda: self._run(
+            target, "rollback", target.roots, [], checkpoint=request.checkpoint_id))
+        done = answer.get("rollback")
+        if not isinstance(done, dict):
+            raise SetupError("review", detail="a rollback's answer carried no result")
+        dropped = [int(item) for item in _items(done.get("dropped")) if isinstance(item, int) and item > 0]
+        removed = done.get("removed")
+        removed = removed if isinstance(removed, int) and removed >= 0 else 0
+        self._store.append(target.id, EventType.CHANGES_ROLLED_BACK, data={
+            "by_uid": who.uid, **({"by_principal": who.principal} if who.principal else {}),
+            "summary": f"rolled back to checkpoint {request.checkpoint_id}, dropped {len(dropped)} checkpoints, "
+                       f"removed {removed} entries",
+            "checkpoint": request.checkpoint_id, "dropped": dropped, "removed": removed})
+        return pb.RollbackChangesResponse(
+            checkpoint_id=request.checkpoint_id, dropped=dropped, removed=min(removed, 0xFFFFFFFF),
+            checkpoints=[_checkpoint(item) for item in _dicts(answer.get("checkpoints"))])
+
+
+def _checkpoint(item: object) -> pb.Checkpoint:
+    """A review child's checkpoint (review.checkpoints.Checkpoint.as_dict) as the proto's."""
+    if not isinstance(item, dict) or not isinstance(item.get("id"), int):
+        raise SetupError("review", detail="a checkpoint answer was malformed")
+    time_ns, changes = item.get("time_ns"), item.get("changes")
+    return pb.Checkpoint(id=int(item["id"]), created_at=time_ns / 1e9 if isinstance(time_ns, int) else 0.0,
+                         label=str(item.get("label") or ""),
+                         changes=min(changes, 0xFFFFFFFF) if isinstance(changes, int) and changes >= 0 else 0)
 
 
 def _skipped(item: dict[str, object]) -> pb.SkippedChange:

@@ -72,7 +72,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         self._gate = gate
         self._connections = connections                   # the front door's counts, for GetStatus
         self._audit = AuditService(registry, gate)
-        self._review = ReviewCalls(registry, fork, registry.store)
+        self._review = ReviewCalls(registry, fork, registry.store, max_checkpoints=self._defaults.max_checkpoints)
         for forget in (gate.forget_session, self._audit.forget_session, environment.forget_session):
             registry.add_hooks(WhenClosed(forget))            # a closed session is forgotten (sandbox_hooks)
 
@@ -157,6 +157,17 @@ class SandboxServicer(pb_grpc.SandboxServicer):
     def DiscardChanges(self, request: pb.DiscardChangesRequest,
                        context: grpc.ServicerContext) -> pb.DiscardChangesResponse:
         return self._unary(context, lambda who: self._review.discard(who, request), CALLS)
+
+    def CreateCheckpoint(self, request: pb.CreateCheckpointRequest, context: grpc.ServicerContext) -> pb.Checkpoint:
+        return self._unary(context, lambda who: self._review.create_checkpoint(who, request), CALLS)
+
+    def ListCheckpoints(self, request: pb.ListCheckpointsRequest,
+                        context: grpc.ServicerContext) -> pb.ListCheckpointsResponse:
+        return self._unary(context, lambda who: self._review.list_checkpoints(who, request), CALLS)
+
+    def RollbackChanges(self, request: pb.RollbackChangesRequest,
+                        context: grpc.ServicerContext) -> pb.RollbackChangesResponse:
+        return self._unary(context, lambda who: self._review.rollback(who, request), CALLS)
 
     def ReadFile(self, request: pb.ReadFileRequest, context: grpc.ServicerContext) -> pb.ReadFileResponse:
         def work(who: Caller) -> pb.ReadFileResponse:

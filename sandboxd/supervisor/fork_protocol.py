@@ -467,7 +467,7 @@ class Review(Request, kind="review"):
     review_dir: str
     caller: CallerRecord | None
     owner: str
-    action: str                         # list, diff, apply, discard
+    action: str                         # list, diff, apply, discard, checkpoint, checkpoints, rollback
     roots: list[str]
     paths: list[list[str]]
     include_flagged: list[list[str]]
@@ -475,6 +475,8 @@ class Review(Request, kind="review"):
     limit: int = 1000
     max_bytes: int = 1 << 20
     force: bool = False
+    label: str = ""                     # checkpoint's label (its ``limit``: review.max_checkpoints)
+    checkpoint: int = 0                 # rollback's checkpoint (0: the session's start)
 
 
 class Ping(Request, kind="ping"):

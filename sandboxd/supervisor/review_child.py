@@ -6,10 +6,12 @@ one JSON object there and exits. The loop never waits on it: its pidfd is reaped
 and it is SIGKILLed at its deadline (fork_server._review). In the child, in this order:
 
 1. as root: the layers' record of the session's review directory is read, each selected root's
-   upper layer opened and scanned (review.upper.scan: overlay's ``trusted.*`` attributes need
-   CAP_SYS_ADMIN), and its conflict baseline loaded; for ``discard``, the selected upper entries
-   are removed (the daemon closed the session's sandbox first: overlayfs forbids changing a
-   layer while it is mounted), and that is all;
+   layers opened (review.kept.open_stack: the upper, then its checkpoints newest first) and
+   scanned as one change set (review.upper.scan_stack: overlay's ``trusted.*`` attributes need
+   CAP_SYS_ADMIN), and its conflict baseline loaded; for ``discard``, the selected entries are
+   removed from every layer (the daemon closed the session's sandbox first: overlayfs forbids
+   changing a layer while it is mounted), and that is all; ``checkpoint``, ``checkpoints`` and
+   ``rollback`` (review.checkpoints, the sandbox closed too) are done as root and answered;
 2. as the session's owner (its uid, gid and groups; root's own session: the workspace's owner),
    every capability dropped and no_new_privs (kernel.caps.drop_privileges): the host roots are opened by the real paths the session was built on
    (review.changes.Comparison checks each is the very directory its layers were made over), and
@@ -29,7 +31,7 @@ import os
 
 from sandboxd.errors import InvalidPolicy, SandboxdError, SetupError
 from sandboxd.kernel import caps, overlay
-from sandboxd.review import conflicts, upper
+from sandboxd.review import checkpoints, conflicts, kept, upper
 from sandboxd.review.changes import Change, Comparison
 
 TYPE_CHECKING = False
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
     from sandboxd.supervisor.fork_protocol import Review
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-ACTIONS = ("list", "diff", "apply", "discard")
+ACTIONS = ("list", "diff", "apply", "discard", "checkpoint", "checkpoints", "rollback")
 MAX_PAGE = 10_000
 MAX_DIFF_BYTES = 4 << 20
 
@@ -75,23 +77,27 @@ def _serve(request: "Review") -> dict[str, object]:
 
 
 class _Layer:
-    """One root's overlay, opened as root: its upper layer's descriptor, entries and baseline."""
+    """One root's overlay, opened as root: its layers' descriptors (the upper, then the checkpoints
+    newest first), their merged entries and its baseline."""
 
     def __init__(self, layers: overlay.Layers) -> None:
         self.layers = layers
-        self.upper_fd = os.open(layers.upper, DIR_FLAGS)
-        self.entries = upper.scan(self.upper_fd, prefix=layers.xattr_prefix)
+        self.stack = kept.open_stack(layers)        # left to the child's exit to close
+        self.upper_fd, self.checkpoint_fds = self.stack[0], self.stack[1:]
+        self.entries = upper.scan_stack(self.stack, prefix=layers.xattr_prefix)
         self.baseline = conflicts.load_baseline(os.path.dirname(layers.upper), layers.started_ns)
 
 
 def _run(request: "Review") -> dict[str, object]:
     if request.action not in ACTIONS:
         raise InvalidPolicy(f"review action {request.action!r} is not one of {', '.join(ACTIONS)}")
-    kept = {layer.root: layer for layer in overlay.load(request.review_dir)}
-    missing = [root for root in request.roots if root not in kept]
+    if request.action in ("checkpoint", "checkpoints", "rollback"):
+        return _checkpoints(request)
+    kept_layers = {layer.root: layer for layer in overlay.load(request.review_dir)}
+    missing = [root for root in request.roots if root not in kept_layers]
     if missing:
         raise InvalidPolicy(f"the session's change set has no layer for {missing[0]!r}")
-    layers = [_Layer(kept[root]) for root in request.roots]
+    layers = [_Layer(kept_layers[root]) for root in request.roots]
     selected = _selection(request.roots, request.paths)
     if request.action == "discard":
         return _discard(layers, selected)
@@ -132,7 +138,7 @@ def _comparison(layer: _Layer) -> Comparison:
     host_fd = os.open(layer.layers.root, DIR_FLAGS)   # as the owner; Comparison checks it is the same directory
     try:
         return Comparison(layer.entries, upper_fd=layer.upper_fd, host_fd=host_fd, layers=layer.layers,
-                          baseline=layer.baseline)
+                          baseline=layer.baseline, checkpoint_fds=layer.checkpoint_fds)
     except BaseException:
         os.close(host_fd)
         raise
@@ -243,7 +249,25 @@ def _discard(layers: list[_Layer], selected: list[tuple[str, ...]]) -> dict[str,
             continue
         root = layer.layers.root
         kinds = {entry.path: entry.kind for entry in layer.entries}
-        result = applying.discard(layer.upper_fd, layer.entries, paths)
+        result = applying.discard(layer.upper_fd, layer.entries, paths, checkpoint_fds=layer.checkpoint_fds)
         removed += [{"root": root, "path": path, "type": kinds.get(path, "")} for path in result.removed]
         skipped += [{"root": root, **item.as_dict()} for item in result.skipped]
     return {"discarded": removed, "skipped": skipped}
+
+
+def checkpoint_dict(item: checkpoints.Checkpoint) -> dict[str, object]:
+    return item.as_dict()
+
+
+def _checkpoints(request: "Review") -> dict[str, object]:
+    """As root, the session's sandbox closed (the daemon's between_calls): mark a checkpoint
+    (``label``; ``limit``: review.max_checkpoints), list them, or roll back to ``checkpoint``."""
+    review_dir = request.review_dir
+    if request.action == "checkpoint":
+        made = checkpoints.create(review_dir, request.label, limit=request.limit)
+        return {"checkpoint": checkpoint_dict(made)}
+    if request.action == "rollback":
+        done = checkpoints.rollback(review_dir, request.checkpoint)
+        return {"rollback": done.as_dict(),
+                "checkpoints": [checkpoint_dict(item) for item in checkpoints.list_checkpoints(review_dir)]}
+    return {"checkpoints": [checkpoint_dict(item) for item in checkpoints.list_checkpoints(review_dir)]}

@@ -364,6 +364,58 @@ class DiscardChangesResponse(_message.Message):
     skipped: _containers.RepeatedCompositeFieldContainer[SkippedChange]
     def __init__(self, discarded: _Optional[_Iterable[_Union[AppliedChange, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedChange, _Mapping]]] = ...) -> None: ...
 
+class CreateCheckpointRequest(_message.Message):
+    __slots__ = ("session_id", "label")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    label: str
+    def __init__(self, session_id: _Optional[str] = ..., label: _Optional[str] = ...) -> None: ...
+
+class Checkpoint(_message.Message):
+    __slots__ = ("id", "created_at", "label", "changes")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    created_at: float
+    label: str
+    changes: int
+    def __init__(self, id: _Optional[int] = ..., created_at: _Optional[float] = ..., label: _Optional[str] = ..., changes: _Optional[int] = ...) -> None: ...
+
+class ListCheckpointsRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ListCheckpointsResponse(_message.Message):
+    __slots__ = ("checkpoints",)
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[Checkpoint]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ...) -> None: ...
+
+class RollbackChangesRequest(_message.Message):
+    __slots__ = ("session_id", "checkpoint_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    checkpoint_id: int
+    def __init__(self, session_id: _Optional[str] = ..., checkpoint_id: _Optional[int] = ...) -> None: ...
+
+class RollbackChangesResponse(_message.Message):
+    __slots__ = ("checkpoint_id", "dropped", "removed", "checkpoints")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: int
+    dropped: _containers.RepeatedScalarFieldContainer[int]
+    removed: int
+    checkpoints: _containers.RepeatedCompositeFieldContainer[Checkpoint]
+    def __init__(self, checkpoint_id: _Optional[int] = ..., dropped: _Optional[_Iterable[int]] = ..., removed: _Optional[int] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ...) -> None: ...
+
 class ExecStart(_message.Message):
     __slots__ = ("session_id", "argv", "shell", "cwd", "env", "timeout_seconds", "stdin", "close_stdin", "output_limit_bytes", "execution_context_id", "terminal", "env_overlay", "caller_env")
     class EnvEntry(_message.Message):

@@ -184,6 +184,21 @@ class SandboxStub:
                 request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.DiscardChangesRequest.SerializeToString,
                 response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.DiscardChangesResponse.FromString,
                 _registered_method=True)
+        self.CreateCheckpoint = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/CreateCheckpoint',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.CreateCheckpointRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.Checkpoint.FromString,
+                _registered_method=True)
+        self.ListCheckpoints = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/ListCheckpoints',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListCheckpointsRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListCheckpointsResponse.FromString,
+                _registered_method=True)
+        self.RollbackChanges = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/RollbackChanges',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.RollbackChangesRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.RollbackChangesResponse.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/sandboxd.v1.Sandbox/GetStatus',
                 request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.GetStatusRequest.SerializeToString,
@@ -425,6 +440,30 @@ class SandboxServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateCheckpoint(self, request, context):
+        """Marks a checkpoint of the session's change set: O(changes since the last one), never a copy.
+        Past review.max_checkpoints the oldest two are merged (the oldest point is forgotten). Between
+        calls only, as DiscardChanges; an open session only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCheckpoints(self, request, context):
+        """The session's checkpoints, oldest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RollbackChanges(self, request, context):
+        """Returns the sandbox's view to a checkpoint (0: the session's start): the changes made since
+        are dropped. What an apply wrote to the host stays. Between calls only; an open session only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStatus(self, request, context):
         """The daemon itself: version, the kernel features it found, counts (sandboxctl status).
         """
@@ -597,6 +636,21 @@ def add_SandboxServicer_to_server(servicer, server):
                     servicer.DiscardChanges,
                     request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.DiscardChangesRequest.FromString,
                     response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.DiscardChangesResponse.SerializeToString,
+            ),
+            'CreateCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateCheckpoint,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.CreateCheckpointRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.Checkpoint.SerializeToString,
+            ),
+            'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCheckpoints,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListCheckpointsRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'RollbackChanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.RollbackChanges,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.RollbackChangesRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.RollbackChangesResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -1419,6 +1473,87 @@ class Sandbox:
             '/sandboxd.v1.Sandbox/DiscardChanges',
             sandboxd_dot_v1_dot_sandboxd__pb2.DiscardChangesRequest.SerializeToString,
             sandboxd_dot_v1_dot_sandboxd__pb2.DiscardChangesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/CreateCheckpoint',
+            sandboxd_dot_v1_dot_sandboxd__pb2.CreateCheckpointRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.Checkpoint.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/ListCheckpoints',
+            sandboxd_dot_v1_dot_sandboxd__pb2.ListCheckpointsRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RollbackChanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/RollbackChanges',
+            sandboxd_dot_v1_dot_sandboxd__pb2.RollbackChangesRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.RollbackChangesResponse.FromString,
             options,
             channel_credentials,
             insecure,
