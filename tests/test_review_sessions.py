@@ -5,7 +5,9 @@ A review session's commands write into overlays whose change set the daemon keep
 directory: the host stays byte for byte what a control copy holds until a person applies; apply of
 one path lands exactly that path; discard makes the sandbox see the host again; a host edit made
 during the session is a conflict; planted git hooks are flagged and not applied; other users can
-neither list, apply nor discard (the owner can); a SIGKILLed daemon's successor lists the same
+neither list, apply nor discard (the owner can); checkpoints: a rollback returns the sandbox's view
+to one (and to the start), apply lands every layer merged, only the owner checkpoints or rolls
+back, and only between calls; a SIGKILLed daemon's successor lists the same
 change set and the sandbox still sees it; and apply does not follow a symlink another user swapped
 into the workspace between listing and apply (control: an apply that follows names writes into
 the owner's private directory).
@@ -28,6 +30,7 @@ from conftest import BASE_ENV, REPO, SLOW, describe
 from daemon_helpers import (Daemon, DaemonFactory, PlainUser, daemon_factory, owned_dir, plain_users,
                             run_client_as)
 from review_helpers import CLIENT, EDITS, EXPECTED, free_stores, local_disk, snapshot, tmpfs, usual_workspace
+from sandboxd.printable import printable
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -352,6 +355,10 @@ def test_rollback_returns_the_sandbox_to_a_checkpoint_and_apply_lands_every_laye
     at_two = sees(place, session)
     listing = ok(as_user(place, place.owner, ("ListCheckpoints", {"session_id": session}))[0])
     assert [int(item["id"]) for item in listing["checkpoints"]] == [1, 2], listing
+    shown = sandboxctl(place, place.owner, "checkpoints", session)    # the label a client chose: escaped
+    lines = shown.stdout.splitlines()
+    assert shown.returncode == 0 and len(lines) == 2 and "\x1b" not in shown.stdout, describe(shown)
+    assert lines[0].startswith("1  ") and lines[0].endswith("1 change(s)  " + printable("one\x1b[2J")), lines
 
     back = ok(as_user(place, place.owner, ("RollbackChanges", {"session_id": session, "checkpoint_id": 2}))[0])
     assert int(back["checkpoint_id"]) == 2 and [int(item["id"]) for item in back["checkpoints"]] == [1, 2], back
@@ -362,7 +369,8 @@ def test_rollback_returns_the_sandbox_to_a_checkpoint_and_apply_lands_every_laye
         "a.txt": "ADDED", "b.txt": "ADDED", "del.txt": "DELETED"}
     assert snapshot(ws) == control                                         # the host: untouched throughout
 
-    ok(as_user(place, place.owner, ("RollbackChanges", {"session_id": session, "checkpoint_id": 0}))[0])
+    rolled = sandboxctl(place, place.owner, "rollback", session, "0")
+    assert rolled.returncode == 0 and "rolled back to the start (dropped 2" in rolled.stdout, describe(rolled)
     assert sees(place, session) == start and listed(place, session) == {}
     again = ok(as_user(place, place.owner, ("ListCheckpoints", {"session_id": session}))[0])
     assert again.get("checkpoints", []) == [], again
@@ -374,7 +382,8 @@ def test_rollback_returns_the_sandbox_to_a_checkpoint_and_apply_lands_every_laye
     third = ok(as_user(place, place.owner, ("CreateCheckpoint", {"session_id": session}))[0])
     assert int(third["id"]) == 3, third
     run("echo A2 > a.txt; echo B > b.txt; rm del.txt")
-    ok(as_user(place, place.owner, ("CreateCheckpoint", {"session_id": session}))[0])
+    marked = sandboxctl(place, place.owner, "checkpoint", session, "--label", "four")
+    assert marked.returncode == 0 and marked.stdout.startswith("4  ") and "four" in marked.stdout, describe(marked)
     run("echo C > c.txt; rm b.txt")
     merged = sees(place, session)
     applied = ok(as_user(place, place.owner, ("ApplyChanges", {"session_id": session}))[0])

@@ -1,6 +1,7 @@
-"""`sandboxctl changes|apply|discard`: a review session's change set, shown and decided on
-(docs/review-mode.md). Every path, reason and diff line is a caller's (the sandbox chose the
-names and contents): each is printed through ``printable``, one line each."""
+"""`sandboxctl changes|apply|discard`: a review session's change set, shown and decided on, and
+`sandboxctl checkpoint|checkpoints|rollback`: its checkpoints (docs/review-mode.md). Every path,
+reason, diff line and checkpoint label is a caller's (the sandbox or a client chose it): each is
+printed through ``printable``, one line each."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 MARKS = {pb.FileChange.ADDED: "A", pb.FileChange.MODIFIED: "M", pb.FileChange.DELETED: "D",
          pb.FileChange.REPLACED: "R", pb.FileChange.TYPE_CHANGED: "T", pb.FileChange.METADATA: "m"}
 COMMANDS = ("changes", "apply", "discard")
+CHECKPOINT_COMMANDS = ("checkpoint", "checkpoints", "rollback")
 
 
 def add_commands(commands: "_SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -41,6 +43,14 @@ def add_commands(commands: "_SubParsersAction[argparse.ArgumentParser]") -> None
     discard = commands.add_parser("discard", help="drop a review session's changes: it sees the host again")
     discard.add_argument("session_id")
     discard.add_argument("paths", nargs="*", metavar="PATH", help=paths_help)
+    checkpoint = commands.add_parser("checkpoint", help="mark a checkpoint of a review session's changes")
+    checkpoint.add_argument("session_id")
+    checkpoint.add_argument("--label", default="", help="a note shown with it (at most 256 characters)")
+    listing = commands.add_parser("checkpoints", help="a review session's checkpoints, oldest first")
+    listing.add_argument("session_id")
+    rollback = commands.add_parser("rollback", help="return a review session's view to a checkpoint")
+    rollback.add_argument("session_id")
+    rollback.add_argument("checkpoint_id", type=int, metavar="ID", help="a checkpoint's id (0: the session's start)")
 
 
 def shown_path(root: str, path: str, workspace: str) -> str:
@@ -61,7 +71,33 @@ def change_line(change: pb.FileChange, workspace: str) -> str:
     return line
 
 
+def checkpoint_line(item: pb.Checkpoint) -> str:
+    import time
+
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(item.created_at))
+    label = f"  {printable(item.label)}" if item.label else ""
+    return f"{item.id}  {when}  {item.changes} change(s){label}"
+
+
+def run_checkpoints(client: SandboxClient, args: argparse.Namespace) -> int:
+    if args.command == "checkpoint":
+        print(checkpoint_line(client.create_checkpoint(args.session_id, args.label)))
+        return 0
+    if args.command == "rollback":
+        if args.checkpoint_id < 0:
+            raise SystemExit("sandboxctl: a checkpoint's id is 0 (the session's start) or more")
+        done = client.rollback_changes(args.session_id, args.checkpoint_id)
+        print(f"rolled back to {'the start' if not done.checkpoint_id else f'checkpoint {done.checkpoint_id}'}"
+              f" (dropped {len(done.dropped)} checkpoint(s))")
+        return 0
+    for item in client.list_checkpoints(args.session_id):
+        print(checkpoint_line(item))
+    return 0
+
+
 def run(client: SandboxClient, args: argparse.Namespace) -> int:
+    if args.command in CHECKPOINT_COMMANDS:
+        return run_checkpoints(client, args)
     workspace = client.get_session(args.session_id).workspace
     if args.command == "changes":
         return _changes(client, args, workspace)

@@ -373,7 +373,7 @@ def _exec(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], N
 def _run(client: SandboxClient, args: argparse.Namespace) -> int:
     if args.command == "status":
         return _status(client)
-    if args.command in changes.COMMANDS:
+    if args.command in changes.COMMANDS or args.command in changes.CHECKPOINT_COMMANDS:
         return changes.run(client, args)
     if args.command in ("events", "pending", "approve", "deny", "rules"):
         return _run_policy_command(client, args)
