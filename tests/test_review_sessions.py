@@ -94,6 +94,21 @@ def sandboxctl(place: Place, user: PlainUser, *args: str) -> subprocess.Complete
                           timeout=300 * SLOW, env=BASE_ENV, cwd="/", preexec_fn=become)
 
 
+def with_new_txt(place: Place, name: str) -> tuple[Path, str]:
+    """A fresh workspace and a review session over it whose sandbox wrote new.txt ("x")."""
+    ws = fresh(place, name)
+    session = create(place, ws)
+    ok(as_user(place, place.owner, ("exec", {"session": session, "script": "echo x > new.txt"}))[0])
+    return ws, session
+
+
+def event_kinds(place: Place, session: str) -> list[str]:
+    """The types of the session's audit events, as `sandboxctl events --json` shows them to its owner."""
+    events = sandboxctl(place, place.owner, "events", "--session", session, "--json")
+    assert events.returncode == 0, describe(events)
+    return [str(json.loads(line)["type"]) for line in events.stdout.splitlines()]
+
+
 def close(place: Place, session: str) -> None:
     as_user(place, place.owner, ("CloseSession", {"session_id": session}))
 
@@ -131,9 +146,8 @@ def test_the_host_is_unchanged_until_apply_which_lands_exactly_one_path_and_disc
     assert "olddir" in seen["stdout"] and "newdir" not in seen["stdout"], seen
     assert listed(place, session) == {}
     assert snapshot(ws) == after
-    events = sandboxctl(place, place.owner, "events", "--session", session, "--json")
-    kinds = [json.loads(line)["type"] for line in events.stdout.splitlines()]
-    assert "ChangesApplied" in kinds and "ChangesDiscarded" in kinds, describe(events)
+    kinds = event_kinds(place, session)
+    assert "ChangesApplied" in kinds and "ChangesDiscarded" in kinds, kinds
     close(place, session)
 
 
@@ -185,9 +199,7 @@ def test_a_planted_hook_is_flagged_and_applied_only_when_named(place: Place) -> 
 
 
 def test_another_user_can_neither_list_apply_nor_discard(place: Place) -> None:
-    ws = fresh(place, "ws-other")
-    session = create(place, ws)
-    ok(as_user(place, place.owner, ("exec", {"session": session, "script": "echo x > new.txt"}))[0])
+    ws, session = with_new_txt(place, "ws-other")
     tried = as_user(place, place.attacker, ("ListChanges", {"session_id": session}),
                     ("DiffChanges", {"session_id": session}),
                     ("ApplyChanges", {"session_id": session}), ("DiscardChanges", {"session_id": session}))
@@ -396,16 +408,13 @@ def test_rollback_returns_the_sandbox_to_a_checkpoint_and_apply_lands_every_laye
         {key: value for key, value in control.items() if key not in ("del.txt", "mod.txt")}
     assert sees(place, session) == merged and listed(place, session) == {}
 
-    events = sandboxctl(place, place.owner, "events", "--session", session, "--json")
-    kinds = [json.loads(line)["type"] for line in events.stdout.splitlines()]
-    assert kinds.count("CheckpointCreated") == 4 and kinds.count("ChangesRolledBack") == 2, describe(events)
+    kinds = event_kinds(place, session)
+    assert kinds.count("CheckpointCreated") == 4 and kinds.count("ChangesRolledBack") == 2, kinds
     close(place, session)
 
 
 def test_only_the_owner_checkpoints_and_rolls_back_and_only_between_calls(place: Place) -> None:
-    ws = fresh(place, "ws-checkpoint-rights")
-    session = create(place, ws)
-    ok(as_user(place, place.owner, ("exec", {"session": session, "script": "echo x > new.txt"}))[0])
+    _, session = with_new_txt(place, "ws-checkpoint-rights")
     tried = as_user(place, place.attacker, ("CreateCheckpoint", {"session_id": session}),
                     ("ListCheckpoints", {"session_id": session}),
                     ("RollbackChanges", {"session_id": session, "checkpoint_id": 0}))
