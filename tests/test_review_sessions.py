@@ -398,6 +398,8 @@ def test_rollback_returns_the_sandbox_to_a_checkpoint_and_apply_lands_every_laye
     assert marked.returncode == 0 and marked.stdout.startswith("4  ") and "four" in marked.stdout, describe(marked)
     run("echo C > c.txt; rm b.txt")
     merged = sees(place, session)
+    shown = ok(as_user(place, place.owner, ("DiffChanges", {"session_id": session, "paths": ["a.txt", "mod.txt"]}))[0])
+    assert "+A2" in shown["diff"] and "+A\n" not in shown["diff"] and "+keep" in shown["diff"], shown  # each from its layer
     applied = ok(as_user(place, place.owner, ("ApplyChanges", {"session_id": session}))[0])
     assert {item["path"] for item in applied.get("applied", [])} == {"a.txt", "c.txt", "mod.txt", "del.txt"}, applied
     after = snapshot(ws)
