@@ -79,6 +79,7 @@ from sandboxd.launcher.plan import path_check as plan_path_check
 from sandboxd.launcher.plan import path_requests as plan_path_requests
 from sandboxd.errors import DeadlineExceeded, InvalidPolicy, SandboxdError, SetupError
 from sandboxd.policy.spec import LaunchSpec
+from sandboxd.review import checkpoints
 from sandboxd.supervisor import fork_protocol as protocol
 from sandboxd.supervisor.fork_protocol import (CLOSE_WAIT_SECONDS, DEFAULT_STUCK_OPENERS, DEFAULT_WAIT_SECONDS,
                                                REVIEW_SECONDS, Call,
@@ -343,6 +344,11 @@ class _Server:
         review_dir, fresh = _review_dir(request.review_dir)
         if fresh and review_dir is not None:
             _bound_review_dir(review_dir, request)
+        elif review_dir is not None:
+            # A rebuild (after a restart, a discard, a lost fork server): a checkpoint or rollback a
+            # crash cut short is finished first, so the layers mounted are those the record names
+            # (root's own directory; the records and one listing per overlay when nothing was cut).
+            checkpoints.recover(review_dir)
         self._opening.add(name)
 
         def undo() -> None:
