@@ -1,0 +1,83 @@
+"""What a kept change set can make the host hold or its commands fail on (issue 25, the hostile
+pass's findings), on the real kernel: the sandbox's commands run as the workspace's owner, a plain
+user the tests create; `sandboxd run --review=keep:DIR` and `sandboxd changes|apply|discard DIR` as
+root. Each wall is shown next to its control.
+
+A sparse file the sandbox made is applied with its holes (control: a dense copy of it holds every
+block), and what one apply writes is bounded by the apparent sizes of its files (control: the same
+files under a bound that fits them land).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import BASE_ENV, SANDBOXD, SLOW, describe
+from sandboxd.kernel import overlay
+from sandboxd.review import apply as applying
+from sandboxd.review import kept
+from test_review_overlay import Place, fresh, place, review_run  # noqa: F401 - the module's fixture
+
+pytestmark = pytest.mark.timeout(300)
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def sbx(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([SANDBOXD, *args], capture_output=True, text=True, timeout=120 * SLOW,
+                          stdin=subprocess.DEVNULL, env=BASE_ENV)
+
+
+def dense_copy(source: Path, target: Path) -> None:
+    """Every byte read and written, as apply did before it kept holes."""
+    with open(source, "rb") as reading, open(target, "wb") as writing:
+        while block := reading.read(MiB):
+            writing.write(block)
+
+
+def test_a_sparse_file_is_applied_with_its_holes(place: Place) -> None:
+    ws, review_dir = fresh(place, "sparse")
+    result = review_run(ws, review_dir, "truncate -s 1G big && printf data | dd of=big bs=1 seek=4096 conv=notrunc "
+                                        "2>/dev/null && truncate -s 1G big")
+    assert result.returncode == 0, describe(result)
+    applied = sbx("apply", str(review_dir))
+    assert applied.returncode == 0 and "review: applied 1 change(s)" in applied.stderr, describe(applied)
+    big = (ws / "big").stat()
+    assert big.st_size == GiB and big.st_uid == place.owner.uid
+    assert big.st_blocks * 512 <= MiB, big.st_blocks                   # a few blocks, not a gibibyte
+    with open(ws / "big", "rb") as landed:
+        assert landed.read(4096) == bytes(4096) and landed.read(4) == b"data"
+    # Control: a copy that writes every byte holds every block.
+    control = place.base / "sparse-dense-control"
+    try:
+        dense_copy(ws / "big", control)
+        assert control.stat().st_blocks * 512 >= GiB
+    finally:
+        control.unlink(missing_ok=True)
+
+
+def test_what_one_apply_writes_is_bounded_by_apparent_sizes(place: Place) -> None:
+    ws, review_dir = fresh(place, "bounded")
+    # Two names of one inode count twice: a hard link is a second file on the host.
+    result = review_run(ws, review_dir, "truncate -s 3M a && truncate -s 3M b && ln b c")
+    assert result.returncode == 0, describe(result)
+    (layers,) = overlay.load(str(review_dir))
+
+    def under(bound: int) -> applying.ApplyResult:
+        return kept._with_comparison(layers, lambda compared: applying.apply(compared, max_written=bound))
+
+    bounded = under(7 * MiB)
+    assert sorted(item.path for item in bounded.applied) == ["a", "b"], bounded
+    (skip,) = bounded.skipped
+    assert skip.path == "c" and "would take this apply past the 7 MiB (apparent sizes, holes counted)" in skip.reason
+    assert not (ws / "c").exists() and (ws / "a").stat().st_size == 3 * MiB
+    alone = under(2 * MiB)
+    assert all("its size, 3 MiB, is past the 2 MiB" in item.reason for item in alone.skipped), alone
+    # Control: a bound that fits all three lands the third name.
+    fits = under(9 * MiB)
+    assert [item.path for item in fits.applied if item.path == "c"] == ["c"], fits
+    assert (ws / "c").stat().st_size == 3 * MiB
