@@ -10,6 +10,7 @@ files under a bound that fits them land).
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -81,3 +82,32 @@ def test_what_one_apply_writes_is_bounded_by_apparent_sizes(place: Place) -> Non
     fits = under(9 * MiB)
     assert [item.path for item in fits.applied if item.path == "c"] == ["c"], fits
     assert (ws / "c").stat().st_size == 3 * MiB
+
+
+def test_a_full_store_is_said_in_one_line_and_what_landed_is_not_written_again(place: Place) -> None:
+    ws, review_dir = fresh(place, "full-store")
+    # A flagged file (.envrc, skipped unless named) fills the 1 MiB store; a host file deleted is a
+    # whiteout, which takes no page: dropping it once applied gives the store no room back.
+    result = review_run(ws, review_dir, "rm del.txt; head -c 4000000 /dev/zero > .envrc; true", "--review-bytes=1M")
+    assert result.returncode == 0, describe(result)
+    applied = sbx("apply", str(review_dir), str(ws / "del.txt"))
+    lines = applied.stderr.splitlines()
+    assert applied.returncode == 2 and len(lines) == 1, describe(applied)
+    assert "applied 1 change(s) (1 dropped from the change set)" in lines[0] and "is full" in lines[0], describe(applied)
+    assert f"make room with `sandboxd discard {review_dir}" in lines[0] and "Errno" not in lines[0], describe(applied)
+    assert not (ws / "del.txt").exists()
+    # What landed left the change set: the next apply does not write it again.
+    (ws / "del.txt").write_text("the host's again\n")
+    again = sbx("apply", str(review_dir), str(ws / "del.txt"))
+    assert (ws / "del.txt").read_text() == "the host's again\n", describe(again)
+    shown = sbx("changes", str(review_dir))
+    assert shown.returncode == 0 and "del.txt" not in shown.stdout and ".envrc" in shown.stdout, describe(shown)
+    made_room = sbx("discard", str(review_dir), str(ws / ".envrc"))
+    assert made_room.returncode == 0 and "nothing is left" in made_room.stderr, describe(made_room)
+    # Control: the same run in a store with room, the same apply records what landed.
+    ws2, roomy = fresh(place, "roomy-store")
+    result = review_run(ws2, roomy, "rm del.txt; head -c 4000000 /dev/zero > .envrc; true", "--review-bytes=8M")
+    assert result.returncode == 0, describe(result)
+    applied = sbx("apply", str(roomy), str(ws2 / "del.txt"))
+    assert applied.returncode == 0 and applied.stderr == "review: applied 1 change(s)\n", describe(applied)
+    assert [path.stat().st_size > 0 for path in roomy.glob("*/baseline.json")] == [True], list(roomy.rglob("*"))[:20]
