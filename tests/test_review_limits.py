@@ -111,3 +111,39 @@ def test_a_full_store_is_said_in_one_line_and_what_landed_is_not_written_again(p
     applied = sbx("apply", str(roomy), str(ws2 / "del.txt"))
     assert applied.returncode == 0 and applied.stderr == "review: applied 1 change(s)\n", describe(applied)
     assert [path.stat().st_size > 0 for path in roomy.glob("*/baseline.json")] == [True], list(roomy.rglob("*"))[:20]
+
+
+def test_mode_changes_are_shown_with_the_modes(place: Place) -> None:
+    ws, review_dir = fresh(place, "modes")
+    odd = ws / "odd\x1b[2Jname"
+    odd.write_text("odd\n")
+    os.chmod(odd, 0o644)
+    os.chown(odd, place.owner.uid, place.owner.gid)
+    script = ("chmod 777 chmod.sh; chmod 700 sub; echo more >> mod.txt; chmod 600 mod.txt; echo more >> keep.txt; "
+              "chmod 666 odd*")
+    result = review_run(ws, review_dir, script)
+    assert result.returncode == 0, describe(result)
+    summary = result.stderr
+    assert "metadata     chmod.sh [mode 0644 -> 0777]" in summary, describe(result)
+    assert "metadata     sub [mode 0755 -> 0700]" in summary, describe(result)
+    assert "modified     mod.txt [mode 0644 -> 0600]" in summary, describe(result)
+    assert "metadata     odd\\x1b[2Jname [mode 0644 -> 0666]" in summary and "\x1b" not in summary, describe(result)
+    # Control: a change of content alone says no mode.
+    assert "modified     keep.txt\n" in summary, describe(result)
+    shown = sbx("changes", str(review_dir))
+    assert "  metadata     chmod.sh [mode 0644 -> 0777] [flagged: writable by every user" in shown.stdout, describe(shown)
+    assert "  modified     keep.txt\n" in shown.stdout, describe(shown)
+    diff = sbx("changes", str(review_dir), "--diff")
+    assert "metadata sub: dir mode 0755 -> 0700\n" in diff.stdout, describe(diff)
+    assert "metadata chmod.sh: mode 0644 -> 0777\n" in diff.stdout, describe(diff)
+    # Content and mode both changed: both shown.
+    assert "modified mod.txt: mode 0644 -> 0600\n--- a/mod.txt\n+++ b/mod.txt\n" in diff.stdout, describe(diff)
+    assert "+more\n" in diff.stdout and "keep.txt: mode" not in diff.stdout, describe(diff)
+
+
+def test_an_owner_change_is_shown_with_the_owners() -> None:
+    from sandboxd.review.changes import MODE, OWNER, Change, attributes
+    change = Change("f", "metadata", type="file", host_type="file", aspects=(MODE, OWNER), mode=0o4755,
+                    host_mode=0o755, uid=0, gid=0, host_uid=1000, host_gid=100)
+    assert attributes(change) == "mode 0755 -> 4755, owner 1000:100 -> 0:0"
+    assert attributes(Change("f", "modified", type="file", host_type="file", aspects=("content",))) == ""

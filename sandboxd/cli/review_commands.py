@@ -17,7 +17,7 @@ from sandboxd.cli.change_sets import MAX_LISTED, KeptDir, ReviewError, apply_res
 from sandboxd.errors import SandboxdError
 from sandboxd.printable import printable
 from sandboxd.review.apply import Skipped
-from sandboxd.review.changes import ChangeSet, Comparison
+from sandboxd.review.changes import ChangeSet, Comparison, attributes
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -54,7 +54,11 @@ def listed(kept: KeptDir, paths: "list[str]", limit: int = 0) -> "list[ChangeSet
 
 
 def marks(change: "Any") -> str:
-    return ((f" [flagged: {'; '.join(change.flags)}]" if change.flags else "")
+    """What a change's one line says after its path: its mode and owner changes, why it is flagged,
+    its conflict (every string the sandbox chose escaped by the caller's ``printable``)."""
+    modes = attributes(change)
+    return ((f" [{modes}]" if modes else "")
+            + (f" [flagged: {'; '.join(change.flags)}]" if change.flags else "")
             + (f" [conflict: {change.conflict}]" if change.conflict else ""))
 
 
