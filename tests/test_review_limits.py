@@ -147,3 +147,29 @@ def test_an_owner_change_is_shown_with_the_owners() -> None:
                     host_mode=0o755, uid=0, gid=0, host_uid=1000, host_gid=100)
     assert attributes(change) == "mode 0755 -> 4755, owner 1000:100 -> 0:0"
     assert attributes(Change("f", "modified", type="file", host_type="file", aspects=("content",))) == ""
+
+
+# Directories 200 bytes a name, each made from inside its parent: the deepest path is 5,025 bytes.
+DEEP = ("python3 -c 'import os\nfor _ in range(25):\n    os.mkdir(\"d\" * 200); os.chdir(\"d\" * 200)\n"
+        "open(\"f\", \"w\").write(\"x\")'")
+
+
+def test_a_path_longer_than_path_max_is_said_in_one_line_and_discard_removes_it(place: Place) -> None:
+    ws, review_dir = fresh(place, "deep")
+    result = review_run(ws, review_dir, DEEP)
+    assert result.returncode == 0, describe(result)
+    (said,) = [line for line in result.stderr.splitlines() if "longer than" in line]
+    assert "holds a path longer than the kernel's 4096 bytes" in said and len(said) < 400, describe(result)
+    assert "Errno" not in result.stderr and f"kept in {review_dir}" in said, describe(result)
+    shown = sbx("changes", str(review_dir))
+    lines = shown.stderr.splitlines()
+    assert shown.returncode == 2 and len(lines) == 1 and len(lines[0]) < 400, describe(shown)
+    assert "cannot be listed or applied path by path; discard it all" in lines[0], describe(shown)
+    # Control: the path is real, and past what one system call takes.
+    (layer,) = overlay.load(str(review_dir))
+    with pytest.raises(OSError) as refused:
+        os.stat(f"{layer.upper}/{'/'.join(['d' * 200] * 25)}/f")
+    assert refused.value.errno == 36                                    # ENAMETOOLONG
+    gone = sbx("discard", str(review_dir))
+    assert gone.returncode == 0 and f"review: discarded; removed {review_dir}" in gone.stderr, describe(gone)
+    assert not review_dir.exists() and not (ws / ("d" * 200)).exists()
