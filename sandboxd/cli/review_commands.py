@@ -10,13 +10,14 @@ shown through ``sandboxd.printable``.
 
 from __future__ import annotations
 
+import errno
 import sys
 
-from sandboxd.cli.change_sets import MAX_LISTED, KeptDir, apply_result, change_set, list_all
+from sandboxd.cli.change_sets import MAX_LISTED, KeptDir, ReviewError, apply_result, change_set, list_all
 from sandboxd.errors import SandboxdError
 from sandboxd.printable import printable
 from sandboxd.review.apply import Skipped
-from sandboxd.review.changes import ChangeSet, Comparison
+from sandboxd.review.changes import ChangeSet, Comparison, attributes
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -53,7 +54,11 @@ def listed(kept: KeptDir, paths: "list[str]", limit: int = 0) -> "list[ChangeSet
 
 
 def marks(change: "Any") -> str:
-    return ((f" [flagged: {'; '.join(change.flags)}]" if change.flags else "")
+    """What a change's one line says after its path: its mode and owner changes, why it is flagged,
+    its conflict (every string the sandbox chose escaped by the caller's ``printable``)."""
+    modes = attributes(change)
+    return ((f" [{modes}]" if modes else "")
+            + (f" [flagged: {'; '.join(change.flags)}]" if change.flags else "")
             + (f" [conflict: {change.conflict}]" if change.conflict else ""))
 
 
@@ -123,12 +128,29 @@ def apply(kept: KeptDir, paths: "list[str]", *, force: bool = False,
             from sandboxd.review import apply as applying
             return applying.apply(comparison, chosen, force=force, include_flagged=included)
         result = apply_result(layer.as_owner(body))
-        from sandboxd.review import conflicts
-        conflicts.save_baseline(layer.place, result.baseline)
-        layer.forget(list(result.forgettable))
+        _record(kept, layer, result, outcome)
         outcome.applied += len(result.applied)
         outcome.skipped += [(layer.root, skipped) for skipped in result.skipped]
     return outcome
+
+
+def _record(kept: KeptDir, layer: "Any", result: "Any", outcome: Outcome) -> None:
+    """Drop the upper entries that landed, then save the conflict baseline. In that order: the
+    entries dropped give their room back to a full store (the sandbox may have filled it), and an
+    entry dropped is never written again, where a baseline unsaved only makes conflicts of what
+    landed. A store still full says so in one line: what landed, and to discard to make room."""
+    from sandboxd.review import conflicts
+    try:
+        layer.forget(list(result.forgettable))
+        conflicts.save_baseline(layer.place, result.baseline)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        landed = outcome.applied + len(result.applied)
+        raise ReviewError(f"applied {landed} change(s) ({len(result.forgettable)} dropped from the change set), "
+                          f"but {kept.path} is full and cannot record what landed in {layer.root}: the next "
+                          f"apply may count them as conflicts; make room with `sandboxd discard {kept.path} "
+                          "PATH...` (or discard it all)") from None
 
 
 def report_apply(kept: KeptDir, outcome: Outcome, prefix: str = "") -> None:

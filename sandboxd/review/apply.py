@@ -49,6 +49,11 @@ if TYPE_CHECKING:
 
 MAX_CHANGES = 100_000               # changes one apply takes at most (a bigger one is applied by path)
 MAX_BYTES = 64 << 30                # hashed at most while listing what an apply takes
+# Apparent sizes (holes counted) one apply writes at most: a sparse file costs the sandbox's store a
+# few bytes whatever its size, and the host's disk is not the sandbox's to fill. Holes are kept, but
+# a host file system without them (or a later copy) would hold every byte. Hard links count per name.
+MAX_WRITTEN = 64 << 30
+_ZEROS = bytes(CHUNK)
 
 
 class Applied(Record):
@@ -90,9 +95,11 @@ def _temporary_name() -> str:
 
 
 def apply(comparison: Comparison, paths: tuple[str, ...] = ("",), *, reviewed: "dict[str, str] | None" = None,
-          force: bool = False, include_flagged: frozenset[str] = frozenset()) -> ApplyResult:
+          force: bool = False, include_flagged: frozenset[str] = frozenset(),
+          max_written: int = MAX_WRITTEN) -> ApplyResult:
     """Apply the changes at ``paths`` and below ("": all) to the host (see the module's text).
-    ``reviewed``: path -> the SHA-256 the person saw; a file whose content differs now is skipped."""
+    ``reviewed``: path -> the SHA-256 the person saw; a file whose content differs now is skipped.
+    ``max_written``: the files' apparent sizes this apply writes at most; a file past it is skipped."""
     listing = comparison.list(limit=MAX_CHANGES, max_hash_bytes=MAX_BYTES, under=paths[0] if len(paths) == 1 else "")
     if listing.next_after:
         raise Exhausted(f"the change set has more than {MAX_CHANGES} changes: apply it a directory at a time")
@@ -101,8 +108,12 @@ def apply(comparison: Comparison, paths: tuple[str, ...] = ("",), *, reviewed: "
     skipped: list[Skipped] = []
     created: list[str] = []
     blocked: list[str] = []                             # directory changes skipped: their contents wait
+    written = 0                                         # apparent sizes of the files written so far
     for change in changes:
-        reason = _refusal(change, blocked, reviewed, force=force, include_flagged=include_flagged)
+        reason = _refusal(change, blocked, reviewed, force=force, include_flagged=include_flagged) or \
+            _past_bound(change, written, max_written)
+        if not reason and _writes(change):
+            written += change.size
         if not reason:
             try:
                 applied.append(_apply_one(comparison, change, created))
@@ -135,6 +146,26 @@ def _refusal(change: Change, blocked: list[str], reviewed: "dict[str, str] | Non
     if reviewed is not None and change.path in reviewed and reviewed[change.path] != change.sha256:
         return "its content is not the one reviewed: list it again"
     return ""
+
+
+def _writes(change: Change) -> bool:
+    return change.type == FILE and change.kind not in (DELETED, METADATA)
+
+
+def _past_bound(change: Change, written: int, max_written: int) -> str:
+    if not _writes(change) or written + change.size <= max_written:
+        return ""
+    bound = f"the {_size(max_written)} (apparent sizes, holes counted) one apply writes at most"
+    if change.size > max_written:
+        return f"its size, {_size(change.size)}, is past {bound}"
+    return f"its {_size(change.size)} would take this apply past {bound}: apply it by itself"
+
+
+def _size(count: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if count >= 1 << shift and count % (1 << shift) == 0:
+            return f"{count >> shift} {unit}"
+    return f"{count} bytes"
 
 
 def _why(exc: OSError) -> str:
@@ -248,15 +279,7 @@ def _write_file(comparison: Comparison, parent: int, name: str, change: Change) 
         out = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                       dir_fd=parent)
         try:
-            digest = hashlib.sha256()
-            while True:
-                block = os.read(source, CHUNK)
-                if not block:
-                    break
-                digest.update(block)
-                view = memoryview(block)
-                while view:
-                    view = view[os.write(out, view):]
+            digest = _copy_keeping_holes(source, out, before.st_size)
             after = os.fstat(source)
             if (after.st_ino, after.st_ctime_ns, after.st_size) != change.stamp or \
                     (change.sha256 and digest.hexdigest() != change.sha256):
@@ -278,6 +301,45 @@ def _write_file(comparison: Comparison, parent: int, name: str, change: Change) 
                 os.unlink(temporary, dir_fd=parent)
             except FileNotFoundError:
                 pass
+
+
+def _copy_keeping_holes(source: int, out: int, size: int) -> "hashlib._Hash":
+    """Copy ``size`` bytes of ``source`` to ``out`` (both at offset 0), writing only its data
+    extents (SEEK_DATA/SEEK_HOLE): a hole stays a hole (out is sized by ftruncate), so a sparse
+    file costs the host what it cost the sandbox. Returns the content's SHA-256 (holes read as
+    zeros). A file system without SEEK_DATA reports the whole file as data: a dense copy."""
+    digest = hashlib.sha256()
+    position = 0
+    while position < size:
+        try:
+            data = min(os.lseek(source, position, os.SEEK_DATA), size)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:                # ENXIO: no data past position
+                raise
+            data = size
+        _hash_zeros(digest, data - position)
+        if data >= size:
+            break
+        hole = min(os.lseek(source, data, os.SEEK_HOLE), size)
+        while data < hole:
+            block = os.pread(source, min(CHUNK, hole - data), data)
+            if not block:
+                raise _Stale()                          # shorter than listed: the sandbox truncated it
+            digest.update(block)
+            view, done = memoryview(block), 0
+            while done < len(block):
+                done += os.pwrite(out, view[done:], data + done)
+            data += len(block)
+        position = hole
+    os.ftruncate(out, size)
+    return digest
+
+
+def _hash_zeros(digest: "hashlib._Hash", count: int) -> None:
+    while count > 0:
+        step = min(count, len(_ZEROS))
+        digest.update(_ZEROS[:step] if step < len(_ZEROS) else _ZEROS)
+        count -= step
 
 
 def _replace_with(parent: int, name: str, make: "Callable[[str], None]") -> None:

@@ -68,6 +68,17 @@ class Change(Record):
     stamp: tuple[int, int, int] = (0, 0, 0)  # the upper entry as listed (inode, ctime, size): an apply checks it
 
 
+def attributes(change: Change) -> str:
+    """What ``change`` does to the mode and owner, for a person ("" neither):
+    ``mode 0644 -> 0777, owner 1000:1000 -> 0:0``. Numbers only: nothing to escape."""
+    shown = []
+    if MODE in change.aspects:
+        shown.append(f"mode {change.host_mode:04o} -> {change.mode:04o}")
+    if OWNER in change.aspects:
+        shown.append(f"owner {change.host_uid}:{change.host_gid} -> {change.uid}:{change.gid}")
+    return ", ".join(shown)
+
+
 class ChangeSet(Record):
     root: str                               # the host directory these changes are for (Layers.root)
     changes: tuple[Change, ...]

@@ -13,7 +13,7 @@ import stat
 
 from sandboxd.kernel import beneath
 from sandboxd.printable import printable
-from sandboxd.review.changes import Change, Comparison
+from sandboxd.review.changes import Change, Comparison, attributes
 
 MAX_BYTES = 1 << 20
 MAX_LINES = 5000
@@ -56,10 +56,13 @@ def show(comparison: Comparison, change: Change, *, max_bytes: int = MAX_BYTES, 
     (the sandbox chose it) is shown escaped (``printable``): a newline in a name must not start a
     header line of its own."""
     path = printable(change.path or ".")
+    modes = attributes(change)
     if change.type not in ("file", "") or change.host_type not in ("file", ""):
         if change.type == "symlink" or change.host_type == "symlink":
             return (f"{change.kind} {path}: symlink {printable(change.host_target or '-')} -> "
                     f"{printable(change.target or '-')}\n")
+        if modes and change.type == change.host_type:         # a directory's mode or owner
+            return f"{change.kind} {path}: {change.type} {modes}\n"
         return f"{change.kind} {path}: {change.host_type or 'nothing'} -> {change.type or 'nothing'}\n"
     theirs = _read(comparison.host_fd, change.path, max_bytes) if change.host_type else b""
     mine = _read(comparison.layer_fd(change.path), change.path, max_bytes) if change.type else b""
@@ -73,6 +76,6 @@ def show(comparison: Comparison, change: Change, *, max_bytes: int = MAX_BYTES, 
                                       f"b/{path}" if change.type else "/dev/null"))
     if len(lines) > max_lines:
         lines = lines[:max_lines] + [f"... {len(lines) - max_lines} more lines\n"]
-    if change.aspects and "content" not in change.aspects:
-        lines.insert(0, f"{change.kind} {path}: mode {change.host_mode:o} -> {change.mode:o}\n")
+    if modes:                                   # with the content's diff, if the content changed too
+        lines.insert(0, f"{change.kind} {path}: {modes}\n")
     return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)

@@ -44,6 +44,7 @@ import stat
 from sandboxd._record import Record
 from sandboxd.errors import Exhausted
 from sandboxd.kernel import beneath
+from sandboxd.policy.limits import PATH_MAX
 
 # Entries of one upper layer read at most (a listing past it is refused, saying so).
 MAX_ENTRIES = 200_000
@@ -116,6 +117,13 @@ def scan(upper_fd: int, *, prefix: str, max_entries: int = MAX_ENTRIES, layer: i
                 raise
             found[directories.pop(rel)] = GONE      # removed meanwhile (a sandbox still running)
             continue
+        except OSError as exc:
+            if exc.errno != errno.ENAMETOOLONG:
+                raise
+            # A sandbox can make a tree deeper than any path names (mkdir, cd, mkdir...): its paths
+            # can be neither shown nor applied, and the raw error would quote kilobytes of them.
+            raise Exhausted(f"the change set holds a path longer than the kernel's {PATH_MAX} bytes (in "
+                            f"{rel[:60]}...): it cannot be listed or applied path by path; discard it all") from None
         try:
             st = os.fstat(fd)
             marker = _xattr(fd, opaque_name)
