@@ -390,10 +390,12 @@ class DaemonFactory:
     def close(self) -> None:
         _FACTORIES.pop(self.base, None)
         problems: list[str] = []
-        for daemon in self.daemons:
-            if daemon.proc is None:
-                continue
+        started = [daemon for daemon in self.daemons if daemon.proc is not None]
+        # Every daemon of the base stops before any is checked: daemons restarted in one base share
+        # its private directory, so a stopped one's check must not see a running one's relay sockets.
+        for daemon in started:
             daemon.close()
+        for daemon in started:
             found = daemon.leftovers()
             if found:
                 problems += found
