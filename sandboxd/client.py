@@ -21,6 +21,10 @@ from sandboxd import defaults
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 
+# What a person was shown of a review session's changes: (root, path) -> the change's fingerprint
+# (FileChange.fingerprint, DiffChangesResponse.shown).
+Reviewed = dict[tuple[str, str], str]
+
 DEFAULT_SOCKET = defaults.SOCKET
 _MODES = {"read-only": pb.SandboxPolicy.READ_ONLY, "workspace-write": pb.SandboxPolicy.WORKSPACE_WRITE,
           "danger-full-access": pb.SandboxPolicy.DANGER_FULL_ACCESS}
@@ -158,20 +162,30 @@ class SandboxClient:
             if not token:
                 return changes, unhashed
 
-    def diff_changes(self, session_id: str, paths: "list[str] | None" = None) -> "Iterator[str]":
+    def diff_changes(self, session_id: str, paths: "list[str] | None" = None, *,
+                     seen: "Reviewed | None" = None) -> "Iterator[str]":
+        """The diff, page by page; ``seen`` gets each shown change's fingerprint (for ``apply_changes``)."""
         token = ""
         while True:
             page = self.stub.DiffChanges(pb.DiffChangesRequest(session_id=session_id, paths=paths or [],
                                                                page_token=token))
+            if seen is not None:
+                seen.update({(item.root, item.path): item.fingerprint for item in page.shown})
             yield page.diff
             token = page.next_page_token
             if not token:
                 return
 
     def apply_changes(self, session_id: str, paths: "list[str] | None" = None, *, force: bool = False,
-                      include_flagged: "list[str] | None" = None) -> pb.ApplyChangesResponse:
-        return self.stub.ApplyChanges(pb.ApplyChangesRequest(session_id=session_id, paths=paths or [], force=force,
-                                                             include_flagged=include_flagged or []))
+                      include_flagged: "list[str] | None" = None,
+                      reviewed: "Reviewed | None" = None) -> pb.ApplyChangesResponse:
+        """``reviewed``: (root, path) -> the fingerprint a person was shown; given (even empty), only
+        those changes are applied, each while it is still what was shown."""
+        return self.stub.ApplyChanges(pb.ApplyChangesRequest(
+            session_id=session_id, paths=paths or [], force=force, include_flagged=include_flagged or [],
+            reviewed=[pb.ReviewedChange(root=root, path=path, fingerprint=mark)
+                      for (root, path), mark in (reviewed or {}).items()],
+            only_reviewed=reviewed is not None))
 
     def discard_changes(self, session_id: str, paths: "list[str] | None" = None) -> pb.DiscardChangesResponse:
         return self.stub.DiscardChanges(pb.DiscardChangesRequest(session_id=session_id, paths=paths or []))

@@ -6,11 +6,13 @@ Control: without a terminal nothing asks, and the changes stay pending."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from conftest import BASE_ENV, SLOW
@@ -83,6 +85,36 @@ def test_a_key_typed_ahead_does_not_answer(daemon: Daemon, client: SandboxClient
         assert (review_ws / "mod.txt").read_text() == "old\n" and pending(client, session) == []
     finally:
         client.close_session(session)
+
+
+def test_an_answer_applies_what_the_person_was_shown_not_what_changed_while_asked(
+        daemon: Daemon, client: SandboxClient, review_ws: Path) -> None:  # noqa: F811
+    """While the question waits, another client of the session rewrites the file shown and makes a
+    new one: `a` applies neither (each is named, skipped, and stays pending). Control: the key
+    again, after a fresh look, applies them."""
+    session = client.create_session(str(review_ws), approval="never", review=True).id
+    try:
+        argv = [SANDBOXCTL, "--socket", daemon.socket, "exec", "-t", session, "--", "sh", "-c", "echo changed > mod.txt"]
+        with on_a_pty(argv, BASE_ENV) as (master, output, process):
+            wait_for(output, PROMPT)
+            swapped = list(client.stub.Run(pb.ExecStart(session_id=session, argv=[
+                "sh", "-c", "echo swapped > mod.txt; echo planted > new.txt"])))
+            assert swapped[-1].result.exit_code == 0, swapped
+            os.write(master, b"a")
+            assert process.wait(timeout=120 * SLOW) == 0, b"".join(output)
+        shown = b"".join(output).decode(errors="replace")
+        assert "skipped mod.txt: changed since it was reviewed" in shown, shown
+        assert (review_ws / "mod.txt").read_text() == "old\n" and not (review_ws / "new.txt").exists()
+        assert pending(client, session) == ["mod.txt", "new.txt"]
+        with on_a_pty([SANDBOXCTL, "--socket", daemon.socket, "session", "close", session], BASE_ENV) as (
+                master, output, process):
+            wait_for(output, PROMPT, process=process)
+            os.write(master, b"a")
+            assert process.wait(timeout=120 * SLOW) == 0, b"".join(output)
+        assert (review_ws / "mod.txt").read_text() == "swapped\n" and (review_ws / "new.txt").read_text() == "planted\n"
+    finally:
+        with contextlib.suppress(grpc.RpcError):
+            client.close_session(session)
 
 
 def test_session_close_asks_before_it_closes(daemon: Daemon, client: SandboxClient, review_ws: Path) -> None:  # noqa: F811

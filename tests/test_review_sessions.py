@@ -444,3 +444,59 @@ def test_only_the_owner_checkpoints_and_rolls_back_and_only_between_calls(place:
     closed = as_user(place, place.owner, ("CreateCheckpoint", {"session_id": session}))[0]
     assert closed.get("code") == "FAILED_PRECONDITION" and "closed" in closed["details"], closed
     ok(as_user(place, place.owner, ("DiscardChanges", {"session_id": session}))[0])
+
+
+def test_an_apply_of_what_a_person_reviewed_skips_what_changed_or_appeared_since(place: Place) -> None:
+    """ApplyChanges with the fingerprints a person was shown (ListChanges, DiffChanges) applies those
+    changes only as shown: a file rewritten after the review, even back to a same-size text, and a
+    file made after it, are skipped and stay pending. Control: the same apply with what is current."""
+    ws = fresh(place, "ws-reviewed")
+    session = create(place, ws)
+    ok(as_user(place, place.owner, ("exec", {"session": session, "script": "echo safe > a.txt; echo keep > b.txt"}))[0])
+    shown = listed(place, session)
+    assert len(shown["a.txt"]["fingerprint"]) == 64, shown
+    diffed = ok(as_user(place, place.owner, ("DiffChanges", {"session_id": session, "paths": ["b.txt"]}))[0])
+    assert "+keep" in diffed["diff"] and [(item["path"], item["fingerprint"]) for item in diffed["shown"]] == [
+        ("b.txt", shown["b.txt"]["fingerprint"])], diffed       # the diff vouches for what it showed
+    seen = [{"root": change["root"], "path": path, "fingerprint": change["fingerprint"]}
+            for path, change in shown.items()]
+    # What a process of the session does after the review (then ends: apply waits for that).
+    ok(as_user(place, place.owner, ("exec", {"session": session, "script": "echo evil > a.txt; echo new > c.txt"}))[0])
+    applied = ok(as_user(place, place.owner, ("ApplyChanges", {"session_id": session, "reviewed": seen}))[0])
+    assert [item["path"] for item in applied.get("applied", [])] == ["b.txt"], applied
+    reasons = {item["path"]: item["reason"] for item in applied.get("skipped", [])}
+    assert reasons == {"a.txt": "changed since it was reviewed: review it again",
+                       "c.txt": "not among the changes reviewed: review it, then apply it"}, applied
+    assert (ws / "b.txt").read_text() == "keep\n" and not (ws / "a.txt").exists() and not (ws / "c.txt").exists()
+    assert set(listed(place, session)) == {"a.txt", "c.txt"}                 # the skipped stay pending
+    # Nothing reviewed, nothing applied; then, control: what is current applies.
+    nothing = ok(as_user(place, place.owner, ("ApplyChanges", {"session_id": session, "only_reviewed": True}))[0])
+    assert not nothing.get("applied") and len(nothing.get("skipped", [])) == 2, nothing
+    current = [{"root": change["root"], "path": path, "fingerprint": change["fingerprint"]}
+               for path, change in listed(place, session).items()]
+    control = ok(as_user(place, place.owner, ("ApplyChanges", {"session_id": session, "reviewed": current}))[0])
+    assert sorted(item["path"] for item in control.get("applied", [])) == ["a.txt", "c.txt"], control
+    assert (ws / "a.txt").read_text() == "evil\n"
+    # sandboxctl: `changes --json` is what `apply --reviewed` reads.
+    ok(as_user(place, place.owner, ("exec", {"session": session, "script": "echo d1 > d.txt"}))[0])
+    listing = sandboxctl(place, place.owner, "changes", session, "--json")
+    assert listing.returncode == 0, describe(listing)
+    saved = place.disk / "reviewed.json"
+    saved.write_text(listing.stdout)
+    os.chmod(saved, 0o644)
+    ok(as_user(place, place.owner, ("exec", {"session": session, "script": "echo d2 > d.txt"}))[0])
+    stale = sandboxctl(place, place.owner, "apply", session, "--reviewed", str(saved))
+    assert stale.returncode == 1 and "skipped d.txt: changed since it was reviewed" in stale.stdout, describe(stale)
+    assert not (ws / "d.txt").exists()
+    # Bad fingerprints, roots and paths are INVALID_ARGUMENT saying what to pass.
+    root = str(ws.resolve())
+    bad = as_user(place, place.owner,
+                  ("ApplyChanges", {"session_id": session, "reviewed": [{"root": root, "path": "d.txt",
+                                                                         "fingerprint": "zz"}]}),
+                  ("ApplyChanges", {"session_id": session, "reviewed": [{"root": "/etc", "path": "passwd",
+                                                                         "fingerprint": "0" * 64}]}),
+                  ("ApplyChanges", {"session_id": session, "reviewed": [{"root": root, "path": "../x",
+                                                                         "fingerprint": "0" * 64}]}))
+    assert [answer.get("code") for answer in bad] == ["INVALID_ARGUMENT"] * 3, bad
+    assert all("pass what ListChanges or DiffChanges gave" in answer["details"] for answer in bad), bad
+    close(place, session)

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from argparse import _SubParsersAction
     from collections.abc import Iterable
 
+    from sandboxd.client import Reviewed
+
 # One letter per kind, as `git status --short` shows them.
 MARKS = {pb.FileChange.ADDED: "A", pb.FileChange.MODIFIED: "M", pb.FileChange.DELETED: "D",
          pb.FileChange.REPLACED: "R", pb.FileChange.TYPE_CHANGED: "T", pb.FileChange.METADATA: "m"}
@@ -40,6 +42,9 @@ def add_commands(commands: "_SubParsersAction[argparse.ArgumentParser]") -> None
     apply.add_argument("--force", action="store_true", help="overwrite what changed on the host meanwhile")
     apply.add_argument("--include-flagged", action="append", default=[], metavar="PATH",
                        help="apply this flagged change (planted code) all the same; repeat per path")
+    apply.add_argument("--reviewed", metavar="FILE",
+                       help="apply only the changes in FILE (`sandboxctl changes S --json` output), each "
+                            "only if it is still as listed there; the others stay")
     discard = commands.add_parser("discard", help="drop a review session's changes: it sees the host again")
     discard.add_argument("session_id")
     discard.add_argument("paths", nargs="*", metavar="PATH", help=paths_help)
@@ -102,8 +107,9 @@ def run(client: SandboxClient, args: argparse.Namespace) -> int:
     if args.command == "changes":
         return _changes(client, args, workspace)
     if args.command == "apply":
+        reviewed = _reviewed_file(args.reviewed) if args.reviewed else None
         result = client.apply_changes(args.session_id, args.paths, force=args.force,
-                                      include_flagged=args.include_flagged)
+                                      include_flagged=args.include_flagged, reviewed=reviewed)
         for applied in result.applied:
             note = f"  ({printable(applied.note)})" if applied.note else ""
             print(f"applied {printable(shown_path(applied.root, applied.path, workspace))}{note}")
@@ -114,6 +120,26 @@ def run(client: SandboxClient, args: argparse.Namespace) -> int:
         print(f"discarded {printable(shown_path(dropped.root, dropped.path, workspace))}")
     _skipped(result_discard.skipped, workspace)
     return 1 if result_discard.skipped else 0
+
+
+def _reviewed_file(path: str) -> "Reviewed":
+    """``sandboxctl changes S --json`` output, as the fingerprints a person was shown; SystemExit(2)
+    saying what is wrong with it."""
+    reviewed: Reviewed = {}
+    try:
+        with open(path, encoding="utf-8") as listing:
+            for number, line in enumerate(listing, 1):
+                if not line.strip():
+                    continue
+                try:
+                    item = json.loads(line)
+                    reviewed[(str(item["root"]), str(item.get("path", "")))] = str(item["fingerprint"])
+                except (ValueError, KeyError, TypeError):
+                    raise SystemExit(f"sandboxctl: --reviewed {printable(path)}: line {number} is not a change "
+                                     "of `sandboxctl changes S --json`") from None
+    except OSError as exc:
+        raise SystemExit(f"sandboxctl: --reviewed {printable(path)}: {exc.strerror}") from None
+    return reviewed
 
 
 def _skipped(skipped: "Iterable[pb.SkippedChange]", workspace: str) -> None:
@@ -165,17 +191,20 @@ def end_of_session(client: SandboxClient, session_id: str) -> None:
         session = client.get_session(session_id)
         if not session.review:
             return
-        page = client.stub.ListChanges(pb.ListChangesRequest(session_id=session_id, page_size=SUMMARY_LINES))
-        if not page.changes:
+        changes, _ = client.list_changes(session_id)
+        if not changes:
             return
-        more = " (and more)" if page.next_page_token else ""
-        _say(f"review: {len(page.changes)}{more} pending change(s) in session {printable(session_id)}, "
-             "not on the host yet:")
-        for change in page.changes:
+        # What the person is shown is what an apply may write: a change made or remade after this
+        # listing (a background process of the session) is skipped, not applied unseen.
+        seen: Reviewed = {(change.root, change.path): change.fingerprint for change in changes}
+        _say(f"review: {len(changes)} pending change(s) in session {printable(session_id)}, not on the host yet:")
+        for change in changes[:SUMMARY_LINES]:
             _say("  " + change_line(change, session.workspace))
-        decision = _ask(client, session_id)
+        if len(changes) > SUMMARY_LINES:
+            _say(f"  ... and {len(changes) - SUMMARY_LINES} more ([r]eview shows them all)")
+        decision = _ask(client, session_id, seen)
         if decision == "a":
-            result = client.apply_changes(session_id)
+            result = client.apply_changes(session_id, reviewed=seen)
             for applied in result.applied:
                 _say(f"applied {printable(shown_path(applied.root, applied.path, session.workspace))}")
             for item in result.skipped:
@@ -202,12 +231,13 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
-def _ask(client: SandboxClient, session_id: str) -> str:
-    """The person's key: a, d or k (r shows the diff first and asks again: cli.keys.ask_review)."""
+def _ask(client: SandboxClient, session_id: str, seen: "Reviewed") -> str:
+    """The person's key: a, d or k (r shows the diff first and asks again: cli.keys.ask_review);
+    ``seen`` takes the fingerprints of what the diff showed."""
     from sandboxd.cli.keys import ask_review
 
     def show_diff() -> None:
-        for text in client.diff_changes(session_id):
+        for text in client.diff_changes(session_id, seen=seen):
             for line in text.splitlines():
                 _say(printable(line))
     return ask_review(show_diff)

@@ -39,7 +39,7 @@ from sandboxd.errors import Exhausted
 from sandboxd.kernel import beneath
 from sandboxd.kernel._libc import libc
 from sandboxd.review.changes import (CHUNK, DELETED, METADATA, OWNER, REPLACED, TYPE_CHANGED, Change, Comparison,
-                                     check_layers)
+                                     check_layers, fingerprint)
 from sandboxd.review.conflicts import Baseline, HostLookups
 from sandboxd.review.upper import DIR, FILE, OTHER, SYMLINK, UpperEntry, kind_of
 
@@ -98,7 +98,8 @@ def apply(comparison: Comparison, paths: tuple[str, ...] = ("",), *, reviewed: "
           force: bool = False, include_flagged: frozenset[str] = frozenset(),
           max_written: int = MAX_WRITTEN) -> ApplyResult:
     """Apply the changes at ``paths`` and below ("": all) to the host (see the module's text).
-    ``reviewed``: path -> the SHA-256 the person saw; a file whose content differs now is skipped.
+    ``reviewed``: path -> the fingerprint (review.changes.fingerprint) of the change the person
+    was shown; given, a change not among them, or whose fingerprint differs now, is skipped.
     ``max_written``: the files' apparent sizes this apply writes at most; a file past it is skipped."""
     listing = comparison.list(limit=MAX_CHANGES, max_hash_bytes=MAX_BYTES, under=paths[0] if len(paths) == 1 else "")
     if listing.next_after:
@@ -143,8 +144,11 @@ def _refusal(change: Change, blocked: list[str], reviewed: "dict[str, str] | Non
         return "flagged: " + "; ".join(change.flags)
     if change.conflict and not force:
         return f"conflict: {change.conflict}"
-    if reviewed is not None and change.path in reviewed and reviewed[change.path] != change.sha256:
-        return "its content is not the one reviewed: list it again"
+    if reviewed is not None:
+        if change.path not in reviewed:
+            return "not among the changes reviewed: review it, then apply it"
+        if reviewed[change.path] != fingerprint(change):
+            return "changed since it was reviewed: review it again"
     return ""
 
 

@@ -68,6 +68,20 @@ class Change(Record):
     stamp: tuple[int, int, int] = (0, 0, 0)  # the upper entry as listed (inode, ctime, size): an apply checks it
 
 
+def fingerprint(change: Change, sha256: "str | None" = None) -> str:
+    """What a person was shown of ``change``, as one SHA-256 (hex): its path, kind, the sandbox's
+    object (type, mode, owner, size, target) and its content's hash (``sha256``: that of the bytes a
+    diff showed, when not the listed one). An apply given the fingerprints a person saw applies a
+    change only while its fingerprint is the same (review.apply): a file rewritten after the
+    review, and put back or not, is not applied unseen. The host's side is left out on purpose:
+    a host that changed is a conflict, judged separately."""
+    import hashlib
+    import json
+    shown = [change.path, change.kind, change.type, change.mode, change.uid, change.gid, change.size,
+             change.sha256 if sha256 is None else sha256, change.target]
+    return hashlib.sha256(json.dumps(shown, ensure_ascii=True).encode()).hexdigest()
+
+
 def attributes(change: Change) -> str:
     """What ``change`` does to the mode and owner, for a person ("" neither):
     ``mode 0644 -> 0777, owner 1000:1000 -> 0:0``. Numbers only: nothing to escape."""

@@ -8,12 +8,13 @@ Both sides are read beneath their descriptors (kernel.beneath), as the session's
 from __future__ import annotations
 
 import difflib
+import hashlib
 import os
 import stat
 
 from sandboxd.kernel import beneath
 from sandboxd.printable import printable
-from sandboxd.review.changes import Change, Comparison, attributes
+from sandboxd.review.changes import Change, Comparison, attributes, fingerprint
 
 MAX_BYTES = 1 << 20
 MAX_LINES = 5000
@@ -55,27 +56,42 @@ def show(comparison: Comparison, change: Change, *, max_bytes: int = MAX_BYTES, 
     """The diff of ``change`` (from ``comparison.list``): host side a/, sandbox side b/. The path
     (the sandbox chose it) is shown escaped (``printable``): a newline in a name must not start a
     header line of its own."""
+    return shown(comparison, change, max_bytes=max_bytes, max_lines=max_lines)[0]
+
+
+def shown(comparison: Comparison, change: Change, *, max_bytes: int = MAX_BYTES,
+          max_lines: int = MAX_LINES) -> tuple[str, str]:
+    """:func:`show`'s text and the fingerprint (review.changes.fingerprint) of what it shows: a
+    file's content is read again to be shown, so the fingerprint hashes the bytes read then (a
+    file rewritten between the listing's hash and the diff is vouched for as it was shown)."""
+    text, mine = _show(comparison, change, max_bytes, max_lines)
+    return text, fingerprint(change, None if mine is None else hashlib.sha256(mine).hexdigest())
+
+
+def _show(comparison: Comparison, change: Change, max_bytes: int, max_lines: int) -> tuple[str, bytes | None]:
+    """The text, and the sandbox's bytes it was made from (None: the listed hash stands)."""
     path = printable(change.path or ".")
     modes = attributes(change)
     if change.type not in ("file", "") or change.host_type not in ("file", ""):
         if change.type == "symlink" or change.host_type == "symlink":
             return (f"{change.kind} {path}: symlink {printable(change.host_target or '-')} -> "
-                    f"{printable(change.target or '-')}\n")
+                    f"{printable(change.target or '-')}\n"), None
         if modes and change.type == change.host_type:         # a directory's mode or owner
-            return f"{change.kind} {path}: {change.type} {modes}\n"
-        return f"{change.kind} {path}: {change.host_type or 'nothing'} -> {change.type or 'nothing'}\n"
+            return f"{change.kind} {path}: {change.type} {modes}\n", None
+        return f"{change.kind} {path}: {change.host_type or 'nothing'} -> {change.type or 'nothing'}\n", None
     theirs = _read(comparison.host_fd, change.path, max_bytes) if change.host_type else b""
     mine = _read(comparison.layer_fd(change.path), change.path, max_bytes) if change.type else b""
     if theirs is not None and mine is not None and max(len(theirs), len(mine)) > max_bytes:
-        return f"{change.kind} {path}: too big to show ({change.host_size} -> {change.size} bytes)\n"
+        return f"{change.kind} {path}: too big to show ({change.host_size} -> {change.size} bytes)\n", None
     old, new = _text(theirs), _text(mine)
     if old is None or new is None:
         return (f"{change.kind} {path}: binary or unreadable ({change.host_size} -> {change.size} bytes, "
-                f"sha256 {change.host_sha256 or '-'} -> {change.sha256 or '-'})\n")
+                f"sha256 {change.host_sha256 or '-'} -> {change.sha256 or '-'})\n"), None
     lines = list(difflib.unified_diff(old, new, f"a/{path}" if change.host_type else "/dev/null",
                                       f"b/{path}" if change.type else "/dev/null"))
     if len(lines) > max_lines:
         lines = lines[:max_lines] + [f"... {len(lines) - max_lines} more lines\n"]
     if modes:                                   # with the content's diff, if the content changed too
         lines.insert(0, f"{change.kind} {path}: {modes}\n")
-    return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)
+    text = "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)
+    return text, (mine if change.type else None)

@@ -50,7 +50,8 @@ KINDS = {"added": pb.FileChange.ADDED, "modified": pb.FileChange.MODIFIED, "dele
          "replaced": pb.FileChange.REPLACED, "type changed": pb.FileChange.TYPE_CHANGED,
          "metadata": pb.FileChange.METADATA}
 NUMBERS = ("mode", "host_mode", "uid", "gid", "host_uid", "host_gid", "size", "host_size")
-TEXTS = ("type", "host_type", "sha256", "host_sha256", "target", "host_target", "conflict")
+TEXTS = ("type", "host_type", "sha256", "host_sha256", "target", "host_target", "conflict", "fingerprint")
+MAX_REVIEWED = 100_000                  # ApplyChangesRequest.reviewed
 
 
 Pairs = list[list[str]]                 # [root, path below it], as targets() makes them
@@ -74,6 +75,29 @@ def targets(roots: list[str], paths: "list[str] | tuple[str, ...]", what: str = 
         root = max(holders, key=len)
         pairs.append([root, "" if full == root else os.path.relpath(full, root)])
     return pairs
+
+
+def _reviewed(roots: list[str], given: "Iterable[pb.ReviewedChange]") -> "list[list[str]]":
+    """ApplyChangesRequest.reviewed as [root, path below it, fingerprint]; InvalidPolicy saying what
+    to fix for a root not the session's, a path that is not one, or a fingerprint that is not one."""
+    items = list(given)
+    if len(items) > MAX_REVIEWED:
+        raise InvalidPolicy(f"reviewed names at most {MAX_REVIEWED} changes, got {len(items)}: apply a "
+                            "directory at a time")
+    triples: list[list[str]] = []
+    for item in items:
+        if item.root not in roots:
+            raise InvalidPolicy(f"reviewed root {item.root!r} is not one of the session's roots "
+                                f"({', '.join(roots)}): pass what ListChanges or DiffChanges gave")
+        if "\0" in item.path or item.path.startswith("/") or ".." in item.path.split("/") or \
+                (item.path and os.path.normpath(item.path) != item.path):
+            raise InvalidPolicy(f"reviewed path {item.path!r} is not a change's path: pass what ListChanges "
+                                "or DiffChanges gave")
+        if len(item.fingerprint) != 64 or not all(c in "0123456789abcdef" for c in item.fingerprint):
+            raise InvalidPolicy(f"reviewed fingerprint {item.fingerprint[:80]!r} of {item.path!r} is not a "
+                                "SHA-256 in hex: pass what ListChanges or DiffChanges gave")
+        triples.append([item.root, item.path, item.fingerprint])
+    return triples
 
 
 def change_to_proto(item: dict[str, object]) -> pb.FileChange:
@@ -157,12 +181,14 @@ class ReviewCalls:
     def _run(self, target: Target, action: str, roots: list[str], paths: list[list[str]], *,
              include_flagged: "list[list[str]] | None" = None, page: str = "", limit: int = DEFAULT_PAGE,
              max_bytes: int = DEFAULT_DIFF_BYTES, force: bool = False, label: str = "",
-             checkpoint: int = 0) -> dict[str, object]:
+             checkpoint: int = 0, reviewed: "list[list[str]] | None" = None,
+             only_reviewed: bool = False) -> dict[str, object]:
         rights = rights_of(target.owner)
         caller = None if rights is None else CallerRecord(rights[0], rights[1], list(rights[2]))
         return self._fork.review(lambda call_id: Review(
             call_id, target.review_dir, caller, cgroup_owner(target.owner), action, roots, paths,
-            include_flagged or [], page, limit, max_bytes, force, label, checkpoint), ANSWER_SECONDS)
+            include_flagged or [], page, limit, max_bytes, force, label, checkpoint, reviewed or [],
+            only_reviewed), ANSWER_SECONDS)
 
     def _between_calls(self, target: Target, work: "Callable[[], T]") -> "T":
         """``work`` with the session's sandbox closed (registry.between_calls); a closed session has none."""
@@ -198,7 +224,10 @@ class ReviewCalls:
             raise InvalidPolicy(f"max_bytes is at most {MAX_DIFF_BYTES} (4 MiB), got {request.max_bytes}")
         answer = self._read(who, request.session_id, request.paths, "diff", page=request.page_token,
                             max_bytes=request.max_bytes or DEFAULT_DIFF_BYTES)
-        return pb.DiffChangesResponse(diff=str(answer.get("diff") or ""), next_page_token=str(answer.get("next") or ""))
+        return pb.DiffChangesResponse(
+            diff=str(answer.get("diff") or ""), next_page_token=str(answer.get("next") or ""),
+            shown=[pb.ReviewedChange(root=str(item[0]), path=str(item[1]), fingerprint=str(item[2]))
+                   for item in _items(answer.get("shown")) if isinstance(item, list) and len(item) == 3])
 
     def apply(self, who: Caller, request: pb.ApplyChangesRequest) -> pb.ApplyChangesResponse:
         target = self._target(who, request.session_id)
@@ -206,19 +235,24 @@ class ReviewCalls:
         roots = target.roots
         paths = targets(roots, list(request.paths))
         flagged = targets(roots, list(request.include_flagged), "include_flagged path")
+        reviewed = _reviewed(roots, request.reviewed)
+        only_reviewed = request.only_reviewed or bool(reviewed)
         # Between calls, like discard (FAILED_PRECONDITION naming what runs): no process of the
         # sandbox may change a file while it is applied, nor watch the apply read it (atime).
-        return self._between_calls(target, lambda: self._apply(who, target, paths, flagged, request.force))
+        return self._between_calls(target, lambda: self._apply(who, target, paths, flagged, request.force,
+                                                               reviewed, only_reviewed))
 
-    def _apply(self, who: Caller, target: Target, paths: "Pairs", flagged: "Pairs",
-               force: bool) -> pb.ApplyChangesResponse:
-        answer = self._run(target, "apply", target.roots, paths, include_flagged=flagged, force=force)
+    def _apply(self, who: Caller, target: Target, paths: "Pairs", flagged: "Pairs", force: bool,
+               reviewed: "Pairs", only_reviewed: bool) -> pb.ApplyChangesResponse:
+        answer = self._run(target, "apply", target.roots, paths, include_flagged=flagged, force=force,
+                           reviewed=reviewed, only_reviewed=only_reviewed)
         applied, skipped = _dicts(answer.get("applied")), _dicts(answer.get("skipped"))
         named = {(pair[0], pair[1]) for pair in flagged}
         self._store.append(target.id, EventType.CHANGES_APPLIED, data={
             "by_uid": who.uid, **({"by_principal": who.principal} if who.principal else {}),
             "summary": f"applied {len(applied)}, skipped {len(skipped)}" + (" (forced)" if force else ""),
             "force": force, "paths": [f"{root}/{path}" if path else root for root, path in paths] or ["(all)"],
+            **({"only_reviewed": len(reviewed)} if only_reviewed else {}),
             "applied": [{key: item.get(key) for key in ("root", "path", "kind", "sha256") if item.get(key)}
                         for item in applied],
             "skipped": [{key: item.get(key) for key in ("root", "path", "reason")} for item in skipped],

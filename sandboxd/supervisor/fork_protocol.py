@@ -477,6 +477,8 @@ class Review(Request, kind="review"):
     force: bool = False
     label: str = ""                     # checkpoint's label (its ``limit``: review.max_checkpoints)
     checkpoint: int = 0                 # rollback's checkpoint (0: the session's start)
+    reviewed: list[list[str]] = Factory(list)   # apply's [root, path, fingerprint] a person was shown
+    only_reviewed: bool = False         # apply only those, each while its fingerprint is the same
 
 
 class Ping(Request, kind="ping"):

@@ -32,7 +32,7 @@ import os
 from sandboxd.errors import InvalidPolicy, SandboxdError, SetupError
 from sandboxd.kernel import caps, overlay
 from sandboxd.review import checkpoints, conflicts, kept, upper
-from sandboxd.review.changes import Change, Comparison
+from sandboxd.review.changes import Change, Comparison, fingerprint
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ def _comparison(layer: _Layer) -> Comparison:
 def change_dict(root: str, change: Change) -> dict[str, object]:
     fields = change.as_dict()
     fields.pop("stamp", None)
-    return {"root": root, **fields}
+    return {"root": root, **fields, "fingerprint": fingerprint(change)}
 
 
 def parse_page(token: str, roots: int) -> tuple[int, int, str]:
@@ -176,6 +176,7 @@ def _list(request: "Review", layers: list[_Layer], selected: list[tuple[str, ...
     start_root, start_selection, after = parse_page(request.page, len(layers))
     changes: list[dict[str, object]] = []
     text: list[str] = []
+    seen: list[list[str]] = []              # a diff's [root, path, fingerprint] for what it shows
     unhashed = 0
     for index in range(start_root, len(layers)):
         layer = layers[index]
@@ -186,28 +187,30 @@ def _list(request: "Review", layers: list[_Layer], selected: list[tuple[str, ...
                 mark = after if (index, position) == (start_root, start_selection) else ""
                 room = limit - len(changes) - len(text)
                 if room <= 0 or budget <= 0:
-                    return _page(request.action, changes, text, unhashed, f"{index}:{position}:{mark}")
+                    return _page(request.action, changes, text, seen, unhashed, f"{index}:{position}:{mark}")
                 page = compared.list(after=mark, limit=room, under=under)
                 unhashed += page.unhashed
                 for change in page.changes:
                     if request.action == "diff":
-                        shown = diff.show(compared, change, max_bytes=min(budget, diff.MAX_BYTES))
+                        shown, printed = diff.shown(compared, change, max_bytes=min(budget, diff.MAX_BYTES))
                         if text and len(shown) > budget:
-                            return _page(request.action, changes, text, unhashed, f"{index}:{position}:{mark}")
+                            return _page(request.action, changes, text, seen, unhashed,
+                                         f"{index}:{position}:{mark}")
                         budget -= len(shown)
                         text.append(shown)
+                        seen.append([layer.layers.root, change.path, printed])
                     else:
                         changes.append(change_dict(layer.layers.root, change))
                     mark = change.path
                 if page.next_after:
-                    return _page(request.action, changes, text, unhashed, f"{index}:{position}:{mark}")
-    return _page(request.action, changes, text, unhashed, "")
+                    return _page(request.action, changes, text, seen, unhashed, f"{index}:{position}:{mark}")
+    return _page(request.action, changes, text, seen, unhashed, "")
 
 
-def _page(action: str, changes: list[dict[str, object]], text: list[str], unhashed: int,
+def _page(action: str, changes: list[dict[str, object]], text: list[str], seen: list[list[str]], unhashed: int,
           token: str) -> dict[str, object]:
     if action == "diff":
-        return {"diff": "".join(text), "next": token}
+        return {"diff": "".join(text), "shown": seen, "next": token}
     return {"changes": changes, "next": token, "unhashed": unhashed}
 
 
@@ -218,6 +221,10 @@ def _apply(request: "Review", layers: list[_Layer], selected: list[tuple[str, ..
     for pair in request.include_flagged:
         if len(pair) == 2:
             flagged.setdefault(pair[0], set()).add(pair[1])
+    reviewed: dict[str, dict[str, str]] = {}            # root -> path -> fingerprint the person saw
+    for triple in request.reviewed:
+        if len(triple) == 3:
+            reviewed.setdefault(triple[0], {})[triple[1]] = triple[2]
     applied: list[dict[str, object]] = []
     skipped: list[dict[str, object]] = []
     forgettable: dict[str, list[str]] = {}
@@ -228,7 +235,8 @@ def _apply(request: "Review", layers: list[_Layer], selected: list[tuple[str, ..
         root = layer.layers.root
         with _comparison(layer) as compared:
             result = applying.apply(compared, paths, force=request.force,
-                                    include_flagged=frozenset(flagged.get(root, ())))
+                                    include_flagged=frozenset(flagged.get(root, ())),
+                                    reviewed=reviewed.get(root, {}) if request.only_reviewed else None)
         applied += [{"root": root, **item.as_dict()} for item in result.applied]
         skipped += [{"root": root, **item.as_dict()} for item in result.skipped]
         forgettable[root] = list(result.forgettable)

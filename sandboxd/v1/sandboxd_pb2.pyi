@@ -205,7 +205,7 @@ class UpdateSessionPolicyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ...) -> None: ...
 
 class FileChange(_message.Message):
-    __slots__ = ("root", "path", "kind", "type", "host_type", "aspects", "mode", "host_mode", "uid", "gid", "host_uid", "host_gid", "size", "host_size", "sha256", "host_sha256", "target", "host_target", "flags", "conflict")
+    __slots__ = ("root", "path", "kind", "type", "host_type", "aspects", "mode", "host_mode", "uid", "gid", "host_uid", "host_gid", "size", "host_size", "sha256", "host_sha256", "target", "host_target", "flags", "conflict", "fingerprint")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[FileChange.Kind]
@@ -242,6 +242,7 @@ class FileChange(_message.Message):
     HOST_TARGET_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
     CONFLICT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     root: str
     path: str
     kind: FileChange.Kind
@@ -262,7 +263,18 @@ class FileChange(_message.Message):
     host_target: str
     flags: _containers.RepeatedScalarFieldContainer[str]
     conflict: str
-    def __init__(self, root: _Optional[str] = ..., path: _Optional[str] = ..., kind: _Optional[_Union[FileChange.Kind, str]] = ..., type: _Optional[str] = ..., host_type: _Optional[str] = ..., aspects: _Optional[_Iterable[str]] = ..., mode: _Optional[int] = ..., host_mode: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., host_uid: _Optional[int] = ..., host_gid: _Optional[int] = ..., size: _Optional[int] = ..., host_size: _Optional[int] = ..., sha256: _Optional[str] = ..., host_sha256: _Optional[str] = ..., target: _Optional[str] = ..., host_target: _Optional[str] = ..., flags: _Optional[_Iterable[str]] = ..., conflict: _Optional[str] = ...) -> None: ...
+    fingerprint: str
+    def __init__(self, root: _Optional[str] = ..., path: _Optional[str] = ..., kind: _Optional[_Union[FileChange.Kind, str]] = ..., type: _Optional[str] = ..., host_type: _Optional[str] = ..., aspects: _Optional[_Iterable[str]] = ..., mode: _Optional[int] = ..., host_mode: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., host_uid: _Optional[int] = ..., host_gid: _Optional[int] = ..., size: _Optional[int] = ..., host_size: _Optional[int] = ..., sha256: _Optional[str] = ..., host_sha256: _Optional[str] = ..., target: _Optional[str] = ..., host_target: _Optional[str] = ..., flags: _Optional[_Iterable[str]] = ..., conflict: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class ReviewedChange(_message.Message):
+    __slots__ = ("root", "path", "fingerprint")
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    root: str
+    path: str
+    fingerprint: str
+    def __init__(self, root: _Optional[str] = ..., path: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class ListChangesRequest(_message.Message):
     __slots__ = ("session_id", "paths", "page_token", "page_size")
@@ -299,12 +311,14 @@ class DiffChangesRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., paths: _Optional[_Iterable[str]] = ..., page_token: _Optional[str] = ..., max_bytes: _Optional[int] = ...) -> None: ...
 
 class DiffChangesResponse(_message.Message):
-    __slots__ = ("diff", "next_page_token")
+    __slots__ = ("diff", "next_page_token", "shown")
     DIFF_FIELD_NUMBER: _ClassVar[int]
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SHOWN_FIELD_NUMBER: _ClassVar[int]
     diff: str
     next_page_token: str
-    def __init__(self, diff: _Optional[str] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+    shown: _containers.RepeatedCompositeFieldContainer[ReviewedChange]
+    def __init__(self, diff: _Optional[str] = ..., next_page_token: _Optional[str] = ..., shown: _Optional[_Iterable[_Union[ReviewedChange, _Mapping]]] = ...) -> None: ...
 
 class AppliedChange(_message.Message):
     __slots__ = ("root", "path", "kind", "note")
@@ -329,16 +343,20 @@ class SkippedChange(_message.Message):
     def __init__(self, root: _Optional[str] = ..., path: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ApplyChangesRequest(_message.Message):
-    __slots__ = ("session_id", "paths", "force", "include_flagged")
+    __slots__ = ("session_id", "paths", "force", "include_flagged", "reviewed", "only_reviewed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PATHS_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_FLAGGED_FIELD_NUMBER: _ClassVar[int]
+    REVIEWED_FIELD_NUMBER: _ClassVar[int]
+    ONLY_REVIEWED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     paths: _containers.RepeatedScalarFieldContainer[str]
     force: bool
     include_flagged: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, session_id: _Optional[str] = ..., paths: _Optional[_Iterable[str]] = ..., force: _Optional[bool] = ..., include_flagged: _Optional[_Iterable[str]] = ...) -> None: ...
+    reviewed: _containers.RepeatedCompositeFieldContainer[ReviewedChange]
+    only_reviewed: bool
+    def __init__(self, session_id: _Optional[str] = ..., paths: _Optional[_Iterable[str]] = ..., force: _Optional[bool] = ..., include_flagged: _Optional[_Iterable[str]] = ..., reviewed: _Optional[_Iterable[_Union[ReviewedChange, _Mapping]]] = ..., only_reviewed: _Optional[bool] = ...) -> None: ...
 
 class ApplyChangesResponse(_message.Message):
     __slots__ = ("applied", "skipped")
