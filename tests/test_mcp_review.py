@@ -67,3 +67,25 @@ def test_control_without_review_writes_the_host_and_offers_no_review_tools(daemo
     names, write = asyncio.run(scenario())
     assert not write.is_error and (ws / "direct.txt").read_text() == "direct\n"
     assert "list_changes" not in names and "diff_changes" not in names
+
+
+def test_checkpoint_calls_marks_a_point_before_each_shell_call_that_a_person_rolls_back_to(
+        daemon: Daemon, ws: Path, client: SandboxClient) -> None:  # noqa: F811
+    """`sandboxd mcp --review --checkpoint-calls`: each shell call after a change marks a checkpoint
+    labelled with the call; rolling back to the last one undoes the model's last call only."""
+    async def scenario() -> str:
+        async with mcp_client(daemon.socket, ws, "--review", "--checkpoint-calls", "--approval", "never") as mcp:
+            for command in ("echo one > a.txt", "echo two > b.txt", "rm a.txt"):
+                result = await mcp.call_tool("shell", {"command": command})
+                assert not result.is_error, result
+            session = next(s for s in client.stub.ListSessions(pb.ListSessionsRequest()).sessions
+                           if s.workspace == str(ws))
+            marked = client.list_checkpoints(session.id)
+            assert [item.id for item in marked] == [1, 2], marked
+            assert all(item.call_id and item.label.startswith(f"before {item.call_id}: ") for item in marked), marked
+            client.rollback_changes(session.id, 2)                  # before `rm a.txt`
+            return text(await mcp.call_tool("shell", {"command": "cat a.txt b.txt"}))
+
+    shown = asyncio.run(scenario())
+    assert "exit status 0" in shown and shown.split()[-2:] == ["one", "two"], shown
+    assert not (ws / "a.txt").exists()                              # the host: nothing applied

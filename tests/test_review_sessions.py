@@ -500,3 +500,56 @@ def test_an_apply_of_what_a_person_reviewed_skips_what_changed_or_appeared_since
     assert [answer.get("code") for answer in bad] == ["INVALID_ARGUMENT"] * 3, bad
     assert all("pass what ListChanges or DiffChanges gave" in answer["details"] for answer in bad), bad
     close(place, session)
+
+
+def test_a_call_may_mark_a_checkpoint_before_it_runs_which_rolls_it_back(place: Place) -> None:
+    """ExecStart.checkpoint (sandboxctl exec --checkpoint): a checkpoint labelled with the call,
+    made before it runs when anything changed since the last one; rolling back to it undoes that
+    call and those after. With a background process running it is skipped (audited), the call runs."""
+    ws = fresh(place, "ws-call-checkpoints")
+    session = create(place, ws)
+
+    def call(script: str) -> subprocess.CompletedProcess[str]:
+        ran = sandboxctl(place, place.owner, "exec", "--checkpoint", session, "--", "sh", "-c", script)
+        assert ran.returncode == 0, describe(ran)
+        return ran
+
+    call("echo one > a.txt")                    # nothing changed before it: no point to mark
+    checkpoints = ok(as_user(place, place.owner, ("ListCheckpoints", {"session_id": session}))[0])
+    assert checkpoints.get("checkpoints", []) == [], checkpoints
+    call("echo two > b.txt")
+    call("rm a.txt; echo three > c.txt")
+    marked = ok(as_user(place, place.owner, ("ListCheckpoints", {"session_id": session}))[0])["checkpoints"]
+    assert [int(item["id"]) for item in marked] == [1, 2] and [int(item["changes"]) for item in marked] == [1, 1], marked
+    events = sandboxctl(place, place.owner, "events", "--session", session, "--json")
+    calls = [json.loads(line)["call_id"] for line in events.stdout.splitlines()
+             if json.loads(line)["type"] == "ToolInvocationStarted"]
+    assert [item["call_id"] for item in marked] == calls[1:], (marked, calls)     # the 2nd and 3rd calls
+    assert all(item["label"].startswith(f"before {item['call_id']}: ") for item in marked), marked
+    listing = sandboxctl(place, place.owner, "checkpoints", session)
+    assert f"before {calls[2]}: " in listing.stdout, describe(listing)
+
+    back = ok(as_user(place, place.owner, ("RollbackChanges", {"session_id": session, "checkpoint_id": 2}))[0])
+    assert int(back["checkpoint_id"]) == 2, back                            # before the third call
+    seen = sees(place, session)
+    assert {"a.txt=one", "b.txt=two"} <= seen and "c.txt=three" not in seen, seen
+
+    # A background process runs: no checkpoint can be made, the call still runs, the log says why.
+    job = ok(as_user(place, place.owner, ("StartBackground", {"session_id": session, "argv": ["sleep", "600"],
+                                                              "name": "sleeper"}))[0])
+    call("echo four > d.txt")
+    after = ok(as_user(place, place.owner, ("ListCheckpoints", {"session_id": session}))[0])["checkpoints"]
+    assert [int(item["id"]) for item in after] == [1, 2], after
+    events = sandboxctl(place, place.owner, "events", "--session", session, "--json")
+    skipped = [json.loads(line) for line in events.stdout.splitlines()
+               if json.loads(line)["type"] == "CheckpointCreated" and "skipped" in json.loads(line).get("data", {})]
+    assert len(skipped) == 1 and "'sleeper'" in skipped[0]["data"]["skipped"], skipped
+    ok(as_user(place, place.owner, ("StopBackground", {"session_id": session, "id": job["id"]}))[0])
+
+    # A direct session has no change set to mark: refused before anything runs.
+    direct = create(place, fresh(place, "ws-call-checkpoints-direct"), review=False)
+    refused = sandboxctl(place, place.owner, "exec", "--checkpoint", direct, "--", "sh", "-c", "echo x > ran")
+    assert refused.returncode != 0 and "not in review mode" in refused.stderr, describe(refused)
+    assert not (place.disk / "ws-call-checkpoints-direct" / "ran").exists()
+    close(place, session)
+    close(place, direct)

@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_options(execute, "this command")
     execute.add_argument("argv", nargs="*", metavar="-- PROGRAM [ARGS...]")
     execute.add_argument("-t", "--tty", action="store_true", help="run it on a terminal (needs one here)")
+    execute.add_argument("--checkpoint", action="store_true",
+                         help="a review session: mark a checkpoint first, to roll this command back with "
+                              "`sandboxctl rollback` (skipped when nothing changed or something else runs)")
     shell = commands.add_parser("shell", help="an interactive shell in a session's workspace (needs a terminal)")
     shell.add_argument("session_id")
     shell.add_argument("--cwd", default="")
@@ -325,7 +328,7 @@ def _exec_or_shell(client: SandboxClient, args: argparse.Namespace, command: lis
     context_id = approval_prompt.new_context_id()
     start = pb.ExecStart(session_id=args.session_id, argv=command, cwd=args.cwd,
                          timeout_seconds=getattr(args, "timeout", 0), env_overlay=env_from_args(args),
-                         execution_context_id=context_id,
+                         execution_context_id=context_id, checkpoint=getattr(args, "checkpoint", False),
                          caller_env=caller_environment(on_terminal=sys.stdout.isatty()))
     with approval_prompt.ExecApprovals(client, args.session_id, context_id, f"sandboxctl {socket_option}".rstrip(),
                                        interactive=approval_prompt.on_terminal()) as approvals:

@@ -33,6 +33,7 @@ class SessionSpec:
     attach: str = ""
     labels: dict[str, str] = field(default_factory=dict)
     review: bool | None = None          # None: the daemon's review.default
+    checkpoint_calls: bool = False      # a review session: each shell call marks a checkpoint first
 
     def request(self) -> pb.CreateSessionRequest:
         # close_with_caller: a `sandboxd mcp` killed before it could close its sessions (SIGKILL,

@@ -66,7 +66,8 @@ class App:
             if isinstance(bound, Binding):
                 return bound
             session, owned = self.take_first() or await self.daemon.open(self.spec)
-            bound = Binding(self.daemon, session, owned, self.events, connection.send_tool_list_changed)
+            bound = Binding(self.daemon, session, owned, self.events, connection.send_tool_list_changed,
+                            checkpoint_calls=self.spec.checkpoint_calls and session.review)
             connection.exit_stack.push_async_callback(bound.close)
             await bound.start()
             connection.state[_STATE_KEY] = bound
@@ -180,7 +181,7 @@ async def _shell(binding: Binding, args: dict[str, Any], progress: Progress, con
     timeout = _arg(args, "timeout", float, 0)
     start = pb.ExecStart(session_id=binding.session_id, shell=_required(args, "command"), cwd=_arg(args, "cwd", str, ""),
                          env_overlay=_env(args), caller_env=CALLER_ENV, timeout_seconds=float(timeout),
-                         close_stdin=True,
+                         close_stdin=True, checkpoint=binding.checkpoint_calls,
                          output_limit_bytes=OUTPUT_LIMIT, execution_context_id=context_id)
     output: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
     decoders = {kind: codecs.getincrementaldecoder("utf-8")("replace") for kind in output}

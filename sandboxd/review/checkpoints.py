@@ -57,6 +57,7 @@ class Checkpoint(Record):
     time_ns: int                    # when it was made (CLOCK_REALTIME, nanoseconds since the epoch)
     label: str                      # the caller's (a call's id, a person's note): shown escaped
     changes: int                    # paths its layer changed, all overlays together (count_changes)
+    call_id: str = ""               # the call it was marked before (ExecStart.checkpoint), "" by request
 
 
 class Rollback(Record):
@@ -94,7 +95,8 @@ def _load(review_dir: str) -> _State:
         os.close(fd)
     return _State(next_id=int(raw["next_id"]), checkpoints=tuple(
         Checkpoint(id=int(item["id"]), time_ns=int(item["time_ns"]), label=str(item["label"]),
-                   changes=int(item["changes"])) for item in raw["checkpoints"]))
+                   changes=int(item["changes"]), call_id=str(item.get("call_id", "")))
+        for item in raw["checkpoints"]))
 
 
 def _save(review_dir: str, state: _State) -> None:
@@ -154,7 +156,35 @@ def _freeze(layers: overlay.Layers, checkpoint_id: int) -> tuple[overlay.Layers,
     return layers.replace(checkpoints=(*layers.checkpoints, f"{base}/{frozen}")), counted
 
 
-def create(review_dir: str, label: str = "", *, limit: int = DEFAULT_LIMIT) -> Checkpoint:
+def changed_since_last(layers: overlay.Layers) -> bool:
+    """Whether the overlay changed anything since its last checkpoint (since the start when it has
+    none): an entry in its upper layer, or its top directory's mode or owner unlike the layer
+    below's. One directory read."""
+    fd = os.open(layers.upper, DIR_FLAGS)
+    try:
+        if not layers.checkpoints:
+            return not overlay.upper_is_empty(fd, layers.root)
+        with os.scandir(fd) as listing:
+            if next(listing, None) is not None:
+                return True
+        mine, below = os.fstat(fd), os.stat(layers.checkpoints[-1], follow_symlinks=False)
+        return (stat.S_IMODE(mine.st_mode), mine.st_uid, mine.st_gid) != \
+            (stat.S_IMODE(below.st_mode), below.st_uid, below.st_gid)
+    finally:
+        os.close(fd)
+
+
+def create_if_changed(review_dir: str, label: str, *, call_id: str, limit: int = DEFAULT_LIMIT) -> "Checkpoint | None":
+    """A checkpoint before the call ``call_id`` (ExecStart.checkpoint), as ``create``; None, and
+    nothing marked, when no overlay changed since the last one (changed_since_last): a point equal
+    to the one before is no point."""
+    recover(review_dir)
+    if not any(changed_since_last(layers) for layers in overlay.load(review_dir)):
+        return None
+    return create(review_dir, label, limit=limit, call_id=call_id)
+
+
+def create(review_dir: str, label: str = "", *, limit: int = DEFAULT_LIMIT, call_id: str = "") -> Checkpoint:
     """Mark a checkpoint of every overlay in ``review_dir`` (kernel.overlay's record there), the
     overlays unmounted; at ``limit`` checkpoints the oldest two are merged first (merge_oldest;
     Exhausted, and no checkpoint, when the newer of them has more than upper.MAX_ENTRIES).
@@ -177,7 +207,7 @@ def create(review_dir: str, label: str = "", *, limit: int = DEFAULT_LIMIT) -> C
         made.append(frozen)
         changes += counted
     overlay.save(review_dir, made)              # first: what a mount stacks (recover finishes the rest)
-    checkpoint = Checkpoint(id=checkpoint_id, time_ns=time.time_ns(), label=label, changes=changes)
+    checkpoint = Checkpoint(id=checkpoint_id, time_ns=time.time_ns(), label=label, changes=changes, call_id=call_id)
     state = _State(next_id=checkpoint_id + 1, checkpoints=(*state.checkpoints, checkpoint))
     _save(review_dir, state)
     if len(state.checkpoints) > limit:          # a limit of 1: the new one merged into the one before

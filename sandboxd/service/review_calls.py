@@ -182,13 +182,13 @@ class ReviewCalls:
              include_flagged: "list[list[str]] | None" = None, page: str = "", limit: int = DEFAULT_PAGE,
              max_bytes: int = DEFAULT_DIFF_BYTES, force: bool = False, label: str = "",
              checkpoint: int = 0, reviewed: "list[list[str]] | None" = None,
-             only_reviewed: bool = False) -> dict[str, object]:
+             only_reviewed: bool = False, before_call: str = "") -> dict[str, object]:
         rights = rights_of(target.owner)
         caller = None if rights is None else CallerRecord(rights[0], rights[1], list(rights[2]))
         return self._fork.review(lambda call_id: Review(
             call_id, target.review_dir, caller, cgroup_owner(target.owner), action, roots, paths,
             include_flagged or [], page, limit, max_bytes, force, label, checkpoint, reviewed or [],
-            only_reviewed), ANSWER_SECONDS)
+            only_reviewed, before_call), ANSWER_SECONDS)
 
     def _between_calls(self, target: Target, work: "Callable[[], T]") -> "T":
         """``work`` with the session's sandbox closed (registry.between_calls); a closed session has none."""
@@ -343,6 +343,28 @@ class ReviewCalls:
             "label": made.label, "changes": made.changes})
         return made
 
+    def checkpoint_call(self, session: Session, call_id: str, summary: str) -> None:
+        """ExecStart.checkpoint: a checkpoint labelled with the call, marked before it runs, when
+        anything changed since the last one. Never fails the call: with another call or a background
+        process running (a checkpoint is made between calls), or the checkpoint refused, the audit
+        log says it was skipped and why."""
+        target = Target(session.id, session.owner, self._registry.review_dir(session), self._roots(session), session)
+        label = f"before {call_id}: {summary}"[:MAX_LABEL]
+        event: dict[str, object] = {"by_uid": session.owner.uid, "call_id": call_id}
+        try:
+            answer = self._between_calls(target, lambda: self._run(
+                target, "checkpoint", target.roots, [], limit=self._max_checkpoints, label=label, before_call=call_id))
+        except (WrongState, Exhausted, InvalidPolicy) as skipped:
+            self._store.append(target.id, EventType.CHECKPOINT_CREATED, call_id=call_id, data={
+                **event, "summary": f"checkpoint before {call_id} skipped", "skipped": str(skipped)})
+            return
+        if answer.get("checkpoint") is None:                # nothing changed since the last one
+            return
+        made = _checkpoint(answer.get("checkpoint"))
+        self._store.append(target.id, EventType.CHECKPOINT_CREATED, call_id=call_id, data={
+            **event, "summary": f"checkpoint {made.id} before {call_id} ({made.changes} changes)",
+            "checkpoint": made.id, "label": made.label, "changes": made.changes})
+
     def list_checkpoints(self, who: Caller, request: pb.ListCheckpointsRequest) -> pb.ListCheckpointsResponse:
         target = self._open(who, request.session_id, "checkpoints")
         answer = self._run(target, "checkpoints", target.roots, [])
@@ -375,7 +397,7 @@ def _checkpoint(item: object) -> pb.Checkpoint:
         raise SetupError("review", detail="a checkpoint answer was malformed")
     time_ns, changes = item.get("time_ns"), item.get("changes")
     return pb.Checkpoint(id=int(item["id"]), created_at=time_ns / 1e9 if isinstance(time_ns, int) else 0.0,
-                         label=str(item.get("label") or ""),
+                         label=str(item.get("label") or ""), call_id=str(item.get("call_id") or ""),
                          changes=min(changes, 0xFFFFFFFF) if isinstance(changes, int) and changes >= 0 else 0)
 
 

@@ -307,6 +307,8 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             self._registry.ready(session)
             call = tool_calls.command(session, "shell.exec", argv, cwd, start, context_id=start.execution_context_id)
             with self._gate.authorize(session, call, still_wanted=context.is_active) as granted:
+                if start.checkpoint:                      # a point to roll this call back to
+                    self._review.checkpoint_call(session, granted.call_id, call.summary)
                 for response in exec_call.run(self._registry, self._fork, session, start, argv, cwd, request_iterator,
                                               context):
                     kind = response.WhichOneof("kind")

@@ -479,6 +479,7 @@ class Review(Request, kind="review"):
     checkpoint: int = 0                 # rollback's checkpoint (0: the session's start)
     reviewed: list[list[str]] = Factory(list)   # apply's [root, path, fingerprint] a person was shown
     only_reviewed: bool = False         # apply only those, each while its fingerprint is the same
+    before_call: str = ""               # checkpoint: marked before this call, only if anything changed
 
 
 class Ping(Request, kind="ping"):

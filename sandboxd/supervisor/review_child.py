@@ -272,8 +272,10 @@ def _checkpoints(request: "Review") -> dict[str, object]:
     (``label``; ``limit``: review.max_checkpoints), list them, or roll back to ``checkpoint``."""
     review_dir = request.review_dir
     if request.action == "checkpoint":
-        made = checkpoints.create(review_dir, request.label, limit=request.limit)
-        return {"checkpoint": checkpoint_dict(made)}
+        made = (checkpoints.create_if_changed(review_dir, request.label, limit=request.limit,
+                                              call_id=request.before_call)
+                if request.before_call else checkpoints.create(review_dir, request.label, limit=request.limit))
+        return {"checkpoint": None if made is None else checkpoint_dict(made)}
     if request.action == "rollback":
         done = checkpoints.rollback(review_dir, request.checkpoint)
         return {"rollback": done.as_dict(),

@@ -391,16 +391,18 @@ class CreateCheckpointRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., label: _Optional[str] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
-    __slots__ = ("id", "created_at", "label", "changes")
+    __slots__ = ("id", "created_at", "label", "changes", "call_id")
     ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
     CHANGES_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
     id: int
     created_at: float
     label: str
     changes: int
-    def __init__(self, id: _Optional[int] = ..., created_at: _Optional[float] = ..., label: _Optional[str] = ..., changes: _Optional[int] = ...) -> None: ...
+    call_id: str
+    def __init__(self, id: _Optional[int] = ..., created_at: _Optional[float] = ..., label: _Optional[str] = ..., changes: _Optional[int] = ..., call_id: _Optional[str] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -435,7 +437,7 @@ class RollbackChangesResponse(_message.Message):
     def __init__(self, checkpoint_id: _Optional[int] = ..., dropped: _Optional[_Iterable[int]] = ..., removed: _Optional[int] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ...) -> None: ...
 
 class ExecStart(_message.Message):
-    __slots__ = ("session_id", "argv", "shell", "cwd", "env", "timeout_seconds", "stdin", "close_stdin", "output_limit_bytes", "execution_context_id", "terminal", "env_overlay", "caller_env")
+    __slots__ = ("session_id", "argv", "shell", "cwd", "env", "timeout_seconds", "stdin", "close_stdin", "output_limit_bytes", "execution_context_id", "terminal", "env_overlay", "caller_env", "checkpoint")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -463,6 +465,7 @@ class ExecStart(_message.Message):
     TERMINAL_FIELD_NUMBER: _ClassVar[int]
     ENV_OVERLAY_FIELD_NUMBER: _ClassVar[int]
     CALLER_ENV_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     argv: _containers.RepeatedScalarFieldContainer[str]
     shell: str
@@ -476,7 +479,8 @@ class ExecStart(_message.Message):
     terminal: Terminal
     env_overlay: _containers.ScalarMap[str, str]
     caller_env: CallerEnvironment
-    def __init__(self, session_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., timeout_seconds: _Optional[float] = ..., stdin: _Optional[bytes] = ..., close_stdin: _Optional[bool] = ..., output_limit_bytes: _Optional[int] = ..., execution_context_id: _Optional[str] = ..., terminal: _Optional[_Union[Terminal, _Mapping]] = ..., env_overlay: _Optional[_Mapping[str, str]] = ..., caller_env: _Optional[_Union[CallerEnvironment, _Mapping]] = ...) -> None: ...
+    checkpoint: bool
+    def __init__(self, session_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., timeout_seconds: _Optional[float] = ..., stdin: _Optional[bytes] = ..., close_stdin: _Optional[bool] = ..., output_limit_bytes: _Optional[int] = ..., execution_context_id: _Optional[str] = ..., terminal: _Optional[_Union[Terminal, _Mapping]] = ..., env_overlay: _Optional[_Mapping[str, str]] = ..., caller_env: _Optional[_Union[CallerEnvironment, _Mapping]] = ..., checkpoint: _Optional[bool] = ...) -> None: ...
 
 class CallerEnvironment(_message.Message):
     __slots__ = ("path", "lang", "term")
