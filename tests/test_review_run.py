@@ -328,9 +328,52 @@ def test_rootless_apply_discard_and_keep_as_a_plain_user(place: Place, env: dict
     assert (ws / "mod.txt").read_text() == "changed\n" and not kept.exists()
 
 
+def test_no_run_of_the_user_rewrites_a_change_set_kept_for_their_review(place: Place) -> None:
+    """The user's kept change sets (defaults.review_bases) are hidden, read-only and empty, in every
+    sandbox of theirs: a later run whose workspace holds them cannot rewrite what waits for the
+    person's review. Control: beside them, a directory of the same user's is written as usual."""
+    state = rootless_state(place, "rootless-kept-state")
+    mine = {**BASE_ENV, "PYTHONPATH": str(code_for_plain_users(place)), "HOME": str(state),
+            "XDG_STATE_HOME": str(state)}
+
+    def as_owner(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([PY, "-m", "sandboxd.cli.main", *args], capture_output=True, text=True,
+                              timeout=120 * SLOW, stdin=subprocess.DEVNULL, cwd=str(cwd), env=mine,
+                              user=place.owner.uid, group=place.owner.gid, extra_groups=[])
+    ws, _ = fresh(place, "rootless-kept")
+    kept = kept_dir(as_owner("run", "--review=keep", "--", "sh", "-c", "echo changed > mod.txt", cwd=ws))
+    before = sorted(str(path.relative_to(kept)) for path in kept.rglob("*"))
+    owned_dir(state / "sandboxd" / "other", place.owner)
+    attack = as_owner("run", "--workspace", str(state), "--", "sh", "-c",
+                      f"echo listed: $(ls -A sandboxd/reviews); echo evil > sandboxd/reviews/{kept.name}/planted; "
+                      "echo control > sandboxd/other/written", cwd=state)
+    assert attack.stdout == "listed:\n" and "cannot create" in attack.stderr, describe(attack)     # nothing there
+    assert sorted(str(path.relative_to(kept)) for path in kept.rglob("*")) == before
+    assert (state / "sandboxd" / "other" / "written").read_text() == "control\n"      # the control
+    shown = as_owner("changes", str(kept), "--stat", cwd=ws)
+    assert shown.returncode == 0 and shown.stdout.endswith(": 1 modified\n"), describe(shown)
+    assert as_owner("discard", str(kept), cwd=ws).returncode == 0
+
+
 def test_the_layers_record_is_the_text_json_writes() -> None:
     layers = [overlay.Layers(root="/w/\u00e9\"q\\\n\udcff", upper="/r/0/upper", work="/r/0/work", userxattr=flag,
                              root_dev=2049, root_ino=12, started_ns=1764780000123456789) for flag in (True, False)]
     text = overlay.record_text(layers)
     assert text == json.dumps([layer.as_dict() for layer in layers], sort_keys=True)
     assert overlay.record_text([]) == "[]"
+
+
+def test_an_owner_place_is_hidden_only_as_their_directory_reached_through_no_symlink(place: Place) -> None:
+    """launcher.plan hides LaunchSpec.owner_hidden as root: a name the owner controls must not make
+    it hide (or refuse a workspace under) anything else. Control: their own directory is hidden."""
+    from sandboxd.launcher.plan import _owner_places
+    from sandboxd.policy import LaunchSpec
+    mine = owned_dir(place.base / "owner-place-mine", place.owner)
+    theirs = owned_dir(place.base / "owner-place-theirs", place.attacker)
+    link = place.base / "owner-place-link"
+    link.symlink_to("/etc")
+    via_link = place.base / "owner-place-via"
+    via_link.symlink_to(mine)
+    spec = LaunchSpec(argv=("true",), workspace=str(mine), caller=(place.owner.uid, place.owner.gid, ()),
+                      owner_hidden=(str(mine), str(theirs), str(link), str(via_link), str(place.base / "absent")))
+    assert _owner_places(spec) == (str(mine),)

@@ -553,3 +553,29 @@ def test_a_call_may_mark_a_checkpoint_before_it_runs_which_rolls_it_back(place: 
     assert not (place.disk / "ws-call-checkpoints-direct" / "ran").exists()
     close(place, session)
     close(place, direct)
+
+
+def test_no_session_of_the_user_rewrites_a_change_set_kept_for_their_review(place: Place) -> None:
+    """A user's kept `sandboxd run --review` change sets (~/.local/state/sandboxd/reviews, by their
+    home in the user database) are hidden in every session of theirs, even one whose workspace is
+    their home. Control: beside them, a directory of theirs is written as usual."""
+    home = owned_dir(place.disk / "home-of-owner", place.owner)
+    state = home
+    for name in (".local", "state", "sandboxd", "reviews", "kept-1"):
+        state = owned_dir(state / name, place.owner)
+    (state / "record").write_text("the root it applies to\n")
+    os.chown(state / "record", place.owner.uid, place.owner.gid)
+    other = owned_dir(home / ".local" / "state" / "sandboxd" / "other", place.owner)
+    usual = subprocess.run(["getent", "passwd", place.owner.name], capture_output=True, text=True, check=True)
+    subprocess.run(["usermod", "-d", str(home), place.owner.name], check=True, capture_output=True)
+    try:
+        session = create(place, home, review=False)
+        ran = ok(as_user(place, place.owner, ("exec", {"session": session, "script": (
+            "echo listed: $(ls -A .local/state/sandboxd/reviews); "
+            "echo evil > .local/state/sandboxd/reviews/kept-1/record; echo control > .local/state/sandboxd/other/x")}))[0])
+        assert ran["stdout"] == "listed:\n", ran
+        assert (state / "record").read_text() == "the root it applies to\n"
+        assert (other / "x").read_text() == "control\n"                            # the control
+        close(place, session)
+    finally:
+        subprocess.run(["usermod", "-d", usual.stdout.split(":")[5], place.owner.name], check=True, capture_output=True)

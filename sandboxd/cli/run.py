@@ -251,6 +251,8 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
                       cwd=os.path.abspath(str(cwd)) if cwd else None, policy=policy, limits=limits,
                       user=command_user, dns=tuple(_strings(args, "dns")),
                       hidden_homes=hidden_homes, private_home=private_home, hidden_paths=hidden,
+                      owner_hidden=defaults.owner_hidden_paths(os.geteuid(), os.path.expanduser("~"),
+                                                               os.environ.get("XDG_STATE_HOME", "")),
                       denied_sockets=sockets, approval_channels=channels)
 
 

@@ -70,12 +70,7 @@ def _say(text: str) -> None:
 def base_dir(roots: "list[str]") -> str:
     """The caller's base for run change sets (see the module's text), made 0700 when missing;
     InvalidPolicy when it is not the caller's alone."""
-    state = os.environ.get("XDG_STATE_HOME", "")
-    if os.geteuid() == 0:
-        candidates = [os.path.join(state, "sandboxd", "reviews") if state else ROOT_BASE]
-    else:
-        home = state or os.path.join(os.path.expanduser("~"), ".local", "state")
-        candidates = [os.path.join(home, "sandboxd", "reviews"), f"/var/tmp/sandboxd-reviews-{os.geteuid()}"]
+    candidates = defaults.review_bases(os.geteuid(), os.path.expanduser("~"), os.environ.get("XDG_STATE_HOME", ""))
     real_roots = [os.path.realpath(root) for root in roots]
     why = "every place for the change set is inside a writable root"
     for base in candidates:

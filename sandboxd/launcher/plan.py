@@ -7,6 +7,7 @@ before any process or namespace exists.
 from __future__ import annotations
 
 import os
+import stat
 
 from sandboxd._record import Factory, Record
 from sandboxd.errors import InvalidPolicy
@@ -151,7 +152,8 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None, *, review_dir: 
     plain_user = os.geteuid() != 0                       # sandboxd run by a plain user: rootless
     rootless = confined and plain_user
     try:
-        hidden = _hidden_paths(spec.hidden_paths, resolved.workspace, resolved.writable_roots) if confined else ()
+        hidden = _hidden_paths((*spec.hidden_paths, *_owner_places(spec)), resolved.workspace,
+                               resolved.writable_roots) if confined else ()
         if plain_user:
             check_rootless(spec)
         review_layers = (_review_layers(review_dir, resolved.writable_roots, resolved.descriptors, confined=confined,
@@ -253,6 +255,22 @@ def check_rootless(spec: LaunchSpec) -> None:
                             "the host's namespace): run sandboxd run as root, or use --network=host (the host's "
                             "network as it is) or --network --allow-domain NAME (only those names, through "
                             "a filtering proxy)")
+
+
+def _owner_places(spec: LaunchSpec) -> tuple[str, ...]:
+    """Those of ``spec.owner_hidden`` that are the owner's own directories, reached through no
+    symlink: a name the owner controls must not make root hide (or refuse a workspace under) any
+    other place; one that is not such a directory holds no change set of theirs to protect."""
+    uid = spec.caller[0] if spec.caller is not None else os.geteuid()
+    places = []
+    for path in spec.owner_hidden:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and os.path.realpath(path) == os.path.normpath(path):
+            places.append(os.path.normpath(path))
+    return tuple(places)
 
 
 def _hidden_paths(hidden: tuple[str, ...], workspace: str, writable_roots: tuple[str, ...]) -> tuple[str, ...]:

@@ -86,6 +86,9 @@ class LaunchSpec(Record):
     # sandboxd's own places, invisible inside the sandbox (its sockets' directory, its state),
     # and its own sockets and listeners, which connect() is refused for (connect_broker).
     hidden_paths: tuple[str, ...] = ()
+    # The owner's own places hidden likewise (defaults.owner_hidden_paths: their kept change sets),
+    # each only if it is a directory of theirs reached through no symlink (launcher.plan checks).
+    owner_hidden: tuple[str, ...] = ()
     denied_sockets: tuple[str, ...] = ()
     denied_listeners: tuple[str, ...] = ()   # "HOST:PORT" of the daemon's TCP listeners
     # The registries of approval channels (`sandboxd mcp --http`'s listeners), whose sockets
@@ -127,7 +130,7 @@ class LaunchSpec(Record):
                                         f"{exc}") from None
         if self.user is not None and (self.user[0] < 0 or self.user[1] < 0):
             raise InvalidPolicy(f"bad user {self.user!r}: uid and gid must be >= 0")
-        for path in (*self.hidden_paths, *self.denied_sockets, *self.approval_channels):
+        for path in (*self.hidden_paths, *self.owner_hidden, *self.denied_sockets, *self.approval_channels):
             if not path.startswith("/") or "\0" in path:
                 raise InvalidPolicy(f"sandboxd's own path {path!r} must be absolute")
         for path in self.hidden_homes:

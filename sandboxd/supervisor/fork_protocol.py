@@ -297,6 +297,7 @@ class SpecRecord(Record):
     owner: str
     hidden_homes: list[str]
     private_home: str
+    owner_hidden: list[str] = Factory(list)
 
 
 _POLICY_KINDS: dict[SandboxMode, type[SandboxPolicy]] = {
@@ -326,7 +327,8 @@ def spec_record(spec: LaunchSpec) -> SpecRecord:
     return SpecRecord(list(spec.argv), spec.workspace, dict(spec.env), spec.cwd, policy_record(spec.policy),
                       spec.limits, None if spec.user is None else list(spec.user), list(spec.dns), spec.network_pool,
                       caller, list(spec.hidden_paths), list(spec.denied_sockets), list(spec.denied_listeners),
-                      list(spec.approval_channels), spec.owner, list(spec.hidden_homes), spec.private_home)
+                      list(spec.approval_channels), spec.owner, list(spec.hidden_homes), spec.private_home,
+                      list(spec.owner_hidden))
 
 
 def launch_spec(record: SpecRecord) -> LaunchSpec:
@@ -341,7 +343,8 @@ def launch_spec(record: SpecRecord) -> LaunchSpec:
                       network_pool=record.network_pool, caller=caller, hidden_paths=tuple(record.hidden_paths),
                       denied_sockets=tuple(record.denied_sockets), denied_listeners=tuple(record.denied_listeners),
                       approval_channels=tuple(record.approval_channels), owner=record.owner,
-                      hidden_homes=tuple(record.hidden_homes), private_home=record.private_home)
+                      hidden_homes=tuple(record.hidden_homes), private_home=record.private_home,
+                      owner_hidden=tuple(record.owner_hidden))
 
 
 class Malformed(Exception):

@@ -18,6 +18,7 @@ import secrets
 import time
 from typing import Callable, TypeVar
 
+from sandboxd import defaults
 from sandboxd._record import Record
 from sandboxd.audit.store import EventStore, EventType
 from sandboxd.errors import InvalidPolicy, NotFound, WrongState
@@ -389,6 +390,19 @@ class SessionLifecycle:
         return LaunchSpec(argv=SESSION_PLACEHOLDER_ARGV, workspace=workspace, policy=policy,
                           limits=session.limits, user=command_user(session.owner, policy), dns=self._places.dns,
                           network_pool=self._places.network_pool, caller=rights_of(session.owner),
-                          hidden_paths=own.hidden, denied_sockets=own.sockets, denied_listeners=own.listeners,
+                          hidden_paths=own.hidden, owner_hidden=_owner_places(session.owner.uid),
+                          denied_sockets=own.sockets, denied_listeners=own.listeners,
                           approval_channels=own.channels,
                           owner=cgroup_owner(session.owner))
+
+
+def _owner_places(uid: int) -> tuple[str, ...]:
+    """The owner's places each sandbox of theirs hides (defaults.owner_hidden_paths: their kept
+    `sandboxd run --review` change sets), by their home in the user database; the launch hides only
+    those that are their directories (launcher.plan)."""
+    import pwd
+    try:
+        home = pwd.getpwuid(uid).pw_dir
+    except KeyError:
+        home = ""
+    return tuple(path for path in defaults.owner_hidden_paths(uid, home or "/nonexistent") if path.startswith("/"))
