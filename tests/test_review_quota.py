@@ -11,9 +11,11 @@ a store in a private mount namespace, as the daemon's session will (its second s
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
+import shutil
 import subprocess
 import textwrap
 import time
@@ -149,7 +151,7 @@ def test_the_store_outlives_its_runner_and_leaves_nothing_once_freed(place: Plac
         runner.communicate(timeout=60)
     # The store is still mounted in the host's namespace, its change set listed again.
     assert mounted(review_dir) and review_space.is_store(str(review_dir))
-    assert 8 * MiB <= review_space.reserved(str(review_dir)) < 8 * MiB + review_space.PAGE
+    assert review_space.reserved(str(review_dir)) == review_space.charge(8 * MiB)     # its bytes and its inodes
     (change_set,) = kept.list_changes(str(review_dir))
     assert [(change.path, change.kind) for change in change_set.changes] == [("kept.txt", "added")]
     # Sealed, its bound shrinks to what it holds: the rest goes back to the owner's share.
@@ -189,7 +191,8 @@ def fill_through_overlay(store: str, ws: Path, place: Place, limit: int) -> tupl
 
 
 def test_an_owners_second_session_is_bounded_by_what_the_first_leaves(place: Place) -> None:
-    owner_bytes, session_bytes = 6 * MiB, 4 * MiB
+    # Each store takes its bytes and its inodes' kernel memory (review_space.charge): room for 4 + 2 MiB.
+    owner_bytes, session_bytes = review_space.charge(4 * MiB) + review_space.charge(2 * MiB), 4 * MiB
     stores: list[review_space.Store] = []
     try:
         first = review_space.make_store(str(place.base / "owner-1"), session_bytes=session_bytes,
@@ -205,8 +208,9 @@ def test_an_owners_second_session_is_bounded_by_what_the_first_leaves(place: Pla
         assert not (ws / "big").exists()
         # The owner's share is used up: a third session is refused, in one line naming the key.
         total += review_space.reserved(second.path)
-        with pytest.raises(Exhausted, match=r"^review: this owner's review stores hold 6 MiB of the 6 MiB "
-                                            r"review.owner_bytes allows: apply or discard kept change sets$"):
+        with pytest.raises(Exhausted, match=r"^review: this owner's review stores hold 8 MiB of the 8 MiB "
+                                            r"review.owner_bytes allows \(their bytes and their files' kernel "
+                                            r"memory\): apply or discard kept change sets$"):
             review_space.make_store(str(place.base / "owner-3"), session_bytes=session_bytes,
                                     owner_bytes=owner_bytes, owner_total=total)
         assert not (place.base / "owner-3").exists()
@@ -252,8 +256,9 @@ def test_the_bound_is_refused_where_it_cannot_be_made_and_configured_with_checks
     review_space.release(str(target))
     assert not mounted(target)
     with pytest.raises(Exhausted):
-        review_space.share(4 * MiB, 4 * MiB, 4 * MiB - MiB + 1)
-    assert review_space.share(4 * MiB, 4 * MiB, 3 * MiB) == MiB        # control: exactly the floor is given
+        review_space.share(4 * MiB, 4 * MiB, 4 * MiB - review_space.charge(MiB) + 1)
+    # Control: exactly the floor's charge left (its bytes and its 1040 inodes' memory), the floor is given.
+    assert review_space.share(4 * MiB, 4 * MiB, 4 * MiB - review_space.charge(MiB)) == MiB
     settings = config.load("/dev/null", environ={})
     assert (settings.review_session_bytes, settings.review_owner_bytes) == (1 << 30, 4 << 30)
     assert config.load("/dev/null", environ={"SANDBOXD_REVIEW_SESSION_BYTES": "0"}).review_session_bytes == 0
@@ -261,3 +266,68 @@ def test_the_bound_is_refused_where_it_cannot_be_made_and_configured_with_checks
         with pytest.raises(ConfigError, match=f"review.{key.lower()}_bytes: must be a size of at least 1M"):
             config.load("/dev/null", environ={f"SANDBOXD_REVIEW_{key}_BYTES": value})
 
+
+
+TOUCH = textwrap.dedent("""\
+    import errno, os, sys
+    made, refused = 0, "none"
+    try:
+        os.mkdir("many")
+        for index in range(int(sys.argv[1])):
+            os.close(os.open(f"many/{index}", os.O_WRONLY | os.O_CREAT, 0o644))
+            made += 1
+    except OSError as exc:
+        refused = errno.errorcode[exc.errno]
+    print(made, refused)
+""")
+
+
+def touch_in(directory: Path, count: int) -> int:
+    """Empty files made as root in ``directory`` until ``count`` or ENOSPC: how many."""
+    directory.mkdir()
+    made = 0
+    try:
+        for index in range(count):
+            (directory / str(index)).touch()
+            made += 1
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC, exc
+    return made
+
+
+def test_a_stores_inodes_count_against_the_owner_and_a_sealed_store_keeps_no_more(place: Place) -> None:
+    """Empty files take no page but an inode each, about 1 KiB of unswappable kernel memory: a
+    store's charge counts the inodes it may hold, and sealing a closed store shrinks its inodes to
+    those it holds, so a kept change set of empty files is counted at what it holds in memory."""
+    ws = owned_dir(place.base / "inodes", place.owner)
+    review_dir = place.base / "inodes-review"
+    result = subprocess.run([SANDBOXD, "run", f"--review=keep:{review_dir}", "--review-bytes=8M", "--workspace",
+                             str(ws), "--", "python3", "-c", TOUCH, "1500"], capture_output=True, text=True,
+                            timeout=120 * SLOW, stdin=subprocess.DEVNULL, env=BASE_ENV, cwd=str(ws))
+    assert result.returncode == 0 and result.stdout.split() == ["1500", "none"], describe(result)
+    path = str(review_dir)
+    try:
+        held = review_space.inodes_used(path)
+        assert 1500 < held < 1600
+        assert review_space.used(path) < 64 << 10                   # 1,500 files, hardly a page: bytes alone say ~0
+        # Open, the store is charged its whole bound: 8 MiB and its 2,073 inodes' memory (2,048, one per
+        # page, and the store's own).
+        assert review_space.reserved(path) == review_space.charge(8 * MiB) == 8 * MiB + 2073 * 1024
+        # Control: unsealed, the store takes more inodes (up to its bound of 2,064).
+        assert touch_in(review_dir / "before-seal", 100) == 100
+        shutil.rmtree(review_dir / "before-seal")
+        sealed = review_space.seal(path)
+        st = os.statvfs(path)
+        assert st.f_files == held + review_space.RESERVE_INODES          # nr_inodes shrunk to what it holds
+        assert sealed == review_space.reserved(path) >= held * review_space.INODE_CHARGE
+        assert sealed - held * review_space.INODE_CHARGE < 128 << 10     # and its bytes to almost nothing
+        # The wall: sealed, it holds no more inodes than it is charged for (its slack only).
+        assert touch_in(review_dir / "after-seal", 100) == review_space.RESERVE_INODES - 1
+        # What the owner has left is what that memory leaves: 16 such kept stores leave no 1 MiB share.
+        owner_bytes = 16 * sealed + review_space.charge(MiB) - 1
+        with pytest.raises(Exhausted, match="review.owner_bytes"):
+            review_space.share(8 * MiB, owner_bytes, 16 * sealed)
+        assert review_space.share(8 * MiB, owner_bytes + 1, 16 * sealed) == MiB      # control: one byte more
+    finally:
+        overlay.remove_layers(path)
+    assert not mounted(review_dir)

@@ -27,13 +27,15 @@ from sandboxd.kernel import review_space
 pytestmark = pytest.mark.timeout(600)
 
 MIB = 1 << 20
-SMALL = '[review]\nsession_bytes = "8M"\nowner_bytes = "12M"\n'
+SMALL = '[review]\nsession_bytes = "8M"\nowner_bytes = "16M"\n'
 ROOMY = '[review]\nsession_bytes = "32M"\nowner_bytes = "64M"\n'
+CAPPED = '[review]\nsession_bytes = "8M"\nowner_bytes = "64M"\nowner_stores = 2\n'
 
 
 class Place(NamedTuple):
     small: Daemon
     roomy: Daemon
+    capped: Daemon
     owner: PlainUser
     disk: Path
 
@@ -41,7 +43,8 @@ class Place(NamedTuple):
 @pytest.fixture(scope="module")
 def place() -> Iterator[Place]:
     with plain_users(1) as (owner,), daemon_factory("sbxrstore-") as factory, \
-            daemon_factory("sbxrstore-roomy-") as other, contextlib.ExitStack() as stack:
+            daemon_factory("sbxrstore-roomy-") as other, daemon_factory("sbxrstore-capped-") as third, \
+            contextlib.ExitStack() as stack:
         disk = (factory.base if local_disk(str(factory.base))
                 else stack.enter_context(tmpfs(factory.base / "disk", size="1g")))
         stack.callback(free_stores, disk / "small")             # after its daemon (callbacks: last first)
@@ -50,7 +53,10 @@ def place() -> Iterator[Place]:
         stack.callback(free_stores, other.base / "roomy")
         roomy = other(config=ROOMY, args=["--state-dir", str(other.base / "roomy")])
         stack.callback(roomy.close)
-        yield Place(small, roomy, owner, disk)
+        stack.callback(free_stores, third.base / "capped")
+        capped = third(config=CAPPED, args=["--state-dir", str(third.base / "capped")])
+        stack.callback(capped.close)
+        yield Place(small, roomy, capped, owner, disk)
 
 
 def call(daemon: Daemon, user: PlainUser, *ops: tuple[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -81,7 +87,7 @@ def store(place: Place, session: str) -> str:
 def test_a_write_past_the_session_bound_gets_enospc_inside_and_the_daemon_serves_on(place: Place) -> None:
     session = create(place, place.small, "ws-bound")
     assert review_space.is_store(store(place, session))
-    assert 7 * MIB <= review_space.reserved(store(place, session)) <= 9 * MIB
+    assert review_space.reserved(store(place, session)) == review_space.charge(8 * MIB)   # bytes and inodes
     refused = write(place, place.small, session, "big", 10)
     assert "FAILED" in refused["stdout"] and "No space left" in refused["stdout"], refused
     # The daemon serves on: the same session lists its changes and runs the next command.
@@ -96,10 +102,10 @@ def test_a_write_past_the_session_bound_gets_enospc_inside_and_the_daemon_serves
 
 
 def test_the_owner_share_bounds_a_second_session_and_survives_a_restart(place: Place) -> None:
-    first = create(place, place.small, "ws-first")              # 8 MiB of the owner's 12
+    first = create(place, place.small, "ws-first")              # 8 MiB (and 2,064 inodes' 2 MiB) of the owner's 16
     assert "WROTE" in write(place, place.small, first, "six", 6)["stdout"]
-    second = create(place, place.small, "ws-second")            # what the first leaves: 4 MiB
-    assert review_space.reserved(store(place, second)) <= 4 * MIB
+    second = create(place, place.small, "ws-second")            # what the first leaves: under 6 MiB, inodes counted
+    assert review_space.reserved(store(place, second)) <= 16 * MIB - review_space.charge(8 * MIB)
     refused = write(place, place.small, second, "six", 6)
     assert "No space left" in refused["stdout"], refused           # control: the first's 6 MiB landed
     assert "WROTE" in write(place, place.small, second, "three", 3)["stdout"]
@@ -169,3 +175,91 @@ def test_a_closed_sessions_discard_of_all_frees_its_store(place: Place) -> None:
     assert call(place.small, place.owner, ("DiscardChanges", {"session_id": session}))[0]["ok"]
     assert not Path(store(place, session)).exists()
     assert not (place.disk / "ws-closed-discard" / "added.txt").exists()
+
+
+def capped_store(place: Place, session: str) -> str:
+    return str(place.capped.base / "capped" / "review" / session)
+
+
+FILL_INODES = ("python3 -c 'import os\nn = 0\ntry:\n    while True:\n        os.close(os.open(\"f%d\" % n, "
+               "os.O_CREAT | os.O_WRONLY)); n += 1\nexcept OSError as e:\n    print(n, e.strerror)'")
+
+
+def test_a_full_store_keeps_its_checkpoints_and_its_change_set(place: Place) -> None:
+    """The second hostile pass's B3: a store the sandbox filled (its bytes, then its inodes). Every
+    save finds a reserve, so a checkpoint on a store full of bytes is made, twice, and rolled back
+    to; one that could not be recorded (no inode left) is refused before anything changes, saying
+    what to do. Each time the session goes on, and its close keeps the change set."""
+    daemon, owner = place.capped, place.owner
+    ws = usual_workspace(place.disk / "ws-full", owner)
+    answer = call(daemon, owner, ("create", {"workspace": str(ws)}))[0]
+    assert answer["ok"], answer
+    session = str(answer["id"])
+    filled = call(daemon, owner, ("exec", {"session": session, "script": (
+        "echo precious > work.txt; head -c 20000000 /dev/zero > big 2>/tmp/err; cat /tmp/err")}))[0]
+    assert "No space left" in filled["stdout"], filled
+    for label in ("one", "two"):                    # the second save finds a reserve too
+        made = call(daemon, owner, ("CreateCheckpoint", {"session_id": session, "label": label}))[0]
+        assert made["ok"] and made["label"] == label, (made, daemon.log()[-3000:])
+    listed = call(daemon, owner, ("ListCheckpoints", {"session_id": session}))[0]
+    assert [item["label"] for item in listed["checkpoints"]] == ["one", "two"], listed
+    back = call(daemon, owner, ("RollbackChanges", {"session_id": session, "checkpoint_id": 1}))[0]
+    assert back["ok"], back
+    # The session goes on: a command runs, the change set lists.
+    ran = call(daemon, owner, ("exec", {"session": session, "script": "cat work.txt"}))[0]
+    assert ran["stdout"] == "precious\n", ran
+    changes = call(daemon, owner, ("ListChanges", {"session_id": session}))[0]
+    assert {item["path"] for item in changes["changes"]} >= {"work.txt", "big"}, changes
+    # Now its inodes too: after removing big (bytes back), files until the kernel refuses one.
+    full = call(daemon, owner, ("exec", {"session": session, "script": "rm big; " + FILL_INODES}))[0]
+    assert "No space left" in full["stdout"], full
+    refused = call(daemon, owner, ("CreateCheckpoint", {"session_id": session, "label": "three"}))[0]
+    assert not refused["ok"] and refused["code"] == "RESOURCE_EXHAUSTED", refused
+    assert "discard some changes" in refused["details"] and "Nothing was changed" in refused["details"], refused
+    listed = call(daemon, owner, ("ListCheckpoints", {"session_id": session}))[0]
+    assert [item["label"] for item in listed["checkpoints"]] == ["one"], listed
+    ran = call(daemon, owner, ("exec", {"session": session, "script": "cat work.txt; ls | wc -l"}))[0]
+    assert ran["stdout"].startswith("precious\n"), ran
+    # Control: with room made (some files discarded), the same checkpoint is made.
+    discarded = call(daemon, owner, ("DiscardChanges", {"session_id": session, "paths": [f"f{n}" for n in range(8)]}))[0]
+    assert discarded["ok"], discarded
+    made = call(daemon, owner, ("CreateCheckpoint", {"session_id": session, "label": "three"}))[0]
+    assert made["ok"] and made["label"] == "three", made
+    # Closed, the change set is kept (pending), listed, and precious is still in it.
+    assert call(daemon, owner, ("CloseSession", {"session_id": session}))[0]["ok"]
+    assert review_space.is_store(capped_store(place, session))
+    after = call(daemon, owner, ("ListChanges", {"session_id": session, "paths": ["work.txt"]}))[0]
+    assert after["ok"] and "work.txt" in {item["path"] for item in after["changes"]}, after
+    # And it is applied and discarded as any: what was precious lands.
+    applied = call(daemon, owner, ("ApplyChanges", {"session_id": session, "paths": ["work.txt"]}))[0]
+    assert applied["ok"] and (ws / "work.txt").read_text() == "precious\n", applied
+    assert call(daemon, owner, ("DiscardChanges", {"session_id": session}))[0]["ok"]
+    assert not Path(capped_store(place, session)).exists()
+
+
+def test_an_owner_keeps_at_most_review_owner_stores_stores(place: Place) -> None:
+    """review.owner_stores = 2: an owner's third review session (its others open, or closed with
+    changes kept) is refused naming the key, and leaves no store; another owner is not affected,
+    and once one is discarded (control) the third is made."""
+    daemon = place.capped
+    with plain_users(2) as (owner, other):
+        made = []
+        for name in ("cap-1", "cap-2"):
+            answer = call(daemon, owner, ("create", {"workspace": str(usual_workspace(place.disk / name, owner))}))[0]
+            assert answer["ok"], answer
+            made.append(str(answer["id"]))
+        assert call(daemon, owner, ("exec", {"session": made[0], "script": "echo x > kept.txt"}))[0]["ok"]
+        assert call(daemon, owner, ("CloseSession", {"session_id": made[0]}))[0]["ok"]      # kept: still counted
+        review = place.capped.base / "capped" / "review"
+        before = sorted(review.iterdir())
+        third = call(daemon, owner, ("create", {"workspace": str(usual_workspace(place.disk / "cap-3", owner))}))[0]
+        assert not third["ok"] and third["code"] == "RESOURCE_EXHAUSTED", third
+        assert "review.owner_stores" in third["details"] and "apply or discard" in third["details"], third
+        assert sorted(review.iterdir()) == before                    # nothing left of the refused one
+        theirs = call(daemon, other, ("create", {"workspace": str(usual_workspace(place.disk / "cap-o", other))}))[0]
+        assert theirs["ok"], theirs                                  # another owner's count is its own
+        assert call(daemon, owner, ("DiscardChanges", {"session_id": made[0]}))[0]["ok"]
+        again = call(daemon, owner, ("create", {"workspace": str(usual_workspace(place.disk / "cap-3b", owner))}))[0]
+        assert again["ok"], again
+        for user, session in ((owner, made[1]), (owner, str(again["id"])), (other, str(theirs["id"]))):
+            call(daemon, user, ("CloseSession", {"session_id": session}))

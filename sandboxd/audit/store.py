@@ -543,6 +543,14 @@ class EventStore:
             rows = self._db.execute(sql + " ORDER BY created_at").fetchall()
         return [_session_row(r) for r in rows]
 
+    def review_session_ids(self, owner_uid: int, owner_principal: str = "") -> list[str]:
+        """The ids of one owner's review sessions, closed ones included (whose change sets may be
+        kept): only their ids, not every session's row."""
+        with self._lock:
+            rows = self._db.execute("SELECT id FROM sessions WHERE review = 1 AND owner_uid = ? AND owner_principal = ?",
+                                    (owner_uid, owner_principal)).fetchall()
+        return [str(row[0]) for row in rows]
+
     def session(self, session_id: str) -> SessionRow:
         with self._lock:
             row = self._db.execute(self._SESSION_COLUMNS + " WHERE id = ?", (session_id,)).fetchone()

@@ -323,8 +323,13 @@ KEYS: tuple[Key, ...] = (
         "directory's disk (for a host that bounds that disk otherwise)", _review_bytes(zero=True)),
     Key("review", "owner_bytes", DEFAULT_REVIEW_OWNER_BYTES, "bytes all review sessions of one owner (a uid, a TLS "
         "principal) may hold together, kept change sets included: a new session gets the smaller of "
-        "review.session_bytes and what the owner's others leave, and is refused (RESOURCE_EXHAUSTED) under 1 MiB",
-        _review_bytes(zero=False)),
+        "review.session_bytes and what the owner's others leave, and is refused (RESOURCE_EXHAUSTED) under 1 MiB. "
+        "A store takes its bytes and 1 KiB of kernel memory for each file it may hold (one per 4 KiB of its size; "
+        "a closed session's: those it holds)", _review_bytes(zero=False)),
+    Key("review", "owner_stores", 128, "review change sets one owner (a uid, a TLS principal) may keep at once, open "
+        "and closed sessions' together: past it CreateSession of a review session is refused (RESOURCE_EXHAUSTED "
+        "naming this key) until some are applied or discarded. Each costs the fork server a look when the "
+        "owner's next one is made; 0: no cap (review.owner_bytes still bounds them)", _whole(0, 1 << 16)),
     Key("review", "keep_days", 14, "days a closed review session's change set with pending changes is kept (to "
         "list, apply or discard: docs/review-mode.md) before the daemon's sweep removes it, with an audit event; "
         "0: kept until applied or discarded. A fraction of a day is taken as it is", _days_or_zero),

@@ -66,6 +66,7 @@ class DaemonSettings:
     log_level: str
     review_session_bytes: int     # review.session_bytes (0: no bound), for kernel.review_space.make_store
     review_owner_bytes: int       # review.owner_bytes
+    review_owner_stores: int      # review.owner_stores (0: no cap)
     review_keep_days: float       # review.keep_days (0: kept for good), for service.review_expiry
 
     @property
@@ -141,6 +142,7 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         log_format=config.text("log.format"), log_level=config.text("log.level"),
         review_session_bytes=_size_or_zero(config, "review.session_bytes"),
         review_owner_bytes=parse_size(config.text("review.owner_bytes"), "review.owner_bytes"),
+        review_owner_stores=config.whole("review.owner_stores"),
         review_keep_days=config.number("review.keep_days"))
 
 

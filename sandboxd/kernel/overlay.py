@@ -57,6 +57,7 @@ LAYERS_FILE = "layers.json"
 CLOCK_REALTIME_COARSE = 5                    # <linux/time.h>: the time module does not name it
 MAX_CHECKPOINTS = 64                         # checkpoint layers one overlay stacks at most (see above)
 DEFAULT_CHECKPOINTS = 32                     # config review.max_checkpoints
+CHECKPOINTS_DIR = "checkpoints"              # beside each overlay's upper/ and work/: its checkpoint layers
 MAX_OPTIONS = 4095                           # mount(2) copies one page of options, NUL included
 
 OVERLAYFS_MAGIC = 0x794C7630
@@ -246,17 +247,28 @@ def make_session_dir(base: str, name: str) -> tuple[str, bool]:
 
 
 def remove_if_unchanged(review_dir: str) -> bool:
-    """Remove a closed session's review directory when no upper layer holds anything (nothing to
-    apply or keep); True if it was removed. The sandbox must be gone (its overlays unmounted)."""
+    """Remove a closed session's review directory when no layer holds anything (nothing to apply or
+    keep); True if it was removed. The sandbox must be gone (its overlays unmounted). A checkpoint
+    layer holds changes too (review.checkpoints): each the record names is looked into, and one on
+    disk that it does not name (a checkpoint cut short froze the upper before the record said so)
+    keeps the directory whatever it holds."""
     try:
         layers = load(review_dir)
-        # A checkpoint layer holds changes too (review.checkpoints): kept whenever one exists.
-        if any(layer.checkpoints or os.listdir(layer.upper) for layer in layers):
+        if any(os.listdir(path) for layer in layers for path in layer.stack) or \
+                any(_unrecorded_checkpoints(layer) for layer in layers):
             return False
         remove_layers(review_dir)
     except FileNotFoundError:
         return False
     return True
+
+
+def _unrecorded_checkpoints(layer: Layers) -> bool:
+    try:
+        on_disk = os.listdir(f"{os.path.dirname(layer.upper)}/{CHECKPOINTS_DIR}")
+    except FileNotFoundError:
+        return False
+    return bool(set(on_disk) - {os.path.basename(path) for path in layer.checkpoints})
 
 
 def reuse_layers(review_dir: str, roots: "tuple[str, ...]", descriptors: "dict[str, int]") -> "dict[str, Layers]":
@@ -286,21 +298,24 @@ def save(review_dir: str, layers: "list[Layers]") -> None:
 def write_aside(directory: str, name: str, data: bytes, *, reserve: bool = False) -> None:
     """``directory``/``name`` holds ``data`` (0600): written beside it, synced, renamed into place,
     so a reader (or a restart after a crash) finds the old record or the new one, never half.
-    ``reserve``: written over a bounded store's reserve in ``directory`` (kernel.review_space) when
-    there is one and ``data`` fits it, so it needs no new space, which the sandbox may have taken
-    already; padded with white space (JSON ignores it) to the reserve's size, it gives no page back
-    to the sandbox either."""
+    ``reserve``: written over one of a bounded store's reserves in ``directory``
+    (kernel.review_space.RESERVES) when there is one and ``data`` fits it, so it needs no new
+    space, which the sandbox may have taken already; padded with white space (JSON ignores it) to
+    the reserve's size, it gives no page back to the sandbox either. The record it replaces (a
+    former reserve, its pages all taken) becomes a reserve again: the next save finds one too."""
     temporary = f"{directory}/.{name}.new"
     taken = False
     if reserve:
-        from sandboxd.kernel.review_space import RESERVE, RESERVE_BYTES
+        from sandboxd.kernel.review_space import RESERVE_BYTES, RESERVES
 
         if len(data) <= RESERVE_BYTES:
-            try:
-                os.rename(f"{directory}/{RESERVE}", temporary)
-                taken = True
-            except FileNotFoundError:
-                pass
+            for spare in RESERVES:
+                try:
+                    os.rename(f"{directory}/{spare}", temporary)
+                    taken = True
+                    break
+                except FileNotFoundError:
+                    continue
         if taken:
             data = data.ljust(RESERVE_BYTES)
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (0 if taken else os.O_TRUNC),
@@ -312,7 +327,32 @@ def write_aside(directory: str, name: str, data: bytes, *, reserve: bool = False
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.rename(temporary, f"{directory}/{name}")
+    if taken:
+        _replace_keeping_reserve(directory, f".{name}.new", name)
+    else:
+        os.rename(temporary, f"{directory}/{name}")
+
+
+def _replace_keeping_reserve(directory: str, temporary: str, name: str) -> None:
+    """Put ``temporary`` (written over a reserve) in ``name``'s place at once (exchanged: no page
+    freed or taken), then keep the old record as a reserve when it is a whole one, else remove it."""
+    from sandboxd.kernel import beneath, review_space
+    from sandboxd.kernel.review_space import RESERVES
+
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        try:
+            beneath.exchange(dir_fd, temporary, name)
+        except FileNotFoundError:                   # the first save: nothing to keep
+            os.rename(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            return
+        free = [spare for spare in RESERVES if beneath.lstat_at(dir_fd, spare) is None]
+        if free and review_space.is_whole_reserve(f"{directory}/{temporary}"):
+            os.rename(temporary, free[0], src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        else:
+            os.unlink(temporary, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def record_text(layers: "list[Layers]") -> str:

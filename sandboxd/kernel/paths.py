@@ -167,17 +167,27 @@ def file_system_type(fd: int) -> str | None:
 
 def mount_fields(fd: int) -> list[str] | None:
     """The fields of the /proc/self/mountinfo line (proc(5)) of the mount ``fd`` is on, or None."""
+    mount_id = mount_id_of(fd)
+    return None if mount_id is None else mount_table().get(mount_id)
+
+
+def mount_id_of(fd: int) -> str | None:
+    """The id of the mount ``fd`` is on (/proc/self/fdinfo's mnt_id), or None."""
     try:
         with open(f"/proc/self/fdinfo/{fd}") as info:
-            mount_id = next(line.split()[1] for line in info if line.startswith("mnt_id:"))
+            return next(line.split()[1] for line in info if line.startswith("mnt_id:"))
+    except (OSError, StopIteration, IndexError):
+        return None
+
+
+def mount_table() -> dict[str, list[str]]:
+    """/proc/self/mountinfo read once: each line's fields by its mount id (the first field). For a
+    caller asking about many mounts: one read, not one per mount."""
+    try:
         with open("/proc/self/mountinfo") as mounts:
-            for line in mounts:
-                fields = line.split()
-                if fields and fields[0] == mount_id:
-                    return fields
-    except (OSError, StopIteration):
-        pass
-    return None
+            return {fields[0]: fields for fields in (line.split() for line in mounts) if fields}
+    except OSError:
+        return {}
 
 
 def _socket_identity(fd: int, given: str) -> tuple[int, int, int]:

@@ -14,12 +14,16 @@ cache, stay charged to it once it is removed, counted in its parent's until free
 
 The per-owner bound: a new store's size is the smaller of the session's bound and what the owner's
 other stores leave of the owner's (``share``); ``seal`` shrinks a store whose sandbox is gone to
-what it holds, giving the rest back. The daemon's session code keeps each owner's total (after a
-restart: the sum of ``reserved`` over the owner's stores).
+what it holds, its bytes and its inodes, giving the rest back. What a store takes of the owner's
+bound (``charge``, ``reserved``) is its bytes and its inodes' kernel memory: tmpfs keeps each inode
+(an empty file, a directory, a whiteout) in unswappable memory, INODE_CHARGE bytes, with no page,
+so a bound on bytes alone let empty files hold memory nobody counted. The fork server sums what an
+owner's stores take (``owner_stores``), reading /proc/self/mountinfo once.
 
-A small reserve file (``RESERVE``) is made with the store, outside the share: the record of the
-layers (kernel.overlay.save) is written into its pages, so a sandbox that filled its store at once
-cannot stop its own change set being recorded.
+Small reserve files (``RESERVES``) are made with the store, outside the share: the records a store
+keeps (kernel.overlay.save's layers, review.checkpoints's list) are written into their pages, and
+the record each replaces becomes the next reserve (kernel.overlay.write_aside), so a sandbox that
+filled its store cannot stop its own change set being recorded, at the first save or any later one.
 """
 
 from __future__ import annotations
@@ -43,9 +47,22 @@ MIN_SHARE = 1 << 20                     # a smaller share holds nothing useful: 
 INODE_BYTES = PAGE                      # one inode per page of the bound: every file takes a page anyway;
                                         # directories and whiteouts (deletions) count too
 MIN_INODES = 1024
-RESERVE = ".sandboxd-reserve"           # pages the layers' record is written into (kernel.overlay.save)
+INODE_CHARGE = 1024                     # unswappable kernel memory of one tmpfs inode and its dentry (measured:
+                                        # 100,000 empty files, Slab +96 MiB); what each inode a store may hold
+                                        # takes of the owner's review.owner_bytes
+RESERVE = ".sandboxd-reserve"           # pages the records are written into (kernel.overlay.write_aside)
+# Three: the layers' record and the checkpoints' each take one at their first save, and one stays
+# spare, which each later save takes while the record it replaces becomes the spare.
+RESERVES = (RESERVE, RESERVE + "-2", RESERVE + "-3")
 RESERVE_BYTES = 64 << 10
-RESERVE_INODES = 16                     # slack for the reserve and the layers' first directories
+RESERVE_INODES = 16                     # slack for the reserves and the layers' first directories
+# Inodes held for mounting the session's overlays: overlayfs makes a file and a whiteout in its
+# work directory at each mount (its rename-whiteout check), so a store whose sandbox took every
+# inode could not be mounted again (a rebuild after a checkpoint, a discard, a restart). Empty
+# files in LENT_DIR, removed just before a build mounts the overlays and made again as soon as it
+# is done (``lend_inodes``, ``settle_inodes``): the sandbox runs no command in between.
+LENT_DIR = ".sandboxd-inodes"
+LENT_INODES = 8
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -56,15 +73,37 @@ class Store(Record):
     size: int
 
 
+def inodes_for(size: int) -> int:
+    """The inodes (``nr_inodes=``) a store of ``size`` bytes may hold: those its sandbox may
+    take, and the store's own (reserves, directories, LENT_DIR and the inodes it holds)."""
+    return max(MIN_INODES, size // INODE_BYTES) + RESERVE_INODES + LENT_INODES + 1
+
+
+def charge(size: int, inodes: int | None = None) -> int:
+    """What a store of ``size`` bytes and ``inodes`` inodes (default: ``inodes_for(size)``) takes
+    of its owner's review.owner_bytes: its bytes and its inodes' kernel memory."""
+    return size + (inodes_for(size) if inodes is None else inodes) * INODE_CHARGE
+
+
 def share(session_bytes: int, owner_bytes: int, owner_total: int) -> int:
-    """A new session's bound: the session's, or what the owner's stores (``owner_total`` bytes
-    reserved now) leave of ``owner_bytes``, whichever is smaller. RESOURCE_EXHAUSTED when that is
-    under MIN_SHARE."""
+    """A new session's bound in bytes: the session's, or the most whose ``charge`` fits in what the
+    owner's stores (``owner_total`` charged now) leave of ``owner_bytes``, whichever is smaller.
+    RESOURCE_EXHAUSTED when that is under MIN_SHARE."""
     left = owner_bytes - owner_total
-    if left < MIN_SHARE:
+    if charge(session_bytes) <= left:
+        return session_bytes
+    # The charge is linear in the size above MIN_INODES pages, constant below: the largest fitting
+    # size is one of these two.
+    own = inodes_for(0) - MIN_INODES            # the store's own inodes, whatever its size
+    linear = (left - own * INODE_CHARGE) * INODE_BYTES // (INODE_BYTES + INODE_CHARGE)
+    flat = left - inodes_for(0) * INODE_CHARGE
+    fitting = [size - size % PAGE for size in (linear, flat) if size > 0 and charge(size - size % PAGE) <= left]
+    size = max(fitting, default=0)
+    if size < MIN_SHARE:
         raise Exhausted(f"review: this owner's review stores hold {owner_total >> 20} MiB of the "
-                        f"{owner_bytes >> 20} MiB review.owner_bytes allows: apply or discard kept change sets")
-    return min(session_bytes, left)
+                        f"{owner_bytes >> 20} MiB review.owner_bytes allows (their bytes and their files' "
+                        "kernel memory): apply or discard kept change sets")
+    return size
 
 
 def make_store(path: str, *, session_bytes: int, owner_bytes: int, owner_total: int) -> Store:
@@ -115,7 +154,7 @@ def bound(path: str, size: int) -> None:
     was made cannot move the mount elsewhere. The tmpfs is nosuid, nodev and noexec on the host
     (nothing in a change set runs there; the sandbox sees it through its overlay, whose own flags
     decide)."""
-    inodes = max(MIN_INODES, size // INODE_BYTES) + RESERVE_INODES
+    inodes = inodes_for(size)
     flags = mounts.MS_NOSUID | mounts.MS_NODEV | mounts.MS_NOEXEC
     try:
         fd = os.open(path, DIR_FLAGS)
@@ -128,7 +167,7 @@ def bound(path: str, size: int) -> None:
             raise InvalidPolicy(f"review directory {path!r} is not an empty directory of root's, mode 0700: name a new one")
         try:
             mounts.mount(SOURCE, f"/proc/self/fd/{fd}", "tmpfs", flags,
-                         f"size={size + RESERVE_BYTES},nr_inodes={inodes},mode=0700,uid=0,gid=0,huge=never", step=STEP)
+                         f"size={size + len(RESERVES) * RESERVE_BYTES},nr_inodes={inodes},mode=0700,uid=0,gid=0,huge=never", step=STEP)
         except SetupError as exc:
             raise SetupError(STEP, exc.errno, path, hint=_hint(exc.errno)) from None
     finally:
@@ -136,6 +175,8 @@ def bound(path: str, size: int) -> None:
     try:
         _probe_attributes(path)
         _make_reserve(path)
+        os.mkdir(f"{path}/{LENT_DIR}", 0o700)
+        settle_inodes(path)
     except BaseException:
         release(path)
         raise
@@ -163,9 +204,42 @@ def _probe_attributes(path: str) -> None:
 
 
 def _make_reserve(path: str) -> None:
-    fd = os.open(f"{path}/{RESERVE}", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    for name in RESERVES:
+        fd = os.open(f"{path}/{name}", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, bytes(RESERVE_BYTES))      # written, not sparse: its pages are taken now
+        finally:
+            os.close(fd)
+
+
+def lend_inodes(path: str) -> bool:
+    """Free the inodes a store (``path``) holds for mounting its overlays (LENT_DIR), just before a
+    build mounts them; False (nothing done) when ``path`` is no store. ``settle_inodes`` takes
+    them back once the build is done or failed, before its sandbox runs a command."""
+    if not is_store(path):
+        return False
+    fd = os.open(f"{path}/{LENT_DIR}", DIR_FLAGS)
     try:
-        os.write(fd, bytes(RESERVE_BYTES))          # written, not sparse: its pages are taken now
+        for name in os.listdir(fd):
+            os.unlink(name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    return True
+
+
+def settle_inodes(path: str) -> None:
+    """Hold LENT_INODES inodes of the store ``path`` again for the next mount (as many as are
+    free: a mount frees what it took, so all of them after a build)."""
+    fd = os.open(f"{path}/{LENT_DIR}", DIR_FLAGS)
+    try:
+        for index in range(LENT_INODES):
+            try:
+                os.close(os.open(str(index), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                                 dir_fd=fd))
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                break
     finally:
         os.close(fd)
 
@@ -183,8 +257,10 @@ def is_store(path: str) -> bool:
         os.close(fd)
 
 
-def _is_store_root(fd: int) -> bool:
-    fields = paths.mount_fields(fd)
+def _is_store_root(fd: int, table: "dict[str, list[str]] | None" = None) -> bool:
+    """Whether ``fd`` is the root of a store; ``table``: /proc/self/mountinfo read once already
+    (paths.mount_table), for a caller asking about many."""
+    fields = paths.mount_fields(fd) if table is None else table.get(paths.mount_id_of(fd) or "")
     if not fields or "-" not in fields or fields[3] != "/":
         return False
     if fields[fields.index("-") + 1:][:2] != ["tmpfs", SOURCE]:
@@ -196,34 +272,95 @@ def _is_store_root(fd: int) -> bool:
         os.close(parent)
 
 
-def reserved(path: str) -> int:
-    """The bound of the store at ``path`` (its reserve not counted; 0: not a store): what it
-    takes of its owner's review.owner_bytes. The daemon sums it over an owner's stores after a
-    restart."""
-    if not is_store(path):
+def reserved(path: str, table: "dict[str, list[str]] | None" = None) -> int:
+    """What the store at ``path`` takes of its owner's review.owner_bytes (0: not a store): its
+    bound in bytes (the reserves not counted) and its bound in inodes, each INODE_CHARGE.
+    ``table``: /proc/self/mountinfo read once (paths.mount_table; ``owner_stores`` passes it)."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
         return 0
-    st = os.statvfs(path)
-    return max(0, st.f_blocks * st.f_frsize - RESERVE_BYTES)
+    try:
+        if not _is_store_root(fd, table):
+            return 0
+        st = os.fstatvfs(fd)
+    finally:
+        os.close(fd)
+    return charge(max(0, st.f_blocks * st.f_frsize - len(RESERVES) * RESERVE_BYTES), st.f_files)
+
+
+def owner_stores(candidates: "list[str]") -> tuple[int, int]:
+    """How many of ``candidates`` (an owner's review directories) are stores, and what they take of
+    the owner's bound together (``reserved``): /proc/self/mountinfo read once for all of them, so
+    the cost is O(stores + mounts), not their product."""
+    table = paths.mount_table()
+    charges = [reserved(path, table) for path in candidates]
+    return sum(1 for item in charges if item), sum(charges)
 
 
 def used(path: str) -> int:
-    """Bytes the store at ``path`` holds (whole pages, its reserve not counted)."""
+    """Bytes the store at ``path`` holds (whole pages, its reserves and the records in them not
+    counted)."""
     st = os.statvfs(path)
-    return max(0, (st.f_blocks - st.f_bfree) * st.f_frsize - RESERVE_BYTES)
+    return max(0, (st.f_blocks - st.f_bfree) * st.f_frsize - len(RESERVES) * RESERVE_BYTES)
+
+
+def inodes_used(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_files - st.f_ffree
 
 
 def seal(path: str, slack: int = 0) -> int:
-    """Shrink the store at ``path`` to what it holds now plus ``slack`` bytes, once nothing writes
-    to it (its sandbox is gone, the change set is kept): the rest of its bound goes back to the
-    owner's share. Returns the new bound. A store that grew meanwhile keeps its bound (the remount
-    is refused; nothing lost)."""
+    """Shrink the store at ``path`` to what it holds now plus ``slack`` bytes, and its inodes to
+    those in use plus one per INODE_BYTES of ``slack`` (at least RESERVE_INODES), once nothing
+    writes to it (its sandbox is gone, the change set is kept): the rest of its bound goes back to
+    the owner's share. Returns what it takes now (``reserved``). A store that grew meanwhile keeps
+    its bound (the remount is refused; nothing lost)."""
     size = max(used(path) + slack, PAGE)
+    inodes = inodes_used(path) + max(RESERVE_INODES, slack // INODE_BYTES)
     try:
         mounts.mount(None, path, None, mounts.MS_REMOUNT | mounts.MS_NOSUID | mounts.MS_NODEV | mounts.MS_NOEXEC,
-                     f"size={size + RESERVE_BYTES}", step=STEP)
+                     f"size={size + len(RESERVES) * RESERVE_BYTES},nr_inodes={inodes}", step=STEP)
     except SetupError:
         pass
     return reserved(path)
+
+
+def check_room(path: str, *, inodes: int, records: "tuple[str, ...]", what: str) -> None:
+    """Refuse (RESOURCE_EXHAUSTED, saying what to do) to ``what`` (a checkpoint, a rollback: work
+    that makes ``inodes`` entries in the store at ``path`` and then saves ``records``, the names of
+    its record files, in that order, each with kernel.overlay.write_aside's reserve) when the store
+    has not the room: fewer free inodes, or a save finding no reserve and no free pages for it.
+    Called before anything is changed, with nothing else writing the store (its sandbox's overlays
+    unmounted), so what it finds holds until the work is done. Nothing on a directory that is no
+    store (review.session_bytes = 0: the disk's own bound decides)."""
+    if not is_store(path):
+        return
+    st = os.statvfs(path)
+    spares = sum(1 for name in RESERVES if os.path.lexists(f"{path}/{name}"))
+    whole = {name for name in set(records) if is_whole_reserve(f"{path}/{name}")}
+    pages = 0
+    for name in records:                # as write_aside goes: a spare taken, the record replaced given back
+        if spares:
+            spares -= 0 if name in whole else 1
+            whole.add(name)
+        else:
+            pages += RESERVE_BYTES // PAGE
+    if st.f_ffree < inodes or st.f_bavail < pages:
+        full = "inodes (its files, directories and deletions)" if st.f_ffree < inodes else "bytes"
+        raise Exhausted(f"review: this session's change set fills its store (all its {full}), so {what} could "
+                        "not be recorded: discard some changes (sandboxctl discard SESSION PATH...) or apply them, "
+                        "then try again. Nothing was changed")
+
+
+def is_whole_reserve(path: str) -> bool:
+    """Whether the file at ``path`` is a reserve's size with every page taken (a record written over
+    a reserve, which becomes a reserve again when replaced)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == RESERVE_BYTES and st.st_blocks * 512 >= RESERVE_BYTES
 
 
 def release(path: str) -> None:

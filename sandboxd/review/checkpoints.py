@@ -46,7 +46,7 @@ from sandboxd.review import upper
 CHECKPOINTS_FILE = "checkpoints.json"
 DEFAULT_LIMIT = overlay.DEFAULT_CHECKPOINTS     # config review.max_checkpoints; at most overlay.MAX_CHECKPOINTS
 MAX_LABEL = 256                     # characters of a checkpoint's label
-LAYERS_DIR = "checkpoints"          # in each overlay's directory, beside upper/ and work/
+LAYERS_DIR = overlay.CHECKPOINTS_DIR        # in each overlay's directory, beside upper/ and work/
 FRESH = "upper.new"                 # the empty upper being made (a leftover is finished or removed)
 ASIDE = ".dropped-"                 # a layer being removed (renamed aside first: gone from view at once)
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -103,7 +103,18 @@ def _save(review_dir: str, state: _State) -> None:
     import json
 
     data = {"next_id": state.next_id, "checkpoints": [item.as_dict() for item in state.checkpoints]}
-    overlay.write_aside(review_dir, CHECKPOINTS_FILE, json.dumps(data, sort_keys=True).encode())
+    overlay.write_aside(review_dir, CHECKPOINTS_FILE, json.dumps(data, sort_keys=True).encode(), reserve=True)
+
+
+def _check_room(review_dir: str, overlays: int, saves: int, what: str) -> None:
+    """Refuse ``what`` before anything changes when the session's store (kernel.review_space) has
+    not the room for its new directories (two per overlay: the checkpoints directory, the empty
+    upper) and ``saves`` saves of both records: a checkpoint half made on a full store would leave
+    a frozen layer no record names."""
+    from sandboxd.kernel import review_space
+
+    review_space.check_room(review_dir, inodes=2 * overlays + 2,
+                            records=(overlay.LAYERS_FILE, CHECKPOINTS_FILE) * saves, what=what)
 
 
 def list_checkpoints(review_dir: str) -> list[Checkpoint]:
@@ -195,6 +206,8 @@ def create(review_dir: str, label: str = "", *, limit: int = DEFAULT_LIMIT, call
         raise InvalidPolicy(f"review.max_checkpoints is 1 to {overlay.MAX_CHECKPOINTS} (not {limit})")
     recover(review_dir)
     state = _load(review_dir)
+    _check_room(review_dir, len(overlay.load(review_dir)), 3 if len(state.checkpoints) >= max(limit, 2) else 2,
+                "a checkpoint")
     # Room first: should a merge fail (a layer past upper.MAX_ENTRIES), nothing was frozen, and
     # the layers a mount stacks stay within the limit.
     while len(state.checkpoints) >= max(limit, 2):
@@ -369,6 +382,7 @@ def rollback(review_dir: str, checkpoint_id: int) -> Rollback:
         raise NotFound(f"this session has no checkpoint {checkpoint_id} (it has: "
                        f"{', '.join(map(str, ids)) or 'none'}; 0 is the start)")
     everything = overlay.load(review_dir)
+    _check_room(review_dir, len(everything), 1, "a rollback")
     kept: list[overlay.Layers] = []
     for layers in everything:
         staying = tuple(path for path in layers.checkpoints if _layer_id(path) <= checkpoint_id)

@@ -134,13 +134,15 @@ class ForkServer:
         return call_id
 
     def open_session(self, session: str, spec: LaunchSpec, review_dir: str = "", *, session_bytes: int = 0,
-                     owner_bytes: int = 0, owner_stores: "list[str] | None" = None) -> "SessionInfo":
+                     owner_bytes: int = 0, owner_stores: "list[str] | None" = None,
+                     owner_stores_max: int = 0) -> "SessionInfo":
         """Build a session's sandbox (``spec.argv`` is not run): its init's pid and, with an isolated
         network, its addresses. ``review_dir``: review mode, its change set there, a store bounded
-        by the other three (SessionOpen)."""
+        by the other four (SessionOpen)."""
         wire = spec_record(spec)
         call_id = self._request(lambda call_id: SessionOpen(call_id, session, wire, review_dir, session_bytes,
-                                                            owner_bytes, list(owner_stores or [])))
+                                                            owner_bytes, list(owner_stores or []),
+                                                            owner_stores_max))
         event = self._expect(call_id, SessionReady)
         with self._cond:
             passed = self._passed.pop(call_id, [])

@@ -414,13 +414,15 @@ class SessionOpen(Request, kind="session_open"):
     reused: kernel.overlay.reuse_layers); "": the roots are written directly. A new review
     directory is a bounded store (kernel.review_space) of ``session_bytes`` (0: none) or what
     ``owner_stores`` (the owner's other review directories, by the daemon's records) leave of
-    ``owner_bytes``, whichever is smaller: the fork server reads their bounds from the kernel."""
+    ``owner_bytes``, whichever is smaller: the fork server reads their bounds from the kernel; refused
+    when they are ``owner_stores_max`` already (review.owner_stores; 0: no cap)."""
     session: str
     spec: SpecRecord
     review_dir: str = ""
     session_bytes: int = 0
     owner_bytes: int = 0
     owner_stores: list[str] = Factory(list)
+    owner_stores_max: int = 0
 
 
 class SessionClose(Request, kind="session_close"):

@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Any
 from sandboxd.kernel import access, overlay, process
 from sandboxd.launcher.plan import path_check as plan_path_check
 from sandboxd.launcher.plan import path_requests as plan_path_requests
-from sandboxd.errors import DeadlineExceeded, InvalidPolicy, SandboxdError, SetupError
+from sandboxd.errors import DeadlineExceeded, Exhausted, InvalidPolicy, SandboxdError, SetupError
 from sandboxd.policy.spec import LaunchSpec
 from sandboxd.review import checkpoints
 from sandboxd.supervisor import fork_protocol as protocol
@@ -349,16 +349,24 @@ class _Server:
             # crash cut short is finished first, so the layers mounted are those the record names
             # (root's own directory; the records and one listing per overlay when nothing was cut).
             checkpoints.recover(review_dir)
+        lent = review_dir is not None and _lend_inodes(review_dir)
         self._opening.add(name)
+
+        def settle() -> None:
+            if lent and review_dir is not None:
+                _settle_inodes(review_dir)
 
         def undo() -> None:
             self._forget_opening(name)
             if fresh:
                 _remove_review_dir(review_dir)
+            else:
+                settle()
 
         try:
             self._open_paths(call_id, spec.caller, plan_path_requests(spec),
-                             lambda opened: self._build_session(call_id, name, spec, opened, review_dir, undo),
+                             lambda opened: self._build_session(call_id, name, spec, opened, review_dir, undo,
+                                                                settle),
                              plan_path_check(spec), undo=undo, owner=spec.owner, owner_pids=spec.limits.owner_pids)
         except BaseException:
             undo()
@@ -521,15 +529,17 @@ class _Server:
         self._waits.add(pending.fileno(), call_id, deadline, ready, expire)
 
     def _build_session(self, call_id: int, name: str, spec: LaunchSpec, opened: list[int], review_dir: str | None,
-                       undo: "Callable[[], None]") -> None:
+                       undo: "Callable[[], None]", settle: "Callable[[], None]") -> None:
         """Start the session's build; it is answered from the loop when its init reports. ``undo``:
-        what a failed build releases (its name; a review directory made for it)."""
+        what a failed build releases (its name; a review directory made for it); ``settle``: what a
+        build that mounted its overlays gives back before its sandbox serves (the store's lent inodes)."""
         try:
             build = self.spawner.begin_session(spec, opened, review_dir=review_dir)
         except BaseException:
             undo()
             raise
         if isinstance(build, SessionSandbox):
+            settle()
             self._session_ready(call_id, name, build)
             return
         reader = ReportReader(build.report_fd)
@@ -544,6 +554,7 @@ class _Server:
                 raise
             finally:
                 self._opening.discard(name)
+            settle()
             self._session_ready(call_id, name, session)
             return True
 
@@ -727,8 +738,10 @@ def _review_dir(path: str, make: bool = True) -> tuple[str | None, bool]:
 def _bound_review_dir(path: str, request: SessionOpen) -> None:
     """Make the review directory ``path`` just made a bounded store (kernel.review_space): its
     share is the session's bound or what the owner's other stores (``owner_stores``, named by the
-    daemon, each beside it) reserve now of the owner's, read from the kernel (a tmpfs mount of
-    the daemon's own: nothing a caller can make wait). On refusal the directory is removed."""
+    daemon, each beside it) take now of the owner's, read from the kernel (a tmpfs mount of
+    the daemon's own: nothing a caller can make wait; /proc/self/mountinfo read once, whatever
+    their number). An owner holding ``owner_stores_max`` stores already (review.owner_stores; 0:
+    no cap) is refused. On refusal the directory is removed."""
     from sandboxd.kernel import review_space
     if not request.session_bytes:
         return
@@ -736,11 +749,32 @@ def _bound_review_dir(path: str, request: SessionOpen) -> None:
         base = os.path.dirname(path)
         others = [other for other in request.owner_stores if os.path.dirname(other) == base and other != path
                   and os.path.normpath(other) == other]
-        total = sum(review_space.reserved(other) for other in others)
+        count, total = review_space.owner_stores(others)
+        if request.owner_stores_max and count >= request.owner_stores_max:
+            raise Exhausted(f"review: this owner keeps {count} review change sets, as many as review.owner_stores "
+                            "allows: apply or discard some kept change sets (sandboxctl apply/discard SESSION)")
         review_space.bound(path, review_space.share(request.session_bytes, request.owner_bytes, total))
     except BaseException:
         _remove_review_dir(path)
         raise
+
+
+def _lend_inodes(path: str) -> bool:
+    """The store's inodes held for mounting (kernel.review_space.lend_inodes), freed for this build;
+    a store made before they existed, or no store, lends none."""
+    from sandboxd.kernel import review_space
+    try:
+        return review_space.lend_inodes(path)
+    except FileNotFoundError:
+        return False
+
+
+def _settle_inodes(path: str) -> None:
+    from sandboxd.kernel import review_space
+    try:
+        review_space.settle_inodes(path)
+    except OSError as exc:
+        _log(f"review store {path!r}: its inodes for the next mount could not be held again: {exc}")
 
 
 def _remove_review_dir(path: str | None) -> None:

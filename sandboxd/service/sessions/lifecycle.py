@@ -60,6 +60,7 @@ class SandboxPlaces(Record):
     review_dir: str = ""                # where review sessions' change sets are, one directory each (STATE/review)
     review_session_bytes: int = 0       # each a bounded store (kernel.review_space): review.session_bytes (0: none)
     review_owner_bytes: int = 0         # and review.owner_bytes
+    review_owner_stores: int = 0        # review.owner_stores: stores one owner keeps at most (0: no cap)
     network_pool: str = ""              # addresses of isolated networks (default: netns's)
 
 
@@ -306,7 +307,8 @@ class SessionLifecycle:
         info = self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy),
                                        self.review_dir(session), session_bytes=self._places.review_session_bytes,
                                        owner_bytes=self._places.review_owner_bytes,
-                                       owner_stores=self._owner_stores(session))
+                                       owner_stores=self._owner_stores(session),
+                                       owner_stores_max=self._places.review_owner_stores)
         try:
             with session.lock:                        # before the check: a concurrent build's check sees it
                 session.built[generation] = info.replace(proxy_listener=-1)
@@ -376,8 +378,7 @@ class SessionLifecycle:
             return []
         mine = (session.owner.uid, session.owner.principal)
         ids = {other.id for other in self._table.all() if other.review and (other.owner.uid, other.owner.principal) == mine}
-        ids.update(row.id for row in self._store.sessions(include_closed=True)
-                   if row.review and (row.owner_uid, row.owner_principal) == mine)
+        ids.update(self._store.review_session_ids(*mine))
         ids.discard(session.id)
         return sorted(self.review_dir_of(other) for other in ids)
 

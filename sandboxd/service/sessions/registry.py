@@ -46,12 +46,13 @@ class SessionRegistry:
                  own: OwnPlaces | None = None, proxy_connections: int = 256,
                  published_connections: int = 256, published_per_peer: int = 32, quotas: Quotas | None = None,
                  allow_user_full_access: bool = True, count_network_denial: Callable[[], None] | None = None,
-                 review_dir: str = "", review_bytes: tuple[int, int] = (0, 0)) -> None:
+                 review_dir: str = "", review_bytes: tuple[int, int] = (0, 0), review_stores: int = 0) -> None:
         """``allow_user_full_access``: policy.allow_user_full_access, whether a local non-root caller
         may have danger-full-access. ``count_network_denial``: called for each connection an egress
         proxy refuses (the daemon's metrics count them). ``review_dir``: where review sessions'
         change sets go, one directory each (STATE/review; "": review mode is not available);
-        ``review_bytes``: review.session_bytes and review.owner_bytes, the bounds of their stores."""
+        ``review_bytes``: review.session_bytes and review.owner_bytes, the bounds of their stores;
+        ``review_stores``: review.owner_stores, how many stores one owner keeps at most."""
         self._fork = forkserver
         self.store = store
         self.own = own or OwnPlaces()
@@ -66,7 +67,8 @@ class SessionRegistry:
         self._life = SessionLifecycle(forkserver, store, self._table, self.hooks,
                                       SandboxPlaces(own=self.own, dns=dns, network_pool=network_pool,
                                                     review_dir=review_dir, review_session_bytes=review_bytes[0],
-                                                    review_owner_bytes=review_bytes[1]),
+                                                    review_owner_bytes=review_bytes[1],
+                                                    review_owner_stores=review_stores),
                                       check_built=lambda session, facts: access.check_not_shared(
                                           session.owner, facts, self._table.all(), session.id))
 
