@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -26,14 +27,15 @@ import pytest
 from conftest import BASE_ENV, PY, REPO, SLOW, describe
 from daemon_helpers import PlainUser, owned_dir, plain_users
 from review_helpers import as_owner, kinds, scan_kept, snapshot
-from sandboxd.errors import InvalidPolicy, NotFound, SetupError
-from sandboxd.kernel import beneath, overlay
+from sandboxd.errors import Exhausted, InvalidPolicy, NotFound, SetupError
+from sandboxd.kernel import beneath, overlay, review_space
 from sandboxd.review import apply as applying
 from sandboxd.review import changes as listing
 from sandboxd.review import checkpoints, conflicts, kept, upper
 from test_review_overlay import Place, code_for_plain_users, place, rootless_state  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.timeout(int(300 * SLOW))       # the VM matrix's TCG guest: SLOW = 10
+MIB = 1 << 20
 
 
 HOST_FILES = {"a.txt": "a0\n", "b.txt": "b0\n", "c.txt": "c0\n", "keep.txt": "keep\n", "mid/m1": "m1\n",
@@ -529,3 +531,85 @@ def test_a_checkpoint_cut_short_is_recovered(place: Place) -> None:
     checkpoints.recover(str(review_dir))
     assert [item.id for item in checkpoints.list_checkpoints(str(review_dir))] == [1]
     assert sorted(os.listdir(Path(layers.upper).parent / checkpoints.LAYERS_DIR)) == ["1"]
+
+
+def bounded_workspace(place: Place, name: str, size: int) -> tuple[Path, Path]:
+    """``workspace``, its review directory a bounded store of ``size`` bytes (kernel.review_space),
+    as a daemon session's is."""
+    ws, review_dir = workspace(place, name, {"keep.txt": "keep\n"}, layers=False)
+    overlay.make_review_dir(str(review_dir))
+    review_space.bound(str(review_dir), size)
+    fd = os.open(ws, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        layers = overlay.make_layers(str(review_dir), 0, str(ws), fd, userxattr=False)
+    finally:
+        os.close(fd)
+    overlay.save(str(review_dir), [layers])
+    return ws, review_dir
+
+
+def spares(review_dir: Path) -> int:
+    return sum(1 for name in review_space.RESERVES if (review_dir / name).exists())
+
+
+FILL_STORE = "echo precious > work.txt; head -c 8000000 /dev/zero > big 2>/dev/null; test -s work.txt"
+
+
+def test_checkpoints_on_a_store_the_sandbox_filled_keep_a_reserve_every_time(place: Place) -> None:
+    """The second hostile pass's B3: the first save took the one reserve, so the next checkpoint's
+    save failed with ENOSPC half-done. Now each save's replaced record becomes the next reserve:
+    checkpoint after checkpoint on a full store, and a rollback, are recorded."""
+    ws, review_dir = bounded_workspace(place, "full-bytes", 2 * MIB)
+    try:
+        in_overlay(place, review_dir, FILL_STORE)
+        assert os.statvfs(review_dir).f_bavail == 0                # full: not a page left
+        for index in range(1, 6):
+            made = checkpoints.create(str(review_dir), f"c{index}")
+            assert made.id == index
+            assert spares(review_dir) >= 1                          # a reserve for the next save
+        assert [item.id for item in checkpoints.list_checkpoints(str(review_dir))] == [1, 2, 3, 4, 5]
+        assert checkpoints.rollback(str(review_dir), 1).dropped == (2, 3, 4, 5)
+        (change_set,) = kept.list_changes(str(review_dir))
+        assert {change.path for change in change_set.changes} == {"work.txt", "big"}
+        assert in_overlay(place, review_dir, "cat work.txt")["stdout"] == "precious\n"
+        # Control: a store whose reserves are gone (as one made before there were three, its one
+        # reserve taken) has no room to record a checkpoint: refused before anything changes.
+        for name in review_space.RESERVES:
+            (review_dir / name).unlink(missing_ok=True)
+        record = (review_dir / overlay.LAYERS_FILE).read_bytes()
+        upper_before = sorted(os.listdir(review_dir / "0" / "upper"))
+        with pytest.raises(Exhausted, match="fills its store .*discard some changes.*Nothing was changed"):
+            checkpoints.create(str(review_dir), "refused")
+        with pytest.raises(Exhausted, match="a rollback could not be recorded"):
+            checkpoints.rollback(str(review_dir), 0)
+        assert (review_dir / overlay.LAYERS_FILE).read_bytes() == record
+        assert sorted(os.listdir(review_dir / "0" / "upper")) == upper_before
+        assert os.listdir(review_dir / "0" / "checkpoints") == ["1"]
+        assert [item.id for item in checkpoints.list_checkpoints(str(review_dir))] == [1]
+        assert not overlay.remove_if_unchanged(str(review_dir))     # and a close keeps it all
+    finally:
+        overlay.remove_layers(str(review_dir))
+    assert not ws.joinpath("work.txt").exists()
+
+
+def test_a_checkpoint_layer_no_record_names_keeps_the_change_set_at_close(place: Place) -> None:
+    """A checkpoint cut short after freezing the upper (the record naming no checkpoint, the upper
+    empty) must not read as "unchanged": closing the session would delete the frozen changes."""
+    ws, review_dir = workspace(place, "unrecorded", {"keep.txt": "keep\n"})
+    in_overlay(place, review_dir, "echo precious > work.txt")
+    base = review_dir / "0"
+    (base / "checkpoints").mkdir(mode=0o700)
+    os.rename(base / "upper", base / "checkpoints" / "1")           # as _freeze does, the record not yet saved
+    (base / "upper").mkdir()
+    shutil.copystat(base / "checkpoints" / "1", base / "upper")
+    os.chown(base / "upper", place.owner.uid, place.owner.gid)
+    assert overlay.load(str(review_dir))[0].checkpoints == ()
+    assert not overlay.remove_if_unchanged(str(review_dir))
+    assert (base / "checkpoints" / "1" / "work.txt").read_text() == "precious\n"
+    # Control: the layer recorded (recover names it) and then emptied by a discard of everything,
+    # the directory holds nothing and is removed.
+    checkpoints.recover(str(review_dir))
+    assert [path.rsplit("/", 1)[1] for path in overlay.load(str(review_dir))[0].checkpoints] == ["1"]
+    os.unlink(base / "checkpoints" / "1" / "work.txt")
+    assert overlay.remove_if_unchanged(str(review_dir))
+    assert not review_dir.exists()

@@ -262,6 +262,10 @@ def test_the_bound_is_refused_where_it_cannot_be_made_and_configured_with_checks
     settings = config.load("/dev/null", environ={})
     assert (settings.review_session_bytes, settings.review_owner_bytes) == (1 << 30, 4 << 30)
     assert config.load("/dev/null", environ={"SANDBOXD_REVIEW_SESSION_BYTES": "0"}).review_session_bytes == 0
+    assert settings.review_owner_stores == 128
+    assert config.load("/dev/null", environ={"SANDBOXD_REVIEW_OWNER_STORES": "0"}).review_owner_stores == 0
+    with pytest.raises(ConfigError, match="review.owner_stores"):
+        config.load("/dev/null", environ={"SANDBOXD_REVIEW_OWNER_STORES": "-1"})
     for key, value in (("SESSION", "512K"), ("OWNER", "0"), ("OWNER", "lots")):
         with pytest.raises(ConfigError, match=f"review.{key.lower()}_bytes: must be a size of at least 1M"):
             config.load("/dev/null", environ={f"SANDBOXD_REVIEW_{key}_BYTES": value})
@@ -331,3 +335,37 @@ def test_a_stores_inodes_count_against_the_owner_and_a_sealed_store_keeps_no_mor
     finally:
         overlay.remove_layers(path)
     assert not mounted(review_dir)
+
+
+def test_an_owners_total_reads_the_mount_table_once_whatever_the_stores(place: Place,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second hostile pass's B2: the fork server sums an owner's stores on its loop; each used to
+    read /proc/self/mountinfo again (O(stores x mounts)). Now one read answers for all of them, and
+    what they take is the same as asked one by one."""
+    from sandboxd.kernel import paths
+
+    made = [str(place.base / f"table-{index}") for index in range(12)]
+    for path in made:
+        os.mkdir(path, 0o700)
+        review_space.bound(path, MiB)
+    try:
+        candidates = [*made, str(place.base / "table-absent"), str(place.base)]      # no stores: counted 0
+        one_by_one = sum(review_space.reserved(path) for path in candidates)
+        reads: list[int] = []
+        real = paths.mount_table
+
+        def counted() -> dict[str, list[str]]:
+            reads.append(1)
+            return real()
+        monkeypatch.setattr(paths, "mount_table", counted)
+        assert review_space.owner_stores(candidates) == (12, one_by_one)
+        assert len(reads) == 1
+        assert one_by_one == 12 * review_space.charge(MiB)
+        # Control: asked one by one, the table is read once per store.
+        reads.clear()
+        sum(review_space.reserved(path) for path in made)
+        assert len(reads) == len(made)
+    finally:
+        for path in made:
+            overlay.remove_layers(path)
+    assert not any(mounted(Path(path)) for path in made)
