@@ -44,9 +44,10 @@ HOST_FILES = {"a.txt": "a0\n", "b.txt": "b0\n", "c.txt": "c0\n", "keep.txt": "ke
 
 
 def workspace(place: Place, name: str, files: "dict[str, str] | None" = None, *,
-              layers: bool = True) -> tuple[Path, Path]:
+              layers: bool = True, size: int = 0) -> tuple[Path, Path]:
     """A workspace of the owner's and an empty review session over it (kernel.overlay's layers and
-    record, as a review session's are made; ``layers`` False: only its path)."""
+    record, as a review session's are made; ``layers`` False: only its path; ``size``: its review
+    directory a bounded store of that many bytes, kernel.review_space, as a daemon session's is)."""
     ws = owned_dir(place.base / name, place.owner)
     for rel, text in (HOST_FILES if files is None else files).items():
         path = ws / rel
@@ -65,6 +66,8 @@ def workspace(place: Place, name: str, files: "dict[str, str] | None" = None, *,
     if not layers:
         return ws, review_dir
     overlay.make_review_dir(str(review_dir))
+    if size:
+        review_space.bound(str(review_dir), size)
     fd = os.open(ws, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         layers = overlay.make_layers(str(review_dir), 0, str(ws), fd, userxattr=False)
@@ -533,21 +536,6 @@ def test_a_checkpoint_cut_short_is_recovered(place: Place) -> None:
     assert sorted(os.listdir(Path(layers.upper).parent / checkpoints.LAYERS_DIR)) == ["1"]
 
 
-def bounded_workspace(place: Place, name: str, size: int) -> tuple[Path, Path]:
-    """``workspace``, its review directory a bounded store of ``size`` bytes (kernel.review_space),
-    as a daemon session's is."""
-    ws, review_dir = workspace(place, name, {"keep.txt": "keep\n"}, layers=False)
-    overlay.make_review_dir(str(review_dir))
-    review_space.bound(str(review_dir), size)
-    fd = os.open(ws, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        layers = overlay.make_layers(str(review_dir), 0, str(ws), fd, userxattr=False)
-    finally:
-        os.close(fd)
-    overlay.save(str(review_dir), [layers])
-    return ws, review_dir
-
-
 def spares(review_dir: Path) -> int:
     return sum(1 for name in review_space.RESERVES if (review_dir / name).exists())
 
@@ -559,7 +547,7 @@ def test_checkpoints_on_a_store_the_sandbox_filled_keep_a_reserve_every_time(pla
     """The second hostile pass's B3: the first save took the one reserve, so the next checkpoint's
     save failed with ENOSPC half-done. Now each save's replaced record becomes the next reserve:
     checkpoint after checkpoint on a full store, and a rollback, are recorded."""
-    ws, review_dir = bounded_workspace(place, "full-bytes", 2 * MIB)
+    ws, review_dir = workspace(place, "full-bytes", {"keep.txt": "keep\n"}, size=2 * MIB)
     try:
         in_overlay(place, review_dir, FILL_STORE)
         assert os.statvfs(review_dir).f_bavail == 0                # full: not a page left
