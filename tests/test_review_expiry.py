@@ -40,6 +40,7 @@ def kept(store: EventStore, review: Path, session: str, closed_at: float | None)
     review_space.make_store(path, session_bytes=4 << 20, owner_bytes=16 << 20, owner_total=0)
     os.makedirs(f"{path}/0/upper")
     Path(f"{path}/0/upper/added.txt").write_text("x\n")
+    overlay.write_aside(path, overlay.LAYERS_FILE, b"[]", reserve=True)
     return path
 
 
@@ -63,3 +64,18 @@ def test_keep_days_zero_keeps_change_sets_for_good(state: tuple[EventStore, Path
     path = kept(store, review, "ancient", NOW - 1000 * DAY)
     assert ChangeSetExpiry(store, lambda session: str(review / session), 0).sweep(NOW) == []
     assert review_space.is_store(path)
+
+
+def test_a_closed_sessions_directory_a_removal_left_without_its_record_is_swept(
+        state: tuple[EventStore, Path]) -> None:
+    """A removal (apply or discard of everything, an expiry) cut short after the record went: the
+    store, still mounted, would count against its owner for good. Swept whatever keep_days."""
+    store, review = state
+    cut = kept(store, review, "cut", NOW - 1 * DAY)
+    os.unlink(f"{cut}/{overlay.LAYERS_FILE}")                       # as remove_layers does first
+    intact = kept(store, review, "intact", NOW - 1 * DAY)
+    still_open = kept(store, review, "open-cut", None)
+    os.unlink(f"{still_open}/{overlay.LAYERS_FILE}")                # open: its build may be writing it
+    assert ChangeSetExpiry(store, lambda session: str(review / session), 0).sweep(NOW) == ["cut"]
+    assert not os.path.lexists(cut) and cut not in Path("/proc/self/mountinfo").read_text()
+    assert review_space.is_store(intact) and review_space.is_store(still_open)     # controls

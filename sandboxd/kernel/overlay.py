@@ -438,11 +438,17 @@ def upper_is_empty(upper_fd: int, root: str, checkpoints: "tuple[str, ...]" = ()
 def remove_layers(review_dir: str) -> None:
     """Remove a review session's layers for good (discarded, expired). overlayfs leaves its work
     directory's inner ``work`` with mode 000: made searchable first, so a plain user (rootless)
-    can remove what it made. A bounded store (kernel.review_space) is emptied, then unmounted."""
+    can remove what it made. A bounded store (kernel.review_space) is emptied, then unmounted.
+    The record goes first: a removal cut short (a SIGKILL, a reboot) leaves a directory without
+    one, which nothing takes for a change set and the daemon's sweep removes (service.review_expiry)."""
     from sandboxd.kernel import beneath, review_space
 
     fd = os.open(review_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
+        try:
+            os.unlink(LAYERS_FILE, dir_fd=fd)
+        except FileNotFoundError:
+            pass
         for name in os.listdir(fd):
             try:                                # beneath the directory's descriptor: no symlink followed
                 inner = beneath.open_beneath(fd, f"{name}/work/work", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)

@@ -4,6 +4,11 @@ with an audit event (EventType.CHANGES_DISCARDED, ``by``: review.keep_days). A t
 daemon's own sweeps at its start and then every SWEEP_SECONDS (less for a keep_days under a day's
 quarter), never the fork server's loop: removing a tree and unmounting its store take as long as
 the tree is big. A closed session's sandbox is gone, so nothing writes there meanwhile.
+
+Whatever keep_days (0 too), the sweep also removes a closed session's review directory that has
+no record of its layers: a removal (an apply or discard of everything, an expiry) cut short
+after kernel.overlay.remove_layers took the record first. Nothing lists or applies it any more,
+but its store would count against its owner's review.owner_bytes and review.owner_stores for good.
 """
 
 from __future__ import annotations
@@ -34,8 +39,7 @@ class ChangeSetExpiry:
         self._thread = threading.Thread(target=self._run, name="sandboxd-review-expiry", daemon=True)
 
     def start(self) -> None:
-        if self.keep_days:
-            self._thread.start()
+        self._thread.start()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -43,7 +47,8 @@ class ChangeSetExpiry:
             self._thread.join()
 
     def _run(self) -> None:
-        interval = max(MIN_SWEEP_SECONDS, min(SWEEP_SECONDS, self.keep_days * DAY / 4))
+        interval = max(MIN_SWEEP_SECONDS, min(SWEEP_SECONDS, self.keep_days * DAY / 4)) if self.keep_days \
+            else SWEEP_SECONDS
         while True:
             try:
                 self.sweep()
@@ -54,16 +59,22 @@ class ChangeSetExpiry:
 
     def sweep(self, now: float | None = None) -> list[str]:
         """Remove every kept change set of a session closed more than keep_days before ``now``
-        (default: the time); the ids of those removed."""
-        if not self.keep_days:
-            return []
+        (default: the time), and every closed session's directory a removal left without its
+        record; the ids of those removed."""
         now = time.time() if now is None else now
         removed = []
         for row in self._store.sessions(include_closed=True):
-            if not row.review or row.closed_at is None or now - row.closed_at < self.keep_days * DAY:
+            if not row.review or row.closed_at is None:
                 continue
             path = self._review_dir_of(row.id)
             if not os.path.lexists(path):
+                continue
+            if not os.path.lexists(os.path.join(path, overlay.LAYERS_FILE)):
+                log.warning("session %s: removing what a cut-short removal left of its change set", row.id)
+                overlay.remove_layers(path)
+                removed.append(row.id)
+                continue
+            if not self.keep_days or now - row.closed_at < self.keep_days * DAY:
                 continue
             overlay.remove_layers(path)
             removed.append(row.id)
