@@ -306,6 +306,7 @@ def used(path: str) -> int:
 
 
 def inodes_used(path: str) -> int:
+    """Inodes the store at ``path`` holds (its own included: reserves, directories, LENT_DIR)."""
     st = os.statvfs(path)
     return st.f_files - st.f_ffree
 
