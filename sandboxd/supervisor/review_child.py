@@ -32,7 +32,7 @@ import os
 from sandboxd.errors import InvalidPolicy, SandboxdError, SetupError
 from sandboxd.kernel import caps, overlay
 from sandboxd.review import checkpoints, conflicts, kept, upper
-from sandboxd.review.changes import Change, Comparison, fingerprint
+from sandboxd.review.changes import Change, Comparison, fingerprint, unwire_path
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ def _selection(roots: list[str], pairs: list[list[str]]) -> list[tuple[str, ...]
     for pair in pairs:
         if len(pair) != 2 or pair[0] not in roots:
             raise InvalidPolicy(f"review path {pair!r} is not [root, path] of one of the session's roots")
-        chosen[roots.index(pair[0])].append(pair[1])
+        chosen[roots.index(pair[0])].append(unwire_path(pair[1]))     # as a listing named it
     return [tuple(sorted(set(paths))) for paths in chosen]
 
 
@@ -224,7 +224,7 @@ def _apply(request: "Review", layers: list[_Layer], selected: list[tuple[str, ..
     reviewed: dict[str, dict[str, str]] = {}            # root -> path -> fingerprint the person saw
     for triple in request.reviewed:
         if len(triple) == 3:
-            reviewed.setdefault(triple[0], {})[triple[1]] = triple[2]
+            reviewed.setdefault(triple[0], {})[unwire_path(triple[1])] = triple[2]
     applied: list[dict[str, object]] = []
     skipped: list[dict[str, object]] = []
     forgettable: dict[str, list[str]] = {}
