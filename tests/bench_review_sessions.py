@@ -7,6 +7,7 @@ workspace against an empty one, through gRPC to a daemon of the bench's own:
 * a call's end: Run `true` in an existing session (the git guard's after-call look in direct mode,
   nothing in review mode);
 * ListChanges with 10 changed files;
+* a call that marks a checkpoint first (ExecStart.checkpoint) against the same call without;
 * ApplyChanges of 1,000 changed files (1 KiB each, in 50 directories).
 
 Medians of ``--runs`` (default 9), big and empty alternating; one line per figure. Not a test:
@@ -85,6 +86,21 @@ def main() -> None:
                 print(f"review ListChanges, {count} changes in the 20,000-directory workspace: "
                       f"{statistics.median(listed):.1f} ms")
                 client.discard_changes(session)
+                client.close_session(session)
+                # A call that marks a checkpoint first (ExecStart.checkpoint) after a call that changed
+                # a file, against the same call without: the checkpoint closes the sandbox, the call
+                # rebuilds it.
+                session = client.create_session(empty, approval="never", review=True).id
+                marked: dict[bool, list[float]] = {True: [], False: []}
+                for index in range(runs):
+                    for checkpoint in (True, False):
+                        run(client, session, f"echo {index} > bench-{checkpoint}-{index}")
+                        start = pb.ExecStart(session_id=session, argv=["true"], checkpoint=checkpoint)
+                        marked[checkpoint].append(ms(lambda: list(client.stub.Run(start))))
+                with_point, without = statistics.median(marked[True]), statistics.median(marked[False])
+                print(f"review a call of true after a change, with a checkpoint {with_point:.1f} ms, without "
+                      f"{without:.1f} ms, added {with_point - without:+.1f} ms "
+                      f"({len(client.list_checkpoints(session))} checkpoints kept)")
                 client.close_session(session)
                 applied: list[float] = []
                 for index in range(max(3, runs // 3)):

@@ -907,13 +907,16 @@ def free_pool(blocks: int = 1) -> str:
 def mount_count() -> int:
     """The host's mounts, but for those other test runs on the machine make and remove meanwhile, which
     no daemon makes: named network namespaces (`ip netns add`, /run/netns), FUSE mounts and the tmpfs of
-    tests/test_git_walk.py (source ``sbxtest-*``)."""
+    tests/test_git_walk.py (source ``sbxtest-*``); and review sessions' stores (source
+    ``sandboxd-review``), which any other daemon on the machine mounts as its users work: the
+    callers count direct sessions' mounts (review tests check their stores by path)."""
     count = 0
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
             point, (fstype, source) = fields[4], fields[fields.index("-") + 1:][:2]
-            if not (point.startswith("/run/netns/") or fstype.startswith("fuse") or source.startswith("sbxtest-")):
+            if not (point.startswith("/run/netns/") or fstype.startswith("fuse") or source.startswith("sbxtest-")
+                    or (fstype, source) == ("tmpfs", "sandboxd-review")):
                 count += 1
     return count
 

@@ -117,6 +117,39 @@ def test_an_answer_applies_what_the_person_was_shown_not_what_changed_while_aske
             client.close_session(session)
 
 
+def test_a_terminal_s_reply_to_a_query_the_sandbox_printed_does_not_answer(
+        daemon: Daemon, client: SandboxClient, review_ws: Path) -> None:  # noqa: F811
+    """The sandbox prints a graphics query; the terminal's reply ("EINVAL": an a; "ENODATA": a d),
+    whole or in pieces, arrives after the question shows: no answer. Control: the person's k keeps."""
+    session = client.create_session(str(review_ws), approval="never", review=True).id
+    try:
+        argv = [SANDBOXCTL, "--socket", daemon.socket, "exec", "-t", session, "--", "sh", "-c",
+                "echo changed > mod.txt; printf '\\033_Gi=31,a=q,s=1,v=1,f=24;AAAA\\033\\\\'"]
+        with on_a_pty(argv, BASE_ENV) as (master, output, process):
+            wait_for(output, PROMPT)
+            os.write(master, b"\x1b_Gi=31;EINVAL:Zero width/height not allowed\x1b\\")      # whole
+            time.sleep(0.5)
+            os.write(master, b"\x1b_Gi=31;")                                                 # in pieces
+            time.sleep(0.05)
+            os.write(master, b"ENODATA")
+            time.sleep(0.05)
+            os.write(master, b"a")
+            time.sleep(0.05)
+            os.write(master, b"\x1b\\")
+            time.sleep(1.0)
+            assert process.poll() is None, b"".join(output)                  # still asking
+            assert (review_ws / "mod.txt").read_text() == "old\n"
+            os.write(master, b"k")
+            assert process.wait(timeout=120 * SLOW) == 0, b"".join(output)
+        shown = b"".join(output).decode(errors="replace")
+        assert "review: kept" in shown and "applied" not in shown, shown
+        assert pending(client, session) == ["mod.txt"] and (review_ws / "mod.txt").read_text() == "old\n"
+    finally:
+        with contextlib.suppress(grpc.RpcError):
+            client.discard_changes(session)
+            client.close_session(session)
+
+
 def test_session_close_asks_before_it_closes(daemon: Daemon, client: SandboxClient, review_ws: Path) -> None:  # noqa: F811
     session = client.create_session(str(review_ws), approval="never", review=True).id
     responses = list(client.stub.Run(pb.ExecStart(session_id=session, argv=["sh", "-c", "echo changed > mod.txt"])))

@@ -579,3 +579,57 @@ def test_no_session_of_the_user_rewrites_a_change_set_kept_for_their_review(plac
         close(place, session)
     finally:
         subprocess.run(["usermod", "-d", usual.stdout.split(":")[5], place.owner.name], check=True, capture_output=True)
+
+
+def test_a_name_that_is_no_utf8_is_listed_named_and_applied(place: Place) -> None:
+    """A file name is bytes the sandbox chose: one that is no UTF-8 is listed as `\\xHH` escapes
+    (never INTERNAL), and that name, given back, applies exactly that file."""
+    ws = fresh(place, "ws-bytes")
+    session = create(place, ws)
+    ok(as_user(place, place.owner, ("exec", {"session": session, "script": "echo ok > good.txt; echo bad > \"$(printf 'x\\377y')\""}))[0])
+    changes = listed(place, session)
+    assert set(changes) == {"good.txt", "x\\xffy"}, changes
+    shown = sandboxctl(place, place.owner, "changes", session)
+    assert shown.returncode == 0 and "good.txt" in shown.stdout, describe(shown)
+    applied = ok(as_user(place, place.owner, ("ApplyChanges", {"session_id": session, "paths": ["x\\xffy"]}))[0])
+    assert [item["path"] for item in applied.get("applied", [])] == ["x\\xffy"], applied
+    assert (ws / os.fsdecode(b"x\xffy")).read_text() == "bad\n" and not (ws / "good.txt").exists()
+    assert set(listed(place, session)) == {"good.txt"}
+    close(place, session)
+
+
+def test_an_apply_cut_short_by_a_killed_daemon_is_in_the_audit_log(place: Place) -> None:
+    """The review child finishes an apply the daemon started even when the daemon is SIGKILLed
+    meanwhile: the log says it started (with its paths) before anything reached the host, so what
+    landed is never missing from it. Control: an apply that ends says what landed as well."""
+    import threading
+    ws = fresh(place, "ws-apply-killed")
+    session = create(place, ws)
+    ok(as_user(place, place.owner, ("exec", {"session": session, "script": (
+        "mkdir big && for i in $(seq 1 400); do head -c 262144 /dev/urandom > big/f$i; done")}))[0])
+    answers: list[Any] = []
+    applying = threading.Thread(target=lambda: answers.append(
+        as_user(place, place.owner, ("ApplyChanges", {"session_id": session}))))
+    applying.start()
+    for _ in range(6000):
+        if (ws / "big").is_dir() and len(os.listdir(ws / "big")) > 5:
+            break
+        threading.Event().wait(0.01)
+    place.daemon.kill()
+    applying.join(timeout=300 * SLOW)
+    place.daemon.start()
+    started = [json.loads(line) for line in sandboxctl(place, place.owner, "events", "--session", session,
+                                                       "--json").stdout.splitlines()
+               if json.loads(line)["type"] == "ChangesApplied"]
+    assert started and started[0]["data"].get("phase") == "started", started
+    assert started[0]["data"]["paths"] == ["(all)"], started
+    # Control: an apply that ends records its start and then what landed.
+    ok(as_user(place, place.owner, ("exec", {"session": session, "script": "echo again > again.txt"}))[0])
+    ok(as_user(place, place.owner, ("ApplyChanges", {"session_id": session, "paths": ["again.txt"]}))[0])
+    events = [json.loads(line) for line in sandboxctl(place, place.owner, "events", "--session", session,
+                                                      "--json").stdout.splitlines()
+              if json.loads(line)["type"] == "ChangesApplied"]
+    assert [event["data"].get("phase", "done") for event in events[-2:]] == ["started", "done"], events
+    assert events[-1]["data"]["applied"] == [{"root": str(ws.resolve()), "path": "again.txt", "kind": "added",
+                                              "sha256": events[-1]["data"]["applied"][0]["sha256"]}], events
+    close(place, session)

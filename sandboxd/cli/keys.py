@@ -8,6 +8,7 @@ import selectors
 import sys
 import termios
 import threading
+import time
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -15,11 +16,23 @@ if TYPE_CHECKING:
 
 CTRL_C, CTRL_D = "\x03", "\x04"
 POLL_SECONDS = 0.25              # how often a prompt checks whether it is still wanted
+# After input that is not one plain key (a terminal's reply to a query the sandbox printed, a
+# paste), everything is dropped until the terminal has been quiet this long: a reply may come in
+# pieces, and a piece of one ("EINVAL", "rgb:") must not answer for the person.
+QUIET_SECONDS = 0.3
 
 
 def _say(text: str) -> None:
     sys.stderr.write(text)
     sys.stderr.flush()
+
+
+def is_one_key(data: bytes) -> bool:
+    """Whether one read is a key a person pressed: a single printable ASCII byte, Ctrl-C or Ctrl-D.
+    A person's key press arrives alone; a terminal's answer to an escape sequence the sandbox
+    printed (a cursor report, a colour, a graphics reply carrying "EINVAL") arrives as several bytes
+    starting with ESC, and is not an answer."""
+    return len(data) == 1 and (0x20 <= data[0] < 0x7F or data in (b"\x03", b"\x04"))
 
 
 class KeyReader:
@@ -34,21 +47,28 @@ class KeyReader:
     def read(self, prompt: str, keys: str, *, keep_waiting: Callable[[], bool]) -> str | None:
         """Show ``prompt``, then the first of ``keys`` (case-insensitive) typed, or Ctrl-C / Ctrl-D
         (also at the end of input); None once ``keep_waiting`` says no (checked every POLL_SECONDS).
+        Only a key read by itself counts (is_one_key); after anything else, nothing counts until the
+        terminal was quiet for QUIET_SECONDS.
         The terminal leaves canonical mode before the prompt shows, so no key typed after it is echoed."""
         self._raw()
         try:
             _say(prompt)
             with selectors.DefaultSelector() as selector:
                 selector.register(self._fd, selectors.EVENT_READ)
+                dropping_until = 0.0
                 while keep_waiting():
                     if not selector.select(POLL_SECONDS):
                         continue
                     data = os.read(self._fd, 64)
                     if not data:
                         return CTRL_D                         # the terminal's end: as Ctrl-D
-                    for key in data.decode(errors="replace").lower():
-                        if key in keys or key in (CTRL_C, CTRL_D):
-                            return key
+                    now = time.monotonic()
+                    if now < dropping_until or not is_one_key(data):
+                        dropping_until = now + QUIET_SECONDS
+                        continue
+                    key = data.decode().lower()
+                    if key in keys or key in (CTRL_C, CTRL_D):
+                        return key
         finally:
             self.restore()
         return None

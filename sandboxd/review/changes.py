@@ -68,6 +68,28 @@ class Change(Record):
     stamp: tuple[int, int, int] = (0, 0, 0)  # the upper entry as listed (inode, ctime, size): an apply checks it
 
 
+def wire_path(path: str) -> str:
+    """``path`` as text a protobuf string can carry: as it is when it is UTF-8, else each byte
+    that is not shown as ``\\xHH`` (a file name is bytes; the sandbox chose it). ``unwire_path``
+    reverses it, so the name a listing gave names that path again."""
+    try:
+        path.encode("utf-8")
+        return path
+    except UnicodeEncodeError:
+        return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def unwire_path(text: str) -> str:
+    """The path ``wire_path`` gave ``text`` for: each ``\\xHH`` of a byte from 0x80 up (what no
+    UTF-8 text has as one byte) back to that byte. A name that is valid UTF-8 and spells such an
+    escape itself is read as the escape: name its directory instead."""
+    if "\\x" not in text:
+        return text
+    import re
+    raw = re.sub(rb"\\x([89a-f][0-9a-f])", lambda found: bytes([int(found.group(1), 16)]), text.encode("utf-8"))
+    return raw.decode("utf-8", "surrogateescape")
+
+
 def fingerprint(change: Change, sha256: "str | None" = None) -> str:
     """What a person was shown of ``change``, as one SHA-256 (hex): its path, kind, the sandbox's
     object (type, mode, owner, size, target) and its content's hash (``sha256``: that of the bytes a

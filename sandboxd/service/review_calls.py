@@ -26,6 +26,7 @@ from sandboxd.errors import Exhausted, InvalidPolicy, NotFound, SetupError, Wron
 from sandboxd.kernel import overlay
 from sandboxd.policy.sandbox import is_within
 from sandboxd.review import conflicts
+from sandboxd.review.changes import wire_path
 from sandboxd.review.checkpoints import MAX_LABEL
 from sandboxd.service.callers import Caller, session_owner
 from sandboxd.service.quotas import cgroup_owner
@@ -101,14 +102,14 @@ def _reviewed(roots: list[str], given: "Iterable[pb.ReviewedChange]") -> "list[l
 
 
 def change_to_proto(item: dict[str, object]) -> pb.FileChange:
-    change = pb.FileChange(root=str(item.get("root", "")), path=str(item.get("path", "")),
+    change = pb.FileChange(root=_text(item.get("root", "")), path=_text(item.get("path", "")),
                            kind=KINDS.get(str(item.get("kind")), pb.FileChange.KIND_UNSPECIFIED))
     for name in NUMBERS:
         value = item.get(name)
         if isinstance(value, int) and value >= 0:
             setattr(change, name, value)
     for name in TEXTS:
-        setattr(change, name, str(item.get(name) or ""))
+        setattr(change, name, _text(item.get(name) or ""))
     change.aspects.extend(str(aspect) for aspect in _items(item.get("aspects")))
     change.flags.extend(str(flag) for flag in _items(item.get("flags")))
     return change
@@ -194,6 +195,18 @@ class ReviewCalls:
         """``work`` with the session's sandbox closed (registry.between_calls); a closed session has none."""
         return work() if target.session is None else self._registry.between_calls(target.session, work)
 
+    def _starting(self, who: Caller, target: Target, kind: str, action: str, paths: "Pairs", *,
+                  force: bool = False) -> None:
+        """The audit event that an apply or discard begins, before its child touches anything: the
+        child finishes what it started even if this daemon is killed meanwhile (or the owner kills
+        this request), and the log must not lack what reached the host. The event after it says
+        what landed."""
+        self._store.append(target.id, kind, data={
+            "by_uid": who.uid, **({"by_principal": who.principal} if who.principal else {}),
+            "summary": f"{action} started" + (" (forced)" if force else ""), "phase": "started",
+            "paths": [f"{root}/{path}" if path else root for root, path in paths] or ["(all)"],
+            **({"force": True} if force else {})})
+
     def _free_if_empty(self, target: Target) -> None:
         """A closed session's change set that holds nothing now goes, its store with it: the owner's
         review.owner_bytes gets its share back."""
@@ -226,7 +239,7 @@ class ReviewCalls:
                             max_bytes=request.max_bytes or DEFAULT_DIFF_BYTES)
         return pb.DiffChangesResponse(
             diff=str(answer.get("diff") or ""), next_page_token=str(answer.get("next") or ""),
-            shown=[pb.ReviewedChange(root=str(item[0]), path=str(item[1]), fingerprint=str(item[2]))
+            shown=[pb.ReviewedChange(root=_text(item[0]), path=_text(item[1]), fingerprint=_text(item[2]))
                    for item in _items(answer.get("shown")) if isinstance(item, list) and len(item) == 3])
 
     def apply(self, who: Caller, request: pb.ApplyChangesRequest) -> pb.ApplyChangesResponse:
@@ -244,6 +257,7 @@ class ReviewCalls:
 
     def _apply(self, who: Caller, target: Target, paths: "Pairs", flagged: "Pairs", force: bool,
                reviewed: "Pairs", only_reviewed: bool) -> pb.ApplyChangesResponse:
+        self._starting(who, target, EventType.CHANGES_APPLIED, "apply", paths, force=force)
         answer = self._run(target, "apply", target.roots, paths, include_flagged=flagged, force=force,
                            reviewed=reviewed, only_reviewed=only_reviewed)
         applied, skipped = _dicts(answer.get("applied")), _dicts(answer.get("skipped"))
@@ -268,9 +282,9 @@ class ReviewCalls:
         if target.session is None:
             self._free_if_empty(target)
         return pb.ApplyChangesResponse(
-            applied=[pb.AppliedChange(root=str(item.get("root", "")), path=str(item.get("path", "")),
+            applied=[pb.AppliedChange(root=_text(item.get("root", "")), path=_text(item.get("path", "")),
                                       kind=KINDS.get(str(item.get("kind")), pb.FileChange.KIND_UNSPECIFIED),
-                                      note=str(item.get("note") or "")) for item in applied],
+                                      note=_text(item.get("note") or "")) for item in applied],
             skipped=[_skipped(item) for item in skipped])
 
     def _save_baselines(self, target: Target, baselines: object) -> None:
@@ -305,7 +319,10 @@ class ReviewCalls:
         self._store.admit(target.owner.uid, target.owner.principal)
         roots = target.roots
         paths = targets(roots, list(request.paths))
-        answer = self._between_calls(target, lambda: self._run(target, "discard", roots, paths))
+        def discard() -> dict[str, object]:
+            self._starting(who, target, EventType.CHANGES_DISCARDED, "discard", paths)
+            return self._run(target, "discard", roots, paths)
+        answer = self._between_calls(target, discard)
         discarded, skipped = _dicts(answer.get("discarded")), _dicts(answer.get("skipped"))
         self._store.append(target.id, EventType.CHANGES_DISCARDED, data={
             "by_uid": who.uid, **({"by_principal": who.principal} if who.principal else {}),
@@ -315,7 +332,7 @@ class ReviewCalls:
             "skipped": [{key: item.get(key) for key in ("root", "path", "reason")} for item in skipped]})
         self._free_if_empty(target)
         return pb.DiscardChangesResponse(
-            discarded=[pb.AppliedChange(root=str(item.get("root", "")), path=str(item.get("path", "")))
+            discarded=[pb.AppliedChange(root=_text(item.get("root", "")), path=_text(item.get("path", "")))
                        for item in discarded],
             skipped=[_skipped(item) for item in skipped])
 
@@ -402,5 +419,11 @@ def _checkpoint(item: object) -> pb.Checkpoint:
 
 
 def _skipped(item: dict[str, object]) -> pb.SkippedChange:
-    return pb.SkippedChange(root=str(item.get("root", "")), path=str(item.get("path", "")),
-                            reason=str(item.get("reason") or ""))
+    return pb.SkippedChange(root=_text(item.get("root", "")), path=_text(item.get("path", "")),
+                            reason=_text(item.get("reason") or ""))
+
+
+def _text(value: object) -> str:
+    """A value of the review child's answer as a proto string: a file name is bytes the sandbox
+    chose, and one that is no UTF-8 is carried as review.changes.wire_path shows it (never INTERNAL)."""
+    return wire_path(str(value))

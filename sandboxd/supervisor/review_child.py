@@ -32,7 +32,7 @@ import os
 from sandboxd.errors import InvalidPolicy, SandboxdError, SetupError
 from sandboxd.kernel import caps, overlay
 from sandboxd.review import checkpoints, conflicts, kept, upper
-from sandboxd.review.changes import Change, Comparison, fingerprint
+from sandboxd.review.changes import Change, Comparison, fingerprint, unwire_path
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ def _run(request: "Review") -> dict[str, object]:
     selected = _selection(request.roots, request.paths)
     if request.action == "discard":
         return _discard(layers, selected)
-    _become_owner(request, layers[0].layers.root)
+    _become_owner(request, layers[0].layers)
     if request.action == "apply":
         return _apply(request, layers, selected)
     return _list(request, layers, selected)
@@ -115,11 +115,11 @@ def _selection(roots: list[str], pairs: list[list[str]]) -> list[tuple[str, ...]
     for pair in pairs:
         if len(pair) != 2 or pair[0] not in roots:
             raise InvalidPolicy(f"review path {pair!r} is not [root, path] of one of the session's roots")
-        chosen[roots.index(pair[0])].append(pair[1])
+        chosen[roots.index(pair[0])].append(unwire_path(pair[1]))     # as a listing named it
     return [tuple(sorted(set(paths))) for paths in chosen]
 
 
-def _become_owner(request: "Review", workspace: str) -> None:
+def _become_owner(request: "Review", workspace: overlay.Layers) -> None:
     """The session owner's uid, gid and groups, every capability dropped and no_new_privs
     (kernel.caps.drop_privileges): the kernel's permissions decide what it may read and write.
     Root's own session acts as its workspace's owner, as its commands do (sessions.access.command_user);
@@ -127,7 +127,16 @@ def _become_owner(request: "Review", workspace: str) -> None:
     caller = request.caller
     groups: tuple[int, ...]
     if caller is None:
-        st = os.stat(workspace, follow_symlinks=False)
+        # By a descriptor checked to be the directory the session started on: a name on the way
+        # there (one its owner may rename) must not pick whose rights the apply has.
+        fd = os.open(workspace.root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if (st.st_dev, st.st_ino) != (workspace.root_dev, workspace.root_ino):
+            raise InvalidPolicy(f"{workspace.root!r} is no longer the directory the session started on: "
+                                "nothing is applied or shown")
         uid, gid, groups = st.st_uid, st.st_gid, (st.st_gid,)
     else:
         uid, gid, groups = caller.uid, caller.gid, tuple(caller.groups)
@@ -224,7 +233,7 @@ def _apply(request: "Review", layers: list[_Layer], selected: list[tuple[str, ..
     reviewed: dict[str, dict[str, str]] = {}            # root -> path -> fingerprint the person saw
     for triple in request.reviewed:
         if len(triple) == 3:
-            reviewed.setdefault(triple[0], {})[triple[1]] = triple[2]
+            reviewed.setdefault(triple[0], {})[unwire_path(triple[1])] = triple[2]
     applied: list[dict[str, object]] = []
     skipped: list[dict[str, object]] = []
     forgettable: dict[str, list[str]] = {}
