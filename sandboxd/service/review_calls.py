@@ -277,8 +277,10 @@ class ReviewCalls:
                        [{"root": item.get("root"), "path": item.get("path"), "applied": True} for item in applied
                         if (item.get("root"), item.get("path")) in named]})
         # After the audit event: what landed is recorded even when its baseline cannot be kept.
-        self._save_baselines(target, answer.get("baselines"))
+        # What landed is dropped from the change set first: that frees the store's pages the
+        # baseline's record then takes (a closed session's store is sealed with little room).
         self._forget(target, answer.get("forgettable"))
+        self._save_baselines(target, answer.get("baselines"))
         if target.session is None:
             self._free_if_empty(target)
         return pb.ApplyChangesResponse(
