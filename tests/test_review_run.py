@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -292,8 +293,8 @@ def test_a_kept_directory_is_its_users_alone(place: Place, env: dict[str, str]) 
     assert sbx("discard", str(kept)).returncode == 0
 
 
-def test_rootless_apply_discard_and_keep_as_a_plain_user(place: Place, env: dict[str, str]) -> None:
-    state = rootless_state(place, "rootless-run-state")
+def owners_sandboxd(place: Place, state: Path) -> "Callable[..., subprocess.CompletedProcess[str]]":
+    """`sandboxd ARGS` as the place's owner, a plain user, with ``state`` as its HOME and XDG_STATE_HOME."""
     mine = {**BASE_ENV, "PYTHONPATH": str(code_for_plain_users(place)), "HOME": str(state),
             "XDG_STATE_HOME": str(state)}
 
@@ -301,6 +302,12 @@ def test_rootless_apply_discard_and_keep_as_a_plain_user(place: Place, env: dict
         return subprocess.run([PY, "-m", "sandboxd.cli.main", *args], capture_output=True, text=True,
                               timeout=120 * SLOW, stdin=subprocess.DEVNULL, cwd=str(cwd), env=mine,
                               user=place.owner.uid, group=place.owner.gid, extra_groups=[])
+    return as_owner
+
+
+def test_rootless_apply_discard_and_keep_as_a_plain_user(place: Place, env: dict[str, str]) -> None:
+    state = rootless_state(place, "rootless-run-state")
+    as_owner = owners_sandboxd(place, state)
     base = state / "sandboxd" / "reviews"
     outcomes = {}
     for decision in ("apply", "discard", ""):
@@ -333,13 +340,7 @@ def test_no_run_of_the_user_rewrites_a_change_set_kept_for_their_review(place: P
     sandbox of theirs: a later run whose workspace holds them cannot rewrite what waits for the
     person's review. Control: beside them, a directory of the same user's is written as usual."""
     state = rootless_state(place, "rootless-kept-state")
-    mine = {**BASE_ENV, "PYTHONPATH": str(code_for_plain_users(place)), "HOME": str(state),
-            "XDG_STATE_HOME": str(state)}
-
-    def as_owner(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([PY, "-m", "sandboxd.cli.main", *args], capture_output=True, text=True,
-                              timeout=120 * SLOW, stdin=subprocess.DEVNULL, cwd=str(cwd), env=mine,
-                              user=place.owner.uid, group=place.owner.gid, extra_groups=[])
+    as_owner = owners_sandboxd(place, state)
     ws, _ = fresh(place, "rootless-kept")
     kept = kept_dir(as_owner("run", "--review=keep", "--", "sh", "-c", "echo changed > mod.txt", cwd=ws))
     before = sorted(str(path.relative_to(kept)) for path in kept.rglob("*"))

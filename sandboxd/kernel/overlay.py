@@ -464,3 +464,18 @@ def remove_layers(review_dir: str) -> None:
         os.close(fd)
     review_space.release(review_dir)
     os.rmdir(review_dir)
+
+
+def root_attributes(layers: Layers, refused: str) -> os.stat_result:
+    """The host root's attributes, read from a descriptor checked to be the very directory the
+    layers were made over (never through a name that may have been swapped since); InvalidPolicy
+    ending in ``refused`` (what is not done) when it is another."""
+    fd = os.open(layers.root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if (st.st_dev, st.st_ino) != (layers.root_dev, layers.root_ino):
+        raise InvalidPolicy(f"{layers.root!r} is not the directory the session started on (it was replaced or "
+                            f"moved on the host): {refused}")
+    return st

@@ -358,19 +358,6 @@ def _fold(older_fd: int, newer_fd: int, prefix: str) -> int:
     return delta
 
 
-def _root_attributes(layers: overlay.Layers) -> os.stat_result:
-    """The host root's attributes, from the very directory the layers were made over."""
-    fd = os.open(layers.root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
-    if (st.st_dev, st.st_ino) != (layers.root_dev, layers.root_ino):
-        raise InvalidPolicy(f"{layers.root!r} is not the directory the session started on (it was replaced or "
-                            "moved on the host): its view cannot be rolled back to the start")
-    return st
-
-
 def rollback(review_dir: str, checkpoint_id: int) -> Rollback:
     """Return every overlay's view to checkpoint ``checkpoint_id`` (0: the start), the overlays
     unmounted: the upper is emptied and the checkpoints above it dropped. Raises NotFound for an
@@ -387,7 +374,7 @@ def rollback(review_dir: str, checkpoint_id: int) -> Rollback:
     for layers in everything:
         staying = tuple(path for path in layers.checkpoints if _layer_id(path) <= checkpoint_id)
         # The new upper shows the root as the checkpoint left it (or as the host has it: the start).
-        like = os.stat(staying[-1], follow_symlinks=False) if staying else _root_attributes(layers)
+        like = os.stat(staying[-1], follow_symlinks=False) if staying else overlay.root_attributes(layers, "its view cannot be rolled back to the start")
         base_fd = os.open(_base(layers), DIR_FLAGS)
         try:
             _fresh_upper(base_fd, like)

@@ -129,14 +129,7 @@ def _become_owner(request: "Review", workspace: overlay.Layers) -> None:
     if caller is None:
         # By a descriptor checked to be the directory the session started on: a name on the way
         # there (one its owner may rename) must not pick whose rights the apply has.
-        fd = os.open(workspace.root, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            st = os.fstat(fd)
-        finally:
-            os.close(fd)
-        if (st.st_dev, st.st_ino) != (workspace.root_dev, workspace.root_ino):
-            raise InvalidPolicy(f"{workspace.root!r} is no longer the directory the session started on: "
-                                "nothing is applied or shown")
+        st = overlay.root_attributes(workspace, "nothing of its change set is shown or applied")
         uid, gid, groups = st.st_uid, st.st_gid, (st.st_gid,)
     else:
         uid, gid, groups = caller.uid, caller.gid, tuple(caller.groups)
