@@ -24,6 +24,7 @@ from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 # What a person was shown of a review session's changes: (root, path) -> the change's fingerprint
 # (FileChange.fingerprint, DiffChangesResponse.shown).
 Reviewed = dict[tuple[str, str], str]
+REVIEWED_PART = 2_000           # reviewed changes per ApplyChanges (the server takes 10,000 and 4 MiB)
 
 DEFAULT_SOCKET = defaults.SOCKET
 _MODES = {"read-only": pb.SandboxPolicy.READ_ONLY, "workspace-write": pb.SandboxPolicy.WORKSPACE_WRITE,
@@ -180,12 +181,37 @@ class SandboxClient:
                       include_flagged: "list[str] | None" = None,
                       reviewed: "Reviewed | None" = None) -> pb.ApplyChangesResponse:
         """``reviewed``: (root, path) -> the fingerprint a person was shown; given (even empty), only
-        those changes are applied, each while it is still what was shown."""
+        those changes are applied, each while it is still what was shown. More than one request
+        carries (REVIEWED_PART) are sent as several, each naming its own paths (parents first),
+        and answered as one."""
+        if reviewed is not None and not paths and len(reviewed) > REVIEWED_PART:
+            return self._apply_in_parts(session_id, reviewed, force=force, include_flagged=include_flagged)
         return self.stub.ApplyChanges(pb.ApplyChangesRequest(
             session_id=session_id, paths=paths or [], force=force, include_flagged=include_flagged or [],
             reviewed=[pb.ReviewedChange(root=root, path=path, fingerprint=mark)
                       for (root, path), mark in (reviewed or {}).items()],
             only_reviewed=reviewed is not None))
+
+    def _apply_in_parts(self, session_id: str, reviewed: "Reviewed", *, force: bool,
+                        include_flagged: "list[str] | None") -> pb.ApplyChangesResponse:
+        order = sorted(reviewed)                      # a directory before what is in it
+        applied: list[pb.AppliedChange] = []
+        skipped: dict[tuple[str, str], pb.SkippedChange] = {}
+        for start in range(0, len(order), REVIEWED_PART):
+            part = order[start:start + REVIEWED_PART]
+            answer = self.stub.ApplyChanges(pb.ApplyChangesRequest(
+                session_id=session_id, paths=[f"{root}/{path}" if path else root for root, path in part], force=force,
+                include_flagged=include_flagged or [], only_reviewed=True,
+                reviewed=[pb.ReviewedChange(root=root, path=path, fingerprint=reviewed[(root, path)])
+                          for root, path in part]))
+            applied += answer.applied
+            for item in answer.applied:
+                skipped.pop((item.root, item.path), None)
+            for item in answer.skipped:               # one below a part's path is another part's
+                if (item.root, item.path) not in reviewed or (item.root, item.path) in part:
+                    skipped[(item.root, item.path)] = item
+        done = {(item.root, item.path) for item in applied}
+        return pb.ApplyChangesResponse(applied=applied, skipped=[item for key, item in skipped.items() if key not in done])
 
     def discard_changes(self, session_id: str, paths: "list[str] | None" = None) -> pb.DiscardChangesResponse:
         return self.stub.DiscardChanges(pb.DiscardChangesRequest(session_id=session_id, paths=paths or []))

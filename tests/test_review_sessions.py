@@ -30,6 +30,7 @@ from conftest import BASE_ENV, REPO, SLOW, describe
 from daemon_helpers import (Daemon, DaemonFactory, PlainUser, daemon_factory, owned_dir, plain_users,
                             run_client_as)
 from review_helpers import CLIENT, EDITS, EXPECTED, free_stores, local_disk, snapshot, tmpfs, usual_workspace
+from sandboxd.client import SandboxClient
 from sandboxd.printable import printable
 
 pytestmark = pytest.mark.timeout(600)
@@ -535,6 +536,7 @@ def test_a_call_may_mark_a_checkpoint_before_it_runs_which_rolls_it_back(place: 
     assert {"a.txt=one", "b.txt=two"} <= seen and "c.txt=three" not in seen, seen
 
     # A background process runs: no checkpoint can be made, the call still runs, the log says why.
+    ok(as_user(place, place.owner, ("exec", {"session": session, "script": "echo changed > e.txt"}))[0])
     job = ok(as_user(place, place.owner, ("StartBackground", {"session_id": session, "argv": ["sleep", "600"],
                                                               "name": "sleeper"}))[0])
     call("echo four > d.txt")
@@ -633,3 +635,32 @@ def test_an_apply_cut_short_by_a_killed_daemon_is_in_the_audit_log(place: Place)
     assert events[-1]["data"]["applied"] == [{"root": str(ws.resolve()), "path": "again.txt", "kind": "added",
                                               "sha256": events[-1]["data"]["applied"][0]["sha256"]}], events
     close(place, session)
+
+
+def test_what_reviewed_covers_at_its_edges(place: Place) -> None:
+    """The third hostile pass's edges of `reviewed`: a file past a listing's hash budget applies as
+    listed (its upper entry vouches for it); a diff cut short vouches for nothing; more changes than
+    one request carries are applied in parts by sandboxd.client; a root's own mode change is kept
+    at the close."""
+    ws = fresh(place, "ws-reviewed-edges")
+    session = create(place, ws)
+    ok(as_user(place, place.owner, ("exec", {"session": session, "script": (
+        "truncate -s 300M big; seq 1 6000 > long.txt; mkdir many; cd many; seq -f 'f%05g' 1 2500 | xargs touch")}))[0])
+    with SandboxClient(place.daemon.socket) as root:
+        changes, unhashed = root.list_changes(session)
+        by_path = {change.path: change for change in changes}
+        assert unhashed >= 1 and by_path["big"].sha256 == "", by_path["big"]
+        diffed: dict[tuple[str, str], str] = {}
+        text = "".join(root.diff_changes(session, ["long.txt"], seen=diffed))
+        assert "more lines" in text and diffed == {}, (text[-200:], diffed)      # cut short: not vouched for
+        seen = {(change.root, change.path): change.fingerprint for change in changes}
+        assert len(seen) > 2_000
+        answer = root.apply_changes(session, reviewed=seen)
+        assert not answer.skipped, answer.skipped[:5]
+        assert {item.path for item in answer.applied} >= {"big", "long.txt", "many", "many/f02500"}
+    assert (ws / "big").stat().st_size == 300 << 20 and len(os.listdir(ws / "many")) == 2500
+    ok(as_user(place, place.owner, ("exec", {"session": session, "script": "chmod 700 ."}))[0])
+    assert listed(place, session)[""]["kind"] == "METADATA"
+    close(place, session)
+    assert listed(place, session)[""]["kind"] == "METADATA"                 # kept after the close
+    ok(as_user(place, place.owner, ("DiscardChanges", {"session_id": session}))[0])

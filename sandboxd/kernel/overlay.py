@@ -255,12 +255,30 @@ def remove_if_unchanged(review_dir: str) -> bool:
     try:
         layers = load(review_dir)
         if any(os.listdir(path) for layer in layers for path in layer.stack) or \
-                any(_unrecorded_checkpoints(layer) for layer in layers):
+                any(_unrecorded_checkpoints(layer) or _top_changed(layer) for layer in layers):
             return False
         remove_layers(review_dir)
     except FileNotFoundError:
         return False
     return True
+
+
+def _top_changed(layer: Layers) -> bool:
+    """Whether a layer's top directory (what the sandbox sees of the root: a chmod or chown of the
+    root itself) differs from the host root's mode or owner; True as well when the root is not the
+    directory the layers were made over (keeping is the safe side)."""
+    try:
+        host = os.stat(layer.root, follow_symlinks=False)
+    except OSError:
+        return True
+    if (host.st_dev, host.st_ino) != (layer.root_dev, layer.root_ino):
+        return True
+    wanted = (stat.S_IMODE(host.st_mode), host.st_uid, host.st_gid)
+    for path in layer.stack:
+        top = os.stat(path, follow_symlinks=False)
+        if (stat.S_IMODE(top.st_mode), top.st_uid, top.st_gid) != wanted:
+            return True
+    return False
 
 
 def _unrecorded_checkpoints(layer: Layers) -> bool:

@@ -147,7 +147,8 @@ def _refusal(change: Change, blocked: list[str], reviewed: "dict[str, str] | Non
     if reviewed is not None:
         if change.path not in reviewed:
             return "not among the changes reviewed: review it, then apply it"
-        if reviewed[change.path] != fingerprint(change):
+        # Either as hashed here or, for a file the listing left unhashed, as its upper entry then.
+        if reviewed[change.path] not in (fingerprint(change), fingerprint(change, "")):
             return "changed since it was reviewed: review it again"
     return ""
 

@@ -99,8 +99,13 @@ def fingerprint(change: Change, sha256: "str | None" = None) -> str:
     a host that changed is a conflict, judged separately."""
     import hashlib
     import json
+    content = change.sha256 if sha256 is None else sha256
+    if not content and change.type == FILE and any(change.stamp):
+        # Not hashed (past a listing page's hash budget, or unreadable): the upper entry as listed
+        # stands for it, its inode and ctime, which every write changes and nobody can set back.
+        content = "entry:" + ":".join(str(part) for part in change.stamp)
     shown = [change.path, change.kind, change.type, change.mode, change.uid, change.gid, change.size,
-             change.sha256 if sha256 is None else sha256, change.target]
+             content, change.target]
     return hashlib.sha256(json.dumps(shown, ensure_ascii=True).encode()).hexdigest()
 
 

@@ -11,6 +11,7 @@ import difflib
 import hashlib
 import os
 import stat
+from typing import NamedTuple
 
 from sandboxd.kernel import beneath
 from sandboxd.printable import printable
@@ -56,20 +57,35 @@ def show(comparison: Comparison, change: Change, *, max_bytes: int = MAX_BYTES, 
     """The diff of ``change`` (from ``comparison.list``): host side a/, sandbox side b/. The path
     (the sandbox chose it) is shown escaped (``printable``): a newline in a name must not start a
     header line of its own."""
-    return shown(comparison, change, max_bytes=max_bytes, max_lines=max_lines)[0]
+    return shown(comparison, change, max_bytes=max_bytes, max_lines=max_lines).text
 
 
-def shown(comparison: Comparison, change: Change, *, max_bytes: int = MAX_BYTES,
-          max_lines: int = MAX_LINES) -> tuple[str, str]:
-    """:func:`show`'s text and the fingerprint (review.changes.fingerprint) of what it shows: a
-    file's content is read again to be shown, so the fingerprint hashes the bytes read then (a
-    file rewritten between the listing's hash and the diff is vouched for as it was shown)."""
-    text, mine = _show(comparison, change, max_bytes, max_lines)
-    return text, fingerprint(change, None if mine is None else hashlib.sha256(mine).hexdigest())
+class Shown(NamedTuple):
+    text: str
+    fingerprint: str        # what the text showed in full (review.changes.fingerprint); "" when not all of it
+    too_big: bool           # a file past the size a diff reads: shown as one line
+
+
+def shown(comparison: Comparison, change: Change, *, max_bytes: int = MAX_BYTES, max_lines: int = MAX_LINES) -> Shown:
+    """:func:`show`'s text and the fingerprint of what it showed: a file's content is read again to
+    be shown, so the fingerprint hashes the bytes read then (a file rewritten between the listing's
+    hash and the diff is vouched for as it was shown). A change shown only in part (its diff cut at
+    ``max_lines``, a file too big or binary, shown as one line) is vouched for by no fingerprint:
+    nobody saw its content."""
+    text, content = _show(comparison, change, max_bytes, max_lines)
+    if content is _PARTLY or content is _TOO_BIG:
+        return Shown(text, "", content is _TOO_BIG)
+    return Shown(text, fingerprint(change, None if content is None else hashlib.sha256(content).hexdigest()), False)
+
+
+# Sentinels for _show's second value, told apart from any content by identity (``is``).
+_PARTLY = bytes(bytearray(b"partly"))
+_TOO_BIG = bytes(bytearray(b"too big"))
 
 
 def _show(comparison: Comparison, change: Change, max_bytes: int, max_lines: int) -> tuple[str, bytes | None]:
-    """The text, and the sandbox's bytes it was made from (None: the listed hash stands)."""
+    """The text, and the sandbox's bytes it was made from (None: the listed hash stands; _PARTLY,
+    _TOO_BIG: its content was not all shown)."""
     path = printable(change.path or ".")
     modes = attributes(change)
     if change.type not in ("file", "") or change.host_type not in ("file", ""):
@@ -82,16 +98,17 @@ def _show(comparison: Comparison, change: Change, max_bytes: int, max_lines: int
     theirs = _read(comparison.host_fd, change.path, max_bytes) if change.host_type else b""
     mine = _read(comparison.layer_fd(change.path), change.path, max_bytes) if change.type else b""
     if theirs is not None and mine is not None and max(len(theirs), len(mine)) > max_bytes:
-        return f"{change.kind} {path}: too big to show ({change.host_size} -> {change.size} bytes)\n", None
+        return f"{change.kind} {path}: too big to show ({change.host_size} -> {change.size} bytes)\n", _TOO_BIG
     old, new = _text(theirs), _text(mine)
     if old is None or new is None:
         return (f"{change.kind} {path}: binary or unreadable ({change.host_size} -> {change.size} bytes, "
-                f"sha256 {change.host_sha256 or '-'} -> {change.sha256 or '-'})\n"), None
+                f"sha256 {change.host_sha256 or '-'} -> {change.sha256 or '-'})\n"), _PARTLY
     lines = list(difflib.unified_diff(old, new, f"a/{path}" if change.host_type else "/dev/null",
                                       f"b/{path}" if change.type else "/dev/null"))
-    if len(lines) > max_lines:
+    cut = len(lines) > max_lines
+    if cut:
         lines = lines[:max_lines] + [f"... {len(lines) - max_lines} more lines\n"]
     if modes:                                   # with the content's diff, if the content changed too
         lines.insert(0, f"{change.kind} {path}: {modes}\n")
     text = "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)
-    return text, (mine if change.type else None)
+    return text, (_PARTLY if cut else mine if change.type else None)

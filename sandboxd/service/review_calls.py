@@ -17,12 +17,13 @@ and audit events (EventType.CHECKPOINT_CREATED, CHANGES_ROLLED_BACK).
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Callable, Iterable
 from typing import NamedTuple, TypeVar
 
 from sandboxd.audit.store import EventStore, EventType
-from sandboxd.errors import Exhausted, InvalidPolicy, NotFound, SetupError, WrongState
+from sandboxd.errors import Exhausted, InvalidPolicy, NotFound, SandboxdError, SetupError, WrongState
 from sandboxd.kernel import overlay
 from sandboxd.policy.sandbox import is_within
 from sandboxd.review import conflicts
@@ -52,7 +53,7 @@ KINDS = {"added": pb.FileChange.ADDED, "modified": pb.FileChange.MODIFIED, "dele
          "metadata": pb.FileChange.METADATA}
 NUMBERS = ("mode", "host_mode", "uid", "gid", "host_uid", "host_gid", "size", "host_size")
 TEXTS = ("type", "host_type", "sha256", "host_sha256", "target", "host_target", "conflict", "fingerprint")
-MAX_REVIEWED = 100_000                  # ApplyChangesRequest.reviewed
+MAX_REVIEWED = 10_000                   # ApplyChangesRequest.reviewed (sandboxd.client sends more in parts)
 
 
 Pairs = list[list[str]]                 # [root, path below it], as targets() makes them
@@ -76,6 +77,21 @@ def targets(roots: list[str], paths: "list[str] | tuple[str, ...]", what: str = 
         root = max(holders, key=len)
         pairs.append([root, "" if full == root else os.path.relpath(full, root)])
     return pairs
+
+
+def _memfd(triples: "list[list[str]]") -> int:
+    """The reviewed triples as JSON in a sealed memfd, for the review child (fork_protocol.Review.reviewed_fd)."""
+    import json
+    fd = os.memfd_create("sandboxd-reviewed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(json.dumps(triples).encode())
+        while view:
+            view = view[os.write(fd, view):]
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _reviewed(roots: list[str], given: "Iterable[pb.ReviewedChange]") -> "list[list[str]]":
@@ -186,10 +202,15 @@ class ReviewCalls:
              only_reviewed: bool = False, before_call: str = "") -> dict[str, object]:
         rights = rights_of(target.owner)
         caller = None if rights is None else CallerRecord(rights[0], rights[1], list(rights[2]))
-        return self._fork.review(lambda call_id: Review(
-            call_id, target.review_dir, caller, cgroup_owner(target.owner), action, roots, paths,
-            include_flagged or [], page, limit, max_bytes, force, label, checkpoint, reviewed or [],
-            only_reviewed, before_call), ANSWER_SECONDS)
+        carried = _memfd(reviewed) if reviewed else -1
+        try:
+            return self._fork.review(lambda call_id: Review(
+                call_id, target.review_dir, caller, cgroup_owner(target.owner), action, roots, paths,
+                include_flagged or [], page, limit, max_bytes, force, label, checkpoint, carried >= 0,
+                only_reviewed, before_call), ANSWER_SECONDS, [carried] if carried >= 0 else None)
+        finally:
+            if carried >= 0:
+                os.close(carried)
 
     def _between_calls(self, target: Target, work: "Callable[[], T]") -> "T":
         """``work`` with the session's sandbox closed (registry.between_calls); a closed session has none."""
@@ -371,9 +392,13 @@ class ReviewCalls:
         label = f"before {call_id}: {summary}"[:MAX_LABEL]
         event: dict[str, object] = {"by_uid": session.owner.uid, "call_id": call_id}
         try:
+            # Looked at first, the sandbox left standing: a call after one that changed nothing
+            # costs a directory read per root, not the sandbox's close and rebuild.
+            if self._run(target, "changed", target.roots, []).get("changed") is False:
+                return
             answer = self._between_calls(target, lambda: self._run(
                 target, "checkpoint", target.roots, [], limit=self._max_checkpoints, label=label, before_call=call_id))
-        except (WrongState, Exhausted, InvalidPolicy) as skipped:
+        except SandboxdError as skipped:
             self._store.append(target.id, EventType.CHECKPOINT_CREATED, call_id=call_id, data={
                 **event, "summary": f"checkpoint before {call_id} skipped", "skipped": str(skipped)})
             return

@@ -158,11 +158,11 @@ class ForkServer:
         wanted = [str(path) for path in paths]
         return self._expect(self._request(lambda call_id: CheckPaths(call_id, who, wanted, owner)), PathsChecked).paths
 
-    def review(self, make: "Callable[[int], Review]", timeout: float) -> dict[str, object]:
-        """Run a review request (fork_protocol.Review, ``make(id)``) and return its child's answer,
-        read here from the pipe the fork server passed (never by the fork server's loop), within
-        ``timeout`` seconds and REVIEW_ANSWER_BYTES; the error it names raised."""
-        call_id = self._request(make)
+    def review(self, make: "Callable[[int], Review]", timeout: float, fds: "list[int] | None" = None) -> dict[str, object]:
+        """Run a review request (fork_protocol.Review, ``make(id)``, with ``fds``: its reviewed_fd)
+        and return its child's answer, read here from the pipe the fork server passed (never by the
+        fork server's loop), within ``timeout`` seconds and REVIEW_ANSWER_BYTES; the error it names raised."""
+        call_id = self._request(make, fds)
         self._expect(call_id, ReviewStarted)
         with self._cond:
             passed = self._passed.pop(call_id, [])

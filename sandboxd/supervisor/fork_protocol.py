@@ -482,9 +482,12 @@ class Review(Request, kind="review"):
     force: bool = False
     label: str = ""                     # checkpoint's label (its ``limit``: review.max_checkpoints)
     checkpoint: int = 0                 # rollback's checkpoint (0: the session's start)
-    reviewed: list[list[str]] = Factory(list)   # apply's [root, path, fingerprint] a person was shown
+    # apply's [root, path, fingerprint] triples a person was shown, as JSON in a memfd that comes
+    # with the request (they may be megabytes: the loop passes them on, only the child reads them)
+    reviewed_fd: bool = False
     only_reviewed: bool = False         # apply only those, each while its fingerprint is the same
     before_call: str = ""               # checkpoint: marked before this call, only if anything changed
+    descriptor_flag = "reviewed_fd"
 
 
 class Ping(Request, kind="ping"):

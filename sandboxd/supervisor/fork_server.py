@@ -412,9 +412,15 @@ class _Server:
         who = request.caller
         key = request.owner or (f"uid-{who.uid}" if who is not None and who.uid != 0 else None)
         deadline = time.monotonic() + REVIEW_SECONDS
+        # Its own copy: the dispatch closes ``fds`` when this returns, and the child may start later.
+        reviewed = os.dup(fds[0]) if request.reviewed_fd else -1
 
         def start(slot: Slot) -> None:
-            pid, pidfd, answer = review_child.start(request)
+            try:
+                pid, pidfd, answer = review_child.start(request, reviewed)
+            finally:
+                if reviewed >= 0:
+                    os.close(reviewed)
             try:
                 self._answer(ReviewStarted(request.id), [answer])
             finally:
@@ -442,7 +448,11 @@ class _Server:
             self._orphans.add(pidfd, reap)
             self._timers.add(deadline, kill)
 
-        self._openers.admit(key, start, lambda exc: self._answer_error(request.id, exc), deadline)
+        def refused(exc: BaseException) -> None:
+            if reviewed >= 0:
+                os.close(reviewed)
+            self._answer_error(request.id, exc)
+        self._openers.admit(key, start, refused, deadline)
 
     def _signal(self, request: Signal, fds: list[int]) -> None:
         if not 0 < request.signum < signal.NSIG:

@@ -39,20 +39,21 @@ if TYPE_CHECKING:
     from sandboxd.supervisor.fork_protocol import Review
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-ACTIONS = ("list", "diff", "apply", "discard", "checkpoint", "checkpoints", "rollback")
+ACTIONS = ("list", "diff", "apply", "discard", "checkpoint", "checkpoints", "rollback", "changed")
 MAX_PAGE = 10_000
 MAX_DIFF_BYTES = 4 << 20
 
 
-def start(request: "Review") -> tuple[int, int, int]:
-    """Fork the child for ``request``: (pid, pidfd, the read end of its answer's pipe)."""
+def start(request: "Review", reviewed_fd: int = -1) -> tuple[int, int, int]:
+    """Fork the child for ``request`` (``reviewed_fd``: the memfd of its reviewed triples, -1 none;
+    the caller closes its copy): (pid, pidfd, the read end of its answer's pipe)."""
     read_end, write_end = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child only answers, through the pipe
         os.close(read_end)
         code = 0
         try:
-            _answer(write_end, _serve(request))
+            _answer(write_end, _serve(request, reviewed_fd))
         except BaseException:  # noqa: BLE001 - the daemon reads a short answer and says so
             code = 1
         os._exit(code)
@@ -66,9 +67,9 @@ def _answer(fd: int, result: dict[str, object]) -> None:
         view = view[os.write(fd, view):]
 
 
-def _serve(request: "Review") -> dict[str, object]:
+def _serve(request: "Review", reviewed_fd: int = -1) -> dict[str, object]:
     try:
-        return _run(request)
+        return _run(request, _reviewed(reviewed_fd))
     except SandboxdError as exc:
         return {"error": exc.to_dict()}
     except OSError as exc:
@@ -88,10 +89,33 @@ class _Layer:
         self.baseline = conflicts.load_baseline(os.path.dirname(layers.upper), layers.started_ns)
 
 
-def _run(request: "Review") -> dict[str, object]:
+MAX_REVIEWED_BYTES = 32 << 20          # the reviewed triples' memfd (service.review_calls makes it)
+
+
+def _reviewed(fd: int) -> list[list[str]]:
+    """The [root, path, fingerprint] triples in the memfd ``fd`` (-1: none), read as JSON."""
+    if fd < 0:
+        return []
+    size = os.fstat(fd).st_size
+    if size > MAX_REVIEWED_BYTES:
+        raise InvalidPolicy(f"the reviewed changes take {size} bytes, more than {MAX_REVIEWED_BYTES}")
+    data = bytearray()
+    while len(data) < size:
+        block = os.pread(fd, size - len(data), len(data))
+        if not block:
+            break
+        data += block
+    triples = json.loads(bytes(data) or b"[]")
+    if not isinstance(triples, list) or not all(
+            isinstance(item, list) and len(item) == 3 and all(isinstance(part, str) for part in item) for item in triples):
+        raise InvalidPolicy("the reviewed changes are not [root, path, fingerprint] triples")
+    return triples
+
+
+def _run(request: "Review", reviewed: "list[list[str]] | None" = None) -> dict[str, object]:
     if request.action not in ACTIONS:
         raise InvalidPolicy(f"review action {request.action!r} is not one of {', '.join(ACTIONS)}")
-    if request.action in ("checkpoint", "checkpoints", "rollback"):
+    if request.action in ("checkpoint", "checkpoints", "rollback", "changed"):
         return _checkpoints(request)
     kept_layers = {layer.root: layer for layer in overlay.load(request.review_dir)}
     missing = [root for root in request.roots if root not in kept_layers]
@@ -103,7 +127,7 @@ def _run(request: "Review") -> dict[str, object]:
         return _discard(layers, selected)
     _become_owner(request, layers[0].layers)
     if request.action == "apply":
-        return _apply(request, layers, selected)
+        return _apply(request, layers, selected, reviewed or [])
     return _list(request, layers, selected)
 
 
@@ -194,13 +218,16 @@ def _list(request: "Review", layers: list[_Layer], selected: list[tuple[str, ...
                 unhashed += page.unhashed
                 for change in page.changes:
                     if request.action == "diff":
-                        shown, printed = diff.shown(compared, change, max_bytes=min(budget, diff.MAX_BYTES))
-                        if text and len(shown) > budget:
+                        shown = diff.shown(compared, change, max_bytes=min(budget, diff.MAX_BYTES))
+                        # Past what is left of the page (too big for the page's rest only, or
+                        # longer): on the next page, where it has the whole budget.
+                        if text and (len(shown.text) > budget or (shown.too_big and budget < diff.MAX_BYTES)):
                             return _page(request.action, changes, text, seen, unhashed,
                                          f"{index}:{position}:{mark}")
-                        budget -= len(shown)
-                        text.append(shown)
-                        seen.append([layer.layers.root, change.path, printed])
+                        budget -= len(shown.text)
+                        text.append(shown.text)
+                        if shown.fingerprint:                   # shown in full: vouched for
+                            seen.append([layer.layers.root, change.path, shown.fingerprint])
                     else:
                         changes.append(change_dict(layer.layers.root, change))
                     mark = change.path
@@ -216,7 +243,8 @@ def _page(action: str, changes: list[dict[str, object]], text: list[str], seen: 
     return {"changes": changes, "next": token, "unhashed": unhashed}
 
 
-def _apply(request: "Review", layers: list[_Layer], selected: list[tuple[str, ...]]) -> dict[str, object]:
+def _apply(request: "Review", layers: list[_Layer], selected: list[tuple[str, ...]],
+           triples: "list[list[str]]") -> dict[str, object]:
     from sandboxd.review import apply as applying
 
     flagged: dict[str, set[str]] = {}
@@ -224,7 +252,7 @@ def _apply(request: "Review", layers: list[_Layer], selected: list[tuple[str, ..
         if len(pair) == 2:
             flagged.setdefault(pair[0], set()).add(pair[1])
     reviewed: dict[str, dict[str, str]] = {}            # root -> path -> fingerprint the person saw
-    for triple in request.reviewed:
+    for triple in triples:
         if len(triple) == 3:
             reviewed.setdefault(triple[0], {})[unwire_path(triple[1])] = triple[2]
     applied: list[dict[str, object]] = []
@@ -273,6 +301,8 @@ def _checkpoints(request: "Review") -> dict[str, object]:
     """As root, the session's sandbox closed (the daemon's between_calls): mark a checkpoint
     (``label``; ``limit``: review.max_checkpoints), list them, or roll back to ``checkpoint``."""
     review_dir = request.review_dir
+    if request.action == "changed":             # read only: the overlays may stay mounted
+        return {"changed": any(checkpoints.changed_since_last(layers) for layers in overlay.load(review_dir))}
     if request.action == "checkpoint":
         made = (checkpoints.create_if_changed(review_dir, request.label, limit=request.limit,
                                               call_id=request.before_call)
