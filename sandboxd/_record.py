@@ -7,6 +7,10 @@ one-shot path to import only what it needs). The policy and plan types need
 little of it: keyword or positional construction with defaults, a
 ``__post_init__`` hook, ``repr``, type-aware equality and hashing, frozen
 attributes and ``replace``. That is all this provides.
+
+``Choice`` is the same for ``enum``: a closed set of names (a policy's modes), each member a
+``str`` so that it compares, hashes, prints and encodes (JSON, protobuf) as its name, and
+``parse`` is the one way from a caller's text to a member.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     # Only the type checker reads these: ``typing`` stays off the ``sandboxd run`` path.
-    from typing import Any, Callable, Self, TypeVar, dataclass_transform
+    from typing import Any, Callable, ClassVar, Self, TypeVar, dataclass_transform
 
     T = TypeVar("T")
 
@@ -55,8 +59,8 @@ class Record:
         super().__init_subclass__(**kwargs)
         fields = list(cls._fields)
         defaults = dict(cls._defaults)
-        for name in cls.__dict__.get("__annotations__", {}):
-            if name.startswith("_"):
+        for name, annotation in cls.__dict__.get("__annotations__", {}).items():
+            if name.startswith("_") or str(annotation).startswith("ClassVar"):
                 continue
             if name not in fields:
                 fields.append(name)
@@ -114,3 +118,35 @@ class Record:
 
     def as_dict(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in self._fields}
+
+
+class Choice(str):
+    """One of a closed set of names: an enum without importing ``enum`` (which ``re`` and
+    ``dataclasses`` pull in, and ``sandboxd run`` does without). A subclass declares its members as
+    ``ClassVar``s of its own type and makes them once with ``define``; ``parse`` returns the member
+    a text names, or raises ValueError listing them. Members are ``str``: equal to their name."""
+
+    __slots__ = ()
+    _members: "ClassVar[dict[str, Any]]" = {}
+
+    @classmethod
+    def define(cls, **members: str) -> None:
+        """Make the members: ``define(ISOLATED="isolated", HOST="host")``, in their order."""
+        made = {}
+        for attribute, text in members.items():
+            member = str.__new__(cls, text)
+            setattr(cls, attribute, member)
+            made[text] = member
+        cls._members = made
+
+    @classmethod
+    def parse(cls, text: object) -> "Self":
+        """The member named ``text`` (a member gives itself), or ValueError naming the choices."""
+        member: "Self | None" = cls._members.get(text) if isinstance(text, str) else None
+        if member is None:
+            raise ValueError(f"{text!r} is not one of {', '.join(cls._members)}")
+        return member
+
+    @classmethod
+    def all(cls) -> "tuple[Self, ...]":
+        return tuple(cls._members.values())

@@ -21,6 +21,11 @@ from sandboxd import defaults
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 
+# What a person was shown of a review session's changes: (root, path) -> the change's fingerprint
+# (FileChange.fingerprint, DiffChangesResponse.shown).
+Reviewed = dict[tuple[str, str], str]
+REVIEWED_PART = 2_000           # reviewed changes per ApplyChanges (the server takes 10,000 and 4 MiB)
+
 DEFAULT_SOCKET = defaults.SOCKET
 _MODES = {"read-only": pb.SandboxPolicy.READ_ONLY, "workspace-write": pb.SandboxPolicy.WORKSPACE_WRITE,
           "danger-full-access": pb.SandboxPolicy.DANGER_FULL_ACCESS}
@@ -114,11 +119,16 @@ class SandboxClient:
 
     def create_session(self, workspace: str, *, policy: pb.SandboxPolicy | None = None,
                        approval: str = "on-request", limits: pb.Limits | None = None,
-                       labels: dict[str, str] | None = None, env: dict[str, str] | None = None) -> pb.Session:
-        """``env``: variables every command of the session gets (see CreateSessionRequest.env)."""
-        return self.stub.CreateSession(pb.CreateSessionRequest(
+                       labels: dict[str, str] | None = None, env: dict[str, str] | None = None,
+                       review: bool | None = None) -> pb.Session:
+        """``env``: variables every command of the session gets (see CreateSessionRequest.env);
+        ``review``: review mode (None: the daemon's review.default)."""
+        request = pb.CreateSessionRequest(
             workspace=workspace, sandbox_policy=policy or sandbox_policy(), approval_policy=approval_policy(approval),
-            limits=limits or pb.Limits(), labels=labels or {}, env=env or {}))
+            limits=limits or pb.Limits(), labels=labels or {}, env=env or {})
+        if review is not None:
+            request.review = review
+        return self.stub.CreateSession(request)
 
     def get_session(self, session_id: str) -> pb.Session:
         return self.stub.GetSession(pb.GetSessionRequest(session_id=session_id))
@@ -137,6 +147,83 @@ class SandboxClient:
         if approval is not None:
             request.approval_policy = approval_policy(approval)
         return self.stub.UpdateSessionPolicy(request)
+
+    # -- review mode: each page followed to the end -------------------------------------------------
+
+    def list_changes(self, session_id: str, paths: "list[str] | None" = None) -> tuple[list[pb.FileChange], int]:
+        """Every change (and how many files were left without a hash) of a review session."""
+        changes: list[pb.FileChange] = []
+        unhashed, token = 0, ""
+        while True:
+            page = self.stub.ListChanges(pb.ListChangesRequest(session_id=session_id, paths=paths or [],
+                                                               page_token=token))
+            changes += page.changes
+            unhashed += page.unhashed
+            token = page.next_page_token
+            if not token:
+                return changes, unhashed
+
+    def diff_changes(self, session_id: str, paths: "list[str] | None" = None, *,
+                     seen: "Reviewed | None" = None) -> "Iterator[str]":
+        """The diff, page by page; ``seen`` gets each shown change's fingerprint (for ``apply_changes``)."""
+        token = ""
+        while True:
+            page = self.stub.DiffChanges(pb.DiffChangesRequest(session_id=session_id, paths=paths or [],
+                                                               page_token=token))
+            if seen is not None:
+                seen.update({(item.root, item.path): item.fingerprint for item in page.shown})
+            yield page.diff
+            token = page.next_page_token
+            if not token:
+                return
+
+    def apply_changes(self, session_id: str, paths: "list[str] | None" = None, *, force: bool = False,
+                      include_flagged: "list[str] | None" = None,
+                      reviewed: "Reviewed | None" = None) -> pb.ApplyChangesResponse:
+        """``reviewed``: (root, path) -> the fingerprint a person was shown; given (even empty), only
+        those changes are applied, each while it is still what was shown. More than one request
+        carries (REVIEWED_PART) are sent as several, each naming its own paths (parents first),
+        and answered as one."""
+        if reviewed is not None and not paths and len(reviewed) > REVIEWED_PART:
+            return self._apply_in_parts(session_id, reviewed, force=force, include_flagged=include_flagged)
+        return self.stub.ApplyChanges(pb.ApplyChangesRequest(
+            session_id=session_id, paths=paths or [], force=force, include_flagged=include_flagged or [],
+            reviewed=[pb.ReviewedChange(root=root, path=path, fingerprint=mark)
+                      for (root, path), mark in (reviewed or {}).items()],
+            only_reviewed=reviewed is not None))
+
+    def _apply_in_parts(self, session_id: str, reviewed: "Reviewed", *, force: bool,
+                        include_flagged: "list[str] | None") -> pb.ApplyChangesResponse:
+        order = sorted(reviewed)                      # a directory before what is in it
+        applied: list[pb.AppliedChange] = []
+        skipped: dict[tuple[str, str], pb.SkippedChange] = {}
+        for start in range(0, len(order), REVIEWED_PART):
+            part = order[start:start + REVIEWED_PART]
+            answer = self.stub.ApplyChanges(pb.ApplyChangesRequest(
+                session_id=session_id, paths=[f"{root}/{path}" if path else root for root, path in part], force=force,
+                include_flagged=include_flagged or [], only_reviewed=True,
+                reviewed=[pb.ReviewedChange(root=root, path=path, fingerprint=reviewed[(root, path)])
+                          for root, path in part]))
+            applied += answer.applied
+            for item in answer.applied:
+                skipped.pop((item.root, item.path), None)
+            for item in answer.skipped:               # one below a part's path is another part's
+                if (item.root, item.path) not in reviewed or (item.root, item.path) in part:
+                    skipped[(item.root, item.path)] = item
+        done = {(item.root, item.path) for item in applied}
+        return pb.ApplyChangesResponse(applied=applied, skipped=[item for key, item in skipped.items() if key not in done])
+
+    def discard_changes(self, session_id: str, paths: "list[str] | None" = None) -> pb.DiscardChangesResponse:
+        return self.stub.DiscardChanges(pb.DiscardChangesRequest(session_id=session_id, paths=paths or []))
+
+    def create_checkpoint(self, session_id: str, label: str = "") -> pb.Checkpoint:
+        return self.stub.CreateCheckpoint(pb.CreateCheckpointRequest(session_id=session_id, label=label))
+
+    def list_checkpoints(self, session_id: str) -> list[pb.Checkpoint]:
+        return list(self.stub.ListCheckpoints(pb.ListCheckpointsRequest(session_id=session_id)).checkpoints)
+
+    def rollback_changes(self, session_id: str, checkpoint_id: int) -> pb.RollbackChangesResponse:
+        return self.stub.RollbackChanges(pb.RollbackChangesRequest(session_id=session_id, checkpoint_id=checkpoint_id))
 
     def read_file(self, session_id: str, path: str, max_bytes: int = 0) -> pb.ReadFileResponse:
         return self.stub.ReadFile(pb.ReadFileRequest(session_id=session_id, path=path, max_bytes=max_bytes))

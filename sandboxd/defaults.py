@@ -75,6 +75,26 @@ def daemon_hidden_paths(socket_path: str) -> tuple[str, ...]:
         return (socket_path, shared)
     return (os.path.dirname(socket_path),)
 
+def review_bases(uid: int, home: str, state_home: str = "") -> tuple[str, ...]:
+    """Where `sandboxd run --review` keeps a user's change sets (cli.run_review.base_dir), in the
+    order it tries them: ``$XDG_STATE_HOME/sandboxd/reviews`` (``state_home``) when set; else for
+    root STATE_DIR/run-reviews (hidden with the rest of the state), for a plain user
+    ``~/.local/state/sandboxd/reviews`` then ``/var/tmp/sandboxd-reviews-UID``."""
+    if not os.path.isabs(state_home):
+        state_home = ""                     # the XDG spec: a relative path is invalid, to be ignored
+    if uid == 0:
+        return (os.path.join(state_home, "sandboxd", "reviews") if state_home else STATE_DIR + "/run-reviews",)
+    state = state_home or os.path.join(home, ".local", "state")
+    return (os.path.join(state, "sandboxd", "reviews"), f"/var/tmp/sandboxd-reviews-{uid}")
+
+
+def owner_hidden_paths(uid: int, home: str, state_home: str = "") -> tuple[str, ...]:
+    """A user's places every sandbox of that user hides (LaunchSpec.owner_hidden): the bases of
+    their kept change sets, with and without ``state_home``, so that no sandbox of theirs rewrites
+    a change set kept for their review."""
+    return tuple(dict.fromkeys((*review_bases(uid, home, state_home), *review_bases(uid, home))))
+
+
 # Sandboxes' own defaults, one constant each, used wherever the default applies.
 # A workspace-write sandbox with network access gets a network namespace of its own (the other
 # mode, "host", must be asked for: policy.sandbox.NETWORK_MODES).

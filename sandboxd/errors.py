@@ -110,6 +110,11 @@ class Exhausted(SandboxdError):
     """A configured limit on the daemon itself was reached (sessions, calls)."""
 
 
+class WrongState(SandboxdError):
+    """The object is not in a state that allows this now (a session not in review mode; a discard
+    while a call of the session runs): the message says what would."""
+
+
 class DeadlineExceeded(SandboxdError):
     """A call ran out of its time budget (a file tool, the built-in search) and was stopped."""
 

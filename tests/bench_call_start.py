@@ -314,7 +314,7 @@ def _fork_server_cpu(pid: int) -> float:
 def while_running(running_counts: list[int], calls: int) -> None:
     """The fork server's CPU per warm call of ``true`` while other calls (``sleep``) are running:
     the cost of its loop per event grows with what it holds (``_Server._collect_exits``)."""
-    from sandboxd.supervisor.forkserver import ForkServer
+    from sandboxd.supervisor.fork_client import ForkServer
 
     server = ForkServer.start()
     workspace = tempfile.mkdtemp(prefix="sandboxd-bench-call-start-")

@@ -9,7 +9,7 @@ Interleaved round-robin in a shuffled order, ``true`` under workspace-write each
 table's ``forkserver workspace-write`` row):
 
 * ``fork server``: ``ForkServer.launch`` + ``wait`` of a fork server started as the daemon starts it;
-* ``fork server, paths opened inline``: the same loop (``forkserver.serve``, forked from this
+* ``fork server, paths opened inline``: the same loop (``fork_server.serve``, forked from this
   process) with ``access.PendingOpen`` replaced by a stand-in that opens the caller's paths in the
   fork server itself, as before 2026-12-01 (the child that opens them as the caller, so that a path
   on a file system that does not answer holds only its own request, came with issue 16);
@@ -35,8 +35,8 @@ from benchmark import BWRAP_ARGV, SANDBOX_ENV, SHUFFLE_SEED, forkserver_launch, 
 from sandboxd.kernel import access
 from sandboxd.launcher.plan import path_check, path_requests
 from sandboxd.policy import LaunchSpec, WorkspaceWrite
-from sandboxd.supervisor import forkserver
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor import fork_server
+from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.supervisor.spawner import Spawner
 
 
@@ -87,7 +87,7 @@ def inline_fork_server() -> ForkServer:
         ours.close()
         access.PendingOpen = OpenedInline                 # type: ignore[misc, assignment]
         try:
-            forkserver.serve(theirs)
+            fork_server.serve(theirs)
         finally:
             os._exit(0)
     theirs.close()

@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from sandboxd.policy import LaunchSpec, WorkspaceWrite
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer
 
 LOOP = textwrap.dedent('''
     import json, sys, time, urllib.request

@@ -63,7 +63,7 @@ SERVING. It is measured over the Unix socket with ``sandboxd.client``:
   Raw ``Exec`` stub with ``output_limit_bytes`` 2 GiB: ``SandboxClient.exec``
   cannot raise the server's 64 MiB default cap, which would truncate the output.
 * VmRSS (and PSS, from smaps_rollup) of ``sandboxd serve`` and of its fork server
-  child (``python -m sandboxd.supervisor.forkserver``), separately and summed:
+  child (``python -m sandboxd.supervisor.fork_server``), separately and summed:
   idle right after start, idle after the load above, with ``--sessions`` (100)
   sessions open, and after closing them. The session sandboxes (descendants of
   the fork server) are reported beside, not in the sum.
@@ -98,7 +98,7 @@ from typing import Any, Callable
 
 from sandboxd import defaults
 from sandboxd.policy import DangerFullAccess, LaunchSpec, ReadOnly, SandboxPolicy, WorkspaceWrite
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.supervisor.spawner import Spawner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -403,7 +403,7 @@ def target_lines(rows: list[dict[str, Any]]) -> dict[str, float | None]:
 ONE_GIB = 1 << 30
 DAEMON_STOP_TIMEOUT_S = 20.0
 DAEMON_READY_TIMEOUT_S = 60.0
-FORK_SERVER_MARK = b"sandboxd.supervisor.forkserver"
+FORK_SERVER_MARK = b"sandboxd.supervisor.fork_server"
 
 
 def compile_sources() -> dict[str, Any]:

@@ -390,10 +390,12 @@ class DaemonFactory:
     def close(self) -> None:
         _FACTORIES.pop(self.base, None)
         problems: list[str] = []
-        for daemon in self.daemons:
-            if daemon.proc is None:
-                continue
+        started = [daemon for daemon in self.daemons if daemon.proc is not None]
+        # Every daemon of the base stops before any is checked: daemons restarted in one base share
+        # its private directory, so a stopped one's check must not see a running one's relay sockets.
+        for daemon in started:
             daemon.close()
+        for daemon in started:
             found = daemon.leftovers()
             if found:
                 problems += found
@@ -401,6 +403,7 @@ class DaemonFactory:
                 for path in daemon.own_cgroups():
                     with contextlib.suppress(OSError):
                         os.rmdir(path)
+        release_review_stores(self.base)
         remove_tree(self.base)
         if problems:
             raise AssertionError("the daemon left things behind:\n" + "\n".join(problems))
@@ -904,13 +907,16 @@ def free_pool(blocks: int = 1) -> str:
 def mount_count() -> int:
     """The host's mounts, but for those other test runs on the machine make and remove meanwhile, which
     no daemon makes: named network namespaces (`ip netns add`, /run/netns), FUSE mounts and the tmpfs of
-    tests/test_git_walk.py (source ``sbxtest-*``)."""
+    tests/test_git_walk.py (source ``sbxtest-*``); and review sessions' stores (source
+    ``sandboxd-review``), which any other daemon on the machine mounts as its users work: the
+    callers count direct sessions' mounts (review tests check their stores by path)."""
     count = 0
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
             point, (fstype, source) = fields[4], fields[fields.index("-") + 1:][:2]
-            if not (point.startswith("/run/netns/") or fstype.startswith("fuse") or source.startswith("sbxtest-")):
+            if not (point.startswith("/run/netns/") or fstype.startswith("fuse") or source.startswith("sbxtest-")
+                    or (fstype, source) == ("tmpfs", "sandboxd-review")):
                 count += 1
     return count
 
@@ -921,3 +927,16 @@ def fd_count(pid: int) -> int:
 
 def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def release_review_stores(base: Path) -> None:
+    """Unmount the review stores (kernel.review_space: tmpfs mounts in the host's namespace, which
+    no directory removal takes away) of the change sets the daemons under ``base`` kept."""
+    from sandboxd.kernel import review_space
+
+    prefix = f"{base}/"
+    with open("/proc/self/mountinfo") as mounts:
+        points = [line.split()[4] for line in mounts if f" - tmpfs {review_space.SOURCE} " in line]
+    for point in sorted((p for p in points if p.startswith(prefix)), reverse=True):
+        with contextlib.suppress(OSError):
+            review_space.release(point.replace("\\040", " "))

@@ -125,6 +125,15 @@ class SyscallRecorder(Syscalls):
     def attach_tree(self, tree: int, target: str, *, step: str) -> None:
         self._record(f"move_mount {target}")
 
+    def open_dir_path(self, path: str, *, step: str) -> int:
+        self._record(f"open {path}")
+        return self._descriptor()
+
+    def mount_overlay(self, target: str, *, lower_fd: int, upper_fd: int, work_fd: int, userxattr: bool,
+                      shown: str, checkpoint_fds: tuple[int, ...] = ()) -> None:
+        self._record(f"mount overlay {target} nosuid,nodev" + (" userxattr" if userxattr else "")
+                     + (f" checkpoints={len(checkpoint_fds)}" if checkpoint_fds else ""))
+
     def pivot_root_here(self, new_root: str) -> None:
         self._record(f"pivot_root {new_root}")
 

@@ -18,7 +18,7 @@ from sandboxd.cli import doctor
 from sandboxd.launcher import native_call
 from sandboxd.policy import LaunchSpec, WorkspaceWrite
 from sandboxd.service import daemon_status
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer
 
 pytestmark = pytest.mark.timeout(120)
 

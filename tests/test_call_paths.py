@@ -26,7 +26,7 @@ from sandboxd.launcher.native_call import helper_path
 from sandboxd.launcher.plan import DebugHooks
 from sandboxd.service.terminal_call import receive_master
 from sandboxd.policy import LaunchSpec, Limits, WorkspaceWrite, limits
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.supervisor.spawner import Spawner
 
 pytestmark = pytest.mark.timeout(120)
@@ -178,6 +178,30 @@ def test_errors_keep_their_step(server: ForkServer, session: str, workspace: Pat
     assert bad_cwd.value.errno == errno.ENOENT, bad_cwd.value
     output, info = run(server, session, ["echo", "still fine"], str(workspace))
     assert output == "still fine\n" and info.exit_code == 0  # type: ignore[attr-defined]
+
+
+def test_a_path_longer_than_the_kernel_takes_is_refused_never_cut_short(server: ForkServer, session: str,
+                                                                         workspace: Path) -> None:
+    """A PATH entry whose candidate (entry, "/", program) is longer than PATH_MAX: the helper used to
+    cut it to its buffer and exec what the cut named (a `true` planted where `truecolour` was asked
+    for). Both paths refuse it as the kernel does (ENAMETOOLONG) and look on; the control: the
+    planted program is there, and runs when named by a path that fits."""
+    program = "truecolour"
+    deep, length = str(workspace), limits.PATH_MAX - 1 - len("/true")     # the cut would end in ".../true"
+    while length - len(deep) > 201:
+        deep += "/" + "d" * 200
+    deep += "/" + "d" * (length - len(deep) - 1)                         # 1 to 200 characters
+    assert len(deep) == length
+    os.makedirs(deep)
+    planted = Path(deep) / "true"
+    planted.write_text("#!/bin/sh\necho cut short\n")
+    planted.chmod(0o755)
+    env = {**BASE_ENV, "PATH": f"{deep}:/usr/bin:/bin"}
+    with pytest.raises(ExecFailed) as refused:
+        run(server, session, [program], str(workspace), env=env)
+    assert refused.value.errno == errno.ENAMETOOLONG, refused.value
+    output, info = run(server, session, ["true"], deep, env={**BASE_ENV, "PATH": "."})
+    assert output == "cut short\n" and info.exit_code == 0, (output, info)  # type: ignore[attr-defined]
 
 
 def test_closing_the_session_leaves_nothing(server: ForkServer, workspace: Path) -> None:

@@ -48,6 +48,10 @@ def effect(argv: list[str], env: CommandEnv | None = None, scope: WriteScope = S
     (["git", "-C", "/tmp/g", "log"], ["git", "log", "-3"]),
     (["git", "--no-pager", "diff", "--no-index", "--output=/home/u/x", "a", "b"], ["git", "diff", "--no-index", "a", "b"]),
     (["git", "log", "--output=/home/u/x"], ["git", "log", "--format=%H"]),
+    # The differential test's finds (2026-12-03): git's diff pass reads a word its revision pass took
+    # as -n's value (`-pn --output=F` wrote F); --remerge-diff writes objects into .git/objects.
+    (["git", "diff", "-pn", "--output=/home/u/x"], ["git", "log", "-pn", "5"]),
+    (["git", "log", "--remerge-diff"], ["git", "log", "--diff-merges=on"]),
     (["git", "diff", "--ext-diff"], ["git", "diff", "--no-ext-diff", "--stat"]),
     (["git", "log", "--show-signature"], ["git", "log", "--stat"]),
     (["git", "branch", "new-branch"], ["git", "branch", "--list", "feat*"]),

@@ -55,3 +55,28 @@ def test_public_conformance_probes_all_hold_with_the_host_network(tmp_path: Path
     assert result.returncode == 0, "\n".join(failed) + "\n" + result.stdout[-2000:] + result.stderr[-2000:]
     summary = [line for line in result.stdout.splitlines() if line.startswith("held ")]
     assert summary and summary[-1].split()[1] == "80/80", result.stdout[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_public_conformance_probes_all_hold_in_review_mode(tmp_path: Path) -> None:
+    """The same 80 probes with every workspace-write run in review mode (`--review=discard`: the
+    workspace and writable roots are overlays; review is for workspace-write only, the other
+    policies run as they are): all hold. Checked to be in review mode: a write is discarded."""
+    wrapper = tmp_path / "sandboxd-review"
+    wrapper.write_text("#!/bin/sh\n"
+                       "review=''; prev=''\n"
+                       "for arg do [ \"$prev\" = --sandbox ] && [ \"$arg\" = workspace-write ] && review=--review=discard; "
+                       "prev=$arg; done\n"
+                       f'if [ "$1" = run ] && [ -n "$review" ]; then shift; exec {SANDBOXD} run "$review" "$@"; fi\n'
+                       f'exec {SANDBOXD} "$@"\n')
+    wrapper.chmod(0o755)
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    wrote = subprocess.run([str(wrapper), "run", "--sandbox", "workspace-write", "--workspace", str(workspace), "--",
+                            "sh", "-c", "echo x > f && cat f"], capture_output=True, text=True, timeout=120,
+                           env=BASE_ENV, stdin=subprocess.DEVNULL)
+    assert wrote.stdout == "x\n" and "review: discarded" in wrote.stderr and not (workspace / "f").exists(), wrote
+    result, failed = run_probes(str(wrapper))
+    assert result.returncode == 0, "\n".join(failed) + "\n" + result.stdout[-2000:] + result.stderr[-2000:]
+    summary = [line for line in result.stdout.splitlines() if line.startswith("held ")]
+    assert summary and summary[-1].split()[1] == "80/80", result.stdout[-2000:]

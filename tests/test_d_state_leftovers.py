@@ -495,7 +495,7 @@ def test_the_watchdog_tells_a_starting_fork_server_from_a_hung_one() -> None:
     a loaded machine, what a predecessor left to sweep): a missed ping does not count yet. Once it
     has answered, a missed ping is a hung loop: killed (the control)."""
     from sandboxd.service.watchdog import Watchdog
-    from sandboxd.supervisor.forkserver import ForkServer
+    from sandboxd.supervisor.fork_client import ForkServer
 
     server = ForkServer.start()
     hung: list[bool] = []

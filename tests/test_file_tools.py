@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 
-from daemon_fixtures import base, client  # noqa: F401 - pytest fixtures
+from daemon_fixtures import base, client, daemon  # noqa: F401 - pytest fixtures
+from daemon_helpers import Daemon, PlainUser, owned_dir, run_client_as
 from sandboxd.client import SandboxClient, sandbox_policy
+from sandboxd.policy.tools import Effect, WriteScope
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 
@@ -112,3 +115,68 @@ def test_session_tmp_is_the_sandbox_one(client: SandboxClient, workspace: Path) 
     client.stub.WriteFile(pb.WriteFileRequest(session_id=session.id, path=name, data=b"private"))
     assert not os.path.exists(name)
     assert client.exec(session.id, ["cat", name]).stdout == b"private"
+
+
+SWAP_ATTACK = r'''
+ws, root, victim = ARGS["ws"], ARGS["root"], ARGS["victim"]
+policy = pb.SandboxPolicy(mode=pb.SandboxPolicy.WORKSPACE_WRITE, writable_roots=[root])
+session = stub.CreateSession(pb.CreateSessionRequest(workspace=ws, sandbox_policy=policy,
+                                                     approval_policy=pb.NEVER), timeout=120).id
+
+def write(path):
+    try:
+        stub.WriteFile(pb.WriteFileRequest(session_id=session, path=path, data=b"x"), timeout=120)
+        return ["OK", ""]
+    except grpc.RpcError as error:
+        return [error.code().name, error.details()]
+
+def command(argv):
+    try:
+        return ["OK", run(session, argv)[1]]
+    except grpc.RpcError as error:
+        return [error.code().name, error.details()]
+
+before = {"root": write(root + "/before"), "victim": write(victim + "/before")}
+os.rename(root, root + ".old")                  # the attack: the root's name now leads to the victim's
+os.symlink(victim, root)
+after = {"root": write(root + "/after"), "victim": write(victim + "/after"),
+         "touch_root": command(["touch", root + "/touched"]), "touch_victim": command(["touch", victim + "/touched"])}
+stub.CloseSession(pb.CloseSessionRequest(session_id=session), timeout=120)
+print(json.dumps({"before": before, "after": after}))
+'''
+
+
+def test_a_root_swapped_for_a_symlink_moves_nothing_the_daemon_judges(
+        daemon: Daemon, plain_users: Callable[[int], list[PlainUser]]) -> None:
+    """The daemon judges a session's writes on what the fork server built (the real paths of its
+    workspace and roots, resolved as the owner by descriptor), never on the policy's names looked up
+    again as root. A plain user whose writable root is swapped for a symlink to a directory of
+    root's after the session was created: writes there (WriteFile, and `touch` in Exec) are still
+    outside the roots (refused by the policy, before anything runs); the root's name is still the
+    root to the policy. Control: the swap is real: a lookup of
+    the root as root now lands in the victim's directory, and a write scope built from that lookup
+    (what the daemon did before) would let the write through as inside the roots."""
+    (user,) = plain_users(1)
+    home = owned_dir(daemon.base / f"facts-{user.name}", user)
+    ws, root = owned_dir(home / "ws", user), owned_dir(home / "root", user)
+    victim = daemon.base / f"victim-{user.name}"
+    victim.mkdir(mode=0o755)
+    result = run_client_as(user.uid, user.gid, str(daemon.socket), SWAP_ATTACK,
+                           {"ws": str(ws), "root": str(root), "victim": str(victim)})
+    before, after = result["before"], result["after"]
+    assert before["root"] == ["OK", ""] and before["victim"][0] == "PERMISSION_DENIED", result
+    assert "outside the workspace and the writable roots" in before["victim"][1], result
+    # The control: a lookup as root of the root's name finds the victim's directory now, and a scope
+    # built on it takes the victim's directory for a writable root.
+    assert os.path.realpath(root) == str(victim)
+    assert WriteScope(roots=(str(ws), os.path.realpath(root))).effect_of([str(victim / "after")])[0] == \
+        Effect.WORKSPACE_WRITE
+    # The wall: refused by the policy as outside the roots (not run and refused by the kernel).
+    for key in ("victim", "touch_victim"):
+        assert after[key][0] == "PERMISSION_DENIED" and "outside the workspace" in after[key][1], (key, result)
+    assert list(victim.iterdir()) == []
+    # The root's name is still the root to the policy (allowed without asking); where it leads is
+    # the kernel's to say in the sandbox (the moved directory while its bind stays, else read-only).
+    assert after["touch_root"][0] == "OK", result
+    assert after["root"][0] == "OK" or "refused by the kernel" in after["root"][1], result
+    assert "before" in {p.name for p in (home / "root.old").iterdir()}

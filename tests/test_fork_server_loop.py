@@ -12,7 +12,7 @@ import pytest
 
 from conftest import BASE_ENV
 from sandboxd.policy import LaunchSpec, Limits, WorkspaceWrite
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer
 
 pytestmark = pytest.mark.timeout(180)
 

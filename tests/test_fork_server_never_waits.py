@@ -29,7 +29,7 @@ import pytest
 from conftest import BASE_ENV, PY, SLOW, eventually
 from sandboxd.kernel.cgroups import hierarchies
 from sandboxd.policy import DangerFullAccess, LaunchSpec, Limits, SandboxPolicy, WorkspaceWrite
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer
 
 pytestmark = pytest.mark.timeout(int(180 * SLOW))
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import BASE_ENV, PY, kill_marked, make_dir, pids_with_marker, wait_until_gone
 from sandboxd.errors import ExecFailed, InvalidPolicy, SetupError
 from sandboxd.policy import DangerFullAccess, LaunchSpec, Limits, ReadOnly, WorkspaceWrite
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -232,7 +232,7 @@ def test_two_fork_servers_close_independently() -> None:
     second one, which should not hold the first one's client socket). Run in a child with a deadline."""
     code = (
         "import time\n"
-        "from sandboxd.supervisor.forkserver import ForkServer\n"
+        "from sandboxd.supervisor.fork_client import ForkServer\n"
         "a = ForkServer.start(); b = ForkServer.start()\n"
         "t = time.monotonic(); a.close(); print('first closed in', round(time.monotonic() - t, 2), flush=True)\n"
         "b.close(); print('both closed', flush=True)\n")
@@ -245,3 +245,32 @@ def test_two_fork_servers_close_independently() -> None:
         stdout, stderr = proc.communicate()
         pytest.fail(f"closing the first of two fork servers hung (stdout={stdout!r}, stderr={stderr[-500:]!r})")
     assert proc.returncode == 0 and "both closed" in stdout, (stdout, stderr)
+
+
+def test_a_session_comes_back_with_the_real_paths_it_was_built_with(server: ForkServer, base_dir: Path) -> None:
+    """SessionReady carries what the fork server built: the workspace and the writable roots by the
+    real paths its lookup (by descriptor, as the caller) found, which is what the sandbox binds and
+    the daemon keeps (never resolving the names again itself), and its PID namespace. Named through
+    symlinks here: the facts are the targets; a root named twice (by itself and through a link) is
+    one root."""
+    real_ws, real_root = make_dir(base_dir / "real-ws"), make_dir(base_dir / "real-root")
+    (base_dir / "ws-link").symlink_to(real_ws)
+    (base_dir / "root-link").symlink_to(real_root)
+    spec = LaunchSpec(argv=("true",), workspace=str(base_dir / "ws-link"), env=dict(BASE_ENV),
+                      policy=WorkspaceWrite(writable_roots=(str(base_dir / "root-link"), str(real_root))),
+                      caller=(65534, 65534, ()))
+    os.chown(real_ws, 65534, 65534)
+    os.chown(real_root, 65534, 65534)
+    info = server.open_session("facts#1", spec)
+    try:
+        assert (info.workspace, info.writable_roots) == (str(real_ws), (str(real_root),))
+        # Its PID namespace too, read by the fork server while the init was surely its child.
+        namespace = os.stat(f"/proc/{info.init_pid}/ns/pid").st_ino
+        assert info.pid_namespace == namespace != os.stat("/proc/self/ns/pid").st_ino
+    finally:
+        server.close_session("facts#1")
+    read_only = server.open_session("facts#2", spec.replace(policy=ReadOnly()))
+    try:
+        assert (read_only.workspace, read_only.writable_roots) == (str(real_ws), ())
+    finally:
+        server.close_session("facts#2")

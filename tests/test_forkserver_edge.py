@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,9 @@ from sandboxd.errors import InvalidPolicy, SetupError
 from sandboxd.policy import LaunchSpec, Limits, WorkspaceWrite
 from sandboxd.service.calls import SessionCall
 from sandboxd.supervisor import fork_protocol
-from sandboxd.supervisor.forkserver import MAX_POLL_MS, ForkServer, check_timeout, poll_timeout_ms
+from sandboxd.supervisor.fork_client import ForkServer
+from sandboxd.supervisor.fork_protocol import check_timeout
+from sandboxd.supervisor.fork_server import MAX_POLL_MS, poll_timeout_ms
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,6 +72,14 @@ def test_check_timeout_refuses_what_no_clock_holds() -> None:
         Limits(timeout_seconds=1e12)
 
 
+def spec_with(record: str, field: str, value: object) -> dict[str, object]:
+    """A launch spec as the client sends it (its JSON), with one nested field of ``record`` changed."""
+    spec = LaunchSpec(argv=("true",), workspace="/w", caller=(1000, 1000, ()))
+    wire: dict[str, Any] = json.loads(fork_protocol.Launch(1, fork_protocol.spec_record(spec)).encode())["spec"]
+    wire[record][field] = value
+    return wire
+
+
 def send_raw(server: ForkServer, message: object, fds: list[int] | None = None) -> None:
     """A request as the typed client would never send it: any JSON (or bytes), straight on the socket."""
     data = message if isinstance(message, bytes) else json.dumps(message).encode()
@@ -89,7 +100,8 @@ def test_malformed_requests_get_error_answers_and_the_server_lives(server: ForkS
     stdio = null_stdio()
     try:
         bad_requests: list[tuple[dict[str, object], list[int], str]] = [
-            ({"op": "launch", "spec": "not a spec"}, list(stdio), "field 'spec' must be dict"),
+            ({"op": "launch", "spec": "not a spec"}, list(stdio),
+             "field 'spec' must be an object of SpecRecord's fields"),
             ({"op": "launch", "spec": {"argv": 5}}, list(stdio), ""),
             ({"op": "launch"}, [], "takes 3 descriptors, got 0"),
             ({"op": "call", "session": 7, "argv": ["true"], "env": {}, "cwd": "/"}, list(stdio),
@@ -105,7 +117,19 @@ def test_malformed_requests_get_error_answers_and_the_server_lives(server: ForkS
             ({"op": "session_open", "session": ["x"], "spec": {}}, [], "field 'session' must be str"),
             ({"op": "session_open", "session": "s", "spec": {"argv": []}}, [], ""),
             ({"op": "session_close", "session": None}, [], "field 'session' must be str"),
-            ({"op": "check_paths", "caller": [0, "root", []], "paths": ["/"]}, [], "a caller is [uid, gid, [groups]]"),
+            ({"op": "check_paths", "caller": [0, "root", []], "paths": ["/"]}, [],
+             "field 'caller' must be an object of CallerRecord's fields"),
+            ({"op": "check_paths", "caller": {"uid": 0, "gid": "root", "groups": []}, "paths": ["/"]}, [],
+             "field 'caller.gid' must be int"),
+            # The spec's nested fields, each checked and named by its path (the policy's modes too).
+            ({"op": "launch", "spec": spec_with("policy", "network_mode", 7)}, list(stdio),
+             "field 'spec.policy.network_mode' must be one of isolated, host, got 7"),
+            ({"op": "session_open", "session": "s", "spec": spec_with("policy", "writable_roots", "/etc")}, [],
+             "field 'spec.policy.writable_roots' must be list[str]"),
+            ({"op": "session_open", "session": "s", "spec": spec_with("limits", "pids", "many")}, [],
+             "field 'spec.limits.pids' must be int | None"),
+            ({"op": "launch", "spec": spec_with("caller", "uid", None)}, list(stdio),
+             "field 'spec.caller.uid' must be int"),
             ({"op": "explode"}, [], "unknown fork server operation 'explode'"),
         ]
         for number, (message, fds, says) in enumerate(bad_requests, start=10_000):
@@ -116,9 +140,8 @@ def test_malformed_requests_get_error_answers_and_the_server_lives(server: ForkS
             assert server.pid == pid
         # Fields the client would never send: a time limit of 1e12 s, a signal beyond NSIG.
         spec = LaunchSpec(argv=("true",), workspace=str(workspace), env=dict(BASE_ENV))
-        from sandboxd.policy.spec import spec_to_dict
-        huge = spec_to_dict(spec)
-        huge["limits"]["timeout_seconds"] = 1e12  # type: ignore[index]
+        huge = json.loads(fork_protocol.Launch(1, fork_protocol.spec_record(spec)).encode())["spec"]
+        huge["limits"]["timeout_seconds"] = 1e12
         with pytest.raises(InvalidPolicy, match="timeout_seconds"):
             server._expect(server._request(lambda call_id: fork_protocol.Launch(call_id, huge), list(stdio)),
                            fork_protocol.Started)
@@ -314,7 +337,7 @@ def test_the_fork_server_never_runs_code_from_the_daemons_working_directory(
     for package in (tmp_path / "sandboxd", planted):
         (package / "__init__.py").write_text("")
     marker = tmp_path / "ran"
-    (planted / "forkserver.py").write_text(f"open({str(marker)!r}, 'w').write('planted code ran')\n")
+    (planted / "fork_server.py").write_text(f"open({str(marker)!r}, 'w').write('planted code ran')\n")
     monkeypatch.chdir(tmp_path)
     fs = ForkServer.start()
     try:
@@ -323,6 +346,6 @@ def test_the_fork_server_never_runs_code_from_the_daemons_working_directory(
         fs.close()
     assert not marker.exists()
     # Control: the same interpreter and environment without -P imports the plant.
-    subprocess.run([sys.executable, "-m", "sandboxd.supervisor.forkserver", "0"], cwd=tmp_path,
+    subprocess.run([sys.executable, "-m", "sandboxd.supervisor.fork_server", "0"], cwd=tmp_path,
                    env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}, capture_output=True, timeout=60)
     assert marker.read_text() == "planted code ran"

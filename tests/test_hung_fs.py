@@ -225,9 +225,10 @@ EXPECTED: dict[str, dict[str, str]] = {
         "exec_cwd": "FAILED_PRECONDITION",
     },
     "userns": {
-        # The daemon takes a workspace's real path as root: /proc/PID/root/X is the host's X there,
-        # which does not exist. Writable roots under /proc are refused by the policy.
-        "workspace": "INVALID_ARGUMENT", "writable_roots": "INVALID_ARGUMENT",
+        # Writable roots under /proc are refused by the policy. (A workspace there is opened as the
+        # caller, as every path is, and waits on the mount like the others: the daemon no longer
+        # took its real path as root first, which read /proc/PID/root as "/" and named the host's X.)
+        "writable_roots": "INVALID_ARGUMENT",
         # Inside the sandbox /proc is its own: the symlink's /proc/PID does not exist.
         "exec_cwd": "FAILED_PRECONDITION", "exec_program": "FAILED_PRECONDITION",
         "list_dir": "NOT_FOUND", "read_file": "NOT_FOUND", "search": "INVALID_ARGUMENT",

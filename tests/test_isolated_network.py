@@ -35,7 +35,7 @@ from conftest import PY, SANDBOXD, SLOW
 from daemon_helpers import descendants, free_pool, sandbox_links
 from sandboxd.kernel import netns as kernel_netns
 from sandboxd.policy import LaunchSpec, WorkspaceWrite
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer
 
 pytestmark = pytest.mark.timeout(300)
 

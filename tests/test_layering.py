@@ -14,7 +14,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("__init__", "_record", "errors", "defaults", "printable", "v1"),
     ("policy", "client"),
     ("kernel", "mcp"),
-    ("launcher", "gitguard", "config"),
+    ("launcher", "gitguard", "config", "review"),
     ("network",),          # the front door, relays, egress proxy, published ports, DNS
     ("supervisor",),
     ("audit",),

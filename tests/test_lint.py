@@ -107,7 +107,7 @@ def test_a_run_never_imports_psutil(tmp_path: Path) -> None:
     imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time")]
     assert done.returncode == 0 and "sandboxd.cli.run" in imported, done.stderr[-2000:]
     assert not [name for name in imported if name.startswith("psutil")], imported
-    probe = "import sys, sandboxd.supervisor.forkserver as f, sandboxd.kernel.peers as p; print('psutil' in sys.modules)"
+    probe = "import sys, sandboxd.supervisor.fork_client as f, sandboxd.supervisor.fork_server as s, sandboxd.kernel.peers as p; print('psutil' in sys.modules)"
     fork_server = subprocess.run([sys.executable, "-c", probe.replace(", sandboxd.kernel.peers as p", "")],
                                  cwd=REPO, capture_output=True, text=True, timeout=60)
     control = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)

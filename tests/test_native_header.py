@@ -57,7 +57,7 @@ def render_expected() -> list[str]:
         # What the helper holds: the policy's writable roots and the workspace, a cgroup set's groups.
         ("MAX_WRITABLE_PATHS", limits.MAX_WRITABLE_ROOTS + 1), ("MAX_CGROUP_DIRS", cgroups.MAX_SET_DIRS),
         ("MAX_CPU_SECONDS", limits.MAX_TIMEOUT_SECONDS), ("MAX_OPEN_FILES", limits.MAX_OPEN_FILES),
-        ("LL_HIGHEST_ABI", landlock.HIGHEST_KNOWN_ABI),
+        ("PATH_MAX", limits.PATH_MAX), ("LL_HIGHEST_ABI", landlock.HIGHEST_KNOWN_ABI),
     ]]
     lines.append("SBX_FORWARDED_SIGNALS " + " ".join(str(int(s)) for s in sequence.FORWARDED_SIGNALS))
     lines.append("SBX_LL_RIGHT_ABI " + " ".join(f"{bit}:{abi}" for bit, abi in sorted(landlock.RIGHT_ABI.items())))
@@ -74,7 +74,8 @@ SCALARS = ["REPORT_FD", "STATUS_FD", "SESSION_PIDFD", "INTAKE_FD", "BPF_FD", "EN
            "CAPABILITY_VERSION_3", "CAP_SYS_ADMIN", "FALLBACK_LAST_CAP", "SECUREBITS", "KILL_TREE_SIGNAL",
            "LL_WRITE_FILE", "LL_TRUNCATE", "LL_WANTED_WRITES", "LL_WANTED_FILE_WRITES", "LL_WANTED_SCOPES",
            "LL_NET_ABI", "LL_SCOPE_ATTR_ABI", "TERMINAL_MIN_SIZE", "TERMINAL_MAX_SIZE", "COMMAND_OOM_SCORE_ADJ",
-           "MAX_WRITABLE_PATHS", "MAX_CGROUP_DIRS", "MAX_CPU_SECONDS", "MAX_OPEN_FILES", "LL_HIGHEST_ABI"]
+           "MAX_WRITABLE_PATHS", "MAX_CGROUP_DIRS", "MAX_CPU_SECONDS", "MAX_OPEN_FILES", "PATH_MAX",
+           "LL_HIGHEST_ABI"]
 
 
 def test_the_compiled_header_says_what_python_says(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from conftest import REPO
 from daemon_helpers import free_pool, sandbox_links
 from sandboxd.kernel import netns
 from sandboxd.policy import LaunchSpec, WorkspaceWrite
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -20,7 +20,8 @@ from sandboxd.policy import (
     policy_from_name,
     validate_policy,
 )
-from sandboxd.policy.spec import spec_from_dict, spec_to_dict
+from sandboxd.policy.decision import ApprovalPolicy, approval_policy
+from sandboxd.policy.sandbox import NetworkMode, SandboxMode, SandboxPolicy
 
 # --------------------------------------------------------------------------- policy names
 
@@ -233,37 +234,54 @@ def test_launch_spec_rejects_bad_input(kwargs: dict[str, object], message: str) 
         LaunchSpec(**base)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("spec", [
-    LaunchSpec(argv=("sh", "-c", "echo hi"), workspace="/var/tmp/ws"),
-    LaunchSpec(argv=("true",), workspace="/w", env={"A": "1", "B": ""}, cwd="/w/sub", policy=ReadOnly(),
-               limits=Limits(timeout_seconds=2.5, memory_bytes=64 << 20, pids=32, cpu_seconds=3,
-                             open_files=64, tmp_size_bytes=8 << 20), user=(65534, 65534)),
-    LaunchSpec(argv=("make",), workspace="/w", policy=WorkspaceWrite(
-        network_access=True, writable_roots=("/var/tmp/a", "/var/tmp/b"), protected_subpaths=(".git/hooks", "x"))),
-    LaunchSpec(argv=("id",), workspace="/w", policy=WorkspaceWrite(protected_subpaths=())),
-    LaunchSpec(argv=("id",), workspace="/w", policy=DangerFullAccess(), user=(0, 0)),
-    LaunchSpec(argv=("id",), workspace="/w", owner="uid-1000",
-               limits=Limits(pids=100, total_pids=300, owner_pids=150, owner_memory_bytes=256 << 20)),
-], ids=["minimal", "read-only-full", "workspace-write-roots", "no-protection", "danger-root", "owner-share"])
-def test_spec_round_trip(spec: LaunchSpec) -> None:
-    """spec_from_dict(spec_to_dict(s)) == s, and the dict survives JSON (the fork server wire format)."""
-    data = spec_to_dict(spec)
-    assert spec_from_dict(data) == spec
-    assert spec_from_dict(json.loads(json.dumps(data))) == spec
+# --------------------------------------------------------------------------- modes and derived values
 
 
-@pytest.mark.parametrize("mutate", [
-    lambda d: d.pop("argv"),
-    lambda d: d.pop("policy"),
-    lambda d: d.__setitem__("policy", {"name": "bogus"}),
-    lambda d: d.__setitem__("limits", {"pids": 0}),
-    lambda d: d.__setitem__("limits", {"nonsense": 1}),
-    lambda d: d.__setitem__("user", ["x", 0]),
-    lambda d: d.__setitem__("policy", {"name": "workspace-write", "writable_roots": ["rel"]}),
-], ids=["no-argv", "no-policy", "bad-policy-name", "bad-limit", "unknown-limit", "bad-user", "bad-root"])
-def test_spec_from_dict_rejects_malformed(mutate: object) -> None:
-    """Malformed wire data raises InvalidPolicy, never KeyError/TypeError."""
-    data = spec_to_dict(LaunchSpec(argv=("true",), workspace="/w"))
-    mutate(data)  # type: ignore[operator]
-    with pytest.raises(InvalidPolicy):
-        spec_from_dict(data)
+def test_the_modes_are_closed_choices() -> None:
+    """The policy's modes are choices (a str each, so they compare and encode as their names): parse
+    gives the member, anything else is refused naming the choices, and what the model holds is
+    always a member, whatever text it was given."""
+    assert SandboxMode.parse("read-only") is SandboxMode.READ_ONLY and SandboxMode.all() == (
+        "read-only", "workspace-write", "danger-full-access")
+    assert NetworkMode.parse("host") is NetworkMode.HOST and ApprovalPolicy.parse("never") is ApprovalPolicy.NEVER
+    for choice, bad in ((SandboxMode, "full"), (NetworkMode, "Host"), (ApprovalPolicy, "sometimes"), (NetworkMode, 7)):
+        with pytest.raises(ValueError, match="is not one of"):
+            choice.parse(bad)
+    policy = WorkspaceWrite(network_access=True, network_mode="host")       # a caller's text
+    assert policy.network_mode is NetworkMode.HOST and json.dumps(policy.network_mode) == '"host"'
+    assert policy_from_name("workspace-write").network_mode is NetworkMode.ISOLATED
+    with pytest.raises(InvalidPolicy, match="unknown network mode 'moon'"):
+        WorkspaceWrite(network_mode="moon")
+    with pytest.raises(InvalidPolicy, match="unknown approval policy 'sometimes'"):
+        approval_policy("sometimes")
+
+
+@pytest.mark.parametrize("policy, confined, writable, isolated", [
+    (ReadOnly(), True, False, False),
+    (WorkspaceWrite(), True, True, False),
+    (WorkspaceWrite(network_access=True), True, True, True),
+    (WorkspaceWrite(network_access=True, network_mode="host"), True, True, False),
+    (DangerFullAccess(), False, False, False),
+], ids=["read-only", "workspace-write", "isolated", "host-network", "danger"])
+def test_every_kind_has_every_field_and_its_derived_values(policy: SandboxPolicy, confined: bool, writable: bool,
+                                                          isolated: bool) -> None:
+    """Readers take the fields typed, whatever the kind (no getattr with a default): the kinds other
+    than workspace-write have empty lists and the host's network mode; what used to be worked out at
+    each reader is a property."""
+    assert policy.name is policy.mode and isinstance(policy.mode, SandboxMode)
+    assert (policy.confined, policy.workspace_writable, policy.isolated_network) == (confined, writable, isolated)
+    if not writable:
+        assert policy.writable_roots == policy.allowed_hosts == policy.published_ports == ()
+        assert policy.network_mode is NetworkMode.HOST
+
+
+@pytest.mark.parametrize("kind, field, value", [
+    (ReadOnly, "writable_roots", ("/x",)), (ReadOnly, "allowed_unix_sockets", ("/s",)),
+    (ReadOnly, "network_mode", "isolated"), (DangerFullAccess, "protected_subpaths", (".git/hooks",)),
+    (DangerFullAccess, "allowed_domains", ("pypi.org",)), (DangerFullAccess, "network_mode", "isolated"),
+])
+def test_the_other_kinds_refuse_workspace_write_options(kind: type[SandboxPolicy], field: str, value: object) -> None:
+    """Every kind has every field, but only workspace-write may set the lists and the network mode."""
+    kind()                                                   # the control: the kind itself is fine
+    with pytest.raises(InvalidPolicy, match="workspace-write"):
+        kind(**{field: value})

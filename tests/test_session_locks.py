@@ -40,8 +40,8 @@ from sandboxd.policy.sandbox import ReadOnly, WorkspaceWrite
 from sandboxd.service.callers import Caller, session_owner
 from sandboxd.service.file_calls import run_in_session
 from sandboxd.service.sandbox_hooks import Sandbox, SandboxHooks, Service
-from sandboxd.service.sessions import Session, SessionRegistry
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.service.sessions.registry import Session, SessionRegistry
+from sandboxd.supervisor.fork_client import ForkServer
 from test_hung_fs import WAIT_SECONDS, HungMount, owned_dir, processes_of
 from test_hung_fs import daemon, hung, users  # noqa: F401 - pytest fixtures
 from user_fuse import fuse_for_users  # noqa: F401 - a fixture

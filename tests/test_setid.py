@@ -48,7 +48,7 @@ from daemon_helpers import (
 )
 from sandboxd.audit.store import MIGRATIONS, PERMISSION_NAMESPACE
 from sandboxd.policy import LaunchSpec, ReadOnly, WorkspaceWrite
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 pytestmark = [pytest.mark.timeout(240),

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from sandboxd.kernel import syscalls
+from sandboxd.kernel import overlay, syscalls
 from sandboxd.launcher import report, sequence
 from sandboxd.launcher.plan import LaunchPlan
 from sandboxd.policy import Limits
@@ -123,6 +123,44 @@ def _numbered(calls: list[str]) -> list[str]:
 def test_the_session_init_sets_up_in_order(recorder: SyscallRecorder) -> None:
     sequence._build_sandbox(make_plan(), "sandboxd-session")
     assert _numbered(recorder.calls) == _numbered(SESSION_INIT), recorder.numbered()
+
+
+def test_a_reviewed_root_is_an_overlay_over_its_attached_tree(recorder: SyscallRecorder) -> None:
+    """Review mode (kernel.overlay): the layers opened right after the namespace is private (before
+    /tmp is covered), each overlay mounted over its root as soon as that is attached, before the
+    protections and the hiding of sandboxd's places (the review directory among them)."""
+    review = "/var/lib/sandboxd/review/s1"
+    layers = overlay.Layers(root=WORKSPACE, upper=f"{review}/0/upper", work=f"{review}/0/work", userxattr=False,
+                            root_dev=1, root_ino=2, started_ns=0)
+    sequence._build_sandbox(make_plan(review_layers={WORKSPACE: layers}), "sandboxd-session")
+    expected = list(SESSION_INIT)
+    private = expected.index("make-rprivate /") + 1
+    expected[private:private] = [f"open {review}/0/upper", f"open {review}/0/work"]
+    attach = expected.index(f"move_mount {R}{WORKSPACE}")
+    expected[attach + 1:attach + 1] = [f"open {R}{WORKSPACE}", f"mount overlay {R}{WORKSPACE} nosuid,nodev"]
+    # Its git directory is not walked for nor protected as a whole (review flags what the sandbox
+    # writes there): only the policy's protected subpaths are, in their order.
+    git = expected.index(f"bind {R}{WORKSPACE}/.git/config -> {R}{WORKSPACE}/.git/config")
+    assert expected[git:git + 4] == [
+        f"bind {R}{WORKSPACE}/.git/config -> {R}{WORKSPACE}/.git/config", f"setattr -R {R}{WORKSPACE}/.git/config +ro,nosuid,nodev",
+        f"bind {R}{WORKSPACE}/.git/hooks -> {R}{WORKSPACE}/.git/hooks", f"setattr -R {R}{WORKSPACE}/.git/hooks +ro,nosuid,nodev"]
+    expected[git:git + 4] = [*expected[git + 2:git + 4], *expected[git:git + 2]]
+    assert _numbered(recorder.calls) == _numbered(expected), recorder.numbered()
+
+
+def test_checkpoint_layers_are_opened_with_the_others_and_stacked(recorder: SyscallRecorder) -> None:
+    """A review session with checkpoints (review.checkpoints): its layers opened in step 1b with the
+    upper and work directories (before /tmp is covered), and the overlay mounted with them stacked."""
+    review = "/var/lib/sandboxd/review/s1"
+    layers = overlay.Layers(root=WORKSPACE, upper=f"{review}/0/upper", work=f"{review}/0/work", userxattr=False,
+                            root_dev=1, root_ino=2, started_ns=0,
+                            checkpoints=(f"{review}/0/checkpoints/1", f"{review}/0/checkpoints/3"))
+    sequence._build_sandbox(make_plan(review_layers={WORKSPACE: layers}), "sandboxd-session")
+    calls = recorder.calls
+    private = calls.index("make-rprivate /")
+    assert calls[private + 1:private + 5] == [f"open {review}/0/upper", f"open {review}/0/work",
+                                              f"open {review}/0/checkpoints/1", f"open {review}/0/checkpoints/3"]
+    assert f"mount overlay {R}{WORKSPACE} nosuid,nodev checkpoints=2" in calls, recorder.numbered()
 
 
 def test_the_order_holds_the_rules_it_is_for(recorder: SyscallRecorder) -> None:

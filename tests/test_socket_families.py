@@ -31,7 +31,7 @@ from plain_users import plain_user
 from sandboxd.kernel.seccomp import (AF_INET, AF_INET6, AF_NETLINK, ALLOWED_FAMILIES, ALLOWED_INET_TYPES,
                                      refused_blocks)
 from sandboxd.policy import DangerFullAccess, LaunchSpec, ReadOnly, SandboxPolicy, WorkspaceWrite
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer
 from test_call_paths import run, server  # noqa: F401 - its fork server on each call path
 
 pytestmark = pytest.mark.timeout(180)

@@ -35,7 +35,7 @@ from sandboxd.kernel import terminals
 from sandboxd.policy import DangerFullAccess, LaunchSpec, Limits, WorkspaceWrite
 from sandboxd.policy.limits import DEFAULT_PTYS
 from sandboxd.service.terminal_call import receive_master
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.v1 import sandboxd_pb2 as pb
 from test_call_paths import server, session  # noqa: F401 - pytest fixtures (both call paths)
 

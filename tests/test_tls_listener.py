@@ -96,3 +96,33 @@ def test_tcp_without_tls_is_refused_at_start(sandboxd_daemon: DaemonFactory) -> 
     result = sandboxd_daemon.start_failure(args=["--socket", "/nonexistent/x.sock", "--tcp", "127.0.0.1:1"],
                                            within=30)
     assert result.returncode == 2 and "needs all of --tcp" in result.log
+
+
+def test_principals_sharing_a_user_are_kept_apart_by_the_paths_their_sandboxes_were_built_with(
+        tls_daemon: tuple[Path, str]) -> None:
+    """alice and bob act as one local user (the TCP user): bob may not use a directory overlapping
+    alice's open session, also when he names it through a symlink of his own. Judged on what the fork
+    server built (the real paths its lookup found as the owner), after the build and before bob can
+    use it; the sandbox built for him is closed again. Control: a directory of his own is his."""
+    base, address = tls_daemon
+    theirs, own = base / "kept-apart-alice", base / "kept-apart-bob"
+    for path in (theirs, own):
+        path.mkdir()
+        os.chmod(path, 0o777)
+    (theirs / "sub").mkdir()
+    os.chmod(theirs / "sub", 0o777)
+    (base / "kept-apart-link").symlink_to(theirs / "sub")
+    alice, bob = stub_for(base, address, "alice"), stub_for(base, address, "bob")
+    session = alice.CreateSession(pb.CreateSessionRequest(workspace=str(theirs)))
+    try:
+        for workspace, roots in ((str(base / "kept-apart-link"), []), (str(own), [str(base / "kept-apart-link")])):
+            with pytest.raises(grpc.RpcError) as refused:
+                bob.CreateSession(pb.CreateSessionRequest(workspace=workspace, sandbox_policy=sandbox_policy(
+                    "workspace-write", writable_roots=roots)))
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value.details()
+            assert f"overlaps {str(theirs)!r}" in (refused.value.details() or ""), refused.value.details()
+        assert list(bob.ListSessions(pb.ListSessionsRequest()).sessions) == []
+        mine = bob.CreateSession(pb.CreateSessionRequest(workspace=str(own)))           # the control
+        bob.CloseSession(pb.CloseSessionRequest(session_id=mine.id))
+    finally:
+        alice.CloseSession(pb.CloseSessionRequest(session_id=session.id))

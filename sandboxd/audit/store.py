@@ -77,9 +77,19 @@ class EventType:
     SESSION_CLOSED = "SessionClosed"
     # The git guard removed a hook, a config key or a redirect a call planted (gitguard/guard.py).
     GIT_CONFIG_NEUTRALIZED = "GitConfigNeutralized"
+    # A person applied or discarded a review session's changes (service/review_calls.py): the
+    # caller, the paths and content hashes (never contents), what was skipped and why, and the
+    # flagged changes held back or named.
+    CHANGES_APPLIED = "ChangesApplied"
+    CHANGES_DISCARDED = "ChangesDiscarded"
+    # A person marked a checkpoint of a review session's changes, or rolled them back to one: the
+    # caller, the checkpoint (its label is the caller's string), what was dropped.
+    CHECKPOINT_CREATED = "CheckpointCreated"
+    CHANGES_ROLLED_BACK = "ChangesRolledBack"
 
     ALL = (SESSION_CREATED, POLICY_CHANGED, PERMISSION_REQUESTED, PERMISSION_GRANTED, PERMISSION_DENIED,
-           TOOL_STARTED, TOOL_COMPLETED, TOOL_FAILED, SESSION_CLOSED, GIT_CONFIG_NEUTRALIZED)
+           TOOL_STARTED, TOOL_COMPLETED, TOOL_FAILED, SESSION_CLOSED, GIT_CONFIG_NEUTRALIZED, CHANGES_APPLIED,
+           CHANGES_DISCARDED, CHECKPOINT_CREATED, CHANGES_ROLLED_BACK)
 
 
 class Event(Record):
@@ -118,6 +128,7 @@ class SessionRow(Record):
     created_at: float
     closed_at: float | None
     env: dict[str, str] = Factory(dict)   # the session's own variables (CreateSessionRequest.env)
+    review: bool = False                  # review mode: its change set is under the state directory
 
 
 MIGRATIONS: tuple[str, ...] = (
@@ -155,6 +166,10 @@ MIGRATIONS: tuple[str, ...] = (
     # 3: a session's own environment (--env / --env-file), so a resumed session keeps it.
     """
     ALTER TABLE sessions ADD COLUMN env TEXT NOT NULL DEFAULT '{}';
+    """,
+    # 4: review mode (docs/review-mode.md), so a resumed session is rebuilt over its change set.
+    """
+    ALTER TABLE sessions ADD COLUMN review INTEGER NOT NULL DEFAULT 0;
     """,
 )
 
@@ -504,12 +519,13 @@ class EventStore:
         """Insert or update a session's metadata (committed when this returns)."""
         values = (row.id, row.owner_uid, row.owner_gid, row.owner_principal, row.workspace,
                   json.dumps(row.sandbox_policy), row.approval_policy, json.dumps(row.tool_rules),
-                  json.dumps(row.limits), json.dumps(row.labels), row.created_at, row.closed_at, json.dumps(row.env))
+                  json.dumps(row.limits), json.dumps(row.labels), row.created_at, row.closed_at, json.dumps(row.env),
+                  int(row.review))
         with self._lock:
             self._db.execute(
                 "INSERT INTO sessions (id, owner_uid, owner_gid, owner_principal, workspace, sandbox_policy, "
-                "approval_policy, tool_rules, limits, labels, created_at, closed_at, env) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+                "approval_policy, tool_rules, limits, labels, created_at, closed_at, env, review) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
                 "sandbox_policy = excluded.sandbox_policy, approval_policy = excluded.approval_policy, "
                 "tool_rules = excluded.tool_rules, closed_at = excluded.closed_at", values)
             self._committed()
@@ -519,13 +535,21 @@ class EventStore:
             self._spend(owner, sum(len(v) for v in values if isinstance(v, str)) + ROW_OVERHEAD)
 
     _SESSION_COLUMNS = ("SELECT id, owner_uid, owner_gid, owner_principal, workspace, sandbox_policy, "
-                        "approval_policy, tool_rules, limits, labels, created_at, closed_at, env FROM sessions")
+                        "approval_policy, tool_rules, limits, labels, created_at, closed_at, env, review FROM sessions")
 
     def sessions(self, *, include_closed: bool = False) -> list[SessionRow]:
         sql = self._SESSION_COLUMNS + ("" if include_closed else " WHERE closed_at IS NULL")
         with self._lock:
             rows = self._db.execute(sql + " ORDER BY created_at").fetchall()
         return [_session_row(r) for r in rows]
+
+    def review_session_ids(self, owner_uid: int, owner_principal: str = "") -> list[str]:
+        """The ids of one owner's review sessions, closed ones included (whose change sets may be
+        kept): only their ids, not every session's row."""
+        with self._lock:
+            rows = self._db.execute("SELECT id FROM sessions WHERE review = 1 AND owner_uid = ? AND owner_principal = ?",
+                                    (owner_uid, owner_principal)).fetchall()
+        return [str(row[0]) for row in rows]
 
     def session(self, session_id: str) -> SessionRow:
         with self._lock:
@@ -624,4 +648,4 @@ def _make_private(path: str) -> None:
 
 def _session_row(r: tuple[Any, ...]) -> SessionRow:
     return SessionRow(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), r[6], json.loads(r[7]), json.loads(r[8]),
-                      json.loads(r[9]), r[10], r[11], json.loads(r[12]))
+                      json.loads(r[9]), r[10], r[11], json.loads(r[12]), bool(r[13]))

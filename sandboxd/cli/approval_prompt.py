@@ -20,16 +20,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import selectors
 import sys
-import termios
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
 
 import grpc
 
+from sandboxd.cli.keys import CTRL_C, CTRL_D, KeyReader
 from sandboxd.client import SandboxClient
 from sandboxd.policy import approval_card
 from sandboxd.printable import printable
@@ -37,7 +34,6 @@ from sandboxd.v1 import sandboxd_pb2 as pb
 
 ANSWERS = {"y": "allow_once", "s": "allow_session", "n": "deny"}
 SAID = {"allow_once": "allowed once", "allow_session": "allowed for this session", "deny": "denied"}
-CTRL_C, CTRL_D = "\x03", "\x04"
 POLL_SECONDS = 0.25              # how often held calls are looked for, and a prompt checks its call
 
 
@@ -101,55 +97,6 @@ def resolve(client: SandboxClient, session_id: str, call_id: str, decision: str)
         if error.code() == grpc.StatusCode.NOT_FOUND:
             return None
         raise
-
-
-class KeyReader:
-    """One key at a time from a terminal: non-canonical, no echo, no signals (Ctrl-C arrives as a
-    key, so the caller decides what it means), the terminal's mode restored afterwards."""
-
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
-        self._saved: list[Any] | None = None
-        self._lock = threading.Lock()
-
-    def read(self, prompt: str, keys: str, *, keep_waiting: Callable[[], bool]) -> str | None:
-        """Show ``prompt``, then the first of ``keys`` (case-insensitive) typed, or Ctrl-C / Ctrl-D
-        (also at the end of input); None once ``keep_waiting`` says no (checked every POLL_SECONDS).
-        The terminal leaves canonical mode before the prompt shows, so no key typed after it is echoed."""
-        self._raw()
-        try:
-            _say(prompt)
-            with selectors.DefaultSelector() as selector:
-                selector.register(self._fd, selectors.EVENT_READ)
-                while keep_waiting():
-                    if not selector.select(POLL_SECONDS):
-                        continue
-                    data = os.read(self._fd, 64)
-                    if not data:
-                        return CTRL_D                         # the terminal's end: as Ctrl-D
-                    for key in data.decode(errors="replace").lower():
-                        if key in keys or key in (CTRL_C, CTRL_D):
-                            return key
-        finally:
-            self.restore()
-        return None
-
-    def _raw(self) -> None:
-        mode = termios.tcgetattr(self._fd)
-        with self._lock:
-            self._saved = list(mode)
-        mode[3] &= ~(termios.ICANON | termios.ECHO | termios.ISIG)      # lflag
-        mode[6][termios.VMIN], mode[6][termios.VTIME] = 1, 0
-        termios.tcsetattr(self._fd, termios.TCSANOW, mode)
-
-    def restore(self) -> None:
-        with self._lock:
-            saved, self._saved = self._saved, None
-        if saved is not None:
-            try:
-                termios.tcsetattr(self._fd, termios.TCSANOW, saved)
-            except termios.error:
-                pass                                          # the terminal is gone
 
 
 class ExecApprovals:

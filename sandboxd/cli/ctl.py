@@ -19,7 +19,7 @@ from collections.abc import Callable
 import grpc
 
 from sandboxd import defaults
-from sandboxd.cli import approval_prompt, terminal
+from sandboxd.cli import approval_prompt, changes, terminal
 from sandboxd.cli.env_args import add_env_options, env_from_args
 from sandboxd.cli.exec_requests import ExecRequests
 from sandboxd.client import (DEFAULT_SOCKET, MAX_READ_BYTES, SandboxClient, caller_environment, sandbox_policy,
@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--writable-root", action="append", default=[])
     create.add_argument("--approval", default="on-request", choices=["never", "on-request", "always"])
     create.add_argument("--label", action="append", default=[], metavar="K=V")
+    create.add_argument("--review", action=argparse.BooleanOptionalAction, default=None,
+                        help="review mode: writes are kept for `sandboxctl changes/apply/discard` and reach the "
+                             "host only when applied (default: the daemon's review.default)")
     add_env_options(create, "every command of the session")
     listing = actions.add_parser("list", help="the sessions you may see")
     listing.add_argument("--json", action="store_true")
@@ -122,10 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_options(execute, "this command")
     execute.add_argument("argv", nargs="*", metavar="-- PROGRAM [ARGS...]")
     execute.add_argument("-t", "--tty", action="store_true", help="run it on a terminal (needs one here)")
+    execute.add_argument("--checkpoint", action="store_true",
+                         help="a review session: mark a checkpoint first, to roll this command back with "
+                              "`sandboxctl rollback` (skipped when nothing changed or something else runs)")
     shell = commands.add_parser("shell", help="an interactive shell in a session's workspace (needs a terminal)")
     shell.add_argument("session_id")
     shell.add_argument("--cwd", default="")
     add_env_options(shell, "the shell")
+    changes.add_commands(commands)
     return parser
 
 
@@ -164,7 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in words:
         split = words.index("--")
         words, command = words[:split], words[split + 1:]
-    args = build_parser().parse_args(words)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(words)
+    if extra:
+        # `sandboxctl changes S --diff PATH...`: argparse gives a list of positionals only the words
+        # before the first option; the paths after one come back here.
+        if getattr(args, "command", "") not in changes.COMMANDS or any(word.startswith("-") for word in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.paths = [*args.paths, *extra]
     if command:
         args.argv = list(getattr(args, "argv", [])) + command
     args.socket, args.name_socket = socket_choice(args.socket)
@@ -299,8 +313,9 @@ def _session_line(session: pb.Session) -> str:
     network = "network" if policy.network_access or policy.mode == pb.SandboxPolicy.DANGER_FULL_ACCESS else "no-network"
     approval = pb.ApprovalPolicy.Name(session.approval_policy).lower().replace("_", "-")
     # The server reports the calls running now, not a running total: say exactly that.
+    review = "  review" if session.review else ""
     return (f"{printable(session.id)}  uid={session.owner_uid}  {printable(session.workspace)}  {mode} {network}  "
-            f"approval={approval}  running={session.running_calls}")
+            f"approval={approval}  running={session.running_calls}{review}")
 
 
 def _exec_or_shell(client: SandboxClient, args: argparse.Namespace, command: list[str], socket_option: str, *,
@@ -313,13 +328,15 @@ def _exec_or_shell(client: SandboxClient, args: argparse.Namespace, command: lis
     context_id = approval_prompt.new_context_id()
     start = pb.ExecStart(session_id=args.session_id, argv=command, cwd=args.cwd,
                          timeout_seconds=getattr(args, "timeout", 0), env_overlay=env_from_args(args),
-                         execution_context_id=context_id,
+                         execution_context_id=context_id, checkpoint=getattr(args, "checkpoint", False),
                          caller_env=caller_environment(on_terminal=sys.stdout.isatty()))
     with approval_prompt.ExecApprovals(client, args.session_id, context_id, f"sandboxctl {socket_option}".rstrip(),
                                        interactive=approval_prompt.on_terminal()) as approvals:
-        if on_terminal:
-            return terminal.run(client, start, on_started=approvals.stop)
-        return _exec(client, start, on_started=approvals.stop)
+        if not on_terminal:
+            return _exec(client, start, on_started=approvals.stop)
+        status = terminal.run(client, start, on_started=approvals.stop)
+    changes.end_of_session(client, args.session_id)        # a review session's pending changes: asked here
+    return status
 
 
 def _exec(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], None] = lambda: None) -> int:
@@ -359,6 +376,8 @@ def _exec(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], N
 def _run(client: SandboxClient, args: argparse.Namespace) -> int:
     if args.command == "status":
         return _status(client)
+    if args.command in changes.COMMANDS or args.command in changes.CHECKPOINT_COMMANDS:
+        return changes.run(client, args)
     if args.command in ("events", "pending", "approve", "deny", "rules"):
         return _run_policy_command(client, args)
     if args.command == "approvals":
@@ -414,7 +433,7 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
         # Relative paths are the caller's (`session create .`): the daemon takes absolute ones only.
         session = client.create_session(os.path.abspath(args.workspace), policy=sandbox_policy(
             args.sandbox, network=args.network, writable_roots=[os.path.abspath(root) for root in args.writable_root]),
-            approval=args.approval, labels=labels, env=env_from_args(args))
+            approval=args.approval, labels=labels, env=env_from_args(args), review=args.review)
         print(printable(session.id))
     elif args.action == "list":
         for session in client.list_sessions():
@@ -423,6 +442,7 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
             else:
                 print(_session_line(session))
     elif args.action == "close":
+        changes.end_of_session(client, args.session_id)    # before it closes: apply, discard or keep
         client.close_session(args.session_id)
         print(f"{printable(args.session_id)} closed")              # a command a person types says what it did
     elif args.action == "policy":

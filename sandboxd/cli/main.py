@@ -10,6 +10,9 @@ USAGE = """usage: sandboxd COMMAND [ARGS...]
 
 commands:
   run      run one command in a sandbox, no daemon (see: sandboxd run --help)
+  changes  DIR: show a change set `sandboxd run --review` kept (see: sandboxd changes --help)
+  apply    DIR: apply it to the host, as the owner of each root (conflicts and flagged changes stay)
+  discard  DIR: drop it
   mcp      an MCP server whose tools run in a sandboxd session (see: sandboxd mcp --help)
   serve    run the daemon: sessions with persistent sandboxes over gRPC (see: sandboxd serve --help)
   config   check FILE: validate a configuration file; defaults: print one with every key
@@ -30,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_main(rest)
         except KeyboardInterrupt:          # Ctrl-C before a sandbox exists (after: the command gets it)
             return 128 + 2
+    if command in ("changes", "apply", "discard"):
+        from sandboxd.cli.review_commands import main as review_main
+        return review_main(command, rest)
     if command == "mcp":
         from sandboxd.cli.mcp import main as mcp_main
         return mcp_main(rest)

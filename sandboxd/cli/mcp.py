@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--approval", default="on-request", choices=["never", "on-request", "always"])
     parser.add_argument("--permission-mode", default="", choices=["", "read_only", "auto", "full"],
                         help="one axis instead of --sandbox and --approval (see docs/mcp.md)")
+    parser.add_argument("--review", action=argparse.BooleanOptionalAction, default=None,
+                        help="keep the session's writes for a person's review (sandboxctl changes, apply, discard); "
+                             "the model may list and diff them, never apply (default: the daemon's review.default)")
+    parser.add_argument("--checkpoint-calls", action="store_true",
+                        help="in review mode, mark a checkpoint before each shell call, so that a person can roll "
+                             "the session back to before any of them (sandboxctl checkpoints, rollback)")
     parser.add_argument("--session", default="", metavar="ID",
                         help="attach to this existing session of yours instead (it is not closed at exit)")
     parser.add_argument("--http", default="", metavar="unix:PATH|127.0.0.1:PORT",
@@ -93,7 +99,8 @@ def main(argv: list[str]) -> int:
     spec = SessionSpec(workspace=os.path.abspath(args.workspace or os.getcwd()), sandbox=args.sandbox,
                        network=args.network, writable_roots=tuple(os.path.abspath(root) for root in args.writable_root),
                        approval=args.approval, permission_mode=args.permission_mode, attach=args.session,
-                       labels={"client": "sandboxd-mcp"})
+                       labels={"client": "sandboxd-mcp"}, review=args.review,
+                       checkpoint_calls=args.checkpoint_calls)
     ctl = f"sandboxctl --socket {socket_path}" if name_socket else "sandboxctl"
     try:
         listen = parse_listen(args.http) if args.http else None

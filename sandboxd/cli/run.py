@@ -21,6 +21,7 @@ if TYPE_CHECKING:   # typing stays off the `sandboxd run` path: these are for th
     from typing import Callable, TypeVar
 
     from sandboxd.kernel.netns import IsolatedNetwork
+    from sandboxd.kernel.overlay import Layers
     from sandboxd.network.loopback_proxy import LoopbackProxy
     from sandboxd.network.egress_proxy import EgressProxy
     from sandboxd.gitguard.guard import GitGuard
@@ -107,6 +108,12 @@ OPTIONS: tuple[tuple[str, str | None, str, str], ...] = (
     ("--pass-env", "NAME", "append", "pass the caller's NAME (repeatable; the way to hand a secret to the command)"),
     ("--clear-env", None, "flag", "start from an empty environment"),
     ("--host-home", None, "flag", "keep the host's home directories visible (read-only) and HOME as it is"),
+    ("--review", "[=apply|discard|keep[:DIR]]", "optional",
+     "review mode: writes go to an overlay, not the host; at the end the change summary, then "
+     "[a]pply [d]iscard [k]eep [r]eview on a terminal (keep, saying where, without one); =apply, "
+     "=discard or =keep:DIR decide beforehand (a kept DIR: sandboxd changes|apply|discard DIR)"),
+    ("--review-bytes", "SIZE", "value", "as root, the change set's bound: a tmpfs of SIZE, past which the command's "
+                                        "writes get ENOSPC (default 1G, review.session_bytes's; 0: none)"),
     ("--help", None, "flag", "show this help and exit"),
 )
 _BY_FLAG = {flag: (metavar, kind) for flag, metavar, kind, _ in OPTIONS}
@@ -168,6 +175,14 @@ def parse_args(argv: list[str]) -> dict[str, object]:
     for flag in ("dns", "allow_host", "allow_domain"):
         if options[flag] and options["network"] not in (True, "isolated"):
             raise UsageError(f"--{flag.replace('_', '-')} only applies to the isolated network: add --network")
+    if options["review"] is not None:
+        from sandboxd.cli import run_review
+        try:
+            options["review"] = run_review.parse(options["review"])
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    if options["review_bytes"] is not None and options["review"] is None:
+        raise UsageError("--review-bytes bounds a review's change set: add --review")
     return options
 
 
@@ -208,7 +223,7 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
     command_user = parse_user(str(user)) if user else None
     from sandboxd.cli import run_env
     env, hidden_homes, private_home = run_env.plan(
-        dict(os.environ), workspace=workspace, user=command_user, confined=policy.name != "danger-full-access",
+        dict(os.environ), workspace=workspace, user=command_user, confined=policy.confined,
         host_home=bool(args["host_home"]), clear=bool(args["clear_env"]), passes=_strings(args, "pass_env"),
         sets=_strings(args, "env"))
     memory, tmp_size = args["memory"], args["tmp_size"]
@@ -236,6 +251,8 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
                       cwd=os.path.abspath(str(cwd)) if cwd else None, policy=policy, limits=limits,
                       user=command_user, dns=tuple(_strings(args, "dns")),
                       hidden_homes=hidden_homes, private_home=private_home, hidden_paths=hidden,
+                      owner_hidden=defaults.owner_hidden_paths(os.geteuid(), os.path.expanduser("~"),
+                                                               os.environ.get("XDG_STATE_HOME", "")),
                       denied_sockets=sockets, approval_channels=channels)
 
 
@@ -284,7 +301,22 @@ def main(argv: list[str]) -> int:
     except SandboxdError as exc:
         _say(str(exc))
         return EXIT_SETUP_FAILED
-    guard = _git_guard(spec)
+    review, review_dir = args["review"], None
+    if review is not None:
+        from sandboxd.cli import run_review
+        from sandboxd.kernel import overlay
+        assert isinstance(review, run_review.Review)
+        try:
+            review_dir = run_review.new_directory(review, [spec.workspace, *_roots(spec)])
+            overlay.make_review_dir(review_dir)
+            from sandboxd.kernel import review_space             # the store's disk bound (issue 25)
+            review_space.bound_run(review_dir, args["review_bytes"])
+        except SandboxdError as exc:
+            _say(str(exc))
+            return EXIT_SETUP_FAILED
+        review = review.replace(directory=review_dir)
+    # In review mode nothing reaches the host: what would be planted is flagged in the change set.
+    guard = _git_guard(spec) if review_dir is None else None
     if guard is not None:
         # One walk: the build protects the git directories the guard's baseline just found.
         spec = spec.replace(git_dirs=guard.found_git_dirs())
@@ -304,13 +336,17 @@ def main(argv: list[str]) -> int:
         # inherits at its 'default signals' step (process.default_signals).
         process.hold_forwarded_signals()
         try:
-            sandbox = Spawner().launch(spec)
+            sandbox = Spawner().launch(spec, review_dir=review_dir)
             _forward_signals(sandbox)
         finally:
             process.release_forwarded_signals()
         sandbox.wait_started()
+        if review_dir is not None:
+            _save_layers(review_dir, list(sandbox.plan.review_layers.values()))
     except SandboxdError as exc:
         _say(str(exc))
+        if review_dir is not None:
+            _remove_review_dir(review_dir)           # made above for this run: nothing reached it
         if isinstance(exc, ExecFailed) and exc.errno == errno.EACCES:
             _note_uid(spec)
         if isinstance(exc, LimitsUnavailable) and not args["no_default_limits"]:
@@ -335,6 +371,12 @@ def main(argv: list[str]) -> int:
     if guard is not None:
         for item in guard.inspect():
             _say(item.describe())
+    if review is not None:
+        from sandboxd.cli import run_review
+        assert isinstance(review, run_review.Review)
+        killed = ("the command timed out" if info.timed_out else
+                  f"the command was killed by signal {info.signal}" if info.signal is not None else "")
+        run_review.finish(review, list(sandbox.plan.review_layers.values()), killed=killed)
     if info.timed_out:
         sys.stderr.write(f"sandboxd run: timed out after {spec.limits.timeout_seconds:g}s; killed the whole tree\n")
     if info.oom_killed:
@@ -343,6 +385,24 @@ def main(argv: list[str]) -> int:
     if info.exit_code:                               # its own failure, not a timeout or a signal
         _note_uid(spec, sandbox.plan.uid, sandbox.plan.gid)
     return info.shell_status
+
+
+def _remove_review_dir(review_dir: str) -> None:
+    from sandboxd.kernel import overlay
+    try:
+        overlay.remove_layers(review_dir)
+    except OSError:
+        pass                                         # what is left is the user's to see: it is theirs
+
+
+def _save_layers(review_dir: str, layers: "list[Layers]") -> None:
+    """The layers' record, what a later listing or apply from ``review_dir`` starts from: written
+    while the command runs (json's import is not the launch's to pay)."""
+    from sandboxd.kernel import overlay
+    try:
+        overlay.save(review_dir, layers)
+    except OSError as exc:
+        _say(f"review: could not record the layers in {review_dir}: {os.strerror(exc.errno or errno.EIO)}")
 
 
 def _note_uid(spec: LaunchSpec, uid: "int | None" = None, gid: "int | None" = None) -> None:
@@ -354,6 +414,11 @@ def _note_uid(spec: LaunchSpec, uid: "int | None" = None, gid: "int | None" = No
     note = uid_note(uid, gid, spec.workspace, asked=spec.user is not None)
     if note is not None:
         _say(note)
+
+
+def _roots(spec: LaunchSpec) -> "list[str]":
+    policy = spec.policy
+    return list(policy.writable_roots) if isinstance(policy, WorkspaceWrite) else []
 
 
 def _git_guard(spec: LaunchSpec) -> "GitGuard | None":

@@ -23,7 +23,9 @@ from typing import Callable, Self
 from sandboxd import defaults
 from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy
-from sandboxd.policy.limits import DEFAULT_PTYS, MAX_PTYS
+from sandboxd.kernel.overlay import DEFAULT_CHECKPOINTS, MAX_CHECKPOINTS
+from sandboxd.policy.limits import (DEFAULT_PTYS, DEFAULT_REVIEW_OWNER_BYTES, DEFAULT_REVIEW_SESSION_BYTES,
+                                    MAX_PTYS)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -86,6 +88,12 @@ def _positive_seconds(value: object) -> str | None:
     return None
 
 
+def _days_or_zero(value: object) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return f"must be a number of days, 0 (kept until applied or discarded) or more, not {value!r}"
+    return None
+
+
 def _ipv4_list(value: object) -> str | None:
     if not isinstance(value, list):
         return "must be a list of IPv4 addresses, like [\"192.0.2.53\"]"
@@ -142,6 +150,21 @@ def _size_or_empty(value: object) -> str | None:
 
 def _size(value: object) -> str | None:
     return "must be a size like 256M or 1G" if value == "" else _size_or_empty(value)
+
+
+def _review_bytes(*, zero: bool) -> "Callable[[object], str | None]":
+    """A review store's size (kernel.review_space): at least its MIN_SHARE, 1 MiB; "0" where
+    ``zero``: no bound."""
+    def check(value: object) -> str | None:
+        if zero and value in ("0", 0):
+            return None
+        wanted = "a size of at least 1M, like 512M or 2G" + (" (\"0\": no bound)" if zero else "")
+        if value == "" or _size_or_empty(value) is not None:
+            return f"must be {wanted}, not {value!r}"
+        from sandboxd.policy import parse_size
+
+        return None if parse_size(str(value)) >= 1 << 20 else f"must be {wanted}, not {value!r}"
+    return check
 
 
 def _min_free(value: object) -> str | None:
@@ -291,6 +314,28 @@ KEYS: tuple[Key, ...] = (
         "most quotas.sessions_per_uid times this", _whole(1, MAX_PTYS)),
     Key("limits", "owner_memory", "", "memory of all sandboxes of one owner together; empty: no share (only "
         "limits.total_memory: the OOM killer acts there)", _size_or_empty),
+    Key("review", "default", False, "review mode for a workspace-write session whose CreateSession does not say "
+        "(its writes are kept in a change set under state.dir and reach the host only when applied: "
+        "docs/review-mode.md); a session asks for it or not with `review`", _boolean),
+    Key("review", "session_bytes", DEFAULT_REVIEW_SESSION_BYTES, "bytes one review session's change set may hold "
+        "(its upper layers, in a tmpfs of this size: memory, counted in the session's memory limit); past it the "
+        "sandbox's writes get ENOSPC. \"0\": no bound at all, the change sets are plain directories on the state "
+        "directory's disk (for a host that bounds that disk otherwise)", _review_bytes(zero=True)),
+    Key("review", "owner_bytes", DEFAULT_REVIEW_OWNER_BYTES, "bytes all review sessions of one owner (a uid, a TLS "
+        "principal) may hold together, kept change sets included: a new session gets the smaller of "
+        "review.session_bytes and what the owner's others leave, and is refused (RESOURCE_EXHAUSTED) under 1 MiB. "
+        "A store takes its bytes and 1 KiB of kernel memory for each file it may hold (one per 4 KiB of its size; "
+        "a closed session's: those it holds)", _review_bytes(zero=False)),
+    Key("review", "owner_stores", 128, "review change sets one owner (a uid, a TLS principal) may keep at once, open "
+        "and closed sessions' together: past it CreateSession of a review session is refused (RESOURCE_EXHAUSTED "
+        "naming this key) until some are applied or discarded. Each costs the fork server a look when the "
+        "owner's next one is made; 0: no cap (review.owner_bytes still bounds them)", _whole(0, 1 << 16)),
+    Key("review", "keep_days", 14, "days a closed review session's change set with pending changes is kept (to "
+        "list, apply or discard: docs/review-mode.md) before the daemon's sweep removes it, with an audit event; "
+        "0: kept until applied or discarded. A fraction of a day is taken as it is", _days_or_zero),
+    Key("review", "max_checkpoints", DEFAULT_CHECKPOINTS, "checkpoints one review session keeps (each a layer of "
+        "its overlays, made in O(changes since the last one)); past it the oldest two are merged into one: "
+        "the oldest point is forgotten (no rollback reaches it), its changes stay", _whole(1, MAX_CHECKPOINTS)),
     Key("metrics", "listen", "", "HOST:PORT of the Prometheus metrics listener (HTTP, /metrics); empty: none",
         _text),
     Key("log", "level", "info", "info: the daemon's life and its problems; debug: also every decision and call "

@@ -11,9 +11,11 @@ from sandboxd.config import BUILT_IN, Config, ConfigError, ResourceLimits
 from sandboxd.errors import InvalidPolicy, SandboxdError
 from sandboxd.kernel import host_limits
 from sandboxd.policy.audit_limits import AuditLimits, parse_min_free
+from sandboxd.policy.decision import approval_policy
 from sandboxd.policy.ipv4 import port as tcp_port
 from sandboxd.policy.limits import parse_size
 from sandboxd.policy.quota_limits import QuotaLimits
+from sandboxd.policy.sandbox import sandbox_mode
 from sandboxd.policy.session_defaults import SessionDefaults
 
 TLS_FILES = ("tls.cert", "tls.key", "tls.client_ca")
@@ -62,6 +64,10 @@ class DaemonSettings:
     metrics_listen: str
     log_format: str
     log_level: str
+    review_session_bytes: int     # review.session_bytes (0: no bound), for kernel.review_space.make_store
+    review_owner_bytes: int       # review.owner_bytes
+    review_owner_stores: int      # review.owner_stores (0: no cap)
+    review_keep_days: float       # review.keep_days (0: kept for good), for service.review_expiry
 
     @property
     def config_path(self) -> str | None:
@@ -109,13 +115,15 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
     except SandboxdError as exc:
         raise refuse("audit", str(exc)) from None
     defaults = SessionDefaults(
-        sandbox=config.text("defaults.sandbox_policy"), network_access=config.flag("defaults.network_access"),
-        approval=config.text("defaults.approval_policy"),
+        sandbox=sandbox_mode(config.text("defaults.sandbox_policy")),
+        network_access=config.flag("defaults.network_access"),
+        approval=approval_policy(config.text("defaults.approval_policy")),
         timeout_seconds=config.number("defaults.timeout_seconds") or None,
         memory_bytes=limits.memory, pids=limits.pids, max_memory_bytes=limits.max_memory, max_pids=limits.max_pids,
         total_memory_bytes=limits.total_memory, total_pids=limits.total_pids,
         owner_memory_bytes=limits.owner_memory or None, owner_pids=limits.owner_pids,
-        ptys=config.whole("limits.session_ptys"))
+        ptys=config.whole("limits.session_ptys"), review=config.flag("review.default"),
+        max_checkpoints=config.whole("review.max_checkpoints"))
     return DaemonSettings(
         source=config, socket=config.text("listen.socket"), socket_mode=int(config.text("listen.socket_mode"), 8),
         admin_gid=admin_gid, workers=config.whole("listen.workers"),
@@ -131,7 +139,16 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         published_connections=config.whole("quotas.published_connections_per_session"),
         published_per_peer=config.whole("quotas.published_connections_per_peer"),
         session_defaults=defaults, metrics_listen=config.text("metrics.listen"),
-        log_format=config.text("log.format"), log_level=config.text("log.level"))
+        log_format=config.text("log.format"), log_level=config.text("log.level"),
+        review_session_bytes=_size_or_zero(config, "review.session_bytes"),
+        review_owner_bytes=parse_size(config.text("review.owner_bytes"), "review.owner_bytes"),
+        review_owner_stores=config.whole("review.owner_stores"),
+        review_keep_days=config.number("review.keep_days"))
+
+
+def _size_or_zero(config: Config, dotted: str) -> int:
+    text = str(config[dotted])
+    return 0 if text == "0" else parse_size(text, dotted)
 
 
 def _tls(config: Config, refuse: "Callable[[str, str], ConfigError]") -> TlsSettings | None:

@@ -158,17 +158,36 @@ def _stat_as_root(fd: int, what: str, given: str) -> os.stat_result:
 def file_system_type(fd: int) -> str | None:
     """The type of the file system ``fd`` is on (``fuse.sshfs``, ``ext4``), from its mount's line in
     /proc/self/mountinfo (no lookup under the mount: a statfs could wait on a FUSE server)."""
+    fields = mount_fields(fd)
+    try:
+        return fields[fields.index("-") + 1] if fields else None
+    except (ValueError, IndexError):
+        return None
+
+
+def mount_fields(fd: int) -> list[str] | None:
+    """The fields of the /proc/self/mountinfo line (proc(5)) of the mount ``fd`` is on, or None."""
+    mount_id = mount_id_of(fd)
+    return None if mount_id is None else mount_table().get(mount_id)
+
+
+def mount_id_of(fd: int) -> str | None:
+    """The id of the mount ``fd`` is on (/proc/self/fdinfo's mnt_id), or None."""
     try:
         with open(f"/proc/self/fdinfo/{fd}") as info:
-            mount_id = next(line.split()[1] for line in info if line.startswith("mnt_id:"))
+            return next(line.split()[1] for line in info if line.startswith("mnt_id:"))
+    except (OSError, StopIteration, IndexError):
+        return None
+
+
+def mount_table() -> dict[str, list[str]]:
+    """/proc/self/mountinfo read once: each line's fields by its mount id (the first field). For a
+    caller asking about many mounts: one read, not one per mount."""
+    try:
         with open("/proc/self/mountinfo") as mounts:
-            for line in mounts:
-                fields = line.split()
-                if fields and fields[0] == mount_id:
-                    return fields[fields.index("-") + 1]
-    except (OSError, StopIteration, ValueError, IndexError):
-        pass
-    return None
+            return {fields[0]: fields for fields in (line.split() for line in mounts) if fields}
+    except OSError:
+        return {}
 
 
 def _socket_identity(fd: int, given: str) -> tuple[int, int, int]:

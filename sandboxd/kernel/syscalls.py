@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import os
 
-from sandboxd.kernel import caps, cgroups, landlock, mounts, namespaces, netns, process, rlimits, seccomp
+from sandboxd.kernel import caps, cgroups, landlock, mounts, namespaces, netns, overlay, process, rlimits, seccomp
+from sandboxd.kernel._libc import from_oserror
 
 
 def _create_file(path: str, mode: int) -> None:
@@ -34,6 +35,15 @@ def _write_file(path: str, text: str, mode: int) -> None:
 def _scandir(path: str) -> list[os.DirEntry[str]]:
     with os.scandir(path) as entries:
         return list(entries)
+
+
+def _open_dir_path(path: str, *, step: str) -> int:
+    """An O_PATH descriptor of the directory ``path`` (a symlink at its end is refused): what an
+    overlay names its layers by (kernel.overlay.mount_over)."""
+    try:
+        return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise from_oserror(exc, step, path) from None
 
 
 def _is_dir_fd(fd: int) -> bool:
@@ -80,6 +90,9 @@ class Syscalls:
     clone_tree = staticmethod(mounts.clone_tree)
     attach_tree = staticmethod(mounts.attach_tree)
     pivot_root_here = staticmethod(mounts.pivot_root_here)
+    mount_overlay = staticmethod(overlay.mount_over)
+    open_dir_path = staticmethod(_open_dir_path)
+    close = staticmethod(os.close)
     # Files made in the new tree, and the lookups the mount steps decide by.
     mkdir = staticmethod(os.mkdir)
     makedirs = staticmethod(os.makedirs)

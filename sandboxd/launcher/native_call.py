@@ -189,6 +189,7 @@ def constants() -> dict[str, Constant]:
         "SBX_MAX_CGROUP_DIRS": cgroups.MAX_SET_DIRS,
         "SBX_MAX_CPU_SECONDS": limits.MAX_TIMEOUT_SECONDS,
         "SBX_MAX_OPEN_FILES": limits.MAX_OPEN_FILES,
+        "SBX_PATH_MAX": limits.PATH_MAX,
         "SBX_LL_HIGHEST_ABI": landlock.HIGHEST_KNOWN_ABI,
         # The call plan: the names the helper traces its steps by, and their order (unused by the
         # C code, here so that the digest changes with the plan: a helper built before is stale).

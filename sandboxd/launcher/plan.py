@@ -7,14 +7,15 @@ before any process or namespace exists.
 from __future__ import annotations
 
 import os
+import stat
 
 from sandboxd._record import Factory, Record
 from sandboxd.errors import InvalidPolicy
-from sandboxd.kernel import access, mounts, paths, seccomp
+from sandboxd.kernel import access, mounts, overlay, paths, seccomp
 from sandboxd.kernel.unix_diag import file_identity
-from sandboxd.policy import DangerFullAccess, LaunchSpec, Limits, WorkspaceWrite
+from sandboxd.policy import LaunchSpec, Limits
 from sandboxd.policy.git_dirs import FoundGitDirs
-from sandboxd.policy.sandbox import is_within, network_mode_of
+from sandboxd.policy.sandbox import is_within
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -108,6 +109,9 @@ class LaunchPlan(Record):
     terminal: tuple[int, int] | None = None
     # LaunchSpec.git_dirs: the git directories of the writable roots, found already (rootfs step 8).
     git_dirs: "dict[str, FoundGitDirs]" = Factory(dict)
+    # Review mode (kernel.overlay): each writable root, by real path, is covered by an overlay whose
+    # upper layer collects its changes (rootfs step 8); empty: the roots are written directly.
+    review_layers: "dict[str, overlay.Layers]" = Factory(dict)
 
     def close_trees(self) -> None:
         for fd in self.root_trees.values():
@@ -118,40 +122,45 @@ class LaunchPlan(Record):
 def path_requests(spec: LaunchSpec) -> "list[access.PathRequest]":
     """The paths ``prepare`` opens as the caller, in the order it wants their descriptors."""
     policy = spec.policy
-    confined = not isinstance(policy, DangerFullAccess)
-    return paths.requests_for(spec.workspace, policy.writable_roots if isinstance(policy, WorkspaceWrite) else (),
-                              tuple(getattr(policy, "allowed_unix_sockets", ())) if confined else ())
+    return paths.requests_for(spec.workspace, policy.writable_roots,
+                              policy.allowed_unix_sockets if policy.confined else ())
 
 
 def path_check(spec: LaunchSpec) -> "Callable[[list[int]], None]":
     """The check ``prepare`` makes on the descriptors of ``path_requests(spec)`` with lookups of
     its own (paths.planted_symlink_check): made where they were opened, as the caller."""
     policy = spec.policy
-    return paths.planted_symlink_check(spec.workspace,
-                                       policy.writable_roots if isinstance(policy, WorkspaceWrite) else (),
-                                       workspace_writable=isinstance(policy, WorkspaceWrite))
+    return paths.planted_symlink_check(spec.workspace, policy.writable_roots,
+                                       workspace_writable=policy.workspace_writable)
 
 
-def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
+def prepare(spec: LaunchSpec, opened: "list[int] | None" = None, *, review_dir: str | None = None) -> LaunchPlan:
     """Resolve ``spec``: its paths opened and checked as its caller, the mount trees of its roots
     cloned (the returned plan owns them: ``close_trees`` once the child has them). ``opened``: the
     descriptors of ``path_requests(spec)``, opened and checked (``path_check``) already (prepare
-    owns them then)."""
+    owns them then). ``review_dir``: review mode, an empty directory of this process's (made by
+    kernel.overlay.make_review_dir) that receives the layers of every writable root (the plan's
+    review_layers, which the caller saves there); the writable roots are then overlays whose upper
+    layers it holds."""
     policy = spec.policy
-    confined = not isinstance(policy, DangerFullAccess)
-    writable = isinstance(policy, WorkspaceWrite)
-    resolved = paths.resolve(spec.workspace, spec.cwd,
-                             policy.writable_roots if isinstance(policy, WorkspaceWrite) else (),
+    confined, writable = policy.confined, policy.workspace_writable
+    resolved = paths.resolve(spec.workspace, spec.cwd, policy.writable_roots,
                              workspace_writable=writable, confined=confined, caller=spec.caller,
-                             allowed_sockets=tuple(getattr(policy, "allowed_unix_sockets", ())) if confined else (),
+                             allowed_sockets=policy.allowed_unix_sockets if confined else (),
                              opened=opened)
     trees: dict[str, int] = {}
     plain_user = os.geteuid() != 0                       # sandboxd run by a plain user: rootless
     rootless = confined and plain_user
     try:
-        hidden = _hidden_paths(spec.hidden_paths, resolved.workspace, resolved.writable_roots) if confined else ()
+        hidden = _hidden_paths((*spec.hidden_paths, *_owner_places(spec)), resolved.workspace,
+                               resolved.writable_roots) if confined else ()
         if plain_user:
             check_rootless(spec)
+        review_layers = (_review_layers(review_dir, resolved.writable_roots, resolved.descriptors, confined=confined,
+                                        rootless=plain_user)
+                         if review_dir is not None else {})
+        if review_dir is not None:
+            hidden = (*hidden, os.path.realpath(review_dir))      # the sandbox never sees its own change set
         if confined:
             for real, fd in resolved.descriptors.items():
                 # A plain user may not clone mounts here: the child does, in its own namespace.
@@ -171,7 +180,7 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
         st = os.stat(resolved.workspace)
         uid, gid = st.st_uid, st.st_gid
     network = bool(policy.network_access)
-    isolated = network and confined and network_mode_of(policy) == "isolated"
+    isolated = policy.isolated_network
     filter_spec = seccomp.FilterSpec(confined=confined)
     broker = BrokerRules(allowed=resolved.socket_ids, denied=_socket_ids(spec.denied_sockets),
                          denied_listeners=tuple(_listener(entry) for entry in spec.denied_listeners),
@@ -184,19 +193,41 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None) -> LaunchPlan:
         argv=spec.argv, env=dict(spec.env), cwd=resolved.cwd, workspace=resolved.workspace,
         confined=confined, rootless=rootless, network=network, network_isolated=isolated, dns=tuple(spec.dns),
         network_pool=spec.network_pool,
-        allowed_unix_sockets=tuple(getattr(policy, "allowed_unix_sockets", ())),
-        allowed_hosts=tuple(getattr(policy, "allowed_hosts", ())),
-        allowed_domains=tuple(getattr(policy, "allowed_domains", ())),
+        allowed_unix_sockets=policy.allowed_unix_sockets, allowed_hosts=policy.allowed_hosts,
+        allowed_domains=policy.allowed_domains,
         writable_roots=resolved.writable_roots,
         readonly_roots=() if writable or not confined else (resolved.workspace,),
-        protected_subpaths=policy.protected_subpaths if isinstance(policy, WorkspaceWrite) else (),
+        protected_subpaths=policy.protected_subpaths,
         uid=uid, gid=gid, limits=spec.limits,
         seccomp_program=seccomp.program_for(filter_spec), brokers_connect=filter_spec.brokers_connect,
         broker=broker, root_trees=trees, hidden_paths=hidden, owner=spec.owner,
         caller_groups=None if confined or spec.caller is None else tuple(spec.caller[2]),
         hidden_homes=spec.hidden_homes if confined else (), private_home=spec.private_home if confined else "",
         git_dirs={root: found for root, found in spec.git_dirs.items() if root in resolved.writable_roots},
+        review_layers=review_layers,
     )
+
+
+def _review_layers(review_dir: str, roots: tuple[str, ...], descriptors: dict[str, int], *, confined: bool,
+                   rootless: bool) -> "dict[str, overlay.Layers]":
+    """The layers of each writable root under ``review_dir`` (the caller saves their record:
+    kernel.overlay.save, off the launch's path: it imports json); refused with the reason
+    where review mode cannot be (no writable root, an old kernel rootless, a refused file system, the
+    directory inside a root or a root inside it)."""
+    if not confined or not roots:
+        raise InvalidPolicy("review mode needs the workspace-write policy: there is nothing to review otherwise")
+    if rootless and not overlay.rootless_supported():
+        raise InvalidPolicy(f"review mode as a plain user needs unprivileged overlayfs (Linux 5.11 or later); "
+                            f"this kernel is {os.uname().release}: run it as root")
+    real = os.path.realpath(review_dir)
+    if os.path.lexists(f"{real}/{overlay.LAYERS_FILE}"):      # a session's rebuild: the same change set
+        return overlay.reuse_layers(real, roots, descriptors)
+    for root in roots:
+        if is_within(real, root) or is_within(root, real):
+            raise InvalidPolicy(f"review directory {real!r} and writable root {root!r} overlap: the change set "
+                                "must live outside every root")
+    return {root: overlay.make_layers(real, index, root, descriptors[root], userxattr=rootless)
+            for index, root in enumerate(roots)}
 
 
 ROOT_NEEDED = "needs root"
@@ -209,12 +240,12 @@ def check_rootless(spec: LaunchSpec) -> None:
     if spec.user is not None and spec.user != (os.geteuid(), os.getegid()):
         raise InvalidPolicy(f"--user {spec.user[0]}:{spec.user[1]} {ROOT_NEEDED}: a plain user's sandbox runs "
                             "the command as that user; drop --user, or run sandboxd run as root")
-    if not isinstance(policy, WorkspaceWrite):
+    if not policy.workspace_writable:
         return
     if policy.published_ports:
         raise InvalidPolicy(f"--publish {ROOT_NEEDED} (it listens in the sandbox's network namespace from the "
                             "host's): run sandboxd run as root, or use --network=host and no --publish")
-    if not policy.network_access or policy.network_mode != "isolated":
+    if not policy.isolated_network:
         return
     if policy.allowed_hosts:
         raise InvalidPolicy(f"--allow-host {ROOT_NEEDED} (an nftables filter in the host's namespace): run "
@@ -224,6 +255,22 @@ def check_rootless(spec: LaunchSpec) -> None:
                             "the host's namespace): run sandboxd run as root, or use --network=host (the host's "
                             "network as it is) or --network --allow-domain NAME (only those names, through "
                             "a filtering proxy)")
+
+
+def _owner_places(spec: LaunchSpec) -> tuple[str, ...]:
+    """Those of ``spec.owner_hidden`` that are the owner's own directories, reached through no
+    symlink: a name the owner controls must not make root hide (or refuse a workspace under) any
+    other place; one that is not such a directory holds no change set of theirs to protect."""
+    uid = spec.caller[0] if spec.caller is not None else os.geteuid()
+    places = []
+    for path in spec.owner_hidden:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and os.path.realpath(path) == os.path.normpath(path):
+            places.append(os.path.normpath(path))
+    return tuple(places)
 
 
 def _hidden_paths(hidden: tuple[str, ...], workspace: str, writable_roots: tuple[str, ...]) -> tuple[str, ...]:

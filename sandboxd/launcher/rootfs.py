@@ -24,7 +24,9 @@
    workspace read-only, so it is seen even when it lives under /tmp), parents before
    children, from the detached mount trees the parent cloned from the very descriptors
    the caller's rights were checked on (launcher.plan, kernel.access): a name swapped
-   since then changes nothing, and roots under /tmp are reachable that way too; then pin
+   since then changes nothing, and roots under /tmp are reachable that way too; in review
+   mode cover each attached root at once with its overlay (kernel.overlay: the attached tree
+   is the lower layer, the upper and work directories were opened in step 1b); then pin
    and re-protect the protected subpaths.
    8b. With an isolated network, bind its resolv.conf over /etc/resolv.conf.
    8c. Cover sandboxd's own places (its sockets' directory, its state directory): an empty
@@ -33,6 +35,11 @@
    8d. Make the hidden homes' tmpfs read-only: a write there could not be told from a write to
    the real home (a planted ~/.bashrc), which is what a sandbox is checked for.
 9. pivot_root into the copy and drop the old root entirely.
+
+Step 1b (review mode): open each overlay's upper and work directories and its checkpoint layers
+(kernel.overlay.Layers.checkpoints, stacked under the upper), in this namespace (overlayfs takes
+no layer from another) and before step 2 covers /tmp, where a `sandboxd run` review directory
+may be.
 
 Every kernel call here, and the lookups the steps decide by, go through kernel.syscalls.current
 (``kernel = syscalls.current``): tests/test_setup_order.py records them instead, to hold this order
@@ -64,6 +71,10 @@ from sandboxd.policy.sandbox import is_within
 from sandboxd.policy.git_config import (GIT_DIR_CREATE_EMPTY, GIT_DIR_NESTED, GIT_GUARD_SUBPATH,
                                         git_dir_entry_writable)
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from sandboxd.kernel.overlay import Layers
+
 STAGE = "/tmp"
 NEW_ROOT = STAGE + "/root"
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
@@ -86,6 +97,17 @@ def build(plan: LaunchPlan) -> None:
     kernel.make_private("/")                                                        # 1
     if plan.rootless:
         rootless.clone_roots(plan.root_trees)    # for step 8, before /tmp is covered
+    layer_dirs = _open_layer_dirs(plan.review_layers)                                # 1b
+    try:
+        _build_tree(plan, layer_dirs)
+    finally:
+        for fds in layer_dirs.values():
+            for fd in fds:
+                kernel.close(fd)
+
+
+def _build_tree(plan: LaunchPlan, layer_dirs: "dict[str, tuple[int, ...]]") -> None:
+    kernel = syscalls.current
     kernel.tmpfs(STAGE, size=1 << 20, mode=0o700, step="mount staging tmpfs")        # 2
     kernel.mkdir(NEW_ROOT, 0o755)
     kernel.bind("/", NEW_ROOT, step="bind host root")
@@ -105,9 +127,10 @@ def build(plan: LaunchPlan) -> None:
     for root in plan.readonly_roots:                                                 # 8
         _attach_root(root, plan.root_trees[root], writable=False)
     for root in plan.writable_roots:
-        _attach_root(root, plan.root_trees[root], writable=True)
+        _attach_root(root, plan.root_trees[root], writable=True,
+                     review=(plan.review_layers[root], layer_dirs[root]) if root in layer_dirs else None)
     for root in plan.writable_roots:
-        _protect_root(root, plan.protected_subpaths, plan.git_dirs.get(root))
+        _protect_root(root, plan.protected_subpaths, plan.git_dirs.get(root), reviewed=root in layer_dirs)
     plan.close_trees()
     if plan.resolv_conf is not None:                                                 # 8b
         _bind_resolv_conf(plan.resolv_conf)
@@ -193,7 +216,33 @@ def _mount_dev(target: str, shm_size: int, ptys: int) -> None:
                  step="make /dev read-only")
 
 
-def _attach_root(root: str, tree: int, *, writable: bool) -> None:
+def _open_layer_dirs(layers: "dict[str, Layers]") -> "dict[str, tuple[int, ...]]":
+    """Step 1b: (upper, work, checkpoint layers oldest first) descriptors of each reviewed root's
+    overlay, opened here (see the module's text); O_PATH, never through a symlink (the review
+    directory is sandboxd's own)."""
+    kernel = syscalls.current
+    opened: dict[str, tuple[int, ...]] = {}
+    try:
+        for root, layer in layers.items():
+            fds: list[int] = []
+            try:
+                for path in (layer.upper, layer.work, *layer.checkpoints):
+                    fds.append(kernel.open_dir_path(path, step="open review layers"))
+            except BaseException:
+                for fd in fds:
+                    kernel.close(fd)
+                raise
+            opened[root] = tuple(fds)
+    except BaseException:
+        for fds_of_root in opened.values():
+            for fd in fds_of_root:
+                kernel.close(fd)
+        raise
+    return opened
+
+
+def _attach_root(root: str, tree: int, *, writable: bool,
+                 review: "tuple[Layers, tuple[int, ...]] | None" = None) -> None:
     kernel = syscalls.current
     target = NEW_ROOT + root
     if not kernel.lexists(target):
@@ -204,6 +253,14 @@ def _attach_root(root: str, tree: int, *, writable: bool) -> None:
             kernel.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
             kernel.create_file(target, 0o644)
     kernel.attach_tree(tree, target, step="bind root")
+    if review is not None:
+        layer, (upper, work, *checkpoints) = review
+        lower = kernel.open_dir_path(target, step="open review lower")  # the tree just attached
+        try:
+            kernel.mount_overlay(target, lower_fd=lower, upper_fd=upper, work_fd=work, userxattr=layer.userxattr,
+                                 shown=root, checkpoint_fds=tuple(checkpoints))
+        finally:
+            kernel.close(lower)
     if writable:
         kernel.set_attrs_recursive(target, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, MOUNT_ATTR_RDONLY,
                                    step="bind writable root")
@@ -278,12 +335,18 @@ def _hide(path: str) -> None:
         kernel.bind("/dev/null", target, recursive=False, step="hide sandboxd's own socket")
 
 
-def _protect_root(root: str, subs: tuple[str, ...], found: FoundGitDirs | None = None) -> None:
+def _protect_root(root: str, subs: tuple[str, ...], found: FoundGitDirs | None = None, *,
+                  reviewed: bool = False) -> None:
     """The protected subpaths of one writable root and, while .git/config is one of them (the
     default), the control files of every git directory under it (see _protect_git_dir): those the
-    git guard's baseline walk just found (``found``, LaunchPlan.git_dirs), else from a walk here."""
+    git guard's baseline walk just found (``found``, LaunchPlan.git_dirs), else from a walk here.
+    ``reviewed``: the root is an overlay, and its git directories are left as they are: nothing the
+    sandbox writes there reaches the host but by an apply, which flags every change to a git
+    directory's control files and applies none unless a person names it (review.rules). This
+    also spares a review launch the walk for git directories (a second or more in a workspace of
+    20,000 directories)."""
     done: dict[str, bool] = {}                      # path -> already read-only (else only pinned)
-    if GIT_GUARD_SUBPATH in subs:
+    if GIT_GUARD_SUBPATH in subs and not reviewed:
         top = NEW_ROOT + root
         if found is None:
             gitdirs = _find_git_dirs(top)

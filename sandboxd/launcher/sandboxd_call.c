@@ -124,7 +124,7 @@ static void append_clean(char *out, size_t room, const char *value) {
 }
 
 static _Noreturn void fail(const char *step, int code, const char *path) {
-    char line[4608];
+    char line[SBX_PATH_MAX + 512];                  /* a whole path, and the step's name around it */
     snprintf(line, sizeof line, "native\x1f" "1\x1e" "errno\x1f%d\x1e" "step\x1f", code);
     append_clean(line, sizeof line, step);
     if (path) {
@@ -138,6 +138,11 @@ static _Noreturn void fail(const char *step, int code, const char *path) {
 
 static void check(long result, const char *step, const char *path) {
     if (result < 0) fail(step, errno, path);
+}
+
+/* Whether what snprintf wrote (``written``) fitted ``room``: a path that does not is refused, never used cut short. */
+static int fits(size_t room, int written) {
+    return written >= 0 && (size_t)written < room;
 }
 
 /* A setup step's name on the trace file (-T), as sequence.py's trace: one test compares them. */
@@ -203,11 +208,13 @@ static void die_with_parent(pid_t expected_parent) {
  * 25 ms, more than the rest of a call. A v2 group has no "tasks": "cgroup.procs" there. */
 static void join_cgroups(const struct options *o) {
     for (int i = 0; i < o->n_cgroups; i++) {
-        char path[4096];
-        snprintf(path, sizeof path, "%s/tasks", o->cgroups[i]);
+        char path[SBX_PATH_MAX];
+        if (!fits(sizeof path, snprintf(path, sizeof path, "%s/tasks", o->cgroups[i])))
+            fail("cgroup join", ENAMETOOLONG, o->cgroups[i]);
         int fd = open(path, O_WRONLY | O_CLOEXEC);
         if (fd < 0 && errno == ENOENT) {
-            snprintf(path, sizeof path, "%s/cgroup.procs", o->cgroups[i]);
+            if (!fits(sizeof path, snprintf(path, sizeof path, "%s/cgroup.procs", o->cgroups[i])))
+                fail("cgroup join", ENAMETOOLONG, o->cgroups[i]);
             fd = open(path, O_WRONLY | O_CLOEXEC);
         }
         if (fd < 0 || write(fd, "0", 1) != 1) fail("cgroup join", errno, path);
@@ -417,11 +424,14 @@ static _Noreturn void exec_command(char **argv, char **env) {
     if (!search) search = "/usr/local/bin:/usr/bin:/bin";
     while (1) {
         const char *end = strchrnul(search, ':');
-        char candidate[4096];
+        char candidate[SBX_PATH_MAX];
         int dir_length = (int)(end - search);
-        snprintf(candidate, sizeof candidate, "%.*s/%s", dir_length ? dir_length : 1, dir_length ? search : ".", program);
-        execve(candidate, argv, env);
-        int code = errno;
+        int code = ENAMETOOLONG;                    /* what execve says of a longer path: never cut short */
+        if (fits(sizeof candidate, snprintf(candidate, sizeof candidate, "%.*s/%s", dir_length ? dir_length : 1,
+                                            dir_length ? search : ".", program))) {
+            execve(candidate, argv, env);
+            code = errno;
+        }
         if (first_error == 0 || ((first_error == ENOENT || first_error == ENOTDIR) && code != ENOENT && code != ENOTDIR))
             first_error = code;
         if (!*end) break;

@@ -42,8 +42,9 @@ class HeldCalls:
 
 class Binding:
     def __init__(self, daemon: Daemon, session: pb.Session, owned: bool, events: EventHub,
-                 tools_changed: Callable[[], Awaitable[None]]) -> None:
+                 tools_changed: Callable[[], Awaitable[None]], *, checkpoint_calls: bool = False) -> None:
         self.daemon, self.session, self.owned = daemon, session, owned
+        self.checkpoint_calls = checkpoint_calls     # each shell call marks a checkpoint (review sessions)
         self.session_id = session.id
         self._events = events
         self._tools_changed = tools_changed

@@ -81,7 +81,28 @@ TOOLS: tuple[ToolDef, ...] = (
     ToolDef("stop_process", "monitor.stop", "Stop a background process (its whole process tree).",
             _schema({"id": _STR}, ["id"]), read_only=True),
 )
-BY_NAME = {tool.name: tool for tool in TOOLS}
+# Review mode's tools (a session created with review): the model may look at its own change set,
+# never apply or discard it (a person's decision, through sandboxctl or the end-of-session prompt).
+# They name no daemon tool: the daemon serves them to the session's owner, outside the policy engine,
+# and they change nothing.
+_REVIEW_SCHEMA = _schema({
+    "paths": {"type": "array", "items": _STR, "maxItems": 100,
+              "description": "Only these paths (absolute, or relative to the workspace); default: all."},
+    "page_token": {"type": "string", "description": "next_page_token of the previous page."}}, [])
+REVIEW_TOOLS: tuple[ToolDef, ...] = (
+    ToolDef("list_changes", "",
+            "List this session's pending changes: its writes are kept for a person's review and have not reached "
+            "the host. Each line: kind (added, modified, deleted, replaced, type_changed, metadata), path, and why "
+            "it is flagged or in conflict, if it is. Only a person can apply or discard them.",
+            _REVIEW_SCHEMA,
+            read_only=True),
+    ToolDef("diff_changes", "",
+            "Show this session's pending changes as a unified diff (binary files, types and modes as one line "
+            "each), paged. Only a person can apply or discard them.",
+            _REVIEW_SCHEMA,
+            read_only=True),
+)
+BY_NAME = {tool.name: tool for tool in TOOLS + REVIEW_TOOLS}
 # What a read-only sandbox hides: the daemon's permission mode read_only hides the same tools.
 _NEEDS_WRITE = frozenset(("shell.exec", "fs.write", "patch.apply", "monitor.start"))
 
@@ -97,6 +118,9 @@ def policy_text(session: pb.Session) -> str:
     else:
         roots = [session.workspace, *policy.writable_roots]
         files = f"writes allowed only under {', '.join(roots)} (the kernel refuses writes elsewhere)"
+        if session.review:
+            files += ("; review mode: writes are kept for a person's review and reach the host only when the "
+                      "person applies them (list_changes, diff_changes show them)")
     network = ("network: on" if policy.network_access or mode == pb.SandboxPolicy.DANGER_FULL_ACCESS
                else "network: off (no connections leave the sandbox)")
     approval = {pb.NEVER: "never asks a person (what the policy forbids is denied)",
@@ -112,9 +136,10 @@ def visible(session: pb.Session, daemon_tools: list[str]) -> list[types.Tool]:
     if session.sandbox_policy.mode == pb.SandboxPolicy.READ_ONLY:
         shown -= _NEEDS_WRITE
     policy = policy_text(session)
+    offered = [tool for tool in TOOLS if tool.daemon_tool in shown] + (list(REVIEW_TOOLS) if session.review else [])
     return [types.Tool(name=tool.name,
                        description=f"{tool.description} {policy}" if tool.policy_in_description else tool.description,
                        input_schema=tool.schema,
                        annotations=types.ToolAnnotations(read_only_hint=tool.read_only,
                                                          open_world_hint=bool(session.sandbox_policy.network_access)))
-            for tool in TOOLS if tool.daemon_tool in shown]
+            for tool in offered]

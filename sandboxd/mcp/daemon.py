@@ -32,6 +32,8 @@ class SessionSpec:
     permission_mode: str = ""
     attach: str = ""
     labels: dict[str, str] = field(default_factory=dict)
+    review: bool | None = None          # None: the daemon's review.default
+    checkpoint_calls: bool = False      # a review session: each shell call marks a checkpoint first
 
     def request(self) -> pb.CreateSessionRequest:
         # close_with_caller: a `sandboxd mcp` killed before it could close its sessions (SIGKILL,
@@ -39,7 +41,8 @@ class SessionSpec:
         return pb.CreateSessionRequest(
             workspace=self.workspace, permission_mode=self.permission_mode, labels=self.labels, close_with_caller=True,
             sandbox_policy=sandbox_policy(self.sandbox, network=self.network, writable_roots=self.writable_roots),
-            approval_policy=approval_policy(self.approval) if not self.permission_mode else pb.APPROVAL_POLICY_UNSPECIFIED)
+            approval_policy=approval_policy(self.approval) if not self.permission_mode else pb.APPROVAL_POLICY_UNSPECIFIED,
+            review=self.review)
 
 
 class RetryRequestsInProgress(grpc.aio.UnaryUnaryClientInterceptor):

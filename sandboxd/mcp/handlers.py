@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
+import os
 import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -65,7 +66,8 @@ class App:
             if isinstance(bound, Binding):
                 return bound
             session, owned = self.take_first() or await self.daemon.open(self.spec)
-            bound = Binding(self.daemon, session, owned, self.events, connection.send_tool_list_changed)
+            bound = Binding(self.daemon, session, owned, self.events, connection.send_tool_list_changed,
+                            checkpoint_calls=self.spec.checkpoint_calls and session.review)
             connection.exit_stack.push_async_callback(bound.close)
             await bound.start()
             connection.state[_STATE_KEY] = bound
@@ -138,7 +140,7 @@ def _ok(text: str, structured: dict[str, Any] | None = None) -> types.CallToolRe
     return types.CallToolResult(content=[types.TextContent(text=text)], structured_content=structured)
 
 
-_KINDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false", dict: "an object"}
+_KINDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false", dict: "an object", list: "a list"}
 
 
 def _arg(args: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
@@ -179,7 +181,7 @@ async def _shell(binding: Binding, args: dict[str, Any], progress: Progress, con
     timeout = _arg(args, "timeout", float, 0)
     start = pb.ExecStart(session_id=binding.session_id, shell=_required(args, "command"), cwd=_arg(args, "cwd", str, ""),
                          env_overlay=_env(args), caller_env=CALLER_ENV, timeout_seconds=float(timeout),
-                         close_stdin=True,
+                         close_stdin=True, checkpoint=binding.checkpoint_calls,
                          output_limit_bytes=OUTPUT_LIMIT, execution_context_id=context_id)
     output: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
     decoders = {kind: codecs.getincrementaldecoder("utf-8")("replace") for kind in output}
@@ -296,6 +298,38 @@ async def _stop(binding: Binding, args: dict[str, Any], _progress: Progress, _co
     return _ok(f"{job.id} stopped (status {job.result.shell_status})", _job(job))
 
 
-RUNNERS: dict[str, Runner] = {"shell": _shell, "read_file": _read, "write_file": _write, "list_dir": _list,
+def _paths(args: dict[str, Any]) -> list[str]:
+    paths = _arg(args, "paths", list, [])
+    if not all(isinstance(path, str) for path in paths):
+        raise ToolError("paths must be a list of strings (absolute, or relative to the workspace)")
+    return list(paths)
+
+
+async def _changes(binding: Binding, args: dict[str, Any], _progress: Progress, _context: str) -> types.CallToolResult:
+    answer = await binding.daemon.stub.ListChanges(pb.ListChangesRequest(
+        session_id=binding.session_id, paths=_paths(args), page_token=_arg(args, "page_token", str, "")))
+    lines, listed = [], []
+    for change in answer.changes:
+        kind = pb.FileChange.Kind.Name(change.kind).lower()
+        where = os.path.join(change.root, change.path) if change.path else change.root
+        notes = [f"flagged: {', '.join(change.flags)}"] if change.flags else []
+        notes += [f"conflict: {change.conflict}"] if change.conflict else []
+        lines.append(f"{kind:<12} {where}" + (f"  ({'; '.join(notes)})" if notes else ""))
+        listed.append({"kind": kind, "root": change.root, "path": change.path, "flags": list(change.flags),
+                       "conflict": change.conflict, "size": change.size, "sha256": change.sha256})
+    if answer.next_page_token:
+        lines.append(f"[more: call again with page_token {answer.next_page_token}]")
+    return _ok("\n".join(lines) or "no pending changes",
+               {"changes": listed, "next_page_token": answer.next_page_token})
+
+
+async def _diff(binding: Binding, args: dict[str, Any], _progress: Progress, _context: str) -> types.CallToolResult:
+    answer = await binding.daemon.stub.DiffChanges(pb.DiffChangesRequest(
+        session_id=binding.session_id, paths=_paths(args), page_token=_arg(args, "page_token", str, "")))
+    more = f"\n[more: call again with page_token {answer.next_page_token}]" if answer.next_page_token else ""
+    return _ok((answer.diff or "no pending changes") + more, {"next_page_token": answer.next_page_token})
+
+
+RUNNERS: dict[str, Runner] = {"list_changes": _changes, "diff_changes": _diff, "shell": _shell, "read_file": _read, "write_file": _write, "list_dir": _list,
                               "apply_patch": _patch, "search": _search, "start_process": _start,
                               "list_processes": _processes, "read_process_output": _output, "stop_process": _stop}

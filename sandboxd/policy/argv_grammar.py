@@ -36,12 +36,22 @@ class Grammar(Record):
     long_valued: frozenset[str] = frozenset()  # --lines=5, --lines 5
     long_optional: frozenset[str] = frozenset()  # --color or --color=auto
     numbers: bool = False                     # -5 as a whole word (head -5, grep -3)
+    # getopt gives a required value the next word, whatever it is (sort -k --x: the key "--x").
+    # False for a program that parses its words in more than one pass (git log/show/diff: the
+    # diff options' pass reads `git diff -pn --output=F`'s --output=F, and writes F, while the
+    # revision pass took it as -n's value): such a value is then not vouched for.
+    option_like_values: bool = True
     max_operands: int = -1                    # -1: any number
 
 
 class Parsed(Record):
     options: tuple[tuple[str, str], ...]      # (name as written without dashes, value or "")
     operands: tuple[str, ...]
+
+
+def _looks_like_an_option(word: str) -> bool:
+    """A separate value that begins like an option ("-x", "--name"; not "-" nor a negative number)."""
+    return word.startswith("-") and word != "-" and not word[1:].replace(".", "", 1).isdigit()
 
 
 def words(*names: str) -> frozenset[str]:
@@ -76,6 +86,8 @@ def parse(grammar: Grammar, args: Sequence[str]) -> Parsed | None:
             elif name in grammar.long_optional or (name in grammar.long_valued and equals):
                 options.append((name, value))
             elif name in grammar.long_valued and index < len(args):
+                if not grammar.option_like_values and _looks_like_an_option(args[index]):
+                    return None
                 options.append((name, args[index]))
                 index += 1
             else:
@@ -97,6 +109,8 @@ def parse(grammar: Grammar, args: Sequence[str]) -> Parsed | None:
                 if position < len(arg):
                     options.append((letter, arg[position:]))
                 elif index < len(args):
+                    if not grammar.option_like_values and _looks_like_an_option(args[index]):
+                        return None
                     options.append((letter, args[index]))
                     index += 1
                 else:

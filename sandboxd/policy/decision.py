@@ -15,19 +15,37 @@ this session", workspace rules) are applied by the caller on top of a
 
 from __future__ import annotations
 
-from sandboxd._record import Record, Factory
+from sandboxd._record import Choice, Factory, Record
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy.sandbox import DangerFullAccess, ReadOnly, SandboxPolicy
 from sandboxd.policy.tools import Category, Effect
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import ClassVar
 
-class ApprovalPolicy:
-    NEVER = "never"
-    ON_REQUEST = "on-request"
-    ALWAYS = "always"
 
-    ALL = (NEVER, ON_REQUEST, ALWAYS)
-    DEFAULT = ON_REQUEST
+class ApprovalPolicy(Choice):
+    """When to ask a person (the approval axis)."""
+
+    NEVER: ClassVar[ApprovalPolicy]
+    ON_REQUEST: ClassVar[ApprovalPolicy]
+    ALWAYS: ClassVar[ApprovalPolicy]
+    ALL: ClassVar[tuple[ApprovalPolicy, ...]]
+    DEFAULT: ClassVar[ApprovalPolicy]
+
+
+ApprovalPolicy.define(NEVER="never", ON_REQUEST="on-request", ALWAYS="always")
+ApprovalPolicy.ALL = ApprovalPolicy.all()
+ApprovalPolicy.DEFAULT = ApprovalPolicy.ON_REQUEST
+
+
+def approval_policy(text: object) -> ApprovalPolicy:
+    """The approval policy ``text`` names, or InvalidPolicy saying which there are."""
+    try:
+        return ApprovalPolicy.parse(text)
+    except ValueError:
+        raise InvalidPolicy(f"unknown approval policy {text!r}: use {', '.join(ApprovalPolicy.ALL)}") from None
 
 
 class Reason:
@@ -98,12 +116,11 @@ def structural_reason(effect: str, *, untrusted_mcp: bool = False) -> str | None
     return None
 
 
-def decide(effect: str | None, tool: str, sandbox: SandboxPolicy, approval: str, *, category: str = Category.EXTERNAL,
-           untrusted_mcp: bool = False, rules: ToolRules | None = None) -> Decision:
+def decide(effect: str | None, tool: str, sandbox: SandboxPolicy, approval: ApprovalPolicy, *,
+           category: str = Category.EXTERNAL, untrusted_mcp: bool = False, rules: ToolRules | None = None) -> Decision:
     """Allowed, NeedsApproval(reason) or DeniedBySandbox(reason) for one call of ``tool``.
     ``effect`` None (a tool that declares none) counts as an unknown command."""
-    if approval not in ApprovalPolicy.ALL:
-        raise InvalidPolicy(f"unknown approval policy {approval!r}: use {', '.join(ApprovalPolicy.ALL)}")
+    approval = approval_policy(approval)
     effect = effect or Effect.UNKNOWN_COMMAND
     rules = rules or ToolRules()
     if category in rules.hidden:
@@ -112,10 +129,10 @@ def decide(effect: str | None, tool: str, sandbox: SandboxPolicy, approval: str,
     denial = sandbox_denial(effect, sandbox)
     if denial is not None:
         return Decision(Verdict.DENIED_BY_SANDBOX, Reason.SANDBOX_REJECTED, f"{tool}: {denial}")
-    if approval == ApprovalPolicy.NEVER:
+    if approval is ApprovalPolicy.NEVER:
         return ALLOWED
     reason = structural_reason(effect, untrusted_mcp=untrusted_mcp)
-    if approval == ApprovalPolicy.ALWAYS or category in rules.always_ask:
+    if approval is ApprovalPolicy.ALWAYS or category in rules.always_ask:
         return Decision(Verdict.NEEDS_APPROVAL, reason or Reason.POLICY_ALWAYS)
     if reason is not None:
         return Decision(Verdict.NEEDS_APPROVAL, reason)
@@ -148,7 +165,7 @@ class PermissionMode:
         return "shell_only" if allow_shell else "file_write_only"
 
 
-def axes_for(mode: str, *, network_access: bool = False) -> tuple[SandboxPolicy, str, ToolRules]:
+def axes_for(mode: str, *, network_access: bool = False) -> tuple[SandboxPolicy, ApprovalPolicy, ToolRules]:
     """The two axes and the tool rules a permission mode stands for (see the table in docs/approvals-and-audit.md).
 
     - read_only: read-only sandbox, never ask, file-write and execution tools hidden.

@@ -22,11 +22,18 @@ DEFAULT_TMP_SIZE = 512 << 20
 # four owners at theirs leave a third of the default pool to everyone else.
 DEFAULT_PTYS = 8
 
+# Review mode's change sets (kernel.review_space): one session's, and one owner's together.
+DEFAULT_REVIEW_SESSION_BYTES = "1G"
+DEFAULT_REVIEW_OWNER_BYTES = "4G"
+
 # The ranges of every limit: what the kernel takes, and what makes sense for a sandboxed call.
 MAX_TIMEOUT_SECONDS = 7 * 24 * 3600      # a week: longer is a service, not a call
 MAX_BYTES = 1 << 53                      # 8 PiB: far above any machine, exact as a float
 MAX_PIDS = 1 << 22                       # the kernel's largest pid_max
 MAX_OPEN_FILES = 1 << 20                 # the kernel's default fs.nr_open
+# The kernel's PATH_MAX, with its NUL: the longest path a caller may name (service.convert.check_path)
+# and the size of the call helper's path buffers, which refuse a longer one (never cut it short).
+PATH_MAX = 4096
 MAX_PTYS = 1 << 20                       # the most devpts takes for max= (NR_UNIX98_PTY_MAX)
 _MAXIMA = {"timeout_seconds": (MAX_TIMEOUT_SECONDS, "604800 seconds (7 days)"),
            "memory_bytes": (MAX_BYTES, "2^53 bytes"), "pids": (MAX_PIDS, "4194304 (the kernel's pid_max)"),

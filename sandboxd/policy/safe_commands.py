@@ -233,7 +233,8 @@ GIT_GLOBAL_SHORT = ("-P",)
 
 # What the revision walk and the diff machinery of log, show and diff accept that neither writes
 # nor runs a program: not --output, --ext-diff, --textconv, --show-signature (runs gpg.program),
-# --submodule, --open-files-in-pager, -O. Long options never take the next word here (the
+# --submodule, --open-files-in-pager, -O, --remerge-diff (it writes objects into a temporary
+# directory of .git/objects: the differential test saw .git/objects change). Long options never take the next word here (the
 # grammar's long_optional: only --name=value), so a value cannot hide an option.
 _REVISIONS = words(
     "oneline graph stat shortstat numstat name-only name-status patch no-patch raw patch-with-stat patch-with-raw "
@@ -248,9 +249,10 @@ _REVISIONS = words(
     "diff-algorithm anchored ignore-space-at-eol ignore-space-change ignore-all-space ignore-blank-lines "
     "ignore-cr-at-eol ignore-matching-lines function-context relative text no-ext-diff no-textconv no-prefix "
     "src-prefix dst-prefix line-prefix exit-code quiet check notes no-notes expand-tabs no-expand-tabs encoding "
-    "remerge-diff diff-merges no-diff-merges combined-all-paths cc color-moved no-color-moved irreversible-delete "
+    "diff-merges no-diff-merges combined-all-paths cc color-moved no-color-moved irreversible-delete "
     "inter-hunk-context break-rewrites")
-_LOG = Grammar(flags="puszwbWmciEFPRrtgD", valued="nSGL", attached="MCBUl", numbers=True, long_optional=_REVISIONS)
+_LOG = Grammar(flags="puszwbWmciEFPRrtgD", valued="nSGL", attached="MCBUl", numbers=True, long_optional=_REVISIONS,
+               option_like_values=False)
 _DIFF = _LOG.replace(long_optional=_REVISIONS | words("cached staged no-index merge-base"))
 
 GIT_SUBCOMMANDS: dict[str, Grammar] = {

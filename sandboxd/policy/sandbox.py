@@ -13,10 +13,14 @@ from __future__ import annotations
 import posixpath
 
 from sandboxd import defaults
-from sandboxd._record import Record
+from sandboxd._record import Choice, Record
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy import limits
 from sandboxd.policy.domains import allowed_domain
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import ClassVar
 
 # Paths inside every writable root that stay read-only: git runs hooks and
 # reads config (core.fsmonitor, core.hooksPath, aliases) on the host later, so
@@ -30,41 +34,51 @@ DEFAULT_PROTECTED_SUBPATHS: tuple[str, ...] = (".git/hooks", ".git/config")
 _FORBIDDEN_ROOT_PREFIXES = ("/proc", "/sys", "/dev")
 
 
+class SandboxMode(Choice):
+    """Which of the three kinds a policy is (its wire and CLI name)."""
+
+    READ_ONLY: ClassVar[SandboxMode]
+    WORKSPACE_WRITE: ClassVar[SandboxMode]
+    DANGER_FULL_ACCESS: ClassVar[SandboxMode]
+
+
+SandboxMode.define(READ_ONLY="read-only", WORKSPACE_WRITE="workspace-write", DANGER_FULL_ACCESS="danger-full-access")
+
+
+class NetworkMode(Choice):
+    """The network a sandbox with network access gets: "isolated" (a network namespace of its own
+    behind NAT and the host's egress filter) or "host" (the host's TCP and UDP as they are)."""
+
+    ISOLATED: ClassVar[NetworkMode]
+    HOST: ClassVar[NetworkMode]
+
+
+NetworkMode.define(ISOLATED="isolated", HOST="host")
+NETWORK_MODES = NetworkMode.all()
+
+
+def parse_network_mode(text: object) -> NetworkMode:
+    """The network mode ``text`` names, or InvalidPolicy saying which there are."""
+    try:
+        return NetworkMode.parse(text)
+    except ValueError:
+        raise InvalidPolicy(f"unknown network mode {text!r}: use isolated (the default) or host") from None
+
+
 class SandboxPolicy(Record):
-    """One of ReadOnly, WorkspaceWrite, DangerFullAccess."""
+    """One of ReadOnly, WorkspaceWrite, DangerFullAccess: ``mode`` says which.
 
-    name = ""
+    Every kind has every field, so every reader takes them typed (no getattr with a default); only
+    workspace-write may set the lists and the network mode (the others refuse them: an empty list
+    and the host's network mode are what they stand for)."""
+
+    mode: ClassVar[SandboxMode]
     network_access: bool = False
-
-
-class ReadOnly(SandboxPolicy):
-    """Read anything the host lets the sandbox uid read; write nothing but a private /tmp; no network."""
-
-    name = "read-only"
-
-    def __post_init__(self) -> None:
-        if self.network_access:
-            raise InvalidPolicy("read-only has no network access: use workspace-write with network_access")
-
-
-NETWORK_MODES = ("isolated", "host")
-
-
-def network_mode_of(policy: SandboxPolicy) -> str:
-    """The network a policy's sandbox gets when it has network access: workspace-write says which;
-    danger-full-access has the host's; read-only has none ("host" then never matters)."""
-    return policy.network_mode if isinstance(policy, WorkspaceWrite) else "host"
-
-
-class WorkspaceWrite(SandboxPolicy):
-    """Write the workspace and the listed roots; everything else read-only. With network access,
-    ``network_mode`` "isolated" (the default) gives the sandbox a network namespace of its own
-    behind NAT and the host's egress filter; "host" gives it the host's TCP and UDP as they are (not
-    its Unix sockets: a connect reaches the sandbox's own or allowed_unix_sockets, in every mode)."""
-
     writable_roots: tuple[str, ...] = ()
-    protected_subpaths: tuple[str, ...] = DEFAULT_PROTECTED_SUBPATHS
-    network_mode: str = defaults.NETWORK_MODE
+    protected_subpaths: tuple[str, ...] = ()
+    # With network access: which network (NetworkMode). Only workspace-write has a choice: the
+    # others have the host's (danger-full-access) or none at all (read-only: "host" never matters).
+    network_mode: NetworkMode = NetworkMode.HOST
     # Host pathname Unix sockets the sandbox may connect to (an ssh-agent, a database socket);
     # every other host socket stays unreachable (without network, or with an isolated one).
     allowed_unix_sockets: tuple[str, ...] = ()
@@ -77,32 +91,85 @@ class WorkspaceWrite(SandboxPolicy):
     # "*.pythonhosted.org"), which is then the only way out (network.egress_proxy).
     allowed_domains: tuple[str, ...] = ()
 
-    name = "workspace-write"
+    @property
+    def name(self) -> SandboxMode:
+        """The kind's wire and CLI name (the same as ``mode``)."""
+        return self.mode
+
+    @property
+    def confined(self) -> bool:
+        """Whether the sandbox has walls at all (everything but danger-full-access)."""
+        return self.mode is not SandboxMode.DANGER_FULL_ACCESS
+
+    @property
+    def workspace_writable(self) -> bool:
+        """Whether the workspace and the writable roots are bound writable (workspace-write only)."""
+        return self.mode is SandboxMode.WORKSPACE_WRITE
+
+    @property
+    def isolated_network(self) -> bool:
+        """A network namespace of the sandbox's own (network access, workspace-write, isolated)."""
+        return self.network_access and self.workspace_writable and self.network_mode is NetworkMode.ISOLATED
+
+    def _typed(self) -> None:
+        """Lists from callers become tuples (the policy stays hashable and immutable), the network
+        mode's text its member."""
+        for field in ("writable_roots", "protected_subpaths", "allowed_unix_sockets", "allowed_hosts",
+                      "published_ports", "allowed_domains"):
+            object.__setattr__(self, field, tuple(getattr(self, field)))
+        object.__setattr__(self, "network_mode", parse_network_mode(self.network_mode))
+
+    def _refuse_workspace_options(self) -> None:
+        """The lists and the network mode are workspace-write's: the other kinds refuse them."""
+        self._typed()
+        if self.writable_roots:
+            raise InvalidPolicy(f"{self.mode} has no writable roots: use workspace-write to list writable roots")
+        if self.protected_subpaths:
+            raise InvalidPolicy(f"{self.mode} has no protected subpaths: they are options of workspace-write")
+        if (self.allowed_unix_sockets or self.allowed_hosts or self.published_ports or self.allowed_domains
+                or self.network_mode is not NetworkMode.HOST):
+            raise InvalidPolicy("allowed Unix sockets, allowed hosts, published ports, allowed domains and the "
+                                "network mode are options of workspace-write")
+
+
+class ReadOnly(SandboxPolicy):
+    """Read anything the host lets the sandbox uid read; write nothing but a private /tmp; no network."""
+
+    mode = SandboxMode.READ_ONLY
 
     def __post_init__(self) -> None:
-        # Accept lists from callers but keep the policy hashable and immutable.
-        object.__setattr__(self, "writable_roots", tuple(self.writable_roots))
-        object.__setattr__(self, "protected_subpaths", tuple(self.protected_subpaths))
-        object.__setattr__(self, "allowed_unix_sockets", tuple(self.allowed_unix_sockets))
-        object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
-        object.__setattr__(self, "published_ports", tuple(self.published_ports))
-        object.__setattr__(self, "allowed_domains", tuple(self.allowed_domains))
+        if self.network_access:
+            raise InvalidPolicy("read-only has no network access: use workspace-write with network_access")
+        self._refuse_workspace_options()
+
+
+class WorkspaceWrite(SandboxPolicy):
+    """Write the workspace and the listed roots; everything else read-only. With network access,
+    ``network_mode`` "isolated" (the default) gives the sandbox a network namespace of its own
+    behind NAT and the host's egress filter; "host" gives it the host's TCP and UDP as they are (not
+    its Unix sockets: a connect reaches the sandbox's own or allowed_unix_sockets, in every mode)."""
+
+    protected_subpaths: tuple[str, ...] = DEFAULT_PROTECTED_SUBPATHS
+    network_mode: NetworkMode = NetworkMode.parse(defaults.NETWORK_MODE)
+
+    mode = SandboxMode.WORKSPACE_WRITE
+
+    def __post_init__(self) -> None:
+        self._typed()
         self._check_list_limits()
-        if self.allowed_domains and not (self.network_access and self.network_mode == "isolated"):
+        if self.allowed_domains and not self.isolated_network:
             raise InvalidPolicy("allowed domains apply to the isolated network: turn network access on "
                                 "(and keep network_mode isolated)")
         object.__setattr__(self, "allowed_domains", tuple(allowed_domain(d) for d in self.allowed_domains))
-        if self.published_ports and self.network_access and self.network_mode == "host":
+        if self.published_ports and self.network_access and self.network_mode is NetworkMode.HOST:
             raise InvalidPolicy("published ports need a network of the sandbox's own: with the host's network "
                                 "its servers are on the host already")
         for entry in self.published_ports:
             parse_publish(entry)
-        if self.network_mode not in NETWORK_MODES:
-            raise InvalidPolicy(f"unknown network mode {self.network_mode!r}: use isolated (the default) or host")
         for path in self.allowed_unix_sockets:
             if not path.startswith("/"):
                 raise InvalidPolicy(f"allowed Unix socket {path!r} must be an absolute path")
-        if self.allowed_hosts and not (self.network_access and self.network_mode == "isolated"):
+        if self.allowed_hosts and not self.isolated_network:
             raise InvalidPolicy("allowed hosts apply to the isolated network: turn network access on "
                                 "(and keep network_mode isolated)")
         for entry in self.allowed_hosts:
@@ -126,21 +193,32 @@ class WorkspaceWrite(SandboxPolicy):
 class DangerFullAccess(SandboxPolicy):
     """No filesystem or network restriction; still a killable process tree and no TIOCSTI."""
 
-    name = "danger-full-access"
+    mode = SandboxMode.DANGER_FULL_ACCESS
     network_access: bool = True
 
     def __post_init__(self) -> None:
         if not self.network_access:
             raise InvalidPolicy("danger-full-access always has the host network: use workspace-write "
                                 "without network_access to cut it")
+        self._refuse_workspace_options()
 
 
 _NAMES = {
-    "read-only": "read-only", "read_only": "read-only", "readonly": "read-only",
-    "workspace-write": "workspace-write", "workspace_write": "workspace-write", "auto": "workspace-write",
-    "danger-full-access": "danger-full-access", "danger_full_access": "danger-full-access",
-    "full": "danger-full-access",
+    "read-only": SandboxMode.READ_ONLY, "read_only": SandboxMode.READ_ONLY, "readonly": SandboxMode.READ_ONLY,
+    "workspace-write": SandboxMode.WORKSPACE_WRITE, "workspace_write": SandboxMode.WORKSPACE_WRITE,
+    "auto": SandboxMode.WORKSPACE_WRITE,
+    "danger-full-access": SandboxMode.DANGER_FULL_ACCESS, "danger_full_access": SandboxMode.DANGER_FULL_ACCESS,
+    "full": SandboxMode.DANGER_FULL_ACCESS,
 }
+
+
+def sandbox_mode(name: str) -> SandboxMode:
+    """The kind a wire or CLI name (or one of its spellings) names, or InvalidPolicy listing them."""
+    canonical = _NAMES.get(name.strip().lower())
+    if canonical is None:
+        raise InvalidPolicy(
+            f"unknown sandbox policy {name!r}: use one of read-only, workspace-write, danger-full-access")
+    return canonical
 
 
 def default_policy() -> SandboxPolicy:
@@ -188,26 +266,24 @@ def policy_from_name(name: str, *, network_access: bool = False,
                      published_ports: tuple[str, ...] | list[str] = (),
                      allowed_domains: tuple[str, ...] | list[str] = ()) -> SandboxPolicy:
     """Build a policy from its wire/CLI name (``read-only``, ``workspace-write``, ``danger-full-access``)."""
-    canonical = _NAMES.get(name.strip().lower())
-    if canonical is None:
-        raise InvalidPolicy(
-            f"unknown sandbox policy {name!r}: use one of read-only, workspace-write, danger-full-access")
-    if canonical == "read-only":
+    canonical = sandbox_mode(name)
+    if canonical is SandboxMode.READ_ONLY:
         if network_access:
             raise InvalidPolicy("read-only has no network access: use workspace-write with network_access")
         if writable_roots:
             raise InvalidPolicy("read-only has no writable roots: use workspace-write to list writable roots")
-    if canonical != "workspace-write" and (allowed_unix_sockets or allowed_hosts or published_ports
+    if canonical is not SandboxMode.WORKSPACE_WRITE and (allowed_unix_sockets or allowed_hosts or published_ports
                                            or allowed_domains):
         raise InvalidPolicy("allowed Unix sockets, allowed hosts and published ports are options of workspace-write")
-    if canonical == "read-only":
+    if canonical is SandboxMode.READ_ONLY:
         return ReadOnly()
-    if canonical == "danger-full-access":
+    if canonical is SandboxMode.DANGER_FULL_ACCESS:
         return DangerFullAccess()
     policy = WorkspaceWrite(
         network_access=network_access, writable_roots=tuple(writable_roots),
         protected_subpaths=DEFAULT_PROTECTED_SUBPATHS if protected_subpaths is None else tuple(protected_subpaths),
-        network_mode=network_mode or defaults.NETWORK_MODE, allowed_unix_sockets=tuple(allowed_unix_sockets),
+        network_mode=parse_network_mode(network_mode or defaults.NETWORK_MODE),
+        allowed_unix_sockets=tuple(allowed_unix_sockets),
         allowed_hosts=tuple(allowed_hosts), published_ports=tuple(published_ports),
         allowed_domains=tuple(allowed_domains))
     validate_policy(policy)
@@ -250,5 +326,6 @@ def is_within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-__all__ = ["DEFAULT_PROTECTED_SUBPATHS", "DangerFullAccess", "ReadOnly", "SandboxPolicy", "WorkspaceWrite",
+__all__ = ["DEFAULT_PROTECTED_SUBPATHS", "DangerFullAccess", "NetworkMode", "ReadOnly", "SandboxMode", "SandboxPolicy",
+           "WorkspaceWrite", "parse_network_mode", "sandbox_mode",
            "default_policy", "is_within", "policy_from_name", "validate_policy", "validate_writable_root"]

@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 from sandboxd._record import Record
+from sandboxd.policy.decision import ApprovalPolicy
 from sandboxd.policy.limits import DEFAULT_PTYS
+from sandboxd.policy.sandbox import SandboxMode
 
 
 class SessionDefaults(Record):
     """What a CreateSession that leaves something unset gets (the daemon's `defaults` settings)."""
 
-    sandbox: str = "workspace-write"
+    sandbox: SandboxMode = SandboxMode.WORKSPACE_WRITE
     network_access: bool = False
-    approval: str = "on-request"
+    approval: ApprovalPolicy = ApprovalPolicy.ON_REQUEST
     timeout_seconds: float | None = None
     memory_bytes: int | None = None
     pids: int | None = None
@@ -24,3 +26,5 @@ class SessionDefaults(Record):
     owner_memory_bytes: int | None = None     # and the share of them of one owner's sandboxes
     owner_pids: int | None = None
     ptys: int = DEFAULT_PTYS                  # terminals of each session's own devpts (limits.session_ptys)
+    review: bool = False                      # review mode for a workspace-write session that does not say (review.default)
+    max_checkpoints: int | None = None        # checkpoints a review session keeps (review.max_checkpoints; None: its default)

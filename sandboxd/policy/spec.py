@@ -7,12 +7,7 @@ from sandboxd._record import Factory, Record
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy.git_dirs import FoundGitDirs
 from sandboxd.policy.limits import MAX_ARGV, MAX_ENV_BYTES, MAX_ENV_ENTRIES, Limits, check_count
-from sandboxd.policy.sandbox import SandboxPolicy, default_policy, network_mode_of, validate_policy
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Any
-
+from sandboxd.policy.sandbox import SandboxPolicy, default_policy, validate_policy
 
 MAX_ARG_STRLEN = 128 << 10          # the kernel's limit on one argument or environment string, with its NUL
 _POINTER = 8
@@ -91,6 +86,9 @@ class LaunchSpec(Record):
     # sandboxd's own places, invisible inside the sandbox (its sockets' directory, its state),
     # and its own sockets and listeners, which connect() is refused for (connect_broker).
     hidden_paths: tuple[str, ...] = ()
+    # The owner's own places hidden likewise (defaults.owner_hidden_paths: their kept change sets),
+    # each only if it is a directory of theirs reached through no symlink (launcher.plan checks).
+    owner_hidden: tuple[str, ...] = ()
     denied_sockets: tuple[str, ...] = ()
     denied_listeners: tuple[str, ...] = ()   # "HOST:PORT" of the daemon's TCP listeners
     # The registries of approval channels (`sandboxd mcp --http`'s listeners), whose sockets
@@ -109,7 +107,7 @@ class LaunchSpec(Record):
     # The git directories of each writable root (by real path), found by the git guard's baseline
     # walk just before the launch (policy.git_dirs): the build protects them without walking the
     # root again. A root not named here is walked at build. Not on the fork server's wire: a
-    # session's build walks (its guard's baseline is taken after the build: service.sessions).
+    # session's build walks (its guard's baseline is taken after the build: service.git_guard_hook).
     git_dirs: "dict[str, FoundGitDirs]" = Factory(dict)
 
     def __post_init__(self) -> None:
@@ -132,7 +130,7 @@ class LaunchSpec(Record):
                                         f"{exc}") from None
         if self.user is not None and (self.user[0] < 0 or self.user[1] < 0):
             raise InvalidPolicy(f"bad user {self.user!r}: uid and gid must be >= 0")
-        for path in (*self.hidden_paths, *self.denied_sockets, *self.approval_channels):
+        for path in (*self.hidden_paths, *self.owner_hidden, *self.denied_sockets, *self.approval_channels):
             if not path.startswith("/") or "\0" in path:
                 raise InvalidPolicy(f"sandboxd's own path {path!r} must be absolute")
         for path in self.hidden_homes:
@@ -158,18 +156,17 @@ def is_owner_key(key: str) -> bool:
 
 
 def policy_to_dict(policy: SandboxPolicy) -> dict[str, object]:
-    """Plain JSON-able form of a sandbox policy (the fork server's wire, the event store)."""
-    return {"name": policy.name, "network_access": bool(policy.network_access),
-            "writable_roots": list(getattr(policy, "writable_roots", ())),
-            "protected_subpaths": list(getattr(policy, "protected_subpaths", ())),
-            "network_mode": network_mode_of(policy),
-            "allowed_unix_sockets": list(getattr(policy, "allowed_unix_sockets", ())),
-            "allowed_hosts": list(getattr(policy, "allowed_hosts", ())),
-            "published_ports": list(getattr(policy, "published_ports", ())),
-            "allowed_domains": list(getattr(policy, "allowed_domains", ()))}
+    """Plain JSON-able form of a sandbox policy (the event store; the fork server's wire has its own
+    typed record, supervisor.fork_protocol.PolicyRecord)."""
+    return {"name": str(policy.mode), "network_access": bool(policy.network_access),
+            "writable_roots": list(policy.writable_roots), "protected_subpaths": list(policy.protected_subpaths),
+            "network_mode": str(policy.network_mode), "allowed_unix_sockets": list(policy.allowed_unix_sockets),
+            "allowed_hosts": list(policy.allowed_hosts), "published_ports": list(policy.published_ports),
+            "allowed_domains": list(policy.allowed_domains)}
 
 
 def policy_from_dict(data: dict[str, object]) -> SandboxPolicy:
+    """A policy as the store kept it (older rows leave fields out: they take their defaults)."""
     from sandboxd.policy.sandbox import policy_from_name
 
     return policy_from_name(str(data["name"]), network_access=bool(data.get("network_access")),
@@ -182,64 +179,8 @@ def policy_from_dict(data: dict[str, object]) -> SandboxPolicy:
                             allowed_domains=list(_strings(data, "allowed_domains")))
 
 
-def spec_to_dict(spec: LaunchSpec) -> dict[str, object]:
-    """Plain JSON-able form (the fork server's wire format)."""
-    return {
-        "argv": list(spec.argv), "workspace": spec.workspace, "env": dict(spec.env), "cwd": spec.cwd,
-        "policy": policy_to_dict(spec.policy),
-        "limits": spec.limits.as_dict(),
-        "user": list(spec.user) if spec.user else None,
-        "dns": list(spec.dns), "network_pool": spec.network_pool,
-        "caller": [spec.caller[0], spec.caller[1], list(spec.caller[2])] if spec.caller else None,
-        "hidden_paths": list(spec.hidden_paths), "denied_sockets": list(spec.denied_sockets),
-        "denied_listeners": list(spec.denied_listeners), "approval_channels": list(spec.approval_channels),
-        "owner": spec.owner,
-        "hidden_homes": list(spec.hidden_homes), "private_home": spec.private_home,
-    }
-
-
 def _strings(data: dict[str, object], key: str) -> tuple[str, ...]:
     value = data.get(key) or ()
     if not isinstance(value, (list, tuple)):
-        raise InvalidPolicy(f"malformed launch request: {key} must be a list")
+        raise InvalidPolicy(f"malformed stored policy: {key} must be a list")
     return tuple(str(item) for item in value)
-
-
-def _table(data: dict[str, object], key: str) -> "dict[str, Any]":
-    """A JSON object (absent or null: empty); what is built from it checks its values."""
-    value = data.get(key) or {}
-    if not isinstance(value, dict):
-        raise InvalidPolicy(f"malformed launch request: {key} must be an object")
-    return dict(value)
-
-
-def _caller(value: object) -> tuple[int, int, tuple[int, ...]] | None:
-    if not value:
-        return None
-    if not isinstance(value, (list, tuple)) or len(value) != 3 or not isinstance(value[2], (list, tuple)):
-        raise InvalidPolicy("malformed launch request: caller must be [uid, gid, [groups]]")
-    return int(value[0]), int(value[1]), tuple(int(g) for g in value[2])
-
-
-def spec_from_dict(data: dict[str, object]) -> LaunchSpec:
-    try:
-        policy = policy_from_dict(_table(data, "policy"))
-        user = data.get("user")
-        cwd = data.get("cwd")
-        return LaunchSpec(argv=_strings(data, "argv"), workspace=str(data["workspace"]),
-                          env={str(k): str(v) for k, v in _table(data, "env").items()},
-                          cwd=None if cwd is None else str(cwd),
-                          policy=policy, limits=Limits(**_table(data, "limits")),
-                          user=(int(user[0]), int(user[1])) if isinstance(user, (list, tuple)) else None,
-                          dns=_strings(data, "dns"), network_pool=str(data.get("network_pool") or ""),
-                          caller=_caller(data.get("caller")), hidden_paths=_strings(data, "hidden_paths"),
-                          denied_sockets=_strings(data, "denied_sockets"),
-                          denied_listeners=_strings(data, "denied_listeners"),
-                          approval_channels=_strings(data, "approval_channels"),
-                          owner=str(data.get("owner") or ""),
-                          hidden_homes=_strings(data, "hidden_homes"),
-                          private_home=str(data.get("private_home") or ""))
-    except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, InvalidPolicy):
-            raise
-        raise InvalidPolicy(f"malformed launch request: {exc}") from None

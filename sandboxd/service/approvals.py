@@ -29,7 +29,7 @@ from sandboxd.audit.store import PERMISSION_NAMESPACE, EventStore, EventType
 from sandboxd.errors import InvalidPolicy, NotFound, PermissionDenied
 from sandboxd.policy.decision import Verdict, decide
 from sandboxd.policy.tools import Risk
-from sandboxd.service.sessions import Session
+from sandboxd.service.sessions.registry import Session
 
 if TYPE_CHECKING:
     from sandboxd.service.metrics import Metrics

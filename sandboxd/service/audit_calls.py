@@ -14,7 +14,7 @@ from sandboxd.errors import Forbidden, InvalidPolicy, NotFound, PermissionDenied
 from sandboxd.policy.tools import BUILTIN_TOOLS, Category, Effect, Risk, check_tool_name, summary_of
 from sandboxd.service.approvals import ApprovalGate, Granted, ToolCall, rule_key
 from sandboxd.service.callers import Caller
-from sandboxd.service.sessions import SessionRegistry
+from sandboxd.service.sessions.registry import SessionRegistry
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 EFFECTS = {pb.POLICY_EFFECT_UNSPECIFIED: None, pb.EFFECT_READ_ONLY: Effect.READ_ONLY,
@@ -245,10 +245,13 @@ class AuditService:
 
 
 def _rule_path(workspace: str) -> str:
-    """A workspace as rules store it (its real path)."""
-    if not workspace.startswith("/"):
+    """A workspace as rules store it: the real path AddStandingRule's lookup found, as its caller
+    (ListStandingRules shows it), named as it is. Never looked up here, as root: a path on a file
+    system that does not answer would hold this thread, and symlinks would be followed with root's
+    rights."""
+    if not workspace.startswith("/") or "\0" in workspace:
         raise InvalidPolicy(f"workspace {workspace!r} must be an absolute path")
-    return os.path.realpath(workspace)
+    return os.path.normpath(workspace)
 
 
 def _rule_to_proto(row: MemoryRow) -> pb.StandingRule:

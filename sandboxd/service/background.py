@@ -17,8 +17,8 @@ from typing import Callable, Iterator
 from sandboxd.errors import Exhausted, NotFound
 from sandboxd.service import environment
 from sandboxd.service.quotas import owner_key
-from sandboxd.service.sessions import Session, SessionRegistry, cwd_inside
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.service.sessions.registry import Session, SessionRegistry, cwd_inside
+from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.supervisor.spawner import ExitInfo
 from sandboxd.v1 import sandboxd_pb2 as pb
 

@@ -13,8 +13,9 @@ import os
 import select
 from typing import Iterator
 
-from sandboxd.service.sessions import Session, SessionRegistry
-from sandboxd.supervisor.forkserver import ForkServer, check_timeout
+from sandboxd.service.sessions.registry import Session, SessionRegistry
+from sandboxd.supervisor.fork_client import ForkServer
+from sandboxd.supervisor.fork_protocol import check_timeout
 from sandboxd.supervisor.spawner import ExitInfo
 
 # One gRPC message per CHUNK: larger chunks mean fewer messages for Python to frame

@@ -9,22 +9,26 @@ from collections.abc import Mapping
 from sandboxd.defaults import NETWORK_MODE
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy import DEFAULT_PROTECTED_SUBPATHS, Limits, SandboxPolicy, policy_from_name
-from sandboxd.policy.decision import PermissionMode, ToolRules, axes_for
+from sandboxd.policy.sandbox import SandboxMode
+from sandboxd.policy.decision import ApprovalPolicy, PermissionMode, ToolRules, axes_for
 from sandboxd.policy.session_defaults import SessionDefaults
-from sandboxd.policy.limits import DEFAULT_TMP_SIZE, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, check_count, check_timeout
+from sandboxd.policy.limits import (DEFAULT_TMP_SIZE, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, PATH_MAX, check_count,
+                                    check_timeout)
 from sandboxd.v1 import sandboxd_pb2 as pb
 
-_MODE_NAMES = {pb.SandboxPolicy.READ_ONLY: "read-only", pb.SandboxPolicy.WORKSPACE_WRITE: "workspace-write",
-               pb.SandboxPolicy.MODE_UNSPECIFIED: "workspace-write",
-               pb.SandboxPolicy.DANGER_FULL_ACCESS: "danger-full-access"}
-_MODES = {"read-only": pb.SandboxPolicy.READ_ONLY, "workspace-write": pb.SandboxPolicy.WORKSPACE_WRITE,
-          "danger-full-access": pb.SandboxPolicy.DANGER_FULL_ACCESS}
-APPROVAL_NAMES = {pb.NEVER: "never", pb.ON_REQUEST: "on-request", pb.ALWAYS: "always",
-                  pb.APPROVAL_POLICY_UNSPECIFIED: "on-request"}
-_APPROVALS = {"never": pb.NEVER, "on-request": pb.ON_REQUEST, "always": pb.ALWAYS}
+_MODE_NAMES = {pb.SandboxPolicy.READ_ONLY: SandboxMode.READ_ONLY,
+               pb.SandboxPolicy.WORKSPACE_WRITE: SandboxMode.WORKSPACE_WRITE,
+               pb.SandboxPolicy.MODE_UNSPECIFIED: SandboxMode.WORKSPACE_WRITE,
+               pb.SandboxPolicy.DANGER_FULL_ACCESS: SandboxMode.DANGER_FULL_ACCESS}
+_MODES = {SandboxMode.READ_ONLY: pb.SandboxPolicy.READ_ONLY,
+          SandboxMode.WORKSPACE_WRITE: pb.SandboxPolicy.WORKSPACE_WRITE,
+          SandboxMode.DANGER_FULL_ACCESS: pb.SandboxPolicy.DANGER_FULL_ACCESS}
+APPROVAL_NAMES = {pb.NEVER: ApprovalPolicy.NEVER, pb.ON_REQUEST: ApprovalPolicy.ON_REQUEST,
+                  pb.ALWAYS: ApprovalPolicy.ALWAYS, pb.APPROVAL_POLICY_UNSPECIFIED: ApprovalPolicy.ON_REQUEST}
+_APPROVALS = {ApprovalPolicy.NEVER: pb.NEVER, ApprovalPolicy.ON_REQUEST: pb.ON_REQUEST,
+              ApprovalPolicy.ALWAYS: pb.ALWAYS}
 
 
-PATH_MAX = 4096                     # the kernel's, with its NUL
 NAME_MAX = 255
 NAME_LIMIT = 1024                   # host and domain names, socket names in policies
 
@@ -62,7 +66,7 @@ def policy_from_proto(message: pb.SandboxPolicy, defaults: SessionDefaults | Non
     network = message.network_access
     if message.mode == pb.SandboxPolicy.MODE_UNSPECIFIED and defaults is not None:
         name = defaults.sandbox
-        network = network or (defaults.network_access and name == "workspace-write")
+        network = network or (defaults.network_access and name is SandboxMode.WORKSPACE_WRITE)
     if name is None:
         raise InvalidPolicy(f"unknown sandbox policy mode {message.mode}: use READ_ONLY, WORKSPACE_WRITE "
                             "or DANGER_FULL_ACCESS")
@@ -89,24 +93,24 @@ def policy_from_proto(message: pb.SandboxPolicy, defaults: SessionDefaults | Non
 
 def policy_to_proto(policy: SandboxPolicy) -> pb.SandboxPolicy:
     return pb.SandboxPolicy(mode=_MODES[policy.name], network_access=bool(policy.network_access),
-                            writable_roots=list(getattr(policy, "writable_roots", ())),
-                            protected_subpaths=list(getattr(policy, "protected_subpaths", ())),
-                            network_mode=getattr(policy, "network_mode", "") if policy.network_access else "",
-                            allowed_unix_sockets=list(getattr(policy, "allowed_unix_sockets", ())),
-                            allowed_hosts=list(getattr(policy, "allowed_hosts", ())),
-                            published_ports=list(getattr(policy, "published_ports", ())),
-                            allowed_domains=list(getattr(policy, "allowed_domains", ())),
+                            writable_roots=list(policy.writable_roots),
+                            protected_subpaths=list(policy.protected_subpaths),
+                            network_mode=str(policy.network_mode) if policy.workspace_writable and policy.network_access
+                            else "",
+                            allowed_unix_sockets=list(policy.allowed_unix_sockets),
+                            allowed_hosts=list(policy.allowed_hosts), published_ports=list(policy.published_ports),
+                            allowed_domains=list(policy.allowed_domains),
                             no_default_protected_subpaths=True)
 
 
-def approval_from_proto(value: pb.ApprovalPolicy) -> str:
+def approval_from_proto(value: pb.ApprovalPolicy) -> ApprovalPolicy:
     if value not in APPROVAL_NAMES:
         raise InvalidPolicy(f"unknown approval policy {value}: use NEVER, ON_REQUEST or ALWAYS")
     return APPROVAL_NAMES[value]
 
 
-def approval_to_proto(name: str) -> pb.ApprovalPolicy:
-    return _APPROVALS[name]
+def approval_to_proto(approval: ApprovalPolicy) -> pb.ApprovalPolicy:
+    return _APPROVALS[approval]
 
 
 def labels_from_proto(labels: Mapping[str, str]) -> dict[str, str]:
@@ -142,8 +146,9 @@ def limits_to_proto(limits: Limits) -> pb.Limits:
                      tmp_size_bytes=limits.tmp_size_bytes)
 
 
-def axes_from_create_request(request: pb.CreateSessionRequest,
-                             defaults: SessionDefaults | None = None) -> tuple[SandboxPolicy, str, ToolRules]:
+def axes_from_create_request(
+        request: pb.CreateSessionRequest,
+        defaults: SessionDefaults | None = None) -> tuple[SandboxPolicy, ApprovalPolicy, ToolRules]:
     """The two axes (and a permission mode's tool rules) a CreateSession asks for. Single-axis
     clients send permission_mode, or the older allow_shell / allow_file_write, which win when
     both styles are sent (a missing one of the two counts as false)."""

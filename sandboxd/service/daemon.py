@@ -44,10 +44,11 @@ from sandboxd.service.server import (MAX_FORK_RESTARTS, RESTART_WINDOW, ForkWatc
                                      TextLogFormatter, make_own_directories, own_places, self_test,
                                      sweep_private_dir)
 from sandboxd.service.servicer import Reflection, SandboxServicer
-from sandboxd.service.sessions import SessionRegistry
-from sandboxd.service.tied_sessions import TiedSessions
+from sandboxd.service.sessions.registry import SessionRegistry
+from sandboxd.service.sessions.tied import TiedSessions
+from sandboxd.service.review_expiry import ChangeSetExpiry
 from sandboxd.service.watchdog import Watchdog
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.v1 import sandboxd_pb2, sandboxd_pb2_grpc
 
 log = logging.getLogger("sandboxd")
@@ -157,7 +158,10 @@ class Daemon:
                                        published_connections=s.published_connections,
                                        published_per_peer=s.published_per_peer, quotas=counters,
                                        allow_user_full_access=s.allow_user_full_access,
-                                       count_network_denial=metrics.network_denials.inc)
+                                       count_network_denial=metrics.network_denials.inc,
+                                       review_dir=os.path.join(os.path.abspath(s.state_dir), "review"),
+                                       review_bytes=(s.review_session_bytes, s.review_owner_bytes),
+                                       review_stores=s.review_owner_stores)
             undo.callback(registry.close_all)
             resumed = registry.restore()
             # What ends with a client's process: sessions asked for with close_with_caller, approval
@@ -228,6 +232,8 @@ class Daemon:
         watchdog = Watchdog(fork, self.settings.ping_timeout,
                             lambda: self._set_health(parts.health, health_pb2.HealthCheckResponse.NOT_SERVING))
         watchdog.start()
+        expiry = ChangeSetExpiry(parts.store, parts.registry.review_dir_of, self.settings.review_keep_days)
+        expiry.start()
         status = 0
         try:
             while not self._stop_requested:
@@ -256,6 +262,7 @@ class Daemon:
                 self._set_health(parts.health, health_pb2.HealthCheckResponse.SERVING)
         finally:
             watchdog.stop()
+            expiry.stop()
             watch.close()
         return status
 

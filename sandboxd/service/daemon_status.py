@@ -13,7 +13,7 @@ from sandboxd import __version__
 from sandboxd.service.approvals import ApprovalGate
 from sandboxd.service.callers import Caller
 from sandboxd.service.quotas import CALLS, REQUESTS, STREAMS, TERMINALS, owner_key
-from sandboxd.service.sessions import SessionRegistry
+from sandboxd.service.sessions.registry import SessionRegistry
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 

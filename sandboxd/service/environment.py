@@ -45,8 +45,8 @@ from sandboxd.policy.sandbox import DangerFullAccess
 from sandboxd.policy.tools import SANDBOX_HOME
 from sandboxd.service.file_calls import run_tool
 from sandboxd.service.terminal_call import DEFAULT_TERM
-from sandboxd.service.sessions import Session, SessionRegistry
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.service.sessions.registry import Session, SessionRegistry
+from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"

@@ -17,13 +17,13 @@ from typing import Iterator
 
 import grpc
 
-from sandboxd.errors import InvalidPolicy
+from sandboxd.errors import InvalidPolicy, WrongState
 from sandboxd.policy.limits import check_timeout
 from sandboxd.policy.spec import check_command
 from sandboxd.service import environment, terminal_call
 from sandboxd.service.calls import SessionCall, write_all
-from sandboxd.service.sessions import Session, SessionRegistry
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.service.sessions.registry import Session, SessionRegistry
+from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.supervisor.spawner import ExitInfo
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -43,6 +43,9 @@ def command_of(start: pb.ExecStart) -> list[str]:
 def check_start(start: pb.ExecStart, argv: list[str], session: Session) -> None:
     """What the kernel or the clock would refuse, refused before anything runs, saying what to fix."""
     environment.check_start(start)
+    if start.checkpoint and not session.review:
+        raise WrongState(f"session {session.id} is not in review mode: a call's checkpoint is a point of its "
+                         "change set (create the session with review, or leave checkpoint unset)")
     check_command(argv, {**environment.worst_case(session, start), **session.extra_env})
     if start.timeout_seconds:
         check_timeout(start.timeout_seconds)

@@ -11,12 +11,12 @@ from typing import Iterator
 
 from sandboxd.errors import DeadlineExceeded, Forbidden, InvalidPolicy, NotFound, SandboxdError
 from sandboxd.policy.git_config import GIT_GUARD_SUBPATH
-from sandboxd.policy.sandbox import DangerFullAccess, ReadOnly
+from sandboxd.policy.sandbox import SandboxMode
 from sandboxd.policy.tools import WriteScope
 from sandboxd.service.calls import SessionCall, write_all
 from sandboxd.service.convert import check_path
-from sandboxd.service.sessions import Session, SessionRegistry
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.service.sessions.registry import Session, SessionRegistry
+from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.supervisor.spawner import ExitInfo
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -42,24 +42,28 @@ def resolve(session: Session, path: str) -> str:
     return check_path(resolved, "the path (joined to the workspace)")
 
 
-def write_scope(session: Session, *, resolved: bool) -> WriteScope:
-    """Where the session's calls write without anyone being asked (policy.tools.WriteScope): its
-    writable roots (``resolved``: the policy's by their real paths, as the file tools reach them),
-    their protected subpaths, and a confined sandbox's private /tmp and /dev/shm."""
-    policy = session.policy
-    roots = getattr(policy, "writable_roots", ())
-    protected = tuple(getattr(policy, "protected_subpaths", ()))
-    return WriteScope(roots=(session.workspace, *(os.path.realpath(r) if resolved else r for r in roots)),
-                      protected=protected, scratch=() if isinstance(policy, DangerFullAccess) else ("/tmp", "/dev/shm"),
-                      writes_allowed=not isinstance(policy, ReadOnly),
-                      git_guarded=isinstance(policy, ReadOnly) or GIT_GUARD_SUBPATH in protected)
+def write_scope(session: Session) -> WriteScope:
+    """Where the session's calls write without anyone being asked (policy.tools.WriteScope): the
+    workspace and the writable roots its current sandbox was built with (the fork server's facts:
+    their real paths, as the owner's lookup resolved them by descriptor, which is what the sandbox
+    binds; never the policy's names looked up again here, as root, which a caller could swap for a
+    symlink meanwhile), their protected subpaths, and a confined sandbox's private /tmp and
+    /dev/shm. Without a sandbox (resumed, not built yet: SessionRegistry.ready builds it first) only
+    the workspace: every other write is asked about."""
+    with session.lock:
+        policy, facts, workspace = session.policy, session.built.get(session.generation), session.workspace
+    roots = (workspace,) if facts is None else (facts.workspace, *facts.writable_roots)
+    protected = policy.protected_subpaths
+    read_only = policy.mode is SandboxMode.READ_ONLY
+    return WriteScope(roots=roots, protected=protected, scratch=("/tmp", "/dev/shm") if policy.confined else (),
+                      writes_allowed=not read_only, git_guarded=read_only or GIT_GUARD_SUBPATH in protected)
 
 
 def write_effect(session: Session, paths: list[str]) -> tuple[str, str]:
     """The effect of writing ``paths`` (resolved, absolute) in this session, and for a destructive
     one the reason: a write outside the writable roots, or under a protected subpath, counts as
     destructive (the policy engine then refuses it unless the sandbox is danger-full-access)."""
-    return write_scope(session, resolved=True).effect_of(paths)
+    return write_scope(session).effect_of(paths)
 
 
 def run_tool(registry: SessionRegistry, fork: ForkServer, session: Session, tool: dict[str, object],

@@ -5,15 +5,13 @@ the call planted (gitguard/guard.py), one event and one log line each."""
 from __future__ import annotations
 
 import logging
-import os
 from typing import Iterable
 
 from sandboxd.audit.store import EventStore, EventType
 from sandboxd.policy.git_config import GIT_GUARD_SUBPATH
-from sandboxd.policy.sandbox import WorkspaceWrite
 from sandboxd.service.quotas import owner_key
 from sandboxd.service.sandbox_hooks import Sandbox, SandboxHooks, Service
-from sandboxd.service.session_state import Session
+from sandboxd.service.sessions.state import Session
 from sandboxd.gitguard.guard import GitGuard
 from sandboxd.gitguard.watch import InotifyHub
 
@@ -29,14 +27,17 @@ class GitGuardHook(SandboxHooks):
         self._watch = InotifyHub(watches_per_owner, instances)
 
     def sandbox_ready(self, session: Session, sandbox: Sandbox) -> Iterable[Service]:
-        """The generation's roots: a root new to the guard is taken as it is now (what the user
-        had is theirs). The baseline walk runs under the session's build_lock only."""
-        policy = sandbox.policy
+        """The generation's roots, as the fork server built them (their real paths, resolved as the
+        owner by descriptor: never looked up again here, as root, where a swapped symlink would make
+        the guard watch and rewrite someone else's repository): a root new to the guard is taken as
+        it is now (what the user had is theirs). The baseline walk runs under the session's
+        build_lock only."""
+        policy, info = sandbox.policy, sandbox.info
         roots: list[str] = []
-        if isinstance(policy, WorkspaceWrite) and GIT_GUARD_SUBPATH in policy.protected_subpaths:
-            with session.lock:
-                workspace = session.workspace
-            roots = [workspace, *(os.path.realpath(r) for r in policy.writable_roots)]
+        # In review mode nothing a call writes reaches the host: what the guard would remove is
+        # flagged in the change set instead (review.rules), and nothing has to run after a call.
+        if policy.workspace_writable and GIT_GUARD_SUBPATH in policy.protected_subpaths and not session.review:
+            roots = [info.workspace, *info.writable_roots]
         guard = session.git_guard
         if guard is None:
             if roots:

@@ -18,8 +18,8 @@ import shutil
 
 from sandboxd.errors import DeadlineExceeded, InvalidPolicy
 from sandboxd.service.file_calls import DEFAULT_READ_LIMIT, TOOL_TIMEOUT, resolve, run_in_session, run_tool
-from sandboxd.service.sessions import Session, SessionRegistry
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.service.sessions.registry import Session, SessionRegistry
+from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 PATCH_LIMIT = 32 << 20

@@ -30,8 +30,8 @@ from sandboxd._record import Record
 from sandboxd.policy import SandboxPolicy
 
 if TYPE_CHECKING:
-    from sandboxd.service.session_state import Session
-    from sandboxd.supervisor.forkserver import SessionInfo
+    from sandboxd.service.sessions.state import Session
+    from sandboxd.supervisor.fork_client import SessionInfo
 
 log = logging.getLogger("sandboxd")
 

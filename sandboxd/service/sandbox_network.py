@@ -12,7 +12,7 @@ from sandboxd.audit.store import EventStore, EventType
 from sandboxd.defaults import PROXY_PORT
 from sandboxd.errors import SetupError
 from sandboxd.service.sandbox_hooks import Sandbox, SandboxHooks, Service
-from sandboxd.service.session_state import Session
+from sandboxd.service.sessions.state import Session
 
 
 class PublishedPorts(SandboxHooks):
@@ -21,7 +21,7 @@ class PublishedPorts(SandboxHooks):
         self._connections, self._per_peer = connections, per_peer
 
     def sandbox_ready(self, session: Session, sandbox: Sandbox) -> Iterable[Service]:
-        entries = getattr(sandbox.policy, "published_ports", ())
+        entries = sandbox.policy.published_ports
         if not entries:
             return ()
         from sandboxd.network.publish import publish_all
@@ -41,7 +41,7 @@ class EgressProxies(SandboxHooks):
         self._count_denial = count_denial                # the daemon's metrics, when it has them
 
     def sandbox_ready(self, session: Session, sandbox: Sandbox) -> Iterable[Service]:
-        domains, info = getattr(sandbox.policy, "allowed_domains", ()), sandbox.info
+        domains, info = sandbox.policy.allowed_domains, sandbox.info
         if not (domains and info.host_address and info.sandbox_address):
             return ()
         from sandboxd.network.egress_proxy import PROXY_ADDRESS, EgressProxy, proxy_environment

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from contextlib import ExitStack
 
     from sandboxd.policy.session_defaults import SessionDefaults
-    from sandboxd.service.session_lifecycle import OwnPlaces
-    from sandboxd.supervisor.forkserver import ForkServer
+    from sandboxd.service.sessions.lifecycle import OwnPlaces
+    from sandboxd.supervisor.fork_client import ForkServer
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -79,7 +79,7 @@ def _remove_if_empty(path: str) -> None:
 def own_places(socket_path: str, backend: str, state_dir: str, tls_address: str,
                metrics_listen: str) -> "OwnPlaces":
     """What of this daemon every sandbox must not see or reach (sessions.OwnPlaces)."""
-    from sandboxd.service.sessions import OwnPlaces
+    from sandboxd.service.sessions.registry import OwnPlaces
 
     listeners = tuple(address for address in (tls_address, metrics_listen) if address)
     return OwnPlaces(hidden=(*defaults.daemon_hidden_paths(socket_path), os.path.abspath(state_dir)),

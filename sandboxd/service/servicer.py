@@ -19,10 +19,11 @@ from sandboxd.service.background import BackgroundJob, BackgroundJobs
 from sandboxd.service.callers import Caller, Callers
 from sandboxd.network.front_door import FrontDoor
 from sandboxd.service.quotas import CALLS, REQUESTS, STREAMS, Quotas
+from sandboxd.service.review_calls import ReviewCalls
 from sandboxd.service.sandbox_hooks import WhenClosed
-from sandboxd.service.sessions import Session, SessionRegistry, cwd_inside
+from sandboxd.service.sessions.registry import Session, SessionRegistry, cwd_inside
 from sandboxd.service.status import abort
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from sandboxd.service.approval_channels import ApprovalChannels
     from sandboxd.service.daemon_status import ConnectionCounts
     from sandboxd.service.metrics import Metrics
-    from sandboxd.service.tied_sessions import TiedSessions
+    from sandboxd.service.sessions.tied import TiedSessions
 
 R = TypeVar("R")   # what a unary call's work returns
 
@@ -43,7 +44,7 @@ def session_to_proto(session: Session, closed_at: float = 0.0) -> pb.Session:
         limits=convert.limits_to_proto(session.limits), labels=session.labels, owner_uid=session.owner.uid,
         owner_gid=session.owner.gid, created_at=session.created_at, running_calls=session.running_calls,
         sandbox_generation=session.generation, permission_mode=session.rules.mode, closed_at=closed_at or 0.0,
-        sandbox_ready=session.sandbox_ready and not closed_at, env_names=sorted(session.env))
+        sandbox_ready=session.sandbox_ready and not closed_at, env_names=sorted(session.env), review=session.review)
 
 
 def job_to_proto(job: BackgroundJob) -> pb.BackgroundProcess:
@@ -71,6 +72,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         self._gate = gate
         self._connections = connections                   # the front door's counts, for GetStatus
         self._audit = AuditService(registry, gate)
+        self._review = ReviewCalls(registry, fork, registry.store, max_checkpoints=self._defaults.max_checkpoints)
         for forget in (gate.forget_session, self._audit.forget_session, environment.forget_session):
             registry.add_hooks(WhenClosed(forget))            # a closed session is forgotten (sandbox_hooks)
 
@@ -101,9 +103,12 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                 labels = self._tied.labels(who, labels, request.close_with_caller)
             elif request.close_with_caller:
                 raise InvalidPolicy("this daemon cannot close a session with its caller")
+            # Unset: the daemon's review.default, for the sessions that have writes to review.
+            review = request.review if request.HasField("review") else (
+                self._defaults.review and policy.workspace_writable)
             session = self._registry.create(who, request.workspace, policy, approval,
                                             convert.limits_from_proto(request.limits, self._defaults),
-                                            labels, rules, env=environment.session_env(request.env))
+                                            labels, rules, env=environment.session_env(request.env), review=review)
             if self._tied is not None:
                 self._tied.tie(session)
             return session_to_proto(session)
@@ -136,6 +141,34 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             return session_to_proto(self._registry.update_policy(who, request.session_id, policy, approval))
         return self._unary(context, work)
 
+    # -- review mode (service/review_calls.py): each holds one of the caller's CALLS slots, as a
+    #    change set's listing or apply may take a while (the fork server's child does the work).
+
+    def ListChanges(self, request: pb.ListChangesRequest, context: grpc.ServicerContext) -> pb.ListChangesResponse:
+        return self._unary(context, lambda who: self._review.list(who, request), CALLS)
+
+    def DiffChanges(self, request: pb.DiffChangesRequest, context: grpc.ServicerContext) -> pb.DiffChangesResponse:
+        return self._unary(context, lambda who: self._review.diff(who, request), CALLS)
+
+    def ApplyChanges(self, request: pb.ApplyChangesRequest,
+                     context: grpc.ServicerContext) -> pb.ApplyChangesResponse:
+        return self._unary(context, lambda who: self._review.apply(who, request), CALLS)
+
+    def DiscardChanges(self, request: pb.DiscardChangesRequest,
+                       context: grpc.ServicerContext) -> pb.DiscardChangesResponse:
+        return self._unary(context, lambda who: self._review.discard(who, request), CALLS)
+
+    def CreateCheckpoint(self, request: pb.CreateCheckpointRequest, context: grpc.ServicerContext) -> pb.Checkpoint:
+        return self._unary(context, lambda who: self._review.create_checkpoint(who, request), CALLS)
+
+    def ListCheckpoints(self, request: pb.ListCheckpointsRequest,
+                        context: grpc.ServicerContext) -> pb.ListCheckpointsResponse:
+        return self._unary(context, lambda who: self._review.list_checkpoints(who, request), CALLS)
+
+    def RollbackChanges(self, request: pb.RollbackChangesRequest,
+                        context: grpc.ServicerContext) -> pb.RollbackChangesResponse:
+        return self._unary(context, lambda who: self._review.rollback(who, request), CALLS)
+
     def ReadFile(self, request: pb.ReadFileRequest, context: grpc.ServicerContext) -> pb.ReadFileResponse:
         def work(who: Caller) -> pb.ReadFileResponse:
             session = self._registry.get(who, request.session_id)
@@ -156,6 +189,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             if request.mode & 0o6000:                      # S_ISUID | S_ISGID
                 raise InvalidPolicy(f"mode {request.mode:o} has the set-uid or set-gid bit: a file written "
                                     f"through the daemon may not have them (use {request.mode & 0o1777:o})")
+            self._registry.ready(session)                 # its paths judged on what was built
             call = tool_calls.write(session, "fs.write", [path], bytes=len(request.data))
             _, out = self._tool(context, session, call, lambda: file_calls.run_tool(
                 self._registry, self._fork, session, {
@@ -178,6 +212,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             session = self._registry.get(who, request.session_id)
             targets = [file_calls.resolve(session, f.path)
                        for f in patch_search.patched_files(request.patch, request.strip)[0]]
+            self._registry.ready(session)
             return pb.ApplyPatchResponse(files=self._tool(
                 context, session, tool_calls.write(session, "patch.apply", targets),
                 lambda: patch_search.apply_patch(self._registry, self._fork, session, request.patch, request.strip)))
@@ -201,6 +236,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             argv = exec_call.command_of(start)
             exec_call.check_start(start, argv, session)
             convert.check_text(request.name, "name")
+            self._registry.ready(session)
             call = tool_calls.command(session, "monitor.start", argv,
                                       cwd_inside(session.workspace, convert.check_path(request.cwd, "cwd")), start)
             return job_to_proto(self._tool(context, session, call, lambda: self._jobs.start(
@@ -268,8 +304,11 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                 exec_call.check_unstreamed(start)
             if start.HasField("terminal"):                # a pty of its session's devpts, counted apart too
                 terminal.enter_context(self._quotas.terminal(who))
+            self._registry.ready(session)
             call = tool_calls.command(session, "shell.exec", argv, cwd, start, context_id=start.execution_context_id)
             with self._gate.authorize(session, call, still_wanted=context.is_active) as granted:
+                if start.checkpoint:                      # a point to roll this call back to
+                    self._review.checkpoint_call(session, granted.call_id, call.summary)
                 for response in exec_call.run(self._registry, self._fork, session, start, argv, cwd, request_iterator,
                                               context):
                     kind = response.WhichOneof("kind")

@@ -22,6 +22,7 @@ from sandboxd.errors import (
     ProcessLimitReached,
     SandboxdError,
     SetupError,
+    WrongState,
 )
 
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
@@ -34,6 +35,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
     (Exhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (WrongState, grpc.StatusCode.FAILED_PRECONDITION),
     (ProcessLimitReached, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ExecFailed, grpc.StatusCode.FAILED_PRECONDITION),
     (LimitsUnavailable, grpc.StatusCode.FAILED_PRECONDITION),

@@ -35,8 +35,8 @@ from sandboxd.errors import Exhausted, InvalidPolicy, SetupError
 from sandboxd.kernel import terminals
 from sandboxd.launcher.call_plan import Step
 from sandboxd.service.calls import CHUNK, SessionCall
-from sandboxd.service.sessions import Session, SessionRegistry
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.service.sessions.registry import Session, SessionRegistry
+from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.supervisor.spawner import ExitInfo
 from sandboxd.v1 import sandboxd_pb2 as pb
 

@@ -7,7 +7,7 @@ from sandboxd.policy.tools import BUILTIN_TOOLS, Classified, Effect, classify_co
 from sandboxd.service import environment
 from sandboxd.service.approvals import ToolCall
 from sandboxd.service.file_calls import write_effect, write_scope
-from sandboxd.service.sessions import Session
+from sandboxd.service.sessions.registry import Session
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 
@@ -25,7 +25,7 @@ def command(session: Session, tool: str, argv: list[str], cwd: str, start: pb.Ex
     the whole env a client sent) are in its arguments, so every approval card shows them and the
     audit log records them (the session's own env is not: its values stay root-only, and only its
     names are recorded, when the session is created)."""
-    found = classify_command(argv, cwd=cwd, scope=write_scope(session, resolved=False),
+    found = classify_command(argv, cwd=cwd, scope=write_scope(session),
                              env=environment.for_classifier(session, start))
     if start.HasField("terminal") and found.effect in (Effect.READ_ONLY, Effect.WORKSPACE_WRITE):
         # On a terminal the caller's keystrokes drive the program: git starts its pager there, and

@@ -31,7 +31,7 @@ from sandboxd.errors import SetupError
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from sandboxd.supervisor.forkserver import ForkServer
+    from sandboxd.supervisor.fork_client import ForkServer
 
 log = logging.getLogger("sandboxd")
 

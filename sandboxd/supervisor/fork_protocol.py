@@ -1,16 +1,19 @@
 """The fork server's protocol: one record type per request and per event, and one codec.
 
-Both ends use it: the fork server (``forkserver._Server``) decodes requests and encodes events, its
-client in the daemon (``forkserver.ForkServer``) the other way round. A message is one
+Both ends use it: the fork server (``fork_server._Server``) decodes requests and encodes events, its
+client in the daemon (``fork_client.ForkServer``) the other way round. A message is one
 SOCK_SEQPACKET datagram holding one JSON object, tagged with its kind (``"op"`` for a request,
 ``"event"`` for an event) and its request ``"id"``, plus the record's fields by name; the
 descriptors a request carries (stdin, stdout, stderr of a launch or call) travel as SCM_RIGHTS.
 
 Each record's annotations are its schema: ``decode`` checks every field's JSON type against them
 (``int`` is never a bool, ``float`` takes an int, ``list[str]`` checks each item, ``X | None`` may
-be absent), and the descriptor count against ``descriptors``. What does not fit is ``Malformed``,
-carrying the request's id when it had a usable one, so the server answers it as InvalidPolicy
-and goes on: a bug in the daemon costs one request, never every sandbox of every user.
+be absent), and the descriptor count against ``descriptors``. A field may also be a nested record
+(a launch's ``SpecRecord``, its ``PolicyRecord``, ``Limits``), checked the same way field by field,
+or a ``Choice`` (a policy's modes), which must be one of its names. What does not fit is
+``Malformed``, naming the field by its path (``spec.policy.network_mode``) and carrying the
+request's id when it had a usable one, so the server answers it as InvalidPolicy and goes on: a
+bug in the daemon costs one request, never every sandbox of every user.
 
 JSON, not marshal or pickle: the decoder must be safe on any bytes (marshal's documentation says
 it is not), and the codec is a few microseconds per message against about a millisecond of work
@@ -24,7 +27,13 @@ import json
 import socket
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from sandboxd._record import Record
+from sandboxd._record import Choice, Factory, Record
+from sandboxd.errors import InvalidPolicy, SandboxdError
+from sandboxd.policy.limits import Limits
+from sandboxd.policy.limits import check_timeout as limits_check_timeout
+from sandboxd.policy.sandbox import (DangerFullAccess, NetworkMode, ReadOnly, SandboxMode, SandboxPolicy,
+                                     WorkspaceWrite, validate_policy)
+from sandboxd.policy.spec import LaunchSpec
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -33,7 +42,45 @@ MAX_MESSAGE = 1 << 20
 SO_SNDBUFFORCE = 32
 MAX_DESCRIPTORS = 16                    # the most one message may carry (a request takes 0 or 3)
 
-_encoder = json.JSONEncoder(separators=(",", ":"), check_circular=False)
+# -- the server's bounds (its command-line flags: the client passes them when it starts it) --------
+
+# How long a request may wait on a caller's paths, a session's build or a command's start
+# (``fork_server.wait_seconds``): a lookup that takes longer is on a file system that does not answer.
+DEFAULT_WAIT_SECONDS = 10.0
+# How many path-opening children one owner may have alive at once (``fork_server.stuck_openers_per_uid``):
+# each one stuck on a file system that does not answer holds a pid, ~2 MB and a descriptor here until
+# that mount goes (supervisor/openers.py). Eight: an owner's ordinary lookups take milliseconds each (a
+# burst beyond it waits its turn, never refused), and the quotas let one user have 8 requests in progress
+# (quotas.requests_per_uid), so a user whose mount hangs sees as many DeadlineExceeded as it has requests
+# in flight, then a refusal at once naming the mount; 8 x 2 MB and 8 descriptors per owner.
+DEFAULT_STUCK_OPENERS = 8
+# How long a session's close may take before it is answered anyway (``gone=False``): a process
+# stuck on a file system that does not answer may hold the session's init; it is released when it
+# goes. Only the closing caller waits this long; the loop goes on serving everyone meanwhile.
+CLOSE_WAIT_SECONDS = 5.0
+# How long a review request's child may run (listing, diffing, applying a change set) before the
+# fork server SIGKILLs it; the daemon then answers DEADLINE_EXCEEDED.
+REVIEW_SECONDS = 120.0
+
+
+def check_timeout(timeout: object, what: str = "timeout_seconds") -> float | None:
+    """A call's time limit as a float (None or 0: no limit), or InvalidPolicy for what no clock can
+    hold; the same range as the policy's (policy.limits.check_timeout), checked again at this edge."""
+    if timeout is None or (timeout == 0 and not isinstance(timeout, bool)):
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise InvalidPolicy(f"{what} must be a number of seconds, got {timeout!r}")
+    return limits_check_timeout(timeout, what)
+
+
+def _record_fields(value: object) -> object:
+    """How the encoder writes a nested record: its fields (a Record keeps exactly those in its __dict__)."""
+    if isinstance(value, Record):
+        return value.__dict__
+    raise TypeError(f"a fork server message cannot carry {type(value).__name__}")
+
+
+_encoder = json.JSONEncoder(separators=(",", ":"), check_circular=False, default=_record_fields)
 _decoder = json.JSONDecoder()
 
 
@@ -106,6 +153,200 @@ def _one_checker(annotation: str) -> "Callable[[object], bool]":
     raise TypeError(f"a fork server record field cannot be declared {annotation!r}")
 
 
+# -- nested records and choices: fields read (not only checked) from their JSON --------------------
+
+class FieldRefused(Exception):
+    """A nested field that does not fit its declaration: ``path`` names it from the message's field."""
+
+    def __init__(self, path: str, detail: str) -> None:
+        super().__init__(f"{path}: {detail}")
+        self.path, self.detail = path, detail
+
+
+# The record and choice types a field may be declared as, by the name its annotation gives.
+_NESTED: dict[str, type[Record]] = {}
+_CHOICES: dict[str, type[Choice]] = {"SandboxMode": SandboxMode, "NetworkMode": NetworkMode}
+# Each nested record's fields: (name, check, annotation, read); read is None for a plain field.
+_FieldReads = tuple[tuple[str, "Callable[[object], bool]", str, "Callable[[object, str], object] | None"], ...]
+_NESTED_FIELDS: dict[type[Record], _FieldReads] = {}
+
+
+def _annotations(cls: type) -> dict[str, str]:
+    annotations: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        annotations.update({name: text for name, text in klass.__dict__.get("__annotations__", {}).items()
+                            if not name.startswith("_") and not text.startswith("ClassVar")})
+    return annotations
+
+
+def _field_reads(cls: type[Record]) -> _FieldReads:
+    """How each field of ``cls`` is checked, or read when it is a nested record or a choice."""
+    annotations = _annotations(cls)
+    reads = []
+    for name in cls._fields:
+        read = _reader(annotations[name])
+        reads.append((name, _SIMPLE["object"] if read else _checker(annotations[name]), annotations[name], read))
+    return tuple(reads)
+
+
+def nested(cls: type[Record]) -> type[Record]:
+    """Let fields be declared as the record ``cls`` (by its class name): decoded field by field."""
+    _NESTED[cls.__name__] = cls
+    _NESTED_FIELDS[cls] = _field_reads(cls)
+    return cls
+
+
+def _reader(annotation: str) -> "Callable[[object, str], object] | None":
+    """The reader of a field declared a nested record or a choice (``X`` or ``X | None``); None
+    for the plain fields, which are only checked."""
+    parts = _union(annotation)
+    optional = len(parts) == 2 and "None" in parts
+    name = parts[1 - parts.index("None")] if optional else annotation
+    read: "Callable[[object, str], object]"
+    if name in _NESTED:
+        record = _NESTED[name]
+        read = lambda value, path: _read_record(record, value, path)  # noqa: E731
+    elif name in _CHOICES:
+        choice = _CHOICES[name]
+        read = lambda value, path: _read_choice(choice, value, path)  # noqa: E731
+    else:
+        return None
+    if optional:
+        return lambda value, path: None if value is None else read(value, path)
+    return read
+
+
+def _read_choice(choice: type[Choice], value: object, path: str) -> Choice:
+    try:
+        return choice.parse(value)
+    except ValueError:
+        raise FieldRefused(path, f"must be one of {', '.join(choice.all())}, got {value!r}"[:300]) from None
+
+
+def _read_record(cls: type[Record], value: object, path: str) -> Record:
+    """A nested record from its JSON object: every field checked (or read) under its path; no field
+    it does not have; then built as usual, so its own checks (``__post_init__``) run too."""
+    if type(value) is not dict:
+        raise FieldRefused(path, f"must be an object of {cls.__name__}'s fields, got {value!r}"[:300])
+    reads = _NESTED_FIELDS[cls]
+    unknown = set(value) - set(cls._fields)
+    if unknown:
+        raise FieldRefused(path, f"{cls.__name__} has no field {sorted(map(str, unknown))[0]!r}"[:300])
+    values: dict[str, object] = {}
+    for name, check, annotation, read in reads:
+        if name not in value:
+            if name in cls._defaults:
+                continue
+            raise FieldRefused(f"{path}.{name}", f"is missing (it must be {annotation})")
+        item = value[name]
+        if read is not None:
+            item = read(item, f"{path}.{name}")
+        elif not check(item):
+            raise FieldRefused(f"{path}.{name}", f"must be {annotation}, got {item!r}"[:300])
+        values[name] = item
+    try:
+        return cls(**values)
+    except SandboxdError as exc:                          # its own check (Limits' ranges, say)
+        raise FieldRefused(path, f"is refused: {exc}") from None
+
+
+@nested
+class PolicyRecord(Record):
+    """A sandbox policy as it crosses to the fork server: its kind and every field, typed (every kind
+    has every field: policy.sandbox.SandboxPolicy)."""
+    name: SandboxMode
+    network_access: bool
+    writable_roots: list[str]
+    protected_subpaths: list[str]
+    network_mode: NetworkMode
+    allowed_unix_sockets: list[str]
+    allowed_hosts: list[str]
+    published_ports: list[str]
+    allowed_domains: list[str]
+
+
+@nested
+class CallerRecord(Record):
+    """Whose rights a launch's paths are checked with (LaunchSpec.caller)."""
+    uid: int
+    gid: int
+    groups: list[int]
+
+
+nested(Limits)      # its annotations are its wire form; its own __post_init__ checks the ranges
+
+
+@nested
+class SpecRecord(Record):
+    """A LaunchSpec as it crosses to the fork server (``spec_record``, ``launch_spec``): the fields the
+    server builds from (not ``git_dirs``: a session's build walks its roots itself)."""
+    argv: list[str]
+    workspace: str
+    env: dict[str, str]
+    cwd: str | None
+    policy: PolicyRecord
+    limits: Limits
+    user: list[int] | None
+    dns: list[str]
+    network_pool: str
+    caller: CallerRecord | None
+    hidden_paths: list[str]
+    denied_sockets: list[str]
+    denied_listeners: list[str]
+    approval_channels: list[str]
+    owner: str
+    hidden_homes: list[str]
+    private_home: str
+    owner_hidden: list[str] = Factory(list)
+
+
+_POLICY_KINDS: dict[SandboxMode, type[SandboxPolicy]] = {
+    SandboxMode.READ_ONLY: ReadOnly, SandboxMode.WORKSPACE_WRITE: WorkspaceWrite,
+    SandboxMode.DANGER_FULL_ACCESS: DangerFullAccess}
+
+
+def policy_record(policy: SandboxPolicy) -> PolicyRecord:
+    return PolicyRecord(policy.mode, policy.network_access, list(policy.writable_roots),
+                        list(policy.protected_subpaths), policy.network_mode, list(policy.allowed_unix_sockets),
+                        list(policy.allowed_hosts), list(policy.published_ports), list(policy.allowed_domains))
+
+
+def sandbox_policy(record: PolicyRecord) -> SandboxPolicy:
+    """The policy a record describes, exactly (its kind refuses the fields it does not take)."""
+    policy = _POLICY_KINDS[record.name](
+        network_access=record.network_access, writable_roots=tuple(record.writable_roots),
+        protected_subpaths=tuple(record.protected_subpaths), network_mode=record.network_mode,
+        allowed_unix_sockets=tuple(record.allowed_unix_sockets), allowed_hosts=tuple(record.allowed_hosts),
+        published_ports=tuple(record.published_ports), allowed_domains=tuple(record.allowed_domains))
+    validate_policy(policy)
+    return policy
+
+
+def spec_record(spec: LaunchSpec) -> SpecRecord:
+    caller = None if spec.caller is None else CallerRecord(spec.caller[0], spec.caller[1], list(spec.caller[2]))
+    return SpecRecord(list(spec.argv), spec.workspace, dict(spec.env), spec.cwd, policy_record(spec.policy),
+                      spec.limits, None if spec.user is None else list(spec.user), list(spec.dns), spec.network_pool,
+                      caller, list(spec.hidden_paths), list(spec.denied_sockets), list(spec.denied_listeners),
+                      list(spec.approval_channels), spec.owner, list(spec.hidden_homes), spec.private_home,
+                      list(spec.owner_hidden))
+
+
+def launch_spec(record: SpecRecord) -> LaunchSpec:
+    """The LaunchSpec a decoded record describes; every field's type was checked by the codec, what
+    is left (ranges, paths, the policy's rules) LaunchSpec and the policy check, as InvalidPolicy."""
+    if record.user is not None and len(record.user) != 2:
+        raise InvalidPolicy(f"fork server field 'spec.user' must be [uid, gid], got {record.user!r}")
+    caller = None if record.caller is None else (record.caller.uid, record.caller.gid, tuple(record.caller.groups))
+    return LaunchSpec(argv=tuple(record.argv), workspace=record.workspace, env=dict(record.env), cwd=record.cwd,
+                      policy=sandbox_policy(record.policy), limits=record.limits,
+                      user=None if record.user is None else (record.user[0], record.user[1]), dns=tuple(record.dns),
+                      network_pool=record.network_pool, caller=caller, hidden_paths=tuple(record.hidden_paths),
+                      denied_sockets=tuple(record.denied_sockets), denied_listeners=tuple(record.denied_listeners),
+                      approval_channels=tuple(record.approval_channels), owner=record.owner,
+                      hidden_homes=tuple(record.hidden_homes), private_home=record.private_home,
+                      owner_hidden=tuple(record.owner_hidden))
+
+
 class Malformed(Exception):
     """A message that is not one of the protocol's records; ``id`` is its request's, when usable (else 0)."""
 
@@ -120,7 +361,7 @@ class Message(Record):
     id: int
     _tag: ClassVar[str] = ""            # "op" (requests) or "event" (events)
     _kind: ClassVar[str] = ""           # the value of the tag
-    _checks: ClassVar[tuple[tuple[str, Callable[[object], bool], str], ...]] = ()
+    _checks: ClassVar[_FieldReads] = ()
     descriptors = 0                     # how many SCM_RIGHTS descriptors come with it
     # Or, when one comes only sometimes: the name of the bool field that says it does.
     descriptor_flag = ""
@@ -130,11 +371,7 @@ class Message(Record):
         if not kind:
             return
         cls._kind = kind
-        annotations: dict[str, str] = {}
-        for klass in reversed(cls.__mro__):
-            annotations.update({name: text for name, text in klass.__dict__.get("__annotations__", {}).items()
-                                if not name.startswith("_") and not text.startswith("ClassVar")})
-        cls._checks = tuple((name, _checker(annotations[name]), annotations[name]) for name in cls._fields)
+        cls._checks = _field_reads(cls)
         table = _REQUESTS if cls._tag == "op" else _EVENTS
         table[kind] = cls
 
@@ -166,15 +403,26 @@ _EVENTS: dict[str, type[Message]] = {}
 # -- requests (daemon -> fork server) -------------------------------------------------------------
 
 class Launch(Request, kind="launch"):
-    """A one-shot sandbox running ``spec`` (``policy.spec.spec_to_dict``); with stdin, stdout, stderr."""
-    spec: dict[str, object]
+    """A one-shot sandbox running ``spec`` (``spec_record``); with stdin, stdout, stderr."""
+    spec: SpecRecord
     descriptors = 3
 
 
 class SessionOpen(Request, kind="session_open"):
-    """Build a session's sandbox from ``spec`` (its argv is not run)."""
+    """Build a session's sandbox from ``spec`` (its argv is not run). ``review_dir``: review mode,
+    the session's change set there (made 0700 by the fork server; an earlier build's layers are
+    reused: kernel.overlay.reuse_layers); "": the roots are written directly. A new review
+    directory is a bounded store (kernel.review_space) of ``session_bytes`` (0: none) or what
+    ``owner_stores`` (the owner's other review directories, by the daemon's records) leave of
+    ``owner_bytes``, whichever is smaller: the fork server reads their bounds from the kernel; refused
+    when they are ``owner_stores_max`` already (review.owner_stores; 0: no cap)."""
     session: str
-    spec: dict[str, object]
+    spec: SpecRecord
+    review_dir: str = ""
+    session_bytes: int = 0
+    owner_bytes: int = 0
+    owner_stores: list[str] = Factory(list)
+    owner_stores_max: int = 0
 
 
 class SessionClose(Request, kind="session_close"):
@@ -205,11 +453,41 @@ class Cancel(Request, kind="cancel"):
 
 
 class CheckPaths(Request, kind="check_paths"):
-    """May ``caller`` ([uid, gid, [groups]], None: root) write each of ``paths``? ``owner``: whom the
-    lookup counts against (LaunchSpec.owner; "": the caller's uid)."""
-    caller: list[object] | None
+    """May ``caller`` (None: root) write each of ``paths``? ``owner``: whom the lookup counts against
+    (LaunchSpec.owner; "": the caller's uid)."""
+    caller: CallerRecord | None
     paths: list[str]
     owner: str = ""
+
+
+class Review(Request, kind="review"):
+    """A request on a review session's change set in ``review_dir``, run in a child of the fork
+    server (supervisor.review_child): as root it reads the upper layers (overlay's trusted.*
+    attributes) and, for ``discard``, removes entries (the session's sandbox is closed meanwhile);
+    as ``caller`` (None: the workspace's owner) it compares them with the host, shows or applies
+    them. Answered ReviewStarted with the read end of a pipe the child writes its answer to (one
+    JSON object) and closes: the daemon reads it, the loop never does. ``roots``: the session's
+    real roots as built (the workspace first); ``paths``: [root, path below it] pairs (none: all);
+    ``page``: where a listing goes on (review_child.Page's token)."""
+    review_dir: str
+    caller: CallerRecord | None
+    owner: str
+    action: str                         # list, diff, apply, discard, checkpoint, checkpoints, rollback
+    roots: list[str]
+    paths: list[list[str]]
+    include_flagged: list[list[str]]
+    page: str = ""
+    limit: int = 1000
+    max_bytes: int = 1 << 20
+    force: bool = False
+    label: str = ""                     # checkpoint's label (its ``limit``: review.max_checkpoints)
+    checkpoint: int = 0                 # rollback's checkpoint (0: the session's start)
+    # apply's [root, path, fingerprint] triples a person was shown, as JSON in a memfd that comes
+    # with the request (they may be megabytes: the loop passes them on, only the child reads them)
+    reviewed_fd: bool = False
+    only_reviewed: bool = False         # apply only those, each while its fingerprint is the same
+    before_call: str = ""               # checkpoint: marked before this call, only if anything changed
+    descriptor_flag = "reviewed_fd"
 
 
 class Ping(Request, kind="ping"):
@@ -235,15 +513,26 @@ class Exited(Event, kind="exited"):
 
 
 class SessionReady(Event, kind="session_ready"):
-    """With ``proxy_listener``, the egress proxy's listening socket comes with it, still bound: the
-    daemon serves it, and its address is never free for another user to bind meanwhile."""
+    """What the fork server built, as facts the daemon keeps (and never looks up again itself): the
+    workspace and the writable roots by the real paths the owner's own lookup resolved (by
+    descriptor, as the owner: kernel.paths.resolve), which are what the sandbox binds; with an
+    isolated network its addresses and resolvers. With ``proxy_listener``, the egress proxy's
+    listening socket comes with it, still bound: the daemon serves it, and its address is never
+    free for another user to bind meanwhile."""
     init_pid: int | None
     workspace: str
+    writable_roots: list[str]       # the policy's writable roots, real (the workspace is not repeated)
     host_address: str | None = None
     sandbox_address: str | None = None
     resolvers: list[str] | None = None
     proxy_listener: bool = False
+    pid_namespace: int = 0          # its PID namespace's inode (0: none of its own, danger-full-access)
     descriptor_flag = "proxy_listener"
+
+
+class ReviewStarted(Event, kind="review_started"):
+    """A Review's child runs; its answer comes on the pipe passed with this (the daemon's to close)."""
+    descriptors = 1
 
 
 class SessionClosed(Event, kind="session_closed"):
@@ -288,12 +577,18 @@ def decode(data: bytes, fds: int, table: "dict[str, type[Message]]") -> Message:
                         + (" (stdin, stdout, stderr)" if wanted == 3 else "")
                         + (f" ({cls.descriptor_flag} is {fields.get(cls.descriptor_flag)!r})" if cls.descriptor_flag else ""))
     values: dict[str, object] = {}
-    for name, check, annotation in cls._checks:
+    for name, check, annotation, read in cls._checks:
         if name not in fields and name in cls._defaults:
             values[name] = cls._defaults[name]            # its default (the records' are all immutable)
             continue
         value = fields.get(name)                          # None when absent: fine if optional
-        if not check(value):
+        if read is not None:
+            try:
+                value = read(value, name)
+            except FieldRefused as refused:
+                detail = f"fork server {cls._kind} field {refused.path!r} {refused.detail}"
+                raise Malformed(call_id, detail[:500]) from None
+        elif not check(value):
             raise Malformed(call_id, f"fork server {cls._kind} field {name!r} must be {annotation}, got {value!r}"[:500])
         values[name] = value
     # Every field is set and checked: filled in directly, without Record.__init__'s per-field walk

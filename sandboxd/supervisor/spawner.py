@@ -4,7 +4,7 @@ It must run in a single-threaded process (a forked child of a threaded
 process may deadlock on a lock another thread held, and unshare of user
 namespaces refuses threaded callers). ``sandboxd run`` is such a process and
 calls it directly; the daemon runs it inside the fork server
-(``sandboxd.supervisor.forkserver``). Either way the same ``launch`` runs.
+(``sandboxd.supervisor.fork_server``). Either way the same ``launch`` runs.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from sandboxd.kernel import namespaces
 from sandboxd.kernel.cgroups import CgroupSet, group_name
 from sandboxd.kernel.host_limits import Ceiling, OwnerShare
 from sandboxd.kernel.oom_counter import OomCounter
+from sandboxd.kernel.overlay import save as save_layers
 from sandboxd.launcher import report, sequence
 from sandboxd.launcher.plan import LaunchPlan, prepare
 from sandboxd.policy import LaunchSpec
@@ -301,10 +302,11 @@ class Spawner:
         self.native_helper = native_helper
 
     def launch(self, spec: LaunchSpec, stdio: tuple[int, int, int] = (0, 1, 2),
-               opened: "list[int] | None" = None) -> SandboxProcess:
+               opened: "list[int] | None" = None, *, review_dir: str | None = None) -> SandboxProcess:
         """A one-shot sandbox running ``spec.argv`` (what `sandboxd run` does). ``opened``: its
-        paths' descriptors, opened already (plan.path_requests, plan.prepare)."""
-        plan = prepare(spec, opened)
+        paths' descriptors, opened already (plan.path_requests, plan.prepare). ``review_dir``:
+        review mode, the writable roots' changes kept there (plan.prepare)."""
+        plan = prepare(spec, opened, review_dir=review_dir)
         try:
             network, plan = _loopback_proxy(plan) if plan.rootless else _isolated_network(plan)
         except BaseException:
@@ -376,14 +378,19 @@ class Spawner:
             return build
         return build.finish(report.read_all(build.report_fd))
 
-    def begin_session(self, spec: LaunchSpec, opened: "list[int] | None" = None) -> "SessionSandbox | SessionBuild":
+    def begin_session(self, spec: LaunchSpec, opened: "list[int] | None" = None, *,
+                      review_dir: str | None = None) -> "SessionSandbox | SessionBuild":
         """Start building a session's sandbox (``spec.argv`` is not run): the session, when
         there is nothing to build (DangerFullAccess has no sandbox: its calls are plain
         unconfined launches), else the build under way: read its ``report_fd`` to EOF, then
-        ``finish``. ``opened``: the spec's paths' descriptors, opened already."""
-        plan = prepare(spec, opened)
+        ``finish``. ``opened``: the spec's paths' descriptors, opened already. ``review_dir``:
+        review mode (plan.prepare), the layers' record saved there before the sandbox exists (what
+        a rebuild, a listing or an apply starts from)."""
+        plan = prepare(spec, opened, review_dir=review_dir)
         cgroup = None
         try:
+            if review_dir is not None:
+                save_layers(review_dir, list(plan.review_layers.values()))
             if plan.limits.memory_bytes or plan.limits.pids or plan.caller_groups is not None:
                 cgroup = self._cgroup_for(plan)
             if plan.caller_groups is not None and (cgroup is None or not cgroup.dirs):

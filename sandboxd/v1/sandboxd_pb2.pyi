@@ -84,7 +84,7 @@ class Limits(_message.Message):
     def __init__(self, timeout_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., pids: _Optional[int] = ..., cpu_seconds: _Optional[int] = ..., open_files: _Optional[int] = ..., tmp_size_bytes: _Optional[int] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("id", "workspace", "sandbox_policy", "approval_policy", "limits", "labels", "owner_uid", "owner_gid", "created_at", "running_calls", "sandbox_generation", "permission_mode", "closed_at", "sandbox_ready", "env_names")
+    __slots__ = ("id", "workspace", "sandbox_policy", "approval_policy", "limits", "labels", "owner_uid", "owner_gid", "created_at", "running_calls", "sandbox_generation", "permission_mode", "closed_at", "sandbox_ready", "env_names", "review")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class Session(_message.Message):
     CLOSED_AT_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_READY_FIELD_NUMBER: _ClassVar[int]
     ENV_NAMES_FIELD_NUMBER: _ClassVar[int]
+    REVIEW_FIELD_NUMBER: _ClassVar[int]
     id: str
     workspace: str
     sandbox_policy: SandboxPolicy
@@ -122,10 +123,11 @@ class Session(_message.Message):
     closed_at: float
     sandbox_ready: bool
     env_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, id: _Optional[str] = ..., workspace: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., owner_uid: _Optional[int] = ..., owner_gid: _Optional[int] = ..., created_at: _Optional[float] = ..., running_calls: _Optional[int] = ..., sandbox_generation: _Optional[int] = ..., permission_mode: _Optional[str] = ..., closed_at: _Optional[float] = ..., sandbox_ready: _Optional[bool] = ..., env_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    review: bool
+    def __init__(self, id: _Optional[str] = ..., workspace: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., owner_uid: _Optional[int] = ..., owner_gid: _Optional[int] = ..., created_at: _Optional[float] = ..., running_calls: _Optional[int] = ..., sandbox_generation: _Optional[int] = ..., permission_mode: _Optional[str] = ..., closed_at: _Optional[float] = ..., sandbox_ready: _Optional[bool] = ..., env_names: _Optional[_Iterable[str]] = ..., review: _Optional[bool] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("workspace", "sandbox_policy", "approval_policy", "limits", "labels", "permission_mode", "allow_shell", "allow_file_write", "env", "close_with_caller")
+    __slots__ = ("workspace", "sandbox_policy", "approval_policy", "limits", "labels", "permission_mode", "allow_shell", "allow_file_write", "env", "close_with_caller", "review")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +152,7 @@ class CreateSessionRequest(_message.Message):
     ALLOW_FILE_WRITE_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
     CLOSE_WITH_CALLER_FIELD_NUMBER: _ClassVar[int]
+    REVIEW_FIELD_NUMBER: _ClassVar[int]
     workspace: str
     sandbox_policy: SandboxPolicy
     approval_policy: ApprovalPolicy
@@ -160,7 +163,8 @@ class CreateSessionRequest(_message.Message):
     allow_file_write: bool
     env: _containers.ScalarMap[str, str]
     close_with_caller: bool
-    def __init__(self, workspace: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., permission_mode: _Optional[str] = ..., allow_shell: _Optional[bool] = ..., allow_file_write: _Optional[bool] = ..., env: _Optional[_Mapping[str, str]] = ..., close_with_caller: _Optional[bool] = ...) -> None: ...
+    review: bool
+    def __init__(self, workspace: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., permission_mode: _Optional[str] = ..., allow_shell: _Optional[bool] = ..., allow_file_write: _Optional[bool] = ..., env: _Optional[_Mapping[str, str]] = ..., close_with_caller: _Optional[bool] = ..., review: _Optional[bool] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -200,8 +204,240 @@ class UpdateSessionPolicyRequest(_message.Message):
     approval_policy: ApprovalPolicy
     def __init__(self, session_id: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ...) -> None: ...
 
+class FileChange(_message.Message):
+    __slots__ = ("root", "path", "kind", "type", "host_type", "aspects", "mode", "host_mode", "uid", "gid", "host_uid", "host_gid", "size", "host_size", "sha256", "host_sha256", "target", "host_target", "flags", "conflict", "fingerprint")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[FileChange.Kind]
+        ADDED: _ClassVar[FileChange.Kind]
+        MODIFIED: _ClassVar[FileChange.Kind]
+        DELETED: _ClassVar[FileChange.Kind]
+        REPLACED: _ClassVar[FileChange.Kind]
+        TYPE_CHANGED: _ClassVar[FileChange.Kind]
+        METADATA: _ClassVar[FileChange.Kind]
+    KIND_UNSPECIFIED: FileChange.Kind
+    ADDED: FileChange.Kind
+    MODIFIED: FileChange.Kind
+    DELETED: FileChange.Kind
+    REPLACED: FileChange.Kind
+    TYPE_CHANGED: FileChange.Kind
+    METADATA: FileChange.Kind
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    HOST_TYPE_FIELD_NUMBER: _ClassVar[int]
+    ASPECTS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    HOST_MODE_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    GID_FIELD_NUMBER: _ClassVar[int]
+    HOST_UID_FIELD_NUMBER: _ClassVar[int]
+    HOST_GID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    HOST_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    HOST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    HOST_TARGET_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
+    CONFLICT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    root: str
+    path: str
+    kind: FileChange.Kind
+    type: str
+    host_type: str
+    aspects: _containers.RepeatedScalarFieldContainer[str]
+    mode: int
+    host_mode: int
+    uid: int
+    gid: int
+    host_uid: int
+    host_gid: int
+    size: int
+    host_size: int
+    sha256: str
+    host_sha256: str
+    target: str
+    host_target: str
+    flags: _containers.RepeatedScalarFieldContainer[str]
+    conflict: str
+    fingerprint: str
+    def __init__(self, root: _Optional[str] = ..., path: _Optional[str] = ..., kind: _Optional[_Union[FileChange.Kind, str]] = ..., type: _Optional[str] = ..., host_type: _Optional[str] = ..., aspects: _Optional[_Iterable[str]] = ..., mode: _Optional[int] = ..., host_mode: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., host_uid: _Optional[int] = ..., host_gid: _Optional[int] = ..., size: _Optional[int] = ..., host_size: _Optional[int] = ..., sha256: _Optional[str] = ..., host_sha256: _Optional[str] = ..., target: _Optional[str] = ..., host_target: _Optional[str] = ..., flags: _Optional[_Iterable[str]] = ..., conflict: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class ReviewedChange(_message.Message):
+    __slots__ = ("root", "path", "fingerprint")
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    root: str
+    path: str
+    fingerprint: str
+    def __init__(self, root: _Optional[str] = ..., path: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class ListChangesRequest(_message.Message):
+    __slots__ = ("session_id", "paths", "page_token", "page_size")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    page_token: str
+    page_size: int
+    def __init__(self, session_id: _Optional[str] = ..., paths: _Optional[_Iterable[str]] = ..., page_token: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
+
+class ListChangesResponse(_message.Message):
+    __slots__ = ("changes", "next_page_token", "unhashed")
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    UNHASHED_FIELD_NUMBER: _ClassVar[int]
+    changes: _containers.RepeatedCompositeFieldContainer[FileChange]
+    next_page_token: str
+    unhashed: int
+    def __init__(self, changes: _Optional[_Iterable[_Union[FileChange, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., unhashed: _Optional[int] = ...) -> None: ...
+
+class DiffChangesRequest(_message.Message):
+    __slots__ = ("session_id", "paths", "page_token", "max_bytes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    page_token: str
+    max_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., paths: _Optional[_Iterable[str]] = ..., page_token: _Optional[str] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
+class DiffChangesResponse(_message.Message):
+    __slots__ = ("diff", "next_page_token", "shown")
+    DIFF_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SHOWN_FIELD_NUMBER: _ClassVar[int]
+    diff: str
+    next_page_token: str
+    shown: _containers.RepeatedCompositeFieldContainer[ReviewedChange]
+    def __init__(self, diff: _Optional[str] = ..., next_page_token: _Optional[str] = ..., shown: _Optional[_Iterable[_Union[ReviewedChange, _Mapping]]] = ...) -> None: ...
+
+class AppliedChange(_message.Message):
+    __slots__ = ("root", "path", "kind", "note")
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    root: str
+    path: str
+    kind: FileChange.Kind
+    note: str
+    def __init__(self, root: _Optional[str] = ..., path: _Optional[str] = ..., kind: _Optional[_Union[FileChange.Kind, str]] = ..., note: _Optional[str] = ...) -> None: ...
+
+class SkippedChange(_message.Message):
+    __slots__ = ("root", "path", "reason")
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    root: str
+    path: str
+    reason: str
+    def __init__(self, root: _Optional[str] = ..., path: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ApplyChangesRequest(_message.Message):
+    __slots__ = ("session_id", "paths", "force", "include_flagged", "reviewed", "only_reviewed")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_FLAGGED_FIELD_NUMBER: _ClassVar[int]
+    REVIEWED_FIELD_NUMBER: _ClassVar[int]
+    ONLY_REVIEWED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    force: bool
+    include_flagged: _containers.RepeatedScalarFieldContainer[str]
+    reviewed: _containers.RepeatedCompositeFieldContainer[ReviewedChange]
+    only_reviewed: bool
+    def __init__(self, session_id: _Optional[str] = ..., paths: _Optional[_Iterable[str]] = ..., force: _Optional[bool] = ..., include_flagged: _Optional[_Iterable[str]] = ..., reviewed: _Optional[_Iterable[_Union[ReviewedChange, _Mapping]]] = ..., only_reviewed: _Optional[bool] = ...) -> None: ...
+
+class ApplyChangesResponse(_message.Message):
+    __slots__ = ("applied", "skipped")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    applied: _containers.RepeatedCompositeFieldContainer[AppliedChange]
+    skipped: _containers.RepeatedCompositeFieldContainer[SkippedChange]
+    def __init__(self, applied: _Optional[_Iterable[_Union[AppliedChange, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedChange, _Mapping]]] = ...) -> None: ...
+
+class DiscardChangesRequest(_message.Message):
+    __slots__ = ("session_id", "paths")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., paths: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DiscardChangesResponse(_message.Message):
+    __slots__ = ("discarded", "skipped")
+    DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    discarded: _containers.RepeatedCompositeFieldContainer[AppliedChange]
+    skipped: _containers.RepeatedCompositeFieldContainer[SkippedChange]
+    def __init__(self, discarded: _Optional[_Iterable[_Union[AppliedChange, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedChange, _Mapping]]] = ...) -> None: ...
+
+class CreateCheckpointRequest(_message.Message):
+    __slots__ = ("session_id", "label")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    label: str
+    def __init__(self, session_id: _Optional[str] = ..., label: _Optional[str] = ...) -> None: ...
+
+class Checkpoint(_message.Message):
+    __slots__ = ("id", "created_at", "label", "changes", "call_id")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    created_at: float
+    label: str
+    changes: int
+    call_id: str
+    def __init__(self, id: _Optional[int] = ..., created_at: _Optional[float] = ..., label: _Optional[str] = ..., changes: _Optional[int] = ..., call_id: _Optional[str] = ...) -> None: ...
+
+class ListCheckpointsRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ListCheckpointsResponse(_message.Message):
+    __slots__ = ("checkpoints",)
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[Checkpoint]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ...) -> None: ...
+
+class RollbackChangesRequest(_message.Message):
+    __slots__ = ("session_id", "checkpoint_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    checkpoint_id: int
+    def __init__(self, session_id: _Optional[str] = ..., checkpoint_id: _Optional[int] = ...) -> None: ...
+
+class RollbackChangesResponse(_message.Message):
+    __slots__ = ("checkpoint_id", "dropped", "removed", "checkpoints")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: int
+    dropped: _containers.RepeatedScalarFieldContainer[int]
+    removed: int
+    checkpoints: _containers.RepeatedCompositeFieldContainer[Checkpoint]
+    def __init__(self, checkpoint_id: _Optional[int] = ..., dropped: _Optional[_Iterable[int]] = ..., removed: _Optional[int] = ..., checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ...) -> None: ...
+
 class ExecStart(_message.Message):
-    __slots__ = ("session_id", "argv", "shell", "cwd", "env", "timeout_seconds", "stdin", "close_stdin", "output_limit_bytes", "execution_context_id", "terminal", "env_overlay", "caller_env")
+    __slots__ = ("session_id", "argv", "shell", "cwd", "env", "timeout_seconds", "stdin", "close_stdin", "output_limit_bytes", "execution_context_id", "terminal", "env_overlay", "caller_env", "checkpoint")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +465,7 @@ class ExecStart(_message.Message):
     TERMINAL_FIELD_NUMBER: _ClassVar[int]
     ENV_OVERLAY_FIELD_NUMBER: _ClassVar[int]
     CALLER_ENV_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     argv: _containers.RepeatedScalarFieldContainer[str]
     shell: str
@@ -242,7 +479,8 @@ class ExecStart(_message.Message):
     terminal: Terminal
     env_overlay: _containers.ScalarMap[str, str]
     caller_env: CallerEnvironment
-    def __init__(self, session_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., timeout_seconds: _Optional[float] = ..., stdin: _Optional[bytes] = ..., close_stdin: _Optional[bool] = ..., output_limit_bytes: _Optional[int] = ..., execution_context_id: _Optional[str] = ..., terminal: _Optional[_Union[Terminal, _Mapping]] = ..., env_overlay: _Optional[_Mapping[str, str]] = ..., caller_env: _Optional[_Union[CallerEnvironment, _Mapping]] = ...) -> None: ...
+    checkpoint: bool
+    def __init__(self, session_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., timeout_seconds: _Optional[float] = ..., stdin: _Optional[bytes] = ..., close_stdin: _Optional[bool] = ..., output_limit_bytes: _Optional[int] = ..., execution_context_id: _Optional[str] = ..., terminal: _Optional[_Union[Terminal, _Mapping]] = ..., env_overlay: _Optional[_Mapping[str, str]] = ..., caller_env: _Optional[_Union[CallerEnvironment, _Mapping]] = ..., checkpoint: _Optional[bool] = ...) -> None: ...
 
 class CallerEnvironment(_message.Message):
     __slots__ = ("path", "lang", "term")

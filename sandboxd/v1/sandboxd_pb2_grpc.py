@@ -164,6 +164,41 @@ class SandboxStub:
                 request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.StandingRule.SerializeToString,
                 response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.RemoveStandingRuleResponse.FromString,
                 _registered_method=True)
+        self.ListChanges = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/ListChanges',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListChangesRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListChangesResponse.FromString,
+                _registered_method=True)
+        self.DiffChanges = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/DiffChanges',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.DiffChangesRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.DiffChangesResponse.FromString,
+                _registered_method=True)
+        self.ApplyChanges = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/ApplyChanges',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ApplyChangesRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ApplyChangesResponse.FromString,
+                _registered_method=True)
+        self.DiscardChanges = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/DiscardChanges',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.DiscardChangesRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.DiscardChangesResponse.FromString,
+                _registered_method=True)
+        self.CreateCheckpoint = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/CreateCheckpoint',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.CreateCheckpointRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.Checkpoint.FromString,
+                _registered_method=True)
+        self.ListCheckpoints = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/ListCheckpoints',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListCheckpointsRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListCheckpointsResponse.FromString,
+                _registered_method=True)
+        self.RollbackChanges = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/RollbackChanges',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.RollbackChangesRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.RollbackChangesResponse.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/sandboxd.v1.Sandbox/GetStatus',
                 request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.GetStatusRequest.SerializeToString,
@@ -368,6 +403,67 @@ class SandboxServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListChanges(self, request, context):
+        """---- review mode (docs/review-mode.md) ----
+        A session created with `review` sees its workspace and writable roots as overlays: its writes
+        land in a change set the daemon keeps, and on the host only when applied. Paths name a host
+        path under one of the session's roots: absolute, or relative to the workspace; none means all.
+        The session's owner, root and the admin group may call these; a session not in review mode is
+        FAILED_PRECONDITION. Listing costs O(changes), never a walk of the workspace.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DiffChanges(self, request, context):
+        """A unified diff for text, one summary line for a binary file, a type or a metadata change.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ApplyChanges(self, request, context):
+        """Writes the selected changes into the host as the session's owner (never root), each file
+        atomically. A conflict (the host changed since the start or the last apply) is skipped unless
+        `force`; a flagged change (planted code: docs/review-mode.md#what-is-flagged) unless its path
+        is in `include_flagged`. What was skipped says why.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DiscardChanges(self, request, context):
+        """Drops the selected changes: the sandbox sees the host's state again. Between calls only: with
+        a call or background process running, FAILED_PRECONDITION naming it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateCheckpoint(self, request, context):
+        """Marks a checkpoint of the session's change set: O(changes since the last one), never a copy.
+        Past review.max_checkpoints the oldest two are merged (the oldest point is forgotten). Between
+        calls only, as DiscardChanges; an open session only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCheckpoints(self, request, context):
+        """The session's checkpoints, oldest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RollbackChanges(self, request, context):
+        """Returns the sandbox's view to a checkpoint (0: the session's start): the changes made since
+        are dropped. What an apply wrote to the host stays. Between calls only; an open session only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStatus(self, request, context):
         """The daemon itself: version, the kernel features it found, counts (sandboxctl status).
         """
@@ -520,6 +616,41 @@ def add_SandboxServicer_to_server(servicer, server):
                     servicer.RemoveStandingRule,
                     request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.StandingRule.FromString,
                     response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.RemoveStandingRuleResponse.SerializeToString,
+            ),
+            'ListChanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListChanges,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListChangesRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListChangesResponse.SerializeToString,
+            ),
+            'DiffChanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.DiffChanges,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.DiffChangesRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.DiffChangesResponse.SerializeToString,
+            ),
+            'ApplyChanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplyChanges,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ApplyChangesRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ApplyChangesResponse.SerializeToString,
+            ),
+            'DiscardChanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.DiscardChanges,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.DiscardChangesRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.DiscardChangesResponse.SerializeToString,
+            ),
+            'CreateCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateCheckpoint,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.CreateCheckpointRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.Checkpoint.SerializeToString,
+            ),
+            'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCheckpoints,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListCheckpointsRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'RollbackChanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.RollbackChanges,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.RollbackChangesRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.RollbackChangesResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -1234,6 +1365,195 @@ class Sandbox:
             '/sandboxd.v1.Sandbox/RemoveStandingRule',
             sandboxd_dot_v1_dot_sandboxd__pb2.StandingRule.SerializeToString,
             sandboxd_dot_v1_dot_sandboxd__pb2.RemoveStandingRuleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListChanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/ListChanges',
+            sandboxd_dot_v1_dot_sandboxd__pb2.ListChangesRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.ListChangesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DiffChanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/DiffChanges',
+            sandboxd_dot_v1_dot_sandboxd__pb2.DiffChangesRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.DiffChangesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApplyChanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/ApplyChanges',
+            sandboxd_dot_v1_dot_sandboxd__pb2.ApplyChangesRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.ApplyChangesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DiscardChanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/DiscardChanges',
+            sandboxd_dot_v1_dot_sandboxd__pb2.DiscardChangesRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.DiscardChangesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/CreateCheckpoint',
+            sandboxd_dot_v1_dot_sandboxd__pb2.CreateCheckpointRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.Checkpoint.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/ListCheckpoints',
+            sandboxd_dot_v1_dot_sandboxd__pb2.ListCheckpointsRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RollbackChanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/RollbackChanges',
+            sandboxd_dot_v1_dot_sandboxd__pb2.RollbackChangesRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.RollbackChangesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,7 +5,7 @@ moment and never across I/O; building or closing one of its sandbox generations 
 server) happens under its ``build_lock`` instead, taken first, which orders that session's
 builders (policy changes, a resumed session's rebuild, the fork server's loss, CloseSession) one
 at a time. Neither lock is ever taken for another session: one session's slow build or close
-holds no one else's lookup or call (the registry's own lock covers only its map: session_table).
+holds no one else's lookup or call (the registry's own lock covers only its map: sessions.table).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from sandboxd.audit.store import SessionRow
 from sandboxd.policy import Limits, SandboxPolicy
-from sandboxd.policy.decision import ToolRules
+from sandboxd.policy.decision import ApprovalPolicy, ToolRules, approval_policy
 from sandboxd.policy.spec import policy_from_dict, policy_to_dict
 from sandboxd.service.callers import Caller, session_owner
 
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from sandboxd.service.background import BackgroundJob
     from sandboxd.service.sandbox_hooks import Service
     from sandboxd.gitguard.guard import GitGuard
+    from sandboxd.supervisor.fork_client import SessionInfo
 
 
 class Session:
@@ -32,8 +33,8 @@ class Session:
     under ``lock``; see the module's docstring for ``build_lock``."""
 
     def __init__(self, session_id: str, owner: Caller, workspace: str, policy: SandboxPolicy,
-                 approval: str, limits: Limits, labels: dict[str, str], rules: ToolRules | None = None,
-                 created_at: float | None = None, env: dict[str, str] | None = None) -> None:
+                 approval: ApprovalPolicy, limits: Limits, labels: dict[str, str], rules: ToolRules | None = None,
+                 created_at: float | None = None, env: dict[str, str] | None = None, review: bool = False) -> None:
         self.id = session_id
         self.owner = owner
         self.workspace = workspace
@@ -43,6 +44,9 @@ class Session:
         self.limits = limits
         self.labels = labels
         self.env = dict(env or {})            # the session's own variables (service.environment); never changed
+        # Review mode: its roots are overlays whose change set is kept in review_dir (under the state
+        # directory, per session): fixed at creation, kept across restarts.
+        self.review = review
         self.created_at = created_at or time.time()
         self.generation = 1
         self.running: dict[int, int] = {}     # generation -> running calls
@@ -60,13 +64,19 @@ class Session:
         self.extra_env: dict[str, str] = {}   # added to every call's environment (the proxy variables)
         self.git_guard: GitGuard | None = None  # set by git_guard_hook: inspects the writable roots after each call
         self.sandbox_builds = 0               # sandboxes built so far (any generation): what was made in one is gone in the next
+        # What the fork server built for each live generation (its real workspace and writable roots,
+        # resolved as the owner by descriptor; its addresses), from the build until the generation
+        # closes: every check of a path against the session's roots uses these, never a lookup of the
+        # policy's names by the daemon (``facts``).
+        self.built: dict[int, SessionInfo] = {}
         self.jobs: dict[str, BackgroundJob] = {}  # its background processes by id (service.background)
 
     def to_row(self, closed_at: float | None = None) -> SessionRow:
         """What the store keeps of it (the caller holds ``lock``, or the session is not shared yet)."""
         return SessionRow(self.id, self.owner.uid, self.owner.gid, self.owner.principal, self.workspace,
                           policy_to_dict(self.policy), self.approval, rules_to_dict(self.rules),
-                          self.limits.as_dict(), dict(self.labels), self.created_at, closed_at, dict(self.env))
+                          self.limits.as_dict(), dict(self.labels), self.created_at, closed_at, dict(self.env),
+                          self.review)
 
     def axes(self) -> dict[str, object]:
         """Both policy axes, as events record them."""
@@ -76,6 +86,14 @@ class Session:
     def sandbox_name(self, generation: int | None = None) -> str:
         """The session's name in the fork server, one per sandbox generation."""
         return f"{self.id}#{generation or self.generation}"
+
+    @property
+    def facts(self) -> SessionInfo | None:
+        """What the fork server built for the current generation; None while it has no sandbox (a
+        session resumed after a restart or the fork server's loss, until its next build:
+        SessionRegistry.ready)."""
+        with self.lock:
+            return self.built.get(self.generation)
 
     @property
     def running_calls(self) -> int:
@@ -92,9 +110,10 @@ class Session:
 def session_from_row(row: SessionRow) -> Session:
     """A session as the store kept it: its sandbox is rebuilt by its next call."""
     owner = session_owner(row.owner_uid, row.owner_gid, row.owner_principal)
-    session = Session(row.id, owner, row.workspace, policy_from_dict(row.sandbox_policy), row.approval_policy,
+    session = Session(row.id, owner, row.workspace, policy_from_dict(row.sandbox_policy),
+                      approval_policy(row.approval_policy),
                       Limits(**row.limits), dict(row.labels), rules_from_dict(row.tool_rules),
-                      created_at=row.created_at, env=dict(row.env))
+                      created_at=row.created_at, env=dict(row.env), review=row.review)
     session.sandbox_ready = False
     return session
 

@@ -6,31 +6,40 @@ A session's sandbox is built once in the fork server and every call joins it. Ch
 sandbox axis builds a new one (a new *generation*) for later calls; the old one is closed when
 its last running call ends. What the daemon serves beside a sandbox (ports, proxy, git guard)
 is the hooks' (sandbox_hooks), called here and nowhere else. Locks: the table's only for its map
-(session_table), the session's ``lock`` for a moment, its ``build_lock`` across its builds and
-closes (session_state); none of them is ever held for another session's sake.
+(sessions.table), the session's ``lock`` for a moment, its ``build_lock`` across its builds and
+closes (sessions.state); none of them is ever held for another session's sake.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
+from sandboxd import defaults
 from sandboxd._record import Record
 from sandboxd.audit.store import EventStore, EventType
-from sandboxd.errors import InvalidPolicy, NotFound
+from sandboxd.errors import InvalidPolicy, NotFound, WrongState
+from sandboxd.kernel import overlay, review_space
 from sandboxd.policy import LaunchSpec, Limits, SandboxPolicy
-from sandboxd.policy.decision import ToolRules
+from sandboxd.policy.decision import ApprovalPolicy, ToolRules
 from sandboxd.service.callers import Caller
 from sandboxd.service.quotas import cgroup_owner
 from sandboxd.service.sandbox_hooks import HookList, Sandbox, close_all
-from sandboxd.service.session_access import command_user, rights_of
-from sandboxd.service.session_state import Session, session_from_row
-from sandboxd.service.session_table import SessionTable
-from sandboxd.supervisor.forkserver import ForkServer, SessionInfo
+from sandboxd.service.sessions.access import command_user, rights_of
+from sandboxd.service.sessions.state import Session, session_from_row
+from sandboxd.service.sessions.table import SessionTable
+from sandboxd.supervisor.fork_client import ForkServer, SessionInfo
 
+T = TypeVar("T")
+log = logging.getLogger("sandboxd")
 SESSION_PLACEHOLDER_ARGV = ("sandboxd-session",)  # a session's spec runs no command itself
+
+
+# What a closed session's sealed store keeps free for the conflict baselines its applies save.
+SEAL_SLACK = 1 << 20
 
 
 class OwnPlaces(Record):
@@ -48,22 +57,34 @@ class SandboxPlaces(Record):
 
     own: OwnPlaces = OwnPlaces()
     dns: tuple[str, ...] = ()           # resolvers for isolated networks (default: the host's)
+    review_dir: str = ""                # where review sessions' change sets are, one directory each (STATE/review)
+    review_session_bytes: int = 0       # each a bounded store (kernel.review_space): review.session_bytes (0: none)
+    review_owner_bytes: int = 0         # and review.owner_bytes
+    review_owner_stores: int = 0        # review.owner_stores: stores one owner keeps at most (0: no cap)
     network_pool: str = ""              # addresses of isolated networks (default: netns's)
 
 
 class SessionLifecycle:
     def __init__(self, fork: ForkServer, store: EventStore, table: SessionTable, hooks: HookList,
-                 places: SandboxPlaces) -> None:
+                 places: SandboxPlaces, check_built: Callable[[Session, SessionInfo], None] | None = None) -> None:
+        """``check_built(session, facts)``: whether a sandbox the fork server built for ``session``
+        may serve it (raises if not: the sandbox is closed), before its services start or anyone
+        can use it: what is judged on the real paths is judged here, on the facts."""
         self._fork, self._store, self._table, self._hooks, self._places = fork, store, table, hooks, places
+        self._check_built = check_built
 
     # -- create, restore, change, close ----------------------------------------------------------
 
-    def create(self, owner: Caller, workspace: str, policy: SandboxPolicy, approval: str, limits: Limits,
-               labels: dict[str, str], rules: ToolRules | None, env: dict[str, str] | None) -> Session:
+    def create(self, owner: Caller, workspace: str, policy: SandboxPolicy, approval: ApprovalPolicy,
+               limits: Limits, labels: dict[str, str], rules: ToolRules | None, env: dict[str, str] | None,
+               review: bool = False) -> Session:
         """Counted at once (quotas), found by no one until its sandbox and services are up; not
         begun at all when the store will not take the owner's events (EventStore.admit)."""
         self._store.admit(owner.uid, owner.principal)
-        session = Session(secrets.token_hex(8), owner, workspace, policy, approval, limits, labels, rules, env=env)
+        if review and not self._places.review_dir:
+            raise InvalidPolicy("this daemon keeps no change sets (no state directory): review mode is not available")
+        session = Session(secrets.token_hex(8), owner, workspace, policy, approval, limits, labels, rules, env=env,
+                          review=review)
         session.building = True
         self._table.add(session)
         built = False
@@ -76,7 +97,7 @@ class SessionLifecycle:
                 self._store.append(session.id, EventType.SESSION_CREATED, data={
                     **session.axes(), "workspace": session.workspace, "owner_uid": owner.uid,
                     "owner_gid": owner.gid, "limits": session.limits.as_dict(), "labels": dict(labels),
-                    "env_names": sorted(session.env)})
+                    "env_names": sorted(session.env), **({"review": True} if review else {})})
         except BaseException:
             self._table.remove(session.id)
             if built:                                 # the store failed: nothing of it may stay
@@ -107,8 +128,8 @@ class SessionLifecycle:
             resumed += 1
         return resumed
 
-    def update_policy(self, caller: Caller, session: Session, policy: SandboxPolicy | None, approval: str | None,
-                      check: Callable[[SandboxPolicy], None]) -> Session:
+    def update_policy(self, caller: Caller, session: Session, policy: SandboxPolicy | None,
+                      approval: ApprovalPolicy | None, check: Callable[[SandboxPolicy], None]) -> Session:
         """``check(policy)``: whether the caller may have it (raises), asked only if it changes.
         The change is recorded, so the store must admit the session's owner first."""
         self._store.admit(session.owner.uid, session.owner.principal)
@@ -118,6 +139,11 @@ class SessionLifecycle:
                     raise NotFound(f"no session {session.id!r}")
                 before, current, ready = session.axes(), session.policy, session.sandbox_ready
             changed = policy is not None and policy != current
+            if changed and session.review:
+                # Its sandbox is built over its change set: another one (other roots) would not match
+                # it, and two generations would share one upper layer.
+                raise WrongState(f"session {session.id} is in review mode: its sandbox policy cannot change; apply or "
+                                 "discard its changes and create a new session (the approval policy may change)")
             if policy is not None and changed:
                 check(policy)
             generation = 0
@@ -161,9 +187,24 @@ class SessionLifecycle:
                 if ready or generation != current:
                     self._close_sandbox(session, generation)
             self._hooks.session_closed(session)
+            self._drop_empty_change_set(session)
         self._store.save_session(session.to_row(closed_at=time.time()))
         self._store.append(session.id, EventType.SESSION_CLOSED,
                            data={"by_uid": caller.uid, **({"reason": reason} if reason else {})})
+
+    def _drop_empty_change_set(self, session: Session) -> None:
+        """A closed review session's directory goes when it holds no change (its sandbox is gone); a
+        change set with changes stays, its store shrunk to what it holds (review_space.seal: the
+        rest of its bound goes back to the owner's share) and SEAL_SLACK, which the daemon's own
+        records of later applies (their conflict baselines, review.conflicts) are written into."""
+        if not session.review:
+            return
+        try:
+            if not overlay.remove_if_unchanged(self.review_dir(session)) and \
+                    review_space.is_store(self.review_dir(session)):
+                review_space.seal(self.review_dir(session), SEAL_SLACK)
+        except OSError as exc:
+            log.warning("session %s: its empty change set could not be removed: %s", session.id, exc)
 
     def close_all(self) -> None:
         """The daemon stops: every sandbox goes, but the sessions stay open in the store, to be
@@ -190,11 +231,41 @@ class SessionLifecycle:
             with session.build_lock:
                 with session.lock:
                     session.sandbox_ready = False
+                    session.built.clear()
                     lost = [session.services.pop(generation) for generation in list(session.services)]
                 for services in lost:
                     close_all(services)
 
+    def between_calls(self, session: Session, work: "Callable[[], T]") -> "T":
+        """``work`` with the session's sandbox closed (a review session's discard: overlayfs forbids
+        changing a layer while it is mounted); the next call rebuilds it over the changed layers, so
+        the sandbox then sees the host where changes were dropped. Between calls only: with a call
+        or a background process running, WrongState naming it, and nothing is closed."""
+        with session.build_lock:
+            with session.lock:
+                if session.closed:
+                    raise NotFound(f"no session {session.id!r}")
+                running = sum(session.running.values())
+                jobs = [job for job in session.jobs.values() if job.result is None]
+                if not running and not jobs:
+                    generation, ready = session.generation, session.sandbox_ready
+                    session.sandbox_ready = False     # a call that begins now waits for the rebuild
+            if jobs:
+                raise WrongState(f"session {session.id} has a background process running ({jobs[0].id}, "
+                                 f"{jobs[0].name!r}): stop it first (changes are applied or dropped between calls only)")
+            if running:
+                raise WrongState(f"session {session.id} has {running} call(s) running: changes are applied or dropped between "
+                                 "calls only, try again when they end")
+            if ready:
+                self._close_sandbox(session, generation)   # its services too, as when the fork server is lost
+            return work()
+
     # -- calls -----------------------------------------------------------------------------------
+
+    def ready(self, session: Session) -> None:
+        """A resumed session's sandbox built (as its first call would), if it has none."""
+        if not session.sandbox_ready:
+            self._rebuild(session)
 
     def begin_call(self, session: Session) -> int:
         """Count a call as running on the session's current generation, which is complete: a
@@ -229,10 +300,26 @@ class SessionLifecycle:
     # -- sandbox generations ---------------------------------------------------------------------
 
     def _open_sandbox(self, session: Session, generation: int, policy: SandboxPolicy) -> None:
-        """Build one generation of the session's sandbox in the fork server, then its services
-        (the hooks). The caller holds the session's build_lock."""
-        info = self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy))
+        """Build one generation of the session's sandbox in the fork server, keep what it built
+        (``session.built``, without the proxy's listener, which is closed here), judge it
+        (``check_built``), then start its services (the hooks). The caller holds the session's
+        build_lock."""
+        info = self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy),
+                                       self.review_dir(session), session_bytes=self._places.review_session_bytes,
+                                       owner_bytes=self._places.review_owner_bytes,
+                                       owner_stores=self._owner_stores(session),
+                                       owner_stores_max=self._places.review_owner_stores)
         try:
+            with session.lock:                        # before the check: a concurrent build's check sees it
+                session.built[generation] = info.replace(proxy_listener=-1)
+            if self._check_built is not None:
+                try:
+                    self._check_built(session, info)
+                except BaseException:
+                    self._fork.close_session(session.sandbox_name(generation))
+                    with session.lock:
+                        session.built.pop(generation, None)
+                    raise
             self._serve_sandbox(session, generation, policy, info)
         finally:
             if info.proxy_listener >= 0:              # the egress proxy serves its own copy (sandbox_network)
@@ -244,12 +331,8 @@ class SessionLifecycle:
             session.sandbox_builds += 1
             if info.workspace:
                 session.workspace = info.workspace    # as the caller's own lookup resolved it
-        if info.init_pid:
-            try:
-                namespace = os.stat(f"/proc/{info.init_pid}/ns/pid").st_ino
-            except OSError:
-                namespace = 0                         # gone already: its first call says so
-            self._table.set_namespace(session.sandbox_name(generation), namespace)
+        if info.pid_namespace:                        # read by the fork server, while the init was surely its
+            self._table.set_namespace(session.sandbox_name(generation), info.pid_namespace)
         try:
             served = self._hooks.sandbox_ready(session, Sandbox(generation, policy, info))
             with session.lock:
@@ -263,6 +346,7 @@ class SessionLifecycle:
         sandbox itself."""
         with session.lock:
             services = session.services.pop(generation, [])
+            session.built.pop(generation, None)
         close_all(services)
         self._fork.close_session(session.sandbox_name(generation))
         self._table.drop_namespace(session.sandbox_name(generation))
@@ -278,6 +362,26 @@ class SessionLifecycle:
             with session.lock:
                 session.sandbox_ready = True
 
+    def review_dir(self, session: Session) -> str:
+        """Where a review session's change set is (made by the fork server); "" for one in direct mode."""
+        return self.review_dir_of(session.id) if session.review else ""
+
+    def review_dir_of(self, session_id: str) -> str:
+        return os.path.join(self._places.review_dir, session_id)
+
+    def _owner_stores(self, session: Session) -> list[str]:
+        """The review directories of the owner's other review sessions, which its new store's share
+        is what they leave of (the fork server reads their bounds from the kernel): the open ones
+        and those being built (the table), and the closed ones whose change set is kept (the
+        store's records: what a restarted daemon knows too)."""
+        if not session.review or not self._places.review_session_bytes:
+            return []
+        mine = (session.owner.uid, session.owner.principal)
+        ids = {other.id for other in self._table.all() if other.review and (other.owner.uid, other.owner.principal) == mine}
+        ids.update(self._store.review_session_ids(*mine))
+        ids.discard(session.id)
+        return sorted(self.review_dir_of(other) for other in ids)
+
     def _spec(self, session: Session, policy: SandboxPolicy) -> LaunchSpec:
         # The workspace, the writable roots and the allowed sockets are opened and checked by the
         # kernel as the session's owner (kernel.access) when its sandbox is built, every time.
@@ -287,6 +391,19 @@ class SessionLifecycle:
         return LaunchSpec(argv=SESSION_PLACEHOLDER_ARGV, workspace=workspace, policy=policy,
                           limits=session.limits, user=command_user(session.owner, policy), dns=self._places.dns,
                           network_pool=self._places.network_pool, caller=rights_of(session.owner),
-                          hidden_paths=own.hidden, denied_sockets=own.sockets, denied_listeners=own.listeners,
+                          hidden_paths=own.hidden, owner_hidden=_owner_places(session.owner.uid),
+                          denied_sockets=own.sockets, denied_listeners=own.listeners,
                           approval_channels=own.channels,
                           owner=cgroup_owner(session.owner))
+
+
+def _owner_places(uid: int) -> tuple[str, ...]:
+    """The owner's places each sandbox of theirs hides (defaults.owner_hidden_paths: their kept
+    `sandboxd run --review` change sets), by their home in the user database; the launch hides only
+    those that are their directories (launcher.plan)."""
+    import pwd
+    try:
+        home = pwd.getpwuid(uid).pw_dir
+    except KeyError:
+        home = ""
+    return tuple(path for path in defaults.owner_hidden_paths(uid, home or "/nonexistent") if path.startswith("/"))

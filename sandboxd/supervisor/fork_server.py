@@ -1,4 +1,5 @@
-"""The fork server: a small single-threaded process that does every fork.
+"""The fork server: a small single-threaded process that does every fork (its loop; its client,
+``ForkServer``, which the daemon holds, is ``fork_client``).
 
 The daemon starts it before any gRPC thread exists (a forked child of a
 threaded process can deadlock, and fork cost grows with the parent's
@@ -8,14 +9,20 @@ object per message, tagged with its kind and request id, every field's type chec
 descriptors as SCM_RIGHTS), and the server dispatches on the record's type through a table:
 
   Launch(spec)  + [stdin, stdout, stderr]                  one-shot sandbox        -> Started, then Exited
-  SessionOpen(session, spec)                               build a session's sandbox -> SessionReady
-                                                           (+ [the egress proxy's listener], if any)
+  SessionOpen(session, spec, review_dir)                   build a session's sandbox -> SessionReady:
+                                                           what was built (real workspace and roots,
+                                                           addresses, PID namespace; + [the egress
+                                                           proxy's listener], if any)
   SessionClose(session)                                    kill all of it          -> SessionClosed(gone)
   Call(session, argv, env, cwd, timeout, tool, terminal)
         + [stdin, stdout, stderr]                          one command in a session -> Started, then Exited
         (with terminal [rows, columns]: stdin is the socket the terminal's master goes back on)
   Signal(signum), Cancel()                                 to a running launch or call (its id)
   CheckPaths(caller, paths, owner)                         may the caller write them? -> PathsChecked
+  Review(review_dir, caller, action, roots, paths, ...)    a review session's change set listed, diffed,
+                                                           applied or discarded in a child
+                                                           (review_child) -> ReviewStarted + [the pipe
+                                                           its answer comes on, read by the daemon]
   Ping()                                                   the daemon's watchdog   -> Pong
 
 Any request may be answered Error(the error's ``to_dict``; ``SandboxdError.from_dict`` raises it
@@ -64,22 +71,22 @@ import select
 import signal
 import socket
 import sys
-import threading
 import time
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any
 
-from sandboxd._record import Record
-from sandboxd.kernel import access, process
+from sandboxd.kernel import access, overlay, process
 from sandboxd.launcher.plan import path_check as plan_path_check
 from sandboxd.launcher.plan import path_requests as plan_path_requests
-from sandboxd.errors import DeadlineExceeded, InvalidPolicy, SandboxdError, SetupError
-from sandboxd.policy.limits import MAX_TIMEOUT_SECONDS  # noqa: F401 - re-exported for the edge's callers
-from sandboxd.policy.limits import check_timeout as limits_check_timeout
-from sandboxd.policy.spec import LaunchSpec, spec_from_dict, spec_to_dict
+from sandboxd.errors import DeadlineExceeded, Exhausted, InvalidPolicy, SandboxdError, SetupError
+from sandboxd.policy.spec import LaunchSpec
+from sandboxd.review import checkpoints
 from sandboxd.supervisor import fork_protocol as protocol
-from sandboxd.supervisor.fork_protocol import (Call, Cancel, CheckPaths, Error, Event, Exited, Launch, Malformed,
-                                               Message, PathsChecked, Ping, Pong, Request, SessionClose,
-                                               SessionClosed, SessionOpen, SessionReady, Signal, Started)
+from sandboxd.supervisor.fork_protocol import (CLOSE_WAIT_SECONDS, DEFAULT_STUCK_OPENERS, DEFAULT_WAIT_SECONDS,
+                                               REVIEW_SECONDS, Call,
+                                               Cancel, CheckPaths, Error, Event, Exited, Launch, Malformed, Message,
+                                               PathsChecked, Ping, Pong, Review, ReviewStarted, SessionClose,
+                                               SessionClosed, SessionOpen, SessionReady, Signal, Started,
+                                               check_timeout, launch_spec)
 from sandboxd.supervisor.spawner import ExitInfo, SandboxProcess, SessionBuild, SessionSandbox, Spawner
 from sandboxd.supervisor.openers import Openers, Slot
 from sandboxd.supervisor.waits import Leftovers, Orphans, ReportReader, Timers, Waits
@@ -88,21 +95,6 @@ from sandboxd.supervisor.waits import log as _log
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-E = TypeVar("E", bound=Event)
-# How long a request may wait on a caller's paths, a session's build or a command's start
-# (``fork_server.wait_seconds``): a lookup that takes longer is on a file system that does not answer.
-DEFAULT_WAIT_SECONDS = 10.0
-# How many path-opening children one owner may have alive at once (``fork_server.stuck_openers_per_uid``):
-# each one stuck on a file system that does not answer holds a pid, ~2 MB and a descriptor here until
-# that mount goes (supervisor/openers.py). Eight: an owner's ordinary lookups take milliseconds each (a
-# burst beyond it waits its turn, never refused), and the quotas let one user have 8 requests in progress
-# (quotas.requests_per_uid), so a user whose mount hangs sees as many DeadlineExceeded as it has requests
-# in flight, then a refusal at once naming the mount; 8 x 2 MB and 8 descriptors per owner.
-DEFAULT_STUCK_OPENERS = 8
-# How long a session's close may take before it is answered anyway (``gone=False``): a process
-# stuck on a file system that does not answer may hold the session's init; it is released when it
-# goes. Only the closing caller waits this long; the loop goes on serving everyone meanwhile.
-CLOSE_WAIT_SECONDS = 5.0
 # The longest one poll() waits: far enough to cost nothing, near enough that no deadline can
 # overflow poll's millisecond int (the loop recomputes after every wake). Time limits above
 # MAX_TIMEOUT_SECONDS (a week) are refused before they get here (policy Limits, SessionCall) and
@@ -111,16 +103,6 @@ MAX_POLL_MS = 60_000
 # How often the loop looks for sandbox groups of dead creators (cheap: a few directory listings);
 # the first look is its first turn.
 SWEEP_SECONDS = 60.0
-
-
-def check_timeout(timeout: object, what: str = "timeout_seconds") -> float | None:
-    """A call's time limit as a float (None or 0: no limit), or InvalidPolicy for what no clock can
-    hold; the same range as the policy's (policy.limits.check_timeout), checked again at this edge."""
-    if timeout is None or (timeout == 0 and not isinstance(timeout, bool)):
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise InvalidPolicy(f"{what} must be a number of seconds, got {timeout!r}")
-    return limits_check_timeout(timeout, what)
 
 
 def poll_timeout_ms(deadline: float | None, now: float) -> int:
@@ -179,7 +161,7 @@ class _Server:
         self._handlers: dict[type[Message], Callable[[Any, list[int]], None]] = {
             Launch: self._launch, Call: self._call, SessionOpen: self._session_open,
             SessionClose: self._session_close, Signal: self._signal, Cancel: self._cancel,
-            CheckPaths: self._check_paths, Ping: self._ping,
+            CheckPaths: self._check_paths, Ping: self._ping, Review: self._review,
         }
 
     def serve(self) -> None:
@@ -319,7 +301,7 @@ class _Server:
     def _launch(self, request: Launch, fds: list[int]) -> None:
         call_id = request.id
         self._fresh(call_id)
-        spec = spec_from_dict(request.spec)
+        spec = launch_spec(request.spec)
         limit = check_timeout(spec.limits.timeout_seconds, "limit timeout_seconds")
         # The stdio descriptors outlive this request's message: the launch waits on the paths.
         stdio = (os.dup(fds[0]), os.dup(fds[1]), os.dup(fds[2]))
@@ -357,16 +339,37 @@ class _Server:
             raise InvalidPolicy(f"session {name!r} is already open in the fork server")
         if name in self._closing:
             raise InvalidPolicy(f"session {name!r} is still being closed in the fork server")
-        spec = spec_from_dict(request.spec)
+        spec = launch_spec(request.spec)
         check_timeout(spec.limits.timeout_seconds, "limit timeout_seconds")
+        review_dir, fresh = _review_dir(request.review_dir)
+        if fresh and review_dir is not None:
+            _bound_review_dir(review_dir, request)
+        elif review_dir is not None:
+            # A rebuild (after a restart, a discard, a lost fork server): a checkpoint or rollback a
+            # crash cut short is finished first, so the layers mounted are those the record names
+            # (root's own directory; the records and one listing per overlay when nothing was cut).
+            checkpoints.recover(review_dir)
+        lent = review_dir is not None and _lend_inodes(review_dir)
         self._opening.add(name)
+
+        def settle() -> None:
+            if lent and review_dir is not None:
+                _settle_inodes(review_dir)
+
+        def undo() -> None:
+            self._forget_opening(name)
+            if fresh:
+                _remove_review_dir(review_dir)
+            else:
+                settle()
+
         try:
             self._open_paths(call_id, spec.caller, plan_path_requests(spec),
-                             lambda opened: self._build_session(call_id, name, spec, opened), plan_path_check(spec),
-                             undo=lambda: self._forget_opening(name), owner=spec.owner,
-                             owner_pids=spec.limits.owner_pids)
+                             lambda opened: self._build_session(call_id, name, spec, opened, review_dir, undo,
+                                                                settle),
+                             plan_path_check(spec), undo=undo, owner=spec.owner, owner_pids=spec.limits.owner_pids)
         except BaseException:
-            self._forget_opening(name)
+            undo()
             raise
 
     def _session_close(self, request: SessionClose, fds: list[int]) -> None:
@@ -382,7 +385,8 @@ class _Server:
             self._answer(SessionClosed(request.id, True))
 
     def _check_paths(self, request: CheckPaths, fds: list[int]) -> None:
-        call_id, who = request.id, _caller(request.caller)
+        caller = request.caller
+        call_id, who = request.id, None if caller is None else (caller.uid, caller.gid, tuple(caller.groups))
 
         def checked(opened: list[int]) -> None:
             try:
@@ -396,6 +400,59 @@ class _Server:
 
     def _ping(self, request: Ping, fds: list[int]) -> None:
         self._answer(Pong(request.id))
+
+    def _review(self, request: Review, fds: list[int]) -> None:
+        """A request on a review session's change set, in a child (supervisor.review_child): its
+        answer's pipe goes to the daemon at once, the child is reaped whenever it goes and
+        SIGKILLed at ``review_seconds``. Each owner has at most ``stuck_openers`` such children and
+        path openers alive together (Openers), never waited on here."""
+        from sandboxd.supervisor import review_child
+
+        _review_dir(request.review_dir, make=False)
+        who = request.caller
+        key = request.owner or (f"uid-{who.uid}" if who is not None and who.uid != 0 else None)
+        deadline = time.monotonic() + REVIEW_SECONDS
+        # Its own copy: the dispatch closes ``fds`` when this returns, and the child may start later.
+        reviewed = os.dup(fds[0]) if request.reviewed_fd else -1
+
+        def start(slot: Slot) -> None:
+            try:
+                pid, pidfd, answer = review_child.start(request, reviewed)
+            finally:
+                if reviewed >= 0:
+                    os.close(reviewed)
+            try:
+                self._answer(ReviewStarted(request.id), [answer])
+            finally:
+                os.close(answer)
+            reaped = False
+
+            def reap() -> bool:
+                nonlocal reaped
+                try:
+                    if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                        return False
+                except ChildProcessError:
+                    pass
+                reaped = True
+                os.close(pidfd)
+                slot.release()
+                return True
+
+            def kill() -> None:
+                if not reaped:
+                    try:
+                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            self._orphans.add(pidfd, reap)
+            self._timers.add(deadline, kill)
+
+        def refused(exc: BaseException) -> None:
+            if reviewed >= 0:
+                os.close(reviewed)
+            self._answer_error(request.id, exc)
+        self._openers.admit(key, start, refused, deadline)
 
     def _signal(self, request: Signal, fds: list[int]) -> None:
         if not 0 < request.signum < signal.NSIG:
@@ -481,14 +538,18 @@ class _Server:
 
         self._waits.add(pending.fileno(), call_id, deadline, ready, expire)
 
-    def _build_session(self, call_id: int, name: str, spec: LaunchSpec, opened: list[int]) -> None:
-        """Start the session's build; it is answered from the loop when its init reports."""
+    def _build_session(self, call_id: int, name: str, spec: LaunchSpec, opened: list[int], review_dir: str | None,
+                       undo: "Callable[[], None]", settle: "Callable[[], None]") -> None:
+        """Start the session's build; it is answered from the loop when its init reports. ``undo``:
+        what a failed build releases (its name; a review directory made for it); ``settle``: what a
+        build that mounted its overlays gives back before its sandbox serves (the store's lent inodes)."""
         try:
-            build = self.spawner.begin_session(spec, opened)
+            build = self.spawner.begin_session(spec, opened, review_dir=review_dir)
         except BaseException:
-            self._forget_opening(name)
+            undo()
             raise
         if isinstance(build, SessionSandbox):
+            settle()
             self._session_ready(call_id, name, build)
             return
         reader = ReportReader(build.report_fd)
@@ -498,14 +559,18 @@ class _Server:
                 return False
             try:
                 session = build.finish(reader.data, release=self._release_when_gone)
+            except BaseException:
+                undo()
+                raise
             finally:
                 self._opening.discard(name)
+            settle()
             self._session_ready(call_id, name, session)
             return True
 
         def expire() -> None:
-            self._forget_opening(name)
             self._abandon_session(build)
+            undo()
             raise DeadlineExceeded(f"the sandbox of session {name!r} was not built within {self.wait_seconds:g} s "
                                    "(a workspace or writable root on a file system that does not answer?)")
 
@@ -535,16 +600,20 @@ class _Server:
             self._close_session(name, session, None)
             raise InvalidPolicy(f"session {name!r} was closed while its sandbox was being built")
         self.sessions[name] = session
+        plan = session.plan
+        roots = [root for root in plan.writable_roots if root != plan.workspace]   # as resolved, by descriptor
+        # Read here, where the init is an unreaped child (its pid cannot be another process's yet).
+        namespace = os.stat(f"/proc/{session.init_pid}/ns/pid").st_ino if session.init_pid else 0
         network = session.network
         if network is None:
-            self._answer(SessionReady(call_id, session.init_pid, session.plan.workspace))
+            self._answer(SessionReady(call_id, session.init_pid, plan.workspace, roots, pid_namespace=namespace))
             return
         # The daemon serves the egress proxy (this process has no threads) on this very socket, bound
         # in the sandbox's namespace before the sandbox existed (network.egress_proxy.PROXY_ADDRESS)
         # and sent along still bound: its port is never free while the session lives.
         listener, network.proxy_listener = network.proxy_listener, None
-        self._answer(SessionReady(call_id, session.init_pid, session.plan.workspace, network.host_address,
-                                  network.sandbox_address, list(network.resolvers), listener is not None),
+        self._answer(SessionReady(call_id, session.init_pid, plan.workspace, roots, network.host_address,
+                                  network.sandbox_address, list(network.resolvers), listener is not None, namespace),
                      None if listener is None else [listener.fileno()])
         if listener is not None:
             listener.close()                              # the daemon's copy holds the address now
@@ -661,6 +730,73 @@ class _Server:
         # What is left is stuck in the kernel: a stale group for the next fork server's sweep.
 
 
+def _review_dir(path: str, make: bool = True) -> tuple[str | None, bool]:
+    """A session's review directory as the daemon names it (STATE/review/ID: absolute, its last
+    name the session's): made (0700, kernel.overlay.make_session_dir) unless ``make`` is False.
+    (None, False) for "" (not review mode); else (it, whether it was made now, with no layers)."""
+    if not path:
+        return None, False
+    base, _, name = path.rpartition("/")
+    if not base.startswith("/") or "\0" in path or not name or name in (".", "..") or os.path.normpath(path) != path:
+        raise InvalidPolicy(f"review directory {path!r} is not an absolute normal path")
+    if not make:
+        return path, False
+    made, kept = overlay.make_session_dir(base, name)
+    return made, not kept
+
+
+def _bound_review_dir(path: str, request: SessionOpen) -> None:
+    """Make the review directory ``path`` just made a bounded store (kernel.review_space): its
+    share is the session's bound or what the owner's other stores (``owner_stores``, named by the
+    daemon, each beside it) take now of the owner's, read from the kernel (a tmpfs mount of
+    the daemon's own: nothing a caller can make wait; /proc/self/mountinfo read once, whatever
+    their number). An owner holding ``owner_stores_max`` stores already (review.owner_stores; 0:
+    no cap) is refused. On refusal the directory is removed."""
+    from sandboxd.kernel import review_space
+    if not request.session_bytes:
+        return
+    try:
+        base = os.path.dirname(path)
+        others = [other for other in request.owner_stores if os.path.dirname(other) == base and other != path
+                  and os.path.normpath(other) == other]
+        count, total = review_space.owner_stores(others)
+        if request.owner_stores_max and count >= request.owner_stores_max:
+            raise Exhausted(f"review: this owner keeps {count} review change sets, as many as review.owner_stores "
+                            "allows: apply or discard some kept change sets (sandboxctl apply/discard SESSION)")
+        review_space.bound(path, review_space.share(request.session_bytes, request.owner_bytes, total))
+    except BaseException:
+        _remove_review_dir(path)
+        raise
+
+
+def _lend_inodes(path: str) -> bool:
+    """The store's inodes held for mounting (kernel.review_space.lend_inodes), freed for this build;
+    a store made before they existed, or no store, lends none."""
+    from sandboxd.kernel import review_space
+    try:
+        return review_space.lend_inodes(path)
+    except FileNotFoundError:
+        return False
+
+
+def _settle_inodes(path: str) -> None:
+    from sandboxd.kernel import review_space
+    try:
+        review_space.settle_inodes(path)
+    except OSError as exc:
+        _log(f"review store {path!r}: its inodes for the next mount could not be held again: {exc}")
+
+
+def _remove_review_dir(path: str | None) -> None:
+    """A review directory made for a build that failed: nothing was ever mounted on it."""
+    if path is None:
+        return
+    try:
+        overlay.remove_layers(path)
+    except OSError as exc:
+        _log(f"removing review directory {path!r} failed: {exc}")
+
+
 def _owner_share(owner: str, pids: int | None) -> "Callable[[], None] | None":
     """What a path-opening child of ``owner`` runs first (access.PendingOpen's ``enter``): it moves
     itself into the owner's pids group on cgroup v1 (kernel.cgroups.owner_pids_group), so that a
@@ -681,16 +817,6 @@ def _owner_share(owner: str, pids: int | None) -> "Callable[[], None] | None":
         except Exception:  # noqa: BLE001 - swept meanwhile: the child opens anyway; the bound holds
             pass
     return enter
-
-
-def _caller(value: "list[object] | None") -> "tuple[int, int, tuple[int, ...]] | None":
-    """A CheckPaths caller, [uid, gid, [groups]] (None: root's own), or InvalidPolicy."""
-    if value is None:
-        return None
-    if (len(value) == 3 and type(value[0]) is int and type(value[1]) is int and isinstance(value[2], list)
-            and all(type(group) is int for group in value[2])):
-        return value[0], value[1], tuple(value[2])
-    raise InvalidPolicy(f"a caller is [uid, gid, [groups]], got {value!r}")
 
 
 def _terminal_size(value: "list[object] | None") -> tuple[int, int] | None:
@@ -714,338 +840,6 @@ def serve(sock: socket.socket, native_calls: bool = True, wait_seconds: float = 
     ``close_seconds``: how long a session's close may take before it is answered anyway;
     ``stuck_openers``: the path-opening children one owner may have alive (openers.Openers)."""
     _Server(sock, native_calls, wait_seconds, call_helper, close_seconds, stuck_openers).serve()
-
-
-class SessionInfo(Record):
-    init_pid: int
-    workspace: str                      # the workspace's real path, as the owner's lookup resolved it
-    host_address: str | None            # the host side of an isolated network's link
-    sandbox_address: str | None
-    resolvers: tuple[str, ...]
-    # The egress proxy's listening socket (allowed domains), bound by the fork server and handed
-    # over (SessionReady): the receiver's to close, once whoever serves it has its own copy. -1: none.
-    proxy_listener: int = -1
-
-
-class ForkServer:
-    """Client handle of a running fork server. Thread-safe: any number of threads may launch
-    and wait at once; whichever of them waits reads the server's answers for all."""
-
-    def __init__(self, sock: socket.socket, pid: int) -> None:
-        self._sock = sock
-        self.pid = pid
-        self._send_lock = threading.Lock()
-        self._cond = threading.Condition()
-        self._events: dict[int, list[Event]] = {}
-        self._passed: dict[int, list[int]] = {}   # descriptors that came with an event, by request id
-        self._next_id = 1
-        self._closed = False
-        self._reading = False                     # a waiting thread is reading the socket
-        self._process: "Any" = None
-        self._native_calls = False
-        self._wanted_native_calls = True
-        self._first_id = 1                        # ids below it went to a server that has died since
-        self._wait_seconds = DEFAULT_WAIT_SECONDS
-        self._call_helper: str | None = None
-        self._close_seconds = CLOSE_WAIT_SECONDS
-        self._stuck_openers = DEFAULT_STUCK_OPENERS
-        self._limit = protocol.message_limit(sock)
-        self._received = protocol.receive_buffer()        # every event is read into it (one reader at a time)
-        self.last_heard = time.monotonic()       # when it last answered anything (the watchdog's progress)
-        # When this server was started, and whether it has answered anything since: until it has, it
-        # is starting (its loop has not run yet), which the watchdog tells from a loop that stopped.
-        self.started_at = self.last_heard
-        self.answered = False
-
-    @property
-    def native_calls(self) -> bool:
-        return self._native_calls
-
-    @classmethod
-    def start(cls, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS,
-              call_helper: str | None = None, close_seconds: float = CLOSE_WAIT_SECONDS,
-              stuck_openers: int = DEFAULT_STUCK_OPENERS) -> "ForkServer":
-        """Start the server as a fresh interpreter (``python -m sandboxd.supervisor.forkserver``).
-
-        Not a fork of the caller: the daemon has gRPC threads, and a forked copy of a
-        threaded process may deadlock; and a fresh process is as small as it gets,
-        which keeps every later fork cheap. subprocess spawns it without forking Python.
-        In a session of its own, away from the daemon's terminal: Ctrl-C on `sandboxd serve`
-        (SIGINT to the terminal's whole foreground group) is the daemon's to handle, by
-        closing sessions in order and then the fork server, which it killed mid-loop before
-        (a KeyboardInterrupt traceback); Ctrl-Z no longer stops it either.
-        """
-        import subprocess
-        import sys
-
-        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "PYTHONPATH": package_root}
-        try:
-            flags = ([] if native_calls else ["--python-calls"]) + [f"--wait-seconds={wait_seconds!r}",
-                                                                     f"--close-seconds={close_seconds!r}",
-                                                                     f"--stuck-openers={int(stuck_openers)}"] + (
-                [f"--call-helper={call_helper}"] if call_helper else [])
-            # -P: `python -m` would put the working directory first on sys.path, so a `sandboxd`
-            # package in whatever directory the daemon was started from (a user's) would run as root.
-            child = subprocess.Popen([sys.executable, "-P", "-m", "sandboxd.supervisor.forkserver",
-                                      str(child_end.fileno()), *flags],
-                                     pass_fds=(child_end.fileno(),), env=env, stdin=subprocess.DEVNULL,
-                                     close_fds=True, start_new_session=True)
-        finally:
-            child_end.close()
-        server = cls(parent_end, child.pid)
-        server._process = child
-        server._wanted_native_calls = native_calls
-        server._wait_seconds = wait_seconds
-        server._call_helper = call_helper
-        server._close_seconds = close_seconds
-        server._stuck_openers = stuck_openers
-        from sandboxd.launcher.native_call import check_helper
-        server._native_calls = native_calls and check_helper(call_helper).path is not None   # as the server decides
-        return server
-
-    # -- requests ------------------------------------------------------------------------------
-
-    def launch(self, spec: LaunchSpec, stdio: tuple[int, int, int] = (0, 1, 2)) -> int:
-        """Start a one-shot sandbox; return its id once the command is running, or raise SetupError."""
-        wire = spec_to_dict(spec)
-        call_id = self._request(lambda call_id: Launch(call_id, wire), list(stdio))
-        self._expect(call_id, Started)
-        return call_id
-
-    def open_session(self, session: str, spec: LaunchSpec) -> "SessionInfo":
-        """Build a session's sandbox (``spec.argv`` is not run): its init's pid and, with an isolated
-        network, its addresses."""
-        wire = spec_to_dict(spec)
-        call_id = self._request(lambda call_id: SessionOpen(call_id, session, wire))
-        event = self._expect(call_id, SessionReady)
-        with self._cond:
-            passed = self._passed.pop(call_id, [])
-        return SessionInfo(event.init_pid or 0, event.workspace, event.host_address, event.sandbox_address,
-                           tuple(event.resolvers or ()), passed[0] if passed else -1)
-
-    def check_paths(self, caller: "tuple[int, int, tuple[int, ...]] | None", paths: list[str],
-                    owner: str = "") -> list[str]:
-        """The real paths of ``paths`` if ``caller`` may write each (Forbidden or InvalidPolicy if not);
-        ``owner``: whom the lookup counts against (LaunchSpec.owner)."""
-        who: list[object] | None = [caller[0], caller[1], list(caller[2])] if caller else None
-        wanted = [str(path) for path in paths]
-        return self._expect(self._request(lambda call_id: CheckPaths(call_id, who, wanted, owner)), PathsChecked).paths
-
-    def ping(self, timeout: float) -> bool:
-        """True if the server answers a ping within ``timeout`` seconds (the daemon's watchdog);
-        False if it does not. SetupError if it has exited. Never blocks past ``timeout``: not on
-        the send lock (a sender may be stuck on a full socket) nor on a socket the server has
-        stopped draining."""
-        deadline = time.monotonic() + timeout
-        if not self._send_lock.acquire(timeout=timeout):
-            return False
-        try:
-            if self._closed:
-                raise SetupError("fork server", 0, detail="the fork server has exited")
-            call_id = self._next_id
-            self._next_id += 1
-            try:
-                protocol.send(self._sock, Ping(call_id).encode(), None, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return False                              # its queue is full: it is not reading
-            except OSError as exc:
-                raise SetupError("fork server", 0, detail=f"the fork server has exited ({exc.strerror})") from None
-        finally:
-            self._send_lock.release()
-        return self._wait_event(call_id, (Pong,), timeout=max(0.0, deadline - time.monotonic())) is not None
-
-    def close_session(self, session: str) -> None:
-        """Kill all of a session; return once every process of it is gone and its sandbox released,
-        or after the fork server's close bound (a process stuck in the kernel: released when it goes)."""
-        self._expect(self._request(lambda call_id: SessionClose(call_id, session)), SessionClosed)
-
-    def call(self, session: str, argv: list[str], env: dict[str, str], cwd: str, timeout: float | None,
-             stdio: tuple[int, int, int], tool: dict[str, object] | None = None,
-             terminal: tuple[int, int] | None = None) -> tuple[int, int | None]:
-        """Run one command (or a file tool) in a session; return (call id, its pid inside the session).
-        With ``terminal`` (rows, columns) it runs on a terminal whose master comes back on stdin."""
-        size: list[object] | None = None if terminal is None else list(terminal)
-        call_id = self._request(lambda call_id: Call(call_id, session, list(argv), dict(env), cwd, timeout, tool, size),
-                                list(stdio))
-        return call_id, self._expect(call_id, Started).inner_pid
-
-    def signal(self, call_id: int, signum: int) -> None:
-        self._send(Signal(call_id, signum))
-
-    def cancel(self, call_id: int) -> None:
-        """Kill everything the launch or call started; its ``wait`` then reports how it ended."""
-        self._send(Cancel(call_id))
-
-    def wait(self, call_id: int) -> ExitInfo:
-        event = self._wait_event(call_id, (Exited,))
-        assert isinstance(event, Exited)
-        return ExitInfo(event.exit_code, event.signal, event.timed_out, event.wall_seconds, event.cpu_seconds,
-                        event.peak_memory_bytes, event.oom_killed)
-
-    def close(self) -> None:
-        """Stop the server: it kills every sandbox and session it holds, then exits."""
-        with self._send_lock:
-            if not self._closed:
-                try:
-                    self._sock.shutdown(socket.SHUT_WR)
-                except OSError:
-                    pass                                  # it died already: reading finds EOF
-        try:
-            self._wait_event(-1, ())                      # reads (and drops) what is left, until EOF
-        except SetupError:
-            pass
-        self._sock.close()
-        with self._cond:
-            self._close_passed()
-        if self._process is not None:
-            self._process.wait()
-
-    def _close_passed(self) -> None:
-        """Descriptors no request will take now (its server died, or this client closed)."""
-        for fds in self._passed.values():
-            for fd in fds:
-                os.close(fd)
-        self._passed.clear()
-
-    def restart(self) -> None:
-        """Replace a dead server with a fresh one, in place (every holder of this client keeps it).
-
-        Requests still waiting on the old server fail at once ("the fork server exited"), then
-        later requests go to the new one. The old server's sandboxes died with it; the new one
-        sweeps what they left (cgroups, links) as it starts. A fresh interpreter again, spawned
-        by subprocess (fork+exec in C, no Python code runs in the child), so the threaded
-        daemon may call this."""
-        fresh = ForkServer.start(self._wanted_native_calls, self._wait_seconds, self._call_helper,
-                                 self._close_seconds, self._stuck_openers)
-        with self._send_lock:
-            old_sock, old_process = self._sock, self._process
-            try:
-                old_sock.shutdown(socket.SHUT_RDWR)       # a reader blocked on it sees EOF now
-            except OSError:
-                pass
-            with self._cond:
-                while self._reading:
-                    self._cond.wait()
-                self._sock, self.pid, self._process = fresh._sock, fresh.pid, fresh._process
-                self._limit = fresh._limit
-                self._native_calls = fresh._native_calls
-                self.last_heard = self.started_at = time.monotonic()
-                self.answered = False
-                self._first_id = self._next_id
-                self._events.clear()
-                self._close_passed()
-                self._closed = False
-                self._cond.notify_all()
-        old_sock.close()
-        if old_process is not None:
-            old_process.wait()                            # it is dead already: only the zombie
-
-    # -- plumbing ------------------------------------------------------------------------------
-
-    def _request(self, make: "Callable[[int], Request]", fds: list[int] | None = None) -> int:
-        """Send the request ``make(id)`` with a fresh id (taken under the send lock, so that ids
-        below ``_first_id`` all went to a server that died); return the id."""
-        with self._send_lock:
-            call_id = self._next_id
-            self._next_id += 1
-            self._send_locked(make(call_id), fds)
-        return call_id
-
-    def _send(self, request: Request) -> None:
-        with self._send_lock:
-            self._send_locked(request, None)
-
-    def _send_locked(self, request: Request, fds: list[int] | None) -> None:
-        if self._closed:
-            raise SetupError("fork server", 0, detail="the fork server has exited")
-        data = request.encode()
-        if len(data) > self._limit:
-            # Refused here: sent, it would fail with EMSGSIZE, which says nothing to the caller.
-            raise InvalidPolicy(f"the request is too large for the fork server: {len(data)} bytes, limit "
-                                f"{self._limit} (too many writable roots, allowed sockets, paths, arguments or "
-                                "environment entries, or too long ones): send fewer")
-        try:
-            protocol.send(self._sock, data, fds)
-        except OSError as exc:                            # EPIPE, ECONNRESET: it died under us
-            raise SetupError("fork server", 0, detail=f"the fork server has exited ({exc.strerror})") from None
-
-    def _expect(self, call_id: int, kind: type[E]) -> E:
-        """The answer ``kind`` to request ``call_id``; its Error answer raised as the error it names."""
-        event = self._wait_event(call_id, (kind, Error))
-        if isinstance(event, Error):
-            raise SandboxdError.from_dict(event.error)
-        assert isinstance(event, kind)
-        return event
-
-    @overload
-    def _wait_event(self, call_id: int, kinds: tuple[type[Event], ...]) -> Event: ...
-
-    @overload
-    def _wait_event(self, call_id: int, kinds: tuple[type[Event], ...], timeout: float) -> Event | None: ...
-
-    def _wait_event(self, call_id: int, kinds: tuple[type[Event], ...], timeout: float | None = None) -> Event | None:
-        """The next event of ``kinds`` for ``call_id`` (None if ``timeout`` seconds pass first).
-        Whoever waits reads (leader/follower): one waiting thread at a time reads the socket and
-        hands others their events, so an answer wakes its own caller directly, with no reader
-        thread in between."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while True:
-                queue = self._events.get(call_id, [])
-                for index, event in enumerate(queue):
-                    if type(event) in kinds:
-                        queue.pop(index)
-                        if not queue:
-                            self._events.pop(call_id, None)
-                        return event
-                if self._closed or 0 < call_id < self._first_id:
-                    raise SetupError("fork server", 0, detail="the fork server exited")
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return None
-                if self._reading:
-                    self._cond.wait(remaining)
-                    continue
-                self._reading = True
-                self._cond.release()
-                message: Message | Malformed | None
-                fds: list[int]
-                try:
-                    if remaining is not None and not _readable_within(self._sock, remaining):
-                        message, fds = Malformed(0, "nothing yet"), []   # back to the deadline check
-                    else:
-                        message, fds = protocol.receive(self._sock, protocol.events(), self._received)
-                except OSError:
-                    message, fds = None, []
-                finally:
-                    self._cond.acquire()
-                    self._reading = False
-                if isinstance(message, Event) and fds:     # as many as the record says (decode checked)
-                    for fd in fds:
-                        os.set_inheritable(fd, False)     # SCM_RIGHTS gives them without close-on-exec
-                    self._passed.setdefault(message.id, []).extend(fds)
-                else:
-                    for fd in fds:
-                        os.close(fd)
-                if message is None:
-                    self._closed = True
-                elif isinstance(message, Malformed):
-                    if message.id:                        # a server bug: its request fails, nobody hangs
-                        self._events.setdefault(message.id, []).append(Error(message.id, SetupError(
-                            "fork server", detail=f"the fork server's answer was malformed: {message}").to_dict()))
-                elif isinstance(message, Event):
-                    self.last_heard = time.monotonic()
-                    self.answered = True
-                    self._events.setdefault(message.id, []).append(message)
-                self._cond.notify_all()           # another waiter's event, or the next reader's turn
-
-
-def _readable_within(sock: socket.socket, seconds: float) -> bool:
-    waiter = select.poll()
-    waiter.register(sock.fileno(), select.POLLIN)
-    return bool(waiter.poll(max(0, math.ceil(seconds * 1000))))
 
 
 def _main(fd: int, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS,

@@ -20,7 +20,7 @@ from sandboxd.service.callers import Caller
 from sandboxd.service.process_ties import ProcessTies
 from sandboxd.service.quotas import owner_key
 from sandboxd.service.sandbox_hooks import WhenClosed
-from sandboxd.service.sessions import Session, SessionRegistry
+from sandboxd.service.sessions.registry import Session, SessionRegistry
 
 log = logging.getLogger("sandboxd")
 LABEL = "sandboxd.closes-with"

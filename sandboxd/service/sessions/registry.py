@@ -2,10 +2,10 @@
 
 ``SessionRegistry`` only puts together the modules that own each concern:
 
-- session_state: one session's state and its own locks;
-- session_table: the map of sessions by id, with the registry's only global lock (map only);
-- session_access: who may see or act on a session, and with which rights its sandbox is built;
-- session_lifecycle: create, build, change, close, restore, and each call's generation;
+- state: one session's state and its own locks;
+- table: the map of sessions by id, with the registry's only global lock (map only);
+- access: who may see or act on a session, and with which rights its sandbox is built;
+- lifecycle: create, build, change, close, restore, and each call's generation;
 - sandbox_hooks: what is served beside each sandbox, wired once (sandbox_network: published
   ports and the egress proxy; git_guard_hook: the git guard; environment and the servicer
   forget a closed session through them too).
@@ -15,26 +15,27 @@ from __future__ import annotations
 
 import builtins
 import os
-from typing import Callable
+from typing import Callable, TypeVar
 
 from sandboxd.audit.store import EventStore
 from sandboxd.errors import InvalidPolicy, NotFound
 from sandboxd.policy import Limits, SandboxPolicy
-from sandboxd.policy.decision import ToolRules
+from sandboxd.policy.decision import ApprovalPolicy, ToolRules
 from sandboxd.policy.sandbox import is_within
-from sandboxd.service import session_access as access
+from sandboxd.service.sessions import access
 from sandboxd.service.callers import Caller
 from sandboxd.service.git_guard_hook import GitGuardHook
 from sandboxd.service.quotas import Quotas, cgroup_owner
 from sandboxd.service.sandbox_hooks import HookList, SandboxHooks
 from sandboxd.service.sandbox_network import EgressProxies, PublishedPorts
-from sandboxd.service.session_access import caller_groups, command_user, rights_of
-from sandboxd.service.session_lifecycle import SESSION_PLACEHOLDER_ARGV, OwnPlaces, SandboxPlaces, SessionLifecycle
-from sandboxd.service.session_state import Session, rules_from_dict, rules_to_dict, session_from_row
-from sandboxd.service.session_table import SessionTable
-from sandboxd.supervisor.forkserver import ForkServer
+from sandboxd.service.sessions.access import caller_groups, command_user, rights_of
+from sandboxd.service.sessions.lifecycle import SESSION_PLACEHOLDER_ARGV, OwnPlaces, SandboxPlaces, SessionLifecycle
+from sandboxd.service.sessions.state import Session, rules_from_dict, rules_to_dict, session_from_row
+from sandboxd.service.sessions.table import SessionTable
+from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.network.publish import check_host_ports
 
+T = TypeVar("T")
 __all__ = ["SESSION_PLACEHOLDER_ARGV", "OwnPlaces", "Session", "SessionRegistry", "caller_groups", "command_user",
            "cwd_inside", "rights_of", "rules_from_dict", "rules_to_dict"]
 
@@ -44,10 +45,14 @@ class SessionRegistry:
                  max_sessions: int = 10000, dns: tuple[str, ...] = (), network_pool: str = "",
                  own: OwnPlaces | None = None, proxy_connections: int = 256,
                  published_connections: int = 256, published_per_peer: int = 32, quotas: Quotas | None = None,
-                 allow_user_full_access: bool = True, count_network_denial: Callable[[], None] | None = None) -> None:
+                 allow_user_full_access: bool = True, count_network_denial: Callable[[], None] | None = None,
+                 review_dir: str = "", review_bytes: tuple[int, int] = (0, 0), review_stores: int = 0) -> None:
         """``allow_user_full_access``: policy.allow_user_full_access, whether a local non-root caller
         may have danger-full-access. ``count_network_denial``: called for each connection an egress
-        proxy refuses (the daemon's metrics count them)."""
+        proxy refuses (the daemon's metrics count them). ``review_dir``: where review sessions'
+        change sets go, one directory each (STATE/review; "": review mode is not available);
+        ``review_bytes``: review.session_bytes and review.owner_bytes, the bounds of their stores;
+        ``review_stores``: review.owner_stores, how many stores one owner keeps at most."""
         self._fork = forkserver
         self.store = store
         self.own = own or OwnPlaces()
@@ -60,7 +65,12 @@ class SessionRegistry:
                                GitGuardHook(store, self.quotas.limits.git_watches_per_uid,
                                             self.quotas.limits.git_inotify_instances)])
         self._life = SessionLifecycle(forkserver, store, self._table, self.hooks,
-                                      SandboxPlaces(own=self.own, dns=dns, network_pool=network_pool))
+                                      SandboxPlaces(own=self.own, dns=dns, network_pool=network_pool,
+                                                    review_dir=review_dir, review_session_bytes=review_bytes[0],
+                                                    review_owner_bytes=review_bytes[1],
+                                                    review_owner_stores=review_stores),
+                                      check_built=lambda session, facts: access.check_not_shared(
+                                          session.owner, facts, self._table.all(), session.id))
 
     def add_hooks(self, hooks: SandboxHooks) -> None:
         """Another service's hooks (sandbox_hooks), called after the registry's own."""
@@ -124,25 +134,29 @@ class SessionRegistry:
     def _check_policy(self, caller: Caller, policy: SandboxPolicy, workspace: str, owner: Caller | None = None,
                       session_id: str = "") -> None:
         access.check_full_access(caller, policy, owner, allow_user_full_access=self.allow_user_full_access)
-        access.check_not_shared(caller, workspace, policy, self._table.all(), session_id)
-        check_host_ports(caller.is_root, getattr(policy, "published_ports", ()))
+        check_host_ports(caller.is_root, policy.published_ports)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def create(self, caller: Caller, workspace: str, policy: SandboxPolicy, approval: str,
+    def create(self, caller: Caller, workspace: str, policy: SandboxPolicy, approval: ApprovalPolicy,
                limits: Limits, labels: dict[str, str], rules: ToolRules | None = None,
-               env: dict[str, str] | None = None) -> Session:
+               env: dict[str, str] | None = None, review: bool = False) -> Session:
         if not workspace.startswith("/"):
             raise InvalidPolicy(f"workspace {workspace!r} must be an absolute path")
+        if review and not policy.workspace_writable:
+            raise InvalidPolicy(f"review mode keeps a sandbox's writes for review: it needs the workspace-write "
+                                f"policy, not {policy.mode} (danger-full-access writes the host directly)")
         self._check_policy(caller, policy, workspace)
-        real_workspace = os.path.realpath(workspace)      # never under a lock: a lookup may hang (NFS)
-        return self._life.create(caller, real_workspace, policy, approval, limits, labels, rules, env)
+        # As given: the fork server opens it as the caller and the session keeps the real path that
+        # lookup found (SessionInfo.workspace), never one the daemon looked up itself as root.
+        return self._life.create(caller, os.path.normpath(workspace), policy, approval, limits, labels, rules, env,
+                                 review)
 
     def restore(self) -> int:
         return self._life.restore()
 
     def update_policy(self, caller: Caller, session_id: str, policy: SandboxPolicy | None,
-                      approval: str | None) -> Session:
+                      approval: ApprovalPolicy | None) -> Session:
         session = self.get(caller, session_id)
         return self._life.update_policy(caller, session, policy, approval, lambda new: self._check_policy(
             caller, new, session.workspace, owner=session.owner, session_id=session.id))
@@ -157,7 +171,23 @@ class SessionRegistry:
     def sandboxes_lost(self) -> None:
         self._life.sandboxes_lost()
 
+    def between_calls(self, session: Session, work: "Callable[[], T]") -> "T":
+        """``work`` with the session's sandbox closed, rebuilt by its next call (lifecycle)."""
+        return self._life.between_calls(session, work)
+
+    def review_dir(self, session: Session) -> str:
+        return self._life.review_dir(session)
+
+    def review_dir_of(self, session_id: str) -> str:
+        """Where the review session ``session_id`` (open or closed) keeps its change set."""
+        return self._life.review_dir_of(session_id)
+
     # -- calls ---------------------------------------------------------------------------------
+
+    def ready(self, session: Session) -> None:
+        """Build a resumed session's sandbox now, if it has none, so that what is judged on its
+        paths (file_calls.write_scope) is judged on what the fork server built."""
+        self._life.ready(session)
 
     def begin_call(self, session: Session) -> int:
         return self._life.begin_call(session)

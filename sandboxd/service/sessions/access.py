@@ -10,14 +10,17 @@ sandbox is built; this module only decides who may ask for what.
 from __future__ import annotations
 
 import os
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from sandboxd.audit.store import EventStore
 from sandboxd.errors import Forbidden, NotFound
 from sandboxd.policy import SandboxPolicy
 from sandboxd.policy.sandbox import is_within
 from sandboxd.service.callers import Caller
-from sandboxd.service.session_state import Session
+from sandboxd.service.sessions.state import Session
+
+if TYPE_CHECKING:
+    from sandboxd.supervisor.fork_client import SessionInfo
 
 
 def owns(caller: Caller, owner_uid: int, owner_principal: str) -> bool:
@@ -51,7 +54,7 @@ def check_full_access(caller: Caller, policy: SandboxPolicy, owner: Caller | Non
                       allow_user_full_access: bool = True) -> None:
     """Who may ask for danger-full-access, for a session of ``owner`` (None: the caller's own,
     being created)."""
-    if policy.name != "danger-full-access":
+    if policy.confined:
         return
     owner = owner or caller
     # A non-root owner's danger-full-access runs as that owner with its own rights and no more
@@ -73,30 +76,35 @@ def check_full_access(caller: Caller, policy: SandboxPolicy, owner: Caller | Non
                         "(policy.allow_user_full_access = false): use workspace-write, or ask its operator")
 
 
-def check_not_shared(caller: Caller, workspace: str, policy: SandboxPolicy, sessions: Iterable[Session],
-                     session_id: str = "") -> None:
+def check_not_shared(owner: Caller, facts: SessionInfo, sessions: Iterable[Session], session_id: str = "") -> None:
     """TLS principals that act as the same local user share its file rights; so one may not
     use a workspace or writable root that overlaps one of another principal's open sessions
-    (it could read and overwrite that principal's files through it)."""
-    if not caller.principal:
+    (it could read and overwrite that principal's files through it). Judged on what the fork
+    server built (``facts``: the real paths as the owner's lookup resolved them), after the build
+    and before anyone can use it, against the others' facts: never on paths the daemon resolved."""
+    if not owner.principal:
         return
     others = [s for s in sessions if not s.closed and s.id != session_id
-              and s.owner.principal and s.owner.principal != caller.principal and s.owner.uid == caller.uid]
+              and s.owner.principal and s.owner.principal != owner.principal and s.owner.uid == owner.uid]
     if not others:
         return
-    mine = _paths_of(workspace, policy)
+    mine = [facts.workspace, *facts.writable_roots]
     for other in others:
         for path in mine:
-            for theirs in _paths_of(other.workspace, other.policy):
+            for theirs in _paths_of(other):
                 if is_within(path, theirs) or is_within(theirs, path):
                     raise Forbidden(f"{path!r} overlaps {theirs!r}, which a session of another TLS principal "
-                                    f"uses: principals acting as the same local user (uid {caller.uid}) share "
+                                    f"uses: principals acting as the same local user (uid {owner.uid}) share "
                                     "its file rights, so their workspaces are kept apart (map each principal "
                                     "to its own user with tls.users)")
 
 
-def _paths_of(workspace: str, policy: SandboxPolicy) -> list[str]:
-    return [os.path.realpath(p) for p in (workspace, *getattr(policy, "writable_roots", ()))]
+def _paths_of(session: Session) -> list[str]:
+    """A session's real workspaces and writable roots, as each of its live sandboxes was built (its
+    workspace alone, as the store kept it, while it has none: resumed, not built again yet)."""
+    with session.lock:
+        built, workspace = list(session.built.values()), session.workspace
+    return [workspace, *(path for facts in built for path in (facts.workspace, *facts.writable_roots))]
 
 
 def command_user(owner: Caller, policy: SandboxPolicy) -> tuple[int, int] | None:
@@ -105,7 +113,7 @@ def command_user(owner: Caller, policy: SandboxPolicy) -> tuple[int, int] | None
     acting on a user's checkout runs that user's commands as that user, and uid 0 remains only
     for a root-owned workspace. danger-full-access runs as its owner: root as root, as before,
     anyone else as itself with no privilege (launcher.sequence._exec_as_caller)."""
-    if owner.is_root and policy.name != "danger-full-access":
+    if owner.is_root and policy.confined:
         return None
     return (owner.uid, owner.gid)
 

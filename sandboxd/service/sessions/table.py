@@ -2,7 +2,7 @@
 
 The lock is held only to look up, insert or remove entries and to read the counts, never across
 I/O, a build, a fork-server request or a hook: nothing here calls out. A session's own state is
-under its own lock (session_state); one session's slow build or close cannot make another's
+under its own lock (sessions.state); one session's slow build or close cannot make another's
 lookup wait. Counts are kept as sessions come and go, so creating one costs the same at any fill.
 """
 
@@ -12,7 +12,7 @@ import threading
 
 from sandboxd.errors import Exhausted
 from sandboxd.service.quotas import Quotas, owner_key
-from sandboxd.service.session_state import Session
+from sandboxd.service.sessions.state import Session
 
 
 class SessionTable:
