@@ -285,3 +285,92 @@ def test_the_other_kinds_refuse_workspace_write_options(kind: type[SandboxPolicy
     kind()                                                   # the control: the kind itself is fine
     with pytest.raises(InvalidPolicy, match="workspace-write"):
         kind(**{field: value})
+
+
+# --------------------------------------------------------------------------- network rules (issue 26)
+
+def _isolated(**fields: object) -> WorkspaceWrite:
+    return WorkspaceWrite(network_access=True, network_mode="isolated", **fields)  # type: ignore[arg-type]
+
+
+def test_proxied_is_any_rule_that_needs_the_proxy() -> None:
+    from sandboxd.policy.network import Unlisted
+
+    assert not _isolated().proxied                                           # the control: no list, no proxy
+    assert _isolated(allowed_domains=("pypi.org",)).proxied
+    assert _isolated(credentials=("T=https://api.test",)).proxied
+    assert _isolated(unlisted="ask").proxied and _isolated(unlisted="ask").unlisted is Unlisted.ASK
+    assert _isolated(allowed_domains=("*",)).proxied
+    assert not WorkspaceWrite(network_access=True, network_mode="host").proxied
+    assert not DangerFullAccess().proxied and not ReadOnly().proxied
+
+
+def test_endpoint_rules_and_credentials_are_kept_canonical_and_typed() -> None:
+    policy = _isolated(allowed_domains=("*.GitHub.com",),
+                       allowed_endpoints=("api.github.com=get:/repos/%7eme/**", "API.github.com=GET:/repos/~me/**"),
+                       credentials=("T=https://uploads.test:443;Authorization: Bearer {}",))
+    assert policy.allowed_endpoints == ("api.github.com=GET:/repos/~me/**",)          # one, canonical
+    assert policy.credentials == ("T=https://uploads.test",)
+    rules = policy.network_rules
+    assert rules.domains == ("*.github.com",) and rules.credentials[0].host == "uploads.test"
+    assert rules.endpoints[0].path == "/repos/~me/**" and rules.allowed("uploads.test", 443)
+    assert policy.without_network_rules() == _isolated()
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"allowed_endpoints": ("api.github.com=GET:/**",)}, "endpoint rules only narrow: allow the host api.github.com"),
+    ({"allowed_domains": ("github.com",), "allowed_endpoints": ("api.github.com=GET:/**",)}, "only narrow"),
+    ({"allowed_domains": ("*.github.com",), "allowed_endpoints": ("*.com=GET:/**",)}, "only narrow"),
+    ({"credentials": ("T=https://a.test", "T=https://b.test")}, "credential variable T is named twice"),
+    ({"credentials": ("T=http://a.test",)}, "https://HOST"),
+    ({"unlisted": "maybe"}, "use refuse (the default) or ask"),
+    ({"allowed_endpoints": ("x",)}, "HOST=METHODS:PATH-GLOB"),
+    ({"credentials": tuple(f"T{i}=https://a.test" for i in range(33))}, "credentials has 33 entries; the limit is 32"),
+    ({"allowed_domains": ("a.test",), "allowed_endpoints": tuple(f"a.test=GET:/{i}" for i in range(257))},
+     "allowed_endpoints has 257 entries; the limit is 256"),
+])
+def test_bad_network_rules_are_refused(fields: dict[str, object], says: str) -> None:
+    with pytest.raises(InvalidPolicy, match=re.escape(says)):
+        _isolated(**fields)
+
+
+def test_a_credential_host_takes_endpoint_rules_without_a_domain() -> None:
+    policy = _isolated(credentials=("T=https://api.test",), allowed_endpoints=("api.test=GET:/v1/**",))
+    assert policy.network_rules.intercepts("api.test", 443) and not policy.network_rules.allowed("other.test", 443)
+
+
+@pytest.mark.parametrize("fields", [
+    {"allowed_endpoints": ("a.test=GET:/",), "allowed_domains": ("a.test",)}, {"credentials": ("T=https://a.test",)},
+    {"unlisted": "ask"},
+])
+def test_network_rules_need_the_isolated_network(fields: dict[str, object]) -> None:
+    _isolated(**fields)                                                   # the control
+    for network in ({"network_access": False}, {"network_access": True, "network_mode": "host"}):
+        with pytest.raises(InvalidPolicy, match="apply to the isolated network"):
+            WorkspaceWrite(**network, **fields)  # type: ignore[arg-type]
+    for kind in (ReadOnly, DangerFullAccess):
+        with pytest.raises(InvalidPolicy, match="workspace-write"):
+            kind(**{k: v for k, v in fields.items() if k != "allowed_domains"})  # type: ignore[arg-type]
+    name = "danger-full-access"
+    with pytest.raises(InvalidPolicy, match="workspace-write"):
+        policy_from_name(name, **{k: v for k, v in fields.items() if k != "allowed_domains"})  # type: ignore[arg-type]
+
+
+def test_network_rules_survive_the_store() -> None:
+    from sandboxd.policy.spec import policy_from_dict, policy_to_dict
+
+    policy = _isolated(allowed_domains=("a.test",), allowed_endpoints=("a.test=GET:/x",), unlisted="ask",
+                       credentials=("T=https://b.test;x-api-key: {}",))
+    assert policy_from_dict(json.loads(json.dumps(policy_to_dict(policy)))) == policy
+    old_row = {k: v for k, v in policy_to_dict(_isolated()).items()
+               if k not in ("allowed_endpoints", "unlisted", "credentials")}
+    assert policy_from_dict(old_row) == _isolated()                       # rows from before keep their meaning
+
+
+def test_the_trust_bundle_of_a_launch_is_pem_certificates_only() -> None:
+    pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+    assert LaunchSpec(argv=("true",), workspace="/w", trust_pem=pem * 2).trust_pem == pem * 2
+    for bad in ("-----BEGIN PRIVATE KEY-----\nMIIB\n-----END PRIVATE KEY-----\n", "hello\n" + pem,
+                pem.replace("-----END CERTIFICATE-----\n", ""), pem * 2000):
+        with pytest.raises(InvalidPolicy, match="trusted certificates"):
+            LaunchSpec(argv=("true",), workspace="/w", trust_pem=bad)

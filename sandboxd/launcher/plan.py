@@ -80,6 +80,7 @@ class LaunchPlan(Record):
     broker: BrokerRules = Factory(lambda: BrokerRules())
     allowed_hosts: tuple[str, ...] = ()            # the isolated network's egress allowlist
     allowed_domains: tuple[str, ...] = ()          # ... and its names, through the egress proxy
+    proxied: bool = False                          # the egress proxy is its only way out (policy.proxied)
     # Set by the spawner just before fork, for an isolated network: the namespace to join, and the
     # sandbox's resolv.conf.
     netns_fd: int = -1
@@ -194,7 +195,7 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None, *, review_dir: 
         confined=confined, rootless=rootless, network=network, network_isolated=isolated, dns=tuple(spec.dns),
         network_pool=spec.network_pool,
         allowed_unix_sockets=policy.allowed_unix_sockets, allowed_hosts=policy.allowed_hosts,
-        allowed_domains=policy.allowed_domains,
+        allowed_domains=policy.allowed_domains, proxied=policy.proxied,
         writable_roots=resolved.writable_roots,
         readonly_roots=() if writable or not confined else (resolved.workspace,),
         protected_subpaths=policy.protected_subpaths,
@@ -250,7 +251,7 @@ def check_rootless(spec: LaunchSpec) -> None:
     if policy.allowed_hosts:
         raise InvalidPolicy(f"--allow-host {ROOT_NEEDED} (an nftables filter in the host's namespace): run "
                             "sandboxd run as root, or name the hosts with --allow-domain")
-    if not policy.allowed_domains:
+    if not policy.proxied:
         raise InvalidPolicy(f"the isolated network (--network) {ROOT_NEEDED} (a veth pair, NAT and a filter in "
                             "the host's namespace): run sandboxd run as root, or use --network=host (the host's "
                             "network as it is) or --network --allow-domain NAME (only those names, through "

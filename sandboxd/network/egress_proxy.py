@@ -43,7 +43,7 @@ from typing import Callable
 from sandboxd.defaults import PROXY_PORT
 from sandboxd.kernel.nftables import BLOCKED_RANGES, PROXY_MARK
 from sandboxd.network.dns import resolve
-from sandboxd.policy.domains import WILDCARD, host_name
+from sandboxd.policy.domains import domain_matches, host_name
 from sandboxd.network.event_loop import READ
 from sandboxd.network.tcp_relay import (ConnectionCap, Connecting, Relay, RelayLoop, TcpService, listen_tcp,
                                            refuse, socket_in_namespace)
@@ -85,13 +85,7 @@ def allowed_name(name: str, patterns: "tuple[str, ...] | list[str]") -> str | No
     host = host_name(name)
     if host is None:
         return None
-    for pattern in patterns:
-        if pattern.startswith(WILDCARD):
-            if host.endswith(pattern[1:]):
-                return host
-        elif host == pattern:
-            return host
-    return None
+    return host if any(domain_matches(host, pattern) for pattern in patterns) else None
 
 
 def refused_range(address: str) -> bool:

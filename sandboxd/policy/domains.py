@@ -1,7 +1,7 @@
 """Domain names of ``allowed_domains``: what a policy may name, and what the egress proxy matches.
 
 One rule for both ends: a policy names ASCII host names (``pypi.org``, or ``*.pypi.org`` for its
-subdomains), and the proxy (network.egress_proxy) lets a request through only when its name is
+subdomains, or ``*`` alone for any name), and the proxy (network.egress_proxy) lets a request through only when its name is
 such a host name too, matched as text and asked of DNS (network.dns) as the same text. A name in
 another script is given as its A-label (IDNA: ``xn--`` and punycode), which is what DNS holds;
 anything else that is not ASCII is refused, saying so, with the A-label when the standard library
@@ -22,6 +22,9 @@ from sandboxd.errors import InvalidPolicy
 MAX_NAME = 253                      # characters of a name without its final dot (255 on the wire)
 MAX_LABEL = 63
 WILDCARD = "*."
+# An allowed_domains entry alone: any host name, through the proxy (refused ranges, metadata and
+# bare IP addresses still refused). Without it, naming one credential would close the rest.
+ANY_NAME = "*"
 _LDH = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-")
 ACE_PREFIX = "xn--"
 # Characters IDNA 2003 (the standard library's codec) maps where IDNA 2008 keeps them, so the
@@ -60,6 +63,8 @@ def allowed_domain(text: str) -> str:
     """One entry of ``allowed_domains`` as the policy keeps it (trimmed, lower case, without a
     final dot), or InvalidPolicy saying what to give instead."""
     entry = text.strip()
+    if entry == ANY_NAME:
+        return ANY_NAME
     wildcard = entry.startswith(WILDCARD)
     bare = entry[len(WILDCARD):] if wildcard else entry
     if not bare.isascii():
@@ -74,6 +79,16 @@ def allowed_domain(text: str) -> str:
         raise InvalidPolicy(f"allowed domain {text!r}: no subdomain of a name of {len(name)} characters fits "
                             f"in {MAX_NAME}")
     return WILDCARD + name if wildcard else name
+
+
+def domain_matches(host: str, pattern: str) -> bool:
+    """Whether host name ``host`` (``host_name``'s form) is one ``pattern`` (an allowed_domains
+    entry) allows: ``*`` any, ``*.example.com`` its subdomains (not itself), else exactly."""
+    if pattern == ANY_NAME:
+        return True
+    if pattern.startswith(WILDCARD):
+        return host.endswith(pattern[1:])
+    return host == pattern
 
 
 def _suggestion(bare: str, wildcard: bool) -> str:

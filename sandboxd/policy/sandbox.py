@@ -17,6 +17,14 @@ from sandboxd._record import Choice, Record
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy import limits
 from sandboxd.policy.domains import allowed_domain
+from sandboxd.policy.network import (
+    NetworkRules,
+    Unlisted,
+    covers,
+    parse_credential,
+    parse_endpoint,
+    parse_unlisted,
+)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -90,6 +98,15 @@ class SandboxPolicy(Record):
     # With an isolated network: names reachable through the filtering proxy ("pypi.org",
     # "*.pythonhosted.org"), which is then the only way out (network.egress_proxy).
     allowed_domains: tuple[str, ...] = ()
+    # With an isolated network: per host, the only requests let through, "HOST=METHODS:PATH-GLOB"
+    # (policy.network.parse_endpoint; kept canonical). A host with rules is intercepted.
+    allowed_endpoints: tuple[str, ...] = ()
+    # A destination the lists do not allow: refused, or held and asked (policy.network.Unlisted).
+    unlisted: Unlisted = Unlisted.REFUSE
+    # With an isolated network: "VAR=https://HOST[:PORT][;...]" (policy.network.parse_credential;
+    # kept canonical): VAR holds a phantom, the proxy puts the secret in for that upstream only.
+    # Only the public half: the secret never is in a policy.
+    credentials: tuple[str, ...] = ()
 
     @property
     def name(self) -> SandboxMode:
@@ -111,13 +128,32 @@ class SandboxPolicy(Record):
         """A network namespace of the sandbox's own (network access, workspace-write, isolated)."""
         return self.network_access and self.workspace_writable and self.network_mode is NetworkMode.ISOLATED
 
+    @property
+    def proxied(self) -> bool:
+        """Whether the egress proxy is the sandbox's only way out: an isolated network with a
+        domain, an endpoint rule, a credential or ``unlisted = ask`` (each needs the proxy)."""
+        return self.isolated_network and bool(self.allowed_domains or self.allowed_endpoints or self.credentials
+                                               or self.unlisted is Unlisted.ASK)
+
+    @property
+    def network_rules(self) -> NetworkRules:
+        """What the egress proxy enforces, typed (the lists are canonical: they parse as kept)."""
+        return NetworkRules(self.allowed_domains, tuple(parse_endpoint(rule) for rule in self.allowed_endpoints),
+                            tuple(parse_credential(spec) for spec in self.credentials), self.unlisted)
+
+    def without_network_rules(self) -> SandboxPolicy:
+        """This policy with the proxy's lists emptied: two policies equal so differ only in what a
+        running proxy can take live (the sandbox itself stays)."""
+        return self.replace(allowed_domains=(), allowed_endpoints=(), unlisted=Unlisted.REFUSE, credentials=())
+
     def _typed(self) -> None:
         """Lists from callers become tuples (the policy stays hashable and immutable), the network
         mode's text its member."""
         for field in ("writable_roots", "protected_subpaths", "allowed_unix_sockets", "allowed_hosts",
-                      "published_ports", "allowed_domains"):
+                      "published_ports", "allowed_domains", "allowed_endpoints", "credentials"):
             object.__setattr__(self, field, tuple(getattr(self, field)))
         object.__setattr__(self, "network_mode", parse_network_mode(self.network_mode))
+        object.__setattr__(self, "unlisted", parse_unlisted(self.unlisted))
 
     def _refuse_workspace_options(self) -> None:
         """The lists and the network mode are workspace-write's: the other kinds refuse them."""
@@ -130,6 +166,9 @@ class SandboxPolicy(Record):
                 or self.network_mode is not NetworkMode.HOST):
             raise InvalidPolicy("allowed Unix sockets, allowed hosts, published ports, allowed domains and the "
                                 "network mode are options of workspace-write")
+        if self.allowed_endpoints or self.credentials or self.unlisted is not Unlisted.REFUSE:
+            raise InvalidPolicy("endpoint rules, credentials and unlisted = ask are options of workspace-write "
+                                "with an isolated network")
 
 
 class ReadOnly(SandboxPolicy):
@@ -161,6 +200,7 @@ class WorkspaceWrite(SandboxPolicy):
             raise InvalidPolicy("allowed domains apply to the isolated network: turn network access on "
                                 "(and keep network_mode isolated)")
         object.__setattr__(self, "allowed_domains", tuple(allowed_domain(d) for d in self.allowed_domains))
+        self._check_proxy_rules()
         if self.published_ports and self.network_access and self.network_mode is NetworkMode.HOST:
             raise InvalidPolicy("published ports need a network of the sandbox's own: with the host's network "
                                 "its servers are on the host already")
@@ -175,6 +215,27 @@ class WorkspaceWrite(SandboxPolicy):
         for entry in self.allowed_hosts:
             parse_allowed_host(entry)
 
+    def _check_proxy_rules(self) -> None:
+        """Endpoint rules, credentials and ``ask`` are the isolated network's proxy's; rules only
+        narrow what a domain or a credential allows; a variable holds one credential. Each kept
+        canonical."""
+        if (self.allowed_endpoints or self.credentials or self.unlisted is Unlisted.ASK) and not self.isolated_network:
+            raise InvalidPolicy("endpoint rules, credentials and unlisted = ask apply to the isolated network: turn "
+                                "network access on (and keep network_mode isolated)")
+        specs = tuple(parse_credential(text) for text in self.credentials)
+        names = [spec.name for spec in specs]
+        for name in names:
+            if names.count(name) > 1:
+                raise InvalidPolicy(f"credential variable {name} is named twice: give each variable one upstream")
+        rules = tuple(parse_endpoint(text) for text in self.allowed_endpoints)
+        for rule in rules:
+            if not (any(covers(pattern, rule.host) for pattern in self.allowed_domains)
+                    or any(spec.host == rule.host for spec in specs)):
+                raise InvalidPolicy(f"endpoint rule {rule.text()!r}: endpoint rules only narrow: allow the host "
+                                    f"{rule.host} first (allowed domains or a credential's upstream)")
+        object.__setattr__(self, "allowed_endpoints", tuple(dict.fromkeys(rule.text() for rule in rules)))
+        object.__setattr__(self, "credentials", tuple(spec.text() for spec in specs))
+
     def _check_list_limits(self) -> None:
         """Every list within its limit (policy.limits says why each), before any entry is parsed."""
         for field, limit in (("writable_roots", limits.MAX_WRITABLE_ROOTS),
@@ -182,11 +243,15 @@ class WorkspaceWrite(SandboxPolicy):
                              ("allowed_unix_sockets", limits.MAX_ALLOWED_UNIX_SOCKETS),
                              ("allowed_hosts", limits.MAX_ALLOWED_HOSTS),
                              ("allowed_domains", limits.MAX_ALLOWED_DOMAINS),
+                             ("allowed_endpoints", limits.MAX_ALLOWED_ENDPOINTS),
+                             ("credentials", limits.MAX_CREDENTIALS),
                              ("published_ports", limits.MAX_PUBLISHED_PORTS)):
             limits.check_count(field, getattr(self, field), limit)
-        limits.check_bytes("the writable roots, protected subpaths, sockets, hosts, domains and ports of a policy",
+        limits.check_bytes("the writable roots, protected subpaths, sockets, hosts, domains, ports, endpoint rules "
+                           "and credentials of a policy",
                            (*self.writable_roots, *self.protected_subpaths, *self.allowed_unix_sockets,
-                            *self.allowed_hosts, *self.allowed_domains, *self.published_ports),
+                            *self.allowed_hosts, *self.allowed_domains, *self.published_ports,
+                            *self.allowed_endpoints, *self.credentials),
                            limits.MAX_POLICY_LIST_BYTES)
 
 
@@ -264,7 +329,9 @@ def policy_from_name(name: str, *, network_access: bool = False,
                      network_mode: str = defaults.NETWORK_MODE, allowed_unix_sockets: tuple[str, ...] | list[str] = (),
                      allowed_hosts: tuple[str, ...] | list[str] = (),
                      published_ports: tuple[str, ...] | list[str] = (),
-                     allowed_domains: tuple[str, ...] | list[str] = ()) -> SandboxPolicy:
+                     allowed_domains: tuple[str, ...] | list[str] = (),
+                     allowed_endpoints: tuple[str, ...] | list[str] = (), unlisted: str = "",
+                     credentials: tuple[str, ...] | list[str] = ()) -> SandboxPolicy:
     """Build a policy from its wire/CLI name (``read-only``, ``workspace-write``, ``danger-full-access``)."""
     canonical = sandbox_mode(name)
     if canonical is SandboxMode.READ_ONLY:
@@ -273,8 +340,10 @@ def policy_from_name(name: str, *, network_access: bool = False,
         if writable_roots:
             raise InvalidPolicy("read-only has no writable roots: use workspace-write to list writable roots")
     if canonical is not SandboxMode.WORKSPACE_WRITE and (allowed_unix_sockets or allowed_hosts or published_ports
-                                           or allowed_domains):
-        raise InvalidPolicy("allowed Unix sockets, allowed hosts and published ports are options of workspace-write")
+                                           or allowed_domains or allowed_endpoints or credentials
+                                           or parse_unlisted(unlisted) is not Unlisted.REFUSE):
+        raise InvalidPolicy("allowed Unix sockets, allowed hosts, published ports, allowed domains, endpoint rules, "
+                            "credentials and unlisted = ask are options of workspace-write")
     if canonical is SandboxMode.READ_ONLY:
         return ReadOnly()
     if canonical is SandboxMode.DANGER_FULL_ACCESS:
@@ -285,7 +354,8 @@ def policy_from_name(name: str, *, network_access: bool = False,
         network_mode=parse_network_mode(network_mode or defaults.NETWORK_MODE),
         allowed_unix_sockets=tuple(allowed_unix_sockets),
         allowed_hosts=tuple(allowed_hosts), published_ports=tuple(published_ports),
-        allowed_domains=tuple(allowed_domains))
+        allowed_domains=tuple(allowed_domains), allowed_endpoints=tuple(allowed_endpoints),
+        unlisted=parse_unlisted(unlisted), credentials=tuple(credentials))
     validate_policy(policy)
     return policy
 

@@ -104,6 +104,10 @@ class LaunchSpec(Record):
     # go in that owner's group, under its share of the ceiling (limits.owner_*). Empty: no owner
     # level (`sandboxd run`, root's own sessions).
     owner: str = ""
+    # With a proxied network (policy.proxied): the certificates the sandbox trusts besides the
+    # host's bundle (the session's CA, network.upstream_ca_file), PEM. Public material only; its
+    # keys never leave the daemon. Empty: none (rootfs binds no bundle).
+    trust_pem: str = ""
     # The git directories of each writable root (by real path), found by the git guard's baseline
     # walk just before the launch (policy.git_dirs): the build protects them without walking the
     # root again. A root not named here is walked at build. Not on the fork server's wire: a
@@ -130,6 +134,7 @@ class LaunchSpec(Record):
                                         f"{exc}") from None
         if self.user is not None and (self.user[0] < 0 or self.user[1] < 0):
             raise InvalidPolicy(f"bad user {self.user!r}: uid and gid must be >= 0")
+        check_trust_pem(self.trust_pem)
         for path in (*self.hidden_paths, *self.owner_hidden, *self.denied_sockets, *self.approval_channels):
             if not path.startswith("/") or "\0" in path:
                 raise InvalidPolicy(f"sandboxd's own path {path!r} must be absolute")
@@ -146,6 +151,34 @@ class LaunchSpec(Record):
 
 
 MAX_OWNER_KEY = 64
+MAX_TRUST_PEM = 64 << 10                 # the session CA and network.upstream_ca_file: a few KiB each
+PEM_BEGIN = "-----BEGIN CERTIFICATE-----"
+PEM_END = "-----END CERTIFICATE-----"
+
+
+def check_trust_pem(text: str) -> str:
+    """``text`` ("" or PEM certificates, nothing else: no key, no other block, at most
+    MAX_TRUST_PEM bytes) or InvalidPolicy. Only the text's shape: whether each parses is the
+    network layer's to check where it makes or reads them."""
+    if not text:
+        return text
+    if len(text.encode(errors="surrogateescape")) > MAX_TRUST_PEM:
+        raise InvalidPolicy(f"the sandbox's trusted certificates take more than {MAX_TRUST_PEM} bytes")
+    inside = False
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        if line == PEM_BEGIN and not inside:
+            inside = True
+        elif line == PEM_END and inside:
+            inside = False
+        elif not inside or line.startswith("-----") or not line.isascii():
+            raise InvalidPolicy("the sandbox's trusted certificates must be PEM certificates only "
+                                f"({PEM_BEGIN} ... {PEM_END} blocks)")
+    if inside:
+        raise InvalidPolicy(f"the sandbox's trusted certificates end inside a certificate (no {PEM_END})")
+    return text
 _OWNER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-")
 
 
@@ -162,7 +195,8 @@ def policy_to_dict(policy: SandboxPolicy) -> dict[str, object]:
             "writable_roots": list(policy.writable_roots), "protected_subpaths": list(policy.protected_subpaths),
             "network_mode": str(policy.network_mode), "allowed_unix_sockets": list(policy.allowed_unix_sockets),
             "allowed_hosts": list(policy.allowed_hosts), "published_ports": list(policy.published_ports),
-            "allowed_domains": list(policy.allowed_domains)}
+            "allowed_domains": list(policy.allowed_domains), "allowed_endpoints": list(policy.allowed_endpoints),
+            "unlisted": str(policy.unlisted), "credentials": list(policy.credentials)}
 
 
 def policy_from_dict(data: dict[str, object]) -> SandboxPolicy:
@@ -176,7 +210,10 @@ def policy_from_dict(data: dict[str, object]) -> SandboxPolicy:
                             allowed_unix_sockets=list(_strings(data, "allowed_unix_sockets")),
                             allowed_hosts=list(_strings(data, "allowed_hosts")),
                             published_ports=list(_strings(data, "published_ports")),
-                            allowed_domains=list(_strings(data, "allowed_domains")))
+                            allowed_domains=list(_strings(data, "allowed_domains")),
+                            allowed_endpoints=list(_strings(data, "allowed_endpoints")),
+                            unlisted=str(data.get("unlisted") or ""),
+                            credentials=list(_strings(data, "credentials")))
 
 
 def _strings(data: dict[str, object], key: str) -> tuple[str, ...]:

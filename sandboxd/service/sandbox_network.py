@@ -42,7 +42,7 @@ class EgressProxies(SandboxHooks):
 
     def sandbox_ready(self, session: Session, sandbox: Sandbox) -> Iterable[Service]:
         domains, info = sandbox.policy.allowed_domains, sandbox.info
-        if not (domains and info.host_address and info.sandbox_address):
+        if not (sandbox.policy.proxied and info.host_address and info.sandbox_address):
             return ()
         from sandboxd.network.egress_proxy import PROXY_ADDRESS, EgressProxy, proxy_environment
 

@@ -703,11 +703,11 @@ def _isolated_network(plan: LaunchPlan) -> "tuple[IsolatedNetwork | None, Launch
     from sandboxd.kernel.netns import DEFAULT_POOL
 
     network = create_isolated(pool=plan.network_pool or DEFAULT_POOL, resolvers=list(plan.dns) if plan.dns else None,
-                              allowed_hosts=plan.allowed_hosts, via_proxy=bool(plan.allowed_domains))
+                              allowed_hosts=plan.allowed_hosts, via_proxy=plan.proxied)
     try:
         netns_fd = os.dup(network.netns_fd)
         env = dict(plan.env)
-        if plan.allowed_domains:
+        if plan.proxied:
             from sandboxd.network.egress_proxy import EgressProxy, proxy_environment
 
             # On the sandbox's loopback, bound before the command can exist, so its first request
