@@ -8,6 +8,7 @@ malformed one is refused naming its path (``spec.policy.network_mode``)."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy import DangerFullAccess, LaunchSpec, Limits, ReadOnly, WorkspaceWrite
+from sandboxd.policy.network import Unlisted
 from sandboxd.policy.sandbox import NetworkMode, SandboxMode
 from sandboxd.supervisor import fork_protocol as protocol
 
@@ -163,11 +165,15 @@ SPECS = [
     LaunchSpec(argv=("id",), workspace="/w", policy=DangerFullAccess(), user=(0, 0)),
     LaunchSpec(argv=("id",), workspace="/w", owner="uid-1000", hidden_homes=("/root",), private_home="/tmp/h",
                limits=Limits(pids=100, total_pids=300, owner_pids=150, owner_memory_bytes=256 << 20)),
+    LaunchSpec(argv=("gh",), workspace="/w", policy=WorkspaceWrite(
+        network_access=True, allowed_domains=("*",), allowed_endpoints=("api.github.com=GET,HEAD:/repos/*/**",),
+        unlisted="ask", credentials=("GH_TOKEN=https://api.github.com", "K=https://k.test:8443;x-api-key: {}")),
+        trust_pem="-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"),
 ]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=["minimal", "read-only-full", "workspace-write-roots", "host-network",
-                                             "danger-root", "owner-share"])
+                                             "danger-root", "owner-share", "network-rules"])
 def test_a_launch_spec_crosses_as_a_typed_record_and_comes_back_equal(spec: LaunchSpec) -> None:
     """The spec crosses nested (SpecRecord, PolicyRecord, Limits), its modes as choices: what the
     server decodes builds the very spec the client sent."""
@@ -178,6 +184,7 @@ def test_a_launch_spec_crosses_as_a_typed_record_and_comes_back_equal(spec: Laun
         assert isinstance(back, (protocol.Launch, protocol.SessionOpen))
         assert isinstance(back.spec.policy.name, SandboxMode) and isinstance(back.spec.policy.network_mode, NetworkMode)
         assert protocol.launch_spec(back.spec) == spec
+        assert isinstance(back.spec.policy.unlisted, Unlisted)
 
 
 def _spec_message() -> dict[str, Any]:
@@ -203,6 +210,11 @@ def _spec_message() -> dict[str, Any]:
     ("spec.caller", [1000, 1000, [27]], "must be an object of CallerRecord's fields"),
     ("spec.user", ["x", 0], "must be list[int] | None"),
     ("spec.argv", None, "is missing"),
+    ("spec.policy.unlisted", "sometimes", "must be one of refuse, ask, got 'sometimes'"),
+    ("spec.policy.unlisted", None, "is missing"),
+    ("spec.policy.allowed_endpoints", "a.test=GET:/", "must be list[str]"),
+    ("spec.policy.credentials", [{"name": "T"}], "must be list[str]"),
+    ("spec.trust_pem", ["pem"], "must be str"),
 ])
 def test_a_malformed_nested_field_is_refused_naming_its_path(path: str, value: object, says: str) -> None:
     """Each field of the nested spec is checked as the top-level ones are: a wrong one is Malformed
@@ -241,4 +253,20 @@ def test_a_well_typed_spec_its_policy_kind_refuses_is_invalid_policy() -> None:
     decoded = protocol.decode(json.dumps(message).encode(), 3, protocol.requests())
     assert isinstance(decoded, protocol.Launch)
     with pytest.raises(InvalidPolicy, match="'spec.user' must be \\[uid, gid\\]"):
+        protocol.launch_spec(decoded.spec)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("allowed_endpoints", ["pypi.org=GET:/a/../b"], "'.' or '..' segment"),
+    ("allowed_endpoints", ["other.test=GET:/"], "endpoint rules only narrow"),
+    ("credentials", ["T=http://a.test"], "https://HOST"),
+])
+def test_network_rules_the_policy_refuses_are_refused_after_decoding(field: str, value: object, says: str) -> None:
+    """A well-typed record whose rules the policy refuses is InvalidPolicy from launch_spec, as the
+    policy's own check says (the server never builds from it)."""
+    message = _spec_message()
+    message["spec"]["policy"][field] = value
+    decoded = protocol.decode(json.dumps(message).encode(), 3, protocol.requests())
+    assert isinstance(decoded, protocol.Launch)
+    with pytest.raises(InvalidPolicy, match=re.escape(says)):
         protocol.launch_spec(decoded.spec)

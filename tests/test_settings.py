@@ -73,6 +73,8 @@ def test_serve_flags_map_to_their_keys() -> None:
     args = parser().parse_args(["--workers", "8", "--dns", "192.0.2.1", "--dns", "192.0.2.2", "--tcp-user", "nobody"])
     assert flag_values(args) == {"listen.workers": 8, "network.dns": ["192.0.2.1", "192.0.2.2"], "tls.user": "nobody"}
     assert flag_values(parser().parse_args([])) == {}
+    assert flag_values(parser().parse_args(["--upstream-proxy", "http://p:3128", "--upstream-ca-file", "/c.pem"])) == \
+        {"network.upstream_proxy": "http://p:3128", "network.upstream_ca_file": "/c.pem"}
     assert set(config.FLAGS) <= {key.dotted for key in config.KEYS}
 
 
@@ -91,6 +93,24 @@ def test_serve_flags_map_to_their_keys() -> None:
     ({}, {"tls.address": "127.0.0.1:1"}, "tls: a TCP listener needs all of --tcp, --tls-cert, --tls-key"),
     ({"SANDBOXD_TLS_ADDRESS": "127.0.0.1:1"}, {}, "tls: a TCP listener needs all of address, cert, key and client_ca"),
     ({}, {"listen.workers": 8}, "quotas: 4 users at their quotas"),
+    ({}, {"network.upstream_proxy": "https://proxy.corp:3128"}, "--upstream-proxy: network.upstream_proxy: must be "
+                                                               "http://HOST:PORT"),
+    ({}, {"network.upstream_proxy": "http://user:pw@proxy.corp:3128"}, "must be http://HOST:PORT (no user"),
+    ({}, {"network.upstream_proxy": "http://proxy.corp"}, "must be http://HOST:PORT"),
+    ({}, {"network.upstream_ca_file": "corp.pem"}, "--upstream-ca-file: network.upstream_ca_file: must be an absolute"),
+    ({"SANDBOXD_NETWORK_ALLOWED_RANGES": '["169.254.0.0/16"]'}, {},
+     "network.allowed_ranges: '169.254.0.0/16' holds the cloud metadata address 169.254.169.254"),
+    ({"SANDBOXD_NETWORK_ALLOWED_RANGES": '["100.64.0.0/10"]'}, {}, "the cloud metadata address 100.100.100.200"),
+    ({"SANDBOXD_NETWORK_ALLOWED_RANGES": '["0.0.0.0/0"]'}, {}, "holds loopback"),
+    ({"SANDBOXD_NETWORK_ALLOWED_RANGES": '["fd00::/8"]'}, {}, "is not an IPv4 network"),
+    ({"SANDBOXD_NETWORK_SECRETS": '{ GitHub = { file = "/s" } }'}, {}, "network.secrets: daemon secret 'GitHub'"),
+    ({"SANDBOXD_NETWORK_SECRETS": '{ gh = { file = "s" } }'}, {}, "gh: file must be an absolute path"),
+    ({"SANDBOXD_NETWORK_SECRETS": '{ gh = { file = "/s", owners = [] } }'}, {}, "gh: must be { file = ..."),
+    ({"SANDBOXD_NETWORK_SECRETS": '{ gh = { file = "/s", users = ["no-such-user-here"] } }'}, {},
+     "network.secrets: unknown user or group in network.secrets.gh.users"),
+    ({"SANDBOXD_NETWORK_SECRETS": '{ gh = { file = "/s", groups = ["no-such-group-here"] } }'}, {},
+     "network.secrets: gh: no group"),
+    ({"SANDBOXD_QUOTAS_NETWORK_QUESTIONS_PER_SESSION": "0"}, {}, "must be a whole number from 1 to 1024"),
 ])
 def test_a_bad_value_is_refused_with_its_source_and_key(environ: dict[str, str], flags: dict[str, object],
                                                          message: str) -> None:
@@ -115,6 +135,49 @@ def test_the_tls_files_and_users_are_checked_at_load(tmp_path: Path) -> None:
                                                                   "HOST:PORT")):
         with pytest.raises(config.ConfigError, match=message):
             config.load(None, environ={}, flags={**flags, **changed})
+
+
+def test_the_network_keys_come_typed() -> None:
+    """Issue 26's keys: defaults, then each set, as DaemonSettings holds them."""
+    plain = config.load(None, environ={})
+    assert (plain.upstream_proxy, plain.upstream_ca_pem, plain.allowed_ranges, dict(plain.secrets),
+            plain.network_questions, plain.intercepted_connections) == (None, b"", (), {}, 16, 64)
+    given = config.load(None, environ={
+        "SANDBOXD_NETWORK_ALLOWED_RANGES": '["10.1.0.0/16"]',
+        "SANDBOXD_NETWORK_SECRETS": '{ github = { file = "/etc/sandboxd/secrets/github", users = ["root", "65534"], '
+                                    'groups = ["0"] } }',
+        "SANDBOXD_QUOTAS_INTERCEPTED_CONNECTIONS_PER_SESSION": "8"}, flags={"network.upstream_proxy": "http://Proxy.Corp:3128"})
+    assert given.upstream_proxy == ("proxy.corp", 3128) and given.allowed_ranges == ("10.1.0.0/16",)
+    assert given.intercepted_connections == 8
+    secret = given.secrets["github"]
+    assert (secret.file, secret.uids, secret.gids) == ("/etc/sandboxd/secrets/github", (0, 65534), (0,))
+
+
+def test_the_upstream_ca_file_must_be_roots_and_pem(tmp_path: Path) -> None:
+    pem = tmp_path / "corp.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    pem.chmod(0o644)
+    os.chown(pem, 0, 0)
+    assert config.load(None, environ={}, flags={"network.upstream_ca_file": str(pem)}).upstream_ca_pem == \
+        pem.read_bytes()                                                     # the control
+    problems = []
+    for change, says in ((lambda: pem.chmod(0o666), "not group or other writable"),
+                         (lambda: os.chown(pem, 65534, 0), "owned by root"),
+                         (lambda: pem.write_text("-----BEGIN PRIVATE KEY-----\nx\n-----END PRIVATE KEY-----\n"),
+                          "PEM certificates only"),
+                         (lambda: pem.write_text(""), "holds no certificate")):
+        pem.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+        pem.chmod(0o644)
+        os.chown(pem, 0, 0)
+        change()
+        with pytest.raises(config.ConfigError, match=says) as refused:
+            config.load(None, environ={}, flags={"network.upstream_ca_file": str(pem)})
+        problems.append(str(refused.value))
+    link = tmp_path / "link.pem"
+    link.symlink_to(pem)
+    with pytest.raises(config.ConfigError, match="not a symlink"):
+        config.load(None, environ={}, flags={"network.upstream_ca_file": str(link)})
+    assert all("--upstream-ca-file: network.upstream_ca_file" in problem for problem in problems)
 
 
 def test_settings_are_frozen() -> None:

@@ -35,6 +35,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-format", choices=["json", "text"], help="[log.format]")
     p.add_argument("--log-level", choices=["debug", "info", "warning"], help="[log.level]")
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics here [metrics.listen]")
+    p.add_argument("--upstream-proxy", metavar="http://HOST:PORT",
+                   help="send what the egress proxy lets out through this proxy [network.upstream_proxy]")
+    p.add_argument("--upstream-ca-file", metavar="FILE",
+                   help="CA certificates (PEM) trusted for upstream servers [network.upstream_ca_file]")
     tls = p.add_argument_group("optional TCP listener (TLS with client certificates only)")
     tls.add_argument("--tcp", metavar="HOST:PORT", help="also listen here, with TLS [tls.address]")
     tls.add_argument("--tls-cert", metavar="FILE", help="the server's certificate chain (PEM) [tls.cert]")

@@ -191,6 +191,83 @@ def _cidr(value: object) -> str | None:
     return None
 
 
+def _upstream_proxy(value: object) -> str | None:
+    """"" or ``http://HOST:PORT`` (no user, no path: proxy authentication is not taken yet)."""
+    if value == "":
+        return None
+    wanted = f"must be http://HOST:PORT (no user or path; empty: none), not {value!r}"
+    if not isinstance(value, str) or not value.startswith("http://"):
+        return wanted
+    return None if split_upstream_proxy(value) is not None else wanted
+
+
+def split_upstream_proxy(url: str) -> tuple[str, int] | None:
+    """``http://HOST:PORT`` as (host, port): HOST a host name or an IPv4 address; None otherwise."""
+    from sandboxd.policy.domains import host_name
+    from sandboxd.policy.ipv4 import ipv4_address, port
+
+    authority = url.removeprefix("http://").removesuffix("/")
+    host, colon, port_text = authority.rpartition(":")
+    if not colon or not url.startswith("http://") or "@" in authority or "/" in authority:
+        return None
+    try:
+        number = port(port_text)
+    except ValueError:
+        return None
+    try:
+        return str(ipv4_address(host)), number
+    except ValueError:
+        name = host_name(host)
+        return None if name is None else (name, number)
+
+
+def _allowed_ranges(value: object) -> str | None:
+    """IPv4 networks root lets the egress proxy reach although it refuses their range; never one
+    holding a cloud metadata address or loopback."""
+    import ipaddress
+
+    from sandboxd.policy.network import METADATA_ADDRESSES
+
+    if not isinstance(value, list):
+        return "must be a list of IPv4 networks, like [\"10.1.0.0/16\"]"
+    never = [ipaddress.ip_network("127.0.0.0/8")] + [ipaddress.ip_network(a) for a in METADATA_ADDRESSES]
+    for item in value:
+        try:
+            network = ipaddress.ip_network(str(item))
+        except ValueError:
+            return f"{item!r} is not an IPv4 network like 10.1.0.0/16"
+        if network.version != 4:
+            return f"{item!r} is not an IPv4 network like 10.1.0.0/16"
+        clash = next((other for other in never if network.version == other.version and network.overlaps(other)), None)
+        if clash is not None:
+            what = "loopback" if clash.is_loopback else f"the cloud metadata address {clash.network_address}"
+            return f"{item!r} holds {what}, which the proxy never reaches: name a range without it"
+    return None
+
+
+def _secrets(value: object) -> str | None:
+    """``NAME = { file = "/abs", users = [...], groups = [...] }`` for each daemon-side secret."""
+    from sandboxd.policy.network import check_secret_name
+
+    example = "like github = { file = \"/etc/sandboxd/secrets/github\", users = [\"alice\"], groups = [\"devs\"] }"
+    if not isinstance(value, dict):
+        return f"must be a table of secrets, {example}"
+    for name, entry in value.items():
+        try:
+            check_secret_name(str(name))
+        except InvalidPolicy as exc:
+            return str(exc)
+        if not isinstance(entry, dict) or set(entry) - {"file", "users", "groups"} or "file" not in entry:
+            return f"{name}: must be {{ file = ..., users = [...], groups = [...] }} ({example})"
+        if not isinstance(entry["file"], str) or not entry["file"].startswith("/"):
+            return f"{name}: file must be an absolute path"
+        for field in ("users", "groups"):
+            items = entry.get(field, [])
+            if not isinstance(items, list) or not all(isinstance(item, str) and item for item in items):
+                return f"{name}: {field} must be a list of names or numbers"
+    return None
+
+
 def _one_of(*choices: str) -> "Callable[[object], str | None]":
     def check(value: object) -> str | None:
         return None if value in choices else f"must be one of {', '.join(choices)}, not {value!r}"
@@ -209,6 +286,10 @@ KEYS: tuple[Key, ...] = (
         "as soon as they are accepted); root may hold four times as many", _whole(1, 65536)),
     Key("quotas", "proxy_connections_per_session", 256, "connections a session's sandbox may hold open at once "
         "through its egress proxy (allowed domains); more are refused at once", _whole(1, 65536)),
+    Key("quotas", "network_questions_per_session", 16, "network questions (unlisted = ask) one session may have "
+        "held at once; more are refused at once", _whole(1, 1024)),
+    Key("quotas", "intercepted_connections_per_session", 64, "intercepted (TLS-ended) connections one session's "
+        "sandbox may hold open at once, within quotas.proxy_connections_per_session", _whole(1, 65536)),
     Key("quotas", "published_connections_per_session", 256, "connections open at once to a session's published "
         "ports, from anyone; more are refused at once", _whole(1, 65536)),
     Key("quotas", "published_connections_per_peer", 32, "connections open at once to a session's published ports "
@@ -288,6 +369,17 @@ KEYS: tuple[Key, ...] = (
         _boolean),
     Key("network", "dns", [], "resolvers for isolated networks; empty: the host's", _ipv4_list),
     Key("network", "pool", "10.233.0.0/16", "addresses of isolated networks, a /30 per sandbox", _cidr),
+    Key("network", "upstream_proxy", "", "http://HOST:PORT of a proxy every connection the egress proxy lets out "
+        "goes through (by CONNECT); the allowlists, endpoint rules and credentials still apply here; empty: none",
+        _upstream_proxy),
+    Key("network", "upstream_ca_file", "", "a PEM file of CA certificates trusted for upstream servers (a "
+        "corporate proxy's) besides the host's store, and added to every proxied sandbox's bundle; root's and "
+        "not group or other writable; empty: none", _optional_absolute),
+    Key("network", "allowed_ranges", [], "IPv4 networks the egress proxy may reach although they are in a refused "
+        "range (an intercepting mirror on 10.x); never loopback or a cloud metadata address", _allowed_ranges),
+    Key("network", "secrets", {}, "secrets sessions may name instead of sending one (--daemon-credential VAR=NAME): "
+        "NAME = { file = \"/etc/sandboxd/secrets/NAME\", users = [...], groups = [...] }; the file root's, "
+        "mode 0600, read at each use", _secrets),
     Key("defaults", "sandbox_policy", "workspace-write", "the sandbox of a session that does not ask for one",
         _one_of("read-only", "workspace-write")),
     Key("defaults", "network_access", False, "network access of such a session (isolated)", _boolean),
@@ -408,7 +500,8 @@ FLAGS: dict[str, str] = {
     "state.dir": "--state-dir", "network.dns": "--dns", "approvals.timeout_seconds": "--approval-timeout",
     "tls.address": "--tcp", "tls.cert": "--tls-cert", "tls.key": "--tls-key", "tls.client_ca": "--tls-client-ca",
     "tls.user": "--tcp-user", "log.format": "--log-format", "log.level": "--log-level",
-    "metrics.listen": "--metrics"}
+    "metrics.listen": "--metrics", "network.upstream_proxy": "--upstream-proxy",
+    "network.upstream_ca_file": "--upstream-ca-file"}
 _TLS = ("tls.address", "tls.cert", "tls.key", "tls.client_ca")
 
 

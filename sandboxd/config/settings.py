@@ -4,16 +4,19 @@ stops the start here, once, never half-way through it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+import ipaddress
+import os
 from typing import Callable, Mapping
 
-from sandboxd.config import BUILT_IN, Config, ConfigError, ResourceLimits
+from sandboxd.config import BUILT_IN, Config, ConfigError, ResourceLimits, split_upstream_proxy
 from sandboxd.errors import InvalidPolicy, SandboxdError
 from sandboxd.kernel import host_limits
 from sandboxd.policy.audit_limits import AuditLimits, parse_min_free
 from sandboxd.policy.decision import approval_policy
 from sandboxd.policy.ipv4 import port as tcp_port
 from sandboxd.policy.limits import parse_size
+from sandboxd.policy.spec import MAX_TRUST_PEM, PEM_BEGIN, check_trust_pem
 from sandboxd.policy.quota_limits import QuotaLimits
 from sandboxd.policy.sandbox import sandbox_mode
 from sandboxd.policy.session_defaults import SessionDefaults
@@ -35,6 +38,15 @@ class TlsSettings:
     gid: int
     identity: str
     users: Mapping[str, tuple[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class SecretSource:
+    """A daemon-side secret (``[network.secrets] NAME``): its file, read at each use (service
+    side: owner root, mode 0600), and who may name it besides root."""
+    file: str
+    uids: tuple[int, ...]
+    gids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +80,12 @@ class DaemonSettings:
     review_owner_bytes: int       # review.owner_bytes
     review_owner_stores: int      # review.owner_stores (0: no cap)
     review_keep_days: float       # review.keep_days (0: kept for good), for service.review_expiry
+    upstream_proxy: tuple[str, int] | None = None   # network.upstream_proxy as (host, port)
+    upstream_ca_pem: bytes = b""  # network.upstream_ca_file's certificates, read once at load
+    allowed_ranges: tuple[str, ...] = ()            # network.allowed_ranges, canonical
+    secrets: Mapping[str, SecretSource] = field(default_factory=dict)   # network.secrets, users looked up
+    network_questions: int = 16   # quotas.network_questions_per_session
+    intercepted_connections: int = 64   # quotas.intercepted_connections_per_session
 
     @property
     def config_path(self) -> str | None:
@@ -143,7 +161,68 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         review_session_bytes=_size_or_zero(config, "review.session_bytes"),
         review_owner_bytes=parse_size(config.text("review.owner_bytes"), "review.owner_bytes"),
         review_owner_stores=config.whole("review.owner_stores"),
-        review_keep_days=config.number("review.keep_days"))
+        review_keep_days=config.number("review.keep_days"),
+        upstream_proxy=split_upstream_proxy(config.text("network.upstream_proxy")),
+        upstream_ca_pem=_upstream_ca(config, refuse),
+        allowed_ranges=tuple(str(ipaddress.ip_network(item)) for item in config.texts("network.allowed_ranges")),
+        secrets=_secrets(config, refuse),
+        network_questions=config.whole("quotas.network_questions_per_session"),
+        intercepted_connections=config.whole("quotas.intercepted_connections_per_session"))
+
+
+def _upstream_ca(config: Config, refuse: "Callable[[str, str], ConfigError]") -> bytes:
+    """network.upstream_ca_file's contents: a regular file of root's that only root may change (it
+    decides which servers are trusted, and sandboxes trust it too), holding PEM certificates."""
+    import stat
+
+    path = config.text("network.upstream_ca_file")
+    if not path:
+        return b""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise refuse("network.upstream_ca_file", f"cannot open {path} ({exc.strerror}): give a PEM file of root's, "
+                     "not a symlink") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o022:
+            raise refuse("network.upstream_ca_file", f"{path} must be a regular file owned by root and not group "
+                         "or other writable (it decides which servers every session trusts)")
+        if info.st_size > MAX_TRUST_PEM:
+            raise refuse("network.upstream_ca_file", f"{path} is above {MAX_TRUST_PEM} bytes")
+        data = os.read(fd, MAX_TRUST_PEM + 1)
+    finally:
+        os.close(fd)
+    try:
+        check_trust_pem(data.decode("ascii"))
+    except (UnicodeDecodeError, InvalidPolicy):
+        raise refuse("network.upstream_ca_file", f"{path} must hold PEM certificates only") from None
+    if PEM_BEGIN.encode() not in data:
+        raise refuse("network.upstream_ca_file", f"{path} holds no certificate")
+    return data
+
+
+def _secrets(config: Config, refuse: "Callable[[str, str], ConfigError]") -> Mapping[str, SecretSource]:
+    """network.secrets with their users and groups looked up once (a name that is no user or
+    group stops the start, as listen.admin_group does). The files are read at each use."""
+    from types import MappingProxyType
+
+    from sandboxd.kernel.users import group_id, parse_user
+
+    table = config["network.secrets"]
+    assert isinstance(table, dict)          # its key's check
+    secrets: dict[str, SecretSource] = {}
+    for name, entry in table.items():
+        try:
+            uids = tuple(parse_user(user, f"network.secrets.{name}.users")[0] for user in entry.get("users", []))
+        except InvalidPolicy as exc:
+            raise refuse("network.secrets", f"{exc}: name an existing user, or give its number") from None
+        try:
+            gids = tuple(group_id(group) for group in entry.get("groups", []))
+        except KeyError as exc:
+            raise refuse("network.secrets", f"{name}: no group {exc.args[0]!r} on this machine") from None
+        secrets[name] = SecretSource(file=entry["file"], uids=uids, gids=gids)
+    return MappingProxyType(secrets)
 
 
 def _size_or_zero(config: Config, dotted: str) -> int:

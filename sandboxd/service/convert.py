@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from sandboxd.defaults import NETWORK_MODE
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy import DEFAULT_PROTECTED_SUBPATHS, Limits, SandboxPolicy, policy_from_name
 from sandboxd.policy.sandbox import SandboxMode
 from sandboxd.policy.decision import ApprovalPolicy, PermissionMode, ToolRules, axes_for
+from sandboxd.policy.network import (
+    CredentialState,
+    DaemonSecret,
+    check_secret,
+    check_secret_name,
+    check_secrets_match,
+)
 from sandboxd.policy.session_defaults import SessionDefaults
 from sandboxd.policy.limits import (DEFAULT_TMP_SIZE, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, PATH_MAX, check_count,
                                     check_timeout)
@@ -31,6 +38,7 @@ _APPROVALS = {ApprovalPolicy.NEVER: pb.NEVER, ApprovalPolicy.ON_REQUEST: pb.ON_R
 
 NAME_MAX = 255
 NAME_LIMIT = 1024                   # host and domain names, socket names in policies
+ENTRY_LIMIT = 2048                  # an endpoint rule: a host name and a path glob of 1024 (policy.network)
 
 
 def check_path(path: str, what: str = "path") -> str:
@@ -76,10 +84,11 @@ def policy_from_proto(message: pb.SandboxPolicy, defaults: SessionDefaults | Non
         check_path(sub, "a protected subpath")
     for socket_path in message.allowed_unix_sockets:
         check_path(socket_path, "an allowed Unix socket")
-    for field in ("allowed_hosts", "published_ports", "allowed_domains"):
+    for field in ("allowed_hosts", "published_ports", "allowed_domains", "allowed_endpoints", "credentials"):
         for entry in getattr(message, field):
-            check_text(entry, f"an entry of {field}")
+            check_text(entry, f"an entry of {field}", ENTRY_LIMIT if field == "allowed_endpoints" else NAME_LIMIT)
     check_text(message.network_mode, "network_mode")
+    check_text(message.unlisted, "unlisted")
     protected = tuple(message.protected_subpaths)
     if not message.no_default_protected_subpaths:
         protected = tuple(dict.fromkeys(DEFAULT_PROTECTED_SUBPATHS + protected))
@@ -88,7 +97,9 @@ def policy_from_proto(message: pb.SandboxPolicy, defaults: SessionDefaults | Non
                             network_mode=message.network_mode or NETWORK_MODE,
                             allowed_unix_sockets=list(message.allowed_unix_sockets),
                             allowed_hosts=list(message.allowed_hosts), published_ports=list(message.published_ports),
-                            allowed_domains=list(message.allowed_domains))
+                            allowed_domains=list(message.allowed_domains),
+                            allowed_endpoints=list(message.allowed_endpoints), unlisted=message.unlisted,
+                            credentials=list(message.credentials))
 
 
 def policy_to_proto(policy: SandboxPolicy) -> pb.SandboxPolicy:
@@ -100,7 +111,37 @@ def policy_to_proto(policy: SandboxPolicy) -> pb.SandboxPolicy:
                             allowed_unix_sockets=list(policy.allowed_unix_sockets),
                             allowed_hosts=list(policy.allowed_hosts), published_ports=list(policy.published_ports),
                             allowed_domains=list(policy.allowed_domains),
+                            allowed_endpoints=list(policy.allowed_endpoints),
+                            unlisted="" if policy.unlisted == "refuse" else str(policy.unlisted),
+                            credentials=list(policy.credentials),
                             no_default_protected_subpaths=True)
+
+
+def credential_secrets_from_proto(secrets: Mapping[str, pb.CredentialSecret], policy: SandboxPolicy,
+                                  known: frozenset[str] = frozenset()) -> dict[str, bytes | DaemonSecret]:
+    """The secrets of ``policy``'s credentials (CreateSessionRequest / UpdateSessionPolicyRequest
+    .credential_secrets), checked: one for each credential not in ``known`` (those the session
+    holds already), none for a variable no credential names, each a caller's bytes a header can
+    carry or a daemon secret's name. Whether the caller may use that daemon secret is the
+    service's to say. InvalidPolicy naming the variable, never a secret's value."""
+    specs = policy.network_rules.credentials
+    check_count("credential_secrets", secrets, len(specs))
+    check_secrets_match(specs, secrets, known)
+    checked: dict[str, bytes | DaemonSecret] = {}
+    for name, secret in secrets.items():
+        source = secret.WhichOneof("source")
+        if source == "value":
+            checked[name] = check_secret(name, secret.value)
+        elif source == "daemon_secret":
+            checked[name] = DaemonSecret(check_secret_name(secret.daemon_secret))
+        else:
+            raise InvalidPolicy(f"the secret of {name} is empty: give its value or a daemon_secret")
+    return checked
+
+
+def credential_states_to_proto(states: Iterable[CredentialState]) -> list[pb.CredentialState]:
+    return [pb.CredentialState(name=state.name, upstream=state.upstream, source=state.source, usable=state.usable)
+            for state in states]
 
 
 def approval_from_proto(value: pb.ApprovalPolicy) -> ApprovalPolicy:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from sandboxd._record import Choice, Factory, Record
 from sandboxd.errors import InvalidPolicy, SandboxdError
 from sandboxd.policy.limits import Limits
+from sandboxd.policy.network import Unlisted
 from sandboxd.policy.limits import check_timeout as limits_check_timeout
 from sandboxd.policy.sandbox import (DangerFullAccess, NetworkMode, ReadOnly, SandboxMode, SandboxPolicy,
                                      WorkspaceWrite, validate_policy)
@@ -165,7 +166,7 @@ class FieldRefused(Exception):
 
 # The record and choice types a field may be declared as, by the name its annotation gives.
 _NESTED: dict[str, type[Record]] = {}
-_CHOICES: dict[str, type[Choice]] = {"SandboxMode": SandboxMode, "NetworkMode": NetworkMode}
+_CHOICES: dict[str, type[Choice]] = {"SandboxMode": SandboxMode, "NetworkMode": NetworkMode, "Unlisted": Unlisted}
 # Each nested record's fields: (name, check, annotation, read); read is None for a plain field.
 _FieldReads = tuple[tuple[str, "Callable[[object], bool]", str, "Callable[[object, str], object] | None"], ...]
 _NESTED_FIELDS: dict[type[Record], _FieldReads] = {}
@@ -263,6 +264,9 @@ class PolicyRecord(Record):
     allowed_hosts: list[str]
     published_ports: list[str]
     allowed_domains: list[str]
+    allowed_endpoints: list[str]
+    unlisted: Unlisted
+    credentials: list[str]              # the public specifications: a secret never crosses
 
 
 @nested
@@ -298,6 +302,7 @@ class SpecRecord(Record):
     hidden_homes: list[str]
     private_home: str
     owner_hidden: list[str] = Factory(list)
+    trust_pem: str = ""                 # LaunchSpec.trust_pem: public certificates only
 
 
 _POLICY_KINDS: dict[SandboxMode, type[SandboxPolicy]] = {
@@ -308,7 +313,8 @@ _POLICY_KINDS: dict[SandboxMode, type[SandboxPolicy]] = {
 def policy_record(policy: SandboxPolicy) -> PolicyRecord:
     return PolicyRecord(policy.mode, policy.network_access, list(policy.writable_roots),
                         list(policy.protected_subpaths), policy.network_mode, list(policy.allowed_unix_sockets),
-                        list(policy.allowed_hosts), list(policy.published_ports), list(policy.allowed_domains))
+                        list(policy.allowed_hosts), list(policy.published_ports), list(policy.allowed_domains),
+                        list(policy.allowed_endpoints), policy.unlisted, list(policy.credentials))
 
 
 def sandbox_policy(record: PolicyRecord) -> SandboxPolicy:
@@ -317,7 +323,9 @@ def sandbox_policy(record: PolicyRecord) -> SandboxPolicy:
         network_access=record.network_access, writable_roots=tuple(record.writable_roots),
         protected_subpaths=tuple(record.protected_subpaths), network_mode=record.network_mode,
         allowed_unix_sockets=tuple(record.allowed_unix_sockets), allowed_hosts=tuple(record.allowed_hosts),
-        published_ports=tuple(record.published_ports), allowed_domains=tuple(record.allowed_domains))
+        published_ports=tuple(record.published_ports), allowed_domains=tuple(record.allowed_domains),
+        allowed_endpoints=tuple(record.allowed_endpoints), unlisted=record.unlisted,
+        credentials=tuple(record.credentials))
     validate_policy(policy)
     return policy
 
@@ -328,7 +336,7 @@ def spec_record(spec: LaunchSpec) -> SpecRecord:
                       spec.limits, None if spec.user is None else list(spec.user), list(spec.dns), spec.network_pool,
                       caller, list(spec.hidden_paths), list(spec.denied_sockets), list(spec.denied_listeners),
                       list(spec.approval_channels), spec.owner, list(spec.hidden_homes), spec.private_home,
-                      list(spec.owner_hidden))
+                      list(spec.owner_hidden), spec.trust_pem)
 
 
 def launch_spec(record: SpecRecord) -> LaunchSpec:
@@ -344,7 +352,7 @@ def launch_spec(record: SpecRecord) -> LaunchSpec:
                       denied_sockets=tuple(record.denied_sockets), denied_listeners=tuple(record.denied_listeners),
                       approval_channels=tuple(record.approval_channels), owner=record.owner,
                       hidden_homes=tuple(record.hidden_homes), private_home=record.private_home,
-                      owner_hidden=tuple(record.owner_hidden))
+                      owner_hidden=tuple(record.owner_hidden), trust_pem=record.trust_pem)
 
 
 class Malformed(Exception):

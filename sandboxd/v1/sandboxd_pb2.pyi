@@ -34,7 +34,7 @@ EFFECT_DESTRUCTIVE: PolicyEffect
 EFFECT_UNKNOWN_COMMAND: PolicyEffect
 
 class SandboxPolicy(_message.Message):
-    __slots__ = ("mode", "network_access", "writable_roots", "protected_subpaths", "no_default_protected_subpaths", "network_mode", "allowed_unix_sockets", "allowed_hosts", "published_ports", "allowed_domains")
+    __slots__ = ("mode", "network_access", "writable_roots", "protected_subpaths", "no_default_protected_subpaths", "network_mode", "allowed_unix_sockets", "allowed_hosts", "published_ports", "allowed_domains", "allowed_endpoints", "unlisted", "credentials")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         MODE_UNSPECIFIED: _ClassVar[SandboxPolicy.Mode]
@@ -55,6 +55,9 @@ class SandboxPolicy(_message.Message):
     ALLOWED_HOSTS_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_PORTS_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_DOMAINS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    UNLISTED_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIALS_FIELD_NUMBER: _ClassVar[int]
     mode: SandboxPolicy.Mode
     network_access: bool
     writable_roots: _containers.RepeatedScalarFieldContainer[str]
@@ -65,7 +68,30 @@ class SandboxPolicy(_message.Message):
     allowed_hosts: _containers.RepeatedScalarFieldContainer[str]
     published_ports: _containers.RepeatedScalarFieldContainer[str]
     allowed_domains: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, mode: _Optional[_Union[SandboxPolicy.Mode, str]] = ..., network_access: _Optional[bool] = ..., writable_roots: _Optional[_Iterable[str]] = ..., protected_subpaths: _Optional[_Iterable[str]] = ..., no_default_protected_subpaths: _Optional[bool] = ..., network_mode: _Optional[str] = ..., allowed_unix_sockets: _Optional[_Iterable[str]] = ..., allowed_hosts: _Optional[_Iterable[str]] = ..., published_ports: _Optional[_Iterable[str]] = ..., allowed_domains: _Optional[_Iterable[str]] = ...) -> None: ...
+    allowed_endpoints: _containers.RepeatedScalarFieldContainer[str]
+    unlisted: str
+    credentials: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, mode: _Optional[_Union[SandboxPolicy.Mode, str]] = ..., network_access: _Optional[bool] = ..., writable_roots: _Optional[_Iterable[str]] = ..., protected_subpaths: _Optional[_Iterable[str]] = ..., no_default_protected_subpaths: _Optional[bool] = ..., network_mode: _Optional[str] = ..., allowed_unix_sockets: _Optional[_Iterable[str]] = ..., allowed_hosts: _Optional[_Iterable[str]] = ..., published_ports: _Optional[_Iterable[str]] = ..., allowed_domains: _Optional[_Iterable[str]] = ..., allowed_endpoints: _Optional[_Iterable[str]] = ..., unlisted: _Optional[str] = ..., credentials: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CredentialSecret(_message.Message):
+    __slots__ = ("value", "daemon_secret")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_SECRET_FIELD_NUMBER: _ClassVar[int]
+    value: bytes
+    daemon_secret: str
+    def __init__(self, value: _Optional[bytes] = ..., daemon_secret: _Optional[str] = ...) -> None: ...
+
+class CredentialState(_message.Message):
+    __slots__ = ("name", "upstream", "source", "usable")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    USABLE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    upstream: str
+    source: str
+    usable: bool
+    def __init__(self, name: _Optional[str] = ..., upstream: _Optional[str] = ..., source: _Optional[str] = ..., usable: _Optional[bool] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("timeout_seconds", "memory_bytes", "pids", "cpu_seconds", "open_files", "tmp_size_bytes")
@@ -84,7 +110,7 @@ class Limits(_message.Message):
     def __init__(self, timeout_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., pids: _Optional[int] = ..., cpu_seconds: _Optional[int] = ..., open_files: _Optional[int] = ..., tmp_size_bytes: _Optional[int] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("id", "workspace", "sandbox_policy", "approval_policy", "limits", "labels", "owner_uid", "owner_gid", "created_at", "running_calls", "sandbox_generation", "permission_mode", "closed_at", "sandbox_ready", "env_names", "review")
+    __slots__ = ("id", "workspace", "sandbox_policy", "approval_policy", "limits", "labels", "owner_uid", "owner_gid", "created_at", "running_calls", "sandbox_generation", "permission_mode", "closed_at", "sandbox_ready", "env_names", "review", "credential_states")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +134,7 @@ class Session(_message.Message):
     SANDBOX_READY_FIELD_NUMBER: _ClassVar[int]
     ENV_NAMES_FIELD_NUMBER: _ClassVar[int]
     REVIEW_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_STATES_FIELD_NUMBER: _ClassVar[int]
     id: str
     workspace: str
     sandbox_policy: SandboxPolicy
@@ -124,10 +151,11 @@ class Session(_message.Message):
     sandbox_ready: bool
     env_names: _containers.RepeatedScalarFieldContainer[str]
     review: bool
-    def __init__(self, id: _Optional[str] = ..., workspace: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., owner_uid: _Optional[int] = ..., owner_gid: _Optional[int] = ..., created_at: _Optional[float] = ..., running_calls: _Optional[int] = ..., sandbox_generation: _Optional[int] = ..., permission_mode: _Optional[str] = ..., closed_at: _Optional[float] = ..., sandbox_ready: _Optional[bool] = ..., env_names: _Optional[_Iterable[str]] = ..., review: _Optional[bool] = ...) -> None: ...
+    credential_states: _containers.RepeatedCompositeFieldContainer[CredentialState]
+    def __init__(self, id: _Optional[str] = ..., workspace: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., owner_uid: _Optional[int] = ..., owner_gid: _Optional[int] = ..., created_at: _Optional[float] = ..., running_calls: _Optional[int] = ..., sandbox_generation: _Optional[int] = ..., permission_mode: _Optional[str] = ..., closed_at: _Optional[float] = ..., sandbox_ready: _Optional[bool] = ..., env_names: _Optional[_Iterable[str]] = ..., review: _Optional[bool] = ..., credential_states: _Optional[_Iterable[_Union[CredentialState, _Mapping]]] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("workspace", "sandbox_policy", "approval_policy", "limits", "labels", "permission_mode", "allow_shell", "allow_file_write", "env", "close_with_caller", "review")
+    __slots__ = ("workspace", "sandbox_policy", "approval_policy", "limits", "labels", "permission_mode", "allow_shell", "allow_file_write", "env", "close_with_caller", "review", "credential_secrets")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +170,13 @@ class CreateSessionRequest(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class CredentialSecretsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: CredentialSecret
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[CredentialSecret, _Mapping]] = ...) -> None: ...
     WORKSPACE_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_POLICY_FIELD_NUMBER: _ClassVar[int]
     APPROVAL_POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +188,7 @@ class CreateSessionRequest(_message.Message):
     ENV_FIELD_NUMBER: _ClassVar[int]
     CLOSE_WITH_CALLER_FIELD_NUMBER: _ClassVar[int]
     REVIEW_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_SECRETS_FIELD_NUMBER: _ClassVar[int]
     workspace: str
     sandbox_policy: SandboxPolicy
     approval_policy: ApprovalPolicy
@@ -164,7 +200,8 @@ class CreateSessionRequest(_message.Message):
     env: _containers.ScalarMap[str, str]
     close_with_caller: bool
     review: bool
-    def __init__(self, workspace: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., permission_mode: _Optional[str] = ..., allow_shell: _Optional[bool] = ..., allow_file_write: _Optional[bool] = ..., env: _Optional[_Mapping[str, str]] = ..., close_with_caller: _Optional[bool] = ..., review: _Optional[bool] = ...) -> None: ...
+    credential_secrets: _containers.MessageMap[str, CredentialSecret]
+    def __init__(self, workspace: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., permission_mode: _Optional[str] = ..., allow_shell: _Optional[bool] = ..., allow_file_write: _Optional[bool] = ..., env: _Optional[_Mapping[str, str]] = ..., close_with_caller: _Optional[bool] = ..., review: _Optional[bool] = ..., credential_secrets: _Optional[_Mapping[str, CredentialSecret]] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -195,14 +232,23 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class UpdateSessionPolicyRequest(_message.Message):
-    __slots__ = ("session_id", "sandbox_policy", "approval_policy")
+    __slots__ = ("session_id", "sandbox_policy", "approval_policy", "credential_secrets")
+    class CredentialSecretsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: CredentialSecret
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[CredentialSecret, _Mapping]] = ...) -> None: ...
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_POLICY_FIELD_NUMBER: _ClassVar[int]
     APPROVAL_POLICY_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_SECRETS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     sandbox_policy: SandboxPolicy
     approval_policy: ApprovalPolicy
-    def __init__(self, session_id: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ...) -> None: ...
+    credential_secrets: _containers.MessageMap[str, CredentialSecret]
+    def __init__(self, session_id: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ..., credential_secrets: _Optional[_Mapping[str, CredentialSecret]] = ...) -> None: ...
 
 class FileChange(_message.Message):
     __slots__ = ("root", "path", "kind", "type", "host_type", "aspects", "mode", "host_mode", "uid", "gid", "host_uid", "host_gid", "size", "host_size", "sha256", "host_sha256", "target", "host_target", "flags", "conflict", "fingerprint")
@@ -783,14 +829,16 @@ class SearchResponse(_message.Message):
     def __init__(self, matches: _Optional[_Iterable[_Union[SearchMatch, _Mapping]]] = ..., truncated: _Optional[bool] = ..., engine: _Optional[str] = ...) -> None: ...
 
 class ResolveApprovalRequest(_message.Message):
-    __slots__ = ("session_id", "call_id", "decision")
+    __slots__ = ("session_id", "call_id", "decision", "rule")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     call_id: str
     decision: str
-    def __init__(self, session_id: _Optional[str] = ..., call_id: _Optional[str] = ..., decision: _Optional[str] = ...) -> None: ...
+    rule: str
+    def __init__(self, session_id: _Optional[str] = ..., call_id: _Optional[str] = ..., decision: _Optional[str] = ..., rule: _Optional[str] = ...) -> None: ...
 
 class ResolveApprovalResponse(_message.Message):
     __slots__ = ("decision",)
@@ -799,7 +847,7 @@ class ResolveApprovalResponse(_message.Message):
     def __init__(self, decision: _Optional[str] = ...) -> None: ...
 
 class PendingApproval(_message.Message):
-    __slots__ = ("call_id", "tool", "summary", "reason", "risk", "arguments_json", "execution_context_id")
+    __slots__ = ("call_id", "tool", "summary", "reason", "risk", "arguments_json", "execution_context_id", "proposal")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     TOOL_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
@@ -807,6 +855,7 @@ class PendingApproval(_message.Message):
     RISK_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     call_id: str
     tool: str
     summary: str
@@ -814,7 +863,8 @@ class PendingApproval(_message.Message):
     risk: str
     arguments_json: str
     execution_context_id: str
-    def __init__(self, call_id: _Optional[str] = ..., tool: _Optional[str] = ..., summary: _Optional[str] = ..., reason: _Optional[str] = ..., risk: _Optional[str] = ..., arguments_json: _Optional[str] = ..., execution_context_id: _Optional[str] = ...) -> None: ...
+    proposal: str
+    def __init__(self, call_id: _Optional[str] = ..., tool: _Optional[str] = ..., summary: _Optional[str] = ..., reason: _Optional[str] = ..., risk: _Optional[str] = ..., arguments_json: _Optional[str] = ..., execution_context_id: _Optional[str] = ..., proposal: _Optional[str] = ...) -> None: ...
 
 class ListPendingApprovalsRequest(_message.Message):
     __slots__ = ("session_id",)
