@@ -49,6 +49,10 @@ def check_taken(entry: str) -> None:
     itself (in any case, with a final dot), asked of DNS as itself, and the same bytes through
     getaddrinfo (which the host-resolver path uses, after the "idna" codec)."""
     assert entry.isascii() and entry == entry.lower(), entry
+    if entry == "*":                                                 # any host name, and only host names
+        assert allowed_name("A.Example.", [entry]) == "a.example" and allowed_name("10.0.0.1", [entry]) is None
+        assert allowed_name("caf\u00e9.test", [entry]) is None
+        return
     if entry.startswith("*."):
         base = entry[2:]
         assert allowed_name(base, [entry]) is None, entry            # a subdomain, not the name itself

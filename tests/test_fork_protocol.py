@@ -270,3 +270,16 @@ def test_network_rules_the_policy_refuses_are_refused_after_decoding(field: str,
     assert isinstance(decoded, protocol.Launch)
     with pytest.raises(InvalidPolicy, match=re.escape(says)):
         protocol.launch_spec(decoded.spec)
+
+
+@pytest.mark.parametrize("proxy, transparent", [(True, True), (True, False), (False, False)])
+def test_session_ready_carries_one_descriptor_per_listener_it_names(proxy: bool, transparent: bool) -> None:
+    """descriptor_flags: the egress proxy's listener and transparent capture's each come only when
+    their flag says so, and a count that does not fit is refused naming both flags."""
+    ready = protocol.SessionReady(21, 99, "/w", [], "10.0.0.1", "10.0.0.2", None, proxy, 1,
+                                  transparent_listener=transparent)
+    count = int(proxy) + int(transparent)
+    assert protocol.decode(ready.encode(), count, protocol.events()) == ready
+    with pytest.raises(protocol.Malformed, match=f"takes {count} descriptors, got {count + 1} "
+                       f"\\(proxy_listener is {proxy}, transparent_listener is {transparent}\\)"):
+        protocol.decode(ready.encode(), count + 1, protocol.events())

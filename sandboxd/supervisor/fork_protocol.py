@@ -371,8 +371,9 @@ class Message(Record):
     _kind: ClassVar[str] = ""           # the value of the tag
     _checks: ClassVar[_FieldReads] = ()
     descriptors = 0                     # how many SCM_RIGHTS descriptors come with it
-    # Or, when one comes only sometimes: the name of the bool field that says it does.
-    descriptor_flag = ""
+    # Or, when they come only sometimes: the names of the bool fields that say each does, in the
+    # order the descriptors come (one per field that is true).
+    descriptor_flags: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, kind: str = "", **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -495,7 +496,7 @@ class Review(Request, kind="review"):
     reviewed_fd: bool = False
     only_reviewed: bool = False         # apply only those, each while its fingerprint is the same
     before_call: str = ""               # checkpoint: marked before this call, only if anything changed
-    descriptor_flag = "reviewed_fd"
+    descriptor_flags = ("reviewed_fd",)
 
 
 class Ping(Request, kind="ping"):
@@ -535,7 +536,10 @@ class SessionReady(Event, kind="session_ready"):
     resolvers: list[str] | None = None
     proxy_listener: bool = False
     pid_namespace: int = 0          # its PID namespace's inode (0: none of its own, danger-full-access)
-    descriptor_flag = "proxy_listener"
+    # With transparent capture (a proxied root sandbox): the listener its ports 80/443 are redirected
+    # to, after proxy_listener's descriptor.
+    transparent_listener: bool = False
+    descriptor_flags = ("proxy_listener", "transparent_listener")
 
 
 class ReviewStarted(Event, kind="review_started"):
@@ -579,11 +583,12 @@ def decode(data: bytes, fds: int, table: "dict[str, type[Message]]") -> Message:
     cls = table.get(str(fields.get(tag)))
     if cls is None:
         raise Malformed(call_id, f"unknown fork server {'operation' if tag == 'op' else 'event'} {fields.get(tag)!r}")
-    wanted = cls.descriptors if not cls.descriptor_flag else int(fields.get(cls.descriptor_flag) is True)
+    flags = cls.descriptor_flags
+    wanted = cls.descriptors if not flags else sum(fields.get(flag) is True for flag in flags)
     if fds != wanted:
+        said = ", ".join(f"{flag} is {fields.get(flag)!r}" for flag in flags)
         raise Malformed(call_id, f"a fork server {cls._kind} takes {wanted} descriptors, got {fds}"
-                        + (" (stdin, stdout, stderr)" if wanted == 3 else "")
-                        + (f" ({cls.descriptor_flag} is {fields.get(cls.descriptor_flag)!r})" if cls.descriptor_flag else ""))
+                        + (" (stdin, stdout, stderr)" if wanted == 3 else "") + (f" ({said})" if flags else ""))
     values: dict[str, object] = {}
     for name, check, annotation, read in cls._checks:
         if name not in fields and name in cls._defaults:
