@@ -81,7 +81,7 @@ _glob_segment = st.sampled_from(["a", "b", "ab", "", "*", "**", "a*", "*b", "a*b
 _path_segment = st.sampled_from(["a", "b", "ab", "ba", "", "aab", "bab", "x"])
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=2000, deadline=None, database=None)
 @given(st.lists(_glob_segment, max_size=6), st.lists(_path_segment, max_size=7))
 def test_path_matches_equals_the_reference_translation(glob_segments: list[str], path_segments: list[str]) -> None:
     glob, path = "/" + "/".join(glob_segments), "/" + "/".join(path_segments)
@@ -105,7 +105,7 @@ def test_normalization_decodes_unreserved_and_upper_cases_the_rest(target: str, 
     ("/a%2fb", "escaped slash"), ("/a%5Cb", "escaped backslash"), ("/a%00", "escaped NUL"), ("/a\\b", "backslash"),
     ("/a%zz", "two hex digits"), ("/a%2", "two hex digits"), ("/a\x01b", "visible ASCII"), ("/a b", "visible ASCII"),
     ("/caf\u00e9", "visible ASCII"), ("a/b", "not a path"), ("*", "not a path"), ("http://h/a", "not a path"),
-    ("/a#b", "fragment"),
+    ("/a#b", "fragment"), ("/a" * 129, "more than 128 segments"), ("/" * 129, "more than 128 segments"),
 ])
 def test_an_ambiguous_path_is_refused_saying_why(target: str, says: str) -> None:
     assert normalize_path(target) is None
@@ -127,7 +127,7 @@ def test_an_endpoint_rule_parses_into_its_canonical_form() -> None:
     ("10.0.0.1=GET:/", "its host"), ("api.github.com=:/a", "method ''"), ("h.com=G ET:/a", "method 'G ET'"),
     ("h.com=GET,*:/a", "method '*'"), ("h.com=GET:a/b", "must start with '/'"), ("h.com=GET:/a?b", "query"),
     ("h.com=GET:/a#b", "query"), ("h.com=GET:/a**b", "'**' stands alone"), ("h.com=GET:/**x", "'**' stands alone"),
-    ("h.com=GET:/a/../b", "'.' or '..'"), ("h.com=GET:/a%2Fb", "escaped slash"), ("h.com=GET:/" + "a" * 1024, "1024"),
+    ("h.com=GET:/a/../b", "'.' or '..'"), ("h.com=GET:" + "/*" * 65, "more than 64 segments"), ("h.com=GET:/a%2Fb", "escaped slash"), ("h.com=GET:/" + "a" * 1024, "1024"),
 ])
 def test_a_bad_endpoint_rule_is_refused_saying_what_to_give(text: str, says: str) -> None:
     with pytest.raises(InvalidPolicy, match=re.escape(says)):
@@ -254,7 +254,7 @@ _segment = st.one_of(
     st.uuids().map(str), st.integers(0, 10**12).map(str), st.text(alphabet="0123456789abcdef", min_size=7, max_size=40))
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=1000, deadline=None, database=None)
 @given(_method, st.lists(_segment, min_size=0, max_size=8), st.booleans())
 def test_a_proposal_always_matches_the_request_that_made_it(method: str, segments: list[str], query: bool) -> None:
     """The advisor's property: its rule parses back to itself and lets the very request through."""
@@ -269,3 +269,11 @@ def test_a_proposal_always_matches_the_request_that_made_it(method: str, segment
     assert rule.text() == proposal.rule and "**" not in rule.path and rule.methods == (method,)
     assert endpoint_allowed((rule,), method, normal)
     assert NetworkRules(GITHUB.domains, (*GITHUB.endpoints, rule)).allowed("api.github.com", 443)
+
+
+def test_matching_is_bounded_by_the_segment_caps() -> None:
+    """The largest path and glob there may be match by comparisons, not a table: the last allowed
+    sizes still match (the control for the refusals above)."""
+    glob, path = "/**" + "/*" * 63, "/a" * 128
+    assert parse_endpoint("h.com=GET:" + glob).path == glob and normalize_path(path) == path
+    assert path_matches(glob, path) and not path_matches(glob + "x", path)
