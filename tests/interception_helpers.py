@@ -270,9 +270,9 @@ class World:
     front on a loop of its own."""
 
     def __init__(self, tmp: Path, *, credentials: Callable[[int], CredentialSet | None] | None = None,
-                 on_request: RequestHook | None = None) -> None:
+                 on_request: RequestHook | None = None, raw: bool = False) -> None:
         self.test_ca = UpstreamCA()
-        self.upstream = Upstream(self.test_ca, tmp)
+        self.upstream: Upstream | RawUpstream = RawUpstream(self.test_ca, tmp) if raw else Upstream(self.test_ca, tmp)
         self.session_ca = SessionCA.generate("test0123456789")
         self.ca_file = tmp / "session-ca.pem"
         self.ca_file.write_bytes(self.session_ca.cert_pem())
@@ -296,6 +296,29 @@ class World:
                 return True
             time.sleep(0.02)
         return False
+
+    def exchange(self, request: bytes, host: str = API) -> bytes:
+        """``request`` sent as is inside TLS through the front; what came back before it closed."""
+        with socket.create_connection(("127.0.0.1", self.front.port), timeout=30) as raw:
+            raw.sendall(f"CONNECT {host}:{self.upstream.port} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = raw.recv(4096)
+                assert chunk, head
+                head += chunk
+            assert head.startswith(b"HTTP/1.1 200"), head
+            with self.client_context().wrap_socket(raw, server_hostname=host) as tls:
+                tls.sendall(request)
+                answer = b""
+                while True:
+                    try:
+                        chunk = tls.recv(65536)
+                    except (ssl.SSLError, ConnectionError):
+                        break
+                    if not chunk:
+                        break
+                    answer += chunk
+                return answer
 
     def close(self) -> None:
         self.front.close()

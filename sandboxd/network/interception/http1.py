@@ -65,6 +65,10 @@ def refusal_bytes(status: int, body: str) -> bytes:
             f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode("ascii") + payload
 
 
+def _head_size(target: str, raw: list[tuple[bytes, bytes]]) -> int:
+    return len(target) + sum(len(name) + len(value) + 4 for name, value in raw)
+
+
 def _tokens(value: bytes) -> set[bytes]:
     return {token.strip().lower() for token in value.split(b",")}
 
@@ -164,6 +168,8 @@ class Mediator:
                names: list[bytes]) -> Refusal | None:
         if len(raw) > MAX_HEADERS:
             return Refusal(431, f"sandboxd: more than {MAX_HEADERS} header fields", "protocol")
+        if _head_size(target, raw) > MAX_REQUEST_HEAD:     # h11 bounds only a head still incomplete
+            return Refusal(431, f"sandboxd: a request head over {MAX_REQUEST_HEAD} bytes", "protocol")
         if method == "CONNECT":
             return Refusal(405, f"sandboxd: CONNECT inside a connection to {self.host}:{self.port}", "protocol")
         if not target.startswith("/"):
@@ -269,6 +275,9 @@ class Mediator:
 
     def _response(self, event: h11.Response) -> None:
         raw = list(event.headers.raw_items())
+        if _head_size("", raw) > MAX_RESPONSE_HEAD:
+            self._upstream_failed(f"the upstream's response head is over {MAX_RESPONSE_HEAD} bytes")
+            return
         encoding = [value.strip().lower() for name, value in raw if name.lower() == b"content-encoding"]
         self._scrub_body = self._scrubber is not None and all(value in (b"", b"identity") for value in encoding)
         headers = self._response_headers(raw, keep_upgrade=False)
