@@ -443,13 +443,14 @@ def _serve_proxy(network: "IsolatedNetwork | LoopbackProxy", domains: "tuple[str
     """The egress proxy of --allow-domain, on this process's relay loop (a thread: after the one
     fork, the parent forks no more); it connects from inside the sandbox's network namespace."""
     from sandboxd.network.egress_proxy import EgressProxy
+    from sandboxd.policy.network import NetworkRules
 
     def denied(destination: str, why: str) -> None:
         _say(f"blocked a connection to {destination}: {why}")
         sys.stderr.flush()
     listener, network.proxy_listener = network.proxy_listener, None
     assert listener is not None                      # main serves a proxy only when there is one
-    return EgressProxy(listener, domains, netns_fd=network.netns_fd, resolvers=network.resolvers,
+    return EgressProxy(listener, NetworkRules(domains=domains), netns_fd=network.netns_fd, resolvers=network.resolvers,
                        on_denied=denied).start()
 
 

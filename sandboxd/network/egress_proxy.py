@@ -20,7 +20,15 @@ sandbox's network namespace, bound before the sandbox exists; ``listen``), and f
   reserved ranges and the metadata service stay out of reach whatever a name resolves to, and the
   early range check is only there to say why.
 - or refuses, and reports the refusal (``on_denied``: an event in the daemon, a line on stderr
-  for ``sandboxd run``).
+  for ``sandboxd run``; ``on_event``: the same as a typed ProxyEvent).
+
+What it enforces is a ``NetworkRules`` (policy.network), replaced by ``update`` for the next
+request. Cloud metadata names and addresses (policy.network.metadata_name/metadata_address) are
+refused whatever the rules or ``allowed_ranges`` say. A CONNECT to a host the rules intercept
+(endpoint rules, or a credential for that host and port) is handed to interception.Intercepted,
+whose request hook judges every request by the endpoint rules in force when it arrives; plain
+``http://`` to a host with endpoint rules is refused (only its first request would be read here:
+design §4.6's plain mediation is not built yet).
 
 Every proxy of a process is served by the process's one relay loop (tcp_relay): no thread per
 connection. A proxy serves at most ``cap.limit`` connections at once (the daemon's
@@ -40,13 +48,23 @@ import time
 from concurrent.futures import Future
 from typing import Callable
 
+from sandboxd._record import Record
 from sandboxd.defaults import PROXY_PORT
 from sandboxd.kernel.nftables import BLOCKED_RANGES, PROXY_MARK
 from sandboxd.network.dns import resolve
 from sandboxd.policy.domains import domain_matches, host_name
+from sandboxd.policy.network import (NetworkRules, endpoint_allowed, metadata_address, metadata_name,
+                                     normalize_path, why_not_normal)
+from sandboxd.printable import printable
 from sandboxd.network.event_loop import READ
 from sandboxd.network.tcp_relay import (ConnectionCap, Connecting, Relay, RelayLoop, TcpService, listen_tcp,
                                            refuse, socket_in_namespace)
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:                        # the interception room imports h11 and ssl: only when used
+    from sandboxd.network.credentials import CredentialSet
+    from sandboxd.network.interception.http1 import Refusal, Report, RequestHook
+    from sandboxd.network.interception.intercepted import Intercepted, Interceptor
 
 DEFAULT_CONNECTIONS = 256
 REQUEST_SECONDS = 30.0             # from accepting a connection to a complete request
@@ -88,10 +106,41 @@ def allowed_name(name: str, patterns: "tuple[str, ...] | list[str]") -> str | No
     return host if any(domain_matches(host, pattern) for pattern in patterns) else None
 
 
-def refused_range(address: str) -> bool:
-    """Is ``address`` in a range the proxy refuses before trying (REFUSED_RANGES)?"""
+MAX_RULES_SHOWN = 20                # endpoint rules quoted in a refusal's body
+
+
+class ProxyEvent(Record):
+    """A refusal as the proxy reports it. ``kind``: domain, endpoint, metadata, range, address,
+    port, protocol, cap, upstream_tls, upstream, timeout (design §4.5); ``detail`` is printable."""
+
+    kind: str
+    host: str
+    port: int
+    method: str = ""
+    path: str = ""
+    detail: str = ""
+
+
+def refused_range(address: str, allowed_ranges: "tuple[str, ...]" = ()) -> bool:
+    """Is ``address`` in a range the proxy refuses before trying (REFUSED_RANGES, less the
+    ``allowed_ranges`` root named; a metadata address always)?"""
+    if metadata_address(address):
+        return True
     ip = ipaddress.ip_address(address)
+    if any(ip in ipaddress.ip_network(r) for r in allowed_ranges):
+        return False
     return any(ip in network for network in _REFUSED)
+
+
+def endpoint_refusal(host: str, method: str, target: str, rules: NetworkRules) -> str:
+    """The 403's body for a request no endpoint rule of ``host`` allows (design §5.4)."""
+    ruled = rules.ruled(host)
+    lines = [f"sandboxd: {printable(method)} {printable(target.partition('?')[0])} is not among the "
+             f"endpoint rules for {host}:"]
+    lines += [f"  {','.join(rule.methods)}:{rule.path}" for rule in ruled[:MAX_RULES_SHOWN]]
+    if len(ruled) > MAX_RULES_SHOWN:
+        lines.append(f"  ... and {len(ruled) - MAX_RULES_SHOWN} more")
+    return "\n".join(lines)
 
 
 def host_owns(address: str) -> bool:
@@ -117,23 +166,51 @@ def proxy_environment() -> dict[str, str]:
 
 
 class EgressProxy(TcpService):
-    def __init__(self, listener: socket.socket, allowed: "tuple[str, ...]", *,
+    def __init__(self, listener: socket.socket, rules: NetworkRules, *,
                  netns_fd: int, resolvers: "list[str] | tuple[str, ...]" = (),
                  on_denied: "Callable[[str, str], None]" = lambda destination, why: None,
+                 on_event: "Callable[[ProxyEvent], None] | None" = None,
+                 interceptor: "Interceptor | None" = None, credentials: "CredentialSet | None" = None,
+                 allowed_ranges: "tuple[str, ...]" = (),
                  connections: int = DEFAULT_CONNECTIONS, loop: RelayLoop | None = None) -> None:
         """``listener``: bound and listening on the sandbox's loopback (see ``listen``); only
         clients from PROXY_ADDRESS are served, once ``start`` is called; upstream connections are made in the
         network namespace ``netns_fd`` (the sandbox's; the proxy keeps its own copy; -1: this
         process's own, for rootless `sandboxd run`, whose sandbox has only loopback:
         network.loopback_proxy).
-        ``on_denied(destination, why)`` is told of every refusal (on a worker thread)."""
+        ``rules``: what is allowed (``update`` replaces them). ``interceptor`` (the session's CA)
+        and ``credentials``: for the hosts ``rules.intercepts``; without an interceptor such a host
+        is refused. ``allowed_ranges``: blocked ranges root named reachable (never metadata).
+        ``on_event(event)`` is told of every refusal, typed (on a worker thread); without it,
+        ``on_denied(destination, why)``."""
         super().__init__(listener, "sandboxd-egress-proxy", loop)
-        self._allowed, self._client = allowed, PROXY_ADDRESS
-        self._resolvers, self._on_denied = list(resolvers), on_denied
+        self._rules, self._client = rules, PROXY_ADDRESS
+        self._resolvers, self._on_denied, self._on_event = list(resolvers), on_denied, on_event
+        self._interceptor, self._credentials = interceptor, credentials
+        self._allowed_ranges = allowed_ranges
         self._netns = os.dup(netns_fd) if netns_fd >= 0 else -1
         self._ports = ROOTLESS_PORTS if netns_fd < 0 else None
         self.cap = ConnectionCap(connections)
         self._cap_reported = False
+
+    @property
+    def rules(self) -> NetworkRules:
+        return self._rules
+
+    @property
+    def interceptor(self) -> "Interceptor | None":
+        return self._interceptor
+
+    @property
+    def credentials(self) -> "CredentialSet | None":
+        return self._credentials
+
+    def update(self, rules: NetworkRules) -> None:
+        """Enforce ``rules`` for every request read after this returns (any thread). One reference
+        replaced, which the loop reads once per request: no post, so no request read after the
+        call can see the old rules. Open tunnels stay; intercepted connections judge their next
+        request by the new rules."""
+        self._rules = rules
 
     @staticmethod
     def listen(netns_fd: int) -> socket.socket:
@@ -152,9 +229,41 @@ class EgressProxy(TcpService):
             if self._netns >= 0:
                 os.close(self._netns)
 
-    def denied(self, destination: str, why: str) -> None:
+    def denied(self, destination: str, why: str, kind: str = "domain", method: str = "", path: str = "") -> None:
         """Report a refusal off the loop (the daemon's report writes to the event store)."""
-        self._loop.offload(lambda: self._on_denied(destination, why))
+        name, _, port = destination.rpartition(":")
+        event = ProxyEvent(kind=kind, host=name, port=int(port) if port.isdigit() else 0, method=method,
+                           path=path, detail=why)
+        if self._on_event is not None:
+            on_event = self._on_event
+            self._loop.offload(lambda: on_event(event))
+        else:
+            self._loop.offload(lambda: self._on_denied(destination, why))
+
+    def request_hook(self, host: str, port: int) -> "RequestHook":
+        """The hook an intercepted connection to ``host``:``port`` judges each request with, by the
+        rules in force when that request arrives (Mediator reports its refusals)."""
+        from sandboxd.network.interception.http1 import Refusal
+
+        def check(method: str, target: str) -> "Refusal | None":
+            rules = self._rules
+            if not rules.allowed(host, port):
+                return Refusal(403, f"sandboxd: {host}:{port} is no longer allowed", "domain")
+            ruled = rules.ruled(host)
+            if not ruled:
+                return None
+            path = normalize_path(target)
+            if path is None:
+                return Refusal(400, f"sandboxd: ambiguous path: {why_not_normal(target)}", "endpoint")
+            if endpoint_allowed(ruled, method, path):
+                return None
+            return Refusal(403, endpoint_refusal(host, method, target, rules), "endpoint")
+        return check
+
+    def report_for(self, host: str, port: int) -> "Report":
+        def report(kind: str, detail: str, method: str, target: str) -> None:
+            self.denied(f"{host}:{port}", detail, kind, printable(method), printable(target))
+        return report
 
     def accepted(self, client: socket.socket, address: str) -> None:
         if address != self._client:
@@ -182,11 +291,26 @@ class EgressProxy(TcpService):
         """Check ``name``, resolve it off the loop, connect from the sandbox's namespace; then
         ``request.upstream_ready(sock)`` or ``request.fail(reply)``, on the loop."""
         destination = f"{name}:{port}"
-        host = allowed_name(name, self._allowed)
-        if host is None:
+        rules = self._rules
+        host = host_name(name)
+        if host is not None and metadata_name(host):
+            self.denied(destination, "a cloud metadata service is never reachable", "metadata")
+            request.fail(request.forbidden)
+            return
+        if host is None or not rules.allowed(host, port):
             self.denied(destination, "not in the allowed domains")
             request.fail(request.forbidden)
             return
+        if request.plain and rules.ruled(host):
+            self.denied(destination, f"{host} has endpoint rules: only https:// requests reach it", "endpoint")
+            request.fail(HTTP_FORBIDDEN)
+            return
+        intercept = rules.intercepts(host, port)
+        if intercept and (self._interceptor is None or request.to_upstream):
+            self.denied(destination, "its requests must be read, which this connection does not allow", "protocol")
+            request.fail(request.forbidden)
+            return
+        request.host, request.port, request.intercept = host, port, intercept
         resolvers = tuple(self._resolvers)
 
         def work() -> str:
@@ -201,17 +325,21 @@ class EgressProxy(TcpService):
                 self.denied(destination, "the name does not resolve")
                 request.fail(request.forbidden)
                 return
-            if refused_range(address):
-                self.denied(destination, f"it resolves to {address}, a blocked range")
+            if metadata_address(address):
+                self.denied(destination, f"it resolves to {address}, a cloud metadata service", "metadata")
+                request.fail(request.forbidden)
+                return
+            if refused_range(address, self._allowed_ranges):
+                self.denied(destination, f"it resolves to {address}, a blocked range", "range")
                 request.fail(request.forbidden)
                 return
             if self._netns < 0 and host_owns(address):
-                self.denied(destination, f"it resolves to {address}, an address of this host")
+                self.denied(destination, f"it resolves to {address}, an address of this host", "address")
                 request.fail(request.forbidden)
                 return
             if self._ports is not None and port not in self._ports:   # after the graver reasons, to say them
                 self.denied(destination, f"port {port} is not one this proxy relays to (only "
-                                         f"{', '.join(map(str, self._ports))})")
+                                         f"{', '.join(map(str, self._ports))})", "port")
                 request.fail(request.forbidden)
                 return
             try:
@@ -243,7 +371,9 @@ class _Request:
         self.to_upstream = b""
         self.upstream: socket.socket | None = None
         self.connecting: Connecting | None = None
-        self.relay: Relay | None = None
+        self.relay: "Relay | Intercepted | None" = None
+        self.plain = False                              # an absolute-form http:// request
+        self.host, self.port, self.intercept = "", 0, False     # as matched; handed to Intercepted
         self.deadline = time.monotonic() + REQUEST_SECONDS
         proxy.loop.add_timed(self)
         self._watch(True)
@@ -298,6 +428,7 @@ class _Request:
         authority, _, path = target[len("http://"):].partition("/")
         name, _, port = authority.partition(":")
         self.to_upstream = f"{method} /{path} {version}\r\n".encode("latin-1") + headers + rest
+        self.plain = True
         self._start(name, int(port or 80))
 
     def _socks5(self) -> None:
@@ -351,6 +482,20 @@ class _Request:
         proxy, upstream = self.proxy, self.upstream
         self.closed = True                              # the relay owns both sockets from here
         proxy.untrack(self)
+        if self.intercept:
+            from sandboxd.network.interception.intercepted import Intercepted
+
+            assert proxy.interceptor is not None
+            port = self.port
+            intercepted = Intercepted(proxy.loop, self.client, upstream, self.host, port,
+                                      interceptor=proxy.interceptor, credentials=proxy.credentials,
+                                      on_request=proxy.request_hook(self.host, port),
+                                      report=proxy.report_for(self.host, port), established=self.success,
+                                      on_close=self._relay_closed)
+            self.relay = intercepted
+            if not intercepted.closed:
+                proxy.track(intercepted)
+            return
         relay = Relay(proxy.loop, self.client, upstream, to_a=self.success, to_b=self.to_upstream,
                       on_close=self._relay_closed)
         self.relay = relay

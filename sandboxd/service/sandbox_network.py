@@ -45,6 +45,7 @@ class EgressProxies(SandboxHooks):
         if not (sandbox.policy.proxied and info.host_address and info.sandbox_address):
             return ()
         from sandboxd.network.egress_proxy import PROXY_ADDRESS, EgressProxy, proxy_environment
+        from sandboxd.policy.network import NetworkRules
 
         def denied(destination: str, why: str) -> None:
             if self._count_denial is not None:
@@ -62,7 +63,7 @@ class EgressProxies(SandboxHooks):
         listener = socket.socket(fileno=os.dup(info.proxy_listener))
         netns = os.open(f"/proc/{info.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:                                            # its upstream connections are made in there
-            proxy = EgressProxy(listener, domains, netns_fd=netns, resolvers=info.resolvers, on_denied=denied,
+            proxy = EgressProxy(listener, NetworkRules(domains=domains), netns_fd=netns, resolvers=info.resolvers, on_denied=denied,
                                 connections=self._connections).start()
         except BaseException:
             listener.close()

@@ -1,0 +1,297 @@
+"""The egress proxy's rules (issue 26, design §4-§5, §7.3): endpoint rules judged on every request
+of an intercepted connection, ``update`` for the next request, plain http:// to a host with rules
+refused, cloud metadata names and addresses refused whatever the rules and allowed ranges say.
+
+In-process, on loopback, no daemon: a real ``EgressProxy`` on a loop of its own connecting from
+this process's network namespace (``allowed_ranges`` names 127.0.0.0/8 so it may reach the test
+upstreams), a real DNS server on a loopback address of its own (the proxy resolves every name
+itself), the HTTPS upstream of interception_helpers with its own CA. Each refusal has its control.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import random
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from interception_helpers import API, OTHER, UpstreamCA, Upstream
+from sandboxd.network.egress_proxy import EgressProxy, ProxyEvent, refused_range
+from sandboxd.network.interception.ca import SessionCA
+from sandboxd.network.interception.intercepted import Interceptor
+from sandboxd.network.interception.upstream_tls import upstream_context
+from sandboxd.network.tcp_relay import RelayLoop, listen_tcp
+from sandboxd.policy.network import NetworkRules, parse_endpoint
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the proxy connects from a namespace it enters (root)")
+
+PLAIN = "plain.test"
+LOOPBACK = "127.0.0.0/8"
+
+
+class Names:
+    """A DNS server on 127.53.X.Y:53 (dns.resolve asks port 53): ``answers`` maps a name to an A
+    address; every question asked is kept."""
+
+    def __init__(self, answers: dict[str, str]) -> None:
+        import dns.message
+
+        self._message = dns.message
+        self.answers, self.asked = answers, []
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        for _ in range(20):
+            self.address = f"127.53.{random.randrange(1, 255)}.{random.randrange(1, 255)}"
+            try:
+                self.sock.bind((self.address, 53))
+                break
+            except OSError:
+                continue
+        else:
+            pytest.fail("no free loopback address for the test DNS server")
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        import dns.rcode
+        import dns.rrset
+
+        while True:
+            try:
+                data, peer = self.sock.recvfrom(4096)
+            except OSError:
+                return
+            query = self._message.from_wire(data)
+            name = query.question[0].name.to_text().rstrip(".")
+            self.asked.append(name)
+            reply = self._message.make_response(query)
+            if name in self.answers:
+                reply.answer.append(dns.rrset.from_text(name + ".", 60, "IN", "A", self.answers[name]))
+            else:
+                reply.set_rcode(dns.rcode.NXDOMAIN)
+            self.sock.sendto(reply.to_wire(), peer)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class PlainUpstream:
+    """An http:// server on 127.0.0.1 answering every GET with its path."""
+
+    def __init__(self) -> None:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                body = b"plain " + self.path.encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Setup:
+    def __init__(self, tmp: Path) -> None:
+        self.test_ca = UpstreamCA()
+        self.upstream = Upstream(self.test_ca, tmp)
+        self.plain = PlainUpstream()
+        self.names = Names({API: "127.0.0.1", OTHER: "127.0.0.1", PLAIN: "127.0.0.1",
+                            "metadata.test": "169.254.169.254", "mapped.test": "169.254.170.2"})
+        self.session_ca = SessionCA.generate("rules0123456789")
+        self.ca_file = tmp / "session-ca.pem"
+        self.ca_file.write_bytes(self.session_ca.cert_pem())
+        self.loop = RelayLoop("test-egress-rules")
+        self.events: list[ProxyEvent] = []
+        self.proxies: list[EgressProxy] = []
+        self.ports: dict[int, int] = {}                   # id(proxy) -> its port
+
+    def proxy(self, rules: NetworkRules, allowed_ranges: tuple[str, ...] = (LOOPBACK,)) -> EgressProxy:
+        listener = listen_tcp("127.0.0.1", 0, step="test proxy")
+        netns = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            proxy = EgressProxy(listener, rules, netns_fd=netns, resolvers=[self.names.address],
+                                on_event=self.events.append, allowed_ranges=allowed_ranges,
+                                interceptor=Interceptor(self.session_ca, upstream_context(self.test_ca.pem)),
+                                loop=self.loop).start()
+        finally:
+            os.close(netns)
+        self.proxies.append(proxy)
+        self.ports[id(proxy)] = listener.getsockname()[1]
+        return proxy
+
+    def event(self, kind: str, timeout: float = 20.0) -> ProxyEvent:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for event in list(self.events):
+                if event.kind == kind:
+                    return event
+            time.sleep(0.02)
+        raise AssertionError(f"no {kind} event among {self.events}")
+
+    def connect(self, proxy: EgressProxy, host: str, port: int) -> tuple[socket.socket, bytes]:
+        """A CONNECT to host:port through ``proxy``: the socket and the proxy's answer head."""
+        raw = socket.create_connection(("127.0.0.1", self.ports[id(proxy)]), timeout=30)
+        raw.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = raw.recv(4096)
+            if not chunk:
+                break
+            head += chunk
+        return raw, head
+
+    def https(self, proxy: EgressProxy, method: str, path: str, host: str = API) -> bytes:
+        """One request over TLS through a CONNECT, trusting only the session's CA; what came back."""
+        raw, head = self.connect(proxy, host, self.upstream.port)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        with context.wrap_socket(raw, server_hostname=host) as tls:
+            tls.sendall(f"{method} {path} HTTP/1.1\r\nHost: {host}:{self.upstream.port}\r\n"
+                        "Content-Length: 0\r\nConnection: close\r\n\r\n".encode())
+            return _read_all(tls)
+
+    def close(self) -> None:
+        for proxy in self.proxies:
+            proxy.close()
+        self.loop.close()
+        self.upstream.close()
+        self.plain.close()
+        self.names.close()
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    answer = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except (ssl.SSLError, ConnectionError, TimeoutError):
+            break
+        if not chunk:
+            break
+        answer += chunk
+    return answer
+
+
+def _plain_get(setup: Setup, proxy: EgressProxy, host: str, port: int, paths: tuple[str, ...]) -> bytes:
+    with socket.create_connection(("127.0.0.1", setup.ports[id(proxy)]), timeout=30) as sock:
+        sock.sendall(b"".join(f"GET http://{host}:{port}{path} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+                              for path in paths))
+        sock.shutdown(socket.SHUT_WR)
+        return _read_all(sock)
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> Iterator[Setup]:
+    made = Setup(tmp_path)
+    yield made
+    made.close()
+
+
+def _rules(*endpoints: str, domains: tuple[str, ...] = (API, OTHER, PLAIN)) -> NetworkRules:
+    return NetworkRules(domains=domains, endpoints=tuple(parse_endpoint(text) for text in endpoints))
+
+
+def test_an_endpoint_rule_lets_get_through_and_refuses_post_with_the_rule_set(setup: Setup) -> None:
+    proxy = setup.proxy(_rules(f"{API}=GET:/repos/*/issues/**"))
+    allowed = setup.https(proxy, "GET", "/repos/a/issues/1")          # control: the rule's own request
+    assert allowed.startswith(b"HTTP/1.1 200") and allowed.endswith(b"hello /repos/a/issues/1"), allowed
+    refused = setup.https(proxy, "POST", "/repos/a/issues/1")
+    assert refused.startswith(b"HTTP/1.1 403"), refused
+    assert b"POST /repos/a/issues/1 is not among the endpoint rules for api.internet.test" in refused
+    assert b"GET:/repos/*/issues/**" in refused
+    event = setup.event("endpoint")
+    assert (event.host, event.method, event.path) == (API, "POST", "/repos/a/issues/1")
+    assert [(m, p) for m, p, _ in setup.upstream.recorder.requests] == [("GET", "/repos/a/issues/1")]
+
+
+def test_an_ambiguous_path_is_refused_before_matching(setup: Setup) -> None:
+    proxy = setup.proxy(_rules(f"{API}=GET:/repos/*/issues/**"))
+    refused = setup.https(proxy, "GET", "/repos/a/issues/../../gists")
+    assert refused.startswith(b"HTTP/1.1 400"), refused
+    assert setup.upstream.recorder.requests == []
+
+
+def test_a_host_without_rules_is_tunnelled_not_intercepted(setup: Setup) -> None:
+    proxy = setup.proxy(_rules(f"{API}=GET:/only"))
+    raw, head = setup.connect(proxy, OTHER, setup.upstream.port)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    # The upstream's own certificate: the session's CA does not verify it, the test CA does.
+    with pytest.raises(ssl.SSLCertVerificationError):
+        ssl.create_default_context(cafile=str(setup.ca_file)).wrap_socket(raw, server_hostname=OTHER)
+    raw, head = setup.connect(proxy, OTHER, setup.upstream.port)
+    with ssl.create_default_context(cadata=setup.test_ca.pem).wrap_socket(raw, server_hostname=OTHER) as tls:
+        tls.sendall(f"POST /anything HTTP/1.1\r\nHost: {OTHER}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                    .encode())
+        assert _read_all(tls).startswith(b"HTTP/1.1 200")
+
+
+def test_update_applies_to_the_next_request(setup: Setup) -> None:
+    proxy = setup.proxy(_rules(f"{API}=GET:/a"))
+    assert setup.https(proxy, "POST", "/a").startswith(b"HTTP/1.1 403")
+    proxy.update(_rules(f"{API}=GET,POST:/a"))
+    assert setup.https(proxy, "POST", "/a").startswith(b"HTTP/1.1 200")
+    proxy.update(_rules(f"{API}=GET,POST:/a", domains=(OTHER,)))     # the host is no longer allowed
+    _, head = setup.connect(proxy, API, setup.upstream.port)
+    assert head.startswith(b"HTTP/1.1 403"), head
+    assert setup.event("domain").host == API
+
+
+def test_plain_http_to_a_host_with_endpoint_rules_is_refused(setup: Setup) -> None:
+    proxy = setup.proxy(_rules(f"{PLAIN}=GET:/a"))
+    refused = _plain_get(setup, proxy, PLAIN, setup.plain.port, ("/a", "/b"))
+    assert refused.startswith(b"HTTP/1.1 403") and b"plain /" not in refused, refused
+    assert setup.event("endpoint").host == PLAIN
+    # Control: the same requests to the host without rules reach it.
+    proxy.update(_rules())
+    assert b"plain /a" in _plain_get(setup, proxy, PLAIN, setup.plain.port, ("/a",))
+
+
+def test_a_metadata_name_is_refused_without_being_resolved(setup: Setup) -> None:
+    proxy = setup.proxy(_rules(domains=("metadata.google.internal", API)), allowed_ranges=(LOOPBACK, "169.254.0.0/16"))
+    _, head = setup.connect(proxy, "metadata.google.internal", 80)
+    assert head.startswith(b"HTTP/1.1 403"), head
+    assert setup.event("metadata").host == "metadata.google.internal"
+    assert "metadata.google.internal" not in setup.names.asked
+    _, head = setup.connect(proxy, API, setup.upstream.port)         # control: an allowed name is asked
+    assert head.startswith(b"HTTP/1.1 200") and API in setup.names.asked, head
+
+
+@pytest.mark.parametrize("name", ["metadata.test", "mapped.test"])
+def test_a_name_resolving_to_a_metadata_address_is_refused_even_in_an_allowed_range(setup: Setup, name: str) -> None:
+    proxy = setup.proxy(_rules(domains=(name,)), allowed_ranges=(LOOPBACK, "169.254.0.0/16"))
+    _, head = setup.connect(proxy, name, 80)
+    assert head.startswith(b"HTTP/1.1 403"), head
+    event = setup.event("metadata")
+    assert event.host == name and "cloud metadata" in event.detail
+    # Control: the allowed range does open the rest of 169.254/16, and without it the range is refused.
+    assert not refused_range("169.254.1.1", ("169.254.0.0/16",)) and refused_range("169.254.1.1")
+    assert refused_range("169.254.169.254", ("169.254.0.0/16",))
+    assert refused_range("::ffff:169.254.169.254", ("::/0",))
+
+
+def test_a_blocked_range_is_refused_unless_named(setup: Setup) -> None:
+    proxy = setup.proxy(_rules(), allowed_ranges=())
+    _, head = setup.connect(proxy, OTHER, setup.upstream.port)
+    assert head.startswith(b"HTTP/1.1 403"), head
+    assert "127.0.0.1" in setup.event("range").detail
+    # Control: named, the same loopback upstream is reached.
+    named = setup.proxy(_rules())
+    _, head = setup.connect(named, OTHER, setup.upstream.port)
+    assert head.startswith(b"HTTP/1.1 200"), head
