@@ -253,14 +253,30 @@ def test_update_applies_to_the_next_request(setup: Setup) -> None:
     assert setup.event("domain").host == API
 
 
-def test_plain_http_to_a_host_with_endpoint_rules_is_refused(setup: Setup) -> None:
+def test_every_plain_http_request_on_a_keep_alive_connection_is_judged(setup: Setup) -> None:
     proxy = setup.proxy(_rules(f"{PLAIN}=GET:/a"))
-    refused = _plain_get(setup, proxy, PLAIN, setup.plain.port, ("/a", "/b"))
-    assert refused.startswith(b"HTTP/1.1 403") and b"plain /" not in refused, refused
-    assert setup.event("endpoint").host == PLAIN
-    # Control: the same requests to the host without rules reach it.
+    answer = _plain_get(setup, proxy, PLAIN, setup.plain.port, ("/a", "/b"))
+    assert answer.startswith(b"HTTP/1.1 200") and b"plain /a" in answer, answer      # control: the rule's own
+    assert b"HTTP/1.1 403" in answer and b"plain /b" not in answer, answer
+    assert b"GET /b is not among the endpoint rules for plain.test" in answer
+    event = setup.event("endpoint")
+    assert (event.host, event.method, event.path) == (PLAIN, "GET", "/b")
+    # Control: without rules, both requests of the connection reach the upstream.
     proxy.update(_rules())
-    assert b"plain /a" in _plain_get(setup, proxy, PLAIN, setup.plain.port, ("/a",))
+    answer = _plain_get(setup, proxy, PLAIN, setup.plain.port, ("/a", "/b"))
+    assert b"plain /a" in answer and b"plain /b" in answer, answer
+
+
+def test_a_keep_alive_plain_connection_is_one_upstream(setup: Setup) -> None:
+    proxy = setup.proxy(_rules())
+    port = setup.plain.port
+    with socket.create_connection(("127.0.0.1", setup.ports[id(proxy)]), timeout=30) as sock:
+        sock.sendall(f"GET http://{PLAIN}:{port}/a HTTP/1.1\r\nHost: {PLAIN}:{port}\r\n\r\n"
+                     f"GET http://{OTHER}:{port}/b HTTP/1.1\r\nHost: {OTHER}:{port}\r\n\r\n".encode())
+        sock.shutdown(socket.SHUT_WR)
+        answer = _read_all(sock)
+    assert b"plain /a" in answer, answer                                              # control
+    assert b"HTTP/1.1 400" in answer and b"plain /b" not in answer, answer
 
 
 def test_a_metadata_name_is_refused_without_being_resolved(setup: Setup) -> None:
@@ -295,3 +311,13 @@ def test_a_blocked_range_is_refused_unless_named(setup: Setup) -> None:
     named = setup.proxy(_rules())
     _, head = setup.connect(named, OTHER, setup.upstream.port)
     assert head.startswith(b"HTTP/1.1 200"), head
+
+
+def test_a_plain_http_1_0_request_without_host_takes_the_targets_authority(setup: Setup) -> None:
+    proxy = setup.proxy(_rules(f"{PLAIN}=GET:/a"))
+    port = setup.plain.port
+    for path, expected in (("/a", b"plain /a"), ("/b", b"HTTP/1.1 403")):              # the rule, and its control
+        with socket.create_connection(("127.0.0.1", setup.ports[id(proxy)]), timeout=30) as sock:
+            sock.sendall(f"GET http://{PLAIN}:{port}{path} HTTP/1.0\r\n\r\n".encode())
+            answer = _read_all(sock)
+        assert expected in answer, answer

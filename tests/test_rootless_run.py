@@ -60,10 +60,14 @@ def setup() -> Iterator[Setup]:
             os.chmod(base, 0o755)
             code = make_dir(base / "code")
             shutil.copytree(REPO / "sandboxd", code / "sandboxd", ignore=shutil.ignore_patterns("__pycache__"))
-            # Its one pure-Python dependency on this path (the rootless proxy's DNS client, network/dns.py),
-            # as an installed sandboxd has it in its venv.
+            # Its pure-Python dependencies on this path (the rootless proxy's DNS client, network/dns.py;
+            # h11, with which it reads every plain http:// request, network/interception/plain.py), as an
+            # installed sandboxd has them in its venv.
             import dns
-            shutil.copytree(Path(dns.__file__).parent, code / "dns", ignore=shutil.ignore_patterns("__pycache__"))
+            import h11
+            for package in (dns, h11):
+                shutil.copytree(Path(package.__file__).parent, code / package.__name__,
+                                ignore=shutil.ignore_patterns("__pycache__"))
             subprocess.run(["chmod", "-R", "a+rX", str(code)], check=True)
             workspace = make_dir(base / "ws", 0o700)
             os.chown(workspace, user.uid, user.gid)

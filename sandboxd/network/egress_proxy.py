@@ -26,9 +26,9 @@ What it enforces is a ``NetworkRules`` (policy.network), replaced by ``update`` 
 request. Cloud metadata names and addresses (policy.network.metadata_name/metadata_address) are
 refused whatever the rules or ``allowed_ranges`` say. A CONNECT to a host the rules intercept
 (endpoint rules, or a credential for that host and port) is handed to interception.Intercepted,
-whose request hook judges every request by the endpoint rules in force when it arrives; plain
-``http://`` to a host with endpoint rules is refused (only its first request would be read here:
-design §4.6's plain mediation is not built yet).
+whose request hook judges every request by the endpoint rules in force when it arrives. Plain
+``http://`` requests are all read too, each judged the same way (interception.plain: one
+connection, one host; credentials never apply in clear).
 
 Every proxy of a process is served by the process's one relay loop (tcp_relay): no thread per
 connection. A proxy serves at most ``cap.limit`` connections at once (the daemon's
@@ -65,6 +65,7 @@ if TYPE_CHECKING:                        # the interception room imports h11 and
     from sandboxd.network.credentials import CredentialSet
     from sandboxd.network.interception.http1 import Refusal, Report, RequestHook
     from sandboxd.network.interception.intercepted import Intercepted, Interceptor
+    from sandboxd.network.interception.plain import PlainMediated
 
 DEFAULT_CONNECTIONS = 256
 REQUEST_SECONDS = 30.0             # from accepting a connection to a complete request
@@ -301,11 +302,7 @@ class EgressProxy(TcpService):
             self.denied(destination, "not in the allowed domains")
             request.fail(request.forbidden)
             return
-        if request.plain and rules.ruled(host):
-            self.denied(destination, f"{host} has endpoint rules: only https:// requests reach it", "endpoint")
-            request.fail(HTTP_FORBIDDEN)
-            return
-        intercept = rules.intercepts(host, port)
+        intercept = not request.plain and rules.intercepts(host, port)
         if intercept and (self._interceptor is None or request.to_upstream):
             self.denied(destination, "its requests must be read, which this connection does not allow", "protocol")
             request.fail(request.forbidden)
@@ -371,7 +368,7 @@ class _Request:
         self.to_upstream = b""
         self.upstream: socket.socket | None = None
         self.connecting: Connecting | None = None
-        self.relay: "Relay | Intercepted | None" = None
+        self.relay: "Relay | Intercepted | PlainMediated | None" = None
         self.plain = False                              # an absolute-form http:// request
         self.host, self.port, self.intercept = "", 0, False     # as matched; handed to Intercepted
         self.deadline = time.monotonic() + REQUEST_SECONDS
@@ -427,7 +424,9 @@ class _Request:
             return
         authority, _, path = target[len("http://"):].partition("/")
         name, _, port = authority.partition(":")
-        self.to_upstream = f"{method} /{path} {version}\r\n".encode("latin-1") + headers + rest
+        # Every request of the connection is read and judged (interception.plain), this one too:
+        # as sent, absolute-form, with whatever followed it.
+        self.to_upstream = bytes(self.data)
         self.plain = True
         self._start(name, int(port or 80))
 
@@ -495,6 +494,16 @@ class _Request:
             self.relay = intercepted
             if not intercepted.closed:
                 proxy.track(intercepted)
+            return
+        if self.plain:
+            from sandboxd.network.interception.plain import PlainMediated
+
+            mediated = PlainMediated(proxy.loop, self.client, upstream, self.host, self.port, first=self.to_upstream,
+                                     on_request=proxy.request_hook(self.host, self.port),
+                                     report=proxy.report_for(self.host, self.port), on_close=self._relay_closed)
+            self.relay = mediated
+            if not mediated.closed:
+                proxy.track(mediated)
             return
         relay = Relay(proxy.loop, self.client, upstream, to_a=self.success, to_b=self.to_upstream,
                       on_close=self._relay_closed)

@@ -78,8 +78,13 @@ class Mediator:
     as matched). ``credentials``: given only on TLS whose upstream certificate verified for host."""
 
     def __init__(self, host: str, port: int, *, default_port: int = 443, credentials: CredentialSet | None = None,
-                 on_request: RequestHook | None = None, report: Report | None = None) -> None:
+                 on_request: RequestHook | None = None, report: Report | None = None,
+                 absolute_form: bool = False) -> None:
+        """``absolute_form``: a plain http:// connection to the proxy, whose requests name
+        ``http://HOST[:PORT]/PATH`` (RFC 9112 3.2.2): each must name this connection's host and
+        port, and goes on in origin-form (plain.PlainMediated)."""
         self.host, self.port = host, port
+        self._absolute_form = absolute_form
         self._authorities = {host.encode("ascii"), f"{host}:{port}".encode("ascii")} if port == default_port else {
             f"{host}:{port}".encode("ascii")}
         self._credentials = credentials if credentials else None
@@ -151,6 +156,17 @@ class Mediator:
         self._current = (method, target)
         self.requests += 1
         raw = list(event.headers.raw_items())
+        if self._absolute_form:
+            split = self._origin_form(target)
+            if split is None:
+                self._refuse(Refusal(400, f"sandboxd: this connection is to http://{self.host}:{self.port}; a request "
+                                          "through it names that host, as http://HOST[:PORT]/PATH", "protocol"))
+                return
+            # RFC 9112 3.2.2: the target's authority is the request's Host, whatever Host said (an
+            # HTTP/1.0 client may send none).
+            authority, target = split
+            raw = [(name, value) for name, value in raw if name.lower() != b"host"] + [(b"Host", authority)]
+            self._current = (method, target)
         names = [name.lower() for name, _ in raw]
         refusal = self._check(event, method, target, raw, names)
         if refusal is None and self._on_request is not None:
@@ -162,7 +178,17 @@ class Mediator:
         if self._credentials is not None:
             headers, swapped = self._credentials.swap(self.host, self.port, headers)
             self.swaps += swapped
-        self._send_upstream(h11.Request(method=event.method, target=event.target, headers=headers))
+        self._send_upstream(h11.Request(method=event.method, target=target.encode("ascii"), headers=headers))
+
+    def _origin_form(self, target: str) -> tuple[bytes, str] | None:
+        """An absolute-form ``target``'s authority and path (with its query), when it names this
+        connection's host and port; else None."""
+        if target[:7].lower() != "http://":
+            return None
+        authority, slash, rest = target[7:].partition("/")
+        if "@" in authority or not self._own_authority(authority.encode("ascii")):
+            return None
+        return authority.encode("ascii"), (slash + rest if slash else "/")
 
     def _check(self, event: h11.Request, method: str, target: str, raw: list[tuple[bytes, bytes]],
                names: list[bytes]) -> Refusal | None:

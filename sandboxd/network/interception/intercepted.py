@@ -47,12 +47,12 @@ class Interceptor:
         self.ca, self.upstream_context = ca, upstream_context
 
 
-class _Side:
+class Side:
     """One socket of an intercepted connection: the ciphertext waiting for it, how it ended."""
 
     __slots__ = ("owner", "sock", "out", "events", "eof")
 
-    def __init__(self, owner: "Intercepted", sock: socket.socket) -> None:
+    def __init__(self, owner: "Paired", sock: socket.socket) -> None:
         self.owner, self.sock = owner, sock
         self.out = bytearray()
         self.events = 0
@@ -69,38 +69,23 @@ class _Side:
         self.owner.close()
 
 
-class Intercepted:
-    """One intercepted connection to ``host``:``port`` (the CONNECT target, as matched)."""
+class Paired:
+    """A sandbox's socket and its upstream's, served together on the loop until ``on_close``:
+    what Intercepted and plain.PlainMediated share (closing, timing out, flushing a side)."""
 
-    def __init__(self, loop: EventLoop, client: socket.socket, upstream: socket.socket, host: str, port: int, *,
-                 interceptor: Interceptor, credentials: CredentialSet | None = None,
-                 on_request: RequestHook | None = None, report: Report | None = None,
-                 established: bytes = ESTABLISHED, on_close: Callable[[], None] = lambda: None) -> None:
-        self._loop, self.host, self.port = loop, host, port
-        self._interceptor, self._credentials = interceptor, credentials
-        self._on_request = on_request
-        self._report: Report = report or (lambda kind, detail, method, target: None)
-        self._established, self._on_close = established, on_close
-        self._client, self._upstream = _Side(self, client), _Side(self, upstream)
-        self._upstream_tls = TlsEnd(interceptor.upstream_context, server_side=False, server_hostname=host)
-        self._client_tls: TlsEnd | None = None
-        self._leaf: ssl.SSLContext | None = None
-        self.mediator: Mediator | None = None
-        self.phase = "upstream"                          # upstream, leaf, client, mediate
+    def __init__(self, loop: EventLoop, client: socket.socket, upstream: socket.socket, deadline: float,
+                 on_close: Callable[[], None]) -> None:
+        self._loop, self._on_close = loop, on_close
+        self._client, self._upstream = Side(self, client), Side(self, upstream)
         self._closing = False                            # flush what is pending, then close
         self.closed = False
-        self.deadline = time.monotonic() + HANDSHAKE_SECONDS
+        self.deadline = time.monotonic() + deadline
         loop.add_timed(self)
-        loop.offload(lambda: interceptor.ca.leaf(host), self._leaf_ready)
-        self._step_upstream_handshake()
-        self._update()
 
-    # -- the loop's calls ------------------------------------------------------------------------
-
-    def ready(self, side: _Side, mask: int) -> None:
+    def ready(self, side: Side, mask: int) -> None:
         if self.closed:
             return
-        if self.phase == "mediate":
+        if self.idle_counts():
             self.deadline = time.monotonic() + IDLE_SECONDS
         if mask & WRITE:
             self._flush(side)
@@ -108,11 +93,24 @@ class Intercepted:
             self._pull(side)
         self._update()
 
+    def idle_counts(self) -> bool:
+        """Whether traffic now moves the deadline on (IDLE_SECONDS from the last)."""
+        return True
+
+    def _pull(self, side: Side) -> None:
+        raise NotImplementedError
+
+    def _update(self) -> None:
+        raise NotImplementedError
+
+    def expired(self) -> None:
+        """Told before a connection that made no progress in time is closed."""
+
     def expire(self) -> None:
         if time.monotonic() < self.deadline:
             self._loop.add_timed(self)
         else:
-            self._report("timeout", f"no progress in the {self.phase} phase", "", "")
+            self.expired()
             self.close()
 
     def close(self) -> None:
@@ -126,17 +124,65 @@ class Intercepted:
             side.sock.close()
         self._on_close()
 
-    # -- reading ---------------------------------------------------------------------------------
-
-    def _pull(self, side: _Side) -> None:
-        if self.phase == "leaf" and side is self._client:
-            return                                       # not answered yet: nothing to read
+    def _receive(self, side: Side) -> bytes | None:
+        """What ``side`` has for us (b"": it ended); None for nothing yet, or a failure (closed)."""
         try:
-            data = side.sock.recv(CHUNK)
+            return side.sock.recv(CHUNK)
         except (BlockingIOError, InterruptedError):
-            return
+            return None
         except OSError:
             self.close()
+            return None
+
+    def _flush(self, side: Side) -> None:
+        if side.out and not self.closed:
+            try:
+                sent = side.sock.send(side.out)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self.close()
+                return
+            del side.out[:sent]
+
+
+class Intercepted(Paired):
+    """One intercepted connection to ``host``:``port`` (the CONNECT target, as matched)."""
+
+    def __init__(self, loop: EventLoop, client: socket.socket, upstream: socket.socket, host: str, port: int, *,
+                 interceptor: Interceptor, credentials: CredentialSet | None = None,
+                 on_request: RequestHook | None = None, report: Report | None = None,
+                 established: bytes = ESTABLISHED, on_close: Callable[[], None] = lambda: None) -> None:
+        super().__init__(loop, client, upstream, HANDSHAKE_SECONDS, on_close)
+        self.host, self.port = host, port
+        self._interceptor, self._credentials = interceptor, credentials
+        self._on_request = on_request
+        self._report: Report = report or (lambda kind, detail, method, target: None)
+        self._established = established
+        self._upstream_tls = TlsEnd(interceptor.upstream_context, server_side=False, server_hostname=host)
+        self._client_tls: TlsEnd | None = None
+        self._leaf: ssl.SSLContext | None = None
+        self.mediator: Mediator | None = None
+        self.phase = "upstream"                          # upstream, leaf, client, mediate
+        loop.offload(lambda: interceptor.ca.leaf(host), self._leaf_ready)
+        self._step_upstream_handshake()
+        self._update()
+
+    # -- the loop's calls ------------------------------------------------------------------------
+
+    def idle_counts(self) -> bool:
+        return self.phase == "mediate"                   # before: the handshake's deadline holds
+
+    def expired(self) -> None:
+        self._report("timeout", f"no progress in the {self.phase} phase", "", "")
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def _pull(self, side: Side) -> None:
+        if self.phase == "leaf" and side is self._client:
+            return                                       # not answered yet: nothing to read
+        data = self._receive(side)
+        if data is None:
             return
         if not data:
             side.eof = True
@@ -283,17 +329,6 @@ class Intercepted:
         """Stop reading; close once what is pending has been sent."""
         self._closing = True
 
-    def _flush(self, side: _Side) -> None:
-        if side.out and not self.closed:
-            try:
-                sent = side.sock.send(side.out)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:
-                self.close()
-                return
-            del side.out[:sent]
-
     def _update(self) -> None:
         if self.closed:
             return
@@ -312,4 +347,4 @@ class Intercepted:
             self.close()
 
 
-__all__ = ["ESTABLISHED", "HANDSHAKE_SECONDS", "Intercepted", "Interceptor"]
+__all__ = ["ESTABLISHED", "HANDSHAKE_SECONDS", "Intercepted", "Interceptor", "Paired"]
