@@ -608,7 +608,7 @@ def test_an_apply_cut_short_by_a_killed_daemon_is_in_the_audit_log(place: Place)
     ws = fresh(place, "ws-apply-killed")
     session = create(place, ws)
     ok(as_user(place, place.owner, ("exec", {"session": session, "script": (
-        "mkdir big && for i in $(seq 1 400); do head -c 262144 /dev/urandom > big/f$i; done")}))[0])
+        "mkdir big && for i in $(seq 1 200); do head -c 131072 /dev/urandom > big/f$i; done")}))[0])
     answers: list[Any] = []
     applying = threading.Thread(target=lambda: answers.append(
         as_user(place, place.owner, ("ApplyChanges", {"session_id": session}))))

@@ -27,12 +27,12 @@ def _say(text: str) -> None:
     sys.stderr.flush()
 
 
-def is_one_key(data: bytes) -> bool:
-    """Whether one read is a key a person pressed: a single printable ASCII byte, Ctrl-C or Ctrl-D.
-    A person's key press arrives alone; a terminal's answer to an escape sequence the sandbox
-    printed (a cursor report, a colour, a graphics reply carrying "EINVAL") arrives as several bytes
-    starting with ESC, and is not an answer."""
-    return len(data) == 1 and (0x20 <= data[0] < 0x7F or data in (b"\x03", b"\x04"))
+def is_typed(data: bytes) -> bool:
+    """Whether one read is keys a person typed: printable ASCII, Ctrl-C or Ctrl-D only (a fast
+    typist's two keys, or a link's batching, may come in one read). A terminal's answer to an escape
+    sequence the sandbox printed (a cursor report, a colour, a graphics reply carrying "EINVAL")
+    starts with ESC (or a C1 control), and is not an answer, nor anything after it until quiet."""
+    return all(0x20 <= byte < 0x7F or byte in (0x03, 0x04) for byte in data)
 
 
 class KeyReader:
@@ -47,7 +47,7 @@ class KeyReader:
     def read(self, prompt: str, keys: str, *, keep_waiting: Callable[[], bool]) -> str | None:
         """Show ``prompt``, then the first of ``keys`` (case-insensitive) typed, or Ctrl-C / Ctrl-D
         (also at the end of input); None once ``keep_waiting`` says no (checked every POLL_SECONDS).
-        Only a key read by itself counts (is_one_key); after anything else, nothing counts until the
+        Only keys a person typed count (is_typed); after anything else, nothing counts until the
         terminal was quiet for QUIET_SECONDS.
         The terminal leaves canonical mode before the prompt shows, so no key typed after it is echoed."""
         self._raw()
@@ -63,12 +63,12 @@ class KeyReader:
                     if not data:
                         return CTRL_D                         # the terminal's end: as Ctrl-D
                     now = time.monotonic()
-                    if now < dropping_until or not is_one_key(data):
+                    if now < dropping_until or not is_typed(data):
                         dropping_until = now + QUIET_SECONDS
                         continue
-                    key = data.decode().lower()
-                    if key in keys or key in (CTRL_C, CTRL_D):
-                        return key
+                    for key in data.decode().lower():
+                        if key in keys or key in (CTRL_C, CTRL_D):
+                            return key
         finally:
             self.restore()
         return None

@@ -79,6 +79,11 @@ def targets(roots: list[str], paths: "list[str] | tuple[str, ...]", what: str = 
     return pairs
 
 
+def _named(paths: "Pairs") -> list[str]:
+    """The paths a request named, as an audit event keeps them ("(all)": none named)."""
+    return [f"{root}/{path}" if path else root for root, path in paths] or ["(all)"]
+
+
 def _memfd(triples: "list[list[str]]") -> int:
     """The reviewed triples as JSON in a sealed memfd, for the review child (fork_protocol.Review.reviewed_fd)."""
     import json
@@ -225,7 +230,7 @@ class ReviewCalls:
         self._store.append(target.id, kind, data={
             "by_uid": who.uid, **({"by_principal": who.principal} if who.principal else {}),
             "summary": f"{action} started" + (" (forced)" if force else ""), "phase": "started",
-            "paths": [f"{root}/{path}" if path else root for root, path in paths] or ["(all)"],
+            "paths": _named(paths),
             **({"force": True} if force else {})})
 
     def _free_if_empty(self, target: Target) -> None:
@@ -286,7 +291,7 @@ class ReviewCalls:
         self._store.append(target.id, EventType.CHANGES_APPLIED, data={
             "by_uid": who.uid, **({"by_principal": who.principal} if who.principal else {}),
             "summary": f"applied {len(applied)}, skipped {len(skipped)}" + (" (forced)" if force else ""),
-            "force": force, "paths": [f"{root}/{path}" if path else root for root, path in paths] or ["(all)"],
+            "force": force, "paths": _named(paths),
             **({"only_reviewed": len(reviewed)} if only_reviewed else {}),
             "applied": [{key: item.get(key) for key in ("root", "path", "kind", "sha256") if item.get(key)}
                         for item in applied],
@@ -350,7 +355,7 @@ class ReviewCalls:
         self._store.append(target.id, EventType.CHANGES_DISCARDED, data={
             "by_uid": who.uid, **({"by_principal": who.principal} if who.principal else {}),
             "summary": f"discarded {len(discarded)}, skipped {len(skipped)}",
-            "paths": [f"{root}/{path}" if path else root for root, path in paths] or ["(all)"],
+            "paths": _named(paths),
             "discarded": [{"root": item.get("root"), "path": item.get("path")} for item in discarded],
             "skipped": [{key: item.get(key) for key in ("root", "path", "reason")} for item in skipped]})
         self._free_if_empty(target)
@@ -388,10 +393,11 @@ class ReviewCalls:
         anything changed since the last one. Never fails the call: with another call or a background
         process running (a checkpoint is made between calls), or the checkpoint refused, the audit
         log says it was skipped and why."""
-        target = Target(session.id, session.owner, self._registry.review_dir(session), self._roots(session), session)
         label = f"before {call_id}: {summary}"[:MAX_LABEL]
         event: dict[str, object] = {"by_uid": session.owner.uid, "call_id": call_id}
         try:
+            target = Target(session.id, session.owner, self._registry.review_dir(session), self._roots(session),
+                            session)
             # Looked at first, the sandbox left standing: a call after one that changed nothing
             # costs a directory read per root, not the sandbox's close and rebuild.
             if self._run(target, "changed", target.roots, []).get("changed") is False:
@@ -399,7 +405,7 @@ class ReviewCalls:
             answer = self._between_calls(target, lambda: self._run(
                 target, "checkpoint", target.roots, [], limit=self._max_checkpoints, label=label, before_call=call_id))
         except SandboxdError as skipped:
-            self._store.append(target.id, EventType.CHECKPOINT_CREATED, call_id=call_id, data={
+            self._store.append(session.id, EventType.CHECKPOINT_CREATED, call_id=call_id, data={
                 **event, "summary": f"checkpoint before {call_id} skipped", "skipped": str(skipped)})
             return
         if answer.get("checkpoint") is None:                # nothing changed since the last one
