@@ -34,8 +34,10 @@ fi
 # tmux: tests/test_terminals.py types into `sandboxctl shell` as a person would and reads the screen.
 # btrfs-progs: mkfs.btrfs, for the loop-mounted btrfs on which tests/test_btrfs_sockets.py checks that the
 # connect broker names a socket file as sock_diag does (a subvolume's stat() device is not its superblock's).
+# curl, openssl: tests/test_interception.py runs curl through the intercepting proxy, and
+# tests/test_session_ca.py verifies the session CA's leaves with `openssl verify`.
 if [ "$mode" = test ]; then
-  packages+=(fuse3 tmux btrfs-progs)
+  packages+=(fuse3 tmux btrfs-progs curl openssl)
 fi
 
 die() { echo "setup.sh: $*" >&2; exit 1; }

@@ -19,11 +19,11 @@ BUNDLE_VARIABLES = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GI
                     "NODE_EXTRA_CA_CERTS")
 
 
-def host_bundle_path(root: str = "/") -> str | None:
-    """The first of TRUST_BUNDLE_PATHS that is a regular file (after symlinks) under ``root``, as a
-    path the sandbox sees; None when the host has none."""
+def host_bundle_path() -> str | None:
+    """The first of TRUST_BUNDLE_PATHS that is a regular file (after symlinks) on the host, which
+    is the path the sandbox sees too; None when the host has none."""
     for path in TRUST_BUNDLE_PATHS:
-        if os.path.isfile(os.path.join(root, path.lstrip("/"))):
+        if os.path.isfile(path):
             return path
     return None
 
