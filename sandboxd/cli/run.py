@@ -27,6 +27,7 @@ if TYPE_CHECKING:   # typing stays off the `sandboxd run` path: these are for th
     from sandboxd.gitguard.guard import GitGuard
     from sandboxd.network.publish import PublishedPort
     from sandboxd.supervisor.spawner import SandboxProcess
+    from sandboxd.cli.run_credentials import RunCredentials
 
     N = TypeVar("N", int, float)
 
@@ -92,6 +93,14 @@ OPTIONS: tuple[tuple[str, str | None, str, str], ...] = (
     ("--allow-domain", "NAME", "append", "with the isolated network, reach only these names (repeatable; "
                                          "*.example.org for subdomains), through a filtering proxy that is "
                                          "then the only way out"),
+    ("--credential", "VAR=https://HOST[:PORT][;...]", "append",
+     "with the isolated network, give the command a phantom in VAR and let the proxy put your $VAR in for "
+     "that upstream only (repeatable; ';HEADER: {}' or ';basic[:USER]' for other headers); the upstream "
+     "is allowed; its certificate must verify against the host's store (and your SSL_CERT_FILE)"),
+    ("--credential-file", "VAR=PATH", "append", "take --credential VAR's secret from the file PATH instead of $VAR"),
+    ("--allow-endpoint", "HOST=METHOD[,...]:GLOB", "append",
+     "with the isolated network, let only these requests to HOST through (repeatable; HOST allowed by "
+     "--allow-domain or a --credential; e.g. api.github.com=GET:/repos/**); others get 403"),
     ("--allow-unix-socket", "PATH", "append", "a host Unix socket the command may connect to (repeatable; "
                                               "every other host socket stays unreachable)"),
     ("--no-network", None, "flag", "no network: a private namespace with only loopback (default)"),
@@ -172,7 +181,7 @@ def parse_args(argv: list[str]) -> dict[str, object]:
         raise UsageError("--network and --no-network exclude each other")
     if options["network"] not in (None, True, "isolated", "host"):
         raise UsageError(f"--network={options['network']}: use --network (isolated) or --network=host")
-    for flag in ("dns", "allow_host", "allow_domain"):
+    for flag in ("dns", "allow_host", "allow_domain", "credential", "allow_endpoint"):
         if options[flag] and options["network"] not in (True, "isolated"):
             raise UsageError(f"--{flag.replace('_', '-')} only applies to the isolated network: add --network")
     if options["review"] is not None:
@@ -203,7 +212,9 @@ def _number(options: dict[str, object], key: str, kind: "Callable[[str], N]") ->
         raise UsageError(f"--{key.replace('_', '-')} {value!r} is not a {'whole ' if kind is int else ''}number") from None
 
 
-def spec_from_args(args: dict[str, object]) -> LaunchSpec:
+def spec_from_args(args: dict[str, object], credentials: "RunCredentials | None" = None) -> LaunchSpec:
+    """The launch ``args`` ask for; with ``credentials`` (run_credentials.prepare), its phantoms and
+    trust variables over the environment and its CA's certificate to trust."""
     command = _strings(args, "command")
     if not command:
         raise InvalidPolicy("no program given: sandboxd run [options] -- PROGRAM [ARGS...]")
@@ -217,7 +228,9 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
                               allowed_unix_sockets=list(_strings(args, "allow_unix_socket")),
                               allowed_hosts=list(_strings(args, "allow_host")),
                               published_ports=list(_strings(args, "publish")),
-                              allowed_domains=list(_strings(args, "allow_domain")))
+                              allowed_domains=list(_strings(args, "allow_domain")),
+                              allowed_endpoints=list(_strings(args, "allow_endpoint")),
+                              credentials=credentials.policy_entries if credentials else [])
     workspace = os.path.abspath(str(args["workspace"] or os.getcwd()))
     cwd, user = args["cwd"], args["user"]
     command_user = parse_user(str(user)) if user else None
@@ -226,6 +239,8 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
         dict(os.environ), workspace=workspace, user=command_user, confined=policy.confined,
         host_home=bool(args["host_home"]), clear=bool(args["clear_env"]), passes=_strings(args, "pass_env"),
         sets=_strings(args, "env"))
+    if credentials is not None:
+        env.update(credentials.environment())       # last: VAR is the phantom whatever else was asked
     memory, tmp_size = args["memory"], args["tmp_size"]
     # Like every session of the daemon: default limits, under the host-wide caps of the parent group.
     from sandboxd.kernel import host_limits
@@ -253,7 +268,8 @@ def spec_from_args(args: dict[str, object]) -> LaunchSpec:
                       hidden_homes=hidden_homes, private_home=private_home, hidden_paths=hidden,
                       owner_hidden=defaults.owner_hidden_paths(os.geteuid(), os.path.expanduser("~"),
                                                                os.environ.get("XDG_STATE_HOME", "")),
-                      denied_sockets=sockets, approval_channels=channels)
+                      denied_sockets=sockets, approval_channels=channels,
+                      trust_pem=credentials.trust_pem if credentials else "")
 
 
 def _daemon_places() -> "tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]":
@@ -293,7 +309,13 @@ def main(argv: list[str]) -> int:
         if args["help"]:
             sys.stdout.write(help_text())
             return 0
-        spec = spec_from_args(args)
+        credentials = None
+        if args["credential"] or args["credential_file"] or args["allow_endpoint"]:
+            from sandboxd.cli import run_credentials
+            # First: before anything copies this process's environment (see run_credentials).
+            credentials = run_credentials.prepare(_strings(args, "credential"), _strings(args, "credential_file"),
+                                                  intercepts=bool(args["allow_endpoint"]))
+        spec = spec_from_args(args, credentials)
     except UsageError as exc:
         sys.stderr.write(USAGE + "\n")
         _say(str(exc))
@@ -356,7 +378,13 @@ def main(argv: list[str]) -> int:
     published: "list[EgressProxy | PublishedPort]" = []
     network, policy = sandbox.network, spec.policy
     if network is not None and network.proxy_listener is not None and isinstance(policy, WorkspaceWrite):
-        published.append(_serve_proxy(network, policy.allowed_domains))
+        try:
+            published.append(_serve_proxy(network, policy, credentials))
+        except SandboxdError as exc:                 # a --credential-file read after the fork
+            sandbox.kill()
+            sandbox.wait()
+            _say(str(exc))
+            return EXIT_SETUP_FAILED
     if isinstance(policy, WorkspaceWrite) and policy.published_ports:
         try:
             published += _publish(sandbox.pid, policy.published_ports)
@@ -439,19 +467,23 @@ def _git_guard(spec: LaunchSpec) -> "GitGuard | None":
     return GitGuard(resolved.writable_roots)
 
 
-def _serve_proxy(network: "IsolatedNetwork | LoopbackProxy", domains: "tuple[str, ...]") -> "EgressProxy":
-    """The egress proxy of --allow-domain, on this process's relay loop (a thread: after the one
-    fork, the parent forks no more); it connects from inside the sandbox's network namespace."""
+def _serve_proxy(network: "IsolatedNetwork | LoopbackProxy", policy: WorkspaceWrite,
+                 credentials: "RunCredentials | None") -> "EgressProxy":
+    """The egress proxy of --allow-domain, --allow-endpoint and --credential, on this process's relay
+    loop (a thread: after the one fork, the parent forks no more); it connects from inside the
+    sandbox's network namespace (rootless: from this process's). The credentials' secrets are
+    taken here, after the fork (run_credentials)."""
     from sandboxd.network.egress_proxy import EgressProxy
-    from sandboxd.policy.network import NetworkRules
 
     def denied(destination: str, why: str) -> None:
         _say(f"blocked a connection to {destination}: {why}")
         sys.stderr.flush()
+    secrets = credentials.credential_set() if credentials is not None else None
     listener, network.proxy_listener = network.proxy_listener, None
     assert listener is not None                      # main serves a proxy only when there is one
-    return EgressProxy(listener, NetworkRules(domains=domains), netns_fd=network.netns_fd, resolvers=network.resolvers,
-                       on_denied=denied).start()
+    return EgressProxy(listener, policy.network_rules, netns_fd=network.netns_fd, resolvers=network.resolvers,
+                       on_denied=denied, credentials=secrets,
+                       interceptor=credentials.interceptor() if credentials is not None else None).start()
 
 
 def _publish(init_pid: int, entries: "tuple[str, ...]") -> "list[PublishedPort]":

@@ -36,6 +36,10 @@ def run_outer(plan: LaunchPlan, spawner: int, init: "Callable[[], object]") -> "
     """The outer process of a rootless launch (see the module's text). ``init`` runs in the forked
     child, PID 1 of the new PID namespace, and never returns. Failures before the fork raise (the
     caller reports them); afterwards this process ends the way init ended."""
+    # Writing our own uid_map needs our /proc files to be ours: a `sandboxd run --credential` made
+    # itself non-dumpable (cli.run_credentials), and this fork inherited that; it holds no secret
+    # (they are read after it, or kept where no fork gets them).
+    process.set_dumpable(True)
     userns.enter_own(plan.uid, plan.gid)
     process.die_with_parent(spawner)                  # entering a user namespace cleared the death signal
     namespaces.unshare(namespaces.CLONE_NEWPID)       # applies to the next child: init
@@ -56,6 +60,9 @@ def run_outer(plan: LaunchPlan, spawner: int, init: "Callable[[], object]") -> "
     process.close_all_except(set())
     caps.drop_privileges(plan.uid, plan.gid, keep_groups=True)
     process.die_with_parent(spawner)
+    # Not readable by the user's other processes (/proc/PID/mem, ptrace): it runs as that user,
+    # and its memory is a copy of `sandboxd run`'s (its CA's key, for one).
+    process.set_dumpable(False)
 
     process.forward_signals_to(init_pid)
     process.release_forwarded_signals()               # held by `sandboxd run` too
