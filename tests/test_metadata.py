@@ -76,6 +76,12 @@ PROBE = textwrap.dedent('''
         with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
             s.sendall(request.encode() + b"\\r\\n\\r\\n")
             return s.recv(4096).split(b"\\r\\n", 1)[0].decode()
+    def socks(name, port, proxy_port=3128):
+        with socket.create_connection(("127.0.0.1", proxy_port), timeout=20) as s:
+            s.sendall(b"\\x05\\x01\\x00")
+            s.recv(2)
+            s.sendall(b"\\x05\\x01\\x00\\x03" + bytes([len(name)]) + name.encode() + port.to_bytes(2, "big"))
+            return f"SOCKS reply {s.recv(10)[1]}"
     def resolve(name):
         return socket.gethostbyname(name)
     def lookup(server, name):
@@ -253,12 +259,15 @@ def test_the_proxy_refuses_metadata_by_name_and_by_what_a_name_resolves_to(world
             *(["proxy", f"CONNECT {name}:80 HTTP/1.1"] for name in (*names, "metadata.google.internal")),
             *(["proxy", f"CONNECT [{a}]:80 HTTP/1.1"] for a in (*V6_METADATA, MAPPED_METADATA, NAT64_METADATA)),
             *(["proxy", f"CONNECT {a}:80 HTTP/1.1"] for a in V4_METADATA),
-            ["proxy", "CONNECT meta.test\x1b[2J:80 HTTP/1.1"],
+            ["proxy", "CONNECT meta.test\x1b[2J:80 HTTP/1.1"], ["socks", "meta.test", 80],
+            ["socks", "metadata.google.internal", 80], ["socks", "internet.test", 80],
             ["proxy", "GET http://internet.test/ HTTP/1.1\r\nHost: internet.test"]]
     world.reached()
     seen, stderr = run_in_host(world, workspace, ["--network", "--dns", DNS_SERVER, "--allow-domain", "*"], plan)
     control = seen.pop(plan[-1][0] + " " + plan[-1][1])
     assert control.startswith("HTTP/1.1 200"), control
+    assert seen.pop("socks internet.test 80") == "SOCKS reply 0"             # succeeded
+    assert seen.pop("socks meta.test 80") == seen.pop("socks metadata.google.internal 80") == "SOCKS reply 2"
     assert all(status.startswith("HTTP/1.1 403") for status in seen.values()), seen
     reached = world.reached()
     assert not [key for key in reached if key.startswith("tcp") and INTERNET not in key], reached
