@@ -24,6 +24,7 @@ import json
 import os
 import struct
 import subprocess
+import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -274,13 +275,59 @@ def test_the_proxy_refuses_metadata_by_name_and_by_what_a_name_resolves_to(world
     for name, address in (("meta.test", "169.254.169.254"), ("ecs.test", "169.254.170.2"),
                           ("alibaba.test", "100.100.100.200"), ("oracle.test", "192.0.0.192")):
         assert f"blocked a connection to {name}:80: it resolves to {address}, a cloud metadata service" in stderr
-    assert "blocked a connection to metadata.google.internal:80: a cloud metadata service is never reachable" in stderr
+    for bare in ("metadata.google.internal", *METADATA_ADDRESSES, MAPPED_METADATA, NAT64_METADATA):
+        assert f"blocked a connection to {bare}:80: a cloud metadata service is never reachable" in stderr, stderr
     assert "\x1b" not in stderr                          # what the command chose is shown escaped
 
     direct = probe_host(world, [["lookup", DNS_SERVER, name] for name in names] + [["tcp", "169.254.169.254", 80]])
     assert [direct[f"lookup {DNS_SERVER} {name}"] for name in names] == ["169.254.169.254", "169.254.170.2", "100.100.100.200",
                                                               "192.0.0.192"]
     assert direct["tcp 169.254.169.254 80"] == "open: metadata 169.254.169.254"
+
+
+TYPED = textwrap.dedent('''
+    import json, os, socket, sys, time
+    from sandboxd.network.egress_proxy import EgressProxy
+    from sandboxd.network.tcp_relay import RelayLoop, listen_tcp
+    from sandboxd.policy.network import NetworkRules
+    events, loop = [], RelayLoop("test-metadata")
+    listener = listen_tcp("127.0.0.1", 0, step="test proxy")
+    netns = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    proxy = EgressProxy(listener, NetworkRules(domains=("*",)), netns_fd=netns, resolvers=[sys.argv[1]],
+                        on_event=events.append, loop=loop).start()
+    answers = {}
+    for target in json.loads(sys.argv[2]):
+        with socket.create_connection(listener.getsockname(), timeout=30) as s:
+            s.sendall(f"CONNECT {target} HTTP/1.1\\r\\n\\r\\n".encode())
+            answers[target] = s.recv(4096).split(b"\\r\\n", 1)[0].decode()
+    while len(events) < len(answers) - 1:            # reported off the loop (the control is not refused)
+        time.sleep(0.01)
+    proxy.close()
+    loop.close()
+    print(json.dumps({"answers": answers, "events": [[e.kind, e.host, e.port, e.detail] for e in events]}))
+''')
+
+
+def test_each_proxy_refusal_is_a_typed_metadata_event(world: MetadataWorld) -> None:
+    """The proxy's report of each refusal (what the daemon audits) is a ProxyEvent of kind
+    "metadata", naming the destination and why: a name resolving to a metadata address, a metadata
+    name, and a metadata address given bare in any spelling. Control: internet.test is relayed, with
+    no event. (The proxy in a process of the stand-in host, the daemon's place.)"""
+    from conftest import REPO
+
+    targets = ["meta.test:80", "metadata.google.internal:80", "[::ffff:169.254.169.254]:80", "[fd00:ec2::254]:80",
+               "[64:ff9b::a9fe:a9fe]:80", "169.254.169.254:80", "internet.test:80"]
+    done = subprocess.run(world.in_host([sys.executable, "-c", TYPED, DNS_SERVER, json.dumps(targets)]),
+                          capture_output=True, text=True, timeout=120 * SLOW, cwd=REPO, stdin=subprocess.DEVNULL,
+                          env={**BASE_ENV, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, describe(done)
+    seen = json.loads(done.stdout)
+    assert seen["answers"].pop("internet.test:80").startswith("HTTP/1.1 200")
+    assert all(answer.startswith("HTTP/1.1 403") for answer in seen["answers"].values()), seen
+    events = {host: (kind, port, detail) for kind, host, port, detail in seen["events"]}
+    never = ("metadata", 80, "a cloud metadata service is never reachable")
+    assert events == {"meta.test": ("metadata", 80, "it resolves to 169.254.169.254, a cloud metadata service"),
+                      **{target.rpartition(":")[0].strip("[]"): never for target in targets[1:-1]}}, seen["events"]
 
 
 # --------------------------------------------------------------------------- rootless runs
