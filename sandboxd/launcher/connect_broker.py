@@ -50,6 +50,12 @@ shares the sandbox's mount namespace, root and uid, performs the call:
   network namespace), so a channel that closed its listener blocks nobody's port or file. When
   that cannot be told, the connect is refused. No sandboxed code reaches a channel that answers
   approvals.
+- Cloud metadata services (policy.network.METADATA_ADDRESSES, in every spelling a sockaddr can
+  hold: IPv4, IPv6, IPv4-mapped, IPv4-compatible, NAT64's 64:ff9b::/96; policy.network.metadata_packed):
+  EACCES in every mode, TCP and UDP, whatever the policy allows; with the host's network nothing
+  else stands between the sandbox and them. One exception: port 53 of one that is the sandbox's DNS
+  resolver (Google's 169.254.169.254), as the host itself resolves. TCP Fast Open, which connects
+  without a connect(), is refused outright by the seccomp filter.
 - Any other family (TCP): performed as asked; the network namespace confines it (with the
   host's network, only sandboxd's listeners and approval channels are refused). Unix datagram
   sockets, which reach a path by sendto() without a connect(), are refused in every confined
@@ -79,6 +85,7 @@ import struct
 from sandboxd.kernel import inet_diag, process, seccomp_notify, superblocks, unix_diag
 from sandboxd.kernel._libc import raw_syscall
 from sandboxd.launcher import channel_registry
+from sandboxd.policy.network import metadata_packed  # pure, loaded with the policy before init forks
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -165,6 +172,8 @@ class ConnectBroker:
             family = struct.unpack_from("=H", address)[0]
             if family == AF_UNIX:
                 result = self._connect_unix(n.pid, sock, address)
+            elif family in (AF_INET, AF_INET6) and _is_metadata(address, self.rules.metadata_resolvers):
+                result = -errno.EACCES           # a cloud metadata service, in every mode
             elif family in (AF_INET, AF_INET6) and self.rules.host_network and (
                     _is_sandboxd_listener(address, self.rules.denied_listeners)
                     or self._is_approval_channel(address)):
@@ -371,6 +380,16 @@ def _thread_group(tid: int) -> int:
     except (OSError, ValueError, IndexError):
         pass
     return tid
+
+
+def _is_metadata(address: bytes, resolvers: "frozenset[bytes]") -> bool:
+    """Whether an AF_INET/AF_INET6 sockaddr is a cloud metadata service's (not port 53 of one of
+    ``resolvers``). A sockaddr too short to hold an address is the kernel's to refuse (EINVAL)."""
+    family = struct.unpack_from("=H", address)[0]
+    packed = address[4:8] if family == AF_INET else address[8:24]
+    if len(packed) not in (4, 16) or not metadata_packed(packed):
+        return False
+    return not (packed in resolvers and struct.unpack_from("!H", address, 2)[0] == 53)
 
 
 def _is_sandboxd_listener(address: bytes, listeners: "tuple[tuple[str, int], ...]") -> bool:

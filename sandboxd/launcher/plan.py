@@ -43,6 +43,9 @@ class BrokerRules(Record):
     channel_fds: tuple[int, ...] = ()
     host_diag_fd: int = -1
     host_network_namespace: int = 0         # where host_diag_fd was opened (its inode in /proc/self/ns)
+    # Cloud metadata addresses (policy.network.metadata_packed) are refused in every mode; those of
+    # them that are the sandbox's DNS resolvers (packed, policy.network.metadata_resolvers) on port 53 only.
+    metadata_resolvers: frozenset[bytes] = frozenset()
 
 
 class DebugHooks(Record):
@@ -192,7 +195,8 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None, *, review_dir: 
     filter_spec = seccomp.FilterSpec(confined=confined)
     broker = BrokerRules(allowed=resolved.socket_ids, denied=_socket_ids(spec.denied_sockets),
                          denied_listeners=tuple(_listener(entry) for entry in spec.denied_listeners),
-                         host_network=network and not isolated, channel_dirs=spec.approval_channels)
+                         host_network=network and not isolated, channel_dirs=spec.approval_channels,
+                         metadata_resolvers=_metadata_resolvers(spec.dns) if confined and network else frozenset())
     if broker.denied_listeners:
         # The connect broker judges addresses with it, in init, which may not be able to import
         # it (connect_broker's imports): load it here, in the process that forks init.
@@ -229,6 +233,15 @@ def _trust_source(spec: LaunchSpec) -> str:
                             + "), which a sandbox that trusts its proxy's certificates gets them added to: "
                             "install the system's CA certificates (the ca-certificates package)")
     return source
+
+
+def _metadata_resolvers(dns: "tuple[str, ...] | list[str]") -> frozenset[bytes]:
+    """The sandbox's resolvers that are metadata addresses (BrokerRules.metadata_resolvers): its
+    --dns, else the host's, which an isolated sandbox is given and the host's network uses."""
+    from sandboxd.kernel.netns import host_resolvers
+    from sandboxd.policy.network import metadata_resolvers
+
+    return metadata_resolvers(dns or host_resolvers())
 
 
 def _review_layers(review_dir: str, roots: tuple[str, ...], descriptors: dict[str, int], *, confined: bool,

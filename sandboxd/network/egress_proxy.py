@@ -294,7 +294,8 @@ class EgressProxy(TcpService):
         destination = f"{name}:{port}"
         rules = self._rules
         host = host_name(name)
-        if host is not None and metadata_name(host):
+        # A metadata name, or a metadata address given bare (never taken, but said as what it is).
+        if metadata_name(host) if host is not None else metadata_address(name.removeprefix("[").removesuffix("]")):
             self.denied(destination, "a cloud metadata service is never reachable", "metadata")
             request.fail(request.forbidden)
             return

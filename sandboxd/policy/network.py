@@ -14,6 +14,8 @@ expression built from a caller's text.
 
 from __future__ import annotations
 
+import _socket  # inet_pton only (the C module: socket.py costs more to import)
+
 from sandboxd._record import Choice, Record
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy.domains import WILDCARD, allowed_domain, domain_matches, host_name
@@ -68,7 +70,14 @@ METADATA_NAMES: frozenset[str] = frozenset({
     "metadata.google.internal", "metadata.goog", "metadata", "instance-data", "instance-data.ec2.internal",
     "metadata.tencentyun.com", "metadata.azure.internal"})
 _METADATA_SUFFIX = ".metadata.google.internal"
-_NAT64_PREFIX = "64:ff9b::/96"
+# The same addresses packed (what a sockaddr holds), for metadata_packed: the connect broker judges
+# raw sockaddrs in init, where importing ipaddress would cost a launch ~10 ms.
+_METADATA_V4 = frozenset(_socket.inet_pton(_socket.AF_INET, a) for a in METADATA_ADDRESSES if ":" not in a)
+_METADATA_V6 = frozenset(_socket.inet_pton(_socket.AF_INET6, a) for a in METADATA_ADDRESSES if ":" in a)
+# IPv6 /96 prefixes whose last 32 bits are an IPv4 address a packet may end up at: IPv4-mapped
+# (an AF_INET6 socket's way to IPv4 on this host), IPv4-compatible (deprecated, still parsed), and
+# NAT64's well-known prefix (RFC 6052: a translator forwards 64:ff9b::a9fe:a9fe to 169.254.169.254).
+_EMBEDDING_PREFIXES = (bytes(10) + b"\xff\xff", bytes(12), b"\x00\x64\xff\x9b" + bytes(8))
 
 
 class Unlisted(Choice):
@@ -477,25 +486,48 @@ def metadata_name(host: str) -> bool:
 
 
 def metadata_address(address: str) -> bool:
-    """Whether ``address`` is a metadata service's, also written IPv4-mapped (``::ffff:a.b.c.d``) or
-    NAT64 (``64:ff9b::a.b.c.d``). False for text that is no address."""
+    """Whether ``address`` is a metadata service's, also written IPv4-mapped (``::ffff:a.b.c.d``),
+    IPv4-compatible (``::a.b.c.d``) or NAT64 (``64:ff9b::a.b.c.d``). False for text that is no address."""
     import ipaddress                    # (~10 ms: only for a proxy's resolved answers, never a plain run)
 
     try:
         ip = ipaddress.ip_address(address.partition("%")[0])
     except ValueError:
         return False
-    candidates: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = [ip]
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            candidates.append(ip.ipv4_mapped)
-        if ip in ipaddress.ip_network(_NAT64_PREFIX):
-            candidates.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
-    known = {ipaddress.ip_address(item) for item in METADATA_ADDRESSES}
-    return any(candidate in known for candidate in candidates)
+    return metadata_packed(ip.packed)
+
+
+def metadata_packed(address: bytes) -> bool:
+    """Whether ``address``, packed (4 bytes IPv4, 16 IPv6: as a sockaddr holds it), is a metadata
+    service's, in any of the spellings ``metadata_address`` takes. The one judgement behind the egress
+    proxy's check and the connect broker's (launcher.connect_broker)."""
+    if len(address) == 4:
+        return address in _METADATA_V4
+    if len(address) == 16:
+        return address in _METADATA_V6 or (address[:12] in _EMBEDDING_PREFIXES and address[12:] in _METADATA_V4)
+    return False
+
+
+def metadata_resolvers(resolvers: "Iterable[str]") -> frozenset[bytes]:
+    """The packed forms (IPv4 and IPv4-mapped) of those of a sandbox's ``resolvers`` that are
+    metadata addresses: a cloud whose DNS server is its metadata service (Google's 169.254.169.254)
+    keeps DNS, on port 53 only, as the host itself resolves; nothing else of it."""
+    packed: set[bytes] = set()
+    for resolver in resolvers:
+        for family in (_socket.AF_INET, _socket.AF_INET6):
+            try:
+                address = _socket.inet_pton(family, resolver)
+            except OSError:
+                continue
+            if metadata_packed(address):
+                packed.add(address)
+                if len(address) == 4:
+                    packed.add(_EMBEDDING_PREFIXES[0] + address)
+    return frozenset(packed)
 
 
 __all__ = ["METADATA_ADDRESSES", "METADATA_NAMES", "CredentialSpec", "CredentialState", "DaemonSecret",
            "EndpointRule", "NetworkRules", "Unlisted", "check_secret", "check_secret_name", "check_secrets_match",
-           "covers", "endpoint_allowed", "metadata_address", "metadata_name", "normalize_path", "parse_credential",
+           "covers", "endpoint_allowed", "metadata_address", "metadata_name", "metadata_packed",
+           "metadata_resolvers", "normalize_path", "parse_credential",
            "parse_endpoint", "parse_unlisted", "path_matches", "why_not_normal"]
