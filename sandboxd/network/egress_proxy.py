@@ -112,7 +112,8 @@ MAX_RULES_SHOWN = 20                # endpoint rules quoted in a refusal's body
 
 class ProxyEvent(Record):
     """A refusal as the proxy reports it. ``kind``: domain, endpoint, metadata, range, address,
-    port, protocol, cap, upstream_tls, upstream, timeout (design §4.5); ``detail`` is printable."""
+    port, protocol, cap, upstream_tls, upstream, timeout (design §4.5), policy (an open connection
+    cut by ``EgressProxy.update``); ``detail`` is printable."""
 
     kind: str
     host: str
@@ -166,6 +167,14 @@ def proxy_environment() -> dict[str, str]:
     return {**env, **{key.lower(): value for key, value in env.items()}}
 
 
+def _same_credentials(old: "CredentialSet | None", new: "CredentialSet | None", host: str, port: int) -> bool:
+    """Whether ``old`` and ``new`` hold the same credentials (spec, phantom, secret) for
+    ``host``:``port``."""
+    before = old.for_upstream(host, port) if old is not None else ()
+    after = new.for_upstream(host, port) if new is not None else ()
+    return len(before) == len(after) and all(a.same(b) for a, b in zip(before, after, strict=True))
+
+
 class EgressProxy(TcpService):
     def __init__(self, listener: socket.socket, rules: NetworkRules, *,
                  netns_fd: int, resolvers: "list[str] | tuple[str, ...]" = (),
@@ -193,6 +202,9 @@ class EgressProxy(TcpService):
         self._ports = ROOTLESS_PORTS if netns_fd < 0 else None
         self.cap = ConnectionCap(connections)
         self._cap_reported = False
+        # Each relayed connection's destination (host, port as matched) and kind (tunnel,
+        # intercepted, plain), for ``update`` to cut what a change takes away. Loop thread only.
+        self._destinations: "dict[Relay | Intercepted | PlainMediated, tuple[str, int, str]]" = {}
 
     @property
     def rules(self) -> NetworkRules:
@@ -206,12 +218,38 @@ class EgressProxy(TcpService):
     def credentials(self) -> "CredentialSet | None":
         return self._credentials
 
-    def update(self, rules: NetworkRules) -> None:
-        """Enforce ``rules`` for every request read after this returns (any thread). One reference
-        replaced, which the loop reads once per request: no post, so no request read after the
-        call can see the old rules. Open tunnels stay; intercepted connections judge their next
-        request by the new rules."""
+    def update(self, rules: NetworkRules, credentials: "CredentialSet | None" = None) -> None:
+        """Enforce ``rules`` (and, when given, ``credentials``) for every connection and request read
+        after this returns (any thread; returns once done). The references are replaced first, which
+        the loop reads once per request, so no request read after the call sees the old ones. Then,
+        on the loop, every open connection the change takes away is cut: to a host no longer allowed,
+        a tunnel to a host now intercepted (its requests must be read), an intercepted one whose
+        host's credentials changed. The others stay; intercepted ones judge their next request by
+        the new rules and take the new set (the old one may be wiped once this returns)."""
+        old = self._credentials
         self._rules = rules
+        if credentials is not None:
+            self._credentials = credentials
+        self._loop.call(lambda: self._cut_stale(rules, old))
+
+    def _cut_stale(self, rules: NetworkRules, old: "CredentialSet | None") -> None:
+        new = self._credentials
+        for connection, (host, port, kind) in list(self._destinations.items()):
+            if not rules.allowed(host, port):
+                why = "it is no longer allowed"
+            elif kind == "tunnel" and rules.intercepts(host, port):
+                why = "its requests must now be read"
+            elif kind == "intercepted" and not _same_credentials(old, new, host, port):
+                why = "its credentials changed"
+            else:
+                if kind == "intercepted":
+                    from sandboxd.network.interception.intercepted import Intercepted
+
+                    assert isinstance(connection, Intercepted)
+                    connection.use_credentials(new)
+                continue
+            self.denied(f"{host}:{port}", f"an open connection was cut: {why}", "policy")
+            connection.close()
 
     @staticmethod
     def listen(netns_fd: int) -> socket.socket:
@@ -276,6 +314,13 @@ class EgressProxy(TcpService):
         self._cap_reported = False
         request = _Request(self, client)
         self.track(request)
+
+    def opened(self, connection: "Relay | Intercepted | PlainMediated", host: str, port: int, kind: str) -> None:
+        """``connection`` (to ``host``:``port``, a tunnel, intercepted or plain) now relays."""
+        self._destinations[connection] = (host, port, kind)
+
+    def forget(self, connection: "Relay | Intercepted | PlainMediated") -> None:
+        self._destinations.pop(connection, None)
 
     def _refuse_over_cap(self, client: socket.socket) -> None:
         try:
@@ -479,41 +524,45 @@ class _Request:
             return
         assert self.upstream is not None
         proxy, upstream = self.proxy, self.upstream
+        rules = proxy.rules                             # an update while resolving or connecting
+        if not rules.allowed(self.host, self.port) or (
+                not self.plain and rules.intercepts(self.host, self.port) != self.intercept):
+            proxy.denied(f"{self.host}:{self.port}", "the network policy changed while connecting")
+            self.fail(self.forbidden)
+            return
         self.closed = True                              # the relay owns both sockets from here
         proxy.untrack(self)
+        relay: "Relay | Intercepted | PlainMediated"
         if self.intercept:
             from sandboxd.network.interception.intercepted import Intercepted
 
             assert proxy.interceptor is not None
-            port = self.port
-            intercepted = Intercepted(proxy.loop, self.client, upstream, self.host, port,
-                                      interceptor=proxy.interceptor, credentials=proxy.credentials,
-                                      on_request=proxy.request_hook(self.host, port),
-                                      report=proxy.report_for(self.host, port), established=self.success,
-                                      on_close=self._relay_closed)
-            self.relay = intercepted
-            if not intercepted.closed:
-                proxy.track(intercepted)
-            return
-        if self.plain:
+            kind, port = "intercepted", self.port
+            relay = Intercepted(proxy.loop, self.client, upstream, self.host, port,
+                                interceptor=proxy.interceptor, credentials=proxy.credentials,
+                                on_request=proxy.request_hook(self.host, port),
+                                report=proxy.report_for(self.host, port), established=self.success,
+                                on_close=self._relay_closed)
+        elif self.plain:
             from sandboxd.network.interception.plain import PlainMediated
 
-            mediated = PlainMediated(proxy.loop, self.client, upstream, self.host, self.port, first=self.to_upstream,
-                                     on_request=proxy.request_hook(self.host, self.port),
-                                     report=proxy.report_for(self.host, self.port), on_close=self._relay_closed)
-            self.relay = mediated
-            if not mediated.closed:
-                proxy.track(mediated)
-            return
-        relay = Relay(proxy.loop, self.client, upstream, to_a=self.success, to_b=self.to_upstream,
-                      on_close=self._relay_closed)
+            kind = "plain"
+            relay = PlainMediated(proxy.loop, self.client, upstream, self.host, self.port, first=self.to_upstream,
+                                  on_request=proxy.request_hook(self.host, self.port),
+                                  report=proxy.report_for(self.host, self.port), on_close=self._relay_closed)
+        else:
+            kind = "tunnel"
+            relay = Relay(proxy.loop, self.client, upstream, to_a=self.success, to_b=self.to_upstream,
+                          on_close=self._relay_closed)
         self.relay = relay
         if not relay.closed:
             proxy.track(relay)
+            proxy.opened(relay, self.host, self.port, kind)
 
     def _relay_closed(self) -> None:
         if self.relay is not None:
             self.proxy.untrack(self.relay)
+            self.proxy.forget(self.relay)
         self.proxy.cap.release()
 
     def fail(self, reply: bytes) -> None:

@@ -103,6 +103,12 @@ class Mediator:
         self.requests = 0
         self.swaps = 0
 
+    def use_credentials(self, credentials: CredentialSet | None) -> None:
+        """The set to swap from for the next request: one holding the same credentials for this
+        host and port (the proxy cuts a connection whose credentials changed)."""
+        if self._credentials is not None and credentials:
+            self._credentials = credentials
+
     # -- input ---------------------------------------------------------------------------------
 
     def from_client(self, data: bytes) -> None:

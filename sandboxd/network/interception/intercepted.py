@@ -168,6 +168,13 @@ class Intercepted(Paired):
         self._step_upstream_handshake()
         self._update()
 
+    def use_credentials(self, credentials: CredentialSet | None) -> None:
+        """The set to take the secrets from from now on: one holding the same credentials for this
+        host and port (egress_proxy.EgressProxy.update cuts a connection whose credentials changed)."""
+        self._credentials = credentials
+        if self.mediator is not None:
+            self.mediator.use_credentials(credentials)
+
     # -- the loop's calls ------------------------------------------------------------------------
 
     def idle_counts(self) -> bool:
