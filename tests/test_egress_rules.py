@@ -29,6 +29,7 @@ from sandboxd.network.interception.ca import SessionCA
 from sandboxd.network.interception.intercepted import Interceptor
 from sandboxd.network.interception.upstream_tls import upstream_context
 from sandboxd.network.tcp_relay import RelayLoop, listen_tcp
+from sandboxd.network.upstream import UpstreamRoute
 from sandboxd.policy.network import CredentialSpec, NetworkRules, parse_endpoint
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the proxy connects from a namespace it enters (root)")
@@ -124,14 +125,17 @@ class Setup:
         self.ports: dict[int, int] = {}                   # id(proxy) -> its port
 
     def proxy(self, rules: NetworkRules, allowed_ranges: tuple[str, ...] = (LOOPBACK,),
-              credentials: CredentialSet | None = None) -> EgressProxy:
+              credentials: CredentialSet | None = None, upstream: UpstreamRoute | None = None,
+              trusted_pem: str | None = None) -> EgressProxy:
+        """A proxy on the test's loop; ``trusted_pem``: what it trusts for upstreams (the test CA)."""
         listener = listen_tcp("127.0.0.1", 0, step="test proxy")
         netns = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
             proxy = EgressProxy(listener, rules, netns_fd=netns, resolvers=[self.names.address],
                                 on_event=self.events.append, allowed_ranges=allowed_ranges,
-                                interceptor=Interceptor(self.session_ca, upstream_context(self.test_ca.pem)),
-                                credentials=credentials, loop=self.loop).start()
+                                interceptor=Interceptor(self.session_ca, upstream_context(
+                                    self.test_ca.pem if trusted_pem is None else trusted_pem)),
+                                credentials=credentials, upstream=upstream, loop=self.loop).start()
         finally:
             os.close(netns)
         self.proxies.append(proxy)
