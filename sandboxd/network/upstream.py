@@ -56,9 +56,7 @@ class UpstreamRoute(Record):
 
     def socket(self) -> socket.socket:
         """A non-blocking socket of this process's network namespace for connecting to it."""
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
+        return socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
 
 
 def connect_request(host: str, port: int) -> bytes:
