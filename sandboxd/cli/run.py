@@ -450,8 +450,16 @@ def _serve_proxy(network: "IsolatedNetwork | LoopbackProxy", domains: "tuple[str
         sys.stderr.flush()
     listener, network.proxy_listener = network.proxy_listener, None
     assert listener is not None                      # main serves a proxy only when there is one
-    return EgressProxy(listener, NetworkRules(domains=domains), netns_fd=network.netns_fd, resolvers=network.resolvers,
-                       on_denied=denied).start()
+    proxy = EgressProxy(listener, NetworkRules(domains=domains), netns_fd=network.netns_fd, resolvers=network.resolvers,
+                        on_denied=denied).start()
+    # Root's isolated network also captures the sandbox's ports 80 and 443 (network.transparent);
+    # a rootless one has no namespace of its own to redirect in (docs/rootless.md).
+    from sandboxd.kernel.netns import IsolatedNetwork
+    captured = network.transparent_listener if isinstance(network, IsolatedNetwork) else None
+    if isinstance(network, IsolatedNetwork) and captured is not None:
+        network.transparent_listener = None
+        proxy.serve_captured(captured)
+    return proxy
 
 
 def _publish(init_pid: int, entries: "tuple[str, ...]") -> "list[PublishedPort]":

@@ -193,6 +193,7 @@ class EgressProxy(TcpService):
         self._ports = ROOTLESS_PORTS if netns_fd < 0 else None
         self.cap = ConnectionCap(connections)
         self._cap_reported = False
+        self._captured: TcpService | None = None        # serve_captured's listener
 
     @property
     def rules(self) -> NetworkRules:
@@ -224,8 +225,22 @@ class EgressProxy(TcpService):
         super().start()
         return self
 
+    def serve_captured(self, listener: socket.socket) -> None:
+        """Serve transparent capture's ``listener`` too (network.transparent: the sandbox's ports 80
+        and 443, judged by the name each connection carries), until the proxy closes. Takes it."""
+        from sandboxd.network.transparent import serve_captured
+
+        def attach() -> None:
+            if self._closed:
+                listener.close()
+            else:
+                self._captured = serve_captured(self, listener)
+        self._loop.call(attach)
+
     def _close_in_loop(self) -> None:
         if not self._closed:
+            if self._captured is not None:
+                self._captured.close()
             super()._close_in_loop()
             if self._netns >= 0:
                 os.close(self._netns)
