@@ -102,3 +102,7 @@ NETWORK_MODE = "isolated"
 # The egress proxy's port: on the host side of an isolated sandbox's link (network.egress_proxy,
 # kernel.nftables lets the sandbox reach it), and on 127.0.0.1 inside a rootless one (launcher.rootless).
 PROXY_PORT = 3128
+# Transparent capture's port, on 127.0.0.1 inside a proxied isolated sandbox: its TCP to ports 80
+# and 443 of any address but its own is redirected there (kernel.nftables.egress_ruleset), and the
+# egress proxy serves it by the name the connection carries (network.transparent).
+TRANSPARENT_PORT = 3129

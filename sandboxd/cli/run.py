@@ -481,9 +481,17 @@ def _serve_proxy(network: "IsolatedNetwork | LoopbackProxy", policy: WorkspaceWr
     secrets = credentials.credential_set() if credentials is not None else None
     listener, network.proxy_listener = network.proxy_listener, None
     assert listener is not None                      # main serves a proxy only when there is one
-    return EgressProxy(listener, policy.network_rules, netns_fd=network.netns_fd, resolvers=network.resolvers,
-                       on_denied=denied, credentials=secrets,
-                       interceptor=credentials.interceptor() if credentials is not None else None).start()
+    proxy = EgressProxy(listener, policy.network_rules, netns_fd=network.netns_fd, resolvers=network.resolvers,
+                        on_denied=denied, credentials=secrets,
+                        interceptor=credentials.interceptor() if credentials is not None else None).start()
+    # Root's isolated network also captures the sandbox's ports 80 and 443 (network.transparent);
+    # a rootless one has no namespace of its own to redirect in (docs/rootless.md).
+    from sandboxd.kernel.netns import IsolatedNetwork
+    captured = network.transparent_listener if isinstance(network, IsolatedNetwork) else None
+    if isinstance(network, IsolatedNetwork) and captured is not None:
+        network.transparent_listener = None
+        proxy.serve_captured(captured)
+    return proxy
 
 
 def _publish(init_pid: int, entries: "tuple[str, ...]") -> "list[PublishedPort]":

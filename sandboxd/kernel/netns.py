@@ -80,6 +80,7 @@ class IsolatedNetwork:
         self.sandbox_address = sandbox_address
         self.resolvers = resolvers
         self.proxy_listener: "Any" = None           # the egress proxy's socket, with allowed domains
+        self.transparent_listener: "Any" = None     # and its transparent capture's (network.transparent)
 
     def resolv_conf(self) -> str:
         """The sandbox's /etc/resolv.conf."""
@@ -95,9 +96,10 @@ class IsolatedNetwork:
             import os
             os.close(self.netns_fd)
             self.netns_fd = -1
-        if self.proxy_listener is not None:
-            self.proxy_listener.close()
-            self.proxy_listener = None
+        for listener in (self.proxy_listener, self.transparent_listener):
+            if listener is not None:
+                listener.close()
+        self.proxy_listener = self.transparent_listener = None
         if self.host_link:
             _delete_link(self.host_link)
             self.host_link = ""

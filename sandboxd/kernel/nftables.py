@@ -25,6 +25,7 @@ from __future__ import annotations
 import subprocess
 
 from sandboxd.defaults import PROXY_PORT  # the egress proxy's port (the ``proxied`` set: see ruleset)
+from sandboxd.defaults import TRANSPARENT_PORT
 from sandboxd.errors import SetupError
 
 TABLE = "sandboxd"
@@ -148,14 +149,27 @@ def proxied_addresses() -> "list[str]":
     return addresses
 
 
+# The ports a proxied sandbox's connections are captured on (network.transparent): HTTP and HTTPS.
+CAPTURED_PORTS = (80, 443)
+
+
 def egress_ruleset(resolvers: "list[str] | tuple[str, ...]",
                    allowed: "list[tuple[str, tuple[tuple[int, int], ...]]]", *, via_proxy: bool = False) -> str:
     """The allowlist of one isolated network, loaded inside its namespace (the sandbox holds no
     capability to change it): loopback (where the egress proxy listens, network.egress_proxy),
     replies, DNS to the resolvers, the allowed destinations, and ``via_proxy`` the proxy's own
     upstream sockets (``PROXY_MARK``); everything else is rejected at once (a program fails fast
-    instead of timing out)."""
+    instead of timing out).
+
+    ``via_proxy`` also captures: TCP to CAPTURED_PORTS of any address outside the namespace (but
+    the ``allowed`` ones, reached directly) is redirected to 127.0.0.1:TRANSPARENT_PORT, where the
+    egress proxy judges it by the name it carries (network.transparent), so a program that ignores
+    the proxy variables still gets through to an allowed name. The proxy's own sockets (its mark)
+    are not redirected. The filter lets the redirected connection in by its new destination: an
+    output hook's interface is the one routed before the redirect."""
     lines = ['oifname "lo" accept', "ct state established,related accept"]
+    if via_proxy:
+        lines.append(f"ip daddr 127.0.0.1 tcp dport {TRANSPARENT_PORT} ct status dnat accept")
     if resolvers:
         lines.append(f"ip daddr {{ {', '.join(resolvers)} }} meta l4proto {{ udp, tcp }} th dport 53 accept")
     if via_proxy:                                        # the egress proxy: the way out for allowed domains
@@ -168,12 +182,23 @@ def egress_ruleset(resolvers: "list[str] | tuple[str, ...]",
             lines.append(f"ip daddr {cidr} accept")
     lines.append("reject with icmpx type admin-prohibited")
     body = "\n    ".join(lines)
+    capture = ""
+    if via_proxy:
+        direct = [f"ip daddr {cidr} return" for cidr, _ in allowed]
+        rules = ['oifname "lo" return', f"meta mark {PROXY_MARK:#x} return", *direct,
+                 f"meta nfproto ipv4 tcp dport {{ {', '.join(map(str, CAPTURED_PORTS))} }} "
+                 f"redirect to :{TRANSPARENT_PORT}"]
+        capture = """
+  chain capture {
+    type nat hook output priority -100; policy accept;
+    """ + "\n    ".join(rules) + """
+  }"""
     return f"""
 table inet {TABLE}_egress {{
   chain out {{
     type filter hook output priority 0; policy drop;
     {body}
-  }}
+  }}{capture}
 }}
 """
 

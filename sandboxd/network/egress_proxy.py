@@ -226,6 +226,7 @@ class EgressProxy(TcpService):
         # Each relayed connection's destination (host, port as matched) and kind (tunnel,
         # intercepted, plain), for ``update`` to cut what a change takes away. Loop thread only.
         self._destinations: "dict[Relay | Intercepted | PlainMediated, tuple[str, int, str]]" = {}
+        self._captured: TcpService | None = None        # serve_captured's listener
 
     @property
     def rules(self) -> NetworkRules:
@@ -283,8 +284,22 @@ class EgressProxy(TcpService):
         super().start()
         return self
 
+    def serve_captured(self, listener: socket.socket) -> None:
+        """Serve transparent capture's ``listener`` too (network.transparent: the sandbox's ports 80
+        and 443, judged by the name each connection carries), until the proxy closes. Takes it."""
+        from sandboxd.network.transparent import serve_captured
+
+        def attach() -> None:
+            if self._closed:
+                listener.close()
+            else:
+                self._captured = serve_captured(self, listener)
+        self._loop.call(attach)
+
     def _close_in_loop(self) -> None:
         if not self._closed:
+            if self._captured is not None:
+                self._captured.close()
             super()._close_in_loop()
             if self._netns >= 0:
                 os.close(self._netns)

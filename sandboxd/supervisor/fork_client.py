@@ -44,6 +44,7 @@ class SessionInfo(Record):
     # over (SessionReady): the receiver's to close, once whoever serves it has its own copy. -1: none.
     proxy_listener: int = -1
     pid_namespace: int = 0              # its PID namespace's inode, read by the fork server (0: none)
+    transparent_listener: int = -1      # transparent capture's (network.transparent), the same way
 
 
 class ForkServer:
@@ -146,9 +147,11 @@ class ForkServer:
         event = self._expect(call_id, SessionReady)
         with self._cond:
             passed = self._passed.pop(call_id, [])
+        proxy = passed.pop(0) if event.proxy_listener and passed else -1
+        captured = passed.pop(0) if event.transparent_listener and passed else -1
         return SessionInfo(event.init_pid or 0, event.workspace, tuple(event.writable_roots), event.host_address,
                            event.sandbox_address,
-                           tuple(event.resolvers or ()), passed[0] if passed else -1, event.pid_namespace)
+                           tuple(event.resolvers or ()), proxy, event.pid_namespace, captured)
 
     def check_paths(self, caller: "tuple[int, int, tuple[int, ...]] | None", paths: list[str],
                     owner: str = "") -> list[str]:

@@ -611,12 +611,16 @@ class _Server:
         # The daemon serves the egress proxy (this process has no threads) on this very socket, bound
         # in the sandbox's namespace before the sandbox existed (network.egress_proxy.PROXY_ADDRESS)
         # and sent along still bound: its port is never free while the session lives.
+        # Transparent capture's listener (network.transparent) goes the same way, after it.
         listener, network.proxy_listener = network.proxy_listener, None
+        captured, network.transparent_listener = network.transparent_listener, None
+        passed = [sock for sock in (listener, captured) if sock is not None]
         self._answer(SessionReady(call_id, session.init_pid, plan.workspace, roots, network.host_address,
-                                  network.sandbox_address, list(network.resolvers), listener is not None, namespace),
-                     None if listener is None else [listener.fileno()])
-        if listener is not None:
-            listener.close()                              # the daemon's copy holds the address now
+                                  network.sandbox_address, list(network.resolvers), listener is not None, namespace,
+                                  transparent_listener=captured is not None),
+                     [sock.fileno() for sock in passed] or None)
+        for sock in passed:
+            sock.close()                                  # the daemon's copy holds the address now
 
     def _await_start(self, call_id: int, proc: SandboxProcess, limit: float | None) -> None:
         """Answer Started once the command was exec'd (its setup report's EOF), from the loop:

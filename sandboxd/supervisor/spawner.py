@@ -709,10 +709,14 @@ def _isolated_network(plan: LaunchPlan) -> "tuple[IsolatedNetwork | None, Launch
         env = dict(plan.env)
         if plan.proxied:
             from sandboxd.network.egress_proxy import EgressProxy, proxy_environment
+            from sandboxd.network.transparent import listen_captured
 
             # On the sandbox's loopback, bound before the command can exist, so its first request
             # finds the proxy there; whoever runs it (sandboxd run, the daemon) starts serving it.
             network.proxy_listener = EgressProxy.listen(network.netns_fd)
+            # And the one its ports 80 and 443 are redirected to (kernel.nftables.egress_ruleset):
+            # for programs that ignore the proxy variables.
+            network.transparent_listener = listen_captured(network.netns_fd)
             env.update(proxy_environment())
     except BaseException:
         network.close()

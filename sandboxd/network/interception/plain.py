@@ -27,10 +27,12 @@ class PlainMediated(Paired):
 
     def __init__(self, loop: EventLoop, client: socket.socket, upstream: socket.socket, host: str, port: int, *,
                  first: bytes, on_request: RequestHook | None = None, report: Report | None = None,
-                 on_close: Callable[[], None] = lambda: None) -> None:
+                 absolute_form: bool = True, on_close: Callable[[], None] = lambda: None) -> None:
+        """``absolute_form`` False: a captured connection (network.transparent), whose requests are
+        in origin-form and each name this host in its Host header."""
         super().__init__(loop, client, upstream, IDLE_SECONDS, on_close)
         self.http = Mediator(host, port, default_port=HTTP_PORT, on_request=on_request, report=report,
-                             absolute_form=True)
+                             absolute_form=absolute_form)
         self.mediator = self.http
         self.http.from_client(first)
         self._pass()

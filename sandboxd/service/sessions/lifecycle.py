@@ -370,7 +370,7 @@ class SessionLifecycle:
                                        owner_stores_max=self._places.review_owner_stores)
         try:
             with session.lock:                        # before the check: a concurrent build's check sees it
-                session.built[generation] = info.replace(proxy_listener=-1)
+                session.built[generation] = info.replace(proxy_listener=-1, transparent_listener=-1)
             if self._check_built is not None:
                 try:
                     self._check_built(session, info)
@@ -381,8 +381,9 @@ class SessionLifecycle:
                     raise
             self._serve_sandbox(session, generation, policy, info)
         finally:
-            if info.proxy_listener >= 0:              # the egress proxy serves its own copy (sandbox_network)
-                os.close(info.proxy_listener)
+            for listener in (info.proxy_listener, info.transparent_listener):
+                if listener >= 0:                     # the egress proxy serves its own copy (sandbox_network)
+                    os.close(listener)
 
     def _serve_sandbox(self, session: Session, generation: int, policy: SandboxPolicy, info: SessionInfo) -> None:
         """What ``_open_sandbox`` does once the fork server built the sandbox: count it, then the hooks."""
