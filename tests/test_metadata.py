@@ -395,3 +395,44 @@ def test_a_rootless_run_reaches_no_metadata_address(world: MetadataWorld, rootle
 
 def plan_keys(plan: "list[list[Any]]") -> "list[str]":
     return [" ".join(map(str, step)) for step in plan]
+
+
+# --------------------------------------------------------------------------- the daemon
+
+
+def test_daemon_sessions_reach_no_metadata_and_say_why(world: MetadataWorld) -> None:
+    """The daemon in the stand-in host: a session with the host's network gets EACCES for every
+    spelling, a session with allowed domains gets a 403 for a name resolving to 169.254.169.254 and
+    a PermissionDenied event saying what and why; a danger-full-access session reaches the
+    metadata service (the control), and so does internet.test through the proxy."""
+    from daemon_helpers import Daemon, create_session, make_base_dir, remove_tree, run_exec
+    from sandboxd.v1 import sandboxd_pb2 as pb
+
+    base = make_base_dir("sbxd-metadata-")
+    workspace = make_dir(base / "ws-1")
+    d = Daemon(base, args=["--dns", DNS_SERVER], wrapper=["nsenter", f"--net=/run/netns/{world.host}", "--"])
+    plan = [["tcp", a, 80] for a in EVERY_SPELLING]
+    try:
+        d.start()
+        world.reached()
+        host = create_session(d.stub, workspace, pb.SandboxPolicy(
+            mode=pb.SandboxPolicy.WORKSPACE_WRITE, network_access=True, network_mode="host"))
+        seen = json.loads(run_exec(d.stub, host.id, [PY, "-c", PROBE, json.dumps(plan)]).stdout.decode())
+        assert seen == {key: "EACCES" for key in plan_keys(plan)}, seen
+        proxied = create_session(d.stub, workspace, pb.SandboxPolicy(
+            mode=pb.SandboxPolicy.WORKSPACE_WRITE, network_access=True, allowed_domains=["*"]))
+        asked = [["proxy", "CONNECT meta.test:80 HTTP/1.1"], ["proxy", "CONNECT internet.test:80 HTTP/1.1"]]
+        seen = json.loads(run_exec(d.stub, proxied.id, [PY, "-c", PROBE, json.dumps(asked)]).stdout.decode())
+        assert seen["proxy CONNECT meta.test:80 HTTP/1.1"].startswith("HTTP/1.1 403"), seen
+        assert seen["proxy CONNECT internet.test:80 HTTP/1.1"].startswith("HTTP/1.1 200"), seen
+        denials = [json.loads(e.data_json) for e in d.stub.QueryEvents(pb.QueryEventsRequest(
+            session_id=proxied.id, types=["PermissionDenied"])).events]
+        assert [(x["destination"], x["detail"]) for x in denials] == [
+            ("meta.test:80", "it resolves to 169.254.169.254, a cloud metadata service")], denials
+        assert world.reached() == {f"tcp {INTERNET}": 1}            # the proxy's control only
+        full = create_session(d.stub, workspace, pb.SandboxPolicy(mode=pb.SandboxPolicy.DANGER_FULL_ACCESS))
+        control = json.loads(run_exec(d.stub, full.id, [PY, "-c", PROBE, json.dumps(plan)]).stdout.decode())
+        assert control == {f"tcp {a} 80": opened(a) for a in EVERY_SPELLING}, control
+    finally:
+        d.close()
+        remove_tree(base)
