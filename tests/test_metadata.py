@@ -233,6 +233,63 @@ def test_the_isolated_network_reaches_no_metadata_address(world: MetadataWorld, 
     assert world.reached() == {f"tcp {INTERNET}": 1}
 
 
+TABLE_ONLY = textwrap.dedent('''
+    import json, os, socket, sys, threading
+    from sandboxd.kernel import namespaces
+    from sandboxd.kernel.netns import create_isolated
+    own = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    net = create_isolated(resolvers=[sys.argv[1]])
+    results = {}
+    def tcp(address):
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+                s.settimeout(3)
+                s.connect((address, 80))
+                results[f"tcp {address}"] = "open"
+        except OSError as e:
+            results[f"tcp {address}"] = type(e).__name__
+    def udp(address):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(b"ping", (address, 80))
+    try:
+        namespaces.setns(net.netns_fd, namespaces.CLONE_NEWNET)   # the sandbox's namespace, no broker
+        threads = [threading.Thread(target=tcp, args=(a,)) for a in json.loads(sys.argv[2])]
+        for thread in threads:
+            thread.start()
+        for address in json.loads(sys.argv[3]):
+            udp(address)
+        for thread in threads:
+            thread.join()
+    finally:
+        namespaces.setns(own, namespaces.CLONE_NEWNET)
+        net.close()
+    print(json.dumps(results))
+''')
+
+
+def test_the_isolated_network_s_host_table_alone_drops_metadata(world: MetadataWorld) -> None:
+    """The wall behind the broker: from inside an isolated network's namespace with nothing but the
+    kernel in the way (a root process joined to it, no seccomp, no broker), every IPv4 metadata
+    address, 169.254.169.254 IPv4-mapped included, is dropped by the host's `inet sandboxd` table
+    (TCP connects time out, no datagram arrives), and the IPv6 ones have no route at all. Control:
+    the ordinary server is reached from the same namespace."""
+    from conftest import REPO
+
+    v4 = [*V4_METADATA, MAPPED_METADATA]
+    world.reached()
+    done = subprocess.run(world.in_host([sys.executable, "-c", TABLE_ONLY, DNS_SERVER,
+                                         json.dumps([*v4, *V6_METADATA, NAT64_METADATA, INTERNET]),
+                                         json.dumps(V4_METADATA)]),
+                          capture_output=True, text=True, timeout=120 * SLOW, cwd=REPO, stdin=subprocess.DEVNULL,
+                          env={**BASE_ENV, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, describe(done)
+    seen = json.loads(done.stdout)
+    assert seen.pop(f"tcp {INTERNET}") == "open"
+    assert seen == {**{f"tcp {a}": "TimeoutError" for a in v4},
+                    **{f"tcp {a}": "OSError" for a in (*V6_METADATA, NAT64_METADATA)}}, seen
+    assert world.reached() == {f"tcp {INTERNET}": 1}
+
+
 def test_a_resolver_that_is_a_metadata_address_answers_dns_and_nothing_else(world: MetadataWorld,
                                                                             workspace: Path) -> None:
     """--dns 169.254.169.254 (as on Google's cloud): the sandbox resolves names through it, and its
