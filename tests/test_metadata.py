@@ -233,6 +233,63 @@ def test_the_isolated_network_reaches_no_metadata_address(world: MetadataWorld, 
     assert world.reached() == {f"tcp {INTERNET}": 1}
 
 
+TABLE_ONLY = textwrap.dedent('''
+    import json, os, socket, sys, threading
+    from sandboxd.kernel import namespaces
+    from sandboxd.kernel.netns import create_isolated
+    own = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    net = create_isolated(resolvers=[sys.argv[1]])
+    results = {}
+    def tcp(address):
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+                s.settimeout(3)
+                s.connect((address, 80))
+                results[f"tcp {address}"] = "open"
+        except OSError as e:
+            results[f"tcp {address}"] = type(e).__name__
+    def udp(address):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(b"ping", (address, 80))
+    try:
+        namespaces.setns(net.netns_fd, namespaces.CLONE_NEWNET)   # the sandbox's namespace, no broker
+        threads = [threading.Thread(target=tcp, args=(a,)) for a in json.loads(sys.argv[2])]
+        for thread in threads:
+            thread.start()
+        for address in json.loads(sys.argv[3]):
+            udp(address)
+        for thread in threads:
+            thread.join()
+    finally:
+        namespaces.setns(own, namespaces.CLONE_NEWNET)
+        net.close()
+    print(json.dumps(results))
+''')
+
+
+def test_the_isolated_network_s_host_table_alone_drops_metadata(world: MetadataWorld) -> None:
+    """The wall behind the broker: from inside an isolated network's namespace with nothing but the
+    kernel in the way (a root process joined to it, no seccomp, no broker), every IPv4 metadata
+    address, 169.254.169.254 IPv4-mapped included, is dropped by the host's `inet sandboxd` table
+    (TCP connects time out, no datagram arrives), and the IPv6 ones have no route at all. Control:
+    the ordinary server is reached from the same namespace."""
+    from conftest import REPO
+
+    v4 = [*V4_METADATA, MAPPED_METADATA]
+    world.reached()
+    done = subprocess.run(world.in_host([sys.executable, "-c", TABLE_ONLY, DNS_SERVER,
+                                         json.dumps([*v4, *V6_METADATA, NAT64_METADATA, INTERNET]),
+                                         json.dumps(V4_METADATA)]),
+                          capture_output=True, text=True, timeout=120 * SLOW, cwd=REPO, stdin=subprocess.DEVNULL,
+                          env={**BASE_ENV, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, describe(done)
+    seen = json.loads(done.stdout)
+    assert seen.pop(f"tcp {INTERNET}") == "open"
+    assert seen == {**{f"tcp {a}": "TimeoutError" for a in v4},
+                    **{f"tcp {a}": "OSError" for a in (*V6_METADATA, NAT64_METADATA)}}, seen
+    assert world.reached() == {f"tcp {INTERNET}": 1}
+
+
 def test_a_resolver_that_is_a_metadata_address_answers_dns_and_nothing_else(world: MetadataWorld,
                                                                             workspace: Path) -> None:
     """--dns 169.254.169.254 (as on Google's cloud): the sandbox resolves names through it, and its
@@ -395,3 +452,45 @@ def test_a_rootless_run_reaches_no_metadata_address(world: MetadataWorld, rootle
 
 def plan_keys(plan: "list[list[Any]]") -> "list[str]":
     return [" ".join(map(str, step)) for step in plan]
+
+
+# --------------------------------------------------------------------------- the daemon
+
+
+def test_daemon_sessions_reach_no_metadata_and_say_why(world: MetadataWorld) -> None:
+    """The daemon in the stand-in host: a session with the host's network gets EACCES for every
+    spelling, a session with allowed domains gets a 403 for a name resolving to 169.254.169.254 and
+    a PermissionDenied event saying what and why; a danger-full-access session reaches the
+    metadata service (the control), and so does internet.test through the proxy."""
+    from daemon_helpers import Daemon, create_session, make_base_dir, remove_tree, run_exec
+    from sandboxd.v1 import sandboxd_pb2 as pb
+
+    base = make_base_dir("sbxd-metadata-")
+    workspace = make_dir(base / "ws-1")
+    d = Daemon(base, args=["--dns", DNS_SERVER], wrapper=["nsenter", f"--net=/run/netns/{world.host}", "--"])
+    plan = [["tcp", a, 80] for a in EVERY_SPELLING]
+    try:
+        d.start()
+        world.reached()
+        host = create_session(d.stub, workspace, pb.SandboxPolicy(
+            mode=pb.SandboxPolicy.WORKSPACE_WRITE, network_access=True, network_mode="host"))
+        seen = json.loads(run_exec(d.stub, host.id, [PY, "-c", PROBE, json.dumps(plan)]).stdout.decode())
+        assert seen == {key: "EACCES" for key in plan_keys(plan)}, seen
+        proxied = create_session(d.stub, workspace, pb.SandboxPolicy(
+            mode=pb.SandboxPolicy.WORKSPACE_WRITE, network_access=True, allowed_domains=["*"]))
+        asked = [["proxy", "CONNECT meta.test:80 HTTP/1.1"], ["proxy", "CONNECT internet.test:80 HTTP/1.1"]]
+        seen = json.loads(run_exec(d.stub, proxied.id, [PY, "-c", PROBE, json.dumps(asked)]).stdout.decode())
+        assert seen["proxy CONNECT meta.test:80 HTTP/1.1"].startswith("HTTP/1.1 403"), seen
+        assert seen["proxy CONNECT internet.test:80 HTTP/1.1"].startswith("HTTP/1.1 200"), seen
+        denials = [json.loads(e.data_json) for e in d.stub.QueryEvents(pb.QueryEventsRequest(
+            session_id=proxied.id, types=["PermissionDenied"])).events]
+        assert [(x["destination"], x["detail"]) for x in denials] == [
+            ("meta.test:80", "it resolves to 169.254.169.254, a cloud metadata service")], denials
+        connections = {key: count for key, count in world.reached().items() if not key.startswith("dns")}
+        assert connections == {f"tcp {INTERNET}": 1}                 # the proxy's control only
+        full = create_session(d.stub, workspace, pb.SandboxPolicy(mode=pb.SandboxPolicy.DANGER_FULL_ACCESS))
+        control = json.loads(run_exec(d.stub, full.id, [PY, "-c", PROBE, json.dumps(plan)]).stdout.decode())
+        assert control == {f"tcp {a} 80": opened(a) for a in EVERY_SPELLING}, control
+    finally:
+        d.close()
+        remove_tree(base)
