@@ -129,7 +129,13 @@ class RunCredentials:
         from sandboxd.network.interception.intercepted import Interceptor
         from sandboxd.network.interception.upstream_tls import upstream_context
 
-        return Interceptor(self.ca, upstream_context())
+        context = upstream_context()
+        if os.environ.get("SSL_CERT_FILE"):
+            # OpenSSL reads SSL_CERT_FILE instead of the host's bundle (its hashed directory stays,
+            # where a distribution has one): the host's store is loaded too, so a corporate or test
+            # CA adds to the public ones rather than replacing them.
+            context.load_verify_locations(cafile=self.bundle)
+        return Interceptor(self.ca, context)
 
 
 def _read_secret_file(name: str, path: str) -> bytes:
