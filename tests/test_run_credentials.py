@@ -80,11 +80,18 @@ PROBE = textwrap.dedent('''
 ''')
 
 
-class Upstream:
-    def __init__(self, world: World, base: Path) -> None:  # noqa: F811
+class UpstreamTrust:
+    """The upstream's CA, in a file the run process trusts through SSL_CERT_FILE."""
+
+    def __init__(self, base: Path) -> None:
         self.ca = UpstreamCA((API, "other.test"))
         self.ca_file = base / "test-ca.pem"
         self.ca_file.write_text(self.ca.pem)
+
+
+class Upstream(UpstreamTrust):
+    def __init__(self, world: World, base: Path) -> None:  # noqa: F811
+        super().__init__(base)
         chain = base / "upstream-chain.pem"
         chain.write_bytes(self.ca.leaf_pem + self.ca.leaf_key_pem)
         self.log = base / "upstream.log"
@@ -112,6 +119,12 @@ def upstream(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         made.close()
 
 
+@pytest.fixture(scope="module")
+def test_ca(tmp_path_factory: pytest.TempPathFactory) -> UpstreamTrust:
+    """For the runs that reach no upstream: no world to wait for."""
+    return UpstreamTrust(make_dir(tmp_path_factory.mktemp("ca"), 0o755))
+
+
 def nobody_workspace(tmp_path: Path) -> Path:
     """A workspace of nobody's: root's run then runs the command as nobody, who cannot read root's
     0700 directories (where a --credential-file test keeps its secret)."""
@@ -120,7 +133,7 @@ def nobody_workspace(tmp_path: Path) -> Path:
     return workspace
 
 
-def run_root(workspace: Path, upstream: Upstream, *args: str, env: "dict[str, str] | None" = None
+def run_root(workspace: Path, upstream: UpstreamTrust, *args: str, env: "dict[str, str] | None" = None
              ) -> subprocess.CompletedProcess[str]:
     return subprocess.run([SANDBOXD, "run", "--workspace", str(workspace), *args, "--", "sh", "-c", PROBE],
                           capture_output=True, text=True, timeout=120 * SLOW, stdin=subprocess.DEVNULL,
@@ -154,9 +167,9 @@ def test_root_run_puts_the_secret_in_and_the_command_holds_only_the_phantom(tmp_
                                 "--env", "GH_TOKEN=also-not-passed"), upstream, since)
 
 
-def test_control_pass_env_without_a_credential_passes_the_secret(tmp_path: Path, upstream: Upstream) -> None:
+def test_control_pass_env_without_a_credential_passes_the_secret(tmp_path: Path, test_ca: UpstreamTrust) -> None:
     """The dump above finds the secret where one is: --pass-env without --credential hands it over."""
-    result = run_root(nobody_workspace(tmp_path), upstream, "--pass-env", "GH_TOKEN")
+    result = run_root(nobody_workspace(tmp_path), test_ca, "--pass-env", "GH_TOKEN")
     assert f"var={SECRET}" in result.stdout and f"GH_TOKEN={SECRET}" in result.stdout.split("--- environ", 1)[1]
 
 
@@ -169,7 +182,7 @@ def test_a_credential_file_gives_the_secret(tmp_path: Path, upstream: Upstream) 
     check_phantom_only(result, upstream, since)
 
 
-def test_bad_credential_options_are_refused_saying_what_to_fix(tmp_path: Path, upstream: Upstream) -> None:
+def test_bad_credential_options_are_refused_saying_what_to_fix(tmp_path: Path, test_ca: UpstreamTrust) -> None:
     workspace = nobody_workspace(tmp_path)
     cases = {
         ("--credential", f"GH_TOKEN=https://{API}"): "only applies to the isolated network: add --network",
@@ -181,7 +194,7 @@ def test_bad_credential_options_are_refused_saying_what_to_fix(tmp_path: Path, u
             "not a readable file",
     }
     for args, expected in cases.items():
-        result = run_root(workspace, upstream, *args)
+        result = run_root(workspace, test_ca, *args)
         assert result.returncode == 125 and expected in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr
 
