@@ -16,6 +16,7 @@ can be wiped): never in a Record, an exception, a log line or an event.
 from __future__ import annotations
 
 import base64
+import hmac
 import os
 
 from sandboxd.policy.network import CredentialSpec
@@ -74,6 +75,10 @@ class Secret:
         plain = (user.encode("ascii") + b":" if user else b"") + bytes(self._value)
         return base64.b64encode(plain)
 
+    def equals(self, other: "Secret") -> bool:
+        """The same bytes (compared in constant time)."""
+        return hmac.compare_digest(bytes(self._value), bytes(other._value))
+
     def wipe(self) -> None:
         for index in range(len(self._value)):
             self._value[index] = 0
@@ -89,6 +94,11 @@ class Credential:
 
     def __repr__(self) -> str:
         return f"Credential({self.spec.text()!r}, <secret>, {self.phantom!r})"
+
+    def same(self, other: "Credential") -> bool:
+        """Whether ``other`` is this credential: the same spec, phantom and secret."""
+        return (self.spec == other.spec and self.phantom == other.phantom
+                and self.secret.equals(other.secret))
 
     def replaces(self, value: bytes) -> bool:
         """Whether header ``value`` (of this credential's header) is the sandbox's use of the

@@ -103,6 +103,19 @@ class Mediator:
         self.requests = 0
         self.swaps = 0
 
+    def use_credentials(self, credentials: CredentialSet | None) -> None:
+        """The set to swap from for the next request: one holding the same credentials for this
+        host and port (the proxy cuts a connection whose credentials changed)."""
+        if self._credentials is not None and credentials:
+            self._credentials = credentials
+
+    @property
+    def head_pending(self) -> bool:
+        """Whether part of a request head has come and the rest not yet (the owner gives a head
+        REQUEST_HEAD_SECONDS to be complete: a client trickling one never holds the connection)."""
+        return (not self.done and not self.switched and self._client.their_state is h11.IDLE
+                and bool(self._client.trailing_data[0]))
+
     # -- input ---------------------------------------------------------------------------------
 
     def from_client(self, data: bytes) -> None:

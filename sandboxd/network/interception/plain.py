@@ -29,10 +29,12 @@ class PlainMediated(Paired):
                  first: bytes, on_request: RequestHook | None = None, report: Report | None = None,
                  on_close: Callable[[], None] = lambda: None) -> None:
         super().__init__(loop, client, upstream, IDLE_SECONDS, on_close)
-        self.mediator = Mediator(host, port, default_port=HTTP_PORT, on_request=on_request, report=report,
-                                 absolute_form=True)
-        self.mediator.from_client(first)
+        self.http = Mediator(host, port, default_port=HTTP_PORT, on_request=on_request, report=report,
+                             absolute_form=True)
+        self.mediator = self.http
+        self.http.from_client(first)
         self._pass()
+        self._watch_head()
         self._update()
 
     def _pull(self, side: Side) -> None:
@@ -41,13 +43,13 @@ class PlainMediated(Paired):
             return
         side.eof = not data
         if side is self._client:
-            self.mediator.from_client(data)
+            self.http.from_client(data)
         else:
-            self.mediator.from_upstream(data)
+            self.http.from_upstream(data)
         self._pass()
 
     def _pass(self) -> None:
-        mediator = self.mediator
+        mediator = self.http
         for pending, side in ((mediator.to_client, self._client), (mediator.to_upstream, self._upstream)):
             if pending:
                 side.out += pending
@@ -57,7 +59,7 @@ class PlainMediated(Paired):
     def _update(self) -> None:
         if self.closed:
             return
-        done = self.mediator.done
+        done = self.http.done
         if (done or (self._client.eof and self._upstream.eof)) and not self._client.out and not self._upstream.out:
             self.close()
             return
