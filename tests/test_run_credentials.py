@@ -199,6 +199,62 @@ def test_bad_credential_options_are_refused_saying_what_to_fix(tmp_path: Path, t
         assert "Traceback" not in result.stderr
 
 
+# A corporate proxy on the host's loopback: answers each CONNECT, logs its authority, and pumps the
+# tunnel to the world's address of the name (it resolves names itself, as such proxies do).
+CORPORATE = textwrap.dedent('''
+    import socket, sys, threading
+    log, names = sys.argv[1], {"api.internet.test": "198.51.100.10"}
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(listener.getsockname()[1], flush=True)
+    def pump(source, sink):
+        try:
+            while chunk := source.recv(65536):
+                sink.sendall(chunk)
+            sink.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+    def one(client):
+        head = b""
+        while b"\\r\\n\\r\\n" not in head:
+            head += client.recv(4096) or b"\\r\\n\\r\\n"
+        authority = head.split(b" ")[1].decode()
+        with open(log, "a") as f:
+            f.write(authority + "\\n")
+        host, _, port = authority.rpartition(":")
+        upstream = socket.create_connection((names.get(host, host), int(port)))
+        client.sendall(b"HTTP/1.1 200 Connection established\\r\\n\\r\\n")
+        threading.Thread(target=pump, args=(upstream, client), daemon=True).start()
+        pump(client, upstream)
+    while True:
+        threading.Thread(target=one, args=(listener.accept()[0],), daemon=True).start()
+''')
+
+
+def test_an_upstream_proxy_carries_the_credentials_connection(tmp_path: Path, upstream: Upstream) -> None:
+    """--upstream-proxy: the allowed connection goes out as a CONNECT through the corporate proxy,
+    and the credential still reaches the upstream (its certificate verified end to end)."""
+    log = tmp_path / "connects.log"
+    corporate = subprocess.Popen([PY, "-c", CORPORATE, str(log)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert corporate.stdout is not None
+        port = int(corporate.stdout.readline())
+        since = len(upstream.requests())
+        result = run_root(nobody_workspace(tmp_path), upstream, *ROOT_ARGS, "--upstream-proxy", f"127.0.0.1:{port}")
+        check_phantom_only(result, upstream, since)
+        assert log.read_text().split() == [f"{API}:443", f"{API}:443"]      # the GET's and the refused POST's
+    finally:
+        corporate.kill()
+        corporate.wait()
+
+
+def test_a_bad_upstream_proxy_is_refused(tmp_path: Path) -> None:
+    for args, expected in ((("--upstream-proxy", "proxy:3128"), "add --network with --allow-domain or --credential"),
+                           (("--network", "--allow-domain", API, "--upstream-proxy", "proxy"), "give HOST:PORT")):
+        result = subprocess.run([SANDBOXD, "run", "--workspace", str(tmp_path), *args, "--", "true"],
+                                capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, env=BASE_ENV)
+        assert result.returncode == 125 and expected in result.stderr, result.stderr
+
+
 # -- where the secret is in memory ------------------------------------------------------------------
 
 def memory_holds(pid: int, needle: bytes) -> bool:
