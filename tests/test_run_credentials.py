@@ -167,6 +167,15 @@ def test_root_run_puts_the_secret_in_and_the_command_holds_only_the_phantom(tmp_
                                 "--env", "GH_TOKEN=also-not-passed"), upstream, since)
 
 
+def test_an_upstream_the_run_does_not_trust_gets_nothing(tmp_path: Path, upstream: Upstream) -> None:
+    """Without the test CA in the run's SSL_CERT_FILE the upstream's certificate fails: the command's
+    CONNECT gets 502 and the upstream no request, so the secret never leaves."""
+    since = len(upstream.requests())
+    result = run_root(nobody_workspace(tmp_path), upstream, *ROOT_ARGS, env={"SSL_CERT_FILE": "/nonexistent"})
+    assert "get=\n" in result.stdout and "CONNECT tunnel failed, response 502" in result.stderr, result.stderr
+    assert upstream.requests()[since:] == []
+
+
 def test_control_pass_env_without_a_credential_passes_the_secret(tmp_path: Path, test_ca: UpstreamTrust) -> None:
     """The dump above finds the secret where one is: --pass-env without --credential hands it over."""
     result = run_root(nobody_workspace(tmp_path), test_ca, "--pass-env", "GH_TOKEN")
