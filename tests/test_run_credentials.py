@@ -239,21 +239,28 @@ CORPORATE = textwrap.dedent('''
 ''')
 
 
-def test_an_upstream_proxy_carries_the_credentials_connection(tmp_path: Path, upstream: Upstream) -> None:
+@pytest.fixture
+def corporate(tmp_path: Path) -> "Iterator[tuple[int, Path]]":
+    """The corporate proxy's port and its log of CONNECT authorities."""
+    log = tmp_path / "connects.log"
+    process = subprocess.Popen([PY, "-c", CORPORATE, str(log)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        yield int(process.stdout.readline()), log
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_an_upstream_proxy_carries_the_credentials_connection(tmp_path: Path, upstream: Upstream,
+                                                              corporate: "tuple[int, Path]") -> None:
     """--upstream-proxy: the allowed connection goes out as a CONNECT through the corporate proxy,
     and the credential still reaches the upstream (its certificate verified end to end)."""
-    log = tmp_path / "connects.log"
-    corporate = subprocess.Popen([PY, "-c", CORPORATE, str(log)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert corporate.stdout is not None
-        port = int(corporate.stdout.readline())
-        since = len(upstream.requests())
-        result = run_root(nobody_workspace(tmp_path), upstream, *ROOT_ARGS, "--upstream-proxy", f"127.0.0.1:{port}")
-        check_phantom_only(result, upstream, since)
-        assert log.read_text().split() == [f"{API}:443", f"{API}:443"]      # the GET's and the refused POST's
-    finally:
-        corporate.kill()
-        corporate.wait()
+    port, log = corporate
+    since = len(upstream.requests())
+    result = run_root(nobody_workspace(tmp_path), upstream, *ROOT_ARGS, "--upstream-proxy", f"127.0.0.1:{port}")
+    check_phantom_only(result, upstream, since)
+    assert log.read_text().split() == [f"{API}:443", f"{API}:443"]      # the GET's and the refused POST's
 
 
 def test_a_bad_upstream_proxy_is_refused(tmp_path: Path) -> None:
@@ -322,16 +329,19 @@ def readable_by(user_uid: int, user_gid: int, pid: int) -> str:
                           extra_groups=[], timeout=60).stdout
 
 
-def test_rootless_the_secret_is_only_in_a_process_nobody_else_can_read(setup: Setup, upstream: Upstream) -> None:  # noqa: F811
+def test_rootless_the_secret_is_only_in_a_process_nobody_else_can_read(setup: Setup, upstream: Upstream,  # noqa: F811
+                                                                       corporate: "tuple[int, Path]") -> None:
     ca_file = setup.base / "test-ca.pem"
     ca_file.write_text(upstream.ca.pem)
     os.chmod(ca_file, 0o644)
     options = as_user(setup, setup.user)
     options["env"] = {**options["env"], "SSL_CERT_FILE": str(ca_file), "GH_TOKEN": SECRET}
-    since = len(upstream.requests())
-    result = subprocess.run(sandboxd_run(setup, [*ROOT_ARGS, "--", "sh", "-c", PROBE]), capture_output=True,
-                            text=True, timeout=120 * SLOW, stdin=subprocess.DEVNULL, **options)
-    check_phantom_only(result, upstream, since)
+    for extra in ((), ("--upstream-proxy", f"127.0.0.1:{corporate[0]}")):     # directly, then through one
+        since = len(upstream.requests())
+        result = subprocess.run(sandboxd_run(setup, [*ROOT_ARGS, *extra, "--", "sh", "-c", PROBE]), capture_output=True,
+                                text=True, timeout=120 * SLOW, stdin=subprocess.DEVNULL, **options)
+        check_phantom_only(result, upstream, since)
+    assert corporate[1].read_text().split() == [f"{API}:443", f"{API}:443"]
 
     runner = subprocess.Popen(sandboxd_run(setup, [*ROOT_ARGS, "--", "sh", "-c", WAIT]), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, **options)
