@@ -80,11 +80,18 @@ PROBE = textwrap.dedent('''
 ''')
 
 
-class Upstream:
-    def __init__(self, world: World, base: Path) -> None:  # noqa: F811
+class UpstreamTrust:
+    """The upstream's CA, in a file the run process trusts through SSL_CERT_FILE."""
+
+    def __init__(self, base: Path) -> None:
         self.ca = UpstreamCA((API, "other.test"))
         self.ca_file = base / "test-ca.pem"
         self.ca_file.write_text(self.ca.pem)
+
+
+class Upstream(UpstreamTrust):
+    def __init__(self, world: World, base: Path) -> None:  # noqa: F811
+        super().__init__(base)
         chain = base / "upstream-chain.pem"
         chain.write_bytes(self.ca.leaf_pem + self.ca.leaf_key_pem)
         self.log = base / "upstream.log"
@@ -112,6 +119,12 @@ def upstream(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         made.close()
 
 
+@pytest.fixture(scope="module")
+def test_ca(tmp_path_factory: pytest.TempPathFactory) -> UpstreamTrust:
+    """For the runs that reach no upstream: no world to wait for."""
+    return UpstreamTrust(make_dir(tmp_path_factory.mktemp("ca"), 0o755))
+
+
 def nobody_workspace(tmp_path: Path) -> Path:
     """A workspace of nobody's: root's run then runs the command as nobody, who cannot read root's
     0700 directories (where a --credential-file test keeps its secret)."""
@@ -120,7 +133,7 @@ def nobody_workspace(tmp_path: Path) -> Path:
     return workspace
 
 
-def run_root(workspace: Path, upstream: Upstream, *args: str, env: "dict[str, str] | None" = None
+def run_root(workspace: Path, upstream: UpstreamTrust, *args: str, env: "dict[str, str] | None" = None
              ) -> subprocess.CompletedProcess[str]:
     return subprocess.run([SANDBOXD, "run", "--workspace", str(workspace), *args, "--", "sh", "-c", PROBE],
                           capture_output=True, text=True, timeout=120 * SLOW, stdin=subprocess.DEVNULL,
@@ -154,9 +167,18 @@ def test_root_run_puts_the_secret_in_and_the_command_holds_only_the_phantom(tmp_
                                 "--env", "GH_TOKEN=also-not-passed"), upstream, since)
 
 
-def test_control_pass_env_without_a_credential_passes_the_secret(tmp_path: Path, upstream: Upstream) -> None:
+def test_an_upstream_the_run_does_not_trust_gets_nothing(tmp_path: Path, upstream: Upstream) -> None:
+    """Without the test CA in the run's SSL_CERT_FILE the upstream's certificate fails: the command's
+    CONNECT gets 502 and the upstream no request, so the secret never leaves."""
+    since = len(upstream.requests())
+    result = run_root(nobody_workspace(tmp_path), upstream, *ROOT_ARGS, env={"SSL_CERT_FILE": "/nonexistent"})
+    assert "get=\n" in result.stdout and "CONNECT tunnel failed, response 502" in result.stderr, result.stderr
+    assert upstream.requests()[since:] == []
+
+
+def test_control_pass_env_without_a_credential_passes_the_secret(tmp_path: Path, test_ca: UpstreamTrust) -> None:
     """The dump above finds the secret where one is: --pass-env without --credential hands it over."""
-    result = run_root(nobody_workspace(tmp_path), upstream, "--pass-env", "GH_TOKEN")
+    result = run_root(nobody_workspace(tmp_path), test_ca, "--pass-env", "GH_TOKEN")
     assert f"var={SECRET}" in result.stdout and f"GH_TOKEN={SECRET}" in result.stdout.split("--- environ", 1)[1]
 
 
@@ -169,7 +191,7 @@ def test_a_credential_file_gives_the_secret(tmp_path: Path, upstream: Upstream) 
     check_phantom_only(result, upstream, since)
 
 
-def test_bad_credential_options_are_refused_saying_what_to_fix(tmp_path: Path, upstream: Upstream) -> None:
+def test_bad_credential_options_are_refused_saying_what_to_fix(tmp_path: Path, test_ca: UpstreamTrust) -> None:
     workspace = nobody_workspace(tmp_path)
     cases = {
         ("--credential", f"GH_TOKEN=https://{API}"): "only applies to the isolated network: add --network",
@@ -181,9 +203,72 @@ def test_bad_credential_options_are_refused_saying_what_to_fix(tmp_path: Path, u
             "not a readable file",
     }
     for args, expected in cases.items():
-        result = run_root(workspace, upstream, *args)
+        result = run_root(workspace, test_ca, *args)
         assert result.returncode == 125 and expected in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr
+
+
+# A corporate proxy on the host's loopback: answers each CONNECT, logs its authority, and pumps the
+# tunnel to the world's address of the name (it resolves names itself, as such proxies do).
+CORPORATE = textwrap.dedent('''
+    import socket, sys, threading
+    log, names = sys.argv[1], {"api.internet.test": "198.51.100.10"}
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(listener.getsockname()[1], flush=True)
+    def pump(source, sink):
+        try:
+            while chunk := source.recv(65536):
+                sink.sendall(chunk)
+            sink.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+    def one(client):
+        head = b""
+        while b"\\r\\n\\r\\n" not in head:
+            head += client.recv(4096) or b"\\r\\n\\r\\n"
+        authority = head.split(b" ")[1].decode()
+        with open(log, "a") as f:
+            f.write(authority + "\\n")
+        host, _, port = authority.rpartition(":")
+        upstream = socket.create_connection((names.get(host, host), int(port)))
+        client.sendall(b"HTTP/1.1 200 Connection established\\r\\n\\r\\n")
+        threading.Thread(target=pump, args=(upstream, client), daemon=True).start()
+        pump(client, upstream)
+    while True:
+        threading.Thread(target=one, args=(listener.accept()[0],), daemon=True).start()
+''')
+
+
+@pytest.fixture
+def corporate(tmp_path: Path) -> "Iterator[tuple[int, Path]]":
+    """The corporate proxy's port and its log of CONNECT authorities."""
+    log = tmp_path / "connects.log"
+    process = subprocess.Popen([PY, "-c", CORPORATE, str(log)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        yield int(process.stdout.readline()), log
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_an_upstream_proxy_carries_the_credentials_connection(tmp_path: Path, upstream: Upstream,
+                                                              corporate: "tuple[int, Path]") -> None:
+    """--upstream-proxy: the allowed connection goes out as a CONNECT through the corporate proxy,
+    and the credential still reaches the upstream (its certificate verified end to end)."""
+    port, log = corporate
+    since = len(upstream.requests())
+    result = run_root(nobody_workspace(tmp_path), upstream, *ROOT_ARGS, "--upstream-proxy", f"127.0.0.1:{port}")
+    check_phantom_only(result, upstream, since)
+    assert log.read_text().split() == [f"{API}:443", f"{API}:443"]      # the GET's and the refused POST's
+
+
+def test_a_bad_upstream_proxy_is_refused(tmp_path: Path) -> None:
+    for args, expected in ((("--upstream-proxy", "proxy:3128"), "add --network with --allow-domain or --credential"),
+                           (("--network", "--allow-domain", API, "--upstream-proxy", "proxy"), "give HOST:PORT")):
+        result = subprocess.run([SANDBOXD, "run", "--workspace", str(tmp_path), *args, "--", "true"],
+                                capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, env=BASE_ENV)
+        assert result.returncode == 125 and expected in result.stderr, result.stderr
 
 
 # -- where the secret is in memory ------------------------------------------------------------------
@@ -244,16 +329,19 @@ def readable_by(user_uid: int, user_gid: int, pid: int) -> str:
                           extra_groups=[], timeout=60).stdout
 
 
-def test_rootless_the_secret_is_only_in_a_process_nobody_else_can_read(setup: Setup, upstream: Upstream) -> None:  # noqa: F811
+def test_rootless_the_secret_is_only_in_a_process_nobody_else_can_read(setup: Setup, upstream: Upstream,  # noqa: F811
+                                                                       corporate: "tuple[int, Path]") -> None:
     ca_file = setup.base / "test-ca.pem"
     ca_file.write_text(upstream.ca.pem)
     os.chmod(ca_file, 0o644)
     options = as_user(setup, setup.user)
     options["env"] = {**options["env"], "SSL_CERT_FILE": str(ca_file), "GH_TOKEN": SECRET}
-    since = len(upstream.requests())
-    result = subprocess.run(sandboxd_run(setup, [*ROOT_ARGS, "--", "sh", "-c", PROBE]), capture_output=True,
-                            text=True, timeout=120 * SLOW, stdin=subprocess.DEVNULL, **options)
-    check_phantom_only(result, upstream, since)
+    for extra in ((), ("--upstream-proxy", f"127.0.0.1:{corporate[0]}")):     # directly, then through one
+        since = len(upstream.requests())
+        result = subprocess.run(sandboxd_run(setup, [*ROOT_ARGS, *extra, "--", "sh", "-c", PROBE]), capture_output=True,
+                                text=True, timeout=120 * SLOW, stdin=subprocess.DEVNULL, **options)
+        check_phantom_only(result, upstream, since)
+    assert corporate[1].read_text().split() == [f"{API}:443", f"{API}:443"]
 
     runner = subprocess.Popen(sandboxd_run(setup, [*ROOT_ARGS, "--", "sh", "-c", WAIT]), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, **options)
@@ -269,7 +357,11 @@ def test_rootless_the_secret_is_only_in_a_process_nobody_else_can_read(setup: Se
         for pid in (runner.pid, outer):
             assert readable_by(setup.user.uid, setup.user.gid, pid).split() == [
                 "mem", "PermissionError", "environ", "PermissionError"], pid
-        assert readable_by(setup.user.uid, setup.user.gid, control.pid).split() == ["mem", "read", "environ", "read"]
+        # Yama's ptrace_scope 1 or more refuses /proc/PID/mem of a non-descendant to everyone: then
+        # only environ (a read, not an attach) shows the difference.
+        yama = Path("/proc/sys/kernel/yama/ptrace_scope")
+        mem = "read" if not yama.exists() or yama.read_text().strip() == "0" else "PermissionError"
+        assert readable_by(setup.user.uid, setup.user.gid, control.pid).split() == ["mem", mem, "environ", "read"]
     finally:
         control.kill()
         control.wait()

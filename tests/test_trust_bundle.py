@@ -7,6 +7,7 @@ session CA, is tests/test_run_credentials.py's."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -109,3 +110,22 @@ def test_a_host_without_a_bundle_is_refused_before_the_build(tmp_path: Path, ca:
     spec = LaunchSpec(argv=("true",), workspace=str(tmp_path), policy=WorkspaceWrite(), trust_pem=ca.pem)
     with pytest.raises(InvalidPolicy, match="no CA bundle .*install the system's CA certificates"):
         launch_plan.prepare(spec)
+
+
+def test_a_bundle_that_cannot_be_written_names_the_step_errno_and_path(tmp_path: Path) -> None:
+    """What step 8e's write reports (launcher.rootfs: a SetupError, shown as one line by the launch):
+    a host bundle over the limit (EFBIG, naming the bundle), and a target it cannot create
+    (EEXIST, naming the target)."""
+    from sandboxd.errors import SetupError
+    from sandboxd.kernel.syscalls import Syscalls
+
+    source = tmp_path / "bundle.pem"
+    source.write_text("x" * 100)
+    with pytest.raises(SetupError) as big:
+        Syscalls.write_concatenated(str(tmp_path / "out"), str(source), "", 0o444, limit=99, step="write the trust bundle")
+    assert (big.value.step, big.value.errno, big.value.path) == ("write the trust bundle", errno.EFBIG, str(source))
+    Syscalls.write_concatenated(str(tmp_path / "out"), str(source), "extra", 0o444, limit=100, step="write the trust bundle")
+    assert (tmp_path / "out").read_text() == "x" * 100 + "\nextra"
+    with pytest.raises(SetupError) as taken:
+        Syscalls.write_concatenated(str(tmp_path / "out"), str(source), "", 0o444, limit=100, step="write the trust bundle")
+    assert (taken.value.errno, taken.value.path) == (errno.EEXIST, str(tmp_path / "out"))

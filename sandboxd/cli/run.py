@@ -28,6 +28,7 @@ if TYPE_CHECKING:   # typing stays off the `sandboxd run` path: these are for th
     from sandboxd.network.publish import PublishedPort
     from sandboxd.supervisor.spawner import SandboxProcess
     from sandboxd.cli.run_credentials import RunCredentials
+    from sandboxd.network.upstream import UpstreamRoute
 
     N = TypeVar("N", int, float)
 
@@ -101,6 +102,8 @@ OPTIONS: tuple[tuple[str, str | None, str, str], ...] = (
     ("--allow-endpoint", "HOST=METHOD[,...]:GLOB", "append",
      "with the isolated network, let only these requests to HOST through (repeatable; HOST allowed by "
      "--allow-domain or a --credential; e.g. api.github.com=GET:/repos/**); others get 403"),
+    ("--upstream-proxy", "HOST:PORT", "value", "send every connection the filtering proxy lets out through this "
+                                               "HTTP proxy (CONNECT), after its own checks (a corporate proxy)"),
     ("--allow-unix-socket", "PATH", "append", "a host Unix socket the command may connect to (repeatable; "
                                               "every other host socket stays unreachable)"),
     ("--no-network", None, "flag", "no network: a private namespace with only loopback (default)"),
@@ -184,6 +187,10 @@ def parse_args(argv: list[str]) -> dict[str, object]:
     for flag in ("dns", "allow_host", "allow_domain", "credential", "allow_endpoint"):
         if options[flag] and options["network"] not in (True, "isolated"):
             raise UsageError(f"--{flag.replace('_', '-')} only applies to the isolated network: add --network")
+    if options["upstream_proxy"] is not None and not (options["allow_domain"] or options["credential"]
+                                                      or options["allow_endpoint"]):
+        raise UsageError("--upstream-proxy is where the filtering proxy sends what it lets out: add --network with "
+                         "--allow-domain or --credential")
     if options["review"] is not None:
         from sandboxd.cli import run_review
         try:
@@ -309,6 +316,7 @@ def main(argv: list[str]) -> int:
         if args["help"]:
             sys.stdout.write(help_text())
             return 0
+        upstream = upstream_route(args["upstream_proxy"])
         credentials = None
         if args["credential"] or args["credential_file"] or args["allow_endpoint"]:
             from sandboxd.cli import run_credentials
@@ -379,7 +387,7 @@ def main(argv: list[str]) -> int:
     network, policy = sandbox.network, spec.policy
     if network is not None and network.proxy_listener is not None and isinstance(policy, WorkspaceWrite):
         try:
-            published.append(_serve_proxy(network, policy, credentials))
+            published.append(_serve_proxy(network, policy, credentials, upstream))
         except SandboxdError as exc:                 # a --credential-file read after the fork
             sandbox.kill()
             sandbox.wait()
@@ -468,7 +476,7 @@ def _git_guard(spec: LaunchSpec) -> "GitGuard | None":
 
 
 def _serve_proxy(network: "IsolatedNetwork | LoopbackProxy", policy: WorkspaceWrite,
-                 credentials: "RunCredentials | None") -> "EgressProxy":
+                 credentials: "RunCredentials | None", upstream: "UpstreamRoute | None") -> "EgressProxy":
     """The egress proxy of --allow-domain, --allow-endpoint and --credential, on this process's relay
     loop (a thread: after the one fork, the parent forks no more); it connects from inside the
     sandbox's network namespace (rootless: from this process's). The credentials' secrets are
@@ -482,7 +490,7 @@ def _serve_proxy(network: "IsolatedNetwork | LoopbackProxy", policy: WorkspaceWr
     listener, network.proxy_listener = network.proxy_listener, None
     assert listener is not None                      # main serves a proxy only when there is one
     proxy = EgressProxy(listener, policy.network_rules, netns_fd=network.netns_fd, resolvers=network.resolvers,
-                        on_denied=denied, credentials=secrets,
+                        on_denied=denied, credentials=secrets, upstream=upstream,
                         interceptor=credentials.interceptor() if credentials is not None else None).start()
     # Root's isolated network also captures the sandbox's ports 80 and 443 (network.transparent);
     # a rootless one has no namespace of its own to redirect in (docs/rootless.md).
@@ -492,6 +500,20 @@ def _serve_proxy(network: "IsolatedNetwork | LoopbackProxy", policy: WorkspaceWr
         network.transparent_listener = None
         proxy.serve_captured(captured)
     return proxy
+
+
+def upstream_route(text: "object") -> "UpstreamRoute | None":
+    """--upstream-proxy HOST:PORT (or http://HOST:PORT) as the route, or UsageError; None when not given."""
+    if text is None:
+        return None
+    from sandboxd.config import split_upstream_proxy
+    from sandboxd.network.upstream import UpstreamRoute
+    value = str(text)
+    split = split_upstream_proxy(value if value.startswith("http://") else "http://" + value)
+    if split is None:
+        raise UsageError(f"--upstream-proxy {value[:200]!r}: give HOST:PORT, a host name or IPv4 address and a port "
+                         "(like proxy.corp.example:3128)")
+    return UpstreamRoute(*split)
 
 
 def _publish(init_pid: int, entries: "tuple[str, ...]") -> "list[PublishedPort]":

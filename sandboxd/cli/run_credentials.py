@@ -78,15 +78,26 @@ def take_from_environment(name: str) -> HeldSecret:
                             f"--credential-file {name}=PATH")
     check_secret(name, value)
     held = HeldSecret(memoryview(value))
-    libc = ctypes.CDLL(None)
-    libc.getenv.restype = ctypes.c_void_p
-    block = libc.getenv(key)                         # libc's copy, in the block /proc/PID/environ shows
-    if block:
-        ctypes.memset(block, 0, len(value))
+    _zero_in_libc_environment(key)
     if len(value) > 1:                               # (one byte is the interpreter's shared object)
         ctypes.memset(ctypes.c_char_p(value), 0, len(value))   # the bytes' own buffer: no copy
     del os.environb[key]                             # unsetenv, and Python's entry
     return held
+
+
+def _zero_in_libc_environment(key: bytes) -> None:
+    """Zero the value of every ``key=`` entry of libc's environment (the block /proc/PID/environ
+    shows; a name given twice has two), compared and measured in place: no copy is made."""
+    libc = ctypes.CDLL(None)
+    libc.strncmp.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t)
+    libc.strlen.argtypes, libc.strlen.restype = (ctypes.c_void_p,), ctypes.c_size_t
+    environ = ctypes.POINTER(ctypes.c_void_p).in_dll(libc, "environ")
+    prefix = key + b"="
+    index = 0
+    while (entry := environ[index]) is not None:
+        if libc.strncmp(entry, prefix, len(prefix)) == 0:
+            ctypes.memset(entry + len(prefix), 0, libc.strlen(entry + len(prefix)))
+        index += 1
 
 
 class RunCredentials:
@@ -129,7 +140,13 @@ class RunCredentials:
         from sandboxd.network.interception.intercepted import Interceptor
         from sandboxd.network.interception.upstream_tls import upstream_context
 
-        return Interceptor(self.ca, upstream_context())
+        context = upstream_context()
+        if os.environ.get("SSL_CERT_FILE"):
+            # OpenSSL reads SSL_CERT_FILE instead of the host's bundle (its hashed directory stays,
+            # where a distribution has one): the host's store is loaded too, so a corporate or test
+            # CA adds to the public ones rather than replacing them.
+            context.load_verify_locations(cafile=self.bundle)
+        return Interceptor(self.ca, context)
 
 
 def _read_secret_file(name: str, path: str) -> bytes:
