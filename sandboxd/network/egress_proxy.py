@@ -112,6 +112,7 @@ def allowed_name(name: str, patterns: "tuple[str, ...] | list[str]") -> str | No
 
 
 MAX_RULES_SHOWN = 20                # endpoint rules quoted in a refusal's body
+MAX_RULED_TARGET = 8192            # bytes of a request target to a host with endpoint rules (414 past)
 MAX_REFUSAL_BODY = 4096             # bytes of a refusal's body, whatever it quotes
 MAX_UNRESOLVED_NOTED = 256          # names logged as resolved only upstream, per proxy
 
@@ -142,6 +143,23 @@ def blocked_range(address: str, allowed_ranges: "tuple[str, ...]" = ()) -> str |
     if any(ip in ipaddress.ip_network(r) for r in allowed_ranges):
         return None
     return next((str(network) for network in _REFUSED if ip in network), None)
+
+
+def ambiguous_target(target: str) -> str:
+    """Why a request target to a host with endpoint rules is refused before matching ("" when it
+    is not): what normalize_path refuses, and what servers and frameworks read as another path or
+    method than the rules would match: path parameters (``;``), empty segments (``//``), a
+    ``_method=`` override in the query."""
+    if normalize_path(target) is None:
+        return f"an ambiguous path ({why_not_normal(target)})"
+    path, _, query = target.partition("?")
+    if ";" in path:
+        return "a ';' in the path (path parameters)"
+    if "//" in path:
+        return "an empty segment ('//') in the path"
+    if "_method=" in query.lower() or "_method%3d" in query.lower():
+        return "a '_method=' method override in the query"
+    return ""
 
 
 def endpoint_refusal(host: str, method: str, target: str, rules: NetworkRules) -> str:
@@ -312,9 +330,15 @@ class EgressProxy(TcpService):
             ruled = rules.ruled(host)
             if not ruled:
                 return None
+            if len(target) > MAX_RULED_TARGET:
+                return Refusal(414, f"sandboxd: a request target over {MAX_RULED_TARGET} bytes to a host with "
+                                    "endpoint rules", "endpoint")
+            why = ambiguous_target(target)
+            if why:
+                return Refusal(400, f"sandboxd: {why}, which servers read differently; {host} has endpoint rules",
+                               "endpoint")
             path = normalize_path(target)
-            if path is None:
-                return Refusal(400, f"sandboxd: ambiguous path: {why_not_normal(target)}", "endpoint")
+            assert path is not None                     # ambiguous_target said why not
             if endpoint_allowed(ruled, method, path):
                 return None
             return Refusal(403, endpoint_refusal(host, method, target, rules), "endpoint")

@@ -16,7 +16,7 @@ from typing import Callable
 from sandboxd.network.event_loop import READ, WRITE, EventLoop
 from sandboxd.network.interception.http1 import Mediator, Report, RequestHook
 from sandboxd.network.interception.intercepted import Paired, Side
-from sandboxd.network.tcp_relay import BUFFER_LIMIT, IDLE_SECONDS
+from sandboxd.network.tcp_relay import IDLE_SECONDS
 
 HTTP_PORT = 80
 
@@ -64,8 +64,7 @@ class PlainMediated(Paired):
             self.close()
             return
         for side in (self._client, self._upstream):
-            other = self._upstream if side is self._client else self._client
-            reading = not done and not side.eof and len(other.out) < BUFFER_LIMIT
+            reading = not done and not side.eof and self.room(side)
             wanted = (READ if reading else 0) | (WRITE if side.out else 0)
             self._loop.watch(side.sock, side.events, wanted, side)
             side.events = wanted
