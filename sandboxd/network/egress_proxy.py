@@ -54,7 +54,7 @@ from sandboxd.defaults import PROXY_PORT
 from sandboxd.kernel.nftables import BLOCKED_RANGES, PROXY_MARK
 from sandboxd.network.dns import resolve
 from sandboxd.policy.domains import domain_matches, host_name
-from sandboxd.policy.network import (NetworkRules, endpoint_allowed, metadata_address, metadata_name,
+from sandboxd.policy.network import (NetworkRules, endpoint_allowed, match_cost, metadata_address, metadata_name,
                                      normalize_path, why_not_normal)
 from sandboxd.printable import printable
 from sandboxd.network.event_loop import READ
@@ -112,6 +112,9 @@ def allowed_name(name: str, patterns: "tuple[str, ...] | list[str]") -> str | No
 
 
 MAX_RULES_SHOWN = 20                # endpoint rules quoted in a refusal's body
+# Segment comparisons (match_cost) an endpoint check may take on the relay loop; a costlier one is
+# judged on a worker (loop.offload), its request held meanwhile.
+MAX_LOOP_COMPARISONS = 4096
 MAX_RULED_TARGET = 8192            # bytes of a request target to a host with endpoint rules (414 past)
 MAX_REFUSAL_BODY = 4096             # bytes of a refusal's body, whatever it quotes
 MAX_UNRESOLVED_NOTED = 256          # names logged as resolved only upstream, per proxy
@@ -321,9 +324,9 @@ class EgressProxy(TcpService):
     def request_hook(self, host: str, port: int) -> "RequestHook":
         """The hook an intercepted connection to ``host``:``port`` judges each request with, by the
         rules in force when that request arrives (Mediator reports its refusals)."""
-        from sandboxd.network.interception.http1 import Refusal
+        from sandboxd.network.interception.http1 import Pending, Refusal
 
-        def check(method: str, target: str) -> "Refusal | None":
+        def check(method: str, target: str) -> "Refusal | Pending | None":
             rules = self._rules
             if not rules.allowed(host, port):
                 return Refusal(403, f"sandboxd: {host}:{port} is no longer allowed", "domain")
@@ -339,9 +342,22 @@ class EgressProxy(TcpService):
                                "endpoint")
             path = normalize_path(target)
             assert path is not None                     # ambiguous_target said why not
-            if endpoint_allowed(ruled, method, path):
-                return None
-            return Refusal(403, endpoint_refusal(host, method, target, rules), "endpoint")
+
+            def verdict(allowed: bool) -> "Refusal | None":
+                return None if allowed else Refusal(403, endpoint_refusal(host, method, target, rules), "endpoint")
+            if match_cost(ruled, path) <= MAX_LOOP_COMPARISONS:
+                return verdict(endpoint_allowed(ruled, method, path))
+            # Many rules and a long path: judged on a worker, the loop serves everyone meanwhile.
+            pending = Pending()
+
+            def settle(future: "Future[bool]") -> None:
+                try:
+                    pending.settle(verdict(future.result()))
+                except Exception as exc:  # noqa: BLE001 (a failure refuses this request only)
+                    pending.settle(Refusal(403, f"sandboxd: the endpoint rules could not be judged "
+                                                f"({type(exc).__name__})", "internal"))
+            self._loop.offload(lambda: endpoint_allowed(ruled, method, path), settle)
+            return pending
         return check
 
     def report_for(self, host: str, port: int) -> "Report":

@@ -60,8 +60,43 @@ class Refusal:
         self.status, self.body, self.kind = status, body, kind
 
 
-# on_request(method, target) -> None (pass) or a Refusal; called on the loop, must not block.
-RequestHook = Callable[[str, str], "Refusal | None"]
+class Pending:
+    """A hook's answer that comes later (an endpoint check offloaded from the loop; a question):
+    the request is held, nothing more the sandbox sends is parsed, until ``settle`` (on the loop)
+    gives None (pass) or a Refusal. Loop thread only."""
+
+    __slots__ = ("_then", "_result", "_settled")
+
+    def __init__(self) -> None:
+        self._then: "Callable[[Refusal | None], None] | None" = None
+        self._result: "Refusal | None" = None
+        self._settled = False
+
+    def then(self, fn: "Callable[[Refusal | None], None]") -> None:
+        if self._settled:
+            fn(self._result)
+        else:
+            self._then = fn
+
+    def settle(self, result: "Refusal | None") -> None:
+        if self._settled:
+            return
+        self._settled, self._result = True, result
+        if self._then is not None:
+            self._then(result)
+
+
+class _Held:
+    """A request read and being judged: its event, target (origin-form) and headers as read."""
+
+    __slots__ = ("event", "target", "raw")
+
+    def __init__(self, event: h11.Request, target: str, raw: list[tuple[bytes, bytes]]) -> None:
+        self.event, self.target, self.raw = event, target, raw
+
+
+# on_request(method, target) -> None (pass), a Refusal, or Pending; called on the loop, must not block.
+RequestHook = Callable[[str, str], "Refusal | Pending | None"]
 # report(kind, detail, method, target): a refusal or failure, for the proxy's events (called on the
 # loop). Kinds: the hook's Refusal.kind ("endpoint", ...), "protocol" (a request or answer we will not
 # pass), "upstream" (the upstream's answer is malformed), and from intercepted.Intercepted
@@ -115,6 +150,9 @@ class Mediator:
         self._current = ("", "")                         # method and target of the request in flight
         self.to_client = bytearray()
         self.to_upstream = bytearray()
+        self._held: _Held | None = None                  # a request waiting for its Pending verdict
+        # Called (on the loop) when a held request was settled: the owner passes what is pending on.
+        self.on_wake: Callable[[], None] = lambda: None
         self.switched = False                            # a 101 passed: bytes flow unparsed
         self.done = False                                # flush what is pending, then close
         self.requests = 0
@@ -167,7 +205,7 @@ class Mediator:
     # -- requests ------------------------------------------------------------------------------
 
     def _pump_client(self) -> None:
-        while not self.done and not self.switched:
+        while not self.done and not self.switched and self._held is None:
             try:
                 event = self._client.next_event()
             except h11.RemoteProtocolError as exc:
@@ -210,16 +248,44 @@ class Mediator:
                      for item in value.split(b",")]
         if refusal is None and not all(_letters(text) for text in [method, *overrides]):
             refusal = Refusal(400, "sandboxd: a method (or method override header) that is not letters", "protocol")
-        if refusal is None and self._on_request is not None:
-            for each in dict.fromkeys([method, *(text.upper() for text in overrides)]):
-                refusal = self._on_request(each, target)
-                if refusal is not None:
-                    break
         if refusal is not None:
             self._refuse(refusal)
             return
-        headers = self._forwarded(raw)
-        swapped = 0
+        methods = list(dict.fromkeys([method, *(text.upper() for text in overrides)]))
+        self._judge(_Held(event, target, raw), methods if self._on_request is not None else [])
+
+    def _judge(self, held: "_Held", methods: list[str]) -> None:
+        """Ask the hook about each of ``methods`` in turn (the request's, its overrides'); pass the
+        request on once none refused. A Pending answer holds the request (nothing more of the
+        sandbox's is parsed) until it settles."""
+        assert self._on_request is not None or not methods
+        while methods:
+            assert self._on_request is not None
+            outcome = self._on_request(methods.pop(0), held.target)
+            if isinstance(outcome, Pending):
+                self._held = held
+                outcome.then(lambda result: self._settled(held, methods, result))
+                return
+            if outcome is not None:
+                self._refuse(outcome)
+                return
+        self._forward(held)
+
+    def _settled(self, held: "_Held", methods: list[str], result: "Refusal | None") -> None:
+        if self._held is not held or self.done:
+            return                                       # the connection ended meanwhile
+        self._held = None
+        if result is not None:
+            self._refuse(result)
+        else:
+            self._judge(held, methods)
+        if self._held is None:
+            self._pump_client()                          # its body, or a pipelined request, waits in h11
+        self.on_wake()
+
+    def _forward(self, held: "_Held") -> None:
+        """The judged request on to the upstream: hop-by-hop headers dropped, the credential in."""
+        headers = self._forwarded(held.raw)
         if self._credentials is not None:
             headers, swapped = self._credentials.swap(self.host, self.port, headers)
             self.swaps += swapped
@@ -230,7 +296,7 @@ class Mediator:
                 return
             headers = [(name, value) for name, value in headers if name.lower() not in _CREDENTIAL_DROPPED]
             headers.append((b"Accept-Encoding", b"identity"))
-        self._send_upstream(h11.Request(method=event.method, target=target.encode("ascii"), headers=headers))
+        self._send_upstream(h11.Request(method=held.event.method, target=held.target.encode("ascii"), headers=headers))
 
     def _origin_form(self, target: str) -> tuple[bytes, str] | None:
         """An absolute-form ``target``'s authority and path (with its query), when it names this
@@ -427,5 +493,5 @@ class Mediator:
         self.done = True
 
 
-__all__ = ["MAX_BACKLOG", "MAX_HEADERS", "MAX_REQUEST_HEAD", "MAX_RESPONSE_HEAD", "Mediator", "Refusal", "RequestHook",
-           "refusal_bytes"]
+__all__ = ["MAX_BACKLOG", "MAX_HEADERS", "MAX_REQUEST_HEAD", "MAX_RESPONSE_HEAD", "Mediator", "Pending", "Refusal",
+           "RequestHook", "refusal_bytes"]

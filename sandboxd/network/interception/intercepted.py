@@ -322,8 +322,16 @@ class Intercepted(Paired):
         self.deadline = self._idle_deadline = time.monotonic() + IDLE_SECONDS
         self.mediator = Mediator(self.host, self.port, default_port=443, credentials=self._credentials,
                                  on_request=self._on_request, report=self._report)
+        self.mediator.on_wake = self._woken
         self._mediate_client()
         self._mediate_upstream()
+
+    def _woken(self) -> None:
+        """A held request was judged: pass on what the mediator has now."""
+        if not self.closed:
+            self._pass_plaintext()
+            self._watch_head()
+            self._update()
 
     def _mediate_client(self) -> None:
         tls, mediator = self._client_tls, self.mediator

@@ -32,10 +32,18 @@ class PlainMediated(Paired):
         self.http = Mediator(host, port, default_port=HTTP_PORT, on_request=on_request, report=report,
                              absolute_form=True)
         self.mediator = self.http
+        self.http.on_wake = self._woken
         self.http.from_client(first)
         self._pass()
         self._watch_head()
         self._update()
+
+    def _woken(self) -> None:
+        """A held request was judged: pass on what the mediator has now."""
+        if not self.closed:
+            self._pass()
+            self._watch_head()
+            self._update()
 
     def _pull(self, side: Side) -> None:
         data = self._receive(side)
