@@ -23,7 +23,9 @@ sandbox's network namespace, bound before the sandbox exists; ``listen``), and f
   for ``sandboxd run``; ``on_event``: the same as a typed ProxyEvent).
 
 What it enforces is a ``NetworkRules`` (policy.network), replaced by ``update`` for the next
-request. Cloud metadata names and addresses (policy.network.metadata_name/metadata_address) are
+request (with the credentials, when given; open connections the change takes away are cut). With
+an ``upstream`` (network.upstream.UpstreamRoute) every allowed connection goes on as a CONNECT
+through the corporate proxy, after the same checks. Cloud metadata names and addresses (policy.network.metadata_name/metadata_address) are
 refused whatever the rules or ``allowed_ranges`` say. A CONNECT to a host the rules intercept
 (endpoint rules, or a credential for that host and port) is handed to interception.Intercepted,
 whose request hook judges every request by the endpoint rules in force when it arrives. Plain

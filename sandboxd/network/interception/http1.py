@@ -362,6 +362,12 @@ class Mediator:
 
     def _pump_upstream(self) -> None:
         while not self.done and not self.switched:
+            if self._upstream.our_state is h11.IDLE and self._upstream.trailing_data[0]:
+                # No request of ours in flight: h11 would read these bytes as a response and the
+                # sandbox would take it for the answer to its next request (a desync). Cut.
+                self._report("upstream", "the upstream sent a response to no request", *self._current)
+                self.done = True
+                return
             try:
                 event = self._upstream.next_event()
             except h11.RemoteProtocolError as exc:
