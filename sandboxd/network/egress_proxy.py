@@ -274,7 +274,8 @@ class EgressProxy(TcpService):
         self._rules = rules
         if credentials is not None:
             self._credentials = credentials
-        self._loop.call(lambda: self._cut_stale(rules, old))
+        if not self._closed:                            # a closed proxy holds no connection to cut
+            self._loop.call(lambda: self._cut_stale(rules, old))
 
     def _cut_stale(self, rules: NetworkRules, old: "CredentialSet | None") -> None:
         new = self._credentials
