@@ -375,7 +375,10 @@ def test_update_cuts_open_connections_to_a_host_no_longer_allowed(setup: Setup) 
     assert _ask(kept, setup.upstream.port, "/b").startswith(b"HTTP/1.1 200")    # control: API's lives on
     proxy.update(_rules(domains=(OTHER,)))
     assert _cut(kept)
-    assert [event.host for event in setup.events if event.kind == "policy"] == [OTHER, API]
+    end = time.monotonic() + 20                          # events are told off the loop
+    while len([e for e in setup.events if e.kind == "policy"]) < 2 and time.monotonic() < end:
+        time.sleep(0.02)
+    assert sorted(event.host for event in setup.events if event.kind == "policy") == sorted([OTHER, API])
 
 
 def test_update_cuts_a_tunnel_to_a_host_that_gains_endpoint_rules(setup: Setup) -> None:
@@ -409,3 +412,43 @@ def test_update_with_new_credentials_cuts_only_connections_whose_credential_chan
     assert "credentials changed" in setup.event("policy").detail
     # The next connection takes the new secret (the upstream checks for the old one: "bad").
     assert _ask(setup.tls(proxy), setup.upstream.port, "/check", auth).endswith(b"bad")
+
+
+@pytest.mark.parametrize("target, status", [
+    ("/repos/a;x/issues/1", b"400"), ("/repos//issues/1", b"400"), ("/repos/a/issues/1?_method=DELETE", b"400"),
+    ("/repos/a/issues/1?_METHOD%3dDELETE", b"400"), ("/repos/a/issues/%2e%2e/1", b"400"),
+    ("/repos/a/issues/" + "x" * 8200, b"414"),
+])
+def test_a_target_servers_read_differently_is_refused_on_a_ruled_host(setup: Setup, target: str, status: bytes) -> None:
+    proxy = setup.proxy(_rules(f"{API}=GET:/repos/*/issues/**"))
+    answer = setup.https(proxy, "GET", target)
+    assert answer.startswith(b"HTTP/1.1 " + status), answer[:200]
+    assert len(answer.partition(b"\r\n\r\n")[2]) <= 4096
+    assert setup.upstream.recorder.requests == []
+    # Control: a plain target the rule names passes.
+    assert setup.https(proxy, "GET", "/repos/a/issues/1").startswith(b"HTTP/1.1 200")
+
+
+def test_a_costly_endpoint_check_is_judged_off_the_loop(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sandboxd.network import egress_proxy
+    from sandboxd.policy.network import match_cost
+
+    judged_on: list[str] = []
+    real = egress_proxy.endpoint_allowed
+
+    def recording(rules: object, method: str, path: str) -> bool:
+        judged_on.append(threading.current_thread().name)
+        return real(rules, method, path)  # type: ignore[arg-type]
+    monkeypatch.setattr(egress_proxy, "endpoint_allowed", recording)
+    many = [f"{API}=GET:/r{index}" + "/*" * 30 for index in range(20)] + [f"{API}=GET:/a/**"]
+    path = "/a" * 40
+    assert match_cost(_rules(*many).ruled(API), path) > egress_proxy.MAX_LOOP_COMPARISONS
+    proxy = setup.proxy(_rules(*many))
+    assert setup.https(proxy, "GET", path).startswith(b"HTTP/1.1 200")
+    assert setup.https(proxy, "POST", path).startswith(b"HTTP/1.1 403")
+    assert len(judged_on) == 2 and setup.loop.name not in judged_on, judged_on
+    # Control: a cheap check stays on the loop.
+    judged_on.clear()
+    cheap = setup.proxy(_rules(f"{API}=GET:/a/**"))
+    assert setup.https(cheap, "GET", "/a/b").startswith(b"HTTP/1.1 200")
+    assert judged_on == [setup.loop.name]

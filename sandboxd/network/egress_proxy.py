@@ -23,7 +23,9 @@ sandbox's network namespace, bound before the sandbox exists; ``listen``), and f
   for ``sandboxd run``; ``on_event``: the same as a typed ProxyEvent).
 
 What it enforces is a ``NetworkRules`` (policy.network), replaced by ``update`` for the next
-request. Cloud metadata names and addresses (policy.network.metadata_name/metadata_address) are
+request (with the credentials, when given; open connections the change takes away are cut). With
+an ``upstream`` (network.upstream.UpstreamRoute) every allowed connection goes on as a CONNECT
+through the corporate proxy, after the same checks. Cloud metadata names and addresses (policy.network.metadata_name/metadata_address) are
 refused whatever the rules or ``allowed_ranges`` say. A CONNECT to a host the rules intercept
 (endpoint rules, or a credential for that host and port) is handed to interception.Intercepted,
 whose request hook judges every request by the endpoint rules in force when it arrives. Plain
@@ -54,7 +56,7 @@ from sandboxd.defaults import PROXY_PORT
 from sandboxd.kernel.nftables import BLOCKED_RANGES, PROXY_MARK
 from sandboxd.network.dns import resolve
 from sandboxd.policy.domains import domain_matches, host_name
-from sandboxd.policy.network import (NetworkRules, endpoint_allowed, metadata_address, metadata_name,
+from sandboxd.policy.network import (NetworkRules, endpoint_allowed, match_cost, metadata_address, metadata_name,
                                      normalize_path, why_not_normal)
 from sandboxd.printable import printable
 from sandboxd.network.event_loop import READ
@@ -112,6 +114,10 @@ def allowed_name(name: str, patterns: "tuple[str, ...] | list[str]") -> str | No
 
 
 MAX_RULES_SHOWN = 20                # endpoint rules quoted in a refusal's body
+# Segment comparisons (match_cost) an endpoint check may take on the relay loop; a costlier one is
+# judged on a worker (loop.offload), its request held meanwhile.
+MAX_LOOP_COMPARISONS = 4096
+MAX_RULED_TARGET = 8192            # bytes of a request target to a host with endpoint rules (414 past)
 MAX_REFUSAL_BODY = 4096             # bytes of a refusal's body, whatever it quotes
 MAX_UNRESOLVED_NOTED = 256          # names logged as resolved only upstream, per proxy
 
@@ -142,6 +148,23 @@ def blocked_range(address: str, allowed_ranges: "tuple[str, ...]" = ()) -> str |
     if any(ip in ipaddress.ip_network(r) for r in allowed_ranges):
         return None
     return next((str(network) for network in _REFUSED if ip in network), None)
+
+
+def ambiguous_target(target: str) -> str:
+    """Why a request target to a host with endpoint rules is refused before matching ("" when it
+    is not): what normalize_path refuses, and what servers and frameworks read as another path or
+    method than the rules would match: path parameters (``;``), empty segments (``//``), a
+    ``_method=`` override in the query."""
+    if normalize_path(target) is None:
+        return f"an ambiguous path ({why_not_normal(target)})"
+    path, _, query = target.partition("?")
+    if ";" in path:
+        return "a ';' in the path (path parameters)"
+    if "//" in path:
+        return "an empty segment ('//') in the path"
+    if "_method=" in query.lower() or "_method%3d" in query.lower():
+        return "a '_method=' method override in the query"
+    return ""
 
 
 def endpoint_refusal(host: str, method: str, target: str, rules: NetworkRules) -> str:
@@ -252,7 +275,8 @@ class EgressProxy(TcpService):
         self._rules = rules
         if credentials is not None:
             self._credentials = credentials
-        self._loop.call(lambda: self._cut_stale(rules, old))
+        if not self._closed:                            # a closed proxy holds no connection to cut
+            self._loop.call(lambda: self._cut_stale(rules, old))
 
     def _cut_stale(self, rules: NetworkRules, old: "CredentialSet | None") -> None:
         new = self._credentials
@@ -318,21 +342,40 @@ class EgressProxy(TcpService):
     def request_hook(self, host: str, port: int) -> "RequestHook":
         """The hook an intercepted connection to ``host``:``port`` judges each request with, by the
         rules in force when that request arrives (Mediator reports its refusals)."""
-        from sandboxd.network.interception.http1 import Refusal
+        from sandboxd.network.interception.http1 import Pending, Refusal
 
-        def check(method: str, target: str) -> "Refusal | None":
+        def check(method: str, target: str) -> "Refusal | Pending | None":
             rules = self._rules
             if not rules.allowed(host, port):
                 return Refusal(403, f"sandboxd: {host}:{port} is no longer allowed", "domain")
             ruled = rules.ruled(host)
             if not ruled:
                 return None
+            if len(target) > MAX_RULED_TARGET:
+                return Refusal(414, f"sandboxd: a request target over {MAX_RULED_TARGET} bytes to a host with "
+                                    "endpoint rules", "endpoint")
+            why = ambiguous_target(target)
+            if why:
+                return Refusal(400, f"sandboxd: {why}, which servers read differently; {host} has endpoint rules",
+                               "endpoint")
             path = normalize_path(target)
-            if path is None:
-                return Refusal(400, f"sandboxd: ambiguous path: {why_not_normal(target)}", "endpoint")
-            if endpoint_allowed(ruled, method, path):
-                return None
-            return Refusal(403, endpoint_refusal(host, method, target, rules), "endpoint")
+            assert path is not None                     # ambiguous_target said why not
+
+            def verdict(allowed: bool) -> "Refusal | None":
+                return None if allowed else Refusal(403, endpoint_refusal(host, method, target, rules), "endpoint")
+            if match_cost(ruled, path) <= MAX_LOOP_COMPARISONS:
+                return verdict(endpoint_allowed(ruled, method, path))
+            # Many rules and a long path: judged on a worker, the loop serves everyone meanwhile.
+            pending = Pending()
+
+            def settle(future: "Future[bool]") -> None:
+                try:
+                    pending.settle(verdict(future.result()))
+                except Exception as exc:  # noqa: BLE001 (a failure refuses this request only)
+                    pending.settle(Refusal(403, f"sandboxd: the endpoint rules could not be judged "
+                                                f"({type(exc).__name__})", "internal"))
+            self._loop.offload(lambda: endpoint_allowed(ruled, method, path), settle)
+            return pending
         return check
 
     def report_for(self, host: str, port: int) -> "Report":

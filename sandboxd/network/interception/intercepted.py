@@ -27,7 +27,7 @@ from typing import Callable
 from sandboxd.network.credentials import CredentialSet
 from sandboxd.network.event_loop import READ, WRITE, EventLoop
 from sandboxd.network.interception.ca import SessionCA
-from sandboxd.network.interception.http1 import Mediator, Report, RequestHook, refusal_bytes
+from sandboxd.network.interception.http1 import MAX_BACKLOG, Mediator, Report, RequestHook, refusal_bytes
 from sandboxd.network.interception.tls_end import TlsEnd
 from sandboxd.network.interception.upstream_tls import why_untrusted
 from sandboxd.network.tcp_relay import BUFFER_LIMIT, CHUNK, IDLE_SECONDS, nodelay
@@ -95,6 +95,17 @@ class Paired:
             self._pull(side)
         self._watch_head()
         self._update()
+
+    def room(self, side: Side) -> bool:
+        """Whether ``side`` may be read: what it gives is not piling up, neither in its peer's
+        outgoing bytes nor unparsed in the mediator (a pipelined request waiting for an answer the
+        sandbox never reads, responses an upstream sends unasked)."""
+        other = self._upstream if side is self._client else self._client
+        if len(other.out) >= BUFFER_LIMIT:
+            return False
+        if self.mediator is None:
+            return True
+        return self.mediator.backlog[0 if side is self._client else 1] <= MAX_BACKLOG
 
     def _watch_head(self) -> None:
         """Start or stop the clock of a request head that has begun (REQUEST_HEAD_SECONDS)."""
@@ -311,8 +322,16 @@ class Intercepted(Paired):
         self.deadline = self._idle_deadline = time.monotonic() + IDLE_SECONDS
         self.mediator = Mediator(self.host, self.port, default_port=443, credentials=self._credentials,
                                  on_request=self._on_request, report=self._report)
+        self.mediator.on_wake = self._woken
         self._mediate_client()
         self._mediate_upstream()
+
+    def _woken(self) -> None:
+        """A held request was judged: pass on what the mediator has now."""
+        if not self.closed:
+            self._pass_plaintext()
+            self._watch_head()
+            self._update()
 
     def _mediate_client(self) -> None:
         tls, mediator = self._client_tls, self.mediator
@@ -368,8 +387,7 @@ class Intercepted(Paired):
             self.close()
             return
         for side in (self._client, self._upstream):
-            other = self._upstream if side is self._client else self._client
-            reading = not self._closing and not side.eof and len(other.out) < BUFFER_LIMIT
+            reading = not self._closing and not side.eof and self.room(side)
             if side is self._client and self.phase in ("upstream", "leaf"):
                 reading = False                          # the CONNECT is not answered yet
             wanted = (READ if reading else 0) | (WRITE if side.out else 0)

@@ -16,7 +16,7 @@ from typing import Callable
 from sandboxd.network.event_loop import READ, WRITE, EventLoop
 from sandboxd.network.interception.http1 import Mediator, Report, RequestHook
 from sandboxd.network.interception.intercepted import Paired, Side
-from sandboxd.network.tcp_relay import BUFFER_LIMIT, IDLE_SECONDS
+from sandboxd.network.tcp_relay import IDLE_SECONDS
 
 HTTP_PORT = 80
 
@@ -34,10 +34,18 @@ class PlainMediated(Paired):
         self.http = Mediator(host, port, default_port=HTTP_PORT, on_request=on_request, report=report,
                              absolute_form=absolute_form)
         self.mediator = self.http
+        self.http.on_wake = self._woken
         self.http.from_client(first)
         self._pass()
         self._watch_head()
         self._update()
+
+    def _woken(self) -> None:
+        """A held request was judged: pass on what the mediator has now."""
+        if not self.closed:
+            self._pass()
+            self._watch_head()
+            self._update()
 
     def _pull(self, side: Side) -> None:
         data = self._receive(side)
@@ -66,8 +74,7 @@ class PlainMediated(Paired):
             self.close()
             return
         for side in (self._client, self._upstream):
-            other = self._upstream if side is self._client else self._client
-            reading = not done and not side.eof and len(other.out) < BUFFER_LIMIT
+            reading = not done and not side.eof and self.room(side)
             wanted = (READ if reading else 0) | (WRITE if side.out else 0)
             self._loop.watch(side.sock, side.events, wanted, side)
             side.events = wanted
