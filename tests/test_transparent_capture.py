@@ -249,6 +249,7 @@ def test_node_fetch_in_a_daemon_session_and_without_capture_it_fails(tls_world: 
     d = Daemon(base, args=["--dns", NAMES])
     try:
         d.start()
+        d.stub.ListSessions(pb.ListSessionsRequest())     # the client's own connection, before counting
         before = sockets_of(d.pid)
         session = create_session(d.stub, workspace, pb.SandboxPolicy(
             mode=pb.SandboxPolicy.WORKSPACE_WRITE, network_access=True, allowed_domains=[API_HOST]))
@@ -260,6 +261,7 @@ def test_node_fetch_in_a_daemon_session_and_without_capture_it_fails(tls_world: 
                     .stdout.decode().strip())
         holders = netns_holders(inode)
         assert holders
+        assert len(sockets_of(d.pid) - before) >= 2        # the proxy's listeners: what must go with it
         # Control: the same sandbox without its capture chain (deleted from outside): Node 20
         # ignores HTTPS_PROXY, so its fetch has no way out.
         subprocess.run(["nsenter", f"--net=/proc/{holders[0]}/ns/net", "nft", "delete", "chain", "inet",
