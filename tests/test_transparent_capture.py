@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import BASE_ENV, PY, SANDBOXD, eventually
-from tls_world import API_HOST, NAME_TABLE, NAMES, OTHER_HOST, TlsWorld, inside, tls_world  # noqa: F401
+from tls_world import API_HOST, META_HOST, NAME_TABLE, NAMES, OTHER_HOST, TlsWorld, inside, tls_world  # noqa: F401
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,6 +55,13 @@ RAW = textwrap.dedent('''
         except OSError:
             pass
     result["switch"] = reply.decode("latin-1")
+    # The capture's listener dialled directly: no redirect, so no destination port; refused.
+    try:
+        with socket.create_connection(("127.0.0.1", 3129), timeout=10) as s:
+            s.sendall(("GET /direct HTTP/1.1\\r\\nHost: %s\\r\\n\\r\\n" % sys.argv[2]).encode())
+            result["direct"] = s.recv(65536).decode("latin-1")
+    except OSError as e:
+        result["direct"] = type(e).__name__
     print(json.dumps(result))
 ''')
 
@@ -193,6 +200,7 @@ def test_a_connection_without_a_name_is_refused_and_a_host_switch_is_judged(
     assert "421" in result["switch"], result
     assert plain[API_HOST].seen == [(API_HOST, "/first")]
     assert plain[OTHER_HOST].seen == []
+    assert "plain" not in result["direct"], result           # /direct never arrived (seen above)
     # Control: without the wall (from the host), the same bytes to that address reach both paths.
     with socket.create_connection((api_address, 80), timeout=10) as s:
         s.sendall(f"GET /first HTTP/1.1\r\nHost: {API_HOST}\r\n\r\nGET /second HTTP/1.1\r\nHost: {OTHER_HOST}"
@@ -211,6 +219,11 @@ def test_a_host_on_port_80_is_judged_by_the_allowlist(tls_world: TlsWorld, plain
                     f"curl -sS --noproxy '*' --max-time 20 -o /dev/null -w '%{{http_code}}' http://{OTHER_HOST}/no"])
     assert got.stdout.splitlines() == ["plain api.test.example /ok", "403"], (got.stdout, got.stderr)
     assert plain[API_HOST].seen == [(API_HOST, "/ok")] and plain[OTHER_HOST].seen == []
+    # A name that resolves to the metadata address is refused even when allowed by name.
+    meta = run(workspace, "--allow-domain", META_HOST, command=[
+        "curl", "-sS", "--noproxy", "*", "--max-time", "20", "-o", "/dev/null", "-w", "%{http_code}",
+        f"http://{META_HOST}/latest/meta-data/"])
+    assert meta.stdout == "403" and "cloud metadata" in meta.stderr, (meta.stdout, meta.stderr)
 
 
 # -- daemon sessions -----------------------------------------------------------------------------
@@ -278,3 +291,26 @@ def test_node_fetch_in_a_daemon_session_and_without_capture_it_fails(tls_world: 
     finally:
         d.close()
         remove_tree(base)
+
+
+# -- the pieces, without a sandbox ---------------------------------------------------------------
+
+def test_only_a_proxied_ruleset_captures_and_never_the_proxy_or_an_allowed_host() -> None:
+    from sandboxd.kernel import nftables
+
+    proxied = nftables.egress_ruleset(["192.0.2.53"], [("198.51.100.7", ((22, 22),))], via_proxy=True)
+    capture = proxied[proxied.index("chain capture"):]
+    assert "redirect to :3129" in capture and "tcp dport { 80, 443 }" in capture
+    # Before the redirect: loopback, the proxy's own marked sockets, the allowed host, in that order.
+    assert (capture.index('oifname "lo" return') < capture.index(f"meta mark {nftables.PROXY_MARK:#x} return")
+            < capture.index("ip daddr 198.51.100.7 return") < capture.index("redirect"))
+    assert "chain capture" not in nftables.egress_ruleset(["192.0.2.53"], [("198.51.100.7", ())])
+
+
+def test_a_request_names_its_host_in_exactly_one_field() -> None:
+    from sandboxd.network.transparent import host_header
+
+    assert host_header(b"GET / HTTP/1.1\r\nAccept: */*\r\nhOsT:  a.example:80 ") == b"a.example:80"
+    assert host_header(b"GET / HTTP/1.1\r\nHost: a.example\r\nHost: b.example") is None
+    assert host_header(b"GET / HTTP/1.1\r\nHost:") is None
+    assert host_header(b"GET / HTTP/1.0\r\nX-Host: a.example") is None
