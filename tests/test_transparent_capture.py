@@ -314,3 +314,95 @@ def test_a_request_names_its_host_in_exactly_one_field() -> None:
     assert host_header(b"GET / HTTP/1.1\r\nHost: a.example\r\nHost: b.example") is None
     assert host_header(b"GET / HTTP/1.1\r\nHost:") is None
     assert host_header(b"GET / HTTP/1.0\r\nX-Host: a.example") is None
+
+
+# -- interception of a captured connection, in-process ---------------------------------------------
+
+@pytest.fixture
+def scratch_netns() -> Iterator[int]:
+    """A network namespace of this test's own: loopback up, a veth pair whose default route leads
+    nowhere, and the proxied egress ruleset (capture included). Its descriptor."""
+    from sandboxd.kernel import nftables
+
+    name = f"sbxcapt{os.urandom(3).hex()}"
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
+    try:
+        for command in ([f"ip -n {name} link set lo up"],
+                        [f"ip -n {name} link add c0 type veth peer name c1",
+                         f"ip -n {name} link set c0 up", f"ip -n {name} link set c1 up",
+                         f"ip -n {name} addr add 10.99.0.1/24 dev c0",
+                         f"ip -n {name} route add default via 10.99.0.2"]):
+            for line in command:
+                subprocess.run(line.split(), check=True, timeout=30)
+        subprocess.run(["ip", "netns", "exec", name, "nft", "-f", "-"], check=True, timeout=30, text=True,
+                       input=nftables.egress_ruleset([], [], via_proxy=True))
+        fd = os.open(f"/run/netns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+    finally:
+        subprocess.run(["ip", "netns", "del", name], timeout=30)
+
+
+def test_a_captured_connection_to_a_ruled_host_is_intercepted_and_judged(scratch_netns: int, tmp_path: Path) -> None:
+    import http.server
+    import ssl
+
+    from interception_helpers import API, UpstreamCA, _handler, Recorder
+    from test_egress_rules import Names
+    from sandboxd.network.egress_proxy import EgressProxy, ProxyEvent
+    from sandboxd.network.interception.ca import SessionCA
+    from sandboxd.network.interception.intercepted import Interceptor
+    from sandboxd.network.interception.upstream_tls import upstream_context
+    from sandboxd.network.tcp_relay import RelayLoop, socket_in_namespace
+    from sandboxd.network.transparent import listen_captured
+    from sandboxd.policy.network import NetworkRules, parse_endpoint
+
+    test_ca, recorder = UpstreamCA(), Recorder()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 443), _handler(recorder), bind_and_activate=False)
+    server.socket.close()
+    server.socket = socket_in_namespace(scratch_netns)            # the upstream: 127.0.0.1:443 in there
+    server.socket.setblocking(True)
+    server.socket.bind(("127.0.0.1", 443))
+    server.socket.listen(8)
+    server.socket = test_ca.server_context(tmp_path).wrap_socket(server.socket, server_side=True)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    names = Names({API: "127.0.0.1"})
+    session_ca = SessionCA.generate("capture0123456789")
+    loop = RelayLoop("test-capture")
+    events: list[ProxyEvent] = []
+    proxy = EgressProxy(EgressProxy.listen(scratch_netns), NetworkRules(
+        domains=(API,), endpoints=(parse_endpoint(f"{API}=GET:/read/**"),)), netns_fd=scratch_netns,
+        resolvers=[names.address], on_event=events.append, allowed_ranges=("127.0.0.0/8",),
+        interceptor=Interceptor(session_ca, upstream_context(test_ca.pem)), loop=loop).start()
+    proxy.serve_captured(listen_captured(scratch_netns))
+    trusted = ssl.create_default_context(cadata=session_ca.cert_pem().decode())
+
+    def request(method: str, path: str) -> bytes:
+        raw = socket_in_namespace(scratch_netns)
+        raw.setblocking(True)
+        raw.settimeout(30)
+        raw.connect(("192.0.2.99", 443))                    # any address: the name is what counts
+        with trusted.wrap_socket(raw, server_hostname=API) as tls:
+            tls.sendall(f"{method} {path} HTTP/1.1\r\nHost: {API}\r\nContent-Length: 0\r\n"
+                        "Connection: close\r\n\r\n".encode())
+            answer = b""
+            while chunk := tls.recv(65536):
+                answer += chunk
+            return answer
+    try:
+        allowed = request("GET", "/read/1")
+        assert allowed.startswith(b"HTTP/1.1 200") and allowed.endswith(b"hello /read/1"), allowed
+        refused = request("POST", "/read/1")
+        assert refused.startswith(b"HTTP/1.1 403") and b"GET:/read/**" in refused, refused
+        assert [(m, p) for m, p, _ in recorder.requests] == [("GET", "/read/1")]
+        assert eventually(lambda: any(event.kind == "endpoint" and event.method == "POST" for event in events),
+                          20), events                   # reported off the loop
+    finally:
+        proxy.close()
+        loop.close()
+        server.shutdown()
+        server.server_close()
+        names.close()
