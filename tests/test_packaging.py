@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
+import textwrap
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
 from conftest import BASE_ENV, PY, REPO, SANDBOXD
+from test_isolated_network import INTERNET, World, world  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.timeout(120)
 PACKAGING = REPO / "packaging"
@@ -137,17 +142,74 @@ def test_a_ci_step_writes_only_its_build_directory(checkout: Path) -> None:
     assert (checkout / "src" / "main.txt").read_text() == "source\n"               # the checkout stayed as it was
 
 
-def test_a_ci_step_has_no_network_unless_registries_are_named(checkout: Path) -> None:
-    probe = ("import os, socket\n"
-             "try:\n    socket.create_connection(('198.51.100.1', 80), timeout=2); print('connected')\n"
-             "except OSError as e:\n    print(type(e).__name__)\n"
-             "print('proxy=' + os.environ.get('HTTPS_PROXY', ''))")
-    offline = step(checkout, "--", PY, "-c", probe)
-    assert offline.returncode == 0 and "connected" not in offline.stdout and "proxy=\n" in offline.stdout + "\n"
-    registry = step(checkout, "--allow-domain", "pypi.org", "--", PY, "-c", probe)
+# A way out is an answer from the far end, not a connect: with --allow-domain the sandbox's ports 80
+# and 443 are captured by its egress proxy (network.transparent), which accepts any connection and
+# then judges the name it carries (an address is none: refused).
+REACH_PROBE = textwrap.dedent('''
+    import os, socket, sys
+    try:
+        with socket.create_connection((sys.argv[1], 80), timeout=5) as s:
+            s.sendall(b"GET / HTTP/1.1\\r\\nHost: " + sys.argv[1].encode() + b"\\r\\nConnection: close\\r\\n\\r\\n")
+            reply = b""
+            try:
+                while chunk := s.recv(4096):
+                    reply += chunk
+            except OSError:
+                pass
+        print("answered" if b"far end" in reply else "no answer: %r" % reply[:40])
+    except OSError as e:
+        print(type(e).__name__)
+    print("proxy=" + os.environ.get("HTTPS_PROXY", ""))
+''')
+
+
+@pytest.fixture(scope="module")
+def far_end(world: World) -> Iterator[list[str]]:
+    """An HTTP server on port 80 of the test world's internet address: each connection it accepted
+    (its peer), answered with ``far end``."""
+    from tls_world import inside
+
+    with inside(world.gw):
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((INTERNET, 80))
+    listener.listen(8)
+    peers: list[str] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, peer = listener.accept()
+            except OSError:
+                return
+            peers.append(peer[0])
+            with conn:
+                conn.settimeout(10)
+                try:
+                    conn.recv(4096)
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\nConnection: close\r\n\r\nfar end")
+                except OSError:
+                    pass
+    threading.Thread(target=serve, daemon=True).start()
+    yield peers
+    listener.close()
+
+
+@pytest.mark.timeout(400)                 # the world's lock may wait for another test run's
+def test_a_ci_step_has_no_network_unless_registries_are_named(checkout: Path, far_end: list[str]) -> None:
+    # Control: a sandbox whose network is not walled in reaches the far end, and the probe says so.
+    open_network = subprocess.run([SANDBOXD, "run", "--workspace", str(checkout), "--network", "--", PY, "-c",
+                                   REACH_PROBE, INTERNET], capture_output=True, text=True, timeout=120, env=BASE_ENV)
+    assert open_network.stdout.startswith("answered\n"), (open_network.stdout, open_network.stderr)
+    assert len(far_end) == 1
+    offline = step(checkout, "--", PY, "-c", REACH_PROBE, INTERNET)
+    assert offline.returncode == 0 and "answered" not in offline.stdout and "proxy=\n" in offline.stdout + "\n"
+    registry = step(checkout, "--allow-domain", "pypi.org", "--", PY, "-c", REACH_PROBE, INTERNET)
     assert registry.returncode == 0, registry.stderr
-    # Only the proxy is a way out, on the sandbox's own loopback (egress_proxy.PROXY_ADDRESS).
-    assert "connected" not in registry.stdout and "proxy=http://127.0.0.1:3128\n" in registry.stdout
+    # Only the proxy is a way out, on the sandbox's own loopback (egress_proxy.PROXY_ADDRESS); the
+    # connection to port 80 it captured carried no allowed name, so nothing went further.
+    assert "answered" not in registry.stdout and "proxy=http://127.0.0.1:3128\n" in registry.stdout
+    assert len(far_end) == 1, far_end                   # nothing of the steps' reached it
 
 
 def test_a_ci_step_gets_only_the_variables_it_names(checkout: Path) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import BASE_ENV, PY, SANDBOXD, eventually
-from tls_world import API_HOST, NAME_TABLE, NAMES, OTHER_HOST, TlsWorld, inside, tls_world  # noqa: F401
+from tls_world import API_HOST, META_HOST, NAME_TABLE, NAMES, OTHER_HOST, TlsWorld, inside, tls_world  # noqa: F401
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,6 +55,13 @@ RAW = textwrap.dedent('''
         except OSError:
             pass
     result["switch"] = reply.decode("latin-1")
+    # The capture's listener dialled directly: no redirect, so no destination port; refused.
+    try:
+        with socket.create_connection(("127.0.0.1", 3129), timeout=10) as s:
+            s.sendall(("GET /direct HTTP/1.1\\r\\nHost: %s\\r\\n\\r\\n" % sys.argv[2]).encode())
+            result["direct"] = s.recv(65536).decode("latin-1")
+    except OSError as e:
+        result["direct"] = type(e).__name__
     print(json.dumps(result))
 ''')
 
@@ -193,6 +200,7 @@ def test_a_connection_without_a_name_is_refused_and_a_host_switch_is_judged(
     assert "421" in result["switch"], result
     assert plain[API_HOST].seen == [(API_HOST, "/first")]
     assert plain[OTHER_HOST].seen == []
+    assert "plain" not in result["direct"], result           # /direct never arrived (seen above)
     # Control: without the wall (from the host), the same bytes to that address reach both paths.
     with socket.create_connection((api_address, 80), timeout=10) as s:
         s.sendall(f"GET /first HTTP/1.1\r\nHost: {API_HOST}\r\n\r\nGET /second HTTP/1.1\r\nHost: {OTHER_HOST}"
@@ -211,6 +219,11 @@ def test_a_host_on_port_80_is_judged_by_the_allowlist(tls_world: TlsWorld, plain
                     f"curl -sS --noproxy '*' --max-time 20 -o /dev/null -w '%{{http_code}}' http://{OTHER_HOST}/no"])
     assert got.stdout.splitlines() == ["plain api.test.example /ok", "403"], (got.stdout, got.stderr)
     assert plain[API_HOST].seen == [(API_HOST, "/ok")] and plain[OTHER_HOST].seen == []
+    # A name that resolves to the metadata address is refused even when allowed by name.
+    meta = run(workspace, "--allow-domain", META_HOST, command=[
+        "curl", "-sS", "--noproxy", "*", "--max-time", "20", "-o", "/dev/null", "-w", "%{http_code}",
+        f"http://{META_HOST}/latest/meta-data/"])
+    assert meta.stdout == "403" and "cloud metadata" in meta.stderr, (meta.stdout, meta.stderr)
 
 
 # -- daemon sessions -----------------------------------------------------------------------------
@@ -249,6 +262,7 @@ def test_node_fetch_in_a_daemon_session_and_without_capture_it_fails(tls_world: 
     d = Daemon(base, args=["--dns", NAMES])
     try:
         d.start()
+        d.stub.ListSessions(pb.ListSessionsRequest())     # the client's own connection, before counting
         before = sockets_of(d.pid)
         session = create_session(d.stub, workspace, pb.SandboxPolicy(
             mode=pb.SandboxPolicy.WORKSPACE_WRITE, network_access=True, allowed_domains=[API_HOST]))
@@ -260,6 +274,7 @@ def test_node_fetch_in_a_daemon_session_and_without_capture_it_fails(tls_world: 
                     .stdout.decode().strip())
         holders = netns_holders(inode)
         assert holders
+        assert len(sockets_of(d.pid) - before) >= 2        # the proxy's listeners: what must go with it
         # Control: the same sandbox without its capture chain (deleted from outside): Node 20
         # ignores HTTPS_PROXY, so its fetch has no way out.
         subprocess.run(["nsenter", f"--net=/proc/{holders[0]}/ns/net", "nft", "delete", "chain", "inet",
@@ -276,3 +291,118 @@ def test_node_fetch_in_a_daemon_session_and_without_capture_it_fails(tls_world: 
     finally:
         d.close()
         remove_tree(base)
+
+
+# -- the pieces, without a sandbox ---------------------------------------------------------------
+
+def test_only_a_proxied_ruleset_captures_and_never_the_proxy_or_an_allowed_host() -> None:
+    from sandboxd.kernel import nftables
+
+    proxied = nftables.egress_ruleset(["192.0.2.53"], [("198.51.100.7", ((22, 22),))], via_proxy=True)
+    capture = proxied[proxied.index("chain capture"):]
+    assert "redirect to :3129" in capture and "tcp dport { 80, 443 }" in capture
+    # Before the redirect: loopback, the proxy's own marked sockets, the allowed host, in that order.
+    assert (capture.index('oifname "lo" return') < capture.index(f"meta mark {nftables.PROXY_MARK:#x} return")
+            < capture.index("ip daddr 198.51.100.7 return") < capture.index("redirect"))
+    assert "chain capture" not in nftables.egress_ruleset(["192.0.2.53"], [("198.51.100.7", ())])
+
+
+def test_a_request_names_its_host_in_exactly_one_field() -> None:
+    from sandboxd.network.transparent import host_header
+
+    assert host_header(b"GET / HTTP/1.1\r\nAccept: */*\r\nhOsT:  a.example:80 ") == b"a.example:80"
+    assert host_header(b"GET / HTTP/1.1\r\nHost: a.example\r\nHost: b.example") is None
+    assert host_header(b"GET / HTTP/1.1\r\nHost:") is None
+    assert host_header(b"GET / HTTP/1.0\r\nX-Host: a.example") is None
+
+
+# -- interception of a captured connection, in-process ---------------------------------------------
+
+@pytest.fixture
+def scratch_netns() -> Iterator[int]:
+    """A network namespace of this test's own: loopback up, a veth pair whose default route leads
+    nowhere, and the proxied egress ruleset (capture included). Its descriptor."""
+    from sandboxd.kernel import nftables
+
+    name = f"sbxcapt{os.urandom(3).hex()}"
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
+    try:
+        for command in ([f"ip -n {name} link set lo up"],
+                        [f"ip -n {name} link add c0 type veth peer name c1",
+                         f"ip -n {name} link set c0 up", f"ip -n {name} link set c1 up",
+                         f"ip -n {name} addr add 10.99.0.1/24 dev c0",
+                         f"ip -n {name} route add default via 10.99.0.2"]):
+            for line in command:
+                subprocess.run(line.split(), check=True, timeout=30)
+        subprocess.run(["ip", "netns", "exec", name, "nft", "-f", "-"], check=True, timeout=30, text=True,
+                       input=nftables.egress_ruleset([], [], via_proxy=True))
+        fd = os.open(f"/run/netns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+    finally:
+        subprocess.run(["ip", "netns", "del", name], timeout=30)
+
+
+def test_a_captured_connection_to_a_ruled_host_is_intercepted_and_judged(scratch_netns: int, tmp_path: Path) -> None:
+    import http.server
+    import ssl
+
+    from interception_helpers import API, UpstreamCA, _handler, Recorder
+    from test_egress_rules import Names
+    from sandboxd.network.egress_proxy import EgressProxy, ProxyEvent
+    from sandboxd.network.interception.ca import SessionCA
+    from sandboxd.network.interception.intercepted import Interceptor
+    from sandboxd.network.interception.upstream_tls import upstream_context
+    from sandboxd.network.tcp_relay import RelayLoop, socket_in_namespace
+    from sandboxd.network.transparent import listen_captured
+    from sandboxd.policy.network import NetworkRules, parse_endpoint
+
+    test_ca, recorder = UpstreamCA(), Recorder()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 443), _handler(recorder), bind_and_activate=False)
+    server.socket.close()
+    server.socket = socket_in_namespace(scratch_netns)            # the upstream: 127.0.0.1:443 in there
+    server.socket.setblocking(True)
+    server.socket.bind(("127.0.0.1", 443))
+    server.socket.listen(8)
+    server.socket = test_ca.server_context(tmp_path).wrap_socket(server.socket, server_side=True)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    names = Names({API: "127.0.0.1"})
+    session_ca = SessionCA.generate("capture0123456789")
+    loop = RelayLoop("test-capture")
+    events: list[ProxyEvent] = []
+    proxy = EgressProxy(EgressProxy.listen(scratch_netns), NetworkRules(
+        domains=(API,), endpoints=(parse_endpoint(f"{API}=GET:/read/**"),)), netns_fd=scratch_netns,
+        resolvers=[names.address], on_event=events.append, allowed_ranges=("127.0.0.0/8",),
+        interceptor=Interceptor(session_ca, upstream_context(test_ca.pem)), loop=loop).start()
+    proxy.serve_captured(listen_captured(scratch_netns))
+    trusted = ssl.create_default_context(cadata=session_ca.cert_pem().decode())
+
+    def request(method: str, path: str) -> bytes:
+        raw = socket_in_namespace(scratch_netns)
+        raw.setblocking(True)
+        raw.settimeout(30)
+        raw.connect(("192.0.2.99", 443))                    # any address: the name is what counts
+        with trusted.wrap_socket(raw, server_hostname=API) as tls:
+            tls.sendall(f"{method} {path} HTTP/1.1\r\nHost: {API}\r\nContent-Length: 0\r\n"
+                        "Connection: close\r\n\r\n".encode())
+            answer = b""
+            while chunk := tls.recv(65536):
+                answer += chunk
+            return answer
+    try:
+        allowed = request("GET", "/read/1")
+        assert allowed.startswith(b"HTTP/1.1 200") and allowed.endswith(b"hello /read/1"), allowed
+        refused = request("POST", "/read/1")
+        assert refused.startswith(b"HTTP/1.1 403") and b"GET:/read/**" in refused, refused
+        assert [(m, p) for m, p, _ in recorder.requests] == [("GET", "/read/1")]
+        assert eventually(lambda: any(event.kind == "endpoint" and event.method == "POST" for event in events),
+                          20), events                   # reported off the loop
+    finally:
+        proxy.close()
+        loop.close()
+        server.shutdown()
+        server.server_close()
+        names.close()

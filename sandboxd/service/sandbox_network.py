@@ -111,7 +111,11 @@ class EgressProxies(SandboxHooks):
         finally:
             os.close(netns)
         if info.transparent_listener >= 0:            # the sandbox's ports 80 and 443 (network.transparent)
-            proxy.serve_captured(socket.socket(fileno=os.dup(info.transparent_listener)))
+            try:
+                proxy.serve_captured(socket.socket(fileno=os.dup(info.transparent_listener)))
+            except BaseException:
+                proxy.close()
+                raise
         with session.lock:
             session.extra_env = network_environment(session)
         return (proxy,)
