@@ -159,7 +159,7 @@ def probe_calls(machine: Machine, *, sandboxed: bool) -> dict[str, tuple[str, di
 
 def test_the_recipe_walls_a_third_party_server(world: World, machine: Machine) -> None:
     seen = drive(machine.recipe(), machine.client_env(), probe_calls(machine, sandboxed=True))
-    assert seen["tools"] == "connect environment fetch leave_behind read_file write_file"
+    assert seen["tools"] == "connect environment fetch fetch_with_token leave_behind read_file write_file"
     # Files: the user's key is not there, nothing outside the workspace is writable (the home
     # included), the workspace is the server's to write.
     assert seen["key"] == "error: ENOENT", seen
