@@ -429,7 +429,7 @@ def test_a_daemon_secret_is_only_for_the_users_it_names(tls_world: TlsWorld, san
     secret_file.write_text(secret.value + "\n")
     secret_file.chmod(0o600)
     config = tls_world.daemon_config() + (f'\n[network.secrets.github]\nfile = "{secret_file}"\n'
-                                          f'users = ["{alice.name}"]\n')
+                                          f'users = ["{alice.name}"]\nupstreams = ["https://{API_HOST}"]\n')
     daemon = sandboxd_daemon(config=config)
     alice_ws, mallory_ws = owned_dir(base / "ws-alice", alice), owned_dir(base / "ws-mallory", mallory)
     refused = sandboxctl(daemon, "session", "create", str(mallory_ws), "--network", "--credential", CREDENTIAL,
