@@ -80,14 +80,17 @@ def bearer_seen(world: TlsWorld, path: str, host: str = API_HOST) -> list[str]:
 
 # --------------------------------------------------------------------------- the clients
 
+# The venv's packages for the system Python inside (requests, httpx: test dependencies, same Python
+# version), as test_mcp_recipe.py gives the SDK to its server.
+SITE_PACKAGES = str(next((Path(__file__).resolve().parents[1] / ".venv" / "lib").glob("python3*/site-packages")))
 # Each prints what the upstream answered for /client/NAME, sending "Authorization: Bearer $GITHUB_TOKEN"
 # as a program given that variable would, and nothing else: the sandbox's proxy variables and trust
 # bundle are sandboxd's.
 CLIENTS: dict[str, str] = {
     "curl": f'curl -sS --fail -H "Authorization: Bearer ${VAR}" https://{API_HOST}/client/curl',
-    "requests": f"{PY} -c \"import os, requests; print(requests.get('https://{API_HOST}/client/requests', "
+    "requests": f"PYTHONPATH={SITE_PACKAGES} {PY} -c \"import os, requests; print(requests.get('https://{API_HOST}/client/requests', "
                 f"headers={{'Authorization': 'Bearer ' + os.environ['{VAR}']}}, timeout=30).text)\"",
-    "httpx": f"{PY} -c \"import os, httpx; print(httpx.get('https://{API_HOST}/client/httpx', "
+    "httpx": f"PYTHONPATH={SITE_PACKAGES} {PY} -c \"import os, httpx; print(httpx.get('https://{API_HOST}/client/httpx', "
              f"headers={{'Authorization': 'Bearer ' + os.environ['{VAR}']}}, timeout=30).text)\"",
     # Node 20's fetch ignores HTTPS_PROXY: only transparent capture takes it to the proxy.
     "node": "node -e \"fetch('https://" + API_HOST + "/client/node', {headers: {authorization: 'Bearer ' + "
