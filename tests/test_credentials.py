@@ -27,9 +27,6 @@ session (`sandboxctl session create --network --allow-domain ... --credential ..
 The secret is made per test with a random middle (``Secret.fragment``, 16 hex digits): the scans
 look for the fragment, so no scanning process ever holds the whole secret, and the fragment alone
 is in no file of the machine (the tests' own source holds no secret).
-
-INTEGRATION: this module needs every track of issue 26 merged (daemon, run, proxy, capture);
-``tls_world.ISSUE_26_MERGED`` switches it (and test_mcp_recipe.py's credential test) on.
 """
 
 from __future__ import annotations
@@ -50,10 +47,10 @@ import pytest
 from conftest import BASE_ENV, PY, SANDBOXD, describe
 from daemon_helpers import PYTHON, Daemon, DaemonFactory, PlainUser, owned_dir
 from test_cli_approvals import AS_USER, SANDBOXCTL
-from tls_world import (API_HOST, META_HOST, NAMES, OTHER_HOST, TlsWorld, needs_issue_26,
+from tls_world import (API_HOST, META_HOST, NAMES, OTHER_HOST, TlsWorld,
                        tls_world)  # noqa: F401 - the fixture
 
-pytestmark = [pytest.mark.timeout(900), needs_issue_26]
+pytestmark = [pytest.mark.timeout(900)]
 
 VAR = "GITHUB_TOKEN"
 CREDENTIAL = f"{VAR}=https://{API_HOST}"

@@ -40,7 +40,7 @@ from conftest import PY, SANDBOXD, SLOW, WRITE_DENIED_ERRNOS
 from daemon_helpers import PlainUser, plain_users
 from test_isolated_network import DNS, INTERNET, OTHER, World
 from tls_world import API_HOST as TLS_API_HOST
-from tls_world import NAMES, TlsWorld, needs_issue_26, tls_world  # noqa: F401 - the fixture
+from tls_world import NAMES, TlsWorld, tls_world  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -256,7 +256,6 @@ def test_stdio_carries_json_rpc_only_and_eof_ends_the_server(machine: Machine) -
 
 
 
-@needs_issue_26
 def test_the_recipe_with_credential_keeps_the_token_out_of_the_server(tls_world: TlsWorld,  # noqa: F811
                                                                      machine: Machine) -> None:
     """The recipe as docs/mcp-servers.md gives it for API tokens: `--credential` instead of

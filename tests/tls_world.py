@@ -69,17 +69,8 @@ API_ADDRESS, OTHER_ADDRESS, NAMES = "198.51.100.20", "198.51.100.21", "198.51.10
 NAME_TABLE: dict[str, str] = {API_HOST: API_ADDRESS, OTHER_HOST: OTHER_ADDRESS, META_HOST: METADATA,
                               "internet.test": INTERNET}
 GATE_SECONDS = 30.0
-# The end-to-end tests of issue 26 (test_credentials.py, test_mcp_recipe.py's credential test) need
-# every track merged (the daemon's, run's, the proxy's and capture's flags and wiring): on a track's
-# branch they are collected and skipped by this switch (SANDBOXD_TESTS_ISSUE_26=1 runs them anyway,
-# to try one against a partial merge). INTEGRATION: set it True once r7-int has them all, then
-# delete it and ``needs_issue_26``.
-ISSUE_26_MERGED = os.environ.get("SANDBOXD_TESTS_ISSUE_26") == "1"
-needs_issue_26 = pytest.mark.skipif(not ISSUE_26_MERGED, reason="issue 26's tracks are not merged yet "
-                                    "(tests/tls_world.py ISSUE_26_MERGED)")
 WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
-__all__ = ["API_HOST", "META_HOST", "NAMES", "OTHER_HOST", "SECRET", "Seen", "TlsWorld", "Upstream", "needs_issue_26",
-           "tls_world"]
+__all__ = ["API_HOST", "META_HOST", "NAMES", "OTHER_HOST", "SECRET", "Seen", "TlsWorld", "Upstream", "tls_world"]
 
 
 @dataclass(frozen=True)

@@ -200,10 +200,13 @@ def host_owns(address: str) -> bool:
 
 
 def proxy_environment() -> dict[str, str]:
-    """The variables that point a sandbox's programs at its proxy (PROXY_ADDRESS)."""
+    """The variables that point a sandbox's programs at its proxy (PROXY_ADDRESS). ALL_PROXY names
+    the HTTP proxy too, not ``socks5h://``: httpx (and others) take ALL_PROXY for every scheme and,
+    without an optional SOCKS package, fail every request on a socks URL. The proxy still speaks
+    SOCKS5 on the same port to a program told to use it."""
     url = f"http://{PROXY_ADDRESS}:{PROXY_PORT}"
-    env = {"NO_PROXY": "localhost,127.0.0.1", "ALL_PROXY": f"socks5h://{PROXY_ADDRESS}:{PROXY_PORT}"}
-    for name in ("HTTP_PROXY", "HTTPS_PROXY"):
+    env = {"NO_PROXY": "localhost,127.0.0.1"}
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
         env[name] = url
     return {**env, **{key.lower(): value for key, value in env.items()}}
 
