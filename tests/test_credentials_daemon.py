@@ -112,7 +112,7 @@ def test_the_proxy_puts_the_secret_in_and_the_sandbox_holds_only_the_phantom(pla
                             env={"TOKEN": SECRET.decode()})
     out = place.sh(session, curl(place.world.url("/check"), '-H "Authorization: Bearer $TOKEN"') +
                    "; env; cat /proc/self/environ | tr '\\0' '\\n'")
-    assert out.startswith("ok"), out                                  # the upstream got the real secret
+    assert out.startswith("ok"), (out, place.ctl("events", "--session", session, "--type", "PermissionDenied").stdout)
     phantom = next(line.split("=", 1)[1] for line in out.splitlines() if line.startswith("TOKEN="))
     assert phantom.startswith("sbxp_") and SECRET.decode() not in out, out
     assert headers_of(place.world.api, "/check")[-1]["authorization"] == f"Bearer {SECRET.decode()}"
@@ -160,7 +160,7 @@ def test_a_kept_secret_follows_the_whole_credential(place: Place) -> None:
         refused = place.ctl("session", "policy", session, "--credential", spec, ok=False)
         assert refused.returncode != 0 and "TOKEN" in refused.stderr, refused.stderr
     kept = place.ctl("session", "policy", session, "--credential", f"TOKEN=https://{API_HOST}",
-                     "--allow-domain", OTHER_HOST, API_HOST)
+                     "--allow-domain", OTHER_HOST, "--allow-domain", API_HOST)
     assert kept.returncode == 0
     assert place.sh(session, curl(place.world.url("/check"), '-H "Authorization: Bearer $TOKEN"')).startswith("ok")
 
@@ -200,11 +200,30 @@ def test_a_daemon_secret_goes_only_to_its_upstreams_and_users(place: Place) -> N
 
 def test_no_secret_in_events_listings_or_errors(place: Place) -> None:
     """Runs last in the module: everything sandboxctl printed above, and the whole audit log."""
-    place.said.append(place.ctl("events", "--json").stdout)
-    place.said.append(place.ctl("session", "list").stdout)
-    place.said.append(place.ctl("session", "list", "--json").stdout)
-    listed = place.said[-2]
+    place.ctl("events", "--json")                                    # each call's output joins place.said
+    listed = place.ctl("session", "list").stdout
+    place.ctl("session", "list", "--json")
     assert "TOKEN->https://api.test.example:443 (caller)" in listed, listed
     everything = "\n".join(place.said)
     assert SECRET.decode() not in everything.replace(f"TOKEN={SECRET.decode()}", "")   # the control's env only
     assert DAEMON_SECRET.decode() not in everything
+
+
+def test_after_a_restart_a_callers_secret_is_gone_and_a_daemon_secret_is_read_again(place: Place) -> None:
+    """Runs after the rest: the daemon restarts in the same state directory."""
+    callers = place.session("--credential", f"TOKEN=https://{API_HOST}", env={"TOKEN": SECRET.decode()})
+    daemons = place.session("--credential", f"KEY=https://{API_HOST}", "--daemon-credential", "KEY=apikey",
+                            user=place.alice)
+    assert place.daemon.stop() == 0
+    place.daemon = place.factory(config=place.config)
+    assert place.shown(callers)["credential_states"] == [
+        {"name": "TOKEN", "upstream": f"https://{API_HOST}:443", "source": "caller"}]     # usable: false (unset)
+    assert place.shown(daemons)["credential_states"] == [
+        {"name": "KEY", "upstream": f"https://{API_HOST}:443", "source": "daemon:apikey", "usable": True}]
+    check = curl(place.world.url("/check"), '-H "Authorization: Bearer $TOKEN"')
+    assert place.sh(callers, check).startswith("bad"), "the phantom goes as it is: the session works, without"
+    place.ctl("session", "policy", callers, "--credential", f"TOKEN=https://{API_HOST}", env={"TOKEN": SECRET.decode()})
+    assert place.sh(callers, check).startswith("ok")
+    place.sh(daemons, curl(place.world.url("/echo-headers"), '-H "Authorization: Bearer $KEY"'), user=place.alice)
+    assert headers_of(place.world.api, "/echo-headers")[-1]["authorization"] == f"Bearer {DAEMON_SECRET.decode()}"
+    assert SECRET.decode() not in "\n".join(place.said[-12:])
