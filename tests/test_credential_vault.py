@@ -118,3 +118,43 @@ def test_the_client_reads_each_secret_once_and_never_says_it(tmp_path: Path) -> 
     kept = parse_credentials(["A=https://a.example"], [], [], {}, secret_required=False)
     assert kept.specs == ("A=https://a.example",)
     assert kept.secrets == {}
+
+
+def test_apply_network_policy_updates_the_running_proxy_and_audits_it(tmp_path: Path) -> None:
+    """The entry track ask uses ("allow for the session"): the session's proxy enforces the new
+    rules at once, the change is audited live with its ``by``; a change that needs a new sandbox
+    is refused and changes nothing."""
+    import socket
+
+    from sandboxd.audit.store import EventStore
+    from sandboxd.errors import WrongState
+    from sandboxd.network.egress_proxy import EgressProxy
+    from sandboxd.policy import Limits, policy_from_name
+    from sandboxd.service.sandbox_network import network_environment
+    from sandboxd.service.sessions.network_live import LiveNetwork, apply_network_policy
+    from sandboxd.service.sessions.state import Session
+
+    store = EventStore(str(tmp_path / "events.db"))
+    policy = policy_from_name("workspace-write", network_access=True, allowed_domains=["a.example"])
+    session = Session("s1", ALICE, str(tmp_path), policy, "never", Limits(), {})
+    vault = CredentialVault()
+    session.credentials = vault.resolve(ALICE, ALICE, None, [], {})
+    session.live_network = LiveNetwork(store, vault, network_environment)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    proxy = EgressProxy(listener, policy.network_rules, netns_fd=-1)
+    session.services[1] = [proxy]
+    try:
+        wider = policy.replace(allowed_domains=("a.example", "b.example"))
+        apply_network_policy(session, wider, by="approval")
+        assert proxy.rules.allowed("b.example", 443) and session.policy == wider
+        (event,) = store.query(session_ids=["s1"], types=["PolicyChanged"])
+        data = event.data
+        assert data["live"] is True and data["by"] == "approval" and data["generation"] == 1, data
+        with pytest.raises(WrongState, match="needs a new sandbox"):
+            apply_network_policy(session, wider.replace(writable_roots=(str(tmp_path),)), by="caller")
+        assert session.policy == wider and len(store.query(session_ids=["s1"], types=["PolicyChanged"])) == 1
+    finally:
+        proxy.close()
+        listener.close()
+        store.close()
