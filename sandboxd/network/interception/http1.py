@@ -30,13 +30,24 @@ from sandboxd.printable import printable
 
 MAX_REQUEST_HEAD = 64 * 1024           # request line and headers
 MAX_RESPONSE_HEAD = 64 * 1024
+# Unparsed bytes a side may have in h11's buffer before it is no longer read: a head must fit (h11
+# refuses it past MAX_REQUEST_HEAD), a pipelined one waits there while the one before is answered.
+MAX_BACKLOG = max(MAX_REQUEST_HEAD, MAX_RESPONSE_HEAD)
 MAX_HEADERS = 128                      # header fields of a request
 # Hop-by-hop fields (RFC 9110 7.6.1) and the proxy's own: never passed on as sent. "connection"
 # and "upgrade" are rebuilt when a WebSocket upgrade is passed, "connection: close" kept.
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authorization", b"proxy-authenticate",
                          b"proxy-connection", b"te", b"trailer", b"upgrade"})
-_REASONS = {400: "Bad Request", 403: "Forbidden", 405: "Method Not Allowed", 421: "Misdirected Request",
-            431: "Request Header Fields Too Large", 502: "Bad Gateway"}
+_REASONS = {400: "Bad Request", 403: "Forbidden", 405: "Method Not Allowed", 408: "Request Timeout",
+            414: "URI Too Long", 421: "Misdirected Request", 431: "Request Header Fields Too Large",
+            502: "Bad Gateway"}
+MAX_REFUSAL_BODY = 4096                # bytes of a refusal's body, whatever it quotes
+# Headers that make a server take the request as another method (frameworks honour them): the
+# request is judged as each method they name too, and refused if one is no method (not letters).
+METHOD_OVERRIDES = frozenset({b"x-http-method-override", b"x-http-method", b"x-method-override"})
+# On a connection to a credential's upstream the response must reach the scrubber as plain text:
+# what asks for another encoding or a part of the body is dropped (Accept-Encoding: identity put in).
+_CREDENTIAL_DROPPED = frozenset({b"accept-encoding", b"range", b"if-range", b"te"})
 
 
 class Refusal:
@@ -49,8 +60,43 @@ class Refusal:
         self.status, self.body, self.kind = status, body, kind
 
 
-# on_request(method, target) -> None (pass) or a Refusal; called on the loop, must not block.
-RequestHook = Callable[[str, str], "Refusal | None"]
+class Pending:
+    """A hook's answer that comes later (an endpoint check offloaded from the loop; a question):
+    the request is held, nothing more the sandbox sends is parsed, until ``settle`` (on the loop)
+    gives None (pass) or a Refusal. Loop thread only."""
+
+    __slots__ = ("_then", "_result", "_settled")
+
+    def __init__(self) -> None:
+        self._then: "Callable[[Refusal | None], None] | None" = None
+        self._result: "Refusal | None" = None
+        self._settled = False
+
+    def then(self, fn: "Callable[[Refusal | None], None]") -> None:
+        if self._settled:
+            fn(self._result)
+        else:
+            self._then = fn
+
+    def settle(self, result: "Refusal | None") -> None:
+        if self._settled:
+            return
+        self._settled, self._result = True, result
+        if self._then is not None:
+            self._then(result)
+
+
+class _Held:
+    """A request read and being judged: its event, target (origin-form) and headers as read."""
+
+    __slots__ = ("event", "target", "raw")
+
+    def __init__(self, event: h11.Request, target: str, raw: list[tuple[bytes, bytes]]) -> None:
+        self.event, self.target, self.raw = event, target, raw
+
+
+# on_request(method, target) -> None (pass), a Refusal, or Pending; called on the loop, must not block.
+RequestHook = Callable[[str, str], "Refusal | Pending | None"]
 # report(kind, detail, method, target): a refusal or failure, for the proxy's events (called on the
 # loop). Kinds: the hook's Refusal.kind ("endpoint", ...), "protocol" (a request or answer we will not
 # pass), "upstream" (the upstream's answer is malformed), and from intercepted.Intercepted
@@ -60,13 +106,19 @@ Report = Callable[[str, str, str, str], None]
 
 def refusal_bytes(status: int, body: str) -> bytes:
     """A complete ``status`` response that closes the connection, with ``body`` as text."""
-    payload = (body + "\n").encode("utf-8")
+    payload = body.encode("utf-8")[:MAX_REFUSAL_BODY - 1] + b"\n"
     return (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: text/plain; charset=utf-8\r\n"
             f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode("ascii") + payload
 
 
 def _head_size(target: str, raw: list[tuple[bytes, bytes]]) -> int:
     return len(target) + sum(len(name) + len(value) + 4 for name, value in raw)
+
+
+def _letters(text: str) -> bool:
+    """Whether ``text`` is a method an endpoint rule can name: ASCII letters only (never ``*``,
+    which a rule reads as any method, nor any other token character)."""
+    return text.isascii() and text.isalpha()
 
 
 def _tokens(value: bytes) -> set[bytes]:
@@ -98,10 +150,33 @@ class Mediator:
         self._current = ("", "")                         # method and target of the request in flight
         self.to_client = bytearray()
         self.to_upstream = bytearray()
+        self._held: _Held | None = None                  # a request waiting for its Pending verdict
+        # Called (on the loop) when a held request was settled: the owner passes what is pending on.
+        self.on_wake: Callable[[], None] = lambda: None
         self.switched = False                            # a 101 passed: bytes flow unparsed
         self.done = False                                # flush what is pending, then close
         self.requests = 0
         self.swaps = 0
+
+    def use_credentials(self, credentials: CredentialSet | None) -> None:
+        """The set to swap from for the next request: one holding the same credentials for this
+        host and port (the proxy cuts a connection whose credentials changed)."""
+        if self._credentials is not None and credentials:
+            self._credentials = credentials
+
+    @property
+    def head_pending(self) -> bool:
+        """Whether part of a request head has come and the rest not yet (the owner gives a head
+        REQUEST_HEAD_SECONDS to be complete: a client trickling one never holds the connection)."""
+        return (not self.done and not self.switched and self._client.their_state is h11.IDLE
+                and bool(self._client.trailing_data[0]))
+
+    @property
+    def backlog(self) -> tuple[int, int]:
+        """Bytes taken in from the sandbox, and from the upstream, not yet parsed (h11 holds a
+        pipelined request while one is answered, or what an upstream sends unasked): the owner stops
+        reading a side whose backlog holds tcp_relay.BUFFER_LIMIT."""
+        return len(self._client.trailing_data[0]), len(self._upstream.trailing_data[0])
 
     # -- input ---------------------------------------------------------------------------------
 
@@ -130,7 +205,7 @@ class Mediator:
     # -- requests ------------------------------------------------------------------------------
 
     def _pump_client(self) -> None:
-        while not self.done and not self.switched:
+        while not self.done and not self.switched and self._held is None:
             try:
                 event = self._client.next_event()
             except h11.RemoteProtocolError as exc:
@@ -169,16 +244,59 @@ class Mediator:
             self._current = (method, target)
         names = [name.lower() for name, _ in raw]
         refusal = self._check(event, method, target, raw, names)
-        if refusal is None and self._on_request is not None:
-            refusal = self._on_request(method, target)
+        overrides = [item.strip().decode("latin-1") for name, value in raw if name.lower() in METHOD_OVERRIDES
+                     for item in value.split(b",")]
+        if refusal is None and not all(_letters(text) for text in [method, *overrides]):
+            refusal = Refusal(400, "sandboxd: a method (or method override header) that is not letters", "protocol")
         if refusal is not None:
             self._refuse(refusal)
             return
-        headers = self._forwarded(raw)
+        methods = list(dict.fromkeys([method, *(text.upper() for text in overrides)]))
+        self._judge(_Held(event, target, raw), methods if self._on_request is not None else [])
+
+    def _judge(self, held: "_Held", methods: list[str]) -> None:
+        """Ask the hook about each of ``methods`` in turn (the request's, its overrides'); pass the
+        request on once none refused. A Pending answer holds the request (nothing more of the
+        sandbox's is parsed) until it settles."""
+        assert self._on_request is not None or not methods
+        while methods:
+            assert self._on_request is not None
+            outcome = self._on_request(methods.pop(0), held.target)
+            if isinstance(outcome, Pending):
+                self._held = held
+                outcome.then(lambda result: self._settled(held, methods, result))
+                return
+            if outcome is not None:
+                self._refuse(outcome)
+                return
+        self._forward(held)
+
+    def _settled(self, held: "_Held", methods: list[str], result: "Refusal | None") -> None:
+        if self._held is not held or self.done:
+            return                                       # the connection ended meanwhile
+        self._held = None
+        if result is not None:
+            self._refuse(result)
+        else:
+            self._judge(held, methods)
+        if self._held is None:
+            self._pump_client()                          # its body, or a pipelined request, waits in h11
+        self.on_wake()
+
+    def _forward(self, held: "_Held") -> None:
+        """The judged request on to the upstream: hop-by-hop headers dropped, the credential in."""
+        headers = self._forwarded(held.raw)
         if self._credentials is not None:
             headers, swapped = self._credentials.swap(self.host, self.port, headers)
             self.swaps += swapped
-        self._send_upstream(h11.Request(method=event.method, target=target.encode("ascii"), headers=headers))
+        if self._scrubber is not None:
+            if self._upgrading and self.swaps:
+                self._refuse(Refusal(403, "sandboxd: no protocol upgrade on a connection that carries a credential "
+                                          "(what it would carry could not be checked for the secret)", "protocol"))
+                return
+            headers = [(name, value) for name, value in headers if name.lower() not in _CREDENTIAL_DROPPED]
+            headers.append((b"Accept-Encoding", b"identity"))
+        self._send_upstream(h11.Request(method=held.event.method, target=held.target.encode("ascii"), headers=headers))
 
     def _origin_form(self, target: str) -> tuple[bytes, str] | None:
         """An absolute-form ``target``'s authority and path (with its query), when it names this
@@ -244,10 +362,16 @@ class Mediator:
 
     def _pump_upstream(self) -> None:
         while not self.done and not self.switched:
+            if self._upstream.our_state is h11.IDLE and self._upstream.trailing_data[0]:
+                # No request of ours in flight: h11 would read these bytes as a response and the
+                # sandbox would take it for the answer to its next request (a desync). Cut.
+                self._report("upstream", "the upstream sent a response to no request", *self._current)
+                self.done = True
+                return
             try:
                 event = self._upstream.next_event()
             except h11.RemoteProtocolError as exc:
-                self._upstream_failed(f"the upstream's response is malformed ({printable(str(exc))})")
+                self._upstream_failed(f"the upstream's response is malformed ({str(exc)})")
                 return
             if event is h11.NEED_DATA or event is h11.PAUSED:
                 return
@@ -276,12 +400,13 @@ class Mediator:
             if name.lower() == b"connection":
                 connection |= _tokens(value)
         out: list[tuple[bytes, bytes]] = []
+        scrub = self._scrubber.head_value if self._scrubber is not None else (lambda text: text)
         for name, value in raw:
             lower = name.lower()
             if lower in (b"connection", b"upgrade") and keep_upgrade:
                 out.append((name, value))
             elif lower not in _HOP_BY_HOP and lower not in connection:
-                out.append((name, self._scrubber.head_value(value) if self._scrubber is not None else value))
+                out.append((scrub(name), scrub(value)))
         if b"close" in connection and not keep_upgrade:
             out.append((b"Connection", b"close"))
         return out
@@ -293,7 +418,7 @@ class Mediator:
             return
         headers = self._response_headers(list(event.headers.raw_items()), keep_upgrade=switching)
         self._send_client(h11.InformationalResponse(status_code=event.status_code, headers=headers,
-                                                    reason=event.reason))
+                                                    reason=self._reason(event.reason)))
         if switching and not self.done:
             self.switched = True
             self.to_upstream += self._client.trailing_data[0]
@@ -305,9 +430,27 @@ class Mediator:
             self._upstream_failed(f"the upstream's response head is over {MAX_RESPONSE_HEAD} bytes")
             return
         encoding = [value.strip().lower() for name, value in raw if name.lower() == b"content-encoding"]
-        self._scrub_body = self._scrubber is not None and all(value in (b"", b"identity") for value in encoding)
+        self._scrub_body = self._scrubber is not None
+        if self._scrub_body and not all(value in (b"", b"identity") for value in encoding):
+            self._upstream_failed("the upstream's response to a request with a credential is encoded "
+                                  "(Content-Encoding), so it cannot be checked for the secret")
+            return
         headers = self._response_headers(raw, keep_upgrade=False)
-        self._send_client(h11.Response(status_code=event.status_code, headers=headers, reason=event.reason))
+        self._send_client(h11.Response(status_code=event.status_code, headers=headers,
+                                       reason=self._reason(event.reason)))
+
+    def _reason(self, reason: bytes) -> bytes:
+        """An upstream's reason phrase as the sandbox gets it: scrubbed, printable."""
+        return self._clean(reason.decode("latin-1")).encode("utf-8")
+
+    def _clean(self, text: str) -> str:
+        """Text that may quote what an upstream sent, for the sandbox or an event: printable, and
+        without the secret in any form (scrubbed before and after escaping)."""
+        if self._scrubber is None:
+            return printable(text)
+        scrub = self._scrubber.head_value
+        once = scrub(text.encode("utf-8", "surrogateescape")).decode("utf-8", "replace")
+        return scrub(printable(once).encode("utf-8")).decode("utf-8", "replace")
 
     def _next_cycle(self) -> None:
         """A response ended: go on with the next request, or close when either side cannot."""
@@ -335,7 +478,7 @@ class Mediator:
         try:
             data = self._client.send(event)
         except h11.LocalProtocolError as exc:
-            self._report("protocol", f"the response cannot be passed on ({printable(str(exc))})", *self._current)
+            self._report("protocol", f"the response cannot be passed on ({self._clean(str(exc))})", *self._current)
             self.done = True
             return
         if data:
@@ -349,11 +492,12 @@ class Mediator:
         self.done = True
 
     def _upstream_failed(self, why: str) -> None:
+        why = self._clean(why)
         self._report("upstream", why, *self._current)
         if self._client.our_state is h11.SEND_RESPONSE:
             self.to_client += refusal_bytes(502, f"sandboxd: {why}")
         self.done = True
 
 
-__all__ = ["MAX_HEADERS", "MAX_REQUEST_HEAD", "MAX_RESPONSE_HEAD", "Mediator", "Refusal", "RequestHook",
-           "refusal_bytes"]
+__all__ = ["MAX_BACKLOG", "MAX_HEADERS", "MAX_REQUEST_HEAD", "MAX_RESPONSE_HEAD", "Mediator", "Pending", "Refusal",
+           "RequestHook", "refusal_bytes"]
