@@ -52,6 +52,19 @@ def fetch(url: str) -> str:
 
 
 @server.tool()
+def fetch_with_token(url: str, variable: str) -> str:
+    """GET a URL with ``Authorization: Bearer $variable``, as a server calling its API does."""
+    request = urllib.request.Request(url, headers={"Authorization": "Bearer " + os.environ.get(variable, "")})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return "open: " + reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return f"http {exc.code}"
+    except OSError as exc:
+        return _errno(exc)
+
+
+@server.tool()
 def connect(host: str, port: int) -> str:
     """Open a TCP connection directly, ignoring any proxy."""
     try:

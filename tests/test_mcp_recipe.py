@@ -9,7 +9,10 @@ its control: the same server, as the same user, without sandboxd, reads the key,
 sees the client's secrets and connects where it likes.
 
 The network is the small world of tests/test_isolated_network.py (namespaces and veths: nothing
-leaves the machine): internet.test is the allowed API host, other.test is not.
+leaves the machine): internet.test is the allowed API host, other.test is not; with the TLS hosts
+of tests/tls_world.py added, for the recipe with `--credential` (api.test.example over HTTPS, its
+test CA given to `sandboxd run` as SSL_CERT_FILE): the server calls its API with the token it was
+given, the API receives the real secret, and the server's environment holds only the phantom.
 
 Who runs the MCP client is a parameter (CLIENT_USERS): "root" (the command then runs as the
 workspace's owner, the plain user) and "plain", the usual case: the client's command runs as the
@@ -36,6 +39,8 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 from conftest import PY, SANDBOXD, SLOW, WRITE_DENIED_ERRNOS
 from daemon_helpers import PlainUser, plain_users
 from test_isolated_network import DNS, INTERNET, OTHER, World
+from tls_world import API_HOST as TLS_API_HOST
+from tls_world import NAMES, TlsWorld, needs_issue_26, tls_world  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -80,12 +85,9 @@ class Machine:
 
 
 @pytest.fixture(scope="module")
-def world() -> Iterator[World]:
-    built = World()
-    try:
-        yield built.build()
-    finally:
-        built.teardown()
+def world(tls_world: TlsWorld) -> World:  # noqa: F811
+    """The world of test_isolated_network.py, inside the TLS world (one world at a time: its lock)."""
+    return tls_world.world
 
 
 @pytest.fixture(params=CLIENT_USERS)
@@ -157,7 +159,7 @@ def probe_calls(machine: Machine, *, sandboxed: bool) -> dict[str, tuple[str, di
 
 def test_the_recipe_walls_a_third_party_server(world: World, machine: Machine) -> None:
     seen = drive(machine.recipe(), machine.client_env(), probe_calls(machine, sandboxed=True))
-    assert seen["tools"] == "connect environment fetch leave_behind read_file write_file"
+    assert seen["tools"] == "connect environment fetch fetch_with_token leave_behind read_file write_file"
     # Files: the user's key is not there, nothing outside the workspace is writable (the home
     # included), the workspace is the server's to write.
     assert seen["key"] == "error: ENOENT", seen
@@ -252,3 +254,27 @@ def test_stdio_carries_json_rpc_only_and_eof_ends_the_server(machine: Machine) -
     assert status == 0, stderr.decode(errors="replace")
     assert (machine.workspace / "raw.txt").read_text() == "raw"
 
+
+
+@needs_issue_26
+def test_the_recipe_with_credential_keeps_the_token_out_of_the_server(tls_world: TlsWorld,  # noqa: F811
+                                                                     machine: Machine) -> None:
+    """The recipe as docs/mcp-servers.md gives it for API tokens: `--credential` instead of
+    `--pass-env`. The server calls its API with the variable it was given and the API receives the
+    real token; the server's environment holds only the phantom (control: the --pass-env recipe
+    above hands the server the token itself)."""
+    token = f"ghp_{uuid.uuid4().hex}"
+    recipe = [SANDBOXD, "run", "--workspace", str(machine.workspace), "--network", "--dns", NAMES,
+              "--credential", f"API_TOKEN=https://{TLS_API_HOST}", "--env", f"PYTHONPATH={SITE_PACKAGES}",
+              "--", PY, SERVER]
+    command = (machine.as_user() if machine.client_user == "plain" else []) + recipe
+    env = {**machine.client_env(), "API_TOKEN": token, "SSL_CERT_FILE": str(tls_world.ca_file)}
+    seen = drive(command, env, {"api": ("fetch_with_token", {"url": f"https://{TLS_API_HOST}/mcp-recipe",
+                                                             "variable": "API_TOKEN"}),
+                                "env": ("environment", {})})
+    assert seen["api"] == "open: hello /mcp-recipe", seen
+    received = [s.headers.get("authorization") for s in tls_world.api.seen if s.path == "/mcp-recipe"]
+    assert received[-1] == f"Bearer {token}", received
+    inside = json.loads(seen["env"])["env"]
+    assert inside["API_TOKEN"].startswith("sbxp_"), inside
+    assert token not in seen["env"] and "AWS_SECRET_ACCESS_KEY" not in inside, inside

@@ -69,8 +69,17 @@ API_ADDRESS, OTHER_ADDRESS, NAMES = "198.51.100.20", "198.51.100.21", "198.51.10
 NAME_TABLE: dict[str, str] = {API_HOST: API_ADDRESS, OTHER_HOST: OTHER_ADDRESS, META_HOST: METADATA,
                               "internet.test": INTERNET}
 GATE_SECONDS = 30.0
+# The end-to-end tests of issue 26 (test_credentials.py, test_mcp_recipe.py's credential test) need
+# every track merged (the daemon's, run's, the proxy's and capture's flags and wiring): on a track's
+# branch they are collected and skipped by this switch (SANDBOXD_TESTS_ISSUE_26=1 runs them anyway,
+# to try one against a partial merge). INTEGRATION: set it True once r7-int has them all, then
+# delete it and ``needs_issue_26``.
+ISSUE_26_MERGED = os.environ.get("SANDBOXD_TESTS_ISSUE_26") == "1"
+needs_issue_26 = pytest.mark.skipif(not ISSUE_26_MERGED, reason="issue 26's tracks are not merged yet "
+                                    "(tests/tls_world.py ISSUE_26_MERGED)")
 WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
-__all__ = ["API_HOST", "META_HOST", "NAMES", "OTHER_HOST", "SECRET", "Seen", "TlsWorld", "Upstream", "tls_world"]
+__all__ = ["API_HOST", "META_HOST", "NAMES", "OTHER_HOST", "SECRET", "Seen", "TlsWorld", "Upstream", "needs_issue_26",
+           "tls_world"]
 
 
 @dataclass(frozen=True)
@@ -263,6 +272,17 @@ def ws_frame(opcode: int, data: bytes, mask: bytes = b"") -> bytes:
     return bytes([0x80 | opcode]) + extended + data
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        """Each connection without Nagle: the handler writes a head and a body apart, and a
+        delayed ACK would add 40 ms to every kept-alive request (the benchmark's figures)."""
+        sock, address = super().get_request()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock, address
+
+
 class Upstream:
     """One HTTPS host of the world: a threading HTTP/1.1 server whose listener lives in the
     gateway namespace."""
@@ -270,8 +290,7 @@ class Upstream:
     def __init__(self, netns: str, address: str, context: ssl.SSLContext, git_root: Path) -> None:
         self.recorder = WorldRecorder()
         with inside(netns):
-            self.server = ThreadingHTTPServer((address, 443), _world_handler(self.recorder, git_root))
-        self.server.daemon_threads = True
+            self.server = _Server((address, 443), _world_handler(self.recorder, git_root))
         self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
