@@ -235,8 +235,9 @@ def secret_binding(entry: "Mapping[str, object]") -> tuple[tuple[tuple[str, int]
     any header a credential names), parsed as a credential's would be (policy.network)."""
     from sandboxd.policy.network import parse_credential
 
-    upstreams = tuple(dict.fromkeys((spec.host, spec.port) for spec in
-                                    (parse_credential(f"X={url}") for url in entry.get("upstreams", []))))  # type: ignore[union-attr]
+    urls = entry.get("upstreams", [])
+    assert isinstance(urls, list)           # its key's check
+    upstreams = tuple(dict.fromkeys((spec.host, spec.port) for spec in (parse_credential(f"X={url}") for url in urls)))
     inject = entry.get("inject")
     if not inject:
         return upstreams, None

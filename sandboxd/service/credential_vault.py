@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import stat
-import threading
 from collections.abc import Iterable, Mapping
 
 from sandboxd.config.settings import SecretSource
@@ -105,12 +104,7 @@ class CredentialVault:
     judging who may give what (the module's rules); reads daemon secrets."""
 
     def __init__(self, secrets: "Mapping[str, SecretSource] | None" = None) -> None:
-        self._secrets = dict(secrets or {})
-        self._lock = threading.Lock()         # the sources: replaced whole by a reload
-
-    def set_sources(self, secrets: "Mapping[str, SecretSource]") -> None:
-        with self._lock:
-            self._secrets = dict(secrets)
+        self._secrets = dict(secrets or {})    # network.secrets, as loaded at start
 
     def resolve(self, caller: Caller, owner: Caller, current: SessionCredentials | None,
                 specs: "Iterable[CredentialSpec]", given: "Mapping[str, bytes | DaemonSecret]") -> SessionCredentials:
@@ -167,8 +161,7 @@ class CredentialVault:
         return SessionCredentials(held)
 
     def _daemon_secret(self, owner: Caller, name: str, spec: CredentialSpec) -> Secret:
-        with self._lock:
-            source = self._secrets.get(name)
+        source = self._secrets.get(name)
         if source is None or not may_use(owner, source):
             # The same answer for a name that does not exist: a user learns nothing of the others.
             raise Forbidden(f"daemon secret {name!r} does not exist or is not granted to this session's owner "

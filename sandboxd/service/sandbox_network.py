@@ -56,13 +56,16 @@ def network_environment(session: Session) -> dict[str, str]:
 
 class EgressProxies(SandboxHooks):
     def __init__(self, store: EventStore, connections: int, count_denial: Callable[[], None] | None = None,
-                 upstream_ca_pem: bytes = b"", allowed_ranges: tuple[str, ...] = ()) -> None:
+                 upstream_ca_pem: bytes = b"", allowed_ranges: tuple[str, ...] = (),
+                 upstream_proxy: tuple[str, int] | None = None) -> None:
         """``upstream_ca_pem``: network.upstream_ca_file's certificates, trusted for upstreams
-        besides the host's store; ``allowed_ranges``: network.allowed_ranges."""
+        besides the host's store; ``allowed_ranges``: network.allowed_ranges; ``upstream_proxy``:
+        network.upstream_proxy (host, port), which every allowed connection then goes through."""
         self._store = store
         self._connections = connections                 # at once, per sandbox
         self._count_denial = count_denial                # the daemon's metrics, when it has them
         self._upstream_ca_pem, self._allowed_ranges = upstream_ca_pem, allowed_ranges
+        self._upstream_proxy = upstream_proxy
         self._upstream_context: ssl.SSLContext | None = None   # one per process, made at first use
         self._context_lock = threading.Lock()
 
@@ -80,6 +83,7 @@ class EgressProxies(SandboxHooks):
         from sandboxd.network.credentials import CredentialSet
         from sandboxd.network.egress_proxy import PROXY_ADDRESS, EgressProxy
         from sandboxd.network.interception.intercepted import Interceptor
+        from sandboxd.network.upstream import UpstreamRoute
 
         def denied(destination: str, why: str) -> None:
             if self._count_denial is not None:
@@ -104,7 +108,9 @@ class EgressProxies(SandboxHooks):
             proxy = EgressProxy(listener, sandbox.policy.network_rules, netns_fd=netns, resolvers=info.resolvers,
                                 on_denied=denied, interceptor=interceptor,
                                 credentials=credentials.credential_set() if credentials is not None else CredentialSet(),
-                                allowed_ranges=self._allowed_ranges, connections=self._connections).start()
+                                allowed_ranges=self._allowed_ranges, connections=self._connections,
+                                upstream=UpstreamRoute(*self._upstream_proxy, ca_pem=self._upstream_ca_pem.decode("ascii"))
+                                if self._upstream_proxy is not None else None).start()
         except BaseException:
             listener.close()
             raise

@@ -41,6 +41,7 @@ def apply_network_policy(session: Session, new_policy: SandboxPolicy, *, by: str
     live = session.live_network
     if live is None:
         raise WrongState(f"session {session.id} has no egress proxy to change")
+    live.admit(session)
     with session.build_lock:
         live.apply(session, new_policy, by=by)
 
@@ -53,6 +54,10 @@ class LiveNetwork:
         """``environment(session)``: the variables its proxy's sandbox gets (sandbox_network), read
         again after a change (the credentials' phantoms)."""
         self._store, self._vault, self._environment = store, vault, environment
+
+    def admit(self, session: Session) -> None:
+        """Whether the store takes the owner's change (EventStore.admit: Exhausted if not)."""
+        self._store.admit(session.owner.uid, session.owner.principal)
 
     def apply(self, session: Session, new_policy: SandboxPolicy, *, by: str, caller: Caller | None = None,
               secrets: "Mapping[str, bytes | DaemonSecret] | None" = None) -> None:
