@@ -75,6 +75,10 @@ def test_a_daemon_secret_is_bound_to_its_users_upstreams_and_injection(tmp_path:
     for name in ("gh", "nosuch"):                                   # the same answer: nothing learnt
         with pytest.raises(Forbidden, match="does not exist or is not granted"):
             vault.resolve(bob, bob, None, [SPEC], {"TOKEN": DaemonSecret(name)})
+    # Without inject, only the default header: a header the user picks may be one the upstream echoes.
+    with pytest.raises(InvalidPolicy, match="Authorization: Bearer"):
+        vault.resolve(ALICE, ALICE, None, [parse_credential("TOKEN=https://api.example.com;X-Debug: {}")],
+                      {"TOKEN": DaemonSecret("gh")})
     fixed = CredentialVault({"gh": daemon_secret(tmp_path, inject=("x-api-key", "{}", None))})
     with pytest.raises(InvalidPolicy, match="inject"):
         fixed.resolve(ALICE, ALICE, None, [SPEC], {"TOKEN": DaemonSecret("gh")})

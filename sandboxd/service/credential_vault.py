@@ -29,9 +29,13 @@ from collections.abc import Iterable, Mapping
 from sandboxd.config.settings import SecretSource
 from sandboxd.errors import Forbidden, InvalidPolicy
 from sandboxd.network.credentials import Credential, CredentialSet, Secret, new_phantom
-from sandboxd.policy.network import MAX_SECRET, CredentialSpec, CredentialState, DaemonSecret, check_secret
+from sandboxd.policy.network import (DEFAULT_HEADER, DEFAULT_TEMPLATE, MAX_SECRET, CredentialSpec, CredentialState,
+                                     DaemonSecret, check_secret)
 from sandboxd.service.callers import Caller
 from sandboxd.service.sessions.access import caller_groups
+
+# How a daemon secret whose entry sets no ``inject`` is sent: (header, template, basic user).
+DEFAULT_INJECTION = (DEFAULT_HEADER, DEFAULT_TEMPLATE, None)
 
 CALLER_SOURCE = "caller"
 DAEMON_SOURCE = "daemon:"
@@ -171,9 +175,13 @@ class CredentialVault:
             allowed = ", ".join(f"https://{host}:{port}" for host, port in source.upstreams)
             raise InvalidPolicy(f"daemon secret {name!r} is only for {allowed}, not {spec.upstream} "
                                 f"(credential {spec.name})")
-        if source.inject is not None and source.inject != (spec.header, spec.template, spec.basic_user):
+        # Without ``inject`` the default header only: a header the user picks could be one the
+        # upstream reflects or logs (an echo of X-Debug: SECRET), and the secret is root's, not theirs.
+        inject = source.inject if source.inject is not None else DEFAULT_INJECTION
+        if inject != (spec.header, spec.template, spec.basic_user):
             raise InvalidPolicy(f"daemon secret {name!r} is sent only as its configuration says "
-                                f"(network.secrets.{name}.inject): credential {spec.name} must use the same header")
+                                f"(network.secrets.{name}.inject, else {DEFAULT_HEADER}: {DEFAULT_TEMPLATE}): "
+                                f"credential {spec.name} must use that header")
         return Secret(read_secret_file(name, source.file))
 
 
