@@ -406,3 +406,72 @@ def test_a_captured_connection_to_a_ruled_host_is_intercepted_and_judged(scratch
         server.shutdown()
         server.server_close()
         names.close()
+
+
+def test_a_captured_port_80_connection_is_cut_when_its_host_is_removed(scratch_netns: int) -> None:
+    """Hostile pass L4: a live policy change cuts open captured plain-HTTP connections to a host it
+    removes, as it cuts the proxy's own (control: the same connection serves a second request when
+    the change keeps the host)."""
+    import http.server
+
+    from interception_helpers import API, _handler, Recorder
+    from test_egress_rules import Names
+    from sandboxd.network.egress_proxy import EgressProxy
+    from sandboxd.network.tcp_relay import RelayLoop, socket_in_namespace
+    from sandboxd.network.transparent import listen_captured
+    from sandboxd.policy.network import NetworkRules
+
+    recorder = Recorder()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 80), _handler(recorder), bind_and_activate=False)
+    server.socket.close()
+    server.socket = socket_in_namespace(scratch_netns)
+    server.socket.setblocking(True)
+    server.socket.bind(("127.0.0.1", 80))
+    server.socket.listen(8)
+    server.daemon_threads = True
+    server.protocol_version = "HTTP/1.1"
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    names = Names({API: "127.0.0.1", "kept.example": "127.0.0.1"})
+    loop = RelayLoop("test-capture-cut")
+    proxy = EgressProxy(EgressProxy.listen(scratch_netns), NetworkRules(domains=(API, "kept.example")),
+                        netns_fd=scratch_netns, resolvers=[names.address], allowed_ranges=("127.0.0.0/8",),
+                        loop=loop).start()
+    proxy.serve_captured(listen_captured(scratch_netns))
+
+    def get(conn: socket.socket, host: str, path: str) -> bytes:
+        conn.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        answer = b""
+        while b"hello " + path.encode() not in answer:
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+        return answer
+
+    def connection() -> socket.socket:
+        raw = socket_in_namespace(scratch_netns)
+        raw.setblocking(True)
+        raw.settimeout(30)
+        raw.connect(("192.0.2.99", 80))                     # any address: the Host header is what counts
+        return raw
+    try:
+        kept, cut = connection(), connection()
+        assert b"hello /1" in get(kept, "kept.example", "/1")
+        assert b"hello /1" in get(cut, API, "/1")
+        proxy.update(NetworkRules(domains=("kept.example",)))
+        assert b"hello /2" in get(kept, "kept.example", "/2")     # the control: kept hosts keep serving
+        cut.sendall(f"GET /2 HTTP/1.1\r\nHost: {API}\r\n\r\n".encode())
+        try:
+            assert cut.recv(65536) == b""                         # cut: closed, nothing relayed
+        except ConnectionResetError:
+            pass
+        assert ("GET", "/2") in [(m, p) for m, p, _ in recorder.requests]
+        assert len([p for _, p, _ in recorder.requests if p == "/2"]) == 1
+        kept.close()
+        cut.close()
+    finally:
+        proxy.close()
+        loop.close()
+        server.shutdown()
+        server.server_close()
+        names.close()

@@ -181,6 +181,10 @@ class _Captured(_Request):
 
         assert self.upstream is not None
         proxy, upstream = self.proxy, self.upstream
+        if not proxy.rules.allowed(self.host, self.port):  # an update while resolving or connecting
+            proxy.denied(f"{self.host}:{self.port}", "the network policy changed while connecting")
+            self.fail(self.forbidden)
+            return
         self.closed = True                              # the mediator owns both sockets from here
         proxy.untrack(self)
         mediated = PlainMediated(proxy.loop, self.client, upstream, self.host, self.port, first=self.to_upstream,
@@ -190,6 +194,7 @@ class _Captured(_Request):
         self.relay = mediated
         if not mediated.closed:
             proxy.track(mediated)
+            proxy.opened(mediated, self.host, self.port, "plain")   # for update() to cut, as the proxy's own
 
 
 def serve_captured(proxy: EgressProxy, listener: socket.socket) -> TcpService:
