@@ -30,6 +30,13 @@ whose request hook judges every request by the endpoint rules in force when it a
 ``http://`` requests are all read too, each judged the same way (interception.plain: one
 connection, one host; credentials never apply in clear).
 
+With ``unlisted = ask`` and an ``ask`` (network.questions), a connection to an unlisted host
+(after every other check: metadata and refused ranges are never asked) and a request no endpoint
+rule lets through are held, parked on the loop with no thread and nothing read, and a Question
+(host, port, method, path, the advisor's proposal; never headers or body) is asked off the loop.
+An allow connects the held connection or passes the held request; a deny refuses it (403 naming
+the rule set, or a SOCKS refusal); a client that leaves meanwhile withdraws its question.
+
 Every proxy of a process is served by the process's one relay loop (tcp_relay): no thread per
 connection. A proxy serves at most ``cap.limit`` connections at once (the daemon's
 ``quotas.proxy_connections_per_session``); more are refused at once (a 503, or a SOCKS failure,
@@ -53,7 +60,8 @@ from sandboxd.defaults import PROXY_PORT
 from sandboxd.kernel.nftables import BLOCKED_RANGES, PROXY_MARK
 from sandboxd.network.dns import resolve
 from sandboxd.policy.domains import domain_matches, host_name
-from sandboxd.policy.network import (NetworkRules, endpoint_allowed, metadata_address, metadata_name,
+from sandboxd.network.questions import Answer, Ask, Question, Withdraw
+from sandboxd.policy.network import (NetworkRules, Unlisted, endpoint_allowed, metadata_address, metadata_name,
                                      normalize_path, why_not_normal)
 from sandboxd.printable import printable
 from sandboxd.network.event_loop import READ
@@ -63,7 +71,7 @@ from sandboxd.network.tcp_relay import (ConnectionCap, Connecting, Relay, RelayL
 TYPE_CHECKING = False
 if TYPE_CHECKING:                        # the interception room imports h11 and ssl: only when used
     from sandboxd.network.credentials import CredentialSet
-    from sandboxd.network.interception.http1 import Refusal, Report, RequestHook
+    from sandboxd.network.interception.http1 import Held, Refusal, Report, RequestHook, Resume
     from sandboxd.network.interception.intercepted import Intercepted, Interceptor
     from sandboxd.network.interception.plain import PlainMediated
 
@@ -144,6 +152,14 @@ def endpoint_refusal(host: str, method: str, target: str, rules: NetworkRules) -
     return "\n".join(lines)
 
 
+def _listed(domains: "tuple[str, ...]") -> str:
+    """The allowed domains, as a refusal names them (at most MAX_RULES_SHOWN)."""
+    if not domains:
+        return "none are allowed"
+    more = f", ... and {len(domains) - MAX_RULES_SHOWN} more" if len(domains) > MAX_RULES_SHOWN else ""
+    return "allowed: " + ", ".join(domains[:MAX_RULES_SHOWN]) + more
+
+
 def host_owns(address: str) -> bool:
     """Is ``address`` one of this host's own (one a socket here can bind)? A rootless proxy has no
     kernel filter between it and the host's services, which may listen on any of the host's
@@ -172,7 +188,7 @@ class EgressProxy(TcpService):
                  on_denied: "Callable[[str, str], None]" = lambda destination, why: None,
                  on_event: "Callable[[ProxyEvent], None] | None" = None,
                  interceptor: "Interceptor | None" = None, credentials: "CredentialSet | None" = None,
-                 allowed_ranges: "tuple[str, ...]" = (),
+                 allowed_ranges: "tuple[str, ...]" = (), ask: Ask | None = None,
                  connections: int = DEFAULT_CONNECTIONS, loop: RelayLoop | None = None) -> None:
         """``listener``: bound and listening on the sandbox's loopback (see ``listen``); only
         clients from PROXY_ADDRESS are served, once ``start`` is called; upstream connections are made in the
@@ -183,12 +199,14 @@ class EgressProxy(TcpService):
         and ``credentials``: for the hosts ``rules.intercepts``; without an interceptor such a host
         is refused. ``allowed_ranges``: blocked ranges root named reachable (never metadata).
         ``on_event(event)`` is told of every refusal, typed (on a worker thread); without it,
-        ``on_denied(destination, why)``."""
+        ``on_denied(destination, why)``. ``ask``: with ``rules.unlisted`` ASK, what an unlisted
+        host or an endpoint miss becomes instead of a refusal (``_Asking``)."""
         super().__init__(listener, "sandboxd-egress-proxy", loop)
         self._rules, self._client = rules, PROXY_ADDRESS
         self._resolvers, self._on_denied, self._on_event = list(resolvers), on_denied, on_event
         self._interceptor, self._credentials = interceptor, credentials
         self._allowed_ranges = allowed_ranges
+        self._ask = ask
         self._netns = os.dup(netns_fd) if netns_fd >= 0 else -1
         self._ports = ROOTLESS_PORTS if netns_fd < 0 else None
         self.cap = ConnectionCap(connections)
@@ -241,15 +259,60 @@ class EgressProxy(TcpService):
         else:
             self._loop.offload(lambda: self._on_denied(destination, why))
 
-    def request_hook(self, host: str, port: int) -> "RequestHook":
-        """The hook an intercepted connection to ``host``:``port`` judges each request with, by the
-        rules in force when that request arrives (Mediator reports its refusals)."""
-        from sandboxd.network.interception.http1 import Refusal
+    def asks(self, rules: NetworkRules) -> bool:
+        """Whether what ``rules`` do not list is asked about rather than refused."""
+        return self._ask is not None and rules.unlisted == Unlisted.ASK
 
-        def check(method: str, target: str) -> "Refusal | None":
+    def question(self, host: str, port: int, method: str, path: str, scheme: str, rules: NetworkRules) -> Question:
+        """What a person is asked about a held connection or request (never its headers or
+        body), with the advisor's proposal."""
+        from sandboxd.policy.network_advice import propose
+
+        path = path.partition("?")[0]                   # a query may carry what the person need not see
+        proposal = propose(host, port, method, path, rules)
+        why = proposal.why if proposal is not None else f"{host}:{port} is not allowed as {printable(method)} " \
+                                                           f"{printable(path)}"
+        return Question(host=host, port=port, method=method, path=path, scheme=scheme,
+                        proposal=proposal.rule if proposal is not None else "",
+                        proposal_kind=proposal.kind if proposal is not None else "", why=why)
+
+    def begin_question(self, question: Question, answered: "Callable[[Answer, str], None]") -> Withdraw:
+        """Ask ``question`` (off the loop); ``answered(answer, why)`` comes on the loop, once,
+        unless the returned withdraw is called first."""
+        assert self._ask is not None
+        return _Asking(self, self._ask, question, answered).withdraw
+
+    def request_hook(self, host: str, port: int, *, scheme: str = "https",
+                     first_granted: bool = False) -> "RequestHook":
+        """The hook an intercepted connection to ``host``:``port`` judges each request with, by the
+        rules in force when that request arrives (Mediator reports its refusals). Under ``unlisted
+        = ask`` a request the rules do not let through is held and asked about. ``first_granted``:
+        a person allowed the connection's first request already (a plain connection asked about)."""
+        from sandboxd.network.interception.http1 import Held, Refusal
+
+        granted = [first_granted]
+
+        def hold(method: str, target: str, rules: NetworkRules, refusal: Refusal) -> Held:
+            question = self.question(host, port, method, target, scheme, rules)
+
+            def begin(resume: "Resume") -> Withdraw:
+                def answered(answer: Answer, why: str) -> None:
+                    if answer == Answer.DENY:
+                        resume(Refusal(403, f"{refusal.body}\n{why or 'sandboxd: refused when asked'}",
+                                       refusal.kind))
+                    else:
+                        resume(None)
+                return self.begin_question(question, answered)
+            return Held(begin)
+
+        def check(method: str, target: str) -> "Refusal | Held | None":
+            if granted[0]:
+                granted[0] = False
+                return None
             rules = self._rules
             if not rules.allowed(host, port):
-                return Refusal(403, f"sandboxd: {host}:{port} is no longer allowed", "domain")
+                refusal = Refusal(403, f"sandboxd: {host}:{port} is not among the allowed domains", "domain")
+                return hold(method, target, rules, refusal) if self.asks(rules) else refusal
             ruled = rules.ruled(host)
             if not ruled:
                 return None
@@ -258,7 +321,8 @@ class EgressProxy(TcpService):
                 return Refusal(400, f"sandboxd: ambiguous path: {why_not_normal(target)}", "endpoint")
             if endpoint_allowed(ruled, method, path):
                 return None
-            return Refusal(403, endpoint_refusal(host, method, target, rules), "endpoint")
+            refusal = Refusal(403, endpoint_refusal(host, method, target, rules), "endpoint")
+            return hold(method, target, rules, refusal) if self.asks(rules) else refusal
         return check
 
     def report_for(self, host: str, port: int) -> "Report":
@@ -298,10 +362,13 @@ class EgressProxy(TcpService):
             self.denied(destination, "a cloud metadata service is never reachable", "metadata")
             request.fail(request.forbidden)
             return
+        asking = False
         if host is None or not rules.allowed(host, port):
-            self.denied(destination, "not in the allowed domains")
-            request.fail(request.forbidden)
-            return
+            if host is None or not self.asks(rules):
+                self.denied(destination, "not in the allowed domains")
+                request.fail(request.forbidden)
+                return
+            asking = True                               # after the checks every connection gets
         intercept = not request.plain and rules.intercepts(host, port)
         if intercept and (self._interceptor is None or request.to_upstream):
             self.denied(destination, "its requests must be read, which this connection does not allow", "protocol")
@@ -339,18 +406,50 @@ class EgressProxy(TcpService):
                                          f"{', '.join(map(str, self._ports))})", "port")
                 request.fail(request.forbidden)
                 return
-            try:
-                upstream = (socket_in_namespace(self._netns, mark=PROXY_MARK) if self._netns >= 0 else
-                            # Rootless: no kernel filter behind it, so the two checks above are the
-                            # wall, on exactly the address connected to.
-                            socket.socket(socket.AF_INET,
-                                          socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC))
-            except OSError:
-                request.fail(request.unreachable)      # the sandbox's namespace is gone
-                return
-            request.upstream = upstream
-            request.connecting = Connecting(self._loop, upstream, (address, port), request.connected)
+            if asking:
+                self._hold(request, rules, address)
+            else:
+                self._connect(request, address)
         self._loop.offload(work, then)
+
+    def _hold(self, request: "_Request", rules: NetworkRules, address: str) -> None:
+        """Hold the connection to an unlisted host (checked for everything but the allowlist) and
+        ask; connect it on an allow, refuse it on a deny. Meanwhile the client is watched only for
+        leaving (_Request.on_ready)."""
+        host, port = request.host, request.port
+        question = self.question(host, port, request.method, request.path, "http" if request.plain else "https",
+                                 rules)
+
+        def answered(answer: Answer, why: str) -> None:
+            request.withdraw = None
+            if request.closed:
+                return
+            request.held = False
+            request.unwatch()
+            if answer == Answer.DENY:
+                request.fail(request.refusal(f"sandboxd: {host}:{port} is not among the allowed domains "
+                                             f"({_listed(rules.domains)}); {why or 'refused when asked'}"))
+                return
+            request.granted = True
+            self._connect(request, address)
+        request.held = True
+        request.withdraw = self.begin_question(question, answered)
+        request.watch()
+
+    def _connect(self, request: "_Request", address: str) -> None:
+        """Connect ``request``'s upstream socket to ``address`` from the sandbox's namespace."""
+        port = request.port
+        try:
+            upstream = (socket_in_namespace(self._netns, mark=PROXY_MARK) if self._netns >= 0 else
+                        # Rootless: no kernel filter behind it, so the two checks above are the
+                        # wall, on exactly the address connected to.
+                        socket.socket(socket.AF_INET,
+                                      socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC))
+        except OSError:
+            request.fail(request.unreachable)      # the sandbox's namespace is gone
+            return
+        request.upstream = upstream
+        request.connecting = Connecting(self._loop, upstream, (address, port), request.connected)
 
 
 class _Request:
@@ -371,9 +470,27 @@ class _Request:
         self.relay: "Relay | Intercepted | PlainMediated | None" = None
         self.plain = False                              # an absolute-form http:// request
         self.host, self.port, self.intercept = "", 0, False     # as matched; handed to Intercepted
+        self.method, self.path = "CONNECT", ""          # what a question shows: a plain request's own
+        self.held = False                               # waiting for a question's answer (EgressProxy._hold)
+        self.withdraw: Withdraw | None = None
+        self.granted = False                            # a person allowed it (a plain one's first request)
         self.deadline = time.monotonic() + REQUEST_SECONDS
         proxy.loop.add_timed(self)
         self._watch(True)
+
+    def watch(self) -> None:
+        self._watch(True)
+
+    def unwatch(self) -> None:
+        self._watch(False)
+
+    def refusal(self, text: str) -> bytes:
+        """A refusal naming why, as this client understands one (SOCKS has no room for text)."""
+        if self.forbidden is not HTTP_FORBIDDEN:
+            return self.forbidden
+        from sandboxd.network.interception.http1 import refusal_bytes
+
+        return refusal_bytes(403, text)
 
     def _watch(self, on: bool) -> None:
         if on != self.watched:
@@ -381,6 +498,9 @@ class _Request:
             self.watched = on
 
     def on_ready(self, _mask: int) -> None:
+        if self.held:
+            self._left_while_held()
+            return
         try:
             chunk = self.client.recv(8192)
         except (BlockingIOError, InterruptedError):
@@ -399,6 +519,20 @@ class _Request:
                 self._http()
         except (ValueError, IndexError, UnicodeError, struct.error):
             self.fail(SOCKS_FAILED if self.socks_greeted or self.data[:1] == b"\x05" else HTTP_BAD_REQUEST)
+
+    def _left_while_held(self) -> None:
+        """Readable while held: gone (its end, or an error), or early bytes, left unread for the
+        upstream, after which only the question's own bound (its timeout) holds it."""
+        try:
+            gone = not self.client.recv(1, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            gone = True
+        if gone:
+            self.close()
+        else:
+            self._watch(False)
 
     def expire(self) -> None:
         if not self.complete:                           # still no complete request: give up on it
@@ -424,6 +558,7 @@ class _Request:
             return
         authority, _, path = target[len("http://"):].partition("/")
         name, _, port = authority.partition(":")
+        self.method, self.path = method, "/" + path
         # Every request of the connection is read and judged (interception.plain), this one too:
         # as sent, absolute-form, with whatever followed it.
         self.to_upstream = bytes(self.data)
@@ -488,7 +623,7 @@ class _Request:
             port = self.port
             intercepted = Intercepted(proxy.loop, self.client, upstream, self.host, port,
                                       interceptor=proxy.interceptor, credentials=proxy.credentials,
-                                      on_request=proxy.request_hook(self.host, port),
+                                      on_request=proxy.request_hook(self.host, port, scheme="https"),
                                       report=proxy.report_for(self.host, port), established=self.success,
                                       on_close=self._relay_closed)
             self.relay = intercepted
@@ -499,7 +634,8 @@ class _Request:
             from sandboxd.network.interception.plain import PlainMediated
 
             mediated = PlainMediated(proxy.loop, self.client, upstream, self.host, self.port, first=self.to_upstream,
-                                     on_request=proxy.request_hook(self.host, self.port),
+                                     on_request=proxy.request_hook(self.host, self.port, scheme="http",
+                                                                   first_granted=self.granted),
                                      report=proxy.report_for(self.host, self.port), on_close=self._relay_closed)
             self.relay = mediated
             if not mediated.closed:
@@ -529,6 +665,9 @@ class _Request:
             return
         self.closed = True
         proxy = self.proxy
+        withdraw, self.withdraw = self.withdraw, None
+        if withdraw is not None:
+            withdraw()                                  # the client left, or the proxy closed
         proxy.loop.discard_timed(self)
         self._watch(False)
         if self.connecting is not None:
@@ -539,3 +678,47 @@ class _Request:
         proxy.untrack(self)
         proxy.cap.release()
 
+
+
+class _Asking:
+    """One question asked for the proxy: ``ask`` runs on a worker (the asker may write its
+    audit record), its answer is posted to the loop and delivered once, unless withdrawn first."""
+
+    def __init__(self, proxy: EgressProxy, ask: Ask, question: Question,
+                 answered: "Callable[[Answer, str], None]") -> None:
+        self._loop, self._answered = proxy.loop, answered
+        self._asker_withdraw: Withdraw | None = None
+        self._done = self._withdrawn = False            # answered or withdrawn (loop thread only)
+
+        def work() -> Withdraw:
+            return ask(question, self._on_answer)
+
+        def then(future: "Future[Withdraw]") -> None:
+            try:
+                withdraw = future.result()
+            except Exception:  # noqa: BLE001 (an asker's failure refuses this one, nothing more)
+                self._deliver(Answer.DENY, "sandboxd: the question could not be asked")
+                return
+            if self._withdrawn:
+                self._loop.offload(withdraw)            # gone before the asker answered the call
+            else:
+                self._asker_withdraw = withdraw
+        self._loop.offload(work, then)
+
+    def _on_answer(self, answer: Answer, why: str = "") -> None:
+        self._loop.post(lambda: self._deliver(answer, why))
+
+    def _deliver(self, answer: Answer, why: str) -> None:
+        if not self._done:
+            self._done = True
+            self._asker_withdraw = None
+            self._answered(answer, why)
+
+    def withdraw(self) -> None:
+        """On the loop: the held work is gone."""
+        if self._done:
+            return
+        self._done = self._withdrawn = True
+        withdraw, self._asker_withdraw = self._asker_withdraw, None
+        if withdraw is not None:
+            self._loop.offload(withdraw)

@@ -49,8 +49,23 @@ class Refusal:
         self.status, self.body, self.kind = status, body, kind
 
 
-# on_request(method, target) -> None (pass) or a Refusal; called on the loop, must not block.
-RequestHook = Callable[[str, str], "Refusal | None"]
+Resume = Callable[["Refusal | None"], None]
+
+
+class Held:
+    """The hook's "ask first" (network.questions): the request waits, unparsed further, until
+    ``begin(resume)``'s question is answered. ``begin`` returns the question's withdraw (called
+    when the connection closes first); ``resume(None)`` (pass it) or ``resume(refusal)`` comes
+    later, on the loop, never from within ``begin``."""
+
+    __slots__ = ("begin",)
+
+    def __init__(self, begin: Callable[[Resume], Callable[[], None]]) -> None:
+        self.begin = begin
+
+
+# on_request(method, target) -> None (pass), a Refusal or Held; called on the loop, must not block.
+RequestHook = Callable[[str, str], "Refusal | Held | None"]
 # report(kind, detail, method, target): a refusal or failure, for the proxy's events (called on the
 # loop). Kinds: the hook's Refusal.kind ("endpoint", ...), "protocol" (a request or answer we will not
 # pass), "upstream" (the upstream's answer is malformed), and from intercepted.Intercepted
@@ -102,6 +117,14 @@ class Mediator:
         self.done = False                                # flush what is pending, then close
         self.requests = 0
         self.swaps = 0
+        # A request held for a question (Held): what the sandbox sends meanwhile waits here (the
+        # owner stops reading at BUFFER_LIMIT of it), and ``on_resume`` tells the owner to drain.
+        self.held = False
+        self.held_input = bytearray()
+        self._held_eof = False
+        self._held_request: tuple[h11.Request, str, list[tuple[bytes, bytes]]] | None = None
+        self._withdraw: Callable[[], None] | None = None
+        self.on_resume: Callable[[], None] = lambda: None
 
     # -- input ---------------------------------------------------------------------------------
 
@@ -112,6 +135,10 @@ class Mediator:
         if self.switched:
             self.to_upstream += data
             self.done = not data
+            return
+        if self.held:
+            self.held_input += data
+            self._held_eof = self._held_eof or not data
             return
         self._client.receive_data(data)
         self._pump_client()
@@ -130,7 +157,7 @@ class Mediator:
     # -- requests ------------------------------------------------------------------------------
 
     def _pump_client(self) -> None:
-        while not self.done and not self.switched:
+        while not self.done and not self.switched and not self.held:
             try:
                 event = self._client.next_event()
             except h11.RemoteProtocolError as exc:
@@ -171,9 +198,43 @@ class Mediator:
         refusal = self._check(event, method, target, raw, names)
         if refusal is None and self._on_request is not None:
             refusal = self._on_request(method, target)
+        if isinstance(refusal, Held):
+            self.held, self._held_request = True, (event, target, raw)
+            self._withdraw = refusal.begin(self._resume)
+            return
         if refusal is not None:
             self._refuse(refusal)
             return
+        self._forward(event, target, raw)
+
+    def _resume(self, refusal: Refusal | None) -> None:
+        """The held request's answer (on the loop): pass it on or refuse it, then go on with what
+        the sandbox sent meanwhile."""
+        if not self.held or self._held_request is None:
+            return
+        event, target, raw = self._held_request
+        self.held, self._held_request, self._withdraw = False, None, None
+        if refusal is not None:
+            self._refuse(refusal)
+        else:
+            self._forward(event, target, raw)
+            waiting, eof = bytes(self.held_input), self._held_eof
+            self.held_input.clear()
+            if waiting:
+                self._client.receive_data(waiting)
+            if eof:
+                self._client.receive_data(b"")
+            self._pump_client()
+        self.on_resume()
+
+    def abandon(self) -> None:
+        """The connection closed: a held request's question is withdrawn."""
+        withdraw, self._withdraw = self._withdraw, None
+        self.held, self._held_request = False, None
+        if withdraw is not None:
+            withdraw()
+
+    def _forward(self, event: h11.Request, target: str, raw: list[tuple[bytes, bytes]]) -> None:
         headers = self._forwarded(raw)
         if self._credentials is not None:
             headers, swapped = self._credentials.swap(self.host, self.port, headers)
@@ -355,5 +416,5 @@ class Mediator:
         self.done = True
 
 
-__all__ = ["MAX_HEADERS", "MAX_REQUEST_HEAD", "MAX_RESPONSE_HEAD", "Mediator", "Refusal", "RequestHook",
+__all__ = ["Held", "MAX_HEADERS", "MAX_REQUEST_HEAD", "MAX_RESPONSE_HEAD", "Mediator", "Refusal", "RequestHook", "Resume",
            "refusal_bytes"]

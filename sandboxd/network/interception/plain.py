@@ -31,6 +31,7 @@ class PlainMediated(Paired):
         super().__init__(loop, client, upstream, IDLE_SECONDS, on_close)
         self.mediator = Mediator(host, port, default_port=HTTP_PORT, on_request=on_request, report=report,
                                  absolute_form=True)
+        self.mediator.on_resume = self._resumed
         self.mediator.from_client(first)
         self._pass()
         self._update()
@@ -45,6 +46,11 @@ class PlainMediated(Paired):
         else:
             self.mediator.from_upstream(data)
         self._pass()
+
+    def _resumed(self) -> None:
+        if not self.closed:
+            self._pass()
+            self._update()
 
     def _pass(self) -> None:
         mediator = self.mediator
@@ -64,6 +70,8 @@ class PlainMediated(Paired):
         for side in (self._client, self._upstream):
             other = self._upstream if side is self._client else self._client
             reading = not done and not side.eof and len(other.out) < BUFFER_LIMIT
+            if side is self._client:
+                reading = reading and self._reads_client(self.mediator)
             wanted = (READ if reading else 0) | (WRITE if side.out else 0)
             self._loop.watch(side.sock, side.events, wanted, side)
             side.events = wanted
