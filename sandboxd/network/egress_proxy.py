@@ -521,10 +521,12 @@ class _Request:
             self.fail(SOCKS_FAILED if self.socks_greeted or self.data[:1] == b"\x05" else HTTP_BAD_REQUEST)
 
     def _left_while_held(self) -> None:
-        """Readable while held: gone (its end, or an error), or early bytes, left unread for the
-        upstream, after which only the question's own bound (its timeout) holds it."""
+        """Readable while held: gone (an error; its end, for a tunnel, which has nothing to say
+        before it is answered), or early bytes (or a plain request's end: HTTP/1.0 clients may
+        half-close and wait), left unread, after which only the question's own bound (its timeout)
+        holds it."""
         try:
-            gone = not self.client.recv(1, socket.MSG_PEEK)
+            gone = not self.client.recv(1, socket.MSG_PEEK) and not self.plain
         except (BlockingIOError, InterruptedError):
             return
         except OSError:

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from sandboxd.audit.store import EventStore, EventType
 from sandboxd.defaults import PROXY_PORT
 from sandboxd.errors import SetupError
 from sandboxd.service.sandbox_hooks import Sandbox, SandboxHooks, Service
 from sandboxd.service.sessions.state import Session
+
+if TYPE_CHECKING:
+    from sandboxd.service.network_questions import NetworkQuestions
 
 
 class PublishedPorts(SandboxHooks):
@@ -39,13 +42,14 @@ class EgressProxies(SandboxHooks):
         self._store = store
         self._connections = connections                 # at once, per sandbox
         self._count_denial = count_denial                # the daemon's metrics, when it has them
+        # Who answers unlisted = ask (service.network_questions), once the daemon has its approval gate.
+        self.questions: "NetworkQuestions | None" = None
 
     def sandbox_ready(self, session: Session, sandbox: Sandbox) -> Iterable[Service]:
-        domains, info = sandbox.policy.allowed_domains, sandbox.info
+        info = sandbox.info
         if not (sandbox.policy.proxied and info.host_address and info.sandbox_address):
             return ()
         from sandboxd.network.egress_proxy import PROXY_ADDRESS, EgressProxy, proxy_environment
-        from sandboxd.policy.network import NetworkRules
 
         def denied(destination: str, why: str) -> None:
             if self._count_denial is not None:
@@ -63,8 +67,10 @@ class EgressProxies(SandboxHooks):
         listener = socket.socket(fileno=os.dup(info.proxy_listener))
         netns = os.open(f"/proc/{info.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:                                            # its upstream connections are made in there
-            proxy = EgressProxy(listener, NetworkRules(domains=domains), netns_fd=netns, resolvers=info.resolvers, on_denied=denied,
-                                connections=self._connections).start()
+            # Every proxy may ask: whether it does is its rules' unlisted, which a live change may set.
+            ask = self.questions.ask_for(session) if self.questions is not None else None
+            proxy = EgressProxy(listener, sandbox.policy.network_rules, netns_fd=netns, resolvers=info.resolvers,
+                                on_denied=denied, ask=ask, connections=self._connections).start()
         except BaseException:
             listener.close()
             raise
