@@ -120,12 +120,15 @@ class SandboxClient:
     def create_session(self, workspace: str, *, policy: pb.SandboxPolicy | None = None,
                        approval: str = "on-request", limits: pb.Limits | None = None,
                        labels: dict[str, str] | None = None, env: dict[str, str] | None = None,
-                       review: bool | None = None) -> pb.Session:
+                       review: bool | None = None,
+                       credential_secrets: "dict[str, pb.CredentialSecret] | None" = None) -> pb.Session:
         """``env``: variables every command of the session gets (see CreateSessionRequest.env);
-        ``review``: review mode (None: the daemon's review.default)."""
+        ``review``: review mode (None: the daemon's review.default); ``credential_secrets``: the
+        secrets of the policy's credentials (cli.network_args)."""
         request = pb.CreateSessionRequest(
             workspace=workspace, sandbox_policy=policy or sandbox_policy(), approval_policy=approval_policy(approval),
-            limits=limits or pb.Limits(), labels=labels or {}, env=env or {})
+            limits=limits or pb.Limits(), labels=labels or {}, env=env or {},
+            credential_secrets=credential_secrets or {})
         if review is not None:
             request.review = review
         return self.stub.CreateSession(request)
@@ -140,8 +143,9 @@ class SandboxClient:
         self.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id))
 
     def update_policy(self, session_id: str, *, policy: pb.SandboxPolicy | None = None,
-                      approval: str | None = None) -> pb.Session:
-        request = pb.UpdateSessionPolicyRequest(session_id=session_id)
+                      approval: str | None = None,
+                      credential_secrets: "dict[str, pb.CredentialSecret] | None" = None) -> pb.Session:
+        request = pb.UpdateSessionPolicyRequest(session_id=session_id, credential_secrets=credential_secrets or {})
         if policy is not None:
             request.sandbox_policy.CopyFrom(policy)
         if approval is not None:

@@ -164,6 +164,9 @@ class SyscallRecorder(Syscalls):
     def write_file(self, path: str, text: str, mode: int) -> None:
         self._record(f"write {path}")
 
+    def write_concatenated(self, path: str, source: str, extra: str, mode: int, *, limit: int, step: str) -> None:
+        self._record(f"write {path} <- {source} + {len(extra)} bytes")
+
     def symlink(self, source: str, link: str) -> None:
         self._record(f"symlink {link} -> {source}")
 

@@ -103,12 +103,19 @@ def test_serve_flags_map_to_their_keys() -> None:
     ({"SANDBOXD_NETWORK_ALLOWED_RANGES": '["100.64.0.0/10"]'}, {}, "the cloud metadata address 100.100.100.200"),
     ({"SANDBOXD_NETWORK_ALLOWED_RANGES": '["0.0.0.0/0"]'}, {}, "holds loopback"),
     ({"SANDBOXD_NETWORK_ALLOWED_RANGES": '["fd00::/8"]'}, {}, "is not an IPv4 network"),
-    ({"SANDBOXD_NETWORK_SECRETS": '{ GitHub = { file = "/s" } }'}, {}, "network.secrets: daemon secret 'GitHub'"),
-    ({"SANDBOXD_NETWORK_SECRETS": '{ gh = { file = "s" } }'}, {}, "gh: file must be an absolute path"),
-    ({"SANDBOXD_NETWORK_SECRETS": '{ gh = { file = "/s", owners = [] } }'}, {}, "gh: must be { file = ..."),
-    ({"SANDBOXD_NETWORK_SECRETS": '{ gh = { file = "/s", users = ["no-such-user-here"] } }'}, {},
+    ({"SANDBOXD_NETWORK_SECRETS": '{ GitHub = { file = "/s", upstreams = ["https://a"] } }'}, {}, "network.secrets: daemon secret 'GitHub'"),
+    ({"SANDBOXD_NETWORK_SECRETS": '{ gh = { file = "s", upstreams = ["https://a"] } }'}, {}, "gh: file must be an absolute path"),
+    ({"SANDBOXD_NETWORK_SECRETS": '{ gh = { file = "/s", owners = [], upstreams = ["https://a"] } }'}, {}, "gh: must be { file = ..."),
+    ({"SANDBOXD_NETWORK_SECRETS": '{ gh = { file = "/s" } }'}, {}, "gh: upstreams must list the only https://HOST"),
+    ({"SANDBOXD_NETWORK_SECRETS": '{ gh = { file = "/s", upstreams = [] } }'}, {}, "a daemon secret is bound to its"),
+    ({"SANDBOXD_NETWORK_SECRETS": '{ gh = { file = "/s", upstreams = ["http://a.example"] } }'}, {},
+     "gh: 'X=http://a.example': the upstream must be https://HOST[:PORT]"),
+    ({"SANDBOXD_NETWORK_SECRETS": '{ gh = { file = "/s", upstreams = ["https://a.example"], inject = "Host: {}" } }'},
+     {}, "gh: 'X=https://localhost;Host: {}': header 'Host' frames the message"),
+    ({"SANDBOXD_NETWORK_SECRETS": '{ gh = { file = "/s", upstreams = ["https://a"], users = ["no-such-user-here"] } }'}, {},
      "network.secrets: unknown user or group in network.secrets.gh.users"),
-    ({"SANDBOXD_NETWORK_SECRETS": '{ gh = { file = "/s", groups = ["no-such-group-here"] } }'}, {},
+    ({"SANDBOXD_NETWORK_SECRETS": '{ gh = { file = "/s", upstreams = ["https://a"], groups = ["no-such-group-here"] } }'},
+     {},
      "network.secrets: gh: no group"),
     ({"SANDBOXD_QUOTAS_NETWORK_QUESTIONS_PER_SESSION": "0"}, {}, "must be a whole number from 1 to 1024"),
 ])
@@ -145,12 +152,15 @@ def test_the_network_keys_come_typed() -> None:
     given = config.load(None, environ={
         "SANDBOXD_NETWORK_ALLOWED_RANGES": '["10.1.0.0/16"]',
         "SANDBOXD_NETWORK_SECRETS": '{ github = { file = "/etc/sandboxd/secrets/github", users = ["root", "65534"], '
-                                    'groups = ["0"] } }',
+                                    'groups = ["0"], upstreams = ["https://API.github.com", "https://g.example:8443"], '
+                                    'inject = "x-api-key: token {}" } }',
         "SANDBOXD_QUOTAS_INTERCEPTED_CONNECTIONS_PER_SESSION": "8"}, flags={"network.upstream_proxy": "http://Proxy.Corp:3128"})
     assert given.upstream_proxy == ("proxy.corp", 3128) and given.allowed_ranges == ("10.1.0.0/16",)
     assert given.intercepted_connections == 8
     secret = given.secrets["github"]
     assert (secret.file, secret.uids, secret.gids) == ("/etc/sandboxd/secrets/github", (0, 65534), (0,))
+    assert secret.upstreams == (("api.github.com", 443), ("g.example", 8443))
+    assert secret.inject == ("x-api-key", "token {}", None)
 
 
 def test_the_upstream_ca_file_must_be_roots_and_pem(tmp_path: Path) -> None:

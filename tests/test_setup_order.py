@@ -183,6 +183,29 @@ def test_the_order_holds_the_rules_it_is_for(recorder: SyscallRecorder) -> None:
     assert last_mount < at[f"pivot_root {R}"] < at["drop privileges to 1000:1000"], recorder.numbered()
 
 
+CA_PEM = "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n"
+
+
+def test_a_trusted_certificate_is_bound_over_each_system_bundle_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 8e: with trust_pem the host bundle and the certificates go in one staging file, bound
+    read-only over each system bundle the copy holds: a symlink followed inside the copy, two names
+    of one file bound once, a bundle the copy lacks skipped; after sandboxd's places are hidden and
+    before pivot_root. Without trust_pem nothing is written (SESSION_INIT above)."""
+    recorder = SyscallRecorder({**HOST, "/etc/ssl/certs/ca-certificates.crt": "link:/usr/share/bundle.pem",
+                                "/usr/share/bundle.pem": "file",
+                                "/etc/ssl/cert.pem": "link:/etc/ssl/certs/ca-certificates.crt"})
+    monkeypatch.setattr(syscalls, "current", recorder)
+    sequence._build_sandbox(make_plan(trust_pem=CA_PEM, trust_source="/etc/ssl/certs/ca-certificates.crt"),
+                            "sandboxd-session")
+    expected = list(SESSION_INIT)
+    hidden = expected.index(f"mount tmpfs {R}/run/sandboxd ro,nosuid,nodev,noexec")
+    expected[hidden + 1:hidden + 1] = [
+        f"write /tmp/trust-bundle.pem <- /etc/ssl/certs/ca-certificates.crt + {len(CA_PEM)} bytes",
+        f"bind /tmp/trust-bundle.pem -> {R}/usr/share/bundle.pem (one mount)",
+        f"remount {R}/usr/share/bundle.pem ro,nosuid,nodev"]
+    assert _numbered(recorder.calls) == _numbered(expected), recorder.numbered()
+
+
 CALL = [
     "pdeathsig, parent 0",                                # the call's supervisor, in the session
     "join cgroups /sys/fs/cgroup/test-call",              # before anything forks

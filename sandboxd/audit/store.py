@@ -129,6 +129,7 @@ class SessionRow(Record):
     closed_at: float | None
     env: dict[str, str] = Factory(dict)   # the session's own variables (CreateSessionRequest.env)
     review: bool = False                  # review mode: its change set is under the state directory
+    daemon_secrets: dict[str, str] = Factory(dict)   # credential VAR -> daemon secret NAME (never a secret)
 
 
 MIGRATIONS: tuple[str, ...] = (
@@ -170,6 +171,11 @@ MIGRATIONS: tuple[str, ...] = (
     # 4: review mode (docs/review-mode.md), so a resumed session is rebuilt over its change set.
     """
     ALTER TABLE sessions ADD COLUMN review INTEGER NOT NULL DEFAULT 0;
+    """,
+    # 5: which credential variables use a daemon secret (VAR -> [network.secrets] NAME, never a
+    # secret), so a resumed session reads them again (service/credential_vault.py).
+    """
+    ALTER TABLE sessions ADD COLUMN daemon_secrets TEXT NOT NULL DEFAULT '{}';
     """,
 )
 
@@ -520,13 +526,14 @@ class EventStore:
         values = (row.id, row.owner_uid, row.owner_gid, row.owner_principal, row.workspace,
                   json.dumps(row.sandbox_policy), row.approval_policy, json.dumps(row.tool_rules),
                   json.dumps(row.limits), json.dumps(row.labels), row.created_at, row.closed_at, json.dumps(row.env),
-                  int(row.review))
+                  int(row.review), json.dumps(row.daemon_secrets))
         with self._lock:
             self._db.execute(
                 "INSERT INTO sessions (id, owner_uid, owner_gid, owner_principal, workspace, sandbox_policy, "
-                "approval_policy, tool_rules, limits, labels, created_at, closed_at, env, review) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+                "approval_policy, tool_rules, limits, labels, created_at, closed_at, env, review, daemon_secrets) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
                 "sandbox_policy = excluded.sandbox_policy, approval_policy = excluded.approval_policy, "
+                "daemon_secrets = excluded.daemon_secrets, "
                 "tool_rules = excluded.tool_rules, closed_at = excluded.closed_at", values)
             self._committed()
             owner = (owner_key(row.owner_uid, row.owner_principal), row.owner_uid == 0 and not row.owner_principal)
@@ -535,7 +542,8 @@ class EventStore:
             self._spend(owner, sum(len(v) for v in values if isinstance(v, str)) + ROW_OVERHEAD)
 
     _SESSION_COLUMNS = ("SELECT id, owner_uid, owner_gid, owner_principal, workspace, sandbox_policy, "
-                        "approval_policy, tool_rules, limits, labels, created_at, closed_at, env, review FROM sessions")
+                        "approval_policy, tool_rules, limits, labels, created_at, closed_at, env, review, daemon_secrets "
+                        "FROM sessions")
 
     def sessions(self, *, include_closed: bool = False) -> list[SessionRow]:
         sql = self._SESSION_COLUMNS + ("" if include_closed else " WHERE closed_at IS NULL")
@@ -648,4 +656,5 @@ def _make_private(path: str) -> None:
 
 def _session_row(r: tuple[Any, ...]) -> SessionRow:
     return SessionRow(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), r[6], json.loads(r[7]), json.loads(r[8]),
-                      json.loads(r[9]), r[10], r[11], json.loads(r[12]), bool(r[13]))
+                      json.loads(r[9]), r[10], r[11], json.loads(r[12]), bool(r[13]),
+                      json.loads(r[14]))

@@ -20,6 +20,7 @@ import grpc
 
 from sandboxd import defaults
 from sandboxd.cli import approval_prompt, changes, terminal
+from sandboxd.cli import network_args
 from sandboxd.cli.env_args import add_env_options, env_from_args
 from sandboxd.cli.exec_requests import ExecRequests
 from sandboxd.client import (DEFAULT_SOCKET, MAX_READ_BYTES, SandboxClient, caller_environment, sandbox_policy,
@@ -56,8 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="review mode: writes are kept for `sandboxctl changes/apply/discard` and reach the "
                              "host only when applied (default: the daemon's review.default)")
     add_env_options(create, "every command of the session")
+    network_args.add_network_options(create)
     listing = actions.add_parser("list", help="the sessions you may see")
     listing.add_argument("--json", action="store_true")
+    show = actions.add_parser("show", help="one session: its policy and its credentials (never a secret)")
+    show.add_argument("session_id")
+    show.add_argument("--json", action="store_true")
     close = actions.add_parser("close", help="close a session: kills everything in it")
     close.add_argument("session_id")
     policy = actions.add_parser("policy", help="change a live session's policy (for its next calls)")
@@ -66,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     policy.add_argument("--network", action="store_true")
     policy.add_argument("--writable-root", action="append", default=[])
     policy.add_argument("--approval", choices=["never", "on-request", "always"])
+    network_args.add_network_options(policy)   # the lists given replace the session's; its secrets kept if unchanged
     write = commands.add_parser("write", help="write stdin to a file in a session (atomically)")
     write.add_argument("session_id")
     write.add_argument("path")
@@ -314,8 +320,9 @@ def _session_line(session: pb.Session) -> str:
     approval = pb.ApprovalPolicy.Name(session.approval_policy).lower().replace("_", "-")
     # The server reports the calls running now, not a running total: say exactly that.
     review = "  review" if session.review else ""
+    credentials = network_args.credential_states_line(session)
     return (f"{printable(session.id)}  uid={session.owner_uid}  {printable(session.workspace)}  {mode} {network}  "
-            f"approval={approval}  running={session.running_calls}{review}")
+            f"approval={approval}  running={session.running_calls}{review}" + (f"  {credentials}" if credentials else ""))
 
 
 def _exec_or_shell(client: SandboxClient, args: argparse.Namespace, command: list[str], socket_option: str, *,
@@ -431,10 +438,17 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
     if args.action == "create":
         labels = dict(item.split("=", 1) for item in args.label if "=" in item)
         # Relative paths are the caller's (`session create .`): the daemon takes absolute ones only.
-        session = client.create_session(os.path.abspath(args.workspace), policy=sandbox_policy(
-            args.sandbox, network=args.network, writable_roots=[os.path.abspath(root) for root in args.writable_root]),
-            approval=args.approval, labels=labels, env=env_from_args(args), review=args.review)
+        created = sandbox_policy(args.sandbox, network=args.network,
+                                 writable_roots=[os.path.abspath(root) for root in args.writable_root])
+        credentials = network_args.credentials_from_args(args)
+        network_args.apply_network(created, args, credentials)
+        session = client.create_session(os.path.abspath(args.workspace), policy=created,
+                                        approval=args.approval, labels=labels, env=env_from_args(args),
+                                        review=args.review, credential_secrets=network_args.secrets_proto(credentials))
         print(printable(session.id))
+    elif args.action == "show":
+        shown = client.get_session(args.session_id)
+        print(json.dumps(_message_dict(shown)) if args.json else _session_line(shown))
     elif args.action == "list":
         for session in client.list_sessions():
             if args.json:
@@ -448,7 +462,14 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
     elif args.action == "policy":
         policy = (sandbox_policy(args.sandbox, network=args.network, writable_roots=args.writable_root)
                   if args.sandbox else None)
-        session = client.update_policy(args.session_id, policy=policy, approval=args.approval)
+        credentials = network_args.credentials_from_args(args, secret_required=False)
+        if network_args.given(args):
+            if policy is None:                     # the network lists alone: the rest as the session has it
+                policy = pb.SandboxPolicy()
+                policy.CopyFrom(client.get_session(args.session_id).sandbox_policy)
+            network_args.apply_network(policy, args, credentials)
+        session = client.update_policy(args.session_id, policy=policy, approval=args.approval,
+                                       credential_secrets=network_args.secrets_proto(credentials))
         print(f"{printable(session.id)} generation={session.sandbox_generation}")
     return 0
 

@@ -11,6 +11,7 @@ import sys
 
 import grpc
 
+from sandboxd.cli import network_args
 from sandboxd.cli.ctl import SOCKET_ENV, _connection_error, socket_choice
 from sandboxd.client import DEFAULT_SOCKET
 from sandboxd.printable import printable
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--idle-timeout", default=600.0, type=float, metavar="SECONDS",
                         help="--http: end an MCP session (and its sandboxd session) that no request reached "
                              "for this long (default 600)")
+    network_args.add_network_options(parser)
     return parser
 
 
@@ -96,7 +98,17 @@ def main(argv: list[str]) -> int:
     log_printable()
     socket_path, name_socket = socket_choice(args.socket)
     from sandboxd.mcp.daemon import SessionSpec
-    spec = SessionSpec(workspace=os.path.abspath(args.workspace or os.getcwd()), sandbox=args.sandbox,
+    from sandboxd.v1 import sandboxd_pb2 as pb
+    try:
+        credentials = network_args.credentials_from_args(args)
+    except ValueError as error:
+        sys.stderr.write(f"sandboxd mcp: {printable(str(error))}\n")
+        return 2
+    network = pb.SandboxPolicy()
+    network_args.apply_network(network, args, credentials)
+    spec = SessionSpec(network_policy=network if network_args.given(args) else None,
+                       credential_secrets=network_args.secrets_proto(credentials),
+                       workspace=os.path.abspath(args.workspace or os.getcwd()), sandbox=args.sandbox,
                        network=args.network, writable_roots=tuple(os.path.abspath(root) for root in args.writable_root),
                        approval=args.approval, permission_mode=args.permission_mode, attach=args.session,
                        labels={"client": "sandboxd-mcp"}, review=args.review,

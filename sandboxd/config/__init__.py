@@ -246,10 +246,12 @@ def _allowed_ranges(value: object) -> str | None:
 
 
 def _secrets(value: object) -> str | None:
-    """``NAME = { file = "/abs", users = [...], groups = [...] }`` for each daemon-side secret."""
-    from sandboxd.policy.network import check_secret_name
+    """``NAME = { file = "/abs", upstreams = ["https://HOST[:PORT]", ...], users = [...], groups = [...],
+    inject = "HEADER: TEMPLATE" | "basic[:USER]" }`` for each daemon-side secret."""
+    from sandboxd.policy.network import check_secret_name, parse_credential
 
-    example = "like github = { file = \"/etc/sandboxd/secrets/github\", users = [\"alice\"], groups = [\"devs\"] }"
+    example = ("like github = { file = \"/etc/sandboxd/secrets/github\", upstreams = [\"https://api.github.com\"], "
+               "users = [\"alice\"], groups = [\"devs\"] }")
     if not isinstance(value, dict):
         return f"must be a table of secrets, {example}"
     for name, entry in value.items():
@@ -257,14 +259,29 @@ def _secrets(value: object) -> str | None:
             check_secret_name(str(name))
         except InvalidPolicy as exc:
             return str(exc)
-        if not isinstance(entry, dict) or set(entry) - {"file", "users", "groups"} or "file" not in entry:
-            return f"{name}: must be {{ file = ..., users = [...], groups = [...] }} ({example})"
+        if (not isinstance(entry, dict) or set(entry) - {"file", "users", "groups", "upstreams", "inject"}
+                or "file" not in entry):
+            return f"{name}: must be {{ file = ..., upstreams = [...], users = [...], groups = [...] }} ({example})"
         if not isinstance(entry["file"], str) or not entry["file"].startswith("/"):
             return f"{name}: file must be an absolute path"
         for field in ("users", "groups"):
             items = entry.get(field, [])
             if not isinstance(items, list) or not all(isinstance(item, str) and item for item in items):
                 return f"{name}: {field} must be a list of names or numbers"
+        upstreams = entry.get("upstreams")
+        if not isinstance(upstreams, list) or not upstreams or not all(isinstance(item, str) for item in upstreams):
+            return (f"{name}: upstreams must list the only https://HOST[:PORT] its secret may be sent to "
+                    f"({example}): a daemon secret is bound to its upstreams")
+        inject = entry.get("inject", "")
+        if not isinstance(inject, str):
+            return f"{name}: inject must be \"HEADER: TEMPLATE\" or \"basic[:USER]\""
+        try:
+            for url in upstreams:
+                parse_credential(f"X={url}")
+            if inject:
+                parse_credential(f"X=https://localhost;{inject}")
+        except InvalidPolicy as exc:
+            return f"{name}: {str(exc).replace('credential ', '', 1)}"
     return None
 
 
@@ -378,8 +395,9 @@ KEYS: tuple[Key, ...] = (
     Key("network", "allowed_ranges", [], "IPv4 networks the egress proxy may reach although they are in a refused "
         "range (an intercepting mirror on 10.x); never loopback or a cloud metadata address", _allowed_ranges),
     Key("network", "secrets", {}, "secrets sessions may name instead of sending one (--daemon-credential VAR=NAME): "
-        "NAME = { file = \"/etc/sandboxd/secrets/NAME\", users = [...], groups = [...] }; the file root's, "
-        "mode 0600, read at each use", _secrets),
+        "NAME = { file = \"/etc/sandboxd/secrets/NAME\", upstreams = [\"https://api.github.com\"], users = [...], "
+        "groups = [...] } (optional inject = \"HEADER: TEMPLATE\" or \"basic[:USER]\" fixes how it is sent); the "
+        "file root's, mode 0600, read at each use; a credential naming it must target one of its upstreams", _secrets),
     Key("defaults", "sandbox_policy", "workspace-write", "the sandbox of a session that does not ask for one",
         _one_of("read-only", "workspace-write")),
     Key("defaults", "network_access", False, "network access of such a session (isolated)", _boolean),

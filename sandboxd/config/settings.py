@@ -43,10 +43,14 @@ class TlsSettings:
 @dataclass(frozen=True, slots=True)
 class SecretSource:
     """A daemon-side secret (``[network.secrets] NAME``): its file, read at each use (service
-    side: owner root, mode 0600), and who may name it besides root."""
+    side: owner root, mode 0600), who may name it besides root, the only upstreams (host, port) a
+    credential using it may target, and, when the entry fixes it, how it is sent
+    ((header, template, basic user) of a CredentialSpec)."""
     file: str
     uids: tuple[int, ...]
     gids: tuple[int, ...]
+    upstreams: tuple[tuple[str, int], ...] = ()
+    inject: tuple[str, str, str | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,8 +225,24 @@ def _secrets(config: Config, refuse: "Callable[[str, str], ConfigError]") -> Map
             gids = tuple(group_id(group) for group in entry.get("groups", []))
         except KeyError as exc:
             raise refuse("network.secrets", f"{name}: no group {exc.args[0]!r} on this machine") from None
-        secrets[name] = SecretSource(file=entry["file"], uids=uids, gids=gids)
+        upstreams, inject = secret_binding(entry)
+        secrets[name] = SecretSource(file=entry["file"], uids=uids, gids=gids, upstreams=upstreams, inject=inject)
     return MappingProxyType(secrets)
+
+
+def secret_binding(entry: "Mapping[str, object]") -> tuple[tuple[tuple[str, int], ...], tuple[str, str, str | None] | None]:
+    """A checked [network.secrets] entry's upstreams as (host, port) and its ``inject`` (None:
+    any header a credential names), parsed as a credential's would be (policy.network)."""
+    from sandboxd.policy.network import parse_credential
+
+    urls = entry.get("upstreams", [])
+    assert isinstance(urls, list)           # its key's check
+    upstreams = tuple(dict.fromkeys((spec.host, spec.port) for spec in (parse_credential(f"X={url}") for url in urls)))
+    inject = entry.get("inject")
+    if not inject:
+        return upstreams, None
+    spec = parse_credential(f"X=https://localhost;{inject}")
+    return upstreams, (spec.header, spec.template, spec.basic_user)
 
 
 def _size_or_zero(config: Config, dotted: str) -> int:

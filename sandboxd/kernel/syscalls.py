@@ -15,6 +15,7 @@ host's /tmp and answers from a tree of its own.
 
 from __future__ import annotations
 
+import errno
 import os
 
 from sandboxd.kernel import caps, cgroups, landlock, mounts, namespaces, netns, overlay, process, rlimits, seccomp
@@ -30,6 +31,30 @@ def _write_file(path: str, text: str, mode: int) -> None:
     with open(path, "w") as f:
         f.write(text)
     os.chmod(path, mode)
+
+
+def _write_concatenated(path: str, source: str, extra: str, mode: int, *, limit: int, step: str) -> None:
+    """A new file ``path`` (mode ``mode``) holding the file ``source`` followed by ``extra``
+    (rootfs step 8e: the host's CA bundle and a sandbox's own certificates); a ``source`` of more
+    than ``limit`` bytes is refused (EFBIG). An OSError becomes a SetupError naming ``step``, its
+    errno and the path it was about."""
+    at = source
+    try:
+        with open(source, "rb") as f:
+            data = f.read(limit + 1)
+        if len(data) > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes", source)
+        at = path
+        view = memoryview(b"".join((data, b"" if data.endswith(b"\n") or not data else b"\n",
+                                    extra.encode("ascii"))))
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, mode)
+        try:
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise from_oserror(exc, step, at) from None
 
 
 def _scandir(path: str) -> list[os.DirEntry[str]]:
@@ -98,6 +123,7 @@ class Syscalls:
     makedirs = staticmethod(os.makedirs)
     create_file = staticmethod(_create_file)
     write_file = staticmethod(_write_file)
+    write_concatenated = staticmethod(_write_concatenated)
     symlink = staticmethod(os.symlink)
     chown = staticmethod(os.chown)
     lexists = staticmethod(os.path.lexists)

@@ -13,6 +13,7 @@ from sandboxd._record import Factory, Record
 from sandboxd.errors import InvalidPolicy
 from sandboxd.kernel import access, mounts, overlay, paths, seccomp
 from sandboxd.kernel.unix_diag import file_identity
+from sandboxd.launcher import trust_bundle
 from sandboxd.policy import LaunchSpec, Limits
 from sandboxd.policy.git_dirs import FoundGitDirs
 from sandboxd.policy.sandbox import is_within
@@ -113,6 +114,11 @@ class LaunchPlan(Record):
     # Review mode (kernel.overlay): each writable root, by real path, is covered by an overlay whose
     # upper layer collects its changes (rootfs step 8); empty: the roots are written directly.
     review_layers: "dict[str, overlay.Layers]" = Factory(dict)
+    # LaunchSpec.trust_pem of a confined launch, and the host's CA bundle it is appended to
+    # (launcher.trust_bundle.host_bundle_path, found here so that a host without one is refused
+    # before the fork): rootfs step 8e binds both, read-only, over the bundles of the sandbox's root.
+    trust_pem: str = ""
+    trust_source: str = ""
 
     def close_trees(self) -> None:
         for fd in self.root_trees.values():
@@ -157,6 +163,7 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None, *, review_dir: 
                                resolved.writable_roots) if confined else ()
         if plain_user:
             check_rootless(spec)
+        trust_source = _trust_source(spec) if confined else ""
         review_layers = (_review_layers(review_dir, resolved.writable_roots, resolved.descriptors, confined=confined,
                                         rootless=plain_user)
                          if review_dir is not None else {})
@@ -206,7 +213,22 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None, *, review_dir: 
         hidden_homes=spec.hidden_homes if confined else (), private_home=spec.private_home if confined else "",
         git_dirs={root: found for root, found in spec.git_dirs.items() if root in resolved.writable_roots},
         review_layers=review_layers,
+        trust_pem=spec.trust_pem if trust_source else "", trust_source=trust_source,
     )
+
+
+def _trust_source(spec: LaunchSpec) -> str:
+    """The host bundle a sandbox trusting ``spec.trust_pem`` gets with it ("": it trusts nothing
+    extra), or InvalidPolicy when the host has none: the sandbox would trust only its session's CA,
+    and every connection the proxy does not intercept would fail to verify."""
+    if not spec.trust_pem:
+        return ""
+    source = trust_bundle.host_bundle_path()
+    if source is None:
+        raise InvalidPolicy("this host has no CA bundle (none of " + ", ".join(trust_bundle.TRUST_BUNDLE_PATHS)
+                            + "), which a sandbox that trusts its proxy's certificates gets them added to: "
+                            "install the system's CA certificates (the ca-certificates package)")
+    return source
 
 
 def _review_layers(review_dir: str, roots: tuple[str, ...], descriptors: dict[str, int], *, confined: bool,

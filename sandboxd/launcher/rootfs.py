@@ -34,6 +34,11 @@
    contains them (a root caller's /var) does not show them either.
    8d. Make the hidden homes' tmpfs read-only: a write there could not be told from a write to
    the real home (a planted ~/.bashrc), which is what a sandbox is checked for.
+   8e. With certificates to trust (LaunchSpec.trust_pem: its proxy's CA), write the host's CA
+   bundle followed by them to a file on the staging tmpfs (enlarged for it in step 2), and bind
+   that file read-only over each of launcher.trust_bundle.TRUST_BUNDLE_PATHS the copy holds
+   (a symlink followed inside the copy): clients that read the system bundle trust the proxy too.
+   The file lives on no mount the sandbox can reach but through those read-only binds.
 9. pivot_root into the copy and drop the old root entirely.
 
 Step 1b (review mode): open each overlay's upper and work directories and its checkpoint layers
@@ -65,6 +70,8 @@ from sandboxd.kernel.mounts import (
     MS_REMOUNT,
 )
 from sandboxd.launcher import rootless
+from sandboxd.launcher.trust_bundle import TRUST_BUNDLE_PATHS
+from sandboxd.policy.spec import MAX_TRUST_PEM
 from sandboxd.launcher.plan import LaunchPlan
 from sandboxd.policy.git_dirs import FoundGitDirs
 from sandboxd.policy.sandbox import is_within
@@ -90,6 +97,11 @@ READONLY_ATTRS = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV
 GIT_WALK_MAX_DIRS = 20_000
 GIT_WALK_MAX_DEPTH = 16
 GIT_NESTED_MAX_DEPTH = 6
+STAGE_SIZE = 1 << 20
+# The largest host CA bundle step 8e copies (Debian's and Fedora's are about 220 KB); the staging
+# tmpfs grows by it and MAX_TRUST_PEM when there is one to copy.
+MAX_HOST_BUNDLE = 4 << 20
+TRUST_BUNDLE_FILE = STAGE + "/trust-bundle.pem"
 
 
 def build(plan: LaunchPlan) -> None:
@@ -108,7 +120,8 @@ def build(plan: LaunchPlan) -> None:
 
 def _build_tree(plan: LaunchPlan, layer_dirs: "dict[str, tuple[int, ...]]") -> None:
     kernel = syscalls.current
-    kernel.tmpfs(STAGE, size=1 << 20, mode=0o700, step="mount staging tmpfs")        # 2
+    stage_size = STAGE_SIZE + (MAX_HOST_BUNDLE + MAX_TRUST_PEM if plan.trust_pem else 0)
+    kernel.tmpfs(STAGE, size=stage_size, mode=0o700, step="mount staging tmpfs")      # 2
     kernel.mkdir(NEW_ROOT, 0o755)
     kernel.bind("/", NEW_ROOT, step="bind host root")
     kernel.set_attrs_recursive(NEW_ROOT, READONLY_ATTRS, step="make host root read-only")  # 3
@@ -140,6 +153,8 @@ def _build_tree(plan: LaunchPlan, layer_dirs: "dict[str, tuple[int, ...]]") -> N
         if kernel.ismount(NEW_ROOT + home):
             kernel.mount(None, NEW_ROOT + home, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV,
                          step="make hidden home read-only")
+    if plan.trust_pem:                                                               # 8e
+        _bind_trust_bundle(plan.trust_source, plan.trust_pem)
     kernel.pivot_root_here(NEW_ROOT)                                                 # 9
 
 
@@ -157,18 +172,39 @@ def _mount_proc(target: str) -> None:
             kernel.bind("/dev/null", path, recursive=False, step=f"mask /proc/{name}")
 
 
-def _bind_resolv_conf(text: str) -> None:
-    """An isolated network's resolvers: a file on the staging tmpfs, bound read-only over the
-    copy's /etc/resolv.conf (following a symlink such as systemd's inside the copy, not the
-    host). The bind keeps the staging file alive after pivot_root detaches the rest."""
+def _in_copy(path: str) -> str | None:
+    """Where the copy's file ``path`` is, its symlinks (such as systemd's resolv.conf) followed
+    inside the copy, not on the host; None when that is no regular file."""
     kernel = syscalls.current
-    target = NEW_ROOT + "/etc/resolv.conf"
+    target = NEW_ROOT + path
     for _ in range(8):
         if not kernel.islink(target):
             break
         link = kernel.readlink(target)
         target = NEW_ROOT + link if link.startswith("/") else os.path.join(os.path.dirname(target), link)
-    if not kernel.isfile(target):
+    return target if kernel.isfile(target) else None
+
+
+def _bind_trust_bundle(source: str, pem: str) -> None:
+    """Step 8e: the host's bundle ``source`` and ``pem`` in one staging file, bound read-only over
+    every system bundle of the copy (each once, however many names lead to it)."""
+    kernel = syscalls.current
+    kernel.write_concatenated(TRUST_BUNDLE_FILE, source, pem, 0o444, limit=MAX_HOST_BUNDLE,
+                              step="write the trust bundle")
+    targets = (_in_copy(path) for path in TRUST_BUNDLE_PATHS)
+    for target in dict.fromkeys(target for target in targets if target is not None):
+        kernel.bind(TRUST_BUNDLE_FILE, target, recursive=False, step="bind the trust bundle")
+        kernel.mount("none", target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV,
+                     step="make the trust bundle read-only")
+
+
+def _bind_resolv_conf(text: str) -> None:
+    """An isolated network's resolvers: a file on the staging tmpfs, bound read-only over the
+    copy's /etc/resolv.conf (see _in_copy). The bind keeps the staging file alive after
+    pivot_root detaches the rest."""
+    kernel = syscalls.current
+    target = _in_copy("/etc/resolv.conf")
+    if target is None:
         return                                            # the host has none: DNS stays unconfigured
     source = STAGE + "/resolv.conf"
     kernel.write_file(source, text, 0o644)

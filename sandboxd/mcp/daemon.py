@@ -34,13 +34,20 @@ class SessionSpec:
     labels: dict[str, str] = field(default_factory=dict)
     review: bool | None = None          # None: the daemon's review.default
     checkpoint_calls: bool = False      # a review session: each shell call marks a checkpoint first
+    # The network flags (cli.network_args): the session's policy's network fields, and the
+    # credentials' secrets (never printed: left out of the repr).
+    network_policy: pb.SandboxPolicy | None = None
+    credential_secrets: dict[str, pb.CredentialSecret] = field(default_factory=dict, repr=False)
 
     def request(self) -> pb.CreateSessionRequest:
         # close_with_caller: a `sandboxd mcp` killed before it could close its sessions (SIGKILL,
         # the OOM killer) leaves none open; the daemon closes them when this process exits.
+        policy = sandbox_policy(self.sandbox, network=self.network, writable_roots=self.writable_roots)
+        if self.network_policy is not None:
+            policy.MergeFrom(self.network_policy)
         return pb.CreateSessionRequest(
             workspace=self.workspace, permission_mode=self.permission_mode, labels=self.labels, close_with_caller=True,
-            sandbox_policy=sandbox_policy(self.sandbox, network=self.network, writable_roots=self.writable_roots),
+            credential_secrets=self.credential_secrets, sandbox_policy=policy,
             approval_policy=approval_policy(self.approval) if not self.permission_mode else pb.APPROVAL_POLICY_UNSPECIFIED,
             review=self.review)
 

@@ -224,11 +224,14 @@ class EgressProxy(TcpService):
     def credentials(self) -> "CredentialSet | None":
         return self._credentials
 
-    def update(self, rules: NetworkRules) -> None:
+    def update(self, rules: NetworkRules, credentials: "CredentialSet | None" = None) -> None:
         """Enforce ``rules`` for every request read after this returns (any thread). One reference
         replaced, which the loop reads once per request: no post, so no request read after the
         call can see the old rules. Open tunnels stay; intercepted connections judge their next
-        request by the new rules."""
+        request by the new rules. ``credentials``, when given, replace the set new connections
+        swap with (an open intercepted connection keeps the set it started with)."""
+        if credentials is not None:
+            self._credentials = credentials
         self._rules = rules
 
     @staticmethod

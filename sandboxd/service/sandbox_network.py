@@ -1,11 +1,19 @@
 """What the daemon serves a sandbox's network, as a session's hooks: its published ports
-(policy.published_ports) and its egress proxy (policy.allowed_domains), one set per sandbox
-generation, closed with it (sandbox_hooks)."""
+(policy.published_ports) and its egress proxy (policy.allowed_domains, allowed_endpoints,
+credentials), one set per sandbox generation, closed with it (sandbox_hooks).
+
+A proxied session's proxy ends TLS for the hosts its rules intercept with the session's own CA
+(session.ca: its key stays in the daemon; the sandbox trusts its certificate through
+LaunchSpec.trust_pem) and checks each upstream with one context per daemon (the host's trust
+store, network.upstream_ca_file, SSL_CERT_FILE). It swaps the session's phantoms for the secrets
+the daemon holds (service.credential_vault)."""
 
 from __future__ import annotations
 
 import os
 import socket
+import ssl
+import threading
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from sandboxd.audit.store import EventStore, EventType
@@ -37,19 +45,46 @@ class PublishedPorts(SandboxHooks):
             os.close(netns)
 
 
+def network_environment(session: Session) -> dict[str, str]:
+    """The variables a proxied sandbox's commands get: the proxy's, the trust bundle's (clients
+    read the bundle the rootfs binds with the session's CA: launcher.trust_bundle) and each
+    credential's phantom. The caller holds ``session.lock``."""
+    from sandboxd.launcher.trust_bundle import host_bundle_path, trust_environment
+    from sandboxd.network.egress_proxy import proxy_environment
+
+    bundle = host_bundle_path()
+    phantoms = session.credentials.phantoms() if session.credentials is not None else {}
+    return {**proxy_environment(), **(trust_environment(bundle) if bundle else {}), **phantoms}
+
+
 class EgressProxies(SandboxHooks):
-    def __init__(self, store: EventStore, connections: int, count_denial: Callable[[], None] | None = None) -> None:
+    def __init__(self, store: EventStore, connections: int, count_denial: Callable[[], None] | None = None,
+                 upstream_ca_pem: bytes = b"", allowed_ranges: tuple[str, ...] = ()) -> None:
+        """``upstream_ca_pem``: network.upstream_ca_file's certificates, trusted for upstreams
+        besides the host's store; ``allowed_ranges``: network.allowed_ranges."""
         self._store = store
         self._connections = connections                 # at once, per sandbox
         self._count_denial = count_denial                # the daemon's metrics, when it has them
         # Who answers unlisted = ask (service.network_questions), once the daemon has its approval gate.
         self.questions: "NetworkQuestions | None" = None
+        self._upstream_ca_pem, self._allowed_ranges = upstream_ca_pem, allowed_ranges
+        self._upstream_context: ssl.SSLContext | None = None   # one per process, made at first use
+        self._context_lock = threading.Lock()
+
+    def upstream_context(self) -> ssl.SSLContext:
+        with self._context_lock:
+            if self._upstream_context is None:
+                from sandboxd.network.interception.upstream_tls import upstream_context
+                self._upstream_context = upstream_context(self._upstream_ca_pem.decode("ascii"))
+            return self._upstream_context
 
     def sandbox_ready(self, session: Session, sandbox: Sandbox) -> Iterable[Service]:
         info = sandbox.info
         if not (sandbox.policy.proxied and info.host_address and info.sandbox_address):
             return ()
-        from sandboxd.network.egress_proxy import PROXY_ADDRESS, EgressProxy, proxy_environment
+        from sandboxd.network.credentials import CredentialSet
+        from sandboxd.network.egress_proxy import PROXY_ADDRESS, EgressProxy
+        from sandboxd.network.interception.intercepted import Interceptor
 
         def denied(destination: str, why: str) -> None:
             if self._count_denial is not None:
@@ -66,16 +101,22 @@ class EgressProxies(SandboxHooks):
         # never closed since (egress_proxy.PROXY_ADDRESS says why not an address of the host's).
         listener = socket.socket(fileno=os.dup(info.proxy_listener))
         netns = os.open(f"/proc/{info.init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        with session.lock:
+            ca, credentials = session.ca, session.credentials
+        # Every proxied session's proxy can intercept (a live change may add a host to intercept).
+        interceptor = Interceptor(ca, self.upstream_context()) if ca is not None else None
         try:                                            # its upstream connections are made in there
             # Every proxy may ask: whether it does is its rules' unlisted, which a live change may set.
             ask = self.questions.ask_for(session) if self.questions is not None else None
             proxy = EgressProxy(listener, sandbox.policy.network_rules, netns_fd=netns, resolvers=info.resolvers,
-                                on_denied=denied, ask=ask, connections=self._connections).start()
+                                on_denied=denied, interceptor=interceptor, ask=ask,
+                                credentials=credentials.credential_set() if credentials is not None else CredentialSet(),
+                                allowed_ranges=self._allowed_ranges, connections=self._connections).start()
         except BaseException:
             listener.close()
             raise
         finally:
             os.close(netns)
         with session.lock:
-            session.extra_env = proxy_environment()
+            session.extra_env = network_environment(session)
         return (proxy,)

@@ -11,6 +11,7 @@ import grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from sandboxd.errors import InvalidPolicy
+from sandboxd.policy.network import CredentialState
 from sandboxd.policy.session_defaults import SessionDefaults
 from sandboxd.service import convert, environment, exec_call, file_calls, patch_search, tool_calls
 from sandboxd.service.approvals import ApprovalGate, ToolCall
@@ -44,7 +45,20 @@ def session_to_proto(session: Session, closed_at: float = 0.0) -> pb.Session:
         limits=convert.limits_to_proto(session.limits), labels=session.labels, owner_uid=session.owner.uid,
         owner_gid=session.owner.gid, created_at=session.created_at, running_calls=session.running_calls,
         sandbox_generation=session.generation, permission_mode=session.rules.mode, closed_at=closed_at or 0.0,
-        sandbox_ready=session.sandbox_ready and not closed_at, env_names=sorted(session.env), review=session.review)
+        sandbox_ready=session.sandbox_ready and not closed_at, env_names=sorted(session.env), review=session.review,
+        credential_states=convert.credential_states_to_proto(_credential_states(session, closed_at)))
+
+
+def _credential_states(session: Session, closed_at: float) -> list[CredentialState]:
+    """What a person may see of its credentials (never a secret); a closed one holds none."""
+    with session.lock:
+        credentials = session.credentials
+    if credentials is not None and not closed_at:
+        return credentials.states()
+    return [CredentialState(name=spec.name, upstream=spec.upstream,
+                            source=f"daemon:{session.daemon_secrets[spec.name]}" if spec.name in session.daemon_secrets
+                            else "caller", usable=False)
+            for spec in session.policy.network_rules.credentials]
 
 
 def job_to_proto(job: BackgroundJob) -> pb.BackgroundProcess:
@@ -106,9 +120,11 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             # Unset: the daemon's review.default, for the sessions that have writes to review.
             review = request.review if request.HasField("review") else (
                 self._defaults.review and policy.workspace_writable)
+            secrets = convert.credential_secrets_from_proto(request.credential_secrets, policy)
             session = self._registry.create(who, request.workspace, policy, approval,
                                             convert.limits_from_proto(request.limits, self._defaults),
-                                            labels, rules, env=environment.session_env(request.env), review=review)
+                                            labels, rules, env=environment.session_env(request.env), review=review,
+                                            secrets=secrets)
             if self._tied is not None:
                 self._tied.tie(session)
             return session_to_proto(session)
@@ -138,7 +154,16 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                       if request.HasField("sandbox_policy") else None)
             approval = (convert.approval_from_proto(request.approval_policy)
                         if request.approval_policy != pb.APPROVAL_POLICY_UNSPECIFIED else None)
-            return session_to_proto(self._registry.update_policy(who, request.session_id, policy, approval))
+            secrets = None
+            if request.credential_secrets or (policy is not None and policy.credentials):
+                session = self._registry.get(who, request.session_id)
+                with session.lock:
+                    target, held = policy or session.policy, session.credentials
+                # A secret kept follows the whole credential (credential_vault): only unchanged ones.
+                known = held.known_names(target.network_rules.credentials) if held is not None else frozenset()
+                secrets = convert.credential_secrets_from_proto(request.credential_secrets, target, known)
+                policy = target
+            return session_to_proto(self._registry.update_policy(who, request.session_id, policy, approval, secrets))
         return self._unary(context, work)
 
     # -- review mode (service/review_calls.py): each holds one of the caller's CALLS slots, as a

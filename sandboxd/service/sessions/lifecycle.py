@@ -16,6 +16,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Mapping
 from typing import Callable, TypeVar
 
 from sandboxd import defaults
@@ -25,10 +26,13 @@ from sandboxd.errors import InvalidPolicy, NotFound, WrongState
 from sandboxd.kernel import overlay, review_space
 from sandboxd.policy import LaunchSpec, Limits, SandboxPolicy
 from sandboxd.policy.decision import ApprovalPolicy, ToolRules
+from sandboxd.policy.network import DaemonSecret
 from sandboxd.service.callers import Caller
+from sandboxd.service.credential_vault import CredentialVault, SessionCredentials
 from sandboxd.service.quotas import cgroup_owner
 from sandboxd.service.sandbox_hooks import HookList, Sandbox, close_all
 from sandboxd.service.sessions.access import command_user, rights_of
+from sandboxd.service.sessions.network_live import LiveNetwork, live_changeable
 from sandboxd.service.sessions.state import Session, session_from_row
 from sandboxd.service.sessions.table import SessionTable
 from sandboxd.supervisor.fork_client import ForkServer, SessionInfo
@@ -66,27 +70,40 @@ class SandboxPlaces(Record):
 
 class SessionLifecycle:
     def __init__(self, fork: ForkServer, store: EventStore, table: SessionTable, hooks: HookList,
-                 places: SandboxPlaces, check_built: Callable[[Session, SessionInfo], None] | None = None) -> None:
+                 places: SandboxPlaces, check_built: Callable[[Session, SessionInfo], None] | None = None,
+                 vault: CredentialVault | None = None, live: LiveNetwork | None = None) -> None:
         """``check_built(session, facts)``: whether a sandbox the fork server built for ``session``
         may serve it (raises if not: the sandbox is closed), before its services start or anyone
-        can use it: what is judged on the real paths is judged here, on the facts."""
+        can use it: what is judged on the real paths is judged here, on the facts. ``vault``: the
+        credentials' secrets (credential_vault); ``live``: network-only changes (network_live)."""
         self._fork, self._store, self._table, self._hooks, self._places = fork, store, table, hooks, places
         self._check_built = check_built
+        self._vault = vault or CredentialVault()
+        self._live = live or LiveNetwork(store, self._vault, lambda session: dict(session.extra_env))
 
     # -- create, restore, change, close ----------------------------------------------------------
 
     def create(self, owner: Caller, workspace: str, policy: SandboxPolicy, approval: ApprovalPolicy,
                limits: Limits, labels: dict[str, str], rules: ToolRules | None, env: dict[str, str] | None,
-               review: bool = False) -> Session:
+               review: bool = False,
+               credential_secrets: "Mapping[str, bytes | DaemonSecret] | None" = None) -> Session:
         """Counted at once (quotas), found by no one until its sandbox and services are up; not
-        begun at all when the store will not take the owner's events (EventStore.admit)."""
+        begun at all when the store will not take the owner's events (EventStore.admit).
+        ``credential_secrets``: its credentials' (credential_vault), wiped if it is not made."""
         self._store.admit(owner.uid, owner.principal)
         if review and not self._places.review_dir:
             raise InvalidPolicy("this daemon keeps no change sets (no state directory): review mode is not available")
         session = Session(secrets.token_hex(8), owner, workspace, policy, approval, limits, labels, rules, env=env,
                           review=review)
         session.building = True
-        self._table.add(session)
+        session.live_network = self._live
+        session.credentials = self._vault.resolve(owner, owner, None, policy.network_rules.credentials,
+                                                   credential_secrets or {})
+        try:
+            self._table.add(session)
+        except BaseException:
+            _forget_secrets(session)
+            raise
         built = False
         try:
             with session.build_lock:
@@ -104,6 +121,7 @@ class SessionLifecycle:
                 with session.build_lock:
                     self._close_sandbox(session, session.generation)
                     self._hooks.session_closed(session)
+            _forget_secrets(session)
             raise
         with session.lock:
             session.building = False
@@ -124,14 +142,20 @@ class SessionLifecycle:
                 self._store.append(row.id, EventType.SESSION_CLOSED,
                                    data={"by_uid": 0, "reason": f"its policy is refused now: {exc}"})
                 continue
+            session.live_network = self._live
+            session.credentials = self._vault.restored(session.owner, session.policy.network_rules.credentials,
+                                                       session.daemon_secrets)
             self._table.add(session, check=False)
             resumed += 1
         return resumed
 
     def update_policy(self, caller: Caller, session: Session, policy: SandboxPolicy | None,
-                      approval: ApprovalPolicy | None, check: Callable[[SandboxPolicy], None]) -> Session:
+                      approval: ApprovalPolicy | None, check: Callable[[SandboxPolicy], None],
+                      secrets: "Mapping[str, bytes | DaemonSecret] | None" = None) -> Session:
         """``check(policy)``: whether the caller may have it (raises), asked only if it changes.
-        The change is recorded, so the store must admit the session's owner first."""
+        The change is recorded, so the store must admit the session's owner first. A change of
+        the network lists alone (or new ``secrets`` for its credentials) goes to the running proxy
+        (network_live); any other builds a new sandbox generation."""
         self._store.admit(session.owner.uid, session.owner.principal)
         with session.build_lock:                      # one builder at a time: generations are consecutive
             with session.lock:
@@ -139,6 +163,13 @@ class SessionLifecycle:
                     raise NotFound(f"no session {session.id!r}")
                 before, current, ready = session.axes(), session.policy, session.sandbox_ready
             changed = policy is not None and policy != current
+            if policy is not None and (changed or secrets) and live_changeable(current, policy):
+                if changed:
+                    check(policy)
+                self._live.apply(session, policy, by="caller", caller=caller, secrets=secrets)
+                if approval is not None:
+                    self._change_approval(caller, session, approval)
+                return session
             if changed and session.review:
                 # Its sandbox is built over its change set: another one (other roots) would not match
                 # it, and two generations would share one upper layer.
@@ -147,10 +178,23 @@ class SessionLifecycle:
             if policy is not None and changed:
                 check(policy)
             generation = 0
+            old_credentials = session.credentials
+            if policy is not None and changed:
+                # Its sandbox's spec and proxy are made from these (the previous ones, if it fails).
+                new_credentials = self._vault.resolve(caller, session.owner, old_credentials,
+                                                      policy.network_rules.credentials, secrets or {})
+                with session.lock:
+                    session.credentials = new_credentials
             if policy is not None and changed and ready:
                 with session.lock:
                     generation = session.generation + 1
-                self._open_sandbox(session, generation, policy)   # complete before any call can join it
+                try:
+                    self._open_sandbox(session, generation, policy)   # complete before any call can join it
+                except BaseException:
+                    with session.lock:
+                        session.credentials = old_credentials
+                    new_credentials.wipe_unused(old_credentials or SessionCredentials())
+                    raise
                 with session.lock:
                     old = session.generation
                     session.policy, session.generation = policy, generation
@@ -165,6 +209,8 @@ class SessionLifecycle:
                         session.policy = policy       # resumed, not rebuilt yet: the next call builds this one
                     if approval is not None:
                         session.approval = approval
+            if policy is not None and changed and old_credentials is not None:
+                old_credentials.wipe_unused(new_credentials)
             with session.lock:
                 after, row, now = session.axes(), session.to_row(), session.generation
             if after != before:
@@ -173,6 +219,17 @@ class SessionLifecycle:
                 self._store.append(session.id, EventType.POLICY_CHANGED, data={
                     "before": before, "after": after, "by_uid": caller.uid, "generation": generation or now})
         return session
+
+    def _change_approval(self, caller: Caller, session: Session, approval: ApprovalPolicy) -> None:
+        """The approval axis alone (after a live network change), recorded as its own change."""
+        with session.lock:
+            before = session.axes()
+            session.approval = approval
+            after, row, generation = session.axes(), session.to_row(), session.generation
+        if after != before:
+            self._store.save_session(row)
+            self._store.append(session.id, EventType.POLICY_CHANGED, data={
+                "before": before, "after": after, "by_uid": caller.uid, "generation": generation})
 
     def close(self, caller: Caller, session: Session, reason: str = "") -> None:
         with session.build_lock:                      # after a policy change under way: its sandbox too
@@ -187,6 +244,7 @@ class SessionLifecycle:
                 if ready or generation != current:
                     self._close_sandbox(session, generation)
             self._hooks.session_closed(session)
+            _forget_secrets(session)
             self._drop_empty_change_set(session)
         self._store.save_session(session.to_row(closed_at=time.time()))
         self._store.append(session.id, EventType.SESSION_CLOSED,
@@ -222,6 +280,7 @@ class SessionLifecycle:
                 except Exception:  # noqa: BLE001 - shutting down: the fork server may be gone already
                     pass
             self._hooks.session_closed(session, stopping=True)
+            _forget_secrets(session)
 
     def sandboxes_lost(self) -> None:
         """The fork server died, and every sandbox with it: stop what the daemon served for them
@@ -394,7 +453,31 @@ class SessionLifecycle:
                           hidden_paths=own.hidden, owner_hidden=_owner_places(session.owner.uid),
                           denied_sockets=own.sockets, denied_listeners=own.listeners,
                           approval_channels=own.channels,
-                          owner=cgroup_owner(session.owner))
+                          owner=cgroup_owner(session.owner),
+                          trust_pem=session_ca_pem(session) if policy.proxied else "")
+
+
+def session_ca_pem(session: Session) -> str:
+    """The certificate of the session's CA (made with its first proxied sandbox, kept for its life:
+    a live change may add an intercepted host, and the sandbox already trusts it). The key never
+    leaves the daemon: only this PEM goes to the fork server and the sandbox."""
+    from sandboxd.network.interception.ca import SessionCA
+
+    with session.lock:
+        ca = session.ca
+    if ca is None:
+        ca = SessionCA.generate(session.id)           # off the session's lock: a key is made
+        with session.lock:
+            ca = session.ca = session.ca or ca
+    return ca.cert_pem().decode("ascii")
+
+
+def _forget_secrets(session: Session) -> None:
+    """Every path a session ends by: its secrets wiped, its CA dropped (its key with it)."""
+    with session.lock:
+        credentials, session.credentials, session.ca = session.credentials, None, None
+    if credentials is not None:
+        credentials.wipe()
 
 
 def _owner_places(uid: int) -> tuple[str, ...]:

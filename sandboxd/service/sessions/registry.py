@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import builtins
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from sandboxd.audit.store import EventStore
@@ -27,7 +28,11 @@ from sandboxd.service.callers import Caller
 from sandboxd.service.git_guard_hook import GitGuardHook
 from sandboxd.service.quotas import Quotas, cgroup_owner
 from sandboxd.service.sandbox_hooks import HookList, SandboxHooks
-from sandboxd.service.sandbox_network import EgressProxies, PublishedPorts
+from sandboxd.config.settings import SecretSource
+from sandboxd.policy.network import DaemonSecret
+from sandboxd.service.credential_vault import CredentialVault
+from sandboxd.service.sandbox_network import EgressProxies, PublishedPorts, network_environment
+from sandboxd.service.sessions.network_live import LiveNetwork
 from sandboxd.service.sessions.access import caller_groups, command_user, rights_of
 from sandboxd.service.sessions.lifecycle import SESSION_PLACEHOLDER_ARGV, OwnPlaces, SandboxPlaces, SessionLifecycle
 from sandboxd.service.sessions.state import Session, rules_from_dict, rules_to_dict, session_from_row
@@ -49,13 +54,17 @@ class SessionRegistry:
                  own: OwnPlaces | None = None, proxy_connections: int = 256,
                  published_connections: int = 256, published_per_peer: int = 32, quotas: Quotas | None = None,
                  allow_user_full_access: bool = True, count_network_denial: Callable[[], None] | None = None,
-                 review_dir: str = "", review_bytes: tuple[int, int] = (0, 0), review_stores: int = 0) -> None:
+                 review_dir: str = "", review_bytes: tuple[int, int] = (0, 0), review_stores: int = 0,
+                 secrets: "Mapping[str, SecretSource] | None" = None, upstream_ca_pem: bytes = b"",
+                 allowed_ranges: tuple[str, ...] = ()) -> None:
         """``allow_user_full_access``: policy.allow_user_full_access, whether a local non-root caller
         may have danger-full-access. ``count_network_denial``: called for each connection an egress
         proxy refuses (the daemon's metrics count them). ``review_dir``: where review sessions'
         change sets go, one directory each (STATE/review; "": review mode is not available);
         ``review_bytes``: review.session_bytes and review.owner_bytes, the bounds of their stores;
-        ``review_stores``: review.owner_stores, how many stores one owner keeps at most."""
+        ``review_stores``: review.owner_stores, how many stores one owner keeps at most.
+        ``secrets``: network.secrets; ``upstream_ca_pem``: network.upstream_ca_file's certificates;
+        ``allowed_ranges``: network.allowed_ranges (the egress proxies')."""
         self._fork = forkserver
         self.store = store
         self.own = own or OwnPlaces()
@@ -63,7 +72,9 @@ class SessionRegistry:
         self.allow_user_full_access = allow_user_full_access
         self._table = SessionTable(max_sessions, self.quotas)
         # The order their sandbox_ready runs in: the network first, the git guard's baseline last.
-        self._egress = EgressProxies(store, proxy_connections, count_network_denial)
+        self._egress = EgressProxies(store, proxy_connections, count_network_denial, upstream_ca_pem=upstream_ca_pem,
+                                     allowed_ranges=allowed_ranges)
+        self.vault = CredentialVault(secrets)
         self.hooks = HookList([PublishedPorts(published_connections, published_per_peer), self._egress,
                                GitGuardHook(store, self.quotas.limits.git_watches_per_uid,
                                             self.quotas.limits.git_inotify_instances)])
@@ -73,7 +84,8 @@ class SessionRegistry:
                                                     review_owner_bytes=review_bytes[1],
                                                     review_owner_stores=review_stores),
                                       check_built=lambda session, facts: access.check_not_shared(
-                                          session.owner, facts, self._table.all(), session.id))
+                                          session.owner, facts, self._table.all(), session.id),
+                                      vault=self.vault, live=LiveNetwork(store, self.vault, network_environment))
 
     def answer_network_with(self, questions: "NetworkQuestions") -> None:
         """Who answers the egress proxies' questions (unlisted = ask) of sandboxes built from now."""
@@ -147,7 +159,8 @@ class SessionRegistry:
 
     def create(self, caller: Caller, workspace: str, policy: SandboxPolicy, approval: ApprovalPolicy,
                limits: Limits, labels: dict[str, str], rules: ToolRules | None = None,
-               env: dict[str, str] | None = None, review: bool = False) -> Session:
+               env: dict[str, str] | None = None, review: bool = False,
+               secrets: "Mapping[str, bytes | DaemonSecret] | None" = None) -> Session:
         if not workspace.startswith("/"):
             raise InvalidPolicy(f"workspace {workspace!r} must be an absolute path")
         if review and not policy.workspace_writable:
@@ -157,16 +170,17 @@ class SessionRegistry:
         # As given: the fork server opens it as the caller and the session keeps the real path that
         # lookup found (SessionInfo.workspace), never one the daemon looked up itself as root.
         return self._life.create(caller, os.path.normpath(workspace), policy, approval, limits, labels, rules, env,
-                                 review)
+                                 review, secrets)
 
     def restore(self) -> int:
         return self._life.restore()
 
     def update_policy(self, caller: Caller, session_id: str, policy: SandboxPolicy | None,
-                      approval: ApprovalPolicy | None) -> Session:
+                      approval: ApprovalPolicy | None,
+                      secrets: "Mapping[str, bytes | DaemonSecret] | None" = None) -> Session:
         session = self.get(caller, session_id)
         return self._life.update_policy(caller, session, policy, approval, lambda new: self._check_policy(
-            caller, new, session.workspace, owner=session.owner, session_id=session.id))
+            caller, new, session.workspace, owner=session.owner, session_id=session.id), secrets)
 
     def close(self, caller: Caller, session_id: str, reason: str = "") -> None:
         """``reason``: why the daemon closed it itself (the SessionClosed event says so)."""

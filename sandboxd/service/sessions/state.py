@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from sandboxd.service.background import BackgroundJob
     from sandboxd.service.sandbox_hooks import Service
     from sandboxd.gitguard.guard import GitGuard
+    from sandboxd.network.interception.ca import SessionCA
+    from sandboxd.service.credential_vault import SessionCredentials
+    from sandboxd.service.sessions.network_live import LiveNetwork
     from sandboxd.supervisor.fork_client import SessionInfo
 
 
@@ -70,13 +73,20 @@ class Session:
         # policy's names by the daemon (``facts``).
         self.built: dict[int, SessionInfo] = {}
         self.jobs: dict[str, BackgroundJob] = {}  # its background processes by id (service.background)
+        # Its credentials' secrets and phantoms, in daemon memory only (service.credential_vault),
+        # replaced whole by a change; wiped when it closes.
+        self.credentials: SessionCredentials | None = None
+        self.daemon_secrets: dict[str, str] = {}  # as the store kept them: VAR -> [network.secrets] NAME
+        self.ca: SessionCA | None = None      # the CA its proxy ends TLS with (a proxied session): its key stays here
+        self.live_network: LiveNetwork | None = None  # how its network policy changes live (network_live)
 
     def to_row(self, closed_at: float | None = None) -> SessionRow:
         """What the store keeps of it (the caller holds ``lock``, or the session is not shared yet)."""
         return SessionRow(self.id, self.owner.uid, self.owner.gid, self.owner.principal, self.workspace,
                           policy_to_dict(self.policy), self.approval, rules_to_dict(self.rules),
                           self.limits.as_dict(), dict(self.labels), self.created_at, closed_at, dict(self.env),
-                          self.review)
+                          self.review, self.credentials.daemon_sources() if self.credentials is not None
+                          else dict(self.daemon_secrets))
 
     def axes(self) -> dict[str, object]:
         """Both policy axes, as events record them."""
@@ -115,6 +125,7 @@ def session_from_row(row: SessionRow) -> Session:
                       Limits(**row.limits), dict(row.labels), rules_from_dict(row.tool_rules),
                       created_at=row.created_at, env=dict(row.env), review=row.review)
     session.sandbox_ready = False
+    session.daemon_secrets = dict(row.daemon_secrets)
     return session
 
 
