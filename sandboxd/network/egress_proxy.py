@@ -431,7 +431,7 @@ class EgressProxy(TcpService):
             request.unwatch()
             if answer == Answer.DENY:
                 request.fail(request.refusal(f"sandboxd: {host}:{port} is not among the allowed domains "
-                                             f"({_listed(rules.domains)}); {why or 'refused when asked'}"))
+                                             f"({_listed(rules.domains)})\n{why or 'sandboxd: refused when asked'}"))
                 return
             request.granted = True
             self._connect(request, address)
