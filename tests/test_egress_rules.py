@@ -22,13 +22,15 @@ from pathlib import Path
 
 import pytest
 
-from interception_helpers import API, OTHER, UpstreamCA, Upstream
+from interception_helpers import API, OTHER, SECRET, UpstreamCA, Upstream, credential_set
+from sandboxd.network.credentials import CredentialSet
 from sandboxd.network.egress_proxy import EgressProxy, ProxyEvent, refused_range
 from sandboxd.network.interception.ca import SessionCA
 from sandboxd.network.interception.intercepted import Interceptor
 from sandboxd.network.interception.upstream_tls import upstream_context
 from sandboxd.network.tcp_relay import RelayLoop, listen_tcp
-from sandboxd.policy.network import NetworkRules, parse_endpoint
+from sandboxd.network.upstream import UpstreamRoute
+from sandboxd.policy.network import CredentialSpec, NetworkRules, parse_endpoint
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the proxy connects from a namespace it enters (root)")
 
@@ -122,14 +124,18 @@ class Setup:
         self.proxies: list[EgressProxy] = []
         self.ports: dict[int, int] = {}                   # id(proxy) -> its port
 
-    def proxy(self, rules: NetworkRules, allowed_ranges: tuple[str, ...] = (LOOPBACK,)) -> EgressProxy:
+    def proxy(self, rules: NetworkRules, allowed_ranges: tuple[str, ...] = (LOOPBACK,),
+              credentials: CredentialSet | None = None, upstream: UpstreamRoute | None = None,
+              trusted_pem: str | None = None) -> EgressProxy:
+        """A proxy on the test's loop; ``trusted_pem``: what it trusts for upstreams (the test CA)."""
         listener = listen_tcp("127.0.0.1", 0, step="test proxy")
         netns = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
             proxy = EgressProxy(listener, rules, netns_fd=netns, resolvers=[self.names.address],
                                 on_event=self.events.append, allowed_ranges=allowed_ranges,
-                                interceptor=Interceptor(self.session_ca, upstream_context(self.test_ca.pem)),
-                                loop=self.loop).start()
+                                interceptor=Interceptor(self.session_ca, upstream_context(
+                                    self.test_ca.pem if trusted_pem is None else trusted_pem)),
+                                credentials=credentials, upstream=upstream, loop=self.loop).start()
         finally:
             os.close(netns)
         self.proxies.append(proxy)
@@ -156,6 +162,12 @@ class Setup:
                 break
             head += chunk
         return raw, head
+
+    def tls(self, proxy: EgressProxy, host: str = API) -> ssl.SSLSocket:
+        """A TLS connection through a CONNECT to ``host``, trusting only the session's CA."""
+        raw, head = self.connect(proxy, host, self.upstream.port)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        return ssl.create_default_context(cafile=str(self.ca_file)).wrap_socket(raw, server_hostname=host)
 
     def https(self, proxy: EgressProxy, method: str, path: str, host: str = API) -> bytes:
         """One request over TLS through a CONNECT, trusting only the session's CA; what came back."""
@@ -321,3 +333,97 @@ def test_a_plain_http_1_0_request_without_host_takes_the_targets_authority(setup
             sock.sendall(f"GET http://{PLAIN}:{port}{path} HTTP/1.0\r\n\r\n".encode())
             answer = _read_all(sock)
         assert expected in answer, answer
+
+
+def _ask(tls: ssl.SSLSocket, port: int, path: str, extra: str = "") -> bytes:
+    """One keep-alive GET to API on ``tls``; its whole response (the upstream answers with
+    Content-Length)."""
+    tls.sendall(f"GET {path} HTTP/1.1\r\nHost: {API}:{port}\r\n{extra}\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = tls.recv(65536)
+        if not chunk:
+            return head
+        head += chunk
+    top, _, body = head.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in top.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        chunk = tls.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return top + b"\r\n\r\n" + body
+
+
+def _cut(sock: socket.socket) -> bool:
+    """Whether the proxy closed ``sock`` (EOF or reset, nothing more to read)."""
+    try:
+        return sock.recv(65536) == b""
+    except (ConnectionError, ssl.SSLError):
+        return True
+
+
+def test_update_cuts_open_connections_to_a_host_no_longer_allowed(setup: Setup) -> None:
+    proxy = setup.proxy(_rules(f"{API}=GET:/**"))
+    kept = setup.tls(proxy)                                              # intercepted, to API
+    tunnel, head = setup.connect(proxy, OTHER, setup.upstream.port)     # tunnelled, to OTHER
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert _ask(kept, setup.upstream.port, "/a").startswith(b"HTTP/1.1 200")
+    proxy.update(_rules(f"{API}=GET:/**", domains=(API,)))             # OTHER is gone, API stays
+    assert _cut(tunnel)
+    assert "no longer allowed" in setup.event("policy").detail
+    assert _ask(kept, setup.upstream.port, "/b").startswith(b"HTTP/1.1 200")    # control: API's lives on
+    proxy.update(_rules(domains=(OTHER,)))
+    assert _cut(kept)
+    end = time.monotonic() + 20                          # events are told off the loop
+    while len([e for e in setup.events if e.kind == "policy"]) < 2 and time.monotonic() < end:
+        time.sleep(0.02)
+    assert sorted(event.host for event in setup.events if event.kind == "policy") == sorted([OTHER, API])
+
+
+def test_update_cuts_a_tunnel_to_a_host_that_gains_endpoint_rules(setup: Setup) -> None:
+    proxy = setup.proxy(_rules())
+    tunnel, head = setup.connect(proxy, OTHER, setup.upstream.port)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    other, head = setup.connect(proxy, API, setup.upstream.port)        # control: stays a tunnel
+    proxy.update(_rules(f"{OTHER}=GET:/only"))
+    assert _cut(tunnel)
+    assert "must now be read" in setup.event("policy").detail
+    with ssl.create_default_context(cadata=setup.test_ca.pem).wrap_socket(other, server_hostname=API) as tls:
+        assert _ask(tls, setup.upstream.port, "/still").startswith(b"HTTP/1.1 200")
+
+
+def test_update_with_new_credentials_cuts_only_connections_whose_credential_changed(setup: Setup) -> None:
+    port = setup.upstream.port
+    spec = CredentialSpec("TOKEN", API, port)
+    rules = NetworkRules(domains=(OTHER,), credentials=(spec,))
+    phantom = "sbxp_" + "a" * 40
+    first = credential_set(port, phantom)
+    proxy = setup.proxy(rules, credentials=first)
+    tls = setup.tls(proxy)
+    auth = f"Authorization: Bearer {phantom}\r\n"
+    assert _ask(tls, setup.upstream.port, "/check", auth).endswith(b"ok")
+    same = credential_set(port, phantom)                                # equal values, new objects
+    proxy.update(rules, credentials=same)
+    first.wipe()                                                        # the old set may go at once
+    assert _ask(tls, setup.upstream.port, "/check", auth).endswith(b"ok")      # unchanged: it lives on
+    proxy.update(rules, credentials=credential_set(port, phantom, secret=SECRET + b"2"))
+    assert _cut(tls)
+    assert "credentials changed" in setup.event("policy").detail
+    # The next connection takes the new secret (the upstream checks for the old one: "bad").
+    assert _ask(setup.tls(proxy), setup.upstream.port, "/check", auth).endswith(b"bad")
+
+
+@pytest.mark.parametrize("target, status", [
+    ("/repos/a;x/issues/1", b"400"), ("/repos//issues/1", b"400"), ("/repos/a/issues/1?_method=DELETE", b"400"),
+    ("/repos/a/issues/1?_METHOD%3dDELETE", b"400"), ("/repos/a/issues/%2e%2e/1", b"400"),
+    ("/repos/a/issues/" + "x" * 8200, b"414"),
+])
+def test_a_target_servers_read_differently_is_refused_on_a_ruled_host(setup: Setup, target: str, status: bytes) -> None:
+    proxy = setup.proxy(_rules(f"{API}=GET:/repos/*/issues/**"))
+    answer = setup.https(proxy, "GET", target)
+    assert answer.startswith(b"HTTP/1.1 " + status), answer[:200]
+    assert len(answer.partition(b"\r\n\r\n")[2]) <= 4096
+    assert setup.upstream.recorder.requests == []
+    # Control: a plain target the rule names passes.
+    assert setup.https(proxy, "GET", "/repos/a/issues/1").startswith(b"HTTP/1.1 200")

@@ -248,6 +248,19 @@ def test_the_advisor_proposes_the_exact_name_for_an_unlisted_host() -> None:
     assert propose("api.github.com", 443, "get", "/a", GITHUB) is None                  # no rule can name "get"
 
 
+@pytest.mark.parametrize("method", ["*", "G*T", "M-SEARCH", "GET,POST", "**"])
+def test_a_method_that_is_not_letters_never_leads_to_a_proposal(method: str) -> None:
+    """"*" would be proposed as a rule for any method (second hostile pass, M1)."""
+    assert propose("api.github.com", 443, method, "/repos/a/pulls", GITHUB) is None
+    assert propose("api.github.com", 443, "GET", "/repos/a/pulls", GITHUB) is not None          # control
+
+
+@pytest.mark.parametrize("path", ["/a'b", '/a"b', "/a<b>", "/a`id`", "/a$b", "/a;b", "/a!b", "/a(b)", "/a&b"])
+def test_a_proposal_holds_only_safe_characters(path: str) -> None:
+    assert propose("api.github.com", 443, "GET", path, GITHUB) is None
+    assert propose("api.github.com", 443, "GET", "/a:b@c+d,e=f", GITHUB) is not None            # control
+
+
 _method = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "M-SEARCH"])
 _segment = st.one_of(
     st.text(alphabet="abcxyz0123456789-_.~*%;", max_size=20),
@@ -261,8 +274,11 @@ def test_a_proposal_always_matches_the_request_that_made_it(method: str, segment
     target = "/" + "/".join(segments) + ("?q=1" if query else "")
     proposal = propose("api.github.com", 443, method, target, GITHUB)
     normal = normalize_path(target)
-    if normal is None:
+    if normal is None or not method.isalpha():                    # no rule names a method not letters
         assert proposal is None
+        return
+    if proposal is None:
+        assert ";" in normal                                      # the one unsafe character of the alphabet
         return
     assert proposal is not None and proposal.kind == "endpoint"
     rule = parse_endpoint(proposal.rule)

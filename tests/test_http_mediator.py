@@ -16,7 +16,7 @@ import pytest
 
 from interception_helpers import API, SECRET, RawUpstream, World, credential_set
 from sandboxd.network.credentials import Scrubber, new_phantom
-from sandboxd.network.interception.http1 import MAX_HEADERS, MAX_REQUEST_HEAD, Mediator
+from sandboxd.network.interception.http1 import MAX_HEADERS, MAX_REQUEST_HEAD, Mediator, Refusal
 
 PHANTOM = new_phantom()
 
@@ -235,3 +235,124 @@ def test_a_secret_prints_as_secret_and_is_never_pickled() -> None:
     assert SECRET.decode() not in repr(credentials.for_upstream(API, 443))
     secret.wipe()
     assert secret.render(credential_set(443, PHANTOM).for_upstream(API, 443)[0].spec) == b"Bearer " + b"\0" * len(SECRET)
+
+
+# -- the hostile passes' findings (re-applied): scrubbing every echo form, plaintext only ------------
+
+ODD_SECRET = b"ab/c\"d<e>&f+g h'ij0123456789"        # one of each character some escaping changes
+
+
+def _answered(mediator: Mediator, response: bytes) -> bytes:
+    mediator.from_upstream(response)
+    return bytes(mediator.to_client)
+
+
+def _odd(request: bytes = b"") -> Mediator:
+    mediator = Mediator(API, 443, credentials=credential_set(443, PHANTOM, secret=ODD_SECRET))
+    mediator.from_client(request or f"GET / HTTP/1.1\r\nHost: {API}\r\nAuthorization: Bearer {PHANTOM}\r\n\r\n"
+                         .encode())
+    return mediator
+
+
+def test_every_echo_form_of_the_secret_is_scrubbed_from_a_response() -> None:
+    import base64
+    import html
+    import json
+    import urllib.parse
+
+    text = ODD_SECRET.decode()
+    plain_forms = [ODD_SECRET, json.dumps(text).encode(), urllib.parse.quote(text, safe="").encode(),
+                   urllib.parse.quote(text, safe="").lower().encode(), html.escape(text).encode()]
+    wrapped = [base64.b64encode(prefix + ODD_SECRET + b"tail") for prefix in (b"", b"x", b"xy", b"user:")]
+    body = b"\n".join(plain_forms + wrapped) + b"\n"
+    name_form = base64.urlsafe_b64encode(b"x" + ODD_SECRET + b"z")        # a header name may hold it
+    mediator = _odd()
+    out = _answered(mediator, b"HTTP/1.1 200 you sent " + urllib.parse.quote(text, safe="").encode() + b"\r\n"
+                    + b"X-" + name_form.rstrip(b"=") + b": 1\r\nX-Echo: " + json.dumps(text).encode() + b"\r\n"
+                    + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    assert name_form[2:30] not in out and b"\r\nX-" in out
+    for form in plain_forms:
+        assert form.strip(b'"') not in out, form
+    for whole in wrapped:
+        assert whole not in out
+    assert out.count(b"\n") >= len(plain_forms) + len(wrapped)            # framing kept: same lengths
+    # Control: the same response on a connection without the credential passes as sent.
+    bare = Mediator(API, 443)
+    bare.from_client(f"GET / HTTP/1.1\r\nHost: {API}\r\n\r\n".encode())
+    assert body in _answered(bare, b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+
+
+def test_a_reason_phrase_is_scrubbed_and_printable() -> None:
+    out = _answered(_odd(), b"HTTP/1.1 200 OK " + ODD_SECRET + b" \x1b[2J\r\nContent-Length: 0\r\n\r\n")
+    status_line = out.split(b"\r\n")[0]
+    assert ODD_SECRET not in status_line and b"\x1b" not in status_line, status_line
+
+
+def test_a_502_for_a_malformed_response_quotes_no_secret() -> None:
+    reports: list[tuple[str, str, str, str]] = []
+    mediator = Mediator(API, 443, credentials=credential_set(443, PHANTOM), report=lambda *r: reports.append(r))
+    mediator.from_client(f"GET / HTTP/1.1\r\nHost: {API}\r\n\r\n".encode())
+    out = _answered(mediator, b"HTTP/1.1 200 OK\r\nbad header " + SECRET + b"\x1b\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 502") and b"illegal header line" in out, out      # control: it is quoted
+    assert SECRET not in out and b"\x1b" not in out
+    assert reports and all(SECRET.decode() not in detail for _, detail, _, _ in reports)
+
+
+def test_a_credential_connection_asks_for_identity_and_no_range() -> None:
+    request = (f"GET / HTTP/1.1\r\nHost: {API}\r\nAuthorization: Bearer {PHANTOM}\r\nAccept-Encoding: gzip, br\r\n"
+               "Range: bytes=5-\r\nIf-Range: x\r\n\r\n").encode()
+    headers = dict(_parsed(_mediate(request).to_upstream).headers)
+    assert headers[b"accept-encoding"] == b"identity" and b"range" not in headers and b"if-range" not in headers
+    # Control: without credentials the client's own choice passes.
+    headers = dict(_parsed(_mediate(request, credentials=False).to_upstream).headers)
+    assert headers[b"accept-encoding"] == b"gzip, br" and headers[b"range"] == b"bytes=5-"
+
+
+def test_an_encoded_response_on_a_credential_connection_is_a_502() -> None:
+    mediator = _mediate(f"GET / HTTP/1.1\r\nHost: {API}\r\nAuthorization: Bearer {PHANTOM}\r\n\r\n".encode())
+    out = _answered(mediator, b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 3\r\n\r\nabc")
+    assert out.startswith(b"HTTP/1.1 502") and b"abc" not in out, out
+
+
+def test_an_upgrade_on_a_connection_that_carries_a_credential_is_refused() -> None:
+    upgrade = (f"GET /ws HTTP/1.1\r\nHost: {API}\r\nAuthorization: Bearer {PHANTOM}\r\nConnection: Upgrade\r\n"
+               "Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+               "\r\n").encode()
+    mediator = _mediate(upgrade)
+    assert mediator.to_client.startswith(b"HTTP/1.1 403") and not mediator.to_upstream and mediator.done
+    # Control: the same upgrade without the credential's header passes on.
+    passed = _mediate(upgrade.replace(f"Authorization: Bearer {PHANTOM}\r\n".encode(), b""), credentials=False)
+    assert dict(_parsed(passed.to_upstream).headers)[b"upgrade"] == b"websocket"
+
+
+@pytest.mark.parametrize("header", ["X-HTTP-Method-Override", "X-HTTP-Method", "X-Method-Override"])
+def test_a_method_override_is_judged_as_the_method_it_names(header: str) -> None:
+    seen: list[str] = []
+
+    def hook(method: str, target: str) -> Refusal | None:
+        seen.append(method)
+        return None if method == "GET" else Refusal(403, f"sandboxd: {method} is not allowed")
+
+    mediator = Mediator(API, 443, on_request=hook)
+    mediator.from_client(f"GET / HTTP/1.1\r\nHost: {API}\r\n{header}: delete\r\n\r\n".encode())
+    assert seen == ["GET", "DELETE"] and mediator.to_client.startswith(b"HTTP/1.1 403") and not mediator.to_upstream
+    control = Mediator(API, 443, on_request=hook)
+    control.from_client(f"GET / HTTP/1.1\r\nHost: {API}\r\n\r\n".encode())
+    assert control.to_upstream and not control.to_client
+
+
+@pytest.mark.parametrize("method, override", [("*", ""), ("G-T", ""), ("GET", "*"), ("GET", "DELETE;x")])
+def test_a_method_or_override_that_is_not_letters_is_a_400(method: str, override: str) -> None:
+    seen: list[str] = []
+    mediator = Mediator(API, 443, on_request=lambda m, t: seen.append(m))
+    extra = f"X-HTTP-Method-Override: {override}\r\n" if override else ""
+    mediator.from_client(f"{method} / HTTP/1.1\r\nHost: {API}\r\n{extra}\r\n".encode())
+    assert mediator.to_client.startswith(b"HTTP/1.1 400") and not mediator.to_upstream and seen == []
+
+
+def test_a_refusal_body_is_at_most_4_kib() -> None:
+    from sandboxd.network.interception.http1 import MAX_REFUSAL_BODY, refusal_bytes
+
+    answer = refusal_bytes(403, "x" * 100_000)
+    assert len(answer.partition(b"\r\n\r\n")[2]) == MAX_REFUSAL_BODY
+    assert len(refusal_bytes(403, "short").partition(b"\r\n\r\n")[2]) == len("short\n")        # control

@@ -16,6 +16,7 @@ can be wiped): never in a Record, an exception, a log line or an event.
 from __future__ import annotations
 
 import base64
+import hmac
 import os
 
 from sandboxd.policy.network import CredentialSpec
@@ -63,20 +64,61 @@ class Secret:
         return before.encode("ascii") + bytes(self._value) + after.encode("ascii")
 
     def forms(self, spec: CredentialSpec) -> tuple[bytes, ...]:
-        """Every form of the secret a response must not carry back: the secret, and for Basic
-        authentication its base64 token too."""
+        """Every form of the secret a response must not carry back (``echo_forms``: as is, JSON-,
+        percent-, HTML-escaped, inside base64 at any offset), and for Basic authentication the
+        token the upstream got too."""
+        forms = echo_forms(bytes(self._value))
         if spec.basic_user is not None:
-            return bytes(self._value), self._basic_token(spec)
-        return (bytes(self._value),)
+            return forms + echo_forms(self._basic_token(spec))
+        return forms
 
     def _basic_token(self, spec: CredentialSpec) -> bytes:
         user = spec.basic_user or ""
         plain = (user.encode("ascii") + b":" if user else b"") + bytes(self._value)
         return base64.b64encode(plain)
 
+    def equals(self, other: "Secret") -> bool:
+        """The same bytes (compared in constant time)."""
+        return hmac.compare_digest(bytes(self._value), bytes(other._value))
+
     def wipe(self) -> None:
         for index in range(len(self._value)):
             self._value[index] = 0
+
+
+def echo_forms(secret: bytes) -> tuple[bytes, ...]:
+    """The forms an upstream may echo ``secret`` back in: as is; JSON-escaped (``\\/`` too, and
+    ``\\uXXXX`` for every byte outside ASCII); percent-encoded (upper and lower case hex, ``+``
+    for space); HTML-escaped (named, decimal and hex references for the quote); and the part of its
+    base64 (standard and URL-safe) that stands for it whatever bytes surround it, at each of the
+    three offsets the secret may start at within an encoded whole."""
+    import html
+    import json
+    import urllib.parse
+
+    text = secret.decode("latin-1")
+    forms = {secret}
+    escaped = json.dumps(text)[1:-1]
+    forms |= {escaped.encode("ascii"), escaped.replace("/", "\\/").encode("ascii")}
+    for quoted in (urllib.parse.quote_from_bytes(secret, safe=""), urllib.parse.quote_plus(text, safe="", encoding="latin-1")):
+        forms |= {quoted.encode("ascii"), _lower_escapes(quoted).encode("ascii")}
+    for quote in ("&#x27;", "&#39;", "&apos;"):
+        forms.add(html.escape(text).replace("&#x27;", quote).encode("latin-1"))
+    for offset in range(3):
+        encoded = base64.b64encode(b"\0" * offset + secret)
+        start, end = -(-8 * offset // 6), 8 * (offset + len(secret)) // 6
+        core = encoded[start:end]
+        forms |= {core, core.translate(_URLSAFE)}
+    return tuple(sorted(form for form in forms if form))
+
+
+_URLSAFE = bytes.maketrans(b"+/", b"-_")
+
+
+def _lower_escapes(quoted: str) -> str:
+    """``quoted`` with each %XX escape's hex in lower case."""
+    parts = quoted.split("%")
+    return parts[0] + "".join("%" + part[:2].lower() + part[2:] for part in parts[1:])
 
 
 class Credential:
@@ -89,6 +131,11 @@ class Credential:
 
     def __repr__(self) -> str:
         return f"Credential({self.spec.text()!r}, <secret>, {self.phantom!r})"
+
+    def same(self, other: "Credential") -> bool:
+        """Whether ``other`` is this credential: the same spec, phantom and secret."""
+        return (self.spec == other.spec and self.phantom == other.phantom
+                and self.secret.equals(other.secret))
 
     def replaces(self, value: bytes) -> bool:
         """Whether header ``value`` (of this credential's header) is the sandbox's use of the

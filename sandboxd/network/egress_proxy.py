@@ -51,6 +51,7 @@ import ipaddress
 import os
 import socket
 import struct
+import logging
 import time
 from concurrent.futures import Future
 from typing import Callable
@@ -74,8 +75,11 @@ if TYPE_CHECKING:                        # the interception room imports h11 and
     from sandboxd.network.interception.http1 import Held, Refusal, Report, RequestHook, Resume
     from sandboxd.network.interception.intercepted import Intercepted, Interceptor
     from sandboxd.network.interception.plain import PlainMediated
+    from sandboxd.network.upstream import UpstreamConnect, UpstreamRoute
 
 DEFAULT_CONNECTIONS = 256
+log = logging.getLogger("sandboxd")
+
 REQUEST_SECONDS = 30.0             # from accepting a connection to a complete request
 MAX_REQUEST_HEAD = 65536
 # The host filter's ranges, and the documentation and reserved ones no real destination is in:
@@ -116,11 +120,15 @@ def allowed_name(name: str, patterns: "tuple[str, ...] | list[str]") -> str | No
 
 
 MAX_RULES_SHOWN = 20                # endpoint rules quoted in a refusal's body
+MAX_RULED_TARGET = 8192            # bytes of a request target to a host with endpoint rules (414 past)
+MAX_REFUSAL_BODY = 4096             # bytes of a refusal's body, whatever it quotes
+MAX_UNRESOLVED_NOTED = 256          # names logged as resolved only upstream, per proxy
 
 
 class ProxyEvent(Record):
     """A refusal as the proxy reports it. ``kind``: domain, endpoint, metadata, range, address,
-    port, protocol, cap, upstream_tls, upstream, timeout (design §4.5); ``detail`` is printable."""
+    port, protocol, cap, upstream_tls, upstream, timeout (design §4.5), policy (an open connection
+    cut by ``EgressProxy.update``); ``detail`` is printable."""
 
     kind: str
     host: str
@@ -133,12 +141,33 @@ class ProxyEvent(Record):
 def refused_range(address: str, allowed_ranges: "tuple[str, ...]" = ()) -> bool:
     """Is ``address`` in a range the proxy refuses before trying (REFUSED_RANGES, less the
     ``allowed_ranges`` root named; a metadata address always)?"""
-    if metadata_address(address):
-        return True
+    return metadata_address(address) or blocked_range(address, allowed_ranges) is not None
+
+
+def blocked_range(address: str, allowed_ranges: "tuple[str, ...]" = ()) -> str | None:
+    """The refused range (of REFUSED_RANGES) ``address`` is in, unless root named a range holding
+    it in ``allowed_ranges`` (network.allowed_ranges); None when it is in none."""
     ip = ipaddress.ip_address(address)
     if any(ip in ipaddress.ip_network(r) for r in allowed_ranges):
-        return False
-    return any(ip in network for network in _REFUSED)
+        return None
+    return next((str(network) for network in _REFUSED if ip in network), None)
+
+
+def ambiguous_target(target: str) -> str:
+    """Why a request target to a host with endpoint rules is refused before matching ("" when it
+    is not): what normalize_path refuses, and what servers and frameworks read as another path or
+    method than the rules would match: path parameters (``;``), empty segments (``//``), a
+    ``_method=`` override in the query."""
+    if normalize_path(target) is None:
+        return f"an ambiguous path ({why_not_normal(target)})"
+    path, _, query = target.partition("?")
+    if ";" in path:
+        return "a ';' in the path (path parameters)"
+    if "//" in path:
+        return "an empty segment ('//') in the path"
+    if "_method=" in query.lower() or "_method%3d" in query.lower():
+        return "a '_method=' method override in the query"
+    return ""
 
 
 def endpoint_refusal(host: str, method: str, target: str, rules: NetworkRules) -> str:
@@ -158,6 +187,14 @@ def _listed(domains: "tuple[str, ...]") -> str:
         return "none are allowed"
     more = f", ... and {len(domains) - MAX_RULES_SHOWN} more" if len(domains) > MAX_RULES_SHOWN else ""
     return "allowed: " + ", ".join(domains[:MAX_RULES_SHOWN]) + more
+
+
+def http_refusal(status: int, reason: str, body: str) -> bytes:
+    """A complete HTTP response that closes the connection: ``body`` (printable text), cut to
+    MAX_REFUSAL_BODY bytes."""
+    payload = (body.encode("utf-8")[:MAX_REFUSAL_BODY - 1].decode("utf-8", "ignore") + "\n").encode("utf-8")
+    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode("ascii") + payload
 
 
 def host_owns(address: str) -> bool:
@@ -182,13 +219,22 @@ def proxy_environment() -> dict[str, str]:
     return {**env, **{key.lower(): value for key, value in env.items()}}
 
 
+def _same_credentials(old: "CredentialSet | None", new: "CredentialSet | None", host: str, port: int) -> bool:
+    """Whether ``old`` and ``new`` hold the same credentials (spec, phantom, secret) for
+    ``host``:``port``."""
+    before = old.for_upstream(host, port) if old is not None else ()
+    after = new.for_upstream(host, port) if new is not None else ()
+    return len(before) == len(after) and all(a.same(b) for a, b in zip(before, after, strict=True))
+
+
 class EgressProxy(TcpService):
     def __init__(self, listener: socket.socket, rules: NetworkRules, *,
                  netns_fd: int, resolvers: "list[str] | tuple[str, ...]" = (),
                  on_denied: "Callable[[str, str], None]" = lambda destination, why: None,
                  on_event: "Callable[[ProxyEvent], None] | None" = None,
                  interceptor: "Interceptor | None" = None, credentials: "CredentialSet | None" = None,
-                 allowed_ranges: "tuple[str, ...]" = (), ask: Ask | None = None,
+                 allowed_ranges: "tuple[str, ...]" = (), upstream: "UpstreamRoute | None" = None,
+                 ask: Ask | None = None,
                  connections: int = DEFAULT_CONNECTIONS, loop: RelayLoop | None = None) -> None:
         """``listener``: bound and listening on the sandbox's loopback (see ``listen``); only
         clients from PROXY_ADDRESS are served, once ``start`` is called; upstream connections are made in the
@@ -198,6 +244,8 @@ class EgressProxy(TcpService):
         ``rules``: what is allowed (``update`` replaces them). ``interceptor`` (the session's CA)
         and ``credentials``: for the hosts ``rules.intercepts``; without an interceptor such a host
         is refused. ``allowed_ranges``: blocked ranges root named reachable (never metadata).
+        ``upstream``: the corporate proxy every allowed connection goes through, as a CONNECT
+        (network.upstream), after the same checks.
         ``on_event(event)`` is told of every refusal, typed (on a worker thread); without it,
         ``on_denied(destination, why)``. ``ask``: with ``rules.unlisted`` ASK, what an unlisted
         host or an endpoint miss becomes instead of a refusal (``_Asking``)."""
@@ -205,12 +253,16 @@ class EgressProxy(TcpService):
         self._rules, self._client = rules, PROXY_ADDRESS
         self._resolvers, self._on_denied, self._on_event = list(resolvers), on_denied, on_event
         self._interceptor, self._credentials = interceptor, credentials
-        self._allowed_ranges = allowed_ranges
+        self._allowed_ranges, self._upstream = allowed_ranges, upstream
+        self._unresolved: set[str] = set()
         self._ask = ask
         self._netns = os.dup(netns_fd) if netns_fd >= 0 else -1
         self._ports = ROOTLESS_PORTS if netns_fd < 0 else None
         self.cap = ConnectionCap(connections)
         self._cap_reported = False
+        # Each relayed connection's destination (host, port as matched) and kind (tunnel,
+        # intercepted, plain), for ``update`` to cut what a change takes away. Loop thread only.
+        self._destinations: "dict[Relay | Intercepted | PlainMediated, tuple[str, int, str]]" = {}
 
     @property
     def rules(self) -> NetworkRules:
@@ -225,14 +277,37 @@ class EgressProxy(TcpService):
         return self._credentials
 
     def update(self, rules: NetworkRules, credentials: "CredentialSet | None" = None) -> None:
-        """Enforce ``rules`` for every request read after this returns (any thread). One reference
-        replaced, which the loop reads once per request: no post, so no request read after the
-        call can see the old rules. Open tunnels stay; intercepted connections judge their next
-        request by the new rules. ``credentials``, when given, replace the set new connections
-        swap with (an open intercepted connection keeps the set it started with)."""
+        """Enforce ``rules`` (and, when given, ``credentials``) for every connection and request read
+        after this returns (any thread; returns once done). The references are replaced first, which
+        the loop reads once per request, so no request read after the call sees the old ones. Then,
+        on the loop, every open connection the change takes away is cut: to a host no longer allowed,
+        a tunnel to a host now intercepted (its requests must be read), an intercepted one whose
+        host's credentials changed. The others stay; intercepted ones judge their next request by
+        the new rules and take the new set (the old one may be wiped once this returns)."""
+        old = self._credentials
+        self._rules = rules
         if credentials is not None:
             self._credentials = credentials
-        self._rules = rules
+        self._loop.call(lambda: self._cut_stale(rules, old))
+
+    def _cut_stale(self, rules: NetworkRules, old: "CredentialSet | None") -> None:
+        new = self._credentials
+        for connection, (host, port, kind) in list(self._destinations.items()):
+            if not rules.allowed(host, port) and not kind.endswith("allowed when asked"):   # a person's answer stands
+                why = "it is no longer allowed"
+            elif kind == "tunnel" and rules.intercepts(host, port):
+                why = "its requests must now be read"
+            elif kind == "intercepted" and not _same_credentials(old, new, host, port):
+                why = "its credentials changed"
+            else:
+                if kind == "intercepted":
+                    from sandboxd.network.interception.intercepted import Intercepted
+
+                    assert isinstance(connection, Intercepted)
+                    connection.use_credentials(new)
+                continue
+            self.denied(f"{host}:{port}", f"an open connection was cut: {why}", "policy")
+            connection.close()
 
     @staticmethod
     def listen(netns_fd: int) -> socket.socket:
@@ -319,9 +394,15 @@ class EgressProxy(TcpService):
             ruled = rules.ruled(host)
             if not ruled:
                 return None
+            if len(target) > MAX_RULED_TARGET:
+                return Refusal(414, f"sandboxd: a request target over {MAX_RULED_TARGET} bytes to a host with "
+                                    "endpoint rules", "endpoint")
+            why = ambiguous_target(target)
+            if why:
+                return Refusal(400, f"sandboxd: {why}, which servers read differently; {host} has endpoint rules",
+                               "endpoint")
             path = normalize_path(target)
-            if path is None:
-                return Refusal(400, f"sandboxd: ambiguous path: {why_not_normal(target)}", "endpoint")
+            assert path is not None                     # ambiguous_target said why not
             if endpoint_allowed(ruled, method, path):
                 return None
             refusal = Refusal(403, endpoint_refusal(host, method, target, rules), "endpoint")
@@ -344,6 +425,13 @@ class EgressProxy(TcpService):
         request = _Request(self, client)
         self.track(request)
 
+    def opened(self, connection: "Relay | Intercepted | PlainMediated", host: str, port: int, kind: str) -> None:
+        """``connection`` (to ``host``:``port``, a tunnel, intercepted or plain) now relays."""
+        self._destinations[connection] = (host, port, kind)
+
+    def forget(self, connection: "Relay | Intercepted | PlainMediated") -> None:
+        self._destinations.pop(connection, None)
+
     def _refuse_over_cap(self, client: socket.socket) -> None:
         try:
             first = client.recv(1, socket.MSG_PEEK)
@@ -356,66 +444,67 @@ class EgressProxy(TcpService):
                                  "further ones are refused until some close")
 
     def open_upstream(self, name: str, port: int, request: "_Request") -> None:
-        """Check ``name``, resolve it off the loop, connect from the sandbox's namespace; then
-        ``request.upstream_ready(sock)`` or ``request.fail(reply)``, on the loop."""
-        destination = f"{name}:{port}"
+        """Check ``name``, resolve it off the loop, connect from the sandbox's namespace (or, with
+        an upstream route, to the corporate proxy and CONNECT through it); then
+        ``request.connected(error)`` or ``request.refuse``/``request.fail``, on the loop."""
+        destination = f"{printable(name)}:{port}"
         rules = self._rules
         host = host_name(name)
         if host is not None and metadata_name(host):
-            self.denied(destination, "a cloud metadata service is never reachable", "metadata")
-            request.fail(request.forbidden)
+            request.refuse(destination, "a cloud metadata service is never reachable", "metadata")
             return
         asking = False
         if host is None or not rules.allowed(host, port):
             if host is None or not self.asks(rules):
-                self.denied(destination, "not in the allowed domains")
-                request.fail(request.forbidden)
+                request.refuse(destination, "not in the allowed domains", "domain")
                 return
             asking = True                               # after the checks every connection gets
         intercept = not request.plain and rules.intercepts(host, port)
         if intercept and (self._interceptor is None or request.to_upstream):
-            self.denied(destination, "its requests must be read, which this connection does not allow", "protocol")
-            request.fail(request.forbidden)
+            request.refuse(destination, "its requests must be read, which this connection does not allow", "protocol")
             return
         request.host, request.port, request.intercept = host, port, intercept
-        resolvers = tuple(self._resolvers)
+        resolvers, route = tuple(self._resolvers), self._upstream
 
-        def work() -> str:
-            return resolve(host, resolvers)             # the name as matched, as DNS holds it
+        def work() -> tuple[str | None, str | None]:
+            """The name's address here (None: only the upstream proxy resolves it) and the upstream
+            proxy's ("" when it does not resolve)."""
+            try:
+                address: str | None = resolve(host, resolvers)   # the name as matched, as DNS holds it
+            except (OSError, UnicodeError):
+                if route is None:
+                    raise
+                address = None
+            if route is None:
+                return address, None
+            try:
+                return address, route.literal() or resolve(route.host, resolvers)
+            except (OSError, UnicodeError):
+                return address, ""
 
-        def then(future: "Future[str]") -> None:
+        def then(future: "Future[tuple[str | None, str | None]]") -> None:
             if request.closed:
                 return
             try:
-                address = future.result()
+                address, via = future.result()
             except (OSError, UnicodeError):
-                self.denied(destination, "the name does not resolve")
-                request.fail(request.forbidden)
+                request.refuse(destination, "the name does not resolve", "domain")
                 return
-            if metadata_address(address):
-                self.denied(destination, f"it resolves to {address}, a cloud metadata service", "metadata")
-                request.fail(request.forbidden)
+            if address is not None and not self._address_allowed(request, destination, address, port):
                 return
-            if refused_range(address, self._allowed_ranges):
-                self.denied(destination, f"it resolves to {address}, a blocked range", "range")
-                request.fail(request.forbidden)
-                return
-            if self._netns < 0 and host_owns(address):
-                self.denied(destination, f"it resolves to {address}, an address of this host", "address")
-                request.fail(request.forbidden)
-                return
+            if address is None:
+                self._unresolved_here(host)
             if self._ports is not None and port not in self._ports:   # after the graver reasons, to say them
-                self.denied(destination, f"port {port} is not one this proxy relays to (only "
-                                         f"{', '.join(map(str, self._ports))})", "port")
-                request.fail(request.forbidden)
+                request.refuse(destination, f"port {port} is not one this proxy relays to (only "
+                                            f"{', '.join(map(str, self._ports))})", "port")
                 return
             if asking:
-                self._hold(request, rules, address)
+                self._hold(request, rules, address, via)
             else:
-                self._connect(request, address)
+                self._connect(request, address, via)
         self._loop.offload(work, then)
 
-    def _hold(self, request: "_Request", rules: NetworkRules, address: str) -> None:
+    def _hold(self, request: "_Request", rules: NetworkRules, address: str | None, via: str | None) -> None:
         """Hold the connection to an unlisted host (checked for everything but the allowlist) and
         ask; connect it on an allow, refuse it on a deny. Meanwhile the client is watched only for
         leaving (_Request.on_ready)."""
@@ -434,14 +523,23 @@ class EgressProxy(TcpService):
                                              f"({_listed(rules.domains)})\n{why or 'sandboxd: refused when asked'}"))
                 return
             request.granted = True
-            self._connect(request, address)
+            self._connect(request, address, via)
         request.held = True
         request.withdraw = self.begin_question(question, answered)
         request.watch()
 
-    def _connect(self, request: "_Request", address: str) -> None:
-        """Connect ``request``'s upstream socket to ``address`` from the sandbox's namespace."""
-        port = request.port
+    def _connect(self, request: "_Request", address: str | None, via: str | None) -> None:
+        """Connect ``request``'s upstream: to ``address`` from the sandbox's namespace, or through
+        the upstream proxy (at ``via``)."""
+        port, destination, route = request.port, f"{request.host}:{request.port}", self._upstream
+        if route is not None:
+            if not via:
+                self.denied(destination, f"the upstream proxy {route.text()} does not resolve", "upstream")
+                request.fail(request.unreachable)
+                return
+            request.through(route, via)
+            return
+        assert address is not None
         try:
             upstream = (socket_in_namespace(self._netns, mark=PROXY_MARK) if self._netns >= 0 else
                         # Rootless: no kernel filter behind it, so the two checks above are the
@@ -453,6 +551,28 @@ class EgressProxy(TcpService):
             return
         request.upstream = upstream
         request.connecting = Connecting(self._loop, upstream, (address, port), request.connected)
+
+    def _address_allowed(self, request: "_Request", destination: str, address: str, port: int) -> bool:
+        """Whether the address a name resolves to may be reached; else refuses ``request`` saying why."""
+        if metadata_address(address):
+            request.refuse(destination, f"it resolves to {address}, a cloud metadata service", "metadata")
+            return False
+        blocked = blocked_range(address, self._allowed_ranges)
+        if blocked is not None:
+            request.refuse(destination, f"it resolves to {address}, in {blocked}, a blocked range (root may "
+                                        f"name the range in network.allowed_ranges)", "range")
+            return False
+        if self._netns < 0 and host_owns(address):
+            request.refuse(destination, f"it resolves to {address}, an address of this host", "address")
+            return False
+        return True
+
+    def _unresolved_here(self, host: str) -> None:
+        """A name only the upstream proxy resolves: its range is not checked here; said once per name."""
+        if host not in self._unresolved and len(self._unresolved) < MAX_UNRESOLVED_NOTED:
+            self._unresolved.add(host)
+            log.info("egress proxy: %s does not resolve here; it goes to the upstream proxy unresolved, so "
+                     "the range of its address is not checked here", host)
 
 
 class _Request:
@@ -469,7 +589,8 @@ class _Request:
         self.forbidden, self.unreachable, self.success = HTTP_FORBIDDEN, HTTP_BAD_GATEWAY, b""
         self.to_upstream = b""
         self.upstream: socket.socket | None = None
-        self.connecting: Connecting | None = None
+        self.connecting: "Connecting | UpstreamConnect | None" = None
+        self.first = b""                                # what an upstream proxy sent after its answer
         self.relay: "Relay | Intercepted | PlainMediated | None" = None
         self.plain = False                              # an absolute-form http:// request
         self.host, self.port, self.intercept = "", 0, False     # as matched; handed to Intercepted
@@ -491,9 +612,7 @@ class _Request:
         """A refusal naming why, as this client understands one (SOCKS has no room for text)."""
         if self.forbidden is not HTTP_FORBIDDEN:
             return self.forbidden
-        from sandboxd.network.interception.http1 import refusal_bytes
-
-        return refusal_bytes(403, text)
+        return http_refusal(403, "Forbidden", text)
 
     def _watch(self, on: bool) -> None:
         if on != self.watched:
@@ -619,43 +738,92 @@ class _Request:
             return
         assert self.upstream is not None
         proxy, upstream = self.proxy, self.upstream
+        rules = proxy.rules                             # an update while resolving or connecting
+        if (not rules.allowed(self.host, self.port) and not self.granted) or (
+                not self.plain and rules.intercepts(self.host, self.port) != self.intercept):
+            proxy.denied(f"{self.host}:{self.port}", "the network policy changed while connecting")
+            self.fail(self.forbidden)
+            return
+        if self.first and (self.intercept or self.plain):
+            proxy.denied(f"{self.host}:{self.port}", "the upstream proxy sent bytes before the request", "upstream")
+            self.fail(self.unreachable)
+            return
         self.closed = True                              # the relay owns both sockets from here
         proxy.untrack(self)
+        relay: "Relay | Intercepted | PlainMediated"
         if self.intercept:
             from sandboxd.network.interception.intercepted import Intercepted
 
             assert proxy.interceptor is not None
-            port = self.port
-            intercepted = Intercepted(proxy.loop, self.client, upstream, self.host, port,
-                                      interceptor=proxy.interceptor, credentials=proxy.credentials,
-                                      on_request=proxy.request_hook(self.host, port, scheme="https"),
-                                      report=proxy.report_for(self.host, port), established=self.success,
-                                      on_close=self._relay_closed)
-            self.relay = intercepted
-            if not intercepted.closed:
-                proxy.track(intercepted)
-            return
-        if self.plain:
+            kind, port = "intercepted", self.port
+            relay = Intercepted(proxy.loop, self.client, upstream, self.host, port,
+                                interceptor=proxy.interceptor, credentials=proxy.credentials,
+                                on_request=proxy.request_hook(self.host, port, scheme="https"),
+                                report=proxy.report_for(self.host, port), established=self.success,
+                                on_close=self._relay_closed)
+        elif self.plain:
             from sandboxd.network.interception.plain import PlainMediated
 
-            mediated = PlainMediated(proxy.loop, self.client, upstream, self.host, self.port, first=self.to_upstream,
-                                     on_request=proxy.request_hook(self.host, self.port, scheme="http",
-                                                                   first_granted=self.granted),
-                                     report=proxy.report_for(self.host, self.port), on_close=self._relay_closed)
-            self.relay = mediated
-            if not mediated.closed:
-                proxy.track(mediated)
-            return
-        relay = Relay(proxy.loop, self.client, upstream, to_a=self.success, to_b=self.to_upstream,
-                      on_close=self._relay_closed)
+            kind = "plain"
+            relay = PlainMediated(proxy.loop, self.client, upstream, self.host, self.port, first=self.to_upstream,
+                                  on_request=proxy.request_hook(self.host, self.port, scheme="http",
+                                                                first_granted=self.granted),
+                                  report=proxy.report_for(self.host, self.port), on_close=self._relay_closed)
+        else:
+            kind = "tunnel"
+            relay = Relay(proxy.loop, self.client, upstream, to_a=self.success + self.first, to_b=self.to_upstream,
+                          on_close=self._relay_closed)
         self.relay = relay
         if not relay.closed:
             proxy.track(relay)
+            proxy.opened(relay, self.host, self.port, kind if not self.granted else f"{kind}, allowed when asked")
 
     def _relay_closed(self) -> None:
         if self.relay is not None:
             self.proxy.untrack(self.relay)
+            self.proxy.forget(self.relay)
         self.proxy.cap.release()
+
+    def refuse(self, destination: str, why: str, kind: str) -> None:
+        """Turn the request away: reported, and the client told why (an HTTP 403 whose body says
+        it; a SOCKS client gets its ruleset code, which has no room for a reason)."""
+        self.proxy.denied(destination, why, kind)
+        self.fail(self.forbidden if self.forbidden is not HTTP_FORBIDDEN else
+                  http_refusal(403, "Forbidden", f"sandboxd: {destination}: {why}"))
+
+    def through(self, route: "UpstreamRoute", via: str) -> None:
+        """Connect to the corporate proxy ``route`` (at ``via``) and CONNECT to this request's
+        host and port through it; then ``connected``."""
+        from sandboxd.network.upstream import UpstreamConnect
+
+        proxy, destination = self.proxy, f"{self.host}:{self.port}"
+        try:
+            upstream = route.socket()
+        except OSError:
+            self.fail(self.unreachable)
+            return
+        self.upstream = upstream
+
+        def tunnel_ready(why: str | None, first: bytes) -> None:
+            if self.closed:
+                return
+            if why is not None:
+                proxy.denied(destination, why, "upstream")
+                self.fail(self.unreachable)
+                return
+            self.first = first
+            self.connected(None)
+
+        def reached(error: OSError | None) -> None:
+            if self.closed:
+                return
+            if error is not None:
+                proxy.denied(destination, f"the upstream proxy {route.text()} is unreachable "
+                                          f"({error.strerror or type(error).__name__})", "upstream")
+                self.fail(self.unreachable)
+                return
+            self.connecting = UpstreamConnect(proxy.loop, upstream, route, self.host, self.port, tunnel_ready)
+        self.connecting = Connecting(proxy.loop, upstream, (via, route.port), reached)
 
     def fail(self, reply: bytes) -> None:
         if not self.closed:

@@ -5,7 +5,9 @@ proxy's 403 and in the PermissionDenied event, so that even under ``unlisted = r
 learns the one-line fix. A proposal is as narrow as is useful: the exact host name for an unlisted
 host (never a wildcard, never ``*``); for an endpoint miss the request's own method and path, with
 each segment that looks like an identifier (a number, a hash, a UUID, a long token) made ``*`` so
-the next issue or commit is covered too. Never ``**``, never any method.
+the next issue or commit is covered too. Never ``**``, never any method: a method that is not
+letters (``*`` above all, which a rule reads as any method) gets no proposal, nor a path holding a
+character outside ``_SAFE``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ _DIGITS = frozenset("0123456789")
 _HEX = frozenset("0123456789abcdefABCDEF")
 _LETTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 _TOKEN = _DIGITS | _LETTERS | frozenset("_-")
+# What a proposed path may hold: it is shown on cards, in 403 bodies and events, and pasted into
+# command lines (no quote, no shell or markup character).
+_SAFE = _DIGITS | _LETTERS | frozenset("-._~/*%:@+,=")
 _MIN_HEX = 7                            # a short git hash
 _MIN_TOKEN = 16
 _UUID_GROUPS = (8, 4, 4, 4, 12)
@@ -38,11 +43,13 @@ def propose(host: str, port: int, method: str, path: str, rules: NetworkRules) -
     cannot match: refused as ambiguous, or longer than a rule may be)."""
     if not rules.allowed(host, port):
         return Proposal("domain", host, f"{host} is not among the allowed domains")
+    if not (method.isascii() and method.isalpha()):
+        return None                     # "*" would read as any method; other tokens no rule names
     normal = normalize_path(path)
     if normal is None:
         return None
     glob = "/".join("*" if _identifier(segment) or "*" in segment else segment for segment in normal.split("/"))
-    if len(glob) > MAX_GLOB:
+    if len(glob) > MAX_GLOB or not _SAFE.issuperset(glob):
         return None
     text = EndpointRule(host, (method,), glob).text()
     try:

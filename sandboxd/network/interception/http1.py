@@ -30,13 +30,24 @@ from sandboxd.printable import printable
 
 MAX_REQUEST_HEAD = 64 * 1024           # request line and headers
 MAX_RESPONSE_HEAD = 64 * 1024
+# Unparsed bytes a side may have in h11's buffer before it is no longer read: a head must fit (h11
+# refuses it past MAX_REQUEST_HEAD), a pipelined one waits there while the one before is answered.
+MAX_BACKLOG = max(MAX_REQUEST_HEAD, MAX_RESPONSE_HEAD)
 MAX_HEADERS = 128                      # header fields of a request
 # Hop-by-hop fields (RFC 9110 7.6.1) and the proxy's own: never passed on as sent. "connection"
 # and "upgrade" are rebuilt when a WebSocket upgrade is passed, "connection: close" kept.
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authorization", b"proxy-authenticate",
                          b"proxy-connection", b"te", b"trailer", b"upgrade"})
-_REASONS = {400: "Bad Request", 403: "Forbidden", 405: "Method Not Allowed", 421: "Misdirected Request",
-            431: "Request Header Fields Too Large", 502: "Bad Gateway"}
+_REASONS = {400: "Bad Request", 403: "Forbidden", 405: "Method Not Allowed", 408: "Request Timeout",
+            414: "URI Too Long", 421: "Misdirected Request", 431: "Request Header Fields Too Large",
+            502: "Bad Gateway"}
+MAX_REFUSAL_BODY = 4096                # bytes of a refusal's body, whatever it quotes
+# Headers that make a server take the request as another method (frameworks honour them): the
+# request is judged as each method they name too, and refused if one is no method (not letters).
+METHOD_OVERRIDES = frozenset({b"x-http-method-override", b"x-http-method", b"x-method-override"})
+# On a connection to a credential's upstream the response must reach the scrubber as plain text:
+# what asks for another encoding or a part of the body is dropped (Accept-Encoding: identity put in).
+_CREDENTIAL_DROPPED = frozenset({b"accept-encoding", b"range", b"if-range", b"te"})
 
 
 class Refusal:
@@ -75,13 +86,19 @@ Report = Callable[[str, str, str, str], None]
 
 def refusal_bytes(status: int, body: str) -> bytes:
     """A complete ``status`` response that closes the connection, with ``body`` as text."""
-    payload = (body + "\n").encode("utf-8")
+    payload = body.encode("utf-8")[:MAX_REFUSAL_BODY - 1] + b"\n"
     return (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: text/plain; charset=utf-8\r\n"
             f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode("ascii") + payload
 
 
 def _head_size(target: str, raw: list[tuple[bytes, bytes]]) -> int:
     return len(target) + sum(len(name) + len(value) + 4 for name, value in raw)
+
+
+def _letters(text: str) -> bool:
+    """Whether ``text`` is a method an endpoint rule can name: ASCII letters only (never ``*``,
+    which a rule reads as any method, nor any other token character)."""
+    return text.isascii() and text.isalpha()
 
 
 def _tokens(value: bytes) -> set[bytes]:
@@ -125,6 +142,26 @@ class Mediator:
         self._held_request: tuple[h11.Request, str, list[tuple[bytes, bytes]]] | None = None
         self._withdraw: Callable[[], None] | None = None
         self.on_resume: Callable[[], None] = lambda: None
+
+    def use_credentials(self, credentials: CredentialSet | None) -> None:
+        """The set to swap from for the next request: one holding the same credentials for this
+        host and port (the proxy cuts a connection whose credentials changed)."""
+        if self._credentials is not None and credentials:
+            self._credentials = credentials
+
+    @property
+    def head_pending(self) -> bool:
+        """Whether part of a request head has come and the rest not yet (the owner gives a head
+        REQUEST_HEAD_SECONDS to be complete: a client trickling one never holds the connection)."""
+        return (not self.done and not self.switched and self._client.their_state is h11.IDLE
+                and bool(self._client.trailing_data[0]))
+
+    @property
+    def backlog(self) -> tuple[int, int]:
+        """Bytes taken in from the sandbox, and from the upstream, not yet parsed (h11 holds a
+        pipelined request while one is answered, or what an upstream sends unasked): the owner stops
+        reading a side whose backlog holds tcp_relay.BUFFER_LIMIT."""
+        return len(self._client.trailing_data[0]), len(self._upstream.trailing_data[0])
 
     # -- input ---------------------------------------------------------------------------------
 
@@ -196,8 +233,21 @@ class Mediator:
             self._current = (method, target)
         names = [name.lower() for name, _ in raw]
         refusal = self._check(event, method, target, raw, names)
+        overrides = [item.strip().decode("latin-1") for name, value in raw if name.lower() in METHOD_OVERRIDES
+                     for item in value.split(b",")]
+        if refusal is None and not all(_letters(text) for text in [method, *overrides]):
+            refusal = Refusal(400, "sandboxd: a method (or method override header) that is not letters", "protocol")
         if refusal is None and self._on_request is not None:
-            refusal = self._on_request(method, target)
+            methods = list(dict.fromkeys([method, *(text.upper() for text in overrides)]))
+            for each in methods:
+                refusal = self._on_request(each, target)
+                if refusal is not None:
+                    break
+            if isinstance(refusal, Held) and len(methods) > 1:
+                # One answer cannot speak for every method the request may mean: not asked.
+                refusal = Refusal(403, f"sandboxd: {printable(method)} {printable(target.partition('?')[0])} names "
+                                       "another method too (a method override header): a request the rules do not "
+                                       "allow under each of its methods is refused, not asked about", "endpoint")
         if isinstance(refusal, Held):
             self.held, self._held_request = True, (event, target, raw)
             self._withdraw = refusal.begin(self._resume)
@@ -236,9 +286,17 @@ class Mediator:
 
     def _forward(self, event: h11.Request, target: str, raw: list[tuple[bytes, bytes]]) -> None:
         headers = self._forwarded(raw)
+        swapped = 0
         if self._credentials is not None:
             headers, swapped = self._credentials.swap(self.host, self.port, headers)
             self.swaps += swapped
+        if self._scrubber is not None:
+            if self._upgrading and self.swaps:
+                self._refuse(Refusal(403, "sandboxd: no protocol upgrade on a connection that carries a credential "
+                                          "(what it would carry could not be checked for the secret)", "protocol"))
+                return
+            headers = [(name, value) for name, value in headers if name.lower() not in _CREDENTIAL_DROPPED]
+            headers.append((b"Accept-Encoding", b"identity"))
         self._send_upstream(h11.Request(method=event.method, target=target.encode("ascii"), headers=headers))
 
     def _origin_form(self, target: str) -> tuple[bytes, str] | None:
@@ -308,7 +366,7 @@ class Mediator:
             try:
                 event = self._upstream.next_event()
             except h11.RemoteProtocolError as exc:
-                self._upstream_failed(f"the upstream's response is malformed ({printable(str(exc))})")
+                self._upstream_failed(f"the upstream's response is malformed ({str(exc)})")
                 return
             if event is h11.NEED_DATA or event is h11.PAUSED:
                 return
@@ -337,12 +395,13 @@ class Mediator:
             if name.lower() == b"connection":
                 connection |= _tokens(value)
         out: list[tuple[bytes, bytes]] = []
+        scrub = self._scrubber.head_value if self._scrubber is not None else (lambda text: text)
         for name, value in raw:
             lower = name.lower()
             if lower in (b"connection", b"upgrade") and keep_upgrade:
                 out.append((name, value))
             elif lower not in _HOP_BY_HOP and lower not in connection:
-                out.append((name, self._scrubber.head_value(value) if self._scrubber is not None else value))
+                out.append((scrub(name), scrub(value)))
         if b"close" in connection and not keep_upgrade:
             out.append((b"Connection", b"close"))
         return out
@@ -354,7 +413,7 @@ class Mediator:
             return
         headers = self._response_headers(list(event.headers.raw_items()), keep_upgrade=switching)
         self._send_client(h11.InformationalResponse(status_code=event.status_code, headers=headers,
-                                                    reason=event.reason))
+                                                    reason=self._reason(event.reason)))
         if switching and not self.done:
             self.switched = True
             self.to_upstream += self._client.trailing_data[0]
@@ -366,9 +425,27 @@ class Mediator:
             self._upstream_failed(f"the upstream's response head is over {MAX_RESPONSE_HEAD} bytes")
             return
         encoding = [value.strip().lower() for name, value in raw if name.lower() == b"content-encoding"]
-        self._scrub_body = self._scrubber is not None and all(value in (b"", b"identity") for value in encoding)
+        self._scrub_body = self._scrubber is not None
+        if self._scrub_body and not all(value in (b"", b"identity") for value in encoding):
+            self._upstream_failed("the upstream's response to a request with a credential is encoded "
+                                  "(Content-Encoding), so it cannot be checked for the secret")
+            return
         headers = self._response_headers(raw, keep_upgrade=False)
-        self._send_client(h11.Response(status_code=event.status_code, headers=headers, reason=event.reason))
+        self._send_client(h11.Response(status_code=event.status_code, headers=headers,
+                                       reason=self._reason(event.reason)))
+
+    def _reason(self, reason: bytes) -> bytes:
+        """An upstream's reason phrase as the sandbox gets it: scrubbed, printable."""
+        return self._clean(reason.decode("latin-1")).encode("utf-8")
+
+    def _clean(self, text: str) -> str:
+        """Text that may quote what an upstream sent, for the sandbox or an event: printable, and
+        without the secret in any form (scrubbed before and after escaping)."""
+        if self._scrubber is None:
+            return printable(text)
+        scrub = self._scrubber.head_value
+        once = scrub(text.encode("utf-8", "surrogateescape")).decode("utf-8", "replace")
+        return scrub(printable(once).encode("utf-8")).decode("utf-8", "replace")
 
     def _next_cycle(self) -> None:
         """A response ended: go on with the next request, or close when either side cannot."""
@@ -396,7 +473,7 @@ class Mediator:
         try:
             data = self._client.send(event)
         except h11.LocalProtocolError as exc:
-            self._report("protocol", f"the response cannot be passed on ({printable(str(exc))})", *self._current)
+            self._report("protocol", f"the response cannot be passed on ({self._clean(str(exc))})", *self._current)
             self.done = True
             return
         if data:
@@ -410,11 +487,12 @@ class Mediator:
         self.done = True
 
     def _upstream_failed(self, why: str) -> None:
+        why = self._clean(why)
         self._report("upstream", why, *self._current)
         if self._client.our_state is h11.SEND_RESPONSE:
             self.to_client += refusal_bytes(502, f"sandboxd: {why}")
         self.done = True
 
 
-__all__ = ["Held", "MAX_HEADERS", "MAX_REQUEST_HEAD", "MAX_RESPONSE_HEAD", "Mediator", "Refusal", "RequestHook", "Resume",
+__all__ = ["Held", "MAX_BACKLOG", "MAX_HEADERS", "MAX_REQUEST_HEAD", "MAX_RESPONSE_HEAD", "Mediator", "Refusal", "RequestHook", "Resume",
            "refusal_bytes"]

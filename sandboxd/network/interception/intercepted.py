@@ -27,12 +27,15 @@ from typing import Callable
 from sandboxd.network.credentials import CredentialSet
 from sandboxd.network.event_loop import READ, WRITE, EventLoop
 from sandboxd.network.interception.ca import SessionCA
-from sandboxd.network.interception.http1 import Mediator, Report, RequestHook, refusal_bytes
+from sandboxd.network.interception.http1 import MAX_BACKLOG, Mediator, Report, RequestHook, refusal_bytes
 from sandboxd.network.interception.tls_end import TlsEnd
 from sandboxd.network.interception.upstream_tls import why_untrusted
-from sandboxd.network.tcp_relay import BUFFER_LIMIT, CHUNK, IDLE_SECONDS
+from sandboxd.network.tcp_relay import BUFFER_LIMIT, CHUNK, IDLE_SECONDS, nodelay
 
 HANDSHAKE_SECONDS = 10.0
+# From the first byte of a request head to its end, for each request of a connection (the egress
+# proxy gives the first one of a connection as long: egress_proxy.REQUEST_SECONDS).
+REQUEST_HEAD_SECONDS = 30.0
 ESTABLISHED = b"HTTP/1.1 200 Connection established\r\n\r\n"
 _TLS_RECORD = 0x16                     # a TLS handshake record's first byte (a ClientHello)
 
@@ -57,10 +60,7 @@ class Side:
         self.out = bytearray()
         self.events = 0
         self.eof = False
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass
+        nodelay(sock)
 
     def on_ready(self, mask: int) -> None:
         self.owner.ready(self, mask)
@@ -79,19 +79,46 @@ class Paired:
         self._client, self._upstream = Side(self, client), Side(self, upstream)
         self._closing = False                            # flush what is pending, then close
         self.closed = False
-        self.deadline = time.monotonic() + deadline
+        self.mediator: Mediator | None = None
+        self.deadline = self._idle_deadline = time.monotonic() + deadline
+        self._head_deadline: float | None = None         # a request head begun must end by then
         loop.add_timed(self)
 
     def ready(self, side: Side, mask: int) -> None:
         if self.closed:
             return
         if self.idle_counts():
-            self.deadline = time.monotonic() + IDLE_SECONDS
+            self._idle_deadline = time.monotonic() + IDLE_SECONDS
         if mask & WRITE:
             self._flush(side)
         if mask & READ and not self.closed:
             self._pull(side)
+        self._watch_head()
         self._update()
+
+    def room(self, side: Side) -> bool:
+        """Whether ``side`` may be read: what it gives is not piling up, neither in its peer's
+        outgoing bytes nor unparsed in the mediator (a pipelined request waiting for an answer the
+        sandbox never reads, responses an upstream sends unasked)."""
+        other = self._upstream if side is self._client else self._client
+        if len(other.out) >= BUFFER_LIMIT:
+            return False
+        if self.mediator is None:
+            return True
+        return self.mediator.backlog[0 if side is self._client else 1] <= MAX_BACKLOG
+
+    def _watch_head(self) -> None:
+        """Start or stop the clock of a request head that has begun (REQUEST_HEAD_SECONDS)."""
+        pending = self.mediator is not None and self.mediator.head_pending
+        if not pending:
+            self._head_deadline = None
+        elif self._head_deadline is None:
+            self._head_deadline = time.monotonic() + REQUEST_HEAD_SECONDS
+        deadline = min(self._idle_deadline, self._head_deadline or self._idle_deadline)
+        sooner = deadline < self.deadline
+        self.deadline = deadline
+        if sooner:
+            self._loop.add_timed(self)                   # sooner than the timer now set for it
 
     def idle_counts(self) -> bool:
         """Whether traffic now moves the deadline on (IDLE_SECONDS from the last)."""
@@ -107,11 +134,18 @@ class Paired:
         """Told before a connection that made no progress in time is closed."""
 
     def expire(self) -> None:
-        if time.monotonic() < self.deadline:
+        now = time.monotonic()
+        if self._head_deadline is not None and now >= self._head_deadline:
+            self.head_expired()
+            self.close()
+        elif now < self.deadline:
             self._loop.add_timed(self)
         else:
             self.expired()
             self.close()
+
+    def head_expired(self) -> None:
+        """Told before a connection whose request head did not end in time is closed."""
 
     def close(self) -> None:
         if self.closed:
@@ -173,11 +207,17 @@ class Intercepted(Paired):
         self._upstream_tls = TlsEnd(interceptor.upstream_context, server_side=False, server_hostname=host)
         self._client_tls: TlsEnd | None = None
         self._leaf: ssl.SSLContext | None = None
-        self.mediator: Mediator | None = None
         self.phase = "upstream"                          # upstream, leaf, client, mediate
         loop.offload(lambda: interceptor.ca.leaf(host), self._leaf_ready)
         self._step_upstream_handshake()
         self._update()
+
+    def use_credentials(self, credentials: CredentialSet | None) -> None:
+        """The set to take the secrets from from now on: one holding the same credentials for this
+        host and port (egress_proxy.EgressProxy.update cuts a connection whose credentials changed)."""
+        self._credentials = credentials
+        if self.mediator is not None:
+            self.mediator.use_credentials(credentials)
 
     # -- the loop's calls ------------------------------------------------------------------------
 
@@ -186,6 +226,9 @@ class Intercepted(Paired):
 
     def expired(self) -> None:
         self._report("timeout", f"no progress in the {self.phase} phase", "", "")
+
+    def head_expired(self) -> None:
+        self._report("timeout", f"a request head did not end within {REQUEST_HEAD_SECONDS:.0f} s", "", "")
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -266,7 +309,7 @@ class Intercepted(Paired):
         if self.phase != "leaf" or self._leaf is None:
             return
         self.phase = "client"
-        self.deadline = time.monotonic() + HANDSHAKE_SECONDS
+        self.deadline = self._idle_deadline = time.monotonic() + HANDSHAKE_SECONDS
         self._client.out += self._established
         self._flush(self._client)
 
@@ -287,7 +330,7 @@ class Intercepted(Paired):
                 self.close()
             return
         self.phase = "mediate"
-        self.deadline = time.monotonic() + IDLE_SECONDS
+        self.deadline = self._idle_deadline = time.monotonic() + IDLE_SECONDS
         self.mediator = Mediator(self.host, self.port, default_port=443, credentials=self._credentials,
                                  on_request=self._on_request, report=self._report)
         self.mediator.on_resume = self._resumed
@@ -353,8 +396,7 @@ class Intercepted(Paired):
             self.close()
             return
         for side in (self._client, self._upstream):
-            other = self._upstream if side is self._client else self._client
-            reading = not self._closing and not side.eof and len(other.out) < BUFFER_LIMIT
+            reading = not self._closing and not side.eof and self.room(side)
             if side is self._client and self.phase in ("upstream", "leaf"):
                 reading = False                          # the CONNECT is not answered yet
             elif side is self._client:

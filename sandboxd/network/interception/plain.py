@@ -16,7 +16,7 @@ from typing import Callable
 from sandboxd.network.event_loop import READ, WRITE, EventLoop
 from sandboxd.network.interception.http1 import Mediator, Report, RequestHook
 from sandboxd.network.interception.intercepted import Paired, Side
-from sandboxd.network.tcp_relay import BUFFER_LIMIT, IDLE_SECONDS
+from sandboxd.network.tcp_relay import IDLE_SECONDS
 
 HTTP_PORT = 80
 
@@ -29,11 +29,13 @@ class PlainMediated(Paired):
                  first: bytes, on_request: RequestHook | None = None, report: Report | None = None,
                  on_close: Callable[[], None] = lambda: None) -> None:
         super().__init__(loop, client, upstream, IDLE_SECONDS, on_close)
-        self.mediator = Mediator(host, port, default_port=HTTP_PORT, on_request=on_request, report=report,
-                                 absolute_form=True)
-        self.mediator.on_resume = self._resumed
-        self.mediator.from_client(first)
+        self.http = Mediator(host, port, default_port=HTTP_PORT, on_request=on_request, report=report,
+                             absolute_form=True)
+        self.mediator = self.http
+        self.http.on_resume = self._resumed
+        self.http.from_client(first)
         self._pass()
+        self._watch_head()
         self._update()
 
     def _pull(self, side: Side) -> None:
@@ -42,9 +44,9 @@ class PlainMediated(Paired):
             return
         side.eof = not data
         if side is self._client:
-            self.mediator.from_client(data)
+            self.http.from_client(data)
         else:
-            self.mediator.from_upstream(data)
+            self.http.from_upstream(data)
         self._pass()
 
     def _resumed(self) -> None:
@@ -53,7 +55,7 @@ class PlainMediated(Paired):
             self._update()
 
     def _pass(self) -> None:
-        mediator = self.mediator
+        mediator = self.http
         for pending, side in ((mediator.to_client, self._client), (mediator.to_upstream, self._upstream)):
             if pending:
                 side.out += pending
@@ -63,13 +65,12 @@ class PlainMediated(Paired):
     def _update(self) -> None:
         if self.closed:
             return
-        done = self.mediator.done
+        done = self.http.done
         if (done or (self._client.eof and self._upstream.eof)) and not self._client.out and not self._upstream.out:
             self.close()
             return
         for side in (self._client, self._upstream):
-            other = self._upstream if side is self._client else self._client
-            reading = not done and not side.eof and len(other.out) < BUFFER_LIMIT
+            reading = not done and not side.eof and self.room(side)
             if side is self._client:
                 reading = reading and self._reads_client(self.mediator)
             wanted = (READ if reading else 0) | (WRITE if side.out else 0)
