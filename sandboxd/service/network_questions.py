@@ -143,10 +143,11 @@ class NetworkQuestions:
         key = (session.id, question)
         waiter = next(self._ids)
         with self._lock:
-            held = self._held.get(key)
-            if held is not None and not held.done:                     # the same question: it shares the answer
-                held.waiters[waiter] = on_answer
-                return lambda: self._withdraw(held, waiter)
+            shared = self._held.get(key)
+            if shared is not None and not shared.done:                 # the same question: it shares the answer
+                shared.waiters[waiter] = on_answer
+                return lambda: self._withdraw(shared, waiter)
+            held: _Held | None = None
             if self._count.get(session.id, 0) >= self._per_session:
                 full = True
             else:

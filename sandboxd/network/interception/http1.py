@@ -232,7 +232,7 @@ class Mediator:
             raw = [(name, value) for name, value in raw if name.lower() != b"host"] + [(b"Host", authority)]
             self._current = (method, target)
         names = [name.lower() for name, _ in raw]
-        refusal = self._check(event, method, target, raw, names)
+        refusal: Refusal | Held | None = self._check(event, method, target, raw, names)
         overrides = [item.strip().decode("latin-1") for name, value in raw if name.lower() in METHOD_OVERRIDES
                      for item in value.split(b",")]
         if refusal is None and not all(_letters(text) for text in [method, *overrides]):
