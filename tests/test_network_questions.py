@@ -125,6 +125,8 @@ def test_an_unlisted_host_is_asked_allowed_once_then_asked_again_and_refused(pla
     place.ctl("deny", session, second["call_id"])
     out = finished(run)
     assert "hello /once" in out and "403" in out, out
+    # The question carried the exec's context: sandboxctl exec said, in place, how to answer it.
+    assert f"waiting for approval (network_request): network: CONNECT https://{API_HOST}:443" in out, out
     assert [seen.path for seen in place.world.api.seen if seen.path in ("/once", "/twice")] == ["/once"]
     denied = [event for event in place.events(session, "PermissionDenied") if event.get("tool") == "network"]
     assert any(event["data"]["by"] == "user" for event in denied), denied     # type: ignore[index]

@@ -344,8 +344,8 @@ def _exec_or_shell(client: SandboxClient, args: argparse.Namespace, command: lis
                          caller_env=caller_environment(on_terminal=sys.stdout.isatty()))
     with approval_prompt.ExecApprovals(client, args.session_id, context_id, f"sandboxctl {socket_option}".rstrip(),
                                        interactive=approval_prompt.on_terminal()) as approvals:
-        if not on_terminal:
-            return _exec(client, start, on_started=approvals.stop)
+        if not on_terminal:                                # its network questions are still asked here
+            return _exec(client, start)
         status = terminal.run(client, start, on_started=approvals.stop)
     changes.end_of_session(client, args.session_id)        # a review session's pending changes: asked here
     return status

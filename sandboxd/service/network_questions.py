@@ -11,6 +11,10 @@ and answered like any other (ListPendingApprovals, ResolveApproval: `sandboxctl 
   the session's policy through sessions.network_live.apply_network_policy (audited PolicyChanged,
   ``by: approval``), then lets it through; deny refuses it.
 - Under approval policy ``never`` nobody is asked: refused at once.
+- When the session's running commands all belong to one execution context (one `sandboxctl
+  exec`, one MCP tool call), the question carries its execution_context_id, so that client asks
+  in place (cli.approval_prompt.ExecApprovals, mcp.binding's elicitation); otherwise it is answered
+  through `approvals` / `approve` (a sandbox's connection names no command).
 - Bounds: at most ``per_session`` questions of a session wait at once (quotas.
   network_questions_per_session); one more is refused at once with a 403 saying so. A question
   equal to one waiting (host, port, method, path, scheme) shares it. A question nobody answers in
@@ -164,8 +168,10 @@ class NetworkQuestions:
             return _nothing
         assert held is not None
         summary, arguments = card(question)
+        # Shown where the command that asked waits (`sandboxctl exec` in place, an MCP elicitation)
+        # when the session runs commands of one execution context only; else by approvals/approve.
         call = ToolCall(tool=TOOL, effect=Effect.NETWORK, category=Category.EXTERNAL, arguments=arguments,
-                        summary=summary, risk=Risk.MEDIUM)
+                        summary=summary, risk=Risk.MEDIUM, execution_context_id=session.only_context())
         try:
             held.call_id = self._gate.hold(session, call, REASON, proposal=question.proposal,
                                            on_decision=lambda decision, rule, by: self._decided(held, decision, rule, by),
