@@ -427,3 +427,28 @@ def test_a_target_servers_read_differently_is_refused_on_a_ruled_host(setup: Set
     assert setup.upstream.recorder.requests == []
     # Control: a plain target the rule names passes.
     assert setup.https(proxy, "GET", "/repos/a/issues/1").startswith(b"HTTP/1.1 200")
+
+
+def test_a_costly_endpoint_check_is_judged_off_the_loop(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sandboxd.network import egress_proxy
+    from sandboxd.policy.network import match_cost
+
+    judged_on: list[str] = []
+    real = egress_proxy.endpoint_allowed
+
+    def recording(rules: object, method: str, path: str) -> bool:
+        judged_on.append(threading.current_thread().name)
+        return real(rules, method, path)  # type: ignore[arg-type]
+    monkeypatch.setattr(egress_proxy, "endpoint_allowed", recording)
+    many = [f"{API}=GET:/r{index}" + "/*" * 30 for index in range(20)] + [f"{API}=GET:/a/**"]
+    path = "/a" * 40
+    assert match_cost(_rules(*many).ruled(API), path) > egress_proxy.MAX_LOOP_COMPARISONS
+    proxy = setup.proxy(_rules(*many))
+    assert setup.https(proxy, "GET", path).startswith(b"HTTP/1.1 200")
+    assert setup.https(proxy, "POST", path).startswith(b"HTTP/1.1 403")
+    assert len(judged_on) == 2 and setup.loop.name not in judged_on, judged_on
+    # Control: a cheap check stays on the loop.
+    judged_on.clear()
+    cheap = setup.proxy(_rules(f"{API}=GET:/a/**"))
+    assert setup.https(cheap, "GET", "/a/b").startswith(b"HTTP/1.1 200")
+    assert judged_on == [setup.loop.name]

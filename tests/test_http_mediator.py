@@ -356,3 +356,28 @@ def test_a_refusal_body_is_at_most_4_kib() -> None:
     answer = refusal_bytes(403, "x" * 100_000)
     assert len(answer.partition(b"\r\n\r\n")[2]) == MAX_REFUSAL_BODY
     assert len(refusal_bytes(403, "short").partition(b"\r\n\r\n")[2]) == len("short\n")        # control
+
+
+def test_a_pending_verdict_holds_the_request_and_its_body_until_it_settles() -> None:
+    from sandboxd.network.interception.http1 import Pending
+
+    pendings: list[Pending] = []
+
+    def hook(method: str, target: str) -> Pending:
+        pendings.append(Pending())
+        return pendings[-1]
+
+    woken: list[int] = []
+    mediator = Mediator(API, 443, on_request=hook)
+    mediator.on_wake = lambda: woken.append(1)
+    mediator.from_client(f"POST /a HTTP/1.1\r\nHost: {API}\r\nContent-Length: 4\r\n\r\nbody".encode())
+    assert len(pendings) == 1 and not mediator.to_upstream and not mediator.to_client      # held, body too
+    pendings[0].settle(None)
+    assert woken == [1] and mediator.to_upstream.startswith(b"POST /a HTTP/1.1") and mediator.to_upstream.endswith(b"body")
+    # A refusal settles the next request: 403, nothing more passed.
+    mediator.from_upstream(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    sent = len(mediator.to_upstream)
+    mediator.from_client(f"GET /b HTTP/1.1\r\nHost: {API}\r\n\r\n".encode())
+    assert len(pendings) == 2
+    pendings[1].settle(Refusal(403, "sandboxd: no"))
+    assert b"HTTP/1.1 403" in mediator.to_client and len(mediator.to_upstream) == sent and mediator.done

@@ -590,7 +590,7 @@ def test_allowed_domains_go_through_the_proxy_and_nothing_else(world: World, wor
     # A program that ignores the proxy variables gets nothing, not even the allowed host.
     assert seen["direct 198.51.100.10"] in BLOCKED and seen["direct 198.51.100.11"] in BLOCKED, seen
     assert "blocked a connection to other.test:8080: not in the allowed domains" in result.stderr
-    assert "private.test:8080: it resolves to 10.77.0.10, a blocked range" in result.stderr
+    assert "private.test:8080: it resolves to 10.77.0.10, in 10.0.0.0/8, a blocked range" in result.stderr
 
 
 A_LABEL_PROBE = textwrap.dedent('''
@@ -774,7 +774,7 @@ def test_the_proxy_cannot_reach_the_host_through_an_allowed_name(world: World, w
         assert seen["connect host"] == "HTTP/1.1 502 Bad Gateway", seen
         assert seen["socks host"] == "socks reply 5", seen
         assert seen["http uplink"] == "HTTP/1.1 403 Forbidden", seen                # refused early, with a reason
-        assert f"uplink.test:{port}: it resolves to {UPLINK}, a blocked range" in result.stderr
+        assert f"uplink.test:{port}: it resolves to {UPLINK}, in 203.0.113.0/24, a blocked range" in result.stderr
         assert seen["mark"] == "PermissionError", seen
         service.setblocking(False)
         with pytest.raises(BlockingIOError):

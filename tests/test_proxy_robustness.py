@@ -156,3 +156,29 @@ def test_a_sandbox_that_sends_fast_and_never_reads_is_blocked_not_buffered(tmp_p
         tls.close()
     finally:
         world.close()
+
+
+def test_an_upstream_that_answers_unasked_is_cut_not_passed_or_buffered(tmp_path: Path) -> None:
+    """The upstream answers one request with 8 MiB of further responses nobody asked for. They were
+    passed on (the sandbox would take one for the answer to its next request) or held by h11 without
+    bound; now the connection is cut once the asked-for answer has passed."""
+    world = World(tmp_path, raw=True)
+    one = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    world.upstream.answer = one * ((8 << 20) // len(one))          # type: ignore[union-attr]
+    try:
+        with tls_through(world) as tls:
+            tls.sendall(f"GET /a HTTP/1.1\r\nHost: {API}:{world.upstream.port}\r\n\r\n".encode())
+            answer = b""
+            while True:
+                try:
+                    piece = tls.recv(65536)
+                except (ConnectionError, ssl.SSLError):
+                    break
+                if not piece:
+                    break
+                answer += piece
+        assert answer == one, answer[:300]                      # the asked-for answer, and nothing more
+        assert world.wait_closed(1)
+        assert any(kind == "upstream" and "no request" in detail for kind, detail, _, _ in world.front.reports)
+    finally:
+        world.close()

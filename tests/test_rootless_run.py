@@ -327,7 +327,7 @@ def test_allowed_domains_through_the_loopback_proxy(setup: Setup, world: World) 
     # Nothing but the proxy: a program that ignores the proxy variables reaches nothing.
     assert seen["direct 198.51.100.10"] in BLOCKED and seen["direct 198.51.100.11"] in BLOCKED, seen
     assert "blocked a connection to other.test:8080: not in the allowed domains" in result.stderr
-    assert "private.test:8080: it resolves to 10.77.0.10, a blocked range" in result.stderr
+    assert "private.test:8080: it resolves to 10.77.0.10, in 10.0.0.0/8, a blocked range" in result.stderr
     # The control of "direct": the same address is reachable from the host, as this user.
     direct = subprocess.run([PY, "-c", "import socket; socket.create_connection(('198.51.100.10', 8080), "
                              "timeout=5).close(); print('open')"], capture_output=True, text=True, timeout=60,
@@ -366,7 +366,7 @@ def test_the_rootless_proxy_refuses_the_host_through_an_allowed_name(setup: Setu
         assert seen["socks host"] == "socks reply 2", seen
         assert seen["http uplink"] == "HTTP/1.1 403 Forbidden", seen
         assert f"host.test:{port}: it resolves to {HOST_ONLY}, an address of this host" in result.stderr
-        assert f"uplink.test:{port}: it resolves to {UPLINK}, a blocked range" in result.stderr
+        assert f"uplink.test:{port}: it resolves to {UPLINK}, in 203.0.113.0/24, a blocked range" in result.stderr
         service.setblocking(False)
         with pytest.raises(BlockingIOError):
             service.accept()                                                        # nothing came through

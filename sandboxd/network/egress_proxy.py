@@ -23,7 +23,9 @@ sandbox's network namespace, bound before the sandbox exists; ``listen``), and f
   for ``sandboxd run``; ``on_event``: the same as a typed ProxyEvent).
 
 What it enforces is a ``NetworkRules`` (policy.network), replaced by ``update`` for the next
-request. Cloud metadata names and addresses (policy.network.metadata_name/metadata_address) are
+request (with the credentials, when given; open connections the change takes away are cut). With
+an ``upstream`` (network.upstream.UpstreamRoute) every allowed connection goes on as a CONNECT
+through the corporate proxy, after the same checks. Cloud metadata names and addresses (policy.network.metadata_name/metadata_address) are
 refused whatever the rules or ``allowed_ranges`` say. A CONNECT to a host the rules intercept
 (endpoint rules, or a credential for that host and port) is handed to interception.Intercepted,
 whose request hook judges every request by the endpoint rules in force when it arrives. Plain
@@ -62,7 +64,8 @@ from sandboxd.kernel.nftables import BLOCKED_RANGES, PROXY_MARK
 from sandboxd.network.dns import resolve
 from sandboxd.policy.domains import domain_matches, host_name
 from sandboxd.network.questions import Answer, Ask, Question, Withdraw
-from sandboxd.policy.network import (NetworkRules, Unlisted, endpoint_allowed, metadata_address, metadata_name,
+from sandboxd.policy.network import (NetworkRules, Unlisted, endpoint_allowed, match_cost, metadata_address,
+                                     metadata_name,
                                      normalize_path, why_not_normal)
 from sandboxd.printable import printable
 from sandboxd.network.event_loop import READ
@@ -72,7 +75,7 @@ from sandboxd.network.tcp_relay import (ConnectionCap, Connecting, Relay, RelayL
 TYPE_CHECKING = False
 if TYPE_CHECKING:                        # the interception room imports h11 and ssl: only when used
     from sandboxd.network.credentials import CredentialSet
-    from sandboxd.network.interception.http1 import Held, Refusal, Report, RequestHook, Resume
+    from sandboxd.network.interception.http1 import Pending, Refusal, Report
     from sandboxd.network.interception.intercepted import Intercepted, Interceptor
     from sandboxd.network.interception.plain import PlainMediated
     from sandboxd.network.upstream import UpstreamConnect, UpstreamRoute
@@ -120,6 +123,9 @@ def allowed_name(name: str, patterns: "tuple[str, ...] | list[str]") -> str | No
 
 
 MAX_RULES_SHOWN = 20                # endpoint rules quoted in a refusal's body
+# Segment comparisons (match_cost) an endpoint check may take on the relay loop; a costlier one is
+# judged on a worker (loop.offload), its request held meanwhile.
+MAX_LOOP_COMPARISONS = 4096
 MAX_RULED_TARGET = 8192            # bytes of a request target to a host with endpoint rules (414 past)
 MAX_REFUSAL_BODY = 4096             # bytes of a refusal's body, whatever it quotes
 MAX_UNRESOLVED_NOTED = 256          # names logged as resolved only upstream, per proxy
@@ -288,7 +294,8 @@ class EgressProxy(TcpService):
         self._rules = rules
         if credentials is not None:
             self._credentials = credentials
-        self._loop.call(lambda: self._cut_stale(rules, old))
+        if not self._closed:                            # a closed proxy holds no connection to cut
+            self._loop.call(lambda: self._cut_stale(rules, old))
 
     def _cut_stale(self, rules: NetworkRules, old: "CredentialSet | None") -> None:
         new = self._credentials
@@ -361,53 +368,12 @@ class EgressProxy(TcpService):
         return _Asking(self, self._ask, question, answered).withdraw
 
     def request_hook(self, host: str, port: int, *, scheme: str = "https",
-                     first_granted: bool = False) -> "RequestHook":
-        """The hook an intercepted connection to ``host``:``port`` judges each request with, by the
-        rules in force when that request arrives (Mediator reports its refusals). Under ``unlisted
-        = ask`` a request the rules do not let through is held and asked about. ``first_granted``:
-        a person allowed the connection's first request already (a plain connection asked about)."""
-        from sandboxd.network.interception.http1 import Held, Refusal
-
-        granted = [first_granted]
-
-        def hold(method: str, target: str, rules: NetworkRules, refusal: Refusal) -> Held:
-            question = self.question(host, port, method, target, scheme, rules)
-
-            def begin(resume: "Resume") -> Withdraw:
-                def answered(answer: Answer, why: str) -> None:
-                    if answer == Answer.DENY:
-                        resume(Refusal(403, f"{refusal.body}\n{why or 'sandboxd: refused when asked'}",
-                                       refusal.kind))
-                    else:
-                        resume(None)
-                return self.begin_question(question, answered)
-            return Held(begin)
-
-        def check(method: str, target: str) -> "Refusal | Held | None":
-            if granted[0]:
-                granted[0] = False
-                return None
-            rules = self._rules
-            if not rules.allowed(host, port):
-                refusal = Refusal(403, f"sandboxd: {host}:{port} is not among the allowed domains", "domain")
-                return hold(method, target, rules, refusal) if self.asks(rules) else refusal
-            ruled = rules.ruled(host)
-            if not ruled:
-                return None
-            if len(target) > MAX_RULED_TARGET:
-                return Refusal(414, f"sandboxd: a request target over {MAX_RULED_TARGET} bytes to a host with "
-                                    "endpoint rules", "endpoint")
-            why = ambiguous_target(target)
-            if why:
-                return Refusal(400, f"sandboxd: {why}, which servers read differently; {host} has endpoint rules",
-                               "endpoint")
-            path = normalize_path(target)
-            assert path is not None                     # ambiguous_target said why not
-            if endpoint_allowed(ruled, method, path):
-                return None
-            refusal = Refusal(403, endpoint_refusal(host, method, target, rules), "endpoint")
-            return hold(method, target, rules, refusal) if self.asks(rules) else refusal
-        return check
+                     first_granted: bool = False) -> "_Judge":
+        """The hook a mediated connection to ``host``:``port`` judges each request with, by the
+        rules in force when that request arrives (Mediator reports its refusals); under ``unlisted
+        = ask`` a request they do not let through is held and asked about. ``first_granted``: a
+        person allowed the connection's first request already (a plain connection asked about)."""
+        return _Judge(self, host, port, scheme, first_granted)
 
     def report_for(self, host: str, port: int) -> "Report":
         def report(kind: str, detail: str, method: str, target: str) -> None:
@@ -598,6 +564,7 @@ class _Request:
         self.held = False                               # waiting for a question's answer (EgressProxy._hold)
         self.withdraw: Withdraw | None = None
         self.granted = False                            # a person allowed it (a plain one's first request)
+        self.judge: "_Judge | None" = None              # the mediated connection's request hook
         self.deadline = time.monotonic() + REQUEST_SECONDS
         proxy.loop.add_timed(self)
         self._watch(True)
@@ -758,7 +725,7 @@ class _Request:
             kind, port = "intercepted", self.port
             relay = Intercepted(proxy.loop, self.client, upstream, self.host, port,
                                 interceptor=proxy.interceptor, credentials=proxy.credentials,
-                                on_request=proxy.request_hook(self.host, port, scheme="https"),
+                                on_request=self._judge(proxy.request_hook(self.host, port, scheme="https")),
                                 report=proxy.report_for(self.host, port), established=self.success,
                                 on_close=self._relay_closed)
         elif self.plain:
@@ -766,8 +733,8 @@ class _Request:
 
             kind = "plain"
             relay = PlainMediated(proxy.loop, self.client, upstream, self.host, self.port, first=self.to_upstream,
-                                  on_request=proxy.request_hook(self.host, self.port, scheme="http",
-                                                                first_granted=self.granted),
+                                  on_request=self._judge(proxy.request_hook(self.host, self.port, scheme="http",
+                                                                            first_granted=self.granted)),
                                   report=proxy.report_for(self.host, self.port), on_close=self._relay_closed)
         else:
             kind = "tunnel"
@@ -778,7 +745,13 @@ class _Request:
             proxy.track(relay)
             proxy.opened(relay, self.host, self.port, kind if not self.granted else f"{kind}, allowed when asked")
 
+    def _judge(self, judge: "_Judge") -> "_Judge":
+        self.judge = judge
+        return judge
+
     def _relay_closed(self) -> None:
+        if self.judge is not None:
+            self.judge.abandon()                        # a request held for a question: withdrawn
         if self.relay is not None:
             self.proxy.untrack(self.relay)
             self.proxy.forget(self.relay)
@@ -895,3 +868,81 @@ class _Asking:
         withdraw, self._asker_withdraw = self._asker_withdraw, None
         if withdraw is not None:
             self._loop.offload(withdraw)
+
+
+class _Judge:
+    """The request hook of one mediated connection (http1.RequestHook): the host's allowance and
+    endpoint rules, an offloaded check when they are costly (http1.Pending), a question under
+    ``unlisted = ask``. ``abandon`` (the connection closed) withdraws a question still open."""
+
+    def __init__(self, proxy: EgressProxy, host: str, port: int, scheme: str, first_granted: bool) -> None:
+        self._proxy, self._host, self._port, self._scheme = proxy, host, port, scheme
+        self._granted = first_granted
+        self._withdraw: Withdraw | None = None
+
+    def __call__(self, method: str, target: str) -> "Refusal | Pending | None":
+        from sandboxd.network.interception.http1 import Pending, Refusal
+
+        if self._granted:                               # the question about the connection named this one
+            self._granted = False
+            return None
+        proxy, host, port = self._proxy, self._host, self._port
+        rules = proxy.rules
+        if not rules.allowed(host, port):
+            refusal = Refusal(403, f"sandboxd: {host}:{port} is not among the allowed domains", "domain")
+            return self._ask(method, target, rules, refusal) if proxy.asks(rules) else refusal
+        ruled = rules.ruled(host)
+        if not ruled:
+            return None
+        if len(target) > MAX_RULED_TARGET:
+            return Refusal(414, f"sandboxd: a request target over {MAX_RULED_TARGET} bytes to a host with "
+                                "endpoint rules", "endpoint")
+        why = ambiguous_target(target)
+        if why:
+            return Refusal(400, f"sandboxd: {why}, which servers read differently; {host} has endpoint rules",
+                           "endpoint")
+        path = normalize_path(target)
+        assert path is not None                         # ambiguous_target said why not
+        refusal = Refusal(403, endpoint_refusal(host, method, target, rules), "endpoint")
+        if match_cost(ruled, path) <= MAX_LOOP_COMPARISONS:
+            if endpoint_allowed(ruled, method, path):
+                return None
+            return self._ask(method, target, rules, refusal) if proxy.asks(rules) else refusal
+        # Many rules and a long path: judged on a worker, the loop serves everyone meanwhile.
+        pending = Pending()
+
+        def settle(future: "Future[bool]") -> None:
+            try:
+                allowed = future.result()
+            except Exception as exc:  # noqa: BLE001 (a failure refuses this request only)
+                pending.settle(Refusal(403, f"sandboxd: the endpoint rules could not be judged "
+                                            f"({type(exc).__name__})", "internal"))
+                return
+            if allowed:
+                pending.settle(None)
+            elif proxy.asks(rules):
+                self._ask(method, target, rules, refusal, pending)
+            else:
+                pending.settle(refusal)
+        proxy.loop.offload(lambda: endpoint_allowed(ruled, method, path), settle)
+        return pending
+
+    def _ask(self, method: str, target: str, rules: NetworkRules, refusal: "Refusal",
+             pending: "Pending | None" = None) -> "Pending":
+        """Hold the request and ask; it passes on an allow, gets ``refusal`` (and why) on a deny."""
+        from sandboxd.network.interception.http1 import Pending, Refusal
+
+        held = pending if pending is not None else Pending()
+        question = self._proxy.question(self._host, self._port, method, target, self._scheme, rules)
+
+        def answered(answer: Answer, why: str) -> None:
+            self._withdraw = None
+            held.settle(None if answer != Answer.DENY else
+                        Refusal(403, f"{refusal.body}\n{why or 'sandboxd: refused when asked'}", refusal.kind))
+        self._withdraw = self._proxy.begin_question(question, answered)
+        return held
+
+    def abandon(self) -> None:
+        withdraw, self._withdraw = self._withdraw, None
+        if withdraw is not None:
+            withdraw()

@@ -332,6 +332,13 @@ def _segment_matches(pattern: str, segment: str) -> bool:
     return True
 
 
+def match_cost(rules: Iterable[EndpointRule], path: str) -> int:
+    """The most segment comparisons matching normalized ``path`` against ``rules`` may take: glob
+    segments times path segments, summed over the rules (path_matches' bound, rule by rule)."""
+    segments = path.count("/") + 1
+    return sum((rule.path.count("/") + 1) * segments for rule in rules)
+
+
 def endpoint_allowed(rules: Iterable[EndpointRule], method: str, path: str) -> bool:
     """Whether one of ``rules`` (a host's: ``NetworkRules.ruled``) lets ``method`` on the normalized
     ``path`` through."""

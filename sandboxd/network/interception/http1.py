@@ -60,23 +60,43 @@ class Refusal:
         self.status, self.body, self.kind = status, body, kind
 
 
-Resume = Callable[["Refusal | None"], None]
+class Pending:
+    """A hook's answer that comes later (an endpoint check offloaded from the loop; a question):
+    the request is held, nothing more the sandbox sends is parsed, until ``settle`` (on the loop)
+    gives None (pass) or a Refusal. Loop thread only."""
+
+    __slots__ = ("_then", "_result", "_settled")
+
+    def __init__(self) -> None:
+        self._then: "Callable[[Refusal | None], None] | None" = None
+        self._result: "Refusal | None" = None
+        self._settled = False
+
+    def then(self, fn: "Callable[[Refusal | None], None]") -> None:
+        if self._settled:
+            fn(self._result)
+        else:
+            self._then = fn
+
+    def settle(self, result: "Refusal | None") -> None:
+        if self._settled:
+            return
+        self._settled, self._result = True, result
+        if self._then is not None:
+            self._then(result)
 
 
-class Held:
-    """The hook's "ask first" (network.questions): the request waits, unparsed further, until
-    ``begin(resume)``'s question is answered. ``begin`` returns the question's withdraw (called
-    when the connection closes first); ``resume(None)`` (pass it) or ``resume(refusal)`` comes
-    later, on the loop, never from within ``begin``."""
+class _Held:
+    """A request read and being judged: its event, target (origin-form) and headers as read."""
 
-    __slots__ = ("begin",)
+    __slots__ = ("event", "target", "raw")
 
-    def __init__(self, begin: Callable[[Resume], Callable[[], None]]) -> None:
-        self.begin = begin
+    def __init__(self, event: h11.Request, target: str, raw: list[tuple[bytes, bytes]]) -> None:
+        self.event, self.target, self.raw = event, target, raw
 
 
-# on_request(method, target) -> None (pass), a Refusal or Held; called on the loop, must not block.
-RequestHook = Callable[[str, str], "Refusal | Held | None"]
+# on_request(method, target) -> None (pass), a Refusal, or Pending; called on the loop, must not block.
+RequestHook = Callable[[str, str], "Refusal | Pending | None"]
 # report(kind, detail, method, target): a refusal or failure, for the proxy's events (called on the
 # loop). Kinds: the hook's Refusal.kind ("endpoint", ...), "protocol" (a request or answer we will not
 # pass), "upstream" (the upstream's answer is malformed), and from intercepted.Intercepted
@@ -130,18 +150,13 @@ class Mediator:
         self._current = ("", "")                         # method and target of the request in flight
         self.to_client = bytearray()
         self.to_upstream = bytearray()
+        self._held: _Held | None = None                  # a request waiting for its Pending verdict
+        # Called (on the loop) when a held request was settled: the owner passes what is pending on.
+        self.on_wake: Callable[[], None] = lambda: None
         self.switched = False                            # a 101 passed: bytes flow unparsed
         self.done = False                                # flush what is pending, then close
         self.requests = 0
         self.swaps = 0
-        # A request held for a question (Held): what the sandbox sends meanwhile waits here (the
-        # owner stops reading at BUFFER_LIMIT of it), and ``on_resume`` tells the owner to drain.
-        self.held = False
-        self.held_input = bytearray()
-        self._held_eof = False
-        self._held_request: tuple[h11.Request, str, list[tuple[bytes, bytes]]] | None = None
-        self._withdraw: Callable[[], None] | None = None
-        self.on_resume: Callable[[], None] = lambda: None
 
     def use_credentials(self, credentials: CredentialSet | None) -> None:
         """The set to swap from for the next request: one holding the same credentials for this
@@ -173,10 +188,6 @@ class Mediator:
             self.to_upstream += data
             self.done = not data
             return
-        if self.held:
-            self.held_input += data
-            self._held_eof = self._held_eof or not data
-            return
         self._client.receive_data(data)
         self._pump_client()
 
@@ -194,7 +205,7 @@ class Mediator:
     # -- requests ------------------------------------------------------------------------------
 
     def _pump_client(self) -> None:
-        while not self.done and not self.switched and not self.held:
+        while not self.done and not self.switched and self._held is None:
             try:
                 event = self._client.next_event()
             except h11.RemoteProtocolError as exc:
@@ -232,61 +243,49 @@ class Mediator:
             raw = [(name, value) for name, value in raw if name.lower() != b"host"] + [(b"Host", authority)]
             self._current = (method, target)
         names = [name.lower() for name, _ in raw]
-        refusal: Refusal | Held | None = self._check(event, method, target, raw, names)
+        refusal = self._check(event, method, target, raw, names)
         overrides = [item.strip().decode("latin-1") for name, value in raw if name.lower() in METHOD_OVERRIDES
                      for item in value.split(b",")]
         if refusal is None and not all(_letters(text) for text in [method, *overrides]):
             refusal = Refusal(400, "sandboxd: a method (or method override header) that is not letters", "protocol")
-        if refusal is None and self._on_request is not None:
-            methods = list(dict.fromkeys([method, *(text.upper() for text in overrides)]))
-            for each in methods:
-                refusal = self._on_request(each, target)
-                if refusal is not None:
-                    break
-            if isinstance(refusal, Held) and len(methods) > 1:
-                # One answer cannot speak for every method the request may mean: not asked.
-                refusal = Refusal(403, f"sandboxd: {printable(method)} {printable(target.partition('?')[0])} names "
-                                       "another method too (a method override header): a request the rules do not "
-                                       "allow under each of its methods is refused, not asked about", "endpoint")
-        if isinstance(refusal, Held):
-            self.held, self._held_request = True, (event, target, raw)
-            self._withdraw = refusal.begin(self._resume)
-            return
         if refusal is not None:
             self._refuse(refusal)
             return
-        self._forward(event, target, raw)
+        methods = list(dict.fromkeys([method, *(text.upper() for text in overrides)]))
+        self._judge(_Held(event, target, raw), methods if self._on_request is not None else [])
 
-    def _resume(self, refusal: Refusal | None) -> None:
-        """The held request's answer (on the loop): pass it on or refuse it, then go on with what
-        the sandbox sent meanwhile."""
-        if not self.held or self._held_request is None:
-            return
-        event, target, raw = self._held_request
-        self.held, self._held_request, self._withdraw = False, None, None
-        if refusal is not None:
-            self._refuse(refusal)
+    def _judge(self, held: "_Held", methods: list[str]) -> None:
+        """Ask the hook about each of ``methods`` in turn (the request's, its overrides'); pass the
+        request on once none refused. A Pending answer holds the request (nothing more of the
+        sandbox's is parsed) until it settles."""
+        assert self._on_request is not None or not methods
+        while methods:
+            assert self._on_request is not None
+            outcome = self._on_request(methods.pop(0), held.target)
+            if isinstance(outcome, Pending):
+                self._held = held
+                outcome.then(lambda result: self._settled(held, methods, result))
+                return
+            if outcome is not None:
+                self._refuse(outcome)
+                return
+        self._forward(held)
+
+    def _settled(self, held: "_Held", methods: list[str], result: "Refusal | None") -> None:
+        if self._held is not held or self.done:
+            return                                       # the connection ended meanwhile
+        self._held = None
+        if result is not None:
+            self._refuse(result)
         else:
-            self._forward(event, target, raw)
-            waiting, eof = bytes(self.held_input), self._held_eof
-            self.held_input.clear()
-            if waiting:
-                self._client.receive_data(waiting)
-            if eof:
-                self._client.receive_data(b"")
-            self._pump_client()
-        self.on_resume()
+            self._judge(held, methods)
+        if self._held is None:
+            self._pump_client()                          # its body, or a pipelined request, waits in h11
+        self.on_wake()
 
-    def abandon(self) -> None:
-        """The connection closed: a held request's question is withdrawn."""
-        withdraw, self._withdraw = self._withdraw, None
-        self.held, self._held_request = False, None
-        if withdraw is not None:
-            withdraw()
-
-    def _forward(self, event: h11.Request, target: str, raw: list[tuple[bytes, bytes]]) -> None:
-        headers = self._forwarded(raw)
-        swapped = 0
+    def _forward(self, held: "_Held") -> None:
+        """The judged request on to the upstream: hop-by-hop headers dropped, the credential in."""
+        headers = self._forwarded(held.raw)
         if self._credentials is not None:
             headers, swapped = self._credentials.swap(self.host, self.port, headers)
             self.swaps += swapped
@@ -297,7 +296,7 @@ class Mediator:
                 return
             headers = [(name, value) for name, value in headers if name.lower() not in _CREDENTIAL_DROPPED]
             headers.append((b"Accept-Encoding", b"identity"))
-        self._send_upstream(h11.Request(method=event.method, target=target.encode("ascii"), headers=headers))
+        self._send_upstream(h11.Request(method=held.event.method, target=held.target.encode("ascii"), headers=headers))
 
     def _origin_form(self, target: str) -> tuple[bytes, str] | None:
         """An absolute-form ``target``'s authority and path (with its query), when it names this
@@ -363,6 +362,12 @@ class Mediator:
 
     def _pump_upstream(self) -> None:
         while not self.done and not self.switched:
+            if self._upstream.our_state is h11.IDLE and self._upstream.trailing_data[0]:
+                # No request of ours in flight: h11 would read these bytes as a response and the
+                # sandbox would take it for the answer to its next request (a desync). Cut.
+                self._report("upstream", "the upstream sent a response to no request", *self._current)
+                self.done = True
+                return
             try:
                 event = self._upstream.next_event()
             except h11.RemoteProtocolError as exc:
@@ -494,5 +499,5 @@ class Mediator:
         self.done = True
 
 
-__all__ = ["Held", "MAX_BACKLOG", "MAX_HEADERS", "MAX_REQUEST_HEAD", "MAX_RESPONSE_HEAD", "Mediator", "Refusal", "RequestHook", "Resume",
-           "refusal_bytes"]
+__all__ = ["MAX_BACKLOG", "MAX_HEADERS", "MAX_REQUEST_HEAD", "MAX_RESPONSE_HEAD", "Mediator", "Pending", "Refusal",
+           "RequestHook", "refusal_bytes"]

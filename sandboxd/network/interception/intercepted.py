@@ -151,23 +151,12 @@ class Paired:
         if self.closed:
             return
         self.closed = True
-        self._abandon()
         self._loop.discard_timed(self)
         for side in (self._client, self._upstream):
             self._loop.watch(side.sock, side.events, 0, side)
             side.events = 0
             side.sock.close()
         self._on_close()
-
-    def _abandon(self) -> None:
-        """Told when the connection closes: a request held for a question is withdrawn."""
-        mediator: Mediator | None = getattr(self, "mediator", None)
-        if mediator is not None:
-            mediator.abandon()
-
-    def _reads_client(self, mediator: Mediator | None) -> bool:
-        """Whether the sandbox is read on: not past BUFFER_LIMIT of what waits behind a held request."""
-        return mediator is None or not mediator.held or len(mediator.held_input) < BUFFER_LIMIT
 
     def _receive(self, side: Side) -> bytes | None:
         """What ``side`` has for us (b"": it ended); None for nothing yet, or a failure (closed)."""
@@ -333,9 +322,16 @@ class Intercepted(Paired):
         self.deadline = self._idle_deadline = time.monotonic() + IDLE_SECONDS
         self.mediator = Mediator(self.host, self.port, default_port=443, credentials=self._credentials,
                                  on_request=self._on_request, report=self._report)
-        self.mediator.on_resume = self._resumed
+        self.mediator.on_wake = self._woken
         self._mediate_client()
         self._mediate_upstream()
+
+    def _woken(self) -> None:
+        """A held request was judged: pass on what the mediator has now."""
+        if not self.closed:
+            self._pass_plaintext()
+            self._watch_head()
+            self._update()
 
     def _mediate_client(self) -> None:
         tls, mediator = self._client_tls, self.mediator
@@ -356,11 +352,6 @@ class Intercepted(Paired):
         if self._upstream_tls.eof or self._upstream.eof:
             mediator.from_upstream(b"")
         self._pass_plaintext()
-
-    def _resumed(self) -> None:
-        if not self.closed:
-            self._pass_plaintext()
-            self._update()
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -399,8 +390,6 @@ class Intercepted(Paired):
             reading = not self._closing and not side.eof and self.room(side)
             if side is self._client and self.phase in ("upstream", "leaf"):
                 reading = False                          # the CONNECT is not answered yet
-            elif side is self._client:
-                reading = reading and self._reads_client(self.mediator)
             wanted = (READ if reading else 0) | (WRITE if side.out else 0)
             self._loop.watch(side.sock, side.events, wanted, side)
             side.events = wanted

@@ -32,11 +32,18 @@ class PlainMediated(Paired):
         self.http = Mediator(host, port, default_port=HTTP_PORT, on_request=on_request, report=report,
                              absolute_form=True)
         self.mediator = self.http
-        self.http.on_resume = self._resumed
+        self.http.on_wake = self._woken
         self.http.from_client(first)
         self._pass()
         self._watch_head()
         self._update()
+
+    def _woken(self) -> None:
+        """A held request was judged: pass on what the mediator has now."""
+        if not self.closed:
+            self._pass()
+            self._watch_head()
+            self._update()
 
     def _pull(self, side: Side) -> None:
         data = self._receive(side)
@@ -48,11 +55,6 @@ class PlainMediated(Paired):
         else:
             self.http.from_upstream(data)
         self._pass()
-
-    def _resumed(self) -> None:
-        if not self.closed:
-            self._pass()
-            self._update()
 
     def _pass(self) -> None:
         mediator = self.http
@@ -71,8 +73,6 @@ class PlainMediated(Paired):
             return
         for side in (self._client, self._upstream):
             reading = not done and not side.eof and self.room(side)
-            if side is self._client:
-                reading = reading and self._reads_client(self.mediator)
             wanted = (READ if reading else 0) | (WRITE if side.out else 0)
             self._loop.watch(side.sock, side.events, wanted, side)
             side.events = wanted
