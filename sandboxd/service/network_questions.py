@@ -179,6 +179,9 @@ class NetworkQuestions:
         except Exhausted as exc:
             self._finish(held, Answer.DENY, f"sandboxd: refused: {exc}")
             return _nothing
+        except BaseException:
+            self._finish(held, Answer.DENY, "sandboxd: refused: the question could not be recorded")
+            raise
         with self._lock:
             if not held.done:
                 heapq.heappush(self._deadlines, (held.deadline, next(self._ids), held))
@@ -254,7 +257,12 @@ class NetworkQuestions:
                 if self._closed:
                     return
                 _, _, held = heapq.heappop(self._deadlines)
-            if held.done or not self._gate.claim(held.session.id, held.call_id):
+            if held.done:
+                continue
+            if not self._gate.claim(held.session.id, held.call_id):
+                with self._lock:                        # being answered now; if that answer fails, again later
+                    if not held.done:
+                        heapq.heappush(self._deadlines, (time.monotonic() + 1.0, next(self._ids), held))
                 continue
             try:
                 self._store.append(held.session.id, EventType.PERMISSION_DENIED, call_id=held.call_id, tool=TOOL,
