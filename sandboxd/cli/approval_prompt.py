@@ -125,13 +125,18 @@ class ExecApprovals:
             self._keys.restore()
 
     def _watch(self) -> None:
+        """Each held call of this context, once: the command's own, then (while it runs without a
+        terminal of its own) the network questions its connections raise (service.network_questions)."""
+        shown: set[str] = set()
         try:
             while not self._done.wait(POLL_SECONDS):
                 mine = [held for held in pending(self._client, self._session_id)
                         if held.execution_context_id == self._context_id]
-                if mine:
-                    self._answer(mine[0])
-                    return
+                shown &= {held.call_id for held in mine}       # only those still held: bounded
+                fresh = [held for held in mine if held.call_id not in shown]
+                if fresh:
+                    shown.add(fresh[0].call_id)
+                    self._answer(fresh[0])
         except grpc.RpcError:
             return                                            # the Exec stream reports the daemon's state
 

@@ -119,7 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
         answer.add_argument("call_id")
         if verb == "approve":
             answer.add_argument("--session-wide", action="store_true",
-                                help="also allow later calls of the same tool in this session")
+                                help="also allow later calls of the same tool in this session; a network "
+                                     "question: add its proposal (or --rule) to the session's policy")
+            answer.add_argument("--rule", default="", metavar="RULE",
+                                help="with --session-wide on a network question: the allowed domain or "
+                                     "endpoint rule (HOST=METHODS:PATH-GLOB) to add instead of its proposal")
     rules = commands.add_parser("rules", help="workspace-scoped standing rules: always allow TOOL here")
     rules.add_argument("rule_action", choices=["list", "add", "remove"])
     rules.add_argument("workspace", nargs="?", default="")
@@ -267,7 +271,8 @@ def _run_policy_command(client: SandboxClient, args: argparse.Namespace) -> int:
     if args.command in ("approve", "deny"):
         decision = "deny" if args.command == "deny" else ("allow_session" if args.session_wide else "allow_once")
         answer = client.stub.ResolveApproval(pb.ResolveApprovalRequest(session_id=args.session_id,
-                                                                       call_id=args.call_id, decision=decision))
+                                                                       call_id=args.call_id, decision=decision,
+                                                                       rule=getattr(args, "rule", "")))
         print(f"{printable(args.call_id)} {printable(answer.decision)}")
         return 0
     if args.rule_action == "list":
@@ -339,8 +344,8 @@ def _exec_or_shell(client: SandboxClient, args: argparse.Namespace, command: lis
                          caller_env=caller_environment(on_terminal=sys.stdout.isatty()))
     with approval_prompt.ExecApprovals(client, args.session_id, context_id, f"sandboxctl {socket_option}".rstrip(),
                                        interactive=approval_prompt.on_terminal()) as approvals:
-        if not on_terminal:
-            return _exec(client, start, on_started=approvals.stop)
+        if not on_terminal:                                # its network questions are still asked here
+            return _exec(client, start)
         status = terminal.run(client, start, on_started=approvals.stop)
     changes.end_of_session(client, args.session_id)        # a review session's pending changes: asked here
     return status

@@ -37,7 +37,8 @@ SCHEMA: dict[str, Any] = {
     "properties": {"decision": {
         "type": "string", "title": "Decision", "enum": list(CHOICES),
         "enumNames": ["Allow once", "Allow this tool for the rest of the session", "Deny"],
-        "description": "allow_once: run this call; allow_session: also later calls of this tool in this session; "
+        "description": "allow_once: run this call; allow_session: also later calls of this tool in this session (a "
+                       "network question: its proposed rule is added to the session's policy); "
                        "deny: refuse it (the model is told why)"}},
     "required": ["decision"],
 }

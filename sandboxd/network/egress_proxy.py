@@ -32,6 +32,13 @@ whose request hook judges every request by the endpoint rules in force when it a
 ``http://`` requests are all read too, each judged the same way (interception.plain: one
 connection, one host; credentials never apply in clear).
 
+With ``unlisted = ask`` and an ``ask`` (network.questions), a connection to an unlisted host
+(after every other check: metadata and refused ranges are never asked) and a request no endpoint
+rule lets through are held, parked on the loop with no thread and nothing read, and a Question
+(host, port, method, path, the advisor's proposal; never headers or body) is asked off the loop.
+An allow connects the held connection or passes the held request; a deny refuses it (403 naming
+the rule set, or a SOCKS refusal); a client that leaves meanwhile withdraws its question.
+
 Every proxy of a process is served by the process's one relay loop (tcp_relay): no thread per
 connection. A proxy serves at most ``cap.limit`` connections at once (the daemon's
 ``quotas.proxy_connections_per_session``); more are refused at once (a 503, or a SOCKS failure,
@@ -56,7 +63,9 @@ from sandboxd.defaults import PROXY_PORT
 from sandboxd.kernel.nftables import BLOCKED_RANGES, PROXY_MARK
 from sandboxd.network.dns import resolve
 from sandboxd.policy.domains import domain_matches, host_name
-from sandboxd.policy.network import (NetworkRules, endpoint_allowed, match_cost, metadata_address, metadata_name,
+from sandboxd.network.questions import Answer, Ask, Question, Withdraw
+from sandboxd.policy.network import (NetworkRules, Unlisted, endpoint_allowed, match_cost, metadata_address,
+                                     metadata_name,
                                      normalize_path, why_not_normal)
 from sandboxd.printable import printable
 from sandboxd.network.event_loop import READ
@@ -66,7 +75,7 @@ from sandboxd.network.tcp_relay import (ConnectionCap, Connecting, Relay, RelayL
 TYPE_CHECKING = False
 if TYPE_CHECKING:                        # the interception room imports h11 and ssl: only when used
     from sandboxd.network.credentials import CredentialSet
-    from sandboxd.network.interception.http1 import Refusal, Report, RequestHook
+    from sandboxd.network.interception.http1 import Pending, Refusal, Report
     from sandboxd.network.interception.intercepted import Intercepted, Interceptor
     from sandboxd.network.interception.plain import PlainMediated
     from sandboxd.network.upstream import UpstreamConnect, UpstreamRoute
@@ -178,6 +187,14 @@ def endpoint_refusal(host: str, method: str, target: str, rules: NetworkRules) -
     return "\n".join(lines)
 
 
+def _listed(domains: "tuple[str, ...]") -> str:
+    """The allowed domains, as a refusal names them (at most MAX_RULES_SHOWN)."""
+    if not domains:
+        return "none are allowed"
+    more = f", ... and {len(domains) - MAX_RULES_SHOWN} more" if len(domains) > MAX_RULES_SHOWN else ""
+    return "allowed: " + ", ".join(domains[:MAX_RULES_SHOWN]) + more
+
+
 def http_refusal(status: int, reason: str, body: str) -> bytes:
     """A complete HTTP response that closes the connection: ``body`` (printable text), cut to
     MAX_REFUSAL_BODY bytes."""
@@ -226,6 +243,7 @@ class EgressProxy(TcpService):
                  on_event: "Callable[[ProxyEvent], None] | None" = None,
                  interceptor: "Interceptor | None" = None, credentials: "CredentialSet | None" = None,
                  allowed_ranges: "tuple[str, ...]" = (), upstream: "UpstreamRoute | None" = None,
+                 ask: Ask | None = None,
                  connections: int = DEFAULT_CONNECTIONS, loop: RelayLoop | None = None) -> None:
         """``listener``: bound and listening on the sandbox's loopback (see ``listen``); only
         clients from PROXY_ADDRESS are served, once ``start`` is called; upstream connections are made in the
@@ -238,13 +256,15 @@ class EgressProxy(TcpService):
         ``upstream``: the corporate proxy every allowed connection goes through, as a CONNECT
         (network.upstream), after the same checks.
         ``on_event(event)`` is told of every refusal, typed (on a worker thread); without it,
-        ``on_denied(destination, why)``."""
+        ``on_denied(destination, why)``. ``ask``: with ``rules.unlisted`` ASK, what an unlisted
+        host or an endpoint miss becomes instead of a refusal (``_Asking``)."""
         super().__init__(listener, "sandboxd-egress-proxy", loop)
         self._rules, self._client = rules, PROXY_ADDRESS
         self._resolvers, self._on_denied, self._on_event = list(resolvers), on_denied, on_event
         self._interceptor, self._credentials = interceptor, credentials
         self._allowed_ranges, self._upstream = allowed_ranges, upstream
         self._unresolved: set[str] = set()
+        self._ask = ask
         self._netns = os.dup(netns_fd) if netns_fd >= 0 else -1
         self._ports = ROOTLESS_PORTS if netns_fd < 0 else None
         self.cap = ConnectionCap(connections)
@@ -284,7 +304,7 @@ class EgressProxy(TcpService):
     def _cut_stale(self, rules: NetworkRules, old: "CredentialSet | None") -> None:
         new = self._credentials
         for connection, (host, port, kind) in list(self._destinations.items()):
-            if not rules.allowed(host, port):
+            if not rules.allowed(host, port) and not kind.endswith("allowed when asked"):   # a person's answer stands
                 why = "it is no longer allowed"
             elif kind == "tunnel" and rules.intercepts(host, port):
                 why = "its requests must now be read"
@@ -342,44 +362,36 @@ class EgressProxy(TcpService):
         else:
             self._loop.offload(lambda: self._on_denied(destination, why))
 
-    def request_hook(self, host: str, port: int) -> "RequestHook":
-        """The hook an intercepted connection to ``host``:``port`` judges each request with, by the
-        rules in force when that request arrives (Mediator reports its refusals)."""
-        from sandboxd.network.interception.http1 import Pending, Refusal
+    def asks(self, rules: NetworkRules) -> bool:
+        """Whether what ``rules`` do not list is asked about rather than refused."""
+        return self._ask is not None and rules.unlisted == Unlisted.ASK
 
-        def check(method: str, target: str) -> "Refusal | Pending | None":
-            rules = self._rules
-            if not rules.allowed(host, port):
-                return Refusal(403, f"sandboxd: {host}:{port} is no longer allowed", "domain")
-            ruled = rules.ruled(host)
-            if not ruled:
-                return None
-            if len(target) > MAX_RULED_TARGET:
-                return Refusal(414, f"sandboxd: a request target over {MAX_RULED_TARGET} bytes to a host with "
-                                    "endpoint rules", "endpoint")
-            why = ambiguous_target(target)
-            if why:
-                return Refusal(400, f"sandboxd: {why}, which servers read differently; {host} has endpoint rules",
-                               "endpoint")
-            path = normalize_path(target)
-            assert path is not None                     # ambiguous_target said why not
+    def question(self, host: str, port: int, method: str, path: str, scheme: str, rules: NetworkRules) -> Question:
+        """What a person is asked about a held connection or request (never its headers or
+        body), with the advisor's proposal."""
+        from sandboxd.policy.network_advice import propose
 
-            def verdict(allowed: bool) -> "Refusal | None":
-                return None if allowed else Refusal(403, endpoint_refusal(host, method, target, rules), "endpoint")
-            if match_cost(ruled, path) <= MAX_LOOP_COMPARISONS:
-                return verdict(endpoint_allowed(ruled, method, path))
-            # Many rules and a long path: judged on a worker, the loop serves everyone meanwhile.
-            pending = Pending()
+        path = path.partition("?")[0]                   # a query may carry what the person need not see
+        proposal = propose(host, port, method, path, rules)
+        why = proposal.why if proposal is not None else f"{host}:{port} is not allowed as {printable(method)} " \
+                                                           f"{printable(path)}"
+        return Question(host=host, port=port, method=method, path=path, scheme=scheme,
+                        proposal=proposal.rule if proposal is not None else "",
+                        proposal_kind=proposal.kind if proposal is not None else "", why=why)
 
-            def settle(future: "Future[bool]") -> None:
-                try:
-                    pending.settle(verdict(future.result()))
-                except Exception as exc:  # noqa: BLE001 (a failure refuses this request only)
-                    pending.settle(Refusal(403, f"sandboxd: the endpoint rules could not be judged "
-                                                f"({type(exc).__name__})", "internal"))
-            self._loop.offload(lambda: endpoint_allowed(ruled, method, path), settle)
-            return pending
-        return check
+    def begin_question(self, question: Question, answered: "Callable[[Answer, str], None]") -> Withdraw:
+        """Ask ``question`` (off the loop); ``answered(answer, why)`` comes on the loop, once,
+        unless the returned withdraw is called first."""
+        assert self._ask is not None
+        return _Asking(self, self._ask, question, answered).withdraw
+
+    def request_hook(self, host: str, port: int, *, scheme: str = "https",
+                     first_granted: bool = False) -> "_Judge":
+        """The hook a mediated connection to ``host``:``port`` judges each request with, by the
+        rules in force when that request arrives (Mediator reports its refusals); under ``unlisted
+        = ask`` a request they do not let through is held and asked about. ``first_granted``: a
+        person allowed the connection's first request already (a plain connection asked about)."""
+        return _Judge(self, host, port, scheme, first_granted)
 
     def report_for(self, host: str, port: int) -> "Report":
         def report(kind: str, detail: str, method: str, target: str) -> None:
@@ -426,9 +438,12 @@ class EgressProxy(TcpService):
         if metadata_name(host) if host is not None else metadata_address(name.removeprefix("[").removesuffix("]")):
             request.refuse(destination, "a cloud metadata service is never reachable", "metadata")
             return
+        asking = False
         if host is None or not rules.allowed(host, port):
-            request.refuse(destination, "not in the allowed domains", "domain")
-            return
+            if host is None or not self.asks(rules):
+                request.refuse(destination, "not in the allowed domains", "domain")
+                return
+            asking = True                               # after the checks every connection gets
         intercept = not request.plain and rules.intercepts(host, port)
         if intercept and (self._interceptor is None or request.to_upstream):
             request.refuse(destination, "its requests must be read, which this connection does not allow", "protocol")
@@ -468,26 +483,59 @@ class EgressProxy(TcpService):
                 request.refuse(destination, f"port {port} is not one this proxy relays to (only "
                                             f"{', '.join(map(str, self._ports))})", "port")
                 return
-            if route is not None:
-                if not via:
-                    self.denied(destination, f"the upstream proxy {route.text()} does not resolve", "upstream")
-                    request.fail(request.unreachable)
-                    return
-                request.through(route, via)
-                return
-            assert address is not None
-            try:
-                upstream = (socket_in_namespace(self._netns, mark=PROXY_MARK) if self._netns >= 0 else
-                            # Rootless: no kernel filter behind it, so the two checks above are the
-                            # wall, on exactly the address connected to.
-                            socket.socket(socket.AF_INET,
-                                          socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC))
-            except OSError:
-                request.fail(request.unreachable)      # the sandbox's namespace is gone
-                return
-            request.upstream = upstream
-            request.connecting = Connecting(self._loop, upstream, (address, port), request.connected)
+            if asking:
+                self._hold(request, rules, address, via)
+            else:
+                self._connect(request, address, via)
         self._loop.offload(work, then)
+
+    def _hold(self, request: "_Request", rules: NetworkRules, address: str | None, via: str | None) -> None:
+        """Hold the connection to an unlisted host (checked for everything but the allowlist) and
+        ask; connect it on an allow, refuse it on a deny. Meanwhile the client is watched only for
+        leaving (_Request.on_ready)."""
+        host, port = request.host, request.port
+        question = self.question(host, port, request.method, request.path, "http" if request.plain else "https",
+                                 rules)
+
+        def answered(answer: Answer, why: str) -> None:
+            request.withdraw = None
+            if request.closed:
+                return
+            request.held = False
+            request.unwatch()
+            if answer == Answer.DENY:
+                request.fail(request.refusal(f"sandboxd: {host}:{port} is not among the allowed domains "
+                                             f"({_listed(rules.domains)})\n{why or 'sandboxd: refused when asked'}"))
+                return
+            request.granted = True
+            self._connect(request, address, via)
+        request.held = True
+        request.withdraw = self.begin_question(question, answered)
+        request.watch()
+
+    def _connect(self, request: "_Request", address: str | None, via: str | None) -> None:
+        """Connect ``request``'s upstream: to ``address`` from the sandbox's namespace, or through
+        the upstream proxy (at ``via``)."""
+        port, destination, route = request.port, f"{request.host}:{request.port}", self._upstream
+        if route is not None:
+            if not via:
+                self.denied(destination, f"the upstream proxy {route.text()} does not resolve", "upstream")
+                request.fail(request.unreachable)
+                return
+            request.through(route, via)
+            return
+        assert address is not None
+        try:
+            upstream = (socket_in_namespace(self._netns, mark=PROXY_MARK) if self._netns >= 0 else
+                        # Rootless: no kernel filter behind it, so the two checks above are the
+                        # wall, on exactly the address connected to.
+                        socket.socket(socket.AF_INET,
+                                      socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC))
+        except OSError:
+            request.fail(request.unreachable)      # the sandbox's namespace is gone
+            return
+        request.upstream = upstream
+        request.connecting = Connecting(self._loop, upstream, (address, port), request.connected)
 
     def _address_allowed(self, request: "_Request", destination: str, address: str, port: int) -> bool:
         """Whether the address a name resolves to may be reached; else refuses ``request`` saying why."""
@@ -531,9 +579,26 @@ class _Request:
         self.relay: "Relay | Intercepted | PlainMediated | None" = None
         self.plain = False                              # an absolute-form http:// request
         self.host, self.port, self.intercept = "", 0, False     # as matched; handed to Intercepted
+        self.method, self.path = "CONNECT", ""          # what a question shows: a plain request's own
+        self.held = False                               # waiting for a question's answer (EgressProxy._hold)
+        self.withdraw: Withdraw | None = None
+        self.granted = False                            # a person allowed it (a plain one's first request)
+        self.judge: "_Judge | None" = None              # the mediated connection's request hook
         self.deadline = time.monotonic() + REQUEST_SECONDS
         proxy.loop.add_timed(self)
         self._watch(True)
+
+    def watch(self) -> None:
+        self._watch(True)
+
+    def unwatch(self) -> None:
+        self._watch(False)
+
+    def refusal(self, text: str) -> bytes:
+        """A refusal naming why, as this client understands one (SOCKS has no room for text)."""
+        if self.forbidden is not HTTP_FORBIDDEN:
+            return self.forbidden
+        return http_refusal(403, "Forbidden", text)
 
     def _watch(self, on: bool) -> None:
         if on != self.watched:
@@ -541,6 +606,9 @@ class _Request:
             self.watched = on
 
     def on_ready(self, _mask: int) -> None:
+        if self.held:
+            self._left_while_held()
+            return
         try:
             chunk = self.client.recv(8192)
         except (BlockingIOError, InterruptedError):
@@ -559,6 +627,22 @@ class _Request:
                 self._http()
         except (ValueError, IndexError, UnicodeError, struct.error):
             self.fail(SOCKS_FAILED if self.socks_greeted or self.data[:1] == b"\x05" else HTTP_BAD_REQUEST)
+
+    def _left_while_held(self) -> None:
+        """Readable while held: gone (an error; its end, for a tunnel, which has nothing to say
+        before it is answered), or early bytes (or a plain request's end: HTTP/1.0 clients may
+        half-close and wait), left unread, after which only the question's own bound (its timeout)
+        holds it."""
+        try:
+            gone = not self.client.recv(1, socket.MSG_PEEK) and not self.plain
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            gone = True
+        if gone:
+            self.close()
+        else:
+            self._watch(False)
 
     def expire(self) -> None:
         if not self.complete:                           # still no complete request: give up on it
@@ -584,6 +668,7 @@ class _Request:
             return
         authority, _, path = target[len("http://"):].partition("/")
         name, _, port = authority.partition(":")
+        self.method, self.path = method, "/" + path
         # Every request of the connection is read and judged (interception.plain), this one too:
         # as sent, absolute-form, with whatever followed it.
         self.to_upstream = bytes(self.data)
@@ -640,7 +725,7 @@ class _Request:
         assert self.upstream is not None
         proxy, upstream = self.proxy, self.upstream
         rules = proxy.rules                             # an update while resolving or connecting
-        if not rules.allowed(self.host, self.port) or (
+        if (not rules.allowed(self.host, self.port) and not self.granted) or (
                 not self.plain and rules.intercepts(self.host, self.port) != self.intercept):
             proxy.denied(f"{self.host}:{self.port}", "the network policy changed while connecting")
             self.fail(self.forbidden)
@@ -659,7 +744,7 @@ class _Request:
             kind, port = "intercepted", self.port
             relay = Intercepted(proxy.loop, self.client, upstream, self.host, port,
                                 interceptor=proxy.interceptor, credentials=proxy.credentials,
-                                on_request=proxy.request_hook(self.host, port),
+                                on_request=self._judge(proxy.request_hook(self.host, port, scheme="https")),
                                 report=proxy.report_for(self.host, port), established=self.success,
                                 on_close=self._relay_closed)
         elif self.plain:
@@ -667,7 +752,8 @@ class _Request:
 
             kind = "plain"
             relay = PlainMediated(proxy.loop, self.client, upstream, self.host, self.port, first=self.to_upstream,
-                                  on_request=proxy.request_hook(self.host, self.port),
+                                  on_request=self._judge(proxy.request_hook(self.host, self.port, scheme="http",
+                                                                            first_granted=self.granted)),
                                   report=proxy.report_for(self.host, self.port), on_close=self._relay_closed)
         else:
             kind = "tunnel"
@@ -676,9 +762,15 @@ class _Request:
         self.relay = relay
         if not relay.closed:
             proxy.track(relay)
-            proxy.opened(relay, self.host, self.port, kind)
+            proxy.opened(relay, self.host, self.port, kind if not self.granted else f"{kind}, allowed when asked")
+
+    def _judge(self, judge: "_Judge") -> "_Judge":
+        self.judge = judge
+        return judge
 
     def _relay_closed(self) -> None:
+        if self.judge is not None:
+            self.judge.abandon()                        # a request held for a question: withdrawn
         if self.relay is not None:
             self.proxy.untrack(self.relay)
             self.proxy.forget(self.relay)
@@ -738,6 +830,9 @@ class _Request:
             return
         self.closed = True
         proxy = self.proxy
+        withdraw, self.withdraw = self.withdraw, None
+        if withdraw is not None:
+            withdraw()                                  # the client left, or the proxy closed
         proxy.loop.discard_timed(self)
         self._watch(False)
         if self.connecting is not None:
@@ -748,3 +843,125 @@ class _Request:
         proxy.untrack(self)
         proxy.cap.release()
 
+
+
+class _Asking:
+    """One question asked for the proxy: ``ask`` runs on a worker (the asker may write its
+    audit record), its answer is posted to the loop and delivered once, unless withdrawn first."""
+
+    def __init__(self, proxy: EgressProxy, ask: Ask, question: Question,
+                 answered: "Callable[[Answer, str], None]") -> None:
+        self._loop, self._answered = proxy.loop, answered
+        self._asker_withdraw: Withdraw | None = None
+        self._done = self._withdrawn = False            # answered or withdrawn (loop thread only)
+
+        def work() -> Withdraw:
+            return ask(question, self._on_answer)
+
+        def then(future: "Future[Withdraw]") -> None:
+            try:
+                withdraw = future.result()
+            except Exception:  # noqa: BLE001 (an asker's failure refuses this one, nothing more)
+                self._deliver(Answer.DENY, "sandboxd: the question could not be asked")
+                return
+            if self._withdrawn:
+                self._loop.offload(withdraw)            # gone before the asker answered the call
+            else:
+                self._asker_withdraw = withdraw
+        self._loop.offload(work, then)
+
+    def _on_answer(self, answer: Answer, why: str = "") -> None:
+        self._loop.post(lambda: self._deliver(answer, why))
+
+    def _deliver(self, answer: Answer, why: str) -> None:
+        if not self._done:
+            self._done = True
+            self._asker_withdraw = None
+            self._answered(answer, why)
+
+    def withdraw(self) -> None:
+        """On the loop: the held work is gone."""
+        if self._done:
+            return
+        self._done = self._withdrawn = True
+        withdraw, self._asker_withdraw = self._asker_withdraw, None
+        if withdraw is not None:
+            self._loop.offload(withdraw)
+
+
+class _Judge:
+    """The request hook of one mediated connection (http1.RequestHook): the host's allowance and
+    endpoint rules, an offloaded check when they are costly (http1.Pending), a question under
+    ``unlisted = ask``. ``abandon`` (the connection closed) withdraws a question still open."""
+
+    def __init__(self, proxy: EgressProxy, host: str, port: int, scheme: str, first_granted: bool) -> None:
+        self._proxy, self._host, self._port, self._scheme = proxy, host, port, scheme
+        self._granted = first_granted
+        self._withdraw: Withdraw | None = None
+
+    def __call__(self, method: str, target: str) -> "Refusal | Pending | None":
+        from sandboxd.network.interception.http1 import Pending, Refusal
+
+        if self._granted:                               # the question about the connection named this one
+            self._granted = False
+            return None
+        proxy, host, port = self._proxy, self._host, self._port
+        rules = proxy.rules
+        if not rules.allowed(host, port):
+            refusal = Refusal(403, f"sandboxd: {host}:{port} is not among the allowed domains", "domain")
+            return self._ask(method, target, rules, refusal) if proxy.asks(rules) else refusal
+        ruled = rules.ruled(host)
+        if not ruled:
+            return None
+        if len(target) > MAX_RULED_TARGET:
+            return Refusal(414, f"sandboxd: a request target over {MAX_RULED_TARGET} bytes to a host with "
+                                "endpoint rules", "endpoint")
+        why = ambiguous_target(target)
+        if why:
+            return Refusal(400, f"sandboxd: {why}, which servers read differently; {host} has endpoint rules",
+                           "endpoint")
+        path = normalize_path(target)
+        assert path is not None                         # ambiguous_target said why not
+        refusal = Refusal(403, endpoint_refusal(host, method, target, rules), "endpoint")
+        if match_cost(ruled, path) <= MAX_LOOP_COMPARISONS:
+            if endpoint_allowed(ruled, method, path):
+                return None
+            return self._ask(method, target, rules, refusal) if proxy.asks(rules) else refusal
+        # Many rules and a long path: judged on a worker, the loop serves everyone meanwhile.
+        pending = Pending()
+
+        def settle(future: "Future[bool]") -> None:
+            try:
+                allowed = future.result()
+            except Exception as exc:  # noqa: BLE001 (a failure refuses this request only)
+                pending.settle(Refusal(403, f"sandboxd: the endpoint rules could not be judged "
+                                            f"({type(exc).__name__})", "internal"))
+                return
+            if allowed:
+                pending.settle(None)
+            elif proxy.asks(rules):
+                self._ask(method, target, rules, refusal, pending)
+            else:
+                pending.settle(refusal)
+        proxy.loop.offload(lambda: endpoint_allowed(ruled, method, path), settle)
+        return pending
+
+    def _ask(self, method: str, target: str, rules: NetworkRules, refusal: "Refusal",
+             pending: "Pending | None" = None) -> "Pending":
+        """Hold the request and ask; it passes on an allow, gets ``refusal`` (and why) on a deny."""
+        from sandboxd.network.interception.http1 import Pending, Refusal
+
+        held = pending if pending is not None else Pending()
+        question = self._proxy.question(self._host, self._port, method, target, self._scheme, rules)
+
+        def answered(answer: Answer, why: str) -> None:
+            self._withdraw = None
+            held.settle(None if answer != Answer.DENY else
+                        Refusal(403, f"{refusal.body}\n{why or 'sandboxd: refused when asked'}", refusal.kind))
+        self._withdraw = self._proxy.begin_question(question, answered)
+        return held
+
+    def abandon(self) -> None:
+        withdraw, self._withdraw = self._withdraw, None
+        if withdraw is not None:
+            withdraw()

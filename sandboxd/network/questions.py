@@ -3,15 +3,18 @@ proxy (network layer, on the relay loop) and whoever answers for the session (th
 ``service/network_questions.py``). The network layer cannot import the service: it is handed an
 ``Ask`` callable.
 
-``ask(question, on_answer) -> withdraw``: called on the proxy's loop; must not block. ``on_answer``
-may be called once, from any thread (the proxy posts it back to its loop); ``withdraw()`` tells the
+``ask(question, on_answer) -> withdraw``: called on one of the proxy loop's worker threads (never
+the loop itself, so the asker may write its audit record), and must return promptly: the answer
+comes later. ``on_answer(answer, why="")`` may be called once, from any thread (the proxy posts it
+back to its loop); ``why`` says, for the sandbox's 403, why a DENY was not a person's (the cap of
+questions, the approval policy ``never``, the timeout). ``withdraw()`` tells the
 asker the held work is gone (the client left, the proxy closed) and no answer is wanted any more
 (the asker may still keep the question for the person: design §6.2, a held question outlives its
 client)."""
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Protocol
 
 from sandboxd._record import Choice, Record
 
@@ -45,5 +48,9 @@ class Question(Record):
     why: str = ""
 
 
+class OnAnswer(Protocol):
+    def __call__(self, answer: Answer, why: str = "") -> None: ...
+
+
 Withdraw = Callable[[], None]
-Ask = Callable[[Question, Callable[[Answer], None]], Withdraw]
+Ask = Callable[[Question, OnAnswer], Withdraw]

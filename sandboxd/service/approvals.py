@@ -109,9 +109,16 @@ class Granted:
             self.completed()
 
 
+# A held call answered by callback (``ApprovalGate.hold``): (decision, rule, by). It may refuse the
+# answer (InvalidPolicy: a rule that does not cover the call), which leaves the call held.
+OnDecision = Callable[[str, str, str], None]
+
+
 class _Pending:
-    def __init__(self, session_id: str, call_id: str, call: ToolCall, reason: str | None) -> None:
+    def __init__(self, session_id: str, call_id: str, call: ToolCall, reason: str | None,
+                 proposal: str = "", on_decision: OnDecision | None = None) -> None:
         self.session_id, self.call_id, self.call, self.reason = session_id, call_id, call, reason
+        self.proposal, self.on_decision = proposal, on_decision
         self.answered = threading.Event()
         self.answer: str | None = None
 
@@ -209,17 +216,64 @@ class ApprovalGate:
                            data={**base, "reason": reason, "by": by, "detail": detail, "message": str(error)})
         raise error
 
+    # -- held without a thread (network questions) -----------------------------------------------
+
+    def hold(self, session: Session, call: ToolCall, reason: str, *, proposal: str, on_decision: OnDecision,
+             data: dict[str, Any]) -> str:
+        """Hold ``call`` for a person with no thread waiting: PermissionRequested is recorded
+        (``data`` added to it) and the call is listed and answered like any other, but its answer
+        goes to ``on_decision`` (from ResolveApproval's thread; ``claim`` for a timeout). Returns
+        its call id. Exhausted when the store will not take this owner's events."""
+        self._store.admit(session.owner.uid, session.owner.principal)
+        call_id = "call_" + secrets.token_hex(6)
+        pending = _Pending(session.id, call_id, call, reason, proposal, on_decision)
+        with self._lock:
+            self._pending[(session.id, call_id)] = pending
+        try:
+            self._store.append(session.id, EventType.PERMISSION_REQUESTED, call_id=call_id, tool=call.tool,
+                               data={"effect": call.effect or "unknown-command", "risk": call.risk,
+                                     "summary": call.summary, "execution_context_id": call.execution_context_id,
+                                     "reason": reason, "arguments": call.arguments, **data})
+        except BaseException:
+            with self._lock:
+                self._pending.pop((session.id, call_id), None)
+            raise
+        return call_id
+
+    def claim(self, session_id: str, call_id: str) -> bool:
+        """Take a held call out of everyone's reach, unanswered (its holder answers it itself: a
+        timeout); False when it was answered or taken already."""
+        with self._lock:
+            pending = self._pending.get((session_id, call_id))
+            if pending is None or pending.answered.is_set():
+                return False
+            pending.answered.set()
+            del self._pending[(session_id, call_id)]
+        return True
+
     # -- answers ---------------------------------------------------------------------------------
 
-    def resolve(self, session_id: str, call_id: str, decision_text: str) -> str:
-        """Answer a held call; returns the canonical decision."""
+    def resolve(self, session_id: str, call_id: str, decision_text: str, rule: str = "") -> str:
+        """Answer a held call; returns the canonical decision. ``rule``: for a network question
+        allowed for the session, the rule to add instead of its proposal."""
         decision = parse_decision(decision_text)
         with self._lock:
             pending = self._pending.get((session_id, call_id))
             if pending is None or pending.answered.is_set():
                 raise NotFound(f"no call {call_id!r} waiting for approval in session {session_id!r}")
+            if pending.on_decision is None and rule:
+                raise InvalidPolicy("rule answers a network question only (reason network_request): leave it empty")
             pending.answer = decision
             pending.answered.set()
+        if pending.on_decision is not None:
+            try:
+                pending.on_decision(decision, rule, "user")
+            except BaseException:
+                pending.answer = None
+                pending.answered.clear()                # refused (a rule that does not cover it): still held
+                raise
+            with self._lock:
+                self._pending.pop((session_id, call_id), None)
         return decision
 
     def pending(self, session_id: str) -> list[tuple[str, ToolCall, str | None]]:
@@ -227,12 +281,22 @@ class ApprovalGate:
         with self._lock:
             return [(p.call_id, p.call, p.reason) for (sid, _), p in self._pending.items() if sid == session_id]
 
+    def proposal(self, session_id: str, call_id: str) -> str:
+        """A held network question's proposal ("" for any other call)."""
+        with self._lock:
+            pending = self._pending.get((session_id, call_id))
+            return pending.proposal if pending is not None else ""
+
     def forget_session(self, session_id: str) -> None:
         """The session closed: its remembered approvals go, and held calls are denied."""
         with self._lock:
             self._session_allowed = {entry for entry in self._session_allowed if entry[0] != session_id}
             held = [p for (sid, _), p in self._pending.items() if sid == session_id]
         for pending in held:
+            if pending.on_decision is not None:
+                if self.claim(session_id, pending.call_id):
+                    pending.on_decision(DENY, "", "cancelled")
+                continue
             pending.answer = DENY
             pending.answered.set()
 

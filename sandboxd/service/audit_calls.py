@@ -59,14 +59,16 @@ class AuditService:
 
     def resolve(self, who: Caller, request: pb.ResolveApprovalRequest) -> pb.ResolveApprovalResponse:
         session = self._registry.get(who, request.session_id)
-        return pb.ResolveApprovalResponse(decision=self._gate.resolve(session.id, request.call_id, request.decision))
+        return pb.ResolveApprovalResponse(decision=self._gate.resolve(session.id, request.call_id, request.decision,
+                                                                      request.rule))
 
     def pending(self, who: Caller, session_id: str) -> pb.ListPendingApprovalsResponse:
         session = self._registry.get(who, session_id)
         return pb.ListPendingApprovalsResponse(approvals=[
             pb.PendingApproval(call_id=call_id, tool=call.tool, summary=call.summary, reason=reason or "",
                                risk=call.risk, arguments_json=json.dumps(call.arguments, default=str),
-                               execution_context_id=call.execution_context_id)
+                               execution_context_id=call.execution_context_id,
+                               proposal=self._gate.proposal(session.id, call_id))
             for call_id, call, reason in self._gate.pending(session.id)])
 
     # -- external tools --------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from sandboxd.config.settings import DaemonSettings
 from sandboxd.service import memtrace, systemd
 from sandboxd.service.approval_channels import ApprovalChannels
 from sandboxd.service.approvals import ApprovalGate
+from sandboxd.service.network_questions import NetworkQuestions
 from sandboxd.service.callers import Callers, TlsIdentity
 from sandboxd.service.metrics import Metrics
 from sandboxd.service.process_ties import ProcessTies
@@ -178,6 +179,9 @@ class Daemon:
                           running=lambda: sum(session.running_calls for session in registry.open_sessions()),
                           events=store.last_id)
             gate = ApprovalGate(store, timeout=s.approval_timeout, metrics=metrics)
+            questions = NetworkQuestions(gate, store, per_session=s.network_questions, timeout=s.approval_timeout)
+            undo.callback(questions.close)
+            registry.answer_network_with(questions)
             sandboxed = SandboxedPeers(registry.sandbox_namespaces)
             door = FrontDoor(socket_path, backend, mode=s.socket_mode, relay_dir=os.path.join(private, "relay"),
                              listener=activated, connections_per_uid=s.connections_per_uid,

@@ -14,13 +14,16 @@ import os
 import socket
 import ssl
 import threading
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from sandboxd.audit.store import EventStore, EventType
 from sandboxd.defaults import PROXY_PORT
 from sandboxd.errors import SetupError
 from sandboxd.service.sandbox_hooks import Sandbox, SandboxHooks, Service
 from sandboxd.service.sessions.state import Session
+
+if TYPE_CHECKING:
+    from sandboxd.service.network_questions import NetworkQuestions
 
 
 class PublishedPorts(SandboxHooks):
@@ -64,6 +67,8 @@ class EgressProxies(SandboxHooks):
         self._store = store
         self._connections = connections                 # at once, per sandbox
         self._count_denial = count_denial                # the daemon's metrics, when it has them
+        # Who answers unlisted = ask (service.network_questions), once the daemon has its approval gate.
+        self.questions: "NetworkQuestions | None" = None
         self._upstream_ca_pem, self._allowed_ranges = upstream_ca_pem, allowed_ranges
         self._upstream_proxy = upstream_proxy
         self._upstream_context: ssl.SSLContext | None = None   # one per process, made at first use
@@ -105,8 +110,10 @@ class EgressProxies(SandboxHooks):
         # Every proxied session's proxy can intercept (a live change may add a host to intercept).
         interceptor = Interceptor(ca, self.upstream_context()) if ca is not None else None
         try:                                            # its upstream connections are made in there
+            # Every proxy may ask: whether it does is its rules' unlisted, which a live change may set.
+            ask = self.questions.ask_for(session) if self.questions is not None else None
             proxy = EgressProxy(listener, sandbox.policy.network_rules, netns_fd=netns, resolvers=info.resolvers,
-                                on_denied=denied, interceptor=interceptor,
+                                on_denied=denied, interceptor=interceptor, ask=ask,
                                 credentials=credentials.credential_set() if credentials is not None else CredentialSet(),
                                 allowed_ranges=self._allowed_ranges, connections=self._connections,
                                 upstream=UpstreamRoute(*self._upstream_proxy, ca_pem=self._upstream_ca_pem.decode("ascii"))

@@ -334,6 +334,8 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             with self._gate.authorize(session, call, still_wanted=context.is_active) as granted:
                 if start.checkpoint:                      # a point to roll this call back to
                     self._review.checkpoint_call(session, granted.call_id, call.summary)
+                # Its network questions are shown to this caller (service.network_questions).
+                terminal.enter_context(session.running_in(start.execution_context_id))
                 for response in exec_call.run(self._registry, self._fork, session, start, argv, cwd, request_iterator,
                                               context):
                     kind = response.WhichOneof("kind")

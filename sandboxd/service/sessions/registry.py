@@ -16,7 +16,7 @@ from __future__ import annotations
 import builtins
 import os
 from collections.abc import Mapping
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from sandboxd.audit.store import EventStore
 from sandboxd.errors import InvalidPolicy, NotFound
@@ -39,6 +39,9 @@ from sandboxd.service.sessions.state import Session, rules_from_dict, rules_to_d
 from sandboxd.service.sessions.table import SessionTable
 from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.network.publish import check_host_ports
+
+if TYPE_CHECKING:
+    from sandboxd.service.network_questions import NetworkQuestions
 
 T = TypeVar("T")
 __all__ = ["SESSION_PLACEHOLDER_ARGV", "OwnPlaces", "Session", "SessionRegistry", "caller_groups", "command_user",
@@ -84,6 +87,10 @@ class SessionRegistry:
                                       check_built=lambda session, facts: access.check_not_shared(
                                           session.owner, facts, self._table.all(), session.id),
                                       vault=self.vault, live=LiveNetwork(store, self.vault, network_environment))
+
+    def answer_network_with(self, questions: "NetworkQuestions") -> None:
+        """Who answers the egress proxies' questions (unlisted = ask) of sandboxes built from now."""
+        self._egress.questions = questions
 
     def add_hooks(self, hooks: SandboxHooks) -> None:
         """Another service's hooks (sandbox_hooks), called after the registry's own."""

@@ -10,8 +10,10 @@ holds no one else's lookup or call (the registry's own lock covers only its map:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from sandboxd.audit.store import SessionRow
@@ -73,12 +75,36 @@ class Session:
         # policy's names by the daemon (``facts``).
         self.built: dict[int, SessionInfo] = {}
         self.jobs: dict[str, BackgroundJob] = {}  # its background processes by id (service.background)
+        # The execution contexts of its commands running now (Exec's execution_context_id -> how
+        # many): a network question is shown to the one asking client when there is one.
+        self.exec_contexts: dict[str, int] = {}
         # Its credentials' secrets and phantoms, in daemon memory only (service.credential_vault),
         # replaced whole by a change; wiped when it closes.
         self.credentials: SessionCredentials | None = None
         self.daemon_secrets: dict[str, str] = {}  # as the store kept them: VAR -> [network.secrets] NAME
         self.ca: SessionCA | None = None      # the CA its proxy ends TLS with (a proxied session): its key stays here
         self.live_network: LiveNetwork | None = None  # how its network policy changes live (network_live)
+
+    @contextlib.contextmanager
+    def running_in(self, context_id: str) -> Iterator[None]:
+        """While a command of the execution context ``context_id`` ("" for none) runs."""
+        if not context_id:
+            yield
+            return
+        with self.lock:
+            self.exec_contexts[context_id] = self.exec_contexts.get(context_id, 0) + 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                left = self.exec_contexts.pop(context_id, 1) - 1
+                if left:
+                    self.exec_contexts[context_id] = left
+
+    def only_context(self) -> str:
+        """The execution context of every command running now, when there is exactly one ("")."""
+        with self.lock:
+            return next(iter(self.exec_contexts)) if len(self.exec_contexts) == 1 else ""
 
     def to_row(self, closed_at: float | None = None) -> SessionRow:
         """What the store keeps of it (the caller holds ``lock``, or the session is not shared yet)."""

@@ -1,0 +1,212 @@
+"""A blocked request becomes a question (issue 26 item 3), end to end: a real daemon, real
+sandboxes, `sandboxctl`, and the stand-in internet of tests/tls_world.py (HTTPS api.test.example,
+other.test.example; the older world's plain http://internet.test:8080).
+
+A session with ``--unlisted ask`` (approval on-request; a standing rule lets its shell commands
+run unasked, so the only held calls are the network's) asks about a connection to an unlisted
+host and about a request no endpoint rule allows: a held call of tool ``network``, reason
+``network_request``, showing host, port, method, path and the proposal, escaped. Allow once lets
+that connection through and the next asks again; deny refuses it; allow for the session adds the
+rule (PolicyChanged, by approval) and the next passes unasked. Under approval ``never`` nothing is
+asked and the connection is refused. The cap of waiting questions and their timeout hold, and
+another plain user cannot answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import BASE_ENV
+from daemon_helpers import PYTHON, Daemon, DaemonFactory, PlainUser, daemon_factory, plain_users
+from tls_world import API_HOST, OTHER_HOST, TlsWorld, tls_world  # noqa: F401 (the fixture)
+
+REPO = Path(__file__).resolve().parent.parent
+SANDBOXCTL = str(REPO / ".venv" / "bin" / "sandboxctl")
+WAIT = 120
+CAP = 2                                 # quotas.network_questions_per_session
+PLAIN_HOST, PLAIN_PORT = "internet.test", 8080
+
+AS_USER = r"""
+import os, sys
+import grpc, grpc._channel, grpc._common, grpc._utilities, grpc._interceptor, grpc._runtime_protos
+import google.protobuf.json_format
+from sandboxd.cli import ctl, approval_prompt, env_args, network_args
+ctl.build_parser().format_help()
+uid, gid = int(sys.argv[1]), int(sys.argv[2])
+os.setgroups([]); os.setgid(gid); os.setuid(uid)
+sys.exit(ctl.main(sys.argv[3:]))
+"""
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a daemon with isolated networks needs root")
+
+
+@dataclass
+class Place:
+    factory: DaemonFactory
+    daemon: Daemon
+    world: TlsWorld
+    bob: PlainUser
+
+    def ctl(self, *args: str, user: PlainUser | None = None, ok: bool = True) -> subprocess.CompletedProcess[str]:
+        words = ["--socket", str(self.daemon.socket), *args]
+        argv = [SANDBOXCTL, *words] if user is None else [PYTHON, "-c", AS_USER, str(user.uid), str(user.gid), *words]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=WAIT, env=BASE_ENV,
+                              stdin=subprocess.DEVNULL, cwd="/")
+        if ok:
+            assert done.returncode == 0, (args, done.stdout, done.stderr)
+        return done
+
+    def session(self, *flags: str, approval: str = "on-request") -> str:
+        workspace = self.factory.workspace()
+        made = self.ctl("session", "create", str(workspace), "--approval", approval, *flags).stdout.strip()
+        # Its commands run unasked: the network's are the only held calls.
+        self.ctl("rules", "add", str(workspace), "shell.exec")
+        return made
+
+    def start(self, session_id: str, script: str) -> subprocess.Popen[str]:
+        return subprocess.Popen([SANDBOXCTL, "--socket", str(self.daemon.socket), "exec", session_id, "--",
+                                 "sh", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=BASE_ENV, stdin=subprocess.DEVNULL, cwd="/")
+
+    def held(self, session_id: str, count: int = 1) -> list[dict[str, str]]:
+        """The network questions held in the session, once there are ``count``."""
+        deadline = time.monotonic() + WAIT
+        while True:
+            lines = self.ctl("approvals", "--session", session_id, "--json").stdout.splitlines()
+            held = [json.loads(line) for line in lines if line.strip()]
+            held = [entry for entry in held if entry.get("tool") == "network"]
+            if len(held) >= count:
+                return held
+            assert time.monotonic() < deadline, f"no {count} network questions held in {session_id}"
+            time.sleep(0.1)
+
+    def events(self, session_id: str, kind: str) -> list[dict[str, object]]:
+        lines = self.ctl("events", "--session", session_id, "--json", "--type", kind).stdout.splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+def finished(process: subprocess.Popen[str]) -> str:
+    out, _ = process.communicate(timeout=WAIT)
+    return out
+
+
+def curl(url: str, *options: str) -> str:
+    return f"curl -sS -k --max-time 60 {' '.join(options)} {url} 2>&1; echo"
+
+
+@pytest.fixture(scope="module")
+def place(tls_world: TlsWorld) -> Iterator[Place]:  # noqa: F811 (the fixture)
+    with plain_users(1) as (bob,), daemon_factory("sbxd-ask-") as factory:
+        # approvals.timeout_seconds is daemon_helpers' --approval-timeout (20 s).
+        config = tls_world.daemon_config() + f"[quotas]\nnetwork_questions_per_session = {CAP}\n"
+        yield Place(factory, factory(config=config), tls_world, bob)
+
+
+def test_an_unlisted_host_is_asked_allowed_once_then_asked_again_and_refused(place: Place) -> None:
+    session = place.session("--allow-domain", OTHER_HOST, "--unlisted", "ask")
+    run = place.start(session, curl(place.world.url("/once")) + "; " + curl(place.world.url("/twice")))
+    first = place.held(session)[0]
+    assert (first["reason"], first["proposal"]) == ("network_request", API_HOST), first
+    assert f"CONNECT https://{API_HOST}:443" in first["summary"], first
+    arguments = json.loads(first["arguments_json"])
+    assert (arguments["host"], arguments["port"], arguments["method"], arguments["path"]) == (
+        API_HOST, 443, "CONNECT", ""), arguments
+    place.ctl("approve", session, first["call_id"])
+    second = place.held(session)[0]                                   # the next connection asks again
+    assert second["call_id"] != first["call_id"]
+    place.ctl("deny", session, second["call_id"])
+    out = finished(run)
+    assert "hello /once" in out and "403" in out, out
+    # The question carried the exec's context: sandboxctl exec said, in place, how to answer it.
+    assert f"waiting for approval (network_request): network: CONNECT https://{API_HOST}:443" in out, out
+    assert [seen.path for seen in place.world.api.seen if seen.path in ("/once", "/twice")] == ["/once"]
+    denied = [event for event in place.events(session, "PermissionDenied") if event.get("tool") == "network"]
+    assert any(event["data"]["by"] == "user" for event in denied), denied     # type: ignore[index]
+    # Control: the listed host is never asked.
+    out = place.ctl("exec", session, "--", "sh", "-c", curl(place.world.url("/listed", OTHER_HOST))).stdout
+    assert "hello /listed" in out, out
+
+
+def test_allow_for_the_session_adds_the_rule_and_the_next_connection_passes_unasked(place: Place) -> None:
+    session = place.session("--allow-domain", OTHER_HOST, "--unlisted", "ask")
+    run = place.start(session, curl(place.world.url("/first")))
+    held = place.held(session)[0]
+    place.ctl("approve", session, held["call_id"], "--session-wide")
+    assert "hello /first" in finished(run)
+    shown = place.ctl("session", "show", session, "--json").stdout
+    assert API_HOST in json.loads(shown)["sandbox_policy"]["allowed_domains"], shown
+    changed = [event["data"] for event in place.events(session, "PolicyChanged")]
+    assert any(data.get("by") == "approval" and data.get("live") for data in changed), changed  # type: ignore[union-attr]
+    out = place.ctl("exec", session, "--", "sh", "-c", curl(place.world.url("/next"))).stdout
+    assert "hello /next" in out, out                                  # no question: it would hold this exec
+
+
+def test_a_path_with_escapes_is_shown_escaped_and_a_person_may_give_the_rule(place: Place) -> None:
+    session = place.session("--allow-domain", OTHER_HOST, "--unlisted", "ask")
+    raw = (f"import os, socket; s = socket.create_connection(('127.0.0.1', 3128)); "
+           f"s.sendall(b'GET http://{PLAIN_HOST}:{PLAIN_PORT}/a\\x1b[31mred HTTP/1.1\\r\\nHost: {PLAIN_HOST}\\r\\n\\r\\n'); "
+           f"print(s.recv(4096).decode('latin-1').splitlines()[0])")
+    run = place.start(session, f"python3 -c \"{raw}\"")
+    held = place.held(session)[0]
+    assert "\x1b" not in json.dumps(held, ensure_ascii=False) and "\x1b" not in held["arguments_json"]
+    assert f"GET http://{PLAIN_HOST}:{PLAIN_PORT}/a" in held["summary"] and "[31mred" in held["summary"], held
+    # A rule that does not cover the held request is refused, and the question stays.
+    refused = place.ctl("approve", session, held["call_id"], "--session-wide", "--rule", "elsewhere.test", ok=False)
+    assert refused.returncode != 0 and "does not cover" in refused.stderr, refused.stderr
+    place.ctl("deny", session, held["call_id"])
+    assert "403" in finished(run)                                     # python printed the status line
+
+
+def test_an_endpoint_miss_on_an_allowed_host_is_an_endpoint_question(place: Place) -> None:
+    session = place.session("--allow-domain", PLAIN_HOST, "--allow-endpoint", f"{PLAIN_HOST}=GET:/allowed/**",
+                            "--unlisted", "ask")
+    url = f"http://{PLAIN_HOST}:{PLAIN_PORT}"
+    run = place.start(session, curl(f"{url}/other/12") + "; " + curl(f"{url}/other/13"))
+    held = place.held(session)[0]
+    assert held["proposal"] == f"{PLAIN_HOST}=GET:/other/*", held
+    arguments = json.loads(held["arguments_json"])
+    assert (arguments["proposal_kind"], arguments["method"], arguments["path"]) == ("endpoint", "GET", "/other/12")
+    place.ctl("approve", session, held["call_id"])
+    again = place.held(session)[0]
+    assert json.loads(again["arguments_json"])["path"] == "/other/13"
+    place.ctl("deny", session, again["call_id"])
+    out = finished(run)
+    assert "hello from internet" in out and "GET /other/13 is not among the endpoint rules" in out, out
+    assert "sandboxd: refused when asked" in out, out
+
+
+def test_under_approval_never_nothing_is_asked_and_it_is_refused(place: Place) -> None:
+    session = place.session("--allow-domain", OTHER_HOST, "--unlisted", "ask", approval="never")
+    out = place.ctl("exec", session, "--", "sh", "-c", curl(place.world.url("/never"))).stdout
+    assert "403" in out, out
+    assert place.ctl("approvals", "--session", session, "--json").stdout.strip() == ""
+    denied = [event["data"] for event in place.events(session, "PermissionDenied") if event.get("tool") == "network"]
+    assert any("approval policy never" in str(data) for data in denied), denied
+
+
+def test_the_cap_and_the_timeout_hold_and_another_user_cannot_answer(place: Place) -> None:
+    session = place.session("--allow-domain", OTHER_HOST, "--unlisted", "ask")
+    url = f"http://{PLAIN_HOST}:{PLAIN_PORT}"
+    runs = [place.start(session, curl(f"{url}/q{n}")) for n in range(CAP)]
+    held = place.held(session, CAP)
+    over = place.ctl("exec", session, "--", "sh", "-c", curl(f"{url}/q-over", "-i")).stdout
+    assert "403" in over and "quotas.network_questions_per_session" in over, over
+    # Bob may not answer a question of root's session.
+    stolen = place.ctl("approve", session, held[0]["call_id"], user=place.bob, ok=False)
+    assert stolen.returncode != 0, stolen.stdout
+    assert len(place.held(session, CAP)) == CAP
+    # Nobody answers: each is denied after approvals.timeout_seconds.
+    for run in runs:
+        out = finished(run)
+        assert "refused: no answer within" in out and "approvals.timeout_seconds" in out, out
+    timeouts = [event["data"] for event in place.events(session, "PermissionDenied")
+                if event.get("tool") == "network" and event["data"].get("by") == "timeout"]  # type: ignore[union-attr]
+    assert len(timeouts) == CAP, timeouts
