@@ -57,7 +57,7 @@ from sandboxd.policy.domains import domain_matches, host_name
 from sandboxd.policy.network import (NetworkRules, endpoint_allowed, metadata_address, metadata_name,
                                      normalize_path, why_not_normal)
 from sandboxd.printable import printable
-from sandboxd.network.event_loop import READ
+from sandboxd.network.event_loop import LOOKUP, READ
 from sandboxd.network.tcp_relay import (ConnectionCap, Connecting, Relay, RelayLoop, TcpService, listen_tcp,
                                            refuse, socket_in_namespace)
 
@@ -223,6 +223,7 @@ class EgressProxy(TcpService):
         self._ports = ROOTLESS_PORTS if netns_fd < 0 else None
         self.cap = ConnectionCap(connections)
         self._cap_reported = False
+        self.unreported = 0                             # refusals not reported: too many waiting
         # Each relayed connection's destination (host, port as matched) and kind (tunnel,
         # intercepted, plain), for ``update`` to cut what a change takes away. Loop thread only.
         self._destinations: "dict[Relay | Intercepted | PlainMediated, tuple[str, int, str]]" = {}
@@ -309,11 +310,15 @@ class EgressProxy(TcpService):
         name, _, port = destination.rpartition(":")
         event = ProxyEvent(kind=kind, host=name, port=int(port) if port.isdigit() else 0, method=method,
                            path=path, detail=why)
+        # In this proxy's own turn (event_loop.offload): a sandbox that makes refusals faster than
+        # they are written delays (and past MAX_QUEUED_PER_OWNER loses) its own reports only.
         if self._on_event is not None:
             on_event = self._on_event
-            self._loop.offload(lambda: on_event(event))
+            reported = self._loop.offload(lambda: on_event(event), owner=self)
         else:
-            self._loop.offload(lambda: self._on_denied(destination, why))
+            reported = self._loop.offload(lambda: self._on_denied(destination, why), owner=self)
+        if not reported:
+            self.unreported += 1
 
     def request_hook(self, host: str, port: int) -> "RequestHook":
         """The hook an intercepted connection to ``host``:``port`` judges each request with, by the
@@ -441,7 +446,11 @@ class EgressProxy(TcpService):
                 return
             request.upstream = upstream
             request.connecting = Connecting(self._loop, upstream, (address, port), request.connected)
-        self._loop.offload(work, then)
+        # Its own turn in the loop's lookup pool: a sandbox whose names never resolve holds at most
+        # event_loop.LOOKUPS_PER_OWNER threads, and the rest of its lookups wait behind every other
+        # proxy's (event_loop, fair_pool).
+        if not self._loop.offload(work, then, owner=self, lane=LOOKUP):
+            request.fail(HTTP_BUSY if request.forbidden is HTTP_FORBIDDEN else SOCKS_FAILED)
 
     def _address_allowed(self, request: "_Request", destination: str, address: str, port: int) -> bool:
         """Whether the address a name resolves to may be reached; else refuses ``request`` saying why."""
