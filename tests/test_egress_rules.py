@@ -179,7 +179,8 @@ class Setup:
 
     def proxy(self, rules: NetworkRules, allowed_ranges: tuple[str, ...] = (LOOPBACK,),
               credentials: CredentialSet | None = None, upstream: UpstreamRoute | None = None,
-              trusted_pem: str | None = None, resolvers: tuple[str, ...] = ()) -> EgressProxy:
+              trusted_pem: str | None = None, resolvers: tuple[str, ...] = (),
+              intercepted_connections: int = 64) -> EgressProxy:
         """A proxy on the test's loop; ``trusted_pem``: what it trusts for upstreams (the test CA);
         ``resolvers``: its DNS (the test's Names by default)."""
         listener = listen_tcp("127.0.0.1", 0, step="test proxy")
@@ -189,7 +190,8 @@ class Setup:
                                 on_event=self.events.append, allowed_ranges=allowed_ranges,
                                 interceptor=Interceptor(self.session_ca, upstream_context(
                                     self.test_ca.pem if trusted_pem is None else trusted_pem)),
-                                credentials=credentials, upstream=upstream, loop=self.loop).start()
+                                credentials=credentials, upstream=upstream, loop=self.loop,
+                                intercepted_connections=intercepted_connections).start()
         finally:
             os.close(netns)
         self.proxies.append(proxy)
@@ -512,3 +514,44 @@ def test_one_proxys_names_that_never_resolve_do_not_hold_up_another_proxys_reque
         for sock in asking:
             sock.close()
         silent.close()
+
+
+def test_intercepted_connections_have_a_cap_of_their_own(setup: Setup) -> None:
+    """M5 (hostile r7): quotas.intercepted_connections_per_session. Past it an intercepted
+    connection is refused with a 503 and reported, while a tunnel (the general cap's) still opens;
+    one closed makes room again."""
+    proxy = setup.proxy(_rules(f"{API}=GET:/v1/**"), intercepted_connections=2)
+    held = [setup.tls(proxy), setup.tls(proxy)]                        # at the cap: both handshaken
+    try:
+        over, head = setup.connect(proxy, API, setup.upstream.port)
+        over.close()
+        assert head.startswith(b"HTTP/1.1 503"), head
+        assert "quotas.intercepted_connections_per_session" in setup.event("cap").detail
+        assert proxy.intercepted_cap.refused == 1
+        tunnel, head = setup.connect(proxy, OTHER, setup.upstream.port)   # control: not intercepted
+        tunnel.close()
+        assert head.startswith(b"HTTP/1.1 200"), head
+        held.pop().close()
+        deadline = time.monotonic() + 30                                # the proxy sees the close
+        while proxy.loop.call(lambda: proxy.intercepted_cap.active) > 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        again = setup.tls(proxy)
+        held.append(again)
+        assert _ask(again, setup.upstream.port, "/v1/x").startswith(b"HTTP/1.1 ")
+    finally:
+        for tls in held:
+            tls.close()
+
+
+def test_the_daemon_gives_its_proxies_the_intercepted_connections_quota() -> None:
+    """The setting reaches every session's proxy: read from the configuration (config.settings),
+    passed by the daemon to the registry, by the registry to EgressProxies, by it to EgressProxy."""
+    import inspect
+
+    from sandboxd.service import daemon, sandbox_network
+    from sandboxd.service.sessions import registry
+
+    assert "intercepted_connections=s.intercepted_connections" in inspect.getsource(daemon)
+    assert "intercepted_connections=intercepted_connections" in inspect.getsource(registry.SessionRegistry)
+    assert "intercepted_connections=self._intercepted" in inspect.getsource(sandbox_network.EgressProxies)
+    assert "intercepted_connections" in inspect.signature(EgressProxy.__init__).parameters

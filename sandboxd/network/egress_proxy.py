@@ -33,7 +33,9 @@ connection, one host; credentials never apply in clear).
 Every proxy of a process is served by the process's one relay loop (tcp_relay): no thread per
 connection. A proxy serves at most ``cap.limit`` connections at once (the daemon's
 ``quotas.proxy_connections_per_session``); more are refused at once (a 503, or a SOCKS failure,
-when the client has already spoken) and counted in ``cap.refused``. A client has
+when the client has already spoken) and counted in ``cap.refused``; of them, at most
+``intercepted_cap.limit`` intercepted (``quotas.intercepted_connections_per_session``: each holds two
+TLS ends and two HTTP parsers), refused the same way past it. A client has
 ``REQUEST_SECONDS`` to send its request; a relayed connection idle for tcp_relay.IDLE_SECONDS is
 closed.
 """
@@ -70,6 +72,7 @@ if TYPE_CHECKING:                        # the interception room imports h11 and
     from sandboxd.network.upstream import UpstreamConnect, UpstreamRoute
 
 DEFAULT_CONNECTIONS = 256
+DEFAULT_INTERCEPTED = 64           # quotas.intercepted_connections_per_session's default
 log = logging.getLogger("sandboxd")
 
 REQUEST_SECONDS = 30.0             # from accepting a connection to a complete request
@@ -200,7 +203,8 @@ class EgressProxy(TcpService):
                  on_event: "Callable[[ProxyEvent], None] | None" = None,
                  interceptor: "Interceptor | None" = None, credentials: "CredentialSet | None" = None,
                  allowed_ranges: "tuple[str, ...]" = (), upstream: "UpstreamRoute | None" = None,
-                 connections: int = DEFAULT_CONNECTIONS, loop: RelayLoop | None = None) -> None:
+                 connections: int = DEFAULT_CONNECTIONS, intercepted_connections: int = DEFAULT_INTERCEPTED,
+                 loop: RelayLoop | None = None) -> None:
         """``listener``: bound and listening on the sandbox's loopback (see ``listen``); only
         clients from PROXY_ADDRESS are served, once ``start`` is called; upstream connections are made in the
         network namespace ``netns_fd`` (the sandbox's; the proxy keeps its own copy; -1: this
@@ -211,6 +215,8 @@ class EgressProxy(TcpService):
         is refused. ``allowed_ranges``: blocked ranges root named reachable (never metadata).
         ``upstream``: the corporate proxy every allowed connection goes through, as a CONNECT
         (network.upstream), after the same checks.
+        ``connections``: connections served at once; of them, ``intercepted_connections`` at most
+        intercepted (each holds two TLS ends and two HTTP parsers: quotas.intercepted_connections_per_session).
         ``on_event(event)`` is told of every refusal, typed (on a worker thread); without it,
         ``on_denied(destination, why)``."""
         super().__init__(listener, "sandboxd-egress-proxy", loop)
@@ -222,7 +228,8 @@ class EgressProxy(TcpService):
         self._netns = os.dup(netns_fd) if netns_fd >= 0 else -1
         self._ports = ROOTLESS_PORTS if netns_fd < 0 else None
         self.cap = ConnectionCap(connections)
-        self._cap_reported = False
+        self.intercepted_cap = ConnectionCap(intercepted_connections)
+        self._cap_reported = self._intercepted_cap_reported = False
         self.unreported = 0                             # refusals not reported: too many waiting
         # Each relayed connection's destination (host, port as matched) and kind (tunnel,
         # intercepted, plain), for ``update`` to cut what a change takes away. Loop thread only.
@@ -374,6 +381,22 @@ class EgressProxy(TcpService):
             self.denied("(any)", f"the sandbox holds {self.cap.limit} proxy connections, its maximum: "
                                  "further ones are refused until some close")
 
+    def take_intercepted(self, destination: str) -> bool:
+        """Room for one more intercepted connection (released with ``release_intercepted``)? When
+        there is none, the first refusal of the episode is reported."""
+        if self.intercepted_cap.take():
+            self._intercepted_cap_reported = False
+            return True
+        if not self._intercepted_cap_reported:
+            self._intercepted_cap_reported = True
+            self.denied(destination, f"the sandbox holds {self.intercepted_cap.limit} intercepted connections, "
+                                     "its maximum (quotas.intercepted_connections_per_session): further ones "
+                                     "are refused until some close", "cap")
+        return False
+
+    def release_intercepted(self) -> None:
+        self.intercepted_cap.release()
+
     def open_upstream(self, name: str, port: int, request: "_Request") -> None:
         """Check ``name``, resolve it off the loop, connect from the sandbox's namespace (or, with
         an upstream route, to the corporate proxy and CONNECT through it); then
@@ -450,7 +473,7 @@ class EgressProxy(TcpService):
         # event_loop.LOOKUPS_PER_OWNER threads, and the rest of its lookups wait behind every other
         # proxy's (event_loop, fair_pool).
         if not self._loop.offload(work, then, owner=self, lane=LOOKUP):
-            request.fail(HTTP_BUSY if request.forbidden is HTTP_FORBIDDEN else SOCKS_FAILED)
+            request.fail(request.busy())
 
     def _address_allowed(self, request: "_Request", destination: str, address: str, port: int) -> bool:
         """Whether the address a name resolves to may be reached; else refuses ``request`` saying why."""
@@ -493,6 +516,7 @@ class _Request:
         self.first = b""                                # what an upstream proxy sent after its answer
         self.relay: "Relay | Intercepted | PlainMediated | None" = None
         self.plain = False                              # an absolute-form http:// request
+        self.intercepted = False                        # holds a place of proxy.intercepted_cap
         self.host, self.port, self.intercept = "", 0, False     # as matched; handed to Intercepted
         self.deadline = time.monotonic() + REQUEST_SECONDS
         proxy.loop.add_timed(self)
@@ -612,6 +636,9 @@ class _Request:
             proxy.denied(f"{self.host}:{self.port}", "the upstream proxy sent bytes before the request", "upstream")
             self.fail(self.unreachable)
             return
+        if self.intercept and not proxy.take_intercepted(f"{self.host}:{self.port}"):
+            self.fail(self.busy())
+            return
         self.closed = True                              # the relay owns both sockets from here
         proxy.untrack(self)
         relay: "Relay | Intercepted | PlainMediated"
@@ -619,6 +646,7 @@ class _Request:
             from sandboxd.network.interception.intercepted import Intercepted
 
             assert proxy.interceptor is not None
+            self.intercepted = True
             kind, port = "intercepted", self.port
             relay = Intercepted(proxy.loop, self.client, upstream, self.host, port,
                                 interceptor=proxy.interceptor, credentials=proxy.credentials,
@@ -645,7 +673,17 @@ class _Request:
         if self.relay is not None:
             self.proxy.untrack(self.relay)
             self.proxy.forget(self.relay)
+        if self.intercepted:
+            self.intercepted = False
+            self.proxy.release_intercepted()
         self.proxy.cap.release()
+
+    def busy(self) -> bytes:
+        """What a client is told when the proxy has no room for its connection: a 503, a SOCKS
+        failure, or (a captured TLS connection: no HTTP to answer in) nothing."""
+        if self.socks_greeted:
+            return SOCKS_FAILED
+        return HTTP_BUSY if self.forbidden is HTTP_FORBIDDEN else b""
 
     def refuse(self, destination: str, why: str, kind: str) -> None:
         """Turn the request away: reported, and the client told why (an HTTP 403 whose body says

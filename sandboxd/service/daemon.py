@@ -162,7 +162,8 @@ class Daemon:
                                        review_dir=os.path.join(os.path.abspath(s.state_dir), "review"),
                                        review_bytes=(s.review_session_bytes, s.review_owner_bytes),
                                        review_stores=s.review_owner_stores, secrets=s.secrets,
-                                       upstream_ca_pem=s.upstream_ca_pem, allowed_ranges=s.allowed_ranges)
+                                       upstream_ca_pem=s.upstream_ca_pem, allowed_ranges=s.allowed_ranges,
+                                       intercepted_connections=s.intercepted_connections)
             undo.callback(registry.close_all)
             resumed = registry.restore()
             # What ends with a client's process: sessions asked for with close_with_caller, approval

@@ -56,11 +56,14 @@ def network_environment(session: Session) -> dict[str, str]:
 
 class EgressProxies(SandboxHooks):
     def __init__(self, store: EventStore, connections: int, count_denial: Callable[[], None] | None = None,
-                 upstream_ca_pem: bytes = b"", allowed_ranges: tuple[str, ...] = ()) -> None:
+                 upstream_ca_pem: bytes = b"", allowed_ranges: tuple[str, ...] = (),
+                 intercepted_connections: int = 64) -> None:
         """``upstream_ca_pem``: network.upstream_ca_file's certificates, trusted for upstreams
-        besides the host's store; ``allowed_ranges``: network.allowed_ranges."""
+        besides the host's store; ``allowed_ranges``: network.allowed_ranges;
+        ``intercepted_connections``: quotas.intercepted_connections_per_session."""
         self._store = store
         self._connections = connections                 # at once, per sandbox
+        self._intercepted = intercepted_connections      # of them, intercepted (TLS ended)
         self._count_denial = count_denial                # the daemon's metrics, when it has them
         self._upstream_ca_pem, self._allowed_ranges = upstream_ca_pem, allowed_ranges
         self._upstream_context: ssl.SSLContext | None = None   # one per process, made at first use
@@ -104,7 +107,8 @@ class EgressProxies(SandboxHooks):
             proxy = EgressProxy(listener, sandbox.policy.network_rules, netns_fd=netns, resolvers=info.resolvers,
                                 on_denied=denied, interceptor=interceptor,
                                 credentials=credentials.credential_set() if credentials is not None else CredentialSet(),
-                                allowed_ranges=self._allowed_ranges, connections=self._connections).start()
+                                allowed_ranges=self._allowed_ranges, connections=self._connections,
+                                intercepted_connections=self._intercepted).start()
         except BaseException:
             listener.close()
             raise
