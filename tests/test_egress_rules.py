@@ -24,7 +24,9 @@ import pytest
 
 from interception_helpers import API, OTHER, SECRET, UpstreamCA, Upstream, credential_set
 from sandboxd.network.credentials import CredentialSet
+from sandboxd.network import dns as dns_client
 from sandboxd.network.egress_proxy import EgressProxy, ProxyEvent, refused_range
+from sandboxd.network.event_loop import LOOKUP, LOOKUPS_PER_OWNER
 from sandboxd.network.interception.ca import SessionCA
 from sandboxd.network.interception.intercepted import Interceptor
 from sandboxd.network.interception.upstream_tls import upstream_context
@@ -38,6 +40,20 @@ PLAIN = "plain.test"
 LOOPBACK = "127.0.0.0/8"
 
 
+def _dns_socket() -> tuple[socket.socket, str]:
+    """A UDP socket bound to port 53 of a free 127.53.X.Y (dns.resolve asks port 53), and that address."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+    for _ in range(20):
+        address = f"127.53.{random.randrange(1, 255)}.{random.randrange(1, 255)}"
+        try:
+            sock.bind((address, 53))
+            return sock, address
+        except OSError:
+            continue
+    sock.close()
+    pytest.fail("no free loopback address for the test DNS server")
+
+
 class Names:
     """A DNS server on 127.53.X.Y:53 (dns.resolve asks port 53): ``answers`` maps a name to an A
     address; every question asked is kept."""
@@ -47,16 +63,7 @@ class Names:
 
         self._message = dns.message
         self.answers, self.asked = answers, []
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-        for _ in range(20):
-            self.address = f"127.53.{random.randrange(1, 255)}.{random.randrange(1, 255)}"
-            try:
-                self.sock.bind((self.address, 53))
-                break
-            except OSError:
-                continue
-        else:
-            pytest.fail("no free loopback address for the test DNS server")
+        self.sock, self.address = _dns_socket()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -80,6 +87,52 @@ class Names:
             self.sock.sendto(reply.to_wire(), peer)
 
     def close(self) -> None:
+        self.sock.close()
+
+
+class SilentNames:
+    """A DNS server on 127.53.X.Y:53 that answers nothing (a name server a sandbox's owner controls,
+    that never replies) until ``release``, then NXDOMAIN to every question held and to later ones."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[bytes, tuple[str, int]]] = []
+        self.released = False
+        self.lock = threading.Lock()
+        self.sock, self.address = _dns_socket()
+        threading.Thread(target=self._hold, daemon=True).start()
+
+    def _hold(self) -> None:
+        while True:
+            try:
+                data, peer = self.sock.recvfrom(4096)
+            except OSError:
+                return
+            with self.lock:
+                self.held.append((data, peer))
+                if self.released:
+                    self._answer()
+
+    def _answer(self) -> None:
+        import dns.message
+        import dns.rcode
+
+        for data, peer in self.held:
+            reply = dns.message.make_response(dns.message.from_wire(data))
+            reply.set_rcode(dns.rcode.NXDOMAIN)
+            self.sock.sendto(reply.to_wire(), peer)
+        self.held.clear()
+
+    def release(self) -> None:
+        with self.lock:
+            self.released = True
+            self._answer()
+
+    def questions(self) -> int:
+        with self.lock:
+            return len(self.held)
+
+    def close(self) -> None:
+        self.release()
         self.sock.close()
 
 
@@ -126,16 +179,19 @@ class Setup:
 
     def proxy(self, rules: NetworkRules, allowed_ranges: tuple[str, ...] = (LOOPBACK,),
               credentials: CredentialSet | None = None, upstream: UpstreamRoute | None = None,
-              trusted_pem: str | None = None) -> EgressProxy:
-        """A proxy on the test's loop; ``trusted_pem``: what it trusts for upstreams (the test CA)."""
+              trusted_pem: str | None = None, resolvers: tuple[str, ...] = (),
+              intercepted_connections: int = 64) -> EgressProxy:
+        """A proxy on the test's loop; ``trusted_pem``: what it trusts for upstreams (the test CA);
+        ``resolvers``: its DNS (the test's Names by default)."""
         listener = listen_tcp("127.0.0.1", 0, step="test proxy")
         netns = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            proxy = EgressProxy(listener, rules, netns_fd=netns, resolvers=[self.names.address],
+            proxy = EgressProxy(listener, rules, netns_fd=netns, resolvers=resolvers or [self.names.address],
                                 on_event=self.events.append, allowed_ranges=allowed_ranges,
                                 interceptor=Interceptor(self.session_ca, upstream_context(
                                     self.test_ca.pem if trusted_pem is None else trusted_pem)),
-                                credentials=credentials, upstream=upstream, loop=self.loop).start()
+                                credentials=credentials, upstream=upstream, loop=self.loop,
+                                intercepted_connections=intercepted_connections).start()
         finally:
             os.close(netns)
         self.proxies.append(proxy)
@@ -452,3 +508,93 @@ def test_a_costly_endpoint_check_is_judged_off_the_loop(setup: Setup, monkeypatc
     cheap = setup.proxy(_rules(f"{API}=GET:/a/**"))
     assert setup.https(cheap, "GET", "/a/b").startswith(b"HTTP/1.1 200")
     assert judged_on == [setup.loop.name]
+
+
+def test_one_proxys_names_that_never_resolve_do_not_hold_up_another_proxys_requests(
+        setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """M3 (hostile r7): every session's proxy shares the process's loop and its worker threads. A
+    sandbox allowed names whose DNS never answers (here a name server that holds every question)
+    asks for many of them at once; another session's proxy still resolves, connects, refuses and
+    reports while every one of those lookups is pending."""
+    silent = SilentNames()
+    monkeypatch.setattr(dns_client, "TIMEOUT_SECONDS", 600.0)     # never answered, for the test's length
+    attacker = setup.proxy(NetworkRules(domains=("*.slow.test",)), resolvers=(silent.address,))
+    victim = setup.proxy(NetworkRules(domains=(API,)))
+    asking: list[socket.socket] = []
+    try:
+        for number in range(4 * LOOKUPS_PER_OWNER):
+            sock = socket.create_connection(("127.0.0.1", setup.ports[id(attacker)]), timeout=30)
+            sock.sendall(f"CONNECT n{number}.slow.test:443 HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            asking.append(sock)
+        # Its lookups beyond its share wait in its own queue (the control: 16 asked, all would run
+        # in one shared pool, and 4 shared threads were all the proxies had).
+        deadline = time.monotonic() + 30
+        while setup.loop.load(attacker, LOOKUP) != (LOOKUPS_PER_OWNER, 3 * LOOKUPS_PER_OWNER) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert setup.loop.load(attacker, LOOKUP) == (LOOKUPS_PER_OWNER, 3 * LOOKUPS_PER_OWNER)
+        assert silent.questions() == LOOKUPS_PER_OWNER
+
+        raw, head = setup.connect(victim, API, setup.upstream.port)    # resolved, connected, tunnelled
+        raw.close()
+        refused, refusal = setup.connect(victim, "elsewhere.test", 443)  # refused, and reported
+        refused.close()
+        assert head.startswith(b"HTTP/1.1 200"), head
+        assert refusal.startswith(b"HTTP/1.1 403"), refusal
+        assert setup.event("domain").host == "elsewhere.test"
+        # ...all while the sandbox's own lookups are every one still pending.
+        assert setup.loop.load(attacker, LOOKUP) == (LOOKUPS_PER_OWNER, 3 * LOOKUPS_PER_OWNER)
+        assert silent.questions() == LOOKUPS_PER_OWNER
+        for sock in asking:
+            sock.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                sock.recv(1)
+
+        silent.release()                   # its DNS answers at last: its own requests then get theirs
+        for sock in asking:
+            sock.settimeout(30)
+            assert _read_all(sock).startswith(b"HTTP/1.1 403"), "queued, not dropped"
+    finally:
+        for sock in asking:
+            sock.close()
+        silent.close()
+
+
+def test_intercepted_connections_have_a_cap_of_their_own(setup: Setup) -> None:
+    """M5 (hostile r7): quotas.intercepted_connections_per_session. Past it an intercepted
+    connection is refused with a 503 and reported, while a tunnel (the general cap's) still opens;
+    one closed makes room again."""
+    proxy = setup.proxy(_rules(f"{API}=GET:/v1/**"), intercepted_connections=2)
+    held = [setup.tls(proxy), setup.tls(proxy)]                        # at the cap: both handshaken
+    try:
+        over, head = setup.connect(proxy, API, setup.upstream.port)
+        over.close()
+        assert head.startswith(b"HTTP/1.1 503"), head
+        assert "quotas.intercepted_connections_per_session" in setup.event("cap").detail
+        assert proxy.intercepted_cap.refused == 1
+        tunnel, head = setup.connect(proxy, OTHER, setup.upstream.port)   # control: not intercepted
+        tunnel.close()
+        assert head.startswith(b"HTTP/1.1 200"), head
+        held.pop().close()
+        deadline = time.monotonic() + 30                                # the proxy sees the close
+        while proxy.loop.call(lambda: proxy.intercepted_cap.active) > 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        again = setup.tls(proxy)
+        held.append(again)
+        assert _ask(again, setup.upstream.port, "/v1/x").startswith(b"HTTP/1.1 ")
+    finally:
+        for tls in held:
+            tls.close()
+
+
+def test_the_daemon_gives_its_proxies_the_intercepted_connections_quota() -> None:
+    """The setting reaches every session's proxy: read from the configuration (config.settings),
+    passed by the daemon to the registry, by the registry to EgressProxies, by it to EgressProxy."""
+    import inspect
+
+    from sandboxd.service import daemon, sandbox_network
+    from sandboxd.service.sessions import registry
+
+    assert "intercepted_connections=s.intercepted_connections" in inspect.getsource(daemon)
+    assert "intercepted_connections=intercepted_connections" in inspect.getsource(registry.SessionRegistry)
+    assert "intercepted_connections=self._intercepted" in inspect.getsource(sandbox_network.EgressProxies)
+    assert "intercepted_connections" in inspect.signature(EgressProxy.__init__).parameters

@@ -42,7 +42,9 @@ the rule set, or a SOCKS refusal); a client that leaves meanwhile withdraws its 
 Every proxy of a process is served by the process's one relay loop (tcp_relay): no thread per
 connection. A proxy serves at most ``cap.limit`` connections at once (the daemon's
 ``quotas.proxy_connections_per_session``); more are refused at once (a 503, or a SOCKS failure,
-when the client has already spoken) and counted in ``cap.refused``. A client has
+when the client has already spoken) and counted in ``cap.refused``; of them, at most
+``intercepted_cap.limit`` intercepted (``quotas.intercepted_connections_per_session``: each holds two
+TLS ends and two HTTP parsers), refused the same way past it. A client has
 ``REQUEST_SECONDS`` to send its request; a relayed connection idle for tcp_relay.IDLE_SECONDS is
 closed.
 """
@@ -68,7 +70,7 @@ from sandboxd.policy.network import (NetworkRules, Unlisted, endpoint_allowed, m
                                      metadata_name,
                                      normalize_path, why_not_normal)
 from sandboxd.printable import printable
-from sandboxd.network.event_loop import READ
+from sandboxd.network.event_loop import LOOKUP, READ
 from sandboxd.network.tcp_relay import (ConnectionCap, Connecting, Relay, RelayLoop, TcpService, listen_tcp,
                                            refuse, socket_in_namespace)
 
@@ -81,6 +83,7 @@ if TYPE_CHECKING:                        # the interception room imports h11 and
     from sandboxd.network.upstream import UpstreamConnect, UpstreamRoute
 
 DEFAULT_CONNECTIONS = 256
+DEFAULT_INTERCEPTED = 64           # quotas.intercepted_connections_per_session's default
 log = logging.getLogger("sandboxd")
 
 REQUEST_SECONDS = 30.0             # from accepting a connection to a complete request
@@ -244,7 +247,8 @@ class EgressProxy(TcpService):
                  interceptor: "Interceptor | None" = None, credentials: "CredentialSet | None" = None,
                  allowed_ranges: "tuple[str, ...]" = (), upstream: "UpstreamRoute | None" = None,
                  ask: Ask | None = None,
-                 connections: int = DEFAULT_CONNECTIONS, loop: RelayLoop | None = None) -> None:
+                 connections: int = DEFAULT_CONNECTIONS, intercepted_connections: int = DEFAULT_INTERCEPTED,
+                 loop: RelayLoop | None = None) -> None:
         """``listener``: bound and listening on the sandbox's loopback (see ``listen``); only
         clients from PROXY_ADDRESS are served, once ``start`` is called; upstream connections are made in the
         network namespace ``netns_fd`` (the sandbox's; the proxy keeps its own copy; -1: this
@@ -255,6 +259,8 @@ class EgressProxy(TcpService):
         is refused. ``allowed_ranges``: blocked ranges root named reachable (never metadata).
         ``upstream``: the corporate proxy every allowed connection goes through, as a CONNECT
         (network.upstream), after the same checks.
+        ``connections``: connections served at once; of them, ``intercepted_connections`` at most
+        intercepted (each holds two TLS ends and two HTTP parsers: quotas.intercepted_connections_per_session).
         ``on_event(event)`` is told of every refusal, typed (on a worker thread); without it,
         ``on_denied(destination, why)``. ``ask``: with ``rules.unlisted`` ASK, what an unlisted
         host or an endpoint miss becomes instead of a refusal (``_Asking``)."""
@@ -268,7 +274,9 @@ class EgressProxy(TcpService):
         self._netns = os.dup(netns_fd) if netns_fd >= 0 else -1
         self._ports = ROOTLESS_PORTS if netns_fd < 0 else None
         self.cap = ConnectionCap(connections)
-        self._cap_reported = False
+        self.intercepted_cap = ConnectionCap(intercepted_connections)
+        self._cap_reported = self._intercepted_cap_reported = False
+        self.unreported = 0                             # refusals not reported: too many waiting
         # Each relayed connection's destination (host, port as matched) and kind (tunnel,
         # intercepted, plain), for ``update`` to cut what a change takes away. Loop thread only.
         self._destinations: "dict[Relay | Intercepted | PlainMediated, tuple[str, int, str]]" = {}
@@ -356,11 +364,15 @@ class EgressProxy(TcpService):
         name, _, port = destination.rpartition(":")
         event = ProxyEvent(kind=kind, host=name, port=int(port) if port.isdigit() else 0, method=method,
                            path=path, detail=why)
+        # In this proxy's own turn (event_loop.offload): a sandbox that makes refusals faster than
+        # they are written delays (and past MAX_QUEUED_PER_OWNER loses) its own reports only.
         if self._on_event is not None:
             on_event = self._on_event
-            self._loop.offload(lambda: on_event(event))
+            reported = self._loop.offload(lambda: on_event(event), owner=self)
         else:
-            self._loop.offload(lambda: self._on_denied(destination, why))
+            reported = self._loop.offload(lambda: self._on_denied(destination, why), owner=self)
+        if not reported:
+            self.unreported += 1
 
     def asks(self, rules: NetworkRules) -> bool:
         """Whether what ``rules`` do not list is asked about rather than refused."""
@@ -427,6 +439,22 @@ class EgressProxy(TcpService):
             self.denied("(any)", f"the sandbox holds {self.cap.limit} proxy connections, its maximum: "
                                  "further ones are refused until some close")
 
+    def take_intercepted(self, destination: str) -> bool:
+        """Room for one more intercepted connection (released with ``release_intercepted``)? When
+        there is none, the first refusal of the episode is reported."""
+        if self.intercepted_cap.take():
+            self._intercepted_cap_reported = False
+            return True
+        if not self._intercepted_cap_reported:
+            self._intercepted_cap_reported = True
+            self.denied(destination, f"the sandbox holds {self.intercepted_cap.limit} intercepted connections, "
+                                     "its maximum (quotas.intercepted_connections_per_session): further ones "
+                                     "are refused until some close", "cap")
+        return False
+
+    def release_intercepted(self) -> None:
+        self.intercepted_cap.release()
+
     def open_upstream(self, name: str, port: int, request: "_Request") -> None:
         """Check ``name``, resolve it off the loop, connect from the sandbox's namespace (or, with
         an upstream route, to the corporate proxy and CONNECT through it); then
@@ -487,7 +515,11 @@ class EgressProxy(TcpService):
                 self._hold(request, rules, address, via)
             else:
                 self._connect(request, address, via)
-        self._loop.offload(work, then)
+        # Its own turn in the loop's lookup pool: a sandbox whose names never resolve holds at most
+        # event_loop.LOOKUPS_PER_OWNER threads, and the rest of its lookups wait behind every other
+        # proxy's (event_loop, fair_pool).
+        if not self._loop.offload(work, then, owner=self, lane=LOOKUP):
+            request.fail(request.busy())
 
     def _hold(self, request: "_Request", rules: NetworkRules, address: str | None, via: str | None) -> None:
         """Hold the connection to an unlisted host (checked for everything but the allowlist) and
@@ -578,6 +610,7 @@ class _Request:
         self.first = b""                                # what an upstream proxy sent after its answer
         self.relay: "Relay | Intercepted | PlainMediated | None" = None
         self.plain = False                              # an absolute-form http:// request
+        self.intercepted = False                        # holds a place of proxy.intercepted_cap
         self.host, self.port, self.intercept = "", 0, False     # as matched; handed to Intercepted
         self.method, self.path = "CONNECT", ""          # what a question shows: a plain request's own
         self.held = False                               # waiting for a question's answer (EgressProxy._hold)
@@ -734,6 +767,9 @@ class _Request:
             proxy.denied(f"{self.host}:{self.port}", "the upstream proxy sent bytes before the request", "upstream")
             self.fail(self.unreachable)
             return
+        if self.intercept and not proxy.take_intercepted(f"{self.host}:{self.port}"):
+            self.fail(self.busy())
+            return
         self.closed = True                              # the relay owns both sockets from here
         proxy.untrack(self)
         relay: "Relay | Intercepted | PlainMediated"
@@ -741,6 +777,7 @@ class _Request:
             from sandboxd.network.interception.intercepted import Intercepted
 
             assert proxy.interceptor is not None
+            self.intercepted = True
             kind, port = "intercepted", self.port
             relay = Intercepted(proxy.loop, self.client, upstream, self.host, port,
                                 interceptor=proxy.interceptor, credentials=proxy.credentials,
@@ -774,7 +811,17 @@ class _Request:
         if self.relay is not None:
             self.proxy.untrack(self.relay)
             self.proxy.forget(self.relay)
+        if self.intercepted:
+            self.intercepted = False
+            self.proxy.release_intercepted()
         self.proxy.cap.release()
+
+    def busy(self) -> bytes:
+        """What a client is told when the proxy has no room for its connection: a 503, a SOCKS
+        failure, or (a captured TLS connection: no HTTP to answer in) nothing."""
+        if self.socks_greeted:
+            return SOCKS_FAILED
+        return HTTP_BUSY if self.forbidden is HTTP_FORBIDDEN else b""
 
     def refuse(self, destination: str, why: str, kind: str) -> None:
         """Turn the request away: reported, and the client told why (an HTTP 403 whose body says
@@ -943,7 +990,9 @@ class _Judge:
                 self._ask(method, target, rules, refusal, pending)
             else:
                 pending.settle(refusal)
-        proxy.loop.offload(lambda: endpoint_allowed(ruled, method, path), settle)
+        # In this proxy's own turn: one sandbox's costly paths wait behind other proxies' work.
+        if not proxy.loop.offload(lambda: endpoint_allowed(ruled, method, path), settle, owner=proxy):
+            pending.settle(Refusal(503, "sandboxd: too many requests waiting to be judged", "cap"))
         return pending
 
     def _ask(self, method: str, target: str, rules: NetworkRules, refusal: "Refusal",

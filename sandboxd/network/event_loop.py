@@ -7,8 +7,11 @@ never a thread. It owns what both used to write by hand:
 - *timers*: one heap, for "call this in N seconds" (``later``) and for objects with a moving
   ``deadline`` (``add_timed``: a relay idle too long, a connect that takes too long); the loop
   sleeps exactly until the next one is due;
-- *work from other threads*: ``post``/``call`` through a wake-up pipe, and blocking work (DNS) on a
-  small worker pool created on first use (``offload``);
+- *work from other threads*: ``post``/``call`` through a wake-up pipe, and blocking work on worker
+  threads made on first use (``offload``): name lookups in a pool of their own (``LOOKUP``), the
+  rest (a leaf certificate, an event written) in another (``WORK``), so slow DNS never holds up
+  the rest. Both are fair between owners (network.fair_pool: one session's proxy holds at most a
+  few threads, and waits its turn behind the others);
 - *accepting* (``Acceptor``): a burst per wake-up (fairness between listeners and connections),
   and when the process is out of descriptors (or its owner says there is no room) the listener
   leaves the epoll set for a back-off instead of spinning the loop;
@@ -28,16 +31,24 @@ import socket
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from concurrent.futures import Future
+from typing import Any, Callable, Hashable, TypeVar
 
 from sandboxd.kernel.addresses import SHORT_OF_RESOURCES
+from sandboxd.network.fair_pool import FairPool
 
-__all__ = ["READ", "WRITE", "Acceptor", "EventLoop"]
+__all__ = ["LOOKUP", "READ", "WORK", "WRITE", "Acceptor", "EventLoop"]
 
 READ, WRITE = select.EPOLLIN, select.EPOLLOUT
 _HANGUP = select.EPOLLERR | select.EPOLLHUP
-WORKERS = 4                        # threads for blocking work (DNS), per loop, made on first use
+# Blocking work, per loop, on threads made on first use (offload). A name lookup may take
+# dns.TIMEOUT_SECONDS per resolver, and a sandbox chooses the names: lookups have their own pool,
+# and an owner (one session's proxy) runs at most LOOKUPS_PER_OWNER of them at once, so one owner
+# holds a quarter of the pool at most. The other work (a leaf, an event) is short.
+LOOKUP, WORK = "lookup", "work"
+LOOKUP_WORKERS, LOOKUPS_PER_OWNER = 16, 4
+WORKERS, WORK_PER_OWNER = 4, 2
+MAX_QUEUED_PER_OWNER = 1024        # an owner's jobs waiting in one pool; past it, its next is refused
 ACCEPT_BURST = 64                  # connections accepted per wake-up of a listener
 # Accept errors that mean "the process (or system) is short of something": rest, do not spin.
 # Any other (ECONNABORTED, EPROTO...) loses that one connection, not the listener.
@@ -75,7 +86,7 @@ class EventLoop:
         self._numbers = itertools.count()
         self._stopping = False
         self._released = False
-        self._pool: ThreadPoolExecutor | None = None
+        self._pools: dict[str, FairPool] = {}
         self._pool_lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -117,15 +128,30 @@ class EventLoop:
             raise failures[0]
         return results[0]
 
-    def offload(self, work: Callable[[], T], then: "Callable[[Future[T]], None] | None" = None) -> None:
-        """Run blocking ``work`` on a worker thread, then ``then(future)`` on the loop thread."""
+    def offload(self, work: Callable[[], T], then: "Callable[[Future[T]], None] | None" = None, *,
+                owner: Hashable | None = None, lane: str = WORK) -> bool:
+        """Run blocking ``work`` on a worker thread of ``lane`` (LOOKUP: a name lookup; WORK: the
+        rest) in ``owner``'s turn, then ``then(future)`` on the loop thread. False (and nothing
+        runs) when ``owner`` already has MAX_QUEUED_PER_OWNER jobs waiting there, or the loop is
+        closed."""
         with self._pool_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix=f"{self.name}-work")
-            pool = self._pool
-        future = pool.submit(work)
+            pool = self._pools.get(lane)
+            if pool is None:
+                workers, per_owner = (LOOKUP_WORKERS, LOOKUPS_PER_OWNER) if lane == LOOKUP else (WORKERS, WORK_PER_OWNER)
+                pool = self._pools[lane] = FairPool(f"{self.name}-{lane}", workers, per_owner=per_owner,
+                                                    max_queued=MAX_QUEUED_PER_OWNER)
+        future = pool.submit(owner, work)
+        if future is None:
+            return False
         if then is not None:
             future.add_done_callback(lambda f: self.post(lambda: then(f)))
+        return True
+
+    def load(self, owner: Hashable | None, lane: str = WORK) -> tuple[int, int]:
+        """``owner``'s jobs in ``lane`` running and waiting now."""
+        with self._pool_lock:
+            pool = self._pools.get(lane)
+        return pool.load(owner) if pool is not None else (0, 0)
 
     def stop(self, timeout: float | None = None) -> bool:
         """End the loop (``on_stop`` runs, then its descriptors close). False if its thread did not
@@ -146,9 +172,9 @@ class EventLoop:
         """Stop the loop thread and wait for the workers. What is still registered is not closed."""
         self.stop()
         with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.shutdown()
 
     # -- for the loop thread -------------------------------------------------------------------
 

@@ -164,7 +164,8 @@ class Daemon:
                                        review_bytes=(s.review_session_bytes, s.review_owner_bytes),
                                        review_stores=s.review_owner_stores, secrets=s.secrets,
                                        upstream_ca_pem=s.upstream_ca_pem, allowed_ranges=s.allowed_ranges,
-                                       upstream_proxy=s.upstream_proxy)
+                                       upstream_proxy=s.upstream_proxy,
+                                       intercepted_connections=s.intercepted_connections)
             undo.callback(registry.close_all)
             resumed = registry.restore()
             # What ends with a client's process: sessions asked for with close_with_caller, approval

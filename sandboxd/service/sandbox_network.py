@@ -60,12 +60,14 @@ def network_environment(session: Session) -> dict[str, str]:
 class EgressProxies(SandboxHooks):
     def __init__(self, store: EventStore, connections: int, count_denial: Callable[[], None] | None = None,
                  upstream_ca_pem: bytes = b"", allowed_ranges: tuple[str, ...] = (),
-                 upstream_proxy: tuple[str, int] | None = None) -> None:
+                 upstream_proxy: tuple[str, int] | None = None, intercepted_connections: int = 64) -> None:
         """``upstream_ca_pem``: network.upstream_ca_file's certificates, trusted for upstreams
         besides the host's store; ``allowed_ranges``: network.allowed_ranges; ``upstream_proxy``:
-        network.upstream_proxy (host, port), which every allowed connection then goes through."""
+        network.upstream_proxy (host, port), which every allowed connection then goes through;
+        ``intercepted_connections``: quotas.intercepted_connections_per_session."""
         self._store = store
         self._connections = connections                 # at once, per sandbox
+        self._intercepted = intercepted_connections      # of them, intercepted (TLS ended)
         self._count_denial = count_denial                # the daemon's metrics, when it has them
         # Who answers unlisted = ask (service.network_questions), once the daemon has its approval gate.
         self.questions: "NetworkQuestions | None" = None
@@ -116,6 +118,7 @@ class EgressProxies(SandboxHooks):
                                 on_denied=denied, interceptor=interceptor, ask=ask,
                                 credentials=credentials.credential_set() if credentials is not None else CredentialSet(),
                                 allowed_ranges=self._allowed_ranges, connections=self._connections,
+                                intercepted_connections=self._intercepted,
                                 upstream=UpstreamRoute(*self._upstream_proxy, ca_pem=self._upstream_ca_pem.decode("ascii"))
                                 if self._upstream_proxy is not None else None).start()
         except BaseException:

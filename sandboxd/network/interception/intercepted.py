@@ -197,7 +197,11 @@ class Intercepted(Paired):
         self._client_tls: TlsEnd | None = None
         self._leaf: ssl.SSLContext | None = None
         self.phase = "upstream"                          # upstream, leaf, client, mediate
-        loop.offload(lambda: interceptor.ca.leaf(host), self._leaf_ready)
+        # In the session's own turn (event_loop.offload: fair between sessions); its CA is its owner.
+        if not loop.offload(lambda: interceptor.ca.leaf(host), self._leaf_ready, owner=interceptor.ca):
+            self._report("cap", f"no certificate for {host}: too many connections are waiting for one", "", "")
+            self.close()
+            return
         self._step_upstream_handshake()
         self._update()
 

@@ -56,7 +56,8 @@ class SessionRegistry:
                  allow_user_full_access: bool = True, count_network_denial: Callable[[], None] | None = None,
                  review_dir: str = "", review_bytes: tuple[int, int] = (0, 0), review_stores: int = 0,
                  secrets: "Mapping[str, SecretSource] | None" = None, upstream_ca_pem: bytes = b"",
-                 allowed_ranges: tuple[str, ...] = (), upstream_proxy: tuple[str, int] | None = None) -> None:
+                 allowed_ranges: tuple[str, ...] = (), upstream_proxy: tuple[str, int] | None = None,
+                 intercepted_connections: int = 64) -> None:
         """``allow_user_full_access``: policy.allow_user_full_access, whether a local non-root caller
         may have danger-full-access. ``count_network_denial``: called for each connection an egress
         proxy refuses (the daemon's metrics count them). ``review_dir``: where review sessions'
@@ -65,7 +66,7 @@ class SessionRegistry:
         ``review_stores``: review.owner_stores, how many stores one owner keeps at most.
         ``secrets``: network.secrets; ``upstream_ca_pem``: network.upstream_ca_file's certificates;
         ``allowed_ranges``: network.allowed_ranges (the egress proxies'); ``upstream_proxy``:
-        network.upstream_proxy."""
+        network.upstream_proxy; ``intercepted_connections``: quotas.intercepted_connections_per_session."""
         self._fork = forkserver
         self.store = store
         self.own = own or OwnPlaces()
@@ -74,7 +75,8 @@ class SessionRegistry:
         self._table = SessionTable(max_sessions, self.quotas)
         # The order their sandbox_ready runs in: the network first, the git guard's baseline last.
         self._egress = EgressProxies(store, proxy_connections, count_network_denial, upstream_ca_pem=upstream_ca_pem,
-                                     allowed_ranges=allowed_ranges, upstream_proxy=upstream_proxy)
+                                     allowed_ranges=allowed_ranges, upstream_proxy=upstream_proxy,
+                                     intercepted_connections=intercepted_connections)
         self.vault = CredentialVault(secrets)
         self.hooks = HookList([PublishedPorts(published_connections, published_per_peer), self._egress,
                                GitGuardHook(store, self.quotas.limits.git_watches_per_uid,
