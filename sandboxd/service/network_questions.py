@@ -305,7 +305,10 @@ class NetworkQuestions:
         for _, on_answer in waiters:
             on_answer(answer, why)
         if again is not None:
-            self._post(again)
+            try:
+                self._post(again)                       # a failure denies the rest (_post): the answer stands
+            except Exception:  # noqa: BLE001
+                log.exception("asking again about a network question's other connections")
 
     # -- the timeout ------------------------------------------------------------------------------
 
