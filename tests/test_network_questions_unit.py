@@ -64,7 +64,10 @@ def test_duplicates_share_one_question_and_the_cap_refuses_one_more(parts: tuple
     assert over.got and over.got[0][0] == Answer.DENY and "quotas.network_questions_per_session" in over.got[0][1]
     call_id = next(call_id for call_id, call, _ in gate.pending(session.id) if HOST in call.summary)
     gate.resolve(session.id, call_id, "allow_once")
-    assert first.got == [(Answer.ALLOW_ONCE, "")] and twin.got == [(Answer.ALLOW_ONCE, "")]
+    assert first.got == [(Answer.ALLOW_ONCE, "")] and twin.got == []     # one answer, one connection
+    call_id = next(call_id for call_id, call, _ in gate.pending(session.id) if HOST in call.summary)
+    gate.resolve(session.id, call_id, "allow_once")                       # the twin's fresh question
+    assert twin.got == [(Answer.ALLOW_ONCE, "")]
     questions.ask(session, _question(host="c.example.test"), over)   # control: room again, asked
     assert len(gate.pending(session.id)) == 2 and len(over.got) == 1
     questions.close()
@@ -98,7 +101,7 @@ def test_allow_for_the_session_applies_the_rule_and_a_rule_must_cover_the_reques
         parts: tuple[EventStore, ApprovalGate]) -> None:
     store, gate = parts
     applied: list[SandboxPolicy] = []
-    questions = NetworkQuestions(gate, store, apply_policy=lambda session, policy: applied.append(policy))
+    questions = NetworkQuestions(gate, store, apply_policy=lambda session, change, who: applied.append(change(session.policy)))
     session = _session(store)
     answers = Answers()
     questions.ask(session, _question(), answers)
@@ -127,3 +130,151 @@ def test_an_endpoint_rule_must_allow_the_held_method_and_path() -> None:
     assert f"{HOST}=POST:/repos/*/issues/*" in added.allowed_endpoints
     with pytest.raises(InvalidPolicy):
         with_rule(policy, held, f"{HOST}=GET:/repos/*/issues/*")
+
+
+# -- The walls of hostile review r7b (each proof of concept turned into the check that it holds) ----
+
+def test_one_allow_once_releases_one_connection_and_the_others_stay_held(
+        parts: tuple[EventStore, ApprovalGate]) -> None:
+    """M1: 200 connections ask the same thing; one "allow once" lets the oldest through only."""
+    store, gate = parts
+    questions = NetworkQuestions(gate, store, per_session=2, timeout=300)
+    session = _session(store)
+    waiters = [Answers() for _ in range(200)]
+    withdraw = [questions.ask(session, _question(), waiter) for waiter in waiters]
+    (call_id, _, _), = gate.pending(session.id)
+    gate.resolve(session.id, call_id, "allow_once")
+    assert waiters[0].got == [(Answer.ALLOW_ONCE, "")]
+    assert all(waiter.got == [] for waiter in waiters[1:])          # still held...
+    (again, _, _), = gate.pending(session.id)                          # ...on one fresh question
+    assert again != call_id
+    withdraw[1]()                                                      # a withdrawn one is not answered
+    gate.resolve(session.id, again, "allow_once")
+    assert waiters[1].got == [] and waiters[2].got == [(Answer.ALLOW_ONCE, "")]
+    assert all(waiter.got == [] for waiter in waiters[3:])
+    # Control: allow for the session lets every waiter through (the policy now allows them all).
+    (third, _, _), = gate.pending(session.id)
+    questions._apply = lambda target, change, who: None                # noqa: SLF001 (no proxy here)
+    gate.resolve(session.id, third, "allow_session")
+    assert all(waiter.got == [(Answer.ALLOW_SESSION, "")] for waiter in waiters[3:])
+    assert gate.pending(session.id) == []
+    questions.close()
+
+
+def test_a_question_about_another_port_gets_no_session_rule_and_the_card_says_so(
+        parts: tuple[EventStore, ApprovalGate]) -> None:
+    """M2: a domain answer to a question about host:31337 would allow every port: none is offered."""
+    from sandboxd.policy.network_advice import propose
+
+    store, gate = parts
+    policy = WorkspaceWrite(network_access=True, allowed_domains=("other.example.test",), unlisted="ask")
+    assert propose(HOST, 31337, "CONNECT", "", policy.network_rules) is None
+    assert propose(HOST, 443, "CONNECT", "", policy.network_rules) is not None       # control: the web's ports
+    held = Question(host=HOST, port=31337, method="CONNECT", path="", scheme="https", why="x")
+    summary, _ = card(held)
+    assert "no rule for the session is offered" in summary and "every port" in summary
+    questions = NetworkQuestions(gate, store, apply_policy=lambda target, change, who: None)
+    session = _session(store)
+    answers = Answers()
+    questions.ask(session, held, answers)
+    (call_id, _, _), = gate.pending(session.id)
+    with pytest.raises(InvalidPolicy, match="no proposal"):
+        gate.resolve(session.id, call_id, "allow_session")
+    assert answers.got == [] and session.policy.network_rules.allowed(HOST, 22) is False
+    gate.resolve(session.id, call_id, "allow_once")
+    assert answers.got == [(Answer.ALLOW_ONCE, "")]
+    questions.close()
+
+
+def test_allow_for_the_session_keeps_an_owner_change_made_meanwhile(parts: tuple[EventStore, ApprovalGate]) -> None:
+    """M3: the rule is added to the policy current under the build lock, not to one read before."""
+    store, gate = parts
+    session = _session(store)
+    session.policy = WorkspaceWrite(network_access=True, allowed_domains=("other.example.test", "pypi.org"),
+                                    unlisted="ask")
+
+    def apply(target: Session, change: "object", who: "Caller | None") -> None:
+        narrowed = WorkspaceWrite(network_access=True, allowed_domains=("other.example.test",), unlisted="refuse")
+        with target.lock:
+            target.policy = narrowed                                   # the owner's change lands first
+        with target.lock:
+            target.policy = change(target.policy)  # type: ignore[operator]
+
+    questions = NetworkQuestions(gate, store, apply_policy=apply)
+    questions.ask(session, _question(), Answers())
+    (call_id, _, _), = gate.pending(session.id)
+    gate.resolve(session.id, call_id, "allow_session")
+    assert "pypi.org" not in session.policy.allowed_domains           # the owner's removal stands
+    assert str(session.policy.network_rules.unlisted) == "refuse"
+    assert HOST in session.policy.allowed_domains                      # and the answer's rule is added
+    questions.close()
+
+
+def test_a_denied_question_is_refused_unasked_for_the_rest_of_the_session(
+        parts: tuple[EventStore, ApprovalGate]) -> None:
+    """M4: the person said no once: the same question does not come back."""
+    from sandboxd.service import network_questions
+
+    store, gate = parts
+    questions = NetworkQuestions(gate, store, per_session=16, timeout=300)
+    session = _session(store)
+    first = Answers()
+    questions.ask(session, _question("/x", "GET"), first)
+    (call_id, _, _), = gate.pending(session.id)
+    gate.resolve(session.id, call_id, "deny")
+    for _ in range(50):
+        again = Answers()
+        questions.ask(session, _question("/x", "GET"), again)
+        assert again.got and again.got[0][0] == Answer.DENY and "denied earlier by the person" in again.got[0][1]
+        assert gate.pending(session.id) == []
+    other = Answers()                                                  # control: another path is asked
+    questions.ask(session, _question("/y", "GET"), other)
+    assert other.got == [] and len(gate.pending(session.id)) == 1
+    # Bounded: past DENIED_PER_SESSION denials, the oldest is forgotten (asked again).
+    for n in range(network_questions.DENIED_PER_SESSION):
+        questions._remember_denial(session, _question(f"/n{n}", "GET"))   # noqa: SLF001
+    asked = Answers()
+    questions.ask(session, _question("/x", "GET"), asked)
+    assert asked.got == [] and len(gate.pending(session.id)) == 2
+    questions.close()
+
+
+def test_a_long_path_leaves_the_method_and_host_on_the_card() -> None:
+    """M6: an 8 KB path is cut on the card; the method and host stay on an 80x24 screen."""
+    import json
+
+    from sandboxd.cli.approval_prompt import describe, held_line
+    from sandboxd.v1 import sandboxd_pb2 as pb
+
+    tail = "/repos/me/project/issues/comments"
+    path = "/gists/" + "a" * (8000 - len(tail)) + tail
+    summary, arguments = card(Question(host="api.github.com", port=443, method="POST", path=path, scheme="https"))
+    assert len(summary) < 400 and summary.startswith("network: POST https://api.github.com:443/gists/")
+    assert "characters not shown" in summary and "/issues/comments" in summary
+    held = pb.PendingApproval(call_id="call_1", tool="network", summary=summary, reason="network_request",
+                              risk="medium", arguments_json=json.dumps(arguments))
+    for shown in (describe("sess_x", held), held_line(held, "sess_x")):
+        rows: list[str] = []
+        for line in shown.split("\n"):
+            rows += [line[i:i + 80] for i in range(0, max(len(line), 1), 80)]
+        screen = "".join(rows[-23:])                                   # still on screen (wrapped)
+        assert "POST" in screen and "api.github.com" in screen and "gists" in screen
+    short, _ = card(Question(host="api.github.com", port=443, method="POST", path="/gists", scheme="https"))
+    assert short == "network: POST https://api.github.com:443/gists"                 # control: a short one whole
+
+
+def test_an_answer_by_another_caller_is_recorded_as_theirs(parts: tuple[EventStore, ApprovalGate]) -> None:
+    """L1: root answering a user's question is recorded with root's uid, not the owner's."""
+    store, gate = parts
+    seen: list[Caller | None] = []
+    questions = NetworkQuestions(gate, store, apply_policy=lambda target, change, who: seen.append(who))
+    session = _session(store)
+    session.owner = Caller(uid=1234, gid=1234, pid=1)
+    admin = Caller(uid=0, gid=0, pid=2, is_root=True)
+    questions.ask(session, _question(), Answers())
+    (call_id, _, _), = gate.pending(session.id)
+    gate.resolve(session.id, call_id, "allow_session", who=admin)
+    assert seen == [admin]
+    granted = [event for event in store.query(session_ids=[session.id]) if event.type == EventType.PERMISSION_GRANTED]
+    assert granted and granted[-1].data["by_uid"] == 0
+    questions.close()

@@ -7,7 +7,9 @@ host (never a wildcard, never ``*``); for an endpoint miss the request's own met
 each segment that looks like an identifier (a number, a hash, a UUID, a long token) made ``*`` so
 the next issue or commit is covered too. Never ``**``, never any method: a method that is not
 letters (``*`` above all, which a rule reads as any method) gets no proposal, nor a path holding a
-character outside ``_SAFE``.
+character outside ``_SAFE``. An unlisted host on a port other than 80 or 443 gets no proposal
+either: an allowed_domains entry allows its host on every port, far more than the one port asked
+about (the person may still allow it once, or give a rule of their own).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ _SAFE = _DIGITS | _LETTERS | frozenset("-._~/*%:@+,=")
 _MIN_HEX = 7                            # a short git hash
 _MIN_TOKEN = 16
 _UUID_GROUPS = (8, 4, 4, 4, 12)
+# The ports a domain proposal may answer: an allowed domain allows every port, which is what a
+# question about the web's own ports expects, not one about any other.
+WEB_PORTS = frozenset((80, 443))
 
 
 class Proposal(Record):
@@ -42,6 +47,8 @@ def propose(host: str, port: int, method: str, path: str, rules: NetworkRules) -
     ``port`` through under ``rules``; None when there is none to offer (a path endpoint rules
     cannot match: refused as ambiguous, or longer than a rule may be)."""
     if not rules.allowed(host, port):
+        if port not in WEB_PORTS:
+            return None                 # a domain would allow every port, not only this one
         return Proposal("domain", host, f"{host} is not among the allowed domains")
     if not (method.isascii() and method.isalpha()):
         return None                     # "*" would read as any method; other tokens no rule names
@@ -83,4 +90,4 @@ def _uuid(segment: str) -> bool:
             and all(_HEX.issuperset(group) for group in groups))
 
 
-__all__ = ["Proposal", "propose"]
+__all__ = ["WEB_PORTS", "Proposal", "propose"]

@@ -32,6 +32,7 @@ from sandboxd.policy.tools import Risk
 from sandboxd.service.sessions.registry import Session
 
 if TYPE_CHECKING:
+    from sandboxd.service.callers import Caller
     from sandboxd.service.metrics import Metrics
 
 log = logging.getLogger("sandboxd")
@@ -109,9 +110,10 @@ class Granted:
             self.completed()
 
 
-# A held call answered by callback (``ApprovalGate.hold``): (decision, rule, by). It may refuse the
-# answer (InvalidPolicy: a rule that does not cover the call), which leaves the call held.
-OnDecision = Callable[[str, str, str], None]
+# A held call answered by callback (``ApprovalGate.hold``): (decision, rule, by, who answered: None
+# for the daemon). It may refuse the answer (InvalidPolicy: a rule that does not cover the call),
+# which leaves the call held.
+OnDecision = Callable[[str, str, str, "Caller | None"], None]
 
 
 class _Pending:
@@ -253,9 +255,11 @@ class ApprovalGate:
 
     # -- answers ---------------------------------------------------------------------------------
 
-    def resolve(self, session_id: str, call_id: str, decision_text: str, rule: str = "") -> str:
+    def resolve(self, session_id: str, call_id: str, decision_text: str, rule: str = "",
+                who: "Caller | None" = None) -> str:
         """Answer a held call; returns the canonical decision. ``rule``: for a network question
-        allowed for the session, the rule to add instead of its proposal."""
+        allowed for the session, the rule to add instead of its proposal; ``who``: the caller
+        answering (recorded by a network question's callback)."""
         decision = parse_decision(decision_text)
         with self._lock:
             pending = self._pending.get((session_id, call_id))
@@ -267,7 +271,7 @@ class ApprovalGate:
             pending.answered.set()
         if pending.on_decision is not None:
             try:
-                pending.on_decision(decision, rule, "user")
+                pending.on_decision(decision, rule, "user", who)
             except BaseException:
                 pending.answer = None
                 pending.answered.clear()                # refused (a rule that does not cover it): still held
@@ -295,7 +299,7 @@ class ApprovalGate:
         for pending in held:
             if pending.on_decision is not None:
                 if self.claim(session_id, pending.call_id):
-                    pending.on_decision(DENY, "", "cancelled")
+                    pending.on_decision(DENY, "", "cancelled", None)
                 continue
             pending.answer = DENY
             pending.answered.set()

@@ -60,7 +60,7 @@ class AuditService:
     def resolve(self, who: Caller, request: pb.ResolveApprovalRequest) -> pb.ResolveApprovalResponse:
         session = self._registry.get(who, request.session_id)
         return pb.ResolveApprovalResponse(decision=self._gate.resolve(session.id, request.call_id, request.decision,
-                                                                      request.rule))
+                                                                      request.rule, who))
 
     def pending(self, who: Caller, session_id: str) -> pb.ListPendingApprovalsResponse:
         session = self._registry.get(who, session_id)

@@ -6,10 +6,17 @@ and answered like any other (ListPendingApprovals, ResolveApproval: `sandboxctl 
 
 - The card shows host, port, method, path and the proposal (policy.network_advice), each through
   ``printable``; never headers or body (the proxy never hands them over).
-- allow_once lets the held connection or request through; allow_session first adds the proposal,
-  or the person's own ``rule`` (ResolveApprovalRequest.rule) when it covers the held request, to
-  the session's policy through sessions.network_live.apply_network_policy (audited PolicyChanged,
-  ``by: approval``), then lets it through; deny refuses it.
+- The card's summary is bounded like a command's: method and host first, the path cut to
+  ``PATH_CHARS`` with how much was cut; a question about a port other than 80/443 says that no
+  session rule is offered (policy.network_advice: an allowed domain would allow every port).
+- allow_once lets exactly one held connection or request through (the oldest of those that asked
+  the same question); the others stay held on a fresh question. allow_session first adds the
+  proposal, or the person's own ``rule`` (ResolveApprovalRequest.rule) when it covers the held
+  request, to the session's policy through sessions.network_live.apply_network_policy (computed
+  under the session's build_lock from the policy then current, so a concurrent owner's change is
+  kept; audited PolicyChanged, ``by: approval``, by_uid the answering caller), then lets every
+  waiter through; deny refuses them, and is remembered for the session (``DENIED_PER_SESSION``
+  host/port/method/path, oldest forgotten first): the same question is then refused unasked.
 - Under approval policy ``never`` nobody is asked: refused at once.
 - When the session's running commands all belong to one execution context (one `sandboxctl
   exec`, one MCP tool call), the question carries its execution_context_id, so that client asks
@@ -33,6 +40,8 @@ import itertools
 import logging
 import threading
 import time
+import weakref
+from collections import OrderedDict
 from typing import Any, Callable
 
 from sandboxd.audit.store import EventStore, EventType
@@ -40,11 +49,14 @@ from sandboxd.errors import Exhausted, InvalidPolicy
 from sandboxd.network.questions import Answer, Ask, OnAnswer, Question, Withdraw
 from sandboxd.policy.decision import ApprovalPolicy, Reason
 from sandboxd.policy.domains import allowed_domain, domain_matches
+from sandboxd.policy.approval_card import bounded
 from sandboxd.policy.network import normalize_path, parse_endpoint
+from sandboxd.policy.network_advice import WEB_PORTS
 from sandboxd.policy.sandbox import SandboxPolicy
 from sandboxd.policy.tools import Category, Effect, Risk
 from sandboxd.printable import printable
 from sandboxd.service.approvals import ALLOW_ONCE, ALLOW_SESSION, DENY, ApprovalGate, ToolCall
+from sandboxd.service.callers import Caller
 from sandboxd.service.sessions.state import Session
 
 log = logging.getLogger("sandboxd")
@@ -52,27 +64,41 @@ TOOL = "network"
 REASON = Reason.NETWORK_REQUEST
 DEFAULT_PER_SESSION = 16
 DEFAULT_TIMEOUT = 300.0
+DENIED_PER_SESSION = 256                # denials remembered per session (the oldest forgotten first)
+# Bounds of what a card shows of the sandbox's choices (like a command's card, approval_card):
+# the method and host come first and always fit on an 80-column terminal.
+PATH_CHARS = 160
+METHOD_CHARS = 24
+PROPOSAL_CHARS = 200
 ANSWERS = {ALLOW_ONCE: Answer.ALLOW_ONCE, ALLOW_SESSION: Answer.ALLOW_SESSION, DENY: Answer.DENY}
-ApplyPolicy = Callable[[Session, SandboxPolicy], None]
+# The new policy from the one current when the change is made (under the session's build_lock).
+Change = Callable[[SandboxPolicy], SandboxPolicy]
+ApplyPolicy = Callable[[Session, Change, "Caller | None"], None]
+_DeniedKey = tuple[str, int, str, str]
 
 
-def apply_live(session: Session, policy: SandboxPolicy) -> None:
-    """The session's running proxy takes ``policy`` now (track daemon's network_live), audited."""
+def apply_live(session: Session, change: Change, who: Caller | None) -> None:
+    """The session's running proxy takes ``change`` of its current policy now, audited as ``who``'s."""
     from sandboxd.service.sessions.network_live import apply_network_policy
 
-    apply_network_policy(session, policy, by="approval")
+    apply_network_policy(session, change, by="approval", caller=who)
 
 
 def card(question: Question) -> tuple[str, dict[str, Any]]:
-    """The held call's one-line summary and arguments: what the person reads, all escaped."""
-    target = f"{question.scheme}://{question.host}:{question.port}{question.path}"
-    summary = f"network: {printable(question.method)} {printable(target)}"
+    """The held call's one-line summary and arguments: what the person reads, all escaped and
+    bounded (method and host first)."""
+    path = bounded(question.path, PATH_CHARS)
+    summary = (f"network: {bounded(question.method, METHOD_CHARS)} {printable(question.scheme)}://"
+               f"{printable(question.host)}:{question.port}{path}")
     if question.proposal:
-        summary += f" (for the session: {printable(question.proposal)})"
-    arguments = {"host": printable(question.host), "port": question.port, "method": printable(question.method),
-                 "path": printable(question.path), "scheme": printable(question.scheme),
-                 "proposal": printable(question.proposal), "proposal_kind": printable(question.proposal_kind),
-                 "why": printable(question.why)}
+        summary += f" (for the session: {bounded(question.proposal, PROPOSAL_CHARS)})"
+    elif question.port not in WEB_PORTS:
+        summary += (f" (port {question.port}: no rule for the session is offered, an allowed domain would allow "
+                    "every port: allow once or deny)")
+    arguments = {"host": printable(question.host), "port": question.port,
+                 "method": bounded(question.method, METHOD_CHARS), "path": path,
+                 "scheme": printable(question.scheme), "proposal": bounded(question.proposal, PROPOSAL_CHARS),
+                 "proposal_kind": printable(question.proposal_kind), "why": bounded(question.why, PROPOSAL_CHARS)}
     return summary, arguments
 
 
@@ -128,6 +154,9 @@ class NetworkQuestions:
         self._held: dict[tuple[str, Question], _Held] = {}
         self._count: dict[str, int] = {}                 # session id -> questions waiting
         self._deadlines: list[tuple[float, int, _Held]] = []
+        # What the person denied, per session (dropped with the session object).
+        self._denied: "weakref.WeakKeyDictionary[Session, OrderedDict[_DeniedKey, None]]" = (
+            weakref.WeakKeyDictionary())
         self._ids = itertools.count()
         self._sweeper: threading.Thread | None = None
         self._closed = False
@@ -147,10 +176,17 @@ class NetworkQuestions:
         key = (session.id, question)
         waiter = next(self._ids)
         with self._lock:
+            denied = _denied_key(question) in self._denied.get(session, ())
             shared = self._held.get(key)
-            if shared is not None and not shared.done:                 # the same question: it shares the answer
+            if not denied and shared is not None and not shared.done:  # the same question: it shares the answer
                 shared.waiters[waiter] = on_answer
-                return lambda: self._withdraw(shared, waiter)
+                return lambda: self._withdraw(key, waiter)
+        if denied:
+            why = "sandboxd: refused: denied earlier by the person for this session"
+            self._refused(session, question, why)
+            on_answer(Answer.DENY, why)
+            return _nothing
+        with self._lock:
             held: _Held | None = None
             if self._count.get(session.id, 0) >= self._per_session:
                 full = True
@@ -167,6 +203,12 @@ class NetworkQuestions:
             on_answer(Answer.DENY, why)
             return _nothing
         assert held is not None
+        self._post(held)
+        return lambda: self._withdraw(key, waiter)
+
+    def _post(self, held: _Held) -> None:
+        """Put ``held`` (registered, not yet shown) before a person: a held call of the gate."""
+        session, question = held.session, held.question
         summary, arguments = card(question)
         # Shown where the command that asked waits (`sandboxctl exec` in place, an MCP elicitation)
         # when the session runs commands of one execution context only; else by approvals/approve.
@@ -174,11 +216,12 @@ class NetworkQuestions:
                         summary=summary, risk=Risk.MEDIUM, execution_context_id=session.only_context())
         try:
             held.call_id = self._gate.hold(session, call, REASON, proposal=question.proposal,
-                                           on_decision=lambda decision, rule, by: self._decided(held, decision, rule, by),
+                                           on_decision=lambda decision, rule, by, who: self._decided(
+                                               held, decision, rule, by, who),
                                            data={"proposal": printable(question.proposal)})
         except Exhausted as exc:
             self._finish(held, Answer.DENY, f"sandboxd: refused: {exc}")
-            return _nothing
+            return
         except BaseException:
             self._finish(held, Answer.DENY, "sandboxd: refused: the question could not be recorded")
             raise
@@ -187,11 +230,12 @@ class NetworkQuestions:
                 heapq.heappush(self._deadlines, (held.deadline, next(self._ids), held))
                 self._start_sweeper()
                 self._lock.notify_all()
-        return lambda: self._withdraw(held, waiter)
 
-    def _withdraw(self, held: _Held, waiter: int) -> None:
-        with self._lock:
-            held.waiters.pop(waiter, None)              # the question stays for the person (design §6.2)
+    def _withdraw(self, key: tuple[str, Question], waiter: int) -> None:
+        with self._lock:                                # the question stays for the person (design §6.2)
+            held = self._held.get(key)
+            if held is not None:
+                held.waiters.pop(waiter, None)
 
     def _refused(self, session: Session, question: Question, why: str) -> None:
         summary, arguments = card(question)
@@ -201,9 +245,9 @@ class NetworkQuestions:
 
     # -- answers ---------------------------------------------------------------------------------
 
-    def _decided(self, held: _Held, decision: str, rule: str, by: str) -> None:
-        """The gate's callback (ResolveApproval's thread; "cancelled" when the session closed).
-        A rule that does not cover the question raises, leaving it held."""
+    def _decided(self, held: _Held, decision: str, rule: str, by: str, who: Caller | None = None) -> None:
+        """The gate's callback (ResolveApproval's thread; "cancelled" when the session closed;
+        ``who`` answered). A rule that does not cover the question raises, leaving it held."""
         question, session = held.question, held.session
         base = {"effect": Effect.NETWORK, "risk": Risk.MEDIUM, "summary": card(question)[0], "reason": REASON}
         if decision == ALLOW_SESSION:
@@ -211,35 +255,60 @@ class NetworkQuestions:
             if not wanted:
                 raise InvalidPolicy("this question has no proposal: give the rule to add, or allow it once")
             with session.lock:
-                current = session.policy
-            changed = with_rule(current, question, wanted)
-            if changed is not current:
-                self._apply(session, changed)
+                with_rule(session.policy, question, wanted)    # refused here, before any change, if it does not cover
+            self._apply(session, lambda current: with_rule(current, question, wanted), who)
         if decision == DENY:
+            if by == "user":
+                self._remember_denial(session, question)
             self._store.append(session.id, EventType.PERMISSION_DENIED, call_id=held.call_id, tool=TOOL,
                                data={**base, "by": by, "detail": "", "message": f"network: denied by {by}"})
             self._finish(held, Answer.DENY, "sandboxd: refused when asked" if by == "user" else
                          "sandboxd: refused: the session closed")
             return
         self._store.append(session.id, EventType.PERMISSION_GRANTED, call_id=held.call_id, tool=TOOL,
-                           data={**base, "by": "user", "decision": decision})
+                           data={**base, "by": "user", "decision": decision,
+                                 **({"by_uid": who.uid} if who is not None else {})})
         self._finish(held, ANSWERS[decision], "")
 
+    def _remember_denial(self, session: Session, question: Question) -> None:
+        with self._lock:
+            denied = self._denied.setdefault(session, OrderedDict())
+            denied[_denied_key(question)] = None
+            denied.move_to_end(_denied_key(question))
+            while len(denied) > DENIED_PER_SESSION:
+                denied.popitem(last=False)
+
     def _finish(self, held: _Held, answer: Answer, why: str) -> None:
+        """Answer ``held``'s waiters: all of them, except for allow_once, which lets the oldest
+        through only; the others stay held on a fresh question (one answer, one connection)."""
+        again: _Held | None = None
         with self._lock:
             if held.done:
                 return
             held.done = True
-            waiters = list(held.waiters.values())
+            waiters = list(held.waiters.items())
             held.waiters.clear()
-            self._held.pop((held.session.id, held.question), None)
-            left = self._count.get(held.session.id, 1) - 1
-            if left > 0:
-                self._count[held.session.id] = left
+            key = (held.session.id, held.question)
+            if self._held.get(key) is held:
+                del self._held[key]
+            if answer == Answer.ALLOW_ONCE and len(waiters) > 1:
+                waiters, rest = waiters[:1], waiters[1:]
+                again = _Held(held.session, held.question, time.monotonic() + self._timeout)
+                again.waiters.update(rest)
+                self._held[key] = again                 # counted as the one it replaces
             else:
-                self._count.pop(held.session.id, None)
-        for on_answer in waiters:
+                left = self._count.get(held.session.id, 1) - 1
+                if left > 0:
+                    self._count[held.session.id] = left
+                else:
+                    self._count.pop(held.session.id, None)
+        for _, on_answer in waiters:
             on_answer(answer, why)
+        if again is not None:
+            try:
+                self._post(again)                       # a failure denies the rest (_post): the answer stands
+            except Exception:  # noqa: BLE001
+                log.exception("asking again about a network question's other connections")
 
     # -- the timeout ------------------------------------------------------------------------------
 
@@ -279,6 +348,10 @@ class NetworkQuestions:
         with self._lock:
             self._closed = True
             self._lock.notify_all()
+
+
+def _denied_key(question: Question) -> _DeniedKey:
+    return (question.host, question.port, question.method, question.path)
 
 
 def _nothing() -> None:

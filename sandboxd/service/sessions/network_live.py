@@ -35,15 +35,26 @@ def live_changeable(current: SandboxPolicy, new: SandboxPolicy) -> bool:
     return current.proxied and new.proxied and current.without_network_rules() == new.without_network_rules()
 
 
-def apply_network_policy(session: Session, new_policy: SandboxPolicy, *, by: str) -> None:
-    """Give ``new_policy`` (a network-only change) to ``session``'s running proxy now, audited.
+def apply_network_policy(session: Session, change: "SandboxPolicy | Callable[[SandboxPolicy], SandboxPolicy]", *,
+                         by: str, caller: Caller | None = None) -> None:
+    """Give ``change`` (a network-only change: a new policy, or a function of the current one,
+    called under the build lock with the policy current then, so that no concurrent change is
+    lost) to ``session``'s running proxy now, audited as ``caller``'s (None: the owner's).
     NotFound for a closed session, WrongState for a change that needs a new sandbox."""
     live = session.live_network
     if live is None:
         raise WrongState(f"session {session.id} has no egress proxy to change")
     live.admit(session)
     with session.build_lock:
-        live.apply(session, new_policy, by=by)
+        if callable(change):
+            with session.lock:
+                current = session.policy
+            new_policy = change(current)
+            if new_policy is current:
+                return                                  # nothing to add: the rule is there already
+        else:
+            new_policy = change
+        live.apply(session, new_policy, by=by, caller=caller)
 
 
 class LiveNetwork:
