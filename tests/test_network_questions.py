@@ -93,9 +93,23 @@ class Place:
         return [json.loads(line) for line in lines if line.strip()]
 
 
-def finished(process: subprocess.Popen[str]) -> str:
+def finished(process: subprocess.Popen[str], before: str = "") -> str:
     out, _ = process.communicate(timeout=WAIT)
-    return out
+    return before + out
+
+
+def read_until(process: subprocess.Popen[str], text: str) -> str:
+    """What ``process`` printed up to and including the line holding ``text`` (its exec polls for
+    held calls, so a line it prints in place comes some time after the question is held)."""
+    assert process.stdout is not None
+    seen = ""
+    deadline = time.monotonic() + WAIT
+    while text not in seen:
+        assert time.monotonic() < deadline, f"{text!r} never printed: {seen!r}"
+        line = process.stdout.readline()
+        assert line, f"{text!r} never printed before the end: {seen!r}"
+        seen += line
+    return seen
 
 
 def curl(url: str, *options: str) -> str:
@@ -119,14 +133,14 @@ def test_an_unlisted_host_is_asked_allowed_once_then_asked_again_and_refused(pla
     arguments = json.loads(first["arguments_json"])
     assert (arguments["host"], arguments["port"], arguments["method"], arguments["path"]) == (
         API_HOST, 443, "CONNECT", ""), arguments
+    # The question carried the exec's context: sandboxctl exec says, in place, how to answer it.
+    shown = read_until(run, f"waiting for approval (network_request): network: CONNECT https://{API_HOST}:443")
     place.ctl("approve", session, first["call_id"])
     second = place.held(session)[0]                                   # the next connection asks again
     assert second["call_id"] != first["call_id"]
     place.ctl("deny", session, second["call_id"])
-    out = finished(run)
+    out = finished(run, shown)
     assert "hello /once" in out and "403" in out, out
-    # The question carried the exec's context: sandboxctl exec said, in place, how to answer it.
-    assert f"waiting for approval (network_request): network: CONNECT https://{API_HOST}:443" in out, out
     assert [seen.path for seen in place.world.api.seen if seen.path in ("/once", "/twice")] == ["/once"]
     denied = [event for event in place.events(session, "PermissionDenied") if event.get("tool") == "network"]
     assert any(event["data"]["by"] == "user" for event in denied), denied     # type: ignore[index]

@@ -5,6 +5,8 @@ is tests/test_network_questions.py's; here the bounds and the rule check, each w
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -45,10 +47,33 @@ def _question(path: str = "", method: str = "CONNECT", host: str = HOST) -> Ques
                     proposal_kind="domain", why=f"{host} is not among the allowed domains")
 
 
+@pytest.fixture(autouse=True)
+def closed_questions(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every NetworkQuestions a test makes is closed after it, its sweeper thread gone (as the
+    daemon closes its own): a later test in this process counts sandboxd's threads."""
+    made: list[NetworkQuestions] = []
+    real_init = NetworkQuestions.__init__
+
+    def init(self: NetworkQuestions, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        made.append(self)
+    monkeypatch.setattr(NetworkQuestions, "__init__", init)
+    yield
+    for questions in made:
+        questions.close()
+        sweeper = questions._sweeper
+        if sweeper is not None:
+            sweeper.join(30)
+            assert not sweeper.is_alive()
+
+
 @pytest.fixture
-def parts(tmp_path: Path) -> tuple[EventStore, ApprovalGate]:
+def parts(tmp_path: Path) -> Iterator[tuple[EventStore, ApprovalGate]]:
     store = EventStore(str(tmp_path / "events.db"))
-    return store, ApprovalGate(store)
+    try:
+        yield store, ApprovalGate(store)
+    finally:
+        store.close()                                   # and its checkpointer thread
 
 
 def test_duplicates_share_one_question_and_the_cap_refuses_one_more(parts: tuple[EventStore, ApprovalGate]) -> None:
