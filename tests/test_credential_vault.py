@@ -162,3 +162,39 @@ def test_apply_network_policy_updates_the_running_proxy_and_audits_it(tmp_path: 
         proxy.close()
         listener.close()
         store.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="adds a user and a group (root)")
+def test_a_group_granted_daemon_secret_follows_the_owners_groups_now(tmp_path: Path) -> None:
+    """Hostile r7b L6: the owner's groups at each use, not those its connection carried at create.
+    A real user and group: taken out of the group, the owner can neither add the secret again nor
+    keep it through an update."""
+    import grp
+    import subprocess
+    import uuid
+
+    from daemon_helpers import plain_users
+    from sandboxd.service.callers import Caller
+
+    group = f"sbxt-g{uuid.uuid4().hex[:8]}"
+    subprocess.run(["groupadd", group], check=True, capture_output=True, timeout=60)
+    try:
+        gid = grp.getgrnam(group).gr_gid
+        with plain_users(1) as (user,):
+            subprocess.run(["gpasswd", "-a", user.name, group], check=True, capture_output=True, timeout=60)
+            # As identified at create: SO_PEERGROUPS carried the group.
+            owner = Caller(user.uid, user.gid, os.getpid(), "", (gid,))
+            vault = CredentialVault({"gh": daemon_secret(tmp_path, uids=(), gids=(gid,))})
+            first = vault.resolve(owner, owner, None, [SPEC], {"TOKEN": DaemonSecret("gh")})
+            kept = vault.resolve(owner, owner, first, [SPEC], {})
+            assert [s.usable for s in kept.states()] == [True]                  # control: a member keeps it
+            subprocess.run(["gpasswd", "-d", user.name, group], check=True, capture_output=True, timeout=60)
+            with pytest.raises(Forbidden, match="does not exist or is not granted"):
+                vault.resolve(owner, owner, first, [SPEC], {"TOKEN": DaemonSecret("gh")})
+            after = vault.resolve(owner, owner, first, [SPEC], {})
+            assert [(s.name, s.source, s.usable) for s in after.states()] == [("TOKEN", "daemon:gh", False)]
+            assert after.phantoms() == first.phantoms() and after.credential_set().swap(
+                "api.example.com", 443, [(b"Authorization", f"Bearer {first.phantoms()['TOKEN']}".encode())]
+            )[0] != [(b"Authorization", b"Bearer dsk_from-the-daemon")]
+    finally:
+        subprocess.run(["groupdel", group], capture_output=True, timeout=60)

@@ -27,7 +27,7 @@ from sandboxd.network.interception.upstream_tls import upstream_context
 from sandboxd.network.questions import Answer, OnAnswer, Question
 from sandboxd.network.tcp_relay import listen_tcp
 from sandboxd.policy.network import NetworkRules, Unlisted, parse_endpoint
-from test_egress_rules import LOOPBACK, PLAIN, Setup, _read_all
+from test_egress_rules import LOOPBACK, PLAIN, Setup, _ask, _cut, _read_all
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the proxy connects from a namespace it enters (root)")
 
@@ -274,3 +274,47 @@ def test_a_held_request_whose_connection_closes_is_withdrawn(setup: AskSetup) ->
     while proxy.cap.active and time.monotonic() < deadline:     # its connection is released too
         time.sleep(0.02)
     assert proxy.cap.active == 0
+
+
+def _tunnel(setup: AskSetup, proxy: EgressProxy, ask: FakeAsk, count: int, answer: Answer) -> ssl.SSLSocket:
+    """A CONNECT to the unlisted OTHER, asked (the ``count``th question) and answered ``answer``."""
+    raw = setup.send_connect(proxy, OTHER, setup.upstream.port)
+    ask.wait(count)[1](answer)
+    assert _head(raw).startswith(b"HTTP/1.1 200")
+    return ssl.create_default_context(cadata=setup.test_ca.pem).wrap_socket(raw, server_hostname=OTHER)
+
+
+def test_a_tunnel_allowed_once_is_cut_when_its_host_gains_endpoint_rules(setup: AskSetup) -> None:
+    """Hostile r7b M5: the person's answer spares the connection the allowlist cut only; once the
+    host has endpoint rules, its requests must be read, whatever the answer was."""
+    ask = FakeAsk()
+    proxy = setup.asking(_rules(), ask)
+    port = setup.upstream.port
+    tls = _tunnel(setup, proxy, ask, 1, Answer.ALLOW_ONCE)
+    assert _ask(tls, port, "/first").startswith(b"HTTP/1.1 200")
+    proxy.update(_rules(unlisted=Unlisted.REFUSE))              # OTHER still unlisted: the answer stands
+    assert _ask(tls, port, "/still").startswith(b"HTTP/1.1 200")
+    proxy.update(_rules(f"{OTHER}=GET:/first", domains=(API, OTHER), unlisted=Unlisted.REFUSE))
+    assert _cut(tls)
+    assert "its requests must now be read" in setup.event("policy").detail
+    assert [path for _, path, _ in setup.upstream.recorder.requests] == ["/first", "/still"]
+
+
+def test_a_tunnel_allowed_for_the_session_is_cut_when_the_owner_removes_its_host(setup: AskSetup) -> None:
+    """Allow for the session became a rule of the allowlist: removing it cuts the connection.
+    Control: a tunnel to the same host allowed once stays (its answer was never the allowlist)."""
+    ask = FakeAsk()
+    proxy = setup.asking(_rules(), ask)
+    port = setup.upstream.port
+    once = _tunnel(setup, proxy, ask, 1, Answer.ALLOW_ONCE)
+    raw = setup.send_connect(proxy, OTHER, port)
+    answer = ask.wait(2)[1]
+    proxy.update(_rules(domains=(API, OTHER)))                  # the rule added, as the daemon does before answering
+    answer(Answer.ALLOW_SESSION)
+    assert _head(raw).startswith(b"HTTP/1.1 200")
+    granted = ssl.create_default_context(cadata=setup.test_ca.pem).wrap_socket(raw, server_hostname=OTHER)
+    assert _ask(granted, port, "/granted").startswith(b"HTTP/1.1 200")
+    proxy.update(_rules())                                      # the owner removes OTHER
+    assert _cut(granted)
+    assert "no longer allowed" in setup.event("policy").detail
+    assert _ask(once, port, "/once").startswith(b"HTTP/1.1 200")

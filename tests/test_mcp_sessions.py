@@ -289,3 +289,41 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def test_a_credential_secret_leaves_the_servers_environment_and_memory_unreadable(
+        sandboxd_daemon: DaemonFactory, plain_users: Callable[[int], list[PlainUser]]) -> None:
+    """Hostile r7b L4: `sandboxd mcp --credential` (long-lived) takes $VAR as `sandboxd run` does:
+    made non-dumpable, the secret's value zeroed in /proc/PID/environ. Control: another process
+    of the same user, started with the same environment, is readable by that user."""
+    from test_run_credentials import readable_by
+
+    secret = b"ghs_REALsecretVALUE0123456789abcdefXYZ"
+    d = sandboxd_daemon()
+    (user,) = plain_users(1)
+    workspace = d.base / "ws-cred"
+    workspace.mkdir()
+    os.chown(workspace, user.uid, user.gid)
+    params = server_params(d.socket, workspace, "--approval", "never", "--credential", "GH_TOKEN=https://api.example.com",
+                           as_user=(user.uid, user.gid))
+    env = {**params.env, "GH_TOKEN": secret.decode()}
+    server = subprocess.Popen([params.command, *params.args], env=env, cwd="/", stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    control = subprocess.Popen(["sleep", "600"], env=env, user=user.uid, group=user.gid, extra_groups=[])
+    try:
+        with SandboxClient(d.socket) as root:
+            wait_until(lambda: sessions_on(root, workspace), "sandboxd mcp opened no session")
+        assert server.poll() is None
+        assert readable_by(user.uid, user.gid, server.pid).split() == [
+            "mem", "PermissionError", "environ", "PermissionError"]
+        with open(f"/proc/{server.pid}/environ", "rb") as environ:             # as root
+            assert secret not in environ.read()                                # its value zeroed
+        with open(f"/proc/{control.pid}/environ", "rb") as environ:
+            assert secret in environ.read()                                    # control: it would be seen
+        yama = Path("/proc/sys/kernel/yama/ptrace_scope")
+        mem = "read" if not yama.exists() or yama.read_text().strip() == "0" else "PermissionError"
+        assert readable_by(user.uid, user.gid, control.pid).split() == ["mem", mem, "environ", "read"]
+    finally:
+        control.kill()
+        control.wait()
+        kill(server)

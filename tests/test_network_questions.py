@@ -224,3 +224,75 @@ def test_the_cap_and_the_timeout_hold_and_another_user_cannot_answer(place: Plac
     timeouts = [event["data"] for event in place.events(session, "PermissionDenied")
                 if event.get("tool") == "network" and event["data"].get("by") == "timeout"]  # type: ignore[union-attr]
     assert len(timeouts) == CAP, timeouts
+
+
+# A client that opens one tunnel to HOST through the proxy, GETs /m5-first on it, waits for the
+# file "go", then POSTs /m5-after-rule on the same tunnel: "closed" when the proxy has cut it.
+ONE_TUNNEL = r'''
+import os, socket, ssl, time
+HOST = "%(host)s"
+s = socket.create_connection(("127.0.0.1", 3128))
+s.sendall(("CONNECT %%s:443 HTTP/1.1\r\nHost: %%s:443\r\n\r\n" %% (HOST, HOST)).encode())
+r = b""
+while b"\r\n\r\n" not in r:
+    c = s.recv(1)
+    if not c: break
+    r += c
+print("CONNECT", r.split(b"\r\n")[0].decode(), flush=True)
+ctx = ssl.create_default_context(); ctx.check_hostname = False; ctx.verify_mode = ssl.CERT_NONE
+t = ctx.wrap_socket(s, server_hostname=HOST)
+def req(method, path):
+    t.sendall(("%%s %%s HTTP/1.1\r\nHost: %%s\r\nContent-Length: 0\r\n\r\n" %% (method, path, HOST)).encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        c = t.recv(4096)
+        if not c: return "closed"
+        data += c
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        k, _, v = line.partition(b":")
+        if k.strip().lower() == b"content-length": length = int(v)
+    while len(body) < length:
+        c = t.recv(4096)
+        if not c: break
+        body += c
+    return head.split(b"\r\n")[0].decode()
+print("FIRST", req("GET", "/m5-first"), flush=True)
+while not os.path.exists("go"): time.sleep(0.2)
+try:
+    print("SECOND", req("POST", "/m5-after-rule"), flush=True)
+except Exception as exc:
+    print("SECOND failed", type(exc).__name__, flush=True)
+'''
+
+
+def test_a_tunnel_allowed_once_is_cut_when_its_host_gains_endpoint_rules(place: Place) -> None:
+    """Hostile r7b M5: the person's allow-once spares the tunnel only the allowlist cut; once the
+    owner gives the host endpoint rules its requests must be read, so the unread tunnel is cut."""
+    import base64
+
+    workspace = place.factory.workspace()
+    session = place.ctl("session", "create", str(workspace), "--approval", "on-request", "--allow-domain", OTHER_HOST,
+                        "--unlisted", "ask").stdout.strip()
+    place.ctl("rules", "add", str(workspace), "shell.exec")
+    code = base64.b64encode((ONE_TUNNEL % {"host": API_HOST}).encode()).decode()
+    run = place.start(session, f"cd {workspace}; python3 -c \"import base64; exec(base64.b64decode('{code}'))\"")
+    place.ctl("approve", session, place.held(session)[0]["call_id"])         # allow once: this connection
+    assert run.stdout is not None
+    lines: list[str] = []
+    while not any(line.startswith("FIRST") for line in lines):
+        line = run.stdout.readline()
+        assert line, lines
+        lines.append(line)
+    assert "FIRST HTTP/1.1 200" in "".join(lines), lines
+    place.ctl("session", "policy", session, "--allow-domain", OTHER_HOST, "--allow-domain", API_HOST,
+              "--allow-endpoint", f"{API_HOST}=GET:/m5-first", "--unlisted", "refuse")
+    (workspace / "go").write_text("")
+    out = "".join(lines) + finished(run)
+    assert "SECOND closed" in out or "SECOND failed" in out, out
+    assert ("POST", "/m5-after-rule") not in [(s.method, s.path) for s in place.world.api.seen], out
+    # Control: the rule is in force for a new connection (403).
+    control = place.ctl("exec", session, "--", "sh", "-c",
+                        curl(f"https://{API_HOST}/m5-control", "-X POST -o /dev/null -w '%{http_code}'")).stdout
+    assert "403" in control, control

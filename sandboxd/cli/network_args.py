@@ -6,7 +6,8 @@ credentials whose secrets the client reads once and sends to the daemon (docs/ne
 process's environment variable VAR, unless ``--credential-file VAR=PATH`` (the file's content,
 one trailing newline dropped) or ``--daemon-credential VAR=NAME`` (the daemon's
 ``[network.secrets] NAME``) gives it. A secret is read once, sent in credential_secrets and never
-printed: every message names the variable, never the value.
+printed: every message names the variable, never the value. One from the environment is taken
+out of it, the process made non-dumpable first (cli.environment_secrets, as `sandboxd run`).
 
 ``parse_credentials`` is pure (no flags, no protobuf): `sandboxd run` may share it.
 """
@@ -59,7 +60,7 @@ def read_secret_file(name: str, path: str) -> bytes:
 
 
 def parse_credentials(credentials: "list[str]", files: "list[str]", daemon: "list[str]",
-                      environ: "Mapping[str, str]", *, secret_required: bool = True) -> CredentialArgs:
+                      environ: "Mapping[str, str | bytes]", *, secret_required: bool = True) -> CredentialArgs:
     """The --credential, --credential-file and --daemon-credential flags as specs and secrets.
     ``secret_required``: a credential whose variable is unset is an error (else it is sent
     without a secret: the session keeps the one it holds for the same spec). ValueError saying
@@ -122,10 +123,34 @@ def given(args: argparse.Namespace) -> bool:
                 or args.credential_file or args.daemon_credential)
 
 
-def credentials_from_args(args: argparse.Namespace, environ: "Mapping[str, str] | None" = None, *,
+def credentials_from_args(args: argparse.Namespace, environ: "Mapping[str, str | bytes] | None" = None, *,
                           secret_required: bool = True) -> CredentialArgs:
-    return parse_credentials(args.credential, args.credential_file, args.daemon_credential,
-                             os.environ if environ is None else environ, secret_required=secret_required)
+    """The credential flags' specs and secrets; without ``environ``, each secret from this
+    process's environment is taken out of it (cli.environment_secrets: the process made
+    non-dumpable first, the environment's copies zeroed), so the user's other processes cannot
+    read it from a long-lived client (`sandboxd mcp`)."""
+    if environ is None:
+        environ = _taken_from_environment(args)
+    return parse_credentials(args.credential, args.credential_file, args.daemon_credential, environ,
+                             secret_required=secret_required)
+
+
+def _taken_from_environment(args: argparse.Namespace) -> dict[str, bytes]:
+    """The secrets of the --credential variables no file or daemon secret gives, taken out of
+    this process's environment (those set)."""
+    from sandboxd.cli.environment_secrets import take_secrets
+
+    names = set()
+    for text in args.credential:
+        try:
+            names.add(parse_credential(text).name)
+        except InvalidPolicy:
+            continue                                # parse_credentials says what to fix
+    names -= {text.partition("=")[0] for text in (*args.credential_file, *args.daemon_credential)}
+    try:
+        return take_secrets(sorted(names))
+    except InvalidPolicy as exc:
+        raise ValueError(str(exc)) from None
 
 
 def apply_network(policy: pb.SandboxPolicy, args: argparse.Namespace, credentials: CredentialArgs) -> None:

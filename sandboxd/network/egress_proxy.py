@@ -147,6 +147,17 @@ class ProxyEvent(Record):
     detail: str = ""
 
 
+class _Destination(Record):
+    """Where an open connection relays to (host, port as matched), its kind (tunnel, intercepted,
+    plain), and whether a person allowed it once (kept apart from the kind: only the allowlist
+    cut spares such a connection, never the cuts for reading its requests or its credentials)."""
+
+    host: str
+    port: int
+    kind: str
+    allowed_once: bool = False
+
+
 def refused_range(address: str, allowed_ranges: "tuple[str, ...]" = ()) -> bool:
     """Is ``address`` in a range the proxy refuses before trying (REFUSED_RANGES, less the
     ``allowed_ranges`` root named; a metadata address always)?"""
@@ -277,9 +288,9 @@ class EgressProxy(TcpService):
         self.intercepted_cap = ConnectionCap(intercepted_connections)
         self._cap_reported = self._intercepted_cap_reported = False
         self.unreported = 0                             # refusals not reported: too many waiting
-        # Each relayed connection's destination (host, port as matched) and kind (tunnel,
-        # intercepted, plain), for ``update`` to cut what a change takes away. Loop thread only.
-        self._destinations: "dict[Relay | Intercepted | PlainMediated, tuple[str, int, str]]" = {}
+        # Each relayed connection's destination, for ``update`` to cut what a change takes away.
+        # Loop thread only.
+        self._destinations: "dict[Relay | Intercepted | PlainMediated, _Destination]" = {}
         self._captured: TcpService | None = None        # serve_captured's listener
 
     @property
@@ -298,10 +309,12 @@ class EgressProxy(TcpService):
         """Enforce ``rules`` (and, when given, ``credentials``) for every connection and request read
         after this returns (any thread; returns once done). The references are replaced first, which
         the loop reads once per request, so no request read after the call sees the old ones. Then,
-        on the loop, every open connection the change takes away is cut: to a host no longer allowed,
-        a tunnel to a host now intercepted (its requests must be read), an intercepted one whose
-        host's credentials changed. The others stay; intercepted ones judge their next request by
-        the new rules and take the new set (the old one may be wiped once this returns)."""
+        on the loop, every open connection the change takes away is cut: to a host no longer allowed
+        (unless a person allowed that connection once: the allowlist never was its reason), a
+        tunnel to a host now intercepted (its requests must be read), an intercepted one whose
+        host's credentials changed; the last two whatever a person answered. The others stay;
+        intercepted ones judge their next request by the new rules and take the new set (the old
+        one may be wiped once this returns)."""
         old = self._credentials
         self._rules = rules
         if credentials is not None:
@@ -311,8 +324,12 @@ class EgressProxy(TcpService):
 
     def _cut_stale(self, rules: NetworkRules, old: "CredentialSet | None") -> None:
         new = self._credentials
-        for connection, (host, port, kind) in list(self._destinations.items()):
-            if not rules.allowed(host, port) and not kind.endswith("allowed when asked"):   # a person's answer stands
+        for connection, destination in list(self._destinations.items()):
+            host, port, kind = destination.host, destination.port, destination.kind
+            # An allow-once answer was about this connection, not the allowlist, which never let it
+            # through: no allowlist change takes it away. An allow-for-the-session answer became a
+            # rule of the allowlist (applied before the answer comes), so removing it cuts.
+            if not rules.allowed(host, port) and not destination.allowed_once:
                 why = "it is no longer allowed"
             elif kind == "tunnel" and rules.intercepts(host, port):
                 why = "its requests must now be read"
@@ -421,9 +438,11 @@ class EgressProxy(TcpService):
         request = _Request(self, client)
         self.track(request)
 
-    def opened(self, connection: "Relay | Intercepted | PlainMediated", host: str, port: int, kind: str) -> None:
-        """``connection`` (to ``host``:``port``, a tunnel, intercepted or plain) now relays."""
-        self._destinations[connection] = (host, port, kind)
+    def opened(self, connection: "Relay | Intercepted | PlainMediated", host: str, port: int, kind: str,
+               allowed_once: bool = False) -> None:
+        """``connection`` (to ``host``:``port``, a tunnel, intercepted or plain) now relays;
+        ``allowed_once``: a person allowed this connection once (its host is not listed)."""
+        self._destinations[connection] = _Destination(host, port, kind, allowed_once)
 
     def forget(self, connection: "Relay | Intercepted | PlainMediated") -> None:
         self._destinations.pop(connection, None)
@@ -540,6 +559,7 @@ class EgressProxy(TcpService):
                                              f"({_listed(rules.domains)})\n{why or 'sandboxd: refused when asked'}"))
                 return
             request.granted = True
+            request.allowed_once = answer == Answer.ALLOW_ONCE
             self._connect(request, address, via)
         request.held = True
         request.withdraw = self.begin_question(question, answered)
@@ -616,6 +636,7 @@ class _Request:
         self.held = False                               # waiting for a question's answer (EgressProxy._hold)
         self.withdraw: Withdraw | None = None
         self.granted = False                            # a person allowed it (a plain one's first request)
+        self.allowed_once = False                       # ... by allowing it once (not a rule of the session)
         self.judge: "_Judge | None" = None              # the mediated connection's request hook
         self.deadline = time.monotonic() + REQUEST_SECONDS
         proxy.loop.add_timed(self)
@@ -799,7 +820,7 @@ class _Request:
         self.relay = relay
         if not relay.closed:
             proxy.track(relay)
-            proxy.opened(relay, self.host, self.port, kind if not self.granted else f"{kind}, allowed when asked")
+            proxy.opened(relay, self.host, self.port, kind, allowed_once=self.allowed_once)
 
     def _judge(self, judge: "_Judge") -> "_Judge":
         self.judge = judge

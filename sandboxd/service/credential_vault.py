@@ -17,7 +17,10 @@ Rules (hostile callers):
 - Only the session's owner gives its secrets: an administrator changing another owner's session
   may keep or drop its credentials, never put its own secret (or daemon secret) in.
 - A daemon secret is used only by root and the users and groups its entry names, and only for the
-  upstreams its entry names (and its injection, when the entry fixes one).
+  upstreams its entry names (and its injection, when the entry fixes one). Group membership is
+  the owner's now (the group database), checked at every use: create, each UpdateSessionPolicy
+  (a kept daemon secret of an owner taken out of the group stays as a phantom, not usable) and
+  restore.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from sandboxd.network.credentials import Credential, CredentialSet, Secret, new_
 from sandboxd.policy.network import (DEFAULT_HEADER, DEFAULT_TEMPLATE, MAX_SECRET, CredentialSpec, CredentialState,
                                      DaemonSecret, check_secret)
 from sandboxd.service.callers import Caller
-from sandboxd.service.sessions.access import caller_groups
+from sandboxd.service.sessions.access import current_groups
 
 # How a daemon secret whose entry sets no ``inject`` is sent: (header, template, basic user).
 DEFAULT_INJECTION = (DEFAULT_HEADER, DEFAULT_TEMPLATE, None)
@@ -132,7 +135,8 @@ class CredentialVault:
                         raise InvalidPolicy(f"credential {spec.name} changes its upstream, header or format: send its "
                                             "secret again (a kept secret follows the whole credential)")
                     assert old is not None
-                    held.append(old)
+                    held.append(old if self._still_granted(owner, old) else
+                                Held(old.spec, old.phantom, None, old.source))    # kept, not usable
                     continue
                 value = given[spec.name]
                 if isinstance(value, DaemonSecret):
@@ -164,6 +168,15 @@ class CredentialVault:
                              DAEMON_SOURCE + name if name is not None else CALLER_SOURCE))
         return SessionCredentials(held)
 
+    def _still_granted(self, owner: Caller, held: Held) -> bool:
+        """Whether a kept credential's secret may stay: a caller's always (its owner gave it), a
+        daemon secret while its entry still grants it to the owner as the owner is now (taken out
+        of its group, the owner keeps the credential's phantom, not the secret)."""
+        if not held.source.startswith(DAEMON_SOURCE) or held.secret is None:
+            return True
+        source = self._secrets.get(held.source[len(DAEMON_SOURCE):])
+        return source is not None and may_use(owner, source)
+
     def _daemon_secret(self, owner: Caller, name: str, spec: CredentialSpec) -> Secret:
         source = self._secrets.get(name)
         if source is None or not may_use(owner, source):
@@ -186,12 +199,15 @@ class CredentialVault:
 
 
 def may_use(owner: Caller, source: SecretSource) -> bool:
-    """Root, or a user the entry names, or a member of a group it names."""
+    """Root, or a user the entry names, or a member now of a group it names: the owner's groups
+    as the group database says at this use (create, update, restore), not as its connection
+    carried them when the session was created (a user taken out of the group loses the secret
+    at the session's next change)."""
     if owner.principal:
         return False                        # a TLS principal is no local user an entry can name
     if owner.uid == 0 or owner.uid in source.uids:
         return True
-    return bool(caller_groups(owner) & set(source.gids))
+    return bool(current_groups(owner) & set(source.gids))
 
 
 def read_secret_file(name: str, path: str) -> bytes:

@@ -124,6 +124,13 @@ def caller_groups(caller: Caller) -> set[int]:
     those its owner has now."""
     if caller.groups or caller.pid:
         return {caller.gid, *caller.groups}
+    return current_groups(caller)
+
+
+def current_groups(caller: Caller) -> set[int]:
+    """The caller's gid and the groups its user is in now (the group database), whatever its
+    connection carried when it was identified: for a grant that must end when root takes the
+    user out of the group, even on a session created before."""
     return {caller.gid, *_groups_of_uid(caller.uid, caller.gid)}
 
 
