@@ -275,7 +275,7 @@ def test_in_place_the_command_cannot_draw_over_the_card(place: Place) -> None:
             run.wait(timeout=WAIT)
         os.close(master)
     # The command's output came after the answer, whole and in order.
-    answered = screen.find(b"allowed for this session\n", card)
+    answered = screen.find(b"allowed for this session\r\n", card)
     assert 0 < answered < screen.find(b"\x1b[31mred \x1b]0;\x1b[8A\x1b[J"), bytes(screen[card:])
     assert screen.find(forged.encode()) < screen.find(b"h1-done"), bytes(screen[card:])
     assert run.returncode == 0, bytes(screen)
