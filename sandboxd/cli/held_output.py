@@ -20,8 +20,9 @@ HOLD_BYTES = 1 << 20
 # Before a card: undo what the command's bytes may have left the terminal in. CAN ends an unfinished
 # escape or control sequence and ST an unfinished string (an OSC title would swallow the card), SGR 0
 # drops colours (black on black, concealed), DECSTR (soft reset) resets modes, character sets and
-# the scroll region without clearing the screen; CR, then the card's own newline: a fresh line.
-SOFT_RESET = "\x18\x1b\\\x1b[0m\x1b[!p\r"
+# the scroll region without clearing the screen, and may leave autowrap off, which would cut the card's
+# long lines at the margin: turned on again; CR, then the card's own newline: a fresh line.
+SOFT_RESET = "\x18\x1b\\\x1b[0m\x1b[!p\x1b[?7h\r"
 
 
 class HeldOutput:
