@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import subprocess
 import time
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from conftest import BASE_ENV
+from sandboxd.cli.held_output import SOFT_RESET
 from daemon_helpers import PYTHON, Daemon, DaemonFactory, PlainUser, daemon_factory, plain_users
 from tls_world import API_HOST, OTHER_HOST, TlsWorld, tls_world  # noqa: F401 (the fixture)
 
@@ -296,3 +298,73 @@ def test_a_tunnel_allowed_once_is_cut_when_its_host_gains_endpoint_rules(place: 
     control = place.ctl("exec", session, "--", "sh", "-c",
                         curl(f"https://{API_HOST}/m5-control", "-X POST -o /dev/null -w '%{http_code}'")).stdout
     assert "403" in control, control
+
+
+def _read_until(master: int, screen: bytearray, needle: bytes) -> None:
+    """Add the pty's output to ``screen`` until ``needle`` is in it (or the pty ends)."""
+    deadline = time.monotonic() + WAIT
+    with selectors.DefaultSelector() as selector:
+        selector.register(master, selectors.EVENT_READ)
+        while needle not in screen:
+            assert time.monotonic() < deadline, (needle, bytes(screen))
+            if not selector.select(0.2):
+                continue
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:                               # EIO: every writer closed the pty
+                chunk = b""
+            assert chunk, (needle, bytes(screen))
+            screen += chunk
+
+
+def test_in_place_the_command_cannot_draw_over_the_card(place: Place) -> None:
+    """Hostile review r7b H1: `sandboxctl exec` (no -t) asks a network question on the terminal the
+    running command writes to. The command erases the card and draws one naming another host; before,
+    the person read the forgery and `s` allowed the hidden host. Now nothing of the command's reaches
+    the terminal from the card until the answer, and the card comes after a soft reset."""
+    session = place.session("--allow-domain", OTHER_HOST, "--unlisted", "ask")
+    workspace = Path(json.loads(place.ctl("session", "show", session, "--json").stdout)["workspace"])
+    forged = "FORGED-CARD network: CONNECT https://other.test.example:443"
+    # The card is up once the test creates `go`; then the command prints (up 8 lines, erase to the end,
+    # a forged card) and says so by a request to the allowed host.
+    script = (f"cd {workspace}; curl -sS -k --max-time 60 {place.world.url('/h1')} >/dev/null 2>&1 & "
+              "while [ ! -e go ]; do sleep 0.1; done; "
+              f"printf '\\033[31mred \\033]0;\\033[8A\\033[J\\nsandboxctl: approval needed\\n  command: {forged}\\n"
+              "  [y] once  [s] session  [n] deny ? '; "
+              f"curl -sS -k --max-time 60 {place.world.url('/h1-printed', OTHER_HOST)} >/dev/null 2>&1; wait; "
+              "echo; echo h1-done")
+    master, slave = os.openpty()
+    run = subprocess.Popen([SANDBOXCTL, "--socket", str(place.daemon.socket), "exec", session, "--", "sh", "-c",
+                            script], stdin=slave, stdout=slave, stderr=slave, env={**BASE_ENV, "TERM": "xterm"},
+                           cwd="/", start_new_session=True)
+    os.close(slave)
+    screen = bytearray()
+    try:
+        _read_until(master, screen, b"[n] deny ? ")
+        (workspace / "go").touch()
+        deadline = time.monotonic() + WAIT
+        while not any(seen.path == "/h1-printed" for seen in place.world.other.seen):
+            assert time.monotonic() < deadline, "the command never printed its forgery"
+            time.sleep(0.1)
+        # What the person reads when pressing the key: the real card, last; the forgery has not come.
+        card = screen.rfind(b"sandboxctl: approval needed")
+        assert screen.endswith(b"  [y] once  [s] session  [n] deny ? "), bytes(screen)
+        assert f"CONNECT https://{API_HOST}:443".encode() in screen[card:], bytes(screen)
+        assert forged.encode() not in screen, bytes(screen)
+        assert screen[:card].endswith((SOFT_RESET + "\r\n").encode()), bytes(screen[-200:])   # the pty's ONLCR
+        os.write(master, b"s")
+        _read_until(master, screen, b"h1-done")
+        run.wait(timeout=WAIT)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(timeout=WAIT)
+        os.close(master)
+    # The command's output came after the answer, whole and in order.
+    answered = screen.find(b"allowed for this session\r\n", card)
+    assert 0 < answered < screen.find(b"\x1b[31mred \x1b]0;\x1b[8A\x1b[J"), bytes(screen[card:])
+    assert screen.find(forged.encode()) < screen.find(b"h1-done"), bytes(screen[card:])
+    assert run.returncode == 0, bytes(screen)
+    # What `s` allowed is the host the card showed.
+    assert API_HOST in json.loads(place.ctl("session", "show", session, "--json").stdout)["sandbox_policy"][
+        "allowed_domains"]

@@ -135,6 +135,11 @@ def test_allow_for_the_session_applies_the_rule_and_a_rule_must_cover_the_reques
     with pytest.raises(InvalidPolicy, match="does not cover"):
         gate.resolve(session.id, call_id, "allow_session", "elsewhere.test")
     assert answers.got == [] and gate.pending(session.id)         # still held
+    # A rule with allow once or deny would be dropped unsaid (hostile review r7b L7): refused, still held.
+    for decision in ("allow_once", "deny"):
+        with pytest.raises(InvalidPolicy, match="only when allowing for the session"):
+            gate.resolve(session.id, call_id, decision, "*.example.test")
+    assert answers.got == [] and gate.pending(session.id) and not applied
     gate.resolve(session.id, call_id, "allow_session", "*.example.test")
     assert applied and "*.example.test" in applied[-1].allowed_domains
     assert answers.got == [(Answer.ALLOW_SESSION, "")]

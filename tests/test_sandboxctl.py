@@ -283,3 +283,18 @@ def test_second_serve_on_a_busy_socket(base: Path, tmp_path: Path) -> None:
         f"sandboxd serve: another daemon is serving {socket}: stop it first, or serve on another socket (--socket)\n")
     # Control: the first daemon still answers on it.
     assert ctl(base, "status").returncode == 0
+
+
+def test_a_rule_without_session_wide_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Hostile review r7b L7: `approve --rule X` alone allowed once and dropped the rule unsaid.
+    Refused before any daemon is asked (this socket does not exist)."""
+    from sandboxd.cli import ctl
+
+    socket = str(tmp_path / "none.sock")
+    with pytest.raises(SystemExit) as refused:
+        ctl.main(["--socket", socket, "approve", "sess_x", "call_x", "--rule", "api.example.test"])
+    assert refused.value.code == 2 and "add --session-wide" in capsys.readouterr().err
+    # Control: with --session-wide it goes on to ask the daemon (here: none at that socket).
+    assert ctl.main(["--socket", socket, "approve", "sess_x", "call_x", "--session-wide", "--rule",
+                     "api.example.test"]) == 1
+    assert "add --session-wide" not in capsys.readouterr().err

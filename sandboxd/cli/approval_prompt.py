@@ -26,6 +26,7 @@ import time
 
 import grpc
 
+from sandboxd.cli.held_output import SOFT_RESET, HeldOutput
 from sandboxd.cli.keys import CTRL_C, CTRL_D, KeyReader
 from sandboxd.client import SandboxClient
 from sandboxd.policy import approval_card
@@ -101,12 +102,14 @@ def resolve(client: SandboxClient, session_id: str, call_id: str, decision: str)
 
 class ExecApprovals:
     """While `sandboxctl exec` waits, find its own call (by its execution_context_id) among the
-    session's held calls and, on a terminal, ask in place; otherwise say once how to answer."""
+    session's held calls and, on a terminal, ask in place; otherwise say once how to answer.
+    ``output``: the command's way to this terminal, held while a card is up (cli.held_output)."""
 
     def __init__(self, client: SandboxClient, session_id: str, context_id: str, ctl: str,
-                 interactive: bool) -> None:
+                 interactive: bool, output: HeldOutput | None = None) -> None:
         self._client, self._session_id, self._context_id = client, session_id, context_id
         self._ctl, self._interactive = ctl, interactive
+        self.output = output if output is not None else HeldOutput()
         self._keys = KeyReader(sys.stdin.fileno()) if interactive else None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="sandboxctl-approvals", daemon=True)
@@ -117,6 +120,10 @@ class ExecApprovals:
 
     def __exit__(self, *_exc: object) -> None:
         self.stop()
+        # A card still up ends within POLL_SECONDS now; then (or if it hangs in a call to the
+        # daemon) the command's last output, held meanwhile, is written before this process ends.
+        self._thread.join(timeout=10 * POLL_SECONDS)
+        self.output.release()
 
     def stop(self) -> None:
         """The call runs (or ended): stop looking, and give the terminal back as it was."""
@@ -154,14 +161,17 @@ class ExecApprovals:
             last_check[0] = time.monotonic()
             return still_held(self._client, self._session_id, held.call_id)
 
-        key = self._keys.read(describe(self._session_id, held), "ysn", keep_waiting=keep_waiting)
-        if key is None:
-            _say("(answered elsewhere)\n" if not self._done.is_set() else "\n")
-            return
-        decision = ANSWERS.get(key, "deny")                   # Ctrl-C / Ctrl-D at the prompt: deny
-        _say(f"{SAID[decision]}\n")                          # before: the answer may end this process
-        if resolve(self._client, self._session_id, held.call_id, decision) is None:
-            _say("(too late: it was answered elsewhere)\n")
+        # The command runs on (a network question) and writes to this terminal: none of its bytes
+        # may come after the card until it is answered, and none from before may restyle it.
+        with self.output.holding():
+            key = self._keys.read(SOFT_RESET + describe(self._session_id, held), "ysn", keep_waiting=keep_waiting)
+            if key is None:
+                _say("(answered elsewhere)\n" if not self._done.is_set() else "\n")
+                return
+            decision = ANSWERS.get(key, "deny")               # Ctrl-C / Ctrl-D at the prompt: deny
+            _say(f"{SAID[decision]}\n")                      # before: the answer may end this process
+            if resolve(self._client, self._session_id, held.call_id, decision) is None:
+                _say("(too late: it was answered elsewhere)\n")
 
 
 def _say(text: str) -> None:

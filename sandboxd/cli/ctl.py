@@ -191,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         args.paths = [*args.paths, *extra]
     if command:
         args.argv = list(getattr(args, "argv", [])) + command
+    if getattr(args, "rule", "") and not getattr(args, "session_wide", False):
+        # Without it the call would be allowed once and the rule never added: not what was asked.
+        parser.error("--rule adds a rule to the session's policy: add --session-wide")
     args.socket, args.name_socket = socket_choice(args.socket)
     try:
         with SandboxClient(args.socket) as client:
@@ -345,16 +348,18 @@ def _exec_or_shell(client: SandboxClient, args: argparse.Namespace, command: lis
     with approval_prompt.ExecApprovals(client, args.session_id, context_id, f"sandboxctl {socket_option}".rstrip(),
                                        interactive=approval_prompt.on_terminal()) as approvals:
         if not on_terminal:                                # its network questions are still asked here
-            return _exec(client, start)
+            return _exec(client, start, write=approvals.output.write)
         status = terminal.run(client, start, on_started=approvals.stop)
     changes.end_of_session(client, args.session_id)        # a review session's pending changes: asked here
     return status
 
 
-def _exec(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], None] = lambda: None) -> int:
+def _exec(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], None] = lambda: None,
+          write: Callable[[int, bytes], None] = write_through) -> int:
     """Run one command, streaming stdin when it is not a terminal. Ctrl-C sends SIGINT to the
     remote command; a second Ctrl-C cancels the call (the daemon kills the command's tree).
-    ``on_started``: the call was granted and runs (nothing is held for approval any more)."""
+    ``on_started``: the call was granted and runs (nothing is held for approval any more).
+    ``write(1 or 2, bytes)``: where its output goes (held while a question is asked in place)."""
     forward_stdin = not sys.stdin.isatty()
     if not forward_stdin:
         start.close_stdin = True
@@ -376,7 +381,7 @@ def _exec(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], N
             if kind == "started_pid":
                 on_started()
             elif kind in ("stdout", "stderr"):
-                write_through(1 if kind == "stdout" else 2, getattr(response, kind))
+                write(1 if kind == "stdout" else 2, getattr(response, kind))
             elif kind == "result":
                 status = response.result.shell_status
     finally:

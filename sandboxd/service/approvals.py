@@ -267,6 +267,10 @@ class ApprovalGate:
                 raise NotFound(f"no call {call_id!r} waiting for approval in session {session_id!r}")
             if pending.on_decision is None and rule:
                 raise InvalidPolicy("rule answers a network question only (reason network_request): leave it empty")
+            if rule and decision != "allow_session":
+                # Allowed once or denied, the rule would be dropped unsaid: the person meant to add it.
+                raise InvalidPolicy(f"a rule is added only when allowing for the session: decision allow_session, "
+                                    f"not {decision}")
             pending.answer = decision
             pending.answered.set()
         if pending.on_decision is not None:
