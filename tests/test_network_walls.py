@@ -160,6 +160,12 @@ def test_every_spelling_of_this_host_is_refused_for_the_daemons_listeners(
     daemon_ports = {"tls": world["tls"], "metrics": world["metrics"]}
     spec = {**targets(daemon_ports, {**forms, **COMPATIBLE}), **targets({"unrelated": unrelated_listener}, forms)}
     got = sandboxed_probe(world, world["attacker"], spec)
+    # An address of a link that went away meanwhile (another test's or daemon's veth on this
+    # machine) is no address of this host any more: nothing to judge.
+    still = this_hosts_spellings()
+    gone = {key for key, verdict in got.items()
+            if verdict == "EADDRNOTAVAIL" and key.partition(" ")[2] in forms and key.partition(" ")[2] not in still}
+    got = {key: verdict for key, verdict in got.items() if key not in gone}
     assert {k: v for k, v in got.items() if not k.startswith("unrelated") and v != "EACCES"} == {}
     # Control, same sandbox: each spelling reaches a host service on another port.
     assert {k: v for k, v in got.items() if k.startswith("unrelated") and v != "REACHED"} == {}
