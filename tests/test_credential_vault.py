@@ -146,7 +146,10 @@ def test_apply_network_policy_updates_the_running_proxy_and_audits_it(tmp_path: 
     session.live_network = LiveNetwork(store, vault, network_environment)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
-    proxy = EgressProxy(listener, policy.network_rules, netns_fd=-1)
+    from sandboxd.network.tcp_relay import RelayLoop
+
+    loop = RelayLoop("test-vault")                  # its own: a later test counts sandboxd's threads
+    proxy = EgressProxy(listener, policy.network_rules, netns_fd=-1, loop=loop)
     session.services[1] = [proxy]
     try:
         wider = policy.replace(allowed_domains=("a.example", "b.example"))
@@ -160,6 +163,7 @@ def test_apply_network_policy_updates_the_running_proxy_and_audits_it(tmp_path: 
         assert session.policy == wider and len(store.query(session_ids=["s1"], types=["PolicyChanged"])) == 1
     finally:
         proxy.close()
+        loop.close()
         listener.close()
         store.close()
 
