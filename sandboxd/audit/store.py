@@ -40,6 +40,7 @@ duplicate.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -52,9 +53,18 @@ from sandboxd.audit import checkpointer
 from sandboxd.audit.bounded import bounded
 from sandboxd.audit.budget import OwnerBudgets
 from sandboxd.audit.disk_floor import DiskFloor
+from sandboxd.audit.integrity import schema as chain_schema
+from sandboxd.audit.integrity.chain import ChainWriter
+from sandboxd.audit.integrity.checkpoints import Kind as CheckpointKind
 from sandboxd.errors import Exhausted, InvalidPolicy, NotFound
 from sandboxd.policy.audit_limits import AuditLimits
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from sandboxd.audit.integrity.keys import Signer
+
+
+log = logging.getLogger("sandboxd.audit")
 
 # Next sequence numbers (and owners) remembered (one per open session, so more than any daemon
 # holds); past it the oldest go first and cost one indexed query at their next event.
@@ -63,6 +73,8 @@ MAX_CACHED_SEQUENCES = 16384
 # and the entries of the four indexes, which repeat the session id, the type and the tool): the
 # budget counts it so that it tracks the file's growth (measured in tests/test_audit_bounds.py).
 ROW_OVERHEAD = 96
+# The chain's three hashes per row (32 bytes each, with their headers).
+CHAIN_OVERHEAD = 100
 
 
 class EventType:
@@ -177,6 +189,9 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE sessions ADD COLUMN daemon_secrets TEXT NOT NULL DEFAULT '{}';
     """,
+    # 6: the hash chain and its signed checkpoints (sandboxd.audit.integrity): events before it stay
+    # unchained, and the genesis row says where the chain starts.
+    chain_schema.MIGRATION,
 )
 
 PERMISSION_NAMESPACE = "permission"
@@ -227,8 +242,11 @@ class _Prepared(NamedTuple):
 
 
 class EventStore:
-    def __init__(self, path: str, *, durable: bool = False, limits: AuditLimits | None = None) -> None:
-        """Open (creating and migrating as needed) the store at ``path``; ":memory:" for tests."""
+    def __init__(self, path: str, *, durable: bool = False, limits: AuditLimits | None = None,
+                 signer: "Signer | None" = None) -> None:
+        """Open (creating and migrating as needed) the store at ``path``; ":memory:" for tests.
+        ``signer``: the key checkpoints are signed with (the daemon's); None: the events are
+        chained, but no checkpoint is written."""
         if path != ":memory:":
             os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", mode=0o700, exist_ok=True)
             _make_private(path)                        # one an older sandboxd left readable
@@ -259,6 +277,7 @@ class EventStore:
             self._migrate()
         finally:
             os.umask(previous)
+        self._chain = ChainWriter(self._db, signer, limits.checkpoint_events)
         self._checkpoints: checkpointer.Checkpointer | None = None
         if path != ":memory:":
             _make_private(path)
@@ -296,6 +315,9 @@ class EventStore:
         return int(self._db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0)
 
     def close(self) -> None:
+        with self._lock:
+            if self._chain.signer is not None and self._chain.head_id > self._chain.checkpointed_id:
+                self._checkpoint(CheckpointKind.SHUTDOWN)
         if self._checkpoints is not None:
             self._checkpoints.stop()
         with self._lock:
@@ -423,21 +445,32 @@ class EventStore:
                                        (session_id,)).fetchone()[0])
         owner = self._owner(session_id)
         events, cost = [], 0
+        chain = self._chain
+        # Ids are given, not left to AUTOINCREMENT: each is hashed before its row exists, and the
+        # chain's ids have no gaps (one is a deleted event).
+        event_id, prev, session_prev = chain.next_id(), chain.head_hash, chain.session_head(session_id)
         self._db.execute("BEGIN IMMEDIATE")
         try:
             for offset, (kind, call_id, tool, kept, text) in enumerate(rows):
-                cursor = self._db.execute(
-                    "INSERT INTO events (session_id, seq, type, time, call_id, tool, data) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?)", (session_id, seq + offset, kind, now, call_id, tool, text))
-                events.append(Event(int(cursor.lastrowid or 0), session_id, seq + offset, kind, now, call_id,
-                                    tool, kept))
-                cost += len(text) + len(call_id) + 2 * (len(session_id) + len(kind) + len(tool)) + ROW_OVERHEAD
+                digest = chain.link(event_id, now, session_id, seq + offset, kind, call_id, tool, text, session_prev,
+                                    prev)
+                self._db.execute(
+                    "INSERT INTO events (id, session_id, seq, type, time, call_id, tool, data, prev_hash, hash, "
+                    "session_prev_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (event_id, session_id, seq + offset, kind, now, call_id, tool, text, prev, digest, session_prev))
+                events.append(Event(event_id, session_id, seq + offset, kind, now, call_id, tool, kept))
+                cost += len(text) + len(call_id) + 2 * (len(session_id) + len(kind) + len(tool)) + ROW_OVERHEAD \
+                    + CHAIN_OVERHEAD
+                event_id, prev, session_prev = event_id + 1, digest, digest
             self._db.execute("COMMIT")
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
         self._committed()
         self._spend(owner, cost)
+        chain.advanced(session_id, event_id - 1, prev, any(kind == EventType.SESSION_CLOSED for kind, *_ in rows))
+        if chain.checkpoint_due():
+            self._checkpoint(CheckpointKind.PERIODIC)
         if any(kind == EventType.SESSION_CLOSED for kind, *_ in rows):
             # A cache (a miss asks the index): a closed session's entry would stay forever, one
             # per session the daemon ever served, the soak's steady growth.
@@ -452,6 +485,15 @@ class EventStore:
                 if subscriber.wants(event):
                     subscriber.push(event)
         return events
+
+    def _checkpoint(self, kind: str) -> None:
+        """Sign the chain's head (under the lock). A failure is logged, never raised: the events
+        are committed, and the next checkpoint signs them."""
+        try:
+            self._chain.checkpoint(kind)
+            self._committed()
+        except (sqlite3.Error, OSError) as error:
+            log.warning("audit checkpoint failed", extra={"fields": {"error": str(error)}})
 
     def query(self, *, session_ids: list[str] | None = None, types: list[str] | None = None, tool: str = "",
               since: float | None = None, until: float | None = None, after_id: int = 0,
@@ -623,14 +665,18 @@ STORE_SUFFIXES = ("", "-wal", "-shm")                # the database and the file
 
 def open_in_state_dir(state_dir: str, *, durable: bool = False, limits: AuditLimits | None = None) -> EventStore:
     """The daemon's store, ``events.db`` in ``state_dir``, which is forced to 0700 first (it
-    may be an older sandboxd's, or made by hand with the default umask)."""
+    may be an older sandboxd's, or made by hand with the default umask), its checkpoints signed
+    with the state directory's key (made on first start: sandboxd.audit.integrity.keys)."""
+    from sandboxd.audit.integrity.keys import load_or_create
+
     os.makedirs(state_dir, mode=0o700, exist_ok=True)
     st = os.stat(state_dir)
     if st.st_uid != os.geteuid():
         raise InvalidPolicy(f"the state directory {state_dir} belongs to uid {st.st_uid}, not to the daemon's "
                             f"uid {os.geteuid()}: chown it or use another --state-dir")
     os.chmod(state_dir, 0o700)
-    return EventStore(os.path.join(state_dir, "events.db"), durable=durable, limits=limits)
+    return EventStore(os.path.join(state_dir, "events.db"), durable=durable, limits=limits,
+                      signer=load_or_create(state_dir))
 
 
 def _size_text(size: int) -> str:

@@ -16,6 +16,7 @@ commands:
   mcp      an MCP server whose tools run in a sandboxd session (see: sandboxd mcp --help)
   serve    run the daemon: sessions with persistent sandboxes over gRPC (see: sandboxd serve --help)
   config   check FILE: validate a configuration file; defaults: print one with every key
+  audit    verify [--db PATH] [--pubkey FILE]: check the audit log's hash chain; pubkey: print the signing key
   doctor   check this machine for everything enforcement needs, and say how to fix what is missing
   version  print the version
 """
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(rest)
     if command == "config":
         return _config(rest)
+    if command == "audit":
+        from sandboxd.cli.audit import main as audit_main
+        return audit_main(rest)
     if command == "doctor":
         from sandboxd.cli.doctor import main as doctor_main
         return doctor_main(rest)

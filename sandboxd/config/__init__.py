@@ -94,6 +94,24 @@ def _days_or_zero(value: object) -> str | None:
     return None
 
 
+def _retain_days(value: object) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return f"must be a number of days, 0 (kept for good) or more, not {value!r}"
+    return None
+
+
+def _audit_max_bytes(value: object) -> str | None:
+    if value in ("0", 0):
+        return None
+    from sandboxd.policy import parse_size
+    from sandboxd.policy.audit_limits import MIN_MAX_BYTES
+
+    wanted = f"must be \"0\" (no bound) or a size of at least {MIN_MAX_BYTES >> 20}M like 2G, not {value!r}"
+    if value == "" or _size_or_empty(value) is not None:
+        return wanted
+    return None if parse_size(str(value)) >= MIN_MAX_BYTES else wanted
+
+
 def _ipv4_list(value: object) -> str | None:
     if not isinstance(value, list):
         return "must be a list of IPv4 addresses, like [\"192.0.2.53\"]"
@@ -380,6 +398,15 @@ KEYS: tuple[Key, ...] = (
     Key("audit", "min_free", "512M", "free space (counting root's reserve: the daemon writes it) the audit "
         "log's disk must keep, as a size or a share of the disk (\"5%\"); below it no new call, session or policy change starts "
         "(RESOURCE_EXHAUSTED) while reads keep working; \"0\": no floor", _min_free),
+    Key("audit", "checkpoint_events", 1000, "events between signed checkpoints of the audit chain (one is also "
+        "written at every shutdown and prune): the events after the last one are what someone without the key "
+        "could rewrite unnoticed", _whole(1, 1_000_000)),
+    Key("audit", "retain_days", 0, "events older than this many days are pruned, oldest first in whole chunks, "
+        "under a signed checkpoint that spans the gap (sandboxd audit verify still says whole); 0: kept for good",
+        _retain_days),
+    Key("audit", "max_bytes", "0", "past this size of the audit database the oldest events are pruned the same "
+        "way until it fits; an open session's last event and everything after it stay; \"0\": no bound",
+        _audit_max_bytes),
     Key("policy", "allow_user_full_access", True, "a local non-root caller may create danger-full-access "
         "sessions, whose commands run on the host as that caller with its own rights and no more (a killable "
         "tree, the session's limits, the audit trail); false: only local root may (TLS callers never may)",

@@ -133,7 +133,10 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         audit = AuditLimits(event_bytes=config.whole("audit.event_bytes"),
                             owner_budget_bytes=parse_size(config.text("audit.owner_budget"), "audit.owner_budget"),
                             budget_period_seconds=config.number("audit.budget_period_seconds"),
-                            min_free_bytes=min_free_bytes, min_free_percent=min_free_percent)
+                            min_free_bytes=min_free_bytes, min_free_percent=min_free_percent,
+                            checkpoint_events=config.whole("audit.checkpoint_events"),
+                            retain_days=config.number("audit.retain_days"),
+                            max_bytes=_size_or_zero(config, "audit.max_bytes"))
     except SandboxdError as exc:
         raise refuse("audit", str(exc)) from None
     defaults = SessionDefaults(

@@ -16,6 +16,12 @@ The defaults, and why:
   call, a session or a policy change may start. It is ten times what the writes already under
   way can add (the WAL's checkpoint threshold, 40 MiB, and every running call's last events),
   so those never meet a full disk, and the rest of the machine keeps room for its own logs.
+* ``checkpoint_events`` 1000: a signed checkpoint costs one Ed25519 signature and one row (about
+  0.1 ms and 300 bytes), a thousandth of the events' own cost; the events after the last
+  checkpoint are the part a local attacker without the key could rewrite unnoticed (also signed
+  at every shutdown).
+* ``retain_days`` 0 and ``max_bytes`` 0: nothing is pruned unless the operator says how long the
+  evidence is kept (an export off the node, track export, is where long retention belongs).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from sandboxd.errors import InvalidPolicy
 
 MIN_EVENT_BYTES = 1 << 10
 MAX_EVENT_BYTES = 1 << 20
+MAX_CHECKPOINT_EVENTS = 1_000_000
+MIN_MAX_BYTES = 16 << 20
 
 
 class AuditLimits(Record):
@@ -35,6 +43,9 @@ class AuditLimits(Record):
     budget_period_seconds: float = 86400.0
     min_free_bytes: int = 512 << 20            # on the store's disk, for unprivileged users (f_bavail)
     min_free_percent: float = 0.0              # or this share of the disk, when given instead
+    checkpoint_events: int = 1000              # events between signed checkpoints of the chain
+    retain_days: float = 0.0                   # events older than this are pruned (0: kept for good)
+    max_bytes: int = 0                         # the oldest events are pruned past this (0: no bound)
 
     def __post_init__(self) -> None:
         if not MIN_EVENT_BYTES <= self.event_bytes <= MAX_EVENT_BYTES:
@@ -47,6 +58,14 @@ class AuditLimits(Record):
             raise InvalidPolicy("audit.budget_period_seconds must be above 0")
         if self.min_free_bytes < 0 or not 0 <= self.min_free_percent < 100:
             raise InvalidPolicy("audit.min_free must be a size or a percentage below 100%")
+        if not 1 <= self.checkpoint_events <= MAX_CHECKPOINT_EVENTS:
+            raise InvalidPolicy(f"audit.checkpoint_events must be from 1 to {MAX_CHECKPOINT_EVENTS}, "
+                                f"not {self.checkpoint_events}")
+        if not self.retain_days >= 0:
+            raise InvalidPolicy("audit.retain_days must be 0 (kept for good) or more")
+        if self.max_bytes and self.max_bytes < MIN_MAX_BYTES:
+            raise InvalidPolicy(f"audit.max_bytes must be 0 (no bound) or at least {MIN_MAX_BYTES >> 20}M: "
+                                "retention prunes in chunks, and the newest chunk always stays")
 
 
 def parse_min_free(text: str) -> tuple[int, float]:
