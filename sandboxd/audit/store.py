@@ -56,6 +56,7 @@ from sandboxd.audit.disk_floor import DiskFloor
 from sandboxd.audit.integrity import schema as chain_schema
 from sandboxd.audit.integrity.chain import ChainWriter
 from sandboxd.audit.integrity.checkpoints import Kind as CheckpointKind
+from sandboxd.audit.integrity.retention import Pruned, Pruner, prune
 from sandboxd.errors import Exhausted, InvalidPolicy, NotFound
 from sandboxd.policy.audit_limits import AuditLimits
 
@@ -283,6 +284,9 @@ class EventStore:
             _make_private(path)
             self._db.execute(f"PRAGMA wal_autocheckpoint={checkpointer.FALLBACK_PAGES}")
             self._checkpoints = checkpointer.Checkpointer(path, synchronous)
+        self._pruner: Pruner | None = None
+        if signer is not None and path != ":memory:" and (limits.retain_days or limits.max_bytes):
+            self._pruner = Pruner(self.prune)             # last: it may run at once
 
     def _committed(self) -> None:
         if self._checkpoints is not None:
@@ -315,6 +319,8 @@ class EventStore:
         return int(self._db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0)
 
     def close(self) -> None:
+        if self._pruner is not None:
+            self._pruner.stop()
         with self._lock:
             if self._chain.signer is not None and self._chain.head_id > self._chain.checkpointed_id:
                 self._checkpoint(CheckpointKind.SHUTDOWN)
@@ -485,6 +491,12 @@ class EventStore:
                 if subscriber.wants(event):
                     subscriber.push(event)
         return events
+
+    def prune(self, now: float | None = None) -> Pruned:
+        """Apply audit.retain_days and audit.max_bytes once (sandboxd.audit.integrity.retention;
+        the store's own thread does this at start and every PRUNE_SECONDS)."""
+        return prune(self._db, self._chain, self._lock, retain_days=self.limits.retain_days,
+                     max_bytes=self.limits.max_bytes, now=now, committed=self._committed)
 
     def _checkpoint(self, kind: str) -> None:
         """Sign the chain's head (under the lock). A failure is logged, never raised: the events
