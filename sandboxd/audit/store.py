@@ -62,6 +62,8 @@ from sandboxd.policy.audit_limits import AuditLimits
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
     from sandboxd.audit.integrity.keys import Signer
 
 
@@ -491,6 +493,11 @@ class EventStore:
                 if subscriber.wants(event):
                     subscriber.push(event)
         return events
+
+    @property
+    def signing_key(self) -> "Ed25519PublicKey | None":
+        """The public key this store's checkpoints are signed with (None: it writes none)."""
+        return self._chain.signer.public if self._chain.signer is not None else None
 
     def prune(self, now: float | None = None) -> Pruned:
         """Apply audit.retain_days and audit.max_bytes once (sandboxd.audit.integrity.retention;

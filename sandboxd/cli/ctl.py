@@ -19,7 +19,7 @@ from collections.abc import Callable
 import grpc
 
 from sandboxd import defaults
-from sandboxd.cli import approval_prompt, changes, terminal
+from sandboxd.cli import approval_prompt, audit_ctl, changes, terminal
 from sandboxd.cli import network_args
 from sandboxd.cli.env_args import add_env_options, env_from_args
 from sandboxd.cli.exec_requests import ExecRequests
@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("--type", action="append", default=[], help="only this event type (repeatable)")
     events.add_argument("--tool", default="", help="only this tool's events")
     events.add_argument("--json", action="store_true", help="one JSON object per line")
+    audit_ctl.add_parser(commands)
     pending = commands.add_parser("pending", help="calls of a session waiting for approval")
     pending.add_argument("session_id")
     approvals = commands.add_parser("approvals", help="held calls of your sessions; --follow: as they come, "
@@ -397,6 +398,8 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
         return changes.run(client, args)
     if args.command in ("events", "pending", "approve", "deny", "rules"):
         return _run_policy_command(client, args)
+    if args.command == "audit":
+        return audit_ctl.run(client, args)
     if args.command == "approvals":
         return approval_prompt.follow(client, session_id=args.session, as_json=args.json, once=not args.follow,
                                       interactive=args.follow and not args.json and approval_prompt.on_terminal())

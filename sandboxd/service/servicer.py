@@ -16,6 +16,7 @@ from sandboxd.policy.session_defaults import SessionDefaults
 from sandboxd.service import convert, environment, exec_call, file_calls, patch_search, tool_calls
 from sandboxd.service.approvals import ApprovalGate, ToolCall
 from sandboxd.service.audit_calls import AuditService
+from sandboxd.service.audit_verify import AuditVerification
 from sandboxd.service.background import BackgroundJob, BackgroundJobs
 from sandboxd.service.callers import Caller, Callers
 from sandboxd.network.front_door import FrontDoor
@@ -86,6 +87,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         self._gate = gate
         self._connections = connections                   # the front door's counts, for GetStatus
         self._audit = AuditService(registry, gate)
+        self._verification = AuditVerification(registry)
         self._review = ReviewCalls(registry, fork, registry.store, max_checkpoints=self._defaults.max_checkpoints)
         for forget in (gate.forget_session, self._audit.forget_session, environment.forget_session):
             registry.add_hooks(WhenClosed(forget))            # a closed session is forgotten (sandbox_hooks)
@@ -380,6 +382,9 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                 yield from self._audit.watch(who, request, context.is_active)
         except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
             abort(context, error)
+
+    def VerifyAudit(self, request: pb.VerifyAuditRequest, context: grpc.ServicerContext) -> pb.VerifyAuditResponse:
+        return self._unary(context, lambda who: self._verification.verify(who, request, context.is_active))
 
     def AddStandingRule(self, request: pb.StandingRule, context: grpc.ServicerContext) -> pb.StandingRule:
         def work(who: Caller) -> pb.StandingRule:

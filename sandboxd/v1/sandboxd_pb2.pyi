@@ -1030,6 +1030,44 @@ class QueryEventsResponse(_message.Message):
     next_page_token: str
     def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
+class VerifyAuditRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class VerifyAuditResponse(_message.Message):
+    __slots__ = ("whole", "summary", "events", "head_id", "head_hash", "last_checkpoint_id", "last_checkpoint_event_id", "key_id", "pruned", "problem_kind", "problem_event_id", "problem_checkpoint_id", "problem", "seconds")
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_ID_FIELD_NUMBER: _ClassVar[int]
+    HEAD_HASH_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    PRUNED_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_KIND_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    whole: bool
+    summary: str
+    events: int
+    head_id: int
+    head_hash: str
+    last_checkpoint_id: int
+    last_checkpoint_event_id: int
+    key_id: str
+    pruned: int
+    problem_kind: str
+    problem_event_id: int
+    problem_checkpoint_id: int
+    problem: str
+    seconds: float
+    def __init__(self, whole: _Optional[bool] = ..., summary: _Optional[str] = ..., events: _Optional[int] = ..., head_id: _Optional[int] = ..., head_hash: _Optional[str] = ..., last_checkpoint_id: _Optional[int] = ..., last_checkpoint_event_id: _Optional[int] = ..., key_id: _Optional[str] = ..., pruned: _Optional[int] = ..., problem_kind: _Optional[str] = ..., problem_event_id: _Optional[int] = ..., problem_checkpoint_id: _Optional[int] = ..., problem: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class StandingRule(_message.Message):
     __slots__ = ("workspace", "tool", "created_at", "owner_uid", "owner_principal")
     WORKSPACE_FIELD_NUMBER: _ClassVar[int]

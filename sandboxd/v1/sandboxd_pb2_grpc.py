@@ -149,6 +149,11 @@ class SandboxStub:
                 request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.QueryEventsRequest.SerializeToString,
                 response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.QueryEventsResponse.FromString,
                 _registered_method=True)
+        self.VerifyAudit = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/VerifyAudit',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.VerifyAuditRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.VerifyAuditResponse.FromString,
+                _registered_method=True)
         self.AddStandingRule = channel.unary_unary(
                 '/sandboxd.v1.Sandbox/AddStandingRule',
                 request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.StandingRule.SerializeToString,
@@ -384,6 +389,17 @@ class SandboxServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyAudit(self, request, context):
+        """The audit log's hash chain and signed checkpoints checked (docs/operations.md, "The audit
+        chain"): "whole" with the count, the head and the last checkpoint, or the first edited,
+        inserted, deleted or reordered event. An administrator verifies the whole node's chain (no
+        session_id); any caller one session it may read (its own stream: each event's hash and link).
+        One verification at a time per owner (RESOURCE_EXHAUSTED otherwise), run on a worker of its own.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AddStandingRule(self, request, context):
         """Workspace-scoped standing rules: "always allow TOOL in this workspace".
         """
@@ -601,6 +617,11 @@ def add_SandboxServicer_to_server(servicer, server):
                     servicer.QueryEvents,
                     request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.QueryEventsRequest.FromString,
                     response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.QueryEventsResponse.SerializeToString,
+            ),
+            'VerifyAudit': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyAudit,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.VerifyAuditRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.VerifyAuditResponse.SerializeToString,
             ),
             'AddStandingRule': grpc.unary_unary_rpc_method_handler(
                     servicer.AddStandingRule,
@@ -1284,6 +1305,33 @@ class Sandbox:
             '/sandboxd.v1.Sandbox/QueryEvents',
             sandboxd_dot_v1_dot_sandboxd__pb2.QueryEventsRequest.SerializeToString,
             sandboxd_dot_v1_dot_sandboxd__pb2.QueryEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyAudit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/VerifyAudit',
+            sandboxd_dot_v1_dot_sandboxd__pb2.VerifyAuditRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.VerifyAuditResponse.FromString,
             options,
             channel_credentials,
             insecure,
