@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from sandboxd.audit.integrity.encoding import ZERO_HASH, checkpoint_message, digest
+from sandboxd.audit.integrity.schema import CHECKPOINT_COLUMNS
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from sandboxd.audit.integrity.keys import Signer
-from sandboxd.audit.integrity.schema import CHECKPOINT_COLUMNS
 
 
 class Kind:
@@ -32,7 +32,7 @@ class Checkpoint(NamedTuple):
     genesis_id: int
     last_event_id: int
     head_hash: bytes
-    count: int
+    event_count: int           # the column ``count``: events from the genesis through last_event_id
     pruned_through: int
     pruned_hash: bytes
     pruned_count: int
@@ -43,14 +43,14 @@ class Checkpoint(NamedTuple):
 
     def message(self) -> bytes:
         return checkpoint_message(self.id, self.kind, self.genesis_id, self.last_event_id, self.head_hash,
-                                  self.count, self.pruned_through, self.pruned_hash, self.pruned_count,
+                                  self.event_count, self.pruned_through, self.pruned_hash, self.pruned_count,
                                   self.prev_digest, self.time, self.key_id)
 
 
-def from_row(row: tuple[object, ...]) -> Checkpoint:
-    return Checkpoint(int(row[0]), str(row[1]), int(row[2]), int(row[3]), bytes(row[4]), int(row[5]),  # type: ignore[arg-type,call-overload]
-                      int(row[6]), bytes(row[7]), int(row[8]), bytes(row[9]), bytes(row[10]),  # type: ignore[arg-type,call-overload]
-                      str(row[11]), float(row[12]))  # type: ignore[arg-type]
+def from_row(row: tuple[Any, ...]) -> Checkpoint:
+    return Checkpoint(int(row[0]), str(row[1]), int(row[2]), int(row[3]), bytes(row[4]), int(row[5]),
+                      int(row[6]), bytes(row[7]), int(row[8]), bytes(row[9]), bytes(row[10]), str(row[11]),
+                      float(row[12]))
 
 
 def latest(db: sqlite3.Connection) -> Checkpoint | None:

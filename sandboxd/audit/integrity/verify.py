@@ -229,6 +229,10 @@ class Verifier:
                 raise _Failed(Problem(Kind.EDITED, f"the genesis record says the chain starts at id {genesis}, "
                                       f"checkpoint {checkpoint.id} signed {checkpoint.genesis_id}",
                                       checkpoint_id=checkpoint.id))
+            if checkpoint.event_count != max(0, checkpoint.last_event_id - genesis + 1):
+                raise _Failed(Problem(Kind.CHECKPOINT, f"it signed {checkpoint.event_count} events through id "
+                                      f"{checkpoint.last_event_id}, which a chain from id {genesis} cannot hold",
+                                      checkpoint_id=checkpoint.id))
             if previous is not None and (checkpoint.last_event_id < previous.last_event_id
                                          or checkpoint.pruned_through < previous.pruned_through):
                 raise _Failed(Problem(Kind.CHECKPOINT, "it goes back from the checkpoint before it",
