@@ -286,3 +286,23 @@ def test_checkpoint_messages_are_unambiguous() -> None:
     assert a != b
     assert event_hash(1, 1.0, "s", 1, "T", "ab", "", "{}", ZERO_HASH, ZERO_HASH) != \
         event_hash(1, 1.0, "s", 1, "T", "a", "b", "{}", ZERO_HASH, ZERO_HASH)
+
+
+def test_an_exporter_reads_events_with_their_hashes_and_the_checkpoints(log: Path) -> None:
+    """events_after / checkpoints_after (track export's reader): the hashes link, and each
+    checkpoint's head is the hash of the event it names."""
+    store = EventStore(str(log))
+    try:
+        events = store.events_after(0, 1000)
+        assert [event.id for event in events] == list(range(1, EVENTS + 1))
+        assert events[0].prev_hash == ZERO_HASH
+        assert all(later.prev_hash == earlier.hash for earlier, later in zip(events, events[1:]))
+        assert [event.id for event in store.events_after(38, 1000)] == [39, 40]
+        signed = store.checkpoints_after(0)
+        assert [c.last_event_id for c in signed] == [10, 20, 30, 40]
+        assert all(c.head_hash == events[c.last_event_id - 1].hash for c in signed)
+        assert [c.id for c in store.checkpoints_after(3)] == [4]
+        assert [(e.hash, e.prev_hash) for e in store.query(after_id=0, limit=1000)] == \
+            [(e.hash, e.prev_hash) for e in events]                # QueryEvents and WatchEvents carry them too
+    finally:
+        store.close()

@@ -64,6 +64,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+    from sandboxd.audit.integrity.checkpoints import Checkpoint
     from sandboxd.audit.integrity.keys import Signer
 
 
@@ -116,6 +117,12 @@ class Event(Record):
     call_id: str
     tool: str
     data: dict[str, Any]   # JSON
+    # The chain (sandboxd.audit.integrity), set by append and events_after (empty elsewhere, and
+    # for events from before the chain): this event's hash, and the previous one's in the node's
+    # stream and in its session's.
+    hash: bytes = b""
+    prev_hash: bytes = b""
+    session_prev_hash: bytes = b""
 
 
 class MemoryRow(Record):
@@ -466,7 +473,8 @@ class EventStore:
                     "INSERT INTO events (id, session_id, seq, type, time, call_id, tool, data, prev_hash, hash, "
                     "session_prev_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (event_id, session_id, seq + offset, kind, now, call_id, tool, text, prev, digest, session_prev))
-                events.append(Event(event_id, session_id, seq + offset, kind, now, call_id, tool, kept))
+                events.append(Event(event_id, session_id, seq + offset, kind, now, call_id, tool, kept, digest, prev,
+                                    session_prev))
                 cost += len(text) + len(call_id) + 2 * (len(session_id) + len(kind) + len(tool)) + ROW_OVERHEAD \
                     + CHAIN_OVERHEAD
                 event_id, prev, session_prev = event_id + 1, digest, digest
@@ -542,19 +550,36 @@ class EventStore:
             clauses.append("time < ?")
             args.append(until)
         limit = max(1, min(limit, MAX_PAGE))
-        sql = f"SELECT id, session_id, seq, type, time, call_id, tool, data FROM events WHERE {' AND '.join(clauses)} " \
-              f"ORDER BY id LIMIT {limit}"
+        sql = f"SELECT {_EVENT_COLUMNS} FROM events WHERE {' AND '.join(clauses)} ORDER BY id LIMIT {limit}"
         with self._lock:
             rows = self._db.execute(sql, args).fetchall()
-        return [Event(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7])) for r in rows]
+        return [_event(r) for r in rows]
+
+    def events_after(self, cursor_id: int, limit: int = MAX_PAGE) -> list[Event]:
+        """Every session's events with id > ``cursor_id``, in id order, with their chain hashes
+        (an exporter's cursor is the last id it delivered)."""
+        with self._lock:
+            rows = self._db.execute(f"SELECT {_EVENT_COLUMNS} FROM events WHERE id > ? ORDER BY id LIMIT ?",
+                                    (cursor_id, max(1, min(limit, MAX_PAGE)))).fetchall()
+        return [_event(r) for r in rows]
+
+    def checkpoints_after(self, checkpoint_id: int, limit: int = MAX_PAGE) -> "list[Checkpoint]":
+        """Signed checkpoints with id > ``checkpoint_id``, oldest first (what an export ships off
+        the node so a rewrite by root on it can be found: docs/threat-model.md)."""
+        from sandboxd.audit.integrity.checkpoints import from_row
+        from sandboxd.audit.integrity.schema import CHECKPOINT_COLUMNS
+
+        with self._lock:
+            rows = self._db.execute(f"SELECT {CHECKPOINT_COLUMNS} FROM audit_checkpoints WHERE id > ? ORDER BY id "
+                                    "LIMIT ?", (checkpoint_id, max(1, min(limit, MAX_PAGE)))).fetchall()
+        return [from_row(row) for row in rows]
 
     def session_events(self, session_id: str, from_sequence: int = 0, limit: int = MAX_PAGE) -> list[Event]:
         """One session's events with sequence > ``from_sequence``, in order (uses the unique index)."""
         with self._lock:
-            rows = self._db.execute(
-                "SELECT id, session_id, seq, type, time, call_id, tool, data FROM events "
-                "WHERE session_id = ? AND seq > ? ORDER BY seq LIMIT ?", (session_id, from_sequence, limit)).fetchall()
-        return [Event(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7])) for r in rows]
+            rows = self._db.execute(f"SELECT {_EVENT_COLUMNS} FROM events WHERE session_id = ? AND seq > ? ORDER BY seq "
+                                    "LIMIT ?", (session_id, from_sequence, limit)).fetchall()
+        return [_event(r) for r in rows]
 
     def subscribe(self, wants: Callable[[Event], bool]) -> Subscription:
         """Start a live feed of the events ``wants`` accepts. Its ``high_water`` is the last event
@@ -717,6 +742,15 @@ def _make_private(path: str) -> None:
             os.chmod(path + suffix, 0o600)
         except FileNotFoundError:
             pass
+
+
+_EVENT_COLUMNS = "id, session_id, seq, type, time, call_id, tool, data, hash, prev_hash, session_prev_hash"
+
+
+def _event(r: tuple[Any, ...]) -> Event:
+    """An events row read with _EVENT_COLUMNS (an event from before the chain has no hashes)."""
+    return Event(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]), bytes(r[8] or b""), bytes(r[9] or b""),
+                 bytes(r[10] or b""))
 
 
 def _session_row(r: tuple[Any, ...]) -> SessionRow:

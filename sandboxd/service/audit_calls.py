@@ -31,7 +31,8 @@ def denied_to_proto(error: PermissionDenied) -> pb.PermissionDenied:
 def event_to_proto(event: Event) -> pb.Event:
     return pb.Event(id=event.id, session_id=event.session_id, sequence=event.sequence, type=event.type,
                     time=event.time, call_id=event.call_id, tool=event.tool,
-                    data_json=json.dumps(event.data, separators=(",", ":"), default=str))
+                    data_json=json.dumps(event.data, separators=(",", ":"), default=str), hash=event.hash,
+                    prev_hash=event.prev_hash, session_prev_hash=event.session_prev_hash)
 
 
 MAX_EVENT_ID = (1 << 63) - 1             # SQLite's integers

@@ -65,7 +65,7 @@ class AuditVerification:
                 raise DeadlineExceeded("the caller left before the audit verification finished")
             time.sleep(YIELD_SECONDS)
 
-        db = open_read_only(self._store.path)
+        db = open_read_only(self._store.path, live=True)
         try:
             verifier = Verifier(db, self._store.signing_key, pinned=True, chunk=self._chunk,
                                 between_chunks=between_chunks)

@@ -975,7 +975,7 @@ class ListToolsResponse(_message.Message):
     def __init__(self, tools: _Optional[_Iterable[_Union[ToolInfo, _Mapping]]] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("id", "session_id", "sequence", "type", "time", "call_id", "tool", "data_json")
+    __slots__ = ("id", "session_id", "sequence", "type", "time", "call_id", "tool", "data_json", "hash", "prev_hash", "session_prev_hash")
     ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -984,6 +984,9 @@ class Event(_message.Message):
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     TOOL_FIELD_NUMBER: _ClassVar[int]
     DATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    PREV_HASH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_PREV_HASH_FIELD_NUMBER: _ClassVar[int]
     id: int
     session_id: str
     sequence: int
@@ -992,7 +995,10 @@ class Event(_message.Message):
     call_id: str
     tool: str
     data_json: str
-    def __init__(self, id: _Optional[int] = ..., session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., type: _Optional[str] = ..., time: _Optional[float] = ..., call_id: _Optional[str] = ..., tool: _Optional[str] = ..., data_json: _Optional[str] = ...) -> None: ...
+    hash: bytes
+    prev_hash: bytes
+    session_prev_hash: bytes
+    def __init__(self, id: _Optional[int] = ..., session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., type: _Optional[str] = ..., time: _Optional[float] = ..., call_id: _Optional[str] = ..., tool: _Optional[str] = ..., data_json: _Optional[str] = ..., hash: _Optional[bytes] = ..., prev_hash: _Optional[bytes] = ..., session_prev_hash: _Optional[bytes] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("session_id", "from_sequence", "types")

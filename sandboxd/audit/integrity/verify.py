@@ -328,14 +328,15 @@ class Verifier:
         return report
 
 
-def open_read_only(path: str) -> sqlite3.Connection:
-    """``path`` opened so that nothing is written beside it: ``immutable`` when it has no WAL
-    (nothing at all is created or locked), else read-only through its WAL and shared memory
-    (a live daemon's store: sqlite creates neither file for a read-only connection)."""
+def open_read_only(path: str, *, live: bool = False) -> sqlite3.Connection:
+    """``path`` opened so that nothing is written beside it: ``immutable`` when it has no WAL file
+    (a store closed cleanly, or a copy: nothing at all is created or locked), else read-only
+    through its WAL and shared memory, which a daemon's open store has (sqlite creates neither
+    for a read-only connection). ``live``: the caller knows a writer has it open (the daemon's
+    own VerifyAudit): never immutable, whose reads would not see the writer's locks."""
     if not os.path.isfile(path):
         raise FileNotFoundError(path)
-    wal = path + "-wal"
-    live = os.path.exists(wal) and os.path.getsize(wal) > 0
+    live = live or os.path.exists(path + "-wal")      # even empty: a writer truncated it, and has it open
     from urllib.parse import quote
 
     uri = f"file:{quote(os.path.abspath(path))}?mode=ro" + ("" if live else "&immutable=1")
