@@ -32,6 +32,11 @@ nobody's call asked for (a sandbox's denied connection, a git neutralization: ``
 written while their owner may write, and otherwise counted, the count recorded with the next one
 written or at the session's close.
 
+Integrity (sandboxd.audit.integrity): every event is hash-chained as it is written, in the node's
+stream and its session's; with the daemon's key a signed checkpoint of the head is written every
+``audit.checkpoint_events`` events and at close; retention (``audit.retain_days``,
+``audit.max_bytes``) prunes the oldest events on a thread of its own, under signed checkpoints.
+
 Watching: ``watch`` registers a subscriber *before* reading the past, under the
 same lock appends take, so the switch from past to live events has no gap and no
 duplicate.

@@ -92,13 +92,12 @@ def load_or_create(state_dir: str) -> Signer:
 
 def read_public_of_state(state_dir: str) -> Ed25519PublicKey:
     """The public key a state directory's daemon signs with: from the private key when this user
-    may read it, else from ``audit-signing.pub``. FileNotFoundError when neither exists."""
+    may read it (and it is one the daemon would use), else from ``audit-signing.pub``.
+    FileNotFoundError when neither is there. Unpinned: whoever could write the directory chose it."""
     try:
         return _read_private(os.path.join(state_dir, KEY_FILE)).public_key()
-    except PermissionError:
-        pass
-    except FileNotFoundError:
-        pass
+    except (PermissionError, FileNotFoundError, InvalidPolicy):
+        pass                                      # not ours to read, or not one the daemon would use
     with open(os.path.join(state_dir, PUBLIC_FILE), encoding="utf-8") as handle:
         return parse_public(handle.read(MAX_KEY_FILE))
 
