@@ -88,6 +88,11 @@ def test_verify_through_the_daemon_by_administrator_and_owner(plain_users: Any, 
 
     daemon.stub.CloseSession(pb.CloseSessionRequest(session_id=root_session.id))
     daemon.stop()
+    db = sqlite3.connect(database)
+    last_kind, signed_through = db.execute("SELECT kind, last_event_id FROM audit_checkpoints ORDER BY id DESC "
+                                           "LIMIT 1").fetchone()
+    assert (last_kind, signed_through) == ("shutdown", db.execute("SELECT MAX(id) FROM events").fetchone()[0])
+    db.close()
     offline = subprocess.run([SANDBOXD, "audit", "verify", "--db", str(database)], capture_output=True, text=True)
     assert offline.returncode == 1 and offline.stdout.startswith(f"NOT WHOLE: event {edited} edited")
 
