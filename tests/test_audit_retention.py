@@ -118,3 +118,19 @@ def test_max_bytes_prunes_on_the_stores_own_thread_and_the_wal_is_truncated(tmp_
     report = _verify(path)
     assert report.whole, report.text()
     assert report.pruned == result.events
+
+
+def test_events_an_export_has_not_delivered_are_not_pruned(tmp_path: Path) -> None:
+    """Track export's cursor file: retention stops at it, and goes on once it moves."""
+    state = tmp_path / "state"
+    store = open_in_state_dir(str(state), limits=AuditLimits(retain_days=1))
+    _fill(store, 4000)
+    cursor = state / "audit-export-file.cursor"
+    cursor.write_text('{"version": 1, "last_id": 1500}')
+    held = store.prune(now=time.time() + 2 * DAY)
+    assert (held.events, held.through) == (CHUNK_EVENTS, CHUNK_EVENTS)
+    assert held.held_back_by == "the export cursor audit-export-file.cursor (event 1500)"
+    cursor.write_text('{"version": 1, "last_id": 4000}')
+    assert store.prune(now=time.time() + 2 * DAY).events == 2 * CHUNK_EVENTS
+    store.close()
+    assert _verify(state / "events.db").whole

@@ -516,7 +516,8 @@ class EventStore:
         """Apply audit.retain_days and audit.max_bytes once (sandboxd.audit.integrity.retention;
         the store's own thread does this at start and every PRUNE_SECONDS)."""
         return prune(self._db, self._chain, self._lock, retain_days=self.limits.retain_days,
-                     max_bytes=self.limits.max_bytes, now=now, committed=self._committed)
+                     max_bytes=self.limits.max_bytes, directory=os.path.dirname(os.path.abspath(self.path)), now=now,
+                     committed=self._committed)
 
     def _checkpoint(self, kind: str) -> None:
         """Sign the chain's head (under the lock). A failure is logged, never raised: the events
@@ -560,14 +561,6 @@ class EventStore:
             rows = self._db.execute(sql, args).fetchall()
         return [_event(r) for r in rows]
 
-    def events_after(self, cursor_id: int, limit: int = MAX_PAGE) -> list[Event]:
-        """Every session's events with id > ``cursor_id``, in id order, with their chain hashes
-        (an exporter's cursor is the last id it delivered)."""
-        with self._lock:
-            rows = self._db.execute(f"SELECT {_EVENT_COLUMNS} FROM events WHERE id > ? ORDER BY id LIMIT ?",
-                                    (cursor_id, max(1, min(limit, MAX_PAGE)))).fetchall()
-        return [_event(r) for r in rows]
-
     def checkpoints_after(self, checkpoint_id: int, limit: int = MAX_PAGE) -> "list[Checkpoint]":
         """Signed checkpoints with id > ``checkpoint_id``, oldest first (what an export ships off
         the node so a rewrite by root on it can be found: docs/threat-model.md)."""
@@ -585,6 +578,13 @@ class EventStore:
             rows = self._db.execute(f"SELECT {_EVENT_COLUMNS} FROM events WHERE session_id = ? AND seq > ? ORDER BY seq "
                                     "LIMIT ?", (session_id, from_sequence, limit)).fetchall()
         return [_event(r) for r in rows]
+
+    def events_after(self, cursor_id: int, limit: int = MAX_PAGE) -> list[Event]:
+        """Every session's events with id > ``cursor_id``, in log order, at most ``limit``, with
+        their chain hashes: how an exporter walks the log from its cursor (the id of the last event
+        it delivered)."""
+        with self._lock:
+            return read_events_after(self._db, cursor_id, limit)
 
     def subscribe(self, wants: Callable[[Event], bool]) -> Subscription:
         """Start a live feed of the events ``wants`` accepts. Its ``high_water`` is the last event
@@ -726,6 +726,14 @@ def open_in_state_dir(state_dir: str, *, durable: bool = False, limits: AuditLim
     os.chmod(state_dir, 0o700)
     return EventStore(os.path.join(state_dir, "events.db"), durable=durable, limits=limits,
                       signer=load_or_create(state_dir))
+
+
+def read_events_after(db: sqlite3.Connection, cursor_id: int, limit: int) -> list[Event]:
+    """Events with id > ``cursor_id`` in id order, at most ``limit`` (1 to MAX_PAGE), from ``db``:
+    the store's own connection, or a reader's of its own."""
+    rows = db.execute(f"SELECT {_EVENT_COLUMNS} FROM events WHERE id > ? ORDER BY id LIMIT ?",
+                      (cursor_id, max(1, min(limit, MAX_PAGE)))).fetchall()
+    return [_event(r) for r in rows]
 
 
 def _size_text(size: int) -> str:

@@ -8,8 +8,9 @@ pruned this way is whole, and one an attacker pruned without the key is not. A c
 newest event is older than ``retain_days``, or while the database's used pages exceed
 ``max_bytes``. What is never pruned: the newest chunk, and an open session's last event and
 everything after it (its sequence and its stream go on from there; call results and the session
-rows of open sessions are not events and stay). Closed sessions' rows go with their last events
-(review sessions' stay: their kept change sets name them).
+rows of open sessions are not events and stay), and events an audit export has not delivered yet
+(above the lowest ``audit-export-*.cursor`` in the state directory). Closed sessions' rows go with
+their last events (review sessions' stay: their kept change sets name them).
 
 It runs on a thread of its own (``Pruner``), at start and every ``PRUNE_SECONDS``, taking the
 store's lock per chunk only, so appends interleave; afterwards a TRUNCATE checkpoint returns the
@@ -18,7 +19,9 @@ WAL to zero bytes (deleting a chunk writes its pages to the WAL first).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -34,6 +37,8 @@ CHUNK_EVENTS = 1000
 PRUNE_SECONDS = 600.0
 DAY = 86400.0
 MAX_CHUNKS_PER_RUN = 100_000
+EXPORT_CURSOR_PREFIX, EXPORT_CURSOR_SUFFIX = "audit-export-", ".cursor"
+MAX_CURSOR_FILE = 4096
 
 
 class Pruned(NamedTuple):
@@ -41,7 +46,7 @@ class Pruned(NamedTuple):
     through: int                 # the last id removed (0: none)
     used_before: int             # bytes of used pages before and after
     used_after: int
-    held_back_by: str            # an open session whose last event stopped it ("" none)
+    held_back_by: str            # what stopped it: an open session's id, an export cursor ("" none)
 
 
 def used_bytes(db: sqlite3.Connection) -> int:
@@ -52,7 +57,7 @@ def used_bytes(db: sqlite3.Connection) -> int:
 
 
 def prune(db: sqlite3.Connection, chain: ChainWriter, lock: ContextManager[object], *, retain_days: float,
-          max_bytes: int, now: float | None = None, chunk: int = CHUNK_EVENTS,
+          max_bytes: int, directory: str, now: float | None = None, chunk: int = CHUNK_EVENTS,
           committed: Callable[[], None] = lambda: None) -> Pruned:
     """Prune what the settings say (see the module's text). Needs the chain's signer: a store
     without one prunes nothing (its gap could not be signed)."""
@@ -65,7 +70,7 @@ def prune(db: sqlite3.Connection, chain: ChainWriter, lock: ContextManager[objec
         return Pruned(0, 0, before, before, "")
     for _ in range(MAX_CHUNKS_PER_RUN):
         with lock:
-            step = _one_chunk(db, chain, cutoff, max_bytes, chunk)
+            step = _one_chunk(db, chain, cutoff, max_bytes, chunk, directory)
         if step is None:
             break
         if isinstance(step, str):
@@ -78,14 +83,15 @@ def prune(db: sqlite3.Connection, chain: ChainWriter, lock: ContextManager[objec
             db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
         after = used_bytes(db)
     if held:
-        log.warning("audit retention held back by an open session", extra={"fields": {"session": held}})
+        log.warning("audit retention held back", extra={"fields": {"by": held}})
     return Pruned(removed, through, before, after, held)
 
 
 def _one_chunk(db: sqlite3.Connection, chain: ChainWriter, cutoff: float | None, max_bytes: int,
-               chunk: int) -> tuple[int, int] | str | None:
-    """Remove the oldest chunk if it is due: (events removed, last id removed); an open session's
-    id when it holds the chunk back; None when nothing is due. Under the store's lock."""
+               chunk: int, directory: str) -> tuple[int, int] | str | None:
+    """Remove the oldest chunk if it is due: (events removed, last id removed); what holds the
+    chunk back (an open session, an export's cursor); None when nothing is due. Under the store's
+    lock."""
     first = db.execute("SELECT MIN(id) FROM events").fetchone()[0]
     if first is None:
         return None
@@ -97,6 +103,9 @@ def _one_chunk(db: sqlite3.Connection, chain: ChainWriter, cutoff: float | None,
     too_big = bool(max_bytes) and used_bytes(db) > max_bytes
     if not (too_old or too_big):
         return None
+    exported = export_cursor(directory)
+    if exported is not None and through > exported[0]:
+        return f"the export cursor {exported[1]} (event {exported[0]})"
     holder = db.execute(
         "SELECT e.session_id FROM sessions s JOIN events e ON e.session_id = s.id AND e.seq = "
         "(SELECT MAX(seq) FROM events WHERE session_id = s.id) WHERE s.closed_at IS NULL AND e.id <= ? LIMIT 1",
@@ -127,6 +136,29 @@ def _one_chunk(db: sqlite3.Connection, chain: ChainWriter, cutoff: float | None,
         raise
     chain.checkpointed_id = chain.head_id
     return int(removed), through
+
+
+def export_cursor(directory: str) -> tuple[int, str] | None:
+    """The lowest cursor of the audit exports in the state directory (``audit-export-SINK.cursor``,
+    ``{"version": 1, "last_id": N}``, track export's): events after it are not exported yet and
+    are not pruned. A cursor file that cannot be read holds everything back (it is named)."""
+    lowest: tuple[int, str] | None = None
+    try:
+        names = [name for name in os.listdir(directory) if name.startswith(EXPORT_CURSOR_PREFIX)
+                 and name.endswith(EXPORT_CURSOR_SUFFIX)]
+    except OSError:
+        return None
+    for name in names:
+        try:
+            with open(os.path.join(directory, name), encoding="utf-8") as handle:
+                last_id = json.loads(handle.read(MAX_CURSOR_FILE))["last_id"]
+            if isinstance(last_id, bool) or not isinstance(last_id, int):
+                raise ValueError(last_id)
+        except (OSError, ValueError, KeyError, TypeError):
+            last_id = 0
+        if lowest is None or last_id < lowest[0]:
+            lowest = (last_id, name)
+    return lowest
 
 
 class Pruner:
