@@ -4,8 +4,9 @@ SQLite in WAL mode (the standard library's ``sqlite3``; one file, no server),
 with versioned migrations. It holds:
 
 - ``events``: every decision and every step of every tool call, with a global id
-  (the order of the whole log) and a per-session sequence number. Rows are only
-  ever inserted.
+  (the order of the whole log, assigned by the writer: consecutive) and a per-session
+  sequence number. Rows are only ever inserted; retention alone removes the oldest, under a
+  signed checkpoint (below). One process writes a store: the writer keeps the chain's head.
 - ``sessions``: each session's metadata (owner, workspace, both policy axes,
   limits, labels, open or closed), so that after a restart sessions can be
   listed, their logs read, and live ones resumed.
@@ -602,7 +603,8 @@ class EventStore:
                 self._subscribers.remove(subscription)
 
     def last_id(self) -> int:
-        """The id of the newest event (the number of events: ids start at 1 and are never reused)."""
+        """The id of the newest event (ids start at 1 and are never reused; the number of events
+        too, until retention prunes)."""
         with self._lock:
             return int(self._db.execute("SELECT COALESCE(MAX(id), 0) FROM events").fetchone()[0])
 
