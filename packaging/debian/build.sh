@@ -109,5 +109,6 @@ echo /etc/sandboxd/sandboxd.toml > "$root/DEBIAN/conffiles"
 for script in postinst prerm postrm; do install -m 0755 "$here/$script" "$root/DEBIAN/$script"; done
 (cd "$root" && find . -path ./DEBIAN -prune -o -type f -printf '%P\0' | sort -z | xargs -0 md5sum) > "$root/DEBIAN/md5sums"
 deb="$out/sandboxd_${version}_${arch}.deb"
-dpkg-deb --root-owner-group -Zxz --build "$root" "$deb" >/dev/null
+# gzip, not xz: the bulk is wheels, zip archives already (xz took minutes here for little).
+dpkg-deb --root-owner-group -Zgzip --build "$root" "$deb" >/dev/null
 echo "$deb"
