@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ from daemon_helpers import DaemonFactory
 from throwaway_root import throwaway_root
 
 pytestmark = pytest.mark.timeout(900)
-INSTALLED = ("/usr/bin/sandboxd", "/usr/bin/sandboxctl", "/opt/sandboxd", "/etc/sandboxd/sandboxd.toml")
+INSTALLED = ("/usr/bin/sandboxd", "/usr/bin/sandboxctl", "/usr/lib/sandboxd", "/etc/sandboxd/sandboxd.toml",
+             "/usr/share/doc/sandboxd", "/usr/share/python3/runtime.d/sandboxd.rtupdate")
 
 
 def host_has_the_package() -> list[str]:
@@ -39,7 +41,8 @@ def test_the_package_builds_installs_starts_and_goes(sandboxd_daemon: DaemonFact
     deb = Path(built.stdout.strip().splitlines()[-1])
     contents = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True).stdout
     for path in ("./lib/systemd/system/sandboxd.service", "./lib/systemd/system/sandboxd.socket",
-                 "./etc/sandboxd/sandboxd.toml", "./opt/sandboxd/wheels/sandboxd-"):
+                 "./etc/sandboxd/sandboxd.toml", "./usr/lib/sandboxd/wheels/sandboxd-",
+                 "./usr/share/doc/sandboxd/copyright", "./usr/share/doc/sandboxd/changelog.gz"):
         assert path in contents, path
     with throwaway_root() as root:
         env = {**BASE_ENV, "DEBIAN_FRONTEND": "noninteractive"}
@@ -48,17 +51,21 @@ def test_the_package_builds_installs_starts_and_goes(sandboxd_daemon: DaemonFact
             # As docs/operations.md says (apt resolves the dependencies; here they are installed already).
             install = root.run(["apt-get", "install", "-y", str(deb)], timeout=600, env=env)
             assert install.returncode == 0, install.stdout + install.stderr
-            assert root.run(["readlink", "-f", "/usr/bin/sandboxd"]).stdout.strip() == "/opt/sandboxd/venv/bin/sandboxd"
+            # The venv of this version and this Python, which /usr/lib/sandboxd/venv names.
+            venv = root.run(["readlink", "-f", "/usr/lib/sandboxd/venv"]).stdout.strip()
+            python = "%d.%d" % sys.version_info[:2]
+            assert venv.startswith("/usr/lib/sandboxd/venvs/") and venv.endswith(f"-py{python}"), venv
+            assert root.run(["readlink", "-f", "/usr/bin/sandboxd"]).stdout.strip() == f"{venv}/bin/sandboxd"
             assert root.run(["/usr/bin/sandboxd", "version"]).stdout.startswith("sandboxd ")
             check = root.run(["/usr/bin/sandboxd", "config", "check", "/etc/sandboxd/sandboxd.toml"])
             assert check.returncode == 0, check.stderr
             # `sandboxd mcp` has its dependency (the MCP SDK) among the package's wheels.
-            mcp = root.run(["/opt/sandboxd/venv/bin/python", "-c", "import sandboxd.cli.mcp_transports"])
+            mcp = root.run([f"{venv}/bin/python", "-c", "import sandboxd.cli.mcp_transports"])
             assert mcp.returncode == 0, mcp.stderr
             # The installed wheel carries the native call helper.
-            helper = root.run(["/opt/sandboxd/venv/bin/python", "-c",
+            helper = root.run([f"{venv}/bin/python", "-c",
                                "from sandboxd.launcher.native_call import helper_path; print(helper_path())"])
-            assert helper.stdout.strip().startswith("/opt/sandboxd/venv/") and helper.stdout.strip().endswith(
+            assert helper.stdout.strip().startswith(f"{venv}/") and helper.stdout.strip().endswith(
                 "sandboxd-call"), helper
             assert host_has_the_package() == []                      # installed there, not here
             daemon = sandboxd_daemon(executable="/usr/bin/sandboxd", wrapper=root.wrapper())
