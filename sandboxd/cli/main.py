@@ -62,8 +62,10 @@ def _config(args: list[str]) -> int:
         sys.stdout.write(config.defaults_file())
         return 0
     if len(args) == 2 and args[0] == "check":
+        # What `sandboxd serve --config FILE` would load, through the same path: the file, this
+        # environment's SANDBOXD_* variables, what the keys name (groups, users, TLS files, hosts).
         try:
-            loaded = config.read_file(args[1])
+            loaded = config.load(args[1]).source
         except config.ConfigError as exc:
             sys.stderr.write(f"sandboxd config: {printable(str(exc))}\n")   # it may quote the file's text
             return 2
