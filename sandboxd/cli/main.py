@@ -16,7 +16,8 @@ commands:
   mcp      an MCP server whose tools run in a sandboxd session (see: sandboxd mcp --help)
   serve    run the daemon: sessions with persistent sandboxes over gRPC (see: sandboxd serve --help)
   config   check FILE: validate a configuration file; defaults: print one with every key
-  doctor   check this machine for everything enforcement needs, and say how to fix what is missing
+  doctor   check this machine for everything enforcement needs, and say how to fix what is missing;
+           --config FILE: also the address pool, state directory and audit database it names
   version  print the version
 """
 
