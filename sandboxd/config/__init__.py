@@ -659,7 +659,9 @@ def mistyped_variable(name: str) -> str | None:
     by_variable = {env_name(key): key for key in KEYS}
     if not name.startswith("SANDBOXD_") or name in by_variable or name in OTHER_VARIABLES:
         return None
-    section = next((key.section for key in KEYS if name.startswith(f"SANDBOXD_{key.section.upper()}_")), None)
+    # A section's variables share their prefix (env_name without the key's own name).
+    prefixes = {variable[:-len(key.name)]: key.section for variable, key in by_variable.items()}
+    section = next((section for prefix, section in prefixes.items() if name.startswith(prefix)), None)
     close = difflib.get_close_matches(name, by_variable, n=1, cutoff=CLOSE_ENOUGH)
     if not close and section is not None:     # a section's prefix: its nearest key, however far
         close = difflib.get_close_matches(name, [v for v, k in by_variable.items() if k.section == section],
