@@ -214,7 +214,7 @@ class Daemon:
             health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
             reflection_pb2_grpc.add_ServerReflectionServicer_to_server(Reflection(
                 (sandboxd_pb2.DESCRIPTOR.services_by_name["Sandbox"].full_name, reflection.SERVICE_NAME,
-                 health.SERVICE_NAME), callers, counters), server)
+                 health.SERVICE_NAME), callers, counters, metrics), server)
             server.add_insecure_port(f"unix:{backend}")
             if tls is not None:
                 credentials = grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.client_ca,

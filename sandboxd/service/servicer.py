@@ -423,10 +423,12 @@ class Reflection(reflection.ReflectionServicer):
     """Server reflection (grpcurl and the like), its streams counted as the caller's: each waits on
     its client's next request, holding a worker meanwhile, like a WatchEvents."""
 
-    def __init__(self, service_names: Iterable[str], callers: Callers, quotas: Quotas) -> None:
+    def __init__(self, service_names: Iterable[str], callers: Callers, quotas: Quotas,
+                 metrics: "Metrics | None" = None) -> None:
         super().__init__(tuple(service_names))
         self._callers = callers
         self._quotas = quotas
+        self._metrics = metrics
 
     def ServerReflectionInfo(self, request_iterator: Iterable[reflection_pb2.ServerReflectionRequest],
                              context: "grpc.ServicerContext | grpc.aio.ServicerContext[Any, Any]",
@@ -436,4 +438,6 @@ class Reflection(reflection.ReflectionServicer):
             with self._quotas.hold(self._callers(context), STREAMS):
                 yield from super().ServerReflectionInfo(request_iterator, context)
         except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
+            if self._metrics is not None:
+                self._metrics.refused(code_for(error).name, str(error))
             abort(context, error)
