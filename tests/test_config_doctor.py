@@ -57,9 +57,13 @@ def test_bad_files_are_refused_with_the_key_and_the_problem(sandboxd_daemon: Dae
 
 def test_a_good_file_checks_out(tmp_path: Path) -> None:
     path = tmp_path / "sandboxd.toml"
-    path.write_text("[listen]\nworkers = 8\n[network]\ndns = [\"192.0.2.53\"]\n")
+    path.write_text("[listen]\nworkers = 256\n[network]\ndns = [\"192.0.2.53\"]\n")
     result = sandboxd("config", "check", str(path))
-    assert result.returncode == 0 and "listen.workers = 8" in result.stdout and "192.0.2.53" in result.stdout
+    assert result.returncode == 0 and "listen.workers = 256" in result.stdout and "192.0.2.53" in result.stdout
+    # What serve refuses, config check refuses: 8 workers leave no room for the quotas (checked at start).
+    path.write_text("[listen]\nworkers = 8\n")
+    result = sandboxd("config", "check", str(path))
+    assert result.returncode == 2 and "raise listen.workers" in result.stderr, result.stderr
 
 
 def test_serve_reads_the_file_and_flags_win(sandboxd_daemon: DaemonFactory) -> None:

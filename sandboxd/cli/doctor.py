@@ -259,17 +259,6 @@ def check_nftables() -> tuple[str, str]:
     return _line("ok", "nftables", "nft present, NAT tables accepted")
 
 
-def check_address_pool() -> tuple[str, str]:
-    import ipaddress
-
-    from sandboxd.kernel.netns import DEFAULT_POOL, LINK_PREFIX
-
-    used = len([n for n in os.listdir("/sys/class/net") if n.startswith(LINK_PREFIX)])
-    total = 2 ** (30 - ipaddress.ip_network(DEFAULT_POOL).prefixlen)
-    return _line("ok" if used < total else "FAIL", "address pool",
-                 f"{DEFAULT_POOL}: {total - used} of {total} isolated networks free")
-
-
 def check_call_helper() -> tuple[str, str]:
     from sandboxd.errors import SandboxdError
     from sandboxd.launcher.native_call import REBUILD, check_helper
@@ -346,13 +335,14 @@ def check_thread_limit() -> tuple[str, str]:
     return _line("ok", "threads", detail)
 
 
-def check_ceiling() -> tuple[str, str]:
+def check_ceiling(path: str | None = None) -> tuple[str, str]:
     """The default limits and the caps of all sandboxes together, from the daemon's configuration
-    (``$SANDBOXD_CONFIG`` or /etc/sandboxd/sandboxd.toml), and what the parent group carries now."""
+    (``path``, else ``$SANDBOXD_CONFIG`` or /etc/sandboxd/sandboxd.toml), and what the parent group
+    carries now."""
     from sandboxd import config
     from sandboxd.kernel import cgroups
 
-    limits = config.resource_limits(config.read_file(config.default_path()))
+    limits = config.resource_limits(config.read_file(path or config.default_path()))
     detail = (f"each sandbox by default: pids {limits.pids}, memory {limits.memory >> 20} MiB (at most "
               f"{limits.max_pids} and {limits.max_memory >> 20} MiB); all together: pids {limits.total_pids}, "
               f"memory {limits.total_memory >> 20} MiB; each owner's share: pids {limits.owner_pids}, memory "
@@ -365,21 +355,32 @@ def check_ceiling() -> tuple[str, str]:
     return _line("ok", "ceiling", detail)
 
 
-CHECKS = (check_root, check_sandbox, check_seccomp, check_yama, check_landlock, check_cgroups, check_limits, check_ceiling,
-          check_nftables,
-          check_address_pool, check_isolated_network, check_call_helper, check_fd_limit, check_thread_limit)
+CHECKS = (check_root, check_sandbox, check_seccomp, check_yama, check_landlock, check_cgroups, check_limits,
+          check_nftables, check_isolated_network, check_call_helper, check_fd_limit, check_thread_limit)
 
 
 def main(argv: list[str]) -> int:
-    if argv:
-        sys.stderr.write("usage: sandboxd doctor\n")
-        return 2
+    import argparse
+    from functools import partial
+
+    from sandboxd.cli import doctor_config
+
+    p = argparse.ArgumentParser(prog="sandboxd doctor", description="Check this machine for everything enforcement "
+                                "needs, and what the daemon's configuration names: its address pool, state directory "
+                                "and audit database.")
+    p.add_argument("--config", metavar="FILE", help="the daemon's configuration file (default: $SANDBOXD_CONFIG, "
+                   "else /etc/sandboxd/sandboxd.toml if it exists)")
+    args = p.parse_args(argv)
+    configured = doctor_config.configured(args.config)
+    checks = [(check.__name__, check) for check in CHECKS]
+    checks[7:7] = [("check_ceiling", partial(check_ceiling, configured.path))] + [
+        (check.__name__, partial(check, configured)) for check in doctor_config.CHECKS]
     failed = False
-    for check in CHECKS:
+    for name, check in checks:
         try:
             status, text = check()
         except Exception as exc:  # noqa: BLE001 - a check that breaks is itself a finding
-            status, text = _line("FAIL", check.__name__.removeprefix("check_"), f"{type(exc).__name__}: {exc}")
+            status, text = _line("FAIL", name.removeprefix("check_"), f"{type(exc).__name__}: {exc}")
         failed |= status == "FAIL"
         print(text, flush=True)
     print("\nsandboxd doctor: " + ("something enforcement needs is missing (see FAIL above)" if failed

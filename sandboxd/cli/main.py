@@ -17,7 +17,8 @@ commands:
   serve    run the daemon: sessions with persistent sandboxes over gRPC (see: sandboxd serve --help)
   config   check FILE: validate a configuration file; defaults: print one with every key
   audit    verify [--db PATH] [--pubkey FILE]: check the audit log's hash chain; pubkey: print the signing key
-  doctor   check this machine for everything enforcement needs, and say how to fix what is missing
+  doctor   check this machine for everything enforcement needs, and say how to fix what is missing;
+           --config FILE: also the address pool, state directory and audit database it names
   version  print the version
 """
 
@@ -66,8 +67,10 @@ def _config(args: list[str]) -> int:
         sys.stdout.write(config.defaults_file())
         return 0
     if len(args) == 2 and args[0] == "check":
+        # What `sandboxd serve --config FILE` would load, through the same path: the file, this
+        # environment's SANDBOXD_* variables, what the keys name (groups, users, TLS files, hosts).
         try:
-            loaded = config.read_file(args[1])
+            loaded = config.load(args[1]).source
         except config.ConfigError as exc:
             sys.stderr.write(f"sandboxd config: {printable(str(exc))}\n")   # it may quote the file's text
             return 2

@@ -75,9 +75,14 @@ def main(argv: list[str]) -> int:
         sys.stderr.write(f"sandboxd serve: {printable(str(exc))}\n")   # it may quote the file's text
         return 2
     from sandboxd.network.socket_files import PlaceTaken
+    from sandboxd.network.tcp_listeners import ListenerUnavailable
     from sandboxd.service.daemon import Daemon
     try:
         return Daemon(settings).run()
+    except ListenerUnavailable as exc:
+        # A busy or unusable TLS or metrics port: one line naming the key, the address and the cause.
+        sys.stderr.write(f"sandboxd serve: {printable(str(exc))}\n")
+        return 1
     except PlaceTaken as exc:
         # A name beside the socket another user made first (a socket in /tmp): one line, not a traceback.
         sys.stderr.write(f"sandboxd serve: {printable(str(exc))}\n")

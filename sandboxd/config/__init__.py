@@ -303,6 +303,44 @@ def _secrets(value: object) -> str | None:
     return None
 
 
+def split_listen_address(text: str) -> tuple[str, int] | None:
+    """``HOST:PORT`` of a TCP listener as (host, port): HOST an IPv4 address, an IPv6 one in
+    brackets or a host name, PORT from 1 to 65535; None when it is not that."""
+    import ipaddress
+
+    from sandboxd.policy.domains import host_name
+    from sandboxd.policy.ipv4 import ipv4_address, port
+
+    host, colon, port_text = text.rpartition(":")
+    if not colon or not host:
+        return None
+    try:
+        number = port(port_text)
+    except ValueError:
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            return str(ipaddress.IPv6Address(host[1:-1])), number
+        except ValueError:
+            return None
+    try:
+        return str(ipv4_address(host)), number
+    except ValueError:
+        name = host_name(host)
+        return None if name is None else (name, number)
+
+
+def _listen_address(value: object) -> str | None:
+    """"" (none) or ``HOST:PORT`` (split_listen_address); whether HOST names this machine is
+    looked up once, with the other names, by ``load`` (settings.resolve_listener)."""
+    if value == "":
+        return None
+    if not isinstance(value, str) or split_listen_address(value) is None:
+        return (f"{value!r} must be HOST:PORT (an address or a host name of this machine, [IPv6] in brackets, "
+                "and a port from 1 to 65535, like 127.0.0.1:9464; empty: none)")
+    return None
+
+
 def _one_of(*choices: str) -> "Callable[[object], str | None]":
     def check(value: object) -> str | None:
         return None if value in choices else f"must be one of {', '.join(choices)}, not {value!r}"
@@ -360,7 +398,7 @@ KEYS: tuple[Key, ...] = (
         "take: they stay free for requests (CreateSession, CloseSession, ResolveApproval ...); must be below "
         "listen.workers; 0: a quarter of listen.workers (at least 1)", _whole(0, 1023)),
     Key("tls", "address", "", "HOST:PORT of an optional TCP listener; it always needs TLS and client "
-        "certificates (all four tls keys)", _text),
+        "certificates (all four tls keys)", _listen_address),
     Key("tls", "cert", "", "the server's certificate chain (PEM)", _optional_absolute),
     Key("tls", "key", "", "the server's private key (PEM)", _optional_absolute),
     Key("tls", "client_ca", "", "the CA client certificates must be signed by", _optional_absolute),
@@ -474,7 +512,7 @@ KEYS: tuple[Key, ...] = (
         "its overlays, made in O(changes since the last one)); past it the oldest two are merged into one: "
         "the oldest point is forgotten (no rollback reaches it), its changes stay", _whole(1, MAX_CHECKPOINTS)),
     Key("metrics", "listen", "", "HOST:PORT of the Prometheus metrics listener (HTTP, /metrics); empty: none",
-        _text),
+        _listen_address),
     Key("log", "level", "info", "info: the daemon's life and its problems; debug: also every decision and call "
         "end, each line with its session_id and call_id (the event store records them all anyway)",
         _one_of("debug", "info", "warning")),
@@ -626,8 +664,49 @@ def _set(values: dict[str, object], source: str, key: Key, value: object) -> Non
     values[key.dotted] = value
 
 
+# SANDBOXD_* variables that are not configuration keys: read by sandboxd itself (the client's
+# socket, the MCP token, the allocation tracer, set-up's bin directory) or by its tests, benchmarks
+# and packaging scripts. Any other SANDBOXD_* variable that looks like a key (it starts with a
+# section's prefix, or is close to a key's variable) is a typo, refused by ``load``.
+OTHER_VARIABLES = frozenset({
+    CONFIG_ENV, "SANDBOXD_SOCKET", "SANDBOXD_MCP_TOKEN", "SANDBOXD_TRACEMALLOC", "SANDBOXD_TRACEMALLOC_INTERVAL",
+    "SANDBOXD_TRACEMALLOC_FRAMES", "SANDBOXD_BIN_DIR", "SANDBOXD_DEBIAN_MIRROR", "SANDBOXD_CONFORMANCE",
+    "SANDBOXD_VNG_VENV", "SANDBOXD_CI_MATRIX", "SANDBOXD_CI_MATRIX_ARGS", "SANDBOXD_CI_MATRIX_TIMEOUT",
+    "SANDBOXD_CALL_SOURCE", "SANDBOXD_CALL_H", "SANDBOXD_BENCH_SOURCE", "SANDBOXD_TEST_SLOW",
+    "SANDBOXD_TEST_DAEMON_START", "SANDBOXD_TESTS_REVIEW", "SANDBOXD_FUZZ_EXAMPLES", "SANDBOXD_FUZZ_BATCHES",
+    "SANDBOXD_CLASSIFY_EXAMPLES", "SANDBOXD_GIT_DIFF_EXAMPLES"})
+CLOSE_ENOUGH = 0.8          # difflib's ratio above which a variable is taken for a key's, mistyped
+
+
+def mistyped_variable(name: str) -> str | None:
+    """The problem with ``$name`` when it looks like a key's variable but is none (the closest
+    key named), else None (a key's own variable, one of OTHER_VARIABLES, or unrelated)."""
+    import difflib
+
+    by_variable = {env_name(key): key for key in KEYS}
+    if not name.startswith("SANDBOXD_") or name in by_variable or name in OTHER_VARIABLES:
+        return None
+    # A section's variables share their prefix (env_name without the key's own name).
+    prefixes = {variable[:-len(key.name)]: key.section for variable, key in by_variable.items()}
+    section = next((section for prefix, section in prefixes.items() if name.startswith(prefix)), None)
+    close = difflib.get_close_matches(name, by_variable, n=1, cutoff=CLOSE_ENOUGH)
+    if not close and section is not None:     # a section's prefix: its nearest key, however far
+        close = difflib.get_close_matches(name, [v for v, k in by_variable.items() if k.section == section],
+                                          n=1, cutoff=0.0)
+    if not close:
+        return None
+    key = by_variable[close[0]]
+    return (f"no configuration key is set by this variable: did you mean ${close[0]} ({key.dotted})? "
+            "(unset it, or rename it)")
+
+
 def _overlay_environment(values: dict[str, object], environ: Mapping[str, str]) -> dict[str, str]:
-    """Set the keys ``environ`` names; returns each one's variable (key -> "$NAME")."""
+    """Set the keys ``environ`` names; returns each one's variable (key -> "$NAME"). A variable
+    that looks like a key's but is none (mistyped_variable) is refused, in name order."""
+    for name in sorted(environ):
+        problem = mistyped_variable(name)
+        if problem:
+            raise ConfigError(f"${name}", "", problem)
     given: dict[str, str] = {}
     for key in KEYS:
         name = env_name(key)

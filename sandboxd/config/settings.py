@@ -9,7 +9,8 @@ import ipaddress
 import os
 from typing import Callable, Mapping
 
-from sandboxd.config import BUILT_IN, Config, ConfigError, ResourceLimits, split_upstream_proxy
+from sandboxd.config import (BUILT_IN, Config, ConfigError, ResourceLimits, split_listen_address,
+                             split_upstream_proxy)
 from sandboxd.errors import InvalidPolicy, SandboxdError
 from sandboxd.kernel import host_limits
 from sandboxd.policy.audit_limits import AuditLimits, parse_min_free
@@ -163,7 +164,7 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         proxy_connections=config.whole("quotas.proxy_connections_per_session"),
         published_connections=config.whole("quotas.published_connections_per_session"),
         published_per_peer=config.whole("quotas.published_connections_per_peer"),
-        session_defaults=defaults, metrics_listen=config.text("metrics.listen"),
+        session_defaults=defaults, metrics_listen=_listener(config, "metrics.listen", refuse),
         log_format=config.text("log.format"), log_level=config.text("log.level"),
         review_session_bytes=_size_or_zero(config, "review.session_bytes"),
         review_owner_bytes=parse_size(config.text("review.owner_bytes"), "review.owner_bytes"),
@@ -175,6 +176,25 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         secrets=_secrets(config, refuse),
         network_questions=config.whole("quotas.network_questions_per_session"),
         intercepted_connections=config.whole("quotas.intercepted_connections_per_session"))
+
+
+def _listener(config: Config, dotted: str, refuse: "Callable[[str, str], ConfigError]") -> str:
+    """A listener's HOST:PORT (its key's check passed), with HOST looked up: a name that does not
+    resolve stops the start here, with the key and the value, not as a traceback when it binds."""
+    import socket
+
+    address = config.text(dotted)
+    split = split_listen_address(address) if address else None
+    if split is None:
+        return address
+    host, port = split
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        cause = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+        raise refuse(dotted, f"{address!r}: unknown host {host!r} ({cause}): name an address or a host name "
+                     "of this machine") from None
+    return address
 
 
 def _upstream_ca(config: Config, refuse: "Callable[[str, str], ConfigError]") -> bytes:
@@ -259,16 +279,10 @@ def _tls(config: Config, refuse: "Callable[[str, str], ConfigError]") -> TlsSett
 
     from sandboxd.kernel.users import parse_user
 
-    address = config.text("tls.address")
+    address = _listener(config, "tls.address", refuse)
     if not address:
         return None
-    host, _, port_text = address.rpartition(":")
-    try:
-        port = tcp_port(port_text)
-    except ValueError:
-        port = 0
-    if not host or not port:
-        raise refuse("tls.address", f"{address!r} must be HOST:PORT, like 0.0.0.0:8443")
+    port = tcp_port(address.rpartition(":")[2])
     pem: dict[str, bytes] = {}
     for dotted in TLS_FILES:
         file = config.text(dotted)

@@ -86,6 +86,7 @@ class EventLoop:
         self._numbers = itertools.count()
         self._stopping = False
         self._released = False
+        self._wake_lock = threading.Lock()              # post's write against _finish's close
         self._pools: dict[str, FairPool] = {}
         self._pool_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -101,12 +102,16 @@ class EventLoop:
         return threading.current_thread() is self._thread
 
     def post(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the loop thread, soon."""
-        self._posted.append(fn)
-        try:
-            os.write(self._wake_write, b"\0")
-        except BlockingIOError:
-            pass                                        # the pipe is full: the loop is awake anyway
+        """Run ``fn`` on the loop thread, soon (dropped once the loop has ended: a worker's job
+        finishing after ``close`` must not write to a descriptor number reused since)."""
+        with self._wake_lock:
+            if self._released:
+                return
+            self._posted.append(fn)
+            try:
+                os.write(self._wake_write, b"\0")
+            except BlockingIOError:
+                pass                                    # the pipe is full: the loop is awake anyway
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the loop thread and return its result (at once on the loop thread)."""
@@ -273,8 +278,9 @@ class EventLoop:
             self._timed.clear()
             self._handlers.clear()
             self._epoll.close()
-            os.close(self._wake_read)
-            os.close(self._wake_write)
+            with self._wake_lock:
+                os.close(self._wake_read)
+                os.close(self._wake_write)
 
     def _guard(self, fn: Callable[[], None]) -> None:
         try:

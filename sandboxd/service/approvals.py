@@ -96,7 +96,7 @@ class Granted:
         self._store.append(self.session_id, kind, call_id=self.call_id, tool=self.tool, data=data)
         outcome = "completed" if kind == EventType.TOOL_COMPLETED else "failed"
         if self._metrics is not None:
-            self._metrics.calls.labels(self.tool, outcome).inc()
+            self._metrics.call_ended(self.tool, outcome, data if outcome == "completed" else None)
         log.debug("tool call ended", extra={"fields": {"session_id": self.session_id, "call_id": self.call_id,
                                                        "tool": self.tool, "outcome": outcome}})
 
@@ -211,7 +211,7 @@ class ApprovalGate:
               base: dict[str, Any]) -> None:
         error = PermissionDenied(call_id, call.tool, reason, by, detail)
         if self._metrics is not None:
-            self._metrics.calls.labels(call.tool, f"denied_by_{by}").inc()
+            self._metrics.call_ended(call.tool, f"denied_by_{by}")
         log.debug("tool call denied", extra={"fields": {"session_id": session.id, "call_id": call_id,
                                                         "tool": call.tool, "by": by, "reason": reason}})
         self._store.append(session.id, EventType.PERMISSION_DENIED, call_id=call_id, tool=call.tool,

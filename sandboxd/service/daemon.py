@@ -38,6 +38,7 @@ from sandboxd.service.callers import Callers, TlsIdentity
 from sandboxd.service.metrics import Metrics
 from sandboxd.service.process_ties import ProcessTies
 from sandboxd.network.front_door import FrontDoor
+from sandboxd.network.tcp_listeners import check_bindable, why_unbindable
 from sandboxd.printable import printable
 from sandboxd.service.quotas import Quotas
 from sandboxd.service.sandboxed_peers import SandboxedPeers
@@ -87,7 +88,8 @@ class Daemon:
     def run(self) -> int:
         """Start, serve until SIGTERM or SIGINT (or a fork server that cannot be restarted), stop.
         The exit status: 0 after a stop signal, 1 when the daemon could not start or run on.
-        OSError (EADDRINUSE: another daemon on the socket) if a listener cannot be set up."""
+        OSError (EADDRINUSE: another daemon on the socket) if the socket cannot be set up;
+        tcp_listeners.ListenerUnavailable if the TLS or metrics listener cannot."""
         # The handler only sets a flag: anything that takes a lock (Event.set, logging) can
         # deadlock when the signal lands while the main thread holds that same lock. Set before
         # the start: a stop asked for while starting is honoured as soon as the daemon serves.
@@ -126,6 +128,14 @@ class Daemon:
         # sets open_files.
         raise_nofile_limit()
         with ExitStack() as undo:                 # what is built so far, undone if a later step fails
+            # The metrics' port first: a busy one stops the start at once (ListenerUnavailable:
+            # one line), before the fork server and its self-test. A socket, no thread yet.
+            metrics = Metrics()
+            undo.callback(metrics.close)
+            if s.metrics_listen:
+                metrics.bind(s.metrics_listen)
+            if s.tls is not None:                 # gRPC binds it later, and says only that it failed
+                check_bindable("tls.address", s.tls.address)
             fork = ForkServer.start(wait_seconds=s.wait_seconds,   # before gRPC's threads, as a fresh process
                                     stuck_openers=s.stuck_openers)
             undo.callback(fork.close)
@@ -153,7 +163,6 @@ class Daemon:
             tls = s.tls
             own = own_places(socket_path, backend, s.state_dir, tls.address if tls else "", s.metrics_listen)
             counters = Quotas(s.quotas)
-            metrics = Metrics()
             registry = SessionRegistry(fork, store, dns=s.dns, network_pool=s.network_pool, own=own,
                                        proxy_connections=s.proxy_connections,
                                        published_connections=s.published_connections,
@@ -167,6 +176,7 @@ class Daemon:
                                        upstream_proxy=s.upstream_proxy,
                                        intercepted_connections=s.intercepted_connections)
             undo.callback(registry.close_all)
+            registry.count_with(metrics)
             resumed = registry.restore()
             # What ends with a client's process: sessions asked for with close_with_caller, approval
             # channels. Those whose process exited while no daemon ran end now.
@@ -190,7 +200,8 @@ class Daemon:
             undo.callback(door.close)
             workers = futures.ThreadPoolExecutor(max_workers=s.workers, thread_name_prefix="sandboxd-rpc")
             undo.callback(workers.shutdown)
-            server = grpc.server(workers)
+            # Not SO_REUSEPORT (gRPC's default): a TLS port another process holds is busy, not shared.
+            server = grpc.server(workers, options=[("grpc.so_reuseport", 0)])
             undo.callback(lambda: server.stop(None).wait())
             undo.callback(_unlink, backend)
             tls_identity = None if tls is None else TlsIdentity(
@@ -203,18 +214,21 @@ class Daemon:
             health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
             reflection_pb2_grpc.add_ServerReflectionServicer_to_server(Reflection(
                 (sandboxd_pb2.DESCRIPTOR.services_by_name["Sandbox"].full_name, reflection.SERVICE_NAME,
-                 health.SERVICE_NAME), callers, counters), server)
+                 health.SERVICE_NAME), callers, counters, metrics), server)
             server.add_insecure_port(f"unix:{backend}")
             if tls is not None:
                 credentials = grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.client_ca,
                                                           require_client_auth=True)
-                if not server.add_secure_port(tls.address, credentials):
-                    raise OSError(f"cannot listen on {tls.address}")
+                try:
+                    bound = server.add_secure_port(tls.address, credentials)
+                except RuntimeError:              # taken since check_bindable: gRPC's words say no more
+                    bound = 0
+                if not bound:
+                    raise why_unbindable("tls.address", tls.address)
             server.start()
             door.start()
             if s.metrics_listen:
-                metrics.serve(s.metrics_listen, refuse=sandboxed.reason_for_tcp)
-                undo.callback(metrics.close)
+                metrics.serve(refuse=sandboxed.reason_for_tcp)
             self._set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
             self._parts = _Parts(fork=fork, store=store, registry=registry, metrics=metrics, door=door,
                                  server=server, workers=workers, health=health_servicer, backend=backend,
@@ -265,6 +279,7 @@ class Daemon:
                               "the daemon)", extra={"fields": {"problem": problem}})
                     status = 1
                     break
+                parts.metrics.fork_server_restarts.inc()
                 log.info("fork server restarted", extra={"fields": {"fork_server_pid": fork.pid}})
                 self._set_health(parts.health, health_pb2.HealthCheckResponse.SERVING)
         finally:

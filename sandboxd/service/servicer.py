@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NoReturn, TypeVar
 
 import grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
@@ -24,7 +24,7 @@ from sandboxd.service.quotas import CALLS, REQUESTS, STREAMS, Quotas
 from sandboxd.service.review_calls import ReviewCalls
 from sandboxd.service.sandbox_hooks import WhenClosed
 from sandboxd.service.sessions.registry import Session, SessionRegistry, cwd_inside
-from sandboxd.service.status import abort
+from sandboxd.service.status import abort, code_for
 from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
@@ -92,6 +92,12 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         for forget in (gate.forget_session, self._audit.forget_session, environment.forget_session):
             registry.add_hooks(WhenClosed(forget))            # a closed session is forgotten (sandbox_hooks)
 
+    def _abort(self, context: grpc.ServicerContext, error: BaseException) -> NoReturn:
+        """status.abort, the refusal counted first (metrics: a quota's, by its key)."""
+        if self._metrics is not None:
+            self._metrics.refused(code_for(error).name, str(error))
+        abort(context, error)
+
     def _unary(self, context: grpc.ServicerContext, work: Callable[[Caller], R], kind: str = REQUESTS) -> R:
         """A unary RPC: ``work`` for the caller, holding a slot of ``kind`` (quotas: every RPC holds
         one, so no owner holds more workers than its quotas, whatever it calls): REQUESTS, or CALLS
@@ -101,7 +107,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             with self._quotas.hold(who, kind):
                 return work(who)
         except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
-            abort(context, error)
+            self._abort(context, error)
 
     def _tool(self, context: grpc.ServicerContext, session: Session, call: ToolCall, body: Callable[[], R]) -> R:
         """Run a built-in tool call through the policy engine: decided, recorded, maybe held for
@@ -295,7 +301,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                 for offset, data, dropped in job.read(request.offset, request.follow, context.is_active):
                     yield pb.BackgroundOutput(offset=offset, data=data, dropped=dropped)
         except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
-            abort(context, error)
+            self._abort(context, error)
 
     def Exec(self, request_iterator: Iterator[pb.ExecRequest],
              context: grpc.ServicerContext) -> Iterator[pb.ExecResponse]:
@@ -312,7 +318,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             who = self._callers(context)
             yield from self._exec(who, start, request_iterator, context, received)
         except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
-            abort(context, error)
+            self._abort(context, error)
 
     def _exec(self, who: Caller, start: pb.ExecStart | None, request_iterator: Iterator[pb.ExecRequest] | None,
               context: grpc.ServicerContext, received: float) -> Iterator[pb.ExecResponse]:
@@ -381,7 +387,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             with self._quotas.hold(who, STREAMS):
                 yield from self._audit.watch(who, request, context.is_active)
         except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
-            abort(context, error)
+            self._abort(context, error)
 
     def VerifyAudit(self, request: pb.VerifyAuditRequest, context: grpc.ServicerContext) -> pb.VerifyAuditResponse:
         return self._unary(context, lambda who: self._verification.verify(who, request, context.is_active))
@@ -422,10 +428,12 @@ class Reflection(reflection.ReflectionServicer):
     """Server reflection (grpcurl and the like), its streams counted as the caller's: each waits on
     its client's next request, holding a worker meanwhile, like a WatchEvents."""
 
-    def __init__(self, service_names: Iterable[str], callers: Callers, quotas: Quotas) -> None:
+    def __init__(self, service_names: Iterable[str], callers: Callers, quotas: Quotas,
+                 metrics: "Metrics | None" = None) -> None:
         super().__init__(tuple(service_names))
         self._callers = callers
         self._quotas = quotas
+        self._metrics = metrics
 
     def ServerReflectionInfo(self, request_iterator: Iterable[reflection_pb2.ServerReflectionRequest],
                              context: "grpc.ServicerContext | grpc.aio.ServicerContext[Any, Any]",
@@ -435,4 +443,6 @@ class Reflection(reflection.ReflectionServicer):
             with self._quotas.hold(self._callers(context), STREAMS):
                 yield from super().ServerReflectionInfo(request_iterator, context)
         except Exception as error:  # noqa: BLE001 - mapped to a status, never a traceback
+            if self._metrics is not None:
+                self._metrics.refused(code_for(error).name, str(error))
             abort(context, error)

@@ -17,7 +17,7 @@ import os
 import secrets
 import time
 from collections.abc import Mapping
-from typing import Callable, TypeVar
+from typing import Callable, Protocol, TypeVar
 
 from sandboxd import defaults
 from sandboxd._record import Record
@@ -68,7 +68,18 @@ class SandboxPlaces(Record):
     network_pool: str = ""              # addresses of isolated networks (default: netns's)
 
 
+class SessionCounts(Protocol):
+    """What the daemon's metrics count of sessions (service.metrics.Metrics)."""
+
+    def session_created(self) -> None: ...
+    def session_closed(self, reason: str) -> None: ...
+    def session_built(self, seconds: float) -> None: ...
+
+
 class SessionLifecycle:
+    # The daemon's metrics, when it keeps them (SessionRegistry sets it).
+    counts: "SessionCounts | None" = None
+
     def __init__(self, fork: ForkServer, store: EventStore, table: SessionTable, hooks: HookList,
                  places: SandboxPlaces, check_built: Callable[[Session, SessionInfo], None] | None = None,
                  vault: CredentialVault | None = None, live: LiveNetwork | None = None) -> None:
@@ -125,6 +136,8 @@ class SessionLifecycle:
             raise
         with session.lock:
             session.building = False
+        if self.counts is not None:
+            self.counts.session_created()
         return session
 
     def restore(self) -> int:
@@ -141,6 +154,8 @@ class SessionLifecycle:
                 self._store.save_session(row.replace(closed_at=time.time()))
                 self._store.append(row.id, EventType.SESSION_CLOSED,
                                    data={"by_uid": 0, "reason": f"its policy is refused now: {exc}"})
+                if self.counts is not None:
+                    self.counts.session_closed("its policy is refused now")
                 continue
             session.live_network = self._live
             session.credentials = self._vault.restored(session.owner, session.policy.network_rules.credentials,
@@ -249,6 +264,8 @@ class SessionLifecycle:
         self._store.save_session(session.to_row(closed_at=time.time()))
         self._store.append(session.id, EventType.SESSION_CLOSED,
                            data={"by_uid": caller.uid, **({"reason": reason} if reason else {})})
+        if self.counts is not None:
+            self.counts.session_closed(reason)
 
     def _drop_empty_change_set(self, session: Session) -> None:
         """A closed review session's directory goes when it holds no change (its sandbox is gone); a
@@ -363,11 +380,14 @@ class SessionLifecycle:
         (``session.built``, without the proxy's listener, which is closed here), judge it
         (``check_built``), then start its services (the hooks). The caller holds the session's
         build_lock."""
+        started = time.monotonic()
         info = self._fork.open_session(session.sandbox_name(generation), self._spec(session, policy),
                                        self.review_dir(session), session_bytes=self._places.review_session_bytes,
                                        owner_bytes=self._places.review_owner_bytes,
                                        owner_stores=self._owner_stores(session),
                                        owner_stores_max=self._places.review_owner_stores)
+        if self.counts is not None:
+            self.counts.session_built(time.monotonic() - started)
         try:
             with session.lock:                        # before the check: a concurrent build's check sees it
                 session.built[generation] = info.replace(proxy_listener=-1, transparent_listener=-1)

@@ -42,6 +42,7 @@ from sandboxd.network.publish import check_host_ports
 
 if TYPE_CHECKING:
     from sandboxd.service.network_questions import NetworkQuestions
+    from sandboxd.service.sessions.lifecycle import SessionCounts
 
 T = TypeVar("T")
 __all__ = ["SESSION_PLACEHOLDER_ARGV", "OwnPlaces", "Session", "SessionRegistry", "caller_groups", "command_user",
@@ -89,6 +90,10 @@ class SessionRegistry:
                                       check_built=lambda session, facts: access.check_not_shared(
                                           session.owner, facts, self._table.all(), session.id),
                                       vault=self.vault, live=LiveNetwork(store, self.vault, network_environment))
+
+    def count_with(self, counts: "SessionCounts") -> None:
+        """The daemon's metrics: sessions created, closed (by reason) and built (lifecycle.SessionCounts)."""
+        self._life.counts = counts
 
     def answer_network_with(self, questions: "NetworkQuestions") -> None:
         """Who answers the egress proxies' questions (unlisted = ask) of sandboxes built from now."""
