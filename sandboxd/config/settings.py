@@ -12,6 +12,7 @@ from typing import Callable, Mapping
 from sandboxd.config import BUILT_IN, Config, ConfigError, ResourceLimits, split_upstream_proxy
 from sandboxd.errors import InvalidPolicy, SandboxdError
 from sandboxd.kernel import host_limits
+from sandboxd.policy.audit_export import AuditExport
 from sandboxd.policy.audit_limits import AuditLimits, parse_min_free
 from sandboxd.policy.decision import approval_policy
 from sandboxd.policy.ipv4 import port as tcp_port
@@ -70,6 +71,7 @@ class DaemonSettings:
     stuck_openers: int
     approval_timeout: float
     audit: AuditLimits
+    audit_export: AuditExport
     allow_user_full_access: bool
     dns: tuple[str, ...]
     network_pool: str
@@ -136,6 +138,21 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
                             min_free_bytes=min_free_bytes, min_free_percent=min_free_percent)
     except SandboxdError as exc:
         raise refuse("audit", str(exc)) from None
+    try:
+        audit_export = AuditExport(
+            sink=config.text("audit.export.sink"),
+            path=config.text("audit.export.path") or os.path.join(config.text("state.dir"), "audit-export.ocsf.jsonl"),
+            max_bytes=parse_size(config.text("audit.export.max_bytes"), "audit.export.max_bytes"),
+            keep=config.whole("audit.export.keep"), endpoint=config.text("audit.export.endpoint"),
+            batch=config.whole("audit.export.batch"))
+    except SandboxdError as exc:
+        raise refuse("audit.export", str(exc)) from None
+    if audit_export.sink == "otlp":
+        import importlib.util
+
+        if importlib.util.find_spec("opentelemetry.exporter.otlp.proto.http") is None:
+            raise refuse("audit.export.sink", "\"otlp\" needs the OpenTelemetry SDK, which is not installed: "
+                         "install sandboxd's otlp extra (pip install 'sandboxd[otlp]') or choose another sink")
     defaults = SessionDefaults(
         sandbox=sandbox_mode(config.text("defaults.sandbox_policy")),
         network_access=config.flag("defaults.network_access"),
@@ -154,7 +171,7 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         ping_timeout=config.number("fork_server.ping_timeout_seconds"),
         wait_seconds=config.number("fork_server.wait_seconds"),
         stuck_openers=config.whole("fork_server.stuck_openers_per_uid"),
-        approval_timeout=config.number("approvals.timeout_seconds"), audit=audit,
+        approval_timeout=config.number("approvals.timeout_seconds"), audit=audit, audit_export=audit_export,
         allow_user_full_access=config.flag("policy.allow_user_full_access"),
         dns=config.texts("network.dns"), network_pool=config.text("network.pool"),
         proxy_connections=config.whole("quotas.proxy_connections_per_session"),
