@@ -9,7 +9,6 @@ class's category, its allowed activity ids and its required attributes (https://
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import threading

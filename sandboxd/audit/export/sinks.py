@@ -137,7 +137,7 @@ class OtlpSink:
             raise OSError(f"the OTLP collector at {self.endpoint} did not accept the batch")
 
     def close(self) -> None:
-        self._exporter.shutdown()
+        self._exporter.shutdown()          # type: ignore[no-untyped-call]  # the SDK leaves it untyped
 
 
 def _severity_numbers() -> dict[int, Any]:
