@@ -227,6 +227,27 @@ def test_a_crash_between_delivery_and_cursor_repeats_exactly_that_batch(tmp_path
         store.close()
 
 
+def test_the_export_keys_are_a_table_of_their_own(tmp_path: Path) -> None:
+    from sandboxd import config
+
+    path = tmp_path / "sandboxd.toml"
+    path.write_text('[audit]\nevent_bytes = 4096\n[audit.export]\nsink = "file"\nmax_bytes = "1M"\nkeep = 3\n')
+    settings = config.load(str(path), environ={"SANDBOXD_AUDIT_EXPORT_BATCH": "50"}, flags={})
+    assert settings.audit_export == AuditExport(sink="file", path="/var/lib/sandboxd/audit-export.ocsf.jsonl",
+                                                max_bytes=1 << 20, keep=3, batch=50)
+    assert settings.audit.event_bytes == 4096
+    for text, key, problem in (
+            ('[audit.export]\nsnk = "file"\n', "audit.export.snk", "known keys of [audit.export]: sink"),
+            ('[audit.export]\nsink = "otlp"\n', "audit.export.endpoint", "OTLP/HTTP logs URL"),
+            ('[audit.export]\nsink = "kafka"\n', "audit.export.sink", "must be one of"),
+            ('[audit.export]\nsink = "file"\npath = "relative"\n', "audit.export.path", "absolute"),
+            ('[audit.export]\nmax_bytes = "1K"\n', "audit.export.max_bytes", "at least")):
+        path.write_text(text)
+        with pytest.raises(config.ConfigError) as refused:
+            config.load(str(path), environ={}, flags={})
+        assert refused.value.key == key and problem in refused.value.problem, refused.value
+
+
 # --------------------------------------------------------------------------- a real daemon
 
 

@@ -663,7 +663,23 @@ def _check_together(values: dict[str, object], path: str | None) -> "tuple[Confi
     tls = [values[dotted] for dotted in _TLS]
     if any(tls) and not all(tls):
         raise ConfigError(where, "tls", "a TCP listener needs all of address, cert, key and client_ca")
+    _check_export(checked, where)
     return checked, limits
+
+
+def _check_export(config: Config, where: str) -> None:
+    """[audit.export]: what its sink needs (``serve`` and ``config check`` refuse the same)."""
+    sink = config.text("audit.export.sink")
+    if sink == "otlp" and not config.text("audit.export.endpoint"):
+        raise ConfigError(where, "audit.export.endpoint", "the otlp sink needs the collector's OTLP/HTTP logs "
+                          "URL, like \"http://127.0.0.1:4318/v1/logs\"")
+    if sink == "otlp":
+        import importlib.util
+
+        if importlib.util.find_spec("opentelemetry.exporter.otlp.proto.http") is None:
+            raise ConfigError(where, "audit.export.sink", "\"otlp\" needs the OpenTelemetry SDK, which is not "
+                              "installed: install sandboxd's otlp extra (pip install 'sandboxd[otlp]') or choose "
+                              "another sink")
 
 
 class ResourceLimits(Record):

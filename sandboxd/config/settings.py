@@ -145,14 +145,9 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
             max_bytes=parse_size(config.text("audit.export.max_bytes"), "audit.export.max_bytes"),
             keep=config.whole("audit.export.keep"), endpoint=config.text("audit.export.endpoint"),
             batch=config.whole("audit.export.batch"))
-    except SandboxdError as exc:
-        raise refuse("audit.export", str(exc)) from None
-    if audit_export.sink == "otlp":
-        import importlib.util
-
-        if importlib.util.find_spec("opentelemetry.exporter.otlp.proto.http") is None:
-            raise refuse("audit.export.sink", "\"otlp\" needs the OpenTelemetry SDK, which is not installed: "
-                         "install sandboxd's otlp extra (pip install 'sandboxd[otlp]') or choose another sink")
+    except SandboxdError as exc:                  # each problem starts with the key it is about
+        named = str(exc).split(" ", 1)[0]
+        raise refuse(named if named.startswith("audit.export.") else "audit.export", str(exc)) from None
     defaults = SessionDefaults(
         sandbox=sandbox_mode(config.text("defaults.sandbox_policy")),
         network_access=config.flag("defaults.network_access"),
