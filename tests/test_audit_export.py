@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import sqlite3
+import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -20,7 +22,7 @@ import grpc
 import pytest
 
 from conftest import eventually
-from daemon_helpers import Daemon, DaemonFactory, create_session, rpc_error, run_exec
+from daemon_helpers import BASE_ENV, Daemon, DaemonFactory, create_session, rpc_error, run_exec
 from sandboxd.audit.export import ocsf
 from sandboxd.audit.export.cursor import Cursor
 from sandboxd.audit.export.exporter import Exporter, cursor_path
@@ -29,6 +31,7 @@ from sandboxd.audit.store import Event, EventStore, EventType
 from sandboxd.policy.audit_export import AuditExport
 from sandboxd.v1 import sandboxd_pb2 as pb
 
+SANDBOXCTL = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "sandboxctl"
 # OCSF 1.3: class_uid -> (category_uid, activity ids, attributes the class requires beyond the base).
 SCHEMA: dict[int, tuple[int, set[int], tuple[str, ...]]] = {
     1001: (1, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 99}, ("actor", "device", "file")),
@@ -307,6 +310,17 @@ def test_a_daemon_exports_every_event_of_a_scenario(sandboxd_daemon: DaemonFacto
     assert records[0]["actor"]["user"]["uid"] == "0"
 
 
+def test_a_stopping_daemon_exports_its_last_events(sandboxd_daemon: DaemonFactory) -> None:
+    out = sandboxd_daemon.base / "export" / "audit.jsonl"
+    daemon = sandboxd_daemon(config=file_config(out))
+    session = create_session(daemon.stub, sandboxd_daemon.workspace()).id
+    run_exec(daemon.stub, session, ["true"])
+    assert daemon.stop() == 0
+    with sqlite3.connect(sandboxd_daemon.base / "state" / "events.db") as db:
+        stored = [row[0] for row in db.execute("SELECT id FROM events ORDER BY id")]
+    assert [int(r["metadata"]["uid"]) for r in exported(out)] == stored and len(stored) >= 4
+
+
 def test_kill_9_mid_export_loses_nothing_and_repeats_at_most_a_batch(sandboxd_daemon: DaemonFactory) -> None:
     out = sandboxd_daemon.base / "export" / "audit.jsonl"
     batch = 20
@@ -463,6 +477,13 @@ def test_watch_events_resumes_after_an_id(sandboxd_daemon: DaemonFactory) -> Non
     everything = daemon.stub.WatchEvents(pb.WatchEventsRequest(), timeout=60)   # the control: no cursor
     assert next(everything).id == past[0].id
     everything.cancel()
+    shown = subprocess.run([str(SANDBOXCTL), "--socket", daemon.socket, "events", "--after", str(cut)],
+                           capture_output=True, text=True, timeout=60, env=BASE_ENV)
+    assert shown.returncode == 0, shown.stderr
+    assert [int(line.split()[1]) for line in shown.stdout.splitlines()] == [e.id for e in past if e.id > cut]
+    refused = subprocess.run([str(SANDBOXCTL), "--socket", daemon.socket, "events", "--after", "-1"],
+                             capture_output=True, text=True, timeout=60, env=BASE_ENV)
+    assert refused.returncode == 2 and "not an event id" in refused.stderr, refused
     too_far = rpc_error(lambda: daemon.stub.WatchEvents(pb.WatchEventsRequest(after_id=1 << 63), timeout=60))
     assert too_far.code() == grpc.StatusCode.INVALID_ARGUMENT and "after_id" in (too_far.details() or "")
     daemon.stub.CloseSession(pb.CloseSessionRequest(session_id=session))
