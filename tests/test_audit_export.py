@@ -14,6 +14,7 @@ import socket
 import sqlite3
 import subprocess
 import threading
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator
@@ -442,16 +443,28 @@ def test_otlp_reaches_a_collector_and_a_hanging_one_stalls_no_call(sandboxd_daem
         assert ocsf_problems(json.loads(body)) == []
 
 
-def test_otlp_without_a_collector_is_retried_not_fatal(sandboxd_daemon: DaemonFactory) -> None:
-    """The control for the hang: a port nobody listens on refuses at once; calls are served and the
-    daemon keeps running."""
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    daemon = sandboxd_daemon(config=f'[audit.export]\nsink = "otlp"\nendpoint = "http://127.0.0.1:{port}/v1/logs"\n')
+        return int(probe.getsockname()[1])
+
+
+def metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_otlp_without_a_collector_is_retried_not_fatal(sandboxd_daemon: DaemonFactory) -> None:
+    """The control for the hang: a port nobody listens on refuses at once; calls are served, the
+    daemon keeps running, and the failures are counted."""
+    metrics_port = free_port()
+    daemon = sandboxd_daemon(config=f'[audit.export]\nsink = "otlp"\nendpoint = "http://127.0.0.1:{free_port()}/v1/logs"\n',
+                             args=["--metrics", f"127.0.0.1:{metrics_port}"])
     session = create_session(daemon.stub, sandboxd_daemon.workspace()).id
     assert run_exec(daemon.stub, session, ["echo", "ok"]).stdout == b"ok\n"
     assert eventually(lambda: "audit export failed" in daemon.log(), within=60), daemon.log()
+    assert metric(metrics_port, "sandboxd_audit_export_failures_total") >= 1
+    assert metric(metrics_port, "sandboxd_audit_exported_events_total") == 0
     daemon.stub.CloseSession(pb.CloseSessionRequest(session_id=session))
     assert daemon.proc is not None and daemon.proc.poll() is None
 
