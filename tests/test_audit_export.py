@@ -345,6 +345,8 @@ def test_kill_9_mid_export_loses_nothing_and_repeats_at_most_a_batch(sandboxd_da
     caller.join(60)
     before_kill = len(exported(out))
     cursor = Cursor(str(sandboxd_daemon.base / "state" / "audit-export-file.cursor")).last_id
+    with sqlite3.connect(sandboxd_daemon.base / "state" / "events.db") as db:
+        stored_at_kill = int(db.execute("SELECT COUNT(*) FROM events").fetchone()[0])
     ids_before = [int(r["metadata"]["uid"]) for r in exported(out)]
     assert cursor <= (max(ids_before) if ids_before else 0)        # never ahead of what was delivered
     again = sandboxd_daemon(config=config)
@@ -356,7 +358,8 @@ def test_kill_9_mid_export_loses_nothing_and_repeats_at_most_a_batch(sandboxd_da
     repeated = len(ids) - len(set(ids))
     assert set(ids) == {e.id for e in events}                       # nothing lost
     assert repeated <= batch, (repeated, before_kill, cursor)
-    print(json.dumps({"events": len(events), "exported_before_kill": before_kill, "cursor_at_kill": cursor,
+    print(json.dumps({"events": len(events), "stored_at_kill": stored_at_kill, "exported_before_kill": before_kill,
+                      "cursor_at_kill": cursor,
                       "repeated_after_restart": repeated}))
 
 
