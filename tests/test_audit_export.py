@@ -154,6 +154,17 @@ def test_the_file_sink_rotates_at_max_bytes(tmp_path: Path) -> None:
     assert len(kept) < 300
 
 
+def test_the_file_sink_follows_an_outside_rotation(tmp_path: Path) -> None:
+    """logrotate moved the file away: the next batch goes to a new file at the path, not the old one."""
+    path = tmp_path / "audit.jsonl"
+    sink = FileSink(str(path), max_bytes=1 << 20, keep=2)
+    sink.send([({}, b'{"n":1}\n')])
+    path.rename(tmp_path / "audit.jsonl.old")
+    sink.send([({}, b'{"n":2}\n')])
+    sink.close()
+    assert path.read_text() == '{"n":2}\n' and (tmp_path / "audit.jsonl.old").read_text() == '{"n":1}\n'
+
+
 def test_the_cursor_is_replaced_whole(tmp_path: Path) -> None:
     cursor = Cursor(str(tmp_path / "c.cursor"))
     assert cursor.last_id == 0

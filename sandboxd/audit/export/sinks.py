@@ -50,14 +50,24 @@ class FileSink:
 
     def __init__(self, path: str, max_bytes: int, keep: int) -> None:
         self.path, self.max_bytes, self.keep = path, max_bytes, keep
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         self._fd = -1
         self._size = 0
 
     def _open(self) -> None:
-        if self._fd < 0:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-            self._size = os.fstat(self._fd).st_size
+        """The file, opened (its directory made) at the first batch and again when someone else
+        (logrotate) moved it away: a failure here is the batch's, retried, never the daemon's start."""
+        if self._fd >= 0:
+            try:
+                moved = os.stat(self.path, follow_symlinks=False).st_ino != os.fstat(self._fd).st_ino
+            except FileNotFoundError:
+                moved = True
+            if not moved:
+                return
+            os.close(self._fd)
+            self._fd = -1
+        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        self._size = os.fstat(self._fd).st_size
 
     def send(self, records: Sequence[tuple[dict[str, Any], bytes]]) -> None:
         self._open()
@@ -81,15 +91,13 @@ class FileSink:
 
     def _rotate(self) -> None:
         """path -> path.1 -> ... -> path.KEEP (the oldest dropped), then a new path."""
-        os.close(self._fd)
-        self._fd = -1
         for index in range(self.keep - 1, 0, -1):
             try:
                 os.replace(f"{self.path}.{index}", f"{self.path}.{index + 1}")
             except FileNotFoundError:
                 pass
         os.replace(self.path, f"{self.path}.1")
-        self._open()
+        self._open()                                   # sees the file moved: a new one
 
     def close(self) -> None:
         if self._fd >= 0:
