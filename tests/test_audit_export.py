@@ -9,6 +9,7 @@ class's category, its allowed activity ids and its required attributes (https://
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import sqlite3
@@ -204,6 +205,48 @@ def test_a_failing_sink_is_retried_from_the_cursor(tmp_path: Path) -> None:
         assert sink.ids == list(range(1, 26)) and exporter.failures == 2
         assert Cursor(cursor_path(str(tmp_path), "file")).last_id == 25
     finally:
+        store.close()
+
+
+class HangingSink(FlakySink):
+    """Holds every send until released: a collector that does not answer."""
+
+    def __init__(self) -> None:
+        super().__init__(failures=0)
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def send(self, records: list[tuple[dict[str, Any], bytes]]) -> None:
+        self.entered.set()
+        self.release.wait(60)
+        super().send(records)
+
+
+def test_a_hanging_sink_holds_back_neither_appends_nor_the_wal(tmp_path: Path) -> None:
+    store = EventStore(str(tmp_path / "events.db"))
+    sink = HangingSink()
+    exporter = Exporter(store.path, str(tmp_path), AuditExport(sink="file", path="/x", batch=5), sink=sink)
+    try:
+        store.append("s", EventType.TOOL_STARTED, call_id="c", tool="shell.exec", data={})
+        exporter.start()
+        assert sink.entered.wait(30)                       # the exporter is stuck in its sink
+        for n in range(200):                               # appends go on
+            store.append("s", EventType.TOOL_STARTED, call_id=f"c{n}", tool="shell.exec", data={"n": n})
+        with sqlite3.connect(store.path) as other:
+            busy, _log, _done = other.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        assert busy == 0 and os.path.getsize(store.path + "-wal") == 0     # no reader pins the WAL
+        pinning = sqlite3.connect(store.path, isolation_level=None)    # the control: a reader mid-transaction
+        pinning.execute("BEGIN")
+        pinning.execute("SELECT COUNT(*) FROM events").fetchone()
+        store.append("s", EventType.TOOL_STARTED, call_id="pinned", tool="shell.exec", data={})
+        with sqlite3.connect(store.path) as other:
+            assert other.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0] == 1
+        pinning.close()
+        sink.release.set()
+        assert eventually(lambda: len(sink.ids) == 202, within=30)
+        assert sink.ids == list(range(1, 203))
+    finally:
+        sink.release.set()
+        exporter.stop()
         store.close()
 
 

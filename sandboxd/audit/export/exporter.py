@@ -16,6 +16,7 @@ import os
 import sqlite3
 import threading
 import time
+import urllib.parse
 from typing import Callable
 
 from sandboxd.audit.export import ocsf
@@ -48,7 +49,9 @@ class EventReader:
     """Batches of events after a cursor, with their sessions' owners, on a connection of its own."""
 
     def __init__(self, db_path: str) -> None:
-        self._db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, check_same_thread=False)
+        # Read-only, and never inside a transaction between batches (each SELECT ends with its
+        # fetch), so the export holds back no WAL checkpoint while its sink is slow.
+        self._db = sqlite3.connect(f"file:{urllib.parse.quote(db_path)}?mode=ro", uri=True, check_same_thread=False)
         self._owners: dict[str, ocsf.Owner | None] = {}
 
     def batch(self, cursor: int, limit: int) -> list[tuple[ocsf.Owner | None, Event]]:
