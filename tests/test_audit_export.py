@@ -348,6 +348,13 @@ def test_a_daemon_exports_every_event_of_a_scenario(sandboxd_daemon: DaemonFacto
     for n in range(25):                                       # enough records for a rotation at 64K
         run_exec(daemon.stub, session, ["true", "x" * 1500, str(n)])
     daemon.stub.CloseSession(pb.CloseSessionRequest(session_id=session))
+    review_ws = sandboxd_daemon.workspace()                   # review mode: a checkpoint, an apply
+    review = create_session(daemon.stub, review_ws, review=True).id
+    assert run_exec(daemon.stub, review, ["sh", "-c", "echo r > r.txt"]).result.exit_code == 0
+    daemon.stub.CreateCheckpoint(pb.CreateCheckpointRequest(session_id=review, label="first\x1b[2K"))
+    daemon.stub.ApplyChanges(pb.ApplyChangesRequest(session_id=review))
+    assert (review_ws / "r.txt").read_text() == "r\n"
+    daemon.stub.CloseSession(pb.CloseSessionRequest(session_id=review))
     events = all_events(daemon)
     assert eventually(lambda: len(exported(out)) >= len(events), within=60), (len(events), len(exported(out)))
     records = exported(out)
@@ -359,10 +366,16 @@ def test_a_daemon_exports_every_event_of_a_scenario(sandboxd_daemon: DaemonFacto
     kinds = {(r["unmapped"]["event_type"], r["unmapped"]["tool"]): r["class_uid"] for r in records}
     assert {e.type for e in events} >= {EventType.SESSION_CREATED, EventType.PERMISSION_GRANTED, EventType.TOOL_STARTED,
                                          EventType.TOOL_COMPLETED, EventType.PERMISSION_DENIED,
-                                         EventType.POLICY_CHANGED, EventType.SESSION_CLOSED}
+                                         EventType.POLICY_CHANGED, EventType.SESSION_CLOSED,
+                                         EventType.CHECKPOINT_CREATED, EventType.CHANGES_APPLIED}
+    assert kinds[(EventType.CHECKPOINT_CREATED, "")] == 6003 and kinds[(EventType.CHANGES_APPLIED, "")] == 6003
     assert kinds[(EventType.TOOL_STARTED, "shell.exec")] == 1007 and kinds[(EventType.TOOL_STARTED, "fs.write")] == 1001
     assert kinds[(EventType.SESSION_CREATED, "")] == 6003 and kinds[(EventType.PERMISSION_DENIED, "fs.write")] == 6003
     assert records[0]["actor"]["user"]["uid"] == "0"
+    ended = [r for r in records if r["class_uid"] == 1007 and r["activity_id"] == 2]
+    assert ended and all(r["exit_code"] == 0 and r["status_id"] == 1 for r in ended)
+    launched = [r for r in records if r["class_uid"] == 1007 and r["activity_id"] == 1]
+    assert launched[0]["process"]["cmd_line"] == "sh -c 'echo hi > a.txt'"
 
 
 def test_a_stopping_daemon_exports_its_last_events(sandboxd_daemon: DaemonFactory) -> None:
