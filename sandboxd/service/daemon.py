@@ -185,6 +185,7 @@ class Daemon:
                                     on_failure=metrics.export_failures.inc)
                 exporter.start()
                 undo.callback(exporter.stop, 0.0)
+                store.subscribe(exporter.noticed)   # woken by each commit; store.close ends it
             metrics.watch(sessions=registry.count_open,
                           running=lambda: sum(session.running_calls for session in registry.open_sessions()),
                           events=store.last_id)

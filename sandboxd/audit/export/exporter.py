@@ -27,7 +27,12 @@ from sandboxd.policy.audit_export import AuditExport
 
 log = logging.getLogger("sandboxd.audit.export")
 
-IDLE_POLL_SECONDS = 0.25          # how often an idle exporter looks for new events (one indexed query)
+# An idle exporter sleeps until the store says an event was committed (``noticed``), and looks on
+# its own only this often (a store written by another process, a missed wake-up).
+IDLE_POLL_SECONDS = 5.0
+# After a wake-up it waits this long before reading, so events committed together (a call's three,
+# a busy node's many) go in one batch and one sync, not one each.
+COALESCE_SECONDS = 0.1
 BACKOFF_FIRST = 1.0
 BACKOFF_MAX = 60.0
 
@@ -83,7 +88,8 @@ class Exporter:
         self.cursor = Cursor(cursor_path(state_dir, settings.sink))
         self._sink = sink or make_sink(settings)
         self._on_exported, self._on_failure = on_exported, on_failure
-        self._wake = threading.Event()
+        self._new = threading.Event()               # an event was committed
+        self._stop_wake = threading.Event()         # stop was asked: cuts a back-off or a coalescing wait
         self._stopping = False
         self._drain_until = 0.0
         self._thread = threading.Thread(target=self._run, name="sandboxd-export", daemon=True)
@@ -93,16 +99,19 @@ class Exporter:
     def start(self) -> None:
         self._thread.start()
 
-    def nudge(self) -> None:
-        """New events were committed (optional: an idle exporter polls anyway)."""
-        self._wake.set()
+    def noticed(self, _event: Event) -> bool:
+        """The store's subscriber callback (EventStore.subscribe): an event was committed. Wakes the
+        exporter and keeps nothing (False: the subscription's queue stays empty)."""
+        self._new.set()
+        return False
 
     def stop(self, drain_seconds: float = 2.0) -> None:
         """Send what the store holds for up to ``drain_seconds``, then stop. The cursor says how far
         it got; the next daemon carries on from there."""
         self._drain_until = time.monotonic() + drain_seconds
         self._stopping = True
-        self._wake.set()
+        self._stop_wake.set()
+        self._new.set()
         self._thread.join(drain_seconds + 1.0)
         if not self._thread.is_alive():
             self._sink.close()
@@ -128,15 +137,15 @@ class Exporter:
                     reader = None
                 if self._stopping:
                     break
-                self._wake.wait(backoff)
-                self._wake.clear()
+                self._stop_wake.wait(backoff)           # new events do not cut it short
                 backoff = min(backoff * 2, BACKOFF_MAX)
                 continue
             if self._stopping and (sent == 0 or time.monotonic() >= self._drain_until):
                 break
             if sent < self.settings.batch and not self._stopping:
-                self._wake.wait(IDLE_POLL_SECONDS)
-                self._wake.clear()
+                if self._new.wait(IDLE_POLL_SECONDS):
+                    self._stop_wake.wait(COALESCE_SECONDS)
+                self._new.clear()
         if reader is not None:
             reader.close()
 
