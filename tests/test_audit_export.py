@@ -115,6 +115,10 @@ def test_every_event_type_maps_to_a_valid_ocsf_record() -> None:
     assert launch["process"]["cmd_line"] == "ls -l" and launch["actor"]["user"]["uid"] == "1000"
     closed = ocsf.record(EVERY_KIND[1][0], ocsf.Owner(1000, ""))
     assert closed["actor"]["user"]["uid"] == "0"              # who closed it, not whose it was
+    network = ocsf.record(EVERY_KIND[16][0], None)
+    assert network["dst_endpoint"] == {"hostname": "evil.example", "port": 443}
+    odd = ocsf.record(event(EventType.PERMISSION_DENIED, "network", {"destination": "x:99999"}), None)
+    assert odd["dst_endpoint"] == {"hostname": "x:99999"}
     denied = ocsf.record(EVERY_KIND[5][0], None)
     assert (denied["status_id"], denied["severity_id"]) == (2, 3) and denied["status_detail"] == "destructive"
 
@@ -376,6 +380,31 @@ def test_a_daemon_exports_every_event_of_a_scenario(sandboxd_daemon: DaemonFacto
     assert ended and all(r["exit_code"] == 0 and r["status_id"] == 1 for r in ended)
     launched = [r for r in records if r["class_uid"] == 1007 and r["activity_id"] == 1]
     assert launched[0]["process"]["cmd_line"] == "sh -c 'echo hi > a.txt'"
+
+
+CONNECT_PROBE = """
+import socket
+with socket.create_connection(("127.0.0.1", 3128), timeout=30) as proxy:
+    proxy.sendall(b"CONNECT other.invalid:443 HTTP/1.1\\r\\nHost: other.invalid:443\\r\\n\\r\\n")
+    print(proxy.recv(200).split(b"\\r\\n")[0].decode())
+"""
+
+
+def test_a_refused_connection_is_network_activity(sandboxd_daemon: DaemonFactory) -> None:
+    out = sandboxd_daemon.base / "export" / "audit.jsonl"
+    daemon = sandboxd_daemon(config=file_config(out))
+    session = create_session(daemon.stub, sandboxd_daemon.workspace(), pb.SandboxPolicy(
+        mode=pb.SandboxPolicy.WORKSPACE_WRITE, network_access=True, allowed_domains=["allowed.invalid"])).id
+    try:
+        answer = run_exec(daemon.stub, session, ["python3", "-c", CONNECT_PROBE])
+        assert "403" in answer.stdout.decode(), answer.describe()
+    finally:
+        daemon.stub.CloseSession(pb.CloseSessionRequest(session_id=session))
+    wanted = {e.id for e in all_events(daemon)}
+    assert eventually(lambda: {int(r["metadata"]["uid"]) for r in exported(out)} >= wanted, within=60)
+    [refused] = [r for r in exported(out) if r["unmapped"]["tool"] == "network"]
+    assert (refused["class_uid"], refused["activity_id"], refused["status_id"]) == (4001, 5, 2)
+    assert refused["dst_endpoint"] == {"hostname": "other.invalid", "port": 443} and ocsf_problems(refused) == []
 
 
 def test_a_stopping_daemon_exports_its_last_events(sandboxd_daemon: DaemonFactory) -> None:

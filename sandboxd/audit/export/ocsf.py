@@ -104,8 +104,8 @@ def record(event: Event, owner: Owner | None) -> dict[str, Any]:
     elif tool == NETWORK_TOOL and kind in (EventType.PERMISSION_DENIED, EventType.PERMISSION_GRANTED):
         klass = NETWORK_ACTIVITY
         activity = NETWORK_REFUSE if kind == EventType.PERMISSION_DENIED else NETWORK_OPEN
-        destination = str(data.get("destination") or data.get("summary") or "")
-        body = {"dst_endpoint": {"hostname": destination}, "src_endpoint": {"uid": event.session_id}}
+        body = {"dst_endpoint": _endpoint(str(data.get("destination") or data.get("summary") or "")),
+                "src_endpoint": {"uid": event.session_id}}
     else:
         operation, activity = API_EVENTS.get(kind, (kind, API_OTHER))
         klass = API_ACTIVITY
@@ -153,6 +153,14 @@ def _actor(event: Event, owner: Owner | None) -> dict[str, Any]:
             user["name"] = owner.principal
     actor: dict[str, Any] = {"user": user, "session": {"uid": event.session_id}}
     return actor
+
+
+def _endpoint(destination: str) -> dict[str, Any]:
+    """``host:port`` (the proxy's destination) as an OCSF endpoint; anything else as its hostname."""
+    host, _, port = destination.rpartition(":")
+    if host and port.isascii() and port.isdigit() and int(port) < 65536:
+        return {"hostname": host.removeprefix("[").removesuffix("]"), "port": int(port)}
+    return {"hostname": destination}
 
 
 def _process(event: Event) -> dict[str, Any]:
