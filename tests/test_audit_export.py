@@ -593,6 +593,15 @@ def test_watch_events_resumes_after_an_id(sandboxd_daemon: DaemonFactory) -> Non
                            capture_output=True, text=True, timeout=60, env=BASE_ENV)
     assert shown.returncode == 0, shown.stderr
     assert [int(line.split()[1]) for line in shown.stdout.splitlines()] == [e.id for e in past if e.id > cut]
+    follower = subprocess.Popen([str(SANDBOXCTL), "--socket", daemon.socket, "events", "--follow", "--after",
+                                 str(cut)], stdout=subprocess.PIPE, text=True, env=BASE_ENV)
+    try:
+        assert follower.stdout is not None
+        followed = [int(follower.stdout.readline().split()[1]) for e in past if e.id > cut]
+        assert followed == [e.id for e in past if e.id > cut]
+    finally:
+        follower.kill()
+        follower.wait()
     refused = subprocess.run([str(SANDBOXCTL), "--socket", daemon.socket, "events", "--after", "-1"],
                              capture_output=True, text=True, timeout=60, env=BASE_ENV)
     assert refused.returncode == 2 and "not an event id" in refused.stderr, refused
