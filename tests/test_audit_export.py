@@ -123,6 +123,16 @@ def test_every_event_type_maps_to_a_valid_ocsf_record() -> None:
     assert (denied["status_id"], denied["severity_id"]) == (2, 3) and denied["status_detail"] == "destructive"
 
 
+def test_an_event_that_cannot_be_mapped_still_leaves_whole() -> None:
+    """A row someone edited by hand: its data a JSON list, which no event type writes."""
+    odd = Event(7, "sess_1", 3, EventType.TOOL_STARTED, 1700000000.25, "call_1", "shell.exec", [1, 2])  # type: ignore[arg-type]
+    with pytest.raises(AttributeError):
+        ocsf.record(odd, None)
+    kept = ocsf.record_or_fallback(odd, None)
+    assert ocsf_problems(kept) == [] and (kept["class_uid"], kept["activity_id"]) == (6003, 99)
+    assert kept["unmapped"]["event_type"] == EventType.TOOL_STARTED and "mapping_error" in kept["unmapped"]
+
+
 def test_the_schema_check_sees_a_bad_record() -> None:
     """The control: the table refuses a record that lacks a required attribute, one with another
     class's activity, and one whose type_uid does not follow."""

@@ -155,7 +155,7 @@ class Exporter:
             return 0
         records = []
         for owner, event in batch:
-            record = ocsf.record(event, owner)
+            record = ocsf.record_or_fallback(event, owner)
             records.append((record, ocsf.encode(record)))
         self._sink.send(records)
         self.cursor.store(batch[-1][1].id)

@@ -136,6 +136,21 @@ def record(event: Event, owner: Owner | None) -> dict[str, Any]:
     return out
 
 
+def record_or_fallback(event: Event, owner: Owner | None) -> dict[str, Any]:
+    """``record``, or if mapping this event fails (data of a shape no type writes: a row edited by
+    hand), an API
+    Activity record of class Other that keeps the event whole under ``unmapped`` and says why, so
+    one event never holds the export back."""
+    try:
+        return record(event, owner)
+    except Exception as exc:  # noqa: BLE001 - the event still leaves the node, marked
+        fallback = record(Event(event.id, event.session_id, event.sequence, "", event.time, event.call_id, "", {}),
+                          owner)
+        fallback["unmapped"].update(event_type=event.type, tool=event.tool, data=event.data,
+                                    mapping_error=f"{type(exc).__name__}: {exc}")
+        return fallback
+
+
 def encode(ocsf_record: dict[str, Any]) -> bytes:
     """A record as one JSON line (ASCII: every control and non-ASCII character escaped)."""
     return json.dumps(ocsf_record, ensure_ascii=True, separators=(",", ":")).encode() + b"\n"
