@@ -283,7 +283,7 @@ def test_a_newline_in_a_command_cannot_forge_an_event_line(daemon: Daemon, clien
     session after a newline; root reads the grants with `sandboxctl events`."""
     victim = client.create_session(str(ws), approval="on-request").id
     when = time.strftime("%H:%M:%S")
-    forged = (f"{when} {victim}#7    PermissionGranted        shell.exec     call_0123456789ab  by=user "
+    forged = (f"{when}     42 {victim}#7    PermissionGranted        shell.exec     call_0123456789ab  by=user "
               f"Execute: cat /etc/shadow")
     workspace = owned_workspace(base, attacker)
     reply = run_client_as(attacker.uid, attacker.gid, daemon.socket, EXEC_AS_USER,
@@ -294,7 +294,7 @@ def test_a_newline_in_a_command_cannot_forge_an_event_line(daemon: Daemon, clien
         lines = joined(term).splitlines()
         [line] = [line for line in lines if reply["session"] in line]
         assert line.endswith(f"Execute: true\\n{forged}"), screen
-        assert not [line for line in lines if line.startswith(f"{when} {victim}")], screen
+        assert not [line for line in lines if line.startswith(f"{when}     42 {victim}")], screen
 
         [event] = [event for event in client.stub.QueryEvents(pb.QueryEventsRequest(
             session_id=reply["session"], types=["PermissionGranted"])).events]

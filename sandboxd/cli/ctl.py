@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("--tool", default="", help="only this tool's events")
     events.add_argument("--json", action="store_true", help="one JSON object per line")
     audit_ctl.add_parser(commands)
+    events.add_argument("--after", type=_event_id, default=0, metavar="ID",
+                        help="only events after this id (the number after the time; resume a --follow with "
+                        "the last id printed)")
     pending = commands.add_parser("pending", help="calls of a session waiting for approval")
     pending.add_argument("session_id")
     approvals = commands.add_parser("approvals", help="held calls of your sessions; --follow: as they come, "
@@ -219,6 +222,13 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGPIPE
 
 
+def _event_id(text: str) -> int:
+    """``--after``: an event id as `sandboxctl events` prints it."""
+    if not text.isascii() or not text.isdigit() or int(text) >= 1 << 63:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an event id (a whole number, as events prints it)")
+    return int(text)
+
+
 def _event_line(event: pb.Event) -> str:
     """One event on one line. Each part is printable: a summary holding a newline cannot add a
     line of its own (a forged PermissionGranted for another session, say)."""
@@ -236,7 +246,8 @@ def _event_line(event: pb.Event) -> str:
         cut = ", ".join(f"{'.'.join(map(str, c.get('path') or ['all']))} ({c.get('bytes')} bytes)" for c in clipped
                         if isinstance(c, dict))
         detail = f"{detail} [clipped: {printable(cut)}]".strip()
-    return (f"{when} {printable(event.session_id)}#{event.sequence:<4} {printable(event.type):<24} "
+    # The id first after the time: what `sandboxctl events --follow --after ID` resumes from.
+    return (f"{when} {event.id:>6} {printable(event.session_id)}#{event.sequence:<4} {printable(event.type):<24} "
             f"{printable(event.tool):<14} {printable(event.call_id):<18} {extra} {detail}").rstrip()
 
 
@@ -249,11 +260,12 @@ def _print_events(client: SandboxClient, args: argparse.Namespace) -> int:
         else:
             print(_event_line(event), flush=True)
     if args.follow:
-        for event in client.stub.WatchEvents(pb.WatchEventsRequest(session_id=args.session, types=args.type)):
+        for event in client.stub.WatchEvents(pb.WatchEventsRequest(session_id=args.session, types=args.type,
+                                                                   after_id=args.after)):
             if not args.tool or event.tool == args.tool:
                 show(event)
         return 0
-    token = ""
+    token = str(args.after) if args.after else ""
     while True:
         page = client.stub.QueryEvents(pb.QueryEventsRequest(session_id=args.session, types=args.type,
                                                              tool=args.tool, page_size=1000, page_token=token))

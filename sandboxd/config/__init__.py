@@ -341,6 +341,12 @@ def _listen_address(value: object) -> str | None:
     return None
 
 
+def _otlp_endpoint(value: object) -> str | None:
+    if not isinstance(value, str) or (value and not value.startswith(("http://", "https://"))):
+        return f"must be an http:// or https:// URL (the collector's OTLP/HTTP logs path), not {value!r}"
+    return None
+
+
 def _one_of(*choices: str) -> "Callable[[object], str | None]":
     def check(value: object) -> str | None:
         return None if value in choices else f"must be one of {', '.join(choices)}, not {value!r}"
@@ -445,6 +451,19 @@ KEYS: tuple[Key, ...] = (
     Key("audit", "max_bytes", "0", "past this size of the audit database the oldest events are pruned the same "
         "way until it fits; an open session's last event and everything after it stay; \"0\": no bound",
         _audit_max_bytes),
+    Key("audit.export", "sink", "none", "where the audit log is sent as OCSF JSON lines, at least once from a "
+        "cursor kept in the state directory: \"none\", \"stdout\" (the daemon's standard output), \"file\" "
+        "(audit.export.path, rotated) or \"otlp\" (OTLP logs over HTTP to audit.export.endpoint; needs the otlp "
+        "extra)", _one_of("none", "stdout", "file", "otlp")),
+    Key("audit.export", "path", "", "the file sink's file (absolute); empty: audit-export.ocsf.jsonl in "
+        "state.dir", _optional_absolute),
+    Key("audit.export", "max_bytes", "64M", "the file sink rotates before a record would take the file past "
+        "this: FILE -> FILE.1 -> ... -> FILE.KEEP", _size),
+    Key("audit.export", "keep", 5, "rotated files the file sink keeps (the oldest is removed)", _whole(1, 1000)),
+    Key("audit.export", "endpoint", "", "the otlp sink's OTLP/HTTP logs URL, like "
+        "http://127.0.0.1:4318/v1/logs", _otlp_endpoint),
+    Key("audit.export", "batch", 500, "events read, sent and acknowledged at a time; a restart repeats at most "
+        "one batch", _whole(1, 1000)),
     Key("policy", "allow_user_full_access", True, "a local non-root caller may create danger-full-access "
         "sessions, whose commands run on the host as that caller with its own rights and no more (a killable "
         "tree, the session's limits, the audit trail); false: only local root may (TLS callers never may)",
@@ -618,7 +637,7 @@ def load(path: str | None = None, *, environ: Mapping[str, str] | None = None,
 
 def env_name(key: Key) -> str:
     """The environment variable that sets ``key``: ``SANDBOXD_<SECTION>_<NAME>``."""
-    return f"SANDBOXD_{key.section}_{key.name}".upper()
+    return f"SANDBOXD_{key.section}_{key.name}".replace(".", "_").upper()
 
 
 def read_file(path: str | None) -> Config:
@@ -643,11 +662,21 @@ def _overlay_file(values: dict[str, object], path: str | None) -> None:
         raise ConfigError(path, "", f"cannot read it ({exc.strerror})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(path, "", f"not valid TOML: {exc}") from None
-    for section, table in data.items():
+    _overlay_tables(values, path, data, "")
+
+
+def _overlay_tables(values: dict[str, object], path: str, data: dict[str, object], outer: str) -> None:
+    """The keys of each [section] (and [section.sub], such as [audit.export]) of ``data``."""
+    sections = {k.section for k in KEYS}
+    for part, table in data.items():
+        section = f"{outer}.{part}" if outer else part
         if not isinstance(table, dict):
             raise ConfigError(path, section, "must be a [section] table; known sections: "
-                              + ", ".join(sorted({k.section for k in KEYS})))
+                              + ", ".join(sorted(sections)))
         for name, value in table.items():
+            if isinstance(value, dict) and f"{section}.{name}" in sections:
+                _overlay_tables(values, path, {name: value}, section)
+                continue
             key = _BY_NAME.get(f"{section}.{name}")
             if key is None:
                 known = [k.name for k in KEYS if k.section == section]
@@ -740,7 +769,23 @@ def _check_together(values: dict[str, object], path: str | None) -> "tuple[Confi
     tls = [values[dotted] for dotted in _TLS]
     if any(tls) and not all(tls):
         raise ConfigError(where, "tls", "a TCP listener needs all of address, cert, key and client_ca")
+    _check_export(checked, where)
     return checked, limits
+
+
+def _check_export(config: Config, where: str) -> None:
+    """[audit.export]: what its sink needs (``serve`` and ``config check`` refuse the same)."""
+    sink = config.text("audit.export.sink")
+    if sink == "otlp" and not config.text("audit.export.endpoint"):
+        raise ConfigError(where, "audit.export.endpoint", "the otlp sink needs the collector's OTLP/HTTP logs "
+                          "URL, like \"http://127.0.0.1:4318/v1/logs\"")
+    if sink == "otlp":
+        import importlib.util
+
+        if importlib.util.find_spec("opentelemetry.exporter.otlp.proto.http") is None:
+            raise ConfigError(where, "audit.export.sink", "\"otlp\" needs the OpenTelemetry SDK, which is not "
+                              "installed: install sandboxd's otlp extra (pip install 'sandboxd[otlp]') or choose "
+                              "another sink")
 
 
 class ResourceLimits(Record):

@@ -13,6 +13,7 @@ from sandboxd.config import (BUILT_IN, Config, ConfigError, ResourceLimits, spli
                              split_upstream_proxy)
 from sandboxd.errors import InvalidPolicy, SandboxdError
 from sandboxd.kernel import host_limits
+from sandboxd.policy.audit_export import AuditExport
 from sandboxd.policy.audit_limits import AuditLimits, parse_min_free
 from sandboxd.policy.decision import approval_policy
 from sandboxd.policy.ipv4 import port as tcp_port
@@ -71,6 +72,7 @@ class DaemonSettings:
     stuck_openers: int
     approval_timeout: float
     audit: AuditLimits
+    audit_export: AuditExport
     allow_user_full_access: bool
     dns: tuple[str, ...]
     network_pool: str
@@ -140,6 +142,16 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
                             max_bytes=_size_or_zero(config, "audit.max_bytes"))
     except SandboxdError as exc:
         raise refuse("audit", str(exc)) from None
+    try:
+        audit_export = AuditExport(
+            sink=config.text("audit.export.sink"),
+            path=config.text("audit.export.path") or os.path.join(config.text("state.dir"), "audit-export.ocsf.jsonl"),
+            max_bytes=parse_size(config.text("audit.export.max_bytes"), "audit.export.max_bytes"),
+            keep=config.whole("audit.export.keep"), endpoint=config.text("audit.export.endpoint"),
+            batch=config.whole("audit.export.batch"))
+    except SandboxdError as exc:                  # each problem starts with the key it is about
+        named = str(exc).split(" ", 1)[0]
+        raise refuse(named if named.startswith("audit.export.") else "audit.export", str(exc)) from None
     defaults = SessionDefaults(
         sandbox=sandbox_mode(config.text("defaults.sandbox_policy")),
         network_access=config.flag("defaults.network_access"),
@@ -158,7 +170,7 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         ping_timeout=config.number("fork_server.ping_timeout_seconds"),
         wait_seconds=config.number("fork_server.wait_seconds"),
         stuck_openers=config.whole("fork_server.stuck_openers_per_uid"),
-        approval_timeout=config.number("approvals.timeout_seconds"), audit=audit,
+        approval_timeout=config.number("approvals.timeout_seconds"), audit=audit, audit_export=audit_export,
         allow_user_full_access=config.flag("policy.allow_user_full_access"),
         dns=config.texts("network.dns"), network_pool=config.text("network.pool"),
         proxy_connections=config.whole("quotas.proxy_connections_per_session"),

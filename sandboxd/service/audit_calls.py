@@ -158,9 +158,13 @@ class AuditService:
 
     def watch(self, who: Caller, request: pb.WatchEventsRequest,
               active: Callable[[], bool]) -> Iterator[pb.Event]:
-        """Past events after ``from_sequence``, then live ones until the caller leaves."""
+        """Past events after ``from_sequence`` and ``after_id``, then live ones until the caller leaves."""
         if request.from_sequence > MAX_EVENT_ID:
             raise InvalidPolicy(f"from_sequence {request.from_sequence} is past any event (at most 2^63-1)")
+        if request.after_id > MAX_EVENT_ID:
+            raise InvalidPolicy(f"after_id {request.after_id} is past any event (at most 2^63-1): pass the id "
+                                "of the last event you saw")
+        after_id = int(request.after_id)
         visible = self._registry.visible_ids(who, request.session_id)
         types = set(request.types)
         unknown = types - set(EventType.ALL)
@@ -169,7 +173,7 @@ class AuditService:
         single = request.session_id or None
 
         def wants(event: Event) -> bool:
-            if types and event.type not in types:
+            if (types and event.type not in types) or event.id <= after_id:
                 return False
             if single is not None:
                 return event.session_id == single and event.sequence > request.from_sequence
@@ -179,7 +183,7 @@ class AuditService:
 
         subscription = self._store.subscribe(wants)
         try:
-            after = 0 if single else int(request.from_sequence)
+            after = max(after_id, 0 if single else int(request.from_sequence))
             while True:                                   # the past, up to the subscription's start
                 page = self._store.query(session_ids=[single] if single else visible, types=list(types) or None,
                                          after_id=after, limit=1000)

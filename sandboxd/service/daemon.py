@@ -28,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from sandboxd import defaults
+from sandboxd.audit.export.exporter import Exporter
 from sandboxd.audit.store import EventStore, open_in_state_dir
 from sandboxd.config.settings import DaemonSettings
 from sandboxd.service import memtrace, systemd
@@ -56,6 +57,7 @@ from sandboxd.v1 import sandboxd_pb2, sandboxd_pb2_grpc
 log = logging.getLogger("sandboxd")
 SERVICES = ("", "sandboxd.v1.Sandbox")          # what health reports on
 STOP_GRACE_SECONDS = 2                           # calls still running at stop get this long
+EXPORT_DRAIN_SECONDS = 2.0                       # at stop, the export sends what is left for up to this
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,7 @@ class _Parts:
     ties: ProcessTies                            # what ends with a client's process
     log_handler: logging.Handler
     tracer: memtrace.MemoryTracer | None
+    exporter: Exporter | None = None             # [audit.export]: the audit log sent off the node
 
 
 class Daemon:
@@ -186,6 +189,13 @@ class Daemon:
             resumed -= tied.restore()
             channels = ApprovalChannels(defaults.channels_dir(socket_path), ties)
             undo.callback(channels.withdraw)
+            exporter = None
+            if s.audit_export.enabled:              # after restore: what it closed is exported too
+                exporter = Exporter(store.path, s.state_dir, s.audit_export, on_exported=metrics.exported_events.inc,
+                                    on_failure=metrics.export_failures.inc)
+                exporter.start()
+                undo.callback(exporter.stop, 0.0)
+                store.subscribe(exporter.noticed)   # woken by each commit; store.close ends it
             metrics.watch(sessions=registry.count_open,
                           running=lambda: sum(session.running_calls for session in registry.open_sessions()),
                           events=store.last_id)
@@ -232,7 +242,7 @@ class Daemon:
             self._set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
             self._parts = _Parts(fork=fork, store=store, registry=registry, metrics=metrics, door=door,
                                  server=server, workers=workers, health=health_servicer, backend=backend,
-                                 ties=ties, log_handler=handler, tracer=tracer)
+                                 ties=ties, log_handler=handler, tracer=tracer, exporter=exporter)
             undo.pop_all()                        # started: stop() takes it down from here on
         log.info("serving", extra={"fields": {"socket": socket_path, "pid": os.getpid(),
                                               "tls": tls.address if tls else None, "event_store": store.path,
@@ -314,6 +324,8 @@ class Daemon:
         parts.workers.shutdown()
         parts.metrics.close()
         parts.fork.close()
+        if parts.exporter is not None:           # the last events (the sessions' closes) sent, then the store
+            parts.exporter.stop(EXPORT_DRAIN_SECONDS)
         parts.store.close()
         _unlink(parts.backend)
         if parts.tracer is not None:

@@ -100,6 +100,10 @@ class Metrics:
         self._build_info = Gauge("sandboxd_build_info", "1, labelled with the daemon's version, Python and kernel",
                                  ["version", "python", "kernel"], registry=r)
         self._build_info.labels(__version__, platform.python_version(), platform.release()).set(1)
+        self.exported_events = Counter("sandboxd_audit_exported_events", "Audit events the export's sink "
+                                       "acknowledged ([audit.export])", registry=r)
+        self.export_failures = Counter("sandboxd_audit_export_failures", "Export batches the sink refused or "
+                                       "that failed (each retried from the cursor, with back-off)", registry=r)
         self._sessions = Gauge("sandboxd_sessions", "Open sessions", registry=r)
         self._running = Gauge("sandboxd_running_calls", "Calls running now (commands and file tools)", registry=r)
         self._events = Gauge("sandboxd_event_store_events", "Events in the event store", registry=r)

@@ -1001,14 +1001,16 @@ class Event(_message.Message):
     def __init__(self, id: _Optional[int] = ..., session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., type: _Optional[str] = ..., time: _Optional[float] = ..., call_id: _Optional[str] = ..., tool: _Optional[str] = ..., data_json: _Optional[str] = ..., hash: _Optional[bytes] = ..., prev_hash: _Optional[bytes] = ..., session_prev_hash: _Optional[bytes] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
-    __slots__ = ("session_id", "from_sequence", "types")
+    __slots__ = ("session_id", "from_sequence", "types", "after_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TYPES_FIELD_NUMBER: _ClassVar[int]
+    AFTER_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     from_sequence: int
     types: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, session_id: _Optional[str] = ..., from_sequence: _Optional[int] = ..., types: _Optional[_Iterable[str]] = ...) -> None: ...
+    after_id: int
+    def __init__(self, session_id: _Optional[str] = ..., from_sequence: _Optional[int] = ..., types: _Optional[_Iterable[str]] = ..., after_id: _Optional[int] = ...) -> None: ...
 
 class QueryEventsRequest(_message.Message):
     __slots__ = ("session_id", "types", "tool", "since", "until", "page_size", "page_token")
