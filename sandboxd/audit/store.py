@@ -587,12 +587,6 @@ class EventStore:
         with self._lock:
             return read_events_after(self._db, cursor_id, limit)
 
-    def events_after(self, cursor_id: int, limit: int = MAX_PAGE) -> list[Event]:
-        """Every session's events with id > ``cursor_id``, in log order, at most ``limit``: how an
-        exporter walks the log from its cursor (the id of the last event it delivered)."""
-        with self._lock:
-            return read_events_after(self._db, cursor_id, limit)
-
     def subscribe(self, wants: Callable[[Event], bool]) -> Subscription:
         """Start a live feed of the events ``wants`` accepts. Its ``high_water`` is the last event
         id committed before it began: read the past up to there (``query``), then the feed,
@@ -738,19 +732,11 @@ def open_in_state_dir(state_dir: str, *, durable: bool = False, limits: AuditLim
 
 def read_events_after(db: sqlite3.Connection, cursor_id: int, limit: int) -> list[Event]:
     """Events with id > ``cursor_id`` in id order, at most ``limit`` (1 to MAX_PAGE), from ``db``:
-    the store's own connection, or a reader's of its own."""
+    the store's own connection, or a reader's (sandboxd.audit.export reads on a connection of its
+    own, so an export never holds the lock appends take)."""
     rows = db.execute(f"SELECT {_EVENT_COLUMNS} FROM events WHERE id > ? ORDER BY id LIMIT ?",
                       (cursor_id, max(1, min(limit, MAX_PAGE)))).fetchall()
     return [_event(r) for r in rows]
-
-
-def read_events_after(db: sqlite3.Connection, cursor_id: int, limit: int) -> list[Event]:
-    """Events with id > ``cursor_id`` in id order, at most ``limit`` (1 to MAX_PAGE), from ``db``:
-    the store's own connection, or a reader's (sandboxd.audit.export reads on a connection of its
-    own, so an export never holds the lock appends take)."""
-    rows = db.execute("SELECT id, session_id, seq, type, time, call_id, tool, data FROM events WHERE id > ? "
-                      "ORDER BY id LIMIT ?", (cursor_id, max(1, min(limit, MAX_PAGE)))).fetchall()
-    return [Event(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7])) for r in rows]
 
 
 def _size_text(size: int) -> str:
