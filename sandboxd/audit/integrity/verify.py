@@ -269,9 +269,14 @@ class Verifier:
                       seq: int, kind: str, session_prev: bytes, stored: bytes) -> None:
         known = sessions.get(session_id)
         if known is not None:
-            if seq != known[0] + 1 or session_prev != known[1]:
-                raise _Failed(Problem(Kind.EDITED, f"its session's stream is broken (sequence {seq} after "
-                                      f"{known[0]}, or it links to another event of the session)", event_id))
+            if seq > known[0] + 1:
+                raise _Failed(Problem(Kind.DELETED, f"its session's events with sequence {known[0] + 1} to {seq - 1} "
+                                      "are missing", event_id))
+            if seq != known[0] + 1:
+                raise _Failed(Problem(Kind.REORDERED, f"its session sequence {seq} comes after {known[0]}", event_id))
+            if session_prev != known[1]:
+                raise _Failed(Problem(Kind.EDITED, "it links to another event of its session than the one before it",
+                                      event_id))
         elif seq == 1:
             if session_prev != ZERO_HASH:
                 raise _Failed(Problem(Kind.EDITED, "the first event of its session links to an earlier one",
