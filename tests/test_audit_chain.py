@@ -237,7 +237,8 @@ def test_offline_verify_writes_nothing_beside_the_database(log: Path) -> None:
     live.close()
 
 
-def test_the_command_prints_whole_or_the_first_problem_and_exits_accordingly(log: Path, tmp_path: Path) -> None:
+def test_the_command_prints_whole_or_the_first_problem_and_exits_accordingly(log: Path, tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
     pub = tmp_path / "pinned.pub"
     pub.write_text(subprocess.run([sys.executable, "-m", "sandboxd.cli.main", "audit", "pubkey", "--state-dir",
                                    str(log.parent)], capture_output=True, text=True, check=True).stdout)
@@ -255,6 +256,13 @@ def test_the_command_prints_whole_or_the_first_problem_and_exits_accordingly(log
     other.write_text(keys.public_line(Ed25519PrivateKey.generate().public_key()))
     assert audit_main(["verify", "--db", str(log), "--pubkey", str(other)]) == 1    # pinned to another key
     assert audit_main(["verify", "--db", str(tmp_path / "missing.db")]) == 2
+    (tmp_path / "not-a.db").write_bytes(b"not sqlite at all" * 100)
+    assert audit_main(["verify", "--db", str(tmp_path / "not-a.db")]) == 2
+    assert audit_main(["verify", "--db", str(log), "--session", "no-such-session"]) == 2
+    assert audit_main(["verify", "--db", str(log), "--session", "sess-b"]) == 0        # untouched
+    assert audit_main(["verify", "--db", str(log), "--session", "sess-a"]) == 1        # event 7 was sess-a's
+    assert capsys.readouterr().out.splitlines()[-1] == \
+        "NOT WHOLE: event 9 deleted: its session's events with sequence 4 to 4 are missing"
 
 
 def test_the_signing_key_is_private_and_a_bad_one_is_refused(tmp_path: Path) -> None:

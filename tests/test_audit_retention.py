@@ -134,3 +134,31 @@ def test_events_an_export_has_not_delivered_are_not_pruned(tmp_path: Path) -> No
     assert store.prune(now=time.time() + 2 * DAY).events == 2 * CHUNK_EVENTS
     store.close()
     assert _verify(state / "events.db").whole
+
+
+def test_a_migrated_log_whose_older_events_were_pruned_stays_whole(tmp_path: Path) -> None:
+    """A session begun before the chain, its unchained events pruned: its first chained event
+    (sequence above 1) is no deletion."""
+    from sandboxd.audit.store import MIGRATIONS
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    db = sqlite3.connect(state / "events.db")
+    db.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    for version, migration in enumerate(MIGRATIONS[:5], 1):
+        for statement in migration.split(";"):
+            if statement.strip():
+                db.execute(statement)
+        db.execute("INSERT INTO schema_version VALUES (?)", (version,))
+    db.executemany("INSERT INTO events (session_id, seq, type, time, data) VALUES ('old', ?, 'ToolInvocationStarted', "
+                   "1.0, '{}')", [(seq,) for seq in range(1, CHUNK_EVENTS + 1)])
+    db.commit()
+    db.close()
+    store = open_in_state_dir(str(state), limits=AuditLimits(retain_days=1))
+    _fill(store, CHUNK_EVENTS + 1, session="old")
+    pruned = store.prune(now=time.time() + 2 * DAY)
+    assert (pruned.events, pruned.through) == (CHUNK_EVENTS, CHUNK_EVENTS)      # the unchained chunk only
+    store.close()
+    report = _verify(state / "events.db")
+    assert report.whole, report.text()
+    assert report.text().startswith(f"whole: {CHUNK_EVENTS + 1} events") and "pruned" not in report.text()

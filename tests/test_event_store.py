@@ -214,6 +214,9 @@ def test_the_thread_syncs_soon_after_a_commit_checkpoints_every_so_many_and_slee
         while events_in_the_database_file(path, copy) != wanted:
             assert time.monotonic() < deadline, "the commits never reached the database file"
             time.sleep(0.05)
+        while thread.checkpoints < 1:       # counted when the checkpoint returns: after the file has the pages
+            assert time.monotonic() < deadline, "the checkpoint was never counted"
+            time.sleep(0.05)
         assert thread.checkpoints == 1
         syncs = thread.syncs
         time.sleep(3 * checkpointer.DELAY)

@@ -76,6 +76,9 @@ def _verify(args: argparse.Namespace) -> int:
         return 2
     finally:
         db.close()
+    if args.session and report.whole and not report.events and not report.legacy:
+        sys.stderr.write(f"sandboxd audit: no events of session {printable(args.session)} in {printable(path)}\n")
+        return 2
     print(printable(report.text()))
     if report.whole:
         rate = report.events / report.seconds if report.seconds > 0 else 0.0

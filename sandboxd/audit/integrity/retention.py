@@ -14,7 +14,8 @@ their last events (review sessions' stay: their kept change sets name them).
 
 It runs on a thread of its own (``Pruner``), at start and every ``PRUNE_SECONDS``, taking the
 store's lock per chunk only, so appends interleave; afterwards a TRUNCATE checkpoint returns the
-WAL to zero bytes (deleting a chunk writes its pages to the WAL first).
+WAL to zero bytes (deleting a chunk writes its pages to the WAL first), from a connection that
+never waits for a reader (``_truncate_wal``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ DAY = 86400.0
 MAX_CHUNKS_PER_RUN = 100_000
 EXPORT_CURSOR_PREFIX, EXPORT_CURSOR_SUFFIX = "audit-export-", ".cursor"
 MAX_CURSOR_FILE = 4096
+TRUNCATE_ATTEMPTS = 10
+TRUNCATE_RETRY_SECONDS = 0.05
 
 
 class Pruned(NamedTuple):
@@ -78,13 +81,39 @@ def prune(db: sqlite3.Connection, chain: ChainWriter, lock: ContextManager[objec
             break
         removed, through = removed + step[0], step[1]
         committed()
+    if removed:
+        _truncate_wal(os.path.join(directory, os.path.basename(_main_file(db))))
     with lock:
-        if removed:
-            db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
         after = used_bytes(db)
     if held:
         log.warning("audit retention held back", extra={"fields": {"by": held}})
     return Pruned(removed, through, before, after, held)
+
+
+def _main_file(db: sqlite3.Connection) -> str:
+    return str(db.execute("PRAGMA database_list").fetchone()[2])
+
+
+def _truncate_wal(path: str) -> bool:
+    """Checkpoint the WAL into the database and cut it to zero bytes, from a connection of its own
+    that never waits: TRUNCATE holds back new writers while it waits for readers (a VerifyAudit,
+    an exporter), so a busy handler here would stall every append behind the slowest reader.
+    Busy: tried again a few times, then left to the next run (the WAL stays bounded by the store's
+    own checkpoints meanwhile). Whether it was truncated."""
+    db = sqlite3.connect(path, timeout=0, isolation_level=None)
+    try:
+        for attempt in range(TRUNCATE_ATTEMPTS):
+            if attempt:
+                time.sleep(TRUNCATE_RETRY_SECONDS)
+            try:
+                busy = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+            except sqlite3.OperationalError:          # locked: a writer holds it this instant
+                busy = 1
+            if not busy:
+                return True
+        return False
+    finally:
+        db.close()
 
 
 def _one_chunk(db: sqlite3.Connection, chain: ChainWriter, cutoff: float | None, max_bytes: int,

@@ -113,6 +113,7 @@ class Verifier:
                  chunk: int = CHUNK, between_chunks: Callable[[], None] | None = None) -> None:
         self._db, self._public, self._pinned, self._chunk = db, public, pinned, chunk
         self._between = between_chunks or (lambda: None)
+        self.legacy_before = False
 
     # -- the node's stream ------------------------------------------------------------------------
 
@@ -144,7 +145,8 @@ class Verifier:
         report.legacy = int(self._db.execute("SELECT COUNT(*) FROM events WHERE id < ?", (genesis,)).fetchone()[0])
         signed_heads = {c.last_event_id: c for c in checkpoints if c.last_event_id >= expected_id}
         sessions: dict[str, tuple[int, bytes]] = {}
-        incomplete_sessions = bool(report.legacy or report.pruned)
+        # A session's earlier events may be gone for a good reason: before the chain, or pruned.
+        incomplete_sessions = bool(self.legacy_before or report.pruned)
         after = expected_id - 1
         while True:
             rows = self._db.execute(f"SELECT {EVENT_COLUMNS} FROM events WHERE id > ? ORDER BY id LIMIT ?",
@@ -197,13 +199,15 @@ class Verifier:
         report.unsigned_tail = max(0, report.head_id - last.last_event_id) if last else report.events
 
     def _genesis(self) -> int:
+        """Where the chain starts (and ``self.legacy_before``: whether events preceded it)."""
         try:
-            row = self._db.execute("SELECT first_event_id FROM audit_genesis").fetchall()
+            row = self._db.execute("SELECT first_event_id, legacy_events FROM audit_genesis").fetchall()
         except sqlite3.OperationalError:
             raise _Failed(Problem(Kind.UNCHAINED, "this database has no audit chain (a sandboxd older than the "
                                   "chain wrote it, or it is not an event store)")) from None
         if len(row) != 1:
             raise _Failed(Problem(Kind.EDITED, f"the chain's genesis record is missing or doubled ({len(row)} rows)"))
+        self.legacy_before = int(row[0][1]) > 0
         return int(row[0][0])
 
     def _checkpoints(self, genesis: int, report: Report) -> list[Checkpoint]:
@@ -269,9 +273,14 @@ class Verifier:
                       seq: int, kind: str, session_prev: bytes, stored: bytes) -> None:
         known = sessions.get(session_id)
         if known is not None:
-            if seq != known[0] + 1 or session_prev != known[1]:
-                raise _Failed(Problem(Kind.EDITED, f"its session's stream is broken (sequence {seq} after "
-                                      f"{known[0]}, or it links to another event of the session)", event_id))
+            if seq > known[0] + 1:
+                raise _Failed(Problem(Kind.DELETED, f"its session's events with sequence {known[0] + 1} to {seq - 1} "
+                                      "are missing", event_id))
+            if seq != known[0] + 1:
+                raise _Failed(Problem(Kind.REORDERED, f"its session sequence {seq} comes after {known[0]}", event_id))
+            if session_prev != known[1]:
+                raise _Failed(Problem(Kind.EDITED, "it links to another event of its session than the one before it",
+                                      event_id))
         elif seq == 1:
             if session_prev != ZERO_HASH:
                 raise _Failed(Problem(Kind.EDITED, "the first event of its session links to an earlier one",
@@ -312,7 +321,7 @@ class Verifier:
                                               bytes(session_prev))
                         if computed != bytes(stored):
                             raise _Failed(Problem(Kind.EDITED, "its fields no longer give its hash", event_id))
-                        self._session_link(sessions, pruned or report.legacy > 0, event_id, sid, seq, "",
+                        self._session_link(sessions, pruned or self.legacy_before, event_id, sid, seq, "",
                                            bytes(session_prev), bytes(stored))
                         report.events += 1
                         report.head_id, report.head_hash = event_id, bytes(stored)
