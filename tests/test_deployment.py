@@ -104,6 +104,9 @@ def test_the_agent_sandbox_template_passes_the_api_schemas() -> None:
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["audit"]["hostPath"]["path"] == "/tmp/host/var/lib/sandboxd-agents/default_agent-test_podman"
     assert not [m for c in pod["spec"]["containers"] for m in c["volumeMounts"] if "subPathExpr" in m]
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    assert (env["POD_NAMESPACE"], env["POD_NAME"]) == ({"name": "POD_NAMESPACE", "value": "default"},
+                                                       {"name": "POD_NAME", "value": "agent-test"})
 
 
 def test_the_validation_can_fail() -> None:
