@@ -61,6 +61,7 @@ import time
 import psutil
 
 from sandboxd.errors import CallerRefused
+from sandboxd.kernel.pod_cgroups import CgroupRefused, read_cgroups
 from sandboxd.network.event_loop import READ, WRITE, Acceptor, EventLoop
 from sandboxd.network.peer_credentials import PeerCredentials, peer_groups, peer_ucred
 from sandboxd.network.socket_files import (clear_relay_dir, ensure_private_dir, listen, unlink_if_same,
@@ -151,7 +152,8 @@ class FrontDoor:
     def __init__(self, public_path: str, backend_path: str, *, mode: int = 0o666, relay_dir: str,
                  listener: "socket.socket | None" = None, connections_per_uid: int = 64,
                  root_connections: int | None = None, fd_reserve: int = 64,
-                 peer_check: "Callable[[PeerCredentials, int], str] | None" = None) -> None:
+                 peer_check: "Callable[[PeerCredentials, int], str] | None" = None,
+                 read_cgroups: bool = False) -> None:
         """``listener``: an already listening public socket (systemd socket activation); it is
         used as it is, and left in place at close (it belongs to the service manager).
 
@@ -163,7 +165,11 @@ class FrontDoor:
         that reads ``/proc/<pid>`` confirms with it (``signal.pidfd_send_signal(pidfd, 0)``)
         that the pid still named the same process; the door itself confirms it after the check,
         and refuses a connection whose process is gone already. It runs on the front door's only
-        thread, so it must be quick and never block; if it raises, the caller is refused."""
+        thread, so it must be quick and never block; if it raises, the caller is refused.
+
+        ``read_cgroups``: also read the connecting process's /proc/PID/cgroup at accept, in the
+        same pidfd-confirmed window, into its credentials (``cgroups``): tenancy by pod names the
+        caller by it (service.principals). A process that cannot be read is refused."""
         if connections_per_uid < 1:
             raise ValueError(f"connections_per_uid must be at least 1, not {connections_per_uid}")
         # Absolute paths: the peer string is the relay path exactly as bound, and
@@ -189,6 +195,7 @@ class FrontDoor:
         self._root_limit = root_connections if root_connections is not None else 4 * connections_per_uid
         self._fd_reserve = fd_reserve
         self._peer_check = peer_check
+        self._read_cgroups = read_cgroups
 
         if listener is not None:
             self._listener, self._public_id = listener, None
@@ -349,10 +356,11 @@ class FrontDoor:
             return
         groups = peer_groups(conn)
         credentials = PeerCredentials(uid=uid, gid=gid, pid=pid, groups=groups)
-        if self._peer_check is not None:
-            refusal = self._check(conn, credentials)
-            if refusal:
-                credentials = PeerCredentials(uid=uid, gid=gid, pid=pid, groups=groups, refusal=refusal)
+        if self._peer_check is not None or self._read_cgroups:
+            refusal, cgroups = self._check(conn, credentials)
+            if refusal or cgroups:
+                credentials = PeerCredentials(uid=uid, gid=gid, pid=pid, groups=groups, refusal=refusal,
+                                              cgroups=cgroups)
         conn.setblocking(False)
         relay = _Relay(self, next(self._numbers), conn, credentials)
         with self._lock:
@@ -360,16 +368,16 @@ class FrontDoor:
         self._relays[relay.number] = relay
         relay.connect()
 
-    def _check(self, conn: socket.socket, credentials: PeerCredentials) -> str:
-        """Ask peer_check about this caller, with a pidfd pinning its process when the kernel can.
+    def _check(self, conn: socket.socket, credentials: PeerCredentials) -> tuple[str, str]:
+        """Ask peer_check about this caller, with a pidfd pinning its process when the kernel can;
+        (the refusal or "", its /proc/PID/cgroup when read_cgroups or "").
 
         With a pidfd, a verdict is only kept if the process was alive from before the check
         until after it: then the pid the check looked at (/proc/<pid>) was that process, not a
         later one given the same number. A connection whose process is gone already is refused:
         whoever holds it now (a child it forked, a process it passed the socket to) is unknown."""
-        assert self._peer_check is not None
         if credentials.pid == 0:
-            return _PEER_INVISIBLE
+            return _PEER_INVISIBLE, ""
         pidfd = -1
         if self._pidfd_supported:
             try:
@@ -378,21 +386,26 @@ class FrontDoor:
                 if exc.errno == errno.ENOPROTOOPT:
                     self._pidfd_supported = False  # before Linux 6.5: the pid alone
                 elif exc.errno in (errno.ESRCH, errno.EINVAL):
-                    return _PEER_GONE  # (EINVAL: kernels before 6.16, for a reaped process)
+                    return _PEER_GONE, ""  # (EINVAL: kernels before 6.16, for a reaped process)
                 # Anything else: the pid alone.
+        cgroups = ""
         try:
-            reason = str(self._peer_check(credentials, pidfd) or "")
+            reason = str(self._peer_check(credentials, pidfd) or "") if self._peer_check is not None else ""
+            if self._read_cgroups and not reason:
+                cgroups = read_cgroups(credentials.pid)
             if pidfd >= 0 and not reason:
                 signal.pidfd_send_signal(pidfd, 0)
-        except ProcessLookupError:
+        except (ProcessLookupError, FileNotFoundError):
             reason = _PEER_GONE
+        except CgroupRefused as exc:
+            reason = str(exc)
         except Exception:  # noqa: BLE001 - a check that cannot decide refuses
             log.exception("front door: peer check failed for pid %d uid %d", credentials.pid, credentials.uid)
             reason = "the daemon could not check who is calling; refusing"
         finally:
             if pidfd >= 0:
                 os.close(pidfd)
-        return reason
+        return reason, "" if reason else cgroups
 
     # ------------------------------------------------------------------ called by relays
 

@@ -68,7 +68,7 @@ def status(registry: SessionRegistry, gate: ApprovalGate, who: Caller,
     owner = owner_key(who)
     usage = quotas.usage(who)
     connections: dict[str, int] = {}
-    if door is not None and not who.principal:            # TLS callers do not come through the door
+    if door is not None and who.mapped_user is None:       # TLS callers do not come through the door
         connections = {"connections": door.connections_by_uid().get(who.uid, 0)}
         limits_extra = {"connections_per_uid": door.connection_limit(who.uid)}
     else:

@@ -1,0 +1,102 @@
+"""Whose a call is: the caller's *principal* (a local uid, a TLS certificate, or a Kubernetes pod),
+decided once per call beside the rest of the caller (service.callers).
+
+Under ``tenancy.mode = "uid"`` (the default) a local caller's principal is its uid, exactly as
+before this module existed. Under ``tenancy.mode = "pod"`` (a DaemonSet serving a node's pods) a
+caller inside a pod is that pod, whatever uid it runs as: the pod's UID, read from the caller's
+cgroup at accept (kernel.pod_cgroups says why that is unforgeable for a pod that is not
+privileged). A pod's name and namespace are not known: nothing a pod says about itself
+(its environment, a token the daemon cannot verify without the API server) is believed, and
+the daemon does not call the API server (TokenReview) at all, so one node's daemon does not need
+its credentials or reachability.
+
+Everything per owner (sessions and their visibility, quotas, the audit budget, approvals,
+standing rules, events) keys on the owner string a session is stored with (``Caller.principal``:
+"" for a local uid, ``tls:...`` for a certificate, ``pod:<UID>`` for a pod) and the uid. A pod
+caller is held like a TLS caller: never local root, never an administrator, never
+danger-full-access, each pod its own quotas and budget, uid 0 in it included. The exceptions:
+a pod ``tenancy.admin_pods`` names, and a caller in the daemon's own pod (its readiness probe,
+an operator's ``kubectl exec``), are local callers of their uid (uid 0: the node's root).
+A caller on the node that is in no pod (the node's root, the kubelet, a node user) is a local
+caller of its uid, as under uid tenancy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from sandboxd.kernel import pod_cgroups
+from sandboxd.printable import printable
+
+TENANCY_MODES = ("uid", "pod")
+POD_PREFIX = "pod:"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who a caller is, for everything counted or kept per owner.
+
+    ``key`` is the owner as a cgroup-name-safe word (``uid-1000``, ``tls-<hash>``, ``pod-<UID>``);
+    ``display`` is what a person reads (escaped); ``cgroup_path`` is the caller's own cgroup as read
+    at accept (the v2 line's when it names the pod, relative to the cgroup2 mount), or None for a
+    TLS caller or when the daemon did not read it (uid tenancy)."""
+
+    kind: Literal["uid", "tls", "pod"]
+    key: str
+    display: str
+    pod_uid: str | None = None
+    pod_namespace: str | None = None        # never filled: not verifiable here (module docstring)
+    pod_name: str | None = None
+    cgroup_path: str | None = None
+    is_admin: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Tenancy:
+    """How callers are told apart (``tenancy.*`` in the configuration)."""
+
+    mode: str = "uid"                        # one of TENANCY_MODES
+    admin_pods: frozenset[str] = frozenset()  # pod UIDs whose callers are local callers of their uid
+    cgroup_root: str = "/"                   # the cgroup kubelet's kubepods sits in (kubelet --cgroup-root)
+    own_pod: str | None = None               # the daemon's own pod's UID, if it runs in one
+
+    @property
+    def by_pod(self) -> bool:
+        return self.mode == "pod"
+
+
+def pod_owner(pod_uid: str) -> str:
+    """The owner string a pod's sessions, rules and budget are kept under."""
+    return POD_PREFIX + pod_uid
+
+
+def pod_uid_of(owner_principal: str) -> str | None:
+    """The pod UID of an owner string (None: not a pod's)."""
+    return owner_principal[len(POD_PREFIX):] if owner_principal.startswith(POD_PREFIX) else None
+
+
+def uid_principal(uid: int, is_admin: bool, cgroup_path: str | None = None) -> Principal:
+    return Principal(kind="uid", key=f"uid-{uid}", display=f"uid {uid}", cgroup_path=cgroup_path, is_admin=is_admin)
+
+
+def tls_principal(name: str) -> Principal:
+    import hashlib
+
+    key = "tls-" + hashlib.sha256(name.encode(errors="surrogateescape")).hexdigest()[:20]
+    return Principal(kind="tls", key=key, display=printable(name))
+
+
+def pod_principal(pod: pod_cgroups.PodCgroup, is_admin: bool = False) -> Principal:
+    return Principal(kind="pod", key=f"pod-{pod.uid}", display=f"pod {pod.uid}", pod_uid=pod.uid,
+                     cgroup_path=pod.cgroup_path, is_admin=is_admin)
+
+
+def own_pod(root: str = "/") -> str | None:
+    """The UID of the pod the daemon itself runs in, or None (not in one, or not readable)."""
+    try:
+        text = pod_cgroups.read_cgroups("self")
+        found = pod_cgroups.pod_of(text, pod_cgroups.hierarchy_ids(text), root)
+    except (OSError, pod_cgroups.CgroupRefused):
+        return None
+    return found.uid if found else None
