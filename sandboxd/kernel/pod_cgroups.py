@@ -141,7 +141,10 @@ def _systemd_pod(segments: list[str]) -> tuple[str, int] | None:
     name = segments[at]
     if not (name.startswith(prefix) and name.endswith(".slice")):
         return None
-    uid = name[len(prefix):-len(".slice")].replace("_", "-")
+    escaped = name[len(prefix):-len(".slice")]
+    if "-" in escaped:                        # systemd would read it as a deeper slice: kubelet never names one so
+        return None
+    uid = escaped.replace("_", "-")
     return (uid, at + 1) if POD_UID.fullmatch(uid) else None
 
 
