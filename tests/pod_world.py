@@ -47,6 +47,21 @@ for call in json.loads(sys.stdin.read()):
 print(json.dumps(out))
 '''
 
+# Runs in a pod's process: joins the cgroup (argv[1]), connects argv[3] times to the socket
+# (argv[2]), says so, and holds the connections until its stdin closes.
+HOLDER = r'''
+import socket, sys
+with open(sys.argv[1] + "/cgroup.procs", "w") as f:
+    f.write("0")
+held = []
+for _ in range(int(sys.argv[3])):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sys.argv[2])
+    held.append(s)
+print("held", flush=True)
+sys.stdin.read()
+'''
+
 
 def cgroup2_mount() -> Path | None:
     with open("/proc/self/mounts") as f:
@@ -65,6 +80,19 @@ class FakePod:
     def call(self, socket: str, *calls: dict[str, Any]) -> list[dict[str, Any]]:
         """Each call made from a fresh process in this pod's container cgroup, as its answers."""
         return run_agent(self.directory, socket, list(calls))
+
+    @contextlib.contextmanager
+    def holding(self, socket: str, connections: int) -> Iterator[None]:
+        """``connections`` connections to the daemon held open from this pod while the block runs."""
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(self.directory), socket, str(connections)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+            yield
+        finally:
+            assert holder.stdin is not None
+            holder.stdin.close()
+            holder.wait(timeout=60)
 
 
 def run_agent(directory: Path, socket: str, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -104,6 +104,26 @@ def test_two_root_pods_are_two_tenants(sandboxd_daemon: DaemonFactory) -> None:
                 close_quietly(daemon.stub, session)
 
 
+def test_each_pod_has_its_own_connections(sandboxd_daemon: DaemonFactory) -> None:
+    """quotas.connections_per_uid counts each pod's connections apart: a root pod holding all of its
+    own leaves other root pods (and the node's root) served. Control: under uid tenancy they are
+    all root's (four times connections_per_uid), and a pod holding those shuts the others out."""
+    with pod_node() as node:
+        a, b = node.pod(), node.pod("systemd", "besteffort")
+        for mode, held in (("pod", 2), ("uid", 8)):
+            daemon = sandboxd_daemon(config=pod_config(node, mode=mode) + "connections_per_uid = 2\n")
+            with a.holding(daemon.socket, held):
+                [a_more] = a.call(daemon.socket, listed())
+                [b_call] = b.call(daemon.socket, listed())
+                if mode == "pod":
+                    assert refused(a_more, "UNAVAILABLE"), a_more          # A's own bound
+                    assert "ok" in b_call, b_call
+                    assert daemon.stub.ListSessions(pb.ListSessionsRequest()) is not None
+                else:
+                    assert refused(a_more, "UNAVAILABLE") and refused(b_call, "UNAVAILABLE"), (a_more, b_call)
+            daemon.stop()
+
+
 def everyone_of(daemon: Any) -> list[str]:
     return [s.id for s in daemon.stub.ListSessions(pb.ListSessionsRequest()).sessions]
 

@@ -62,6 +62,7 @@ import psutil
 
 from sandboxd.errors import CallerRefused
 from sandboxd.kernel.pod_cgroups import CgroupRefused, read_cgroups
+from sandboxd.printable import printable
 from sandboxd.network.event_loop import READ, WRITE, Acceptor, EventLoop
 from sandboxd.network.peer_credentials import PeerCredentials, peer_groups, peer_ucred
 from sandboxd.network.socket_files import (clear_relay_dir, ensure_private_dir, listen, unlink_if_same,
@@ -153,7 +154,8 @@ class FrontDoor:
                  listener: "socket.socket | None" = None, connections_per_uid: int = 64,
                  root_connections: int | None = None, fd_reserve: int = 64,
                  peer_check: "Callable[[PeerCredentials, int], str] | None" = None,
-                 read_cgroups: bool = False) -> None:
+                 read_cgroups: bool = False,
+                 connection_owner: "Callable[[PeerCredentials], int | str] | None" = None) -> None:
         """``listener``: an already listening public socket (systemd socket activation); it is
         used as it is, and left in place at close (it belongs to the service manager).
 
@@ -169,7 +171,12 @@ class FrontDoor:
 
         ``read_cgroups``: also read the connecting process's /proc/PID/cgroup at accept, in the
         same pidfd-confirmed window, into its credentials (``cgroups``): tenancy by pod names the
-        caller by it (service.principals). A process that cannot be read is refused."""
+        caller by it (service.principals). A process that cannot be read is refused.
+
+        ``connection_owner``: whom a connection is counted against, once it is checked (its uid,
+        or a name: tenancy by pod counts each pod's apart, whatever uid it runs as); a name is
+        held to ``connections_per_uid``. Without it, connections are counted per uid, before the
+        check."""
         if connections_per_uid < 1:
             raise ValueError(f"connections_per_uid must be at least 1, not {connections_per_uid}")
         # Absolute paths: the peer string is the relay path exactly as bound, and
@@ -196,6 +203,7 @@ class FrontDoor:
         self._fd_reserve = fd_reserve
         self._peer_check = peer_check
         self._read_cgroups = read_cgroups
+        self._connection_owner = connection_owner
 
         if listener is not None:
             self._listener, self._public_id = listener, None
@@ -212,9 +220,9 @@ class FrontDoor:
         # Everything below belongs to the loop thread (or to close() once it has ended).
         self._relays: dict[int, _Relay] = {}
         self._identities: dict[str, PeerCredentials] = {}
-        self._per_uid: dict[int, int] = {}
+        self._per_uid: dict[int | str, int] = {}
         self._numbers = itertools.count()
-        self._refused_logged: dict[int, float] = {}
+        self._refused_logged: dict[int | str, float] = {}
         self._starved_logged = -_LOG_EVERY
         self._fds_others = 0             # descriptors not counted per relay, at the last calibration
         self._fds_calibrated = float("-inf")
@@ -239,12 +247,14 @@ class FrontDoor:
         """Relayed connections currently alive (being set up, or relaying; refused callers included)."""
         return len(self._relays)
 
-    def connection_limit(self, uid: int) -> int:
-        """How many connections ``uid`` may hold at once (quotas.connections_per_uid; root's own bound)."""
-        return self._root_limit if uid == 0 else self._per_uid_limit
+    def connection_limit(self, owner: int | str) -> int:
+        """How many connections ``owner`` (a uid, or what connection_owner names) may hold at once
+        (quotas.connections_per_uid; root's own bound)."""
+        return self._root_limit if owner == 0 else self._per_uid_limit
 
-    def connections_by_uid(self) -> dict[int, int]:
-        """Live connections per caller uid (refused callers included): for ``sandboxctl status``."""
+    def connections_by_uid(self) -> dict[int | str, int]:
+        """Live connections per caller uid (refused callers included), or per what
+        ``connection_owner`` named: for ``sandboxctl status``."""
         with self._lock:
             return dict(self._per_uid)
 
@@ -342,16 +352,7 @@ class FrontDoor:
         except OSError:
             conn.close()  # gone already
             return
-        limit = self._root_limit if uid == 0 else self._per_uid_limit
-        count = self._per_uid.get(uid, 0)
-        if count >= limit:
-            now = time.monotonic()
-            if now - self._refused_logged.get(uid, -_LOG_EVERY) >= _LOG_EVERY:
-                if len(self._refused_logged) >= 1024:  # (uids whose minute is over are forgotten)
-                    self._refused_logged = {u: t for u, t in self._refused_logged.items() if now - t < _LOG_EVERY}
-                self._refused_logged[uid] = now
-                log.warning("front door: uid %d has %d connections open, its limit (quotas.connections_per_uid): "
-                            "closing its new ones", uid, count)
+        if self._connection_owner is None and not self._room_for(uid):
             conn.close()
             return
         groups = peer_groups(conn)
@@ -361,12 +362,35 @@ class FrontDoor:
             if refusal or cgroups:
                 credentials = PeerCredentials(uid=uid, gid=gid, pid=pid, groups=groups, refusal=refusal,
                                               cgroups=cgroups)
+        owner: int | str = uid
+        if self._connection_owner is not None:
+            owner = uid if credentials.refusal else self._connection_owner(credentials)
+            if not self._room_for(owner):
+                conn.close()
+                return
         conn.setblocking(False)
-        relay = _Relay(self, next(self._numbers), conn, credentials)
+        relay = _Relay(self, next(self._numbers), conn, credentials, owner)
         with self._lock:
-            self._per_uid[uid] = count + 1
+            self._per_uid[owner] = self._per_uid.get(owner, 0) + 1
         self._relays[relay.number] = relay
         relay.connect()
+
+    def _room_for(self, owner: int | str) -> bool:
+        """Whether ``owner`` (a uid, or what connection_owner named) may open one more connection;
+        logged (at most once a minute per owner) when not."""
+        limit = self._root_limit if owner == 0 else self._per_uid_limit
+        count = self._per_uid.get(owner, 0)
+        if count < limit:
+            return True
+        now = time.monotonic()
+        if now - self._refused_logged.get(owner, -_LOG_EVERY) >= _LOG_EVERY:
+            if len(self._refused_logged) >= 1024:  # (owners whose minute is over are forgotten)
+                self._refused_logged = {u: t for u, t in self._refused_logged.items() if now - t < _LOG_EVERY}
+            self._refused_logged[owner] = now
+            shown = f"uid {owner}" if isinstance(owner, int) else printable(owner)
+            log.warning("front door: %s has %d connections open, its limit (quotas.connections_per_uid): "
+                        "closing its new ones", shown, count)
+        return False
 
     def _check(self, conn: socket.socket, credentials: PeerCredentials) -> tuple[str, str]:
         """Ask peer_check about this caller, with a pidfd pinning its process when the kernel can;
@@ -416,13 +440,13 @@ class FrontDoor:
         self._identities.pop(relay.peer, None)
         if self._relays.pop(relay.number, None) is None:
             return
-        uid = relay.credentials.uid
+        owner = relay.owner
         with self._lock:
-            left = self._per_uid[uid] - 1
+            left = self._per_uid[owner] - 1
             if left:
-                self._per_uid[uid] = left
+                self._per_uid[owner] = left
             else:
-                del self._per_uid[uid]
+                del self._per_uid[owner]
         if not self._closing:
             self._acceptor.resume_if_room()
 
@@ -462,16 +486,18 @@ class _Side:
 class _Relay:
     """One accepted connection and its connection to the backend, driven by the door's loop."""
 
-    __slots__ = ("door", "number", "client", "backend", "credentials", "path", "peer", "state", "up", "down",
+    __slots__ = ("door", "number", "client", "backend", "credentials", "owner", "path", "peer", "state", "up", "down",
                  "_client_mask", "_backend_mask", "_client_side", "_backend_side", "_pipes", "_connect_delay",
                  "_connect_deadline")
 
-    def __init__(self, door: FrontDoor, number: int, client: socket.socket, credentials: PeerCredentials) -> None:
+    def __init__(self, door: FrontDoor, number: int, client: socket.socket, credentials: PeerCredentials,
+                 owner: int | str) -> None:
         self.door = door
         self.number = number
         self.client = client
         self.backend: socket.socket | None = None
         self.credentials = credentials
+        self.owner = owner                  # whose connection it is counted as (FrontDoor._per_uid)
         self.path = os.path.join(door._relay_dir, f"{number}.sock")
         self.peer = "unix:" + self.path
         self.state = _CONNECTING

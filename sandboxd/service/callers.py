@@ -36,7 +36,7 @@ from sandboxd.errors import CallerRefused
 from sandboxd.network.front_door import FrontDoor, caller
 from sandboxd.kernel import pod_cgroups
 from sandboxd.network.peer_credentials import PeerCredentials
-from sandboxd.service.principals import (Principal, Tenancy, pod_owner, pod_principal, pod_uid_of, tls_principal,
+from sandboxd.service.principals import (PodReader, Principal, pod_owner, pod_principal, pod_uid_of, tls_principal,
                                          uid_principal)
 from sandboxd.service.sandboxed_peers import SandboxedPeers, parse_peer
 
@@ -124,13 +124,11 @@ class Callers:
 
     def __init__(self, door: FrontDoor, tls: "TlsIdentity | tuple[int, int] | None" = None,
                  sandboxed: SandboxedPeers | None = None, admin_gid: int | None = None,
-                 tenancy: Tenancy | None = None) -> None:
+                 pods: PodReader | None = None) -> None:
+        """``pods``: tenancy by pod (None: by uid)."""
         self._door = door
         self._admin_gid = admin_gid
-        self._tenancy = tenancy or Tenancy()
-        # Every caller's /proc/PID/cgroup must list exactly the hierarchies ours does (pod_cgroups).
-        self._hierarchies = (pod_cgroups.hierarchy_ids(pod_cgroups.read_cgroups("self"))
-                             if self._tenancy.by_pod else frozenset())
+        self._pods = pods
         self._tls = TlsIdentity(default_user=tls) if isinstance(tls, tuple) else tls
         self._sandboxed = sandboxed
         self._groups: dict[tuple[int, int], tuple[int, ...]] = {}
@@ -141,8 +139,8 @@ class Callers:
             who = caller(self._door, context)
             if who.refusal:
                 raise CallerRefused(who.refusal)
-            if self._tenancy.by_pod:
-                return self._by_pod(who)
+            if self._pods is not None:
+                return self._by_pod(self._pods, who)
             return identify(who, self._admin_gid)
         if self._sandboxed is not None:
             address = parse_peer(peer)
@@ -154,16 +152,16 @@ class Callers:
         uid, gid = self._tls.user_of(principal)
         return identify(PeerCredentials(uid, gid, 0, principal, self._groups_of(uid, gid)), self._admin_gid)
 
-    def _by_pod(self, who: PeerCredentials) -> Caller:
+    def _by_pod(self, pods: PodReader, who: PeerCredentials) -> Caller:
         """A local caller under pod tenancy: its pod's, or (in no pod, in the daemon's own, or in
         one tenancy.admin_pods names) its uid's, as under uid tenancy."""
         try:
-            pod = pod_cgroups.pod_of(who.cgroups, self._hierarchies, self._tenancy.cgroup_root)
+            pod = pods.pod_of(who.cgroups)
         except pod_cgroups.CgroupRefused as exc:
             raise CallerRefused(f"{exc}; this daemon tells tenants apart by their pod (tenancy.mode = \"pod\")") from None
         if pod is None:
             return identify(who, self._admin_gid, _own_line(who.cgroups))
-        if pod.uid in self._tenancy.admin_pods or pod.uid == self._tenancy.own_pod:
+        if not pods.is_tenant(pod):
             local = identify(who, self._admin_gid, pod.cgroup_path)
             return local.replace(tenant=pod_principal(pod, is_admin=local.is_admin))
         pod_caller = PeerCredentials(who.uid, who.gid, who.pid, pod_owner(pod.uid), who.groups, "", who.cgroups)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from sandboxd.kernel import pod_cgroups
+from sandboxd.network.peer_credentials import PeerCredentials
 from sandboxd.printable import printable
 
 TENANCY_MODES = ("uid", "pod")
@@ -90,6 +91,34 @@ def tls_principal(name: str) -> Principal:
 def pod_principal(pod: pod_cgroups.PodCgroup, is_admin: bool = False) -> Principal:
     return Principal(kind="pod", key=f"pod-{pod.uid}", display=f"pod {pod.uid}", pod_uid=pod.uid,
                      cgroup_path=pod.cgroup_path, is_admin=is_admin)
+
+
+class PodReader:
+    """Reads callers' pods under ``tenancy`` (pod mode): for the front door's connection counts and
+    for the caller of each call (service.callers), the same way."""
+
+    def __init__(self, tenancy: Tenancy) -> None:
+        self.tenancy = tenancy
+        # Every caller's /proc/PID/cgroup must list exactly the hierarchies ours does (pod_cgroups).
+        self._hierarchies = pod_cgroups.hierarchy_ids(pod_cgroups.read_cgroups("self"))
+
+    def pod_of(self, cgroups: str) -> pod_cgroups.PodCgroup | None:
+        """The caller's pod (None: in none); CgroupRefused saying why it cannot be told."""
+        return pod_cgroups.pod_of(cgroups, self._hierarchies, self.tenancy.cgroup_root)
+
+    def is_tenant(self, pod: pod_cgroups.PodCgroup) -> bool:
+        """Whether callers in ``pod`` are its tenants (not an admin pod, not the daemon's own)."""
+        return pod.uid not in self.tenancy.admin_pods and pod.uid != self.tenancy.own_pod
+
+    def connection_owner(self, who: PeerCredentials) -> int | str:
+        """Whom the front door counts a connection against: a tenant pod (``pod:<UID>``), else the
+        uid (a caller in no pod, an admin pod; one whose pod cannot be told, which every call of
+        will refuse)."""
+        try:
+            pod = self.pod_of(who.cgroups)
+        except pod_cgroups.CgroupRefused:
+            return who.uid
+        return pod_owner(pod.uid) if pod is not None and self.is_tenant(pod) else who.uid
 
 
 def own_pod(root: str = "/") -> str | None:
