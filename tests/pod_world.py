@@ -21,13 +21,15 @@ import pytest
 
 from cgroup_helpers import remove_group
 
-# Runs in the agent's process: joins the cgroup (argv[1]), then makes each call read from stdin
-# ({"rpc": name, "request": {...}}) on the socket (argv[2]) and prints one JSON answer per call:
-# {"ok": response} ({"ok": [responses]} for a stream) or {"code": status name, "details": text}.
+# Runs in the agent's process: joins the cgroup (argv[1]; "-": stays where it is, in a real pod),
+# then makes each call read from stdin ({"rpc": name, "request": {...}}) on the socket (argv[2])
+# and prints one JSON answer per call: {"ok": response} ({"ok": [responses]} for a stream) or
+# {"code": status name, "details": text}.
 AGENT = r'''
 import json, sys
-with open(sys.argv[1] + "/cgroup.procs", "w") as f:
-    f.write("0")
+if sys.argv[1] != "-":
+    with open(sys.argv[1] + "/cgroup.procs", "w") as f:
+        f.write("0")
 import grpc
 from google.protobuf import json_format
 from sandboxd.v1 import sandboxd_pb2 as pb, sandboxd_pb2_grpc as pb_grpc
