@@ -12,6 +12,7 @@ stays its own pod."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,9 @@ def test_two_root_pods_are_two_tenants(sandboxd_daemon: DaemonFactory) -> None:
                                        {"rpc": "QueryEvents", "request": {}})
             assert [(r["tool"], r["owner_principal"]) for r in rules_a["ok"]["rules"]] == [("shell", f"pod:{a.uid}")]
             assert {e["session_id"] for e in events_a["ok"]["events"] if e.get("session_id")} == ids(seen_a)
+            created = [e for e in events_a["ok"]["events"] if e["type"] == "SessionCreated"]
+            assert created and all(json.loads(e["data_json"])["owner_pod"] == a.uid for e in created), created
+            assert all(json.loads(e["data_json"])["owner_cgroup"].endswith(a.directory.name) for e in created)
 
             # Root in a pod is held to the quota, and never gets danger-full-access.
             over, full = a.call(daemon.socket, create(ws_a), create(ws_a, FULL))
