@@ -358,7 +358,7 @@ class FrontDoor:
         groups = peer_groups(conn)
         credentials = PeerCredentials(uid=uid, gid=gid, pid=pid, groups=groups)
         if self._peer_check is not None or self._read_cgroups:
-            refusal, cgroups = self._check(conn, credentials)
+            refusal, cgroups = self._inspect(conn, credentials)
             if refusal or cgroups:
                 credentials = PeerCredentials(uid=uid, gid=gid, pid=pid, groups=groups, refusal=refusal,
                                               cgroups=cgroups)
@@ -392,7 +392,11 @@ class FrontDoor:
                         "closing its new ones", shown, count)
         return False
 
-    def _check(self, conn: socket.socket, credentials: PeerCredentials) -> tuple[str, str]:
+    def _check(self, conn: socket.socket, credentials: PeerCredentials) -> str:
+        """The refusal of this caller, or "" (:meth:`_inspect`)."""
+        return self._inspect(conn, credentials)[0]
+
+    def _inspect(self, conn: socket.socket, credentials: PeerCredentials) -> tuple[str, str]:
         """Ask peer_check about this caller, with a pidfd pinning its process when the kernel can;
         (the refusal or "", its /proc/PID/cgroup when read_cgroups or "").
 
