@@ -97,8 +97,8 @@ def test_two_root_pods_are_two_tenants(sandboxd_daemon: DaemonFactory) -> None:
             assert refused(stray, "PERMISSION_DENIED", "below kubepods", "tenancy.mode"), stray
 
             # The node's root (this test, in no pod) and an admin pod see every session.
-            everyone = {s.id for s in daemon.stub.ListSessions(pb.ListSessionsRequest()).sessions}
-            assert ids(seen_a) | ids(seen_b) <= everyone
+            owners = {s.id: s.owner_principal for s in daemon.stub.ListSessions(pb.ListSessionsRequest()).sessions}
+            assert {owners[s] for s in ids(seen_a)} == {f"pod:{a.uid}"} and {owners[s] for s in ids(seen_b)} == {f"pod:{b.uid}"}
             [seen_admin, admin_full] = admin.call(daemon.socket, listed(), create(sandboxd_daemon.workspace(), FULL))
             assert ids(seen_a) | ids(seen_b) <= ids(seen_admin)
             assert "ok" in admin_full, admin_full

@@ -217,9 +217,10 @@ def test_two_root_agent_pods_against_a_daemon_pod() -> None:
         [seen_b] = b.call(listed())
         assert ids(seen_b) == sessions_b
         # The node's root (this test, on the host, in no pod) sees every session.
-        everyone = node_sessions(node)
-        assert sessions_a | sessions_b <= everyone
-        close_all(node, everyone)
+        listing = node_sessions(node)
+        assert {listing[s] for s in sessions_a} == {f"uid=0 pod:{uid_a}"}, listing          # whose, as the admin reads it
+        assert {listing[s] for s in sessions_b} == {f"uid=0 pod:{uid_b}"}, listing
+        close_all(node, set(listing))
         node.stop_daemon(daemon)
 
         # Control: the same pods against the daemon under uid tenancy share root.
@@ -228,16 +229,22 @@ def test_two_root_agent_pods_against_a_daemon_pod() -> None:
         seen, extra, full = a.call(listed(), create(ws_a), create(ws_a, FULL))
         assert made_b["ok"]["id"] in ids(seen)
         assert "ok" in extra and "ok" in full, (extra, full)
-        close_all(node, node_sessions(node))
+        close_all(node, set(node_sessions(node)))
         node.stop_daemon(daemon)
     print("\n" + "\n".join(f"figure {name}: {value:.2f}" for name, value in figures.items()))
 
 
-def node_sessions(node: Node) -> set[str]:
+def node_sessions(node: Node) -> dict[str, str]:
+    """``sandboxctl session list`` of the node's root: session -> its owner column(s)."""
     done = subprocess.run([SANDBOXCTL, "--socket", node.socket, "session", "list"],
                           capture_output=True, text=True, env=BASE_ENV, timeout=60)
     assert done.returncode == 0, done.stderr
-    return {line.split()[0] for line in done.stdout.splitlines() if line.strip()}
+    listing = {}
+    for line in done.stdout.splitlines():
+        if line.strip():
+            session, owner, _ = line.split("  ", 2)
+            listing[session] = owner
+    return listing
 
 
 def close_all(node: Node, sessions: set[str]) -> None:
