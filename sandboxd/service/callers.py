@@ -70,7 +70,7 @@ def identify(who: PeerCredentials, admin_gid: int | None = None, cgroup_path: st
     if local:
         tenant = uid_principal(who.uid, is_admin, cgroup_path)
     elif pod is not None:
-        tenant = pod_principal(pod_cgroups.PodCgroup(uid=pod, pod_path="", cgroup_path=cgroup_path or ""))
+        tenant = pod_principal(pod, cgroup_path)
     else:
         tenant = tls_principal(who.principal)
     is_tls = not local and pod is None
@@ -163,7 +163,7 @@ class Callers:
             return identify(who, self._admin_gid, _own_line(who.cgroups))
         if not pods.is_tenant(pod):
             local = identify(who, self._admin_gid, pod.cgroup_path)
-            return local.replace(tenant=pod_principal(pod, is_admin=local.is_admin))
+            return local.replace(tenant=pod_principal(pod.uid, pod.cgroup_path, is_admin=local.is_admin))
         pod_caller = PeerCredentials(who.uid, who.gid, who.pid, pod_owner(pod.uid), who.groups, "", who.cgroups)
         return identify(pod_caller, None, pod.cgroup_path)
 

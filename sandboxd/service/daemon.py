@@ -186,7 +186,7 @@ class Daemon:
             registry.answer_network_with(questions)
             sandboxed = SandboxedPeers(registry.sandbox_namespaces)
             pods = None if s.tenancy_mode != "pod" else PodReader(Tenancy(
-                mode=s.tenancy_mode, admin_pods=s.admin_pods, cgroup_root=s.cgroup_root, own_pod=own_pod(s.cgroup_root)))
+                admin_pods=s.admin_pods, cgroup_root=s.cgroup_root, own_pod=own_pod(s.cgroup_root)))
             door = FrontDoor(socket_path, backend, mode=s.socket_mode, relay_dir=os.path.join(private, "relay"),
                              listener=activated, connections_per_uid=s.connections_per_uid,
                              peer_check=lambda who, _pidfd: sandboxed.reason_for_pid(who.pid),

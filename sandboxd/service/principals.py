@@ -15,7 +15,7 @@ standing rules, events) keys on the owner string a session is stored with (``Cal
 "" for a local uid, ``tls:...`` for a certificate, ``pod:<UID>`` for a pod) and the uid. A pod
 caller is held like a TLS caller: never local root, never an administrator, never
 danger-full-access, each pod its own quotas and budget, uid 0 in it included. The exceptions:
-a pod ``tenancy.admin_pods`` names, and a caller in the daemon's own pod (its readiness probe,
+a pod ``tenancy.admin_pods`` names, and a caller in the daemon's own pod (its probes,
 an operator's ``kubectl exec``), are local callers of their uid (uid 0: the node's root).
 A caller on the node that is in no pod (the node's root, the kubelet, a node user) is a local
 caller of its uid, as under uid tenancy.
@@ -30,7 +30,6 @@ from sandboxd.kernel import pod_cgroups
 from sandboxd.network.peer_credentials import PeerCredentials
 from sandboxd.printable import printable
 
-TENANCY_MODES = ("uid", "pod")
 POD_PREFIX = "pod:"
 
 
@@ -55,16 +54,11 @@ class Principal:
 
 @dataclass(frozen=True, slots=True)
 class Tenancy:
-    """How callers are told apart (``tenancy.*`` in the configuration)."""
+    """How pods are told apart under ``tenancy.mode = "pod"`` (the other ``tenancy.*`` keys)."""
 
-    mode: str = "uid"                        # one of TENANCY_MODES
     admin_pods: frozenset[str] = frozenset()  # pod UIDs whose callers are local callers of their uid
     cgroup_root: str = "/"                   # the cgroup kubelet's kubepods sits in (kubelet --cgroup-root)
     own_pod: str | None = None               # the daemon's own pod's UID, if it runs in one
-
-    @property
-    def by_pod(self) -> bool:
-        return self.mode == "pod"
 
 
 def pod_owner(pod_uid: str) -> str:
@@ -88,9 +82,9 @@ def tls_principal(name: str) -> Principal:
     return Principal(kind="tls", key=key, display=printable(name))
 
 
-def pod_principal(pod: pod_cgroups.PodCgroup, is_admin: bool = False) -> Principal:
-    return Principal(kind="pod", key=f"pod-{pod.uid}", display=f"pod {pod.uid}", pod_uid=pod.uid,
-                     cgroup_path=pod.cgroup_path, is_admin=is_admin)
+def pod_principal(pod_uid: str, cgroup_path: str | None, is_admin: bool = False) -> Principal:
+    return Principal(kind="pod", key=f"pod-{pod_uid}", display=f"pod {pod_uid}", pod_uid=pod_uid,
+                     cgroup_path=cgroup_path, is_admin=is_admin)
 
 
 class PodReader:
