@@ -56,7 +56,9 @@ def test_two_root_pods_are_two_tenants(sandboxd_daemon: DaemonFactory) -> None:
         daemon = sandboxd_daemon(config=pod_config(node, sessions=2, admin_pods=(admin.uid,)))
         ws_a, ws_b = sandboxd_daemon.workspace(), sandboxd_daemon.workspace()
 
-        made_a = a.call(daemon.socket, create(ws_a), create(ws_a),
+        limited = create(ws_a)
+        limited["request"]["limits"] = {"memory_bytes": str(256 << 20), "pids": 256}   # a cgroup named for the pod
+        made_a = a.call(daemon.socket, create(ws_a), limited,
                         {"rpc": "AddStandingRule", "request": {"workspace": str(ws_a), "tool": "shell"}})
         assert all("ok" in answer for answer in made_a), made_a
         sa = made_a[0]["ok"]["id"]
@@ -83,6 +85,9 @@ def test_two_root_pods_are_two_tenants(sandboxd_daemon: DaemonFactory) -> None:
             assert created and all(json.loads(e["data_json"])["owner_pod"] == a.uid for e in created), created
             assert all(json.loads(e["data_json"])["owner_cgroup"].endswith(a.directory.name) for e in created)
 
+            [ran] = a.call(daemon.socket, {"rpc": "Run", "request": {"session_id": made_a[1]["ok"]["id"],
+                                                                     "argv": ["id", "-u"]}})
+            assert any(chunk.get("result", {}).get("exit_code", 0) == 0 and "result" in chunk for chunk in ran["ok"]), ran
             # Root in a pod is held to the quota, and never gets danger-full-access.
             over, full = a.call(daemon.socket, create(ws_a), create(ws_a, FULL))
             assert refused(over, "RESOURCE_EXHAUSTED", f"pod:{a.uid}", "quotas.sessions_per_uid"), over
