@@ -34,7 +34,7 @@ def v2_text(path: str) -> str:
 
 
 def v1_text(path: str, hybrid: bool = False) -> str:
-    lines = [f"{n}:{c}:{path}" for n, c in zip(range(len(V1_CONTROLLERS), 0, -1), reversed(V1_CONTROLLERS))]
+    lines = [f"{n}:{c}:{path}" for n, c in zip(range(len(V1_CONTROLLERS), 0, -1), reversed(V1_CONTROLLERS), strict=True)]
     if hybrid:
         lines.append("0::/")
     return "\n".join(lines) + "\n"

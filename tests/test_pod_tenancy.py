@@ -13,11 +13,21 @@ stays its own pod."""
 from __future__ import annotations
 
 import json
+import os
+import uuid
 from pathlib import Path
 from typing import Any
 
-from daemon_helpers import DaemonFactory, close_quietly, create_session
-from pod_world import FakePod, PodNode, pod_config, pod_node, refused, run_agent
+import pytest
+
+from daemon_helpers import DaemonFactory, close_quietly
+from pod_world import pod_config, pod_node, refused, run_agent
+from sandboxd.errors import CallerRefused
+from sandboxd.kernel.pod_cgroups import read_cgroups
+from sandboxd.network.peer_credentials import PeerCredentials
+from sandboxd.service.callers import Caller, Callers
+from sandboxd.service.principals import PodReader, Tenancy
+from sandboxd.service.quotas import cgroup_owner, owner_key
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 FULL = {"mode": "DANGER_FULL_ACCESS"}
@@ -154,3 +164,51 @@ def test_control_under_uid_tenancy_root_pods_share_root(sandboxd_daemon: DaemonF
         finally:
             for session in everyone_of(daemon):
                 close_quietly(daemon.stub, session)
+
+
+# -- who each caller is under pod tenancy (service.callers with a PodReader), without a daemon ------
+
+class _Door:
+    """The front door as Callers reads it: the credentials it took at accept, by peer."""
+
+    def __init__(self, who: PeerCredentials) -> None:
+        self.who = who
+
+    def identity(self, peer: str) -> PeerCredentials:
+        return self.who
+
+
+class _Context:
+    def peer(self) -> str:
+        return "unix:/relay/1.sock"
+
+
+def _caller_in(cgroup: str, uid: int = 0, **tenancy: Any) -> Caller:
+    own = read_cgroups("self")
+    lines = [f"{line.split(':', 2)[0]}:{line.split(':', 2)[1]}:{cgroup}" for line in own.splitlines()]
+    who = PeerCredentials(uid=uid, gid=uid, pid=os.getpid(), cgroups="\n".join(lines) + "\n")
+    pods = PodReader(Tenancy(cgroup_root="/node", **tenancy))
+    return Callers(_Door(who), pods=pods)(_Context())  # type: ignore[arg-type]
+
+
+def test_who_a_caller_is_under_pod_tenancy() -> None:
+    tenant, admin, own = (str(uuid.uuid4()) for _ in range(3))
+    in_pod = _caller_in(f"/node/kubepods/burstable/pod{tenant}/ctr")
+    assert (in_pod.principal, in_pod.is_root, in_pod.is_admin) == (f"pod:{tenant}", False, False)
+    assert in_pod.tenant is not None and (in_pod.tenant.kind, in_pod.tenant.key) == ("pod", f"pod-{tenant}")
+    assert in_pod.tenant.cgroup_path == f"/node/kubepods/burstable/pod{tenant}/ctr"
+    assert cgroup_owner(in_pod) == f"pod-{tenant}" and owner_key(in_pod) == f"pod:{tenant}"
+    # An admin pod and the daemon's own pod are the node's root (uid 0), still named by their pod.
+    for pod, options in ((admin, {"admin_pods": frozenset({admin})}), (own, {"own_pod": own})):
+        named = _caller_in(f"/node/kubepods/pod{pod}/ctr", **options)
+        assert (named.principal, named.is_root, named.is_admin) == ("", True, True)
+        assert named.tenant is not None and (named.tenant.kind, named.tenant.pod_uid) == ("pod", pod)
+        # Control: the same pod not named is a tenant.
+        assert _caller_in(f"/node/kubepods/pod{pod}/ctr").principal == f"pod:{pod}"
+    # In no pod (the node's own processes): uid tenancy as before.
+    node_root, node_user = _caller_in("/system.slice/x.service"), _caller_in("/user.slice/u", uid=1000)
+    assert (node_root.principal, node_root.is_root, node_user.principal, node_user.is_root) == ("", True, "", False)
+    assert node_user.tenant is not None and node_user.tenant.key == "uid-1000"
+    # Below kubepods in no pod cgroup: refused, saying why.
+    with pytest.raises(CallerRefused, match="below kubepods.*tenancy.mode"):
+        _caller_in("/node/kubepods/besteffort/stray")
