@@ -151,3 +151,61 @@ def test_outside_the_daemons_cgroup_namespace_is_refused_saying_so() -> None:
 def test_hierarchy_ids_of_the_daemons_own_list() -> None:
     assert hierarchy_ids(v1_text("/", hybrid=True)) == HYBRID_IDS
     assert hierarchy_ids(v2_text("/")) == V2_IDS
+
+
+# In a cgroup namespace rooted at its own cgroup (argv[1], joined first), a thread reads its
+# parent's (argv[2]) cgroup, joins the parent's cgroup namespace, and reads it again.
+JOIN = r"""
+import json, os, subprocess, sys, threading
+with open(sys.argv[1] + "/cgroup.procs", "w") as f:
+    f.write("0")
+from sandboxd.kernel.namespaces import CLONE_NEWCGROUP, unshare
+from sandboxd.kernel.pod_cgroups import join_node_cgroup_namespace, read_cgroups
+unshare(CLONE_NEWCGROUP)
+seen = {}
+def look():
+    seen["before"] = read_cgroups(int(sys.argv[2]))
+    seen["joined"] = join_node_cgroup_namespace(int(sys.argv[2]))
+    seen["after"] = read_cgroups(int(sys.argv[2]))
+    seen["again"] = join_node_cgroup_namespace(int(sys.argv[2]))
+thread = threading.Thread(target=look)
+thread.start()
+thread.join()
+seen["main thread"] = read_cgroups(int(sys.argv[2]))
+print(json.dumps(seen))
+"""
+
+
+def test_a_daemon_in_a_cgroup_namespace_of_its_own_reads_the_nodes_paths_after_joining() -> None:
+    """A container's own cgroup namespace (containerd on cgroup v2) shows other cgroups as "/.."
+    paths, which name no pod; the front door's thread joins the node's (here: this test's) and
+    reads the real path. Control: before joining, and on another thread, the "/.." form."""
+    import json
+    import subprocess
+    import sys
+
+    from pod_world import cgroup2_mount
+
+    mount = cgroup2_mount()
+    if mount is None:
+        pytest.skip("no cgroup2 hierarchy mounted: no cgroup namespace to root there")
+    top = mount / f"sbxt-cgns-{uuid.uuid4().hex[:8]}"
+    inside, outside = top / "daemon", top / "node"
+    inside.mkdir(parents=True)
+    outside.mkdir()
+    node = subprocess.Popen(["sleep", "60"])
+    try:
+        (outside / "cgroup.procs").write_text(str(node.pid))
+        done = subprocess.run([sys.executable, "-c", JOIN, str(inside), str(node.pid)], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        seen = json.loads(done.stdout)
+        v2 = lambda text: next(line[3:] for line in text.splitlines() if line.startswith("0::"))  # noqa: E731
+        assert v2(seen["before"]) == "/../node" and v2(seen["main thread"]) == "/../node"
+        assert seen["joined"] is True and seen["again"] is False
+        assert v2(seen["after"]) == f"/{top.name}/node"
+    finally:
+        node.kill()
+        node.wait()
+        for group in (inside, outside, top):
+            group.rmdir()

@@ -23,12 +23,15 @@ user's delegated systemd subtree can hold a cgroup named kubepods too) is no pod
 
 from __future__ import annotations
 
+import os
 import re
 
 from sandboxd._record import Record
+from sandboxd.kernel.namespaces import CLONE_NEWCGROUP, setns
 from sandboxd.printable import printable
 
-__all__ = ["POD_UID", "CgroupRefused", "PodCgroup", "hierarchy_ids", "pod_of", "read_cgroups"]
+__all__ = ["POD_UID", "CgroupRefused", "PodCgroup", "hierarchy_ids", "join_node_cgroup_namespace", "pod_of",
+           "read_cgroups"]
 
 # /proc/PID/cgroup of any process is a handful of short lines; a delegated subtree's names can
 # make it longer, never legitimately this long.
@@ -36,6 +39,9 @@ _MAX_BYTES = 64 * 1024
 # A pod's UID: a UUID (API pods), or 32 hex digits (a static pod's: a hash of its manifest).
 POD_UID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[0-9a-f]{32}")
 _QOS = ("burstable", "besteffort")
+# The inode of the kernel's initial cgroup namespace (PROC_CGROUP_INIT_INO): a thread in it reads
+# every path from the root already, with no need to look at PID 1 (whose /proc entry may be closed).
+_INITIAL_CGROUP_NAMESPACE = 0xEFFFFFFB
 
 
 class CgroupRefused(Exception):
@@ -59,6 +65,24 @@ def read_cgroups(pid: "int | str") -> str:
     if len(raw) > _MAX_BYTES:
         raise CgroupRefused(f"the calling process's cgroup list is longer than {_MAX_BYTES} bytes")
     return raw.decode(errors="surrogateescape")
+
+
+def join_node_cgroup_namespace(pid: int = 1) -> bool:
+    """Join PID 1's cgroup namespace (the node's, when the daemon shares the node's PID namespace;
+    ``pid``: another process's) on the calling thread, if it is in another: the kernel writes every
+    /proc/PID/cgroup path relative to its reader's cgroup namespace, so a daemon in a container's
+    own one (containerd gives every container one on cgroup v2) would read other pods' paths as
+    "/../..": this thread then reads the node's. True when it joined; OSError when it could not."""
+    target = f"/proc/{pid}/ns/cgroup"
+    own = os.stat("/proc/thread-self/ns/cgroup").st_ino
+    if (own == _INITIAL_CGROUP_NAMESPACE and pid == 1) or own == os.stat(target).st_ino:
+        return False
+    fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        setns(fd, CLONE_NEWCGROUP)
+    finally:
+        os.close(fd)
+    return True
 
 
 def hierarchy_ids(text: str) -> frozenset[str]:

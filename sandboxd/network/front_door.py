@@ -155,7 +155,8 @@ class FrontDoor:
                  root_connections: int | None = None, fd_reserve: int = 64,
                  peer_check: "Callable[[PeerCredentials, int], str] | None" = None,
                  read_cgroups: bool = False,
-                 connection_owner: "Callable[[PeerCredentials], int | str] | None" = None) -> None:
+                 connection_owner: "Callable[[PeerCredentials], int | str] | None" = None,
+                 on_start: "Callable[[], None] | None" = None) -> None:
         """``listener``: an already listening public socket (systemd socket activation); it is
         used as it is, and left in place at close (it belongs to the service manager).
 
@@ -176,7 +177,10 @@ class FrontDoor:
         ``connection_owner``: whom a connection is counted against, once it is checked (its uid,
         or a name: tenancy by pod counts each pod's apart, whatever uid it runs as); a name is
         held to ``connections_per_uid``. Without it, connections are counted per uid, before the
-        check."""
+        check.
+
+        ``on_start``: run once on the door's thread before it accepts anything (tenancy by pod joins
+        the node's cgroup namespace there, for this thread's reads)."""
         if connections_per_uid < 1:
             raise ValueError(f"connections_per_uid must be at least 1, not {connections_per_uid}")
         # Absolute paths: the peer string is the relay path exactly as bound, and
@@ -204,6 +208,7 @@ class FrontDoor:
         self._peer_check = peer_check
         self._read_cgroups = read_cgroups
         self._connection_owner = connection_owner
+        self._on_start = on_start
 
         if listener is not None:
             self._listener, self._public_id = listener, None
@@ -266,6 +271,8 @@ class FrontDoor:
             if self._started:
                 raise RuntimeError("front door already started")
             self._started = True
+        if self._on_start is not None:
+            self._loop.post(self._on_start)
         self._loop.post(self._acceptor.start)
         self._loop.start()
 

@@ -23,6 +23,8 @@ caller of its uid, as under uid tenancy.
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,6 +33,7 @@ from sandboxd.network.peer_credentials import PeerCredentials
 from sandboxd.printable import printable
 
 POD_PREFIX = "pod:"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +61,7 @@ class Tenancy:
 
     admin_pods: frozenset[str] = frozenset()  # pod UIDs whose callers are local callers of their uid
     cgroup_root: str = "/"                   # the cgroup kubelet's kubepods sits in (kubelet --cgroup-root)
-    own_pod: str | None = None               # the daemon's own pod's UID, if it runs in one
+    own_pod: str | None = None               # the daemon's own pod's UID (None: PodReader.enter_node_view finds it)
 
 
 def pod_owner(pod_uid: str) -> str:
@@ -93,8 +96,27 @@ class PodReader:
 
     def __init__(self, tenancy: Tenancy) -> None:
         self.tenancy = tenancy
+        self.own_pod = tenancy.own_pod
         # Every caller's /proc/PID/cgroup must list exactly the hierarchies ours does (pod_cgroups).
         self._hierarchies = pod_cgroups.hierarchy_ids(pod_cgroups.read_cgroups("self"))
+
+    def enter_node_view(self) -> None:
+        """On the thread that reads callers' cgroups (the front door's), before the first: join the
+        node's cgroup namespace if the daemon runs in one of its own, then find the daemon's own
+        pod as the node sees it. A thread that cannot join reads "/.."-relative paths, and every
+        caller in a pod is refused saying so (pod_cgroups)."""
+        try:
+            if pod_cgroups.join_node_cgroup_namespace():
+                log.info("tenancy by pod: joined the node's cgroup namespace to read callers' pods")
+        except OSError as exc:
+            log.warning("tenancy by pod: cannot join the node's cgroup namespace (%s): callers in pods will be "
+                        "refused; run the daemon with the node's PID namespace (hostPID) and CAP_SYS_ADMIN", exc)
+        if self.own_pod is None:
+            try:
+                found = self.pod_of(pod_cgroups.read_cgroups(os.getpid()))
+            except (OSError, pod_cgroups.CgroupRefused):
+                found = None
+            self.own_pod = found.uid if found else None
 
     def pod_of(self, cgroups: str) -> pod_cgroups.PodCgroup | None:
         """The caller's pod (None: in none); CgroupRefused saying why it cannot be told."""
@@ -102,7 +124,7 @@ class PodReader:
 
     def is_tenant(self, pod: pod_cgroups.PodCgroup) -> bool:
         """Whether callers in ``pod`` are its tenants (not an admin pod, not the daemon's own)."""
-        return pod.uid not in self.tenancy.admin_pods and pod.uid != self.tenancy.own_pod
+        return pod.uid not in self.tenancy.admin_pods and pod.uid != self.own_pod
 
     def connection_owner(self, who: PeerCredentials) -> int | str:
         """Whom the front door counts a connection against: a tenant pod (``pod:<UID>``), else the
@@ -113,13 +135,3 @@ class PodReader:
         except pod_cgroups.CgroupRefused:
             return who.uid
         return pod_owner(pod.uid) if pod is not None and self.is_tenant(pod) else who.uid
-
-
-def own_pod(root: str = "/") -> str | None:
-    """The UID of the pod the daemon itself runs in, or None (not in one, or not readable)."""
-    try:
-        text = pod_cgroups.read_cgroups("self")
-        found = pod_cgroups.pod_of(text, pod_cgroups.hierarchy_ids(text), root)
-    except (OSError, pod_cgroups.CgroupRefused):
-        return None
-    return found.uid if found else None
