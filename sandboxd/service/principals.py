@@ -104,13 +104,13 @@ class PodReader:
         """On the thread that reads callers' cgroups (the front door's), before the first: join the
         node's cgroup namespace if the daemon runs in one of its own, then find the daemon's own
         pod as the node sees it. A thread that cannot join reads "/.."-relative paths, and every
-        caller in a pod is refused saying so (pod_cgroups)."""
+        caller outside the daemon's own cgroup is refused saying so (pod_cgroups)."""
         try:
             if pod_cgroups.join_node_cgroup_namespace():
                 log.info("tenancy by pod: joined the node's cgroup namespace to read callers' pods")
         except OSError as exc:
-            log.warning("tenancy by pod: cannot join the node's cgroup namespace (%s): callers in pods will be "
-                        "refused; run the daemon with the node's PID namespace (hostPID) and CAP_SYS_ADMIN", exc)
+            log.warning("tenancy by pod: cannot join the node's cgroup namespace (%s): callers outside the "
+                        "daemon's own cgroup will be refused; run the daemon with the node's PID namespace (hostPID) and CAP_SYS_ADMIN", exc)
         if self.own_pod is None:
             try:
                 found = self.pod_of(pod_cgroups.read_cgroups(os.getpid()))
