@@ -342,7 +342,8 @@ def _session_line(session: pb.Session) -> str:
     # The server reports the calls running now, not a running total: say exactly that.
     review = "  review" if session.review else ""
     credentials = network_args.credential_states_line(session)
-    return (f"{printable(session.id)}  uid={session.owner_uid}  {printable(session.workspace)}  {mode} {network}  "
+    owner = f"uid={session.owner_uid}" + (f" {printable(session.owner_principal)}" if session.owner_principal else "")
+    return (f"{printable(session.id)}  {owner}  {printable(session.workspace)}  {mode} {network}  "
             f"approval={approval}  running={session.running_calls}{review}" + (f"  {credentials}" if credentials else ""))
 
 

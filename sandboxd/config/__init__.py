@@ -347,6 +347,15 @@ def _otlp_endpoint(value: object) -> str | None:
     return None
 
 
+def _pod_uids(value: object) -> str | None:
+    from sandboxd.kernel.pod_cgroups import POD_UID
+
+    if not isinstance(value, list) or not all(isinstance(item, str) and POD_UID.fullmatch(item) for item in value):
+        return ("must be a list of pod UIDs (metadata.uid, like \"0f3c2a1e-1b2c-4d5e-8f90-123456789abc\", lower-case; "
+                "a static pod's: 32 hex digits)")
+    return None
+
+
 def _one_of(*choices: str) -> "Callable[[object], str | None]":
     def check(value: object) -> str | None:
         return None if value in choices else f"must be one of {', '.join(choices)}, not {value!r}"
@@ -468,6 +477,17 @@ KEYS: tuple[Key, ...] = (
         "sessions, whose commands run on the host as that caller with its own rights and no more (a killable "
         "tree, the session's limits, the audit trail); false: only local root may (TLS callers never may)",
         _boolean),
+    Key("tenancy", "mode", "uid", "who a tenant is: uid (a local user; root is the node's admin) or pod (on a "
+        "Kubernetes node: a caller inside a pod is its pod, by the pod UID in its cgroup, whatever uid it runs as; "
+        "uid 0 in a pod is not root: its own sessions, quotas and audit budget, no danger-full-access; a caller "
+        "whose pod cannot be read from its cgroup is refused; callers in no pod stay uid tenants)",
+        _one_of("uid", "pod")),
+    Key("tenancy", "admin_pods", [], "under tenancy.mode = pod, the UIDs of pods whose callers are local callers "
+        "of their uid (uid 0: the node's root, who sees every session and may use danger-full-access); the "
+        "daemon's own pod always is one", _pod_uids),
+    Key("tenancy", "cgroup_root", "/", "under tenancy.mode = pod, the cgroup kubelet's kubepods cgroup is in "
+        "(kubelet --cgroup-root with the cgroupfs driver); a kubepods or kubepods.slice cgroup anywhere else names "
+        "no pod", _absolute),
     Key("network", "dns", [], "resolvers for isolated networks; empty: the host's", _ipv4_list),
     Key("network", "pool", "10.233.0.0/16", "addresses of isolated networks, a /30 per sandbox", _cidr),
     Key("network", "upstream_proxy", "", "http://HOST:PORT of a proxy every connection the egress proxy lets out "

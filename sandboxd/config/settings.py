@@ -93,6 +93,9 @@ class DaemonSettings:
     secrets: Mapping[str, SecretSource] = field(default_factory=dict)   # network.secrets, users looked up
     network_questions: int = 16   # quotas.network_questions_per_session
     intercepted_connections: int = 64   # quotas.intercepted_connections_per_session
+    tenancy_mode: str = "uid"     # tenancy.mode: "uid" or "pod" (service.principals)
+    admin_pods: frozenset[str] = frozenset()        # tenancy.admin_pods
+    cgroup_root: str = "/"        # tenancy.cgroup_root
 
     @property
     def config_path(self) -> str | None:
@@ -172,6 +175,8 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         stuck_openers=config.whole("fork_server.stuck_openers_per_uid"),
         approval_timeout=config.number("approvals.timeout_seconds"), audit=audit, audit_export=audit_export,
         allow_user_full_access=config.flag("policy.allow_user_full_access"),
+        tenancy_mode=config.text("tenancy.mode"), admin_pods=frozenset(config.texts("tenancy.admin_pods")),
+        cgroup_root=config.text("tenancy.cgroup_root"),
         dns=config.texts("network.dns"), network_pool=config.text("network.pool"),
         proxy_connections=config.whole("quotas.proxy_connections_per_session"),
         published_connections=config.whole("quotas.published_connections_per_session"),

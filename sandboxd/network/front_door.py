@@ -61,6 +61,8 @@ import time
 import psutil
 
 from sandboxd.errors import CallerRefused
+from sandboxd.kernel.pod_cgroups import CgroupRefused, read_cgroups
+from sandboxd.printable import printable
 from sandboxd.network.event_loop import READ, WRITE, Acceptor, EventLoop
 from sandboxd.network.peer_credentials import PeerCredentials, peer_groups, peer_ucred
 from sandboxd.network.socket_files import (clear_relay_dir, ensure_private_dir, listen, unlink_if_same,
@@ -151,7 +153,10 @@ class FrontDoor:
     def __init__(self, public_path: str, backend_path: str, *, mode: int = 0o666, relay_dir: str,
                  listener: "socket.socket | None" = None, connections_per_uid: int = 64,
                  root_connections: int | None = None, fd_reserve: int = 64,
-                 peer_check: "Callable[[PeerCredentials, int], str] | None" = None) -> None:
+                 peer_check: "Callable[[PeerCredentials, int], str] | None" = None,
+                 read_cgroups: bool = False,
+                 connection_owner: "Callable[[PeerCredentials], int | str] | None" = None,
+                 on_start: "Callable[[], None] | None" = None) -> None:
         """``listener``: an already listening public socket (systemd socket activation); it is
         used as it is, and left in place at close (it belongs to the service manager).
 
@@ -163,7 +168,19 @@ class FrontDoor:
         that reads ``/proc/<pid>`` confirms with it (``signal.pidfd_send_signal(pidfd, 0)``)
         that the pid still named the same process; the door itself confirms it after the check,
         and refuses a connection whose process is gone already. It runs on the front door's only
-        thread, so it must be quick and never block; if it raises, the caller is refused."""
+        thread, so it must be quick and never block; if it raises, the caller is refused.
+
+        ``read_cgroups``: also read the connecting process's /proc/PID/cgroup at accept, in the
+        same pidfd-confirmed window, into its credentials (``cgroups``): tenancy by pod names the
+        caller by it (service.principals). A process that cannot be read is refused.
+
+        ``connection_owner``: whom a connection is counted against, once it is checked (its uid,
+        or a name: tenancy by pod counts each pod's apart, whatever uid it runs as); a name is
+        held to ``connections_per_uid``. Without it, connections are counted per uid, before the
+        check.
+
+        ``on_start``: run once on the door's thread before it accepts anything (tenancy by pod joins
+        the node's cgroup namespace there, for this thread's reads)."""
         if connections_per_uid < 1:
             raise ValueError(f"connections_per_uid must be at least 1, not {connections_per_uid}")
         # Absolute paths: the peer string is the relay path exactly as bound, and
@@ -189,6 +206,9 @@ class FrontDoor:
         self._root_limit = root_connections if root_connections is not None else 4 * connections_per_uid
         self._fd_reserve = fd_reserve
         self._peer_check = peer_check
+        self._read_cgroups = read_cgroups
+        self._connection_owner = connection_owner
+        self._on_start = on_start
 
         if listener is not None:
             self._listener, self._public_id = listener, None
@@ -205,9 +225,9 @@ class FrontDoor:
         # Everything below belongs to the loop thread (or to close() once it has ended).
         self._relays: dict[int, _Relay] = {}
         self._identities: dict[str, PeerCredentials] = {}
-        self._per_uid: dict[int, int] = {}
+        self._per_uid: dict[int | str, int] = {}
         self._numbers = itertools.count()
-        self._refused_logged: dict[int, float] = {}
+        self._refused_logged: dict[int | str, float] = {}
         self._starved_logged = -_LOG_EVERY
         self._fds_others = 0             # descriptors not counted per relay, at the last calibration
         self._fds_calibrated = float("-inf")
@@ -232,12 +252,14 @@ class FrontDoor:
         """Relayed connections currently alive (being set up, or relaying; refused callers included)."""
         return len(self._relays)
 
-    def connection_limit(self, uid: int) -> int:
-        """How many connections ``uid`` may hold at once (quotas.connections_per_uid; root's own bound)."""
-        return self._root_limit if uid == 0 else self._per_uid_limit
+    def connection_limit(self, owner: int | str) -> int:
+        """How many connections ``owner`` (a uid, or what connection_owner names) may hold at once
+        (quotas.connections_per_uid; root's own bound)."""
+        return self._root_limit if owner == 0 else self._per_uid_limit
 
-    def connections_by_uid(self) -> dict[int, int]:
-        """Live connections per caller uid (refused callers included): for ``sandboxctl status``."""
+    def connections_by_uid(self) -> dict[int | str, int]:
+        """Live connections per caller uid (refused callers included), or per what
+        ``connection_owner`` named: for ``sandboxctl status``."""
         with self._lock:
             return dict(self._per_uid)
 
@@ -249,6 +271,8 @@ class FrontDoor:
             if self._started:
                 raise RuntimeError("front door already started")
             self._started = True
+        if self._on_start is not None:
+            self._loop.post(self._on_start)
         self._loop.post(self._acceptor.start)
         self._loop.start()
 
@@ -335,41 +359,60 @@ class FrontDoor:
         except OSError:
             conn.close()  # gone already
             return
-        limit = self._root_limit if uid == 0 else self._per_uid_limit
-        count = self._per_uid.get(uid, 0)
-        if count >= limit:
-            now = time.monotonic()
-            if now - self._refused_logged.get(uid, -_LOG_EVERY) >= _LOG_EVERY:
-                if len(self._refused_logged) >= 1024:  # (uids whose minute is over are forgotten)
-                    self._refused_logged = {u: t for u, t in self._refused_logged.items() if now - t < _LOG_EVERY}
-                self._refused_logged[uid] = now
-                log.warning("front door: uid %d has %d connections open, its limit (quotas.connections_per_uid): "
-                            "closing its new ones", uid, count)
+        if self._connection_owner is None and not self._room_for(uid):
             conn.close()
             return
         groups = peer_groups(conn)
         credentials = PeerCredentials(uid=uid, gid=gid, pid=pid, groups=groups)
-        if self._peer_check is not None:
-            refusal = self._check(conn, credentials)
-            if refusal:
-                credentials = PeerCredentials(uid=uid, gid=gid, pid=pid, groups=groups, refusal=refusal)
+        if self._peer_check is not None or self._read_cgroups:
+            refusal, cgroups = self._inspect(conn, credentials)
+            if refusal or cgroups:
+                credentials = PeerCredentials(uid=uid, gid=gid, pid=pid, groups=groups, refusal=refusal,
+                                              cgroups=cgroups)
+        owner: int | str = uid
+        if self._connection_owner is not None:
+            owner = uid if credentials.refusal else self._connection_owner(credentials)
+            if not self._room_for(owner):
+                conn.close()
+                return
         conn.setblocking(False)
-        relay = _Relay(self, next(self._numbers), conn, credentials)
+        relay = _Relay(self, next(self._numbers), conn, credentials, owner)
         with self._lock:
-            self._per_uid[uid] = count + 1
+            self._per_uid[owner] = self._per_uid.get(owner, 0) + 1
         self._relays[relay.number] = relay
         relay.connect()
 
+    def _room_for(self, owner: int | str) -> bool:
+        """Whether ``owner`` (a uid, or what connection_owner named) may open one more connection;
+        logged (at most once a minute per owner) when not."""
+        limit = self._root_limit if owner == 0 else self._per_uid_limit
+        count = self._per_uid.get(owner, 0)
+        if count < limit:
+            return True
+        now = time.monotonic()
+        if now - self._refused_logged.get(owner, -_LOG_EVERY) >= _LOG_EVERY:
+            if len(self._refused_logged) >= 1024:  # (owners whose minute is over are forgotten)
+                self._refused_logged = {u: t for u, t in self._refused_logged.items() if now - t < _LOG_EVERY}
+            self._refused_logged[owner] = now
+            shown = f"uid {owner}" if isinstance(owner, int) else printable(owner)
+            log.warning("front door: %s has %d connections open, its limit (quotas.connections_per_uid): "
+                        "closing its new ones", shown, count)
+        return False
+
     def _check(self, conn: socket.socket, credentials: PeerCredentials) -> str:
-        """Ask peer_check about this caller, with a pidfd pinning its process when the kernel can.
+        """The refusal of this caller, or "" (:meth:`_inspect`)."""
+        return self._inspect(conn, credentials)[0]
+
+    def _inspect(self, conn: socket.socket, credentials: PeerCredentials) -> tuple[str, str]:
+        """Ask peer_check about this caller, with a pidfd pinning its process when the kernel can;
+        (the refusal or "", its /proc/PID/cgroup when read_cgroups or "").
 
         With a pidfd, a verdict is only kept if the process was alive from before the check
         until after it: then the pid the check looked at (/proc/<pid>) was that process, not a
         later one given the same number. A connection whose process is gone already is refused:
         whoever holds it now (a child it forked, a process it passed the socket to) is unknown."""
-        assert self._peer_check is not None
         if credentials.pid == 0:
-            return _PEER_INVISIBLE
+            return _PEER_INVISIBLE, ""
         pidfd = -1
         if self._pidfd_supported:
             try:
@@ -378,21 +421,26 @@ class FrontDoor:
                 if exc.errno == errno.ENOPROTOOPT:
                     self._pidfd_supported = False  # before Linux 6.5: the pid alone
                 elif exc.errno in (errno.ESRCH, errno.EINVAL):
-                    return _PEER_GONE  # (EINVAL: kernels before 6.16, for a reaped process)
+                    return _PEER_GONE, ""  # (EINVAL: kernels before 6.16, for a reaped process)
                 # Anything else: the pid alone.
+        cgroups = ""
         try:
-            reason = str(self._peer_check(credentials, pidfd) or "")
+            reason = str(self._peer_check(credentials, pidfd) or "") if self._peer_check is not None else ""
+            if self._read_cgroups and not reason:
+                cgroups = read_cgroups(credentials.pid)
             if pidfd >= 0 and not reason:
                 signal.pidfd_send_signal(pidfd, 0)
-        except ProcessLookupError:
+        except (ProcessLookupError, FileNotFoundError):
             reason = _PEER_GONE
+        except CgroupRefused as exc:
+            reason = str(exc)
         except Exception:  # noqa: BLE001 - a check that cannot decide refuses
             log.exception("front door: peer check failed for pid %d uid %d", credentials.pid, credentials.uid)
             reason = "the daemon could not check who is calling; refusing"
         finally:
             if pidfd >= 0:
                 os.close(pidfd)
-        return reason
+        return reason, "" if reason else cgroups
 
     # ------------------------------------------------------------------ called by relays
 
@@ -403,13 +451,13 @@ class FrontDoor:
         self._identities.pop(relay.peer, None)
         if self._relays.pop(relay.number, None) is None:
             return
-        uid = relay.credentials.uid
+        owner = relay.owner
         with self._lock:
-            left = self._per_uid[uid] - 1
+            left = self._per_uid[owner] - 1
             if left:
-                self._per_uid[uid] = left
+                self._per_uid[owner] = left
             else:
-                del self._per_uid[uid]
+                del self._per_uid[owner]
         if not self._closing:
             self._acceptor.resume_if_room()
 
@@ -449,16 +497,18 @@ class _Side:
 class _Relay:
     """One accepted connection and its connection to the backend, driven by the door's loop."""
 
-    __slots__ = ("door", "number", "client", "backend", "credentials", "path", "peer", "state", "up", "down",
+    __slots__ = ("door", "number", "client", "backend", "credentials", "owner", "path", "peer", "state", "up", "down",
                  "_client_mask", "_backend_mask", "_client_side", "_backend_side", "_pipes", "_connect_delay",
                  "_connect_deadline")
 
-    def __init__(self, door: FrontDoor, number: int, client: socket.socket, credentials: PeerCredentials) -> None:
+    def __init__(self, door: FrontDoor, number: int, client: socket.socket, credentials: PeerCredentials,
+                 owner: int | str) -> None:
         self.door = door
         self.number = number
         self.client = client
         self.backend: socket.socket | None = None
         self.credentials = credentials
+        self.owner = owner                  # whose connection it is counted as (FrontDoor._per_uid)
         self.path = os.path.join(door._relay_dir, f"{number}.sock")
         self.peer = "unix:" + self.path
         self.state = _CONNECTING

@@ -31,6 +31,9 @@ class PeerCredentials(Record):
     # Non-empty when the caller must be refused whatever it asks (for example: its process runs
     # inside one of this daemon's own sandboxes); the reason, said to the caller.
     refusal: str = ""
+    # /proc/PID/cgroup as the door read it at accept (only when asked: tenancy by pod), confirmed
+    # by the pidfd to be the connecting process's; service.principals reads the pod from it.
+    cgroups: str = ""
 
 
 def peer_ucred(conn: socket.socket) -> tuple[int, int, int]:

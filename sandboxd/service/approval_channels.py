@@ -82,7 +82,9 @@ class ApprovalChannels:
 
     def register(self, who: Caller) -> pb.ApprovalChannel:
         if who.principal or who.pid <= 0:
-            raise InvalidPolicy("an approval channel registers from a local process on the daemon's Unix socket")
+            raise InvalidPolicy("an approval channel registers from a local process on the daemon's Unix socket "
+                                "(not through TLS; not from a pod: channels and their directory are kept per uid, "
+                                "which pods share)")
         key = peers.process_key(who.pid)
         try:
             if key is None or psutil.Process(who.pid).uids().real != who.uid:

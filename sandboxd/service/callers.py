@@ -20,6 +20,10 @@ is neither, whatever local user it is mapped to, uid 0 included: a certificate p
 key, not that they are this host's root, so it never escapes quotas, never sees or removes
 others' sessions and rules, never gets danger-full-access or a privileged published port. Its
 uid and gid (its mapped user) only decide the file rights its commands run with.
+
+Under ``tenancy.mode = "pod"`` a local caller inside a Kubernetes pod is held the same way, as
+its pod (service.principals): its owner string is ``pod:<UID>``, uid 0 in a pod included; a
+caller whose pod cannot be told from its cgroup is refused.
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ from typing import Any
 from sandboxd._record import Factory, Record
 from sandboxd.errors import CallerRefused
 from sandboxd.network.front_door import FrontDoor, caller
+from sandboxd.kernel import pod_cgroups
 from sandboxd.network.peer_credentials import PeerCredentials
+from sandboxd.service.principals import (PodReader, Principal, pod_owner, pod_principal, pod_uid_of, tls_principal,
+                                         uid_principal)
 from sandboxd.service.sandboxed_peers import SandboxedPeers, parse_peer
 
 IDENTITIES = ("common-name", "uri", "dns")
@@ -48,16 +55,37 @@ class Caller(PeerCredentials):
     mapped_user: tuple[int, int] | None = None
     is_root: bool = False         # local root: exempt from per-owner quotas, its danger-full-access runs as root
     is_admin: bool = False        # local root or the admin group: sees and manages every owner's sessions and rules
+    # Whose the call is, for other layers to read (service.principals): its kind, owner key,
+    # pod and cgroup. The checks here read is_root, is_admin and the owner string (principal).
+    tenant: Principal | None = None
 
 
-def identify(who: PeerCredentials, admin_gid: int | None = None) -> Caller:
+def identify(who: PeerCredentials, admin_gid: int | None = None, cgroup_path: str | None = None) -> Caller:
     """The one rule (module docstring): local uid 0 is root; root and local members of
-    ``admin_gid`` are administrators; a TLS principal is neither."""
+    ``admin_gid`` are administrators; a TLS principal or a pod is neither."""
     local = not who.principal
     is_root = local and who.uid == 0
     is_admin = is_root or (local and admin_gid is not None and admin_gid in (who.gid, *who.groups))
-    return Caller(who.uid, who.gid, who.pid, who.principal, who.groups, who.refusal,
-                  mapped_user=None if local else (who.uid, who.gid), is_root=is_root, is_admin=is_admin)
+    pod = pod_uid_of(who.principal)
+    if local:
+        tenant = uid_principal(who.uid, is_admin, cgroup_path)
+    elif pod is not None:
+        tenant = pod_principal(pod, cgroup_path)
+    else:
+        tenant = tls_principal(who.principal)
+    is_tls = not local and pod is None
+    return Caller(who.uid, who.gid, who.pid, who.principal, who.groups, who.refusal, who.cgroups,
+                  mapped_user=(who.uid, who.gid) if is_tls else None, is_root=is_root, is_admin=is_admin,
+                  tenant=tenant)
+
+
+def principal_of(who: Caller) -> Principal:
+    """``who``'s principal (service.principals): as identified, or as its credentials make it."""
+    if who.tenant is not None:
+        return who.tenant
+    tenant = identify(who).tenant
+    assert tenant is not None
+    return tenant
 
 
 def session_owner(uid: int, gid: int, principal: str) -> Caller:
@@ -95,9 +123,12 @@ class Callers:
     """Callable: the credentials of the caller of a gRPC call, or CallerRefused saying why not."""
 
     def __init__(self, door: FrontDoor, tls: "TlsIdentity | tuple[int, int] | None" = None,
-                 sandboxed: SandboxedPeers | None = None, admin_gid: int | None = None) -> None:
+                 sandboxed: SandboxedPeers | None = None, admin_gid: int | None = None,
+                 pods: PodReader | None = None) -> None:
+        """``pods``: tenancy by pod (None: by uid)."""
         self._door = door
         self._admin_gid = admin_gid
+        self._pods = pods
         self._tls = TlsIdentity(default_user=tls) if isinstance(tls, tuple) else tls
         self._sandboxed = sandboxed
         self._groups: dict[tuple[int, int], tuple[int, ...]] = {}
@@ -108,6 +139,8 @@ class Callers:
             who = caller(self._door, context)
             if who.refusal:
                 raise CallerRefused(who.refusal)
+            if self._pods is not None:
+                return self._by_pod(self._pods, who)
             return identify(who, self._admin_gid)
         if self._sandboxed is not None:
             address = parse_peer(peer)
@@ -118,6 +151,21 @@ class Callers:
         principal = self._tls.principal(context.auth_context())
         uid, gid = self._tls.user_of(principal)
         return identify(PeerCredentials(uid, gid, 0, principal, self._groups_of(uid, gid)), self._admin_gid)
+
+    def _by_pod(self, pods: PodReader, who: PeerCredentials) -> Caller:
+        """A local caller under pod tenancy: its pod's, or (in no pod, in the daemon's own, or in
+        one tenancy.admin_pods names) its uid's, as under uid tenancy."""
+        try:
+            pod = pods.pod_of(who.cgroups)
+        except pod_cgroups.CgroupRefused as exc:
+            raise CallerRefused(f"{exc}; this daemon tells tenants apart by their pod (tenancy.mode = \"pod\")") from None
+        if pod is None:
+            return identify(who, self._admin_gid, _own_line(who.cgroups))
+        if not pods.is_tenant(pod):
+            local = identify(who, self._admin_gid, pod.cgroup_path)
+            return local.replace(tenant=pod_principal(pod.uid, pod.cgroup_path, is_admin=local.is_admin))
+        pod_caller = PeerCredentials(who.uid, who.gid, who.pid, pod_owner(pod.uid), who.groups, "", who.cgroups)
+        return identify(pod_caller, None, pod.cgroup_path)
 
     def _groups_of(self, uid: int, gid: int) -> tuple[int, ...]:
         groups = self._groups.get((uid, gid))
@@ -130,3 +178,11 @@ class Callers:
                 groups = (gid,)
             self._groups[(uid, gid)] = groups
         return groups
+
+
+def _own_line(cgroups: str) -> str | None:
+    """The v2 cgroup path of a /proc/PID/cgroup text (None on a machine whose processes have none)."""
+    for line in cgroups.splitlines():
+        if line.startswith("0::"):
+            return line[3:]
+    return None

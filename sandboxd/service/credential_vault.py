@@ -204,7 +204,7 @@ def may_use(owner: Caller, source: SecretSource) -> bool:
     carried them when the session was created (a user taken out of the group loses the secret
     at the session's next change)."""
     if owner.principal:
-        return False                        # a TLS principal is no local user an entry can name
+        return False                        # a TLS principal or a pod is no local user an entry can name
     if owner.uid == 0 or owner.uid in source.uids:
         return True
     return bool(current_groups(owner) & set(source.gids))

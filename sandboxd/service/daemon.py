@@ -37,6 +37,7 @@ from sandboxd.service.approvals import ApprovalGate
 from sandboxd.service.network_questions import NetworkQuestions
 from sandboxd.service.callers import Callers, TlsIdentity
 from sandboxd.service.metrics import Metrics
+from sandboxd.service.principals import PodReader, Tenancy
 from sandboxd.service.process_ties import ProcessTies
 from sandboxd.network.front_door import FrontDoor
 from sandboxd.network.tcp_listeners import check_bindable, why_unbindable
@@ -204,9 +205,14 @@ class Daemon:
             undo.callback(questions.close)
             registry.answer_network_with(questions)
             sandboxed = SandboxedPeers(registry.sandbox_namespaces)
+            pods = None if s.tenancy_mode != "pod" else PodReader(Tenancy(admin_pods=s.admin_pods,
+                                                                             cgroup_root=s.cgroup_root))
             door = FrontDoor(socket_path, backend, mode=s.socket_mode, relay_dir=os.path.join(private, "relay"),
                              listener=activated, connections_per_uid=s.connections_per_uid,
-                             peer_check=lambda who, _pidfd: sandboxed.reason_for_pid(who.pid))
+                             peer_check=lambda who, _pidfd: sandboxed.reason_for_pid(who.pid),
+                             read_cgroups=pods is not None,
+                             connection_owner=pods.connection_owner if pods is not None else None,
+                             on_start=pods.enter_node_view if pods is not None else None)
             undo.callback(door.close)
             workers = futures.ThreadPoolExecutor(max_workers=s.workers, thread_name_prefix="sandboxd-rpc")
             undo.callback(workers.shutdown)
@@ -216,7 +222,7 @@ class Daemon:
             undo.callback(_unlink, backend)
             tls_identity = None if tls is None else TlsIdentity(
                 identity=tls.identity, default_user=(tls.uid, tls.gid), users=dict(tls.users), port=tls.port)
-            callers = Callers(door, tls_identity, sandboxed, s.admin_gid)
+            callers = Callers(door, tls_identity, sandboxed, s.admin_gid, pods)
             sandboxd_pb2_grpc.add_SandboxServicer_to_server(
                 SandboxServicer(registry, fork, callers, gate, metrics, s.session_defaults, counters,
                                 connections=door, tied=tied, channels=channels), server)

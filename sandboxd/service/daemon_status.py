@@ -20,9 +20,9 @@ from sandboxd.v1 import sandboxd_pb2 as pb
 class ConnectionCounts(Protocol):
     """What the status reads of the front door (service.peercred.FrontDoor): a uid's connections."""
 
-    def connections_by_uid(self) -> dict[int, int]: ...
+    def connections_by_uid(self) -> dict[int | str, int]: ...
 
-    def connection_limit(self, uid: int) -> int: ...
+    def connection_limit(self, owner: int | str) -> int: ...
 
 
 
@@ -68,9 +68,10 @@ def status(registry: SessionRegistry, gate: ApprovalGate, who: Caller,
     owner = owner_key(who)
     usage = quotas.usage(who)
     connections: dict[str, int] = {}
-    if door is not None and not who.principal:            # TLS callers do not come through the door
-        connections = {"connections": door.connections_by_uid().get(who.uid, 0)}
-        limits_extra = {"connections_per_uid": door.connection_limit(who.uid)}
+    if door is not None and who.mapped_user is None:       # TLS callers do not come through the door
+        counted_as = who.principal or who.uid                  # a tenant pod's connections are its own
+        connections = {"connections": door.connections_by_uid().get(counted_as, 0)}
+        limits_extra = {"connections_per_uid": door.connection_limit(counted_as)}
     else:
         limits_extra = {}
     store = registry.store

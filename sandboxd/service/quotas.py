@@ -17,7 +17,8 @@ The rules:
 
 * the pool: calls and streams take at most ``workers - reserved_workers`` slots, so
   ``reserved_workers`` threads always remain for requests, whoever holds the rest;
-* per owner (a uid; a TLS caller: its certificate's principal; both are owners alike): at most
+* per owner (a uid; a TLS caller: its certificate's principal; under tenancy by pod, a caller in
+  a pod: its pod, uid 0 included; all are owners alike): at most
   ``calls_per_uid`` running calls, ``streams_per_uid`` streams, ``requests_per_uid`` requests in
   progress and ``sessions_per_uid`` open sessions; of its calls, at most ``terminals_per_uid`` on
   a terminal. Start-up refuses per-owner limits with which FAIR_OWNERS (4) owners at their quotas
@@ -42,7 +43,7 @@ from typing import Iterator, TypeVar
 
 from sandboxd.errors import Exhausted
 from sandboxd.policy.quota_limits import QuotaLimits
-from sandboxd.service.callers import Caller
+from sandboxd.service.callers import Caller, principal_of
 
 CALLS = "calls"
 STREAMS = "streams"
@@ -63,13 +64,11 @@ def uid_owner(uid: int) -> str:
 
 
 def cgroup_owner(who: Caller) -> str:
-    """The same owner as ``owner_key`` as a cgroup name part (LaunchSpec.owner): ``uid-1000``, or
-    ``tls-`` and a hash of the principal (which may hold any character). Root's own sessions have
-    none: like the quotas, root is held only to the total."""
+    """The same owner as ``owner_key`` as a cgroup name part (LaunchSpec.owner): ``uid-1000``,
+    ``pod-<UID>``, or ``tls-`` and a hash of the principal (which may hold any character). Root's
+    own sessions have none: like the quotas, root is held only to the total."""
     if who.principal:
-        import hashlib
-
-        return "tls-" + hashlib.sha256(who.principal.encode(errors="surrogateescape")).hexdigest()[:20]
+        return principal_of(who).key
     return "" if who.is_root else f"uid-{who.uid}"
 
 

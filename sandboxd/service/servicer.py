@@ -44,7 +44,7 @@ def session_to_proto(session: Session, closed_at: float = 0.0) -> pb.Session:
         id=session.id, workspace=session.workspace, sandbox_policy=convert.policy_to_proto(session.policy),
         approval_policy=convert.approval_to_proto(session.approval),
         limits=convert.limits_to_proto(session.limits), labels=session.labels, owner_uid=session.owner.uid,
-        owner_gid=session.owner.gid, created_at=session.created_at, running_calls=session.running_calls,
+        owner_gid=session.owner.gid, owner_principal=session.owner.principal, created_at=session.created_at, running_calls=session.running_calls,
         sandbox_generation=session.generation, permission_mode=session.rules.mode, closed_at=closed_at or 0.0,
         sandbox_ready=session.sandbox_ready and not closed_at, env_names=sorted(session.env), review=session.review,
         credential_states=convert.credential_states_to_proto(_credential_states(session, closed_at)))

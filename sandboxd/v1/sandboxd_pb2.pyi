@@ -110,7 +110,7 @@ class Limits(_message.Message):
     def __init__(self, timeout_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., pids: _Optional[int] = ..., cpu_seconds: _Optional[int] = ..., open_files: _Optional[int] = ..., tmp_size_bytes: _Optional[int] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("id", "workspace", "sandbox_policy", "approval_policy", "limits", "labels", "owner_uid", "owner_gid", "created_at", "running_calls", "sandbox_generation", "permission_mode", "closed_at", "sandbox_ready", "env_names", "review", "credential_states")
+    __slots__ = ("id", "workspace", "sandbox_policy", "approval_policy", "limits", "labels", "owner_uid", "owner_gid", "created_at", "running_calls", "sandbox_generation", "permission_mode", "closed_at", "sandbox_ready", "env_names", "review", "credential_states", "owner_principal")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class Session(_message.Message):
     ENV_NAMES_FIELD_NUMBER: _ClassVar[int]
     REVIEW_FIELD_NUMBER: _ClassVar[int]
     CREDENTIAL_STATES_FIELD_NUMBER: _ClassVar[int]
+    OWNER_PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
     id: str
     workspace: str
     sandbox_policy: SandboxPolicy
@@ -152,7 +153,8 @@ class Session(_message.Message):
     env_names: _containers.RepeatedScalarFieldContainer[str]
     review: bool
     credential_states: _containers.RepeatedCompositeFieldContainer[CredentialState]
-    def __init__(self, id: _Optional[str] = ..., workspace: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., owner_uid: _Optional[int] = ..., owner_gid: _Optional[int] = ..., created_at: _Optional[float] = ..., running_calls: _Optional[int] = ..., sandbox_generation: _Optional[int] = ..., permission_mode: _Optional[str] = ..., closed_at: _Optional[float] = ..., sandbox_ready: _Optional[bool] = ..., env_names: _Optional[_Iterable[str]] = ..., review: _Optional[bool] = ..., credential_states: _Optional[_Iterable[_Union[CredentialState, _Mapping]]] = ...) -> None: ...
+    owner_principal: str
+    def __init__(self, id: _Optional[str] = ..., workspace: _Optional[str] = ..., sandbox_policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., approval_policy: _Optional[_Union[ApprovalPolicy, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., owner_uid: _Optional[int] = ..., owner_gid: _Optional[int] = ..., created_at: _Optional[float] = ..., running_calls: _Optional[int] = ..., sandbox_generation: _Optional[int] = ..., permission_mode: _Optional[str] = ..., closed_at: _Optional[float] = ..., sandbox_ready: _Optional[bool] = ..., env_names: _Optional[_Iterable[str]] = ..., review: _Optional[bool] = ..., credential_states: _Optional[_Iterable[_Union[CredentialState, _Mapping]]] = ..., owner_principal: _Optional[str] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
     __slots__ = ("workspace", "sandbox_policy", "approval_policy", "limits", "labels", "permission_mode", "allow_shell", "allow_file_write", "env", "close_with_caller", "review", "credential_secrets")

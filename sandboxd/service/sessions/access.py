@@ -1,7 +1,7 @@
 """Who may see and act on a session, and with what rights its sandbox is built.
 
-A session is its owner's: the same local uid (not through TLS), or the same TLS principal;
-root and the admin group see every local user's. Someone else's session is NOT_FOUND, never
+A session is its owner's: the same local uid (not through TLS, not from a pod), or the same TLS
+principal, or (tenancy by pod) the same pod; root and the admin group see every local user's. Someone else's session is NOT_FOUND, never
 PERMISSION_DENIED: a caller learns nothing about sessions it may not use. Which paths a caller
 may use is the kernel's to say, under the caller's own credentials (``rights_of``), when the
 sandbox is built; this module only decides who may ask for what.
@@ -16,7 +16,9 @@ from sandboxd.audit.store import EventStore
 from sandboxd.errors import Forbidden, NotFound
 from sandboxd.policy import SandboxPolicy
 from sandboxd.policy.sandbox import is_within
+from sandboxd.printable import printable
 from sandboxd.service.callers import Caller
+from sandboxd.service.principals import pod_uid_of
 from sandboxd.service.sessions.state import Session
 
 if TYPE_CHECKING:
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
 
 
 def owns(caller: Caller, owner_uid: int, owner_principal: str) -> bool:
-    """Its owner (same uid and, for TLS callers, same certificate), root, or the admin group."""
+    """Its owner (same uid and, for TLS or pod callers, same certificate or pod), root, or the admin group."""
     if caller.principal:
         return owner_principal == caller.principal
     return caller.is_admin or (owner_uid == caller.uid and not owner_principal)
@@ -58,9 +60,15 @@ def check_full_access(caller: Caller, policy: SandboxPolicy, owner: Caller | Non
         return
     owner = owner or caller
     # A non-root owner's danger-full-access runs as that owner with its own rights and no more
-    # (sequence._exec_as_caller). A TLS principal is not the local user it is mapped to
-    # (principals sharing one user are kept apart: check_not_shared), so neither it nor
-    # anyone for it may.
+    # (sequence._exec_as_caller). A TLS principal is not the local user it is mapped to, nor is a
+    # pod the local user its uid names (uid 0 in a pod is not the node's root): principals sharing
+    # one uid are kept apart (check_not_shared), so neither it nor anyone for it may.
+    for who in (caller, owner):
+        if pod_uid_of(who.principal) is not None:
+            raise Forbidden(f"a caller in a pod ({who.tenant.display if who.tenant else printable(who.principal)}) never "
+                            "may create danger-full-access sessions, whatever uid it runs as, and no session of one "
+                            "becomes one (tenancy.mode = \"pod\"; an operator may name the pod in "
+                            "tenancy.admin_pods): use workspace-write")
     if caller.principal or owner.principal:
         raise Forbidden("a TLS caller never may create danger-full-access sessions, whatever user it is "
                         "mapped to, and no session of one becomes one: use workspace-write")
@@ -77,7 +85,7 @@ def check_full_access(caller: Caller, policy: SandboxPolicy, owner: Caller | Non
 
 
 def check_not_shared(owner: Caller, facts: SessionInfo, sessions: Iterable[Session], session_id: str = "") -> None:
-    """TLS principals that act as the same local user share its file rights; so one may not
+    """TLS principals (or pods) that act as the same local user share its file rights; so one may not
     use a workspace or writable root that overlaps one of another principal's open sessions
     (it could read and overwrite that principal's files through it). Judged on what the fork
     server built (``facts``: the real paths as the owner's lookup resolved them), after the build
@@ -93,10 +101,11 @@ def check_not_shared(owner: Caller, facts: SessionInfo, sessions: Iterable[Sessi
         for path in mine:
             for theirs in _paths_of(other):
                 if is_within(path, theirs) or is_within(theirs, path):
-                    raise Forbidden(f"{path!r} overlaps {theirs!r}, which a session of another TLS principal "
-                                    f"uses: principals acting as the same local user (uid {owner.uid}) share "
-                                    "its file rights, so their workspaces are kept apart (map each principal "
-                                    "to its own user with tls.users)")
+                    raise Forbidden(f"{printable(path)!r} overlaps {printable(theirs)!r}, which a session of another "
+                                    f"TLS principal or pod uses: principals acting as the same local user "
+                                    f"(uid {owner.uid}) share its file rights, so their workspaces are kept apart "
+                                    "(map each TLS principal to its own user with tls.users; give each pod a "
+                                    "workspace of its own)")
 
 
 def _paths_of(session: Session) -> list[str]:

@@ -28,6 +28,7 @@ from sandboxd.policy import LaunchSpec, Limits, SandboxPolicy
 from sandboxd.policy.decision import ApprovalPolicy, ToolRules
 from sandboxd.policy.network import DaemonSecret
 from sandboxd.service.callers import Caller
+from sandboxd.service.principals import pod_uid_of
 from sandboxd.service.credential_vault import CredentialVault, SessionCredentials
 from sandboxd.service.quotas import cgroup_owner
 from sandboxd.service.sandbox_hooks import HookList, Sandbox, close_all
@@ -125,7 +126,8 @@ class SessionLifecycle:
                 self._store.append(session.id, EventType.SESSION_CREATED, data={
                     **session.axes(), "workspace": session.workspace, "owner_uid": owner.uid,
                     "owner_gid": owner.gid, "limits": session.limits.as_dict(), "labels": dict(labels),
-                    "env_names": sorted(session.env), **({"review": True} if review else {})})
+                    "env_names": sorted(session.env), **({"review": True} if review else {}),
+                    **_pod_of(owner)})
         except BaseException:
             self._table.remove(session.id)
             if built:                                 # the store failed: nothing of it may stay
@@ -511,3 +513,13 @@ def _owner_places(uid: int) -> tuple[str, ...]:
     except KeyError:
         home = ""
     return tuple(path for path in defaults.owner_hidden_paths(uid, home or "/nonexistent") if path.startswith("/"))
+
+
+def _pod_of(owner: Caller) -> dict[str, str]:
+    """Under tenancy by pod, the owner's pod (its UID, and the cgroup its call came from) for the
+    SessionCreated event; nothing for any other owner (their events stay as they were)."""
+    pod = pod_uid_of(owner.principal)
+    if pod is None:
+        return {}
+    cgroup = owner.tenant.cgroup_path if owner.tenant is not None else None
+    return {"owner_pod": pod, **({"owner_cgroup": cgroup} if cgroup else {})}

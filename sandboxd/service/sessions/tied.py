@@ -43,7 +43,8 @@ class TiedSessions:
             return labels
         if who.principal or who.pid <= 0:
             raise InvalidPolicy("close_with_caller needs a local caller on the daemon's Unix socket (a TLS "
-                                "caller's process is not known)")
+                                "caller's process is not known; a pod's is not offered: its ties would be "
+                                "counted with every other pod of its uid)")
         key = peers.process_key(who.pid)
         if key is None:
             raise InvalidPolicy(f"close_with_caller: the calling process (pid {who.pid}) has exited")
