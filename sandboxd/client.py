@@ -67,6 +67,10 @@ REQUEST_QUOTA_KEY = "quotas.requests_per_uid"
 RETRY_DELAYS = (0.02, 0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0)
 
 
+# The longest one WaitCall waits for a running call's end (the daemon's bound: service.call_results).
+MAX_WAIT_SECONDS = 300.0
+
+
 def refused_for_requests_in_progress(code: "grpc.StatusCode | None", details: "str | None") -> bool:
     return code == grpc.StatusCode.RESOURCE_EXHAUSTED and REQUEST_QUOTA_KEY in (details or "")
 
@@ -258,6 +262,12 @@ class SandboxClient:
 
     def stop_background(self, session_id: str, job_id: str) -> pb.BackgroundProcess:
         return self.stub.StopBackground(pb.StopBackgroundRequest(session_id=session_id, id=job_id))
+
+    def wait_call(self, session_id: str, call_id: str, timeout: float = 0.0) -> pb.WaitCallResponse:
+        """A call's outcome by id (ExecResponse.call_id): RUNNING after ``timeout`` seconds (at most
+        MAX_WAIT_SECONDS), or FINISHED with its exit and output tails; NOT_FOUND if not known."""
+        return self.stub.WaitCall(pb.WaitCallRequest(session_id=session_id, call_id=call_id,
+                                                     timeout_seconds=timeout), timeout=timeout + 30)
 
     def _run(self, start: pb.ExecStart) -> Iterator[pb.ExecResponse]:
         """Everything is in `start` (stdin included, then closed), so the call needs no request

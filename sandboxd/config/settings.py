@@ -90,6 +90,9 @@ class DaemonSettings:
     secrets: Mapping[str, SecretSource] = field(default_factory=dict)   # network.secrets, users looked up
     network_questions: int = 16   # quotas.network_questions_per_session
     intercepted_connections: int = 64   # quotas.intercepted_connections_per_session
+    shutdown: str = "drain"       # drain.shutdown: what SIGTERM does (service.daemon)
+    drain_timeout: float = 60.0   # drain.timeout_seconds
+    idle_expiry: float = 86400.0  # sessions.idle_expiry_seconds (0: never), for service.idle_expiry
 
     @property
     def config_path(self) -> str | None:
@@ -115,6 +118,7 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
                          "(or its number), or leave it empty (only root sees every session)") from None
     try:
         quotas = QuotaLimits(sessions_per_uid=config.whole("quotas.sessions_per_uid"),
+                             root_sessions=config.whole("quotas.root_sessions"),
                              calls_per_uid=config.whole("quotas.calls_per_uid"),
                              streams_per_uid=config.whole("quotas.streams_per_uid"),
                              requests_per_uid=config.whole("quotas.requests_per_uid"),
@@ -171,7 +175,9 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         allowed_ranges=tuple(str(ipaddress.ip_network(item)) for item in config.texts("network.allowed_ranges")),
         secrets=_secrets(config, refuse),
         network_questions=config.whole("quotas.network_questions_per_session"),
-        intercepted_connections=config.whole("quotas.intercepted_connections_per_session"))
+        intercepted_connections=config.whole("quotas.intercepted_connections_per_session"),
+        shutdown=config.text("drain.shutdown"), drain_timeout=config.number("drain.timeout_seconds"),
+        idle_expiry=config.number("sessions.idle_expiry_seconds"))
 
 
 def _upstream_ca(config: Config, refuse: "Callable[[str, str], ConfigError]") -> bytes:
