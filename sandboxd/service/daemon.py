@@ -301,6 +301,7 @@ class Daemon:
         parts = self._started()
         timeout = self.settings.drain_timeout if timeout is None else timeout
         parts.drain.begin(timeout)
+        self._set_health(parts.health, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._drain_requested.append(timeout)
         try:
             os.write(self._wake_w, b"\0")
