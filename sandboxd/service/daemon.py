@@ -320,7 +320,7 @@ class Daemon:
         timeout = self.settings.drain_timeout if timeout is None else timeout
         parts.drain.begin(timeout)
         self._set_health(parts.health, health_pb2.HealthCheckResponse.NOT_SERVING)
-        systemd.notify("STATUS=draining")
+        systemd.notify("STOPPING=1\nSTATUS=draining")          # it ends in the exit
         started, signals = time.monotonic(), len(self._stop_requested)
         log.info("draining", extra={"fields": {"running_calls": self._running_calls(parts), "timeout_seconds": timeout}})
         poller = select.poll()                          # the wake pipe: another stop signal cuts it short
