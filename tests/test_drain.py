@@ -21,6 +21,7 @@ from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 from test_call_results import OpenExec, run_to_end, wait_call
 
+SANDBOXCTL = str(Path(SANDBOXD).with_name("sandboxctl"))
 WAITS_FOR_STDIN = "echo begun; cat > /dev/null; echo done"
 
 
@@ -132,3 +133,37 @@ def test_a_bad_drain_timeout_is_refused_saying_what_to_fix(sandboxd_daemon: Daem
     refused = subprocess.run([SANDBOXD, "drain", "--socket", daemon.socket, "--timeout", timeout],
                              capture_output=True, text=True, timeout=60, env=BASE_ENV)
     assert refused.returncode == 1 and "INVALID_ARGUMENT" in refused.stderr and "timeout_seconds" in refused.stderr
+
+
+def test_sandboxctl_tries_again_across_a_drained_restart(sandboxd_daemon: DaemonFactory) -> None:
+    """A call and a session refused by a draining daemon run on the next one, stdin whole; the
+    control: a daemon that is simply gone is an error at once, as before."""
+    daemon = sandboxd_daemon()
+    session = create_session(daemon.stub, sandboxd_daemon.workspace()).id
+    call, _ = started(daemon.stub, session)
+    daemon.stub.Drain(pb.DrainRequest(timeout_seconds=600))
+    ctl = [SANDBOXCTL, "--socket", daemon.socket]
+    piped = subprocess.Popen([*ctl, "exec", session, "--", "cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=BASE_ENV)
+    creating = subprocess.Popen([*ctl, "session", "create", str(sandboxd_daemon.workspace())],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=BASE_ENV)
+    assert piped.stdin is not None and piped.stderr is not None and creating.stderr is not None
+    piped.stdin.write(b"whole stdin\n")
+    piped.stdin.close()
+    assert b"sandboxd is draining" in piped.stderr.readline()     # refused, waiting: says so
+    assert "sandboxd is draining" in creating.stderr.readline()
+    call.close_stdin()
+    assert call.rest()[-1].result.exit_code == 0
+    assert daemon.proc is not None and daemon.proc.wait(timeout=120) == 0
+    Daemon(daemon.base).start()                                   # the next daemon, on the same socket
+    assert piped.stdout is not None
+    out = piped.stdout.read()
+    assert (piped.wait(timeout=180), out) == (0, b"whole stdin\n"), piped.stderr.read()
+    made, err = creating.communicate(timeout=180)
+    assert creating.returncode == 0 and made.strip(), err
+    # The control: stopped, not drained: sandboxctl fails at once, as before (no wait, no retry).
+    for again in sandboxd_daemon.daemons[1:]:
+        again.stop(signal.SIGINT)
+    gone = subprocess.run([*ctl, "exec", session, "--", "true"], capture_output=True, text=True, timeout=60,
+                          env=BASE_ENV)
+    assert gone.returncode == 1 and "cannot reach sandboxd" in gone.stderr and "draining" not in gone.stderr

@@ -23,8 +23,8 @@ from sandboxd.cli import approval_prompt, changes, terminal
 from sandboxd.cli import network_args
 from sandboxd.cli.env_args import add_env_options, env_from_args
 from sandboxd.cli.exec_requests import ExecRequests
-from sandboxd.client import (DEFAULT_SOCKET, MAX_READ_BYTES, MAX_WAIT_SECONDS, SandboxClient, caller_environment,
-                             sandbox_policy, write_through)
+from sandboxd.client import (DEFAULT_SOCKET, MAX_READ_BYTES, MAX_WAIT_SECONDS, DrainWait, SandboxClient,
+                             caller_environment, sandbox_policy, write_through)
 from sandboxd.printable import printable
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -372,7 +372,7 @@ def _exec(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], N
     forward_stdin = not sys.stdin.isatty()
     if not forward_stdin:
         start.close_stdin = True
-    requests = ExecRequests(start)
+    requests = ExecRequests(start, hold_until_started=True)
     if forward_stdin:
         requests.pump_stdin(sys.stdin.fileno(), close_at_eof=True)
     # Ctrl-C must not raise inside gRPC's iterator (that breaks the call): the first one only queues a
@@ -383,16 +383,30 @@ def _exec(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], N
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
     previous = signal.signal(signal.SIGINT, interrupt)
-    status = 1
+    status, call_id, drain = 1, "", DrainWait()
     try:
-        for response in client.stub.Exec(iter(requests)):
-            kind = response.WhichOneof("kind")
-            if kind == "started_pid":
-                on_started()
-            elif kind in ("stdout", "stderr"):
-                write(1 if kind == "stdout" else 2, getattr(response, kind))
-            elif kind == "result":
-                status = response.result.shell_status
+        while True:
+            try:
+                for response in client.stub.Exec(iter(requests)):
+                    kind = response.WhichOneof("kind")
+                    if kind == "started_pid":
+                        call_id = response.call_id or "?"
+                        requests.started()
+                        on_started()
+                    elif kind in ("stdout", "stderr"):
+                        write(1 if kind == "stdout" else 2, getattr(response, kind))
+                    elif kind == "result":
+                        status = response.result.shell_status
+                break
+            except grpc.RpcError as error:
+                delay = None if call_id else drain.delay(error.code(), error.trailing_metadata())
+                if delay is None:
+                    if call_id and call_id != "?":        # it ran: its end can still be asked for
+                        sys.stderr.write(f"sandboxctl: the call's stream broke; `sandboxctl call result "
+                                         f"{printable(start.session_id)} {printable(call_id)}` tells how it ended\n")
+                    raise
+                requests.abandon()                        # refused before it ran: once more, whole
+                time.sleep(delay)
     finally:
         signal.signal(signal.SIGINT, previous)
         requests.close()
