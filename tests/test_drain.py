@@ -167,3 +167,32 @@ def test_sandboxctl_tries_again_across_a_drained_restart(sandboxd_daemon: Daemon
     gone = subprocess.run([*ctl, "exec", session, "--", "true"], capture_output=True, text=True, timeout=60,
                           env=BASE_ENV)
     assert gone.returncode == 1 and "cannot reach sandboxd" in gone.stderr and "draining" not in gone.stderr
+
+
+def test_sandboxd_mcp_tries_a_refused_tool_call_again_on_the_next_daemon(sandboxd_daemon: DaemonFactory) -> None:
+    """`sandboxd mcp`'s shell tool, refused by a draining daemon, runs on the next one; its session
+    (tied to the MCP server's process) lives on across the restart."""
+    import asyncio
+
+    from mcp_helpers import mcp_client, text
+
+    daemon = sandboxd_daemon()
+    workspace = sandboxd_daemon.workspace()
+
+    async def scenario() -> str:
+        async with mcp_client(daemon.socket, workspace, "--approval", "never") as mcp:
+            listed = daemon.stub.ListSessions(pb.ListSessionsRequest()).sessions
+            session = next(s.id for s in listed if s.workspace == str(workspace))
+            call, _ = started(daemon.stub, session)              # keeps the drain going
+            daemon.stub.Drain(pb.DrainRequest(timeout_seconds=600))
+            # Asked after the drain began: it can only run on the next daemon.
+            refused = asyncio.ensure_future(mcp.call_tool("shell", {"command": "echo after the restart"}))
+            call.close_stdin()
+            assert call.rest()[-1].result.exit_code == 0
+            assert daemon.proc is not None
+            await asyncio.to_thread(daemon.proc.wait, 120)
+            await asyncio.to_thread(lambda: Daemon(daemon.base).start())
+            return text(await asyncio.wait_for(refused, 180))
+
+    out = asyncio.run(scenario())
+    assert "after the restart" in out and "exit status 0" in out, out
