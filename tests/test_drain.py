@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import grpc
@@ -169,7 +170,8 @@ def test_sandboxctl_tries_again_across_a_drained_restart(sandboxd_daemon: Daemon
     assert gone.returncode == 1 and "cannot reach sandboxd" in gone.stderr and "draining" not in gone.stderr
 
 
-def test_sandboxd_mcp_tries_a_refused_tool_call_again_on_the_next_daemon(sandboxd_daemon: DaemonFactory) -> None:
+def test_sandboxd_mcp_tries_a_refused_tool_call_again_on_the_next_daemon(sandboxd_daemon: DaemonFactory,
+                                                                        capfd: pytest.CaptureFixture[str]) -> None:
     """`sandboxd mcp`'s shell tool, refused by a draining daemon, runs on the next one; its session
     (tied to the MCP server's process) lives on across the restart."""
     import asyncio
@@ -187,6 +189,12 @@ def test_sandboxd_mcp_tries_a_refused_tool_call_again_on_the_next_daemon(sandbox
             daemon.stub.Drain(pb.DrainRequest(timeout_seconds=600))
             # Asked after the drain began: it can only run on the next daemon.
             refused = asyncio.ensure_future(mcp.call_tool("shell", {"command": "echo after the restart"}))
+            said, deadline = "", time.monotonic() + 120
+            while "sandboxd is draining" not in said:            # the server's stderr (ours): it waits
+                assert not refused.done(), refused.result()
+                assert time.monotonic() < deadline, said
+                await asyncio.sleep(0.1)
+                said += capfd.readouterr().err
             call.close_stdin()
             assert call.rest()[-1].result.exit_code == 0
             assert daemon.proc is not None
