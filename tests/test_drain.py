@@ -91,7 +91,8 @@ def test_a_drain_that_runs_out_of_time_kills_the_call_and_says_why(sandboxd_daem
     assert [(e.call_id, json.loads(e.data_json)["reason"]) for e in stopped] == [(call_id, "drain_timeout")]
     answer = wait_call(again.stub, session, call_id)
     assert answer.state == pb.CALL_STATE_FINISHED and answer.reason == "drain_timeout"
-    assert answer.stdout_tail == b"begun\n"
+    # (its stdin may be closed as its client's stream is cut, just before the kill: `done` then too)
+    assert answer.stdout_tail.startswith(b"begun\n")
     assert '"why": "drain_timeout"' in daemon.log()
 
 

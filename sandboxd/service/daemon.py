@@ -369,11 +369,12 @@ class Daemon:
         systemd.notify("STOPPING=1")
         log.info("stopping", extra={"fields": {"sessions": parts.registry.count_open()}})
         parts.health.enter_graceful_shutdown()
+        handing_over = _hands_over(parts.fork)
+        if not handing_over:                     # each running call: why it ends, before its client is cut
+            stop_running(parts.results, parts.store, DAEMON_STOPPED)
         parts.door.close()
         parts.ties.close()                       # what is tied stays so, for the next daemon
-        handing_over = _hands_over(parts.fork)
         if not handing_over:
-            stop_running(parts.results, parts.store, DAEMON_STOPPED)   # each running call: why it ends
             parts.registry.close_all()
         parts.server.stop(grace=STOP_GRACE_SECONDS).wait()
         parts.workers.shutdown()
