@@ -46,8 +46,10 @@ def approval_policy(name: str) -> pb.ApprovalPolicy:
 
 
 class ExecOutcome:
-    def __init__(self, started_pid: int, stdout: bytes, stderr: bytes, result: pb.ExecResult) -> None:
+    def __init__(self, started_pid: int, stdout: bytes, stderr: bytes, result: pb.ExecResult,
+                 call_id: str = "") -> None:
         self.started_pid = started_pid
+        self.call_id = call_id                # what WaitCall asks by
         self.stdout = stdout
         self.stderr = stderr
         self.result = result
@@ -379,11 +381,11 @@ class SandboxClient:
                              timeout_seconds=timeout, stdin=stdin, close_stdin=True, output_limit_bytes=output_limit,
                              env_overlay=env_overlay or {}, caller_env=caller_env)
         chunks: dict[int, list[bytes]] = {1: [], 2: []}
-        pid, result = 0, None
+        pid, result, call_id = 0, None, ""
         for response in self._run(start):
             kind = response.WhichOneof("kind")
             if kind == "started_pid":
-                pid = response.started_pid
+                pid, call_id = response.started_pid, response.call_id
             elif kind in ("stdout", "stderr"):
                 stream = 1 if kind == "stdout" else 2
                 data = getattr(response, kind)
@@ -395,7 +397,7 @@ class SandboxClient:
                 result = response.result
         if result is None:
             raise RuntimeError("the daemon ended the Exec stream without a result")
-        return ExecOutcome(pid, b"".join(chunks[1]), b"".join(chunks[2]), result)
+        return ExecOutcome(pid, b"".join(chunks[1]), b"".join(chunks[2]), result, call_id)
 
 
 def caller_environment(on_terminal: bool) -> pb.CallerEnvironment:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import subprocess
 from pathlib import Path
 
@@ -172,3 +173,25 @@ def test_call_results_keep_the_tail_and_bound_what_they_hold(tmp_path: Path) -> 
         assert results.wait("call_unknown", 10) is None
     finally:
         store.close()
+
+
+def test_a_broken_exec_says_how_to_ask_and_the_answer_outlives_the_daemon(daemon: Daemon, session: str) -> None:
+    """The whole story from a person's side: `sandboxctl exec` whose daemon stops mid-call prints
+    the command that tells how the call ended, and that command answers on the next daemon."""
+    piped = subprocess.Popen([SANDBOXCTL, "--socket", daemon.socket, "exec", session, "--", "sh", "-c",
+                              "echo before; exec cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=BASE_ENV)
+    assert piped.stdout is not None and piped.stderr is not None
+    assert piped.stdout.readline() == b"before\n"
+    assert daemon.stop(signal.SIGINT) == 0                      # a stop, not a drain: the call is killed
+    assert piped.wait(timeout=60) == 1
+    hint = piped.stderr.read().decode()
+    assert "sandboxctl call result" in hint, hint
+    asked = hint.split("`")[1].split()                          # sandboxctl call result SESSION CALL
+    Daemon(daemon.base).start()
+    answered = subprocess.run([SANDBOXCTL, "--socket", daemon.socket, *asked[1:]], capture_output=True, timeout=60,
+                              env=BASE_ENV)
+    assert answered.stdout == b"before\n" and b"daemon_stopped" in answered.stderr, answered
+    assert answered.returncode == 128 + signal.SIGKILL             # killed by the stop
+    assert piped.stdin is not None
+    piped.stdin.close()
