@@ -195,3 +195,22 @@ def test_a_broken_exec_says_how_to_ask_and_the_answer_outlives_the_daemon(daemon
     assert answered.returncode == 128 + signal.SIGKILL             # killed by the stop
     assert piped.stdin is not None
     piped.stdin.close()
+
+
+def test_the_store_keeps_an_owners_last_results_and_a_days(tmp_path: Path) -> None:
+    from sandboxd.audit.store import CALL_RESULTS_KEEP_SECONDS, CALL_RESULTS_PER_OWNER, CallResultRow
+
+    store = EventStore(str(tmp_path / "events.db"))
+    try:
+        def save(call_id: str, owner: str, at: float) -> None:
+            store.save_call_result(CallResultRow(call_id, "s1", owner, 0, 0, False, 0, "", b"out", b"", at))
+        save("call_old", "uid 2", 1000.0)
+        for index in range(CALL_RESULTS_PER_OWNER + 6):
+            save(f"call_{index}", "uid 1", 1000.0 + CALL_RESULTS_KEEP_SECONDS / 2 + index)
+        assert store.call_result("call_0") is None and store.call_result("call_5") is None   # its oldest
+        assert store.call_result("call_6") is not None                 # its last CALL_RESULTS_PER_OWNER
+        assert store.call_result("call_old") is not None               # another owner's: not its to drop
+        save("call_new", "uid 2", 1000.0 + CALL_RESULTS_KEEP_SECONDS + 1)
+        assert store.call_result("call_old") is None                   # a day old: gone
+    finally:
+        store.close()

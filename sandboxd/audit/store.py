@@ -213,6 +213,7 @@ MIGRATIONS: tuple[str, ...] = (
 CALL_RESULTS_KEEP_SECONDS = 86400.0
 CALL_RESULTS_PER_OWNER = 64
 CALL_RESULTS_TOTAL = 4096
+CALL_RESULTS_PRUNE_EVERY = 64        # the total is held to within this many rows
 
 PERMISSION_NAMESPACE = "permission"
 MAX_PAGE = 1000
@@ -277,6 +278,7 @@ class EventStore:
         # (its proxy and git guard are stopped before its SessionClosed is appended).
         self._unrecorded: dict[tuple[str, str, str], int] = {}
         self._subscribers: list[Subscription] = []
+        self._call_results_saved = 0          # save_call_result's count, for the total's prune
         self._budgets = OwnerBudgets(limits.owner_budget_bytes, limits.budget_period_seconds)
         self._floor = DiskFloor(os.path.dirname(os.path.abspath(path)), 0 if path == ":memory:" else
                                 limits.min_free_bytes, 0.0 if path == ":memory:" else limits.min_free_percent,
@@ -568,13 +570,21 @@ class EventStore:
                 self._db.execute("INSERT OR REPLACE INTO call_results (call_id, session_id, owner, exit_code, signal, "
                                  "timed_out, shell_status, reason, stdout_tail, stderr_tail, finished_at) "
                                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
+                # Each by an index, on the call's path: the owner's oldest past its cap, the day's end,
+                # and (every CALL_RESULTS_PRUNE_EVERY saves: it counts them all) the oldest past the total.
                 self._db.execute("DELETE FROM call_results WHERE finished_at < ?",
                                  (row.finished_at - CALL_RESULTS_KEEP_SECONDS,))
-                self._db.execute("DELETE FROM call_results WHERE owner = ? AND call_id NOT IN (SELECT call_id FROM "
-                                 "call_results WHERE owner = ? ORDER BY finished_at DESC LIMIT ?)",
-                                 (row.owner, row.owner, CALL_RESULTS_PER_OWNER))
-                self._db.execute("DELETE FROM call_results WHERE call_id NOT IN (SELECT call_id FROM call_results "
-                                 "ORDER BY finished_at DESC LIMIT ?)", (CALL_RESULTS_TOTAL,))
+                held = self._db.execute("SELECT COUNT(*) FROM call_results WHERE owner = ?", (row.owner,)).fetchone()[0]
+                if held > CALL_RESULTS_PER_OWNER:
+                    self._db.execute("DELETE FROM call_results WHERE call_id IN (SELECT call_id FROM call_results "
+                                     "WHERE owner = ? ORDER BY finished_at LIMIT ?)",
+                                     (row.owner, held - CALL_RESULTS_PER_OWNER))
+                self._call_results_saved += 1
+                if self._call_results_saved % CALL_RESULTS_PRUNE_EVERY == 0:
+                    total = self._db.execute("SELECT COUNT(*) FROM call_results").fetchone()[0]
+                    if total > CALL_RESULTS_TOTAL:
+                        self._db.execute("DELETE FROM call_results WHERE call_id IN (SELECT call_id FROM "
+                                         "call_results ORDER BY finished_at LIMIT ?)", (total - CALL_RESULTS_TOTAL,))
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
