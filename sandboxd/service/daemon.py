@@ -36,7 +36,7 @@ from sandboxd.service import memtrace, systemd
 from sandboxd.service.approval_channels import ApprovalChannels
 from sandboxd.service.approvals import ApprovalGate
 from sandboxd.service.call_results import DAEMON_STOPPED, DRAIN_TIMEOUT, CallResults
-from sandboxd.service.drain import DrainGate, stop_running
+from sandboxd.service.drain import DrainGate, running_calls_but_jobs, stop_background, stop_running
 from sandboxd.service.idle_expiry import IdleExpiry
 from sandboxd.service.network_questions import NetworkQuestions
 from sandboxd.service.callers import Callers, TlsIdentity
@@ -348,7 +348,9 @@ class Daemon:
 
     @staticmethod
     def _running_calls(parts: _Parts) -> int:
-        return sum(session.running_calls for session in parts.registry.open_sessions())
+        """Calls running now, what a drain waits for: not background processes (counted as running
+        in their session too), which run until stopped; they end with the daemon (stop_background)."""
+        return sum(running_calls_but_jobs(session) for session in parts.registry.open_sessions())
 
     def request_stop(self) -> None:
         """Make ``serve`` return (from any thread; what a stop signal does)."""
@@ -372,6 +374,7 @@ class Daemon:
         handing_over = _hands_over(parts.fork)
         if not handing_over:                     # each running call: why it ends, before its client is cut
             stop_running(parts.results, parts.store, DAEMON_STOPPED)
+            stop_background(parts.registry.open_sessions(), parts.store, DAEMON_STOPPED)
         parts.door.close()
         parts.ties.close()                       # what is tied stays so, for the next daemon
         if not handing_over:
