@@ -192,7 +192,9 @@ def test_a_broken_exec_says_how_to_ask_and_the_answer_outlives_the_daemon(daemon
     answered = subprocess.run([SANDBOXCTL, "--socket", daemon.socket, *asked[1:]], capture_output=True, timeout=60,
                               env=BASE_ENV)
     assert answered.stdout == b"before\n" and b"daemon_stopped" in answered.stderr, answered
-    assert answered.returncode == 128 + signal.SIGKILL             # killed by the stop
+    # Killed by the stop (137), or `cat` ended first: the stop cuts its client's stream, which closes
+    # its stdin, an instant before the kill. Either way the daemon's reason is told.
+    assert answered.returncode in (0, 128 + signal.SIGKILL), answered
     assert piped.stdin is not None
     piped.stdin.close()
 
