@@ -46,8 +46,10 @@ def approval_policy(name: str) -> pb.ApprovalPolicy:
 
 
 class ExecOutcome:
-    def __init__(self, started_pid: int, stdout: bytes, stderr: bytes, result: pb.ExecResult) -> None:
+    def __init__(self, started_pid: int, stdout: bytes, stderr: bytes, result: pb.ExecResult,
+                 call_id: str = "") -> None:
         self.started_pid = started_pid
+        self.call_id = call_id                # what WaitCall asks by
         self.stdout = stdout
         self.stderr = stderr
         self.result = result
@@ -57,7 +59,10 @@ class ExecOutcome:
 # 4 MiB by default. Ours take the daemon's maximum plus room for the message around it.
 MAX_READ_BYTES = 64 << 20
 MAX_RECEIVE_BYTES = MAX_READ_BYTES + (1 << 20)
-CHANNEL_OPTIONS = (("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),)
+# Reconnect soon after the daemon's socket comes back (a restart: DrainWait tries again meanwhile);
+# gRPC's default backoff grows to 120 s, longer than the whole wait.
+CHANNEL_OPTIONS = (("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+                   ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000))
 
 # A request the daemon refused because its owner already had quotas.requests_per_uid requests in
 # progress did nothing: the bound is on how many at once, not how many in all, so a client's own
@@ -65,6 +70,69 @@ CHANNEL_OPTIONS = (("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),)
 # 4 s in all with jitter, instead of failing. Every other refusal is returned at once.
 REQUEST_QUOTA_KEY = "quotas.requests_per_uid"
 RETRY_DELAYS = (0.02, 0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0)
+
+
+# The longest one WaitCall waits for a running call's end (the daemon's bound: service.call_results).
+MAX_WAIT_SECONDS = 300.0
+
+
+# A daemon that drains (a restart, an upgrade: service.drain) refuses new sessions and calls with
+# UNAVAILABLE and this trailing metadata (whole seconds to wait); nothing started. The clients wait
+# and try again until the next daemon serves, DRAIN_WAIT_SECONDS in all, saying so on stderr once;
+# after such a refusal, a socket nobody answers on is that restart too. A call that started is never
+# tried again, and an UNAVAILABLE without a drain's refusal first (no daemon at all) is returned.
+RETRY_AFTER_METADATA = "sandboxd-retry-after"
+DRAIN_WAIT_SECONDS = 120.0
+_DRAIN_BACKOFF = (0.25, 0.5, 1.0, 2.0)
+
+
+def drain_hint(code: "grpc.StatusCode | None", metadata: Any) -> int | None:
+    """The retry hint (seconds) of a draining daemon's refusal, else None."""
+    if code != grpc.StatusCode.UNAVAILABLE:
+        return None
+    for key, value in metadata or ():
+        if key == RETRY_AFTER_METADATA:
+            try:
+                return max(0, min(int(value), 60))
+            except ValueError:
+                return 1
+    return None
+
+
+def say_on_stderr(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+class DrainWait:
+    """One call's waits for the next daemon (above): ``delay`` says how long to sleep before the next
+    try, or None to give up and return the error as it is."""
+
+    def __init__(self, say: Callable[[str], None] = say_on_stderr, budget: float = DRAIN_WAIT_SECONDS) -> None:
+        self._say, self._budget = say, budget
+        self._deadline: float | None = None
+        self._tries = 0
+
+    @property
+    def waiting(self) -> bool:
+        """A draining daemon refused this call already."""
+        return self._deadline is not None
+
+    def delay(self, code: "grpc.StatusCode | None", metadata: Any) -> float | None:
+        hint = drain_hint(code, metadata)
+        if hint is None and (self._deadline is None or code != grpc.StatusCode.UNAVAILABLE):
+            return None
+        now = time.monotonic()
+        if self._deadline is None:
+            self._deadline = now + self._budget
+            self._say(f"sandboxd is draining (a restart or an upgrade): trying again once the next daemon serves, "
+                      f"for up to {self._budget:g} s")
+        if now >= self._deadline:
+            return None
+        backoff = _DRAIN_BACKOFF[min(self._tries, len(_DRAIN_BACKOFF) - 1)]
+        self._tries += 1
+        wait = (hint if hint else backoff) * random.uniform(0.8, 1.2)
+        return max(0.0, min(wait, self._deadline - now))
 
 
 def refused_for_requests_in_progress(code: "grpc.StatusCode | None", details: "str | None") -> bool:
@@ -78,17 +146,30 @@ def retry_delays() -> Iterator[float]:
 
 
 class RetryRequestsInProgress(grpc.UnaryUnaryClientInterceptor):
-    """Unary requests refused for the owner's requests in progress are tried again (above)."""
+    """Unary requests refused for the owner's requests in progress, or by a draining daemon, are
+    tried again (above)."""
 
     def intercept_unary_unary(self, continuation: Callable[[Any, Any], Any], client_call_details: Any,
                               request: Any) -> Any:
         outcome = continuation(client_call_details, request)
-        for delay in retry_delays():
-            if not refused_for_requests_in_progress(outcome.code(), outcome.details()):
-                break
+        delays, drain = retry_delays(), DrainWait()
+        while True:
+            if refused_for_requests_in_progress(outcome.code(), outcome.details()):
+                delay = next(delays, None)
+            else:
+                delay = drain.delay(outcome.code(), _trailing(outcome))
+            if delay is None:
+                return outcome
             time.sleep(delay)
             outcome = continuation(client_call_details, request)
-        return outcome
+
+
+def _trailing(outcome: Any) -> Any:
+    """A finished call's trailing metadata (none for a call that never reached a daemon)."""
+    try:
+        return outcome.trailing_metadata()
+    except Exception:  # noqa: BLE001 - an outcome without it
+        return ()
 
 
 def request_channel(socket_path: str) -> grpc.Channel:
@@ -259,11 +340,18 @@ class SandboxClient:
     def stop_background(self, session_id: str, job_id: str) -> pb.BackgroundProcess:
         return self.stub.StopBackground(pb.StopBackgroundRequest(session_id=session_id, id=job_id))
 
+    def wait_call(self, session_id: str, call_id: str, timeout: float = 0.0) -> pb.WaitCallResponse:
+        """A call's outcome by id (ExecResponse.call_id): RUNNING after ``timeout`` seconds (at most
+        MAX_WAIT_SECONDS), or FINISHED with its exit and output tails; NOT_FOUND if not known."""
+        return self.stub.WaitCall(pb.WaitCallRequest(session_id=session_id, call_id=call_id,
+                                                     timeout_seconds=timeout), timeout=timeout + 30)
+
     def _run(self, start: pb.ExecStart) -> Iterator[pb.ExecResponse]:
         """Everything is in `start` (stdin included, then closed), so the call needs no request
         stream: Run, which spares both sides the stream's threads and messages. A daemon older
         than Run answers UNIMPLEMENTED before anything ran: then Exec with the same `start`."""
-        if self._run_supported:
+        drain = DrainWait()
+        while self._run_supported:
             answered = False
             try:
                 for response in self.stub.Run(start):
@@ -271,6 +359,10 @@ class SandboxClient:
                     yield response
                 return
             except grpc.RpcError as error:
+                delay = None if answered else drain.delay(error.code(), _trailing(error))
+                if delay is not None:             # refused by a draining daemon before it ran: again
+                    time.sleep(delay)
+                    continue
                 if answered or error.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
                 self._run_supported = False
@@ -289,11 +381,11 @@ class SandboxClient:
                              timeout_seconds=timeout, stdin=stdin, close_stdin=True, output_limit_bytes=output_limit,
                              env_overlay=env_overlay or {}, caller_env=caller_env)
         chunks: dict[int, list[bytes]] = {1: [], 2: []}
-        pid, result = 0, None
+        pid, result, call_id = 0, None, ""
         for response in self._run(start):
             kind = response.WhichOneof("kind")
             if kind == "started_pid":
-                pid = response.started_pid
+                pid, call_id = response.started_pid, response.call_id
             elif kind in ("stdout", "stderr"):
                 stream = 1 if kind == "stdout" else 2
                 data = getattr(response, kind)
@@ -305,7 +397,7 @@ class SandboxClient:
                 result = response.result
         if result is None:
             raise RuntimeError("the daemon ended the Exec stream without a result")
-        return ExecOutcome(pid, b"".join(chunks[1]), b"".join(chunks[2]), result)
+        return ExecOutcome(pid, b"".join(chunks[1]), b"".join(chunks[2]), result, call_id)
 
 
 def caller_environment(on_terminal: bool) -> pb.CallerEnvironment:

@@ -110,6 +110,22 @@ class Exhausted(SandboxdError):
     """A configured limit on the daemon itself was reached (sessions, calls)."""
 
 
+class Draining(SandboxdError):
+    """The daemon is draining (a restart or an upgrade): it starts no new session or call. Nothing
+    was started, so the client may try again after ``retry_after`` seconds, on the next daemon."""
+
+    def __init__(self, detail: str, retry_after: int = 1) -> None:
+        self.detail, self.retry_after = detail, retry_after
+        super().__init__(f"sandboxd is draining; retry in {retry_after} s ({detail})")
+
+    def _fields(self) -> dict[str, object]:
+        return {"detail": self.detail, "retry_after": self.retry_after}
+
+    @classmethod
+    def _from_fields(cls, data: "Mapping[str, object]") -> "Self":
+        return cls(_text(data, "detail") or "", _whole(data, "retry_after"))
+
+
 class WrongState(SandboxdError):
     """The object is not in a state that allows this now (a session not in review mode; a discard
     while a call of the session runs): the message says what would."""

@@ -1,7 +1,7 @@
 """The idle-sessions benchmark (``tests/bench_idle.py --sessions N``): what N open, idle sessions cost.
 
 Not a test: it prints numbers. It starts one ``sandboxd serve`` (tests/benchmark.py's
-DaemonProcess), opens ``--sessions`` sessions as root (exempt from ``quotas.sessions_per_uid``;
+DaemonProcess), opens ``--sessions`` sessions as root (its quota, ``quotas.root_sessions``, raised for it;
 each in a workspace of its own, READ_ONLY by default: a WORKSPACE_WRITE session's git guard holds an
 inotify instance, and root has 128 on the whole machine, shared with every other root process)
 and runs one ``true`` in each (a warm sandbox, as an agent leaves it). Then, after ``--settle``

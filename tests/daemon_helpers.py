@@ -223,11 +223,12 @@ class Daemon:
             self.proc.wait()
 
     def close(self) -> None:
-        """Clean-up: stop the daemon if it still runs (TERM, then KILL)."""
+        """Clean-up: stop the daemon if it still runs (INT, then KILL). SIGINT stops at once; SIGTERM
+        would drain first (drain.shutdown), waiting up to a minute for a call a test left running."""
         self.close_channels()
         if self.proc is not None and self.proc.poll() is None:
             self.remember_family()
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(signal.SIGINT)
             try:
                 self.stopped_by_close = self.proc.wait(30)
             except subprocess.TimeoutExpired:

@@ -1,4 +1,5 @@
-"""The clients ride out a burst of their own requests (quotas.requests_per_uid) and nothing else.
+"""The clients ride out a burst of their own requests (quotas.requests_per_uid) and a draining
+daemon's refusals (UNAVAILABLE with sandboxd-retry-after), and nothing else.
 
 A stand-in daemon in this process answers GetStatus with the daemon's own refusal a given number
 of times before it answers; what the clients see is asserted, with the control of a refusal that
@@ -15,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from sandboxd.client import REQUEST_QUOTA_KEY, SandboxClient
+from sandboxd.client import REQUEST_QUOTA_KEY, RETRY_AFTER_METADATA, DrainWait, SandboxClient
 from sandboxd.mcp.daemon import Daemon
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
@@ -93,3 +94,67 @@ def test_the_mcp_servers_channel_tries_again_too(stand_in: tuple[Refusing, str])
 
     assert asyncio.run(ask()) == "stand-in"
     assert servicer.tries == 4
+
+
+class Draining(Refusing):
+    """Refuses like a draining daemon (UNAVAILABLE with the retry hint), ``refusals`` times."""
+
+    def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.DaemonStatus:
+        with self.lock:
+            self.tries += 1
+            refuse = self.tries <= self.refusals
+        if refuse:
+            context.set_trailing_metadata(((RETRY_AFTER_METADATA, "0"),))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "sandboxd is draining; retry in 0 s (no new call starts ...)")
+        return pb.DaemonStatus(version="stand-in")
+
+
+@pytest.fixture
+def draining(tmp_path: Path) -> Iterator[tuple[Draining, str]]:
+    servicer = Draining()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_SandboxServicer_to_server(servicer, server)
+    socket_path = str(tmp_path / "sandboxd.sock")
+    server.add_insecure_port(f"unix:{socket_path}")
+    server.start()
+    try:
+        yield servicer, socket_path
+    finally:
+        server.stop(None)
+
+
+def test_both_clients_wait_for_a_draining_daemon_and_say_so(draining: tuple[Draining, str],
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    servicer, socket_path = draining
+    servicer.refusals = 3
+    with SandboxClient(socket_path) as client:
+        assert client.stub.GetStatus(pb.GetStatusRequest()).version == "stand-in"
+    assert servicer.tries == 4
+    assert capsys.readouterr().err.count("sandboxd is draining") == 1      # said once, not per try
+
+    servicer.tries = 0
+
+    async def ask() -> str:
+        daemon = Daemon(socket_path)
+        try:
+            return (await daemon.stub.GetStatus(pb.GetStatusRequest())).version
+        finally:
+            await daemon.close()
+
+    assert asyncio.run(ask()) == "stand-in"
+    assert servicer.tries == 4
+
+
+def test_the_drain_wait_is_bounded_and_ignores_other_unavailables() -> None:
+    said: list[str] = []
+    wait = DrainWait(say=said.append, budget=0.0)
+    hint = ((RETRY_AFTER_METADATA, "2"),)
+    assert wait.delay(grpc.StatusCode.UNAVAILABLE, hint) is None      # its wait is spent: the refusal is returned
+    assert wait.waiting and said and "draining" in said[0]
+    ample = DrainWait(say=said.append)
+    assert ample.delay(grpc.StatusCode.UNAVAILABLE, hint) is not None
+    assert ample.delay(grpc.StatusCode.UNAVAILABLE, ()) is not None  # then no daemon at all: the restart
+    # The control: an UNAVAILABLE with no draining daemon's refusal first (no daemon) is returned.
+    fresh = DrainWait(say=said.append)
+    assert fresh.delay(grpc.StatusCode.UNAVAILABLE, ()) is None and not fresh.waiting
+    assert fresh.delay(grpc.StatusCode.RESOURCE_EXHAUSTED, hint) is None

@@ -344,7 +344,7 @@ def test_a_thousand_sessions_push_fds_past_1024_and_exec_still_works(base: Path)
         pytest.skip(f"the hard RLIMIT_NOFILE ({hard}) is below what {count} sessions need")
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
     try:
-        daemon = Daemon(base).start()
+        daemon = Daemon(base, env={"SANDBOXD_QUOTAS_ROOT_SESSIONS": str(count)}).start()   # root's own quota
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     stub = daemon.stub

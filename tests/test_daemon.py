@@ -839,12 +839,13 @@ def busy_daemon(d: Daemon, marker: str) -> tuple[ExecCall, dict]:
     return call, tree
 
 
-def test_sigterm_stops_everything(own_daemon: Daemon, sleep_marker: str) -> None:
+def test_sigint_stops_everything(own_daemon: Daemon, sleep_marker: str) -> None:
+    """SIGINT stops at once, whatever runs (SIGTERM drains first: tests/test_drain.py)."""
     call, tree = busy_daemon(own_daemon, sleep_marker)
     backend = [n for n in os.listdir(own_daemon.private) if n.endswith(".sock")]
     assert backend, os.listdir(own_daemon.private)
     try:
-        assert own_daemon.stop(signal.SIGTERM) == 0, own_daemon.log()
+        assert own_daemon.stop(signal.SIGINT) == 0, own_daemon.log()
         assert not os.path.exists(own_daemon.socket)
         assert not [n for n in os.listdir(own_daemon.private) if n.endswith(".sock")]
         assert wait_until_gone(sleep_marker, within=10) == []

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import REPO, SANDBOXD
 from daemon_helpers import DaemonFactory, socket_in
+from sandboxd import config
 from sandboxd.client import SandboxClient
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,6 +34,11 @@ def test_the_units_verify(tmp_path: Path) -> None:
     assert result.returncode == 0 and not result.stderr.strip(), result.stderr
     service = (UNITS / "sandboxd.service").read_text()
     assert "Type=notify" in service and "Delegate=yes" in service and "KillSignal=SIGTERM" in service
+    # SIGTERM drains: systemd must let the whole default drain run before it SIGKILLs.
+    stop_timeout = float(next(line.split("=", 1)[1] for line in service.splitlines()
+                              if line.startswith("TimeoutStopSec=")))
+    assert stop_timeout > next(float(key.default) for key in config.KEYS  # type: ignore[arg-type]
+                               if key.dotted == "drain.timeout_seconds")
 
 
 def test_socket_activation_and_readiness(sandboxd_daemon: DaemonFactory) -> None:

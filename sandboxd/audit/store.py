@@ -108,10 +108,13 @@ class EventType:
     # caller, the checkpoint (its label is the caller's string), what was dropped.
     CHECKPOINT_CREATED = "CheckpointCreated"
     CHANGES_ROLLED_BACK = "ChangesRolledBack"
+    # The daemon itself ended a running call (service/drain.py): ``reason`` drain_timeout (the drain
+    # ran out of drain.timeout_seconds) or daemon_stopped (shutdown = "stop"); written before the kill.
+    CALL_STOPPED = "CallStopped"
 
     ALL = (SESSION_CREATED, POLICY_CHANGED, PERMISSION_REQUESTED, PERMISSION_GRANTED, PERMISSION_DENIED,
            TOOL_STARTED, TOOL_COMPLETED, TOOL_FAILED, SESSION_CLOSED, GIT_CONFIG_NEUTRALIZED, CHANGES_APPLIED,
-           CHANGES_DISCARDED, CHECKPOINT_CREATED, CHANGES_ROLLED_BACK)
+           CHANGES_DISCARDED, CHECKPOINT_CREATED, CHANGES_ROLLED_BACK, CALL_STOPPED)
 
 
 class Event(Record):
@@ -158,6 +161,21 @@ class SessionRow(Record):
     env: dict[str, str] = Factory(dict)   # the session's own variables (CreateSessionRequest.env)
     review: bool = False                  # review mode: its change set is under the state directory
     daemon_secrets: dict[str, str] = Factory(dict)   # credential VAR -> daemon secret NAME (never a secret)
+
+
+class CallResultRow(Record):
+    """A finished call as the store keeps it (the call_results table)."""
+    call_id: str
+    session_id: str
+    owner: str
+    exit_code: int
+    signal: int
+    timed_out: bool
+    shell_status: int
+    reason: str
+    stdout_tail: bytes
+    stderr_tail: bytes
+    finished_at: float
 
 
 MIGRATIONS: tuple[str, ...] = (
@@ -208,7 +226,25 @@ MIGRATIONS: tuple[str, ...] = (
     # 6: the hash chain and its signed checkpoints (sandboxd.audit.integrity): events before it stay
     # unchained, and the genesis row says where the chain starts.
     chain_schema.MIGRATION,
+    # 7: finished calls' results (service/call_results.py), so WaitCall answers after a restart:
+    # exit information and the last 64 KiB of each output stream, kept a day and CALL_RESULTS_PER_OWNER
+    # per owner.
+    """
+    CREATE TABLE call_results (
+        call_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, owner TEXT NOT NULL, exit_code INTEGER NOT NULL,
+        signal INTEGER NOT NULL, timed_out INTEGER NOT NULL, shell_status INTEGER NOT NULL,
+        reason TEXT NOT NULL, stdout_tail BLOB NOT NULL, stderr_tail BLOB NOT NULL, finished_at REAL NOT NULL);
+    CREATE INDEX call_results_by_owner ON call_results (owner, finished_at);
+    CREATE INDEX call_results_by_time ON call_results (finished_at);
+    """,
 )
+
+# Finished calls' results kept (call_results): a day, and at most this many per owner and in all
+# (each up to 128 KiB of output tails: 8 MiB per owner, 512 MiB in all at worst); the oldest go first.
+CALL_RESULTS_KEEP_SECONDS = 86400.0
+CALL_RESULTS_PER_OWNER = 64
+CALL_RESULTS_TOTAL = 4096
+CALL_RESULTS_PRUNE_EVERY = 64        # the total is held to within this many rows
 
 PERMISSION_NAMESPACE = "permission"
 MAX_PAGE = 1000
@@ -276,6 +312,7 @@ class EventStore:
         # (its proxy and git guard are stopped before its SessionClosed is appended).
         self._unrecorded: dict[tuple[str, str, str], int] = {}
         self._subscribers: list[Subscription] = []
+        self._call_results_saved = 0          # save_call_result's count, for the total's prune
         self._budgets = OwnerBudgets(limits.owner_budget_bytes, limits.budget_period_seconds)
         self._floor = DiskFloor(os.path.dirname(os.path.abspath(path)), 0 if path == ":memory:" else
                                 limits.min_free_bytes, 0.0 if path == ":memory:" else limits.min_free_percent,
@@ -611,6 +648,54 @@ class EventStore:
     def count(self) -> int:
         with self._lock:
             return int(self._db.execute("SELECT COUNT(*) FROM events").fetchone()[0])
+
+    # -- call results (service/call_results.py) ----------------------------------------------------
+
+    def save_call_result(self, row: CallResultRow) -> None:
+        """Keep a finished call's result, dropping those older than CALL_RESULTS_KEEP_SECONDS and the
+        oldest past CALL_RESULTS_PER_OWNER (its owner's) and CALL_RESULTS_TOTAL. Its bytes are spent
+        from its owner's audit budget, like its events."""
+        values = (row.call_id, row.session_id, row.owner, row.exit_code, row.signal, int(row.timed_out),
+                  row.shell_status, row.reason, row.stdout_tail, row.stderr_tail, row.finished_at)
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("INSERT OR REPLACE INTO call_results (call_id, session_id, owner, exit_code, signal, "
+                                 "timed_out, shell_status, reason, stdout_tail, stderr_tail, finished_at) "
+                                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
+                # Each by an index, on the call's path: the owner's oldest past its cap, the day's end,
+                # and (every CALL_RESULTS_PRUNE_EVERY saves: it counts them all) the oldest past the total.
+                self._db.execute("DELETE FROM call_results WHERE finished_at < ?",
+                                 (row.finished_at - CALL_RESULTS_KEEP_SECONDS,))
+                held = self._db.execute("SELECT COUNT(*) FROM call_results WHERE owner = ?", (row.owner,)).fetchone()[0]
+                if held > CALL_RESULTS_PER_OWNER:
+                    self._db.execute("DELETE FROM call_results WHERE call_id IN (SELECT call_id FROM call_results "
+                                     "WHERE owner = ? ORDER BY finished_at LIMIT ?)",
+                                     (row.owner, held - CALL_RESULTS_PER_OWNER))
+                self._call_results_saved += 1
+                if self._call_results_saved % CALL_RESULTS_PRUNE_EVERY == 0:
+                    total = self._db.execute("SELECT COUNT(*) FROM call_results").fetchone()[0]
+                    if total > CALL_RESULTS_TOTAL:
+                        self._db.execute("DELETE FROM call_results WHERE call_id IN (SELECT call_id FROM "
+                                         "call_results ORDER BY finished_at LIMIT ?)", (total - CALL_RESULTS_TOTAL,))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._committed()
+            owner = self._owner(row.session_id)
+            self._spend(owner, len(row.stdout_tail) + len(row.stderr_tail) + len(row.reason) + ROW_OVERHEAD)
+
+    def call_result(self, call_id: str) -> CallResultRow | None:
+        """A finished call's kept result, or None (never known, or no longer kept)."""
+        with self._lock:
+            r = self._db.execute("SELECT call_id, session_id, owner, exit_code, signal, timed_out, shell_status, reason, "
+                                 "stdout_tail, stderr_tail, finished_at FROM call_results WHERE call_id = ?",
+                                 (call_id,)).fetchone()
+        if r is None:
+            return None
+        return CallResultRow(str(r[0]), str(r[1]), str(r[2]), int(r[3]), int(r[4]), bool(r[5]), int(r[6]), str(r[7]),
+                             bytes(r[8]), bytes(r[9]), float(r[10]))
 
     # -- sessions --------------------------------------------------------------------------------
 

@@ -23,8 +23,8 @@ from sandboxd.cli import approval_prompt, audit_ctl, changes, terminal
 from sandboxd.cli import network_args
 from sandboxd.cli.env_args import add_env_options, env_from_args
 from sandboxd.cli.exec_requests import ExecRequests
-from sandboxd.client import (DEFAULT_SOCKET, MAX_READ_BYTES, SandboxClient, caller_environment, sandbox_policy,
-                             write_through)
+from sandboxd.client import (DEFAULT_SOCKET, MAX_READ_BYTES, MAX_WAIT_SECONDS, DrainWait, SandboxClient,
+                             caller_environment, sandbox_policy, write_through)
 from sandboxd.printable import printable
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -146,6 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
     shell.add_argument("session_id")
     shell.add_argument("--cwd", default="")
     add_env_options(shell, "the shell")
+    call = commands.add_parser("call", help="a call's outcome by its id, after its stream broke or the daemon "
+                                             "restarted")
+    call_actions = call.add_subparsers(dest="call_action", required=True)
+    result = call_actions.add_parser("result", help="print the tail of a call's output (the last 64 KiB of each "
+                                                    "stream) and exit with its status; 75 while it still runs")
+    result.add_argument("session_id")
+    result.add_argument("call_id")
+    result.add_argument("--wait", type=float, default=0, metavar="SECONDS",
+                        help="wait up to this long for a running call to end (default: answer at once)")
     changes.add_commands(commands)
     return parser
 
@@ -377,7 +386,7 @@ def _exec(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], N
     forward_stdin = not sys.stdin.isatty()
     if not forward_stdin:
         start.close_stdin = True
-    requests = ExecRequests(start)
+    requests = ExecRequests(start, hold_until_started=True)
     if forward_stdin:
         requests.pump_stdin(sys.stdin.fileno(), close_at_eof=True)
     # Ctrl-C must not raise inside gRPC's iterator (that breaks the call): the first one only queues a
@@ -388,25 +397,65 @@ def _exec(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], N
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
     previous = signal.signal(signal.SIGINT, interrupt)
-    status = 1
+    status, call_id, drain = 1, "", DrainWait()
     try:
-        for response in client.stub.Exec(iter(requests)):
-            kind = response.WhichOneof("kind")
-            if kind == "started_pid":
-                on_started()
-            elif kind in ("stdout", "stderr"):
-                write(1 if kind == "stdout" else 2, getattr(response, kind))
-            elif kind == "result":
-                status = response.result.shell_status
+        while True:
+            try:
+                for response in client.stub.Exec(iter(requests)):
+                    kind = response.WhichOneof("kind")
+                    if kind == "started_pid":
+                        call_id = response.call_id or "?"
+                        requests.started()
+                        on_started()
+                    elif kind in ("stdout", "stderr"):
+                        write(1 if kind == "stdout" else 2, getattr(response, kind))
+                    elif kind == "result":
+                        status = response.result.shell_status
+                break
+            except grpc.RpcError as error:
+                delay = None if call_id else drain.delay(error.code(), error.trailing_metadata())
+                if delay is None:
+                    if call_id and call_id != "?":        # it ran: its end can still be asked for
+                        sys.stderr.write(f"sandboxctl: the call's stream broke; `sandboxctl call result "
+                                         f"{printable(start.session_id)} {printable(call_id)}` tells how it ended\n")
+                    raise
+                requests.abandon()                        # refused before it ran: once more, whole
+                time.sleep(delay)
     finally:
         signal.signal(signal.SIGINT, previous)
         requests.close()
     return status
 
 
+STILL_RUNNING = 75          # EX_TEMPFAIL: `sandboxctl call result` of a call that still runs: ask again
+
+
+def _call_result(client: SandboxClient, session_id: str, call_id: str, wait: float) -> int:
+    """The call's output tails, raw as exec prints output (they are its command's own), and its
+    status; STILL_RUNNING (saying so on stderr) when it runs past ``wait`` seconds."""
+    if not 0 <= wait <= 86400 * 7:
+        raise ValueError("--wait: give 0 to 604800 seconds")
+    deadline = time.monotonic() + wait
+    while True:                        # the daemon waits at most MAX_WAIT_SECONDS a request: asked again
+        left = max(0.0, deadline - time.monotonic())
+        answer = client.wait_call(session_id, call_id, min(left, MAX_WAIT_SECONDS))
+        if answer.state == pb.CALL_STATE_FINISHED or left <= MAX_WAIT_SECONDS:
+            break
+    write_through(1, answer.stdout_tail)
+    write_through(2, answer.stderr_tail)
+    if answer.state != pb.CALL_STATE_FINISHED:
+        sys.stderr.write(f"sandboxctl: call {printable(call_id)} is still running (ask again, or --wait SECONDS)\n")
+        return STILL_RUNNING
+    if answer.reason:
+        sys.stderr.write(f"sandboxctl: call {printable(call_id)} was ended by the daemon: {printable(answer.reason)}\n")
+    return answer.shell_status
+
+
 def _run(client: SandboxClient, args: argparse.Namespace) -> int:
     if args.command == "status":
         return _status(client)
+    if args.command == "call":
+        return _call_result(client, args.session_id, args.call_id, args.wait)
     if args.command in changes.COMMANDS or args.command in changes.CHECKPOINT_COMMANDS:
         return changes.run(client, args)
     if args.command in ("events", "pending", "approve", "deny", "rules"):

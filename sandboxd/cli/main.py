@@ -15,6 +15,7 @@ commands:
   discard  DIR: drop it
   mcp      an MCP server whose tools run in a sandboxd session (see: sandboxd mcp --help)
   serve    run the daemon: sessions with persistent sandboxes over gRPC (see: sandboxd serve --help)
+  drain    let a daemon's running calls finish, refusing new ones, then stop it (see: sandboxd drain --help)
   config   check FILE: validate a configuration file; defaults: print one with every key
   audit    verify [--db PATH] [--pubkey FILE]: check the audit log's hash chain; pubkey: print the signing key
   doctor   check this machine for everything enforcement needs, and say how to fix what is missing;
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "serve":
         from sandboxd.cli.serve import main as serve_main
         return serve_main(rest)
+    if command == "drain":
+        from sandboxd.cli.drain import main as drain_main
+        return drain_main(rest)
     if command == "config":
         return _config(rest)
     if command == "audit":

@@ -88,6 +88,18 @@ def _positive_seconds(value: object) -> str | None:
     return None
 
 
+def _seconds_up_to(maximum: float, *, zero: str = "") -> "Callable[[object], str | None]":
+    """Seconds above 0 (or 0 too, meaning ``zero``) and at most ``maximum``."""
+    def check(value: object) -> str | None:
+        low = 0 if zero else 0 + 1e-9
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or value < low or value > maximum):
+            return (f"must be a number of seconds from {'0 (' + zero + ')' if zero else 'above 0'} to {maximum:g}, "
+                    f"not {value!r}")
+        return None
+    return check
+
+
 def _days_or_zero(value: object) -> str | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         return f"must be a number of days, 0 (kept until applied or discarded) or more, not {value!r}"
@@ -384,7 +396,10 @@ KEYS: tuple[Key, ...] = (
         "from one local user (by the uid of its socket; an address when none) other than the session's owner; "
         "as many (at most half the session's cap) stay reserved for the owner", _whole(1, 65536)),
     Key("quotas", "sessions_per_uid", 64, "open sessions one local user (a TLS caller: one certificate) may hold; "
-        "root is exempt", _whole(1, 100000)),
+        "root has its own quota (quotas.root_sessions)", _whole(1, 100000)),
+    Key("quotas", "root_sessions", 256, "open sessions local root's own callers may hold (an agent pod running "
+        "as root, a script): a separate, larger quota than quotas.sessions_per_uid; an administrator's sessions of "
+        "other users count against their owners", _whole(1, 100000)),
     Key("quotas", "calls_per_uid", 16, "calls one user may have running at once: Exec, file tools, search, patches "
         "and Authorize, including those held for approval; root is exempt. 4 users at calls_per_uid + "
         "streams_per_uid must leave room in listen.workers for a fifth (checked at start)", _whole(1, 1024)),
@@ -439,6 +454,16 @@ KEYS: tuple[Key, ...] = (
         "Past it, while some are stuck, that owner's requests naming paths are refused at once (RESOURCE_EXHAUSTED "
         "naming the stuck paths); a burst of lookups that answer waits its turn instead; local root's own are not "
         "counted", _whole(1, 4096)),
+    Key("drain", "shutdown", "drain", "what SIGTERM does: drain (no new sessions or calls: UNAVAILABLE with a retry "
+        "hint; the running calls finish, up to drain.timeout_seconds; then the daemon exits) or stop (every "
+        "running call and sandbox is killed at once, as before); SIGINT always stops", _one_of("drain", "stop")),
+    Key("drain", "timeout_seconds", 60, "how long a drain (SIGTERM, `sandboxd drain`) lets running calls finish; "
+        "those still running then are killed, each with a CallStopped audit event (reason drain_timeout). Keep "
+        "it below the service manager's stop timeout (systemd TimeoutStopSec, the pod's "
+        "terminationGracePeriodSeconds)", _seconds_up_to(86400)),
+    Key("sessions", "idle_expiry_seconds", 86400, "a session with no call (and no running call or background "
+        "process) for this long is closed, with a SessionClosed event whose reason is idle_expiry, so a crashed "
+        "agent's sessions do not live forever; 0: never", _seconds_up_to(365 * 86400, zero="never")),
     Key("approvals", "timeout_seconds", 300, "a call nobody approves within this is denied", _positive_seconds),
     Key("audit", "event_bytes", 16384, "the most bytes one event keeps (its data as JSON): a longer value a caller "
         "chose (a command, a tool's arguments or result) is kept as its start (up to a quarter of this), its full "

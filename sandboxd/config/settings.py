@@ -96,6 +96,9 @@ class DaemonSettings:
     tenancy_mode: str = "uid"     # tenancy.mode: "uid" or "pod" (service.principals)
     admin_pods: frozenset[str] = frozenset()        # tenancy.admin_pods
     cgroup_root: str = "/"        # tenancy.cgroup_root
+    shutdown: str = "drain"       # drain.shutdown: what SIGTERM does (service.daemon)
+    drain_timeout: float = 60.0   # drain.timeout_seconds
+    idle_expiry: float = 86400.0  # sessions.idle_expiry_seconds (0: never), for service.idle_expiry
 
     @property
     def config_path(self) -> str | None:
@@ -121,6 +124,7 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
                          "(or its number), or leave it empty (only root sees every session)") from None
     try:
         quotas = QuotaLimits(sessions_per_uid=config.whole("quotas.sessions_per_uid"),
+                             root_sessions=config.whole("quotas.root_sessions"),
                              calls_per_uid=config.whole("quotas.calls_per_uid"),
                              streams_per_uid=config.whole("quotas.streams_per_uid"),
                              requests_per_uid=config.whole("quotas.requests_per_uid"),
@@ -192,7 +196,9 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         allowed_ranges=tuple(str(ipaddress.ip_network(item)) for item in config.texts("network.allowed_ranges")),
         secrets=_secrets(config, refuse),
         network_questions=config.whole("quotas.network_questions_per_session"),
-        intercepted_connections=config.whole("quotas.intercepted_connections_per_session"))
+        intercepted_connections=config.whole("quotas.intercepted_connections_per_session"),
+        shutdown=config.text("drain.shutdown"), drain_timeout=config.number("drain.timeout_seconds"),
+        idle_expiry=config.number("sessions.idle_expiry_seconds"))
 
 
 def _listener(config: Config, dotted: str, refuse: "Callable[[str, str], ConfigError]") -> str:

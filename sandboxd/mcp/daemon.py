@@ -12,8 +12,8 @@ from typing import Any, Callable
 import grpc
 import grpc.aio
 
-from sandboxd.client import (CHANNEL_OPTIONS, approval_policy, refused_for_requests_in_progress, retry_delays,
-                             sandbox_policy)
+from sandboxd.client import (CHANNEL_OPTIONS, DrainWait, approval_policy, refused_for_requests_in_progress,
+                             retry_delays, sandbox_policy)
 from sandboxd.v1 import sandboxd_pb2 as pb
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 
@@ -54,17 +54,23 @@ class SessionSpec:
 
 class RetryRequestsInProgress(grpc.aio.UnaryUnaryClientInterceptor):
     """sandboxd.client.RetryRequestsInProgress for the asyncio channel: an MCP client's concurrent
-    tool calls and listings are a burst of this process's own requests."""
+    tool calls and listings are a burst of this process's own requests; a draining daemon's
+    refusal waits for the next daemon (sandboxd.client.DrainWait)."""
 
     async def intercept_unary_unary(self, continuation: Callable[[Any, Any], Any], client_call_details: Any,
                                     request: Any) -> Any:
         call = await continuation(client_call_details, request)
-        for delay in retry_delays():
-            if not refused_for_requests_in_progress(await call.code(), await call.details()):
-                break
+        delays, drain = retry_delays(), DrainWait()
+        while True:
+            code = await call.code()
+            if refused_for_requests_in_progress(code, await call.details()):
+                delay = next(delays, None)
+            else:
+                delay = drain.delay(code, await call.trailing_metadata())
+            if delay is None:
+                return call
             await asyncio.sleep(delay)
             call = await continuation(client_call_details, request)
-        return call
 
 
 class Daemon:

@@ -20,7 +20,7 @@ from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import MCPError
 from mcp_types import INTERNAL_ERROR
 
-from sandboxd.client import caller_environment
+from sandboxd.client import DrainWait, caller_environment
 from sandboxd.mcp import catalog
 from sandboxd.mcp.approvals import Progress, answer_held, denied_result
 from sandboxd.mcp.binding import Binding
@@ -186,20 +186,31 @@ async def _shell(binding: Binding, args: dict[str, Any], progress: Progress, con
     output: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
     decoders = {kind: codecs.getincrementaldecoder("utf-8")("replace") for kind in output}
     result: pb.ExecResult | None = None
-    call = binding.daemon.stub.Exec(iter([pb.ExecRequest(start=start)]))
-    binding.track(call)
-    try:
-        async for response in call:
-            kind = response.WhichOneof("kind")
-            if kind in output:
-                chunk = getattr(response, kind)
-                output[kind].append(chunk)
-                await progress.say(decoders[kind].decode(chunk))
-            elif kind == "result":
-                result = response.result
-    finally:
-        binding.untrack(call)
-        call.cancel()                   # a no-op once it ended; else the daemon kills the tree
+    drain = DrainWait()
+    while True:
+        call = binding.daemon.stub.Exec(iter([pb.ExecRequest(start=start)]))
+        binding.track(call)
+        answered = False
+        try:
+            async for response in call:
+                answered = True
+                kind = response.WhichOneof("kind")
+                if kind in output:
+                    chunk = getattr(response, kind)
+                    output[kind].append(chunk)
+                    await progress.say(decoders[kind].decode(chunk))
+                elif kind == "result":
+                    result = response.result
+            break
+        except grpc.RpcError as error:
+            # Refused by a draining daemon before it ran: again once the next one serves.
+            delay = None if answered else drain.delay(error.code(), await call.trailing_metadata())
+            if delay is None:
+                raise
+            await asyncio.sleep(delay)
+        finally:
+            binding.untrack(call)
+            call.cancel()               # a no-op once it ended; else the daemon kills the tree
     if result is None:
         return _error("the daemon ended the command without a result")
     stdout, stderr = (b"".join(output[kind]).decode("utf-8", "replace") for kind in ("stdout", "stderr"))

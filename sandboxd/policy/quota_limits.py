@@ -15,6 +15,8 @@ class QuotaLimits(Record):
     """The ``[quotas]`` settings (sandboxd.config documents each)."""
 
     sessions_per_uid: int = 64
+    # Local root's own sessions (an agent pod running as root, a script): four times an owner's.
+    root_sessions: int = 256
     # With the default 128 workers: a pool of 96, a first-slot share of 12, and 4 owners at
     # 16 calls + 4 streams each hold 80 slots: 4 more, and the 12 of the share, stay for others.
     # 16 running calls covers an agent's parallel tool calls; 4 streams are a WatchEvents, an MCP

@@ -38,6 +38,7 @@ class SessionCall:
         self.inner_pid: int | None = None
         self.stdin_w = self.out_r = self.err_r = -1
         self._generation: int | None = None
+        self.exit_info: ExitInfo | None = None        # how it ended, once waited for (also when given up)
 
     def __enter__(self) -> "SessionCall":
         child_stdio = self._child_stdio()
@@ -94,7 +95,7 @@ class SessionCall:
     def wait(self) -> ExitInfo:
         assert self.call_id is not None
         info = self._fork.wait(self.call_id)
-        self.call_id = None
+        self.call_id, self.exit_info = None, info
         self._registry.call_ended(self._session)          # before the caller hears the call ended
         return info
 

@@ -8,8 +8,10 @@ fork server's death (restarting it in place); ``stop`` takes it all down in orde
 public Unix socket (mode 0666 by default: every local user may talk to it; what each may do is
 decided per call from SO_PEERCRED) relayed by the front door to the gRPC server on a socket in a
 0700 directory. SIGTERM/SIGINT stop it gracefully: no new connections, every session killed,
-sockets removed. If the daemon is SIGKILLed, the fork server (parent-death signal) and with it
-every sandbox die too.
+sockets removed. SIGTERM first drains (drain.shutdown = "drain", the default; ``drain``): no new
+sessions or calls (UNAVAILABLE with a retry hint), the running calls finish up to
+drain.timeout_seconds, then the stop; the Drain RPC (`sandboxd drain`) does the same. If the
+daemon is SIGKILLed, the fork server (parent-death signal) and with it every sandbox die too.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from sandboxd.config.settings import DaemonSettings
 from sandboxd.service import memtrace, systemd
 from sandboxd.service.approval_channels import ApprovalChannels
 from sandboxd.service.approvals import ApprovalGate
+from sandboxd.service.call_results import DAEMON_STOPPED, DRAIN_TIMEOUT, CallResults
+from sandboxd.service.drain import DrainGate, running_calls_but_jobs, stop_background, stop_running
+from sandboxd.service.idle_expiry import IdleExpiry
 from sandboxd.service.network_questions import NetworkQuestions
 from sandboxd.service.callers import Callers, TlsIdentity
 from sandboxd.service.metrics import Metrics
@@ -59,6 +64,7 @@ log = logging.getLogger("sandboxd")
 SERVICES = ("", "sandboxd.v1.Sandbox")          # what health reports on
 STOP_GRACE_SECONDS = 2                           # calls still running at stop get this long
 EXPORT_DRAIN_SECONDS = 2.0                       # at stop, the export sends what is left for up to this
+DRAIN_POLL_SECONDS = 0.25                        # a drain looks at the running calls this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +82,8 @@ class _Parts:
     ties: ProcessTies                            # what ends with a client's process
     log_handler: logging.Handler
     tracer: memtrace.MemoryTracer | None
+    results: CallResults                         # calls' outcomes by id (WaitCall)
+    drain: DrainGate                             # refuses new work while draining
     exporter: Exporter | None = None             # [audit.export]: the audit log sent off the node
 
 
@@ -84,6 +92,7 @@ class Daemon:
         self.settings = settings
         self._parts: _Parts | None = None
         self._stop_requested: list[int] = []     # a flag a signal handler may set: no lock taken
+        self._drain_requested: list[float] = []  # the Drain RPC's timeouts (request_drain)
         # Written to by a stop signal (signal.set_wakeup_fd) or request_stop: wakes serve at once.
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
@@ -107,7 +116,10 @@ class Daemon:
                 sys.stderr.write(f"sandboxd serve: this machine cannot build a sandbox: {printable(problem)}\n"
                                  "  (sandboxd doctor says what is missing and how to fix it)\n")
                 return 1
-            return self.serve()
+            status = self.serve()
+            if status == 0 and self._drains():
+                self.drain(self._drain_requested[0] if self._drain_requested else None)
+            return status
         finally:
             signal.set_wakeup_fd(-1)
             for signum in (signal.SIGTERM, signal.SIGINT):
@@ -167,6 +179,7 @@ class Daemon:
             tls = s.tls
             own = own_places(socket_path, backend, s.state_dir, tls.address if tls else "", s.metrics_listen)
             counters = Quotas(s.quotas)
+            results, drain_gate = CallResults(store), DrainGate()
             registry = SessionRegistry(fork, store, dns=s.dns, network_pool=s.network_pool, own=own,
                                        proxy_connections=s.proxy_connections,
                                        published_connections=s.published_connections,
@@ -225,7 +238,8 @@ class Daemon:
             callers = Callers(door, tls_identity, sandboxed, s.admin_gid, pods)
             sandboxd_pb2_grpc.add_SandboxServicer_to_server(
                 SandboxServicer(registry, fork, callers, gate, metrics, s.session_defaults, counters,
-                                connections=door, tied=tied, channels=channels), server)
+                                connections=door, tied=tied, channels=channels, results=results, drain=drain_gate,
+                                on_drain=self.request_drain), server)
             health_servicer = health.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
             reflection_pb2_grpc.add_ServerReflectionServicer_to_server(Reflection(
@@ -248,7 +262,8 @@ class Daemon:
             self._set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
             self._parts = _Parts(fork=fork, store=store, registry=registry, metrics=metrics, door=door,
                                  server=server, workers=workers, health=health_servicer, backend=backend,
-                                 ties=ties, log_handler=handler, tracer=tracer, exporter=exporter)
+                                 ties=ties, log_handler=handler, tracer=tracer, results=results, drain=drain_gate,
+                                 exporter=exporter)
             undo.pop_all()                        # started: stop() takes it down from here on
         log.info("serving", extra={"fields": {"socket": socket_path, "pid": os.getpid(),
                                               "tls": tls.address if tls else None, "event_store": store.path,
@@ -271,9 +286,11 @@ class Daemon:
         watchdog.start()
         expiry = ChangeSetExpiry(parts.store, parts.registry.review_dir_of, self.settings.review_keep_days)
         expiry.start()
+        idle = IdleExpiry(parts.registry, self.settings.idle_expiry)
+        idle.start()
         status = 0
         try:
-            while not self._stop_requested:
+            while not self._stop_requested and not self._drain_requested:
                 how = watch.died(None)
                 if how is None:
                     continue
@@ -301,8 +318,71 @@ class Daemon:
         finally:
             watchdog.stop()
             expiry.stop()
+            idle.stop()
             watch.close()
         return status
+
+    def _drains(self) -> bool:
+        """Whether the stop asked for drains first: the Drain RPC, or SIGTERM with drain.shutdown = drain."""
+        return bool(self._drain_requested) or (self.settings.shutdown == "drain"
+                                               and signal.SIGTERM in self._stop_requested)
+
+    def request_drain(self, timeout: float | None = None) -> tuple[int, float]:
+        """Begin a drain (from any thread: the Drain RPC): new work is refused from now on, and
+        ``serve`` returns for ``run`` to drain. (Calls running now, the timeout it drains with.)"""
+        parts = self._started()
+        timeout = self.settings.drain_timeout if timeout is None else timeout
+        parts.drain.begin(timeout)
+        self._set_health(parts.health, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._drain_requested.append(timeout)
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass
+        return self._running_calls(parts), timeout
+
+    def drain(self, timeout: float | None = None) -> int:
+        """Stop starting work and wait for the running calls to end, up to ``timeout`` seconds (None:
+        drain.timeout_seconds) or another stop signal; then mark those left as ended by the drain
+        (each gets a CallStopped event, reason drain_timeout), for ``stop`` to kill. Health says
+        NOT_SERVING meanwhile (a readiness probe takes the node's daemon out). How many were left."""
+        import select
+
+        parts = self._started()
+        timeout = self.settings.drain_timeout if timeout is None else timeout
+        parts.drain.begin(timeout)
+        self._set_health(parts.health, health_pb2.HealthCheckResponse.NOT_SERVING)
+        systemd.notify("STOPPING=1\nSTATUS=draining")          # it ends in the exit
+        started, signals = time.monotonic(), len(self._stop_requested)
+        log.info("draining", extra={"fields": {"running_calls": self._running_calls(parts), "timeout_seconds": timeout}})
+        poller = select.poll()                          # the wake pipe: another stop signal cuts it short
+        poller.register(self._wake_r, select.POLLIN)
+        while True:
+            running = self._running_calls(parts)
+            left = started + timeout - time.monotonic()
+            if not running or left <= 0 or len(self._stop_requested) > signals:
+                break
+            if poller.poll(int(min(left, DRAIN_POLL_SECONDS) * 1000)):
+                try:
+                    while os.read(self._wake_r, 64):
+                        pass
+                except BlockingIOError:
+                    pass
+        seconds = round(time.monotonic() - started, 3)
+        if not running:
+            log.info("drained", extra={"fields": {"seconds": seconds}})
+            return 0
+        stopped = stop_running(parts.results, parts.store, DRAIN_TIMEOUT, timeout_seconds=timeout)
+        log.warning("drain ended with calls still running: they are killed", extra={"fields": {
+            "running_calls": running, "seconds": seconds, "audited": stopped,
+            "why": "drain_timeout" if len(self._stop_requested) == signals else "stop signal"}})
+        return running
+
+    @staticmethod
+    def _running_calls(parts: _Parts) -> int:
+        """Calls running now, what a drain waits for: not background processes (counted as running
+        in their session too), which run until stopped; they end with the daemon (stop_background)."""
+        return sum(running_calls_but_jobs(session) for session in parts.registry.open_sessions())
 
     def request_stop(self) -> None:
         """Make ``serve`` return (from any thread; what a stop signal does)."""
@@ -323,13 +403,21 @@ class Daemon:
         systemd.notify("STOPPING=1")
         log.info("stopping", extra={"fields": {"sessions": parts.registry.count_open()}})
         parts.health.enter_graceful_shutdown()
+        handing_over = _hands_over(parts.fork)
+        if not handing_over:                     # each running call: why it ends, before its client is cut
+            stop_running(parts.results, parts.store, DAEMON_STOPPED)
+            stop_background(parts.registry.open_sessions(), parts.store, DAEMON_STOPPED)
         parts.door.close()
         parts.ties.close()                       # what is tied stays so, for the next daemon
-        parts.registry.close_all()
+        if not handing_over:
+            parts.registry.close_all()
         parts.server.stop(grace=STOP_GRACE_SECONDS).wait()
         parts.workers.shutdown()
         parts.metrics.close()
-        parts.fork.close()
+        if handing_over:
+            parts.fork.detach()                  # type: ignore[attr-defined]  # track adopt's supervisor
+        else:
+            parts.fork.close()
         if parts.exporter is not None:           # the last events (the sessions' closes) sent, then the store
             parts.exporter.stop(EXPORT_DRAIN_SECONDS)
         parts.store.close()
@@ -355,6 +443,12 @@ class Daemon:
     def _set_health(servicer: health.HealthServicer, status: int) -> None:
         for service in SERVICES:
             servicer.set(service, status)
+
+
+def _hands_over(fork: ForkServer) -> bool:
+    """Whether the sandboxes outlive this daemon, for the next one to adopt (a surviving supervisor,
+    track adopt's ``ForkServer.detach``), rather than being killed with it (``close``, today)."""
+    return False
 
 
 def _unlink(path: str) -> None:

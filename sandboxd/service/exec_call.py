@@ -21,6 +21,7 @@ from sandboxd.errors import InvalidPolicy, WrongState
 from sandboxd.policy.limits import check_timeout
 from sandboxd.policy.spec import check_command
 from sandboxd.service import environment, terminal_call
+from sandboxd.service.call_results import CallRecord
 from sandboxd.service.calls import SessionCall, write_all
 from sandboxd.service.sessions.registry import Session, SessionRegistry
 from sandboxd.supervisor.fork_client import ForkServer
@@ -61,11 +62,12 @@ def check_unstreamed(start: pb.ExecStart) -> None:
 
 def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb.ExecStart, argv: list[str],
         cwd: str, requests: Iterator[pb.ExecRequest] | None,
-        context: grpc.ServicerContext) -> Iterator[pb.ExecResponse]:
+        context: grpc.ServicerContext, record: CallRecord | None = None) -> Iterator[pb.ExecResponse]:
     """``argv`` and ``cwd``: from ``command_of(start)`` and ``cwd_inside``, as the caller checked them.
     ``requests``: Exec's stream after `start` (stdin, signals, resizes: read by a feeder thread);
     None for Run, where nothing follows `start`: its stdin is written and closed here, and a thread
-    is started only for the part of it the pipe does not take at once."""
+    is started only for the part of it the pipe does not take at once. ``record``: the call's entry
+    in the daemon's CallResults (WaitCall), fed its output and end; its id goes with the first message."""
     env = {**environment.command_env(registry, fork, session, start), **session.extra_env}
     timeout = start.timeout_seconds or session.limits.timeout_seconds
     limit = start.output_limit_bytes or DEFAULT_OUTPUT_LIMIT
@@ -75,9 +77,20 @@ def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb
                                           cwd=cwd, timeout=timeout, size=terminal_call.check_terminal(start.terminal))
     else:
         call = SessionCall(registry, fork, session, argv, env=env, cwd=cwd, timeout=timeout)
+    try:
+        yield from _run_call(call, fork, start, requests, context, limit, record)
+    finally:
+        if record is not None:                            # given up (the client left, an error): as it ended
+            record.finished(call.exit_info)
+
+
+def _run_call(call: SessionCall, fork: ForkServer, start: pb.ExecStart, requests: Iterator[pb.ExecRequest] | None,
+              context: grpc.ServicerContext, limit: int, record: CallRecord | None) -> Iterator[pb.ExecResponse]:
     with call:
         context.add_callback(call.cancel)
-        yield pb.ExecResponse(started_pid=call.inner_pid or 0)
+        if record is not None:
+            record.start()
+        yield pb.ExecResponse(started_pid=call.inner_pid or 0, call_id=record.call_id if record is not None else "")
         assert call.call_id is not None
         if requests is None:
             assert not isinstance(call, terminal_call.TerminalCall), "check_unstreamed refuses a terminal"
@@ -92,6 +105,8 @@ def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb
             threading.Thread(target=feeder, args=args, name=f"sandboxd-stdin-{call.call_id}", daemon=True).start()
         truncated = False
         for stream, chunk in call.output():
+            if record is not None:                        # the tail of what it wrote, past the cap too
+                record.output(stream, chunk)
             if limit <= 0:
                 truncated = True
                 continue
@@ -99,7 +114,10 @@ def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb
                 chunk, truncated = chunk[:limit], True
             limit -= len(chunk)
             yield pb.ExecResponse(stdout=chunk) if stream == 1 else pb.ExecResponse(stderr=chunk)
-        yield pb.ExecResponse(result=result_to_proto(call.wait(), truncated=truncated))
+        info = call.wait()
+        if record is not None:
+            record.finished(info)
+        yield pb.ExecResponse(result=result_to_proto(info, truncated=truncated))
 
 
 def result_to_proto(info: ExitInfo, *, truncated: bool) -> pb.ExecResult:

@@ -30,7 +30,8 @@ The rules:
 
 Past a limit the call ends at once with RESOURCE_EXHAUSTED naming the limit and its
 configuration key. Local root (service.callers decides who that is) is not held to the per-owner
-limits, only to the pool and the first-slot shares. We bound and reserve rather than grow the
+limits, only to the pool and the first-slot shares, and to its own session quota
+(``quotas.root_sessions``, larger than an owner's). We bound and reserve rather than grow the
 pool or queue: a bigger pool only moves the point where the threads run out, every idle stream
 would still cost a thread, and a queued call would hold its worker while it waits.
 """
@@ -164,13 +165,13 @@ class Quotas:
                 _decrement(self._terminals, owner)
 
     def check_sessions(self, who: Caller, open_sessions: int) -> None:
-        """Refuse a new session when ``who`` already holds ``open_sessions`` at its limit."""
-        if who.is_root:
-            return
-        limit = self.limits.sessions_per_uid
+        """Refuse a new session when ``who`` already holds ``open_sessions`` at its limit: root's
+        own, quotas.root_sessions (a separate, larger one: root's callers are often many agents)."""
+        limit, key = ((self.limits.root_sessions, "quotas.root_sessions") if who.is_root
+                      else (self.limits.sessions_per_uid, "quotas.sessions_per_uid"))
         if open_sessions >= limit:
             raise Exhausted(f"{owner_key(who)} already has {limit} open sessions, its limit "
-                            "(quotas.sessions_per_uid): close some first")
+                            f"({key}): close some first")
 
     def usage(self, who: Caller) -> dict[str, int]:
         """The caller's handlers and terminals now; everyone's calls and streams (``long_lived_total``)

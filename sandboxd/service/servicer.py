@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NoReturn, T
 import grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from sandboxd.errors import InvalidPolicy
+from sandboxd.errors import Forbidden, InvalidPolicy, NotFound, WrongState
 from sandboxd.policy.network import CredentialState
 from sandboxd.policy.session_defaults import SessionDefaults
 from sandboxd.service import convert, environment, exec_call, file_calls, patch_search, tool_calls
@@ -18,9 +18,11 @@ from sandboxd.service.approvals import ApprovalGate, ToolCall
 from sandboxd.service.audit_calls import AuditService
 from sandboxd.service.audit_verify import AuditVerification
 from sandboxd.service.background import BackgroundJob, BackgroundJobs
+from sandboxd.service.call_results import FINISHED, MAX_WAIT_SECONDS, CallRecord, CallResults
+from sandboxd.service.drain import DrainGate
 from sandboxd.service.callers import Caller, Callers
 from sandboxd.network.front_door import FrontDoor
-from sandboxd.service.quotas import CALLS, REQUESTS, STREAMS, Quotas
+from sandboxd.service.quotas import CALLS, REQUESTS, STREAMS, Quotas, owner_key
 from sandboxd.service.review_calls import ReviewCalls
 from sandboxd.service.sandbox_hooks import WhenClosed
 from sandboxd.service.sessions.registry import Session, SessionRegistry, cwd_inside
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from sandboxd.service.sessions.tied import TiedSessions
 
 R = TypeVar("R")   # what a unary call's work returns
+MAX_DRAIN_SECONDS = 86400
 
 
 def session_to_proto(session: Session, closed_at: float = 0.0) -> pb.Session:
@@ -75,8 +78,14 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                  gate: ApprovalGate, metrics: "Metrics | None" = None,
                  defaults: "SessionDefaults | None" = None, quotas: Quotas | None = None,
                  connections: "ConnectionCounts | None" = None, tied: "TiedSessions | None" = None,
-                 channels: "ApprovalChannels | None" = None) -> None:
+                 channels: "ApprovalChannels | None" = None, results: CallResults | None = None,
+                 drain: DrainGate | None = None, on_drain: "Callable[[float | None], tuple[int, float]] | None" = None,
+                 ) -> None:
         self._tied, self._channels = tied, channels       # close_with_caller; RegisterApprovalChannel
+        self._results = results if results is not None else CallResults(registry.store)   # WaitCall
+        # While draining, no new session or call starts (service.drain); on_drain(timeout or None)
+        # begins one (the daemon's): (running calls, the timeout it drains with).
+        self._drain, self._on_drain = drain or DrainGate(), on_drain
         self._quotas = quotas or registry.quotas
         self._metrics = metrics
         self._defaults = defaults or SessionDefaults()
@@ -118,6 +127,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
 
     def CreateSession(self, request: pb.CreateSessionRequest, context: grpc.ServicerContext) -> pb.Session:
         def work(who: Caller) -> pb.Session:
+            self._drain.refuse_new("new session")
             convert.check_path(request.workspace, "workspace")
             policy, approval, rules = convert.axes_from_create_request(request, self._defaults)
             labels = convert.labels_from_proto(request.labels)
@@ -204,6 +214,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
 
     def ReadFile(self, request: pb.ReadFileRequest, context: grpc.ServicerContext) -> pb.ReadFileResponse:
         def work(who: Caller) -> pb.ReadFileResponse:
+            self._drain.refuse_new("new call")
             session = self._registry.get(who, request.session_id)
             limit = file_calls.read_limit(request.max_bytes)
             path = file_calls.resolve(session, request.path)
@@ -215,6 +226,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
 
     def WriteFile(self, request: pb.WriteFileRequest, context: grpc.ServicerContext) -> pb.WriteFileResponse:
         def work(who: Caller) -> pb.WriteFileResponse:
+            self._drain.refuse_new("new call")
             session = self._registry.get(who, request.session_id)
             path = file_calls.resolve(session, request.path)
             if request.mode > 0o7777:
@@ -233,6 +245,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
 
     def ListDir(self, request: pb.ListDirRequest, context: grpc.ServicerContext) -> pb.ListDirResponse:
         def work(who: Caller) -> pb.ListDirResponse:
+            self._drain.refuse_new("new call")
             session = self._registry.get(who, request.session_id)
             path = file_calls.resolve(session, request.path)
             _, out = self._tool(context, session, tool_calls.read(session, "fs.list", path), lambda: (
@@ -242,6 +255,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
 
     def ApplyPatch(self, request: pb.ApplyPatchRequest, context: grpc.ServicerContext) -> pb.ApplyPatchResponse:
         def work(who: Caller) -> pb.ApplyPatchResponse:
+            self._drain.refuse_new("new call")
             session = self._registry.get(who, request.session_id)
             targets = [file_calls.resolve(session, f.path)
                        for f in patch_search.patched_files(request.patch, request.strip)[0]]
@@ -253,6 +267,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
 
     def Search(self, request: pb.SearchRequest, context: grpc.ServicerContext) -> pb.SearchResponse:
         def work(who: Caller) -> pb.SearchResponse:
+            self._drain.refuse_new("new call")
             session = self._registry.get(who, request.session_id)
             call = tool_calls.read(session, "search", file_calls.resolve(session, request.path),
                                    pattern=request.pattern)
@@ -263,6 +278,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
 
     def StartBackground(self, request: pb.StartBackgroundRequest, context: grpc.ServicerContext) -> pb.BackgroundProcess:
         def work(who: Caller) -> pb.BackgroundProcess:
+            self._drain.refuse_new("new call")
             session = self._registry.get(who, request.session_id)
             start = pb.ExecStart(argv=request.argv, shell=request.shell, env=request.env,
                                  env_overlay=request.env_overlay, caller_env=request.caller_env)
@@ -323,6 +339,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
     def _exec(self, who: Caller, start: pb.ExecStart | None, request_iterator: Iterator[pb.ExecRequest] | None,
               context: grpc.ServicerContext, received: float) -> Iterator[pb.ExecResponse]:
         """Exec (``start`` None: it is the stream's first message) or Run (``request_iterator`` None)."""
+        self._drain.refuse_new("new call")
         with self._quotas.hold(who, CALLS), ExitStack() as terminal:
             if start is None:
                 assert request_iterator is not None
@@ -344,8 +361,9 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                     self._review.checkpoint_call(session, granted.call_id, call.summary)
                 # Its network questions are shown to this caller (service.network_questions).
                 terminal.enter_context(session.running_in(start.execution_context_id))
+                record = CallRecord(self._results, granted.call_id, session.id, owner_key(who), context.is_active)
                 for response in exec_call.run(self._registry, self._fork, session, start, argv, cwd, request_iterator,
-                                              context):
+                                              context, record):
                     kind = response.WhichOneof("kind")
                     if kind == "started_pid" and self._metrics is not None:
                         self._metrics.queue_seconds.observe(time.monotonic() - received)
@@ -369,7 +387,10 @@ class SandboxServicer(pb_grpc.SandboxServicer):
 
     def Authorize(self, request: pb.AuthorizeRequest, context: grpc.ServicerContext) -> pb.AuthorizeResponse:
         # may be held for approval, holding a worker: one of the caller's running calls
-        return self._unary(context, lambda who: self._audit.authorize(who, request, context.is_active), CALLS)
+        def work(who: Caller) -> pb.AuthorizeResponse:
+            self._drain.refuse_new("new call")
+            return self._audit.authorize(who, request, context.is_active)
+        return self._unary(context, work, CALLS)
 
     def ReportToolResult(self, request: pb.ReportToolResultRequest,
                          context: grpc.ServicerContext) -> pb.ReportToolResultResponse:
@@ -415,6 +436,40 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         from sandboxd.service import daemon_status
         return self._unary(context, lambda who: daemon_status.status(self._registry, self._gate, who,
                                                                       self._connections))
+
+    def WaitCall(self, request: pb.WaitCallRequest, context: grpc.ServicerContext) -> pb.WaitCallResponse:
+        """A call's outcome by id (service.call_results); waits hold one of the caller's CALLS slots."""
+        def work(who: Caller) -> pb.WaitCallResponse:
+            timeout = request.timeout_seconds
+            if not 0 <= timeout <= MAX_WAIT_SECONDS:          # NaN fails both
+                raise InvalidPolicy(f"timeout_seconds must be 0 to {MAX_WAIT_SECONDS:g} (seconds to wait for a "
+                                    f"running call's end), not {timeout}")
+            convert.check_text(request.call_id, "call_id")
+            self._registry.visible_ids(who, request.session_id)      # NOT_FOUND unless the caller's
+            result = self._results.wait(request.call_id, timeout, context.is_active) if request.call_id else None
+            if result is None or result.session_id != request.session_id:
+                raise NotFound(f"no call {request.call_id!r} in session {request.session_id!r} (a finished call's "
+                               "result is kept a day, and only its owner's last 64)")
+            return pb.WaitCallResponse(
+                state=pb.CALL_STATE_FINISHED if result.state == FINISHED else pb.CALL_STATE_RUNNING,
+                exit_code=result.exit_code, signal=result.signal, timed_out=result.timed_out,
+                shell_status=result.shell_status, stdout_tail=result.stdout_tail, stderr_tail=result.stderr_tail,
+                reason=result.reason, finished_at=result.finished_at)
+        return self._unary(context, work, CALLS)
+
+    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainResponse:
+        def work(who: Caller) -> pb.DrainResponse:
+            if not who.is_admin:
+                raise Forbidden("only root or a member of listen.admin_group may drain the daemon")
+            timeout = request.timeout_seconds
+            if not 0 <= timeout <= MAX_DRAIN_SECONDS:
+                raise InvalidPolicy(f"timeout_seconds must be 0 (drain.timeout_seconds) to {MAX_DRAIN_SECONDS}, "
+                                    f"not {timeout}")
+            if self._on_drain is None:
+                raise WrongState("this daemon cannot be drained (it is not `sandboxd serve`)")
+            running, timeout = self._on_drain(timeout or None)
+            return pb.DrainResponse(running_calls=running, timeout_seconds=timeout)
+        return self._unary(context, work)
 
     def RemoveStandingRule(self, request: pb.StandingRule,
                            context: grpc.ServicerContext) -> pb.RemoveStandingRuleResponse:

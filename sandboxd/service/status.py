@@ -11,6 +11,7 @@ import grpc
 from sandboxd.errors import (
     CallerRefused,
     DeadlineExceeded,
+    Draining,
     ExecFailed,
     Exhausted,
     Forbidden,
@@ -36,6 +37,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (Exhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (WrongState, grpc.StatusCode.FAILED_PRECONDITION),
+    (Draining, grpc.StatusCode.UNAVAILABLE),
     (ProcessLimitReached, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ExecFailed, grpc.StatusCode.FAILED_PRECONDITION),
     (LimitsUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
@@ -53,6 +55,8 @@ def code_for(error: BaseException) -> grpc.StatusCode:
 
 
 DENIAL_METADATA = "sandboxd-permission-denied"
+# On UNAVAILABLE from a draining daemon: whole seconds to wait before trying again (nothing started).
+RETRY_AFTER_METADATA = "sandboxd-retry-after"
 
 
 def abort(context: grpc.ServicerContext, error: BaseException) -> NoReturn:
@@ -60,6 +64,8 @@ def abort(context: grpc.ServicerContext, error: BaseException) -> NoReturn:
     denial also carries its structured form (JSON) in the trailing metadata."""
     if isinstance(error, PermissionDenied):
         context.set_trailing_metadata(((DENIAL_METADATA, json.dumps(error.to_dict())),))
+    elif isinstance(error, Draining):
+        context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(error.retry_after)),))
     code = code_for(error)
     message = str(error) if code != grpc.StatusCode.INTERNAL or isinstance(error, SandboxdError) \
         else f"internal error: {type(error).__name__}"

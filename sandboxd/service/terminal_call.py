@@ -158,6 +158,7 @@ class TerminalCall(SessionCall):
         if isinstance(outcome, BaseException):
             raise outcome
         assert outcome is not None
+        self.exit_info = outcome
         self._registry.call_ended(self._session)
         return outcome
 

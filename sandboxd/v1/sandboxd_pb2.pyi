@@ -22,6 +22,13 @@ class PolicyEffect(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EFFECT_NETWORK: _ClassVar[PolicyEffect]
     EFFECT_DESTRUCTIVE: _ClassVar[PolicyEffect]
     EFFECT_UNKNOWN_COMMAND: _ClassVar[PolicyEffect]
+
+class CallState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CALL_STATE_UNSPECIFIED: _ClassVar[CallState]
+    CALL_STATE_RUNNING: _ClassVar[CallState]
+    CALL_STATE_FINISHED: _ClassVar[CallState]
+    CALL_STATE_UNKNOWN: _ClassVar[CallState]
 APPROVAL_POLICY_UNSPECIFIED: ApprovalPolicy
 NEVER: ApprovalPolicy
 ON_REQUEST: ApprovalPolicy
@@ -32,6 +39,10 @@ EFFECT_WORKSPACE_WRITE: PolicyEffect
 EFFECT_NETWORK: PolicyEffect
 EFFECT_DESTRUCTIVE: PolicyEffect
 EFFECT_UNKNOWN_COMMAND: PolicyEffect
+CALL_STATE_UNSPECIFIED: CallState
+CALL_STATE_RUNNING: CallState
+CALL_STATE_FINISHED: CallState
+CALL_STATE_UNKNOWN: CallState
 
 class SandboxPolicy(_message.Message):
     __slots__ = ("mode", "network_access", "writable_roots", "protected_subpaths", "no_default_protected_subpaths", "network_mode", "allowed_unix_sockets", "allowed_hosts", "published_ports", "allowed_domains", "allowed_endpoints", "unlisted", "credentials")
@@ -595,16 +606,18 @@ class ExecResult(_message.Message):
     def __init__(self, exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., timed_out: _Optional[bool] = ..., wall_seconds: _Optional[float] = ..., cpu_seconds: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., output_truncated: _Optional[bool] = ..., shell_status: _Optional[int] = ..., oom_killed: _Optional[bool] = ...) -> None: ...
 
 class ExecResponse(_message.Message):
-    __slots__ = ("started_pid", "stdout", "stderr", "result")
+    __slots__ = ("call_id", "started_pid", "stdout", "stderr", "result")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
     STARTED_PID_FIELD_NUMBER: _ClassVar[int]
     STDOUT_FIELD_NUMBER: _ClassVar[int]
     STDERR_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
     started_pid: int
     stdout: bytes
     stderr: bytes
     result: ExecResult
-    def __init__(self, started_pid: _Optional[int] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., result: _Optional[_Union[ExecResult, _Mapping]] = ...) -> None: ...
+    def __init__(self, call_id: _Optional[str] = ..., started_pid: _Optional[int] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., result: _Optional[_Union[ExecResult, _Mapping]] = ...) -> None: ...
 
 class ReadFileRequest(_message.Message):
     __slots__ = ("session_id", "path", "max_bytes")
@@ -1170,3 +1183,49 @@ class DaemonStatus(_message.Message):
     quota_limits: _containers.ScalarMap[str, int]
     quota_usage: _containers.ScalarMap[str, int]
     def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., started_at: _Optional[float] = ..., features: _Optional[_Mapping[str, str]] = ..., sessions: _Optional[int] = ..., running_calls: _Optional[int] = ..., pending_approvals: _Optional[int] = ..., events: _Optional[int] = ..., quota_limits: _Optional[_Mapping[str, int]] = ..., quota_usage: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class WaitCallRequest(_message.Message):
+    __slots__ = ("session_id", "call_id", "timeout_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    call_id: str
+    timeout_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., call_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class WaitCallResponse(_message.Message):
+    __slots__ = ("state", "exit_code", "signal", "timed_out", "stdout_tail", "stderr_tail", "reason", "finished_at", "shell_status")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_TAIL_FIELD_NUMBER: _ClassVar[int]
+    STDERR_TAIL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    SHELL_STATUS_FIELD_NUMBER: _ClassVar[int]
+    state: CallState
+    exit_code: int
+    signal: int
+    timed_out: bool
+    stdout_tail: bytes
+    stderr_tail: bytes
+    reason: str
+    finished_at: float
+    shell_status: int
+    def __init__(self, state: _Optional[_Union[CallState, str]] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., timed_out: _Optional[bool] = ..., stdout_tail: _Optional[bytes] = ..., stderr_tail: _Optional[bytes] = ..., reason: _Optional[str] = ..., finished_at: _Optional[float] = ..., shell_status: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("timeout_seconds",)
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    timeout_seconds: float
+    def __init__(self, timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("running_calls", "timeout_seconds")
+    RUNNING_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    running_calls: int
+    timeout_seconds: float
+    def __init__(self, running_calls: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...

@@ -214,6 +214,16 @@ class SandboxStub:
                 request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.RegisterApprovalChannelRequest.SerializeToString,
                 response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.ApprovalChannel.FromString,
                 _registered_method=True)
+        self.WaitCall = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/WaitCall',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.WaitCallRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.WaitCallResponse.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/sandboxd.v1.Sandbox/Drain',
+                request_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.DrainRequest.SerializeToString,
+                response_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class SandboxServicer:
@@ -500,6 +510,28 @@ class SandboxServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WaitCall(self, request, context):
+        """A call's outcome by its id (ExecResponse.call_id, sent with the first message of Exec and
+        Run), for a client whose stream broke or a daemon that restarted: RUNNING (after waiting up to
+        timeout_seconds for its end, at most 300 s), or FINISHED with its exit and the last 64 KiB of
+        each output stream. Same access as the session's other calls (its owner, root, the admin
+        group); a call the daemon does not know (or no longer keeps: results are kept a day, the last
+        64 per owner) is NOT_FOUND. Holds one of the caller's running calls while it waits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Admins only (root, listen.admin_group): stop taking new sessions and calls (UNAVAILABLE with
+        trailing metadata `sandboxd-retry-after`), let the running calls finish up to
+        timeout_seconds (0: drain.timeout_seconds), then exit (`sandboxd drain`; SIGTERM does the same
+        with shutdown = "drain"). Answers at once; the daemon exits when the drain ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SandboxServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -682,6 +714,16 @@ def add_SandboxServicer_to_server(servicer, server):
                     servicer.RegisterApprovalChannel,
                     request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.RegisterApprovalChannelRequest.FromString,
                     response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.ApprovalChannel.SerializeToString,
+            ),
+            'WaitCall': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitCall,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.WaitCallRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.WaitCallResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=sandboxd_dot_v1_dot_sandboxd__pb2.DrainRequest.FromString,
+                    response_serializer=sandboxd_dot_v1_dot_sandboxd__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1656,6 +1698,60 @@ class Sandbox:
             '/sandboxd.v1.Sandbox/RegisterApprovalChannel',
             sandboxd_dot_v1_dot_sandboxd__pb2.RegisterApprovalChannelRequest.SerializeToString,
             sandboxd_dot_v1_dot_sandboxd__pb2.ApprovalChannel.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitCall(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/WaitCall',
+            sandboxd_dot_v1_dot_sandboxd__pb2.WaitCallRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.WaitCallResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandboxd.v1.Sandbox/Drain',
+            sandboxd_dot_v1_dot_sandboxd__pb2.DrainRequest.SerializeToString,
+            sandboxd_dot_v1_dot_sandboxd__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

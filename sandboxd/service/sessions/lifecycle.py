@@ -248,11 +248,16 @@ class SessionLifecycle:
             self._store.append(session.id, EventType.POLICY_CHANGED, data={
                 "before": before, "after": after, "by_uid": caller.uid, "generation": generation})
 
-    def close(self, caller: Caller, session: Session, reason: str = "") -> None:
+    def close(self, caller: Caller, session: Session, reason: str = "",
+              only_if: "Callable[[Session], bool] | None" = None) -> bool:
+        """Close it (False, nothing done, when ``only_if(session)``, judged under its lock, says no:
+        a call that begins takes the same lock, so it is never cut by a close judged idle)."""
         with session.build_lock:                      # after a policy change under way: its sandbox too
             with session.lock:
                 if session.closed:
                     raise NotFound(f"no session {session.id!r}")
+                if only_if is not None and not only_if(session):
+                    return False
                 session.closed = True
                 generations = set(session.running) | {session.generation}
                 current, ready = session.generation, session.sandbox_ready
@@ -268,6 +273,7 @@ class SessionLifecycle:
                            data={"by_uid": caller.uid, **({"reason": reason} if reason else {})})
         if self.counts is not None:
             self.counts.session_closed(reason)
+        return True
 
     def _drop_empty_change_set(self, session: Session) -> None:
         """A closed review session's directory goes when it holds no change (its sandbox is gone); a
@@ -358,10 +364,12 @@ class SessionLifecycle:
                     continue
                 generation = session.generation
                 session.running[generation] = session.running.get(generation, 0) + 1
+                session.last_active = time.monotonic()
             return generation
 
     def end_call(self, session: Session, generation: int) -> None:
         with session.lock:
+            session.last_active = time.monotonic()
             left = session.running.get(generation, 1) - 1
             if left > 0:
                 session.running[generation] = left

@@ -190,9 +190,11 @@ class SessionRegistry:
         return self._life.update_policy(caller, session, policy, approval, lambda new: self._check_policy(
             caller, new, session.workspace, owner=session.owner, session_id=session.id), secrets)
 
-    def close(self, caller: Caller, session_id: str, reason: str = "") -> None:
-        """``reason``: why the daemon closed it itself (the SessionClosed event says so)."""
-        self._life.close(caller, self.get(caller, session_id), reason)
+    def close(self, caller: Caller, session_id: str, reason: str = "",
+              only_if: "Callable[[Session], bool] | None" = None) -> bool:
+        """``reason``: why the daemon closed it itself (the SessionClosed event says so); ``only_if``:
+        closed only if it says so of the session, under the session's lock (lifecycle.close)."""
+        return self._life.close(caller, self.get(caller, session_id), reason, only_if)
 
     def close_all(self) -> None:
         self._life.close_all()

@@ -55,6 +55,9 @@ class Session:
         self.created_at = created_at or time.time()
         self.generation = 1
         self.running: dict[int, int] = {}     # generation -> running calls
+        # time.monotonic() of its last call's start or end (or its making, or this daemon's start for
+        # a resumed one): sessions.idle_expiry_seconds counts from it (service.idle_expiry).
+        self.last_active = time.monotonic()
         self.closed = False
         # True while CreateSession builds its first sandbox: counted (quotas) but not found by
         # anyone yet, so no call can start on a sandbox that does not exist.
