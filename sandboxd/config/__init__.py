@@ -368,6 +368,12 @@ KEYS: tuple[Key, ...] = (
         "Past it, while some are stuck, that owner's requests naming paths are refused at once (RESOURCE_EXHAUSTED "
         "naming the stuck paths); a burst of lookups that answer waits its turn instead; local root's own are not "
         "counted", _whole(1, 4096)),
+    Key("supervisor", "survive_restart", True, "the fork server is a surviving supervisor: sessions and running "
+        "calls outlive the daemon (a crash, SIGKILL, a restart or upgrade) and the next daemon on the same socket "
+        "adopts them; false: they die with the daemon, as before", _boolean),
+    Key("supervisor", "orphan_seconds", 600, "how long a surviving supervisor whose daemon is gone waits for the "
+        "next one to attach; past it every sandbox is stopped (as a daemon's stop does) and it exits",
+        _positive_seconds),
     Key("approvals", "timeout_seconds", 300, "a call nobody approves within this is denied", _positive_seconds),
     Key("audit", "event_bytes", 16384, "the most bytes one event keeps (its data as JSON): a longer value a caller "
         "chose (a command, a tool's arguments or result) is kept as its start (up to a quarter of this), its full "

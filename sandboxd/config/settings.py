@@ -69,6 +69,8 @@ class DaemonSettings:
     wait_seconds: float
     stuck_openers: int
     approval_timeout: float
+    survive_restart: bool               # supervisor.survive_restart: sandboxes outlive the daemon
+    orphan_seconds: float               # supervisor.orphan_seconds
     audit: AuditLimits
     allow_user_full_access: bool
     dns: tuple[str, ...]
@@ -155,6 +157,8 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         wait_seconds=config.number("fork_server.wait_seconds"),
         stuck_openers=config.whole("fork_server.stuck_openers_per_uid"),
         approval_timeout=config.number("approvals.timeout_seconds"), audit=audit,
+        survive_restart=config.flag("supervisor.survive_restart"),
+        orphan_seconds=config.number("supervisor.orphan_seconds"),
         allow_user_full_access=config.flag("policy.allow_user_full_access"),
         dns=config.texts("network.dns"), network_pool=config.text("network.pool"),
         proxy_connections=config.whole("quotas.proxy_connections_per_session"),

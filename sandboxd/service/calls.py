@@ -29,8 +29,11 @@ F_SETPIPE_SZ = 1031
 class SessionCall:
     def __init__(self, registry: SessionRegistry, fork: ForkServer, session: Session, argv: list[str], *,
                  env: dict[str, str], cwd: str, timeout: float | None,
-                 tool: dict[str, object] | None = None) -> None:
+                 tool: dict[str, object] | None = None, tag: str = "") -> None:
+        """``tag``: what a surviving supervisor keeps of the call for the next daemon (its audit
+        identity: handover.adopt.call_tag); the supervisor also gets the output pipes' read ends."""
         self._registry, self._fork, self._session = registry, fork, session
+        self._tag = tag
         # Refused here, before any pipe exists, with what to fix (the fork server checks again).
         timeout = check_timeout(timeout)
         self._request = (argv, env, cwd, timeout, tool)
@@ -67,7 +70,8 @@ class SessionCall:
 
     def _start(self, sandbox: str, argv: list[str], env: dict[str, str], cwd: str, timeout: float | None,
                stdio: tuple[int, int, int], tool: dict[str, object] | None) -> None:
-        self.call_id, self.inner_pid = self._fork.call(sandbox, argv, env, cwd, timeout, stdio, tool=tool)
+        self.call_id, self.inner_pid = self._fork.call(sandbox, argv, env, cwd, timeout, stdio, tool=tool,
+                                                       tag=self._tag, taps=(self.out_r, self.err_r))
 
     def take_stdin(self) -> int:
         """The write end of the command's stdin; the caller closes it from now on."""

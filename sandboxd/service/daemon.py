@@ -8,8 +8,11 @@ fork server's death (restarting it in place); ``stop`` takes it all down in orde
 public Unix socket (mode 0666 by default: every local user may talk to it; what each may do is
 decided per call from SO_PEERCRED) relayed by the front door to the gRPC server on a socket in a
 0700 directory. SIGTERM/SIGINT stop it gracefully: no new connections, every session killed,
-sockets removed. If the daemon is SIGKILLed, the fork server (parent-death signal) and with it
-every sandbox die too.
+sockets removed. With ``supervisor.survive_restart`` (the default) the fork server is a surviving
+supervisor: a daemon SIGKILLed (or crashed) leaves every session and running call to it, and the
+next daemon on the same socket attaches to it (``start``: ForkServer.attach before
+ForkServer.start) and adopts them (handover.adopt). Otherwise the fork server (parent-death
+signal) and with it every sandbox die with the daemon.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from sandboxd.config.settings import DaemonSettings
 from sandboxd.service import memtrace, systemd
 from sandboxd.service.approval_channels import ApprovalChannels
 from sandboxd.service.approvals import ApprovalGate
+from sandboxd.service.handover.adopt import Adopted, Adopter
+from sandboxd.service.handover.results import CallResults
 from sandboxd.service.network_questions import NetworkQuestions
 from sandboxd.service.callers import Callers, TlsIdentity
 from sandboxd.service.metrics import Metrics
@@ -49,7 +54,8 @@ from sandboxd.service.sessions.registry import SessionRegistry
 from sandboxd.service.sessions.tied import TiedSessions
 from sandboxd.service.review_expiry import ChangeSetExpiry
 from sandboxd.service.watchdog import Watchdog
-from sandboxd.supervisor.fork_client import ForkServer
+from sandboxd.supervisor import attach_point
+from sandboxd.supervisor.fork_client import Adoption, ForkServer
 from sandboxd.v1 import sandboxd_pb2, sandboxd_pb2_grpc
 
 log = logging.getLogger("sandboxd")
@@ -72,6 +78,8 @@ class _Parts:
     ties: ProcessTies                            # what ends with a client's process
     log_handler: logging.Handler
     tracer: memtrace.MemoryTracer | None
+    adopter: Adopter                             # the calls a surviving supervisor kept, followed
+    results: CallResults
 
 
 class Daemon:
@@ -126,9 +134,13 @@ class Daemon:
         # sets open_files.
         raise_nofile_limit()
         with ExitStack() as undo:                 # what is built so far, undone if a later step fails
-            fork = ForkServer.start(wait_seconds=s.wait_seconds,   # before gRPC's threads, as a fresh process
-                                    stuck_openers=s.stuck_openers)
-            undo.callback(fork.close)
+            # Before the fork server: its attach socket is in the private directory.
+            activated = systemd.activated_socket()
+            socket_path = s.socket if activated is None else activated.getsockname() or s.socket  # systemd wins
+            private = make_own_directories(socket_path, undo)    # PlaceTaken: another user's name, beside it
+            fork, adoption = self._fork_server(private)
+            # A start that fails leaves a surviving supervisor (and everything it holds) to the next.
+            undo.callback(fork.detach)
             problem = self_test(fork, s.session_defaults)
             if problem is not None:
                 return problem
@@ -141,9 +153,6 @@ class Daemon:
             if tracer is not None:
                 undo.callback(tracer.stop)
 
-            activated = systemd.activated_socket()
-            socket_path = s.socket if activated is None else activated.getsockname() or s.socket  # systemd wins
-            private = make_own_directories(socket_path, undo)    # PlaceTaken: another user's name, beside it
             backend = os.path.join(private, f"grpc-{os.getpid()}.sock")
             stale_sockets = sweep_private_dir(private)           # ours included, from a reused pid
 
@@ -168,6 +177,11 @@ class Daemon:
                                        intercepted_connections=s.intercepted_connections)
             undo.callback(registry.close_all)
             resumed = registry.restore()
+            # What a surviving supervisor kept: the restored sessions' sandboxes and running calls,
+            # taken over before anything else may close or use them.
+            results = CallResults()
+            adopter = Adopter(registry, fork, store, results)
+            adopted = adopter.adopt(adoption) if adoption is not None else Adopted()
             # What ends with a client's process: sessions asked for with close_with_caller, approval
             # channels. Those whose process exited while no daemon ran end now.
             ties = ProcessTies()
@@ -218,13 +232,18 @@ class Daemon:
             self._set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
             self._parts = _Parts(fork=fork, store=store, registry=registry, metrics=metrics, door=door,
                                  server=server, workers=workers, health=health_servicer, backend=backend,
-                                 ties=ties, log_handler=handler, tracer=tracer)
+                                 ties=ties, log_handler=handler, tracer=tracer, adopter=adopter, results=results)
             undo.pop_all()                        # started: stop() takes it down from here on
         log.info("serving", extra={"fields": {"socket": socket_path, "pid": os.getpid(),
                                               "tls": tls.address if tls else None, "event_store": store.path,
                                               "config": s.config_path, "metrics": s.metrics_listen or None,
                                               "sessions_resumed": resumed, "stale_sockets_removed": len(stale_sockets),
-                                              "fork_server_pid": fork.pid}})
+                                              "fork_server_pid": fork.pid,
+                                              "supervisor": ("attached" if adoption is not None else "started")
+                                              if fork.survives else "dies with the daemon",
+                                              "adopted_sessions": adopted.sessions,
+                                              "adopted_calls": adopted.calls_running,
+                                              "ended_calls_recorded": adopted.calls_ended}})
         systemd.notify(f"READY=1\nSTATUS=serving on {socket_path}\nMAINPID={os.getpid()}")
         return None
 
@@ -281,24 +300,45 @@ class Daemon:
         except BlockingIOError:                  # the pipe is full: serve is woken already
             pass
 
-    def stop(self) -> None:
+    def _fork_server(self, private: str) -> "tuple[ForkServer, Adoption | None]":
+        """The surviving supervisor a previous daemon left, attached (with what it holds), or a
+        fresh fork server (a surviving one with ``supervisor.survive_restart``)."""
+        s = self.settings
+        path = attach_point.path_in(private) if s.survive_restart else None
+        if path is not None:
+            attached = ForkServer.attach(path, wait_seconds=s.wait_seconds, stuck_openers=s.stuck_openers,
+                                         orphan_seconds=s.orphan_seconds)
+            if attached is not None:
+                return attached
+        # Before gRPC's threads, as a fresh process.
+        return ForkServer.start(wait_seconds=s.wait_seconds, stuck_openers=s.stuck_openers, survive=path,
+                                orphan_seconds=s.orphan_seconds), None
+
+    def stop(self, hand_over: bool = False) -> None:
         """Take the started daemon down, in this order: no new calls, no new connections, every
         session closed (its sandbox killed), running calls given STOP_GRACE_SECONDS, then the fork
-        server, the store and the sockets. Idempotent."""
+        server, the store and the sockets. Idempotent. ``hand_over`` (with a surviving supervisor;
+        track drain's shutdown = "drain" after its drain): sandboxes and calls are left running to
+        the supervisor (ForkServer.detach) for the next daemon, only this daemon's own services stop."""
         parts, self._parts = self._parts, None
         if parts is None:
             return
+        hand_over = hand_over and parts.fork.survives
         started = time.monotonic()
         systemd.notify("STOPPING=1")
-        log.info("stopping", extra={"fields": {"sessions": parts.registry.count_open()}})
+        log.info("stopping", extra={"fields": {"sessions": parts.registry.count_open(), "hand_over": hand_over}})
+        parts.adopter.stopping("handover" if hand_over else "stop")
         parts.health.enter_graceful_shutdown()
         parts.door.close()
         parts.ties.close()                       # what is tied stays so, for the next daemon
-        parts.registry.close_all()
+        parts.registry.close_all(keep_sandboxes=hand_over)
         parts.server.stop(grace=STOP_GRACE_SECONDS).wait()
         parts.workers.shutdown()
         parts.metrics.close()
-        parts.fork.close()
+        if hand_over:
+            parts.fork.detach()
+        else:
+            parts.fork.close()
         parts.store.close()
         _unlink(parts.backend)
         if parts.tracer is not None:

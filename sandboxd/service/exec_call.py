@@ -61,11 +61,12 @@ def check_unstreamed(start: pb.ExecStart) -> None:
 
 def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb.ExecStart, argv: list[str],
         cwd: str, requests: Iterator[pb.ExecRequest] | None,
-        context: grpc.ServicerContext) -> Iterator[pb.ExecResponse]:
+        context: grpc.ServicerContext, tag: str = "") -> Iterator[pb.ExecResponse]:
     """``argv`` and ``cwd``: from ``command_of(start)`` and ``cwd_inside``, as the caller checked them.
     ``requests``: Exec's stream after `start` (stdin, signals, resizes: read by a feeder thread);
     None for Run, where nothing follows `start`: its stdin is written and closed here, and a thread
-    is started only for the part of it the pipe does not take at once."""
+    is started only for the part of it the pipe does not take at once. ``tag``: the call's audit
+    identity for a surviving supervisor (SessionCall)."""
     env = {**environment.command_env(registry, fork, session, start), **session.extra_env}
     timeout = start.timeout_seconds or session.limits.timeout_seconds
     limit = start.output_limit_bytes or DEFAULT_OUTPUT_LIMIT
@@ -74,7 +75,7 @@ def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb
         call = terminal_call.TerminalCall(registry, fork, session, argv, env=terminal_call.environment(env, start.terminal),
                                           cwd=cwd, timeout=timeout, size=terminal_call.check_terminal(start.terminal))
     else:
-        call = SessionCall(registry, fork, session, argv, env=env, cwd=cwd, timeout=timeout)
+        call = SessionCall(registry, fork, session, argv, env=env, cwd=cwd, timeout=timeout, tag=tag)
     with call:
         context.add_callback(call.cancel)
         yield pb.ExecResponse(started_pid=call.inner_pid or 0)

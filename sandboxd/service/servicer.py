@@ -16,6 +16,7 @@ from sandboxd.policy.session_defaults import SessionDefaults
 from sandboxd.service import convert, environment, exec_call, file_calls, patch_search, tool_calls
 from sandboxd.service.approvals import ApprovalGate, ToolCall
 from sandboxd.service.audit_calls import AuditService
+from sandboxd.service.handover.adopt import call_tag
 from sandboxd.service.background import BackgroundJob, BackgroundJobs
 from sandboxd.service.callers import Caller, Callers
 from sandboxd.network.front_door import FrontDoor
@@ -337,7 +338,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                 # Its network questions are shown to this caller (service.network_questions).
                 terminal.enter_context(session.running_in(start.execution_context_id))
                 for response in exec_call.run(self._registry, self._fork, session, start, argv, cwd, request_iterator,
-                                              context):
+                                              context, tag=call_tag(granted.call_id, call.tool)):
                     kind = response.WhichOneof("kind")
                     if kind == "started_pid" and self._metrics is not None:
                         self._metrics.queue_seconds.observe(time.monotonic() - received)
