@@ -183,7 +183,10 @@ class ForkServer:
 
     def _read_adoption(self, timeout: float) -> Adoption:
         """Send Attach and read its whole answer here (no other thread uses the client yet)."""
-        protocol.send(self._sock, Attach(1).encode())
+        try:
+            protocol.send(self._sock, Attach(1).encode())
+        except OSError:
+            pass                                          # refused and closed already: its answer is queued
         deadline = time.monotonic() + timeout
         sessions: dict[str, SessionInfo] = {}
         running: list[HeldCall] = []
@@ -192,7 +195,10 @@ class ForkServer:
             while True:
                 if not _readable_within(self._sock, max(0.0, deadline - time.monotonic())):
                     raise SetupError("fork server", detail=f"the surviving supervisor did not answer within {timeout:g} s")
-                message, fds = protocol.receive(self._sock, protocol.events(), self._received)
+                try:
+                    message, fds = protocol.receive(self._sock, protocol.events(), self._received)
+                except OSError as exc:
+                    raise SetupError("fork server", detail=f"the surviving supervisor refused the attach ({exc})")
                 for fd in fds:
                     os.set_inheritable(fd, False)
                 if isinstance(message, HeldSession):

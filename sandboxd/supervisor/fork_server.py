@@ -539,6 +539,8 @@ class _Server:
             _log(f"attach refused: {why}")
             try:
                 protocol.send(conn, Error(0, WrongState(why).to_dict()).encode(), None, socket.MSG_DONTWAIT)
+                while conn.recv(64, socket.MSG_DONTWAIT):  # what it sent, read: closed with it unread,
+                    pass                                  # the peer would get ECONNRESET, not the answer
             except OSError:
                 pass
             conn.close()

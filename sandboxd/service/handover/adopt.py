@@ -115,6 +115,9 @@ class Adopter:
         for call in adoption.running:
             self._follow(call, placed.get(call.session))
         for ended in adoption.ended:
+            split, call_id = _split_name(ended.session), _parse_tag(ended.tag).get("call", "")
+            if split is not None and call_id:
+                self._results.started(call_id, split[0], self._owner_of(split[0]))
             self._record_end(ended, "it ended while no daemon was attached")
         return Adopted(adopted, len(adoption.running), len(adoption.ended), closed)
 
@@ -136,8 +139,7 @@ class Adopter:
         if place is not None:
             self._registry.adopt_call(*place)
         if tag.get("call") and session_id:
-            owner = owner_key(place[0].owner) if place is not None else ""
-            self._results.started(tag["call"], session_id, owner)
+            self._results.started(tag["call"], session_id, self._owner_of(session_id))
         with self._lock:
             self._following.add(call.call)
         threading.Thread(target=self._wait, args=(call, place), name=f"sandboxd-adopted-{call.call}",
@@ -196,6 +198,11 @@ class Adopter:
             self._store.append(split[0], kind, call_id=call_id, tool=tag.get("tool", ""), data=data)
         except Exception as exc:  # noqa: BLE001 - logged: the store refused (its owner's budget, a full disk)
             log.error("the end of an adopted call could not be recorded: %s", exc)
+
+    def _owner_of(self, session_id: str) -> str:
+        """The owner key (quotas.owner_key) of an open session; "" for one that is not open."""
+        session = self._registry.find(session_id) if self._registry is not None else None
+        return owner_key(session.owner) if session is not None else ""
 
     def _close_quietly(self, name: str) -> None:
         try:
