@@ -31,7 +31,8 @@ from daemon_helpers import make_base_dir, plain_users, remove_tree, sandbox_cgro
 from sandboxd.audit.store import EventStore, EventType
 from sandboxd.errors import WrongState
 from sandboxd.policy import LaunchSpec, Limits, WorkspaceWrite
-from sandboxd.service.handover.adopt import Adopter, call_tag
+from sandboxd.service.handover.adopt import Adopter
+from sandboxd.service.handover.tags import call_tag
 from sandboxd.service.handover.results import CallResults
 from sandboxd.supervisor.fork_client import Adoption, ForkServer
 from sandboxd.supervisor.tails import TAIL_BYTES

@@ -16,7 +16,7 @@ from sandboxd.policy.session_defaults import SessionDefaults
 from sandboxd.service import convert, environment, exec_call, file_calls, patch_search, tool_calls
 from sandboxd.service.approvals import ApprovalGate, ToolCall
 from sandboxd.service.audit_calls import AuditService
-from sandboxd.service.handover.adopt import call_tag
+from sandboxd.service.handover.tags import call_tag
 from sandboxd.service.background import BackgroundJob, BackgroundJobs
 from sandboxd.service.callers import Caller, Callers
 from sandboxd.network.front_door import FrontDoor

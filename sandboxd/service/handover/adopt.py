@@ -22,7 +22,6 @@ server with the call. A call without one (a file tool, the daemon's own) is only
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -32,7 +31,10 @@ from typing import Any
 from sandboxd._record import Record
 from sandboxd.audit.store import EventStore, EventType
 from sandboxd.errors import SandboxdError
+from sandboxd.service.background import BackgroundJob, adopted_job
 from sandboxd.service.handover.results import CallResults
+from sandboxd.service.handover.tags import parse_tag
+from sandboxd.supervisor.spawner import ExitInfo
 from sandboxd.service.quotas import owner_key
 from sandboxd.service.sessions.registry import Session, SessionRegistry
 from sandboxd.supervisor.fork_client import Adoption, ForkServer
@@ -43,22 +45,6 @@ log = logging.getLogger("sandboxd")
 # What the audit event of an adopted call keeps of each output stream (its last bytes): its client
 # never saw them; CallResults keeps the supervisor's whole tail (supervisor.tails.TAIL_BYTES).
 AUDIT_TAIL_BYTES = 2048
-
-
-def call_tag(call_id: str, tool: str, kind: str = "exec") -> str:
-    """What the fork server keeps of a call for the next daemon (fork_protocol.Call.tag): its
-    audit call id and tool, and its kind (``exec``: a ToolInvocation; ``background``: a job)."""
-    return json.dumps({"call": call_id, "tool": tool, "kind": kind}, separators=(",", ":"))
-
-
-def _parse_tag(text: str) -> dict[str, str]:
-    try:
-        value = json.loads(text) if text else {}
-    except ValueError:
-        return {}
-    if not isinstance(value, dict):
-        return {}
-    return {key: item for key, item in value.items() if isinstance(key, str) and isinstance(item, str)}
 
 
 def _split_name(name: str) -> tuple[str, int] | None:
@@ -115,10 +101,11 @@ class Adopter:
         for call in adoption.running:
             self._follow(call, placed.get(call.session))
         for ended in adoption.ended:
-            split, call_id = _split_name(ended.session), _parse_tag(ended.tag).get("call", "")
-            if split is not None and call_id:
-                self._results.started(call_id, split[0], self._owner_of(split[0]))
-            self._record_end(ended, "it ended while no daemon was attached")
+            split, tag = _split_name(ended.session), parse_tag(ended.tag)
+            if split is not None and tag.get("call"):
+                self._results.started(tag["call"], split[0], self._owner_of(split[0]))
+            job = self._job(ended, placed.get(ended.session) or self._place_of(ended.session))
+            self._record_end(ended, "it ended while no daemon was attached", job=job)
         return Adopted(adopted, len(adoption.running), len(adoption.ended), closed)
 
     def stopping(self, why: str) -> None:
@@ -132,20 +119,35 @@ class Adopter:
 
     # -- one call ----------------------------------------------------------------------------------
 
+    def _place_of(self, name: str) -> "tuple[Session, int] | None":
+        split = _split_name(name)
+        session = self._registry.find(split[0]) if split is not None and self._registry is not None else None
+        return (session, split[1]) if session is not None and split is not None else None
+
+    @staticmethod
+    def _job(call: "HeldCall | CallEnded", place: "tuple[Session, int] | None") -> BackgroundJob | None:
+        """A background process of an open session listed again (ListBackground, ReadBackground)."""
+        tag = parse_tag(call.tag)
+        if tag.get("kind") != "background" or not tag.get("job") or place is None:
+            return None
+        pid = call.inner_pid or 0 if isinstance(call, HeldCall) else 0
+        return adopted_job(place[0], tag["job"], tag.get("name", ""), pid, call.started_at, call.call)
+
     def _follow(self, call: HeldCall, place: "tuple[Session, int] | None") -> None:
-        tag = _parse_tag(call.tag)
+        tag = parse_tag(call.tag)
         split = _split_name(call.session)
         session_id = split[0] if split else ""
         if place is not None:
             self._registry.adopt_call(*place)
         if tag.get("call") and session_id:
             self._results.started(tag["call"], session_id, self._owner_of(session_id))
+        job = self._job(call, place)
         with self._lock:
             self._following.add(call.call)
-        threading.Thread(target=self._wait, args=(call, place), name=f"sandboxd-adopted-{call.call}",
+        threading.Thread(target=self._wait, args=(call, place, job), name=f"sandboxd-adopted-{call.call}",
                          daemon=True).start()
 
-    def _wait(self, call: HeldCall, place: "tuple[Session, int] | None") -> None:
+    def _wait(self, call: HeldCall, place: "tuple[Session, int] | None", job: BackgroundJob | None) -> None:
         try:
             try:
                 ended = self._fork.wait_held(call.call)
@@ -155,9 +157,9 @@ class Adopter:
                 reason = f"the daemon stopped ({self._stopping})" if self._stopping else f"the supervisor is gone: {exc}"
                 ended = CallEnded(call.call, call.call, call.session, call.started_at, call.tag, None, 9, False, 0.0,
                                   None, None, False)
-                self._record_end(ended, reason, failed=True)
+                self._record_end(ended, reason, failed=True, job=job)
                 return
-            self._record_end(ended, "it ran on while the daemon restarted")
+            self._record_end(ended, "it ran on while the daemon restarted", job=job)
         finally:
             with self._lock:
                 self._following.discard(call.call)
@@ -169,12 +171,18 @@ class Adopter:
             if self._on_end is not None:
                 self._on_end()
 
-    def _record_end(self, ended: CallEnded, reason: str, failed: bool = False) -> None:
+    def _record_end(self, ended: CallEnded, reason: str, failed: bool = False,
+                    job: BackgroundJob | None = None) -> None:
         """The call's end in the audit log (as its first daemon would have written it) and in
-        CallResults; a call with no tag (not a ToolInvocation) only logged."""
-        tag = _parse_tag(ended.tag)
+        CallResults; a background process's in its job (its output's tail, how it ended); a call
+        with neither only logged."""
+        tag = parse_tag(ended.tag)
         split = _split_name(ended.session)
         out, err = ended.stdout_tail.encode("latin-1"), ended.stderr_tail.encode("latin-1")
+        if job is not None:
+            job.append(out + err)
+            job.finish(ExitInfo(ended.exit_code, ended.signal, ended.timed_out, ended.wall_seconds,
+                                ended.cpu_seconds, ended.peak_memory_bytes, ended.oom_killed))
         call_id = tag.get("call", "")
         if call_id:
             self._results.output(call_id, 1, out)

@@ -1,0 +1,146 @@
+"""A daemon SIGKILLed while a call runs; a new daemon on the same socket and state adopts it.
+
+Real daemons (``sandboxd serve``), real sandboxes. With ``supervisor.survive_restart`` the fork
+server is a surviving supervisor: the call keeps running across the gap, the new daemon attaches,
+serves the same sandbox (a file the session left in its /tmp is still there), and writes the
+call's end (exit 7, "done") to the audit log; a background process survives too and is listed
+again, with its end and output. The control: with ``survive_restart = false`` the call dies with
+the daemon and the next daemon rebuilds the session (its /tmp is empty). One daemon at a time:
+a second daemon on the same socket is refused while one is attached, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from conftest import pids_with_marker
+from daemon_helpers import (Daemon, ExecCall, create_session, exec_start, make_base_dir, remove_tree, run_exec,
+                            workspace_write)
+from sandboxd.v1 import sandboxd_pb2 as pb
+
+pytestmark = pytest.mark.timeout(300)
+
+SURVIVE = {"SANDBOXD_SUPERVISOR_SURVIVE_RESTART": "true"}
+DIE = {"SANDBOXD_SUPERVISOR_SURVIVE_RESTART": "false"}
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    path = make_base_dir("sbxadopt-")
+    ws = path / "ws"
+    ws.mkdir()
+    os.chmod(ws, 0o777)
+    try:
+        yield path
+    finally:
+        remove_tree(path)
+
+
+def events(daemon: Daemon, session_id: str, kind: str) -> list[pb.Event]:
+    reply = daemon.stub.QueryEvents(pb.QueryEventsRequest(session_id=session_id, types=[kind]), timeout=30)
+    return list(reply.events)
+
+
+def call_id_of(daemon: Daemon, session_id: str, shell: str) -> str:
+    [started] = [e for e in events(daemon, session_id, "ToolInvocationStarted")
+                 if json.loads(e.data_json)["arguments"]["argv"][-1] == shell]
+    return started.call_id
+
+
+def wait_for(what: str, check: "object", within: float = 60.0) -> None:
+    deadline = time.monotonic() + within
+    while not check():          # type: ignore[operator]
+        assert time.monotonic() < deadline, f"{what}: not within {within} s"
+        time.sleep(0.1)
+
+
+def crash_with_a_call_running(base: Path, env: dict[str, str], marker: str) -> tuple[Daemon, pb.Session, str, str]:
+    """A daemon with a session (a file left in its /tmp), a background process and a call running;
+    SIGKILLed. (the dead daemon, the session, the call's shell string, the job's id)."""
+    first = Daemon(base, env=env).start()
+    session = create_session(first.stub, base / "ws", workspace_write())
+    assert run_exec(first.stub, session.id, shell="echo kept > /tmp/adopt-mark").result.exit_code == 0
+    job = first.stub.StartBackground(pb.StartBackgroundRequest(
+        session_id=session.id, argv=["sh", "-c", f"echo bg-up; sleep 4; echo bg-done; : {marker}-job"]), timeout=60)
+    shell = f"echo up; sleep 3; echo done; : {marker}-call; exit 7"
+    call = ExecCall(first.stub, exec_start(session.id, shell=shell))
+    call.wait_stdout(b"up")
+    first.kill()
+    call.close()
+    return first, session, shell, job.id
+
+
+def test_a_call_running_when_the_daemon_is_sigkilled_finishes_and_reaches_the_audit_log(base: Path) -> None:
+    marker = f"sbxadopt-{os.getpid()}-a"
+    first, session, shell, job_id = crash_with_a_call_running(base, SURVIVE, marker)
+    assert pids_with_marker(marker), "the call and the job run on without their daemon"
+    started = time.monotonic()
+    second = Daemon(base, env=SURVIVE).start()
+    serving_after = time.monotonic() - started
+    try:
+        serving = next(line for line in second.log_lines() if line.get("msg") == "serving")
+        assert serving["supervisor"] == "attached" and serving["adopted_sessions"] == 1
+        assert serving["adopted_calls"] + serving["ended_calls_recorded"] == 2, serving
+        # The same sandbox, not a rebuild: what the session left in its /tmp is there.
+        again = run_exec(second.stub, session.id, shell="cat /tmp/adopt-mark")
+        assert again.stdout == b"kept\n", again.describe()
+        call_id = call_id_of(second, session.id, shell)
+
+        def completed() -> list[dict[str, object]]:
+            return [json.loads(e.data_json) for e in events(second, session.id, "ToolInvocationCompleted")
+                    if e.call_id == call_id]
+        wait_for("the adopted call's end in the audit log", completed)
+        [end] = completed()
+        assert end["exit_code"] == 7 and end["stdout_tail"] == "done\n" and end["adopted"] is True, end
+        # The background process survived, is listed again, and its end and output are there.
+        listed = second.stub.ListBackground(pb.ListBackgroundRequest(session_id=session.id), timeout=30)
+        assert [job.id for job in listed.processes] == [job_id]
+
+        def job_ended() -> bool:
+            [job] = second.stub.ListBackground(pb.ListBackgroundRequest(session_id=session.id),
+                                               timeout=30).processes
+            return not job.running
+        wait_for("the adopted background process's end", job_ended)
+        output = b"".join(chunk.data for chunk in second.stub.ReadBackgroundOutput(
+            pb.ReadBackgroundOutputRequest(session_id=session.id, id=job_id), timeout=30))
+        assert output.endswith(b"bg-done\n"), output
+        print(f"adopted across a SIGKILL: the new daemon served {serving_after:.3f} s after it was started; "
+              f"the call ended {end['wall_seconds']} s after its start, exit 7")
+    finally:
+        second.stop()
+    assert not pids_with_marker(marker), "a stopped daemon (shutdown = stop) leaves nothing running"
+
+
+def test_control_without_survival_the_call_dies_with_the_daemon(base: Path) -> None:
+    marker = f"sbxadopt-{os.getpid()}-b"
+    first, session, shell, _ = crash_with_a_call_running(base, DIE, marker)
+    wait_for("the call to die with its daemon", lambda: not pids_with_marker(marker), 30)
+    second = Daemon(base, env=DIE).start()
+    try:
+        again = run_exec(second.stub, session.id, shell="cat /tmp/adopt-mark")
+        assert again.result.exit_code != 0, "a rebuilt sandbox has an empty /tmp"
+        call_id = call_id_of(second, session.id, shell)
+        assert not [e for e in events(second, session.id, "ToolInvocationCompleted") if e.call_id == call_id]
+        assert not second.stub.ListBackground(pb.ListBackgroundRequest(session_id=session.id), timeout=30).processes
+    finally:
+        second.stop()
+
+
+def test_a_second_daemon_cannot_attach_while_one_is_attached(base: Path) -> None:
+    first = Daemon(base, env=SURVIVE).start()
+    try:
+        refused = Daemon(base, env=SURVIVE).start_failure()
+        assert refused.returncode == 1 and "another daemon is attached" in refused.log, refused.log
+        with grpc.insecure_channel("unix:" + first.socket) as channel:     # the first serves on
+            grpc.channel_ready_future(channel).result(timeout=30)
+        session = create_session(first.stub, base / "ws", workspace_write())
+        assert run_exec(first.stub, session.id, shell="echo fine").stdout == b"fine\n"
+    finally:
+        first.stop()
