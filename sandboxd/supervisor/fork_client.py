@@ -198,7 +198,8 @@ class ForkServer:
                 try:
                     message, fds = protocol.receive(self._sock, protocol.events(), self._received)
                 except OSError as exc:
-                    raise SetupError("fork server", detail=f"the surviving supervisor refused the attach ({exc})")
+                    raise SetupError("fork server",
+                                     detail=f"the surviving supervisor refused the attach ({exc})") from None
                 for fd in fds:
                     os.set_inheritable(fd, False)
                 if isinstance(message, HeldSession):

@@ -147,7 +147,7 @@ class _Server:
         from sandboxd.kernel import netns
         from sandboxd.launcher.native_call import REBUILD, check_helper
         netns.sweep_stale()                               # a SIGKILLed predecessor's links and proxy access
-        self.sock = sock
+        self.sock: socket.socket | None = sock          # None while no daemon is attached (survival)
         # poll, not select: descriptors past 1024 (a thousand sessions) are ordinary here.
         self._poller = select.poll()
         self._timers = Timers()
@@ -362,6 +362,7 @@ class _Server:
         self._answer(Error(call_id, exc.to_dict()))
 
     def _handle_next(self) -> bool:
+        assert self.sock is not None                      # called only for the attached daemon's socket
         try:
             message, fds = protocol.receive(self.sock, protocol.requests(), self._received)
         except OSError:
