@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ import pytest
 
 from conftest import pids_with_marker
 from daemon_helpers import (Daemon, ExecCall, create_session, exec_start, make_base_dir, remove_tree, run_exec,
-                            workspace_write)
+                            sandbox_cgroups, sandbox_links, workspace_write)
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)
@@ -144,3 +145,41 @@ def test_a_second_daemon_cannot_attach_while_one_is_attached(base: Path) -> None
         assert run_exec(first.stub, session.id, shell="echo fine").stdout == b"fine\n"
     finally:
         first.stop()
+
+
+def test_a_supervisor_no_daemon_attaches_to_stops_everything_after_its_orphan_timeout(base: Path) -> None:
+    """SIGKILLed daemon, no successor: after ``supervisor.orphan_seconds`` the supervisor stops the
+    call, the session's sandbox, its isolated network and its cgroups, and exits; nothing is left
+    (processes, cgroups, links, mounts, the attach socket). The next daemon starts a fresh one."""
+    marker = f"sbxadopt-{os.getpid()}-d"
+    first = Daemon(base, env={**SURVIVE, "SANDBOXD_SUPERVISOR_ORPHAN_SECONDS": "2"}).start()
+    serving = next(line for line in first.log_lines() if line.get("msg") == "serving")
+    supervisor = serving["fork_server_pid"]
+    session = create_session(first.stub, base / "ws", workspace_write(network_access=True),
+                             limits=pb.Limits(memory_bytes=256 << 20, pids=256))
+    call = ExecCall(first.stub, exec_start(session.id, shell=f"echo up; sleep 300; : {marker}"))
+    call.wait_stdout(b"up")
+    groups = {path for path in sandbox_cgroups() if os.path.basename(path).startswith(f"run-{supervisor}-")}
+    assert groups and sandbox_links(supervisor), "the session should have cgroups and a link of the supervisor's"
+    pidfd = os.pidfd_open(supervisor)
+    try:
+        first.kill()
+        call.close()
+        assert pids_with_marker(marker), "the call runs on without its daemon"
+        waiter = select.poll()
+        waiter.register(pidfd, select.POLLIN)
+        assert waiter.poll(60_000), "the supervisor did not stop within 60 s of its 2 s orphan timeout"
+    finally:
+        os.close(pidfd)
+    wait_for("the call to go", lambda: not pids_with_marker(marker), 10)
+    wait_for("the cgroups to go", lambda: not any(os.path.isdir(group) for group in groups), 10)
+    wait_for("the links to go", lambda: not sandbox_links(supervisor), 10)
+    with open("/proc/self/mountinfo") as mounts:
+        assert str(base) not in mounts.read()
+    assert not (first.private / "supervisor.sock").exists()
+    second = Daemon(base, env=SURVIVE).start()
+    try:
+        assert next(line for line in second.log_lines() if line.get("msg") == "serving")["supervisor"] == "started"
+        assert run_exec(second.stub, session.id, shell="echo rebuilt").stdout == b"rebuilt\n"
+    finally:
+        second.stop()

@@ -159,7 +159,8 @@ class Adopter:
                                   None, None, False)
                 self._record_end(ended, reason, failed=True, job=job)
                 return
-            self._record_end(ended, "it ran on while the daemon restarted", job=job)
+            self._record_end(ended, f"the daemon stopped ({self._stopping})" if self._stopping
+                             else "it ran on while the daemon restarted", job=job)
         finally:
             with self._lock:
                 self._following.discard(call.call)
