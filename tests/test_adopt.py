@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,9 @@ import pytest
 
 from conftest import pids_with_marker
 from daemon_helpers import (Daemon, ExecCall, create_session, exec_start, make_base_dir, remove_tree, run_exec,
-                            sandbox_cgroups, sandbox_links, workspace_write)
+                            sandbox_cgroups, sandbox_links, socket_in, workspace_write)
+from sandboxd import config
+from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)
@@ -183,3 +186,58 @@ def test_a_supervisor_no_daemon_attaches_to_stops_everything_after_its_orphan_ti
         assert run_exec(second.stub, session.id, shell="echo rebuilt").stdout == b"rebuilt\n"
     finally:
         second.stop()
+
+
+def test_a_handover_leaves_the_running_call_to_the_next_daemon(base: Path) -> None:
+    """Daemon.stop(hand_over=True) (what track drain's shutdown = "drain" ends with): the daemon
+    exits without killing anything (ForkServer.detach); its call in flight writes no end of its own;
+    the next daemon (a real ``sandboxd serve``) adopts the session and the call and records its end."""
+    from sandboxd.service.daemon import Daemon as InProcessDaemon
+
+    marker = f"sbxadopt-{os.getpid()}-h"
+    settings = config.load(None, environ={}, flags={"listen.socket": str(socket_in(base)),
+                                                    "state.dir": str(base / "state"),
+                                                    "approvals.timeout_seconds": 20.0})
+    first = InProcessDaemon(settings)
+    assert first.start() is None
+    serving = threading.Thread(target=first.serve, name="test-serve")
+    serving.start()
+    shell = f"echo up; sleep 3; echo done; : {marker}; exit 7"
+    try:
+        with grpc.insecure_channel(f"unix:{socket_in(base)}") as channel:
+            stub = pb_grpc.SandboxStub(channel)
+            session = create_session(stub, base / "ws", workspace_write())
+            assert run_exec(stub, session.id, shell="echo kept > /tmp/adopt-mark").result.exit_code == 0
+            call = ExecCall(stub, exec_start(session.id, shell=shell))
+            call.wait_stdout(b"up")
+            first.request_stop()
+            serving.join(60)
+            supervisor = first._started().fork.pid
+            first.stop(hand_over=True)
+            call.close()
+    finally:
+        first.request_stop()
+        serving.join(60)
+        first.stop()
+        first.close()
+    assert pids_with_marker(marker), "the call was killed by the handover"
+    second = Daemon(base, env=SURVIVE).start()
+    try:
+        serving_line = next(line for line in second.log_lines() if line.get("msg") == "serving")
+        assert serving_line["supervisor"] == "attached" and serving_line["fork_server_pid"] == supervisor
+        assert run_exec(second.stub, session.id, shell="cat /tmp/adopt-mark").stdout == b"kept\n"
+        call_id = call_id_of(second, session.id, shell)
+
+        def ends() -> list[pb.Event]:
+            return [e for kind in ("ToolInvocationCompleted", "ToolInvocationFailed")
+                    for e in events(second, session.id, kind) if e.call_id == call_id]
+        wait_for("the handed-over call's end in the audit log", ends)
+        [end] = ends()
+        data = json.loads(end.data_json)
+        assert end.type == "ToolInvocationCompleted" and data["exit_code"] == 7 and data["stdout_tail"] == "done\n"
+    finally:
+        second.stop()
+    try:
+        os.waitpid(supervisor, 0)                     # it was this process's child: its zombie
+    except ChildProcessError:
+        pass

@@ -14,7 +14,7 @@ import select
 from typing import Iterator
 
 from sandboxd.service.sessions.registry import Session, SessionRegistry
-from sandboxd.supervisor.fork_client import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer, HandedOver
 from sandboxd.supervisor.fork_protocol import check_timeout
 from sandboxd.supervisor.spawner import ExitInfo
 
@@ -79,13 +79,19 @@ class SessionCall:
         return fd
 
     def output(self) -> Iterator[tuple[int, bytes]]:
-        """(1 or 2, chunk) as output arrives on stdout or stderr, until both are closed."""
+        """(1 or 2, chunk) as output arrives on stdout or stderr, until both are closed. HandedOver
+        when the daemon hands its sandboxes over meanwhile: the call runs on, its output is the
+        surviving supervisor's to drain (supervisor.tails)."""
         streams = {self.out_r: 1, self.err_r: 2}
         poller = select.poll()                            # not select(): these fds may be past 1024
         for fd in streams:
             poller.register(fd, select.POLLIN)
+        handover = self._fork.handover_fd
+        poller.register(handover, select.POLLIN)
         while streams:
             for fd, _ in poller.poll():
+                if fd == handover:
+                    raise HandedOver()
                 if fd not in streams:
                     continue
                 data = os.read(fd, CHUNK)

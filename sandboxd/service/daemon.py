@@ -328,6 +328,11 @@ class Daemon:
         systemd.notify("STOPPING=1")
         log.info("stopping", extra={"fields": {"sessions": parts.registry.count_open(), "hand_over": hand_over}})
         parts.adopter.stopping("handover" if hand_over else "stop")
+        if hand_over:
+            # First: from here on nothing this daemon still has in flight (a call's cancel when the
+            # door below cuts its stream, its end event) reaches the sandboxes or the audit log
+            # (fork_client.HandedOver): the calls run on, and the next daemon records their ends.
+            parts.fork.detach()
         parts.health.enter_graceful_shutdown()
         parts.door.close()
         parts.ties.close()                       # what is tied stays so, for the next daemon
@@ -335,9 +340,7 @@ class Daemon:
         parts.server.stop(grace=STOP_GRACE_SECONDS).wait()
         parts.workers.shutdown()
         parts.metrics.close()
-        if hand_over:
-            parts.fork.detach()
-        else:
+        if not hand_over:
             parts.fork.close()
         parts.store.close()
         _unlink(parts.backend)

@@ -48,6 +48,15 @@ class SessionInfo(Record):
     transparent_listener: int = -1      # transparent capture's (network.transparent), the same way
 
 
+class HandedOver(SetupError):
+    """This daemon handed its sandboxes over (``ForkServer.detach``): what it still had in flight
+    runs on in the surviving supervisor, and the next daemon records its end; nothing here may
+    (an audit end event written now would be a second one)."""
+
+    def __init__(self) -> None:
+        super().__init__("fork server", 0, detail="the daemon handed its sandboxes over to the next daemon")
+
+
 class Adoption(Record):
     """What a surviving supervisor held when this daemon attached (fork_protocol's Attach answer):
     sessions by sandbox name (their listeners are this daemon's to close), the calls still running
@@ -81,6 +90,9 @@ class ForkServer:
         self._close_seconds = CLOSE_WAIT_SECONDS
         self._stuck_openers = DEFAULT_STUCK_OPENERS
         self._survive: str | None = None          # the attach socket of a surviving supervisor
+        self._handed_over = False                 # detach() ran: every request fails HandedOver
+        # Readable once detach() ran: what waits on a call's pipes (calls.SessionCall.output) stops.
+        self._handover_r, self._handover_w = os.pipe2(os.O_CLOEXEC)
         self._orphan_seconds = DEFAULT_ORPHAN_SECONDS
         self._limit = protocol.message_limit(sock)
         self._received = protocol.receive_buffer()        # every event is read into it (one reader at a time)
@@ -340,6 +352,12 @@ class ForkServer:
         return ExitInfo(event.exit_code, event.signal, event.timed_out, event.wall_seconds, event.cpu_seconds,
                         event.peak_memory_bytes, event.oom_killed)
 
+    @property
+    def handover_fd(self) -> int:
+        """A descriptor that is readable once this daemon handed its sandboxes over (``detach``):
+        a thread reading a call's output polls it too, and stops then (HandedOver)."""
+        return self._handover_r
+
     def wait_held(self, call_id: int) -> CallEnded:
         """The end of a call a surviving supervisor held for this daemon (Adoption.running)."""
         event = self._wait_event(call_id, (CallEnded,))
@@ -354,7 +372,8 @@ class ForkServer:
             self.close()
             return
         with self._send_lock:
-            self._closed = True
+            self._closed = self._handed_over = True
+            os.write(self._handover_w, b"x")
             try:
                 self._sock.shutdown(socket.SHUT_RDWR)         # a reader blocked on it sees EOF now
             except OSError:
@@ -385,6 +404,9 @@ class ForkServer:
         self._sock.close()
         with self._cond:
             self._close_passed()
+        for fd in (self._handover_r, self._handover_w):   # nothing polls it after close (the daemon stopped)
+            os.close(fd)
+        self._handover_r = self._handover_w = -1
         if self._process is not None:
             self._process.wait()
 
@@ -444,6 +466,8 @@ class ForkServer:
             self._send_locked(request, None)
 
     def _send_locked(self, request: Request, fds: list[int] | None) -> None:
+        if self._handed_over:
+            raise HandedOver()
         if self._closed:
             raise SetupError("fork server", 0, detail="the fork server has exited")
         data = request.encode()
@@ -486,6 +510,8 @@ class ForkServer:
                         if not queue:
                             self._events.pop(call_id, None)
                         return event
+                if self._handed_over:
+                    raise HandedOver()
                 if self._closed or 0 < call_id < self._first_id:
                     raise SetupError("fork server", 0, detail="the fork server exited")
                 remaining = None if deadline is None else deadline - time.monotonic()
