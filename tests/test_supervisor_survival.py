@@ -269,3 +269,21 @@ def test_a_malformed_attach_answer_is_refused(base: Path) -> None:
         thread.join(10)
     finally:
         listener.close()
+
+
+def test_a_dead_supervisor_is_replaced_by_a_surviving_one_at_the_same_place(base: Path) -> None:
+    """The daemon's restart of a dead fork server (ForkServer.restart) starts a surviving one again,
+    listening where the dead one did (its stale socket file replaced), and serving at once."""
+    server = start(base)
+    old = server.pid
+    try:
+        os.kill(old, signal.SIGKILL)
+        wait_for("the supervisor to die", lambda: not alive(old), 10)
+        server.restart()
+        assert server.survives and server.pid != old
+        assert server.ping(30)
+        with pytest.raises(WrongState, match="another daemon is attached"):
+            ForkServer.attach(str(base / "private" / "supervisor.sock"))
+    finally:
+        server.close()
+    wait_for("the new supervisor to stop", lambda: not alive(server.pid), 10)
