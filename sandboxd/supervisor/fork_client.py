@@ -373,7 +373,8 @@ class ForkServer:
             return
         with self._send_lock:
             self._closed = self._handed_over = True
-            os.write(self._handover_w, b"x")
+            if self._handover_w >= 0:                     # not closed already (close() ran first)
+                os.write(self._handover_w, b"x")
             try:
                 self._sock.shutdown(socket.SHUT_RDWR)         # a reader blocked on it sees EOF now
             except OSError:
@@ -405,7 +406,8 @@ class ForkServer:
         with self._cond:
             self._close_passed()
         for fd in (self._handover_r, self._handover_w):   # nothing polls it after close (the daemon stopped)
-            os.close(fd)
+            if fd >= 0:                                   # close() again: closed already
+                os.close(fd)
         self._handover_r = self._handover_w = -1
         if self._process is not None:
             self._process.wait()
