@@ -87,7 +87,8 @@ class SessionCall:
         for fd in streams:
             poller.register(fd, select.POLLIN)
         handover = self._fork.handover_fd
-        poller.register(handover, select.POLLIN)
+        if handover >= 0:                                 # -1: a closed client (nothing to hand over)
+            poller.register(handover, select.POLLIN)
         while streams:
             for fd, _ in poller.poll():
                 if fd == handover:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from sandboxd._record import Record
@@ -34,11 +33,11 @@ from sandboxd.errors import SandboxdError
 from sandboxd.service.background import BackgroundJob, adopted_job
 from sandboxd.service.handover.results import CallResults
 from sandboxd.service.handover.tags import parse_tag
-from sandboxd.supervisor.spawner import ExitInfo
 from sandboxd.service.quotas import owner_key
 from sandboxd.service.sessions.registry import Session, SessionRegistry
 from sandboxd.supervisor.fork_client import Adoption, ForkServer
 from sandboxd.supervisor.fork_protocol import CallEnded, HeldCall
+from sandboxd.supervisor.spawner import ExitInfo
 
 log = logging.getLogger("sandboxd")
 
@@ -63,14 +62,9 @@ class Adopted(Record):
 
 
 class Adopter:
-    def __init__(self, registry: SessionRegistry, fork: ForkServer, store: EventStore, results: CallResults,
-                 on_end: "Callable[[], None] | None" = None) -> None:
-        """``on_end``: called after each adopted call's end is recorded (tests, metrics)."""
+    def __init__(self, registry: SessionRegistry, fork: ForkServer, store: EventStore, results: CallResults) -> None:
         self._registry, self._fork, self._store, self._results = registry, fork, store, results
-        self._on_end = on_end
-        self._lock = threading.Lock()
-        self._following: set[int] = set()
-        self._stopping: str | None = None             # why the daemon stops ("" while it serves)
+        self._stopping: str | None = None             # why the daemon stops (None while it serves)
 
     def adopt(self, adoption: Adoption) -> Adopted:
         """Take over ``adoption`` (see the module's doc); the listeners it holds are closed here."""
@@ -113,10 +107,6 @@ class Adopter:
         daemon, which adopts it again; anything else: they are killed with everything else)."""
         self._stopping = why
 
-    def following(self) -> int:
-        with self._lock:
-            return len(self._following)
-
     # -- one call ----------------------------------------------------------------------------------
 
     def _place_of(self, name: str) -> "tuple[Session, int] | None":
@@ -142,8 +132,6 @@ class Adopter:
         if tag.get("call") and session_id:
             self._results.started(tag["call"], session_id, self._owner_of(session_id))
         job = self._job(call, place)
-        with self._lock:
-            self._following.add(call.call)
         threading.Thread(target=self._wait, args=(call, place, job), name=f"sandboxd-adopted-{call.call}",
                          daemon=True).start()
 
@@ -162,15 +150,11 @@ class Adopter:
             self._record_end(ended, f"the daemon stopped ({self._stopping})" if self._stopping
                              else "it ran on while the daemon restarted", job=job)
         finally:
-            with self._lock:
-                self._following.discard(call.call)
             if place is not None:
                 session, generation = place
                 if not self._stopping:
                     self._registry.call_ended(session)     # the git guard looks, as after any call
                 self._registry.end_call(session, generation)
-            if self._on_end is not None:
-                self._on_end()
 
     def _record_end(self, ended: CallEnded, reason: str, failed: bool = False,
                     job: BackgroundJob | None = None) -> None:
