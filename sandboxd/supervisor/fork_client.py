@@ -405,12 +405,15 @@ class ForkServer:
         self._sock.close()
         with self._cond:
             self._close_passed()
-        for fd in (self._handover_r, self._handover_w):   # nothing polls it after close (the daemon stopped)
+        self._release_handover_pipe()                     # nothing polls it after close (the daemon stopped)
+        if self._process is not None:
+            self._process.wait()
+
+    def _release_handover_pipe(self) -> None:
+        for fd in (self._handover_r, self._handover_w):
             if fd >= 0:                                   # close() again: closed already
                 os.close(fd)
         self._handover_r = self._handover_w = -1
-        if self._process is not None:
-            self._process.wait()
 
     def _close_passed(self) -> None:
         """Descriptors no request will take now (its server died, or this client closed)."""
@@ -439,6 +442,7 @@ class ForkServer:
                 while self._reading:
                     self._cond.wait()
                 self._sock, self.pid, self._process = fresh._sock, fresh.pid, fresh._process
+                fresh._release_handover_pipe()            # this client's own stays (pumps poll it)
                 self._limit = fresh._limit
                 self._native_calls = fresh._native_calls
                 self.last_heard = self.started_at = time.monotonic()
