@@ -16,6 +16,7 @@ import os
 import select
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -241,3 +242,66 @@ def test_a_handover_leaves_the_running_call_to_the_next_daemon(base: Path) -> No
         os.waitpid(supervisor, 0)                     # it was this process's child: its zombie
     except ChildProcessError:
         pass
+
+
+@pytest.mark.parametrize("own_group", [True, False], ids=["own-cgroup", "control-daemons-cgroup"])
+def test_a_supervisor_in_its_own_cgroup_survives_the_kill_of_the_daemons_group(base: Path, own_group: bool) -> None:
+    """What a container runtime does to a replaced daemon pod: every process of the daemon's
+    cgroup killed at once (cgroup.kill). With ``supervisor.cgroup`` the supervisor (and the sandboxes
+    below it) are elsewhere: the call runs on and the next daemon adopts it. The control: in the
+    daemon's group (no ``supervisor.cgroup``) the same kill takes the supervisor and the call."""
+    from sandboxd.kernel import cgroups
+
+    unified = cgroups.detect().unified
+    if unified is None:
+        pytest.skip("no cgroup2 file system is mounted (cgroup.kill)")
+    name = f"sbxadopt-{uuid.uuid4().hex[:10]}"
+    daemon_group = Path(unified) / f"{name}-daemon"
+    daemon_group.mkdir()
+    env = {**SURVIVE, **({"SANDBOXD_SUPERVISOR_CGROUP": f"/{name}-supervisor"} if own_group else {})}
+    wrapper = ["sh", "-c", f'echo $$ > {daemon_group}/cgroup.procs && exec "$@"', "sh"]
+    marker = f"{name}-call"
+    second = None
+    try:
+        first = Daemon(base, env=env, wrapper=wrapper).start()
+        supervisor = next(line for line in first.log_lines() if line.get("msg") == "serving")["fork_server_pid"]
+        with open(f"/proc/{supervisor}/cgroup") as own:
+            placed = [line.strip() for line in own if line.startswith("0::")]
+        assert placed == [f"0::/{name}-supervisor" if own_group else f"0::/{name}-daemon"], placed
+        session = create_session(first.stub, base / "ws", workspace_write())
+        shell = f"echo up; sleep 3; echo done; : {marker}; exit 7"
+        call = ExecCall(first.stub, exec_start(session.id, shell=shell))
+        call.wait_stdout(b"up")
+        (daemon_group / "cgroup.kill").write_text("1")
+        assert first.proc is not None and first.proc.wait(30) == -9
+        call.close()
+        if not own_group:
+            wait_for("the call to die with the daemon's group", lambda: not pids_with_marker(marker), 30)
+            return
+        assert pids_with_marker(marker), "the call died with the daemon's group"
+        second = Daemon(base, env=env).start()
+        assert next(line for line in second.log_lines() if line.get("msg") == "serving")["supervisor"] == "attached"
+        call_id = call_id_of(second, session.id, shell)
+
+        def completed() -> list[pb.Event]:
+            return [e for e in events(second, session.id, "ToolInvocationCompleted") if e.call_id == call_id]
+        wait_for("the adopted call's end in the audit log", completed)
+        assert json.loads(completed()[0].data_json)["exit_code"] == 7
+    finally:
+        if second is not None:
+            second.stop()
+        for group in (Path(unified) / f"{name}-supervisor", daemon_group):
+            wait_for(f"{group} to empty", lambda group=group: not _group_procs(group), 30)
+            for directory in sorted((p for p in group.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+                directory.rmdir()
+            if group.exists():
+                group.rmdir()
+
+
+def _group_procs(group: Path) -> list[str]:
+    found: list[str] = []
+    if not group.exists():
+        return found
+    for procs in group.rglob("cgroup.procs"):
+        found += procs.read_text().split()
+    return found

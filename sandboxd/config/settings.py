@@ -71,6 +71,7 @@ class DaemonSettings:
     approval_timeout: float
     survive_restart: bool               # supervisor.survive_restart: sandboxes outlive the daemon
     orphan_seconds: float               # supervisor.orphan_seconds
+    supervisor_cgroup: str              # supervisor.cgroup: its own v2 group ("": the daemon's)
     audit: AuditLimits
     allow_user_full_access: bool
     dns: tuple[str, ...]
@@ -159,6 +160,7 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         approval_timeout=config.number("approvals.timeout_seconds"), audit=audit,
         survive_restart=config.flag("supervisor.survive_restart"),
         orphan_seconds=config.number("supervisor.orphan_seconds"),
+        supervisor_cgroup=config.text("supervisor.cgroup"),
         allow_user_full_access=config.flag("policy.allow_user_full_access"),
         dns=config.texts("network.dns"), network_pool=config.text("network.pool"),
         proxy_connections=config.whole("quotas.proxy_connections_per_session"),

@@ -307,12 +307,12 @@ class Daemon:
         path = attach_point.path_in(private) if s.survive_restart else None
         if path is not None:
             attached = ForkServer.attach(path, wait_seconds=s.wait_seconds, stuck_openers=s.stuck_openers,
-                                         orphan_seconds=s.orphan_seconds)
+                                         orphan_seconds=s.orphan_seconds, cgroup=s.supervisor_cgroup)
             if attached is not None:
                 return attached
         # Before gRPC's threads, as a fresh process.
         return ForkServer.start(wait_seconds=s.wait_seconds, stuck_openers=s.stuck_openers, survive=path,
-                                orphan_seconds=s.orphan_seconds), None
+                                orphan_seconds=s.orphan_seconds, cgroup=s.supervisor_cgroup), None
 
     def stop(self, hand_over: bool = False) -> None:
         """Take the started daemon down, in this order: no new calls, no new connections, every

@@ -94,6 +94,7 @@ class ForkServer:
         # Readable once detach() ran: what waits on a call's pipes (calls.SessionCall.output) stops.
         self._handover_r, self._handover_w = os.pipe2(os.O_CLOEXEC)
         self._orphan_seconds = DEFAULT_ORPHAN_SECONDS
+        self._cgroup = ""                         # a surviving supervisor's own v2 group (supervisor.cgroup)
         self._limit = protocol.message_limit(sock)
         self._received = protocol.receive_buffer()        # every event is read into it (one reader at a time)
         self.last_heard = time.monotonic()       # when it last answered anything (the watchdog's progress)
@@ -115,14 +116,15 @@ class ForkServer:
     def start(cls, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS,
               call_helper: str | None = None, close_seconds: float = CLOSE_WAIT_SECONDS,
               stuck_openers: int = DEFAULT_STUCK_OPENERS, survive: str | None = None,
-              orphan_seconds: float = DEFAULT_ORPHAN_SECONDS) -> "ForkServer":
+              orphan_seconds: float = DEFAULT_ORPHAN_SECONDS, cgroup: str = "") -> "ForkServer":
         """Start the server as a fresh interpreter (``python -m sandboxd.supervisor.fork_server``).
 
         Not a fork of the caller: the daemon has gRPC threads, and a forked copy of a
         threaded process may deadlock; and a fresh process is as small as it gets,
         which keeps every later fork cheap. subprocess spawns it without forking Python.
         ``survive``: the path of its attach socket (supervisor.attach_point): it is a surviving
-        supervisor, which outlives this daemon and waits ``orphan_seconds`` for the next.
+        supervisor, which outlives this daemon and waits ``orphan_seconds`` for the next; with
+        ``cgroup`` it moves itself into that v2 group first (kernel.supervisor_cgroup).
         In a session of its own, away from the daemon's terminal: Ctrl-C on `sandboxd serve`
         (SIGINT to the terminal's whole foreground group) is the daemon's to handle, by
         closing sessions in order and then the fork server, which it killed mid-loop before
@@ -139,7 +141,8 @@ class ForkServer:
                                                                      f"--close-seconds={close_seconds!r}",
                                                                      f"--stuck-openers={int(stuck_openers)}"] + (
                 [f"--call-helper={call_helper}"] if call_helper else []) + (
-                [f"--survive={survive}", f"--orphan-seconds={orphan_seconds!r}"] if survive else [])
+                [f"--survive={survive}", f"--orphan-seconds={orphan_seconds!r}"] if survive else []) + (
+                [f"--cgroup={cgroup}"] if survive and cgroup else [])
             # -P: `python -m` would put the working directory first on sys.path, so a `sandboxd`
             # package in whatever directory the daemon was started from (a user's) would run as root.
             child = subprocess.Popen([sys.executable, "-P", "-m", "sandboxd.supervisor.fork_server",
@@ -155,7 +158,7 @@ class ForkServer:
         server._call_helper = call_helper
         server._close_seconds = close_seconds
         server._stuck_openers = stuck_openers
-        server._survive, server._orphan_seconds = survive, orphan_seconds
+        server._survive, server._orphan_seconds, server._cgroup = survive, orphan_seconds, cgroup
         from sandboxd.launcher.native_call import check_helper
         server._native_calls = native_calls and check_helper(call_helper).path is not None   # as the server decides
         return server
@@ -164,7 +167,7 @@ class ForkServer:
     def attach(cls, path: str, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS,
                call_helper: str | None = None, close_seconds: float = CLOSE_WAIT_SECONDS,
                stuck_openers: int = DEFAULT_STUCK_OPENERS, orphan_seconds: float = DEFAULT_ORPHAN_SECONDS,
-               timeout: float = 30.0) -> "tuple[ForkServer, Adoption] | None":
+               timeout: float = 30.0, cgroup: str = "") -> "tuple[ForkServer, Adoption] | None":
         """Attach to the surviving supervisor listening at ``path`` (a previous daemon's), and
         learn what it holds; None if none listens there (no socket, or a stale one: then
         ``start`` a fresh one). SetupError if one listens but refuses (another daemon is attached)
@@ -188,7 +191,7 @@ class ForkServer:
             raise
         server._wanted_native_calls, server._wait_seconds, server._call_helper = native_calls, wait_seconds, call_helper
         server._close_seconds, server._stuck_openers = close_seconds, stuck_openers
-        server._survive, server._orphan_seconds = path, orphan_seconds
+        server._survive, server._orphan_seconds, server._cgroup = path, orphan_seconds, cgroup
         from sandboxd.launcher.native_call import check_helper
         server._native_calls = native_calls and check_helper(call_helper).path is not None
         return server, adoption
@@ -431,7 +434,8 @@ class ForkServer:
         by subprocess (fork+exec in C, no Python code runs in the child), so the threaded
         daemon may call this."""
         fresh = ForkServer.start(self._wanted_native_calls, self._wait_seconds, self._call_helper,
-                                 self._close_seconds, self._stuck_openers, self._survive, self._orphan_seconds)
+                                 self._close_seconds, self._stuck_openers, self._survive, self._orphan_seconds,
+                                 self._cgroup)
         with self._send_lock:
             old_sock, old_process = self._sock, self._process
             try:

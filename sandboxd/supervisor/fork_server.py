@@ -1041,12 +1041,20 @@ def serve(sock: socket.socket, native_calls: bool = True, wait_seconds: float = 
 def _main(fd: int, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS,
           call_helper: str | None = None, close_seconds: float = CLOSE_WAIT_SECONDS,
           stuck_openers: int = DEFAULT_STUCK_OPENERS, survive: str | None = None,
-          orphan_seconds: float = DEFAULT_ORPHAN_SECONDS) -> None:
-    """Entry point of the fork server process."""
+          orphan_seconds: float = DEFAULT_ORPHAN_SECONDS, cgroup: str | None = None) -> None:
+    """Entry point of the fork server process. ``cgroup``: a surviving supervisor's own v2 group
+    (kernel.supervisor_cgroup), moved into before anything else."""
     expected_parent = os.getppid()
     process.set_name("sandboxd-fork")
     if not survive:
         process.die_with_parent(expected_parent)  # this fork server never outlives the daemon
+    elif cgroup:
+        from sandboxd.kernel.supervisor_cgroup import move_self
+        try:
+            move_self(cgroup)
+        except (OSError, SandboxdError) as exc:          # the daemon's start fails: its self-test says so
+            _log(f"cannot move into supervisor.cgroup {cgroup!r}: {exc}")
+            sys.exit(1)
     serve(socket.socket(fileno=fd), native_calls, wait_seconds, call_helper, close_seconds, stuck_openers,
           survive, orphan_seconds)
 
@@ -1061,4 +1069,4 @@ if __name__ == "__main__":
           wait_seconds=float(_flag("wait-seconds") or DEFAULT_WAIT_SECONDS), call_helper=_flag("call-helper"),
           close_seconds=float(_flag("close-seconds") or CLOSE_WAIT_SECONDS),
           stuck_openers=int(_flag("stuck-openers") or DEFAULT_STUCK_OPENERS), survive=_flag("survive"),
-          orphan_seconds=float(_flag("orphan-seconds") or DEFAULT_ORPHAN_SECONDS))
+          orphan_seconds=float(_flag("orphan-seconds") or DEFAULT_ORPHAN_SECONDS), cgroup=_flag("cgroup"))
