@@ -72,6 +72,10 @@ for _signum in (signal.SIGINT, signal.SIGQUIT):
 STD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # A small, fully known environment for the sandboxd CLI (and so for the command).
 BASE_ENV: dict[str, str] = {"PATH": STD_PATH, "HOME": "/root", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+# The daemons the tests start keep the fork server of old, which dies with its daemon: most tests
+# SIGKILL daemons and count what is left. tests/test_adopt.py runs the surviving supervisor
+# (supervisor.survive_restart, true by default in a deployment) and its adoption by a new daemon.
+BASE_ENV["SANDBOXD_SUPERVISOR_SURVIVE_RESTART"] = "false"
 # SANDBOXD_TESTS_REVIEW=1: every daemon the tests start makes review sessions by default
 # (review.default), to run the hostile-tenant suites in both modes (docs/testing.md).
 if os.environ.get("SANDBOXD_TESTS_REVIEW") == "1":

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -219,6 +220,7 @@ def test_session_call_output_reads_descriptors_past_1024() -> None:
         assert min(out_r, err_r) > 1024
         call = SessionCall.__new__(SessionCall)
         call.out_r, call.err_r = out_r, err_r
+        call._fork = SimpleNamespace(handover_fd=-1)      # type: ignore[assignment]
         os.write(out_w, b"out")
         os.write(err_w, b"err")
         os.close(out_w)
@@ -229,6 +231,28 @@ def test_session_call_output_reads_descriptors_past_1024() -> None:
         os.close(err_r)
     finally:
         for fd in filler:
+            os.close(fd)
+
+
+def test_session_call_output_stops_when_the_daemon_hands_over() -> None:
+    """A handover (ForkServer.detach) makes the output pump stop with HandedOver, though the call's
+    pipes stay open (it runs on in the surviving supervisor); control: before it, output flows."""
+    from sandboxd.supervisor.fork_client import HandedOver
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    handover_r, handover_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        call = SessionCall.__new__(SessionCall)
+        call.out_r, call.err_r = out_r, err_r
+        call._fork = SimpleNamespace(handover_fd=handover_r)   # type: ignore[assignment]
+        os.write(out_w, b"out")
+        pump = call.output()
+        assert next(pump) == (1, b"out")
+        os.write(handover_w, b"x")
+        with pytest.raises(HandedOver):
+            next(pump)
+    finally:
+        for fd in (out_r, out_w, err_r, err_w, handover_r, handover_w):
             os.close(fd)
 
 

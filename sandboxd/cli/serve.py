@@ -87,6 +87,11 @@ def main(argv: list[str]) -> int:
         # A name beside the socket another user made first (a socket in /tmp): one line, not a traceback.
         sys.stderr.write(f"sandboxd serve: {printable(str(exc))}\n")
         return 1
+    except SandboxdError as exc:
+        # A surviving supervisor another daemon is attached to (WrongState), or one that does not
+        # answer its attach (SetupError): one line, not a traceback.
+        sys.stderr.write(f"sandboxd serve: {printable(str(exc))}\n")
+        return 1
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise

@@ -73,6 +73,15 @@ def _optional_absolute(value: object) -> str | None:
     return None if value == "" else _absolute(value)
 
 
+def _supervisor_cgroup(value: object) -> str | None:
+    import os
+    if value == "":
+        return None
+    if not isinstance(value, str) or not value.startswith("/") or value == "/" or os.path.normpath(value) != value:
+        return f"must be empty or an absolute normal path below the cgroup2 root, e.g. \"/sandboxd.supervisor\", not {value!r}"
+    return None
+
+
 def _whole(low: int, high: int) -> "Callable[[object], str | None]":
     def check(value: object) -> str | None:
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
@@ -464,6 +473,16 @@ KEYS: tuple[Key, ...] = (
     Key("sessions", "idle_expiry_seconds", 86400, "a session with no call (and no running call or background "
         "process) for this long is closed, with a SessionClosed event whose reason is idle_expiry, so a crashed "
         "agent's sessions do not live forever; 0: never", _seconds_up_to(365 * 86400, zero="never")),
+    Key("supervisor", "survive_restart", True, "the fork server is a surviving supervisor: sessions and running "
+        "calls outlive the daemon (a crash, SIGKILL, a restart or upgrade) and the next daemon on the same socket "
+        "adopts them; false: they die with the daemon, as before", _boolean),
+    Key("supervisor", "orphan_seconds", 600, "how long a surviving supervisor whose daemon is gone waits for the "
+        "next one to attach; past it every sandbox is stopped (as a daemon's stop does) and it exits",
+        _positive_seconds),
+    Key("supervisor", "cgroup", "", "a cgroup v2 group (a path from the cgroup2 root, e.g. /sandboxd.supervisor) "
+        "the surviving supervisor moves itself into at start, with every sandbox below it, so that killing the "
+        "daemon's own group (a container runtime replacing the daemon's pod) spares them; empty: it stays in the "
+        "daemon's group (systemd: KillMode=process)", _supervisor_cgroup),
     Key("approvals", "timeout_seconds", 300, "a call nobody approves within this is denied", _positive_seconds),
     Key("audit", "event_bytes", 16384, "the most bytes one event keeps (its data as JSON): a longer value a caller "
         "chose (a command, a tool's arguments or result) is kept as its start (up to a quarter of this), its full "

@@ -71,6 +71,9 @@ class DaemonSettings:
     wait_seconds: float
     stuck_openers: int
     approval_timeout: float
+    survive_restart: bool               # supervisor.survive_restart: sandboxes outlive the daemon
+    orphan_seconds: float               # supervisor.orphan_seconds
+    supervisor_cgroup: str              # supervisor.cgroup: its own v2 group ("": the daemon's)
     audit: AuditLimits
     audit_export: AuditExport
     allow_user_full_access: bool
@@ -178,6 +181,9 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         wait_seconds=config.number("fork_server.wait_seconds"),
         stuck_openers=config.whole("fork_server.stuck_openers_per_uid"),
         approval_timeout=config.number("approvals.timeout_seconds"), audit=audit, audit_export=audit_export,
+        survive_restart=config.flag("supervisor.survive_restart"),
+        orphan_seconds=config.number("supervisor.orphan_seconds"),
+        supervisor_cgroup=config.text("supervisor.cgroup"),
         allow_user_full_access=config.flag("policy.allow_user_full_access"),
         tenancy_mode=config.text("tenancy.mode"), admin_pods=frozenset(config.texts("tenancy.admin_pods")),
         cgroup_root=config.text("tenancy.cgroup_root"),

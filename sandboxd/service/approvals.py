@@ -30,6 +30,7 @@ from sandboxd.errors import InvalidPolicy, NotFound, PermissionDenied
 from sandboxd.policy.decision import Verdict, decide
 from sandboxd.policy.tools import Risk
 from sandboxd.service.sessions.registry import Session
+from sandboxd.supervisor.fork_client import HandedOver
 
 if TYPE_CHECKING:
     from sandboxd.service.callers import Caller
@@ -104,6 +105,8 @@ class Granted:
         return self
 
     def __exit__(self, kind: object, error: BaseException | None, _tb: object) -> None:
+        if isinstance(error, HandedOver):
+            return                                # it runs on: the next daemon records its end (handover.adopt)
         if error is not None:
             self.failed(error)
         else:

@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 
 from sandboxd.errors import Exhausted, NotFound
 from sandboxd.service import environment
+from sandboxd.service.handover.tags import background_tag
 from sandboxd.service.quotas import owner_key
 from sandboxd.service.sessions.registry import Session, SessionRegistry, cwd_inside
 from sandboxd.supervisor.fork_client import ForkServer
@@ -81,6 +82,17 @@ class BackgroundJob:
                     if rest:
                         yield offset, rest, 0
                 return
+
+
+def adopted_job(session: Session, job_id: str, name: str, pid: int, started_at: float, call_id: int) -> BackgroundJob:
+    """A background process a surviving supervisor kept through a daemon restart
+    (handover.adopt), listed in its session again; its end and output's tail come from there."""
+    job = BackgroundJob(session, name, [name])
+    job.id, job.pid, job.call_id = job_id, pid, call_id
+    job.started_at = started_at or job.started_at
+    with session.lock:
+        session.jobs[job.id] = job
+    return job
 
 
 class BackgroundJobs:
@@ -152,7 +164,8 @@ class BackgroundJobs:
             try:
                 job.call_id, pid = self._fork.call(session.sandbox_name(generation), job.argv,
                                                    {**env, **session.extra_env},
-                                                   cwd_inside(session.workspace, cwd), None, (null, out_w, out_w))
+                                                   cwd_inside(session.workspace, cwd), None, (null, out_w, out_w),
+                                                   tag=background_tag(job.id, job.name), taps=(out_r,))
             finally:
                 os.close(out_w)
                 os.close(null)

@@ -14,7 +14,7 @@ import select
 from typing import Iterator
 
 from sandboxd.service.sessions.registry import Session, SessionRegistry
-from sandboxd.supervisor.fork_client import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer, HandedOver
 from sandboxd.supervisor.fork_protocol import check_timeout
 from sandboxd.supervisor.spawner import ExitInfo
 
@@ -29,8 +29,11 @@ F_SETPIPE_SZ = 1031
 class SessionCall:
     def __init__(self, registry: SessionRegistry, fork: ForkServer, session: Session, argv: list[str], *,
                  env: dict[str, str], cwd: str, timeout: float | None,
-                 tool: dict[str, object] | None = None) -> None:
+                 tool: dict[str, object] | None = None, tag: str = "") -> None:
+        """``tag``: what a surviving supervisor keeps of the call for the next daemon (its audit
+        identity: handover.adopt.call_tag); the supervisor also gets the output pipes' read ends."""
         self._registry, self._fork, self._session = registry, fork, session
+        self._tag = tag
         # Refused here, before any pipe exists, with what to fix (the fork server checks again).
         timeout = check_timeout(timeout)
         self._request = (argv, env, cwd, timeout, tool)
@@ -68,7 +71,8 @@ class SessionCall:
 
     def _start(self, sandbox: str, argv: list[str], env: dict[str, str], cwd: str, timeout: float | None,
                stdio: tuple[int, int, int], tool: dict[str, object] | None) -> None:
-        self.call_id, self.inner_pid = self._fork.call(sandbox, argv, env, cwd, timeout, stdio, tool=tool)
+        self.call_id, self.inner_pid = self._fork.call(sandbox, argv, env, cwd, timeout, stdio, tool=tool,
+                                                       tag=self._tag, taps=(self.out_r, self.err_r))
 
     def take_stdin(self) -> int:
         """The write end of the command's stdin; the caller closes it from now on."""
@@ -76,13 +80,20 @@ class SessionCall:
         return fd
 
     def output(self) -> Iterator[tuple[int, bytes]]:
-        """(1 or 2, chunk) as output arrives on stdout or stderr, until both are closed."""
+        """(1 or 2, chunk) as output arrives on stdout or stderr, until both are closed. HandedOver
+        when the daemon hands its sandboxes over meanwhile: the call runs on, its output is the
+        surviving supervisor's to drain (supervisor.tails)."""
         streams = {self.out_r: 1, self.err_r: 2}
         poller = select.poll()                            # not select(): these fds may be past 1024
         for fd in streams:
             poller.register(fd, select.POLLIN)
+        handover = self._fork.handover_fd
+        if handover >= 0:                                 # -1: a closed client (nothing to hand over)
+            poller.register(handover, select.POLLIN)
         while streams:
             for fd, _ in poller.poll():
+                if fd == handover:
+                    raise HandedOver()
                 if fd not in streams:
                     continue
                 data = os.read(fd, CHUNK)

@@ -10,8 +10,13 @@ decided per call from SO_PEERCRED) relayed by the front door to the gRPC server 
 0700 directory. SIGTERM/SIGINT stop it gracefully: no new connections, every session killed,
 sockets removed. SIGTERM first drains (drain.shutdown = "drain", the default; ``drain``): no new
 sessions or calls (UNAVAILABLE with a retry hint), the running calls finish up to
-drain.timeout_seconds, then the stop; the Drain RPC (`sandboxd drain`) does the same. If the
-daemon is SIGKILLed, the fork server (parent-death signal) and with it every sandbox die too.
+drain.timeout_seconds; the Drain RPC (`sandboxd drain`) does the same. With
+``supervisor.survive_restart`` (the default) the fork server is a surviving supervisor: after a
+drain the daemon hands over (calls still running go on in their sandboxes), and a daemon
+SIGKILLed (or crashed) leaves every session and running call to it; the next daemon on the same
+socket attaches to it (``start``: ForkServer.attach before ForkServer.start) and adopts them
+(handover.adopt). Otherwise the fork server (parent-death signal) and with it every sandbox die
+with the daemon; SIGINT always stops everything.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from sandboxd.service.approvals import ApprovalGate
 from sandboxd.service.call_results import DAEMON_STOPPED, DRAIN_TIMEOUT, CallResults
 from sandboxd.service.drain import DrainGate, running_calls_but_jobs, stop_background, stop_running
 from sandboxd.service.idle_expiry import IdleExpiry
+from sandboxd.service.handover.adopt import Adopted, Adopter
 from sandboxd.service.network_questions import NetworkQuestions
 from sandboxd.service.callers import Callers, TlsIdentity
 from sandboxd.service.metrics import Metrics
@@ -57,7 +63,8 @@ from sandboxd.service.sessions.registry import SessionRegistry
 from sandboxd.service.sessions.tied import TiedSessions
 from sandboxd.service.review_expiry import ChangeSetExpiry
 from sandboxd.service.watchdog import Watchdog
-from sandboxd.supervisor.fork_client import ForkServer
+from sandboxd.supervisor import attach_point
+from sandboxd.supervisor.fork_client import Adoption, ForkServer
 from sandboxd.v1 import sandboxd_pb2, sandboxd_pb2_grpc
 
 log = logging.getLogger("sandboxd")
@@ -84,6 +91,7 @@ class _Parts:
     tracer: memtrace.MemoryTracer | None
     results: CallResults                         # calls' outcomes by id (WaitCall)
     drain: DrainGate                             # refuses new work while draining
+    adopter: Adopter                             # the calls a surviving supervisor kept, followed
     exporter: Exporter | None = None             # [audit.export]: the audit log sent off the node
 
 
@@ -109,6 +117,7 @@ class Daemon:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda received, _frame: self._stop_requested.append(received))
         signal.set_wakeup_fd(self._wake_w)
+        hand_over = False
         try:
             problem = self.start()
             if problem is not None:
@@ -119,6 +128,8 @@ class Daemon:
             status = self.serve()
             if status == 0 and self._drains():
                 self.drain(self._drain_requested[0] if self._drain_requested else None)
+                # After a drain a surviving supervisor keeps what still runs, for the next daemon.
+                hand_over = True
             return status
         finally:
             signal.set_wakeup_fd(-1)
@@ -126,7 +137,7 @@ class Daemon:
                 # Stopping already: more of these must not cut the cleanup short (nor, at interpreter
                 # exit, turn exit status 0 into death by signal). A stuck stop still yields to SIGKILL.
                 signal.signal(signum, signal.SIG_IGN)
-            self.stop()
+            self.stop(hand_over=hand_over)
             self.close()
 
     # -- its steps --------------------------------------------------------------------------------
@@ -152,9 +163,13 @@ class Daemon:
                 metrics.bind(s.metrics_listen)
             if s.tls is not None:                 # gRPC binds it later, and says only that it failed
                 check_bindable("tls.address", s.tls.address)
-            fork = ForkServer.start(wait_seconds=s.wait_seconds,   # before gRPC's threads, as a fresh process
-                                    stuck_openers=s.stuck_openers)
-            undo.callback(fork.close)
+            # Before the fork server: its attach socket is in the private directory.
+            activated = systemd.activated_socket()
+            socket_path = s.socket if activated is None else activated.getsockname() or s.socket  # systemd wins
+            private = make_own_directories(socket_path, undo)    # PlaceTaken: another user's name, beside it
+            fork, adoption = self._fork_server(private)
+            # A start that fails leaves a surviving supervisor (and everything it holds) to the next.
+            undo.callback(fork.detach)
             problem = self_test(fork, s.session_defaults)
             if problem is not None:
                 return problem
@@ -167,9 +182,6 @@ class Daemon:
             if tracer is not None:
                 undo.callback(tracer.stop)
 
-            activated = systemd.activated_socket()
-            socket_path = s.socket if activated is None else activated.getsockname() or s.socket  # systemd wins
-            private = make_own_directories(socket_path, undo)    # PlaceTaken: another user's name, beside it
             backend = os.path.join(private, f"grpc-{os.getpid()}.sock")
             stale_sockets = sweep_private_dir(private)           # ours included, from a reused pid
 
@@ -195,6 +207,10 @@ class Daemon:
             undo.callback(registry.close_all)
             registry.count_with(metrics)
             resumed = registry.restore()
+            # What a surviving supervisor kept: the restored sessions' sandboxes and running calls,
+            # taken over before anything else may close or use them.
+            adopter = Adopter(registry, fork, store, results)
+            adopted = adopter.adopt(adoption) if adoption is not None else Adopted()
             # What ends with a client's process: sessions asked for with close_with_caller, approval
             # channels. Those whose process exited while no daemon ran end now.
             ties = ProcessTies()
@@ -262,14 +278,19 @@ class Daemon:
             self._set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
             self._parts = _Parts(fork=fork, store=store, registry=registry, metrics=metrics, door=door,
                                  server=server, workers=workers, health=health_servicer, backend=backend,
-                                 ties=ties, log_handler=handler, tracer=tracer, results=results, drain=drain_gate,
+                                 ties=ties, log_handler=handler, tracer=tracer, results=results, drain=drain_gate, adopter=adopter,
                                  exporter=exporter)
             undo.pop_all()                        # started: stop() takes it down from here on
         log.info("serving", extra={"fields": {"socket": socket_path, "pid": os.getpid(),
                                               "tls": tls.address if tls else None, "event_store": store.path,
                                               "config": s.config_path, "metrics": s.metrics_listen or None,
                                               "sessions_resumed": resumed, "stale_sockets_removed": len(stale_sockets),
-                                              "fork_server_pid": fork.pid}})
+                                              "fork_server_pid": fork.pid,
+                                              "supervisor": ("attached" if adoption is not None else "started")
+                                              if fork.survives else "dies with the daemon",
+                                              "adopted_sessions": adopted.sessions,
+                                              "adopted_calls": adopted.calls_running,
+                                              "ended_calls_recorded": adopted.calls_ended}})
         systemd.notify(f"READY=1\nSTATUS=serving on {socket_path}\nMAINPID={os.getpid()}")
         return None
 
@@ -372,6 +393,12 @@ class Daemon:
         if not running:
             log.info("drained", extra={"fields": {"seconds": seconds}})
             return 0
+        if parts.fork.survives and len(self._stop_requested) == signals:
+            # A surviving supervisor keeps them: they run on, and the next daemon adopts them and
+            # records their ends (handover.adopt). A second stop signal still kills them.
+            log.info("drain ended with calls still running: handed over to the supervisor", extra={"fields": {
+                "running_calls": running, "seconds": seconds}})
+            return running
         stopped = stop_running(parts.results, parts.store, DRAIN_TIMEOUT, timeout_seconds=timeout)
         log.warning("drain ended with calls still running: they are killed", extra={"fields": {
             "running_calls": running, "seconds": seconds, "audited": stopped,
@@ -392,31 +419,50 @@ class Daemon:
         except BlockingIOError:                  # the pipe is full: serve is woken already
             pass
 
-    def stop(self) -> None:
+    def _fork_server(self, private: str) -> "tuple[ForkServer, Adoption | None]":
+        """The surviving supervisor a previous daemon left, attached (with what it holds), or a
+        fresh fork server (a surviving one with ``supervisor.survive_restart``)."""
+        s = self.settings
+        path = attach_point.path_in(private) if s.survive_restart else None
+        if path is not None:
+            attached = ForkServer.attach(path, wait_seconds=s.wait_seconds, stuck_openers=s.stuck_openers,
+                                         orphan_seconds=s.orphan_seconds, cgroup=s.supervisor_cgroup)
+            if attached is not None:
+                return attached
+        # Before gRPC's threads, as a fresh process.
+        return ForkServer.start(wait_seconds=s.wait_seconds, stuck_openers=s.stuck_openers, survive=path,
+                                orphan_seconds=s.orphan_seconds, cgroup=s.supervisor_cgroup), None
+
+    def stop(self, hand_over: bool = False) -> None:
         """Take the started daemon down, in this order: no new calls, no new connections, every
         session closed (its sandbox killed), running calls given STOP_GRACE_SECONDS, then the fork
-        server, the store and the sockets. Idempotent."""
+        server, the store and the sockets. Idempotent. ``hand_over`` (with a surviving supervisor,
+        after a drain): sandboxes and calls are left running to
+        the supervisor (ForkServer.detach) for the next daemon, only this daemon's own services stop."""
         parts, self._parts = self._parts, None
         if parts is None:
             return
+        hand_over = hand_over and parts.fork.survives
         started = time.monotonic()
         systemd.notify("STOPPING=1")
-        log.info("stopping", extra={"fields": {"sessions": parts.registry.count_open()}})
+        log.info("stopping", extra={"fields": {"sessions": parts.registry.count_open(), "hand_over": hand_over}})
+        parts.adopter.stopping("handover" if hand_over else "stop")
+        if hand_over:
+            # First: from here on nothing this daemon still has in flight (a call's cancel when the
+            # door below cuts its stream, its end event) reaches the sandboxes or the audit log
+            # (fork_client.HandedOver): the calls run on, and the next daemon records their ends.
+            parts.fork.detach()
         parts.health.enter_graceful_shutdown()
-        handing_over = _hands_over(parts.fork)
-        if not handing_over:                     # each running call: why it ends, before its client is cut
+        if not hand_over:                        # each running call: why it ends, before its client is cut
             stop_running(parts.results, parts.store, DAEMON_STOPPED)
             stop_background(parts.registry.open_sessions(), parts.store, DAEMON_STOPPED)
         parts.door.close()
         parts.ties.close()                       # what is tied stays so, for the next daemon
-        if not handing_over:
-            parts.registry.close_all()
+        parts.registry.close_all(keep_sandboxes=hand_over)
         parts.server.stop(grace=STOP_GRACE_SECONDS).wait()
         parts.workers.shutdown()
         parts.metrics.close()
-        if handing_over:
-            parts.fork.detach()                  # type: ignore[attr-defined]  # track adopt's supervisor
-        else:
+        if not hand_over:
             parts.fork.close()
         if parts.exporter is not None:           # the last events (the sessions' closes) sent, then the store
             parts.exporter.stop(EXPORT_DRAIN_SECONDS)
@@ -443,12 +489,6 @@ class Daemon:
     def _set_health(servicer: health.HealthServicer, status: int) -> None:
         for service in SERVICES:
             servicer.set(service, status)
-
-
-def _hands_over(fork: ForkServer) -> bool:
-    """Whether the sandboxes outlive this daemon, for the next one to adopt (a surviving supervisor,
-    track adopt's ``ForkServer.detach``), rather than being killed with it (``close``, today)."""
-    return False
 
 
 def _unlink(path: str) -> None:

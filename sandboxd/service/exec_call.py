@@ -62,12 +62,13 @@ def check_unstreamed(start: pb.ExecStart) -> None:
 
 def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb.ExecStart, argv: list[str],
         cwd: str, requests: Iterator[pb.ExecRequest] | None,
-        context: grpc.ServicerContext, record: CallRecord | None = None) -> Iterator[pb.ExecResponse]:
+        context: grpc.ServicerContext, record: CallRecord | None = None, tag: str = "") -> Iterator[pb.ExecResponse]:
     """``argv`` and ``cwd``: from ``command_of(start)`` and ``cwd_inside``, as the caller checked them.
     ``requests``: Exec's stream after `start` (stdin, signals, resizes: read by a feeder thread);
     None for Run, where nothing follows `start`: its stdin is written and closed here, and a thread
     is started only for the part of it the pipe does not take at once. ``record``: the call's entry
-    in the daemon's CallResults (WaitCall), fed its output and end; its id goes with the first message."""
+    in the daemon's CallResults (WaitCall), fed its output and end; its id goes with the first message. ``tag``: the call's audit
+    identity for a surviving supervisor (SessionCall)."""
     env = {**environment.command_env(registry, fork, session, start), **session.extra_env}
     timeout = start.timeout_seconds or session.limits.timeout_seconds
     limit = start.output_limit_bytes or DEFAULT_OUTPUT_LIMIT
@@ -76,11 +77,13 @@ def run(registry: SessionRegistry, fork: ForkServer, session: Session, start: pb
         call = terminal_call.TerminalCall(registry, fork, session, argv, env=terminal_call.environment(env, start.terminal),
                                           cwd=cwd, timeout=timeout, size=terminal_call.check_terminal(start.terminal))
     else:
-        call = SessionCall(registry, fork, session, argv, env=env, cwd=cwd, timeout=timeout)
+        call = SessionCall(registry, fork, session, argv, env=env, cwd=cwd, timeout=timeout, tag=tag)
     try:
         yield from _run_call(call, fork, start, requests, context, limit, record)
     finally:
-        if record is not None:                            # given up (the client left, an error): as it ended
+        # Given up (the client left, an error): as it ended. Not when this daemon handed its
+        # sandboxes over: the call runs on, and the next daemon records its end (handover.adopt).
+        if record is not None and not fork.handed_over:
             record.finished(call.exit_info)
 
 

@@ -17,6 +17,7 @@ from sandboxd.service import convert, environment, exec_call, file_calls, patch_
 from sandboxd.service.approvals import ApprovalGate, ToolCall
 from sandboxd.service.audit_calls import AuditService
 from sandboxd.service.audit_verify import AuditVerification
+from sandboxd.service.handover.tags import call_tag
 from sandboxd.service.background import BackgroundJob, BackgroundJobs
 from sandboxd.service.call_results import FINISHED, MAX_WAIT_SECONDS, CallRecord, CallResults
 from sandboxd.service.drain import DrainGate
@@ -363,7 +364,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                 terminal.enter_context(session.running_in(start.execution_context_id))
                 record = CallRecord(self._results, granted.call_id, session.id, owner_key(who), context.is_active)
                 for response in exec_call.run(self._registry, self._fork, session, start, argv, cwd, request_iterator,
-                                              context, record):
+                                              context, record, tag=call_tag(granted.call_id, call.tool)):
                     kind = response.WhichOneof("kind")
                     if kind == "started_pid" and self._metrics is not None:
                         self._metrics.queue_seconds.observe(time.monotonic() - received)

@@ -17,11 +17,12 @@ from sandboxd._record import Record
 from sandboxd.errors import InvalidPolicy, SandboxdError, SetupError
 from sandboxd.policy.spec import LaunchSpec
 from sandboxd.supervisor import fork_protocol as protocol
-from sandboxd.supervisor.fork_protocol import (CLOSE_WAIT_SECONDS, DEFAULT_STUCK_OPENERS, DEFAULT_WAIT_SECONDS, Call,
-                                               CallerRecord, Cancel, CheckPaths, Error, Event, Exited, Launch,
-                                               Malformed, Message, PathsChecked, Ping, Pong, Request, Review,
-                                               ReviewStarted, SessionClose, SessionClosed, SessionOpen,
-                                               SessionReady, Signal, Started, spec_record)
+from sandboxd.supervisor.fork_protocol import (CLOSE_WAIT_SECONDS, DEFAULT_ORPHAN_SECONDS, DEFAULT_STUCK_OPENERS,
+                                               DEFAULT_WAIT_SECONDS, Attach, Attached, Call, CallEnded,
+                                               CallerRecord, Cancel, CheckPaths, Error, Event, Exited, HeldCall,
+                                               HeldSession, Launch, Malformed, Message, PathsChecked, Ping, Pong,
+                                               Request, Review, ReviewStarted, SessionClose, SessionClosed,
+                                               SessionOpen, SessionReady, Signal, Started, Stop, spec_record)
 from sandboxd.supervisor.spawner import ExitInfo
 
 if TYPE_CHECKING:
@@ -47,6 +48,25 @@ class SessionInfo(Record):
     transparent_listener: int = -1      # transparent capture's (network.transparent), the same way
 
 
+class HandedOver(SetupError):
+    """This daemon handed its sandboxes over (``ForkServer.detach``): what it still had in flight
+    runs on in the surviving supervisor, and the next daemon records its end; nothing here may
+    (an audit end event written now would be a second one)."""
+
+    def __init__(self) -> None:
+        super().__init__("fork server", 0, detail="the daemon handed its sandboxes over to the next daemon")
+
+
+class Adoption(Record):
+    """What a surviving supervisor held when this daemon attached (fork_protocol's Attach answer):
+    sessions by sandbox name (their listeners are this daemon's to close), the calls still running
+    (their ends come by ``ForkServer.wait_held``) and those that ended while no daemon was attached."""
+
+    sessions: dict[str, SessionInfo]
+    running: tuple[HeldCall, ...]
+    ended: tuple[CallEnded, ...]
+
+
 class ForkServer:
     """Client handle of a running fork server. Thread-safe: any number of threads may launch
     and wait at once; whichever of them waits reads the server's answers for all."""
@@ -69,6 +89,12 @@ class ForkServer:
         self._call_helper: str | None = None
         self._close_seconds = CLOSE_WAIT_SECONDS
         self._stuck_openers = DEFAULT_STUCK_OPENERS
+        self._survive: str | None = None          # the attach socket of a surviving supervisor
+        self._handed_over = False                 # detach() ran: every request fails HandedOver
+        # Readable once detach() ran: what waits on a call's pipes (calls.SessionCall.output) stops.
+        self._handover_r, self._handover_w = os.pipe2(os.O_CLOEXEC)
+        self._orphan_seconds = DEFAULT_ORPHAN_SECONDS
+        self._cgroup = ""                         # a surviving supervisor's own v2 group (supervisor.cgroup)
         self._limit = protocol.message_limit(sock)
         self._received = protocol.receive_buffer()        # every event is read into it (one reader at a time)
         self.last_heard = time.monotonic()       # when it last answered anything (the watchdog's progress)
@@ -81,15 +107,24 @@ class ForkServer:
     def native_calls(self) -> bool:
         return self._native_calls
 
+    @property
+    def survives(self) -> bool:
+        """Whether the server outlives this daemon (a surviving supervisor: ``detach``)."""
+        return self._survive is not None
+
     @classmethod
     def start(cls, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS,
               call_helper: str | None = None, close_seconds: float = CLOSE_WAIT_SECONDS,
-              stuck_openers: int = DEFAULT_STUCK_OPENERS) -> "ForkServer":
+              stuck_openers: int = DEFAULT_STUCK_OPENERS, survive: str | None = None,
+              orphan_seconds: float = DEFAULT_ORPHAN_SECONDS, cgroup: str = "") -> "ForkServer":
         """Start the server as a fresh interpreter (``python -m sandboxd.supervisor.fork_server``).
 
         Not a fork of the caller: the daemon has gRPC threads, and a forked copy of a
         threaded process may deadlock; and a fresh process is as small as it gets,
         which keeps every later fork cheap. subprocess spawns it without forking Python.
+        ``survive``: the path of its attach socket (supervisor.attach_point): it is a surviving
+        supervisor, which outlives this daemon and waits ``orphan_seconds`` for the next; with
+        ``cgroup`` it moves itself into that v2 group first (kernel.supervisor_cgroup).
         In a session of its own, away from the daemon's terminal: Ctrl-C on `sandboxd serve`
         (SIGINT to the terminal's whole foreground group) is the daemon's to handle, by
         closing sessions in order and then the fork server, which it killed mid-loop before
@@ -105,7 +140,9 @@ class ForkServer:
             flags = ([] if native_calls else ["--python-calls"]) + [f"--wait-seconds={wait_seconds!r}",
                                                                      f"--close-seconds={close_seconds!r}",
                                                                      f"--stuck-openers={int(stuck_openers)}"] + (
-                [f"--call-helper={call_helper}"] if call_helper else [])
+                [f"--call-helper={call_helper}"] if call_helper else []) + (
+                [f"--survive={survive}", f"--orphan-seconds={orphan_seconds!r}"] if survive else []) + (
+                [f"--cgroup={cgroup}"] if survive and cgroup else [])
             # -P: `python -m` would put the working directory first on sys.path, so a `sandboxd`
             # package in whatever directory the daemon was started from (a user's) would run as root.
             child = subprocess.Popen([sys.executable, "-P", "-m", "sandboxd.supervisor.fork_server",
@@ -121,9 +158,94 @@ class ForkServer:
         server._call_helper = call_helper
         server._close_seconds = close_seconds
         server._stuck_openers = stuck_openers
+        server._survive, server._orphan_seconds, server._cgroup = survive, orphan_seconds, cgroup
         from sandboxd.launcher.native_call import check_helper
         server._native_calls = native_calls and check_helper(call_helper).path is not None   # as the server decides
         return server
+
+    @classmethod
+    def attach(cls, path: str, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS,
+               call_helper: str | None = None, close_seconds: float = CLOSE_WAIT_SECONDS,
+               stuck_openers: int = DEFAULT_STUCK_OPENERS, orphan_seconds: float = DEFAULT_ORPHAN_SECONDS,
+               timeout: float = 30.0, cgroup: str = "") -> "tuple[ForkServer, Adoption] | None":
+        """Attach to the surviving supervisor listening at ``path`` (a previous daemon's), and
+        learn what it holds; None if none listens there (no socket, or a stale one: then
+        ``start`` a fresh one). SetupError if one listens but refuses (another daemon is attached)
+        or does not answer within ``timeout``. The other arguments are what a ``restart`` starts a
+        new one with, should this one die later. Called before any other thread uses the client."""
+        from sandboxd.supervisor.attach_point import peer
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            return None
+        try:
+            pid, uid = peer(sock)
+            if uid != 0:                                  # the directory is root's 0700: never, but checked
+                raise SetupError("fork server", detail=f"the supervisor socket {path} is served by uid {uid}")
+            server = cls(sock, pid)
+            adoption = server._read_adoption(timeout)
+        except BaseException:
+            sock.close()
+            raise
+        server._wanted_native_calls, server._wait_seconds, server._call_helper = native_calls, wait_seconds, call_helper
+        server._close_seconds, server._stuck_openers = close_seconds, stuck_openers
+        server._survive, server._orphan_seconds, server._cgroup = path, orphan_seconds, cgroup
+        from sandboxd.launcher.native_call import check_helper
+        server._native_calls = native_calls and check_helper(call_helper).path is not None
+        return server, adoption
+
+    def _read_adoption(self, timeout: float) -> Adoption:
+        """Send Attach and read its whole answer here (no other thread uses the client yet)."""
+        try:
+            protocol.send(self._sock, Attach(1).encode())
+        except OSError:
+            pass                                          # refused and closed already: its answer is queued
+        deadline = time.monotonic() + timeout
+        sessions: dict[str, SessionInfo] = {}
+        running: list[HeldCall] = []
+        ended: list[CallEnded] = []
+        try:
+            while True:
+                if not _readable_within(self._sock, max(0.0, deadline - time.monotonic())):
+                    raise SetupError("fork server", detail=f"the surviving supervisor did not answer within {timeout:g} s")
+                try:
+                    message, fds = protocol.receive(self._sock, protocol.events(), self._received)
+                except OSError as exc:
+                    raise SetupError("fork server",
+                                     detail=f"the surviving supervisor refused the attach ({exc})") from None
+                for fd in fds:
+                    os.set_inheritable(fd, False)
+                if isinstance(message, HeldSession):
+                    proxy = fds.pop(0) if message.proxy_listener and fds else -1
+                    captured = fds.pop(0) if message.transparent_listener and fds else -1
+                    sessions[message.session] = SessionInfo(
+                        message.init_pid or 0, message.workspace, tuple(message.writable_roots), message.host_address,
+                        message.sandbox_address, tuple(message.resolvers or ()), proxy, message.pid_namespace, captured)
+                elif isinstance(message, HeldCall):
+                    running.append(message)
+                elif isinstance(message, CallEnded):
+                    ended.append(message)
+                elif isinstance(message, Attached):
+                    self._next_id = max(message.next_id, 2)   # ids below are the held calls' (wait_held)
+                    self.last_heard = time.monotonic()
+                    self.answered = True
+                    return Adoption(sessions, tuple(running), tuple(ended))
+                for fd in fds:
+                    os.close(fd)
+                if message is None:
+                    raise SetupError("fork server", detail="the surviving supervisor closed the connection")
+                if isinstance(message, Error):
+                    raise SandboxdError.from_dict(message.error)
+                if isinstance(message, Malformed):
+                    raise SetupError("fork server", detail=f"the supervisor's answer was malformed: {message}")
+        except BaseException:
+            for info in sessions.values():
+                for fd in (info.proxy_listener, info.transparent_listener):
+                    if fd >= 0:
+                        os.close(fd)
+            raise
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -205,12 +327,19 @@ class ForkServer:
 
     def call(self, session: str, argv: list[str], env: dict[str, str], cwd: str, timeout: float | None,
              stdio: tuple[int, int, int], tool: dict[str, object] | None = None,
-             terminal: tuple[int, int] | None = None) -> tuple[int, int | None]:
+             terminal: tuple[int, int] | None = None, tag: str = "",
+             taps: tuple[int, ...] = ()) -> tuple[int, int | None]:
         """Run one command (or a file tool) in a session; return (call id, its pid inside the session).
-        With ``terminal`` (rows, columns) it runs on a terminal whose master comes back on stdin."""
+        With ``terminal`` (rows, columns) it runs on a terminal whose master comes back on stdin.
+        ``tag`` and ``taps`` (the read ends of its stdout and stderr pipes, or none): what a surviving
+        supervisor keeps of the call for the next daemon (fork_protocol.Call); ignored otherwise."""
         size: list[object] | None = None if terminal is None else list(terminal)
-        call_id = self._request(lambda call_id: Call(call_id, session, list(argv), dict(env), cwd, timeout, tool, size),
-                                list(stdio))
+        if not self.survives:
+            tag, taps = "", ()
+        out_tap, err_tap = len(taps) > 0, len(taps) > 1
+        call_id = self._request(lambda call_id: Call(call_id, session, list(argv), dict(env), cwd, timeout, tool, size,
+                                                     tag, out_tap, err_tap),
+                                [*stdio, *taps[:2]])
         return call_id, self._expect(call_id, Started).inner_pid
 
     def signal(self, call_id: int, signum: int) -> None:
@@ -226,11 +355,54 @@ class ForkServer:
         return ExitInfo(event.exit_code, event.signal, event.timed_out, event.wall_seconds, event.cpu_seconds,
                         event.peak_memory_bytes, event.oom_killed)
 
+    @property
+    def handed_over(self) -> bool:
+        """``detach`` ran: the sandboxes are the supervisor's, for the next daemon."""
+        return self._handed_over
+
+    @property
+    def handover_fd(self) -> int:
+        """A descriptor that is readable once this daemon handed its sandboxes over (``detach``):
+        a thread reading a call's output polls it too, and stops then (HandedOver)."""
+        return self._handover_r
+
+    def wait_held(self, call_id: int) -> CallEnded:
+        """The end of a call a surviving supervisor held for this daemon (Adoption.running)."""
+        event = self._wait_event(call_id, (CallEnded,))
+        assert isinstance(event, CallEnded)
+        return event
+
+    def detach(self) -> None:
+        """Leave a surviving supervisor running with every sandbox (the handover: the next daemon
+        attaches); the connection is closed without ``Stop``. A server that does not survive is
+        closed (``close``): it cannot outlive this daemon."""
+        if not self.survives:
+            self.close()
+            return
+        with self._send_lock:
+            self._closed = self._handed_over = True
+            if self._handover_w >= 0:                     # not closed already (close() ran first)
+                os.write(self._handover_w, b"x")
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)         # a reader blocked on it sees EOF now
+            except OSError:
+                pass
+        with self._cond:
+            while self._reading:
+                self._cond.wait()
+            self._close_passed()
+            self._cond.notify_all()
+        self._sock.close()
+        if self._process is not None:
+            self._process.returncode = 0                  # not ours to wait for: it outlives us
+
     def close(self) -> None:
         """Stop the server: it kills every sandbox and session it holds, then exits."""
         with self._send_lock:
             if not self._closed:
                 try:
+                    if self.survives:                     # else the connection's end is a handover
+                        protocol.send(self._sock, Stop(0).encode())
                     self._sock.shutdown(socket.SHUT_WR)
                 except OSError:
                     pass                                  # it died already: reading finds EOF
@@ -241,8 +413,15 @@ class ForkServer:
         self._sock.close()
         with self._cond:
             self._close_passed()
+        self._release_handover_pipe()                     # nothing polls it after close (the daemon stopped)
         if self._process is not None:
             self._process.wait()
+
+    def _release_handover_pipe(self) -> None:
+        for fd in (self._handover_r, self._handover_w):
+            if fd >= 0:                                   # close() again: closed already
+                os.close(fd)
+        self._handover_r = self._handover_w = -1
 
     def _close_passed(self) -> None:
         """Descriptors no request will take now (its server died, or this client closed)."""
@@ -260,7 +439,8 @@ class ForkServer:
         by subprocess (fork+exec in C, no Python code runs in the child), so the threaded
         daemon may call this."""
         fresh = ForkServer.start(self._wanted_native_calls, self._wait_seconds, self._call_helper,
-                                 self._close_seconds, self._stuck_openers)
+                                 self._close_seconds, self._stuck_openers, self._survive, self._orphan_seconds,
+                                 self._cgroup)
         with self._send_lock:
             old_sock, old_process = self._sock, self._process
             try:
@@ -271,6 +451,7 @@ class ForkServer:
                 while self._reading:
                     self._cond.wait()
                 self._sock, self.pid, self._process = fresh._sock, fresh.pid, fresh._process
+                fresh._release_handover_pipe()            # this client's own stays (pumps poll it)
                 self._limit = fresh._limit
                 self._native_calls = fresh._native_calls
                 self.last_heard = self.started_at = time.monotonic()
@@ -300,6 +481,8 @@ class ForkServer:
             self._send_locked(request, None)
 
     def _send_locked(self, request: Request, fds: list[int] | None) -> None:
+        if self._handed_over:
+            raise HandedOver()
         if self._closed:
             raise SetupError("fork server", 0, detail="the fork server has exited")
         data = request.encode()
@@ -342,6 +525,8 @@ class ForkServer:
                         if not queue:
                             self._events.pop(call_id, None)
                         return event
+                if self._handed_over:
+                    raise HandedOver()
                 if self._closed or 0 < call_id < self._first_id:
                     raise SetupError("fork server", 0, detail="the fork server exited")
                 remaining = None if deadline is None else deadline - time.monotonic()

@@ -62,6 +62,9 @@ CLOSE_WAIT_SECONDS = 5.0
 # How long a review request's child may run (listing, diffing, applying a change set) before the
 # fork server SIGKILLs it; the daemon then answers DEADLINE_EXCEEDED.
 REVIEW_SECONDS = 120.0
+# How long a surviving supervisor waits for a daemon to attach once its daemon is gone
+# (supervisor.orphan_seconds) before it stops everything as a shutdown does.
+DEFAULT_ORPHAN_SECONDS = 600.0
 
 
 def check_timeout(timeout: object, what: str = "timeout_seconds") -> float | None:
@@ -441,7 +444,12 @@ class SessionClose(Request, kind="session_close"):
 
 class Call(Request, kind="call"):
     """One command (or file ``tool``) in a session; with stdin, stdout, stderr. With ``terminal``
-    [rows, columns] it runs on a terminal, whose master goes back on the stdin socket."""
+    [rows, columns] it runs on a terminal, whose master goes back on the stdin socket.
+    A surviving supervisor (``Attach``) keeps what a daemon that is gone cannot: ``tag`` (the
+    daemon's own name for the call, its audit call id and tool: returned as it was at attach), and
+    with ``stdout_tap``/``stderr_tap`` a copy of the read end of the call's output pipes, after
+    stdin, stdout, stderr: read by nobody while the daemon is attached, drained into bounded tails
+    (supervisor.tails) once it is gone, so the command neither blocks on a full pipe nor gets SIGPIPE."""
     session: str
     argv: list[str]
     env: dict[str, str]
@@ -449,7 +457,11 @@ class Call(Request, kind="call"):
     timeout: float | None = None
     tool: dict[str, object] | None = None
     terminal: list[object] | None = None     # [rows, columns]: the server checks the range, and says it
+    tag: str = ""
+    stdout_tap: bool = False
+    stderr_tap: bool = False
     descriptors = 3
+    descriptor_flags = ("stdout_tap", "stderr_tap")
 
 
 class Signal(Request, kind="signal"):
@@ -503,6 +515,19 @@ class Ping(Request, kind="ping"):
     """The daemon's watchdog: answered ``Pong`` at once."""
 
 
+class Attach(Request, kind="attach"):
+    """A new daemon, connected to a surviving supervisor's attach socket: answered with what it
+    holds, ``HeldSession`` per session (its listeners with it), ``HeldCall`` per call still running
+    that no daemon reads, ``CallEnded`` per call that ended while no daemon was attached, then
+    ``Attached``. Every event about those calls goes to this daemon from now on."""
+
+
+class Stop(Request, kind="stop"):
+    """The daemon stops for good (shutdown = stop): the end of its connection kills everything, as
+    with a fork server that does not survive. Without it a surviving supervisor keeps every sandbox
+    running when the connection ends (a crash, a SIGKILL, a handover) and waits for the next daemon."""
+
+
 # -- events (fork server -> daemon) ---------------------------------------------------------------
 
 class Started(Event, kind="started"):
@@ -540,6 +565,58 @@ class SessionReady(Event, kind="session_ready"):
     # to, after proxy_listener's descriptor.
     transparent_listener: bool = False
     descriptor_flags = ("proxy_listener", "transparent_listener")
+
+
+class HeldSession(Event, kind="held_session"):
+    """A session a surviving supervisor holds (``Attach``'s answer): its sandbox's name and the
+    SessionReady facts it answered at the build, with the listeners it passed then, passed again."""
+    session: str
+    init_pid: int | None
+    workspace: str
+    writable_roots: list[str]
+    host_address: str | None = None
+    sandbox_address: str | None = None
+    resolvers: list[str] | None = None
+    proxy_listener: bool = False
+    pid_namespace: int = 0
+    transparent_listener: bool = False
+    descriptor_flags = ("proxy_listener", "transparent_listener")
+
+
+class HeldCall(Event, kind="held_call"):
+    """A call still running that a daemon started and no daemon reads now (``Attach``'s answer):
+    its end comes as ``CallEnded`` with ``id`` = ``call``."""
+    call: int
+    session: str                    # its sandbox's name; "" for a one-shot launch
+    pid: int
+    inner_pid: int | None
+    started_at: float               # wall clock (time.time) of its start
+    tag: str
+
+
+class CallEnded(Event, kind="call_ended"):
+    """How a held call ended (Exited's facts) and the last bytes of its output (supervisor.tails),
+    as latin-1 text of the bytes (JSON carries no bytes; one char per byte)."""
+    call: int
+    session: str
+    started_at: float
+    tag: str
+    exit_code: int | None
+    signal: int | None
+    timed_out: bool
+    wall_seconds: float
+    cpu_seconds: float | None
+    peak_memory_bytes: int | None
+    oom_killed: bool
+    stdout_tail: str = ""
+    stderr_tail: str = ""
+    dropped: int = 0                # output bytes read and not kept (before the tails)
+
+
+class Attached(Event, kind="attached"):
+    """The end of ``Attach``'s answer: request ids from ``next_id`` on are fresh in this supervisor."""
+    next_id: int
+    pid: int
 
 
 class ReviewStarted(Event, kind="review_started"):
@@ -584,7 +661,7 @@ def decode(data: bytes, fds: int, table: "dict[str, type[Message]]") -> Message:
     if cls is None:
         raise Malformed(call_id, f"unknown fork server {'operation' if tag == 'op' else 'event'} {fields.get(tag)!r}")
     flags = cls.descriptor_flags
-    wanted = cls.descriptors if not flags else sum(fields.get(flag) is True for flag in flags)
+    wanted = cls.descriptors + sum(fields.get(flag) is True for flag in flags)
     if fds != wanted:
         said = ", ".join(f"{flag} is {fields.get(flag)!r}" for flag in flags)
         raise Malformed(call_id, f"a fork server {cls._kind} takes {wanted} descriptors, got {fds}"

@@ -59,7 +59,17 @@ The loop never waits. What a request depends on is a descriptor in its poller, w
 * shutdown (the daemon's end of the socket closed) kills everything at once and runs the same loop
   until all of it is gone, or ``close_seconds`` passed.
 
-Sandboxes, sessions and calls die with the fork server, and it dies with its client.
+Sandboxes, sessions and calls die with the fork server. By default it dies with its client too
+(a parent-death signal). Started with ``--survive=PATH`` it is the *surviving supervisor*
+(docs/architecture.md, "Restarts that lose no work"): no parent-death signal, and the end of the
+daemon's connection without a ``Stop`` first (a crash, SIGKILL, a handover) is not a shutdown:
+every session and call runs on, the loop goes on reaping them and enforcing their time limits,
+drains the output of the calls nobody reads now into bounded tails (supervisor.tails) and keeps
+how each ended (at most MAX_ENDED, ENDED_TAIL_BYTES of tails together). A new daemon connects to
+the attach socket at PATH (supervisor.attach_point: root and our executable only, one daemon at a
+time) and sends ``Attach``: it is told what is held (fork_protocol.HeldSession/HeldCall/CallEnded)
+and served as the first one was. No daemon within ``orphan_seconds``: everything is stopped as at a
+shutdown, and the supervisor exits.
 """
 
 from __future__ import annotations
@@ -77,16 +87,18 @@ from typing import TYPE_CHECKING, Any
 from sandboxd.kernel import access, overlay, process
 from sandboxd.launcher.plan import path_check as plan_path_check
 from sandboxd.launcher.plan import path_requests as plan_path_requests
-from sandboxd.errors import DeadlineExceeded, Exhausted, InvalidPolicy, SandboxdError, SetupError
+from sandboxd.errors import DeadlineExceeded, Exhausted, InvalidPolicy, SandboxdError, SetupError, WrongState
 from sandboxd.policy.spec import LaunchSpec
 from sandboxd.review import checkpoints
 from sandboxd.supervisor import fork_protocol as protocol
-from sandboxd.supervisor.fork_protocol import (CLOSE_WAIT_SECONDS, DEFAULT_STUCK_OPENERS, DEFAULT_WAIT_SECONDS,
-                                               REVIEW_SECONDS, Call,
-                                               Cancel, CheckPaths, Error, Event, Exited, Launch, Malformed, Message,
-                                               PathsChecked, Ping, Pong, Review, ReviewStarted, SessionClose,
-                                               SessionClosed, SessionOpen, SessionReady, Signal, Started,
-                                               check_timeout, launch_spec)
+from sandboxd.supervisor.attach_point import AttachPoint
+from sandboxd.supervisor.fork_protocol import (CLOSE_WAIT_SECONDS, DEFAULT_ORPHAN_SECONDS, DEFAULT_STUCK_OPENERS,
+                                               DEFAULT_WAIT_SECONDS, REVIEW_SECONDS, Attach, Attached, Call,
+                                               CallEnded, Cancel, CheckPaths, Error, Event, Exited, HeldCall,
+                                               HeldSession, Launch, Malformed, Message, PathsChecked, Ping, Pong,
+                                               Review, ReviewStarted, SessionClose, SessionClosed, SessionOpen,
+                                               SessionReady, Signal, Started, Stop, check_timeout, launch_spec)
+from sandboxd.supervisor.tails import OutputTails
 from sandboxd.supervisor.spawner import ExitInfo, SandboxProcess, SessionBuild, SessionSandbox, Spawner
 from sandboxd.supervisor.openers import Openers, Slot
 from sandboxd.supervisor.waits import Leftovers, Orphans, ReportReader, Timers, Waits
@@ -103,6 +115,13 @@ MAX_POLL_MS = 60_000
 # How often the loop looks for sandbox groups of dead creators (cheap: a few directory listings);
 # the first look is its first turn.
 SWEEP_SECONDS = 60.0
+# What a surviving supervisor keeps of calls that ended while no daemon was attached, for the next
+# one: at most this many (the oldest dropped first, logged), their output tails at most this much
+# together (the oldest tails emptied first; their exit facts stay).
+MAX_ENDED = 1024
+ENDED_TAIL_BYTES = 32 << 20
+# The longest tag a call may carry (fork_protocol.Call.tag: the daemon's audit call id and tool).
+MAX_TAG = 1024
 
 
 def poll_timeout_ms(deadline: float | None, now: float) -> int:
@@ -123,11 +142,12 @@ class _Server:
 
     def __init__(self, sock: socket.socket, native_calls: bool = True,
                  wait_seconds: float = DEFAULT_WAIT_SECONDS, call_helper: str | None = None,
-                 close_seconds: float = CLOSE_WAIT_SECONDS, stuck_openers: int = DEFAULT_STUCK_OPENERS) -> None:
+                 close_seconds: float = CLOSE_WAIT_SECONDS, stuck_openers: int = DEFAULT_STUCK_OPENERS,
+                 survive: str | None = None, orphan_seconds: float = DEFAULT_ORPHAN_SECONDS) -> None:
         from sandboxd.kernel import netns
         from sandboxd.launcher.native_call import REBUILD, check_helper
         netns.sweep_stale()                               # a SIGKILLed predecessor's links and proxy access
-        self.sock = sock
+        self.sock: socket.socket | None = sock          # None while no daemon is attached (survival)
         # poll, not select: descriptors past 1024 (a thousand sessions) are ordinary here.
         self._poller = select.poll()
         self._timers = Timers()
@@ -152,6 +172,20 @@ class _Server:
         self._closed_while_opening: set[str] = set()
         self._closing: dict[str, list[int]] = {}          # sessions being closed -> the closes to answer when gone
         self._unanswered: set[int] = set()                # calls that never started: their end is nobody's
+        # -- survival (``survive``): what a daemon that is gone cannot keep ----------------------
+        self._attach_point = AttachPoint(survive) if survive else None
+        if self._attach_point is not None:
+            self._poller.register(self._attach_point.fileno(), select.POLLIN)
+        self.orphan_seconds = orphan_seconds
+        self._stopping = False                            # Stop came: the connection's end is a shutdown
+        self._detached_at: float | None = None            # since when no daemon is attached
+        self._orphaned_out = False                        # nobody attached within orphan_seconds
+        self._tails = OutputTails(self._poller)           # the calls' output taps (fork_protocol.Call)
+        self._call_facts: dict[int, tuple[str, float, str]] = {}   # call id -> (sandbox, started_at, tag)
+        self._unread: set[int] = set()                    # running calls whose output no daemon reads
+        self._ended: dict[int, CallEnded] = {}            # ended while detached, oldest first
+        self._ready: dict[str, tuple[SessionReady, list[socket.socket]]] = {}   # SessionReady, again at attach
+        self._max_id = 0                                  # the largest request id seen: the next daemon's start
         # The first turn sweeps what a SIGKILLed predecessor left behind: handed to the leftovers, so
         # the loop answers from its first turn on, however much there is and however stuck. It can
         # run before that predecessor has died (its parent-death signal is asynchronous): its groups
@@ -162,14 +196,29 @@ class _Server:
             Launch: self._launch, Call: self._call, SessionOpen: self._session_open,
             SessionClose: self._session_close, Signal: self._signal, Cancel: self._cancel,
             CheckPaths: self._check_paths, Ping: self._ping, Review: self._review,
+            Attach: self._attach, Stop: self._stop,
         }
 
     def serve(self) -> None:
-        while True:
-            events = self._turn(None)
-            if any(fd == self._sock_fd for fd, _ in events) and not self._handle_next():
-                self._shutdown()
-                return
+        try:
+            while True:
+                ready = {fd for fd, _ in self._turn(None)}
+                # The daemon's socket before the attach point: a connection accepted below may take
+                # a descriptor number that was ready for something else this turn.
+                if self._sock_fd in ready and not self._handle_next():
+                    if self._attach_point is None or self._stopping:
+                        self._shutdown()
+                        return
+                    self._detach()
+                if self._attach_point is not None and self._attach_point.fileno() in ready:
+                    self._accept()
+                if self._orphaned_out:
+                    _log(f"no daemon attached within {self.orphan_seconds:g} s: stopping every sandbox")
+                    self._shutdown()
+                    return
+        finally:
+            if self._attach_point is not None:
+                self._attach_point.close()
 
     def _turn(self, until: float | None) -> list[tuple[int, int]]:
         """One wait of the loop, at most until the nearest deadline (or ``until``), and what is
@@ -191,6 +240,7 @@ class _Server:
             self._waits.ready(fd, self._answer_error)
             self._orphans.ready(fd)
             self._leftovers.ready(fd)
+            self._tails.ready(fd)
         self._waits.expire(time.monotonic(), self._answer_error)
         self._timers.run_due(time.monotonic())
         if time.monotonic() >= self._next_sweep:
@@ -225,11 +275,47 @@ class _Server:
             else:
                 del self.running[call_id]
                 del self._watched[call_id]
-                if call_id in self._unanswered:
-                    self._unanswered.discard(call_id)
-                    continue
-                self._answer(Exited(call_id, info.exit_code, info.signal, info.timed_out, info.wall_seconds,
-                                    info.cpu_seconds, info.peak_memory_bytes, info.oom_killed))
+                self._ended_call(call_id, info)
+
+    def _ended_call(self, call_id: int, info: ExitInfo) -> None:
+        """Report a call's end: Exited to the daemon that reads its output, else CallEnded with its
+        tails (to the daemon attached now, or kept for the next one)."""
+        session, started_at, tag = self._call_facts.pop(call_id, ("", 0.0, ""))
+        if call_id in self._unanswered:
+            self._unanswered.discard(call_id)
+            self._unread.discard(call_id)
+            self._tails.drop(call_id)
+            return
+        if call_id not in self._unread:
+            if self._answer(Exited(call_id, info.exit_code, info.signal, info.timed_out, info.wall_seconds,
+                                   info.cpu_seconds, info.peak_memory_bytes, info.oom_killed)) \
+                    or self._attach_point is None:
+                self._tails.drop(call_id)
+                return
+            self._tails.drain(call_id)                    # its daemon died this very turn: kept for the next
+        self._unread.discard(call_id)
+        out, err, dropped = self._tails.take(call_id)
+        ended = CallEnded(call_id, call_id, session, started_at, tag, info.exit_code, info.signal, info.timed_out,
+                          info.wall_seconds, info.cpu_seconds, info.peak_memory_bytes, info.oom_killed,
+                          out.decode("latin-1"), err.decode("latin-1"), dropped)
+        if self.sock is None or not self._answer(ended):
+            self._keep_ended(ended)
+
+    def _keep_ended(self, ended: CallEnded) -> None:
+        """Keep a call's end for the next daemon, within MAX_ENDED and ENDED_TAIL_BYTES."""
+        self._ended[ended.call] = ended
+        while len(self._ended) > MAX_ENDED:
+            oldest = next(iter(self._ended))
+            _log(f"call {oldest} ended while no daemon was attached: dropped (more than {MAX_ENDED} such ends)")
+            del self._ended[oldest]
+        total = sum(len(e.stdout_tail) + len(e.stderr_tail) for e in self._ended.values())
+        for call_id, kept in list(self._ended.items()):
+            if total <= ENDED_TAIL_BYTES:
+                break
+            size = len(kept.stdout_tail) + len(kept.stderr_tail)
+            if size:
+                self._ended[call_id] = kept.replace(stdout_tail="", stderr_tail="", dropped=kept.dropped + size)
+                total -= size
 
     def _give_up(self, proc: SandboxProcess) -> None:
         """A call that could not be collected: SIGKILLed (its tree too, as far as ``stop`` reaches
@@ -251,7 +337,10 @@ class _Server:
             return True
         self._orphans.add(pidfd, reap)
 
-    def _answer(self, event: Event, fds: "list[int] | None" = None) -> None:
+    def _answer(self, event: Event, fds: "list[int] | None" = None) -> bool:
+        """Send ``event``; False if no daemon took it (none attached, or it is gone)."""
+        if self.sock is None:
+            return False
         try:
             protocol.send(self.sock, event.encode(), fds)
         except OSError as exc:                            # the daemon is gone: EOF ends the loop
@@ -259,8 +348,10 @@ class _Server:
                 self._answer_error(event.id, InvalidPolicy(
                     f"the answer to request {event.id} is too large for the fork server's socket; "
                     "ask for fewer paths at once"))
-                return
+                return True
             _log(f"cannot answer the daemon: {exc}")
+            return False
+        return True
 
     def _answer_error(self, call_id: int, exc: BaseException) -> None:
         """A request's failure as its answer: every failure is one, none ends the loop."""
@@ -271,6 +362,7 @@ class _Server:
         self._answer(Error(call_id, exc.to_dict()))
 
     def _handle_next(self) -> bool:
+        assert self.sock is not None                      # called only for the attached daemon's socket
         try:
             message, fds = protocol.receive(self.sock, protocol.requests(), self._received)
         except OSError:
@@ -279,6 +371,8 @@ class _Server:
             for fd in fds:
                 os.close(fd)
             return False
+        if isinstance(message, Message) and message.id > self._max_id:
+            self._max_id = message.id
         try:
             if isinstance(message, Malformed):
                 raise InvalidPolicy(str(message))
@@ -329,9 +423,18 @@ class _Server:
             raise InvalidPolicy("argv, env and cwd cannot contain NUL characters")
         limit = check_timeout(request.timeout)
         terminal = _terminal_size(request.terminal)
-        self._await_start(request.id, self.spawner.launch_call(session, tuple(request.argv), dict(request.env),
-                                                               request.cwd, stdio=(fds[0], fds[1], fds[2]),
-                                                               tool=request.tool, terminal=terminal), limit)
+        if len(request.tag) > MAX_TAG:
+            raise InvalidPolicy(f"a call's tag is at most {MAX_TAG} characters, got {len(request.tag)}")
+        taps = fds[3:]
+        self._tails.hold(request.id, [os.dup(fd) for fd in taps])  # the dispatch closes fds
+        try:
+            proc = self.spawner.launch_call(session, tuple(request.argv), dict(request.env), request.cwd,
+                                            stdio=(fds[0], fds[1], fds[2]), tool=request.tool, terminal=terminal)
+        except BaseException:
+            self._tails.drop(request.id)
+            raise
+        self._call_facts[request.id] = (request.session, 0.0, request.tag)
+        self._await_start(request.id, proc, limit)
 
     def _session_open(self, request: SessionOpen, fds: list[int]) -> None:
         call_id, name = request.id, request.session
@@ -400,6 +503,71 @@ class _Server:
 
     def _ping(self, request: Ping, fds: list[int]) -> None:
         self._answer(Pong(request.id))
+
+    # -- survival: a daemon that goes, and the next one ------------------------------------------
+
+    def _stop(self, request: Stop, fds: list[int]) -> None:
+        self._stopping = True
+
+    def _detach(self) -> None:
+        """The daemon's connection ended without Stop: keep everything for the next daemon."""
+        assert self.sock is not None
+        self._poller.unregister(self._sock_fd)
+        self.sock.close()
+        self.sock, self._sock_fd = None, -1
+        for call_id in self.running:
+            if call_id not in self._unanswered:
+                self._unread.add(call_id)
+                self._tails.drain(call_id)
+        detached_at = self._detached_at = time.monotonic()
+
+        def give_up() -> None:
+            if self.sock is None and self._detached_at == detached_at:
+                self._orphaned_out = True
+        self._timers.add(detached_at + self.orphan_seconds, give_up)
+        _log(f"the daemon is gone: {len(self.sessions)} sessions and {len(self._unread)} calls kept for the next "
+             f"one (for {self.orphan_seconds:g} s)")
+
+    def _accept(self) -> None:
+        """A daemon connecting to the attach point: taken if it may attach and none is attached."""
+        assert self._attach_point is not None
+        conn, why = self._attach_point.accept()
+        if conn is None:
+            return
+        if not why and self.sock is not None:
+            why = "another daemon is attached to this supervisor (one at a time): stop it first"
+        if why:
+            _log(f"attach refused: {why}")
+            try:
+                protocol.send(conn, Error(0, WrongState(why).to_dict()).encode(), None, socket.MSG_DONTWAIT)
+                while conn.recv(64, socket.MSG_DONTWAIT):  # what it sent, read: closed with it unread,
+                    pass                                  # the peer would get ECONNRESET, not the answer
+            except OSError:
+                pass
+            conn.close()
+            return
+        protocol.message_limit(conn)                      # its send buffer, as the socket pair's
+        self.sock, self._sock_fd, self._detached_at = conn, conn.fileno(), None
+        self._poller.register(self._sock_fd, select.POLLIN)
+
+    def _attach(self, request: Attach, fds: list[int]) -> None:
+        """Tell the daemon now attached what is held: sessions (their listeners passed again),
+        calls still running and calls that ended meanwhile; then ``Attached``."""
+        for name, (ready, listeners) in self._ready.items():
+            if name in self.sessions:
+                self._answer(HeldSession(request.id, name, ready.init_pid, ready.workspace, list(ready.writable_roots),
+                                         ready.host_address, ready.sandbox_address, ready.resolvers,
+                                         ready.proxy_listener, ready.pid_namespace, ready.transparent_listener),
+                             [sock.fileno() for sock in listeners] or None)
+        for call_id in sorted(self._unread):
+            entry = self.running.get(call_id)
+            if entry is not None:
+                session, started_at, tag = self._call_facts.get(call_id, ("", 0.0, ""))
+                self._answer(HeldCall(request.id, call_id, session, entry[0].pid, entry[0].inner_pid, started_at, tag))
+        for ended in self._ended.values():
+            self._answer(ended.replace(id=request.id))
+        self._ended.clear()
+        self._answer(Attached(request.id, self._max_id + 1, os.getpid()))
 
     def _review(self, request: Review, fds: list[int]) -> None:
         """A request on a review session's change set, in a child (supervisor.review_child): its
@@ -606,7 +774,9 @@ class _Server:
         namespace = os.stat(f"/proc/{session.init_pid}/ns/pid").st_ino if session.init_pid else 0
         network = session.network
         if network is None:
-            self._answer(SessionReady(call_id, session.init_pid, plan.workspace, roots, pid_namespace=namespace))
+            ready = SessionReady(call_id, session.init_pid, plan.workspace, roots, pid_namespace=namespace)
+            self._ready[name] = (ready, [])
+            self._answer(ready)
             return
         # The daemon serves the egress proxy (this process has no threads) on this very socket, bound
         # in the sandbox's namespace before the sandbox existed (network.egress_proxy.PROXY_ADDRESS)
@@ -615,12 +785,16 @@ class _Server:
         listener, network.proxy_listener = network.proxy_listener, None
         captured, network.transparent_listener = network.transparent_listener, None
         passed = [sock for sock in (listener, captured) if sock is not None]
-        self._answer(SessionReady(call_id, session.init_pid, plan.workspace, roots, network.host_address,
-                                  network.sandbox_address, list(network.resolvers), listener is not None, namespace,
-                                  transparent_listener=captured is not None),
-                     [sock.fileno() for sock in passed] or None)
-        for sock in passed:
-            sock.close()                                  # the daemon's copy holds the address now
+        ready = SessionReady(call_id, session.init_pid, plan.workspace, roots, network.host_address,
+                             network.sandbox_address, list(network.resolvers), listener is not None, namespace,
+                             transparent_listener=captured is not None)
+        self._answer(ready, [sock.fileno() for sock in passed] or None)
+        if self._attach_point is None:
+            for sock in passed:
+                sock.close()                              # the daemon's copy holds the address now
+            passed = []
+        # A surviving supervisor keeps its copies: a later daemon gets them again (Attach).
+        self._ready[name] = (ready, passed)
 
     def _await_start(self, call_id: int, proc: SandboxProcess, limit: float | None) -> None:
         """Answer Started once the command was exec'd (its setup report's EOF), from the loop:
@@ -632,6 +806,8 @@ class _Server:
                 return False
             proc.started_with(reader.data)
             self._track(call_id, proc, limit)
+            session, _, tag = self._call_facts.get(call_id, ("", 0.0, ""))
+            self._call_facts[call_id] = (session, time.time(), tag)
             self._answer(Started(call_id, proc.pid, proc.inner_pid))
             return True
 
@@ -651,6 +827,9 @@ class _Server:
         self.running[call_id] = (proc, limit)
         self._watched[call_id] = proc.fileno()
         self._poller.register(proc.fileno(), select.POLLIN)
+        if self.sock is None:                             # started after its daemon went: nobody reads it
+            self._unread.add(call_id)
+            self._tails.drain(call_id)
 
     def _close_session(self, name: str, session: SessionSandbox, answer_to: int | None) -> None:
         """Kill the session (its init: the kernel kills the rest of its PID namespace) and answer
@@ -660,6 +839,8 @@ class _Server:
         (``_collect_exits``), so the close waits on nothing here. Past ``close_seconds`` a process
         is stuck in the kernel: answered ``gone=False``, released when it goes."""
         session.kill()
+        for sock in self._ready.pop(name, (None, []))[1]:
+            sock.close()
         waiting = self._closing[name] = [] if answer_to is None else [answer_to]
 
         def answer(gone: bool) -> None:
@@ -718,7 +899,14 @@ class _Server:
         """The daemon is gone: kill everything at once, then run the loop (no more requests) until
         all of it is reaped and released, or ``close_seconds`` passed (a process stuck in the kernel:
         it is not waited for beyond that)."""
-        self._poller.unregister(self._sock_fd)            # at EOF for good: it would wake every turn
+        if self._sock_fd >= 0:
+            self._poller.unregister(self._sock_fd)        # at EOF for good: it would wake every turn
+            self._sock_fd = -1
+        self._tails.close()
+        if self._attach_point is not None:                # nobody attaches to what is being stopped
+            self._poller.unregister(self._attach_point.fileno())
+            self._attach_point.close()
+            self._attach_point = None
         self._waits.expire(math.inf, lambda _call_id, _error: None)   # SIGKILLs what they wait on
         for name, session in list(self.sessions.items()):
             self._close_session(name, session, None)
@@ -836,24 +1024,39 @@ def _terminal_size(value: "list[object] | None") -> tuple[int, int] | None:
 
 def serve(sock: socket.socket, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS,
           call_helper: str | None = None, close_seconds: float = CLOSE_WAIT_SECONDS,
-          stuck_openers: int = DEFAULT_STUCK_OPENERS) -> None:
+          stuck_openers: int = DEFAULT_STUCK_OPENERS, survive: str | None = None,
+          orphan_seconds: float = DEFAULT_ORPHAN_SECONDS) -> None:
     """The fork server loop. Returns when the client end closes, after killing everything.
     ``native_calls``: run session calls with sandboxd-call when it is built and current
     (native_call.check_helper; ``call_helper``: another build of it than the package's, for tests);
     ``wait_seconds``: how long a request may wait on a caller's paths (see the module's doc);
     ``close_seconds``: how long a session's close may take before it is answered anyway;
-    ``stuck_openers``: the path-opening children one owner may have alive (openers.Openers)."""
-    _Server(sock, native_calls, wait_seconds, call_helper, close_seconds, stuck_openers).serve()
+    ``stuck_openers``: the path-opening children one owner may have alive (openers.Openers);
+    ``survive``: the attach socket's path of a surviving supervisor (see the module's doc), which
+    stops everything after ``orphan_seconds`` with no daemon attached."""
+    _Server(sock, native_calls, wait_seconds, call_helper, close_seconds, stuck_openers, survive,
+            orphan_seconds).serve()
 
 
 def _main(fd: int, native_calls: bool = True, wait_seconds: float = DEFAULT_WAIT_SECONDS,
           call_helper: str | None = None, close_seconds: float = CLOSE_WAIT_SECONDS,
-          stuck_openers: int = DEFAULT_STUCK_OPENERS) -> None:
-    """Entry point of the fork server process."""
+          stuck_openers: int = DEFAULT_STUCK_OPENERS, survive: str | None = None,
+          orphan_seconds: float = DEFAULT_ORPHAN_SECONDS, cgroup: str | None = None) -> None:
+    """Entry point of the fork server process. ``cgroup``: a surviving supervisor's own v2 group
+    (kernel.supervisor_cgroup), moved into before anything else."""
     expected_parent = os.getppid()
     process.set_name("sandboxd-fork")
-    process.die_with_parent(expected_parent)  # the fork server never outlives the daemon
-    serve(socket.socket(fileno=fd), native_calls, wait_seconds, call_helper, close_seconds, stuck_openers)
+    if not survive:
+        process.die_with_parent(expected_parent)  # this fork server never outlives the daemon
+    elif cgroup:
+        from sandboxd.kernel.supervisor_cgroup import move_self
+        try:
+            move_self(cgroup)
+        except (OSError, SandboxdError) as exc:          # the daemon's start fails: its self-test says so
+            _log(f"cannot move into supervisor.cgroup {cgroup!r}: {exc}")
+            sys.exit(1)
+    serve(socket.socket(fileno=fd), native_calls, wait_seconds, call_helper, close_seconds, stuck_openers,
+          survive, orphan_seconds)
 
 
 def _flag(name: str) -> str | None:
@@ -865,4 +1068,5 @@ if __name__ == "__main__":
     _main(int(sys.argv[1]), native_calls="--python-calls" not in sys.argv[2:],
           wait_seconds=float(_flag("wait-seconds") or DEFAULT_WAIT_SECONDS), call_helper=_flag("call-helper"),
           close_seconds=float(_flag("close-seconds") or CLOSE_WAIT_SECONDS),
-          stuck_openers=int(_flag("stuck-openers") or DEFAULT_STUCK_OPENERS))
+          stuck_openers=int(_flag("stuck-openers") or DEFAULT_STUCK_OPENERS), survive=_flag("survive"),
+          orphan_seconds=float(_flag("orphan-seconds") or DEFAULT_ORPHAN_SECONDS), cgroup=_flag("cgroup"))

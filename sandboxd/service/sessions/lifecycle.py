@@ -166,6 +166,44 @@ class SessionLifecycle:
             resumed += 1
         return resumed
 
+    def adopt_sandbox(self, session: Session, generation: int, info: SessionInfo, current: bool) -> bool:
+        """A sandbox generation a surviving supervisor kept for ``session`` (restored just now):
+        taken as it is, from the facts it answered at its build (no rebuild). The ``current``
+        one becomes the session's generation and its services (the egress proxy on the listener
+        ``info`` passes again, published ports, the git guard) start as after a build; an older
+        one is kept only for the calls still running in it (``adopt_call``), closed after the
+        last. The listeners in ``info`` are closed here. False if its services could not start:
+        the sandbox is closed then, and the session's next call builds a new one."""
+        try:
+            with session.build_lock:
+                with session.lock:
+                    session.built[generation] = info.replace(proxy_listener=-1, transparent_listener=-1)
+                    if current:
+                        session.generation = generation
+                if not current:
+                    if info.pid_namespace:
+                        self._table.set_namespace(session.sandbox_name(generation), info.pid_namespace)
+                    return True
+                try:
+                    self._serve_sandbox(session, generation, session.policy, info)
+                except Exception as exc:  # noqa: BLE001 - closed by _serve_sandbox; rebuilt by the next call
+                    log.warning("session %s: its adopted sandbox could not be served again (%s): a new one is "
+                                "built by its next call", session.id, exc)
+                    return False
+                with session.lock:
+                    session.sandbox_ready = True
+                return True
+        finally:
+            for listener in (info.proxy_listener, info.transparent_listener):
+                if listener >= 0:
+                    os.close(listener)
+
+    def adopt_call(self, session: Session, generation: int) -> None:
+        """A call a surviving supervisor kept running in ``generation``: counted as running there
+        (its sandbox stays while it runs), until ``end_call``."""
+        with session.lock:
+            session.running[generation] = session.running.get(generation, 0) + 1
+
     def update_policy(self, caller: Caller, session: Session, policy: SandboxPolicy | None,
                       approval: ApprovalPolicy | None, check: Callable[[SandboxPolicy], None],
                       secrets: "Mapping[str, bytes | DaemonSecret] | None" = None) -> Session:
@@ -289,15 +327,20 @@ class SessionLifecycle:
         except OSError as exc:
             log.warning("session %s: its empty change set could not be removed: %s", session.id, exc)
 
-    def close_all(self) -> None:
+    def close_all(self, keep_sandboxes: bool = False) -> None:
         """The daemon stops: every sandbox goes, but the sessions stay open in the store, to be
-        resumed by the next daemon."""
+        resumed by the next daemon. ``keep_sandboxes`` (a handover to a surviving supervisor):
+        only what the daemon serves for them stops; the next daemon adopts the sandboxes."""
         for session in self._table.take_all():
             with session.lock:
                 session.closed = True
                 generations = set(session.running) | {session.generation}
                 current, ready = session.generation, session.sandbox_ready
-            for generation in generations:
+                kept = [session.services.pop(generation) for generation in list(session.services)] \
+                    if keep_sandboxes else []
+            for services in kept:
+                close_all(services)
+            for generation in generations if not keep_sandboxes else ():
                 if not ready and generation == current:
                     continue
                 try:

@@ -37,7 +37,7 @@ from sandboxd.service.sessions.access import caller_groups, command_user, rights
 from sandboxd.service.sessions.lifecycle import SESSION_PLACEHOLDER_ARGV, OwnPlaces, SandboxPlaces, SessionLifecycle
 from sandboxd.service.sessions.state import Session, rules_from_dict, rules_to_dict, session_from_row
 from sandboxd.service.sessions.table import SessionTable
-from sandboxd.supervisor.fork_client import ForkServer
+from sandboxd.supervisor.fork_client import ForkServer, SessionInfo
 from sandboxd.network.publish import check_host_ports
 
 if TYPE_CHECKING:
@@ -183,6 +183,18 @@ class SessionRegistry:
     def restore(self) -> int:
         return self._life.restore()
 
+    def adopt_sandbox(self, session: Session, generation: int, info: SessionInfo, current: bool) -> bool:
+        """A sandbox a surviving supervisor kept, served again from its facts (lifecycle)."""
+        return self._life.adopt_sandbox(session, generation, info, current)
+
+    def adopt_call(self, session: Session, generation: int) -> None:
+        self._life.adopt_call(session, generation)
+
+    def find(self, session_id: str) -> Session | None:
+        """The open session ``session_id``, whoever owns it (the daemon's own use: adoption)."""
+        session = self._table.find(session_id)
+        return session if session is not None and session.usable else None
+
     def update_policy(self, caller: Caller, session_id: str, policy: SandboxPolicy | None,
                       approval: ApprovalPolicy | None,
                       secrets: "Mapping[str, bytes | DaemonSecret] | None" = None) -> Session:
@@ -196,8 +208,8 @@ class SessionRegistry:
         closed only if it says so of the session, under the session's lock (lifecycle.close)."""
         return self._life.close(caller, self.get(caller, session_id), reason, only_if)
 
-    def close_all(self) -> None:
-        self._life.close_all()
+    def close_all(self, keep_sandboxes: bool = False) -> None:
+        self._life.close_all(keep_sandboxes)
 
     def sandboxes_lost(self) -> None:
         self._life.sandboxes_lost()
