@@ -13,7 +13,8 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from sandboxd.errors import InvalidPolicy
 from sandboxd.policy.network import CredentialState
 from sandboxd.policy.session_defaults import SessionDefaults
-from sandboxd.service import convert, environment, exec_call, file_calls, patch_search, tool_calls
+from sandboxd.kernel import ancestor_limits
+from sandboxd.service import ancestor_fit, convert, environment, exec_call, file_calls, patch_search, tool_calls
 from sandboxd.service.approvals import ApprovalGate, ToolCall
 from sandboxd.service.audit_calls import AuditService
 from sandboxd.service.background import BackgroundJob, BackgroundJobs
@@ -121,10 +122,12 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             review = request.review if request.HasField("review") else (
                 self._defaults.review and policy.workspace_writable)
             secrets = convert.credential_secrets_from_proto(request.credential_secrets, policy)
-            session = self._registry.create(who, request.workspace, policy, approval,
-                                            convert.limits_from_proto(request.limits, self._defaults),
+            limits, limit_notes = ancestor_fit.fit(convert.limits_from_proto(request.limits, self._defaults),
+                                                   request.limits.memory_bytes, request.limits.pids,
+                                                   ancestor_limits.limits_above())
+            session = self._registry.create(who, request.workspace, policy, approval, limits,
                                             labels, rules, env=environment.session_env(request.env), review=review,
-                                            secrets=secrets)
+                                            secrets=secrets, limit_notes=limit_notes)
             if self._tied is not None:
                 self._tied.tie(session)
             return session_to_proto(session)
@@ -403,7 +406,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.DaemonStatus:
         from sandboxd.service import daemon_status
         return self._unary(context, lambda who: daemon_status.status(self._registry, self._gate, who,
-                                                                      self._connections))
+                                                                      self._connections, self._defaults))
 
     def RemoveStandingRule(self, request: pb.StandingRule,
                            context: grpc.ServicerContext) -> pb.RemoveStandingRuleResponse:

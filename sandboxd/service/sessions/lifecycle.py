@@ -16,7 +16,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Callable, TypeVar
 
 from sandboxd import defaults
@@ -86,7 +86,8 @@ class SessionLifecycle:
     def create(self, owner: Caller, workspace: str, policy: SandboxPolicy, approval: ApprovalPolicy,
                limits: Limits, labels: dict[str, str], rules: ToolRules | None, env: dict[str, str] | None,
                review: bool = False,
-               credential_secrets: "Mapping[str, bytes | DaemonSecret] | None" = None) -> Session:
+               credential_secrets: "Mapping[str, bytes | DaemonSecret] | None" = None,
+               limit_notes: "Sequence[str]" = ()) -> Session:
         """Counted at once (quotas), found by no one until its sandbox and services are up; not
         begun at all when the store will not take the owner's events (EventStore.admit).
         ``credential_secrets``: its credentials' (credential_vault), wiped if it is not made."""
@@ -114,7 +115,8 @@ class SessionLifecycle:
                 self._store.append(session.id, EventType.SESSION_CREATED, data={
                     **session.axes(), "workspace": session.workspace, "owner_uid": owner.uid,
                     "owner_gid": owner.gid, "limits": session.limits.as_dict(), "labels": dict(labels),
-                    "env_names": sorted(session.env), **({"review": True} if review else {})})
+                    "env_names": sorted(session.env), **({"review": True} if review else {}),
+                    **({"limit_notes": list(limit_notes)} if limit_notes else {})})
         except BaseException:
             self._table.remove(session.id)
             if built:                                 # the store failed: nothing of it may stay
