@@ -72,10 +72,10 @@ def limits_above(h: Hierarchies | None = None, unified_group: str | None = None,
         if resource not in h.v1:
             continue
         point, own = h.v1[resource]
-        start = own if v1_groups is None else v1_groups.get(resource)
-        if start is None:
+        v1_start = own if v1_groups is None else v1_groups.get(resource)
+        if v1_start is None:
             continue
-        for group in _path_up(start):
+        for group in _path_up(v1_start):
             _tighter(found, resource, _read_limit(os.path.join(point, group.lstrip("/")), name), group, name,
                      f"v1 {resource}")
     return AncestorLimits(memory=found.get("memory"), pids=found.get("pids"))

@@ -57,7 +57,7 @@ def status_features(memory_default: int | None, pids_default: int | None,
     (``cgroup.ancestor_memory``; "none"), and each default as a session that sets nothing gets it
     (``defaults.memory``), saying when a cap lowered it."""
     features: dict[str, str] = {}
-    for (resource, field, unit), default in zip(RESOURCES, (memory_default, pids_default)):
+    for (resource, _field, unit), default in zip(RESOURCES, (memory_default, pids_default), strict=True):
         bound = above.get(resource)
         features[f"cgroup.ancestor_{resource}"] = (
             f"{bound.value} {unit}{_mib(resource, bound.value)} at {_where(bound)}" if bound else "none")

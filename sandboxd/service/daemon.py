@@ -36,6 +36,7 @@ from sandboxd.service.approvals import ApprovalGate
 from sandboxd.service.network_questions import NetworkQuestions
 from sandboxd.service.callers import Callers, TlsIdentity
 from sandboxd.service.metrics import Metrics
+from sandboxd.service.pod_sessions import PodSessions
 from sandboxd.service.process_ties import ProcessTies
 from sandboxd.network.front_door import FrontDoor
 from sandboxd.printable import printable
@@ -72,6 +73,7 @@ class _Parts:
     ties: ProcessTies                            # what ends with a client's process
     log_handler: logging.Handler
     tracer: memtrace.MemoryTracer | None
+    pods: PodSessions | None = None              # limits.charge_pods: closes the sessions of ended pods
 
 
 class Daemon:
@@ -174,6 +176,11 @@ class Daemon:
             undo.callback(ties.close)
             tied = TiedSessions(registry, ties)
             resumed -= tied.restore()
+            pods = None
+            if s.session_defaults.charge_pods:          # sessions in pods: closed when their pod ends
+                pods = PodSessions(registry)
+                undo.callback(pods.close)
+                resumed -= pods.sweep()                 # those whose pod ended while no daemon ran
             channels = ApprovalChannels(defaults.channels_dir(socket_path), ties)
             undo.callback(channels.withdraw)
             metrics.watch(sessions=registry.count_open,
@@ -218,7 +225,7 @@ class Daemon:
             self._set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
             self._parts = _Parts(fork=fork, store=store, registry=registry, metrics=metrics, door=door,
                                  server=server, workers=workers, health=health_servicer, backend=backend,
-                                 ties=ties, log_handler=handler, tracer=tracer)
+                                 ties=ties, log_handler=handler, tracer=tracer, pods=pods)
             undo.pop_all()                        # started: stop() takes it down from here on
         log.info("serving", extra={"fields": {"socket": socket_path, "pid": os.getpid(),
                                               "tls": tls.address if tls else None, "event_store": store.path,
@@ -294,6 +301,8 @@ class Daemon:
         parts.health.enter_graceful_shutdown()
         parts.door.close()
         parts.ties.close()                       # what is tied stays so, for the next daemon
+        if parts.pods is not None:
+            parts.pods.close()
         parts.registry.close_all()
         parts.server.stop(grace=STOP_GRACE_SECONDS).wait()
         parts.workers.shutdown()

@@ -14,6 +14,7 @@ from sandboxd.errors import InvalidPolicy
 from sandboxd.policy.network import CredentialState
 from sandboxd.policy.session_defaults import SessionDefaults
 from sandboxd.kernel import ancestor_limits
+from sandboxd.kernel.pod_cgroups import UNIFIED
 from sandboxd.service import ancestor_fit, convert, environment, exec_call, file_calls, patch_search, tool_calls
 from sandboxd.service.approvals import ApprovalGate, ToolCall
 from sandboxd.service.audit_calls import AuditService
@@ -23,6 +24,7 @@ from sandboxd.network.front_door import FrontDoor
 from sandboxd.service.quotas import CALLS, REQUESTS, STREAMS, Quotas
 from sandboxd.service.review_calls import ReviewCalls
 from sandboxd.service.sandbox_hooks import WhenClosed
+from sandboxd.service.sessions.placement import placement_for
 from sandboxd.service.sessions.registry import Session, SessionRegistry, cwd_inside
 from sandboxd.service.status import abort
 from sandboxd.supervisor.fork_client import ForkServer
@@ -122,9 +124,12 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             review = request.review if request.HasField("review") else (
                 self._defaults.review and policy.workspace_writable)
             secrets = convert.credential_secrets_from_proto(request.credential_secrets, policy)
+            # A caller in a pod (limits.charge_pods): its session goes in the pod, held to the pod's limits.
+            pod, labels = placement_for(who, labels, self._defaults.charge_pods)
+            above = (ancestor_limits.limits_above(unified_group=pod.get(UNIFIED, "/"), v1_groups=pod) if pod
+                     else ancestor_limits.limits_above())
             limits, limit_notes = ancestor_fit.fit(convert.limits_from_proto(request.limits, self._defaults),
-                                                   request.limits.memory_bytes, request.limits.pids,
-                                                   ancestor_limits.limits_above())
+                                                   request.limits.memory_bytes, request.limits.pids, above)
             session = self._registry.create(who, request.workspace, policy, approval, limits,
                                             labels, rules, env=environment.session_env(request.env), review=review,
                                             secrets=secrets, limit_notes=limit_notes)

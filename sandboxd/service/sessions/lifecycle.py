@@ -33,6 +33,7 @@ from sandboxd.service.quotas import cgroup_owner
 from sandboxd.service.sandbox_hooks import HookList, Sandbox, close_all
 from sandboxd.service.sessions.access import command_user, rights_of
 from sandboxd.service.sessions.network_live import LiveNetwork, live_changeable
+from sandboxd.service.sessions.placement import placement_of
 from sandboxd.service.sessions.state import Session, session_from_row
 from sandboxd.service.sessions.table import SessionTable
 from sandboxd.supervisor.fork_client import ForkServer, SessionInfo
@@ -448,6 +449,7 @@ class SessionLifecycle:
         # The workspace, the writable roots and the allowed sockets are opened and checked by the
         # kernel as the session's owner (kernel.access) when its sandbox is built, every time.
         own = self._places.own
+        placement = placement_of(session.labels)        # a pod's session: its groups go in the pod
         with session.lock:
             workspace = session.workspace
         return LaunchSpec(argv=SESSION_PLACEHOLDER_ARGV, workspace=workspace, policy=policy,
@@ -456,7 +458,7 @@ class SessionLifecycle:
                           hidden_paths=own.hidden, owner_hidden=_owner_places(session.owner.uid),
                           denied_sockets=own.sockets, denied_listeners=own.listeners,
                           approval_channels=own.channels,
-                          owner=cgroup_owner(session.owner),
+                          owner=cgroup_owner(session.owner), placement=placement,
                           trust_pem=session_ca_pem(session) if policy.proxied else "")
 
 
