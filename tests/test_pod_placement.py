@@ -9,7 +9,8 @@ creates a session:
   group (control: that one stays small);
 - it is held to the pod's limit: 1 GiB is refused naming the pod's group, the default is capped to
   600 MiB (control: a caller outside the pod gets the daemon's layout and its full default);
-- closing it removes its leaf; and when the pod's container processes are all gone, the daemon
+- closing it removes its leaf; a SIGKILLed fork server's empty leaves in the pod go when the pod's
+  next session is placed (control: a live creator's stay); and when the pod's container processes are all gone, the daemon
   closes the pod's other session and removes its leaf, so the pod's group can be removed as a
   kubelet would (control: while the container lives, the session stays open).
 A caller may not name a pod itself (the label is the daemon's).
@@ -35,7 +36,7 @@ from cgroup_helpers import read, remove_group, v2_slice
 from conftest import BASE_ENV, PY
 from daemon_helpers import (_CLIENT_PRELUDE, PYTHON, Daemon, DaemonFactory, close_quietly, create_session,
                             rpc_error, run_exec, workspace_write)
-from sandboxd.kernel import cgroups, pod_cgroups
+from sandboxd.kernel import cgroups, creators, pod_cgroups
 from sandboxd.service.sessions.placement import LABEL
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -239,10 +240,23 @@ def check_pod_sessions(factory: DaemonFactory, daemon: Daemon, pod: FakePod, con
         {"memory": os.path.dirname(pod_path["memory"])})}))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and LABEL in error.details(), error
 
+    # a SIGKILLed predecessor's empty leaves go when the pod's next session is placed; a live creator's stay
+    tag = creators.creator_tag()
+    pid, start, namespace = tag.split("-")
+    dead = f"{pod_cgroups.PLACED_PREFIX}run-{pid}-{int(start) + 1}-{namespace}-1-aaaaaa"
+    live = f"{pod_cgroups.PLACED_PREFIX}run-{tag}-1-bbbbbb"
+    for group in pod.pods.values():
+        (group / dead).mkdir()
+        (group / live).mkdir()
+
     # the pod ends: its session is closed and its leaf removed, so the kubelet's rmdir works
     second = agent_creates_session(daemon, pod, ws)
     assert "id" in second, second
     opened.append(second["id"])
+    names = {leaf.name for leaf in pod.leaves()}
+    assert dead not in names and live in names, names
+    for group in pod.pods.values():
+        (group / live).rmdir()
     assert len({leaf.name for leaf in pod.leaves()}) == 1
     time.sleep(3 * 2.0)                                   # control: a few sweeps with the container alive
     assert stub.GetSession(pb.GetSessionRequest(session_id=second["id"])).sandbox_ready

@@ -30,7 +30,12 @@ import re
 
 from sandboxd.errors import InvalidPolicy, LimitsUnavailable
 from sandboxd.kernel._libc import from_oserror
-from sandboxd.kernel.cgroups import CgroupSet, Hierarchies, hierarchies
+from sandboxd.kernel.cgroups import GROUP_PREFIX, CgroupSet, Hierarchies, hierarchies
+from sandboxd.kernel.creators import DeadCreators, parse_creator
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 PLACED_PREFIX = "sandboxd-"          # our leaf beside a pod's containers: never judged as one of them
 UNIFIED = "unified"                  # the key of the v2 hierarchy (the v1 ones are keyed by controller)
@@ -162,6 +167,7 @@ def create_placed(name: str, placement: dict[str, str], *, memory_bytes: int | N
     check_placement(placement)
     h = hierarchies()
     dirs = directories(placement, h)
+    remove_dead_leaves(dirs.values())
     group = CgroupSet(PLACED_PREFIX + name)
     wanted = {c: v for c, v in (("memory", memory_bytes), ("pids", pids)) if v is not None}
     try:
@@ -208,6 +214,30 @@ def create_placed(name: str, placement: dict[str, str], *, memory_bytes: int | N
         group.remove()
         raise
     return group
+
+
+def remove_dead_leaves(pods: "Iterable[str]") -> int:
+    """rmdir the empty leaves of the pods' groups whose creator is provably dead (kernel.creators): a
+    SIGKILLed fork server's, whose sandboxes died with it. Once each, never waiting; a leaf that still
+    holds a process is left (an empty leaf does not hold up the kubelet: runc and systemd remove a
+    pod group's children first; a populated one does, and PodSessions closes its session). How many."""
+    dead = DeadCreators()
+    removed = 0
+    for pod in pods:
+        try:
+            names = [name for name in os.listdir(pod) if name.startswith(PLACED_PREFIX + GROUP_PREFIX)]
+        except OSError:
+            continue
+        for name in names:
+            creator = parse_creator(name[len(PLACED_PREFIX + GROUP_PREFIX):])
+            if creator is None or creator not in dead:
+                continue
+            try:
+                os.rmdir(os.path.join(pod, name))
+                removed += 1
+            except OSError:
+                pass                                       # still holds something: left
+    return removed
 
 
 def _subtree_control(directory: str) -> set[str]:
