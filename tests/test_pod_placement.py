@@ -33,7 +33,7 @@ import grpc
 import pytest
 
 from cgroup_helpers import read, remove_group, v2_slice
-from conftest import BASE_ENV, PY
+from conftest import BASE_ENV, PY, SLOW
 from daemon_helpers import (_CLIENT_PRELUDE, PYTHON, Daemon, DaemonFactory, close_quietly, create_session,
                             rpc_error, run_exec, workspace_write)
 from sandboxd.kernel import cgroups, creators, pod_cgroups
@@ -135,7 +135,7 @@ def agent_creates_session(daemon: Daemon, pod: FakePod, workspace: Path, **limit
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def until(done: "Callable[[], bool]", within: float = 60.0) -> bool:
+def until(done: "Callable[[], bool]", within: float = 60.0 * SLOW) -> bool:
     """Whether ``done()`` holds within ``within`` seconds (asked every 50 ms)."""
     deadline = time.monotonic() + within
     while not done():
@@ -220,7 +220,7 @@ def check_pod_sessions(factory: DaemonFactory, daemon: Daemon, pod: FakePod, con
                                                                                           str(release)])))
     call.start()
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 120 * SLOW
         while pod.usage() < before_pod + (190 << 20) and time.monotonic() < deadline and call.is_alive():
             time.sleep(0.05)
         held_pod, held_base = pod.usage(), base_usage()
