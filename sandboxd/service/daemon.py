@@ -37,6 +37,7 @@ from sandboxd.service.network_questions import NetworkQuestions
 from sandboxd.service.callers import Callers, TlsIdentity
 from sandboxd.service.metrics import Metrics
 from sandboxd.service.pod_sessions import PodSessions
+from sandboxd.service.sessions.placement import LABEL as PLACEMENT
 from sandboxd.service.process_ties import ProcessTies
 from sandboxd.network.front_door import FrontDoor
 from sandboxd.printable import printable
@@ -177,7 +178,8 @@ class Daemon:
             tied = TiedSessions(registry, ties)
             resumed -= tied.restore()
             pods = None
-            if s.session_defaults.charge_pods:          # sessions in pods: closed when their pod ends
+            # Sessions in pods (also those a daemon with the switch on left): closed when their pod ends.
+            if s.session_defaults.charge_pods or any(PLACEMENT in x.labels for x in registry.open_sessions()):
                 pods = PodSessions(registry)
                 undo.callback(pods.close)
                 resumed -= pods.sweep()                 # those whose pod ended while no daemon ran
