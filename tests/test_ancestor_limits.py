@@ -100,6 +100,7 @@ def test_a_session_past_the_parent_cap_is_refused_and_the_default_is_capped(
             details = error.details()
             assert cgroup_path(group) in details and name in details and str(CAP) in details, details
             assert f"ask for at most {CAP}" in details, details
+            print(f"2 GiB under a 700 MiB parent: INVALID_ARGUMENT: {details}")
 
             fits = session(memory_bytes=512 << 20)                    # control: under the cap, works
             alive = run_exec(stub, fits.id, [PY, "-c", ALLOCATE, "400"])
@@ -115,6 +116,9 @@ def test_a_session_past_the_parent_cap_is_refused_and_the_default_is_capped(
             features = stub.GetStatus(pb.GetStatusRequest()).features
             assert "capped from" in features["defaults.memory"] and cgroup_path(group) in features["defaults.memory"]
             assert str(CAP) in features["cgroup.ancestor_memory"], dict(features)
+            print(f"status: defaults.memory: {features['defaults.memory']}")
+            print(f"without the check: 2 GiB session touching 800 MiB: signal {killed.result.signal}, "
+                  f"oom_killed {killed.result.oom_killed}; 512 MiB session touching 400 MiB: {alive.stdout!r}")
             events = stub.QueryEvents(pb.QueryEventsRequest(session_id=plain.id, types=["SessionCreated"])).events
             notes = json.loads(events[0].data_json)["limit_notes"]
             assert len(notes) == 1 and "capped to" in notes[0] and cgroup_path(group) in notes[0], notes
