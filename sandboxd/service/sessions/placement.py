@@ -19,12 +19,12 @@ LABEL = "sandboxd.pod-cgroup"
 def placement_for(who: "Caller", labels: dict[str, str],
                   charge_pods: bool) -> tuple[dict[str, str], dict[str, str]]:
     """Where a new session of ``who`` goes: the pod's groups ({}: the daemon's own layout), and the
-    labels to create it with (the caller's, plus the placement). A local caller only: a TLS
-    caller's process is not known."""
+    labels to create it with (the caller's, plus the placement). A local caller only (a TLS caller,
+    ``mapped_user``, has no process here to read)."""
     if LABEL in labels:
         raise InvalidPolicy(f"the label {LABEL} is the daemon's own: it names the calling pod's cgroup "
                             "(limits.charge_pods), which the daemon reads from the kernel")
-    if not charge_pods or who.principal or who.pid <= 0:
+    if not charge_pods or who.mapped_user is not None or who.pid <= 0:
         return {}, labels
     pod = pod_cgroups.pod_of(pod_cgroups.caller_groups(who.pid))
     if pod is None:
