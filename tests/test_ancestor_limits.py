@@ -48,31 +48,41 @@ def cgroup_path(group: Path) -> str:
     raise AssertionError(f"{group} is in no hierarchy of {mounts}")
 
 
-def test_limits_above_names_the_tightest_cap_on_the_path(tmp_path: Path) -> None:
-    """A group capped at 700 MiB below one capped at 900 MiB: the 700 MiB one is named, from the
-    group and from a child of it; uncapped, nothing is."""
+def test_limits_above_names_the_tightest_cap_on_the_path() -> None:
+    """Memory and pids: a group capped below a child capped higher; the group's cap is named, read
+    from the child (its ancestor) and from the group itself; before the caps, neither is."""
     with own_parent() as parent:
-        group, name = parent_group(parent)
-        child = group / "child"
-        child.mkdir()
+        h = cgroups.hierarchies()
+        made: list[Path] = []
         try:
-            h = cgroups.hierarchies()
-            where = "v2" if parent.bases["memory"][1] == "v2" else None
-            path = cgroup_path(child)
+            for resource, cap, looser in (("memory", CAP, 900 << 20), ("pids", 77, 99)):
+                base, version = parent.bases[resource]
+                group, name = base.parent, LIMIT_FILES[resource, version]
+                child = group / "child"
+                if not child.exists():
+                    child.mkdir()
+                    made.append(child)
 
-            def above() -> ancestor_limits.AncestorLimits:
-                if where:
-                    return ancestor_limits.limits_above(h, unified_group=path, v1_groups={})
-                return ancestor_limits.limits_above(h, unified_group="/", v1_groups={"memory": path})
+                def above(start: Path, resource: str = resource,
+                          version: str = version) -> ancestor_limits.Bound | None:
+                    if version == "v2":
+                        limits = ancestor_limits.limits_above(h, unified_group=cgroup_path(start), v1_groups={})
+                    else:
+                        limits = ancestor_limits.limits_above(h, unified_group="/",
+                                                              v1_groups={resource: cgroup_path(start)})
+                    return limits.get(resource)
 
-            assert above().memory is None or above().memory.value > CAP     # control: the machine's own caps only
-            (group / name).write_text(str(CAP))
-            (child / name).write_text(str(900 << 20))
-            bound = above().memory
-            assert bound is not None and bound.value == CAP and bound.group == cgroup_path(group), bound
-            assert bound.file == name
+                before = above(child)
+                assert before is None or before.value > cap, before      # control: the machine's own caps only
+                (group / name).write_text(str(cap))
+                (child / name).write_text(str(looser))
+                for start in (child, group):
+                    bound = above(start)
+                    assert bound is not None and bound.value == cap and bound.group == cgroup_path(group), bound
+                    assert bound.file == name, bound
         finally:
-            child.rmdir()
+            for child in made:
+                child.rmdir()
 
 
 def test_a_session_past_the_parent_cap_is_refused_and_the_default_is_capped(
