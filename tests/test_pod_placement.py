@@ -193,8 +193,9 @@ def check_pod_sessions(factory: DaemonFactory, daemon: Daemon, pod: FakePod, con
 
     refused = agent_creates_session(daemon, pod, ws, memory_bytes=1 << 30)
     assert refused.get("code") == "INVALID_ARGUMENT", refused
-    pod_path = pod_cgroups.caller_groups(container.pid)
-    assert os.path.dirname(pod_path["memory"]) in refused["details"] and str(POD_CAP) in refused["details"], refused
+    memory_key = pod_cgroups.UNIFIED if pod.memory[1] == "v2" else "memory"     # where the pod's cap is
+    pod_path = os.path.dirname(pod_cgroups.caller_groups(container.pid)[memory_key])
+    assert pod_path in refused["details"] and str(POD_CAP) in refused["details"], refused
 
     made = agent_creates_session(daemon, pod, ws)
     assert "id" in made, made
@@ -237,7 +238,7 @@ def check_pod_sessions(factory: DaemonFactory, daemon: Daemon, pod: FakePod, con
 
     # a caller may not name a pod itself
     error = rpc_error(lambda: create_session(stub, ws, workspace_write(), labels={LABEL: json.dumps(
-        {"memory": os.path.dirname(pod_path["memory"])})}))
+        {memory_key: pod_path})}))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and LABEL in error.details(), error
 
     # a SIGKILLed predecessor's empty leaves go when the pod's next session is placed; a live creator's stay
