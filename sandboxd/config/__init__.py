@@ -572,6 +572,10 @@ KEYS: tuple[Key, ...] = (
         "most quotas.sessions_per_uid times this", _whole(1, MAX_PTYS)),
     Key("limits", "owner_memory", "", "memory of all sandboxes of one owner together; empty: no share (only "
         "limits.total_memory: the OOM killer acts there)", _size_or_empty),
+    Key("limits", "charge_pods", False, "on Kubernetes: a session of a caller in a pod gets its cgroup under "
+        "the pod's, beside its containers, so the pod's memory and pids limits cover it and the pod pays for it "
+        "(removed when the session closes; the session is closed when the pod's containers are gone); callers "
+        "outside a pod keep the daemon's own layout", _boolean),
     Key("review", "default", False, "review mode for a workspace-write session whose CreateSession does not say "
         "(its writes are kept in a change set under state.dir and reach the host only when applied: "
         "docs/review-mode.md); a session asks for it or not with `review`", _boolean),

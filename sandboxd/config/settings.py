@@ -171,6 +171,7 @@ def settings_from(config: Config, limits: ResourceLimits, sources: Mapping[str, 
         total_memory_bytes=limits.total_memory, total_pids=limits.total_pids,
         owner_memory_bytes=limits.owner_memory or None, owner_pids=limits.owner_pids,
         ptys=config.whole("limits.session_ptys"), review=config.flag("review.default"),
+        charge_pods=config.flag("limits.charge_pods"),
         max_checkpoints=config.whole("review.max_checkpoints"))
     return DaemonSettings(
         source=config, socket=config.text("listen.socket"), socket_mode=int(config.text("listen.socket_mode"), 8),

@@ -341,7 +341,9 @@ class CgroupSet:
         for path in self.dirs:
             parent = os.path.dirname(path)
             if path == self.unified_dir:
-                parent = os.path.join(parent, RELEASED_NAME)
+                # a leaf in a pod (kernel.pod_cgroups) names its released group as ours, not the pod's
+                released = ("sandboxd-" if self.name.startswith("sandboxd-") else "") + RELEASED_NAME
+                parent = os.path.join(parent, released)
                 os.makedirs(parent, exist_ok=True)
             for pid in _procs(path):
                 try:

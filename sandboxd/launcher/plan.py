@@ -104,6 +104,7 @@ class LaunchPlan(Record):
     hidden_homes: tuple[str, ...] = ()
     private_home: str = ""
     owner: str = ""                                # whose share of the ceiling its cgroups count against
+    placement: dict[str, str] = Factory(dict)      # a pod's cgroups its groups go in (LaunchSpec.placement)
     # A non-root caller's danger-full-access: its supplementary groups, which its commands run with
     # (sequence._exec_as_caller: its own uid, gid and groups, no privilege, each call in a group of
     # its own below the session's). None for every other plan (root's full access included).
@@ -213,6 +214,7 @@ def prepare(spec: LaunchSpec, opened: "list[int] | None" = None, *, review_dir: 
         uid=uid, gid=gid, limits=spec.limits,
         seccomp_program=seccomp.program_for(filter_spec), brokers_connect=filter_spec.brokers_connect,
         broker=broker, root_trees=trees, hidden_paths=hidden, owner=spec.owner,
+        placement=dict(spec.placement),
         caller_groups=None if confined or spec.caller is None else tuple(spec.caller[2]),
         hidden_homes=spec.hidden_homes if confined else (), private_home=spec.private_home if confined else "",
         git_dirs={root: found for root, found in spec.git_dirs.items() if root in resolved.writable_roots},

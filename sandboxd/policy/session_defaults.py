@@ -25,6 +25,7 @@ class SessionDefaults(Record):
     total_pids: int | None = None
     owner_memory_bytes: int | None = None     # and the share of them of one owner's sandboxes
     owner_pids: int | None = None
+    charge_pods: bool = False                 # a pod's sessions go under the pod's cgroup (limits.charge_pods)
     ptys: int = DEFAULT_PTYS                  # terminals of each session's own devpts (limits.session_ptys)
     review: bool = False                      # review mode for a workspace-write session that does not say (review.default)
     max_checkpoints: int | None = None        # checkpoints a review session keeps (review.max_checkpoints; None: its default)

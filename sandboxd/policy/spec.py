@@ -104,6 +104,11 @@ class LaunchSpec(Record):
     # go in that owner's group, under its share of the ceiling (limits.owner_*). Empty: no owner
     # level (`sandboxd run`, root's own sessions).
     owner: str = ""
+    # A session of a caller in a Kubernetes pod (limits.charge_pods): the pod's cgroup in each hierarchy
+    # ("unified", "memory", "pids" -> its path below the mount; kernel.pod_cgroups), where its groups
+    # go as leaves beside the pod's containers instead of below the daemon's base group, with no
+    # owner level and no ceiling: the pod's own limits are those. Empty: the daemon's base group.
+    placement: dict[str, str] = Factory(dict)
     # With a proxied network (policy.proxied): the certificates the sandbox trusts besides the
     # host's bundle (the session's CA, network.upstream_ca_file), PEM. Public material only; its
     # keys never leave the daemon. Empty: none (rootfs binds no bundle).

@@ -49,6 +49,8 @@ from sandboxd.service.network_questions import NetworkQuestions
 from sandboxd.service.callers import Callers, TlsIdentity
 from sandboxd.service.metrics import Metrics
 from sandboxd.service.principals import PodReader, Tenancy
+from sandboxd.service.pod_sessions import PodSessions
+from sandboxd.service.sessions.placement import LABEL as PLACEMENT
 from sandboxd.service.process_ties import ProcessTies
 from sandboxd.network.front_door import FrontDoor
 from sandboxd.network.tcp_listeners import check_bindable, why_unbindable
@@ -92,6 +94,7 @@ class _Parts:
     results: CallResults                         # calls' outcomes by id (WaitCall)
     drain: DrainGate                             # refuses new work while draining
     adopter: Adopter                             # the calls a surviving supervisor kept, followed
+    pods: PodSessions | None = None              # limits.charge_pods: closes the sessions of ended pods
     exporter: Exporter | None = None             # [audit.export]: the audit log sent off the node
 
 
@@ -217,6 +220,12 @@ class Daemon:
             undo.callback(ties.close)
             tied = TiedSessions(registry, ties)
             resumed -= tied.restore()
+            pods = None
+            # Sessions in pods (also those a daemon with the switch on left): closed when their pod ends.
+            if s.session_defaults.charge_pods or any(PLACEMENT in x.labels for x in registry.open_sessions()):
+                pods = PodSessions(registry)
+                undo.callback(pods.close)
+                resumed -= pods.sweep()                 # those whose pod ended while no daemon ran
             channels = ApprovalChannels(defaults.channels_dir(socket_path), ties)
             undo.callback(channels.withdraw)
             exporter = None
@@ -278,8 +287,8 @@ class Daemon:
             self._set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
             self._parts = _Parts(fork=fork, store=store, registry=registry, metrics=metrics, door=door,
                                  server=server, workers=workers, health=health_servicer, backend=backend,
-                                 ties=ties, log_handler=handler, tracer=tracer, results=results, drain=drain_gate, adopter=adopter,
-                                 exporter=exporter)
+                                 ties=ties, log_handler=handler, tracer=tracer, results=results, drain=drain_gate,
+                                 adopter=adopter, pods=pods, exporter=exporter)
             undo.pop_all()                        # started: stop() takes it down from here on
         log.info("serving", extra={"fields": {"socket": socket_path, "pid": os.getpid(),
                                               "tls": tls.address if tls else None, "event_store": store.path,
@@ -458,6 +467,8 @@ class Daemon:
             stop_background(parts.registry.open_sessions(), parts.store, DAEMON_STOPPED)
         parts.door.close()
         parts.ties.close()                       # what is tied stays so, for the next daemon
+        if parts.pods is not None:
+            parts.pods.close()
         parts.registry.close_all(keep_sandboxes=hand_over)
         parts.server.stop(grace=STOP_GRACE_SECONDS).wait()
         parts.workers.shutdown()

@@ -10,6 +10,9 @@ from typing import Protocol
 import psutil
 
 from sandboxd import __version__
+from sandboxd.kernel.ancestor_limits import limits_above
+from sandboxd.policy.session_defaults import SessionDefaults
+from sandboxd.service import ancestor_fit
 from sandboxd.service.approvals import ApprovalGate
 from sandboxd.service.callers import Caller
 from sandboxd.service.quotas import CALLS, REQUESTS, STREAMS, TERMINALS, owner_key
@@ -61,7 +64,12 @@ def kernel_features() -> dict[str, str]:
 
 
 def status(registry: SessionRegistry, gate: ApprovalGate, who: Caller,
-           door: ConnectionCounts | None = None) -> pb.DaemonStatus:
+           door: ConnectionCounts | None = None, defaults: SessionDefaults | None = None) -> pb.DaemonStatus:
+    """``defaults``: what a session that sets no limit gets, shown with the caps of the cgroups above
+    the sandboxes that lower it (service.ancestor_fit)."""
+    features = kernel_features()
+    if defaults is not None:
+        features.update(ancestor_fit.status_features(defaults.memory_bytes, defaults.pids, limits_above()))
     sessions = registry.list(who)
     quotas = registry.quotas
     limits = quotas.limits
@@ -77,7 +85,7 @@ def status(registry: SessionRegistry, gate: ApprovalGate, who: Caller,
     store = registry.store
     budget = store.limits.owner_budget_bytes                 # what this owner has written to the log lately
     audit_used = min(max(0, int(budget - store.budget_left(who.uid, who.principal))), 2 * budget)
-    return pb.DaemonStatus(version=__version__, pid=os.getpid(), started_at=STARTED_AT, features=kernel_features(),
+    return pb.DaemonStatus(version=__version__, pid=os.getpid(), started_at=STARTED_AT, features=features,
                            sessions=len(sessions), running_calls=sum(s.running_calls for s in sessions),
                            pending_approvals=sum(len(gate.pending(s.id)) for s in sessions),
                            events=registry.store.last_id(),

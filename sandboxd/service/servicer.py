@@ -13,7 +13,9 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from sandboxd.errors import Forbidden, InvalidPolicy, NotFound, WrongState
 from sandboxd.policy.network import CredentialState
 from sandboxd.policy.session_defaults import SessionDefaults
-from sandboxd.service import convert, environment, exec_call, file_calls, patch_search, tool_calls
+from sandboxd.kernel import ancestor_limits
+from sandboxd.kernel.pod_placement import UNIFIED
+from sandboxd.service import ancestor_fit, convert, environment, exec_call, file_calls, patch_search, tool_calls
 from sandboxd.service.approvals import ApprovalGate, ToolCall
 from sandboxd.service.audit_calls import AuditService
 from sandboxd.service.audit_verify import AuditVerification
@@ -26,6 +28,7 @@ from sandboxd.network.front_door import FrontDoor
 from sandboxd.service.quotas import CALLS, REQUESTS, STREAMS, Quotas, owner_key
 from sandboxd.service.review_calls import ReviewCalls
 from sandboxd.service.sandbox_hooks import WhenClosed
+from sandboxd.service.sessions.placement import placement_for
 from sandboxd.service.sessions.registry import Session, SessionRegistry, cwd_inside
 from sandboxd.service.status import abort, code_for
 from sandboxd.supervisor.fork_client import ForkServer
@@ -140,10 +143,15 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             review = request.review if request.HasField("review") else (
                 self._defaults.review and policy.workspace_writable)
             secrets = convert.credential_secrets_from_proto(request.credential_secrets, policy)
-            session = self._registry.create(who, request.workspace, policy, approval,
-                                            convert.limits_from_proto(request.limits, self._defaults),
+            # A caller in a pod (limits.charge_pods): its session goes in the pod, held to the pod's limits.
+            pod, labels = placement_for(who, labels, self._defaults.charge_pods)
+            above = (ancestor_limits.limits_above(unified_group=pod.get(UNIFIED, "/"), v1_groups=pod) if pod
+                     else ancestor_limits.limits_above())
+            limits, limit_notes = ancestor_fit.fit(convert.limits_from_proto(request.limits, self._defaults),
+                                                   request.limits.memory_bytes, request.limits.pids, above)
+            session = self._registry.create(who, request.workspace, policy, approval, limits,
                                             labels, rules, env=environment.session_env(request.env), review=review,
-                                            secrets=secrets)
+                                            secrets=secrets, limit_notes=limit_notes)
             if self._tied is not None:
                 self._tied.tie(session)
             return session_to_proto(session)
@@ -436,7 +444,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.DaemonStatus:
         from sandboxd.service import daemon_status
         return self._unary(context, lambda who: daemon_status.status(self._registry, self._gate, who,
-                                                                      self._connections))
+                                                                      self._connections, self._defaults))
 
     def WaitCall(self, request: pb.WaitCallRequest, context: grpc.ServicerContext) -> pb.WaitCallResponse:
         """A call's outcome by id (service.call_results); waits hold one of the caller's CALLS slots."""

@@ -306,6 +306,7 @@ class SpecRecord(Record):
     private_home: str
     owner_hidden: list[str] = Factory(list)
     trust_pem: str = ""                 # LaunchSpec.trust_pem: public certificates only
+    placement: dict[str, str] = Factory(dict)   # LaunchSpec.placement: a pod's cgroups, checked at build
 
 
 _POLICY_KINDS: dict[SandboxMode, type[SandboxPolicy]] = {
@@ -339,7 +340,7 @@ def spec_record(spec: LaunchSpec) -> SpecRecord:
                       spec.limits, None if spec.user is None else list(spec.user), list(spec.dns), spec.network_pool,
                       caller, list(spec.hidden_paths), list(spec.denied_sockets), list(spec.denied_listeners),
                       list(spec.approval_channels), spec.owner, list(spec.hidden_homes), spec.private_home,
-                      list(spec.owner_hidden), spec.trust_pem)
+                      list(spec.owner_hidden), spec.trust_pem, dict(spec.placement))
 
 
 def launch_spec(record: SpecRecord) -> LaunchSpec:
@@ -355,7 +356,8 @@ def launch_spec(record: SpecRecord) -> LaunchSpec:
                       denied_sockets=tuple(record.denied_sockets), denied_listeners=tuple(record.denied_listeners),
                       approval_channels=tuple(record.approval_channels), owner=record.owner,
                       hidden_homes=tuple(record.hidden_homes), private_home=record.private_home,
-                      owner_hidden=tuple(record.owner_hidden), trust_pem=record.trust_pem)
+                      owner_hidden=tuple(record.owner_hidden), trust_pem=record.trust_pem,
+                      placement=dict(record.placement))
 
 
 class Malformed(Exception):

@@ -391,7 +391,7 @@ class Spawner:
         try:
             if review_dir is not None:
                 save_layers(review_dir, list(plan.review_layers.values()))
-            if plan.limits.memory_bytes or plan.limits.pids or plan.caller_groups is not None:
+            if plan.limits.memory_bytes or plan.limits.pids or plan.caller_groups is not None or plan.placement:
                 cgroup = self._cgroup_for(plan)
             if plan.caller_groups is not None and (cgroup is None or not cgroup.dirs):
                 raise LimitsUnavailable("cgroup setup", errno.ENOENT, hint=NO_GROUP_FOR_CALLER)
@@ -544,6 +544,9 @@ class Spawner:
         owner goes into that owner's group, under its share of the ceiling."""
         name = group_name(f"{next(_counter)}-{os.urandom(3).hex()}")
         limits = plan.limits
+        if plan.placement:                 # a pod's session: always a group there, or the daemon would pay for it
+            from sandboxd.kernel.pod_placement import create_placed
+            return create_placed(name, plan.placement, memory_bytes=limits.memory_bytes, pids=limits.pids)
         owner = None
         if plan.owner:
             owner = OwnerShare(plan.owner, pids=limits.owner_pids, memory_bytes=limits.owner_memory_bytes)

@@ -16,7 +16,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Callable, Protocol, TypeVar
 
 from sandboxd import defaults
@@ -34,6 +34,7 @@ from sandboxd.service.quotas import cgroup_owner
 from sandboxd.service.sandbox_hooks import HookList, Sandbox, close_all
 from sandboxd.service.sessions.access import command_user, rights_of
 from sandboxd.service.sessions.network_live import LiveNetwork, live_changeable
+from sandboxd.service.sessions.placement import placement_of
 from sandboxd.service.sessions.state import Session, session_from_row
 from sandboxd.service.sessions.table import SessionTable
 from sandboxd.supervisor.fork_client import ForkServer, SessionInfo
@@ -98,7 +99,8 @@ class SessionLifecycle:
     def create(self, owner: Caller, workspace: str, policy: SandboxPolicy, approval: ApprovalPolicy,
                limits: Limits, labels: dict[str, str], rules: ToolRules | None, env: dict[str, str] | None,
                review: bool = False,
-               credential_secrets: "Mapping[str, bytes | DaemonSecret] | None" = None) -> Session:
+               credential_secrets: "Mapping[str, bytes | DaemonSecret] | None" = None,
+               limit_notes: "Sequence[str]" = ()) -> Session:
         """Counted at once (quotas), found by no one until its sandbox and services are up; not
         begun at all when the store will not take the owner's events (EventStore.admit).
         ``credential_secrets``: its credentials' (credential_vault), wiped if it is not made."""
@@ -127,6 +129,7 @@ class SessionLifecycle:
                     **session.axes(), "workspace": session.workspace, "owner_uid": owner.uid,
                     "owner_gid": owner.gid, "limits": session.limits.as_dict(), "labels": dict(labels),
                     "env_names": sorted(session.env), **({"review": True} if review else {}),
+                    **({"limit_notes": list(limit_notes)} if limit_notes else {}),
                     **_pod_of(owner)})
         except BaseException:
             self._table.remove(session.id)
@@ -519,6 +522,7 @@ class SessionLifecycle:
         # The workspace, the writable roots and the allowed sockets are opened and checked by the
         # kernel as the session's owner (kernel.access) when its sandbox is built, every time.
         own = self._places.own
+        placement = placement_of(session.labels)        # a pod's session: its groups go in the pod
         with session.lock:
             workspace = session.workspace
         return LaunchSpec(argv=SESSION_PLACEHOLDER_ARGV, workspace=workspace, policy=policy,
@@ -527,7 +531,7 @@ class SessionLifecycle:
                           hidden_paths=own.hidden, owner_hidden=_owner_places(session.owner.uid),
                           denied_sockets=own.sockets, denied_listeners=own.listeners,
                           approval_channels=own.channels,
-                          owner=cgroup_owner(session.owner),
+                          owner=cgroup_owner(session.owner), placement=placement,
                           trust_pem=session_ca_pem(session) if policy.proxied else "")
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import builtins
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from sandboxd.audit.store import EventStore
@@ -168,7 +168,10 @@ class SessionRegistry:
     def create(self, caller: Caller, workspace: str, policy: SandboxPolicy, approval: ApprovalPolicy,
                limits: Limits, labels: dict[str, str], rules: ToolRules | None = None,
                env: dict[str, str] | None = None, review: bool = False,
-               secrets: "Mapping[str, bytes | DaemonSecret] | None" = None) -> Session:
+               secrets: "Mapping[str, bytes | DaemonSecret] | None" = None,
+               limit_notes: "Sequence[str]" = ()) -> Session:
+        """``limit_notes``: how its limits were fitted to the cgroups above it (service.ancestor_fit),
+        for its SessionCreated event."""
         if not workspace.startswith("/"):
             raise InvalidPolicy(f"workspace {workspace!r} must be an absolute path")
         if review and not policy.workspace_writable:
@@ -178,7 +181,7 @@ class SessionRegistry:
         # As given: the fork server opens it as the caller and the session keeps the real path that
         # lookup found (SessionInfo.workspace), never one the daemon looked up itself as root.
         return self._life.create(caller, os.path.normpath(workspace), policy, approval, limits, labels, rules, env,
-                                 review, secrets)
+                                 review, secrets, limit_notes)
 
     def restore(self) -> int:
         return self._life.restore()
