@@ -220,12 +220,12 @@ class Daemon:
             undo.callback(ties.close)
             tied = TiedSessions(registry, ties)
             resumed -= tied.restore()
-            pods = None
+            pod_sessions = None
             # Sessions in pods (also those a daemon with the switch on left): closed when their pod ends.
             if s.session_defaults.charge_pods or any(PLACEMENT in x.labels for x in registry.open_sessions()):
-                pods = PodSessions(registry)
-                undo.callback(pods.close)
-                resumed -= pods.sweep()                 # those whose pod ended while no daemon ran
+                pod_sessions = PodSessions(registry)
+                undo.callback(pod_sessions.close)
+                resumed -= pod_sessions.sweep()                 # those whose pod ended while no daemon ran
             channels = ApprovalChannels(defaults.channels_dir(socket_path), ties)
             undo.callback(channels.withdraw)
             exporter = None
@@ -288,7 +288,7 @@ class Daemon:
             self._parts = _Parts(fork=fork, store=store, registry=registry, metrics=metrics, door=door,
                                  server=server, workers=workers, health=health_servicer, backend=backend,
                                  ties=ties, log_handler=handler, tracer=tracer, results=results, drain=drain_gate,
-                                 adopter=adopter, pods=pods, exporter=exporter)
+                                 adopter=adopter, pods=pod_sessions, exporter=exporter)
             undo.pop_all()                        # started: stop() takes it down from here on
         log.info("serving", extra={"fields": {"socket": socket_path, "pid": os.getpid(),
                                               "tls": tls.address if tls else None, "event_store": store.path,
