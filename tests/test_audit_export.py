@@ -100,6 +100,7 @@ EVERY_KIND = [
     (event(EventType.CHANGES_DISCARDED, data={"by": "review.keep_days"}), 6003, 4),
     (event(EventType.CHECKPOINT_CREATED, data={"label": "x"}), 6003, 1),
     (event(EventType.CHANGES_ROLLED_BACK, data={}), 6003, 3),
+    (event(EventType.CALL_STOPPED, data={"reason": "drain_timeout"}), 6003, 99),
 ]
 
 

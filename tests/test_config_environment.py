@@ -173,7 +173,7 @@ def test_a_mistyped_variable_is_refused_naming_the_closest_key(sandboxd_daemon: 
 
 @pytest.mark.parametrize("name, closest", [
     ("SANDBOXD_METRIC_LISTEN", "SANDBOXD_METRICS_LISTEN"), ("SANDBOXD_LISTN_SOCKET", "SANDBOXD_LISTEN_SOCKET"),
-    ("SANDBOXD_QUOTAS_SESSIONS", "SANDBOXD_QUOTAS_SESSIONS_PER_UID"), ("SANDBOXD_TLS_ADRESS", "SANDBOXD_TLS_ADDRESS"),
+    ("SANDBOXD_QUOTAS_SESSION_PER_UID", "SANDBOXD_QUOTAS_SESSIONS_PER_UID"), ("SANDBOXD_TLS_ADRESS", "SANDBOXD_TLS_ADDRESS"),
 ])
 def test_the_closest_key_is_named(name: str, closest: str) -> None:
     with pytest.raises(config.ConfigError) as refused:

@@ -69,6 +69,7 @@ API_EVENTS: dict[str, tuple[str, tuple[int, str]]] = {
     EventType.TOOL_STARTED: ("CallTool", API_OTHER),
     EventType.TOOL_COMPLETED: ("CallTool", API_OTHER),
     EventType.TOOL_FAILED: ("CallTool", API_OTHER),
+    EventType.CALL_STOPPED: ("StopCall", API_OTHER),     # the daemon ended a call (a drain, a stop)
 }
 
 _HOSTNAME = socket.gethostname()
