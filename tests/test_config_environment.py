@@ -192,6 +192,7 @@ def test_no_variable_sandboxd_itself_uses_is_taken_for_a_typo() -> None:
     refused = {name: config.mistyped_variable(name) for name in sorted(names)}
     refused = {name: problem for name, problem in refused.items()
                if problem and name not in {"SANDBOXD_LISTEN_WORKER", "SANDBOXD_METRIC_LISTEN", "SANDBOXD_LISTN_SOCKET",
-                                           "SANDBOXD_QUOTAS_SESSIONS", "SANDBOXD_TLS_ADRESS"}}
+                                           "SANDBOXD_QUOTAS_SESSIONS", "SANDBOXD_QUOTAS_SESSION_PER_UID",
+                                           "SANDBOXD_TLS_ADRESS"}}
     assert not refused, refused
     assert len(names) > 20

@@ -53,8 +53,9 @@ class HandedOver(SetupError):
     runs on in the surviving supervisor, and the next daemon records its end; nothing here may
     (an audit end event written now would be a second one)."""
 
-    def __init__(self) -> None:
-        super().__init__("fork server", 0, detail="the daemon handed its sandboxes over to the next daemon")
+    def __init__(self, step: str = "fork server", errno: int = 0, path: str | None = None, hint: str | None = None,
+                 detail: str | None = "the daemon handed its sandboxes over to the next daemon") -> None:
+        super().__init__(step, errno, path, hint=hint, detail=detail)
 
 
 class Adoption(Record):

@@ -31,7 +31,7 @@ from sandboxd._record import Record
 from sandboxd.audit.store import EventStore, EventType
 from sandboxd.errors import SandboxdError
 from sandboxd.service.background import BackgroundJob, adopted_job
-from sandboxd.service.call_results import CallResults
+from sandboxd.service.call_results import DAEMON_STOPPED, CallResults
 from sandboxd.service.handover.tags import parse_tag
 from sandboxd.service.quotas import owner_key
 from sandboxd.service.sessions.registry import Session, SessionRegistry
@@ -172,7 +172,7 @@ class Adopter:
         if call_id:
             self._results.output(call_id, 1, out)
             self._results.output(call_id, 2, err)
-            self._results.finished(call_id, ended.exit_code, ended.signal, ended.timed_out, reason)
+            self._results.finished(call_id, ended.exit_code, ended.signal, ended.timed_out, _result_reason(reason))
         if not call_id or split is None:
             log.info("an adopted call ended", extra={"fields": {"fork_call": ended.call, "sandbox": ended.session,
                                                                  "exit_code": ended.exit_code, "signal": ended.signal}})
@@ -209,3 +209,12 @@ def _close(fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
+
+
+def _result_reason(reason: str) -> str:
+    """The word WaitCall's ``reason`` says for an adopted call's end (``reason``: the audit log's
+    sentence): ``adopted`` (it ran on across a restart and ended by itself), ``daemon_stopped``,
+    or ``supervisor_gone``."""
+    if reason.startswith("it ran on"):
+        return "adopted"
+    return DAEMON_STOPPED if reason.startswith("the daemon stopped") else "supervisor_gone"
