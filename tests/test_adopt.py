@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import threading
 import time
 import uuid
@@ -119,7 +120,7 @@ def test_a_call_running_when_the_daemon_is_sigkilled_finishes_and_reaches_the_au
         print(f"adopted across a SIGKILL: the new daemon served {serving_after:.3f} s after it was started; "
               f"the call ended {end['wall_seconds']} s after its start, exit 7")
     finally:
-        second.stop()
+        second.stop(signal.SIGINT)
     assert not pids_with_marker(marker), "a stopped daemon (shutdown = stop) leaves nothing running"
 
 
@@ -135,7 +136,7 @@ def test_control_without_survival_the_call_dies_with_the_daemon(base: Path) -> N
         assert not [e for e in events(second, session.id, "ToolInvocationCompleted") if e.call_id == call_id]
         assert not second.stub.ListBackground(pb.ListBackgroundRequest(session_id=session.id), timeout=30).processes
     finally:
-        second.stop()
+        second.stop(signal.SIGINT)
 
 
 def test_a_second_daemon_cannot_attach_while_one_is_attached(base: Path) -> None:
@@ -148,7 +149,7 @@ def test_a_second_daemon_cannot_attach_while_one_is_attached(base: Path) -> None
         session = create_session(first.stub, base / "ws", workspace_write())
         assert run_exec(first.stub, session.id, shell="echo fine").stdout == b"fine\n"
     finally:
-        first.stop()
+        first.stop(signal.SIGINT)
 
 
 def test_a_supervisor_no_daemon_attaches_to_stops_everything_after_its_orphan_timeout(base: Path) -> None:
@@ -186,7 +187,7 @@ def test_a_supervisor_no_daemon_attaches_to_stops_everything_after_its_orphan_ti
         assert next(line for line in second.log_lines() if line.get("msg") == "serving")["supervisor"] == "started"
         assert run_exec(second.stub, session.id, shell="echo rebuilt").stdout == b"rebuilt\n"
     finally:
-        second.stop()
+        second.stop(signal.SIGINT)
 
 
 def test_a_handover_leaves_the_running_call_to_the_next_daemon(base: Path) -> None:
@@ -237,7 +238,7 @@ def test_a_handover_leaves_the_running_call_to_the_next_daemon(base: Path) -> No
         data = json.loads(end.data_json)
         assert end.type == "ToolInvocationCompleted" and data["exit_code"] == 7 and data["stdout_tail"] == "done\n"
     finally:
-        second.stop()
+        second.stop(signal.SIGINT)
     try:
         os.waitpid(supervisor, 0)                     # it was this process's child: its zombie
     except ChildProcessError:
@@ -289,7 +290,7 @@ def test_a_supervisor_in_its_own_cgroup_survives_the_kill_of_the_daemons_group(b
         assert json.loads(completed()[0].data_json)["exit_code"] == 7
     finally:
         if second is not None:
-            second.stop()
+            second.stop(signal.SIGINT)
         for group in (Path(unified) / f"{name}-supervisor", daemon_group):
             wait_for(f"{group} to empty", lambda group=group: not _group_procs(group), 30)
             for directory in sorted((p for p in group.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
