@@ -248,10 +248,10 @@ def test_a_pods_orphaned_connections_do_not_spend_the_node_roots(sandboxd_daemon
             [admin_now] = admin.call(daemon.socket, listed())
             [b_now] = b.call(daemon.socket, listed())
             log = daemon.log()
-        assert "refused callers of uid 0 has 2 connections open" in log, log[-2000:]   # the orphans: bounded
-        assert "uid 0 has" not in log.replace("refused callers of uid 0 has", ""), log[-2000:]
         assert root_served
         assert "ok" in admin_now and "ok" in b_now, (admin_now, b_now)
+        assert "refused callers of uid 0 has 2 connections open" in log, log[-2000:]   # the orphans: bounded
+        assert "uid 0 has" not in log.replace("refused callers of uid 0 has", ""), log[-2000:]
         held = []
         try:
             for _ in range(8):                     # control: root's own bound, spent by root
