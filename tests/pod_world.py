@@ -22,14 +22,17 @@ import pytest
 from cgroup_helpers import remove_group
 
 # Runs in the agent's process: joins the cgroup (argv[1]; "-": stays where it is, in a real pod),
-# then makes each call read from stdin ({"rpc": name, "request": {...}}) on the socket (argv[2])
-# and prints one JSON answer per call: {"ok": response} ({"ok": [responses]} for a stream) or
+# becomes uid argv[3] if given (a pod's non-root container or one that dropped privileges), then
+# makes each call read from stdin ({"rpc": name, "request": {...}}) on the socket (argv[2]) and
+# prints one JSON answer per call: {"ok": response} ({"ok": [responses]} for a stream) or
 # {"code": status name, "details": text}.
 AGENT = r'''
-import json, sys
+import json, os, sys
 if sys.argv[1] != "-":
     with open(sys.argv[1] + "/cgroup.procs", "w") as f:
         f.write("0")
+if len(sys.argv) > 3:
+    os.setgroups([]); os.setgid(int(sys.argv[3])); os.setuid(int(sys.argv[3]))
 import grpc
 from google.protobuf import json_format
 from sandboxd.v1 import sandboxd_pb2 as pb, sandboxd_pb2_grpc as pb_grpc
@@ -64,6 +67,26 @@ print("held", flush=True)
 sys.stdin.read()
 '''
 
+# As HOLDER, but each connection is made by a short-lived child that exits (and is reaped) before
+# the daemon can look at it; the parent keeps the socket (fork shared it): the daemon refuses those
+# connections (whoever holds them is unknown) but they stay open.
+HOLDER_OF_ORPHANS = r'''
+import os, socket, sys
+with open(sys.argv[1] + "/cgroup.procs", "w") as f:
+    f.write("0")
+held = []
+for _ in range(int(sys.argv[3])):
+    s = socket.socket(socket.AF_UNIX)
+    pid = os.fork()
+    if pid == 0:
+        s.connect(sys.argv[2])
+        os._exit(0)
+    os.waitpid(pid, 0)
+    held.append(s)
+print("held", flush=True)
+sys.stdin.read()
+'''
+
 
 def cgroup2_mount() -> Path | None:
     with open("/proc/self/mounts") as f:
@@ -79,14 +102,17 @@ class FakePod:
     uid: str
     directory: Path          # the container cgroup the agent joins
 
-    def call(self, socket: str, *calls: dict[str, Any]) -> list[dict[str, Any]]:
-        """Each call made from a fresh process in this pod's container cgroup, as its answers."""
-        return run_agent(self.directory, socket, list(calls))
+    def call(self, socket: str, *calls: dict[str, Any], uid: int | None = None) -> list[dict[str, Any]]:
+        """Each call made from a fresh process in this pod's container cgroup (as ``uid``: else
+        root), as its answers."""
+        return run_agent(self.directory, socket, list(calls), uid)
 
     @contextlib.contextmanager
-    def holding(self, socket: str, connections: int) -> Iterator[None]:
-        """``connections`` connections to the daemon held open from this pod while the block runs."""
-        holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(self.directory), socket, str(connections)],
+    def holding(self, socket: str, connections: int, *, orphans: bool = False) -> Iterator[None]:
+        """``connections`` connections to the daemon held open from this pod while the block runs
+        (``orphans``: each made by a child gone before the daemon looked: HOLDER_OF_ORPHANS)."""
+        script = HOLDER_OF_ORPHANS if orphans else HOLDER
+        holder = subprocess.Popen([sys.executable, "-c", script, str(self.directory), socket, str(connections)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
         try:
             assert holder.stdout is not None and holder.stdout.readline() == "held\n"
@@ -97,8 +123,9 @@ class FakePod:
             holder.wait(timeout=60)
 
 
-def run_agent(directory: Path, socket: str, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    done = subprocess.run([sys.executable, "-c", AGENT, str(directory), socket], input=json.dumps(calls),
+def run_agent(directory: Path, socket: str, calls: list[dict[str, Any]], uid: int | None = None) -> list[dict[str, Any]]:
+    as_uid = [] if uid is None else [str(uid)]
+    done = subprocess.run([sys.executable, "-c", AGENT, str(directory), socket, *as_uid], input=json.dumps(calls),
                           capture_output=True, text=True, timeout=300, cwd="/")
     assert done.returncode == 0, done.stderr
     answers: list[dict[str, Any]] = json.loads(done.stdout)

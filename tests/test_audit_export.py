@@ -155,6 +155,25 @@ def test_a_callers_string_stays_data_on_one_line() -> None:
     assert decoded["actor"]["user"]["name"] == hostile and decoded["class_uid"] == 1007
 
 
+def test_a_root_pod_tenant_is_exported_as_its_pod_not_the_nodes_admin() -> None:
+    """Hostile pass A, F7: a pod's uid 0 is never the node's Admin: its records are a User named by its
+    pod (uid_alt: the pod's UID), whether the owner acted or the event names who acted (by_uid with
+    by_principal). The control: the node's root (no principal) is the Admin, on the same events."""
+    pod_uid = "0b7c6f5e-4e0d-4f59-9d62-8c8a4f0f6a11"
+    pod = f"pod:{pod_uid}"
+    run = event(EventType.TOOL_STARTED, "shell.exec", {"arguments": {"argv": ["id"]}})
+    changed = event(EventType.POLICY_CHANGED, data={"before": {}, "after": {}, "by_uid": 0, "by_principal": pod})
+    as_pod = {"uid": "0", "type_id": 1, "type": "User", "name": pod, "uid_alt": pod_uid}
+    for source in (run, changed):
+        record = ocsf.record(source, ocsf.Owner(0, pod))
+        assert record["actor"]["user"] == as_pod and ocsf_problems(record) == [], record
+    by_root = event(EventType.POLICY_CHANGED, data={"before": {}, "after": {}, "by_uid": 0})
+    assert ocsf.record(by_root, ocsf.Owner(0, pod))["actor"]["user"] == {"uid": "0", "type_id": 2, "type": "Admin"}
+    assert ocsf.record(run, ocsf.Owner(0, ""))["actor"]["user"] == {"uid": "0", "type_id": 2, "type": "Admin"}
+    tls = ocsf.record(changed, ocsf.Owner(0, "tls:agent"))["actor"]["user"]          # by_principal wins
+    assert tls["name"] == pod and tls["type"] == "User"
+
+
 def test_the_file_sink_rotates_at_max_bytes(tmp_path: Path) -> None:
     path = tmp_path / "export" / "audit.jsonl"
     sink = FileSink(str(path), max_bytes=64 << 10, keep=3)

@@ -212,3 +212,125 @@ def test_who_a_caller_is_under_pod_tenancy() -> None:
     # Below kubepods in no pod cgroup: refused, saying why.
     with pytest.raises(CallerRefused, match="below kubepods.*tenancy.mode"):
         _caller_in("/node/kubepods/besteffort/stray")
+
+
+# -- hostile pass A (issue 27): F0, F11 and F7 ---------------------------------------------------------
+
+def _node_root_served(socket_path: str) -> bool:
+    """Whether a new connection of this process (the node's root, in no pod) is served."""
+    import grpc
+
+    from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
+    channel = grpc.insecure_channel("unix:" + socket_path)
+    try:
+        pb_grpc.SandboxStub(channel).ListSessions(pb.ListSessionsRequest(), timeout=30)
+        return True
+    except grpc.RpcError as exc:
+        assert exc.code().name == "UNAVAILABLE", exc
+        return False
+    finally:
+        channel.close()
+
+
+def test_a_pods_orphaned_connections_do_not_spend_the_node_roots(sandboxd_daemon: DaemonFactory) -> None:
+    """A root pod connects from children that are gone (reaped) before the door checks them, and keeps
+    the sockets: those connections are refused, and counted in uid 0's bucket of refused callers,
+    never in uid 0's own (the node's root, the admin pods, the daemon's probes), so 400 of them
+    shut nobody else out (those the door saw while their child still lived are the pod's, held to
+    its own bound). Control: the same number of connections (root's bound, 4 x 2) held by
+    the node's root itself does shut a new one of root's out: the probe below can see a lockout."""
+    import socket as sockets
+    with pod_node() as node:
+        a, b, admin = node.pod(), node.pod("systemd", "besteffort"), node.pod()
+        daemon = sandboxd_daemon(config=pod_config(node, admin_pods=(admin.uid,)) + "connections_per_uid = 2\n")
+        with a.holding(daemon.socket, 400, orphans=True):
+            root_served = _node_root_served(daemon.socket)
+            [admin_now] = admin.call(daemon.socket, listed())
+            [b_now] = b.call(daemon.socket, listed())
+            log = daemon.log()
+        assert root_served
+        assert "ok" in admin_now and "ok" in b_now, (admin_now, b_now)
+        assert "refused callers of uid 0 has 2 connections open" in log, log[-2000:]   # the orphans: bounded
+        assert "uid 0 has" not in log.replace("refused callers of uid 0 has", ""), log[-2000:]
+        held = []
+        try:
+            for _ in range(8):                     # control: root's own bound, spent by root
+                held.append(sockets.socket(sockets.AF_UNIX))
+                held[-1].connect(daemon.socket)
+            assert not _node_root_served(daemon.socket)
+        finally:
+            for conn in held:
+                conn.close()
+
+
+def test_a_pods_sessions_are_its_uids_not_the_whole_pods(sandboxd_daemon: DaemonFactory) -> None:
+    """Under pod tenancy a session is (pod, uid)'s: a uid-65534 process of the pod (a runAsNonRoot
+    sidecar, an agent that dropped privileges) neither sees nor drives the session the pod's root
+    made on a root-only workspace (it would run commands as uid 0 and read root's files); the pod's
+    root sees the nobody session but cannot act on it; the session quota stays the pod's, whatever
+    uid. Control: the pod's root itself runs as uid 0 there and reads the root-only file."""
+    import base64
+    nobody = 65534
+    with pod_node() as node:
+        a = node.pod()
+        daemon = sandboxd_daemon(config=pod_config(node, sessions=2))
+        os.chmod(Path(daemon.socket).parent, 0o755)            # nobody may reach the socket
+        ws_root = sandboxd_daemon.workspace(mode=0o700)
+        (ws_root / "root-only.txt").write_text("root's secret\n")
+        os.chmod(ws_root / "root-only.txt", 0o600)
+        ws_nobody = sandboxd_daemon.workspace()
+        os.chown(ws_nobody, nobody, nobody)
+        try:
+            [made_root] = a.call(daemon.socket, create(ws_root))
+            [made_nobody] = a.call(daemon.socket, create(ws_nobody), uid=nobody)
+            s_root, s_nobody = made_root["ok"]["id"], made_nobody["ok"]["id"]
+            seen, read, *touches = a.call(
+                daemon.socket, listed(),
+                {"rpc": "ReadFile", "request": {"session_id": s_root, "path": "root-only.txt"}},
+                *touch_attempts(s_root), uid=nobody)
+            assert ids(seen) == {s_nobody}, seen
+            assert refused(read, "NOT_FOUND"), read
+            assert all(refused(answer, "NOT_FOUND") for answer in touches), touches
+            # The control: the root session does run as uid 0 and read the root-only file, for the pod's root.
+            ran, read_root, seen_root, run_nobodys, over = a.call(
+                daemon.socket, {"rpc": "Run", "request": {"session_id": s_root, "argv": ["id", "-u"]}},
+                {"rpc": "ReadFile", "request": {"session_id": s_root, "path": "root-only.txt"}},
+                listed(), {"rpc": "Run", "request": {"session_id": s_nobody, "argv": ["true"]}},
+                create(sandboxd_daemon.workspace()))
+            stdout = b"".join(base64.b64decode(c["stdout"]) for c in ran["ok"] if "stdout" in c)
+            assert stdout.strip() == b"0", ran
+            assert b"root's secret" in base64.b64decode(read_root["ok"]["data"]), read_root
+            assert ids(seen_root) == {s_root, s_nobody}, seen_root        # its pod's root sees both ...
+            assert refused(run_nobodys, "NOT_FOUND"), run_nobodys          # ... but acts only on its own
+            assert refused(over, "RESOURCE_EXHAUSTED", f"pod:{a.uid}"), over   # the quota: the pod's
+        finally:
+            for session in everyone_of(daemon):
+                close_quietly(daemon.stub, session)
+
+
+def test_a_pods_actions_are_exported_as_the_pods_not_the_node_admins(sandboxd_daemon: DaemonFactory) -> None:
+    """What a root pod does (its commands; a policy change and a close, which record who acted) is
+    exported as a User named by its pod (uid_alt: the pod's UID), never as the node's Admin; the
+    node's root closing a session is the Admin (the control: the same event shape, no principal)."""
+    from sandboxd.audit.export import ocsf
+    from sandboxd.audit.store import Event
+    with pod_node() as node:
+        a = node.pod()
+        daemon = sandboxd_daemon(config=pod_config(node))
+        made, other = a.call(daemon.socket, create(sandboxd_daemon.workspace()), create(sandboxd_daemon.workspace()))
+        sa, sb = made["ok"]["id"], other["ok"]["id"]
+        a.call(daemon.socket, {"rpc": "Run", "request": {"session_id": sa, "argv": ["true"]}},
+               {"rpc": "UpdateSessionPolicy", "request": {"session_id": sa, "approval_policy": "ON_REQUEST"}},
+               {"rpc": "CloseSession", "request": {"session_id": sa}})
+        daemon.stub.CloseSession(pb.CloseSessionRequest(session_id=sb))          # the node's root closes B's
+        owner = ocsf.Owner(0, f"pod:{a.uid}")
+        actors = {}
+        for session in (sa, sb):
+            for e in daemon.stub.QueryEvents(pb.QueryEventsRequest(session_id=session)).events:
+                event = Event(id=e.id, session_id=e.session_id, sequence=e.sequence, type=e.type, time=e.time,
+                              call_id=e.call_id, tool=e.tool, data=json.loads(e.data_json or "{}"))
+                actors[(session, e.type)] = ocsf.record(event, owner)["actor"]["user"]
+        pods = {"uid": "0", "type_id": 1, "type": "User", "name": f"pod:{a.uid}", "uid_alt": a.uid}
+        for kind in ("ToolInvocationStarted", "PolicyChanged", "SessionClosed"):
+            assert actors[(sa, kind)] == pods, (kind, actors[(sa, kind)])
+        assert actors[(sb, "SessionClosed")] == {"uid": "0", "type_id": 2, "type": "Admin"}

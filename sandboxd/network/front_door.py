@@ -131,6 +131,12 @@ _CONNECT_RETRY_MAX = 0.1
 _CONNECT_PATIENCE = 30.0
 
 
+def refused_owner(uid: int) -> str:
+    """Whom a refused connection of ``uid`` is counted against when connections are counted per
+    owner (connection_owner): its own bucket, held to connections_per_uid, apart from the uid's."""
+    return f"refused callers of uid {uid}"
+
+
 class FrontDoor:
     """Owns the public Unix socket and relays each connection to the gRPC server, remembering who it is.
 
@@ -176,8 +182,9 @@ class FrontDoor:
 
         ``connection_owner``: whom a connection is counted against, once it is checked (its uid,
         or a name: tenancy by pod counts each pod's apart, whatever uid it runs as); a name is
-        held to ``connections_per_uid``. Without it, connections are counted per uid, before the
-        check.
+        held to ``connections_per_uid``. A refused connection is not asked about: it is counted
+        as :func:`refused_owner` of its uid. Without it, connections are counted per uid, before
+        the check.
 
         ``on_start``: run once on the door's thread before it accepts anything (tenancy by pod joins
         the node's cgroup namespace there, for this thread's reads)."""
@@ -371,7 +378,10 @@ class FrontDoor:
                                               cgroups=cgroups)
         owner: int | str = uid
         if self._connection_owner is not None:
-            owner = uid if credentials.refusal else self._connection_owner(credentials)
+            # A refused caller (its process gone, sandboxed, its pod unknown) cannot be told apart
+            # from anyone else of its uid: counted in a bucket of its own, never in the uid's, so
+            # a pod's uid 0 cannot spend the node root's connections (its probes, operators).
+            owner = refused_owner(uid) if credentials.refusal else self._connection_owner(credentials)
             if not self._room_for(owner):
                 conn.close()
                 return

@@ -79,6 +79,12 @@ def identify(who: PeerCredentials, admin_gid: int | None = None, cgroup_path: st
                   tenant=tenant)
 
 
+def acted_by(who: Caller) -> dict[str, object]:
+    """Who acted, as an audit event records it: ``by_uid``, and ``by_principal`` for a TLS caller or a
+    pod (the export names the pod, not uid 0 as the node's root: audit.export.ocsf)."""
+    return {"by_uid": who.uid, **({"by_principal": who.principal} if who.principal else {})}
+
+
 def principal_of(who: Caller) -> Principal:
     """``who``'s principal (service.principals): as identified, or as its credentials make it."""
     if who.tenant is not None:

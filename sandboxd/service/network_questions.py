@@ -56,7 +56,7 @@ from sandboxd.policy.sandbox import SandboxPolicy
 from sandboxd.policy.tools import Category, Effect, Risk
 from sandboxd.printable import printable
 from sandboxd.service.approvals import ALLOW_ONCE, ALLOW_SESSION, DENY, ApprovalGate, ToolCall
-from sandboxd.service.callers import Caller
+from sandboxd.service.callers import Caller, acted_by
 from sandboxd.service.sessions.state import Session
 
 log = logging.getLogger("sandboxd")
@@ -267,7 +267,7 @@ class NetworkQuestions:
             return
         self._store.append(session.id, EventType.PERMISSION_GRANTED, call_id=held.call_id, tool=TOOL,
                            data={**base, "by": "user", "decision": decision,
-                                 **({"by_uid": who.uid} if who is not None else {})})
+                                 **(acted_by(who) if who is not None else {})})
         self._finish(held, ANSWERS[decision], "")
 
     def _remember_denial(self, session: Session, question: Question) -> None:

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from sandboxd.kernel import pod_cgroups
+from sandboxd.network.front_door import refused_owner
 from sandboxd.network.peer_credentials import PeerCredentials
 from sandboxd.printable import printable
 
-POD_PREFIX = "pod:"
+POD_PREFIX = "pod:"                 # (audit.export.ocsf keeps the same word: it is below this layer)
 log = logging.getLogger(__name__)
 
 
@@ -128,10 +129,11 @@ class PodReader:
 
     def connection_owner(self, who: PeerCredentials) -> int | str:
         """Whom the front door counts a connection against: a tenant pod (``pod:<UID>``), else the
-        uid (a caller in no pod, an admin pod; one whose pod cannot be told, which every call of
-        will refuse)."""
+        uid (a caller in no pod, an admin pod); one whose pod cannot be told, which every call of
+        will refuse, in its uid's bucket of refused callers (never the uid's own: uid 0's is the
+        node root's)."""
         try:
             pod = self.pod_of(who.cgroups)
         except pod_cgroups.CgroupRefused:
-            return who.uid
+            return refused_owner(who.uid)
         return pod_owner(pod.uid) if pod is not None and self.is_tenant(pod) else who.uid

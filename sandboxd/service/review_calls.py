@@ -29,7 +29,7 @@ from sandboxd.policy.sandbox import is_within
 from sandboxd.review import conflicts
 from sandboxd.review.changes import wire_path
 from sandboxd.review.checkpoints import MAX_LABEL
-from sandboxd.service.callers import Caller, session_owner
+from sandboxd.service.callers import Caller, acted_by, session_owner
 from sandboxd.service.quotas import cgroup_owner
 from sandboxd.service.sessions.access import rights_of, visible_ids
 from sandboxd.service.sessions.registry import SessionRegistry
@@ -176,7 +176,7 @@ class ReviewCalls:
     def _closed(self, who: Caller, session_id: str) -> Target:
         """A closed review session's change set: its roots are those its layers' record names (the
         real paths the fork server built the overlays on, written by it), the workspace first."""
-        visible_ids(self._store, who, session_id)               # NOT_FOUND unless the caller may see it
+        visible_ids(self._store, who, session_id, acting=True)  # NOT_FOUND unless the caller may act on it
         row = self._store.session(session_id)
         if row.closed_at is None:                               # open, but not served (being built or closed now)
             raise NotFound(f"no session {session_id!r}")
@@ -228,7 +228,7 @@ class ReviewCalls:
         this request), and the log must not lack what reached the host. The event after it says
         what landed."""
         self._store.append(target.id, kind, data={
-            "by_uid": who.uid, **({"by_principal": who.principal} if who.principal else {}),
+            **acted_by(who),
             "summary": f"{action} started" + (" (forced)" if force else ""), "phase": "started",
             "paths": _named(paths),
             **({"force": True} if force else {})})
@@ -289,7 +289,7 @@ class ReviewCalls:
         applied, skipped = _dicts(answer.get("applied")), _dicts(answer.get("skipped"))
         named = {(pair[0], pair[1]) for pair in flagged}
         self._store.append(target.id, EventType.CHANGES_APPLIED, data={
-            "by_uid": who.uid, **({"by_principal": who.principal} if who.principal else {}),
+            **acted_by(who),
             "summary": f"applied {len(applied)}, skipped {len(skipped)}" + (" (forced)" if force else ""),
             "force": force, "paths": _named(paths),
             **({"only_reviewed": len(reviewed)} if only_reviewed else {}),
@@ -353,7 +353,7 @@ class ReviewCalls:
         answer = self._between_calls(target, discard)
         discarded, skipped = _dicts(answer.get("discarded")), _dicts(answer.get("skipped"))
         self._store.append(target.id, EventType.CHANGES_DISCARDED, data={
-            "by_uid": who.uid, **({"by_principal": who.principal} if who.principal else {}),
+            **acted_by(who),
             "summary": f"discarded {len(discarded)}, skipped {len(skipped)}",
             "paths": _named(paths),
             "discarded": [{"root": item.get("root"), "path": item.get("path")} for item in discarded],
@@ -383,7 +383,7 @@ class ReviewCalls:
             target, "checkpoint", target.roots, [], limit=self._max_checkpoints, label=request.label))
         made = _checkpoint(answer.get("checkpoint"))
         self._store.append(target.id, EventType.CHECKPOINT_CREATED, data={
-            "by_uid": who.uid, **({"by_principal": who.principal} if who.principal else {}),
+            **acted_by(who),
             "summary": f"checkpoint {made.id} ({made.changes} changes)", "checkpoint": made.id,
             "label": made.label, "changes": made.changes})
         return made
@@ -432,7 +432,7 @@ class ReviewCalls:
         removed = done.get("removed")
         removed = removed if isinstance(removed, int) and removed >= 0 else 0
         self._store.append(target.id, EventType.CHANGES_ROLLED_BACK, data={
-            "by_uid": who.uid, **({"by_principal": who.principal} if who.principal else {}),
+            **acted_by(who),
             "summary": f"rolled back to checkpoint {request.checkpoint_id}, dropped {len(dropped)} checkpoints, "
                        f"removed {removed} entries",
             "checkpoint": request.checkpoint_id, "dropped": dropped, "removed": removed})

@@ -158,7 +158,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         return self._unary(context, work)
 
     def GetSession(self, request: pb.GetSessionRequest, context: grpc.ServicerContext) -> pb.Session:
-        return self._unary(context, lambda who: session_to_proto(self._registry.get(who, request.session_id)))
+        return self._unary(context, lambda who: session_to_proto(self._registry.get(who, request.session_id, seeing=True)))
 
     def ListSessions(self, request: pb.ListSessionsRequest, context: grpc.ServicerContext) -> pb.ListSessionsResponse:
         def work(who: Caller) -> pb.ListSessionsResponse:

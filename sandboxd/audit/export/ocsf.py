@@ -73,6 +73,8 @@ API_EVENTS: dict[str, tuple[str, tuple[int, str]]] = {
 }
 
 _HOSTNAME = socket.gethostname()
+# How a pod's owner string begins (service.principals.POD_PREFIX: that layer is above this one).
+POD_PREFIX = "pod:"
 
 
 class Owner:
@@ -158,15 +160,26 @@ def encode(ocsf_record: dict[str, Any]) -> bytes:
 
 
 def _actor(event: Event, owner: Owner | None) -> dict[str, Any]:
-    """Who acted: the person who answered or closed (``by_uid``) when the event names one, else the
-    session's owner; the session is the actor's session."""
+    """Who acted: the person who answered or closed (``by_uid``, and ``by_principal`` when that was
+    a TLS caller or a pod) when the event names one, else the session's owner; the session is the
+    actor's session. Only a local uid 0 (no principal) is the node's Admin: a pod's uid 0 is a
+    User named by its pod (``name`` the principal, ``uid_alt`` the pod's UID)."""
     by = event.data.get("by_uid")
-    uid = by if isinstance(by, int) else (owner.uid if owner is not None else None)
+    if isinstance(by, int):
+        uid: int | None = by
+        by_principal = event.data.get("by_principal")
+        principal = by_principal if isinstance(by_principal, str) else ""
+    else:
+        uid = owner.uid if owner is not None else None
+        principal = owner.principal if owner is not None else ""
     user: dict[str, Any] = {}
     if uid is not None:
-        user = {"uid": str(uid), "type_id": 2 if uid == 0 else 1, "type": "Admin" if uid == 0 else "User"}
-        if owner is not None and owner.principal and not isinstance(by, int):
-            user["name"] = owner.principal
+        admin = uid == 0 and not principal
+        user = {"uid": str(uid), "type_id": 2 if admin else 1, "type": "Admin" if admin else "User"}
+        if principal:
+            user["name"] = principal
+            if principal.startswith(POD_PREFIX):
+                user["uid_alt"] = principal[len(POD_PREFIX):]
     actor: dict[str, Any] = {"user": user, "session": {"uid": event.session_id}}
     return actor
 

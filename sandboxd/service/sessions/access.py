@@ -1,7 +1,12 @@
 """Who may see and act on a session, and with what rights its sandbox is built.
 
 A session is its owner's: the same local uid (not through TLS, not from a pod), or the same TLS
-principal, or (tenancy by pod) the same pod; root and the admin group see every local user's. Someone else's session is NOT_FOUND, never
+principal, or (tenancy by pod) the same pod *and* uid; root and the admin group see every local user's.
+Inside a pod the uid boundary holds as on the node: a session runs with its creator's file rights
+(uid 0's for a session the pod's root made), so another uid of the pod (a runAsNonRoot sidecar, an
+agent that dropped privileges) must not drive it. The pod's uid 0 may see (list, read the audit of)
+every session of its pod, as it could become any of its uids anyway, but acts only on its own.
+Quotas and the audit budget stay per pod, whatever uid. Someone else's session is NOT_FOUND, never
 PERMISSION_DENIED: a caller learns nothing about sessions it may not use. Which paths a caller
 may use is the kernel's to say, under the caller's own credentials (``rights_of``), when the
 sandbox is built; this module only decides who may ask for what.
@@ -26,30 +31,48 @@ if TYPE_CHECKING:
 
 
 def owns(caller: Caller, owner_uid: int, owner_principal: str) -> bool:
-    """Its owner (same uid and, for TLS or pod callers, same certificate or pod), root, or the admin group."""
+    """Whether the caller may act on the session: its owner (same uid and, for TLS or pod callers,
+    same certificate or pod), root, or the admin group."""
+    if pod_uid_of(caller.principal) is not None:
+        return owner_principal == caller.principal and owner_uid == caller.uid
     if caller.principal:
         return owner_principal == caller.principal
     return caller.is_admin or (owner_uid == caller.uid and not owner_principal)
+
+
+def sees(caller: Caller, owner_uid: int, owner_principal: str) -> bool:
+    """Whether the caller may see the session (list it, read its audit log): whoever may act on it,
+    and a pod's uid 0 every session of its own pod (module docstring)."""
+    if owns(caller, owner_uid, owner_principal):
+        return True
+    return pod_uid_of(caller.principal) is not None and caller.uid == 0 and owner_principal == caller.principal
 
 
 def may_use(caller: Caller, session: Session) -> bool:
     return owns(caller, session.owner.uid, session.owner.principal)
 
 
-def visible_ids(store: EventStore, caller: Caller, session_id: str = "") -> list[str] | None:
+def may_see(caller: Caller, session: Session) -> bool:
+    return sees(caller, session.owner.uid, session.owner.principal)
+
+
+def visible_ids(store: EventStore, caller: Caller, session_id: str = "", *, acting: bool = False) -> list[str] | None:
     """The sessions, open or closed, whose audit log the caller may read (None: all of them,
-    for an administrator); with ``session_id``, that one or NOT_FOUND."""
+    for an administrator); with ``session_id``, that one or NOT_FOUND. ``acting``: only those
+    the caller may act on (owns), not merely see."""
+    allowed = owns if acting else sees
     if session_id:
         try:
             row = store.session(session_id)
         except NotFound:
             raise NotFound(f"no session {session_id!r}") from None
-        if not owns(caller, row.owner_uid, row.owner_principal):
+        if not allowed(caller, row.owner_uid, row.owner_principal):
             raise NotFound(f"no session {session_id!r}")
         return [session_id]
     if caller.is_admin:
         return None
-    return [row.id for row in store.sessions(include_closed=True) if owns(caller, row.owner_uid, row.owner_principal)]
+    return [row.id for row in store.sessions(include_closed=True)
+            if allowed(caller, row.owner_uid, row.owner_principal)]
 
 
 def check_full_access(caller: Caller, policy: SandboxPolicy, owner: Caller | None = None, *,

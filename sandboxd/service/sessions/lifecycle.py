@@ -27,7 +27,7 @@ from sandboxd.kernel import overlay, review_space
 from sandboxd.policy import LaunchSpec, Limits, SandboxPolicy
 from sandboxd.policy.decision import ApprovalPolicy, ToolRules
 from sandboxd.policy.network import DaemonSecret
-from sandboxd.service.callers import Caller
+from sandboxd.service.callers import Caller, acted_by
 from sandboxd.service.principals import pod_uid_of
 from sandboxd.service.credential_vault import CredentialVault, SessionCredentials
 from sandboxd.service.quotas import cgroup_owner
@@ -275,7 +275,7 @@ class SessionLifecycle:
                 # Recorded before the caller hears the change took effect, in the order they took effect.
                 self._store.save_session(row)
                 self._store.append(session.id, EventType.POLICY_CHANGED, data={
-                    "before": before, "after": after, "by_uid": caller.uid, "generation": generation or now})
+                    "before": before, "after": after, **acted_by(caller), "generation": generation or now})
         return session
 
     def _change_approval(self, caller: Caller, session: Session, approval: ApprovalPolicy) -> None:
@@ -287,7 +287,7 @@ class SessionLifecycle:
         if after != before:
             self._store.save_session(row)
             self._store.append(session.id, EventType.POLICY_CHANGED, data={
-                "before": before, "after": after, "by_uid": caller.uid, "generation": generation})
+                "before": before, "after": after, **acted_by(caller), "generation": generation})
 
     def close(self, caller: Caller, session: Session, reason: str = "",
               only_if: "Callable[[Session], bool] | None" = None) -> bool:
@@ -311,7 +311,7 @@ class SessionLifecycle:
             self._drop_empty_change_set(session)
         self._store.save_session(session.to_row(closed_at=time.time()))
         self._store.append(session.id, EventType.SESSION_CLOSED,
-                           data={"by_uid": caller.uid, **({"reason": reason} if reason else {})})
+                           data={**acted_by(caller), **({"reason": reason} if reason else {})})
         if self.counts is not None:
             self.counts.session_closed(reason)
         return True

@@ -23,7 +23,7 @@ from sandboxd.audit.store import EventStore, EventType
 from sandboxd.errors import NotFound, WrongState
 from sandboxd.policy import SandboxPolicy
 from sandboxd.policy.network import DaemonSecret
-from sandboxd.service.callers import Caller
+from sandboxd.service.callers import Caller, acted_by
 from sandboxd.service.credential_vault import CredentialVault
 from sandboxd.service.sessions.state import Session
 
@@ -105,7 +105,7 @@ class LiveNetwork:
         # Recorded before the caller hears the change took effect.
         self._store.save_session(row)
         self._store.append(session.id, EventType.POLICY_CHANGED, data={
-            "before": before, "after": after, "by_uid": caller.uid if caller is not None else owner.uid,
+            "before": before, "after": after, **acted_by(caller if caller is not None else owner),
             "generation": generation, "live": True, "by": by,
             **({"credential_states": [state.as_dict() for state in credentials.states()]} if credentials.held
                else {})})

@@ -105,16 +105,18 @@ class SessionRegistry:
 
     # -- access --------------------------------------------------------------------------------
 
-    def get(self, caller: Caller, session_id: str) -> Session:
-        """The session, if the caller may see it. Someone else's is NOT_FOUND, not PERMISSION_DENIED:
-        a caller learns nothing about sessions it may not use."""
+    def get(self, caller: Caller, session_id: str, *, seeing: bool = False) -> Session:
+        """The session, if the caller may act on it (``seeing``: only look at it, access.sees).
+        Someone else's is NOT_FOUND, not PERMISSION_DENIED: a caller learns nothing about sessions
+        it may not use."""
         session = self._table.find(session_id)
-        if session is None or not session.usable or not access.may_use(caller, session):
+        allowed = access.may_see if seeing else access.may_use
+        if session is None or not session.usable or not allowed(caller, session):
             raise NotFound(f"no session {session_id!r}")
         return session
 
     def list(self, caller: Caller) -> builtins.list[Session]:
-        return [s for s in self._table.all() if s.usable and access.may_use(caller, s)]
+        return [s for s in self._table.all() if s.usable and access.may_see(caller, s)]
 
     def open_sessions(self) -> builtins.list[Session]:
         """Every open session, whoever owns it (for the daemon's own counts)."""
@@ -134,7 +136,7 @@ class SessionRegistry:
         events stay readable."""
         closed = []
         for row in self.store.sessions(include_closed=True):
-            if row.closed_at is None or not access.owns(caller, row.owner_uid, row.owner_principal):
+            if row.closed_at is None or not access.sees(caller, row.owner_uid, row.owner_principal):
                 continue
             try:
                 closed.append((session_from_row(row), row.closed_at))
