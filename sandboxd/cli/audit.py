@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     from sandboxd.audit.integrity import keys
-    from sandboxd.audit.integrity.verify import Verifier, open_read_only
+    from sandboxd.audit.integrity.verify import Kind, Verifier, open_read_only
 
     path = args.db or os.path.join(args.state_dir, "events.db")
     try:
@@ -91,4 +91,6 @@ def _verify(args: argparse.Namespace) -> int:
     if report.whole:
         rate = report.events / report.seconds if report.seconds > 0 else 0.0
         print(f"  verified in {report.seconds:.2f} s ({rate:,.0f} events/s)")
+    if report.problem is not None and report.problem.kind == Kind.UNCHAINED:
+        return 2                      # not a store this sandboxd can check (no chain, a view, another schema)
     return 0 if report.whole else 1

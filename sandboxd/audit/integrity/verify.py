@@ -42,7 +42,7 @@ from sandboxd.audit.integrity.schema import CHECKPOINT_COLUMNS
 CHUNK = 5000
 # What a checkpoint's interval allows after it: the store signs once ``interval`` events are
 # committed, after the append that reached it, and one append writes at most a few events.
-BATCH_SLACK = 64
+BATCH_SLACK = 8
 HASH_BYTES = 32
 _TABLES = ("events", "audit_genesis", "audit_checkpoints")
 _HASH_OK = "(typeof({0}) = 'blob' AND length({0}) = 32)"
