@@ -248,7 +248,9 @@ class Verifier:
             # The genesis row's interval is not signed: with no checkpoint it is the only bound.
             interval = self.interval
         else:
-            interval = last.interval if self._public is not None else last.interval or self.interval
+            # Signed when the key was checked; an older sandboxd's checkpoint signed none (0): then
+            # the genesis row's, unsigned, is still a bound to edit away.
+            interval = last.interval or self.interval
         if interval and report.unsigned_tail > interval + BATCH_SLACK:
             where = f"checkpoint {last.id}" if last else "the genesis"
             raise _Failed(Problem(Kind.CHECKPOINT, f"{report.unsigned_tail} events after {where}, but a checkpoint is "
