@@ -65,7 +65,7 @@ def test_an_untouched_log_is_whole_with_its_count_head_and_checkpoint(log: Path)
     assert where == 0, text
     signer = keys.read_public_of_state(str(log.parent))
     assert text.startswith(f"whole: {EVENTS} events, head {EVENTS} ")
-    assert f"last checkpoint 4 at event {EVENTS} signed by {keys.key_id(signer)}" in text
+    assert f"last checkpoint 5 at event {EVENTS} signed by {keys.key_id(signer)}" in text
     assert "not yet signed" not in text                          # the shutdown signed the head
 
 
@@ -156,14 +156,14 @@ def test_a_checkpoint_forged_without_the_key_is_caught(log: Path) -> None:
     other = keys.Signer(Ed25519PrivateKey.generate())
     forged = last._replace(id=last.id + 1, kind="periodic", prev_digest=digest(last.message()), key_id=other.key_id)
     forged = forged._replace(signature=other.sign(forged.message()))
-    db.execute("INSERT INTO audit_checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", forged)
+    db.execute("INSERT INTO audit_checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", forged)
     # and one claiming the right key id, with a signature that is not the key's
     claimed = forged._replace(id=last.id + 2, key_id=last.key_id, prev_digest=digest(forged.message()))
     db.commit()
     db.close()
     assert _verify(log) == (last.id + 1, Kind.CHECKPOINT)
     _tamper(log, ("DELETE FROM audit_checkpoints WHERE id = ?", (last.id + 1,)),
-            ("INSERT INTO audit_checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            ("INSERT INTO audit_checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
              tuple(claimed._replace(id=last.id + 1, prev_digest=digest(last.message())))))
     assert _verify(log) == (last.id + 1, Kind.CHECKPOINT)
 
@@ -218,23 +218,28 @@ def test_a_store_from_before_the_chain_starts_it_at_an_explicit_genesis(tmp_path
     assert _verify(path) == (5, Kind.INSERTED)                  # unchaining a new event is no way out
 
 
-def test_offline_verify_writes_nothing_beside_the_database(log: Path) -> None:
-    """Offline and read-only, with the daemon's store closed (immutable) and open (its WAL read):
-    the directory's files are the same before and after, none modified."""
+def test_offline_verify_writes_nothing_beside_the_database(log: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Offline and read-only, with the daemon's store closed (immutable) and open (a WAL beside
+    it: refused, exit 2, saying what to do, since SQLite would make and write a -shm there): the
+    directory's files are the same before and after, none modified or made."""
     def listing() -> dict[str, tuple[int, int]]:
         return {name: (os.stat(log.parent / name).st_mtime_ns, os.stat(log.parent / name).st_size)
                 for name in os.listdir(log.parent)}
 
     before = listing()
-    assert audit_main(["verify", "--db", str(log)]) == 0
+    assert audit_main(["verify", "--db", str(log), "--state-dir", str(log.parent)]) == 0
     assert listing() == before
     live = EventStore(str(log))                                   # a daemon's store, with its WAL
     live.append("sess-c", EventType.SESSION_CREATED)
     before = listing()
     assert any(name.endswith("-wal") for name in before)
-    assert audit_main(["verify", "--db", str(log)]) == 0         # reads the WAL: sees the new event
+    capsys.readouterr()
+    assert audit_main(["verify", "--db", str(log), "--state-dir", str(log.parent)]) == 2
+    assert "write-ahead log" in capsys.readouterr().err
     assert listing() == before
     live.close()
+    assert not os.path.exists(f"{log}-wal")                       # closed: folded in, verifiable again
+    assert audit_main(["verify", "--db", str(log), "--state-dir", str(log.parent)]) == 0
 
 
 def test_the_command_prints_whole_or_the_first_problem_and_exits_accordingly(log: Path, tmp_path: Path,
@@ -258,9 +263,9 @@ def test_the_command_prints_whole_or_the_first_problem_and_exits_accordingly(log
     assert audit_main(["verify", "--db", str(tmp_path / "missing.db")]) == 2
     (tmp_path / "not-a.db").write_bytes(b"not sqlite at all" * 100)
     assert audit_main(["verify", "--db", str(tmp_path / "not-a.db")]) == 2
-    assert audit_main(["verify", "--db", str(log), "--session", "no-such-session"]) == 2
-    assert audit_main(["verify", "--db", str(log), "--session", "sess-b"]) == 0        # untouched
-    assert audit_main(["verify", "--db", str(log), "--session", "sess-a"]) == 1        # event 7 was sess-a's
+    assert audit_main(["verify", "--db", str(log), "--state-dir", str(log.parent), "--session", "no-such-session"]) == 2
+    assert audit_main(["verify", "--db", str(log), "--state-dir", str(log.parent), "--session", "sess-b"]) == 0        # untouched
+    assert audit_main(["verify", "--db", str(log), "--state-dir", str(log.parent), "--session", "sess-a"]) == 1        # event 7 was sess-a's
     assert capsys.readouterr().out.splitlines()[-1] == \
         "NOT WHOLE: event 9 deleted: its session's events with sequence 4 to 4 are missing"
 
@@ -307,9 +312,9 @@ def test_an_exporter_reads_events_with_their_hashes_and_the_checkpoints(log: Pat
         assert all(later.prev_hash == earlier.hash for earlier, later in zip(events, events[1:]))
         assert [event.id for event in store.events_after(38, 1000)] == [39, 40]
         signed = store.checkpoints_after(0)
-        assert [c.last_event_id for c in signed] == [10, 20, 30, 40]
-        assert all(c.head_hash == events[c.last_event_id - 1].hash for c in signed)
-        assert [c.id for c in store.checkpoints_after(3)] == [4]
+        assert [c.last_event_id for c in signed] == [0, 10, 20, 30, 40]      # 0: the store's start
+        assert all(c.head_hash == events[c.last_event_id - 1].hash for c in signed[1:])
+        assert [c.id for c in store.checkpoints_after(3)] == [4, 5]
         assert [(e.hash, e.prev_hash) for e in store.query(after_id=0, limit=1000)] == \
             [(e.hash, e.prev_hash) for e in events]                # QueryEvents and WatchEvents carry them too
     finally:

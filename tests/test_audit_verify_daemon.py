@@ -97,10 +97,9 @@ def test_verify_through_the_daemon_by_administrator_and_owner(plain_users: Any, 
     assert offline.returncode == 1 and offline.stdout.startswith(f"NOT WHOLE: event {edited} edited")
 
 
-def test_one_verification_per_owner_at_a_time(tmp_path: Path) -> None:
-    """The per-owner bound, with the first verification held inside its walk: the owner's second
-    is refused (RESOURCE_EXHAUSTED), another administrator's runs, and the node's chain is refused
-    to a caller that is not one."""
+def _verification(tmp_path: Path) -> tuple[EventStore, AuditVerification]:
+    """A store of 30 events of session "s" and a verification over it in chunks of 10 (several
+    chunks: a held caller check stops it inside its walk); every session visible to everyone."""
     from sandboxd.audit.store import open_in_state_dir
 
     store = open_in_state_dir(str(tmp_path / "state"))
@@ -114,7 +113,14 @@ def test_one_verification_per_owner_at_a_time(tmp_path: Path) -> None:
         def visible_ids(self, _who: object, session_id: str = "") -> list[str]:
             return [session_id]
 
-    verification = AuditVerification(Registry(store), chunk=10)  # type: ignore[arg-type]  # several chunks
+    return store, AuditVerification(Registry(store), chunk=10)  # type: ignore[arg-type]
+
+
+def test_one_verification_per_owner_at_a_time(tmp_path: Path) -> None:
+    """The per-owner bound, with the first verification held inside its walk: the owner's second
+    is refused (RESOURCE_EXHAUSTED), another administrator's runs, and the node's chain is refused
+    to a caller that is not one."""
+    store, verification = _verification(tmp_path)
     root = identify(PeerCredentials(0, 0, 1, ""))
     admin = identify(PeerCredentials(4242, 4242, 1, "", (777,)), admin_gid=777)
     plain = identify(PeerCredentials(4243, 4243, 1, ""))
@@ -142,4 +148,40 @@ def test_one_verification_per_owner_at_a_time(tmp_path: Path) -> None:
         assert first["answer"].whole and first["answer"].events == 30
     finally:
         release.set()
+        store.close()
+
+
+def test_the_last_verification_slot_is_kept_for_administrators(tmp_path: Path) -> None:
+    """Tenants looping on their own sessions fill what they may (MAX_RUNNING - 1): a third tenant
+    is refused saying why, an administrator's whole-node verify still runs (the control)."""
+    from sandboxd.service.audit_verify import ADMIN_RESERVED, MAX_RUNNING
+
+    store, verification = _verification(tmp_path)
+    tenants = [identify(PeerCredentials(5000 + index, 5000 + index, 1, "")) for index in range(MAX_RUNNING)]
+    release = threading.Event()
+    inside = [threading.Event() for _ in tenants]
+    runners = []
+
+    def holder(index: int) -> Any:
+        def held() -> bool:
+            inside[index].set()
+            release.wait(SAFETY_DEADLINE)
+            return True
+        return held
+
+    try:
+        for index in range(MAX_RUNNING - ADMIN_RESERVED):
+            runner = threading.Thread(target=verification.verify, args=(
+                tenants[index], pb.VerifyAuditRequest(session_id="s"), holder(index)))
+            runner.start()
+            runners.append(runner)
+            assert inside[index].wait(SAFETY_DEADLINE)
+        with pytest.raises(Exhausted, match="kept for administrators"):
+            verification.verify(tenants[-1], pb.VerifyAuditRequest(session_id="s"), lambda: True)
+        root = identify(PeerCredentials(0, 0, 1, ""))
+        assert verification.verify(root, pb.VerifyAuditRequest(), lambda: True).whole
+    finally:
+        release.set()
+        for runner in runners:
+            runner.join()
         store.close()

@@ -237,6 +237,8 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX call_results_by_owner ON call_results (owner, finished_at);
     CREATE INDEX call_results_by_time ON call_results (finished_at);
     """,
+    # 8: the checkpoint interval, signed into each checkpoint (sandboxd.audit.integrity.schema).
+    chain_schema.INTERVAL_MIGRATION,
 )
 
 # Finished calls' results kept (call_results): a day, and at most this many per owner and in all

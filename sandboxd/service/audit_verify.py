@@ -9,7 +9,10 @@ other owners' events.
 Bounded: the verifier reads through a read-only connection of its own (a WAL reader: appends never
 wait for it, nor it for them), in chunks, sleeping YIELD_SECONDS between chunks so the daemon's
 other threads keep the interpreter; one verification per owner at a time and MAX_RUNNING in the
-whole daemon (RESOURCE_EXHAUSTED past either, saying which), and it stops when its caller leaves.
+whole daemon, the last of them kept for administrators (RESOURCE_EXHAUSTED past either, saying
+which), and it stops when its caller leaves (checked between chunks of events and of checkpoints).
+A session's verify reads that session's events and the newest checkpoint only (one signature
+check), not the node's checkpoint history: a tenant's tiny session costs what it holds.
 It runs on the RPC's own worker thread, which the caller's request quota already counts.
 """
 
@@ -26,7 +29,8 @@ from sandboxd.service.callers import Caller
 from sandboxd.service.sessions.registry import SessionRegistry
 from sandboxd.v1 import sandboxd_pb2 as pb
 
-MAX_RUNNING = 2
+MAX_RUNNING = 3
+ADMIN_RESERVED = 1          # of MAX_RUNNING, only an administrator's verification may take
 YIELD_SECONDS = 0.002
 
 
@@ -48,8 +52,12 @@ class AuditVerification:
         with self._lock:
             if owner in self._owners:
                 raise Exhausted(f"{owner} has an audit verification under way: wait for its answer")
-            if len(self._owners) >= MAX_RUNNING:
-                raise Exhausted(f"{MAX_RUNNING} audit verifications are under way on this daemon: retry in a "
+            # The last slot is kept for administrators: tenants looping on their own sessions
+            # never shut out the node's whole-chain verify.
+            limit = MAX_RUNNING if who.is_admin else MAX_RUNNING - ADMIN_RESERVED
+            if len(self._owners) >= limit:
+                raise Exhausted(f"{len(self._owners)} audit verifications are under way on this daemon"
+                                f"{'' if who.is_admin else ' (the last slot is kept for administrators)'}: retry in a "
                                 "moment")
             self._owners.add(owner)
         try:

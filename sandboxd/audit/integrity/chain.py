@@ -33,6 +33,12 @@ class ChainWriter:
         last = checkpoints.latest(db)
         self.checkpointed_id = last.last_event_id if last else self.head_id
         self._sessions: dict[str, bytes] = {}
+        if signer is not None and (last is None or last.interval != checkpoint_events):
+            # The verifier bounds the unsigned tail by the interval the last checkpoint signed: a
+            # store always has one once the daemon opened it (none at all means they were deleted),
+            # and a new interval is signed before events are written under it.
+            self.checkpoint(checkpoints.Kind.START)
+            db.execute("UPDATE audit_genesis SET checkpoint_events = ?", (checkpoint_events,))
 
     def next_id(self) -> int:
         return self.head_id + 1
@@ -69,7 +75,7 @@ class ChainWriter:
         self._db.execute("BEGIN IMMEDIATE")
         try:
             written = checkpoints.write(self._db, self.signer, kind, self.genesis_id, self.head_id, self.head_hash,
-                                        pruned)
+                                        pruned, self.checkpoint_events)
             self._db.execute("COMMIT")
         except BaseException:
             self._db.execute("ROLLBACK")

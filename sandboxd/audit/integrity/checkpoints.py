@@ -24,6 +24,7 @@ class Kind:
     PERIODIC = "periodic"       # every audit.checkpoint_events events
     SHUTDOWN = "shutdown"       # the store closing
     PRUNE = "prune"             # retention removed events up to pruned_through
+    START = "start"             # the store opened with no checkpoint yet, or under another interval
 
 
 class Checkpoint(NamedTuple):
@@ -40,17 +41,18 @@ class Checkpoint(NamedTuple):
     signature: bytes
     key_id: str
     time: float
+    interval: int = 0          # audit.checkpoint_events when it was written (0: an older checkpoint, none signed)
 
     def message(self) -> bytes:
         return checkpoint_message(self.id, self.kind, self.genesis_id, self.last_event_id, self.head_hash,
                                   self.event_count, self.pruned_through, self.pruned_hash, self.pruned_count,
-                                  self.prev_digest, self.time, self.key_id)
+                                  self.prev_digest, self.time, self.key_id, self.interval)
 
 
 def from_row(row: tuple[Any, ...]) -> Checkpoint:
     return Checkpoint(int(row[0]), str(row[1]), int(row[2]), int(row[3]), bytes(row[4]), int(row[5]),
                       int(row[6]), bytes(row[7]), int(row[8]), bytes(row[9]), bytes(row[10]), str(row[11]),
-                      float(row[12]))
+                      float(row[12]), int(row[13]))
 
 
 def latest(db: sqlite3.Connection) -> Checkpoint | None:
@@ -59,7 +61,7 @@ def latest(db: sqlite3.Connection) -> Checkpoint | None:
 
 
 def write(db: sqlite3.Connection, signer: "Signer", kind: str, genesis_id: int, last_event_id: int, head_hash: bytes,
-          pruned: tuple[int, bytes, int] | None = None) -> Checkpoint:
+          pruned: tuple[int, bytes, int] | None = None, interval: int = 0) -> Checkpoint:
     """Sign and insert one checkpoint (the caller holds the store's lock; its own transaction).
     ``pruned``: (through id, its hash, how many) when this one records a prune; else the
     previous checkpoint's, carried forward."""
@@ -70,7 +72,7 @@ def write(db: sqlite3.Connection, signer: "Signer", kind: str, genesis_id: int, 
     count = last_event_id - genesis_id + 1 if last_event_id >= genesis_id else 0
     unsigned = Checkpoint((previous.id if previous else 0) + 1, kind, genesis_id, last_event_id, head_hash, count,
                           pruned[0], pruned[1], pruned[2], digest(previous.message()) if previous else ZERO_HASH,
-                          b"", signer.key_id, time.time())
+                          b"", signer.key_id, time.time(), interval)
     signed = unsigned._replace(signature=signer.sign(unsigned.message()))
-    db.execute(f"INSERT INTO audit_checkpoints ({CHECKPOINT_COLUMNS}) VALUES ({', '.join('?' * 13)})", signed)
+    db.execute(f"INSERT INTO audit_checkpoints ({CHECKPOINT_COLUMNS}) VALUES ({', '.join('?' * 14)})", signed)
     return signed

@@ -42,16 +42,18 @@ def event_hash(event_id: int, time: float, session_id: str, sequence: int, kind:
 
 def checkpoint_message(checkpoint_id: int, kind: str, genesis_id: int, last_event_id: int, head_hash: bytes,
                        count: int, pruned_through: int, pruned_hash: bytes, pruned_count: int,
-                       prev_digest: bytes, time: float, key_id: str) -> bytes:
+                       prev_digest: bytes, time: float, key_id: str, interval: int = 0) -> bytes:
     """The bytes a checkpoint's signature covers: where the chain starts (``genesis_id``), its head
     (the last event's id and hash, and how many events the chain holds up to it, pruned ones
     included), what retention removed (every event up to ``pruned_through``, the last of them
-    hashing to ``pruned_hash``), and the previous checkpoint (the SHA-256 of its message)."""
+    hashing to ``pruned_hash``), the previous checkpoint (the SHA-256 of its message), and the
+    checkpoint interval it was written under (``interval``; 0, an older checkpoint's: not signed,
+    so the message is the one that older sandboxd signed)."""
     return b"".join((
         _field(CHECKPOINT_TAG), _integer(checkpoint_id), _text(kind), _integer(genesis_id),
         _integer(last_event_id), _field(head_hash), _integer(count), _integer(pruned_through),
         _field(pruned_hash), _integer(pruned_count), _field(prev_digest), _field(struct.pack(">d", time)),
-        _text(key_id)))
+        _text(key_id))) + (_integer(interval) if interval else b"")
 
 
 def digest(message: bytes) -> bytes:

@@ -98,8 +98,31 @@ def read_public_of_state(state_dir: str) -> Ed25519PublicKey:
         return _read_private(os.path.join(state_dir, KEY_FILE)).public_key()
     except (PermissionError, FileNotFoundError, InvalidPolicy):
         pass                                      # not ours to read, or not one the daemon would use
-    with open(os.path.join(state_dir, PUBLIC_FILE), encoding="utf-8") as handle:
-        return parse_public(handle.read(MAX_KEY_FILE))
+    return read_public_file(os.path.join(state_dir, PUBLIC_FILE))
+
+
+def read_public_file(path: str) -> Ed25519PublicKey:
+    """A public key file (``--pubkey``, ``audit-signing.pub``), opened so that what is there
+    cannot hang or redirect the reader: no symlink followed, a FIFO or device refused (not waited
+    on), at most MAX_KEY_FILE bytes read. FileNotFoundError when absent; InvalidPolicy otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise InvalidPolicy(f"{path} is a symlink: a public key must be a regular file") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidPolicy(f"{path} is not a regular file: a public key must be one")
+        data = os.read(fd, MAX_KEY_FILE + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_KEY_FILE:
+        raise InvalidPolicy(f"{path} is longer than {MAX_KEY_FILE} bytes: not a public key")
+    try:
+        return parse_public(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise InvalidPolicy(f"{path} is not text: not a public key") from None
 
 
 def _read_private(path: str) -> Ed25519PrivateKey:

@@ -158,7 +158,7 @@ def _one_chunk(db: sqlite3.Connection, chain: ChainWriter, cutoff: float | None,
             so_far = previous.pruned_count if previous else 0
             assert chain.signer is not None
             checkpoints.write(db, chain.signer, Kind.PRUNE, chain.genesis_id, chain.head_id, chain.head_hash,
-                              (int(last[0]), bytes(last[1]), so_far + chained))
+                              (int(last[0]), bytes(last[1]), so_far + chained), chain.checkpoint_events)
         db.execute("COMMIT")
     except BaseException:
         db.execute("ROLLBACK")

@@ -21,5 +21,13 @@ MIGRATION = """
         signature BLOB NOT NULL, key_id TEXT NOT NULL, time REAL NOT NULL)
 """
 
+# 8 (the store's migration 8): the checkpoint interval (audit.checkpoint_events) each checkpoint was
+# written under, signed into it, and the genesis row's copy for a log with no checkpoint yet: the
+# verifier refuses an unsigned tail longer than the interval allows (deleted checkpoints).
+INTERVAL_MIGRATION = """
+    ALTER TABLE audit_checkpoints ADD COLUMN interval INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE audit_genesis ADD COLUMN checkpoint_events INTEGER NOT NULL DEFAULT 0
+"""
+
 CHECKPOINT_COLUMNS = ("id, kind, genesis_id, last_event_id, head_hash, count, pruned_through, pruned_hash, "
-                      "pruned_count, prev_digest, signature, key_id, time")
+                      "pruned_count, prev_digest, signature, key_id, time, interval")
