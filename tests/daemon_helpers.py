@@ -66,6 +66,20 @@ def make_base_dir(prefix: str = "sbxd-") -> Path:
     return path
 
 
+@contextlib.contextmanager
+def base_with_workspace(prefix: str) -> Iterator[Path]:
+    """A fresh base directory (make_base_dir) holding ``ws``, a workspace every uid may write,
+    removed after."""
+    path = make_base_dir(prefix)
+    ws = path / "ws"
+    ws.mkdir()
+    os.chmod(ws, 0o777)
+    try:
+        yield path
+    finally:
+        remove_tree(path)
+
+
 def socket_in(base: Path) -> Path:
     """Where a test daemon's socket lives under ``base``: ``<base>/run/sandboxd.sock``. The socket's
     directory is the daemon's own (it keeps its private sockets there, hides it inside every sandbox

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 import mcp_types as types
 from mcp import Client
 from mcp.client.session import ElicitationFnT, MessageHandlerFnT
+from mcp.client import stdio
 from mcp.client.stdio import StdioServerParameters
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,6 +37,9 @@ def server_params(socket: str, workspace: str | os.PathLike[str], *flags: str,
 async def mcp_client(socket: str, workspace: str | os.PathLike[str], *flags: str,
                      elicitation: ElicitationFnT | None = None, messages: MessageHandlerFnT | None = None,
                      as_user: tuple[int, int] | None = None) -> AsyncIterator[Client]:
+    # The SDK's stdio_client takes the server's stderr from a default bound when it was imported
+    # (sys.stderr then: an earlier test's capture, gone since); fd 2, whatever captures it now.
+    stdio.stdio_client.__wrapped__.__defaults__ = (sys.__stderr__,)  # type: ignore[attr-defined]
     async with Client(server_params(socket, workspace, *flags, as_user=as_user), elicitation_callback=elicitation,
                       message_handler=messages, read_timeout_seconds=120) as client:
         yield client

@@ -25,7 +25,7 @@ import grpc
 import pytest
 
 from conftest import pids_with_marker
-from daemon_helpers import (Daemon, ExecCall, create_session, exec_start, make_base_dir, remove_tree, run_exec,
+from daemon_helpers import (Daemon, ExecCall, base_with_workspace, create_session, exec_start, run_exec,
                             sandbox_cgroups, sandbox_links, socket_in, workspace_write)
 from sandboxd import config
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
@@ -39,14 +39,8 @@ DIE = {"SANDBOXD_SUPERVISOR_SURVIVE_RESTART": "false"}
 
 @pytest.fixture
 def base() -> Iterator[Path]:
-    path = make_base_dir("sbxadopt-")
-    ws = path / "ws"
-    ws.mkdir()
-    os.chmod(ws, 0o777)
-    try:
+    with base_with_workspace("sbxadopt-") as path:
         yield path
-    finally:
-        remove_tree(path)
 
 
 def events(daemon: Daemon, session_id: str, kind: str) -> list[pb.Event]:

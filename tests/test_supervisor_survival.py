@@ -148,7 +148,7 @@ def test_a_detached_supervisor_keeps_everything_and_hands_it_to_the_next_client(
             ForkServer.attach(str(base / "private" / "supervisor.sock"))
         # The missed ends reach the audit log and CallResults, as the daemon records them.
         store = EventStore(str(base / "events.db"))
-        results = CallResults()
+        results = CallResults(None)
         try:
             adopted = Adopter(None, fresh, store, results).adopt(  # type: ignore[arg-type]
                 Adoption({}, (), (chatty_end.replace(session=SESSION),)))
