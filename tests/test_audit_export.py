@@ -200,6 +200,34 @@ def test_the_file_sink_follows_an_outside_rotation(tmp_path: Path) -> None:
     assert path.read_text() == '{"n":2}\n' and (tmp_path / "audit.jsonl.old").read_text() == '{"n":1}\n'
 
 
+def test_the_file_sink_writes_only_into_a_file_of_its_own(tmp_path: Path) -> None:
+    """A file another user made first at the path (theirs to read: the node's whole trail), a
+    FIFO (an open that would block the export for good), or one others may read: refused, naming
+    the file, at once. The control: the sink's own file, made 0600, takes the records."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o1777)
+    theirs = shared / "audit.jsonl"
+    theirs.touch(mode=0o666)
+    os.chown(theirs, 65534, 65534)
+    fifo = shared / "fifo.jsonl"
+    os.mkfifo(fifo)
+    loose = tmp_path / "loose.jsonl"
+    loose.touch()
+    os.chmod(loose, 0o644)
+    for path, why in ((theirs, "belongs to uid 65534"), (fifo, "is not a regular file|No such device"), (loose, "has mode 644")):
+        sink = FileSink(str(path), max_bytes=1 << 20, keep=2)
+        with pytest.raises(OSError, match=why):
+            sink.send([({}, b'{"n":1}\n')])
+        sink.close()
+    assert theirs.read_bytes() == b"" and loose.read_bytes() == b""
+    own = tmp_path / "own" / "audit.jsonl"
+    sink = FileSink(str(own), max_bytes=1 << 20, keep=2)
+    sink.send([({}, b'{"n":1}\n')])
+    sink.close()
+    assert own.read_text() == '{"n":1}\n' and own.stat().st_mode & 0o777 == 0o600
+
+
 def test_the_cursor_is_replaced_whole(tmp_path: Path) -> None:
     cursor = Cursor(str(tmp_path / "c.cursor"))
     assert cursor.last_id == 0

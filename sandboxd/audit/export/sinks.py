@@ -14,7 +14,9 @@ exporter stores its cursor only after ``send`` returns. A sink holds no events b
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from typing import Any, Protocol, Sequence
 
 from sandboxd.errors import InvalidPolicy
@@ -66,8 +68,21 @@ class FileSink:
             os.close(self._fd)
             self._fd = -1
         os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        self._size = os.fstat(self._fd).st_size
+        # O_NONBLOCK: a FIFO put at the path must not hang the export thread; what was opened is
+        # then checked: the node's audit trail goes only into a regular file of the daemon's that
+        # nobody else may read or write (one another user made first would be theirs to read).
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                     0o600)
+        st = os.fstat(fd)
+        problem = ("is not a regular file" if not stat.S_ISREG(st.st_mode)
+                   else f"belongs to uid {st.st_uid}, not to the daemon's" if st.st_uid != os.geteuid()
+                   else f"has mode {stat.S_IMODE(st.st_mode):o}: others may read or write it" if st.st_mode & 0o077
+                   else "")
+        if problem:
+            os.close(fd)
+            raise OSError(errno.EPERM, f"audit.export.path {self.path} {problem}: remove it (the sink makes its own, "
+                          "0600), or choose a path in a directory only root may write")
+        self._fd, self._size = fd, st.st_size
 
     def send(self, records: Sequence[tuple[dict[str, Any], bytes]]) -> None:
         self._open()
