@@ -47,6 +47,7 @@ def drain_with_a_call_running(base: Path, env: dict[str, str]) -> tuple[str, str
         [started] = [e for e in first.stub.QueryEvents(pb.QueryEventsRequest(
             session_id=session.id, types=["ToolInvocationStarted"]), timeout=30).events]
         assert first.stop(signal.SIGTERM) == 0, first.log()
+        call.close()             # its stream ended with the daemon: no gRPC thread of it may outlive the test
     finally:
         first.close()
     return session.id, started.call_id
