@@ -242,17 +242,32 @@ def _upstream_proxy(value: object) -> str | None:
 
 def split_upstream_proxy(url: str) -> tuple[str, int] | None:
     """``http://HOST:PORT`` as (host, port): HOST a host name or an IPv4 address; None otherwise."""
+    authority = url.removeprefix("http://").removesuffix("/")
+    if not url.startswith("http://") or "@" in authority or "/" in authority:
+        return None
+    return _host_and_port(authority, ipv6=False)
+
+
+def _host_and_port(text: str, *, ipv6: bool) -> tuple[str, int] | None:
+    """``HOST:PORT`` as (host, port): HOST an IPv4 address or a host name (and with ``ipv6``, an
+    IPv6 address in brackets), PORT from 1 to 65535; None when it is not that."""
+    import ipaddress
+
     from sandboxd.policy.domains import host_name
     from sandboxd.policy.ipv4 import ipv4_address, port
 
-    authority = url.removeprefix("http://").removesuffix("/")
-    host, colon, port_text = authority.rpartition(":")
-    if not colon or not url.startswith("http://") or "@" in authority or "/" in authority:
+    host, colon, port_text = text.rpartition(":")
+    if not colon or not host:
         return None
     try:
         number = port(port_text)
     except ValueError:
         return None
+    if ipv6 and host.startswith("[") and host.endswith("]"):
+        try:
+            return str(ipaddress.IPv6Address(host[1:-1])), number
+        except ValueError:
+            return None
     try:
         return str(ipv4_address(host)), number
     except ValueError:
@@ -327,28 +342,7 @@ def _secrets(value: object) -> str | None:
 def split_listen_address(text: str) -> tuple[str, int] | None:
     """``HOST:PORT`` of a TCP listener as (host, port): HOST an IPv4 address, an IPv6 one in
     brackets or a host name, PORT from 1 to 65535; None when it is not that."""
-    import ipaddress
-
-    from sandboxd.policy.domains import host_name
-    from sandboxd.policy.ipv4 import ipv4_address, port
-
-    host, colon, port_text = text.rpartition(":")
-    if not colon or not host:
-        return None
-    try:
-        number = port(port_text)
-    except ValueError:
-        return None
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            return str(ipaddress.IPv6Address(host[1:-1])), number
-        except ValueError:
-            return None
-    try:
-        return str(ipv4_address(host)), number
-    except ValueError:
-        name = host_name(host)
-        return None if name is None else (name, number)
+    return _host_and_port(text, ipv6=True)
 
 
 def _listen_address(value: object) -> str | None:
