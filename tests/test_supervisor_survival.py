@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from conftest import BASE_ENV
-from daemon_helpers import make_base_dir, plain_users, remove_tree, sandbox_cgroups
+from daemon_helpers import base_with_workspace, plain_users, sandbox_cgroups
 from sandboxd.audit.store import EventStore, EventType
 from sandboxd.errors import WrongState
 from sandboxd.policy import LaunchSpec, Limits, WorkspaceWrite
@@ -44,16 +44,9 @@ SESSION = "5e55101d#1"          # a sandbox's name as the daemon makes it (ID#GE
 
 @pytest.fixture
 def base() -> Iterator[Path]:
-    path = make_base_dir("sbxsurvive-")
-    private = path / "private"
-    private.mkdir(mode=0o700)
-    ws = path / "ws"
-    ws.mkdir()
-    os.chmod(ws, 0o777)
-    try:
+    with base_with_workspace("sbxsurvive-") as path:
+        (path / "private").mkdir(mode=0o700)
         yield path
-    finally:
-        remove_tree(path)
 
 
 def spec(base: Path, **limits: int) -> LaunchSpec:
