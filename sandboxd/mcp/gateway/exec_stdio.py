@@ -85,7 +85,7 @@ class _Lines:
         self._partial = bytearray()
 
     def feed(self, data: bytes) -> list[bytes]:
-        lines = []
+        lines: list[bytes] = []
         start = 0
         while True:
             end = data.find(b"\n", start)

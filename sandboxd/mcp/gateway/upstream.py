@@ -199,7 +199,8 @@ class Upstream:
         """Its session: the one it had while that is open, else a new one."""
         if self.session is not None:
             try:
-                session = await self._daemon.stub.GetSession(pb.GetSessionRequest(session_id=self.session.id))
+                session: pb.Session = await self._daemon.stub.GetSession(
+                    pb.GetSessionRequest(session_id=self.session.id))
                 if not session.closed_at:
                     self.session = session
                     return session
@@ -209,11 +210,12 @@ class Upstream:
         if not os.path.exists(self.config.workspace):
             os.makedirs(self.config.workspace, mode=0o700, exist_ok=True)
         try:
-            self.session, self._owns_session = await self._daemon.open(spec)
+            opened, self._owns_session = await self._daemon.open(spec)
         except grpc.aio.AioRpcError as error:
             raise UpstreamError(f"{self.name}: its session could not be opened: {error.code().name}: "
                                 f"{printable(error.details() or '')}") from None
-        return self.session
+        self.session = opened
+        return opened
 
     async def _serve(self) -> None:
         """One run of the server: start it, initialize, list, then follow it until it ends."""
@@ -246,8 +248,10 @@ class Upstream:
 
     async def _on_message(self, message: Any) -> None:
         """The upstream's notifications: a list_changed marks that listing for the relister."""
-        kind = {types.ToolListChangedNotification: "tools", types.ResourceListChangedNotification: "resources",
-                types.PromptListChangedNotification: "prompts"}.get(type(message))
+        kinds: dict[type, str] = {types.ToolListChangedNotification: "tools",
+                                  types.ResourceListChangedNotification: "resources",
+                                  types.PromptListChangedNotification: "prompts"}
+        kind = kinds.get(type(message))
         if kind is not None:
             self._dirty.add(kind)
             self._relist.set()
