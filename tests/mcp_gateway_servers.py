@@ -38,8 +38,13 @@ def text_result(request_id: Any, text: str, *, error: bool = False) -> None:
     send({"id": request_id, "result": {"content": [{"type": "text", "text": text}], "isError": error}})
 
 
+# The server's own claims about its tools (MCP annotations): a trusted upstream's count, an untrusted one's not.
+ANNOTATIONS = {"read_file": {"readOnlyHint": True}, "write_file": {"destructiveHint": True}}
+
+
 def tool_list() -> list[dict[str, Any]]:
-    return [{"name": name, "description": f"the test server's {name}", "inputSchema": SCHEMA} for name in TOOLS]
+    return [{"name": name, "description": f"the test server's {name}", "inputSchema": SCHEMA,
+             **({"annotations": ANNOTATIONS[name]} if name in ANNOTATIONS else {})} for name in TOOLS]
 
 
 def main() -> None:

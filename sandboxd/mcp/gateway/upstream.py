@@ -225,6 +225,7 @@ class Upstream:
         async with exec_stdio_client(self._daemon.stub, start, process) as (read_stream, write_stream):
             async with ClientSession(read_stream, write_stream, message_handler=self._on_message,
                                      client_info=CLIENT_INFO) as client:
+                before = self._listings()
                 try:
                     with anyio.fail_after(START_TIMEOUT_SECONDS):
                         await client.initialize()
@@ -238,6 +239,10 @@ class Upstream:
                     return
                 self._client, self.state = client, "ready"
                 self._settle(None)
+                # Started again (or at last): what its lists say now may differ from before.
+                after = self._listings()
+                for kind in sorted(kind for kind in after if after[kind] != before[kind]):
+                    await self._on_change(kind)
                 async with anyio.create_task_group() as tasks:
                     tasks.start_soon(self._follow_changes, client)
                     tasks.start_soon(_cancel_when, process.ended.wait, tasks.cancel_scope)
@@ -255,6 +260,10 @@ class Upstream:
         if kind is not None:
             self._dirty.add(kind)
             self._relist.set()
+
+    def _listings(self) -> dict[str, list[dict[str, Any]]]:
+        return {kind: [item.model_dump(by_alias=True, exclude_none=True) for item in getattr(self, kind)]
+                for kind in ("tools", "resources", "prompts")}
 
     async def _follow_changes(self, client: ClientSession) -> None:
         while True:
