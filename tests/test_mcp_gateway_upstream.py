@@ -170,10 +170,16 @@ def test_a_flood_is_bounded_and_the_upstream_restarts(daemon: Daemon, ws: Path) 
 
 
 def test_a_crash_fails_the_call_and_the_next_call_works(daemon: Daemon, ws: Path) -> None:
+    changes: list[str] = []
+
+    async def changed(kind: str) -> None:
+        changes.append(kind)
+
     async def scenario(client: AsyncDaemon) -> None:
-        upstream = Upstream(client, upstream_config("crashy", ws, "crash-after", "2"), no_change)
+        upstream = Upstream(client, upstream_config("crashy", ws, "crash-after", "2"), changed)
         try:
             assert text(await upstream.call_tool("echo", {"text": "1"}, 30)) == "echo: 1"
+            changes.clear()
             with pytest.raises(UpstreamError) as crash:
                 await upstream.call_tool("echo", {"text": "2"}, 30)
             assert "exited with status 3" in str(crash.value)
@@ -183,6 +189,7 @@ def test_a_crash_fails_the_call_and_the_next_call_works(daemon: Daemon, ws: Path
             assert text(await upstream.call_tool("echo", {"text": "3"}, 30)) == "echo: 3"
             assert upstream.state == "ready" and upstream.process is not first
             assert len(open_sessions(daemon, "crashy")) == 1       # its session was reused
+            assert changes == []                                     # the same lists: nothing to tell
         finally:
             await upstream.close()
         assert open_sessions(daemon, "crashy") == []
@@ -199,7 +206,10 @@ def test_a_changed_tool_list_is_listed_again(daemon: Daemon, ws: Path) -> None:
         upstream = Upstream(client, upstream_config("lists", ws, "list-changes"), changed)
         try:
             await upstream.ensure_started()
-            assert "extra" not in [tool.name for tool in upstream.tools] and changes == []
+            # Its first start changes every list it has (from nothing): a client that listed before learns of them.
+            assert changes == ["prompts", "resources", "tools"]
+            assert "extra" not in [tool.name for tool in upstream.tools]
+            changes.clear()
             assert text(await upstream.call_tool("add_tool", {"text": "extra"}, 30)) == "added"
             await eventually(lambda: changes == ["tools"], f"no tools change reported: {changes}")
             assert "extra" in [tool.name for tool in upstream.tools]
