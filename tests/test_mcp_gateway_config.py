@@ -40,6 +40,10 @@ pass_env = ["LANG"]
 
 [upstreams.github.tools.delete_repository]
 effect = "destructive"
+
+[upstreams.remote]
+url = "https://mcp.example.com/mcp"
+credentials = ["MCP_KEY=https://mcp.example.com;x-api-key: {}"]
 """
 
 
@@ -48,7 +52,8 @@ def test_a_good_file(tmp_path: Path) -> None:
     path.write_text(GOOD)
     config = load(str(path))
     assert config.path == str(path)
-    files, github = config.upstreams
+    files, github, remote = config.upstreams
+    assert remote.url == "https://mcp.example.com/mcp" and remote.command == ()
     assert files.name == "files" and files.command[0] == "npx" and files.url == ""
     assert files.sandbox == "read-only" and files.trusted and files.start == "first_use"
     assert files.workspace == os.path.expanduser("~/mcp/files") and files.writable_roots == ("/var/tmp/out",)
@@ -98,8 +103,8 @@ BAD = [
     ('[upstreams.up]\ncommand = []\n', "[upstreams.up] command: is empty"),
     ('[upstreams.up]\ncommand = "server --stdio"\n', "[upstreams.up] command: is a string: give a list"),
     ('[upstreams.up]\nurl = "ftp://x"\n', "[upstreams.up] url: 'ftp://x' is not an http(s) URL"),
-    ('[upstreams.up]\nurl = "https://mcp.example.com/mcp"\n', "url upstreams are not supported yet: run the server "
-                                                              "with command = [...]"),
+    ('[upstreams.up]\nurl = "https://me:pw@mcp.example.com/mcp"\n', "url: holds a user or password: give the "
+                                                                    "secret as a credential"),
     ('[upstreams.Up]\ncommand = ["a"]\n', "[upstreams.Up]: the upstream's name must be"),
     ('[upstreams.my_server]\ncommand = ["a"]\n', "[upstreams.my_server]: the upstream's name must be"),
     ('[upstreams.' + "a" * 25 + ']\ncommand = ["a"]\n', "the upstream's name must be 1 to 24"),
@@ -181,5 +186,5 @@ def test_generated_files_are_read_or_refused_with_a_message(name: str, fields: d
     [upstream] = config.upstreams
     assert not set(fields) - {"command", "url", "sandbox", "workspace", "writable_roots", "network", "allow_domains",
                               "credentials", "env", "pass_env", "trusted", "timeout_seconds", "start", "tools"}
-    assert upstream.name == name and upstream.command and all(os.path.isabs(root) for root in upstream.writable_roots)
+    assert upstream.name == name and bool(upstream.command) != bool(upstream.url) and all(os.path.isabs(root) for root in upstream.writable_roots)
     assert os.path.isabs(upstream.workspace) and 0 < upstream.timeout_seconds

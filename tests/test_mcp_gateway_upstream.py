@@ -8,14 +8,20 @@ The servers are tests/mcp_gateway_servers.py, run by the system interpreter insi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import socket
+import subprocess
+import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import mcp_types as types
 import pytest
+from mcp.client.session import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
 
 from conftest import PY, SLOW
 from daemon_fixtures import daemon, ws  # noqa: F401 - pytest fixtures
@@ -279,3 +285,65 @@ def test_the_fleet_starts_the_eager_ones_and_closes_all(daemon: Daemon, sandboxd
         assert open_sessions(daemon, "eager") == open_sessions(daemon, "lazy") == []
         assert {upstream.state for upstream in fleet.upstreams.values()} == {"closed"}
     run(daemon, scenario)
+
+
+HTTP_SERVER = str(Path(__file__).resolve().parent / "mcp_gateway_http_server.py")
+
+
+@contextlib.contextmanager
+def http_mcp_server() -> Iterator[int]:
+    """tests/mcp_gateway_http_server.py on a free loopback port, once it answers."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, HTTP_SERVER, str(port)], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60 * SLOW
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, "the HTTP MCP server did not start"
+            with socket.socket() as attempt:
+                if attempt.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.05)
+        yield port
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_the_http_bridge_carries_mcp_outside_a_sandbox() -> None:
+    """The control for a url upstream: the bridge, run unconfined, reaches the server and carries
+    its tools and calls both ways."""
+    async def scenario(port: int) -> tuple[list[str], str]:
+        params = StdioServerParameters(command=sys.executable, args=[
+            "-m", "sandboxd.mcp.gateway.http_bridge", f"http://localhost:{port}/mcp"], env={"PATH": "/usr/bin:/bin"})
+        async with stdio_client(params, errlog=sys.__stderr__) as (read_stream, write_stream), \
+                ClientSession(read_stream, write_stream) as session:
+            await session.initialize()
+            names = [tool.name for tool in (await session.list_tools()).tools]
+            return names, text(await session.call_tool("echo", {"text": "hi"}))
+    with http_mcp_server() as port:
+        names, answer = asyncio.run(scenario(port))
+    assert names == ["echo"] and answer == "echo over http: hi"
+
+
+def test_a_url_upstream_connects_from_its_sandbox_and_not_to_the_hosts_loopback(daemon: Daemon, ws: Path) -> None:
+    """A url upstream's connection leaves from its own session (its isolated network, the URL's host
+    its only allowed domain), whose loopback is its own: the host's loopback server, which the
+    control above reached through the same bridge, is out of reach."""
+    async def scenario(client: AsyncDaemon, port: int) -> None:
+        config = UpstreamConfig(name="remote", url=f"http://localhost:{port}/mcp", workspace=str(ws))
+        upstream = Upstream(client, config, no_change)
+        try:
+            with pytest.raises(UpstreamError) as refused:
+                await upstream.ensure_started()
+            assert upstream.session is not None
+            policy = upstream.session.sandbox_policy
+            assert policy.network_mode == "isolated" and list(policy.allowed_domains) == ["localhost"]
+            assert "remote stopped: it exited with status 1" in str(refused.value)
+            assert f"http_bridge: http://localhost:{port}/mcp: ConnectError" in str(refused.value)
+        finally:
+            await upstream.close()
+    with http_mcp_server() as port:
+        run(daemon, lambda client: scenario(client, port))

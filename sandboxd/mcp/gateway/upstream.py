@@ -21,8 +21,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import anyio
 import grpc
@@ -61,10 +63,13 @@ def session_spec(config: UpstreamConfig, environ: "os._Environ[str] | dict[str, 
     """The upstream's own session: its policy from its table, approval never, its credentials'
     secrets from the gateway's environment (as `sandboxd mcp --credential` reads them)."""
     network_policy = None
-    if config.allow_domains or config.credentials:
+    domains = list(config.allow_domains)
+    host = urlsplit(config.url).hostname if config.url else None
+    if host and host not in domains:
+        domains.append(host)                    # a url upstream: its bridge reaches the URL's host, nothing more
+    if domains or config.credentials:
         # As cli.network_args.apply_network: an isolated network whose only way out is the proxy.
-        network_policy = pb.SandboxPolicy(network_access=True, network_mode="isolated",
-                                          allowed_domains=list(config.allow_domains),
+        network_policy = pb.SandboxPolicy(network_access=True, network_mode="isolated", allowed_domains=domains,
                                           credentials=list(config.credentials))
     secrets = {}
     for spec in config.credentials:
@@ -83,10 +88,14 @@ def session_spec(config: UpstreamConfig, environ: "os._Environ[str] | dict[str, 
 
 
 def exec_start(config: UpstreamConfig, session_id: str, environ: "os._Environ[str] | dict[str, str]") -> pb.ExecStart:
-    """The server's one long call: its command, with its env and the named caller variables only."""
+    """The server's one long call: its command (a url upstream: the HTTP bridge, by this interpreter),
+    with its env and the named caller variables only."""
     overlay = dict(config.env)
     overlay.update({name: environ[name] for name in config.pass_env if name in environ})
-    return pb.ExecStart(session_id=session_id, argv=list(config.command), env_overlay=overlay, timeout_seconds=0,
+    argv = list(config.command) if config.command else [
+        sys.executable, "-m", "sandboxd.mcp.gateway.http_bridge", config.url,
+        *(f"--credential={spec}" for spec in config.credentials)]
+    return pb.ExecStart(session_id=session_id, argv=argv, env_overlay=overlay, timeout_seconds=0,
                         output_limit_bytes=OUTPUT_UNLIMITED)
 
 
@@ -231,8 +240,10 @@ class Upstream:
                         await client.initialize()
                         await self._list(client, {"tools", "resources", "prompts"})
                 except TimeoutError:
+                    tail = process.stderr_lines()
                     raise UpstreamError(f"{self.name} did not answer initialize and its listings within "
-                                        f"{START_TIMEOUT_SECONDS:g} s") from None
+                                        f"{START_TIMEOUT_SECONDS:g} s" + (f"; its last stderr: {tail}" if tail else "")
+                                        ) from None
                 except MCPError as exc:
                     raise UpstreamError(self._failure(process, exc)) from None
                 if self._stop.is_set():
