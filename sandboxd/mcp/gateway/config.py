@@ -258,6 +258,12 @@ def _upstream(path: str, name: str, value: object, environ: Mapping[str, str]) -
         if clash:
             raise table.error(key, f"{printable(clash[0])} is a credential's variable (it holds the phantom the "
                                    "proxy swaps for the secret): leave it out")
+    if fields.get("sandbox") == "read-only":
+        # The daemon would refuse the session only when the upstream starts: say so now.
+        for key in ("url", "network", "allow_domains", "credentials", "writable_roots"):
+            if fields.get(key):
+                raise table.error(key, "a read-only sandbox has no network and no writable roots: use "
+                                       "sandbox = \"workspace-write\" (or leave the key out)")
     if "tools" in value:
         fields["tools"] = _tools(path, name, value["tools"])
     if "timeout_seconds" in value:
