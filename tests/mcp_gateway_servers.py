@@ -10,7 +10,7 @@ server's working directory, its session's workspace), a resource and a prompt. T
                 result (a valid message under the transport's bound, over the gateway's result bound);
                 ``noise``: 1 MiB on stderr, then answered
   crash-after   the N-th tools/call (N from argv, default 1) exits with status 3 and a stderr line
-  list-changes  ``add_tool`` adds a tool and sends notifications/tools/list_changed
+  list-changes  ``add_tool`` adds a tool and sends notifications/tools/list_changed (``times`` times)
   asks          ``ask``: sends sampling/createMessage, elicitation/create and roots/list to the
                 client, and answers with what came back
 """
@@ -26,7 +26,8 @@ MODE = sys.argv[1] if len(sys.argv) > 1 else "echo"
 N = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 TOOLS = ["echo", "write_file", "read_file"] + {
     "slow": ["hang"], "flood": ["flood", "big", "noise"], "list-changes": ["add_tool"], "asks": ["ask"]}.get(MODE, [])
-SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}, "path": {"type": "string"}}}
+SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}, "path": {"type": "string"},
+                                           "times": {"type": "integer"}}}
 
 
 def send(message: dict[str, Any]) -> None:
@@ -119,7 +120,8 @@ def main() -> None:
             elif name == "add_tool":
                 TOOLS.append(str(arguments.get("text", "added")))
                 text_result(request_id, "added")
-                send({"method": "notifications/tools/list_changed"})
+                for _ in range(int(arguments.get("times", 1))):
+                    send({"method": "notifications/tools/list_changed"})
             elif name == "ask":
                 ask_id = request_id
                 for index, (asked, asked_params) in enumerate((

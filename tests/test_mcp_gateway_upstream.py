@@ -219,6 +219,12 @@ def test_a_changed_tool_list_is_listed_again(daemon: Daemon, ws: Path) -> None:
             assert text(await upstream.call_tool("add_tool", {"text": "extra"}, 30)) == "added"
             await eventually(lambda: changes == ["tools"], f"no tools change reported: {changes}")
             assert "extra" in [tool.name for tool in upstream.tools]
+            # 500 notifications at once: folded into a few listings, not 500 (one per interval at most).
+            changes.clear()
+            assert text(await upstream.call_tool("add_tool", {"text": "more", "times": 500}, 30)) == "added"
+            await eventually(lambda: "more" in [tool.name for tool in upstream.tools], "no listing after the flood")
+            await asyncio.sleep(0)
+            assert 1 <= len(changes) < 50 and set(changes) == {"tools"}
         finally:
             await upstream.close()
     run(daemon, scenario)

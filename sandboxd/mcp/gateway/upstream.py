@@ -12,7 +12,8 @@ front of the person. Its listings are bounded (1,024 tools, resources or prompts
 results too (a tool result over 1 MiB serialized is replaced by an error result saying so), and a
 call that outlives its timeout is cancelled (``notifications/cancelled``) and fails. A server that
 exits fails its pending calls with the exit status and the last lines of its stderr, and is
-started again with back-off (1, 2, 4 ... 60 s); its session is reused while it is open.
+started again with back-off (1, 2, 4 ... 60 s, back to 1 s once it served a minute); its session
+is reused while it is open.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -48,6 +50,8 @@ MAX_PAGES = 64                    # pages of one listing: a cursor that never en
 MAX_RESULT_BYTES = 1 << 20        # a CallToolResult, serialized
 START_TIMEOUT_SECONDS = 60.0      # initialize and the first listings
 BACKOFF_SECONDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0)
+STEADY_SECONDS = 60.0             # served this long: its next fault starts the back-off at 1 s again
+RELIST_INTERVAL_SECONDS = 1.0     # at most one listing per interval for list_changed notifications
 OUTPUT_UNLIMITED = 1 << 62        # the server's output is the transport, never cut
 CLIENT_INFO = types.Implementation(name="sandboxd-mcp-gateway", version="1")
 GATEWAY_LABEL = "sandboxd-mcp-gateway"
@@ -136,6 +140,7 @@ class Upstream:
         self._stop = asyncio.Event()
         self._relist = asyncio.Event()
         self._dirty: set[str] = set()
+        self._ready_at = 0.0
 
     @property
     def state(self) -> str:
@@ -192,7 +197,8 @@ class Upstream:
                 error = f"{self.name} stopped: {self.process.why_ended() if self.process else 'it never started'}"
             self.last_error = error
             self.state = "restarting" if was_ready else "failed"
-            failures = 0 if was_ready else failures
+            if was_ready and time.monotonic() - self._ready_at >= STEADY_SECONDS:
+                failures = 0                 # it served a while: a new fault, not the same crash loop
             delay = BACKOFF_SECONDS[min(failures, len(BACKOFF_SECONDS) - 1)]
             failures += 1
             log.warning("gateway: %s; starting it again in %g s", error, delay)
@@ -248,7 +254,7 @@ class Upstream:
                     raise UpstreamError(self._failure(process, exc)) from None
                 if self._stop.is_set():
                     return
-                self._client, self.state = client, "ready"
+                self._client, self.state, self._ready_at = client, "ready", time.monotonic()
                 self._settle(None)
                 # Started again (or at last): what its lists say now may differ from before.
                 after = self._listings()
@@ -290,6 +296,9 @@ class Upstream:
                 continue
             for kind in sorted(kinds):
                 await self._on_change(kind)
+            # An upstream that sends list_changed without end is listed (and its clients told) at
+            # most once per interval: the notifications between are folded into the next listing.
+            await anyio.sleep(RELIST_INTERVAL_SECONDS)
 
     async def _list(self, client: ClientSession, kinds: set[str]) -> None:
         capabilities = client.server_capabilities or types.ServerCapabilities()
