@@ -11,6 +11,7 @@ server's working directory, its session's workspace), a resource and a prompt. T
                 ``noise``: 1 MiB on stderr, then answered
   crash-after   the N-th tools/call (N from argv, default 1) exits with status 3 and a stderr line
   list-changes  ``add_tool`` adds a tool and sends notifications/tools/list_changed (``times`` times)
+  env           ``getenv``: the value of the variable ``text`` names (or "unset")
   asks          ``ask``: sends sampling/createMessage, elicitation/create and roots/list to the
                 client, and answers with what came back
 """
@@ -25,7 +26,8 @@ from typing import Any
 MODE = sys.argv[1] if len(sys.argv) > 1 else "echo"
 N = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 TOOLS = ["echo", "write_file", "read_file"] + {
-    "slow": ["hang"], "flood": ["flood", "big", "noise"], "list-changes": ["add_tool"], "asks": ["ask"]}.get(MODE, [])
+    "slow": ["hang"], "flood": ["flood", "big", "noise"], "list-changes": ["add_tool"], "asks": ["ask"],
+    "env": ["getenv"]}.get(MODE, [])
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}, "path": {"type": "string"},
                                            "times": {"type": "integer"}}}
 
@@ -97,15 +99,20 @@ def main() -> None:
             if name == "echo":
                 text_result(request_id, "echo: " + str(arguments.get("text", "")))
             elif name == "write_file":
-                with open(arguments["path"], "w") as out:
-                    out.write(arguments.get("text", ""))
-                text_result(request_id, "written")
+                try:
+                    with open(arguments["path"], "w") as out:
+                        out.write(arguments.get("text", ""))
+                    text_result(request_id, "written")
+                except OSError as exc:
+                    text_result(request_id, f"error: {exc.strerror}", error=True)
             elif name == "read_file":
                 try:
                     with open(arguments["path"]) as source:
                         text_result(request_id, "read: " + source.read())
                 except OSError as exc:
                     text_result(request_id, f"error: {exc.strerror}", error=True)
+            elif name == "getenv":
+                text_result(request_id, os.environ.get(str(arguments.get("text")), "unset"))
             elif name == "hang":
                 pass                                     # never answered
             elif name == "flood":

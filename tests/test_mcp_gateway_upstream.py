@@ -122,6 +122,13 @@ def test_two_upstreams_never_share_a_session(daemon: Daemon, sandboxd_daemon_mod
             assert seen.is_error and "No such file" in text(seen)
             # The control: the first sees its own file through the same tool.
             assert text(await first.call_tool("read_file", {"path": "mine.txt"}, 30)) == "read: one's"
+            # Nor can the first write into the second's workspace (the kernel's wall), where the
+            # second itself writes (the control).
+            intrusion = await first.call_tool("write_file", {"path": str(two / "theirs.txt"), "text": "x"}, 30)
+            assert intrusion.is_error and "Read-only file system" in text(intrusion)
+            assert text(await second.call_tool("write_file", {"path": str(two / "theirs.txt"), "text": "2"}, 30)
+                        ) == "written"
+            assert (two / "theirs.txt").read_text() == "2"
         finally:
             await asyncio.gather(first.close(), second.close())
         assert open_sessions(daemon, "one") == open_sessions(daemon, "two") == []
@@ -353,3 +360,30 @@ def test_a_url_upstream_connects_from_its_sandbox_and_not_to_the_hosts_loopback(
             await upstream.close()
     with http_mcp_server() as port:
         run(daemon, lambda client: scenario(client, port))
+
+
+def test_the_servers_environment_is_its_table_and_its_credential_a_phantom(daemon: Daemon, ws: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEWAY_TEST_TOKEN", "the-real-secret-value")
+    monkeypatch.setenv("GATEWAY_TEST_PASSED", "passed on")
+    monkeypatch.setenv("GATEWAY_TEST_KEPT", "not for the server")
+    config = upstream_config("envs", ws, "env", credentials=("GATEWAY_TEST_TOKEN=https://api.example.com",),
+                             env={"PLAIN": "from the table"}, pass_env=("GATEWAY_TEST_PASSED", "GATEWAY_TEST_UNSET"))
+
+    async def scenario(client: AsyncDaemon) -> dict[str, str]:
+        upstream = Upstream(client, config, no_change)
+        try:
+            await upstream.ensure_started()
+            assert upstream.session is not None
+            [state] = upstream.session.credential_states
+            assert state.name == "GATEWAY_TEST_TOKEN" and state.usable
+            return {name: text(await upstream.call_tool("getenv", {"text": name}, 30))
+                    for name in ("PLAIN", "GATEWAY_TEST_PASSED", "GATEWAY_TEST_UNSET", "GATEWAY_TEST_KEPT",
+                                 "GATEWAY_TEST_TOKEN")}
+        finally:
+            await upstream.close()
+    seen = run(daemon, scenario)
+    assert seen["PLAIN"] == "from the table" and seen["GATEWAY_TEST_PASSED"] == "passed on"
+    assert seen["GATEWAY_TEST_UNSET"] == "unset" and seen["GATEWAY_TEST_KEPT"] == "unset"
+    # Inside, the credential's variable holds a phantom, never the secret.
+    assert seen["GATEWAY_TEST_TOKEN"] not in ("unset", "the-real-secret-value")
