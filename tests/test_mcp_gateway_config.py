@@ -95,6 +95,8 @@ BAD = [
     (BASE + "pass_env = [\"\"]\n", "[upstreams.up] pass_env[0]: is empty"),
     (BASE + "sandbox = \"read-only\"\nnetwork = true\n", "[upstreams.up] network: a read-only sandbox has no network"),
     (BASE + "sandbox = \"read-only\"\nwritable_roots = [\"/var/tmp\"]\n", "[upstreams.up] writable_roots: a read-only"),
+    (BASE + "sandbox = \"danger-full-access\"\nallow_domains = [\"example.org\"]\n",
+     "[upstreams.up] allow_domains: is an option of sandbox = \"workspace-write\""),
     (BASE + "timeout_seconds = 0\n", "[upstreams.up] timeout_seconds: is 0: give seconds above 0"),
     (BASE + "timeout_seconds = true\n", "[upstreams.up] timeout_seconds: is a boolean"),
     (BASE + "start = \"later\"\n", "[upstreams.up] start: is 'later': give one of 'gateway', 'first_use'"),

@@ -387,3 +387,22 @@ def test_the_servers_environment_is_its_table_and_its_credential_a_phantom(daemo
     assert seen["GATEWAY_TEST_UNSET"] == "unset" and seen["GATEWAY_TEST_KEPT"] == "unset"
     # Inside, the credential's variable holds a phantom, never the secret.
     assert seen["GATEWAY_TEST_TOKEN"] not in ("unset", "the-real-secret-value")
+
+
+
+def test_a_url_upstream_in_a_full_access_session_is_served(daemon: Daemon, ws: Path) -> None:
+    """The control inside the daemon: the same bridge in a danger-full-access session (the host's
+    network as it is) reaches the server on the host's loopback and carries listings and calls."""
+    async def scenario(client: AsyncDaemon, port: int) -> None:
+        config = UpstreamConfig(name="remote", url=f"http://localhost:{port}/mcp", workspace=str(ws),
+                                sandbox="danger-full-access")
+        upstream = Upstream(client, config, no_change)
+        try:
+            await upstream.ensure_started()
+            assert [tool.name for tool in upstream.tools] == ["echo"]
+            assert text(await upstream.call_tool("echo", {"text": "x"}, 30)) == "echo over http: x"
+            assert upstream.session is not None and upstream.session.labels["upstream"] == "remote"
+        finally:
+            await upstream.close()
+    with http_mcp_server() as port:
+        run(daemon, lambda client: scenario(client, port))

@@ -264,6 +264,11 @@ def _upstream(path: str, name: str, value: object, environ: Mapping[str, str]) -
             if fields.get(key):
                 raise table.error(key, "a read-only sandbox has no network and no writable roots: use "
                                        "sandbox = \"workspace-write\" (or leave the key out)")
+    if fields.get("sandbox") == "danger-full-access":
+        for key in ("allow_domains", "credentials"):
+            if fields.get(key):
+                raise table.error(key, "is an option of sandbox = \"workspace-write\" (danger-full-access is the "
+                                       "host's network as it is, with no proxy to hold a list or a secret)")
     if "tools" in value:
         fields["tools"] = _tools(path, name, value["tools"])
     if "timeout_seconds" in value:

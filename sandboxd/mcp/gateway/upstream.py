@@ -69,7 +69,7 @@ def session_spec(config: UpstreamConfig, environ: "os._Environ[str] | dict[str, 
     network_policy = None
     domains = list(config.allow_domains)
     host = urlsplit(config.url).hostname if config.url else None
-    if host and host not in domains:
+    if host and config.sandbox == "workspace-write" and host not in domains:
         domains.append(host)                    # a url upstream: its bridge reaches the URL's host, nothing more
     if domains or config.credentials:
         # As cli.network_args.apply_network: an isolated network whose only way out is the proxy.
@@ -85,7 +85,7 @@ def session_spec(config: UpstreamConfig, environ: "os._Environ[str] | dict[str, 
             secrets[name] = pb.CredentialSecret(value=check_secret(name, os.fsencode(environ[name])))
         except InvalidPolicy as exc:
             raise UpstreamError(f"{config.name}: {printable(str(exc))}") from None
-    return SessionSpec(workspace=config.workspace, sandbox=config.sandbox, network=config.network,
+    return SessionSpec(workspace=config.workspace, sandbox=config.sandbox, network=config.network or bool(config.url),
                        writable_roots=config.writable_roots, approval="never",
                        labels={"client": GATEWAY_LABEL, "upstream": config.name}, network_policy=network_policy,
                        credential_secrets=secrets)
