@@ -30,7 +30,7 @@ from daemon_helpers import Daemon, DaemonFactory
 from sandboxd.mcp.daemon import Daemon as AsyncDaemon
 from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig, default_workspace
 from sandboxd.mcp.gateway.exec_stdio import MAX_MESSAGE_BYTES, STDERR_TAIL_BYTES
-from sandboxd.mcp.gateway.upstream import MAX_LISTED, Fleet, Upstream, UpstreamError
+from sandboxd.mcp.gateway.upstream import MAX_LISTED, Fleet, Upstream, UpstreamError, gateway_variables
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 SERVER = str(Path(__file__).resolve().parent / "mcp_gateway_servers.py")
@@ -372,7 +372,8 @@ def test_the_servers_environment_is_its_table_and_its_credential_a_phantom(daemo
                              env={"PLAIN": "from the table"}, pass_env=("GATEWAY_TEST_PASSED", "GATEWAY_TEST_UNSET"))
 
     async def scenario(client: AsyncDaemon) -> dict[str, str]:
-        upstream = Upstream(client, config, no_change)
+        upstream = Fleet(client, GatewayConfig(path="test", upstreams=(config,)), lambda name, kind: no_change(kind),
+                         variables).upstreams["envs"]
         try:
             await upstream.ensure_started()
             assert upstream.session is not None
@@ -383,6 +384,12 @@ def test_the_servers_environment_is_its_table_and_its_credential_a_phantom(daemo
                                  "GATEWAY_TEST_TOKEN")}
         finally:
             await upstream.close()
+    variables = gateway_variables(GatewayConfig(path="test", upstreams=(config,)))
+    assert variables == {"GATEWAY_TEST_TOKEN": "the-real-secret-value", "GATEWAY_TEST_PASSED": "passed on"}
+    # Read at start: what the environment holds later (the gateway's own --credential flags take
+    # their variables out of it) does not change what the upstream gets.
+    monkeypatch.delenv("GATEWAY_TEST_TOKEN")
+    monkeypatch.setenv("GATEWAY_TEST_PASSED", "changed later")
     seen = run(daemon, scenario)
     assert seen["PLAIN"] == "from the table" and seen["GATEWAY_TEST_PASSED"] == "passed on"
     assert seen["GATEWAY_TEST_UNSET"] == "unset" and seen["GATEWAY_TEST_KEPT"] == "unset"

@@ -26,7 +26,7 @@ import os
 import stat
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -67,7 +67,7 @@ class UpstreamError(Exception):
     """What went wrong with an upstream, for the model: printable, says what happened."""
 
 
-def session_spec(config: UpstreamConfig, environ: "os._Environ[str] | dict[str, str]") -> SessionSpec:
+def session_spec(config: UpstreamConfig, environ: Mapping[str, str]) -> SessionSpec:
     """The upstream's own session: its policy from its table, approval never, its credentials'
     secrets from the gateway's environment (as `sandboxd mcp --credential` reads them)."""
     network_policy = None
@@ -95,6 +95,20 @@ def session_spec(config: UpstreamConfig, environ: "os._Environ[str] | dict[str, 
                        credential_secrets=secrets)
 
 
+def variables_of(config: UpstreamConfig, environ: Mapping[str, str]) -> dict[str, str]:
+    """What an upstream takes from the gateway's environment: its credentials' secrets and its
+    pass_env variables (those set)."""
+    names = [spec.partition("=")[0] for spec in config.credentials] + list(config.pass_env)
+    return {name: environ[name] for name in names if name in environ}
+
+
+def gateway_variables(config: GatewayConfig, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What all the upstreams of a gateway file take from the environment, for Fleet(environ=):
+    read at start, before anything takes secrets out of the environment."""
+    environ = os.environ if environ is None else environ
+    return {name: value for upstream in config.upstreams for name, value in variables_of(upstream, environ).items()}
+
+
 def private_directory(name: str, path: str) -> None:
     """An upstream's default workspace, ``.../sandboxd/gateway/NAME``: made 0700, and used only if
     it and the two directories above it that are ours are real directories of this user, not
@@ -112,7 +126,7 @@ def private_directory(name: str, path: str) -> None:
                                 "remove it, or give the upstream a workspace")
 
 
-def exec_start(config: UpstreamConfig, session_id: str, environ: "os._Environ[str] | dict[str, str]") -> pb.ExecStart:
+def exec_start(config: UpstreamConfig, session_id: str, environ: Mapping[str, str]) -> pb.ExecStart:
     """The server's one long call: its command (a url upstream: the HTTP bridge, by this interpreter),
     with its env and the named caller variables only."""
     overlay = dict(config.env)
@@ -140,7 +154,8 @@ def _leaf(error: BaseException) -> BaseException:
 class Upstream:
     """One upstream server: its session, its server process, its MCP client session."""
 
-    def __init__(self, daemon: Daemon, config: UpstreamConfig, on_change: Callable[[str], Awaitable[None]]) -> None:
+    def __init__(self, daemon: Daemon, config: UpstreamConfig, on_change: Callable[[str], Awaitable[None]],
+                 environ: Mapping[str, str] | None = None) -> None:
         self.name = config.name
         self.config = config
         self.session: pb.Session | None = None
@@ -162,11 +177,10 @@ class Upstream:
         self._relist = asyncio.Event()
         self._dirty: set[str] = set()
         self._ready_at = 0.0
-        # The variables it takes from the gateway's environment, read once: the gateway's own
-        # --credential flags take theirs out of the environment after the file is loaded, and a
-        # restart must find the same values.
-        names = [spec.partition("=")[0] for spec in config.credentials] + list(config.pass_env)
-        self._environ = {name: os.environ[name] for name in names if name in os.environ}
+        # The variables it takes from the gateway's environment, read once (a restart finds the
+        # same values); ``environ``: as read earlier (variables_of), before the gateway's own
+        # --credential flags took theirs out of the environment.
+        self._environ = variables_of(config, os.environ if environ is None else environ)
 
     @property
     def state(self) -> str:
@@ -425,11 +439,14 @@ class Upstream:
 class Fleet:
     """Every upstream of one gateway process, shared by its MCP connections."""
 
-    def __init__(self, daemon: Daemon, config: GatewayConfig, on_change: Callable[[str, str], Awaitable[None]]) -> None:
+    def __init__(self, daemon: Daemon, config: GatewayConfig, on_change: Callable[[str, str], Awaitable[None]],
+                 environ: Mapping[str, str] | None = None) -> None:
+        """``environ``: the variables the upstreams take (gateway_variables), when read earlier
+        than now; else this process's environment now."""
         self.config = config
         self._on_change = on_change
         self.upstreams: dict[str, Upstream] = {
-            upstream.name: Upstream(daemon, upstream, self._changed_callback(upstream.name))
+            upstream.name: Upstream(daemon, upstream, self._changed_callback(upstream.name), environ)
             for upstream in config.upstreams}
 
     def _changed_callback(self, name: str) -> Callable[[str], Awaitable[None]]:
