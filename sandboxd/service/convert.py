@@ -99,7 +99,7 @@ def policy_from_proto(message: pb.SandboxPolicy, defaults: SessionDefaults | Non
                             allowed_hosts=list(message.allowed_hosts), published_ports=list(message.published_ports),
                             allowed_domains=list(message.allowed_domains),
                             allowed_endpoints=list(message.allowed_endpoints), unlisted=message.unlisted,
-                            credentials=list(message.credentials))
+                            credentials=list(message.credentials), hide_home=message.hide_home)
 
 
 def policy_to_proto(policy: SandboxPolicy) -> pb.SandboxPolicy:
@@ -113,7 +113,7 @@ def policy_to_proto(policy: SandboxPolicy) -> pb.SandboxPolicy:
                             allowed_domains=list(policy.allowed_domains),
                             allowed_endpoints=list(policy.allowed_endpoints),
                             unlisted="" if policy.unlisted == "refuse" else str(policy.unlisted),
-                            credentials=list(policy.credentials),
+                            credentials=list(policy.credentials), hide_home=policy.hide_home,
                             no_default_protected_subpaths=True)
 
 
