@@ -6,7 +6,8 @@ home is covered by an empty, read-only directory (launcher.rootfs step 7b, as `s
 does): the key is unreadable by its absolute path, the home lists nothing of its own, a write there
 fails and reaches nothing, while the workspace inside it stays visible and writable. The control:
 the same user's session without it reads the key. The setting survives an UpdateSessionPolicy that
-leaves it out; danger-full-access with it is refused; `sandboxctl session create --hide-home` sets it.
+leaves it out and in a permission mode's session; danger-full-access with it is refused;
+`sandboxctl session create --hide-home` and sandboxd.mcp.daemon.SessionSpec(hide_home=True) set it.
 """
 
 from __future__ import annotations
@@ -99,7 +100,11 @@ for name, fn in (("update_full", full_access), ("create_full", create_full)):
     except grpc.RpcError as error:
         errors[name] = [error.code().name, error.details()]
 out["errors"] = errors
-for sid in (hidden.id, shown.id):
+moded = stub.CreateSession(pb.CreateSessionRequest(workspace=ws, permission_mode="full",
+    sandbox_policy=pb.SandboxPolicy(hide_home=True)), timeout=120)
+out["mode_hide"] = moded.sandbox_policy.hide_home
+out["mode_key"] = run(moded.id, ["cat", home + "/.ssh/id_rsa"])
+for sid in (hidden.id, shown.id, moded.id):
     stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=60)
 print(json.dumps(out))
 '''
@@ -166,3 +171,18 @@ def test_sandboxctl_create_hide_home(home: Home, daemon: Daemon) -> None:  # noq
     key = ctl("exec", session_id, "--", "cat", str(home.home / ".ssh" / "id_rsa"))
     assert key.returncode != 0 and "sbxt-hide-home-secret" not in key.stdout, (key.stdout, key.stderr)
     assert ctl("session", "close", session_id).returncode == 0
+
+
+def test_a_permission_mode_session_keeps_hide_home(seen: dict[str, Any]) -> None:
+    """A permission mode stands for its own sandbox axis (policy.decision.axes_for): hide_home is kept in it."""
+    assert seen["mode_hide"] is True, seen
+    out, status = seen["mode_key"]
+    assert status != 0 and "sbxt-hide-home-secret" not in out, seen
+
+
+def test_the_mcp_session_spec_asks_for_it() -> None:
+    """What `sandboxd mcp --gateway` sets for its upstreams' sessions reaches the request."""
+    from sandboxd.mcp.daemon import SessionSpec
+
+    assert SessionSpec("/w", hide_home=True, network_policy=pb.SandboxPolicy()).request().sandbox_policy.hide_home
+    assert not SessionSpec("/w").request().sandbox_policy.hide_home

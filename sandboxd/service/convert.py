@@ -197,7 +197,9 @@ def axes_from_create_request(
     if legacy or request.permission_mode:
         mode = (PermissionMode.from_legacy(request.allow_shell, request.allow_file_write) if legacy
                 else PermissionMode.parse(request.permission_mode))
-        return axes_for(mode, network_access=request.sandbox_policy.network_access)
+        policy, approval, rules = axes_for(mode, network_access=request.sandbox_policy.network_access)
+        # A mode's sandbox is always confined: the home is hidden in it when asked.
+        return policy.replace(hide_home=request.sandbox_policy.hide_home), approval, rules
     approval = (defaults.approval if defaults is not None and request.approval_policy == pb.APPROVAL_POLICY_UNSPECIFIED
                 else approval_from_proto(request.approval_policy))
     return policy_from_proto(request.sandbox_policy, defaults), approval, ToolRules()
