@@ -2,7 +2,8 @@
 
 Each upstream gets a session of the calling user (``approval = never``: the person approves at the
 gateway, and no approval ever widens an upstream's sandbox), labelled with the upstream's name,
-with the sandbox, workspace, network and credentials its table gives. Its server runs there as
+with the sandbox, workspace, network and credentials its table gives, and the user's home hidden
+(``hide_home``: the server never reads the person's keys). Its server runs there as
 ONE long Exec call whose stdin and stdout are the MCP stdio transport (gateway/exec_stdio.py), and
 an `mcp.client.session.ClientSession` talks to it. Upstreams never share a session.
 
@@ -92,7 +93,11 @@ def session_spec(config: UpstreamConfig, environ: Mapping[str, str]) -> SessionS
     return SessionSpec(workspace=config.workspace, sandbox=config.sandbox, network=config.network or bool(config.url),
                        writable_roots=config.writable_roots, approval="never",
                        labels={"client": GATEWAY_LABEL, "upstream": config.name}, network_policy=network_policy,
-                       credential_secrets=secrets)
+                       credential_secrets=secrets,
+                       # A daemon session shows its owner's home read-only; an upstream server must not
+                       # read the person's keys (~/.ssh, ~/.aws, ~/.config): the home is covered, its
+                       # workspace inside it stays. danger-full-access has no walls to cover it with.
+                       hide_home=config.sandbox != "danger-full-access")
 
 
 def variables_of(config: UpstreamConfig, environ: Mapping[str, str]) -> dict[str, str]:
