@@ -32,7 +32,8 @@ from daemon_helpers import Daemon, DaemonFactory, close_quietly, run_exec
 from sandboxd.mcp.daemon import Daemon as AsyncDaemon
 from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig, default_workspace
 from sandboxd.mcp.gateway.exec_stdio import MAX_MESSAGE_BYTES, STDERR_TAIL_BYTES
-from sandboxd.mcp.gateway.upstream import MAX_LISTED, Fleet, Upstream, UpstreamError, gateway_variables
+from sandboxd.mcp.gateway.upstream import (MAX_LISTED, Fleet, Upstream, UpstreamError, exec_start,
+                                           gateway_variables)
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 SERVER = str(Path(__file__).resolve().parent / "mcp_gateway_servers.py")
@@ -495,3 +496,13 @@ def test_an_upstream_cannot_read_its_users_home(daemon: Daemon, ws: Path) -> Non
     finally:
         key.unlink()
         secret_dir.rmdir()
+
+
+def test_a_url_upstreams_bridge_must_be_outside_the_hidden_home(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = UpstreamConfig(name="remote", url="https://mcp.example.com/mcp", workspace="/srv/ws")
+    start = exec_start(config, "session", {})
+    assert start.argv[:4] == [sys.executable, "-m", "sandboxd.mcp.gateway.http_bridge", config.url]
+    assert os.path.realpath(sys.executable) != os.path.expanduser("~/.venv/bin/python")
+    monkeypatch.setattr(sys, "executable", os.path.expanduser("~/.venv/bin/python"))
+    with pytest.raises(UpstreamError, match="inside your home, which the upstream's session hides"):
+        exec_start(config, "session", {})

@@ -38,6 +38,7 @@ import mcp_types as types
 from mcp.client.session import ClientSession
 from mcp.shared.exceptions import MCPError
 
+import sandboxd
 from sandboxd.errors import InvalidPolicy
 from sandboxd.mcp.daemon import Daemon, SessionSpec
 from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig, default_workspace
@@ -131,14 +132,31 @@ def private_directory(name: str, path: str) -> None:
                                 "remove it, or give the upstream a workspace")
 
 
+def check_bridge_visible(config: UpstreamConfig) -> None:
+    """A url upstream's bridge is this interpreter and this sandboxd, run in a session that hides
+    the user's home: installed in the home (a venv, pipx), they are not there to run."""
+    if config.sandbox == "danger-full-access":
+        return
+    home = os.path.realpath(os.path.expanduser("~"))
+    for what, path in (("the Python interpreter", sys.executable), ("sandboxd", os.path.dirname(sandboxd.__file__))):
+        real = os.path.realpath(path)
+        if home not in ("/", "") and (real == home or real.startswith(home + "/")):
+            raise UpstreamError(f"{config.name}: a url upstream runs its HTTP bridge with {what} at "
+                                f"{printable(real)}, inside your home, which the upstream's session hides: install "
+                                "sandboxd outside your home (or give the server as command = [...])")
+
+
 def exec_start(config: UpstreamConfig, session_id: str, environ: Mapping[str, str]) -> pb.ExecStart:
     """The server's one long call: its command (a url upstream: the HTTP bridge, by this interpreter),
     with its env and the named caller variables only."""
     overlay = dict(config.env)
     overlay.update({name: environ[name] for name in config.pass_env if name in environ})
-    argv = list(config.command) if config.command else [
-        sys.executable, "-m", "sandboxd.mcp.gateway.http_bridge", config.url,
-        *(f"--credential={spec}" for spec in config.credentials)]
+    if config.command:
+        argv = list(config.command)
+    else:
+        check_bridge_visible(config)
+        argv = [sys.executable, "-m", "sandboxd.mcp.gateway.http_bridge", config.url,
+                *(f"--credential={spec}" for spec in config.credentials)]
     return pb.ExecStart(session_id=session_id, argv=argv, env_overlay=overlay, timeout_seconds=0,
                         output_limit_bytes=OUTPUT_UNLIMITED)
 
