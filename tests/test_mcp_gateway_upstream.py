@@ -202,11 +202,13 @@ def test_a_crash_fails_the_call_and_the_next_call_works(daemon: Daemon, ws: Path
             assert "exited with status 3" in str(crash.value)
             assert "crashing on call 2 as asked" in str(crash.value)
             first = upstream.process
+            await eventually(lambda: upstream.tools == [] or upstream.process is not first, "its lists stayed")
             # The next call waits for the restart (back-off 1 s) and is served by a new server.
             assert text(await upstream.call_tool("echo", {"text": "3"}, 30)) == "echo: 3"
             assert upstream.state == "ready" and upstream.process is not first
             assert len(open_sessions(daemon, "crashy")) == 1       # its session was reused
-            assert changes == []                                     # the same lists: nothing to tell
+            # Its lists went with it, and came back: a client's listing follows both ways.
+            assert changes == ["prompts", "resources", "tools"] * 2
         finally:
             await upstream.close()
         assert open_sessions(daemon, "crashy") == []
@@ -506,3 +508,21 @@ def test_a_url_upstreams_bridge_must_be_outside_the_hidden_home(monkeypatch: pyt
     monkeypatch.setattr(sys, "executable", os.path.expanduser("~/.venv/bin/python"))
     with pytest.raises(UpstreamError, match="inside your home, which the upstream's session hides"):
         exec_start(config, "session", {})
+
+
+def test_close_ends_a_start_that_hangs(daemon: Daemon, ws: Path) -> None:
+    """A server that never answers initialize: close() ends the try there (the waiting caller
+    hears the gateway is closing, not the start's own 60 s timeout), and its call and session."""
+    async def scenario(client: AsyncDaemon) -> None:
+        silent = UpstreamConfig(name="silent", command=(PY, "-c", "import time; time.sleep(600)"), workspace=str(ws))
+        upstream = Upstream(client, silent, no_change)
+        starting = asyncio.ensure_future(upstream.ensure_started())
+        await eventually(lambda: upstream.process is not None and upstream.process.pid > 0, "the server never ran")
+        process = upstream.process
+        assert upstream.state == "starting" and not starting.done()
+        await upstream.close()
+        with pytest.raises(UpstreamError, match="the gateway is closing"):
+            await starting
+        assert process is not None and process.ended.is_set()
+        assert upstream.state == "closed" and open_sessions(daemon, "silent") == []
+    run(daemon, scenario)
