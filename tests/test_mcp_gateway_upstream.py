@@ -84,6 +84,9 @@ def test_listed_called_and_closed_in_its_own_session(daemon: Daemon, ws: Path) -
         assert [prompt.name for prompt in upstream.prompts] == ["greet"]
         result = await upstream.call_tool("echo", {"text": "hi"}, 30)
         assert text(result) == "echo: hi" and not result.is_error
+        # Lines that are not JSON-RPC are dropped and counted; the answer after them arrives.
+        assert text(await upstream.call_tool("echo", {"text": "garbage first"}, 30)) == "echo: garbage first"
+        assert upstream.process is not None and upstream.process.invalid_lines == 2
         read = await upstream.read_resource("test://notes", 30)
         assert read.contents[0].text == "read echo"
         prompt = await upstream.get_prompt("greet", None, 30)
