@@ -32,6 +32,7 @@ from daemon_helpers import Daemon, DaemonFactory, close_quietly, run_exec
 from sandboxd.mcp.daemon import Daemon as AsyncDaemon
 from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig, default_workspace
 from sandboxd.mcp.gateway.exec_stdio import MAX_MESSAGE_BYTES, STDERR_TAIL_BYTES
+from sandboxd.mcp.gateway.http_bridge import credential_headers
 from sandboxd.mcp.gateway.upstream import (MAX_LISTED, Fleet, Upstream, UpstreamError, exec_start,
                                            gateway_variables)
 from sandboxd.v1 import sandboxd_pb2 as pb
@@ -529,3 +530,15 @@ def test_close_ends_a_start_that_hangs(daemon: Daemon, ws: Path) -> None:
         assert process is not None and process.ended.is_set()
         assert upstream.state == "closed" and open_sessions(daemon, "silent") == []
     run(daemon, scenario)
+
+
+def test_the_bridge_sends_a_credential_only_to_its_origin() -> None:
+    """A url upstream's credential goes as its header to the URL's https origin only, holding what
+    the variable holds inside the sandbox (the phantom the proxy swaps for the secret)."""
+    specs = ["TOKEN=https://mcp.example.com", "KEY=https://mcp.example.com:8443;x-api-key: {}",
+             "BASIC=https://mcp.example.com;basic:me", "OTHER=https://api.example.org"]
+    environ = {"TOKEN": "phantom-1", "KEY": "phantom-2", "BASIC": "phantom-3", "OTHER": "phantom-4"}
+    assert credential_headers("https://mcp.example.com/mcp", specs, environ) == {"Authorization": "Bearer phantom-1"}
+    assert credential_headers("https://mcp.example.com:8443/mcp", specs, environ) == {"x-api-key": "phantom-2"}
+    assert credential_headers("http://mcp.example.com/mcp", specs, environ) == {}       # never over plain HTTP
+    assert credential_headers("https://evil.example.net/mcp", specs, environ) == {}
