@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import pytest
 
 from conftest import BASE_ENV, REPO
-from daemon_helpers import Daemon, DaemonFactory, PlainUser, close_quietly, plain_users, run_client_as
+from daemon_helpers import Daemon, DaemonFactory, PlainUser, close_quietly, plain_users, run_client_as, run_exec
 from daemon_fixtures import daemon  # noqa: F401  (the module's daemon)
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -186,3 +186,22 @@ def test_the_mcp_session_spec_asks_for_it() -> None:
 
     assert SessionSpec("/w", hide_home=True, network_policy=pb.SandboxPolicy()).request().sandbox_policy.hide_home
     assert not SessionSpec("/w").request().sandbox_policy.hide_home
+
+
+def test_a_root_callers_session_hides_the_workspace_owners_home(home: Home, daemon: Daemon) -> None:  # noqa: F811
+    """Root's session on a user's checkout runs its commands as that user: hide_home covers that user's
+    home too (control: without it, the command reads the key)."""
+    def key_as_seen(hide: bool) -> tuple[str, int]:
+        session = daemon.stub.CreateSession(pb.CreateSessionRequest(
+            workspace=str(home.workspace), approval_policy=pb.NEVER,
+            sandbox_policy=pb.SandboxPolicy(mode=pb.SandboxPolicy.WORKSPACE_WRITE, hide_home=hide)), timeout=120)
+        try:
+            outcome = run_exec(daemon.stub, session.id, ["cat", str(home.home / ".ssh" / "id_rsa")])
+            assert outcome.result is not None, outcome.kinds
+            return outcome.stdout.decode(), outcome.result.exit_code
+        finally:
+            close_quietly(daemon.stub, session.id)
+
+    assert key_as_seen(False) == (KEY, 0)
+    out, status = key_as_seen(True)
+    assert status != 0 and "sbxt-hide-home-secret" not in out, out

@@ -532,7 +532,7 @@ class SessionLifecycle:
                           limits=session.limits, user=command_user(session.owner, policy), dns=self._places.dns,
                           network_pool=self._places.network_pool, caller=rights_of(session.owner),
                           hidden_paths=own.hidden, owner_hidden=_owner_places(session.owner.uid),
-                          hidden_homes=owner_home(session.owner.uid) if policy.hide_home else (),
+                          hidden_homes=_hidden_homes(session, policy, workspace),
                           denied_sockets=own.sockets, denied_listeners=own.listeners,
                           approval_channels=own.channels,
                           owner=cgroup_owner(session.owner), placement=placement,
@@ -560,6 +560,22 @@ def _forget_secrets(session: Session) -> None:
         credentials, session.credentials, session.ca = session.credentials, None, None
     if credentials is not None:
         credentials.wipe()
+
+
+def _hidden_homes(session: Session, policy: SandboxPolicy, workspace: str) -> tuple[str, ...]:
+    """With ``hide_home``: the homes to cover (launcher.homes decides which are coverable): the
+    owner's, and for a root owner's confined session also that of the workspace's owner, whom its
+    commands run as (access.command_user, launcher.plan), so that root acting on a user's checkout
+    hides that user's keys too."""
+    if not policy.hide_home:
+        return ()
+    uids = [session.owner.uid]
+    if command_user(session.owner, policy) is None:
+        try:
+            uids.append(os.stat(workspace).st_uid)
+        except OSError:
+            pass                                      # the launch says what is wrong with it
+    return tuple(dict.fromkeys(home for uid in uids for home in owner_home(uid)))
 
 
 def _owner_places(uid: int) -> tuple[str, ...]:
