@@ -27,6 +27,7 @@ from sandboxd.kernel import overlay, review_space
 from sandboxd.launcher.homes import owner_home
 from sandboxd.policy import LaunchSpec, Limits, SandboxPolicy
 from sandboxd.policy.decision import ApprovalPolicy, ToolRules
+from sandboxd.policy.sandbox import is_within
 from sandboxd.policy.network import DaemonSecret
 from sandboxd.service.callers import Caller, acted_by
 from sandboxd.service.principals import pod_uid_of
@@ -575,7 +576,16 @@ def _hidden_homes(session: Session, policy: SandboxPolicy, workspace: str) -> tu
             uids.append(os.stat(workspace).st_uid)
         except OSError:
             pass                                      # the launch says what is wrong with it
-    return tuple(dict.fromkeys(home for uid in uids for home in owner_home(uid)))
+    homes = tuple(dict.fromkeys(home for uid in uids for home in owner_home(uid)))
+    # A root that holds a home is attached over its cover (rootfs step 7b): the home would show,
+    # keys and all, while the policy says hidden. Said, not done silently.
+    for what, root in (("workspace", workspace), *(("writable root", root) for root in policy.writable_roots)):
+        real = os.path.realpath(root)
+        for home in homes:
+            if is_within(home, real):
+                raise InvalidPolicy(f"hide_home: the {what} {root!r} holds the home {home!r} it would hide: pick "
+                                    "a directory inside the home (or elsewhere), or leave hide_home out")
+    return homes
 
 
 def _owner_places(uid: int) -> tuple[str, ...]:
