@@ -252,11 +252,13 @@ def test_the_upstreams_own_requests_are_refused(daemon: Daemon, ws: Path) -> Non
         upstream = Upstream(client, upstream_config("asks", ws, "asks"), no_change)
         try:
             answer = text(await upstream.call_tool("ask", {}, 30))
+            assert upstream.process is not None and upstream.process.refused_requests == 3
         finally:
             await upstream.close()
         parts = sorted(answer.split("; "))
         assert [part.split(":")[0] for part in parts] == ["elicitation/create", "roots/list", "sampling/createMessage"]
-        assert all(": error " in part for part in parts), answer
+        assert all(": error -32601 refused: the sandboxd gateway declares no client capability" in part
+                   for part in parts), answer
     run(daemon, scenario)
 
 
