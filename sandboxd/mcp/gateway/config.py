@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -336,12 +337,31 @@ def parse(path: str, text: str, environ: Mapping[str, str] | None = None) -> Gat
 
 
 def load(path: str) -> GatewayConfig:
-    """The gateway file at ``path``, or GatewayConfigError saying what to fix."""
+    """The gateway file at ``path``, or GatewayConfigError saying what to fix.
+
+    The file decides every upstream's walls, so it is taken only as ssh takes its configuration: a
+    regular file (a FIFO would hang the start) owned by the user or root that nobody else may
+    write (another user's file, a shared /tmp file, could hand an upstream danger-full-access)."""
     try:
-        with open(path, "rb") as handle:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise GatewayConfigError(f"{printable(path)}: cannot read the gateway file ({exc.strerror})") from None
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            raise GatewayConfigError(f"{printable(path)}: not a regular file: give the gateway file itself")
+        if info.st_uid not in (os.getuid(), 0):
+            raise GatewayConfigError(f"{printable(path)}: owned by uid {info.st_uid}, not by you or root: a gateway "
+                                     "file decides the upstreams' walls; use a file of your own")
+        if info.st_mode & 0o022:
+            raise GatewayConfigError(f"{printable(path)}: others may write it (mode {stat.S_IMODE(info.st_mode):o}): "
+                                     f"chmod go-w {printable(path)}")
+        with os.fdopen(descriptor, "rb", closefd=False) as handle:
             data = handle.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise GatewayConfigError(f"{printable(path)}: cannot read the gateway file ({exc.strerror})") from None
+    finally:
+        os.close(descriptor)
     if len(data) > MAX_FILE_BYTES:
         raise GatewayConfigError(f"{printable(path)}: the gateway file is over {MAX_FILE_BYTES >> 20} MiB")
     try:
