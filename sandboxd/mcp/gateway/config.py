@@ -224,6 +224,37 @@ _KEYS = ("command", "url", "sandbox", "workspace", "writable_roots", "network", 
          "pass_env", "trusted", "tools", "timeout_seconds", "start")
 
 
+def _check_fit(table: _Table, fields: dict[str, Any]) -> None:
+    """The keys of one upstream that the daemon would refuse together only when it starts (or that
+    would hand its secret or the user's home back to it): refused now, at load."""
+    phantoms = {spec.partition("=")[0] for spec in fields.get("credentials", ())}
+    for key in ("env", "pass_env"):
+        clash = sorted(phantoms & set(fields.get(key, ())))
+        if clash:
+            raise table.error(key, f"{printable(clash[0])} is a credential's variable (it holds the phantom the "
+                                   "proxy swaps for the secret): leave it out")
+    if fields.get("sandbox") == "read-only":
+        for key in ("url", "network", "allow_domains", "credentials", "writable_roots"):
+            if fields.get(key):
+                raise table.error(key, "a read-only sandbox has no network and no writable roots: use "
+                                       "sandbox = \"workspace-write\" (or leave the key out)")
+    if fields.get("sandbox") != "danger-full-access":
+        # Every upstream session but danger-full-access hides the user's home (its keys); a workspace
+        # or writable root that holds the home would show it again, and the daemon refuses it.
+        home = _home()
+        for key, directory in [("workspace", fields["workspace"]), *(
+                (f"writable_roots[{index}]", root) for index, root in enumerate(fields.get("writable_roots", ())))]:
+            if home and (directory == "/" or home == directory or home.startswith(directory.rstrip("/") + "/")):
+                raise table.error(key, f"{printable(directory)} holds your home {printable(home)}, which an upstream's "
+                                       "session hides (its keys, its configuration): give a directory inside it "
+                                       "(~/project) or elsewhere")
+    if fields.get("sandbox") == "danger-full-access":
+        for key in ("allow_domains", "credentials"):
+            if fields.get(key):
+                raise table.error(key, "is an option of sandbox = \"workspace-write\" (danger-full-access is the "
+                                       "host's network as it is, with no proxy to hold a list or a secret)")
+
+
 def _upstream(path: str, name: str, value: object, environ: Mapping[str, str]) -> UpstreamConfig:
     table = _Table(path, f"upstreams.{name}")
     if not UPSTREAM_NAME.fullmatch(name):
@@ -263,33 +294,7 @@ def _upstream(path: str, name: str, value: object, environ: Mapping[str, str]) -
     if "pass_env" in value:
         fields["pass_env"] = tuple(_variable(table, "pass_env", item)
                                    for item in _texts(table, "pass_env", value["pass_env"]))
-    phantoms = {spec.partition("=")[0] for spec in fields.get("credentials", ())}
-    for key in ("env", "pass_env"):
-        clash = sorted(phantoms & set(fields.get(key, ())))
-        if clash:
-            raise table.error(key, f"{printable(clash[0])} is a credential's variable (it holds the phantom the "
-                                   "proxy swaps for the secret): leave it out")
-    if fields.get("sandbox") == "read-only":
-        # The daemon would refuse the session only when the upstream starts: say so now.
-        for key in ("url", "network", "allow_domains", "credentials", "writable_roots"):
-            if fields.get(key):
-                raise table.error(key, "a read-only sandbox has no network and no writable roots: use "
-                                       "sandbox = \"workspace-write\" (or leave the key out)")
-    if fields.get("sandbox") != "danger-full-access":
-        # Every upstream session but danger-full-access hides the user's home (its keys); a workspace
-        # or writable root that holds the home would show it again, and the daemon refuses it.
-        home = _home()
-        for key, directory in [("workspace", fields["workspace"]), *(
-                (f"writable_roots[{index}]", root) for index, root in enumerate(fields.get("writable_roots", ())))]:
-            if home and (directory == "/" or home == directory or home.startswith(directory.rstrip("/") + "/")):
-                raise table.error(key, f"{printable(directory)} holds your home {printable(home)}, which an upstream's "
-                                       "session hides (its keys, its configuration): give a directory inside it "
-                                       "(~/project) or elsewhere")
-    if fields.get("sandbox") == "danger-full-access":
-        for key in ("allow_domains", "credentials"):
-            if fields.get(key):
-                raise table.error(key, "is an option of sandbox = \"workspace-write\" (danger-full-access is the "
-                                       "host's network as it is, with no proxy to hold a list or a secret)")
+    _check_fit(table, fields)
     if "tools" in value:
         fields["tools"] = _tools(path, name, value["tools"])
     if "timeout_seconds" in value:
