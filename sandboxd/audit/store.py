@@ -293,6 +293,22 @@ def owner_key(owner_uid: int, owner_principal: str) -> str:
     return owner_principal or f"uid {owner_uid}"
 
 
+class SessionOwner(NamedTuple):
+    """Whose a session is, as its row says."""
+    uid: int
+    principal: str
+
+    @property
+    def key(self) -> str:
+        """Whose audit budget its writes are spent from (``owner_key``)."""
+        return owner_key(self.uid, self.principal)
+
+    @property
+    def exempt(self) -> bool:
+        """Local root's: never refused a write."""
+        return self.uid == 0 and not self.principal
+
+
 class _Prepared(NamedTuple):
     """One event ready to insert: its data in its bounded form, and that form's JSON text."""
     kind: str
@@ -315,7 +331,7 @@ class EventStore:
         self.limits = limits = limits or AuditLimits()
         self._lock = threading.RLock()
         self._next_seq: dict[str, int] = {}
-        self._owners: dict[str, tuple[str, bool] | None] = {}     # session -> (owner, exempt); None: no row
+        self._owners: dict[str, SessionOwner | None] = {}     # None: the session has no row
         # (session, type, tool) -> events ``note`` only counted. Bounded by the open sessions: a
         # session's close records and drops its counts, and nothing notes for a closed session
         # (its proxy and git guard are stopped before its SessionClosed is appended).
@@ -419,30 +435,37 @@ class EventStore:
         """Bytes the owner may still write before ``admit`` refuses it (below zero: its overdraft)."""
         return self._budgets.left(owner_key(owner_uid, owner_principal))
 
-    def _owner(self, session_id: str) -> tuple[str, bool] | None:
-        """The session's owner and whether it is exempt from refusals (local root); None for a
-        session without a row (the store's own tests). Under the lock."""
+    def _owner(self, session_id: str) -> SessionOwner | None:
+        """The session's owner; None for a session without a row (the store's own tests). Under
+        the lock; a lookup only when the session is not among the cached."""
         if session_id in self._owners:
             return self._owners[session_id]
         row = self._db.execute("SELECT owner_uid, owner_principal FROM sessions WHERE id = ?",
                                (session_id,)).fetchone()
-        owner = None if row is None else (owner_key(row[0], row[1]), row[0] == 0 and not row[1])
+        owner = None if row is None else SessionOwner(int(row[0]), str(row[1]))
         self._remember_owner(session_id, owner)
         return owner
 
-    def _remember_owner(self, session_id: str, owner: tuple[str, bool] | None) -> None:
+    def owner_of(self, session_id: str) -> SessionOwner | None:
+        """The owner of a session (None: no such session). What a watcher's filter asks for an
+        event of a session it did not know: inside an append it is the cached owner the append
+        itself just looked up, so no SQL runs under the lock for it (hostile finding F12)."""
+        with self._lock:
+            return self._owner(session_id)
+
+    def _remember_owner(self, session_id: str, owner: SessionOwner | None) -> None:
         self._owners[session_id] = owner
         while len(self._owners) > MAX_CACHED_SEQUENCES:
             del self._owners[next(iter(self._owners))]
 
-    def _spend(self, owner: tuple[str, bool] | None, amount: int) -> None:
+    def _spend(self, owner: SessionOwner | None, amount: int) -> None:
         if owner is not None:
-            self._budgets.spend(owner[0], amount)
+            self._budgets.spend(owner.key, amount)
 
-    def _may_write(self, owner: tuple[str, bool] | None) -> bool:
+    def _may_write(self, owner: SessionOwner | None) -> bool:
         if self._floor.shortfall() is not None:
             return False
-        return owner is None or owner[1] or self._budgets.refusal(owner[0]) is None
+        return owner is None or owner.exempt or self._budgets.refusal(owner.key) is None
 
     # -- events ----------------------------------------------------------------------------------
 
@@ -539,6 +562,12 @@ class EventStore:
         chain.advanced(session_id, event_id - 1, prev, any(kind == EventType.SESSION_CLOSED for kind, *_ in rows))
         if chain.checkpoint_due():
             self._checkpoint(CheckpointKind.PERIODIC)
+        # Before a closing session's owner leaves the cache: the watchers' filters ask for it
+        # (owner_of). Each filter is O(1) and runs no SQL here (service/watch_filter.py).
+        for subscriber in self._subscribers:
+            for event in events:
+                if subscriber.wants(event):
+                    subscriber.push(event)
         if any(kind == EventType.SESSION_CLOSED for kind, *_ in rows):
             # A cache (a miss asks the index): a closed session's entry would stay forever, one
             # per session the daemon ever served, the soak's steady growth.
@@ -548,10 +577,6 @@ class EventStore:
             self._next_seq[session_id] = seq + len(rows)
             while len(self._next_seq) > MAX_CACHED_SEQUENCES:      # late events of closed ones
                 del self._next_seq[next(iter(self._next_seq))]
-        for subscriber in self._subscribers:
-            for event in events:
-                if subscriber.wants(event):
-                    subscriber.push(event)
         return events
 
     @property
@@ -703,7 +728,7 @@ class EventStore:
                 "daemon_secrets = excluded.daemon_secrets, "
                 "tool_rules = excluded.tool_rules, closed_at = excluded.closed_at", values)
             self._committed()
-            owner = (owner_key(row.owner_uid, row.owner_principal), row.owner_uid == 0 and not row.owner_principal)
+            owner = SessionOwner(row.owner_uid, row.owner_principal)
             if row.closed_at is None:
                 self._remember_owner(row.id, owner)
             self._spend(owner, sum(len(v) for v in values if isinstance(v, str)) + ROW_OVERHEAD)
