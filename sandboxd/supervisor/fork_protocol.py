@@ -585,7 +585,7 @@ class SessionReady(_Built, kind="session_ready"):
 class HeldSession(_Built, kind="held_session"):
     """A session a surviving supervisor holds (``Attach``'s answer): its sandbox's name and the
     SessionReady facts it answered at the build, with the listeners it passed then, passed again."""
-    session: str
+    session: str = ""               # always sent; a default only because the facts before it have some
 
 
 class HeldCall(Event, kind="held_call"):
