@@ -246,6 +246,12 @@ MIGRATIONS: tuple[str, ...] = (
     """
     CREATE INDEX events_by_session ON events (session_id, id);
     """,
+    # 10: a plain caller's sessions (which events it may read, its closed sessions) found by owner,
+    # not by reading every owner's session rows on each QueryEvents/WatchEvents/ListSessions
+    # (EventStore.session_owners, sessions(owner=...)).
+    """
+    CREATE INDEX sessions_by_owner ON sessions (owner_principal, owner_uid);
+    """,
 )
 
 # Finished calls' results kept (call_results): a day, and at most this many per owner and in all
@@ -737,11 +743,33 @@ class EventStore:
                         "approval_policy, tool_rules, limits, labels, created_at, closed_at, env, review, daemon_secrets "
                         "FROM sessions")
 
-    def sessions(self, *, include_closed: bool = False) -> list[SessionRow]:
-        sql = self._SESSION_COLUMNS + ("" if include_closed else " WHERE closed_at IS NULL")
+    def sessions(self, *, include_closed: bool = False,
+                 owner: "tuple[str, int | None] | None" = None) -> list[SessionRow]:
+        """Session rows, oldest first; ``owner`` (principal, uid; None: any uid): only those."""
+        clauses, args = ([] if include_closed else ["closed_at IS NULL"]), list[object]()
+        if owner is not None:
+            clauses.append("owner_principal = ?")
+            args.append(owner[0])
+            if owner[1] is not None:
+                clauses.append("owner_uid = ?")
+                args.append(owner[1])
+        sql = self._SESSION_COLUMNS + (f" WHERE {' AND '.join(clauses)}" if clauses else "")
         with self._lock:
-            rows = self._db.execute(sql + " ORDER BY created_at").fetchall()
+            rows = self._db.execute(sql + " ORDER BY created_at", args).fetchall()
         return [_session_row(r) for r in rows]
+
+    def session_owners(self, principal: str, uid: int | None = None) -> list[tuple[str, SessionOwner]]:
+        """The ids and owners of the sessions, open or closed, of owner ``principal`` (and ``uid``;
+        None: any), found through sessions_by_owner: only those rows are read, not every owner's
+        (and none of their JSON decoded)."""
+        sql = "SELECT id, owner_uid, owner_principal FROM sessions WHERE owner_principal = ?"
+        args: list[object] = [principal]
+        if uid is not None:
+            sql += " AND owner_uid = ?"
+            args.append(uid)
+        with self._lock:
+            rows = self._db.execute(sql, args).fetchall()
+        return [(str(r[0]), SessionOwner(int(r[1]), str(r[2]))) for r in rows]
 
     def review_session_ids(self, owner_uid: int, owner_principal: str = "") -> list[str]:
         """The ids of one owner's review sessions, closed ones included (whose change sets may be
