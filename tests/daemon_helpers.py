@@ -11,6 +11,7 @@ left behind. Nothing is mocked.
   starts them in a base directory of their own and checks, once they are
   stopped, that they left no processes, cgroups or private sockets behind.
 * :func:`plain_users` makes unprivileged users for the duration of a test.
+* :func:`stand_in_daemon` serves a test's own servicer in this process (clients' tests).
 * :func:`run_exec` runs one command and collects every response;
   :class:`ExecCall` drives an interactive call (stdin chunks, signals, cancel)
   through a queue-backed request iterator.
@@ -37,6 +38,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -85,6 +87,22 @@ def socket_in(base: Path) -> Path:
     directory is the daemon's own (it keeps its private sockets there, hides it inside every sandbox
     and refuses workspaces in it), so nothing else of a test goes in it."""
     return base / "run" / "sandboxd.sock"
+
+
+@contextlib.contextmanager
+def stand_in_daemon(servicer: pb_grpc.SandboxServicer, socket_path: str | os.PathLike[str],
+                    workers: int = 4) -> Iterator[str]:
+    """A stand-in daemon in this process: ``servicer`` answering on a Unix socket at
+    ``socket_path`` (in the test's own directory), stopped after. Yields the socket's path. For
+    clients' tests that need a daemon to answer a given way (a refusal, an older daemon's RPCs)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
+    pb_grpc.add_SandboxServicer_to_server(servicer, server)
+    server.add_insecure_port(f"unix:{socket_path}")
+    server.start()
+    try:
+        yield str(socket_path)
+    finally:
+        server.stop(None)
 
 
 class Daemon:

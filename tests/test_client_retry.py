@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
 
+from daemon_helpers import stand_in_daemon
 from sandboxd.client import REQUEST_QUOTA_KEY, RETRY_AFTER_METADATA, DrainWait, SandboxClient
 from sandboxd.mcp.daemon import Daemon
 from sandboxd.v1 import sandboxd_pb2 as pb
@@ -37,18 +37,23 @@ class Refusing(pb_grpc.SandboxServicer):
         return pb.DaemonStatus(version="stand-in")
 
 
+def _version_through_the_mcp_servers_channel(socket_path: str) -> str:
+    """GetStatus through the channel ``sandboxd mcp`` uses (sandboxd.mcp.daemon, asyncio)."""
+    async def ask() -> str:
+        daemon = Daemon(socket_path)
+        try:
+            return (await daemon.stub.GetStatus(pb.GetStatusRequest())).version
+        finally:
+            await daemon.close()
+
+    return asyncio.run(ask())
+
+
 @pytest.fixture
 def stand_in(tmp_path: Path) -> Iterator[tuple[Refusing, str]]:
     servicer = Refusing()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_SandboxServicer_to_server(servicer, server)
-    socket_path = str(tmp_path / "sandboxd.sock")
-    server.add_insecure_port(f"unix:{socket_path}")
-    server.start()
-    try:
+    with stand_in_daemon(servicer, tmp_path / "sandboxd.sock") as socket_path:
         yield servicer, socket_path
-    finally:
-        server.stop(None)
 
 
 @pytest.mark.parametrize("refusals", [1, 5])
@@ -84,15 +89,7 @@ def test_another_refusal_is_returned_at_once(stand_in: tuple[Refusing, str]) -> 
 def test_the_mcp_servers_channel_tries_again_too(stand_in: tuple[Refusing, str]) -> None:
     servicer, socket_path = stand_in
     servicer.refusals = 3
-
-    async def ask() -> str:
-        daemon = Daemon(socket_path)
-        try:
-            return (await daemon.stub.GetStatus(pb.GetStatusRequest())).version
-        finally:
-            await daemon.close()
-
-    assert asyncio.run(ask()) == "stand-in"
+    assert _version_through_the_mcp_servers_channel(socket_path) == "stand-in"
     assert servicer.tries == 4
 
 
@@ -112,15 +109,8 @@ class Draining(Refusing):
 @pytest.fixture
 def draining(tmp_path: Path) -> Iterator[tuple[Draining, str]]:
     servicer = Draining()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_SandboxServicer_to_server(servicer, server)
-    socket_path = str(tmp_path / "sandboxd.sock")
-    server.add_insecure_port(f"unix:{socket_path}")
-    server.start()
-    try:
+    with stand_in_daemon(servicer, tmp_path / "sandboxd.sock") as socket_path:
         yield servicer, socket_path
-    finally:
-        server.stop(None)
 
 
 def test_both_clients_wait_for_a_draining_daemon_and_say_so(draining: tuple[Draining, str],
@@ -133,15 +123,7 @@ def test_both_clients_wait_for_a_draining_daemon_and_say_so(draining: tuple[Drai
     assert capsys.readouterr().err.count("sandboxd is draining") == 1      # said once, not per try
 
     servicer.tries = 0
-
-    async def ask() -> str:
-        daemon = Daemon(socket_path)
-        try:
-            return (await daemon.stub.GetStatus(pb.GetStatusRequest())).version
-        finally:
-            await daemon.close()
-
-    assert asyncio.run(ask()) == "stand-in"
+    assert _version_through_the_mcp_servers_channel(socket_path) == "stand-in"
     assert servicer.tries == 4
 
 

@@ -107,13 +107,22 @@ def test_a_damaged_or_newer_audit_database_fails(tmp_path: Path) -> None:
 
 @pytest.fixture
 def netns_pid() -> Iterator[int]:
-    """A process in a network namespace of the test's own (gone with it): its routes are its own."""
-    proc = subprocess.Popen(["unshare", "--net", "sleep", "600"])
+    """A process in a network namespace of the test's own (gone with it): its routes are its own.
+    Handed out only once it is in that namespace: ``unshare`` calls unshare(2) and then execs the
+    shell that says so. Its pid right after the start names a process that may not have switched
+    yet (under load it had not): ``nsenter`` then made the test's links in the host's namespace
+    (lan0 and lan1 were left on the machine) while the routing table read was the new, empty one."""
+    proc = subprocess.Popen(["unshare", "--net", "sh", "-c", "echo switched; exec sleep 600"],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
     try:
+        assert proc.stdout.readline() == "switched\n"
+        assert os.readlink(f"/proc/{proc.pid}/ns/net") != os.readlink("/proc/self/ns/net")
         yield proc.pid
     finally:
         proc.kill()
         proc.wait()
+        proc.stdout.close()
 
 
 def in_netns(pid: int, *command: str) -> None:

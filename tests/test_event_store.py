@@ -10,12 +10,13 @@ import stat
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
 from conftest import SLOW
 from sandboxd.audit import checkpointer
-from sandboxd.audit.store import MIGRATIONS, PERMISSION_NAMESPACE, EventStore, EventType, SessionRow
+from sandboxd.audit.store import MIGRATIONS, PERMISSION_NAMESPACE, EventStore, EventType, SessionRow, query_sql
 from sandboxd.errors import InvalidPolicy, NotFound
 
 
@@ -109,6 +110,134 @@ def test_queries_filter_and_page(store: EventStore) -> None:
     later, earlier = store.query(since=cut), store.query(until=cut)
     assert all(e.time >= cut for e in later) and all(e.time < cut for e in earlier)
     assert sorted(e.id for e in later + earlier) == [e.id for e in everything] and everything[3] in later
+
+
+def _statements_and_steps(store: EventStore, query: Callable[[], object]) -> tuple[list[str], int]:
+    """The SQL ``query`` ran on the store's connection and the SQLite VM steps it took (in 10s):
+    a measure of the rows walked that no other load on the machine changes."""
+    statements: list[str] = []
+    steps = [0]
+
+    def step() -> int:
+        steps[0] += 1
+        return 0
+
+    store._db.set_trace_callback(statements.append)
+    store._db.set_progress_handler(step, 10)
+    try:
+        query()
+    finally:
+        store._db.set_progress_handler(None, 0)
+        store._db.set_trace_callback(None)
+    return statements, steps[0]
+
+
+def test_a_page_of_some_sessions_is_read_from_their_own_rows_not_every_owners(tmp_path: Path) -> None:
+    """Hostile finding F8: a plain caller's QueryEvents/WatchEvents names its sessions and a common
+    type (or tool); SQLite walked events_by_type over every owner's events of that type under the
+    store's lock. Now the page comes from events_by_session (session_id, id): its plan starts with
+    session_id, and its cost does not grow with other owners' events."""
+    store = EventStore(str(tmp_path / "events.db"))
+    store.append("mine", EventType.TOOL_STARTED, call_id="x", tool="shell.exec")
+    mine = {"session_ids": ["mine"], "after_id": 0, "limit": 1000}
+    shapes = [dict(mine, types=[EventType.TOOL_STARTED]), dict(mine, tool="shell.exec"), mine,
+              dict(mine, types=[EventType.TOOL_STARTED, EventType.TOOL_COMPLETED], session_ids=["mine", "gone"])]
+
+    def cost() -> list[int]:
+        steps = []
+        for shape in shapes:
+            [sql], spent = _statements_and_steps(store, lambda: store.query(**shape))
+            assert "INDEXED BY events_by_session" in sql, sql
+            assert [e.call_id for e in store.query(**shape)] == ["x"], shape
+            steps.append(spent)
+        return steps
+
+    few = cost()
+    for index in range(5000):
+        store.append(f"other-{index % 50}", EventType.TOOL_STARTED, call_id=f"c{index}", tool="shell.exec")
+    many = cost()
+    for shape in shapes:                                   # the plan of the statement the store runs
+        sql, args = query_sql(**{"types": None, "tool": "", "since": None, "until": None, **shape})
+        plan = " ".join(row[3] for row in store._db.execute("EXPLAIN QUERY PLAN " + sql, args).fetchall())
+        assert plan.startswith("SEARCH events USING INDEX events_by_session (session_id=? AND id>?)"), (shape, plan)
+    # Control: the same question without the index named is planned over events_by_type, and walks
+    # the type's rows of every owner.
+    unnamed = ("SELECT id FROM events WHERE id > 0 AND session_id IN (SELECT value FROM json_each('[\"mine\"]')) "
+               "AND type IN ('ToolInvocationStarted') ORDER BY id LIMIT 1000")
+    control = " ".join(row[3] for row in store._db.execute("EXPLAIN QUERY PLAN " + unnamed).fetchall())
+    assert control.startswith("SEARCH events USING INDEX events_by_type"), control
+    _, walked = _statements_and_steps(store, lambda: store._db.execute(unnamed).fetchall())
+    assert walked > 100 * max(few), (walked, few)           # the control grows with the node's events
+    assert all(after <= before + 2 for before, after in zip(few, many)), (few, many)
+    store.close()
+
+
+def test_a_caller_with_more_sessions_than_sqlite_takes_variables_is_answered(store: EventStore) -> None:
+    store.append("s-39999", EventType.SESSION_CREATED)
+    store.append("someone-else", EventType.SESSION_CREATED)
+    named = [f"s-{n}" for n in range(40000)]
+    assert [e.session_id for e in store.query(session_ids=named, types=[EventType.SESSION_CREATED] * 40000)] == \
+        ["s-39999"]
+
+
+def test_a_store_of_schema_8_gets_the_indexes_a_plain_callers_reads_use(tmp_path: Path) -> None:
+    path = tmp_path / "events.db"
+    EventStore(str(path)).close()
+    db = sqlite3.connect(path)
+    db.execute("DROP INDEX events_by_session")
+    db.execute("DROP INDEX sessions_by_owner")
+    db.execute("DELETE FROM schema_version WHERE version > 8")
+    db.commit()
+    db.close()
+    EventStore(str(path)).close()
+    db = sqlite3.connect(path)
+    assert dict(db.execute("SELECT name, sql FROM sqlite_master WHERE name IN ('events_by_session', "
+                           "'sessions_by_owner')").fetchall()) == {
+        "events_by_session": "CREATE INDEX events_by_session ON events (session_id, id)",
+        "sessions_by_owner": "CREATE INDEX sessions_by_owner ON sessions (owner_principal, owner_uid)"}
+    db.close()
+
+
+def test_a_plain_callers_sessions_are_found_by_owner_not_by_reading_every_owners_rows(tmp_path: Path) -> None:
+    """QueryEvents/WatchEvents/ListSessions first list the sessions a plain caller may see
+    (access.visible_ids): that read every session row of the node and decoded its JSON, on every
+    call (1.3 s at 50,000 sessions). Now only the caller's rows, through sessions_by_owner; who
+    sees what is still access.sees's to say (a pod's uid 0 every uid's of its pod, another uid
+    only its own)."""
+    from sandboxd.service.callers import session_owner
+    from sandboxd.service.sessions.access import visible_ids
+
+    store = EventStore(str(tmp_path / "events.db"))
+
+    def add(session_id: str, uid: int, principal: str = "", closed: float | None = None) -> None:
+        store.save_session(SessionRow(session_id, uid, uid, principal, "/ws", {"name": "read-only"}, "never", {}, {},
+                                      {}, 1.0, closed))
+
+    for name, uid, principal, closed in (("mine", 4242, "", None), ("mine-closed", 4242, "", 2.0),
+                                         ("pod-root", 0, "pod:p1", None), ("pod-4242", 4242, "pod:p1", None),
+                                         ("tls", 4242, "cn=alice", None)):
+        add(name, uid, principal, closed)
+    alice, pod_root, pod_alice = (session_owner(4242, 4242, ""), session_owner(0, 0, "pod:p1"),
+                                  session_owner(4242, 4242, "pod:p1"))
+
+    def found(caller: object) -> tuple[set[str], int]:
+        statements, steps = _statements_and_steps(store, lambda: visible.append(visible_ids(store, caller)))
+        [sql] = statements
+        plan = " ".join(row[3] for row in store._db.execute("EXPLAIN QUERY PLAN " + sql).fetchall())
+        assert plan.startswith("SEARCH sessions USING INDEX sessions_by_owner (owner_principal=?"), plan
+        return set(visible.pop()), steps
+
+    visible: list[object] = []
+    few = [found(alice), found(pod_root), found(pod_alice)]
+    assert [ids for ids, _ in few] == [{"mine", "mine-closed"}, {"pod-root", "pod-4242"}, {"pod-4242"}]
+    for n in range(2000):
+        add(f"other-{n}", 5000 + n % 7, "pod:p2" if n % 3 == 0 else "")
+    many = [found(alice), found(pod_root), found(pod_alice)]
+    assert [ids for ids, _ in many] == [ids for ids, _ in few]
+    assert all(after <= before + 2 for (_, before), (_, after) in zip(few, many)), (few, many)
+    assert visible_ids(store, session_owner(0, 0, "")) is None              # root: every owner's
+    assert [row.id for row in store.sessions(include_closed=True, owner=("", 4242))] == ["mine", "mine-closed"]
+    store.close()
 
 
 def test_subscribers_see_every_event_after_their_start_once(store: EventStore) -> None:

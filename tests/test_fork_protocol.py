@@ -42,7 +42,28 @@ SAMPLES: list[protocol.Message] = [
     protocol.PathsChecked(18, ["/real/w"]),
     protocol.Pong(19),
     protocol.Error(20, {"kind": "InvalidPolicy", "detail": "no"}),
+    protocol.HeldSession(21, 99, "/w", ["/r"], "10.0.0.1", "10.0.0.2", ["1.1.1.1"], False, 4026532000, session="s#1"),
+    protocol.CallEnded(22, None, 9, False, 0.5, None, 1 << 20, True, call=22, session="s#1", started_at=1.5, tag="t",
+                       stdout_tail="out\xff", dropped=7),
 ]
+
+
+def test_a_held_session_and_a_held_calls_end_are_checked_as_a_built_session_and_an_exit_are() -> None:
+    """Duplicate D7: HeldSession repeated SessionReady's fields and CallEnded Exited's, each list
+    checked on its own. Now each pair shares one declaration, so a field changed in one is changed
+    in both, and a bad value is refused by the same check, naming the same field."""
+    assert protocol.HeldSession._fields == protocol.SessionReady._fields + ("session",)
+    assert protocol.CallEnded._fields[:len(protocol.Exited._fields)] == protocol.Exited._fields
+    assert protocol.HeldSession.descriptor_flags == protocol.SessionReady.descriptor_flags
+    ready = protocol.SessionReady(1, 99, "/w", ["/r"], proxy_listener=True)
+    assert protocol.HeldSession(2, session="s#1", **ready.facts()).facts() == ready.facts()
+    for record in (protocol.Exited(3, 0, None, False, 0.1, None, None, False),
+                   protocol.CallEnded(3, 0, None, False, 0.1, None, None, False, call=3, session="", started_at=0.0,
+                                      tag="")):
+        fields = json.loads(record.encode())
+        fields["timed_out"] = "no"
+        with pytest.raises(protocol.Malformed, match="timed_out.*bool"):
+            protocol.decode(json.dumps(fields).encode(), 0, protocol.events())
 
 
 def table_of(message: protocol.Message) -> dict[str, type[protocol.Message]]:

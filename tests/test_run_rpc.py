@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -25,6 +24,7 @@ from daemon_helpers import (
     rpc_error,
     run_client_as,
     run_exec,
+    stand_in_daemon,
     workspace_write,
 )
 from daemon_fixtures import daemon, stub, ws  # noqa: F401 - pytest fixtures
@@ -196,20 +196,12 @@ class ExecOnly(pb_grpc.SandboxServicer):
 
 def test_client_falls_back_to_exec_on_a_daemon_without_run(tmp_path: Path) -> None:
     servicer = ExecOnly()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    pb_grpc.add_SandboxServicer_to_server(servicer, server)
-    socket = str(tmp_path / "old.sock")
-    server.add_insecure_port(f"unix:{socket}")
-    server.start()
-    try:
-        with SandboxClient(socket) as client:
-            first = client.exec("s1", ["cat"], stdin=b"one")
-            second = client.exec("s1", ["cat"], stdin=b"two")
-            assert (first.stdout, second.stdout) == (b"one", b"two")
-            assert [s.stdin for s in servicer.starts] == [b"one", b"two"]   # each ran exactly once, via Exec
-            assert not client._run_supported                   # asked once, then Exec directly
-    finally:
-        server.stop(None)
+    with stand_in_daemon(servicer, tmp_path / "old.sock", workers=2) as socket, SandboxClient(socket) as client:
+        first = client.exec("s1", ["cat"], stdin=b"one")
+        second = client.exec("s1", ["cat"], stdin=b"two")
+        assert (first.stdout, second.stdout) == (b"one", b"two")
+        assert [s.stdin for s in servicer.starts] == [b"one", b"two"]   # each ran exactly once, via Exec
+        assert not client._run_supported                   # asked once, then Exec directly
 
 
 def test_a_run_error_other_than_unimplemented_is_not_retried(daemon: Daemon, stub: pb_grpc.SandboxStub,

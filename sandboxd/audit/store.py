@@ -239,6 +239,19 @@ MIGRATIONS: tuple[str, ...] = (
     """,
     # 8: the checkpoint interval, signed into each checkpoint (sandboxd.audit.integrity.schema).
     chain_schema.INTERVAL_MIGRATION,
+    # 9: a page of some sessions' events (a plain caller's QueryEvents/WatchEvents) found from those
+    # sessions' own rows after the cursor, not by walking every owner's events of a type or tool
+    # under the store's lock (EventStore.query; hostile finding F8). Built once at the upgrade: a
+    # scan of the table.
+    """
+    CREATE INDEX events_by_session ON events (session_id, id);
+    """,
+    # 10: a plain caller's sessions (which events it may read, its closed sessions) found by owner,
+    # not by reading every owner's session rows on each QueryEvents/WatchEvents/ListSessions
+    # (EventStore.session_owners, sessions(owner=...)).
+    """
+    CREATE INDEX sessions_by_owner ON sessions (owner_principal, owner_uid);
+    """,
 )
 
 # Finished calls' results kept (call_results): a day, and at most this many per owner and in all
@@ -286,6 +299,22 @@ def owner_key(owner_uid: int, owner_principal: str) -> str:
     return owner_principal or f"uid {owner_uid}"
 
 
+class SessionOwner(NamedTuple):
+    """Whose a session is, as its row says."""
+    uid: int
+    principal: str
+
+    @property
+    def key(self) -> str:
+        """Whose audit budget its writes are spent from (``owner_key``)."""
+        return owner_key(self.uid, self.principal)
+
+    @property
+    def exempt(self) -> bool:
+        """Local root's: never refused a write."""
+        return self.uid == 0 and not self.principal
+
+
 class _Prepared(NamedTuple):
     """One event ready to insert: its data in its bounded form, and that form's JSON text."""
     kind: str
@@ -308,7 +337,7 @@ class EventStore:
         self.limits = limits = limits or AuditLimits()
         self._lock = threading.RLock()
         self._next_seq: dict[str, int] = {}
-        self._owners: dict[str, tuple[str, bool] | None] = {}     # session -> (owner, exempt); None: no row
+        self._owners: dict[str, SessionOwner | None] = {}     # None: the session has no row
         # (session, type, tool) -> events ``note`` only counted. Bounded by the open sessions: a
         # session's close records and drops its counts, and nothing notes for a closed session
         # (its proxy and git guard are stopped before its SessionClosed is appended).
@@ -412,30 +441,37 @@ class EventStore:
         """Bytes the owner may still write before ``admit`` refuses it (below zero: its overdraft)."""
         return self._budgets.left(owner_key(owner_uid, owner_principal))
 
-    def _owner(self, session_id: str) -> tuple[str, bool] | None:
-        """The session's owner and whether it is exempt from refusals (local root); None for a
-        session without a row (the store's own tests). Under the lock."""
+    def _owner(self, session_id: str) -> SessionOwner | None:
+        """The session's owner; None for a session without a row (the store's own tests). Under
+        the lock; a lookup only when the session is not among the cached."""
         if session_id in self._owners:
             return self._owners[session_id]
         row = self._db.execute("SELECT owner_uid, owner_principal FROM sessions WHERE id = ?",
                                (session_id,)).fetchone()
-        owner = None if row is None else (owner_key(row[0], row[1]), row[0] == 0 and not row[1])
+        owner = None if row is None else SessionOwner(int(row[0]), str(row[1]))
         self._remember_owner(session_id, owner)
         return owner
 
-    def _remember_owner(self, session_id: str, owner: tuple[str, bool] | None) -> None:
+    def owner_of(self, session_id: str) -> SessionOwner | None:
+        """The owner of a session (None: no such session). What a watcher's filter asks for an
+        event of a session it did not know: inside an append it is the cached owner the append
+        itself just looked up, so no SQL runs under the lock for it (hostile finding F12)."""
+        with self._lock:
+            return self._owner(session_id)
+
+    def _remember_owner(self, session_id: str, owner: SessionOwner | None) -> None:
         self._owners[session_id] = owner
         while len(self._owners) > MAX_CACHED_SEQUENCES:
             del self._owners[next(iter(self._owners))]
 
-    def _spend(self, owner: tuple[str, bool] | None, amount: int) -> None:
+    def _spend(self, owner: SessionOwner | None, amount: int) -> None:
         if owner is not None:
-            self._budgets.spend(owner[0], amount)
+            self._budgets.spend(owner.key, amount)
 
-    def _may_write(self, owner: tuple[str, bool] | None) -> bool:
+    def _may_write(self, owner: SessionOwner | None) -> bool:
         if self._floor.shortfall() is not None:
             return False
-        return owner is None or owner[1] or self._budgets.refusal(owner[0]) is None
+        return owner is None or owner.exempt or self._budgets.refusal(owner.key) is None
 
     # -- events ----------------------------------------------------------------------------------
 
@@ -532,6 +568,12 @@ class EventStore:
         chain.advanced(session_id, event_id - 1, prev, any(kind == EventType.SESSION_CLOSED for kind, *_ in rows))
         if chain.checkpoint_due():
             self._checkpoint(CheckpointKind.PERIODIC)
+        # Before a closing session's owner leaves the cache: the watchers' filters ask for it
+        # (owner_of). Each filter is O(1) and runs no SQL here (service/watch_filter.py).
+        for subscriber in self._subscribers:
+            for event in events:
+                if subscriber.wants(event):
+                    subscriber.push(event)
         if any(kind == EventType.SESSION_CLOSED for kind, *_ in rows):
             # A cache (a miss asks the index): a closed session's entry would stay forever, one
             # per session the daemon ever served, the soak's steady growth.
@@ -541,10 +583,6 @@ class EventStore:
             self._next_seq[session_id] = seq + len(rows)
             while len(self._next_seq) > MAX_CACHED_SEQUENCES:      # late events of closed ones
                 del self._next_seq[next(iter(self._next_seq))]
-        for subscriber in self._subscribers:
-            for event in events:
-                if subscriber.wants(event):
-                    subscriber.push(event)
         return events
 
     @property
@@ -575,28 +613,8 @@ class EventStore:
         ``session_ids`` None: every session; an empty list: none."""
         if session_ids is not None and not session_ids:
             return []
-        args: list[object]
-        clauses, args = ["id > ?"], [after_id]
-        if session_ids is not None:
-            clauses.append(f"session_id IN ({','.join('?' * len(session_ids))})")
-            args += session_ids
-        if types:
-            unknown = set(types) - set(EventType.ALL)
-            if unknown:
-                raise InvalidPolicy(f"unknown event type(s) {sorted(unknown)}: use {', '.join(EventType.ALL)}")
-            clauses.append(f"type IN ({','.join('?' * len(types))})")
-            args += types
-        if tool:
-            clauses.append("tool = ?")
-            args.append(tool)
-        if since is not None:
-            clauses.append("time >= ?")
-            args.append(since)
-        if until is not None:
-            clauses.append("time < ?")
-            args.append(until)
-        limit = max(1, min(limit, MAX_PAGE))
-        sql = f"SELECT {_EVENT_COLUMNS} FROM events WHERE {' AND '.join(clauses)} ORDER BY id LIMIT {limit}"
+        sql, args = query_sql(session_ids=session_ids, types=types, tool=tool, since=since, until=until,
+                              after_id=after_id, limit=limit)
         with self._lock:
             rows = self._db.execute(sql, args).fetchall()
         return [_event(r) for r in rows]
@@ -716,7 +734,7 @@ class EventStore:
                 "daemon_secrets = excluded.daemon_secrets, "
                 "tool_rules = excluded.tool_rules, closed_at = excluded.closed_at", values)
             self._committed()
-            owner = (owner_key(row.owner_uid, row.owner_principal), row.owner_uid == 0 and not row.owner_principal)
+            owner = SessionOwner(row.owner_uid, row.owner_principal)
             if row.closed_at is None:
                 self._remember_owner(row.id, owner)
             self._spend(owner, sum(len(v) for v in values if isinstance(v, str)) + ROW_OVERHEAD)
@@ -725,11 +743,33 @@ class EventStore:
                         "approval_policy, tool_rules, limits, labels, created_at, closed_at, env, review, daemon_secrets "
                         "FROM sessions")
 
-    def sessions(self, *, include_closed: bool = False) -> list[SessionRow]:
-        sql = self._SESSION_COLUMNS + ("" if include_closed else " WHERE closed_at IS NULL")
+    def sessions(self, *, include_closed: bool = False,
+                 owner: "tuple[str, int | None] | None" = None) -> list[SessionRow]:
+        """Session rows, oldest first; ``owner`` (principal, uid; None: any uid): only those."""
+        clauses, args = ([] if include_closed else ["closed_at IS NULL"]), list[object]()
+        if owner is not None:
+            clauses.append("owner_principal = ?")
+            args.append(owner[0])
+            if owner[1] is not None:
+                clauses.append("owner_uid = ?")
+                args.append(owner[1])
+        sql = self._SESSION_COLUMNS + (f" WHERE {' AND '.join(clauses)}" if clauses else "")
         with self._lock:
-            rows = self._db.execute(sql + " ORDER BY created_at").fetchall()
+            rows = self._db.execute(sql + " ORDER BY created_at", args).fetchall()
         return [_session_row(r) for r in rows]
+
+    def session_owners(self, principal: str, uid: int | None = None) -> list[tuple[str, SessionOwner]]:
+        """The ids and owners of the sessions, open or closed, of owner ``principal`` (and ``uid``;
+        None: any), found through sessions_by_owner: only those rows are read, not every owner's
+        (and none of their JSON decoded)."""
+        sql = "SELECT id, owner_uid, owner_principal FROM sessions WHERE owner_principal = ?"
+        args: list[object] = [principal]
+        if uid is not None:
+            sql += " AND owner_uid = ?"
+            args.append(uid)
+        with self._lock:
+            rows = self._db.execute(sql, args).fetchall()
+        return [(str(r[0]), SessionOwner(int(r[1]), str(r[2]))) for r in rows]
 
     def review_session_ids(self, owner_uid: int, owner_principal: str = "") -> list[str]:
         """The ids of one owner's review sessions, closed ones included (whose change sets may be
@@ -815,6 +855,39 @@ def open_in_state_dir(state_dir: str, *, durable: bool = False, limits: AuditLim
     os.chmod(state_dir, 0o700)
     return EventStore(os.path.join(state_dir, "events.db"), durable=durable, limits=limits,
                       signer=load_or_create(state_dir))
+
+
+def query_sql(*, session_ids: list[str] | None, types: list[str] | None, tool: str, since: float | None,
+              until: float | None, after_id: int, limit: int) -> tuple[str, list[object]]:
+    """The SELECT ``EventStore.query`` runs, and its arguments. Named sessions (every plain
+    caller's query names its own) are read through events_by_session, whatever else filters: the
+    planner would otherwise walk events_by_type or events_by_tool over every owner's events of
+    that type, id by id, until it found a page of the caller's (F8). Their ids go as one JSON
+    array, so a caller with more sessions than SQLite takes variables is still answered."""
+    clauses, args = ["id > ?"], list[object]([after_id])
+    source = "events"
+    if session_ids is not None:
+        source = "events INDEXED BY events_by_session"
+        clauses.append("session_id IN (SELECT value FROM json_each(?))")
+        args.append(json.dumps(session_ids))
+    if types:
+        unknown = set(types) - set(EventType.ALL)
+        if unknown:
+            raise InvalidPolicy(f"unknown event type(s) {sorted(unknown)}: use {', '.join(EventType.ALL)}")
+        kinds = sorted(set(types))                 # a type named twice is one variable
+        clauses.append(f"type IN ({','.join('?' * len(kinds))})")
+        args += kinds
+    if tool:
+        clauses.append("tool = ?")
+        args.append(tool)
+    if since is not None:
+        clauses.append("time >= ?")
+        args.append(since)
+    if until is not None:
+        clauses.append("time < ?")
+        args.append(until)
+    limit = max(1, min(limit, MAX_PAGE))
+    return f"SELECT {_EVENT_COLUMNS} FROM {source} WHERE {' AND '.join(clauses)} ORDER BY id LIMIT {limit}", args
 
 
 def read_events_after(db: sqlite3.Connection, cursor_id: int, limit: int) -> list[Event]:

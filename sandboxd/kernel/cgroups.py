@@ -206,23 +206,9 @@ class CgroupSet:
                 path = group._mkdir_below(
                     lambda: _v1_owner(_v1_base(point, own, controller, ceiling), controller, owner),  # noqa: B023
                     name)                                                  # (called right here)
-                if controller == "memory":
-                    group.memory_dir = path
-                    _write(path, "memory.limit_in_bytes", memory_bytes)
-                    if os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes")):
-                        _write(path, "memory.memsw.limit_in_bytes", memory_bytes)
-                else:
-                    _write(path, "pids.max", pids)
-            group.unified_limits = bool(v2_controllers)
-            if "memory" in v2_controllers:
-                assert group.unified_dir is not None          # made above: v2 controllers mean h.unified
-                group.memory_dir, group.memory_v2 = group.unified_dir, True
-                _write(group.unified_dir, "memory.max", memory_bytes)
-                if os.path.exists(os.path.join(group.unified_dir, "memory.swap.max")):
-                    _write(group.unified_dir, "memory.swap.max", 0)
-            if "pids" in v2_controllers:
-                assert group.unified_dir is not None
-                _write(group.unified_dir, "pids.max", pids)
+                group.limit_v1(controller, path, memory_bytes if controller == "memory" else pids)
+            group.limit_unified(memory_bytes if "memory" in v2_controllers else None,   # made above: v2
+                                pids if "pids" in v2_controllers else None)            # controllers mean h.unified
         except OSError as exc:
             group.remove()
             raise from_oserror(exc, "cgroup setup") from None
@@ -252,6 +238,32 @@ class CgroupSet:
                 if attempt:
                     raise
         raise AssertionError("unreachable")
+
+    def limit_v1(self, controller: str, path: str, value: int | None) -> None:
+        """Write ``value`` as the limit of v1 ``controller`` ("memory" or "pids") into this set's
+        group ``path`` in that hierarchy (memory: swap too, where the kernel accounts it). Shared
+        by ``create`` and kernel.pod_placement, so a limit means the same wherever a group is made."""
+        if controller == "memory":
+            self.memory_dir = path
+            _write(path, "memory.limit_in_bytes", value)
+            if os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes")):
+                _write(path, "memory.memsw.limit_in_bytes", value)
+        else:
+            _write(path, "pids.max", value)
+
+    def limit_unified(self, memory_bytes: int | None, pids: int | None) -> None:
+        """Write the limits the v2 group enforces (None: that controller is not v2's here, or no
+        limit) into ``unified_dir``; memory with no swap."""
+        self.unified_limits = memory_bytes is not None or pids is not None
+        if memory_bytes is not None:
+            assert self.unified_dir is not None
+            self.memory_dir, self.memory_v2 = self.unified_dir, True
+            _write(self.unified_dir, "memory.max", memory_bytes)
+            if os.path.exists(os.path.join(self.unified_dir, "memory.swap.max")):
+                _write(self.unified_dir, "memory.swap.max", 0)
+        if pids is not None:
+            assert self.unified_dir is not None
+            _write(self.unified_dir, "pids.max", pids)
 
     def _mkdir(self, path: str) -> str:
         os.mkdir(path, 0o755)

@@ -182,27 +182,9 @@ def create_placed(name: str, placement: dict[str, str], *, memory_bytes: int | N
                 raise LimitsUnavailable(f"cgroup {controller}", errno.ENOENT, hint=(
                     f"the pod's cgroup {placement.get(UNIFIED, '?')} does not hand the {controller} controller "
                     f"down and no v1 hierarchy has it: drop the limit, or run the pod where the kubelet enables it"))
-            path = group._mkdir(os.path.join(dirs[controller], group.name))
-            if controller == "memory":
-                group.memory_dir = path
-                _write(path, "memory.limit_in_bytes", value)
-                if os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes")):
-                    _write(path, "memory.memsw.limit_in_bytes", value)
-            else:
-                _write(path, "pids.max", value)
-        v2 = {c: v for c, v in wanted.items() if c in handed}
-        if v2:
-            assert group.unified_dir is not None
-            group.unified_limits = True
-        if "memory" in v2:
-            assert group.unified_dir is not None
-            group.memory_dir, group.memory_v2 = group.unified_dir, True
-            _write(group.unified_dir, "memory.max", v2["memory"])
-            if os.path.exists(os.path.join(group.unified_dir, "memory.swap.max")):
-                _write(group.unified_dir, "memory.swap.max", 0)
-        if "pids" in v2:
-            assert group.unified_dir is not None
-            _write(group.unified_dir, "pids.max", v2["pids"])
+            group.limit_v1(controller, group._mkdir(os.path.join(dirs[controller], group.name)), value)
+        group.limit_unified(wanted.get("memory") if "memory" in handed else None,
+                            wanted.get("pids") if "pids" in handed else None)
     except FileNotFoundError as exc:
         group.remove()
         raise LimitsUnavailable("cgroup placement", errno.ENOENT, path=str(exc.filename or ""),
@@ -244,7 +226,3 @@ def _subtree_control(directory: str) -> set[str]:
     with open(os.path.join(directory, "cgroup.subtree_control")) as f:
         return set(f.read().split())
 
-
-def _write(directory: str, name: str, value: object) -> None:
-    with open(os.path.join(directory, name), "w") as f:
-        f.write(str(value))

@@ -15,6 +15,7 @@ from sandboxd.policy.tools import BUILTIN_TOOLS, Category, Effect, Risk, check_t
 from sandboxd.service.approvals import ApprovalGate, Granted, ToolCall, rule_key
 from sandboxd.service.callers import Caller
 from sandboxd.service.sessions.registry import SessionRegistry
+from sandboxd.service.watch_filter import WatchFilter
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 EFFECTS = {pb.POLICY_EFFECT_UNSPECIFIED: None, pb.EFFECT_READ_ONLY: Effect.READ_ONLY,
@@ -176,15 +177,8 @@ class AuditService:
         if unknown:
             raise InvalidPolicy(f"unknown event type(s) {sorted(unknown)}")
         single = request.session_id or None
-
-        def wants(event: Event) -> bool:
-            if (types and event.type not in types) or event.id <= after_id:
-                return False
-            if single is not None:
-                return event.session_id == single and event.sequence > request.from_sequence
-            if visible is not None and event.session_id not in visible and not self._owned_now(who, event):
-                return False
-            return event.id > request.from_sequence
+        wants = WatchFilter(self._store, who, visible, types=types, after_id=after_id, single=single,
+                            from_sequence=int(request.from_sequence))
 
         subscription = self._store.subscribe(wants)
         try:
@@ -207,13 +201,6 @@ class AuditService:
                     yield event_to_proto(live)
         finally:
             self._store.unsubscribe(subscription)
-
-    def _owned_now(self, who: Caller, event: Event) -> bool:
-        """A session created after the watch began may be the caller's too."""
-        try:
-            return self._registry.visible_ids(who, event.session_id) is not None
-        except NotFound:
-            return False
 
     # -- standing rules --------------------------------------------------------------------------
     # A rule is its maker's: (uid, TLS principal). It applies only to that owner's sessions (see

@@ -539,8 +539,9 @@ class Started(Event, kind="started"):
     inner_pid: int | None = None
 
 
-class Exited(Event, kind="exited"):
-    """How a launch or call ended (``spawner.ExitInfo``'s fields)."""
+class _Ending(Event):
+    """How a launch or call ended (``spawner.ExitInfo``'s fields): ``Exited``'s, and ``CallEnded``'s
+    for a call no daemon read. One list of fields, so both are decoded and checked alike."""
     exit_code: int | None
     signal: int | None
     timed_out: bool
@@ -550,13 +551,17 @@ class Exited(Event, kind="exited"):
     oom_killed: bool
 
 
-class SessionReady(Event, kind="session_ready"):
+class Exited(_Ending, kind="exited"):
+    """How a launch or call ended, told to the daemon that started it."""
+
+
+class _Built(Event):
     """What the fork server built, as facts the daemon keeps (and never looks up again itself): the
     workspace and the writable roots by the real paths the owner's own lookup resolved (by
     descriptor, as the owner: kernel.paths.resolve), which are what the sandbox binds; with an
     isolated network its addresses and resolvers. With ``proxy_listener``, the egress proxy's
     listening socket comes with it, still bound: the daemon serves it, and its address is never
-    free for another user to bind meanwhile."""
+    free for another user to bind meanwhile. ``SessionReady``'s and ``HeldSession``'s fields."""
     init_pid: int | None
     workspace: str
     writable_roots: list[str]       # the policy's writable roots, real (the workspace is not repeated)
@@ -570,21 +575,19 @@ class SessionReady(Event, kind="session_ready"):
     transparent_listener: bool = False
     descriptor_flags = ("proxy_listener", "transparent_listener")
 
+    def facts(self) -> dict[str, Any]:
+        """Its fields but ``id``, by name (what ``HeldSession`` passes again at an attach)."""
+        return {name: getattr(self, name) for name in _Built._fields if name != "id"}
 
-class HeldSession(Event, kind="held_session"):
+
+class SessionReady(_Built, kind="session_ready"):
+    """A session's sandbox is built (the answer to its build request)."""
+
+
+class HeldSession(_Built, kind="held_session"):
     """A session a surviving supervisor holds (``Attach``'s answer): its sandbox's name and the
     SessionReady facts it answered at the build, with the listeners it passed then, passed again."""
-    session: str
-    init_pid: int | None
-    workspace: str
-    writable_roots: list[str]
-    host_address: str | None = None
-    sandbox_address: str | None = None
-    resolvers: list[str] | None = None
-    proxy_listener: bool = False
-    pid_namespace: int = 0
-    transparent_listener: bool = False
-    descriptor_flags = ("proxy_listener", "transparent_listener")
+    session: str = ""               # always sent; a default only because the facts before it have some
 
 
 class HeldCall(Event, kind="held_call"):
@@ -598,20 +601,13 @@ class HeldCall(Event, kind="held_call"):
     tag: str
 
 
-class CallEnded(Event, kind="call_ended"):
+class CallEnded(_Ending, kind="call_ended"):
     """How a held call ended (Exited's facts) and the last bytes of its output (supervisor.tails),
     as latin-1 text of the bytes (JSON carries no bytes; one char per byte)."""
     call: int
     session: str
     started_at: float
     tag: str
-    exit_code: int | None
-    signal: int | None
-    timed_out: bool
-    wall_seconds: float
-    cpu_seconds: float | None
-    peak_memory_bytes: int | None
-    oom_killed: bool
     stdout_tail: str = ""
     stderr_tail: str = ""
     dropped: int = 0                # output bytes read and not kept (before the tails)

@@ -295,9 +295,10 @@ class _Server:
             self._tails.drain(call_id)                    # its daemon died this very turn: kept for the next
         self._unread.discard(call_id)
         out, err, dropped = self._tails.take(call_id)
-        ended = CallEnded(call_id, call_id, session, started_at, tag, info.exit_code, info.signal, info.timed_out,
-                          info.wall_seconds, info.cpu_seconds, info.peak_memory_bytes, info.oom_killed,
-                          out.decode("latin-1"), err.decode("latin-1"), dropped)
+        ended = CallEnded(call_id, info.exit_code, info.signal, info.timed_out, info.wall_seconds, info.cpu_seconds,
+                          info.peak_memory_bytes, info.oom_killed, call=call_id, session=session,
+                          started_at=started_at, tag=tag, stdout_tail=out.decode("latin-1"),
+                          stderr_tail=err.decode("latin-1"), dropped=dropped)
         if self.sock is None or not self._answer(ended):
             self._keep_ended(ended)
 
@@ -555,9 +556,7 @@ class _Server:
         calls still running and calls that ended meanwhile; then ``Attached``."""
         for name, (ready, listeners) in self._ready.items():
             if name in self.sessions:
-                self._answer(HeldSession(request.id, name, ready.init_pid, ready.workspace, list(ready.writable_roots),
-                                         ready.host_address, ready.sandbox_address, ready.resolvers,
-                                         ready.proxy_listener, ready.pid_namespace, ready.transparent_listener),
+                self._answer(HeldSession(request.id, session=name, **ready.facts()),
                              [sock.fileno() for sock in listeners] or None)
         for call_id in sorted(self._unread):
             entry = self.running.get(call_id)

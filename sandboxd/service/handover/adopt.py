@@ -143,8 +143,8 @@ class Adopter:
                 if self._stopping == "handover":
                     return                            # it runs on: the next daemon adopts it again
                 reason = f"the daemon stopped ({self._stopping})" if self._stopping else f"the supervisor is gone: {exc}"
-                ended = CallEnded(call.call, call.call, call.session, call.started_at, call.tag, None, 9, False, 0.0,
-                                  None, None, False)
+                ended = CallEnded(call.call, None, 9, False, 0.0, None, None, False, call=call.call,
+                                  session=call.session, started_at=call.started_at, tag=call.tag)
                 self._record_end(ended, reason, failed=True, job=job)
                 return
             self._record_end(ended, f"the daemon stopped ({self._stopping})" if self._stopping

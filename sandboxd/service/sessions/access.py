@@ -71,8 +71,22 @@ def visible_ids(store: EventStore, caller: Caller, session_id: str = "", *, acti
         return [session_id]
     if caller.is_admin:
         return None
-    return [row.id for row in store.sessions(include_closed=True)
-            if allowed(caller, row.owner_uid, row.owner_principal)]
+    seen = owners_seen(caller)
+    assert seen is not None                    # every owner's only for an administrator
+    principal, uid = seen
+    return [found for found, owner in store.session_owners(principal, uid) if allowed(caller, owner.uid, owner.principal)]
+
+
+def owners_seen(caller: Caller) -> tuple[str, int | None] | None:
+    """The owners whose sessions the caller may see, or more (``sees`` decides), as the store finds
+    them by index: (principal, uid; None: any uid of it). None: every owner, an administrator's
+    view. A TLS or pod caller sees only sessions of its own principal (a pod's uid 0, every uid's
+    of it); a local one only its uid's without a principal."""
+    if caller.principal:
+        return caller.principal, None
+    if caller.is_admin:
+        return None
+    return "", caller.uid
 
 
 def check_full_access(caller: Caller, policy: SandboxPolicy, owner: Caller | None = None, *,

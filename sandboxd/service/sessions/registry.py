@@ -135,7 +135,7 @@ class SessionRegistry:
         policy this sandboxd refuses (an older one took it: restore closed it) is left out; its
         events stay readable."""
         closed = []
-        for row in self.store.sessions(include_closed=True):
+        for row in self.store.sessions(include_closed=True, owner=access.owners_seen(caller)):
             if row.closed_at is None or not access.sees(caller, row.owner_uid, row.owner_principal):
                 continue
             try:
