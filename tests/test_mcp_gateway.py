@@ -13,6 +13,7 @@ import asyncio
 import json
 import re
 import subprocess
+import time
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from hypothesis import strategies as st
 from conftest import SLOW
 from daemon_fixtures import client, daemon, ws  # noqa: F401 - pytest fixtures
 from daemon_helpers import Daemon
-from mcp_helpers import SANDBOXD, decide, mcp_client, structured, text, tool_names
+from mcp_helpers import SANDBOXD, decide, http_client, http_server, mcp_client, structured, text, tool_names
 from sandboxd.client import SandboxClient
 from sandboxd.mcp.gateway import authorize, naming
 from sandboxd.mcp.gateway.config import GatewayConfig, ToolOverride, UpstreamConfig
@@ -386,3 +387,33 @@ def test_a_bad_gateway_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert "trustd" in subprocess.run(
         [SANDBOXD, "mcp", "--gateway", str(cases["typo"])], capture_output=True, text=True, timeout=60,
         stdin=subprocess.DEVNULL, cwd="/").stderr
+
+
+def test_over_http_every_mcp_session_shares_one_fleet(daemon: Daemon, ws: Path, client: SandboxClient,
+                                                      tmp_path: Path) -> None:
+    """--http: the upstreams start once per process; two MCP sessions (two sandboxd sessions of
+    their own) call through the same upstream session, which closes when the gateway exits."""
+    config = gateway_file(tmp_path, upstream(tmp_path, "shared"))
+    path = tmp_path / "gateway.sock"
+
+    def upstream_sessions(include_closed: bool = False) -> list[pb.Session]:
+        listed = client.stub.ListSessions(pb.ListSessionsRequest(include_closed=include_closed)).sessions
+        return [s for s in listed if s.labels.get("upstream") == "shared" and s.workspace == str(tmp_path / "up-shared")]
+
+    with http_server(daemon.socket, ws, f"unix:{path}", "--approval", "never", "--gateway", str(config),
+                     log=tmp_path / "http.log") as (_server, token):
+        async def two_clients() -> list[str]:
+            async with http_client("http://localhost/mcp", token, uds=str(path)) as first, \
+                    http_client("http://localhost/mcp", token, uds=str(path)) as second:
+                answers = [await first.call_tool("shared__echo", {"text": "one"}),
+                           await second.call_tool("shared__echo", {"text": "two"})]
+                assert len(upstream_sessions()) == 1
+                return [text(answer) for answer in answers]
+
+        assert asyncio.run(two_clients()) == ["echo: one", "echo: two"]
+    # Closed by the gateway at exit (or, had it been killed, by the daemon: close_with_caller).
+    deadline = time.monotonic() + 30 * SLOW
+    while not [s for s in upstream_sessions(include_closed=True) if s.closed_at > 0]:
+        assert time.monotonic() < deadline, upstream_sessions(include_closed=True)
+        time.sleep(0.05)
+    assert len(upstream_sessions(include_closed=True)) == 1

@@ -256,7 +256,8 @@ class Gateway:
                     continue
                 listed.append(types.Resource(
                     uri=uri, name=printable(resource.name), title=printable(resource.title) if resource.title else None,
-                    description=describe(upstream.config, resource.description), mime_type=resource.mime_type,
+                    description=describe(upstream.config, resource.description),
+                    mime_type=printable(resource.mime_type) if resource.mime_type else None,
                     size=resource.size))
         return types.ListResourcesResult(resources=listed)
 
@@ -295,10 +296,12 @@ class Gateway:
                 exposed = names.exposed(prompt.name)
                 if exposed is None:
                     continue
+                # An argument's name goes back to the upstream as it is, so it cannot be shown
+                # escaped: one that would need escaping is left out (the upstream's, not ours).
                 arguments = [types.PromptArgument(name=argument.name, required=argument.required,
                                                   description=printable(argument.description)
                                                   if argument.description else None)
-                             for argument in prompt.arguments or []]
+                             for argument in prompt.arguments or [] if printable(argument.name) == argument.name]
                 listed.append(types.Prompt(name=exposed, title=printable(prompt.title) if prompt.title else None,
                                            description=describe(upstream.config, prompt.description),
                                            arguments=arguments or None))
