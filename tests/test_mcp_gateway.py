@@ -269,15 +269,21 @@ def test_names_descriptions_held_calls_and_the_audit(daemon: Daemon, ws: Path, c
     assert granted["by"] == "workspace_rule" and granted["mcp_server"] == "ruled"
 
 
-def test_what_the_engine_says_is_what_the_client_sees(daemon: Daemon, ws: Path, tmp_path: Path) -> None:
+def test_what_the_engine_says_is_what_the_client_sees(daemon: Daemon, ws: Path, client: SandboxClient,
+                                                      tmp_path: Path) -> None:
     """on-request: an untrusted server's call is asked (untrusted_mcp_server) and the denial is
     typed; a trusted one's read-only tool runs unasked; a tool whose effect the gateway's sandbox
     rules out (network, without --network) is not listed and is refused by name. Then approval
-    never: the same untrusted call runs unasked (never asks; the sandbox allows an unknown effect)."""
+    never: the same untrusted call runs unasked (never asks; the sandbox allows an unknown effect).
+    The trusted one starts on first use: not before the client's first list."""
     config = gateway_file(
         tmp_path, upstream(tmp_path, "wild"),
-        upstream(tmp_path, "tame", "echo", "trusted = true", "[upstreams.tame.tools.read_file]",
+        upstream(tmp_path, "tame", "echo", "trusted = true", 'start = "first_use"', "[upstreams.tame.tools.read_file]",
                  'effect = "read-only"', "[upstreams.tame.tools.echo]", 'effect = "network"'))
+
+    def tame_sessions() -> int:
+        listed = client.stub.ListSessions(pb.ListSessionsRequest()).sessions
+        return sum(1 for s in listed if s.labels.get("upstream") == "tame" and s.workspace == str(tmp_path / "up-tame"))
     asked: list[types.ElicitRequestParams] = []
     (tmp_path / "up-tame" / "note.txt").write_text("tame note")
 
@@ -285,7 +291,9 @@ def test_what_the_engine_says_is_what_the_client_sees(daemon: Daemon, ws: Path, 
         out: dict[str, Any] = {}
         async with mcp_client(daemon.socket, ws, "--approval", "on-request", "--gateway", str(config),
                               elicitation=decide(["deny"], asked)) as mcp:
+            out["before"] = tame_sessions()
             out["names"] = tool_names(await mcp.list_tools())
+            out["after"] = tame_sessions()
             out["wild"] = await mcp.call_tool("wild__echo", {"text": "x"})
             out["read"] = await mcp.call_tool("tame__read_file", {"path": "note.txt"})
             out["network"] = await mcp.call_tool("tame__echo", {"text": "x"})
@@ -294,6 +302,7 @@ def test_what_the_engine_says_is_what_the_client_sees(daemon: Daemon, ws: Path, 
         return out
 
     out = asyncio.run(scenario())
+    assert (out["before"], out["after"]) == (0, 1)
     assert "wild__echo" in out["names"] and "tame__read_file" in out["names"]
     assert "tame__echo" not in out["names"]
     assert out["wild"].is_error and structured(out["wild"])["reason"] == "untrusted_mcp_server"

@@ -223,6 +223,10 @@ class Gateway:
         the policy engine to the upstream."""
         exposed = next((tool for tool in self.exposed_tools() if tool.name == name), None)
         if exposed is None:
+            # A client that kept the list of an earlier connection may call before it lists.
+            await self._start_first_use()
+            exposed = next((tool for tool in self.exposed_tools() if tool.name == name), None)
+        if exposed is None:
             upstream = self.fleet.upstreams.get((naming.split(name) or ("", ""))[0])
             why = (f"the upstream {upstream.name} is {upstream.state}" if upstream is not None and
                    upstream.state != "ready" else "no upstream lists it")
