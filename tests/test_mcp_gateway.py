@@ -16,6 +16,7 @@ import subprocess
 import time
 import urllib.parse
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import mcp_types as types
@@ -31,6 +32,7 @@ from sandboxd.client import SandboxClient
 from sandboxd.mcp.gateway import authorize, naming
 from sandboxd.mcp.gateway.config import GatewayConfig, ToolOverride, UpstreamConfig
 from sandboxd.mcp.gateway.effects import ToolPolicy, hidden_because, tool_policy
+from sandboxd.mcp.gateway.router import Gateway
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 EXPOSED = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -426,3 +428,23 @@ def test_over_http_every_mcp_session_shares_one_fleet(daemon: Daemon, ws: Path, 
         assert time.monotonic() < deadline, upstream_sessions(include_closed=True)
         time.sleep(0.05)
     assert len(upstream_sessions(include_closed=True)) == 1
+
+
+def test_a_tool_a_client_could_not_take_is_left_out() -> None:
+    """A schema that is not a JSON object of type "object" (the TypeScript SDK refuses the whole
+    list over one), or over 64 KiB, drops its tool; so do the tools past 4 MiB of one upstream's
+    schemas and descriptions. The rest are listed. (A fake Fleet: this reads only its lists.)"""
+    def tool(name: str, schema: Any, description: str = "") -> types.Tool:
+        return types.Tool.model_construct(name=name, input_schema=schema, description=description, annotations=None)
+
+    big = {"type": "object", "description": "x" * (64 << 10)}
+    listed = [tool("good", {"type": "object"}), tool("string", {"type": "string"}), tool("list", [1]),
+              tool("big", big), tool("untyped", {"properties": {}})]
+    listed += [tool(f"many{index}", {"type": "object", "description": "y" * (60 << 10)}) for index in range(80)]
+    fake = SimpleNamespace(name="up", state="ready", tools=listed, config=UpstreamConfig(name="up", command=("x",)))
+    gateway = Gateway(None, GatewayConfig(path="/g", upstreams=()), authorize.Redactor([]), "sandboxctl",  # type: ignore[arg-type]
+                      fleet=lambda *_args: SimpleNamespace(upstreams={"up": fake}))
+    names = [exposed.name for exposed in gateway.exposed_tools()]
+    assert names[0] == "up__good" and not {"up__string", "up__list", "up__big", "up__untyped"} & set(names)
+    assert 60 < len(names) - 1 < 70                         # 4 MiB of 60 KiB schemas: the first 68 or so
+    assert names[1:] == [f"up__many{index}" for index in range(len(names) - 1)]

@@ -54,6 +54,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("sandboxd.mcp")
 DESCRIPTION_CHARS = 2000
 SCHEMA_BYTES = 64 << 10
+# What one upstream's tools may add to a tools/list (schemas and descriptions): 1,024 tools of 64
+# KiB schemas would be 64 MiB in every list a client reads. The tools past it are left out.
+LIST_BYTES = 4 << 20
+MAX_REMEMBERED = 4096            # tools left out whose log line was written
 READ_RESOURCE, GET_PROMPT = "resources/read", "prompts/get"   # no exposed tool name has a "/"
 REPORT_TIMEOUT = 30.0
 _READ = ToolPolicy(Effect.READ_ONLY, Risk.LOW, "default")
@@ -85,13 +89,16 @@ def describe(config: UpstreamConfig, text: str | None) -> str:
     return (prefix + printable(text or ""))[:DESCRIPTION_CHARS]
 
 
-def _small_object(schema: Any) -> bool:
-    if not isinstance(schema, dict):
-        return False
+def _schema_size(schema: Any) -> int | None:
+    """The serialized size of a schema a client will take: a JSON object whose type is "object"
+    (the TypeScript SDK refuses a whole tools/list over one that is not) below SCHEMA_BYTES; else None."""
+    if not isinstance(schema, dict) or schema.get("type") != "object":
+        return None
     try:
-        return len(json.dumps(schema).encode()) < SCHEMA_BYTES
+        size = len(json.dumps(schema).encode())
     except (TypeError, ValueError):
-        return False
+        return None
+    return size if size < SCHEMA_BYTES else None
 
 
 def _error(text: str) -> types.CallToolResult:
@@ -185,19 +192,30 @@ class Gateway:
         for upstream in self._ready():
             tools = list(upstream.tools)
             names = self._named(upstream, "tools", [tool.name for tool in tools])
+            budget = LIST_BYTES
             for tool in tools:
                 exposed = names.exposed(tool.name)
                 if exposed is None:
                     continue
-                if not _small_object(tool.input_schema):
-                    if (upstream.name, tool.name) not in self._dropped:
-                        self._dropped.add((upstream.name, tool.name))
-                        log.warning("sandboxd mcp gateway: %s: left out the tool %s: its input schema is not a JSON "
-                                    "object below %d KiB", upstream.name, printable(tool.name), SCHEMA_BYTES >> 10)
+                size = _schema_size(tool.input_schema)
+                if size is not None:
+                    budget -= size + len(tool.description or "")
+                if size is None or budget < 0:
+                    self._left_out(upstream, tool.name, "its input schema is not a JSON object of type \"object\" below "
+                                   f"{SCHEMA_BYTES >> 10} KiB" if size is None else
+                                   f"its tools' schemas and descriptions are over {LIST_BYTES >> 20} MiB together")
                     continue
                 found.append(ExposedTool(exposed, upstream, tool.name, tool,
                                          tool_policy(upstream.config, tool.name, tool.annotations)))
         return found
+
+    def _left_out(self, upstream: Upstream, tool: str, why: str) -> None:
+        """One log line per tool left out (lists are read again and again)."""
+        if (upstream.name, tool) not in self._dropped:
+            if len(self._dropped) >= MAX_REMEMBERED:      # an upstream renaming its tools on every restart
+                self._dropped.clear()
+            self._dropped.add((upstream.name, tool))
+            log.warning("sandboxd mcp gateway: %s: left out the tool %s: %s", upstream.name, printable(tool), why)
 
     async def tools(self, binding: Binding) -> list[types.Tool]:
         """The upstream tools the connection's session shows (binding.session: as fresh as its list)."""
@@ -207,7 +225,7 @@ class Gateway:
             if hidden_because(binding.session, exposed.policy) is not None:
                 continue
             config, tool = exposed.upstream.config, exposed.tool
-            output = tool.output_schema if _small_object(tool.output_schema) else None
+            output = tool.output_schema if _schema_size(tool.output_schema) is not None else None
             shown.append(types.Tool(
                 name=exposed.name, title=printable(tool.title) if tool.title else None,
                 description=describe(config, tool.description), input_schema=tool.input_schema,
