@@ -419,6 +419,10 @@ def test_over_http_every_mcp_session_shares_one_fleet(daemon: Daemon, ws: Path, 
                 answers = [await first.call_tool("shared__echo", {"text": "one"}),
                            await second.call_tool("shared__echo", {"text": "two"})]
                 assert len(upstream_sessions()) == 1
+                declared = first.server_capabilities          # as over stdio: the changes it sends
+                assert declared.tools and declared.tools.list_changed
+                assert declared.resources and declared.resources.list_changed
+                assert declared.prompts and declared.prompts.list_changed
                 return [text(answer) for answer in answers]
 
         assert asyncio.run(two_clients()) == ["echo: one", "echo: two"]
