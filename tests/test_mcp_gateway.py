@@ -452,3 +452,30 @@ def test_a_tool_a_client_could_not_take_is_left_out() -> None:
     assert names[0] == "up__good" and not {"up__string", "up__list", "up__big", "up__untyped"} & set(names)
     assert 60 < len(names) - 1 < 70                         # 4 MiB of 60 KiB schemas: the first 68 or so
     assert names[1:] == [f"up__many{index}" for index in range(len(names) - 1)]
+
+
+def test_calls_in_flight_to_one_upstream_are_bounded(daemon: Daemon, ws: Path, client: SandboxClient,
+                                                    tmp_path: Path) -> None:
+    """A client cannot pile up calls on a slow upstream: past MAX_IN_FLIGHT running, a call is
+    refused at once (a tool error saying why); once they end (their timeout), calls run again."""
+    from sandboxd.mcp.gateway.router import MAX_IN_FLIGHT
+
+    config = gateway_file(tmp_path, upstream(tmp_path, "slow", "slow", "timeout_seconds = 3"))
+
+    async def scenario() -> dict[str, Any]:
+        async with mcp_client(daemon.socket, ws, "--approval", "never", "--gateway", str(config)) as mcp:
+            hanging = [asyncio.create_task(mcp.call_tool("slow__hang", {})) for _ in range(MAX_IN_FLIGHT)]
+            session = gateway_session(client, ws)
+            deadline = time.monotonic() + 60 * SLOW
+            while sum(kind == "ToolInvocationStarted" for kind, _ in events(client, session.id, "slow__hang")) < \
+                    MAX_IN_FLIGHT:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            over = await mcp.call_tool("slow__echo", {"text": "one too many"})
+            ended = await asyncio.gather(*hanging)
+            return {"over": over, "ended": ended, "after": await mcp.call_tool("slow__echo", {"text": "again"})}
+
+    out = asyncio.run(scenario())
+    assert out["over"].is_error and "calls running already" in text(out["over"])
+    assert all(result.is_error and "timed out" in text(result) for result in out["ended"])
+    assert text(out["after"]) == "echo: again"

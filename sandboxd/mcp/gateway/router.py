@@ -58,6 +58,9 @@ SCHEMA_BYTES = 64 << 10
 # KiB schemas would be 64 MiB in every list a client reads. The tools past it are left out.
 LIST_BYTES = 4 << 20
 MAX_REMEMBERED = 4096            # tools left out whose log line was written
+# Calls in flight to one upstream, from every connection: each holds a task and a pending request
+# until its timeout, and a client could start them faster than a slow upstream ends them.
+MAX_IN_FLIGHT = 32
 READ_RESOURCE, GET_PROMPT = "resources/read", "prompts/get"   # no exposed tool name has a "/"
 REPORT_TIMEOUT = 30.0
 _READ = ToolPolicy(Effect.READ_ONLY, Risk.LOW, "default")
@@ -132,6 +135,7 @@ class Gateway:
         self._connections: set["Connection"] = set()
         self._names: dict[tuple[str, str], tuple[tuple[str, ...], naming.Names]] = {}
         self._dropped: set[tuple[str, str]] = set()     # tools left out already said in the log
+        self._in_flight: dict[str, int] = {}             # upstream -> its calls running now
 
     async def start(self) -> None:
         await self.fleet.start()
@@ -370,6 +374,18 @@ class Gateway:
                               measured: Callable[[T], tuple[int, bool]]) -> T:
         """Authorize ``tool`` (held: asked as a held built-in call is), ``run`` it, report how it
         ended. Raises _Refused (with the tool result to return) when it may not run or failed."""
+        if self._in_flight.get(upstream.name, 0) >= MAX_IN_FLIGHT:
+            raise _Refused(_error(f"{tool}: {upstream.name} has {MAX_IN_FLIGHT} calls running already: wait for one "
+                                  "to end"))
+        self._in_flight[upstream.name] = self._in_flight.get(upstream.name, 0) + 1
+        try:
+            return await self._authorized(ctx, binding, tool, upstream, policy, arguments, run, measured)
+        finally:
+            self._in_flight[upstream.name] -= 1
+
+    async def _authorized(self, ctx: "Ctx", binding: Binding, tool: str, upstream: Upstream, policy: ToolPolicy,
+                          arguments: dict[str, Any], run: Callable[[], Awaitable[T]],
+                          measured: Callable[[T], tuple[int, bool]]) -> T:
         context_id = f"mcp-{secrets.token_hex(6)}"
         held = binding.expect(tool, context_id)
         progress = Progress(ctx)
