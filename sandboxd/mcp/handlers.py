@@ -163,13 +163,16 @@ def gateway_handlers(app: App) -> dict[str, Any]:
     if gateway is None:
         return {}
 
-    async def list_resources(_ctx: "Ctx", _params: types.PaginatedRequestParams | None) -> types.ListResourcesResult:
+    # Each binds the connection first, as tools/list does: from then on it hears of list changes.
+    async def list_resources(ctx: "Ctx", _params: types.PaginatedRequestParams | None) -> types.ListResourcesResult:
+        await _bound(app, ctx)
         return await gateway.list_resources()
 
     async def read_resource(ctx: "Ctx", params: types.ReadResourceRequestParams) -> types.ReadResourceResult:
         return await gateway.read_resource(ctx, await _bound(app, ctx), str(params.uri))
 
-    async def list_prompts(_ctx: "Ctx", _params: types.PaginatedRequestParams | None) -> types.ListPromptsResult:
+    async def list_prompts(ctx: "Ctx", _params: types.PaginatedRequestParams | None) -> types.ListPromptsResult:
+        await _bound(app, ctx)
         return await gateway.list_prompts()
 
     async def get_prompt(ctx: "Ctx", params: types.GetPromptRequestParams) -> types.GetPromptResult:
