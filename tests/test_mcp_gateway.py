@@ -326,18 +326,22 @@ def test_read_only_mode_shows_only_read_only_tools(daemon: Daemon, ws: Path, cli
 
     async def scenario() -> dict[str, Any]:
         async with mcp_client(daemon.socket, ws, "--permission-mode", "read_only", "--gateway", str(config)) as mcp:
-            return {"names": tool_names(await mcp.list_tools()),
-                    "hidden": await mcp.call_tool("wild__read_file", {"path": "note.txt"}),
-                    "read": await mcp.call_tool("tame__read_file", {"path": "note.txt"})}
+            out = {"names": tool_names(await mcp.list_tools()),
+                   "hidden": await mcp.call_tool("wild__read_file", {"path": "note.txt"}),
+                   "read": await mcp.call_tool("tame__read_file", {"path": "note.txt"})}
+            session = gateway_session(client, ws)
+            assert [kind for kind, _data in events(client, session.id, "wild__read_file")] == []   # never asked
+            # The control: the daemon alone would let the same call through in this session.
+            out["daemon"] = client.stub.Authorize(pb.AuthorizeRequest(
+                session_id=session.id, tool="wild__read_file", effect=pb.EFFECT_UNKNOWN_COMMAND, mcp_server="wild"))
+            return out
 
     out = asyncio.run(scenario())
     gateway_tools = [name for name in out["names"] if "__" in name]
     assert gateway_tools == ["tame__read_file"], out["names"]
     assert out["hidden"].is_error and "read_only" in text(out["hidden"])
     assert text(out["read"]) == "read: tame note"
-    # The control: the daemon itself would have let the hidden call through.
-    session = gateway_session(client, ws)
-    assert [kind for kind, _data in events(client, session.id, "wild__read_file")] == []
+    assert out["daemon"].allowed
 
 
 def test_resources_prompts_and_list_changed_pass_through(daemon: Daemon, ws: Path, client: SandboxClient,
