@@ -45,7 +45,7 @@ CALL_STATE_FINISHED: CallState
 CALL_STATE_UNKNOWN: CallState
 
 class SandboxPolicy(_message.Message):
-    __slots__ = ("mode", "network_access", "writable_roots", "protected_subpaths", "no_default_protected_subpaths", "network_mode", "allowed_unix_sockets", "allowed_hosts", "published_ports", "allowed_domains", "allowed_endpoints", "unlisted", "credentials")
+    __slots__ = ("mode", "network_access", "writable_roots", "protected_subpaths", "no_default_protected_subpaths", "network_mode", "allowed_unix_sockets", "allowed_hosts", "published_ports", "allowed_domains", "allowed_endpoints", "unlisted", "credentials", "hide_home")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         MODE_UNSPECIFIED: _ClassVar[SandboxPolicy.Mode]
@@ -69,6 +69,7 @@ class SandboxPolicy(_message.Message):
     ALLOWED_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     UNLISTED_FIELD_NUMBER: _ClassVar[int]
     CREDENTIALS_FIELD_NUMBER: _ClassVar[int]
+    HIDE_HOME_FIELD_NUMBER: _ClassVar[int]
     mode: SandboxPolicy.Mode
     network_access: bool
     writable_roots: _containers.RepeatedScalarFieldContainer[str]
@@ -82,7 +83,8 @@ class SandboxPolicy(_message.Message):
     allowed_endpoints: _containers.RepeatedScalarFieldContainer[str]
     unlisted: str
     credentials: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, mode: _Optional[_Union[SandboxPolicy.Mode, str]] = ..., network_access: _Optional[bool] = ..., writable_roots: _Optional[_Iterable[str]] = ..., protected_subpaths: _Optional[_Iterable[str]] = ..., no_default_protected_subpaths: _Optional[bool] = ..., network_mode: _Optional[str] = ..., allowed_unix_sockets: _Optional[_Iterable[str]] = ..., allowed_hosts: _Optional[_Iterable[str]] = ..., published_ports: _Optional[_Iterable[str]] = ..., allowed_domains: _Optional[_Iterable[str]] = ..., allowed_endpoints: _Optional[_Iterable[str]] = ..., unlisted: _Optional[str] = ..., credentials: _Optional[_Iterable[str]] = ...) -> None: ...
+    hide_home: bool
+    def __init__(self, mode: _Optional[_Union[SandboxPolicy.Mode, str]] = ..., network_access: _Optional[bool] = ..., writable_roots: _Optional[_Iterable[str]] = ..., protected_subpaths: _Optional[_Iterable[str]] = ..., no_default_protected_subpaths: _Optional[bool] = ..., network_mode: _Optional[str] = ..., allowed_unix_sockets: _Optional[_Iterable[str]] = ..., allowed_hosts: _Optional[_Iterable[str]] = ..., published_ports: _Optional[_Iterable[str]] = ..., allowed_domains: _Optional[_Iterable[str]] = ..., allowed_endpoints: _Optional[_Iterable[str]] = ..., unlisted: _Optional[str] = ..., credentials: _Optional[_Iterable[str]] = ..., hide_home: _Optional[bool] = ...) -> None: ...
 
 class CredentialSecret(_message.Message):
     __slots__ = ("value", "daemon_secret")

@@ -24,6 +24,7 @@ from sandboxd._record import Record
 from sandboxd.audit.store import EventStore, EventType
 from sandboxd.errors import InvalidPolicy, NotFound, WrongState
 from sandboxd.kernel import overlay, review_space
+from sandboxd.launcher.homes import owner_home
 from sandboxd.policy import LaunchSpec, Limits, SandboxPolicy
 from sandboxd.policy.decision import ApprovalPolicy, ToolRules
 from sandboxd.policy.network import DaemonSecret
@@ -220,6 +221,8 @@ class SessionLifecycle:
                 if session.closed:
                     raise NotFound(f"no session {session.id!r}")
                 before, current, ready = session.axes(), session.policy, session.sandbox_ready
+            if policy is not None and current.hide_home and not policy.hide_home:
+                policy = policy.replace(hide_home=True)   # kept for the session's life (SandboxPolicy.hide_home)
             changed = policy is not None and policy != current
             if policy is not None and (changed or secrets) and live_changeable(current, policy):
                 if changed:
@@ -529,6 +532,7 @@ class SessionLifecycle:
                           limits=session.limits, user=command_user(session.owner, policy), dns=self._places.dns,
                           network_pool=self._places.network_pool, caller=rights_of(session.owner),
                           hidden_paths=own.hidden, owner_hidden=_owner_places(session.owner.uid),
+                          hidden_homes=owner_home(session.owner.uid) if policy.hide_home else (),
                           denied_sockets=own.sockets, denied_listeners=own.listeners,
                           approval_channels=own.channels,
                           owner=cgroup_owner(session.owner), placement=placement,
