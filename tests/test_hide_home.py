@@ -4,7 +4,8 @@ A daemon session shows the host's root read-only, the owner's home with it: an M
 session of its user's (`sandboxd mcp --gateway`) could read ~/.ssh/id_rsa. With ``hide_home`` the
 home is covered by an empty, read-only directory (launcher.rootfs step 7b, as `sandboxd run`
 does): the key is unreadable by its absolute path, the home lists nothing of its own, a write there
-fails and reaches nothing, while the workspace inside it stays visible and writable. The control:
+fails and reaches nothing, while the workspace and a writable root inside it stay visible and
+writable. The control:
 the same user's session without it reads the key. The setting survives an UpdateSessionPolicy that
 leaves it out and in a permission mode's session; danger-full-access with it is refused;
 `sandboxctl session create --hide-home` and sandboxd.mcp.daemon.SessionSpec(hide_home=True) set it.
@@ -19,10 +20,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import grpc
 import pytest
 
 from conftest import BASE_ENV, REPO
-from daemon_helpers import Daemon, DaemonFactory, PlainUser, close_quietly, plain_users, run_client_as
+from daemon_helpers import (Daemon, DaemonFactory, PlainUser, close_quietly, plain_users, rpc_error, run_client_as,
+                            run_exec)
 from daemon_fixtures import daemon  # noqa: F401  (the module's daemon)
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -34,7 +37,7 @@ KEY = "-----BEGIN OPENSSH PRIVATE KEY-----\nsbxt-hide-home-secret\n-----END OPEN
 
 class Home(NamedTuple):
     user: PlainUser
-    home: Path              # the user's home in the user database: ~/.ssh/id_rsa, ~/.bashrc, ~/project
+    home: Path              # the user's home in the user database: ~/.ssh/id_rsa, ~/.bashrc, ~/project, ~/notes
     workspace: Path         # ~/project
 
 
@@ -49,7 +52,9 @@ def home(sandboxd_daemon_module: DaemonFactory, daemon: Daemon) -> Iterator[Home
         (path / ".ssh" / "id_rsa").write_text(KEY)
         (path / ".bashrc").write_text("# the user's own\n")
         (path / "project").mkdir()
-        for entry in (path, path / ".ssh", path / ".ssh" / "id_rsa", path / ".bashrc", path / "project"):
+        (path / "notes").mkdir()
+        for entry in (path, path / ".ssh", path / ".ssh" / "id_rsa", path / ".bashrc", path / "project",
+                      path / "notes"):
             os.chown(entry, user.uid, user.gid)
         os.chmod(path, 0o700)
         os.chmod(path / ".ssh", 0o700)
@@ -67,7 +72,7 @@ PROBES = r'''
 home, ws = ARGS["home"], ARGS["ws"]
 
 def session(hide):
-    policy = pb.SandboxPolicy(mode=pb.SandboxPolicy.WORKSPACE_WRITE, hide_home=hide)
+    policy = pb.SandboxPolicy(mode=pb.SandboxPolicy.WORKSPACE_WRITE, hide_home=hide, writable_roots=[home + "/notes"])
     return stub.CreateSession(pb.CreateSessionRequest(workspace=ws, sandbox_policy=policy,
                                                       approval_policy=pb.NEVER), timeout=120)
 
@@ -77,6 +82,7 @@ def probes(sid):
             "listing": run(sid, ["ls", "-A", home]),
             "plant": run(sid, ["sh", "-c", "echo planted >> " + home + "/.bashrc"]),
             "write": run(sid, ["sh", "-c", "echo written > " + ws + "/out && cat " + ws + "/out"]),
+            "root": run(sid, ["sh", "-c", "echo noted > " + home + "/notes/n && cat " + home + "/notes/n"]),
             "home_var": run(sid, ["sh", "-c", "echo $HOME"])}
 
 hidden, shown = session(True), session(False)
@@ -119,7 +125,7 @@ def seen(home: Home, daemon: Daemon) -> dict[str, Any]:  # noqa: F811
 def test_the_control_reads_the_key_without_hide_home(seen: dict[str, Any]) -> None:
     """Without hide_home the attack works: the user's session reads its key and lists its home."""
     assert seen["shown"]["key"] == [KEY, 0], seen["shown"]
-    assert {".ssh", ".bashrc", "project"} <= set(seen["shown"]["listing"][0].split()), seen["shown"]
+    assert {".ssh", ".bashrc", "project", "notes"} <= set(seen["shown"]["listing"][0].split()), seen["shown"]
 
 
 def test_hide_home_hides_the_key_and_the_dotfiles(seen: dict[str, Any]) -> None:
@@ -128,7 +134,7 @@ def test_hide_home_hides_the_key_and_the_dotfiles(seen: dict[str, Any]) -> None:
     assert status != 0 and "sbxt-hide-home-secret" not in out, seen["hidden"]
     assert seen["hidden"]["bashrc"][1] != 0, seen["hidden"]
     listing, status = seen["hidden"]["listing"]
-    assert status == 0 and listing.split() == ["project"], seen["hidden"]     # the workspace's mount point alone
+    assert status == 0 and listing.split() == ["notes", "project"], seen["hidden"]   # the roots' mount points alone
 
 
 def test_the_hidden_home_is_read_only_and_the_host_home_untouched(seen: dict[str, Any], home: Home) -> None:
@@ -137,9 +143,11 @@ def test_the_hidden_home_is_read_only_and_the_host_home_untouched(seen: dict[str
     assert (home.home / ".ssh" / "id_rsa").read_text() == KEY
 
 
-def test_the_workspace_inside_the_hidden_home_stays_writable(seen: dict[str, Any], home: Home) -> None:
+def test_the_workspace_and_roots_inside_the_hidden_home_stay_writable(seen: dict[str, Any], home: Home) -> None:
     assert seen["hidden"]["write"] == ["written\n", 0], seen["hidden"]
     assert (home.workspace / "out").read_text() == "written\n"
+    assert seen["hidden"]["root"] == ["noted\n", 0], seen["hidden"]
+    assert (home.home / "notes" / "n").read_text() == "noted\n"
     assert seen["hidden"]["home_var"] == ["/tmp/sandboxd-home\n", 0], seen["hidden"]
 
 
@@ -186,3 +194,34 @@ def test_the_mcp_session_spec_asks_for_it() -> None:
 
     assert SessionSpec("/w", hide_home=True, network_policy=pb.SandboxPolicy()).request().sandbox_policy.hide_home
     assert not SessionSpec("/w").request().sandbox_policy.hide_home
+
+
+def test_a_root_callers_session_hides_the_workspace_owners_home(home: Home, daemon: Daemon) -> None:  # noqa: F811
+    """Root's session on a user's checkout runs its commands as that user: hide_home covers that user's
+    home too (control: without it, the command reads the key)."""
+    def key_as_seen(hide: bool) -> tuple[str, int]:
+        session = daemon.stub.CreateSession(pb.CreateSessionRequest(
+            workspace=str(home.workspace), approval_policy=pb.NEVER,
+            sandbox_policy=pb.SandboxPolicy(mode=pb.SandboxPolicy.WORKSPACE_WRITE, hide_home=hide)), timeout=120)
+        try:
+            outcome = run_exec(daemon.stub, session.id, ["cat", str(home.home / ".ssh" / "id_rsa")])
+            assert outcome.result is not None, outcome.kinds
+            return outcome.stdout.decode(), outcome.result.exit_code
+        finally:
+            close_quietly(daemon.stub, session.id)
+
+    assert key_as_seen(False) == (KEY, 0)
+    out, status = key_as_seen(True)
+    assert status != 0 and "sbxt-hide-home-secret" not in out, out
+
+
+def test_a_workspace_that_holds_the_home_is_refused(home: Home, daemon: Daemon) -> None:  # noqa: F811
+    """The home as the workspace would be attached over its cover, keys and all: INVALID_ARGUMENT
+    saying so, not a session that claims to hide it."""
+    error = rpc_error(lambda: daemon.stub.CreateSession(pb.CreateSessionRequest(
+        workspace=str(home.home), approval_policy=pb.NEVER,
+        sandbox_policy=pb.SandboxPolicy(mode=pb.SandboxPolicy.WORKSPACE_WRITE, hide_home=True)), timeout=120))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert "holds the home" in (error.details() or ""), error.details()
+    assert not [s for s in daemon.stub.ListSessions(pb.ListSessionsRequest(), timeout=60).sessions
+                if s.workspace == str(home.home)]

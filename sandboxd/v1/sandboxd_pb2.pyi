@@ -896,7 +896,7 @@ class ListPendingApprovalsResponse(_message.Message):
     def __init__(self, approvals: _Optional[_Iterable[_Union[PendingApproval, _Mapping]]] = ...) -> None: ...
 
 class AuthorizeRequest(_message.Message):
-    __slots__ = ("session_id", "tool", "effect", "command", "mcp_server", "server_trusted", "arguments_json", "execution_context_id", "risk")
+    __slots__ = ("session_id", "tool", "effect", "command", "mcp_server", "server_trusted", "arguments_json", "execution_context_id", "risk", "runs_in_session_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOOL_FIELD_NUMBER: _ClassVar[int]
     EFFECT_FIELD_NUMBER: _ClassVar[int]
@@ -906,6 +906,7 @@ class AuthorizeRequest(_message.Message):
     ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
     RISK_FIELD_NUMBER: _ClassVar[int]
+    RUNS_IN_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tool: str
     effect: PolicyEffect
@@ -915,7 +916,8 @@ class AuthorizeRequest(_message.Message):
     arguments_json: str
     execution_context_id: str
     risk: str
-    def __init__(self, session_id: _Optional[str] = ..., tool: _Optional[str] = ..., effect: _Optional[_Union[PolicyEffect, str]] = ..., command: _Optional[str] = ..., mcp_server: _Optional[str] = ..., server_trusted: _Optional[bool] = ..., arguments_json: _Optional[str] = ..., execution_context_id: _Optional[str] = ..., risk: _Optional[str] = ...) -> None: ...
+    runs_in_session_id: str
+    def __init__(self, session_id: _Optional[str] = ..., tool: _Optional[str] = ..., effect: _Optional[_Union[PolicyEffect, str]] = ..., command: _Optional[str] = ..., mcp_server: _Optional[str] = ..., server_trusted: _Optional[bool] = ..., arguments_json: _Optional[str] = ..., execution_context_id: _Optional[str] = ..., risk: _Optional[str] = ..., runs_in_session_id: _Optional[str] = ...) -> None: ...
 
 class PermissionDenied(_message.Message):
     __slots__ = ("call_id", "tool", "reason", "by", "detail", "message")
