@@ -389,7 +389,7 @@ class Gateway:
         async def run() -> types.GetPromptResult:
             result = await upstream.get_prompt(prompt_name, arguments, upstream.config.timeout_seconds)
             if result.description:
-                result.description = printable(result.description)
+                result.description = _label(result.description, "description")
             return result
 
         def measured(result: types.GetPromptResult) -> tuple[int, bool]:
