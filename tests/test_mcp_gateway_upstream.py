@@ -32,6 +32,7 @@ from daemon_helpers import Daemon, DaemonFactory, close_quietly, run_exec
 from sandboxd.mcp.daemon import Daemon as AsyncDaemon
 from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig, default_workspace
 from sandboxd.mcp.gateway.exec_stdio import MAX_MESSAGE_BYTES, STDERR_TAIL_BYTES
+from sandboxd.mcp.gateway.http_bridge import credential_headers
 from sandboxd.mcp.gateway.upstream import (MAX_LISTED, Fleet, Upstream, UpstreamError, exec_start,
                                            gateway_variables)
 from sandboxd.v1 import sandboxd_pb2 as pb
@@ -84,6 +85,9 @@ def test_listed_called_and_closed_in_its_own_session(daemon: Daemon, ws: Path) -
         assert [prompt.name for prompt in upstream.prompts] == ["greet"]
         result = await upstream.call_tool("echo", {"text": "hi"}, 30)
         assert text(result) == "echo: hi" and not result.is_error
+        # Lines that are not JSON-RPC are dropped and counted; the answer after them arrives.
+        assert text(await upstream.call_tool("echo", {"text": "garbage first"}, 30)) == "echo: garbage first"
+        assert upstream.process is not None and upstream.process.invalid_lines == 2
         read = await upstream.read_resource("test://notes", 30)
         assert read.contents[0].text == "read echo"
         prompt = await upstream.get_prompt("greet", None, 30)
@@ -202,11 +206,13 @@ def test_a_crash_fails_the_call_and_the_next_call_works(daemon: Daemon, ws: Path
             assert "exited with status 3" in str(crash.value)
             assert "crashing on call 2 as asked" in str(crash.value)
             first = upstream.process
+            await eventually(lambda: upstream.tools == [] or upstream.process is not first, "its lists stayed")
             # The next call waits for the restart (back-off 1 s) and is served by a new server.
             assert text(await upstream.call_tool("echo", {"text": "3"}, 30)) == "echo: 3"
             assert upstream.state == "ready" and upstream.process is not first
             assert len(open_sessions(daemon, "crashy")) == 1       # its session was reused
-            assert changes == []                                     # the same lists: nothing to tell
+            # Its lists went with it, and came back: a client's listing follows both ways.
+            assert changes == ["prompts", "resources", "tools"] * 2
         finally:
             await upstream.close()
         assert open_sessions(daemon, "crashy") == []
@@ -246,11 +252,13 @@ def test_the_upstreams_own_requests_are_refused(daemon: Daemon, ws: Path) -> Non
         upstream = Upstream(client, upstream_config("asks", ws, "asks"), no_change)
         try:
             answer = text(await upstream.call_tool("ask", {}, 30))
+            assert upstream.process is not None and upstream.process.refused_requests == 3
         finally:
             await upstream.close()
         parts = sorted(answer.split("; "))
         assert [part.split(":")[0] for part in parts] == ["elicitation/create", "roots/list", "sampling/createMessage"]
-        assert all(": error " in part for part in parts), answer
+        assert all(": error -32601 refused: the sandboxd gateway declares no client capability" in part
+                   for part in parts), answer
     run(daemon, scenario)
 
 
@@ -286,20 +294,23 @@ def test_a_missing_credential_names_the_variable(daemon: Daemon, ws: Path) -> No
 
 def test_the_fleet_starts_the_eager_ones_and_closes_all(daemon: Daemon, sandboxd_daemon_module: DaemonFactory) -> None:
     eager, lazy = sandboxd_daemon_module.workspace(), sandboxd_daemon_module.workspace()
-    config = GatewayConfig(path="test", upstreams=(upstream_config("eager", eager),
+    silent = UpstreamConfig(name="silent", command=(PY, "-c", "import time; time.sleep(600)"), workspace=str(eager))
+    config = GatewayConfig(path="test", upstreams=(upstream_config("eager", eager), silent,
                                                    upstream_config("lazy", lazy, start="first_use")))
 
     async def scenario(client: AsyncDaemon) -> None:
         fleet = Fleet(client, config, lambda name, kind: no_change(kind))
         try:
+            # start() returns with the upstream that never answers initialize still starting (behind).
             await fleet.start()
             assert fleet.upstreams["eager"].state == "ready" and fleet.upstreams["lazy"].state == "stopped"
+            assert fleet.upstreams["silent"].state == "starting"
             assert open_sessions(daemon, "lazy") == []
             assert text(await fleet.upstreams["lazy"].call_tool("echo", {"text": "x"}, 30)) == "echo: x"
             assert len(open_sessions(daemon, "eager")) == len(open_sessions(daemon, "lazy")) == 1
         finally:
             await fleet.close()
-        assert open_sessions(daemon, "eager") == open_sessions(daemon, "lazy") == []
+        assert open_sessions(daemon, "eager") == open_sessions(daemon, "lazy") == open_sessions(daemon, "silent") == []
         assert {upstream.state for upstream in fleet.upstreams.values()} == {"closed"}
     run(daemon, scenario)
 
@@ -506,3 +517,33 @@ def test_a_url_upstreams_bridge_must_be_outside_the_hidden_home(monkeypatch: pyt
     monkeypatch.setattr(sys, "executable", os.path.expanduser("~/.venv/bin/python"))
     with pytest.raises(UpstreamError, match="inside your home, which the upstream's session hides"):
         exec_start(config, "session", {})
+
+
+def test_close_ends_a_start_that_hangs(daemon: Daemon, ws: Path) -> None:
+    """A server that never answers initialize: close() ends the try there (the waiting caller
+    hears the gateway is closing, not the start's own 60 s timeout), and its call and session."""
+    async def scenario(client: AsyncDaemon) -> None:
+        silent = UpstreamConfig(name="silent", command=(PY, "-c", "import time; time.sleep(600)"), workspace=str(ws))
+        upstream = Upstream(client, silent, no_change)
+        starting = asyncio.ensure_future(upstream.ensure_started())
+        await eventually(lambda: upstream.process is not None and upstream.process.pid > 0, "the server never ran")
+        process = upstream.process
+        assert upstream.state == "starting" and not starting.done()
+        await upstream.close()
+        with pytest.raises(UpstreamError, match="the gateway is closing"):
+            await starting
+        assert process is not None and process.ended.is_set()
+        assert upstream.state == "closed" and open_sessions(daemon, "silent") == []
+    run(daemon, scenario)
+
+
+def test_the_bridge_sends_a_credential_only_to_its_origin() -> None:
+    """A url upstream's credential goes as its header to the URL's https origin only, holding what
+    the variable holds inside the sandbox (the phantom the proxy swaps for the secret)."""
+    specs = ["TOKEN=https://mcp.example.com", "KEY=https://mcp.example.com:8443;x-api-key: {}",
+             "BASIC=https://mcp.example.com;basic:me", "OTHER=https://api.example.org"]
+    environ = {"TOKEN": "phantom-1", "KEY": "phantom-2", "BASIC": "phantom-3", "OTHER": "phantom-4"}
+    assert credential_headers("https://mcp.example.com/mcp", specs, environ) == {"Authorization": "Bearer phantom-1"}
+    assert credential_headers("https://mcp.example.com:8443/mcp", specs, environ) == {"x-api-key": "phantom-2"}
+    assert credential_headers("http://mcp.example.com/mcp", specs, environ) == {}       # never over plain HTTP
+    assert credential_headers("https://evil.example.net/mcp", specs, environ) == {}

@@ -55,6 +55,7 @@ MAX_ITEM_BYTES = 64 << 10         # one tool (resource, prompt) as listed, seria
 MAX_LISTING_BYTES = 4 << 20       # what one upstream's listing of one kind keeps in all
 MAX_RESULT_BYTES = 1 << 20        # a CallToolResult, serialized
 START_TIMEOUT_SECONDS = 60.0      # initialize and the first listings
+START_WAIT_SECONDS = 10.0         # Fleet.start waits this long for the first tries; the rest go on behind
 BACKOFF_SECONDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0)
 STEADY_SECONDS = 60.0             # served this long: its next fault starts the back-off at 1 s again
 RELIST_INTERVAL_SECONDS = 1.0     # at most one listing per interval for list_changed notifications
@@ -245,7 +246,10 @@ class Upstream:
         while not self._stop.is_set():
             error = ""
             try:
-                await self._serve()
+                async with anyio.create_task_group() as watch:
+                    watch.start_soon(self._stop_while_starting, watch.cancel_scope)
+                    await self._serve()
+                    watch.cancel_scope.cancel()
             except Exception as exc:  # noqa: BLE001 - whatever it was, the upstream restarts
                 leaf = _leaf(exc)
                 if isinstance(leaf, UpstreamError):
@@ -256,6 +260,13 @@ class Upstream:
             was_ready, self._client = self._state == "ready", None
             if self._stop.is_set():
                 break
+            if was_ready:
+                # Gone: its lists with it (a client's next listing leaves them out), until it is back.
+                gone = [kind for kind in ("prompts", "resources", "tools") if getattr(self, kind)]
+                self.tools, self.resources, self.prompts = [], [], []
+                self.state = "restarting"
+                for kind in gone:
+                    await self._on_change(kind)
             if not error:
                 error = f"{self.name} stopped: {self.process.why_ended() if self.process else 'it never started'}"
             self.last_error = error
@@ -272,6 +283,13 @@ class Upstream:
             if not self._stop.is_set():
                 self.state = "starting"
         self._settle(f"{self.name}: the gateway is closing")
+
+    async def _stop_while_starting(self, scope: anyio.CancelScope) -> None:
+        """close() ends a try that is not ready wherever it is (opening the session, a hung
+        initialize); a ready one winds down in _serve."""
+        await self._stop.wait()
+        if self._client is None:
+            scope.cancel()
 
     async def _open_session(self) -> pb.Session:
         """Its session: the one it had while that is open, else a new one."""
@@ -326,6 +344,7 @@ class Upstream:
                 async with anyio.create_task_group() as tasks:
                     tasks.start_soon(self._follow_changes, client)
                     tasks.start_soon(_cancel_when, process.ended.wait, tasks.cancel_scope)
+                    # Ready: close() leaves this loop, and the server is ended in order (stdin closed first).
                     tasks.start_soon(_cancel_when, self._stop.wait, tasks.cancel_scope)
 
 
@@ -478,17 +497,21 @@ class Fleet:
         return changed
 
     async def start(self) -> None:
-        """Start the upstreams whose table says start = "gateway", side by side; one that fails is
-        logged and tried again with back-off (its calls say why meanwhile)."""
+        """Start the upstreams whose table says start = "gateway", side by side, and wait for each
+        one's first try, at most START_WAIT_SECONDS: an MCP client gives its server only so long to
+        answer initialize, and one slow upstream must not cost the others. One still starting then
+        goes on in the background and announces its lists through on_change when ready; one that
+        fails is logged and tried again with back-off (its calls say why meanwhile)."""
         async def start_one(upstream: Upstream) -> None:
             try:
                 await upstream.ensure_started()
             except UpstreamError as exc:
                 log.warning("gateway: %s", printable(str(exc)))
-        async with anyio.create_task_group() as tasks:
-            for upstream in self.upstreams.values():
-                if upstream.config.start == "gateway":
-                    tasks.start_soon(start_one, upstream)
+        with anyio.move_on_after(START_WAIT_SECONDS):
+            async with anyio.create_task_group() as tasks:
+                for upstream in self.upstreams.values():
+                    if upstream.config.start == "gateway":
+                        tasks.start_soon(start_one, upstream)
 
     async def close(self) -> None:
         async with anyio.create_task_group() as tasks:
