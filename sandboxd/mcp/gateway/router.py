@@ -175,6 +175,7 @@ class Gateway:
         self._dropped: set[tuple[str, str]] = set()     # tools left out already said in the log
         self._in_flight: dict[str, int] = {}             # upstream -> its calls running now
         self._reports: set[asyncio.Task[None]] = set()   # ReportToolResult calls on their way
+        self._exposed: dict[str, tuple[list[types.Tool], dict[str, ExposedTool]]] = {}   # upstream -> its listing's
 
     async def start(self) -> None:
         await self.fleet.start()
@@ -235,25 +236,33 @@ class Gateway:
 
     def exposed_tools(self) -> list[ExposedTool]:
         """Every ready upstream's tools under their exposed names (shown or not)."""
-        found = []
-        for upstream in self._ready():
-            tools = list(upstream.tools)
-            names = self._named(upstream, "tools", [tool.name for tool in tools])
-            budget = LIST_BYTES
-            for tool in tools:
-                exposed = names.exposed(tool.name)
-                if exposed is None:
-                    continue
-                size = _schema_size(tool.input_schema)
-                if size is not None:
-                    budget -= size + len(tool.description or "")
-                if size is None or budget < 0:
-                    self._left_out(upstream, tool.name, "its input schema is not a JSON object of type \"object\" below "
-                                   f"{SCHEMA_BYTES >> 10} KiB" if size is None else
-                                   f"its tools' schemas and descriptions are over {LIST_BYTES >> 20} MiB together")
-                    continue
-                found.append(ExposedTool(exposed, upstream, tool.name, tool,
-                                         tool_policy(upstream.config, tool.name, tool.annotations)))
+        return [tool for upstream in self._ready() for tool in self._exposed_of(upstream).values()]
+
+    def _exposed_of(self, upstream: Upstream) -> dict[str, ExposedTool]:
+        """One upstream's tools by exposed name, worked out once per listing (the upstream assigns
+        a new list when it lists again): a call looks its tool up here."""
+        tools = upstream.tools
+        cached = self._exposed.get(upstream.name)
+        if cached is not None and cached[0] is tools:
+            return cached[1]
+        names = self._named(upstream, "tools", [tool.name for tool in tools])
+        found: dict[str, ExposedTool] = {}
+        budget = LIST_BYTES
+        for tool in tools:
+            exposed = names.exposed(tool.name)
+            if exposed is None:
+                continue
+            size = _schema_size(tool.input_schema)
+            if size is not None:
+                budget -= size + len(tool.description or "")
+            if size is None or budget < 0:
+                self._left_out(upstream, tool.name, "its input schema is not a JSON object of type \"object\" below "
+                               f"{SCHEMA_BYTES >> 10} KiB" if size is None else
+                               f"its tools' schemas and descriptions are over {LIST_BYTES >> 20} MiB together")
+                continue
+            found[exposed] = ExposedTool(exposed, upstream, tool.name, tool,
+                                         tool_policy(upstream.config, tool.name, tool.annotations))
+        self._exposed[upstream.name] = (tools, found)
         return found
 
     def _left_out(self, upstream: Upstream, tool: str, why: str) -> None:
@@ -286,13 +295,12 @@ class Gateway:
                         arguments: dict[str, Any]) -> types.CallToolResult:
         """A call of ``name`` (UPSTREAM__tool): refused unless the session shows it, then through
         the policy engine to the upstream."""
-        exposed = next((tool for tool in self.exposed_tools() if tool.name == name), None)
-        if exposed is None:
+        upstream = self.fleet.upstreams.get((naming.split(name) or ("", ""))[0])
+        if upstream is not None and upstream.state == "stopped":
             # A client that kept the list of an earlier connection may call before it lists.
             await self._start_first_use()
-            exposed = next((tool for tool in self.exposed_tools() if tool.name == name), None)
+        exposed = self._exposed_of(upstream).get(name) if upstream is not None and upstream.state == "ready" else None
         if exposed is None:
-            upstream = self.fleet.upstreams.get((naming.split(name) or ("", ""))[0])
             why = (f"the upstream {upstream.name} is {upstream.state}" if upstream is not None and
                    upstream.state != "ready" else "no upstream lists it")
             return _error(f"unknown tool {printable(name)!r} ({why}); call tools/list for the tools there are")
