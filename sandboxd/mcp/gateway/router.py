@@ -288,7 +288,8 @@ class Gateway:
                 output_schema=_escaped_schema(output) if output is not None else None,
                 annotations=types.ToolAnnotations(read_only_hint=exposed.policy.effect == Effect.READ_ONLY,
                                                   destructive_hint=exposed.policy.effect == Effect.DESTRUCTIVE,
-                                                  open_world_hint=bool(config.network or config.allow_domains))))
+                                                  open_world_hint=bool(config.network or config.allow_domains
+                                                                       or config.credentials or config.url))))
         return shown
 
     async def call_tool(self, ctx: "Ctx", binding: Binding, name: str,
