@@ -219,13 +219,15 @@ def test_names_descriptions_held_calls_and_the_audit(daemon: Daemon, ws: Path, c
 
     async def scenario() -> dict[str, Any]:
         async with mcp_client(daemon.socket, ws, "--approval", "always", "--gateway", str(config),
-                              elicitation=decide(["allow_once", "deny"], asked)) as mcp:
+                              elicitation=decide(["allow_once", "deny", "allow_session"], asked)) as mcp:
             listing = await mcp.list_tools()
             return {"listing": listing,
                     "allowed": await mcp.call_tool("echo__echo", {"text": f"hi {SECRET}"}),
                     "denied": await mcp.call_tool("echo__echo", {"text": "again"}),
                     "ruled": await mcp.call_tool("ruled__echo", {"text": "by the rule"}),
-                    "unknown": await mcp.call_tool("echo__nothing", {})}
+                    "unknown": await mcp.call_tool("echo__nothing", {}),
+                    "session": await mcp.call_tool("echo__write_file", {"path": "a.txt", "text": "1"}),
+                    "remembered": await mcp.call_tool("echo__write_file", {"path": "b.txt", "text": "2"})}
 
     try:
         out = asyncio.run(scenario())
@@ -245,9 +247,11 @@ def test_names_descriptions_held_calls_and_the_audit(daemon: Daemon, ws: Path, c
     assert (denied["by"], denied["reason"], denied["tool"]) == ("user", "untrusted_mcp_server", "echo__echo")
     assert text(out["ruled"]) == "echo: by the rule"
     assert out["unknown"].is_error and "unknown tool" in text(out["unknown"])
-    # Two questions (the rule answered the third call), each naming the tool and its arguments,
-    # the secret redacted there as in the audit.
-    assert len(asked) == 2, asked
+    # Three questions: the rule answered for ruled__echo, and allow_session for the second write.
+    # Each names the tool and its arguments, the secret redacted there as in the audit.
+    assert len(asked) == 3, asked
+    assert text(out["session"]) == text(out["remembered"]) == "written"
+    assert (tmp_path / "up-echo" / "b.txt").read_text() == "2"
     assert "echo__echo" in asked[0].message and "untrusted_mcp_server" in asked[0].message
     assert '"text": "hi [redacted]"' in asked[0].message and SECRET not in asked[0].message
 
