@@ -66,6 +66,7 @@ MAX_REMEMBERED = 4096            # tools left out whose log line was written
 MAX_IN_FLIGHT = 32
 READ_RESOURCE, GET_PROMPT = "resources/read", "prompts/get"   # no exposed tool name has a "/"
 REPORT_TIMEOUT = 30.0
+NOTIFY_TIMEOUT = 5.0
 _READ = ToolPolicy(Effect.READ_ONLY, Risk.LOW, "default")
 T = TypeVar("T")
 
@@ -201,7 +202,8 @@ class Gateway:
             return
         for connection in list(self._connections):
             try:
-                await getattr(connection, method)()
+                with anyio.move_on_after(NOTIFY_TIMEOUT):       # a client not reading: the others still hear
+                    await getattr(connection, method)()
             except Exception:                       # noqa: BLE001 - a connection closing meanwhile
                 log.debug("could not tell a client of %s's %s list change", upstream, kind, exc_info=True)
 
