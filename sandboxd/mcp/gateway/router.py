@@ -40,7 +40,7 @@ from sandboxd.mcp.daemon import Daemon
 from sandboxd.mcp.gateway import authorize, naming
 from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig
 from sandboxd.mcp.gateway.effects import ToolPolicy, hidden_because, tool_policy
-from sandboxd.mcp.gateway.upstream import Fleet, Upstream, UpstreamError, gateway_variables
+from sandboxd.mcp.gateway.upstream import MAX_RESULT_BYTES, Fleet, Upstream, UpstreamError, gateway_variables
 from sandboxd.policy.network import parse_credential
 from sandboxd.policy.tools import Effect, Risk
 from sandboxd.printable import printable
@@ -67,6 +67,7 @@ MAX_IN_FLIGHT = 32
 READ_RESOURCE, GET_PROMPT = "resources/read", "prompts/get"   # no exposed tool name has a "/"
 REPORT_TIMEOUT = 30.0
 NOTIFY_TIMEOUT = 5.0
+MAX_REPORTS = 64                 # ReportToolResult calls sent after their answer, on their way at once
 _READ = ToolPolicy(Effect.READ_ONLY, Risk.LOW, "default")
 T = TypeVar("T")
 
@@ -133,6 +134,18 @@ def _escaped_schema(schema: dict[str, Any]) -> dict[str, Any]:
 def _label(text: str, kind: str = "title") -> str:
     shown = printable(text)
     return shown[:TITLE_CHARS] if kind == "title" else shown[:DESCRIPTION_CHARS]
+
+
+R = TypeVar("R", types.ReadResourceResult, types.GetPromptResult)
+
+
+def _bounded(result: R, upstream: Upstream) -> R:
+    """A resource's contents or a prompt's messages within a tool result's bound (1 MiB)."""
+    size = len(result.model_dump_json(by_alias=True, exclude_none=True).encode())
+    if size > MAX_RESULT_BYTES:
+        raise UpstreamError(f"{upstream.name} answered with {size} bytes, over the gateway's bound of "
+                            f"{MAX_RESULT_BYTES >> 20} MiB")
+    return result
 
 
 def _error(text: str) -> types.CallToolResult:
@@ -356,7 +369,7 @@ class Gateway:
         original = origin[1]
 
         async def run() -> types.ReadResourceResult:
-            result = await upstream.read_resource(original, upstream.config.timeout_seconds)
+            result = _bounded(await upstream.read_resource(original, upstream.config.timeout_seconds), upstream)
             for content in result.contents:            # the URIs the client knows
                 try:
                     content.uri = naming.resource_uri(upstream.name, content.uri)
@@ -403,7 +416,8 @@ class Gateway:
         prompt_name = original
 
         async def run() -> types.GetPromptResult:
-            result = await upstream.get_prompt(prompt_name, arguments, upstream.config.timeout_seconds)
+            result = _bounded(await upstream.get_prompt(prompt_name, arguments, upstream.config.timeout_seconds),
+                              upstream)
             if result.description:
                 result.description = _label(result.description, "description")
             return result
@@ -474,14 +488,14 @@ class Gateway:
         try:
             result = await run()
         except UpstreamError as error:
-            self._report_later(binding, answer.call_id, ok=False, error=str(error))
+            await self._report_later(binding, answer.call_id, ok=False, error=str(error))
             raise _Refused(_error(f"{tool}: {printable(str(error))}")) from None
         except BaseException:                          # cancelled (the client's cancel, the connection's end)
             with anyio.CancelScope(shield=True):
                 await self._report(binding, answer.call_id, ok=False, error="cancelled before the upstream answered")
             raise
         size, is_error = measured(result)
-        self._report_later(binding, answer.call_id, ok=not is_error, error="the tool returned an error" if is_error
+        await self._report_later(binding, answer.call_id, ok=not is_error, error="the tool returned an error" if is_error
                            else "", content_bytes=size, is_error=is_error)
         return result
 
@@ -498,10 +512,15 @@ class Gateway:
             raise _Refused(_error(f"{tool}: {upstream.name} is {upstream.state}: call again in a moment"))
         return upstream.session
 
-    def _report_later(self, binding: Binding, call_id: str, **outcome: Any) -> None:
+    async def _report_later(self, binding: Binding, call_id: str, **outcome: Any) -> None:
         """ReportToolResult once the answer is on its way to the client (a round trip to the daemon
         less in every call's latency: tests/bench_mcp_gateway.py). Sent before the connection's
-        session closes (``settle``), else the daemon would record the call as never reported."""
+        session closes (``settle``), else the daemon would record the call as never reported. At
+        most MAX_REPORTS on their way: past it the call waits for its own (a client calling faster
+        than the daemon records piles up no tasks)."""
+        if len(self._reports) >= MAX_REPORTS:
+            await self._report(binding, call_id, **outcome)
+            return
         task = asyncio.get_running_loop().create_task(self._report(binding, call_id, **outcome))
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
