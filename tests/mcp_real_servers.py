@@ -91,3 +91,27 @@ def git_server(repository: str | os.PathLike[str] | None = None) -> list[str]:
     """The command of the git server (``--repository`` restricts it to that repository)."""
     command = [str(git_server_venv() / "bin" / "mcp-server-git")]
     return command + (["--repository", str(repository)] if repository is not None else [])
+
+
+def gateway_file(upstreams: dict[str, dict[str, object]]) -> str:
+    """The text of a gateway file (TOML) with one ``[upstreams.NAME]`` table per entry; a value
+    that is a dict of dicts under "tools" becomes ``[upstreams.NAME.tools.TOOL]`` tables, "env"
+    an inline table. Strings and lists are written as JSON, which TOML reads the same."""
+    lines: list[str] = []
+    for name, table in upstreams.items():
+        lines.append(f"[upstreams.{name}]")
+        tools = table.get("tools", {})
+        for key, value in table.items():
+            if key == "tools":
+                continue
+            if isinstance(value, dict):
+                inner = ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value.items())
+                lines.append(f"{key} = {{{inner}}}")
+            else:
+                lines.append(f"{key} = {json.dumps(value)}")
+        assert isinstance(tools, dict)
+        for tool, override in tools.items():
+            lines.append(f"[upstreams.{name}.tools.{json.dumps(tool)}]")
+            lines += [f"{key} = {json.dumps(value)}" for key, value in override.items()]
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,187 @@
+"""What `sandboxd mcp --gateway` costs (issue 28): latency per upstream call, memory per upstream
+(not a test module: pytest does not collect it).
+
+Latency, in the same run, alternating rounds, N calls each of a trivial tool (the hostile test
+server's `echo`, tests/mcp_hostile_server.py), from a minimal JSON-RPC client over stdio (one line
+out, one line in: no client library in the measurement):
+- direct:    the upstream server run directly, no sandbox: the baseline;
+- sandboxed: the same server under `sandboxd run` (its stdio through the sandbox, no gateway);
+- gateway:   `upstream__echo` through `sandboxd mcp --gateway` (approval never): the gateway's
+  Authorize and ReportToolResult on its own session, the upstream's stdio over its Exec call.
+The added latency is gateway minus direct (p50 and p90).
+
+Memory: a gateway with 1 upstream, then one with 4 (each in its own session): the gateway
+process's RSS, and the daemon's side (the daemon, its fork server, every session's processes:
+PSS summed), per added upstream.
+
+    .venv/bin/python tests/bench_mcp_gateway.py [CALLS]      (default 300)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from conftest import PY, SANDBOXD  # noqa: E402
+from daemon_helpers import Daemon, daemon_factory, descendants  # noqa: E402
+from mcp_helpers import ENV  # noqa: E402
+from mcp_real_servers import gateway_file  # noqa: E402
+
+HOSTILE = str(Path(__file__).with_name("mcp_hostile_server.py"))
+SITE_PACKAGES = str(next((Path(__file__).resolve().parents[1] / ".venv" / "lib").glob("python3*/site-packages")))
+SERVER_ENV = {**ENV, "PYTHONPATH": SITE_PACKAGES}
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {"p50_ms": round(statistics.median(ordered) * 1000, 3),
+            "p90_ms": round(ordered[int(len(ordered) * 0.9) - 1] * 1000, 3), "calls": len(ordered)}
+
+
+class RawClient:
+    """An MCP stdio server spoken to in JSON lines."""
+
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        self.server = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd="/")
+        self.ids = 0
+        self.call("initialize", {"protocolVersion": "2025-11-25", "capabilities": {},
+                                 "clientInfo": {"name": "bench", "version": "0"}})
+        self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+
+    def send(self, message: dict[str, Any]) -> None:
+        assert self.server.stdin is not None
+        self.server.stdin.write((json.dumps(message) + "\n").encode())
+        self.server.stdin.flush()
+
+    def call(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        assert self.server.stdout is not None
+        self.ids += 1
+        self.send({"jsonrpc": "2.0", "id": self.ids, "method": method, "params": params})
+        while True:
+            answer: dict[str, Any] = json.loads(self.server.stdout.readline())
+            if answer.get("id") == self.ids:        # notifications (list_changed) are skipped
+                return answer
+
+    def wait_for_tool(self, name: str, within: float = 120.0) -> None:
+        deadline = time.monotonic() + within
+        while True:
+            listed = self.call("tools/list", {})["result"]["tools"]
+            if any(tool["name"] == name for tool in listed):
+                return
+            assert time.monotonic() < deadline, f"{name} not listed: {[tool['name'] for tool in listed]}"
+            time.sleep(0.2)
+
+    def echo(self, tool: str, calls: int) -> list[float]:
+        times = []
+        for n in range(calls):
+            started = time.perf_counter()
+            answer = self.call("tools/call", {"name": tool, "arguments": {"text": f"ping {n}"}})
+            times.append(time.perf_counter() - started)
+            assert answer["result"]["content"][0]["text"] == f"ping {n}", answer
+        return times
+
+    def close(self) -> None:
+        assert self.server.stdin is not None
+        self.server.stdin.close()
+        self.server.wait(timeout=60)
+
+
+def gateway(daemon: Daemon, base: Path, names: list[str]) -> tuple[RawClient, Path]:
+    """`sandboxd mcp --gateway` with one hostile-server upstream per name (echo trusted and read-only)."""
+    upstreams: dict[str, dict[str, object]] = {}
+    for name in names:
+        workspace = base / f"ws-{name}"
+        workspace.mkdir(exist_ok=True)
+        upstreams[name] = {"command": [PY, HOSTILE], "workspace": str(workspace), "trusted": True,
+                           "env": {"PYTHONPATH": SITE_PACKAGES}, "tools": {"echo": {"effect": "read-only"}}}
+    config = base / f"gateway-{len(names)}.toml"
+    config.write_text(gateway_file(upstreams))
+    own = base / "ws-gateway"
+    own.mkdir(exist_ok=True)
+    client = RawClient([SANDBOXD, "mcp", "--socket", daemon.socket, "--workspace", str(own), "--approval", "never",
+                        "--gateway", str(config)], ENV)
+    for name in names:
+        client.wait_for_tool(f"{name}__echo")
+    return client, config
+
+
+def latency(daemon: Daemon, base: Path, calls: int, rounds: int = 6) -> dict[str, Any]:
+    sandbox_ws = base / "ws-sandboxed"
+    sandbox_ws.mkdir()
+    direct = RawClient([PY, HOSTILE], SERVER_ENV)
+    sandboxed = RawClient([SANDBOXD, "run", "--workspace", str(sandbox_ws), "--env", f"PYTHONPATH={SITE_PACKAGES}",
+                           "--", PY, HOSTILE], ENV)
+    through, _ = gateway(daemon, base, ["upstream"])
+    runs: dict[str, list[float]] = {"direct": [], "sandboxed": [], "gateway": []}
+    try:
+        direct.echo("echo", 20)                                          # warm every path first
+        sandboxed.echo("echo", 20)
+        through.echo("upstream__echo", 20)
+        for _ in range(rounds):
+            runs["direct"] += direct.echo("echo", calls // rounds)
+            runs["sandboxed"] += sandboxed.echo("echo", calls // rounds)
+            runs["gateway"] += through.echo("upstream__echo", calls // rounds)
+    finally:
+        for client in (direct, sandboxed, through):
+            client.close()
+    report: dict[str, Any] = {name: percentiles(times) for name, times in runs.items()}
+    for name in ("sandboxed", "gateway"):
+        report[name]["added_p50_ms"] = round(report[name]["p50_ms"] - report["direct"]["p50_ms"], 3)
+        report[name]["added_p90_ms"] = round(report[name]["p90_ms"] - report["direct"]["p90_ms"], 3)
+    return report
+
+
+def daemon_side_pss(daemon: Daemon) -> int:
+    """PSS of the daemon and every process below it (fork server, sessions, calls, upstream servers)."""
+    total = 0
+    for pid in [daemon.pid, *descendants(daemon.pid)]:
+        try:
+            total += psutil.Process(pid).memory_full_info().pss
+        except psutil.Error:
+            continue
+    return total
+
+
+def memory(daemon: Daemon, base: Path) -> dict[str, Any]:
+    figures: dict[str, Any] = {}
+    for count in (1, 4):
+        names = [f"mem{count}-{n}" for n in range(count)]
+        client, _ = gateway(daemon, base, names)
+        try:
+            time.sleep(1.0)                                             # let start-up garbage settle
+            figures[f"{count}_upstreams"] = {
+                "gateway_rss_kib": psutil.Process(client.server.pid).memory_info().rss // 1024,
+                "daemon_side_pss_kib": daemon_side_pss(daemon) // 1024,
+            }
+        finally:
+            client.close()
+    one, four = figures["1_upstreams"], figures["4_upstreams"]
+    figures["per_added_upstream"] = {
+        "gateway_rss_kib": (four["gateway_rss_kib"] - one["gateway_rss_kib"]) // 3,
+        "daemon_side_pss_kib": (four["daemon_side_pss_kib"] - one["daemon_side_pss_kib"]) // 3,
+    }
+    return figures
+
+
+def main() -> None:
+    calls = int(sys.argv[1]) if len(sys.argv) > 1 else 300
+    with daemon_factory("sbxd-bench-gateway-") as factory:
+        daemon = factory()
+        base = factory.base
+        report = {"latency": latency(daemon, base, calls), "memory": memory(daemon, base),
+                  "load": os.getloadavg()[0]}
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
