@@ -15,7 +15,9 @@ the client.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -30,11 +32,13 @@ from mcp import Client
 from mcp.client import stdio
 from mcp.client.stdio import StdioServerParameters
 
-from conftest import PY, SANDBOXD, SLOW, STD_PATH, WRITE_DENIED_ERRNOS
+from conftest import PY, SANDBOXD, SLOW, STD_PATH, WRITE_DENIED_ERRNOS, eventually
 from daemon_fixtures import daemon  # noqa: F401 - the module's daemon
 from daemon_helpers import Daemon, PlainUser, plain_users
 from mcp_helpers import text
-from mcp_real_servers import filesystem_server, git_server
+from mcp_real_servers import filesystem_server, gateway_file, git_server
+from sandboxd.client import SandboxClient
+from sandboxd.v1 import sandboxd_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -106,13 +110,16 @@ def machine(daemon: Daemon) -> Iterator[Machine]:  # noqa: F811
 
 
 @contextlib.asynccontextmanager
-async def direct_client(command: list[str], env: dict[str, str], asked: list[tuple[str, str]]) -> AsyncIterator[Client]:
+async def direct_client(command: list[str], env: dict[str, str], asked: list[tuple[str, str]],
+                        decisions: tuple[str, ...] = ()) -> AsyncIterator[Client]:
     """The SDK's stdio client on ``command`` (the legacy handshake, as the gateway speaks to its
-    upstreams: a server may send its own requests), answering elicitation and sampling requests
-    and recording them in ``asked``."""
+    upstreams: a server may send its own requests), answering elicitation requests with the next
+    of ``decisions`` (then "allow_once") and sampling requests, and recording both in ``asked``."""
+    pending = list(decisions)
+
     async def elicit(_context: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
         asked.append(("elicitation", params.message))
-        return types.ElicitResult(action="accept", content={"decision": "allow"})
+        return types.ElicitResult(action="accept", content={"decision": pending.pop(0) if pending else "allow_once"})
 
     async def sample(_context: Any, params: types.CreateMessageRequestParams) -> types.CreateMessageResult:
         asked.append(("sampling", text_of(params.messages[0].content)))
@@ -209,3 +216,212 @@ def test_the_real_servers_run_as_a_plain_user_under_sandboxd_run(machine: Machin
     assert "README.md" in seen["git status"] and "modified" in seen["git status"], seen
     assert "first commit" in seen["git log"], seen
     (machine.workspaces["fs"] / "new.txt").unlink()
+
+
+# --------------------------------------------------------------------------- through the gateway
+
+def gateway_config(machine: Machine, base: Path) -> Path:
+    """The gateway file: the filesystem server, the git server and the hostile server, each with
+    its own workspace. The real servers are trusted (their read-only annotations count); write_file
+    is workspace-write (its annotations say destructive: the sandbox would hide it). The hostile
+    server is untrusted, and the person who wrote the file let its tools through as read-only:
+    the policy lets them run, and the kernel alone must stop them."""
+    ws = machine.workspaces
+    hostile_tools = ("echo", "read_ssh", "write_outside", "connect_daemon", "reach_host", "fake_prompt",
+                     "ask_person", "sample")
+    path = base / f"gateway-{uuid.uuid4().hex[:8]}.toml"
+    path.write_text(gateway_file({
+        "fs": {"command": [*filesystem_server(), str(ws["fs"])], "workspace": str(ws["fs"]), "trusted": True,
+               "tools": {"write_file": {"effect": "workspace-write"}}},
+        "git": {"command": git_server(ws["git"]), "workspace": str(ws["git"]), "trusted": True},
+        "hostile": {"command": [PY, HOSTILE], "workspace": str(ws["hostile"]), "env": {"PYTHONPATH": SITE_PACKAGES},
+                    "tools": {tool: {"effect": "read-only"} for tool in hostile_tools}},
+    }))
+    path.chmod(0o644)
+    return path
+
+
+def gateway_command(machine: Machine, config: Path, *flags: str) -> list[str]:
+    own = machine.workspaces["hostile"].parent / f"ws-gateway-{machine.user.name}"
+    if not own.exists():
+        own.mkdir()
+        os.chown(own, machine.user.uid, machine.user.gid)
+    return [*machine.as_user(), SANDBOXD, "mcp", "--socket", machine.daemon_socket, "--workspace", str(own),
+            "--gateway", str(config), *flags]
+
+
+def gateway_sessions(client: SandboxClient, machine: Machine, *, include_closed: bool = False) -> list[pb.Session]:
+    listed = client.stub.ListSessions(pb.ListSessionsRequest(include_closed=include_closed)).sessions
+    return [s for s in listed if s.labels.get("client") == "sandboxd-mcp-gateway" and s.owner_uid == machine.user.uid]
+
+
+async def wait_listed(client: Client, names: set[str]) -> list[types.Tool]:
+    """tools/list until it shows ``names`` (upstreams start beside the gateway)."""
+    while True:
+        tools = (await client.list_tools()).tools
+        if names <= {tool.name for tool in tools}:
+            return tools
+        await anyio.sleep(0.2)
+
+
+async def _through_gateway(machine: Machine, command: list[str], sandbox: SandboxClient) -> dict[str, Any]:
+    asked: list[tuple[str, str]] = []
+    seen: dict[str, Any] = {}
+    fs_ws, git_ws = machine.workspaces["fs"], machine.workspaces["git"]
+    async with direct_client(command, machine.env(), asked) as client:
+        tools = await wait_listed(client, {"fs__read_text_file", "git__git_status", "hostile__read_ssh"})
+        seen["tools"] = {tool.name: tool for tool in tools}
+        seen["prompts"] = {prompt.name: prompt for prompt in (await client.list_prompts()).prompts}
+        seen["sessions"] = gateway_sessions(sandbox, machine)
+        seen["fs read"] = text(await client.call_tool("fs__read_text_file", {"path": str(fs_ws / "hello.txt")}))
+        seen["fs write"] = text(await client.call_tool("fs__write_file", {"path": str(fs_ws / "via-gateway.txt"),
+                                                                          "content": "written through the gateway\n"}))
+        seen["git status"] = text(await client.call_tool("git__git_status", {"repo_path": str(git_ws)}))
+        seen["git log"] = text(await client.call_tool("git__git_log", {"repo_path": str(git_ws)}))
+        for label, (tool, arguments) in {**attacks(machine), "elicitation": ("ask_person", {}),
+                                         "sampling": ("sample", {}), "fake": ("fake_prompt", {})}.items():
+            seen[label] = text(await client.call_tool(f"hostile__{tool}", arguments))
+        seen["prompt"] = await client.get_prompt("hostile__fake_approval")
+    seen["asked"] = asked
+    return seen
+
+
+def test_the_gateway_fronts_real_servers_and_walls_the_hostile_one(machine: Machine, daemon: Daemon) -> None:  # noqa: F811
+    """The Python SDK's client, configured with only the gateway (approval never)."""
+    config = gateway_config(machine, Path(daemon.socket).parents[1])
+    with SandboxClient(daemon.socket) as sandbox:
+        seen = run_async(240, _through_gateway, machine, gateway_command(machine, config, "--approval", "never"),
+                         sandbox)
+        running_ids = {s.id for s in seen["sessions"]}
+        # The gateway has exited (the client closed it); its upstreams' sessions close with it.
+        assert eventually(lambda: all(s.closed_at > 0 for s in gateway_sessions(sandbox, machine, include_closed=True)
+                                      if s.id in running_ids), 30 * SLOW), gateway_sessions(sandbox, machine)
+        after = gateway_sessions(sandbox, machine, include_closed=True)
+        events = {s.labels["upstream"]: list(sandbox.stub.QueryEvents(pb.QueryEventsRequest(
+            session_id=s.id, page_size=1000)).events) for s in after}
+        gateway_events = [e for s in sandbox.stub.ListSessions(pb.ListSessionsRequest(include_closed=True)).sessions
+                          if s.owner_uid == machine.user.uid and s.id not in {a.id for a in after}
+                          for e in sandbox.stub.QueryEvents(pb.QueryEventsRequest(session_id=s.id,
+                                                                                  page_size=1000)).events]
+    tools = seen["tools"]
+    # Listed under UPSTREAM__tool beside the built-in tools, described with their upstream and sandbox.
+    assert "shell" in tools and "fs__write_file" in tools and "git__git_log" in tools, sorted(tools)
+    assert all("." not in name for name in tools)
+    assert tools["fs__read_text_file"].description.startswith("[fs, sandbox: workspace-write"), tools
+    assert "trusted]" in tools["git__git_status"].description
+    assert "untrusted]" in tools["hostile__read_ssh"].description
+    # The real servers work, each in its own workspace.
+    assert seen["fs read"] == "hello from the filesystem server's workspace\n", seen
+    assert "Successfully wrote" in seen["fs write"], seen
+    written = machine.workspaces["fs"] / "via-gateway.txt"
+    assert written.read_text() == "written through the gateway\n" and written.stat().st_uid == machine.user.uid
+    assert "README.md" in seen["git status"] and "first commit" in seen["git log"], seen
+    # The hostile server's attacks fail (the control above shows each working without the gateway).
+    assert seen["key"].startswith("error: "), seen                      # TODO(home hidden): see the report
+    assert seen["bashrc"].removeprefix("error: ") in WRITE_DENIED_ERRNOS, seen
+    assert machine.bashrc.read_text() == "# the user's own\n"
+    assert seen["other upstream"].removeprefix("error: ") in WRITE_DENIED_ERRNOS + ("ENOENT",), seen
+    assert not (machine.workspaces["fs"] / "planted").exists()
+    assert seen["daemon"].startswith("error: "), seen
+    assert seen["loopback"] == "error: ECONNREFUSED", seen
+    # Its own requests never reach the client: the gateway refuses them.
+    assert seen["elicitation"].startswith("refused: ") and seen["sampling"].startswith("refused: "), seen
+    assert seen["asked"] == []
+    # The escape sequences it chose arrive escaped where a person reads them.
+    fake = tools["hostile__fake_prompt"].description
+    assert "\x1b" not in fake and "\x07" not in fake and "\\x1b]0;sandboxd approval\\x07" in fake, fake
+    prompt = seen["prompts"]["hostile__fake_approval"].description
+    assert "\x1b" not in prompt and "\\x1b[2J" in prompt, prompt
+    assert "\x1b" not in (seen["prompt"].description or "")
+    # Three upstreams, three sessions of the user (each its own workspace), all closed at the end.
+    running = seen["sessions"]
+    assert sorted(s.labels["upstream"] for s in running) == ["fs", "git", "hostile"], running
+    assert len({s.id for s in running}) == 3
+    assert {s.labels["upstream"]: s.workspace for s in running} == {k: str(v) for k, v in machine.workspaces.items()}
+    assert {s.id for s in after} >= {s.id for s in running} and all(s.closed_at > 0 for s in after), after
+    # Every call is in the audit log of the gateway's own session, with its upstream, arguments, result.
+    audited = [json.loads(e.data_json or "{}") for e in gateway_events]
+    assert events and gateway_events, (events, gateway_events)
+    for tool, needle in (("fs__write_file", "via-gateway.txt"), ("hostile__read_ssh", ""),
+                         ("git__git_log", str(machine.workspaces["git"]))):
+        mentions = [e for e in gateway_events if tool in e.data_json]
+        assert mentions and any(needle in e.data_json for e in mentions), (tool, audited)
+        assert {"ToolInvocationCompleted", "ToolInvocationFailed"} & {e.type for e in mentions}, (tool, audited)
+
+
+async def _held(machine: Machine, command: list[str]) -> dict[str, Any]:
+    asked: list[tuple[str, str]] = []
+    seen: dict[str, Any] = {}
+    fs_ws = machine.workspaces["fs"]
+    async with direct_client(command, machine.env(), asked, decisions=("allow_once", "deny")) as client:
+        await wait_listed(client, {"fs__write_file"})
+        seen["allowed"] = await client.call_tool("fs__write_file", {"path": str(fs_ws / "held.txt"),
+                                                                    "content": "allowed\n"})
+        seen["denied"] = await client.call_tool("fs__write_file", {"path": str(fs_ws / "denied.txt"),
+                                                                   "content": "denied\n"})
+        seen["elicitation"] = text(await client.call_tool("hostile__ask_person", {}))
+    seen["asked"] = asked
+    return seen
+
+
+def test_held_upstream_calls_are_asked_of_the_client(machine: Machine, daemon: Daemon) -> None:  # noqa: F811
+    """--approval always: each upstream call is held and becomes an elicitation to the client,
+    allowed once then denied; the denial is typed; the hostile server's own elicitation, held and
+    allowed, still never reaches the client."""
+    config = gateway_config(machine, Path(daemon.socket).parents[1])
+    seen = run_async(240, _held, machine, gateway_command(machine, config, "--approval", "always"))
+    fs_ws = machine.workspaces["fs"]
+    assert not seen["allowed"].is_error and (fs_ws / "held.txt").read_text() == "allowed\n", seen
+    denied = seen["denied"]
+    assert denied.is_error and not (fs_ws / "denied.txt").exists(), seen
+    assert isinstance(denied.structured_content, dict) and denied.structured_content["denied"] is True, denied
+    assert denied.structured_content["tool"] == "fs__write_file" and denied.structured_content["reason"], denied
+    # Three elicitations, each the gateway's card for a held call (the third: the hostile
+    # server's tool, allowed), none the hostile server's own message.
+    assert len(seen["asked"]) == 3, seen["asked"]
+    assert all(kind == "elicitation" for kind, _ in seen["asked"])
+    assert "fs__write_file" in seen["asked"][0][1] and "held.txt" in seen["asked"][0][1], seen["asked"]
+    assert "hostile__ask_person" in seen["asked"][2][1], seen["asked"]
+    assert not any("\x1b" in message or "reply ALLOW" in message for _, message in seen["asked"]), seen["asked"]
+    assert seen["elicitation"].startswith("refused: "), seen
+    (fs_ws / "held.txt").unlink()
+
+
+TS_CLIENT = REPO / "packaging" / "mcp-client-ts"
+
+
+def test_the_typescript_sdk_client_through_the_gateway(machine: Machine, daemon: Daemon) -> None:  # noqa: F811
+    """The TypeScript SDK's client (declaring elicitation and sampling) configured with only the
+    gateway (--approval always): tools listed with their prefixes, a held call allowed, one denied,
+    the real servers' answers, the hostile server's requests and escapes kept from the person."""
+    assert shutil.which("node") and shutil.which("npm"), "node and npm are installed by packaging/setup.sh test"
+    if not (TS_CLIENT / "node_modules" / "@modelcontextprotocol" / "sdk").is_dir():
+        subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--silent"], cwd=TS_CLIENT, check=True, timeout=300)
+    config = gateway_config(machine, Path(daemon.socket).parents[1])
+    command = gateway_command(machine, config, "--approval", "always")
+    fs_ws, git_ws = machine.workspaces["fs"], machine.workspaces["git"]
+    spec = {"command": command[0], "args": command[1:], "env": machine.env(),
+            "decisions": ["allow_once", "allow_once", "deny", "allow_once", "allow_once"],
+            "calls": [["fs__read_text_file", {"path": str(fs_ws / "hello.txt")}],
+                      ["git__git_log", {"repo_path": str(git_ws)}],
+                      ["fs__write_file", {"path": str(fs_ws / "ts-denied.txt"), "content": "no\n"}],
+                      ["hostile__ask_person", {}],
+                      ["hostile__sample", {}]],
+            "prompts": []}
+    done = subprocess.run(["node", str(TS_CLIENT / "gateway.mjs"), json.dumps(spec)], capture_output=True, text=True,
+                          timeout=240 * SLOW, cwd=TS_CLIENT, env={"PATH": STD_PATH})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    names = {tool["name"]: tool["description"] for tool in out["tools"]}
+    assert {"shell", "fs__read_text_file", "git__git_log", "hostile__fake_prompt"} <= set(names), sorted(names)
+    assert "\x1b" not in names["hostile__fake_prompt"] and "\\x1b" in names["hostile__fake_prompt"]
+    read, log, write, elicit, sample = out["calls"]
+    assert read["content"][0]["text"] == "hello from the filesystem server's workspace\n", read
+    assert "first commit" in log["content"][0]["text"], log
+    assert write["isError"] and write["structuredContent"]["denied"] is True, write
+    assert not (fs_ws / "ts-denied.txt").exists()
+    assert elicit["content"][0]["text"].startswith("refused: "), elicit
+    assert sample["content"][0]["text"].startswith("refused: "), sample
+    received = out["received"]
+    assert [r["method"] for r in received] == ["elicitation/create"] * 5, received
+    assert not any("reply ALLOW" in r["message"] or "\x1b" in r["message"] for r in received), received
