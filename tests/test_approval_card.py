@@ -55,6 +55,16 @@ def test_the_card_adds_the_environment_and_the_whole_command_only_when_needed() 
         assert approval_card.lines("Execute: x", bad) == []
 
 
+def test_the_card_shows_an_external_tools_arguments_escaped_and_bounded() -> None:
+    call = json.dumps({"arguments": {"repo": "acme/site\x1b[2J", "pr": 7}})
+    # JSON's escape of the ESC, itself shown escaped (a backslash is written twice): nothing raw.
+    assert approval_card.lines("github__merge", call) == [("arguments", '{"repo": "acme/site\\\\u001b[2J", "pr": 7}')]
+    assert approval_card.lines("github__list", json.dumps({"arguments": {}})) == []
+    huge = approval_card.lines("fs__write", json.dumps({"arguments": {"content": "x" * 100_000}}))
+    assert huge[0][0] == "arguments" and "characters not shown" in huge[0][1]
+    assert len(huge[0][1]) < approval_card.ARGUMENTS_CHARS + 200
+
+
 def test_the_card_says_where_a_command_runs_escaped() -> None:
     """`./test.sh` in vendor/pkg is another script than the workspace's own: the card names the
     directory (round 4's third hostile pass approved an agent's script that way)."""

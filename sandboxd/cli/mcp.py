@@ -17,11 +17,26 @@ from sandboxd.client import DEFAULT_SOCKET
 from sandboxd.printable import printable
 from sandboxd.service.server import TextLogFormatter
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from sandboxd.mcp.gateway.router import GatewaySetup
+
 USAGE_EPILOG = """examples:
   sandboxd mcp --workspace ~/project                       stdio, a workspace-write session without network
   claude mcp add sandboxd -- sandboxd mcp --workspace ~/project --approval never
   sandboxd mcp --http 127.0.0.1:8765 --workspace ~/project  streamable HTTP at http://127.0.0.1:8765/mcp
                                                            (with the bearer token it names on stderr)
+  sandboxd mcp --workspace ~/project --gateway ~/.config/sandboxd/gateway.toml
+                                                           also the tools of the upstream MCP servers the file
+                                                           names (UPSTREAM__tool), each in its own sandbox
+  claude mcp add sandboxd -- sandboxd mcp --workspace ~/project --gateway ~/.config/sandboxd/gateway.toml
+
+a gateway file (docs/mcp.md, "The gateway"):
+  [upstreams.fs]
+  command = ["npx", "-y", "@modelcontextprotocol/server-filesystem", "/home/me/notes"]
+  writable_roots = ["/home/me/notes"]
+  [upstreams.fs.tools.read_text_file]
+  effect = "read-only"
 """
 
 
@@ -60,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--idle-timeout", default=600.0, type=float, metavar="SECONDS",
                         help="--http: end an MCP session (and its sandboxd session) that no request reached "
                              "for this long (default 600)")
+    parser.add_argument("--gateway", default="", metavar="FILE",
+                        help="also serve the tools, resources and prompts of the upstream MCP servers this TOML "
+                             "file names, each run in its own sandboxd session, every call through this "
+                             "session's approvals and audit (docs/mcp.md, \"The gateway\")")
     network_args.add_network_options(parser)
     return parser
 
@@ -93,6 +112,20 @@ def log_printable() -> None:
         root.addHandler(handler)
 
 
+def _gateway_setup(path: str) -> "GatewaySetup":
+    """The gateway file read and checked (GatewayConfigError, a ValueError: exit 2 with its line),
+    and its secrets' values for the audit's redaction."""
+    from sandboxd.mcp.gateway.authorize import Redactor
+    from sandboxd.mcp.gateway.config import load
+    from sandboxd.mcp.gateway.router import GatewaySetup
+
+    try:
+        config = load(os.path.abspath(path))
+    except OSError as error:                 # unreadable: the one line says which file and why
+        raise ValueError(f"--gateway {path}: {error.strerror or error}") from None
+    return GatewaySetup(config, Redactor.of(config))
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     log_printable()
@@ -100,6 +133,9 @@ def main(argv: list[str]) -> int:
     from sandboxd.mcp.daemon import SessionSpec
     from sandboxd.v1 import sandboxd_pb2 as pb
     try:
+        # Before this session's credentials are read: those taken out of the environment then
+        # may be an upstream's too, and their values are redacted from the audit.
+        gateway = _gateway_setup(args.gateway) if args.gateway else None
         credentials = network_args.credentials_from_args(args)
     except ValueError as error:
         sys.stderr.write(f"sandboxd mcp: {printable(str(error))}\n")
@@ -127,9 +163,9 @@ def main(argv: list[str]) -> int:
         from sandboxd.cli import mcp_transports
         if listen is not None:
             options = mcp_transports.HttpOptions(listen, token_file=args.token_file, idle_timeout=args.idle_timeout)
-            anyio.run(mcp_transports.serve_http, socket_path, spec, ctl, options)
+            anyio.run(mcp_transports.serve_http, socket_path, spec, ctl, options, gateway)
         else:
-            anyio.run(mcp_transports.serve_stdio, socket_path, spec, ctl)
+            anyio.run(mcp_transports.serve_stdio, socket_path, spec, ctl, gateway)
     except grpc.RpcError as error:
         line = _connection_error(error, socket_path) or f"{error.code().name}: {error.details()}"
         sys.stderr.write(f"sandboxd mcp: {printable(line)}\n")

@@ -28,11 +28,13 @@ from mcp.server.runner import serve_loop
 from mcp.server.stdio import stdio_server
 
 from sandboxd.mcp.daemon import Daemon, SessionSpec
+from sandboxd.mcp.gateway.router import Gateway, GatewaySetup
 from sandboxd.mcp.handlers import App, build_server
 from sandboxd.printable import printable
 from sandboxd.v1 import sandboxd_pb2 as pb
 
-_NOTIFY = NotificationOptions(tools_changed=True)
+# The resources' and prompts' flags declare listChanged only where their handlers are (a gateway).
+_NOTIFY = NotificationOptions(tools_changed=True, resources_changed=True, prompts_changed=True)
 # uvicorn's own log set-up would print its lines raw, beside ours: without it they reach the
 # printable handler `sandboxd mcp` puts on the root logger (cli.mcp.log_printable).
 PRINTABLE_LOGS = None
@@ -100,23 +102,40 @@ async def _cancel_on_signals(scope: anyio.CancelScope) -> None:
             return
 
 
-async def serve_stdio(socket_path: str, spec: SessionSpec, ctl: str) -> None:
+@contextlib.asynccontextmanager
+async def _gateway(daemon: Daemon, ctl: str, setup: GatewaySetup | None) -> AsyncIterator[Gateway | None]:
+    """--gateway: the upstreams started (those started with the gateway) before anything is
+    served, and closed (their sessions with them) when serving ends."""
+    if setup is None:
+        yield None
+        return
+    gateway = setup.gateway(daemon, ctl)
+    try:
+        await gateway.start()
+        yield gateway
+    finally:
+        with anyio.CancelScope(shield=True):
+            await gateway.close()
+
+
+async def serve_stdio(socket_path: str, spec: SessionSpec, ctl: str, gateway: GatewaySetup | None = None) -> None:
     daemon = Daemon(socket_path)
     try:
         # The session is opened before serving, so a bad flag or an unreachable daemon is a clear
         # error at start, not a failure of the client's first call.
         first = await daemon.open(spec)
         app = App(daemon, spec, ctl, first)
-        server = build_server(app)
         try:
-            async with anyio.create_task_group() as group:
-                group.start_soon(_cancel_on_signals, group.cancel_scope)
-                async with _stdio_streams() as (read_stream, write_stream):
-                    # The handshake era (initialize): the one every MCP client speaks today, and the one
-                    # in which a server may ask the client (elicitation) and notify it (list_changed).
-                    await serve_loop(server, read_stream, write_stream, lifespan_state=app,
-                                     init_options=server.create_initialization_options(_NOTIFY))
-                group.cancel_scope.cancel()
+            async with _gateway(daemon, ctl, gateway) as app.gateway:
+                server = build_server(app)
+                async with anyio.create_task_group() as group:
+                    group.start_soon(_cancel_on_signals, group.cancel_scope)
+                    async with _stdio_streams() as (read_stream, write_stream):
+                        # The handshake era (initialize): the one every MCP client speaks today, and the one
+                        # in which a server may ask the client (elicitation) and notify it (list_changed).
+                        await serve_loop(server, read_stream, write_stream, lifespan_state=app,
+                                         init_options=server.create_initialization_options(_NOTIFY))
+                    group.cancel_scope.cancel()
         finally:
             unused = app.take_first()        # a client that left before its first request
             if unused is not None and unused[1]:
@@ -168,10 +187,11 @@ class HttpOptions:
     max_sessions: int = 64
 
 
-async def serve_http(socket_path: str, spec: SessionSpec, ctl: str, options: HttpOptions) -> None:
+async def serve_http(socket_path: str, spec: SessionSpec, ctl: str, options: HttpOptions,
+                     gateway: GatewaySetup | None = None) -> None:
     daemon = Daemon(socket_path)
     try:
-        await _serve_http(daemon, spec, ctl, options)
+        await _serve_http(daemon, spec, ctl, options, gateway)
     finally:
         await daemon.close()
 
@@ -183,7 +203,8 @@ _PORTLESS_HOSTS = ["127.0.0.1", "localhost", "[::1]"]
 _LOOPBACK_ORIGINS = ["http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*"]
 
 
-async def _serve_http(daemon: Daemon, spec: SessionSpec, ctl: str, options: HttpOptions) -> None:
+async def _serve_http(daemon: Daemon, spec: SessionSpec, ctl: str, options: HttpOptions,
+                      gateway: GatewaySetup | None) -> None:
     import uvicorn
     from mcp.server.transport_security import TransportSecuritySettings
 
@@ -212,15 +233,17 @@ async def _serve_http(daemon: Daemon, spec: SessionSpec, ctl: str, options: Http
                          f"{printable(source)}\n")
         sys.stderr.flush()
         app = App(daemon, spec, ctl)
-        server = build_server(app)
-        security = TransportSecuritySettings(
-            enable_dns_rebinding_protection=True, allowed_origins=_LOOPBACK_ORIGINS,
-            allowed_hosts=_LOOPBACK_HOSTS + (_PORTLESS_HOSTS if isinstance(listen, str) else []))
-        asgi: Any = mcp_door.BearerOnly(_HandshakeOnly(server.streamable_http_app(
-            transport_security=security, session_idle_timeout=options.idle_timeout,
-            max_sessions=options.max_sessions)), token)
-        config = uvicorn.Config(asgi, log_level="warning", log_config=PRINTABLE_LOGS, lifespan="on")
-        await mcp_accept.Server(config, mcp_accept.Doorkeeper(listener, mcp_door.PeerCheck(), descriptors)).serve()
+        async with _gateway(daemon, ctl, gateway) as app.gateway:       # once per process, for every session
+            server = build_server(app)
+            security = TransportSecuritySettings(
+                enable_dns_rebinding_protection=True, allowed_origins=_LOOPBACK_ORIGINS,
+                allowed_hosts=_LOOPBACK_HOSTS + (_PORTLESS_HOSTS if isinstance(listen, str) else []))
+            asgi: Any = mcp_door.BearerOnly(_HandshakeOnly(server.streamable_http_app(
+                transport_security=security, session_idle_timeout=options.idle_timeout,
+                max_sessions=options.max_sessions)), token)
+            config = uvicorn.Config(asgi, log_level="warning", log_config=PRINTABLE_LOGS, lifespan="on")
+            await mcp_accept.Server(config, mcp_accept.Doorkeeper(listener, mcp_door.PeerCheck(),
+                                                                  descriptors)).serve()
     finally:
         listener.close()
         if isinstance(listen, str):

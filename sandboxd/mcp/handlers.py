@@ -26,12 +26,15 @@ from sandboxd.mcp.approvals import Progress, answer_held, denied_result
 from sandboxd.mcp.binding import Binding
 from sandboxd.mcp.daemon import Daemon, SessionSpec, denial
 from sandboxd.mcp.events import EventHub
+from sandboxd.mcp.gateway.naming import split as split_name
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from mcp.server.connection import Connection
     from mcp.server.context import ServerRequestContext
+
+    from sandboxd.mcp.gateway.router import Gateway
 
     Ctx = ServerRequestContext[Any, Any]
 
@@ -47,10 +50,11 @@ class ToolError(Exception):
 
 class App:
     def __init__(self, daemon: Daemon, spec: SessionSpec, ctl: str,
-                 first: tuple[pb.Session, bool] | None = None) -> None:
+                 first: tuple[pb.Session, bool] | None = None, *, gateway: "Gateway | None" = None) -> None:
         self.daemon, self.spec, self.ctl = daemon, spec, ctl
         self.events = EventHub(daemon)   # one watch for every session of this process
         self._first = first              # stdio: the session opened before serving, for the one connection
+        self.gateway = gateway           # --gateway: the upstream servers' tools, resources and prompts
 
     def take_first(self) -> tuple[pb.Session, bool] | None:
         first, self._first = self._first, None
@@ -70,6 +74,8 @@ class App:
                             checkpoint_calls=self.spec.checkpoint_calls and session.review)
             connection.exit_stack.push_async_callback(bound.close)
             await bound.start()
+            if self.gateway is not None:
+                self.gateway.attach(connection)
             connection.state[_STATE_KEY] = bound
             return bound
 
@@ -78,7 +84,10 @@ def build_server(app: App) -> "Server[App]":
     async def list_tools(ctx: "Ctx", _params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
         try:
             binding = await app.binding(ctx)
-            return types.ListToolsResult(tools=await binding.visible(fresh=True))
+            tools = await binding.visible(fresh=True)
+            if app.gateway is not None:
+                tools = tools + await app.gateway.tools(binding)
+            return types.ListToolsResult(tools=tools)
         except grpc.RpcError as error:
             raise MCPError(INTERNAL_ERROR, f"sandboxd: {error.code().name}: {error.details()}") from None
 
@@ -91,6 +100,8 @@ def build_server(app: App) -> "Server[App]":
             shown = [listed.name for listed in await binding.visible()]
         except grpc.RpcError as error:
             return _error(f"sandboxd: {error.code().name}: {error.details()}")
+        if app.gateway is not None and split_name(params.name) is not None:
+            return await app.gateway.call_tool(ctx, binding, params.name, params.arguments or {})
         tool = catalog.BY_NAME.get(params.name)
         if tool is None or tool.name not in shown:
             # Hidden means refused: a tool the list does not show (a read-only sandbox, a
@@ -117,14 +128,47 @@ def build_server(app: App) -> "Server[App]":
             binding.forget(held)
         return result or _error("the call ended without a result")
 
-    server: Server[App] = Server(
-        "sandboxd", version=_version(), on_list_tools=list_tools, on_call_tool=call_tool,
-        instructions="Tools that run in a kernel-enforced sandboxd session: a shell, files, patches, search and "
-                     "background processes. Each tool's description states the session's policy.")
+    instructions = ("Tools that run in a kernel-enforced sandboxd session: a shell, files, patches, search and "
+                    "background processes. Each tool's description states the session's policy.")
+    if app.gateway is not None:
+        instructions += (" Tools named UPSTREAM__tool are an upstream MCP server's, run in a sandbox of its own; "
+                         "their descriptions name the upstream, its sandbox and whether it is trusted.")
+    server: Server[App] = Server("sandboxd", version=_version(), on_list_tools=list_tools, on_call_tool=call_tool,
+                                 instructions=instructions, **gateway_handlers(app))
     # The SDK's default middleware is OpenTelemetry's span per message: no exporter here, and its
     # cost lands on every call (tests/bench_mcp.py).
     server.middleware = []
     return server
+
+
+def gateway_handlers(app: App) -> dict[str, Any]:
+    """resources/list|read and prompts/list|get, for a gateway only: declared (and their
+    capabilities with them) only when there are upstreams to pass them through to."""
+    gateway = app.gateway
+    if gateway is None:
+        return {}
+
+    async def list_resources(_ctx: "Ctx", _params: types.PaginatedRequestParams | None) -> types.ListResourcesResult:
+        return await gateway.list_resources()
+
+    async def read_resource(ctx: "Ctx", params: types.ReadResourceRequestParams) -> types.ReadResourceResult:
+        return await gateway.read_resource(ctx, await _bound(app, ctx), str(params.uri))
+
+    async def list_prompts(_ctx: "Ctx", _params: types.PaginatedRequestParams | None) -> types.ListPromptsResult:
+        return await gateway.list_prompts()
+
+    async def get_prompt(ctx: "Ctx", params: types.GetPromptRequestParams) -> types.GetPromptResult:
+        return await gateway.get_prompt(ctx, await _bound(app, ctx), params.name, params.arguments)
+
+    return {"on_list_resources": list_resources, "on_read_resource": read_resource,
+            "on_list_prompts": list_prompts, "on_get_prompt": get_prompt}
+
+
+async def _bound(app: App, ctx: "Ctx") -> Binding:
+    try:
+        return await app.binding(ctx)
+    except grpc.RpcError as error:
+        raise MCPError(INTERNAL_ERROR, f"no sandboxd session: {error.code().name}: {error.details()}") from None
 
 
 def _version() -> str:

@@ -26,6 +26,7 @@ from sandboxd.printable import printable
 COMMAND_CHARS = 8192       # of the whole command, as shown (a terminal's 100 lines of 80)
 ENV_CHARS = 4096           # of the variables, as shown
 CWD_CHARS = 1024           # of the working directory, as shown (PATH_MAX is 4096)
+ARGUMENTS_CHARS = 4096     # of an external tool's arguments (JSON), as shown
 TAIL_SHARE = 4             # the end keeps a quarter of a bound part
 
 
@@ -57,8 +58,20 @@ def environment(arguments: dict[str, Any]) -> str:
     return " ".join(shown)
 
 
+def external_arguments(arguments: dict[str, Any]) -> str:
+    """An external tool's arguments (Authorize's, kept as {"arguments": ...}: an MCP server's tool
+    behind `sandboxd mcp --gateway`) as compact JSON, escaped and bounded; "" when there are none.
+    Its summary is the bare tool name: without this a person would approve a merge of some pull
+    request, or a deletion of some repository, without seeing which."""
+    given = arguments.get("arguments")
+    if not isinstance(given, (dict, list)) or not given:
+        return ""
+    return bounded(json.dumps(given, ensure_ascii=False, separators=(", ", ": ")), ARGUMENTS_CHARS)
+
+
 def lines(summary: str, arguments_json: str) -> list[tuple[str, str]]:
-    """(label, text) for each line a card adds below the summary: ``argv``, ``cwd``, ``env``."""
+    """(label, text) for each line a card adds below the summary: ``argv``, ``cwd``, ``env``,
+    ``arguments`` (an external tool's)."""
     try:
         arguments = json.loads(arguments_json or "{}")
     except (ValueError, RecursionError):
@@ -68,7 +81,8 @@ def lines(summary: str, arguments_json: str) -> list[tuple[str, str]]:
     cwd = arguments.get("cwd")
     # Where it runs: `./test.sh` or `rm -rf build` names another file in another directory.
     where = bounded(str(cwd), CWD_CHARS) if isinstance(cwd, str) and cwd else ""
-    found = [("argv", whole_command(summary, arguments)), ("cwd", where), ("env", environment(arguments))]
+    found = [("argv", whole_command(summary, arguments)), ("cwd", where), ("env", environment(arguments)),
+             ("arguments", external_arguments(arguments))]
     return [(label, text) for label, text in found if text]
 
 

@@ -1,0 +1,76 @@
+"""What an upstream tool does as the policy engine sees it (its effect and risk), and whether the
+gateway's own session shows it.
+
+The effect comes from, first to last: the gateway file's `[upstreams.NAME.tools.TOOL] effect`; a
+TRUSTED upstream's annotations (readOnlyHint -> read-only, destructiveHint -> destructive); else
+unknown-command. An untrusted upstream's annotations are its own claim about itself, so they
+count for nothing: a server that says "read-only" of its delete tool gains nothing by it.
+
+What the list shows follows mcp.catalog's rule for the built-in tools: a tool that could only be
+refused is not shown (and, hidden, is refused if called by name: mcp.gateway.router). Permission
+mode read_only hides every tool whose effect is not read-only (unknown-command included), and a
+tool whose effect the session's sandbox rules out (policy.decision.sandbox_denial: a write under
+a read-only sandbox, the network without network access, a destructive effect under anything
+but danger-full-access) is hidden under every mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mcp_types as types
+
+from sandboxd.mcp.gateway.config import UpstreamConfig
+from sandboxd.policy.decision import PermissionMode, sandbox_denial
+from sandboxd.policy.sandbox import DangerFullAccess, ReadOnly, SandboxPolicy, WorkspaceWrite
+from sandboxd.policy.tools import Effect, Risk
+from sandboxd.v1 import sandboxd_pb2 as pb
+
+PROTO_EFFECTS = {Effect.READ_ONLY: pb.EFFECT_READ_ONLY, Effect.WORKSPACE_WRITE: pb.EFFECT_WORKSPACE_WRITE,
+                 Effect.NETWORK: pb.EFFECT_NETWORK, Effect.DESTRUCTIVE: pb.EFFECT_DESTRUCTIVE,
+                 Effect.UNKNOWN_COMMAND: pb.EFFECT_UNKNOWN_COMMAND}
+# Without a risk in the file: what the effect suggests (the daemon's default, high, for the rest).
+_RISK_OF = {Effect.READ_ONLY: Risk.LOW, Effect.WORKSPACE_WRITE: Risk.MEDIUM}
+
+
+@dataclass(frozen=True)
+class ToolPolicy:
+    effect: str          # one of policy.tools.Effect.ALL
+    risk: str            # low, medium, high
+    source: str          # "override", "annotations" or "default": why the effect is what it is
+
+    @property
+    def proto_effect(self) -> "pb.PolicyEffect":
+        return PROTO_EFFECTS[self.effect]
+
+
+def tool_policy(config: UpstreamConfig, tool: str, annotations: types.ToolAnnotations | None) -> ToolPolicy:
+    """The effect and risk of the upstream's tool ``tool`` (its own name, not the exposed one)."""
+    override = config.tools.get(tool)
+    effect, source = Effect.UNKNOWN_COMMAND, "default"
+    if override is not None and override.effect:
+        effect, source = override.effect, "override"
+    elif config.trusted and annotations is not None:
+        if annotations.read_only_hint is True:
+            effect, source = Effect.READ_ONLY, "annotations"
+        elif annotations.destructive_hint is True:
+            effect, source = Effect.DESTRUCTIVE, "annotations"
+    risk = (override.risk if override is not None and override.risk else None) or _RISK_OF.get(effect, Risk.HIGH)
+    return ToolPolicy(effect, risk, source)
+
+
+def sandbox_of(session: pb.Session) -> SandboxPolicy:
+    """The session's sandbox axis as the policy engine reads it (only what sandbox_denial uses)."""
+    mode = session.sandbox_policy.mode
+    if mode == pb.SandboxPolicy.READ_ONLY:
+        return ReadOnly()
+    if mode == pb.SandboxPolicy.DANGER_FULL_ACCESS:
+        return DangerFullAccess()
+    return WorkspaceWrite(network_access=session.sandbox_policy.network_access)
+
+
+def hidden_because(session: pb.Session, policy: ToolPolicy) -> str | None:
+    """Why the gateway's ``session`` does not show a tool of this effect, or None when it does."""
+    if PermissionMode.parse(session.permission_mode) == PermissionMode.READ_ONLY and policy.effect != Effect.READ_ONLY:
+        return f"permission mode read_only shows only read-only tools (this one's effect: {policy.effect})"
+    return sandbox_denial(policy.effect, sandbox_of(session))

@@ -1,0 +1,400 @@
+"""The gateway's MCP surface: the Fleet's tools, resources and prompts beside the built-in tools
+of `sandboxd mcp` (mcp.handlers), each call through the daemon's policy engine.
+
+- tools/list: the built-in tools, then each ready upstream's tools the gateway's session shows
+  (mcp.gateway.effects), named `UPSTREAM__tool` (mcp.gateway.naming) and described
+  `[UPSTREAM, sandbox: ..., trusted|untrusted] ` + the upstream's own text, printable and cut at
+  2,000 characters (an upstream chooses it: it must not draw on a person's terminal or pass for
+  ours). The annotations are the gateway's (from the effect), never the upstream's claims.
+- tools/call of `UPSTREAM__tool`: Authorize on the connection's own session (held: the same
+  elicitation as a held built-in call, mcp.approvals.answer_held; denied: the same typed
+  denial), the upstream's call, then ReportToolResult. A tool the list does not show is refused,
+  whoever calls it.
+- resources/list|read and prompts/list|get pass through likewise (a read and a get are
+  authorized as `UPSTREAM__resources/read` and `UPSTREAM__prompts/get`, read-only effect).
+- list_changed: when an upstream's list changes (Fleet.on_change), every connection is told.
+
+What an upstream returns (a tool's content, a resource, a prompt's messages) is data for the
+model and passes as it is, within the bounds mcp.gateway.upstream keeps."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+import grpc
+import mcp_types as types
+from mcp.shared.exceptions import MCPError
+from mcp_types import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST
+
+from sandboxd.mcp.approvals import Progress, answer_held, denied_result
+from sandboxd.mcp.binding import Binding
+from sandboxd.mcp.daemon import Daemon
+from sandboxd.mcp.gateway import authorize, naming
+from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig
+from sandboxd.mcp.gateway.effects import ToolPolicy, hidden_because, tool_policy
+from sandboxd.mcp.gateway.upstream import Fleet, Upstream, UpstreamError
+from sandboxd.policy.tools import Effect, Risk
+from sandboxd.printable import printable
+from sandboxd.v1 import sandboxd_pb2 as pb
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from mcp.server.connection import Connection
+    from mcp.server.context import ServerRequestContext
+
+    Ctx = ServerRequestContext[Any, Any]
+
+log = logging.getLogger("sandboxd.mcp")
+DESCRIPTION_CHARS = 2000
+SCHEMA_BYTES = 64 << 10
+READ_RESOURCE, GET_PROMPT = "resources/read", "prompts/get"   # no exposed tool name has a "/"
+REPORT_TIMEOUT = 30.0
+_READ = ToolPolicy(Effect.READ_ONLY, Risk.LOW, "default")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ExposedTool:
+    name: str                 # UPSTREAM__tool
+    upstream: Upstream
+    original: str             # the upstream's own name
+    tool: types.Tool          # as the upstream listed it
+    policy: ToolPolicy
+
+
+def sandbox_text(config: UpstreamConfig) -> str:
+    """The upstream's sandbox in a few words, for a model (printable: the file's paths and names)."""
+    if config.allow_domains:
+        network = "network: only " + ", ".join(config.allow_domains)
+    else:
+        network = "network on" if config.network else "network off"
+    where = f" in {config.workspace}" if config.workspace and config.sandbox == "workspace-write" else ""
+    return printable(f"{config.sandbox}{where}, {network}")
+
+
+def describe(config: UpstreamConfig, text: str | None) -> str:
+    trust = "trusted" if config.trusted else "untrusted"
+    prefix = f"[{config.name}, sandbox: {sandbox_text(config)}, {trust}] "
+    return (prefix + printable(text or ""))[:DESCRIPTION_CHARS]
+
+
+def _small_object(schema: Any) -> bool:
+    if not isinstance(schema, dict):
+        return False
+    try:
+        return len(json.dumps(schema).encode()) < SCHEMA_BYTES
+    except (TypeError, ValueError):
+        return False
+
+
+def _error(text: str) -> types.CallToolResult:
+    return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
+
+
+def _denial(denied: Any) -> dict[str, str]:
+    return {"call_id": denied.call_id, "tool": denied.tool, "reason": denied.reason, "by": denied.by,
+            "detail": denied.detail, "message": denied.message}
+
+
+@dataclass(frozen=True)
+class GatewaySetup:
+    """What `sandboxd mcp --gateway FILE` read before serving: the file, and its secrets' values."""
+
+    config: GatewayConfig
+    redactor: authorize.Redactor
+
+    def gateway(self, daemon: Daemon, ctl: str) -> "Gateway":
+        return Gateway(daemon, self.config, self.redactor, ctl)
+
+
+class Gateway:
+    """One per `sandboxd mcp --gateway` process: its Fleet, shared by every MCP connection."""
+
+    def __init__(self, daemon: Daemon, config: GatewayConfig, redactor: authorize.Redactor, ctl: str, *,
+                 fleet: Callable[..., Fleet] = Fleet) -> None:
+        self.config, self.ctl = config, ctl
+        self._daemon, self._redactor = daemon, redactor
+        self.fleet = fleet(daemon, config, self._changed)
+        self._connections: set["Connection"] = set()
+        self._names: dict[tuple[str, str], tuple[tuple[str, ...], naming.Names]] = {}
+        self._dropped: set[tuple[str, str]] = set()     # tools left out already said in the log
+
+    async def start(self) -> None:
+        await self.fleet.start()
+
+    async def close(self) -> None:
+        await self.fleet.close()
+
+    # -- connections and their list_changed -----------------------------------------------------
+
+    def attach(self, connection: "Connection") -> None:
+        """Tell ``connection`` of list changes until it ends."""
+        self._connections.add(connection)
+        connection.exit_stack.callback(self._connections.discard, connection)
+
+    async def _changed(self, upstream: str, kind: str) -> None:
+        method = {"tools": "send_tool_list_changed", "resources": "send_resource_list_changed",
+                  "prompts": "send_prompt_list_changed"}.get(kind)
+        if method is None:
+            return
+        for connection in list(self._connections):
+            try:
+                await getattr(connection, method)()
+            except Exception:                       # noqa: BLE001 - a connection closing meanwhile
+                log.debug("could not tell a client of %s's %s list change", upstream, kind, exc_info=True)
+
+    # -- names -----------------------------------------------------------------------------------
+
+    def _named(self, upstream: Upstream, kind: str, originals: list[str]) -> naming.Names:
+        listed = tuple(originals)
+        cached = self._names.get((upstream.name, kind))
+        if cached is None or cached[0] != listed:
+            cached = (listed, naming.Names(upstream.name, listed))
+            self._names[(upstream.name, kind)] = cached
+        return cached[1]
+
+    def _ready(self) -> list[Upstream]:
+        return [upstream for upstream in self.fleet.upstreams.values() if upstream.state == "ready"]
+
+    async def _start_first_use(self) -> None:
+        """Start the upstreams started on first use that are not yet: a model's first use of one
+        is reading the list (it cannot call a tool it was not shown)."""
+        waiting = [upstream for upstream in self.fleet.upstreams.values()
+                   if upstream.config.start == "first_use" and upstream.state == "stopped"]
+
+        async def start(upstream: Upstream) -> None:
+            try:
+                await asyncio.wait_for(upstream.ensure_started(), upstream.config.timeout_seconds)
+            except (UpstreamError, asyncio.TimeoutError) as error:
+                log.warning("sandboxd mcp gateway: %s did not start: %s", upstream.name, printable(str(error)))
+        if waiting:
+            await asyncio.gather(*(start(upstream) for upstream in waiting))
+
+    # -- tools -----------------------------------------------------------------------------------
+
+    def exposed_tools(self) -> list[ExposedTool]:
+        """Every ready upstream's tools under their exposed names (shown or not)."""
+        found = []
+        for upstream in self._ready():
+            tools = list(upstream.tools)
+            names = self._named(upstream, "tools", [tool.name for tool in tools])
+            for tool in tools:
+                exposed = names.exposed(tool.name)
+                if exposed is None:
+                    continue
+                if not _small_object(tool.input_schema):
+                    if (upstream.name, tool.name) not in self._dropped:
+                        self._dropped.add((upstream.name, tool.name))
+                        log.warning("sandboxd mcp gateway: %s: left out the tool %s: its input schema is not a JSON "
+                                    "object below %d KiB", upstream.name, printable(tool.name), SCHEMA_BYTES >> 10)
+                    continue
+                found.append(ExposedTool(exposed, upstream, tool.name, tool,
+                                         tool_policy(upstream.config, tool.name, tool.annotations)))
+        return found
+
+    async def tools(self, binding: Binding) -> list[types.Tool]:
+        """The upstream tools the connection's session shows (binding.session: as fresh as its list)."""
+        await self._start_first_use()
+        shown = []
+        for exposed in self.exposed_tools():
+            if hidden_because(binding.session, exposed.policy) is not None:
+                continue
+            config, tool = exposed.upstream.config, exposed.tool
+            output = tool.output_schema if _small_object(tool.output_schema) else None
+            shown.append(types.Tool(
+                name=exposed.name, title=printable(tool.title) if tool.title else None,
+                description=describe(config, tool.description), input_schema=tool.input_schema,
+                output_schema=output,
+                annotations=types.ToolAnnotations(read_only_hint=exposed.policy.effect == Effect.READ_ONLY,
+                                                  destructive_hint=exposed.policy.effect == Effect.DESTRUCTIVE,
+                                                  open_world_hint=bool(config.network or config.allow_domains))))
+        return shown
+
+    async def call_tool(self, ctx: "Ctx", binding: Binding, name: str,
+                        arguments: dict[str, Any]) -> types.CallToolResult:
+        """A call of ``name`` (UPSTREAM__tool): refused unless the session shows it, then through
+        the policy engine to the upstream."""
+        exposed = next((tool for tool in self.exposed_tools() if tool.name == name), None)
+        if exposed is None:
+            upstream = self.fleet.upstreams.get((naming.split(name) or ("", ""))[0])
+            why = (f"the upstream {upstream.name} is {upstream.state}" if upstream is not None and
+                   upstream.state != "ready" else "no upstream lists it")
+            return _error(f"unknown tool {printable(name)!r} ({why}); call tools/list for the tools there are")
+        hidden = hidden_because(binding.session, exposed.policy)
+        if hidden is not None:
+            return _error(f"this session does not offer the tool {name}: {hidden}")
+        upstream = exposed.upstream
+
+        async def run() -> types.CallToolResult:
+            return await upstream.call_tool(exposed.original, arguments, upstream.config.timeout_seconds)
+
+        def measured(result: types.CallToolResult) -> tuple[int, bool]:
+            return len(result.model_dump_json(by_alias=True, exclude_none=True).encode()), bool(result.is_error)
+
+        try:
+            return await self._through_policy(ctx, binding, name, upstream, exposed.policy, arguments, run, measured)
+        except _Refused as refused:
+            return refused.result
+
+    # -- resources and prompts -------------------------------------------------------------------
+
+    async def list_resources(self) -> types.ListResourcesResult:
+        await self._start_first_use()
+        listed = []
+        for upstream in self._ready():
+            for resource in list(upstream.resources):
+                try:
+                    uri = naming.resource_uri(upstream.name, resource.uri)
+                except UnicodeError:
+                    continue
+                listed.append(types.Resource(
+                    uri=uri, name=printable(resource.name), title=printable(resource.title) if resource.title else None,
+                    description=describe(upstream.config, resource.description), mime_type=resource.mime_type,
+                    size=resource.size))
+        return types.ListResourcesResult(resources=listed)
+
+    async def read_resource(self, ctx: "Ctx", binding: Binding, uri: str) -> types.ReadResourceResult:
+        try:
+            origin = naming.resource_origin(uri)
+        except UnicodeError:
+            origin = None
+        upstream = self.fleet.upstreams.get(origin[0]) if origin else None
+        if origin is None or upstream is None:
+            raise MCPError(INVALID_PARAMS, f"unknown resource {printable(uri)}: resources/list names those there are")
+        original = origin[1]
+
+        async def run() -> types.ReadResourceResult:
+            result = await upstream.read_resource(original, upstream.config.timeout_seconds)
+            for content in result.contents:            # the URIs the client knows
+                try:
+                    content.uri = naming.resource_uri(upstream.name, content.uri)
+                except UnicodeError:
+                    content.uri = uri
+            return result
+
+        def measured(result: types.ReadResourceResult) -> tuple[int, bool]:
+            return len(result.model_dump_json(by_alias=True, exclude_none=True).encode()), False
+
+        return await self._through_request(ctx, binding, f"{upstream.name}{naming.SEPARATOR}{READ_RESOURCE}",
+                                           upstream, {"uri": original}, run, measured)
+
+    async def list_prompts(self) -> types.ListPromptsResult:
+        await self._start_first_use()
+        listed = []
+        for upstream in self._ready():
+            prompts = list(upstream.prompts)
+            names = self._named(upstream, "prompts", [prompt.name for prompt in prompts])
+            for prompt in prompts:
+                exposed = names.exposed(prompt.name)
+                if exposed is None:
+                    continue
+                arguments = [types.PromptArgument(name=argument.name, required=argument.required,
+                                                  description=printable(argument.description)
+                                                  if argument.description else None)
+                             for argument in prompt.arguments or []]
+                listed.append(types.Prompt(name=exposed, title=printable(prompt.title) if prompt.title else None,
+                                           description=describe(upstream.config, prompt.description),
+                                           arguments=arguments or None))
+        return types.ListPromptsResult(prompts=listed)
+
+    async def get_prompt(self, ctx: "Ctx", binding: Binding, name: str,
+                         arguments: dict[str, str] | None) -> types.GetPromptResult:
+        split = naming.split(name)
+        upstream = self.fleet.upstreams.get(split[0]) if split else None
+        original = None
+        if upstream is not None and upstream.state == "ready":
+            original = self._named(upstream, "prompts", [prompt.name for prompt in upstream.prompts]).original(name)
+        if upstream is None or original is None:
+            raise MCPError(INVALID_PARAMS, f"unknown prompt {printable(name)!r}: prompts/list names those there are")
+        prompt_name = original
+
+        async def run() -> types.GetPromptResult:
+            result = await upstream.get_prompt(prompt_name, arguments, upstream.config.timeout_seconds)
+            if result.description:
+                result.description = printable(result.description)
+            return result
+
+        def measured(result: types.GetPromptResult) -> tuple[int, bool]:
+            return len(result.model_dump_json(by_alias=True, exclude_none=True).encode()), False
+
+        return await self._through_request(ctx, binding, f"{upstream.name}{naming.SEPARATOR}{GET_PROMPT}", upstream,
+                                           {"name": original, "arguments": arguments or {}}, run, measured)
+
+    async def _through_request(self, ctx: "Ctx", binding: Binding, tool: str, upstream: Upstream,
+                               arguments: dict[str, Any], run: Callable[[], Awaitable[T]],
+                               measured: Callable[[T], tuple[int, bool]]) -> T:
+        """_through_policy for a request that is not a tool call: a refusal is a JSON-RPC error."""
+        try:
+            return await self._through_policy(ctx, binding, tool, upstream, _READ, arguments, run, measured)
+        except _Refused as refused:
+            text = "".join(block.text for block in refused.result.content if isinstance(block, types.TextContent))
+            raise MCPError(INVALID_REQUEST if refused.result.structured_content else INTERNAL_ERROR, text,
+                           data=refused.result.structured_content) from None
+
+    # -- the policy around each call -------------------------------------------------------------
+
+    async def _through_policy(self, ctx: "Ctx", binding: Binding, tool: str, upstream: Upstream, policy: ToolPolicy,
+                              arguments: dict[str, Any], run: Callable[[], Awaitable[T]],
+                              measured: Callable[[T], tuple[int, bool]]) -> T:
+        """Authorize ``tool`` (held: asked as a held built-in call is), ``run`` it, report how it
+        ended. Raises _Refused (with the tool result to return) when it may not run or failed."""
+        context_id = f"mcp-{secrets.token_hex(6)}"
+        held = binding.expect(tool, context_id)
+        progress = Progress(ctx)
+        answers: list[pb.AuthorizeResponse | grpc.RpcError] = []
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(answer_held, ctx, binding, held, progress, self.ctl)
+                try:
+                    answers.append(await authorize.authorize(
+                        self._daemon, binding.session_id, tool=tool, upstream=upstream.name,
+                        trusted=upstream.config.trusted, policy=policy, context_id=context_id,
+                        arguments=authorize.arguments_json(arguments, self._redactor)))
+                except grpc.RpcError as error:
+                    answers.append(error)
+                group.cancel_scope.cancel()               # no more questions once the daemon answered
+        finally:
+            binding.forget(held)
+        answer = answers[0]
+        if isinstance(answer, grpc.RpcError):
+            raise _Refused(_error(f"sandboxd: {answer.code().name}: {printable(answer.details() or '')}"))
+        if not answer.allowed:
+            raise _Refused(denied_result(_denial(answer.denied)))
+        try:
+            result = await run()
+        except UpstreamError as error:
+            await self._report(binding, answer.call_id, ok=False, error=str(error))
+            raise _Refused(_error(f"{tool}: {printable(str(error))}")) from None
+        except BaseException:                          # cancelled (the client's cancel, the connection's end)
+            with anyio.CancelScope(shield=True):
+                await self._report(binding, answer.call_id, ok=False, error="cancelled before the upstream answered")
+            raise
+        size, is_error = measured(result)
+        await self._report(binding, answer.call_id, ok=not is_error, error="the tool returned an error" if is_error
+                           else "", content_bytes=size, is_error=is_error)
+        return result
+
+    async def _report(self, binding: Binding, call_id: str, *, ok: bool, error: str = "", content_bytes: int = 0,
+                      is_error: bool = False) -> None:
+        try:
+            await asyncio.wait_for(authorize.report(self._daemon, binding.session_id, call_id, ok=ok, error=error,
+                                                    content_bytes=content_bytes, is_error=is_error), REPORT_TIMEOUT)
+        except (grpc.RpcError, asyncio.TimeoutError) as failure:
+            # The call's end is recorded anyway when the session closes ("no result reported").
+            log.warning("sandboxd mcp gateway: could not report call %s's result: %s", call_id,
+                        printable(str(failure)))
+
+
+class _Refused(Exception):
+    """A call that did not run, or failed: the tool result that says so."""
+
+    def __init__(self, result: types.CallToolResult) -> None:
+        super().__init__()
+        self.result = result

@@ -1,0 +1,388 @@
+"""`sandboxd mcp --gateway FILE`: the names, effects, policy and MCP surface of the gateway.
+
+The first tests read the pure parts (exposed names over generated names, effects and what a
+session shows, the redaction and bound of the audited arguments); the rest drive the real
+gateway (the `sandboxd mcp` command) with the official Python SDK client, against a real daemon
+and real upstream servers (tests/mcp_gateway_servers.py) in their own sessions: names and
+descriptions, held calls answered by elicitation, the audit log, what an untrusted server's call
+gets, permission mode read_only, standing rules, list_changed, a bad gateway file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+import mcp_types as types
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import SLOW
+from daemon_fixtures import client, daemon, ws  # noqa: F401 - pytest fixtures
+from daemon_helpers import Daemon
+from mcp_helpers import SANDBOXD, decide, mcp_client, structured, text, tool_names
+from sandboxd.client import SandboxClient
+from sandboxd.mcp.gateway import authorize, naming
+from sandboxd.mcp.gateway.config import GatewayConfig, ToolOverride, UpstreamConfig
+from sandboxd.mcp.gateway.effects import ToolPolicy, hidden_because, tool_policy
+from sandboxd.v1 import sandboxd_pb2 as pb
+
+EXPOSED = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+FULL = ["shell", "read_file", "write_file", "list_dir", "apply_patch", "search", "start_process", "list_processes",
+        "read_process_output", "stop_process"]
+
+# -- names -----------------------------------------------------------------------------------------
+
+upstream_names = st.from_regex(naming.UPSTREAM_NAME, fullmatch=True)
+# Names as an upstream might list them: plain ones, ones with dots and slashes, long ones, any text.
+listed_names = st.one_of(st.from_regex(r"[a-z_]{1,70}", fullmatch=True), st.from_regex(r"[a-z.]{1,12}", fullmatch=True),
+                       st.text(min_size=0, max_size=80))
+
+
+@settings(max_examples=300, deadline=None)
+@given(upstream=upstream_names, originals=st.lists(listed_names, max_size=40))
+def test_exposed_names_are_valid_unique_and_lead_back(upstream: str, originals: list[str]) -> None:
+    names = naming.Names(upstream, originals)
+    pairs = names.items()
+    exposed = [name for _original, name in pairs]
+    assert len(set(exposed)) == len(exposed)                               # no two collide
+    assert all(EXPOSED.match(name) and name.startswith(upstream + "__") for name in exposed)
+    assert {original for original, _name in pairs} == set(originals)       # none left out
+    for original, name in pairs:
+        assert names.original(name) == original and names.exposed(original) == name
+        assert naming.split(name) == (upstream, name[len(upstream) + 2:])
+    # A name that needs no change keeps it, whatever else is listed (an empty one gets a hash).
+    for original in originals:
+        if original and EXPOSED.match(f"{upstream}__{original}"):
+            assert names.exposed(original) == f"{upstream}__{original}"
+
+
+def test_a_sanitized_or_long_name_gets_a_hash_suffix() -> None:
+    long = "x" * 80
+    names = naming.Names("gh", ["a_b", "a.b", "a b", long])
+    assert names.exposed("a_b") == "gh__a_b"                               # the clean one keeps its name
+    assert re.fullmatch(r"gh__a_b-[0-9a-f]{8}", names.exposed("a.b") or "")
+    assert re.fullmatch(r"gh__a_b-[0-9a-f]{8}", names.exposed("a b") or "")
+    assert names.exposed("a.b") != names.exposed("a b")
+    assert len(names.exposed(long) or "") == 64 and names.original(names.exposed(long) or "") == long
+    assert naming.Names("gh", ["only.dots"]).exposed("only.dots") == "gh__only_dots"  # no collision: no hash
+    assert naming.split("shell") is None and naming.split("Bad__x") is None
+
+
+def test_names_of_different_upstreams_never_collide() -> None:
+    # Upstream names have no "_": the first "__" is where an upstream's name ends.
+    first, second = naming.Names("a", ["b__c"]), naming.Names("a-b", ["c"])
+    assert first.exposed("b__c") == "a__b__c" and second.exposed("c") == "a-b__c"
+    assert naming.split("a__b__c") == ("a", "b__c")
+
+
+@settings(max_examples=200, deadline=None)
+@given(upstream=upstream_names, uri=st.text(max_size=200))
+def test_resource_uris_round_trip(upstream: str, uri: str) -> None:
+    exposed = naming.resource_uri(upstream, uri)
+    assert exposed.startswith(f"sandboxd-gateway://{upstream}/")
+    assert "/" not in exposed[len(f"sandboxd-gateway://{upstream}/"):]
+    assert naming.resource_origin(exposed) == (upstream, uri)
+    assert urllib.parse.urlsplit(exposed).netloc == upstream
+
+
+def test_a_uri_of_no_upstream_is_none() -> None:
+    assert naming.resource_origin("file:///etc/passwd") is None
+    assert naming.resource_origin("sandboxd-gateway://Bad_Name/x") is None
+    assert naming.resource_origin("sandboxd-gateway://fs") is None
+
+
+# -- effects and what a session shows ----------------------------------------------------------------
+
+READ_HINT = types.ToolAnnotations(read_only_hint=True)
+DESTROY_HINT = types.ToolAnnotations(destructive_hint=True)
+
+
+def test_the_effect_comes_from_the_file_then_a_trusted_servers_hints_then_unknown() -> None:
+    untrusted = UpstreamConfig(name="fs", command=("x",), tools={"write": ToolOverride(effect="workspace-write")})
+    trusted = UpstreamConfig(name="fs", command=("x",), trusted=True,
+                             tools={"read": ToolOverride(effect="destructive", risk="low")})
+    assert tool_policy(untrusted, "write", DESTROY_HINT) == ToolPolicy("workspace-write", "medium", "override")
+    # An untrusted server's hints are its own claim: they count for nothing.
+    assert tool_policy(untrusted, "read", READ_HINT) == ToolPolicy("unknown-command", "high", "default")
+    assert tool_policy(trusted, "list", READ_HINT) == ToolPolicy("read-only", "low", "annotations")
+    assert tool_policy(trusted, "drop", DESTROY_HINT) == ToolPolicy("destructive", "high", "annotations")
+    assert tool_policy(trusted, "other", None).effect == "unknown-command"
+    assert tool_policy(trusted, "read", READ_HINT) == ToolPolicy("destructive", "low", "override")  # the file wins
+
+
+def _session(mode: "pb.SandboxPolicy.Mode.ValueType" = pb.SandboxPolicy.WORKSPACE_WRITE, *, network: bool = False,
+             permission_mode: str = "") -> pb.Session:
+    return pb.Session(sandbox_policy=pb.SandboxPolicy(mode=mode, network_access=network),
+                      permission_mode=permission_mode)
+
+
+@pytest.mark.parametrize(("session", "shown"), [
+    (_session(), {"read-only", "workspace-write", "unknown-command"}),
+    (_session(network=True), {"read-only", "workspace-write", "unknown-command", "network"}),
+    (_session(pb.SandboxPolicy.READ_ONLY), {"read-only", "unknown-command"}),
+    (_session(pb.SandboxPolicy.READ_ONLY, permission_mode="read_only"), {"read-only"}),
+    (_session(pb.SandboxPolicy.DANGER_FULL_ACCESS), {"read-only", "workspace-write", "unknown-command", "network",
+                                                      "destructive"}),
+])
+def test_a_session_shows_the_effects_it_could_allow(session: pb.Session, shown: set[str]) -> None:
+    effects = ("read-only", "workspace-write", "network", "destructive", "unknown-command")
+    visible = {effect for effect in effects if hidden_because(session, ToolPolicy(effect, "high", "x")) is None}
+    assert visible == shown
+    if session.permission_mode:
+        assert "read_only" in (hidden_because(session, ToolPolicy("unknown-command", "high", "x")) or "")
+
+
+# -- the audited arguments ---------------------------------------------------------------------------
+
+def test_secrets_are_redacted_wherever_they_appear() -> None:
+    config = GatewayConfig(path="/g.toml", upstreams=(
+        UpstreamConfig(name="gh", command=("x",), credentials=("GH_TOKEN=https://api.github.com",),
+                       env={"API_KEY": "k3y-value-1", "MODE": "plain-value", "db_password": "hunter22"},
+                       pass_env=("SESSION_SECRET", "HOME")),
+    ))
+    environ = {"GH_TOKEN": "ghp_abcdef123456", "SESSION_SECRET": "s3ss10n-s3cr3t", "HOME": "/home/me-home"}
+    redactor = authorize.Redactor.of(config, environ)
+    arguments = {"token": "ghp_abcdef123456", "header": "Bearer ghp_abcdef123456",
+                 "nested": [{"k3y-value-1": "hunter22"}, "s3ss10n-s3cr3t"], "mode": "plain-value",
+                 "home": "/home/me-home", "n": 3}
+    audited = json.loads(authorize.arguments_json(arguments, redactor))
+    assert audited == {"token": "[redacted]", "header": "Bearer [redacted]",
+                       "nested": [{"[redacted]": "[redacted]"}, "[redacted]"], "mode": "plain-value",
+                       "home": "/home/me-home", "n": 3}
+    # The control: without the file's secrets nothing is replaced.
+    assert json.loads(authorize.arguments_json(arguments, authorize.Redactor([]))) == arguments
+
+
+def test_a_short_secret_is_replaced_only_whole() -> None:
+    redactor = authorize.Redactor(["abc"])
+    assert redactor.value({"a": "abc", "b": "abcdef"}) == {"a": "[redacted]", "b": "abcdef"}
+
+
+def test_arguments_over_16_kib_keep_their_head() -> None:
+    arguments = {"content": "é" * 20000, "path": "x"}
+    audited = authorize.arguments_json(arguments, authorize.Redactor([]))
+    data = json.loads(audited)
+    whole = json.dumps(arguments, separators=(",", ":"))
+    assert data["truncated"] is True and data["bytes"] == len(whole) > authorize.ARGUMENTS_LIMIT
+    assert data["head"] == whole[:authorize.ARGUMENTS_LIMIT]
+    assert len(audited) < authorize.ARGUMENTS_LIMIT + 4096
+    small = {"content": "x" * 100}
+    assert json.loads(authorize.arguments_json(small, authorize.Redactor([]))) == small
+
+
+# -- the real gateway: `sandboxd mcp --gateway FILE`, real upstreams, a real daemon -------------------
+
+SERVER = str(Path(__file__).resolve().parent / "mcp_gateway_servers.py")
+SECRET = "sekrit-value-42"
+
+
+def gateway_file(tmp_path: Path, *tables: str) -> Path:
+    path = tmp_path / "gateway.toml"
+    path.write_text("\n".join(tables))
+    return path
+
+
+def upstream(tmp_path: Path, name: str, mode: str = "echo", *extra: str) -> str:
+    """One [upstreams.NAME] table: the test server in MODE, its workspace a directory of the test's."""
+    workspace = tmp_path / f"up-{name}"
+    workspace.mkdir(exist_ok=True)
+    return "\n".join([f"[upstreams.{name}]", f"command = {json.dumps(['/usr/bin/python3', SERVER, mode])}",
+                      f"workspace = {json.dumps(str(workspace))}", f'env = {{ API_KEY = "{SECRET}" }}', *extra, ""])
+
+
+def gateway_session(client: SandboxClient, ws: Path) -> pb.Session:
+    """The gateway's own session (its --workspace): the upstreams' have workspaces of their own."""
+    sessions = [s for s in client.stub.ListSessions(pb.ListSessionsRequest(include_closed=True)).sessions
+                if s.workspace == str(ws) and s.labels.get("client") == "sandboxd-mcp"]
+    assert len(sessions) == 1, sessions
+    return sessions[0]
+
+
+def events(client: SandboxClient, session_id: str, tool: str) -> list[tuple[str, dict[str, Any]]]:
+    found = client.stub.QueryEvents(pb.QueryEventsRequest(session_id=session_id, tool=tool, page_size=1000)).events
+    return [(event.type, json.loads(event.data_json or "{}")) for event in found]
+
+
+def test_names_descriptions_held_calls_and_the_audit(daemon: Daemon, ws: Path, client: SandboxClient,
+                                                     tmp_path: Path) -> None:
+    """approval always: each upstream call is held and asked by elicitation (allow once, then
+    deny: a typed denial), a standing rule answers for its tool, and the audit log has every call
+    with its upstream, its redacted arguments and its result."""
+    config = gateway_file(tmp_path, upstream(tmp_path, "echo"), upstream(tmp_path, "ruled", "echo", "trusted = true"))
+    client.stub.AddStandingRule(pb.StandingRule(workspace=str(ws), tool="ruled__echo"))
+    asked: list[types.ElicitRequestParams] = []
+
+    async def scenario() -> dict[str, Any]:
+        async with mcp_client(daemon.socket, ws, "--approval", "always", "--gateway", str(config),
+                              elicitation=decide(["allow_once", "deny"], asked)) as mcp:
+            listing = await mcp.list_tools()
+            return {"listing": listing,
+                    "allowed": await mcp.call_tool("echo__echo", {"text": f"hi {SECRET}"}),
+                    "denied": await mcp.call_tool("echo__echo", {"text": "again"}),
+                    "ruled": await mcp.call_tool("ruled__echo", {"text": "by the rule"}),
+                    "unknown": await mcp.call_tool("echo__nothing", {})}
+
+    try:
+        out = asyncio.run(scenario())
+    finally:
+        client.stub.RemoveStandingRule(pb.StandingRule(workspace=str(ws), tool="ruled__echo"))
+    names = tool_names(out["listing"])
+    assert names[:len(FULL)] == FULL                                   # the built-in tools first, as without
+    assert {"echo__echo", "echo__write_file", "echo__read_file", "ruled__echo"} <= set(names)
+    echo = next(tool for tool in out["listing"].tools if tool.name == "echo__echo")
+    assert echo.description == (f"[echo, sandbox: workspace-write in {tmp_path}/up-echo, network off, untrusted] "
+                                "the test server's echo")
+    ruled = next(tool for tool in out["listing"].tools if tool.name == "ruled__echo")
+    assert ", trusted] " in (ruled.description or "")
+    assert text(out["allowed"]) == f"echo: hi {SECRET}" and not out["allowed"].is_error
+    denied = structured(out["denied"])
+    assert out["denied"].is_error and denied["denied"] is True
+    assert (denied["by"], denied["reason"], denied["tool"]) == ("user", "untrusted_mcp_server", "echo__echo")
+    assert text(out["ruled"]) == "echo: by the rule"
+    assert out["unknown"].is_error and "unknown tool" in text(out["unknown"])
+    # Two questions (the rule answered the third call), each naming the tool and its arguments,
+    # the secret redacted there as in the audit.
+    assert len(asked) == 2, asked
+    assert "echo__echo" in asked[0].message and "untrusted_mcp_server" in asked[0].message
+    assert '"text": "hi [redacted]"' in asked[0].message and SECRET not in asked[0].message
+
+    session = gateway_session(client, ws)
+    audited = events(client, session.id, "echo__echo")
+    kinds = [kind for kind, _data in audited]
+    assert kinds == ["PermissionRequested", "PermissionGranted", "ToolInvocationStarted", "ToolInvocationCompleted",
+                     "PermissionRequested", "PermissionDenied"], kinds
+    requested = audited[0][1]
+    assert requested["mcp_server"] == "echo" and requested["effect"] == "unknown-command"
+    assert requested["arguments"] == {"arguments": {"text": "hi [redacted]"}}
+    assert audited[3][1]["result"]["is_error"] is False and audited[3][1]["result"]["content_bytes"] > 0
+    assert audited[5][1]["by"] == "user"
+    assert SECRET not in json.dumps([data for _kind, data in audited])
+    ruled_events = events(client, session.id, "ruled__echo")
+    granted = next(data for kind, data in ruled_events if kind == "PermissionGranted")
+    assert granted["by"] == "workspace_rule" and granted["mcp_server"] == "ruled"
+
+
+def test_what_the_engine_says_is_what_the_client_sees(daemon: Daemon, ws: Path, tmp_path: Path) -> None:
+    """on-request: an untrusted server's call is asked (untrusted_mcp_server) and the denial is
+    typed; a trusted one's read-only tool runs unasked; a tool whose effect the gateway's sandbox
+    rules out (network, without --network) is not listed and is refused by name. Then approval
+    never: the same untrusted call runs unasked (never asks; the sandbox allows an unknown effect)."""
+    config = gateway_file(
+        tmp_path, upstream(tmp_path, "wild"),
+        upstream(tmp_path, "tame", "echo", "trusted = true", "[upstreams.tame.tools.read_file]",
+                 'effect = "read-only"', "[upstreams.tame.tools.echo]", 'effect = "network"'))
+    asked: list[types.ElicitRequestParams] = []
+    (tmp_path / "up-tame" / "note.txt").write_text("tame note")
+
+    async def scenario() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with mcp_client(daemon.socket, ws, "--approval", "on-request", "--gateway", str(config),
+                              elicitation=decide(["deny"], asked)) as mcp:
+            out["names"] = tool_names(await mcp.list_tools())
+            out["wild"] = await mcp.call_tool("wild__echo", {"text": "x"})
+            out["read"] = await mcp.call_tool("tame__read_file", {"path": "note.txt"})
+            out["network"] = await mcp.call_tool("tame__echo", {"text": "x"})
+        async with mcp_client(daemon.socket, ws, "--approval", "never", "--gateway", str(config)) as mcp:
+            out["never"] = await mcp.call_tool("wild__echo", {"text": "unasked"})
+        return out
+
+    out = asyncio.run(scenario())
+    assert "wild__echo" in out["names"] and "tame__read_file" in out["names"]
+    assert "tame__echo" not in out["names"]
+    assert out["wild"].is_error and structured(out["wild"])["reason"] == "untrusted_mcp_server"
+    assert structured(out["wild"])["by"] == "user" and len(asked) == 1
+    assert text(out["read"]) == "read: tame note" and not out["read"].is_error
+    assert out["network"].is_error and "network is off" in text(out["network"]), text(out["network"])
+    assert text(out["never"]) == "echo: unasked" and not out["never"].is_error
+
+
+def test_read_only_mode_shows_only_read_only_tools(daemon: Daemon, ws: Path, client: SandboxClient,
+                                                   tmp_path: Path) -> None:
+    """Permission mode read_only: an untrusted server's tools (unknown effect, whatever it claims)
+    are hidden and refused by name (the daemon alone would allow them: approval never, and its
+    read_only mode hides no external tool), a trusted server's readOnlyHint tool stays."""
+    config = gateway_file(tmp_path, upstream(tmp_path, "wild"), upstream(tmp_path, "tame", "echo", "trusted = true"))
+    (tmp_path / "up-tame" / "note.txt").write_text("tame note")
+
+    async def scenario() -> dict[str, Any]:
+        async with mcp_client(daemon.socket, ws, "--permission-mode", "read_only", "--gateway", str(config)) as mcp:
+            return {"names": tool_names(await mcp.list_tools()),
+                    "hidden": await mcp.call_tool("wild__read_file", {"path": "note.txt"}),
+                    "read": await mcp.call_tool("tame__read_file", {"path": "note.txt"})}
+
+    out = asyncio.run(scenario())
+    gateway_tools = [name for name in out["names"] if "__" in name]
+    assert gateway_tools == ["tame__read_file"], out["names"]
+    assert out["hidden"].is_error and "read_only" in text(out["hidden"])
+    assert text(out["read"]) == "read: tame note"
+    # The control: the daemon itself would have let the hidden call through.
+    session = gateway_session(client, ws)
+    assert [kind for kind, _data in events(client, session.id, "wild__read_file")] == []
+
+
+def test_resources_prompts_and_list_changed_pass_through(daemon: Daemon, ws: Path, client: SandboxClient,
+                                                         tmp_path: Path) -> None:
+    """Resources (URIs rewritten, read routed back to the upstream's own URI) and prompts
+    (UPSTREAM__prompt) pass through, each read and get authorized and audited; an upstream that
+    adds a tool and says so reaches the client as notifications/tools/list_changed."""
+    config = gateway_file(tmp_path, upstream(tmp_path, "live", "list-changes"))
+    changed = asyncio.Event()
+
+    async def messages(message: Any) -> None:
+        if isinstance(message, types.ToolListChangedNotification):
+            changed.set()
+
+    async def scenario() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with mcp_client(daemon.socket, ws, "--approval", "never", "--gateway", str(config),
+                              messages=messages) as mcp:
+            out["resources"] = await mcp.list_resources()
+            out["read"] = await mcp.read_resource("sandboxd-gateway://live/test%3A%2F%2Fnotes")
+            out["prompts"] = await mcp.list_prompts()
+            out["prompt"] = await mcp.get_prompt("live__greet")
+            out["before"] = tool_names(await mcp.list_tools())
+            assert not changed.is_set()
+            out["add"] = await mcp.call_tool("live__add_tool", {"text": "fresh"})
+            await asyncio.wait_for(changed.wait(), 60 * SLOW)
+            out["after"] = tool_names(await mcp.list_tools())
+            out["fresh"] = await mcp.call_tool("live__fresh", {})
+        return out
+
+    out = asyncio.run(scenario())
+    [resource] = out["resources"].resources
+    assert (str(resource.uri), resource.name) == ("sandboxd-gateway://live/test%3A%2F%2Fnotes", "notes")
+    assert resource.description and resource.description.startswith("[live, sandbox: workspace-write")
+    [content] = out["read"].contents
+    assert content.text == "read list-changes" and str(content.uri) == "sandboxd-gateway://live/test%3A%2F%2Fnotes"
+    [prompt] = out["prompts"].prompts
+    assert prompt.name == "live__greet" and prompt.description and prompt.description.endswith("] a greeting")
+    assert out["prompt"].messages[0].content.text == "hello from list-changes"
+    assert "live__fresh" not in out["before"] and "live__fresh" in out["after"]
+    # The added tool exists on the server: the call reached it (its "no tool" error, not ours).
+    assert "no tool fresh" in text(out["fresh"]), text(out["fresh"])
+    session = gateway_session(client, ws)
+    read = events(client, session.id, "live__resources/read")
+    assert [kind for kind, _data in read][-1] == "ToolInvocationCompleted"
+    started = next(data for kind, data in read if kind == "ToolInvocationStarted")
+    assert started["arguments"] == {"arguments": {"uri": "test://notes"}}
+    assert [kind for kind, _data in events(client, session.id, "live__prompts/get")][-1] == "ToolInvocationCompleted"
+
+
+def test_a_bad_gateway_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    cases = {"missing": tmp_path / "nothing.toml",
+             "typo": gateway_file(tmp_path, upstream(tmp_path, "fs"), "trustd = true")}
+    for path in cases.values():
+        done = subprocess.run([SANDBOXD, "mcp", "--socket", str(tmp_path / "no.sock"), "--gateway", str(path)],
+                              capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, cwd="/")
+        assert done.returncode == 2, done
+        assert done.stdout == "" and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.startswith("sandboxd mcp: ") and str(path) in done.stderr
+    assert "trustd" in subprocess.run(
+        [SANDBOXD, "mcp", "--gateway", str(cases["typo"])], capture_output=True, text=True, timeout=60,
+        stdin=subprocess.DEVNULL, cwd="/").stderr
