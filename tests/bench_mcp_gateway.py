@@ -8,6 +8,12 @@ out, one line in: no client library in the measurement):
 - sandboxed: the same server under `sandboxd run` (its stdio through the sandbox, no gateway);
 - gateway:   `upstream__echo` through `sandboxd mcp --gateway` (approval never): the gateway's
   Authorize and ReportToolResult on its own session, the upstream's stdio over its Exec call.
+- exec:      the same server as one Exec call in a daemon session (as the gateway starts an
+  upstream), spoken to in JSON lines over the Exec stream from a sync gRPC client: the daemon's
+  stdio relay without the gateway;
+- policy:    the gateway's two daemon round trips alone (Authorize, then ReportToolResult, as the
+  gateway sends them, from a sync gRPC client on a session of the same daemon): the share of the
+  policy engine and the audit log in the gateway's row.
 The added latency is gateway minus direct (p50 and p90).
 
 Memory: a gateway with 1 upstream, then one with 4 (each in its own session): the gateway
@@ -21,9 +27,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +44,8 @@ from conftest import PY, SANDBOXD  # noqa: E402
 from daemon_helpers import Daemon, daemon_factory, descendants  # noqa: E402
 from mcp_helpers import ENV  # noqa: E402
 from mcp_real_servers import gateway_file  # noqa: E402
+from sandboxd.client import SandboxClient  # noqa: E402
+from sandboxd.v1 import sandboxd_pb2 as pb  # noqa: E402
 
 HOSTILE = str(Path(__file__).with_name("mcp_hostile_server.py"))
 SITE_PACKAGES = str(next((Path(__file__).resolve().parents[1] / ".venv" / "lib").glob("python3*/site-packages")))
@@ -115,6 +125,80 @@ def gateway(daemon: Daemon, base: Path, names: list[str]) -> tuple[RawClient, Pa
     return client, config
 
 
+class ExecClient(RawClient):
+    """The server as one long Exec call in a session of its own, JSON lines over the Exec stream."""
+
+    def __init__(self, daemon: Daemon, workspace: Path) -> None:
+        self.client = SandboxClient(daemon.socket)
+        self.session = self.client.create_session(str(workspace), approval="never")
+        self.requests: queue.Queue[pb.ExecRequest | None] = queue.Queue()
+        self.requests.put(pb.ExecRequest(start=pb.ExecStart(
+            session_id=self.session.id, argv=[PY, HOSTILE], env_overlay={"PYTHONPATH": SITE_PACKAGES},
+            timeout_seconds=0, output_limit_bytes=1 << 62)))
+        self.lines: queue.Queue[bytes] = queue.Queue()
+        self.stream = self.client.stub.Exec(iter(self.requests.get, None))
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.ids = 0
+        self.call("initialize", {"protocolVersion": "2025-11-25", "capabilities": {},
+                                 "clientInfo": {"name": "bench", "version": "0"}})
+        self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+
+    def _read(self) -> None:
+        pending = b""
+        for response in self.stream:
+            if response.HasField("stdout"):
+                pending += response.stdout
+                *whole, pending = pending.split(b"\n")
+                for line in whole:
+                    self.lines.put(line)
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.requests.put(pb.ExecRequest(stdin=(json.dumps(message) + "\n").encode()))
+
+    def call(self, method: str, params: dict[str, Any]) -> dict[str, Any]:  # type: ignore[override]
+        self.ids += 1
+        self.send({"jsonrpc": "2.0", "id": self.ids, "method": method, "params": params})
+        while True:
+            answer: dict[str, Any] = json.loads(self.lines.get(timeout=60))
+            if answer.get("id") == self.ids:
+                return answer
+
+    def close(self) -> None:
+        self.requests.put(pb.ExecRequest(close_stdin=True))
+        self.requests.put(None)
+        self.reader.join(60)
+        self.client.close_session(self.session.id)
+        self.client.close()
+
+
+class PolicyOnly:
+    """Authorize + ReportToolResult of an upstream tool, as the gateway sends them, on a session of its own."""
+
+    def __init__(self, daemon: Daemon, workspace: Path) -> None:
+        self.client = SandboxClient(daemon.socket)
+        self.session = self.client.create_session(str(workspace), approval="never")
+
+    def round_trips(self, calls: int) -> list[float]:
+        times = []
+        for n in range(calls):
+            started = time.perf_counter()
+            answer = self.client.stub.Authorize(pb.AuthorizeRequest(
+                session_id=self.session.id, tool="upstream__echo", effect=pb.EFFECT_READ_ONLY, mcp_server="upstream",
+                server_trusted=True, arguments_json=json.dumps({"text": f"ping {n}"}), risk="low",
+                execution_context_id=f"bench-{n}"))
+            self.client.stub.ReportToolResult(pb.ReportToolResultRequest(
+                session_id=self.session.id, call_id=answer.call_id, ok=True,
+                result_json=json.dumps({"content_bytes": 60, "is_error": False})))
+            times.append(time.perf_counter() - started)
+            assert answer.allowed, answer
+        return times
+
+    def close(self) -> None:
+        self.client.close_session(self.session.id)
+        self.client.close()
+
+
 def latency(daemon: Daemon, base: Path, calls: int, rounds: int = 6) -> dict[str, Any]:
     sandbox_ws = base / "ws-sandboxed"
     sandbox_ws.mkdir()
@@ -122,20 +206,29 @@ def latency(daemon: Daemon, base: Path, calls: int, rounds: int = 6) -> dict[str
     sandboxed = RawClient([SANDBOXD, "run", "--workspace", str(sandbox_ws), "--env", f"PYTHONPATH={SITE_PACKAGES}",
                            "--", PY, HOSTILE], ENV)
     through, _ = gateway(daemon, base, ["upstream"])
-    runs: dict[str, list[float]] = {"direct": [], "sandboxed": [], "gateway": []}
+    for name in ("ws-policy", "ws-exec"):
+        (base / name).mkdir()
+    policy = PolicyOnly(daemon, base / "ws-policy")
+    relay = ExecClient(daemon, base / "ws-exec")
+    runs: dict[str, list[float]] = {"direct": [], "sandboxed": [], "exec": [], "gateway": [], "policy": []}
     try:
         direct.echo("echo", 20)                                          # warm every path first
         sandboxed.echo("echo", 20)
         through.echo("upstream__echo", 20)
+        relay.echo("echo", 20)
+        policy.round_trips(20)
         for _ in range(rounds):
             runs["direct"] += direct.echo("echo", calls // rounds)
             runs["sandboxed"] += sandboxed.echo("echo", calls // rounds)
             runs["gateway"] += through.echo("upstream__echo", calls // rounds)
+            runs["exec"] += relay.echo("echo", calls // rounds)
+            runs["policy"] += policy.round_trips(calls // rounds)
     finally:
-        for client in (direct, sandboxed, through):
+        for client in (direct, sandboxed, through, relay):
             client.close()
+        policy.close()
     report: dict[str, Any] = {name: percentiles(times) for name, times in runs.items()}
-    for name in ("sandboxed", "gateway"):
+    for name in ("sandboxed", "exec", "gateway"):
         report[name]["added_p50_ms"] = round(report[name]["p50_ms"] - report["direct"]["p50_ms"], 3)
         report[name]["added_p90_ms"] = round(report[name]["p90_ms"] - report["direct"]["p90_ms"], 3)
     return report
