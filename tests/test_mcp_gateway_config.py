@@ -21,7 +21,6 @@ GOOD = """
 command = ["npx", "-y", "@modelcontextprotocol/server-filesystem", "/srv/data"]
 sandbox = "read-only"
 workspace = "~/mcp/files"
-writable_roots = ["/var/tmp/out"]
 network = false
 trusted = true
 timeout_seconds = 30
@@ -33,6 +32,7 @@ risk = "medium"
 
 [upstreams.github]
 command = ["github-mcp-server", "stdio"]
+writable_roots = ["~/out", "/var/tmp/./out/"]
 allow_domains = ["api.github.com"]
 credentials = ["GITHUB_TOKEN=https://api.github.com"]
 env = { LOG_LEVEL = "debug" }
@@ -40,6 +40,10 @@ pass_env = ["LANG"]
 
 [upstreams.github.tools.delete_repository]
 effect = "destructive"
+
+[upstreams.remote]
+url = "https://mcp.example.com/mcp"
+credentials = ["MCP_KEY=https://mcp.example.com;x-api-key: {}"]
 """
 
 
@@ -48,10 +52,11 @@ def test_a_good_file(tmp_path: Path) -> None:
     path.write_text(GOOD)
     config = load(str(path))
     assert config.path == str(path)
-    files, github = config.upstreams
+    files, github, remote = config.upstreams
+    assert remote.url == "https://mcp.example.com/mcp" and remote.command == ()
     assert files.name == "files" and files.command[0] == "npx" and files.url == ""
     assert files.sandbox == "read-only" and files.trusted and files.start == "first_use"
-    assert files.workspace == os.path.expanduser("~/mcp/files") and files.writable_roots == ("/var/tmp/out",)
+    assert files.workspace == os.path.expanduser("~/mcp/files") and files.writable_roots == ()
     assert files.timeout_seconds == 30.0 and isinstance(files.timeout_seconds, float)
     assert files.tools == {"write_file": ToolOverride(effect="workspace-write", risk="medium")}
     # What is not given takes the documented defaults.
@@ -59,6 +64,7 @@ def test_a_good_file(tmp_path: Path) -> None:
     assert github.start == "gateway" and github.timeout_seconds == 120.0
     assert github.workspace == default_workspace("github")
     assert github.credentials == ("GITHUB_TOKEN=https://api.github.com",)
+    assert github.writable_roots == (os.path.expanduser("~/out"), "/var/tmp/out")
     assert dict(github.env) == {"LOG_LEVEL": "debug"} and github.pass_env == ("LANG",)
     assert github.tools["delete_repository"] == ToolOverride(effect="destructive", risk=None)
 
@@ -87,6 +93,10 @@ BAD = [
     (BASE + "env = { A = \"x\\u0000y\" }\n", "[upstreams.up] env.A: holds a NUL character"),
     (BASE + "env = { A = 1 }\n", "[upstreams.up] env.A: is an integer: give a string"),
     (BASE + "pass_env = [\"\"]\n", "[upstreams.up] pass_env[0]: is empty"),
+    (BASE + "sandbox = \"read-only\"\nnetwork = true\n", "[upstreams.up] network: a read-only sandbox has no network"),
+    (BASE + "sandbox = \"read-only\"\nwritable_roots = [\"/var/tmp\"]\n", "[upstreams.up] writable_roots: a read-only"),
+    (BASE + "sandbox = \"danger-full-access\"\nallow_domains = [\"example.org\"]\n",
+     "[upstreams.up] allow_domains: is an option of sandbox = \"workspace-write\""),
     (BASE + "timeout_seconds = 0\n", "[upstreams.up] timeout_seconds: is 0: give seconds above 0"),
     (BASE + "timeout_seconds = true\n", "[upstreams.up] timeout_seconds: is a boolean"),
     (BASE + "start = \"later\"\n", "[upstreams.up] start: is 'later': give one of 'gateway', 'first_use'"),
@@ -98,8 +108,8 @@ BAD = [
     ('[upstreams.up]\ncommand = []\n', "[upstreams.up] command: is empty"),
     ('[upstreams.up]\ncommand = "server --stdio"\n', "[upstreams.up] command: is a string: give a list"),
     ('[upstreams.up]\nurl = "ftp://x"\n', "[upstreams.up] url: 'ftp://x' is not an http(s) URL"),
-    ('[upstreams.up]\nurl = "https://mcp.example.com/mcp"\n', "url upstreams are not supported yet: run the server "
-                                                              "with command = [...]"),
+    ('[upstreams.up]\nurl = "https://me:pw@mcp.example.com/mcp"\n', "url: holds a user or password: give the "
+                                                                    "secret as a credential"),
     ('[upstreams.Up]\ncommand = ["a"]\n', "[upstreams.Up]: the upstream's name must be"),
     ('[upstreams.my_server]\ncommand = ["a"]\n', "[upstreams.my_server]: the upstream's name must be"),
     ('[upstreams.' + "a" * 25 + ']\ncommand = ["a"]\n', "the upstream's name must be 1 to 24"),
@@ -181,5 +191,5 @@ def test_generated_files_are_read_or_refused_with_a_message(name: str, fields: d
     [upstream] = config.upstreams
     assert not set(fields) - {"command", "url", "sandbox", "workspace", "writable_roots", "network", "allow_domains",
                               "credentials", "env", "pass_env", "trusted", "timeout_seconds", "start", "tools"}
-    assert upstream.name == name and upstream.command and all(os.path.isabs(root) for root in upstream.writable_roots)
+    assert upstream.name == name and bool(upstream.command) != bool(upstream.url) and all(os.path.isabs(root) for root in upstream.writable_roots)
     assert os.path.isabs(upstream.workspace) and 0 < upstream.timeout_seconds

@@ -8,14 +8,20 @@ The servers are tests/mcp_gateway_servers.py, run by the system interpreter insi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import socket
+import subprocess
+import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import mcp_types as types
 import pytest
+from mcp.client.session import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
 
 from conftest import PY, SLOW
 from daemon_fixtures import daemon, ws  # noqa: F401 - pytest fixtures
@@ -116,6 +122,13 @@ def test_two_upstreams_never_share_a_session(daemon: Daemon, sandboxd_daemon_mod
             assert seen.is_error and "No such file" in text(seen)
             # The control: the first sees its own file through the same tool.
             assert text(await first.call_tool("read_file", {"path": "mine.txt"}, 30)) == "read: one's"
+            # Nor can the first write into the second's workspace (the kernel's wall), where the
+            # second itself writes (the control).
+            intrusion = await first.call_tool("write_file", {"path": str(two / "theirs.txt"), "text": "x"}, 30)
+            assert intrusion.is_error and "Read-only file system" in text(intrusion)
+            assert text(await second.call_tool("write_file", {"path": str(two / "theirs.txt"), "text": "2"}, 30)
+                        ) == "written"
+            assert (two / "theirs.txt").read_text() == "2"
         finally:
             await asyncio.gather(first.close(), second.close())
         assert open_sessions(daemon, "one") == open_sessions(daemon, "two") == []
@@ -213,6 +226,12 @@ def test_a_changed_tool_list_is_listed_again(daemon: Daemon, ws: Path) -> None:
             assert text(await upstream.call_tool("add_tool", {"text": "extra"}, 30)) == "added"
             await eventually(lambda: changes == ["tools"], f"no tools change reported: {changes}")
             assert "extra" in [tool.name for tool in upstream.tools]
+            # 500 notifications at once: folded into a few listings, not 500 (one per interval at most).
+            changes.clear()
+            assert text(await upstream.call_tool("add_tool", {"text": "more", "times": 500}, 30)) == "added"
+            await eventually(lambda: "more" in [tool.name for tool in upstream.tools], "no listing after the flood")
+            await asyncio.sleep(0)
+            assert 1 <= len(changes) < 50 and set(changes) == {"tools"}
         finally:
             await upstream.close()
     run(daemon, scenario)
@@ -279,3 +298,111 @@ def test_the_fleet_starts_the_eager_ones_and_closes_all(daemon: Daemon, sandboxd
         assert open_sessions(daemon, "eager") == open_sessions(daemon, "lazy") == []
         assert {upstream.state for upstream in fleet.upstreams.values()} == {"closed"}
     run(daemon, scenario)
+
+
+HTTP_SERVER = str(Path(__file__).resolve().parent / "mcp_gateway_http_server.py")
+
+
+@contextlib.contextmanager
+def http_mcp_server() -> Iterator[int]:
+    """tests/mcp_gateway_http_server.py on a free loopback port, once it answers."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, HTTP_SERVER, str(port)], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60 * SLOW
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, "the HTTP MCP server did not start"
+            with socket.socket() as attempt:
+                if attempt.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.05)
+        yield port
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_the_http_bridge_carries_mcp_outside_a_sandbox() -> None:
+    """The control for a url upstream: the bridge, run unconfined, reaches the server and carries
+    its tools and calls both ways."""
+    async def scenario(port: int) -> tuple[list[str], str]:
+        params = StdioServerParameters(command=sys.executable, args=[
+            "-m", "sandboxd.mcp.gateway.http_bridge", f"http://localhost:{port}/mcp"], env={"PATH": "/usr/bin:/bin"})
+        async with stdio_client(params, errlog=sys.__stderr__) as (read_stream, write_stream), \
+                ClientSession(read_stream, write_stream) as session:
+            await session.initialize()
+            names = [tool.name for tool in (await session.list_tools()).tools]
+            return names, text(await session.call_tool("echo", {"text": "hi"}))
+    with http_mcp_server() as port:
+        names, answer = asyncio.run(scenario(port))
+    assert names == ["echo"] and answer == "echo over http: hi"
+
+
+def test_a_url_upstream_connects_from_its_sandbox_and_not_to_the_hosts_loopback(daemon: Daemon, ws: Path) -> None:
+    """A url upstream's connection leaves from its own session (its isolated network, the URL's host
+    its only allowed domain), whose loopback is its own: the host's loopback server, which the
+    control above reached through the same bridge, is out of reach."""
+    async def scenario(client: AsyncDaemon, port: int) -> None:
+        config = UpstreamConfig(name="remote", url=f"http://localhost:{port}/mcp", workspace=str(ws))
+        upstream = Upstream(client, config, no_change)
+        try:
+            with pytest.raises(UpstreamError) as refused:
+                await upstream.ensure_started()
+            assert upstream.session is not None
+            policy = upstream.session.sandbox_policy
+            assert policy.network_mode == "isolated" and list(policy.allowed_domains) == ["localhost"]
+            assert "remote stopped: it exited with status 1" in str(refused.value)
+            assert f"http_bridge: http://localhost:{port}/mcp: ConnectError" in str(refused.value)
+        finally:
+            await upstream.close()
+    with http_mcp_server() as port:
+        run(daemon, lambda client: scenario(client, port))
+
+
+def test_the_servers_environment_is_its_table_and_its_credential_a_phantom(daemon: Daemon, ws: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEWAY_TEST_TOKEN", "the-real-secret-value")
+    monkeypatch.setenv("GATEWAY_TEST_PASSED", "passed on")
+    monkeypatch.setenv("GATEWAY_TEST_KEPT", "not for the server")
+    config = upstream_config("envs", ws, "env", credentials=("GATEWAY_TEST_TOKEN=https://api.example.com",),
+                             env={"PLAIN": "from the table"}, pass_env=("GATEWAY_TEST_PASSED", "GATEWAY_TEST_UNSET"))
+
+    async def scenario(client: AsyncDaemon) -> dict[str, str]:
+        upstream = Upstream(client, config, no_change)
+        try:
+            await upstream.ensure_started()
+            assert upstream.session is not None
+            [state] = upstream.session.credential_states
+            assert state.name == "GATEWAY_TEST_TOKEN" and state.usable
+            return {name: text(await upstream.call_tool("getenv", {"text": name}, 30))
+                    for name in ("PLAIN", "GATEWAY_TEST_PASSED", "GATEWAY_TEST_UNSET", "GATEWAY_TEST_KEPT",
+                                 "GATEWAY_TEST_TOKEN")}
+        finally:
+            await upstream.close()
+    seen = run(daemon, scenario)
+    assert seen["PLAIN"] == "from the table" and seen["GATEWAY_TEST_PASSED"] == "passed on"
+    assert seen["GATEWAY_TEST_UNSET"] == "unset" and seen["GATEWAY_TEST_KEPT"] == "unset"
+    # Inside, the credential's variable holds a phantom, never the secret.
+    assert seen["GATEWAY_TEST_TOKEN"] not in ("unset", "the-real-secret-value")
+
+
+
+def test_a_url_upstream_in_a_full_access_session_is_served(daemon: Daemon, ws: Path) -> None:
+    """The control inside the daemon: the same bridge in a danger-full-access session (the host's
+    network as it is) reaches the server on the host's loopback and carries listings and calls."""
+    async def scenario(client: AsyncDaemon, port: int) -> None:
+        config = UpstreamConfig(name="remote", url=f"http://localhost:{port}/mcp", workspace=str(ws),
+                                sandbox="danger-full-access")
+        upstream = Upstream(client, config, no_change)
+        try:
+            await upstream.ensure_started()
+            assert [tool.name for tool in upstream.tools] == ["echo"]
+            assert text(await upstream.call_tool("echo", {"text": "x"}, 30)) == "echo over http: x"
+            assert upstream.session is not None and upstream.session.labels["upstream"] == "remote"
+        finally:
+            await upstream.close()
+    with http_mcp_server() as port:
+        run(daemon, lambda client: scenario(client, port))

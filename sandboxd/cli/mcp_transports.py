@@ -23,18 +23,15 @@ from typing import Any
 
 import anyio
 
-from mcp.server.lowlevel import NotificationOptions
 from mcp.server.runner import serve_loop
 from mcp.server.stdio import stdio_server
 
 from sandboxd.mcp.daemon import Daemon, SessionSpec
 from sandboxd.mcp.gateway.router import Gateway, GatewaySetup
-from sandboxd.mcp.handlers import App, build_server
+from sandboxd.mcp.handlers import NOTIFY, App, build_server
 from sandboxd.printable import printable
 from sandboxd.v1 import sandboxd_pb2 as pb
 
-# The resources' and prompts' flags declare listChanged only where their handlers are (a gateway).
-_NOTIFY = NotificationOptions(tools_changed=True, resources_changed=True, prompts_changed=True)
 # uvicorn's own log set-up would print its lines raw, beside ours: without it they reach the
 # printable handler `sandboxd mcp` puts on the root logger (cli.mcp.log_printable).
 PRINTABLE_LOGS = None
@@ -134,7 +131,7 @@ async def serve_stdio(socket_path: str, spec: SessionSpec, ctl: str, gateway: Ga
                         # The handshake era (initialize): the one every MCP client speaks today, and the one
                         # in which a server may ask the client (elicitation) and notify it (list_changed).
                         await serve_loop(server, read_stream, write_stream, lifespan_state=app,
-                                         init_options=server.create_initialization_options(_NOTIFY))
+                                         init_options=server.create_initialization_options(NOTIFY))
                     group.cancel_scope.cancel()
         finally:
             unused = app.take_first()        # a client that left before its first request

@@ -16,7 +16,8 @@ from typing import Any
 import anyio
 import grpc
 import mcp_types as types
-from mcp.server.lowlevel import Server
+from mcp.server.lowlevel import NotificationOptions, Server
+from mcp.server.models import InitializationOptions
 from mcp.shared.exceptions import MCPError
 from mcp_types import INTERNAL_ERROR
 
@@ -41,6 +42,9 @@ if TYPE_CHECKING:
 # A command's output returned to the model, stdout and stderr together: past it the command keeps
 # running and its output is counted, not kept (the result says output_truncated).
 OUTPUT_LIMIT = 1 << 20
+# The list_changed notifications the server declares (resources' and prompts' only where their
+# handlers are: a gateway's).
+NOTIFY = NotificationOptions(tools_changed=True, resources_changed=True, prompts_changed=True)
 _STATE_KEY, _LOCK_KEY = "sandboxd.binding", "sandboxd.binding-lock"
 
 
@@ -133,12 +137,23 @@ def build_server(app: App) -> "Server[App]":
     if app.gateway is not None:
         instructions += (" Tools named UPSTREAM__tool are an upstream MCP server's, run in a sandbox of its own; "
                          "their descriptions name the upstream, its sandbox and whether it is trusted.")
-    server: Server[App] = Server("sandboxd", version=_version(), on_list_tools=list_tools, on_call_tool=call_tool,
+    server: Server[App] = _Server("sandboxd", version=_version(), on_list_tools=list_tools, on_call_tool=call_tool,
                                  instructions=instructions, **gateway_handlers(app))
     # The SDK's default middleware is OpenTelemetry's span per message: no exporter here, and its
     # cost lands on every call (tests/bench_mcp.py).
     server.middleware = []
     return server
+
+
+class _Server(Server[App]):
+    """The SDK's server whose defaults declare the list_changed notifications it sends: the HTTP
+    transport's sessions initialize with the defaults (stdio passes NOTIFY itself)."""
+
+    def create_initialization_options(self, notification_options: NotificationOptions | None = None,
+                                      experimental_capabilities: dict[str, dict[str, Any]] | None = None,
+                                      extensions: dict[str, dict[str, Any]] | None = None) -> InitializationOptions:
+        return super().create_initialization_options(notification_options or NOTIFY, experimental_capabilities,
+                                                     extensions)
 
 
 def gateway_handlers(app: App) -> dict[str, Any]:
@@ -148,13 +163,16 @@ def gateway_handlers(app: App) -> dict[str, Any]:
     if gateway is None:
         return {}
 
-    async def list_resources(_ctx: "Ctx", _params: types.PaginatedRequestParams | None) -> types.ListResourcesResult:
+    # Each binds the connection first, as tools/list does: from then on it hears of list changes.
+    async def list_resources(ctx: "Ctx", _params: types.PaginatedRequestParams | None) -> types.ListResourcesResult:
+        await _bound(app, ctx)
         return await gateway.list_resources()
 
     async def read_resource(ctx: "Ctx", params: types.ReadResourceRequestParams) -> types.ReadResourceResult:
         return await gateway.read_resource(ctx, await _bound(app, ctx), str(params.uri))
 
-    async def list_prompts(_ctx: "Ctx", _params: types.PaginatedRequestParams | None) -> types.ListPromptsResult:
+    async def list_prompts(ctx: "Ctx", _params: types.PaginatedRequestParams | None) -> types.ListPromptsResult:
+        await _bound(app, ctx)
         return await gateway.list_prompts()
 
     async def get_prompt(ctx: "Ctx", params: types.GetPromptRequestParams) -> types.GetPromptResult:

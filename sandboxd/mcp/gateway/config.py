@@ -181,7 +181,10 @@ def _url(table: _Table, value: object) -> str:
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise table.error("url", f"{printable(text)!r} is not an http(s) URL: give https://HOST/PATH")
-    raise table.error("url", "url upstreams are not supported yet: run the server with command = [...]")
+    if parts.username or parts.password:
+        raise table.error("url", "holds a user or password: give the secret as a credential instead "
+                                 "(credentials = [\"VAR=https://HOST\"])")
+    return text
 
 
 def _tools(path: str, upstream: str, value: object) -> Mapping[str, ToolOverride]:
@@ -255,6 +258,17 @@ def _upstream(path: str, name: str, value: object, environ: Mapping[str, str]) -
         if clash:
             raise table.error(key, f"{printable(clash[0])} is a credential's variable (it holds the phantom the "
                                    "proxy swaps for the secret): leave it out")
+    if fields.get("sandbox") == "read-only":
+        # The daemon would refuse the session only when the upstream starts: say so now.
+        for key in ("url", "network", "allow_domains", "credentials", "writable_roots"):
+            if fields.get(key):
+                raise table.error(key, "a read-only sandbox has no network and no writable roots: use "
+                                       "sandbox = \"workspace-write\" (or leave the key out)")
+    if fields.get("sandbox") == "danger-full-access":
+        for key in ("allow_domains", "credentials"):
+            if fields.get(key):
+                raise table.error(key, "is an option of sandbox = \"workspace-write\" (danger-full-access is the "
+                                       "host's network as it is, with no proxy to hold a list or a secret)")
     if "tools" in value:
         fields["tools"] = _tools(path, name, value["tools"])
     if "timeout_seconds" in value:

@@ -54,6 +54,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("sandboxd.mcp")
 DESCRIPTION_CHARS = 2000
 SCHEMA_BYTES = 64 << 10
+# What one upstream's tools may add to a tools/list (schemas and descriptions): 1,024 tools of 64
+# KiB schemas would be 64 MiB in every list a client reads. The tools past it are left out.
+LIST_BYTES = 4 << 20
+MAX_REMEMBERED = 4096            # tools left out whose log line was written
+# Calls in flight to one upstream, from every connection: each holds a task and a pending request
+# until its timeout, and a client could start them faster than a slow upstream ends them.
+MAX_IN_FLIGHT = 32
 READ_RESOURCE, GET_PROMPT = "resources/read", "prompts/get"   # no exposed tool name has a "/"
 REPORT_TIMEOUT = 30.0
 _READ = ToolPolicy(Effect.READ_ONLY, Risk.LOW, "default")
@@ -85,13 +92,16 @@ def describe(config: UpstreamConfig, text: str | None) -> str:
     return (prefix + printable(text or ""))[:DESCRIPTION_CHARS]
 
 
-def _small_object(schema: Any) -> bool:
-    if not isinstance(schema, dict):
-        return False
+def _schema_size(schema: Any) -> int | None:
+    """The serialized size of a schema a client will take: a JSON object whose type is "object"
+    (the TypeScript SDK refuses a whole tools/list over one that is not) below SCHEMA_BYTES; else None."""
+    if not isinstance(schema, dict) or schema.get("type") != "object":
+        return None
     try:
-        return len(json.dumps(schema).encode()) < SCHEMA_BYTES
+        size = len(json.dumps(schema).encode())
     except (TypeError, ValueError):
-        return False
+        return None
+    return size if size < SCHEMA_BYTES else None
 
 
 def _error(text: str) -> types.CallToolResult:
@@ -125,6 +135,7 @@ class Gateway:
         self._connections: set["Connection"] = set()
         self._names: dict[tuple[str, str], tuple[tuple[str, ...], naming.Names]] = {}
         self._dropped: set[tuple[str, str]] = set()     # tools left out already said in the log
+        self._in_flight: dict[str, int] = {}             # upstream -> its calls running now
 
     async def start(self) -> None:
         await self.fleet.start()
@@ -185,19 +196,30 @@ class Gateway:
         for upstream in self._ready():
             tools = list(upstream.tools)
             names = self._named(upstream, "tools", [tool.name for tool in tools])
+            budget = LIST_BYTES
             for tool in tools:
                 exposed = names.exposed(tool.name)
                 if exposed is None:
                     continue
-                if not _small_object(tool.input_schema):
-                    if (upstream.name, tool.name) not in self._dropped:
-                        self._dropped.add((upstream.name, tool.name))
-                        log.warning("sandboxd mcp gateway: %s: left out the tool %s: its input schema is not a JSON "
-                                    "object below %d KiB", upstream.name, printable(tool.name), SCHEMA_BYTES >> 10)
+                size = _schema_size(tool.input_schema)
+                if size is not None:
+                    budget -= size + len(tool.description or "")
+                if size is None or budget < 0:
+                    self._left_out(upstream, tool.name, "its input schema is not a JSON object of type \"object\" below "
+                                   f"{SCHEMA_BYTES >> 10} KiB" if size is None else
+                                   f"its tools' schemas and descriptions are over {LIST_BYTES >> 20} MiB together")
                     continue
                 found.append(ExposedTool(exposed, upstream, tool.name, tool,
                                          tool_policy(upstream.config, tool.name, tool.annotations)))
         return found
+
+    def _left_out(self, upstream: Upstream, tool: str, why: str) -> None:
+        """One log line per tool left out (lists are read again and again)."""
+        if (upstream.name, tool) not in self._dropped:
+            if len(self._dropped) >= MAX_REMEMBERED:      # an upstream renaming its tools on every restart
+                self._dropped.clear()
+            self._dropped.add((upstream.name, tool))
+            log.warning("sandboxd mcp gateway: %s: left out the tool %s: %s", upstream.name, printable(tool), why)
 
     async def tools(self, binding: Binding) -> list[types.Tool]:
         """The upstream tools the connection's session shows (binding.session: as fresh as its list)."""
@@ -207,7 +229,7 @@ class Gateway:
             if hidden_because(binding.session, exposed.policy) is not None:
                 continue
             config, tool = exposed.upstream.config, exposed.tool
-            output = tool.output_schema if _small_object(tool.output_schema) else None
+            output = tool.output_schema if _schema_size(tool.output_schema) is not None else None
             shown.append(types.Tool(
                 name=exposed.name, title=printable(tool.title) if tool.title else None,
                 description=describe(config, tool.description), input_schema=tool.input_schema,
@@ -222,6 +244,10 @@ class Gateway:
         """A call of ``name`` (UPSTREAM__tool): refused unless the session shows it, then through
         the policy engine to the upstream."""
         exposed = next((tool for tool in self.exposed_tools() if tool.name == name), None)
+        if exposed is None:
+            # A client that kept the list of an earlier connection may call before it lists.
+            await self._start_first_use()
+            exposed = next((tool for tool in self.exposed_tools() if tool.name == name), None)
         if exposed is None:
             upstream = self.fleet.upstreams.get((naming.split(name) or ("", ""))[0])
             why = (f"the upstream {upstream.name} is {upstream.state}" if upstream is not None and
@@ -256,7 +282,8 @@ class Gateway:
                     continue
                 listed.append(types.Resource(
                     uri=uri, name=printable(resource.name), title=printable(resource.title) if resource.title else None,
-                    description=describe(upstream.config, resource.description), mime_type=resource.mime_type,
+                    description=describe(upstream.config, resource.description),
+                    mime_type=printable(resource.mime_type) if resource.mime_type else None,
                     size=resource.size))
         return types.ListResourcesResult(resources=listed)
 
@@ -295,10 +322,12 @@ class Gateway:
                 exposed = names.exposed(prompt.name)
                 if exposed is None:
                     continue
+                # An argument's name goes back to the upstream as it is, so it cannot be shown
+                # escaped: one that would need escaping is left out (the upstream's, not ours).
                 arguments = [types.PromptArgument(name=argument.name, required=argument.required,
                                                   description=printable(argument.description)
                                                   if argument.description else None)
-                             for argument in prompt.arguments or []]
+                             for argument in prompt.arguments or [] if printable(argument.name) == argument.name]
                 listed.append(types.Prompt(name=exposed, title=printable(prompt.title) if prompt.title else None,
                                            description=describe(upstream.config, prompt.description),
                                            arguments=arguments or None))
@@ -345,6 +374,18 @@ class Gateway:
                               measured: Callable[[T], tuple[int, bool]]) -> T:
         """Authorize ``tool`` (held: asked as a held built-in call is), ``run`` it, report how it
         ended. Raises _Refused (with the tool result to return) when it may not run or failed."""
+        if self._in_flight.get(upstream.name, 0) >= MAX_IN_FLIGHT:
+            raise _Refused(_error(f"{tool}: {upstream.name} has {MAX_IN_FLIGHT} calls running already: wait for one "
+                                  "to end"))
+        self._in_flight[upstream.name] = self._in_flight.get(upstream.name, 0) + 1
+        try:
+            return await self._authorized(ctx, binding, tool, upstream, policy, arguments, run, measured)
+        finally:
+            self._in_flight[upstream.name] -= 1
+
+    async def _authorized(self, ctx: "Ctx", binding: Binding, tool: str, upstream: Upstream, policy: ToolPolicy,
+                          arguments: dict[str, Any], run: Callable[[], Awaitable[T]],
+                          measured: Callable[[T], tuple[int, bool]]) -> T:
         context_id = f"mcp-{secrets.token_hex(6)}"
         held = binding.expect(tool, context_id)
         progress = Progress(ctx)

@@ -12,7 +12,8 @@ front of the person. Its listings are bounded (1,024 tools, resources or prompts
 results too (a tool result over 1 MiB serialized is replaced by an error result saying so), and a
 call that outlives its timeout is cancelled (``notifications/cancelled``) and fails. A server that
 exits fails its pending calls with the exit status and the last lines of its stderr, and is
-started again with back-off (1, 2, 4 ... 60 s); its session is reused while it is open.
+started again with back-off (1, 2, 4 ... 60 s, back to 1 s once it served a minute); its session
+is reused while it is open.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import anyio
 import grpc
@@ -46,6 +50,8 @@ MAX_PAGES = 64                    # pages of one listing: a cursor that never en
 MAX_RESULT_BYTES = 1 << 20        # a CallToolResult, serialized
 START_TIMEOUT_SECONDS = 60.0      # initialize and the first listings
 BACKOFF_SECONDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0)
+STEADY_SECONDS = 60.0             # served this long: its next fault starts the back-off at 1 s again
+RELIST_INTERVAL_SECONDS = 1.0     # at most one listing per interval for list_changed notifications
 OUTPUT_UNLIMITED = 1 << 62        # the server's output is the transport, never cut
 CLIENT_INFO = types.Implementation(name="sandboxd-mcp-gateway", version="1")
 GATEWAY_LABEL = "sandboxd-mcp-gateway"
@@ -61,10 +67,13 @@ def session_spec(config: UpstreamConfig, environ: "os._Environ[str] | dict[str, 
     """The upstream's own session: its policy from its table, approval never, its credentials'
     secrets from the gateway's environment (as `sandboxd mcp --credential` reads them)."""
     network_policy = None
-    if config.allow_domains or config.credentials:
+    domains = list(config.allow_domains)
+    host = urlsplit(config.url).hostname if config.url else None
+    if host and config.sandbox == "workspace-write" and host not in domains:
+        domains.append(host)                    # a url upstream: its bridge reaches the URL's host, nothing more
+    if domains or config.credentials:
         # As cli.network_args.apply_network: an isolated network whose only way out is the proxy.
-        network_policy = pb.SandboxPolicy(network_access=True, network_mode="isolated",
-                                          allowed_domains=list(config.allow_domains),
+        network_policy = pb.SandboxPolicy(network_access=True, network_mode="isolated", allowed_domains=domains,
                                           credentials=list(config.credentials))
     secrets = {}
     for spec in config.credentials:
@@ -76,17 +85,21 @@ def session_spec(config: UpstreamConfig, environ: "os._Environ[str] | dict[str, 
             secrets[name] = pb.CredentialSecret(value=check_secret(name, os.fsencode(environ[name])))
         except InvalidPolicy as exc:
             raise UpstreamError(f"{config.name}: {printable(str(exc))}") from None
-    return SessionSpec(workspace=config.workspace, sandbox=config.sandbox, network=config.network,
+    return SessionSpec(workspace=config.workspace, sandbox=config.sandbox, network=config.network or bool(config.url),
                        writable_roots=config.writable_roots, approval="never",
                        labels={"client": GATEWAY_LABEL, "upstream": config.name}, network_policy=network_policy,
                        credential_secrets=secrets)
 
 
 def exec_start(config: UpstreamConfig, session_id: str, environ: "os._Environ[str] | dict[str, str]") -> pb.ExecStart:
-    """The server's one long call: its command, with its env and the named caller variables only."""
+    """The server's one long call: its command (a url upstream: the HTTP bridge, by this interpreter),
+    with its env and the named caller variables only."""
     overlay = dict(config.env)
     overlay.update({name: environ[name] for name in config.pass_env if name in environ})
-    return pb.ExecStart(session_id=session_id, argv=list(config.command), env_overlay=overlay, timeout_seconds=0,
+    argv = list(config.command) if config.command else [
+        sys.executable, "-m", "sandboxd.mcp.gateway.http_bridge", config.url,
+        *(f"--credential={spec}" for spec in config.credentials)]
+    return pb.ExecStart(session_id=session_id, argv=argv, env_overlay=overlay, timeout_seconds=0,
                         output_limit_bytes=OUTPUT_UNLIMITED)
 
 
@@ -127,6 +140,7 @@ class Upstream:
         self._stop = asyncio.Event()
         self._relist = asyncio.Event()
         self._dirty: set[str] = set()
+        self._ready_at = 0.0
 
     @property
     def state(self) -> str:
@@ -183,7 +197,8 @@ class Upstream:
                 error = f"{self.name} stopped: {self.process.why_ended() if self.process else 'it never started'}"
             self.last_error = error
             self.state = "restarting" if was_ready else "failed"
-            failures = 0 if was_ready else failures
+            if was_ready and time.monotonic() - self._ready_at >= STEADY_SECONDS:
+                failures = 0                 # it served a while: a new fault, not the same crash loop
             delay = BACKOFF_SECONDS[min(failures, len(BACKOFF_SECONDS) - 1)]
             failures += 1
             log.warning("gateway: %s; starting it again in %g s", error, delay)
@@ -231,13 +246,15 @@ class Upstream:
                         await client.initialize()
                         await self._list(client, {"tools", "resources", "prompts"})
                 except TimeoutError:
+                    tail = process.stderr_lines()
                     raise UpstreamError(f"{self.name} did not answer initialize and its listings within "
-                                        f"{START_TIMEOUT_SECONDS:g} s") from None
+                                        f"{START_TIMEOUT_SECONDS:g} s" + (f"; its last stderr: {tail}" if tail else "")
+                                        ) from None
                 except MCPError as exc:
                     raise UpstreamError(self._failure(process, exc)) from None
                 if self._stop.is_set():
                     return
-                self._client, self.state = client, "ready"
+                self._client, self.state, self._ready_at = client, "ready", time.monotonic()
                 self._settle(None)
                 # Started again (or at last): what its lists say now may differ from before.
                 after = self._listings()
@@ -279,6 +296,9 @@ class Upstream:
                 continue
             for kind in sorted(kinds):
                 await self._on_change(kind)
+            # An upstream that sends list_changed without end is listed (and its clients told) at
+            # most once per interval: the notifications between are folded into the next listing.
+            await anyio.sleep(RELIST_INTERVAL_SECONDS)
 
     async def _list(self, client: ClientSession, kinds: set[str]) -> None:
         capabilities = client.server_capabilities or types.ServerCapabilities()
