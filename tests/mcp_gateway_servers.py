@@ -12,6 +12,7 @@ server's working directory, its session's workspace), a resource and a prompt. T
   crash-after   the N-th tools/call (N from argv, default 1) exits with status 3 and a stderr line
   list-changes  ``add_tool`` adds a tool and sends notifications/tools/list_changed (``times`` times)
   env           ``getenv``: the value of the variable ``text`` names (or "unset")
+  many          lists 1,100 more tools, and one whose description is 100 KiB
   asks          ``ask``: sends sampling/createMessage, elicitation/create and roots/list to the
                 client, and answers with what came back
 """
@@ -79,7 +80,11 @@ def main() -> None:
         elif method == "ping":
             send({"id": request_id, "result": {}})
         elif method == "tools/list":
-            send({"id": request_id, "result": {"tools": tool_list()}})
+            tools = tool_list()
+            if MODE == "many":
+                tools += [{"name": "huge", "description": "h" * (100 << 10), "inputSchema": SCHEMA}]
+                tools += [{"name": f"t{index}", "inputSchema": SCHEMA} for index in range(1100)]
+            send({"id": request_id, "result": {"tools": tools}})
         elif method == "resources/list":
             send({"id": request_id, "result": {"resources": [{"uri": "test://notes", "name": "notes"}]}})
         elif method == "resources/read":

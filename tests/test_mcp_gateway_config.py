@@ -89,6 +89,8 @@ BAD = [
     (BASE + "credentials = [\"TOKEN\"]\n", "[upstreams.up] credentials[0]: credential 'TOKEN': give VAR=https://"),
     (BASE + "credentials = [\"T=https://a.example\", \"T=https://b.example\"]\n", "T is named twice"),
     (BASE + "credentials = [\"T=https://a.example\"]\nenv = { T = \"x\" }\n", "[upstreams.up] env: T is a credential"),
+    (BASE + "pass_env = [\"T\"]\n[upstreams.other]\ncommand = [\"b\"]\ncredentials = [\"T=https://a.example\"]\n",
+     "[upstreams.up] pass_env: T is a credential's variable of [upstreams.other]"),
     (BASE + "env = { \"A=B\" = \"x\" }\n", "[upstreams.up] env: the variable name 'A=B' is not usable"),
     (BASE + "env = { A = \"x\\u0000y\" }\n", "[upstreams.up] env.A: holds a NUL character"),
     (BASE + "env = { A = 1 }\n", "[upstreams.up] env.A: is an integer: give a string"),

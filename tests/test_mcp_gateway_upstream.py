@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -27,9 +28,9 @@ from conftest import PY, SLOW
 from daemon_fixtures import daemon, ws  # noqa: F401 - pytest fixtures
 from daemon_helpers import Daemon, DaemonFactory
 from sandboxd.mcp.daemon import Daemon as AsyncDaemon
-from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig
+from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig, default_workspace
 from sandboxd.mcp.gateway.exec_stdio import MAX_MESSAGE_BYTES, STDERR_TAIL_BYTES
-from sandboxd.mcp.gateway.upstream import Fleet, Upstream, UpstreamError
+from sandboxd.mcp.gateway.upstream import MAX_LISTED, Fleet, Upstream, UpstreamError, gateway_variables
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 SERVER = str(Path(__file__).resolve().parent / "mcp_gateway_servers.py")
@@ -371,7 +372,8 @@ def test_the_servers_environment_is_its_table_and_its_credential_a_phantom(daemo
                              env={"PLAIN": "from the table"}, pass_env=("GATEWAY_TEST_PASSED", "GATEWAY_TEST_UNSET"))
 
     async def scenario(client: AsyncDaemon) -> dict[str, str]:
-        upstream = Upstream(client, config, no_change)
+        upstream = Fleet(client, GatewayConfig(path="test", upstreams=(config,)), lambda name, kind: no_change(kind),
+                         variables).upstreams["envs"]
         try:
             await upstream.ensure_started()
             assert upstream.session is not None
@@ -382,6 +384,12 @@ def test_the_servers_environment_is_its_table_and_its_credential_a_phantom(daemo
                                  "GATEWAY_TEST_TOKEN")}
         finally:
             await upstream.close()
+    variables = gateway_variables(GatewayConfig(path="test", upstreams=(config,)))
+    assert variables == {"GATEWAY_TEST_TOKEN": "the-real-secret-value", "GATEWAY_TEST_PASSED": "passed on"}
+    # Read at start: what the environment holds later (the gateway's own --credential flags take
+    # their variables out of it) does not change what the upstream gets.
+    monkeypatch.delenv("GATEWAY_TEST_TOKEN")
+    monkeypatch.setenv("GATEWAY_TEST_PASSED", "changed later")
     seen = run(daemon, scenario)
     assert seen["PLAIN"] == "from the table" and seen["GATEWAY_TEST_PASSED"] == "passed on"
     assert seen["GATEWAY_TEST_UNSET"] == "unset" and seen["GATEWAY_TEST_KEPT"] == "unset"
@@ -406,3 +414,50 @@ def test_a_url_upstream_in_a_full_access_session_is_served(daemon: Daemon, ws: P
             await upstream.close()
     with http_mcp_server() as port:
         run(daemon, lambda client: scenario(client, port))
+
+
+def test_a_listing_is_bounded(daemon: Daemon, ws: Path) -> None:
+    async def scenario(client: AsyncDaemon) -> list[str]:
+        upstream = Upstream(client, upstream_config("many", ws, "many"), no_change)
+        try:
+            await upstream.ensure_started()
+            assert text(await upstream.call_tool("echo", {"text": "still"}, 30)) == "echo: still"
+            return [tool.name for tool in upstream.tools]
+        finally:
+            await upstream.close()
+    names = run(daemon, scenario)
+    # 1,024 kept, in the upstream's order; the 100 KiB tool left out (over 64 KiB), not the rest.
+    assert len(names) == MAX_LISTED and names[:3] == ["echo", "write_file", "read_file"]
+    assert "huge" not in names and names[3] == "t0" and names[-1] == f"t{MAX_LISTED - 4}"
+
+
+def test_the_private_workspace_is_made_and_a_planted_link_refused(daemon: Daemon,
+                                                                   sandboxd_daemon_module: DaemonFactory,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    state = sandboxd_daemon_module.workspace()
+    monkeypatch.setenv("XDG_STATE_HOME", str(state))
+    private = Path(default_workspace("mine"))
+    elsewhere = sandboxd_daemon_module.workspace()
+    private.parent.mkdir(parents=True)
+    private.symlink_to(elsewhere)                  # planted: the upstream would write `elsewhere`
+    config = UpstreamConfig(name="mine", command=(PY, SERVER, "echo"), workspace=str(private))
+
+    async def scenario(client: AsyncDaemon) -> None:
+        upstream = Upstream(client, config, no_change)
+        try:
+            with pytest.raises(UpstreamError, match=r"its private directory .* is not a directory of yours with mode "
+                                                    r"0700 \(a link"):
+                await upstream.ensure_started()
+            assert upstream.session is None and open_sessions(daemon, "mine") == []
+        finally:
+            await upstream.close()
+        # The control: without the link, the directory is made 0700 and the upstream served there.
+        private.unlink()
+        upstream = Upstream(client, config, no_change)
+        try:
+            assert text(await upstream.call_tool("write_file", {"path": "here", "text": "x"}, 30)) == "written"
+        finally:
+            await upstream.close()
+    run(daemon, scenario)
+    assert stat.S_IMODE(private.lstat().st_mode) == 0o700 and (private / "here").read_text() == "x"
+    assert list(elsewhere.iterdir()) == []

@@ -300,8 +300,19 @@ def parse(path: str, text: str, environ: Mapping[str, str] | None = None) -> Gat
                                  "command = [...]")
     if len(upstreams) > MAX_UPSTREAMS:
         raise GatewayConfigError(f"{printable(path)}: {len(upstreams)} upstreams: at most {MAX_UPSTREAMS}")
-    return GatewayConfig(path=path, upstreams=tuple(_upstream(path, name, value, environ)
-                                                    for name, value in upstreams.items()))
+    config = GatewayConfig(path=path, upstreams=tuple(_upstream(path, name, value, environ)
+                                                      for name, value in upstreams.items()))
+    # A credential's variable is a secret of the gateway's environment: no upstream may be handed
+    # it in the clear, also not another upstream than the one that names it.
+    secrets = {spec.partition("=")[0]: upstream.name for upstream in config.upstreams for spec in upstream.credentials}
+    for upstream in config.upstreams:
+        for key, names in (("env", upstream.env), ("pass_env", upstream.pass_env)):
+            for variable in names:
+                if variable in secrets:
+                    raise _Table(path, f"upstreams.{upstream.name}").error(
+                        key, f"{printable(variable)} is a credential's variable of [upstreams.{secrets[variable]}] (a "
+                             "secret of the gateway's environment): leave it out")
+    return config
 
 
 def load(path: str) -> GatewayConfig:

@@ -8,9 +8,10 @@ an `mcp.client.session.ClientSession` talks to it. Upstreams never share a sessi
 
 The upstream is not trusted. Its own requests to us (sampling, elicitation, roots) are refused:
 the client session declares none of those capabilities, so an upstream can never put a prompt in
-front of the person. Its listings are bounded (1,024 tools, resources or prompts; pages too), its
-results too (a tool result over 1 MiB serialized is replaced by an error result saying so), and a
-call that outlives its timeout is cancelled (``notifications/cancelled``) and fails. A server that
+front of the person. Its listings are bounded (1,024 tools, resources or prompts, 64 KiB each and
+4 MiB in all, 64 pages), its results too (a tool result over 1 MiB serialized is replaced by an
+error result saying so), and a call that outlives its timeout is cancelled
+(``notifications/cancelled``) and fails. A server that
 exits fails its pending calls with the exit status and the last lines of its stderr, and is
 started again with back-off (1, 2, 4 ... 60 s, back to 1 s once it served a minute); its session
 is reused while it is open.
@@ -22,9 +23,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import stat
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -37,7 +39,7 @@ from mcp.shared.exceptions import MCPError
 
 from sandboxd.errors import InvalidPolicy
 from sandboxd.mcp.daemon import Daemon, SessionSpec
-from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig
+from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig, default_workspace
 from sandboxd.mcp.gateway.exec_stdio import ServerProcess, exec_stdio_client
 from sandboxd.policy.network import check_secret
 from sandboxd.printable import printable
@@ -47,6 +49,8 @@ log = logging.getLogger(__name__)
 
 MAX_LISTED = 1024                 # tools (and resources, prompts) kept of one upstream's listing
 MAX_PAGES = 64                    # pages of one listing: a cursor that never ends stops here
+MAX_ITEM_BYTES = 64 << 10         # one tool (resource, prompt) as listed, serialized: a bigger one is left out
+MAX_LISTING_BYTES = 4 << 20       # what one upstream's listing of one kind keeps in all
 MAX_RESULT_BYTES = 1 << 20        # a CallToolResult, serialized
 START_TIMEOUT_SECONDS = 60.0      # initialize and the first listings
 BACKOFF_SECONDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0)
@@ -63,7 +67,7 @@ class UpstreamError(Exception):
     """What went wrong with an upstream, for the model: printable, says what happened."""
 
 
-def session_spec(config: UpstreamConfig, environ: "os._Environ[str] | dict[str, str]") -> SessionSpec:
+def session_spec(config: UpstreamConfig, environ: Mapping[str, str]) -> SessionSpec:
     """The upstream's own session: its policy from its table, approval never, its credentials'
     secrets from the gateway's environment (as `sandboxd mcp --credential` reads them)."""
     network_policy = None
@@ -91,7 +95,38 @@ def session_spec(config: UpstreamConfig, environ: "os._Environ[str] | dict[str, 
                        credential_secrets=secrets)
 
 
-def exec_start(config: UpstreamConfig, session_id: str, environ: "os._Environ[str] | dict[str, str]") -> pb.ExecStart:
+def variables_of(config: UpstreamConfig, environ: Mapping[str, str]) -> dict[str, str]:
+    """What an upstream takes from the gateway's environment: its credentials' secrets and its
+    pass_env variables (those set)."""
+    names = [spec.partition("=")[0] for spec in config.credentials] + list(config.pass_env)
+    return {name: environ[name] for name in names if name in environ}
+
+
+def gateway_variables(config: GatewayConfig, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What all the upstreams of a gateway file take from the environment, for Fleet(environ=):
+    read at start, before anything takes secrets out of the environment."""
+    environ = os.environ if environ is None else environ
+    return {name: value for upstream in config.upstreams for name, value in variables_of(upstream, environ).items()}
+
+
+def private_directory(name: str, path: str) -> None:
+    """An upstream's default workspace, ``.../sandboxd/gateway/NAME``: made 0700, and used only if
+    it and the two directories above it that are ours are real directories of this user, not
+    links (another program of the user, an agent with the home as its workspace, could plant a
+    link there to hand the upstream a workspace of its choosing)."""
+    gateway = os.path.dirname(path)
+    for directory in (os.path.dirname(gateway), gateway, path):
+        with contextlib.suppress(FileExistsError):
+            os.makedirs(directory, mode=0o700)
+        info = os.lstat(directory)
+        if (not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid()
+                or (directory == path and stat.S_IMODE(info.st_mode) & 0o077)):
+            raise UpstreamError(f"{name}: its private directory {printable(directory)} is not a directory of yours"
+                                f"{' with mode 0700' if directory == path else ''} (a link? another owner's?): "
+                                "remove it, or give the upstream a workspace")
+
+
+def exec_start(config: UpstreamConfig, session_id: str, environ: Mapping[str, str]) -> pb.ExecStart:
     """The server's one long call: its command (a url upstream: the HTTP bridge, by this interpreter),
     with its env and the named caller variables only."""
     overlay = dict(config.env)
@@ -119,7 +154,8 @@ def _leaf(error: BaseException) -> BaseException:
 class Upstream:
     """One upstream server: its session, its server process, its MCP client session."""
 
-    def __init__(self, daemon: Daemon, config: UpstreamConfig, on_change: Callable[[str], Awaitable[None]]) -> None:
+    def __init__(self, daemon: Daemon, config: UpstreamConfig, on_change: Callable[[str], Awaitable[None]],
+                 environ: Mapping[str, str] | None = None) -> None:
         self.name = config.name
         self.config = config
         self.session: pb.Session | None = None
@@ -141,6 +177,10 @@ class Upstream:
         self._relist = asyncio.Event()
         self._dirty: set[str] = set()
         self._ready_at = 0.0
+        # The variables it takes from the gateway's environment, read once (a restart finds the
+        # same values); ``environ``: as read earlier (variables_of), before the gateway's own
+        # --credential flags took theirs out of the environment.
+        self._environ = variables_of(config, os.environ if environ is None else environ)
 
     @property
     def state(self) -> str:
@@ -221,9 +261,9 @@ class Upstream:
                     return session
             except grpc.aio.AioRpcError:
                 pass
-        spec = session_spec(self.config, os.environ)
-        if not os.path.exists(self.config.workspace):
-            os.makedirs(self.config.workspace, mode=0o700, exist_ok=True)
+        spec = session_spec(self.config, self._environ)
+        if self.config.workspace == default_workspace(self.name):
+            private_directory(self.name, self.config.workspace)
         try:
             opened, self._owns_session = await self._daemon.open(spec)
         except grpc.aio.AioRpcError as error:
@@ -236,7 +276,7 @@ class Upstream:
         """One run of the server: start it, initialize, list, then follow it until it ends."""
         session = await self._open_session()
         self.process = process = ServerProcess()
-        start = exec_start(self.config, session.id, os.environ)
+        start = exec_start(self.config, session.id, self._environ)
         async with exec_stdio_client(self._daemon.stub, start, process) as (read_stream, write_stream):
             async with ClientSession(read_stream, write_stream, message_handler=self._on_message,
                                      client_info=CLIENT_INFO) as client:
@@ -310,18 +350,28 @@ class Upstream:
             self.prompts = await self._pages(client.list_prompts, "prompts")
 
     async def _pages(self, list_page: Callable[..., Awaitable[Any]], field: str) -> list[Any]:
+        """One listing, read page by page: at most MAX_LISTED items and MAX_LISTING_BYTES kept, an
+        item over MAX_ITEM_BYTES (serialized) left out, each cut logged once per listing."""
         items: list[Any] = []
-        cursor = None
+        kept_bytes, left_out, cursor = 0, 0, None
         for _ in range(MAX_PAGES):
             page = await list_page(params=types.PaginatedRequestParams(cursor=cursor) if cursor else None)
-            items.extend(getattr(page, field))
+            for item in getattr(page, field):
+                size = len(item.model_dump_json(by_alias=True, exclude_none=True))
+                if size > MAX_ITEM_BYTES or kept_bytes + size > MAX_LISTING_BYTES or len(items) >= MAX_LISTED:
+                    left_out += 1
+                    continue
+                items.append(item)
+                kept_bytes += size
             cursor = page.next_cursor
-            if len(items) >= MAX_LISTED or not cursor:
+            if not cursor or len(items) >= MAX_LISTED or kept_bytes >= MAX_LISTING_BYTES:
                 break
-        if len(items) > MAX_LISTED or cursor:
-            log.warning("gateway: %s lists more than %d %s (or pages without end): the first %d are kept",
-                        printable(self.name), MAX_LISTED, field, min(len(items), MAX_LISTED))
-        return items[:MAX_LISTED]
+        if left_out or cursor:
+            log.warning("gateway: %s lists more %s than the gateway keeps (at most %d, %d MiB in all, %d KiB each, "
+                        "%d pages): %d kept, %d left out%s", printable(self.name), field, MAX_LISTED,
+                        MAX_LISTING_BYTES >> 20, MAX_ITEM_BYTES >> 10, MAX_PAGES, len(items), left_out,
+                        ", more pages not read" if cursor else "")
+        return items
 
     # -- calls --------------------------------------------------------------------------------------
 
@@ -389,11 +439,14 @@ class Upstream:
 class Fleet:
     """Every upstream of one gateway process, shared by its MCP connections."""
 
-    def __init__(self, daemon: Daemon, config: GatewayConfig, on_change: Callable[[str, str], Awaitable[None]]) -> None:
+    def __init__(self, daemon: Daemon, config: GatewayConfig, on_change: Callable[[str, str], Awaitable[None]],
+                 environ: Mapping[str, str] | None = None) -> None:
+        """``environ``: the variables the upstreams take (gateway_variables), when read earlier
+        than now; else this process's environment now."""
         self.config = config
         self._on_change = on_change
         self.upstreams: dict[str, Upstream] = {
-            upstream.name: Upstream(daemon, upstream, self._changed_callback(upstream.name))
+            upstream.name: Upstream(daemon, upstream, self._changed_callback(upstream.name), environ)
             for upstream in config.upstreams}
 
     def _changed_callback(self, name: str) -> Callable[[str], Awaitable[None]]:
