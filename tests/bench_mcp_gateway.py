@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import statistics
 import subprocess
 import sys
 import threading
@@ -40,6 +39,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_mcp import percentiles  # noqa: E402
 from conftest import PY, SANDBOXD  # noqa: E402
 from daemon_helpers import Daemon, daemon_factory, descendants  # noqa: E402
 from mcp_helpers import ENV  # noqa: E402
@@ -50,12 +50,6 @@ from sandboxd.v1 import sandboxd_pb2 as pb  # noqa: E402
 HOSTILE = str(Path(__file__).with_name("mcp_hostile_server.py"))
 SITE_PACKAGES = str(next((Path(__file__).resolve().parents[1] / ".venv" / "lib").glob("python3*/site-packages")))
 SERVER_ENV = {**ENV, "PYTHONPATH": SITE_PACKAGES}
-
-
-def percentiles(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-    return {"p50_ms": round(statistics.median(ordered) * 1000, 3),
-            "p90_ms": round(ordered[int(len(ordered) * 0.9) - 1] * 1000, 3), "calls": len(ordered)}
 
 
 class RawClient:
