@@ -32,7 +32,7 @@ from sandboxd.client import SandboxClient
 from sandboxd.mcp.gateway import authorize, naming
 from sandboxd.mcp.gateway.config import GatewayConfig, ToolOverride, UpstreamConfig
 from sandboxd.mcp.gateway.effects import ToolPolicy, hidden_because, tool_policy
-from sandboxd.mcp.gateway.router import Gateway, describe
+from sandboxd.mcp.gateway.router import Gateway, describe, sandbox_text
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 EXPOSED = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -119,25 +119,19 @@ def test_the_effect_comes_from_the_file_then_a_trusted_servers_hints_then_unknow
     assert tool_policy(trusted, "read", READ_HINT) == ToolPolicy("destructive", "low", "override")  # the file wins
 
 
-def _session(mode: "pb.SandboxPolicy.Mode.ValueType" = pb.SandboxPolicy.WORKSPACE_WRITE, *, network: bool = False,
-             permission_mode: str = "") -> pb.Session:
-    return pb.Session(sandbox_policy=pb.SandboxPolicy(mode=mode, network_access=network),
-                      permission_mode=permission_mode)
-
-
-@pytest.mark.parametrize(("session", "shown"), [
-    (_session(), {"read-only", "workspace-write", "unknown-command"}),
-    (_session(network=True), {"read-only", "workspace-write", "unknown-command", "network"}),
-    (_session(pb.SandboxPolicy.READ_ONLY), {"read-only", "unknown-command"}),
-    (_session(pb.SandboxPolicy.READ_ONLY, permission_mode="read_only"), {"read-only"}),
-    (_session(pb.SandboxPolicy.DANGER_FULL_ACCESS), {"read-only", "workspace-write", "unknown-command", "network",
-                                                      "destructive"}),
+@pytest.mark.parametrize(("mode", "shown"), [
+    ("", {"read-only", "workspace-write", "network", "destructive", "unknown-command"}),
+    ("auto", {"read-only", "workspace-write", "network", "destructive", "unknown-command"}),
+    ("read_only", {"read-only"}),
 ])
-def test_a_session_shows_the_effects_it_could_allow(session: pb.Session, shown: set[str]) -> None:
+def test_only_permission_mode_read_only_hides_tools(mode: str, shown: set[str]) -> None:
+    """The sandbox hides nothing: the call's effect is judged against the upstream's own sandbox
+    (runs_in_session_id), and one it rules out gets a typed denial; read_only hides all but reads."""
+    session = pb.Session(sandbox_policy=pb.SandboxPolicy(mode=pb.SandboxPolicy.READ_ONLY), permission_mode=mode)
     effects = ("read-only", "workspace-write", "network", "destructive", "unknown-command")
     visible = {effect for effect in effects if hidden_because(session, ToolPolicy(effect, "high", "x")) is None}
     assert visible == shown
-    if session.permission_mode:
+    if mode == "read_only":
         assert "read_only" in (hidden_because(session, ToolPolicy("unknown-command", "high", "x")) or "")
 
 
@@ -277,13 +271,17 @@ def test_what_the_engine_says_is_what_the_client_sees(daemon: Daemon, ws: Path, 
                                                       tmp_path: Path) -> None:
     """on-request: an untrusted server's call is asked (untrusted_mcp_server) and the denial is
     typed; a trusted one's read-only tool runs unasked; a tool whose effect the gateway's sandbox
-    rules out (network, without --network) is not listed and is refused by name. Then approval
-    never: the same untrusted call runs unasked (never asks; the sandbox allows an unknown effect).
+    rules out (a network effect of an upstream without network) is listed and gets the typed
+    denial. Then approval never: the same untrusted call runs unasked (never asks; the sandbox
+    allows an unknown effect), and a network upstream's network tool runs though the gateway's own
+    session has no network (the effect is judged by the sandbox it runs in).
     The trusted one starts on first use: not before the client's first list."""
     config = gateway_file(
         tmp_path, upstream(tmp_path, "wild"),
         upstream(tmp_path, "tame", "echo", "trusted = true", 'start = "first_use"', "[upstreams.tame.tools.read_file]",
-                 'effect = "read-only"', "[upstreams.tame.tools.echo]", 'effect = "network"'))
+                 'effect = "read-only"', "[upstreams.tame.tools.echo]", 'effect = "network"'),
+        upstream(tmp_path, "net", "echo", "trusted = true", "network = true", "[upstreams.net.tools.echo]",
+                 'effect = "network"'))
 
     def tame_sessions() -> int:
         listed = client.stub.ListSessions(pb.ListSessionsRequest()).sessions
@@ -303,17 +301,22 @@ def test_what_the_engine_says_is_what_the_client_sees(daemon: Daemon, ws: Path, 
             out["network"] = await mcp.call_tool("tame__echo", {"text": "x"})
         async with mcp_client(daemon.socket, ws, "--approval", "never", "--gateway", str(config)) as mcp:
             out["never"] = await mcp.call_tool("wild__echo", {"text": "unasked"})
+            out["net"] = await mcp.call_tool("net__echo", {"text": "out there"})
         return out
 
     out = asyncio.run(scenario())
     assert (out["before"], out["after"]) == (0, 1)
-    assert "wild__echo" in out["names"] and "tame__read_file" in out["names"]
-    assert "tame__echo" not in out["names"]
+    assert {"wild__echo", "tame__read_file", "tame__echo", "net__echo"} <= set(out["names"])
     assert out["wild"].is_error and structured(out["wild"])["reason"] == "untrusted_mcp_server"
     assert structured(out["wild"])["by"] == "user" and len(asked) == 1
     assert text(out["read"]) == "read: tame note" and not out["read"].is_error
-    assert out["network"].is_error and "network is off" in text(out["network"]), text(out["network"])
+    # A network effect is judged by the upstream's own sandbox: tame has no network (a typed
+    # denial, not asked), net has (allowed under never, though the gateway's session has none).
+    network = structured(out["network"])
+    assert out["network"].is_error and (network["reason"], network["by"]) == ("sandbox_rejected", "sandbox")
+    assert "network is off" in text(out["network"]), text(out["network"])
     assert text(out["never"]) == "echo: unasked" and not out["never"].is_error
+    assert text(out["net"]) == "echo: out there" and not out["net"].is_error
 
 
 def test_read_only_mode_shows_only_read_only_tools(daemon: Daemon, ws: Path, client: SandboxClient,
@@ -326,18 +329,22 @@ def test_read_only_mode_shows_only_read_only_tools(daemon: Daemon, ws: Path, cli
 
     async def scenario() -> dict[str, Any]:
         async with mcp_client(daemon.socket, ws, "--permission-mode", "read_only", "--gateway", str(config)) as mcp:
-            return {"names": tool_names(await mcp.list_tools()),
-                    "hidden": await mcp.call_tool("wild__read_file", {"path": "note.txt"}),
-                    "read": await mcp.call_tool("tame__read_file", {"path": "note.txt"})}
+            out = {"names": tool_names(await mcp.list_tools()),
+                   "hidden": await mcp.call_tool("wild__read_file", {"path": "note.txt"}),
+                   "read": await mcp.call_tool("tame__read_file", {"path": "note.txt"})}
+            session = gateway_session(client, ws)
+            assert [kind for kind, _data in events(client, session.id, "wild__read_file")] == []   # never asked
+            # The control: the daemon alone would let the same call through in this session.
+            out["daemon"] = client.stub.Authorize(pb.AuthorizeRequest(
+                session_id=session.id, tool="wild__read_file", effect=pb.EFFECT_UNKNOWN_COMMAND, mcp_server="wild"))
+            return out
 
     out = asyncio.run(scenario())
     gateway_tools = [name for name in out["names"] if "__" in name]
     assert gateway_tools == ["tame__read_file"], out["names"]
     assert out["hidden"].is_error and "read_only" in text(out["hidden"])
     assert text(out["read"]) == "read: tame note"
-    # The control: the daemon itself would have let the hidden call through.
-    session = gateway_session(client, ws)
-    assert [kind for kind, _data in events(client, session.id, "wild__read_file")] == []
+    assert out["daemon"].allowed
 
 
 def test_resources_prompts_and_list_changed_pass_through(daemon: Daemon, ws: Path, client: SandboxClient,
@@ -452,6 +459,13 @@ def test_a_tool_a_client_could_not_take_is_left_out() -> None:
                       fleet=lambda *_args: SimpleNamespace(upstreams={"up": fake}))
     names = [exposed.name for exposed in gateway.exposed_tools()]
     assert names[0] == "up__good" and not {"up__string", "up__list", "up__big", "up__untyped"} & set(names)
+    # What a client shows of a schema is escaped; what goes back to the upstream is not.
+    listed[0].input_schema = {"type": "object", "title": "\x1b[31mT" * 100, "properties": {"description": {
+        "type": "string", "description": "line\nbreak", "enum": ["a\x1b"]}}}
+    [shown, *_rest] = asyncio.run(gateway.tools(SimpleNamespace(session=pb.Session())))  # type: ignore[arg-type]
+    assert shown.input_schema["title"].startswith("\\x1b[31mT") and len(shown.input_schema["title"]) == 200
+    assert shown.input_schema["properties"]["description"] == {"type": "string", "description": "line\\nbreak",
+                                                               "enum": ["a\x1b"]}
     assert 60 < len(names) - 1 < 70                         # 4 MiB of 60 KiB schemas: the first 68 or so
     assert names[1:] == [f"up__many{index}" for index in range(len(names) - 1)]
 
@@ -481,6 +495,15 @@ def test_calls_in_flight_to_one_upstream_are_bounded(daemon: Daemon, ws: Path, c
     assert out["over"].is_error and "calls running already" in text(out["over"])
     assert all(result.is_error and "timed out" in text(result) for result in out["ended"])
     assert text(out["after"]) == "echo: again"
+
+
+def test_the_sandbox_text_names_the_only_hosts_an_upstream_reaches() -> None:
+    def network(**fields: Any) -> str:
+        return sandbox_text(UpstreamConfig(name="x", command=("x",), **fields)).split(", ", 1)[1]
+    assert network() == "network off" and network(network=True) == "network on"
+    assert network(credentials=("GH=https://api.github.com",)) == "network: only api.github.com"
+    assert "only pypi.org" in describe(UpstreamConfig(name="x", command=("x",), network=True,
+                                                      allow_domains=("pypi.org",)), "")
 
 
 def test_a_description_is_ours_first_then_the_upstreams_escaped_and_cut() -> None:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import pwd
 import socket
 import stat
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,11 +28,12 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 
 from conftest import PY, SLOW
 from daemon_fixtures import daemon, ws  # noqa: F401 - pytest fixtures
-from daemon_helpers import Daemon, DaemonFactory
+from daemon_helpers import Daemon, DaemonFactory, close_quietly, run_exec
 from sandboxd.mcp.daemon import Daemon as AsyncDaemon
 from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig, default_workspace
 from sandboxd.mcp.gateway.exec_stdio import MAX_MESSAGE_BYTES, STDERR_TAIL_BYTES
-from sandboxd.mcp.gateway.upstream import MAX_LISTED, Fleet, Upstream, UpstreamError, gateway_variables
+from sandboxd.mcp.gateway.upstream import (MAX_LISTED, Fleet, Upstream, UpstreamError, exec_start,
+                                           gateway_variables)
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 SERVER = str(Path(__file__).resolve().parent / "mcp_gateway_servers.py")
@@ -461,3 +464,45 @@ def test_the_private_workspace_is_made_and_a_planted_link_refused(daemon: Daemon
     run(daemon, scenario)
     assert stat.S_IMODE(private.lstat().st_mode) == 0o700 and (private / "here").read_text() == "x"
     assert list(elsewhere.iterdir()) == []
+
+
+def test_an_upstream_cannot_read_its_users_home(daemon: Daemon, ws: Path) -> None:
+    """The upstream's session covers its owner's home (hide_home): the test server's read_file of a
+    key there fails; the control, a session of the same user without it, reads the key."""
+    secret_dir = Path(pwd.getpwuid(os.getuid()).pw_dir) / f".sbxd-gateway-test-{uuid.uuid4().hex[:8]}"
+    secret_dir.mkdir(mode=0o700)
+    key = secret_dir / "id_rsa"
+    key.write_text("sbxt-gateway-home-secret\n")
+    try:
+        control = daemon.stub.CreateSession(pb.CreateSessionRequest(
+            workspace=str(ws), sandbox_policy=pb.SandboxPolicy(mode=pb.SandboxPolicy.WORKSPACE_WRITE),
+            approval_policy=pb.NEVER))
+        try:
+            outcome = run_exec(daemon.stub, control.id, ["cat", str(key)])
+            assert outcome.stdout == b"sbxt-gateway-home-secret\n", outcome.describe()
+        finally:
+            close_quietly(daemon.stub, control.id)
+
+        async def scenario(client: AsyncDaemon) -> types.CallToolResult:
+            upstream = Upstream(client, upstream_config("homes", ws), no_change)
+            try:
+                await upstream.ensure_started()
+                assert upstream.session is not None and upstream.session.sandbox_policy.hide_home
+                return await upstream.call_tool("read_file", {"path": str(key)}, 30)
+            finally:
+                await upstream.close()
+        seen = run(daemon, scenario)
+        assert seen.is_error and "sbxt-gateway-home-secret" not in text(seen), text(seen)
+    finally:
+        key.unlink()
+        secret_dir.rmdir()
+
+
+def test_a_url_upstreams_bridge_must_be_outside_the_hidden_home(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = UpstreamConfig(name="remote", url="https://mcp.example.com/mcp", workspace="/srv/ws")
+    start = exec_start(config, "session", {})
+    assert start.argv[:4] == [sys.executable, "-m", "sandboxd.mcp.gateway.http_bridge", config.url]
+    assert os.path.realpath(sys.executable) != os.path.expanduser("~/.venv/bin/python")
+    monkeypatch.setattr(sys, "executable", os.path.expanduser("~/.venv/bin/python"))
+    with pytest.raises(UpstreamError, match="inside your home, which the upstream's session hides"):
+        exec_start(config, "session", {})

@@ -115,7 +115,6 @@ def log_printable() -> None:
 def _gateway_setup(path: str) -> "GatewaySetup":
     """The gateway file read and checked (GatewayConfigError, a ValueError: exit 2 with its line),
     and its secrets' values for the audit's redaction."""
-    from sandboxd.mcp.gateway.authorize import Redactor
     from sandboxd.mcp.gateway.config import load
     from sandboxd.mcp.gateway.router import GatewaySetup
 
@@ -123,7 +122,7 @@ def _gateway_setup(path: str) -> "GatewaySetup":
         config = load(os.path.abspath(path))
     except OSError as error:                 # unreadable: the one line says which file and why
         raise ValueError(f"--gateway {path}: {error.strerror or error}") from None
-    return GatewaySetup(config, Redactor.of(config))
+    return GatewaySetup.read(config)
 
 
 def main(argv: list[str]) -> int:

@@ -83,11 +83,13 @@ def arguments_json(arguments: Mapping[str, Any], redactor: Redactor) -> str:
 
 
 async def authorize(daemon: Daemon, session_id: str, *, tool: str, upstream: str, trusted: bool,
-                    policy: ToolPolicy, arguments: str, context_id: str) -> pb.AuthorizeResponse:
-    """The daemon's decision on one upstream call; it returns once a person answered a held one."""
+                    policy: ToolPolicy, arguments: str, context_id: str, runs_in: str) -> pb.AuthorizeResponse:
+    """The daemon's decision on one upstream call; it returns once a person answered a held one.
+    ``runs_in``: the upstream's own session, whose sandbox the effect is judged against (the
+    approvals, rules, permission mode and audit are the gateway's ``session_id``'s)."""
     answer: pb.AuthorizeResponse = await daemon.stub.Authorize(pb.AuthorizeRequest(
         session_id=session_id, tool=tool, effect=policy.proto_effect, mcp_server=upstream, server_trusted=trusted,
-        arguments_json=arguments, execution_context_id=context_id, risk=policy.risk))
+        arguments_json=arguments, execution_context_id=context_id, risk=policy.risk, runs_in_session_id=runs_in))
     return answer
 
 

@@ -6,12 +6,13 @@ TRUSTED upstream's annotations (readOnlyHint -> read-only, destructiveHint -> de
 unknown-command. An untrusted upstream's annotations are its own claim about itself, so they
 count for nothing: a server that says "read-only" of its delete tool gains nothing by it.
 
-What the list shows follows mcp.catalog's rule for the built-in tools: a tool that could only be
-refused is not shown (and, hidden, is refused if called by name: mcp.gateway.router). Permission
-mode read_only hides every tool whose effect is not read-only (unknown-command included), and a
-tool whose effect the session's sandbox rules out (policy.decision.sandbox_denial: a write under
-a read-only sandbox, the network without network access, a destructive effect under anything
-but danger-full-access) is hidden under every mode.
+What the list shows: every tool, but under permission mode read_only only the read-only ones (an
+unknown effect included in what it hides); a hidden tool is refused if called by name
+(mcp.gateway.router). The daemon's read_only mode hides no external tool and never asks, so this
+is the only wall there. The sandbox decides the rest, at the call: Authorize judges the effect
+against the sandbox of the upstream's own session (runs_in_session_id), and a tool it rules out
+(a destructive effect under anything but danger-full-access, the network for an upstream without
+it) is shown and gets the typed sandbox_rejected denial, as the integrator decided (19:02).
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from dataclasses import dataclass
 import mcp_types as types
 
 from sandboxd.mcp.gateway.config import UpstreamConfig
-from sandboxd.policy.decision import PermissionMode, sandbox_denial
-from sandboxd.policy.sandbox import DangerFullAccess, ReadOnly, SandboxPolicy, WorkspaceWrite
+from sandboxd.policy.decision import PermissionMode
 from sandboxd.policy.tools import Effect, Risk
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -59,18 +59,8 @@ def tool_policy(config: UpstreamConfig, tool: str, annotations: types.ToolAnnota
     return ToolPolicy(effect, risk, source)
 
 
-def sandbox_of(session: pb.Session) -> SandboxPolicy:
-    """The session's sandbox axis as the policy engine reads it (only what sandbox_denial uses)."""
-    mode = session.sandbox_policy.mode
-    if mode == pb.SandboxPolicy.READ_ONLY:
-        return ReadOnly()
-    if mode == pb.SandboxPolicy.DANGER_FULL_ACCESS:
-        return DangerFullAccess()
-    return WorkspaceWrite(network_access=session.sandbox_policy.network_access)
-
-
 def hidden_because(session: pb.Session, policy: ToolPolicy) -> str | None:
     """Why the gateway's ``session`` does not show a tool of this effect, or None when it does."""
     if PermissionMode.parse(session.permission_mode) == PermissionMode.READ_ONLY and policy.effect != Effect.READ_ONLY:
         return f"permission mode read_only shows only read-only tools (this one's effect: {policy.effect})"
-    return sandbox_denial(policy.effect, sandbox_of(session))
+    return None

@@ -23,7 +23,8 @@ import asyncio
 import json
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+import urllib.parse
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -39,7 +40,8 @@ from sandboxd.mcp.daemon import Daemon
 from sandboxd.mcp.gateway import authorize, naming
 from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig
 from sandboxd.mcp.gateway.effects import ToolPolicy, hidden_because, tool_policy
-from sandboxd.mcp.gateway.upstream import Fleet, Upstream, UpstreamError
+from sandboxd.mcp.gateway.upstream import Fleet, Upstream, UpstreamError, gateway_variables
+from sandboxd.policy.network import parse_credential
 from sandboxd.policy.tools import Effect, Risk
 from sandboxd.printable import printable
 from sandboxd.v1 import sandboxd_pb2 as pb
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sandboxd.mcp")
 DESCRIPTION_CHARS = 2000
+TITLE_CHARS = 200
 SCHEMA_BYTES = 64 << 10
 # What one upstream's tools may add to a tools/list (schemas and descriptions): 1,024 tools of 64
 # KiB schemas would be 64 MiB in every list a client reads. The tools past it are left out.
@@ -77,9 +80,17 @@ class ExposedTool:
 
 
 def sandbox_text(config: UpstreamConfig) -> str:
-    """The upstream's sandbox in a few words, for a model (printable: the file's paths and names)."""
-    if config.allow_domains:
-        network = "network: only " + ", ".join(config.allow_domains)
+    """The upstream's sandbox in a few words, for a model (printable: the file's paths and names).
+    Its allowed domains, its credentials' hosts and a url upstream's host are then the only ones
+    its session reaches (mcp.gateway.upstream.session_spec)."""
+    hosts = list(config.allow_domains) + [parse_credential(spec).host for spec in config.credentials]
+    if config.url and config.sandbox != "danger-full-access":
+        hosts.append(urllib.parse.urlsplit(config.url).hostname or "")
+    hosts = list(dict.fromkeys(host for host in hosts if host))
+    if config.sandbox == "danger-full-access":
+        network = "network on"
+    elif hosts:
+        network = "network: only " + ", ".join(hosts)
     else:
         network = "network on" if config.network else "network off"
     where = f" in {config.workspace}" if config.workspace and config.sandbox == "workspace-write" else ""
@@ -104,6 +115,25 @@ def _schema_size(schema: Any) -> int | None:
     return size if size < SCHEMA_BYTES else None
 
 
+def _escaped_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A schema as a client shows it: each "description" and "title" text printable (the titles
+    cut), nothing else changed (names, enums and defaults are what the upstream takes back)."""
+    def walk(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: (_label(item, key) if key in ("description", "title") and isinstance(item, str)
+                          else walk(item)) for key, item in value.items()}
+        if isinstance(value, list):
+            return [walk(item) for item in value]
+        return value
+    escaped: dict[str, Any] = walk(schema)
+    return escaped
+
+
+def _label(text: str, kind: str = "title") -> str:
+    shown = printable(text)
+    return shown[:TITLE_CHARS] if kind == "title" else shown[:DESCRIPTION_CHARS]
+
+
 def _error(text: str) -> types.CallToolResult:
     return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
 
@@ -119,19 +149,27 @@ class GatewaySetup:
 
     config: GatewayConfig
     redactor: authorize.Redactor
+    # What the upstreams take from the environment (credentials' secrets, pass_env), read before
+    # the gateway's own --credential flags take theirs out of it (cli.network_args).
+    environ: Mapping[str, str]
+
+    @classmethod
+    def read(cls, config: GatewayConfig) -> "GatewaySetup":
+        environ = gateway_variables(config)
+        return cls(config, authorize.Redactor.of(config, environ), environ)
 
     def gateway(self, daemon: Daemon, ctl: str) -> "Gateway":
-        return Gateway(daemon, self.config, self.redactor, ctl)
+        return Gateway(daemon, self.config, self.redactor, ctl, environ=self.environ)
 
 
 class Gateway:
     """One per `sandboxd mcp --gateway` process: its Fleet, shared by every MCP connection."""
 
     def __init__(self, daemon: Daemon, config: GatewayConfig, redactor: authorize.Redactor, ctl: str, *,
-                 fleet: Callable[..., Fleet] = Fleet) -> None:
+                 environ: Mapping[str, str] | None = None, fleet: Callable[..., Fleet] = Fleet) -> None:
         self.config, self.ctl = config, ctl
         self._daemon, self._redactor = daemon, redactor
-        self.fleet = fleet(daemon, config, self._changed)
+        self.fleet = fleet(daemon, config, self._changed, environ)
         self._connections: set["Connection"] = set()
         self._names: dict[tuple[str, str], tuple[tuple[str, ...], naming.Names]] = {}
         self._dropped: set[tuple[str, str]] = set()     # tools left out already said in the log
@@ -231,9 +269,9 @@ class Gateway:
             config, tool = exposed.upstream.config, exposed.tool
             output = tool.output_schema if _schema_size(tool.output_schema) is not None else None
             shown.append(types.Tool(
-                name=exposed.name, title=printable(tool.title) if tool.title else None,
-                description=describe(config, tool.description), input_schema=tool.input_schema,
-                output_schema=output,
+                name=exposed.name, title=_label(tool.title) if tool.title else None,
+                description=describe(config, tool.description), input_schema=_escaped_schema(tool.input_schema),
+                output_schema=_escaped_schema(output) if output is not None else None,
                 annotations=types.ToolAnnotations(read_only_hint=exposed.policy.effect == Effect.READ_ONLY,
                                                   destructive_hint=exposed.policy.effect == Effect.DESTRUCTIVE,
                                                   open_world_hint=bool(config.network or config.allow_domains))))
@@ -267,6 +305,10 @@ class Gateway:
         try:
             return await self._through_policy(ctx, binding, name, upstream, exposed.policy, arguments, run, measured)
         except _Refused as refused:
+            if _schema_size(exposed.tool.output_schema) is not None:
+                # A client checks structuredContent against the tool's output schema, even in an
+                # error (the TypeScript SDK then throws instead of showing it): the text says it all.
+                refused.result.structured_content = None
             return refused.result
 
     # -- resources and prompts -------------------------------------------------------------------
@@ -281,7 +323,7 @@ class Gateway:
                 except UnicodeError:
                     continue
                 listed.append(types.Resource(
-                    uri=uri, name=printable(resource.name), title=printable(resource.title) if resource.title else None,
+                    uri=uri, name=_label(resource.name), title=_label(resource.title) if resource.title else None,
                     description=describe(upstream.config, resource.description),
                     mime_type=printable(resource.mime_type) if resource.mime_type else None,
                     size=resource.size))
@@ -325,10 +367,10 @@ class Gateway:
                 # An argument's name goes back to the upstream as it is, so it cannot be shown
                 # escaped: one that would need escaping is left out (the upstream's, not ours).
                 arguments = [types.PromptArgument(name=argument.name, required=argument.required,
-                                                  description=printable(argument.description)
+                                                  description=_label(argument.description, "description")
                                                   if argument.description else None)
                              for argument in prompt.arguments or [] if printable(argument.name) == argument.name]
-                listed.append(types.Prompt(name=exposed, title=printable(prompt.title) if prompt.title else None,
+                listed.append(types.Prompt(name=exposed, title=_label(prompt.title) if prompt.title else None,
                                            description=describe(upstream.config, prompt.description),
                                            arguments=arguments or None))
         return types.ListPromptsResult(prompts=listed)
@@ -347,7 +389,7 @@ class Gateway:
         async def run() -> types.GetPromptResult:
             result = await upstream.get_prompt(prompt_name, arguments, upstream.config.timeout_seconds)
             if result.description:
-                result.description = printable(result.description)
+                result.description = _label(result.description, "description")
             return result
 
         def measured(result: types.GetPromptResult) -> tuple[int, bool]:
@@ -386,6 +428,7 @@ class Gateway:
     async def _authorized(self, ctx: "Ctx", binding: Binding, tool: str, upstream: Upstream, policy: ToolPolicy,
                           arguments: dict[str, Any], run: Callable[[], Awaitable[T]],
                           measured: Callable[[T], tuple[int, bool]]) -> T:
+        session = await self._session_of(upstream, tool)
         context_id = f"mcp-{secrets.token_hex(6)}"
         held = binding.expect(tool, context_id)
         progress = Progress(ctx)
@@ -396,7 +439,7 @@ class Gateway:
                 try:
                     answers.append(await authorize.authorize(
                         self._daemon, binding.session_id, tool=tool, upstream=upstream.name,
-                        trusted=upstream.config.trusted, policy=policy, context_id=context_id,
+                        trusted=upstream.config.trusted, policy=policy, context_id=context_id, runs_in=session.id,
                         arguments=authorize.arguments_json(arguments, self._redactor)))
                 except grpc.RpcError as error:
                     answers.append(error)
@@ -405,6 +448,10 @@ class Gateway:
             binding.forget(held)
         answer = answers[0]
         if isinstance(answer, grpc.RpcError):
+            if answer.code() == grpc.StatusCode.NOT_FOUND:     # the upstream's session (or ours) is gone
+                raise _Refused(_error(f"{tool}: {upstream.name}'s session {session.id} is gone (the upstream is "
+                                      f"{upstream.state}): call again in a moment; sandboxd said: "
+                                      f"{printable(answer.details() or '')}"))
             raise _Refused(_error(f"sandboxd: {answer.code().name}: {printable(answer.details() or '')}"))
         if not answer.allowed:
             raise _Refused(denied_result(_denial(answer.denied)))
@@ -421,6 +468,19 @@ class Gateway:
         await self._report(binding, answer.call_id, ok=not is_error, error="the tool returned an error" if is_error
                            else "", content_bytes=size, is_error=is_error)
         return result
+
+    async def _session_of(self, upstream: Upstream, tool: str) -> pb.Session:
+        """The upstream's own session (its sandbox judges the call's effect), started if need be."""
+        if upstream.session is None:
+            try:
+                with anyio.fail_after(upstream.config.timeout_seconds):
+                    await upstream.ensure_started()
+            except (UpstreamError, TimeoutError) as error:
+                why = printable(str(error)) or f"{upstream.name} did not start in time"
+                raise _Refused(_error(f"{tool}: {why}")) from None
+        if upstream.session is None:
+            raise _Refused(_error(f"{tool}: {upstream.name} is {upstream.state}: call again in a moment"))
+        return upstream.session
 
     async def _report(self, binding: Binding, call_id: str, *, ok: bool, error: str = "", content_bytes: int = 0,
                       is_error: bool = False) -> None:

@@ -2,7 +2,8 @@
 
 Each upstream gets a session of the calling user (``approval = never``: the person approves at the
 gateway, and no approval ever widens an upstream's sandbox), labelled with the upstream's name,
-with the sandbox, workspace, network and credentials its table gives. Its server runs there as
+with the sandbox, workspace, network and credentials its table gives, and the user's home hidden
+(``hide_home``: the server never reads the person's keys). Its server runs there as
 ONE long Exec call whose stdin and stdout are the MCP stdio transport (gateway/exec_stdio.py), and
 an `mcp.client.session.ClientSession` talks to it. Upstreams never share a session.
 
@@ -37,6 +38,7 @@ import mcp_types as types
 from mcp.client.session import ClientSession
 from mcp.shared.exceptions import MCPError
 
+import sandboxd
 from sandboxd.errors import InvalidPolicy
 from sandboxd.mcp.daemon import Daemon, SessionSpec
 from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig, default_workspace
@@ -92,7 +94,11 @@ def session_spec(config: UpstreamConfig, environ: Mapping[str, str]) -> SessionS
     return SessionSpec(workspace=config.workspace, sandbox=config.sandbox, network=config.network or bool(config.url),
                        writable_roots=config.writable_roots, approval="never",
                        labels={"client": GATEWAY_LABEL, "upstream": config.name}, network_policy=network_policy,
-                       credential_secrets=secrets)
+                       credential_secrets=secrets,
+                       # A daemon session shows its owner's home read-only; an upstream server must not
+                       # read the person's keys (~/.ssh, ~/.aws, ~/.config): the home is covered, its
+                       # workspace inside it stays. danger-full-access has no walls to cover it with.
+                       hide_home=config.sandbox != "danger-full-access")
 
 
 def variables_of(config: UpstreamConfig, environ: Mapping[str, str]) -> dict[str, str]:
@@ -126,14 +132,31 @@ def private_directory(name: str, path: str) -> None:
                                 "remove it, or give the upstream a workspace")
 
 
+def check_bridge_visible(config: UpstreamConfig) -> None:
+    """A url upstream's bridge is this interpreter and this sandboxd, run in a session that hides
+    the user's home: installed in the home (a venv, pipx), they are not there to run."""
+    if config.sandbox == "danger-full-access":
+        return
+    home = os.path.realpath(os.path.expanduser("~"))
+    for what, path in (("the Python interpreter", sys.executable), ("sandboxd", os.path.dirname(sandboxd.__file__))):
+        real = os.path.realpath(path)
+        if home not in ("/", "") and (real == home or real.startswith(home + "/")):
+            raise UpstreamError(f"{config.name}: a url upstream runs its HTTP bridge with {what} at "
+                                f"{printable(real)}, inside your home, which the upstream's session hides: install "
+                                "sandboxd outside your home (or give the server as command = [...])")
+
+
 def exec_start(config: UpstreamConfig, session_id: str, environ: Mapping[str, str]) -> pb.ExecStart:
     """The server's one long call: its command (a url upstream: the HTTP bridge, by this interpreter),
     with its env and the named caller variables only."""
     overlay = dict(config.env)
     overlay.update({name: environ[name] for name in config.pass_env if name in environ})
-    argv = list(config.command) if config.command else [
-        sys.executable, "-m", "sandboxd.mcp.gateway.http_bridge", config.url,
-        *(f"--credential={spec}" for spec in config.credentials)]
+    if config.command:
+        argv = list(config.command)
+    else:
+        check_bridge_visible(config)
+        argv = [sys.executable, "-m", "sandboxd.mcp.gateway.http_bridge", config.url,
+                *(f"--credential={spec}" for spec in config.credentials)]
     return pb.ExecStart(session_id=session_id, argv=argv, env_overlay=overlay, timeout_seconds=0,
                         output_limit_bytes=OUTPUT_UNLIMITED)
 
