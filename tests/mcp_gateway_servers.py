@@ -1,7 +1,8 @@
 """A tiny stdio MCP server for the gateway's tests, written on raw JSON-RPC lines (no SDK) so that it
 can misbehave exactly: ``python mcp_gateway_servers.py MODE [N]``.
 
-Every mode serves the tools ``echo``, ``write_file`` and ``read_file`` (relative paths: the
+Every mode serves the tools ``echo`` (with the text "garbage first": two lines that are not
+JSON-RPC before the answer), ``write_file`` and ``read_file`` (relative paths: the
 server's working directory, its session's workspace), a resource and a prompt. The modes add:
 
   echo          nothing more
@@ -102,6 +103,8 @@ def main() -> None:
                 sys.stderr.flush()
                 os._exit(3)
             if name == "echo":
+                if arguments.get("text") == "garbage first":
+                    sys.stdout.write("this is not JSON-RPC\n{\"jsonrpc\": \"2.0\", \"nonsense\": 1}\n")
                 text_result(request_id, "echo: " + str(arguments.get("text", "")))
             elif name == "write_file":
                 try:

@@ -99,6 +99,8 @@ BAD = [
     (BASE + "sandbox = \"read-only\"\nwritable_roots = [\"/var/tmp\"]\n", "[upstreams.up] writable_roots: a read-only"),
     (BASE + "sandbox = \"danger-full-access\"\nallow_domains = [\"example.org\"]\n",
      "[upstreams.up] allow_domains: is an option of sandbox = \"workspace-write\""),
+    (BASE + "workspace = \"~\"\n", "[upstreams.up] workspace: " + os.path.expanduser("~") + " holds your home"),
+    (BASE + "writable_roots = [\"/\"]\n", "[upstreams.up] writable_roots[0]: / holds your home"),
     (BASE + "timeout_seconds = 0\n", "[upstreams.up] timeout_seconds: is 0: give seconds above 0"),
     (BASE + "timeout_seconds = true\n", "[upstreams.up] timeout_seconds: is a boolean"),
     (BASE + "start = \"later\"\n", "[upstreams.up] start: is 'later': give one of 'gateway', 'first_use'"),

@@ -32,6 +32,7 @@ from daemon_helpers import Daemon, DaemonFactory, close_quietly, run_exec
 from sandboxd.mcp.daemon import Daemon as AsyncDaemon
 from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig, default_workspace
 from sandboxd.mcp.gateway.exec_stdio import MAX_MESSAGE_BYTES, STDERR_TAIL_BYTES
+from sandboxd.mcp.gateway.http_bridge import credential_headers
 from sandboxd.mcp.gateway.upstream import (MAX_LISTED, Fleet, Upstream, UpstreamError, exec_start,
                                            gateway_variables)
 from sandboxd.v1 import sandboxd_pb2 as pb
@@ -84,6 +85,9 @@ def test_listed_called_and_closed_in_its_own_session(daemon: Daemon, ws: Path) -
         assert [prompt.name for prompt in upstream.prompts] == ["greet"]
         result = await upstream.call_tool("echo", {"text": "hi"}, 30)
         assert text(result) == "echo: hi" and not result.is_error
+        # Lines that are not JSON-RPC are dropped and counted; the answer after them arrives.
+        assert text(await upstream.call_tool("echo", {"text": "garbage first"}, 30)) == "echo: garbage first"
+        assert upstream.process is not None and upstream.process.invalid_lines == 2
         read = await upstream.read_resource("test://notes", 30)
         assert read.contents[0].text == "read echo"
         prompt = await upstream.get_prompt("greet", None, 30)
@@ -202,11 +206,13 @@ def test_a_crash_fails_the_call_and_the_next_call_works(daemon: Daemon, ws: Path
             assert "exited with status 3" in str(crash.value)
             assert "crashing on call 2 as asked" in str(crash.value)
             first = upstream.process
+            await eventually(lambda: upstream.tools == [] or upstream.process is not first, "its lists stayed")
             # The next call waits for the restart (back-off 1 s) and is served by a new server.
             assert text(await upstream.call_tool("echo", {"text": "3"}, 30)) == "echo: 3"
             assert upstream.state == "ready" and upstream.process is not first
             assert len(open_sessions(daemon, "crashy")) == 1       # its session was reused
-            assert changes == []                                     # the same lists: nothing to tell
+            # Its lists went with it, and came back: a client's listing follows both ways.
+            assert changes == ["prompts", "resources", "tools"] * 2
         finally:
             await upstream.close()
         assert open_sessions(daemon, "crashy") == []
@@ -506,3 +512,33 @@ def test_a_url_upstreams_bridge_must_be_outside_the_hidden_home(monkeypatch: pyt
     monkeypatch.setattr(sys, "executable", os.path.expanduser("~/.venv/bin/python"))
     with pytest.raises(UpstreamError, match="inside your home, which the upstream's session hides"):
         exec_start(config, "session", {})
+
+
+def test_close_ends_a_start_that_hangs(daemon: Daemon, ws: Path) -> None:
+    """A server that never answers initialize: close() ends the try there (the waiting caller
+    hears the gateway is closing, not the start's own 60 s timeout), and its call and session."""
+    async def scenario(client: AsyncDaemon) -> None:
+        silent = UpstreamConfig(name="silent", command=(PY, "-c", "import time; time.sleep(600)"), workspace=str(ws))
+        upstream = Upstream(client, silent, no_change)
+        starting = asyncio.ensure_future(upstream.ensure_started())
+        await eventually(lambda: upstream.process is not None and upstream.process.pid > 0, "the server never ran")
+        process = upstream.process
+        assert upstream.state == "starting" and not starting.done()
+        await upstream.close()
+        with pytest.raises(UpstreamError, match="the gateway is closing"):
+            await starting
+        assert process is not None and process.ended.is_set()
+        assert upstream.state == "closed" and open_sessions(daemon, "silent") == []
+    run(daemon, scenario)
+
+
+def test_the_bridge_sends_a_credential_only_to_its_origin() -> None:
+    """A url upstream's credential goes as its header to the URL's https origin only, holding what
+    the variable holds inside the sandbox (the phantom the proxy swaps for the secret)."""
+    specs = ["TOKEN=https://mcp.example.com", "KEY=https://mcp.example.com:8443;x-api-key: {}",
+             "BASIC=https://mcp.example.com;basic:me", "OTHER=https://api.example.org"]
+    environ = {"TOKEN": "phantom-1", "KEY": "phantom-2", "BASIC": "phantom-3", "OTHER": "phantom-4"}
+    assert credential_headers("https://mcp.example.com/mcp", specs, environ) == {"Authorization": "Bearer phantom-1"}
+    assert credential_headers("https://mcp.example.com:8443/mcp", specs, environ) == {"x-api-key": "phantom-2"}
+    assert credential_headers("http://mcp.example.com/mcp", specs, environ) == {}       # never over plain HTTP
+    assert credential_headers("https://evil.example.net/mcp", specs, environ) == {}

@@ -88,6 +88,16 @@ def default_workspace(name: str, environ: Mapping[str, str] | None = None) -> st
     return os.path.join(state, "sandboxd", "gateway", name)
 
 
+def _home() -> str:
+    """The user's home as the daemon finds it (the user database), "" if none."""
+    import pwd
+    try:
+        home = pwd.getpwuid(os.getuid()).pw_dir
+    except KeyError:
+        return ""
+    return os.path.normpath(home) if home else ""
+
+
 class _Table:
     """One table of the file, for messages: ``FILE: [upstreams.NAME] KEY: what; fix``."""
 
@@ -264,6 +274,16 @@ def _upstream(path: str, name: str, value: object, environ: Mapping[str, str]) -
             if fields.get(key):
                 raise table.error(key, "a read-only sandbox has no network and no writable roots: use "
                                        "sandbox = \"workspace-write\" (or leave the key out)")
+    if fields.get("sandbox") != "danger-full-access":
+        # Every upstream session but danger-full-access hides the user's home (its keys); a workspace
+        # or writable root that holds the home would show it again, and the daemon refuses it.
+        home = _home()
+        for key, directory in [("workspace", fields["workspace"]), *(
+                (f"writable_roots[{index}]", root) for index, root in enumerate(fields.get("writable_roots", ())))]:
+            if home and (directory == "/" or home == directory or home.startswith(directory.rstrip("/") + "/")):
+                raise table.error(key, f"{printable(directory)} holds your home {printable(home)}, which an upstream's "
+                                       "session hides (its keys, its configuration): give a directory inside it "
+                                       "(~/project) or elsewhere")
     if fields.get("sandbox") == "danger-full-access":
         for key in ("allow_domains", "credentials"):
             if fields.get(key):

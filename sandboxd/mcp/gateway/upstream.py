@@ -245,7 +245,10 @@ class Upstream:
         while not self._stop.is_set():
             error = ""
             try:
-                await self._serve()
+                async with anyio.create_task_group() as watch:
+                    watch.start_soon(self._stop_while_starting, watch.cancel_scope)
+                    await self._serve()
+                    watch.cancel_scope.cancel()
             except Exception as exc:  # noqa: BLE001 - whatever it was, the upstream restarts
                 leaf = _leaf(exc)
                 if isinstance(leaf, UpstreamError):
@@ -256,6 +259,13 @@ class Upstream:
             was_ready, self._client = self._state == "ready", None
             if self._stop.is_set():
                 break
+            if was_ready:
+                # Gone: its lists with it (a client's next listing leaves them out), until it is back.
+                gone = [kind for kind in ("prompts", "resources", "tools") if getattr(self, kind)]
+                self.tools, self.resources, self.prompts = [], [], []
+                self.state = "restarting"
+                for kind in gone:
+                    await self._on_change(kind)
             if not error:
                 error = f"{self.name} stopped: {self.process.why_ended() if self.process else 'it never started'}"
             self.last_error = error
@@ -272,6 +282,13 @@ class Upstream:
             if not self._stop.is_set():
                 self.state = "starting"
         self._settle(f"{self.name}: the gateway is closing")
+
+    async def _stop_while_starting(self, scope: anyio.CancelScope) -> None:
+        """close() ends a try that is not ready wherever it is (opening the session, a hung
+        initialize); a ready one winds down in _serve."""
+        await self._stop.wait()
+        if self._client is None:
+            scope.cancel()
 
     async def _open_session(self) -> pb.Session:
         """Its session: the one it had while that is open, else a new one."""
@@ -326,6 +343,7 @@ class Upstream:
                 async with anyio.create_task_group() as tasks:
                     tasks.start_soon(self._follow_changes, client)
                     tasks.start_soon(_cancel_when, process.ended.wait, tasks.cancel_scope)
+                    # Ready: close() leaves this loop, and the server is ended in order (stdin closed first).
                     tasks.start_soon(_cancel_when, self._stop.wait, tasks.cancel_scope)
 
 
