@@ -14,7 +14,9 @@ out, one line in: no client library in the measurement):
 - policy:    the gateway's two daemon round trips alone (Authorize, then ReportToolResult, as the
   gateway sends them, from a sync gRPC client on a session of the same daemon): the share of the
   policy engine and the audit log in the gateway's row.
-The added latency is gateway minus direct (p50 and p90).
+The added latency is gateway minus direct (p50 and p90). Inside the gateway (its process started
+through TIMED, which wraps the router's steps): the p50 of Authorize, the upstream's call
+(Upstream.call_tool), ReportToolResult, and the whole of the gateway's handling of a call.
 
 Memory: a gateway with 1 upstream, then one with 4 (each in its own session): the gateway
 process's RSS, and the daemon's side (the daemon, its fork server, every session's processes:
@@ -100,7 +102,33 @@ class RawClient:
         self.server.wait(timeout=60)
 
 
-def gateway(daemon: Daemon, base: Path, names: list[str]) -> tuple[RawClient, Path]:
+# `sandboxd mcp` with the gateway's steps timed, their medians (ms) written to argv[1] at exit.
+TIMED = r"""
+import atexit, json, statistics, sys, time
+from sandboxd.mcp.gateway import authorize, router, upstream
+times = {}
+def timed(name, fn):
+    async def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return await fn(*args, **kwargs)
+        finally:
+            times.setdefault(name, []).append(time.perf_counter() - started)
+    return wrapper
+authorize.authorize = timed("authorize", authorize.authorize)
+authorize.report = timed("report", authorize.report)
+upstream.Upstream.call_tool = timed("upstream_call", upstream.Upstream.call_tool)
+router.Gateway.call_tool = timed("gateway_call", router.Gateway.call_tool)
+out = sys.argv.pop(1)
+atexit.register(lambda: open(out, "w").write(json.dumps(
+    {name: round(statistics.median(values) * 1000, 3) for name, values in times.items()})))
+sys.argv[0] = "sandboxd"
+from sandboxd.cli.main import entry
+entry()
+"""
+
+
+def gateway(daemon: Daemon, base: Path, names: list[str], timings: Path | None = None) -> tuple[RawClient, Path]:
     """`sandboxd mcp --gateway` with one hostile-server upstream per name (echo trusted and read-only)."""
     upstreams: dict[str, dict[str, object]] = {}
     for name in names:
@@ -112,7 +140,8 @@ def gateway(daemon: Daemon, base: Path, names: list[str]) -> tuple[RawClient, Pa
     config.write_text(gateway_file(upstreams))
     own = base / "ws-gateway"
     own.mkdir(exist_ok=True)
-    client = RawClient([SANDBOXD, "mcp", "--socket", daemon.socket, "--workspace", str(own), "--approval", "never",
+    program = [SANDBOXD] if timings is None else [sys.executable, "-c", TIMED, str(timings)]
+    client = RawClient([*program, "mcp", "--socket", daemon.socket, "--workspace", str(own), "--approval", "never",
                         "--gateway", str(config)], ENV)
     for name in names:
         client.wait_for_tool(f"{name}__echo")
@@ -200,6 +229,8 @@ def latency(daemon: Daemon, base: Path, calls: int, rounds: int = 6) -> dict[str
     sandboxed = RawClient([SANDBOXD, "run", "--workspace", str(sandbox_ws), "--env", f"PYTHONPATH={SITE_PACKAGES}",
                            "--", PY, HOSTILE], ENV)
     through, _ = gateway(daemon, base, ["upstream"])
+    timings = base / "inside.json"
+    timed, _ = gateway(daemon, base, ["timed"], timings)
     for name in ("ws-policy", "ws-exec"):
         (base / name).mkdir()
     policy = PolicyOnly(daemon, base / "ws-policy")
@@ -209,22 +240,25 @@ def latency(daemon: Daemon, base: Path, calls: int, rounds: int = 6) -> dict[str
         direct.echo("echo", 20)                                          # warm every path first
         sandboxed.echo("echo", 20)
         through.echo("upstream__echo", 20)
+        timed.echo("timed__echo", 20)
         relay.echo("echo", 20)
         policy.round_trips(20)
         for _ in range(rounds):
             runs["direct"] += direct.echo("echo", calls // rounds)
             runs["sandboxed"] += sandboxed.echo("echo", calls // rounds)
             runs["gateway"] += through.echo("upstream__echo", calls // rounds)
+            timed.echo("timed__echo", calls // rounds)
             runs["exec"] += relay.echo("echo", calls // rounds)
             runs["policy"] += policy.round_trips(calls // rounds)
     finally:
-        for client in (direct, sandboxed, through, relay):
+        for client in (direct, sandboxed, through, timed, relay):
             client.close()
         policy.close()
     report: dict[str, Any] = {name: percentiles(times) for name, times in runs.items()}
     for name in ("sandboxed", "exec", "gateway"):
         report[name]["added_p50_ms"] = round(report[name]["p50_ms"] - report["direct"]["p50_ms"], 3)
         report[name]["added_p90_ms"] = round(report[name]["p90_ms"] - report["direct"]["p90_ms"], 3)
+    report["inside_the_gateway_p50_ms"] = json.loads(timings.read_text())
     return report
 
 
