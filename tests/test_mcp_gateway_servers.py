@@ -130,7 +130,7 @@ async def direct_client(command: list[str], env: dict[str, str], asked: list[tup
                         decisions: tuple[str, ...] = ()) -> AsyncIterator[Client]:
     """The SDK's stdio client on ``command`` (the legacy handshake, as the gateway speaks to its
     upstreams: a server may send its own requests), answering elicitation requests with the next
-    of ``decisions`` (then "allow_once") and sampling requests, and recording both in ``asked``."""
+    of ``decisions`` (then "allow_once") and sampling requests, and recording both, and log messages, in ``asked``."""
     pending = list(decisions)
 
     async def elicit(_context: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
@@ -142,10 +142,13 @@ async def direct_client(command: list[str], env: dict[str, str], asked: list[tup
         return types.CreateMessageResult(role="assistant", content=types.TextContent(type="text", text="approve"),
                                          model="test")
 
+    async def log(params: types.LoggingMessageNotificationParams) -> None:
+        asked.append(("log", str(params.data)))
+
     stdio.stdio_client.__wrapped__.__defaults__ = (os.sys.__stderr__,)  # type: ignore[attr-defined]
     server = StdioServerParameters(command=command[0], args=command[1:], env=env, cwd="/")
-    async with Client(server, elicitation_callback=elicit, sampling_callback=sample, mode="legacy",
-                      read_timeout_seconds=120 * SLOW) as client:
+    async with Client(server, elicitation_callback=elicit, sampling_callback=sample, logging_callback=log,
+                      mode="legacy", read_timeout_seconds=120 * SLOW) as client:
         yield client
 
 
@@ -183,7 +186,7 @@ async def _control(machine: Machine) -> tuple[dict[str, str], list[tuple[str, st
     seen: dict[str, str] = {}
     async with direct_client(hostile_command(machine), {**machine.env(), "PYTHONPATH": SITE_PACKAGES}, asked) as client:
         for label, (tool, arguments) in {**attacks(machine), "elicitation": ("ask_person", {}),
-                                         "sampling": ("sample", {})}.items():
+                                         "sampling": ("sample", {}), "log": ("log_to_client", {})}.items():
             seen[label] = text(await client.call_tool(tool, arguments))
         listed = await client.list_tools()
         description = next(tool.description or "" for tool in listed.tools if tool.name == "fake_prompt")
@@ -199,7 +202,8 @@ def test_without_the_gateway_the_hostile_server_reaches_everything(machine: Mach
     assert seen["daemon"] == "open" and seen["approval channel"] == "open", seen
     assert seen["loopback"] == "open" and seen["host"] == "open", seen
     assert seen["elicitation"].startswith("answered: ") and seen["sampling"].startswith("answered: "), seen
-    assert [kind for kind, _ in asked] == ["elicitation", "sampling"]
+    assert seen["log"] == "sent" and [kind for kind, _ in asked] == ["elicitation", "sampling", "log"], asked
+    assert "\x1b]0;sandboxd approval\x07" in asked[2][1]
     assert "\x1b]0;sandboxd approval\x07" in asked[0][1] and "\x1b[2J" in description
     # Undo what the control did: the gateway's tests start from the user's own files.
     machine.bashrc.write_text("# the user's own\n")
@@ -247,7 +251,7 @@ def gateway_config(machine: Machine, base: Path, *, with_network: bool = False) 
     hostile upstream, "hostile-net", with the network (isolated, behind NAT)."""
     ws = machine.workspaces
     hostile_tools = ("echo", "read_ssh", "write_outside", "connect_daemon", "reach_host", "fake_prompt",
-                     "ask_person", "sample")
+                     "ask_person", "sample", "log_to_client")
     path = base / f"gateway-{uuid.uuid4().hex[:8]}.toml"
     path.write_text(gateway_file({
         "fs": {"command": [*filesystem_server(), str(ws["fs"])], "workspace": str(ws["fs"]), "trusted": True,
@@ -302,7 +306,8 @@ async def _through_gateway(machine: Machine, command: list[str], sandbox: Sandbo
         seen["git status"] = text(await client.call_tool("git__git_status", {"repo_path": str(git_ws)}))
         seen["git log"] = text(await client.call_tool("git__git_log", {"repo_path": str(git_ws)}))
         for label, (tool, arguments) in {**attacks(machine), "elicitation": ("ask_person", {}),
-                                         "sampling": ("sample", {}), "fake": ("fake_prompt", {})}.items():
+                                         "sampling": ("sample", {}), "fake": ("fake_prompt", {}),
+                                         "log": ("log_to_client", {})}.items():
             seen[label] = text(await client.call_tool(f"hostile__{tool}", arguments))
         for label in ("loopback", "host"):
             seen[f"net {label}"] = text(await client.call_tool("hostile-net__reach_host", attacks(machine)[label][1]))
@@ -353,7 +358,9 @@ def test_the_gateway_fronts_real_servers_and_walls_the_hostile_one(machine: Mach
     assert seen["net loopback"] == "error: ECONNREFUSED" and seen["net host"].startswith("error: "), seen
     # Its own requests never reach the client: the gateway refuses them.
     assert seen["elicitation"].startswith("refused: ") and seen["sampling"].startswith("refused: "), seen
-    assert seen["asked"] == []
+    # Nor does its log message (sent to the gateway, which keeps it from the client, or escapes it).
+    assert not any("\x1b" in message or "reply ALLOW" in message for _, message in seen["asked"]), seen["asked"]
+    assert [kind for kind, _ in seen["asked"] if kind != "log"] == [], seen["asked"]
     # The escape sequences it chose arrive escaped where a person reads them.
     fake = tools["hostile__fake_prompt"].description
     assert "\x1b" not in fake and "\x07" not in fake and "\\x1b]0;sandboxd approval\\x07" in fake, fake
@@ -385,7 +392,7 @@ def test_the_gateway_fronts_real_servers_and_walls_the_hostile_one(machine: Mach
     for tool, upstream, arguments in expected:
         assert any(entry[:3] == (tool, upstream, json.dumps(arguments, sort_keys=True))
                    and entry[3].startswith('{"content_bytes": ') for entry in audited), (tool, sorted(audited))
-    assert len(calls) == 17, calls                   # 16 tool calls and the prompt, nothing else
+    assert len(calls) == 18, calls                   # 17 tool calls and the prompt, nothing else
 
 
 async def _held(machine: Machine, command: list[str]) -> dict[str, Any]:
