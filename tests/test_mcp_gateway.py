@@ -396,17 +396,24 @@ def test_resources_prompts_and_list_changed_pass_through(daemon: Daemon, ws: Pat
 
 
 def test_a_bad_gateway_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    cases = {"missing": tmp_path / "nothing.toml",
-             "typo": gateway_file(tmp_path, upstream(tmp_path, "fs"), "trustd = true")}
+    """Missing, a typo, or where the gateway's own session could rewrite it (its workspace: the
+    model could widen an upstream's sandbox for the next start)."""
+    (tmp_path / "ws").mkdir()
+    inside = tmp_path / "ws" / "gateway.toml"
+    inside.write_text(upstream(tmp_path, "fs"))
+    cases = {"missing": (tmp_path / "nothing.toml", "/"),
+             "typo": (gateway_file(tmp_path, upstream(tmp_path, "fs"), "trustd = true"), "/"),
+             "inside": (inside, str(tmp_path / "ws"))}
     said = {}
-    for case, path in cases.items():
-        done = subprocess.run([SANDBOXD, "mcp", "--socket", str(tmp_path / "no.sock"), "--gateway", str(path)],
+    for case, (path, workspace) in cases.items():
+        done = subprocess.run([SANDBOXD, "mcp", "--socket", str(tmp_path / "no.sock"), "--workspace", workspace,
+                               "--gateway", str(path)],
                               capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, cwd="/")
         assert done.returncode == 2, done
         assert done.stdout == "" and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
         assert done.stderr.startswith("sandboxd mcp: ") and str(path) in done.stderr
         said[case] = done.stderr
-    assert "trustd" in said["typo"] and "cannot read" in said["missing"]
+    assert "trustd" in said["typo"] and "cannot read" in said["missing"] and "commands may write" in said["inside"]
 
 
 def test_over_http_every_mcp_session_shares_one_fleet(daemon: Daemon, ws: Path, client: SandboxClient,

@@ -150,6 +150,27 @@ def test_a_file_that_cannot_be_read(tmp_path: Path) -> None:
         load(str(binary))
 
 
+def test_only_a_regular_file_of_yours_that_nobody_else_writes(tmp_path: Path) -> None:
+    """As ssh takes its configuration: the file decides every upstream's walls."""
+    path = tmp_path / "gateway.toml"
+    path.write_text(BASE)
+    path.chmod(0o644)
+    assert load(str(path)).upstreams[0].name == "up"                      # the control
+    path.chmod(0o664)
+    with pytest.raises(GatewayConfigError, match=r"others may write it \(mode 664\): chmod go-w"):
+        load(str(path))
+    path.chmod(0o644)
+    os.chown(path, 65534, 65534)
+    with pytest.raises(GatewayConfigError, match="owned by uid 65534, not by you or root"):
+        load(str(path))
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)                                   # nobody writes it: an open without O_NONBLOCK would hang
+    with pytest.raises(GatewayConfigError, match="not a regular file"):
+        load(str(fifo))
+    with pytest.raises(GatewayConfigError, match="not a regular file"):
+        load(str(tmp_path))
+
+
 def test_a_name_in_a_message_is_printable() -> None:
     with pytest.raises(GatewayConfigError) as error:
         parse("/gw.toml", '[upstreams."evil\\u001b[2J"]\ncommand = ["a"]\n')

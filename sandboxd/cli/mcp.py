@@ -19,6 +19,7 @@ from sandboxd.service.server import TextLogFormatter
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from sandboxd.mcp.daemon import SessionSpec
     from sandboxd.mcp.gateway.router import GatewaySetup
 
 USAGE_EPILOG = """examples:
@@ -125,6 +126,23 @@ def _gateway_setup(path: str) -> "GatewaySetup":
     return GatewaySetup.read(config)
 
 
+def _outside_the_session(path: str, spec: "SessionSpec") -> None:
+    """ValueError when the gateway file is where the gateway's own session may write (its workspace
+    or a writable root): the model's commands could then rewrite it, and the next start would give
+    an upstream a wider sandbox, its trust, or another command. (Under danger-full-access there is
+    no wall to keep it behind; an attached session's roots are not known here.)"""
+    mode = spec.permission_mode
+    writes = spec.sandbox == "workspace-write" if not mode else mode != "read_only"
+    if spec.attach or not writes:
+        return
+    real = os.path.realpath(path)
+    for root in (spec.workspace, *spec.writable_roots):
+        inside = os.path.realpath(root)
+        if real == inside or real.startswith(inside.rstrip("/") + "/"):
+            raise ValueError(f"--gateway {path}: the file is inside {root}, which this session's commands may "
+                             "write: keep it where they cannot (e.g. ~/.config/sandboxd/gateway.toml)")
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     log_printable()
@@ -150,6 +168,8 @@ def main(argv: list[str]) -> int:
                        checkpoint_calls=args.checkpoint_calls)
     ctl = f"sandboxctl --socket {socket_path}" if name_socket else "sandboxctl"
     try:
+        if args.gateway:
+            _outside_the_session(args.gateway, spec)
         listen = parse_listen(args.http) if args.http else None
         if (args.token_file or args.idle_timeout != 600.0) and listen is None:
             raise ValueError("--token-file and --idle-timeout are for --http")
