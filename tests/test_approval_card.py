@@ -63,6 +63,11 @@ def test_the_card_shows_an_external_tools_arguments_escaped_and_bounded() -> Non
     huge = approval_card.lines("fs__write", json.dumps({"arguments": {"content": "x" * 100_000}}))
     assert huge[0][0] == "arguments" and "characters not shown" in huge[0][1]
     assert len(huge[0][1]) < approval_card.ARGUMENTS_CHARS + 200
+    # Arguments the gateway could record only the start of: the card says so, and shows no "end".
+    cut = approval_card.lines("fs__write", json.dumps({"arguments": {"truncated": True, "bytes": 99999,
+                                                                      "head": '{"a":"\x1b' + "x" * 20000}}))
+    assert cut[0][1].startswith("[99999 bytes of arguments: only the first 4,093 characters are shown")  # ESC: 4
+    assert "\x1b" not in cut[0][1] and cut[0][1].endswith("x ...")
 
 
 def test_the_card_says_where_a_command_runs_escaped() -> None:

@@ -10,6 +10,7 @@ gets, permission mode read_only, standing rules, list_changed, a bad gateway fil
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import subprocess
@@ -32,7 +33,9 @@ from sandboxd.client import SandboxClient
 from sandboxd.mcp.gateway import authorize, naming
 from sandboxd.mcp.gateway.config import GatewayConfig, ToolOverride, UpstreamConfig
 from sandboxd.mcp.gateway.effects import ToolPolicy, hidden_because, tool_policy
-from sandboxd.mcp.gateway.router import Gateway, describe, sandbox_text
+from sandboxd.mcp.gateway.router import Gateway, _bounded, describe, sandbox_text
+from sandboxd.mcp.gateway.upstream import UpstreamError
+from sandboxd.policy import approval_card
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 EXPOSED = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -168,6 +171,11 @@ def test_arguments_over_16_kib_keep_their_head() -> None:
     whole = json.dumps(arguments, separators=(",", ":"))
     assert data["truncated"] is True and data["bytes"] == len(whole) > authorize.ARGUMENTS_LIMIT
     assert data["head"] == whole[:authorize.ARGUMENTS_LIMIT]
+    assert data["sha256"] == hashlib.sha256(whole.encode()).hexdigest()
+    # The held call's card says the end is not shown, rather than look whole.
+    [(label, card)] = approval_card.lines("up__write", json.dumps({"arguments": data}))
+    assert label == "arguments" and re.match(rf"\[{len(whole)} bytes of arguments: only the first [0-9,]+ characters", card)
+    assert "deny unless you expect this much" in card and card.endswith(" ...") and len(card) < 4300
     assert len(audited) < authorize.ARGUMENTS_LIMIT + 4096
     small = {"content": "x" * 100}
     assert json.loads(authorize.arguments_json(small, authorize.Redactor([]))) == small
@@ -219,13 +227,15 @@ def test_names_descriptions_held_calls_and_the_audit(daemon: Daemon, ws: Path, c
 
     async def scenario() -> dict[str, Any]:
         async with mcp_client(daemon.socket, ws, "--approval", "always", "--gateway", str(config),
-                              elicitation=decide(["allow_once", "deny"], asked)) as mcp:
+                              elicitation=decide(["allow_once", "deny", "allow_session"], asked)) as mcp:
             listing = await mcp.list_tools()
             return {"listing": listing,
                     "allowed": await mcp.call_tool("echo__echo", {"text": f"hi {SECRET}"}),
                     "denied": await mcp.call_tool("echo__echo", {"text": "again"}),
                     "ruled": await mcp.call_tool("ruled__echo", {"text": "by the rule"}),
-                    "unknown": await mcp.call_tool("echo__nothing", {})}
+                    "unknown": await mcp.call_tool("echo__nothing", {}),
+                    "session": await mcp.call_tool("echo__write_file", {"path": "a.txt", "text": "1"}),
+                    "remembered": await mcp.call_tool("echo__write_file", {"path": "b.txt", "text": "2"})}
 
     try:
         out = asyncio.run(scenario())
@@ -245,23 +255,29 @@ def test_names_descriptions_held_calls_and_the_audit(daemon: Daemon, ws: Path, c
     assert (denied["by"], denied["reason"], denied["tool"]) == ("user", "untrusted_mcp_server", "echo__echo")
     assert text(out["ruled"]) == "echo: by the rule"
     assert out["unknown"].is_error and "unknown tool" in text(out["unknown"])
-    # Two questions (the rule answered the third call), each naming the tool and its arguments,
-    # the secret redacted there as in the audit.
-    assert len(asked) == 2, asked
+    # Three questions: the rule answered for ruled__echo, and allow_session for the second write.
+    # Each names the tool and its arguments, the secret redacted there as in the audit.
+    assert len(asked) == 3, asked
+    assert text(out["session"]) == text(out["remembered"]) == "written"
+    assert (tmp_path / "up-echo" / "b.txt").read_text() == "2"
     assert "echo__echo" in asked[0].message and "untrusted_mcp_server" in asked[0].message
     assert '"text": "hi [redacted]"' in asked[0].message and SECRET not in asked[0].message
 
     session = gateway_session(client, ws)
-    audited = events(client, session.id, "echo__echo")
-    kinds = [kind for kind, _data in audited]
-    assert kinds == ["PermissionRequested", "PermissionGranted", "ToolInvocationStarted", "ToolInvocationCompleted",
-                     "PermissionRequested", "PermissionDenied"], kinds
-    requested = audited[0][1]
+    found = client.stub.QueryEvents(pb.QueryEventsRequest(session_id=session.id, tool="echo__echo")).events
+    calls: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for event in found:                    # per call: a result is reported after the answer, so
+        calls.setdefault(event.call_id, []).append((event.type, json.loads(event.data_json)))  # calls interleave
+    allowed, denied_call = calls.values()
+    assert [kind for kind, _data in allowed] == ["PermissionRequested", "PermissionGranted", "ToolInvocationStarted",
+                                                "ToolInvocationCompleted"], allowed
+    assert [kind for kind, _data in denied_call] == ["PermissionRequested", "PermissionDenied"], denied_call
+    requested = allowed[0][1]
     assert requested["mcp_server"] == "echo" and requested["effect"] == "unknown-command"
     assert requested["arguments"] == {"arguments": {"text": "hi [redacted]"}}
-    assert audited[3][1]["result"]["is_error"] is False and audited[3][1]["result"]["content_bytes"] > 0
-    assert audited[5][1]["by"] == "user"
-    assert SECRET not in json.dumps([data for _kind, data in audited])
+    assert allowed[3][1]["result"]["is_error"] is False and allowed[3][1]["result"]["content_bytes"] > 0
+    assert denied_call[1][1]["by"] == "user"
+    assert SECRET not in json.dumps([event.data_json for event in found])
     ruled_events = events(client, session.id, "ruled__echo")
     granted = next(data for kind, data in ruled_events if kind == "PermissionGranted")
     assert granted["by"] == "workspace_rule" and granted["mcp_server"] == "ruled"
@@ -511,6 +527,15 @@ def test_the_sandbox_text_names_the_only_hosts_an_upstream_reaches() -> None:
     assert network(credentials=("GH=https://api.github.com",)) == "network: only api.github.com"
     assert "only pypi.org" in describe(UpstreamConfig(name="x", command=("x",), network=True,
                                                       allow_domains=("pypi.org",)), "")
+
+
+def test_a_resource_or_prompt_over_1_mib_is_refused() -> None:
+    fake: Any = SimpleNamespace(name="up")
+    small = types.ReadResourceResult(contents=[types.TextResourceContents(uri="x://a", text="y" * 1000)])
+    assert _bounded(small, fake) is small
+    with pytest.raises(UpstreamError, match="over the gateway's bound of 1 MiB"):
+        _bounded(types.ReadResourceResult(contents=[types.TextResourceContents(uri="x://a", text="y" * (1 << 20))]),
+                 fake)
 
 
 def test_a_description_is_ours_first_then_the_upstreams_escaped_and_cut() -> None:

@@ -66,6 +66,13 @@ def external_arguments(arguments: dict[str, Any]) -> str:
     given = arguments.get("arguments")
     if not isinstance(given, (dict, list)) or not given:
         return ""
+    if isinstance(given, dict) and given.get("truncated") is True and isinstance(given.get("head"), str):
+        # The gateway kept only the start of arguments too long to record (mcp.gateway.authorize):
+        # their end is nowhere to be read, so the card must not look whole.
+        head = given["head"]
+        shown = _fitting(head, ARGUMENTS_CHARS)
+        return (f"[{given.get('bytes', '?')} bytes of arguments: only the first {len(shown):,} characters are shown "
+                f"and recorded; deny unless you expect this much] {printable(shown)} ...")
     return bounded(json.dumps(given, ensure_ascii=False, separators=(", ", ": ")), ARGUMENTS_CHARS)
 
 

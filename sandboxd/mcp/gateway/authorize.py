@@ -11,6 +11,7 @@ filling them)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -74,12 +75,15 @@ class Redactor:
 
 def arguments_json(arguments: Mapping[str, Any], redactor: Redactor) -> str:
     """The call's arguments for the audit log: redacted, and at most ARGUMENTS_LIMIT bytes of JSON
-    (past it: {"truncated": true, "bytes": N, "head": the first ARGUMENTS_LIMIT bytes as a string})."""
+    (past it: {"truncated": true, "bytes": N, "sha256": of the whole, "head": its first ARGUMENTS_LIMIT
+    characters}; the held call's card says that only the start is shown, policy.approval_card)."""
     # ASCII JSON (\u escapes): a lone surrogate a client sent stays a valid protobuf string.
     text = json.dumps(redactor.value(dict(arguments)), separators=(",", ":"), default=str)
     if len(text) <= ARGUMENTS_LIMIT:
         return text
-    return json.dumps({"truncated": True, "bytes": len(text), "head": text[:ARGUMENTS_LIMIT]})
+    # The digest of the whole (redacted) arguments: what was approved can be matched later.
+    return json.dumps({"truncated": True, "bytes": len(text), "sha256": hashlib.sha256(text.encode()).hexdigest(),
+                       "head": text[:ARGUMENTS_LIMIT]})
 
 
 async def authorize(daemon: Daemon, session_id: str, *, tool: str, upstream: str, trusted: bool,

@@ -40,7 +40,7 @@ from sandboxd.mcp.daemon import Daemon
 from sandboxd.mcp.gateway import authorize, naming
 from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig
 from sandboxd.mcp.gateway.effects import ToolPolicy, hidden_because, tool_policy
-from sandboxd.mcp.gateway.upstream import Fleet, Upstream, UpstreamError, gateway_variables
+from sandboxd.mcp.gateway.upstream import MAX_RESULT_BYTES, Fleet, Upstream, UpstreamError, gateway_variables
 from sandboxd.policy.network import parse_credential
 from sandboxd.policy.tools import Effect, Risk
 from sandboxd.printable import printable
@@ -66,6 +66,8 @@ MAX_REMEMBERED = 4096            # tools left out whose log line was written
 MAX_IN_FLIGHT = 32
 READ_RESOURCE, GET_PROMPT = "resources/read", "prompts/get"   # no exposed tool name has a "/"
 REPORT_TIMEOUT = 30.0
+NOTIFY_TIMEOUT = 5.0
+MAX_REPORTS = 64                 # ReportToolResult calls sent after their answer, on their way at once
 _READ = ToolPolicy(Effect.READ_ONLY, Risk.LOW, "default")
 T = TypeVar("T")
 
@@ -134,6 +136,18 @@ def _label(text: str, kind: str = "title") -> str:
     return shown[:TITLE_CHARS] if kind == "title" else shown[:DESCRIPTION_CHARS]
 
 
+R = TypeVar("R", types.ReadResourceResult, types.GetPromptResult)
+
+
+def _bounded(result: R, upstream: Upstream) -> R:
+    """A resource's contents or a prompt's messages within a tool result's bound (1 MiB)."""
+    size = len(result.model_dump_json(by_alias=True, exclude_none=True).encode())
+    if size > MAX_RESULT_BYTES:
+        raise UpstreamError(f"{upstream.name} answered with {size} bytes, over the gateway's bound of "
+                            f"{MAX_RESULT_BYTES >> 20} MiB")
+    return result
+
+
 def _error(text: str) -> types.CallToolResult:
     return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
 
@@ -174,11 +188,14 @@ class Gateway:
         self._names: dict[tuple[str, str], tuple[tuple[str, ...], naming.Names]] = {}
         self._dropped: set[tuple[str, str]] = set()     # tools left out already said in the log
         self._in_flight: dict[str, int] = {}             # upstream -> its calls running now
+        self._reports: set[asyncio.Task[None]] = set()   # ReportToolResult calls on their way
+        self._exposed: dict[str, tuple[list[types.Tool], dict[str, ExposedTool]]] = {}   # upstream -> its listing's
 
     async def start(self) -> None:
         await self.fleet.start()
 
     async def close(self) -> None:
+        await self.settle()
         await self.fleet.close()
 
     # -- connections and their list_changed -----------------------------------------------------
@@ -187,6 +204,9 @@ class Gateway:
         """Tell ``connection`` of list changes until it ends."""
         self._connections.add(connection)
         connection.exit_stack.callback(self._connections.discard, connection)
+        # Pushed after the session's close (App.binding), so it runs first: reports land in the
+        # session while it is open.
+        connection.exit_stack.push_async_callback(self.settle)
 
     async def _changed(self, upstream: str, kind: str) -> None:
         method = {"tools": "send_tool_list_changed", "resources": "send_resource_list_changed",
@@ -195,7 +215,8 @@ class Gateway:
             return
         for connection in list(self._connections):
             try:
-                await getattr(connection, method)()
+                with anyio.move_on_after(NOTIFY_TIMEOUT):       # a client not reading: the others still hear
+                    await getattr(connection, method)()
             except Exception:                       # noqa: BLE001 - a connection closing meanwhile
                 log.debug("could not tell a client of %s's %s list change", upstream, kind, exc_info=True)
 
@@ -230,25 +251,33 @@ class Gateway:
 
     def exposed_tools(self) -> list[ExposedTool]:
         """Every ready upstream's tools under their exposed names (shown or not)."""
-        found = []
-        for upstream in self._ready():
-            tools = list(upstream.tools)
-            names = self._named(upstream, "tools", [tool.name for tool in tools])
-            budget = LIST_BYTES
-            for tool in tools:
-                exposed = names.exposed(tool.name)
-                if exposed is None:
-                    continue
-                size = _schema_size(tool.input_schema)
-                if size is not None:
-                    budget -= size + len(tool.description or "")
-                if size is None or budget < 0:
-                    self._left_out(upstream, tool.name, "its input schema is not a JSON object of type \"object\" below "
-                                   f"{SCHEMA_BYTES >> 10} KiB" if size is None else
-                                   f"its tools' schemas and descriptions are over {LIST_BYTES >> 20} MiB together")
-                    continue
-                found.append(ExposedTool(exposed, upstream, tool.name, tool,
-                                         tool_policy(upstream.config, tool.name, tool.annotations)))
+        return [tool for upstream in self._ready() for tool in self._exposed_of(upstream).values()]
+
+    def _exposed_of(self, upstream: Upstream) -> dict[str, ExposedTool]:
+        """One upstream's tools by exposed name, worked out once per listing (the upstream assigns
+        a new list when it lists again): a call looks its tool up here."""
+        tools = upstream.tools
+        cached = self._exposed.get(upstream.name)
+        if cached is not None and cached[0] is tools:
+            return cached[1]
+        names = self._named(upstream, "tools", [tool.name for tool in tools])
+        found: dict[str, ExposedTool] = {}
+        budget = LIST_BYTES
+        for tool in tools:
+            exposed = names.exposed(tool.name)
+            if exposed is None:
+                continue
+            size = _schema_size(tool.input_schema)
+            if size is not None:
+                budget -= size + len(tool.description or "")
+            if size is None or budget < 0:
+                self._left_out(upstream, tool.name, "its input schema is not a JSON object of type \"object\" below "
+                               f"{SCHEMA_BYTES >> 10} KiB" if size is None else
+                               f"its tools' schemas and descriptions are over {LIST_BYTES >> 20} MiB together")
+                continue
+            found[exposed] = ExposedTool(exposed, upstream, tool.name, tool,
+                                         tool_policy(upstream.config, tool.name, tool.annotations))
+        self._exposed[upstream.name] = (tools, found)
         return found
 
     def _left_out(self, upstream: Upstream, tool: str, why: str) -> None:
@@ -274,20 +303,20 @@ class Gateway:
                 output_schema=_escaped_schema(output) if output is not None else None,
                 annotations=types.ToolAnnotations(read_only_hint=exposed.policy.effect == Effect.READ_ONLY,
                                                   destructive_hint=exposed.policy.effect == Effect.DESTRUCTIVE,
-                                                  open_world_hint=bool(config.network or config.allow_domains))))
+                                                  open_world_hint=bool(config.network or config.allow_domains
+                                                                       or config.credentials or config.url))))
         return shown
 
     async def call_tool(self, ctx: "Ctx", binding: Binding, name: str,
                         arguments: dict[str, Any]) -> types.CallToolResult:
         """A call of ``name`` (UPSTREAM__tool): refused unless the session shows it, then through
         the policy engine to the upstream."""
-        exposed = next((tool for tool in self.exposed_tools() if tool.name == name), None)
-        if exposed is None:
+        upstream = self.fleet.upstreams.get((naming.split(name) or ("", ""))[0])
+        if upstream is not None and upstream.state == "stopped":
             # A client that kept the list of an earlier connection may call before it lists.
             await self._start_first_use()
-            exposed = next((tool for tool in self.exposed_tools() if tool.name == name), None)
+        exposed = self._exposed_of(upstream).get(name) if upstream is not None and upstream.state == "ready" else None
         if exposed is None:
-            upstream = self.fleet.upstreams.get((naming.split(name) or ("", ""))[0])
             why = (f"the upstream {upstream.name} is {upstream.state}" if upstream is not None and
                    upstream.state != "ready" else "no upstream lists it")
             return _error(f"unknown tool {printable(name)!r} ({why}); call tools/list for the tools there are")
@@ -340,7 +369,7 @@ class Gateway:
         original = origin[1]
 
         async def run() -> types.ReadResourceResult:
-            result = await upstream.read_resource(original, upstream.config.timeout_seconds)
+            result = _bounded(await upstream.read_resource(original, upstream.config.timeout_seconds), upstream)
             for content in result.contents:            # the URIs the client knows
                 try:
                     content.uri = naming.resource_uri(upstream.name, content.uri)
@@ -387,7 +416,8 @@ class Gateway:
         prompt_name = original
 
         async def run() -> types.GetPromptResult:
-            result = await upstream.get_prompt(prompt_name, arguments, upstream.config.timeout_seconds)
+            result = _bounded(await upstream.get_prompt(prompt_name, arguments, upstream.config.timeout_seconds),
+                              upstream)
             if result.description:
                 result.description = _label(result.description, "description")
             return result
@@ -458,14 +488,14 @@ class Gateway:
         try:
             result = await run()
         except UpstreamError as error:
-            await self._report(binding, answer.call_id, ok=False, error=str(error))
+            await self._report_later(binding, answer.call_id, ok=False, error=str(error))
             raise _Refused(_error(f"{tool}: {printable(str(error))}")) from None
         except BaseException:                          # cancelled (the client's cancel, the connection's end)
             with anyio.CancelScope(shield=True):
                 await self._report(binding, answer.call_id, ok=False, error="cancelled before the upstream answered")
             raise
         size, is_error = measured(result)
-        await self._report(binding, answer.call_id, ok=not is_error, error="the tool returned an error" if is_error
+        await self._report_later(binding, answer.call_id, ok=not is_error, error="the tool returned an error" if is_error
                            else "", content_bytes=size, is_error=is_error)
         return result
 
@@ -481,6 +511,24 @@ class Gateway:
         if upstream.session is None:
             raise _Refused(_error(f"{tool}: {upstream.name} is {upstream.state}: call again in a moment"))
         return upstream.session
+
+    async def _report_later(self, binding: Binding, call_id: str, **outcome: Any) -> None:
+        """ReportToolResult once the answer is on its way to the client (a round trip to the daemon
+        less in every call's latency: tests/bench_mcp_gateway.py). Sent before the connection's
+        session closes (``settle``), else the daemon would record the call as never reported. At
+        most MAX_REPORTS on their way: past it the call waits for its own (a client calling faster
+        than the daemon records piles up no tasks)."""
+        if len(self._reports) >= MAX_REPORTS:
+            await self._report(binding, call_id, **outcome)
+            return
+        task = asyncio.get_running_loop().create_task(self._report(binding, call_id, **outcome))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def settle(self) -> None:
+        """Wait for the reports still on their way (each bounded by REPORT_TIMEOUT)."""
+        if self._reports:
+            await asyncio.wait(set(self._reports))
 
     async def _report(self, binding: Binding, call_id: str, *, ok: bool, error: str = "", content_bytes: int = 0,
                       is_error: bool = False) -> None:
