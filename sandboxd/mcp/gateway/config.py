@@ -181,7 +181,10 @@ def _url(table: _Table, value: object) -> str:
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise table.error("url", f"{printable(text)!r} is not an http(s) URL: give https://HOST/PATH")
-    raise table.error("url", "url upstreams are not supported yet: run the server with command = [...]")
+    if parts.username or parts.password:
+        raise table.error("url", "holds a user or password: give the secret as a credential instead "
+                                 "(credentials = [\"VAR=https://HOST\"])")
+    return text
 
 
 def _tools(path: str, upstream: str, value: object) -> Mapping[str, ToolOverride]:

@@ -1,6 +1,192 @@
-"""The MCP stdio transport over one `Exec` call (skeleton)."""
+"""The MCP stdio transport over one `Exec` call: an upstream server runs as one long command in its
+own sandboxd session, and its stdin and stdout carry newline-delimited JSON-RPC, as the SDK's
+`mcp.client.stdio` does with a local subprocess. The streams are the SDK's transport streams
+(`mcp.client._transport.TransportStreams`), so `mcp.client.session.ClientSession` runs over them
+unchanged.
+
+The upstream is not trusted: one message is at most 4 MiB (a longer line means the server is
+broken or hostile: the call is ended and the upstream restarted, rather than buffering without
+end), and what it writes on stderr is kept as its last 64 KiB only, for the message that says why
+it stopped.
+"""
 
 from __future__ import annotations
 
-MAX_MESSAGE_BYTES = 4 << 20
-STDERR_TAIL_BYTES = 64 << 10
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+import grpc
+import grpc.aio
+import mcp_types as types
+from mcp.client._transport import TransportStreams
+from mcp.shared.message import SessionMessage
+
+from sandboxd.printable import printable
+from sandboxd.v1 import sandboxd_pb2 as pb
+from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 4 << 20          # one JSON-RPC line from the upstream
+STDERR_TAIL_BYTES = 64 << 10         # what is kept of the upstream's stderr
+STDIN_CHUNK_BYTES = 1 << 20          # one ExecRequest.stdin (the daemon's messages are at most a few MiB)
+CLOSE_GRACE_SECONDS = 2.0            # stdin closed -> exit on its own; then SIGKILL -> the result; then cancel
+
+
+@dataclass
+class ServerProcess:
+    """What is known of one run of an upstream's server (one Exec call)."""
+
+    call_id: str = ""
+    pid: int = 0
+    result: pb.ExecResult | None = None
+    error: str = ""                  # the Exec call failed (the daemon refused it, the channel broke)
+    fault: str = ""                  # the upstream broke the transport (a message over the bound)
+    stderr_tail: bytearray = field(default_factory=bytearray)
+    ended: anyio.Event = field(default_factory=anyio.Event)   # the Exec call's stream ended
+
+    def keep_stderr(self, data: bytes) -> None:
+        self.stderr_tail += data
+        if len(self.stderr_tail) > STDERR_TAIL_BYTES:
+            del self.stderr_tail[:len(self.stderr_tail) - STDERR_TAIL_BYTES]
+
+    def stderr_lines(self, count: int = 5) -> str:
+        """The last lines of stderr, printable, for a message."""
+        lines = bytes(self.stderr_tail).decode("utf-8", "replace").strip().splitlines()[-count:]
+        return printable(" | ".join(lines))[:1000]
+
+    def why_ended(self) -> str:
+        """Why the server is gone, for a person or the model (printable)."""
+        if self.fault:
+            what = self.fault
+        elif self.error:
+            what = f"its Exec call failed: {printable(self.error)}"
+        elif self.result is None:
+            what = "its Exec call ended without a result"
+        elif self.result.timed_out:
+            what = "it ran past its session's time limit"
+        elif self.result.signal:
+            what = f"it was killed by signal {self.result.signal}" + (" (out of memory)" if self.result.oom_killed
+                                                                         else "")
+        else:
+            what = f"it exited with status {self.result.exit_code}"
+        tail = self.stderr_lines()
+        return f"{what}; its last stderr: {tail}" if tail else what
+
+
+class _Lines:
+    """stdout bytes -> complete lines, each at most MAX_MESSAGE_BYTES (else OverflowError)."""
+
+    def __init__(self) -> None:
+        self._partial = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        lines: list[bytes] = []
+        start = 0
+        while True:
+            end = data.find(b"\n", start)
+            piece = data[start:] if end < 0 else data[start:end]
+            if len(self._partial) + len(piece) > MAX_MESSAGE_BYTES:
+                raise OverflowError
+            self._partial += piece
+            if end < 0:
+                return lines
+            lines.append(bytes(self._partial))
+            self._partial.clear()
+            start = end + 1
+
+
+def _parse(line: bytes) -> SessionMessage | Exception:
+    try:
+        return SessionMessage(types.jsonrpc_message_adapter.validate_json(line, by_name=False))
+    except ValueError as exc:                # pydantic's ValidationError is a ValueError
+        return exc
+
+
+@contextlib.asynccontextmanager
+async def exec_stdio_client(stub: pb_grpc.SandboxStub, start: pb.ExecStart,
+                            process: ServerProcess) -> AsyncIterator[TransportStreams]:
+    """Run ``start`` (a command in a session) as one Exec call and yield the MCP transport streams
+    over its stdin and stdout; ``process`` is filled as the call goes. Leaving the context ends the
+    call: stdin is closed, then the command is killed, then the call is cancelled, each after a
+    bounded wait, so that no server outlives its transport."""
+    call = stub.Exec()
+    read_writer, read_stream = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+    write_stream, write_reader = anyio.create_memory_object_stream[SessionMessage](0)
+
+    async def read_output() -> None:
+        lines = _Lines()
+        try:
+            async with read_writer:
+                while True:
+                    response = await call.read()
+                    if response is grpc.aio.EOF:
+                        return
+                    kind = response.WhichOneof("kind")
+                    if kind == "started_pid":
+                        process.pid, process.call_id = response.started_pid, response.call_id
+                    elif kind == "stderr":
+                        process.keep_stderr(response.stderr)
+                    elif kind == "result":
+                        process.result = response.result
+                    elif kind == "stdout":
+                        try:
+                            complete = lines.feed(response.stdout)
+                        except OverflowError:
+                            process.fault = f"it sent a message over {MAX_MESSAGE_BYTES >> 20} MiB"
+                            return
+                        for line in complete:
+                            if line.strip():
+                                await read_writer.send(_parse(line))
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.CANCELLED:
+                process.error = f"{error.code().name}: {error.details()}"
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass                              # the session is gone; the context's exit ends the call
+        finally:
+            process.ended.set()
+
+    async def write_input() -> None:
+        try:
+            async with write_reader:
+                async for message in write_reader:
+                    data = (message.message.model_dump_json(by_alias=True, exclude_unset=True) + "\n").encode()
+                    for offset in range(0, len(data), STDIN_CHUNK_BYTES):
+                        await call.write(pb.ExecRequest(stdin=data[offset:offset + STDIN_CHUNK_BYTES]))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, anyio.ClosedResourceError, anyio.BrokenResourceError,
+                RuntimeError) as error:
+            # The call is over (the server exited, the daemon went away): the session must see the
+            # connection end rather than wait on a request nobody will read.
+            log.debug("gateway: writing to an upstream's stdin failed: %s", printable(str(error)))
+            await read_writer.aclose()
+
+    async def finish() -> None:
+        """Stdin closed, then SIGKILL, then the call cancelled: each after a bounded wait."""
+        for request in (pb.ExecRequest(close_stdin=True), pb.ExecRequest(signal=int(signal.SIGKILL))):
+            if process.ended.is_set():
+                return
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError):
+                with anyio.move_on_after(CLOSE_GRACE_SECONDS):
+                    await call.write(request)
+            with anyio.move_on_after(CLOSE_GRACE_SECONDS):
+                await process.ended.wait()
+        if not process.ended.is_set():
+            call.cancel()
+
+    await call.write(pb.ExecRequest(start=start))
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(read_output)
+        tasks.start_soon(write_input)
+        try:
+            yield read_stream, write_stream
+        finally:
+            with anyio.CancelScope(shield=True):
+                write_stream.close()
+                read_stream.close()
+                await finish()
+                call.cancel()                  # no-op once the call has ended
+            tasks.cancel_scope.cancel()

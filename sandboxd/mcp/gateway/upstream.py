@@ -1,57 +1,411 @@
-"""One upstream MCP server in its own sandboxd session, and the Fleet of a gateway (skeleton)."""
+"""One upstream MCP server of the gateway, in its own sandboxd session, and the Fleet of them.
+
+Each upstream gets a session of the calling user (``approval = never``: the person approves at the
+gateway, and no approval ever widens an upstream's sandbox), labelled with the upstream's name,
+with the sandbox, workspace, network and credentials its table gives. Its server runs there as
+ONE long Exec call whose stdin and stdout are the MCP stdio transport (gateway/exec_stdio.py), and
+an `mcp.client.session.ClientSession` talks to it. Upstreams never share a session.
+
+The upstream is not trusted. Its own requests to us (sampling, elicitation, roots) are refused:
+the client session declares none of those capabilities, so an upstream can never put a prompt in
+front of the person. Its listings are bounded (1,024 tools, resources or prompts; pages too), its
+results too (a tool result over 1 MiB serialized is replaced by an error result saying so), and a
+call that outlives its timeout is cancelled (``notifications/cancelled``) and fails. A server that
+exits fails its pending calls with the exit status and the last lines of its stderr, and is
+started again with back-off (1, 2, 4 ... 60 s); its session is reused while it is open.
+"""
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
-import mcp.types as mcp_types
+import anyio
+import grpc
+import grpc.aio
+import mcp_types as types
+from mcp.client.session import ClientSession
+from mcp.shared.exceptions import MCPError
 
-from sandboxd.mcp.daemon import Daemon
+from sandboxd.errors import InvalidPolicy
+from sandboxd.mcp.daemon import Daemon, SessionSpec
 from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig
+from sandboxd.mcp.gateway.exec_stdio import ServerProcess, exec_stdio_client
+from sandboxd.policy.network import check_secret
+from sandboxd.printable import printable
 from sandboxd.v1 import sandboxd_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+MAX_LISTED = 1024                 # tools (and resources, prompts) kept of one upstream's listing
+MAX_PAGES = 64                    # pages of one listing: a cursor that never ends stops here
+MAX_RESULT_BYTES = 1 << 20        # a CallToolResult, serialized
+START_TIMEOUT_SECONDS = 60.0      # initialize and the first listings
+BACKOFF_SECONDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0)
+OUTPUT_UNLIMITED = 1 << 62        # the server's output is the transport, never cut
+CLIENT_INFO = types.Implementation(name="sandboxd-mcp-gateway", version="1")
+GATEWAY_LABEL = "sandboxd-mcp-gateway"
+
+Result = TypeVar("Result")
 
 
 class UpstreamError(Exception):
     """What went wrong with an upstream, for the model: printable, says what happened."""
 
 
+def session_spec(config: UpstreamConfig, environ: "os._Environ[str] | dict[str, str]") -> SessionSpec:
+    """The upstream's own session: its policy from its table, approval never, its credentials'
+    secrets from the gateway's environment (as `sandboxd mcp --credential` reads them)."""
+    network_policy = None
+    domains = list(config.allow_domains)
+    host = urlsplit(config.url).hostname if config.url else None
+    if host and host not in domains:
+        domains.append(host)                    # a url upstream: its bridge reaches the URL's host, nothing more
+    if domains or config.credentials:
+        # As cli.network_args.apply_network: an isolated network whose only way out is the proxy.
+        network_policy = pb.SandboxPolicy(network_access=True, network_mode="isolated", allowed_domains=domains,
+                                          credentials=list(config.credentials))
+    secrets = {}
+    for spec in config.credentials:
+        name = spec.partition("=")[0]
+        if name not in environ:
+            raise UpstreamError(f"{config.name}: credential {name}: ${name} is not set in the gateway's environment: "
+                                "set it to the secret")
+        try:
+            secrets[name] = pb.CredentialSecret(value=check_secret(name, os.fsencode(environ[name])))
+        except InvalidPolicy as exc:
+            raise UpstreamError(f"{config.name}: {printable(str(exc))}") from None
+    return SessionSpec(workspace=config.workspace, sandbox=config.sandbox, network=config.network,
+                       writable_roots=config.writable_roots, approval="never",
+                       labels={"client": GATEWAY_LABEL, "upstream": config.name}, network_policy=network_policy,
+                       credential_secrets=secrets)
+
+
+def exec_start(config: UpstreamConfig, session_id: str, environ: "os._Environ[str] | dict[str, str]") -> pb.ExecStart:
+    """The server's one long call: its command (a url upstream: the HTTP bridge, by this interpreter),
+    with its env and the named caller variables only."""
+    overlay = dict(config.env)
+    overlay.update({name: environ[name] for name in config.pass_env if name in environ})
+    argv = list(config.command) if config.command else [
+        sys.executable, "-m", "sandboxd.mcp.gateway.http_bridge", config.url,
+        *(f"--credential={spec}" for spec in config.credentials)]
+    return pb.ExecStart(session_id=session_id, argv=argv, env_overlay=overlay, timeout_seconds=0,
+                        output_limit_bytes=OUTPUT_UNLIMITED)
+
+
+async def _cancel_when(wait: Callable[[], Awaitable[Any]], scope: anyio.CancelScope) -> None:
+    await wait()
+    scope.cancel()
+
+
+def _leaf(error: BaseException) -> BaseException:
+    """The error inside task groups' exception groups: an UpstreamError if there is one."""
+    while isinstance(error, BaseExceptionGroup):
+        inner = [leaf for leaf in map(_leaf, error.exceptions) if isinstance(leaf, UpstreamError)]
+        error = inner[0] if inner else _leaf(error.exceptions[0])
+    return error
+
+
 class Upstream:
+    """One upstream server: its session, its server process, its MCP client session."""
+
     def __init__(self, daemon: Daemon, config: UpstreamConfig, on_change: Callable[[str], Awaitable[None]]) -> None:
         self.name = config.name
         self.config = config
         self.session: pb.Session | None = None
-        self.state = "stopped"
-        self.tools: list[mcp_types.Tool] = []
-        self.resources: list[mcp_types.Resource] = []
-        self.prompts: list[mcp_types.Prompt] = []
+        self._state = "stopped"
+        self.tools: list[types.Tool] = []
+        self.resources: list[types.Resource] = []
+        self.prompts: list[types.Prompt] = []
+        self.process: ServerProcess | None = None      # the current (or last) run of its server
+        self.last_error = ""
         self._daemon = daemon
         self._on_change = on_change
+        self._owns_session = False
+        self._client: ClientSession | None = None
+        self._runner: asyncio.Task[None] | None = None
+        # The outcome of the next try to start it (None: ready; else why not); replaced as each is settled,
+        # so that a caller arriving while it restarts waits for the try to come.
+        self._attempt: asyncio.Future[str | None] | None = None
+        self._stop = asyncio.Event()
+        self._relist = asyncio.Event()
+        self._dirty: set[str] = set()
+
+    @property
+    def state(self) -> str:
+        """"stopped" | "starting" | "ready" | "restarting" | "failed" | "closed"; a server whose call
+        has ended is "restarting" at once, before the runner has wound it down."""
+        if self._state == "ready" and self.process is not None and self.process.ended.is_set():
+            return "restarting"
+        return self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        self._state = value
+
+    # -- the runner: one task per upstream, from the first start to close() --------------------------
 
     async def ensure_started(self) -> None:
-        raise NotImplementedError
+        """Start it once (lazy or eager), and wait for the try under way; UpstreamError if it fails."""
+        if self.state == "closed":
+            raise UpstreamError(f"{self.name}: the gateway is closing")
+        if self._attempt is None:
+            self._attempt = asyncio.get_running_loop().create_future()
+        if self._runner is None:
+            self.state = "starting"
+            self._runner = asyncio.get_running_loop().create_task(self._run(), name=f"gateway upstream {self.name}")
+        if self.state == "ready" and self.process is not None and not self.process.ended.is_set():
+            return
+        error = await asyncio.shield(self._attempt)
+        if error is not None:
+            raise UpstreamError(error)
 
-    async def call_tool(self, tool: str, arguments: dict, timeout: float) -> mcp_types.CallToolResult:
-        raise NotImplementedError
+    def _settle(self, error: str | None) -> None:
+        """Settle the try under way (None: ready); the next caller waits for the next try."""
+        attempt, self._attempt = self._attempt, asyncio.get_running_loop().create_future()
+        if attempt is not None and not attempt.done():
+            attempt.set_result(error)
 
-    async def read_resource(self, uri: str, timeout: float) -> mcp_types.ReadResourceResult:
-        raise NotImplementedError
+    async def _run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            error = ""
+            try:
+                await self._serve()
+            except Exception as exc:  # noqa: BLE001 - whatever it was, the upstream restarts
+                leaf = _leaf(exc)
+                if isinstance(leaf, UpstreamError):
+                    error = str(leaf)
+                else:
+                    log.debug("gateway upstream %s", printable(self.name), exc_info=True)
+                    error = f"{self.name}: {printable(type(leaf).__name__)}: {printable(str(leaf))[:500]}"
+            was_ready, self._client = self._state == "ready", None
+            if self._stop.is_set():
+                break
+            if not error:
+                error = f"{self.name} stopped: {self.process.why_ended() if self.process else 'it never started'}"
+            self.last_error = error
+            self.state = "restarting" if was_ready else "failed"
+            failures = 0 if was_ready else failures
+            delay = BACKOFF_SECONDS[min(failures, len(BACKOFF_SECONDS) - 1)]
+            failures += 1
+            log.warning("gateway: %s; starting it again in %g s", error, delay)
+            if not was_ready:                # a try that failed; after a crash, callers wait for the next try
+                self._settle(error)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), delay)
+            if not self._stop.is_set():
+                self.state = "starting"
+        self._settle(f"{self.name}: the gateway is closing")
 
-    async def get_prompt(self, name: str, arguments: dict[str, str] | None, timeout: float) -> mcp_types.GetPromptResult:
-        raise NotImplementedError
+    async def _open_session(self) -> pb.Session:
+        """Its session: the one it had while that is open, else a new one."""
+        if self.session is not None:
+            try:
+                session: pb.Session = await self._daemon.stub.GetSession(
+                    pb.GetSessionRequest(session_id=self.session.id))
+                if not session.closed_at:
+                    self.session = session
+                    return session
+            except grpc.aio.AioRpcError:
+                pass
+        spec = session_spec(self.config, os.environ)
+        if not os.path.exists(self.config.workspace):
+            os.makedirs(self.config.workspace, mode=0o700, exist_ok=True)
+        try:
+            opened, self._owns_session = await self._daemon.open(spec)
+        except grpc.aio.AioRpcError as error:
+            raise UpstreamError(f"{self.name}: its session could not be opened: {error.code().name}: "
+                                f"{printable(error.details() or '')}") from None
+        self.session = opened
+        return opened
+
+    async def _serve(self) -> None:
+        """One run of the server: start it, initialize, list, then follow it until it ends."""
+        session = await self._open_session()
+        self.process = process = ServerProcess()
+        start = exec_start(self.config, session.id, os.environ)
+        async with exec_stdio_client(self._daemon.stub, start, process) as (read_stream, write_stream):
+            async with ClientSession(read_stream, write_stream, message_handler=self._on_message,
+                                     client_info=CLIENT_INFO) as client:
+                before = self._listings()
+                try:
+                    with anyio.fail_after(START_TIMEOUT_SECONDS):
+                        await client.initialize()
+                        await self._list(client, {"tools", "resources", "prompts"})
+                except TimeoutError:
+                    tail = process.stderr_lines()
+                    raise UpstreamError(f"{self.name} did not answer initialize and its listings within "
+                                        f"{START_TIMEOUT_SECONDS:g} s" + (f"; its last stderr: {tail}" if tail else "")
+                                        ) from None
+                except MCPError as exc:
+                    raise UpstreamError(self._failure(process, exc)) from None
+                if self._stop.is_set():
+                    return
+                self._client, self.state = client, "ready"
+                self._settle(None)
+                # Started again (or at last): what its lists say now may differ from before.
+                after = self._listings()
+                for kind in sorted(kind for kind in after if after[kind] != before[kind]):
+                    await self._on_change(kind)
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(self._follow_changes, client)
+                    tasks.start_soon(_cancel_when, process.ended.wait, tasks.cancel_scope)
+                    tasks.start_soon(_cancel_when, self._stop.wait, tasks.cancel_scope)
+
+
+    # -- listings -----------------------------------------------------------------------------------
+
+    async def _on_message(self, message: Any) -> None:
+        """The upstream's notifications: a list_changed marks that listing for the relister."""
+        kinds: dict[type, str] = {types.ToolListChangedNotification: "tools",
+                                  types.ResourceListChangedNotification: "resources",
+                                  types.PromptListChangedNotification: "prompts"}
+        kind = kinds.get(type(message))
+        if kind is not None:
+            self._dirty.add(kind)
+            self._relist.set()
+
+    def _listings(self) -> dict[str, list[dict[str, Any]]]:
+        return {kind: [item.model_dump(by_alias=True, exclude_none=True) for item in getattr(self, kind)]
+                for kind in ("tools", "resources", "prompts")}
+
+    async def _follow_changes(self, client: ClientSession) -> None:
+        while True:
+            await self._relist.wait()
+            self._relist.clear()
+            kinds, self._dirty = self._dirty, set()
+            try:
+                with anyio.fail_after(self.config.timeout_seconds):
+                    await self._list(client, kinds)
+            except (MCPError, TimeoutError) as exc:
+                log.warning("gateway: %s: listing its %s again failed: %s", printable(self.name),
+                            ", ".join(sorted(kinds)), printable(str(exc))[:500])
+                continue
+            for kind in sorted(kinds):
+                await self._on_change(kind)
+
+    async def _list(self, client: ClientSession, kinds: set[str]) -> None:
+        capabilities = client.server_capabilities or types.ServerCapabilities()
+        if "tools" in kinds and capabilities.tools is not None:
+            self.tools = await self._pages(client.list_tools, "tools")
+        if "resources" in kinds and capabilities.resources is not None:
+            self.resources = await self._pages(client.list_resources, "resources")
+        if "prompts" in kinds and capabilities.prompts is not None:
+            self.prompts = await self._pages(client.list_prompts, "prompts")
+
+    async def _pages(self, list_page: Callable[..., Awaitable[Any]], field: str) -> list[Any]:
+        items: list[Any] = []
+        cursor = None
+        for _ in range(MAX_PAGES):
+            page = await list_page(params=types.PaginatedRequestParams(cursor=cursor) if cursor else None)
+            items.extend(getattr(page, field))
+            cursor = page.next_cursor
+            if len(items) >= MAX_LISTED or not cursor:
+                break
+        if len(items) > MAX_LISTED or cursor:
+            log.warning("gateway: %s lists more than %d %s (or pages without end): the first %d are kept",
+                        printable(self.name), MAX_LISTED, field, min(len(items), MAX_LISTED))
+        return items[:MAX_LISTED]
+
+    # -- calls --------------------------------------------------------------------------------------
+
+    def _failure(self, process: ServerProcess, error: MCPError) -> str:
+        if error.code == types.CONNECTION_CLOSED or process.ended.is_set():
+            return f"{self.name} stopped: {process.why_ended()}"
+        return f"{self.name} answered with an error: {printable(error.message)[:2000]}"
+
+    async def _request(self, what: str, timeout: float, send: Callable[[ClientSession], Awaitable[Result]]) -> Result:
+        """One request to the upstream, started first if need be, bounded by ``timeout``."""
+        with anyio.move_on_after(timeout) as waiting:
+            await self.ensure_started()
+        if waiting.cancelled_caught:
+            raise UpstreamError(f"{self.name} did not start within {timeout:g} s: {self.last_error or 'starting'}")
+        client, process = self._client, self.process
+        if client is None or process is None:
+            raise UpstreamError(f"{self.name} is not running: {self.last_error or self.state}")
+        try:
+            # Abandoning a request (this scope's timeout) sends the upstream notifications/cancelled.
+            with anyio.fail_after(timeout):
+                return await send(client)
+        except TimeoutError:
+            raise UpstreamError(f"{self.name}: {printable(what)} timed out after {timeout:g} s (the upstream "
+                                "was told to cancel it)") from None
+        except MCPError as exc:
+            raise UpstreamError(self._failure(process, exc)) from None
+        except (RuntimeError, ValueError) as exc:          # a result that is not what MCP says
+            raise UpstreamError(f"{self.name}: {printable(what)}: its answer is not valid MCP: "
+                                f"{printable(str(exc))[:500]}") from None
+
+    async def call_tool(self, tool: str, arguments: dict[str, Any], timeout: float) -> types.CallToolResult:
+        result = await self._request(f"tool {tool}", timeout,
+                                     lambda client: client.call_tool(tool, arguments))
+        size = len(result.model_dump_json(by_alias=True, exclude_none=True))
+        if size > MAX_RESULT_BYTES:
+            return types.CallToolResult(is_error=True, content=[types.TextContent(
+                type="text", text=f"{self.name}'s tool {printable(tool)} returned {size} bytes, over the gateway's "
+                                  f"bound of {MAX_RESULT_BYTES >> 20} MiB: ask for less (a smaller range, a filter)")])
+        return result
+
+    async def read_resource(self, uri: str, timeout: float) -> types.ReadResourceResult:
+        return await self._request(f"resource {uri}", timeout,
+                                   lambda client: client.read_resource(uri))
+
+    async def get_prompt(self, name: str, arguments: dict[str, str] | None, timeout: float) -> types.GetPromptResult:
+        return await self._request(f"prompt {name}", timeout,
+                                   lambda client: client.get_prompt(name, arguments))
 
     async def close(self) -> None:
-        raise NotImplementedError
+        """End the server's call and close its session; idempotent."""
+        if self.state == "closed":
+            return
+        self.state = "closed"
+        self._stop.set()
+        if self._runner is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._runner
+        self._client = None
+        if self.session is not None and self._owns_session:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self._daemon.stub.CloseSession(pb.CloseSessionRequest(session_id=self.session.id))
+        self.session = None
 
 
 class Fleet:
+    """Every upstream of one gateway process, shared by its MCP connections."""
+
     def __init__(self, daemon: Daemon, config: GatewayConfig, on_change: Callable[[str, str], Awaitable[None]]) -> None:
         self.config = config
-        self.upstreams: dict[str, Upstream] = {}
-        self._daemon = daemon
         self._on_change = on_change
+        self.upstreams: dict[str, Upstream] = {
+            upstream.name: Upstream(daemon, upstream, self._changed_callback(upstream.name))
+            for upstream in config.upstreams}
+
+    def _changed_callback(self, name: str) -> Callable[[str], Awaitable[None]]:
+        async def changed(kind: str) -> None:
+            await self._on_change(name, kind)
+        return changed
 
     async def start(self) -> None:
-        raise NotImplementedError
+        """Start the upstreams whose table says start = "gateway", side by side; one that fails is
+        logged and tried again with back-off (its calls say why meanwhile)."""
+        async def start_one(upstream: Upstream) -> None:
+            try:
+                await upstream.ensure_started()
+            except UpstreamError as exc:
+                log.warning("gateway: %s", printable(str(exc)))
+        async with anyio.create_task_group() as tasks:
+            for upstream in self.upstreams.values():
+                if upstream.config.start == "gateway":
+                    tasks.start_soon(start_one, upstream)
 
     async def close(self) -> None:
-        raise NotImplementedError
+        async with anyio.create_task_group() as tasks:
+            for upstream in self.upstreams.values():
+                tasks.start_soon(upstream.close)

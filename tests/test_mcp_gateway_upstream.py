@@ -1,0 +1,349 @@
+"""The gateway's upstreams (sandboxd/mcp/gateway/upstream.py, exec_stdio.py) against a real daemon:
+each upstream's server runs as one Exec call in its own session, and the faults of a hostile or
+broken server (a hang, a flood, a crash, its own requests to the client) end in a bounded, stated
+way, with the state after each fault checked, not only the absence of an exception.
+
+The servers are tests/mcp_gateway_servers.py, run by the system interpreter inside the sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import mcp_types as types
+import pytest
+from mcp.client.session import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
+
+from conftest import PY, SLOW
+from daemon_fixtures import daemon, ws  # noqa: F401 - pytest fixtures
+from daemon_helpers import Daemon, DaemonFactory
+from sandboxd.mcp.daemon import Daemon as AsyncDaemon
+from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig
+from sandboxd.mcp.gateway.exec_stdio import MAX_MESSAGE_BYTES, STDERR_TAIL_BYTES
+from sandboxd.mcp.gateway.upstream import Fleet, Upstream, UpstreamError
+from sandboxd.v1 import sandboxd_pb2 as pb
+
+SERVER = str(Path(__file__).resolve().parent / "mcp_gateway_servers.py")
+T = TypeVar("T")
+
+
+def upstream_config(name: str, workspace: Path, mode: str = "echo", *extra: str, **fields: Any) -> UpstreamConfig:
+    return UpstreamConfig(name=name, command=(PY, SERVER, mode, *extra), workspace=str(workspace), **fields)
+
+
+def run(daemon: Daemon, scenario: Callable[[AsyncDaemon], Awaitable[T]]) -> T:
+    async def main() -> T:
+        client = AsyncDaemon(daemon.socket)
+        try:
+            return await scenario(client)
+        finally:
+            await client.close()
+    return asyncio.run(main())
+
+
+async def no_change(kind: str) -> None:
+    del kind
+
+
+def text(result: types.CallToolResult) -> str:
+    return "".join(block.text for block in result.content if isinstance(block, types.TextContent))
+
+
+def open_sessions(daemon: Daemon, name: str) -> list[pb.Session]:
+    return [session for session in daemon.stub.ListSessions(pb.ListSessionsRequest()).sessions
+            if session.labels.get("upstream") == name]
+
+
+async def eventually(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 30 * SLOW
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+def test_listed_called_and_closed_in_its_own_session(daemon: Daemon, ws: Path) -> None:
+    async def scenario(client: AsyncDaemon) -> None:
+        upstream = Upstream(client, upstream_config("echo", ws), no_change)
+        await upstream.ensure_started()
+        assert upstream.state == "ready"
+        assert [tool.name for tool in upstream.tools] == ["echo", "write_file", "read_file"]
+        assert [resource.uri for resource in upstream.resources] == ["test://notes"]
+        assert [prompt.name for prompt in upstream.prompts] == ["greet"]
+        result = await upstream.call_tool("echo", {"text": "hi"}, 30)
+        assert text(result) == "echo: hi" and not result.is_error
+        read = await upstream.read_resource("test://notes", 30)
+        assert read.contents[0].text == "read echo"
+        prompt = await upstream.get_prompt("greet", None, 30)
+        assert prompt.messages[0].content.text == "hello from echo"
+        # Its own session: the upstream's label, approval never, the workspace of its table.
+        assert upstream.session is not None
+        [session] = open_sessions(daemon, "echo")
+        assert session.id == upstream.session.id and session.workspace == str(ws)
+        assert session.labels["client"] == "sandboxd-mcp-gateway"
+        assert session.approval_policy == pb.NEVER
+        assert session.running_calls == 1                      # the server: one long Exec call
+        process = upstream.process
+        assert process is not None and process.pid > 0
+        await upstream.close()
+        await upstream.close()                                  # idempotent
+        assert upstream.state == "closed" and upstream.session is None
+        assert process.ended.is_set() and process.result is not None   # the Exec call ended
+        assert open_sessions(daemon, "echo") == []
+        [closed] = [past for past in daemon.stub.ListSessions(pb.ListSessionsRequest(include_closed=True)).sessions
+                    if past.id == session.id]
+        assert closed.closed_at > 0 and closed.running_calls == 0
+        with pytest.raises(UpstreamError, match="closing"):
+            await upstream.call_tool("echo", {"text": "late"}, 30)
+    run(daemon, scenario)
+
+
+def test_two_upstreams_never_share_a_session(daemon: Daemon, sandboxd_daemon_module: DaemonFactory) -> None:
+    one, two = sandboxd_daemon_module.workspace(), sandboxd_daemon_module.workspace()
+
+    async def scenario(client: AsyncDaemon) -> None:
+        first = Upstream(client, upstream_config("one", one), no_change)
+        second = Upstream(client, upstream_config("two", two), no_change)
+        try:
+            await asyncio.gather(first.ensure_started(), second.ensure_started())
+            assert first.session is not None and second.session is not None
+            assert first.session.id != second.session.id
+            assert text(await first.call_tool("write_file", {"path": "mine.txt", "text": "one's"}, 30)) == "written"
+            assert (one / "mine.txt").read_text() == "one's"
+            seen = await second.call_tool("read_file", {"path": "mine.txt"}, 30)
+            assert seen.is_error and "No such file" in text(seen)
+            # The control: the first sees its own file through the same tool.
+            assert text(await first.call_tool("read_file", {"path": "mine.txt"}, 30)) == "read: one's"
+        finally:
+            await asyncio.gather(first.close(), second.close())
+        assert open_sessions(daemon, "one") == open_sessions(daemon, "two") == []
+    run(daemon, scenario)
+
+
+def test_a_hung_call_times_out_and_the_upstream_is_told(daemon: Daemon, ws: Path) -> None:
+    async def scenario(client: AsyncDaemon) -> None:
+        upstream = Upstream(client, upstream_config("slow", ws, "slow"), no_change)
+        try:
+            with pytest.raises(UpstreamError, match=r"slow: tool hang timed out after 1 s"):
+                await upstream.call_tool("hang", {}, 1)
+            await eventually(lambda: (ws / "cancelled.log").exists(), "the upstream saw no notifications/cancelled")
+            assert (ws / "cancelled.log").read_text().strip() != ""
+            # The upstream lives on: the same server answers the next call.
+            pid = upstream.process.pid if upstream.process else 0
+            assert text(await upstream.call_tool("echo", {"text": "after"}, 30)) == "echo: after"
+            assert upstream.state == "ready" and upstream.process is not None and upstream.process.pid == pid
+        finally:
+            await upstream.close()
+    run(daemon, scenario)
+
+
+def test_a_flood_is_bounded_and_the_upstream_restarts(daemon: Daemon, ws: Path) -> None:
+    async def scenario(client: AsyncDaemon) -> None:
+        upstream = Upstream(client, upstream_config("flood", ws, "flood"), no_change)
+        try:
+            # A valid result over the gateway's 1 MiB: replaced by an error result saying so.
+            big = await upstream.call_tool("big", {}, 60)
+            assert big.is_error and "over the gateway's bound of 1 MiB" in text(big) and len(text(big)) < 1000
+            # 1 MiB of stderr: only the tail is kept.
+            assert text(await upstream.call_tool("noise", {}, 60)) == "noisy"
+            first = upstream.process
+            assert first is not None
+            # (stderr and stdout are two streams: the tail may come after the answer)
+            await eventually(lambda: first.stderr_lines(1) == "the last line of the noise", "no stderr tail")
+            assert len(first.stderr_tail) == STDERR_TAIL_BYTES
+            session_id = upstream.session.id if upstream.session else ""
+            # A 10 MiB line: the transport stops at 4 MiB, the call fails, the server is ended.
+            with pytest.raises(UpstreamError, match=f"over {MAX_MESSAGE_BYTES >> 20} MiB"):
+                await upstream.call_tool("flood", {}, 60)
+            assert upstream.state in ("restarting", "starting", "failed")
+            # Started again (in the same session), and serving; the flooding server's call has ended.
+            assert text(await upstream.call_tool("echo", {"text": "again"}, 60)) == "echo: again"
+            assert upstream.process is not first and upstream.session is not None
+            assert upstream.session.id == session_id
+            await eventually(lambda: daemon.stub.GetSession(pb.GetSessionRequest(session_id=session_id)).running_calls
+                             == 1, "the flooding server's Exec call did not end")
+        finally:
+            await upstream.close()
+    run(daemon, scenario)
+
+
+def test_a_crash_fails_the_call_and_the_next_call_works(daemon: Daemon, ws: Path) -> None:
+    changes: list[str] = []
+
+    async def changed(kind: str) -> None:
+        changes.append(kind)
+
+    async def scenario(client: AsyncDaemon) -> None:
+        upstream = Upstream(client, upstream_config("crashy", ws, "crash-after", "2"), changed)
+        try:
+            assert text(await upstream.call_tool("echo", {"text": "1"}, 30)) == "echo: 1"
+            changes.clear()
+            with pytest.raises(UpstreamError) as crash:
+                await upstream.call_tool("echo", {"text": "2"}, 30)
+            assert "exited with status 3" in str(crash.value)
+            assert "crashing on call 2 as asked" in str(crash.value)
+            first = upstream.process
+            # The next call waits for the restart (back-off 1 s) and is served by a new server.
+            assert text(await upstream.call_tool("echo", {"text": "3"}, 30)) == "echo: 3"
+            assert upstream.state == "ready" and upstream.process is not first
+            assert len(open_sessions(daemon, "crashy")) == 1       # its session was reused
+            assert changes == []                                     # the same lists: nothing to tell
+        finally:
+            await upstream.close()
+        assert open_sessions(daemon, "crashy") == []
+    run(daemon, scenario)
+
+
+def test_a_changed_tool_list_is_listed_again(daemon: Daemon, ws: Path) -> None:
+    changes: list[str] = []
+
+    async def changed(kind: str) -> None:
+        changes.append(kind)
+
+    async def scenario(client: AsyncDaemon) -> None:
+        upstream = Upstream(client, upstream_config("lists", ws, "list-changes"), changed)
+        try:
+            await upstream.ensure_started()
+            # Its first start changes every list it has (from nothing): a client that listed before learns of them.
+            assert changes == ["prompts", "resources", "tools"]
+            assert "extra" not in [tool.name for tool in upstream.tools]
+            changes.clear()
+            assert text(await upstream.call_tool("add_tool", {"text": "extra"}, 30)) == "added"
+            await eventually(lambda: changes == ["tools"], f"no tools change reported: {changes}")
+            assert "extra" in [tool.name for tool in upstream.tools]
+        finally:
+            await upstream.close()
+    run(daemon, scenario)
+
+
+def test_the_upstreams_own_requests_are_refused(daemon: Daemon, ws: Path) -> None:
+    async def scenario(client: AsyncDaemon) -> None:
+        upstream = Upstream(client, upstream_config("asks", ws, "asks"), no_change)
+        try:
+            answer = text(await upstream.call_tool("ask", {}, 30))
+        finally:
+            await upstream.close()
+        parts = sorted(answer.split("; "))
+        assert [part.split(":")[0] for part in parts] == ["elicitation/create", "roots/list", "sampling/createMessage"]
+        assert all(": error " in part for part in parts), answer
+    run(daemon, scenario)
+
+
+def test_a_server_that_cannot_start_says_why(daemon: Daemon, ws: Path) -> None:
+    async def scenario(client: AsyncDaemon) -> None:
+        broken = UpstreamConfig(name="broken", command=(PY, "-c", "import sys; sys.stderr.write('no luck\\n'); "
+                                                                   "sys.exit(7)"), workspace=str(ws))
+        upstream = Upstream(client, broken, no_change)
+        try:
+            with pytest.raises(UpstreamError) as failure:
+                await upstream.ensure_started()
+            assert "exited with status 7" in str(failure.value) and "no luck" in str(failure.value)
+            assert upstream.state == "failed"
+        finally:
+            await upstream.close()
+        assert upstream.state == "closed" and open_sessions(daemon, "broken") == []
+    run(daemon, scenario)
+
+
+def test_a_missing_credential_names_the_variable(daemon: Daemon, ws: Path) -> None:
+    os.environ.pop("GATEWAY_TEST_TOKEN", None)
+
+    async def scenario(client: AsyncDaemon) -> None:
+        config = upstream_config("cred", ws, credentials=("GATEWAY_TEST_TOKEN=https://api.example.com",))
+        upstream = Upstream(client, config, no_change)
+        try:
+            with pytest.raises(UpstreamError, match=r"\$GATEWAY_TEST_TOKEN is not set"):
+                await upstream.ensure_started()
+        finally:
+            await upstream.close()
+    run(daemon, scenario)
+
+
+def test_the_fleet_starts_the_eager_ones_and_closes_all(daemon: Daemon, sandboxd_daemon_module: DaemonFactory) -> None:
+    eager, lazy = sandboxd_daemon_module.workspace(), sandboxd_daemon_module.workspace()
+    config = GatewayConfig(path="test", upstreams=(upstream_config("eager", eager),
+                                                   upstream_config("lazy", lazy, start="first_use")))
+
+    async def scenario(client: AsyncDaemon) -> None:
+        fleet = Fleet(client, config, lambda name, kind: no_change(kind))
+        try:
+            await fleet.start()
+            assert fleet.upstreams["eager"].state == "ready" and fleet.upstreams["lazy"].state == "stopped"
+            assert open_sessions(daemon, "lazy") == []
+            assert text(await fleet.upstreams["lazy"].call_tool("echo", {"text": "x"}, 30)) == "echo: x"
+            assert len(open_sessions(daemon, "eager")) == len(open_sessions(daemon, "lazy")) == 1
+        finally:
+            await fleet.close()
+        assert open_sessions(daemon, "eager") == open_sessions(daemon, "lazy") == []
+        assert {upstream.state for upstream in fleet.upstreams.values()} == {"closed"}
+    run(daemon, scenario)
+
+
+HTTP_SERVER = str(Path(__file__).resolve().parent / "mcp_gateway_http_server.py")
+
+
+@contextlib.contextmanager
+def http_mcp_server() -> Iterator[int]:
+    """tests/mcp_gateway_http_server.py on a free loopback port, once it answers."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, HTTP_SERVER, str(port)], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60 * SLOW
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, "the HTTP MCP server did not start"
+            with socket.socket() as attempt:
+                if attempt.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.05)
+        yield port
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_the_http_bridge_carries_mcp_outside_a_sandbox() -> None:
+    """The control for a url upstream: the bridge, run unconfined, reaches the server and carries
+    its tools and calls both ways."""
+    async def scenario(port: int) -> tuple[list[str], str]:
+        params = StdioServerParameters(command=sys.executable, args=[
+            "-m", "sandboxd.mcp.gateway.http_bridge", f"http://localhost:{port}/mcp"], env={"PATH": "/usr/bin:/bin"})
+        async with stdio_client(params, errlog=sys.__stderr__) as (read_stream, write_stream), \
+                ClientSession(read_stream, write_stream) as session:
+            await session.initialize()
+            names = [tool.name for tool in (await session.list_tools()).tools]
+            return names, text(await session.call_tool("echo", {"text": "hi"}))
+    with http_mcp_server() as port:
+        names, answer = asyncio.run(scenario(port))
+    assert names == ["echo"] and answer == "echo over http: hi"
+
+
+def test_a_url_upstream_connects_from_its_sandbox_and_not_to_the_hosts_loopback(daemon: Daemon, ws: Path) -> None:
+    """A url upstream's connection leaves from its own session (its isolated network, the URL's host
+    its only allowed domain), whose loopback is its own: the host's loopback server, which the
+    control above reached through the same bridge, is out of reach."""
+    async def scenario(client: AsyncDaemon, port: int) -> None:
+        config = UpstreamConfig(name="remote", url=f"http://localhost:{port}/mcp", workspace=str(ws))
+        upstream = Upstream(client, config, no_change)
+        try:
+            with pytest.raises(UpstreamError) as refused:
+                await upstream.ensure_started()
+            assert upstream.session is not None
+            policy = upstream.session.sandbox_policy
+            assert policy.network_mode == "isolated" and list(policy.allowed_domains) == ["localhost"]
+            assert "remote stopped: it exited with status 1" in str(refused.value)
+            assert f"http_bridge: http://localhost:{port}/mcp: ConnectError" in str(refused.value)
+        finally:
+            await upstream.close()
+    with http_mcp_server() as port:
+        run(daemon, lambda client: scenario(client, port))
