@@ -86,3 +86,14 @@ def test_the_docs_state_the_parsers_bounds() -> None:
     assert f"(at most {config.MAX_UPSTREAMS})" in doc
     assert f"(at most {config.MAX_TOOL_OVERRIDES} per upstream" in doc
     assert f"| `timeout_seconds` | `{config.DEFAULT_TIMEOUT_SECONDS:g}` |" in doc
+
+
+def test_the_examples_commented_url_upstream_loads_too(tmp_path: Path, state_home: Path) -> None:
+    """The alternative the example gives in comments (GitHub's remote server) is a file the gateway takes."""
+    block = EXAMPLE.read_text().split("Use it in place of [upstreams.github] above:\n", 1)[1]
+    text = "\n".join(line.removeprefix("#").strip() for line in block.splitlines() if line.startswith("#  "))
+    remote = tmp_path / "remote.toml"
+    remote.write_text(text + "\n")
+    (github,) = config.load(str(remote)).upstreams
+    assert (github.name, github.url, github.command) == ("github", "https://api.githubcopilot.com/mcp/", ())
+    assert github.credentials == ("GITHUB_PERSONAL_ACCESS_TOKEN=https://api.githubcopilot.com",)
