@@ -1,7 +1,8 @@
 """A tiny stdio MCP server for the gateway's tests, written on raw JSON-RPC lines (no SDK) so that it
 can misbehave exactly: ``python mcp_gateway_servers.py MODE [N]``.
 
-Every mode serves the tools ``echo``, ``write_file`` and ``read_file`` (relative paths: the
+Every mode serves the tools ``echo`` (with the text "garbage first": two lines that are not
+JSON-RPC before the answer), ``write_file`` and ``read_file`` (relative paths: the
 server's working directory, its session's workspace), a resource and a prompt. The modes add:
 
   echo          nothing more
@@ -10,7 +11,9 @@ server's working directory, its session's workspace), a resource and a prompt. T
                 result (a valid message under the transport's bound, over the gateway's result bound);
                 ``noise``: 1 MiB on stderr, then answered
   crash-after   the N-th tools/call (N from argv, default 1) exits with status 3 and a stderr line
-  list-changes  ``add_tool`` adds a tool and sends notifications/tools/list_changed
+  list-changes  ``add_tool`` adds a tool and sends notifications/tools/list_changed (``times`` times)
+  env           ``getenv``: the value of the variable ``text`` names (or "unset")
+  many          lists 1,100 more tools, and one whose description is 100 KiB
   asks          ``ask``: sends sampling/createMessage, elicitation/create and roots/list to the
                 client, and answers with what came back
 """
@@ -25,8 +28,10 @@ from typing import Any
 MODE = sys.argv[1] if len(sys.argv) > 1 else "echo"
 N = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 TOOLS = ["echo", "write_file", "read_file"] + {
-    "slow": ["hang"], "flood": ["flood", "big", "noise"], "list-changes": ["add_tool"], "asks": ["ask"]}.get(MODE, [])
-SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}, "path": {"type": "string"}}}
+    "slow": ["hang"], "flood": ["flood", "big", "noise"], "list-changes": ["add_tool"], "asks": ["ask"],
+    "env": ["getenv"]}.get(MODE, [])
+SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}, "path": {"type": "string"},
+                                           "times": {"type": "integer"}}}
 
 
 def send(message: dict[str, Any]) -> None:
@@ -76,7 +81,11 @@ def main() -> None:
         elif method == "ping":
             send({"id": request_id, "result": {}})
         elif method == "tools/list":
-            send({"id": request_id, "result": {"tools": tool_list()}})
+            tools = tool_list()
+            if MODE == "many":
+                tools += [{"name": "huge", "description": "h" * (100 << 10), "inputSchema": SCHEMA}]
+                tools += [{"name": f"t{index}", "inputSchema": SCHEMA} for index in range(1100)]
+            send({"id": request_id, "result": {"tools": tools}})
         elif method == "resources/list":
             send({"id": request_id, "result": {"resources": [{"uri": "test://notes", "name": "notes"}]}})
         elif method == "resources/read":
@@ -94,17 +103,24 @@ def main() -> None:
                 sys.stderr.flush()
                 os._exit(3)
             if name == "echo":
+                if arguments.get("text") == "garbage first":
+                    sys.stdout.write("this is not JSON-RPC\n{\"jsonrpc\": \"2.0\", \"nonsense\": 1}\n")
                 text_result(request_id, "echo: " + str(arguments.get("text", "")))
             elif name == "write_file":
-                with open(arguments["path"], "w") as out:
-                    out.write(arguments.get("text", ""))
-                text_result(request_id, "written")
+                try:
+                    with open(arguments["path"], "w") as out:
+                        out.write(arguments.get("text", ""))
+                    text_result(request_id, "written")
+                except OSError as exc:
+                    text_result(request_id, f"error: {exc.strerror}", error=True)
             elif name == "read_file":
                 try:
                     with open(arguments["path"]) as source:
                         text_result(request_id, "read: " + source.read())
                 except OSError as exc:
                     text_result(request_id, f"error: {exc.strerror}", error=True)
+            elif name == "getenv":
+                text_result(request_id, os.environ.get(str(arguments.get("text")), "unset"))
             elif name == "hang":
                 pass                                     # never answered
             elif name == "flood":
@@ -119,7 +135,8 @@ def main() -> None:
             elif name == "add_tool":
                 TOOLS.append(str(arguments.get("text", "added")))
                 text_result(request_id, "added")
-                send({"method": "notifications/tools/list_changed"})
+                for _ in range(int(arguments.get("times", 1))):
+                    send({"method": "notifications/tools/list_changed"})
             elif name == "ask":
                 ask_id = request_id
                 for index, (asked, asked_params) in enumerate((

@@ -1,6 +1,7 @@
 """The policy engine, approvals and the audit log, end to end over gRPC with a real daemon:
 calls held for approval and answered (once, for the session, denied, timed out), the alias
-table, permission modes, external tools, standing rules, and the event store's log (ordered,
+table, permission modes, external tools (judged by the sandbox of the session they run in, when
+named), standing rules, and the event store's log (ordered,
 complete, surviving a SIGKILL and a restart)."""
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ from daemon_helpers import (
     SAFETY_DEADLINE,
     Daemon,
     ExecCall,
+    PlainUser,
     close_quietly,
     create_session,
     exec_start,
+    owned_dir,
     read_only,
     rpc_error,
+    run_client_as,
     run_exec,
     running_daemon,
     workspace_write,
@@ -362,6 +366,76 @@ def test_external_tools_go_through_the_same_flow(stub: pb_grpc.SandboxStub, ws: 
     assert not blocked.allowed and blocked.denied.by == "sandbox" and blocked.denied.reason == "sandbox_rejected"
     bad = rpc_error(lambda: stub.Authorize(pb.AuthorizeRequest(session_id=session.id, tool="shell.exec")))
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_authorize_judges_the_effect_by_the_session_the_tool_runs_in(stub: pb_grpc.SandboxStub, ws: Path,
+                                                                      opened: Callable[..., pb.Session]) -> None:
+    """runs_in_session_id (an MCP gateway's upstream server in a session of its own): the effect is judged
+    against that session's sandbox; approval, the held call and the audit stay the gateway session's."""
+    gateway = opened(ws, workspace_write(), approval_policy=pb.ON_REQUEST)          # no network
+    upstream = opened(ws, workspace_write(network_access=True), approval_policy=pb.NEVER)
+
+    def authorize(effect: int, runs_in: str = "") -> pb.AuthorizeResponse:
+        return stub.Authorize(pb.AuthorizeRequest(session_id=gateway.id, tool="github__create_issue", effect=effect,
+                                                  mcp_server="github", server_trusted=True,
+                                                  runs_in_session_id=runs_in), timeout=SAFETY_DEADLINE)
+
+    # The control: judged by the gateway's own sandbox, the network is off.
+    control = authorize(pb.EFFECT_NETWORK)
+    assert not control.allowed and control.denied.reason == "sandbox_rejected", control
+    # Where it runs the network is on: asked as a network request (the gateway's approval policy),
+    # held on the gateway's session, not the upstream's.
+    held = Background(lambda: authorize(pb.EFFECT_NETWORK, upstream.id))
+    pending = wait_pending(stub, gateway.id)
+    assert (pending.tool, pending.reason) == ("github__create_issue", "network_request")
+    assert not stub.ListPendingApprovals(pb.ListPendingApprovalsRequest(session_id=upstream.id)).approvals
+    resolve(stub, gateway.id, pending.call_id, "allow")
+    answer = held.result()
+    assert answer.allowed and answer.granted_by == "user" and answer.reason == "network_request", answer
+    stub.ReportToolResult(pb.ReportToolResultRequest(session_id=gateway.id, call_id=answer.call_id, ok=True))
+    recorded = {e.type: json.loads(e.data_json) for e in events(stub, gateway.id) if e.call_id == answer.call_id}
+    assert recorded["PermissionRequested"]["runs_in_session"] == upstream.id
+    assert recorded["PermissionGranted"]["runs_in_session"] == upstream.id
+    assert "runs_in_session" not in json.loads(events(stub, gateway.id, types=["PermissionDenied"])[0].data_json)
+    assert not events(stub, upstream.id, types=["PermissionRequested", "PermissionGranted", "PermissionDenied"])
+    # Destructive stays sandbox_rejected unless the sandbox it runs in is danger-full-access; the
+    # denial says whose sandbox, and is recorded with it.
+    destructive = authorize(pb.EFFECT_DESTRUCTIVE, upstream.id)
+    assert not destructive.allowed and destructive.denied.reason == "sandbox_rejected", destructive
+    assert upstream.id in destructive.denied.detail
+    denied = [json.loads(e.data_json) for e in events(stub, gateway.id, types=["PermissionDenied"])
+              if e.call_id == destructive.call_id]
+    assert denied and denied[0]["runs_in_session"] == upstream.id
+    # A session that is not there is NOT_FOUND, not a silent judgement by the gateway's sandbox.
+    missing = rpc_error(lambda: authorize(pb.EFFECT_NETWORK, "sess_nonexistent"))
+    assert missing.code() == grpc.StatusCode.NOT_FOUND
+
+
+RUNS_IN_AS_USER = r'''
+def session():
+    return stub.CreateSession(pb.CreateSessionRequest(workspace=ARGS["ws"], approval_policy=pb.NEVER,
+        sandbox_policy=pb.SandboxPolicy(mode=pb.SandboxPolicy.WORKSPACE_WRITE, network_access=True)), timeout=60)
+gateway, own = session(), session()
+def authorize(runs_in):
+    return stub.Authorize(pb.AuthorizeRequest(session_id=gateway.id, tool="up__get", effect=pb.EFFECT_NETWORK,
+                                              runs_in_session_id=runs_in), timeout=60)
+out = {"others": code(lambda: authorize(ARGS["other"])), "own": authorize(own.id).allowed}
+for sid in (gateway.id, own.id):
+    stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=60)
+print(json.dumps(out))
+'''
+
+
+def test_runs_in_another_owners_session_is_not_found(daemon: Daemon, stub: pb_grpc.SandboxStub, ws: Path,
+                                                      opened: Callable[..., pb.Session],
+                                                      plain_users: Callable[[int], list[PlainUser]]) -> None:
+    """A plain user may name only a session of its own as where its tool runs (control: its own is allowed)."""
+    root_session = opened(ws, workspace_write(network_access=True), approval_policy=pb.NEVER)
+    (user,) = plain_users(1)
+    user_ws = owned_dir(daemon.base / f"runs-in-{uuid.uuid4().hex[:8]}", user)
+    seen = run_client_as(user.uid, user.gid, daemon.socket, RUNS_IN_AS_USER,
+                         {"ws": str(user_ws), "other": root_session.id})
+    assert seen == {"others": "NOT_FOUND", "own": True}, seen
 
 
 # ---- standing rules -----------------------------------------------------------------------------

@@ -21,7 +21,6 @@ GOOD = """
 command = ["npx", "-y", "@modelcontextprotocol/server-filesystem", "/srv/data"]
 sandbox = "read-only"
 workspace = "~/mcp/files"
-writable_roots = ["/var/tmp/out"]
 network = false
 trusted = true
 timeout_seconds = 30
@@ -33,6 +32,7 @@ risk = "medium"
 
 [upstreams.github]
 command = ["github-mcp-server", "stdio"]
+writable_roots = ["~/out", "/var/tmp/./out/"]
 allow_domains = ["api.github.com"]
 credentials = ["GITHUB_TOKEN=https://api.github.com"]
 env = { LOG_LEVEL = "debug" }
@@ -56,7 +56,7 @@ def test_a_good_file(tmp_path: Path) -> None:
     assert remote.url == "https://mcp.example.com/mcp" and remote.command == ()
     assert files.name == "files" and files.command[0] == "npx" and files.url == ""
     assert files.sandbox == "read-only" and files.trusted and files.start == "first_use"
-    assert files.workspace == os.path.expanduser("~/mcp/files") and files.writable_roots == ("/var/tmp/out",)
+    assert files.workspace == os.path.expanduser("~/mcp/files") and files.writable_roots == ()
     assert files.timeout_seconds == 30.0 and isinstance(files.timeout_seconds, float)
     assert files.tools == {"write_file": ToolOverride(effect="workspace-write", risk="medium")}
     # What is not given takes the documented defaults.
@@ -64,6 +64,7 @@ def test_a_good_file(tmp_path: Path) -> None:
     assert github.start == "gateway" and github.timeout_seconds == 120.0
     assert github.workspace == default_workspace("github")
     assert github.credentials == ("GITHUB_TOKEN=https://api.github.com",)
+    assert github.writable_roots == (os.path.expanduser("~/out"), "/var/tmp/out")
     assert dict(github.env) == {"LOG_LEVEL": "debug"} and github.pass_env == ("LANG",)
     assert github.tools["delete_repository"] == ToolOverride(effect="destructive", risk=None)
 
@@ -88,10 +89,16 @@ BAD = [
     (BASE + "credentials = [\"TOKEN\"]\n", "[upstreams.up] credentials[0]: credential 'TOKEN': give VAR=https://"),
     (BASE + "credentials = [\"T=https://a.example\", \"T=https://b.example\"]\n", "T is named twice"),
     (BASE + "credentials = [\"T=https://a.example\"]\nenv = { T = \"x\" }\n", "[upstreams.up] env: T is a credential"),
+    (BASE + "pass_env = [\"T\"]\n[upstreams.other]\ncommand = [\"b\"]\ncredentials = [\"T=https://a.example\"]\n",
+     "[upstreams.up] pass_env: T is a credential's variable of [upstreams.other]"),
     (BASE + "env = { \"A=B\" = \"x\" }\n", "[upstreams.up] env: the variable name 'A=B' is not usable"),
     (BASE + "env = { A = \"x\\u0000y\" }\n", "[upstreams.up] env.A: holds a NUL character"),
     (BASE + "env = { A = 1 }\n", "[upstreams.up] env.A: is an integer: give a string"),
     (BASE + "pass_env = [\"\"]\n", "[upstreams.up] pass_env[0]: is empty"),
+    (BASE + "sandbox = \"read-only\"\nnetwork = true\n", "[upstreams.up] network: a read-only sandbox has no network"),
+    (BASE + "sandbox = \"read-only\"\nwritable_roots = [\"/var/tmp\"]\n", "[upstreams.up] writable_roots: a read-only"),
+    (BASE + "sandbox = \"danger-full-access\"\nallow_domains = [\"example.org\"]\n",
+     "[upstreams.up] allow_domains: is an option of sandbox = \"workspace-write\""),
     (BASE + "timeout_seconds = 0\n", "[upstreams.up] timeout_seconds: is 0: give seconds above 0"),
     (BASE + "timeout_seconds = true\n", "[upstreams.up] timeout_seconds: is a boolean"),
     (BASE + "start = \"later\"\n", "[upstreams.up] start: is 'later': give one of 'gateway', 'first_use'"),

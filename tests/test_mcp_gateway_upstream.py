@@ -10,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import pwd
 import socket
+import stat
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,11 +28,13 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 
 from conftest import PY, SLOW
 from daemon_fixtures import daemon, ws  # noqa: F401 - pytest fixtures
-from daemon_helpers import Daemon, DaemonFactory
+from daemon_helpers import Daemon, DaemonFactory, close_quietly, run_exec
 from sandboxd.mcp.daemon import Daemon as AsyncDaemon
-from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig
+from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig, default_workspace
 from sandboxd.mcp.gateway.exec_stdio import MAX_MESSAGE_BYTES, STDERR_TAIL_BYTES
-from sandboxd.mcp.gateway.upstream import Fleet, Upstream, UpstreamError
+from sandboxd.mcp.gateway.http_bridge import credential_headers
+from sandboxd.mcp.gateway.upstream import (MAX_LISTED, Fleet, Upstream, UpstreamError, exec_start,
+                                           gateway_variables)
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 SERVER = str(Path(__file__).resolve().parent / "mcp_gateway_servers.py")
@@ -80,6 +85,9 @@ def test_listed_called_and_closed_in_its_own_session(daemon: Daemon, ws: Path) -
         assert [prompt.name for prompt in upstream.prompts] == ["greet"]
         result = await upstream.call_tool("echo", {"text": "hi"}, 30)
         assert text(result) == "echo: hi" and not result.is_error
+        # Lines that are not JSON-RPC are dropped and counted; the answer after them arrives.
+        assert text(await upstream.call_tool("echo", {"text": "garbage first"}, 30)) == "echo: garbage first"
+        assert upstream.process is not None and upstream.process.invalid_lines == 2
         read = await upstream.read_resource("test://notes", 30)
         assert read.contents[0].text == "read echo"
         prompt = await upstream.get_prompt("greet", None, 30)
@@ -122,6 +130,13 @@ def test_two_upstreams_never_share_a_session(daemon: Daemon, sandboxd_daemon_mod
             assert seen.is_error and "No such file" in text(seen)
             # The control: the first sees its own file through the same tool.
             assert text(await first.call_tool("read_file", {"path": "mine.txt"}, 30)) == "read: one's"
+            # Nor can the first write into the second's workspace (the kernel's wall), where the
+            # second itself writes (the control).
+            intrusion = await first.call_tool("write_file", {"path": str(two / "theirs.txt"), "text": "x"}, 30)
+            assert intrusion.is_error and "Read-only file system" in text(intrusion)
+            assert text(await second.call_tool("write_file", {"path": str(two / "theirs.txt"), "text": "2"}, 30)
+                        ) == "written"
+            assert (two / "theirs.txt").read_text() == "2"
         finally:
             await asyncio.gather(first.close(), second.close())
         assert open_sessions(daemon, "one") == open_sessions(daemon, "two") == []
@@ -191,11 +206,13 @@ def test_a_crash_fails_the_call_and_the_next_call_works(daemon: Daemon, ws: Path
             assert "exited with status 3" in str(crash.value)
             assert "crashing on call 2 as asked" in str(crash.value)
             first = upstream.process
+            await eventually(lambda: upstream.tools == [] or upstream.process is not first, "its lists stayed")
             # The next call waits for the restart (back-off 1 s) and is served by a new server.
             assert text(await upstream.call_tool("echo", {"text": "3"}, 30)) == "echo: 3"
             assert upstream.state == "ready" and upstream.process is not first
             assert len(open_sessions(daemon, "crashy")) == 1       # its session was reused
-            assert changes == []                                     # the same lists: nothing to tell
+            # Its lists went with it, and came back: a client's listing follows both ways.
+            assert changes == ["prompts", "resources", "tools"] * 2
         finally:
             await upstream.close()
         assert open_sessions(daemon, "crashy") == []
@@ -219,6 +236,12 @@ def test_a_changed_tool_list_is_listed_again(daemon: Daemon, ws: Path) -> None:
             assert text(await upstream.call_tool("add_tool", {"text": "extra"}, 30)) == "added"
             await eventually(lambda: changes == ["tools"], f"no tools change reported: {changes}")
             assert "extra" in [tool.name for tool in upstream.tools]
+            # 500 notifications at once: folded into a few listings, not 500 (one per interval at most).
+            changes.clear()
+            assert text(await upstream.call_tool("add_tool", {"text": "more", "times": 500}, 30)) == "added"
+            await eventually(lambda: "more" in [tool.name for tool in upstream.tools], "no listing after the flood")
+            await asyncio.sleep(0)
+            assert 1 <= len(changes) < 50 and set(changes) == {"tools"}
         finally:
             await upstream.close()
     run(daemon, scenario)
@@ -347,3 +370,175 @@ def test_a_url_upstream_connects_from_its_sandbox_and_not_to_the_hosts_loopback(
             await upstream.close()
     with http_mcp_server() as port:
         run(daemon, lambda client: scenario(client, port))
+
+
+def test_the_servers_environment_is_its_table_and_its_credential_a_phantom(daemon: Daemon, ws: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEWAY_TEST_TOKEN", "the-real-secret-value")
+    monkeypatch.setenv("GATEWAY_TEST_PASSED", "passed on")
+    monkeypatch.setenv("GATEWAY_TEST_KEPT", "not for the server")
+    config = upstream_config("envs", ws, "env", credentials=("GATEWAY_TEST_TOKEN=https://api.example.com",),
+                             env={"PLAIN": "from the table"}, pass_env=("GATEWAY_TEST_PASSED", "GATEWAY_TEST_UNSET"))
+
+    async def scenario(client: AsyncDaemon) -> dict[str, str]:
+        upstream = Fleet(client, GatewayConfig(path="test", upstreams=(config,)), lambda name, kind: no_change(kind),
+                         variables).upstreams["envs"]
+        try:
+            await upstream.ensure_started()
+            assert upstream.session is not None
+            [state] = upstream.session.credential_states
+            assert state.name == "GATEWAY_TEST_TOKEN" and state.usable
+            return {name: text(await upstream.call_tool("getenv", {"text": name}, 30))
+                    for name in ("PLAIN", "GATEWAY_TEST_PASSED", "GATEWAY_TEST_UNSET", "GATEWAY_TEST_KEPT",
+                                 "GATEWAY_TEST_TOKEN")}
+        finally:
+            await upstream.close()
+    variables = gateway_variables(GatewayConfig(path="test", upstreams=(config,)))
+    assert variables == {"GATEWAY_TEST_TOKEN": "the-real-secret-value", "GATEWAY_TEST_PASSED": "passed on"}
+    # Read at start: what the environment holds later (the gateway's own --credential flags take
+    # their variables out of it) does not change what the upstream gets.
+    monkeypatch.delenv("GATEWAY_TEST_TOKEN")
+    monkeypatch.setenv("GATEWAY_TEST_PASSED", "changed later")
+    seen = run(daemon, scenario)
+    assert seen["PLAIN"] == "from the table" and seen["GATEWAY_TEST_PASSED"] == "passed on"
+    assert seen["GATEWAY_TEST_UNSET"] == "unset" and seen["GATEWAY_TEST_KEPT"] == "unset"
+    # Inside, the credential's variable holds a phantom, never the secret.
+    assert seen["GATEWAY_TEST_TOKEN"] not in ("unset", "the-real-secret-value")
+
+
+
+def test_a_url_upstream_in_a_full_access_session_is_served(daemon: Daemon, ws: Path) -> None:
+    """The control inside the daemon: the same bridge in a danger-full-access session (the host's
+    network as it is) reaches the server on the host's loopback and carries listings and calls."""
+    async def scenario(client: AsyncDaemon, port: int) -> None:
+        config = UpstreamConfig(name="remote", url=f"http://localhost:{port}/mcp", workspace=str(ws),
+                                sandbox="danger-full-access")
+        upstream = Upstream(client, config, no_change)
+        try:
+            await upstream.ensure_started()
+            assert [tool.name for tool in upstream.tools] == ["echo"]
+            assert text(await upstream.call_tool("echo", {"text": "x"}, 30)) == "echo over http: x"
+            assert upstream.session is not None and upstream.session.labels["upstream"] == "remote"
+        finally:
+            await upstream.close()
+    with http_mcp_server() as port:
+        run(daemon, lambda client: scenario(client, port))
+
+
+def test_a_listing_is_bounded(daemon: Daemon, ws: Path) -> None:
+    async def scenario(client: AsyncDaemon) -> list[str]:
+        upstream = Upstream(client, upstream_config("many", ws, "many"), no_change)
+        try:
+            await upstream.ensure_started()
+            assert text(await upstream.call_tool("echo", {"text": "still"}, 30)) == "echo: still"
+            return [tool.name for tool in upstream.tools]
+        finally:
+            await upstream.close()
+    names = run(daemon, scenario)
+    # 1,024 kept, in the upstream's order; the 100 KiB tool left out (over 64 KiB), not the rest.
+    assert len(names) == MAX_LISTED and names[:3] == ["echo", "write_file", "read_file"]
+    assert "huge" not in names and names[3] == "t0" and names[-1] == f"t{MAX_LISTED - 4}"
+
+
+def test_the_private_workspace_is_made_and_a_planted_link_refused(daemon: Daemon,
+                                                                   sandboxd_daemon_module: DaemonFactory,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    state = sandboxd_daemon_module.workspace()
+    monkeypatch.setenv("XDG_STATE_HOME", str(state))
+    private = Path(default_workspace("mine"))
+    elsewhere = sandboxd_daemon_module.workspace()
+    private.parent.mkdir(parents=True)
+    private.symlink_to(elsewhere)                  # planted: the upstream would write `elsewhere`
+    config = UpstreamConfig(name="mine", command=(PY, SERVER, "echo"), workspace=str(private))
+
+    async def scenario(client: AsyncDaemon) -> None:
+        upstream = Upstream(client, config, no_change)
+        try:
+            with pytest.raises(UpstreamError, match=r"its private directory .* is not a directory of yours with mode "
+                                                    r"0700 \(a link"):
+                await upstream.ensure_started()
+            assert upstream.session is None and open_sessions(daemon, "mine") == []
+        finally:
+            await upstream.close()
+        # The control: without the link, the directory is made 0700 and the upstream served there.
+        private.unlink()
+        upstream = Upstream(client, config, no_change)
+        try:
+            assert text(await upstream.call_tool("write_file", {"path": "here", "text": "x"}, 30)) == "written"
+        finally:
+            await upstream.close()
+    run(daemon, scenario)
+    assert stat.S_IMODE(private.lstat().st_mode) == 0o700 and (private / "here").read_text() == "x"
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_an_upstream_cannot_read_its_users_home(daemon: Daemon, ws: Path) -> None:
+    """The upstream's session covers its owner's home (hide_home): the test server's read_file of a
+    key there fails; the control, a session of the same user without it, reads the key."""
+    secret_dir = Path(pwd.getpwuid(os.getuid()).pw_dir) / f".sbxd-gateway-test-{uuid.uuid4().hex[:8]}"
+    secret_dir.mkdir(mode=0o700)
+    key = secret_dir / "id_rsa"
+    key.write_text("sbxt-gateway-home-secret\n")
+    try:
+        control = daemon.stub.CreateSession(pb.CreateSessionRequest(
+            workspace=str(ws), sandbox_policy=pb.SandboxPolicy(mode=pb.SandboxPolicy.WORKSPACE_WRITE),
+            approval_policy=pb.NEVER))
+        try:
+            outcome = run_exec(daemon.stub, control.id, ["cat", str(key)])
+            assert outcome.stdout == b"sbxt-gateway-home-secret\n", outcome.describe()
+        finally:
+            close_quietly(daemon.stub, control.id)
+
+        async def scenario(client: AsyncDaemon) -> types.CallToolResult:
+            upstream = Upstream(client, upstream_config("homes", ws), no_change)
+            try:
+                await upstream.ensure_started()
+                assert upstream.session is not None and upstream.session.sandbox_policy.hide_home
+                return await upstream.call_tool("read_file", {"path": str(key)}, 30)
+            finally:
+                await upstream.close()
+        seen = run(daemon, scenario)
+        assert seen.is_error and "sbxt-gateway-home-secret" not in text(seen), text(seen)
+    finally:
+        key.unlink()
+        secret_dir.rmdir()
+
+
+def test_a_url_upstreams_bridge_must_be_outside_the_hidden_home(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = UpstreamConfig(name="remote", url="https://mcp.example.com/mcp", workspace="/srv/ws")
+    start = exec_start(config, "session", {})
+    assert start.argv[:4] == [sys.executable, "-m", "sandboxd.mcp.gateway.http_bridge", config.url]
+    assert os.path.realpath(sys.executable) != os.path.expanduser("~/.venv/bin/python")
+    monkeypatch.setattr(sys, "executable", os.path.expanduser("~/.venv/bin/python"))
+    with pytest.raises(UpstreamError, match="inside your home, which the upstream's session hides"):
+        exec_start(config, "session", {})
+
+
+def test_close_ends_a_start_that_hangs(daemon: Daemon, ws: Path) -> None:
+    """A server that never answers initialize: close() ends the try there (the waiting caller
+    hears the gateway is closing, not the start's own 60 s timeout), and its call and session."""
+    async def scenario(client: AsyncDaemon) -> None:
+        silent = UpstreamConfig(name="silent", command=(PY, "-c", "import time; time.sleep(600)"), workspace=str(ws))
+        upstream = Upstream(client, silent, no_change)
+        starting = asyncio.ensure_future(upstream.ensure_started())
+        await eventually(lambda: upstream.process is not None and upstream.process.pid > 0, "the server never ran")
+        process = upstream.process
+        assert upstream.state == "starting" and not starting.done()
+        await upstream.close()
+        with pytest.raises(UpstreamError, match="the gateway is closing"):
+            await starting
+        assert process is not None and process.ended.is_set()
+        assert upstream.state == "closed" and open_sessions(daemon, "silent") == []
+    run(daemon, scenario)
+
+
+def test_the_bridge_sends_a_credential_only_to_its_origin() -> None:
+    """A url upstream's credential goes as its header to the URL's https origin only, holding what
+    the variable holds inside the sandbox (the phantom the proxy swaps for the secret)."""
+    specs = ["TOKEN=https://mcp.example.com", "KEY=https://mcp.example.com:8443;x-api-key: {}",
+             "BASIC=https://mcp.example.com;basic:me", "OTHER=https://api.example.org"]
+    environ = {"TOKEN": "phantom-1", "KEY": "phantom-2", "BASIC": "phantom-3", "OTHER": "phantom-4"}
+    assert credential_headers("https://mcp.example.com/mcp", specs, environ) == {"Authorization": "Bearer phantom-1"}
+    assert credential_headers("https://mcp.example.com:8443/mcp", specs, environ) == {"x-api-key": "phantom-2"}
+    assert credential_headers("http://mcp.example.com/mcp", specs, environ) == {}       # never over plain HTTP
+    assert credential_headers("https://evil.example.net/mcp", specs, environ) == {}

@@ -97,3 +97,22 @@ def test_credential_states_and_the_approval_fields_exist_on_the_wire() -> None:
     assert (fields["allowed_endpoints"], fields["unlisted"], fields["credentials"]) == (11, 12, 13)
     assert pb.CreateSessionRequest.DESCRIPTOR.fields_by_name["credential_secrets"].number == 12
     assert pb.UpdateSessionPolicyRequest.DESCRIPTOR.fields_by_name["credential_secrets"].number == 4
+
+
+def test_the_gateway_fields_have_their_numbers_and_round_trip() -> None:
+    """Round 9's fields (sandboxd mcp --gateway): hide_home 14 of SandboxPolicy, typed through the policy
+    model and echoed; runs_in_session_id 10 of AuthorizeRequest."""
+    from sandboxd.errors import InvalidPolicy
+    from sandboxd.policy.spec import policy_from_dict, policy_to_dict
+    from sandboxd.service.convert import policy_from_proto, policy_to_proto
+    from sandboxd.v1 import sandboxd_pb2 as pb
+
+    assert pb.SandboxPolicy.DESCRIPTOR.fields_by_name["hide_home"].number == 14
+    assert pb.AuthorizeRequest.DESCRIPTOR.fields_by_name["runs_in_session_id"].number == 10
+    for mode in (pb.SandboxPolicy.READ_ONLY, pb.SandboxPolicy.WORKSPACE_WRITE):
+        policy = policy_from_proto(pb.SandboxPolicy(mode=mode, hide_home=True))
+        assert policy.hide_home and policy_to_proto(policy).hide_home
+        assert policy_from_dict(policy_to_dict(policy)) == policy        # the store keeps it
+    assert not policy_to_proto(policy_from_proto(pb.SandboxPolicy())).hide_home
+    with pytest.raises(InvalidPolicy, match="hide the home"):
+        policy_from_proto(pb.SandboxPolicy(mode=pb.SandboxPolicy.DANGER_FULL_ACCESS, hide_home=True))

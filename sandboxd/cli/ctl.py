@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--review", action=argparse.BooleanOptionalAction, default=None,
                         help="review mode: writes are kept for `sandboxctl changes/apply/discard` and reach the "
                              "host only when applied (default: the daemon's review.default)")
+    create.add_argument("--hide-home", action="store_true",
+                        help="cover your home directory with an empty, read-only one in the sandbox (the workspace "
+                             "and writable roots inside it stay): commands never read your keys and tokens")
     add_env_options(create, "every command of the session")
     network_args.add_network_options(create)
     listing = actions.add_parser("list", help="the sessions you may see")
@@ -71,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     policy.add_argument("--network", action="store_true")
     policy.add_argument("--writable-root", action="append", default=[])
     policy.add_argument("--approval", choices=["never", "on-request", "always"])
+    policy.add_argument("--hide-home", action="store_true",
+                        help="hide your home from now on (a session that hides it keeps hiding it)")
     network_args.add_network_options(policy)   # the lists given replace the session's; its secrets kept if unchanged
     write = commands.add_parser("write", help="write stdin to a file in a session (atomically)")
     write.add_argument("session_id")
@@ -350,6 +355,7 @@ def _session_line(session: pb.Session) -> str:
     approval = pb.ApprovalPolicy.Name(session.approval_policy).lower().replace("_", "-")
     # The server reports the calls running now, not a running total: say exactly that.
     review = "  review" if session.review else ""
+    review += "  hide-home" if policy.hide_home else ""
     credentials = network_args.credential_states_line(session)
     owner = f"uid={session.owner_uid}" + (f" {printable(session.owner_principal)}" if session.owner_principal else "")
     return (f"{printable(session.id)}  {owner}  {printable(session.workspace)}  {mode} {network}  "
@@ -515,6 +521,7 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
         # Relative paths are the caller's (`session create .`): the daemon takes absolute ones only.
         created = sandbox_policy(args.sandbox, network=args.network,
                                  writable_roots=[os.path.abspath(root) for root in args.writable_root])
+        created.hide_home = args.hide_home
         credentials = network_args.credentials_from_args(args)
         network_args.apply_network(created, args, credentials)
         session = client.create_session(os.path.abspath(args.workspace), policy=created,
@@ -538,11 +545,13 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
         policy = (sandbox_policy(args.sandbox, network=args.network, writable_roots=args.writable_root)
                   if args.sandbox else None)
         credentials = network_args.credentials_from_args(args, secret_required=False)
-        if network_args.given(args):
-            if policy is None:                     # the network lists alone: the rest as the session has it
-                policy = pb.SandboxPolicy()
-                policy.CopyFrom(client.get_session(args.session_id).sandbox_policy)
-            network_args.apply_network(policy, args, credentials)
+        if policy is None and (network_args.given(args) or args.hide_home):
+            policy = pb.SandboxPolicy()            # the network lists or hide_home alone: the rest as the session has it
+            policy.CopyFrom(client.get_session(args.session_id).sandbox_policy)
+        if policy is not None:
+            if network_args.given(args):
+                network_args.apply_network(policy, args, credentials)
+            policy.hide_home = policy.hide_home or args.hide_home
         session = client.update_policy(args.session_id, policy=policy, approval=args.approval,
                                        credential_secrets=network_args.secrets_proto(credentials))
         print(f"{printable(session.id)} generation={session.sandbox_generation}")

@@ -19,7 +19,8 @@ all readable on the host's read-only view. So by default:
   e.g. by nvm).
 
 Homes are hidden only when they are real directories owned by their user and not system trees
-(daemon users have homes such as /usr/sbin or /var/www: never hidden).
+(daemon users have homes such as /usr/sbin or /var/www: never hidden): launcher.homes decides, for
+a daemon session's ``hide_home`` too.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import os
 
 from sandboxd.errors import InvalidPolicy
+from sandboxd.launcher.homes import coverable_home, home_of
 
 # The caller's variables every command gets: where programs are, how to print. Never a secret.
 PASSED = ("PATH", "LANG", "LANGUAGE", "TERM", "COLORTERM", "NO_COLOR", "TZ")
@@ -35,11 +37,6 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # The command's HOME: a new directory in the sandbox's private /tmp (a fresh tmpfs, so nothing on
 # the host can be planted there).
 PRIVATE_HOME = "/tmp/home"
-# A "home" in these trees, or equal to one of these directories, is a system directory: never covered.
-_SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/run", "/sbin",
-                 "/sys", "/usr")
-_SYSTEM_DIRS = ("/", "/home", "/media", "/mnt", "/nix", "/opt", "/snap", "/srv", "/tmp", "/var",
-                "/var/lib", "/var/tmp")
 
 
 def command_user(workspace: str, user: tuple[int, int] | None) -> tuple[int, int] | None:
@@ -52,32 +49,6 @@ def command_user(workspace: str, user: tuple[int, int] | None) -> tuple[int, int
     except OSError:
         return None
     return st.st_uid, st.st_gid
-
-
-def home_of(uid: int) -> str | None:
-    import pwd
-    try:
-        return pwd.getpwuid(uid).pw_dir or None
-    except KeyError:
-        return None
-
-
-def coverable_home(path: str | None, owners: tuple[int, ...]) -> str | None:
-    """``path`` as a real path when it is a home to cover: a directory owned by one of ``owners``,
-    not a system directory; else None."""
-    if not path or not path.startswith("/"):
-        return None
-    real = os.path.realpath(path)
-    if real in _SYSTEM_DIRS or any(real == tree or real.startswith(tree + "/") for tree in _SYSTEM_TREES):
-        return None
-    try:
-        st = os.stat(real)
-    except OSError:
-        return None
-    import stat
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid not in owners:
-        return None
-    return real
 
 
 def hidden_homes(target: tuple[int, int] | None, caller_env: dict[str, str]) -> tuple[str, ...]:

@@ -38,6 +38,9 @@ class SessionSpec:
     # credentials' secrets (never printed: left out of the repr).
     network_policy: pb.SandboxPolicy | None = None
     credential_secrets: dict[str, pb.CredentialSecret] = field(default_factory=dict, repr=False)
+    # The owner's home covered by an empty read-only directory (SandboxPolicy.hide_home): an MCP
+    # gateway's upstream server never reads the person's keys (~/.ssh, ~/.aws, ~/.config).
+    hide_home: bool = False
 
     def request(self) -> pb.CreateSessionRequest:
         # close_with_caller: a `sandboxd mcp` killed before it could close its sessions (SIGKILL,
@@ -45,6 +48,7 @@ class SessionSpec:
         policy = sandbox_policy(self.sandbox, network=self.network, writable_roots=self.writable_roots)
         if self.network_policy is not None:
             policy.MergeFrom(self.network_policy)
+        policy.hide_home = policy.hide_home or self.hide_home
         return pb.CreateSessionRequest(
             workspace=self.workspace, permission_mode=self.permission_mode, labels=self.labels, close_with_caller=True,
             credential_secrets=self.credential_secrets, sandbox_policy=policy,

@@ -107,6 +107,12 @@ class SandboxPolicy(Record):
     # kept canonical): VAR holds a phantom, the proxy puts the secret in for that upstream only.
     # Only the public half: the secret never is in a policy.
     credentials: tuple[str, ...] = ()
+    # The owner's home directory covered by an empty, read-only one, as `sandboxd run` does
+    # (launcher.rootfs step 7b): a command never reads their keys and tokens (~/.ssh, ~/.aws,
+    # ~/.config) from the host's read-only view. The workspace and writable roots inside stay.
+    # Confined kinds only (danger-full-access has no walls to hide it behind). Kept for the
+    # session's life: an update that leaves it out keeps it (service.sessions.lifecycle).
+    hide_home: bool = False
 
     @property
     def name(self) -> SandboxMode:
@@ -265,6 +271,10 @@ class DangerFullAccess(SandboxPolicy):
         if not self.network_access:
             raise InvalidPolicy("danger-full-access always has the host network: use workspace-write "
                                 "without network_access to cut it")
+        if self.hide_home:
+            raise InvalidPolicy("danger-full-access has no walls to hide the home behind: use read-only or "
+                                "workspace-write with hide_home (a session that hides its home keeps hiding it: "
+                                "create a new session for full access)")
         self._refuse_workspace_options()
 
 
@@ -331,7 +341,7 @@ def policy_from_name(name: str, *, network_access: bool = False,
                      published_ports: tuple[str, ...] | list[str] = (),
                      allowed_domains: tuple[str, ...] | list[str] = (),
                      allowed_endpoints: tuple[str, ...] | list[str] = (), unlisted: str = "",
-                     credentials: tuple[str, ...] | list[str] = ()) -> SandboxPolicy:
+                     credentials: tuple[str, ...] | list[str] = (), hide_home: bool = False) -> SandboxPolicy:
     """Build a policy from its wire/CLI name (``read-only``, ``workspace-write``, ``danger-full-access``)."""
     canonical = sandbox_mode(name)
     if canonical is SandboxMode.READ_ONLY:
@@ -345,9 +355,9 @@ def policy_from_name(name: str, *, network_access: bool = False,
         raise InvalidPolicy("allowed Unix sockets, allowed hosts, published ports, allowed domains, endpoint rules, "
                             "credentials and unlisted = ask are options of workspace-write")
     if canonical is SandboxMode.READ_ONLY:
-        return ReadOnly()
+        return ReadOnly(hide_home=hide_home)
     if canonical is SandboxMode.DANGER_FULL_ACCESS:
-        return DangerFullAccess()
+        return DangerFullAccess(hide_home=hide_home)
     policy = WorkspaceWrite(
         network_access=network_access, writable_roots=tuple(writable_roots),
         protected_subpaths=DEFAULT_PROTECTED_SUBPATHS if protected_subpaths is None else tuple(protected_subpaths),
@@ -355,7 +365,7 @@ def policy_from_name(name: str, *, network_access: bool = False,
         allowed_unix_sockets=tuple(allowed_unix_sockets),
         allowed_hosts=tuple(allowed_hosts), published_ports=tuple(published_ports),
         allowed_domains=tuple(allowed_domains), allowed_endpoints=tuple(allowed_endpoints),
-        unlisted=parse_unlisted(unlisted), credentials=tuple(credentials))
+        unlisted=parse_unlisted(unlisted), credentials=tuple(credentials), hide_home=hide_home)
     validate_policy(policy)
     return policy
 

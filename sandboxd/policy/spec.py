@@ -201,7 +201,8 @@ def policy_to_dict(policy: SandboxPolicy) -> dict[str, object]:
             "network_mode": str(policy.network_mode), "allowed_unix_sockets": list(policy.allowed_unix_sockets),
             "allowed_hosts": list(policy.allowed_hosts), "published_ports": list(policy.published_ports),
             "allowed_domains": list(policy.allowed_domains), "allowed_endpoints": list(policy.allowed_endpoints),
-            "unlisted": str(policy.unlisted), "credentials": list(policy.credentials)}
+            "unlisted": str(policy.unlisted), "credentials": list(policy.credentials),
+            "hide_home": bool(policy.hide_home)}
 
 
 def policy_from_dict(data: dict[str, object]) -> SandboxPolicy:
@@ -218,7 +219,8 @@ def policy_from_dict(data: dict[str, object]) -> SandboxPolicy:
                             allowed_domains=list(_strings(data, "allowed_domains")),
                             allowed_endpoints=list(_strings(data, "allowed_endpoints")),
                             unlisted=str(data.get("unlisted") or ""),
-                            credentials=list(_strings(data, "credentials")))
+                            credentials=list(_strings(data, "credentials")),
+                            hide_home=bool(data.get("hide_home")))
 
 
 def _strings(data: dict[str, object], key: str) -> tuple[str, ...]:

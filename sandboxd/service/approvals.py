@@ -28,6 +28,7 @@ from sandboxd._record import Record
 from sandboxd.audit.store import PERMISSION_NAMESPACE, EventStore, EventType
 from sandboxd.errors import InvalidPolicy, NotFound, PermissionDenied
 from sandboxd.policy.decision import Verdict, decide
+from sandboxd.policy.sandbox import SandboxPolicy
 from sandboxd.policy.tools import Risk
 from sandboxd.service.sessions.registry import Session
 from sandboxd.supervisor.fork_client import HandedOver
@@ -67,6 +68,11 @@ class ToolCall(Record):
     mcp_server: str = ""
     untrusted_mcp: bool = False
     note: str = ""                        # why the effect is what it is (a destructive write's path)
+    # An external tool that runs in another session of the caller's (AuthorizeRequest.runs_in_session_id:
+    # an MCP gateway's upstream server): its id, and its sandbox, which the effect is judged against
+    # (None: the session's own). The approval policy, permission mode, rules and audit stay the session's.
+    runs_in_session: str = ""
+    runs_in_policy: SandboxPolicy | None = None
 
 
 class Granted:
@@ -148,7 +154,8 @@ class ApprovalGate:
         is spent, or the disk is nearly full): a call that cannot be recorded does not start."""
         self._store.admit(session.owner.uid, session.owner.principal)
         call_id = call_id or "call_" + secrets.token_hex(6)
-        decision = decide(call.effect, call.tool, session.policy, session.approval, category=call.category,
+        sandbox = call.runs_in_policy if call.runs_in_policy is not None else session.policy
+        decision = decide(call.effect, call.tool, sandbox, session.approval, category=call.category,
                           untrusted_mcp=call.untrusted_mcp, rules=session.rules)
         if self._metrics is not None:
             self._metrics.decisions.labels(decision.verdict, decision.reason or "").inc()
@@ -161,8 +168,12 @@ class ApprovalGate:
             base["note"] = call.note
         if call.mcp_server:
             base["mcp_server"] = call.mcp_server
+        if call.runs_in_session:
+            base["runs_in_session"] = call.runs_in_session
         if decision.verdict == Verdict.DENIED_BY_SANDBOX:
             detail = f"{decision.detail}; {call.note}" if call.note else decision.detail
+            if call.runs_in_session:
+                detail += f" (the sandbox of session {call.runs_in_session}, where it runs)"
             self._deny(session, call_id, call, decision.reason, "sandbox", detail, base)
         granted_by = "policy"
         if decision.verdict == Verdict.NEEDS_APPROVAL:

@@ -77,6 +77,9 @@ class AuditService:
     def authorize(self, who: Caller, request: pb.AuthorizeRequest,
                   still_wanted: Callable[[], bool]) -> pb.AuthorizeResponse:
         session = self._registry.get(who, request.session_id)
+        # The session the tool runs in (an MCP gateway's upstream server's): its sandbox is what the
+        # effect is judged against; found as this caller's, so another owner's is NOT_FOUND.
+        runs_in = self._registry.get(who, request.runs_in_session_id) if request.runs_in_session_id else None
         check_tool_name(request.tool)
         if request.tool in BUILTIN_TOOLS:
             raise InvalidPolicy(f"{request.tool} is a built-in tool: call its RPC, which is authorized itself")
@@ -96,7 +99,9 @@ class AuditService:
                         else {"arguments": arguments},
                         summary=summary, risk=request.risk or Risk.HIGH,
                         execution_context_id=request.execution_context_id, mcp_server=request.mcp_server,
-                        untrusted_mcp=bool(request.mcp_server) and not request.server_trusted)
+                        untrusted_mcp=bool(request.mcp_server) and not request.server_trusted,
+                        runs_in_session=runs_in.id if runs_in is not None else "",
+                        runs_in_policy=runs_in.policy if runs_in is not None else None)
         try:
             granted = self._gate.authorize(session, call, still_wanted=still_wanted)
         except PermissionDenied as denied:

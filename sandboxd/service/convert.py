@@ -99,7 +99,7 @@ def policy_from_proto(message: pb.SandboxPolicy, defaults: SessionDefaults | Non
                             allowed_hosts=list(message.allowed_hosts), published_ports=list(message.published_ports),
                             allowed_domains=list(message.allowed_domains),
                             allowed_endpoints=list(message.allowed_endpoints), unlisted=message.unlisted,
-                            credentials=list(message.credentials))
+                            credentials=list(message.credentials), hide_home=message.hide_home)
 
 
 def policy_to_proto(policy: SandboxPolicy) -> pb.SandboxPolicy:
@@ -113,7 +113,7 @@ def policy_to_proto(policy: SandboxPolicy) -> pb.SandboxPolicy:
                             allowed_domains=list(policy.allowed_domains),
                             allowed_endpoints=list(policy.allowed_endpoints),
                             unlisted="" if policy.unlisted == "refuse" else str(policy.unlisted),
-                            credentials=list(policy.credentials),
+                            credentials=list(policy.credentials), hide_home=policy.hide_home,
                             no_default_protected_subpaths=True)
 
 
@@ -197,7 +197,9 @@ def axes_from_create_request(
     if legacy or request.permission_mode:
         mode = (PermissionMode.from_legacy(request.allow_shell, request.allow_file_write) if legacy
                 else PermissionMode.parse(request.permission_mode))
-        return axes_for(mode, network_access=request.sandbox_policy.network_access)
+        policy, approval, rules = axes_for(mode, network_access=request.sandbox_policy.network_access)
+        # A mode's sandbox is always confined: the home is hidden in it when asked.
+        return policy.replace(hide_home=request.sandbox_policy.hide_home), approval, rules
     approval = (defaults.approval if defaults is not None and request.approval_policy == pb.APPROVAL_POLICY_UNSPECIFIED
                 else approval_from_proto(request.approval_policy))
     return policy_from_proto(request.sandbox_policy, defaults), approval, ToolRules()

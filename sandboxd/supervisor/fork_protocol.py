@@ -257,7 +257,9 @@ def _read_record(cls: type[Record], value: object, path: str) -> Record:
 @nested
 class PolicyRecord(Record):
     """A sandbox policy as it crosses to the fork server: its kind and every field, typed (every kind
-    has every field: policy.sandbox.SandboxPolicy)."""
+    has every field: policy.sandbox.SandboxPolicy), but ``hide_home``: the daemon turns it into the
+    spec's ``hidden_homes`` (service.sessions.lifecycle), which a fork server that outlived an
+    upgrade knows already, where a new field would be refused by it."""
     name: SandboxMode
     network_access: bool
     writable_roots: list[str]

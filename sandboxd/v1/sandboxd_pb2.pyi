@@ -45,7 +45,7 @@ CALL_STATE_FINISHED: CallState
 CALL_STATE_UNKNOWN: CallState
 
 class SandboxPolicy(_message.Message):
-    __slots__ = ("mode", "network_access", "writable_roots", "protected_subpaths", "no_default_protected_subpaths", "network_mode", "allowed_unix_sockets", "allowed_hosts", "published_ports", "allowed_domains", "allowed_endpoints", "unlisted", "credentials")
+    __slots__ = ("mode", "network_access", "writable_roots", "protected_subpaths", "no_default_protected_subpaths", "network_mode", "allowed_unix_sockets", "allowed_hosts", "published_ports", "allowed_domains", "allowed_endpoints", "unlisted", "credentials", "hide_home")
     class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         MODE_UNSPECIFIED: _ClassVar[SandboxPolicy.Mode]
@@ -69,6 +69,7 @@ class SandboxPolicy(_message.Message):
     ALLOWED_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     UNLISTED_FIELD_NUMBER: _ClassVar[int]
     CREDENTIALS_FIELD_NUMBER: _ClassVar[int]
+    HIDE_HOME_FIELD_NUMBER: _ClassVar[int]
     mode: SandboxPolicy.Mode
     network_access: bool
     writable_roots: _containers.RepeatedScalarFieldContainer[str]
@@ -82,7 +83,8 @@ class SandboxPolicy(_message.Message):
     allowed_endpoints: _containers.RepeatedScalarFieldContainer[str]
     unlisted: str
     credentials: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, mode: _Optional[_Union[SandboxPolicy.Mode, str]] = ..., network_access: _Optional[bool] = ..., writable_roots: _Optional[_Iterable[str]] = ..., protected_subpaths: _Optional[_Iterable[str]] = ..., no_default_protected_subpaths: _Optional[bool] = ..., network_mode: _Optional[str] = ..., allowed_unix_sockets: _Optional[_Iterable[str]] = ..., allowed_hosts: _Optional[_Iterable[str]] = ..., published_ports: _Optional[_Iterable[str]] = ..., allowed_domains: _Optional[_Iterable[str]] = ..., allowed_endpoints: _Optional[_Iterable[str]] = ..., unlisted: _Optional[str] = ..., credentials: _Optional[_Iterable[str]] = ...) -> None: ...
+    hide_home: bool
+    def __init__(self, mode: _Optional[_Union[SandboxPolicy.Mode, str]] = ..., network_access: _Optional[bool] = ..., writable_roots: _Optional[_Iterable[str]] = ..., protected_subpaths: _Optional[_Iterable[str]] = ..., no_default_protected_subpaths: _Optional[bool] = ..., network_mode: _Optional[str] = ..., allowed_unix_sockets: _Optional[_Iterable[str]] = ..., allowed_hosts: _Optional[_Iterable[str]] = ..., published_ports: _Optional[_Iterable[str]] = ..., allowed_domains: _Optional[_Iterable[str]] = ..., allowed_endpoints: _Optional[_Iterable[str]] = ..., unlisted: _Optional[str] = ..., credentials: _Optional[_Iterable[str]] = ..., hide_home: _Optional[bool] = ...) -> None: ...
 
 class CredentialSecret(_message.Message):
     __slots__ = ("value", "daemon_secret")
@@ -894,7 +896,7 @@ class ListPendingApprovalsResponse(_message.Message):
     def __init__(self, approvals: _Optional[_Iterable[_Union[PendingApproval, _Mapping]]] = ...) -> None: ...
 
 class AuthorizeRequest(_message.Message):
-    __slots__ = ("session_id", "tool", "effect", "command", "mcp_server", "server_trusted", "arguments_json", "execution_context_id", "risk")
+    __slots__ = ("session_id", "tool", "effect", "command", "mcp_server", "server_trusted", "arguments_json", "execution_context_id", "risk", "runs_in_session_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOOL_FIELD_NUMBER: _ClassVar[int]
     EFFECT_FIELD_NUMBER: _ClassVar[int]
@@ -904,6 +906,7 @@ class AuthorizeRequest(_message.Message):
     ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
     RISK_FIELD_NUMBER: _ClassVar[int]
+    RUNS_IN_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tool: str
     effect: PolicyEffect
@@ -913,7 +916,8 @@ class AuthorizeRequest(_message.Message):
     arguments_json: str
     execution_context_id: str
     risk: str
-    def __init__(self, session_id: _Optional[str] = ..., tool: _Optional[str] = ..., effect: _Optional[_Union[PolicyEffect, str]] = ..., command: _Optional[str] = ..., mcp_server: _Optional[str] = ..., server_trusted: _Optional[bool] = ..., arguments_json: _Optional[str] = ..., execution_context_id: _Optional[str] = ..., risk: _Optional[str] = ...) -> None: ...
+    runs_in_session_id: str
+    def __init__(self, session_id: _Optional[str] = ..., tool: _Optional[str] = ..., effect: _Optional[_Union[PolicyEffect, str]] = ..., command: _Optional[str] = ..., mcp_server: _Optional[str] = ..., server_trusted: _Optional[bool] = ..., arguments_json: _Optional[str] = ..., execution_context_id: _Optional[str] = ..., risk: _Optional[str] = ..., runs_in_session_id: _Optional[str] = ...) -> None: ...
 
 class PermissionDenied(_message.Message):
     __slots__ = ("call_id", "tool", "reason", "by", "detail", "message")

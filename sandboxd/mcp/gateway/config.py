@@ -258,6 +258,17 @@ def _upstream(path: str, name: str, value: object, environ: Mapping[str, str]) -
         if clash:
             raise table.error(key, f"{printable(clash[0])} is a credential's variable (it holds the phantom the "
                                    "proxy swaps for the secret): leave it out")
+    if fields.get("sandbox") == "read-only":
+        # The daemon would refuse the session only when the upstream starts: say so now.
+        for key in ("url", "network", "allow_domains", "credentials", "writable_roots"):
+            if fields.get(key):
+                raise table.error(key, "a read-only sandbox has no network and no writable roots: use "
+                                       "sandbox = \"workspace-write\" (or leave the key out)")
+    if fields.get("sandbox") == "danger-full-access":
+        for key in ("allow_domains", "credentials"):
+            if fields.get(key):
+                raise table.error(key, "is an option of sandbox = \"workspace-write\" (danger-full-access is the "
+                                       "host's network as it is, with no proxy to hold a list or a secret)")
     if "tools" in value:
         fields["tools"] = _tools(path, name, value["tools"])
     if "timeout_seconds" in value:
@@ -289,8 +300,19 @@ def parse(path: str, text: str, environ: Mapping[str, str] | None = None) -> Gat
                                  "command = [...]")
     if len(upstreams) > MAX_UPSTREAMS:
         raise GatewayConfigError(f"{printable(path)}: {len(upstreams)} upstreams: at most {MAX_UPSTREAMS}")
-    return GatewayConfig(path=path, upstreams=tuple(_upstream(path, name, value, environ)
-                                                    for name, value in upstreams.items()))
+    config = GatewayConfig(path=path, upstreams=tuple(_upstream(path, name, value, environ)
+                                                      for name, value in upstreams.items()))
+    # A credential's variable is a secret of the gateway's environment: no upstream may be handed
+    # it in the clear, also not another upstream than the one that names it.
+    secrets = {spec.partition("=")[0]: upstream.name for upstream in config.upstreams for spec in upstream.credentials}
+    for upstream in config.upstreams:
+        for key, names in (("env", upstream.env), ("pass_env", upstream.pass_env)):
+            for variable in names:
+                if variable in secrets:
+                    raise _Table(path, f"upstreams.{upstream.name}").error(
+                        key, f"{printable(variable)} is a credential's variable of [upstreams.{secrets[variable]}] (a "
+                             "secret of the gateway's environment): leave it out")
+    return config
 
 
 def load(path: str) -> GatewayConfig:

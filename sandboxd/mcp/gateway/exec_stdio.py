@@ -46,6 +46,7 @@ class ServerProcess:
     result: pb.ExecResult | None = None
     error: str = ""                  # the Exec call failed (the daemon refused it, the channel broke)
     fault: str = ""                  # the upstream broke the transport (a message over the bound)
+    invalid_lines: int = 0           # stdout lines that were not JSON-RPC messages (dropped)
     stderr_tail: bytearray = field(default_factory=bytearray)
     ended: anyio.Event = field(default_factory=anyio.Event)   # the Exec call's stream ended
 
@@ -100,11 +101,11 @@ class _Lines:
             start = end + 1
 
 
-def _parse(line: bytes) -> SessionMessage | Exception:
+def _parse(line: bytes) -> SessionMessage | None:
     try:
         return SessionMessage(types.jsonrpc_message_adapter.validate_json(line, by_name=False))
-    except ValueError as exc:                # pydantic's ValidationError is a ValueError
-        return exc
+    except ValueError:                       # pydantic's ValidationError is a ValueError
+        return None
 
 
 @contextlib.asynccontextmanager
@@ -140,8 +141,13 @@ async def exec_stdio_client(stub: pb_grpc.SandboxStub, start: pb.ExecStart,
                             process.fault = f"it sent a message over {MAX_MESSAGE_BYTES >> 20} MiB"
                             return
                         for line in complete:
-                            if line.strip():
-                                await read_writer.send(_parse(line))
+                            message = _parse(line) if line.strip() else None
+                            if message is not None:
+                                await read_writer.send(message)
+                            elif line.strip():
+                                # Not JSON-RPC (a stray print, a hostile server): counted and dropped,
+                                # neither logged line by line nor handed to the session.
+                                process.invalid_lines += 1
         except grpc.aio.AioRpcError as error:
             if error.code() != grpc.StatusCode.CANCELLED:
                 process.error = f"{error.code().name}: {error.details()}"

@@ -2,17 +2,20 @@
 
 Each upstream gets a session of the calling user (``approval = never``: the person approves at the
 gateway, and no approval ever widens an upstream's sandbox), labelled with the upstream's name,
-with the sandbox, workspace, network and credentials its table gives. Its server runs there as
+with the sandbox, workspace, network and credentials its table gives, and the user's home hidden
+(``hide_home``: the server never reads the person's keys). Its server runs there as
 ONE long Exec call whose stdin and stdout are the MCP stdio transport (gateway/exec_stdio.py), and
 an `mcp.client.session.ClientSession` talks to it. Upstreams never share a session.
 
 The upstream is not trusted. Its own requests to us (sampling, elicitation, roots) are refused:
 the client session declares none of those capabilities, so an upstream can never put a prompt in
-front of the person. Its listings are bounded (1,024 tools, resources or prompts; pages too), its
-results too (a tool result over 1 MiB serialized is replaced by an error result saying so), and a
-call that outlives its timeout is cancelled (``notifications/cancelled``) and fails. A server that
+front of the person. Its listings are bounded (1,024 tools, resources or prompts, 64 KiB each and
+4 MiB in all, 64 pages), its results too (a tool result over 1 MiB serialized is replaced by an
+error result saying so), and a call that outlives its timeout is cancelled
+(``notifications/cancelled``) and fails. A server that
 exits fails its pending calls with the exit status and the last lines of its stderr, and is
-started again with back-off (1, 2, 4 ... 60 s); its session is reused while it is open.
+started again with back-off (1, 2, 4 ... 60 s, back to 1 s once it served a minute); its session
+is reused while it is open.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import stat
 import sys
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -33,9 +38,10 @@ import mcp_types as types
 from mcp.client.session import ClientSession
 from mcp.shared.exceptions import MCPError
 
+import sandboxd
 from sandboxd.errors import InvalidPolicy
 from sandboxd.mcp.daemon import Daemon, SessionSpec
-from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig
+from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig, default_workspace
 from sandboxd.mcp.gateway.exec_stdio import ServerProcess, exec_stdio_client
 from sandboxd.policy.network import check_secret
 from sandboxd.printable import printable
@@ -45,9 +51,13 @@ log = logging.getLogger(__name__)
 
 MAX_LISTED = 1024                 # tools (and resources, prompts) kept of one upstream's listing
 MAX_PAGES = 64                    # pages of one listing: a cursor that never ends stops here
+MAX_ITEM_BYTES = 64 << 10         # one tool (resource, prompt) as listed, serialized: a bigger one is left out
+MAX_LISTING_BYTES = 4 << 20       # what one upstream's listing of one kind keeps in all
 MAX_RESULT_BYTES = 1 << 20        # a CallToolResult, serialized
 START_TIMEOUT_SECONDS = 60.0      # initialize and the first listings
 BACKOFF_SECONDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0)
+STEADY_SECONDS = 60.0             # served this long: its next fault starts the back-off at 1 s again
+RELIST_INTERVAL_SECONDS = 1.0     # at most one listing per interval for list_changed notifications
 OUTPUT_UNLIMITED = 1 << 62        # the server's output is the transport, never cut
 CLIENT_INFO = types.Implementation(name="sandboxd-mcp-gateway", version="1")
 GATEWAY_LABEL = "sandboxd-mcp-gateway"
@@ -59,13 +69,13 @@ class UpstreamError(Exception):
     """What went wrong with an upstream, for the model: printable, says what happened."""
 
 
-def session_spec(config: UpstreamConfig, environ: "os._Environ[str] | dict[str, str]") -> SessionSpec:
+def session_spec(config: UpstreamConfig, environ: Mapping[str, str]) -> SessionSpec:
     """The upstream's own session: its policy from its table, approval never, its credentials'
     secrets from the gateway's environment (as `sandboxd mcp --credential` reads them)."""
     network_policy = None
     domains = list(config.allow_domains)
     host = urlsplit(config.url).hostname if config.url else None
-    if host and host not in domains:
+    if host and config.sandbox == "workspace-write" and host not in domains:
         domains.append(host)                    # a url upstream: its bridge reaches the URL's host, nothing more
     if domains or config.credentials:
         # As cli.network_args.apply_network: an isolated network whose only way out is the proxy.
@@ -81,20 +91,72 @@ def session_spec(config: UpstreamConfig, environ: "os._Environ[str] | dict[str, 
             secrets[name] = pb.CredentialSecret(value=check_secret(name, os.fsencode(environ[name])))
         except InvalidPolicy as exc:
             raise UpstreamError(f"{config.name}: {printable(str(exc))}") from None
-    return SessionSpec(workspace=config.workspace, sandbox=config.sandbox, network=config.network,
+    return SessionSpec(workspace=config.workspace, sandbox=config.sandbox, network=config.network or bool(config.url),
                        writable_roots=config.writable_roots, approval="never",
                        labels={"client": GATEWAY_LABEL, "upstream": config.name}, network_policy=network_policy,
-                       credential_secrets=secrets)
+                       credential_secrets=secrets,
+                       # A daemon session shows its owner's home read-only; an upstream server must not
+                       # read the person's keys (~/.ssh, ~/.aws, ~/.config): the home is covered, its
+                       # workspace inside it stays. danger-full-access has no walls to cover it with.
+                       hide_home=config.sandbox != "danger-full-access")
 
 
-def exec_start(config: UpstreamConfig, session_id: str, environ: "os._Environ[str] | dict[str, str]") -> pb.ExecStart:
+def variables_of(config: UpstreamConfig, environ: Mapping[str, str]) -> dict[str, str]:
+    """What an upstream takes from the gateway's environment: its credentials' secrets and its
+    pass_env variables (those set)."""
+    names = [spec.partition("=")[0] for spec in config.credentials] + list(config.pass_env)
+    return {name: environ[name] for name in names if name in environ}
+
+
+def gateway_variables(config: GatewayConfig, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What all the upstreams of a gateway file take from the environment, for Fleet(environ=):
+    read at start, before anything takes secrets out of the environment."""
+    environ = os.environ if environ is None else environ
+    return {name: value for upstream in config.upstreams for name, value in variables_of(upstream, environ).items()}
+
+
+def private_directory(name: str, path: str) -> None:
+    """An upstream's default workspace, ``.../sandboxd/gateway/NAME``: made 0700, and used only if
+    it and the two directories above it that are ours are real directories of this user, not
+    links (another program of the user, an agent with the home as its workspace, could plant a
+    link there to hand the upstream a workspace of its choosing)."""
+    gateway = os.path.dirname(path)
+    for directory in (os.path.dirname(gateway), gateway, path):
+        with contextlib.suppress(FileExistsError):
+            os.makedirs(directory, mode=0o700)
+        info = os.lstat(directory)
+        if (not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid()
+                or (directory == path and stat.S_IMODE(info.st_mode) & 0o077)):
+            raise UpstreamError(f"{name}: its private directory {printable(directory)} is not a directory of yours"
+                                f"{' with mode 0700' if directory == path else ''} (a link? another owner's?): "
+                                "remove it, or give the upstream a workspace")
+
+
+def check_bridge_visible(config: UpstreamConfig) -> None:
+    """A url upstream's bridge is this interpreter and this sandboxd, run in a session that hides
+    the user's home: installed in the home (a venv, pipx), they are not there to run."""
+    if config.sandbox == "danger-full-access":
+        return
+    home = os.path.realpath(os.path.expanduser("~"))
+    for what, path in (("the Python interpreter", sys.executable), ("sandboxd", os.path.dirname(sandboxd.__file__))):
+        real = os.path.realpath(path)
+        if home not in ("/", "") and (real == home or real.startswith(home + "/")):
+            raise UpstreamError(f"{config.name}: a url upstream runs its HTTP bridge with {what} at "
+                                f"{printable(real)}, inside your home, which the upstream's session hides: install "
+                                "sandboxd outside your home (or give the server as command = [...])")
+
+
+def exec_start(config: UpstreamConfig, session_id: str, environ: Mapping[str, str]) -> pb.ExecStart:
     """The server's one long call: its command (a url upstream: the HTTP bridge, by this interpreter),
     with its env and the named caller variables only."""
     overlay = dict(config.env)
     overlay.update({name: environ[name] for name in config.pass_env if name in environ})
-    argv = list(config.command) if config.command else [
-        sys.executable, "-m", "sandboxd.mcp.gateway.http_bridge", config.url,
-        *(f"--credential={spec}" for spec in config.credentials)]
+    if config.command:
+        argv = list(config.command)
+    else:
+        check_bridge_visible(config)
+        argv = [sys.executable, "-m", "sandboxd.mcp.gateway.http_bridge", config.url,
+                *(f"--credential={spec}" for spec in config.credentials)]
     return pb.ExecStart(session_id=session_id, argv=argv, env_overlay=overlay, timeout_seconds=0,
                         output_limit_bytes=OUTPUT_UNLIMITED)
 
@@ -115,7 +177,8 @@ def _leaf(error: BaseException) -> BaseException:
 class Upstream:
     """One upstream server: its session, its server process, its MCP client session."""
 
-    def __init__(self, daemon: Daemon, config: UpstreamConfig, on_change: Callable[[str], Awaitable[None]]) -> None:
+    def __init__(self, daemon: Daemon, config: UpstreamConfig, on_change: Callable[[str], Awaitable[None]],
+                 environ: Mapping[str, str] | None = None) -> None:
         self.name = config.name
         self.config = config
         self.session: pb.Session | None = None
@@ -136,6 +199,11 @@ class Upstream:
         self._stop = asyncio.Event()
         self._relist = asyncio.Event()
         self._dirty: set[str] = set()
+        self._ready_at = 0.0
+        # The variables it takes from the gateway's environment, read once (a restart finds the
+        # same values); ``environ``: as read earlier (variables_of), before the gateway's own
+        # --credential flags took theirs out of the environment.
+        self._environ = variables_of(config, os.environ if environ is None else environ)
 
     @property
     def state(self) -> str:
@@ -177,7 +245,10 @@ class Upstream:
         while not self._stop.is_set():
             error = ""
             try:
-                await self._serve()
+                async with anyio.create_task_group() as watch:
+                    watch.start_soon(self._stop_while_starting, watch.cancel_scope)
+                    await self._serve()
+                    watch.cancel_scope.cancel()
             except Exception as exc:  # noqa: BLE001 - whatever it was, the upstream restarts
                 leaf = _leaf(exc)
                 if isinstance(leaf, UpstreamError):
@@ -188,11 +259,19 @@ class Upstream:
             was_ready, self._client = self._state == "ready", None
             if self._stop.is_set():
                 break
+            if was_ready:
+                # Gone: its lists with it (a client's next listing leaves them out), until it is back.
+                gone = [kind for kind in ("prompts", "resources", "tools") if getattr(self, kind)]
+                self.tools, self.resources, self.prompts = [], [], []
+                self.state = "restarting"
+                for kind in gone:
+                    await self._on_change(kind)
             if not error:
                 error = f"{self.name} stopped: {self.process.why_ended() if self.process else 'it never started'}"
             self.last_error = error
             self.state = "restarting" if was_ready else "failed"
-            failures = 0 if was_ready else failures
+            if was_ready and time.monotonic() - self._ready_at >= STEADY_SECONDS:
+                failures = 0                 # it served a while: a new fault, not the same crash loop
             delay = BACKOFF_SECONDS[min(failures, len(BACKOFF_SECONDS) - 1)]
             failures += 1
             log.warning("gateway: %s; starting it again in %g s", error, delay)
@@ -203,6 +282,13 @@ class Upstream:
             if not self._stop.is_set():
                 self.state = "starting"
         self._settle(f"{self.name}: the gateway is closing")
+
+    async def _stop_while_starting(self, scope: anyio.CancelScope) -> None:
+        """close() ends a try that is not ready wherever it is (opening the session, a hung
+        initialize); a ready one winds down in _serve."""
+        await self._stop.wait()
+        if self._client is None:
+            scope.cancel()
 
     async def _open_session(self) -> pb.Session:
         """Its session: the one it had while that is open, else a new one."""
@@ -215,9 +301,9 @@ class Upstream:
                     return session
             except grpc.aio.AioRpcError:
                 pass
-        spec = session_spec(self.config, os.environ)
-        if not os.path.exists(self.config.workspace):
-            os.makedirs(self.config.workspace, mode=0o700, exist_ok=True)
+        spec = session_spec(self.config, self._environ)
+        if self.config.workspace == default_workspace(self.name):
+            private_directory(self.name, self.config.workspace)
         try:
             opened, self._owns_session = await self._daemon.open(spec)
         except grpc.aio.AioRpcError as error:
@@ -230,7 +316,7 @@ class Upstream:
         """One run of the server: start it, initialize, list, then follow it until it ends."""
         session = await self._open_session()
         self.process = process = ServerProcess()
-        start = exec_start(self.config, session.id, os.environ)
+        start = exec_start(self.config, session.id, self._environ)
         async with exec_stdio_client(self._daemon.stub, start, process) as (read_stream, write_stream):
             async with ClientSession(read_stream, write_stream, message_handler=self._on_message,
                                      client_info=CLIENT_INFO) as client:
@@ -248,7 +334,7 @@ class Upstream:
                     raise UpstreamError(self._failure(process, exc)) from None
                 if self._stop.is_set():
                     return
-                self._client, self.state = client, "ready"
+                self._client, self.state, self._ready_at = client, "ready", time.monotonic()
                 self._settle(None)
                 # Started again (or at last): what its lists say now may differ from before.
                 after = self._listings()
@@ -257,6 +343,7 @@ class Upstream:
                 async with anyio.create_task_group() as tasks:
                     tasks.start_soon(self._follow_changes, client)
                     tasks.start_soon(_cancel_when, process.ended.wait, tasks.cancel_scope)
+                    # Ready: close() leaves this loop, and the server is ended in order (stdin closed first).
                     tasks.start_soon(_cancel_when, self._stop.wait, tasks.cancel_scope)
 
 
@@ -290,6 +377,9 @@ class Upstream:
                 continue
             for kind in sorted(kinds):
                 await self._on_change(kind)
+            # An upstream that sends list_changed without end is listed (and its clients told) at
+            # most once per interval: the notifications between are folded into the next listing.
+            await anyio.sleep(RELIST_INTERVAL_SECONDS)
 
     async def _list(self, client: ClientSession, kinds: set[str]) -> None:
         capabilities = client.server_capabilities or types.ServerCapabilities()
@@ -301,18 +391,28 @@ class Upstream:
             self.prompts = await self._pages(client.list_prompts, "prompts")
 
     async def _pages(self, list_page: Callable[..., Awaitable[Any]], field: str) -> list[Any]:
+        """One listing, read page by page: at most MAX_LISTED items and MAX_LISTING_BYTES kept, an
+        item over MAX_ITEM_BYTES (serialized) left out, each cut logged once per listing."""
         items: list[Any] = []
-        cursor = None
+        kept_bytes, left_out, cursor = 0, 0, None
         for _ in range(MAX_PAGES):
             page = await list_page(params=types.PaginatedRequestParams(cursor=cursor) if cursor else None)
-            items.extend(getattr(page, field))
+            for item in getattr(page, field):
+                size = len(item.model_dump_json(by_alias=True, exclude_none=True))
+                if size > MAX_ITEM_BYTES or kept_bytes + size > MAX_LISTING_BYTES or len(items) >= MAX_LISTED:
+                    left_out += 1
+                    continue
+                items.append(item)
+                kept_bytes += size
             cursor = page.next_cursor
-            if len(items) >= MAX_LISTED or not cursor:
+            if not cursor or len(items) >= MAX_LISTED or kept_bytes >= MAX_LISTING_BYTES:
                 break
-        if len(items) > MAX_LISTED or cursor:
-            log.warning("gateway: %s lists more than %d %s (or pages without end): the first %d are kept",
-                        printable(self.name), MAX_LISTED, field, min(len(items), MAX_LISTED))
-        return items[:MAX_LISTED]
+        if left_out or cursor:
+            log.warning("gateway: %s lists more %s than the gateway keeps (at most %d, %d MiB in all, %d KiB each, "
+                        "%d pages): %d kept, %d left out%s", printable(self.name), field, MAX_LISTED,
+                        MAX_LISTING_BYTES >> 20, MAX_ITEM_BYTES >> 10, MAX_PAGES, len(items), left_out,
+                        ", more pages not read" if cursor else "")
+        return items
 
     # -- calls --------------------------------------------------------------------------------------
 
@@ -380,11 +480,14 @@ class Upstream:
 class Fleet:
     """Every upstream of one gateway process, shared by its MCP connections."""
 
-    def __init__(self, daemon: Daemon, config: GatewayConfig, on_change: Callable[[str, str], Awaitable[None]]) -> None:
+    def __init__(self, daemon: Daemon, config: GatewayConfig, on_change: Callable[[str, str], Awaitable[None]],
+                 environ: Mapping[str, str] | None = None) -> None:
+        """``environ``: the variables the upstreams take (gateway_variables), when read earlier
+        than now; else this process's environment now."""
         self.config = config
         self._on_change = on_change
         self.upstreams: dict[str, Upstream] = {
-            upstream.name: Upstream(daemon, upstream, self._changed_callback(upstream.name))
+            upstream.name: Upstream(daemon, upstream, self._changed_callback(upstream.name), environ)
             for upstream in config.upstreams}
 
     def _changed_callback(self, name: str) -> Callable[[str], Awaitable[None]]:

@@ -24,8 +24,10 @@ from sandboxd._record import Record
 from sandboxd.audit.store import EventStore, EventType
 from sandboxd.errors import InvalidPolicy, NotFound, WrongState
 from sandboxd.kernel import overlay, review_space
+from sandboxd.launcher.homes import owner_home
 from sandboxd.policy import LaunchSpec, Limits, SandboxPolicy
 from sandboxd.policy.decision import ApprovalPolicy, ToolRules
+from sandboxd.policy.sandbox import is_within
 from sandboxd.policy.network import DaemonSecret
 from sandboxd.service.callers import Caller, acted_by
 from sandboxd.service.principals import pod_uid_of
@@ -220,6 +222,8 @@ class SessionLifecycle:
                 if session.closed:
                     raise NotFound(f"no session {session.id!r}")
                 before, current, ready = session.axes(), session.policy, session.sandbox_ready
+            if policy is not None and current.hide_home and not policy.hide_home:
+                policy = policy.replace(hide_home=True)   # kept for the session's life (SandboxPolicy.hide_home)
             changed = policy is not None and policy != current
             if policy is not None and (changed or secrets) and live_changeable(current, policy):
                 if changed:
@@ -529,6 +533,7 @@ class SessionLifecycle:
                           limits=session.limits, user=command_user(session.owner, policy), dns=self._places.dns,
                           network_pool=self._places.network_pool, caller=rights_of(session.owner),
                           hidden_paths=own.hidden, owner_hidden=_owner_places(session.owner.uid),
+                          hidden_homes=_hidden_homes(session, policy, workspace),
                           denied_sockets=own.sockets, denied_listeners=own.listeners,
                           approval_channels=own.channels,
                           owner=cgroup_owner(session.owner), placement=placement,
@@ -556,6 +561,31 @@ def _forget_secrets(session: Session) -> None:
         credentials, session.credentials, session.ca = session.credentials, None, None
     if credentials is not None:
         credentials.wipe()
+
+
+def _hidden_homes(session: Session, policy: SandboxPolicy, workspace: str) -> tuple[str, ...]:
+    """With ``hide_home``: the homes to cover (launcher.homes decides which are coverable): the
+    owner's, and for a root owner's confined session also that of the workspace's owner, whom its
+    commands run as (access.command_user, launcher.plan), so that root acting on a user's checkout
+    hides that user's keys too."""
+    if not policy.hide_home:
+        return ()
+    uids = [session.owner.uid]
+    if command_user(session.owner, policy) is None:
+        try:
+            uids.append(os.stat(workspace).st_uid)
+        except OSError:
+            pass                                      # the launch says what is wrong with it
+    homes = tuple(dict.fromkeys(home for uid in uids for home in owner_home(uid)))
+    # A root that holds a home is attached over its cover (rootfs step 7b): the home would show,
+    # keys and all, while the policy says hidden. Said, not done silently.
+    for what, root in (("workspace", workspace), *(("writable root", root) for root in policy.writable_roots)):
+        real = os.path.realpath(root)
+        for home in homes:
+            if is_within(home, real):
+                raise InvalidPolicy(f"hide_home: the {what} {root!r} holds the home {home!r} it would hide: pick "
+                                    "a directory inside the home (or elsewhere), or leave hide_home out")
+    return homes
 
 
 def _owner_places(uid: int) -> tuple[str, ...]:
