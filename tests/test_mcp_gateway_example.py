@@ -45,7 +45,8 @@ def test_the_example_loads_as_the_docs_describe_it(state_home: Path) -> None:
     assert github.credentials == ("GITHUB_PERSONAL_ACCESS_TOKEN=https://api.github.com",)
     assert github.workspace == str(state_home / "sandboxd" / "gateway" / "github")
     assert github.start == "gateway" and github.timeout_seconds == config.DEFAULT_TIMEOUT_SECONDS
-    assert github.tools["push_files"].effect == Effect.DESTRUCTIVE
+    assert github.tools["merge_pull_request"] == config.ToolOverride(effect=Effect.NETWORK, risk="high")
+    assert github.tools["create_repository"].effect == Effect.DESTRUCTIVE
     assert github.tools["get_file_contents"].effect == Effect.READ_ONLY
 
 
