@@ -99,6 +99,8 @@ BAD = [
     (BASE + "sandbox = \"read-only\"\nwritable_roots = [\"/var/tmp\"]\n", "[upstreams.up] writable_roots: a read-only"),
     (BASE + "sandbox = \"danger-full-access\"\nallow_domains = [\"example.org\"]\n",
      "[upstreams.up] allow_domains: is an option of sandbox = \"workspace-write\""),
+    (BASE + "workspace = \"~\"\n", "[upstreams.up] workspace: " + os.path.expanduser("~") + " holds your home"),
+    (BASE + "writable_roots = [\"/\"]\n", "[upstreams.up] writable_roots[0]: / holds your home"),
     (BASE + "timeout_seconds = 0\n", "[upstreams.up] timeout_seconds: is 0: give seconds above 0"),
     (BASE + "timeout_seconds = true\n", "[upstreams.up] timeout_seconds: is a boolean"),
     (BASE + "start = \"later\"\n", "[upstreams.up] start: is 'later': give one of 'gateway', 'first_use'"),
@@ -146,6 +148,27 @@ def test_a_file_that_cannot_be_read(tmp_path: Path) -> None:
     binary.write_bytes(b"\xff\xfe[upstreams]")
     with pytest.raises(GatewayConfigError, match="not UTF-8"):
         load(str(binary))
+
+
+def test_only_a_regular_file_of_yours_that_nobody_else_writes(tmp_path: Path) -> None:
+    """As ssh takes its configuration: the file decides every upstream's walls."""
+    path = tmp_path / "gateway.toml"
+    path.write_text(BASE)
+    path.chmod(0o644)
+    assert load(str(path)).upstreams[0].name == "up"                      # the control
+    path.chmod(0o664)
+    with pytest.raises(GatewayConfigError, match=r"others may write it \(mode 664\): chmod go-w"):
+        load(str(path))
+    path.chmod(0o644)
+    os.chown(path, 65534, 65534)
+    with pytest.raises(GatewayConfigError, match="owned by uid 65534, not by you or root"):
+        load(str(path))
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)                                   # nobody writes it: an open without O_NONBLOCK would hang
+    with pytest.raises(GatewayConfigError, match="not a regular file"):
+        load(str(fifo))
+    with pytest.raises(GatewayConfigError, match="not a regular file"):
+        load(str(tmp_path))
 
 
 def test_a_name_in_a_message_is_printable() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -86,6 +87,16 @@ def default_workspace(name: str, environ: Mapping[str, str] | None = None) -> st
     if not os.path.isabs(state):                 # the XDG spec: a relative value is ignored
         state = os.path.join(os.path.expanduser("~"), ".local", "state")
     return os.path.join(state, "sandboxd", "gateway", name)
+
+
+def _home() -> str:
+    """The user's home as the daemon finds it (the user database), "" if none."""
+    import pwd
+    try:
+        home = pwd.getpwuid(os.getuid()).pw_dir
+    except KeyError:
+        return ""
+    return os.path.normpath(home) if home else ""
 
 
 class _Table:
@@ -213,6 +224,37 @@ _KEYS = ("command", "url", "sandbox", "workspace", "writable_roots", "network", 
          "pass_env", "trusted", "tools", "timeout_seconds", "start")
 
 
+def _check_fit(table: _Table, fields: dict[str, Any]) -> None:
+    """The keys of one upstream that the daemon would refuse together only when it starts (or that
+    would hand its secret or the user's home back to it): refused now, at load."""
+    phantoms = {spec.partition("=")[0] for spec in fields.get("credentials", ())}
+    for key in ("env", "pass_env"):
+        clash = sorted(phantoms & set(fields.get(key, ())))
+        if clash:
+            raise table.error(key, f"{printable(clash[0])} is a credential's variable (it holds the phantom the "
+                                   "proxy swaps for the secret): leave it out")
+    if fields.get("sandbox") == "read-only":
+        for key in ("url", "network", "allow_domains", "credentials", "writable_roots"):
+            if fields.get(key):
+                raise table.error(key, "a read-only sandbox has no network and no writable roots: use "
+                                       "sandbox = \"workspace-write\" (or leave the key out)")
+    if fields.get("sandbox") != "danger-full-access":
+        # Every upstream session but danger-full-access hides the user's home (its keys); a workspace
+        # or writable root that holds the home would show it again, and the daemon refuses it.
+        home = _home()
+        for key, directory in [("workspace", fields["workspace"]), *(
+                (f"writable_roots[{index}]", root) for index, root in enumerate(fields.get("writable_roots", ())))]:
+            if home and (directory == "/" or home == directory or home.startswith(directory.rstrip("/") + "/")):
+                raise table.error(key, f"{printable(directory)} holds your home {printable(home)}, which an upstream's "
+                                       "session hides (its keys, its configuration): give a directory inside it "
+                                       "(~/project) or elsewhere")
+    if fields.get("sandbox") == "danger-full-access":
+        for key in ("allow_domains", "credentials"):
+            if fields.get(key):
+                raise table.error(key, "is an option of sandbox = \"workspace-write\" (danger-full-access is the "
+                                       "host's network as it is, with no proxy to hold a list or a secret)")
+
+
 def _upstream(path: str, name: str, value: object, environ: Mapping[str, str]) -> UpstreamConfig:
     table = _Table(path, f"upstreams.{name}")
     if not UPSTREAM_NAME.fullmatch(name):
@@ -252,23 +294,7 @@ def _upstream(path: str, name: str, value: object, environ: Mapping[str, str]) -
     if "pass_env" in value:
         fields["pass_env"] = tuple(_variable(table, "pass_env", item)
                                    for item in _texts(table, "pass_env", value["pass_env"]))
-    phantoms = {spec.partition("=")[0] for spec in fields.get("credentials", ())}
-    for key in ("env", "pass_env"):
-        clash = sorted(phantoms & set(fields.get(key, ())))
-        if clash:
-            raise table.error(key, f"{printable(clash[0])} is a credential's variable (it holds the phantom the "
-                                   "proxy swaps for the secret): leave it out")
-    if fields.get("sandbox") == "read-only":
-        # The daemon would refuse the session only when the upstream starts: say so now.
-        for key in ("url", "network", "allow_domains", "credentials", "writable_roots"):
-            if fields.get(key):
-                raise table.error(key, "a read-only sandbox has no network and no writable roots: use "
-                                       "sandbox = \"workspace-write\" (or leave the key out)")
-    if fields.get("sandbox") == "danger-full-access":
-        for key in ("allow_domains", "credentials"):
-            if fields.get(key):
-                raise table.error(key, "is an option of sandbox = \"workspace-write\" (danger-full-access is the "
-                                       "host's network as it is, with no proxy to hold a list or a secret)")
+    _check_fit(table, fields)
     if "tools" in value:
         fields["tools"] = _tools(path, name, value["tools"])
     if "timeout_seconds" in value:
@@ -316,12 +342,31 @@ def parse(path: str, text: str, environ: Mapping[str, str] | None = None) -> Gat
 
 
 def load(path: str) -> GatewayConfig:
-    """The gateway file at ``path``, or GatewayConfigError saying what to fix."""
+    """The gateway file at ``path``, or GatewayConfigError saying what to fix.
+
+    The file decides every upstream's walls, so it is taken only as ssh takes its configuration: a
+    regular file (a FIFO would hang the start) owned by the user or root that nobody else may
+    write (another user's file, a shared /tmp file, could hand an upstream danger-full-access)."""
     try:
-        with open(path, "rb") as handle:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise GatewayConfigError(f"{printable(path)}: cannot read the gateway file ({exc.strerror})") from None
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            raise GatewayConfigError(f"{printable(path)}: not a regular file: give the gateway file itself")
+        if info.st_uid not in (os.getuid(), 0):
+            raise GatewayConfigError(f"{printable(path)}: owned by uid {info.st_uid}, not by you or root: a gateway "
+                                     "file decides the upstreams' walls; use a file of your own")
+        if info.st_mode & 0o022:
+            raise GatewayConfigError(f"{printable(path)}: others may write it (mode {stat.S_IMODE(info.st_mode):o}): "
+                                     f"chmod go-w {printable(path)}")
+        with os.fdopen(descriptor, "rb", closefd=False) as handle:
             data = handle.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise GatewayConfigError(f"{printable(path)}: cannot read the gateway file ({exc.strerror})") from None
+    finally:
+        os.close(descriptor)
     if len(data) > MAX_FILE_BYTES:
         raise GatewayConfigError(f"{printable(path)}: the gateway file is over {MAX_FILE_BYTES >> 20} MiB")
     try:

@@ -6,8 +6,9 @@ unchanged.
 
 The upstream is not trusted: one message is at most 4 MiB (a longer line means the server is
 broken or hostile: the call is ended and the upstream restarted, rather than buffering without
-end), and what it writes on stderr is kept as its last 64 KiB only, for the message that says why
-it stopped.
+end), what it writes on stderr is kept as its last 64 KiB only, for the message that says why it
+stopped, and its own requests (sampling, elicitation, roots) are refused here, one at a time,
+never reaching the client session (which would hold a task for each).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class ServerProcess:
     error: str = ""                  # the Exec call failed (the daemon refused it, the channel broke)
     fault: str = ""                  # the upstream broke the transport (a message over the bound)
     invalid_lines: int = 0           # stdout lines that were not JSON-RPC messages (dropped)
+    refused_requests: int = 0        # its own requests to the gateway (sampling, elicitation, roots), refused
     stderr_tail: bytearray = field(default_factory=bytearray)
     ended: anyio.Event = field(default_factory=anyio.Event)   # the Exec call's stream ended
 
@@ -142,7 +144,9 @@ async def exec_stdio_client(stub: pb_grpc.SandboxStub, start: pb.ExecStart,
                             return
                         for line in complete:
                             message = _parse(line) if line.strip() else None
-                            if message is not None:
+                            if message is not None and isinstance(message.message, types.JSONRPCRequest):
+                                await answer_request(message.message)
+                            elif message is not None:
                                 await read_writer.send(message)
                             elif line.strip():
                                 # Not JSON-RPC (a stray print, a hostile server): counted and dropped,
@@ -156,13 +160,32 @@ async def exec_stdio_client(stub: pb_grpc.SandboxStub, start: pb.ExecStart,
         finally:
             process.ended.set()
 
+    async def send_line(message: types.JSONRPCMessage) -> None:
+        data = (message.model_dump_json(by_alias=True, exclude_unset=True) + "\n").encode()
+        async with writing:                   # one write at a time on the call
+            for offset in range(0, len(data), STDIN_CHUNK_BYTES):
+                await call.write(pb.ExecRequest(stdin=data[offset:offset + STDIN_CHUNK_BYTES]))
+
+    async def answer_request(request: types.JSONRPCRequest) -> None:
+        """The upstream's own request, answered here, in the reader, before its next line is read:
+        a ping with an empty result; anything else (sampling, elicitation, roots, ...) refused, as
+        the gateway declares no such capability. Answered one at a time, so an upstream that sends
+        requests without reading the answers stalls itself, and holds nothing of the gateway's."""
+        if request.method == "ping":
+            answer: types.JSONRPCMessage = types.JSONRPCResponse(jsonrpc="2.0", id=request.id, result={})
+        else:
+            answer = types.JSONRPCError(jsonrpc="2.0", id=request.id, error=types.ErrorData(
+                code=types.METHOD_NOT_FOUND, message=f"refused: the sandboxd gateway declares no client capability "
+                                                     f"for {printable(request.method)[:100]}"))
+        process.refused_requests += request.method != "ping"
+        with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError):
+            await send_line(answer)
+
     async def write_input() -> None:
         try:
             async with write_reader:
                 async for message in write_reader:
-                    data = (message.message.model_dump_json(by_alias=True, exclude_unset=True) + "\n").encode()
-                    for offset in range(0, len(data), STDIN_CHUNK_BYTES):
-                        await call.write(pb.ExecRequest(stdin=data[offset:offset + STDIN_CHUNK_BYTES]))
+                    await send_line(message.message)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, anyio.ClosedResourceError, anyio.BrokenResourceError,
                 RuntimeError) as error:
             # The call is over (the server exited, the daemon went away): the session must see the
@@ -177,12 +200,14 @@ async def exec_stdio_client(stub: pb_grpc.SandboxStub, start: pb.ExecStart,
                 return
             with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError):
                 with anyio.move_on_after(CLOSE_GRACE_SECONDS):
-                    await call.write(request)
+                    async with writing:
+                        await call.write(request)
             with anyio.move_on_after(CLOSE_GRACE_SECONDS):
                 await process.ended.wait()
         if not process.ended.is_set():
             call.cancel()
 
+    writing = anyio.Lock()
     await call.write(pb.ExecRequest(start=start))
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(read_output)

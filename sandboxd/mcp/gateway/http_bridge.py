@@ -70,8 +70,10 @@ async def bridge(url: str, headers: dict[str, str]) -> None:
             async def to_gateway() -> None:
                 async for item in read_stream:
                     if isinstance(item, Exception):
-                        await anyio.wrap_file(sys.stderr).write(f"http_bridge: {printable(str(item))[:1000]}\n")
-                        continue
+                        # Which request it failed is not known: end the bridge, so that the gateway
+                        # fails the pending calls with this (its stderr) and starts it again, rather
+                        # than each waiting out its timeout.
+                        raise item
                     await stdout.write(item.message.model_dump_json(by_alias=True, exclude_unset=True).encode()
                                        + b"\n")
                     await stdout.flush()

@@ -55,6 +55,7 @@ MAX_ITEM_BYTES = 64 << 10         # one tool (resource, prompt) as listed, seria
 MAX_LISTING_BYTES = 4 << 20       # what one upstream's listing of one kind keeps in all
 MAX_RESULT_BYTES = 1 << 20        # a CallToolResult, serialized
 START_TIMEOUT_SECONDS = 60.0      # initialize and the first listings
+START_WAIT_SECONDS = 10.0         # Fleet.start waits this long for the first tries; the rest go on behind
 BACKOFF_SECONDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0)
 STEADY_SECONDS = 60.0             # served this long: its next fault starts the back-off at 1 s again
 RELIST_INTERVAL_SECONDS = 1.0     # at most one listing per interval for list_changed notifications
@@ -496,17 +497,21 @@ class Fleet:
         return changed
 
     async def start(self) -> None:
-        """Start the upstreams whose table says start = "gateway", side by side; one that fails is
-        logged and tried again with back-off (its calls say why meanwhile)."""
+        """Start the upstreams whose table says start = "gateway", side by side, and wait for each
+        one's first try, at most START_WAIT_SECONDS: an MCP client gives its server only so long to
+        answer initialize, and one slow upstream must not cost the others. One still starting then
+        goes on in the background and announces its lists through on_change when ready; one that
+        fails is logged and tried again with back-off (its calls say why meanwhile)."""
         async def start_one(upstream: Upstream) -> None:
             try:
                 await upstream.ensure_started()
             except UpstreamError as exc:
                 log.warning("gateway: %s", printable(str(exc)))
-        async with anyio.create_task_group() as tasks:
-            for upstream in self.upstreams.values():
-                if upstream.config.start == "gateway":
-                    tasks.start_soon(start_one, upstream)
+        with anyio.move_on_after(START_WAIT_SECONDS):
+            async with anyio.create_task_group() as tasks:
+                for upstream in self.upstreams.values():
+                    if upstream.config.start == "gateway":
+                        tasks.start_soon(start_one, upstream)
 
     async def close(self) -> None:
         async with anyio.create_task_group() as tasks:
