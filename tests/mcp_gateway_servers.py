@@ -56,6 +56,7 @@ def main() -> None:
     calls = 0
     waiting: dict[str, Any] = {}          # our own request id -> the tools/call it answers for
     answers: list[str] = []
+    ask_id: Any = None                    # the tools/call of `ask`: answered once its requests are
     for line in sys.stdin:
         if not line.strip():
             continue
