@@ -900,6 +900,12 @@ def sandbox_cgroups() -> set[str]:
     return found
 
 
+def cgroup_mounts() -> list[Path]:
+    """Every cgroup hierarchy's mount point (v1 and v2)."""
+    with open("/proc/self/mounts") as f:
+        return [Path(line.split()[1]) for line in f if line.split()[2] in ("cgroup", "cgroup2")]
+
+
 def sandbox_links(*creators: int) -> set[str]:
     """The host-side links of isolated networks that ``creators`` made (pids in this PID namespace: a
     daemon's fork server, a `sandboxd run`): kernel.netns names each link's creator in its alias

@@ -25,7 +25,7 @@ import grpc
 import pytest
 
 from conftest import pids_with_marker
-from daemon_helpers import (Daemon, ExecCall, base_with_workspace, create_session, exec_start, run_exec,
+from daemon_helpers import (Daemon, ExecCall, base_with_workspace, cgroup_mounts, create_session, exec_start, run_exec,
                             sandbox_cgroups, sandbox_links, socket_in, workspace_write)
 from sandboxd import config
 from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
@@ -253,7 +253,8 @@ def test_a_supervisor_in_its_own_cgroup_survives_the_kill_of_the_daemons_group(b
     name = f"sbxadopt-{uuid.uuid4().hex[:10]}"
     daemon_group = Path(unified) / f"{name}-daemon"
     daemon_group.mkdir()
-    env = {**SURVIVE, **({"SANDBOXD_SUPERVISOR_CGROUP": f"/{name}-supervisor"} if own_group else {})}
+    # Two levels deep, as a pod's own group would be (a v1 cpuset group needs each level's cpus and mems).
+    env = {**SURVIVE, **({"SANDBOXD_SUPERVISOR_CGROUP": f"/{name}-supervisor/node"} if own_group else {})}
     wrapper = ["sh", "-c", f'echo $$ > {daemon_group}/cgroup.procs && exec "$@"', "sh"]
     marker = f"{name}-call"
     second = None
@@ -261,8 +262,11 @@ def test_a_supervisor_in_its_own_cgroup_survives_the_kill_of_the_daemons_group(b
         first = Daemon(base, env=env, wrapper=wrapper).start()
         supervisor = next(line for line in first.log_lines() if line.get("msg") == "serving")["fork_server_pid"]
         with open(f"/proc/{supervisor}/cgroup") as own:
-            placed = [line.strip() for line in own if line.startswith("0::")]
-        assert placed == [f"0::/{name}-supervisor" if own_group else f"0::/{name}-daemon"], placed
+            lines = own.read().splitlines()
+        placed = [line for line in lines if line.startswith("0::")]
+        assert placed == [f"0::/{name}-supervisor/node" if own_group else f"0::/{name}-daemon"], placed
+        if own_group:                 # and in every v1 hierarchy (runc kills a v1 container's by devices)
+            assert all(line.split(":", 2)[2] == f"/{name}-supervisor/node" for line in lines), lines
         session = create_session(first.stub, base / "ws", workspace_write())
         shell = f"echo up; sleep 3; echo done; : {marker}; exit 7"
         call = ExecCall(first.stub, exec_start(session.id, shell=shell))
@@ -285,7 +289,7 @@ def test_a_supervisor_in_its_own_cgroup_survives_the_kill_of_the_daemons_group(b
     finally:
         if second is not None:
             second.stop(signal.SIGINT)
-        for group in (Path(unified) / f"{name}-supervisor", daemon_group):
+        for group in [*(mount / f"{name}-supervisor" for mount in cgroup_mounts()), daemon_group]:
             wait_for(f"{group} to empty", lambda group=group: not _group_procs(group), 30)
             for directory in sorted((p for p in group.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
                 directory.rmdir()

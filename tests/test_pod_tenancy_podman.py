@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 
 from conftest import BASE_ENV, REPO, SANDBOXD
+from daemon_helpers import cgroup_mounts
 from pod_world import AGENT, refused
 from test_pod_tenancy import FULL, create, ids, listed, touch_attempts
 
@@ -44,11 +45,13 @@ SHARED_STATE = [Path(p) for p in ("/dev/shm/libpod_lock", "/run/libpod", "/run/c
 class Podman:
     """podman with every bit of its state in ``work``."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, pidns: str = "private") -> None:
         self.work = work
         nofile = os.sysconf("SC_OPEN_MAX")
+        # pidns: every container's default PID namespace ("host": what a pod's hostPID asks for,
+        # which podman 4.3's kube play ignores).
         (work / "containers.conf").write_text(
-            f'[containers]\ndefault_ulimits = ["nofile={nofile}:{nofile}", "nproc=32768:32768"]\n'
+            f'[containers]\npidns = "{pidns}"\ndefault_ulimits = ["nofile={nofile}:{nofile}", "nproc=32768:32768"]\n'
             f'[engine]\nruntime = "runc"\ncgroup_manager = "cgroupfs"\nevents_logger = "file"\n'
             f'events_logfile_path = "{work}/events.log"\n')
         self.env = {**BASE_ENV, "CONTAINERS_CONF": str(work / "containers.conf")}
@@ -67,11 +70,6 @@ class Podman:
         """A container on the host's root file system (overlaid), ``work`` bound at its own path."""
         return self("run", *options, "-v", f"{self.work}:{self.work}", "--rootfs", "/:O", *command,
                     input=input, check=check)
-
-
-def cgroup_mounts() -> list[Path]:
-    with open("/proc/self/mounts") as f:
-        return [Path(line.split()[1]) for line in f if line.split()[2] in ("cgroup", "cgroup2")]
 
 
 def remove_cgroups(name: str) -> list[str]:
@@ -153,7 +151,7 @@ class AgentPod:
 
 
 @contextlib.contextmanager
-def podman_node() -> Iterator[Node]:
+def podman_node(pidns: str = "private") -> Iterator[Node]:
     if shutil.which("podman") is None or shutil.which("runc") is None:
         pytest.fail("podman and runc are needed (packaging/container/build-and-run installs them)")
     absent = [path for path in SHARED_STATE if not path.exists()]
@@ -161,7 +159,7 @@ def podman_node() -> Iterator[Node]:
     work.chmod(0o755)
     for sub in ("sock", "tmp"):
         (work / sub).mkdir()
-    podman = Podman(work)
+    podman = Podman(work, pidns)
     node = Node(podman, f"/sbxt-pods-{uuid.uuid4().hex[:8]}")
     try:
         yield node

@@ -176,11 +176,16 @@ def _attach_script(path: str) -> str:
 def test_only_root_running_sandboxds_interpreter_may_attach(base: Path) -> None:
     """A plain user cannot reach the socket (a 0700 directory of root's) and, given the way
     (the control: the directory opened), is refused by the peer check; root running another
-    executable is refused too; the same script as root with sandboxd's interpreter is taken."""
+    executable is refused too (a copy of the interpreter one byte longer: the check compares the
+    file's bytes, so that a replaced pod's new container, whose interpreter is another file with
+    the same bytes, may attach: tests/test_attach_point.py); the same script as root with
+    sandboxd's interpreter is taken."""
     server = start(base)
     path = str(base / "private" / "supervisor.sock")
     copied = base / "other-python"
     shutil.copy2(os.path.realpath("/proc/self/exe"), copied)
+    with open(copied, "ab") as longer:
+        longer.write(b"\0")
     try:
         server.detach()
         with plain_users(1) as [user]:

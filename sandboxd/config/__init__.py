@@ -78,7 +78,7 @@ def _supervisor_cgroup(value: object) -> str | None:
     if value == "":
         return None
     if not isinstance(value, str) or not value.startswith("/") or value == "/" or os.path.normpath(value) != value:
-        return f"must be empty or an absolute normal path below the cgroup2 root, e.g. \"/sandboxd.supervisor\", not {value!r}"
+        return f"must be empty or an absolute normal path below the cgroup root, e.g. \"/sandboxd.supervisor\", not {value!r}"
     return None
 
 
@@ -473,10 +473,11 @@ KEYS: tuple[Key, ...] = (
     Key("supervisor", "orphan_seconds", 600, "how long a surviving supervisor whose daemon is gone waits for the "
         "next one to attach; past it every sandbox is stopped (as a daemon's stop does) and it exits",
         _positive_seconds),
-    Key("supervisor", "cgroup", "", "a cgroup v2 group (a path from the cgroup2 root, e.g. /sandboxd.supervisor) "
-        "the surviving supervisor moves itself into at start, with every sandbox below it, so that killing the "
-        "daemon's own group (a container runtime replacing the daemon's pod) spares them; empty: it stays in the "
-        "daemon's group (systemd: KillMode=process)", _supervisor_cgroup),
+    Key("supervisor", "cgroup", "", "a cgroup (a path from the hierarchies' roots, e.g. /sandboxd.supervisor) "
+        "the surviving supervisor moves itself into at start in every hierarchy it belongs to (v2 and each v1 "
+        "one), with every sandbox below it, so that killing the daemon's own group (a container runtime "
+        "replacing the daemon's pod) spares them; empty: it stays in the daemon's group (systemd: "
+        "KillMode=process)", _supervisor_cgroup),
     Key("approvals", "timeout_seconds", 300, "a call nobody approves within this is denied", _positive_seconds),
     Key("audit", "event_bytes", 16384, "the most bytes one event keeps (its data as JSON): a longer value a caller "
         "chose (a command, a tool's arguments or result) is kept as its start (up to a quarter of this), its full "

@@ -57,7 +57,7 @@ from sandboxd.network.tcp_listeners import check_bindable, why_unbindable
 from sandboxd.printable import printable
 from sandboxd.service.quotas import Quotas
 from sandboxd.service.sandboxed_peers import SandboxedPeers
-from sandboxd.service.server import (MAX_FORK_RESTARTS, RESTART_WINDOW, ForkWatch, JsonLogFormatter,
+from sandboxd.service.server import (MAX_FORK_RESTARTS, RESTART_WINDOW, SELF_TEST_DIR, ForkWatch, JsonLogFormatter,
                                      TextLogFormatter, make_own_directories, own_places, self_test,
                                      sweep_private_dir)
 from sandboxd.service.servicer import Reflection, SandboxServicer
@@ -173,7 +173,9 @@ class Daemon:
             fork, adoption = self._fork_server(private)
             # A start that fails leaves a surviving supervisor (and everything it holds) to the next.
             undo.callback(fork.detach)
-            problem = self_test(fork, s.session_defaults)
+            # An attached supervisor may be a replaced pod's, in that pod's mount namespace: the
+            # self-test's workspace goes where both see it (server.self_test).
+            problem = self_test(fork, s.session_defaults, private if adoption is not None else SELF_TEST_DIR)
             if problem is not None:
                 return problem
             handler = logging.StreamHandler(sys.stderr)

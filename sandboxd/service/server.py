@@ -95,15 +95,15 @@ SELF_TEST_LOCK_GRACE = 60.0
 
 
 @contextlib.contextmanager
-def _self_test_workspace() -> "Iterator[str]":
-    """An empty directory for the self-test, locked (flock) while it is used, removed afterwards.
+def _self_test_workspace(directory: str = SELF_TEST_DIR) -> "Iterator[str]":
+    """An empty directory in ``directory`` for the self-test, locked (flock) while it is used, removed afterwards.
     The lock, not the pid in its name, says its daemon lives: the kernel drops it when the daemon
     dies, and every daemon sharing /var/tmp sees it, whatever its PID namespace (a container's
     daemon saw a host daemon's pid as dead and removed its workspace mid-test)."""
     import fcntl
     import tempfile
 
-    workspace = tempfile.mkdtemp(prefix=f"{SELF_TEST_PREFIX}{os.getpid()}-", dir=SELF_TEST_DIR)
+    workspace = tempfile.mkdtemp(prefix=f"{SELF_TEST_PREFIX}{os.getpid()}-", dir=directory)
     held = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fcntl.flock(held, fcntl.LOCK_EX)    # 0700 and root's: only another daemon's sweep can hold it, an instant
@@ -114,16 +114,16 @@ def _self_test_workspace() -> "Iterator[str]":
         os.close(held)
 
 
-def _sweep_self_test_workspaces() -> None:
-    """The empty workspaces of self-tests whose daemon was killed mid-test (SIGKILL skips the
-    ``finally``): those nobody holds locked, made more than SELF_TEST_LOCK_GRACE seconds ago."""
+def _sweep_self_test_workspaces(directory: str = SELF_TEST_DIR) -> None:
+    """The empty workspaces of self-tests (in ``directory``) whose daemon was killed mid-test (SIGKILL
+    skips the ``finally``): those nobody holds locked, made more than SELF_TEST_LOCK_GRACE seconds ago."""
     import fcntl
 
     now = time.time()
-    for name in os.listdir(SELF_TEST_DIR):
+    for name in os.listdir(directory):
         if not name.startswith(SELF_TEST_PREFIX):
             continue
-        path = os.path.join(SELF_TEST_DIR, name)
+        path = os.path.join(directory, name)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
@@ -139,22 +139,26 @@ def _sweep_self_test_workspaces() -> None:
             os.close(fd)
 
 
-def self_test(fork: "ForkServer", session_defaults: "SessionDefaults | None" = None) -> str | None:
+def self_test(fork: "ForkServer", session_defaults: "SessionDefaults | None" = None,
+              directory: str = SELF_TEST_DIR) -> str | None:
     """Launch `true` in a read-only sandbox with a memory and a pids limit through the fork server:
     the whole set-up sequence (cgroups, namespaces, mounts, pivot_root, privileges, Landlock,
     seccomp). A machine where limits cannot be applied fails here, at start-up, with the fix,
-    not at a user's first limited call. The problem, or None."""
+    not at a user's first limited call. The problem, or None. Its workspace is made in
+    ``directory``, which the fork server must see at the same path: an attached supervisor a
+    replaced pod left lives in that pod's mount namespace, where this container's /var/tmp is
+    not (the daemon's private directory, on the socket's hostPath, is where both see it)."""
     from sandboxd.errors import SandboxdError
     from sandboxd.policy import LaunchSpec, Limits, ReadOnly
 
-    _sweep_self_test_workspaces()
+    _sweep_self_test_workspaces(directory)
     limits = Limits(memory_bytes=64 << 20, pids=16)
     if session_defaults is not None:          # the caps of all sandboxes together: in place from start-up
         limits = limits.replace(total_pids=session_defaults.total_pids,
                                 total_memory_bytes=session_defaults.total_memory_bytes)
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     try:
-        with _self_test_workspace() as workspace:
+        with _self_test_workspace(directory) as workspace:
             call = fork.launch(LaunchSpec(argv=("true",), workspace=workspace, policy=ReadOnly(),
                                           limits=limits, env={"PATH": "/usr/bin:/bin"}), (null, null, null))
             info = fork.wait(call)
