@@ -23,6 +23,9 @@ process's RSS, and the daemon's side (the daemon, its fork server, every session
 PSS summed), per added upstream.
 
     .venv/bin/python tests/bench_mcp_gateway.py [CALLS]      (default 300)
+
+Before/after a change: SANDBOXD_BENCH_GATEWAY_CODE=DIR runs the gateway (`sandboxd mcp`) from the
+sandboxd package in DIR (say `git archive BASE sandboxd | tar -x -C DIR`) against the same daemon.
 """
 
 from __future__ import annotations
@@ -44,14 +47,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_mcp import percentiles  # noqa: E402
 from conftest import PY, SANDBOXD  # noqa: E402
 from daemon_helpers import Daemon, daemon_factory, descendants  # noqa: E402
-from mcp_helpers import ENV  # noqa: E402
+from mcp_helpers import ENV as SANDBOXD_ENV  # noqa: E402
 from mcp_real_servers import gateway_file  # noqa: E402
 from sandboxd.client import SandboxClient  # noqa: E402
 from sandboxd.v1 import sandboxd_pb2 as pb  # noqa: E402
 
 HOSTILE = str(Path(__file__).with_name("mcp_hostile_server.py"))
 SITE_PACKAGES = str(next((Path(__file__).resolve().parents[1] / ".venv" / "lib").glob("python3*/site-packages")))
-SERVER_ENV = {**ENV, "PYTHONPATH": SITE_PACKAGES}
+# The gateway's code from another tree, to compare a change with its base (the docstring).
+GATEWAY_CODE = os.environ.get("SANDBOXD_BENCH_GATEWAY_CODE", "")
+ENV = {**SANDBOXD_ENV, "PYTHONPATH": GATEWAY_CODE} if GATEWAY_CODE else SANDBOXD_ENV
+SERVER_ENV = {**SANDBOXD_ENV, "PYTHONPATH": SITE_PACKAGES}
 
 
 class RawClient:

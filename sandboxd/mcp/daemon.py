@@ -64,6 +64,8 @@ class RetryRequestsInProgress(grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Callable[[Any, Any], Any], client_call_details: Any,
                                     request: Any) -> Any:
         call = await continuation(client_call_details, request)
+        if await call.code() == grpc.StatusCode.OK:
+            return call                           # every call but a refused one: no retry state to build
         delays, drain = retry_delays(), DrainWait()
         while True:
             code = await call.code()

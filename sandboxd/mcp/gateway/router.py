@@ -488,15 +488,22 @@ class Gateway:
         try:
             result = await run()
         except UpstreamError as error:
-            await self._report_later(binding, answer.call_id, ok=False, error=str(error))
+            failure = {"ok": False, "error": str(error)}
+            await self._report_later(binding, answer.call_id, lambda: failure)
             raise _Refused(_error(f"{tool}: {printable(str(error))}")) from None
         except BaseException:                          # cancelled (the client's cancel, the connection's end)
             with anyio.CancelScope(shield=True):
                 await self._report(binding, answer.call_id, ok=False, error="cancelled before the upstream answered")
             raise
-        size, is_error = measured(result)
-        await self._report_later(binding, answer.call_id, ok=not is_error, error="the tool returned an error" if is_error
-                           else "", content_bytes=size, is_error=is_error)
+
+        def outcome() -> dict[str, Any]:
+            # Measured when the report leaves, after the answer: a serialization less on the call's
+            # path (the client's transport serializes the result once more anyway).
+            size, is_error = measured(result)
+            return {"ok": not is_error, "error": "the tool returned an error" if is_error else "",
+                    "content_bytes": size, "is_error": is_error}
+
+        await self._report_later(binding, answer.call_id, outcome)
         return result
 
     async def _session_of(self, upstream: Upstream, tool: str) -> pb.Session:
@@ -512,18 +519,22 @@ class Gateway:
             raise _Refused(_error(f"{tool}: {upstream.name} is {upstream.state}: call again in a moment"))
         return upstream.session
 
-    async def _report_later(self, binding: Binding, call_id: str, **outcome: Any) -> None:
+    async def _report_later(self, binding: Binding, call_id: str, outcome: Callable[[], dict[str, Any]]) -> None:
         """ReportToolResult once the answer is on its way to the client (a round trip to the daemon
         less in every call's latency: tests/bench_mcp_gateway.py). Sent before the connection's
         session closes (``settle``), else the daemon would record the call as never reported. At
         most MAX_REPORTS on their way: past it the call waits for its own (a client calling faster
-        than the daemon records piles up no tasks)."""
+        than the daemon records piles up no tasks). ``outcome``: the report's fields (ok, error,
+        content_bytes, is_error), worked out as it leaves."""
         if len(self._reports) >= MAX_REPORTS:
-            await self._report(binding, call_id, **outcome)
+            await self._report(binding, call_id, **outcome())
             return
-        task = asyncio.get_running_loop().create_task(self._report(binding, call_id, **outcome))
+        task = asyncio.get_running_loop().create_task(self._report_outcome(binding, call_id, outcome))
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
+
+    async def _report_outcome(self, binding: Binding, call_id: str, outcome: Callable[[], dict[str, Any]]) -> None:
+        await self._report(binding, call_id, **outcome())
 
     async def settle(self) -> None:
         """Wait for the reports still on their way (each bounded by REPORT_TIMEOUT)."""
