@@ -330,7 +330,17 @@ def parse(path: str, text: str, environ: Mapping[str, str] | None = None) -> Gat
                                                       for name, value in upstreams.items()))
     # A credential's variable is a secret of the gateway's environment: no upstream may be handed
     # it in the clear, also not another upstream than the one that names it.
-    secrets = {spec.partition("=")[0]: upstream.name for upstream in config.upstreams for spec in upstream.credentials}
+    # One variable backs one upstream: the person set GITHUB_TOKEN for [upstreams.github], and a
+    # second upstream naming it (for its own host, or even the same one) would be handed that secret.
+    secrets: dict[str, str] = {}
+    for upstream in config.upstreams:
+        for spec in upstream.credentials:
+            variable = spec.partition("=")[0]
+            if variable in secrets:
+                raise _Table(path, f"upstreams.{upstream.name}").error(
+                    "credentials", f"{printable(variable)} is [upstreams.{secrets[variable]}]'s credential: a "
+                                   f"variable backs one upstream only; give {upstream.name} a variable of its own")
+            secrets[variable] = upstream.name
     for upstream in config.upstreams:
         for key, names in (("env", upstream.env), ("pass_env", upstream.pass_env)):
             for variable in names:
