@@ -14,18 +14,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from sandboxd.mcp.daemon import Daemon
-from sandboxd.mcp.gateway.config import GatewayConfig
+from sandboxd.mcp.gateway.config import SECRET_NAME, GatewayConfig
 from sandboxd.mcp.gateway.effects import ToolPolicy
 from sandboxd.policy import approval_card
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 REDACTED = "[redacted]"
-SECRET_NAME = re.compile(r"TOKEN|SECRET|KEY|PASSWORD|CREDENTIAL", re.IGNORECASE)
 # The card (policy.approval_card.is_cut) knows a cut by this length: the two must agree.
 ARGUMENTS_LIMIT = approval_card.RECORDED_ARGUMENTS_CHARS
 # A secret shorter than this is replaced only where it is a whole string: "1" or "yes" inside
