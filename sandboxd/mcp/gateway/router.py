@@ -39,10 +39,10 @@ from sandboxd.mcp.binding import Binding
 from sandboxd.mcp.daemon import Daemon
 from sandboxd.mcp.gateway import authorize, naming
 from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig
-from sandboxd.mcp.gateway.effects import ToolPolicy, hidden_because, tool_policy
+from sandboxd.mcp.gateway.effects import ToolPolicy, hidden_because, request_policy, tool_policy
 from sandboxd.mcp.gateway.upstream import MAX_RESULT_BYTES, Fleet, Upstream, UpstreamError, gateway_variables
 from sandboxd.policy.network import parse_credential
-from sandboxd.policy.tools import Effect, Risk
+from sandboxd.policy.tools import Effect
 from sandboxd.printable import printable
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -68,7 +68,6 @@ READ_RESOURCE, GET_PROMPT = "resources/read", "prompts/get"   # no exposed tool 
 REPORT_TIMEOUT = 30.0
 NOTIFY_TIMEOUT = 5.0
 MAX_REPORTS = 64                 # ReportToolResult calls sent after their answer, on their way at once
-_READ = ToolPolicy(Effect.READ_ONLY, Risk.LOW, "default")
 T = TypeVar("T")
 
 
@@ -342,10 +341,24 @@ class Gateway:
 
     # -- resources and prompts -------------------------------------------------------------------
 
-    async def list_resources(self) -> types.ListResourcesResult:
+    def _offering(self, binding: Binding, request: str) -> list[Upstream]:
+        """The ready upstreams whose ``request`` (resources/read, prompts/get) the session shows."""
+        return [upstream for upstream in self._ready()
+                if hidden_because(binding.session, request_policy(upstream.config, request)) is None]
+
+    def _offered(self, binding: Binding, upstream: Upstream, request: str) -> ToolPolicy:
+        """The policy of ``upstream``'s ``request``; MCPError when the session does not offer it."""
+        policy = request_policy(upstream.config, request)
+        hidden = hidden_because(binding.session, policy)
+        if hidden is not None:
+            raise MCPError(INVALID_REQUEST, f"this session does not offer {request} of the upstream {upstream.name}: "
+                                            f"{hidden}")
+        return policy
+
+    async def list_resources(self, binding: Binding) -> types.ListResourcesResult:
         await self._start_first_use()
         listed = []
-        for upstream in self._ready():
+        for upstream in self._offering(binding, READ_RESOURCE):
             for resource in list(upstream.resources):
                 try:
                     uri = naming.resource_uri(upstream.name, resource.uri)
@@ -364,9 +377,15 @@ class Gateway:
         except UnicodeError:
             origin = None
         upstream = self.fleet.upstreams.get(origin[0]) if origin else None
-        if origin is None or upstream is None:
+        if upstream is not None and upstream.state == "stopped":
+            await self._start_first_use()
+        # Only a URI the upstream listed: any other is a request of the model's making that the
+        # person never saw offered (the gateway passes no resource templates).
+        if (origin is None or upstream is None or upstream.state != "ready"
+                or origin[1] not in {str(resource.uri) for resource in upstream.resources}):
             raise MCPError(INVALID_PARAMS, f"unknown resource {printable(uri)}: resources/list names those there are")
         original = origin[1]
+        policy = self._offered(binding, upstream, READ_RESOURCE)
 
         async def run() -> types.ReadResourceResult:
             result = _bounded(await upstream.read_resource(original, upstream.config.timeout_seconds), upstream)
@@ -381,12 +400,12 @@ class Gateway:
             return len(result.model_dump_json(by_alias=True, exclude_none=True).encode()), False
 
         return await self._through_request(ctx, binding, f"{upstream.name}{naming.SEPARATOR}{READ_RESOURCE}",
-                                           upstream, {"uri": original}, run, measured)
+                                           upstream, policy, {"uri": original}, run, measured)
 
-    async def list_prompts(self) -> types.ListPromptsResult:
+    async def list_prompts(self, binding: Binding) -> types.ListPromptsResult:
         await self._start_first_use()
         listed = []
-        for upstream in self._ready():
+        for upstream in self._offering(binding, GET_PROMPT):
             prompts = list(upstream.prompts)
             names = self._named(upstream, "prompts", [prompt.name for prompt in prompts])
             for prompt in prompts:
@@ -408,12 +427,15 @@ class Gateway:
                          arguments: dict[str, str] | None) -> types.GetPromptResult:
         split = naming.split(name)
         upstream = self.fleet.upstreams.get(split[0]) if split else None
+        if upstream is not None and upstream.state == "stopped":
+            await self._start_first_use()
         original = None
         if upstream is not None and upstream.state == "ready":
             original = self._named(upstream, "prompts", [prompt.name for prompt in upstream.prompts]).original(name)
         if upstream is None or original is None:
             raise MCPError(INVALID_PARAMS, f"unknown prompt {printable(name)!r}: prompts/list names those there are")
         prompt_name = original
+        policy = self._offered(binding, upstream, GET_PROMPT)
 
         async def run() -> types.GetPromptResult:
             result = _bounded(await upstream.get_prompt(prompt_name, arguments, upstream.config.timeout_seconds),
@@ -426,14 +448,14 @@ class Gateway:
             return len(result.model_dump_json(by_alias=True, exclude_none=True).encode()), False
 
         return await self._through_request(ctx, binding, f"{upstream.name}{naming.SEPARATOR}{GET_PROMPT}", upstream,
-                                           {"name": original, "arguments": arguments or {}}, run, measured)
+                                           policy, {"name": original, "arguments": arguments or {}}, run, measured)
 
-    async def _through_request(self, ctx: "Ctx", binding: Binding, tool: str, upstream: Upstream,
+    async def _through_request(self, ctx: "Ctx", binding: Binding, tool: str, upstream: Upstream, policy: ToolPolicy,
                                arguments: dict[str, Any], run: Callable[[], Awaitable[T]],
                                measured: Callable[[T], tuple[int, bool]]) -> T:
         """_through_policy for a request that is not a tool call: a refusal is a JSON-RPC error."""
         try:
-            return await self._through_policy(ctx, binding, tool, upstream, _READ, arguments, run, measured)
+            return await self._through_policy(ctx, binding, tool, upstream, policy, arguments, run, measured)
         except _Refused as refused:
             text = "".join(block.text for block in refused.result.content if isinstance(block, types.TextContent))
             raise MCPError(INVALID_REQUEST if refused.result.structured_content else INTERNAL_ERROR, text,
