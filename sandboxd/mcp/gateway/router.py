@@ -98,10 +98,21 @@ def sandbox_text(config: UpstreamConfig) -> str:
     return printable(f"{config.sandbox}{where}, {network}")
 
 
-def describe(config: UpstreamConfig, text: str | None) -> str:
+def _whose(config: UpstreamConfig) -> str:
+    """The prefix that says whose a description or title is (the upstream cannot write it)."""
     trust = "trusted" if config.trusted else "untrusted"
-    prefix = f"[{config.name}, sandbox: {sandbox_text(config)}, {trust}] "
-    return (prefix + printable(text or ""))[:DESCRIPTION_CHARS]
+    return f"[{config.name}, sandbox: {sandbox_text(config)}, {trust}] "
+
+
+def describe(config: UpstreamConfig, text: str | None) -> str:
+    return (_whose(config) + printable(text or ""))[:DESCRIPTION_CHARS]
+
+
+def titled(config: UpstreamConfig, title: str | None) -> str | None:
+    """An upstream's title (what a client shows a person instead of the name) behind the same
+    prefix as its description: "files: Read file (read-only)" from an untrusted writer is
+    otherwise another upstream's read-only tool in a tool picker. The title is cut, the prefix never."""
+    return _whose(config) + _label(title) if title else None
 
 
 def _schema_size(schema: Any) -> int | None:
@@ -297,7 +308,7 @@ class Gateway:
             config, tool = exposed.upstream.config, exposed.tool
             output = tool.output_schema if _schema_size(tool.output_schema) is not None else None
             shown.append(types.Tool(
-                name=exposed.name, title=_label(tool.title) if tool.title else None,
+                name=exposed.name, title=titled(config, tool.title),
                 description=describe(config, tool.description), input_schema=_escaped_schema(tool.input_schema),
                 output_schema=_escaped_schema(output) if output is not None else None,
                 annotations=types.ToolAnnotations(read_only_hint=exposed.policy.effect == Effect.READ_ONLY,
@@ -365,7 +376,7 @@ class Gateway:
                 except UnicodeError:
                     continue
                 listed.append(types.Resource(
-                    uri=uri, name=_label(resource.name), title=_label(resource.title) if resource.title else None,
+                    uri=uri, name=_label(resource.name), title=titled(upstream.config, resource.title),
                     description=describe(upstream.config, resource.description),
                     mime_type=printable(resource.mime_type) if resource.mime_type else None,
                     size=resource.size))
@@ -418,7 +429,7 @@ class Gateway:
                                                   description=_label(argument.description, "description")
                                                   if argument.description else None)
                              for argument in prompt.arguments or [] if printable(argument.name) == argument.name]
-                listed.append(types.Prompt(name=exposed, title=_label(prompt.title) if prompt.title else None,
+                listed.append(types.Prompt(name=exposed, title=titled(upstream.config, prompt.title),
                                            description=describe(upstream.config, prompt.description),
                                            arguments=arguments or None))
         return types.ListPromptsResult(prompts=listed)
