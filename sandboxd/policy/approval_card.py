@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from typing import Any
+from typing import Any, TypeGuard
 
 from sandboxd.policy.command_env import SAFE_VARIABLES
 from sandboxd.printable import printable
@@ -80,7 +80,7 @@ def external_arguments(arguments: dict[str, Any]) -> str:
     return bounded(json.dumps(given, ensure_ascii=False, separators=(", ", ": ")), ARGUMENTS_CHARS)
 
 
-def is_cut(given: Any) -> bool:
+def is_cut(given: Any) -> TypeGuard[dict[str, Any]]:
     """Whether ``given`` is the gateway's record of arguments it could keep only the start of:
     {"truncated": true, "bytes": N, "sha256": hex, "head": the first RECORDED_ARGUMENTS_CHARS
     characters of their JSON}, exactly. The model's own arguments can never take this form: any
