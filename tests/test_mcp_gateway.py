@@ -190,6 +190,7 @@ SECRET = "sekrit-value-42"
 def gateway_file(tmp_path: Path, *tables: str) -> Path:
     path = tmp_path / "gateway.toml"
     path.write_text("\n".join(tables))
+    path.chmod(0o600)             # some hold an API_KEY in env: others may not read them (config.load)
     return path
 
 
@@ -417,6 +418,7 @@ def test_a_bad_gateway_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
     (tmp_path / "ws").mkdir()
     inside = tmp_path / "ws" / "gateway.toml"
     inside.write_text(upstream(tmp_path, "fs"))
+    inside.chmod(0o600)
     cases = {"missing": (tmp_path / "nothing.toml", "/"),
              "typo": (gateway_file(tmp_path, upstream(tmp_path, "fs"), "trustd = true"), "/"),
              "inside": (inside, str(tmp_path / "ws"))}

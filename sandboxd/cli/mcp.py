@@ -126,6 +126,18 @@ def _gateway_setup(path: str) -> "GatewaySetup":
     return GatewaySetup.read(config)
 
 
+def _credentials_unshared(flags: list[str], gateway: "GatewaySetup") -> None:
+    """ValueError when a --credential variable of the gateway's own session is an upstream's too:
+    one variable backs one holder (the person set it for one of them, not to hand it on)."""
+    own = {text.partition("=")[0] for text in flags}
+    for upstream in gateway.config.upstreams:
+        for spec in upstream.credentials:
+            variable = spec.partition("=")[0]
+            if variable in own:
+                raise ValueError(f"--credential {variable}: [upstreams.{upstream.name}] of the gateway file names it "
+                                 "too: a variable backs one holder only; give one of them a variable of its own")
+
+
 def _outside_the_session(path: str, spec: "SessionSpec") -> None:
     """ValueError when the gateway file is where the gateway's own session may write (its workspace
     or a writable root): the model's commands could then rewrite it, and the next start would give
@@ -153,6 +165,8 @@ def main(argv: list[str]) -> int:
         # Before this session's credentials are read: those taken out of the environment then
         # may be an upstream's too, and their values are redacted from the audit.
         gateway = _gateway_setup(args.gateway) if args.gateway else None
+        if gateway is not None:
+            _credentials_unshared(args.credential, gateway)
         credentials = network_args.credentials_from_args(args)
     except ValueError as error:
         sys.stderr.write(f"sandboxd mcp: {printable(str(error))}\n")

@@ -165,15 +165,13 @@ def gateway_handlers(app: App) -> dict[str, Any]:
 
     # Each binds the connection first, as tools/list does: from then on it hears of list changes.
     async def list_resources(ctx: "Ctx", _params: types.PaginatedRequestParams | None) -> types.ListResourcesResult:
-        await _bound(app, ctx)
-        return await gateway.list_resources()
+        return await gateway.list_resources(await _bound(app, ctx))
 
     async def read_resource(ctx: "Ctx", params: types.ReadResourceRequestParams) -> types.ReadResourceResult:
         return await gateway.read_resource(ctx, await _bound(app, ctx), str(params.uri))
 
     async def list_prompts(ctx: "Ctx", _params: types.PaginatedRequestParams | None) -> types.ListPromptsResult:
-        await _bound(app, ctx)
-        return await gateway.list_prompts()
+        return await gateway.list_prompts(await _bound(app, ctx))
 
     async def get_prompt(ctx: "Ctx", params: types.GetPromptRequestParams) -> types.GetPromptResult:
         return await gateway.get_prompt(ctx, await _bound(app, ctx), params.name, params.arguments)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from typing import Any
+from typing import Any, TypeGuard
 
 from sandboxd.policy.command_env import SAFE_VARIABLES
 from sandboxd.printable import printable
@@ -28,6 +28,10 @@ ENV_CHARS = 4096           # of the variables, as shown
 CWD_CHARS = 1024           # of the working directory, as shown (PATH_MAX is 4096)
 ARGUMENTS_CHARS = 4096     # of an external tool's arguments (JSON), as shown
 TAIL_SHARE = 4             # the end keeps a quarter of a bound part
+# An external tool's arguments the MCP gateway records whole (JSON characters); past it, only their
+# start, in the form cut_arguments() recognizes (mcp.gateway.authorize.arguments_json).
+RECORDED_ARGUMENTS_CHARS = 16 << 10
+_CUT_KEYS = frozenset(("truncated", "bytes", "sha256", "head"))
 
 
 def whole_command(summary: str, arguments: dict[str, Any]) -> str:
@@ -66,7 +70,7 @@ def external_arguments(arguments: dict[str, Any]) -> str:
     given = arguments.get("arguments")
     if not isinstance(given, (dict, list)) or not given:
         return ""
-    if isinstance(given, dict) and given.get("truncated") is True and isinstance(given.get("head"), str):
+    if is_cut(given):
         # The gateway kept only the start of arguments too long to record (mcp.gateway.authorize):
         # their end is nowhere to be read, so the card must not look whole.
         head = given["head"]
@@ -74,6 +78,19 @@ def external_arguments(arguments: dict[str, Any]) -> str:
         return (f"[{given.get('bytes', '?')} bytes of arguments: only the first {len(shown):,} characters are shown "
                 f"and recorded; deny unless you expect this much] {printable(shown)} ...")
     return bounded(json.dumps(given, ensure_ascii=False, separators=(", ", ": ")), ARGUMENTS_CHARS)
+
+
+def is_cut(given: Any) -> TypeGuard[dict[str, Any]]:
+    """Whether ``given`` is the gateway's record of arguments it could keep only the start of:
+    {"truncated": true, "bytes": N, "sha256": hex, "head": the first RECORDED_ARGUMENTS_CHARS
+    characters of their JSON}, exactly. The model's own arguments can never take this form: any
+    object holding a head that long is itself longer than RECORDED_ARGUMENTS_CHARS as JSON, so the
+    gateway records it cut, its own text in the head (round 9's hostile pass forged a short one
+    and the card showed "hello" for a call that ran DROP TABLE)."""
+    return (isinstance(given, dict) and set(given) == _CUT_KEYS and given["truncated"] is True
+            and isinstance(given["bytes"], int) and given["bytes"] > RECORDED_ARGUMENTS_CHARS
+            and isinstance(given["sha256"], str) and len(given["sha256"]) == 64
+            and isinstance(given["head"], str) and len(given["head"]) == RECORDED_ARGUMENTS_CHARS)
 
 
 def lines(summary: str, arguments_json: str) -> list[tuple[str, str]]:

@@ -14,18 +14,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from sandboxd.mcp.daemon import Daemon
-from sandboxd.mcp.gateway.config import GatewayConfig
+from sandboxd.mcp.gateway.config import SECRET_NAME, GatewayConfig
 from sandboxd.mcp.gateway.effects import ToolPolicy
+from sandboxd.policy import approval_card
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 REDACTED = "[redacted]"
-SECRET_NAME = re.compile(r"TOKEN|SECRET|KEY|PASSWORD|CREDENTIAL", re.IGNORECASE)
-ARGUMENTS_LIMIT = 16 << 10
+# The card (policy.approval_card.is_cut) knows a cut by this length: the two must agree.
+ARGUMENTS_LIMIT = approval_card.RECORDED_ARGUMENTS_CHARS
 # A secret shorter than this is replaced only where it is a whole string: "1" or "yes" inside
 # every other string would make the audit unreadable and hide nothing.
 MIN_SUBSTRING_SECRET = 6
@@ -76,7 +76,9 @@ class Redactor:
 def arguments_json(arguments: Mapping[str, Any], redactor: Redactor) -> str:
     """The call's arguments for the audit log: redacted, and at most ARGUMENTS_LIMIT bytes of JSON
     (past it: {"truncated": true, "bytes": N, "sha256": of the whole, "head": its first ARGUMENTS_LIMIT
-    characters}; the held call's card says that only the start is shown, policy.approval_card)."""
+    characters}; the held call's card says that only the start is shown, policy.approval_card).
+    Arguments of that shape that fit are the model's, not a cut: the card takes a cut only with a
+    head of exactly ARGUMENTS_LIMIT characters, which no arguments of at most that length can hold."""
     # ASCII JSON (\u escapes): a lone surrogate a client sent stays a valid protobuf string.
     text = json.dumps(redactor.value(dict(arguments)), separators=(",", ":"), default=str)
     if len(text) <= ARGUMENTS_LIMIT:

@@ -37,6 +37,9 @@ MAX_LIST = 256                     # entries of command, writable_roots, allow_d
 MAX_TEXT = 4096                    # characters of one string of the file
 MAX_TIMEOUT_SECONDS = 86400.0
 DEFAULT_TIMEOUT_SECONDS = 120.0
+# A variable whose name says it holds a secret (its value redacted from the audit, mcp.gateway.authorize;
+# a file holding one in `env` is refused if others may read it).
+SECRET_NAME = re.compile(r"TOKEN|SECRET|KEY|PASSWORD|CREDENTIAL", re.IGNORECASE)
 
 
 class GatewayConfigError(ValueError):
@@ -330,7 +333,17 @@ def parse(path: str, text: str, environ: Mapping[str, str] | None = None) -> Gat
                                                       for name, value in upstreams.items()))
     # A credential's variable is a secret of the gateway's environment: no upstream may be handed
     # it in the clear, also not another upstream than the one that names it.
-    secrets = {spec.partition("=")[0]: upstream.name for upstream in config.upstreams for spec in upstream.credentials}
+    # One variable backs one upstream: the person set GITHUB_TOKEN for [upstreams.github], and a
+    # second upstream naming it (for its own host, or even the same one) would be handed that secret.
+    secrets: dict[str, str] = {}
+    for upstream in config.upstreams:
+        for spec in upstream.credentials:
+            variable = spec.partition("=")[0]
+            if variable in secrets:
+                raise _Table(path, f"upstreams.{upstream.name}").error(
+                    "credentials", f"{printable(variable)} is [upstreams.{secrets[variable]}]'s credential: a "
+                                   f"variable backs one upstream only; give {upstream.name} a variable of its own")
+            secrets[variable] = upstream.name
     for upstream in config.upstreams:
         for key, names in (("env", upstream.env), ("pass_env", upstream.pass_env)):
             for variable in names:
@@ -361,6 +374,7 @@ def load(path: str) -> GatewayConfig:
         if info.st_mode & 0o022:
             raise GatewayConfigError(f"{printable(path)}: others may write it (mode {stat.S_IMODE(info.st_mode):o}): "
                                      f"chmod go-w {printable(path)}")
+        readable_by_others = bool(info.st_mode & 0o044)
         with os.fdopen(descriptor, "rb", closefd=False) as handle:
             data = handle.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
@@ -373,4 +387,14 @@ def load(path: str) -> GatewayConfig:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise GatewayConfigError(f"{printable(path)}: not UTF-8 text (TOML is UTF-8)") from None
-    return parse(os.path.abspath(path), text)
+    config = parse(os.path.abspath(path), text)
+    if readable_by_others:
+        # As ssh refuses a key others may read: a literal secret in `env` is the user's alone.
+        for upstream in config.upstreams:
+            secret = sorted(name for name in upstream.env if SECRET_NAME.search(name))
+            if secret:
+                raise GatewayConfigError(
+                    f"{printable(path)}: others may read it (mode {stat.S_IMODE(info.st_mode):o}) and "
+                    f"[upstreams.{upstream.name}] env holds {printable(secret[0])}, a secret by its name: "
+                    f"chmod 600 {printable(path)}, or pass it with pass_env or credentials instead")
+    return config

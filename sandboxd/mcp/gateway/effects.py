@@ -59,6 +59,19 @@ def tool_policy(config: UpstreamConfig, tool: str, annotations: types.ToolAnnota
     return ToolPolicy(effect, risk, source)
 
 
+# What a trusted upstream is taken to say of its resources/read and prompts/get.
+_A_READ = types.ToolAnnotations(read_only_hint=True)
+
+
+def request_policy(config: UpstreamConfig, request: str) -> ToolPolicy:
+    """The effect and risk of the upstream's ``request`` (resources/read or prompts/get): a read
+    by the protocol's name, but the upstream's own code decides what it does, so the rule of its
+    tools holds: read-only for a TRUSTED upstream, unknown-command (asked under on-request,
+    hidden under read_only) for an untrusted one, unless the file's
+    ``[upstreams.NAME.tools."resources/read"]`` (or ``"prompts/get"``) says otherwise."""
+    return tool_policy(config, request, _A_READ)
+
+
 def hidden_because(session: pb.Session, policy: ToolPolicy) -> str | None:
     """Why the gateway's ``session`` does not show a tool of this effect, or None when it does."""
     if PermissionMode.parse(session.permission_mode) == PermissionMode.READ_ONLY and policy.effect != Effect.READ_ONLY:

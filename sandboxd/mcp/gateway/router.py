@@ -39,10 +39,10 @@ from sandboxd.mcp.binding import Binding
 from sandboxd.mcp.daemon import Daemon
 from sandboxd.mcp.gateway import authorize, naming
 from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig
-from sandboxd.mcp.gateway.effects import ToolPolicy, hidden_because, tool_policy
+from sandboxd.mcp.gateway.effects import ToolPolicy, hidden_because, request_policy, tool_policy
 from sandboxd.mcp.gateway.upstream import MAX_RESULT_BYTES, Fleet, Upstream, UpstreamError, gateway_variables
 from sandboxd.policy.network import parse_credential
-from sandboxd.policy.tools import Effect, Risk
+from sandboxd.policy.tools import Effect
 from sandboxd.printable import printable
 from sandboxd.v1 import sandboxd_pb2 as pb
 
@@ -68,7 +68,6 @@ READ_RESOURCE, GET_PROMPT = "resources/read", "prompts/get"   # no exposed tool 
 REPORT_TIMEOUT = 30.0
 NOTIFY_TIMEOUT = 5.0
 MAX_REPORTS = 64                 # ReportToolResult calls sent after their answer, on their way at once
-_READ = ToolPolicy(Effect.READ_ONLY, Risk.LOW, "default")
 T = TypeVar("T")
 
 
@@ -99,10 +98,21 @@ def sandbox_text(config: UpstreamConfig) -> str:
     return printable(f"{config.sandbox}{where}, {network}")
 
 
-def describe(config: UpstreamConfig, text: str | None) -> str:
+def _whose(config: UpstreamConfig) -> str:
+    """The prefix that says whose a description or title is (the upstream cannot write it)."""
     trust = "trusted" if config.trusted else "untrusted"
-    prefix = f"[{config.name}, sandbox: {sandbox_text(config)}, {trust}] "
-    return (prefix + printable(text or ""))[:DESCRIPTION_CHARS]
+    return f"[{config.name}, sandbox: {sandbox_text(config)}, {trust}] "
+
+
+def describe(config: UpstreamConfig, text: str | None) -> str:
+    return (_whose(config) + printable(text or ""))[:DESCRIPTION_CHARS]
+
+
+def titled(config: UpstreamConfig, title: str | None) -> str | None:
+    """An upstream's title (what a client shows a person instead of the name) behind the same
+    prefix as its description: "files: Read file (read-only)" from an untrusted writer is
+    otherwise another upstream's read-only tool in a tool picker. The title is cut, the prefix never."""
+    return _whose(config) + _label(title) if title else None
 
 
 def _schema_size(schema: Any) -> int | None:
@@ -298,7 +308,7 @@ class Gateway:
             config, tool = exposed.upstream.config, exposed.tool
             output = tool.output_schema if _schema_size(tool.output_schema) is not None else None
             shown.append(types.Tool(
-                name=exposed.name, title=_label(tool.title) if tool.title else None,
+                name=exposed.name, title=titled(config, tool.title),
                 description=describe(config, tool.description), input_schema=_escaped_schema(tool.input_schema),
                 output_schema=_escaped_schema(output) if output is not None else None,
                 annotations=types.ToolAnnotations(read_only_hint=exposed.policy.effect == Effect.READ_ONLY,
@@ -342,17 +352,31 @@ class Gateway:
 
     # -- resources and prompts -------------------------------------------------------------------
 
-    async def list_resources(self) -> types.ListResourcesResult:
+    def _offering(self, binding: Binding, request: str) -> list[Upstream]:
+        """The ready upstreams whose ``request`` (resources/read, prompts/get) the session shows."""
+        return [upstream for upstream in self._ready()
+                if hidden_because(binding.session, request_policy(upstream.config, request)) is None]
+
+    def _offered(self, binding: Binding, upstream: Upstream, request: str) -> ToolPolicy:
+        """The policy of ``upstream``'s ``request``; MCPError when the session does not offer it."""
+        policy = request_policy(upstream.config, request)
+        hidden = hidden_because(binding.session, policy)
+        if hidden is not None:
+            raise MCPError(INVALID_REQUEST, f"this session does not offer {request} of the upstream {upstream.name}: "
+                                            f"{hidden}")
+        return policy
+
+    async def list_resources(self, binding: Binding) -> types.ListResourcesResult:
         await self._start_first_use()
         listed = []
-        for upstream in self._ready():
+        for upstream in self._offering(binding, READ_RESOURCE):
             for resource in list(upstream.resources):
                 try:
                     uri = naming.resource_uri(upstream.name, resource.uri)
                 except UnicodeError:
                     continue
                 listed.append(types.Resource(
-                    uri=uri, name=_label(resource.name), title=_label(resource.title) if resource.title else None,
+                    uri=uri, name=_label(resource.name), title=titled(upstream.config, resource.title),
                     description=describe(upstream.config, resource.description),
                     mime_type=printable(resource.mime_type) if resource.mime_type else None,
                     size=resource.size))
@@ -364,9 +388,15 @@ class Gateway:
         except UnicodeError:
             origin = None
         upstream = self.fleet.upstreams.get(origin[0]) if origin else None
-        if origin is None or upstream is None:
+        if upstream is not None and upstream.state == "stopped":
+            await self._start_first_use()
+        # Only a URI the upstream listed: any other is a request of the model's making that the
+        # person never saw offered (the gateway passes no resource templates).
+        if (origin is None or upstream is None or upstream.state != "ready"
+                or origin[1] not in {str(resource.uri) for resource in upstream.resources}):
             raise MCPError(INVALID_PARAMS, f"unknown resource {printable(uri)}: resources/list names those there are")
         original = origin[1]
+        policy = self._offered(binding, upstream, READ_RESOURCE)
 
         async def run() -> types.ReadResourceResult:
             result = _bounded(await upstream.read_resource(original, upstream.config.timeout_seconds), upstream)
@@ -381,12 +411,12 @@ class Gateway:
             return len(result.model_dump_json(by_alias=True, exclude_none=True).encode()), False
 
         return await self._through_request(ctx, binding, f"{upstream.name}{naming.SEPARATOR}{READ_RESOURCE}",
-                                           upstream, {"uri": original}, run, measured)
+                                           upstream, policy, {"uri": original}, run, measured)
 
-    async def list_prompts(self) -> types.ListPromptsResult:
+    async def list_prompts(self, binding: Binding) -> types.ListPromptsResult:
         await self._start_first_use()
         listed = []
-        for upstream in self._ready():
+        for upstream in self._offering(binding, GET_PROMPT):
             prompts = list(upstream.prompts)
             names = self._named(upstream, "prompts", [prompt.name for prompt in prompts])
             for prompt in prompts:
@@ -399,7 +429,7 @@ class Gateway:
                                                   description=_label(argument.description, "description")
                                                   if argument.description else None)
                              for argument in prompt.arguments or [] if printable(argument.name) == argument.name]
-                listed.append(types.Prompt(name=exposed, title=_label(prompt.title) if prompt.title else None,
+                listed.append(types.Prompt(name=exposed, title=titled(upstream.config, prompt.title),
                                            description=describe(upstream.config, prompt.description),
                                            arguments=arguments or None))
         return types.ListPromptsResult(prompts=listed)
@@ -408,12 +438,15 @@ class Gateway:
                          arguments: dict[str, str] | None) -> types.GetPromptResult:
         split = naming.split(name)
         upstream = self.fleet.upstreams.get(split[0]) if split else None
+        if upstream is not None and upstream.state == "stopped":
+            await self._start_first_use()
         original = None
         if upstream is not None and upstream.state == "ready":
             original = self._named(upstream, "prompts", [prompt.name for prompt in upstream.prompts]).original(name)
         if upstream is None or original is None:
             raise MCPError(INVALID_PARAMS, f"unknown prompt {printable(name)!r}: prompts/list names those there are")
         prompt_name = original
+        policy = self._offered(binding, upstream, GET_PROMPT)
 
         async def run() -> types.GetPromptResult:
             result = _bounded(await upstream.get_prompt(prompt_name, arguments, upstream.config.timeout_seconds),
@@ -426,14 +459,14 @@ class Gateway:
             return len(result.model_dump_json(by_alias=True, exclude_none=True).encode()), False
 
         return await self._through_request(ctx, binding, f"{upstream.name}{naming.SEPARATOR}{GET_PROMPT}", upstream,
-                                           {"name": original, "arguments": arguments or {}}, run, measured)
+                                           policy, {"name": original, "arguments": arguments or {}}, run, measured)
 
-    async def _through_request(self, ctx: "Ctx", binding: Binding, tool: str, upstream: Upstream,
+    async def _through_request(self, ctx: "Ctx", binding: Binding, tool: str, upstream: Upstream, policy: ToolPolicy,
                                arguments: dict[str, Any], run: Callable[[], Awaitable[T]],
                                measured: Callable[[T], tuple[int, bool]]) -> T:
         """_through_policy for a request that is not a tool call: a refusal is a JSON-RPC error."""
         try:
-            return await self._through_policy(ctx, binding, tool, upstream, _READ, arguments, run, measured)
+            return await self._through_policy(ctx, binding, tool, upstream, policy, arguments, run, measured)
         except _Refused as refused:
             text = "".join(block.text for block in refused.result.content if isinstance(block, types.TextContent))
             raise MCPError(INVALID_REQUEST if refused.result.structured_content else INTERNAL_ERROR, text,
