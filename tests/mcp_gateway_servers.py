@@ -14,6 +14,7 @@ server's working directory, its session's workspace), a resource and a prompt. T
   list-changes  ``add_tool`` adds a tool and sends notifications/tools/list_changed (``times`` times)
   env           ``getenv``: the value of the variable ``text`` names (or "unset")
   many          lists 1,100 more tools, and one whose description is 100 KiB
+  chatty        ``chatter``: sends ``times`` notifications/message, then answers "chattered N"
   asks          ``ask``: sends sampling/createMessage, elicitation/create and roots/list to the
                 client, and answers with what came back
 """
@@ -28,7 +29,7 @@ from typing import Any
 MODE = sys.argv[1] if len(sys.argv) > 1 else "echo"
 N = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 TOOLS = ["echo", "write_file", "read_file"] + {
-    "slow": ["hang"], "flood": ["flood", "big", "noise"], "list-changes": ["add_tool"], "asks": ["ask"],
+    "slow": ["hang"], "flood": ["flood", "big", "noise"], "list-changes": ["add_tool"], "asks": ["ask"], "chatty": ["chatter"],
     "env": ["getenv"]}.get(MODE, [])
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}, "path": {"type": "string"},
                                            "times": {"type": "integer"}}}
@@ -138,6 +139,11 @@ def main() -> None:
                 text_result(request_id, "added")
                 for _ in range(int(arguments.get("times", 1))):
                     send({"method": "notifications/tools/list_changed"})
+            elif name == "chatter":
+                count = int(arguments.get("times", 1))
+                sys.stdout.writelines(json.dumps({"jsonrpc": "2.0", "method": "notifications/message", "params": {
+                    "level": "info", "data": f"chat {index}"}}) + "\n" for index in range(count))
+                text_result(request_id, f"chattered {count}")
             elif name == "ask":
                 ask_id = request_id
                 for index, (asked, asked_params) in enumerate((

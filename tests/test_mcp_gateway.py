@@ -562,3 +562,32 @@ def test_a_crash_mid_call_is_a_tool_error_and_a_failed_call_in_the_audit(daemon:
     audited = events(client, gateway_session(client, ws).id, "frail__echo")
     assert [kind for kind, _data in audited] == ["PermissionGranted", "ToolInvocationStarted", "ToolInvocationFailed"]
     assert "crashing on call 1" in audited[2][1]["error"]
+
+
+def test_a_chatty_upstream_costs_the_built_in_tools_nothing(daemon: Daemon, ws: Path, client: SandboxClient,
+                                                           tmp_path: Path) -> None:
+    """An upstream flooding notifications (the rate bound: tests/test_mcp_gateway_upstream.py, with
+    its control) past the restart rate is ended and its call fails saying why; the built-in tools
+    of the gateway's session answer meanwhile and after, and the upstream serves again."""
+    from sandboxd.mcp.gateway.exec_stdio import RESTART_UNASKED_PER_SECOND
+
+    (ws / "note.txt").write_text("still here")
+    config = gateway_file(tmp_path, upstream(tmp_path, "chatty", "chatty"))
+
+    async def scenario() -> dict[str, Any]:
+        async with mcp_client(daemon.socket, ws, "--approval", "never", "--gateway", str(config)) as mcp:
+            flood = asyncio.create_task(mcp.call_tool("chatty__chatter", {"times": 50 * RESTART_UNASKED_PER_SECOND}))
+            during = await mcp.call_tool("read_file", {"path": "note.txt"})
+            out = {"during": during, "flood": await flood, "after": await mcp.call_tool("list_dir", {})}
+            deadline = time.monotonic() + 60 * SLOW              # back after its back-off (1 s)
+            while "unknown tool" in text(again := await mcp.call_tool("chatty__echo", {"text": "again"})):
+                assert time.monotonic() < deadline, text(again)
+                await asyncio.sleep(0.2)
+            out["again"] = again
+            return out
+
+    out = asyncio.run(scenario())
+    assert not out["during"].is_error and "still here" in text(out["during"])
+    assert out["flood"].is_error and f"over {RESTART_UNASKED_PER_SECOND} notifications" in text(out["flood"])
+    assert not out["after"].is_error and "note.txt" in text(out["after"])
+    assert text(out["again"]) == "echo: again"

@@ -31,7 +31,9 @@ from daemon_fixtures import daemon, ws  # noqa: F401 - pytest fixtures
 from daemon_helpers import Daemon, DaemonFactory, close_quietly, run_exec
 from sandboxd.mcp.daemon import Daemon as AsyncDaemon
 from sandboxd.mcp.gateway.config import GatewayConfig, UpstreamConfig, default_workspace
-from sandboxd.mcp.gateway.exec_stdio import MAX_MESSAGE_BYTES, STDERR_TAIL_BYTES
+from sandboxd.mcp.gateway import exec_stdio
+from sandboxd.mcp.gateway.exec_stdio import (MAX_MESSAGE_BYTES, MAX_UNASKED_PER_SECOND, RESTART_UNASKED_PER_SECOND,
+                                             STDERR_TAIL_BYTES)
 from sandboxd.mcp.gateway.http_bridge import credential_headers
 from sandboxd.mcp.gateway.upstream import (MAX_LISTED, Fleet, Upstream, UpstreamError, exec_start,
                                            gateway_variables)
@@ -185,6 +187,42 @@ def test_a_flood_is_bounded_and_the_upstream_restarts(daemon: Daemon, ws: Path) 
             assert upstream.session.id == session_id
             await eventually(lambda: daemon.stub.GetSession(pb.GetSessionRequest(session_id=session_id)).running_calls
                              == 1, "the flooding server's Exec call did not end")
+        finally:
+            await upstream.close()
+    run(daemon, scenario)
+
+
+@pytest.mark.parametrize("wall", [True, False], ids=["bounded", "control-unbounded"])
+def test_a_chatty_upstreams_notifications_are_bounded_in_rate(daemon: Daemon, ws: Path, wall: bool,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """An upstream's notifications past MAX_UNASKED_PER_SECOND a second are dropped (cheaply, unparsed),
+    and its answer still arrives; the control (no rate bound) hands on every one of them. Past
+    RESTART_UNASKED_PER_SECOND in one second the upstream is broken: its call fails, it restarts."""
+    sent = 5 * MAX_UNASKED_PER_SECOND                      # more than the rate, below the restart rate
+    assert sent <= RESTART_UNASKED_PER_SECOND
+    if not wall:
+        monkeypatch.setattr(exec_stdio, "MAX_UNASKED_PER_SECOND", 1 << 40)
+        monkeypatch.setattr(exec_stdio, "RESTART_UNASKED_PER_SECOND", 1 << 40)
+
+    async def scenario(client: AsyncDaemon) -> None:
+        upstream = Upstream(client, upstream_config("chatty", ws, "chatty"), no_change)
+        try:
+            result = await upstream.call_tool("chatter", {"times": sent}, 60)
+            assert text(result) == f"chattered {sent}" and not result.is_error
+            process = upstream.process
+            assert process is not None and process.unasked + process.dropped_unasked == sent
+            if not wall:
+                assert process.unasked == sent and process.dropped_unasked == 0
+                return
+            # Handed on: at most the rate per second the burst lasted (a burst of 500 lines spans at
+            # least one whole window: something was dropped).
+            assert process.dropped_unasked > 0 and process.unasked < sent
+            # A flood far past the restart rate: the upstream is ended and started again.
+            with pytest.raises(UpstreamError, match=f"over {RESTART_UNASKED_PER_SECOND} notifications"):
+                await upstream.call_tool("chatter", {"times": 20 * RESTART_UNASKED_PER_SECOND}, 60)
+            assert process.dropped_unasked > RESTART_UNASKED_PER_SECOND - MAX_UNASKED_PER_SECOND
+            assert text(await upstream.call_tool("echo", {"text": "again"}, 60)) == "echo: again"
+            assert upstream.process is not process
         finally:
             await upstream.close()
     run(daemon, scenario)

@@ -8,7 +8,11 @@ The upstream is not trusted: one message is at most 4 MiB (a longer line means t
 broken or hostile: the call is ended and the upstream restarted, rather than buffering without
 end), what it writes on stderr is kept as its last 64 KiB only, for the message that says why it
 stopped, and its own requests (sampling, elicitation, roots) are refused here, one at a time,
-never reaching the client session (which would hold a task for each).
+never reaching the client session (which would hold a task for each). What it sends unasked
+(notifications, requests, lines that are not JSON-RPC) is bounded in rate: at most
+MAX_UNASKED_PER_SECOND are handed on each second, the rest dropped (one log line a minute); past
+RESTART_UNASKED_PER_SECOND in one second the upstream is broken and restarted, as a chatty server
+must not cost the built-in tools and the other upstreams the gateway's one event loop.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -35,6 +40,9 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 4 << 20          # one JSON-RPC line from the upstream
 STDERR_TAIL_BYTES = 64 << 10         # what is kept of the upstream's stderr
 STDIN_CHUNK_BYTES = 1 << 20          # one ExecRequest.stdin (the daemon's messages are at most a few MiB)
+MAX_UNASKED_PER_SECOND = 100        # notifications/requests/stray lines handed on per second; the rest dropped
+RESTART_UNASKED_PER_SECOND = 1000   # past this many in one second: the upstream is broken, restarted
+DROP_LOG_SECONDS = 60.0             # one log line per this long about dropped lines
 CLOSE_GRACE_SECONDS = 2.0            # stdin closed -> exit on its own; then SIGKILL -> the result; then cancel
 
 
@@ -49,13 +57,37 @@ class ServerProcess:
     fault: str = ""                  # the upstream broke the transport (a message over the bound)
     invalid_lines: int = 0           # stdout lines that were not JSON-RPC messages (dropped)
     refused_requests: int = 0        # its own requests to the gateway (sampling, elicitation, roots), refused
+    unasked: int = 0                 # notifications and requests of its own handed on (within the rate)
+    dropped_unasked: int = 0         # lines past the rate, dropped unread (or unanswered)
+    name: str = ""                   # the upstream's name, for the log
     stderr_tail: bytearray = field(default_factory=bytearray)
+    _window_start: float = -1.0
+    _in_window: int = 0
+    _logged_at: float = -DROP_LOG_SECONDS
     ended: anyio.Event = field(default_factory=anyio.Event)   # the Exec call's stream ended
 
     def keep_stderr(self, data: bytes) -> None:
         self.stderr_tail += data
         if len(self.stderr_tail) > STDERR_TAIL_BYTES:
             del self.stderr_tail[:len(self.stderr_tail) - STDERR_TAIL_BYTES]
+
+    def admit_unasked(self, now: float) -> bool:
+        """Whether one more unasked line may be handed on now (within MAX_UNASKED_PER_SECOND);
+        OverflowError past RESTART_UNASKED_PER_SECOND in one second."""
+        if now - self._window_start >= 1.0:
+            self._window_start, self._in_window = now, 0
+        self._in_window += 1
+        if self._in_window <= MAX_UNASKED_PER_SECOND:
+            return True
+        self.dropped_unasked += 1
+        if self._in_window > RESTART_UNASKED_PER_SECOND:
+            raise OverflowError
+        if now - self._logged_at >= DROP_LOG_SECONDS:
+            self._logged_at = now
+            log.warning("gateway: %s sends more than %d notifications (or requests) a second: the rest are dropped "
+                        "(%d so far; logged once a minute)", printable(self.name) or "an upstream",
+                        MAX_UNASKED_PER_SECOND, self.dropped_unasked)
+        return False
 
     def stderr_lines(self, count: int = 5) -> str:
         """The last lines of stderr, printable, for a message."""
@@ -142,16 +174,13 @@ async def exec_stdio_client(stub: pb_grpc.SandboxStub, start: pb.ExecStart,
                         except OverflowError:
                             process.fault = f"it sent a message over {MAX_MESSAGE_BYTES >> 20} MiB"
                             return
-                        for line in complete:
-                            message = _parse(line) if line.strip() else None
-                            if message is not None and isinstance(message.message, types.JSONRPCRequest):
-                                await answer_request(message.message)
-                            elif message is not None:
-                                await read_writer.send(message)
-                            elif line.strip():
-                                # Not JSON-RPC (a stray print, a hostile server): counted and dropped,
-                                # neither logged line by line nor handed to the session.
-                                process.invalid_lines += 1
+                        try:
+                            for line in complete:
+                                await hand_on(line)
+                        except OverflowError:
+                            process.fault = (f"it sent over {RESTART_UNASKED_PER_SECOND} notifications (or requests) "
+                                             f"in one second (the gateway takes {MAX_UNASKED_PER_SECOND})")
+                            return
         except grpc.aio.AioRpcError as error:
             if error.code() != grpc.StatusCode.CANCELLED:
                 process.error = f"{error.code().name}: {error.details()}"
@@ -159,6 +188,30 @@ async def exec_stdio_client(stub: pb_grpc.SandboxStub, start: pb.ExecStart,
             pass                              # the session is gone; the context's exit ends the call
         finally:
             process.ended.set()
+
+    async def hand_on(line: bytes) -> None:
+        """One stdout line: answers to our requests go to the session; what the upstream sends
+        unasked only within its rate (OverflowError past the restart rate). Past the rate, a line
+        that cannot be an answer (no "id") is dropped before it is parsed: dropping stays cheap."""
+        if not line.strip():
+            return
+        has_id = b'"id"' in line
+        if not has_id and not process.admit_unasked(time.monotonic()):   # a notification or a stray line
+            return
+        message = _parse(line)
+        unasked = message is None or not isinstance(message.message, (types.JSONRPCResponse, types.JSONRPCError))
+        if unasked and has_id and not process.admit_unasked(time.monotonic()):
+            return
+        if message is None:
+            # Not JSON-RPC (a stray print, a hostile server): counted and dropped,
+            # neither logged line by line nor handed to the session.
+            process.invalid_lines += 1
+        elif isinstance(message.message, types.JSONRPCRequest):
+            process.unasked += 1
+            await answer_request(message.message)
+        else:
+            process.unasked += unasked
+            await read_writer.send(message)
 
     async def send_line(message: types.JSONRPCMessage) -> None:
         data = (message.model_dump_json(by_alias=True, exclude_unset=True) + "\n").encode()

@@ -316,7 +316,7 @@ class Upstream:
     async def _serve(self) -> None:
         """One run of the server: start it, initialize, list, then follow it until it ends."""
         session = await self._open_session()
-        self.process = process = ServerProcess()
+        self.process = process = ServerProcess(name=self.name)
         start = exec_start(self.config, session.id, self._environ)
         async with exec_stdio_client(self._daemon.stub, start, process) as (read_stream, write_stream):
             async with ClientSession(read_stream, write_stream, message_handler=self._on_message,
