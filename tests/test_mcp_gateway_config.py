@@ -13,8 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sandboxd.mcp.gateway.config import (MAX_TOOL_OVERRIDES, MAX_UPSTREAMS, GatewayConfigError, ToolOverride,
-                                         default_workspace, load, parse)
+from sandboxd.errors import InvalidPolicy
+from sandboxd.mcp.gateway.config import (MAX_ENV_TOTAL_BYTES, MAX_TOOL_OVERRIDES, MAX_UPSTREAMS, GatewayConfigError,
+                                         ToolOverride, default_workspace, load, parse)
+from sandboxd.policy.limits import MAX_ENV_NAME
+from sandboxd.policy.spec import check_command
 
 GOOD = """
 [upstreams.files]
@@ -139,6 +142,34 @@ def test_the_limits() -> None:
     overrides = "".join(f'[upstreams.up.tools.t{index}]\nrisk = "low"\n' for index in range(MAX_TOOL_OVERRIDES + 1))
     with pytest.raises(GatewayConfigError, match=f"at most {MAX_TOOL_OVERRIDES}"):
         parse("/gw.toml", BASE + overrides)
+
+
+def test_the_servers_environment_fits_what_the_daemon_takes() -> None:
+    """env (and the pass_env values set at start) past the daemon's bounds is a load error naming
+    the upstream, not an Exec the daemon refuses at every restart (the control: it would)."""
+    def with_env(count: int) -> str:
+        variables = ", ".join(f'V{index} = "{"x" * 4000}"' for index in range(count))
+        return f'[upstreams.big]\ncommand = ["server"]\nenv = {{ {variables} }}\n'
+
+    fits = MAX_ENV_TOTAL_BYTES // 4010
+    assert parse("/gw.toml", with_env(fits)).upstreams[0].env["V0"] == "x" * 4000
+    with pytest.raises(GatewayConfigError, match=r"^/gw.toml: \[upstreams.big\] env: the server's variables .* take "
+                                                 rf"\d+ bytes as NAME=value: at most {MAX_ENV_TOTAL_BYTES}"):
+        parse("/gw.toml", with_env(fits + 1))
+    # The control: past the daemon's own total, the daemon refuses the server's Exec (each restart).
+    too_many = {f"V{index}": "x" * 4000 for index in range(40)}
+    with pytest.raises(InvalidPolicy, match="env takes"):
+        check_command(["server"], too_many)
+    with pytest.raises(GatewayConfigError, match=r"\[upstreams.big\] env: "):
+        parse("/gw.toml", with_env(40))
+    # A pass_env value is read at start: a huge one is the same error, naming pass_env.
+    passed = '[upstreams.big]\ncommand = ["server"]\npass_env = ["HUGE"]\n'
+    assert parse("/gw.toml", passed, {"HUGE": "small"}).upstreams[0].pass_env == ("HUGE",)
+    with pytest.raises(GatewayConfigError, match=r"\[upstreams.big\] pass_env: HUGE is 40000 bytes: the daemon takes"):
+        parse("/gw.toml", passed, {"HUGE": "y" * 40000})
+    long_name = "N" * (MAX_ENV_NAME + 1)
+    with pytest.raises(GatewayConfigError, match=rf"env: the variable name .* is over {MAX_ENV_NAME} bytes"):
+        parse("/gw.toml", f'[upstreams.big]\ncommand = ["server"]\nenv = {{ {long_name} = "v" }}\n')
 
 
 def test_a_file_that_cannot_be_read(tmp_path: Path) -> None:

@@ -22,7 +22,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from sandboxd.errors import InvalidPolicy
+from sandboxd.policy.limits import MAX_ENV_NAME, MAX_ENV_VALUE, MAX_SESSION_ENV_BYTES
 from sandboxd.policy.network import parse_credential
+from sandboxd.policy.spec import check_command
 from sandboxd.policy.tools import Effect, Risk
 from sandboxd.printable import printable
 
@@ -37,6 +39,10 @@ MAX_LIST = 256                     # entries of command, writable_roots, allow_d
 MAX_TEXT = 4096                    # characters of one string of the file
 MAX_TIMEOUT_SECONDS = 86400.0
 DEFAULT_TIMEOUT_SECONDS = 120.0
+# An upstream's own variables (env and the pass_env values) together, NAME=value bytes: the
+# daemon takes 128 KiB for a call's whole environment (policy.limits.MAX_ENV_BYTES); this half
+# leaves the rest for its defaults (PATH, HOME, ...), as a session's own env is bounded.
+MAX_ENV_TOTAL_BYTES = MAX_SESSION_ENV_BYTES
 # A variable whose name says it holds a secret (its value redacted from the audit, mcp.gateway.authorize;
 # a file holding one in `env` is refused if others may read it).
 SECRET_NAME = re.compile(r"TOKEN|SECRET|KEY|PASSWORD|CREDENTIAL", re.IGNORECASE)
@@ -160,8 +166,11 @@ def _absolute(table: _Table, key: str, value: object) -> str:
 
 def _variable(table: _Table, key: str, name: str) -> str:
     """An environment variable's name as the daemon takes it: no '=' or NUL, not empty."""
-    if not name or "=" in name or "\x00" in name or len(name) > MAX_TEXT:
+    if not name or "=" in name or "\x00" in name:
         raise table.error(key, f"the variable name {printable(name)!r} is not usable: give a name without '=' or NUL")
+    if len(name.encode(errors="surrogateescape")) > MAX_ENV_NAME:
+        raise table.error(key, f"the variable name {printable(name[:100])!r}... is over {MAX_ENV_NAME} bytes, the "
+                               "daemon's bound: give a shorter name")
     return name
 
 
@@ -258,6 +267,31 @@ def _check_fit(table: _Table, fields: dict[str, Any]) -> None:
                                        "host's network as it is, with no proxy to hold a list or a secret)")
 
 
+def _check_environment(table: _Table, fields: dict[str, Any], environ: Mapping[str, str]) -> None:
+    """The server's variables as the daemon will take them (policy.limits: each value, all of them
+    together, the command with them within ARG_MAX), with the pass_env values set now: a file the
+    daemon would refuse at every start is an error here, not a restart loop."""
+    variables = [("env", name, text) for name, text in fields.get("env", {}).items()]
+    variables += [("pass_env", name, environ[name]) for name in fields.get("pass_env", ()) if name in environ]
+    total = 0
+    for key, name, text in variables:
+        size = len(text.encode(errors="surrogateescape"))
+        if size > MAX_ENV_VALUE:
+            raise table.error(key, f"{printable(name)} is {size} bytes: the daemon takes at most {MAX_ENV_VALUE} per "
+                                   "variable (pass large data in a file)")
+        if "\x00" in text:
+            raise table.error(key, f"{printable(name)} holds a NUL character, which no program can be given")
+        total += len(name.encode(errors="surrogateescape")) + size + 2
+    if total > MAX_ENV_TOTAL_BYTES:
+        raise table.error("env", f"the server's variables (env, and the pass_env ones set now) take {total} bytes "
+                                 f"as NAME=value: at most {MAX_ENV_TOTAL_BYTES}; pass large data in a file")
+    if fields.get("command"):
+        try:
+            check_command(fields["command"], {name: text for _key, name, text in variables})
+        except InvalidPolicy as exc:
+            raise table.error("command", f"{printable(str(exc))}") from None
+
+
 def _upstream(path: str, name: str, value: object, environ: Mapping[str, str]) -> UpstreamConfig:
     table = _Table(path, f"upstreams.{name}")
     if not UPSTREAM_NAME.fullmatch(name):
@@ -298,6 +332,7 @@ def _upstream(path: str, name: str, value: object, environ: Mapping[str, str]) -
         fields["pass_env"] = tuple(_variable(table, "pass_env", item)
                                    for item in _texts(table, "pass_env", value["pass_env"]))
     _check_fit(table, fields)
+    _check_environment(table, fields, environ)
     if "tools" in value:
         fields["tools"] = _tools(path, name, value["tools"])
     if "timeout_seconds" in value:
