@@ -497,8 +497,8 @@ def test_the_private_workspace_is_made_and_a_planted_link_refused(daemon: Daemon
     async def scenario(client: AsyncDaemon) -> None:
         upstream = Upstream(client, config, no_change)
         try:
-            with pytest.raises(UpstreamError, match=r"its private directory .* is not a directory of yours with mode "
-                                                    r"0700 \(a link"):
+            with pytest.raises(UpstreamError, match=r"its private directory .* needs .*/mine to be a directory of yours "
+                                                    r"with mode 0700; it is a link or not a directory"):
                 await upstream.ensure_started()
             assert upstream.session is None and open_sessions(daemon, "mine") == []
         finally:
@@ -513,6 +513,53 @@ def test_the_private_workspace_is_made_and_a_planted_link_refused(daemon: Daemon
     run(daemon, scenario)
     assert stat.S_IMODE(private.lstat().st_mode) == 0o700 and (private / "here").read_text() == "x"
     assert list(elsewhere.iterdir()) == []
+
+
+def test_the_private_workspaces_parents_in_the_home_are_checked(daemon: Daemon,
+                                                                 sandboxd_daemon_module: DaemonFactory,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without XDG_STATE_HOME, ~/.local and ~/.local/state are checked too: one others may write (or
+    a link) is refused before any session is opened; the control: fixed, the upstream is served."""
+    home = sandboxd_daemon_module.workspace()
+    home.chmod(0o755)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    private = Path(default_workspace("mine"))
+    assert private == home / ".local" / "state" / "sandboxd" / "gateway" / "mine"
+    (home / ".local" / "state").mkdir(parents=True)
+    (home / ".local" / "state").chmod(0o777)                 # others could plant sandboxd/ there
+    config = UpstreamConfig(name="mine", command=(PY, SERVER, "echo"), workspace=str(private))
+
+    async def scenario(client: AsyncDaemon) -> None:
+        upstream = Upstream(client, config, no_change)
+        try:
+            with pytest.raises(UpstreamError, match=r"needs .*/\.local/state to be a directory of yours that only you "
+                                                    r"may write; it is mode 777"):
+                await upstream.ensure_started()
+            assert upstream.session is None and open_sessions(daemon, "mine") == []
+        finally:
+            await upstream.close()
+        assert not (home / ".local" / "state" / "sandboxd").exists()
+        # A link for ~/.local/state itself: refused as well.
+        (home / ".local" / "state").rmdir()
+        elsewhere = sandboxd_daemon_module.workspace()
+        (home / ".local" / "state").symlink_to(elsewhere)
+        upstream = Upstream(client, config, no_change)
+        try:
+            with pytest.raises(UpstreamError, match=r"\.local/state to be .*; it is a link or not a directory"):
+                await upstream.ensure_started()
+        finally:
+            await upstream.close()
+        assert list(elsewhere.iterdir()) == []
+        # The control: a real directory of yours, and the upstream is served there.
+        (home / ".local" / "state").unlink()
+        upstream = Upstream(client, config, no_change)
+        try:
+            assert text(await upstream.call_tool("write_file", {"path": "here", "text": "x"}, 30)) == "written"
+        finally:
+            await upstream.close()
+    run(daemon, scenario)
+    assert (private / "here").read_text() == "x" and stat.S_IMODE(private.stat().st_mode) == 0o700
 
 
 def test_an_upstream_cannot_read_its_users_home(daemon: Daemon, ws: Path) -> None:

@@ -117,20 +117,49 @@ def gateway_variables(config: GatewayConfig, environ: Mapping[str, str] | None =
 
 
 def private_directory(name: str, path: str) -> None:
-    """An upstream's default workspace, ``.../sandboxd/gateway/NAME``: made 0700, and used only if
-    it and the two directories above it that are ours are real directories of this user, not
-    links (another program of the user, an agent with the home as its workspace, could plant a
-    link there to hand the upstream a workspace of its choosing)."""
-    gateway = os.path.dirname(path)
-    for directory in (os.path.dirname(gateway), gateway, path):
-        with contextlib.suppress(FileExistsError):
-            os.makedirs(directory, mode=0o700)
-        info = os.lstat(directory)
-        if (not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid()
-                or (directory == path and stat.S_IMODE(info.st_mode) & 0o077)):
-            raise UpstreamError(f"{name}: its private directory {printable(directory)} is not a directory of yours"
-                                f"{' with mode 0700' if directory == path else ''} (a link? another owner's?): "
-                                "remove it, or give the upstream a workspace")
+    """An upstream's default workspace, ``STATE/sandboxd/gateway/NAME``: made 0700, and used only
+    if every directory from your home down to it (``~/.local``, ``~/.local/state``, ``sandboxd``,
+    ``gateway``; from ``$XDG_STATE_HOME`` when that is outside the home) is a real directory of
+    yours that nobody else may write, and it is 0700. Another program of the user (an agent with
+    the home as its workspace) could plant a link or a directory of its choosing there to hand the
+    upstream a workspace; a group-writable ``~/.local`` lets others do the same. The walk opens
+    each directory from the one above it (O_NOFOLLOW) and checks what it opened (fstat), so no
+    link is followed between a check and the next step."""
+    home = os.path.normpath(os.path.expanduser("~"))
+    state = os.path.dirname(os.path.dirname(os.path.dirname(path)))        # $XDG_STATE_HOME or ~/.local/state
+    if home != "/" and path.startswith(home + "/"):
+        anchor = home
+    else:
+        anchor = state
+        os.makedirs(anchor, mode=0o700, exist_ok=True)
+    parts = os.path.relpath(path, anchor).split(os.sep)
+    descriptor = os.open(anchor, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        where = anchor
+        for index, part in enumerate(parts):
+            last = index == len(parts) - 1
+            where = os.path.join(where, part)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, mode=0o700, dir_fd=descriptor)
+            try:
+                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=descriptor)
+            except OSError:                        # ELOOP, ENOTDIR: a link or a file planted there
+                inner, wrong = -1, "a link or not a directory"
+            else:
+                info = os.fstat(inner)
+                mode = stat.S_IMODE(info.st_mode)
+                wrong = (f"owned by uid {info.st_uid}" if info.st_uid != os.geteuid()
+                         else f"mode {mode:o}" if mode & (0o077 if last else 0o022) else "")
+            if inner >= 0:
+                os.close(descriptor)
+                descriptor = inner
+            if wrong:
+                need = "with mode 0700" if last else "that only you may write"
+                raise UpstreamError(f"{name}: its private directory {printable(path)} needs {printable(where)} to be "
+                                    f"a directory of yours {need}; it is {wrong}: remove it or fix its mode "
+                                    f"(chmod {'700' if last else 'go-w'}), or give the upstream a workspace")
+    finally:
+        os.close(descriptor)
 
 
 def check_bridge_visible(config: UpstreamConfig) -> None:
