@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import re
 import subprocess
 import time
@@ -591,3 +592,54 @@ def test_a_chatty_upstream_costs_the_built_in_tools_nothing(daemon: Daemon, ws: 
     assert out["flood"].is_error and f"over {RESTART_UNASKED_PER_SECOND} notifications" in text(out["flood"])
     assert not out["after"].is_error and "note.txt" in text(out["after"])
     assert text(out["again"]) == "echo: again"
+
+
+def test_a_program_others_or_a_sandbox_may_write_and_a_key_root_are_warned_about(tmp_path: Path) -> None:
+    """At start, one printable line each on stderr (the gateway still starts: here it then finds no
+    daemon): a server program inside the gateway session's workspace, inside another upstream's
+    workspace, one others may write; a writable root under ~/.ssh. The control: a file without
+    any of these gets no warning."""
+    workspace, home = tmp_path / "ws", tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    workspace.mkdir()
+    in_session = workspace / "server.py"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    open_script = shared / "open.py"
+    for script in (in_session, open_script):
+        script.write_text("print()\n")
+    open_script.chmod(0o666)
+    near = tmp_path / "up-near"
+    near.mkdir()
+    (near / "tool.py").write_text("print()\n")
+
+    def start(*tables: str) -> str:
+        path = gateway_file(tmp_path, *tables)
+        done = subprocess.run([SANDBOXD, "mcp", "--socket", str(tmp_path / "no.sock"), "--workspace", str(workspace),
+                               "--gateway", str(path)], capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL, cwd="/", env={**os.environ, "HOME": str(home)})
+        assert "Traceback" not in done.stderr, done.stderr
+        return done.stderr
+
+    said = start(
+        "[upstreams.mine]\ncommand = [\"/usr/bin/python3\", " + json.dumps(str(in_session)) + "]\n",
+        "[upstreams.near]\ncommand = [\"/usr/bin/python3\", \"-u\", \"tool.py\"]\n"
+        f"workspace = {json.dumps(str(near))}\n",
+        "[upstreams.far]\ncommand = [\"/usr/bin/python3\", " + json.dumps(str(near / "tool.py")) + "]\n",
+        "[upstreams.open]\ncommand = [" + json.dumps(str(open_script)) + "]\n",
+        "[upstreams.keys]\ncommand = [\"/usr/bin/python3\", " + json.dumps(SERVER) + "]\n"
+        f"writable_roots = [{json.dumps(str(home / '.ssh'))}]\n")
+    warnings = [line for line in said.splitlines() if line.startswith("sandboxd mcp: warning: ")]
+    assert any(f"[upstreams.mine] runs {in_session}, inside {workspace}, which the gateway's own session may write"
+               in line for line in warnings), said
+    assert any(f"[upstreams.near] runs {near / 'tool.py'}, inside {near}, which [upstreams.near] may write" in line
+               for line in warnings), said
+    assert any(f"[upstreams.far] runs {near / 'tool.py'}, inside {near}, which [upstreams.near] may write" in line
+               for line in warnings), said
+    assert any(f"[upstreams.open] runs {open_script}, and others may write it" in line for line in warnings), said
+    assert any(f"[upstreams.keys] writable_roots: {home / '.ssh'} is under ~/.ssh" in line for line in warnings), said
+    assert len(warnings) == 5, said
+    # The control: the test server, installed where only root writes, no key directory.
+    control = start("[upstreams.clean]\ncommand = [\"/usr/bin/python3\", " + json.dumps(SERVER) + ", \"echo\"]\n"
+                    f"writable_roots = [{json.dumps(str(home / 'out'))}]\n")
+    assert "warning" not in control and control.startswith("sandboxd mcp: "), control

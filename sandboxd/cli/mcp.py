@@ -138,17 +138,22 @@ def _credentials_unshared(flags: list[str], gateway: "GatewaySetup") -> None:
                                  "too: a variable backs one holder only; give one of them a variable of its own")
 
 
+def _session_writes(spec: "SessionSpec") -> tuple[str, ...]:
+    """Where the gateway's own session's commands may write (its workspace and writable roots);
+    none under danger-full-access (no wall to name) or for an attached session (its roots are
+    not known here)."""
+    mode = spec.permission_mode
+    writes = spec.sandbox == "workspace-write" if not mode else mode != "read_only"
+    return () if spec.attach or not writes else (spec.workspace, *spec.writable_roots)
+
+
 def _outside_the_session(path: str, spec: "SessionSpec") -> None:
     """ValueError when the gateway file is where the gateway's own session may write (its workspace
     or a writable root): the model's commands could then rewrite it, and the next start would give
     an upstream a wider sandbox, its trust, or another command. (Under danger-full-access there is
     no wall to keep it behind; an attached session's roots are not known here.)"""
-    mode = spec.permission_mode
-    writes = spec.sandbox == "workspace-write" if not mode else mode != "read_only"
-    if spec.attach or not writes:
-        return
     real = os.path.realpath(path)
-    for root in (spec.workspace, *spec.writable_roots):
+    for root in _session_writes(spec):
         inside = os.path.realpath(root)
         if real == inside or real.startswith(inside.rstrip("/") + "/"):
             raise ValueError(f"--gateway {path}: the file is inside {root}, which this session's commands may "
@@ -182,8 +187,11 @@ def main(argv: list[str]) -> int:
                        checkpoint_calls=args.checkpoint_calls)
     ctl = f"sandboxctl --socket {socket_path}" if name_socket else "sandboxctl"
     try:
-        if args.gateway:
+        if gateway is not None:
             _outside_the_session(args.gateway, spec)
+            from sandboxd.mcp.gateway.cautions import cautions
+            for line in cautions(gateway.config, _session_writes(spec)):
+                sys.stderr.write(f"sandboxd mcp: warning: {line}\n")
         listen = parse_listen(args.http) if args.http else None
         if (args.token_file or args.idle_timeout != 600.0) and listen is None:
             raise ValueError("--token-file and --idle-timeout are for --http")
