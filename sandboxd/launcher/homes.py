@@ -1,16 +1,20 @@
 """Which home directories a sandbox may cover (launcher.rootfs step 7b: LaunchSpec.hidden_homes).
 
-Two callers hide homes: `sandboxd run` (cli.run_env: its command user's and its caller's) and the
-daemon, for a session whose policy says ``hide_home`` (service.sessions.lifecycle: its owner's).
-Both ask here, so the same directories are never covered: a home is covered only when it is a real
-directory owned by its user and not a system tree (daemon users have homes such as /usr/sbin or
-/var/www, which every program reads).
+Two callers hide homes: `sandboxd run` (cli.run_env: its command user's and its caller's, each
+covered only when it is a real directory owned by its user and not a system tree: daemon users have
+homes such as /usr/sbin or /var/www, which every program reads) and the daemon, for a session whose
+policy says ``hide_home`` (service.sessions.lifecycle: its owner's). The daemon's rule is stricter
+in what it promises: the owner's home is covered whoever owns the directory (an admin-made or
+sftp-chroot home is root's), and where it cannot be (no home, "/", a system directory, one holding
+sandboxd's own places) hide_home is refused, never reported true while nothing is hidden.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+
+from sandboxd.policy.sandbox import is_within
 
 # A "home" in these trees, or equal to one of these directories, is a system directory: never covered.
 _SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/run", "/sbin",
@@ -49,3 +53,31 @@ def owner_home(uid: int) -> tuple[str, ...]:
     """The home of ``uid`` to cover, as a tuple of at most one real path (LaunchSpec.hidden_homes)."""
     home = coverable_home(home_of(uid), (uid,))
     return (home,) if home else ()
+
+
+class Uncoverable(ValueError):
+    """A session owner's home that hide_home cannot cover; the text says why and what to do."""
+
+
+def session_home(uid: int, own_places: tuple[str, ...] = ()) -> str:
+    """The daemon's hide_home: the real path of ``uid``'s home to cover, whoever owns the directory
+    (the cover exists only in the sandbox's mount namespace). Raises Uncoverable when it cannot be
+    covered: no home, not a directory, a system directory, or one holding ``own_places`` (the
+    daemon's directories every sandbox hides: a cover over them would undo that)."""
+    path = home_of(uid)
+    if not path or not path.startswith("/"):
+        raise Uncoverable(f"uid {uid} has no home directory in the user database")
+    real = os.path.realpath(path)
+    if real in _SYSTEM_DIRS or any(real == tree or real.startswith(tree + "/") for tree in _SYSTEM_TREES):
+        raise Uncoverable(f"the home {path!r} is the system directory {real!r}, which every program reads")
+    try:
+        st = os.stat(real)
+    except OSError as error:
+        raise Uncoverable(f"the home {path!r} cannot be found ({error.strerror})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise Uncoverable(f"the home {path!r} is not a directory")
+    for place in own_places:
+        if is_within(place, real):
+            raise Uncoverable(f"the home {path!r} holds sandboxd's own directory {place!r}")
+    return real
+
