@@ -81,3 +81,13 @@ def session_home(uid: int, own_places: tuple[str, ...] = ()) -> str:
             raise Uncoverable(f"the home {path!r} holds sandboxd's own directory {place!r}")
     return real
 
+
+def runtime_dir(uid: int) -> tuple[str, ...]:
+    """``uid``'s runtime directory (/run/user/UID: $XDG_RUNTIME_DIR, where podman keeps registry
+    credentials and agents their sockets) when it is a real directory of theirs: (path,) or ()."""
+    path = f"/run/user/{uid}"
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return ()
+    return (path,) if stat.S_ISDIR(st.st_mode) and st.st_uid == uid else ()
