@@ -15,6 +15,7 @@ import pytest
 
 from daemon_helpers import Daemon, DaemonFactory, PlainUser, close_quietly, plain_users, run_client_as
 from daemon_fixtures import daemon  # noqa: F401
+from sandboxd.launcher.homes import other_mounts
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)
@@ -131,3 +132,51 @@ def test_a_home_that_cannot_be_hidden_is_refused(where: str, sandboxd_daemon_mod
     assert control.get("hide") is False, control
     assert refused.get("error", [""])[0] == "INVALID_ARGUMENT", refused
     assert "hide_home" in refused["error"][1] and "home" in refused["error"][1], refused
+
+
+def test_the_home_by_another_mount_of_its_directory_is_hidden(sandboxd_daemon_module: DaemonFactory,
+                                                              daemon: Daemon) -> None:  # noqa: F811
+    """/home bind-mounted from /var/home (fstab `bind`, an image-based distro's layout), or one btrfs
+    subvolume mounted twice: the user database names /home/u, the same directory is also at
+    /var/home/u. hide_home covers /home/u only (its realpath): the other mount still shows the key."""
+    with plain_users(1) as (user,):
+        homes = sandboxd_daemon_module.base / f"homes-{user.name}"
+        alias = sandboxd_daemon_module.base / f"var-homes-{user.name}"
+        homes.mkdir()
+        alias.mkdir()
+        os.chmod(homes, 0o755)
+        os.chmod(alias, 0o755)
+        path = homes / "u"
+        _make_home(path, user, user.uid)
+        subprocess.run(["mount", "--bind", str(homes), str(alias)], check=True)
+        try:
+            h = Home(user, path, path / "project")
+            out = _probe(h, daemon, True, os.getpid())
+            by_alias = PROBE.replace('"direct": run(s.id, ["cat", home + "/.ssh/id_rsa"])',
+                                     '"direct": run(s.id, ["cat", ARGS["alias"] + "/u/.ssh/id_rsa"])')
+            args = {"home": str(path), "ws": str(path / "project"), "outside": os.getpid(), "alias": str(alias)}
+            shown = run_client_as(user.uid, user.gid, daemon.socket, by_alias, {**args, "hide": False})
+            other = run_client_as(user.uid, user.gid, daemon.socket, by_alias, {**args, "hide": True})
+        finally:
+            subprocess.run(["umount", str(alias)], check=True)
+    assert shown["direct"] == [KEY, 0], shown               # control: the alias shows the key without hide_home
+    assert out["direct"][1] != 0, out                      # the home by its own path
+    text, status = other["direct"]
+    assert status != 0 and "sbxt-h9b" not in text, other
+
+
+def test_other_mounts_reads_the_mount_table(tmp_path: Path) -> None:
+    """launcher.homes.other_mounts on a written table: a bind of /var/home at /home (escaped names),
+    one btrfs subvolume mounted twice; another filesystem's mount of the same path is not an alias."""
+    table = tmp_path / "mountinfo"
+    table.write_text(
+        "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n"
+        "2 1 8:2 / /var rw - ext4 /dev/sda2 rw\n"
+        "3 1 8:2 /home /home rw - ext4 /dev/sda2 rw\n"
+        "4 1 8:2 /home/u /srv/my\\040u rw - ext4 /dev/sda2 rw\n"
+        "5 1 0:40 /@home /data rw - btrfs /dev/sdb rw\n"
+        "6 1 0:40 / /pool rw - btrfs /dev/sdb rw\n"
+        "7 1 8:3 /home /elsewhere rw - ext4 /dev/sda3 rw\n")
+    assert other_mounts("/home/u", str(table)) == ("/var/home/u", "/srv/my u")
+    assert other_mounts("/data/v", str(table)) == ("/pool/@home/v",)
+    assert other_mounts("/nowhere/u", str(tmp_path / "gone")) == ()

@@ -12,6 +12,7 @@ sandboxd's own places) hide_home is refused, never reported true while nothing i
 from __future__ import annotations
 
 import os
+import re
 import stat
 
 from sandboxd.policy.sandbox import is_within
@@ -91,3 +92,42 @@ def runtime_dir(uid: int) -> tuple[str, ...]:
     except OSError:
         return ()
     return (path,) if stat.S_ISDIR(st.st_mode) and st.st_uid == uid else ()
+
+
+# The most other mounts of a home's directory covered (a mount table is the host's: an admin's binds).
+MAX_ALIASES = 32
+
+
+def other_mounts(home: str, mountinfo: str = "/proc/self/mountinfo") -> tuple[str, ...]:
+    """The other paths at which the directory ``home`` (a real path) is mounted: a bind of /var/home
+    at /home, one btrfs subvolume mounted twice. The sandbox's root shows every mount of the host's,
+    so a home covered at one path only would still show at the others: these are covered too.
+    Found by the mount table: the mount holding ``home`` gives its filesystem (major:minor) and its
+    path in it; every other mount of that filesystem whose root holds that path shows it."""
+    try:
+        with open(mountinfo, encoding="utf-8", errors="surrogateescape") as table:
+            lines = table.read().splitlines()
+    except OSError:
+        return ()
+    mounts: list[tuple[str, str, str]] = []                  # (major:minor, root in its filesystem, mount point)
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 5:
+            mounts.append((fields[2], _unescape(fields[3]), _unescape(fields[4])))
+    holding = [(len(point), index) for index, (_dev, _root, point) in enumerate(mounts) if is_within(home, point)]
+    if not holding:
+        return ()
+    dev, root, point = mounts[max(holding)[1]]               # the deepest mount point; of those, the topmost
+    inner = os.path.normpath(os.path.join(root, os.path.relpath(home, point)))
+    found: list[str] = []
+    for other_dev, other_root, other_point in mounts:
+        if other_dev == dev and is_within(inner, other_root):
+            alias = os.path.normpath(os.path.join(other_point, os.path.relpath(inner, other_root)))
+            if alias != home and alias not in found and len(found) < MAX_ALIASES:
+                found.append(alias)
+    return tuple(found)
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path: the kernel writes space, tab, newline and backslash as \\ooo."""
+    return re.sub(r"\\([0-7]{3})", lambda octal: chr(int(octal.group(1), 8)), field)

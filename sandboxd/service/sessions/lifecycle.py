@@ -24,7 +24,7 @@ from sandboxd._record import Record
 from sandboxd.audit.store import EventStore, EventType
 from sandboxd.errors import InvalidPolicy, NotFound, WrongState
 from sandboxd.kernel import overlay, review_space
-from sandboxd.launcher.homes import Uncoverable, owner_home, runtime_dir, session_home
+from sandboxd.launcher.homes import Uncoverable, other_mounts, owner_home, runtime_dir, session_home
 from sandboxd.policy import LaunchSpec, Limits, SandboxPolicy
 from sandboxd.policy.decision import ApprovalPolicy, ToolRules
 from sandboxd.policy.sandbox import is_within
@@ -567,7 +567,7 @@ def _hidden_homes(session: Session, policy: SandboxPolicy, workspace: str,
                   own_places: tuple[str, ...] = ()) -> tuple[str, ...]:
     """With ``hide_home``: the homes to cover: the owner's, whoever owns that directory (a
     root-owned home is still theirs to hide; launcher.homes.session_home), refused when it cannot
-    be covered rather than reported hidden; their runtime directory /run/user/UID (registry
+    be covered rather than reported hidden, and at every other mount of its directory; their runtime directory /run/user/UID (registry
     credentials, agent sockets); and for a root owner's confined session also the home of the
     workspace's owner, whom its commands run as (access.command_user, launcher.plan), so that root
     acting on a user's checkout hides that user's keys too (when that home is coverable)."""
@@ -579,7 +579,7 @@ def _hidden_homes(session: Session, policy: SandboxPolicy, workspace: str,
     except Uncoverable as why:
         raise InvalidPolicy(f"hide_home: {why}: it cannot be hidden, so the session is refused rather than "
                             "shown it; leave hide_home out (or fix the home in the user database)") from None
-    found.extend(runtime_dir(uid))
+    found.extend((*other_mounts(found[0]), *runtime_dir(uid)))
     if command_user(session.owner, policy) is None:
         try:
             other = os.stat(workspace).st_uid
