@@ -316,6 +316,27 @@ def test_a_server_that_cannot_start_says_why(daemon: Daemon, ws: Path) -> None:
     run(daemon, scenario)
 
 
+def test_a_session_the_daemon_refuses_is_said_not_retried(daemon: Daemon) -> None:
+    """The daemon refuses the upstream's session (INVALID_ARGUMENT: here hide_home with the home as the
+    workspace; so too a home that cannot be hidden): the caller is told why, and no runner starts it
+    again on a timer (each call tries once). The control, the same server in a workspace elsewhere,
+    starts: test_listed_called_and_closed_in_its_own_session."""
+    home = Path(pwd.getpwuid(os.getuid()).pw_dir)
+
+    async def scenario(client: AsyncDaemon) -> None:
+        upstream = Upstream(client, upstream_config("refused", home), no_change)
+        try:
+            for _ in range(2):
+                with pytest.raises(UpstreamError, match="INVALID_ARGUMENT.*hide_home"):
+                    await upstream.ensure_started()
+                assert upstream.state == "failed" and "hide_home" in upstream.last_error
+                assert upstream._runner is None          # not restarting on a timer
+        finally:
+            await upstream.close()
+        assert open_sessions(daemon, "refused") == []
+    run(daemon, scenario)
+
+
 def test_a_missing_credential_names_the_variable(daemon: Daemon, ws: Path) -> None:
     os.environ.pop("GATEWAY_TEST_TOKEN", None)
 

@@ -111,7 +111,7 @@ class Binding:
 
     async def close(self) -> None:
         """Cancel what still runs (the daemon kills those trees), then close an owned session."""
-        self._events.unsubscribe(self.session_id)
+        self._events.unsubscribe(self.session_id, self._on_event)
         for call in list(self._calls):
             call.cancel()
         if self.owned:

@@ -19,7 +19,7 @@ import mcp_types as types
 from mcp.server.lowlevel import NotificationOptions, Server
 from mcp.server.models import InitializationOptions
 from mcp.shared.exceptions import MCPError
-from mcp_types import INTERNAL_ERROR
+from mcp_types import INTERNAL_ERROR, INVALID_REQUEST
 
 from sandboxd.client import DrainWait, caller_environment
 from sandboxd.mcp import catalog
@@ -28,6 +28,7 @@ from sandboxd.mcp.binding import Binding
 from sandboxd.mcp.daemon import Daemon, SessionSpec, denial
 from sandboxd.mcp.events import EventHub
 from sandboxd.mcp.gateway.naming import split as split_name
+from sandboxd.printable import printable
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 TYPE_CHECKING = False
@@ -59,6 +60,10 @@ class App:
         self.events = EventHub(daemon)   # one watch for every session of this process
         self._first = first              # stdio: the session opened before serving, for the one connection
         self.gateway = gateway           # --gateway: the upstream servers' tools, resources and prompts
+        # --session: the connection the attached session serves. One at a time: a held call's
+        # question goes to the connection that made the call, and two people on one session
+        # could answer each other's (hostile pass 9b).
+        self._attached_to: object | None = None
 
     def take_first(self) -> tuple[pb.Session, bool] | None:
         first, self._first = self._first, None
@@ -73,6 +78,8 @@ class App:
             bound = connection.state.get(_STATE_KEY)
             if isinstance(bound, Binding):
                 return bound
+            if self.spec.attach:
+                self._claim_attached(connection)
             session, owned = self.take_first() or await self.daemon.open(self.spec)
             bound = Binding(self.daemon, session, owned, self.events, connection.send_tool_list_changed,
                             checkpoint_calls=self.spec.checkpoint_calls and session.review)
@@ -82,6 +89,20 @@ class App:
                 self.gateway.attach(connection)
             connection.state[_STATE_KEY] = bound
             return bound
+
+
+    def _claim_attached(self, connection: "Connection") -> None:
+        if self._attached_to is not None and self._attached_to is not connection:
+            raise MCPError(INVALID_REQUEST, f"sandboxd mcp: the session {printable(self.spec.attach)} is in use by "
+                           "another MCP connection (--session serves one at a time): end that one, or connect to a "
+                           "`sandboxd mcp --http` without --session (a session per connection) or with another "
+                           "session")
+        self._attached_to = connection
+
+        async def release() -> None:
+            if self._attached_to is connection:
+                self._attached_to = None
+        connection.exit_stack.push_async_callback(release)
 
 
 def build_server(app: App) -> "Server[App]":

@@ -70,6 +70,11 @@ class UpstreamError(Exception):
     """What went wrong with an upstream, for the model: printable, says what happened."""
 
 
+class UpstreamRefused(UpstreamError):
+    """The daemon refused its session's settings (INVALID_ARGUMENT: say, hide_home for a home that
+    cannot be hidden): starting again would be refused again, so it is not retried on a timer."""
+
+
 def session_spec(config: UpstreamConfig, environ: Mapping[str, str]) -> SessionSpec:
     """The upstream's own session: its policy from its table, approval never, its credentials'
     secrets from the gateway's environment (as `sandboxd mcp --credential` reads them)."""
@@ -281,6 +286,12 @@ class Upstream:
                     watch.cancel_scope.cancel()
             except Exception as exc:  # noqa: BLE001 - whatever it was, the upstream restarts
                 leaf = _leaf(exc)
+                if isinstance(leaf, UpstreamRefused):
+                    # Not a fault that passes: each caller is told why (a try each), none on a timer.
+                    self.state, self.last_error, self._runner = "failed", str(leaf), None
+                    log.warning("gateway: %s; not started again until it is called", leaf)
+                    self._settle(str(leaf))
+                    return
                 if isinstance(leaf, UpstreamError):
                     error = str(leaf)
                 else:
@@ -337,8 +348,10 @@ class Upstream:
         try:
             opened, self._owns_session = await self._daemon.open(spec)
         except grpc.aio.AioRpcError as error:
-            raise UpstreamError(f"{self.name}: its session could not be opened: {error.code().name}: "
-                                f"{printable(error.details() or '')}") from None
+            refused = error.code() == grpc.StatusCode.INVALID_ARGUMENT
+            raise (UpstreamRefused if refused else UpstreamError)(
+                f"{self.name}: its session could not be opened: {error.code().name}: "
+                f"{printable(error.details() or '')}") from None
         self.session = opened
         return opened
 

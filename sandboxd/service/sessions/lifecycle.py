@@ -24,7 +24,7 @@ from sandboxd._record import Record
 from sandboxd.audit.store import EventStore, EventType
 from sandboxd.errors import InvalidPolicy, NotFound, WrongState
 from sandboxd.kernel import overlay, review_space
-from sandboxd.launcher.homes import owner_home
+from sandboxd.launcher.homes import Uncoverable, other_mounts, owner_home, runtime_dir, session_home
 from sandboxd.policy import LaunchSpec, Limits, SandboxPolicy
 from sandboxd.policy.decision import ApprovalPolicy, ToolRules
 from sandboxd.policy.sandbox import is_within
@@ -533,7 +533,7 @@ class SessionLifecycle:
                           limits=session.limits, user=command_user(session.owner, policy), dns=self._places.dns,
                           network_pool=self._places.network_pool, caller=rights_of(session.owner),
                           hidden_paths=own.hidden, owner_hidden=_owner_places(session.owner.uid),
-                          hidden_homes=_hidden_homes(session, policy, workspace),
+                          hidden_homes=_hidden_homes(session, policy, workspace, own.hidden),
                           denied_sockets=own.sockets, denied_listeners=own.listeners,
                           approval_channels=own.channels,
                           owner=cgroup_owner(session.owner), placement=placement,
@@ -563,20 +563,31 @@ def _forget_secrets(session: Session) -> None:
         credentials.wipe()
 
 
-def _hidden_homes(session: Session, policy: SandboxPolicy, workspace: str) -> tuple[str, ...]:
-    """With ``hide_home``: the homes to cover (launcher.homes decides which are coverable): the
-    owner's, and for a root owner's confined session also that of the workspace's owner, whom its
-    commands run as (access.command_user, launcher.plan), so that root acting on a user's checkout
-    hides that user's keys too."""
+def _hidden_homes(session: Session, policy: SandboxPolicy, workspace: str,
+                  own_places: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """With ``hide_home``: the homes to cover: the owner's, whoever owns that directory (a
+    root-owned home is still theirs to hide; launcher.homes.session_home), refused when it cannot
+    be covered rather than reported hidden, and at every other mount of its directory; their runtime directory /run/user/UID (registry
+    credentials, agent sockets); and for a root owner's confined session also the home of the
+    workspace's owner, whom its commands run as (access.command_user, launcher.plan), so that root
+    acting on a user's checkout hides that user's keys too (when that home is coverable)."""
     if not policy.hide_home:
         return ()
-    uids = [session.owner.uid]
+    uid = session.owner.uid
+    try:
+        found = [session_home(uid, own_places)]
+    except Uncoverable as why:
+        raise InvalidPolicy(f"hide_home: {why}: it cannot be hidden, so the session is refused rather than "
+                            "shown it; leave hide_home out (or fix the home in the user database)") from None
+    found.extend((*other_mounts(found[0]), *runtime_dir(uid)))
     if command_user(session.owner, policy) is None:
         try:
-            uids.append(os.stat(workspace).st_uid)
+            other = os.stat(workspace).st_uid
         except OSError:
-            pass                                      # the launch says what is wrong with it
-    homes = tuple(dict.fromkeys(home for uid in uids for home in owner_home(uid)))
+            other = uid                               # the launch says what is wrong with it
+        if other != uid:
+            found.extend((*owner_home(other), *runtime_dir(other)))
+    homes = tuple(dict.fromkeys(found))
     # A root that holds a home is attached over its cover (rootfs step 7b): the home would show,
     # keys and all, while the policy says hidden. Said, not done silently.
     for what, root in (("workspace", workspace), *(("writable root", root) for root in policy.writable_roots)):
