@@ -154,6 +154,18 @@ def readable_copy_of_sandboxd(base: Path) -> Path:
 # --------------------------------------------------------------------------- directories
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _exec_streams_ended() -> Iterator[None]:
+    """After each module, the request stream of every daemon_helpers.ExecCall it left open is ended
+    (a failed test skips its close): a gRPC thread left blocked on one makes a later in-process fork
+    abort (see ExecCall._open)."""
+    yield
+    import sys
+    helpers = sys.modules.get("daemon_helpers")
+    if helpers is not None:
+        helpers.ExecCall.end_left_open()
+
+
 @pytest.fixture
 def base_dir() -> Iterator[Path]:
     """A fresh 0755 directory under /var/tmp (same filesystem as the host root), removed afterwards."""

@@ -639,6 +639,11 @@ class ExecCall:
     """
 
     _END = object()
+    # Calls whose request stream is still open. gRPC's thread that consumes a request stream stays
+    # blocked on the queue until the stream ends, even after the call itself ended; such a thread
+    # in the test process makes a later in-process fork (tests/test_trust_bundle.py's Spawner)
+    # abort in gRPC's fork handler. conftest ends what a test left open, failed or not.
+    _open: "set[ExecCall]" = set()
 
     def __init__(self, stub: pb_grpc.SandboxStub, start: pb.ExecStart) -> None:
         self._queue: queue.Queue[Any] = queue.Queue()
@@ -648,6 +653,7 @@ class ExecCall:
         self.error: grpc.RpcError | None = None
         self.done = False
         self.call = stub.Exec(self._requests(), timeout=SAFETY_DEADLINE)
+        ExecCall._open.add(self)
         self._reader = threading.Thread(target=self._read, name="exec-reader", daemon=True)
         self._reader.start()
 
@@ -685,6 +691,18 @@ class ExecCall:
 
     def end_requests(self) -> None:
         self._queue.put(self._END)
+        ExecCall._open.discard(self)
+
+    @classmethod
+    def end_left_open(cls) -> int:
+        """End the request stream of every call a test left open (and cancel those still running):
+        how many there were."""
+        left = list(cls._open)
+        for call in left:
+            call.end_requests()
+            if not call.done:
+                call.call.cancel()
+        return len(left)
 
     def cancel(self) -> None:
         self.call.cancel()
