@@ -10,6 +10,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,6 @@ from sandboxd.errors import InvalidPolicy
 from sandboxd.launcher import plan as launch_plan
 from sandboxd.launcher import trust_bundle
 from sandboxd.policy import LaunchSpec, WorkspaceWrite
-from sandboxd.supervisor.spawner import Spawner
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="builds sandboxes as root")
 
@@ -76,12 +77,30 @@ def run_inside(workspace: Path, ca: UpstreamCA, trust_pem: str) -> dict[str, obj
     bundle = trust_bundle.host_bundle_path()
     assert bundle is not None, "the host has no CA bundle: packaging/setup.sh installs ca-certificates"
     out = workspace.parent / f"out-{len(trust_pem)}"
-    spec = LaunchSpec(argv=("python3", "inside.py", bundle, API), workspace=str(workspace), env=dict(BASE_ENV),
-                      policy=WorkspaceWrite(), trust_pem=trust_pem)
-    with open(os.devnull, "rb") as stdin, open(out, "wb") as stdout:
-        status = Spawner().launch(spec, (stdin.fileno(), stdout.fileno(), 2)).wait(120)
-    assert status.shell_status == 0, (status, out.read_text())
+    # The Spawner forks: in a process of its own, not pytest's, where an earlier module's gRPC
+    # threads (a client's request-stream consumer) would make gRPC's fork handling abort the run.
+    launched = subprocess.run(
+        [sys.executable, "-c", LAUNCH, json.dumps({"argv": ["python3", "inside.py", bundle, API], "workspace": str(workspace),
+                                                  "env": dict(BASE_ENV), "trust_pem": trust_pem, "out": str(out)})],
+        capture_output=True, text=True, timeout=180, cwd=str(REPO))
+    assert launched.returncode == 0, (launched.stdout, launched.stderr, out.read_text() if out.exists() else "")
     return json.loads(out.read_text())
+
+
+REPO = Path(__file__).resolve().parents[1]
+# One launch through the Spawner (what the tests above check), printed status: 0 if the command did.
+LAUNCH = r"""
+import json, os, sys
+from sandboxd.policy import LaunchSpec, WorkspaceWrite
+from sandboxd.supervisor.spawner import Spawner
+args = json.loads(sys.argv[1])
+spec = LaunchSpec(argv=tuple(args["argv"]), workspace=args["workspace"], env=args["env"], policy=WorkspaceWrite(),
+                  trust_pem=args["trust_pem"])
+with open(os.devnull, "rb") as stdin, open(args["out"], "wb") as stdout:
+    status = Spawner().launch(spec, (stdin.fileno(), stdout.fileno(), 2)).wait(120)
+print(status)
+sys.exit(0 if status.shell_status == 0 else 1)
+"""
 
 
 def test_the_system_bundle_trusts_the_extra_certificate_and_cannot_be_written(tmp_path: Path, ca: UpstreamCA) -> None:

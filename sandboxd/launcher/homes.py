@@ -12,7 +12,6 @@ sandboxd's own places) hide_home is refused, never reported true while nothing i
 from __future__ import annotations
 
 import os
-import re
 import stat
 
 from sandboxd.policy.sandbox import is_within
@@ -129,5 +128,15 @@ def other_mounts(home: str, mountinfo: str = "/proc/self/mountinfo") -> tuple[st
 
 
 def _unescape(field: str) -> str:
-    """A mountinfo path: the kernel writes space, tab, newline and backslash as \\ooo."""
-    return re.sub(r"\\([0-7]{3})", lambda octal: chr(int(octal.group(1), 8)), field)
+    """A mountinfo path: the kernel writes space, tab, newline and backslash as \\ooo. By hand, not
+    with `re`: `sandboxd run` imports this module, and `re` would load `collections` on its path
+    (tests/test_oneshot_speed.py)."""
+    parts = field.split("\\")
+    out = [parts[0]]
+    for part in parts[1:]:
+        code = part[:3]
+        if len(code) == 3 and all(digit in "01234567" for digit in code):
+            out.append(chr(int(code, 8)) + part[3:])
+        else:
+            out.append("\\" + part)
+    return "".join(out)
