@@ -175,6 +175,43 @@ def test_call_results_keep_the_tail_and_bound_what_they_hold(tmp_path: Path) -> 
         store.close()
 
 
+def test_a_wait_while_the_result_is_being_stored_finds_it(tmp_path: Path) -> None:
+    """The window CI once hit: the call has left the running ones and its row is not committed yet
+    (the store is slow). A WaitCall then must get the result, not NOT_FOUND. The control: the same
+    moment seen by another instance (the store only) finds nothing yet."""
+    import threading
+
+    class SlowStore(EventStore):
+        def __init__(self, path: str) -> None:
+            super().__init__(path)
+            self.entered, self.go_on = threading.Event(), threading.Event()
+
+        def save_call_result(self, row):  # type: ignore[no-untyped-def]
+            self.entered.set()
+            assert self.go_on.wait(30)
+            return super().save_call_result(row)
+
+    store = SlowStore(str(tmp_path / "events.db"))
+    try:
+        results = CallResults(store)
+        results.started("call_a", "s1", "uid 0")
+        results.output("call_a", 1, b"out")
+        ender = threading.Thread(target=results.finished, args=("call_a", 3, None, False))
+        ender.start()
+        assert store.entered.wait(30)
+        during = results.wait("call_a", 0)
+        assert during is not None and (during.exit_code, during.stdout_tail) == (3, b"out")
+        assert CallResults(store).wait("call_a", 0) is None          # the control: not in the store yet
+        store.go_on.set()
+        ender.join(30)
+        after = CallResults(store).wait("call_a", 0)
+        assert after is not None and after.exit_code == 3
+        assert results.wait("call_a", 0) is not None
+    finally:
+        store.go_on.set()
+        store.close()
+
+
 def test_a_broken_exec_says_how_to_ask_and_the_answer_outlives_the_daemon(daemon: Daemon, session: str) -> None:
     """The whole story from a person's side: `sandboxctl exec` whose daemon stops mid-call prints
     the command that tells how the call ended, and that command answers on the next daemon."""

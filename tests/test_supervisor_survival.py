@@ -55,7 +55,12 @@ def spec(base: Path, **limits: int) -> LaunchSpec:
 
 
 def start(base: Path, orphan_seconds: float = 120.0) -> ForkServer:
-    return ForkServer.start(survive=str(base / "private" / "supervisor.sock"), orphan_seconds=orphan_seconds)
+    """A surviving supervisor, serving: ForkServer.start returns once the process is spawned, and a
+    test that detaches at once would otherwise look for the attach socket before the server (its
+    imports slow on a loaded machine) has bound it."""
+    server = ForkServer.start(survive=str(base / "private" / "supervisor.sock"), orphan_seconds=orphan_seconds)
+    assert server.ping(60), "the supervisor did not answer a ping within 60 s"
+    return server
 
 
 def attach(base: Path) -> "tuple[ForkServer, Adoption]":

@@ -12,6 +12,17 @@ const transport = new StdioClientTransport({
   stderr: "inherit",
 });
 const client = new Client({ name: "sandboxd-ts-test", version: "1.0.0" });
+// The SDK runs a notification's handler a microtask later but a response's at once: when a
+// progress notification and the call's result come in one read (a loaded machine), the result
+// removes the progress handler first and the SDK reports the notification as for "an unknown
+// token". Such late ones are kept apart, with their message, so that the test can tell "sent before
+// the result" from "never sent".
+const late = [];
+client.onerror = (error) => {
+  const found = /progress notification for an unknown token: (.*)$/s.exec(error.message);
+  if (found) late.push(JSON.parse(found[1]).params?.message ?? "");
+  else console.error(error);
+};
 await client.connect(transport);
 const tools = await client.listTools();
 const progress = [];
@@ -31,5 +42,6 @@ console.log(JSON.stringify({
   shellSchema: tools.tools.find((tool) => tool.name === "shell")?.inputSchema,
   result,
   progress,
+  late,
 }));
 await client.close();

@@ -133,17 +133,20 @@ class CallResults:
                 self._by_owner[entry.owner] = left
             else:
                 del self._by_owner[entry.owner]
-        if shell_status is None:
-            shell_status = 124 if timed_out else 128 + signal if signal else exit_code or 0
-        result = CallResult(call_id, entry.session_id, entry.owner, FINISHED, exit_code or 0, signal or 0, timed_out,
-                            shell_status, entry.reason or reason, _tail(entry.tails[1]), _tail(entry.tails[2]),
-                            time.time())
-        if not self._save(result):
-            with self._cond:
-                self._unsaved[call_id] = result
-                while len(self._unsaved) > RUNNING_TOTAL:
-                    del self._unsaved[next(iter(self._unsaved))]
+            if shell_status is None:
+                shell_status = 124 if timed_out else 128 + signal if signal else exit_code or 0
+            result = CallResult(call_id, entry.session_id, entry.owner, FINISHED, exit_code or 0, signal or 0,
+                                timed_out, shell_status, entry.reason or reason, _tail(entry.tails[1]),
+                                _tail(entry.tails[2]), time.time())
+            # Seen by waiters while it is being stored: between leaving the running ones and its
+            # row's commit, a WaitCall must not find the call nowhere.
+            self._unsaved[call_id] = result
+        saved = self._save(result)
         with self._cond:
+            if saved:
+                self._unsaved.pop(call_id, None)
+            while len(self._unsaved) > RUNNING_TOTAL:
+                del self._unsaved[next(iter(self._unsaved))]
             self._cond.notify_all()
 
     def _save(self, result: CallResult) -> bool:
