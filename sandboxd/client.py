@@ -310,19 +310,27 @@ class SandboxClient:
     def rollback_changes(self, session_id: str, checkpoint_id: int) -> pb.RollbackChangesResponse:
         return self.stub.RollbackChanges(pb.RollbackChangesRequest(session_id=session_id, checkpoint_id=checkpoint_id))
 
-    def read_file(self, session_id: str, path: str, max_bytes: int = 0) -> pb.ReadFileResponse:
-        return self.stub.ReadFile(pb.ReadFileRequest(session_id=session_id, path=path, max_bytes=max_bytes))
+    # ``context_id`` (each call that can be held for approval): its execution_context_id, by which
+    # the client that made a held call finds it among the session's (ListPendingApprovals).
+
+    def read_file(self, session_id: str, path: str, max_bytes: int = 0, *,
+                  context_id: str = "") -> pb.ReadFileResponse:
+        return self.stub.ReadFile(pb.ReadFileRequest(session_id=session_id, path=path, max_bytes=max_bytes,
+                                                     execution_context_id=context_id))
 
     def write_file(self, session_id: str, path: str, data: bytes, *, mode: int = 0,
-                   create_parents: bool = False) -> int:
+                   create_parents: bool = False, context_id: str = "") -> int:
         return self.stub.WriteFile(pb.WriteFileRequest(session_id=session_id, path=path, data=data, mode=mode,
-                                                       create_parents=create_parents)).bytes_written
+                                                       create_parents=create_parents,
+                                                       execution_context_id=context_id)).bytes_written
 
-    def list_dir(self, session_id: str, path: str = "") -> list[pb.DirEntry]:
-        return list(self.stub.ListDir(pb.ListDirRequest(session_id=session_id, path=path)).entries)
+    def list_dir(self, session_id: str, path: str = "", *, context_id: str = "") -> list[pb.DirEntry]:
+        return list(self.stub.ListDir(pb.ListDirRequest(session_id=session_id, path=path,
+                                                        execution_context_id=context_id)).entries)
 
-    def apply_patch(self, session_id: str, patch: str, strip: int = 0) -> list[pb.PatchedFile]:
-        return list(self.stub.ApplyPatch(pb.ApplyPatchRequest(session_id=session_id, patch=patch, strip=strip)).files)
+    def apply_patch(self, session_id: str, patch: str, strip: int = 0, *, context_id: str = "") -> list[pb.PatchedFile]:
+        return list(self.stub.ApplyPatch(pb.ApplyPatchRequest(session_id=session_id, patch=patch, strip=strip,
+                                                              execution_context_id=context_id)).files)
 
     def search(self, session_id: str, pattern: str, path: str = "", *, max_results: int = 0,
                case_insensitive: bool = False) -> pb.SearchResponse:
@@ -330,15 +338,18 @@ class SandboxClient:
                                                  max_results=max_results, case_insensitive=case_insensitive))
 
     def start_background(self, session_id: str, argv: list[str] | None = None, *, shell: str = "",
-                         cwd: str = "", name: str = "") -> pb.BackgroundProcess:
+                         cwd: str = "", name: str = "", context_id: str = "") -> pb.BackgroundProcess:
         return self.stub.StartBackground(pb.StartBackgroundRequest(session_id=session_id, argv=argv or [],
-                                                                   shell=shell, cwd=cwd, name=name))
+                                                                   shell=shell, cwd=cwd, name=name,
+                                                                   execution_context_id=context_id))
 
-    def list_background(self, session_id: str) -> list[pb.BackgroundProcess]:
-        return list(self.stub.ListBackground(pb.ListBackgroundRequest(session_id=session_id)).processes)
+    def list_background(self, session_id: str, *, context_id: str = "") -> list[pb.BackgroundProcess]:
+        return list(self.stub.ListBackground(pb.ListBackgroundRequest(session_id=session_id,
+                                                                      execution_context_id=context_id)).processes)
 
-    def stop_background(self, session_id: str, job_id: str) -> pb.BackgroundProcess:
-        return self.stub.StopBackground(pb.StopBackgroundRequest(session_id=session_id, id=job_id))
+    def stop_background(self, session_id: str, job_id: str, *, context_id: str = "") -> pb.BackgroundProcess:
+        return self.stub.StopBackground(pb.StopBackgroundRequest(session_id=session_id, id=job_id,
+                                                                 execution_context_id=context_id))
 
     def wait_call(self, session_id: str, call_id: str, timeout: float = 0.0) -> pb.WaitCallResponse:
         """A call's outcome by id (ExecResponse.call_id): RUNNING after ``timeout`` seconds (at most

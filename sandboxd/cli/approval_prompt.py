@@ -17,12 +17,14 @@ and the environment the call sets (policy.approval_card: both bounded, saying wh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 
@@ -42,6 +44,16 @@ def new_context_id() -> str:
     """The execution_context_id one `sandboxctl exec` tags its call with, to find it among the
     session's held calls (another client's calls in the same session are not its to answer)."""
     return f"sandboxctl-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+@contextlib.contextmanager
+def asked_here(client: SandboxClient, session_id: str, ctl: str) -> Iterator[str]:
+    """One of sandboxctl's other calls that can be held (write, read, ls, patch, start, ps, stop):
+    the execution_context_id to tag it with, while its held call is asked about here as exec's is
+    (on a terminal; otherwise one line says how to answer). Another client's calls are not shown."""
+    context_id = new_context_id()
+    with ExecApprovals(client, session_id, context_id, ctl, interactive=on_terminal()):
+        yield context_id
 
 
 def on_terminal() -> bool:
@@ -101,8 +113,9 @@ def resolve(client: SandboxClient, session_id: str, call_id: str, decision: str)
 
 
 class ExecApprovals:
-    """While `sandboxctl exec` waits, find its own call (by its execution_context_id) among the
-    session's held calls and, on a terminal, ask in place; otherwise say once how to answer.
+    """While `sandboxctl exec` (or another call, asked_here) waits, find its own call (by its
+    execution_context_id) among the session's held calls and, on a terminal, ask in place;
+    otherwise say once how to answer.
     ``output``: the command's way to this terminal, held while a card is up (cli.held_output)."""
 
     def __init__(self, client: SandboxClient, session_id: str, context_id: str, ctl: str,

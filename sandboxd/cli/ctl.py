@@ -433,6 +433,38 @@ def _exec(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], N
     return status
 
 
+# The commands whose one call can be held for approval: tagged, and asked about in place as exec's.
+HELD_HERE = ("write", "read", "ls", "patch", "start", "ps", "stop")
+
+
+def _held_here(client: SandboxClient, args: argparse.Namespace, data: bytes, tag: str) -> int:
+    """One of HELD_HERE's calls, tagged ``tag``; ``data``: write's and patch's stdin, read already."""
+    if args.command == "write":
+        print(client.write_file(args.session_id, args.path, data, mode=args.mode, create_parents=args.parents,
+                                context_id=tag))
+    elif args.command == "read":
+        sys.stdout.buffer.write(client.read_file(args.session_id, args.path, MAX_READ_BYTES, context_id=tag).data)
+    elif args.command == "ls":
+        for entry in client.list_dir(args.session_id, args.path, context_id=tag):
+            print(f"{printable(entry.type):<7} {entry.mode:04o} {entry.size:>10}  {printable(entry.name)}")
+    elif args.command == "patch":
+        for patched in client.apply_patch(args.session_id, data.decode(), args.strip,
+                                          context_id=tag):
+            print(f"{printable(patched.action)}\t{printable(patched.path)}")
+    elif args.command == "start":
+        if not args.argv:
+            raise ValueError("no command: sandboxctl start SESSION -- PROGRAM [ARGS...]")
+        print(printable(client.start_background(args.session_id, args.argv, name=args.name, context_id=tag).id))
+    elif args.command == "ps":
+        for job in client.list_background(args.session_id, context_id=tag):
+            state = "running" if job.running else f"exited {job.result.shell_status}"
+            print(f"{printable(job.id)}  pid={job.pid}  {state:<10}  {printable(job.name)}")
+    else:
+        job = client.stop_background(args.session_id, args.job_id, context_id=tag)
+        print(f"{printable(job.id)} stopped ({job.result.shell_status})")
+    return 0
+
+
 STILL_RUNNING = 75          # EX_TEMPFAIL: `sandboxctl call result` of a call that still runs: ask again
 
 
@@ -480,37 +512,11 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
     if args.command == "shell":
         socket_option = f"--socket {args.socket}" if args.name_socket else ""
         return _exec_or_shell(client, args, terminal.SHELL, socket_option, shell=True)
-    if args.command == "write":
-        written = client.write_file(args.session_id, args.path, sys.stdin.buffer.read(), mode=args.mode,
-                                    create_parents=args.parents)
-        print(written)
-        return 0
-    if args.command == "read":
-        sys.stdout.buffer.write(client.read_file(args.session_id, args.path, MAX_READ_BYTES).data)
-        return 0
-    if args.command == "ls":
-        for entry in client.list_dir(args.session_id, args.path):
-            print(f"{printable(entry.type):<7} {entry.mode:04o} {entry.size:>10}  {printable(entry.name)}")
-        return 0
-    if args.command == "patch":
-        for patched in client.apply_patch(args.session_id, sys.stdin.read(), args.strip):
-            print(f"{printable(patched.action)}\t{printable(patched.path)}")
-        return 0
-    if args.command == "start":
-        command = args.argv
-        if not command:
-            raise ValueError("no command: sandboxctl start SESSION -- PROGRAM [ARGS...]")
-        print(printable(client.start_background(args.session_id, command, name=args.name).id))
-        return 0
-    if args.command == "ps":
-        for job in client.list_background(args.session_id):
-            state = "running" if job.running else f"exited {job.result.shell_status}"
-            print(f"{printable(job.id)}  pid={job.pid}  {state:<10}  {printable(job.name)}")
-        return 0
-    if args.command == "stop":
-        job = client.stop_background(args.session_id, args.job_id)
-        print(f"{printable(job.id)} stopped ({job.result.shell_status})")
-        return 0
+    if args.command in HELD_HERE:
+        socket_option = f"--socket {args.socket}" if args.name_socket else ""
+        data = sys.stdin.buffer.read() if args.command in ("write", "patch") else b""   # before any question
+        with approval_prompt.asked_here(client, args.session_id, f"sandboxctl {socket_option}".rstrip()) as tag:
+            return _held_here(client, args, data, tag)
     if args.command == "logs":
         for chunk in client.stub.ReadBackgroundOutput(pb.ReadBackgroundOutputRequest(
                 session_id=args.session_id, id=args.job_id, follow=args.follow)):

@@ -2,8 +2,15 @@
 
 The process's event watch (mcp.events: PermissionRequested and PolicyChanged) turns a policy
 change into `notifications/tools/list_changed`, and hands each held call to the tool call that
-made it: a command by its execution context id (unique per MCP call), any other tool by its name
-(first come, first served; the daemon's file tools carry no context id).
+made it, by its execution context id: each MCP tool call tags every daemon call it makes with an
+id of its own (mcp.handlers), and the daemon puts it on the held call's event. A held call tagged
+with an id no waiter here has is another client's (a second `sandboxd mcp --session` on the same
+session, `sandboxctl`): it is left alone, so no person is asked about a call they did not make.
+
+Only a held call with no id at all goes by its tool's name (the first waiter for that daemon tool):
+a daemon older than round 10 drops the id of the file and background-process RPCs (it knew it on
+Exec and Authorize only), and a client that sends none (a raw gRPC client) tags nothing. Two
+clients on one session of such a daemon can still be asked about each other's file calls.
 
 The tools a session shows (``visible``: the daemon's ListTools, less what a read-only sandbox
 hides) are the only ones it runs: a hidden tool called anyway is refused (mcp.handlers), so the
@@ -30,6 +37,13 @@ from sandboxd.mcp.events import EventHub
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 log = logging.getLogger("sandboxd.mcp")
+
+
+# The daemon tools whose RPCs carry execution_context_id only since round 10: an older daemon's
+# held calls of these come untagged. Exec (shell.exec) and Authorize (a gateway's upstream tools)
+# always carried it, so an untagged one of those is never this client's.
+UNTAGGED_BEFORE = frozenset(("fs.read", "fs.write", "fs.list", "patch.apply", "search",
+                             "monitor.start", "monitor.list", "monitor.stop"))
 
 
 class HeldCalls:
@@ -87,14 +101,15 @@ class Binding:
         self._calls.discard(call)
 
     def _route(self, event: pb.Event, context_id: str) -> None:
-        for held in self._waiting:
-            if context_id and held.context_id == context_id:
-                held.events.put_nowait(event)
-                return
-        for held in self._waiting:
-            if not held.context_id and not context_id and held.daemon_tool == event.tool:
-                held.events.put_nowait(event)
-                return
+        """Hand a held call to the tool call that made it (``context_id``: the event's), or to none."""
+        if context_id:
+            mine = (held for held in self._waiting if held.context_id == context_id)
+        else:                                   # an old daemon's, or a client's that tags nothing
+            mine = (held for held in self._waiting
+                    if held.daemon_tool == event.tool and held.daemon_tool in UNTAGGED_BEFORE)
+        held = next(mine, None)
+        if held is not None:
+            held.events.put_nowait(event)
 
     async def _on_event(self, event: pb.Event) -> None:
         if event.type == "PolicyChanged":

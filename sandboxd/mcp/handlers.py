@@ -134,7 +134,9 @@ def build_server(app: App) -> "Server[App]":
             why = "unknown tool" if tool is None else "this session does not offer the tool"
             return _error(f"{why} {params.name!r} ({catalog.policy_text(binding.session)}); use one of "
                           f"{', '.join(shown)}")
-        context_id = f"mcp-{secrets.token_hex(6)}" if tool.name == "shell" else ""
+        # Every daemon call this tool call makes carries it: its held calls are asked about here,
+        # never by another client of the same session (mcp.binding).
+        context_id = f"mcp-{secrets.token_hex(6)}"
         held = binding.expect(tool.daemon_tool, context_id)
         progress = Progress(ctx)
         result: types.CallToolResult | None = None
@@ -308,43 +310,47 @@ async def _shell(binding: Binding, args: dict[str, Any], progress: Progress, con
     return _ok(text, {**status, "stdout": stdout, "stderr": stderr})
 
 
-async def _read(binding: Binding, args: dict[str, Any], _progress: Progress, _context: str) -> types.CallToolResult:
+async def _read(binding: Binding, args: dict[str, Any], _progress: Progress, context_id: str) -> types.CallToolResult:
     answer = await binding.daemon.stub.ReadFile(pb.ReadFileRequest(
-        session_id=binding.session_id, path=_required(args, "path"), max_bytes=_arg(args, "max_bytes", int, 0)))
+        session_id=binding.session_id, path=_required(args, "path"), max_bytes=_arg(args, "max_bytes", int, 0),
+        execution_context_id=context_id))
     text = answer.data.decode("utf-8", "replace")
     return _ok(text + ("\n[truncated: the file is longer]" if answer.truncated else ""),
                {"bytes": len(answer.data), "truncated": answer.truncated})
 
 
-async def _write(binding: Binding, args: dict[str, Any], _progress: Progress, _context: str) -> types.CallToolResult:
+async def _write(binding: Binding, args: dict[str, Any], _progress: Progress, context_id: str) -> types.CallToolResult:
     content = _arg(args, "content", str)
     if content is None:
         raise ToolError("content is required (the whole new file)")
     path = _required(args, "path")
     written = await binding.daemon.stub.WriteFile(pb.WriteFileRequest(
-        session_id=binding.session_id, path=path, data=content.encode(), create_parents=True))
+        session_id=binding.session_id, path=path, data=content.encode(), create_parents=True,
+        execution_context_id=context_id))
     return _ok(f"wrote {written.bytes_written} bytes to {path}", {"bytes_written": written.bytes_written})
 
 
-async def _list(binding: Binding, args: dict[str, Any], _progress: Progress, _context: str) -> types.CallToolResult:
-    listing = await binding.daemon.stub.ListDir(pb.ListDirRequest(session_id=binding.session_id,
-                                                                 path=_arg(args, "path", str, "")))
+async def _list(binding: Binding, args: dict[str, Any], _progress: Progress, context_id: str) -> types.CallToolResult:
+    listing = await binding.daemon.stub.ListDir(pb.ListDirRequest(
+        session_id=binding.session_id, path=_arg(args, "path", str, ""), execution_context_id=context_id))
     lines = [f"{entry.type:<7} {entry.mode:04o} {entry.size:>10}  {entry.name}" for entry in listing.entries]
     return _ok("\n".join(lines) or "(empty)", {"entries": [
         {"name": entry.name, "type": entry.type, "size": entry.size} for entry in listing.entries]})
 
 
-async def _patch(binding: Binding, args: dict[str, Any], _progress: Progress, _context: str) -> types.CallToolResult:
+async def _patch(binding: Binding, args: dict[str, Any], _progress: Progress, context_id: str) -> types.CallToolResult:
     answer = await binding.daemon.stub.ApplyPatch(pb.ApplyPatchRequest(
-        session_id=binding.session_id, patch=_required(args, "patch"), strip=_arg(args, "strip", int, 0)))
+        session_id=binding.session_id, patch=_required(args, "patch"), strip=_arg(args, "strip", int, 0),
+        execution_context_id=context_id))
     return _ok("\n".join(f"{patched.action}\t{patched.path}" for patched in answer.files),
                {"files": [{"path": patched.path, "action": patched.action} for patched in answer.files]})
 
 
-async def _search(binding: Binding, args: dict[str, Any], _progress: Progress, _context: str) -> types.CallToolResult:
+async def _search(binding: Binding, args: dict[str, Any], _progress: Progress, context_id: str) -> types.CallToolResult:
     answer = await binding.daemon.stub.Search(pb.SearchRequest(
         session_id=binding.session_id, pattern=_required(args, "pattern"), path=_arg(args, "path", str, ""),
-        max_results=_arg(args, "max_results", int, 0), case_insensitive=bool(_arg(args, "case_insensitive", bool))))
+        max_results=_arg(args, "max_results", int, 0), case_insensitive=bool(_arg(args, "case_insensitive", bool)),
+        execution_context_id=context_id))
     lines = [f"{match.path}:{match.line}: {match.text}" for match in answer.matches]
     if answer.truncated:
         lines.append("[more matches not shown: narrow the pattern or the path]")
@@ -356,16 +362,18 @@ def _job(job: pb.BackgroundProcess) -> dict[str, Any]:
             "shell_status": None if job.running else job.result.shell_status, "output_bytes": job.output_bytes}
 
 
-async def _start(binding: Binding, args: dict[str, Any], _progress: Progress, _context: str) -> types.CallToolResult:
+async def _start(binding: Binding, args: dict[str, Any], _progress: Progress, context_id: str) -> types.CallToolResult:
     job = await binding.daemon.stub.StartBackground(pb.StartBackgroundRequest(
         session_id=binding.session_id, shell=_required(args, "command"), cwd=_arg(args, "cwd", str, ""),
-        env_overlay=_env(args), caller_env=CALLER_ENV, name=_arg(args, "name", str, "")))
+        env_overlay=_env(args), caller_env=CALLER_ENV, name=_arg(args, "name", str, ""),
+        execution_context_id=context_id))
     return _ok(f"started {job.id} (pid {job.pid})", _job(job))
 
 
 async def _processes(binding: Binding, _args: dict[str, Any], _progress: Progress,
-                     _context: str) -> types.CallToolResult:
-    jobs = (await binding.daemon.stub.ListBackground(pb.ListBackgroundRequest(session_id=binding.session_id))).processes
+                     context_id: str) -> types.CallToolResult:
+    jobs = (await binding.daemon.stub.ListBackground(pb.ListBackgroundRequest(
+        session_id=binding.session_id, execution_context_id=context_id))).processes
     lines = [f"{job.id}  pid={job.pid}  {'running' if job.running else f'exited {job.result.shell_status}'}  "
              f"{job.name}" for job in jobs]
     return _ok("\n".join(lines) or "no background processes", {"processes": [_job(job) for job in jobs]})
@@ -384,9 +392,9 @@ async def _output(binding: Binding, args: dict[str, Any], _progress: Progress, _
                {"next_offset": end, "dropped": dropped})
 
 
-async def _stop(binding: Binding, args: dict[str, Any], _progress: Progress, _context: str) -> types.CallToolResult:
-    job = await binding.daemon.stub.StopBackground(pb.StopBackgroundRequest(session_id=binding.session_id,
-                                                                            id=_required(args, "id")))
+async def _stop(binding: Binding, args: dict[str, Any], _progress: Progress, context_id: str) -> types.CallToolResult:
+    job = await binding.daemon.stub.StopBackground(pb.StopBackgroundRequest(
+        session_id=binding.session_id, id=_required(args, "id"), execution_context_id=context_id))
     return _ok(f"{job.id} stopped (status {job.result.shell_status})", _job(job))
 
 

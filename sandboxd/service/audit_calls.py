@@ -14,6 +14,7 @@ from sandboxd.errors import Forbidden, InvalidPolicy, NotFound, PermissionDenied
 from sandboxd.policy.tools import BUILTIN_TOOLS, Category, Effect, Risk, check_tool_name, summary_of
 from sandboxd.service.approvals import ApprovalGate, Granted, ToolCall, rule_key
 from sandboxd.service.callers import Caller
+from sandboxd.service.convert import check_text
 from sandboxd.service.sessions.registry import SessionRegistry
 from sandboxd.service.watch_filter import WatchFilter
 from sandboxd.v1 import sandboxd_pb2 as pb
@@ -82,6 +83,7 @@ class AuditService:
         # effect is judged against; found as this caller's, so another owner's is NOT_FOUND.
         runs_in = self._registry.get(who, request.runs_in_session_id) if request.runs_in_session_id else None
         check_tool_name(request.tool)
+        check_text(request.execution_context_id, "execution_context_id")   # kept with a held call: bounded
         if request.tool in BUILTIN_TOOLS:
             raise InvalidPolicy(f"{request.tool} is a built-in tool: call its RPC, which is authorized itself")
         if request.effect not in EFFECTS:

@@ -227,7 +227,8 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             session = self._registry.get(who, request.session_id)
             limit = file_calls.read_limit(request.max_bytes)
             path = file_calls.resolve(session, request.path)
-            code, data = self._tool(context, session, tool_calls.read(session, "fs.read", path), lambda: (
+            code, data = self._tool(context, session, tool_calls.read(
+                session, "fs.read", path, context_id=request.execution_context_id), lambda: (
                 file_calls.run_tool(self._registry, self._fork, session, {
                     "op": "read", "path": path, "max_bytes": limit}, limit=limit)))
             return pb.ReadFileResponse(data=data, truncated=code == 3)
@@ -244,7 +245,8 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                 raise InvalidPolicy(f"mode {request.mode:o} has the set-uid or set-gid bit: a file written "
                                     f"through the daemon may not have them (use {request.mode & 0o1777:o})")
             self._registry.ready(session)                 # its paths judged on what was built
-            call = tool_calls.write(session, "fs.write", [path], bytes=len(request.data))
+            call = tool_calls.write(session, "fs.write", [path], bytes=len(request.data),
+                                    context_id=request.execution_context_id)
             _, out = self._tool(context, session, call, lambda: file_calls.run_tool(
                 self._registry, self._fork, session, {
                     "op": "write", "path": path, "mode": request.mode, "create_parents": request.create_parents},
@@ -257,7 +259,8 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             self._drain.refuse_new("new call")
             session = self._registry.get(who, request.session_id)
             path = file_calls.resolve(session, request.path)
-            _, out = self._tool(context, session, tool_calls.read(session, "fs.list", path), lambda: (
+            _, out = self._tool(context, session, tool_calls.read(
+                session, "fs.list", path, context_id=request.execution_context_id), lambda: (
                 file_calls.run_tool(self._registry, self._fork, session, {"op": "list", "path": path})))
             return pb.ListDirResponse(entries=file_calls.parse_listing(out))
         return self._unary(context, work, CALLS)
@@ -270,7 +273,8 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                        for f in patch_search.patched_files(request.patch, request.strip)[0]]
             self._registry.ready(session)
             return pb.ApplyPatchResponse(files=self._tool(
-                context, session, tool_calls.write(session, "patch.apply", targets),
+                context, session, tool_calls.write(session, "patch.apply", targets,
+                                                   context_id=request.execution_context_id),
                 lambda: patch_search.apply_patch(self._registry, self._fork, session, request.patch, request.strip)))
         return self._unary(context, work, CALLS)
 
@@ -279,7 +283,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             self._drain.refuse_new("new call")
             session = self._registry.get(who, request.session_id)
             call = tool_calls.read(session, "search", file_calls.resolve(session, request.path),
-                                   pattern=request.pattern)
+                                   pattern=request.pattern, context_id=request.execution_context_id)
             return self._tool(context, session, call, lambda: patch_search.search(
                 self._registry, self._fork, session, request.pattern, request.path, request.max_results,
                 request.case_insensitive, request.engine))
@@ -296,7 +300,8 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             convert.check_text(request.name, "name")
             self._registry.ready(session)
             call = tool_calls.command(session, "monitor.start", argv,
-                                      cwd_inside(session.workspace, convert.check_path(request.cwd, "cwd")), start)
+                                      cwd_inside(session.workspace, convert.check_path(request.cwd, "cwd")), start,
+                                      context_id=request.execution_context_id)
             return job_to_proto(self._tool(context, session, call, lambda: self._jobs.start(
                 session, argv, request.cwd, start, request.name)))
         return self._unary(context, work, CALLS)
@@ -305,7 +310,8 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                        context: grpc.ServicerContext) -> pb.ListBackgroundResponse:
         def work(who: Caller) -> pb.ListBackgroundResponse:
             session = self._registry.get(who, request.session_id)
-            jobs = self._tool(context, session, tool_calls.read(session, "monitor.list", ""),
+            jobs = self._tool(context, session, tool_calls.read(session, "monitor.list", "",
+                                                                 context_id=request.execution_context_id),
                               lambda: self._jobs.list(session))
             return pb.ListBackgroundResponse(processes=[job_to_proto(j) for j in jobs])
         return self._unary(context, work, CALLS)
@@ -313,7 +319,8 @@ class SandboxServicer(pb_grpc.SandboxServicer):
     def StopBackground(self, request: pb.StopBackgroundRequest, context: grpc.ServicerContext) -> pb.BackgroundProcess:
         def work(who: Caller) -> pb.BackgroundProcess:
             session = self._registry.get(who, request.session_id)
-            call = tool_calls.read(session, "monitor.stop", "", id=request.id)
+            call = tool_calls.read(session, "monitor.stop", "", id=request.id,
+                                   context_id=request.execution_context_id)
             return job_to_proto(self._tool(context, session, call, lambda: self._jobs.stop(session, request.id)))
         return self._unary(context, work, CALLS)
 

@@ -1,10 +1,15 @@
 """Each built-in RPC as the policy engine sees it: which tool it is, its effect, its arguments
-and the one-line summary an approval card shows. One function per kind of call."""
+and the one-line summary an approval card shows. One function per kind of call.
+
+Each carries the request's execution_context_id (the client's tag for the agent turn or tool
+call that made it): a held call's PendingApproval, ApprovalRequested event and audit record name
+it, so that the client that made the call, and no other on the same session, asks about it."""
 
 from __future__ import annotations
 
 from sandboxd.policy.tools import BUILTIN_TOOLS, Classified, Effect, classify_command, summary_of
 from sandboxd.service import environment
+from sandboxd.service.convert import check_text
 from sandboxd.service.approvals import ToolCall
 from sandboxd.service.file_calls import write_effect, write_scope
 from sandboxd.service.sessions.registry import Session
@@ -14,6 +19,7 @@ from sandboxd.v1 import sandboxd_pb2 as pb
 def _call(name: str, effect: str | None, arguments: dict[str, object], summary: str, *, note: str = "",
           context_id: str = "") -> ToolCall:
     spec = BUILTIN_TOOLS[name]
+    check_text(context_id, "execution_context_id")     # kept with a held call and its events: bounded
     return ToolCall(tool=name, effect=effect, category=spec.category, arguments=arguments, summary=summary,
                     risk=spec.risk, execution_context_id=context_id, note=note)
 
@@ -39,13 +45,15 @@ def command(session: Session, tool: str, argv: list[str], cwd: str, start: pb.Ex
     return _call(tool, found.effect, arguments, summary_of(tool, argv), context_id=context_id, note=found.note)
 
 
-def read(session: Session, tool: str, path: str, **extra: object) -> ToolCall:
+def read(session: Session, tool: str, path: str, *, context_id: str = "", **extra: object) -> ToolCall:
     """fs.read, fs.list, search, monitor.list, monitor.stop: read-only (their fixed effect)."""
-    return _call(tool, BUILTIN_TOOLS[tool].effect, {"path": path, **extra}, summary_of(tool, path=path))
+    return _call(tool, BUILTIN_TOOLS[tool].effect, {"path": path, **extra}, summary_of(tool, path=path),
+                 context_id=context_id)
 
 
-def write(session: Session, tool: str, paths: list[str], **extra: object) -> ToolCall:
+def write(session: Session, tool: str, paths: list[str], *, context_id: str = "", **extra: object) -> ToolCall:
     """fs.write, patch.apply: workspace-write, or destructive outside the writable roots."""
     effect, note = write_effect(session, paths)
-    return _call(tool, effect, {"paths": paths, **extra}, summary_of(tool, path=", ".join(paths)), note=note)
+    return _call(tool, effect, {"paths": paths, **extra}, summary_of(tool, path=", ".join(paths)), note=note,
+                 context_id=context_id)
 

@@ -622,14 +622,16 @@ class ExecResponse(_message.Message):
     def __init__(self, call_id: _Optional[str] = ..., started_pid: _Optional[int] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., result: _Optional[_Union[ExecResult, _Mapping]] = ...) -> None: ...
 
 class ReadFileRequest(_message.Message):
-    __slots__ = ("session_id", "path", "max_bytes")
+    __slots__ = ("session_id", "path", "max_bytes", "execution_context_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     path: str
     max_bytes: int
-    def __init__(self, session_id: _Optional[str] = ..., path: _Optional[str] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+    execution_context_id: str
+    def __init__(self, session_id: _Optional[str] = ..., path: _Optional[str] = ..., max_bytes: _Optional[int] = ..., execution_context_id: _Optional[str] = ...) -> None: ...
 
 class ReadFileResponse(_message.Message):
     __slots__ = ("data", "truncated")
@@ -640,18 +642,20 @@ class ReadFileResponse(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class WriteFileRequest(_message.Message):
-    __slots__ = ("session_id", "path", "data", "mode", "create_parents")
+    __slots__ = ("session_id", "path", "data", "mode", "create_parents", "execution_context_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     CREATE_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     path: str
     data: bytes
     mode: int
     create_parents: bool
-    def __init__(self, session_id: _Optional[str] = ..., path: _Optional[str] = ..., data: _Optional[bytes] = ..., mode: _Optional[int] = ..., create_parents: _Optional[bool] = ...) -> None: ...
+    execution_context_id: str
+    def __init__(self, session_id: _Optional[str] = ..., path: _Optional[str] = ..., data: _Optional[bytes] = ..., mode: _Optional[int] = ..., create_parents: _Optional[bool] = ..., execution_context_id: _Optional[str] = ...) -> None: ...
 
 class WriteFileResponse(_message.Message):
     __slots__ = ("bytes_written",)
@@ -660,12 +664,14 @@ class WriteFileResponse(_message.Message):
     def __init__(self, bytes_written: _Optional[int] = ...) -> None: ...
 
 class ListDirRequest(_message.Message):
-    __slots__ = ("session_id", "path")
+    __slots__ = ("session_id", "path", "execution_context_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     path: str
-    def __init__(self, session_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    execution_context_id: str
+    def __init__(self, session_id: _Optional[str] = ..., path: _Optional[str] = ..., execution_context_id: _Optional[str] = ...) -> None: ...
 
 class DirEntry(_message.Message):
     __slots__ = ("name", "type", "size", "mode", "mtime")
@@ -688,7 +694,7 @@ class ListDirResponse(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[DirEntry, _Mapping]]] = ...) -> None: ...
 
 class StartBackgroundRequest(_message.Message):
-    __slots__ = ("session_id", "argv", "shell", "cwd", "env", "name", "env_overlay", "caller_env")
+    __slots__ = ("session_id", "argv", "shell", "cwd", "env", "name", "env_overlay", "caller_env", "execution_context_id")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -711,6 +717,7 @@ class StartBackgroundRequest(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     ENV_OVERLAY_FIELD_NUMBER: _ClassVar[int]
     CALLER_ENV_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     argv: _containers.RepeatedScalarFieldContainer[str]
     shell: str
@@ -719,7 +726,8 @@ class StartBackgroundRequest(_message.Message):
     name: str
     env_overlay: _containers.ScalarMap[str, str]
     caller_env: CallerEnvironment
-    def __init__(self, session_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., name: _Optional[str] = ..., env_overlay: _Optional[_Mapping[str, str]] = ..., caller_env: _Optional[_Union[CallerEnvironment, _Mapping]] = ...) -> None: ...
+    execution_context_id: str
+    def __init__(self, session_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., name: _Optional[str] = ..., env_overlay: _Optional[_Mapping[str, str]] = ..., caller_env: _Optional[_Union[CallerEnvironment, _Mapping]] = ..., execution_context_id: _Optional[str] = ...) -> None: ...
 
 class BackgroundProcess(_message.Message):
     __slots__ = ("id", "session_id", "name", "argv", "pid", "running", "result", "output_bytes", "started_at")
@@ -744,10 +752,12 @@ class BackgroundProcess(_message.Message):
     def __init__(self, id: _Optional[str] = ..., session_id: _Optional[str] = ..., name: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ..., running: _Optional[bool] = ..., result: _Optional[_Union[ExecResult, _Mapping]] = ..., output_bytes: _Optional[int] = ..., started_at: _Optional[float] = ...) -> None: ...
 
 class ListBackgroundRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "execution_context_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    execution_context_id: str
+    def __init__(self, session_id: _Optional[str] = ..., execution_context_id: _Optional[str] = ...) -> None: ...
 
 class ListBackgroundResponse(_message.Message):
     __slots__ = ("processes",)
@@ -778,22 +788,26 @@ class BackgroundOutput(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class StopBackgroundRequest(_message.Message):
-    __slots__ = ("session_id", "id")
+    __slots__ = ("session_id", "id", "execution_context_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     id: str
-    def __init__(self, session_id: _Optional[str] = ..., id: _Optional[str] = ...) -> None: ...
+    execution_context_id: str
+    def __init__(self, session_id: _Optional[str] = ..., id: _Optional[str] = ..., execution_context_id: _Optional[str] = ...) -> None: ...
 
 class ApplyPatchRequest(_message.Message):
-    __slots__ = ("session_id", "patch", "strip")
+    __slots__ = ("session_id", "patch", "strip", "execution_context_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PATCH_FIELD_NUMBER: _ClassVar[int]
     STRIP_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     patch: str
     strip: int
-    def __init__(self, session_id: _Optional[str] = ..., patch: _Optional[str] = ..., strip: _Optional[int] = ...) -> None: ...
+    execution_context_id: str
+    def __init__(self, session_id: _Optional[str] = ..., patch: _Optional[str] = ..., strip: _Optional[int] = ..., execution_context_id: _Optional[str] = ...) -> None: ...
 
 class PatchedFile(_message.Message):
     __slots__ = ("path", "action")
@@ -810,20 +824,22 @@ class ApplyPatchResponse(_message.Message):
     def __init__(self, files: _Optional[_Iterable[_Union[PatchedFile, _Mapping]]] = ...) -> None: ...
 
 class SearchRequest(_message.Message):
-    __slots__ = ("session_id", "pattern", "path", "max_results", "case_insensitive", "engine")
+    __slots__ = ("session_id", "pattern", "path", "max_results", "case_insensitive", "engine", "execution_context_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PATTERN_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     MAX_RESULTS_FIELD_NUMBER: _ClassVar[int]
     CASE_INSENSITIVE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     pattern: str
     path: str
     max_results: int
     case_insensitive: bool
     engine: str
-    def __init__(self, session_id: _Optional[str] = ..., pattern: _Optional[str] = ..., path: _Optional[str] = ..., max_results: _Optional[int] = ..., case_insensitive: _Optional[bool] = ..., engine: _Optional[str] = ...) -> None: ...
+    execution_context_id: str
+    def __init__(self, session_id: _Optional[str] = ..., pattern: _Optional[str] = ..., path: _Optional[str] = ..., max_results: _Optional[int] = ..., case_insensitive: _Optional[bool] = ..., engine: _Optional[str] = ..., execution_context_id: _Optional[str] = ...) -> None: ...
 
 class SearchMatch(_message.Message):
     __slots__ = ("path", "line", "text")
