@@ -120,6 +120,9 @@ OPTIONS: tuple[tuple[str, str | None, str, str], ...] = (
     ("--pass-env", "NAME", "append", "pass the caller's NAME (repeatable; the way to hand a secret to the command)"),
     ("--clear-env", None, "flag", "start from an empty environment"),
     ("--host-home", None, "flag", "keep the host's home directories visible (read-only) and HOME as it is"),
+    ("--strict-homes", None, "flag", "refuse to run (125) when a home to hide (the command user's, yours, "
+                                     "$HOME) cannot be (someone else's directory, a system one); without it, "
+                                     "one line says so and the run goes on"),
     ("--review", "[=apply|discard|keep[:DIR]]", "optional",
      "review mode: writes go to an overlay, not the host; at the end the change summary, then "
      "[a]pply [d]iscard [k]eep [r]eview on a terminal (keep, saying where, without one); =apply, "
@@ -242,10 +245,12 @@ def spec_from_args(args: dict[str, object], credentials: "RunCredentials | None"
     cwd, user = args["cwd"], args["user"]
     command_user = parse_user(str(user)) if user else None
     from sandboxd.cli import run_env
-    env, hidden_homes, private_home = run_env.plan(
+    env, hidden_homes, private_home, home_notes = run_env.plan(
         dict(os.environ), workspace=workspace, user=command_user, confined=policy.confined,
         host_home=bool(args["host_home"]), clear=bool(args["clear_env"]), passes=_strings(args, "pass_env"),
-        sets=_strings(args, "env"))
+        sets=_strings(args, "env"), strict_homes=bool(args["strict_homes"]))
+    for note in home_notes:                         # asked to hide the homes, and one stays visible
+        _say(note)
     if credentials is not None:
         env.update(credentials.environment())       # last: VAR is the phantom whatever else was asked
     memory, tmp_size = args["memory"], args["tmp_size"]

@@ -20,7 +20,9 @@ all readable on the host's read-only view. So by default:
 
 Homes are hidden only when they are real directories owned by their user and not system trees
 (daemon users have homes such as /usr/sbin or /var/www: never hidden): launcher.homes decides, for
-a daemon session's ``hide_home`` too.
+a daemon session's ``hide_home`` too. A candidate that is there but cannot be hidden ($HOME naming
+someone else's directory or /etc) is said, one line each, not passed over in silence: the run goes
+on with it visible, read-only, unless ``--strict-homes`` makes that a refusal (exit 125).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from __future__ import annotations
 import os
 
 from sandboxd.errors import InvalidPolicy
-from sandboxd.launcher.homes import coverable_home, home_of
+from sandboxd.launcher.homes import home_of, home_verdict
+from sandboxd.policy.sandbox import is_within
 
 # The caller's variables every command gets: where programs are, how to print. Never a secret.
 PASSED = ("PATH", "LANG", "LANGUAGE", "TERM", "COLORTERM", "NO_COLOR", "TZ")
@@ -51,14 +54,25 @@ def command_user(workspace: str, user: tuple[int, int] | None) -> tuple[int, int
     return st.st_uid, st.st_gid
 
 
-def hidden_homes(target: tuple[int, int] | None, caller_env: dict[str, str]) -> tuple[str, ...]:
+def hidden_homes(target: tuple[int, int] | None,
+                 caller_env: dict[str, str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The homes to hide: the command user's, the caller's (by uid and by $HOME), deduplicated,
-    the command user's first."""
+    the command user's first; and what to say of each candidate that cannot be hidden (one
+    sentence each, naming it and why; not one inside a hidden home, which its cover hides)."""
     caller = os.getuid()
     owners = (caller,) if target is None else (target[0], caller)
-    candidates = [home_of(target[0]) if target else None, home_of(caller), caller_env.get("HOME")]
-    found = [coverable_home(path, owners) for path in candidates]
-    return tuple(dict.fromkeys(home for home in found if home))
+    candidates = [("the command user's home", home_of(target[0]) if target else None),
+                  ("your home", home_of(caller)), ("$HOME", caller_env.get("HOME"))]
+    hidden: dict[str, None] = {}
+    refused: dict[str, str] = {}                  # by real path: $HOME and a home that are one say it once
+    for whose, path in candidates:
+        real, why = home_verdict(path, owners)
+        if real:
+            hidden[real] = None
+        elif why and path:
+            refused.setdefault(os.path.realpath(path), f"{whose} {path} cannot be hidden: {why}")
+    said = tuple(text for real, text in refused.items() if not any(is_within(home, real) for home in hidden))
+    return tuple(hidden), said
 
 
 def environment(caller_env: dict[str, str], *, clear: bool, passes: list[str], sets: list[str],
@@ -97,16 +111,23 @@ def _user_name(uid: int) -> str | None:
 
 
 def plan(caller_env: dict[str, str], *, workspace: str, user: tuple[int, int] | None, confined: bool,
-         host_home: bool, clear: bool, passes: list[str],
-         sets: list[str]) -> tuple[dict[str, str], tuple[str, ...], str]:
-    """For `sandboxd run`'s options: the command's environment, the homes to hide, and the HOME to
-    make in the sandbox's /tmp ("": none)."""
+         host_home: bool, clear: bool, passes: list[str], sets: list[str],
+         strict_homes: bool = False) -> tuple[dict[str, str], tuple[str, ...], str, tuple[str, ...]]:
+    """For `sandboxd run`'s options: the command's environment, the homes to hide, the HOME to
+    make in the sandbox's /tmp ("": none), and one line for each home that stays visible though
+    hiding was asked for. ``strict_homes``: such a home is InvalidPolicy instead."""
     target = command_user(workspace, user)
+    notes: tuple[str, ...] = ()
     if confined and not host_home:
-        hidden, private = hidden_homes(target, caller_env), PRIVATE_HOME
+        (hidden, refused), private = hidden_homes(target, caller_env), PRIVATE_HOME
         home: str | None = PRIVATE_HOME
+        if refused and strict_homes:
+            raise InvalidPolicy(f"{refused[0]}; --strict-homes refuses to run with it visible: set HOME to a "
+                                "directory of yours, run as its owner (--user), or leave out --strict-homes")
+        notes = tuple(f"{text}; the command sees it, read-only (set HOME to a directory of yours, or add "
+                      "--strict-homes to refuse such a run)" for text in refused)
     else:
         hidden, private = (), ""
         own = home_of(target[0]) if target else None
         home = own if own and os.path.isdir(own) else caller_env.get("HOME")
-    return environment(caller_env, clear=clear, passes=passes, sets=sets, home=home, user=target), hidden, private
+    return environment(caller_env, clear=clear, passes=passes, sets=sets, home=home, user=target), hidden, private, notes

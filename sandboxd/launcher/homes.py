@@ -35,18 +35,27 @@ def home_of(uid: int) -> str | None:
 def coverable_home(path: str | None, owners: tuple[int, ...]) -> str | None:
     """``path`` as a real path when it is a home to cover: a directory owned by one of ``owners``,
     not a system directory; else None."""
+    return home_verdict(path, owners)[0]
+
+
+def home_verdict(path: str | None, owners: tuple[int, ...]) -> tuple[str | None, str]:
+    """(the real path to cover, "") for a home to cover (as coverable_home); else (None, why not),
+    the reason "" when there is nothing there a command could see (no path, a relative one, nothing
+    at it or nothing the caller can reach)."""
     if not path or not path.startswith("/"):
-        return None
+        return None, ""
     real = os.path.realpath(path)
     if real in _SYSTEM_DIRS or any(real == tree or real.startswith(tree + "/") for tree in _SYSTEM_TREES):
-        return None
+        return None, f"{real} is a system directory, which every program reads"
     try:
         st = os.stat(real)
     except OSError:
-        return None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid not in owners:
-        return None
-    return real
+        return None, ""
+    if not stat.S_ISDIR(st.st_mode):
+        return None, "it is not a directory"
+    if st.st_uid not in owners:
+        return None, f"it is owned by uid {st.st_uid}, neither the command's user nor you"
+    return real, ""
 
 
 def owner_home(uid: int) -> tuple[str, ...]:
