@@ -308,3 +308,27 @@ def test_an_answer_by_another_caller_is_recorded_as_theirs(parts: tuple[EventSto
     granted = [event for event in store.query(session_ids=[session.id]) if event.type == EventType.PERMISSION_GRANTED]
     assert granted and granted[-1].data["by_uid"] == 0
     questions.close()
+
+
+def test_a_question_names_a_context_only_when_its_command_runs_alone(parts: tuple[EventStore, ApprovalGate]) -> None:
+    """A network question goes to the one client whose command runs (its execution context); an
+    untagged command or a background process running beside it (either may be the one asking)
+    makes it nobody's in particular ("": answered through `approvals`). Control: alone, it is named."""
+    from sandboxd.service.background import BackgroundJob
+    from sandboxd.supervisor.spawner import ExitInfo
+
+    store, _gate = parts
+    session = _session(store)
+    with session.running_in("mcp-a"):
+        alone = session.only_context()
+        with session.running_in(""):
+            beside_untagged = session.only_context()
+        job = BackgroundJob(session, "server", ["server"])
+        with session.lock:
+            session.jobs[job.id] = job
+        beside_job = session.only_context()
+        job.finish(ExitInfo(exit_code=0, signal=None, timed_out=False, wall_seconds=0.0, cpu_seconds=None,
+                            peak_memory_bytes=None, oom_killed=False))
+        after_job = session.only_context()
+    assert (alone, beside_untagged, beside_job, after_job) == ("mcp-a", "", "", "mcp-a")
+    assert session.only_context() == "" and session.exec_contexts == {}

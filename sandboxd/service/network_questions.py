@@ -19,8 +19,8 @@ and answered like any other (ListPendingApprovals, ResolveApproval: `sandboxctl 
   host/port/method/path, oldest forgotten first): the same question is then refused unasked.
 - Under approval policy ``never`` nobody is asked: refused at once.
 - When the session's running commands all belong to one execution context (one `sandboxctl
-  exec`, one MCP tool call), the question carries its execution_context_id, so that client asks
-  in place (cli.approval_prompt.ExecApprovals, mcp.binding's elicitation); otherwise it is answered
+  exec`, one MCP tool call) and no background process runs (sessions.state.only_context), the
+  question carries its execution_context_id, so that client asks in place (cli.approval_prompt.ExecApprovals, mcp.binding's elicitation); otherwise it is answered
   through `approvals` / `approve` (a sandbox's connection names no command).
 - Bounds: at most ``per_session`` questions of a session wait at once (quotas.
   network_questions_per_session); one more is refused at once with a 403 saying so. A question

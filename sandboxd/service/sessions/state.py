@@ -79,7 +79,8 @@ class Session:
         self.built: dict[int, SessionInfo] = {}
         self.jobs: dict[str, BackgroundJob] = {}  # its background processes by id (service.background)
         # The execution contexts of its commands running now (Exec's execution_context_id -> how
-        # many): a network question is shown to the one asking client when there is one.
+        # many; "" counts the untagged ones): a network question is shown to the one asking client
+        # when there is one.
         self.exec_contexts: dict[str, int] = {}
         # Its credentials' secrets and phantoms, in daemon memory only (service.credential_vault),
         # replaced whole by a change; wiped when it closes.
@@ -91,9 +92,6 @@ class Session:
     @contextlib.contextmanager
     def running_in(self, context_id: str) -> Iterator[None]:
         """While a command of the execution context ``context_id`` ("" for none) runs."""
-        if not context_id:
-            yield
-            return
         with self.lock:
             self.exec_contexts[context_id] = self.exec_contexts.get(context_id, 0) + 1
         try:
@@ -105,9 +103,13 @@ class Session:
                     self.exec_contexts[context_id] = left
 
     def only_context(self) -> str:
-        """The execution context of every command running now, when there is exactly one ("")."""
+        """The execution context of every command running now, when there is exactly one (else "").
+        An untagged command or a background process running beside it (whose connections may be the
+        ones asking) makes it none: the question is then another client's as likely as this one's."""
         with self.lock:
-            return next(iter(self.exec_contexts)) if len(self.exec_contexts) == 1 else ""
+            if len(self.exec_contexts) != 1 or any(job.result is None for job in self.jobs.values()):
+                return ""
+            return next(iter(self.exec_contexts))
 
     def to_row(self, closed_at: float | None = None) -> SessionRow:
         """What the store keeps of it (the caller holds ``lock``, or the session is not shared yet)."""
