@@ -18,6 +18,7 @@ import contextlib
 import json
 import subprocess
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -25,13 +26,14 @@ import mcp_types as types
 import pytest
 
 from conftest import SLOW
-from daemon_fixtures import daemon, ws  # noqa: F401 - pytest fixtures
+from daemon_fixtures import base, daemon, ws  # noqa: F401 - pytest fixtures
 from daemon_helpers import Daemon
 from mcp_helpers import ENV, SANDBOXCTL, mcp_client
 from sandboxd.mcp.binding import Binding
 from sandboxd.mcp.daemon import Daemon as McpDaemon
 from sandboxd.mcp.events import EventHub
 from sandboxd.v1 import sandboxd_pb2 as pb
+from test_terminals import Tmux, ctl_command, tmux  # noqa: F401 - tmux: a pytest fixture
 
 pytestmark = pytest.mark.timeout(int(300 * SLOW))
 WAIT = 120 * SLOW               # a bound on a hung test, never a judgement of speed
@@ -219,6 +221,28 @@ def test_a_held_sandboxctl_write_is_tagged_and_says_how_to_answer(daemon: Daemon
     assert writer.returncode == 0 and out.strip() == b"15", (out, err)
     assert f"approve {session.id} {held.call_id}".encode() in err, err
     assert (ws / "ctl-file.txt").read_text() == "from sandboxctl"
+
+
+def test_a_held_sandboxctl_ls_is_asked_in_place_on_a_terminal(daemon: Daemon, ws: Path,  # noqa: F811
+                                                              tmux: Callable[[str], Tmux]) -> None:  # noqa: F811
+    """On a terminal, `sandboxctl ls` held asks in place as exec does: n denies (exit 1, nothing
+    listed); the control, y, lists the workspace."""
+    (ws / "listed-here.txt").write_text("x")
+    session = _held_session(daemon, ws)
+    try:
+        denied = tmux(ctl_command(daemon, "ls", session.id))
+        denied.expect("[n] deny ?", within=WAIT)
+        assert "  tool:    fs.list" in denied.screen().splitlines(), denied.screen()
+        denied.keys("n")
+        screen = denied.expect("EXIT=", within=WAIT)
+        assert "EXIT=1" in screen and "PERMISSION_DENIED" in screen and "listed-here.txt" not in screen, screen
+        allowed = tmux(ctl_command(daemon, "ls", session.id))
+        allowed.expect("[n] deny ?", within=WAIT)
+        allowed.keys("y")
+        screen = allowed.expect("EXIT=", within=WAIT)
+        assert "EXIT=0" in screen and "listed-here.txt" in screen, screen
+    finally:
+        daemon.stub.CloseSession(pb.CloseSessionRequest(session_id=session.id), timeout=60)
 
 
 def test_a_context_id_is_bounded(daemon: Daemon, ws: Path) -> None:  # noqa: F811
