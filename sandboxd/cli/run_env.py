@@ -54,24 +54,31 @@ def command_user(workspace: str, user: tuple[int, int] | None) -> tuple[int, int
     return st.st_uid, st.st_gid
 
 
+# A home to hide that cannot be: (what it is and why, what would hide it). A plain tuple: typing's
+# NamedTuple imports collections, which `sandboxd run`'s path does not load (tests/test_oneshot_speed.py).
+Unhidden = tuple[str, str]
+
+
 def hidden_homes(target: tuple[int, int] | None,
-                 caller_env: dict[str, str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+                 caller_env: dict[str, str]) -> tuple[tuple[str, ...], tuple[Unhidden, ...]]:
     """The homes to hide: the command user's, the caller's (by uid and by $HOME), deduplicated,
-    the command user's first; and what to say of each candidate that cannot be hidden (one
-    sentence each, naming it and why; not one inside a hidden home, which its cover hides)."""
+    the command user's first; and each candidate that is there but cannot be hidden (not one
+    inside a hidden home, which its cover hides)."""
     caller = os.getuid()
     owners = (caller,) if target is None else (target[0], caller)
-    candidates = [("the command user's home", home_of(target[0]) if target else None),
-                  ("your home", home_of(caller)), ("$HOME", caller_env.get("HOME"))]
+    candidates = [("the command user's home", home_of(target[0]) if target else None,
+                   "run as a user whose home is their own directory (--user)"),
+                  ("your home", home_of(caller), "run as a user whose home is their own directory"),
+                  ("$HOME", caller_env.get("HOME"), "set HOME to a directory of yours")]
     hidden: dict[str, None] = {}
-    refused: dict[str, str] = {}                  # by real path: $HOME and a home that are one say it once
-    for whose, path in candidates:
+    refused: dict[str, Unhidden] = {}             # by real path: $HOME and a home that are one said once
+    for whose, path, remedy in candidates:
         real, why = home_verdict(path, owners)
         if real:
             hidden[real] = None
         elif why and path:
-            refused.setdefault(os.path.realpath(path), f"{whose} {path} cannot be hidden: {why}")
-    said = tuple(text for real, text in refused.items() if not any(is_within(home, real) for home in hidden))
+            refused.setdefault(os.path.realpath(path), (f"{whose} {path} cannot be hidden: {why}", remedy))
+    said = tuple(home for real, home in refused.items() if not any(is_within(kept, real) for kept in hidden))
     return tuple(hidden), said
 
 
@@ -122,10 +129,11 @@ def plan(caller_env: dict[str, str], *, workspace: str, user: tuple[int, int] | 
         (hidden, refused), private = hidden_homes(target, caller_env), PRIVATE_HOME
         home: str | None = PRIVATE_HOME
         if refused and strict_homes:
-            raise InvalidPolicy(f"{refused[0]}; --strict-homes refuses to run with it visible: set HOME to a "
-                                "directory of yours, run as its owner (--user), or leave out --strict-homes")
-        notes = tuple(f"{text}; the command sees it, read-only (set HOME to a directory of yours, or add "
-                      "--strict-homes to refuse such a run)" for text in refused)
+            text, remedy = refused[0]
+            raise InvalidPolicy(f"{text}; --strict-homes refuses to run with it visible: {remedy}, or leave out "
+                                "--strict-homes")
+        notes = tuple(f"{text}; the command sees it, read-only ({remedy}, or add --strict-homes to refuse such "
+                      "a run)" for text, remedy in refused)
     else:
         hidden, private = (), ""
         own = home_of(target[0]) if target else None
