@@ -2,15 +2,15 @@
 and the one-line summary an approval card shows. One function per kind of call.
 
 Each carries the request's execution_context_id (the client's tag for the agent turn or tool
-call that made it): a held call's PendingApproval, ApprovalRequested event and audit record name
+call that made it): a held call's PendingApproval, PermissionRequested event and audit record name
 it, so that the client that made the call, and no other on the same session, asks about it."""
 
 from __future__ import annotations
 
 from sandboxd.policy.tools import BUILTIN_TOOLS, Classified, Effect, classify_command, summary_of
 from sandboxd.service import environment
-from sandboxd.service.convert import check_text
 from sandboxd.service.approvals import ToolCall
+from sandboxd.service.convert import check_text
 from sandboxd.service.file_calls import write_effect, write_scope
 from sandboxd.service.sessions.registry import Session
 from sandboxd.v1 import sandboxd_pb2 as pb
