@@ -58,17 +58,24 @@ async def _held(daemon: Daemon, session_id: str, count: int) -> list[pb.PendingA
 
 def test_two_mcp_processes_on_one_session_are_each_asked_about_their_own_write(daemon: Daemon,  # noqa: F811
                                                                               ws: Path) -> None:
-    """Both processes' write_file calls are held at the same time (each client's answer waits for
-    both); each client is asked exactly once, about its own file; the held calls carry distinct
-    MCP context ids, and so do their PermissionRequested events in the audit log."""
+    """Both processes' write_file calls are held at the same time (no client answers before both
+    were asked); each client is asked exactly once, about its own file; the held calls carry
+    distinct MCP context ids, and so do their PermissionRequested events in the audit log."""
     session = _held_session(daemon, ws)
     asked: list[tuple[str, str]] = []
     seen_held: list[pb.PendingApproval] = []
+    both_asked = asyncio.Event()
 
     def answer_as(name: str) -> Any:
         async def answer(_context: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
             asked.append((name, params.message))
-            seen_held[:] = await _held(daemon, session.id, 2)     # both held at once before anyone answers
+            if len(asked) >= 2:
+                both_asked.set()
+            await asyncio.wait_for(both_asked.wait(), WAIT)      # both held: neither answered yet
+            listed = await asyncio.to_thread(daemon.stub.ListPendingApprovals,
+                                             pb.ListPendingApprovalsRequest(session_id=session.id))
+            if not seen_held:                                    # the first to look sees both held
+                seen_held.extend(listed.approvals)
             return types.ElicitResult(action="accept", content={"decision": "allow_once"})
         return answer
 
