@@ -156,18 +156,22 @@ class World:
         import fcntl
 
         os.makedirs(os.path.dirname(WORLD_LOCK), exist_ok=True)
-        self.lock = os.open(WORLD_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # self.lock is set only once the lock is held: teardown deletes the host's routes when it is
+        # set, and a run that gave up waiting must not delete the routes of the world that holds it.
+        lock = os.open(WORLD_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         deadline = time.monotonic() + WORLD_WAIT
         while True:
             try:
-                fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    holder = os.pread(self.lock, 4096, 0).decode(errors="replace")
+                    holder = os.pread(lock, 4096, 0).decode(errors="replace")
+                    os.close(lock)
                     raise AssertionError(f"another test run's world still holds the host's routes after "
                                          f"{WORLD_WAIT:.0f} s: {holder}") from None
                 time.sleep(0.5)
+        self.lock = lock
         os.ftruncate(self.lock, 0)
         os.pwrite(self.lock, f"pid {os.getpid()}: {' '.join(sys.argv)[:300]}\n".encode(), 0)
         clear_dead_worlds()
@@ -933,3 +937,33 @@ def test_no_other_user_can_take_the_proxy_address(world: World, workspace: Path,
             squatter.kill()                                            # (gone already, unless it hung)
             squatter.wait()
     assert json.loads(out.strip().splitlines()[-1]) == ["control"] * 3, out
+
+
+def test_a_world_that_gave_up_waiting_leaves_the_holders_routes(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    """A run whose world timed out waiting for the lock must not, in its teardown, delete the host
+    routes of the world that holds it (CI once lost its world's routes to a helper's run that gave
+    up). The control: a world that took the lock does delete them at teardown."""
+    import fcntl
+    import sys
+
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "WORLD_LOCK", str(tmp_path / "world.lock"))
+    monkeypatch.setattr(module, "WORLD_WAIT", 0.2)
+    monkeypatch.setattr(module, "clear_dead_worlds", lambda: None)
+    ran: list[str] = []
+    monkeypatch.setattr(subprocess, "run", lambda command, **_: ran.append(str(command)))
+    holder = os.open(tmp_path / "world.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        waiting = World()
+        with pytest.raises(AssertionError, match="still holds the host's routes"):
+            waiting.take_the_host()
+        waiting.teardown()
+        assert ran == []
+    finally:
+        os.close(holder)
+    taking = World()
+    taking.take_the_host()
+    taking.teardown()
+    assert "ip route del 198.51.100.0/24" in ran
