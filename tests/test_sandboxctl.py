@@ -298,3 +298,46 @@ def test_a_rule_without_session_wide_is_a_usage_error(tmp_path: Path, capsys: py
     assert ctl.main(["--socket", socket, "approve", "sess_x", "call_x", "--session-wide", "--rule",
                      "api.example.test"]) == 1
     assert "add --session-wide" not in capsys.readouterr().err
+
+
+def ctl_stdin_closed(base: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """sandboxctl with file descriptor 0 closed (`exec 0<&-`), not /dev/null: Python's sys.stdin is None."""
+    return subprocess.run(["sh", "-c", 'exec 0<&-; exec "$@"', "sh", SANDBOXCTL, "--socket",
+                           str(base / "run" / "sandboxd.sock"), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_a_closed_stdin_is_no_terminal_and_no_traceback(base: Path, session_id: str) -> None:
+    # Control: the shell's `exec 0<&-` really closes it (Python then has no sys.stdin at all).
+    closed = subprocess.run(["sh", "-c", 'exec 0<&-; exec "$@"', "sh", PYTHON, "-c", "import sys; print(sys.stdin)"],
+                            capture_output=True, text=True, timeout=60)
+    assert closed.stdout == "None\n", closed
+    assert ctl(base, "write", session_id, "f.txt", stdin="one\n").returncode == 0
+    job = ctl(base, "start", session_id, "--", "sleep", "300").stdout.strip()
+    assert job
+    for args, out in [(("read", session_id, "f.txt"), "one\n"), (("ls", session_id), "f.txt"),
+                      (("ps", session_id), job), (("exec", session_id, "--", "cat"), ""),
+                      (("exec", session_id, "--", "echo", "ran"), "ran\n"),
+                      (("start", session_id, "--", "true"), ""), (("stop", session_id, job), "stopped")]:
+        run = ctl_stdin_closed(base, *args)
+        assert run.returncode == 0 and out in run.stdout and run.stderr == "", (args, run)
+    # write and patch take their data on stdin: without one, one line says so (a usage error, exit 2).
+    for args, said in [(("write", session_id, "g.txt"), "write: the file's bytes go on stdin, which is closed"),
+                       (("patch", session_id), "patch: the unified diff goes on stdin, which is closed")]:
+        run = ctl_stdin_closed(base, *args)
+        assert (run.returncode, run.stdout) == (2, "") and run.stderr.startswith(f"sandboxctl: {said}"), run
+        assert len(run.stderr.splitlines()) == 1, run.stderr
+    assert ctl(base, "read", session_id, "g.txt").returncode == 1        # nothing was written
+
+
+def test_a_patch_that_is_not_utf8_says_what_to_give(base: Path, session_id: str) -> None:
+    assert ctl(base, "write", session_id, "f.txt", stdin="x\n").returncode == 0
+    diff = b"--- a/f.txt\n+++ b/f.txt\n@@ -1 +1 @@\n-x\n+\xff\xfe\n"
+    run = subprocess.run([SANDBOXCTL, "--socket", str(base / "run" / "sandboxd.sock"), "patch", session_id],
+                         input=diff, capture_output=True, timeout=60)
+    assert run.returncode == 2 and run.stderr.decode() == (
+        "sandboxctl: patch: the diff on stdin is not UTF-8 text (byte 40): give a unified diff in UTF-8 "
+        "(a file that is not text: sandboxctl write SESSION PATH < FILE)\n"), run
+    assert ctl(base, "read", session_id, "f.txt").stdout == "x\n"
+    # Control: the same diff in UTF-8 applies.
+    assert ctl(base, "patch", session_id, stdin=diff.replace(b"\xff\xfe", b"y").decode()).returncode == 0
+    assert ctl(base, "read", session_id, "f.txt").stdout == "y\n"

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import grpc
 
 from sandboxd.cli.held_output import SOFT_RESET, HeldOutput
-from sandboxd.cli.keys import CTRL_C, CTRL_D, KeyReader
+from sandboxd.cli.keys import CTRL_C, CTRL_D, KeyReader, person_at_terminal
 from sandboxd.client import SandboxClient
 from sandboxd.policy import approval_card
 from sandboxd.printable import printable
@@ -57,8 +57,8 @@ def asked_here(client: SandboxClient, session_id: str, ctl: str) -> Iterator[str
 
 
 def on_terminal() -> bool:
-    """A person can be asked: stdin and stderr are a terminal."""
-    return sys.stdin.isatty() and sys.stderr.isatty()
+    """A person can be asked: stdin and stderr are a terminal (keys.person_at_terminal)."""
+    return person_at_terminal()
 
 
 def describe(session_id: str, held: pb.PendingApproval) -> str:

@@ -184,7 +184,8 @@ def end_of_session(client: SandboxClient, session_id: str) -> None:
     session with pending changes asks the person in place, `[a]pply [d]iscard [k]eep [r]eview`
     (r shows the diff and asks again; Ctrl-C, Ctrl-D or the terminal's end keep). Anything that
     goes wrong here keeps the changes and says so: the command's own status is never changed."""
-    if not (sys.stdin.isatty() and sys.stderr.isatty()):
+    from sandboxd.cli.keys import person_at_terminal
+    if not person_at_terminal():
         return
     import grpc
     try:

@@ -373,7 +373,7 @@ def _exec_or_shell(client: SandboxClient, args: argparse.Namespace, command: lis
     start = pb.ExecStart(session_id=args.session_id, argv=command, cwd=args.cwd,
                          timeout_seconds=getattr(args, "timeout", 0), env_overlay=env_from_args(args),
                          execution_context_id=context_id, checkpoint=getattr(args, "checkpoint", False),
-                         caller_env=caller_environment(on_terminal=sys.stdout.isatty()))
+                         caller_env=caller_environment(on_terminal=sys.stdout is not None and sys.stdout.isatty()))
     with approval_prompt.ExecApprovals(client, args.session_id, context_id, f"sandboxctl {socket_option}".rstrip(),
                                        interactive=approval_prompt.on_terminal()) as approvals:
         if not on_terminal:                                # its network questions are still asked here
@@ -389,7 +389,8 @@ def _exec(client: SandboxClient, start: pb.ExecStart, on_started: Callable[[], N
     remote command; a second Ctrl-C cancels the call (the daemon kills the command's tree).
     ``on_started``: the call was granted and runs (nothing is held for approval any more).
     ``write(1 or 2, bytes)``: where its output goes (held while a question is asked in place)."""
-    forward_stdin = not sys.stdin.isatty()
+    # A closed stdin (`exec 0<&-`: sys.stdin is None) is forwarded as none, as a terminal is.
+    forward_stdin = sys.stdin is not None and not sys.stdin.isatty()
     if not forward_stdin:
         start.close_stdin = True
     requests = ExecRequests(start, hold_until_started=True)
@@ -448,7 +449,7 @@ def _held_here(client: SandboxClient, args: argparse.Namespace, data: bytes, tag
         for entry in client.list_dir(args.session_id, args.path, context_id=tag):
             print(f"{printable(entry.type):<7} {entry.mode:04o} {entry.size:>10}  {printable(entry.name)}")
     elif args.command == "patch":
-        for patched in client.apply_patch(args.session_id, data.decode(), args.strip,
+        for patched in client.apply_patch(args.session_id, data.decode(), args.strip,   # UTF-8: _stdin_input
                                           context_id=tag):
             print(f"{printable(patched.action)}\t{printable(patched.path)}")
     elif args.command == "start":
@@ -463,6 +464,25 @@ def _held_here(client: SandboxClient, args: argparse.Namespace, data: bytes, tag
         job = client.stop_background(args.session_id, args.job_id, context_id=tag)
         print(f"{printable(job.id)} stopped ({job.result.shell_status})")
     return 0
+
+
+def _stdin_input(command: str) -> bytes:
+    """write's data and patch's diff, from stdin (nothing for the other HELD_HERE commands): a
+    closed stdin, or a patch that is not UTF-8, is a ValueError saying what to give instead."""
+    if command not in ("write", "patch"):
+        return b""
+    what = "the file's bytes go" if command == "write" else "the unified diff goes"
+    if sys.stdin is None:
+        raise ValueError(f"{command}: {what} on stdin, which is closed: "
+                         f"sandboxctl {command} SESSION {'PATH ' if command == 'write' else ''}< FILE")
+    data = sys.stdin.buffer.read()
+    if command == "patch":
+        try:
+            data.decode()
+        except UnicodeDecodeError as error:
+            raise ValueError(f"patch: the diff on stdin is not UTF-8 text (byte {error.start}): give a unified "
+                             "diff in UTF-8 (a file that is not text: sandboxctl write SESSION PATH < FILE)") from None
+    return data
 
 
 STILL_RUNNING = 75          # EX_TEMPFAIL: `sandboxctl call result` of a call that still runs: ask again
@@ -514,7 +534,7 @@ def _run(client: SandboxClient, args: argparse.Namespace) -> int:
         return _exec_or_shell(client, args, terminal.SHELL, socket_option, shell=True)
     if args.command in HELD_HERE:
         socket_option = f"--socket {args.socket}" if args.name_socket else ""
-        data = sys.stdin.buffer.read() if args.command in ("write", "patch") else b""   # before any question
+        data = _stdin_input(args.command)                  # before any question: its y/n reads the terminal
         with approval_prompt.asked_here(client, args.session_id, f"sandboxctl {socket_option}".rstrip()) as tag:
             return _held_here(client, args, data, tag)
     if args.command == "logs":

@@ -22,6 +22,12 @@ POLL_SECONDS = 0.25              # how often a prompt checks whether it is still
 QUIET_SECONDS = 0.3
 
 
+def person_at_terminal() -> bool:
+    """A person can be asked in place: stdin and stderr are a terminal. Either may be closed
+    (`exec 0<&-`: Python's sys.stdin is then None), which is no terminal, not an error."""
+    return all(stream is not None and stream.isatty() for stream in (sys.stdin, sys.stderr))
+
+
 def _say(text: str) -> None:
     sys.stderr.write(text)
     sys.stderr.flush()

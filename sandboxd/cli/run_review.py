@@ -167,7 +167,8 @@ def _decide(review: Review, killed: str) -> None:
             return
         decision = review.decision
         if decision == ASK:
-            decision = _ask(kept) if sys.stdin.isatty() and sys.stderr.isatty() else KEEP
+            from sandboxd.cli.keys import person_at_terminal
+            decision = _ask(kept) if person_at_terminal() else KEEP
         if decision == KEEP:
             _say(f"review: kept in {directory}")
             _say(_hint(directory))
