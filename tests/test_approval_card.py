@@ -19,8 +19,10 @@ import shlex
 import subprocess
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import mcp_types as types
 import pytest
 from hypothesis import given
@@ -30,6 +32,7 @@ from conftest import BASE_ENV
 from daemon_fixtures import base, client, daemon, ws  # noqa: F401 - pytest fixtures
 from daemon_helpers import Daemon
 from mcp_helpers import decide, mcp_client
+from sandboxd.cli.approval_prompt import describe
 from sandboxd.client import SandboxClient
 from sandboxd.policy import approval_card
 from sandboxd.policy.tools import SUMMARY_CHARS, summary_of
@@ -110,6 +113,52 @@ def test_unknown_variables_come_first_and_what_does_not_fit_is_named() -> None:
     assert many.startswith("V0000=vvv") and "[9" in many and "more, values not shown: V00" in many
     assert "characters not shown: approve only what you have read" in many
     assert len(many) < approval_card.ENV_CHARS + approval_card.ENV_CHARS // 2 + 200, len(many)
+
+
+def test_a_file_writes_card_says_how_much_and_the_mode_given() -> None:
+    assert approval_card.lines("Write: /ws/run.sh", json.dumps({"paths": ["/ws/run.sh"], "bytes": 19})) == [
+        ("writes", "19 bytes")]
+    given = json.dumps({"paths": ["/ws/run.sh"], "bytes": 1 << 20, "mode": 0o755})
+    assert approval_card.lines("Write: /ws/run.sh", given) == [("writes", "1,048,576 bytes, mode 0755")]
+    # Only a number is a size or a mode: anything else is no line (the card never shows a forged text).
+    for odd in ({"bytes": "19\x1b[2J"}, {"bytes": True}, {"paths": ["/ws/a"]}):
+        assert approval_card.lines("Write: /ws/a", json.dumps(odd)) == []
+    assert approval_card.lines("Write: /ws/a", json.dumps({"bytes": 3, "mode": "0755"})) == [("writes", "3 bytes")]
+
+
+def test_a_held_stop_names_what_it_stops_and_a_held_write_its_size_and_mode(client: SandboxClient,  # noqa: F811
+                                                                             ws: Path) -> None:  # noqa: F811
+    """Round 10's hostile pass: a held StopBackground showed "command: monitor.stop" (which process?),
+    and a held WriteFile neither its size nor that it makes the file executable."""
+    session_id = client.create_session(str(ws), approval="never").id
+    try:
+        name = "database\x1b[2J (keep running!)"
+        job = client.start_background(session_id, ["sleep", "300"], name=name)
+        client.update_policy(session_id, approval="always")
+        calls: list[tuple[Callable[[], object], str, str]] = [
+            (lambda: client.stop_background(session_id, job.id), f"Stop: {job.id} ({name}: sleep 300)",
+             f"  command: Stop: {job.id} (database\\x1b[2J (keep running!): sleep 300)\n"),
+            (lambda: client.write_file(session_id, "run.sh", b"#!/bin/sh\nexit 0\n", mode=0o755),
+             f"Write: {ws}/run.sh", "  writes:  17 bytes, mode 0755\n"),
+            (lambda: client.write_file(session_id, "notes.txt", b"x" * 5000), f"Write: {ws}/notes.txt",
+             "  writes:  5,000 bytes\n")]
+        for call, summary, card_line in calls:
+            with ThreadPoolExecutor(1) as pool:
+                running = pool.submit(call)
+                held = wait_held(client, session_id)
+                shown = describe(session_id, held)
+                client.stub.ResolveApproval(pb.ResolveApprovalRequest(session_id=session_id, call_id=held.call_id,
+                                                                      decision="deny"))
+                with pytest.raises(grpc.RpcError) as denied:
+                    running.result(timeout=WAIT)
+            assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert held.summary == summary and card_line in shown, shown
+            assert not [char for char in shown if acted_on(char) and char != "\n"], shown
+        client.update_policy(session_id, approval="never")
+        assert [listed.running for listed in client.list_background(session_id)] == [True]   # denied: runs on
+        assert not (ws / "run.sh").exists()
+    finally:
+        client.close_session(session_id)
 
 
 # -- (a) the environment, where a person reads it ---------------------------------------------------------

@@ -62,6 +62,15 @@ def environment(arguments: dict[str, Any]) -> str:
     return " ".join(shown)
 
 
+def written(arguments: dict[str, Any]) -> str:
+    """What a WriteFile writes besides its path (its summary): ``19 bytes, mode 0755`` (the mode
+    only when the call gives one: a script made executable); "" for any other call."""
+    size, mode = arguments.get("bytes"), arguments.get("mode")
+    if type(size) is not int:                  # bool is an int: never a size
+        return ""
+    return f"{size:,} bytes" + (f", mode {mode:04o}" if type(mode) is int else "")
+
+
 def external_arguments(arguments: dict[str, Any]) -> str:
     """An external tool's arguments (Authorize's, kept as {"arguments": ...}: an MCP server's tool
     behind `sandboxd mcp --gateway`) as compact JSON, escaped and bounded; "" when there are none.
@@ -95,7 +104,7 @@ def is_cut(given: Any) -> TypeGuard[dict[str, Any]]:
 
 def lines(summary: str, arguments_json: str) -> list[tuple[str, str]]:
     """(label, text) for each line a card adds below the summary: ``argv``, ``cwd``, ``env``,
-    ``arguments`` (an external tool's)."""
+    ``writes`` (a file write's size and mode), ``arguments`` (an external tool's)."""
     try:
         arguments = json.loads(arguments_json or "{}")
     except (ValueError, RecursionError):
@@ -106,7 +115,7 @@ def lines(summary: str, arguments_json: str) -> list[tuple[str, str]]:
     # Where it runs: `./test.sh` or `rm -rf build` names another file in another directory.
     where = bounded(str(cwd), CWD_CHARS) if isinstance(cwd, str) and cwd else ""
     found = [("argv", whole_command(summary, arguments)), ("cwd", where), ("env", environment(arguments)),
-             ("arguments", external_arguments(arguments))]
+             ("writes", written(arguments)), ("arguments", external_arguments(arguments))]
     return [(label, text) for label, text in found if text]
 
 

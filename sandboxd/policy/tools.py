@@ -287,7 +287,8 @@ SUMMARY_CHARS = 200
 
 
 def summary_of(tool: str, argv: "list[str] | tuple[str, ...]" = (), path: str = "", command: str = "") -> str:
-    """The one line an approval card shows: ``Execute: pytest -q``, ``Write: src/a.py``; at most
+    """The one line an approval card shows: ``Execute: pytest -q``, ``Write: src/a.py``, ``Stop: ID
+    (NAME: ARGV)`` (``path``: what the tool acts on, a background process for monitor.stop); at most
     SUMMARY_CHARS characters. A longer line says so, with its whole length, so that a person
     asked about it knows there is more than shown (the call runs all of it; the approval is of
     the call, never of this text): ``Execute: python3 -c '... ... [cut: 160 of 1835030 characters shown]``."""
@@ -297,7 +298,7 @@ def summary_of(tool: str, argv: "list[str] | tuple[str, ...]" = (), path: str = 
         line = f"Execute: {command}"
     elif path:
         verb = {"fs.write": "Write", "fs.read": "Read", "fs.list": "List", "patch.apply": "Patch",
-                "search": "Search"}.get(tool, tool)
+                "search": "Search", "monitor.stop": "Stop"}.get(tool, tool)
         line = f"{verb}: {path}"
     else:
         line = tool

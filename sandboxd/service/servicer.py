@@ -245,7 +245,9 @@ class SandboxServicer(pb_grpc.SandboxServicer):
                 raise InvalidPolicy(f"mode {request.mode:o} has the set-uid or set-gid bit: a file written "
                                     f"through the daemon may not have them (use {request.mode & 0o1777:o})")
             self._registry.ready(session)                 # its paths judged on what was built
-            call = tool_calls.write(session, "fs.write", [path], bytes=len(request.data),
+            # The card shows how much it writes and, when given, the mode (an executable script).
+            given_mode = {"mode": request.mode} if request.mode else {}
+            call = tool_calls.write(session, "fs.write", [path], bytes=len(request.data), **given_mode,
                                     context_id=request.execution_context_id)
             _, out = self._tool(context, session, call, lambda: file_calls.run_tool(
                 self._registry, self._fork, session, {
@@ -319,8 +321,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
     def StopBackground(self, request: pb.StopBackgroundRequest, context: grpc.ServicerContext) -> pb.BackgroundProcess:
         def work(who: Caller) -> pb.BackgroundProcess:
             session = self._registry.get(who, request.session_id)
-            call = tool_calls.read(session, "monitor.stop", "", id=request.id,
-                                   context_id=request.execution_context_id)
+            call = tool_calls.stop(session, self._jobs.get(session, request.id), context_id=request.execution_context_id)
             return job_to_proto(self._tool(context, session, call, lambda: self._jobs.stop(session, request.id)))
         return self._unary(context, work, CALLS)
 

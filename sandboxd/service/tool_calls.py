@@ -7,8 +7,11 @@ it, so that the client that made the call, and no other on the same session, ask
 
 from __future__ import annotations
 
+import shlex
+
 from sandboxd.policy.tools import BUILTIN_TOOLS, Classified, Effect, classify_command, summary_of
 from sandboxd.service import environment
+from sandboxd.service.background import BackgroundJob
 from sandboxd.service.approvals import ToolCall
 from sandboxd.service.convert import check_text
 from sandboxd.service.file_calls import write_effect, write_scope
@@ -46,7 +49,7 @@ def command(session: Session, tool: str, argv: list[str], cwd: str, start: pb.Ex
 
 
 def read(session: Session, tool: str, path: str, *, context_id: str = "", **extra: object) -> ToolCall:
-    """fs.read, fs.list, search, monitor.list, monitor.stop: read-only (their fixed effect)."""
+    """fs.read, fs.list, search, monitor.list: read-only (their fixed effect)."""
     return _call(tool, BUILTIN_TOOLS[tool].effect, {"path": path, **extra}, summary_of(tool, path=path),
                  context_id=context_id)
 
@@ -57,3 +60,12 @@ def write(session: Session, tool: str, paths: list[str], *, context_id: str = ""
     return _call(tool, effect, {"paths": paths, **extra}, summary_of(tool, path=", ".join(paths)), note=note,
                  context_id=context_id)
 
+
+
+def stop(session: Session, job: BackgroundJob, *, context_id: str = "") -> ToolCall:
+    """monitor.stop: its card names what it stops, ``Stop: ID (NAME: ARGV)``, not the bare tool:
+    a person asked to stop "a78ec51560a1" cannot tell the test server from the database."""
+    command = shlex.join(job.argv)
+    shown = f"{job.name}: {command}" if job.name and job.name != command else command
+    return _call("monitor.stop", BUILTIN_TOOLS["monitor.stop"].effect, {"path": "", "id": job.id, "name": job.name},
+                 summary_of("monitor.stop", path=f"{job.id} ({shown})"), context_id=context_id)
