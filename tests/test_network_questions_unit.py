@@ -332,3 +332,55 @@ def test_a_question_names_a_context_only_when_its_command_runs_alone(parts: tupl
         after_job = session.only_context()
     assert (alone, beside_untagged, beside_job, after_job) == ("mcp-a", "", "", "mcp-a")
     assert session.only_context() == "" and session.exec_contexts == {}
+
+
+def test_a_call_a_new_daemon_adopted_counts_as_untagged_while_it_runs(parts: tuple[EventStore, ApprovalGate]) -> None:
+    """After a handover the adopted command's client is gone with the old daemon: while it runs, a
+    network question (its connection's, as likely as anyone's) is not put to the one new client's
+    context. Control: before the adoption, and once the adopted call ended, that client is named."""
+    from sandboxd.service.call_results import CallResults
+    from sandboxd.service.handover.adopt import Adopter
+    from sandboxd.service.handover.tags import call_tag
+    from sandboxd.supervisor.fork_client import Adoption
+    from sandboxd.supervisor.fork_protocol import CallEnded, HeldCall
+
+    store, _gate = parts
+    session = _session(store)
+    name = f"{session.id}#1"
+    ended = threading.Event()
+
+    class Registry:                                   # the parts of SessionRegistry adoption uses
+        def find(self, session_id: str) -> Session | None:
+            return session if session_id == session.id else None
+
+        def adopt_sandbox(self, *_args: object) -> bool:
+            return True
+
+        def adopt_call(self, *_args: object) -> None: ...
+
+        def call_ended(self, _session: Session) -> None: ...
+
+        def end_call(self, _session: Session, _generation: int) -> None:
+            ended.set()
+
+    class Fork:                                       # the supervisor: the adopted call ends when told
+        def __init__(self) -> None:
+            self.end = threading.Event()
+
+        def wait_held(self, call: int) -> CallEnded:
+            assert self.end.wait(60)
+            return CallEnded(call, 0, None, False, 0.1, None, None, False, call=call, session=name,
+                             started_at=0.0, tag=call_tag("call_adopted", "shell.exec"))
+
+    fork = Fork()
+    adopter = Adopter(Registry(), fork, store, CallResults(None))
+    with session.running_in("sandboxctl-new"):
+        before = session.only_context()
+        adopter.adopt(Adoption(sessions={name: object()}, running=(HeldCall(
+            7, call=7, session=name, pid=100, inner_pid=101, started_at=0.0, tag=call_tag("call_adopted", "shell.exec")),), ended=()))
+        while_adopted = session.only_context()
+        fork.end.set()
+        assert ended.wait(60)
+        after = session.only_context()
+    assert (before, while_adopted, after) == ("sandboxctl-new", "", "sandboxctl-new")
+    assert session.exec_contexts == {}

@@ -9,7 +9,9 @@ At start the daemon attaches to the supervisor a previous daemon left (fork_clie
   answered at its build (no rebuild, nothing looked up again), its services restarted
   (lifecycle.adopt_sandbox). A sandbox no open session claims (closed in the store, or built for
   a create the dead daemon never recorded) is closed;
-- counts each call still running in its session and follows it on a thread of its own until the
+- counts each call still running in its session (and as an untagged command, exec_contexts "":
+  its client is gone, so no network question is put to another client's context alone) and
+  follows it on a thread of its own until the
   supervisor reports its end (fork_client.ForkServer.wait_held), then records it as the first
   daemon would have: the call's ``ToolInvocationCompleted`` with its exit facts and the tails of
   its output (what no client saw), so the audit log has no "started" without an end; and in
@@ -129,6 +131,10 @@ class Adopter:
         session_id = split[0] if split else ""
         if place is not None:
             self._registry.adopt_call(*place)
+            # Its client's stream went with the old daemon: whatever context it ran in, it counts
+            # as untagged while it runs, so a network question (its connection's, as likely as
+            # anyone's) is never put to a new client's context alone (Session.only_context).
+            place[0].context_began("")
         if tag.get("call") and session_id:
             self._results.started(tag["call"], session_id, self._owner_of(session_id))
         job = self._job(call, place)
@@ -152,6 +158,7 @@ class Adopter:
         finally:
             if place is not None:
                 session, generation = place
+                session.context_ended("")
                 if not self._stopping:
                     self._registry.call_ended(session)     # the git guard looks, as after any call
                 self._registry.end_call(session, generation)

@@ -92,15 +92,23 @@ class Session:
     @contextlib.contextmanager
     def running_in(self, context_id: str) -> Iterator[None]:
         """While a command of the execution context ``context_id`` ("" for none) runs."""
-        with self.lock:
-            self.exec_contexts[context_id] = self.exec_contexts.get(context_id, 0) + 1
+        self.context_began(context_id)
         try:
             yield
         finally:
-            with self.lock:
-                left = self.exec_contexts.pop(context_id, 1) - 1
-                if left:
-                    self.exec_contexts[context_id] = left
+            self.context_ended(context_id)
+
+    def context_began(self, context_id: str) -> None:
+        """A command of ``context_id`` runs, until ``context_ended`` (running_in; a call a new
+        daemon adopted, counted as untagged: handover.adopt)."""
+        with self.lock:
+            self.exec_contexts[context_id] = self.exec_contexts.get(context_id, 0) + 1
+
+    def context_ended(self, context_id: str) -> None:
+        with self.lock:
+            left = self.exec_contexts.pop(context_id, 1) - 1
+            if left:
+                self.exec_contexts[context_id] = left
 
     def only_context(self) -> str:
         """The execution context of every command running now, when there is exactly one (else "").
