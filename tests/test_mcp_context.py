@@ -102,10 +102,12 @@ def test_two_mcp_processes_on_one_session_are_each_asked_about_their_own_write(d
     assert audited == contexts, (audited, contexts)
 
 
-async def _route_two_writes(socket: str, session_id: str, tagged: bool) -> tuple[list[str], list[str]]:
+async def _route_two_writes(socket: str, session_id: str, call_tags: tuple[str, str],
+                            waiter_tags: tuple[str, str]) -> tuple[list[str], list[str]]:
     """Two Bindings on one session (each with its own event watch, as two processes have) wait for
-    a write each; two WriteFile calls are held, tagged or in the old shape (no id). Which calls'
-    events each Binding handed to its waiter, by path; every held call is denied at the end."""
+    a write each (``waiter_tags``: their ids, "" for a waiter as untagged); two WriteFile calls are
+    held (``call_tags``: "" for the old shape, no id). Which calls' events each Binding handed to
+    its waiter, by path; every held call is denied at the end."""
     mcp_daemon = McpDaemon(socket)
     session = await mcp_daemon.stub.GetSession(pb.GetSessionRequest(session_id=session_id))
 
@@ -114,10 +116,10 @@ async def _route_two_writes(socket: str, session_id: str, tagged: bool) -> tuple
     bindings = [Binding(mcp_daemon, session, False, EventHub(mcp_daemon), unchanged) for _ in range(2)]
     for binding in bindings:
         await binding.start()
-    held = [binding.expect("fs.write", f"mcp-test-{n}") for n, binding in enumerate(bindings)]
+    held = [binding.expect("fs.write", tag) for tag, binding in zip(waiter_tags, bindings)]
     calls = [mcp_daemon.stub.WriteFile(pb.WriteFileRequest(
-        session_id=session_id, path=f"{name}-file.txt", data=b"x",
-        execution_context_id=f"mcp-test-{n}" if tagged else "")) for n, name in enumerate("ab")]
+        session_id=session_id, path=f"{name}-file.txt", data=b"x", execution_context_id=tag))
+        for tag, name in zip(call_tags, "ab")]
     try:
         pending = await _held_async(mcp_daemon, session_id, 2)
         paths = {call.call_id: json.loads(call.arguments_json)["paths"][0] for call in pending}
@@ -156,16 +158,21 @@ async def _held_async(mcp_daemon: McpDaemon, session_id: str, count: int) -> lis
 
 def test_tagged_writes_reach_their_own_binding_and_the_old_shape_is_the_control(daemon: Daemon,  # noqa: F811
                                                                                 ws: Path) -> None:
-    """Tagged: each Binding's waiter gets its own write's held call, and no other. The control, the
-    request shape before round 10 (no execution_context_id): the first waiter for fs.write takes
-    both calls, in both Bindings, so each client would be asked about the other's write."""
+    """Tagged: each Binding's waiter gets its own write's held call, and no other. A raw client's
+    untagged write beside them (round 10's hostile pass: it became a question inside the other
+    client's write_file) reaches neither. The control, waiters and calls of the shape before round
+    10 (no execution_context_id): the first waiter for fs.write takes both calls, in both Bindings,
+    so each client would be asked about the other's write."""
+    tags = ("mcp-test-0", "mcp-test-1")
     session = _held_session(daemon, ws)
     try:
-        tagged = asyncio.run(_route_two_writes(daemon.socket, session.id, tagged=True))
-        untagged = asyncio.run(_route_two_writes(daemon.socket, session.id, tagged=False))
+        tagged = asyncio.run(_route_two_writes(daemon.socket, session.id, tags, tags))
+        raw_beside = asyncio.run(_route_two_writes(daemon.socket, session.id, (tags[0], ""), tags))
+        untagged = asyncio.run(_route_two_writes(daemon.socket, session.id, ("", ""), ("", "")))
     finally:
         daemon.stub.CloseSession(pb.CloseSessionRequest(session_id=session.id), timeout=60)
     assert tagged == (["a-file.txt"], ["b-file.txt"]), tagged
+    assert raw_beside == (["a-file.txt"], []), raw_beside
     assert sorted(untagged[0]) == sorted(untagged[1]) == ["a-file.txt", "b-file.txt"], untagged
 
 
@@ -174,7 +181,8 @@ def _route(events: list[pb.Event]) -> dict[str, list[int]]:
     binding = Binding.__new__(Binding)
     binding._waiting = []
     waiters = {"write-a": binding.expect("fs.write", "mcp-a"), "write-b": binding.expect("fs.write", "mcp-b"),
-               "shell": binding.expect("shell.exec", "mcp-s"), "upstream": binding.expect("github.create", "mcp-g")}
+               "shell": binding.expect("shell.exec", "mcp-s"), "upstream": binding.expect("github.create", "mcp-g"),
+               "old-read": binding.expect("fs.read")}
     for event in events:
         binding._route(event, json.loads(event.data_json or "{}").get("execution_context_id", ""))
     got: dict[str, list[int]] = {}
@@ -189,15 +197,16 @@ def _event(number: int, tool: str, context_id: str) -> pb.Event:
                     data_json=json.dumps({"execution_context_id": context_id}))
 
 
-def test_route_goes_by_context_id_and_by_name_only_for_untagged_file_calls() -> None:
+def test_route_goes_by_context_id_and_untagged_calls_only_to_untagged_waiters() -> None:
     """A tagged held call goes to the waiter with its id, whatever its tool; one tagged with an id
-    no waiter has (another client's) goes nowhere; an untagged one (an older daemon's file RPC)
-    goes to the first waiter for its daemon tool; an untagged command or external tool (whose
-    RPCs always carried the id: not this client's) goes nowhere."""
+    no waiter has (another client's) goes nowhere; an untagged one (a raw client's, an older
+    daemon's file RPC) never goes to a waiter whose own calls carry ids (a write, a command, an
+    external tool: each would ask this client's person about a call it did not make), only to an
+    untagged waiter for its daemon tool (the control: the fallback still serves such a caller)."""
     got = _route([_event(1, "fs.write", "mcp-b"), _event(2, "fs.write", "mcp-other"), _event(3, "fs.write", ""),
                   _event(4, "shell.exec", "mcp-s"), _event(5, "shell.exec", ""), _event(6, "github.create", ""),
-                  _event(7, "github.create", "mcp-g"), _event(8, "fs.read", "")])
-    assert got == {"write-b": [1], "write-a": [3], "shell": [4], "upstream": [7]}, got
+                  _event(7, "github.create", "mcp-g"), _event(8, "fs.read", ""), _event(9, "fs.list", "")])
+    assert got == {"write-b": [1], "shell": [4], "upstream": [7], "old-read": [8]}, got
 
 
 def test_a_held_sandboxctl_write_is_tagged_and_says_how_to_answer(daemon: Daemon, ws: Path) -> None:  # noqa: F811

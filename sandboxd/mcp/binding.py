@@ -7,10 +7,14 @@ id of its own (mcp.handlers), and the daemon puts it on the held call's event. A
 with an id no waiter here has is another client's (a second `sandboxd mcp --session` on the same
 session, `sandboxctl`): it is left alone, so no person is asked about a call they did not make.
 
-Only a held call with no id at all goes by its tool's name (the first waiter for that daemon tool):
-a daemon older than round 10 drops the id of the file and background-process RPCs (it knew it on
-Exec and Authorize only), and a client that sends none (a raw gRPC client) tags nothing. Two
-clients on one session of such a daemon can still be asked about each other's file calls.
+A held call with no id at all is nobody's here: a raw gRPC client, or `sandboxctl` of an older
+release, tags nothing, and its call must not become a question inside this client's tool call of
+the same tool (round 10's hostile pass: a raw client's untagged WriteFile was asked about as part of
+another client's write_file). It goes by its tool's name only to a waiter that tags nothing itself
+(``expect`` without an id: a caller older than the ids), never to one whose own calls carry ids.
+So against a daemon older than round 10, which drops the id of the file and background-process
+RPCs (it knew it on Exec and Authorize only), those held calls are not asked about here: the
+person answers them with `sandboxctl approvals`.
 
 The tools a session shows (``visible``: the daemon's ListTools, less what a read-only sandbox
 hides) are the only ones it runs: a hidden tool called anyway is refused (mcp.handlers), so the
@@ -37,13 +41,6 @@ from sandboxd.mcp.events import EventHub
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 log = logging.getLogger("sandboxd.mcp")
-
-
-# The daemon tools whose RPCs carry execution_context_id only since round 10: an older daemon's
-# held calls of these come untagged. Exec (shell.exec) and Authorize (a gateway's upstream tools)
-# always carried it, so an untagged one of those is never this client's.
-UNTAGGED_BEFORE = frozenset(("fs.read", "fs.write", "fs.list", "patch.apply", "search",
-                             "monitor.start", "monitor.list", "monitor.stop"))
 
 
 class HeldCalls:
@@ -87,6 +84,7 @@ class Binding:
     # -- calls in flight -------------------------------------------------------------------------
 
     def expect(self, daemon_tool: str, context_id: str = "") -> HeldCalls:
+        """Wait for the held calls tagged ``context_id`` ("": untagged ones of ``daemon_tool``)."""
         held = HeldCalls(daemon_tool, context_id)
         self._waiting.append(held)
         return held
@@ -101,12 +99,12 @@ class Binding:
         self._calls.discard(call)
 
     def _route(self, event: pb.Event, context_id: str) -> None:
-        """Hand a held call to the tool call that made it (``context_id``: the event's), or to none."""
+        """Hand a held call to the tool call that made it (``context_id``: the event's), or to none.
+        An untagged one goes only to a waiter as untagged, by its tool (see the module's doc)."""
         if context_id:
             mine = (held for held in self._waiting if held.context_id == context_id)
-        else:                                   # an old daemon's, or a client's that tags nothing
-            mine = (held for held in self._waiting
-                    if held.daemon_tool == event.tool and held.daemon_tool in UNTAGGED_BEFORE)
+        else:
+            mine = (held for held in self._waiting if not held.context_id and held.daemon_tool == event.tool)
         held = next(mine, None)
         if held is not None:
             held.events.put_nowait(event)
