@@ -279,3 +279,78 @@ def test_argv_and_env_past_their_counts_are_refused(stub: pb_grpc.SandboxStub, s
                   env=env_at_limit)
     assert ok.result.exit_code == 0, ok
     assert ok.stdout.split() == [str(argv_limit - 4).encode(), str(env_limit - 1).encode()], ok.stdout[:200]
+
+
+def _bad_utf8(message: Any, field: str) -> bytes:
+    """``message`` as sent, its string ``field`` (set to "xAx") holding the byte 0xff instead of "A"."""
+    setattr(message, field, "xAx")
+    data = message.SerializeToString()
+    assert data.count(b"xAx") == 1
+    return data.replace(b"xAx", b"x\xffx")
+
+
+def test_a_string_that_is_not_utf8_is_invalid_argument_saying_so(daemon: Daemon) -> None:  # noqa: F811
+    """proto3 strings must be UTF-8: a raw client's bytes there were `INTERNAL: Exception deserializing
+    request!` (gRPC's words, before any code of ours). Now INVALID_ARGUMENT saying what to fix, for a
+    unary request, a unary request with a stream answer, and the first message of a request stream.
+    Control: the same requests with the byte a letter decode (and reach the servicer: its NOT_FOUND)."""
+    said = "a string field is not valid UTF-8"
+    with SandboxClient(daemon.socket) as client:
+        channel = client.channel
+
+        def unary(method: str, data: bytes) -> grpc.RpcError:
+            call = channel.unary_unary(f"/sandboxd.v1.Sandbox/{method}")
+            return rpc_error(lambda: call(data, timeout=60))
+
+        def unary_stream(method: str, data: bytes) -> grpc.RpcError:
+            call = channel.unary_stream(f"/sandboxd.v1.Sandbox/{method}")
+            return rpc_error(lambda: list(call(data, timeout=60)))
+
+        def stream_stream(method: str, data: bytes) -> grpc.RpcError:
+            call = channel.stream_stream(f"/sandboxd.v1.Sandbox/{method}")
+            return rpc_error(lambda: list(call(iter([data]), timeout=60)))
+
+        cases = [(unary, "ReadFile", _bad_utf8(pb.ReadFileRequest(path="f"), "session_id")),
+                 (unary, "GetSession", _bad_utf8(pb.GetSessionRequest(), "session_id")),
+                 (unary_stream, "Run", _bad_utf8(pb.ExecStart(argv=["true"]), "session_id"))]
+        for call, method, data in cases:
+            error = call(method, data)
+            assert (error.code(), error.details().split(":")[0]) == (INVALID, said), (method, error)
+            control = call(method, data.replace(b"x\xffx", b"xAx"))
+            assert control.code() == grpc.StatusCode.NOT_FOUND, (method, control)
+        exec_start = pb.ExecRequest(start=pb.ExecStart(session_id="xAx", argv=["true"])).SerializeToString()
+        error = stream_stream("Exec", exec_start.replace(b"xAx", b"x\xffx"))
+        assert (error.code(), error.details().split(":")[0]) == (INVALID, said), error
+        assert stream_stream("Exec", exec_start).code() == grpc.StatusCode.NOT_FOUND
+        corrupt = unary("ReadFile", b"\xff\xff\xff")
+        assert corrupt.code() == INVALID and "not a valid message" in corrupt.details(), corrupt
+
+
+@pytest.mark.parametrize("intercepted", [True, False])
+def test_the_interceptor_is_what_answers_invalid_argument(tmp_path: Path, intercepted: bool) -> None:
+    """The control of the test above: a gRPC server of the same service without DecodingInterceptor
+    answers the same bad string INTERNAL (gRPC's own words), before its method runs."""
+    from concurrent import futures
+
+    from sandboxd.service.request_decoding import DecodingInterceptor
+
+    class Servicer(pb_grpc.SandboxServicer):
+        def GetSession(self, request: pb.GetSessionRequest, context: grpc.ServicerContext) -> pb.Session:
+            return pb.Session(id=request.session_id)
+
+    with futures.ThreadPoolExecutor(2) as workers:
+        server = grpc.server(workers, interceptors=[DecodingInterceptor()] if intercepted else [])
+        pb_grpc.add_SandboxServicer_to_server(Servicer(), server)
+        server.add_insecure_port(f"unix:{tmp_path}/s.sock")
+        server.start()
+        try:
+            with grpc.insecure_channel(f"unix:{tmp_path}/s.sock") as channel:
+                call = channel.unary_unary("/sandboxd.v1.Sandbox/GetSession", response_deserializer=pb.Session.FromString)
+                assert call(pb.GetSessionRequest(session_id="ok").SerializeToString(), timeout=60).id == "ok"
+                error = rpc_error(lambda: call(_bad_utf8(pb.GetSessionRequest(), "session_id"), timeout=60))
+        finally:
+            server.stop(None).wait()
+    if intercepted:
+        assert error.code() == INVALID and "not valid UTF-8" in error.details(), error
+    else:
+        assert (error.code(), error.details()) == (grpc.StatusCode.INTERNAL, "Exception deserializing request!")

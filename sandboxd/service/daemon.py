@@ -56,6 +56,7 @@ from sandboxd.network.front_door import FrontDoor
 from sandboxd.network.tcp_listeners import check_bindable, why_unbindable
 from sandboxd.printable import printable
 from sandboxd.service.quotas import Quotas
+from sandboxd.service.request_decoding import DecodingInterceptor
 from sandboxd.service.sandboxed_peers import SandboxedPeers
 from sandboxd.service.server import (MAX_FORK_RESTARTS, RESTART_WINDOW, SELF_TEST_DIR, ForkWatch, JsonLogFormatter,
                                      TextLogFormatter, make_own_directories, own_places, self_test,
@@ -257,7 +258,8 @@ class Daemon:
             workers = futures.ThreadPoolExecutor(max_workers=s.workers, thread_name_prefix="sandboxd-rpc")
             undo.callback(workers.shutdown)
             # Not SO_REUSEPORT (gRPC's default): a TLS port another process holds is busy, not shared.
-            server = grpc.server(workers, options=[("grpc.so_reuseport", 0)])
+            # A request that does not decode (a string that is not UTF-8): INVALID_ARGUMENT, not INTERNAL.
+            server = grpc.server(workers, options=[("grpc.so_reuseport", 0)], interceptors=[DecodingInterceptor()])
             undo.callback(lambda: server.stop(None).wait())
             undo.callback(_unlink, backend)
             tls_identity = None if tls is None else TlsIdentity(
