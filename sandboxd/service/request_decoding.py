@@ -99,13 +99,25 @@ def _stream_stream(behavior: Callable[[Iterator[Any], grpc.ServicerContext], Ite
 
 
 class DecodingInterceptor(grpc.ServerInterceptor):
-    """Every method's handler with a deserializer that never raises (see the module's doc)."""
+    """Every method's handler with a deserializer that never raises (see the module's doc), made
+    once per method: as many as the services have (an unknown method has no handler to keep)."""
+
+    def __init__(self) -> None:
+        self._made: dict[str, tuple[Handler, Handler]] = {}   # method -> (gRPC's handler, ours)
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Handler | None],
                           handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
         handler = continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
+        method = handler_call_details.method
+        made = self._made.get(method)
+        if made is None or made[0] is not handler:          # a service that makes its handler per call
+            made = self._made[method] = (handler, self._tolerant(handler))
+        return made[1]
+
+    @staticmethod
+    def _tolerant(handler: Handler) -> Handler:
         wrapped: dict[str, Any] = {"request_deserializer": _tolerant(handler.request_deserializer)}
         for kind, wrap in (("unary_unary", _unary_unary), ("unary_stream", _unary_stream),
                            ("stream_unary", _stream_unary), ("stream_stream", _stream_stream)):
