@@ -54,14 +54,6 @@ def read(session: Session, tool: str, path: str, *, context_id: str = "", **extr
                  context_id=context_id)
 
 
-def write(session: Session, tool: str, paths: list[str], *, context_id: str = "", **extra: object) -> ToolCall:
-    """fs.write, patch.apply: workspace-write, or destructive outside the writable roots."""
-    effect, note = write_effect(session, paths)
-    return _call(tool, effect, {"paths": paths, **extra}, summary_of(tool, path=", ".join(paths)), note=note,
-                 context_id=context_id)
-
-
-
 def stop(session: Session, job: BackgroundJob, *, context_id: str = "") -> ToolCall:
     """monitor.stop: its card names what it stops, ``Stop: ID (NAME: ARGV)``, not the bare tool:
     a person asked to stop "a78ec51560a1" cannot tell the test server from the database."""
@@ -69,3 +61,10 @@ def stop(session: Session, job: BackgroundJob, *, context_id: str = "") -> ToolC
     shown = f"{job.name}: {command}" if job.name and job.name != command else command
     return _call("monitor.stop", BUILTIN_TOOLS["monitor.stop"].effect, {"path": "", "id": job.id, "name": job.name},
                  summary_of("monitor.stop", path=f"{job.id} ({shown})"), context_id=context_id)
+
+
+def write(session: Session, tool: str, paths: list[str], *, context_id: str = "", **extra: object) -> ToolCall:
+    """fs.write, patch.apply: workspace-write, or destructive outside the writable roots."""
+    effect, note = write_effect(session, paths)
+    return _call(tool, effect, {"paths": paths, **extra}, summary_of(tool, path=", ".join(paths)), note=note,
+                 context_id=context_id)
