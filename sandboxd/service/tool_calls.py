@@ -11,8 +11,8 @@ import shlex
 
 from sandboxd.policy.tools import BUILTIN_TOOLS, Classified, Effect, classify_command, summary_of
 from sandboxd.service import environment
-from sandboxd.service.background import BackgroundJob
 from sandboxd.service.approvals import ToolCall
+from sandboxd.service.background import BackgroundJob
 from sandboxd.service.convert import check_text
 from sandboxd.service.file_calls import write_effect, write_scope
 from sandboxd.service.sessions.registry import Session
@@ -68,3 +68,4 @@ def write(session: Session, tool: str, paths: list[str], *, context_id: str = ""
     effect, note = write_effect(session, paths)
     return _call(tool, effect, {"paths": paths, **extra}, summary_of(tool, path=", ".join(paths)), note=note,
                  context_id=context_id)
+
