@@ -17,6 +17,7 @@ import os
 import shutil
 
 from sandboxd.errors import DeadlineExceeded, InvalidPolicy
+from sandboxd.service import patch_parts
 from sandboxd.service.file_calls import DEFAULT_READ_LIMIT, TOOL_TIMEOUT, resolve, run_in_session, run_tool
 from sandboxd.service.sessions.registry import Session, SessionRegistry
 from sandboxd.supervisor.fork_client import ForkServer
@@ -38,32 +39,16 @@ GIT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UT
 
 
 def patched_files(patch: str, strip: int) -> tuple[list[pb.PatchedFile], int]:
-    """What the patch touches, from its ---/+++ headers; and the -p level (auto: a/ b/ prefixes)."""
-    headers = []
-    lines = patch.splitlines()
-    for index, line in enumerate(lines[:-1]):
-        if line.startswith("--- ") and lines[index + 1].startswith("+++ "):
-            headers.append((line[4:].split("\t")[0].strip(), lines[index + 1][4:].split("\t")[0].strip()))
-    if not headers:
-        raise InvalidPolicy("no file in the patch: give a unified diff (---/+++ headers and @@ hunks)")
-    if strip == 0:
-        named = [p for pair in headers for p in pair if p != "/dev/null"]
-        strip = 1 if named and all(p.startswith(("a/", "b/")) for p in named) else 0
-    files = []
-    for old, new in headers:
-        action = "created" if old == "/dev/null" else "deleted" if new == "/dev/null" else "modified"
-        path = new if new != "/dev/null" else old
-        parts = path.split("/")
-        if len(parts) <= strip:
-            raise InvalidPolicy(f"cannot strip {strip} components from {path!r}")
-        files.append(pb.PatchedFile(path="/".join(parts[strip:]), action=action))
-    return files, strip
+    """Every path the patch makes git write, with what it does there (service.patch_parts: also
+    the git-format parts without ---/+++ headers); and the -p level (auto: a/ b/ prefixes)."""
+    if len(patch) > PATCH_LIMIT:
+        raise InvalidPolicy(f"the patch is larger than {PATCH_LIMIT >> 20} MiB")
+    found, strip = patch_parts.changes(patch, strip)
+    return [pb.PatchedFile(path=change.path, action=change.action) for change in found], strip
 
 
 def apply_patch(registry: SessionRegistry, fork: ForkServer, session: Session, patch: str,
                 strip: int) -> list[pb.PatchedFile]:
-    if len(patch) > PATCH_LIMIT:
-        raise InvalidPolicy(f"the patch is larger than {PATCH_LIMIT >> 20} MiB")
     files, strip = patched_files(patch, strip)
     info, _out, err = run_in_session(
         registry, fork, session, ["git", "apply", "--whitespace=nowarn", f"-p{strip}", "-"],

@@ -269,11 +269,12 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         def work(who: Caller) -> pb.ApplyPatchResponse:
             self._drain.refuse_new("new call")
             session = self._registry.get(who, request.session_id)
-            targets = [file_calls.resolve(session, f.path)
-                       for f in patch_search.patched_files(request.patch, request.strip)[0]]
+            # every path git would write (renames, copies, modes, creations too), each judged and shown
+            files = patch_search.patched_files(request.patch, request.strip)[0]
+            targets = [file_calls.resolve(session, f.path) for f in files]
             self._registry.ready(session)
             return pb.ApplyPatchResponse(files=self._tool(
-                context, session, tool_calls.write(session, "patch.apply", targets,
+                context, session, tool_calls.patch(session, targets, [f"{f.action} {f.path}" for f in files],
                                                    context_id=request.execution_context_id),
                 lambda: patch_search.apply_patch(self._registry, self._fork, session, request.patch, request.strip)))
         return self._unary(context, work, CALLS)

@@ -57,3 +57,11 @@ def write(session: Session, tool: str, paths: list[str], *, context_id: str = ""
     return _call(tool, effect, {"paths": paths, **extra}, summary_of(tool, path=", ".join(paths)), note=note,
                  context_id=context_id)
 
+
+
+def patch(session: Session, targets: list[str], changes: list[str], *, context_id: str = "") -> ToolCall:
+    """patch.apply: judged as a write of every target; its summary (and, when the summary is cut,
+    the card's ``changes`` line: policy.approval_card) says what the patch does to each path."""
+    effect, note = write_effect(session, targets)
+    return _call("patch.apply", effect, {"paths": targets, "changes": changes},
+                 summary_of("patch.apply", path="; ".join(changes)), note=note, context_id=context_id)
