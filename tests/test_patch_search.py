@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -73,6 +77,78 @@ def test_garbage_patch_is_invalid(client: SandboxClient, workspace: Path) -> Non
     with pytest.raises(grpc.RpcError) as info:
         client.stub.ApplyPatch(pb.ApplyPatchRequest(session_id=session.id, patch="not a diff"))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# Round 10's hostile patch: one headed edit, then git-format parts without ---/+++ headers.
+HEADLESS = ("diff --git a/a.txt b/a.txt\n--- a/a.txt\n+++ b/a.txt\n@@ -1,3 +1,3 @@\n line one\n-foo bar\n+foo BAZ\n"
+            " last\ndiff --git a/b.txt b/moved-away.txt\nsimilarity index 100%\nrename from b.txt\nrename to moved-away.txt\n"
+            "diff --git a/script.sh b/script.sh\nold mode 100644\nnew mode 100755\n"
+            "diff --git a/tool.sh b/tool.sh\nnew file mode 100755\nindex 0000000..e69de29\n")
+
+
+def _held(client: SandboxClient, session_id: str, call: "threading.Thread") -> pb.PendingApproval:
+    while call.is_alive():
+        held = client.stub.ListPendingApprovals(pb.ListPendingApprovalsRequest(session_id=session_id)).approvals
+        if held:
+            return held[0]
+        time.sleep(0.05)
+    raise AssertionError("the patch was never held for approval")
+
+
+def test_the_card_and_the_result_show_every_part_git_applies(client: SandboxClient, workspace: Path) -> None:
+    """The card a person approves names the rename, the mode change and the new executable, not
+    only the headed edit; so do the result and the judgement (each path is a target)."""
+    (workspace / "script.sh").write_text("echo hi\n")
+    os.chmod(workspace / "script.sh", 0o644)
+    session = client.create_session(str(workspace), approval="always")
+    answer: dict[str, object] = {}
+    call = threading.Thread(target=lambda: answer.setdefault("reply", client.stub.ApplyPatch(
+        pb.ApplyPatchRequest(session_id=session.id, patch=HEADLESS), timeout=120)))
+    call.start()
+    held = _held(client, session.id, call)
+    assert held.summary == ("Patch: a.txt: modified; b.txt: renamed to moved-away.txt; moved-away.txt: renamed "
+                            "from b.txt; script.sh: mode 100644 to 100755; tool.sh: created with mode 100755")
+    assert sorted(json.loads(held.arguments_json)["paths"]) == sorted(
+        str(workspace / name) for name in ("a.txt", "b.txt", "moved-away.txt", "script.sh", "tool.sh"))
+    client.stub.ResolveApproval(pb.ResolveApprovalRequest(session_id=session.id, call_id=held.call_id,
+                                                          decision="allow_once"))
+    call.join()
+    reply = answer["reply"]
+    assert isinstance(reply, pb.ApplyPatchResponse)
+    assert [(f.path, f.action) for f in reply.files] == [
+        ("a.txt", "modified"), ("b.txt", "renamed to moved-away.txt"), ("moved-away.txt", "renamed from b.txt"),
+        ("script.sh", "mode 100644 to 100755"), ("tool.sh", "created with mode 100755")]
+    assert not (workspace / "b.txt").exists() and (workspace / "moved-away.txt").exists()
+    assert os.stat(workspace / "script.sh").st_mode & 0o111 and os.stat(workspace / "tool.sh").st_mode & 0o111
+
+
+def test_a_rename_out_of_a_protected_subpath_is_judged(client: SandboxClient, workspace: Path) -> None:
+    """The rename's source is a target: under a protected subpath it is refused up front. Control:
+    the same rename of an unprotected file is applied."""
+    (workspace / "guarded").mkdir()
+    (workspace / "guarded/keep.txt").write_text("secret config\n")
+    (workspace / "open.txt").write_text("free\n")
+    policy = sandbox_policy("workspace-write")
+    policy.protected_subpaths.append("guarded")
+    session = client.create_session(str(workspace), policy=policy, approval="never")
+    rename = "diff --git a/{0} b/stolen.txt\nsimilarity index 100%\nrename from {0}\nrename to stolen.txt\n"
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.ApplyPatch(pb.ApplyPatchRequest(session_id=session.id, patch=rename.format("guarded/keep.txt")))
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert (workspace / "guarded/keep.txt").exists() and not (workspace / "stolen.txt").exists()
+    client.stub.ApplyPatch(pb.ApplyPatchRequest(session_id=session.id, patch=rename.format("open.txt")))
+    assert (workspace / "stolen.txt").read_text() == "free\n"
+
+
+def test_a_binary_part_is_refused_saying_so(client: SandboxClient, workspace: Path) -> None:
+    binary = ("diff --git a/x.bin b/x.bin\nnew file mode 100755\nindex 0000000..1111111\nGIT binary patch\n"
+              "literal 1\nIcmZo*000C20{{R3\n\nliteral 0\nHcmV?d00001\n\n")
+    session = client.create_session(str(workspace))
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.ApplyPatch(pb.ApplyPatchRequest(session_id=session.id, patch=PATCH + binary))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "binary part" in str(info.value.details())
+    assert (workspace / "a.txt").read_text() == "line one\nfoo bar\nlast\n" and not (workspace / "x.bin").exists()
 
 
 @pytest.mark.parametrize("engine", ["ripgrep", "builtin"])

@@ -94,7 +94,7 @@ def is_cut(given: Any) -> TypeGuard[dict[str, Any]]:
 
 
 def patch_changes(summary: str, arguments: dict[str, Any]) -> str:
-    """What a patch does to each path (``modified a.py; renamed b to c; created d with mode 100755``),
+    """What a patch does to each path (``a.py: modified; b: renamed to c; c: renamed from b``),
     escaped and bounded, when the summary shows less of it; else ""."""
     given = arguments.get("changes")
     if not isinstance(given, list) or not given or not all(isinstance(change, str) for change in given):

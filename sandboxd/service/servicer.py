@@ -274,7 +274,7 @@ class SandboxServicer(pb_grpc.SandboxServicer):
             targets = [file_calls.resolve(session, f.path) for f in files]
             self._registry.ready(session)
             return pb.ApplyPatchResponse(files=self._tool(
-                context, session, tool_calls.patch(session, targets, [f"{f.action} {f.path}" for f in files],
+                context, session, tool_calls.patch(session, targets, [f"{f.path}: {f.action}" for f in files],
                                                    context_id=request.execution_context_id),
                 lambda: patch_search.apply_patch(self._registry, self._fork, session, request.patch, request.strip)))
         return self._unary(context, work, CALLS)
