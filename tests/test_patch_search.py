@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import stat
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -149,6 +153,55 @@ def test_a_binary_part_is_refused_saying_so(client: SandboxClient, workspace: Pa
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "binary part" in str(info.value.details())
     assert (workspace / "a.txt").read_text() == "line one\nfoo bar\nlast\n" and not (workspace / "x.bin").exists()
+
+
+@pytest.fixture
+def locked(workspace: Path) -> Iterator[Path]:
+    """A directory of the workspace made immutable (chattr +i): creating a file in it fails after
+    git has checked the whole patch, part way through its writes."""
+    directory = workspace / "locked"
+    directory.mkdir()
+    made = subprocess.run(["chattr", "+i", str(directory)], capture_output=True, text=True, check=False)
+    if made.returncode != 0:
+        pytest.skip(f"the file system under the workspace has no immutable attribute: {made.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["chattr", "-i", str(directory)], check=True)
+
+
+PART_WAY = ("--- a/a.txt\n+++ b/a.txt\n@@ -1,3 +1,3 @@\n line one\n-foo bar\n+CHANGED\n last\n"
+            "--- a/b.txt\n+++ /dev/null\n@@ -1,2 +0,0 @@\n-nothing here\n-FOO BAR again\n"
+            "--- /dev/null\n+++ b/new/dir/made.txt\n@@ -0,0 +1 @@\n+x\n"
+            "--- /dev/null\n+++ b/locked/new.txt\n@@ -0,0 +1 @@\n+x\n")
+
+
+def test_a_patch_that_fails_part_way_changes_nothing(client: SandboxClient, workspace: Path, locked: Path) -> None:
+    """git apply writes file by file: control, on the host, git leaves a.txt changed, b.txt deleted
+    and new/dir made when the write into the immutable directory fails. Through the daemon every
+    one of them is put back, as the error says."""
+    before = {name: (workspace / name).read_bytes() for name in ("a.txt", "b.txt")}
+    os.chmod(workspace / "a.txt", 0o640)
+    control = workspace.parent / f"{workspace.name}-control"
+    shutil.copytree(workspace, control, symlinks=True)
+    try:
+        subprocess.run(["chattr", "+i", str(control / "locked")], check=True)
+        git = subprocess.run(["git", "apply", "-p1", "-"], input=PART_WAY.encode(), cwd=control, capture_output=True,
+                             check=False)
+        subprocess.run(["chattr", "-i", str(control / "locked")], check=True)
+        assert git.returncode != 0
+        assert (control / "a.txt").read_text() == "line one\nCHANGED\nlast\n" and not (control / "b.txt").exists()
+    finally:
+        subprocess.run(["chattr", "-i", str(control / "locked")], check=False)
+        shutil.rmtree(control)
+    session = client.create_session(str(workspace))
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.ApplyPatch(pb.ApplyPatchRequest(session_id=session.id, patch=PART_WAY))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "nothing was changed" in str(info.value.details())
+    assert {name: (workspace / name).read_bytes() for name in ("a.txt", "b.txt")} == before
+    assert stat.S_IMODE(os.stat(workspace / "a.txt").st_mode) == 0o640
+    assert not (workspace / "new").exists() and not list(locked.iterdir())
 
 
 @pytest.mark.parametrize("engine", ["ripgrep", "builtin"])

@@ -17,8 +17,11 @@ import os
 import shutil
 
 from sandboxd.errors import DeadlineExceeded, InvalidPolicy
+from sandboxd.launcher.patch_tool import EXIT_NOT_RESTORED, EXIT_RESTORED
+from sandboxd.printable import printable
 from sandboxd.service import patch_parts
-from sandboxd.service.file_calls import DEFAULT_READ_LIMIT, TOOL_TIMEOUT, resolve, run_in_session, run_tool
+from sandboxd.service.file_calls import (DEFAULT_READ_LIMIT, TOOL_ARGV, TOOL_TIMEOUT, resolve, run_in_session,
+                                         run_tool)
 from sandboxd.service.sessions.registry import Session, SessionRegistry
 from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.v1 import sandboxd_pb2 as pb
@@ -49,14 +52,27 @@ def patched_files(patch: str, strip: int) -> tuple[list[pb.PatchedFile], int]:
 
 def apply_patch(registry: SessionRegistry, fork: ForkServer, session: Session, patch: str,
                 strip: int) -> list[pb.PatchedFile]:
+    """git apply in the session's sandbox, all-or-nothing (launcher.patch_tool: every target is
+    kept before git writes, and put back if git fails part way)."""
     files, strip = patched_files(patch, strip)
-    info, _out, err = run_in_session(
-        registry, fork, session, ["git", "apply", "--whitespace=nowarn", f"-p{strip}", "-"],
-        data=patch.encode(), env=GIT_ENV)
-    if info.exit_code != 0:
-        message = err.decode(errors="replace").strip() or f"git apply failed ({info.shell_status})"
+    targets = [resolve(session, f.path) for f in files]
+    info, out, err = run_in_session(
+        registry, fork, session, TOOL_ARGV, data=patch.encode(),
+        tool={"op": "patch", "path": session.workspace, "targets": targets, "env": GIT_ENV,
+              "argv": ["git", "apply", "--whitespace=nowarn", f"-p{strip}", "-"]})
+    if info.exit_code == 0:
+        return files
+    message = printable(err.decode(errors="replace").strip()[:4000]) or f"git apply failed ({info.shell_status})"
+    if info.exit_code == EXIT_NOT_RESTORED:
+        left = [os.fsdecode(bytes.fromhex(line)) for line in out.decode().split()]
+        raise InvalidPolicy(f"the patch failed part way and {len(left)} file(s) could not be put back as they "
+                            f"were: {printable(', '.join(left))[:4000]}: {message}")
+    if info.exit_code == EXIT_RESTORED:
         raise InvalidPolicy(f"the patch does not apply; nothing was changed: {message}")
-    return files
+    if info.timed_out:
+        raise DeadlineExceeded(f"git apply ran past its {TOOL_TIMEOUT:g} s budget and was stopped: a file it "
+                               f"was writing may be part written ({printable(', '.join(f.path for f in files))[:4000]})")
+    raise InvalidPolicy(f"the patch could not be applied: {message}")
 
 
 def search(registry: SessionRegistry, fork: ForkServer, session: Session, pattern: str, path: str,
