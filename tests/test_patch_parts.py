@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from sandboxd.errors import InvalidPolicy
 from sandboxd.service import patch_parts
 
-GIT = shutil.which("git")
+GIT = shutil.which("git") or "git"          # ApplyPatch needs it: missing, this test fails
 FILES = {"a.txt": "one\ntwo\n", "b.txt": "hello\n", "run.sh": "echo hi\n", "sp ace.txt": "x\n",
          "dir/c.txt": "c\n", "tab\tname": "t\n", 'q"uote': "q\n"}
 NAMES = list(FILES) + ["new.txt", "dir/new.sh", "d2/deep/n.txt", "caf\u00e9.txt", "x.orig", "a.txt.orig"]
@@ -101,8 +101,7 @@ def _tree(root: Path) -> dict[str, tuple[int, bytes]]:
     return found
 
 
-@pytest.mark.skipif(GIT is None, reason="")  # git is a dependency of ApplyPatch: never missing in CI
-@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(part(), min_size=1, max_size=4))
 def test_every_path_git_writes_is_listed(parts: list[str]) -> None:
     patch = "".join(parts)
