@@ -42,8 +42,10 @@ def workspace(base: Path, request: pytest.FixtureRequest) -> Path:
     return path
 
 
-def test_patch_applies_to_several_files(client: SandboxClient, workspace: Path) -> None:
-    session = client.create_session(str(workspace))
+@pytest.mark.parametrize("mode", ["workspace-write", "danger-full-access"])
+def test_patch_applies_to_several_files(client: SandboxClient, workspace: Path, mode: str) -> None:
+    """Also in root's danger-full-access session, where the file tool runs unconfined."""
+    session = client.create_session(str(workspace), policy=sandbox_policy(mode), approval="never")
     reply = client.stub.ApplyPatch(pb.ApplyPatchRequest(session_id=session.id, patch=PATCH))
     assert [(f.path, f.action) for f in reply.files] == [("a.txt", "modified"), ("sub/new.txt", "created")]
     assert (workspace / "a.txt").read_text() == "line one\nfoo BAZ\nlast\n"
