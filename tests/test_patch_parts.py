@@ -102,13 +102,14 @@ def _tree(root: Path) -> dict[str, tuple[int, bytes]]:
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(part(), min_size=1, max_size=4))
-def test_every_path_git_writes_is_listed(parts: list[str]) -> None:
-    patch = "".join(parts)
+@given(st.lists(part(), min_size=1, max_size=4), st.booleans())
+def test_every_path_git_writes_is_listed(parts: list[str], crlf: bool) -> None:
+    patch = "".join(parts).replace("\n", "\r\n") if crlf else "".join(parts)
     try:
         listed, strip = patch_parts.changes(patch, 0)
     except InvalidPolicy:
         return                                   # refused: nothing applied, nothing to show
+    assert strip == 1                            # every generated name is under a/ or b/
     paths = {change.path for change in listed}
     with tempfile.TemporaryDirectory() as temp:
         root = Path(temp)

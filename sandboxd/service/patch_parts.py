@@ -98,7 +98,10 @@ def _auto_strip(lines: list[str]) -> int:
             if name != "/dev/null":
                 named.append(name.lstrip('"'))
         elif line.startswith("diff --git "):
-            named.extend(word.lstrip('"') for word in line[11:].split(" ") if word)
+            # its names may hold spaces: what counts is that the first starts a/ and the second b/
+            sides = line[11:]
+            named.append(sides.lstrip('"'))
+            named.append("b/" if (' b/' in sides or ' "b/' in sides) else sides)
     return 1 if named and all(name.startswith(("a/", "b/")) for name in named) else 0
 
 
@@ -209,7 +212,8 @@ def _hunks(lines: list[str], index: int, part: _Part) -> int:
         header_line, index, changed = index + 1, index + 1, False
         while old or new:
             if index >= len(lines) - 1:
-                raise refuse(header_line, "the hunk ends before its line counts say (corrupt hunk)")
+                raise refuse(header_line, "the hunk ends before its line counts say (corrupt hunk; a patch "
+                                          "ends with a newline)")
             line = lines[index]
             kind = line[:1]
             if kind in ("", " "):

@@ -51,10 +51,10 @@ def patched_files(patch: str, strip: int) -> tuple[list[pb.PatchedFile], int]:
 
 
 def apply_patch(registry: SessionRegistry, fork: ForkServer, session: Session, patch: str,
-                strip: int) -> list[pb.PatchedFile]:
+                files: list[pb.PatchedFile], strip: int) -> list[pb.PatchedFile]:
     """git apply in the session's sandbox, all-or-nothing (launcher.patch_tool: every target is
-    kept before git writes, and put back if git fails part way)."""
-    files, strip = patched_files(patch, strip)
+    kept before git writes, and put back if git fails part way). ``files`` and ``strip``: what
+    patched_files found in ``patch``, as judged and shown."""
     targets = [resolve(session, f.path) for f in files]
     info, out, err = run_in_session(
         registry, fork, session, TOOL_ARGV, data=patch.encode(),
