@@ -18,7 +18,7 @@ tests/test_patch_parts.py checks it against git itself on generated patches.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sandboxd.errors import InvalidPolicy
 from sandboxd.printable import printable
@@ -36,7 +36,6 @@ _C_ESCAPES = {"a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, '"': 3
 @dataclass
 class _Part:
     """One part as git's struct patch holds it."""
-    line: int
     def_name: str | None = None
     old_name: str | None = None
     new_name: str | None = None
@@ -47,7 +46,6 @@ class _Part:
     is_rename: bool = False
     is_copy: bool = False
     hunks: int = 0
-    notes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -106,7 +104,7 @@ def _auto_strip(lines: list[str]) -> int:
 
 
 def _git_part(lines: list[str], start: int, strip: int) -> tuple[_Part, int]:
-    part = _Part(line=start + 1, def_name=_header_name(lines[start][11:], strip, start + 1))
+    part = _Part(def_name=_header_name(lines[start][11:], strip, start + 1))
     index = start + 1
     while index < len(lines):
         line = lines[index]
@@ -175,7 +173,7 @@ def _header_line(part: _Part, prefix: str, rest: str, strip: int, number: int) -
 
 def _traditional_part(lines: list[str], start: int, strip: int) -> tuple[_Part, int]:
     first, second = lines[start][4:], lines[start + 1][4:]
-    part = _Part(line=start + 1)
+    part = _Part()
     for text, number in ((first, start + 1), (second, start + 2)):
         if _EPOCH.search(text):
             raise refuse(number, "an epoch timestamp (git reads it as a creation or deletion): use /dev/null")
