@@ -141,7 +141,7 @@ def test_the_hostile_patch_shows_its_rename_and_mode_change() -> None:
     assert strip == 1
     assert [(c.path, c.action) for c in listed] == [
         ("innocent.txt", "modified"), ("victim.txt", "renamed to moved-away.txt"),
-        ("moved-away.txt", "renamed from victim.txt"), ("script.sh", "mode 100644 to 100755")]
+        ("moved-away.txt", "renamed from victim.txt"), ("script.sh", "made executable")]
 
 
 @pytest.mark.parametrize("patch, says", [

@@ -113,7 +113,7 @@ def test_the_card_and_the_result_show_every_part_git_applies(client: SandboxClie
     call.start()
     held = _held(client, session.id, call)
     assert held.summary == ("Patch: a.txt: modified; b.txt: renamed to moved-away.txt; moved-away.txt: renamed "
-                            "from b.txt; script.sh: mode 100644 to 100755; tool.sh: created with mode 100755")
+                            "from b.txt; script.sh: made executable; tool.sh: created executable")
     assert sorted(json.loads(held.arguments_json)["paths"]) == sorted(
         str(workspace / name) for name in ("a.txt", "b.txt", "moved-away.txt", "script.sh", "tool.sh"))
     client.stub.ResolveApproval(pb.ResolveApprovalRequest(session_id=session.id, call_id=held.call_id,
@@ -123,7 +123,7 @@ def test_the_card_and_the_result_show_every_part_git_applies(client: SandboxClie
     assert isinstance(reply, pb.ApplyPatchResponse)
     assert [(f.path, f.action) for f in reply.files] == [
         ("a.txt", "modified"), ("b.txt", "renamed to moved-away.txt"), ("moved-away.txt", "renamed from b.txt"),
-        ("script.sh", "mode 100644 to 100755"), ("tool.sh", "created with mode 100755")]
+        ("script.sh", "made executable"), ("tool.sh", "created executable")]
     assert not (workspace / "b.txt").exists() and (workspace / "moved-away.txt").exists()
     assert os.stat(workspace / "script.sh").st_mode & 0o111 and os.stat(workspace / "tool.sh").st_mode & 0o111
 

@@ -81,7 +81,7 @@ def test_patch_hint_names_every_change_git_would_make(base: Path) -> None:
     while " approve " not in notice.splitlines()[-1]:
         notice += held.stderr.readline()
     assert ("Patch: innocent.txt: modified; victim.txt: renamed to moved-away.txt; moved-away.txt: renamed from "
-            "victim.txt; script.sh: mode 100644 to 100755") in notice, notice
+            "victim.txt; script.sh: made executable") in notice, notice
     call_id = notice.split(" approve ")[-1].split()[1]
     assert ctl(base, "approve", session_id, call_id).returncode == 0
     assert held.wait(timeout=60) == 0 and held.stdout is not None
@@ -90,7 +90,7 @@ def test_patch_hint_names_every_change_git_would_make(base: Path) -> None:
     held.stderr.close()
     assert out.splitlines() == [
         "modified\tinnocent.txt", "renamed to moved-away.txt\tvictim.txt", "renamed from victim.txt\tmoved-away.txt",
-        "mode 100644 to 100755\tscript.sh"], out
+        "made executable\tscript.sh"], out
     assert not (workspace / "victim.txt").exists() and os.stat(workspace / "script.sh").st_mode & 0o100
 
 

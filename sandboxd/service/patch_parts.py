@@ -29,7 +29,6 @@ _HEADER_LINES = ("@@ -", "--- ", "+++ ", "old mode ", "new mode ", "deleted file
                  "similarity index ", "dissimilarity index ", "index ")
 _FRAGMENT = re.compile(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 _EPOCH = re.compile(r"\t(1970-01-01|1969-12-31) ")
-_REGULAR = 0o100644
 _C_ESCAPES = {"a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, '"': 34, "\\": 92}
 
 
@@ -50,9 +49,9 @@ class _Part:
 
 @dataclass(frozen=True)
 class Change:
-    """One path the patch writes, and what it does there (``modified``, ``created``, ``deleted``,
-    ``renamed to X``, ``renamed from X``, ``copied from X``; a mode change is added: ``mode 100644 to
-    100755``)."""
+    """One path the patch writes, and what it does there (``modified``, ``created``, ``created
+    executable``, ``created symlink``, ``deleted``, ``renamed to X``, ``renamed from X``, ``copied from
+    X``; a mode change is added: ``made executable``, ``changed from regular to symlink``)."""
     path: str
     action: str
 
@@ -234,26 +233,40 @@ def _hunks(lines: list[str], index: int, part: _Part) -> int:
 
 
 def _described(part: _Part) -> list[Change]:
-    mode = ""
-    if part.old_mode and part.new_mode and part.old_mode != part.new_mode:
-        mode = f"mode {part.old_mode:o} to {part.new_mode:o}"
+    change = ""
+    if part.old_mode and part.new_mode and _kind(part.old_mode) != _kind(part.new_mode):
+        change = {("regular", "executable"): "made executable", ("executable", "regular"): "made not executable"}.get(
+            (_kind(part.old_mode), _kind(part.new_mode)), f"changed from {_kind(part.old_mode)} to {_kind(part.new_mode)}")
     edited = "modified" if part.hunks else ""
     if part.is_new:
         assert part.new_name is not None
-        created = "created" + (f" with mode {part.new_mode:o}" if part.new_mode not in (0, _REGULAR) else "")
-        return [Change(part.new_name, created)]
+        kind = _kind(part.new_mode)
+        return [Change(part.new_name, "created" if kind == "regular" else f"created {kind}")]
     if part.is_delete:
         assert part.old_name is not None
         return [Change(part.old_name, "deleted")]
     assert part.old_name is not None and part.new_name is not None
     if part.is_copy:
-        return [Change(part.new_name, ", ".join(x for x in (f"copied from {part.old_name}", mode, edited) if x))]
+        return [Change(part.new_name, ", ".join(x for x in (f"copied from {part.old_name}", change, edited) if x))]
     if part.old_name != part.new_name:
         # git writes a part whose ---/+++ names differ as a rename, with or without "rename from":
         # it removes the old file and writes the new one
         return [Change(part.old_name, f"renamed to {part.new_name}"),
-                Change(part.new_name, ", ".join(x for x in (f"renamed from {part.old_name}", mode, edited) if x))]
-    return [Change(part.new_name, ", ".join(x for x in (edited, mode) if x) or "renamed onto itself")]
+                Change(part.new_name, ", ".join(x for x in (f"renamed from {part.old_name}", change, edited) if x))]
+    # git rewrites the file even when its mode changes only in bits it does not keep (04755: 0755)
+    return [Change(part.new_name, ", ".join(x for x in (edited, change) if x) or "rewritten as it is")]
+
+
+def _kind(mode: int) -> str:
+    """What git makes of a mode (it keeps a file's executable bit only: 0104755 makes a 0755 file)."""
+    kind = mode & 0o170000
+    if kind == 0o120000:
+        return "symlink"
+    if kind == 0o160000:
+        return "submodule"
+    if kind in (0, 0o100000):
+        return "executable" if mode & 0o100 else "regular"
+    return f"of mode {mode:o}"
 
 
 def _mode(text: str, number: int) -> int:
