@@ -129,6 +129,17 @@ def test_every_path_git_writes_is_listed(parts: list[str], crlf: bool) -> None:
         after = _tree(root)
         written = {path for path in before.keys() | after.keys() if before.get(path) != after.get(path)}
         assert written <= paths, (patch, written - paths)
+        said: dict[str, list[str]] = {}           # a path may be in several parts
+        for change in listed:
+            said.setdefault(change.path, []).append(change.action)
+        for path in written:                      # and what it did there is what the card says
+            if path not in before:
+                assert any(a.startswith(("created", "renamed from", "copied from")) for a in said[path]), (patch, path)
+            elif path not in after:
+                assert any(a == "deleted" or a.startswith("renamed to ") for a in said[path]), (patch, path)
+            elif (before[path][0] ^ after[path][0]) & 0o100:
+                made = "made executable" if after[path][0] & 0o100 else "made not executable"
+                assert any(made in a or a.startswith("created") for a in said[path]), (patch, path)
 
 
 def test_the_hostile_patch_shows_its_rename_and_mode_change() -> None:
