@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import stat
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 
 from daemon_fixtures import base, client  # noqa: F401 - pytest fixtures
 from sandboxd.client import SandboxClient, sandbox_policy
+from sandboxd.launcher import patch_tool
 from sandboxd.v1 import sandboxd_pb2 as pb
 
 PATCH = """--- a/a.txt
@@ -204,6 +206,24 @@ def test_a_patch_that_fails_part_way_changes_nothing(client: SandboxClient, work
     assert {name: (workspace / name).read_bytes() for name in ("a.txt", "b.txt")} == before
     assert stat.S_IMODE(os.stat(workspace / "a.txt").st_mode) == 0o640
     assert not (workspace / "new").exists() and not list(locked.iterdir())
+
+
+def test_a_target_that_cannot_be_put_back_is_named(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """launcher.patch_tool alone: the "git" here deletes the target, locks its directory and fails;
+    the tool cannot put the target back and says which (exit EXIT_NOT_RESTORED, its path on stdout)."""
+    (tmp_path / "d").mkdir()
+    target = tmp_path / "d" / "f.txt"
+    target.write_text("old\n")
+    script = f"rm {shlex.quote(str(target))} && chattr +i {shlex.quote(str(target.parent))}; exit 1"
+    try:
+        code = patch_tool.run([str(target)], ["sh", "-c", script], {"PATH": "/usr/bin:/bin"})
+    finally:
+        subprocess.run(["chattr", "-i", str(target.parent)], check=False)
+    if code == patch_tool.EXIT_RESTORED:
+        pytest.skip("the file system under the temp dir has no immutable attribute")
+    out, err = capfd.readouterr()
+    assert code == patch_tool.EXIT_NOT_RESTORED and bytes.fromhex(out.strip()).decode() == str(target)
+    assert f"not put back: {target}" in err and not target.exists()
 
 
 @pytest.mark.parametrize("engine", ["ripgrep", "builtin"])

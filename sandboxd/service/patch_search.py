@@ -62,7 +62,11 @@ def apply_patch(registry: SessionRegistry, fork: ForkServer, session: Session, p
               "argv": ["git", "apply", "--whitespace=nowarn", f"-p{strip}", "-"]})
     if info.exit_code == 0:
         return files
-    message = printable(err.decode(errors="replace").strip()[:4000]) or f"git apply failed ({info.shell_status})"
+    said = err.decode(errors="replace").strip()
+    code, tab, rest = said.partition("\t")               # the tool's own failure: "ERRNO<TAB>message"
+    if info.exit_code not in (EXIT_RESTORED, EXIT_NOT_RESTORED) and tab and code.isdigit():
+        said = rest
+    message = printable(said[:4000]) or f"git apply failed ({info.shell_status})"
     if info.exit_code == EXIT_NOT_RESTORED:
         left = [os.fsdecode(bytes.fromhex(line)) for line in out.decode().split()]
         raise InvalidPolicy(f"the patch failed part way and {len(left)} file(s) could not be put back as they "

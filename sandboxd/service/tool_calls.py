@@ -52,11 +52,10 @@ def read(session: Session, tool: str, path: str, *, context_id: str = "", **extr
 
 
 def write(session: Session, tool: str, paths: list[str], *, context_id: str = "", **extra: object) -> ToolCall:
-    """fs.write, patch.apply: workspace-write, or destructive outside the writable roots."""
+    """fs.write: workspace-write, or destructive outside the writable roots."""
     effect, note = write_effect(session, paths)
     return _call(tool, effect, {"paths": paths, **extra}, summary_of(tool, path=", ".join(paths)), note=note,
                  context_id=context_id)
-
 
 
 def patch(session: Session, targets: list[str], changes: list[str], *, context_id: str = "") -> ToolCall:
