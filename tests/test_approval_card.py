@@ -58,6 +58,19 @@ def test_the_card_adds_the_environment_and_the_whole_command_only_when_needed() 
         assert approval_card.lines("Execute: x", bad) == []
 
 
+def test_the_card_lists_every_change_of_a_patch_when_the_summary_is_cut() -> None:
+    """A patch's summary names each path and what git does there; cut at SUMMARY_CHARS, the card's
+    ``changes`` line shows the rest (a rename or a new executable after many innocent edits), escaped."""
+    changes = [f"f{n}.txt: modified" for n in range(40)] + ["victim\x1b[2K.txt: renamed to gone.txt"]
+    call = json.dumps({"paths": ["/ws/x"], "changes": changes})
+    summary = summary_of("patch.apply", path="; ".join(changes))
+    assert "victim" not in summary
+    [(label, text)] = approval_card.lines(summary, call)
+    assert label == "changes" and text.endswith("victim\\x1b[2K.txt: renamed to gone.txt")
+    short = ["a.txt: modified"]
+    assert approval_card.lines(summary_of("patch.apply", path=short[0]), json.dumps({"changes": short})) == []
+
+
 def test_the_card_shows_an_external_tools_arguments_escaped_and_bounded() -> None:
     call = json.dumps({"arguments": {"repo": "acme/site\x1b[2J", "pr": 7}})
     # JSON's escape of the ESC, itself shown escaped (a backslash is written twice): nothing raw.

@@ -58,6 +58,42 @@ def test_write_read_ls_patch(base: Path, session_id: str) -> None:
     assert refused.returncode == 1 and "PERMISSION_DENIED" in refused.stderr
 
 
+def test_patch_hint_names_every_change_git_would_make(base: Path) -> None:
+    """Round 10's hostile pass: `sandboxctl patch`'s line for a person read "Patch: innocent.txt"
+    for a patch that also renamed victim.txt away and made script.sh executable (git-format parts
+    without ---/+++ headers). Now it names each, and the reply lists each."""
+    workspace = base / "ctl-patch-hint"
+    workspace.mkdir()
+    for name, text in (("innocent.txt", "hello\n"), ("victim.txt", "keep me\n"), ("script.sh", "echo hi\n")):
+        (workspace / name).write_text(text)
+    os.chmod(workspace / "script.sh", 0o644)
+    session_id = ctl(base, "session", "create", str(workspace), "--approval", "always").stdout.strip()
+    diff = ("diff --git a/innocent.txt b/innocent.txt\n--- a/innocent.txt\n+++ b/innocent.txt\n@@ -1 +1 @@\n"
+            "-hello\n+hello world\ndiff --git a/victim.txt b/moved-away.txt\nsimilarity index 100%\n"
+            "rename from victim.txt\nrename to moved-away.txt\ndiff --git a/script.sh b/script.sh\n"
+            "old mode 100644\nnew mode 100755\n")
+    held = subprocess.Popen([SANDBOXCTL, "--socket", str(base / "run" / "sandboxd.sock"), "patch", session_id],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert held.stdin is not None and held.stderr is not None
+    held.stdin.write(diff)
+    held.stdin.close()
+    notice = held.stderr.readline()
+    while " approve " not in notice.splitlines()[-1]:
+        notice += held.stderr.readline()
+    assert ("Patch: innocent.txt: modified; victim.txt: renamed to moved-away.txt; moved-away.txt: renamed from "
+            "victim.txt; script.sh: made executable") in notice, notice
+    call_id = notice.split(" approve ")[-1].split()[1]
+    assert ctl(base, "approve", session_id, call_id).returncode == 0
+    assert held.wait(timeout=60) == 0 and held.stdout is not None
+    out = held.stdout.read()
+    held.stdout.close()
+    held.stderr.close()
+    assert out.splitlines() == [
+        "modified\tinnocent.txt", "renamed to moved-away.txt\tvictim.txt", "renamed from victim.txt\tmoved-away.txt",
+        "made executable\tscript.sh"], out
+    assert not (workspace / "victim.txt").exists() and os.stat(workspace / "script.sh").st_mode & 0o100
+
+
 def test_background_start_ps_logs_stop(base: Path, session_id: str) -> None:
     job = ctl(base, "start", session_id, "--name", "ticker", "--", "sh", "-c", "echo started; sleep 300").stdout.strip()
     assert job

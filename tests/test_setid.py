@@ -314,7 +314,8 @@ def test_write_file_and_apply_patch_cannot_make_setid_files(daemon: Daemon, sess
     patch = ("diff --git a/p b/p\nnew file mode 104755\n--- /dev/null\n+++ b/p\n@@ -0,0 +1 @@\n+echo hi\n"
              "diff --git a/w b/w\nold mode 100755\nnew mode 106755\n")
     applied = stub.ApplyPatch(pb.ApplyPatchRequest(session_id=session.id, patch=patch))
-    assert ("p", "created") in [(f.path, f.action) for f in applied.files], applied
+    # the card and the reply say what git makes of 104755: an executable, no set-id bit
+    assert [(f.path, f.action) for f in applied.files] == [("p", "created executable"), ("w", "rewritten as it is")]
     # git keeps only the executable bit of a mode: 0755 both, never a set-id bit.
     assert stat.S_IMODE(os.stat(ws / "p").st_mode) == 0o755 and stat.S_IMODE(os.stat(ws / "w").st_mode) == 0o755
     assert_no_setid_on_host(ws)

@@ -15,6 +15,8 @@ import errno
 import os
 import stat
 
+from sandboxd.launcher import patch_tool
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, NoReturn
@@ -38,6 +40,9 @@ def run(tool: "dict[str, Any]") -> "NoReturn":   # the request, as JSON decoded 
         elif op == "environment":
             _environment(path, [str(d) for d in tool.get("dirs") or ()])
             code = 0
+        elif op == "patch":
+            code = patch_tool.run([str(t) for t in tool["targets"]], [str(a) for a in tool["argv"]],
+                                  {str(k): str(v) for k, v in dict(tool["env"]).items()})
         elif op == "search":
             _search(path, str(tool["pattern"]), bool(tool.get("case_insensitive")), int(tool.get("max_results") or 1000))
             code = 0

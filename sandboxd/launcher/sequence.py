@@ -403,6 +403,9 @@ def _exec_unconfined(plan: LaunchPlan, report_fd: int) -> NoReturn:
             terminals.take_as_controlling(open_terminal(plan.terminal))
     except BaseException as exc:  # noqa: BLE001
         report.fail(report_fd, exc, "unconfined setup")
+    if plan.tool is not None:                             # a file tool (ApplyPatch's too): nothing to exec
+        process.close_all_except({0, 1, 2})
+        file_tools.run(plan.tool)
     _exec(plan, report_fd)
 
 

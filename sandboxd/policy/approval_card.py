@@ -102,9 +102,19 @@ def is_cut(given: Any) -> TypeGuard[dict[str, Any]]:
             and isinstance(given["head"], str) and len(given["head"]) == RECORDED_ARGUMENTS_CHARS)
 
 
+def patch_changes(summary: str, arguments: dict[str, Any]) -> str:
+    """What a patch does to each path (``a.py: modified; b: renamed to c; c: renamed from b``),
+    escaped and bounded, when the summary shows less of it; else ""."""
+    given = arguments.get("changes")
+    if not isinstance(given, list) or not given or not all(isinstance(change, str) for change in given):
+        return ""
+    whole = "; ".join(given)
+    return "" if summary == f"Patch: {whole}" else bounded(whole, COMMAND_CHARS)
+
+
 def lines(summary: str, arguments_json: str) -> list[tuple[str, str]]:
     """(label, text) for each line a card adds below the summary: ``argv``, ``cwd``, ``env``,
-    ``writes`` (a file write's size and mode), ``arguments`` (an external tool's)."""
+    ``writes`` (a file write's size and mode), ``arguments`` (an external tool's), ``changes`` (a patch's)."""
     try:
         arguments = json.loads(arguments_json or "{}")
     except (ValueError, RecursionError):
@@ -115,7 +125,8 @@ def lines(summary: str, arguments_json: str) -> list[tuple[str, str]]:
     # Where it runs: `./test.sh` or `rm -rf build` names another file in another directory.
     where = bounded(str(cwd), CWD_CHARS) if isinstance(cwd, str) and cwd else ""
     found = [("argv", whole_command(summary, arguments)), ("cwd", where), ("env", environment(arguments)),
-             ("writes", written(arguments)), ("arguments", external_arguments(arguments))]
+             ("writes", written(arguments)), ("arguments", external_arguments(arguments)),
+             ("changes", patch_changes(summary, arguments))]
     return [(label, text) for label, text in found if text]
 
 

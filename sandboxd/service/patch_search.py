@@ -17,7 +17,11 @@ import os
 import shutil
 
 from sandboxd.errors import DeadlineExceeded, InvalidPolicy
-from sandboxd.service.file_calls import DEFAULT_READ_LIMIT, TOOL_TIMEOUT, resolve, run_in_session, run_tool
+from sandboxd.launcher.patch_tool import EXIT_NOT_RESTORED, EXIT_RESTORED
+from sandboxd.printable import printable
+from sandboxd.service import patch_parts
+from sandboxd.service.file_calls import (DEFAULT_READ_LIMIT, TOOL_ARGV, TOOL_TIMEOUT, resolve, run_in_session,
+                                         run_tool)
 from sandboxd.service.sessions.registry import Session, SessionRegistry
 from sandboxd.supervisor.fork_client import ForkServer
 from sandboxd.v1 import sandboxd_pb2 as pb
@@ -38,40 +42,41 @@ GIT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UT
 
 
 def patched_files(patch: str, strip: int) -> tuple[list[pb.PatchedFile], int]:
-    """What the patch touches, from its ---/+++ headers; and the -p level (auto: a/ b/ prefixes)."""
-    headers = []
-    lines = patch.splitlines()
-    for index, line in enumerate(lines[:-1]):
-        if line.startswith("--- ") and lines[index + 1].startswith("+++ "):
-            headers.append((line[4:].split("\t")[0].strip(), lines[index + 1][4:].split("\t")[0].strip()))
-    if not headers:
-        raise InvalidPolicy("no file in the patch: give a unified diff (---/+++ headers and @@ hunks)")
-    if strip == 0:
-        named = [p for pair in headers for p in pair if p != "/dev/null"]
-        strip = 1 if named and all(p.startswith(("a/", "b/")) for p in named) else 0
-    files = []
-    for old, new in headers:
-        action = "created" if old == "/dev/null" else "deleted" if new == "/dev/null" else "modified"
-        path = new if new != "/dev/null" else old
-        parts = path.split("/")
-        if len(parts) <= strip:
-            raise InvalidPolicy(f"cannot strip {strip} components from {path!r}")
-        files.append(pb.PatchedFile(path="/".join(parts[strip:]), action=action))
-    return files, strip
+    """Every path the patch makes git write, with what it does there (service.patch_parts: also
+    the git-format parts without ---/+++ headers); and the -p level (auto: a/ b/ prefixes)."""
+    if len(patch) > PATCH_LIMIT:
+        raise InvalidPolicy(f"the patch is larger than {PATCH_LIMIT >> 20} MiB")
+    found, strip = patch_parts.changes(patch, strip)
+    return [pb.PatchedFile(path=change.path, action=change.action) for change in found], strip
 
 
 def apply_patch(registry: SessionRegistry, fork: ForkServer, session: Session, patch: str,
-                strip: int) -> list[pb.PatchedFile]:
-    if len(patch) > PATCH_LIMIT:
-        raise InvalidPolicy(f"the patch is larger than {PATCH_LIMIT >> 20} MiB")
-    files, strip = patched_files(patch, strip)
-    info, _out, err = run_in_session(
-        registry, fork, session, ["git", "apply", "--whitespace=nowarn", f"-p{strip}", "-"],
-        data=patch.encode(), env=GIT_ENV)
-    if info.exit_code != 0:
-        message = err.decode(errors="replace").strip() or f"git apply failed ({info.shell_status})"
+                files: list[pb.PatchedFile], strip: int) -> list[pb.PatchedFile]:
+    """git apply in the session's sandbox, all-or-nothing (launcher.patch_tool: every target is
+    kept before git writes, and put back if git fails part way). ``files`` and ``strip``: what
+    patched_files found in ``patch``, as judged and shown."""
+    targets = [resolve(session, f.path) for f in files]
+    info, out, err = run_in_session(
+        registry, fork, session, TOOL_ARGV, data=patch.encode(),
+        tool={"op": "patch", "path": session.workspace, "targets": targets, "env": GIT_ENV,
+              "argv": ["git", "apply", "--whitespace=nowarn", f"-p{strip}", "-"]})
+    if info.exit_code == 0:
+        return files
+    said = err.decode(errors="replace").strip()
+    code, tab, rest = said.partition("\t")               # the tool's own failure: "ERRNO<TAB>message"
+    if info.exit_code not in (EXIT_RESTORED, EXIT_NOT_RESTORED) and tab and code.isdigit():
+        said = rest
+    message = printable(said[:4000]) or f"git apply failed ({info.shell_status})"
+    if info.exit_code == EXIT_NOT_RESTORED:
+        left = [os.fsdecode(bytes.fromhex(line)) for line in out.decode().split()]
+        raise InvalidPolicy(f"the patch failed part way and {len(left)} file(s) could not be put back as they "
+                            f"were: {printable(', '.join(left))[:4000]}: {message}")
+    if info.exit_code == EXIT_RESTORED:
         raise InvalidPolicy(f"the patch does not apply; nothing was changed: {message}")
-    return files
+    if info.timed_out:
+        raise DeadlineExceeded(f"git apply ran past its {TOOL_TIMEOUT:g} s budget and was stopped: a file it "
+                               f"was writing may be part written ({printable(', '.join(f.path for f in files))[:4000]})")
+    raise InvalidPolicy(f"the patch could not be applied: {message}")
 
 
 def search(registry: SessionRegistry, fork: ForkServer, session: Session, pattern: str, path: str,

@@ -271,13 +271,14 @@ class SandboxServicer(pb_grpc.SandboxServicer):
         def work(who: Caller) -> pb.ApplyPatchResponse:
             self._drain.refuse_new("new call")
             session = self._registry.get(who, request.session_id)
-            targets = [file_calls.resolve(session, f.path)
-                       for f in patch_search.patched_files(request.patch, request.strip)[0]]
+            # every path git would write (renames, copies, modes, creations too), each judged and shown
+            files, strip = patch_search.patched_files(request.patch, request.strip)
+            targets = [file_calls.resolve(session, f.path) for f in files]
             self._registry.ready(session)
             return pb.ApplyPatchResponse(files=self._tool(
-                context, session, tool_calls.write(session, "patch.apply", targets,
+                context, session, tool_calls.patch(session, targets, [f"{f.path}: {f.action}" for f in files],
                                                    context_id=request.execution_context_id),
-                lambda: patch_search.apply_patch(self._registry, self._fork, session, request.patch, request.strip)))
+                lambda: patch_search.apply_patch(self._registry, self._fork, session, request.patch, files, strip)))
         return self._unary(context, work, CALLS)
 
     def Search(self, request: pb.SearchRequest, context: grpc.ServicerContext) -> pb.SearchResponse:

@@ -64,8 +64,15 @@ def stop(session: Session, job: BackgroundJob, *, context_id: str = "") -> ToolC
 
 
 def write(session: Session, tool: str, paths: list[str], *, context_id: str = "", **extra: object) -> ToolCall:
-    """fs.write, patch.apply: workspace-write, or destructive outside the writable roots."""
+    """fs.write: workspace-write, or destructive outside the writable roots."""
     effect, note = write_effect(session, paths)
     return _call(tool, effect, {"paths": paths, **extra}, summary_of(tool, path=", ".join(paths)), note=note,
                  context_id=context_id)
 
+
+def patch(session: Session, targets: list[str], changes: list[str], *, context_id: str = "") -> ToolCall:
+    """patch.apply: judged as a write of every target; its summary (and, when the summary is cut,
+    the card's ``changes`` line: policy.approval_card) says what the patch does to each path."""
+    effect, note = write_effect(session, targets)
+    return _call("patch.apply", effect, {"paths": targets, "changes": changes},
+                 summary_of("patch.apply", path="; ".join(changes)), note=note, context_id=context_id)
