@@ -20,8 +20,9 @@ server's working directory, its session's workspace), a resource and a prompt. T
                 client, and answers with what came back
   hostile-ids   ``hold``: held until ``times`` calls of it are waiting, then all answered in reverse
                 order ("held: TEXT"), or, when one of them has the ``text`` "exit", the server exits
-                with status 5 while they wait; ``stray``: answers an integer id nobody asked, then
-                ``times`` times a "gw-" id of its own making, then its own call twice
+                with status 5 while they wait; ``stray``: answers an integer id nobody asked, then a
+                "gw-" id in a line nested 100,000 deep, then ``times`` times a "gw-" id of its own
+                making, then its own call twice
                 ("stray: first", then "stray: again")
 """
 
@@ -145,6 +146,8 @@ def main() -> None:
                     held.clear()
             elif name == "stray":
                 text_result(10_000_000, "an answer to an integer id nobody asked for")
+                # A "gw-" id in a line nested too deep for a JSON parser's stack: not JSON-RPC.
+                sys.stdout.write('{"jsonrpc": "2.0", "id": "gw-deep", "result": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
                 sys.stdout.writelines(json.dumps({"jsonrpc": "2.0", "id": f"gw-stray-{index}", "result": {
                     "content": [{"type": "text", "text": "an answer nobody asked for"}]}}) + "\n"
                     for index in range(int(arguments.get("times", 1))))

@@ -269,8 +269,8 @@ def test_an_exit_while_calls_wait_fails_each_with_its_status(daemon: Daemon, ws:
 
 def test_answers_nobody_waits_for_are_dropped_and_bounded(daemon: Daemon, ws: Path) -> None:
     """Answers to ids nobody asked (a "gw-" id of the upstream's making, an integer one, its own
-    call's id a second time) are dropped: the call gets its own answer, the next call too, and the
-    client session lives on. A flood of them past the restart rate breaks the upstream, restarted."""
+    call's id a second time) are dropped, and a line nested too deep to parse is counted as not
+    JSON-RPC: the call gets its own answer, the next call too, and the client session lives on. A flood of them past the restart rate breaks the upstream, restarted."""
     async def scenario(client: AsyncDaemon) -> None:
         upstream = Upstream(client, upstream_config("strays", ws, "hostile-ids"), no_change)
         try:
@@ -280,10 +280,10 @@ def test_answers_nobody_waits_for_are_dropped_and_bounded(daemon: Daemon, ws: Pa
             await eventually(lambda: process.stray_answers == 4, f"{process.stray_answers} stray answers counted")
             assert text(await upstream.call_tool("echo", {"text": "next"}, 30)) == "echo: next"
             assert (await upstream.read_resource("test://notes", 30)).contents[0].text == "read hostile-ids"
-            assert upstream.process is process and process.invalid_lines == 0
+            assert upstream.process is process and process.invalid_lines == 1       # the one nested too deep
             with pytest.raises(UpstreamError, match=f"over {RESTART_UNASKED_PER_SECOND} notifications"):
                 await upstream.call_tool("stray", {"times": 20 * RESTART_UNASKED_PER_SECOND}, 60)
-            assert process.stray_answers > RESTART_UNASKED_PER_SECOND
+            assert process.stray_answers > RESTART_UNASKED_PER_SECOND - MAX_UNASKED_PER_SECOND
             assert text(await upstream.call_tool("echo", {"text": "again"}, 60)) == "echo: again"
             assert upstream.process is not process
         finally:

@@ -171,7 +171,7 @@ def _direct_answer(line: bytes) -> dict[str, Any] | None:
     """``line`` parsed, if it is an answer (no "method") whose id is a direct one; else None."""
     try:
         message = json.loads(line)
-    except ValueError:                       # not JSON (nor UTF-8): the session's path counts it
+    except (ValueError, RecursionError):     # not JSON, not UTF-8, nested too deep: the session's path counts it
         return None
     if (isinstance(message, dict) and "method" not in message and isinstance(message.get("id"), str)
             and message["id"].startswith(DIRECT_ID_PREFIX)):
