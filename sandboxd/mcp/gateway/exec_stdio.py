@@ -309,8 +309,9 @@ async def exec_stdio_client(stub: pb_grpc.SandboxStub, start: pb.ExecStart,
             process.ended.set()
 
     async def hand_on(line: bytes) -> None:
-        """One stdout line: answers to our requests go to the session; what the upstream sends
-        unasked only within its rate (OverflowError past the restart rate). Past the rate, a line
+        """One stdout line: an answer to a direct request to its caller (one whose id nobody waits
+        for is dropped, and counted against the rate), other answers to the session; what the
+        upstream sends unasked only within its rate (OverflowError past the restart rate). Past the rate, a line
         that cannot be an answer (no "id") is dropped before it is parsed: dropping stays cheap."""
         if not line.strip():
             return
