@@ -7,7 +7,7 @@ with the sandbox, workspace, network and credentials its table gives, and the us
 ONE long Exec call whose stdin and stdout are the MCP stdio transport (gateway/exec_stdio.py), and
 an `mcp.client.session.ClientSession` talks to it (initialize, listings, notifications, resources,
 prompts); a stdio upstream's tool calls take the transport's direct path beside it (one JSON line
-each way, the result validated once: the SDK's session per call cost about 1 ms). Upstreams
+each way, the result validated once: the SDK's session per call cost about 0.35 ms). Upstreams
 never share a session.
 
 The upstream is not trusted. Its own requests to us (sampling, elicitation, roots) are refused:
