@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from daemon_helpers import daemon_factory  # noqa: E402
-from mcp_helpers import ENV, mcp_client, server_params  # noqa: E402
+from mcp_helpers import ENV, RawClient, mcp_client, server_params  # noqa: E402
 from sandboxd.client import SandboxClient  # noqa: E402
 
 
@@ -45,43 +44,15 @@ def direct(client: SandboxClient, session_id: str, calls: int) -> list[float]:
     return times
 
 
-class RawClient:
-    """`sandboxd mcp` over stdio, spoken to in JSON lines: no client library in the measurement."""
-
-    def __init__(self, socket: str, workspace: str, session_id: str) -> None:
-        params = server_params(socket, workspace, "--session", session_id)
-        self.server = subprocess.Popen([params.command, *params.args], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, env=ENV, cwd="/")
-        self.ids = 0
-        self.call("initialize", {"protocolVersion": "2025-11-25", "capabilities": {},
-                                 "clientInfo": {"name": "bench", "version": "0"}})
-        self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
-
-    def send(self, message: dict[str, Any]) -> None:
-        assert self.server.stdin is not None
-        self.server.stdin.write((json.dumps(message) + "\n").encode())
-        self.server.stdin.flush()
-
-    def call(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
-        assert self.server.stdout is not None
-        self.ids += 1
-        self.send({"jsonrpc": "2.0", "id": self.ids, "method": method, "params": params})
-        answer: dict[str, Any] = json.loads(self.server.stdout.readline())
-        return answer
-
-    def shell(self, calls: int) -> list[float]:
-        times = []
-        for _ in range(calls):
-            started = time.perf_counter()
-            answer = self.call("tools/call", {"name": "shell", "arguments": {"command": "true"}})
-            times.append(time.perf_counter() - started)
-            assert answer["result"]["structuredContent"]["exit_code"] == 0, answer
-        return times
-
-    def close(self) -> None:
-        assert self.server.stdin is not None
-        self.server.stdin.close()
-        self.server.wait(timeout=60)
+def raw_shell(raw: RawClient, calls: int) -> list[float]:
+    """`tools/call shell` of `sandboxd mcp` in JSON lines: no client library in the measurement."""
+    times = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        answer = raw.call("tools/call", {"name": "shell", "arguments": {"command": "true"}})
+        times.append(time.perf_counter() - started)
+        assert answer["result"]["structuredContent"]["exit_code"] == 0, answer
+    return times
 
 
 async def sdk_shell(mcp: Any, calls: int) -> list[float]:
@@ -98,15 +69,16 @@ async def measure(socket: str, workspace: str, client: SandboxClient, session_id
                   rounds: int = 6) -> dict[str, list[float]]:
     """The three ways in alternating rounds, so a busy moment of the machine hits them alike."""
     runs: dict[str, list[float]] = {"direct": [], "mcp-raw": [], "mcp-sdk": []}
-    raw = RawClient(socket, workspace, session_id)
+    params = server_params(socket, workspace, "--session", session_id)
+    raw = RawClient([params.command, *params.args], ENV)
     try:
         async with mcp_client(socket, workspace, "--session", session_id) as mcp:
             direct(client, session_id, 20)                              # warm every path first
-            raw.shell(20)
+            raw_shell(raw, 20)
             await sdk_shell(mcp, 20)
             for _ in range(rounds):
                 runs["direct"] += direct(client, session_id, calls // rounds)
-                runs["mcp-raw"] += raw.shell(calls // rounds)
+                runs["mcp-raw"] += raw_shell(raw, calls // rounds)
                 runs["mcp-sdk"] += await sdk_shell(mcp, calls // rounds)
     finally:
         raw.close()

@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import subprocess
 import sys
 import threading
 import time
@@ -47,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_mcp import percentiles  # noqa: E402
 from conftest import PY, SANDBOXD  # noqa: E402
 from daemon_helpers import Daemon, daemon_factory, descendants  # noqa: E402
-from mcp_helpers import ENV as SANDBOXD_ENV  # noqa: E402
+from mcp_helpers import ENV as SANDBOXD_ENV, RawClient  # noqa: E402
 from mcp_real_servers import gateway_file  # noqa: E402
 from sandboxd.client import SandboxClient  # noqa: E402
 from sandboxd.v1 import sandboxd_pb2 as pb  # noqa: E402
@@ -60,29 +59,8 @@ ENV = {**SANDBOXD_ENV, "PYTHONPATH": GATEWAY_CODE} if GATEWAY_CODE else SANDBOXD
 SERVER_ENV = {**SANDBOXD_ENV, "PYTHONPATH": SITE_PACKAGES}
 
 
-class RawClient:
-    """An MCP stdio server spoken to in JSON lines."""
-
-    def __init__(self, command: list[str], env: dict[str, str]) -> None:
-        self.server = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd="/")
-        self.ids = 0
-        self.call("initialize", {"protocolVersion": "2025-11-25", "capabilities": {},
-                                 "clientInfo": {"name": "bench", "version": "0"}})
-        self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
-
-    def send(self, message: dict[str, Any]) -> None:
-        assert self.server.stdin is not None
-        self.server.stdin.write((json.dumps(message) + "\n").encode())
-        self.server.stdin.flush()
-
-    def call(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
-        assert self.server.stdout is not None
-        self.ids += 1
-        self.send({"jsonrpc": "2.0", "id": self.ids, "method": method, "params": params})
-        while True:
-            answer: dict[str, Any] = json.loads(self.server.stdout.readline())
-            if answer.get("id") == self.ids:        # notifications (list_changed) are skipped
-                return answer
+class EchoClient(RawClient):
+    """An MCP stdio server spoken to in JSON lines, calling an `echo` tool."""
 
     def wait_for_tool(self, name: str, within: float = 120.0) -> None:
         deadline = time.monotonic() + within
@@ -101,11 +79,6 @@ class RawClient:
             times.append(time.perf_counter() - started)
             assert answer["result"]["content"][0]["text"] == f"ping {n}", answer
         return times
-
-    def close(self) -> None:
-        assert self.server.stdin is not None
-        self.server.stdin.close()
-        self.server.wait(timeout=60)
 
 
 # `sandboxd mcp` with the gateway's steps timed, their medians (ms) written to argv[1] at exit.
@@ -134,7 +107,7 @@ entry()
 """
 
 
-def gateway(daemon: Daemon, base: Path, names: list[str], timings: Path | None = None) -> tuple[RawClient, Path]:
+def gateway(daemon: Daemon, base: Path, names: list[str], timings: Path | None = None) -> tuple[EchoClient, Path]:
     """`sandboxd mcp --gateway` with one hostile-server upstream per name (echo trusted and read-only)."""
     upstreams: dict[str, dict[str, object]] = {}
     for name in names:
@@ -147,14 +120,14 @@ def gateway(daemon: Daemon, base: Path, names: list[str], timings: Path | None =
     own = base / "ws-gateway"
     own.mkdir(exist_ok=True)
     program = [SANDBOXD] if timings is None else [sys.executable, "-c", TIMED, str(timings)]
-    client = RawClient([*program, "mcp", "--socket", daemon.socket, "--workspace", str(own), "--approval", "never",
+    client = EchoClient([*program, "mcp", "--socket", daemon.socket, "--workspace", str(own), "--approval", "never",
                         "--gateway", str(config)], ENV)
     for name in names:
         client.wait_for_tool(f"{name}__echo")
     return client, config
 
 
-class ExecClient(RawClient):
+class ExecClient(EchoClient):
     """The server as one long Exec call in a session of its own, JSON lines over the Exec stream."""
 
     def __init__(self, daemon: Daemon, workspace: Path) -> None:
@@ -169,9 +142,7 @@ class ExecClient(RawClient):
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
         self.ids = 0
-        self.call("initialize", {"protocolVersion": "2025-11-25", "capabilities": {},
-                                 "clientInfo": {"name": "bench", "version": "0"}})
-        self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        self.initialize()
 
     def _read(self) -> None:
         pending = b""
@@ -185,13 +156,8 @@ class ExecClient(RawClient):
     def send(self, message: dict[str, Any]) -> None:
         self.requests.put(pb.ExecRequest(stdin=(json.dumps(message) + "\n").encode()))
 
-    def call(self, method: str, params: dict[str, Any]) -> dict[str, Any]:  # type: ignore[override]
-        self.ids += 1
-        self.send({"jsonrpc": "2.0", "id": self.ids, "method": method, "params": params})
-        while True:
-            answer: dict[str, Any] = json.loads(self.lines.get(timeout=60))
-            if answer.get("id") == self.ids:
-                return answer
+    def receive(self) -> bytes:
+        return self.lines.get(timeout=60)
 
     def close(self) -> None:
         self.requests.put(pb.ExecRequest(close_stdin=True))
@@ -231,8 +197,8 @@ class PolicyOnly:
 def latency(daemon: Daemon, base: Path, calls: int, rounds: int = 6) -> dict[str, Any]:
     sandbox_ws = base / "ws-sandboxed"
     sandbox_ws.mkdir()
-    direct = RawClient([PY, HOSTILE], SERVER_ENV)
-    sandboxed = RawClient([SANDBOXD, "run", "--workspace", str(sandbox_ws), "--env", f"PYTHONPATH={SITE_PACKAGES}",
+    direct = EchoClient([PY, HOSTILE], SERVER_ENV)
+    sandboxed = EchoClient([SANDBOXD, "run", "--workspace", str(sandbox_ws), "--env", f"PYTHONPATH={SITE_PACKAGES}",
                            "--", PY, HOSTILE], ENV)
     through, _ = gateway(daemon, base, ["upstream"])
     timings = base / "inside.json"

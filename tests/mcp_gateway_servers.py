@@ -6,7 +6,8 @@ JSON-RPC before the answer), ``write_file`` and ``read_file`` (relative paths: t
 server's working directory, its session's workspace), a resource and a prompt. The modes add:
 
   echo          nothing more
-  slow          ``hang``: never answered; a notifications/cancelled is written to ``cancelled.log``
+  slow          ``hang``: never answered (its request id written to ``hung.log``); a
+                notifications/cancelled is written to ``cancelled.log`` (the id it cancels)
   flood         ``flood``: one 10 MiB line on stdout (then it goes on serving); ``big``: a 2 MiB
                 result (a valid message under the transport's bound, over the gateway's result bound);
                 ``noise``: 1 MiB on stderr, then answered
@@ -17,6 +18,12 @@ server's working directory, its session's workspace), a resource and a prompt. T
   chatty        ``chatter``: sends ``times`` notifications/message, then answers "chattered N"
   asks          ``ask``: sends sampling/createMessage, elicitation/create and roots/list to the
                 client, and answers with what came back
+  hostile-ids   ``hold``: held until ``times`` calls of it are waiting, then all answered in reverse
+                order ("held: TEXT"), or, when one of them has the ``text`` "exit", the server exits
+                with status 5 while they wait; ``stray``: answers an integer id nobody asked, then a
+                "gw-" id in a line nested 100,000 deep, then ``times`` times a "gw-" id of its own
+                making, then its own call twice
+                ("stray: first", then "stray: again")
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from typing import Any
 MODE = sys.argv[1] if len(sys.argv) > 1 else "echo"
 N = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 TOOLS = ["echo", "write_file", "read_file"] + {
-    "slow": ["hang"], "flood": ["flood", "big", "noise"], "list-changes": ["add_tool"], "asks": ["ask"], "chatty": ["chatter"],
+    "slow": ["hang"], "hostile-ids": ["hold", "stray"], "flood": ["flood", "big", "noise"], "list-changes": ["add_tool"], "asks": ["ask"], "chatty": ["chatter"],
     "env": ["getenv"]}.get(MODE, [])
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}, "path": {"type": "string"},
                                            "times": {"type": "integer"}}}
@@ -58,6 +65,7 @@ def main() -> None:
     waiting: dict[str, Any] = {}          # our own request id -> the tools/call it answers for
     answers: list[str] = []
     ask_id: Any = None                    # the tools/call of `ask`: answered once its requests are
+    held: list[tuple[Any, str]] = []      # (id, text) of the `hold` calls waiting
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -124,7 +132,27 @@ def main() -> None:
             elif name == "getenv":
                 text_result(request_id, os.environ.get(str(arguments.get("text")), "unset"))
             elif name == "hang":
-                pass                                     # never answered
+                with open("hung.log", "a") as log:       # never answered
+                    log.write(f"{request_id}\n")
+            elif name == "hold":
+                held.append((request_id, str(arguments.get("text", ""))))
+                if len(held) >= int(arguments.get("times", 1)):
+                    if any(held_text == "exit" for _, held_text in held):
+                        sys.stderr.write(f"exiting with {len(held)} calls waiting\n")
+                        sys.stderr.flush()
+                        os._exit(5)
+                    for held_id, held_text in reversed(held):
+                        text_result(held_id, f"held: {held_text}")
+                    held.clear()
+            elif name == "stray":
+                text_result(10_000_000, "an answer to an integer id nobody asked for")
+                # A "gw-" id in a line nested too deep for a JSON parser's stack: not JSON-RPC.
+                sys.stdout.write('{"jsonrpc": "2.0", "id": "gw-deep", "result": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+                sys.stdout.writelines(json.dumps({"jsonrpc": "2.0", "id": f"gw-stray-{index}", "result": {
+                    "content": [{"type": "text", "text": "an answer nobody asked for"}]}}) + "\n"
+                    for index in range(int(arguments.get("times", 1))))
+                text_result(request_id, "stray: first")
+                text_result(request_id, "stray: again")
             elif name == "flood":
                 sys.stdout.write("x" * (10 << 20) + "\n")
                 sys.stdout.flush()

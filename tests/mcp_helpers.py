@@ -1,14 +1,15 @@
 """Driving `sandboxd mcp` from the official MCP Python SDK client over stdio, for the MCP tests
-and the latency benchmark."""
+and the latency benchmark; and a minimal JSON-lines client (RawClient) for the benchmarks."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,45 @@ def server_params(socket: str, workspace: str | os.PathLike[str], *flags: str,
     if as_user is not None:
         command = ["setpriv", f"--reuid={as_user[0]}", f"--regid={as_user[1]}", "--clear-groups", *command]
     return StdioServerParameters(command=command[0], args=command[1:], env=ENV, cwd="/")
+
+
+class RawClient:
+    """An MCP stdio server (``command``) spoken to in JSON lines, one out and one in per call: no
+    client library in a measurement (tests/bench_mcp.py, tests/bench_mcp_gateway.py). What the
+    server sends between (notifications, list_changed) is skipped."""
+
+    def __init__(self, command: Sequence[str], env: Mapping[str, str]) -> None:
+        self.server = subprocess.Popen(list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=dict(env),
+                                       cwd="/")
+        self.ids = 0
+        self.initialize()
+
+    def initialize(self) -> None:
+        self.call("initialize", {"protocolVersion": "2025-11-25", "capabilities": {},
+                                 "clientInfo": {"name": "bench", "version": "0"}})
+        self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+
+    def send(self, message: dict[str, Any]) -> None:
+        assert self.server.stdin is not None
+        self.server.stdin.write((json.dumps(message) + "\n").encode())
+        self.server.stdin.flush()
+
+    def receive(self) -> bytes:
+        assert self.server.stdout is not None
+        return self.server.stdout.readline()
+
+    def call(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        self.ids += 1
+        self.send({"jsonrpc": "2.0", "id": self.ids, "method": method, "params": params})
+        while True:
+            answer: dict[str, Any] = json.loads(self.receive())
+            if answer.get("id") == self.ids:
+                return answer
+
+    def close(self) -> None:
+        assert self.server.stdin is not None
+        self.server.stdin.close()
+        self.server.wait(timeout=60)
 
 
 @contextlib.asynccontextmanager

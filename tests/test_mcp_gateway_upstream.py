@@ -152,7 +152,10 @@ def test_a_hung_call_times_out_and_the_upstream_is_told(daemon: Daemon, ws: Path
             with pytest.raises(UpstreamError, match=r"slow: tool hang timed out after 1 s"):
                 await upstream.call_tool("hang", {}, 1)
             await eventually(lambda: (ws / "cancelled.log").exists(), "the upstream saw no notifications/cancelled")
-            assert (ws / "cancelled.log").read_text().strip() != ""
+            # The cancel names the hung call's own id (a direct request's: "gw-N"), and nothing waits on.
+            [hung] = (ws / "hung.log").read_text().split()
+            assert hung.startswith("gw-") and (ws / "cancelled.log").read_text().split() == [hung]
+            assert upstream._direct is not None and upstream._direct.pending == 0
             # The upstream lives on: the same server answers the next call.
             pid = upstream.process.pid if upstream.process else 0
             assert text(await upstream.call_tool("echo", {"text": "after"}, 30)) == "echo: after"
@@ -221,6 +224,66 @@ def test_a_chatty_upstreams_notifications_are_bounded_in_rate(daemon: Daemon, ws
             with pytest.raises(UpstreamError, match=f"over {RESTART_UNASKED_PER_SECOND} notifications"):
                 await upstream.call_tool("chatter", {"times": 20 * RESTART_UNASKED_PER_SECOND}, 60)
             assert process.dropped_unasked > RESTART_UNASKED_PER_SECOND - MAX_UNASKED_PER_SECOND
+            assert text(await upstream.call_tool("echo", {"text": "again"}, 60)) == "echo: again"
+            assert upstream.process is not process
+        finally:
+            await upstream.close()
+    run(daemon, scenario)
+
+
+def test_concurrent_calls_answered_in_reverse_get_their_own_results(daemon: Daemon, ws: Path) -> None:
+    """Three calls wait at once; the upstream answers them last first: each caller gets the answer
+    to its own id (the direct path matches by id, not by order)."""
+    async def scenario(client: AsyncDaemon) -> None:
+        upstream = Upstream(client, upstream_config("ids", ws, "hostile-ids"), no_change)
+        try:
+            await upstream.ensure_started()
+            results = await asyncio.gather(*(upstream.call_tool("hold", {"text": name, "times": 3}, 30)
+                                             for name in ("a", "b", "c")))
+            assert [text(result) for result in results] == ["held: a", "held: b", "held: c"]
+            assert upstream.process is not None and upstream.process.stray_answers == 0
+        finally:
+            await upstream.close()
+    run(daemon, scenario)
+
+
+def test_an_exit_while_calls_wait_fails_each_with_its_status(daemon: Daemon, ws: Path) -> None:
+    async def scenario(client: AsyncDaemon) -> None:
+        upstream = Upstream(client, upstream_config("dies", ws, "hostile-ids"), no_change)
+        try:
+            await upstream.ensure_started()
+            first = upstream.process
+            outcomes = await asyncio.gather(*(upstream.call_tool("hold", {"text": name, "times": 2}, 30)
+                                              for name in ("a", "exit")), return_exceptions=True)
+            for outcome in outcomes:
+                assert isinstance(outcome, UpstreamError), outcome
+                assert "dies stopped: it exited with status 5" in str(outcome)
+                assert "exiting with 2 calls waiting" in str(outcome)
+            # Started again: served by a new server.
+            assert text(await upstream.call_tool("echo", {"text": "again"}, 30)) == "echo: again"
+            assert upstream.process is not first
+        finally:
+            await upstream.close()
+    run(daemon, scenario)
+
+
+def test_answers_nobody_waits_for_are_dropped_and_bounded(daemon: Daemon, ws: Path) -> None:
+    """Answers to ids nobody asked (a "gw-" id of the upstream's making, an integer one, its own
+    call's id a second time) are dropped, and a line nested too deep to parse is counted as not
+    JSON-RPC: the call gets its own answer, the next call too, and the client session lives on. A flood of them past the restart rate breaks the upstream, restarted."""
+    async def scenario(client: AsyncDaemon) -> None:
+        upstream = Upstream(client, upstream_config("strays", ws, "hostile-ids"), no_change)
+        try:
+            assert text(await upstream.call_tool("stray", {"times": 3}, 30)) == "stray: first"
+            process = upstream.process
+            assert process is not None
+            await eventually(lambda: process.stray_answers == 4, f"{process.stray_answers} stray answers counted")
+            assert text(await upstream.call_tool("echo", {"text": "next"}, 30)) == "echo: next"
+            assert (await upstream.read_resource("test://notes", 30)).contents[0].text == "read hostile-ids"
+            assert upstream.process is process and process.invalid_lines == 1       # the one nested too deep
+            with pytest.raises(UpstreamError, match=f"over {RESTART_UNASKED_PER_SECOND} notifications"):
+                await upstream.call_tool("stray", {"times": 20 * RESTART_UNASKED_PER_SECOND}, 60)
+            assert process.stray_answers > RESTART_UNASKED_PER_SECOND - MAX_UNASKED_PER_SECOND
             assert text(await upstream.call_tool("echo", {"text": "again"}, 60)) == "echo: again"
             assert upstream.process is not process
         finally:

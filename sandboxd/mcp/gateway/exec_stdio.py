@@ -13,22 +13,35 @@ never reaching the client session (which would hold a task for each). What it se
 MAX_UNASKED_PER_SECOND are handed on each second, the rest dropped (one log line a minute); past
 RESTART_UNASKED_PER_SECOND in one second the upstream is broken and restarted, as a chatty server
 must not cost the built-in tools and the other upstreams the gateway's one event loop.
+
+The direct path (DirectRequests): a request the gateway sends often (tools/call) is written
+straight onto stdin as one JSON line, with an id the client session never uses (the strings
+"gw-N": the SDK's ids are integers), and its answer is taken in the reader by that id, before the
+session's stream, and handed to the waiting caller as parsed JSON with its line's length. The
+SDK's session per request (memory streams, a task per message, pydantic validation of the message
+and again of the result) cost about 0.35 ms of each call (docs/performance.md). An answer with a "gw-" id nobody
+waits for (its call timed out, or a hostile upstream's invention) is dropped, and counted among
+the unasked lines (bounded in rate as they are).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import anyio
 import grpc
 import grpc.aio
 import mcp_types as types
-from mcp.client._transport import TransportStreams
+from mcp.client._transport import ReadStream, WriteStream
+from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
 
 from sandboxd.printable import printable
@@ -44,6 +57,9 @@ MAX_UNASKED_PER_SECOND = 100        # notifications/requests/stray lines handed 
 RESTART_UNASKED_PER_SECOND = 1000   # past this many in one second: the upstream is broken, restarted
 DROP_LOG_SECONDS = 60.0             # one log line per this long about dropped lines
 CLOSE_GRACE_SECONDS = 2.0            # stdin closed -> exit on its own; then SIGKILL -> the result; then cancel
+DIRECT_ID_PREFIX = "gw-"             # ids of the direct requests (the SDK's client session numbers its own)
+CANCEL_WRITE_SECONDS = 2.0           # writing a direct request's notifications/cancelled, at most
+DIRECT_ID_MARK = b'"' + DIRECT_ID_PREFIX.encode()   # in a line that may answer a direct request (checked before parsing)
 
 
 @dataclass
@@ -59,6 +75,7 @@ class ServerProcess:
     refused_requests: int = 0        # its own requests to the gateway (sampling, elicitation, roots), refused
     unasked: int = 0                 # notifications and requests of its own handed on (within the rate)
     dropped_unasked: int = 0         # lines past the rate, dropped unread (or unanswered)
+    stray_answers: int = 0           # answers with a direct id nobody waits for (dropped)
     name: str = ""                   # the upstream's name, for the log
     stderr_tail: bytearray = field(default_factory=bytearray)
     _window_start: float = -1.0
@@ -142,11 +159,112 @@ def _parse(line: bytes) -> SessionMessage | None:
         return None
 
 
+class DirectAnswer(NamedTuple):
+    """The upstream's answer to a direct request: the JSON-RPC message as parsed (a dict), and the
+    length of its line (a bound can be checked before anything validates it)."""
+
+    message: dict[str, Any]
+    size: int
+
+
+def _direct_answer(line: bytes) -> dict[str, Any] | None:
+    """``line`` parsed, if it is an answer (no "method") whose id is a direct one; else None."""
+    try:
+        message = json.loads(line)
+    except (ValueError, RecursionError):     # not JSON, not UTF-8, nested too deep: the session's path counts it
+        return None
+    if (isinstance(message, dict) and "method" not in message and isinstance(message.get("id"), str)
+            and message["id"].startswith(DIRECT_ID_PREFIX)):
+        return message
+    return None
+
+
+class DirectRequests:
+    """Requests written straight onto the upstream's stdin, their answers taken in the reader by
+    their id (the module's doc). One per run of the server; a caller waits at most as long as its
+    own bound (Upstream._request's timeout), and leaving the wait (a timeout, a cancel) sends the
+    upstream ``notifications/cancelled`` with that id, as the SDK's session does."""
+
+    def __init__(self, write: Callable[[bytes], Awaitable[None]]) -> None:
+        self._write = write
+        self._pending: dict[str, asyncio.Future[DirectAnswer]] = {}   # one per caller waiting (bounded by them)
+        self._count = 0
+        self._closed = False
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def request(self, method: str, params: dict[str, Any]) -> DirectAnswer:
+        """Send one request, wait for its answer. MCPError(CONNECTION_CLOSED) once the call is over."""
+        if self._closed:
+            raise MCPError(types.CONNECTION_CLOSED, "Connection closed")
+        self._count += 1
+        request_id = f"{DIRECT_ID_PREFIX}{self._count}"
+        # json.dumps escapes every control character: the line cannot be split by what it carries.
+        line = json.dumps({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params},
+                          separators=(",", ":")).encode() + b"\n"
+        answer: asyncio.Future[DirectAnswer] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = answer
+        written = False
+        try:
+            try:
+                written = True            # a write interrupted may still have gone out: it counts as sent
+                await self._write(line)
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError):
+                # The call is over: the reader's end fails the wait with why (its exit status, its stderr).
+                with anyio.move_on_after(CLOSE_GRACE_SECONDS):
+                    return await asyncio.shield(answer)
+                raise MCPError(types.CONNECTION_CLOSED, "Connection closed") from None
+            return await answer
+        except asyncio.CancelledError:
+            if written and not self._closed:
+                await self._cancel(request_id)
+            raise
+        finally:
+            del self._pending[request_id]
+
+    async def _cancel(self, request_id: str) -> None:
+        """Tell the upstream to stop working on ``request_id`` (a bounded write, shielded: the
+        caller is being cancelled)."""
+        line = json.dumps({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {
+            "requestId": request_id, "reason": "the gateway stopped waiting (the call's timeout or its client's cancel)"}},
+            separators=(",", ":")).encode() + b"\n"
+        with anyio.move_on_after(CANCEL_WRITE_SECONDS, shield=True):
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError):
+                await self._write(line)
+
+    def answered(self, message: dict[str, Any], size: int) -> bool:
+        """The reader's answer for a direct id: to its caller (True), or nobody waits (False)."""
+        waiting = self._pending.get(message["id"])
+        if waiting is None or waiting.done():
+            return False
+        waiting.set_result(DirectAnswer(message, size))
+        return True
+
+    def close(self) -> None:
+        """The transport ended: every caller waiting hears so (Upstream._failure says why)."""
+        self._closed = True
+        for waiting in self._pending.values():
+            if not waiting.done():
+                waiting.set_exception(MCPError(types.CONNECTION_CLOSED, "Connection closed"))
+
+
+class StdioTransport(NamedTuple):
+    """What exec_stdio_client yields: the SDK's transport streams (for a ClientSession), and the
+    direct path beside them."""
+
+    read_stream: ReadStream[SessionMessage | Exception]
+    write_stream: WriteStream[SessionMessage]
+    direct: DirectRequests
+
+
 @contextlib.asynccontextmanager
 async def exec_stdio_client(stub: pb_grpc.SandboxStub, start: pb.ExecStart,
-                            process: ServerProcess) -> AsyncIterator[TransportStreams]:
+                            process: ServerProcess) -> AsyncIterator[StdioTransport]:
     """Run ``start`` (a command in a session) as one Exec call and yield the MCP transport streams
-    over its stdin and stdout; ``process`` is filled as the call goes. Leaving the context ends the
+    over its stdin and stdout, and the direct path beside them; ``process`` is filled as the call
+    goes. Leaving the context ends the
     call: stdin is closed, then the command is killed, then the call is cancelled, each after a
     bounded wait, so that no server outlives its transport."""
     call = stub.Exec()
@@ -187,15 +305,24 @@ async def exec_stdio_client(stub: pb_grpc.SandboxStub, start: pb.ExecStart,
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             pass                              # the session is gone; the context's exit ends the call
         finally:
+            direct.close()
             process.ended.set()
 
     async def hand_on(line: bytes) -> None:
-        """One stdout line: answers to our requests go to the session; what the upstream sends
-        unasked only within its rate (OverflowError past the restart rate). Past the rate, a line
+        """One stdout line: an answer to a direct request to its caller (one whose id nobody waits
+        for is dropped, and counted against the rate), other answers to the session; what the
+        upstream sends unasked only within its rate (OverflowError past the restart rate). Past the rate, a line
         that cannot be an answer (no "id") is dropped before it is parsed: dropping stays cheap."""
         if not line.strip():
             return
         has_id = b'"id"' in line
+        if has_id and DIRECT_ID_MARK in line:
+            answer = _direct_answer(line)
+            if answer is not None:
+                if not direct.answered(answer, len(line)):
+                    process.stray_answers += 1
+                    process.admit_unasked(time.monotonic())     # dropped either way; a flood of them restarts it
+                return
         if not has_id and not process.admit_unasked(time.monotonic()):   # a notification or a stray line
             return
         message = _parse(line)
@@ -214,7 +341,9 @@ async def exec_stdio_client(stub: pb_grpc.SandboxStub, start: pb.ExecStart,
             await read_writer.send(message)
 
     async def send_line(message: types.JSONRPCMessage) -> None:
-        data = (message.model_dump_json(by_alias=True, exclude_unset=True) + "\n").encode()
+        await write_line((message.model_dump_json(by_alias=True, exclude_unset=True) + "\n").encode())
+
+    async def write_line(data: bytes) -> None:
         async with writing:                   # one write at a time on the call
             for offset in range(0, len(data), STDIN_CHUNK_BYTES):
                 await call.write(pb.ExecRequest(stdin=data[offset:offset + STDIN_CHUNK_BYTES]))
@@ -261,12 +390,13 @@ async def exec_stdio_client(stub: pb_grpc.SandboxStub, start: pb.ExecStart,
             call.cancel()
 
     writing = anyio.Lock()
+    direct = DirectRequests(write_line)
     await call.write(pb.ExecRequest(start=start))
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(read_output)
         tasks.start_soon(write_input)
         try:
-            yield read_stream, write_stream
+            yield StdioTransport(read_stream, write_stream, direct)
         finally:
             with anyio.CancelScope(shield=True):
                 write_stream.close()
