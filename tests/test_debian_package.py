@@ -7,6 +7,7 @@ behind in that root; and the host's own root is untouched throughout."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import shutil
@@ -20,7 +21,7 @@ from conftest import BASE_ENV, REPO
 from conftest import eventually
 from daemon_helpers import DaemonFactory
 from otlp_collector import Collector
-from throwaway_root import throwaway_root
+from throwaway_root import ThrowawayRoot, throwaway_root
 
 pytestmark = pytest.mark.timeout(900)
 INSTALLED = ("/usr/bin/sandboxd", "/usr/bin/sandboxctl", "/usr/lib/sandboxd", "/etc/sandboxd/sandboxd.toml",
@@ -47,6 +48,28 @@ def host_has_the_package() -> list[str]:
     return (["dpkg: " + status] if "installed" in status else []) + found
 
 
+def check_the_otlp_extra(root: ThrowawayRoot, venv: str, dist: Path, collector: Collector) -> Path:
+    """The installed package has the otlp extra: the sink's SDK imports in the venv, the wheelhouse
+    resolves sandboxd[otlp] for every Python the package supports (not only this machine's), the
+    copyright file names the new wheels' licences, and `config check` accepts the otlp sink. Returns
+    that configuration (exporting to ``collector``), written under /var/tmp (seen inside)."""
+    sink = root.run([f"{venv}/bin/python", "-c", "from sandboxd.audit.export.sinks import OtlpSink; "
+                     f"print(OtlpSink({collector.endpoint!r}).name)"])
+    assert sink.stdout == "otlp\n", sink.stderr
+    for version in PYTHONS:
+        resolved = root.run([f"{venv}/bin/pip", *resolves_for(version)], timeout=120)
+        assert resolved.returncode == 0 and "opentelemetry-sdk" in resolved.stdout, (version, resolved.stderr)
+    copyright_ = root.run(["cat", "/usr/share/doc/sandboxd/copyright"]).stdout
+    for project in OTLP_PROJECTS:
+        named = [line for line in copyright_.splitlines() if line.strip().lower().startswith(project + ":")]
+        assert named and "dist-info" not in named[0], (project, named)
+    otlp = dist / "otlp.toml"
+    otlp.write_text(f'[audit.export]\nsink = "otlp"\nendpoint = "{collector.endpoint}"\n')
+    check = root.run(["/usr/bin/sandboxd", "config", "check", str(otlp)])
+    assert check.returncode == 0, check.stderr
+    return otlp
+
+
 @pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="not a Debian system: dpkg-deb is missing")
 def test_the_package_builds_installs_starts_and_goes(sandboxd_daemon: DaemonFactory) -> None:
     on_the_host = host_has_the_package()
@@ -63,8 +86,8 @@ def test_the_package_builds_installs_starts_and_goes(sandboxd_daemon: DaemonFact
                  "./usr/lib/sandboxd/wheels/opentelemetry_sdk-",
                  "./usr/lib/sandboxd/wheels/opentelemetry_exporter_otlp_proto_http-"):
         assert path in contents, path
-    collector = Collector()
-    with throwaway_root() as root:
+    # The collector is on the host: the throw-away root shares its network.
+    with contextlib.closing(Collector()) as collector, throwaway_root() as root:
         env = {**BASE_ENV, "DEBIAN_FRONTEND": "noninteractive"}
         daemon = None
         try:
@@ -82,23 +105,7 @@ def test_the_package_builds_installs_starts_and_goes(sandboxd_daemon: DaemonFact
             # `sandboxd mcp` has its dependency (the MCP SDK) among the package's wheels.
             mcp = root.run([f"{venv}/bin/python", "-c", "import sandboxd.cli.mcp_transports"])
             assert mcp.returncode == 0, mcp.stderr
-            # The otlp sink has its SDK (the otlp extra), and the wheelhouse resolves sandboxd[otlp]
-            # for every Python the package supports, not only this machine's.
-            sink = root.run([f"{venv}/bin/python", "-c", "from sandboxd.audit.export.sinks import OtlpSink; "
-                             f"print(OtlpSink({collector.endpoint!r}).name)"])
-            assert sink.stdout == "otlp\n", sink.stderr
-            for version in PYTHONS:
-                resolved = root.run([f"{venv}/bin/pip", *resolves_for(version)], timeout=120)
-                assert resolved.returncode == 0 and "opentelemetry-sdk" in resolved.stdout, (version, resolved.stderr)
-            # Their licences are in the copyright file.
-            copyright_ = root.run(["cat", "/usr/share/doc/sandboxd/copyright"]).stdout
-            for project in OTLP_PROJECTS:
-                named = [line for line in copyright_.splitlines() if line.strip().lower().startswith(project + ":")]
-                assert named and "dist-info" not in named[0], (project, named)
-            otlp = dist / "otlp.toml"             # under /var/tmp: seen inside
-            otlp.write_text(f'[audit.export]\nsink = "otlp"\nendpoint = "{collector.endpoint}"\n')
-            check = root.run(["/usr/bin/sandboxd", "config", "check", str(otlp)])
-            assert check.returncode == 0, check.stderr
+            otlp = check_the_otlp_extra(root, venv, dist, collector)
             # The installed wheel carries the native call helper.
             helper = root.run([f"{venv}/bin/python", "-c",
                                "from sandboxd.launcher.native_call import helper_path; print(helper_path())"])
@@ -114,15 +121,14 @@ def test_the_package_builds_installs_starts_and_goes(sandboxd_daemon: DaemonFact
             ran = root.run(["/usr/bin/sandboxctl", "--socket", daemon.socket, "exec", session.stdout.strip(),
                             "--", "echo", "from the package"], timeout=60)
             assert ran.stdout == "from the package\n", ran.stderr
-            # The audit trail reached the collector (the host's, over the shared network).
+            # The installed daemon's audit trail reached the collector with the otlp sink.
             assert eventually(lambda: any("from the package" in body for body in collector.bodies), within=60), \
                 collector.bodies[-3:]
         finally:
             if daemon is not None:
                 daemon.close()                             # before the purge takes its executable away
-            collector.close()
-        # The control for `config check`: without the SDK in the venv it refuses the otlp sink.
-        root.run([f"{venv}/bin/pip", "uninstall", "-q", "-y", "opentelemetry-exporter-otlp-proto-http"])
+        # The control for `config check`: without the exporter in the venv it refuses the otlp sink.
+        root.run(["sh", "-c", f"rm -r {venv}/lib/python3*/site-packages/opentelemetry/exporter"])
         check = root.run(["/usr/bin/sandboxd", "config", "check", str(otlp)])
         assert check.returncode == 2 and "otlp extra" in check.stderr, (check.returncode, check.stderr)
         purge = root.run(["dpkg", "--purge", "sandboxd"], timeout=300)
