@@ -12,7 +12,8 @@
 # CPython-specific manylinux wheel per supported minor version (grpcio, cffi, pydantic-core,
 # rpds-py, charset-normalizer), the `otlp` extra's included (the OpenTelemetry SDK and its OTLP/HTTP
 # exporter: audit.export.sink = "otlp", how a DaemonSet's audit trail reaches a collector; a pip
-# install into the package's venv would be lost at the next upgrade). The postinst runs /usr/lib/sandboxd/make-venv: a venv from the system's python3 with
+# install into the package's venv would be lost at the next upgrade). The postinst runs
+# /usr/lib/sandboxd/make-venv: a venv from the system's python3 with sandboxd[otlp] installed by
 # pip --no-index from that wheelhouse (no network at install time). When Debian's default
 # python3 changes (an upgrade from 12 to 13), python3's own maintainer scripts run
 # /usr/share/python3/runtime.d/sandboxd.rtupdate, which makes the venv again for the new version.
