@@ -14,6 +14,7 @@ import signal
 import socket
 import sqlite3
 import subprocess
+import sys
 import threading
 import urllib.request
 from pathlib import Path
@@ -366,6 +367,24 @@ def test_the_export_keys_are_a_table_of_their_own(tmp_path: Path) -> None:
         with pytest.raises(config.ConfigError) as refused:
             config.load(str(path), environ={}, flags={})
         assert refused.value.key == key and problem in refused.value.problem, refused.value
+
+
+def test_the_otlp_sink_without_its_exporter_is_refused_with_a_message(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """opentelemetry-api without the exporter (what a plain install has: the MCP SDK brings the api)
+    is a missing extra, said as such, not a traceback. The installed package's venv with the exporter's
+    files removed is the same case on disk (tests/test_debian_package.py)."""
+    from sandboxd import config
+
+    path = tmp_path / "sandboxd.toml"
+    path.write_text('[audit.export]\nsink = "otlp"\nendpoint = "http://127.0.0.1:4318/v1/logs"\n')
+    assert config.load(str(path), environ={}, flags={}).audit_export.sink == "otlp"     # the control: installed
+    for name in [name for name in sys.modules if name.startswith("opentelemetry.exporter")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter", None)   # as if not installed: importing it fails
+    with pytest.raises(config.ConfigError) as refused:
+        config.load(str(path), environ={}, flags={})
+    assert refused.value.key == "audit.export.sink" and "otlp extra" in refused.value.problem, refused.value
 
 
 # --------------------------------------------------------------------------- a real daemon

@@ -35,7 +35,9 @@ OTLP_PROJECTS = ("opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http", 
 def resolves_for(python: str) -> list[str]:
     """pip's arguments that resolve sandboxd[otlp] from the installed wheelhouse alone for CPython
     ``python`` on any manylinux glibc up to Debian 12's (what make-venv's pip --no-index does there)."""
-    platforms = [f"manylinux_2_{minor}_{platform.machine()}" for minor in range(5, 37)]
+    machine = platform.machine()
+    platforms = [f"manylinux_2_{minor}_{machine}" for minor in range(5, 37)]
+    platforms += [f"manylinux{legacy}_{machine}" for legacy in ("2014", "2010", "1")]    # as build.sh: not implied
     return ["install", "--dry-run", "--target", f"/tmp/resolve-{python}", "--no-index", "--find-links",
             "/usr/lib/sandboxd/wheels", "--only-binary=:all:", "--implementation", "cp", "--python-version", python,
             *[arg for name in platforms for arg in ("--platform", name)], "sandboxd[otlp]"]
