@@ -14,9 +14,9 @@ import signal
 import socket
 import sqlite3
 import subprocess
+import sys
 import threading
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -25,6 +25,7 @@ import pytest
 
 from conftest import eventually
 from daemon_helpers import BASE_ENV, Daemon, DaemonFactory, create_session, rpc_error, run_exec
+from otlp_collector import Collector
 from sandboxd.audit.export import ocsf
 from sandboxd.audit.export.cursor import Cursor
 from sandboxd.audit.export.exporter import Exporter, cursor_path
@@ -368,6 +369,24 @@ def test_the_export_keys_are_a_table_of_their_own(tmp_path: Path) -> None:
         assert refused.value.key == key and problem in refused.value.problem, refused.value
 
 
+def test_the_otlp_sink_without_its_exporter_is_refused_with_a_message(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """opentelemetry-api without the exporter (what a plain install has: the MCP SDK brings the api)
+    is a missing extra, said as such, not a traceback. The installed package's venv with the exporter's
+    files removed is the same case on disk (tests/test_debian_package.py)."""
+    from sandboxd import config
+
+    path = tmp_path / "sandboxd.toml"
+    path.write_text('[audit.export]\nsink = "otlp"\nendpoint = "http://127.0.0.1:4318/v1/logs"\n')
+    assert config.load(str(path), environ={}, flags={}).audit_export.sink == "otlp"     # the control: installed
+    for name in [name for name in sys.modules if name.startswith("opentelemetry.exporter")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter", None)   # as if not installed: importing it fails
+    with pytest.raises(config.ConfigError) as refused:
+        config.load(str(path), environ={}, flags={})
+    assert refused.value.key == "audit.export.sink" and "otlp extra" in refused.value.problem, refused.value
+
+
 # --------------------------------------------------------------------------- a real daemon
 
 
@@ -520,58 +539,6 @@ def test_kill_9_mid_export_loses_nothing_and_repeats_at_most_a_batch(sandboxd_da
 # --------------------------------------------------------------------------- OTLP
 
 
-class Collector:
-    """A tiny OTLP/HTTP logs collector: decodes each request with the SDK's proto package; while
-    ``hang`` is set it reads a request and never answers."""
-
-    def __init__(self) -> None:
-        from opentelemetry.proto.collector.logs.v1 import logs_service_pb2
-
-        self.bodies: list[str] = []
-        self.hang = threading.Event()
-        self.release = threading.Event()
-        self.hung = 0
-        collector = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                data = self.rfile.read(int(self.headers["Content-Length"]))
-                if collector.hang.is_set():
-                    collector.hung += 1
-                    collector.release.wait(60)
-                    return
-                request = logs_service_pb2.ExportLogsServiceRequest.FromString(data)
-                for resource in request.resource_logs:
-                    for scope in resource.scope_logs:
-                        collector.bodies += [record.body.string_value for record in scope.log_records]
-                answer = logs_service_pb2.ExportLogsServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/v1/logs"
-
-    def ids(self) -> set[int]:
-        return {int(json.loads(body)["metadata"]["uid"]) for body in self.bodies}
-
-    def close(self) -> None:
-        self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def collector() -> Iterator[Collector]:
     found = Collector()
@@ -624,6 +591,63 @@ def test_otlp_without_a_collector_is_retried_not_fatal(sandboxd_daemon: DaemonFa
     assert metric(metrics_port, "sandboxd_audit_exported_events_total") == 0
     daemon.stub.CloseSession(pb.CloseSessionRequest(session_id=session))
     assert daemon.proc is not None and daemon.proc.poll() is None
+
+
+# A sitecustomize.py for a daemon's PYTHONPATH: an import finder that notes, in MARK, each module of
+# the WATCHED top-level packages a process of the daemon imports (find_spec is asked once per
+# module, before the ordinary finders, which then import it as usual).
+NOTE_IMPORTS = '''\
+import os, sys
+
+class _NoteImports:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in WATCHED:
+            try:
+                with open(MARK, "a") as notes:
+                    notes.write(f"{os.getpid()} {name}\\n")
+            except OSError:
+                pass
+        return None
+
+sys.meta_path.insert(0, _NoteImports())
+'''
+
+
+def imports_noted(directory: Path) -> set[str]:
+    """The watched top-level packages a daemon that ran with ``directory`` on its PYTHONPATH imported."""
+    mark = directory / "imported"
+    return {line.split()[1].partition(".")[0] for line in mark.read_text().splitlines()} if mark.exists() else set()
+
+
+def watching_imports(directory: Path, *packages: str) -> dict[str, str]:
+    """The environment that makes a daemon note its imports of ``packages`` (see NOTE_IMPORTS)."""
+    directory.mkdir()
+    (directory / "sitecustomize.py").write_text(
+        f"WATCHED = {set(packages)!r}\nMARK = {str(directory / 'imported')!r}\n" + NOTE_IMPORTS)
+    return {"PYTHONPATH": str(directory)}
+
+
+def test_only_the_otlp_sink_loads_the_sdk(sandboxd_daemon: DaemonFactory, collector: Collector) -> None:
+    """The OpenTelemetry SDK, and requests which it brings, are the otlp sink's alone: the package and
+    the image carry them (the otlp extra), this venv has them, yet a daemon that does not export to
+    a collector never imports them. The control: one exporting with the otlp sink does."""
+    for name, config in (("default", None), ("file", '[audit.export]\nsink = "file"\npath = "{base}/audit.jsonl"\n'),
+                         ("otlp", f'[audit.export]\nsink = "otlp"\nendpoint = "{collector.endpoint}"\n')):
+        notes = sandboxd_daemon.base / f"imports-{name}"
+        daemon = sandboxd_daemon(config=config.format(base=sandboxd_daemon.base) if config else None,
+                                 env=watching_imports(notes, "opentelemetry", "requests"))
+        session = create_session(daemon.stub, sandboxd_daemon.workspace()).id
+        assert run_exec(daemon.stub, session, ["echo", name]).stdout == f"{name}\n".encode()
+        daemon.stub.CloseSession(pb.CloseSessionRequest(session_id=session))
+        if name == "file":
+            assert eventually(lambda: (sandboxd_daemon.base / "audit.jsonl").exists(), within=60)
+        if name == "otlp":
+            assert eventually(lambda: collector.bodies != [], within=60)
+        daemon.close()
+        if name == "otlp":
+            assert imports_noted(notes) == {"opentelemetry", "requests"}
+        else:
+            assert imports_noted(notes) == set(), name
 
 
 # --------------------------------------------------------------------------- WatchEvents after_id

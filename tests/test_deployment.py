@@ -121,7 +121,7 @@ def test_the_validation_can_fail() -> None:
 
 # ---- the deployment, run ------------------------------------------------------------------------
 
-CHECKS = ["image-arch", "no-compiler", "image-commands", "pod-running", "privileged", "host-pid", "host-paths", "liveness-probe", "status-from-host",
+CHECKS = ["image-arch", "no-compiler", "image-commands", "image-otlp", "pod-running", "privileged", "host-pid", "host-paths", "liveness-probe", "status-from-host",
           "session-from-host", "workspace-write", "write-outside-fails", "no-capabilities", "network-isolated",
           "pid-namespace", "conformance", "agent-sidecar"]
 PHASES = ["tools", "rootfs", "import", "build", "image", "play", "checks", "conformance", "agent-template", "cleanup"]
@@ -192,7 +192,7 @@ def test_the_daemon_finds_its_group_where_a_container_runtime_mounts_it(tmp_path
 
 # ---- the Debian package on the releases it supports -------------------------------------------------
 
-RELEASE_CHECKS = ["install", "version", "doctor", "daemon", "status", "session", "upgrade", "served-through-upgrade",
+RELEASE_CHECKS = ["install", "version", "otlp", "doctor", "daemon", "status", "session", "upgrade", "served-through-upgrade",
                   "restart", "prune", "rtupdate", "purge"]
 
 
@@ -239,5 +239,5 @@ def test_the_image_builds_for_arm64() -> None:
     checks = dict(re.findall(r"^check (\S+) (\S+)", done.stdout, re.MULTILINE))
     assert phases == dict.fromkeys(["tools", "rootfs", "import", "build", "image", "cleanup"], "ok"), \
         done.stdout[-4000:] + done.stderr[-4000:]
-    assert checks == dict.fromkeys(["image-arch", "no-compiler", "image-commands"], "ok")
+    assert checks == dict.fromkeys(["image-arch", "no-compiler", "image-commands", "image-otlp"], "ok")
     assert "linux/arm64, aarch64" in done.stdout and done.returncode == 0

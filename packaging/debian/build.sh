@@ -10,7 +10,10 @@
 # has the MCP SDK. So the package carries a wheelhouse (/usr/lib/sandboxd/wheels): sandboxd's own
 # wheel (with the native call helper) and every dependency, as pure wheels, abi3 wheels, and one
 # CPython-specific manylinux wheel per supported minor version (grpcio, cffi, pydantic-core,
-# rpds-py). The postinst runs /usr/lib/sandboxd/make-venv: a venv from the system's python3 with
+# rpds-py, charset-normalizer), the `otlp` extra's included (the OpenTelemetry SDK and its OTLP/HTTP
+# exporter: audit.export.sink = "otlp", how a DaemonSet's audit trail reaches a collector; a pip
+# install into the package's venv would be lost at the next upgrade). The postinst runs
+# /usr/lib/sandboxd/make-venv: a venv from the system's python3 with sandboxd[otlp] installed by
 # pip --no-index from that wheelhouse (no network at install time). When Debian's default
 # python3 changes (an upgrade from 12 to 13), python3's own maintainer scripts run
 # /usr/share/python3/runtime.d/sandboxd.rtupdate, which makes the venv again for the new version.
@@ -52,20 +55,21 @@ pip=("$stage/buildenv/bin/pip" --disable-pip-version-check -q)
 "${pip[@]}" wheel --no-deps -w "$stage/own" "$repo" 2>&1 | grep -v "^WARNING" >&2 || true
 own=$(ls "$stage"/own/sandboxd-*.whl)
 
-# Every dependency for each Python: binary wheels only, for any manylinux glibc up to 2.36 (Debian
-# 12's; pip does not widen a manylinux_2_X platform to the older ones itself).
+# Every dependency for each Python, the otlp extra's too (make-venv installs sandboxd[otlp]):
+# binary wheels only, for any manylinux glibc up to 2.36 (Debian 12's; pip does not widen a
+# manylinux_2_X platform to the older ones itself).
 platforms=()
 for minor in $(seq 5 36); do platforms+=(--platform "manylinux_2_${minor}_$machine"); done
 platforms+=(--platform "manylinux2014_$machine" --platform "manylinux2010_$machine" --platform "manylinux1_$machine")
 for version_ in $pythons; do
   if ! "${pip[@]}" download --only-binary=:all: --implementation cp --python-version "$version_" \
-         "${platforms[@]}" -d "$lib/wheels" "$own" > "$stage/download-$version_.log" 2>&1; then
+         "${platforms[@]}" -d "$lib/wheels" "$own[otlp]" > "$stage/download-$version_.log" 2>&1; then
     cat "$stage/download-$version_.log" >&2
     echo "build.sh: no complete set of wheels for CPython $version_ on $machine" >&2
     exit 1
   fi
 done
-ls "$lib"/wheels/sandboxd-*.whl >/dev/null
+ls "$lib"/wheels/sandboxd-*.whl "$lib"/wheels/opentelemetry_sdk-*.whl >/dev/null
 
 install -D -m 0755 "$here/make-venv" "$lib/make-venv"
 install -D -m 0755 "$here/rtupdate" "$root/usr/share/python3/runtime.d/sandboxd.rtupdate"

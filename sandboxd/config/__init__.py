@@ -845,7 +845,13 @@ def _check_export(config: Config, where: str) -> None:
     if sink == "otlp":
         import importlib.util
 
-        if importlib.util.find_spec("opentelemetry.exporter.otlp.proto.http") is None:
+        try:
+            found = importlib.util.find_spec("opentelemetry.exporter.otlp.proto.http") is not None
+        except ModuleNotFoundError:
+            # A parent package is missing: opentelemetry-api alone (the MCP SDK brings it) has no
+            # opentelemetry.exporter, and find_spec imports the parents of the name it is asked for.
+            found = False
+        if not found:
             raise ConfigError(where, "audit.export.sink", "\"otlp\" needs the OpenTelemetry SDK, which is not "
                               "installed: install sandboxd's otlp extra (pip install 'sandboxd[otlp]') or choose "
                               "another sink")
