@@ -18,10 +18,16 @@ from hypothesis import strategies as st
 
 from sandboxd.errors import InvalidPolicy
 from sandboxd.service import patch_parts
+from sandboxd.service.patch_search import GIT_ENV
 
 GIT = shutil.which("git") or "git"          # ApplyPatch needs it: missing, this test fails
 FILES = {"a.txt": "one\ntwo\n", "b.txt": "hello\n", "run.sh": "echo hi\n", "sp ace.txt": "x\n",
-         "dir/c.txt": "c\n", "tab\tname": "t\n", 'q"uote': "q\n"}
+         "dir/c.txt": "c\n", "tab\tname": "t\n", 'q"uote': "q\n", "b.txt\v": "vt\n", "b.txt\f": "ff\n"}
+# What may follow a traditional ---/+++ name: git drops a timestamp after a tab, and after spaces too
+# (whitespace damage: "x 2020-01-01" is x); a tab ends a name; \v, \f and text that is no timestamp do not.
+STAMPS = ["", "\t2024-01-02 03:04:05.000000000 +0000", " 2020-01-01", "  2020-01-01", "\t2020-01-01",
+          " 2020-01-01 00:00:00", " 2020-01-01 00:00:00.5 +0000", "  2020-01-01 00:00:00 +01:00", " 20-01-01",
+          " 2020-01-01\t", "  junk", " 12:00:00 +0000", "\v", "\f", "\t\v"]
 NAMES = list(FILES) + ["new.txt", "dir/new.sh", "d2/deep/n.txt", "caf\u00e9.txt", "x.orig", "a.txt.orig"]
 
 
@@ -59,8 +65,11 @@ def part(draw: st.DrawFn) -> str:
     head = f"diff --git {_side('a/', old)} {_side('b/', old)}\n"
     if kind == "traditional":
         target = draw(st.sampled_from([old, old + ".orig", other]))
-        stamp = draw(st.sampled_from(["", "\t2024-01-02 03:04:05.000000000 +0000"]))
-        return f"--- {_side('a/', old)}{stamp}\n+++ {_side('b/', target)}{stamp}\n" + draw(hunk(old))
+        stamp, other_stamp = draw(st.sampled_from(STAMPS)), draw(st.sampled_from(STAMPS))
+        if draw(st.booleans()):                 # a creation or deletion, named with a timestamp
+            return draw(st.sampled_from([f"--- /dev/null\n+++ {_side('b/', other)}{stamp}\n" + draw(hunk(other, new=True)),
+                                         f"--- {_side('a/', old)}{stamp}\n+++ /dev/null\n" + draw(hunk(old, delete=True))]))
+        return f"--- {_side('a/', old)}{stamp}\n+++ {_side('b/', target)}{other_stamp}\n" + draw(hunk(old))
     if kind == "git-edit":
         return head + f"index 1111111..2222222 100644\n--- {_side('a/', old)}\n+++ {_side('b/', old)}\n" + draw(hunk(old))
     if kind in ("rename", "copy"):
@@ -119,12 +128,12 @@ def test_every_path_git_writes_is_listed(parts: list[str], crlf: bool) -> None:
             os.chmod(root / name, 0o644)
         before = _tree(root)
         numstat = subprocess.run([GIT, "apply", "--numstat", "-z", f"-p{strip}", "-"], input=patch.encode(),
-                                 cwd=root, capture_output=True, check=False)
+                                 cwd=root, env=GIT_ENV, capture_output=True, check=False)
         named = {entry.decode() for entry in numstat.stdout.split(b"\0") if entry and b"\t" not in entry}
         named |= {entry.decode().split("\t", 2)[2] for entry in numstat.stdout.split(b"\0")
                   if entry.count(b"\t") == 2 and entry.split(b"\t", 2)[2]}
         assert named <= paths, (patch, named - paths)
-        subprocess.run([GIT, "apply", f"-p{strip}", "-"], input=patch.encode(), cwd=root, capture_output=True,
+        subprocess.run([GIT, "apply", f"-p{strip}", "-"], input=patch.encode(), cwd=root, env=GIT_ENV, capture_output=True,
                        check=False)
         after = _tree(root)
         written = {path for path in before.keys() | after.keys() if before.get(path) != after.get(path)}
