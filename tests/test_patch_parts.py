@@ -177,3 +177,19 @@ def test_the_hostile_patch_shows_its_rename_and_mode_change() -> None:
 def test_what_it_cannot_show_is_refused_saying_what(patch: str, says: str) -> None:
     with pytest.raises(InvalidPolicy, match=says):
         patch_parts.changes(patch, 0)
+
+
+@pytest.mark.parametrize("suffix, name", [
+    (" 2020-01-01", "x"), ("  2020-01-01 00:00:00 +0000", "x"), (" 2020-01-01 00:00:00.5", "x"),
+    ("\t2020-01-01", "x"), (" 2020-01-01\t", "x 2020-01-01"), ("  junk", "x  junk"), ("\v", "x\v"), ("\f", "x\f"),
+])
+def test_a_traditional_name_is_the_file_git_writes(tmp_path: Path, suffix: str, name: str) -> None:
+    """Round 10's hostile pass: git drops a timestamp after spaces too (whitespace damage), and
+    \\v and \\f are part of a name. The name listed is the file git writes, checked on git itself."""
+    patch = f"--- a/x{suffix}\n+++ b/x{suffix}\n@@ -1 +1 @@\n-a\n+b\n"
+    listed, strip = patch_parts.changes(patch, 0)
+    assert [(c.path, c.action) for c in listed] == [(name, "modified")]
+    (tmp_path / name).write_text("a\n")
+    git = subprocess.run([GIT, "apply", f"-p{strip}", "-"], input=patch.encode(), cwd=tmp_path, env=GIT_ENV,
+                         capture_output=True, check=False)
+    assert git.returncode == 0 and (tmp_path / name).read_text() == "b\n", git.stderr
