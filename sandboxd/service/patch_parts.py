@@ -12,6 +12,9 @@ part by part and returns every path a part writes, with what it does there. It i
 git is lenient: a part it cannot account for exactly (a binary part, whose content no card can
 show; an epoch timestamp that git reads as a creation or deletion; a name it would have to guess;
 a hunk git would call corrupt) is refused with a message saying what to change, never applied unseen.
+Names end where git ends them (find_name_traditional, diff_timestamp_len): a traditional name
+ends before a timestamp after a tab or after spaces, else at a tab; a carriage return ends any
+name; \v and \f never do (round 10's second hostile pass: `a/X 2020-01-01` is X).
 tests/test_patch_parts.py checks it against git itself on generated patches.
 """
 
