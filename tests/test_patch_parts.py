@@ -18,10 +18,16 @@ from hypothesis import strategies as st
 
 from sandboxd.errors import InvalidPolicy
 from sandboxd.service import patch_parts
+from sandboxd.service.patch_search import GIT_ENV
 
 GIT = shutil.which("git") or "git"          # ApplyPatch needs it: missing, this test fails
 FILES = {"a.txt": "one\ntwo\n", "b.txt": "hello\n", "run.sh": "echo hi\n", "sp ace.txt": "x\n",
-         "dir/c.txt": "c\n", "tab\tname": "t\n", 'q"uote': "q\n"}
+         "dir/c.txt": "c\n", "tab\tname": "t\n", 'q"uote': "q\n", "b.txt\v": "vt\n", "b.txt\f": "ff\n"}
+# What may follow a traditional ---/+++ name: git drops a timestamp after a tab, and after spaces too
+# (whitespace damage: "x 2020-01-01" is x); a tab ends a name; \v, \f and text that is no timestamp do not.
+STAMPS = ["", "\t2024-01-02 03:04:05.000000000 +0000", " 2020-01-01", "  2020-01-01", "\t2020-01-01",
+          " 2020-01-01 00:00:00", " 2020-01-01 00:00:00.5 +0000", "  2020-01-01 00:00:00 +01:00", " 20-01-01",
+          " 2020-01-01\t", "  junk", " 12:00:00 +0000", "\v", "\f", "\t\v"]
 NAMES = list(FILES) + ["new.txt", "dir/new.sh", "d2/deep/n.txt", "caf\u00e9.txt", "x.orig", "a.txt.orig"]
 
 
@@ -59,8 +65,11 @@ def part(draw: st.DrawFn) -> str:
     head = f"diff --git {_side('a/', old)} {_side('b/', old)}\n"
     if kind == "traditional":
         target = draw(st.sampled_from([old, old + ".orig", other]))
-        stamp = draw(st.sampled_from(["", "\t2024-01-02 03:04:05.000000000 +0000"]))
-        return f"--- {_side('a/', old)}{stamp}\n+++ {_side('b/', target)}{stamp}\n" + draw(hunk(old))
+        stamp, other_stamp = draw(st.sampled_from(STAMPS)), draw(st.sampled_from(STAMPS))
+        if draw(st.booleans()):                 # a creation or deletion, named with a timestamp
+            return draw(st.sampled_from([f"--- /dev/null\n+++ {_side('b/', other)}{stamp}\n" + draw(hunk(other, new=True)),
+                                         f"--- {_side('a/', old)}{stamp}\n+++ /dev/null\n" + draw(hunk(old, delete=True))]))
+        return f"--- {_side('a/', old)}{stamp}\n+++ {_side('b/', target)}{other_stamp}\n" + draw(hunk(old))
     if kind == "git-edit":
         return head + f"index 1111111..2222222 100644\n--- {_side('a/', old)}\n+++ {_side('b/', old)}\n" + draw(hunk(old))
     if kind in ("rename", "copy"):
@@ -119,12 +128,12 @@ def test_every_path_git_writes_is_listed(parts: list[str], crlf: bool) -> None:
             os.chmod(root / name, 0o644)
         before = _tree(root)
         numstat = subprocess.run([GIT, "apply", "--numstat", "-z", f"-p{strip}", "-"], input=patch.encode(),
-                                 cwd=root, capture_output=True, check=False)
+                                 cwd=root, env=GIT_ENV, capture_output=True, check=False)
         named = {entry.decode() for entry in numstat.stdout.split(b"\0") if entry and b"\t" not in entry}
         named |= {entry.decode().split("\t", 2)[2] for entry in numstat.stdout.split(b"\0")
                   if entry.count(b"\t") == 2 and entry.split(b"\t", 2)[2]}
         assert named <= paths, (patch, named - paths)
-        subprocess.run([GIT, "apply", f"-p{strip}", "-"], input=patch.encode(), cwd=root, capture_output=True,
+        subprocess.run([GIT, "apply", f"-p{strip}", "-"], input=patch.encode(), cwd=root, env=GIT_ENV, capture_output=True,
                        check=False)
         after = _tree(root)
         written = {path for path in before.keys() | after.keys() if before.get(path) != after.get(path)}
@@ -168,3 +177,19 @@ def test_the_hostile_patch_shows_its_rename_and_mode_change() -> None:
 def test_what_it_cannot_show_is_refused_saying_what(patch: str, says: str) -> None:
     with pytest.raises(InvalidPolicy, match=says):
         patch_parts.changes(patch, 0)
+
+
+@pytest.mark.parametrize("suffix, name", [
+    (" 2020-01-01", "x"), ("  2020-01-01 00:00:00 +0000", "x"), (" 2020-01-01 00:00:00.5", "x"),
+    ("\t2020-01-01", "x"), (" 2020-01-01\t", "x 2020-01-01"), ("  junk", "x  junk"), ("\v", "x\v"), ("\f", "x\f"),
+])
+def test_a_traditional_name_is_the_file_git_writes(tmp_path: Path, suffix: str, name: str) -> None:
+    """Round 10's hostile pass: git drops a timestamp after spaces too (whitespace damage), and
+    \\v and \\f are part of a name. The name listed is the file git writes, checked on git itself."""
+    patch = f"--- a/x{suffix}\n+++ b/x{suffix}\n@@ -1 +1 @@\n-a\n+b\n"
+    listed, strip = patch_parts.changes(patch, 0)
+    assert [(c.path, c.action) for c in listed] == [(name, "modified")]
+    (tmp_path / name).write_text("a\n")
+    git = subprocess.run([GIT, "apply", f"-p{strip}", "-"], input=patch.encode(), cwd=tmp_path, env=GIT_ENV,
+                         capture_output=True, check=False)
+    assert git.returncode == 0 and (tmp_path / name).read_text() == "b\n", git.stderr

@@ -159,6 +159,39 @@ def test_a_binary_part_is_refused_saying_so(client: SandboxClient, workspace: Pa
     assert (workspace / "a.txt").read_text() == "line one\nfoo bar\nlast\n" and not (workspace / "x.bin").exists()
 
 
+IN_REPO = "diff --git a/x b/x\n--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n"
+
+
+def test_a_workspace_inside_a_repository_is_patched_as_plain_files(client: SandboxClient, base: Path) -> None:
+    """A workspace that is a subdirectory of a git repository whose .gitattributes asks for CRLF and a
+    smudge filter (a command from the repository's config). Control, git apply as it ran before, on
+    the host: it reads a/x relative to the repository's top, skips it as outside the workspace and
+    says nothing; given ws/x it writes x with CRLF and runs the filter. Through the daemon the part
+    names the workspace's x, which is written as the patch says, and no filter runs."""
+    repo = base / "ps-in-repo"
+    workspace = repo / "ws"
+    workspace.mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    marker = workspace / "smudged"
+    subprocess.run(["git", "-C", str(repo), "config", "filter.mark.smudge", f"sh -c 'touch {marker}; cat'"], check=True)
+    (repo / ".gitattributes").write_text("* text eol=crlf\nx filter=mark\n")
+    (workspace / "x").write_text("a\n")
+    old_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
+               "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null"}
+    for patch, written in ((IN_REPO, b"a\n"), (IN_REPO.replace(" a/", " a/ws/").replace(" b/", " b/ws/"), b"b\r\n")):
+        git = subprocess.run(["git", "apply", "-p1", "-"], input=patch.encode(), cwd=workspace, env=old_env,
+                             capture_output=True, check=False)
+        assert git.returncode == 0 and (workspace / "x").read_bytes() == written, git.stderr
+    assert marker.exists()
+    (workspace / "x").write_text("a\n")
+    marker.unlink()
+    session = client.create_session(str(workspace), approval="never")
+    reply = client.stub.ApplyPatch(pb.ApplyPatchRequest(session_id=session.id, patch=IN_REPO))
+    assert [(f.path, f.action) for f in reply.files] == [("x", "modified")]
+    assert (workspace / "x").read_bytes() == b"b\n" and not marker.exists()
+    assert sorted(path.name for path in workspace.iterdir()) == ["x"]
+
+
 @pytest.fixture
 def locked(workspace: Path) -> Iterator[Path]:
     """A directory of the workspace made immutable (chattr +i): creating a file in it fails after

@@ -12,6 +12,9 @@ part by part and returns every path a part writes, with what it does there. It i
 git is lenient: a part it cannot account for exactly (a binary part, whose content no card can
 show; an epoch timestamp that git reads as a creation or deletion; a name it would have to guess;
 a hunk git would call corrupt) is refused with a message saying what to change, never applied unseen.
+Names end where git ends them (find_name_traditional, diff_timestamp_len): a traditional name
+ends before a timestamp after a tab or after spaces, else at a tab; a carriage return ends any
+name; \v and \f never do (round 10's second hostile pass: `a/X 2020-01-01` is X).
 tests/test_patch_parts.py checks it against git itself on generated patches.
 """
 
@@ -140,7 +143,7 @@ def _header_line(part: _Part, prefix: str, rest: str, strip: int, number: int) -
     if prefix in ("--- ", "+++ "):
         null = _dev_null(rest)
         known = part.old_name if prefix == "--- " else part.new_name
-        name = None if null else _name(rest, strip, number, terminate_tab=True)
+        name = None if null else _name(rest, strip, number, ends="tab")
         if known is None and name is not None:
             if prefix == "--- ":
                 part.old_name = name
@@ -160,10 +163,10 @@ def _header_line(part: _Part, prefix: str, rest: str, strip: int, number: int) -
             part.new_mode = mode
     elif prefix in ("copy from ", "rename old ", "rename from "):
         part.is_copy, part.is_rename = (True, part.is_rename) if prefix == "copy from " else (part.is_copy, True)
-        part.old_name = _name(rest, max(strip - 1, 0), number, terminate_tab=False)
+        part.old_name = _name(rest, max(strip - 1, 0), number, ends="line")
     elif prefix in ("copy to ", "rename new ", "rename to "):
         part.is_copy, part.is_rename = (True, part.is_rename) if prefix == "copy to " else (part.is_copy, True)
-        part.new_name = _name(rest, max(strip - 1, 0), number, terminate_tab=False)
+        part.new_name = _name(rest, max(strip - 1, 0), number, ends="line")
     elif prefix == "index " and " " in rest and ".." in rest.split(" ")[0]:
         part.old_mode = _mode(rest.split(" ", 1)[1], number)
     if sum((part.is_new, part.is_delete, part.is_rename, part.is_copy)) > 1:
@@ -180,12 +183,12 @@ def _traditional_part(lines: list[str], start: int, strip: int) -> tuple[_Part, 
     if old_null and new_null:
         raise refuse(start + 1, "both sides are /dev/null")
     if old_null:
-        part.is_new, part.new_name = True, _name(second, strip, start + 2, terminate_tab=True)
+        part.is_new, part.new_name = True, _name(second, strip, start + 2, ends="traditional")
     elif new_null:
-        part.is_delete, part.old_name = True, _name(first, strip, start + 1, terminate_tab=True)
+        part.is_delete, part.old_name = True, _name(first, strip, start + 1, ends="traditional")
     else:
-        old = _name(first, strip, start + 1, terminate_tab=True)
-        new = _name(second, strip, start + 2, terminate_tab=True)
+        old = _name(first, strip, start + 1, ends="traditional")
+        new = _name(second, strip, start + 2, ends="traditional")
         # git prefers the shorter name when the other only adds to its end (x and x.orig: x), unless
         # the other is quoted (find_name_gnu takes it as it is)
         shorter = not second.startswith('"') and len(old) < len(new) and new.startswith(old)
@@ -195,7 +198,8 @@ def _traditional_part(lines: list[str], start: int, strip: int) -> tuple[_Part, 
 
 
 def _dev_null(text: str) -> bool:
-    return text.startswith("/dev/null") and (len(text) == 9 or text[9].isspace())
+    # git's is_dev_null: /dev/null then space, tab, CR or the line's end (not \v or \f: "/dev/null\v" is a name)
+    return text.startswith("/dev/null") and (len(text) == 9 or text[9] in " \t\r")
 
 
 def _hunks(lines: list[str], index: int, part: _Part) -> int:
@@ -276,20 +280,78 @@ def _mode(text: str, number: int) -> int:
     return int(match.group(), 8)
 
 
-def _name(text: str, strip: int, number: int, *, terminate_tab: bool) -> str:
-    """A file name as git reads it after a header's prefix, ``strip`` components removed."""
+def _name(text: str, strip: int, number: int, *, ends: str) -> str:
+    """A file name as git reads it after a header's prefix, ``strip`` components removed. ``ends``
+    says where git ends it: "traditional" (a ---/+++ line of a traditional part: before a trailing
+    timestamp, else at a tab), "tab" (a git part's ---/+++ line: at a tab) or "line" (a rename's or
+    copy's: at the end of the line). A carriage return ends it always; \v and \f never (git's isspace
+    knows only space, tab, LF and CR: a name ending in \v names a file whose name ends in \v)."""
     if text.startswith('"'):
         name, rest = _unquote(text, number)
-        if rest.strip() and not (terminate_tab and rest.startswith("\t")):
+        if rest.strip() and not (ends != "line" and rest.startswith("\t")):
             raise refuse(number, "text after a quoted name")
+        return _stripped(name, strip, number)
+    stamp = _timestamp_len(text) if ends == "traditional" else 0
+    if stamp:
+        # find_name_traditional: the name is all before the timestamp, tabs, spaces and CRs included
+        name = text[:len(text) - stamp]
     else:
-        # git ends a name at a tab (unless it is a rename's or copy's), a carriage return, \v or \f
-        name = re.split(r"[\t\r\v\f]" if terminate_tab else r"[\r\v\f]", text)[0]
-        if terminate_tab and re.search(r" \d{4}-\d\d-\d\d ", name):
-            raise refuse(number, "a timestamp after the name without a tab before it: separate it with a tab")
-        if name != name.rstrip() and not terminate_tab:
-            raise refuse(number, "a name that ends in white space")
+        name = text.split("\r")[0]
+        name = name.split("\t")[0] if ends != "line" else name
+    if ends != "line" and re.search(r" \d{4}-\d\d-\d\d ", name):
+        raise refuse(number, "a timestamp after the name without a tab before it: separate it with a tab")
+    if name != name.rstrip() and ends == "line":
+        raise refuse(number, "a name that ends in white space")
     return _stripped(name, strip, number)
+
+
+_DIGITS = frozenset("0123456789")       # git's isdigit: ASCII only
+
+
+def _timestamp_len(line: str) -> int:
+    """How much of a traditional ---/+++ line's end is a timestamp git drops from the name
+    (apply.c diff_timestamp_len, exactly): [ws]YYYY-MM-DD[ HH:MM:SS[.frac]][ +ZZZZ| +ZZ:ZZ], after a
+    tab, or after spaces (which git takes as whitespace damage and drops too). 0: no timestamp."""
+    end = len(line)
+    if not end or line[end - 1] not in _DIGITS:
+        return 0
+    end -= _fixed_len(line, end, " +0000", {0: " ", 1: "+-"}) or _fixed_len(line, end, " +00:00", {0: " ", 1: "+-", 4: ":"})
+    time = _fixed_len(line, end, " 00:00:00", {0: " ", 3: ":", 6: ":"})
+    if not time and end and line[end - 1] in _DIGITS:          # fractional seconds: 00:00:00.123
+        dot = end - 1
+        while dot > 0 and line[dot] in _DIGITS:
+            dot -= 1
+        if line[dot] == ".":
+            whole = _fixed_len(line, dot, " 00:00:00", {0: " ", 3: ":", 6: ":"})
+            time = end - dot + whole if whole else 0
+    end -= time
+    date = _fixed_len(line, end, "00-00-00", {2: "-", 5: "-"})
+    if not date:
+        return 0
+    if end - date >= 2 and line[end - date - 1] in _DIGITS and line[end - date - 2] in _DIGITS:
+        date += 2                                                  # a 4-digit year
+    end -= date
+    if end == 0:
+        return 0
+    if line[end - 1] == "\t":
+        return len(line) - end + 1
+    if line[end - 1] != " ":
+        return 0
+    while end > 0 and line[end - 1] == " ":
+        end -= 1
+    return len(line) - end
+
+
+def _fixed_len(line: str, end: int, shape: str, fixed: dict[int, str]) -> int:
+    """len(shape) when line[:end] ends in text of that shape (digits, except at ``fixed``
+    positions, which hold one of the given characters), else 0."""
+    start = end - len(shape)
+    if start < 0:
+        return 0
+    for at, char in enumerate(line[start:end]):
+        if char not in fixed.get(at, _DIGITS):
+            return 0
+    return len(shape)
 
 
 def _stripped(name: str, strip: int, number: int) -> str:

@@ -37,8 +37,16 @@ RIPGREP_OUTPUT_LIMIT = 4 * RESPONSE_LIMIT
 # importable in the sandbox (nothing is imported after the fork), so the built-in search gets
 # a short time budget instead; past it the call is DEADLINE_EXCEEDED, saying why.
 BUILTIN_SEARCH_TIMEOUT = 10.0
-GIT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
-           "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null"}
+# git apply as a plain patch tool, never a repository's: in a workspace inside a git repository git
+# would read a diff --git part's names relative to the repository's top (and silently skip parts
+# outside the workspace's directory), and apply the repository's config and .gitattributes (filters,
+# eol, ident) to what it writes. GIT_DIR naming something that is not a repository (and never can be:
+# /dev/null) makes git apply work outside any repository (setup's "gently" mode): names are relative
+# to the workspace and no attributes apply. No config or attributes from the system or a home
+# either (HOME=/dev/null: no ~/.config/git/attributes a sandboxed command could have written).
+GIT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/dev/null", "LANG": "C.UTF-8",
+           "GIT_DIR": "/dev/null", "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
+           "GIT_ATTR_NOSYSTEM": "1"}
 
 
 def patched_files(patch: str, strip: int) -> tuple[list[pb.PatchedFile], int]:
