@@ -7,7 +7,8 @@ server's working directory, its session's workspace), a resource and a prompt. T
 
   echo          nothing more
   slow          ``hang``: never answered (its request id written to ``hung.log``); a
-                notifications/cancelled is written to ``cancelled.log`` (the id it cancels)
+                notifications/cancelled is written to ``cancelled.log`` (the id it cancels);
+                ``stall``: reads nothing more of its stdin for ``times`` seconds, then answers "stalled"
   flood         ``flood``: one 10 MiB line on stdout (then it goes on serving); ``big``: a 2 MiB
                 result (a valid message under the transport's bound, over the gateway's result bound);
                 ``noise``: 1 MiB on stderr, then answered
@@ -34,13 +35,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Any
 
 ARGS = sys.argv[1:] if __name__ == "__main__" else []    # imported by a test for its answers' lines: no mode
 MODE = ARGS[0] if ARGS else "echo"
 N = int(ARGS[1]) if len(ARGS) > 1 else 1
 TOOLS = ["echo", "write_file", "read_file"] + {
-    "slow": ["hang"], "hostile-ids": ["hold", "stray", "surrogate", "surrogate_error", "deep"], "flood": ["flood", "big", "noise"], "list-changes": ["add_tool"], "asks": ["ask"], "chatty": ["chatter"],
+    "slow": ["hang", "stall"], "hostile-ids": ["hold", "stray", "surrogate", "surrogate_error", "deep"], "flood": ["flood", "big", "noise"], "list-changes": ["add_tool"], "asks": ["ask"], "chatty": ["chatter"],
     "env": ["getenv"]}.get(MODE, [])
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}, "path": {"type": "string"},
                                            "times": {"type": "integer"}}}
@@ -153,6 +155,9 @@ def main() -> None:
             elif name == "hang":
                 with open("hung.log", "a") as log:       # never answered
                     log.write(f"{request_id}\n")
+            elif name == "stall":
+                time.sleep(int(arguments.get("times", 1)))
+                text_result(request_id, "stalled")
             elif name == "hold":
                 held.append((request_id, str(arguments.get("text", ""))))
                 if len(held) >= int(arguments.get("times", 1)):

@@ -329,6 +329,28 @@ def test_an_answer_that_cannot_be_written_back_fails_its_call_only(daemon: Daemo
     run(daemon, scenario)
 
 
+def test_a_request_its_caller_left_mid_write_still_reaches_stdin_whole(daemon: Daemon, ws: Path) -> None:
+    """A 16 MiB request (16 chunks of the Exec call's stdin) whose caller times out while the
+    upstream reads nothing: the line is still written whole (else the next request is glued to a
+    cut one: the server reads a line that is not JSON and exits), and the same server answers the
+    next call."""
+    async def scenario(client: AsyncDaemon) -> None:
+        upstream = Upstream(client, upstream_config("cut", ws, "slow"), no_change)
+        try:
+            await upstream.ensure_started()
+            process = upstream.process
+            stall = asyncio.create_task(upstream.call_tool("stall", {"times": 3}, 60))
+            await eventually(lambda: upstream._direct is not None and upstream._direct.pending == 1, "stall sent")
+            with pytest.raises(UpstreamError, match="timed out after 1 s"):
+                await upstream.call_tool("stall", {"times": 0, "text": "x" * (16 << 20)}, 1)
+            assert text(await stall) == "stalled"
+            assert text(await upstream.call_tool("echo", {"text": "after"}, 60)) == "echo: after"
+            assert upstream.process is process and not process.ended.is_set(), process.why_ended()
+        finally:
+            await upstream.close()
+    run(daemon, scenario)
+
+
 def test_a_crash_fails_the_call_and_the_next_call_works(daemon: Daemon, ws: Path) -> None:
     changes: list[str] = []
 

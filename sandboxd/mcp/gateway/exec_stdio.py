@@ -390,7 +390,10 @@ async def exec_stdio_client(stub: pb_grpc.SandboxStub, start: pb.ExecStart,
             written = 0
             with anyio.move_on_after(WRITE_LINE_SECONDS, shield=True):
                 for offset in range(0, len(data), STDIN_CHUNK_BYTES):
-                    await call.write(pb.ExecRequest(stdin=data[offset:offset + STDIN_CHUNK_BYTES]))
+                    try:
+                        await call.write(pb.ExecRequest(stdin=data[offset:offset + STDIN_CHUNK_BYTES]))
+                    except asyncio.InvalidStateError:       # grpc's word for a call already finished
+                        raise RuntimeError("the upstream's Exec call is over") from None
                     written = offset + STDIN_CHUNK_BYTES
             if written < len(data):
                 process.fault = process.fault or (f"it did not read a line of its stdin within {WRITE_LINE_SECONDS:g} s "
