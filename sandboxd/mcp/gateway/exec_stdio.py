@@ -183,13 +183,13 @@ class DirectAnswer(NamedTuple):
 
 def _depth_over(value: Any, limit: int) -> bool:
     """Whether ``value`` (parsed JSON) nests more than ``limit`` deep; iterative (no recursion)."""
-    level: list[Any] = [value]
-    for _ in range(limit + 1):
-        level = [child for node in level if isinstance(node, (dict, list))
-                 for child in (node.values() if isinstance(node, dict) else node)]
+    level: list[Any] = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(limit):
         if not level:
             return False
-    return True
+        level = [child for node in level for child in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(child, (dict, list))]
+    return bool(level)
 
 
 def _is_direct(message: Any) -> bool:
