@@ -7,7 +7,8 @@ server's working directory, its session's workspace), a resource and a prompt. T
 
   echo          nothing more
   slow          ``hang``: never answered (its request id written to ``hung.log``); a
-                notifications/cancelled is written to ``cancelled.log`` (the id it cancels)
+                notifications/cancelled is written to ``cancelled.log`` (the id it cancels);
+                ``stall``: reads nothing more of its stdin for ``times`` seconds, then answers "stalled"
   flood         ``flood``: one 10 MiB line on stdout (then it goes on serving); ``big``: a 2 MiB
                 result (a valid message under the transport's bound, over the gateway's result bound);
                 ``noise``: 1 MiB on stderr, then answered
@@ -23,7 +24,10 @@ server's working directory, its session's workspace), a resource and a prompt. T
                 with status 5 while they wait; ``stray``: answers an integer id nobody asked, then a
                 "gw-" id in a line nested 100,000 deep, then ``times`` times a "gw-" id of its own
                 making, then its own call twice
-                ("stray: first", then "stray: again")
+                ("stray: first", then "stray: again"); ``surrogate``: a result whose text holds a lone
+                surrogate ("a\\ud800b": valid to json.loads, not writable as UTF-8); ``surrogate_error``:
+                a JSON-RPC error whose message holds one; ``deep``: a structuredContent nested ``times``
+                deep (default 900: pydantic validates it, cannot serialize it)
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Any
 
-MODE = sys.argv[1] if len(sys.argv) > 1 else "echo"
-N = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+ARGS = sys.argv[1:] if __name__ == "__main__" else []    # imported by a test for its answers' lines: no mode
+MODE = ARGS[0] if ARGS else "echo"
+N = int(ARGS[1]) if len(ARGS) > 1 else 1
 TOOLS = ["echo", "write_file", "read_file"] + {
-    "slow": ["hang"], "hostile-ids": ["hold", "stray"], "flood": ["flood", "big", "noise"], "list-changes": ["add_tool"], "asks": ["ask"], "chatty": ["chatter"],
+    "slow": ["hang", "stall"], "hostile-ids": ["hold", "stray", "surrogate", "surrogate_error", "deep"], "flood": ["flood", "big", "noise"], "list-changes": ["add_tool"], "asks": ["ask"], "chatty": ["chatter"],
     "env": ["getenv"]}.get(MODE, [])
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}, "path": {"type": "string"},
                                            "times": {"type": "integer"}}}
@@ -49,6 +55,21 @@ def send(message: dict[str, Any]) -> None:
 
 def text_result(request_id: Any, text: str, *, error: bool = False) -> None:
     send({"id": request_id, "result": {"content": [{"type": "text", "text": text}], "isError": error}})
+
+
+def surrogate_answer(request_id: Any) -> str:
+    """A tools/call answer json.loads and pydantic's validation take, that cannot be written back."""
+    return '{"jsonrpc":"2.0","id":%s,"result":{"content":[{"type":"text","text":"a\\ud800b"}]}}' % json.dumps(request_id)
+
+
+def surrogate_error(request_id: Any) -> str:
+    return '{"jsonrpc":"2.0","id":%s,"error":{"code":-1,"message":"bad \\ud800 one"}}' % json.dumps(request_id)
+
+
+def deep_answer(request_id: Any, depth: int = 900) -> str:
+    """A tools/call answer whose structuredContent nests ``depth`` deep."""
+    return ('{"jsonrpc":"2.0","id":%s,"result":{"content":[{"type":"text","text":"deep"}],"structuredContent":{"a":%s%s}}}'
+            % (json.dumps(request_id), "[" * depth, "]" * depth))
 
 
 # The server's own claims about its tools (MCP annotations): a trusted upstream's count, an untrusted one's not.
@@ -134,6 +155,9 @@ def main() -> None:
             elif name == "hang":
                 with open("hung.log", "a") as log:       # never answered
                     log.write(f"{request_id}\n")
+            elif name == "stall":
+                time.sleep(int(arguments.get("times", 1)))
+                text_result(request_id, "stalled")
             elif name == "hold":
                 held.append((request_id, str(arguments.get("text", ""))))
                 if len(held) >= int(arguments.get("times", 1)):
@@ -153,6 +177,11 @@ def main() -> None:
                     for index in range(int(arguments.get("times", 1))))
                 text_result(request_id, "stray: first")
                 text_result(request_id, "stray: again")
+            elif name in ("surrogate", "surrogate_error", "deep"):
+                sys.stdout.write((surrogate_answer(request_id) if name == "surrogate" else
+                                  surrogate_error(request_id) if name == "surrogate_error" else
+                                  deep_answer(request_id, int(arguments.get("times", 900)))) + "\n")
+                sys.stdout.flush()
             elif name == "flood":
                 sys.stdout.write("x" * (10 << 20) + "\n")
                 sys.stdout.flush()

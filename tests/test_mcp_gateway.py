@@ -565,6 +565,63 @@ def test_a_crash_mid_call_is_a_tool_error_and_a_failed_call_in_the_audit(daemon:
     assert "crashing on call 1" in audited[2][1]["error"]
 
 
+def test_an_answer_that_cannot_be_written_back_fails_its_call_only(daemon: Daemon, ws: Path, client: SandboxClient,
+                                                                  tmp_path: Path) -> None:
+    """An upstream's answer with a lone surrogate, or nested 900 deep, passes json.loads and
+    validation but cannot be written to the client (what ended the whole gateway, every tool lost;
+    the control, that each does fail to serialize, is in tests/test_mcp_gateway_upstream.py): each
+    is an error result for its call, reported as failed in the audit, and the gateway serves on:
+    the same upstream, another one, the built-in tools."""
+    (ws / "note.txt").write_text("still here")
+    config = gateway_file(tmp_path, upstream(tmp_path, "bad", "hostile-ids"), upstream(tmp_path, "good"))
+    hostile = ("bad__surrogate", "bad__surrogate_error", "bad__deep")
+
+    async def scenario() -> dict[str, types.CallToolResult]:
+        async with mcp_client(daemon.socket, ws, "--approval", "never", "--gateway", str(config)) as mcp:
+            out = {tool: await mcp.call_tool(tool, {}) for tool in hostile}
+            for tool in ("bad__echo", "good__echo"):
+                out[tool] = await mcp.call_tool(tool, {"text": "after"})
+            out["read_file"] = await mcp.call_tool("read_file", {"path": "note.txt"})
+            return out
+
+    out = asyncio.run(scenario())
+    for tool in hostile:
+        assert out[tool].is_error and text(out[tool]).startswith(f"{tool}: bad: tool ") and \
+            "its answer is not valid MCP" in text(out[tool]), text(out[tool])
+    assert text(out["bad__echo"]) == text(out["good__echo"]) == "echo: after"
+    assert not out["read_file"].is_error and "still here" in text(out["read_file"])
+    session = gateway_session(client, ws)
+    for tool in hostile:
+        audited = events(client, session.id, tool)
+        assert [kind for kind, _data in audited] == ["PermissionGranted", "ToolInvocationStarted",
+                                                     "ToolInvocationFailed"], (tool, audited)
+        assert "not valid MCP" in audited[2][1]["error"], audited
+    assert [kind for kind, _data in events(client, session.id, "bad__echo")][-1] == "ToolInvocationCompleted"
+
+
+def test_a_result_that_cannot_be_measured_is_still_reported(caplog: pytest.LogCaptureFixture) -> None:
+    """The report of a call whose result fails to serialize says so (the daemon records a failed
+    call, not "no result reported"), and a report that fails is logged, never an exception lost in
+    its task."""
+    reported: list[tuple[str, dict[str, Any]]] = []
+    gateway = Gateway.__new__(Gateway)
+
+    async def report(binding: Any, call_id: str, **fields: Any) -> None:
+        if call_id == "breaks":
+            raise RuntimeError("the channel broke \x1b[31m")
+        reported.append((call_id, fields))
+
+    def unmeasurable() -> dict[str, Any]:
+        raise ValueError("Maximum serialization depth exceeded")
+
+    gateway._report = report  # type: ignore[method-assign]
+    asyncio.run(gateway._report_outcome(SimpleNamespace(), "deep", unmeasurable))
+    assert reported == [("deep", {"ok": False, "error": "the result could not be measured: "
+                                                         "Maximum serialization depth exceeded"})]
+    asyncio.run(gateway._report_outcome(SimpleNamespace(), "breaks", lambda: {"ok": True}))
+    assert "reporting call breaks's result failed" in caplog.text and "\x1b" not in caplog.text
+
+
 def test_a_chatty_upstream_costs_the_built_in_tools_nothing(daemon: Daemon, ws: Path, client: SandboxClient,
                                                            tmp_path: Path) -> None:
     """An upstream flooding notifications (the rate bound: tests/test_mcp_gateway_upstream.py, with

@@ -291,6 +291,66 @@ def test_answers_nobody_waits_for_are_dropped_and_bounded(daemon: Daemon, ws: Pa
     run(daemon, scenario)
 
 
+def test_an_answer_that_cannot_be_written_back_fails_its_call_only(daemon: Daemon, ws: Path) -> None:
+    """A tools/call answer with a lone surrogate (json.loads and pydantic's validation take it; no
+    serializer writes it back), an error whose message holds one, a structuredContent nested 900
+    deep (validated; pydantic cannot serialize it) and 100 deep (within every parser; over the
+    direct path's cap): each an error for its call, at once (not its timeout), and the same server
+    serves the next call. The control: json.loads and validation do take each answer, its
+    serialization fails (what ended the gateway), and the session's path (the SDK's parser)
+    refuses them too."""
+    import json
+
+    from mcp_gateway_servers import deep_answer, surrogate_answer, surrogate_error
+
+    for line in (surrogate_answer(1), deep_answer(1)):
+        result = types.CallToolResult.model_validate(json.loads(line)["result"], by_name=False)
+        with pytest.raises(ValueError, match="surrogates not allowed|depth"):
+            result.model_dump_json(by_alias=True, exclude_none=True)
+    for line in (surrogate_answer(1), surrogate_error(1), deep_answer(1)):
+        assert exec_stdio._parse(line.encode()) is None, line
+    assert exec_stdio._parse(deep_answer(1, 100).encode()) is not None     # the cap is the direct path's own
+
+    async def scenario(client: AsyncDaemon) -> None:
+        upstream = Upstream(client, upstream_config("writes", ws, "hostile-ids"), no_change)
+        try:
+            await upstream.ensure_started()
+            process = upstream.process
+            for tool, arguments, why in (("surrogate", {}, "not valid JSON"), ("surrogate_error", {}, "not valid JSON"),
+                                         ("deep", {}, "not valid JSON"), ("deep", {"times": 100}, "nests more than 64")):
+                with pytest.raises(UpstreamError, match=f"writes: tool {tool}: its answer is not valid MCP: .*{why}"):
+                    await upstream.call_tool(tool, arguments, 600)
+                assert text(await upstream.call_tool("echo", {"text": tool}, 30)) == f"echo: {tool}"
+            assert upstream.process is process and upstream.state == "ready"
+            # 50 deep (with the envelope, within the cap of 64) is taken, and written back whole.
+            assert text(await upstream.call_tool("deep", {"times": 50}, 30)) == "deep"
+        finally:
+            await upstream.close()
+    run(daemon, scenario)
+
+
+def test_a_request_its_caller_left_mid_write_still_reaches_stdin_whole(daemon: Daemon, ws: Path) -> None:
+    """A 16 MiB request (16 chunks of the Exec call's stdin) whose caller times out while the
+    upstream reads nothing: the line is still written whole (else the next request is glued to a
+    cut one: the server reads a line that is not JSON and exits), and the same server answers the
+    next call."""
+    async def scenario(client: AsyncDaemon) -> None:
+        upstream = Upstream(client, upstream_config("cut", ws, "slow"), no_change)
+        try:
+            await upstream.ensure_started()
+            process = upstream.process
+            stall = asyncio.create_task(upstream.call_tool("stall", {"times": 3}, 60))
+            await eventually(lambda: upstream._direct is not None and upstream._direct.pending == 1, "stall sent")
+            with pytest.raises(UpstreamError, match="timed out after 1 s"):
+                await upstream.call_tool("stall", {"times": 0, "text": "x" * (16 << 20)}, 1)
+            assert text(await stall) == "stalled"
+            assert text(await upstream.call_tool("echo", {"text": "after"}, 60)) == "echo: after"
+            assert upstream.process is process and not process.ended.is_set(), process.why_ended()
+        finally:
+            await upstream.close()
+    run(daemon, scenario)
+
+
 def test_a_crash_fails_the_call_and_the_next_call_works(daemon: Daemon, ws: Path) -> None:
     changes: list[str] = []
 

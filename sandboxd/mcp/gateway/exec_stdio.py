@@ -21,7 +21,16 @@ session's stream, and handed to the waiting caller as parsed JSON with its line'
 SDK's session per request (memory streams, a task per message, pydantic validation of the message
 and again of the result) cost about 0.35 ms of each call (docs/performance.md). An answer with a "gw-" id nobody
 waits for (its call timed out, or a hostile upstream's invention) is dropped, and counted among
-the unasked lines (bounded in rate as they are).
+the unasked lines (bounded in rate as they are). The answer is parsed as strictly as the session's
+path parses it (pydantic's JSON parser: a lone surrogate in a string is refused, as it could never
+be written to the client), and nested at most MAX_DIRECT_DEPTH deep; an answer to a direct id that
+is neither is handed to its caller as invalid (an error for that call only), not dropped to wait
+out the call's timeout.
+
+A request is written whole or the upstream restarted: a line is written under a shield (bounded by
+WRITE_LINE_SECONDS), since a caller cancelled between two of its chunks would leave part of a line
+on stdin, and the next request would be glued to it. An upstream that does not take a line within
+the bound is broken (it does not read its stdin), and ended.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import mcp_types as types
 from mcp.client._transport import ReadStream, WriteStream
 from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
+from pydantic_core import from_json
 
 from sandboxd.printable import printable
 from sandboxd.v1 import sandboxd_pb2 as pb
@@ -60,6 +70,8 @@ CLOSE_GRACE_SECONDS = 2.0            # stdin closed -> exit on its own; then SIG
 DIRECT_ID_PREFIX = "gw-"             # ids of the direct requests (the SDK's client session numbers its own)
 CANCEL_WRITE_SECONDS = 2.0           # writing a direct request's notifications/cancelled, at most
 DIRECT_ID_MARK = b'"' + DIRECT_ID_PREFIX.encode()   # in a line that may answer a direct request (checked before parsing)
+MAX_DIRECT_DEPTH = 64                # nesting of a direct answer (pydantic cannot serialize a few hundred deep)
+WRITE_LINE_SECONDS = 10.0            # writing one line onto stdin, at most (shielded: a line is never cut)
 
 
 @dataclass
@@ -161,22 +173,50 @@ def _parse(line: bytes) -> SessionMessage | None:
 
 class DirectAnswer(NamedTuple):
     """The upstream's answer to a direct request: the JSON-RPC message as parsed (a dict), and the
-    length of its line (a bound can be checked before anything validates it)."""
+    length of its line (a bound can be checked before anything validates it); ``invalid`` says why
+    the line is not valid JSON-RPC when it is not (then ``message`` holds only its id)."""
 
     message: dict[str, Any]
     size: int
+    invalid: str = ""
 
 
-def _direct_answer(line: bytes) -> dict[str, Any] | None:
-    """``line`` parsed, if it is an answer (no "method") whose id is a direct one; else None."""
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether ``value`` (parsed JSON) nests more than ``limit`` deep; iterative (no recursion)."""
+    level: list[Any] = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(limit):
+        if not level:
+            return False
+        level = [child for node in level for child in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(child, (dict, list))]
+    return bool(level)
+
+
+def _is_direct(message: Any) -> bool:
+    return (isinstance(message, dict) and "method" not in message and isinstance(message.get("id"), str)
+            and message["id"].startswith(DIRECT_ID_PREFIX))
+
+
+def _direct_answer(line: bytes) -> DirectAnswer | None:
+    """``line`` parsed, if it is an answer (no "method") whose id is a direct one; else None. Parsed
+    by pydantic's parser (jiter), as the session's path does: it refuses a lone surrogate (which
+    json.loads takes, and no serializer writes back). A line it refuses whose id is a direct one
+    (json.loads finds it) is an invalid answer for its caller."""
     try:
-        message = json.loads(line)
-    except (ValueError, RecursionError):     # not JSON, not UTF-8, nested too deep: the session's path counts it
+        message = from_json(line)
+    except ValueError as error:              # not JSON, not UTF-8, a lone surrogate, nested past jiter's limit
+        try:
+            lenient = json.loads(line)
+        except (ValueError, RecursionError):     # nested too deep for json too: the session's path counts it
+            return None
+        if not _is_direct(lenient):
+            return None
+        return DirectAnswer({"id": lenient["id"]}, len(line), f"its answer is not valid JSON: {printable(str(error))}")
+    if not _is_direct(message):
         return None
-    if (isinstance(message, dict) and "method" not in message and isinstance(message.get("id"), str)
-            and message["id"].startswith(DIRECT_ID_PREFIX)):
-        return message
-    return None
+    if _depth_over(message, MAX_DIRECT_DEPTH):
+        return DirectAnswer({"id": message["id"]}, len(line), f"its answer nests more than {MAX_DIRECT_DEPTH} deep")
+    return DirectAnswer(message, len(line))
 
 
 class DirectRequests:
@@ -234,12 +274,12 @@ class DirectRequests:
             with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError):
                 await self._write(line)
 
-    def answered(self, message: dict[str, Any], size: int) -> bool:
+    def answered(self, answer: DirectAnswer) -> bool:
         """The reader's answer for a direct id: to its caller (True), or nobody waits (False)."""
-        waiting = self._pending.get(message["id"])
+        waiting = self._pending.get(answer.message["id"])
         if waiting is None or waiting.done():
             return False
-        waiting.set_result(DirectAnswer(message, size))
+        waiting.set_result(answer)
         return True
 
     def close(self) -> None:
@@ -319,7 +359,7 @@ async def exec_stdio_client(stub: pb_grpc.SandboxStub, start: pb.ExecStart,
         if has_id and DIRECT_ID_MARK in line:
             answer = _direct_answer(line)
             if answer is not None:
-                if not direct.answered(answer, len(line)):
+                if not direct.answered(answer):
                     process.stray_answers += 1
                     process.admit_unasked(time.monotonic())     # dropped either way; a flood of them restarts it
                 return
@@ -344,9 +384,22 @@ async def exec_stdio_client(stub: pb_grpc.SandboxStub, start: pb.ExecStart,
         await write_line((message.model_dump_json(by_alias=True, exclude_unset=True) + "\n").encode())
 
     async def write_line(data: bytes) -> None:
+        """One line onto stdin, whole (the module's doc): shielded from its caller's cancel, bounded
+        by WRITE_LINE_SECONDS; past the bound the upstream is ended (RuntimeError)."""
         async with writing:                   # one write at a time on the call
-            for offset in range(0, len(data), STDIN_CHUNK_BYTES):
-                await call.write(pb.ExecRequest(stdin=data[offset:offset + STDIN_CHUNK_BYTES]))
+            written = 0
+            with anyio.move_on_after(WRITE_LINE_SECONDS, shield=True):
+                for offset in range(0, len(data), STDIN_CHUNK_BYTES):
+                    try:
+                        await call.write(pb.ExecRequest(stdin=data[offset:offset + STDIN_CHUNK_BYTES]))
+                    except asyncio.InvalidStateError:       # grpc's word for a call already finished
+                        raise RuntimeError("the upstream's Exec call is over") from None
+                    written = offset + STDIN_CHUNK_BYTES
+            if written < len(data):
+                process.fault = process.fault or (f"it did not read a line of its stdin within {WRITE_LINE_SECONDS:g} s "
+                                                  "(the line would be cut)")
+                call.cancel()
+                raise RuntimeError(process.fault)
 
     async def answer_request(request: types.JSONRPCRequest) -> None:
         """The upstream's own request, answered here, in the reader, before its next line is read:

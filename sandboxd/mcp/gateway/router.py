@@ -560,14 +560,24 @@ class Gateway:
         than the daemon records piles up no tasks). ``outcome``: the report's fields (ok, error,
         content_bytes, is_error), worked out as it leaves."""
         if len(self._reports) >= MAX_REPORTS:
-            await self._report(binding, call_id, **outcome())
+            await self._report_outcome(binding, call_id, outcome)
             return
         task = asyncio.get_running_loop().create_task(self._report_outcome(binding, call_id, outcome))
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
 
     async def _report_outcome(self, binding: Binding, call_id: str, outcome: Callable[[], dict[str, Any]]) -> None:
-        await self._report(binding, call_id, **outcome())
+        """The report of one call, whatever happens: a result that cannot be measured (serialized) is
+        reported as failed, saying why, and no failure of the report ends its task unlogged."""
+        try:
+            fields = outcome()
+        except Exception as error:  # noqa: BLE001 - any failure to measure: the daemon still hears of the call
+            fields = {"ok": False, "error": f"the result could not be measured: {printable(str(error))[:500]}"}
+        try:
+            await self._report(binding, call_id, **fields)
+        except Exception as error:  # noqa: BLE001 - a task's exception is otherwise seen by nobody
+            log.warning("sandboxd mcp gateway: reporting call %s's result failed: %s", call_id,
+                        printable(repr(error))[:500])
 
     async def settle(self) -> None:
         """Wait for the reports still on their way (each bounded by REPORT_TIMEOUT)."""

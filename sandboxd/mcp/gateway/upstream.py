@@ -40,6 +40,7 @@ import grpc.aio
 import mcp_types as types
 from mcp.client.session import ClientSession
 from mcp.shared.exceptions import MCPError
+from pydantic import BaseModel
 
 import sandboxd
 from sandboxd.errors import InvalidPolicy
@@ -66,7 +67,7 @@ OUTPUT_UNLIMITED = 1 << 62        # the server's output is the transport, never 
 CLIENT_INFO = types.Implementation(name="sandboxd-mcp-gateway", version="1")
 GATEWAY_LABEL = "sandboxd-mcp-gateway"
 
-Result = TypeVar("Result")
+Result = TypeVar("Result", bound=BaseModel)
 
 
 class UpstreamError(Exception):
@@ -481,7 +482,11 @@ class Upstream:
         try:
             # Abandoning a request (this scope's timeout) sends the upstream notifications/cancelled.
             with anyio.fail_after(timeout):
-                return await send(client, direct)
+                result = await send(client, direct)
+            # Serialized here once, as the client's transport will: a result that validates yet cannot be
+            # written (a lone surrogate, nesting past pydantic's depth) fails this call only, not the gateway.
+            result.model_dump_json(by_alias=True, exclude_none=True)
+            return result
         except TimeoutError:
             raise UpstreamError(f"{self.name}: {printable(what)} timed out after {timeout:g} s (the upstream "
                                 "was told to cancel it)") from None
@@ -511,6 +516,8 @@ class Upstream:
         (its compiled validator, cached per listing). A JSON-RPC error is an MCPError, a result
         that is not a CallToolResult a ValueError (both said by _request)."""
         answer = await direct.request("tools/call", {"name": tool, "arguments": arguments})
+        if answer.invalid:
+            raise ValueError(answer.invalid)
         if answer.size > MAX_RESULT_BYTES:
             return self._too_big(tool, answer.size)
         message = answer.message
