@@ -326,31 +326,57 @@ def test_a_string_that_is_not_utf8_is_invalid_argument_saying_so(daemon: Daemon)
         assert corrupt.code() == INVALID and "not a valid message" in corrupt.details(), corrupt
 
 
+INTERCEPTOR_CONTROL = r"""
+import json, sys
+from concurrent import futures
+import grpc
+from sandboxd.service.request_decoding import DecodingInterceptor
+from sandboxd.v1 import sandboxd_pb2 as pb
+from sandboxd.v1 import sandboxd_pb2_grpc as pb_grpc
+
+socket_path, intercepted, bad = sys.argv[1], sys.argv[2] == "1", bytes.fromhex(sys.argv[3])
+
+class Servicer(pb_grpc.SandboxServicer):
+    def GetSession(self, request, context):
+        return pb.Session(id=request.session_id)
+
+with futures.ThreadPoolExecutor(2) as workers:
+    server = grpc.server(workers, interceptors=[DecodingInterceptor()] if intercepted else [])
+    pb_grpc.add_SandboxServicer_to_server(Servicer(), server)
+    server.add_insecure_port(f"unix:{socket_path}")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"unix:{socket_path}") as channel:
+            call = channel.unary_unary("/sandboxd.v1.Sandbox/GetSession", response_deserializer=pb.Session.FromString)
+            ok = call(pb.GetSessionRequest(session_id="ok").SerializeToString(), timeout=60).id
+            try:
+                call(bad, timeout=60)
+                answer = ["OK", ""]
+            except grpc.RpcError as error:
+                answer = [error.code().name, error.details()]
+    finally:
+        server.stop(None).wait()
+print(json.dumps({"ok": ok, "code": answer[0], "details": answer[1]}))
+"""
+
+
 @pytest.mark.parametrize("intercepted", [True, False])
 def test_the_interceptor_is_what_answers_invalid_argument(tmp_path: Path, intercepted: bool) -> None:
     """The control of the test above: a gRPC server of the same service without DecodingInterceptor
-    answers the same bad string INTERNAL (gRPC's own words), before its method runs."""
-    from concurrent import futures
+    answers the same bad string INTERNAL (gRPC's own words), before its method runs. In a process of
+    its own: a gRPC server's threads left in pytest's process make a later in-process fork abort
+    (test_call_cgroups' Spawner)."""
+    import json
+    import subprocess
+    import sys
 
-    from sandboxd.service.request_decoding import DecodingInterceptor
-
-    class Servicer(pb_grpc.SandboxServicer):
-        def GetSession(self, request: pb.GetSessionRequest, context: grpc.ServicerContext) -> pb.Session:
-            return pb.Session(id=request.session_id)
-
-    with futures.ThreadPoolExecutor(2) as workers:
-        server = grpc.server(workers, interceptors=[DecodingInterceptor()] if intercepted else [])
-        pb_grpc.add_SandboxServicer_to_server(Servicer(), server)
-        server.add_insecure_port(f"unix:{tmp_path}/s.sock")
-        server.start()
-        try:
-            with grpc.insecure_channel(f"unix:{tmp_path}/s.sock") as channel:
-                call = channel.unary_unary("/sandboxd.v1.Sandbox/GetSession", response_deserializer=pb.Session.FromString)
-                assert call(pb.GetSessionRequest(session_id="ok").SerializeToString(), timeout=60).id == "ok"
-                error = rpc_error(lambda: call(_bad_utf8(pb.GetSessionRequest(), "session_id"), timeout=60))
-        finally:
-            server.stop(None).wait()
+    bad = _bad_utf8(pb.GetSessionRequest(), "session_id")
+    done = subprocess.run([sys.executable, "-c", INTERCEPTOR_CONTROL, str(tmp_path / "s.sock"),
+                           "1" if intercepted else "0", bad.hex()], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["ok"] == "ok", answer
     if intercepted:
-        assert error.code() == INVALID and "not valid UTF-8" in error.details(), error
+        assert answer["code"] == "INVALID_ARGUMENT" and "not valid UTF-8" in answer["details"], answer
     else:
-        assert (error.code(), error.details()) == (grpc.StatusCode.INTERNAL, "Exception deserializing request!")
+        assert (answer["code"], answer["details"]) == ("INTERNAL", "Exception deserializing request!"), answer
