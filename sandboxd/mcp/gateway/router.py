@@ -149,9 +149,14 @@ def _label(text: str, kind: str = "title") -> str:
 R = TypeVar("R", types.ReadResourceResult, types.GetPromptResult)
 
 
+def _size(result: types.Result) -> int:
+    """A result's size as the client's transport writes it (UTF-8 JSON): the bound's measure and the report's."""
+    return len(result.model_dump_json(by_alias=True, exclude_none=True).encode())
+
+
 def _bounded(result: R, upstream: Upstream) -> R:
     """A resource's contents or a prompt's messages within a tool result's bound (1 MiB)."""
-    size = len(result.model_dump_json(by_alias=True, exclude_none=True).encode())
+    size = _size(result)
     if size > MAX_RESULT_BYTES:
         raise UpstreamError(f"{upstream.name} answered with {size} bytes, over the gateway's bound of "
                             f"{MAX_RESULT_BYTES >> 20} MiB")
@@ -339,7 +344,7 @@ class Gateway:
             return await upstream.call_tool(exposed.original, arguments, upstream.config.timeout_seconds)
 
         def measured(result: types.CallToolResult) -> tuple[int, bool]:
-            return len(result.model_dump_json(by_alias=True, exclude_none=True).encode()), bool(result.is_error)
+            return _size(result), bool(result.is_error)
 
         try:
             return await self._through_policy(ctx, binding, name, upstream, exposed.policy, arguments, run, measured)
@@ -408,7 +413,7 @@ class Gateway:
             return result
 
         def measured(result: types.ReadResourceResult) -> tuple[int, bool]:
-            return len(result.model_dump_json(by_alias=True, exclude_none=True).encode()), False
+            return _size(result), False
 
         return await self._through_request(ctx, binding, f"{upstream.name}{naming.SEPARATOR}{READ_RESOURCE}",
                                            upstream, policy, {"uri": original}, run, measured)
@@ -456,7 +461,7 @@ class Gateway:
             return result
 
         def measured(result: types.GetPromptResult) -> tuple[int, bool]:
-            return len(result.model_dump_json(by_alias=True, exclude_none=True).encode()), False
+            return _size(result), False
 
         return await self._through_request(ctx, binding, f"{upstream.name}{naming.SEPARATOR}{GET_PROMPT}", upstream,
                                            policy, {"name": original, "arguments": arguments or {}}, run, measured)
